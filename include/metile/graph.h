@@ -1,0 +1,239 @@
+// metile graph module: the typed tensor graph every other module reads.
+// A GraphBuilder records ops (shape and dtype inferred and checked per op);
+// build() yields an immutable, verified, topologically ordered ComputeGraph.
+// Also here: host tensors (the data on a graph's edges), the op registry,
+// JSON graph files, Graphviz DOT and safetensors files.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "metile/error.h"
+
+namespace metile {
+
+// ---------------------------------------------------------------- dtypes
+enum class DType : std::uint8_t { f16, bf16, f32, i8, u8, i32, u32 };
+
+std::string_view dtype_name(DType dtype);          // "f16", "bf16", ...
+DType parse_dtype(std::string_view name);          // throws InputError on unknown names
+std::size_t dtype_size(DType dtype);               // bytes per element
+bool is_floating(DType dtype);                     // f16, bf16, f32
+
+// Exact IEEE conversions, round to nearest even; NaN stays NaN, overflow goes to inf.
+std::uint16_t f32_to_f16_bits(float value);
+float f16_bits_to_f32(std::uint16_t bits);
+std::uint16_t f32_to_bf16_bits(float value);
+float bf16_bits_to_f32(std::uint16_t bits);
+// Rounds value to the nearest value representable in dtype (identity for f32;
+// integer dtypes round to nearest and saturate).
+float round_to_dtype(float value, DType dtype);
+
+// ---------------------------------------------------------------- tensors
+struct TensorSpec {
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::f32;
+
+  TensorSpec() = default;
+  TensorSpec(std::vector<std::int64_t> shape_, DType dtype_) : shape(std::move(shape_)), dtype(dtype_) {}
+
+  int rank() const { return static_cast<int>(shape.size()); }
+  std::int64_t element_count() const;
+  std::int64_t bytes() const { return element_count() * static_cast<std::int64_t>(dtype_size(dtype)); }
+  std::int64_t row_length() const { return shape.empty() ? 1 : shape.back(); }  // last axis
+  std::int64_t row_count() const { return row_length() == 0 ? 0 : element_count() / row_length(); }
+  std::string to_string() const;  // "f16[1, 2048]"
+  bool operator==(const TensorSpec&) const = default;
+};
+
+// Tensor data on the host, stored in its dtype's bit layout (f16/bf16 as bit
+// patterns), row-major. Element access converts through double exactly for
+// every dtype; store() rounds to the dtype.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  explicit HostTensor(TensorSpec spec);  // zero-filled
+  static HostTensor from_values(TensorSpec spec, std::span<const double> values);
+
+  const TensorSpec& spec() const { return spec_; }
+  std::int64_t element_count() const { return spec_.element_count(); }
+  std::span<std::byte> bytes() { return data_; }
+  std::span<const std::byte> bytes() const { return data_; }
+
+  double at(std::int64_t index) const;
+  void store(std::int64_t index, double value);
+  std::vector<double> to_values() const;
+
+  bool operator==(const HostTensor&) const = default;  // same spec, same bits
+
+ private:
+  TensorSpec spec_;
+  std::vector<std::byte> data_;
+};
+
+using TensorMap = std::map<std::string, HostTensor, std::less<>>;
+
+// safetensors files (https://github.com/huggingface/safetensors format):
+// 8-byte little-endian header length, JSON header, raw data. Malformed files
+// throw InputError naming the file and the problem.
+TensorMap read_safetensors(const std::filesystem::path& path);
+void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors);  // atomic (temp + rename)
+
+// ---------------------------------------------------------------- attributes
+using AttributeValue = std::variant<std::int64_t, double, std::string, std::vector<std::int64_t>>;
+
+class Attributes {
+ public:
+  bool has(std::string_view name) const;
+  void set(std::string name, AttributeValue value);
+  // Typed getters throw InputError when the attribute is missing or has another type
+  // (an integer is accepted where a double is asked for).
+  std::int64_t get_int(std::string_view name) const;
+  double get_double(std::string_view name) const;
+  const std::string& get_string(std::string_view name) const;
+  const std::vector<std::int64_t>& get_ints(std::string_view name) const;
+  const std::map<std::string, AttributeValue, std::less<>>& entries() const { return entries_; }
+  bool operator==(const Attributes&) const = default;
+
+ private:
+  std::map<std::string, AttributeValue, std::less<>> entries_;
+};
+
+// ---------------------------------------------------------------- op registry
+// The planner reasons about kinds, never op names: adding an op is one registry entry.
+enum class OpKind : std::uint8_t {
+  elementwise,    // one output element from the same-index elements of its inputs (with broadcast)
+  row_reduction,  // reduces along the last axis (rms_norm, layer_norm, softmax)
+  contraction,    // matmul, quantized_matmul
+  layout,         // reshape, transpose, cast, rope
+};
+std::string_view op_kind_name(OpKind kind);
+
+struct OpDefinition {
+  std::string_view name;
+  OpKind kind;
+  std::vector<std::string_view> input_names;  // e.g. {"x", "weight"}
+  // Checks inputs and attributes, fills in defaulted attributes, and returns
+  // the output specs. Throws InputError with a message that does not repeat
+  // the node name (the builder prefixes it).
+  std::function<std::vector<TensorSpec>(std::span<const TensorSpec> inputs, Attributes& attributes)> infer;
+};
+const OpDefinition* find_op(std::string_view name);  // nullptr if unknown
+std::vector<std::string_view> registered_op_names();
+
+// ---------------------------------------------------------------- graph
+using ValueId = std::int32_t;
+using NodeId = std::int32_t;
+
+struct Value {
+  ValueId id = -1;
+  std::string name;      // unique in the graph; a node's single output has the node's name, else "node:i"
+  TensorSpec spec;
+  NodeId producer = -1;  // -1 for a graph input
+  int output_index = 0;
+};
+
+struct Node {
+  NodeId id = -1;
+  std::string name;  // unique in the graph
+  std::string op;
+  OpKind kind = OpKind::elementwise;
+  std::vector<ValueId> inputs;
+  std::vector<ValueId> outputs;
+  Attributes attributes;
+};
+
+// Immutable once built. Node ids are positions in nodes(), which are in a
+// topological order; value ids are positions in values().
+class ComputeGraph {
+ public:
+  const std::vector<Value>& values() const { return values_; }
+  const std::vector<Node>& nodes() const { return nodes_; }
+  const std::vector<ValueId>& inputs() const { return inputs_; }
+  const std::vector<ValueId>& outputs() const { return outputs_; }
+  const Value& value(ValueId id) const { return values_.at(static_cast<std::size_t>(id)); }
+  const Node& node(NodeId id) const { return nodes_.at(static_cast<std::size_t>(id)); }
+  const std::vector<NodeId>& consumers(ValueId id) const { return consumers_.at(static_cast<std::size_t>(id)); }
+  bool is_output(ValueId id) const;
+  std::optional<ValueId> find_value(std::string_view name) const;
+  std::optional<NodeId> find_node(std::string_view name) const;
+  bool operator==(const ComputeGraph& other) const;
+
+ private:
+  friend class GraphBuilder;
+  std::vector<Value> values_;
+  std::vector<Node> nodes_;
+  std::vector<ValueId> inputs_;
+  std::vector<ValueId> outputs_;
+  std::vector<std::vector<NodeId>> consumers_;
+};
+
+// A value recorded by a GraphBuilder (only meaningful with that builder).
+struct ValueRef {
+  ValueId id = -1;
+  bool operator==(const ValueRef&) const = default;
+};
+
+// Records ops; every method checks its inputs and throws InputError naming the
+// node ("node 'normalized' (rms_norm): weight f16[1024] does not match ...").
+// An empty name gets a fresh one: the op name with a counter ("add_0").
+class GraphBuilder {
+ public:
+  ValueRef input(std::string name, TensorSpec spec);
+
+  ValueRef add(ValueRef a, ValueRef b, std::string name = {});
+  ValueRef subtract(ValueRef a, ValueRef b, std::string name = {});
+  ValueRef multiply(ValueRef a, ValueRef b, std::string name = {});
+  ValueRef scale(ValueRef x, double factor, std::string name = {});
+  ValueRef silu(ValueRef x, std::string name = {});
+  ValueRef gelu(ValueRef x, std::string approximate = "none", std::string name = {});
+  ValueRef exp(ValueRef x, std::string name = {});
+  ValueRef rms_norm(ValueRef x, ValueRef weight, double eps, std::string name = {});
+  ValueRef layer_norm(ValueRef x, ValueRef weight, ValueRef bias, double eps, std::string name = {});
+  ValueRef softmax(ValueRef x, std::int64_t axis = -1, std::string name = {});
+  ValueRef causal_mask(ValueRef x, std::int64_t offset = 0, std::string name = {});
+  ValueRef matmul(ValueRef a, ValueRef b, bool transpose_right = false, std::string name = {});
+  ValueRef quantized_matmul(ValueRef x, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
+                            int group_size, std::string name = {});
+  ValueRef rope(ValueRef x, ValueRef positions, double theta, std::int64_t dims, std::string name = {});
+  ValueRef reshape(ValueRef x, std::vector<std::int64_t> shape, std::string name = {});
+  ValueRef transpose(ValueRef x, std::vector<std::int64_t> perm, std::string name = {});
+  ValueRef cast(ValueRef x, DType dtype, std::string name = {});
+
+  // The generic entry every method above goes through (and the JSON reader).
+  std::vector<ValueRef> add_node(std::string_view op, std::vector<ValueRef> inputs, Attributes attributes,
+                                 std::string name = {});
+
+  const TensorSpec& spec(ValueRef value) const;
+  const std::string& name(ValueRef value) const;
+  // Renames a value before build (its node too, for single-output nodes); used by
+  // front ends that learn names late. Throws InputError on a duplicate name.
+  void rename(ValueRef value, std::string name);
+
+  // Outputs must be values of this builder, each listed once. Nodes that no
+  // output depends on are kept (they are part of what the user recorded).
+  ComputeGraph build(const std::vector<ValueRef>& outputs) const;
+
+ private:
+  ComputeGraph graph_;
+  std::map<std::string, int, std::less<>> name_counters_;
+};
+
+// ---------------------------------------------------------------- files
+// JSON graph files (format in DESIGN.md). Errors name the source and the JSON
+// path: "graph.json: /nodes/1/inputs/0: unknown value 'sumed'".
+ComputeGraph read_graph(const std::filesystem::path& path);
+ComputeGraph parse_graph_json(std::string_view text, std::string_view source_name = "<string>");
+std::string write_graph_json(const ComputeGraph& graph);  // parse_graph_json(write_graph_json(g)) == g
+std::string graph_to_dot(const ComputeGraph& graph);
+
+}  // namespace metile
