@@ -1,0 +1,330 @@
+// metile CUDA runtime: the thin, checked layer every GPU path stands on (DESIGN.md,
+// "src/runtime/cuda/"). libcuda is loaded with dlopen, so binaries start and CPU paths
+// work where no driver exists; CUDA paths then throw NoCudaDevice ("no CUDA device: ...").
+// NVRTC compiles CUDA C++ for the device's architecture, with an on-disk cache.
+//
+// Every failing CUDA, NVRTC or cuBLASLt call throws CudaError naming the call and the error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "metile/graph.h"
+
+// The driver API's handle types, forward-declared exactly as cuda.h declares them so that
+// this header needs no CUDA include path.
+struct CUstream_st;
+struct CUevent_st;
+struct CUfunc_st;
+struct CUmod_st;
+struct CUgraphExec_st;
+struct CUctx_st;
+
+namespace metile {
+
+// A CUDA, NVRTC or cuBLASLt call failed: "cuMemAlloc_v2(67108864 bytes): CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
+class CudaError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// No driver, no GPU, or the driver refused to start: "no CUDA device: libcuda.so.1 not found (...)".
+// GPU tests catch it (or ask cuda_unavailable_reason()) and skip.
+class NoCudaDevice : public CudaError {
+ public:
+  using CudaError::CudaError;
+};
+
+// Empty when a CUDA device can be opened, else the reason it cannot ("libcuda.so.1 not found: ...",
+// "cuInit: CUDA_ERROR_NO_DEVICE ..."). Cheap after the first call.
+std::string cuda_unavailable_reason();
+
+struct CudaDeviceInfo {
+  int ordinal = 0;
+  std::string name;                              // "NVIDIA H200"
+  int multiprocessor_count = 0;                  // SMs
+  int compute_capability_major = 0;
+  int compute_capability_minor = 0;
+  int driver_version = 0;                        // cuDriverGetVersion, e.g. 13000
+  std::int64_t l2_cache_bytes = 0;
+  std::int64_t shared_memory_per_block_optin = 0;  // the most a block may ask for after opting in
+  std::int64_t total_memory_bytes = 0;
+  std::string architecture() const;              // "sm_90"
+};
+
+// One GPU and its primary context, current on the thread that opened it (call make_current()
+// on other threads). Copies share the context; the last copy releases it.
+class CudaDevice {
+ public:
+  // nullopt where no driver or device exists; *reason (if given) receives why.
+  static std::optional<CudaDevice> try_open(int ordinal = 0, std::string* reason = nullptr);
+  // Throws NoCudaDevice("no CUDA device: <reason>").
+  static CudaDevice open(int ordinal = 0);
+
+  const CudaDeviceInfo& info() const;
+  void make_current() const;
+  void synchronize() const;  // cuCtxSynchronize
+
+ private:
+  struct State;
+  explicit CudaDevice(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+// ---------------------------------------------------------------- streams and events
+class CudaStream {
+ public:
+  CudaStream();  // a new non-blocking stream in the current context
+  ~CudaStream();
+  CudaStream(CudaStream&& other) noexcept;
+  CudaStream& operator=(CudaStream&& other) noexcept;
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+
+  CUstream_st* handle() const { return stream_; }
+  void synchronize() const;
+
+ private:
+  CUstream_st* stream_ = nullptr;
+};
+
+class CudaEvent {
+ public:
+  CudaEvent();  // timing enabled
+  ~CudaEvent();
+  CudaEvent(CudaEvent&& other) noexcept;
+  CudaEvent& operator=(CudaEvent&& other) noexcept;
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  void record(const CudaStream& stream);
+  void synchronize() const;
+  // Milliseconds between two recorded, completed events.
+  static float elapsed_ms(const CudaEvent& start, const CudaEvent& end);
+  CUevent_st* handle() const { return event_; }
+
+ private:
+  CUevent_st* event_ = nullptr;
+};
+
+// Times `work` on `stream` with events: warm-up calls, then `repetitions` calls; returns the
+// median of per-call milliseconds over `samples` samples (each sample = repetitions calls / repetitions).
+double time_on_stream_ms(const CudaStream& stream, const std::function<void(const CudaStream&)>& work,
+                         int warmup = 3, int repetitions = 10, int samples = 5);
+
+// ---------------------------------------------------------------- device memory
+// Owns one device allocation (cuMemAlloc: 256-byte aligned). Move-only; freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);  // needs a current context (CudaDevice::open)
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  static DeviceBuffer from_host(std::span<const std::byte> bytes);
+  static DeviceBuffer from_tensor(const HostTensor& tensor);
+  template <class T>
+  static DeviceBuffer from_vector(std::span<const T> values) {
+    return from_host(std::as_bytes(values));
+  }
+
+  std::uint64_t address() const { return address_; }  // a CUdeviceptr
+  std::size_t size_bytes() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+  // Synchronous copies (ranges checked against the allocation; CudaError when out of range).
+  void copy_from_host(std::span<const std::byte> bytes, std::size_t offset = 0);
+  void copy_to_host(std::span<std::byte> bytes, std::size_t offset = 0) const;
+  void copy_from_device(const DeviceBuffer& source, std::size_t bytes, const CudaStream* stream = nullptr);
+  void fill_bytes(std::uint8_t value, const CudaStream* stream = nullptr);  // e.g. poison outputs with 0xFF (NaN)
+
+  void upload(const HostTensor& tensor);              // size must match
+  HostTensor download(const TensorSpec& spec) const;  // spec.bytes() must fit
+  template <class T>
+  std::vector<T> to_vector() const {
+    std::vector<T> values(size_ / sizeof(T));
+    copy_to_host(std::as_writable_bytes(std::span<T>(values)));
+    return values;
+  }
+
+ private:
+  std::uint64_t address_ = 0;
+  std::size_t size_ = 0;
+};
+
+// A tensor on the device: its spec and the buffer holding it in the dtype's bit layout.
+struct DeviceTensor {
+  TensorSpec spec;
+  DeviceBuffer buffer;
+
+  DeviceTensor() = default;
+  explicit DeviceTensor(TensorSpec spec_) : spec(std::move(spec_)), buffer(static_cast<std::size_t>(spec.bytes())) {}
+  static DeviceTensor from_host(const HostTensor& tensor) {
+    DeviceTensor result;
+    result.spec = tensor.spec();
+    result.buffer = DeviceBuffer::from_tensor(tensor);
+    return result;
+  }
+  HostTensor to_host() const { return buffer.download(spec); }
+  std::uint64_t address() const { return buffer.address(); }
+};
+
+// ---------------------------------------------------------------- NVRTC compilation
+struct CompileOptions {
+  std::string architecture;           // "sm_90"; empty: the current device's, else sm_90
+  std::vector<std::string> extra;     // more NVRTC options, e.g. "-DROWS=4"
+  bool use_cache = true;
+};
+
+// The product of one NVRTC compile: a cubin for `architecture`.
+struct CompiledProgram {
+  std::string kernel_name;
+  std::string architecture;
+  std::string cubin;       // binary
+  std::string log;         // NVRTC's log (warnings)
+  std::string cache_key;   // hex hash of source, architecture, options and NVRTC version
+  bool from_cache = false;
+};
+
+// NVRTC only: works without a driver or GPU (CI compiles every generated kernel this way).
+// Throws CudaError with the compile log on a compile error. Uses the on-disk cache
+// (kernel_cache_directory()): entries carry a checksum header; a corrupt entry is rebuilt.
+CompiledProgram compile_cuda_program(std::string_view source, std::string_view kernel_name,
+                                     const CompileOptions& options = {});
+
+std::string nvrtc_version();  // "13.0"
+// $METILE_CACHE_DIR/kernels if set, else ~/.cache/metile/kernels (or /tmp/metile-cache/kernels).
+std::string kernel_cache_directory();
+// The cache's file for a key (tests corrupt it on purpose).
+std::string kernel_cache_path(std::string_view cache_key);
+
+// A loaded kernel function (its module stays loaded while any copy lives).
+class CompiledKernel {
+ public:
+  CompiledKernel() = default;
+  static CompiledKernel load(const CompiledProgram& program);  // needs a current context
+  CUfunc_st* function() const { return function_; }
+  const std::string& name() const { return name_; }
+  bool from_cache() const { return from_cache_; }
+  int registers_per_thread() const;
+  // Allows dynamic shared memory above 48 KiB.
+  void set_max_dynamic_shared_memory(int bytes) const;
+  explicit operator bool() const { return function_ != nullptr; }
+
+ private:
+  std::shared_ptr<CUmod_st> module_;
+  CUfunc_st* function_ = nullptr;
+  std::string name_;
+  bool from_cache_ = false;
+};
+
+// Compile (or take from the cache) and load for the current device.
+CompiledKernel compile_cuda(std::string_view source, std::string_view kernel_name, CompileOptions options = {});
+
+// ---------------------------------------------------------------- launches
+struct Dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+// Arguments built at run time (for generated kernels whose argument list is data).
+// Each value is copied and kept aligned to its own size.
+class KernelArguments {
+ public:
+  void add_pointer(std::uint64_t device_address) { add_bytes(&device_address, sizeof device_address); }
+  void add_pointer(const DeviceBuffer& buffer) { add_pointer(buffer.address()); }
+  void add_int32(std::int32_t value) { add_bytes(&value, sizeof value); }
+  void add_int64(std::int64_t value) { add_bytes(&value, sizeof value); }
+  void add_float(float value) { add_bytes(&value, sizeof value); }
+  std::size_t size() const { return offsets_.size(); }
+  // The void*[] cuLaunchKernel takes; valid until the next add.
+  std::vector<void*> pointers() const;
+
+ private:
+  void add_bytes(const void* data, std::size_t bytes);
+  std::vector<std::uint64_t> storage_;  // 8-byte slots keep every value aligned
+  std::vector<std::size_t> offsets_;
+};
+
+void launch(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+            const CudaStream& stream, const KernelArguments& arguments);
+void launch_raw(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+                const CudaStream& stream, void** argument_pointers);
+
+namespace detail {
+inline std::uint64_t kernel_argument(const DeviceBuffer& buffer) { return buffer.address(); }
+template <class T>
+  requires std::is_trivially_copyable_v<T>
+T kernel_argument(const T& value) {
+  return value;
+}
+}  // namespace detail
+
+// Typed launch: DeviceBuffers pass their address; other arguments pass by value, so their C++
+// type must match the kernel parameter's (int vs int64_t, float vs double).
+template <class... Args>
+void launch(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+            const CudaStream& stream, const Args&... args) {
+  auto values = std::make_tuple(detail::kernel_argument(args)...);
+  std::apply(
+      [&](auto&... value) {
+        void* pointers[] = {static_cast<void*>(&value)..., nullptr};
+        launch_raw(kernel, grid, block, shared_memory_bytes, stream, pointers);
+      },
+      values);
+}
+
+// ---------------------------------------------------------------- CUDA graphs
+// Captures the work a callable enqueues on a stream, instantiates it once, replays it many times.
+// Work inside must not allocate or synchronize (the usual capture rules).
+class CudaGraph {
+ public:
+  CudaGraph() = default;
+  static CudaGraph capture(const CudaStream& stream, const std::function<void(const CudaStream&)>& work);
+  void replay(const CudaStream& stream) const;
+  explicit operator bool() const { return exec_ != nullptr; }
+
+ private:
+  std::shared_ptr<CUgraphExec_st> exec_;
+};
+
+// ---------------------------------------------------------------- cuBLASLt
+// Row-major dense matmul through cuBLASLt, f32 accumulate (f32 inputs use plain f32, not TF32):
+//   C[batch, M, N] = A[batch, M, K] · B[batch, K, N]      (transpose_right: B is [batch, N, K])
+// a_batch_stride / b_batch_stride in elements; 0 broadcasts one matrix over the batch.
+struct MatmulProblem {
+  DType dtype = DType::f32;  // of A, B and C: f16, bf16 or f32
+  std::int64_t batch = 1, m = 0, n = 0, k = 0;
+  bool transpose_right = false;
+  std::int64_t a_batch_stride = 0, b_batch_stride = 0, c_batch_stride = 0;
+};
+
+class CublasLtMatmul {
+ public:
+  CublasLtMatmul();  // handle + a 32 MiB workspace on the current device
+  ~CublasLtMatmul();
+  CublasLtMatmul(const CublasLtMatmul&) = delete;
+  CublasLtMatmul& operator=(const CublasLtMatmul&) = delete;
+
+  // Capturable in a CUDA graph (the workspace is preallocated). Addresses are CUdeviceptrs.
+  void run(const MatmulProblem& problem, std::uint64_t a, std::uint64_t b, std::uint64_t c,
+           const CudaStream& stream);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace metile
