@@ -197,8 +197,10 @@ struct CompiledProgram {
   std::string log;         // NVRTC's log (warnings)
   std::string cache_key;   // hex hash of source, architecture, options and NVRTC version
   bool from_cache = false;
+  bool rebuilt_corrupt_cache_entry = false;  // a damaged cache file was found, recompiled and replaced
 };
 
+// Kernels are looked up by name, so generated sources declare them extern "C" __global__.
 // NVRTC only: works without a driver or GPU (CI compiles every generated kernel this way).
 // Throws CudaError with the compile log on a compile error. Uses the on-disk cache
 // (kernel_cache_directory()): entries carry a checksum header; a corrupt entry is rebuilt.
@@ -206,6 +208,8 @@ CompiledProgram compile_cuda_program(std::string_view source, std::string_view k
                                      const CompileOptions& options = {});
 
 std::string nvrtc_version();  // "13.0"
+// A stable 128-bit content hash as 32 hex digits (cache keys, dispatch keys); not cryptographic.
+std::string stable_hash_hex(std::string_view bytes);
 // $METILE_CACHE_DIR/kernels if set, else ~/.cache/metile/kernels (or /tmp/metile-cache/kernels).
 std::string kernel_cache_directory();
 // The cache's file for a key (tests corrupt it on purpose).

@@ -1,0 +1,301 @@
+// Devices, streams, events, device memory, launches and CUDA graphs over the dlopen'ed driver.
+// Every driver call goes through check(), so a failure names the call and the error.
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <mutex>
+
+#include "cuda_driver.h"
+#include "metile/cuda_runtime.h"
+
+namespace metile {
+
+using cuda_driver::check;
+using cuda_driver::driver;
+
+std::string cuda_unavailable_reason() { return cuda_driver::driver_unavailable_reason(); }
+
+std::string CudaDeviceInfo::architecture() const {
+  return fmt::format("sm_{}{}", compute_capability_major, compute_capability_minor);
+}
+
+// ---------------------------------------------------------------- device
+struct CudaDevice::State {
+  CudaDeviceInfo info;
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+
+  ~State() {
+    if (context != nullptr) driver().cuDevicePrimaryCtxRelease(device);
+  }
+};
+
+std::optional<CudaDevice> CudaDevice::try_open(int ordinal, std::string* reason) {
+  try {
+    return open(ordinal);
+  } catch (const NoCudaDevice& error) {
+    if (reason != nullptr) *reason = error.what();
+    return std::nullopt;
+  }
+}
+
+CudaDevice CudaDevice::open(int ordinal) {
+  const auto& api = driver();
+  int count = 0;
+  check(api.cuDeviceGetCount(&count), "cuDeviceGetCount");
+  if (ordinal < 0 || ordinal >= count) {
+    throw NoCudaDevice(fmt::format("no CUDA device: ordinal {} requested, {} device(s) present", ordinal, count));
+  }
+  auto state = std::make_shared<State>();
+  check(api.cuDeviceGet(&state->device, ordinal), "cuDeviceGet");
+  check(api.cuDevicePrimaryCtxRetain(&state->context, state->device), "cuDevicePrimaryCtxRetain");
+  check(api.cuCtxSetCurrent(state->context), "cuCtxSetCurrent");
+
+  CudaDeviceInfo& info = state->info;
+  info.ordinal = ordinal;
+  char name[256] = {};
+  check(api.cuDeviceGetName(name, sizeof name - 1, state->device), "cuDeviceGetName");
+  info.name = name;
+  auto attribute = [&](CUdevice_attribute which, const char* what) {
+    int value = 0;
+    check(api.cuDeviceGetAttribute(&value, which, state->device), fmt::format("cuDeviceGetAttribute({})", what));
+    return value;
+  };
+  info.multiprocessor_count = attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "multiprocessor count");
+  info.compute_capability_major = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "compute capability");
+  info.compute_capability_minor = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "compute capability");
+  info.l2_cache_bytes = attribute(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "L2 size");
+  info.shared_memory_per_block_optin =
+      attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, "shared memory per block opt-in");
+  check(api.cuDriverGetVersion(&info.driver_version), "cuDriverGetVersion");
+  std::size_t total = 0;
+  check(api.cuDeviceTotalMem(&total, state->device), "cuDeviceTotalMem");
+  info.total_memory_bytes = static_cast<std::int64_t>(total);
+  return CudaDevice(std::move(state));
+}
+
+const CudaDeviceInfo& CudaDevice::info() const { return state_->info; }
+
+void CudaDevice::make_current() const { check(driver().cuCtxSetCurrent(state_->context), "cuCtxSetCurrent"); }
+
+void CudaDevice::synchronize() const {
+  make_current();
+  check(driver().cuCtxSynchronize(), "cuCtxSynchronize");
+}
+
+// ---------------------------------------------------------------- streams and events
+CudaStream::CudaStream() { check(driver().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate"); }
+
+CudaStream::~CudaStream() {
+  if (stream_ != nullptr) driver().cuStreamDestroy(stream_);
+}
+
+CudaStream::CudaStream(CudaStream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+
+CudaStream& CudaStream::operator=(CudaStream&& other) noexcept {
+  if (this != &other) {
+    if (stream_ != nullptr) driver().cuStreamDestroy(stream_);
+    stream_ = std::exchange(other.stream_, nullptr);
+  }
+  return *this;
+}
+
+void CudaStream::synchronize() const { check(driver().cuStreamSynchronize(stream_), "cuStreamSynchronize"); }
+
+CudaEvent::CudaEvent() { check(driver().cuEventCreate(&event_, CU_EVENT_DEFAULT), "cuEventCreate"); }
+
+CudaEvent::~CudaEvent() {
+  if (event_ != nullptr) driver().cuEventDestroy(event_);
+}
+
+CudaEvent::CudaEvent(CudaEvent&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+
+CudaEvent& CudaEvent::operator=(CudaEvent&& other) noexcept {
+  if (this != &other) {
+    if (event_ != nullptr) driver().cuEventDestroy(event_);
+    event_ = std::exchange(other.event_, nullptr);
+  }
+  return *this;
+}
+
+void CudaEvent::record(const CudaStream& stream) {
+  check(driver().cuEventRecord(event_, stream.handle()), "cuEventRecord");
+}
+
+void CudaEvent::synchronize() const { check(driver().cuEventSynchronize(event_), "cuEventSynchronize"); }
+
+float CudaEvent::elapsed_ms(const CudaEvent& start, const CudaEvent& end) {
+  float milliseconds = 0;
+  check(driver().cuEventElapsedTime(&milliseconds, start.event_, end.event_), "cuEventElapsedTime");
+  return milliseconds;
+}
+
+double time_on_stream_ms(const CudaStream& stream, const std::function<void(const CudaStream&)>& work, int warmup,
+                         int repetitions, int samples) {
+  if (repetitions < 1 || samples < 1) throw InputError("time_on_stream_ms: repetitions and samples must be >= 1");
+  for (int i = 0; i < warmup; ++i) work(stream);
+  CudaEvent start;
+  CudaEvent end;
+  std::vector<double> per_call;
+  for (int sample = 0; sample < samples; ++sample) {
+    start.record(stream);
+    for (int i = 0; i < repetitions; ++i) work(stream);
+    end.record(stream);
+    end.synchronize();
+    per_call.push_back(CudaEvent::elapsed_ms(start, end) / repetitions);
+  }
+  std::sort(per_call.begin(), per_call.end());
+  return per_call[per_call.size() / 2];
+}
+
+// ---------------------------------------------------------------- device memory
+DeviceBuffer::DeviceBuffer(std::size_t bytes) : size_(bytes) {
+  if (bytes == 0) return;
+  CUdeviceptr address = 0;
+  check(driver().cuMemAlloc(&address, bytes), fmt::format("cuMemAlloc({} bytes)", bytes));
+  address_ = address;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (address_ != 0) driver().cuMemFree(address_);
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : address_(std::exchange(other.address_, 0)), size_(std::exchange(other.size_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (address_ != 0) driver().cuMemFree(address_);
+    address_ = std::exchange(other.address_, 0);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+DeviceBuffer DeviceBuffer::from_host(std::span<const std::byte> bytes) {
+  DeviceBuffer buffer(bytes.size());
+  buffer.copy_from_host(bytes);
+  return buffer;
+}
+
+DeviceBuffer DeviceBuffer::from_tensor(const HostTensor& tensor) { return from_host(tensor.bytes()); }
+
+void DeviceBuffer::copy_from_host(std::span<const std::byte> bytes, std::size_t offset) {
+  if (offset + bytes.size() > size_) {
+    throw CudaError(fmt::format("DeviceBuffer::copy_from_host: {} bytes at offset {} exceed the {}-byte buffer",
+                                bytes.size(), offset, size_));
+  }
+  if (bytes.empty()) return;
+  check(driver().cuMemcpyHtoD(address_ + offset, bytes.data(), bytes.size()),
+        fmt::format("cuMemcpyHtoD({} bytes)", bytes.size()));
+}
+
+void DeviceBuffer::copy_to_host(std::span<std::byte> bytes, std::size_t offset) const {
+  if (offset + bytes.size() > size_) {
+    throw CudaError(fmt::format("DeviceBuffer::copy_to_host: {} bytes at offset {} exceed the {}-byte buffer",
+                                bytes.size(), offset, size_));
+  }
+  if (bytes.empty()) return;
+  check(driver().cuMemcpyDtoH(bytes.data(), address_ + offset, bytes.size()),
+        fmt::format("cuMemcpyDtoH({} bytes)", bytes.size()));
+}
+
+void DeviceBuffer::copy_from_device(const DeviceBuffer& source, std::size_t bytes, const CudaStream* stream) {
+  if (bytes > size_ || bytes > source.size_) {
+    throw CudaError(fmt::format("DeviceBuffer::copy_from_device: {} bytes exceed a buffer ({} and {} bytes)", bytes,
+                                source.size_, size_));
+  }
+  if (bytes == 0) return;
+  check(driver().cuMemcpyDtoDAsync(address_, source.address_, bytes, stream ? stream->handle() : nullptr),
+        fmt::format("cuMemcpyDtoDAsync({} bytes)", bytes));
+  if (stream == nullptr) check(driver().cuCtxSynchronize(), "cuCtxSynchronize");
+}
+
+void DeviceBuffer::fill_bytes(std::uint8_t value, const CudaStream* stream) {
+  if (size_ == 0) return;
+  if (stream != nullptr) {
+    check(driver().cuMemsetD8Async(address_, value, size_, stream->handle()), "cuMemsetD8Async");
+  } else {
+    check(driver().cuMemsetD8(address_, value, size_), "cuMemsetD8");
+  }
+}
+
+void DeviceBuffer::upload(const HostTensor& tensor) {
+  if (tensor.bytes().size() != size_) {
+    throw CudaError(fmt::format("DeviceBuffer::upload: tensor {} has {} bytes, the buffer {}",
+                                tensor.spec().to_string(), tensor.bytes().size(), size_));
+  }
+  copy_from_host(tensor.bytes());
+}
+
+HostTensor DeviceBuffer::download(const TensorSpec& spec) const {
+  HostTensor tensor(spec);
+  copy_to_host(tensor.bytes());
+  return tensor;
+}
+
+// ---------------------------------------------------------------- launches
+void KernelArguments::add_bytes(const void* data, std::size_t bytes) {
+  // Each value gets whole 8-byte slots, so it stays aligned for any scalar type up to 8 bytes.
+  const std::size_t slots = (bytes + 7) / 8;
+  offsets_.push_back(storage_.size());
+  storage_.resize(storage_.size() + slots, 0);
+  std::memcpy(storage_.data() + offsets_.back(), data, bytes);
+}
+
+std::vector<void*> KernelArguments::pointers() const {
+  std::vector<void*> result;
+  result.reserve(offsets_.size() + 1);
+  for (std::size_t offset : offsets_) result.push_back(const_cast<std::uint64_t*>(storage_.data() + offset));
+  result.push_back(nullptr);
+  return result;
+}
+
+void launch_raw(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+                const CudaStream& stream, void** argument_pointers) {
+  if (!kernel) throw CudaError("launch: the kernel is not loaded");
+  check(driver().cuLaunchKernel(kernel.function(), grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                                shared_memory_bytes, stream.handle(), argument_pointers, nullptr),
+        fmt::format("cuLaunchKernel({}, grid {}x{}x{}, block {}x{}x{}, {} bytes shared)", kernel.name(), grid.x,
+                    grid.y, grid.z, block.x, block.y, block.z, shared_memory_bytes));
+}
+
+void launch(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+            const CudaStream& stream, const KernelArguments& arguments) {
+  std::vector<void*> pointers = arguments.pointers();
+  launch_raw(kernel, grid, block, shared_memory_bytes, stream, pointers.data());
+}
+
+// ---------------------------------------------------------------- CUDA graphs
+CudaGraph CudaGraph::capture(const CudaStream& stream, const std::function<void(const CudaStream&)>& work) {
+  const auto& api = driver();
+  check(api.cuStreamBeginCapture(stream.handle(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
+  CUgraph graph = nullptr;
+  try {
+    work(stream);
+  } catch (...) {
+    // End the capture so the stream is usable again, then report the original failure.
+    api.cuStreamEndCapture(stream.handle(), &graph);
+    if (graph != nullptr) api.cuGraphDestroy(graph);
+    throw;
+  }
+  check(api.cuStreamEndCapture(stream.handle(), &graph), "cuStreamEndCapture");
+  CUgraphExec exec = nullptr;
+  const CUresult instantiated = api.cuGraphInstantiate(&exec, graph, 0);
+  api.cuGraphDestroy(graph);
+  check(instantiated, "cuGraphInstantiate");
+  CudaGraph result;
+  result.exec_ = std::shared_ptr<CUgraphExec_st>(exec, [](CUgraphExec_st* handle) {
+    driver().cuGraphExecDestroy(handle);
+  });
+  return result;
+}
+
+void CudaGraph::replay(const CudaStream& stream) const {
+  if (!exec_) throw CudaError("CudaGraph::replay: the graph was not captured");
+  check(driver().cuGraphLaunch(exec_.get(), stream.handle()), "cuGraphLaunch");
+}
+
+}  // namespace metile

@@ -1,0 +1,224 @@
+// NVRTC compilation of CUDA C++ to a cubin, with an on-disk cache.
+//
+// A cache entry is one file named by the hash of (source, kernel name, architecture, options,
+// NVRTC version). Its first line is a header holding the payload size and the payload's
+// checksum; a file whose header, size or checksum does not match (torn write, disk damage, a
+// stranger's file) is treated as absent: recompiled and replaced. Writes go to a temporary
+// file renamed into place, so a reader never sees half an entry.
+#include <nvrtc.h>
+#include <unistd.h>
+
+#include <fmt/core.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "cuda_driver.h"
+#include "metile/cuda_runtime.h"
+
+#ifndef METILE_CUDA_INCLUDE_DIR
+#define METILE_CUDA_INCLUDE_DIR "/usr/local/cuda/include"
+#endif
+
+namespace metile {
+namespace {
+
+constexpr std::string_view cache_magic = "METILE-KERNEL-CACHE 1";
+
+void check_nvrtc(nvrtcResult result, std::string_view call) {
+  if (result != NVRTC_SUCCESS) throw CudaError(fmt::format("{}: {}", call, nvrtcGetErrorString(result)));
+}
+
+std::uint64_t hash64(std::string_view bytes, std::uint64_t seed) {
+  // FNV-1a over the bytes, then a splitmix64 finalizer to spread the low-entropy tail.
+  std::uint64_t hash = 0xcbf29ce484222325ULL ^ seed;
+  for (char c : bytes) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 0x100000001b3ULL;
+  }
+  hash ^= hash >> 30;
+  hash *= 0xbf58476d1ce4e5b9ULL;
+  hash ^= hash >> 27;
+  hash *= 0x94d049bb133111ebULL;
+  hash ^= hash >> 31;
+  return hash;
+}
+
+std::optional<std::string> read_cache_entry(const std::filesystem::path& path, bool& was_corrupt) {
+  was_corrupt = false;
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return std::nullopt;
+  std::string header;
+  std::getline(file, header);
+  std::istringstream fields(header);
+  std::string magic_first, magic_second, checksum;
+  std::size_t size = 0;
+  fields >> magic_first >> magic_second >> size >> checksum;
+  std::string payload((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (magic_first + " " + magic_second != cache_magic || !fields || payload.size() != size ||
+      stable_hash_hex(payload) != checksum) {
+    was_corrupt = true;
+    return std::nullopt;
+  }
+  return payload;
+}
+
+void write_cache_entry(const std::filesystem::path& path, std::string_view payload) {
+  static std::atomic<int> counter{0};
+  std::error_code error;
+  std::filesystem::create_directories(path.parent_path(), error);
+  if (error) return;  // the cache is an optimisation: an unwritable directory only costs recompiles
+  const std::filesystem::path temporary =
+      path.string() + fmt::format(".tmp.{}.{}", static_cast<long>(getpid()), counter.fetch_add(1));
+  {
+    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
+    if (!file) return;
+    file << cache_magic << ' ' << payload.size() << ' ' << stable_hash_hex(payload) << '\n';
+    file.write(payload.data(), static_cast<std::streamsize>(payload.size()));
+    if (!file) {
+      file.close();
+      std::filesystem::remove(temporary, error);
+      return;
+    }
+  }
+  std::filesystem::rename(temporary, path, error);
+  if (error) std::filesystem::remove(temporary, error);
+}
+
+std::string current_device_architecture() {
+  if (!cuda_driver::driver_unavailable_reason().empty()) return "sm_90";
+  const auto& api = cuda_driver::driver();
+  CUcontext context = nullptr;
+  if (api.cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return "sm_90";
+  CUdevice device = 0;
+  cuda_driver::check(api.cuCtxGetDevice(&device), "cuCtxGetDevice");
+  int major = 0;
+  int minor = 0;
+  cuda_driver::check(api.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device),
+                     "cuDeviceGetAttribute(compute capability)");
+  cuda_driver::check(api.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
+                     "cuDeviceGetAttribute(compute capability)");
+  return fmt::format("sm_{}{}", major, minor);
+}
+
+}  // namespace
+
+std::string stable_hash_hex(std::string_view bytes) {
+  return fmt::format("{:016x}{:016x}", hash64(bytes, 0), hash64(bytes, 0x9e3779b97f4a7c15ULL));
+}
+
+std::string nvrtc_version() {
+  int major = 0;
+  int minor = 0;
+  check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
+  return fmt::format("{}.{}", major, minor);
+}
+
+std::string kernel_cache_directory() {
+  if (const char* directory = std::getenv("METILE_CACHE_DIR"); directory != nullptr && *directory != '\0') {
+    return (std::filesystem::path(directory) / "kernels").string();
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    return (std::filesystem::path(home) / ".cache" / "metile" / "kernels").string();
+  }
+  return "/tmp/metile-cache/kernels";
+}
+
+std::string kernel_cache_path(std::string_view cache_key) {
+  return (std::filesystem::path(kernel_cache_directory()) / (std::string(cache_key) + ".cubin")).string();
+}
+
+CompiledProgram compile_cuda_program(std::string_view source, std::string_view kernel_name,
+                                     const CompileOptions& options) {
+  CompiledProgram program;
+  program.kernel_name = std::string(kernel_name);
+  program.architecture = options.architecture.empty() ? std::string("sm_90") : options.architecture;
+
+  std::vector<std::string> arguments = {"--gpu-architecture=" + program.architecture, "--std=c++17",
+                                        "-default-device", std::string("-I") + METILE_CUDA_INCLUDE_DIR};
+  arguments.insert(arguments.end(), options.extra.begin(), options.extra.end());
+
+  std::string key_material = fmt::format("nvrtc {}\nkernel {}\n", nvrtc_version(), kernel_name);
+  for (const std::string& argument : arguments) key_material += argument + "\n";
+  key_material += source;
+  program.cache_key = stable_hash_hex(key_material);
+  const std::filesystem::path cache_path = kernel_cache_path(program.cache_key);
+
+  if (options.use_cache) {
+    bool was_corrupt = false;
+    if (auto cached = read_cache_entry(cache_path, was_corrupt)) {
+      program.cubin = std::move(*cached);
+      program.from_cache = true;
+      return program;
+    }
+    program.rebuilt_corrupt_cache_entry = was_corrupt;
+  }
+
+  const std::string source_text(source);
+  const std::string program_name = program.kernel_name + ".cu";
+  nvrtcProgram handle = nullptr;
+  check_nvrtc(nvrtcCreateProgram(&handle, source_text.c_str(), program_name.c_str(), 0, nullptr, nullptr),
+              "nvrtcCreateProgram");
+  std::unique_ptr<_nvrtcProgram, void (*)(_nvrtcProgram*)> owned(handle, [](_nvrtcProgram* p) {
+    nvrtcDestroyProgram(&p);
+  });
+  std::vector<const char*> argument_pointers;
+  for (const std::string& argument : arguments) argument_pointers.push_back(argument.c_str());
+  const nvrtcResult compiled =
+      nvrtcCompileProgram(handle, static_cast<int>(argument_pointers.size()), argument_pointers.data());
+  std::size_t log_size = 0;
+  check_nvrtc(nvrtcGetProgramLogSize(handle, &log_size), "nvrtcGetProgramLogSize");
+  program.log.resize(log_size);
+  if (log_size > 0) check_nvrtc(nvrtcGetProgramLog(handle, program.log.data()), "nvrtcGetProgramLog");
+  while (!program.log.empty() && (program.log.back() == '\0' || program.log.back() == '\n')) program.log.pop_back();
+  if (compiled != NVRTC_SUCCESS) {
+    throw CudaError(fmt::format("nvrtcCompileProgram({}, {}): {}\n{}", program.kernel_name, program.architecture,
+                                nvrtcGetErrorString(compiled), program.log));
+  }
+  std::size_t cubin_size = 0;
+  check_nvrtc(nvrtcGetCUBINSize(handle, &cubin_size), "nvrtcGetCUBINSize");
+  program.cubin.resize(cubin_size);
+  check_nvrtc(nvrtcGetCUBIN(handle, program.cubin.data()), "nvrtcGetCUBIN");
+  if (options.use_cache) write_cache_entry(cache_path, program.cubin);
+  return program;
+}
+
+// ---------------------------------------------------------------- loading
+CompiledKernel CompiledKernel::load(const CompiledProgram& program) {
+  const auto& api = cuda_driver::driver();
+  CUmodule module = nullptr;
+  cuda_driver::check(api.cuModuleLoadData(&module, program.cubin.data()),
+                     fmt::format("cuModuleLoadData({}, {})", program.kernel_name, program.architecture));
+  CompiledKernel kernel;
+  kernel.module_ = std::shared_ptr<CUmod_st>(module, [](CUmod_st* handle) {
+    cuda_driver::driver().cuModuleUnload(handle);
+  });
+  cuda_driver::check(api.cuModuleGetFunction(&kernel.function_, module, program.kernel_name.c_str()),
+                     fmt::format("cuModuleGetFunction({})", program.kernel_name));
+  kernel.name_ = program.kernel_name;
+  kernel.from_cache_ = program.from_cache;
+  return kernel;
+}
+
+int CompiledKernel::registers_per_thread() const {
+  int registers = 0;
+  cuda_driver::check(cuda_driver::driver().cuFuncGetAttribute(&registers, CU_FUNC_ATTRIBUTE_NUM_REGS, function_),
+                     fmt::format("cuFuncGetAttribute({}, registers)", name_));
+  return registers;
+}
+
+void CompiledKernel::set_max_dynamic_shared_memory(int bytes) const {
+  cuda_driver::check(cuda_driver::driver().cuFuncSetAttribute(
+                         function_, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes),
+                     fmt::format("cuFuncSetAttribute({}, max dynamic shared memory {})", name_, bytes));
+}
+
+CompiledKernel compile_cuda(std::string_view source, std::string_view kernel_name, CompileOptions options) {
+  if (options.architecture.empty()) options.architecture = current_device_architecture();
+  return CompiledKernel::load(compile_cuda_program(source, kernel_name, options));
+}
+
+}  // namespace metile
