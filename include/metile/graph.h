@@ -126,7 +126,13 @@ struct OpDefinition {
   // the output specs. Throws InputError with a message that does not repeat
   // the node name (the builder prefixes it).
   std::function<std::vector<TensorSpec>(std::span<const TensorSpec> inputs, Attributes& attributes)> infer;
+  // The kind of one node when it depends on its attributes (a softmax over a
+  // non-last axis is not a row reduction and reports `layout`); empty: `kind`.
+  std::function<OpKind(std::span<const TensorSpec> inputs, const Attributes& attributes)> node_kind;
 };
+// The kind a node of this op with these (inferred) inputs and attributes has.
+OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs,
+                   const Attributes& attributes);
 const OpDefinition* find_op(std::string_view name);  // nullptr if unknown
 std::vector<std::string_view> registered_op_names();
 
@@ -140,6 +146,7 @@ struct Value {
   TensorSpec spec;
   NodeId producer = -1;  // -1 for a graph input
   int output_index = 0;
+  bool operator==(const Value&) const = default;
 };
 
 struct Node {
@@ -150,6 +157,7 @@ struct Node {
   std::vector<ValueId> inputs;
   std::vector<ValueId> outputs;
   Attributes attributes;
+  bool operator==(const Node&) const = default;
 };
 
 // Immutable once built. Node ids are positions in nodes(), which are in a
@@ -180,6 +188,9 @@ class ComputeGraph {
 // A value recorded by a GraphBuilder (only meaningful with that builder).
 struct ValueRef {
   ValueId id = -1;
+  // The GraphBuilder that recorded it, so a value used with another builder is
+  // reported; 0 (a ref made from a bare id) is only range-checked.
+  std::uint64_t builder_id = 0;
   bool operator==(const ValueRef&) const = default;
 };
 
@@ -224,8 +235,15 @@ class GraphBuilder {
   ComputeGraph build(const std::vector<ValueRef>& outputs) const;
 
  private:
+  const Value& checked_value(ValueRef value, std::string_view role) const;
+  std::string fresh_name(std::string_view op) const;
+  void claim_name(const std::string& name, std::string owner);
+
   ComputeGraph graph_;
   std::map<std::string, int, std::less<>> name_counters_;
+  std::map<std::string, std::string, std::less<>> name_owners_;  // name -> "input 'x'" / "node 'y' (add)"
+  std::uint64_t builder_id_ = next_builder_id();
+  static std::uint64_t next_builder_id();
 };
 
 // ---------------------------------------------------------------- files

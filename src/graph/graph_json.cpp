@@ -1,0 +1,347 @@
+// JSON graph files (DESIGN.md, "Graph files"): reading with a JSON path in every
+// error, nodes accepted in any order (sorted topologically, a cycle reported by
+// naming the nodes on it), and a deterministic writer with one input or node per
+// line so that files diff well and parse_graph_json(write_graph_json(g)) == g.
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <queue>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "metile/graph.h"
+
+namespace metile {
+namespace {
+
+using Json = nlohmann::json;
+
+struct ParsedNode {
+  std::string path;  // "/nodes/3"
+  std::string name;  // empty: the builder picks one
+  std::string op;
+  std::vector<std::string> inputs;
+  Attributes attributes;
+  std::vector<std::size_t> dependencies;  // indices of nodes whose values this one reads
+};
+
+class GraphFileReader {
+ public:
+  explicit GraphFileReader(std::string_view source) : source_(source) {}
+
+  ComputeGraph read(std::string_view text) {
+    Json document;
+    try {
+      document = Json::parse(text);
+    } catch (const Json::parse_error& error) {
+      // nlohmann's message starts with "[json.exception.parse_error.101] "; the rest is the useful part.
+      std::string message = error.what();
+      const std::size_t bracket = message.find("] ");
+      if (message.starts_with("[json.exception") && bracket != std::string::npos) message.erase(0, bracket + 2);
+      throw InputError(source_ + ": invalid JSON: " + message);
+    }
+    if (!document.is_object()) fail("", "a graph file must be a JSON object with inputs, nodes and outputs");
+    check_keys(document, "", {"inputs", "nodes", "outputs", "description"});
+    read_inputs(required(document, "", "inputs"));
+    std::vector<ParsedNode> nodes = parse_nodes(required(document, "", "nodes"));
+    for (std::size_t index : topological_order(nodes)) add_node(nodes[index]);
+    return build(required(document, "", "outputs"));
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& path, const std::string& message) const {
+    throw InputError(source_ + ": " + (path.empty() ? "/" : path) + ": " + message);
+  }
+
+  const Json& required(const Json& object, const std::string& path, const char* key) const {
+    auto found = object.find(key);
+    if (found == object.end()) fail(path, std::string("missing '") + key + "'");
+    return *found;
+  }
+
+  void check_keys(const Json& object, const std::string& path, std::initializer_list<std::string_view> known) const {
+    for (const auto& [key, value] : object.items()) {
+      if (std::find(known.begin(), known.end(), key) == known.end()) fail(path, "unknown key '" + key + "'");
+    }
+  }
+
+  std::string string_at(const Json& value, const std::string& path, std::string_view what) const {
+    if (!value.is_string()) fail(path, std::string(what) + " must be a string, got " + value.dump());
+    return value.get<std::string>();
+  }
+
+  std::int64_t integer_at(const Json& value, const std::string& path) const {
+    if (value.is_number_unsigned() && value.get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max()) {
+      fail(path, "integer " + value.dump() + " is too large");
+    }
+    if (!value.is_number_integer()) fail(path, "expected an integer, got " + value.dump());
+    return value.get<std::int64_t>();
+  }
+
+  void read_inputs(const Json& inputs) {
+    if (!inputs.is_array()) fail("/inputs", "must be an array");
+    for (std::size_t index = 0; index < inputs.size(); ++index) {
+      const std::string path = "/inputs/" + std::to_string(index);
+      const Json& input = inputs[index];
+      if (!input.is_object()) fail(path, "an input must be an object with name, shape and dtype");
+      check_keys(input, path, {"name", "shape", "dtype"});
+      const std::string name = string_at(required(input, path, "name"), path + "/name", "name");
+      TensorSpec spec;
+      const Json& shape = required(input, path, "shape");
+      if (!shape.is_array()) fail(path + "/shape", "must be an array of integers");
+      for (std::size_t axis = 0; axis < shape.size(); ++axis) {
+        spec.shape.push_back(integer_at(shape[axis], path + "/shape/" + std::to_string(axis)));
+      }
+      const std::string dtype = string_at(required(input, path, "dtype"), path + "/dtype", "dtype");
+      try {
+        spec.dtype = parse_dtype(dtype);
+      } catch (const InputError& error) {
+        fail(path + "/dtype", error.what());
+      }
+      if (auto clash = paths_by_name_.find(name); clash != paths_by_name_.end()) {
+        fail(path + "/name", "duplicate name '" + name + "' (also " + clash->second + ")");
+      }
+      paths_by_name_.emplace(name, path);
+      try {
+        values_.emplace(name, builder_.input(name, spec));
+      } catch (const InputError& error) {
+        fail(path, error.what());
+      }
+    }
+  }
+
+  AttributeValue attribute_at(const Json& value, const std::string& path) const {
+    if (value.is_boolean()) return std::int64_t{value.get<bool>() ? 1 : 0};
+    if (value.is_number_integer()) return integer_at(value, path);
+    if (value.is_number_float()) return value.get<double>();
+    if (value.is_string()) return value.get<std::string>();
+    if (value.is_array()) {
+      std::vector<std::int64_t> integers;
+      for (std::size_t index = 0; index < value.size(); ++index) {
+        integers.push_back(integer_at(value[index], path + "/" + std::to_string(index)));
+      }
+      return integers;
+    }
+    fail(path, "an attribute must be a number, a string or an integer array, got " + value.dump());
+  }
+
+  std::vector<ParsedNode> parse_nodes(const Json& nodes) {
+    if (!nodes.is_array()) fail("/nodes", "must be an array");
+    std::vector<ParsedNode> parsed(nodes.size());
+    std::map<std::string, std::size_t, std::less<>> index_by_name;
+    for (std::size_t index = 0; index < nodes.size(); ++index) {
+      ParsedNode& node = parsed[index];
+      node.path = "/nodes/" + std::to_string(index);
+      const Json& description = nodes[index];
+      if (!description.is_object()) fail(node.path, "a node must be an object with name, op, inputs and attrs");
+      check_keys(description, node.path, {"name", "op", "inputs", "attrs"});
+      if (description.contains("name")) {
+        node.name = string_at(description["name"], node.path + "/name", "name");
+        if (node.name.empty()) fail(node.path + "/name", "name is empty");
+        if (auto clash = paths_by_name_.find(node.name); clash != paths_by_name_.end()) {
+          fail(node.path + "/name", "duplicate name '" + node.name + "' (also " + clash->second + ")");
+        }
+        paths_by_name_.emplace(node.name, node.path);
+        index_by_name.emplace(node.name, index);
+      }
+      node.op = string_at(required(description, node.path, "op"), node.path + "/op", "op");
+      const Json& inputs = required(description, node.path, "inputs");
+      if (!inputs.is_array()) fail(node.path + "/inputs", "must be an array of value names");
+      for (std::size_t position = 0; position < inputs.size(); ++position) {
+        node.inputs.push_back(string_at(inputs[position], node.path + "/inputs/" + std::to_string(position), "an input"));
+      }
+      if (description.contains("attrs")) {
+        const Json& attributes = description["attrs"];
+        if (!attributes.is_object()) fail(node.path + "/attrs", "must be an object");
+        for (const auto& [key, value] : attributes.items()) {
+          node.attributes.set(key, attribute_at(value, node.path + "/attrs/" + key));
+        }
+      }
+    }
+    // Resolve what each node reads now that every name is known.
+    for (ParsedNode& node : parsed) {
+      for (std::size_t position = 0; position < node.inputs.size(); ++position) {
+        const std::string& input = node.inputs[position];
+        if (values_.find(input) != values_.end()) continue;
+        auto producer = index_by_name.find(input);
+        if (producer == index_by_name.end() && input.find(':') != std::string::npos) {
+          producer = index_by_name.find(std::string_view(input).substr(0, input.rfind(':')));
+        }
+        if (producer == index_by_name.end()) {
+          fail(node.path + "/inputs/" + std::to_string(position), "unknown value '" + input + "'");
+        }
+        if (std::find(node.dependencies.begin(), node.dependencies.end(), producer->second) == node.dependencies.end()) {
+          node.dependencies.push_back(producer->second);
+        }
+      }
+    }
+    return parsed;
+  }
+
+  // Kahn's algorithm, always taking the earliest ready node in file order, so a
+  // file already in topological order keeps its order.
+  std::vector<std::size_t> topological_order(const std::vector<ParsedNode>& nodes) const {
+    std::vector<std::vector<std::size_t>> readers(nodes.size());
+    std::vector<std::size_t> pending(nodes.size());
+    for (std::size_t index = 0; index < nodes.size(); ++index) {
+      pending[index] = nodes[index].dependencies.size();
+      for (std::size_t dependency : nodes[index].dependencies) readers[dependency].push_back(index);
+    }
+    std::priority_queue<std::size_t, std::vector<std::size_t>, std::greater<>> ready;
+    for (std::size_t index = 0; index < nodes.size(); ++index) {
+      if (pending[index] == 0) ready.push(index);
+    }
+    std::vector<std::size_t> order;
+    while (!ready.empty()) {
+      const std::size_t index = ready.top();
+      ready.pop();
+      order.push_back(index);
+      for (std::size_t reader : readers[index]) {
+        if (--pending[reader] == 0) ready.push(reader);
+      }
+    }
+    if (order.size() == nodes.size()) return order;
+
+    // Every unsorted node waits on another unsorted node, so walking "waits on"
+    // edges from one of them must come back to a node already seen: a cycle.
+    std::size_t current = 0;
+    while (pending[current] == 0) ++current;
+    std::vector<std::size_t> walk;
+    std::vector<std::size_t> seen_at(nodes.size(), nodes.size());
+    while (seen_at[current] == nodes.size()) {
+      seen_at[current] = walk.size();
+      walk.push_back(current);
+      for (std::size_t dependency : nodes[current].dependencies) {
+        if (pending[dependency] != 0) {
+          current = dependency;
+          break;
+        }
+      }
+    }
+    std::string cycle;
+    for (std::size_t step = seen_at[current]; step < walk.size(); ++step) cycle += nodes[walk[step]].name + " <- ";
+    cycle += nodes[current].name;
+    fail(nodes[current].path, "node '" + nodes[current].name + "' is on a cycle (each reads the next): " + cycle);
+  }
+
+  void add_node(const ParsedNode& node) {
+    std::vector<ValueRef> inputs;
+    for (std::size_t position = 0; position < node.inputs.size(); ++position) {
+      auto value = values_.find(node.inputs[position]);
+      if (value == values_.end()) {
+        fail(node.path + "/inputs/" + std::to_string(position), "unknown value '" + node.inputs[position] + "'");
+      }
+      inputs.push_back(value->second);
+    }
+    try {
+      for (ValueRef output : builder_.add_node(node.op, inputs, node.attributes, node.name)) {
+        values_.emplace(builder_.name(output), output);
+      }
+    } catch (const InputError& error) {
+      fail(node.path, error.what());
+    }
+  }
+
+  ComputeGraph build(const Json& outputs) {
+    if (!outputs.is_array()) fail("/outputs", "must be an array of value names");
+    std::vector<ValueRef> refs;
+    for (std::size_t index = 0; index < outputs.size(); ++index) {
+      const std::string path = "/outputs/" + std::to_string(index);
+      const std::string name = string_at(outputs[index], path, "an output");
+      auto value = values_.find(name);
+      if (value == values_.end()) fail(path, "unknown value '" + name + "'");
+      if (paths_by_name_.contains(name) && paths_by_name_.at(name).starts_with("/inputs")) {
+        fail(path, "'" + name + "' is a graph input, not a value produced by the graph");
+      }
+      if (std::find(refs.begin(), refs.end(), value->second) != refs.end()) fail(path, "'" + name + "' is listed twice");
+      refs.push_back(value->second);
+    }
+    try {
+      return builder_.build(refs);
+    } catch (const InputError& error) {
+      fail("/outputs", error.what());
+    }
+  }
+
+  std::string source_;
+  GraphBuilder builder_;
+  std::map<std::string, ValueRef, std::less<>> values_;               // every value recorded so far
+  std::map<std::string, std::string, std::less<>> paths_by_name_;     // where each name was declared
+};
+
+std::string json_text(const std::string& text) { return Json(text).dump(); }
+
+std::string integers_text(const std::vector<std::int64_t>& integers) {
+  std::string text = "[";
+  for (std::size_t index = 0; index < integers.size(); ++index) {
+    if (index > 0) text += ", ";
+    text += std::to_string(integers[index]);
+  }
+  return text + "]";
+}
+
+std::string attribute_text(const AttributeValue& value) {
+  if (const auto* integer = std::get_if<std::int64_t>(&value)) return std::to_string(*integer);
+  if (const auto* number = std::get_if<double>(&value)) return Json(*number).dump();  // shortest round-trip form
+  if (const auto* text = std::get_if<std::string>(&value)) return json_text(*text);
+  return integers_text(std::get<std::vector<std::int64_t>>(value));
+}
+
+}  // namespace
+
+ComputeGraph parse_graph_json(std::string_view text, std::string_view source_name) {
+  return GraphFileReader(source_name).read(text);
+}
+
+ComputeGraph read_graph(const std::filesystem::path& path) {
+  std::ifstream stream(path, std::ios::binary);
+  if (!stream) throw InputError(path.string() + ": cannot open file");
+  std::ostringstream text;
+  text << stream.rdbuf();
+  if (stream.bad()) throw InputError(path.string() + ": cannot read file");
+  return parse_graph_json(text.str(), path.string());
+}
+
+std::string write_graph_json(const ComputeGraph& graph) {
+  std::string out = "{\n  \"inputs\": [";
+  for (std::size_t index = 0; index < graph.inputs().size(); ++index) {
+    const Value& input = graph.value(graph.inputs()[index]);
+    out += index == 0 ? "\n" : ",\n";
+    out += "    {\"name\": " + json_text(input.name) + ", \"shape\": " + integers_text(input.spec.shape) +
+           ", \"dtype\": \"" + std::string(dtype_name(input.spec.dtype)) + "\"}";
+  }
+  out += graph.inputs().empty() ? "],\n" : "\n  ],\n";
+  out += "  \"nodes\": [";
+  for (std::size_t index = 0; index < graph.nodes().size(); ++index) {
+    const Node& node = graph.nodes()[index];
+    out += index == 0 ? "\n" : ",\n";
+    out += "    {\"name\": " + json_text(node.name) + ", \"op\": " + json_text(node.op) + ", \"inputs\": [";
+    for (std::size_t position = 0; position < node.inputs.size(); ++position) {
+      if (position > 0) out += ", ";
+      out += json_text(graph.value(node.inputs[position]).name);
+    }
+    out += "]";
+    if (!node.attributes.entries().empty()) {
+      out += ", \"attrs\": {";
+      bool first = true;
+      for (const auto& [name, value] : node.attributes.entries()) {
+        out += (first ? "" : ", ") + json_text(name) + ": " + attribute_text(value);
+        first = false;
+      }
+      out += "}";
+    }
+    out += "}";
+  }
+  out += graph.nodes().empty() ? "],\n" : "\n  ],\n";
+  out += "  \"outputs\": [";
+  for (std::size_t index = 0; index < graph.outputs().size(); ++index) {
+    if (index > 0) out += ", ";
+    out += json_text(graph.value(graph.outputs()[index]).name);
+  }
+  out += "]\n}\n";
+  return out;
+}
+
+}  // namespace metile

@@ -1,0 +1,217 @@
+// safetensors files: an 8-byte little-endian header length, a JSON header
+// {"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
+// then the raw little-endian data. Used by `metile run --inputs/--output` and the
+// tests; every malformed file is an InputError naming the file and the tensor.
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <system_error>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "metile/graph.h"
+
+namespace metile {
+namespace {
+
+using Json = nlohmann::json;
+
+// Reading more than this from a header is a corrupt length, not a real file.
+constexpr std::uint64_t kMaximumHeaderBytes = std::uint64_t{100} << 20;
+
+std::string_view safetensors_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::f16: return "F16";
+    case DType::bf16: return "BF16";
+    case DType::f32: return "F32";
+    case DType::i8: return "I8";
+    case DType::u8: return "U8";
+    case DType::i32: return "I32";
+    case DType::u32: return "U32";
+  }
+  return "?";
+}
+
+std::optional<DType> parse_safetensors_dtype(std::string_view name) {
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32, DType::i8, DType::u8, DType::i32, DType::u32}) {
+    if (safetensors_dtype_name(dtype) == name) return dtype;
+  }
+  return std::nullopt;
+}
+
+struct TensorEntry {
+  std::string name;
+  TensorSpec spec;
+  std::uint64_t begin = 0;
+  std::uint64_t end = 0;
+};
+
+TensorEntry parse_entry(const std::string& file, const std::string& name, const Json& description,
+                        std::uint64_t data_bytes) {
+  const std::string where = file + ": tensor '" + name + "': ";
+  if (!description.is_object()) throw InputError(where + "header entry is not an object");
+  for (const char* key : {"dtype", "shape", "data_offsets"}) {
+    if (!description.contains(key)) throw InputError(where + "header entry has no '" + key + "'");
+  }
+  TensorEntry entry;
+  entry.name = name;
+  const Json& dtype = description["dtype"];
+  if (!dtype.is_string()) throw InputError(where + "dtype is not a string");
+  const std::optional<DType> parsed = parse_safetensors_dtype(dtype.get<std::string>());
+  if (!parsed) {
+    throw InputError(where + "unsupported dtype '" + dtype.get<std::string>() +
+                     "' (expected F16, BF16, F32, I8, U8, I32 or U32)");
+  }
+  entry.spec.dtype = *parsed;
+  const Json& shape = description["shape"];
+  if (!shape.is_array()) throw InputError(where + "shape is not an array");
+  std::uint64_t element_count = 1;
+  for (const Json& dim : shape) {
+    if (!dim.is_number_unsigned()) throw InputError(where + "shape " + shape.dump() + " has a non-integer or negative dimension");
+    const std::uint64_t extent = dim.get<std::uint64_t>();
+    if (extent > 0 && element_count > (std::numeric_limits<std::uint64_t>::max() >> 4) / extent) {
+      throw InputError(where + "shape " + shape.dump() + " is too large");
+    }
+    element_count *= extent;
+    entry.spec.shape.push_back(static_cast<std::int64_t>(extent));
+  }
+  const Json& offsets = description["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    throw InputError(where + "data_offsets must be two non-negative integers");
+  }
+  entry.begin = offsets[0].get<std::uint64_t>();
+  entry.end = offsets[1].get<std::uint64_t>();
+  if (entry.begin > entry.end) {
+    throw InputError(where + "data_offsets [" + std::to_string(entry.begin) + ", " + std::to_string(entry.end) +
+                     "] end before they begin");
+  }
+  if (entry.end > data_bytes) {
+    throw InputError(where + "data_offsets end at byte " + std::to_string(entry.end) + " but the file holds only " +
+                     std::to_string(data_bytes) + " data bytes");
+  }
+  const std::uint64_t expected = element_count * dtype_size(entry.spec.dtype);
+  if (entry.end - entry.begin != expected) {
+    throw InputError(where + entry.spec.to_string() + " needs " + std::to_string(expected) + " bytes but data_offsets span " +
+                     std::to_string(entry.end - entry.begin));
+  }
+  return entry;
+}
+
+}  // namespace
+
+TensorMap read_safetensors(const std::filesystem::path& path) {
+  const std::string file = path.string();
+  std::ifstream stream(path, std::ios::binary);
+  if (!stream) throw InputError(file + ": cannot open file");
+  std::error_code error;
+  const std::uintmax_t file_bytes = std::filesystem::file_size(path, error);
+  if (error) throw InputError(file + ": cannot read file size: " + error.message());
+  if (file_bytes < 8) {
+    throw InputError(file + ": too short for a safetensors file (" + std::to_string(file_bytes) +
+                     " bytes, the header length alone takes 8)");
+  }
+  unsigned char length_bytes[8];
+  stream.read(reinterpret_cast<char*>(length_bytes), 8);
+  std::uint64_t header_bytes = 0;
+  for (int index = 7; index >= 0; --index) header_bytes = (header_bytes << 8) | length_bytes[index];
+  if (header_bytes > file_bytes - 8 || header_bytes > kMaximumHeaderBytes) {
+    throw InputError(file + ": header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
+                     std::to_string(file_bytes) + " bytes)");
+  }
+  std::string header(static_cast<std::size_t>(header_bytes), '\0');
+  stream.read(header.data(), static_cast<std::streamsize>(header_bytes));
+  if (!stream) throw InputError(file + ": cannot read the header");
+
+  Json parsed;
+  try {
+    parsed = Json::parse(header);
+  } catch (const Json::parse_error& parse_error) {
+    throw InputError(file + ": header is not valid JSON: " + parse_error.what());
+  }
+  if (!parsed.is_object()) throw InputError(file + ": header is not a JSON object");
+
+  const std::uint64_t data_bytes = file_bytes - 8 - header_bytes;
+  std::vector<TensorEntry> entries;
+  for (const auto& [name, description] : parsed.items()) {
+    if (name == "__metadata__") continue;  // free-form string map; nothing of ours lives there
+    entries.push_back(parse_entry(file, name, description, data_bytes));
+  }
+  std::vector<const TensorEntry*> by_offset;
+  for (const TensorEntry& entry : entries) by_offset.push_back(&entry);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* left, const TensorEntry* right) {
+    return left->begin != right->begin ? left->begin < right->begin : left->end < right->end;
+  });
+  for (std::size_t index = 1; index < by_offset.size(); ++index) {
+    if (by_offset[index]->begin < by_offset[index - 1]->end) {
+      throw InputError(file + ": tensor '" + by_offset[index]->name + "': data overlaps tensor '" +
+                       by_offset[index - 1]->name + "'");
+    }
+  }
+
+  std::vector<std::byte> data(static_cast<std::size_t>(data_bytes));
+  stream.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(data_bytes));
+  if (!stream) throw InputError(file + ": cannot read the tensor data");
+  TensorMap tensors;
+  for (const TensorEntry& entry : entries) {
+    HostTensor tensor(entry.spec);
+    std::copy(data.begin() + static_cast<std::ptrdiff_t>(entry.begin), data.begin() + static_cast<std::ptrdiff_t>(entry.end),
+              tensor.bytes().begin());
+    tensors.emplace(entry.name, std::move(tensor));
+  }
+  return tensors;
+}
+
+void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors) {
+  const std::string file = path.string();
+  Json header = Json::object();
+  std::uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (name == "__metadata__") throw InputError(file + ": a tensor cannot be named '__metadata__'");
+    const std::uint64_t bytes = tensor.bytes().size();
+    header[name] = {{"dtype", safetensors_dtype_name(tensor.spec().dtype)},
+                    {"shape", tensor.spec().shape},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string header_text = header.dump();
+  // Pad with spaces so the data starts 8-byte aligned, as the format recommends.
+  header_text.append((8 - header_text.size() % 8) % 8, ' ');
+
+  // Write beside the target and rename: a reader never sees a half-written file.
+  std::filesystem::path temporary = path;
+  temporary += ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream stream(temporary, std::ios::binary | std::ios::trunc);
+    if (!stream) throw InputError(file + ": cannot create " + temporary.string());
+    unsigned char length_bytes[8];
+    std::uint64_t length = header_text.size();
+    for (unsigned char& byte : length_bytes) {
+      byte = static_cast<unsigned char>(length & 0xffu);
+      length >>= 8;
+    }
+    stream.write(reinterpret_cast<const char*>(length_bytes), 8);
+    stream.write(header_text.data(), static_cast<std::streamsize>(header_text.size()));
+    for (const auto& [name, tensor] : tensors) {
+      stream.write(reinterpret_cast<const char*>(tensor.bytes().data()),
+                   static_cast<std::streamsize>(tensor.bytes().size()));
+    }
+    stream.flush();
+    if (!stream) {
+      stream.close();
+      std::filesystem::remove(temporary);
+      throw InputError(file + ": write failed");
+    }
+  }
+  std::error_code error;
+  std::filesystem::rename(temporary, path, error);
+  if (error) {
+    std::filesystem::remove(temporary);
+    throw InputError(file + ": cannot rename " + temporary.string() + " into place: " + error.message());
+  }
+}
+
+}  // namespace metile
