@@ -1,0 +1,229 @@
+// DIMACS max-flow files, the interchange format of max-flow benchmarks (the DIMACS
+// implementation challenge, GENRMF, washington): `c` comments, `p max N M`,
+// `n ID s`, `n ID t`, M lines `a U V CAP`, vertices 1-based. The reader is strict
+// and names FILE:LINE in every error, because these files are written by hand and
+// by generators alike and a silently misread arc changes the answer.
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <istream>
+#include <limits>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <system_error>
+#include <type_traits>
+
+#include "metile/flow.h"
+
+namespace metile {
+namespace {
+
+constexpr std::int64_t kMaxVertices = std::numeric_limits<int>::max() / 4;
+
+std::vector<std::string_view> split_tokens(std::string_view line) {
+  std::vector<std::string_view> tokens;
+  std::size_t position = 0;
+  while (position < line.size()) {
+    while (position < line.size() && (line[position] == ' ' || line[position] == '\t' || line[position] == '\r')) {
+      ++position;
+    }
+    const std::size_t start = position;
+    while (position < line.size() && line[position] != ' ' && line[position] != '\t' && line[position] != '\r') {
+      ++position;
+    }
+    if (position > start) tokens.push_back(line.substr(start, position - start));
+  }
+  return tokens;
+}
+
+bool parse_integer(std::string_view token, std::int64_t& value) {
+  const char* end = token.data() + token.size();
+  const auto [ptr, error] = std::from_chars(token.data(), end, value);
+  return error == std::errc() && ptr == end;
+}
+
+bool parse_real(std::string_view token, double& value) {
+  const char* end = token.data() + token.size();
+  const auto [ptr, error] = std::from_chars(token.data(), end, value);
+  return error == std::errc() && ptr == end;
+}
+
+class DimacsReader {
+ public:
+  explicit DimacsReader(std::string_view file_name) : file_name_(file_name) {}
+
+  [[noreturn]] void fail(int line, const std::string& message) const {
+    throw InputError(std::string(file_name_) + ":" + std::to_string(line) + ": " + message);
+  }
+
+  template <typename Capacity>
+  FlowProblem<Capacity> read(std::istream& input) {
+    std::string line;
+    int line_number = 0;
+    int problem_line = 0;
+    std::int64_t vertex_count = 0;
+    std::int64_t declared_arcs = 0;
+    int source = -1;
+    int sink = -1;
+    std::vector<FlowEdge<Capacity>> edges;
+
+    auto parse_vertex = [&](std::string_view token, const char* what) {
+      std::int64_t id = 0;
+      if (!parse_integer(token, id)) fail(line_number, std::string(what) + " '" + std::string(token) + "' is not an integer");
+      if (id < 1 || id > vertex_count) {
+        fail(line_number, std::string(what) + " " + std::to_string(id) + " is outside 1.." + std::to_string(vertex_count));
+      }
+      return static_cast<int>(id - 1);
+    };
+
+    while (std::getline(input, line)) {
+      ++line_number;
+      const std::vector<std::string_view> tokens = split_tokens(line);
+      if (tokens.empty() || tokens[0] == "c") continue;
+      const std::string_view kind = tokens[0];
+      if (kind == "p") {
+        if (problem_line != 0) fail(line_number, "second problem line (the first is on line " + std::to_string(problem_line) + ")");
+        if (tokens.size() != 4 || tokens[1] != "max") fail(line_number, "bad problem line: expected 'p max VERTICES ARCS'");
+        if (!parse_integer(tokens[2], vertex_count) || vertex_count < 0 || vertex_count > kMaxVertices) {
+          fail(line_number, "bad problem line: vertex count '" + std::string(tokens[2]) + "' is not an integer in 0.." +
+                                std::to_string(kMaxVertices));
+        }
+        if (!parse_integer(tokens[3], declared_arcs) || declared_arcs < 0) {
+          fail(line_number, "bad problem line: arc count '" + std::string(tokens[3]) + "' is not a non-negative integer");
+        }
+        problem_line = line_number;
+        edges.reserve(static_cast<std::size_t>(std::min<std::int64_t>(declared_arcs, 1 << 22)));
+      } else if (kind == "n") {
+        if (problem_line == 0) fail(line_number, "node line before the problem line 'p max VERTICES ARCS'");
+        if (tokens.size() != 3 || (tokens[2] != "s" && tokens[2] != "t")) {
+          fail(line_number, "bad node line: expected 'n ID s' or 'n ID t'");
+        }
+        const int vertex = parse_vertex(tokens[1], "node id");
+        int& terminal = tokens[2] == "s" ? source : sink;
+        if (terminal >= 0) {
+          fail(line_number, std::string("duplicate ") + (tokens[2] == "s" ? "source" : "sink") + " (already vertex " +
+                                std::to_string(terminal + 1) + ")");
+        }
+        terminal = vertex;
+      } else if (kind == "a") {
+        if (problem_line == 0) fail(line_number, "arc line before the problem line 'p max VERTICES ARCS'");
+        if (tokens.size() != 4) fail(line_number, "bad arc line: expected 'a TAIL HEAD CAPACITY'");
+        if (static_cast<std::int64_t>(edges.size()) == declared_arcs) {
+          fail(line_number, "more arcs than the " + std::to_string(declared_arcs) + " declared on line " +
+                                std::to_string(problem_line));
+        }
+        const int tail = parse_vertex(tokens[1], "arc tail");
+        const int head = parse_vertex(tokens[2], "arc head");
+        edges.push_back({tail, head, parse_capacity<Capacity>(tokens[3], line_number)});
+      } else {
+        fail(line_number, "unknown line type '" + std::string(kind) + "' (expected c, p, n or a)");
+      }
+    }
+    const int last_line = std::max(line_number, 1);
+    if (problem_line == 0) fail(last_line, "no problem line 'p max VERTICES ARCS'");
+    if (static_cast<std::int64_t>(edges.size()) != declared_arcs) {
+      fail(last_line, "the file has " + std::to_string(edges.size()) + " arcs but line " + std::to_string(problem_line) +
+                          " declares " + std::to_string(declared_arcs));
+    }
+    if (source < 0) fail(last_line, "no source line 'n ID s'");
+    if (sink < 0) fail(last_line, "no sink line 'n ID t'");
+    if (source == sink) fail(last_line, "source and sink are the same vertex " + std::to_string(source + 1));
+    FlowProblem<Capacity> problem;
+    try {
+      problem.network = FlowNetwork<Capacity>(static_cast<int>(vertex_count), edges);
+    } catch (const InputError& error) {
+      fail(last_line, error.what());  // e.g. capacities whose total would overflow
+    }
+    problem.source = source;
+    problem.sink = sink;
+    return problem;
+  }
+
+ private:
+  template <typename Capacity>
+  Capacity parse_capacity(std::string_view token, int line_number) const {
+    if constexpr (std::is_integral_v<Capacity>) {
+      std::int64_t value = 0;
+      if (!parse_integer(token, value)) {
+        double real = 0;
+        if (parse_real(token, real)) fail(line_number, "capacity '" + std::string(token) + "' is not an integer");
+        fail(line_number, "capacity '" + std::string(token) + "' is not a number");
+      }
+      if (value < 0) fail(line_number, "negative capacity " + std::string(token));
+      return value;
+    } else {
+      double value = 0;
+      if (!parse_real(token, value)) fail(line_number, "capacity '" + std::string(token) + "' is not a number");
+      if (!std::isfinite(value)) fail(line_number, "capacity '" + std::string(token) + "' is not finite");
+      if (value < 0) fail(line_number, "negative capacity " + std::string(token));
+      return value;
+    }
+  }
+
+  std::string_view file_name_;
+};
+
+std::string capacity_text(std::int64_t value) { return std::to_string(value); }
+std::string capacity_text(double value) {
+  char buffer[64];
+  const auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;  // shortest exact round trip
+  return std::string(buffer, end);
+}
+
+// True when every `a` line's capacity token is an integer, so the file reads as an integer problem.
+bool capacities_are_integers(std::string_view text) {
+  std::size_t position = 0;
+  while (position < text.size()) {
+    std::size_t end = text.find('\n', position);
+    if (end == std::string_view::npos) end = text.size();
+    const std::vector<std::string_view> tokens = split_tokens(text.substr(position, end - position));
+    std::int64_t ignored = 0;
+    if (tokens.size() == 4 && tokens[0] == "a" && !parse_integer(tokens[3], ignored)) {
+      double real = 0;
+      if (parse_real(tokens[3], real)) return false;  // a real number: read the file as reals
+    }
+    position = end + 1;
+  }
+  return true;
+}
+
+}  // namespace
+
+template <typename Capacity>
+FlowProblem<Capacity> read_dimacs_max_flow(std::istream& input, std::string_view file_name) {
+  return DimacsReader(file_name).read<Capacity>(input);
+}
+
+template <typename Capacity>
+void write_dimacs_max_flow(std::ostream& output, const FlowProblem<Capacity>& problem) {
+  const FlowNetwork<Capacity>& network = problem.network;
+  std::string text;
+  text += "c maximum flow problem written by metile\n";
+  text += "p max " + std::to_string(network.vertex_count()) + " " + std::to_string(network.edge_count()) + "\n";
+  text += "n " + std::to_string(problem.source + 1) + " s\n";
+  text += "n " + std::to_string(problem.sink + 1) + " t\n";
+  for (const FlowEdge<Capacity>& edge : network.edges()) {
+    text += "a " + std::to_string(edge.from + 1) + " " + std::to_string(edge.to + 1) + " " + capacity_text(edge.capacity) + "\n";
+  }
+  output << text;
+}
+
+AnyFlowProblem read_dimacs_max_flow_file(const std::filesystem::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) throw InputError(path.string() + ": cannot open the file");
+  std::ostringstream contents;
+  contents << file.rdbuf();
+  const std::string text = contents.str();
+  std::istringstream input(text);
+  if (capacities_are_integers(text)) return read_dimacs_max_flow<std::int64_t>(input, path.string());
+  return read_dimacs_max_flow<double>(input, path.string());
+}
+
+template FlowProblem<std::int64_t> read_dimacs_max_flow(std::istream&, std::string_view);
+template FlowProblem<double> read_dimacs_max_flow(std::istream&, std::string_view);
+template void write_dimacs_max_flow(std::ostream&, const FlowProblem<std::int64_t>&);
+template void write_dimacs_max_flow(std::ostream&, const FlowProblem<double>&);
+
+}  // namespace metile

@@ -1,0 +1,153 @@
+// solve(): measured engine choice. Neither engine wins everywhere and density alone does
+// not predict the winner, so networks of 32 vertices or more race: three rounds in
+// interleaved order (dinic,hlpp / hlpp,dinic / dinic,hlpp) on fresh residual graphs,
+// median times compared, HLPP kept only with at least 10% headroom so timing noise
+// cannot flip the reference engine. The winner is remembered per network fingerprint.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <list>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "residual_graph.h"
+
+namespace metile {
+namespace {
+
+constexpr int kTournamentMinimumVertices = 32;
+constexpr double kHlppHeadroom = 0.90;  // HLPP must take at most 90% of Dinic's time
+constexpr std::size_t kCacheCapacity = 4096;
+
+// A bounded least-recently-used map from network fingerprint to the winning engine.
+class DispatchCache {
+ public:
+  std::optional<SolverChoice> find(std::uint64_t key) {
+    std::lock_guard lock(mutex_);
+    const auto found = index_.find(key);
+    if (found == index_.end()) return std::nullopt;
+    order_.splice(order_.begin(), order_, found->second);  // now most recently used
+    return found->second->second;
+  }
+
+  void store(std::uint64_t key, SolverChoice choice) {
+    std::lock_guard lock(mutex_);
+    const auto found = index_.find(key);
+    if (found != index_.end()) {
+      found->second->second = choice;
+      order_.splice(order_.begin(), order_, found->second);
+      return;
+    }
+    order_.emplace_front(key, choice);
+    index_[key] = order_.begin();
+    if (order_.size() > kCacheCapacity) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+  }
+
+  void clear() {
+    std::lock_guard lock(mutex_);
+    order_.clear();
+    index_.clear();
+  }
+
+  std::size_t size() {
+    std::lock_guard lock(mutex_);
+    return order_.size();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::list<std::pair<std::uint64_t, SolverChoice>> order_;
+  std::unordered_map<std::uint64_t, std::list<std::pair<std::uint64_t, SolverChoice>>::iterator> index_;
+};
+
+DispatchCache& dispatch_cache() {
+  static DispatchCache cache;
+  return cache;
+}
+
+template <typename Capacity>
+MaxFlowResult<Capacity> run_engine(SolverChoice engine, const FlowNetwork<Capacity>& network, int source, int sink,
+                                   const MaxFlowOptions& options) {
+  return engine == SolverChoice::hlpp ? hlpp(network, source, sink, options) : dinic(network, source, sink, options);
+}
+
+template <typename Capacity>
+std::string show(Capacity value) {
+  std::ostringstream text;
+  text.precision(17);
+  text << value;
+  return text.str();
+}
+
+template <typename Capacity>
+MaxFlowResult<Capacity> run_tournament(const FlowNetwork<Capacity>& network, int source, int sink,
+                                       const MaxFlowOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  constexpr std::array<std::array<SolverChoice, 2>, 3> kRounds{{{SolverChoice::dinic, SolverChoice::hlpp},
+                                                                {SolverChoice::hlpp, SolverChoice::dinic},
+                                                                {SolverChoice::dinic, SolverChoice::hlpp}}};
+  std::array<double, 3> dinic_ms{};
+  std::array<double, 3> hlpp_ms{};
+  std::optional<MaxFlowResult<Capacity>> last_dinic;
+  std::optional<MaxFlowResult<Capacity>> last_hlpp;
+  for (int round = 0; round < 3; ++round) {
+    for (const SolverChoice engine : kRounds[round]) {
+      const auto start = Clock::now();
+      MaxFlowResult<Capacity> result = run_engine(engine, network, source, sink, options);
+      const double elapsed = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+      (engine == SolverChoice::dinic ? dinic_ms : hlpp_ms)[round] = elapsed;
+      (engine == SolverChoice::dinic ? last_dinic : last_hlpp) = std::move(result);
+    }
+    const FlowTolerance<Capacity> tolerance = FlowTolerance<Capacity>::for_network(network);
+    if (!tolerance.equal(last_dinic->value, last_hlpp->value)) {
+      throw std::runtime_error("max-flow dispatch: dinic found " + show(last_dinic->value) + " but hlpp found " +
+                               show(last_hlpp->value) + " on the same network (fingerprint " +
+                               std::to_string(network.fingerprint()) + ")");
+    }
+  }
+  std::sort(dinic_ms.begin(), dinic_ms.end());
+  std::sort(hlpp_ms.begin(), hlpp_ms.end());
+  const TournamentTimes times{dinic_ms[1], hlpp_ms[1]};
+  const bool hlpp_wins = times.hlpp_median_ms <= kHlppHeadroom * times.dinic_median_ms;
+  MaxFlowResult<Capacity> winner = std::move(hlpp_wins ? *last_hlpp : *last_dinic);
+  winner.tournament = times;
+  return winner;
+}
+
+}  // namespace
+
+template <typename Capacity>
+MaxFlowResult<Capacity> solve(const FlowNetwork<Capacity>& network, int source, int sink,
+                              const MaxFlowOptions& options) {
+  flow_detail::check_terminals(network, source, sink, "solve");
+  if (options.solver != SolverChoice::automatic) return run_engine(options.solver, network, source, sink, options);
+  if (network.vertex_count() < kTournamentMinimumVertices) return dinic(network, source, sink, options);
+
+  // The key covers the terminals too: the same network with other terminals is another problem.
+  std::uint64_t key = network.fingerprint();
+  key ^= (static_cast<std::uint64_t>(source) * 0x9e3779b97f4a7c15ULL) ^
+         (static_cast<std::uint64_t>(sink) * 0xc2b2ae3d27d4eb4fULL + 0x165667b19e3779f9ULL);
+  if (options.use_cache) {
+    if (const std::optional<SolverChoice> cached = dispatch_cache().find(key)) {
+      MaxFlowResult<Capacity> result = run_engine(*cached, network, source, sink, options);
+      result.from_cache = true;
+      return result;
+    }
+  }
+  MaxFlowResult<Capacity> result = run_tournament(network, source, sink, options);
+  if (options.use_cache) dispatch_cache().store(key, result.solver == "hlpp" ? SolverChoice::hlpp : SolverChoice::dinic);
+  return result;
+}
+
+void clear_dispatch_cache() { dispatch_cache().clear(); }
+std::size_t dispatch_cache_size() { return dispatch_cache().size(); }
+
+template MaxFlowResult<std::int64_t> solve(const FlowNetwork<std::int64_t>&, int, int, const MaxFlowOptions&);
+template MaxFlowResult<double> solve(const FlowNetwork<double>&, int, int, const MaxFlowOptions&);
+
+}  // namespace metile

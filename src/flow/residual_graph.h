@@ -1,0 +1,84 @@
+// Private to src/flow: what both engines share about residual graphs — argument
+// checks, the solver's notion of "positive" for real capacities, residual
+// reachability (the canonical minimum cut), and per-edge flows read off a residual.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "metile/flow.h"
+
+namespace metile::flow_detail {
+
+template <typename Capacity>
+void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink, std::string_view solver) {
+  const int n = network.vertex_count();
+  auto check = [&](const char* role, int vertex) {
+    if (vertex < 0 || vertex >= n) {
+      throw InputError(std::string(solver) + ": " + role + " vertex " + std::to_string(vertex) +
+                       " outside [0, " + std::to_string(n) + ")");
+    }
+  };
+  check("source", source);
+  check("sink", sink);
+  if (source == sink) {
+    throw InputError(std::string(solver) + ": source and sink are the same vertex " + std::to_string(source));
+  }
+}
+
+// Inside a solver a residual capacity counts as positive only above rounding noise:
+// exact (0) for integers; for reals a tiny multiple of the largest capacity, so
+// a + b - b leftovers never keep an arc or an excess alive.
+template <typename Capacity>
+FlowTolerance<Capacity> solver_tolerance(const FlowNetwork<Capacity>& network) {
+  FlowTolerance<Capacity> tolerance;
+  if constexpr (std::is_floating_point_v<Capacity>) {
+    Capacity largest = 0;
+    for (const Capacity capacity : network.arc_capacities()) largest = std::max(largest, capacity);
+    tolerance.epsilon = 1e-13 * largest;
+  }
+  return tolerance;
+}
+
+// Marks every vertex reachable from the roots along arcs with positive residual capacity.
+template <typename Capacity>
+std::vector<bool> reachable_in_residual(const FlowNetwork<Capacity>& network, const std::vector<Capacity>& residual,
+                                        const std::vector<int>& roots, FlowTolerance<Capacity> tolerance) {
+  std::vector<bool> reached(network.vertex_count(), false);
+  std::vector<int> queue;
+  queue.reserve(network.vertex_count());
+  for (const int root : roots) {
+    if (!reached[root]) {
+      reached[root] = true;
+      queue.push_back(root);
+    }
+  }
+  for (std::size_t next = 0; next < queue.size(); ++next) {
+    const int vertex = queue[next];
+    for (int arc = network.arc_begin(vertex); arc < network.arc_end(vertex); ++arc) {
+      const int head = network.arc_head(arc);
+      if (!reached[head] && tolerance.positive(residual[arc])) {
+        reached[head] = true;
+        queue.push_back(head);
+      }
+    }
+  }
+  return reached;
+}
+
+// Flow on each input edge = capacity minus the forward arc's residual (0 on self loops).
+template <typename Capacity>
+std::vector<Capacity> edge_flows_from_residual(const FlowNetwork<Capacity>& network,
+                                               const std::vector<Capacity>& residual) {
+  std::vector<Capacity> flows(network.edge_count(), Capacity{});
+  for (int arc = 0; arc < network.arc_count(); ++arc) {
+    const int edge = network.arc_edge(arc);
+    if (edge >= 0) flows[edge] = network.arc_capacity(arc) - residual[arc];
+  }
+  return flows;
+}
+
+}  // namespace metile::flow_detail
