@@ -5,17 +5,36 @@
 
 #include <cstdint>
 
+#include "metile/fusion.h"
 #include "metile/graph.h"
 
 namespace metile {
+
+// Throws InputError naming the first graph input that `inputs` lacks or holds
+// with another spec. Tensors the graph does not name are ignored.
+void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs);
 
 // Runs the graph; inputs by graph-input name, outputs by output value name.
 // Throws InputError on a missing input or one whose spec differs.
 TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs);
 
+// Runs a plan kernel by kernel: each region is one unit whose intermediates
+// stay inside it and only its `outputs` become visible; each unfused node is
+// its own unit. Kernels run in an order where everything they read is already
+// visible. The outputs equal run_reference's bit for bit. Throws InputError
+// when the plan is malformed (a node in no kernel or in two, a region output
+// it does not compute) or cannot be scheduled (a cycle between kernels, or a
+// value read outside its region that the region does not publish).
+TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs);
+
 // Fresh, seeded random inputs suited to each graph input (never zeros):
 // floats in [-1, 1), rope positions in [0, S), packed quantized weights as
-// random bits, quantization scales small and positive.
+// random bits, quantization scales in [0.005, 0.02] and biases in
+// [-0.05, 0.05]; other integer inputs uniform over i8/u8, [-1000, 1000] for
+// i32, all bits for u32. A role is read from the input's consumers. Each
+// input draws from its own stream (seed and name), so adding an input to a
+// graph leaves the others unchanged; the generator is ours, so the values are
+// the same on every platform.
 TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed);
 
 }  // namespace metile

@@ -1,0 +1,213 @@
+// The CPU reference executors: a whole graph in node order, and a FusionPlan
+// kernel by kernel. Both evaluate each node with evaluate_reference_node, so a
+// plan that respects the graph's data flow reproduces run_reference bit for
+// bit; what run_plan_reference adds is the check that the plan's kernels can
+// be scheduled at all with only their declared outputs published.
+//
+//   published values ──► kernel (region or single node) ──► its outputs published
+//        ▲                 intermediates stay in the kernel          │
+//        └───────────────────────────────────────────────────────────┘
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "metile/cpu_runtime.h"
+#include "reference_ops.h"
+
+namespace metile {
+namespace {
+
+using ValueSlots = std::vector<std::optional<HostTensor>>;
+
+// Evaluates one node reading its inputs from `local` first, then `published`.
+void evaluate_into(const ComputeGraph& graph, const Node& node, const ValueSlots& published, ValueSlots& local) {
+  std::vector<const HostTensor*> inputs;
+  for (ValueId input : node.inputs) {
+    const auto slot = static_cast<std::size_t>(input);
+    const std::optional<HostTensor>& value = local[slot] ? local[slot] : published[slot];
+    if (!value) {
+      throw std::logic_error(fmt::format("node '{}' reads '{}' before it is computed", node.name,
+                                         graph.value(input).name));
+    }
+    inputs.push_back(&*value);
+  }
+  std::vector<TensorSpec> output_specs;
+  for (ValueId output : node.outputs) output_specs.push_back(graph.value(output).spec);
+  std::vector<HostTensor> results = cpu::evaluate_reference_node(node, inputs, output_specs);
+  for (std::size_t index = 0; index < node.outputs.size(); ++index) {
+    local[static_cast<std::size_t>(node.outputs[index])] = std::move(results[index]);
+  }
+}
+
+ValueSlots published_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
+  check_graph_inputs(graph, inputs);
+  ValueSlots slots(graph.values().size());
+  for (ValueId input : graph.inputs()) {
+    slots[static_cast<std::size_t>(input)] = inputs.find(graph.value(input).name)->second;
+  }
+  return slots;
+}
+
+TensorMap collect_outputs(const ComputeGraph& graph, ValueSlots& slots) {
+  TensorMap outputs;
+  for (ValueId output : graph.outputs()) {
+    std::optional<HostTensor>& slot = slots[static_cast<std::size_t>(output)];
+    if (!slot) {
+      throw InputError(fmt::format("fusion plan: graph output '{}' is computed inside a region that does not "
+                                   "list it among its outputs",
+                                   graph.value(output).name));
+    }
+    outputs.insert_or_assign(graph.value(output).name, *slot);
+  }
+  return outputs;
+}
+
+// One unit of the plan: a region or an unfused node.
+struct Kernel {
+  std::string label;              // for messages
+  std::vector<NodeId> nodes;      // topological (ascending node ids)
+  std::vector<ValueId> needs;     // values read from outside the kernel
+  std::vector<ValueId> publishes; // values it makes visible to later kernels
+};
+
+std::string node_name(const ComputeGraph& graph, NodeId id) {
+  return id >= 0 && static_cast<std::size_t>(id) < graph.nodes().size() ? "'" + graph.node(id).name + "'"
+                                                                          : "#" + std::to_string(id);
+}
+
+Kernel make_kernel(const ComputeGraph& graph, std::string label, std::vector<NodeId> nodes,
+                   std::vector<NodeId>& owner_of_node, int kernel_index) {
+  Kernel kernel{std::move(label), std::move(nodes), {}, {}};
+  std::sort(kernel.nodes.begin(), kernel.nodes.end());
+  for (NodeId id : kernel.nodes) {
+    if (id < 0 || static_cast<std::size_t>(id) >= graph.nodes().size()) {
+      throw InputError(fmt::format("fusion plan: {} names node {} which the graph does not have", kernel.label,
+                                   node_name(graph, id)));
+    }
+    NodeId& owner = owner_of_node[static_cast<std::size_t>(id)];
+    if (owner != -1) {
+      throw InputError(fmt::format("fusion plan: node {} is in more than one kernel", node_name(graph, id)));
+    }
+    owner = kernel_index;
+  }
+  for (NodeId id : kernel.nodes) {
+    for (ValueId input : graph.node(id).inputs) {
+      const NodeId producer = graph.value(input).producer;
+      const bool inside = std::binary_search(kernel.nodes.begin(), kernel.nodes.end(), producer);
+      if (!inside && std::find(kernel.needs.begin(), kernel.needs.end(), input) == kernel.needs.end()) {
+        kernel.needs.push_back(input);
+      }
+    }
+  }
+  return kernel;
+}
+
+std::vector<Kernel> kernels_of(const FusionPlan& plan) {
+  const ComputeGraph& graph = *plan.graph;
+  std::vector<NodeId> owner_of_node(graph.nodes().size(), -1);
+  std::vector<Kernel> kernels;
+  for (std::size_t index = 0; index < plan.regions.size(); ++index) {
+    const FusionRegion& region = plan.regions[index];
+    Kernel kernel = make_kernel(graph, fmt::format("region {} ({})", index, region.rule), region.nodes,
+                                owner_of_node, static_cast<int>(kernels.size()));
+    for (ValueId output : region.outputs) {
+      const bool valid = output >= 0 && static_cast<std::size_t>(output) < graph.values().size();
+      if (!valid || !std::binary_search(kernel.nodes.begin(), kernel.nodes.end(), graph.value(output).producer)) {
+        throw InputError(fmt::format("fusion plan: {} lists output {} which none of its nodes computes",
+                                     kernel.label,
+                                     valid ? "'" + graph.value(output).name + "'" : "#" + std::to_string(output)));
+      }
+    }
+    kernel.publishes = region.outputs;
+    kernels.push_back(std::move(kernel));
+  }
+  for (NodeId id : plan.unfused) {
+    Kernel kernel = make_kernel(graph, fmt::format("unfused node {}", node_name(graph, id)), {id}, owner_of_node,
+                                static_cast<int>(kernels.size()));
+    kernel.publishes = graph.node(id).outputs;
+    kernels.push_back(std::move(kernel));
+  }
+  for (std::size_t id = 0; id < owner_of_node.size(); ++id) {
+    if (owner_of_node[id] == -1) {
+      throw InputError(fmt::format("fusion plan: node '{}' is in no kernel", graph.nodes()[id].name));
+    }
+  }
+  return kernels;
+}
+
+}  // namespace
+
+void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
+  for (ValueId id : graph.inputs()) {
+    const Value& value = graph.value(id);
+    const auto found = inputs.find(value.name);
+    if (found == inputs.end()) {
+      throw InputError(fmt::format("missing input '{}' ({})", value.name, value.spec.to_string()));
+    }
+    if (found->second.spec() != value.spec) {
+      throw InputError(fmt::format("input '{}' is {}, the graph expects {}", value.name,
+                                   found->second.spec().to_string(), value.spec.to_string()));
+    }
+  }
+}
+
+TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
+  ValueSlots values = published_inputs(graph, inputs);
+  // Free each intermediate after its last reader so a long graph holds only
+  // the values still needed.
+  std::vector<std::size_t> reads_left(graph.values().size(), 0);
+  for (const Node& node : graph.nodes()) {
+    for (ValueId input : node.inputs) ++reads_left[static_cast<std::size_t>(input)];
+  }
+  for (const Node& node : graph.nodes()) {
+    evaluate_into(graph, node, values, values);
+    for (ValueId input : node.inputs) {
+      if (--reads_left[static_cast<std::size_t>(input)] == 0 && !graph.is_output(input)) {
+        values[static_cast<std::size_t>(input)].reset();
+      }
+    }
+  }
+  return collect_outputs(graph, values);
+}
+
+TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs) {
+  if (!plan.graph) throw InputError("fusion plan: it has no graph");
+  const ComputeGraph& graph = *plan.graph;
+  const std::vector<Kernel> kernels = kernels_of(plan);
+  ValueSlots published = published_inputs(graph, inputs);
+  std::vector<bool> done(kernels.size(), false);
+  for (std::size_t finished = 0; finished < kernels.size(); ++finished) {
+    const auto ready = std::find_if(kernels.begin(), kernels.end(), [&](const Kernel& kernel) {
+      if (done[static_cast<std::size_t>(&kernel - kernels.data())]) return false;
+      return std::all_of(kernel.needs.begin(), kernel.needs.end(),
+                         [&](ValueId value) { return published[static_cast<std::size_t>(value)].has_value(); });
+    });
+    if (ready == kernels.end()) {
+      std::string waiting;
+      for (std::size_t index = 0; index < kernels.size() && waiting.empty(); ++index) {
+        if (done[index]) continue;
+        for (ValueId value : kernels[index].needs) {
+          if (!published[static_cast<std::size_t>(value)]) {
+            waiting = fmt::format("{} waits for '{}'", kernels[index].label, graph.value(value).name);
+            break;
+          }
+        }
+      }
+      throw InputError(fmt::format("fusion plan: no kernel can run ({}): the kernels form a cycle or a region "
+                                   "does not publish a value another kernel reads",
+                                   waiting));
+    }
+    const Kernel& kernel = *ready;
+    ValueSlots local(graph.values().size());
+    for (NodeId id : kernel.nodes) evaluate_into(graph, graph.node(id), published, local);
+    for (ValueId value : kernel.publishes) {
+      published[static_cast<std::size_t>(value)] = std::move(local[static_cast<std::size_t>(value)]);
+    }
+    done[static_cast<std::size_t>(ready - kernels.begin())] = true;
+  }
+  return collect_outputs(graph, published);
+}
+
+}  // namespace metile

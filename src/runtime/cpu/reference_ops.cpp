@@ -1,0 +1,381 @@
+// The reference definition of every op in DESIGN.md's table.
+//
+// Numerics, chosen so that a GPU kernel computing in f32 lands within a few
+// f32 ulps of this code before its result is rounded to the output dtype:
+//   * inputs are read exactly (f16/bf16 widen to f32 without loss);
+//   * per-element math is f32, one operation at a time (the library is built
+//     with -ffp-contract=off so a*b+c never silently becomes one fma);
+//   * reductions (rms_norm and layer_norm statistics, softmax sums) and
+//     contractions (matmul, quantized_matmul) accumulate in f64 in index order;
+//     products of two f32 values are exact in f64;
+//   * every result is rounded once to its value's dtype (HostTensor::store).
+// Intermediates between nodes are stored in their dtype, exactly as a backend
+// that materialises them would see them.
+#include "reference_ops.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "metile/quant.h"
+
+namespace metile::cpu {
+namespace {
+
+struct OpCall {
+  const Node& node;
+  std::span<const HostTensor* const> inputs;
+  const TensorSpec& output;
+  const HostTensor& input(std::size_t index) const { return *inputs[index]; }
+};
+
+std::vector<float> load_floats(const HostTensor& tensor) {
+  std::vector<float> values(static_cast<std::size_t>(tensor.element_count()));
+  for (std::size_t index = 0; index < values.size(); ++index) {
+    values[index] = static_cast<float>(tensor.at(static_cast<std::int64_t>(index)));
+  }
+  return values;
+}
+
+template <typename Number>
+HostTensor store_values(const TensorSpec& spec, const std::vector<Number>& values) {
+  HostTensor tensor(spec);
+  for (std::size_t index = 0; index < values.size(); ++index) {
+    tensor.store(static_cast<std::int64_t>(index), static_cast<double>(values[index]));
+  }
+  return tensor;
+}
+
+template <typename Operation>
+HostTensor map_elements(const OpCall& call, Operation operation) {
+  std::vector<float> values = load_floats(call.input(0));
+  for (float& value : values) value = operation(value);
+  return store_values(call.output, values);
+}
+
+// b's shape is a suffix of a's (checked by the graph), so in row-major order b
+// simply repeats every b.element_count() elements of a.
+template <typename Operation>
+HostTensor combine_elements(const OpCall& call, Operation operation) {
+  std::vector<float> a = load_floats(call.input(0));
+  const std::vector<float> b = load_floats(call.input(1));
+  if (b.empty()) return store_values(call.output, a);
+  for (std::size_t index = 0; index < a.size(); ++index) a[index] = operation(a[index], b[index % b.size()]);
+  return store_values(call.output, a);
+}
+
+HostTensor evaluate_gelu(const OpCall& call) {
+  if (call.node.attributes.get_string("approximate") == "tanh") {
+    // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+    constexpr float sqrt_two_over_pi = 0.7978845608028654f;
+    constexpr float cubic_coefficient = 0.044715f;
+    return map_elements(call, [](float x) {
+      const float cube = x * x * x;
+      const float inner = sqrt_two_over_pi * (x + cubic_coefficient * cube);
+      const float half_x = 0.5f * x;
+      return half_x * (1.0f + std::tanh(inner));
+    });
+  }
+  // 0.5 x (1 + erf(x / sqrt 2)), the division written as a product with 1/sqrt 2.
+  constexpr float one_over_sqrt_two = 0.7071067811865476f;
+  return map_elements(call, [](float x) {
+    const float half_x = 0.5f * x;
+    return half_x * (1.0f + std::erf(x * one_over_sqrt_two));
+  });
+}
+
+HostTensor evaluate_causal_mask(const OpCall& call) {
+  const std::int64_t offset = call.node.attributes.get_int("offset");
+  const std::int64_t columns = call.output.shape.back();
+  const std::int64_t rows = call.output.shape[call.output.shape.size() - 2];
+  std::vector<float> values = load_floats(call.input(0));
+  for (std::size_t index = 0; index < values.size(); ++index) {
+    const std::int64_t column = static_cast<std::int64_t>(index) % columns;
+    const std::int64_t row = static_cast<std::int64_t>(index) / columns % rows;
+    if (column - row > offset) values[index] = -std::numeric_limits<float>::infinity();
+  }
+  return store_values(call.output, values);
+}
+
+// x / sqrt(mean(x^2) + eps) * weight: the statistic in f64, rounded once to an
+// f32 factor; the per-element scaling in f32.
+HostTensor evaluate_rms_norm(const OpCall& call) {
+  const double eps = call.node.attributes.get_double("eps");
+  std::vector<float> x = load_floats(call.input(0));
+  const std::vector<float> weight = load_floats(call.input(1));
+  const std::size_t length = weight.size();
+  for (std::size_t first = 0; first < x.size(); first += length) {
+    double sum_of_squares = 0;
+    for (std::size_t d = 0; d < length; ++d) sum_of_squares += static_cast<double>(x[first + d]) * x[first + d];
+    const auto inverse_rms = static_cast<float>(1.0 / std::sqrt(sum_of_squares / static_cast<double>(length) + eps));
+    for (std::size_t d = 0; d < length; ++d) {
+      const float normalized = x[first + d] * inverse_rms;
+      x[first + d] = normalized * weight[d];
+    }
+  }
+  return store_values(call.output, x);
+}
+
+// (x - mean) / sqrt(var + eps) * weight + bias, the mean and the (two-pass)
+// variance in f64, rounded once to f32.
+HostTensor evaluate_layer_norm(const OpCall& call) {
+  const double eps = call.node.attributes.get_double("eps");
+  std::vector<float> x = load_floats(call.input(0));
+  const std::vector<float> weight = load_floats(call.input(1));
+  const std::vector<float> bias = load_floats(call.input(2));
+  const std::size_t length = weight.size();
+  for (std::size_t first = 0; first < x.size(); first += length) {
+    double sum = 0;
+    for (std::size_t d = 0; d < length; ++d) sum += x[first + d];
+    const double mean = sum / static_cast<double>(length);
+    double squared_deviations = 0;
+    for (std::size_t d = 0; d < length; ++d) {
+      const double deviation = x[first + d] - mean;
+      squared_deviations += deviation * deviation;
+    }
+    const auto mean_f32 = static_cast<float>(mean);
+    const auto inverse_std =
+        static_cast<float>(1.0 / std::sqrt(squared_deviations / static_cast<double>(length) + eps));
+    for (std::size_t d = 0; d < length; ++d) {
+      const float centered = x[first + d] - mean_f32;
+      const float normalized = centered * inverse_std;
+      const float scaled = normalized * weight[d];
+      x[first + d] = scaled + bias[d];
+    }
+  }
+  return store_values(call.output, x);
+}
+
+// Numerically stable: exp(x - max) in f32, the sum in f64, each quotient
+// rounded once. A slice that is entirely -inf has no finite maximum and gives
+// NaN, as in PyTorch and MLX.
+HostTensor evaluate_softmax(const OpCall& call) {
+  const auto axis = static_cast<std::size_t>(call.node.attributes.get_int("axis"));
+  const std::vector<std::int64_t>& shape = call.output.shape;
+  std::int64_t outer = 1;
+  std::int64_t inner = 1;
+  for (std::size_t dim = 0; dim < axis; ++dim) outer *= shape[dim];
+  for (std::size_t dim = axis + 1; dim < shape.size(); ++dim) inner *= shape[dim];
+  const std::int64_t length = shape[axis];
+  std::vector<float> x = load_floats(call.input(0));
+  std::vector<float> exponentials(static_cast<std::size_t>(length));
+  for (std::int64_t before = 0; before < outer; ++before) {
+    for (std::int64_t after = 0; after < inner; ++after) {
+      const auto at = [&](std::int64_t position) {
+        return static_cast<std::size_t>((before * length + position) * inner + after);
+      };
+      float maximum = -std::numeric_limits<float>::infinity();
+      for (std::int64_t position = 0; position < length; ++position) {
+        if (x[at(position)] > maximum || std::isnan(x[at(position)])) maximum = x[at(position)];
+      }
+      double sum = 0;
+      for (std::int64_t position = 0; position < length; ++position) {
+        const float exponential = std::exp(x[at(position)] - maximum);
+        exponentials[static_cast<std::size_t>(position)] = exponential;
+        sum += exponential;
+      }
+      for (std::int64_t position = 0; position < length; ++position) {
+        x[at(position)] = static_cast<float>(exponentials[static_cast<std::size_t>(position)] / sum);
+      }
+    }
+  }
+  return store_values(call.output, x);
+}
+
+// a [..., M, K] times b [..., K, N] (or [..., N, K] with transpose_right); a
+// rank-2 b is shared by every batch. Dot products in f64, k ascending.
+HostTensor evaluate_matmul(const OpCall& call) {
+  const TensorSpec& a_spec = call.input(0).spec();
+  const TensorSpec& b_spec = call.input(1).spec();
+  const bool transpose_right = call.node.attributes.get_int("transpose_right") != 0;
+  const std::int64_t m = a_spec.shape[a_spec.shape.size() - 2];
+  const std::int64_t k = a_spec.shape.back();
+  const std::int64_t n = call.output.shape.back();
+  const std::int64_t batches = m * k == 0 ? 0 : a_spec.element_count() / (m * k);
+  const bool b_is_batched = b_spec.rank() > 2;
+  const std::vector<float> a = load_floats(call.input(0));
+  const std::vector<float> b = load_floats(call.input(1));
+  std::vector<double> out(static_cast<std::size_t>(batches * m * n));
+  std::vector<float> b_rows(static_cast<std::size_t>(n * k));  // b of this batch as [N, K]
+  for (std::int64_t batch = 0; batch < batches; ++batch) {
+    if (batch == 0 || b_is_batched) {
+      const std::int64_t b_first = b_is_batched ? batch * k * n : 0;
+      for (std::int64_t column = 0; column < n; ++column) {
+        for (std::int64_t depth = 0; depth < k; ++depth) {
+          const std::int64_t source = transpose_right ? column * k + depth : depth * n + column;
+          b_rows[static_cast<std::size_t>(column * k + depth)] = b[static_cast<std::size_t>(b_first + source)];
+        }
+      }
+    }
+    for (std::int64_t row = 0; row < m; ++row) {
+      const float* a_row = a.data() + (batch * m + row) * k;
+      for (std::int64_t column = 0; column < n; ++column) {
+        const float* b_row = b_rows.data() + column * k;
+        double sum = 0;
+        for (std::int64_t depth = 0; depth < k; ++depth) sum += static_cast<double>(a_row[depth]) * b_row[depth];
+        out[static_cast<std::size_t>((batch * m + row) * n + column)] = sum;
+      }
+    }
+  }
+  return store_values(call.output, out);
+}
+
+// y = x . dequant(W)^T, W [N, K] dequantized one row at a time in f32 (the
+// same values dequantize_affine gives), dot products in f64, k ascending.
+HostTensor evaluate_quantized_matmul(const OpCall& call) {
+  const AffineQuantization format{static_cast<int>(call.node.attributes.get_int("bits")),
+                                  static_cast<int>(call.node.attributes.get_int("group_size"))};
+  const QuantizedMatrix weight =
+      QuantizedMatrix::from_tensors(format, call.input(1), call.input(2), call.input(3));
+  const std::vector<float> x = load_floats(call.input(0));
+  const std::int64_t k = weight.columns;
+  const std::int64_t n = weight.rows;
+  const std::int64_t rows = static_cast<std::int64_t>(x.size()) / k;
+  std::vector<double> out(static_cast<std::size_t>(rows * n));
+  std::vector<float> weight_row(static_cast<std::size_t>(k));
+  for (std::int64_t column = 0; column < n; ++column) {
+    dequantize_affine_row(weight, column, weight_row);
+    for (std::int64_t row = 0; row < rows; ++row) {
+      const float* x_row = x.data() + row * k;
+      double sum = 0;
+      for (std::int64_t depth = 0; depth < k; ++depth) {
+        sum += static_cast<double>(x_row[depth]) * weight_row[static_cast<std::size_t>(depth)];
+      }
+      out[static_cast<std::size_t>(row * n + column)] = sum;
+    }
+  }
+  return store_values(call.output, out);
+}
+
+// Rotate-half rotary embedding (Llama, MLX traditional=False) over the first
+// `dims` elements of each row of x [..., S, D]: element i pairs with i + dims/2
+// and turns by position * theta^(-2i/dims). The angles and their cos/sin are
+// computed in f64 and rounded to f32 (they depend on no tensor data, so a GPU
+// kernel may take them from a table); the rotation itself is f32.
+HostTensor evaluate_rope(const OpCall& call) {
+  const double theta = call.node.attributes.get_double("theta");
+  const std::int64_t dims = call.node.attributes.get_int("dims");
+  const std::int64_t half = dims / 2;
+  const std::int64_t length = call.output.shape.back();
+  const std::int64_t sequence = call.output.shape[call.output.shape.size() - 2];
+  const HostTensor& positions = call.input(1);
+  std::vector<float> cosines(static_cast<std::size_t>(sequence * half));
+  std::vector<float> sines(cosines.size());
+  for (std::int64_t step = 0; step < sequence; ++step) {
+    for (std::int64_t pair = 0; pair < half; ++pair) {
+      const double frequency = std::pow(theta, -2.0 * static_cast<double>(pair) / static_cast<double>(dims));
+      const double angle = positions.at(step) * frequency;
+      cosines[static_cast<std::size_t>(step * half + pair)] = static_cast<float>(std::cos(angle));
+      sines[static_cast<std::size_t>(step * half + pair)] = static_cast<float>(std::sin(angle));
+    }
+  }
+  std::vector<float> x = load_floats(call.input(0));
+  for (std::size_t first = 0; first < x.size(); first += static_cast<std::size_t>(length)) {
+    const std::int64_t step = static_cast<std::int64_t>(first) / length % sequence;
+    for (std::int64_t pair = 0; pair < half; ++pair) {
+      const float cosine = cosines[static_cast<std::size_t>(step * half + pair)];
+      const float sine = sines[static_cast<std::size_t>(step * half + pair)];
+      float& low = x[first + static_cast<std::size_t>(pair)];
+      float& high = x[first + static_cast<std::size_t>(pair + half)];
+      const float low_cosine = low * cosine;
+      const float high_sine = high * sine;
+      const float low_sine = low * sine;
+      const float high_cosine = high * cosine;
+      low = low_cosine - high_sine;
+      high = low_sine + high_cosine;
+    }
+  }
+  return store_values(call.output, x);
+}
+
+HostTensor evaluate_reshape(const OpCall& call) {
+  HostTensor out(call.output);
+  std::memcpy(out.bytes().data(), call.input(0).bytes().data(), out.bytes().size());
+  return out;
+}
+
+HostTensor evaluate_transpose(const OpCall& call) {
+  const TensorSpec& in_spec = call.input(0).spec();
+  const std::vector<std::int64_t>& perm = call.node.attributes.get_ints("perm");
+  const std::size_t rank = perm.size();
+  std::vector<std::int64_t> in_strides(rank, 1);
+  for (std::size_t axis = rank; axis-- > 1;) in_strides[axis - 1] = in_strides[axis] * in_spec.shape[axis];
+  HostTensor out(call.output);
+  const std::size_t element_size = dtype_size(call.output.dtype);
+  const std::byte* source = call.input(0).bytes().data();
+  std::byte* target = out.bytes().data();
+  std::vector<std::int64_t> out_index(rank, 0);
+  for (std::int64_t flat = 0; flat < out.element_count(); ++flat) {
+    std::int64_t in_flat = 0;
+    for (std::size_t axis = 0; axis < rank; ++axis) {
+      in_flat += out_index[axis] * in_strides[static_cast<std::size_t>(perm[axis])];
+    }
+    std::memcpy(target + static_cast<std::size_t>(flat) * element_size,
+                source + static_cast<std::size_t>(in_flat) * element_size, element_size);
+    for (std::size_t axis = rank; axis-- > 0;) {  // odometer over the output shape
+      if (++out_index[axis] < call.output.shape[axis]) break;
+      out_index[axis] = 0;
+    }
+  }
+  return out;
+}
+
+// Exact read, one rounding to the target dtype (integers: nearest, saturating).
+HostTensor evaluate_cast(const OpCall& call) {
+  HostTensor out(call.output);
+  for (std::int64_t index = 0; index < out.element_count(); ++index) out.store(index, call.input(0).at(index));
+  return out;
+}
+
+using Evaluator = HostTensor (*)(const OpCall&);
+
+const std::unordered_map<std::string_view, Evaluator>& evaluators() {
+  static const std::unordered_map<std::string_view, Evaluator> table = {
+      {"add", [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a + b; }); }},
+      {"subtract", [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a - b; }); }},
+      {"multiply", [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a * b; }); }},
+      {"scale",
+       [](const OpCall& call) {
+         const auto factor = static_cast<float>(call.node.attributes.get_double("factor"));
+         return map_elements(call, [factor](float x) { return x * factor; });
+       }},
+      {"silu",
+       [](const OpCall& call) { return map_elements(call, [](float x) { return x / (1.0f + std::exp(-x)); }); }},
+      {"gelu", evaluate_gelu},
+      {"exp", [](const OpCall& call) { return map_elements(call, [](float x) { return std::exp(x); }); }},
+      {"causal_mask", evaluate_causal_mask},
+      {"rms_norm", evaluate_rms_norm},
+      {"layer_norm", evaluate_layer_norm},
+      {"softmax", evaluate_softmax},
+      {"matmul", evaluate_matmul},
+      {"quantized_matmul", evaluate_quantized_matmul},
+      {"rope", evaluate_rope},
+      {"reshape", evaluate_reshape},
+      {"transpose", evaluate_transpose},
+      {"cast", evaluate_cast},
+  };
+  return table;
+}
+
+}  // namespace
+
+std::vector<HostTensor> evaluate_reference_node(const Node& node, std::span<const HostTensor* const> inputs,
+                                                std::span<const TensorSpec> output_specs) {
+  const auto evaluator = evaluators().find(node.op);
+  if (evaluator == evaluators().end()) {
+    throw InputError(fmt::format("node '{}': the CPU reference has no op '{}'", node.name, node.op));
+  }
+  if (output_specs.size() != 1) {
+    throw std::logic_error(fmt::format("node '{}' ({}): expected one output, the graph has {}", node.name, node.op,
+                                       output_specs.size()));
+  }
+  std::vector<HostTensor> outputs;
+  outputs.push_back(evaluator->second(OpCall{node, inputs, output_specs[0]}));
+  return outputs;
+}
+
+}  // namespace metile::cpu
