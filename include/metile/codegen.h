@@ -1,0 +1,83 @@
+// metile codegen: turns a fusion region, or a single node, into CUDA C++ source (DESIGN.md,
+// "Lowering"). Pure text generation: no driver, no GPU. The CUDA runtime compiles the source
+// with NVRTC and binds the parameters in the order given here.
+//
+// Row regions (elementwise ops, row reductions rms_norm/layer_norm/softmax, causal_mask, cast)
+// become one kernel: each row is read once with 16-byte vector loads where the row length and
+// alignment allow, held in registers when it fits, reduced with warp shuffles and shared memory
+// in f32, and every value that leaves the region is stored from the same kernel.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "metile/fusion.h"
+#include "metile/graph.h"
+
+namespace metile {
+
+struct KernelLaunchShape {
+  std::uint32_t grid_x = 1, grid_y = 1, grid_z = 1;
+  std::uint32_t block_x = 1;
+  std::uint32_t shared_memory_bytes = 0;  // dynamic shared memory (static shared memory is in the source)
+};
+
+// One pointer argument of a generated kernel, in order.
+struct KernelParameter {
+  enum class Kind : std::uint8_t {
+    input,    // a graph value read by the kernel
+    output,   // a graph value written by the kernel
+    scratch,  // a device buffer the caller allocates (scratch_bytes), e.g. dequantized weights
+  };
+  Kind kind = Kind::input;
+  ValueId value = -1;  // graph value for input/output; -1 for scratch
+  std::string name;    // the C++ parameter name in the source
+  std::int64_t scratch_bytes = 0;
+};
+
+struct GeneratedKernel {
+  std::string kernel_name;  // the extern "C" symbol
+  std::string source;       // complete CUDA C++ translation unit
+  KernelLaunchShape launch;
+  std::vector<KernelParameter> parameters;
+  std::string summary;  // one line: "row kernel 1x2048 f16: 8-wide vectors, 64 threads/row, 4 vectors/thread, ..."
+};
+
+// Tuning knobs of the row kernel; 0 means "chosen from the row length".
+struct RowKernelOptions {
+  int threads_per_row = 0;  // a power of two, 1..1024
+  int rows_per_block = 0;   // only when threads_per_row <= 32
+  std::string variant_name;  // appended to the kernel name and summary ("wide", "narrow")
+  bool operator==(const RowKernelOptions&) const = default;
+};
+
+// Whether generate_region_kernel can lower the region; when not, *reason says why
+// ("node 'y' (matmul) is a contraction, not a row op").
+bool is_row_region(const ComputeGraph& graph, const FusionRegion& region, std::string* reason = nullptr);
+
+// The region as one row kernel. Throws InputError (naming the node) when the region is not a row region.
+// Parameters: the region's inputs (in region.inputs order), then its outputs (region.outputs order).
+GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRegion& region,
+                                       const RowKernelOptions& options = {});
+
+// The default options first, then alternatives worth timing (another block shape), without duplicates.
+std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, const FusionRegion& region);
+
+// A region holding exactly one node, with its inputs and outputs filled in from the graph.
+FusionRegion single_node_region(const ComputeGraph& graph, NodeId node);
+
+// The native (unfused) kernel of one non-contraction node: elementwise and row-reduction ops through
+// the row generator, layout ops (reshape, transpose, rope) through simple index kernels.
+// Throws InputError for matmul / quantized_matmul (those run through cuBLASLt).
+GeneratedKernel generate_node_kernel(const ComputeGraph& graph, NodeId node);
+
+// For a quantized_matmul node: expands the packed affine weights to a dense row-major [N, K] matrix in
+// x's dtype (a scratch parameter), for cuBLASLt to multiply with transpose_right.
+// Parameters: packed, scales, biases (inputs), then the dense weights (scratch).
+GeneratedKernel generate_dequantize_kernel(const ComputeGraph& graph, NodeId quantized_matmul_node);
+
+// The CUDA C++ spelling of a dtype's storage type ("__half", "__nv_bfloat16", "float", "int", ...).
+std::string cuda_storage_type(DType dtype);
+
+}  // namespace metile

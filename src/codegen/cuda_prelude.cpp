@@ -1,0 +1,162 @@
+// The device-side helper library every generated kernel starts with. Kept as one string so a
+// kernel's source is self-contained (its hash is the cache key), and written once so that
+// generated kernels stay short and readable.
+#include <fmt/core.h>
+
+#include <cmath>
+
+#include "codegen_internal.h"
+
+namespace metile::codegen_detail {
+
+std::string_view cuda_device_prelude() {
+  static constexpr std::string_view prelude = R"CUDA(#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace metile_device {
+
+__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
+
+// Every value is computed in f32 and rounded to its dtype when stored, the way the CPU
+// reference rounds each op's output.
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(signed char v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_float(unsigned char v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_float(int v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_float(unsigned int v) { return static_cast<float>(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+// Integers: round to nearest and saturate (NaN becomes 0).
+template <> __device__ __forceinline__ signed char from_float<signed char>(float v) {
+  return static_cast<signed char>(fminf(fmaxf(rintf(v), -128.0f), 127.0f));
+}
+template <> __device__ __forceinline__ unsigned char from_float<unsigned char>(float v) {
+  return static_cast<unsigned char>(fminf(fmaxf(rintf(v), 0.0f), 255.0f));
+}
+template <> __device__ __forceinline__ int from_float<int>(float v) { return __float2int_rn(v); }
+template <> __device__ __forceinline__ unsigned int from_float<unsigned int>(float v) { return __float2uint_rn(v); }
+
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
+
+template <typename T, int N> struct alignas(sizeof(T) * N) Vector { T lane[N]; };
+
+// Loads elements [col, col + N) of a row of length L; lanes outside the row (or an invalid row) read 0.
+// The vector path needs row_start + col aligned to the vector: the generator guarantees it.
+template <typename T, int N, int L>
+__device__ __forceinline__ void load_vector(const T* __restrict__ row_start, int col, bool row_valid, float (&out)[N]) {
+  if (row_valid && col + N <= L) {
+    const Vector<T, N> v = *reinterpret_cast<const Vector<T, N>*>(row_start + col);
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = to_float(v.lane[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = (row_valid && col + e < L) ? to_float(row_start[col + e]) : 0.0f;
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void load_scalar(const T* __restrict__ pointer, float (&out)[N]) {
+  const float value = to_float(*pointer);
+#pragma unroll
+  for (int e = 0; e < N; ++e) out[e] = value;
+}
+
+template <typename T, int N, int L>
+__device__ __forceinline__ void store_vector(T* __restrict__ row_start, int col, bool row_valid, const float (&in)[N]) {
+  if (row_valid && col + N <= L) {
+    Vector<T, N> v;
+#pragma unroll
+    for (int e = 0; e < N; ++e) v.lane[e] = from_float<T>(in[e]);
+    *reinterpret_cast<Vector<T, N>*>(row_start + col) = v;
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (row_valid && col + e < L) row_start[col + e] = from_float<T>(in[e]);
+    }
+  }
+}
+
+struct SumOp {
+  static __device__ __forceinline__ float identity() { return 0.0f; }
+  static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
+};
+struct MaxOp {
+  static __device__ __forceinline__ float identity() { return negative_infinity(); }
+  static __device__ __forceinline__ float apply(float a, float b) { return fmaxf(a, b); }
+};
+
+// Reduces v over the THREADS consecutive threads that own one row; every one of them gets the result.
+// Up to a warp: shuffles only (sub-warp groups never mix, as xor offsets stay below THREADS).
+// Above a warp (one row per block): each warp's result through shared memory, then a second shuffle.
+template <typename Op, int THREADS>
+__device__ __forceinline__ float row_reduce(float v, float* scratch) {
+#pragma unroll
+  for (int offset = (THREADS < 32 ? THREADS : 32) / 2; offset > 0; offset /= 2) {
+    v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  if constexpr (THREADS > 32) {
+    constexpr int kWarps = THREADS / 32;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < kWarps ? scratch[lane] : Op::identity();
+#pragma unroll
+    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+      v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    __syncthreads();  // scratch is reused by the next reduction
+  }
+  return v;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+  return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
+
+}  // namespace metile_device
+)CUDA";
+  return prelude;
+}
+
+std::string float_literal(double value) {
+  if (std::isnan(value)) return "__int_as_float(0x7fc00000)";
+  if (std::isinf(value)) return value > 0 ? "__int_as_float(0x7f800000)" : "__int_as_float(0xff800000)";
+  return fmt::format("{:.9g}f", static_cast<float>(value)).find_first_of(".e") == std::string::npos
+             ? fmt::format("{:.9g}.0f", static_cast<float>(value))
+             : fmt::format("{:.9g}f", static_cast<float>(value));
+}
+
+std::string sanitize_identifier(std::string_view text) {
+  std::string result;
+  for (char c : text) {
+    const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+    result += keep ? c : '_';
+  }
+  if (result.empty()) result = "unnamed";
+  return result;
+}
+
+std::string describe_node(const ComputeGraph& graph, const Node& node) {
+  std::string text;
+  for (std::size_t i = 0; i < node.outputs.size(); ++i) {
+    text += (i ? ", " : "") + graph.value(node.outputs[i]).name;
+  }
+  text += " = " + node.op + "(";
+  for (std::size_t i = 0; i < node.inputs.size(); ++i) text += (i ? ", " : "") + graph.value(node.inputs[i]).name;
+  text += ")";
+  // Generated code puts this in // comments: keep it on one line, with no line-continuing backslash.
+  for (char& c : text) {
+    if (c == '\n' || c == '\r' || c == '\\') c = ' ';
+  }
+  return text;
+}
+
+}  // namespace metile::codegen_detail

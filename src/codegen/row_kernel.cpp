@@ -1,0 +1,582 @@
+// The row-kernel generator: one fusion region of elementwise ops and row reductions becomes one
+// CUDA kernel that reads each input row once and writes every escaping value from registers.
+//
+//   region (topological)      steps                                   phases
+//   summed = add(v, r)        compute v0 = round(x0 + x1)             phase 0: loads, compute, store summed,
+//   normalized = rms_norm(..) reduce  r0 = sum(v0 * v0)                        partial sum, row_reduce
+//                             compute v1 = round(v0 * s0 * x2)        phase 1: compute, store normalized
+//
+// A reduction ends a phase (every thread of the row needs its result). When the row fits in
+// registers (kItems <= 16 vectors per thread) values computed in one phase stay live for the next;
+// otherwise each phase streams the row in tiles and recomputes from the inputs (no extra writes).
+// Rows are handled by a power-of-two group of threads: a sub-warp or warp (shuffles only,
+// several rows per block) or a whole block (shuffles + shared memory, one row per block).
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "codegen_internal.h"
+#include "metile/codegen.h"
+
+namespace metile {
+namespace {
+
+using codegen_detail::describe_node;
+using codegen_detail::float_literal;
+using codegen_detail::sanitize_identifier;
+
+constexpr int register_item_limit = 16;  // vectors per thread kept in registers
+constexpr int streaming_items = 4;       // vectors per thread per tile when streaming
+
+const std::set<std::string, std::less<>> row_ops = {"add",     "subtract", "multiply",   "scale",      "silu",
+                                                    "gelu",    "exp",      "rms_norm",   "layer_norm", "softmax",
+                                                    "causal_mask", "cast"};
+
+bool is_binary_broadcast_op(std::string_view op) { return op == "add" || op == "subtract" || op == "multiply"; }
+
+// How a region input is read for one row.
+enum class OperandMode { row, broadcast_rows, scalar };
+
+struct RegionInput {
+  ValueId value = -1;
+  OperandMode mode = OperandMode::row;
+  std::int64_t broadcast_rows = 1;  // broadcast_rows: the operand holds this many rows, reused cyclically
+};
+
+struct Step {
+  enum class Kind { compute, reduce } kind = Kind::compute;
+  ValueId value = -1;       // compute: the value written (array v<k>)
+  std::string expression;   // per element, uses [item][e], col, row
+  std::string reduce_op;    // reduce: "SumOp" / "MaxOp"
+  int scalar = -1;          // reduce: writes r<scalar>
+  std::string after;        // reduce: statements deriving per-row scalars from r<scalar>
+  std::string comment;
+};
+
+struct RowAnalysis {
+  std::int64_t rows = 0;
+  std::int64_t length = 0;
+  std::vector<RegionInput> inputs;
+  std::vector<Step> steps;
+  std::map<ValueId, std::string> array_of;  // every value the kernel reads or computes -> its register array
+  int vector_width = 1;
+  bool has_reduction = false;
+};
+
+[[noreturn]] void reject(std::string message, std::string* reason) {
+  if (reason) *reason = message;
+  throw InputError(std::move(message));
+}
+
+std::string node_label(const Node& node) { return fmt::format("node '{}' ({})", node.name, node.op); }
+
+std::string rounded(const std::string& expression, DType dtype) {
+  if (dtype == DType::f32) return expression;
+  return fmt::format("metile_device::round_to<{}>({})", cuda_storage_type(dtype), expression);
+}
+
+RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::string* reason) {
+  if (region.nodes.empty()) reject("the region has no nodes", reason);
+  if (region.outputs.empty()) reject("the region has no outputs", reason);
+  RowAnalysis analysis;
+  std::vector<NodeId> nodes = region.nodes;
+  std::sort(nodes.begin(), nodes.end());  // node ids are topological
+
+  // The row shape: that of the first node's first output; every computed value must share it.
+  const TensorSpec& first = graph.value(graph.node(nodes.front()).outputs.front()).spec;
+  analysis.length = first.row_length();
+  analysis.rows = first.row_count();
+  if (analysis.length <= 0 || analysis.rows <= 0) reject(fmt::format("empty tensor {}", first.to_string()), reason);
+  if (analysis.length > (std::int64_t{1} << 30)) {
+    reject(fmt::format("row length {} is beyond the row kernel's limit", analysis.length), reason);
+  }
+  std::set<ValueId> produced;
+  for (NodeId id : nodes) {
+    const Node& node = graph.node(id);
+    if (!row_ops.contains(node.op)) {
+      reject(fmt::format("{} is a {} op, not a row op", node_label(node), op_kind_name(node.kind)), reason);
+    }
+    for (ValueId output : node.outputs) {
+      const TensorSpec& spec = graph.value(output).spec;
+      if (spec.row_length() != analysis.length || spec.row_count() != analysis.rows) {
+        reject(fmt::format("{} produces {}, not rows of {} x {}", node_label(node), spec.to_string(), analysis.rows,
+                           analysis.length),
+               reason);
+      }
+      produced.insert(output);
+    }
+    if (node.op == "softmax") {
+      const std::int64_t axis = node.attributes.has("axis") ? node.attributes.get_int("axis") : -1;
+      const int rank = graph.value(node.inputs[0]).spec.rank();
+      if (axis != -1 && axis != rank - 1) reject(fmt::format("{}: softmax over axis {}, not the last", node_label(node), axis), reason);
+    }
+    if (node.op == "causal_mask" && graph.value(node.inputs[0]).spec.rank() < 2) {
+      reject(fmt::format("{}: causal_mask needs rank >= 2", node_label(node)), reason);
+    }
+  }
+  for (ValueId output : region.outputs) {
+    if (!produced.contains(output)) {
+      reject(fmt::format("region output '{}' is not produced by the region", graph.value(output).name), reason);
+    }
+  }
+
+  // Inputs: full rows, rows reused cyclically (a [H] weight, a [S, H] table), or one scalar.
+  std::set<ValueId> region_inputs;
+  for (NodeId id : nodes) {
+    for (ValueId input : graph.node(id).inputs) {
+      if (!produced.contains(input)) region_inputs.insert(input);
+    }
+  }
+  std::vector<ValueId> ordered_inputs = region.inputs;
+  for (ValueId input : region_inputs) {
+    if (std::find(ordered_inputs.begin(), ordered_inputs.end(), input) == ordered_inputs.end()) {
+      ordered_inputs.push_back(input);
+    }
+  }
+  int largest_element = 1;
+  for (ValueId input : ordered_inputs) {
+    if (!region_inputs.contains(input)) continue;  // listed by the planner but not read: ignore
+    const TensorSpec& spec = graph.value(input).spec;
+    RegionInput operand;
+    operand.value = input;
+    const std::int64_t count = spec.element_count();
+    if (count == analysis.rows * analysis.length) {
+      operand.mode = OperandMode::row;
+    } else if (count == 1) {
+      operand.mode = OperandMode::scalar;
+    } else if (count % analysis.length == 0 && spec.row_length() == analysis.length &&
+               analysis.rows % (count / analysis.length) == 0) {
+      operand.mode = OperandMode::broadcast_rows;
+      operand.broadcast_rows = count / analysis.length;
+    } else {
+      reject(fmt::format("input '{}' {} does not broadcast over rows of {} x {}", graph.value(input).name,
+                         spec.to_string(), analysis.rows, analysis.length),
+             reason);
+    }
+    largest_element = std::max<int>(largest_element, static_cast<int>(dtype_size(spec.dtype)));
+    analysis.array_of[input] = fmt::format("x{}", analysis.inputs.size());
+    analysis.inputs.push_back(operand);
+  }
+  for (ValueId output : produced) {
+    largest_element = std::max<int>(largest_element, static_cast<int>(dtype_size(graph.value(output).spec.dtype)));
+  }
+
+  // 16-byte vectors of the widest dtype. Several rows need every row start aligned, so the width
+  // must divide the row length; a single row starts aligned and may end in a scalar tail.
+  const int widest_vector = 16 / largest_element;
+  analysis.vector_width = widest_vector;
+  if (analysis.rows > 1) {
+    while (analysis.vector_width > 1 && analysis.length % analysis.vector_width != 0) analysis.vector_width /= 2;
+  }
+
+  // Steps, in node order.
+  int computed = 0;
+  int scalars = 0;
+  const std::string length_literal = float_literal(static_cast<double>(analysis.length));
+  for (NodeId id : nodes) {
+    const Node& node = graph.node(id);
+    const ValueId out = node.outputs.front();
+    const DType dtype = graph.value(out).spec.dtype;
+    auto element = [&](int input_index) { return analysis.array_of.at(node.inputs.at(input_index)) + "[item][e]"; };
+    const std::string comment = describe_node(graph, node);
+    auto add_compute = [&](const std::string& expression) {
+      Step step;
+      step.kind = Step::Kind::compute;
+      step.value = out;
+      step.expression = rounded(expression, dtype);
+      step.comment = comment;
+      analysis.array_of[out] = fmt::format("v{}", computed++);
+      analysis.steps.push_back(std::move(step));
+    };
+    auto add_reduce = [&](std::string op, std::string expression, std::string after, std::string what) {
+      Step step;
+      step.kind = Step::Kind::reduce;
+      step.reduce_op = std::move(op);
+      step.expression = std::move(expression);
+      step.scalar = scalars++;
+      step.after = std::move(after);
+      step.comment = fmt::format("{} ({})", comment, what);
+      analysis.has_reduction = true;
+      analysis.steps.push_back(std::move(step));
+      return fmt::format("r{}", analysis.steps.back().scalar);
+    };
+    const std::string x = element(0);
+    if (node.op == "add") {
+      add_compute(fmt::format("{} + {}", x, element(1)));
+    } else if (node.op == "subtract") {
+      add_compute(fmt::format("{} - {}", x, element(1)));
+    } else if (node.op == "multiply") {
+      add_compute(fmt::format("{} * {}", x, element(1)));
+    } else if (node.op == "scale") {
+      add_compute(fmt::format("{} * {}", x, float_literal(node.attributes.get_double("factor"))));
+    } else if (node.op == "silu") {
+      add_compute(fmt::format("metile_device::silu({})", x));
+    } else if (node.op == "gelu") {
+      const std::string approximate = node.attributes.has("approximate") ? node.attributes.get_string("approximate") : "none";
+      add_compute(fmt::format("metile_device::{}({})", approximate == "tanh" ? "gelu_tanh" : "gelu_erf", x));
+    } else if (node.op == "exp") {
+      add_compute(fmt::format("expf({})", x));
+    } else if (node.op == "cast") {
+      add_compute(x);  // the rounding to the output dtype is the cast
+    } else if (node.op == "causal_mask") {
+      const TensorSpec& spec = graph.value(node.inputs[0]).spec;
+      const std::int64_t query_length = spec.shape[spec.shape.size() - 2];
+      const std::int64_t offset = node.attributes.has("offset") ? node.attributes.get_int("offset") : 0;
+      add_compute(fmt::format("(col + e) > (row % {}LL) + ({}LL) ? metile_device::negative_infinity() : {}",
+                              query_length, offset, x));
+    } else if (node.op == "rms_norm") {
+      const double eps = node.attributes.get_double("eps");
+      const std::string sum = add_reduce("SumOp", fmt::format("{0} * {0}", x),
+                                         fmt::format("const float s{0} = rsqrtf(r{0} / {1} + {2});", scalars,
+                                                     length_literal, float_literal(eps)),
+                                         "sum of squares");
+      add_compute(fmt::format("{} * s{} * {}", x, sum.substr(1), element(1)));
+    } else if (node.op == "layer_norm") {
+      const double eps = node.attributes.get_double("eps");
+      const std::string mean = "m" + add_reduce("SumOp", x, "", "sum").substr(1);
+      analysis.steps.back().after = fmt::format("const float {} = r{} / {};", mean, mean.substr(1), length_literal);
+      const std::string centered = fmt::format("({} - {})", x, mean);
+      const std::string variance = add_reduce("SumOp", fmt::format("{0} * {0}", centered), "", "centered sum of squares");
+      const std::string inverse = "s" + variance.substr(1);
+      analysis.steps.back().after =
+          fmt::format("const float {} = rsqrtf({} / {} + {});", inverse, variance, length_literal, float_literal(eps));
+      add_compute(fmt::format("{} * {} * {} + {}", centered, inverse, element(1), element(2)));
+    } else if (node.op == "softmax") {
+      const std::string maximum = add_reduce("MaxOp", x, "", "row maximum");
+      const std::string sum = add_reduce("SumOp", fmt::format("expf({} - {})", x, maximum), "", "sum of exponentials");
+      const std::string inverse = "s" + sum.substr(1);
+      analysis.steps.back().after = fmt::format("const float {} = 1.0f / {};", inverse, sum);
+      add_compute(fmt::format("expf({} - {}) * {}", x, maximum, inverse));
+    }
+  }
+  return analysis;
+}
+
+struct RowConfig {
+  int threads_per_row = 1;
+  int rows_per_block = 1;
+  int items = 1;  // vectors per thread (per tile when streaming)
+  int tiles = 1;
+  bool streaming = false;
+};
+
+int next_power_of_two(std::int64_t value) {
+  int result = 1;
+  while (result < value && result < (1 << 30)) result *= 2;
+  return result;
+}
+
+RowConfig choose_config(const RowAnalysis& analysis, const RowKernelOptions& options) {
+  const std::int64_t vectors = (analysis.length + analysis.vector_width - 1) / analysis.vector_width;
+  RowConfig config;
+  // Default: about four vectors per thread (loads in flight, few threads per reduction).
+  config.threads_per_row = std::clamp(next_power_of_two((vectors + 3) / 4), 1, 1024);
+  if (options.threads_per_row != 0) {
+    const int requested = options.threads_per_row;
+    if (requested < 1 || requested > 1024 || (requested & (requested - 1)) != 0) {
+      throw InputError(fmt::format("row kernel: threads_per_row {} is not a power of two in 1..1024", requested));
+    }
+    config.threads_per_row = requested;
+  }
+  const std::int64_t items = (vectors + config.threads_per_row - 1) / config.threads_per_row;
+  if (items <= register_item_limit) {
+    config.items = static_cast<int>(items);
+  } else {
+    config.streaming = true;
+    config.items = streaming_items;
+    const std::int64_t per_tile = std::int64_t{config.threads_per_row} * streaming_items;
+    config.tiles = static_cast<int>((vectors + per_tile - 1) / per_tile);
+  }
+  if (config.threads_per_row <= 32) {
+    config.rows_per_block = options.rows_per_block != 0 ? options.rows_per_block : 128 / config.threads_per_row;
+    if (config.rows_per_block < 1 || config.rows_per_block * config.threads_per_row > 1024) {
+      throw InputError(fmt::format("row kernel: {} rows per block of {} threads exceed 1024 threads",
+                                   config.rows_per_block, config.threads_per_row));
+    }
+    // No more rows per block than there are rows.
+    config.rows_per_block = static_cast<int>(std::min<std::int64_t>(config.rows_per_block, analysis.rows));
+  } else {
+    config.rows_per_block = 1;
+  }
+  return config;
+}
+
+std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, const RowAnalysis& analysis,
+                        const RowConfig& config, const std::string& kernel_name, GeneratedKernel& kernel) {
+  std::string body;
+  auto line = [&](int indent, const std::string& text) {
+    body += std::string(static_cast<std::size_t>(indent) * 2, ' ') + text + "\n";
+  };
+  const int block_threads = config.threads_per_row * config.rows_per_block;
+
+  // Parameters: inputs then outputs.
+  std::vector<std::string> parameters;
+  for (std::size_t i = 0; i < analysis.inputs.size(); ++i) {
+    const Value& value = graph.value(analysis.inputs[i].value);
+    parameters.push_back(fmt::format("const {}* __restrict__ in{} /* {} {} */", cuda_storage_type(value.spec.dtype),
+                                     i, value.name, value.spec.to_string()));
+    kernel.parameters.push_back({KernelParameter::Kind::input, value.id, fmt::format("in{}", i), 0});
+  }
+  for (std::size_t i = 0; i < region.outputs.size(); ++i) {
+    const Value& value = graph.value(region.outputs[i]);
+    parameters.push_back(fmt::format("{}* __restrict__ out{} /* {} {} */", cuda_storage_type(value.spec.dtype), i,
+                                     value.name, value.spec.to_string()));
+    kernel.parameters.push_back({KernelParameter::Kind::output, value.id, fmt::format("out{}", i), 0});
+  }
+
+  std::string source = "// Generated by metile (src/codegen/row_kernel.cpp): one row kernel for the region\n";
+  source += fmt::format("// rule '{}':\n", region.rule.empty() ? "single node" : region.rule);
+  std::vector<NodeId> nodes = region.nodes;
+  std::sort(nodes.begin(), nodes.end());
+  for (NodeId id : nodes) source += "//   " + describe_node(graph, graph.node(id)) + "\n";
+  source += fmt::format("// {} rows of {}; {}-element vectors; {} threads per row, {} rows per block; {} vectors per thread{}\n",
+                        analysis.rows, analysis.length, analysis.vector_width, config.threads_per_row,
+                        config.rows_per_block, config.items,
+                        config.streaming ? fmt::format(" per tile, {} tiles (streamed)", config.tiles)
+                                         : " (row held in registers)");
+  source += codegen_detail::cuda_device_prelude();
+  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}) {}(\n", block_threads, kernel_name);
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    source += "    " + parameters[i] + (i + 1 < parameters.size() ? ",\n" : ") {\n");
+  }
+
+  line(1, fmt::format("constexpr int kRowLength = {};", analysis.length));
+  line(1, fmt::format("constexpr long long kRows = {}LL;", analysis.rows));
+  line(1, fmt::format("constexpr int kVec = {};", analysis.vector_width));
+  line(1, fmt::format("constexpr int kThreadsPerRow = {};", config.threads_per_row));
+  line(1, fmt::format("constexpr int kRowsPerBlock = {};", config.rows_per_block));
+  line(1, fmt::format("constexpr int kItems = {};", config.items));
+  if (config.streaming) {
+    line(1, fmt::format("constexpr int kTiles = {};", config.tiles));
+    line(1, "constexpr int kTileElements = kItems * kThreadsPerRow * kVec;");
+  }
+  if (analysis.has_reduction && config.threads_per_row > 32) {
+    line(1, "__shared__ float reduction_scratch[kThreadsPerRow / 32];");
+  } else {
+    line(1, "float* reduction_scratch = nullptr;  // reductions stay within a warp");
+  }
+  line(1, "const int lane = threadIdx.x % kThreadsPerRow;");
+  line(1, "const long long row = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;");
+  line(1, "const bool row_valid = row < kRows;");
+  line(1, "const long long safe_row = row_valid ? row : 0;");
+  for (std::size_t i = 0; i < analysis.inputs.size(); ++i) {
+    const RegionInput& input = analysis.inputs[i];
+    const std::string type = cuda_storage_type(graph.value(input.value).spec.dtype);
+    switch (input.mode) {
+      case OperandMode::row:
+        line(1, fmt::format("const {0}* __restrict__ in{1}_row = in{1} + safe_row * kRowLength;", type, i));
+        break;
+      case OperandMode::broadcast_rows:
+        line(1, fmt::format("const {0}* __restrict__ in{1}_row = in{1} + (safe_row % {2}LL) * kRowLength;", type, i,
+                            input.broadcast_rows));
+        break;
+      case OperandMode::scalar: break;
+    }
+  }
+  for (std::size_t i = 0; i < region.outputs.size(); ++i) {
+    line(1, fmt::format("{0}* __restrict__ out{1}_row = out{1} + safe_row * kRowLength;",
+                        cuda_storage_type(graph.value(region.outputs[i]).spec.dtype), i));
+  }
+  std::map<ValueId, int> output_index;
+  for (std::size_t i = 0; i < region.outputs.size(); ++i) output_index[region.outputs[i]] = static_cast<int>(i);
+
+  auto emit_loads = [&](int indent, const std::string& column_base) {
+    std::string arrays;
+    for (std::size_t i = 0; i < analysis.inputs.size(); ++i) arrays += fmt::format("{}x{}[kItems][kVec]", i ? ", " : "", i);
+    if (!arrays.empty()) line(indent, "float " + arrays + ";");
+    line(indent, "#pragma unroll");
+    line(indent, "for (int item = 0; item < kItems; ++item) {");
+    line(indent + 1, fmt::format("const int col = {}(item * kThreadsPerRow + lane) * kVec;", column_base));
+    for (std::size_t i = 0; i < analysis.inputs.size(); ++i) {
+      const RegionInput& input = analysis.inputs[i];
+      const Value& value = graph.value(input.value);
+      const std::string type = cuda_storage_type(value.spec.dtype);
+      if (input.mode == OperandMode::scalar) {
+        line(indent + 1, fmt::format("metile_device::load_scalar<{0}, kVec>(in{1}, x{1}[item]);  // {2}", type, i, value.name));
+      } else {
+        line(indent + 1, fmt::format("metile_device::load_vector<{0}, kVec, kRowLength>(in{1}_row, col, row_valid, x{1}[item]);  // {2}",
+                                     type, i, value.name));
+      }
+    }
+    line(indent, "}");
+  };
+  auto declare_computed = [&](int indent) {
+    std::string arrays;
+    for (const Step& step : analysis.steps) {
+      if (step.kind == Step::Kind::compute) {
+        arrays += (arrays.empty() ? "" : ", ") + analysis.array_of.at(step.value) + "[kItems][kVec]";
+      }
+    }
+    if (!arrays.empty()) line(indent, "float " + arrays + ";");
+  };
+  // One loop over this thread's elements: computes, then folds the phase's reduction partial.
+  auto emit_compute_loop = [&](int indent, const std::vector<const Step*>& computes, const Step* reduce,
+                               const std::string& column_base) {
+    if (computes.empty() && reduce == nullptr) return;
+    line(indent, "#pragma unroll");
+    line(indent, "for (int item = 0; item < kItems; ++item) {");
+    line(indent + 1, fmt::format("const int col = {}(item * kThreadsPerRow + lane) * kVec;", column_base));
+    line(indent + 1, "#pragma unroll");
+    line(indent + 1, "for (int e = 0; e < kVec; ++e) {");
+    for (const Step* step : computes) {
+      line(indent + 2, fmt::format("{}[item][e] = {};  // {}", analysis.array_of.at(step->value), step->expression,
+                                   step->comment));
+    }
+    if (reduce != nullptr) {
+      line(indent + 2, fmt::format("if (row_valid && col + e < kRowLength) partial{0} = metile_device::{1}::apply(partial{0}, {2});",
+                                   reduce->scalar, reduce->reduce_op, reduce->expression));
+    }
+    line(indent + 1, "}");
+    line(indent, "}");
+  };
+  auto emit_stores = [&](int indent, const std::vector<const Step*>& computes, const std::string& column_base) {
+    std::vector<const Step*> stored;
+    for (const Step* step : computes) {
+      if (output_index.contains(step->value)) stored.push_back(step);
+    }
+    if (stored.empty()) return;
+    line(indent, "#pragma unroll");
+    line(indent, "for (int item = 0; item < kItems; ++item) {");
+    line(indent + 1, fmt::format("const int col = {}(item * kThreadsPerRow + lane) * kVec;", column_base));
+    for (const Step* step : stored) {
+      const Value& value = graph.value(step->value);
+      line(indent + 1, fmt::format("metile_device::store_vector<{}, kVec, kRowLength>(out{}_row, col, row_valid, {}[item]);  // {}",
+                                   cuda_storage_type(value.spec.dtype), output_index.at(step->value),
+                                   analysis.array_of.at(step->value), value.name));
+    }
+    line(indent, "}");
+  };
+
+  // Split the steps into phases, each ending at a reduction.
+  struct Phase {
+    std::vector<const Step*> computes;
+    const Step* reduce = nullptr;
+  };
+  std::vector<Phase> phases(1);
+  for (const Step& step : analysis.steps) {
+    if (step.kind == Step::Kind::compute) {
+      phases.back().computes.push_back(&step);
+    } else {
+      phases.back().reduce = &step;
+      phases.emplace_back();
+    }
+  }
+  if (phases.back().computes.empty() && phases.back().reduce == nullptr) phases.pop_back();
+
+  if (!config.streaming) {
+    line(1, "// Load this thread's share of every input row once.");
+    emit_loads(1, "");
+    declare_computed(1);
+  }
+  std::vector<const Step*> earlier_computes;
+  for (std::size_t p = 0; p < phases.size(); ++p) {
+    const Phase& phase = phases[p];
+    line(1, fmt::format("// phase {}{}", p, phase.reduce ? ": up to " + phase.reduce->comment : ""));
+    if (phase.reduce) {
+      line(1, fmt::format("float partial{} = metile_device::{}::identity();", phase.reduce->scalar, phase.reduce->reduce_op));
+    }
+    if (!config.streaming) {
+      emit_compute_loop(1, phase.computes, phase.reduce, "");
+      emit_stores(1, phase.computes, "");
+    } else {
+      line(1, "#pragma unroll 1");
+      line(1, "for (int tile = 0; tile < kTiles; ++tile) {");
+      line(2, "const int tile_base = tile * kTileElements;");
+      emit_loads(2, "tile_base + ");
+      declare_computed(2);
+      if (!earlier_computes.empty()) {
+        line(2, "// recompute what earlier phases computed (the row does not fit in registers)");
+        emit_compute_loop(2, earlier_computes, nullptr, "tile_base + ");
+      }
+      emit_compute_loop(2, phase.computes, phase.reduce, "tile_base + ");
+      emit_stores(2, phase.computes, "tile_base + ");
+      line(1, "}");
+    }
+    earlier_computes.insert(earlier_computes.end(), phase.computes.begin(), phase.computes.end());
+    if (phase.reduce) {
+      line(1, fmt::format("const float r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, reduction_scratch);",
+                          phase.reduce->scalar, phase.reduce->reduce_op));
+      if (!phase.reduce->after.empty()) line(1, phase.reduce->after);
+    }
+  }
+  if (!analysis.has_reduction) line(1, "(void)reduction_scratch;");
+  source += body;
+  source += "}\n";
+  return source;
+}
+
+}  // namespace
+
+std::string cuda_storage_type(DType dtype) {
+  switch (dtype) {
+    case DType::f16: return "__half";
+    case DType::bf16: return "__nv_bfloat16";
+    case DType::f32: return "float";
+    case DType::i8: return "signed char";
+    case DType::u8: return "unsigned char";
+    case DType::i32: return "int";
+    case DType::u32: return "unsigned int";
+  }
+  throw InputError("cuda_storage_type: unknown dtype");
+}
+
+bool is_row_region(const ComputeGraph& graph, const FusionRegion& region, std::string* reason) {
+  try {
+    analyse(graph, region, reason);
+    return true;
+  } catch (const InputError& error) {
+    if (reason != nullptr) *reason = error.what();
+    return false;
+  }
+}
+
+FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
+  const Node& node = graph.node(node_id);
+  FusionRegion region;
+  region.nodes = {node_id};
+  for (ValueId input : node.inputs) {
+    if (std::find(region.inputs.begin(), region.inputs.end(), input) == region.inputs.end()) region.inputs.push_back(input);
+  }
+  region.outputs = node.outputs;
+  return region;
+}
+
+GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRegion& region,
+                                       const RowKernelOptions& options) {
+  const RowAnalysis analysis = analyse(graph, region, nullptr);
+  const RowConfig config = choose_config(analysis, options);
+  GeneratedKernel kernel;
+  const Node& anchor = graph.node(*std::max_element(region.nodes.begin(), region.nodes.end()));
+  kernel.kernel_name = "metile_row_" + sanitize_identifier(anchor.name);
+  if (!options.variant_name.empty()) kernel.kernel_name += "_" + sanitize_identifier(options.variant_name);
+  kernel.source = emit_kernel(graph, region, analysis, config, kernel.kernel_name, kernel);
+  kernel.launch.block_x = static_cast<std::uint32_t>(config.threads_per_row * config.rows_per_block);
+  kernel.launch.grid_x = static_cast<std::uint32_t>((analysis.rows + config.rows_per_block - 1) / config.rows_per_block);
+  const DType dtype = graph.value(region.outputs.front()).spec.dtype;
+  kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}",
+                               analysis.rows, analysis.length, dtype_name(dtype), analysis.vector_width,
+                               config.threads_per_row, config.rows_per_block, config.items,
+                               config.streaming ? fmt::format(" x {} tiles", config.tiles) : "",
+                               options.variant_name.empty() ? "" : " (" + options.variant_name + ")");
+  return kernel;
+}
+
+std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, const FusionRegion& region) {
+  const RowAnalysis analysis = analyse(graph, region, nullptr);
+  const RowConfig default_config = choose_config(analysis, {});
+  std::vector<RowKernelOptions> variants = {RowKernelOptions{}};
+  // Wider: fewer vectors per thread, lower latency for short row counts (decode).
+  // Narrower: more vectors per thread, fewer reduction steps for many rows.
+  const int wide = std::min(default_config.threads_per_row * 4, 1024);
+  const int narrow = std::max(default_config.threads_per_row / 4, 1);
+  if (wide != default_config.threads_per_row) variants.push_back({wide, 0, "wide"});
+  if (narrow != default_config.threads_per_row &&
+      (analysis.length + analysis.vector_width * narrow - 1) / (analysis.vector_width * narrow) <= register_item_limit) {
+    variants.push_back({narrow, 0, "narrow"});
+  }
+  return variants;
+}
+
+}  // namespace metile
