@@ -236,8 +236,11 @@ void GraphBuilder::rename(ValueRef value, std::string name) {
   if (name.empty()) throw InputError(owner + ": the new name is empty");
   Node* node = current.producer >= 0 ? &graph_.nodes_[static_cast<std::size_t>(current.producer)] : nullptr;
   const bool renames_node = node != nullptr && node->outputs.size() == 1;
-  claim_name(name, renames_node ? node_label(name, node->op) : (node ? "value '" + name + "'" : "input '" + name + "'"));
+  if (auto existing = name_owners_.find(name); existing != name_owners_.end()) {
+    throw InputError(owner + ": duplicate name '" + name + "', already used by " + existing->second);
+  }
   name_owners_.erase(current.name);
+  claim_name(name, renames_node ? node_label(name, node->op) : (node ? "value '" + name + "'" : "input '" + name + "'"));
   if (renames_node) node->name = name;
   graph_.values_[static_cast<std::size_t>(value.id)].name = std::move(name);
 }

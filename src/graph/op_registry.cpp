@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <sstream>
 #include <string>
 
 #include "metile/graph.h"
@@ -71,6 +72,12 @@ void require_row_vector(const TensorSpec& spec, std::string_view role, const Ten
   }
 }
 
+std::string number_text(double value) {
+  std::ostringstream text;
+  text << value;
+  return text.str();
+}
+
 double finite_number(Attributes& attributes, std::string_view name) {
   const double value = attributes.get_double(name);
   if (!std::isfinite(value)) throw InputError("attribute '" + std::string(name) + "' must be finite");
@@ -80,7 +87,7 @@ double finite_number(Attributes& attributes, std::string_view name) {
 
 double positive_number(Attributes& attributes, std::string_view name) {
   const double value = finite_number(attributes, name);
-  if (value <= 0) throw InputError(std::string(name) + " must be positive, got " + std::to_string(value));
+  if (value <= 0) throw InputError(std::string(name) + " must be positive, got " + number_text(value));
   return value;
 }
 

@@ -1,0 +1,218 @@
+// GraphBuilder and ComputeGraph: the seed graph comes out as DESIGN.md says
+// (multi-output, consumers, kinds), names are unique and generated predictably,
+// and every mistake is one InputError naming the node and the problem.
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "metile/graph.h"
+
+namespace metile {
+namespace {
+
+std::string error_of(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const InputError& error) {
+    return error.what();
+  }
+  return "(no InputError)";
+}
+
+struct SeedGraph {
+  GraphBuilder builder;
+  ValueRef values, residual, weight, summed, normalized;
+  SeedGraph() {
+    values = builder.input("values", {{1, 2048}, DType::f16});
+    residual = builder.input("residual", {{1, 2048}, DType::f16});
+    weight = builder.input("weight", {{2048}, DType::f16});
+    summed = builder.add(values, residual, "summed");
+    normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  }
+};
+
+TEST(GraphBuilderTest, SeedGraphIsMultiOutput) {
+  SeedGraph seed;
+  const ComputeGraph graph = seed.builder.build({seed.summed, seed.normalized});
+  ASSERT_EQ(graph.nodes().size(), 2u);
+  ASSERT_EQ(graph.values().size(), 5u);
+  EXPECT_EQ(graph.inputs(), (std::vector<ValueId>{0, 1, 2}));
+  EXPECT_EQ(graph.outputs(), (std::vector<ValueId>{3, 4}));
+  const Node& add = graph.node(0);
+  EXPECT_EQ(add.name, "summed");
+  EXPECT_EQ(add.op, "add");
+  EXPECT_EQ(add.kind, OpKind::elementwise);
+  EXPECT_EQ(add.inputs, (std::vector<ValueId>{0, 1}));
+  const Node& norm = graph.node(1);
+  EXPECT_EQ(norm.kind, OpKind::row_reduction);
+  EXPECT_EQ(norm.attributes.get_double("eps"), 1e-5);
+  EXPECT_EQ(graph.value(4).spec, TensorSpec({1, 2048}, DType::f16));
+  EXPECT_EQ(graph.value(4).producer, 1);
+  EXPECT_EQ(graph.value(0).producer, -1);
+  EXPECT_EQ(graph.consumers(3), (std::vector<NodeId>{1}));
+  EXPECT_EQ(graph.consumers(2), (std::vector<NodeId>{1}));
+  EXPECT_TRUE(graph.consumers(4).empty());
+  EXPECT_TRUE(graph.is_output(3));
+  EXPECT_FALSE(graph.is_output(0));
+  EXPECT_EQ(graph.find_value("summed"), std::optional<ValueId>(3));
+  EXPECT_EQ(graph.find_node("normalized"), std::optional<NodeId>(1));
+  EXPECT_EQ(graph.find_node("values"), std::nullopt);
+  EXPECT_EQ(seed.builder.spec(seed.normalized).to_string(), "f16[1, 2048]");
+  EXPECT_EQ(seed.builder.name(seed.summed), "summed");
+}
+
+TEST(GraphBuilderTest, NodesThatNoOutputNeedsAreKept) {
+  SeedGraph seed;
+  const ComputeGraph graph = seed.builder.build({seed.normalized});
+  EXPECT_EQ(graph.nodes().size(), 2u);
+  EXPECT_EQ(graph.outputs(), (std::vector<ValueId>{4}));
+}
+
+TEST(GraphBuilderTest, ConsumersListEachReadingNodeOnce) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4, 8}, DType::f32});
+  auto squared = builder.multiply(x, x);
+  auto gated = builder.silu(x);
+  auto both = builder.add(squared, gated);
+  const ComputeGraph graph = builder.build({both});
+  EXPECT_EQ(graph.consumers(x.id), (std::vector<NodeId>{0, 1}));
+  EXPECT_EQ(graph.node(0).inputs, (std::vector<ValueId>{0, 0}));
+}
+
+TEST(GraphBuilderTest, GeneratedNamesCountPerOpAndSkipTakenNames) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4, 8}, DType::f32});
+  auto first = builder.add(x, x);
+  auto second = builder.add(first, x);
+  auto taken = builder.exp(second, "add_2");
+  auto third = builder.add(taken, x);
+  auto scaled = builder.scale(third, 0.5);
+  EXPECT_EQ(builder.name(first), "add_0");
+  EXPECT_EQ(builder.name(second), "add_1");
+  EXPECT_EQ(builder.name(third), "add_3");
+  EXPECT_EQ(builder.name(scaled), "scale_0");
+}
+
+TEST(GraphBuilderTest, NodeErrorsNameTheNodeAndTheProblem) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{1, 2048}, DType::f16});
+  auto weight = builder.input("weight", {{1024}, DType::f16});
+  EXPECT_EQ(error_of([&] { builder.rms_norm(x, weight, 1e-5, "normalized"); }),
+            "node 'normalized' (rms_norm): weight f16[1024] does not match the last axis of x f16[1, 2048] "
+            "(expected [2048])");
+  EXPECT_EQ(error_of([&] { builder.rms_norm(x, x, 1e-5); }),
+            "node 'rms_norm_0' (rms_norm): weight f16[1, 2048] does not match the last axis of x f16[1, 2048] "
+            "(expected [2048])");
+  EXPECT_EQ(error_of([&] { builder.add_node("conv", {x}, {}, "c"); }), "node 'c' (conv): unknown op 'conv'");
+  EXPECT_EQ(error_of([&] { builder.add_node("add", {x}, {}, "s"); }), "node 's' (add): expects 2 inputs (a, b), got 1");
+  EXPECT_EQ(error_of([&] { builder.add(x, ValueRef{42}, "s"); }),
+            "node 's' (add): input 1 (b) is not a value of this GraphBuilder (id 42)");
+  GraphBuilder other;
+  auto foreign = other.input("y", {{1, 2048}, DType::f16});
+  EXPECT_EQ(error_of([&] { builder.add(x, foreign, "s"); }), "node 's' (add): input 1 (b) is a value of another GraphBuilder");
+  // A failed node records nothing: its name stays free and auto names do not advance.
+  auto normalized = builder.rms_norm(x, builder.input("w", {{2048}, DType::f16}), 1e-5, "normalized");
+  EXPECT_EQ(builder.name(normalized), "normalized");
+  EXPECT_EQ(builder.name(builder.rms_norm(x, builder.input("w2", {{2048}, DType::f16}), 1e-5)), "rms_norm_0");
+}
+
+TEST(GraphBuilderTest, DuplicateNamesAreRejected) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4}, DType::f32});
+  EXPECT_EQ(error_of([&] { builder.input("x", {{4}, DType::f32}); }),
+            "input 'x': duplicate name 'x', already used by input 'x'");
+  builder.exp(x, "e");
+  EXPECT_EQ(error_of([&] { builder.silu(x, "e"); }), "node 'e' (silu): duplicate name 'e', already used by node 'e' (exp)");
+  EXPECT_EQ(error_of([&] { builder.silu(x, "x"); }), "node 'x' (silu): duplicate name 'x', already used by input 'x'");
+}
+
+TEST(GraphBuilderTest, InputsNeedPositiveDimensionsAndAName) {
+  GraphBuilder builder;
+  EXPECT_EQ(error_of([&] { builder.input("x", {{4, 0}, DType::f32}); }),
+            "input 'x': dimension 1 of f32[4, 0] is not positive");
+  EXPECT_EQ(error_of([&] { builder.input("y", {{-3}, DType::f32}); }), "input 'y': dimension 0 of f32[-3] is not positive");
+  EXPECT_EQ(error_of([&] { builder.input("", {{3}, DType::f32}); }), "an input needs a name");
+  EXPECT_NO_THROW(builder.input("scalar", {{}, DType::f32}));
+}
+
+TEST(GraphBuilderTest, OutputsMustBeProducedOnceByThisGraph) {
+  SeedGraph seed;
+  EXPECT_EQ(error_of([&] { seed.builder.build({}); }), "build: a graph needs at least one output");
+  EXPECT_EQ(error_of([&] { seed.builder.build({seed.summed, seed.summed}); }), "build: output 'summed' is listed twice");
+  EXPECT_EQ(error_of([&] { seed.builder.build({seed.values}); }),
+            "build: output 0 'values' is a graph input, not a value produced by the graph");
+  EXPECT_EQ(error_of([&] { seed.builder.build({seed.summed, ValueRef{17}}); }),
+            "build: output 1 is not a value of this GraphBuilder (id 17)");
+  SeedGraph other;
+  EXPECT_EQ(error_of([&] { seed.builder.build({other.summed}); }), "build: output 0 is a value of another GraphBuilder");
+}
+
+TEST(GraphBuilderTest, RenameMovesNodeAndValueNames) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4}, DType::f32});
+  auto y = builder.exp(x);
+  builder.rename(y, "exponent");
+  builder.rename(x, "source");
+  EXPECT_EQ(error_of([&] { builder.rename(y, "source"); }),
+            "renaming 'exponent': duplicate name 'source', already used by input 'source'");
+  EXPECT_EQ(error_of([&] { builder.rename(y, ""); }), "renaming 'exponent': the new name is empty");
+  const ComputeGraph graph = builder.build({y});
+  EXPECT_EQ(graph.node(0).name, "exponent");
+  EXPECT_EQ(graph.value(y.id).name, "exponent");
+  EXPECT_EQ(graph.value(x.id).name, "source");
+  // The old names are free again.
+  EXPECT_NO_THROW(builder.input("x", {{4}, DType::f32}));
+  EXPECT_NO_THROW(builder.silu(x, "exp_0"));
+}
+
+TEST(GraphBuilderTest, EqualityIsStructural) {
+  SeedGraph first;
+  SeedGraph second;
+  EXPECT_EQ(first.builder.build({first.summed, first.normalized}), second.builder.build({second.summed, second.normalized}));
+  EXPECT_NE(first.builder.build({first.summed, first.normalized}), first.builder.build({first.normalized, first.summed}));
+  GraphBuilder different;
+  auto values = different.input("values", {{1, 2048}, DType::f16});
+  auto residual = different.input("residual", {{1, 2048}, DType::f16});
+  auto weight = different.input("weight", {{2048}, DType::f16});
+  auto summed = different.add(values, residual, "summed");
+  auto normalized = different.rms_norm(summed, weight, 1e-6, "normalized");
+  EXPECT_NE(different.build({summed, normalized}), first.builder.build({first.summed, first.normalized}));
+}
+
+TEST(GraphBuilderTest, EveryBuilderMethodRecordsItsOp) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{2, 8, 64}, DType::bf16});
+  auto weight = builder.input("weight", {{64}, DType::bf16});
+  auto bias = builder.input("bias", {{64}, DType::bf16});
+  auto positions = builder.input("positions", {{8}, DType::i32});
+  auto packed = builder.input("packed", {{32, 8}, DType::u32});
+  auto scales = builder.input("scales", {{32, 2}, DType::bf16});
+  auto biases = builder.input("biases", {{32, 2}, DType::bf16});
+  auto v = builder.subtract(x, weight);
+  v = builder.multiply(v, bias);
+  v = builder.scale(v, 0.125);
+  v = builder.gelu(v, "tanh");
+  v = builder.exp(v);
+  v = builder.layer_norm(v, weight, bias, 1e-6);
+  v = builder.rope(v, positions, 10000.0, 64);
+  auto scores = builder.matmul(v, v, true);
+  scores = builder.causal_mask(scores, 0);
+  scores = builder.softmax(scores, -1);
+  auto projected = builder.quantized_matmul(v, packed, scales, biases, 4, 32);
+  auto moved = builder.transpose(projected, {1, 0, 2});
+  auto flat = builder.reshape(moved, {-1});
+  auto wide = builder.cast(flat, DType::f32);
+  const ComputeGraph graph = builder.build({scores, wide});
+  std::vector<std::string> ops;
+  for (const Node& node : graph.nodes()) ops.push_back(node.op);
+  EXPECT_EQ(ops, (std::vector<std::string>{"subtract", "multiply", "scale", "gelu", "exp", "layer_norm", "rope", "matmul",
+                                           "causal_mask", "softmax", "quantized_matmul", "transpose", "reshape", "cast"}));
+  EXPECT_EQ(graph.value(scores.id).spec, TensorSpec({2, 8, 8}, DType::bf16));
+  EXPECT_EQ(graph.value(projected.id).spec, TensorSpec({2, 8, 32}, DType::bf16));
+  EXPECT_EQ(graph.value(moved.id).spec, TensorSpec({8, 2, 32}, DType::bf16));
+  EXPECT_EQ(graph.value(wide.id).spec, TensorSpec({512}, DType::f32));
+  EXPECT_EQ(graph.node(*graph.find_node("matmul_0")).attributes.get_int("transpose_right"), 1);
+}
+
+}  // namespace
+}  // namespace metile

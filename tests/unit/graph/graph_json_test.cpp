@@ -1,0 +1,334 @@
+// JSON graph files and DOT: the example files parse to the graphs they describe,
+// writing is deterministic and parse(write(g)) == g on random graphs, nodes may
+// come in any order, and each bad file gives one error with source and JSON path.
+#include <algorithm>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "metile/graph.h"
+
+namespace metile {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string error_of(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const InputError& error) {
+    return error.what();
+  }
+  return "(no InputError)";
+}
+
+std::string parse_error(const std::string& text) {
+  return error_of([&] { parse_graph_json(text, "g.json"); });
+}
+
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream stream(path);
+  std::ostringstream text;
+  text << stream.rdbuf();
+  return text.str();
+}
+
+const std::filesystem::path kExamples = METILE_EXAMPLES_DIR;
+
+ComputeGraph seed_graph() {
+  GraphBuilder builder;
+  auto values = builder.input("values", {{1, 2048}, DType::f16});
+  auto residual = builder.input("residual", {{1, 2048}, DType::f16});
+  auto weight = builder.input("weight", {{2048}, DType::f16});
+  auto summed = builder.add(values, residual, "summed");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  return builder.build({summed, normalized});
+}
+
+TEST(GraphJsonTest, SeedExampleIsTheBuilderGraphAndItsWrittenForm) {
+  const ComputeGraph graph = read_graph(kExamples / "add_rms_norm.json");
+  EXPECT_EQ(graph, seed_graph());
+  EXPECT_EQ(write_graph_json(graph), read_text(kExamples / "add_rms_norm.json"));
+}
+
+TEST(GraphJsonTest, DesignDocumentSnippetParses) {
+  const ComputeGraph graph = parse_graph_json(R"({
+    "inputs":  [{"name": "values", "shape": [1, 2048], "dtype": "f16"},
+                {"name": "residual", "shape": [1, 2048], "dtype": "f16"},
+                {"name": "weight", "shape": [2048], "dtype": "f16"}],
+    "nodes":   [{"name": "summed", "op": "add", "inputs": ["values", "residual"]},
+                {"name": "normalized", "op": "rms_norm", "inputs": ["summed", "weight"], "attrs": {"eps": 1e-5}}],
+    "outputs": ["summed", "normalized"]})");
+  EXPECT_EQ(graph, seed_graph());
+}
+
+TEST(GraphJsonTest, DecoderLayerExample) {
+  const ComputeGraph graph = read_graph(kExamples / "decoder_layer.json");
+  ASSERT_EQ(graph.outputs().size(), 1u);
+  const Value& output = graph.value(graph.outputs()[0]);
+  EXPECT_EQ(output.spec, TensorSpec({8, 512}, DType::bf16));
+  std::map<std::string, int> op_counts;
+  for (const Node& node : graph.nodes()) ++op_counts[node.op];
+  EXPECT_EQ(op_counts["quantized_matmul"], 7);  // q, k, v, o, gate, up, down
+  EXPECT_EQ(op_counts["rms_norm"], 2);
+  EXPECT_EQ(op_counts["rope"], 2);
+  EXPECT_EQ(op_counts["softmax"], 1);
+  EXPECT_EQ(op_counts["causal_mask"], 1);
+  EXPECT_EQ(op_counts["matmul"], 2);
+  EXPECT_EQ(op_counts["add"], 2);
+  EXPECT_EQ(op_counts["silu"], 1);
+  for (const Node& node : graph.nodes()) {
+    if (node.op != "quantized_matmul") continue;
+    EXPECT_EQ(node.attributes.get_int("bits"), 4) << node.name;
+    EXPECT_EQ(node.attributes.get_int("group_size"), 64) << node.name;
+  }
+  const Node& scores = graph.node(*graph.find_node("scores"));
+  EXPECT_EQ(graph.value(scores.outputs[0]).spec, TensorSpec({8, 8, 8}, DType::bf16));  // heads, queries, keys
+  EXPECT_EQ(write_graph_json(parse_graph_json(write_graph_json(graph))), write_graph_json(graph));
+}
+
+TEST(GraphJsonTest, SwigluMlpExample) {
+  const ComputeGraph graph = read_graph(kExamples / "swiglu_mlp.json");
+  ASSERT_EQ(graph.outputs().size(), 1u);
+  EXPECT_EQ(graph.value(graph.outputs()[0]).spec, TensorSpec({1, 4096}, DType::bf16));
+  const Value& hidden = graph.value(*graph.find_value("hidden"));
+  EXPECT_EQ(hidden.spec, TensorSpec({1, 14336}, DType::bf16));
+  int matmuls = 0;
+  for (const Node& node : graph.nodes()) {
+    if (node.op != "matmul") continue;
+    ++matmuls;
+    EXPECT_EQ(node.attributes.get_int("transpose_right"), 1);
+  }
+  EXPECT_EQ(matmuls, 3);
+}
+
+TEST(GraphJsonTest, AttributeTypesFollowTheJsonNumbers) {
+  const ComputeGraph graph = parse_graph_json(R"({
+    "inputs": [{"name": "a", "shape": [4, 8], "dtype": "f32"}, {"name": "b", "shape": [6, 8], "dtype": "f32"}],
+    "nodes": [{"name": "m", "op": "matmul", "inputs": ["a", "b"], "attrs": {"transpose_right": true}},
+              {"name": "s", "op": "scale", "inputs": ["m"], "attrs": {"factor": 2}},
+              {"name": "t", "op": "scale", "inputs": ["s"], "attrs": {"factor": 2.0}},
+              {"name": "r", "op": "reshape", "inputs": ["t"], "attrs": {"shape": [2, -1]}}],
+    "outputs": ["r"]})");
+  EXPECT_EQ(graph.node(0).attributes.entries().at("transpose_right"), AttributeValue(std::int64_t{1}));
+  EXPECT_EQ(graph.node(1).attributes.entries().at("factor"), AttributeValue(2.0));  // canonicalised by scale
+  EXPECT_EQ(graph.node(3).attributes.get_ints("shape"), (std::vector<std::int64_t>{2, 12}));
+  EXPECT_EQ(graph.value(graph.outputs()[0]).spec, TensorSpec({2, 12}, DType::f32));
+}
+
+TEST(GraphJsonTest, NodesMayComeInAnyOrder) {
+  const ComputeGraph graph = parse_graph_json(R"({
+    "inputs": [{"name": "x", "shape": [4], "dtype": "f32"}],
+    "nodes": [{"name": "c", "op": "add", "inputs": ["b", "a"]},
+              {"name": "b", "op": "exp", "inputs": ["a"]},
+              {"name": "a", "op": "silu", "inputs": ["x"]}],
+    "outputs": ["c"]})");
+  ASSERT_EQ(graph.nodes().size(), 3u);
+  EXPECT_EQ(graph.node(0).name, "a");
+  EXPECT_EQ(graph.node(1).name, "b");
+  EXPECT_EQ(graph.node(2).name, "c");
+  EXPECT_EQ(graph.node(2).inputs, (std::vector<ValueId>{2, 1}));
+}
+
+TEST(GraphJsonTest, CyclesAreReportedWithANodeOnThem) {
+  EXPECT_EQ(parse_error(R"({"inputs": [{"name": "x", "shape": [4], "dtype": "f32"}],
+    "nodes": [{"name": "out", "op": "add", "inputs": ["x", "b"]},
+              {"name": "b", "op": "exp", "inputs": ["c"]},
+              {"name": "c", "op": "add", "inputs": ["x", "b"]}],
+    "outputs": ["out"]})"),
+            "g.json: /nodes/1: node 'b' is on a cycle (each reads the next): b <- c <- b");
+  EXPECT_EQ(parse_error(R"({"inputs": [], "nodes": [{"name": "s", "op": "exp", "inputs": ["s"]}], "outputs": ["s"]})"),
+            "g.json: /nodes/0: node 's' is on a cycle (each reads the next): s <- s");
+}
+
+TEST(GraphJsonTest, ErrorsNameTheSourceAndThePath) {
+  const std::string inputs = R"("inputs": [{"name": "values", "shape": [1, 8], "dtype": "f16"},
+                                           {"name": "weight", "shape": [8], "dtype": "f16"}])";
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "summed", "op": "add", "inputs": ["values", "values"]},
+    {"name": "n", "op": "rms_norm", "inputs": ["sumed", "weight"], "attrs": {"eps": 1e-5}}], "outputs": ["n"]})"),
+            "g.json: /nodes/1/inputs/0: unknown value 'sumed'");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "rms_norm", "inputs": ["values", "values"],
+    "attrs": {"eps": 1e-5}}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (rms_norm): weight f16[1, 8] does not match the last axis of x f16[1, 8] "
+            "(expected [8])");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "rms_norm", "inputs": ["values", "weight"],
+    "attrs": {"eps": 0}}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (rms_norm): eps must be positive, got 0");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "norm", "inputs": ["values"]}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (norm): unknown op 'norm'");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "inputs": ["values", "weight"]}],
+    "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (exp): expects 1 inputs (x), got 2");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "inputs": ["values"]},
+    {"name": "n", "op": "silu", "inputs": ["values"]}], "outputs": ["n"]})"),
+            "g.json: /nodes/1/name: duplicate name 'n' (also /nodes/0)");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "weight", "op": "exp", "inputs": ["values"]}],
+    "outputs": ["weight"]})"),
+            "g.json: /nodes/0/name: duplicate name 'weight' (also /inputs/1)");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "inputs": ["values"]}], "outputs": ["m"]})"),
+            "g.json: /outputs/0: unknown value 'm'");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "inputs": ["values"]}],
+    "outputs": ["n", "values"]})"),
+            "g.json: /outputs/1: 'values' is a graph input, not a value produced by the graph");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "inputs": ["values"]}],
+    "outputs": ["n", "n"]})"),
+            "g.json: /outputs/1: 'n' is listed twice");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "inputs": ["values"]}], "outputs": []})"),
+            "g.json: /outputs: build: a graph needs at least one output");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "inputs": ["values"]}]})"),
+            "g.json: /: missing 'outputs'");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "exp", "input": ["values"]}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: unknown key 'input'");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "scale", "inputs": ["values"],
+    "attrs": {"factor": {"value": 2}}}], "outputs": ["n"]})"),
+            "g.json: /nodes/0/attrs/factor: an attribute must be a number, a string or an integer array, got "
+            "{\"value\":2}");
+  EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "reshape", "inputs": ["values"],
+    "attrs": {"shape": [8, 1.5]}}], "outputs": ["n"]})"),
+            "g.json: /nodes/0/attrs/shape/1: expected an integer, got 1.5");
+  EXPECT_EQ(parse_error(R"({"inputs": [{"name": "x", "shape": [4], "dtype": "f64"}], "nodes": [], "outputs": []})"),
+            "g.json: /inputs/0/dtype: unknown dtype 'f64' (expected f16, bf16, f32, i8, u8, i32 or u32)");
+  EXPECT_EQ(parse_error(R"({"inputs": [{"name": "x", "shape": [4, 0], "dtype": "f32"}], "nodes": [], "outputs": []})"),
+            "g.json: /inputs/0: input 'x': dimension 1 of f32[4, 0] is not positive");
+  EXPECT_EQ(parse_error(R"({"inputs": [{"name": "x", "shape": "4", "dtype": "f32"}], "nodes": [], "outputs": []})"),
+            "g.json: /inputs/0/shape: must be an array of integers");
+  EXPECT_EQ(parse_error(R"([1, 2])"), "g.json: /: a graph file must be a JSON object with inputs, nodes and outputs");
+  const std::string invalid = parse_error("{\"inputs\": [\n  {\"name\": }\n]}");
+  EXPECT_EQ(invalid.rfind("g.json: invalid JSON: parse error at line 2, column 12", 0), 0u) << invalid;
+  const std::filesystem::path missing = kExamples / "no_such_graph.json";
+  EXPECT_EQ(error_of([&] { read_graph(missing); }), missing.string() + ": cannot open file");
+}
+
+// A random, valid graph: ops drawn at random with random operands; an attempt
+// the builder rejects records nothing, so only legal ops stay.
+ComputeGraph random_graph(std::uint32_t seed) {
+  std::mt19937 random(seed);
+  auto pick = [&random](std::size_t count) { return std::uniform_int_distribution<std::size_t>(0, count - 1)(random); };
+  const DType dtype = std::vector<DType>{DType::f16, DType::bf16, DType::f32}[pick(3)];
+  const std::int64_t rows = 1 + static_cast<std::int64_t>(pick(4));
+  const std::int64_t width = std::vector<std::int64_t>{32, 64, 128}[pick(3)];
+  GraphBuilder builder;
+  std::vector<ValueRef> pool{builder.input("x", {{rows, width}, dtype}), builder.input("y", {{2, rows, width}, dtype}),
+                             builder.input("w", {{width}, dtype}), builder.input("m", {{rows, width}, dtype}),
+                             builder.input("positions", {{rows}, DType::i32})};
+  std::vector<ValueRef> produced;
+  std::uniform_real_distribution<double> numbers(-3.0, 3.0);
+  for (int attempt = 0; attempt < 400 && produced.size() < 16; ++attempt) {
+    const ValueRef a = pool[pick(pool.size())];
+    const ValueRef b = pool[pick(pool.size())];
+    const std::string name = pick(2) == 0 ? std::string{} : "v" + std::to_string(attempt);
+    const int rank = builder.spec(a).rank();
+    try {
+      ValueRef result;
+      switch (pick(13)) {
+        case 0: result = builder.add(a, b, name); break;
+        case 1: result = builder.multiply(a, b, name); break;
+        case 2: result = builder.subtract(a, b, name); break;
+        case 3: result = builder.scale(a, numbers(random), name); break;
+        case 4: result = builder.gelu(a, pick(2) ? "tanh" : "none", name); break;
+        case 5: result = pick(2) ? builder.silu(a, name) : builder.exp(a, name); break;
+        case 6: result = builder.rms_norm(a, b, 1e-6 + std::fabs(numbers(random)) * 1e-4, name); break;
+        case 7: result = builder.softmax(a, static_cast<std::int64_t>(pick(static_cast<std::size_t>(rank) + 1)) - 1, name); break;
+        case 8: result = builder.matmul(a, b, pick(2) == 1, name); break;
+        case 9: {
+          std::vector<std::int64_t> perm(static_cast<std::size_t>(rank));
+          for (std::size_t axis = 0; axis < perm.size(); ++axis) perm[axis] = static_cast<std::int64_t>(axis);
+          std::shuffle(perm.begin(), perm.end(), random);
+          result = builder.transpose(a, perm, name);
+          break;
+        }
+        case 10: result = builder.reshape(a, {pick(2) ? -1 : builder.spec(a).element_count()}, name); break;
+        case 11: result = builder.causal_mask(a, static_cast<std::int64_t>(pick(3)), name); break;
+        default: result = builder.rope(a, b, 100.0 + numbers(random), 2 * static_cast<std::int64_t>(1 + pick(8)), name); break;
+      }
+      pool.push_back(result);
+      produced.push_back(result);
+    } catch (const InputError&) {
+      // Shapes did not fit: draw again.
+    }
+  }
+  std::vector<ValueRef> outputs;
+  for (ValueRef value : produced) {
+    if (pick(3) == 0) outputs.push_back(value);
+  }
+  if (outputs.empty()) outputs.push_back(produced.back());
+  return builder.build(outputs);
+}
+
+TEST(GraphJsonTest, RandomGraphsRoundTrip) {
+  for (std::uint32_t seed = 1; seed <= 60; ++seed) {
+    const ComputeGraph graph = random_graph(seed);
+    ASSERT_GE(graph.nodes().size(), 12u) << "seed " << seed;
+    const std::string text = write_graph_json(graph);
+    const ComputeGraph parsed = parse_graph_json(text, "random.json");
+    ASSERT_EQ(parsed, graph) << "seed " << seed << "\n" << text;
+    EXPECT_EQ(write_graph_json(parsed), text);
+  }
+}
+
+TEST(GraphJsonTest, ShuffledNodeOrderGivesTheSameNodes) {
+  for (std::uint32_t seed = 100; seed < 120; ++seed) {
+    const ComputeGraph graph = random_graph(seed);
+    Json document = Json::parse(write_graph_json(graph));
+    std::mt19937 random(seed);
+    std::shuffle(document["nodes"].begin(), document["nodes"].end(), random);
+    const ComputeGraph parsed = parse_graph_json(document.dump(), "shuffled.json");
+    ASSERT_EQ(parsed.nodes().size(), graph.nodes().size());
+    for (const Node& node : parsed.nodes()) {
+      const Node& original = graph.node(*graph.find_node(node.name));
+      EXPECT_EQ(node.op, original.op);
+      EXPECT_EQ(node.attributes, original.attributes);
+      ASSERT_EQ(node.inputs.size(), original.inputs.size());
+      for (std::size_t position = 0; position < node.inputs.size(); ++position) {
+        EXPECT_EQ(parsed.value(node.inputs[position]).name, graph.value(original.inputs[position]).name);
+        const Value& input = parsed.value(node.inputs[position]);
+        EXPECT_LT(input.producer, node.id) << "topological order";
+      }
+      EXPECT_EQ(parsed.value(node.outputs[0]).spec, graph.value(original.outputs[0]).spec);
+    }
+  }
+}
+
+TEST(GraphDotTest, ContainsEveryNodeInputAndOutput) {
+  const ComputeGraph graph = read_graph(kExamples / "decoder_layer.json");
+  const std::string dot = graph_to_dot(graph);
+  EXPECT_EQ(dot.rfind("digraph metile {", 0), 0u);
+  EXPECT_EQ(dot.substr(dot.size() - 2), "}\n");
+  for (ValueId id : graph.inputs()) {
+    const Value& input = graph.value(id);
+    EXPECT_NE(dot.find("input_" + std::to_string(id) + " [shape=ellipse, label=\"" + input.name + "\\n" +
+                       input.spec.to_string() + "\"]"),
+              std::string::npos)
+        << input.name;
+  }
+  std::size_t edges = 0;
+  for (const Node& node : graph.nodes()) {
+    const std::string label = node.name + "\\n" + node.op + " " + graph.value(node.outputs[0]).spec.to_string();
+    EXPECT_NE(dot.find("node_" + std::to_string(node.id) + " [shape=box, label=\"" + label + "\""), std::string::npos)
+        << node.name;
+    edges += node.inputs.size();
+  }
+  std::size_t arrows = 0;
+  for (std::size_t at = dot.find("->"); at != std::string::npos; at = dot.find("->", at + 2)) ++arrows;
+  EXPECT_EQ(arrows, edges + graph.outputs().size());
+  const NodeId output_node = graph.value(graph.outputs()[0]).producer;
+  EXPECT_NE(dot.find("node_" + std::to_string(output_node) + " [shape=box"), std::string::npos);
+  EXPECT_NE(dot.find("peripheries=2"), std::string::npos);
+  EXPECT_NE(dot.find("output_0 [shape=plaintext, label=\"output " + graph.value(graph.outputs()[0]).name + "\"]"),
+            std::string::npos);
+}
+
+TEST(GraphDotTest, EscapesQuotesInNames) {
+  GraphBuilder builder;
+  auto x = builder.input("say \"hi\"", {{2}, DType::f32});
+  const std::string dot = graph_to_dot(builder.build({builder.exp(x, "e\\x")}));
+  EXPECT_NE(dot.find("label=\"say \\\"hi\\\"\\nf32[2]\""), std::string::npos) << dot;
+  EXPECT_NE(dot.find("label=\"e\\\\x\\nexp f32[2]\""), std::string::npos) << dot;
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,239 @@
+// HostTensor element access and safetensors files: values survive storage
+// exactly in every dtype, stores round once (never double-rounding through
+// f32), and every malformed file gives an error naming the file and tensor.
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "metile/graph.h"
+
+namespace metile {
+namespace {
+
+std::string error_of(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const InputError& error) {
+    return error.what();
+  }
+  return "(no InputError)";
+}
+
+TEST(TensorSpecTest, CountsBytesRowsAndText) {
+  const TensorSpec spec({3, 4, 5}, DType::bf16);
+  EXPECT_EQ(spec.rank(), 3);
+  EXPECT_EQ(spec.element_count(), 60);
+  EXPECT_EQ(spec.bytes(), 120);
+  EXPECT_EQ(spec.row_length(), 5);
+  EXPECT_EQ(spec.row_count(), 12);
+  EXPECT_EQ(spec.to_string(), "bf16[3, 4, 5]");
+  const TensorSpec scalar({}, DType::f32);
+  EXPECT_EQ(scalar.element_count(), 1);
+  EXPECT_EQ(scalar.row_count(), 1);
+  EXPECT_EQ(scalar.to_string(), "f32[]");
+}
+
+TEST(HostTensorTest, ValuesRepresentableInEachDtypeSurviveExactly) {
+  std::mt19937 random(31);
+  std::uniform_int_distribution<std::uint32_t> bits16(0, 0xffff);
+  std::uniform_int_distribution<std::int64_t> i32_values(INT32_MIN, INT32_MAX);
+  std::uniform_int_distribution<std::int64_t> u32_values(0, UINT32_MAX);
+  std::uniform_int_distribution<int> i8_values(-128, 127);
+  std::uniform_int_distribution<int> u8_values(0, 255);
+  std::uniform_real_distribution<float> floats(-1e6f, 1e6f);
+  const std::int64_t count = 4096;
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32, DType::i8, DType::u8, DType::i32, DType::u32}) {
+    std::vector<double> values;
+    for (std::int64_t index = 0; index < count; ++index) {
+      double value = 0;
+      switch (dtype) {
+        case DType::f16: {
+          value = f16_bits_to_f32(static_cast<std::uint16_t>(bits16(random)));
+          if (std::isnan(value)) value = 1.5;
+          break;
+        }
+        case DType::bf16: {
+          value = bf16_bits_to_f32(static_cast<std::uint16_t>(bits16(random)));
+          if (std::isnan(value)) value = -2.25;
+          break;
+        }
+        case DType::f32: value = floats(random); break;
+        case DType::i8: value = i8_values(random); break;
+        case DType::u8: value = u8_values(random); break;
+        case DType::i32: value = static_cast<double>(i32_values(random)); break;
+        case DType::u32: value = static_cast<double>(u32_values(random)); break;
+      }
+      values.push_back(value);
+    }
+    const HostTensor tensor = HostTensor::from_values(TensorSpec({64, 64}, dtype), values);
+    ASSERT_EQ(tensor.bytes().size(), static_cast<std::size_t>(count) * dtype_size(dtype));
+    EXPECT_EQ(tensor.to_values(), values) << dtype_name(dtype);
+  }
+}
+
+TEST(HostTensorTest, StoredBitsAreTheDtypeLayout) {
+  HostTensor tensor(TensorSpec({2}, DType::f16));
+  tensor.store(0, 1.0);
+  tensor.store(1, -2.0);
+  std::uint16_t bits[2];
+  std::memcpy(bits, tensor.bytes().data(), sizeof bits);
+  EXPECT_EQ(bits[0], 0x3c00);
+  EXPECT_EQ(bits[1], 0xc000);
+  HostTensor integers(TensorSpec({1}, DType::i32));
+  integers.store(0, -5.0);
+  std::int32_t stored;
+  std::memcpy(&stored, integers.bytes().data(), sizeof stored);
+  EXPECT_EQ(stored, -5);
+}
+
+TEST(HostTensorTest, StoreRoundsOnceFromDouble) {
+  // Just above the midpoint between f16 1.0 and 1.0 + 2^-10: a double->f32->f16
+  // path would first land on the midpoint and then tie down to 1.0.
+  const double above_midpoint = 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40);
+  HostTensor half(TensorSpec({2}, DType::f16));
+  half.store(0, above_midpoint);
+  EXPECT_EQ(half.at(0), 1.0 + std::ldexp(1.0, -10));
+  half.store(1, 1.0 + std::ldexp(1.0, -11));  // the exact midpoint ties to even: 1.0
+  EXPECT_EQ(half.at(1), 1.0);
+  HostTensor brain(TensorSpec({1}, DType::bf16));
+  brain.store(0, 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -45));
+  EXPECT_EQ(brain.at(0), 1.0 + std::ldexp(1.0, -7));
+  HostTensor integers(TensorSpec({4}, DType::u8));
+  integers.store(0, 300.0);
+  integers.store(1, -4.0);
+  integers.store(2, 2.5);
+  integers.store(3, 3.5);
+  EXPECT_EQ(integers.to_values(), (std::vector<double>{255, 0, 2, 4}));
+}
+
+TEST(HostTensorTest, FromValuesChecksTheCount) {
+  const std::vector<double> values{1, 2, 3};
+  EXPECT_EQ(error_of([&] { HostTensor::from_values(TensorSpec({2, 2}, DType::f32), values); }),
+            "tensor f32[2, 2] needs 4 values, got 3");
+  EXPECT_THROW(HostTensor(TensorSpec({2}, DType::f32)).at(2), std::out_of_range);
+}
+
+class SafetensorsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    directory_ = std::filesystem::temp_directory_path() /
+                 ("metile_graph_test_" + std::to_string(::getpid()) + "_" +
+                  ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(directory_);
+  }
+  void TearDown() override { std::filesystem::remove_all(directory_); }
+
+  // A file with the given header text and data bytes; header_length overrides the length field.
+  std::filesystem::path raw_file(const std::string& header, std::size_t data_bytes,
+                                 std::optional<std::uint64_t> header_length = std::nullopt) {
+    const std::filesystem::path path = directory_ / "raw.safetensors";
+    std::ofstream stream(path, std::ios::binary);
+    std::uint64_t length = header_length.value_or(header.size());
+    for (int byte = 0; byte < 8; ++byte) stream.put(static_cast<char>((length >> (8 * byte)) & 0xff));
+    stream << header;
+    for (std::size_t byte = 0; byte < data_bytes; ++byte) stream.put(static_cast<char>(byte * 7 + 1));
+    return path;
+  }
+
+  std::filesystem::path directory_;
+};
+
+TEST_F(SafetensorsTest, RoundTripsEveryDtype) {
+  std::mt19937 random(99);
+  std::uniform_real_distribution<double> values(-100.0, 100.0);
+  TensorMap tensors;
+  int shape_seed = 1;
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32, DType::i8, DType::u8, DType::i32, DType::u32}) {
+    TensorSpec spec({shape_seed, 3}, dtype);
+    std::vector<double> data;
+    for (std::int64_t index = 0; index < spec.element_count(); ++index) data.push_back(values(random));
+    tensors.emplace(std::string("tensor_") + std::string(dtype_name(dtype)), HostTensor::from_values(spec, data));
+    shape_seed += 2;
+  }
+  tensors.emplace("scalar", HostTensor::from_values(TensorSpec({}, DType::f32), std::vector<double>{3.25}));
+  const std::filesystem::path path = directory_ / "all.safetensors";
+  write_safetensors(path, tensors);
+  EXPECT_EQ(read_safetensors(path), tensors);
+  // No temporary file is left beside the result.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1);
+  // The header length is a multiple of 8 so the data is aligned.
+  std::ifstream stream(path, std::ios::binary);
+  unsigned char length[8];
+  stream.read(reinterpret_cast<char*>(length), 8);
+  EXPECT_EQ(length[0] % 8, 0);
+}
+
+TEST_F(SafetensorsTest, ReadsMetadataAndIgnoresIt) {
+  const auto path = raw_file(R"({"__metadata__": {"format": "pt"}, "w": {"dtype": "U8", "shape": [2, 2], "data_offsets": [0, 4]}})", 4);
+  const TensorMap tensors = read_safetensors(path);
+  ASSERT_EQ(tensors.size(), 1u);
+  EXPECT_EQ(tensors.at("w").to_values(), (std::vector<double>{1, 8, 15, 22}));
+}
+
+TEST_F(SafetensorsTest, RejectsMalformedFiles) {
+  const std::string file = (directory_ / "raw.safetensors").string();
+  std::filesystem::path path = directory_ / "raw.safetensors";
+  {
+    std::ofstream stream(path, std::ios::binary);
+    stream << "abc";
+  }
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": too short for a safetensors file (3 bytes, the header length alone takes 8)");
+
+  path = raw_file("{}", 0, 1000);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": header length 1000 runs past the end of the file (10 bytes)");
+
+  path = raw_file("{\"w\": [", 0);
+  EXPECT_NE(error_of([&] { read_safetensors(path); }).find(file + ": header is not valid JSON"), std::string::npos);
+
+  path = raw_file("[1, 2]", 0);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": header is not a JSON object");
+
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": tensor 'b': data overlaps tensor 'a'");
+
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'a': data_offsets end at byte 16 but the file holds only 8 data bytes");
+
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": tensor 'a': data_offsets [8, 4] end before they begin");
+
+  path = raw_file(R"({"a": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'a': unsupported dtype 'F64' (expected F16, BF16, F32, I8, U8, I32 or U32)");
+
+  path = raw_file(R"({"a": {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 6]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'a': f16[2, 2] needs 8 bytes but data_offsets span 6");
+
+  path = raw_file(R"({"a": {"dtype": "F16", "shape": [-2], "data_offsets": [0, 4]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'a': shape [-2] has a non-integer or negative dimension");
+
+  path = raw_file(R"({"a": {"dtype": "F16", "shape": [2]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": tensor 'a': header entry has no 'data_offsets'");
+
+  const std::string missing = (directory_ / "missing.safetensors").string();
+  EXPECT_EQ(error_of([&] { read_safetensors(missing); }), missing + ": cannot open file");
+}
+
+TEST_F(SafetensorsTest, FailedWriteLeavesNoFile) {
+  const std::filesystem::path path = directory_ / "no_such_directory" / "out.safetensors";
+  TensorMap tensors;
+  tensors.emplace("x", HostTensor(TensorSpec({2}, DType::f32)));
+  EXPECT_THROW(write_safetensors(path, tensors), InputError);
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+}  // namespace
+}  // namespace metile
