@@ -1,0 +1,82 @@
+// The pieces of the `_metile` extension, one file per metile module, and the few
+// helpers they share. Each bind_* function adds its module's classes and functions
+// to the extension; module.cpp calls them in data-flow order (graph first), so a
+// later module's signatures can name an earlier module's classes.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "metile/graph.h"
+
+namespace metile::python {
+
+namespace py = pybind11;
+
+void bind_graph(py::module_& module);
+void bind_flow(py::module_& module);
+void bind_fusion(py::module_& module);
+void bind_runtime(py::module_& module);
+
+// A GraphBuilder as Python holds it: the C++ builder plus the values whose names it
+// invented (the Python layer renames those after the caller's variables at build()).
+struct PythonGraphBuilder {
+  GraphBuilder builder;
+  std::vector<ValueRef> auto_named;
+};
+
+// What a GraphBuilder method returns to Python: the C++ handle plus the builder it
+// came from, kept alive so that `value.name` and `value.spec` work on their own.
+struct BoundValue {
+  ValueRef ref;
+  std::shared_ptr<PythonGraphBuilder> owner;
+};
+
+// A graph value or node as Python sees it: the graph (kept alive) and an id.
+struct GraphValueView {
+  std::shared_ptr<const ComputeGraph> graph;
+  ValueId id = -1;
+};
+struct GraphNodeView {
+  std::shared_ptr<const ComputeGraph> graph;
+  NodeId id = -1;
+};
+
+// Python lists of views of these values / nodes, in order.
+py::list value_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<ValueId>& ids);
+py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<NodeId>& ids);
+
+}  // namespace metile::python
+
+namespace pybind11::detail {
+
+// OpKind crosses as its name ("elementwise", "row_reduction", "contraction", "layout"),
+// the same strings Node.kind, graph files and plans use; an unknown name is a ValueError.
+template <>
+struct type_caster<metile::OpKind> {
+  PYBIND11_TYPE_CASTER(metile::OpKind, const_name("str"));
+
+  bool load(handle source, bool /*convert*/) {
+    if (!isinstance<str>(source)) return false;
+    const std::string name = source.cast<std::string>();
+    std::string known;
+    for (int kind = 0; kind <= static_cast<int>(metile::OpKind::layout); ++kind) {
+      const std::string_view kind_name = metile::op_kind_name(static_cast<metile::OpKind>(kind));
+      if (kind_name == name) {
+        value = static_cast<metile::OpKind>(kind);
+        return true;
+      }
+      known += (known.empty() ? "" : ", ") + std::string(kind_name);
+    }
+    throw value_error("unknown op kind '" + name + "' (expected " + known + ")");
+  }
+
+  static handle cast(metile::OpKind kind, return_value_policy /*policy*/, handle /*parent*/) {
+    return str(std::string(metile::op_kind_name(kind))).release();
+  }
+};
+
+}  // namespace pybind11::detail

@@ -1,0 +1,183 @@
+// Python binding of the flow module: FlowNetwork, a mutable network over any hashable
+// vertices whose minimum_cut(source, sink, solver) returns (value, frozenset of the
+// source side). The C++ FlowNetwork is immutable and numbers its vertices 0..n-1, so
+// this class keeps the vertex <-> number map and FlowNetworkBuilders, and builds an
+// immutable network per solve.
+//
+// Capacities: while every capacity is a Python int the network is solved in exact
+// 64-bit integers and the value is an int; the first float switches it to doubles
+// and the value is a float. Validation (negative, NaN, infinite, overflowing
+// capacities) is the C++ builder's, at add_edge, so a mistake is reported where it
+// was made.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "metile/flow.h"
+
+namespace metile::python {
+namespace {
+
+class PythonFlowNetwork {
+ public:
+  // Returns the number of the new edge. Leaves the network unchanged when it raises.
+  int add_edge(const py::object& from, const py::object& to, const py::object& capacity) {
+    const bool integer_capacity = py::isinstance<py::int_>(capacity) && !py::isinstance<py::bool_>(capacity);
+    if (!integer_capacity && !py::isinstance<py::float_>(capacity)) {
+      throw py::type_error("FlowNetwork.add_edge: capacity must be an int or a float, got " +
+                           std::string(py::str(py::type::handle_of(capacity).attr("__name__"))));
+    }
+    std::optional<std::int64_t> integer_value;
+    if (integer_capacity) {
+      try {
+        integer_value = capacity.cast<std::int64_t>();
+      } catch (const py::cast_error&) {
+        throw py::value_error("FlowNetwork.add_edge: capacity " + std::string(py::repr(capacity)) +
+                              " does not fit in a 64-bit integer");
+      }
+    }
+    const double real_value = integer_value ? static_cast<double>(*integer_value) : capacity.cast<double>();
+    return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
+      if (integer_edges_ && integer_value) {
+        const int edge_number = integer_builder_.add_edge(from_vertex, to_vertex, *integer_value);
+        real_builder_.add_edge(from_vertex, to_vertex, real_value);
+        return edge_number;
+      }
+      const int edge_number = real_builder_.add_edge(from_vertex, to_vertex, real_value);
+      integer_edges_ = false;  // from here on only the real builder is kept current
+      return edge_number;
+    });
+  }
+
+  int add_infinite_edge(const py::object& from, const py::object& to) {
+    return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
+      if (integer_edges_) integer_builder_.add_infinite_edge(from_vertex, to_vertex);
+      return real_builder_.add_infinite_edge(from_vertex, to_vertex);
+    });
+  }
+
+  py::tuple minimum_cut(const py::object& source, const py::object& sink, const std::string& solver) const {
+    MaxFlowOptions options;
+    options.solver = parse_solver_choice(solver);
+    const int source_vertex = existing_vertex(source, "source");
+    const int sink_vertex = existing_vertex(sink, "sink");
+    if (source_vertex == sink_vertex) {
+      // Checked here too so that the message names the vertex, not its internal number.
+      throw py::value_error("FlowNetwork.minimum_cut: source and sink are the same vertex " +
+                            std::string(py::repr(source)));
+    }
+    if (integer_edges_) {
+      const MaxFlowResult<std::int64_t> result =
+          solve(integer_builder_.build(), source_vertex, sink_vertex, options);
+      return py::make_tuple(result.value, source_side(result.source_side));
+    }
+    const MaxFlowResult<double> result = solve(real_builder_.build(), source_vertex, sink_vertex, options);
+    return py::make_tuple(result.value, source_side(result.source_side));
+  }
+
+  int vertex_count() const { return static_cast<int>(py::len(vertex_numbers_)); }
+  int edge_count() const { return real_builder_.edge_count(); }
+  bool exact() const { return integer_edges_; }
+
+ private:
+  // Numbers the endpoints (new ones get fresh numbers) and calls add(from, to), which
+  // adds the edge to the builders and may throw. New endpoints get numbers in both
+  // builders first; if the edge is then rejected they stay behind as isolated vertices
+  // that no Python object maps to, which keeps the builders' numbering in step without
+  // a rollback and leaves the network as the user sees it unchanged.
+  template <typename AddEdge>
+  int add_edge_with(const py::object& from, const py::object& to, AddEdge add) {
+    // Hash both endpoints before touching anything: an unhashable vertex is a TypeError
+    // from Python itself, and the network must stay as it was.
+    const std::optional<int> from_number = find_vertex(from);
+    const std::optional<int> to_number = find_vertex(to);
+    // A new self loop (u == v, both unseen) names one new vertex, not two.
+    const bool new_self_loop = !from_number && !to_number && from.equal(to);
+    const int from_vertex = from_number ? *from_number : reserve_vertex();
+    const int to_vertex = to_number ? *to_number : (new_self_loop ? from_vertex : reserve_vertex());
+    const int edge_number = add(from_vertex, to_vertex);
+    if (!from_number) publish_vertex(from, from_vertex);
+    if (!to_number && !new_self_loop) publish_vertex(to, to_vertex);
+    return edge_number;
+  }
+
+  std::optional<int> find_vertex(const py::object& vertex) const {
+    // dict.get hashes the key and raises TypeError for an unhashable one.
+    const py::object number = vertex_numbers_.attr("get")(vertex);
+    if (number.is_none()) return std::nullopt;
+    return number.cast<int>();
+  }
+
+  int existing_vertex(const py::object& vertex, const std::string& role) const {
+    const std::optional<int> number = find_vertex(vertex);
+    if (!number) {
+      throw py::value_error("FlowNetwork.minimum_cut: " + role + " " + std::string(py::repr(vertex)) +
+                            " is not a vertex of the network (add an edge to or from it first)");
+    }
+    return *number;
+  }
+
+  int reserve_vertex() {
+    real_builder_.add_vertex();
+    vertex_objects_.emplace_back();
+    return integer_builder_.add_vertex();
+  }
+
+  void publish_vertex(const py::object& vertex, int number) {
+    vertex_numbers_[vertex] = number;
+    vertex_objects_[static_cast<std::size_t>(number)] = vertex;
+  }
+
+  py::frozenset source_side(const std::vector<bool>& side) const {
+    py::set vertices;
+    for (std::size_t number = 0; number < side.size(); ++number) {
+      if (side[number] && vertex_objects_[number]) vertices.add(vertex_objects_[number]);
+    }
+    return py::frozenset(vertices);
+  }
+
+  py::dict vertex_numbers_;                 // vertex object -> number
+  std::vector<py::object> vertex_objects_;  // number -> vertex object (null for a rejected edge's endpoint)
+  FlowNetworkBuilder<std::int64_t> integer_builder_;
+  FlowNetworkBuilder<double> real_builder_;
+  bool integer_edges_ = true;
+};
+
+}  // namespace
+
+void bind_flow(py::module_& module) {
+  py::class_<PythonFlowNetwork>(
+      module, "FlowNetwork",
+      "A directed capacity network over hashable vertices. add_edge(u, v, capacity) adds one edge (parallel "
+      "edges add up); minimum_cut(source, sink) solves it exactly. All-int capacities are solved in 64-bit "
+      "integers (int value); any float capacity makes the network real-valued (float value).")
+      .def(py::init<>())
+      .def("add_edge", &PythonFlowNetwork::add_edge, py::arg("u"), py::arg("v"), py::arg("capacity"),
+           "Adds the edge u -> v; returns its number (0, 1, ... in the order added). ValueError for a "
+           "negative, "
+           "NaN or infinite capacity, TypeError for an unhashable vertex.")
+      .def("add_infinite_edge", &PythonFlowNetwork::add_infinite_edge, py::arg("u"), py::arg("v"),
+           "Adds a legality edge u -> v that no minimum cut crosses while a finite cut exists; its capacity "
+           "is "
+           "fixed at solve time to more than the sum of all finite capacities, so a cut value at least that "
+           "large means no finite cut exists. Returns the edge number.")
+      .def("minimum_cut", &PythonFlowNetwork::minimum_cut, py::arg("source"), py::arg("sink"),
+           py::arg("solver") = "auto",
+           "Returns (value, source_side): the maximum flow value and the frozenset of vertices on the source "
+           "side "
+           "of a minimum cut (the smallest such set: those reachable from the source in the final residual "
+           "graph). solver is 'auto', 'dinic' or 'hlpp'.")
+      .def_property_readonly("vertex_count", &PythonFlowNetwork::vertex_count)
+      .def_property_readonly("edge_count", &PythonFlowNetwork::edge_count)
+      .def_property_readonly("exact", &PythonFlowNetwork::exact,
+                             "True while every capacity is an int (solved in exact integer arithmetic).")
+      .def("__repr__", [](const PythonFlowNetwork& network) {
+        return "FlowNetwork(" + std::to_string(network.vertex_count()) + " vertices, " +
+               std::to_string(network.edge_count()) + " edges)";
+      });
+}
+
+}  // namespace metile::python

@@ -1,0 +1,372 @@
+// Python bindings of the fusion planner: FusionTarget, the declarative rules
+// (FusionRule and its parts, RuleSet, the default rules), plan_graph_fusion and the
+// FusionPlan it returns, whose regions, candidates and conflict components are
+// read-only views that keep the plan alive and speak in graph Values and Nodes.
+// The named rule classes of the seed (ParallelEpilogueRule, ...) are thin Python
+// subclasses of FusionRule in python/metile/__init__.py.
+#include <pybind11/stl.h>
+#include <pybind11/stl/filesystem.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "metile/fusion.h"
+
+namespace metile::python {
+namespace {
+
+using PlanPointer = std::shared_ptr<const FusionPlan>;
+using PlanHolder = std::shared_ptr<FusionPlan>;  // how Python holds a plan (pybind11 holders are non-const)
+
+struct FusionRegionView {
+  PlanPointer plan;
+  int index = 0;
+  const FusionRegion& region() const { return plan->regions.at(static_cast<std::size_t>(index)); }
+};
+struct FusionCandidateView {
+  PlanPointer plan;
+  int index = 0;
+  const FusionCandidate& candidate() const { return plan->candidates.at(static_cast<std::size_t>(index)); }
+};
+struct ConflictComponentView {
+  PlanPointer plan;
+  int index = 0;
+  const ConflictComponent& component() const { return plan->components.at(static_cast<std::size_t>(index)); }
+};
+
+std::string joined_node_names(const ComputeGraph& graph, const std::vector<NodeId>& ids) {
+  std::string text;
+  for (NodeId id : ids) text += (text.empty() ? "" : ", ") + graph.node(id).name;
+  return text;
+}
+
+std::string joined_value_names(const ComputeGraph& graph, const std::vector<ValueId>& ids) {
+  std::string text;
+  for (ValueId id : ids) text += (text.empty() ? "" : ", ") + graph.value(id).name;
+  return text;
+}
+
+std::string number_text(double value) {
+  std::ostringstream stream;
+  stream << value;
+  return stream.str();
+}
+
+// "FusionRegion(rule='residual_add_rms_norm', nodes=[summed, normalized], inputs=[...], outputs=[...],
+// benefit_ns=...)"
+std::string region_repr(const FusionRegionView& view) {
+  const FusionRegion& region = view.region();
+  const ComputeGraph& graph = *view.plan->graph;
+  return "FusionRegion(rule='" + region.rule + "', nodes=[" + joined_node_names(graph, region.nodes) +
+         "], inputs=[" + joined_value_names(graph, region.inputs) + "], outputs=[" +
+         joined_value_names(graph, region.outputs) + "], benefit_ns=" + number_text(region.benefit_ns) + ")";
+}
+
+// "FusionPlan(target='h200', kernels=1, regions=[residual_add_rms_norm: summed, normalized], unfused=[])"
+std::string plan_repr(const FusionPlan& plan) {
+  std::string regions;
+  for (const FusionRegion& region : plan.regions) {
+    regions +=
+        (regions.empty() ? "" : "; ") + region.rule + ": " + joined_node_names(*plan.graph, region.nodes);
+  }
+  return "FusionPlan(target='" + plan.target_name + "', kernels=" + std::to_string(plan.kernel_count()) +
+         ", regions=[" + regions + "], unfused=[" + joined_node_names(*plan.graph, plan.unfused) + "])";
+}
+
+// target=None | FusionTarget | "h200" | "cpu" | path of a JSON target file
+FusionTarget target_from_python(const py::object& target) {
+  if (target.is_none()) return FusionTarget::h200();
+  if (py::isinstance<FusionTarget>(target)) return target.cast<FusionTarget>();
+  const py::object os = py::module_::import("os");
+  if (py::isinstance<py::str>(target) || py::isinstance(target, os.attr("PathLike"))) {
+    return FusionTarget::from_name_or_file(py::str(os.attr("fspath")(target)).cast<std::string>());
+  }
+  throw py::type_error(
+      "plan_graph_fusion: target must be a FusionTarget, 'h200', 'cpu' or a JSON file path, got " +
+      std::string(py::str(py::type::handle_of(target).attr("__name__"))));
+}
+
+// rules=None | RuleSet | FusionRule | iterable of FusionRule (priority order)
+RuleSet rules_from_python(const py::object& rules) {
+  if (rules.is_none()) return default_rules();
+  if (py::isinstance<RuleSet>(rules)) return rules.cast<RuleSet>();
+  if (py::isinstance<FusionRule>(rules)) return RuleSet{{rules.cast<FusionRule>()}};
+  if (!py::isinstance<py::str>(rules) && py::isinstance<py::iterable>(rules)) {
+    RuleSet rule_set;
+    for (const py::handle& rule : rules) {
+      if (!py::isinstance<FusionRule>(rule)) {
+        throw py::type_error("plan_graph_fusion: rules must hold FusionRules, got " +
+                             std::string(py::str(py::type::handle_of(rule).attr("__name__"))));
+      }
+      rule_set.rules.push_back(rule.cast<FusionRule>());
+    }
+    return rule_set;
+  }
+  throw py::type_error(
+      "plan_graph_fusion: rules must be a RuleSet, a FusionRule or a list of FusionRules, got " +
+      std::string(py::str(py::type::handle_of(rules).attr("__name__"))));
+}
+
+void bind_target(py::module_& module) {
+  py::class_<FusionTarget>(
+      module, "FusionTarget",
+      "What a kernel costs and what one kernel may use on a machine (times in ns, bandwidths "
+      "in bytes/ns). FusionTarget() is the H200; see h200(), cpu(), from_json().")
+      .def(py::init<>())
+      .def_readwrite("name", &FusionTarget::name)
+      .def_readwrite("launch_overhead_ns", &FusionTarget::launch_overhead_ns)
+      .def_readwrite("memory_bandwidth_bytes_per_ns", &FusionTarget::memory_bandwidth_bytes_per_ns)
+      .def_readwrite("on_chip_bandwidth_bytes_per_ns", &FusionTarget::on_chip_bandwidth_bytes_per_ns)
+      .def_readwrite("registers_per_thread", &FusionTarget::registers_per_thread)
+      .def_readwrite("registers_per_multiprocessor", &FusionTarget::registers_per_multiprocessor)
+      .def_readwrite("threads_per_block", &FusionTarget::threads_per_block)
+      .def_readwrite("shared_memory_per_block_bytes", &FusionTarget::shared_memory_per_block_bytes)
+      .def_readwrite("shared_memory_per_multiprocessor_bytes",
+                     &FusionTarget::shared_memory_per_multiprocessor_bytes)
+      .def_readwrite("max_kernel_inputs", &FusionTarget::max_kernel_inputs)
+      .def_readwrite("max_kernel_outputs", &FusionTarget::max_kernel_outputs)
+      .def_static("h200", &FusionTarget::h200)
+      .def_static("cpu", &FusionTarget::cpu)
+      .def_static("from_json", &FusionTarget::from_json, py::arg("text"), py::arg("source_name") = "<string>",
+                  "A JSON object: optional \"base\" (\"h200\" or \"cpu\") whose fields the others override.")
+      .def_static("from_json_file", &FusionTarget::from_json_file, py::arg("path"))
+      .def_static("from_name_or_file", &FusionTarget::from_name_or_file, py::arg("name_or_path"))
+      .def("to_json", &FusionTarget::to_json)
+      .def("__repr__", [](const FusionTarget& target) { return "FusionTarget(" + target.to_json() + ")"; });
+}
+
+void bind_rules(py::module_& module) {
+  py::class_<ResourceNeeds>(module, "ResourceNeeds", "What a rule's kernel needs from the target.")
+      .def(py::init<>())
+      .def_readwrite("base_registers", &ResourceNeeds::base_registers)
+      .def_readwrite("registers_per_elementwise", &ResourceNeeds::registers_per_elementwise)
+      .def_readwrite("registers_per_row_reduction", &ResourceNeeds::registers_per_row_reduction)
+      .def_readwrite("registers_per_contraction", &ResourceNeeds::registers_per_contraction)
+      .def_readwrite("registers_per_quantized_contraction",
+                     &ResourceNeeds::registers_per_quantized_contraction)
+      .def_readwrite("stages_reduction_rows", &ResourceNeeds::stages_reduction_rows)
+      .def_readwrite("stages_contraction_activations", &ResourceNeeds::stages_contraction_activations);
+
+  py::class_<OpPattern>(
+      module, "OpPattern",
+      "One op of a rule's required structure. Lists are copied in and out: assign a new list "
+      "rather than appending to the one a property returns.")
+      .def(py::init<>())
+      .def_readwrite("role", &OpPattern::role)
+      .def_readwrite("kind", &OpPattern::kind)
+      .def_readwrite("ops", &OpPattern::ops)
+      .def_readwrite("inputs", &OpPattern::inputs)
+      .def_readwrite("commutative", &OpPattern::commutative)
+      .def_readwrite("may_escape", &OpPattern::may_escape)
+      .def("__repr__", [](const OpPattern& pattern) {
+        return "OpPattern(role='" + pattern.role + "', kind='" + std::string(op_kind_name(pattern.kind)) +
+               "')";
+      });
+
+  py::class_<GrowthSpec>(module, "GrowthSpec",
+                         "Neighbours the cut model may pull in around a rule's structure.")
+      .def(py::init<>())
+      .def_readwrite("kinds", &GrowthSpec::kinds)
+      .def_readwrite("max_depth", &GrowthSpec::max_depth);
+
+  py::class_<FusionRule>(
+      module, "FusionRule",
+      "A declarative fusion rule: a pattern anchored at its last entry, optional prologue and "
+      "epilogue growth, and the resources its kernel takes.")
+      .def(py::init<>())
+      .def(py::init<const FusionRule&>(), py::arg("rule"), "A copy of `rule`.")
+      .def_readwrite("name", &FusionRule::name)
+      .def_readwrite("description", &FusionRule::description)
+      .def_readwrite("pattern", &FusionRule::pattern)
+      .def_readwrite("anchor_must_be_sink", &FusionRule::anchor_must_be_sink)
+      .def_readwrite("prologue", &FusionRule::prologue)
+      .def_readwrite("epilogue", &FusionRule::epilogue)
+      .def_readwrite("materializes_escaping_values", &FusionRule::materializes_escaping_values)
+      .def_readwrite("resources", &FusionRule::resources)
+      .def("__repr__", [](const py::object& rule) {
+        return std::string(py::str(py::type::handle_of(rule).attr("__name__"))) + "('" +
+               rule.cast<const FusionRule&>().name + "')";
+      });
+
+  py::class_<RuleSet>(module, "RuleSet", "Rules in priority order plus the planner's search bounds.")
+      .def(py::init(
+               [](std::vector<FusionRule> rules, int max_neighborhood_nodes, int max_exact_component_size) {
+                 return RuleSet{std::move(rules), max_neighborhood_nodes, max_exact_component_size};
+               }),
+           py::arg("rules") = std::vector<FusionRule>{},
+           py::arg("max_neighborhood_nodes") = RuleSet{}.max_neighborhood_nodes,
+           py::arg("max_exact_component_size") = RuleSet{}.max_exact_component_size)
+      .def_readwrite("rules", &RuleSet::rules)
+      .def_readwrite("max_neighborhood_nodes", &RuleSet::max_neighborhood_nodes)
+      .def_readwrite("max_exact_component_size", &RuleSet::max_exact_component_size)
+      .def("__len__", [](const RuleSet& rule_set) { return rule_set.rules.size(); })
+      .def("__repr__", [](const RuleSet& rule_set) {
+        std::string names;
+        for (const FusionRule& rule : rule_set.rules)
+          names += (names.empty() ? "'" : ", '") + rule.name + "'";
+        return "RuleSet([" + names + "])";
+      });
+
+  module.def("residual_add_rms_norm_rule", &residual_add_rms_norm_rule);
+  module.def("parallel_epilogue_rule", &parallel_epilogue_rule);
+  module.def("contraction_epilogue_rule", &contraction_epilogue_rule);
+  module.def("row_reduction_rule", &row_reduction_rule);
+  module.def("elementwise_chain_rule", &elementwise_chain_rule);
+  module.def("default_rules", &default_rules, "The default RuleSet (the ParallelEpilogueRule among them).");
+}
+
+void bind_plan(py::module_& module) {
+  py::class_<FusionRegionView>(module, "FusionRegion",
+                               "One kernel-to-be: a convex set of nodes and its boundary.")
+      .def_property_readonly("rule", [](const FusionRegionView& view) { return view.region().rule; })
+      .def_property_readonly(
+          "nodes",
+          [](const FusionRegionView& view) { return node_views(view.plan->graph, view.region().nodes); })
+      .def_property_readonly(
+          "inputs",
+          [](const FusionRegionView& view) { return value_views(view.plan->graph, view.region().inputs); },
+          "Values read from outside the region, first-use order.")
+      .def_property_readonly(
+          "outputs",
+          [](const FusionRegionView& view) { return value_views(view.plan->graph, view.region().outputs); },
+          "Values the region's kernel writes (graph outputs or read outside it).")
+      .def_property_readonly(
+          "benefit_ns", [](const FusionRegionView& view) { return view.region().benefit_ns; },
+          "Estimated time saved against running the nodes unfused, in nanoseconds.")
+      .def_property_readonly(
+          "benefit", [](const FusionRegionView& view) { return view.region().benefit_ns; },
+          "The same as benefit_ns (nanoseconds).")
+      .def("__repr__", &region_repr);
+
+  py::class_<FusionCandidateView>(module, "FusionCandidate", "A region some rule proposed, selected or not.")
+      .def_property_readonly("rule", [](const FusionCandidateView& view) { return view.candidate().rule; })
+      .def_property_readonly("anchor",
+                             [](const FusionCandidateView& view) {
+                               return GraphNodeView{view.plan->graph, view.candidate().anchor};
+                             })
+      .def_property_readonly("nodes",
+                             [](const FusionCandidateView& view) {
+                               return node_views(view.plan->graph, view.candidate().nodes);
+                             })
+      .def_property_readonly("benefit_ns",
+                             [](const FusionCandidateView& view) { return view.candidate().benefit_ns; })
+      .def_property_readonly(
+          "conflicts", [](const FusionCandidateView& view) { return view.candidate().conflicts; },
+          "Indices into plan.candidates of the candidates this one excludes.")
+      .def_property_readonly(
+          "component", [](const FusionCandidateView& view) { return view.candidate().component; },
+          "Index into plan.components.")
+      .def_property_readonly(
+          "region",
+          [](const FusionCandidateView& view) -> py::object {
+            if (view.candidate().region < 0) return py::none();
+            return py::cast(FusionRegionView{view.plan, view.candidate().region});
+          },
+          "The plan's region made of this candidate, or None when it was not selected.")
+      .def("__repr__", [](const FusionCandidateView& view) {
+        const FusionCandidate& candidate = view.candidate();
+        return "FusionCandidate(rule='" + candidate.rule + "', nodes=[" +
+               joined_node_names(*view.plan->graph, candidate.nodes) +
+               "], benefit_ns=" + number_text(candidate.benefit_ns) +
+               (candidate.region >= 0 ? ", selected)" : ")");
+      });
+
+  py::class_<ConflictComponentView>(
+      module, "ConflictComponent",
+      "Candidates that exclude each other, and how the planner chose among them.")
+      .def_property_readonly("candidates",
+                             [](const ConflictComponentView& view) { return view.component().candidates; })
+      .def_property_readonly(
+          "method", [](const ConflictComponentView& view) { return view.component().method; },
+          "single, min_cut, branch_and_bound or greedy.")
+      .def_property_readonly("bipartite",
+                             [](const ConflictComponentView& view) { return view.component().bipartite; })
+      .def("__repr__", [](const ConflictComponentView& view) {
+        return "ConflictComponent(candidates=" + std::to_string(view.component().candidates.size()) +
+               ", method='" + view.component().method + "')";
+      });
+
+  py::class_<FusionPlan, PlanHolder>(
+      module, "FusionPlan",
+      "The planner's answer: regions (each one kernel), unfused nodes, and why. print(plan) explains it.")
+      .def_property_readonly("graph",
+                             [](const PlanHolder& plan) {
+                               // Python never mutates a ComputeGraph; the const is the C++ API's promise.
+                               return std::const_pointer_cast<ComputeGraph>(plan->graph);
+                             })
+      .def_property_readonly("regions",
+                             [](const PlanHolder& plan) {
+                               py::list regions;
+                               for (std::size_t index = 0; index < plan->regions.size(); ++index) {
+                                 regions.append(FusionRegionView{plan, static_cast<int>(index)});
+                               }
+                               return regions;
+                             })
+      .def_property_readonly(
+          "unfused", [](const PlanHolder& plan) { return node_views(plan->graph, plan->unfused); },
+          "Nodes that run as their own kernel.")
+      .def_property_readonly("candidates",
+                             [](const PlanHolder& plan) {
+                               py::list candidates;
+                               for (std::size_t index = 0; index < plan->candidates.size(); ++index) {
+                                 candidates.append(FusionCandidateView{plan, static_cast<int>(index)});
+                               }
+                               return candidates;
+                             })
+      .def_property_readonly("components",
+                             [](const PlanHolder& plan) {
+                               py::list components;
+                               for (std::size_t index = 0; index < plan->components.size(); ++index) {
+                                 components.append(ConflictComponentView{plan, static_cast<int>(index)});
+                               }
+                               return components;
+                             })
+      .def_property_readonly(
+          "node_reasons",
+          [](const PlanHolder& plan) {
+            py::dict reasons;
+            for (std::size_t id = 0; id < plan->node_reasons.size(); ++id) {
+              reasons[py::str(plan->graph->node(static_cast<NodeId>(id)).name)] = plan->node_reasons[id];
+            }
+            return reasons;
+          },
+          "{node name: why it is or is not fused}")
+      .def_property_readonly("kernel_count", &FusionPlan::kernel_count)
+      .def_property_readonly("target_name", [](const FusionPlan& plan) { return plan.target_name; })
+      .def_property_readonly("total_benefit_ns", &FusionPlan::total_benefit_ns)
+      .def("explain", &FusionPlan::explain, "The plan for a person: regions, then every node's reason.")
+      .def("to_json", &FusionPlan::to_json,
+           "{\"kernels\", \"regions\", \"unfused\"}, as `metile plan --format json`.")
+      .def("to_dot", &FusionPlan::to_dot, "Graphviz DOT: each region a cluster.")
+      .def("__str__", &FusionPlan::explain)
+      .def("__repr__", &plan_repr);
+
+  module.def(
+      "plan_graph_fusion",
+      [](const std::shared_ptr<ComputeGraph>& graph, const py::object& target, const py::object& rules) {
+        const FusionTarget fusion_target = target_from_python(target);
+        const RuleSet rule_set = rules_from_python(rules);
+        py::gil_scoped_release release;
+        return std::make_shared<FusionPlan>(plan_graph_fusion(*graph, fusion_target, rule_set));
+      },
+      py::arg("graph"), py::arg("target") = py::none(), py::arg("rules") = py::none(),
+      "Selects legal, profitable, multi-output fusion regions. target: a FusionTarget, 'h200' (the default), "
+      "'cpu' "
+      "or a JSON target file; rules: a RuleSet, a list of FusionRules in priority order, or None for "
+      "default_rules().");
+}
+
+}  // namespace
+
+void bind_fusion(py::module_& module) {
+  bind_target(module);
+  bind_rules(module);
+  bind_plan(module);
+}
+
+}  // namespace metile::python

@@ -1,0 +1,545 @@
+// Python bindings of the graph module: TensorSpec, GraphBuilder and the values it
+// returns (ValueRef), ComputeGraph with read-only views of its values and nodes, and
+// JSON/DOT graph files. Names mirror include/metile/graph.h; Python-only sugar (naming
+// values after the caller's variables at build()) lives in python/metile/__init__.py.
+//
+// Every check of a graph's meaning (shapes, dtypes, names, values of another builder)
+// is the C++ builder's: these bindings only translate Python types, so the messages a
+// Python user sees are the ones the C++ API and the CLI print.
+#include <pybind11/stl.h>
+#include <pybind11/stl/filesystem.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+
+namespace metile::python {
+
+py::list value_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<ValueId>& ids) {
+  py::list views;
+  for (ValueId id : ids) views.append(GraphValueView{graph, id});
+  return views;
+}
+
+py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<NodeId>& ids) {
+  py::list views;
+  for (NodeId id : ids) views.append(GraphNodeView{graph, id});
+  return views;
+}
+
+namespace {
+
+std::string python_type_name(const py::handle& object) {
+  return py::str(py::type::handle_of(object).attr("__name__"));
+}
+
+std::string python_repr(const py::handle& object) { return py::repr(object); }
+
+// ---------------------------------------------------------------- attributes
+
+// Python values for attributes: bool and int -> integer, float -> double, str -> string,
+// a list or tuple of ints -> integer list. Anything else is a TypeError naming the attribute.
+AttributeValue attribute_from_python(const std::string& name, const py::handle& object) {
+  if (py::isinstance<py::bool_>(object)) return static_cast<std::int64_t>(object.cast<bool>());
+  if (py::isinstance<py::int_>(object)) return object.cast<std::int64_t>();
+  if (py::isinstance<py::float_>(object)) return object.cast<double>();
+  if (py::isinstance<py::str>(object)) return object.cast<std::string>();
+  if (py::isinstance<py::list>(object) || py::isinstance<py::tuple>(object)) {
+    std::vector<std::int64_t> integers;
+    for (const py::handle& item : object) {
+      if (!py::isinstance<py::int_>(item) || py::isinstance<py::bool_>(item)) {
+        throw py::type_error("attribute '" + name + "': a list attribute holds ints, got " +
+                             python_type_name(item) + " " + python_repr(item));
+      }
+      integers.push_back(item.cast<std::int64_t>());
+    }
+    return integers;
+  }
+  throw py::type_error("attribute '" + name + "': expected int, float, str or a list of ints, got " +
+                       python_type_name(object));
+}
+
+Attributes attributes_from_python(const py::dict& dictionary) {
+  Attributes attributes;
+  for (const auto& [key, value] : dictionary) {
+    if (!py::isinstance<py::str>(key)) {
+      throw py::type_error("attribute names are str, got " + python_type_name(key) + " " + python_repr(key));
+    }
+    const std::string name = key.cast<std::string>();
+    attributes.set(name, attribute_from_python(name, value));
+  }
+  return attributes;
+}
+
+py::object attribute_to_python(const AttributeValue& value) {
+  return std::visit([](const auto& held) -> py::object { return py::cast(held); }, value);
+}
+
+py::dict attributes_to_python(const Attributes& attributes) {
+  py::dict dictionary;
+  for (const auto& [name, value] : attributes.entries())
+    dictionary[py::str(name)] = attribute_to_python(value);
+  return dictionary;
+}
+
+// ---------------------------------------------------------------- text forms
+
+std::string shape_tuple_text(const std::vector<std::int64_t>& shape) {
+  std::string text = "(";
+  for (std::size_t index = 0; index < shape.size(); ++index) {
+    if (index > 0) text += ", ";
+    text += std::to_string(shape[index]);
+  }
+  if (shape.size() == 1) text += ",";
+  return text + ")";
+}
+
+std::string tensor_spec_repr(const TensorSpec& spec) {
+  return "TensorSpec(" + shape_tuple_text(spec.shape) + ", '" + std::string(dtype_name(spec.dtype)) + "')";
+}
+
+std::string attribute_text(const AttributeValue& value) {
+  return std::visit(
+      [](const auto& held) -> std::string {
+        using Held = std::decay_t<decltype(held)>;
+        if constexpr (std::is_same_v<Held, std::string>) {
+          return "'" + held + "'";
+        } else if constexpr (std::is_same_v<Held, std::vector<std::int64_t>>) {
+          std::string text = "[";
+          for (std::size_t index = 0; index < held.size(); ++index) {
+            text += (index > 0 ? ", " : "") + std::to_string(held[index]);
+          }
+          return text + "]";
+        } else if constexpr (std::is_same_v<Held, double>) {
+          std::ostringstream stream;
+          stream << held;
+          return stream.str();
+        } else {
+          return std::to_string(held);
+        }
+      },
+      value);
+}
+
+// "Node(normalized = rms_norm(summed, weight), eps=1e-05)"
+std::string node_repr(const ComputeGraph& graph, const Node& node) {
+  std::string text = "Node(";
+  for (std::size_t index = 0; index < node.outputs.size(); ++index) {
+    text += (index > 0 ? ", " : "") + graph.value(node.outputs[index]).name;
+  }
+  text += " = " + node.op + "(";
+  for (std::size_t index = 0; index < node.inputs.size(); ++index) {
+    text += (index > 0 ? ", " : "") + graph.value(node.inputs[index]).name;
+  }
+  text += ")";
+  for (const auto& [name, value] : node.attributes.entries())
+    text += ", " + name + "=" + attribute_text(value);
+  return text + ")";
+}
+
+std::string graph_repr(const ComputeGraph& graph) {
+  std::string text = "ComputeGraph(inputs=[";
+  for (std::size_t index = 0; index < graph.inputs().size(); ++index) {
+    text += (index > 0 ? ", " : "") + graph.value(graph.inputs()[index]).name;
+  }
+  text += "], nodes=" + std::to_string(graph.nodes().size()) + ", outputs=[";
+  for (std::size_t index = 0; index < graph.outputs().size(); ++index) {
+    text += (index > 0 ? ", " : "") + graph.value(graph.outputs()[index]).name;
+  }
+  return text + "])";
+}
+
+// ---------------------------------------------------------------- builder helpers
+
+using BuilderPointer = std::shared_ptr<PythonGraphBuilder>;
+using OptionalName = std::optional<std::string>;
+
+// Records what an op returned; values the builder named itself are remembered so
+// that the Python layer may rename them after the caller's variables.
+BoundValue record(const BuilderPointer& self, ValueRef ref, const OptionalName& name) {
+  if (!name || name->empty()) self->auto_named.push_back(ref);
+  return BoundValue{ref, self};
+}
+
+std::string name_or_empty(const OptionalName& name) { return name.value_or(std::string()); }
+
+std::vector<ValueRef> refs_of(const std::vector<BoundValue>& values) {
+  std::vector<ValueRef> refs;
+  refs.reserve(values.size());
+  for (const BoundValue& value : values) refs.push_back(value.ref);
+  return refs;
+}
+
+std::vector<ValueId> all_ids(std::size_t count) {
+  std::vector<ValueId> ids(count);
+  for (std::size_t index = 0; index < count; ++index) ids[index] = static_cast<ValueId>(index);
+  return ids;
+}
+
+void bind_tensor_spec(py::module_& module) {
+  py::class_<TensorSpec>(module, "TensorSpec",
+                         "A tensor's static shape and dtype: TensorSpec((1, 2048), \"f16\"). dtype is one of "
+                         "f16, bf16, f32, i8, u8, i32, u32.")
+      .def(py::init([](std::vector<std::int64_t> shape, const std::string& dtype) {
+             return TensorSpec(std::move(shape), parse_dtype(dtype));
+           }),
+           py::arg("shape"), py::arg("dtype"))
+      .def_property_readonly("shape", [](const TensorSpec& spec) { return py::tuple(py::cast(spec.shape)); })
+      .def_property_readonly("dtype",
+                             [](const TensorSpec& spec) { return std::string(dtype_name(spec.dtype)); })
+      .def_property_readonly("rank", &TensorSpec::rank)
+      .def_property_readonly("element_count", &TensorSpec::element_count)
+      .def_property_readonly("bytes", &TensorSpec::bytes)
+      .def("__str__", &TensorSpec::to_string)
+      .def("__repr__", &tensor_spec_repr)
+      .def(
+          "__eq__", [](const TensorSpec& spec, const TensorSpec& other) { return spec == other; },
+          py::is_operator())
+      .def("__hash__", [](const TensorSpec& spec) {
+        return py::hash(py::make_tuple(py::tuple(py::cast(spec.shape)), std::string(dtype_name(spec.dtype))));
+      });
+}
+
+void bind_value_ref(py::module_& module) {
+  py::class_<BoundValue>(module, "ValueRef",
+                         "A value recorded by a GraphBuilder; pass it to that builder's ops and build().")
+      .def_property_readonly("name",
+                             [](const BoundValue& value) { return value.owner->builder.name(value.ref); })
+      .def_property_readonly("spec",
+                             [](const BoundValue& value) { return value.owner->builder.spec(value.ref); })
+      .def_property_readonly("id", [](const BoundValue& value) { return value.ref.id; })
+      .def("__repr__",
+           [](const BoundValue& value) {
+             return "ValueRef('" + value.owner->builder.name(value.ref) + "', " +
+                    value.owner->builder.spec(value.ref).to_string() + ")";
+           })
+      .def(
+          "__eq__",
+          [](const BoundValue& value, const BoundValue& other) {
+            return value.owner == other.owner && value.ref == other.ref;
+          },
+          py::is_operator())
+      .def("__hash__", [](const BoundValue& value) {
+        return py::hash(py::make_tuple(reinterpret_cast<std::uintptr_t>(value.owner.get()), value.ref.id));
+      });
+}
+
+void bind_graph_builder(py::module_& module) {
+  const auto name_argument = py::arg("name") = py::none();
+  py::class_<PythonGraphBuilder, BuilderPointer> builder(
+      module, "GraphBuilder",
+      "Records tensor ops without choosing kernel boundaries; build(outputs) returns a verified "
+      "ComputeGraph. "
+      "Every op checks its inputs and raises ValueError naming the node.");
+  builder.def(py::init<>())
+      .def(
+          "input",
+          [](const BuilderPointer& self, std::string name, const TensorSpec& spec) {
+            return BoundValue{self->builder.input(std::move(name), spec), self};
+          },
+          py::arg("name"), py::arg("spec"))
+      .def(
+          "add",
+          [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const OptionalName& name) {
+            return record(self, self->builder.add(a.ref, b.ref, name_or_empty(name)), name);
+          },
+          py::arg("a"), py::arg("b"), name_argument)
+      .def(
+          "subtract",
+          [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const OptionalName& name) {
+            return record(self, self->builder.subtract(a.ref, b.ref, name_or_empty(name)), name);
+          },
+          py::arg("a"), py::arg("b"), name_argument)
+      .def(
+          "multiply",
+          [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const OptionalName& name) {
+            return record(self, self->builder.multiply(a.ref, b.ref, name_or_empty(name)), name);
+          },
+          py::arg("a"), py::arg("b"), name_argument)
+      .def(
+          "scale",
+          [](const BuilderPointer& self, const BoundValue& x, double factor, const OptionalName& name) {
+            return record(self, self->builder.scale(x.ref, factor, name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("factor"), name_argument)
+      .def(
+          "silu",
+          [](const BuilderPointer& self, const BoundValue& x, const OptionalName& name) {
+            return record(self, self->builder.silu(x.ref, name_or_empty(name)), name);
+          },
+          py::arg("x"), name_argument)
+      .def(
+          "gelu",
+          [](const BuilderPointer& self, const BoundValue& x, std::string approximate,
+             const OptionalName& name) {
+            return record(self, self->builder.gelu(x.ref, std::move(approximate), name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("approximate") = "none", name_argument)
+      .def(
+          "exp",
+          [](const BuilderPointer& self, const BoundValue& x, const OptionalName& name) {
+            return record(self, self->builder.exp(x.ref, name_or_empty(name)), name);
+          },
+          py::arg("x"), name_argument)
+      .def(
+          "rms_norm",
+          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& weight, double eps,
+             const OptionalName& name) {
+            return record(self, self->builder.rms_norm(x.ref, weight.ref, eps, name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("weight"), py::arg("eps"), name_argument)
+      .def(
+          "layer_norm",
+          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& weight,
+             const BoundValue& bias, double eps, const OptionalName& name) {
+            return record(
+                self, self->builder.layer_norm(x.ref, weight.ref, bias.ref, eps, name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), name_argument)
+      .def(
+          "softmax",
+          [](const BuilderPointer& self, const BoundValue& x, std::int64_t axis, const OptionalName& name) {
+            return record(self, self->builder.softmax(x.ref, axis, name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("axis") = -1, name_argument)
+      .def(
+          "causal_mask",
+          [](const BuilderPointer& self, const BoundValue& x, std::int64_t offset, const OptionalName& name) {
+            return record(self, self->builder.causal_mask(x.ref, offset, name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("offset") = 0, name_argument)
+      .def(
+          "matmul",
+          [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, bool transpose_right,
+             const OptionalName& name) {
+            return record(self, self->builder.matmul(a.ref, b.ref, transpose_right, name_or_empty(name)),
+                          name);
+          },
+          py::arg("a"), py::arg("b"), py::arg("transpose_right") = false, name_argument)
+      .def(
+          "quantized_matmul",
+          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& packed,
+             const BoundValue& scales, const BoundValue& biases, int bits, int group_size,
+             const OptionalName& name) {
+            return record(self,
+                          self->builder.quantized_matmul(x.ref, packed.ref, scales.ref, biases.ref, bits,
+                                                         group_size, name_or_empty(name)),
+                          name);
+          },
+          py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("biases"), py::arg("bits"),
+          py::arg("group_size"), name_argument)
+      .def(
+          "rope",
+          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& positions, double theta,
+             std::int64_t dims, const OptionalName& name) {
+            return record(self, self->builder.rope(x.ref, positions.ref, theta, dims, name_or_empty(name)),
+                          name);
+          },
+          py::arg("x"), py::arg("positions"), py::arg("theta"), py::arg("dims"), name_argument)
+      .def(
+          "reshape",
+          [](const BuilderPointer& self, const BoundValue& x, std::vector<std::int64_t> shape,
+             const OptionalName& name) {
+            return record(self, self->builder.reshape(x.ref, std::move(shape), name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("shape"), name_argument)
+      .def(
+          "transpose",
+          [](const BuilderPointer& self, const BoundValue& x, std::vector<std::int64_t> perm,
+             const OptionalName& name) {
+            return record(self, self->builder.transpose(x.ref, std::move(perm), name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("perm"), name_argument)
+      .def(
+          "cast",
+          [](const BuilderPointer& self, const BoundValue& x, const std::string& dtype,
+             const OptionalName& name) {
+            return record(self, self->builder.cast(x.ref, parse_dtype(dtype), name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("dtype"), name_argument)
+      .def(
+          "add_node",
+          [](const BuilderPointer& self, const std::string& op, const std::vector<BoundValue>& inputs,
+             const std::optional<py::dict>& attributes, const OptionalName& name) {
+            const std::vector<ValueRef> outputs = self->builder.add_node(
+                op, refs_of(inputs), attributes ? attributes_from_python(*attributes) : Attributes{},
+                name_or_empty(name));
+            py::list values;
+            for (ValueRef output : outputs) values.append(record(self, output, name));
+            return values;
+          },
+          py::arg("op"), py::arg("inputs"), py::arg("attributes") = py::none(), name_argument,
+          "Records any registered op by name (the JSON graph vocabulary); returns the list of its output "
+          "values.")
+      .def(
+          "rename",
+          [](const BuilderPointer& self, const BoundValue& value, std::string name) {
+            self->builder.rename(value.ref, std::move(name));
+            std::erase(self->auto_named, value.ref);
+          },
+          py::arg("value"), py::arg("name"),
+          "Renames a value (and its node, for single-output nodes) before build(); ValueError on a taken "
+          "name.")
+      .def(
+          "_auto_named_values",
+          [](const BuilderPointer& self) {
+            py::list values;
+            for (ValueRef ref : self->auto_named) values.append(BoundValue{ref, self});
+            return values;
+          },
+          "The values whose names the builder invented (op name + counter), oldest first.")
+      .def(
+          "_build",
+          [](const BuilderPointer& self, const std::vector<BoundValue>& outputs) {
+            return std::make_shared<ComputeGraph>(self->builder.build(refs_of(outputs)));
+          },
+          py::arg("outputs"), "build() without naming values after the caller's variables.");
+}
+
+void bind_graph_views(py::module_& module) {
+  py::class_<GraphValueView>(module, "Value", "A value of a ComputeGraph (read-only): name, spec, producer.")
+      .def_property_readonly("name",
+                             [](const GraphValueView& view) { return view.graph->value(view.id).name; })
+      .def_property_readonly("spec",
+                             [](const GraphValueView& view) { return view.graph->value(view.id).spec; })
+      .def_property_readonly("id", [](const GraphValueView& view) { return view.id; })
+      .def_property_readonly(
+          "producer",
+          [](const GraphValueView& view) -> py::object {
+            const NodeId producer = view.graph->value(view.id).producer;
+            if (producer < 0) return py::none();
+            return py::cast(GraphNodeView{view.graph, producer});
+          },
+          "The node that computes this value, or None for a graph input.")
+      .def_property_readonly(
+          "consumers",
+          [](const GraphValueView& view) { return node_views(view.graph, view.graph->consumers(view.id)); })
+      .def_property_readonly("is_output",
+                             [](const GraphValueView& view) { return view.graph->is_output(view.id); })
+      .def("__repr__",
+           [](const GraphValueView& view) {
+             const Value& value = view.graph->value(view.id);
+             return "Value('" + value.name + "', " + value.spec.to_string() + ")";
+           })
+      .def(
+          "__eq__",
+          [](const GraphValueView& view, const GraphValueView& other) {
+            return view.graph == other.graph && view.id == other.id;
+          },
+          py::is_operator())
+      .def("__hash__", [](const GraphValueView& view) {
+        return py::hash(py::make_tuple(reinterpret_cast<std::uintptr_t>(view.graph.get()), view.id));
+      });
+
+  py::class_<GraphNodeView>(module, "Node", "A node of a ComputeGraph (read-only): one op applied to values.")
+      .def_property_readonly("name", [](const GraphNodeView& view) { return view.graph->node(view.id).name; })
+      .def_property_readonly("op", [](const GraphNodeView& view) { return view.graph->node(view.id).op; })
+      .def_property_readonly(
+          "kind", [](const GraphNodeView& view) { return view.graph->node(view.id).kind; },
+          "elementwise, row_reduction, contraction or layout: what the planner reasons about.")
+      .def_property_readonly("id", [](const GraphNodeView& view) { return view.id; })
+      .def_property_readonly(
+          "inputs",
+          [](const GraphNodeView& view) { return value_views(view.graph, view.graph->node(view.id).inputs); })
+      .def_property_readonly("outputs",
+                             [](const GraphNodeView& view) {
+                               return value_views(view.graph, view.graph->node(view.id).outputs);
+                             })
+      .def_property_readonly("attributes",
+                             [](const GraphNodeView& view) {
+                               return attributes_to_python(view.graph->node(view.id).attributes);
+                             })
+      .def("__repr__",
+           [](const GraphNodeView& view) { return node_repr(*view.graph, view.graph->node(view.id)); })
+      .def(
+          "__eq__",
+          [](const GraphNodeView& view, const GraphNodeView& other) {
+            return view.graph == other.graph && view.id == other.id;
+          },
+          py::is_operator())
+      .def("__hash__", [](const GraphNodeView& view) {
+        return py::hash(py::make_tuple(reinterpret_cast<std::uintptr_t>(view.graph.get()), view.id));
+      });
+}
+
+void bind_compute_graph(py::module_& module) {
+  using GraphPointer = std::shared_ptr<ComputeGraph>;
+  py::class_<ComputeGraph, GraphPointer>(
+      module, "ComputeGraph",
+      "A verified, immutable tensor graph; nodes are in topological order. Build one with GraphBuilder or "
+      "ComputeGraph.from_json.")
+      .def_property_readonly("inputs",
+                             [](const GraphPointer& graph) { return value_views(graph, graph->inputs()); })
+      .def_property_readonly("outputs",
+                             [](const GraphPointer& graph) { return value_views(graph, graph->outputs()); })
+      .def_property_readonly(
+          "nodes",
+          [](const GraphPointer& graph) { return node_views(graph, all_ids(graph->nodes().size())); })
+      .def_property_readonly(
+          "values",
+          [](const GraphPointer& graph) { return value_views(graph, all_ids(graph->values().size())); })
+      .def(
+          "find_value",
+          [](const GraphPointer& graph, std::string_view name) -> py::object {
+            const std::optional<ValueId> id = graph->find_value(name);
+            if (!id) return py::none();
+            return py::cast(GraphValueView{graph, *id});
+          },
+          py::arg("name"), "The value with this name, or None.")
+      .def(
+          "find_node",
+          [](const GraphPointer& graph, std::string_view name) -> py::object {
+            const std::optional<NodeId> id = graph->find_node(name);
+            if (!id) return py::none();
+            return py::cast(GraphNodeView{graph, *id});
+          },
+          py::arg("name"), "The node with this name, or None.")
+      .def(
+          "to_json", [](const ComputeGraph& graph) { return write_graph_json(graph); },
+          "The graph as a JSON graph file (the format `metile plan` and `metile run` read).")
+      .def_static(
+          "from_json",
+          [](std::string_view text, std::string_view source_name) {
+            return std::make_shared<ComputeGraph>(parse_graph_json(text, source_name));
+          },
+          py::arg("text"), py::arg("source_name") = "<string>",
+          "Parses a JSON graph; ValueError names the source and the JSON path of a mistake.")
+      .def(
+          "to_dot", [](const ComputeGraph& graph) { return graph_to_dot(graph); }, "Graphviz DOT text.")
+      .def(
+          "__eq__", [](const ComputeGraph& graph, const ComputeGraph& other) { return graph == other; },
+          py::is_operator())
+      .def("__repr__", &graph_repr);
+  // Graphs are immutable but compare by content, so they are not hashable (like a frozen list would be).
+  module.attr("ComputeGraph").attr("__hash__") = py::none();
+
+  module.def(
+      "read_graph",
+      [](const std::filesystem::path& path) { return std::make_shared<ComputeGraph>(read_graph(path)); },
+      py::arg("path"), "Reads a JSON graph file; ValueError names the file and the JSON path of a mistake.");
+}
+
+}  // namespace
+
+void bind_graph(py::module_& module) {
+  py::list dtype_names;
+  for (int dtype = 0; dtype <= static_cast<int>(DType::u32); ++dtype) {
+    dtype_names.append(std::string(dtype_name(static_cast<DType>(dtype))));
+  }
+  module.attr("DTYPES") = py::tuple(dtype_names);
+  // Classes before the functions that return them, so signatures in docstrings and
+  // TypeErrors read `ComputeGraph`, not the C++ name.
+  bind_tensor_spec(module);
+  bind_graph_views(module);
+  bind_compute_graph(module);
+  bind_value_ref(module);
+  bind_graph_builder(module);
+}
+
+}  // namespace metile::python

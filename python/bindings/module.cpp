@@ -1,0 +1,27 @@
+// Entry point of the `_metile` extension: registers every module's bindings and the
+// one error mapping all of them rely on. metile::InputError (the user's mistake)
+// becomes ValueError carrying the C++ message; wrong Python types are TypeErrors
+// (pybind11's own argument casting, or explicit checks in the bindings); anything
+// else that escapes C++ is an internal failure and surfaces as RuntimeError.
+#include <exception>
+
+#include "bindings.h"
+#include "metile/error.h"
+
+PYBIND11_MODULE(_metile, module) {
+  namespace py = pybind11;
+  module.doc() = "metile: compute-graph fusion compiler and runtime (C++ extension; import `metile`)";
+
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const metile::InputError& input_error) {
+      PyErr_SetString(PyExc_ValueError, input_error.what());
+    }
+  });
+
+  metile::python::bind_graph(module);
+  metile::python::bind_flow(module);
+  // DEV metile::python::bind_fusion(module);
+  // DEV metile::python::bind_runtime(module);
+}

@@ -1,0 +1,143 @@
+"""metile: compute-graph fusion compiler and runtime for transformer inference.
+
+The Python face of the C++ library, name for name (include/metile/*.h): record a
+graph with GraphBuilder, plan it with plan_graph_fusion, run it on the CPU
+reference backend with run(), solve cuts with FlowNetwork. The classes live in
+the C++ extension `_metile`; this file re-exports them and adds the one piece of
+sugar that needs Python itself: GraphBuilder.build() names values after the
+caller's variables.
+
+Errors: a mistake in the graph or the arguments' values (metile::InputError in
+C++) is a ValueError carrying the C++ message; an argument of the wrong Python
+type is a TypeError.
+"""
+
+import sys as _sys
+
+from . import _metile
+from ._metile import (
+    DTYPES,
+    ComputeGraph,
+    ConflictComponent,
+    FlowNetwork,
+    FusionCandidate,
+    FusionPlan,
+    FusionRegion,
+    FusionRule,
+    FusionTarget,
+    GrowthSpec,
+    Node,
+    OpPattern,
+    ResourceNeeds,
+    RuleSet,
+    TensorSpec,
+    Value,
+    ValueRef,
+    contraction_epilogue_rule,
+    default_rules,
+    elementwise_chain_rule,
+    parallel_epilogue_rule,
+    plan_graph_fusion,
+    random_inputs,
+    read_graph,
+    residual_add_rms_norm_rule,
+    row_reduction_rule,
+    run,
+)
+
+__all__ = [
+    "DTYPES",
+    "ComputeGraph",
+    "ConflictComponent",
+    "FlowNetwork",
+    "FusionCandidate",
+    "FusionPlan",
+    "FusionRegion",
+    "FusionRule",
+    "FusionTarget",
+    "GraphBuilder",
+    "GrowthSpec",
+    "Node",
+    "OpPattern",
+    "ParallelEpilogueRule",
+    "ResourceNeeds",
+    "RuleSet",
+    "TensorSpec",
+    "Value",
+    "ValueRef",
+    "contraction_epilogue_rule",
+    "default_rules",
+    "elementwise_chain_rule",
+    "parallel_epilogue_rule",
+    "plan_graph_fusion",
+    "random_inputs",
+    "read_graph",
+    "residual_add_rms_norm_rule",
+    "row_reduction_rule",
+    "run",
+]
+
+
+class ParallelEpilogueRule(FusionRule):
+    """The SwiGLU MLP rule ("swiglu_mlp"), one of default_rules(): two contractions
+    sharing their input, joined by silu(gate) * up in either operand order, consumed
+    by a down contraction. The same rule as parallel_epilogue_rule(), under the name
+    the design uses; pass it in plan_graph_fusion(graph, rules=[...])."""
+
+    def __init__(self):
+        super().__init__(parallel_epilogue_rule())
+
+
+class GraphBuilder(_metile.GraphBuilder):
+    """Records tensor ops without choosing kernel boundaries.
+
+    Ops take keyword arguments and an optional ``name=``. A value recorded without
+    a name gets one from the builder (the op and a counter, ``add_0``) until
+    build(): then it takes the name of the caller's local variable that holds it,
+    so that
+
+        summed = builder.add(values, residual)
+        graph = builder.build((summed,))
+
+    yields a graph whose output is called ``summed``, as in a graph file. Only
+    values whose names were invented are renamed; variables whose names start with
+    an underscore are ignored, as are names already taken in the graph (the value
+    keeps its invented name); where several variables hold one value the first
+    defined wins. Only the frame that calls build() is looked at: values held by
+    the variables of a helper function that returned earlier keep invented names
+    unless given ``name=``.
+    """
+
+    def build(self, outputs):
+        """Returns the verified ComputeGraph whose outputs are ``outputs``.
+
+        ``outputs`` is a tuple or list of this builder's values (or one value).
+        Raises ValueError for a value of another builder or one listed twice.
+        """
+        if isinstance(outputs, ValueRef):
+            outputs = (outputs,)
+        if not isinstance(outputs, (tuple, list)):
+            raise TypeError(f"build: outputs must be a tuple or list of ValueRef, got {type(outputs).__name__}")
+        for position, output in enumerate(outputs):
+            if not isinstance(output, ValueRef):
+                raise TypeError(f"build: output {position} must be a ValueRef, got {type(output).__name__} "
+                                f"{output!r}")
+        caller = _sys._getframe(1)
+        try:
+            self._name_values_after_variables(caller.f_locals)
+        finally:
+            del caller  # a frame kept alive keeps every local of the caller alive
+        return self._build(list(outputs))
+
+    def _name_values_after_variables(self, variables):
+        invented = set(self._auto_named_values())
+        if not invented:
+            return
+        for variable, value in list(variables.items()):
+            if variable.startswith("_") or not isinstance(value, ValueRef) or value not in invented:
+                continue
+            try:
+                self.rename(value, variable)
+            except ValueError:
+                continue  # the name is taken: the value keeps the name the builder gave it
+            invented.discard(value)

@@ -1,0 +1,191 @@
+"""FlowNetwork.minimum_cut against brute force: on small random networks every s-t cut
+is enumerated, so the value must be the smallest cut capacity and the returned source
+side must be the smallest minimum cut (the intersection of all of them: the vertices
+reachable from the source in any maximum flow's residual graph)."""
+import itertools
+import math
+
+import pytest
+
+import metile
+
+SOLVERS = ("auto", "dinic", "hlpp")
+
+
+def random_network(rng, vertex_count, edge_count, integer):
+    """Vertices are mixed hashable objects so the vertex map is exercised, not just ints."""
+    vertices = [("v", index) if index % 3 == 0 else f"v{index}" if index % 3 == 1 else index * 10
+                for index in range(vertex_count)]
+    edges = []
+    for _ in range(edge_count):
+        tail, head = rng.integers(0, vertex_count, size=2)  # self loops and parallel edges included
+        capacity = int(rng.integers(0, 12)) if integer else float(rng.uniform(0.0, 5.0))
+        edges.append((vertices[tail], vertices[head], capacity))
+    return vertices, edges
+
+
+def cut_capacity(edges, side):
+    return sum(capacity for tail, head, capacity in edges if tail in side and head not in side)
+
+
+def brute_force_minimum_cuts(vertices, edges, source, sink):
+    """All minimum cuts' source sides and their value, by enumerating every s-t cut."""
+    others = [vertex for vertex in vertices if vertex not in (source, sink)]
+    cuts = []
+    for mask in range(1 << len(others)):
+        side = frozenset([source] + [others[bit] for bit in range(len(others)) if mask >> bit & 1])
+        cuts.append((cut_capacity(edges, side), side))
+    best = min(value for value, _ in cuts)
+    return best, [side for value, side in cuts if value == best]
+
+
+def build(edges):
+    network = metile.FlowNetwork()
+    for number, (tail, head, capacity) in enumerate(edges):
+        assert network.add_edge(tail, head, capacity) == number
+    return network
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_integer_minimum_cut_matches_brute_force(rng, trial):
+    vertex_count = int(rng.integers(2, 9))
+    vertices, edges = random_network(rng, vertex_count, int(rng.integers(1, 3 * vertex_count)), integer=True)
+    # Every vertex takes part in some edge, so the network knows all of them.
+    edges += [(vertices[index], vertices[index + 1], 0) for index in range(vertex_count - 1)]
+    source, sink = vertices[0], vertices[-1]
+    best, minimum_sides = brute_force_minimum_cuts(vertices, edges, source, sink)
+    smallest_side = frozenset.intersection(*minimum_sides)
+    network = build(edges)
+    assert network.exact
+    assert network.vertex_count == vertex_count and network.edge_count == len(edges)
+    for solver in SOLVERS:
+        value, side = network.minimum_cut(source, sink, solver=solver)
+        assert type(value) is int
+        assert value == best, solver
+        assert side == smallest_side, solver
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_real_minimum_cut_matches_brute_force(rng, trial):
+    vertex_count = int(rng.integers(2, 8))
+    vertices, edges = random_network(rng, vertex_count, int(rng.integers(1, 3 * vertex_count)), integer=False)
+    edges += [(vertices[index], vertices[index + 1], 0.0) for index in range(vertex_count - 1)]
+    source, sink = vertices[0], vertices[-1]
+    best, _ = brute_force_minimum_cuts(vertices, edges, source, sink)
+    network = build(edges)
+    assert not network.exact
+    for solver in SOLVERS:
+        value, side = network.minimum_cut(source, sink, solver)
+        assert type(value) is float
+        assert value == pytest.approx(best, rel=1e-9, abs=1e-9), solver
+        assert source in side and sink not in side
+        assert cut_capacity(edges, side) == pytest.approx(best, rel=1e-9, abs=1e-9), solver
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_infinite_edges_are_never_cut_while_a_finite_cut_exists(rng, trial):
+    vertex_count = int(rng.integers(3, 8))
+    vertices, edges = random_network(rng, vertex_count, 2 * vertex_count, integer=True)
+    edges += [(vertices[index], vertices[index + 1], 0) for index in range(vertex_count - 1)]
+    legality = [tuple(vertices[index] for index in rng.integers(0, vertex_count, size=2)) for _ in range(3)]
+    network = build(edges)
+    for tail, head in legality:
+        network.add_infinite_edge(tail, head)
+    source, sink = vertices[0], vertices[-1]
+    best, minimum_sides = brute_force_minimum_cuts(
+        vertices, edges + [(tail, head, math.inf) for tail, head in legality], source, sink)
+    finite_sum = sum(capacity for tail, head, capacity in edges if tail != head)
+    for solver in SOLVERS:
+        value, side = network.minimum_cut(source, sink, solver)
+        if best == math.inf:
+            assert value > finite_sum, solver
+        else:
+            assert value == best, solver
+            assert side == frozenset.intersection(*minimum_sides), solver
+
+
+def test_solvers_agree_on_a_network_past_the_dinic_threshold(rng):
+    """Above 32 vertices `auto` runs the Dinic/HLPP tournament; every engine must give
+    the same value, and the returned side must be a cut of exactly that capacity."""
+    vertex_count = 60
+    edges = [(int(tail), int(head), int(rng.integers(1, 100)))
+             for tail, head in rng.integers(0, vertex_count, size=(400, 2))]
+    edges += [(index, index + 1, 1) for index in range(vertex_count - 1)]
+    network = build(edges)
+    results = {solver: network.minimum_cut(0, vertex_count - 1, solver) for solver in SOLVERS}
+    values = {value for value, _ in results.values()}
+    assert len(values) == 1
+    for value, side in results.values():
+        assert cut_capacity(edges, side) == value
+
+
+def test_a_mixed_network_turns_real_and_keeps_integer_edges():
+    network = metile.FlowNetwork()
+    network.add_edge("s", "a", 3)
+    network.add_edge("a", "t", 2.5)
+    network.add_edge("s", "t", 1)
+    assert not network.exact
+    assert network.minimum_cut("s", "t") == (3.5, frozenset({"s", "a"}))
+
+
+def test_parallel_edges_add_up_and_self_loops_carry_nothing():
+    network = metile.FlowNetwork()
+    network.add_edge("s", "t", 2)
+    network.add_edge("s", "t", 5)
+    network.add_edge("s", "s", 100)
+    network.add_edge("t", "t", 100)
+    assert network.minimum_cut("s", "t") == (7, frozenset({"s"}))
+    assert network.vertex_count == 2
+
+
+def test_equal_vertices_are_one_vertex():
+    network = metile.FlowNetwork()
+    network.add_edge(1, 2.0, 4)  # 2.0 == 2 and hashes alike: one vertex, as in a dict
+    network.add_edge(2, 3, 6)
+    network.add_edge((0, 1), (0, 1), 9)
+    assert network.vertex_count == 4
+    value, side = network.minimum_cut(1.0, 3)
+    assert value == 4 and side == {1}
+
+
+def test_bad_vertices_and_capacities_raise_and_leave_the_network_unchanged():
+    network = metile.FlowNetwork()
+    network.add_edge("s", "t", 1)
+    with pytest.raises(TypeError, match="unhashable"):
+        network.add_edge(["s"], "t", 1)
+    with pytest.raises(TypeError, match="unhashable"):
+        network.add_edge("s", {"t": 1}, 1)
+    with pytest.raises(ValueError, match="negative"):
+        network.add_edge("s", "new", -1)
+    with pytest.raises(ValueError, match="negative"):
+        network.add_edge("s", "new", -0.5)
+    with pytest.raises(ValueError, match="(?i)nan"):
+        network.add_edge("s", "new", math.nan)
+    with pytest.raises(ValueError, match="capacity inf"):
+        network.add_edge("s", "new", math.inf)
+    with pytest.raises(ValueError, match="64-bit"):
+        network.add_edge("s", "new", 2**70)
+    with pytest.raises(TypeError, match="capacity must be an int or a float"):
+        network.add_edge("s", "new", "3")
+    with pytest.raises(TypeError, match="capacity must be an int or a float"):
+        network.add_edge("s", "new", True)
+    assert network.vertex_count == 2 and network.edge_count == 1 and network.exact
+    # "new" never became a vertex, and the failed additions left no trace in the cut.
+    with pytest.raises(ValueError, match="'new' is not a vertex"):
+        network.minimum_cut("s", "new")
+    assert network.minimum_cut("s", "t") == (1, frozenset({"s"}))
+
+
+def test_bad_cut_requests_raise():
+    network = metile.FlowNetwork()
+    network.add_edge("s", "t", 1)
+    with pytest.raises(ValueError, match="source 'x' is not a vertex"):
+        network.minimum_cut("x", "t")
+    with pytest.raises(ValueError, match="sink 'y' is not a vertex"):
+        network.minimum_cut("s", "y")
+    with pytest.raises(TypeError, match="unhashable"):
+        network.minimum_cut(["s"], "t")
+    with pytest.raises(ValueError, match="source and sink are the same vertex 's'"):
+        network.minimum_cut("s", "s")
+    with pytest.raises(ValueError, match="fastest"):
+        network.minimum_cut("s", "t", solver="fastest")

@@ -1,0 +1,181 @@
+"""GraphBuilder, TensorSpec and ComputeGraph from Python: what a recorded graph holds,
+how values are named (explicitly, by the builder, after the caller's variables), and
+the JSON round trip the CLI relies on."""
+import json
+
+import pytest
+
+import metile
+
+
+def spec(shape, dtype="f16"):
+    return metile.TensorSpec(shape, dtype)
+
+
+def test_tensor_spec_holds_shape_and_dtype():
+    tensor = metile.TensorSpec((2, 3, 4), "bf16")
+    assert tensor.shape == (2, 3, 4)
+    assert tensor.dtype == "bf16"
+    assert tensor.rank == 3
+    assert tensor.element_count == 24
+    assert tensor.bytes == 48
+    assert str(tensor) == "bf16[2, 3, 4]"
+    assert repr(tensor) == "TensorSpec((2, 3, 4), 'bf16')"
+    assert tensor == metile.TensorSpec([2, 3, 4], "bf16")
+    assert tensor != metile.TensorSpec((2, 3, 4), "f16")
+    assert hash(tensor) == hash(metile.TensorSpec([2, 3, 4], "bf16"))
+    assert metile.DTYPES == ("f16", "bf16", "f32", "i8", "u8", "i32", "u32")
+
+
+def seed_graph(builder=None):
+    builder = builder or metile.GraphBuilder()
+    values = builder.input("values", spec((1, 64)))
+    residual = builder.input("residual", spec((1, 64)))
+    weight = builder.input("weight", spec((64,)))
+    summed = builder.add(values, residual)
+    normalized = builder.rms_norm(summed, weight, eps=1e-5)
+    return builder.build((summed, normalized))
+
+
+def test_build_names_values_after_the_callers_variables():
+    graph = seed_graph()
+    assert [value.name for value in graph.inputs] == ["values", "residual", "weight"]
+    assert [value.name for value in graph.outputs] == ["summed", "normalized"]
+    assert [node.name for node in graph.nodes] == ["summed", "normalized"]
+    add, norm = graph.nodes
+    assert (add.op, add.kind) == ("add", "elementwise")
+    assert (norm.op, norm.kind) == ("rms_norm", "row_reduction")
+    assert [value.name for value in norm.inputs] == ["summed", "weight"]
+    assert norm.attributes == {"eps": pytest.approx(1e-5)}
+    assert norm.outputs[0].spec == spec((1, 64))
+    assert graph.find_value("summed").producer == add
+    assert graph.find_value("values").producer is None
+    assert graph.find_value("summed").consumers == [norm]
+    assert graph.find_value("summed").is_output
+    assert graph.find_value("nothing") is None
+    assert graph.find_node("normalized") == norm
+
+
+def test_explicit_names_win_and_taken_names_are_skipped():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", spec((4, 8), "f32"))
+    scaled = builder.scale(x, 0.5, name="half")  # named by the caller: kept
+    x_activated = builder.silu(scaled)
+    _hidden = builder.exp(x_activated)  # underscore variables are not names
+    weight = builder.input("weight", spec((8,), "f32"))
+    # A value held by a variable whose name is already a graph value keeps its invented name.
+    x = builder.multiply(_hidden, weight)  # `x` is the input's name: taken
+    graph = builder.build([x])
+    names = [node.name for node in graph.nodes]
+    assert names[0] == "half"
+    assert names[1] == "x_activated"
+    assert names[2] == "exp_0"
+    assert names[3] == "multiply_0"
+    assert [value.name for value in graph.outputs] == ["multiply_0"]
+
+
+def test_values_named_inside_a_helper_keep_invented_names():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", spec((2, 16)))
+
+    def block(value):
+        gated = builder.silu(value)
+        return builder.multiply(gated, value)
+
+    out = block(x)
+    graph = builder.build(out)  # one value is accepted as well as a tuple
+    assert [node.name for node in graph.nodes] == ["silu_0", "out"]
+
+
+def test_rename_before_build_and_value_properties():
+    builder = metile.GraphBuilder()
+    a = builder.input("a", spec((3, 5), "f32"))
+    b = builder.input("b", spec((5,), "f32"))
+    total = builder.add(a, b, name="total")
+    assert total.name == "total"
+    assert total.spec == spec((3, 5), "f32")
+    assert repr(total) == "ValueRef('total', f32[3, 5])"
+    builder.rename(total, "sum_of_a_and_b")
+    assert total.name == "sum_of_a_and_b"
+    graph = builder.build((total,))
+    assert graph.outputs[0].name == "sum_of_a_and_b"
+
+
+def test_every_builder_op_records_its_node():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", spec((1, 4, 8), "f32"))
+    y = builder.input("y", spec((1, 4, 8), "f32"))
+    weight = builder.input("weight", spec((8,), "f32"))
+    bias = builder.input("bias", spec((8,), "f32"))
+    positions = builder.input("positions", spec((4,), "i32"))
+    matrix = builder.input("matrix", spec((8, 8), "f32"))
+    steps = [
+        builder.add(x, y, name="added"),
+        builder.subtract(x, y, name="subtracted"),
+        builder.multiply(x, y, name="multiplied"),
+        builder.scale(x, factor=2.0, name="scaled"),
+        builder.silu(x, name="silu"),
+        builder.gelu(x, approximate="tanh", name="gelu"),
+        builder.exp(x, name="exp"),
+        builder.rms_norm(x, weight, eps=1e-6, name="rms"),
+        builder.layer_norm(x, weight, bias, eps=1e-5, name="ln"),
+        builder.softmax(x, axis=-1, name="softmax"),
+        builder.matmul(x, matrix, transpose_right=True, name="matmul"),
+        builder.rope(x, positions, theta=10000.0, dims=8, name="rope"),
+        builder.reshape(x, shape=(4, 8), name="reshaped"),
+        builder.transpose(x, perm=(0, 2, 1), name="transposed"),
+        builder.cast(x, dtype="f16", name="cast"),
+    ]
+    scores = builder.matmul(x, x, transpose_right=True, name="scores")
+    masked = builder.causal_mask(scores, offset=0, name="masked")
+    graph = builder.build(steps + [masked])
+    ops = {node.name: node.op for node in graph.nodes}
+    assert ops["added"] == "add" and ops["ln"] == "layer_norm" and ops["masked"] == "causal_mask"
+    assert graph.find_value("scores").spec == spec((1, 4, 4), "f32")
+    assert graph.find_value("transposed").spec == spec((1, 8, 4), "f32")
+    assert graph.find_value("reshaped").spec == spec((4, 8), "f32")
+    assert graph.find_value("cast").spec == spec((1, 4, 8), "f16")
+    assert graph.find_node("gelu").attributes["approximate"] == "tanh"
+    assert graph.find_node("transposed").attributes["perm"] == [0, 2, 1]
+    assert graph.find_node("rope").attributes["dims"] == 8
+
+
+def test_quantized_matmul_and_generic_add_node():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", spec((1, 128)))
+    packed = builder.input("packed", spec((32, 128 * 4 // 32), "u32"))
+    scales = builder.input("scales", spec((32, 2)))
+    biases = builder.input("biases", spec((32, 2)))
+    projected = builder.quantized_matmul(x, packed, scales, biases, bits=4, group_size=64)
+    (softened,) = builder.add_node("softmax", [projected], {"axis": -1}, name="softened")
+    graph = builder.build((softened,))
+    assert graph.find_value("projected").spec == spec((1, 32))
+    assert graph.find_node("projected").attributes["group_size"] == 64
+    assert graph.find_node("softened").op == "softmax"
+
+
+def test_json_round_trip_is_exact():
+    graph = seed_graph()
+    text = graph.to_json()
+    document = json.loads(text)
+    assert [entry["name"] for entry in document["inputs"]] == ["values", "residual", "weight"]
+    assert document["outputs"] == ["summed", "normalized"]
+    assert [node["op"] for node in document["nodes"]] == ["add", "rms_norm"]
+    again = metile.ComputeGraph.from_json(text)
+    assert again == graph
+    assert again.to_json() == text
+    assert "summed" in graph.to_dot() and graph.to_dot().lstrip().startswith("digraph")
+
+
+def test_read_graph_reads_a_graph_file(tmp_path):
+    path = tmp_path / "seed.json"
+    path.write_text(seed_graph().to_json())
+    assert metile.read_graph(path) == seed_graph()
+    assert metile.read_graph(str(path)) == seed_graph()
+
+
+def test_repr_is_readable():
+    graph = seed_graph()
+    assert repr(graph) == "ComputeGraph(inputs=[values, residual, weight], nodes=2, outputs=[summed, normalized])"
+    assert repr(graph.nodes[1]) == "Node(normalized = rms_norm(summed, weight), eps=1e-05)"
+    assert repr(graph.outputs[0]) == "Value('summed', f16[1, 64])"
