@@ -199,7 +199,9 @@ template <typename Capacity>
 MaxFlowResult<Capacity> solve(const FlowNetwork<Capacity>& network, int source, int sink,
                               const MaxFlowOptions& options = {});
 
-// The dispatch cache (process-wide, bounded, thread-safe).
+// The dispatch cache (process-wide, thread-safe, least recently used entries evicted
+// beyond dispatch_cache_capacity).
+inline constexpr std::size_t dispatch_cache_capacity = 4096;
 void clear_dispatch_cache();
 std::size_t dispatch_cache_size();
 

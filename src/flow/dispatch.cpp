@@ -19,7 +19,6 @@ namespace {
 
 constexpr int kTournamentMinimumVertices = 32;
 constexpr double kHlppHeadroom = 0.90;  // HLPP must take at most 90% of Dinic's time
-constexpr std::size_t kCacheCapacity = 4096;
 
 // A bounded least-recently-used map from network fingerprint to the winning engine.
 class DispatchCache {
@@ -42,7 +41,7 @@ class DispatchCache {
     }
     order_.emplace_front(key, choice);
     index_[key] = order_.begin();
-    if (order_.size() > kCacheCapacity) {
+    if (order_.size() > dispatch_cache_capacity) {
       index_.erase(order_.back().first);
       order_.pop_back();
     }

@@ -1,0 +1,158 @@
+// DIMACS max-flow files: write/read round trips (integer and real capacities keep every
+// bit), automatic integer/real detection, and one clear FILE:LINE error per malformed case.
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "metile/flow.h"
+#include "network_families.h"
+
+namespace metile {
+namespace {
+
+template <typename Capacity>
+FlowProblem<Capacity> read_text(const std::string& text) {
+  std::istringstream input(text);
+  return read_dimacs_max_flow<Capacity>(input, "net.max");
+}
+
+template <typename Capacity>
+std::string error_of(const std::string& text) {
+  try {
+    read_text<Capacity>(text);
+  } catch (const InputError& error) {
+    return error.what();
+  }
+  return "no error";
+}
+
+TEST(Dimacs, ReadsTheFormat) {
+  const FlowProblem<std::int64_t> problem = read_text<std::int64_t>(
+      "c a comment\n"
+      "p max 4 5\n"
+      "n 1 s\n"
+      "\n"
+      "n 4 t\n"
+      "a 1 2 5\n"
+      "c comments may sit anywhere\n"
+      "a 1 3 4\r\n"
+      "a 2 4 3\n"
+      "a 3 4 6\n"
+      "a 2 3 2\n");
+  EXPECT_EQ(problem.source, 0);
+  EXPECT_EQ(problem.sink, 3);
+  ASSERT_EQ(problem.network.edge_count(), 5);
+  EXPECT_EQ(problem.network.edge(1).capacity, 4);
+  EXPECT_EQ(solve(problem.network, problem.source, problem.sink).value, 9);
+}
+
+TEST(Dimacs, IntegerRoundTripKeepsEveryEdge) {
+  std::mt19937_64 random(31);
+  for (int trial = 0; trial < 50; ++trial) {
+    const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(
+        static_cast<int>(flow_families::draw(random, 2, 60)), static_cast<int>(flow_families::draw(random, 0, 200)),
+        1000000000000LL, random);
+    const FlowProblem<std::int64_t> original{generated.integer_network(), generated.source, generated.sink};
+    std::ostringstream written;
+    write_dimacs_max_flow(written, original);
+    const FlowProblem<std::int64_t> reread = read_text<std::int64_t>(written.str());
+    ASSERT_EQ(reread.network.fingerprint(), original.network.fingerprint());
+    ASSERT_EQ(reread.network.edge_count(), original.network.edge_count());
+    for (int e = 0; e < original.network.edge_count(); ++e) {
+      ASSERT_EQ(reread.network.edge(e).from, original.network.edge(e).from);
+      ASSERT_EQ(reread.network.edge(e).to, original.network.edge(e).to);
+      ASSERT_EQ(reread.network.edge(e).capacity, original.network.edge(e).capacity);
+    }
+    EXPECT_EQ(reread.source, original.source);
+    EXPECT_EQ(reread.sink, original.sink);
+  }
+}
+
+TEST(Dimacs, RealRoundTripIsBitExact) {
+  std::mt19937_64 random(32);
+  const flow_families::GeneratedNetwork generated = flow_families::seed_random_network(50, 6, random);
+  const FlowProblem<double> original{RealFlowNetwork(generated.vertex_count, flow_families::real_edges(generated, true, random)),
+                                     generated.source, generated.sink};
+  std::ostringstream written;
+  write_dimacs_max_flow(written, original);
+  const FlowProblem<double> reread = read_text<double>(written.str());
+  EXPECT_EQ(reread.network.fingerprint(), original.network.fingerprint());
+  EXPECT_EQ(dinic(reread.network, reread.source, reread.sink).value,
+            dinic(original.network, original.source, original.sink).value);
+}
+
+TEST(Dimacs, FileReaderPicksIntegerOrReal) {
+  const std::filesystem::path directory = std::filesystem::temp_directory_path() / "metile_dimacs_test";
+  std::filesystem::create_directories(directory);
+  const std::filesystem::path integer_file = directory / "integer.max";
+  const std::filesystem::path real_file = directory / "real.max";
+  std::ofstream(integer_file) << "p max 2 2\nn 1 s\nn 2 t\na 1 2 3\na 1 2 4\n";
+  std::ofstream(real_file) << "p max 2 2\nn 1 s\nn 2 t\na 1 2 3\na 1 2 0.5\n";
+  const AnyFlowProblem integer_problem = read_dimacs_max_flow_file(integer_file);
+  const AnyFlowProblem real_problem = read_dimacs_max_flow_file(real_file);
+  ASSERT_EQ(integer_problem.index(), 0u);
+  ASSERT_EQ(real_problem.index(), 1u);
+  const auto& real = std::get<FlowProblem<double>>(real_problem);
+  EXPECT_EQ(dinic(real.network, real.source, real.sink).value, 3.5);
+  try {
+    read_dimacs_max_flow_file(directory / "missing.max");
+    FAIL() << "a missing file must be an InputError";
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find("missing.max: cannot open the file"), std::string::npos);
+  }
+  std::filesystem::remove_all(directory);
+}
+
+struct MalformedCase {
+  const char* name;
+  const char* text;
+  const char* message;
+};
+
+TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
+  const MalformedCase cases[] = {
+      {"bad problem kind", "c x\np min 3 2\n", "net.max:2: bad problem line: expected 'p max VERTICES ARCS'"},
+      {"problem line too short", "p max 3\n", "net.max:1: bad problem line: expected 'p max VERTICES ARCS'"},
+      {"non-numeric vertex count", "p max three 2\n",
+       "net.max:1: bad problem line: vertex count 'three' is not an integer in 0..536870911"},
+      {"negative arc count", "p max 3 -2\n",
+       "net.max:1: bad problem line: arc count '-2' is not a non-negative integer"},
+      {"second problem line", "p max 3 0\np max 3 0\n", "net.max:2: second problem line (the first is on line 1)"},
+      {"arc before problem line", "c x\na 1 2 3\np max 3 1\n",
+       "net.max:2: arc line before the problem line 'p max VERTICES ARCS'"},
+      {"node before problem line", "n 1 s\n", "net.max:1: node line before the problem line 'p max VERTICES ARCS'"},
+      {"arc tail out of range", "p max 3 1\nn 1 s\nn 3 t\na 0 2 5\n", "net.max:4: arc tail 0 is outside 1..3"},
+      {"arc head out of range", "p max 3 1\nn 1 s\nn 3 t\na 1 4 5\n", "net.max:4: arc head 4 is outside 1..3"},
+      {"node out of range", "p max 3 0\nn 9 s\n", "net.max:2: node id 9 is outside 1..3"},
+      {"missing source", "p max 3 1\nn 3 t\na 1 2 5\n", "net.max:3: no source line 'n ID s'"},
+      {"missing sink", "p max 3 1\nn 1 s\na 1 2 5\n", "net.max:3: no sink line 'n ID t'"},
+      {"negative capacity", "p max 3 1\nn 1 s\nn 3 t\na 1 2 -5\n", "net.max:4: negative capacity -5"},
+      {"non-numeric capacity", "p max 3 1\nn 1 s\nn 3 t\na 1 2 lots\n", "net.max:4: capacity 'lots' is not a number"},
+      {"real capacity in an integer problem", "p max 3 1\nn 1 s\nn 3 t\na 1 2 2.5\n",
+       "net.max:4: capacity '2.5' is not an integer"},
+      {"too many arcs", "p max 3 1\nn 1 s\nn 3 t\na 1 2 5\na 2 3 5\n",
+       "net.max:5: more arcs than the 1 declared on line 1"},
+      {"too few arcs", "p max 3 3\nn 1 s\nn 3 t\na 1 2 5\nc end\n", "net.max:5: the file has 1 arcs but line 1 declares 3"},
+      {"duplicate source", "p max 3 0\nn 1 s\nn 2 s\n", "net.max:3: duplicate source (already vertex 1)"},
+      {"duplicate sink", "p max 3 0\nn 3 t\nn 2 t\n", "net.max:3: duplicate sink (already vertex 3)"},
+      {"source is sink", "p max 3 0\nn 2 s\nn 2 t\n", "net.max:3: source and sink are the same vertex 2"},
+      {"bad node kind", "p max 3 0\nn 2 x\n", "net.max:2: bad node line: expected 'n ID s' or 'n ID t'"},
+      {"arc with extra token", "p max 3 1\nn 1 s\nn 3 t\na 1 2 5 7\n",
+       "net.max:4: bad arc line: expected 'a TAIL HEAD CAPACITY'"},
+      {"unknown line", "p max 3 0\nx 1 2\n", "net.max:2: unknown line type 'x' (expected c, p, n or a)"},
+      {"empty file", "", "net.max:1: no problem line 'p max VERTICES ARCS'"},
+  };
+  for (const MalformedCase& malformed : cases) {
+    EXPECT_EQ(error_of<std::int64_t>(malformed.text), malformed.message) << malformed.name;
+  }
+  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 inf\n"), "net.max:4: capacity 'inf' is not finite");
+  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 nan\n"), "net.max:4: capacity 'nan' is not finite");
+  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 -0.5\n"), "net.max:4: negative capacity -0.5");
+  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 1x\n"), "net.max:4: capacity '1x' is not a number");
+}
+
+}  // namespace
+}  // namespace metile

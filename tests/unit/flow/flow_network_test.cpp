@@ -1,0 +1,175 @@
+// FlowNetwork and FlowNetworkBuilder: validation messages, the CSR invariants the
+// engines rely on, infinite (legality) edges and the fingerprint used as cache key.
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "metile/flow.h"
+#include "network_families.h"
+
+namespace metile {
+namespace {
+
+template <typename Capacity>
+std::string construction_error(int vertex_count, std::vector<FlowEdge<Capacity>> edges) {
+  try {
+    FlowNetwork<Capacity> network(vertex_count, edges);
+  } catch (const InputError& error) {
+    return error.what();
+  }
+  return "no error";
+}
+
+TEST(FlowNetwork, RejectsBadEdgesNamingTheEdge) {
+  EXPECT_EQ(construction_error<std::int64_t>(3, {{0, 1, 5}, {1, 2, -4}}),
+            "flow network: edge 1 has negative capacity -4");
+  EXPECT_EQ(construction_error<std::int64_t>(3, {{0, 3, 5}}), "flow network: edge 0 has head vertex 3 outside [0, 3)");
+  EXPECT_EQ(construction_error<std::int64_t>(3, {{0, 1, 1}, {-1, 2, 5}}),
+            "flow network: edge 1 has tail vertex -1 outside [0, 3)");
+  EXPECT_EQ(construction_error<double>(2, {{0, 1, std::nan("")}}),
+            "flow network: edge 0 has capacity NaN; capacities must be finite (use add_infinite_edge for "
+            "legality edges)");
+  EXPECT_EQ(construction_error<double>(2, {{0, 1, 1.5}, {0, 1, std::numeric_limits<double>::infinity()}}),
+            "flow network: edge 1 has capacity inf; capacities must be finite (use add_infinite_edge for "
+            "legality edges)");
+  EXPECT_EQ(construction_error<double>(2, {{0, 1, -0.25}}), "flow network: edge 0 has negative capacity -0.25");
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max() / 6;
+  EXPECT_NE(construction_error<std::int64_t>(2, {{0, 1, huge}, {0, 1, huge}}).find("could overflow"),
+            std::string::npos);
+  EXPECT_THROW(IntegerFlowNetwork(-1, {}), InputError);
+}
+
+TEST(FlowNetwork, CsrPairsEveryArcWithItsReverse) {
+  std::mt19937_64 random(7);
+  const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(40, 300, 50, random);
+  const IntegerFlowNetwork network = generated.integer_network();
+  int self_loops = 0;
+  for (const auto& edge : generated.edges) self_loops += edge.from == edge.to;
+  ASSERT_GT(self_loops, 0);  // the family must exercise loop dropping
+  EXPECT_EQ(network.edge_count(), static_cast<int>(generated.edges.size()));
+  EXPECT_EQ(network.arc_count(), 2 * (network.edge_count() - self_loops));
+
+  std::vector<int> forward_arcs_of_edge(network.edge_count(), 0);
+  for (int v = 0; v < network.vertex_count(); ++v) {
+    for (int arc = network.arc_begin(v); arc < network.arc_end(v); ++arc) {
+      const int reverse = network.reverse_arc(arc);
+      ASSERT_EQ(network.reverse_arc(reverse), arc);
+      EXPECT_EQ(network.arc_head(reverse), v);  // the reverse arc leads back to this vertex
+      EXPECT_TRUE(network.arc_edge(arc) >= 0 || network.arc_edge(reverse) >= 0);
+      EXPECT_FALSE(network.arc_edge(arc) >= 0 && network.arc_edge(reverse) >= 0);
+      if (network.arc_edge(arc) >= 0) {
+        const auto& edge = network.edge(network.arc_edge(arc));
+        EXPECT_EQ(edge.from, v);
+        EXPECT_EQ(edge.to, network.arc_head(arc));
+        EXPECT_EQ(network.arc_capacity(arc), edge.capacity);
+        EXPECT_EQ(network.arc_capacity(reverse), 0);
+        ++forward_arcs_of_edge[network.arc_edge(arc)];
+      }
+    }
+  }
+  for (int e = 0; e < network.edge_count(); ++e) {
+    const auto& edge = network.edge(e);
+    EXPECT_EQ(forward_arcs_of_edge[e], edge.from == edge.to ? 0 : 1) << "edge " << e;
+  }
+}
+
+TEST(FlowNetwork, ParallelEdgesAddUpAndLoopsCarryNothing) {
+  const IntegerFlowNetwork network(3, {{0, 1, 4}, {0, 1, 3}, {1, 1, 100}, {1, 2, 10}, {1, 2, 1}});
+  const MaxFlowResult<std::int64_t> result = dinic(network, 0, 2, {.edge_flows = true});
+  EXPECT_EQ(result.value, 7);
+  EXPECT_EQ(result.edge_flows[2], 0);
+  EXPECT_EQ(result.edge_flows[0] + result.edge_flows[1], 7);
+  EXPECT_TRUE(verify(network, 0, 2, result));
+}
+
+TEST(FlowNetworkBuilder, InfiniteEdgesExceedEveryFiniteCut) {
+  FlowNetworkBuilder<std::int64_t> builder(2);
+  const int middle = builder.add_vertex();
+  EXPECT_EQ(middle, 2);
+  builder.add_edge(0, middle, 30);
+  const int legality = builder.add_infinite_edge(middle, 1);
+  builder.add_edge(0, 1, 12);  // finite edges added after the infinite one still count
+  const IntegerFlowNetwork network = builder.build();
+  EXPECT_EQ(network.finite_capacity_sum(), 42);
+  EXPECT_EQ(network.infinite_capacity(), 43);
+  EXPECT_TRUE(network.edge_is_infinite(legality));
+  EXPECT_EQ(network.edge(legality).capacity, 43);
+  const MaxFlowResult<std::int64_t> result = solve(network, 0, 1);
+  EXPECT_EQ(result.value, 42);
+  EXPECT_EQ(cut_edges(network, result.source_side), (std::vector<int>{0, 2}));  // never the infinite edge
+
+  FlowNetworkBuilder<double> real_builder(2);
+  real_builder.add_edge(0, 1, 1e17);
+  real_builder.add_infinite_edge(1, 0);
+  const RealFlowNetwork real_network = real_builder.build();
+  EXPECT_GT(real_network.infinite_capacity(), real_network.finite_capacity_sum());
+
+  FlowNetworkBuilder<std::int64_t> bad(2);
+  EXPECT_THROW(bad.add_edge(0, 2, 1), InputError);
+  EXPECT_THROW(bad.add_edge(0, 1, -1), InputError);
+  EXPECT_THROW(bad.add_infinite_edge(5, 1), InputError);
+  EXPECT_THROW(bad.add_vertices(-1), InputError);
+}
+
+TEST(FlowNetwork, FingerprintSeparatesTopologyAndCapacities) {
+  const IntegerFlowNetwork a(3, {{0, 1, 4}, {1, 2, 3}});
+  const IntegerFlowNetwork same(3, {{0, 1, 4}, {1, 2, 3}});
+  const IntegerFlowNetwork other_capacity(3, {{0, 1, 4}, {1, 2, 2}});
+  const IntegerFlowNetwork other_topology(3, {{0, 1, 4}, {0, 2, 3}});
+  const IntegerFlowNetwork more_vertices(4, {{0, 1, 4}, {1, 2, 3}});
+  const RealFlowNetwork real(3, {{0, 1, 4.0}, {1, 2, 3.0}});
+  EXPECT_EQ(a.fingerprint(), same.fingerprint());
+  EXPECT_NE(a.fingerprint(), other_capacity.fingerprint());
+  EXPECT_NE(a.fingerprint(), other_topology.fingerprint());
+  EXPECT_NE(a.fingerprint(), more_vertices.fingerprint());
+  EXPECT_NE(a.fingerprint(), real.fingerprint());
+}
+
+TEST(FlowNetwork, EnginesRejectBadTerminals) {
+  const IntegerFlowNetwork network(3, {{0, 1, 4}, {1, 2, 3}});
+  EXPECT_THROW(dinic(network, 0, 3), InputError);
+  EXPECT_THROW(hlpp(network, -1, 2), InputError);
+  EXPECT_THROW(solve(network, 1, 1), InputError);
+  try {
+    hlpp(network, 2, 2);
+  } catch (const InputError& error) {
+    EXPECT_STREQ(error.what(), "hlpp: source and sink are the same vertex 2");
+  }
+}
+
+TEST(Verify, CatchesBrokenResults) {
+  const IntegerFlowNetwork network(4, {{0, 1, 5}, {0, 2, 4}, {1, 3, 3}, {2, 3, 6}, {1, 2, 2}});
+  MaxFlowResult<std::int64_t> result = hlpp(network, 0, 3, {.edge_flows = true});
+  ASSERT_EQ(result.value, 9);
+  ASSERT_TRUE(verify(network, 0, 3, result)) << verify(network, 0, 3, result).problem;
+
+  MaxFlowResult<std::int64_t> wrong_value = result;
+  wrong_value.value = 8;
+  EXPECT_EQ(verify(network, 0, 3, wrong_value).problem, "cut capacity 9 differs from the flow value 8");
+
+  MaxFlowResult<std::int64_t> over_capacity = result;
+  over_capacity.edge_flows[2] = 4;
+  EXPECT_EQ(verify(network, 0, 3, over_capacity).problem, "edge 2 (1 -> 3) carries 4 outside [0, 3]");
+
+  MaxFlowResult<std::int64_t> leaking = result;
+  leaking.edge_flows[4] -= 1;
+  leaking.edge_flows[3] -= 1;  // vertex 2 now keeps nothing but vertex 1 keeps one unit
+  EXPECT_EQ(verify(network, 0, 3, leaking).problem, "conservation fails at vertex 1: net outflow -1");
+
+  MaxFlowResult<std::int64_t> bad_side = result;
+  bad_side.source_side[3] = true;
+  EXPECT_EQ(verify(network, 0, 3, bad_side).problem, "the sink is on the source side");
+}
+
+TEST(SolverChoice, NamesRoundTrip) {
+  for (const SolverChoice choice : {SolverChoice::automatic, SolverChoice::dinic, SolverChoice::hlpp}) {
+    EXPECT_EQ(parse_solver_choice(solver_choice_name(choice)), choice);
+  }
+  EXPECT_THROW(parse_solver_choice("simplex"), InputError);
+}
+
+}  // namespace
+}  // namespace metile
