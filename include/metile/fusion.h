@@ -1,15 +1,155 @@
 // metile fusion module: plan_graph_fusion selects legal, profitable,
 // multi-output fusion regions with exact min-cut models (DESIGN.md,
 // "Neighborhood cut models", "Conflict selection", "Rules").
+//
+//   ComputeGraph ──► per rule, per anchor: neighborhood ──one min cut──► candidate region
+//                ──► conflict graph (shared ops, kernel cycles) ──► components
+//                ──► bipartite: one min cut │ small: branch and bound │ large: greedy ──► FusionPlan
+//
+// A target (FusionTarget) states costs and limits; a rule (FusionRule) states, as
+// data, what may share a kernel and what resources that takes.
 #pragma once
 
+#include <cstdint>
+#include <filesystem>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "metile/graph.h"
 
 namespace metile {
+
+// ---------------------------------------------------------------- targets
+
+// What a kernel costs and what one kernel may use on a machine. Times in
+// nanoseconds, bandwidths in bytes per nanosecond (1 byte/ns = 1 GB/s).
+struct FusionTarget {
+  std::string name = "h200";
+  double launch_overhead_ns = 2500;               // one more kernel in a stream of launches
+  double memory_bandwidth_bytes_per_ns = 4200;    // global memory, achievable copy rate
+  double on_chip_bandwidth_bytes_per_ns = 33000;  // registers/shared memory, whole device
+  int registers_per_thread = 255;
+  int registers_per_multiprocessor = 65536;
+  int threads_per_block = 256;                    // the block size register needs are checked at
+  std::int64_t shared_memory_per_block_bytes = 232448;          // 227 KiB, opt-in maximum
+  std::int64_t shared_memory_per_multiprocessor_bytes = 233472;  // 228 KiB
+  int max_kernel_inputs = 64;
+  int max_kernel_outputs = 16;
+
+  // NVIDIA H200 (sm_90): HBM3e copy bandwidth about 4.2 TB/s, 2.5 µs for one
+  // more launch, 228 KiB shared memory per SM (227 KiB per block), 64K registers
+  // per SM, 255 per thread.
+  static FusionTarget h200();
+  // The CPU reference backend: one core's streaming bandwidth, an op's dispatch
+  // (allocation, loop set-up) as the launch, L2 as the on-chip store.
+  static FusionTarget cpu();
+  // A JSON object: optional "base" ("h200" or "cpu", default "h200") whose values
+  // the other fields override. Unknown fields, wrong types and non-positive
+  // values throw InputError naming the source and the field.
+  static FusionTarget from_json(std::string_view text, std::string_view source_name = "<string>");
+  static FusionTarget from_json_file(const std::filesystem::path& path);
+  // "h200", "cpu", or the path of a JSON file.
+  static FusionTarget from_name_or_file(std::string_view name_or_path);
+  std::string to_json() const;  // every field; from_json(to_json()) gives the same target
+};
+
+// ---------------------------------------------------------------- rules
+
+// What a rule's kernel needs from the target, per thread or per block. The
+// register model is conservative: every fused op's registers are live at once.
+struct ResourceNeeds {
+  int base_registers = 32;                     // indexing, pointers, loop state
+  int registers_per_elementwise = 2;
+  int registers_per_row_reduction = 8;         // running sum / max and the row statistics
+  int registers_per_contraction = 24;          // a 16-wide f32 accumulator tile and its operands
+  int registers_per_quantized_contraction = 40;  // plus scales, biases and unpacked weights
+  // A row reduction whose input is computed inside the kernel keeps that row
+  // (f32) in shared memory for its second pass.
+  bool stages_reduction_rows = true;
+  // A contraction whose activation is computed inside the kernel keeps all of
+  // that activation's rows (in its dtype) in shared memory before the mainloop.
+  bool stages_contraction_activations = false;
+};
+
+// One op of a rule's required structure. Input slots name where each input
+// comes from: the role of another entry ("gate"), an outside value bound by a
+// name shared between entries ("$activation": same name, same value), or ""
+// (anything).
+struct OpPattern {
+  std::string role;
+  OpKind kind = OpKind::elementwise;
+  std::vector<std::string> ops;     // allowed op names; empty: any op of `kind`
+  std::vector<std::string> inputs;  // per input slot, as above; missing slots are unconstrained
+  bool commutative = false;         // slots 0 and 1 may match either way round
+  bool may_escape = false;          // its value may also leave the kernel (written as an extra output)
+};
+
+// Neighbours the cut model may pull in around the required structure.
+struct GrowthSpec {
+  std::vector<OpKind> kinds;  // empty: no growth on this side
+  int max_depth = 0;          // steps from the anchor; -1: unbounded
+};
+
+// A declarative fusion rule: a pattern anchored at its last entry, optional
+// growth on the producer side (prologue) and consumer side (epilogue), and the
+// resources its kernel takes. Growth ops must produce the anchor's output shape
+// in a floating dtype (one iteration space per kernel).
+struct FusionRule {
+  std::string name;
+  std::string description;
+  std::vector<OpPattern> pattern;  // at least one entry; the last is the anchor
+  bool anchor_must_be_sink = false;  // the anchor has no consumer of its own kind (chain ends)
+  GrowthSpec prologue;
+  GrowthSpec epilogue;
+  // Growth ops (and the anchor) may leave values that are also read outside the
+  // kernel; the kernel writes them as extra outputs. Without it, such ops stay out.
+  bool materializes_escaping_values = false;
+  ResourceNeeds resources;
+};
+
+// Rules in priority order (an identical region found by two rules keeps the
+// first rule's name) plus the planner's search bounds.
+struct RuleSet {
+  std::vector<FusionRule> rules;
+  int max_neighborhood_nodes = 64;      // ops one cut model may consider, anchor included
+  int max_exact_component_size = 24;    // non-bipartite conflict components solved exactly up to this size (<= 40)
+};
+
+// The default rules, in default_rules() order:
+FusionRule residual_add_rms_norm_rule();  // add → rms_norm, the sum written too when it escapes
+FusionRule parallel_epilogue_rule();      // "swiglu_mlp": gate/up contractions, silu(gate)·up, down contraction
+FusionRule contraction_epilogue_rule();   // a contraction and elementwise ops on its output
+FusionRule row_reduction_rule();          // elementwise prologue and epilogue around a row reduction
+FusionRule elementwise_chain_rule();      // elementwise ops ending in an elementwise sink
+RuleSet default_rules();
+
+// ---------------------------------------------------------------- cost model
+
+// The analytical estimate of running a set of nodes as one kernel. Unfused, each
+// node is one launch that reads its inputs and writes its outputs; fused, one
+// launch reads the region's inputs once and writes the values that leave it,
+// every op's result passing through on-chip storage.
+struct RegionEstimate {
+  double unfused_ns = 0;
+  double fused_ns = 0;
+  double benefit_ns = 0;                     // unfused_ns - fused_ns
+  std::int64_t memory_bytes_avoided = 0;     // global reads and writes saved
+  int registers_per_thread = 0;
+  std::int64_t shared_memory_bytes = 0;
+  int input_count = 0;
+  int output_count = 0;
+};
+RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
+                               const ResourceNeeds& needs = {});
+// The first limit the estimate exceeds, said for a person ("needs 48 KB shared
+// memory, target allows 32 KB"); nullopt when it fits.
+std::optional<std::string> exceeded_limit(const RegionEstimate& estimate, const FusionTarget& target);
+
+// ---------------------------------------------------------------- plans
 
 // One kernel-to-be: a convex set of nodes and the values crossing its boundary.
 struct FusionRegion {
@@ -20,12 +160,47 @@ struct FusionRegion {
   double benefit_ns = 0;         // estimated cost saved against running the nodes unfused
 };
 
+// A region some rule proposed, and what conflict selection made of it.
+struct FusionCandidate {
+  std::string rule;
+  NodeId anchor = -1;
+  std::vector<NodeId> nodes;     // ascending
+  double benefit_ns = 0;
+  std::vector<int> conflicts;    // candidate indices; shared nodes or a kernel cycle together
+  int component = -1;            // index into FusionPlan::components
+  int region = -1;               // index into FusionPlan::regions when selected, else -1
+};
+
+struct ConflictComponent {
+  std::vector<int> candidates;   // ascending candidate indices
+  std::string method;            // "single", "min_cut", "branch_and_bound", "greedy"
+  bool bipartite = true;
+};
+
 struct FusionPlan {
   std::shared_ptr<const ComputeGraph> graph;
   std::vector<FusionRegion> regions;
   std::vector<NodeId> unfused;  // nodes that run as their own kernel
   std::vector<std::string> node_reasons;  // per node id: why it is or is not fused
   int kernel_count() const { return static_cast<int>(regions.size() + unfused.size()); }
+
+  std::string target_name;
+  std::vector<FusionCandidate> candidates;
+  std::vector<ConflictComponent> components;
+
+  double total_benefit_ns() const;
+  // The plan for a person: regions with their ops, inputs, outputs and benefit,
+  // then every node's reason.
+  std::string explain() const;
+  // {"kernels": N, "regions": [{"rule", "nodes", "inputs", "outputs", "benefit_ns"}], "unfused": [...]}
+  // with node and value names; deterministic, byte for byte.
+  std::string to_json() const;
+  // Graphviz: each region a coloured cluster, unfused nodes plain.
+  std::string to_dot() const;
 };
+
+// The graph is copied into the plan (plan.graph), so the plan outlives it.
+FusionPlan plan_graph_fusion(const ComputeGraph& graph, const FusionTarget& target = FusionTarget::h200(),
+                             const RuleSet& rules = default_rules());
 
 }  // namespace metile

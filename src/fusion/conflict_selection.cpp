@@ -1,0 +1,295 @@
+// Conflict selection (DESIGN.md, "Conflict selection"): which candidate regions
+// become kernels. Candidates that share an op, or that were found to close a
+// cycle between kernels, conflict; each connected component of the conflict
+// graph is a maximum-weight independent set problem:
+//
+//   bipartite (sides X, Y)   s ──w(x)──► x ──∞──► y ──w(y)──► t   one min cut: the cut is a
+//                            minimum-weight vertex cover, its complement the best independent set
+//   otherwise, ≤ N members   branch and bound, exact
+//   otherwise                by weight, largest first, skipping conflicts (deterministic)
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <numeric>
+#include <stdexcept>
+
+#include "metile/flow.h"
+#include "planner_internal.h"
+
+namespace metile::fusion_internal {
+
+std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates) {
+  std::vector<std::vector<int>> holders(node_count);
+  for (std::size_t index = 0; index < candidates.size(); ++index) {
+    for (NodeId node : candidates[index]) holders[static_cast<std::size_t>(node)].push_back(static_cast<int>(index));
+  }
+  std::vector<std::vector<int>> overlaps(candidates.size());
+  for (const auto& sharing : holders) {
+    for (std::size_t a = 0; a < sharing.size(); ++a) {
+      for (std::size_t b = a + 1; b < sharing.size(); ++b) {
+        overlaps[static_cast<std::size_t>(sharing[a])].push_back(sharing[b]);
+        overlaps[static_cast<std::size_t>(sharing[b])].push_back(sharing[a]);
+      }
+    }
+  }
+  for (auto& list : overlaps) {
+    std::sort(list.begin(), list.end());
+    list.erase(std::unique(list.begin(), list.end()), list.end());
+  }
+  return overlaps;
+}
+
+std::vector<int> find_kernel_cycle(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions) {
+  const std::size_t node_count = graph.nodes().size();
+  // Kernel numbers: regions first, then one per node left out of every region.
+  std::vector<int> kernel_of(node_count, -1);
+  for (std::size_t region = 0; region < regions.size(); ++region) {
+    for (NodeId node : regions[region]) kernel_of[static_cast<std::size_t>(node)] = static_cast<int>(region);
+  }
+  int kernel_count = static_cast<int>(regions.size());
+  for (auto& kernel : kernel_of) {
+    if (kernel < 0) kernel = kernel_count++;
+  }
+  std::vector<std::vector<int>> predecessors(static_cast<std::size_t>(kernel_count));
+  std::vector<std::vector<int>> successors(static_cast<std::size_t>(kernel_count));
+  for (const Node& node : graph.nodes()) {
+    const int to = kernel_of[static_cast<std::size_t>(node.id)];
+    for (ValueId input : node.inputs) {
+      const NodeId producer = graph.value(input).producer;
+      if (producer < 0) continue;
+      const int from = kernel_of[static_cast<std::size_t>(producer)];
+      if (from == to) continue;
+      successors[static_cast<std::size_t>(from)].push_back(to);
+      predecessors[static_cast<std::size_t>(to)].push_back(from);
+    }
+  }
+  std::vector<int> waiting(static_cast<std::size_t>(kernel_count));
+  std::vector<int> ready;
+  for (int kernel = 0; kernel < kernel_count; ++kernel) {
+    waiting[static_cast<std::size_t>(kernel)] = static_cast<int>(predecessors[static_cast<std::size_t>(kernel)].size());
+    if (waiting[static_cast<std::size_t>(kernel)] == 0) ready.push_back(kernel);
+  }
+  std::vector<bool> done(static_cast<std::size_t>(kernel_count), false);
+  while (!ready.empty()) {
+    const int kernel = ready.back();
+    ready.pop_back();
+    done[static_cast<std::size_t>(kernel)] = true;
+    for (int next : successors[static_cast<std::size_t>(kernel)]) {
+      if (--waiting[static_cast<std::size_t>(next)] == 0) ready.push_back(next);
+    }
+  }
+  const auto stuck = std::find(done.begin(), done.end(), false);
+  if (stuck == done.end()) return {};
+  // Every kernel left waits on another kernel left: walking back must repeat.
+  std::vector<int> walk_position(static_cast<std::size_t>(kernel_count), -1);
+  std::vector<int> walk;
+  int kernel = static_cast<int>(stuck - done.begin());
+  while (walk_position[static_cast<std::size_t>(kernel)] < 0) {
+    walk_position[static_cast<std::size_t>(kernel)] = static_cast<int>(walk.size());
+    walk.push_back(kernel);
+    const auto& before = predecessors[static_cast<std::size_t>(kernel)];
+    kernel = *std::find_if(before.begin(), before.end(), [&](int k) { return !done[static_cast<std::size_t>(k)]; });
+  }
+  std::vector<int> cycle_regions;
+  for (std::size_t k = static_cast<std::size_t>(walk_position[static_cast<std::size_t>(kernel)]); k < walk.size(); ++k) {
+    if (walk[k] < static_cast<int>(regions.size())) cycle_regions.push_back(walk[k]);
+  }
+  std::sort(cycle_regions.begin(), cycle_regions.end());
+  return cycle_regions;
+}
+
+namespace {
+
+// Local view of one component: members in ascending candidate order.
+struct Component {
+  std::vector<int> members;
+  std::vector<std::vector<int>> neighbours;  // local indices
+};
+
+std::vector<int> colour_two_ways(const Component& component) {
+  std::vector<int> colour(component.members.size(), -1);
+  for (std::size_t start = 0; start < colour.size(); ++start) {
+    if (colour[start] >= 0) continue;
+    colour[start] = 0;
+    std::vector<std::size_t> queue = {start};
+    for (std::size_t head = 0; head < queue.size(); ++head) {
+      const std::size_t current = queue[head];
+      for (int next : component.neighbours[current]) {
+        const auto n = static_cast<std::size_t>(next);
+        if (colour[n] < 0) {
+          colour[n] = 1 - colour[current];
+          queue.push_back(n);
+        } else if (colour[n] == colour[current]) {
+          return {};
+        }
+      }
+    }
+  }
+  return colour;
+}
+
+std::vector<bool> select_by_min_cut(const Component& component, const std::vector<int>& colour,
+                                    std::span<const std::int64_t> weights) {
+  const int count = static_cast<int>(component.members.size());
+  constexpr int source = 0;
+  constexpr int sink = 1;
+  FlowNetworkBuilder<std::int64_t> network(count + 2);
+  for (int local = 0; local < count; ++local) {
+    const std::int64_t weight = weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(local)])];
+    if (colour[static_cast<std::size_t>(local)] == 0) {
+      network.add_edge(source, local + 2, weight);
+      for (int next : component.neighbours[static_cast<std::size_t>(local)]) network.add_infinite_edge(local + 2, next + 2);
+    } else {
+      network.add_edge(local + 2, sink, weight);
+    }
+  }
+  // The source side reachable in the residual graph is the same for every
+  // maximum flow, so the choice does not depend on which engine dispatch picks.
+  const MaxFlowResult<std::int64_t> cut = solve(network.build(), source, sink);
+  std::vector<bool> chosen(static_cast<std::size_t>(count));
+  for (int local = 0; local < count; ++local) {
+    const bool source_side = cut.source_side[static_cast<std::size_t>(local + 2)];
+    chosen[static_cast<std::size_t>(local)] = colour[static_cast<std::size_t>(local)] == 0 ? source_side : !source_side;
+  }
+  return chosen;
+}
+
+// Exact maximum-weight independent set for up to 63 members: heaviest first,
+// take-before-skip, pruned by the weight still available.
+class BranchAndBound {
+ public:
+  BranchAndBound(const Component& component, std::span<const std::int64_t> weights) {
+    const std::size_t count = component.members.size();
+    order_.resize(count);
+    std::iota(order_.begin(), order_.end(), 0);
+    std::stable_sort(order_.begin(), order_.end(), [&](int a, int b) {
+      return weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(a)])] >
+             weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(b)])];
+    });
+    std::vector<int> position(count);
+    for (std::size_t k = 0; k < count; ++k) position[static_cast<std::size_t>(order_[k])] = static_cast<int>(k);
+    weight_.resize(count);
+    conflicts_.assign(count, 0);
+    for (std::size_t k = 0; k < count; ++k) {
+      const int local = order_[k];
+      weight_[k] = weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(local)])];
+      for (int next : component.neighbours[static_cast<std::size_t>(local)]) {
+        conflicts_[k] |= std::uint64_t{1} << position[static_cast<std::size_t>(next)];
+      }
+    }
+  }
+
+  std::vector<bool> run() {
+    search(0, 0, 0, 0);
+    std::vector<bool> chosen(order_.size(), false);
+    for (std::size_t k = 0; k < order_.size(); ++k) {
+      if (best_set_ >> k & 1U) chosen[static_cast<std::size_t>(order_[k])] = true;
+    }
+    return chosen;
+  }
+
+ private:
+  void search(std::size_t position, std::uint64_t chosen, std::uint64_t blocked, std::int64_t weight) {
+    std::int64_t available = weight;
+    for (std::size_t k = position; k < weight_.size(); ++k) {
+      if (!(blocked >> k & 1U)) available += weight_[k];
+    }
+    if (available <= best_weight_) return;
+    if (position == weight_.size()) {
+      best_weight_ = weight;
+      best_set_ = chosen;
+      return;
+    }
+    const std::uint64_t bit = std::uint64_t{1} << position;
+    if (!(blocked & bit)) search(position + 1, chosen | bit, blocked | conflicts_[position], weight + weight_[position]);
+    search(position + 1, chosen, blocked | bit, weight);
+  }
+
+  std::vector<int> order_;
+  std::vector<std::int64_t> weight_;
+  std::vector<std::uint64_t> conflicts_;
+  std::int64_t best_weight_ = -1;
+  std::uint64_t best_set_ = 0;
+};
+
+std::vector<bool> select_greedily(const Component& component, std::span<const std::int64_t> weights) {
+  std::vector<int> order(component.members.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(a)])] >
+           weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(b)])];
+  });
+  std::vector<bool> chosen(order.size(), false);
+  std::vector<bool> blocked(order.size(), false);
+  for (int local : order) {
+    if (blocked[static_cast<std::size_t>(local)]) continue;
+    chosen[static_cast<std::size_t>(local)] = true;
+    for (int next : component.neighbours[static_cast<std::size_t>(local)]) blocked[static_cast<std::size_t>(next)] = true;
+  }
+  return chosen;
+}
+
+}  // namespace
+
+SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
+                                   int max_exact_size) {
+  const std::size_t count = weights.size();
+  if (conflicts.size() != count) throw std::invalid_argument("select_candidates: one conflict list per candidate");
+  for (std::int64_t weight : weights) {
+    if (weight <= 0) throw std::invalid_argument("select_candidates: weights must be positive");
+  }
+  SelectionOutcome outcome;
+  outcome.selected.assign(count, false);
+  outcome.component_of.assign(count, -1);
+  std::vector<int> local_of(count, -1);
+  for (std::size_t start = 0; start < count; ++start) {
+    if (outcome.component_of[start] >= 0) continue;
+    const int component_index = static_cast<int>(outcome.components.size());
+    Component component;
+    outcome.component_of[start] = component_index;
+    component.members.push_back(static_cast<int>(start));
+    for (std::size_t head = 0; head < component.members.size(); ++head) {
+      for (int next : conflicts[static_cast<std::size_t>(component.members[head])]) {
+        if (outcome.component_of[static_cast<std::size_t>(next)] >= 0) continue;
+        outcome.component_of[static_cast<std::size_t>(next)] = component_index;
+        component.members.push_back(next);
+      }
+    }
+    std::sort(component.members.begin(), component.members.end());
+    for (std::size_t local = 0; local < component.members.size(); ++local) {
+      local_of[static_cast<std::size_t>(component.members[local])] = static_cast<int>(local);
+    }
+    component.neighbours.resize(component.members.size());
+    for (std::size_t local = 0; local < component.members.size(); ++local) {
+      for (int next : conflicts[static_cast<std::size_t>(component.members[local])]) {
+        component.neighbours[local].push_back(local_of[static_cast<std::size_t>(next)]);
+      }
+    }
+
+    ConflictComponent summary;
+    summary.candidates = component.members;
+    std::vector<bool> chosen;
+    const std::vector<int> colour = colour_two_ways(component);
+    summary.bipartite = !colour.empty();
+    if (component.members.size() == 1) {
+      summary.method = "single";
+      chosen = {true};
+    } else if (summary.bipartite) {
+      summary.method = "min_cut";
+      chosen = select_by_min_cut(component, colour, weights);
+    } else if (static_cast<int>(component.members.size()) <= max_exact_size) {
+      summary.method = "branch_and_bound";
+      chosen = BranchAndBound(component, weights).run();
+    } else {
+      summary.method = "greedy";
+      chosen = select_greedily(component, weights);
+    }
+    for (std::size_t local = 0; local < chosen.size(); ++local) {
+      outcome.selected[static_cast<std::size_t>(component.members[local])] = chosen[local];
+    }
+    outcome.components.push_back(std::move(summary));
+  }
+  return outcome;
+}
+
+}  // namespace metile::fusion_internal

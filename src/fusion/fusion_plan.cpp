@@ -1,0 +1,162 @@
+// FusionPlan's three faces: text for a person (explain), JSON for tools (the
+// schema of DESIGN.md, byte-identical for identical plans) and Graphviz DOT with
+// one coloured cluster per region.
+#include <cmath>
+#include <map>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "metile/fusion.h"
+
+namespace metile {
+namespace {
+
+std::string duration_text(double nanoseconds) {
+  if (std::abs(nanoseconds) >= 1000) return fmt::format("{:.3f} µs", nanoseconds / 1000);
+  return fmt::format("{:.1f} ns", nanoseconds);
+}
+
+const ComputeGraph& graph_of(const FusionPlan& plan) {
+  if (!plan.graph) throw InputError("fusion plan: it has no graph");
+  return *plan.graph;
+}
+
+std::string dot_quoted(std::string_view text) {
+  std::string quoted = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') quoted += '\\';
+    quoted += c;
+  }
+  return quoted + "\"";
+}
+
+}  // namespace
+
+double FusionPlan::total_benefit_ns() const {
+  double total = 0;
+  for (const FusionRegion& region : regions) total += region.benefit_ns;
+  return total;
+}
+
+std::string FusionPlan::explain() const {
+  const ComputeGraph& g = graph_of(*this);
+  std::string text = fmt::format("fusion plan for target {}: {} ops in {} kernels ({} fused regions), estimated saving {}\n",
+                                 target_name.empty() ? "?" : target_name, g.nodes().size(), kernel_count(),
+                                 regions.size(), duration_text(total_benefit_ns()));
+  auto value_list = [&](const std::vector<ValueId>& values) {
+    std::string list;
+    for (ValueId value : values) {
+      list += (list.empty() ? "" : ", ") + g.value(value).name + " " + g.value(value).spec.to_string();
+    }
+    return list.empty() ? std::string("-") : list;
+  };
+  for (std::size_t index = 0; index < regions.size(); ++index) {
+    const FusionRegion& region = regions[index];
+    std::string ops;
+    for (NodeId node : region.nodes) ops += (ops.empty() ? "" : ", ") + g.node(node).name + " (" + g.node(node).op + ")";
+    text += fmt::format("  R{} {}: {} ops, saves {}\n", index + 1, region.rule, region.nodes.size(),
+                        duration_text(region.benefit_ns));
+    text += fmt::format("      ops:     {}\n      reads:   {}\n      writes:  {}\n", ops, value_list(region.inputs),
+                        value_list(region.outputs));
+  }
+  if (!unfused.empty()) {
+    std::string list;
+    for (NodeId node : unfused) list += (list.empty() ? "" : ", ") + g.node(node).name + " (" + g.node(node).op + ")";
+    text += fmt::format("  unfused, one kernel each: {}\n", list);
+  }
+  std::map<std::string, int> methods;
+  for (const ConflictComponent& component : components) ++methods[component.method];
+  std::string method_list;
+  for (const auto& [method, count] : methods) method_list += fmt::format("{}{} {}", method_list.empty() ? "" : ", ", count, method);
+  text += fmt::format("candidates: {} in {} conflict components{}\n", candidates.size(), components.size(),
+                      method_list.empty() ? "" : " (" + method_list + ")");
+  text += "why each op is where it is:\n";
+  std::size_t width = 0;
+  for (const Node& node : g.nodes()) width = std::max(width, node.name.size());
+  for (const Node& node : g.nodes()) {
+    const std::string& reason = static_cast<std::size_t>(node.id) < node_reasons.size()
+                                    ? node_reasons[static_cast<std::size_t>(node.id)]
+                                    : std::string("(no reason recorded)");
+    text += fmt::format("  {:<{}}  {}\n", node.name, width, reason);
+  }
+  return text;
+}
+
+std::string FusionPlan::to_json() const {
+  const ComputeGraph& g = graph_of(*this);
+  using Json = nlohmann::ordered_json;
+  auto names = [&](const auto& ids, auto name_of) {
+    Json list = Json::array();
+    for (auto id : ids) list.push_back(name_of(id));
+    return list;
+  };
+  auto node_name = [&](NodeId id) { return g.node(id).name; };
+  auto value_name = [&](ValueId id) { return g.value(id).name; };
+  Json document;
+  document["kernels"] = kernel_count();
+  document["regions"] = Json::array();
+  for (const FusionRegion& region : regions) {
+    Json entry;
+    entry["rule"] = region.rule;
+    entry["nodes"] = names(region.nodes, node_name);
+    entry["inputs"] = names(region.inputs, value_name);
+    entry["outputs"] = names(region.outputs, value_name);
+    entry["benefit_ns"] = std::round(region.benefit_ns * 1000) / 1000;
+    document["regions"].push_back(std::move(entry));
+  }
+  document["unfused"] = names(unfused, node_name);
+  return document.dump(2) + "\n";
+}
+
+std::string FusionPlan::to_dot() const {
+  const ComputeGraph& g = graph_of(*this);
+  // Fill and border colours, cycled over regions.
+  static constexpr const char* palette[][2] = {
+      {"#d6e9f8", "#1f77b4"}, {"#fde2c8", "#e6750a"}, {"#d5f0d5", "#2ca02c"}, {"#f8d4d4", "#d62728"},
+      {"#e6dcf2", "#9467bd"}, {"#efe0dc", "#8c564b"}, {"#fbdcf0", "#e377c2"}, {"#e9f5c9", "#7f9f1f"},
+  };
+  auto node_id = [](NodeId id) { return "n" + std::to_string(id); };
+  auto input_id = [](ValueId id) { return "v" + std::to_string(id); };
+  std::string dot = "digraph fusion_plan {\n  rankdir=TB;\n"
+                    "  node [shape=box, style=\"rounded,filled\", fillcolor=white, fontname=\"Helvetica\"];\n";
+  dot += fmt::format("  label={}; labelloc=t;\n",
+                     dot_quoted(fmt::format("{} kernels for {} ops on {}, saving {}", kernel_count(), g.nodes().size(),
+                                            target_name, duration_text(total_benefit_ns()))));
+  for (std::size_t index = 0; index < regions.size(); ++index) {
+    const FusionRegion& region = regions[index];
+    const auto& colours = palette[index % std::size(palette)];
+    dot += fmt::format("  subgraph cluster_R{} {{\n    label={};\n    style=\"filled,rounded\"; fillcolor=\"{}\"; color=\"{}\";\n",
+                       index + 1, dot_quoted(fmt::format("R{} {} (saves {})", index + 1, region.rule,
+                                                         duration_text(region.benefit_ns))),
+                       colours[0], colours[1]);
+    for (NodeId node : region.nodes) {
+      dot += fmt::format("    {} [label={}];\n", node_id(node),
+                         dot_quoted(g.node(node).name + "\n" + g.node(node).op));
+    }
+    dot += "  }\n";
+  }
+  for (NodeId node : unfused) {
+    dot += fmt::format("  {} [label={}];\n", node_id(node), dot_quoted(g.node(node).name + "\n" + g.node(node).op));
+  }
+  for (ValueId input : g.inputs()) {
+    const Value& value = g.value(input);
+    dot += fmt::format("  {} [label={}, shape=ellipse, style=solid];\n", input_id(input),
+                       dot_quoted(value.name + "\n" + value.spec.to_string()));
+  }
+  for (const Node& node : g.nodes()) {
+    for (ValueId input : node.inputs) {
+      const NodeId producer = g.value(input).producer;
+      dot += fmt::format("  {} -> {};\n", producer >= 0 ? node_id(producer) : input_id(input), node_id(node.id));
+    }
+  }
+  for (ValueId output : g.outputs()) {
+    const Value& value = g.value(output);
+    const std::string sink = "out" + std::to_string(output);
+    dot += fmt::format("  {} [label={}, shape=ellipse, style=dashed];\n", sink, dot_quoted(value.name));
+    dot += fmt::format("  {} -> {};\n", value.producer >= 0 ? node_id(value.producer) : input_id(output), sink);
+  }
+  return dot + "}\n";
+}
+
+}  // namespace metile

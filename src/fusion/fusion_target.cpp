@@ -1,0 +1,175 @@
+// FusionTarget: the presets the planner prices kernels with, and target files.
+// The numbers are the planner's model of a machine, not measurements taken here:
+// each preset says where its figures come from so a reader can challenge them.
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "metile/fusion.h"
+
+namespace metile {
+
+FusionTarget FusionTarget::h200() {
+  FusionTarget target;
+  target.name = "h200";
+  // Back-to-back launches in one stream cost about 2-3 µs each on Hopper when
+  // not captured in a CUDA graph; HBM3e peaks at 4.8 TB/s and copies reach ~4.2.
+  target.launch_overhead_ns = 2500;
+  target.memory_bandwidth_bytes_per_ns = 4200;
+  // 132 SMs × 128 bytes/clock of shared memory at ~1.98 GHz.
+  target.on_chip_bandwidth_bytes_per_ns = 33000;
+  target.registers_per_thread = 255;
+  target.registers_per_multiprocessor = 65536;
+  target.threads_per_block = 256;
+  target.shared_memory_per_block_bytes = 227 * 1024;
+  target.shared_memory_per_multiprocessor_bytes = 228 * 1024;
+  // Kernel parameters are pointers: 64 inputs and 16 outputs fit the 4 KiB
+  // parameter space with room for shapes, and keep generated kernels readable.
+  target.max_kernel_inputs = 64;
+  target.max_kernel_outputs = 16;
+  return target;
+}
+
+FusionTarget FusionTarget::cpu() {
+  FusionTarget target;
+  target.name = "cpu";
+  // One reference op allocates its output and sets up its loops (~0.5 µs); one
+  // core streams ~12 GB/s from DRAM and ~100 GB/s from L2.
+  target.launch_overhead_ns = 500;
+  target.memory_bandwidth_bytes_per_ns = 12;
+  target.on_chip_bandwidth_bytes_per_ns = 100;
+  // A CPU loop has no register file to run out of; the "block" is one thread
+  // and its on-chip store is a 1 MiB L2.
+  target.registers_per_thread = 1 << 16;
+  target.registers_per_multiprocessor = 1 << 16;
+  target.threads_per_block = 1;
+  target.shared_memory_per_block_bytes = 1 << 20;
+  target.shared_memory_per_multiprocessor_bytes = 1 << 20;
+  target.max_kernel_inputs = 64;
+  target.max_kernel_outputs = 16;
+  return target;
+}
+
+namespace {
+
+using Json = nlohmann::json;
+
+// One JSON field of a target: how to read it into the struct and write it back.
+struct TargetField {
+  const char* name;
+  std::function<void(FusionTarget&, const Json&, const std::string& where)> read;
+  std::function<Json(const FusionTarget&)> write;
+};
+
+template <typename Number>
+TargetField positive_field(const char* name, Number FusionTarget::*member) {
+  return TargetField{
+      name,
+      [member, name](FusionTarget& target, const Json& value, const std::string& where) {
+        const bool integral = std::is_integral_v<Number>;
+        if (!value.is_number() || (integral && !value.is_number_integer())) {
+          throw InputError(where + ": field '" + name + "' must be " + (integral ? "an integer" : "a number") +
+                           ", got " + value.dump());
+        }
+        const double number = value.get<double>();
+        if (!std::isfinite(number) || number <= 0) {
+          throw InputError(where + ": field '" + name + "' must be positive, got " + value.dump());
+        }
+        if (integral && number > 1e15) {
+          throw InputError(where + ": field '" + name + "' is too large: " + value.dump());
+        }
+        target.*member = value.get<Number>();
+      },
+      [member](const FusionTarget& target) { return Json(target.*member); }};
+}
+
+const std::vector<TargetField>& target_fields() {
+  static const std::vector<TargetField> fields = {
+      positive_field("launch_overhead_ns", &FusionTarget::launch_overhead_ns),
+      positive_field("memory_bandwidth_bytes_per_ns", &FusionTarget::memory_bandwidth_bytes_per_ns),
+      positive_field("on_chip_bandwidth_bytes_per_ns", &FusionTarget::on_chip_bandwidth_bytes_per_ns),
+      positive_field("registers_per_thread", &FusionTarget::registers_per_thread),
+      positive_field("registers_per_multiprocessor", &FusionTarget::registers_per_multiprocessor),
+      positive_field("threads_per_block", &FusionTarget::threads_per_block),
+      positive_field("shared_memory_per_block_bytes", &FusionTarget::shared_memory_per_block_bytes),
+      positive_field("shared_memory_per_multiprocessor_bytes", &FusionTarget::shared_memory_per_multiprocessor_bytes),
+      positive_field("max_kernel_inputs", &FusionTarget::max_kernel_inputs),
+      positive_field("max_kernel_outputs", &FusionTarget::max_kernel_outputs),
+  };
+  return fields;
+}
+
+FusionTarget preset(std::string_view name, const std::string& where) {
+  if (name == "h200") return FusionTarget::h200();
+  if (name == "cpu") return FusionTarget::cpu();
+  throw InputError(where + "unknown target '" + std::string(name) + "' (presets: h200, cpu)");
+}
+
+}  // namespace
+
+FusionTarget FusionTarget::from_json(std::string_view text, std::string_view source_name) {
+  const std::string source(source_name);
+  Json document;
+  try {
+    document = Json::parse(text);
+  } catch (const Json::parse_error& error) {
+    throw InputError(source + ": not valid JSON: " + error.what());
+  }
+  if (!document.is_object()) throw InputError(source + ": a target file holds one JSON object");
+
+  std::string base = "h200";
+  if (document.contains("base")) {
+    if (!document["base"].is_string()) throw InputError(source + ": field 'base' must be a string");
+    base = document["base"].get<std::string>();
+  }
+  FusionTarget target = preset(base, source + ": field 'base': ");
+  target.name = std::filesystem::path(source).stem().string();
+  for (const auto& [key, value] : document.items()) {
+    if (key == "base") continue;
+    if (key == "name") {
+      if (!value.is_string() || value.get<std::string>().empty()) {
+        throw InputError(source + ": field 'name' must be a non-empty string");
+      }
+      target.name = value.get<std::string>();
+      continue;
+    }
+    const auto& fields = target_fields();
+    const auto field = std::find_if(fields.begin(), fields.end(), [&](const TargetField& f) { return key == f.name; });
+    if (field == fields.end()) {
+      std::string known = "base, name";
+      for (const TargetField& f : fields) known += std::string(", ") + f.name;
+      throw InputError(source + ": unknown field '" + key + "' (known: " + known + ")");
+    }
+    field->read(target, value, source);
+  }
+  return target;
+}
+
+FusionTarget FusionTarget::from_json_file(const std::filesystem::path& path) {
+  std::ifstream file(path);
+  if (!file) throw InputError(path.string() + ": cannot open target file");
+  std::ostringstream text;
+  text << file.rdbuf();
+  return from_json(text.str(), path.string());
+}
+
+FusionTarget FusionTarget::from_name_or_file(std::string_view name_or_path) {
+  if (name_or_path == "h200" || name_or_path == "cpu") return preset(name_or_path, "");
+  const std::filesystem::path path(name_or_path);
+  if (!std::filesystem::exists(path)) {
+    throw InputError("target '" + std::string(name_or_path) + "' is neither a preset (h200, cpu) nor an existing file");
+  }
+  return from_json_file(path);
+}
+
+std::string FusionTarget::to_json() const {
+  Json document = Json::object();
+  document["name"] = name;
+  for (const TargetField& field : target_fields()) document[field.name] = field.write(*this);
+  return document.dump(2);
+}
+
+}  // namespace metile

@@ -1,0 +1,472 @@
+// The neighborhood cut model of one anchor under one rule (DESIGN.md,
+// "Neighborhood cut models"): which of the ops around the anchor join its kernel,
+// decided exactly by one minimum s-t cut. Source side = joins the kernel.
+//
+//      s ──∞──► anchor, pattern ops            (always in the kernel)
+//      s ──launch + reads──► growth op          (cut when it stays separate)
+//      growth op ──on-chip cost──► t            (cut when it joins)
+//      reader ──► producer  (bytes / bandwidth: the intermediate is read back from memory)
+//      s ──► write aux ──∞──► producer, consumers (the write is saved only if all join)
+//      legality: ∞ edges (convexity, escapes the rule cannot write, shapes, limits)
+//
+// The cut value is a constant minus the estimate_region() benefit of the source
+// side, so the source side is the region of largest benefit; the smallest one
+// among ties, since the solver returns the source side reachable in the residual
+// graph. Resource limits are not additive in a cut; a region that exceeds one
+// loses its farthest growth op and is solved again.
+#include <algorithm>
+#include <stdexcept>
+
+#include "metile/flow.h"
+#include "planner_internal.h"
+
+namespace metile::fusion_internal {
+namespace {
+
+enum class Side : std::uint8_t { anchor, pattern, prologue, epilogue };
+
+std::string quoted(const std::string& name) { return "`" + name + "`"; }
+
+// Distinct consumer nodes of all of a node's outputs, ascending.
+std::vector<NodeId> consumer_nodes(const ComputeGraph& graph, NodeId node) {
+  std::vector<NodeId> consumers;
+  for (ValueId output : graph.node(node).outputs) {
+    const auto& readers = graph.consumers(output);
+    consumers.insert(consumers.end(), readers.begin(), readers.end());
+  }
+  std::sort(consumers.begin(), consumers.end());
+  consumers.erase(std::unique(consumers.begin(), consumers.end()), consumers.end());
+  return consumers;
+}
+
+bool produces_graph_output(const ComputeGraph& graph, NodeId node) {
+  const auto& outputs = graph.node(node).outputs;
+  return std::any_of(outputs.begin(), outputs.end(), [&](ValueId value) { return graph.is_output(value); });
+}
+
+bool allows(const GrowthSpec& growth, OpKind kind, int depth) {
+  if (growth.max_depth >= 0 && depth > growth.max_depth) return false;
+  return std::find(growth.kinds.begin(), growth.kinds.end(), kind) != growth.kinds.end();
+}
+
+class NeighborhoodModel {
+ public:
+  NeighborhoodModel(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule, int max_nodes,
+                    NeighborhoodScratch& scratch)
+      : graph_(graph), target_(target), rule_(rule), max_nodes_(max_nodes), scratch_(scratch) {}
+
+  NeighborhoodModel(const NeighborhoodModel&) = delete;
+  NeighborhoodModel& operator=(const NeighborhoodModel&) = delete;
+  ~NeighborhoodModel() {
+    for (NodeId node : nodes_) scratch_.local_index[static_cast<std::size_t>(node)] = -1;
+  }
+
+  NeighborhoodOutcome run(std::span<const NodeId> pattern_nodes) {
+    const NodeId anchor = pattern_nodes.back();
+    add_node(anchor, Side::anchor, 0);
+    for (NodeId node : pattern_nodes.first(pattern_nodes.size() - 1)) add_node(node, Side::pattern, 0);
+    outcome_.rejection = check_pattern_escapes(pattern_nodes);
+    if (!outcome_.rejection) {
+      const RegionEstimate pattern_estimate = estimate_region(graph_, pattern_nodes, target_, rule_.resources);
+      outcome_.rejection = exceeded_limit(pattern_estimate, target_);
+    }
+    if (outcome_.rejection) return finish({});
+
+    const TensorSpec& anchor_output = graph_.value(graph_.node(anchor).outputs.front()).spec;
+    grow_prologue(anchor_output);
+    grow_epilogue(anchor, anchor_output);
+    if (nodes_.size() == pattern_nodes.size()) return finish(sorted(nodes_));
+
+    outcome_.rejection = add_legality_constraints();
+    if (outcome_.rejection) return finish({});
+    for (;;) {
+      std::vector<NodeId> region = solve_once();
+      const RegionEstimate estimate = estimate_region(graph_, region, target_, rule_.resources);
+      const std::optional<std::string> limit = exceeded_limit(estimate, target_);
+      if (!limit) return finish(std::move(region));
+      const int dropped = farthest_growth_node(region);
+      if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
+      forbid(dropped, "left out of the region: with it the kernel " + *limit);
+    }
+  }
+
+ private:
+  int local(NodeId node) const { return scratch_.local_index[static_cast<std::size_t>(node)]; }
+  bool in_neighborhood(NodeId node) const { return local(node) >= 0; }
+  bool fixed(int local_node) const {
+    return side_[static_cast<std::size_t>(local_node)] == Side::anchor ||
+           side_[static_cast<std::size_t>(local_node)] == Side::pattern;
+  }
+  Side side(int local_node) const { return side_[static_cast<std::size_t>(local_node)]; }
+  const std::string& name(NodeId node) const { return graph_.node(node).name; }
+
+  static std::vector<NodeId> sorted(std::vector<NodeId> nodes) {
+    std::sort(nodes.begin(), nodes.end());
+    return nodes;
+  }
+
+  void add_node(NodeId node, Side node_side, int depth) {
+    scratch_.local_index[static_cast<std::size_t>(node)] = static_cast<int>(nodes_.size());
+    nodes_.push_back(node);
+    side_.push_back(node_side);
+    depth_.push_back(depth);
+    forbidden_.push_back(false);
+  }
+
+  void forbid(int local_node, std::string reason) {
+    if (forbidden_[static_cast<std::size_t>(local_node)]) return;
+    forbidden_[static_cast<std::size_t>(local_node)] = true;
+    outcome_.left_out.emplace_back(nodes_[static_cast<std::size_t>(local_node)], std::move(reason));
+  }
+
+  NeighborhoodOutcome finish(std::vector<NodeId> region) {
+    outcome_.considered = nodes_;
+    if (!outcome_.rejection) {
+      outcome_.benefit_ns = region.size() > 1 ? estimate_region(graph_, region, target_, rule_.resources).benefit_ns : 0;
+      outcome_.region = std::move(region);
+    }
+    return std::move(outcome_);
+  }
+
+  // A pattern op that may not escape must have all its readers in the pattern.
+  std::optional<std::string> check_pattern_escapes(std::span<const NodeId> pattern_nodes) const {
+    for (std::size_t entry = 0; entry + 1 < pattern_nodes.size(); ++entry) {
+      if (rule_.pattern[entry].may_escape) continue;
+      const NodeId node = pattern_nodes[entry];
+      if (produces_graph_output(graph_, node)) return "intermediate " + quoted(name(node)) + " is a graph output";
+      for (NodeId consumer : consumer_nodes(graph_, node)) {
+        if (std::find(pattern_nodes.begin(), pattern_nodes.end(), consumer) == pattern_nodes.end()) {
+          return "intermediate " + quoted(name(node)) + " escapes to " + quoted(name(consumer));
+        }
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Why a growth op cannot share the kernel's iteration space, if it cannot.
+  std::optional<std::string> shape_mismatch(NodeId node, const TensorSpec& anchor_output) const {
+    const Node& candidate = graph_.node(node);
+    if (candidate.outputs.size() != 1) return "it has several outputs";
+    const TensorSpec& spec = graph_.value(candidate.outputs.front()).spec;
+    if (spec.shape != anchor_output.shape) {
+      return "its shape " + spec.to_string() + " differs from the kernel's " + anchor_output.to_string();
+    }
+    if (!is_floating(spec.dtype)) return "its dtype " + std::string(dtype_name(spec.dtype)) + " is not a float";
+    return std::nullopt;
+  }
+
+  // Tries to add a growth op; says why not when the rule would take its kind.
+  bool try_grow(NodeId node, Side node_side, int depth, const GrowthSpec& growth, const TensorSpec& anchor_output) {
+    if (in_neighborhood(node) || !allows(growth, graph_.node(node).kind, depth)) return false;
+    if (const auto mismatch = shape_mismatch(node, anchor_output)) {
+      outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + *mismatch);
+      return false;
+    }
+    if (static_cast<int>(nodes_.size()) >= max_nodes_) {
+      outcome_.left_out.emplace_back(node, "beyond the planner's neighborhood limit of " + std::to_string(max_nodes_) +
+                                               " ops around " + quoted(name(nodes_.front())));
+      return false;
+    }
+    add_node(node, node_side, depth);
+    return true;
+  }
+
+  // Producers, breadth first from the anchor and pattern ops; a contraction's
+  // operands are never computed inside it.
+  void grow_prologue(const TensorSpec& anchor_output) {
+    if (rule_.prologue.kinds.empty()) return;
+    std::vector<int> queue;
+    for (std::size_t index = 0; index < nodes_.size(); ++index) queue.push_back(static_cast<int>(index));
+    for (std::size_t head = 0; head < queue.size(); ++head) {
+      const int current = queue[head];
+      const Node& node = graph_.node(nodes_[static_cast<std::size_t>(current)]);
+      if (node.kind == OpKind::contraction) continue;
+      for (ValueId input : node.inputs) {
+        const NodeId producer = graph_.value(input).producer;
+        if (producer < 0) continue;
+        if (try_grow(producer, Side::prologue, depth_[static_cast<std::size_t>(current)] + 1, rule_.prologue,
+                     anchor_output)) {
+          queue.push_back(local(producer));
+        }
+      }
+    }
+  }
+
+  void grow_epilogue(NodeId anchor, const TensorSpec& anchor_output) {
+    if (rule_.epilogue.kinds.empty()) return;
+    std::vector<int> queue = {local(anchor)};
+    for (std::size_t head = 0; head < queue.size(); ++head) {
+      const int current = queue[head];
+      for (NodeId consumer : consumer_nodes(graph_, nodes_[static_cast<std::size_t>(current)])) {
+        if (try_grow(consumer, Side::epilogue, depth_[static_cast<std::size_t>(current)] + 1, rule_.epilogue,
+                     anchor_output)) {
+          queue.push_back(local(consumer));
+        }
+      }
+    }
+  }
+
+  // The readers of a node outside the neighborhood, or a graph output (-1).
+  std::optional<NodeId> escape_witness(NodeId node) const {
+    if (produces_graph_output(graph_, node)) return -1;
+    for (NodeId consumer : consumer_nodes(graph_, node)) {
+      if (!in_neighborhood(consumer)) return consumer;
+    }
+    return std::nullopt;
+  }
+
+  std::string escape_text(NodeId node, NodeId witness) const {
+    const std::string where = witness < 0 ? "is a graph output" : "is also read by " + quoted(name(witness));
+    return quoted(name(node)) + " " + where + " and rule " + rule_.name + " does not write it out";
+  }
+
+  void must_follow(int from, int to) {
+    if (from == to || fixed(from) || fixed(to)) return;  // a fixed op is always in: the edge is never cut
+    follows_.emplace_back(from, to);
+  }
+
+  std::optional<std::string> add_legality_constraints() {
+    const int count = static_cast<int>(nodes_.size());
+    // Convexity inside the neighborhood: a producer that joins pulls in its
+    // consumers on the way to the anchor; a consumer that joins pulls in its
+    // producers on the way from the anchor.
+    for (int index = 0; index < count; ++index) {
+      const NodeId node = nodes_[static_cast<std::size_t>(index)];
+      if (side(index) == Side::prologue) {
+        for (NodeId consumer : consumer_nodes(graph_, node)) {
+          if (in_neighborhood(consumer) && side(local(consumer)) != Side::epilogue) must_follow(index, local(consumer));
+        }
+      } else if (side(index) == Side::epilogue) {
+        for (ValueId input : graph_.node(node).inputs) {
+          const NodeId producer = graph_.value(input).producer;
+          if (producer >= 0 && in_neighborhood(producer) && side(local(producer)) == Side::epilogue) {
+            must_follow(index, local(producer));
+          }
+        }
+      }
+    }
+    if (!rule_.materializes_escaping_values) add_no_escape_constraints();
+    return add_reentry_constraints();
+  }
+
+  // Without materialization a value read inside the kernel is read nowhere else.
+  void add_no_escape_constraints() {
+    const int count = static_cast<int>(nodes_.size());
+    for (int index = 0; index < count; ++index) {
+      const NodeId node = nodes_[static_cast<std::size_t>(index)];
+      const Side node_side = side(index);
+      if (node_side == Side::prologue) {
+        if (const auto witness = escape_witness(node)) {
+          forbid(index, escape_text(node, *witness));
+          continue;
+        }
+        for (NodeId consumer : consumer_nodes(graph_, node)) must_follow(index, local(consumer));
+      } else if (node_side == Side::epilogue || node_side == Side::anchor) {
+        std::vector<int> epilogue_readers;
+        for (NodeId consumer : consumer_nodes(graph_, node)) {
+          if (in_neighborhood(consumer) && side(local(consumer)) == Side::epilogue) {
+            epilogue_readers.push_back(local(consumer));
+          }
+        }
+        if (epilogue_readers.empty()) continue;
+        if (const auto witness = escape_witness(node)) {
+          for (int reader : epilogue_readers) forbid(reader, "it reads " + escape_text(node, *witness));
+          continue;
+        }
+        // All of the value's readers join, or none does.
+        for (std::size_t k = 0; k < epilogue_readers.size(); ++k) {
+          must_follow(epilogue_readers[k], epilogue_readers[(k + 1) % epilogue_readers.size()]);
+        }
+      }
+    }
+  }
+
+  // Paths that leave the neighborhood and come back: the two ends cannot both
+  // join, or the kernel would wait on itself. Searches stay below the
+  // neighborhood's last node (node ids are topological).
+  std::optional<std::string> add_reentry_constraints() {
+    const NodeId last = *std::max_element(nodes_.begin(), nodes_.end());
+    const int count = static_cast<int>(nodes_.size());
+    std::vector<NodeId> stack;
+    for (int index = 0; index < count; ++index) {
+      const NodeId start = nodes_[static_cast<std::size_t>(index)];
+      for (NodeId exit : consumer_nodes(graph_, start)) {
+        if (exit > last || in_neighborhood(exit)) continue;
+        const int stamp = ++scratch_.stamp;
+        scratch_.visit_stamp[static_cast<std::size_t>(exit)] = stamp;
+        stack.assign(1, exit);
+        while (!stack.empty()) {
+          const NodeId current = stack.back();
+          stack.pop_back();
+          for (NodeId next : consumer_nodes(graph_, current)) {
+            if (next > last) continue;
+            if (in_neighborhood(next)) {
+              if (auto rejection = separate(index, local(next), exit)) return rejection;
+              continue;
+            }
+            if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
+            scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
+            stack.push_back(next);
+          }
+        }
+      }
+    }
+    return std::nullopt;
+  }
+
+  // `from` reaches `to` through `exit` outside the neighborhood.
+  std::optional<std::string> separate(int from, int to, NodeId exit) {
+    const NodeId from_node = nodes_[static_cast<std::size_t>(from)];
+    const NodeId to_node = nodes_[static_cast<std::size_t>(to)];
+    const std::string path = "a path from " + quoted(name(from_node)) + " leaves through " + quoted(name(exit)) +
+                             " and comes back at " + quoted(name(to_node));
+    // Keep out the end that is not required, preferring a consumer-side op.
+    if (side(to) == Side::epilogue || (fixed(from) && !fixed(to))) {
+      forbid(to, "left out so the kernel stays convex: " + path);
+    } else if (!fixed(from)) {
+      forbid(from, "left out so the kernel stays convex: " + path);
+    } else {
+      return "the pattern is not convex: " + path;
+    }
+    return std::nullopt;
+  }
+
+  int farthest_growth_node(const std::vector<NodeId>& region) const {
+    int chosen = -1;
+    for (NodeId node : region) {
+      const int index = local(node);
+      if (fixed(index)) continue;
+      if (chosen < 0 || depth_[static_cast<std::size_t>(index)] >= depth_[static_cast<std::size_t>(chosen)]) {
+        chosen = index;
+      }
+    }
+    return chosen;
+  }
+
+  std::int64_t transfer_picoseconds(const Value& value) const {
+    return to_picoseconds(static_cast<double>(value.spec.bytes()) / target_.memory_bandwidth_bytes_per_ns);
+  }
+
+  std::vector<NodeId> solve_once() {
+    const int count = static_cast<int>(nodes_.size());
+    constexpr int source = 0;
+    constexpr int sink = 1;
+    auto vertex = [](int local_node) { return local_node + 2; };
+    FlowNetworkBuilder<std::int64_t> network(count + 2);
+    auto add_finite = [&](int from, int to, std::int64_t capacity) {
+      if (capacity > 0) network.add_edge(from, to, capacity);
+    };
+
+    for (int index = 0; index < count; ++index) {
+      if (fixed(index)) network.add_infinite_edge(source, vertex(index));
+      if (forbidden_[static_cast<std::size_t>(index)]) network.add_infinite_edge(vertex(index), sink);
+    }
+    for (const auto& [from, to] : follows_) network.add_infinite_edge(vertex(from), vertex(to));
+
+    // Launch and reads saved against on-chip cost, per growth op.
+    std::vector<std::pair<ValueId, int>> reads;  // (value, reader) over the neighborhood, distinct
+    for (int index = 0; index < count; ++index) {
+      const Node& node = graph_.node(nodes_[static_cast<std::size_t>(index)]);
+      std::vector<ValueId> inputs = node.inputs;
+      std::sort(inputs.begin(), inputs.end());
+      inputs.erase(std::unique(inputs.begin(), inputs.end()), inputs.end());
+      double gain_ns = target_.launch_overhead_ns;
+      for (ValueId input : inputs) {
+        reads.emplace_back(input, index);
+        gain_ns += static_cast<double>(graph_.value(input).spec.bytes()) / target_.memory_bandwidth_bytes_per_ns;
+      }
+      for (ValueId output : node.outputs) {
+        gain_ns -= static_cast<double>(graph_.value(output).spec.bytes()) / target_.on_chip_bandwidth_bytes_per_ns;
+      }
+      if (fixed(index)) continue;
+      const std::int64_t gain = to_picoseconds(gain_ns);
+      if (gain > 0) add_finite(source, vertex(index), gain);
+      if (gain < 0) add_finite(vertex(index), sink, -gain);
+    }
+
+    // A value the kernel reads from memory: some reader joined, its producer did not.
+    std::sort(reads.begin(), reads.end());
+    for (std::size_t begin = 0; begin < reads.size();) {
+      std::size_t end = begin;
+      while (end < reads.size() && reads[end].first == reads[begin].first) ++end;
+      const Value& value = graph_.value(reads[begin].first);
+      const int producer = value.producer >= 0 && in_neighborhood(value.producer) ? local(value.producer) : -1;
+      bool fixed_reader = false;
+      std::vector<int> free_readers;
+      for (std::size_t k = begin; k < end; ++k) {
+        if (fixed(reads[k].second)) fixed_reader = true; else free_readers.push_back(reads[k].second);
+      }
+      begin = end;
+      if (producer >= 0 && fixed(producer)) continue;  // produced inside: never read back
+      if (producer < 0 && fixed_reader) continue;      // read by the kernel whatever joins
+      const int paid_unless = producer >= 0 ? vertex(producer) : sink;
+      const std::int64_t cost = transfer_picoseconds(value);
+      if (fixed_reader) {
+        add_finite(source, paid_unless, cost);
+      } else if (free_readers.size() == 1) {
+        add_finite(vertex(free_readers.front()), paid_unless, cost);
+      } else if (cost > 0) {
+        const int any_reader = network.add_vertex();
+        for (int reader : free_readers) network.add_infinite_edge(vertex(reader), any_reader);
+        network.add_edge(any_reader, paid_unless, cost);
+      }
+    }
+
+    // A value the kernel need not write: its producer and every reader joined.
+    for (int index = 0; index < count; ++index) {
+      const NodeId node = nodes_[static_cast<std::size_t>(index)];
+      for (ValueId output : graph_.node(node).outputs) {
+        const auto& consumers = graph_.consumers(output);
+        if (graph_.is_output(output) || consumers.empty()) continue;
+        if (std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) { return !in_neighborhood(c); })) continue;
+        std::vector<int> free_members;
+        if (!fixed(index)) free_members.push_back(index);
+        for (NodeId consumer : consumers) {
+          if (!fixed(local(consumer))) free_members.push_back(local(consumer));
+        }
+        std::sort(free_members.begin(), free_members.end());
+        free_members.erase(std::unique(free_members.begin(), free_members.end()), free_members.end());
+        const std::int64_t saving = transfer_picoseconds(graph_.value(output));
+        if (free_members.empty() || saving <= 0) continue;
+        if (free_members.size() == 1) {
+          network.add_edge(source, vertex(free_members.front()), saving);
+          continue;
+        }
+        const int all_joined = network.add_vertex();
+        network.add_edge(source, all_joined, saving);
+        for (int member : free_members) network.add_infinite_edge(all_joined, vertex(member));
+      }
+    }
+
+    const MaxFlowResult<std::int64_t> cut = dinic(network.build(), source, sink);
+    std::vector<NodeId> region;
+    for (int index = 0; index < count; ++index) {
+      if (cut.source_side[static_cast<std::size_t>(vertex(index))]) region.push_back(nodes_[static_cast<std::size_t>(index)]);
+    }
+    std::sort(region.begin(), region.end());
+    return region;
+  }
+
+  const ComputeGraph& graph_;
+  const FusionTarget& target_;
+  const FusionRule& rule_;
+  int max_nodes_;
+  NeighborhoodScratch& scratch_;
+  std::vector<NodeId> nodes_;
+  std::vector<Side> side_;
+  std::vector<int> depth_;
+  std::vector<bool> forbidden_;
+  std::vector<std::pair<int, int>> follows_;  // (a, b): a joins only if b joins
+  NeighborhoodOutcome outcome_;
+};
+
+}  // namespace
+
+NeighborhoodOutcome solve_neighborhood(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
+                                       std::span<const NodeId> pattern_nodes, int max_neighborhood_nodes,
+                                       NeighborhoodScratch& scratch) {
+  NeighborhoodModel model(graph, target, rule, max_neighborhood_nodes, scratch);
+  return model.run(pattern_nodes);
+}
+
+}  // namespace metile::fusion_internal

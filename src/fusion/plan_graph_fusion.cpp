@@ -1,0 +1,257 @@
+// plan_graph_fusion: the planner's driver. Every rule proposes one candidate
+// region per anchor (neighborhood_model.cpp), identical proposals merge, conflict
+// selection picks a non-overlapping set (conflict_selection.cpp), and a kernel
+// cycle found among the picks becomes one more conflict before selecting again.
+// Last, every node gets the reason it is or is not fused.
+#include <algorithm>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+#include <fmt/core.h>
+
+#include "planner_internal.h"
+
+namespace metile {
+namespace {
+
+using namespace fusion_internal;
+
+struct ProposedRegion {
+  int rule = -1;
+  NodeId anchor = -1;
+  std::vector<NodeId> nodes;
+  double benefit_ns = 0;
+};
+
+// What the neighborhood models said about each node, for its reason.
+struct NodeNotes {
+  std::vector<std::string> refusals;  // "<rule> refused: <why>" for pattern nodes
+  std::vector<std::string> left_out;  // why a model kept it out of a region
+  bool considered = false;
+};
+
+void add_distinct(std::vector<std::string>& list, std::string text) {
+  if (std::find(list.begin(), list.end(), text) == list.end()) list.push_back(std::move(text));
+}
+
+void validate_target(const FusionTarget& target) {
+  const bool positive = target.launch_overhead_ns > 0 && target.memory_bandwidth_bytes_per_ns > 0 &&
+                        target.on_chip_bandwidth_bytes_per_ns > 0 && target.registers_per_thread > 0 &&
+                        target.registers_per_multiprocessor > 0 && target.threads_per_block > 0 &&
+                        target.shared_memory_per_block_bytes > 0 && target.shared_memory_per_multiprocessor_bytes > 0 &&
+                        target.max_kernel_inputs > 0 && target.max_kernel_outputs > 0;
+  if (!positive) throw InputError("fusion target '" + target.name + "': every cost and limit must be positive");
+}
+
+// Whether a single-op pattern could grow at all: saves building a model per op.
+bool may_grow(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) {
+  const Node& node = graph.node(anchor);
+  auto takes = [](const GrowthSpec& growth, OpKind kind) {
+    return growth.max_depth != 0 && std::find(growth.kinds.begin(), growth.kinds.end(), kind) != growth.kinds.end();
+  };
+  if (node.kind != OpKind::contraction) {
+    for (ValueId input : node.inputs) {
+      const NodeId producer = graph.value(input).producer;
+      if (producer >= 0 && takes(rule.prologue, graph.node(producer).kind)) return true;
+    }
+  }
+  for (ValueId output : node.outputs) {
+    for (NodeId consumer : graph.consumers(output)) {
+      if (takes(rule.epilogue, graph.node(consumer).kind)) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const FusionTarget& target,
+                                            const RuleSet& rules, std::vector<NodeNotes>& notes) {
+  std::vector<ProposedRegion> proposals;
+  std::set<std::vector<NodeId>> seen;
+  NeighborhoodScratch scratch(graph.nodes().size());
+  for (std::size_t rule_index = 0; rule_index < rules.rules.size(); ++rule_index) {
+    const FusionRule& rule = rules.rules[rule_index];
+    for (const Node& node : graph.nodes()) {
+      if (!can_anchor(graph, rule, node.id)) continue;
+      if (rule.pattern.size() == 1 && !may_grow(graph, rule, node.id)) continue;
+      const auto pattern_nodes = match_pattern(graph, rule, node.id);
+      if (!pattern_nodes) continue;
+      NeighborhoodOutcome outcome =
+          solve_neighborhood(graph, target, rule, *pattern_nodes, rules.max_neighborhood_nodes, scratch);
+      for (NodeId considered : outcome.considered) notes[static_cast<std::size_t>(considered)].considered = true;
+      if (outcome.rejection) {
+        for (NodeId member : *pattern_nodes) {
+          add_distinct(notes[static_cast<std::size_t>(member)].refusals, rule.name + " refused: " + *outcome.rejection);
+        }
+      }
+      for (auto& [left_out, reason] : outcome.left_out) {
+        add_distinct(notes[static_cast<std::size_t>(left_out)].left_out, std::move(reason));
+      }
+      if (outcome.region.size() < 2 || to_picoseconds(outcome.benefit_ns) <= 0) continue;
+      if (!seen.insert(outcome.region).second) continue;
+      proposals.push_back({static_cast<int>(rule_index), node.id, std::move(outcome.region), outcome.benefit_ns});
+    }
+  }
+  return proposals;
+}
+
+std::vector<ValueId> region_inputs(const ComputeGraph& graph, const std::vector<NodeId>& nodes) {
+  std::vector<ValueId> inputs;
+  for (NodeId id : nodes) {
+    for (ValueId input : graph.node(id).inputs) {
+      if (std::binary_search(nodes.begin(), nodes.end(), graph.value(input).producer)) continue;
+      if (std::find(inputs.begin(), inputs.end(), input) == inputs.end()) inputs.push_back(input);
+    }
+  }
+  return inputs;
+}
+
+std::vector<ValueId> region_outputs(const ComputeGraph& graph, const std::vector<NodeId>& nodes) {
+  std::vector<ValueId> outputs;
+  for (NodeId id : nodes) {
+    for (ValueId output : graph.node(id).outputs) {
+      const auto& consumers = graph.consumers(output);
+      const bool leaves = graph.is_output(output) || std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) {
+                            return !std::binary_search(nodes.begin(), nodes.end(), c);
+                          });
+      if (leaves) outputs.push_back(output);
+    }
+  }
+  return outputs;
+}
+
+std::string unfused_reason(const ComputeGraph& graph, const Node& node, const NodeNotes& notes) {
+  if (!notes.refusals.empty()) {
+    std::string text = notes.refusals.front();
+    for (std::size_t k = 1; k < notes.refusals.size(); ++k) text += "; " + notes.refusals[k];
+    return text;
+  }
+  if (!notes.left_out.empty()) return notes.left_out.front();
+  if (notes.considered) return "no rule found a region around it that saves time";
+  (void)graph;
+  if (node.kind == OpKind::layout) return fmt::format("no rule matches: no rule fuses layout ops ({})", node.op);
+  return fmt::format("no rule matches: no fusable {} neighbour", op_kind_name(node.kind));
+}
+
+}  // namespace
+
+FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget& target, const RuleSet& rules) {
+  validate_target(target);
+  validate_rule_set(rules);
+  FusionPlan plan;
+  plan.graph = std::make_shared<const ComputeGraph>(input_graph);
+  plan.target_name = target.name;
+  const ComputeGraph& graph = *plan.graph;
+  const std::size_t node_count = graph.nodes().size();
+
+  std::vector<NodeNotes> notes(node_count);
+  const std::vector<ProposedRegion> proposals = propose_regions(graph, target, rules, notes);
+  std::vector<std::vector<NodeId>> node_sets;
+  std::vector<std::int64_t> weights;
+  for (const ProposedRegion& proposal : proposals) {
+    node_sets.push_back(proposal.nodes);
+    weights.push_back(to_picoseconds(proposal.benefit_ns));
+  }
+
+  std::vector<std::vector<int>> conflicts = find_overlaps(node_count, node_sets);
+  SelectionOutcome selection;
+  std::vector<int> chosen;
+  for (;;) {
+    selection = select_candidates(weights, conflicts, rules.max_exact_component_size);
+    chosen.clear();
+    std::vector<std::vector<NodeId>> chosen_sets;
+    for (std::size_t index = 0; index < proposals.size(); ++index) {
+      if (!selection.selected[index]) continue;
+      chosen.push_back(static_cast<int>(index));
+      chosen_sets.push_back(node_sets[index]);
+    }
+    const std::vector<int> cycle = find_kernel_cycle(graph, chosen_sets);
+    if (cycle.empty()) break;
+    if (cycle.size() < 2) throw std::logic_error("fusion: a candidate region is not convex");
+    // The two lightest regions on the cycle may no longer be chosen together.
+    std::vector<int> on_cycle;
+    for (int region : cycle) on_cycle.push_back(chosen[static_cast<std::size_t>(region)]);
+    std::stable_sort(on_cycle.begin(), on_cycle.end(), [&](int a, int b) {
+      return weights[static_cast<std::size_t>(a)] < weights[static_cast<std::size_t>(b)];
+    });
+    const int first = on_cycle[0];
+    const int second = on_cycle[1];
+    for (auto [a, b] : {std::pair{first, second}, std::pair{second, first}}) {
+      auto& list = conflicts[static_cast<std::size_t>(a)];
+      list.insert(std::upper_bound(list.begin(), list.end(), b), b);
+    }
+  }
+
+  // Regions in the order of their first node.
+  std::stable_sort(chosen.begin(), chosen.end(), [&](int a, int b) {
+    return node_sets[static_cast<std::size_t>(a)].front() < node_sets[static_cast<std::size_t>(b)].front();
+  });
+  std::vector<int> region_of_node(node_count, -1);
+  for (int candidate : chosen) {
+    const ProposedRegion& proposal = proposals[static_cast<std::size_t>(candidate)];
+    FusionRegion region;
+    region.rule = rules.rules[static_cast<std::size_t>(proposal.rule)].name;
+    region.nodes = proposal.nodes;
+    region.inputs = region_inputs(graph, region.nodes);
+    region.outputs = region_outputs(graph, region.nodes);
+    region.benefit_ns = proposal.benefit_ns;
+    for (NodeId node : region.nodes) region_of_node[static_cast<std::size_t>(node)] = static_cast<int>(plan.regions.size());
+    plan.regions.push_back(std::move(region));
+  }
+
+  for (std::size_t index = 0; index < proposals.size(); ++index) {
+    FusionCandidate candidate;
+    candidate.rule = rules.rules[static_cast<std::size_t>(proposals[index].rule)].name;
+    candidate.anchor = proposals[index].anchor;
+    candidate.nodes = proposals[index].nodes;
+    candidate.benefit_ns = proposals[index].benefit_ns;
+    candidate.conflicts = conflicts[index];
+    candidate.component = selection.component_of[index];
+    if (selection.selected[index]) candidate.region = region_of_node[static_cast<std::size_t>(candidate.nodes.front())];
+    plan.candidates.push_back(std::move(candidate));
+  }
+  plan.components = std::move(selection.components);
+
+  // The best losing candidate of each node, and the region that beat it.
+  std::vector<int> best_loser(node_count, -1);
+  for (std::size_t index = 0; index < plan.candidates.size(); ++index) {
+    const FusionCandidate& candidate = plan.candidates[index];
+    if (candidate.region >= 0) continue;
+    for (NodeId node : candidate.nodes) {
+      int& best = best_loser[static_cast<std::size_t>(node)];
+      if (best < 0 || weights[index] > weights[static_cast<std::size_t>(best)]) best = static_cast<int>(index);
+    }
+  }
+  plan.node_reasons.resize(node_count);
+  for (const Node& node : graph.nodes()) {
+    const auto id = static_cast<std::size_t>(node.id);
+    const int region = region_of_node[id];
+    std::string& reason = plan.node_reasons[id];
+    if (region >= 0) {
+      reason = fmt::format("in region R{} ({})", region + 1, plan.regions[static_cast<std::size_t>(region)].rule);
+      for (const std::string& refusal : notes[id].refusals) reason += "; " + refusal;
+      continue;
+    }
+    plan.unfused.push_back(node.id);
+    if (best_loser[id] >= 0) {
+      const FusionCandidate& loser = plan.candidates[static_cast<std::size_t>(best_loser[id])];
+      int winner = -1;
+      for (int other : loser.conflicts) {
+        const FusionCandidate& rival = plan.candidates[static_cast<std::size_t>(other)];
+        if (rival.region >= 0 && (winner < 0 || weights[static_cast<std::size_t>(other)] > weights[static_cast<std::size_t>(winner)])) {
+          winner = other;
+        }
+      }
+      reason = winner >= 0 ? fmt::format("its {} region lost to region R{} in conflict component {}", loser.rule,
+                                         plan.candidates[static_cast<std::size_t>(winner)].region + 1, loser.component + 1)
+                           : fmt::format("its {} region was not selected in conflict component {}", loser.rule,
+                                         loser.component + 1);
+      for (const std::string& refusal : notes[id].refusals) reason += "; " + refusal;
+      continue;
+    }
+    reason = unfused_reason(graph, node, notes[id]);
+  }
+  return plan;
+}
+
+}  // namespace metile

@@ -1,0 +1,81 @@
+// The planner's internal stages, shared by its source files and its unit tests
+// (tests/unit/fusion), never by other modules: pattern matching, the
+// neighborhood cut model of one anchor, the conflict graph and its selection.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "metile/fusion.h"
+
+namespace metile::fusion_internal {
+
+// Capacities are integer picoseconds: min cuts are then exact, and equal
+// inputs give equal cuts.
+std::int64_t to_picoseconds(double nanoseconds);
+
+// ---------------------------------------------------------------- patterns
+
+// The node bound to each pattern entry (same order as rule.pattern), or nullopt.
+// Validates nothing about escapes or resources: that is the cut model's job.
+std::optional<std::vector<NodeId>> match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor);
+// Whether the node may anchor the rule: the last entry's kind and ops, and the sink condition.
+bool can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node);
+// Throws InputError naming the rule when its pattern is malformed (unknown roles, no entries, ...).
+void validate_rule_set(const RuleSet& rules);
+
+// ---------------------------------------------------------------- neighborhoods
+
+// Reused between anchors so one model costs time in its own size, not the graph's.
+struct NeighborhoodScratch {
+  std::vector<int> local_index;  // graph node -> position in the current neighborhood, or -1
+  std::vector<int> visit_stamp;  // graph node -> search that last visited it
+  int stamp = 0;
+  explicit NeighborhoodScratch(std::size_t node_count) : local_index(node_count, -1), visit_stamp(node_count, 0) {}
+};
+
+struct NeighborhoodOutcome {
+  std::vector<NodeId> considered;  // the neighborhood, anchor first, then the pattern, then growth in BFS order
+  std::vector<NodeId> region;      // ascending; the pattern and anchor at least, unless rejected
+  double benefit_ns = 0;
+  std::optional<std::string> rejection;              // the rule cannot apply at this anchor, and why
+  std::vector<std::pair<NodeId, std::string>> left_out;  // ops the model had to keep out, and why
+};
+
+// Builds the s-t network of the anchor's neighborhood under the rule and solves
+// it with one min cut (again after each resource-limit exclusion).
+// `pattern_nodes` is match_pattern's result (the anchor last).
+NeighborhoodOutcome solve_neighborhood(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
+                                       std::span<const NodeId> pattern_nodes, int max_neighborhood_nodes,
+                                       NeighborhoodScratch& scratch);
+
+// ---------------------------------------------------------------- conflicts
+
+// Overlap conflicts: for candidate node sets (each ascending), per candidate the
+// ascending indices of the candidates that share a node with it.
+std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates);
+
+// The regions (indices into `regions`, each an ascending node set, pairwise
+// disjoint) on one cycle of the kernel graph, where every other node is its own
+// kernel; empty when the kernel graph is acyclic.
+std::vector<int> find_kernel_cycle(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions);
+
+struct SelectionOutcome {
+  std::vector<bool> selected;
+  std::vector<int> component_of;
+  std::vector<ConflictComponent> components;
+};
+
+// Maximum-weight independent set per connected component of the conflict graph:
+// bipartite components exactly by one min cut (independent set = complement of a
+// minimum-weight vertex cover), other components up to `max_exact_size`
+// candidates exactly by branch and bound, larger ones greedily by weight.
+// Weights must be positive.
+SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
+                                   int max_exact_size);
+
+}  // namespace metile::fusion_internal

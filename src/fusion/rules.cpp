@@ -1,0 +1,104 @@
+// The default fusion rules, written as data (include/metile/fusion.h, FusionRule).
+// Everything the planner knows about which ops may share a kernel is here; the
+// neighborhood models and conflict selection never look at an op's name.
+#include "metile/fusion.h"
+
+namespace metile {
+namespace {
+
+// One pattern entry; the flags say what the kernel may do with its value.
+struct EntryFlags {
+  bool commutative = false;
+  bool may_escape = false;
+};
+OpPattern entry(std::string role, OpKind kind, std::vector<std::string> ops, std::vector<std::string> inputs,
+                EntryFlags flags = {}) {
+  OpPattern pattern;
+  pattern.role = std::move(role);
+  pattern.kind = kind;
+  pattern.ops = std::move(ops);
+  pattern.inputs = std::move(inputs);
+  pattern.commutative = flags.commutative;
+  pattern.may_escape = flags.may_escape;
+  return pattern;
+}
+
+}  // namespace
+
+FusionRule residual_add_rms_norm_rule() {
+  FusionRule rule;
+  rule.name = "residual_add_rms_norm";
+  rule.description = "a residual add feeding an RMSNorm; the sum is written too when it is read elsewhere";
+  rule.pattern = {
+      entry("sum", OpKind::elementwise, {"add"}, {}, {.commutative = false, .may_escape = true}),
+      entry("norm", OpKind::row_reduction, {"rms_norm"}, {"sum"}),
+  };
+  rule.prologue = {.kinds = {OpKind::elementwise}, .max_depth = 3};
+  rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 3};
+  rule.materializes_escaping_values = true;
+  return rule;
+}
+
+FusionRule parallel_epilogue_rule() {
+  FusionRule rule;
+  rule.name = "swiglu_mlp";
+  rule.description =
+      "two contractions sharing their activation, silu(gate) * up, consumed by a down contraction (the SwiGLU MLP)";
+  rule.pattern = {
+      entry("gate", OpKind::contraction, {}, {"$activation"}),
+      entry("up", OpKind::contraction, {}, {"$activation"}),
+      entry("activation", OpKind::elementwise, {"silu"}, {"gate"}),
+      entry("product", OpKind::elementwise, {"multiply"}, {"activation", "up"}, {.commutative = true, .may_escape = false}),
+      entry("down", OpKind::contraction, {}, {"product"}),
+  };
+  // The residual add on the down projection is a composable epilogue.
+  rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 2};
+  rule.materializes_escaping_values = true;
+  // gate and up accumulate together; the gated product is staged on chip for
+  // the down projection's mainloop.
+  rule.resources.stages_contraction_activations = true;
+  return rule;
+}
+
+FusionRule contraction_epilogue_rule() {
+  FusionRule rule;
+  rule.name = "contraction_epilogue";
+  rule.description = "a contraction and elementwise ops applied to its output (residual add, activation, scale)";
+  rule.pattern = {entry("contraction", OpKind::contraction, {}, {})};
+  rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 8};
+  rule.materializes_escaping_values = true;
+  return rule;
+}
+
+FusionRule row_reduction_rule() {
+  FusionRule rule;
+  rule.name = "row_reduction";
+  rule.description = "elementwise ops into a row reduction and the reduction's elementwise epilogue";
+  rule.pattern = {entry("reduction", OpKind::row_reduction, {}, {})};
+  rule.prologue = {.kinds = {OpKind::elementwise}, .max_depth = 8};
+  rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 8};
+  // The generic row schedule streams its prologue; only the residual rule above
+  // writes a prologue value out as well.
+  rule.materializes_escaping_values = false;
+  return rule;
+}
+
+FusionRule elementwise_chain_rule() {
+  FusionRule rule;
+  rule.name = "elementwise_chain";
+  rule.description = "elementwise ops of any depth ending in one whose consumers are not elementwise";
+  rule.pattern = {entry("sink", OpKind::elementwise, {}, {})};
+  rule.anchor_must_be_sink = true;
+  rule.prologue = {.kinds = {OpKind::elementwise}, .max_depth = -1};
+  rule.materializes_escaping_values = true;
+  return rule;
+}
+
+RuleSet default_rules() {
+  RuleSet rules;
+  rules.rules = {residual_add_rms_norm_rule(), parallel_epilogue_rule(), contraction_epilogue_rule(),
+                 row_reduction_rule(), elementwise_chain_rule()};
+  return rules;
+}
+
+}  // namespace metile
