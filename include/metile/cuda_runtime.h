@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -19,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "metile/codegen.h"
 #include "metile/graph.h"
 
 // The driver API's handle types, forward-declared exactly as cuda.h declares them so that
@@ -330,5 +332,63 @@ class CublasLtMatmul {
   struct State;
   std::unique_ptr<State> state_;
 };
+
+// ---------------------------------------------------------------- running graphs natively
+// One unit of device work bound to its buffers, enqueued on a stream (a launch, a matmul, ...).
+using DeviceStep = std::function<void(const CudaStream&)>;
+
+// One device tensor for every value of a graph: inputs, intermediates and outputs.
+// The graph must outlive this object.
+class DeviceValues {
+ public:
+  explicit DeviceValues(const ComputeGraph& graph);
+  const ComputeGraph& graph() const { return *graph_; }
+  DeviceTensor& operator[](ValueId id) { return tensors_.at(static_cast<std::size_t>(id)); }
+  const DeviceTensor& operator[](ValueId id) const { return tensors_.at(static_cast<std::size_t>(id)); }
+  // By graph-input name; InputError naming the input when one is missing or its spec differs.
+  void upload_inputs(const TensorMap& inputs);
+  TensorMap download_outputs() const;  // by output value name
+  // Fills every non-input value with 0xFF bytes (NaN in every float dtype): a value a kernel fails
+  // to write then fails the numeric gate instead of passing on stale data.
+  void poison_computed_values();
+
+ private:
+  const ComputeGraph* graph_;
+  std::vector<DeviceTensor> tensors_;
+};
+
+// A generated kernel, compiled and loaded for the current device.
+struct LoadedKernel {
+  GeneratedKernel generated;
+  CompiledKernel compiled;
+};
+LoadedKernel load_generated_kernel(const GeneratedKernel& kernel);
+
+// A step launching the kernel with its parameters bound to `values` (value ids of values.graph(),
+// or through `value_for_parameter` when the kernel was generated for another graph with the same names).
+// Scratch parameters get buffers owned by the step.
+DeviceStep bind_kernel(const LoadedKernel& kernel, DeviceValues& values);
+DeviceStep bind_kernel(const LoadedKernel& kernel, DeviceValues& values, const std::vector<ValueId>& value_for_parameter);
+
+// The native (unfused) path for any node: a generated kernel per non-contraction node, cuBLASLt for
+// matmul, dequantize + cuBLASLt for quantized_matmul. Kernels with the same source are compiled once.
+class NativeRuntime {
+ public:
+  NativeRuntime();
+  ~NativeRuntime();
+  DeviceStep node_step(const ComputeGraph& graph, NodeId node, DeviceValues& values);
+  // Steps for all of a graph's nodes in order (an unfused run of the whole graph).
+  std::vector<DeviceStep> graph_steps(const ComputeGraph& graph, DeviceValues& values);
+  // The sources of the kernels node_step would run (for cache keys); empty for cuBLASLt-only nodes.
+  static std::string node_source(const ComputeGraph& graph, NodeId node);
+
+ private:
+  const LoadedKernel& kernel_for(const GeneratedKernel& generated);
+  std::shared_ptr<CublasLtMatmul> matmul_;
+  std::map<std::string, LoadedKernel, std::less<>> kernels_by_source_;
+};
+
+// Runs the steps in order on the stream.
+void run_steps(const std::vector<DeviceStep>& steps, const CudaStream& stream);
 
 }  // namespace metile

@@ -134,11 +134,13 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
     }} else {{
       const int pair = d < kHalf ? d : d - kHalf;
       const float position = metile_device::to_float(in1[row % kSequence]);
-      // theta^(-2 pair / dims) in double, as the reference does, then f32 trigonometry.
+      // The angle and its sine and cosine in f64, rounded to f32, as the reference does: an f32
+      // angle would lose about position * 6e-8 radians, visible at long sequences.
       const double frequency = pow({12}, -2.0 * pair / kDims);
-      const float angle = static_cast<float>(static_cast<double>(position) * frequency);
-      float sine, cosine;
-      sincosf(angle, &sine, &cosine);
+      double sine_f64, cosine_f64;
+      sincos(static_cast<double>(position) * frequency, &sine_f64, &cosine_f64);
+      const float sine = static_cast<float>(sine_f64);
+      const float cosine = static_cast<float>(cosine_f64);
       const float first = metile_device::to_float(in0[row_start + pair]);
       const float second = metile_device::to_float(in0[row_start + pair + kHalf]);
       result = d < kHalf ? first * cosine - second * sine : second * cosine + first * sine;

@@ -34,8 +34,6 @@ const std::set<std::string, std::less<>> row_ops = {"add",     "subtract", "mult
                                                     "gelu",    "exp",      "rms_norm",   "layer_norm", "softmax",
                                                     "causal_mask", "cast"};
 
-bool is_binary_broadcast_op(std::string_view op) { return op == "add" || op == "subtract" || op == "multiply"; }
-
 // How a region input is read for one row.
 enum class OperandMode { row, broadcast_rows, scalar };
 
@@ -352,11 +350,9 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     line(1, fmt::format("constexpr int kTiles = {};", config.tiles));
     line(1, "constexpr int kTileElements = kItems * kThreadsPerRow * kVec;");
   }
-  if (analysis.has_reduction && config.threads_per_row > 32) {
-    line(1, "__shared__ float reduction_scratch[kThreadsPerRow / 32];");
-  } else {
-    line(1, "float* reduction_scratch = nullptr;  // reductions stay within a warp");
-  }
+  // Reductions across warps meet in shared memory; within a warp they need none.
+  const bool block_reduction = analysis.has_reduction && config.threads_per_row > 32;
+  if (block_reduction) line(1, "__shared__ float reduction_scratch[kThreadsPerRow / 32];");
   line(1, "const int lane = threadIdx.x % kThreadsPerRow;");
   line(1, "const long long row = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;");
   line(1, "const bool row_valid = row < kRows;");
@@ -402,13 +398,9 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     }
     line(indent, "}");
   };
-  auto declare_computed = [&](int indent) {
+  auto declare_computed = [&](int indent, const std::vector<const Step*>& computes) {
     std::string arrays;
-    for (const Step& step : analysis.steps) {
-      if (step.kind == Step::Kind::compute) {
-        arrays += (arrays.empty() ? "" : ", ") + analysis.array_of.at(step.value) + "[kItems][kVec]";
-      }
-    }
+    for (const Step* step : computes) arrays += (arrays.empty() ? "" : ", ") + analysis.array_of.at(step->value) + "[kItems][kVec]";
     if (!arrays.empty()) line(indent, "float " + arrays + ";");
   };
   // One loop over this thread's elements: computes, then folds the phase's reduction partial.
@@ -417,7 +409,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     if (computes.empty() && reduce == nullptr) return;
     line(indent, "#pragma unroll");
     line(indent, "for (int item = 0; item < kItems; ++item) {");
-    line(indent + 1, fmt::format("const int col = {}(item * kThreadsPerRow + lane) * kVec;", column_base));
+    line(indent + 1, fmt::format("[[maybe_unused]] const int col = {}(item * kThreadsPerRow + lane) * kVec;", column_base));
     line(indent + 1, "#pragma unroll");
     line(indent + 1, "for (int e = 0; e < kVec; ++e) {");
     for (const Step* step : computes) {
@@ -468,7 +460,11 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
   if (!config.streaming) {
     line(1, "// Load this thread's share of every input row once.");
     emit_loads(1, "");
-    declare_computed(1);
+    std::vector<const Step*> all_computes;
+    for (const Step& step : analysis.steps) {
+      if (step.kind == Step::Kind::compute) all_computes.push_back(&step);
+    }
+    declare_computed(1, all_computes);
   }
   std::vector<const Step*> earlier_computes;
   for (std::size_t p = 0; p < phases.size(); ++p) {
@@ -485,7 +481,9 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
       line(1, "for (int tile = 0; tile < kTiles; ++tile) {");
       line(2, "const int tile_base = tile * kTileElements;");
       emit_loads(2, "tile_base + ");
-      declare_computed(2);
+      std::vector<const Step*> live = earlier_computes;
+      live.insert(live.end(), phase.computes.begin(), phase.computes.end());
+      declare_computed(2, live);
       if (!earlier_computes.empty()) {
         line(2, "// recompute what earlier phases computed (the row does not fit in registers)");
         emit_compute_loop(2, earlier_computes, nullptr, "tile_base + ");
@@ -496,12 +494,11 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     }
     earlier_computes.insert(earlier_computes.end(), phase.computes.begin(), phase.computes.end());
     if (phase.reduce) {
-      line(1, fmt::format("const float r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, reduction_scratch);",
-                          phase.reduce->scalar, phase.reduce->reduce_op));
+      line(1, fmt::format("const float r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, {2});",
+                          phase.reduce->scalar, phase.reduce->reduce_op, block_reduction ? "reduction_scratch" : "nullptr"));
       if (!phase.reduce->after.empty()) line(1, phase.reduce->after);
     }
   }
-  if (!analysis.has_reduction) line(1, "(void)reduction_scratch;");
   source += body;
   source += "}\n";
   return source;

@@ -1,0 +1,165 @@
+// The native path: every node of any graph runs on the device, one kernel (or one cuBLASLt call)
+// per node, over one device tensor per graph value. It is the baseline every fused candidate
+// must beat, and the fallback whenever a fused kernel is unsupported, wrong or slower.
+#include <fmt/core.h>
+
+#include "cuda_driver.h"
+#include "metile/cuda_runtime.h"
+
+namespace metile {
+
+// ---------------------------------------------------------------- device values
+DeviceValues::DeviceValues(const ComputeGraph& graph) : graph_(&graph) {
+  tensors_.reserve(graph.values().size());
+  for (const Value& value : graph.values()) tensors_.emplace_back(value.spec);
+}
+
+void DeviceValues::upload_inputs(const TensorMap& inputs) {
+  for (ValueId id : graph_->inputs()) {
+    const Value& value = graph_->value(id);
+    auto found = inputs.find(value.name);
+    if (found == inputs.end()) throw InputError(fmt::format("missing input '{}' ({})", value.name, value.spec.to_string()));
+    if (found->second.spec() != value.spec) {
+      throw InputError(fmt::format("input '{}' is {}, the graph expects {}", value.name,
+                                   found->second.spec().to_string(), value.spec.to_string()));
+    }
+    tensors_.at(static_cast<std::size_t>(id)).buffer.upload(found->second);
+  }
+}
+
+TensorMap DeviceValues::download_outputs() const {
+  TensorMap outputs;
+  for (ValueId id : graph_->outputs()) outputs[graph_->value(id).name] = (*this)[id].to_host();
+  return outputs;
+}
+
+void DeviceValues::poison_computed_values() {
+  for (const Value& value : graph_->values()) {
+    if (value.producer >= 0) tensors_.at(static_cast<std::size_t>(value.id)).buffer.fill_bytes(0xFF);
+  }
+}
+
+// ---------------------------------------------------------------- generated kernels
+LoadedKernel load_generated_kernel(const GeneratedKernel& kernel) {
+  LoadedKernel loaded{kernel, compile_cuda(kernel.source, kernel.kernel_name)};
+  if (kernel.launch.shared_memory_bytes > 48 * 1024) {
+    loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.launch.shared_memory_bytes));
+  }
+  return loaded;
+}
+
+DeviceStep bind_kernel(const LoadedKernel& kernel, DeviceValues& values) {
+  std::vector<ValueId> ids;
+  for (const KernelParameter& parameter : kernel.generated.parameters) ids.push_back(parameter.value);
+  return bind_kernel(kernel, values, ids);
+}
+
+DeviceStep bind_kernel(const LoadedKernel& kernel, DeviceValues& values, const std::vector<ValueId>& value_for_parameter) {
+  const auto& parameters = kernel.generated.parameters;
+  if (value_for_parameter.size() != parameters.size()) {
+    throw CudaError(fmt::format("bind_kernel({}): {} values for {} parameters", kernel.generated.kernel_name,
+                                value_for_parameter.size(), parameters.size()));
+  }
+  KernelArguments arguments;
+  std::vector<std::shared_ptr<DeviceBuffer>> scratch;
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    if (parameters[i].kind == KernelParameter::Kind::scratch) {
+      scratch.push_back(std::make_shared<DeviceBuffer>(static_cast<std::size_t>(parameters[i].scratch_bytes)));
+      arguments.add_pointer(*scratch.back());
+    } else {
+      arguments.add_pointer(values[value_for_parameter[i]].address());
+    }
+  }
+  const KernelLaunchShape shape = kernel.generated.launch;
+  return [compiled = kernel.compiled, arguments, scratch, shape](const CudaStream& stream) {
+    launch(compiled, Dim3{shape.grid_x, shape.grid_y, shape.grid_z}, Dim3{shape.block_x, 1, 1},
+           shape.shared_memory_bytes, stream, arguments);
+  };
+}
+
+// ---------------------------------------------------------------- native runtime
+NativeRuntime::NativeRuntime() = default;
+NativeRuntime::~NativeRuntime() = default;
+
+const LoadedKernel& NativeRuntime::kernel_for(const GeneratedKernel& generated) {
+  auto found = kernels_by_source_.find(generated.source);
+  if (found == kernels_by_source_.end()) {
+    found = kernels_by_source_.emplace(generated.source, load_generated_kernel(generated)).first;
+  }
+  return found->second;
+}
+
+std::string NativeRuntime::node_source(const ComputeGraph& graph, NodeId node_id) {
+  const Node& node = graph.node(node_id);
+  if (node.op == "matmul") return "cublasLt matmul";
+  if (node.op == "quantized_matmul") return generate_dequantize_kernel(graph, node_id).source + "\ncublasLt matmul";
+  return generate_node_kernel(graph, node_id).source;
+}
+
+DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, DeviceValues& values) {
+  const Node& node = graph.node(node_id);
+  if (node.op == "matmul" || node.op == "quantized_matmul") {
+    if (!matmul_) matmul_ = std::make_shared<CublasLtMatmul>();
+    const TensorSpec& a = graph.value(node.inputs[0]).spec;
+    const TensorSpec& out = graph.value(node.outputs[0]).spec;
+    MatmulProblem problem;
+    problem.dtype = out.dtype;
+    std::uint64_t right_address = 0;
+    DeviceStep dequantize;
+    if (node.op == "matmul") {
+      const TensorSpec& b = graph.value(node.inputs[1]).spec;
+      problem.transpose_right = node.attributes.has("transpose_right") && node.attributes.get_int("transpose_right") != 0;
+      problem.k = a.row_length();
+      problem.n = out.row_length();
+      const std::int64_t m = a.rank() >= 2 ? a.shape[a.shape.size() - 2] : 1;
+      const std::int64_t batches = m * problem.k == 0 ? 0 : a.element_count() / (m * problem.k);
+      if (b.rank() <= 2) {
+        problem.m = m * batches;  // one shared right matrix: the batch folds into the rows
+      } else {
+        problem.m = m;
+        problem.batch = batches;
+        problem.a_batch_stride = m * problem.k;
+        problem.b_batch_stride = problem.k * problem.n;
+        problem.c_batch_stride = m * problem.n;
+      }
+      right_address = values[node.inputs[1]].address();
+    } else {
+      const LoadedKernel& kernel = kernel_for(generate_dequantize_kernel(graph, node_id));
+      // The dense weights: a buffer shared by the dequantize launch and the matmul that reads it.
+      const auto& parameters = kernel.generated.parameters;
+      auto dense = std::make_shared<DeviceBuffer>(static_cast<std::size_t>(parameters.back().scratch_bytes));
+      KernelArguments arguments;
+      for (std::size_t i = 0; i + 1 < parameters.size(); ++i) arguments.add_pointer(values[parameters[i].value].address());
+      arguments.add_pointer(*dense);
+      const KernelLaunchShape shape = kernel.generated.launch;
+      dequantize = [compiled = kernel.compiled, arguments, dense, shape](const CudaStream& stream) {
+        launch(compiled, Dim3{shape.grid_x, shape.grid_y, shape.grid_z}, Dim3{shape.block_x, 1, 1},
+               shape.shared_memory_bytes, stream, arguments);
+      };
+      problem.transpose_right = true;
+      problem.k = a.row_length();
+      problem.n = out.row_length();
+      problem.m = problem.k == 0 ? 0 : a.element_count() / problem.k;
+      right_address = dense->address();
+    }
+    const std::uint64_t left_address = values[node.inputs[0]].address();
+    const std::uint64_t out_address = values[node.outputs[0]].address();
+    return [matmul = matmul_, problem, left_address, right_address, out_address, dequantize](const CudaStream& stream) {
+      if (dequantize) dequantize(stream);
+      matmul->run(problem, left_address, right_address, out_address, stream);
+    };
+  }
+  return bind_kernel(kernel_for(generate_node_kernel(graph, node_id)), values);
+}
+
+std::vector<DeviceStep> NativeRuntime::graph_steps(const ComputeGraph& graph, DeviceValues& values) {
+  std::vector<DeviceStep> steps;
+  for (const Node& node : graph.nodes()) steps.push_back(node_step(graph, node.id, values));
+  return steps;
+}
+
+void run_steps(const std::vector<DeviceStep>& steps, const CudaStream& stream) {
+  for (const DeviceStep& step : steps) step(stream);
+}
+
+}  // namespace metile

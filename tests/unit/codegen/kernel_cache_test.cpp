@@ -1,0 +1,113 @@
+// The on-disk NVRTC cache: a second compile is served from the cache, and a damaged entry
+// (flipped byte, truncation, foreign file) is detected by its checksum header and rebuilt.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "metile/cuda_runtime.h"
+
+namespace metile {
+namespace {
+
+constexpr const char* kernel_source = R"(
+extern "C" __global__ void metile_cache_probe(float* out, float factor) {
+  out[threadIdx.x] *= factor;
+}
+)";
+
+class KernelCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::random_device entropy;
+    directory_ = std::filesystem::temp_directory_path() / ("metile-cache-test-" + std::to_string(entropy()));
+    const char* previous = std::getenv("METILE_CACHE_DIR");
+    if (previous != nullptr) previous_ = previous;
+    setenv("METILE_CACHE_DIR", directory_.c_str(), 1);
+    options_.architecture = "sm_90";
+    // A unique define per test run, so an entry from an earlier run can never answer.
+    options_.extra = {"-DMETILE_CACHE_TEST_TAG=" + std::to_string(entropy())};
+  }
+  void TearDown() override {
+    if (previous_) {
+      setenv("METILE_CACHE_DIR", previous_->c_str(), 1);
+    } else {
+      unsetenv("METILE_CACHE_DIR");
+    }
+    std::filesystem::remove_all(directory_);
+  }
+
+  CompiledProgram compile() { return compile_cuda_program(kernel_source, "metile_cache_probe", options_); }
+
+  std::filesystem::path directory_;
+  std::optional<std::string> previous_;
+  CompileOptions options_;
+};
+
+TEST_F(KernelCache, SecondCompileComesFromTheCache) {
+  const CompiledProgram first = compile();
+  EXPECT_FALSE(first.from_cache);
+  EXPECT_TRUE(std::filesystem::exists(kernel_cache_path(first.cache_key)));
+  EXPECT_EQ(std::filesystem::path(kernel_cache_path(first.cache_key)).parent_path(), directory_ / "kernels");
+  const CompiledProgram second = compile();
+  EXPECT_TRUE(second.from_cache);
+  EXPECT_EQ(second.cubin, first.cubin);
+  EXPECT_EQ(second.cache_key, first.cache_key);
+  // Another architecture is another entry.
+  options_.architecture = "sm_80";
+  const CompiledProgram other = compile();
+  EXPECT_FALSE(other.from_cache);
+  EXPECT_NE(other.cache_key, first.cache_key);
+}
+
+TEST_F(KernelCache, CorruptEntriesAreDetectedAndRebuilt) {
+  const CompiledProgram original = compile();
+  const std::filesystem::path path = kernel_cache_path(original.cache_key);
+  auto read_file = [&] {
+    std::ifstream file(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  };
+  auto write_file = [&](const std::string& bytes) {
+    std::ofstream file(path, std::ios::binary | std::ios::trunc);
+    file << bytes;
+  };
+  const std::string intact = read_file();
+  ASSERT_GT(intact.size(), original.cubin.size());
+
+  std::string flipped = intact;
+  flipped[flipped.size() - 100] = static_cast<char>(flipped[flipped.size() - 100] ^ 0x5a);
+  const std::string truncated = intact.substr(0, intact.size() / 2);
+  const std::string foreign = "not a metile cache entry\n" + original.cubin;
+  for (const std::string& damaged : {flipped, truncated, foreign, std::string()}) {
+    write_file(damaged);
+    const CompiledProgram rebuilt = compile();
+    EXPECT_FALSE(rebuilt.from_cache);
+    EXPECT_TRUE(rebuilt.rebuilt_corrupt_cache_entry);
+    EXPECT_EQ(rebuilt.cubin, original.cubin);
+    EXPECT_EQ(read_file(), intact) << "the damaged entry is replaced by a good one";
+    EXPECT_TRUE(compile().from_cache);
+  }
+}
+
+TEST_F(KernelCache, CompileErrorsNameTheKernelAndCarryTheLog) {
+  try {
+    compile_cuda_program("extern \"C\" __global__ void broken() { undefined_name(); }", "broken", options_);
+    FAIL() << "expected a compile error";
+  } catch (const CudaError& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("nvrtcCompileProgram(broken, sm_90)"), std::string::npos) << message;
+    EXPECT_NE(message.find("undefined_name"), std::string::npos) << message;
+  }
+}
+
+TEST(StableHash, IsDeterministicAndSensitive) {
+  EXPECT_EQ(stable_hash_hex("metile"), stable_hash_hex("metile"));
+  EXPECT_EQ(stable_hash_hex("metile").size(), 32u);
+  EXPECT_NE(stable_hash_hex("metile"), stable_hash_hex("metilf"));
+  EXPECT_NE(stable_hash_hex(""), stable_hash_hex(std::string(1, '\0')));
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,183 @@
+// The row-kernel generator: structure of the seed's fused kernel, vector widths and block shapes
+// chosen from the row length, rejection of regions it cannot lower, and that every variant
+// compiles with NVRTC for sm_90.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "codegen_test_support.h"
+
+namespace metile {
+namespace {
+
+using testing_support::count_occurrences;
+using testing_support::expect_compiles_for_sm90;
+using testing_support::kernel_body;
+using testing_support::whole_graph_region;
+
+ComputeGraph seed_graph(std::int64_t rows, std::int64_t length, DType dtype) {
+  GraphBuilder builder;
+  auto values = builder.input("values", {{rows, length}, dtype});
+  auto residual = builder.input("residual", {{rows, length}, dtype});
+  auto weight = builder.input("weight", {{length}, dtype});
+  auto summed = builder.add(values, residual, "summed");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  return builder.build({summed, normalized});
+}
+
+TEST(RowKernelCodegen, SeedRegionIsOneKernelWithTwoStoresAndOneReduction) {
+  const ComputeGraph graph = seed_graph(1, 2048, DType::f16);
+  const GeneratedKernel kernel = generate_region_kernel(graph, whole_graph_region(graph, "residual_add_rms_norm"));
+  const std::string body = kernel_body(kernel);
+  EXPECT_EQ(count_occurrences(body, "store_vector<__half"), 2) << body;
+  EXPECT_EQ(count_occurrences(body, "row_reduce<"), 1) << body;
+  EXPECT_EQ(count_occurrences(body, "load_vector<__half"), 3) << body;
+  EXPECT_NE(kernel.source.find("summed = add(values, residual)"), std::string::npos);
+  EXPECT_NE(kernel.source.find("normalized = rms_norm(summed, weight)"), std::string::npos);
+  EXPECT_NE(kernel.source.find("rule 'residual_add_rms_norm'"), std::string::npos);
+  EXPECT_NE(body.find("constexpr int kVec = 8;"), std::string::npos) << "16-byte vectors of f16";
+  EXPECT_NE(kernel.source.find("(row held in registers)"), std::string::npos);
+  ASSERT_EQ(kernel.parameters.size(), 5u);
+  const char* expected_names[] = {"values", "residual", "weight", "summed", "normalized"};
+  for (std::size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(graph.value(kernel.parameters[i].value).name, expected_names[i]);
+    EXPECT_EQ(kernel.parameters[i].kind, i < 3 ? KernelParameter::Kind::input : KernelParameter::Kind::output);
+  }
+  EXPECT_EQ(kernel.launch.grid_x, 1u);
+  EXPECT_EQ(kernel.launch.block_x, 64u) << "2048 f16 = 256 vectors, 4 per thread";
+  expect_compiles_for_sm90(kernel);
+}
+
+TEST(RowKernelCodegen, VectorWidthFollowsRowLengthAndAlignment) {
+  struct Case {
+    std::int64_t rows, length;
+    DType dtype;
+    int vector_width;
+  };
+  const Case cases[] = {
+      {4, 2048, DType::f16, 8},  {4, 2050, DType::f16, 2},  {4, 2051, DType::bf16, 1},
+      {1, 2051, DType::bf16, 8},  // one row starts aligned: full vectors and a scalar tail
+      {3, 1000, DType::f32, 4},  {3, 1002, DType::f32, 2},
+  };
+  for (const Case& c : cases) {
+    const ComputeGraph graph = seed_graph(c.rows, c.length, c.dtype);
+    const GeneratedKernel kernel = generate_region_kernel(graph, whole_graph_region(graph));
+    EXPECT_NE(kernel.source.find("constexpr int kVec = " + std::to_string(c.vector_width) + ";"), std::string::npos)
+        << c.rows << "x" << c.length << " " << dtype_name(c.dtype) << ": " << kernel.summary;
+    expect_compiles_for_sm90(kernel);
+  }
+}
+
+TEST(RowKernelCodegen, BlockShapeFollowsRowLength) {
+  // Short rows: a few threads per row and many rows per block; long rows: a block per row.
+  const GeneratedKernel short_rows = generate_region_kernel(seed_graph(1000, 32, DType::f16),
+                                                            whole_graph_region(seed_graph(1000, 32, DType::f16)));
+  EXPECT_NE(short_rows.source.find("constexpr int kThreadsPerRow = 1;"), std::string::npos) << short_rows.summary;
+  EXPECT_EQ(short_rows.launch.block_x, 128u);
+  EXPECT_EQ(short_rows.launch.grid_x, 1000u / 128u + 1u);
+  const ComputeGraph long_graph = seed_graph(512, 4096, DType::bf16);
+  const GeneratedKernel long_rows = generate_region_kernel(long_graph, whole_graph_region(long_graph));
+  EXPECT_NE(long_rows.source.find("constexpr int kThreadsPerRow = 128;"), std::string::npos) << long_rows.summary;
+  EXPECT_EQ(long_rows.launch.grid_x, 512u);
+  EXPECT_NE(long_rows.source.find("__shared__ float reduction_scratch"), std::string::npos);
+}
+
+TEST(RowKernelCodegen, VeryLongRowsStreamInTiles) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{2, 300000}, DType::f32});
+  auto y = builder.softmax(builder.scale(x, 0.125, "scaled"), -1, "probabilities");
+  const ComputeGraph graph = builder.build({y});
+  const GeneratedKernel kernel = generate_region_kernel(graph, whole_graph_region(graph));
+  EXPECT_NE(kernel.source.find("(streamed)"), std::string::npos) << kernel.summary;
+  EXPECT_NE(kernel.source.find("for (int tile = 0; tile < kTiles; ++tile)"), std::string::npos);
+  EXPECT_EQ(count_occurrences(kernel_body(kernel), "row_reduce<"), 2);
+  expect_compiles_for_sm90(kernel);
+}
+
+TEST(RowKernelCodegen, VariantsAreDistinctAndCompile) {
+  const ComputeGraph graph = seed_graph(1, 4096, DType::bf16);
+  const FusionRegion region = whole_graph_region(graph);
+  const std::vector<RowKernelOptions> variants = row_kernel_variants(graph, region);
+  ASSERT_GE(variants.size(), 2u);
+  EXPECT_EQ(variants.front(), RowKernelOptions{});
+  std::set<std::string> sources;
+  for (const RowKernelOptions& options : variants) {
+    const GeneratedKernel kernel = generate_region_kernel(graph, region, options);
+    EXPECT_TRUE(sources.insert(kernel.source).second) << kernel.summary;
+    expect_compiles_for_sm90(kernel);
+  }
+}
+
+TEST(RowKernelCodegen, FusedRegionsOfEveryRowReductionCompile) {
+  // layer_norm after a broadcast multiply and add; softmax after scale and a causal mask;
+  // an elementwise chain (silu(gate) * up, cast) writing two outputs.
+  {
+    GraphBuilder builder;
+    auto x = builder.input("x", {{6, 37}, DType::f16});
+    auto gamma = builder.input("gamma", {{37}, DType::f16});
+    auto beta = builder.input("beta", {{37}, DType::f16});
+    auto shifted = builder.add(builder.multiply(x, gamma, "scaled_x"), beta, "shifted");
+    auto normalized = builder.layer_norm(shifted, gamma, beta, 1e-5, "normalized");
+    const ComputeGraph graph = builder.build({normalized});
+    const GeneratedKernel kernel = generate_region_kernel(graph, whole_graph_region(graph));
+    EXPECT_EQ(count_occurrences(kernel_body(kernel), "row_reduce<"), 2) << "mean, then centered variance";
+    expect_compiles_for_sm90(kernel);
+  }
+  {
+    GraphBuilder builder;
+    auto scores = builder.input("scores", {{2, 3, 17, 17}, DType::bf16});
+    auto masked = builder.causal_mask(builder.scale(scores, 0.25, "scaled"), 0, "masked");
+    auto probabilities = builder.softmax(masked, -1, "probabilities");
+    const ComputeGraph graph = builder.build({probabilities});
+    const GeneratedKernel kernel = generate_region_kernel(graph, whole_graph_region(graph));
+    EXPECT_NE(kernel.source.find("row % 17LL"), std::string::npos) << "the query index of a [.., 17, 17] mask";
+    EXPECT_EQ(count_occurrences(kernel_body(kernel), "row_reduce<metile_device::MaxOp"), 1);
+    expect_compiles_for_sm90(kernel);
+  }
+  {
+    GraphBuilder builder;
+    auto gate = builder.input("gate", {{3, 1000}, DType::bf16});
+    auto up = builder.input("up", {{3, 1000}, DType::bf16});
+    auto activated = builder.silu(gate, "activated");
+    auto hidden = builder.multiply(activated, up, "hidden");
+    auto widened = builder.cast(builder.gelu(hidden, "tanh", "smoothed"), DType::f32, "widened");
+    const ComputeGraph graph = builder.build({hidden, widened});
+    const GeneratedKernel kernel = generate_region_kernel(graph, whole_graph_region(graph));
+    const std::string body = kernel_body(kernel);
+    EXPECT_EQ(count_occurrences(body, "store_vector<"), 2);
+    EXPECT_EQ(count_occurrences(body, "row_reduce<"), 0);
+    EXPECT_NE(body.find("constexpr int kVec = 4;"), std::string::npos) << "the f32 output sets 16-byte vectors of 4";
+    expect_compiles_for_sm90(kernel);
+  }
+}
+
+TEST(RowKernelCodegen, RejectsRegionsThatAreNotRowRegions) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4, 64}, DType::f16});
+  auto w = builder.input("w", {{64, 32}, DType::f16});
+  auto projected = builder.matmul(x, w, false, "projected");
+  auto activated = builder.silu(projected, "activated");
+  const ComputeGraph graph = builder.build({activated});
+  std::string reason;
+  EXPECT_FALSE(is_row_region(graph, whole_graph_region(graph), &reason));
+  EXPECT_NE(reason.find("node 'projected' (matmul)"), std::string::npos) << reason;
+  EXPECT_THROW(generate_region_kernel(graph, whole_graph_region(graph)), InputError);
+  EXPECT_THROW(generate_node_kernel(graph, 0), InputError);
+
+  GraphBuilder other;
+  auto y = other.input("y", {{4, 64}, DType::f16});
+  auto reshaped = other.reshape(other.silu(y, "activated"), {8, 32}, "reshaped");
+  const ComputeGraph mixed = other.build({reshaped});
+  EXPECT_FALSE(is_row_region(mixed, whole_graph_region(mixed), &reason));
+  EXPECT_NE(reason.find("reshaped"), std::string::npos) << reason;
+}
+
+TEST(RowKernelCodegen, RejectsBadTuningOptions) {
+  const ComputeGraph graph = seed_graph(4, 256, DType::f32);
+  EXPECT_THROW(generate_region_kernel(graph, whole_graph_region(graph), {48, 0, ""}), InputError);
+  EXPECT_THROW(generate_region_kernel(graph, whole_graph_region(graph), {32, 64, ""}), InputError);
+}
+
+}  // namespace
+}  // namespace metile
