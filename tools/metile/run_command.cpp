@@ -1,12 +1,82 @@
-// Placeholder until the run command lands; its owner replaces this file.
-#include <stdexcept>
+// `metile run GRAPH.json [--backend cpu|cuda] [--seed N] [--inputs FILE.safetensors]
+//                        [--output FILE.safetensors] [--check]`
+// Runs a graph on given or seeded random inputs and prints one summary line per
+// output (tensor_summary.h); --output writes the outputs as safetensors, all or
+// nothing. The CPU backend is the reference executor; the CUDA backend is
+// reached through run_on_cuda (run_cuda.cpp) when metile is built with it.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <fmt/core.h>
 
 #include "commands.h"
+#include "metile/cpu_runtime.h"
+#include "metile/error.h"
+#include "tensor_summary.h"
 
 namespace metile::cli {
+namespace {
+
+struct RunOptions {
+  std::string graph_path;
+  std::string backend = "cpu";
+  std::uint64_t seed = 0;
+  std::string inputs_path;
+  std::string output_path;
+  bool check = false;
+};
+
+TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options) {
+  if (options.inputs_path.empty()) return random_inputs(graph, options.seed);
+  TensorMap inputs = read_safetensors(options.inputs_path);
+  try {
+    check_graph_inputs(graph, inputs);
+  } catch (const InputError& error) {
+    throw InputError(options.inputs_path + ": " + error.what());
+  }
+  return inputs;
+}
+
+TensorMap run_on_backend(const ComputeGraph& graph, const TensorMap& inputs, const RunOptions& options) {
+  if (options.backend == "cpu") {
+    if (options.check) {
+      fmt::print(stderr, "metile run: --check compares a backend with the CPU reference; the CPU backend is the "
+                         "reference, so there is nothing to compare\n");
+    }
+    return run_reference(graph, inputs);
+  }
+#ifdef METILE_HAVE_CUDA_BACKEND
+  return run_on_cuda(graph, inputs, options.check);
+#else
+  throw InputError("metile was built without the CUDA backend");
+#endif
+}
+
+void run(const RunOptions& options) {
+  if (options.backend != "cpu" && options.backend != "cuda") {
+    throw InputError(fmt::format("--backend must be cpu or cuda, got '{}'", options.backend));
+  }
+  const ComputeGraph graph = read_graph(options.graph_path);
+  const TensorMap inputs = load_inputs(graph, options);
+  const TensorMap outputs = run_on_backend(graph, inputs, options);
+  print_output_summaries(graph, outputs);
+  if (!options.output_path.empty()) write_safetensors(options.output_path, outputs);
+}
+
+}  // namespace
 
 void add_run_command(CLI::App& app) {
-  app.add_subcommand("run", "(not built yet)")->callback([] { throw std::runtime_error("metile run: not built yet"); });
+  auto options = std::make_shared<RunOptions>();
+  CLI::App* command =
+      app.add_subcommand("run", "Run a graph and print min, max, mean and a checksum of each output");
+  command->add_option("graph", options->graph_path, "graph file (JSON, format in DESIGN.md)")->required();
+  command->add_option("--backend", options->backend, "cpu (the reference) or cuda")->capture_default_str();
+  command->add_option("--seed", options->seed, "seed of the random inputs")->capture_default_str();
+  command->add_option("--inputs", options->inputs_path, "take the inputs from this safetensors file instead");
+  command->add_option("--output", options->output_path, "write the outputs to this safetensors file");
+  command->add_flag("--check", options->check, "compare the backend's outputs with the CPU reference");
+  command->callback([options] { run(*options); });
 }
 
 }  // namespace metile::cli

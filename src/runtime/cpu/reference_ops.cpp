@@ -68,23 +68,25 @@ HostTensor combine_elements(const OpCall& call, Operation operation) {
   return store_values(call.output, a);
 }
 
+// Both forms are written so that no step cancels: the textbook
+// 1 + erf(x / sqrt 2) and 1 + tanh(u) lose every significant digit for
+// negative x, where the result is tiny but not zero.
 HostTensor evaluate_gelu(const OpCall& call) {
   if (call.node.attributes.get_string("approximate") == "tanh") {
-    // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+    // 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3)
     constexpr float sqrt_two_over_pi = 0.7978845608028654f;
     constexpr float cubic_coefficient = 0.044715f;
     return map_elements(call, [](float x) {
       const float cube = x * x * x;
       const float inner = sqrt_two_over_pi * (x + cubic_coefficient * cube);
-      const float half_x = 0.5f * x;
-      return half_x * (1.0f + std::tanh(inner));
+      return x / (1.0f + std::exp(-2.0f * inner));
     });
   }
-  // 0.5 x (1 + erf(x / sqrt 2)), the division written as a product with 1/sqrt 2.
+  // 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2)
   constexpr float one_over_sqrt_two = 0.7071067811865476f;
   return map_elements(call, [](float x) {
     const float half_x = 0.5f * x;
-    return half_x * (1.0f + std::erf(x * one_over_sqrt_two));
+    return half_x * std::erfc(-x * one_over_sqrt_two);
   });
 }
 

@@ -175,7 +175,9 @@ TEST(QuantizeAffine, ErrorIsBoundedByHalfAScale) {
             const double rounding_slack = std::abs(stored_bias - minimum) +
                                           ((1 << bits) - 1) * std::abs(stored_scale - exact_scale) +
                                           4e-7 * (std::abs(maximum) + std::abs(minimum));
-            if (scale_dtype == DType::f32) ASSERT_LT(rounding_slack, 1e-5);
+            if (scale_dtype == DType::f32) {
+              ASSERT_LT(rounding_slack, 1e-5);
+            }
             for (std::int64_t k = 0; k < group_size; ++k) {
               const std::int64_t index = row * 256 + group * group_size + k;
               const double error = std::abs(restored.at(index) - weight.at(index));
