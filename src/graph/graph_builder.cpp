@@ -10,6 +10,9 @@
 namespace metile {
 namespace {
 
+// 2^56 elements: far beyond any real tensor, and bytes() of it still fits int64.
+constexpr std::int64_t kMaximumElements = std::int64_t{1} << 56;
+
 std::string node_label(std::string_view name, std::string_view op) {
   return "node '" + std::string(name) + "' (" + std::string(op) + ")";
 }
@@ -80,6 +83,13 @@ ValueRef GraphBuilder::input(std::string name, TensorSpec spec) {
     if (spec.shape[axis] <= 0) {
       throw InputError(owner + ": dimension " + std::to_string(axis) + " of " + spec.to_string() +
                        " is not positive");
+    }
+  }
+  // Every later size computation (bytes(), a reshape's product) must not overflow.
+  std::int64_t elements = 1;
+  for (std::int64_t dim : spec.shape) {
+    if (__builtin_mul_overflow(elements, dim, &elements) || elements > kMaximumElements) {
+      throw InputError(owner + ": " + spec.to_string() + " has too many elements");
     }
   }
   claim_name(name, owner);

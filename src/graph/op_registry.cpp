@@ -288,8 +288,8 @@ std::vector<TensorSpec> infer_reshape(std::span<const TensorSpec> inputs, Attrib
       inferred_axis = axis;
     } else if (shape[axis] <= 0) {
       throw InputError("shape " + shape_text(shape) + " may hold positive sizes and one -1 only");
-    } else {
-      known *= shape[axis];
+    } else if (__builtin_mul_overflow(known, shape[axis], &known)) {
+      throw InputError("cannot reshape " + described("x", x) + " to " + shape_text(shape) + ": element counts differ");
     }
   }
   if (inferred_axis) {

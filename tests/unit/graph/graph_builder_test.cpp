@@ -133,6 +133,8 @@ TEST(GraphBuilderTest, InputsNeedPositiveDimensionsAndAName) {
   EXPECT_EQ(error_of([&] { builder.input("y", {{-3}, DType::f32}); }), "input 'y': dimension 0 of f32[-3] is not positive");
   EXPECT_EQ(error_of([&] { builder.input("", {{3}, DType::f32}); }), "an input needs a name");
   EXPECT_NO_THROW(builder.input("scalar", {{}, DType::f32}));
+  EXPECT_EQ(error_of([&] { builder.input("huge", {{std::int64_t{1} << 40, std::int64_t{1} << 40}, DType::f32}); }),
+            "input 'huge': f32[1099511627776, 1099511627776] has too many elements");
 }
 
 TEST(GraphBuilderTest, OutputsMustBeProducedOnceByThisGraph) {

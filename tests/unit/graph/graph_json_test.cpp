@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -224,7 +225,9 @@ ComputeGraph random_graph(std::uint32_t seed) {
     const int rank = builder.spec(a).rank();
     try {
       ValueRef result;
-      switch (pick(13)) {
+      switch (pick(15)) {
+        case 13: result = builder.layer_norm(a, b, pool[pick(pool.size())], 1e-5, name); break;
+        case 14: result = builder.cast(a, std::vector<DType>{DType::f16, DType::bf16, DType::f32}[pick(3)], name); break;
         case 0: result = builder.add(a, b, name); break;
         case 1: result = builder.multiply(a, b, name); break;
         case 2: result = builder.subtract(a, b, name); break;
@@ -260,14 +263,20 @@ ComputeGraph random_graph(std::uint32_t seed) {
 }
 
 TEST(GraphJsonTest, RandomGraphsRoundTrip) {
+  std::set<std::string> ops_seen;
   for (std::uint32_t seed = 1; seed <= 60; ++seed) {
     const ComputeGraph graph = random_graph(seed);
+    for (const Node& node : graph.nodes()) ops_seen.insert(node.op);
     ASSERT_GE(graph.nodes().size(), 12u) << "seed " << seed;
     const std::string text = write_graph_json(graph);
     const ComputeGraph parsed = parse_graph_json(text, "random.json");
     ASSERT_EQ(parsed, graph) << "seed " << seed << "\n" << text;
     EXPECT_EQ(write_graph_json(parsed), text);
   }
+  // The generator reaches every op it draws (so the round trip covers their attributes).
+  EXPECT_EQ(ops_seen, (std::set<std::string>{"add", "cast", "causal_mask", "exp", "gelu", "layer_norm", "matmul", "multiply",
+                                              "reshape", "rms_norm", "rope", "scale", "silu", "softmax", "subtract",
+                                              "transpose"}));
 }
 
 TEST(GraphJsonTest, ShuffledNodeOrderGivesTheSameNodes) {

@@ -236,6 +236,8 @@ TEST(OpRegistryTest, ReshapeResolvesOneInferredAxis) {
             "cannot reshape x f16[2, 3] to [4, -1]: 6 elements are not a multiple of 4");
   EXPECT_EQ(infer_error("reshape", {spec({2, 3})}, attrs({{"shape", Shape{-1, -1}}})),
             "shape [-1, -1] may hold positive sizes and one -1 only");
+  EXPECT_EQ(infer_error("reshape", {spec({2, 3})}, attrs({{"shape", Shape{std::int64_t{1} << 62, 4, -1}}})),
+            "cannot reshape x f16[2, 3] to [4611686018427387904, 4, -1]: element counts differ");
   EXPECT_EQ(infer_error("reshape", {spec({2, 3})}, attrs({{"shape", Shape{0, 6}}})),
             "shape [0, 6] may hold positive sizes and one -1 only");
 }
