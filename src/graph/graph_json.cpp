@@ -296,6 +296,8 @@ ComputeGraph parse_graph_json(std::string_view text, std::string_view source_nam
 }
 
 ComputeGraph read_graph(const std::filesystem::path& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) throw InputError(path.string() + ": is a directory, not a graph file");
   std::ifstream stream(path, std::ios::binary);
   if (!stream) throw InputError(path.string() + ": cannot open file");
   std::ostringstream text;

@@ -202,6 +202,7 @@ TEST(GraphJsonTest, ErrorsNameTheSourceAndThePath) {
   EXPECT_EQ(invalid.rfind("g.json: invalid JSON: parse error at line 2, column 12", 0), 0u) << invalid;
   const std::filesystem::path missing = kExamples / "no_such_graph.json";
   EXPECT_EQ(error_of([&] { read_graph(missing); }), missing.string() + ": cannot open file");
+  EXPECT_EQ(error_of([&] { read_graph(kExamples); }), kExamples.string() + ": is a directory, not a graph file");
 }
 
 // A random, valid graph: ops drawn at random with random operands; an attempt
