@@ -1,0 +1,263 @@
+// GEMV epilogues: the per-output expression a generated GEMV applies after its reduction,
+// as a small immutable tree. It is what makes a mainloop reusable: SwiGLU, a residual add, a
+// plain store or a scaled activation differ only in the expression this file emits, never in
+// the mainloop (gemv_mainloop.cpp). from_graph builds the tree from a region's elementwise
+// ops, so the epilogue a kernel applies is the one the graph recorded.
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+#include "metile/decode_mlp.h"
+
+namespace metile {
+
+struct GemvEpilogue::Term {
+  Kind kind = Kind::accumulator;
+  int product = 0;            // accumulator
+  std::string tensor_name;    // tensor
+  bool broadcast_rows = false;
+  double value = 0;           // constant, scale factor
+  std::vector<std::shared_ptr<const Term>> operands;
+};
+
+namespace {
+
+using NodePointer = std::shared_ptr<const GemvEpilogue::Term>;
+
+void collect_tensors(const GemvEpilogue::Term& node, std::vector<GemvEpilogue::TensorInput>& tensors) {
+  if (node.kind == GemvEpilogue::Kind::tensor) {
+    const GemvEpilogue::TensorInput input{node.tensor_name, node.broadcast_rows};
+    auto same_name = [&](const GemvEpilogue::TensorInput& t) { return t.name == input.name; };
+    auto found = std::find_if(tensors.begin(), tensors.end(), same_name);
+    if (found == tensors.end()) {
+      tensors.push_back(input);
+    } else if (found->broadcast_rows != input.broadcast_rows) {
+      throw InputError(fmt::format("epilogue: tensor '{}' is read both per row and broadcast", input.name));
+    }
+  }
+  for (const NodePointer& operand : node.operands) collect_tensors(*operand, tensors);
+}
+
+int highest_product(const GemvEpilogue::Term& node) {
+  int highest = node.kind == GemvEpilogue::Kind::accumulator ? node.product : -1;
+  for (const NodePointer& operand : node.operands) highest = std::max(highest, highest_product(*operand));
+  return highest;
+}
+
+// Shortest round-trip text of a double as an f32 CUDA literal.
+std::string float_literal(double value) {
+  if (!std::isfinite(value)) throw InputError(fmt::format("epilogue: constant {} is not finite", value));
+  std::string text = fmt::format("{}", static_cast<float>(value));
+  if (text.find_first_of(".eE") == std::string::npos) text += ".0";
+  return text + "f";
+}
+
+std::string emit(const GemvEpilogue::Term& node, const std::vector<GemvEpilogue::TensorInput>& tensors) {
+  using Kind = GemvEpilogue::Kind;
+  auto operand = [&](int index) { return emit(*node.operands[static_cast<std::size_t>(index)], tensors); };
+  switch (node.kind) {
+    case Kind::accumulator: return fmt::format("acc{}", node.product);
+    case Kind::tensor: {
+      auto found = std::find_if(tensors.begin(), tensors.end(),
+                                [&](const GemvEpilogue::TensorInput& t) { return t.name == node.tensor_name; });
+      return fmt::format("tensor_value{}", found - tensors.begin());
+    }
+    case Kind::constant: return float_literal(node.value);
+    case Kind::add: return fmt::format("({} + {})", operand(0), operand(1));
+    case Kind::subtract: return fmt::format("({} - {})", operand(0), operand(1));
+    case Kind::multiply: return fmt::format("({} * {})", operand(0), operand(1));
+    case Kind::scale: return fmt::format("({} * {})", operand(0), float_literal(node.value));
+    case Kind::silu: return fmt::format("silu_f32({})", operand(0));
+    case Kind::gelu: return fmt::format("gelu_f32({})", operand(0));
+    case Kind::gelu_tanh: return fmt::format("gelu_tanh_f32({})", operand(0));
+    case Kind::exp: return fmt::format("expf({})", operand(0));
+  }
+  return "0.0f";
+}
+
+std::string describe(const GemvEpilogue::Term& node) {
+  using Kind = GemvEpilogue::Kind;
+  auto operand = [&](int index) { return describe(*node.operands[static_cast<std::size_t>(index)]); };
+  switch (node.kind) {
+    case Kind::accumulator: return fmt::format("acc{}", node.product);
+    case Kind::tensor: return node.broadcast_rows ? node.tensor_name + "[n]" : node.tensor_name;
+    case Kind::constant: return fmt::format("{}", node.value);
+    case Kind::add: return fmt::format("({} + {})", operand(0), operand(1));
+    case Kind::subtract: return fmt::format("({} - {})", operand(0), operand(1));
+    case Kind::multiply: return fmt::format("{} * {}", operand(0), operand(1));
+    case Kind::scale: return fmt::format("{} * {}", operand(0), node.value);
+    case Kind::silu: return fmt::format("silu({})", operand(0));
+    case Kind::gelu: return fmt::format("gelu({})", operand(0));
+    case Kind::gelu_tanh: return fmt::format("gelu_tanh({})", operand(0));
+    case Kind::exp: return fmt::format("exp({})", operand(0));
+  }
+  return "?";
+}
+
+double evaluate_node(const GemvEpilogue::Term& node, std::span<const double> accumulators,
+                     std::span<const double> tensor_values, const std::vector<GemvEpilogue::TensorInput>& tensors) {
+  using Kind = GemvEpilogue::Kind;
+  auto operand = [&](int index) {
+    return evaluate_node(*node.operands[static_cast<std::size_t>(index)], accumulators, tensor_values, tensors);
+  };
+  switch (node.kind) {
+    case Kind::accumulator: return accumulators[static_cast<std::size_t>(node.product)];
+    case Kind::tensor: {
+      auto found = std::find_if(tensors.begin(), tensors.end(),
+                                [&](const GemvEpilogue::TensorInput& t) { return t.name == node.tensor_name; });
+      return tensor_values[static_cast<std::size_t>(found - tensors.begin())];
+    }
+    case Kind::constant: return node.value;
+    case Kind::add: return operand(0) + operand(1);
+    case Kind::subtract: return operand(0) - operand(1);
+    case Kind::multiply: return operand(0) * operand(1);
+    case Kind::scale: return operand(0) * node.value;
+    case Kind::silu: {
+      const double x = operand(0);
+      return x / (1.0 + std::exp(-x));
+    }
+    case Kind::gelu: {
+      const double x = operand(0);
+      return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    }
+    case Kind::gelu_tanh: {
+      const double x = operand(0);
+      return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
+    }
+    case Kind::exp: return std::exp(operand(0));
+  }
+  return 0;
+}
+
+NodePointer make(GemvEpilogue::Kind kind, std::vector<NodePointer> operands, double value = 0) {
+  auto node = std::make_shared<GemvEpilogue::Term>();
+  node->kind = kind;
+  node->operands = std::move(operands);
+  node->value = value;
+  return node;
+}
+
+}  // namespace
+
+GemvEpilogue GemvEpilogue::accumulator(int product) {
+  if (product < 0 || product > 1) throw InputError(fmt::format("epilogue: accumulator {} (a GEMV has 1 or 2)", product));
+  auto node = std::make_shared<Term>();
+  node->kind = Kind::accumulator;
+  node->product = product;
+  return GemvEpilogue(node);
+}
+
+GemvEpilogue GemvEpilogue::tensor(std::string name, bool broadcast_rows) {
+  if (name.empty()) throw InputError("epilogue: a tensor needs a name");
+  auto node = std::make_shared<Term>();
+  node->kind = Kind::tensor;
+  node->tensor_name = std::move(name);
+  node->broadcast_rows = broadcast_rows;
+  return GemvEpilogue(node);
+}
+
+GemvEpilogue GemvEpilogue::constant(double value) {
+  float_literal(value);  // rejects non-finite values now rather than at generation
+  return GemvEpilogue(make(Kind::constant, {}, value));
+}
+GemvEpilogue GemvEpilogue::add(const GemvEpilogue& a, const GemvEpilogue& b) {
+  return GemvEpilogue(make(Kind::add, {a.node_, b.node_}));
+}
+GemvEpilogue GemvEpilogue::subtract(const GemvEpilogue& a, const GemvEpilogue& b) {
+  return GemvEpilogue(make(Kind::subtract, {a.node_, b.node_}));
+}
+GemvEpilogue GemvEpilogue::multiply(const GemvEpilogue& a, const GemvEpilogue& b) {
+  return GemvEpilogue(make(Kind::multiply, {a.node_, b.node_}));
+}
+GemvEpilogue GemvEpilogue::scale(const GemvEpilogue& x, double factor) {
+  float_literal(factor);
+  return GemvEpilogue(make(Kind::scale, {x.node_}, factor));
+}
+GemvEpilogue GemvEpilogue::silu(const GemvEpilogue& x) { return GemvEpilogue(make(Kind::silu, {x.node_})); }
+GemvEpilogue GemvEpilogue::gelu(const GemvEpilogue& x, bool tanh_approximation) {
+  return GemvEpilogue(make(tanh_approximation ? Kind::gelu_tanh : Kind::gelu, {x.node_}));
+}
+GemvEpilogue GemvEpilogue::exp(const GemvEpilogue& x) { return GemvEpilogue(make(Kind::exp, {x.node_})); }
+
+GemvEpilogue::Kind GemvEpilogue::kind() const { return node_->kind; }
+
+int GemvEpilogue::product_count() const { return std::max(1, highest_product(*node_) + 1); }
+
+std::vector<GemvEpilogue::TensorInput> GemvEpilogue::tensor_inputs() const {
+  std::vector<TensorInput> tensors;
+  collect_tensors(*node_, tensors);
+  return tensors;
+}
+
+std::string GemvEpilogue::cuda_expression() const { return emit(*node_, tensor_inputs()); }
+
+std::string GemvEpilogue::to_string() const { return describe(*node_); }
+
+double GemvEpilogue::evaluate(std::span<const double> accumulators, std::span<const double> tensors) const {
+  const std::vector<TensorInput> inputs = tensor_inputs();
+  if (accumulators.size() < static_cast<std::size_t>(product_count()) || tensors.size() != inputs.size()) {
+    throw InputError(fmt::format("epilogue {}: evaluate needs {} accumulators and {} tensors, got {} and {}",
+                                 to_string(), product_count(), inputs.size(), accumulators.size(), tensors.size()));
+  }
+  return evaluate_node(*node_, accumulators, tensors, inputs);
+}
+
+GemvEpilogue GemvEpilogue::from_graph(const ComputeGraph& graph, ValueId output, std::span<const ValueId> accumulators) {
+  if (accumulators.empty() || accumulators.size() > 2) {
+    throw InputError(fmt::format("epilogue: a GEMV has 1 or 2 accumulators, got {}", accumulators.size()));
+  }
+  const TensorSpec& accumulator_spec = graph.value(accumulators[0]).spec;
+  const TensorSpec& output_spec = graph.value(output).spec;
+  for (ValueId id : accumulators) {
+    if (graph.value(id).spec != accumulator_spec) {
+      throw InputError(fmt::format("epilogue: accumulators '{}' {} and '{}' {} differ", graph.value(accumulators[0]).name,
+                                   accumulator_spec.to_string(), graph.value(id).name, graph.value(id).spec.to_string()));
+    }
+  }
+  if (output_spec != accumulator_spec) {
+    throw InputError(fmt::format("epilogue: output '{}' {} is not the GEMV's {}", graph.value(output).name,
+                                 output_spec.to_string(), accumulator_spec.to_string()));
+  }
+  const std::int64_t features = accumulator_spec.row_length();
+
+  // Depth-first from the output; a value reached twice is rebuilt twice, which is harmless for
+  // the small trees epilogues are.
+  auto build = [&](auto&& self, ValueId id) -> GemvEpilogue {
+    for (std::size_t i = 0; i < accumulators.size(); ++i) {
+      if (accumulators[i] == id) return accumulator(static_cast<int>(i));
+    }
+    const Value& value = graph.value(id);
+    if (value.producer < 0 || graph.node(value.producer).kind != OpKind::elementwise) {
+      // Computed outside the epilogue: read as a tensor at the output position.
+      const bool per_row = value.spec.shape == output_spec.shape;
+      const bool broadcast = value.spec.rank() == 1 && value.spec.shape[0] == features;
+      if (!per_row && !broadcast) {
+        throw InputError(fmt::format("epilogue: tensor '{}' {} is neither {} nor [{}]", value.name,
+                                     value.spec.to_string(), output_spec.to_string(), features));
+      }
+      if (value.spec.dtype != accumulator_spec.dtype) {
+        throw InputError(fmt::format("epilogue: tensor '{}' is {}, the GEMV computes {}", value.name,
+                                     dtype_name(value.spec.dtype), dtype_name(accumulator_spec.dtype)));
+      }
+      return tensor(value.name, !per_row);
+    }
+    const Node& node = graph.node(value.producer);
+    auto input = [&](std::size_t index) { return self(self, node.inputs.at(index)); };
+    if (node.op == "add") return add(input(0), input(1));
+    if (node.op == "subtract") return subtract(input(0), input(1));
+    if (node.op == "multiply") return multiply(input(0), input(1));
+    if (node.op == "scale") return scale(input(0), node.attributes.get_double("factor"));
+    if (node.op == "silu") return silu(input(0));
+    if (node.op == "exp") return exp(input(0));
+    if (node.op == "gelu") {
+      const std::string& approximate = node.attributes.get_string("approximate");
+      return gelu(input(0), approximate == "tanh");
+    }
+    throw InputError(fmt::format("epilogue: node '{}' ({}) is not an op a GEMV epilogue applies", node.name, node.op));
+  };
+  return build(build, output);
+}
+
+}  // namespace metile

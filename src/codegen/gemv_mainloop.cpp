@@ -1,0 +1,527 @@
+// The GEMV mainloop generator: y[m, n] = epilogue(sum_k x[m, k] W_p[n, k]) for M = 1..16
+// activation rows, reading each weight byte once. Memory-bound by design, so the shape is
+// chosen around the loads:
+//
+//   block  = `warps` warps x `tiles` 16-row tiles of W; the warps split K (iteration i goes to
+//            warp i mod warps) and meet in shared memory at the end
+//   warp   : per iteration, per tile and matrix, two 16-byte loads per lane (rows 0..7 and
+//            8..15 of the tile), `in_flight` iterations issued before any math
+//   math   : tensor-core mma.m16n8k16 with the weight tile as A (16 rows x 16 columns) and up
+//            to 8 activation rows as B (two B halves for M > 8); f32 accumulation
+//   affine : codes become f16/bf16 with one shift-and-mask-or per pair (the "magic number"
+//            trick: 0x4300 | q is bf16 128 + q), so per group
+//                acc += scale * sum((offset + q) x) + (bias - offset * scale) * sum(x)
+//            with sum(x) from one extra mma against a tile of ones
+//
+// Dense weights are read in their own [N, K] layout. The A-fragment columns a lane holds are a
+// permutation of the physical columns (lane t owns columns 8t..8t+7 of each 32-column chunk);
+// the B fragments use the same permutation, so the dot product is unchanged. Affine weights
+// are read in the repacked layout of gemv_weight_layout.cpp.
+//
+// The generated source is self-contained (no includes): its constants come first, then this
+// file's fixed body, then the epilogue expression (gemv_epilogue.cpp) inside the store loop.
+#include <fmt/core.h>
+
+#include <algorithm>
+
+#include "metile/decode_mlp.h"
+
+namespace metile {
+namespace {
+
+constexpr std::string_view kernel_body = R"CUDA(
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+constexpr bool kAffine = kBits != 16;
+constexpr int kChunksPerLoad = kBits == 16 ? 1 : (kBits == 8 ? 2 : 4);  // 32-column chunks per 16-byte vector
+constexpr int kColumnsPerLoad = 32 * kChunksPerLoad;
+constexpr int kLoadsPerIteration = kColumnsPerIteration / kColumnsPerLoad;
+constexpr int kChunksPerIteration = kColumnsPerIteration / 32;
+constexpr int kIterations = (kK + kColumnsPerIteration - 1) / kColumnsPerIteration;
+constexpr int kLoadBlocks = kIterations * kLoadsPerIteration;           // per tile, repacked layout
+constexpr int kGroupsPerIteration = kAffine ? kColumnsPerIteration / kGroup : 1;
+constexpr int kChunksPerGroup = kChunksPerIteration / kGroupsPerIteration;
+constexpr int kGroupCount = kIterations * kGroupsPerIteration;          // per tile, padded
+constexpr int kRowHalves = (kM + 7) / 8;                                // mma B halves
+constexpr int kPaddedM = 8 * kRowHalves;
+constexpr int kTileCount = (kN + 15) / 16;
+constexpr int kThreads = kWarps * 32;
+// The value the magic-number conversion adds to each code (subtracted through sum(x)).
+constexpr float kCodeOffset = kHalf ? 1024.0f : (kBits == 4 ? 128.0f : 0.0f);
+constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
+
+__device__ __forceinline__ float to_f32(u32 bits16) {
+  if constexpr (kHalf) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"((u16)bits16));
+    return value;
+  } else {
+    return __uint_as_float(bits16 << 16);
+  }
+}
+
+__device__ __forceinline__ u16 from_f32(float value) {
+  u16 bits16;
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
+  } else {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
+  }
+  return bits16;
+}
+
+__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float gelu_f32(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu_tanh_f32(float x) {
+  return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
+
+// Weights are read once: keep them out of L1, where x lives.
+__device__ __forceinline__ uint4 load_weights(const void* address) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  return v;
+}
+// x is read by every warp of every block: let L1 and L2 serve the repeats.
+__device__ __forceinline__ uint4 load_activations(const void* address) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  return v;
+}
+__device__ __forceinline__ uint2 load_scale_bias(const void* address) {
+  uint2 v;
+  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(address));
+  return v;
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if constexpr (kHalf) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ u32 component(const uint4& v, int index) {
+  return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
+}
+
+// Pair j of a repacked word as two activation-dtype values (offset + q_lo, offset + q_hi).
+__device__ __forceinline__ u32 code_pair(u32 word, int j) {
+  if constexpr (kBits == 4) {
+    return ((word >> (4 * j)) & 0x000F000Fu) | (kHalf ? 0x64006400u : 0x43004300u);
+  } else if constexpr (kHalf) {
+    return ((word >> (8 * j)) & 0x00FF00FFu) | 0x64006400u;
+  } else {
+    // bf16 holds 0..255 exactly but not 128 + q for q >= 128: go through f32 (2^23 + q).
+    const float low = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u | j)) - 8388608.0f;
+    const float high = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u | (j + 2))) - 8388608.0f;
+    u32 pair;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(high), "f"(low));
+    return pair;
+  }
+}
+
+// The A fragments of the two 16-column mma steps of chunk `chunk` of one 16-byte load pair.
+__device__ __forceinline__ void affine_fragments(const uint4& rows_low, const uint4& rows_high, int chunk,
+                                                 u32 (&step0)[4], u32 (&step1)[4]) {
+  if constexpr (kBits == 4) {
+    const u32 low = component(rows_low, chunk), high = component(rows_high, chunk);
+    step0[0] = code_pair(low, 0); step0[1] = code_pair(high, 0); step0[2] = code_pair(low, 1); step0[3] = code_pair(high, 1);
+    step1[0] = code_pair(low, 2); step1[1] = code_pair(high, 2); step1[2] = code_pair(low, 3); step1[3] = code_pair(high, 3);
+  } else {
+    const u32 low0 = component(rows_low, 2 * chunk), high0 = component(rows_high, 2 * chunk);
+    const u32 low1 = component(rows_low, 2 * chunk + 1), high1 = component(rows_high, 2 * chunk + 1);
+    step0[0] = code_pair(low0, 0); step0[1] = code_pair(high0, 0); step0[2] = code_pair(low0, 1); step0[3] = code_pair(high0, 1);
+    step1[0] = code_pair(low1, 0); step1[1] = code_pair(high1, 0); step1[2] = code_pair(low1, 1); step1[3] = code_pair(high1, 1);
+  }
+}
+
+// Adds this warp's share of K (iterations warp, warp + kWarps, ...) for P weight matrices into acc.
+template <int P>
+__device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
+                                           const u16* const (&scale_bias)[P], const u16* __restrict__ x,
+                                           const int warp, const int lane, const int first_tile) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+  for (int first = warp; first < kIterations; first += kWarps * kInFlight) {
+    uint4 w[kInFlight][P][kTiles][kLoadsPerIteration][2];
+    uint4 xv[kInFlight][kRowHalves][kChunksPerIteration];
+    uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int it = first + u * kWarps;
+      const bool live = it < kIterations;
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const int tile = first_tile + i;
+#pragma unroll
+          for (int l = 0; l < kLoadsPerIteration; ++l) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              w[u][p][i][l][h] = make_uint4(0u, 0u, 0u, 0u);
+              if constexpr (kAffine) {
+                const u64 block = (u64)tile * kLoadBlocks + (u64)it * kLoadsPerIteration + l;
+                if (live && tile < kTileCount) w[u][p][i][l][h] = load_weights(weights[p] + (block * 2 + h) * 128 + lane * 4);
+              } else {
+                const int row = tile * 16 + 8 * h + g;
+                const int k = it * kColumnsPerIteration + 8 * t;
+                if (live && row < kN && k < kK) {
+                  w[u][p][i][l][h] = load_weights(reinterpret_cast<const u16*>(weights[p]) + (u64)row * kK + k);
+                }
+              }
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < kGroupsPerIteration; ++q) {
+            sb[u][p][i][q] = make_uint2(0u, 0u);
+            if constexpr (kAffine) {
+              const u64 group = (u64)tile * kGroupCount + (u64)it * kGroupsPerIteration + q;
+              if (live && tile < kTileCount) sb[u][p][i][q] = load_scale_bias(scale_bias[p] + (group * 8 + g) * 4);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kRowHalves; ++h) {
+        const int m = g + 8 * h;
+#pragma unroll
+        for (int c = 0; c < kChunksPerIteration; ++c) {
+          const int k = it * kColumnsPerIteration + 32 * c + 8 * t;
+          xv[u][h][c] = make_uint4(0u, 0u, 0u, 0u);
+          if (live && m < kM && k < kK) xv[u][h][c] = load_activations(x + m * kK + k);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if constexpr (kAffine) {
+#pragma unroll
+        for (int q = 0; q < kGroupsPerIteration; ++q) {
+          float xsum[kRowHalves][4];
+#pragma unroll
+          for (int h = 0; h < kRowHalves; ++h) {
+            xsum[h][0] = xsum[h][1] = xsum[h][2] = xsum[h][3] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kChunksPerGroup; ++j) {
+              const uint4 b = xv[u][h][q * kChunksPerGroup + j];
+              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
+              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
+            }
+          }
+#pragma unroll
+          for (int p = 0; p < P; ++p) {
+#pragma unroll
+            for (int i = 0; i < kTiles; ++i) {
+              float part[kRowHalves][4];
+#pragma unroll
+              for (int h = 0; h < kRowHalves; ++h) part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
+#pragma unroll
+              for (int j = 0; j < kChunksPerGroup; ++j) {
+                const int chunk = q * kChunksPerGroup + j;
+                const int l = chunk / kChunksPerLoad;
+                u32 step0[4], step1[4];
+                affine_fragments(w[u][p][i][l][0], w[u][p][i][l][1], chunk % kChunksPerLoad, step0, step1);
+#pragma unroll
+                for (int h = 0; h < kRowHalves; ++h) {
+                  const uint4 b = xv[u][h][chunk];
+                  mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
+                  mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
+                }
+              }
+              const uint2 s = sb[u][p][i][q];
+              const float scale_low = to_f32(s.x & 0xFFFFu), bias_low = to_f32(s.x >> 16);
+              const float scale_high = to_f32(s.y & 0xFFFFu), bias_high = to_f32(s.y >> 16);
+              const float offset_low = fmaf(-kCodeOffset, scale_low, bias_low);
+              const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
+#pragma unroll
+              for (int h = 0; h < kRowHalves; ++h) {
+                acc[p][i][h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h][0]);
+                acc[p][i][h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h][1]);
+                acc[p][i][h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h][2]);
+                acc[p][i][h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h][3]);
+              }
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+#pragma unroll
+          for (int i = 0; i < kTiles; ++i) {
+            const uint4 low = w[u][p][i][0][0], high = w[u][p][i][0][1];
+#pragma unroll
+            for (int h = 0; h < kRowHalves; ++h) {
+              const uint4 b = xv[u][h][0];
+              mma(acc[p][i][h], low.x, high.x, low.y, high.y, b.x, b.y);
+              mma(acc[p][i][h], low.z, high.z, low.w, high.w, b.z, b.w);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ int partial_index(int warp, int product, int tile, int row, int m) {
+  return (((warp * kProducts + product) * kTiles + tile) * 16 + row) * kPaddedM + m;
+}
+
+// Writes a warp's accumulators for `product` (C fragment: rows g and g + 8, columns 2t, 2t + 1).
+__device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4], float* partial, int warp,
+                                      int product, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int h = 0; h < kRowHalves; ++h) {
+      const int m = 8 * h + 2 * t;
+      partial[partial_index(warp, product, i, g, m)] = acc[i][h][0];
+      partial[partial_index(warp, product, i, g, m + 1)] = acc[i][h][1];
+      partial[partial_index(warp, product, i, g + 8, m)] = acc[i][h][2];
+      partial[partial_index(warp, product, i, g + 8, m + 1)] = acc[i][h][3];
+    }
+  }
+}
+)CUDA";
+
+// The kernel entry: accumulate (one of the two schedules), join the warps, apply the epilogue.
+constexpr std::string_view kernel_entry_body = R"CUDA(
+  __shared__ float partial[kWarps * kProducts * kTiles * 16 * kPaddedM];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int first_tile = blockIdx.x * kTiles;
+  if constexpr (kProducts == 2 && kScratchSpilled) {
+    // Finish the gate reduction, park it in shared memory, reuse the same registers for up.
+    float acc[1][kTiles][kRowHalves][4];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int h = 0; h < kRowHalves; ++h) acc[0][i][h][0] = acc[0][i][h][1] = acc[0][i][h][2] = acc[0][i][h][3] = 0.0f;
+      const u32* const one_weights[1] = {weights[p]};
+      const u16* const one_scale_bias[1] = {scale_bias[p]};
+      accumulate<1>(acc, one_weights, one_scale_bias, x, warp, lane, first_tile);
+      spill(acc[0], partial, warp, p, lane);
+    }
+  } else {
+    // Every matrix's accumulators live in registers at once.
+    float acc[kProducts][kTiles][kRowHalves][4];
+#pragma unroll
+    for (int p = 0; p < kProducts; ++p)
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
+    accumulate<kProducts>(acc, weights, scale_bias, x, warp, lane, first_tile);
+#pragma unroll
+    for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
+  }
+  __syncthreads();
+
+  // One thread per output; consecutive threads take consecutive n so the stores coalesce.
+  for (int o = threadIdx.x; o < kM * kTiles * 16; o += kThreads) {
+    const int m = o / (kTiles * 16);
+    const int r = o - m * (kTiles * 16);
+    const int n = first_tile * 16 + r;
+    if (n >= kN) continue;
+    const int i = r >> 4, row = r & 15;
+    float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      acc0 += partial[partial_index(w, 0, i, row, m)];
+      if constexpr (kProducts == 2) acc1 += partial[partial_index(w, 1, i, row, m)];
+    }
+    (void)acc1;
+)CUDA";
+
+std::uint64_t fnv1a(std::string_view text) {
+  std::uint64_t hash = 0xcbf29ce484222325ULL;
+  for (char c : text) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 0x100000001b3ULL;
+  }
+  return hash;
+}
+
+std::string format_tag(const GemvWeightFormat& format) {
+  const std::string dtype(dtype_name(format.activation));
+  if (!format.is_affine()) return dtype;
+  return fmt::format("{}_a{}g{}", dtype, format.bits, format.group_size);
+}
+
+}  // namespace
+
+std::string_view gated_schedule_name(GatedSchedule schedule) {
+  return schedule == GatedSchedule::register_resident ? "register_resident" : "scratch_spilled";
+}
+
+void GemvKernelConfig::validate() const {
+  format.validate();
+  if (rows < 1 || rows > 16) throw InputError(fmt::format("GEMV: rows (M) must be 1..16, not {}", rows));
+  if (out_features < 1 || out_features > (std::int64_t{1} << 24)) {
+    throw InputError(fmt::format("GEMV: out_features (N) {} is out of range", out_features));
+  }
+  if (in_features < 1 || in_features > (std::int64_t{1} << 24)) {
+    throw InputError(fmt::format("GEMV: in_features (K) {} is out of range", in_features));
+  }
+  if (!format.is_affine() && in_features % 8 != 0) {
+    throw InputError(fmt::format("GEMV: dense K must be a multiple of 8 (16-byte rows), not {}", in_features));
+  }
+  if (format.is_affine() && in_features % format.group_size != 0) {
+    throw InputError(fmt::format("GEMV: K {} is not a multiple of the group size {}", in_features, format.group_size));
+  }
+  if (rows * in_features >= (std::int64_t{1} << 31) || rows * out_features >= (std::int64_t{1} << 31)) {
+    throw InputError("GEMV: x or out has 2^31 elements or more");
+  }
+  if (warps_per_block != 1 && warps_per_block != 2 && warps_per_block != 4 && warps_per_block != 8 &&
+      warps_per_block != 16) {
+    throw InputError(fmt::format("GEMV: warps_per_block must be 1, 2, 4, 8 or 16, not {}", warps_per_block));
+  }
+  if (tiles_per_block < 1 || tiles_per_block > 4) {
+    throw InputError(fmt::format("GEMV: tiles_per_block must be 1..4, not {}", tiles_per_block));
+  }
+  if (iterations_in_flight < 1 || iterations_in_flight > 8) {
+    throw InputError(fmt::format("GEMV: iterations_in_flight must be 1..8, not {}", iterations_in_flight));
+  }
+  const std::int64_t padded_m = (rows + 7) / 8 * 8;
+  const std::int64_t shared = std::int64_t{warps_per_block} * epilogue.product_count() * tiles_per_block * 16 * padded_m * 4;
+  if (shared > 48 * 1024) {
+    throw InputError(fmt::format("GEMV {}: {} bytes of shared memory for partial sums (at most 49152)", to_string(), shared));
+  }
+}
+
+std::string GemvKernelConfig::to_string() const {
+  std::string text = fmt::format("{} M={} N={} K={} [{}]", format.to_string(), rows, out_features, in_features,
+                                 epilogue.to_string());
+  if (epilogue.product_count() == 2) text += fmt::format(" {}", gated_schedule_name(schedule));
+  return text + fmt::format(" warps={} tiles={} in_flight={}", warps_per_block, tiles_per_block, iterations_in_flight);
+}
+
+GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
+  config.validate();
+  const int products = config.epilogue.product_count();
+  const bool scratch = products == 2 && config.schedule == GatedSchedule::scratch_spilled;
+  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
+  const std::string expression = config.epilogue.cuda_expression();
+
+  GemvKernelSource result;
+  const std::uint64_t epilogue_hash = fnv1a(config.epilogue.to_string() + "|" + expression);
+  result.kernel_name =
+      fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}_e{:08x}", format_tag(config.format), config.rows,
+                  config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
+                  config.tiles_per_block, config.iterations_in_flight, epilogue_hash & 0xFFFFFFFFu);
+
+  std::string source = fmt::format(
+      "// Generated by metile (src/codegen/gemv_mainloop.cpp): {}\n"
+      "constexpr int kM = {};\nconstexpr int kN = {};\nconstexpr int kK = {};\n"
+      "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
+      "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\n"
+      "constexpr bool kScratchSpilled = {};\nconstexpr int kWarps = {};\nconstexpr int kTiles = {};\n"
+      "constexpr int kInFlight = {};\n",
+      config.to_string(), config.rows, config.out_features, config.in_features, config.format.bits,
+      config.format.group_size, config.format.activation == DType::f16 ? "true" : "false",
+      config.format.columns_per_iteration(), products, scratch ? "true" : "false", config.warps_per_block,
+      config.tiles_per_block, config.iterations_in_flight);
+  source += kernel_body;
+
+  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", result.kernel_name);
+  for (int p = 0; p < products; ++p) {
+    source += fmt::format("    const u32* __restrict__ weights{}, ", p);
+    if (config.format.is_affine()) source += fmt::format("const u16* __restrict__ scale_bias{}, ", p);
+    source += "\n";
+  }
+  source += "    const u16* __restrict__ x,\n";
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
+                          tensors[i].broadcast_rows ? " [N]" : " [M, N]");
+  }
+  source += "    u16* __restrict__ out) {\n";
+  source += fmt::format("  const u32* const weights[kProducts] = {{weights0{}}};\n", products == 2 ? ", weights1" : "");
+  if (config.format.is_affine()) {
+    source += fmt::format("  const u16* const scale_bias[kProducts] = {{scale_bias0{}}};\n",
+                          products == 2 ? ", scale_bias1" : "");
+  } else {
+    source += fmt::format("  const u16* const scale_bias[kProducts] = {{nullptr{}}};\n", products == 2 ? ", nullptr" : "");
+  }
+  source += kernel_entry_body;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    source += fmt::format("    const float tensor_value{} = to_f32(tensor{}[{}]);\n", i, i,
+                          tensors[i].broadcast_rows ? "n" : "m * kN + n");
+  }
+  source += fmt::format("    out[m * kN + n] = from_f32({});\n  }}\n}}\n", expression);
+
+  const std::int64_t tile_count = (config.out_features + 15) / 16;
+  result.source = std::move(source);
+  result.grid_blocks = static_cast<unsigned>((tile_count + config.tiles_per_block - 1) / config.tiles_per_block);
+  result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
+  result.static_shared_bytes = static_cast<unsigned>(config.warps_per_block * products * config.tiles_per_block * 16 *
+                                                     ((config.rows + 7) / 8 * 8) * 4);
+  return result;
+}
+
+std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors) {
+  base.validate();
+  const int products = base.epilogue.product_count();
+  const int products_in_registers = products == 2 && base.schedule == GatedSchedule::register_resident ? 2 : 1;
+  const std::int64_t tiles = (base.out_features + 15) / 16;
+  const int columns_per_load = 32 * (base.format.bits == 16 ? 1 : base.format.bits == 8 ? 2 : 4);
+  const int loads_per_iteration = base.format.columns_per_iteration() / columns_per_load;
+  // About eight 16-byte weight loads in flight per lane keep HBM busy with 16 warps per SM
+  // (ptxas keeps these shapes under ~180 registers without spills; gemv_compile_test checks).
+  // More than 8 rows doubles the x fragments held per iteration, so halve the depth there.
+  // 16 warps cap a thread at 128 registers (__launch_bounds__): half the depth again.
+  auto in_flight = [&](int warps, int tiles_per_block) {
+    int depth = 8 / (2 * products_in_registers * tiles_per_block * loads_per_iteration);
+    if (base.rows > 8) depth /= 2;
+    if (warps > 8) depth /= 2;
+    return std::clamp(depth, 1, 4);
+  };
+  std::vector<GemvKernelConfig> candidates;
+  auto add = [&](int warps, int tiles_per_block) {
+    if (tiles < tiles_per_block) return;
+    GemvKernelConfig config = base;
+    config.warps_per_block = warps;
+    config.tiles_per_block = tiles_per_block;
+    config.iterations_in_flight = in_flight(warps, tiles_per_block);
+    try {
+      config.validate();
+    } catch (const InputError&) {
+      return;
+    }
+    candidates.push_back(config);
+  };
+  // A narrow N (few tiles) leaves SMs idle unless each tile's K is split over more warps.
+  const bool narrow = tiles < 2 * multiprocessors;
+  add(narrow ? 8 : 4, 1);
+  add(narrow ? 16 : 8, 1);
+  // Two tiles share their x fragments; not for the dense scratch schedule, where ptxas spills.
+  if (base.format.is_affine() || products_in_registers == products) add(4, 2);
+  return candidates;
+}
+
+std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config) {
+  const std::int64_t n = config.out_features, k = config.in_features, m = config.rows;
+  const int products = config.epilogue.product_count();
+  std::int64_t weight_bytes = n * k * config.format.bits / 8;
+  if (config.format.is_affine()) weight_bytes += n * (k / config.format.group_size) * 2 * 2;
+  std::int64_t bytes = products * weight_bytes + m * k * 2 + m * n * 2;
+  for (const GemvEpilogue::TensorInput& tensor : config.epilogue.tensor_inputs()) {
+    bytes += (tensor.broadcast_rows ? n : m * n) * 2;
+  }
+  return bytes;
+}
+
+}  // namespace metile

@@ -1,0 +1,214 @@
+// The weight layouts the generated GEMV reads, and the one-time repacking of MLX affine
+// matrices into them. The layout is defined here and nowhere else: the mainloop generator
+// (gemv_mainloop.cpp) indexes exactly what repack_for_gemv writes, and unpack_from_gemv is its
+// exact inverse so that tests can prove nothing was lost.
+//
+// Per 16-row tile and per "load block" (the columns one 16-byte vector holds per lane: 128 at
+// 4 bits, 64 at 8 bits), 256 words: two halves (rows 0..7, rows 8..15) of 32 lanes x 4 words.
+// Lane (g, t) = (lane / 4, lane % 4) holds row g (+8) columns 32c + 8t .. 32c + 8t + 7 of each
+// 32-column chunk c. Inside a word the codes are reordered so that `(word >> 4j) & 0x000F000F`
+// (4-bit) or `(word >> 8j) & 0x00FF00FF` (8-bit) is the pair (column 2j', column 2j'+1) that an
+// m16n8k16 A fragment register wants:
+//     4-bit word nibbles, low to high:  w0 w2 w4 w6 w1 w3 w5 w7
+//     8-bit word bytes,   low to high:  w0 w2 w1 w3       (two words per chunk)
+#include <fmt/core.h>
+
+#include <algorithm>
+
+#include "metile/decode_mlp.h"
+
+namespace metile {
+namespace {
+
+// Code positions inside one repacked word: repacked slot i holds original code kCodeOrder[i].
+constexpr int nibble_order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+constexpr int byte_order[4] = {0, 2, 1, 3};
+
+std::uint32_t shuffle_word(std::uint32_t word, int bits) {
+  std::uint32_t result = 0;
+  const int codes = 32 / bits;
+  const std::uint32_t mask = (1u << bits) - 1;
+  for (int slot = 0; slot < codes; ++slot) {
+    const int source = bits == 4 ? nibble_order[slot] : byte_order[slot];
+    result |= ((word >> (bits * source)) & mask) << (bits * slot);
+  }
+  return result;
+}
+
+std::uint32_t unshuffle_word(std::uint32_t word, int bits) {
+  std::uint32_t result = 0;
+  const int codes = 32 / bits;
+  const std::uint32_t mask = (1u << bits) - 1;
+  for (int slot = 0; slot < codes; ++slot) {
+    const int source = bits == 4 ? nibble_order[slot] : byte_order[slot];
+    result |= ((word >> (bits * slot)) & mask) << (bits * source);
+  }
+  return result;
+}
+
+std::int64_t round_up(std::int64_t value, std::int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+int columns_per_load(int bits) { return 32 * (bits == 16 ? 1 : bits == 8 ? 2 : 4); }
+
+// For lane (g, t), half h, word `slot` of its 16-byte vector: the original word index in the row
+// (relative to the start of the row) and the row offset inside the tile.
+struct WordSource {
+  std::int64_t original_word;
+  int row_in_tile;
+};
+WordSource word_source(int bits, std::int64_t load_block, int half, int lane, int slot) {
+  const int g = lane / 4, t = lane % 4;
+  if (bits == 4) {  // one word per 32-column chunk: slot = chunk
+    return {16 * load_block + 4 * slot + t, 8 * half + g};
+  }
+  // 8-bit: two words per chunk; slot = 2 * chunk + which half of the lane's 8 columns
+  const int chunk = slot / 2, part = slot % 2;
+  return {16 * load_block + 8 * chunk + 2 * t + part, 8 * half + g};
+}
+
+}  // namespace
+
+void GemvWeightFormat::validate() const {
+  if (activation != DType::f16 && activation != DType::bf16) {
+    throw InputError(fmt::format("GEMV format: activations must be f16 or bf16, not {}", dtype_name(activation)));
+  }
+  if (bits == 16) {
+    if (group_size != 0) throw InputError(fmt::format("GEMV format: a dense matrix has no group size ({})", group_size));
+    return;
+  }
+  if (bits != 4 && bits != 8) throw InputError(fmt::format("GEMV format: bits must be 4, 8 or 16 (dense), not {}", bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw InputError(fmt::format("GEMV format: group size must be 32, 64 or 128, not {}", group_size));
+  }
+}
+
+std::string GemvWeightFormat::to_string() const {
+  if (!is_affine()) return std::string(dtype_name(activation));
+  return fmt::format("{} affine{} g{}", dtype_name(activation), bits, group_size);
+}
+
+int GemvWeightFormat::columns_per_iteration() const {
+  const int per_load = columns_per_load(bits);
+  return is_affine() ? std::max(per_load, group_size) : per_load;
+}
+
+RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix) {
+  matrix.validate();
+  const DType scale_dtype = matrix.scales.spec().dtype;
+  RepackedAffineMatrix result;
+  result.format = GemvWeightFormat::affine(matrix.format.bits, matrix.format.group_size, scale_dtype);
+  result.format.validate();
+  const int bits = result.format.bits;
+  const int group = result.format.group_size;
+  result.rows = matrix.rows;
+  result.columns = matrix.columns;
+  result.padded_rows = round_up(matrix.rows, 16);
+  result.padded_columns = round_up(matrix.columns, result.format.columns_per_iteration());
+
+  const std::int64_t tiles = result.padded_rows / 16;
+  const std::int64_t load_blocks = result.padded_columns / columns_per_load(bits);
+  const std::int64_t words_per_row = matrix.columns * bits / 32;
+  result.words.assign(static_cast<std::size_t>(tiles * load_blocks * 256), 0);
+  auto packed = matrix.packed.bytes();
+  auto original_word = [&](std::int64_t row, std::int64_t word) {
+    std::uint32_t value = 0;
+    std::copy_n(packed.data() + (row * words_per_row + word) * 4, 4, reinterpret_cast<std::byte*>(&value));
+    return value;
+  };
+  std::size_t index = 0;
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    for (std::int64_t block = 0; block < load_blocks; ++block) {
+      for (int half = 0; half < 2; ++half) {
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int slot = 0; slot < 4; ++slot, ++index) {
+            const WordSource source = word_source(bits, block, half, lane, slot);
+            const std::int64_t row = tile * 16 + source.row_in_tile;
+            if (row >= matrix.rows || source.original_word >= words_per_row) continue;  // padding stays 0
+            result.words[index] = shuffle_word(original_word(row, source.original_word), bits);
+          }
+        }
+      }
+    }
+  }
+
+  const std::int64_t groups = matrix.columns / group;
+  const std::int64_t padded_groups = result.padded_columns / group;
+  result.scale_bias.assign(static_cast<std::size_t>(tiles * padded_groups * 32), 0);
+  auto read_u16 = [](const HostTensor& tensor, std::int64_t element) {
+    std::uint16_t value = 0;
+    std::copy_n(tensor.bytes().data() + element * 2, 2, reinterpret_cast<std::byte*>(&value));
+    return value;
+  };
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    for (std::int64_t group_index = 0; group_index < groups; ++group_index) {
+      for (int g = 0; g < 8; ++g) {
+        for (int half = 0; half < 2; ++half) {
+          const std::int64_t row = tile * 16 + 8 * half + g;
+          if (row >= matrix.rows) continue;
+          const std::size_t base = static_cast<std::size_t>(((tile * padded_groups + group_index) * 8 + g) * 4 + 2 * half);
+          result.scale_bias[base] = read_u16(matrix.scales, row * groups + group_index);
+          result.scale_bias[base + 1] = read_u16(matrix.biases, row * groups + group_index);
+        }
+      }
+    }
+  }
+  return result;
+}
+
+QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked) {
+  const GemvWeightFormat& format = repacked.format;
+  format.validate();
+  if (!format.is_affine()) throw InputError("unpack_from_gemv: the matrix is dense");
+  const int bits = format.bits;
+  const std::int64_t tiles = repacked.padded_rows / 16;
+  const std::int64_t load_blocks = repacked.padded_columns / columns_per_load(bits);
+  const std::int64_t words_per_row = repacked.columns * bits / 32;
+  const std::int64_t groups = repacked.columns / format.group_size;
+  const std::int64_t padded_groups = repacked.padded_columns / format.group_size;
+  if (repacked.padded_rows % 16 != 0 || repacked.padded_rows < repacked.rows ||
+      repacked.padded_columns % format.columns_per_iteration() != 0 || repacked.padded_columns < repacked.columns ||
+      repacked.words.size() != static_cast<std::size_t>(tiles * load_blocks * 256) ||
+      repacked.scale_bias.size() != static_cast<std::size_t>(tiles * padded_groups * 32)) {
+    throw InputError(fmt::format("unpack_from_gemv: sizes do not describe a {} x {} {} matrix", repacked.rows,
+                                 repacked.columns, format.to_string()));
+  }
+
+  HostTensor packed(TensorSpec({repacked.rows, words_per_row}, DType::u32));
+  HostTensor scales(TensorSpec({repacked.rows, groups}, format.activation));
+  HostTensor biases(TensorSpec({repacked.rows, groups}, format.activation));
+  std::size_t index = 0;
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    for (std::int64_t block = 0; block < load_blocks; ++block) {
+      for (int half = 0; half < 2; ++half) {
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int slot = 0; slot < 4; ++slot, ++index) {
+            const WordSource source = word_source(bits, block, half, lane, slot);
+            const std::int64_t row = tile * 16 + source.row_in_tile;
+            if (row >= repacked.rows || source.original_word >= words_per_row) continue;
+            const std::uint32_t word = unshuffle_word(repacked.words[index], bits);
+            std::copy_n(reinterpret_cast<const std::byte*>(&word), 4,
+                        packed.bytes().data() + (row * words_per_row + source.original_word) * 4);
+          }
+        }
+      }
+    }
+  }
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    for (std::int64_t group_index = 0; group_index < groups; ++group_index) {
+      for (int g = 0; g < 8; ++g) {
+        for (int half = 0; half < 2; ++half) {
+          const std::int64_t row = tile * 16 + 8 * half + g;
+          if (row >= repacked.rows) continue;
+          const std::size_t base = static_cast<std::size_t>(((tile * padded_groups + group_index) * 8 + g) * 4 + 2 * half);
+          std::copy_n(reinterpret_cast<const std::byte*>(&repacked.scale_bias[base]), 2,
+                      scales.bytes().data() + (row * groups + group_index) * 2);
+          std::copy_n(reinterpret_cast<const std::byte*>(&repacked.scale_bias[base + 1]), 2,
+                      biases.bytes().data() + (row * groups + group_index) * 2);
+        }
+      }
+    }
+  }
+  return QuantizedMatrix::from_tensors(format.quantization(), std::move(packed), std::move(scales), std::move(biases));
+}
+
+}  // namespace metile

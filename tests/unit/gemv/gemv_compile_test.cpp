@@ -1,0 +1,165 @@
+// Every GEMV kernel the decode MLP can generate compiles with NVRTC for sm_90 (no GPU needed),
+// and the ones the executor tunes first keep their accumulators and loads in registers: ptxas
+// reports no stack frame and no spills. Also checks the generator's launch shape and rejects
+// configurations it cannot build.
+#include <gtest/gtest.h>
+
+#include <fmt/core.h>
+
+#include <regex>
+
+#include "metile/cuda_runtime.h"
+#include "metile/decode_mlp.h"
+
+namespace metile {
+namespace {
+
+struct Compiled {
+  std::string log;
+  CompiledProgram program;
+};
+
+Compiled compile_for_sm90(const GemvKernelSource& kernel) {
+  CompileOptions options;
+  options.architecture = "sm_90";
+  options.extra = {"--ptxas-options=-v"};
+  options.use_cache = false;  // the ptxas report only comes with a real compile
+  Compiled compiled;
+  compiled.program = compile_cuda_program(kernel.source, kernel.kernel_name, options);
+  compiled.log = compiled.program.log;
+  return compiled;
+}
+
+// ptxas -v: "... 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+void expect_no_spills(const std::string& log, const std::string& where) {
+  const std::regex report(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(log, match, report)) << where << ": no ptxas report in\n" << log;
+  EXPECT_EQ(match[1].str(), "0") << where << "\n" << log;
+  EXPECT_EQ(match[2].str(), "0") << where << "\n" << log;
+  EXPECT_EQ(match[3].str(), "0") << where << "\n" << log;
+}
+
+GemvKernelConfig base_config(GemvWeightFormat format, std::int64_t rows, std::int64_t n, std::int64_t k,
+                             GemvEpilogue epilogue) {
+  GemvKernelConfig config;
+  config.format = format;
+  config.rows = rows;
+  config.out_features = n;
+  config.in_features = k;
+  config.epilogue = std::move(epilogue);
+  return config;
+}
+
+std::vector<GemvWeightFormat> all_formats() {
+  std::vector<GemvWeightFormat> formats;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    formats.push_back(GemvWeightFormat::dense(dtype));
+    for (int bits : {4, 8}) {
+      for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
+    }
+  }
+  return formats;
+}
+
+TEST(GemvCompile, EveryFormatAndEpilogueCompilesForSm90) {
+  // Shapes that are not multiples of the tile (N) or of the load block (K); M on both sides of 8.
+  int compiled = 0;
+  for (const GemvWeightFormat& format : all_formats()) {
+    const std::int64_t k = format.is_affine() ? format.group_size * 5 : 200;
+    struct Case {
+      std::int64_t rows;
+      GemvEpilogue epilogue;
+      GatedSchedule schedule;
+    };
+    // Two cases per format, alternating, so every case meets both dtypes and all bit widths.
+    const std::vector<Case> all_cases = {
+        {1, GemvEpilogue::store(), GatedSchedule::register_resident},
+        {16, GemvEpilogue::swiglu(), GatedSchedule::register_resident},
+        {5, GemvEpilogue::swiglu(), GatedSchedule::scratch_spilled},
+        {9, GemvEpilogue::residual_add(), GatedSchedule::register_resident},
+    };
+    const std::size_t first_case = static_cast<std::size_t>(compiled / 2) % 2;
+    for (std::size_t index = first_case; index < all_cases.size(); index += 2) {
+      const Case& c = all_cases[index];
+      GemvKernelConfig config = base_config(format, c.rows, 100, k, c.epilogue);
+      config.schedule = c.schedule;
+      const GemvKernelSource kernel = generate_gemv_kernel(config);
+      EXPECT_EQ(kernel.block_threads, 128u);
+      EXPECT_EQ(kernel.grid_blocks, 7u);  // ceil(100 / 16) tiles, one per block
+      try {
+        const Compiled result = compile_for_sm90(kernel);
+        EXPECT_FALSE(result.program.cubin.empty()) << config.to_string();
+        ++compiled;
+      } catch (const CudaError& error) {
+        ADD_FAILURE() << config.to_string() << "\n" << error.what();
+      }
+    }
+  }
+  EXPECT_EQ(compiled, 2 * 14);
+}
+
+TEST(GemvCompile, OtherEpiloguesCompileOnTheSameMainloop) {
+  const GemvEpilogue bias_gelu = GemvEpilogue::gelu(
+      GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true)), false);
+  const GemvEpilogue scaled_exp = GemvEpilogue::exp(GemvEpilogue::scale(GemvEpilogue::accumulator(0), -0.125));
+  const GemvEpilogue gated_difference = GemvEpilogue::subtract(
+      GemvEpilogue::multiply(GemvEpilogue::gelu(GemvEpilogue::accumulator(0), true), GemvEpilogue::accumulator(1)),
+      GemvEpilogue::tensor("residual"));
+  for (const GemvEpilogue& epilogue : {bias_gelu, scaled_exp, gated_difference}) {
+    const GemvKernelConfig config = base_config(GemvWeightFormat::affine(4, 64, DType::f16), 3, 48, 256, epilogue);
+    const GemvKernelSource kernel = generate_gemv_kernel(config);
+    EXPECT_NO_THROW(compile_for_sm90(kernel)) << config.to_string();
+  }
+}
+
+TEST(GemvCompile, TunedShapesOfTheDecodeMlpDoNotSpill) {
+  // The Llama-3-8B stages at one and sixteen rows: every tuning candidate of both gate/up
+  // schedules and of the down projection.
+  int checked = 0;
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
+    for (std::int64_t rows : {1, 16}) {
+      std::vector<GemvKernelConfig> configs;
+      for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
+        GemvKernelConfig gate_up = base_config(format, rows, 14336, 4096, GemvEpilogue::swiglu());
+        gate_up.schedule = schedule;
+        for (const GemvKernelConfig& candidate : gemv_tuning_candidates(gate_up)) configs.push_back(candidate);
+      }
+      for (const GemvKernelConfig& candidate :
+           gemv_tuning_candidates(base_config(format, rows, 4096, 14336, GemvEpilogue::residual_add()))) {
+        configs.push_back(candidate);
+      }
+      for (const GemvKernelConfig& config : configs) {
+        expect_no_spills(compile_for_sm90(generate_gemv_kernel(config)).log, config.to_string());
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * (9 + 8));
+}
+
+TEST(GemvCompile, RejectsConfigurationsItCannotGenerate) {
+  const GemvWeightFormat dense = GemvWeightFormat::dense(DType::bf16);
+  EXPECT_THROW(generate_gemv_kernel(base_config(dense, 17, 64, 64, GemvEpilogue::store())), InputError);
+  EXPECT_THROW(generate_gemv_kernel(base_config(dense, 1, 64, 60, GemvEpilogue::store())), InputError);
+  EXPECT_THROW(generate_gemv_kernel(base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 64, 96,
+                                                GemvEpilogue::store())),
+               InputError);
+  EXPECT_THROW(generate_gemv_kernel(base_config(GemvWeightFormat::affine(3, 64, DType::bf16), 1, 64, 128,
+                                                GemvEpilogue::store())),
+               InputError);
+  EXPECT_THROW(generate_gemv_kernel(base_config(GemvWeightFormat::dense(DType::f32), 1, 64, 128, GemvEpilogue::store())),
+               InputError);
+  GemvKernelConfig too_much_shared = base_config(dense, 16, 64, 128, GemvEpilogue::swiglu());
+  too_much_shared.warps_per_block = 16;
+  too_much_shared.tiles_per_block = 4;
+  try {
+    generate_gemv_kernel(too_much_shared);
+    FAIL() << "a block needing 128 KiB of static shared memory was generated";
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find("shared memory"), std::string::npos) << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,124 @@
+// Tests of GEMV epilogues: building them from a graph's elementwise ops (the SwiGLU and the
+// residual add of a decode MLP, in either operand order), the host evaluation against values
+// computed here by hand, the CUDA expression text, and the errors for what cannot be an epilogue.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "metile/decode_mlp.h"
+#include "metile/graph.h"
+
+namespace metile {
+namespace {
+
+double silu(double x) { return x / (1 + std::exp(-x)); }
+
+TEST(GemvEpilogue, SwigluFromGraphInEitherOperandOrder) {
+  for (bool up_first : {false, true}) {
+    GraphBuilder builder;
+    auto x = builder.input("x", TensorSpec({1, 64}, DType::bf16));
+    auto gate_weight = builder.input("gate_weight", TensorSpec({96, 64}, DType::bf16));
+    auto up_weight = builder.input("up_weight", TensorSpec({96, 64}, DType::bf16));
+    auto gate = builder.matmul(x, gate_weight, true, "gate");
+    auto up = builder.matmul(x, up_weight, true, "up");
+    auto activated = builder.silu(gate, "activated");
+    auto hidden = up_first ? builder.multiply(up, activated, "hidden") : builder.multiply(activated, up, "hidden");
+    const ComputeGraph graph = builder.build({hidden});
+    const std::vector<ValueId> accumulators = {*graph.find_value("gate"), *graph.find_value("up")};
+    const GemvEpilogue epilogue = GemvEpilogue::from_graph(graph, *graph.find_value("hidden"), accumulators);
+    EXPECT_EQ(epilogue.product_count(), 2);
+    EXPECT_TRUE(epilogue.tensor_inputs().empty());
+    const std::vector<double> values = {0.75, -1.5};
+    EXPECT_DOUBLE_EQ(epilogue.evaluate(values, {}), silu(0.75) * -1.5);
+    EXPECT_EQ(epilogue.cuda_expression(), up_first ? "(acc1 * silu_f32(acc0))" : "(silu_f32(acc0) * acc1)");
+  }
+}
+
+TEST(GemvEpilogue, ResidualAndBroadcastTensorsFromGraph) {
+  GraphBuilder builder;
+  auto hidden = builder.input("hidden", TensorSpec({2, 32}, DType::f16));
+  auto down_weight = builder.input("down_weight", TensorSpec({16, 32}, DType::f16));
+  auto residual = builder.input("residual", TensorSpec({2, 16}, DType::f16));
+  auto bias = builder.input("bias", TensorSpec({16}, DType::f16));
+  auto down = builder.matmul(hidden, down_weight, true, "down");
+  auto with_bias = builder.add(down, bias, "with_bias");
+  auto scaled = builder.scale(with_bias, 0.5, "scaled");
+  auto out = builder.add(residual, builder.gelu(scaled, "tanh", "activated"), "out");
+  const ComputeGraph graph = builder.build({out});
+  const std::vector<ValueId> accumulators = {*graph.find_value("down")};
+  const GemvEpilogue epilogue = GemvEpilogue::from_graph(graph, *graph.find_value("out"), accumulators);
+  const auto tensors = epilogue.tensor_inputs();
+  ASSERT_EQ(tensors.size(), 2u);
+  EXPECT_EQ(tensors[0], (GemvEpilogue::TensorInput{"residual", false}));
+  EXPECT_EQ(tensors[1], (GemvEpilogue::TensorInput{"bias", true}));
+  const double acc = 1.25, residual_value = -0.5, bias_value = 0.25;
+  const double inner = (acc + bias_value) * 0.5;
+  const double gelu = 0.5 * inner * (1 + std::tanh(std::sqrt(2 / 3.14159265358979323846) * (inner + 0.044715 * inner * inner * inner)));
+  const std::vector<double> accumulator_values = {acc}, tensor_values = {residual_value, bias_value};
+  EXPECT_NEAR(epilogue.evaluate(accumulator_values, tensor_values), residual_value + gelu, 1e-15);
+  EXPECT_EQ(epilogue.cuda_expression(), "(tensor_value0 + gelu_tanh_f32(((acc0 + tensor_value1) * 0.5f)))");
+}
+
+TEST(GemvEpilogue, RejectsOpsAndShapesAnEpilogueCannotTake) {
+  GraphBuilder builder;
+  auto x = builder.input("x", TensorSpec({1, 32}, DType::bf16));
+  auto weight = builder.input("weight", TensorSpec({16, 32}, DType::bf16));
+  auto norm_weight = builder.input("norm_weight", TensorSpec({16}, DType::bf16));
+  auto narrow_weight = builder.input("narrow_weight", TensorSpec({8, 32}, DType::bf16));
+  auto product = builder.matmul(x, weight, true, "product");
+  auto masked = builder.causal_mask(product, 0, "masked");
+  auto normalized = builder.rms_norm(product, norm_weight, 1e-5, "normalized");
+  auto combined = builder.add(normalized, product, "combined");
+  auto narrow = builder.matmul(x, narrow_weight, true, "narrow");
+  const ComputeGraph graph = builder.build({masked, combined, narrow});
+  const std::vector<ValueId> accumulators = {*graph.find_value("product")};
+  // A row reduction is computed elsewhere: the epilogue reads its result as a tensor.
+  const GemvEpilogue through_norm = GemvEpilogue::from_graph(graph, *graph.find_value("combined"), accumulators);
+  ASSERT_EQ(through_norm.tensor_inputs().size(), 1u);
+  EXPECT_EQ(through_norm.tensor_inputs().front().name, "normalized");
+  EXPECT_EQ(through_norm.to_string(), "(normalized + acc0)");
+  try {
+    GemvEpilogue::from_graph(graph, *graph.find_value("masked"), accumulators);
+    FAIL() << "causal_mask was accepted as an epilogue op";
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find("node 'masked' (causal_mask)"), std::string::npos) << error.what();
+  }
+  try {
+    GemvEpilogue::from_graph(graph, *graph.find_value("narrow"), accumulators);
+    FAIL() << "an [1, 8] output was accepted for a [1, 16] GEMV";
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find("output 'narrow'"), std::string::npos) << error.what();
+  }
+  EXPECT_THROW(GemvEpilogue::accumulator(2), InputError);
+  EXPECT_THROW(GemvEpilogue::constant(NAN), InputError);
+}
+
+TEST(GemvEpilogue, ComposesWithoutTouchingTheMainloop) {
+  // Same mainloop config, three epilogues: the generated sources differ only after the
+  // mainloop text, in the kernel's parameters and the store expression.
+  GemvKernelConfig config;
+  config.format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  config.rows = 1;
+  config.out_features = 64;
+  config.in_features = 256;
+  std::vector<std::string> sources;
+  for (const GemvEpilogue& epilogue : {GemvEpilogue::store(), GemvEpilogue::residual_add(),
+                                       GemvEpilogue::scale(GemvEpilogue::silu(GemvEpilogue::accumulator(0)), 2.0)}) {
+    config.epilogue = epilogue;
+    sources.push_back(generate_gemv_kernel(config).source);
+  }
+  // The first line names the config (epilogue included); the mainloop runs up to the kernel entry.
+  auto mainloop_text = [](const std::string& source) {
+    const std::size_t start = source.find('\n');
+    return source.substr(start, source.find("extern \"C\" __global__") - start);
+  };
+  const std::string first = mainloop_text(sources[0]);
+  EXPECT_GT(first.size(), 5000u);
+  for (const std::string& source : sources) EXPECT_TRUE(mainloop_text(source) == first);
+  EXPECT_NE(sources[1].find("from_f32((acc0 + tensor_value0))"), std::string::npos);
+  EXPECT_NE(sources[2].find("from_f32((silu_f32(acc0) * 2.0f))"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,196 @@
+// Tests of the repacked affine layout the GEMV kernels read (gemv_weight_layout.cpp):
+//  * round trip: unpack_from_gemv(repack_for_gemv(m)) == m, bit for bit, for every format and
+//    for shapes that are not multiples of the tile or of the load block;
+//  * the kernel's view: an emulation, written here from the PTX ISA's m16n8k16 fragment layout,
+//    of how each lane extracts codes from its 16-byte vectors, checked element by element
+//    against the original MLX codes (every (row, column) seen exactly once, padding zero);
+//  * the scale/bias vectors each lane reads hold the scale and bias of its rows' groups.
+#include <gtest/gtest.h>
+
+#include <fmt/core.h>
+
+#include <map>
+
+#include "gemv_test_support.h"
+#include "metile/decode_mlp.h"
+#include "metile/quant.h"
+
+namespace metile {
+namespace {
+
+using gemv_testing::random_affine_matrix;
+
+struct Shape {
+  std::int64_t rows, columns;
+};
+
+std::vector<std::uint32_t> original_codes(const QuantizedMatrix& matrix) {
+  std::vector<std::uint32_t> words(static_cast<std::size_t>(matrix.packed.element_count()));
+  for (std::size_t i = 0; i < words.size(); ++i) words[i] = static_cast<std::uint32_t>(matrix.packed.at(static_cast<std::int64_t>(i)));
+  return unpack_codes(words, matrix.format.bits);
+}
+
+std::vector<Shape> shapes_for(int group_size) {
+  // Tile-aligned, a ragged last tile, a single partial tile, and K not a multiple of the load block.
+  return {{64, 256}, {37, 384}, {5, 128}, {33, static_cast<std::int64_t>(group_size) * 3}};
+}
+
+TEST(GemvRepack, RoundTripIsExactForEveryFormat) {
+  std::uint64_t seed = 100;
+  for (DType dtype : {DType::f16, DType::bf16}) {
+    for (int bits : {4, 8}) {
+      for (int group : {32, 64, 128}) {
+        for (const Shape& shape : shapes_for(group)) {
+          const QuantizedMatrix matrix = random_affine_matrix(shape.rows, shape.columns, bits, group, dtype, ++seed);
+          const RepackedAffineMatrix repacked = repack_for_gemv(matrix);
+          const std::string where = fmt::format("{}-bit g{} {} {}x{}", bits, group, dtype_name(dtype), shape.rows,
+                                                shape.columns);
+          EXPECT_EQ(repacked.padded_rows % 16, 0) << where;
+          EXPECT_EQ(repacked.padded_columns % repacked.format.columns_per_iteration(), 0) << where;
+          EXPECT_EQ(repacked.words.size(),
+                    static_cast<std::size_t>(repacked.padded_rows * repacked.padded_columns * bits / 32))
+              << where;
+          const QuantizedMatrix back = unpack_from_gemv(repacked);
+          EXPECT_EQ(back.format, matrix.format) << where;
+          EXPECT_TRUE(back.packed == matrix.packed) << where;
+          EXPECT_TRUE(back.scales == matrix.scales) << where;
+          EXPECT_TRUE(back.biases == matrix.biases) << where;
+        }
+      }
+    }
+  }
+}
+
+TEST(GemvRepack, RepackingChangesTheWordsNotJustTheirOrder) {
+  // A 4-bit word with distinct nibbles must come out with nibbles 0 2 4 6 1 3 5 7 (low to high).
+  std::vector<std::uint32_t> codes(static_cast<std::size_t>(16 * 128));
+  for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint32_t>(i % 8);
+  const std::vector<std::uint32_t> words = pack_codes(codes, 4);
+  HostTensor packed = HostTensor::from_values(TensorSpec({16, 16}, DType::u32),
+                                              std::vector<double>(words.begin(), words.end()));
+  HostTensor scales = gemv_testing::random_tensor(TensorSpec({16, 2}, DType::bf16), 7);
+  const QuantizedMatrix matrix = QuantizedMatrix::from_tensors({4, 64}, packed, scales, scales);
+  const RepackedAffineMatrix repacked = repack_for_gemv(matrix);
+  EXPECT_EQ(words[0], 0x76543210u);
+  EXPECT_EQ(repacked.words[0], 0x75316420u);
+}
+
+TEST(GemvRepack, RejectsWhatTheKernelsCannotRead) {
+  QuantizedMatrix matrix = random_affine_matrix(16, 128, 4, 64, DType::bf16, 3);
+  HostTensor f32_scales = gemv_testing::random_tensor(TensorSpec({16, 2}, DType::f32), 4);
+  const QuantizedMatrix f32_matrix = QuantizedMatrix::from_tensors({4, 64}, matrix.packed, f32_scales, f32_scales);
+  try {
+    repack_for_gemv(f32_matrix);
+    FAIL() << "f32 scales were accepted";
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find("f16 or bf16"), std::string::npos) << error.what();
+  }
+  RepackedAffineMatrix repacked = repack_for_gemv(matrix);
+  repacked.words.pop_back();
+  EXPECT_THROW(unpack_from_gemv(repacked), InputError);
+}
+
+// What one lane of the generated kernel reads, rebuilt from the PTX ISA's m16n8k16 layout:
+// A register r (0..3) element e (0, 1) of lane (g, t) is A[row g + 8 (r % 2)][column 2t + e + 8 (r / 2)].
+// The kernel's column permutation puts that element at physical column
+//     chunk_start + 8t + 4 * step + 2 * (r / 2) + e
+// and its B fragment reads x at exactly these columns (b0 = x16[2 step], b1 = x16[2 step + 1]).
+struct KernelView {
+  std::uint32_t code;
+  std::int64_t row, column;
+};
+
+std::uint32_t code_from_pair(std::uint32_t word, int bits, int pair, int element) {
+  if (bits == 4) return ((word >> (4 * pair)) & 0x000F000Fu) >> (16 * element) & 0xFu;
+  return ((word >> (8 * pair)) & 0x00FF00FFu) >> (16 * element) & 0xFFu;
+}
+
+TEST(GemvRepack, KernelFragmentViewSeesEveryOriginalCodeOnce) {
+  std::uint64_t seed = 500;
+  for (int bits : {4, 8}) {
+    for (int group : {32, 64, 128}) {
+      for (const Shape& shape : shapes_for(group)) {
+        const QuantizedMatrix matrix = random_affine_matrix(shape.rows, shape.columns, bits, group, DType::bf16, ++seed);
+        const RepackedAffineMatrix repacked = repack_for_gemv(matrix);
+        const std::vector<std::uint32_t> codes = original_codes(matrix);
+        const std::string where = fmt::format("{}-bit g{} {}x{}", bits, group, shape.rows, shape.columns);
+
+        const int chunks_per_load = bits == 4 ? 4 : 2;
+        const int columns_per_load = 32 * chunks_per_load;
+        const int columns_per_iteration = repacked.format.columns_per_iteration();
+        const int loads_per_iteration = columns_per_iteration / columns_per_load;
+        const std::int64_t iterations = repacked.padded_columns / columns_per_iteration;
+        const std::int64_t load_blocks = iterations * loads_per_iteration;
+        const std::int64_t tiles = repacked.padded_rows / 16;
+
+        std::map<std::pair<std::int64_t, std::int64_t>, int> seen;
+        int mismatches = 0;
+        for (std::int64_t tile = 0; tile < tiles; ++tile) {
+          for (std::int64_t it = 0; it < iterations; ++it) {
+            for (int chunk = 0; chunk < columns_per_iteration / 32; ++chunk) {
+              const std::int64_t block = it * loads_per_iteration + chunk / chunks_per_load;
+              for (int lane = 0; lane < 32; ++lane) {
+                const int g = lane / 4, t = lane % 4;
+                for (int step = 0; step < 2; ++step) {
+                  for (int r = 0; r < 4; ++r) {
+                    const int half = r % 2;  // a1, a3 come from the rows 8..15 vector
+                    const std::size_t vector_start = static_cast<std::size_t>(((tile * load_blocks + block) * 2 + half) * 128 + lane * 4);
+                    const int in_load = chunk % chunks_per_load;
+                    const int slot = bits == 4 ? in_load : 2 * in_load + step;
+                    const int pair = bits == 4 ? 2 * step + r / 2 : r / 2;
+                    const std::uint32_t word = repacked.words[vector_start + static_cast<std::size_t>(slot)];
+                    for (int e = 0; e < 2; ++e) {
+                      const std::int64_t row = tile * 16 + g + 8 * half;
+                      const std::int64_t column = it * columns_per_iteration + 32 * chunk + 8 * t + 4 * step + 2 * (r / 2) + e;
+                      const std::uint32_t code = code_from_pair(word, bits, pair, e);
+                      ++seen[{row, column}];
+                      const bool inside = row < shape.rows && column < shape.columns;
+                      const std::uint32_t expected = inside ? codes[static_cast<std::size_t>(row * shape.columns + column)] : 0u;
+                      if (code != expected && ++mismatches <= 5) {
+                        ADD_FAILURE() << where << ": row " << row << " column " << column << " kernel reads " << code
+                                      << ", MLX layout holds " << expected;
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          }
+        }
+        EXPECT_EQ(mismatches, 0) << where;
+        EXPECT_EQ(seen.size(), static_cast<std::size_t>(repacked.padded_rows * repacked.padded_columns)) << where;
+        for (const auto& [position, count] : seen) {
+          if (count != 1) {
+            ADD_FAILURE() << where << ": row " << position.first << " column " << position.second << " read " << count
+                          << " times";
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(GemvRepack, ScaleBiasVectorsHoldEachLanesGroups) {
+  const QuantizedMatrix matrix = random_affine_matrix(37, 384, 4, 64, DType::f16, 77);
+  const RepackedAffineMatrix repacked = repack_for_gemv(matrix);
+  const std::int64_t groups = 384 / 64, padded_groups = repacked.padded_columns / 64;
+  for (std::int64_t tile = 0; tile < repacked.padded_rows / 16; ++tile) {
+    for (std::int64_t group = 0; group < padded_groups; ++group) {
+      for (int g = 0; g < 8; ++g) {
+        const std::size_t base = static_cast<std::size_t>(((tile * padded_groups + group) * 8 + g) * 4);
+        for (int half = 0; half < 2; ++half) {
+          const std::int64_t row = tile * 16 + 8 * half + g;
+          const bool inside = row < 37 && group < groups;
+          const double scale = f16_bits_to_f32(repacked.scale_bias[base + 2 * static_cast<std::size_t>(half)]);
+          const double bias = f16_bits_to_f32(repacked.scale_bias[base + 2 * static_cast<std::size_t>(half) + 1]);
+          EXPECT_EQ(scale, inside ? matrix.scales.at(row * groups + group) : 0.0) << row << " " << group;
+          EXPECT_EQ(bias, inside ? matrix.biases.at(row * groups + group) : 0.0) << row << " " << group;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace metile
