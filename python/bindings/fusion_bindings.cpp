@@ -23,21 +23,36 @@ namespace {
 using PlanPointer = std::shared_ptr<const FusionPlan>;
 using PlanHolder = std::shared_ptr<FusionPlan>;  // how Python holds a plan (pybind11 holders are non-const)
 
+// Views of one entry of a plan's lists; two views are equal when they name the same entry.
 struct FusionRegionView {
   PlanPointer plan;
   int index = 0;
   const FusionRegion& region() const { return plan->regions.at(static_cast<std::size_t>(index)); }
+  bool operator==(const FusionRegionView&) const = default;
 };
 struct FusionCandidateView {
   PlanPointer plan;
   int index = 0;
   const FusionCandidate& candidate() const { return plan->candidates.at(static_cast<std::size_t>(index)); }
+  bool operator==(const FusionCandidateView&) const = default;
 };
 struct ConflictComponentView {
   PlanPointer plan;
   int index = 0;
   const ConflictComponent& component() const { return plan->components.at(static_cast<std::size_t>(index)); }
+  bool operator==(const ConflictComponentView&) const = default;
 };
+
+// __eq__ and __hash__ for a plan entry view.
+template <typename View>
+void bind_view_identity(py::class_<View>& view_class) {
+  view_class
+      .def(
+          "__eq__", [](const View& view, const View& other) { return view == other; }, py::is_operator())
+      .def("__hash__", [](const View& view) {
+        return py::hash(py::make_tuple(reinterpret_cast<std::uintptr_t>(view.plan.get()), view.index));
+      });
+}
 
 std::string joined_node_names(const ComputeGraph& graph, const std::vector<NodeId>& ids) {
   std::string text;
@@ -221,9 +236,9 @@ void bind_rules(py::module_& module) {
 }
 
 void bind_plan(py::module_& module) {
-  py::class_<FusionRegionView>(module, "FusionRegion",
-                               "One kernel-to-be: a convex set of nodes and its boundary.")
-      .def_property_readonly("rule", [](const FusionRegionView& view) { return view.region().rule; })
+  py::class_<FusionRegionView> region_class(module, "FusionRegion",
+                                            "One kernel-to-be: a convex set of nodes and its boundary.");
+  region_class.def_property_readonly("rule", [](const FusionRegionView& view) { return view.region().rule; })
       .def_property_readonly(
           "nodes",
           [](const FusionRegionView& view) { return node_views(view.plan->graph, view.region().nodes); })
@@ -243,7 +258,10 @@ void bind_plan(py::module_& module) {
           "The same as benefit_ns (nanoseconds).")
       .def("__repr__", &region_repr);
 
-  py::class_<FusionCandidateView>(module, "FusionCandidate", "A region some rule proposed, selected or not.")
+  bind_view_identity(region_class);
+  py::class_<FusionCandidateView> candidate_class(module, "FusionCandidate",
+                                                  "A region some rule proposed, selected or not.");
+  candidate_class
       .def_property_readonly("rule", [](const FusionCandidateView& view) { return view.candidate().rule; })
       .def_property_readonly("anchor",
                              [](const FusionCandidateView& view) {
@@ -276,9 +294,10 @@ void bind_plan(py::module_& module) {
                (candidate.region >= 0 ? ", selected)" : ")");
       });
 
-  py::class_<ConflictComponentView>(
+  py::class_<ConflictComponentView> component_class(
       module, "ConflictComponent",
-      "Candidates that exclude each other, and how the planner chose among them.")
+      "Candidates that exclude each other, and how the planner chose among them.");
+  component_class
       .def_property_readonly("candidates",
                              [](const ConflictComponentView& view) { return view.component().candidates; })
       .def_property_readonly(
@@ -291,6 +310,7 @@ void bind_plan(py::module_& module) {
                ", method='" + view.component().method + "')";
       });
 
+  bind_view_identity(component_class);
   py::class_<FusionPlan, PlanHolder>(
       module, "FusionPlan",
       "The planner's answer: regions (each one kernel), unfused nodes, and why. print(plan) explains it.")
@@ -343,7 +363,13 @@ void bind_plan(py::module_& module) {
       .def("to_json", &FusionPlan::to_json,
            "{\"kernels\", \"regions\", \"unfused\"}, as `metile plan --format json`.")
       .def("to_dot", &FusionPlan::to_dot, "Graphviz DOT: each region a cluster.")
-      .def("__str__", &FusionPlan::explain)
+      .def("__str__",
+           [](const FusionPlan& plan) {
+             // explain() ends its last line; print() adds its own newline.
+             std::string text = plan.explain();
+             while (!text.empty() && text.back() == '\n') text.pop_back();
+             return text;
+           })
       .def("__repr__", &plan_repr);
 
   module.def(

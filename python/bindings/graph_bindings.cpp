@@ -387,6 +387,14 @@ void bind_graph_builder(py::module_& module) {
           "Renames a value (and its node, for single-output nodes) before build(); ValueError on a taken "
           "name.")
       .def(
+          "spec",
+          [](const BuilderPointer& self, const BoundValue& value) { return self->builder.spec(value.ref); },
+          py::arg("value"))
+      .def(
+          "name",
+          [](const BuilderPointer& self, const BoundValue& value) { return self->builder.name(value.ref); },
+          py::arg("value"), "The value's current name (an invented one until build() or rename()).")
+      .def(
           "_auto_named_values",
           [](const BuilderPointer& self) {
             py::list values;

@@ -22,6 +22,6 @@ PYBIND11_MODULE(_metile, module) {
 
   metile::python::bind_graph(module);
   metile::python::bind_flow(module);
-  // DEV metile::python::bind_fusion(module);
-  // DEV metile::python::bind_runtime(module);
+  metile::python::bind_fusion(module);
+  metile::python::bind_runtime(module);
 }

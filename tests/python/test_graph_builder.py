@@ -95,6 +95,8 @@ def test_rename_before_build_and_value_properties():
     assert total.name == "total"
     assert total.spec == spec((3, 5), "f32")
     assert repr(total) == "ValueRef('total', f32[3, 5])"
+    assert builder.name(total) == "total" and builder.spec(total) == total.spec
+    assert builder.name(builder.silu(total)) == "silu_0"  # invented until build()
     builder.rename(total, "sum_of_a_and_b")
     assert total.name == "sum_of_a_and_b"
     graph = builder.build((total,))

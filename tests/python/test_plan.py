@@ -1,0 +1,104 @@
+"""FusionPlan and FusionTarget from Python: the JSON form the CLI prints, DOT, the
+planner's determinism, targets by name and from JSON, and what the plan says about
+nodes it leaves alone."""
+import json
+
+import pytest
+
+import metile
+from example_graphs import swiglu_graph
+
+
+def residual_rms_norm_graph(width=2048):
+    builder = metile.GraphBuilder()
+    values = builder.input("values", metile.TensorSpec((1, width), "f16"))
+    residual = builder.input("residual", metile.TensorSpec((1, width), "f16"))
+    weight = builder.input("weight", metile.TensorSpec((width,), "f16"))
+    summed = builder.add(values, residual)
+    normalized = builder.rms_norm(summed, weight, 1e-5)
+    return builder.build((summed, normalized))
+
+
+def test_plan_json_lists_the_regions_by_name():
+    plan = metile.plan_graph_fusion(residual_rms_norm_graph())
+    document = json.loads(plan.to_json())
+    assert document["kernels"] == plan.kernel_count == 1
+    (region,) = document["regions"]
+    assert region["rule"] == plan.regions[0].rule
+    assert region["nodes"] == ["summed", "normalized"]
+    assert region["inputs"] == ["values", "residual", "weight"]
+    assert region["outputs"] == ["summed", "normalized"]
+    assert region["benefit_ns"] == pytest.approx(plan.regions[0].benefit_ns)
+    assert document["unfused"] == []
+
+
+def test_plans_are_deterministic_byte_for_byte():
+    graph = swiglu_graph("up_first")
+    first = metile.plan_graph_fusion(graph)
+    second = metile.plan_graph_fusion(metile.ComputeGraph.from_json(graph.to_json()))
+    assert first.to_json() == second.to_json()
+    assert first.explain() == second.explain()
+    assert first.to_dot() == second.to_dot()
+
+
+def test_dot_draws_each_region_as_a_cluster():
+    dot = metile.plan_graph_fusion(residual_rms_norm_graph()).to_dot()
+    assert dot.lstrip().startswith("digraph")
+    assert "cluster" in dot and "summed" in dot and "normalized" in dot
+
+
+def test_targets_by_object_name_and_json():
+    h200 = metile.FusionTarget.h200()
+    cpu = metile.FusionTarget.cpu()
+    assert (h200.name, cpu.name) == ("h200", "cpu")
+    assert metile.FusionTarget().to_json() == h200.to_json()
+    assert metile.FusionTarget.from_json(h200.to_json()).to_json() == h200.to_json()
+    custom = metile.FusionTarget.from_json('{"base": "h200", "launch_overhead_ns": 7000}')
+    assert custom.launch_overhead_ns == 7000 and custom.max_kernel_outputs == h200.max_kernel_outputs
+    graph = residual_rms_norm_graph()
+    assert metile.plan_graph_fusion(graph).target_name == "h200"
+    assert metile.plan_graph_fusion(graph, target="cpu").target_name == "cpu"
+    assert metile.plan_graph_fusion(graph, target=cpu).target_name == "cpu"
+
+
+def test_target_file_by_path(tmp_path):
+    path = tmp_path / "slow_launch.json"
+    path.write_text('{"base": "cpu", "name": "slow_launch", "launch_overhead_ns": 90000}')
+    plan = metile.plan_graph_fusion(residual_rms_norm_graph(), target=path)
+    assert plan.target_name == "slow_launch"
+    assert metile.FusionTarget.from_json_file(path).launch_overhead_ns == 90000
+
+
+def test_a_tighter_target_changes_what_fits():
+    """With kernels allowed one output, the residual sum cannot be written by the
+    RMSNorm kernel, so the multi-output region is no longer legal."""
+    target = metile.FusionTarget.h200()
+    target.max_kernel_outputs = 1
+    plan = metile.plan_graph_fusion(residual_rms_norm_graph(), target=target)
+    assert all(len(region.outputs) <= 1 for region in plan.regions)
+    assert plan.kernel_count == 2
+
+
+def test_candidates_and_components_explain_the_selection():
+    plan = metile.plan_graph_fusion(swiglu_graph("gate_first"))
+    assert plan.candidates, "the planner proposed nothing"
+    selected = [candidate for candidate in plan.candidates if candidate.region is not None]
+    assert {candidate.rule for candidate in selected} == {region.rule for region in plan.regions}
+    for index, candidate in enumerate(plan.candidates):
+        component = plan.components[candidate.component]
+        assert index in component.candidates
+        assert component.method in {"single", "min_cut", "branch_and_bound", "greedy"}
+
+
+def test_rule_sets_and_rules_are_data():
+    rules = metile.default_rules()
+    names = [rule.name for rule in rules.rules]
+    assert names[0] == metile.residual_add_rms_norm_rule().name
+    assert metile.ParallelEpilogueRule().name in names
+    assert len(rules) == len(names) >= 5
+    pattern = metile.ParallelEpilogueRule().pattern
+    assert pattern[-1].kind == "contraction"  # the anchor: the down projection
+    assert any(entry.commutative for entry in pattern)  # silu(gate) * up in either order
+    only_norm = metile.RuleSet([metile.residual_add_rms_norm_rule()])
+    plan = metile.plan_graph_fusion(swiglu_graph("gate_first"), rules=only_norm)
+    assert plan.regions == []

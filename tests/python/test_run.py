@@ -1,0 +1,145 @@
+"""run() on the CPU reference backend from numpy: values against float64 numpy
+references, and the dtype contract at the boundary (f16 and f32 natively, bf16 as
+float32 rounded to bf16, integers bit for bit)."""
+import math
+
+import numpy as np
+import pytest
+
+import metile
+from example_graphs import swiglu_graph
+
+
+def bf16_round(array):
+    """Round float32 values to the nearest bfloat16 (ties to even), kept as float32."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def test_f32_ops_match_float64_numpy(rng):
+    rows, width, out_width = 3, 16, 5
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((rows, width), "f32"))
+    bias = builder.input("bias", metile.TensorSpec((width,), "f32"))
+    gamma = builder.input("gamma", metile.TensorSpec((width,), "f32"))
+    matrix = builder.input("matrix", metile.TensorSpec((out_width, width), "f32"))
+    shifted = builder.add(x, bias)
+    scaled = builder.scale(shifted, 0.75)
+    activated = builder.silu(scaled)
+    smoothed = builder.gelu(x, approximate="none")
+    exponent = builder.exp(x)
+    probabilities = builder.softmax(activated)
+    normalized = builder.layer_norm(smoothed, gamma, bias, eps=1e-5)
+    product = builder.multiply(normalized, exponent)
+    projected = builder.matmul(product, matrix, transpose_right=True)
+    graph = builder.build((probabilities, projected))
+
+    inputs = {
+        "x": rng.uniform(-2, 2, size=(rows, width)).astype(np.float32),
+        "bias": rng.uniform(-1, 1, size=(width,)).astype(np.float32),
+        "gamma": rng.uniform(0.5, 1.5, size=(width,)).astype(np.float32),
+        "matrix": rng.uniform(-1, 1, size=(out_width, width)).astype(np.float32),
+    }
+    outputs = metile.run(graph, inputs)
+    assert sorted(outputs) == ["probabilities", "projected"]
+
+    x64, bias64, gamma64, matrix64 = (inputs[name].astype(np.float64) for name in ("x", "bias", "gamma", "matrix"))
+    scaled64 = (x64 + bias64) * 0.75
+    activated64 = scaled64 / (1 + np.exp(-scaled64))
+    exps = np.exp(activated64 - activated64.max(axis=-1, keepdims=True))
+    probabilities64 = exps / exps.sum(axis=-1, keepdims=True)
+    smoothed64 = 0.5 * x64 * (1 + np.vectorize(math.erf)(x64 / math.sqrt(2)))
+    mean = smoothed64.mean(axis=-1, keepdims=True)
+    variance = ((smoothed64 - mean) ** 2).mean(axis=-1, keepdims=True)
+    normalized64 = (smoothed64 - mean) / np.sqrt(variance + 1e-5) * gamma64 + bias64
+    projected64 = (normalized64 * np.exp(x64)) @ matrix64.T
+
+    for name, expected in (("probabilities", probabilities64), ("projected", projected64)):
+        assert outputs[name].dtype == np.float32
+        np.testing.assert_allclose(outputs[name], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), err_msg=name)
+
+
+def test_bf16_travels_as_float32_rounded_to_bf16(rng):
+    builder = metile.GraphBuilder()
+    a = builder.input("a", metile.TensorSpec((4, 8), "bf16"))
+    b = builder.input("b", metile.TensorSpec((4, 8), "bf16"))
+    total = builder.add(a, b)
+    graph = builder.build((total,))
+    inputs = {name: rng.uniform(-3, 3, size=(4, 8)).astype(np.float32) for name in ("a", "b")}
+    assert not np.array_equal(bf16_round(inputs["a"]), inputs["a"])  # the inputs really need rounding
+    output = metile.run(graph, inputs)["total"]
+    assert output.dtype == np.float32 and output.shape == (4, 8)
+    assert not np.any(output.view(np.uint32) & 0xFFFF)  # every value is a bf16
+    expected = bf16_round(bf16_round(inputs["a"]) + bf16_round(inputs["b"]))
+    np.testing.assert_array_equal(output, expected)
+
+
+def test_integer_inputs_cross_bit_for_bit(rng):
+    builder = metile.GraphBuilder()
+    counts = builder.input("counts", metile.TensorSpec((2, 6), "i32"))
+    levels = builder.input("levels", metile.TensorSpec((2, 6), "u8"))
+    signed = builder.input("signed", metile.TensorSpec((2, 6), "i8"))
+    counts_real = builder.cast(counts, "f32")
+    levels_real = builder.cast(levels, "f32")
+    signed_real = builder.cast(signed, "f32")
+    mixed = builder.add(builder.add(counts_real, levels_real), signed_real)
+    as_integers = builder.cast(mixed, "i32")
+    graph = builder.build((as_integers, mixed))
+    inputs = {
+        "counts": rng.integers(-1000, 1000, size=(2, 6), dtype=np.int32),
+        "levels": rng.integers(0, 256, size=(2, 6), dtype=np.uint8),
+        "signed": rng.integers(-128, 128, size=(2, 6), dtype=np.int8),
+    }
+    outputs = metile.run(graph, inputs)
+    expected = inputs["counts"].astype(np.int64) + inputs["levels"] + inputs["signed"]
+    assert outputs["as_integers"].dtype == np.int32
+    np.testing.assert_array_equal(outputs["as_integers"], expected)
+    np.testing.assert_array_equal(outputs["mixed"], expected.astype(np.float32))
+
+
+def test_non_contiguous_arrays_are_read_in_logical_order(rng):
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((3, 5), "f32"))
+    doubled = builder.scale(x, 2.0)
+    graph = builder.build((doubled,))
+    storage = rng.uniform(-1, 1, size=(5, 3)).astype(np.float32)
+    view = storage.T  # Fortran-ordered (3, 5) view
+    assert not view.flags.c_contiguous
+    np.testing.assert_array_equal(metile.run(graph, {"x": view})["doubled"], view * 2)
+
+
+def test_random_inputs_are_seeded_typed_and_never_zero():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 64), "f16"))
+    weight = builder.input("weight", metile.TensorSpec((64,), "bf16"))
+    positions = builder.input("positions", metile.TensorSpec((2,), "i32"))
+    rotated = builder.rope(builder.cast(x, "bf16"), positions, theta=10000.0, dims=64)
+    normalized = builder.rms_norm(rotated, weight, eps=1e-6)
+    graph = builder.build((normalized,))
+    first = metile.random_inputs(graph, seed=7)
+    assert {name: (array.dtype, array.shape) for name, array in first.items()} == {
+        "x": (np.float16, (2, 64)), "weight": (np.float32, (64,)), "positions": (np.int32, (2,))}
+    assert np.all(first["x"] != 0) and np.all(np.abs(first["x"]) <= 1)
+    np.testing.assert_array_equal(first["weight"], bf16_round(first["weight"]))
+    assert set(first["positions"].tolist()) <= {0, 1}
+    again = metile.random_inputs(graph, seed=7)
+    other = metile.random_inputs(graph, seed=8)
+    np.testing.assert_array_equal(first["x"], again["x"])
+    assert not np.array_equal(first["x"], other["x"])
+    outputs = metile.run(graph, first)
+    assert outputs["normalized"].shape == (2, 64) and np.all(np.isfinite(outputs["normalized"]))
+
+
+@pytest.mark.parametrize("order", ["gate_first", "up_first"])
+def test_swiglu_mlp_plan_runs_like_numpy(rng, order):
+    graph = swiglu_graph(order, hidden=32, intermediate=48, dtype="f32")
+    plan = metile.plan_graph_fusion(graph)
+    inputs = {value.name: rng.uniform(-1, 1, size=value.spec.shape).astype(np.float32) for value in graph.inputs}
+    x, gate_weight, up_weight, down_weight = (inputs[name].astype(np.float64)
+                                              for name in ("x", "gate_weight", "up_weight", "down_weight"))
+    gate = x @ gate_weight.T
+    hidden = gate / (1 + np.exp(-gate)) * (x @ up_weight.T)
+    expected = hidden @ down_weight.T
+    output = metile.run(plan, inputs)["down"]
+    np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
