@@ -117,7 +117,8 @@ class GraphBuilder(_metile.GraphBuilder):
         if isinstance(outputs, ValueRef):
             outputs = (outputs,)
         if not isinstance(outputs, (tuple, list)):
-            raise TypeError(f"build: outputs must be a tuple or list of ValueRef, got {type(outputs).__name__}")
+            raise TypeError("build: outputs must be a tuple or list of ValueRef, got "
+                            f"{type(outputs).__name__}")
         for position, output in enumerate(outputs):
             if not isinstance(output, ValueRef):
                 raise TypeError(f"build: output {position} must be a ValueRef, got {type(output).__name__} "

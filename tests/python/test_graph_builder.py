@@ -74,6 +74,25 @@ def test_explicit_names_win_and_taken_names_are_skipped():
     assert [value.name for value in graph.outputs] == ["multiply_0"]
 
 
+def test_a_value_held_by_two_variables_takes_the_first_defined_name():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", spec((2, 16)))
+    activated = builder.silu(x)
+    alias = activated
+    graph = builder.build((alias,))
+    assert graph.outputs[0].name == "activated"
+
+
+def test_values_recorded_after_a_build_are_named_at_the_next():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", spec((2, 16)))
+    first = builder.exp(x)
+    assert [value.name for value in builder.build((first,)).outputs] == ["first"]
+    second = builder.silu(first)
+    graph = builder.build((first, second))
+    assert [value.name for value in graph.outputs] == ["first", "second"]
+
+
 def test_values_named_inside_a_helper_keep_invented_names():
     builder = metile.GraphBuilder()
     x = builder.input("x", spec((2, 16)))
@@ -178,6 +197,7 @@ def test_read_graph_reads_a_graph_file(tmp_path):
 
 def test_repr_is_readable():
     graph = seed_graph()
-    assert repr(graph) == "ComputeGraph(inputs=[values, residual, weight], nodes=2, outputs=[summed, normalized])"
+    assert repr(graph) == ("ComputeGraph(inputs=[values, residual, weight], nodes=2, "
+                           "outputs=[summed, normalized])")
     assert repr(graph.nodes[1]) == "Node(normalized = rms_norm(summed, weight), eps=1e-05)"
     assert repr(graph.outputs[0]) == "Value('summed', f16[1, 64])"

@@ -44,7 +44,8 @@ def test_f32_ops_match_float64_numpy(rng):
     outputs = metile.run(graph, inputs)
     assert sorted(outputs) == ["probabilities", "projected"]
 
-    x64, bias64, gamma64, matrix64 = (inputs[name].astype(np.float64) for name in ("x", "bias", "gamma", "matrix"))
+    x64, bias64, gamma64, matrix64 = (inputs[name].astype(np.float64)
+                                      for name in ("x", "bias", "gamma", "matrix"))
     scaled64 = (x64 + bias64) * 0.75
     activated64 = scaled64 / (1 + np.exp(-scaled64))
     exps = np.exp(activated64 - activated64.max(axis=-1, keepdims=True))
@@ -57,7 +58,8 @@ def test_f32_ops_match_float64_numpy(rng):
 
     for name, expected in (("probabilities", probabilities64), ("projected", projected64)):
         assert outputs[name].dtype == np.float32
-        np.testing.assert_allclose(outputs[name], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), err_msg=name)
+        np.testing.assert_allclose(outputs[name], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
+                                   err_msg=name)
 
 
 def test_bf16_travels_as_float32_rounded_to_bf16(rng):
@@ -135,7 +137,8 @@ def test_random_inputs_are_seeded_typed_and_never_zero():
 def test_swiglu_mlp_plan_runs_like_numpy(rng, order):
     graph = swiglu_graph(order, hidden=32, intermediate=48, dtype="f32")
     plan = metile.plan_graph_fusion(graph)
-    inputs = {value.name: rng.uniform(-1, 1, size=value.spec.shape).astype(np.float32) for value in graph.inputs}
+    inputs = {value.name: rng.uniform(-1, 1, size=value.spec.shape).astype(np.float32)
+              for value in graph.inputs}
     x, gate_weight, up_weight, down_weight = (inputs[name].astype(np.float64)
                                               for name in ("x", "gate_weight", "up_weight", "down_weight"))
     gate = x @ gate_weight.T

@@ -78,7 +78,8 @@ def test_running_the_seed_plan_computes_summed_and_normalized(rng):
     # f16 keeps 11 significant bits: each result is within a couple of half-ulps of the
     # exact value (the normalization also sees the f16-rounded sum).
     np.testing.assert_allclose(outputs["summed"].astype(np.float64), summed, rtol=2**-10, atol=2**-24)
-    np.testing.assert_allclose(outputs["normalized"].astype(np.float64), normalized, rtol=4 * 2**-11, atol=1e-3)
+    np.testing.assert_allclose(outputs["normalized"].astype(np.float64), normalized,
+                               rtol=4 * 2**-11, atol=1e-3)
     # The plan's kernel-by-kernel run is the graph's run, bit for bit.
     for name, array in metile.run(graph, inputs).items():
         np.testing.assert_array_equal(array.view(np.uint16), outputs[name].view(np.uint16))
