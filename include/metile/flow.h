@@ -108,8 +108,8 @@ class FlowNetworkBuilder {
  public:
   explicit FlowNetworkBuilder(int vertex_count = 0);
 
-  int add_vertex();                         // returns the new vertex's number
-  int add_vertices(int count);              // returns the first new vertex's number
+  int add_vertex();             // returns the new vertex's number
+  int add_vertices(int count);  // returns the first new vertex's number
   int vertex_count() const { return vertex_count_; }
   // Both return the edge number. Validation happens here, with the edge number in the message.
   int add_edge(int from, int to, Capacity capacity);
@@ -147,8 +147,8 @@ struct FlowTolerance {
 // ---------------------------------------------------------------- solving
 
 enum class SolverChoice { automatic, dinic, hlpp };
-std::string_view solver_choice_name(SolverChoice choice);     // "auto", "dinic", "hlpp"
-SolverChoice parse_solver_choice(std::string_view name);      // throws InputError on others
+std::string_view solver_choice_name(SolverChoice choice);  // "auto", "dinic", "hlpp"
+SolverChoice parse_solver_choice(std::string_view name);   // throws InputError on others
 
 struct MaxFlowOptions {
   // Fill MaxFlowResult::edge_flows. For HLPP this runs the second phase (returning
@@ -172,8 +172,8 @@ struct MaxFlowResult {
   std::vector<bool> source_side;
   // Flow on every input edge (0 on self loops); empty unless options.edge_flows.
   std::vector<Capacity> edge_flows;
-  std::string solver;                       // "dinic" or "hlpp": the engine that produced this result
-  bool from_cache = false;                  // solve(): the engine was picked by the dispatch cache
+  std::string solver;                         // "dinic" or "hlpp": the engine that produced this result
+  bool from_cache = false;                    // solve(): the engine was picked by the dispatch cache
   std::optional<TournamentTimes> tournament;  // solve(): set when this call ran the tournament
 
   std::vector<int> source_side_vertices() const;  // sorted vertex numbers with source_side true

@@ -26,11 +26,13 @@ std::vector<std::string_view> split_tokens(std::string_view line) {
   std::vector<std::string_view> tokens;
   std::size_t position = 0;
   while (position < line.size()) {
-    while (position < line.size() && (line[position] == ' ' || line[position] == '\t' || line[position] == '\r')) {
+    while (position < line.size() &&
+           (line[position] == ' ' || line[position] == '\t' || line[position] == '\r')) {
       ++position;
     }
     const std::size_t start = position;
-    while (position < line.size() && line[position] != ' ' && line[position] != '\t' && line[position] != '\r') {
+    while (position < line.size() && line[position] != ' ' && line[position] != '\t' &&
+           line[position] != '\r') {
       ++position;
     }
     if (position > start) tokens.push_back(line.substr(start, position - start));
@@ -71,9 +73,11 @@ class DimacsReader {
 
     auto parse_vertex = [&](std::string_view token, const char* what) {
       std::int64_t id = 0;
-      if (!parse_integer(token, id)) fail(line_number, std::string(what) + " '" + std::string(token) + "' is not an integer");
+      if (!parse_integer(token, id))
+        fail(line_number, std::string(what) + " '" + std::string(token) + "' is not an integer");
       if (id < 1 || id > vertex_count) {
-        fail(line_number, std::string(what) + " " + std::to_string(id) + " is outside 1.." + std::to_string(vertex_count));
+        fail(line_number,
+             std::string(what) + " " + std::to_string(id) + " is outside 1.." + std::to_string(vertex_count));
       }
       return static_cast<int>(id - 1);
     };
@@ -84,14 +88,18 @@ class DimacsReader {
       if (tokens.empty() || tokens[0] == "c") continue;
       const std::string_view kind = tokens[0];
       if (kind == "p") {
-        if (problem_line != 0) fail(line_number, "second problem line (the first is on line " + std::to_string(problem_line) + ")");
-        if (tokens.size() != 4 || tokens[1] != "max") fail(line_number, "bad problem line: expected 'p max VERTICES ARCS'");
+        if (problem_line != 0)
+          fail(line_number,
+               "second problem line (the first is on line " + std::to_string(problem_line) + ")");
+        if (tokens.size() != 4 || tokens[1] != "max")
+          fail(line_number, "bad problem line: expected 'p max VERTICES ARCS'");
         if (!parse_integer(tokens[2], vertex_count) || vertex_count < 0 || vertex_count > kMaxVertices) {
-          fail(line_number, "bad problem line: vertex count '" + std::string(tokens[2]) + "' is not an integer in 0.." +
-                                std::to_string(kMaxVertices));
+          fail(line_number, "bad problem line: vertex count '" + std::string(tokens[2]) +
+                                "' is not an integer in 0.." + std::to_string(kMaxVertices));
         }
         if (!parse_integer(tokens[3], declared_arcs) || declared_arcs < 0) {
-          fail(line_number, "bad problem line: arc count '" + std::string(tokens[3]) + "' is not a non-negative integer");
+          fail(line_number,
+               "bad problem line: arc count '" + std::string(tokens[3]) + "' is not a non-negative integer");
         }
         problem_line = line_number;
         edges.reserve(static_cast<std::size_t>(std::min<std::int64_t>(declared_arcs, 1 << 22)));
@@ -103,8 +111,8 @@ class DimacsReader {
         const int vertex = parse_vertex(tokens[1], "node id");
         int& terminal = tokens[2] == "s" ? source : sink;
         if (terminal >= 0) {
-          fail(line_number, std::string("duplicate ") + (tokens[2] == "s" ? "source" : "sink") + " (already vertex " +
-                                std::to_string(terminal + 1) + ")");
+          fail(line_number, std::string("duplicate ") + (tokens[2] == "s" ? "source" : "sink") +
+                                " (already vertex " + std::to_string(terminal + 1) + ")");
         }
         terminal = vertex;
       } else if (kind == "a") {
@@ -124,8 +132,8 @@ class DimacsReader {
     const int last_line = std::max(line_number, 1);
     if (problem_line == 0) fail(last_line, "no problem line 'p max VERTICES ARCS'");
     if (static_cast<std::int64_t>(edges.size()) != declared_arcs) {
-      fail(last_line, "the file has " + std::to_string(edges.size()) + " arcs but line " + std::to_string(problem_line) +
-                          " declares " + std::to_string(declared_arcs));
+      fail(last_line, "the file has " + std::to_string(edges.size()) + " arcs but line " +
+                          std::to_string(problem_line) + " declares " + std::to_string(declared_arcs));
     }
     if (source < 0) fail(last_line, "no source line 'n ID s'");
     if (sink < 0) fail(last_line, "no sink line 'n ID t'");
@@ -148,14 +156,16 @@ class DimacsReader {
       std::int64_t value = 0;
       if (!parse_integer(token, value)) {
         double real = 0;
-        if (parse_real(token, real)) fail(line_number, "capacity '" + std::string(token) + "' is not an integer");
+        if (parse_real(token, real))
+          fail(line_number, "capacity '" + std::string(token) + "' is not an integer");
         fail(line_number, "capacity '" + std::string(token) + "' is not a number");
       }
       if (value < 0) fail(line_number, "negative capacity " + std::string(token));
       return value;
     } else {
       double value = 0;
-      if (!parse_real(token, value)) fail(line_number, "capacity '" + std::string(token) + "' is not a number");
+      if (!parse_real(token, value))
+        fail(line_number, "capacity '" + std::string(token) + "' is not a number");
       if (!std::isfinite(value)) fail(line_number, "capacity '" + std::string(token) + "' is not finite");
       if (value < 0) fail(line_number, "negative capacity " + std::string(token));
       return value;
@@ -201,11 +211,13 @@ void write_dimacs_max_flow(std::ostream& output, const FlowProblem<Capacity>& pr
   const FlowNetwork<Capacity>& network = problem.network;
   std::string text;
   text += "c maximum flow problem written by metile\n";
-  text += "p max " + std::to_string(network.vertex_count()) + " " + std::to_string(network.edge_count()) + "\n";
+  text +=
+      "p max " + std::to_string(network.vertex_count()) + " " + std::to_string(network.edge_count()) + "\n";
   text += "n " + std::to_string(problem.source + 1) + " s\n";
   text += "n " + std::to_string(problem.sink + 1) + " t\n";
   for (const FlowEdge<Capacity>& edge : network.edges()) {
-    text += "a " + std::to_string(edge.from + 1) + " " + std::to_string(edge.to + 1) + " " + capacity_text(edge.capacity) + "\n";
+    text += "a " + std::to_string(edge.from + 1) + " " + std::to_string(edge.to + 1) + " " +
+            capacity_text(edge.capacity) + "\n";
   }
   output << text;
 }

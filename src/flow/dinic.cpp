@@ -29,8 +29,13 @@ class DinicSolver {
     path_.reserve(network.vertex_count());
   }
 
-  void run() {
-    while (compute_distances()) augment_blocking_flow();
+  // Returns false when the deadline passed before the flow was maximum.
+  bool run(flow_detail::Deadline& deadline) {
+    deadline_ = &deadline;
+    while (compute_distances()) {
+      if (!augment_blocking_flow()) return false;
+    }
+    return true;
   }
 
   Capacity value() const { return value_; }
@@ -65,7 +70,7 @@ class DinicSolver {
     return false;
   }
 
-  void augment_blocking_flow() {
+  bool augment_blocking_flow() {
     const int* heads = network_.arc_heads().data();
     const int* reverse = network_.reverse_arcs().data();
     const int* offsets = network_.arc_offsets().data();
@@ -77,6 +82,7 @@ class DinicSolver {
     path_.clear();
     int vertex = source_;
     while (true) {
+      if (deadline_->expired()) return false;
       if (vertex == sink_) {
         Capacity bottleneck = residual[path_.front()];
         for (const int arc : path_) bottleneck = std::min(bottleneck, residual[arc]);
@@ -104,7 +110,7 @@ class DinicSolver {
         continue;
       }
       // Dead end: no admissible arc left. Remove the vertex from this phase and retreat.
-      if (vertex == source_) return;
+      if (vertex == source_) return true;
       distance[vertex] = kDeadEnd;
       path_.pop_back();
       vertex = path_.empty() ? source_ : heads[path_.back()];
@@ -122,23 +128,38 @@ class DinicSolver {
   std::vector<int> queue_;
   std::vector<int> path_;  // arcs from the source to the DFS's current vertex
   Capacity value_{};
+  flow_detail::Deadline* deadline_ = nullptr;
 };
 
 }  // namespace
 
+namespace flow_detail {
+
+template <typename Capacity>
+std::optional<MaxFlowResult<Capacity>> dinic_until(const FlowNetwork<Capacity>& network, int source, int sink,
+                                                   const MaxFlowOptions& options, Deadline deadline) {
+  check_terminals(network, source, sink, "dinic");
+  DinicSolver<Capacity> solver(network, source, sink);
+  if (!solver.run(deadline)) return std::nullopt;
+  MaxFlowResult<Capacity> result;
+  result.value = solver.value();
+  result.source_side = reachable_in_residual(network, solver.residual(), {source}, solver_tolerance(network));
+  if (options.edge_flows) result.edge_flows = edge_flows_from_residual(network, solver.residual());
+  result.solver = "dinic";
+  return result;
+}
+
+template std::optional<MaxFlowResult<std::int64_t>> dinic_until(const FlowNetwork<std::int64_t>&, int, int,
+                                                                const MaxFlowOptions&, Deadline);
+template std::optional<MaxFlowResult<double>> dinic_until(const FlowNetwork<double>&, int, int,
+                                                          const MaxFlowOptions&, Deadline);
+
+}  // namespace flow_detail
+
 template <typename Capacity>
 MaxFlowResult<Capacity> dinic(const FlowNetwork<Capacity>& network, int source, int sink,
                               const MaxFlowOptions& options) {
-  flow_detail::check_terminals(network, source, sink, "dinic");
-  DinicSolver<Capacity> solver(network, source, sink);
-  solver.run();
-  MaxFlowResult<Capacity> result;
-  result.value = solver.value();
-  result.source_side = flow_detail::reachable_in_residual(network, solver.residual(), {source},
-                                                          flow_detail::solver_tolerance(network));
-  if (options.edge_flows) result.edge_flows = flow_detail::edge_flows_from_residual(network, solver.residual());
-  result.solver = "dinic";
-  return result;
+  return *flow_detail::dinic_until(network, source, sink, options, flow_detail::Deadline());
 }
 
 template MaxFlowResult<std::int64_t> dinic(const FlowNetwork<std::int64_t>&, int, int, const MaxFlowOptions&);

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
+#include <vector>
 
 #include "residual_graph.h"
 
@@ -70,9 +71,10 @@ DispatchCache& dispatch_cache() {
 }
 
 template <typename Capacity>
-MaxFlowResult<Capacity> run_engine(SolverChoice engine, const FlowNetwork<Capacity>& network, int source, int sink,
-                                   const MaxFlowOptions& options) {
-  return engine == SolverChoice::hlpp ? hlpp(network, source, sink, options) : dinic(network, source, sink, options);
+MaxFlowResult<Capacity> run_engine(SolverChoice engine, const FlowNetwork<Capacity>& network, int source,
+                                   int sink, const MaxFlowOptions& options) {
+  return engine == SolverChoice::hlpp ? hlpp(network, source, sink, options)
+                                      : dinic(network, source, sink, options);
 }
 
 template <typename Capacity>
@@ -83,37 +85,81 @@ std::string show(Capacity value) {
   return text.str();
 }
 
+double median(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  const std::size_t middle = samples.size() / 2;
+  return samples.size() % 2 == 1 ? samples[middle] : (samples[middle - 1] + samples[middle]) / 2;
+}
+
+// The race. Three refinements keep it cheap without changing what it decides:
+//  - solves shorter than kMinimumSampleMs repeat within a round (the sample is the mean),
+//    so microsecond networks are timed above clock and scheduler noise;
+//  - once an engine has produced a value, a later run is stopped at kStopFactor times the
+//    other engine's slowest sample: it has lost that round by far more than the headroom,
+//    and the bound is recorded as its time;
+//  - the third round is skipped when it cannot change the outcome.
 template <typename Capacity>
 MaxFlowResult<Capacity> run_tournament(const FlowNetwork<Capacity>& network, int source, int sink,
                                        const MaxFlowOptions& options) {
-  using Clock = std::chrono::steady_clock;
+  using Clock = flow_detail::Deadline::Clock;
+  constexpr double kMinimumSampleMs = 0.02;
+  constexpr double kStopFactor = 2.0;
   constexpr std::array<std::array<SolverChoice, 2>, 3> kRounds{{{SolverChoice::dinic, SolverChoice::hlpp},
                                                                 {SolverChoice::hlpp, SolverChoice::dinic},
                                                                 {SolverChoice::dinic, SolverChoice::hlpp}}};
-  std::array<double, 3> dinic_ms{};
-  std::array<double, 3> hlpp_ms{};
-  std::optional<MaxFlowResult<Capacity>> last_dinic;
-  std::optional<MaxFlowResult<Capacity>> last_hlpp;
+  const FlowTolerance<Capacity> tolerance = FlowTolerance<Capacity>::for_network(network);
+  std::array<std::vector<double>, 2> samples;  // milliseconds, indexed by engine: 0 dinic, 1 hlpp
+  std::array<std::optional<MaxFlowResult<Capacity>>, 2> latest;
+  auto index_of = [](SolverChoice engine) { return engine == SolverChoice::hlpp ? 1 : 0; };
+
   for (int round = 0; round < 3; ++round) {
     for (const SolverChoice engine : kRounds[round]) {
+      const int self = index_of(engine);
+      const std::vector<double>& others = samples[1 - self];
+      std::optional<double> stop_after_ms;
+      if (latest[self] && !others.empty()) {
+        stop_after_ms = kStopFactor * *std::max_element(others.begin(), others.end());
+      }
+      int runs = 0;
+      double elapsed_ms = 0;
+      bool stopped = false;
       const auto start = Clock::now();
-      MaxFlowResult<Capacity> result = run_engine(engine, network, source, sink, options);
-      const double elapsed = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-      (engine == SolverChoice::dinic ? dinic_ms : hlpp_ms)[round] = elapsed;
-      (engine == SolverChoice::dinic ? last_dinic : last_hlpp) = std::move(result);
+      do {
+        std::optional<Clock::time_point> deadline;
+        if (stop_after_ms)
+          deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double, std::milli>(*stop_after_ms));
+        const flow_detail::Deadline stop(deadline);
+        std::optional<MaxFlowResult<Capacity>> result =
+            engine == SolverChoice::hlpp ? flow_detail::hlpp_until(network, source, sink, options, stop)
+                                         : flow_detail::dinic_until(network, source, sink, options, stop);
+        elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+        if (!result) {
+          stopped = true;
+          break;
+        }
+        latest[self] = std::move(result);
+        ++runs;
+      } while (elapsed_ms < kMinimumSampleMs);
+      samples[self].push_back(stopped ? *stop_after_ms : elapsed_ms / runs);
     }
-    const FlowTolerance<Capacity> tolerance = FlowTolerance<Capacity>::for_network(network);
-    if (!tolerance.equal(last_dinic->value, last_hlpp->value)) {
-      throw std::runtime_error("max-flow dispatch: dinic found " + show(last_dinic->value) + " but hlpp found " +
-                               show(last_hlpp->value) + " on the same network (fingerprint " +
-                               std::to_string(network.fingerprint()) + ")");
+    if (!tolerance.equal(latest[0]->value, latest[1]->value)) {
+      throw std::runtime_error("max-flow dispatch: dinic found " + show(latest[0]->value) +
+                               " but hlpp found " + show(latest[1]->value) +
+                               " on the same network (fingerprint " + std::to_string(network.fingerprint()) +
+                               ")");
+    }
+    if (round == 1) {
+      const auto [dinic_low, dinic_high] = std::minmax(samples[0][0], samples[0][1]);
+      const auto [hlpp_low, hlpp_high] = std::minmax(samples[1][0], samples[1][1]);
+      const bool hlpp_certain = hlpp_high <= kHlppHeadroom * dinic_low;
+      const bool dinic_certain = hlpp_low > kHlppHeadroom * dinic_high;
+      if (hlpp_certain || dinic_certain) break;
     }
   }
-  std::sort(dinic_ms.begin(), dinic_ms.end());
-  std::sort(hlpp_ms.begin(), hlpp_ms.end());
-  const TournamentTimes times{dinic_ms[1], hlpp_ms[1]};
+  const TournamentTimes times{median(samples[0]), median(samples[1])};
   const bool hlpp_wins = times.hlpp_median_ms <= kHlppHeadroom * times.dinic_median_ms;
-  MaxFlowResult<Capacity> winner = std::move(hlpp_wins ? *last_hlpp : *last_dinic);
+  MaxFlowResult<Capacity> winner = std::move(*latest[hlpp_wins ? 1 : 0]);
   winner.tournament = times;
   return winner;
 }
@@ -124,7 +170,8 @@ template <typename Capacity>
 MaxFlowResult<Capacity> solve(const FlowNetwork<Capacity>& network, int source, int sink,
                               const MaxFlowOptions& options) {
   flow_detail::check_terminals(network, source, sink, "solve");
-  if (options.solver != SolverChoice::automatic) return run_engine(options.solver, network, source, sink, options);
+  if (options.solver != SolverChoice::automatic)
+    return run_engine(options.solver, network, source, sink, options);
   if (network.vertex_count() < kTournamentMinimumVertices) return dinic(network, source, sink, options);
 
   // The key covers the terminals too: the same network with other terminals is another problem.
@@ -139,7 +186,8 @@ MaxFlowResult<Capacity> solve(const FlowNetwork<Capacity>& network, int source, 
     }
   }
   MaxFlowResult<Capacity> result = run_tournament(network, source, sink, options);
-  if (options.use_cache) dispatch_cache().store(key, result.solver == "hlpp" ? SolverChoice::hlpp : SolverChoice::dinic);
+  if (options.use_cache)
+    dispatch_cache().store(key, result.solver == "hlpp" ? SolverChoice::hlpp : SolverChoice::dinic);
   return result;
 }
 

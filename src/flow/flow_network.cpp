@@ -33,7 +33,8 @@ void check_capacity(int edge_index, Capacity capacity) {
   if constexpr (std::is_floating_point_v<Capacity>) {
     if (!std::isfinite(capacity)) {
       throw InputError("flow network: edge " + std::to_string(edge_index) + " has capacity " +
-                       capacity_text(capacity) + "; capacities must be finite (use add_infinite_edge "
+                       capacity_text(capacity) +
+                       "; capacities must be finite (use add_infinite_edge "
                        "for legality edges)");
     }
   }
@@ -117,10 +118,9 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
   if constexpr (std::is_integral_v<Capacity>) {
     infinite_capacity_ = finite_capacity_sum_ + 1;
     // The flow through infinite edges is bounded by their number times their capacity.
-    if (infinite_edges > 0 &&
-        (infinite_capacity_ > kIntegerCapacityLimit / (infinite_edges + 1))) {
-      throw InputError("flow network: " + std::to_string(infinite_edges) +
-                       " infinite edges of capacity " + std::to_string(infinite_capacity_) +
+    if (infinite_edges > 0 && (infinite_capacity_ > kIntegerCapacityLimit / (infinite_edges + 1))) {
+      throw InputError("flow network: " + std::to_string(infinite_edges) + " infinite edges of capacity " +
+                       std::to_string(infinite_capacity_) +
                        " could overflow solver arithmetic; the finite capacities are too large");
     }
   } else {
@@ -162,10 +162,12 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     arc_edge_[forward] = e;
   }
 
-  std::uint64_t hash = mix(std::is_integral_v<Capacity> ? 0x1111 : 0x2222, static_cast<std::uint64_t>(vertex_count_));
+  std::uint64_t hash =
+      mix(std::is_integral_v<Capacity> ? 0x1111 : 0x2222, static_cast<std::uint64_t>(vertex_count_));
   hash = mix(hash, static_cast<std::uint64_t>(arcs));
   for (int a = 0; a < arcs; ++a) {
-    hash = mix(hash, static_cast<std::uint64_t>(arc_head_[a]) << 32 | static_cast<std::uint32_t>(arc_reverse_[a]));
+    hash = mix(hash,
+               static_cast<std::uint64_t>(arc_head_[a]) << 32 | static_cast<std::uint32_t>(arc_reverse_[a]));
     hash = mix(hash, capacity_bits(arc_capacity_[a]));
   }
   for (int v = 0; v <= vertex_count_; ++v) hash = mix(hash, static_cast<std::uint64_t>(arc_offsets_[v]));

@@ -59,8 +59,10 @@ class HighestLabelPreflow {
     global_relabel();
   }
 
-  void first_phase() {
+  // Returns false when the deadline passed before the preflow was maximum.
+  bool first_phase(flow_detail::Deadline& deadline) {
     while (highest_active_ >= 0) {
+      if (deadline.expired()) return false;
       const int vertex = active_first_[highest_active_];
       if (vertex == kNone) {
         --highest_active_;
@@ -70,6 +72,7 @@ class HighestLabelPreflow {
       discharge(vertex);
       if (work_since_global_relabel_ > global_relabel_threshold_) global_relabel();
     }
+    return true;
   }
 
   // Returns the stranded excess to the source. Every vertex with excess has a residual path
@@ -311,22 +314,37 @@ class HighestLabelPreflow {
 
 }  // namespace
 
+namespace flow_detail {
+
 template <typename Capacity>
-MaxFlowResult<Capacity> hlpp(const FlowNetwork<Capacity>& network, int source, int sink,
-                             const MaxFlowOptions& options) {
-  flow_detail::check_terminals(network, source, sink, "hlpp");
+std::optional<MaxFlowResult<Capacity>> hlpp_until(const FlowNetwork<Capacity>& network, int source, int sink,
+                                                  const MaxFlowOptions& options, Deadline deadline) {
+  check_terminals(network, source, sink, "hlpp");
   HighestLabelPreflow<Capacity> solver(network, source, sink);
   solver.init();
-  solver.first_phase();
+  if (!solver.first_phase(deadline)) return std::nullopt;
   MaxFlowResult<Capacity> result;
   result.value = solver.value();
   result.source_side = solver.minimum_cut_side();
   if (options.edge_flows) {
     solver.second_phase();
-    result.edge_flows = flow_detail::edge_flows_from_residual(network, solver.residual());
+    result.edge_flows = edge_flows_from_residual(network, solver.residual());
   }
   result.solver = "hlpp";
   return result;
+}
+
+template std::optional<MaxFlowResult<std::int64_t>> hlpp_until(const FlowNetwork<std::int64_t>&, int, int,
+                                                               const MaxFlowOptions&, Deadline);
+template std::optional<MaxFlowResult<double>> hlpp_until(const FlowNetwork<double>&, int, int,
+                                                         const MaxFlowOptions&, Deadline);
+
+}  // namespace flow_detail
+
+template <typename Capacity>
+MaxFlowResult<Capacity> hlpp(const FlowNetwork<Capacity>& network, int source, int sink,
+                             const MaxFlowOptions& options) {
+  return *flow_detail::hlpp_until(network, source, sink, options, flow_detail::Deadline());
 }
 
 template MaxFlowResult<std::int64_t> hlpp(const FlowNetwork<std::int64_t>&, int, int, const MaxFlowOptions&);

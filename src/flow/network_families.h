@@ -96,7 +96,8 @@ inline GeneratedNetwork grid_network(int rows, int columns, std::int64_t max_cap
 // frames, vertex i of frame k connects to vertex perm(i) of frame k+1 (a fresh random
 // permutation per frame) with capacity uniform in [c1, c2]. Source: first vertex of the
 // first frame; sink: last vertex of the last frame. Deep and narrow: hard for Dinic.
-inline GeneratedNetwork genrmf_network(int side, int frames, std::int64_t c1, std::int64_t c2, Random& random) {
+inline GeneratedNetwork genrmf_network(int side, int frames, std::int64_t c1, std::int64_t c2,
+                                       Random& random) {
   const int frame_size = side * side;
   GeneratedNetwork network{"genrmf", frame_size * frames, 0, frame_size * frames - 1, {}};
   const std::int64_t in_frame = c2 * frame_size;
@@ -128,7 +129,8 @@ inline GeneratedNetwork genrmf_network(int side, int frames, std::int64_t c1, st
 }
 
 // Every ordered pair (u, v), u != v, is an edge with probability `density`.
-inline GeneratedNetwork dense_network(int vertex_count, double density, std::int64_t max_capacity, Random& random) {
+inline GeneratedNetwork dense_network(int vertex_count, double density, std::int64_t max_capacity,
+                                      Random& random) {
   GeneratedNetwork network{"dense", vertex_count, 0, vertex_count - 1, {}};
   std::bernoulli_distribution keep(density);
   for (int u = 0; u < vertex_count; ++u) {
@@ -146,12 +148,14 @@ inline GeneratedNetwork multigraph_network(int vertex_count, int edge_count, std
   GeneratedNetwork network{"multigraph", vertex_count, 0, vertex_count - 1, {}};
   for (int e = 0; e < edge_count; ++e) {
     if (!network.edges.empty() && draw(random, 0, 3) == 0) {
-      FlowEdge<std::int64_t> copy = network.edges[draw(random, 0, static_cast<std::int64_t>(network.edges.size()) - 1)];
+      FlowEdge<std::int64_t> copy =
+          network.edges[draw(random, 0, static_cast<std::int64_t>(network.edges.size()) - 1)];
       copy.capacity = draw(random, 0, max_capacity);
       network.edges.push_back(copy);
     } else {
       network.edges.push_back({static_cast<int>(draw(random, 0, vertex_count - 1)),
-                               static_cast<int>(draw(random, 0, vertex_count - 1)), draw(random, 0, max_capacity)});
+                               static_cast<int>(draw(random, 0, vertex_count - 1)),
+                               draw(random, 0, max_capacity)});
     }
   }
   return network;
@@ -173,7 +177,8 @@ inline GeneratedNetwork unreachable_sink_network(int vertex_count, int edge_coun
 // The same network with real capacities: each integer capacity c becomes c / 8 (exactly
 // representable, so exact oracles still apply) or, with `irregular`, c times a random
 // factor in [0.5, 1.5) (rounding everywhere, so comparisons need a tolerance).
-inline std::vector<FlowEdge<double>> real_edges(const GeneratedNetwork& network, bool irregular, Random& random) {
+inline std::vector<FlowEdge<double>> real_edges(const GeneratedNetwork& network, bool irregular,
+                                                Random& random) {
   std::uniform_real_distribution<double> factor(0.5, 1.5);
   std::vector<FlowEdge<double>> edges;
   edges.reserve(network.edges.size());

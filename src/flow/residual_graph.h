@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -45,8 +47,9 @@ FlowTolerance<Capacity> solver_tolerance(const FlowNetwork<Capacity>& network) {
 
 // Marks every vertex reachable from the roots along arcs with positive residual capacity.
 template <typename Capacity>
-std::vector<bool> reachable_in_residual(const FlowNetwork<Capacity>& network, const std::vector<Capacity>& residual,
-                                        const std::vector<int>& roots, FlowTolerance<Capacity> tolerance) {
+std::vector<bool> reachable_in_residual(const FlowNetwork<Capacity>& network,
+                                        const std::vector<Capacity>& residual, const std::vector<int>& roots,
+                                        FlowTolerance<Capacity> tolerance) {
   std::vector<bool> reached(network.vertex_count(), false);
   std::vector<int> queue;
   queue.reserve(network.vertex_count());
@@ -80,5 +83,31 @@ std::vector<Capacity> edge_flows_from_residual(const FlowNetwork<Capacity>& netw
   }
   return flows;
 }
+
+// Lets the dispatch tournament stop a run that has already lost its round. Engines call
+// expired() in their main loops; it reads the clock only every 1024th call.
+class Deadline {
+ public:
+  using Clock = std::chrono::steady_clock;
+  Deadline() = default;
+  explicit Deadline(std::optional<Clock::time_point> at) : at_(at) {}
+
+  bool expired() {
+    if (!at_ || (++calls_ & 1023u) != 0) return false;
+    return Clock::now() >= *at_;
+  }
+
+ private:
+  std::optional<Clock::time_point> at_;
+  unsigned calls_ = 0;
+};
+
+// The engines as the tournament runs them: nullopt when the deadline passed first.
+template <typename Capacity>
+std::optional<MaxFlowResult<Capacity>> dinic_until(const FlowNetwork<Capacity>& network, int source, int sink,
+                                                   const MaxFlowOptions& options, Deadline deadline);
+template <typename Capacity>
+std::optional<MaxFlowResult<Capacity>> hlpp_until(const FlowNetwork<Capacity>& network, int source, int sink,
+                                                  const MaxFlowOptions& options, Deadline deadline);
 
 }  // namespace metile::flow_detail

@@ -54,26 +54,30 @@ std::vector<int> cut_edges(const FlowNetwork<Capacity>& network, const std::vect
 }
 
 template <typename Capacity>
-FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink, const MaxFlowResult<Capacity>& result,
+FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink,
+                 const MaxFlowResult<Capacity>& result,
                  std::optional<FlowTolerance<Capacity>> tolerance_override) {
-  const FlowTolerance<Capacity> tolerance = tolerance_override.value_or(FlowTolerance<Capacity>::for_network(network));
+  const FlowTolerance<Capacity> tolerance =
+      tolerance_override.value_or(FlowTolerance<Capacity>::for_network(network));
   const int n = network.vertex_count();
   if (source < 0 || source >= n || sink < 0 || sink >= n || source == sink) {
     return failure<Capacity>("source " + std::to_string(source) + " / sink " + std::to_string(sink) +
                              " are not two distinct vertices of a " + std::to_string(n) + "-vertex network");
   }
   if constexpr (std::is_floating_point_v<Capacity>) {
-    if (!std::isfinite(result.value)) return failure<Capacity>("flow value " + show(result.value) + " is not finite");
+    if (!std::isfinite(result.value))
+      return failure<Capacity>("flow value " + show(result.value) + " is not finite");
   }
   if (static_cast<int>(result.source_side.size()) != n) {
-    return failure<Capacity>("source side has " + std::to_string(result.source_side.size()) + " entries for " +
-                             std::to_string(n) + " vertices");
+    return failure<Capacity>("source side has " + std::to_string(result.source_side.size()) +
+                             " entries for " + std::to_string(n) + " vertices");
   }
   if (!result.source_side[source]) return failure<Capacity>("the source is not on the source side");
   if (result.source_side[sink]) return failure<Capacity>("the sink is on the source side");
   const Capacity cut = cut_capacity(network, result.source_side);
   if (!tolerance.equal(cut, result.value)) {
-    return failure<Capacity>("cut capacity " + show(cut) + " differs from the flow value " + show(result.value));
+    return failure<Capacity>("cut capacity " + show(cut) + " differs from the flow value " +
+                             show(result.value));
   }
   if (result.edge_flows.empty()) return {};
 
@@ -86,7 +90,8 @@ FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink, con
     const FlowEdge<Capacity>& edge = network.edge(e);
     const Capacity flow = result.edge_flows[e];
     if constexpr (std::is_floating_point_v<Capacity>) {
-      if (!std::isfinite(flow)) return failure<Capacity>("edge " + std::to_string(e) + " carries a non-finite flow");
+      if (!std::isfinite(flow))
+        return failure<Capacity>("edge " + std::to_string(e) + " carries a non-finite flow");
     }
     if (tolerance.less(flow, Capacity{}) || tolerance.less(edge.capacity, flow)) {
       return failure<Capacity>("edge " + std::to_string(e) + " (" + std::to_string(edge.from) + " -> " +
@@ -105,17 +110,20 @@ FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink, con
     }
   }
   if (!tolerance.equal(net_outflow[source], result.value)) {
-    return failure<Capacity>("the source's net outflow " + show(net_outflow[source]) + " differs from the value " +
-                             show(result.value));
+    return failure<Capacity>("the source's net outflow " + show(net_outflow[source]) +
+                             " differs from the value " + show(result.value));
   }
   return {};
 }
 
 std::string_view solver_choice_name(SolverChoice choice) {
   switch (choice) {
-    case SolverChoice::automatic: return "auto";
-    case SolverChoice::dinic: return "dinic";
-    case SolverChoice::hlpp: return "hlpp";
+    case SolverChoice::automatic:
+      return "auto";
+    case SolverChoice::dinic:
+      return "dinic";
+    case SolverChoice::hlpp:
+      return "hlpp";
   }
   return "auto";
 }

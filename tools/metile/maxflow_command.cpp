@@ -3,12 +3,12 @@
 // the planner built (or any benchmark instance) can be checked by hand.
 //   text: `flow VALUE`, `solver NAME`, and with --cut `source_side V...` (1-based, as in the file)
 //   json: {"flow": V, "solver": S, "source_side": [...]}
+#include <fmt/core.h>
+#include <fmt/format.h>
+
 #include <memory>
 #include <string>
 #include <variant>
-
-#include <fmt/core.h>
-#include <fmt/format.h>
 
 #include "commands.h"
 #include "metile/flow.h"
@@ -44,7 +44,8 @@ void solve_and_print(const FlowProblem<Capacity>& problem, const MaxflowOptions&
 void add_maxflow_command(CLI::App& app) {
   auto options = std::make_shared<MaxflowOptions>();
   CLI::App* command = app.add_subcommand("maxflow", "Maximum flow and minimum cut of a DIMACS max-flow file");
-  command->add_option("FILE", options->file, "DIMACS max-flow file (p max N M, n ID s, n ID t, a U V CAP)")->required();
+  command->add_option("FILE", options->file, "DIMACS max-flow file (p max N M, n ID s, n ID t, a U V CAP)")
+      ->required();
   command->add_option("--solver", options->solver, "auto (measured dispatch), dinic or hlpp")
       ->check(CLI::IsMember({"auto", "dinic", "hlpp"}))
       ->capture_default_str();

@@ -2,17 +2,17 @@
 // a different code base, a different graph representation, the same answer expected.
 #pragma once
 
-#include <vector>
-
 #include <boost/graph/adjacency_list.hpp>
 #include <boost/graph/push_relabel_max_flow.hpp>
+#include <vector>
 
 #include "metile/flow.h"
 
 namespace metile::testing {
 
 template <typename Capacity>
-Capacity boost_max_flow(int vertex_count, const std::vector<FlowEdge<Capacity>>& edges, int source, int sink) {
+Capacity boost_max_flow(int vertex_count, const std::vector<FlowEdge<Capacity>>& edges, int source,
+                        int sink) {
   using Traits = boost::adjacency_list_traits<boost::vecS, boost::vecS, boost::directedS>;
   using Graph = boost::adjacency_list<
       boost::vecS, boost::vecS, boost::directedS, boost::no_property,

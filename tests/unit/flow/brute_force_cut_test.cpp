@@ -2,11 +2,11 @@
 // source and not the sink is a cut; the smallest capacity is the max-flow value
 // (max-flow/min-cut theorem), and the intersection of all minimum cuts is the smallest
 // minimum cut, which is exactly the source side both engines must report.
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <random>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "metile/flow.h"
 #include "network_families.h"
@@ -60,7 +60,8 @@ TEST(BruteForceMinCut, TinyIntegerNetworks) {
     const IntegerFlowNetwork network = generated.integer_network();
     const BruteForceCut expected = enumerate_cuts(network, source, sink);
     for (const MaxFlowResult<std::int64_t>& result :
-         {dinic(network, source, sink), hlpp(network, source, sink), hlpp(network, source, sink, {.edge_flows = true})}) {
+         {dinic(network, source, sink), hlpp(network, source, sink),
+          hlpp(network, source, sink, {.edge_flows = true})}) {
       ASSERT_EQ(static_cast<double>(result.value), expected.value) << result.solver << " trial " << trial;
       ASSERT_EQ(result.source_side, expected.smallest_side) << result.solver << " trial " << trial;
     }
@@ -73,14 +74,15 @@ TEST(BruteForceMinCut, TinyRealNetworks) {
   std::mt19937_64 random(77);
   for (int trial = 0; trial < 500; ++trial) {
     const int vertices = static_cast<int>(flow_families::draw(random, 2, 8));
-    const flow_families::GeneratedNetwork generated =
-        flow_families::multigraph_network(vertices, static_cast<int>(flow_families::draw(random, 0, 20)), 9, random);
+    const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(
+        vertices, static_cast<int>(flow_families::draw(random, 0, 20)), 9, random);
     const std::vector<FlowEdge<double>> edges = flow_families::real_edges(generated, true, random);
     const RealFlowNetwork network(vertices, edges);
     const BruteForceCut expected = enumerate_cuts(network, generated.source, generated.sink);
     for (const MaxFlowResult<double>& result : {dinic(network, generated.source, generated.sink),
                                                 hlpp(network, generated.source, generated.sink)}) {
-      ASSERT_NEAR(result.value, expected.value, 1e-9 * (1 + expected.value)) << result.solver << " trial " << trial;
+      ASSERT_NEAR(result.value, expected.value, 1e-9 * (1 + expected.value))
+          << result.solver << " trial " << trial;
       ASSERT_NEAR(cut_capacity(network, result.source_side), expected.value, 1e-9 * (1 + expected.value));
     }
   }

@@ -1,11 +1,11 @@
 // DIMACS max-flow files: write/read round trips (integer and real capacities keep every
 // bit), automatic integer/real detection, and one clear FILE:LINE error per malformed case.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
-
-#include <gtest/gtest.h>
 
 #include "metile/flow.h"
 #include "network_families.h"
@@ -53,8 +53,8 @@ TEST(Dimacs, IntegerRoundTripKeepsEveryEdge) {
   std::mt19937_64 random(31);
   for (int trial = 0; trial < 50; ++trial) {
     const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(
-        static_cast<int>(flow_families::draw(random, 2, 60)), static_cast<int>(flow_families::draw(random, 0, 200)),
-        1000000000000LL, random);
+        static_cast<int>(flow_families::draw(random, 2, 60)),
+        static_cast<int>(flow_families::draw(random, 0, 200)), 1000000000000LL, random);
     const FlowProblem<std::int64_t> original{generated.integer_network(), generated.source, generated.sink};
     std::ostringstream written;
     write_dimacs_max_flow(written, original);
@@ -74,8 +74,9 @@ TEST(Dimacs, IntegerRoundTripKeepsEveryEdge) {
 TEST(Dimacs, RealRoundTripIsBitExact) {
   std::mt19937_64 random(32);
   const flow_families::GeneratedNetwork generated = flow_families::seed_random_network(50, 6, random);
-  const FlowProblem<double> original{RealFlowNetwork(generated.vertex_count, flow_families::real_edges(generated, true, random)),
-                                     generated.source, generated.sink};
+  const FlowProblem<double> original{
+      RealFlowNetwork(generated.vertex_count, flow_families::real_edges(generated, true, random)),
+      generated.source, generated.sink};
   std::ostringstream written;
   write_dimacs_max_flow(written, original);
   const FlowProblem<double> reread = read_text<double>(written.str());
@@ -120,22 +121,28 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
        "net.max:1: bad problem line: vertex count 'three' is not an integer in 0..536870911"},
       {"negative arc count", "p max 3 -2\n",
        "net.max:1: bad problem line: arc count '-2' is not a non-negative integer"},
-      {"second problem line", "p max 3 0\np max 3 0\n", "net.max:2: second problem line (the first is on line 1)"},
+      {"second problem line", "p max 3 0\np max 3 0\n",
+       "net.max:2: second problem line (the first is on line 1)"},
       {"arc before problem line", "c x\na 1 2 3\np max 3 1\n",
        "net.max:2: arc line before the problem line 'p max VERTICES ARCS'"},
-      {"node before problem line", "n 1 s\n", "net.max:1: node line before the problem line 'p max VERTICES ARCS'"},
-      {"arc tail out of range", "p max 3 1\nn 1 s\nn 3 t\na 0 2 5\n", "net.max:4: arc tail 0 is outside 1..3"},
-      {"arc head out of range", "p max 3 1\nn 1 s\nn 3 t\na 1 4 5\n", "net.max:4: arc head 4 is outside 1..3"},
+      {"node before problem line", "n 1 s\n",
+       "net.max:1: node line before the problem line 'p max VERTICES ARCS'"},
+      {"arc tail out of range", "p max 3 1\nn 1 s\nn 3 t\na 0 2 5\n",
+       "net.max:4: arc tail 0 is outside 1..3"},
+      {"arc head out of range", "p max 3 1\nn 1 s\nn 3 t\na 1 4 5\n",
+       "net.max:4: arc head 4 is outside 1..3"},
       {"node out of range", "p max 3 0\nn 9 s\n", "net.max:2: node id 9 is outside 1..3"},
       {"missing source", "p max 3 1\nn 3 t\na 1 2 5\n", "net.max:3: no source line 'n ID s'"},
       {"missing sink", "p max 3 1\nn 1 s\na 1 2 5\n", "net.max:3: no sink line 'n ID t'"},
       {"negative capacity", "p max 3 1\nn 1 s\nn 3 t\na 1 2 -5\n", "net.max:4: negative capacity -5"},
-      {"non-numeric capacity", "p max 3 1\nn 1 s\nn 3 t\na 1 2 lots\n", "net.max:4: capacity 'lots' is not a number"},
+      {"non-numeric capacity", "p max 3 1\nn 1 s\nn 3 t\na 1 2 lots\n",
+       "net.max:4: capacity 'lots' is not a number"},
       {"real capacity in an integer problem", "p max 3 1\nn 1 s\nn 3 t\na 1 2 2.5\n",
        "net.max:4: capacity '2.5' is not an integer"},
       {"too many arcs", "p max 3 1\nn 1 s\nn 3 t\na 1 2 5\na 2 3 5\n",
        "net.max:5: more arcs than the 1 declared on line 1"},
-      {"too few arcs", "p max 3 3\nn 1 s\nn 3 t\na 1 2 5\nc end\n", "net.max:5: the file has 1 arcs but line 1 declares 3"},
+      {"too few arcs", "p max 3 3\nn 1 s\nn 3 t\na 1 2 5\nc end\n",
+       "net.max:5: the file has 1 arcs but line 1 declares 3"},
       {"duplicate source", "p max 3 0\nn 1 s\nn 2 s\n", "net.max:3: duplicate source (already vertex 1)"},
       {"duplicate sink", "p max 3 0\nn 3 t\nn 2 t\n", "net.max:3: duplicate sink (already vertex 3)"},
       {"source is sink", "p max 3 0\nn 2 s\nn 2 t\n", "net.max:3: source and sink are the same vertex 2"},
@@ -148,10 +155,13 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
   for (const MalformedCase& malformed : cases) {
     EXPECT_EQ(error_of<std::int64_t>(malformed.text), malformed.message) << malformed.name;
   }
-  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 inf\n"), "net.max:4: capacity 'inf' is not finite");
-  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 nan\n"), "net.max:4: capacity 'nan' is not finite");
+  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 inf\n"),
+            "net.max:4: capacity 'inf' is not finite");
+  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 nan\n"),
+            "net.max:4: capacity 'nan' is not finite");
   EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 -0.5\n"), "net.max:4: negative capacity -0.5");
-  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 1x\n"), "net.max:4: capacity '1x' is not a number");
+  EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 1x\n"),
+            "net.max:4: capacity '1x' is not a number");
 }
 
 }  // namespace

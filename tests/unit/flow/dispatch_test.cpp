@@ -1,10 +1,10 @@
 // solve(): the dispatch rules (Dinic below 32 vertices, tournament above, the 10%
 // headroom rule applied to the reported median times, cached winners reused), the
 // bounded cache, and concurrent callers sharing it.
+#include <gtest/gtest.h>
+
 #include <random>
 #include <thread>
-
-#include <gtest/gtest.h>
 
 #include "metile/flow.h"
 #include "network_families.h"
@@ -36,7 +36,8 @@ TEST(Dispatch, TournamentWinnerFollowsHeadroomRuleAndIsCached) {
     const MaxFlowResult<std::int64_t> first = solve(network, 0, vertices - 1, {.edge_flows = true});
     ASSERT_TRUE(first.tournament.has_value());
     EXPECT_FALSE(first.from_cache);
-    const bool hlpp_has_headroom = first.tournament->hlpp_median_ms <= 0.9 * first.tournament->dinic_median_ms;
+    const bool hlpp_has_headroom =
+        first.tournament->hlpp_median_ms <= 0.9 * first.tournament->dinic_median_ms;
     EXPECT_EQ(first.solver, hlpp_has_headroom ? "hlpp" : "dinic");
     EXPECT_EQ(first.value, expected);
     EXPECT_TRUE(verify(network, 0, vertices - 1, first));

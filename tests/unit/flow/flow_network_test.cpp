@@ -1,11 +1,11 @@
 // FlowNetwork and FlowNetworkBuilder: validation messages, the CSR invariants the
 // engines rely on, infinite (legality) edges and the fingerprint used as cache key.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <limits>
 #include <random>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "metile/flow.h"
 #include "network_families.h"
@@ -26,7 +26,8 @@ std::string construction_error(int vertex_count, std::vector<FlowEdge<Capacity>>
 TEST(FlowNetwork, RejectsBadEdgesNamingTheEdge) {
   EXPECT_EQ(construction_error<std::int64_t>(3, {{0, 1, 5}, {1, 2, -4}}),
             "flow network: edge 1 has negative capacity -4");
-  EXPECT_EQ(construction_error<std::int64_t>(3, {{0, 3, 5}}), "flow network: edge 0 has head vertex 3 outside [0, 3)");
+  EXPECT_EQ(construction_error<std::int64_t>(3, {{0, 3, 5}}),
+            "flow network: edge 0 has head vertex 3 outside [0, 3)");
   EXPECT_EQ(construction_error<std::int64_t>(3, {{0, 1, 1}, {-1, 2, 5}}),
             "flow network: edge 1 has tail vertex -1 outside [0, 3)");
   EXPECT_EQ(construction_error<double>(2, {{0, 1, std::nan("")}}),
@@ -35,7 +36,8 @@ TEST(FlowNetwork, RejectsBadEdgesNamingTheEdge) {
   EXPECT_EQ(construction_error<double>(2, {{0, 1, 1.5}, {0, 1, std::numeric_limits<double>::infinity()}}),
             "flow network: edge 1 has capacity inf; capacities must be finite (use add_infinite_edge for "
             "legality edges)");
-  EXPECT_EQ(construction_error<double>(2, {{0, 1, -0.25}}), "flow network: edge 0 has negative capacity -0.25");
+  EXPECT_EQ(construction_error<double>(2, {{0, 1, -0.25}}),
+            "flow network: edge 0 has negative capacity -0.25");
   const std::int64_t huge = std::numeric_limits<std::int64_t>::max() / 6;
   EXPECT_NE(construction_error<std::int64_t>(2, {{0, 1, huge}, {0, 1, huge}}).find("could overflow"),
             std::string::npos);

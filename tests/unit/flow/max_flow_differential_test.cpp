@@ -2,12 +2,12 @@
 // HLPP (with and without its second phase) and Boost's push_relabel_max_flow agree on
 // the value, every result passes verify() (a flow and a cut of equal value certify each
 // other), and both engines report the same canonical cut: the smallest source side.
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <functional>
 #include <random>
 #include <string>
-
-#include <gtest/gtest.h>
 
 #include "boost_oracle.h"
 #include "metile/flow.h"
@@ -22,8 +22,8 @@ using flow_families::Random;
 // Runs every engine on one network and checks them against each other and Boost.
 // Exact comparisons for integers and for real capacities that are multiples of 1/8.
 template <typename Capacity>
-void check_engines_agree(const FlowNetwork<Capacity>& network, const std::vector<FlowEdge<Capacity>>& edges, int source,
-                         int sink, bool exact, const std::string& label) {
+void check_engines_agree(const FlowNetwork<Capacity>& network, const std::vector<FlowEdge<Capacity>>& edges,
+                         int source, int sink, bool exact, const std::string& label) {
   SCOPED_TRACE(label);
   const MaxFlowResult<Capacity> by_dinic = dinic(network, source, sink, {.edge_flows = true});
   const MaxFlowResult<Capacity> by_hlpp = hlpp(network, source, sink, {.edge_flows = true});
@@ -59,15 +59,16 @@ void check_all_capacity_types(const GeneratedNetwork& generated, Random& random,
   check_engines_agree(generated.integer_network(), generated.edges, generated.source, generated.sink, true,
                       label + " int64");
   const std::vector<FlowEdge<double>> dyadic = flow_families::real_edges(generated, false, random);
-  check_engines_agree(RealFlowNetwork(generated.vertex_count, dyadic), dyadic, generated.source, generated.sink, true,
-                      label + " double/8");
+  check_engines_agree(RealFlowNetwork(generated.vertex_count, dyadic), dyadic, generated.source,
+                      generated.sink, true, label + " double/8");
   const std::vector<FlowEdge<double>> irregular = flow_families::real_edges(generated, true, random);
   check_engines_agree(RealFlowNetwork(generated.vertex_count, irregular), irregular, generated.source,
                       generated.sink, false, label + " double irregular");
 }
 
 // Draws `count` networks from `make` with sizes growing from tiny to `largest`.
-void run_family(int count, std::uint64_t seed, const std::function<GeneratedNetwork(int index, Random&)>& make) {
+void run_family(int count, std::uint64_t seed,
+                const std::function<GeneratedNetwork(int index, Random&)>& make) {
   Random random(seed);
   for (int index = 0; index < count; ++index) {
     const GeneratedNetwork generated = make(index, random);
@@ -151,7 +152,8 @@ TEST(MaxFlowDifferential, LargeNetworksUpToTwoThousandVertices) {
   check_all_capacity_types(flow_families::layered_network(40, 50, 3, 1000, random), random, "layered 40x50");
   check_all_capacity_types(flow_families::grid_network(44, 45, 100, random), random, "grid 44x45");
   check_all_capacity_types(flow_families::genrmf_network(10, 20, 1, 1000, random), random, "genrmf 10x10x20");
-  check_all_capacity_types(flow_families::multigraph_network(2000, 12000, 30, random), random, "multigraph 2000");
+  check_all_capacity_types(flow_families::multigraph_network(2000, 12000, 30, random), random,
+                           "multigraph 2000");
 }
 
 // The DIMACS challenge's worst case for naive engines: a long path whose residual graph
