@@ -1,0 +1,171 @@
+// metile dispatch: measured choice between the native path and fused kernels (DESIGN.md,
+// "Measured dispatch"). Analytical cost only proposes; here every fused candidate must first
+// pass a numeric gate against the CPU reference, then beat the native path in an
+// order-interleaved tournament with headroom. Decisions persist on disk, and every one of them
+// can be reported in a sentence ("region R1: fused (wide), 1.8x over native graph").
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "metile/cuda_runtime.h"
+#include "metile/fusion.h"
+#include "metile/graph.h"
+
+namespace metile {
+
+// ---------------------------------------------------------------- mode
+// METILE_DISPATCH=native|fused|auto (unset: auto). native never runs a fused kernel; fused runs the
+// fastest fused candidate that passes the gate (native where none does); auto measures.
+enum class DispatchMode : std::uint8_t { native, fused, automatic };
+DispatchMode parse_dispatch_mode(std::string_view text);  // InputError naming the bad value
+DispatchMode dispatch_mode_from_environment();
+std::string_view dispatch_mode_name(DispatchMode mode);  // "native", "fused", "auto"
+
+// ---------------------------------------------------------------- numeric gate
+// Scale-normalized errors of an output against its reference:
+//   relative_l2  = ||out - ref||_2 / ||ref||_2
+//   relative_max = max |out - ref| / max |ref|
+// Both must be within the dtype's threshold (f32 1e-5, f16 2e-3, bf16 1e-2; exact for integers).
+// A NaN or infinity passes only where the reference has the same one, at the same place.
+struct NumericGateResult {
+  bool passed = false;
+  double relative_l2 = 0;
+  double relative_max = 0;
+  double threshold = 0;
+  std::string detail;  // why it failed ("relative_l2 3.1e-02 > 1e-02", "NaN at element 17"), or empty
+};
+double numeric_gate_threshold(DType dtype);
+NumericGateResult numeric_gate(const HostTensor& output, const HostTensor& reference);
+
+// ---------------------------------------------------------------- tournament
+struct TournamentCandidate {
+  std::string name;
+  DeviceStep run;
+};
+
+struct TournamentOptions {
+  int warmup_calls = 5;       // per candidate, before the first round
+  int rounds = 7;             // each round times every candidate once, in a rotated (odd rounds: reversed) order
+  int calls_per_sample = 20;  // calls between two events
+  int samples_per_round = 3;  // a round's figure is the median of its samples
+  double quantile = 0.75;     // the score: this quantile of the per-round figures (pessimistic, not the minimum)
+};
+
+struct TournamentResult {
+  std::vector<std::string> names;
+  std::vector<double> score_ms;                    // per candidate: the quantile of per-round medians, per call
+  std::vector<std::vector<double>> round_medians;  // per candidate, per round
+  int fastest = -1;
+};
+
+TournamentResult run_tournament(const std::vector<TournamentCandidate>& candidates, const CudaStream& stream,
+                                const TournamentOptions& options = {});
+
+// The headroom rule: a challenger replaces the incumbent only when incumbent_ms >= challenger_ms * (1 + headroom).
+bool beats_with_headroom(double challenger_ms, double incumbent_ms, double headroom);
+
+// ---------------------------------------------------------------- decisions
+struct DispatchDecision {
+  std::string key;
+  std::string chosen;  // a candidate name: "native", "native graph", "fused", "fused wide", ...
+  std::vector<std::pair<std::string, double>> timings_ms;  // candidate -> score
+  std::string report;  // the sentence saying what was chosen and why
+};
+
+// Decisions on disk: one JSON file, rewritten atomically (temp + rename) on every store. A file that
+// cannot be read as a decision file is set aside (its content is ignored and replaced on the next store).
+class DecisionCache {
+ public:
+  explicit DecisionCache(std::filesystem::path file = default_path());
+  // $METILE_CACHE_DIR/dispatch.json, else ~/.cache/metile/dispatch.json
+  static std::filesystem::path default_path();
+
+  const std::filesystem::path& path() const { return path_; }
+  std::optional<DispatchDecision> find(const std::string& key) const;
+  void store(const DispatchDecision& decision);
+  bool found_corrupt_file() const { return found_corrupt_file_; }
+  std::size_t size() const { return decisions_.size(); }
+
+ private:
+  std::filesystem::path path_;
+  std::vector<DispatchDecision> decisions_;
+  bool found_corrupt_file_ = false;
+};
+
+// The key of a region's decision: device name, driver and NVRTC versions, the hash of every
+// candidate's source, and the region's ops, dtypes and shapes.
+std::string dispatch_key(const CudaDeviceInfo& device, const ComputeGraph& region_graph,
+                         const std::vector<std::string>& candidate_sources);
+
+// ---------------------------------------------------------------- regions
+// The region as a graph of its own: its inputs become graph inputs (same names and specs), its
+// nodes keep their names and attributes, its outputs are the graph's outputs. Gates and
+// tournaments run on this graph, so a region is measured in isolation.
+ComputeGraph region_graph(const ComputeGraph& graph, const FusionRegion& region);
+// The same region expressed over region_graph(graph, region)'s ids.
+FusionRegion region_in_region_graph(const ComputeGraph& graph, const FusionRegion& region, const ComputeGraph& sub);
+
+// A fused lowering of a region: generated source (for the decision key) and how to bind it to the
+// device values of the graph it was made for.
+struct FusedCandidate {
+  std::string name;     // "fused", "fused wide", ...
+  std::string source;   // every source it compiles, for the decision key
+  std::string summary;  // one line about the kernel(s)
+  std::function<DeviceStep(DeviceValues& values)> bind;
+};
+// Lowerings other modules add (e.g. the decode MLP): return no candidates for regions they do not handle.
+using RegionLowering = std::function<std::vector<FusedCandidate>(const ComputeGraph& graph, const FusionRegion& region)>;
+// The built-in lowering: the row-kernel generator, one candidate per variant ("fused", "fused wide", ...).
+std::vector<FusedCandidate> row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
+
+// ---------------------------------------------------------------- executable
+struct ExecutableOptions {
+  DispatchMode mode = dispatch_mode_from_environment();
+  bool use_decision_cache = true;
+  std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
+  bool capture_cuda_graph = true;             // run the whole plan as one CUDA graph replay
+  TournamentOptions tournament;
+  std::uint64_t gate_seed = 0x6d6574696c65;   // inputs of the numeric gate ("metile")
+  std::vector<RegionLowering> extra_lowerings;
+};
+
+struct RegionReport {
+  int region = -1;  // index in plan.regions
+  std::string rule;
+  std::vector<std::string> nodes;
+  std::string chosen;       // candidate name
+  bool from_cache = false;  // the decision came from the decision cache
+  std::vector<std::pair<std::string, NumericGateResult>> gates;  // per fused candidate (worst output)
+  std::vector<std::pair<std::string, double>> timings_ms;
+  std::string sentence;     // "region R1 (residual_add_rms_norm): fused, 1.8x over native graph"
+};
+
+// A whole plan on the GPU: per region the selected candidate, per unfused node its native step,
+// optionally replayed as one CUDA graph. Buffers for every value are allocated once.
+class Executable {
+ public:
+  static Executable build(const FusionPlan& plan, const CudaDevice& device, const ExecutableOptions& options = {});
+  ~Executable();
+  Executable(Executable&&) noexcept;
+  Executable& operator=(Executable&&) noexcept;
+
+  TensorMap run(const TensorMap& inputs);  // upload, enqueue, synchronize, download the outputs
+  void enqueue(const CudaStream& stream);  // the device work only (inputs already in values())
+  DeviceValues& values();
+  const CudaStream& stream() const;
+  const std::vector<RegionReport>& reports() const;
+  std::string report() const;  // one line per region, then the kernel count
+
+ private:
+  struct State;
+  explicit Executable(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace metile

@@ -1,0 +1,137 @@
+// Dispatch decisions on disk, so a tuned program starts tuned. One JSON file of decisions keyed by
+// dispatch_key(); written whole to a temporary file and renamed into place, so a reader sees the
+// old file or the new one, never half of one. A file that does not parse as a decision file (torn
+// by a crash, edited by hand) is ignored and replaced by the next store: decisions are a cache,
+// and re-measuring is always safe.
+#include <unistd.h>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+
+#include "metile/dispatch.h"
+
+namespace metile {
+namespace {
+
+constexpr int decision_file_version = 1;
+
+}  // namespace
+
+std::filesystem::path DecisionCache::default_path() {
+  if (const char* directory = std::getenv("METILE_CACHE_DIR"); directory != nullptr && *directory != '\0') {
+    return std::filesystem::path(directory) / "dispatch.json";
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    return std::filesystem::path(home) / ".cache" / "metile" / "dispatch.json";
+  }
+  return "/tmp/metile-cache/dispatch.json";
+}
+
+DecisionCache::DecisionCache(std::filesystem::path file) : path_(std::move(file)) {
+  std::ifstream stream(path_, std::ios::binary);
+  if (!stream) return;
+  try {
+    const nlohmann::json document = nlohmann::json::parse(stream);
+    if (document.at("version").get<int>() != decision_file_version) throw std::runtime_error("another version");
+    for (const nlohmann::json& entry : document.at("decisions")) {
+      DispatchDecision decision;
+      decision.key = entry.at("key").get<std::string>();
+      decision.chosen = entry.at("chosen").get<std::string>();
+      decision.report = entry.at("report").get<std::string>();
+      for (const nlohmann::json& timing : entry.at("timings_ms")) {
+        decision.timings_ms.emplace_back(timing.at(0).get<std::string>(), timing.at(1).get<double>());
+      }
+      decisions_.push_back(std::move(decision));
+    }
+  } catch (const std::exception&) {
+    decisions_.clear();
+    found_corrupt_file_ = true;
+  }
+}
+
+std::optional<DispatchDecision> DecisionCache::find(const std::string& key) const {
+  for (const DispatchDecision& decision : decisions_) {
+    if (decision.key == key) return decision;
+  }
+  return std::nullopt;
+}
+
+void DecisionCache::store(const DispatchDecision& decision) {
+  bool replaced = false;
+  for (DispatchDecision& existing : decisions_) {
+    if (existing.key == decision.key) {
+      existing = decision;
+      replaced = true;
+    }
+  }
+  if (!replaced) decisions_.push_back(decision);
+
+  nlohmann::json document;
+  document["version"] = decision_file_version;
+  document["decisions"] = nlohmann::json::array();
+  for (const DispatchDecision& entry : decisions_) {
+    nlohmann::json timings = nlohmann::json::array();
+    for (const auto& [name, milliseconds] : entry.timings_ms) timings.push_back({name, milliseconds});
+    document["decisions"].push_back(
+        {{"key", entry.key}, {"chosen", entry.chosen}, {"report", entry.report}, {"timings_ms", timings}});
+  }
+  static std::atomic<int> counter{0};
+  std::error_code error;
+  if (path_.has_parent_path()) std::filesystem::create_directories(path_.parent_path(), error);
+  const std::filesystem::path temporary =
+      path_.string() + fmt::format(".tmp.{}.{}", static_cast<long>(getpid()), counter.fetch_add(1));
+  {
+    std::ofstream stream(temporary, std::ios::binary | std::ios::trunc);
+    stream << document.dump(1) << '\n';
+    if (!stream) {
+      std::filesystem::remove(temporary, error);
+      return;  // an unwritable cache only costs a re-measurement next time
+    }
+  }
+  std::filesystem::rename(temporary, path_, error);
+  if (error) {
+    std::filesystem::remove(temporary, error);
+    return;
+  }
+  found_corrupt_file_ = false;
+}
+
+std::string dispatch_key(const CudaDeviceInfo& device, const ComputeGraph& region_graph,
+                         const std::vector<std::string>& candidate_sources) {
+  // Ops, attributes, dtypes and shapes, not names: the same region elsewhere shares the decision
+  // (the sources carry names in comments, so that sharing holds only as far as they agree).
+  std::string structure;
+  for (ValueId input : region_graph.inputs()) structure += "input " + region_graph.value(input).spec.to_string() + "\n";
+  for (const Node& node : region_graph.nodes()) {
+    structure += node.op + "(";
+    for (ValueId input : node.inputs) structure += std::to_string(input) + " ";
+    structure += ")";
+    for (const auto& [name, value] : node.attributes.entries()) {
+      structure += " " + name + "=";
+      std::visit(
+          [&](const auto& held) {
+            using Held = std::decay_t<decltype(held)>;
+            if constexpr (std::is_same_v<Held, std::vector<std::int64_t>>) {
+              for (std::int64_t item : held) structure += std::to_string(item) + ",";
+            } else if constexpr (std::is_same_v<Held, std::string>) {
+              structure += held;
+            } else {
+              structure += fmt::format("{}", held);
+            }
+          },
+          value);
+    }
+    for (ValueId output : node.outputs) structure += " -> " + region_graph.value(output).spec.to_string();
+    structure += "\n";
+  }
+  std::string sources;
+  for (const std::string& source : candidate_sources) sources += stable_hash_hex(source);
+  return fmt::format("{} | driver {} | nvrtc {} | sources {} | region {}", device.name, device.driver_version,
+                     nvrtc_version(), stable_hash_hex(sources), stable_hash_hex(structure));
+}
+
+}  // namespace metile

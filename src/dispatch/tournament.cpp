@@ -1,0 +1,76 @@
+// The order-interleaved tournament. Clocks drift and caches warm, so no candidate always goes
+// first: round r starts at candidate r (rotation) and odd rounds run in reverse. Each round's
+// figure is a median of samples; a candidate's score is a pessimistic quantile of its rounds, so
+// one lucky round cannot win the race.
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "metile/dispatch.h"
+
+namespace metile {
+namespace {
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t middle = values.size() / 2;
+  return values.size() % 2 == 1 ? values[middle] : 0.5 * (values[middle - 1] + values[middle]);
+}
+
+double quantile(std::vector<double> values, double q) {
+  std::sort(values.begin(), values.end());
+  const double position = q * static_cast<double>(values.size() - 1);
+  const auto below = static_cast<std::size_t>(std::floor(position));
+  const std::size_t above = std::min(below + 1, values.size() - 1);
+  return values[below] + (position - static_cast<double>(below)) * (values[above] - values[below]);
+}
+
+}  // namespace
+
+TournamentResult run_tournament(const std::vector<TournamentCandidate>& candidates, const CudaStream& stream,
+                                const TournamentOptions& options) {
+  if (candidates.empty()) throw InputError("run_tournament: no candidates");
+  if (options.rounds < 1 || options.calls_per_sample < 1 || options.samples_per_round < 1 || options.quantile < 0 ||
+      options.quantile > 1) {
+    throw InputError("run_tournament: rounds, calls per sample and samples per round must be >= 1, the quantile in [0, 1]");
+  }
+  const std::size_t count = candidates.size();
+  for (const TournamentCandidate& candidate : candidates) {
+    for (int i = 0; i < options.warmup_calls; ++i) candidate.run(stream);
+  }
+  stream.synchronize();
+
+  TournamentResult result;
+  result.round_medians.assign(count, {});
+  CudaEvent start;
+  CudaEvent end;
+  for (int round = 0; round < options.rounds; ++round) {
+    std::vector<std::size_t> order(count);
+    for (std::size_t i = 0; i < count; ++i) order[i] = (i + static_cast<std::size_t>(round)) % count;
+    if (round % 2 == 1) std::reverse(order.begin(), order.end());
+    for (std::size_t index : order) {
+      std::vector<double> samples;
+      for (int sample = 0; sample < options.samples_per_round; ++sample) {
+        start.record(stream);
+        for (int call = 0; call < options.calls_per_sample; ++call) candidates[index].run(stream);
+        end.record(stream);
+        end.synchronize();
+        samples.push_back(static_cast<double>(CudaEvent::elapsed_ms(start, end)) / options.calls_per_sample);
+      }
+      result.round_medians[index].push_back(median(samples));
+    }
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    result.names.push_back(candidates[i].name);
+    result.score_ms.push_back(quantile(result.round_medians[i], options.quantile));
+  }
+  result.fastest = static_cast<int>(std::min_element(result.score_ms.begin(), result.score_ms.end()) - result.score_ms.begin());
+  return result;
+}
+
+bool beats_with_headroom(double challenger_ms, double incumbent_ms, double headroom) {
+  return challenger_ms > 0 && incumbent_ms >= challenger_ms * (1.0 + headroom);
+}
+
+}  // namespace metile

@@ -1,0 +1,169 @@
+// The Executable and its measured dispatch on the GPU: a planned graph runs with the same
+// outputs as the CPU reference in every dispatch mode; every region's decision is reported;
+// decisions persist across a restart (a new Executable reads them back) and a corrupt decision
+// file is detected, ignored and rewritten.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "gpu_test_support.h"
+#include "metile/fusion.h"
+
+namespace metile {
+namespace {
+
+using testing_support::CudaDeviceTest;
+using testing_support::expect_outputs_match;
+
+ComputeGraph seed_graph(std::int64_t rows, std::int64_t length, DType dtype) {
+  GraphBuilder builder;
+  auto values = builder.input("values", {{rows, length}, dtype});
+  auto residual = builder.input("residual", {{rows, length}, dtype});
+  auto weight = builder.input("weight", {{length}, dtype});
+  auto summed = builder.add(values, residual, "summed");
+  return builder.build({summed, builder.rms_norm(summed, weight, 1e-5, "normalized")});
+}
+
+// A small decoder block: attention scores with softmax, projections through cuBLASLt, a residual
+// add + RMSNorm, and a SwiGLU MLP (a region only the decode-MLP lowering can fuse).
+ComputeGraph decoder_block(DType dtype) {
+  GraphBuilder builder;
+  const std::int64_t tokens = 8;
+  const std::int64_t hidden = 256;
+  auto x = builder.input("x", {{tokens, hidden}, dtype});
+  auto residual = builder.input("residual", {{tokens, hidden}, dtype});
+  auto norm_weight = builder.input("norm_weight", {{hidden}, dtype});
+  auto keys = builder.input("keys", {{tokens, hidden}, dtype});
+  auto gate_weight = builder.input("gate_weight", {{512, hidden}, dtype});
+  auto up_weight = builder.input("up_weight", {{512, hidden}, dtype});
+  auto down_weight = builder.input("down_weight", {{hidden, 512}, dtype});
+  auto summed = builder.add(x, residual, "summed");
+  auto normalized = builder.rms_norm(summed, norm_weight, 1e-5, "normalized");
+  auto scores = builder.matmul(normalized, keys, true, "scores");
+  auto masked = builder.causal_mask(builder.scale(scores, 0.0625, "scaled_scores"), 0, "masked_scores");
+  auto probabilities = builder.softmax(masked, -1, "probabilities");
+  auto attended = builder.matmul(probabilities, keys, false, "attended");
+  auto gate = builder.matmul(attended, gate_weight, true, "gate");
+  auto up = builder.matmul(attended, up_weight, true, "up");
+  auto hidden_state = builder.multiply(builder.silu(gate, "activated"), up, "hidden");
+  auto down = builder.matmul(hidden_state, down_weight, true, "down");
+  return builder.build({summed, builder.add(down, summed, "block_out")});
+}
+
+class Dispatch : public CudaDeviceTest {
+ protected:
+  void SetUp() override {
+    CudaDeviceTest::SetUp();
+    if (IsSkipped()) return;
+    cache_file_ = std::filesystem::temp_directory_path() /
+                  fmt::format("metile-dispatch-test-{}/dispatch.json", std::random_device{}());
+    options_.decision_cache_file = cache_file_;
+    options_.mode = DispatchMode::automatic;
+    options_.tournament.rounds = 3;  // the decision's quality is not under test, its mechanics are
+  }
+  void TearDown() override {
+    if (!cache_file_.empty()) std::filesystem::remove_all(cache_file_.parent_path());
+  }
+
+  void expect_runs_correctly(Executable& executable, const ComputeGraph& graph, const std::string& what) {
+    const TensorMap inputs = random_inputs(graph, std::random_device{}());
+    expect_outputs_match(graph, executable.run(inputs), run_reference(graph, inputs), what);
+  }
+
+  std::filesystem::path cache_file_;
+  ExecutableOptions options_;
+};
+
+TEST_F(Dispatch, SeedGraphRunsInEveryMode) {
+  for (DType dtype : {DType::f16, DType::bf16}) {
+    const ComputeGraph graph = seed_graph(4, 2048, dtype);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+    for (DispatchMode mode : {DispatchMode::native, DispatchMode::fused, DispatchMode::automatic}) {
+      options_.mode = mode;
+      Executable executable = Executable::build(plan, device(), options_);
+      ASSERT_EQ(executable.reports().size(), 1u);
+      const RegionReport& report = executable.reports().front();
+      std::printf("  %s %s: %s", dtype_name(dtype).data(), dispatch_mode_name(mode).data(), executable.report().c_str());
+      EXPECT_EQ(report.sentence.rfind("region R0 (", 0), 0u) << report.sentence;
+      if (mode == DispatchMode::native) {
+        EXPECT_EQ(report.chosen, "native");
+      }
+      if (mode == DispatchMode::fused) {
+        EXPECT_EQ(report.chosen.rfind("fused", 0), 0u) << report.sentence;
+      }
+      if (mode != DispatchMode::native) {
+        ASSERT_FALSE(report.gates.empty());
+        for (const auto& [name, gate] : report.gates) EXPECT_TRUE(gate.passed) << name << ": " << gate.detail;
+        EXPECT_FALSE(report.timings_ms.empty());
+      }
+      expect_runs_correctly(executable, graph, fmt::format("seed {} {}", dtype_name(dtype), dispatch_mode_name(mode)));
+      expect_runs_correctly(executable, graph, "second run, new inputs");
+    }
+  }
+}
+
+TEST_F(Dispatch, DecoderBlockRunsWithContractionsAndRegions) {
+  for (DType dtype : {DType::bf16, DType::f32}) {
+    const ComputeGraph graph = decoder_block(dtype);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    Executable executable = Executable::build(plan, device(), options_);
+    std::printf("%s", executable.report().c_str());
+    EXPECT_EQ(executable.reports().size(), plan.regions.size());
+    expect_runs_correctly(executable, graph, fmt::format("decoder block {}", dtype_name(dtype)));
+    options_.capture_cuda_graph = false;
+    Executable direct = Executable::build(plan, device(), options_);
+    expect_runs_correctly(direct, graph, fmt::format("decoder block {} without a CUDA graph", dtype_name(dtype)));
+    options_.capture_cuda_graph = true;
+  }
+}
+
+TEST_F(Dispatch, DecisionsSurviveARestartAndACorruptFile) {
+  const ComputeGraph graph = seed_graph(64, 4096, DType::bf16);
+  const FusionPlan plan = plan_graph_fusion(graph);
+  ASSERT_EQ(plan.regions.size(), 1u);
+  {
+    Executable first = Executable::build(plan, device(), options_);
+    EXPECT_FALSE(first.reports().front().from_cache);
+    EXPECT_EQ(DecisionCache(cache_file_).size(), 1u);
+  }
+  std::string chosen;
+  {
+    Executable restarted = Executable::build(plan, device(), options_);
+    const RegionReport& report = restarted.reports().front();
+    EXPECT_TRUE(report.from_cache) << report.sentence;
+    EXPECT_NE(report.sentence.find("(cached)"), std::string::npos);
+    EXPECT_TRUE(report.gates.empty()) << "a cached decision is not re-measured";
+    chosen = report.chosen;
+    expect_runs_correctly(restarted, graph, "from a cached decision");
+  }
+  for (const std::string& damage : {std::string("{\"version\": 1, \"decisions\": [{\"key\": 3"), std::string("\x89garbage"),
+                                    std::string()}) {
+    {
+      std::ofstream file(cache_file_, std::ios::binary | std::ios::trunc);
+      file << damage;
+    }
+    EXPECT_TRUE(DecisionCache(cache_file_).found_corrupt_file() || damage.empty());
+    Executable after_damage = Executable::build(plan, device(), options_);
+    EXPECT_FALSE(after_damage.reports().front().from_cache);
+    expect_runs_correctly(after_damage, graph, "after a corrupt decision file");
+    const DecisionCache rewritten(cache_file_);
+    EXPECT_FALSE(rewritten.found_corrupt_file());
+    EXPECT_EQ(rewritten.size(), 1u);
+  }
+}
+
+TEST_F(Dispatch, NativeModeNeverRunsAFusedKernel) {
+  options_.mode = DispatchMode::native;
+  const ComputeGraph graph = seed_graph(2, 1024, DType::f16);
+  Executable executable = Executable::build(plan_graph_fusion(graph), device(), options_);
+  EXPECT_EQ(executable.reports().front().chosen, "native");
+  EXPECT_NE(executable.report().find("METILE_DISPATCH=native"), std::string::npos);
+  EXPECT_NE(executable.report().find("2 kernel launches"), std::string::npos) << executable.report();
+  expect_runs_correctly(executable, graph, "native mode");
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,214 @@
+// Every op's native path on the GPU (generated kernel, cuBLASLt, dequantize + cuBLASLt) matches
+// the CPU reference on fresh random inputs, across dtypes and shapes that are and are not
+// multiples of the vector width; and the native sequence captured as a CUDA graph replays the
+// same results.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <random>
+
+#include "gpu_test_support.h"
+
+namespace metile {
+namespace {
+
+using testing_support::CudaDeviceTest;
+using testing_support::expect_outputs_match;
+
+using OpBuilder = std::function<ValueRef(GraphBuilder&, ValueRef x, DType dtype, const std::vector<std::int64_t>& shape)>;
+
+struct OpCase {
+  std::string name;
+  OpBuilder build;
+};
+
+std::vector<OpCase> op_cases() {
+  auto row = [](const std::vector<std::int64_t>& shape) { return std::vector<std::int64_t>{shape.back()}; };
+  return {
+      {"add", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.add(x, b.silu(x, "other"), "out"); }},
+      {"subtract_broadcast",
+       [row](GraphBuilder& b, ValueRef x, DType dtype, const auto& shape) {
+         return b.subtract(x, b.input("row", {row(shape), dtype}), "out");
+       }},
+      {"multiply_broadcast",
+       [row](GraphBuilder& b, ValueRef x, DType dtype, const auto& shape) {
+         return b.multiply(x, b.input("row", {row(shape), dtype}), "out");
+       }},
+      {"scale", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.scale(x, -1.75, "out"); }},
+      {"silu", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.silu(x, "out"); }},
+      {"gelu", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.gelu(x, "none", "out"); }},
+      {"gelu_tanh", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.gelu(x, "tanh", "out"); }},
+      {"exp", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.exp(x, "out"); }},
+      {"rms_norm",
+       [row](GraphBuilder& b, ValueRef x, DType dtype, const auto& shape) {
+         return b.rms_norm(x, b.input("weight", {row(shape), dtype}), 1e-6, "out");
+       }},
+      {"layer_norm",
+       [row](GraphBuilder& b, ValueRef x, DType dtype, const auto& shape) {
+         return b.layer_norm(x, b.input("weight", {row(shape), dtype}), b.input("bias", {row(shape), dtype}), 1e-5, "out");
+       }},
+      {"softmax", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.softmax(x, -1, "out"); }},
+      {"causal_mask", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.causal_mask(x, 2, "out"); }},
+      {"cast",
+       [](GraphBuilder& b, ValueRef x, DType dtype, const auto&) {
+         return b.cast(x, dtype == DType::f32 ? DType::f16 : DType::f32, "out");
+       }},
+      {"reshape",
+       [](GraphBuilder& b, ValueRef x, DType, const auto& shape) {
+         std::int64_t count = 1;
+         for (std::int64_t d : shape) count *= d;
+         return b.reshape(x, {count}, "out");
+       }},
+      {"transpose", [](GraphBuilder& b, ValueRef x, DType, const auto&) { return b.transpose(x, {1, 0}, "out"); }},
+      {"rope",
+       [](GraphBuilder& b, ValueRef x, DType, const auto& shape) {
+         return b.rope(x, b.input("positions", {{shape[0]}, DType::i32}), 10000.0, shape[1] - shape[1] % 2, "out");
+       }},
+  };
+}
+
+class NativeKernels : public CudaDeviceTest {};
+
+TEST_F(NativeKernels, EveryOpMatchesTheReference) {
+  NativeRuntime native;
+  CudaStream stream;
+  std::random_device entropy;
+  // One row and several; row lengths that are multiples of every vector width and of none; sub-warp rows.
+  const std::vector<std::vector<std::int64_t>> shapes = {{1, 4096}, {7, 1000}, {3, 37}, {64, 8}, {2, 8200}};
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    for (const auto& shape : shapes) {
+      for (const OpCase& op : op_cases()) {
+        GraphBuilder builder;
+        auto x = builder.input("x", {shape, dtype});
+        const ComputeGraph graph = builder.build({op.build(builder, x, dtype, shape)});
+        const std::uint64_t seed = entropy();
+        const std::string what = fmt::format("{} {} [{}x{}] seed {}", op.name, dtype_name(dtype), shape[0], shape[1], seed);
+        const TensorMap inputs = random_inputs(graph, seed);
+        DeviceValues values(graph);
+        values.upload_inputs(inputs);
+        values.poison_computed_values();
+        run_steps(native.graph_steps(graph, values), stream);
+        stream.synchronize();
+        expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs), what);
+      }
+    }
+  }
+}
+
+TEST_F(NativeKernels, MatmulsMatchTheReference) {
+  NativeRuntime native;
+  CudaStream stream;
+  std::random_device entropy;
+  struct Case {
+    std::vector<std::int64_t> a, b;
+    bool transpose_right;
+  };
+  const std::vector<Case> cases = {
+      {{1, 4096}, {4096, 512}, false},  {{37, 64}, {45, 64}, true},    {{3, 17, 96}, {96, 40}, false},
+      {{2, 9, 64}, {2, 64, 33}, false}, {{2, 9, 64}, {2, 31, 64}, true}, {{128, 256}, {256, 128}, false},
+  };
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    for (const Case& c : cases) {
+      GraphBuilder builder;
+      auto a = builder.input("a", {c.a, dtype});
+      auto b = builder.input("b", {c.b, dtype});
+      const ComputeGraph graph = builder.build({builder.matmul(a, b, c.transpose_right, "product")});
+      const std::uint64_t seed = entropy();
+      const TensorMap inputs = random_inputs(graph, seed);
+      DeviceValues values(graph);
+      values.upload_inputs(inputs);
+      values.poison_computed_values();
+      run_steps(native.graph_steps(graph, values), stream);
+      stream.synchronize();
+      expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs),
+                           fmt::format("matmul {} {} x {} seed {}", dtype_name(dtype), c.a.size(), c.b.size(), seed));
+    }
+  }
+}
+
+TEST_F(NativeKernels, QuantizedMatmulsMatchTheReference) {
+  NativeRuntime native;
+  CudaStream stream;
+  std::random_device entropy;
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    for (int bits : {4, 8}) {
+      for (int group : {32, 64, 128}) {
+        const std::int64_t n = 96;
+        const std::int64_t k = 512;
+        GraphBuilder builder;
+        auto x = builder.input("x", {{3, k}, dtype});
+        auto packed = builder.input("packed", {{n, k * bits / 32}, DType::u32});
+        auto scales = builder.input("scales", {{n, k / group}, dtype});
+        auto biases = builder.input("biases", {{n, k / group}, dtype});
+        const ComputeGraph graph = builder.build({builder.quantized_matmul(x, packed, scales, biases, bits, group, "y")});
+        const std::uint64_t seed = entropy();
+        const TensorMap inputs = random_inputs(graph, seed);
+        DeviceValues values(graph);
+        values.upload_inputs(inputs);
+        values.poison_computed_values();
+        run_steps(native.graph_steps(graph, values), stream);
+        stream.synchronize();
+        expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs),
+                             fmt::format("quantized_matmul {} {}-bit group {} seed {}", dtype_name(dtype), bits, group, seed));
+      }
+    }
+  }
+}
+
+TEST_F(NativeKernels, CudaGraphReplayGivesTheSameOutputs) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{8, 1000}, DType::bf16});
+  auto w = builder.input("w", {{1000, 64}, DType::bf16});
+  auto weight = builder.input("weight", {{64}, DType::bf16});
+  auto projected = builder.matmul(builder.gelu(x, "tanh", "activated"), w, false, "projected");
+  const ComputeGraph graph = builder.build({builder.rms_norm(projected, weight, 1e-5, "normalized")});
+  NativeRuntime native;
+  CudaStream stream;
+  DeviceValues values(graph);
+  const TensorMap inputs = random_inputs(graph, std::random_device{}());
+  values.upload_inputs(inputs);
+  const std::vector<DeviceStep> steps = native.graph_steps(graph, values);
+  run_steps(steps, stream);
+  stream.synchronize();
+  const TensorMap direct = values.download_outputs();
+  const CudaGraph replay = CudaGraph::capture(stream, [&](const CudaStream& s) { run_steps(steps, s); });
+  values.poison_computed_values();
+  replay.replay(stream);
+  replay.replay(stream);
+  stream.synchronize();
+  EXPECT_EQ(values.download_outputs(), direct) << "a replay computes exactly what the direct launches computed";
+  expect_outputs_match(graph, direct, run_reference(graph, inputs), "gelu -> matmul -> rms_norm");
+}
+
+TEST_F(NativeKernels, DeviceReportsItsProperties) {
+  const CudaDeviceInfo& info = device().info();
+  EXPECT_FALSE(info.name.empty());
+  EXPECT_GT(info.multiprocessor_count, 0);
+  EXPECT_GE(info.compute_capability_major, 7);
+  EXPECT_GT(info.l2_cache_bytes, 0);
+  EXPECT_GE(info.shared_memory_per_block_optin, 48 * 1024);
+  EXPECT_GT(info.driver_version, 0);
+  std::printf("device: %s, %d SMs, %s, driver %d, L2 %lld bytes, NVRTC %s\n", info.name.c_str(),
+              info.multiprocessor_count, info.architecture().c_str(), info.driver_version,
+              static_cast<long long>(info.l2_cache_bytes), nvrtc_version().c_str());
+}
+
+TEST_F(NativeKernels, DeviceErrorsNameTheCall) {
+  DeviceBuffer small(64);
+  std::vector<std::byte> too_much(128);
+  try {
+    small.copy_from_host(too_much);
+    FAIL() << "expected a range error";
+  } catch (const CudaError& error) {
+    EXPECT_NE(std::string(error.what()).find("copy_from_host"), std::string::npos) << error.what();
+  }
+  try {
+    DeviceBuffer huge(std::size_t{1} << 50);
+    FAIL() << "expected an out-of-memory error";
+  } catch (const CudaError& error) {
+    EXPECT_NE(std::string(error.what()).find("cuMemAlloc"), std::string::npos) << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace metile

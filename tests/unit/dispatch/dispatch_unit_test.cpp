@@ -1,0 +1,180 @@
+// The parts of measured dispatch that need no GPU: the numeric gate's figures and thresholds,
+// the headroom rule, METILE_DISPATCH parsing, the decision file (round trip, corruption) and
+// cutting a region out of its graph.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "metile/cpu_runtime.h"
+#include "metile/dispatch.h"
+
+namespace metile {
+namespace {
+
+HostTensor tensor(DType dtype, const std::vector<double>& values) {
+  return HostTensor::from_values({{static_cast<std::int64_t>(values.size())}, dtype}, values);
+}
+
+TEST(NumericGate, FiguresAreScaleNormalized) {
+  const HostTensor reference = tensor(DType::f32, {3.0, -4.0, 0.0, 1.0});
+  const HostTensor output = tensor(DType::f32, {3.0, -4.0, 0.001, 1.0});
+  const NumericGateResult result = numeric_gate(output, reference);
+  EXPECT_NEAR(result.relative_l2, 0.001 / std::sqrt(26.0), 1e-9);
+  EXPECT_NEAR(result.relative_max, 0.001 / 4.0, 1e-9);
+  EXPECT_FALSE(result.passed) << "2.5e-4 is far above f32's 1e-5";
+  EXPECT_NE(result.detail.find("relative L2 error"), std::string::npos) << result.detail;
+  // The same error, scaled by 1000 with its reference, gives the same figures.
+  const NumericGateResult scaled = numeric_gate(tensor(DType::f32, {3000.0, -4000.0, 1.0, 1000.0}),
+                                                tensor(DType::f32, {3000.0, -4000.0, 0.0, 1000.0}));
+  EXPECT_NEAR(scaled.relative_l2, result.relative_l2, 1e-9);
+}
+
+TEST(NumericGate, ThresholdsFollowTheDtype) {
+  EXPECT_EQ(numeric_gate_threshold(DType::f32), 1e-5);
+  EXPECT_EQ(numeric_gate_threshold(DType::f16), 2e-3);
+  EXPECT_EQ(numeric_gate_threshold(DType::bf16), 1e-2);
+  EXPECT_EQ(numeric_gate_threshold(DType::i32), 0.0);
+  // The same 0.5% error passes bf16's gate and fails f16's.
+  std::mt19937_64 random(std::random_device{}());
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  std::vector<double> values(4096);
+  for (double& value : values) value = uniform(random);
+  std::vector<double> perturbed = values;
+  for (double& value : perturbed) value *= 1.005;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    const NumericGateResult result = numeric_gate(HostTensor::from_values({{4096}, dtype}, perturbed),
+                                                  HostTensor::from_values({{4096}, dtype}, values));
+    EXPECT_GT(result.relative_l2, 3e-3) << dtype_name(dtype);
+    EXPECT_LT(result.relative_l2, 8e-3) << dtype_name(dtype);
+    EXPECT_EQ(result.passed, dtype == DType::bf16) << dtype_name(dtype) << ": " << result.detail;
+  }
+}
+
+TEST(NumericGate, NonFiniteValuesPassOnlyWhereTheReferenceHasThem) {
+  const double inf = INFINITY;
+  const HostTensor reference = tensor(DType::f16, {1.0, -inf, 2.0});
+  EXPECT_TRUE(numeric_gate(tensor(DType::f16, {1.0, -inf, 2.0}), reference).passed);
+  const NumericGateResult nan_output = numeric_gate(tensor(DType::f16, {1.0, -inf, NAN}), reference);
+  EXPECT_FALSE(nan_output.passed);
+  EXPECT_NE(nan_output.detail.find("element 2"), std::string::npos) << nan_output.detail;
+  EXPECT_FALSE(numeric_gate(tensor(DType::f16, {1.0, inf, 2.0}), reference).passed) << "the other infinity";
+  EXPECT_FALSE(numeric_gate(tensor(DType::f16, {1.0, 0.0, 2.0}), reference).passed) << "a finite value for -inf";
+  EXPECT_FALSE(numeric_gate(tensor(DType::f32, {1.0, -inf, 2.0}), reference).passed) << "another dtype";
+}
+
+TEST(Headroom, FusedNeedsTenPercent) {
+  EXPECT_TRUE(beats_with_headroom(1.0, 1.10, 0.10));
+  EXPECT_FALSE(beats_with_headroom(1.0, 1.09, 0.10));
+  EXPECT_TRUE(beats_with_headroom(1.0, 1.05, 0.05));
+  EXPECT_FALSE(beats_with_headroom(1.0, 0.5, 0.10));
+  EXPECT_FALSE(beats_with_headroom(0.0, 1.0, 0.10)) << "a zero time is a failed measurement, not a win";
+}
+
+TEST(DispatchMode, ParsesTheEnvironmentValues) {
+  EXPECT_EQ(parse_dispatch_mode("native"), DispatchMode::native);
+  EXPECT_EQ(parse_dispatch_mode("fused"), DispatchMode::fused);
+  EXPECT_EQ(parse_dispatch_mode("auto"), DispatchMode::automatic);
+  EXPECT_EQ(parse_dispatch_mode(""), DispatchMode::automatic);
+  try {
+    parse_dispatch_mode("fastest");
+    FAIL() << "expected InputError";
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find("'fastest'"), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(dispatch_mode_name(DispatchMode::automatic), "auto");
+}
+
+class DecisionFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    directory_ = std::filesystem::temp_directory_path() / ("metile-decisions-" + std::to_string(std::random_device{}()));
+    path_ = directory_ / "nested" / "dispatch.json";
+  }
+  void TearDown() override { std::filesystem::remove_all(directory_); }
+  std::filesystem::path directory_;
+  std::filesystem::path path_;
+};
+
+TEST_F(DecisionFile, RoundTripsAndReplacesByKey) {
+  {
+    DecisionCache cache(path_);
+    EXPECT_EQ(cache.size(), 0u);
+    EXPECT_FALSE(cache.found_corrupt_file());
+    cache.store({"key one", "fused wide", {{"native", 0.5}, {"fused wide", 0.25}}, "region R0: fused wide, 2.00x"});
+    cache.store({"key two", "native graph", {{"native graph", 0.1}}, "region R1: native graph"});
+    cache.store({"key one", "fused", {{"fused", 0.2}}, "region R0: fused, 2.50x"});
+  }
+  const DecisionCache reloaded(path_);
+  EXPECT_EQ(reloaded.size(), 2u);
+  const auto one = reloaded.find("key one");
+  ASSERT_TRUE(one.has_value());
+  EXPECT_EQ(one->chosen, "fused");
+  ASSERT_EQ(one->timings_ms.size(), 1u);
+  EXPECT_EQ(one->timings_ms[0].second, 0.2);
+  EXPECT_EQ(reloaded.find("key two")->report, "region R1: native graph");
+  EXPECT_FALSE(reloaded.find("key three").has_value());
+  for (const auto& entry : std::filesystem::directory_iterator(path_.parent_path())) {
+    EXPECT_EQ(entry.path().filename(), "dispatch.json") << "no temporary file is left behind";
+  }
+}
+
+TEST_F(DecisionFile, CorruptFilesAreSetAsideAndRewritten) {
+  std::filesystem::create_directories(path_.parent_path());
+  for (const std::string& damage : {std::string("{\"version\": 1, \"decisions\": [{"), std::string("[1, 2, 3]"),
+                                    std::string("{\"version\": 99, \"decisions\": []}"), std::string("\xff\xfe")}) {
+    {
+      std::ofstream file(path_, std::ios::binary | std::ios::trunc);
+      file << damage;
+    }
+    DecisionCache cache(path_);
+    EXPECT_TRUE(cache.found_corrupt_file()) << damage;
+    EXPECT_EQ(cache.size(), 0u);
+    cache.store({"k", "native", {}, "region R0: native"});
+    EXPECT_FALSE(cache.found_corrupt_file());
+    const DecisionCache reloaded(path_);
+    EXPECT_FALSE(reloaded.found_corrupt_file());
+    EXPECT_EQ(reloaded.size(), 1u);
+  }
+}
+
+TEST(RegionGraph, CutsTheRegionOutWithItsNamesAndComputesTheSame) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{3, 64}, DType::f32});
+  auto w = builder.input("w", {{64, 64}, DType::f32});
+  auto weight = builder.input("weight", {{64}, DType::f32});
+  auto projected = builder.matmul(x, w, false, "projected");
+  auto summed = builder.add(projected, x, "summed");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  const ComputeGraph graph = builder.build({builder.silu(normalized, "activated"), summed});
+  FusionRegion region;
+  region.rule = "residual_add_rms_norm";
+  region.nodes = {*graph.find_node("summed"), *graph.find_node("normalized")};
+  region.inputs = {projected.id, x.id, weight.id};
+  region.outputs = {summed.id, normalized.id};
+  const ComputeGraph sub = region_graph(graph, region);
+  ASSERT_EQ(sub.inputs().size(), 3u);
+  EXPECT_EQ(sub.value(sub.inputs()[0]).name, "projected");
+  EXPECT_EQ(sub.value(sub.inputs()[0]).spec, graph.value(projected.id).spec);
+  ASSERT_EQ(sub.nodes().size(), 2u);
+  EXPECT_EQ(sub.value(sub.outputs()[1]).name, "normalized");
+  const FusionRegion mapped = region_in_region_graph(graph, region, sub);
+  EXPECT_EQ(mapped.nodes.size(), 2u);
+  EXPECT_EQ(sub.value(mapped.outputs[0]).name, "summed");
+  // The region graph computes what the region computes inside the whole graph.
+  const TensorMap inputs = random_inputs(graph, std::random_device{}());
+  const TensorMap whole = run_reference(graph, inputs);
+  TensorMap sub_inputs = {{"x", inputs.at("x")}, {"weight", inputs.at("weight")}};
+  sub_inputs["projected"] = run_reference(builder.build({projected}), inputs).at("projected");
+  const TensorMap part = run_reference(sub, sub_inputs);
+  EXPECT_EQ(part.at("summed"), whole.at("summed"));
+
+  FusionRegion broken = region;
+  broken.outputs.push_back(x.id);
+  EXPECT_THROW(region_graph(graph, broken), InputError);
+}
+
+}  // namespace
+}  // namespace metile
