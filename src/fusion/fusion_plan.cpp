@@ -1,6 +1,7 @@
 // FusionPlan's three faces: text for a person (explain), JSON for tools (the
 // schema of DESIGN.md, byte-identical for identical plans) and Graphviz DOT with
 // one coloured cluster per region.
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -15,6 +16,10 @@ namespace {
 std::string duration_text(double nanoseconds) {
   if (std::abs(nanoseconds) >= 1000) return fmt::format("{:.3f} µs", nanoseconds / 1000);
   return fmt::format("{:.1f} ns", nanoseconds);
+}
+
+std::string counted(std::size_t count, std::string_view noun) {
+  return fmt::format("{} {}{}", count, noun, count == 1 ? "" : "s");
 }
 
 const ComputeGraph& graph_of(const FusionPlan& plan) {
@@ -41,9 +46,10 @@ double FusionPlan::total_benefit_ns() const {
 
 std::string FusionPlan::explain() const {
   const ComputeGraph& g = graph_of(*this);
-  std::string text = fmt::format("fusion plan for target {}: {} ops in {} kernels ({} fused regions), estimated saving {}\n",
-                                 target_name.empty() ? "?" : target_name, g.nodes().size(), kernel_count(),
-                                 regions.size(), duration_text(total_benefit_ns()));
+  std::string text = fmt::format("fusion plan for target {}: {} in {} ({} fused), estimated saving {}\n",
+                                 target_name.empty() ? "?" : target_name, counted(g.nodes().size(), "op"),
+                                 counted(static_cast<std::size_t>(kernel_count()), "kernel"),
+                                 counted(regions.size(), "region"), duration_text(total_benefit_ns()));
   auto value_list = [&](const std::vector<ValueId>& values) {
     std::string list;
     for (ValueId value : values) {
@@ -69,8 +75,8 @@ std::string FusionPlan::explain() const {
   for (const ConflictComponent& component : components) ++methods[component.method];
   std::string method_list;
   for (const auto& [method, count] : methods) method_list += fmt::format("{}{} {}", method_list.empty() ? "" : ", ", count, method);
-  text += fmt::format("candidates: {} in {} conflict components{}\n", candidates.size(), components.size(),
-                      method_list.empty() ? "" : " (" + method_list + ")");
+  text += fmt::format("conflict selection: {} in {}{}\n", counted(candidates.size(), "candidate"),
+                      counted(components.size(), "component"), method_list.empty() ? "" : " (" + method_list + ")");
   text += "why each op is where it is:\n";
   std::size_t width = 0;
   for (const Node& node : g.nodes()) width = std::max(width, node.name.size());
@@ -93,20 +99,22 @@ std::string FusionPlan::to_json() const {
   };
   auto node_name = [&](NodeId id) { return g.node(id).name; };
   auto value_name = [&](ValueId id) { return g.value(id).name; };
-  Json document;
-  document["kernels"] = kernel_count();
-  document["regions"] = Json::array();
-  for (const FusionRegion& region : regions) {
+  // One region per line keeps the file short and diffable; the bytes depend on
+  // the plan alone.
+  std::string text = fmt::format("{{\n  \"kernels\": {},\n  \"regions\": [", kernel_count());
+  for (std::size_t index = 0; index < regions.size(); ++index) {
+    const FusionRegion& region = regions[index];
     Json entry;
     entry["rule"] = region.rule;
     entry["nodes"] = names(region.nodes, node_name);
     entry["inputs"] = names(region.inputs, value_name);
     entry["outputs"] = names(region.outputs, value_name);
     entry["benefit_ns"] = std::round(region.benefit_ns * 1000) / 1000;
-    document["regions"].push_back(std::move(entry));
+    text += (index == 0 ? "\n    " : ",\n    ") + entry.dump();
   }
-  document["unfused"] = names(unfused, node_name);
-  return document.dump(2) + "\n";
+  text += regions.empty() ? "],\n" : "\n  ],\n";
+  text += "  \"unfused\": " + names(unfused, node_name).dump() + "\n}\n";
+  return text;
 }
 
 std::string FusionPlan::to_dot() const {
@@ -117,7 +125,12 @@ std::string FusionPlan::to_dot() const {
       {"#e6dcf2", "#9467bd"}, {"#efe0dc", "#8c564b"}, {"#fbdcf0", "#e377c2"}, {"#e9f5c9", "#7f9f1f"},
   };
   auto node_id = [](NodeId id) { return "n" + std::to_string(id); };
-  auto input_id = [](ValueId id) { return "v" + std::to_string(id); };
+  // Graph inputs and outputs are named by position, so the text depends on the
+  // graph's structure and names, not on how its value ids were assigned.
+  auto input_id = [&g](ValueId id) {
+    const auto position = std::find(g.inputs().begin(), g.inputs().end(), id) - g.inputs().begin();
+    return "in" + std::to_string(position);
+  };
   std::string dot = "digraph fusion_plan {\n  rankdir=TB;\n"
                     "  node [shape=box, style=\"rounded,filled\", fillcolor=white, fontname=\"Helvetica\"];\n";
   dot += fmt::format("  label={}; labelloc=t;\n",
@@ -150,9 +163,10 @@ std::string FusionPlan::to_dot() const {
       dot += fmt::format("  {} -> {};\n", producer >= 0 ? node_id(producer) : input_id(input), node_id(node.id));
     }
   }
-  for (ValueId output : g.outputs()) {
+  for (std::size_t position = 0; position < g.outputs().size(); ++position) {
+    const ValueId output = g.outputs()[position];
     const Value& value = g.value(output);
-    const std::string sink = "out" + std::to_string(output);
+    const std::string sink = "out" + std::to_string(position);
     dot += fmt::format("  {} [label={}, shape=ellipse, style=dashed];\n", sink, dot_quoted(value.name));
     dot += fmt::format("  {} -> {};\n", value.producer >= 0 ? node_id(value.producer) : input_id(output), sink);
   }

@@ -1,12 +1,52 @@
-// Placeholder until the plan command lands; its owner replaces this file.
-#include <stdexcept>
+// `metile plan GRAPH.json [--target cpu|h200|FILE] [--format text|json|dot]`: the
+// fusion planner on a graph file, so a person can see which ops would share a
+// kernel and why (DESIGN.md, "The interfaces users touch").
+//   text: FusionPlan::explain(), regions then a reason per op
+//   json: {"kernels": N, "regions": [{"rule", "nodes", "inputs", "outputs", "benefit_ns"}], "unfused": [...]}
+//   dot:  Graphviz, one coloured cluster per region
+#include <memory>
+#include <string>
+
+#include <fmt/core.h>
 
 #include "commands.h"
+#include "metile/fusion.h"
+#include "metile/graph.h"
 
 namespace metile::cli {
+namespace {
+
+struct PlanOptions {
+  std::string graph_file;
+  std::string target = "h200";
+  std::string format = "text";
+};
+
+}  // namespace
 
 void add_plan_command(CLI::App& app) {
-  app.add_subcommand("plan", "(not built yet)")->callback([] { throw std::runtime_error("metile plan: not built yet"); });
+  auto options = std::make_shared<PlanOptions>();
+  CLI::App* command = app.add_subcommand("plan", "Plan the fusion of a graph file into kernels and say why");
+  command->add_option("GRAPH", options->graph_file, "JSON graph file (format in DESIGN.md)")->required();
+  command->add_option("--target", options->target, "h200, cpu, or a target JSON file")->capture_default_str();
+  command->add_option("--format", options->format, "text, json or dot")
+      ->check(CLI::IsMember({"text", "json", "dot"}))
+      ->capture_default_str();
+  command->callback([options] {
+    // Read everything before printing anything: an error leaves no partial output.
+    const FusionTarget target = FusionTarget::from_name_or_file(options->target);
+    const ComputeGraph graph = read_graph(options->graph_file);
+    const FusionPlan plan = plan_graph_fusion(graph, target);
+    std::string text;
+    if (options->format == "json") {
+      text = plan.to_json();
+    } else if (options->format == "dot") {
+      text = plan.to_dot();
+    } else {
+      text = plan.explain();
+    }
+    fmt::print("{}", text);
+  });
 }
 
 }  // namespace metile::cli

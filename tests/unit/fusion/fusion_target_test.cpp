@@ -1,0 +1,126 @@
+// FusionTarget presets, target files and their errors, and the cost model's
+// arithmetic against figures worked out by hand from its definition.
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "metile/fusion.h"
+
+namespace metile {
+namespace {
+
+TEST(FusionTarget, PresetsCarryTheDocumentedLimits) {
+  const FusionTarget h200 = FusionTarget::h200();
+  EXPECT_EQ(h200.name, "h200");
+  EXPECT_DOUBLE_EQ(h200.memory_bandwidth_bytes_per_ns, 4200);
+  EXPECT_EQ(h200.shared_memory_per_multiprocessor_bytes, 228 * 1024);
+  EXPECT_EQ(h200.shared_memory_per_block_bytes, 227 * 1024);
+  EXPECT_EQ(h200.registers_per_multiprocessor, 65536);
+  EXPECT_EQ(h200.registers_per_thread, 255);
+  const FusionTarget cpu = FusionTarget::cpu();
+  EXPECT_EQ(cpu.name, "cpu");
+  EXPECT_LT(cpu.memory_bandwidth_bytes_per_ns, h200.memory_bandwidth_bytes_per_ns);
+}
+
+TEST(FusionTarget, JsonOverridesItsBase) {
+  const FusionTarget target = FusionTarget::from_json(
+      R"({"base": "cpu", "name": "small", "shared_memory_per_block_bytes": 32768, "launch_overhead_ns": 10.5})");
+  EXPECT_EQ(target.name, "small");
+  EXPECT_EQ(target.shared_memory_per_block_bytes, 32768);
+  EXPECT_DOUBLE_EQ(target.launch_overhead_ns, 10.5);
+  EXPECT_DOUBLE_EQ(target.memory_bandwidth_bytes_per_ns, FusionTarget::cpu().memory_bandwidth_bytes_per_ns);
+  const FusionTarget again = FusionTarget::from_json(target.to_json());
+  EXPECT_EQ(again.to_json(), target.to_json());
+}
+
+void expect_input_error(const std::string& text, const std::string& message) {
+  try {
+    FusionTarget::from_json(text, "t.json");
+    FAIL() << "no error for " << text;
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find(message), std::string::npos) << error.what();
+  }
+}
+
+TEST(FusionTarget, BadFilesSayWhatIsWrong) {
+  expect_input_error("{", "t.json: not valid JSON");
+  expect_input_error("[1]", "t.json: a target file holds one JSON object");
+  expect_input_error(R"({"lanch_overhead_ns": 3})", "t.json: unknown field 'lanch_overhead_ns'");
+  expect_input_error(R"({"launch_overhead_ns": -3})", "field 'launch_overhead_ns' must be positive");
+  expect_input_error(R"({"registers_per_thread": 12.5})", "field 'registers_per_thread' must be an integer");
+  expect_input_error(R"({"memory_bandwidth_bytes_per_ns": "fast"})", "must be a number");
+  expect_input_error(R"({"base": "a100"})", "unknown target 'a100'");
+  EXPECT_THROW(FusionTarget::from_json_file("/no/such/target.json"), InputError);
+  EXPECT_THROW(FusionTarget::from_name_or_file("b200"), InputError);
+}
+
+TEST(FusionTarget, FileAndPresetNamesResolve) {
+  const auto path = std::filesystem::temp_directory_path() / "metile_fusion_target_test.json";
+  {
+    std::ofstream file(path);
+    file << R"({"max_kernel_inputs": 5})";
+  }
+  const FusionTarget target = FusionTarget::from_name_or_file(path.string());
+  std::filesystem::remove(path);
+  EXPECT_EQ(target.max_kernel_inputs, 5);
+  EXPECT_EQ(target.name, "metile_fusion_target_test");
+  EXPECT_EQ(FusionTarget::from_name_or_file("cpu").name, "cpu");
+}
+
+ComputeGraph seed_graph() {
+  GraphBuilder builder;
+  auto values = builder.input("values", {{1, 2048}, DType::f16});
+  auto residual = builder.input("residual", {{1, 2048}, DType::f16});
+  auto weight = builder.input("weight", {{2048}, DType::f16});
+  auto summed = builder.add(values, residual, "summed");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  return builder.build({summed, normalized});
+}
+
+TEST(CostModel, SeedRegionMatchesHandArithmetic) {
+  const ComputeGraph graph = seed_graph();
+  const FusionTarget target = FusionTarget::h200();
+  const std::vector<NodeId> both = {0, 1};
+  const RegionEstimate estimate = estimate_region(graph, both, target);
+  const double row = 2048 * 2;  // one f16 [1, 2048] tensor
+  const double bandwidth = target.memory_bandwidth_bytes_per_ns;
+  // Unfused: add reads 2 rows, writes 1; rms_norm reads the sum and the weight, writes 1.
+  const double unfused = 2 * target.launch_overhead_ns + (3 * row + 3 * row) / bandwidth;
+  // Fused: reads values, residual, weight; writes summed (a graph output) and normalized.
+  const double fused = target.launch_overhead_ns + (3 * row + 2 * row) / bandwidth +
+                       2 * row / target.on_chip_bandwidth_bytes_per_ns;
+  EXPECT_NEAR(estimate.unfused_ns, unfused, 1e-9);
+  EXPECT_NEAR(estimate.fused_ns, fused, 1e-9);
+  EXPECT_NEAR(estimate.benefit_ns, unfused - fused, 1e-9);
+  EXPECT_EQ(estimate.memory_bytes_avoided, static_cast<std::int64_t>(row));
+  EXPECT_EQ(estimate.input_count, 3);
+  EXPECT_EQ(estimate.output_count, 2);
+  // The row reduction's input is computed inside: its f32 row is staged.
+  EXPECT_EQ(estimate.shared_memory_bytes, 2048 * 4);
+  EXPECT_EQ(estimate.registers_per_thread, 32 + 2 + 8);
+}
+
+TEST(CostModel, LimitsAreNamedWithTheirNumbers) {
+  FusionTarget target = FusionTarget::h200();
+  RegionEstimate estimate;
+  estimate.shared_memory_bytes = 48 * 1024;
+  estimate.registers_per_thread = 40;
+  target.shared_memory_per_block_bytes = 32 * 1024;
+  EXPECT_EQ(exceeded_limit(estimate, target), "needs 48 KB shared memory, target allows 32 KB");
+  target.shared_memory_per_block_bytes = 64 * 1024;
+  EXPECT_EQ(exceeded_limit(estimate, target), std::nullopt);
+  target.registers_per_thread = 32;
+  EXPECT_EQ(exceeded_limit(estimate, target), "needs 40 registers per thread, target allows 32");
+  target.registers_per_thread = 255;
+  target.registers_per_multiprocessor = 8192;
+  EXPECT_EQ(exceeded_limit(estimate, target),
+            "needs 10240 registers per block (40 per thread × 256 threads), target allows 8192");
+  target.registers_per_multiprocessor = 65536;
+  estimate.input_count = 9;
+  target.max_kernel_inputs = 8;
+  EXPECT_EQ(exceeded_limit(estimate, target), "reads 9 inputs, target allows 8 per kernel");
+}
+
+}  // namespace
+}  // namespace metile

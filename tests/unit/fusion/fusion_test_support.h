@@ -1,0 +1,43 @@
+// Shared by the fusion tests: seeded random graphs with every op kind the rules
+// look at, the SwiGLU MLP in its variants, and an independent checker of what a
+// legal plan is (written from the definitions, not from the planner's code).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "metile/fusion.h"
+#include "metile/graph.h"
+
+namespace metile::fusion_test {
+
+// A random DAG of `node_count` ops over activations [M, 32] (M in {1, 2}):
+// elementwise ops with broadcast weights, row reductions, dense and quantized
+// contractions (some to another width, so shapes differ), layout ops, and now
+// and then a SwiGLU block. Recent values are preferred as inputs, but far ones
+// are picked too, so paths leave and re-enter neighbourhoods.
+ComputeGraph random_graph(std::mt19937_64& random, int node_count);
+
+struct SwigluOptions {
+  bool quantized = false;
+  bool up_first = false;           // multiply(up, silu(gate)) instead of multiply(silu(gate), up)
+  bool residual = true;            // output = residual + down
+  std::int64_t rows = 1;
+  std::int64_t hidden = 64;
+  std::int64_t intermediate = 256;
+  DType dtype = DType::f16;
+  std::string gate_escape;         // "": none; "output": gate is a graph output; else a consumer of gate with this name
+};
+ComputeGraph swiglu_graph(const SwigluOptions& options);
+
+// Empty when the plan is legal; otherwise what is wrong. Checks: every node in
+// exactly one kernel, regions non-empty/ascending/convex, the kernel graph
+// acyclic, region inputs and outputs as defined, a reason for every node.
+std::string plan_problems(const FusionPlan& plan);
+
+// Whether the nodes (ascending) form a convex set: no path leaves and comes back.
+bool is_convex(const ComputeGraph& graph, const std::vector<NodeId>& nodes);
+
+}  // namespace metile::fusion_test

@@ -1,0 +1,310 @@
+// plan_graph_fusion on graphs whose right plan is known: the seed's two-output
+// region, the SwiGLU MLP (both multiply orders, dense and quantized, refused when
+// an intermediate escapes or a limit is exceeded), conflict selection choosing
+// two outer regions over a heavier middle one, an odd conflict cycle, and the
+// determinism of the JSON.
+#include <algorithm>
+
+#include <gtest/gtest.h>
+
+#include "fusion_test_support.h"
+#include "metile/fusion.h"
+#include "planner_internal.h"
+
+namespace metile {
+namespace {
+
+using fusion_test::plan_problems;
+using fusion_test::swiglu_graph;
+using fusion_test::SwigluOptions;
+
+std::vector<std::string> node_names(const FusionPlan& plan, const std::vector<NodeId>& nodes) {
+  std::vector<std::string> names;
+  for (NodeId node : nodes) names.push_back(plan.graph->node(node).name);
+  return names;
+}
+
+std::vector<std::string> value_names(const FusionPlan& plan, const std::vector<ValueId>& values) {
+  std::vector<std::string> names;
+  for (ValueId value : values) names.push_back(plan.graph->value(value).name);
+  return names;
+}
+
+const std::string& reason_of(const FusionPlan& plan, const std::string& node) {
+  return plan.node_reasons.at(static_cast<std::size_t>(*plan.graph->find_node(node)));
+}
+
+TEST(Planner, SeedIsOneKernelWithTwoOutputs) {
+  GraphBuilder builder;
+  auto values = builder.input("values", {{1, 2048}, DType::f16});
+  auto residual = builder.input("residual", {{1, 2048}, DType::f16});
+  auto weight = builder.input("weight", {{2048}, DType::f16});
+  auto summed = builder.add(values, residual, "summed");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  const FusionPlan plan = plan_graph_fusion(builder.build({summed, normalized}));
+  ASSERT_EQ(plan_problems(plan), "");
+  EXPECT_EQ(plan.kernel_count(), 1);
+  ASSERT_EQ(plan.regions.size(), 1u);
+  const FusionRegion& region = plan.regions[0];
+  EXPECT_EQ(region.rule, "residual_add_rms_norm");
+  EXPECT_EQ(node_names(plan, region.nodes), (std::vector<std::string>{"summed", "normalized"}));
+  EXPECT_EQ(value_names(plan, region.inputs), (std::vector<std::string>{"values", "residual", "weight"}));
+  EXPECT_EQ(value_names(plan, region.outputs), (std::vector<std::string>{"summed", "normalized"}));
+  EXPECT_GT(region.benefit_ns, 0);
+  EXPECT_EQ(reason_of(plan, "summed"), "in region R1 (residual_add_rms_norm)");
+  EXPECT_EQ(plan.to_json(),
+            "{\n  \"kernels\": 1,\n  \"regions\": [\n    {\"rule\":\"residual_add_rms_norm\",\"nodes\":[\"summed\","
+            "\"normalized\"],\"inputs\":[\"values\",\"residual\",\"weight\"],\"outputs\":[\"summed\",\"normalized\"],"
+            "\"benefit_ns\":2500.727}\n  ],\n  \"unfused\": []\n}\n");
+}
+
+TEST(Planner, SumThatDoesNotEscapeIsNotWritten) {
+  GraphBuilder builder;
+  auto values = builder.input("values", {{4, 256}, DType::f32});
+  auto residual = builder.input("residual", {{4, 256}, DType::f32});
+  auto weight = builder.input("weight", {{256}, DType::f32});
+  auto summed = builder.add(values, residual, "summed");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  const FusionPlan plan = plan_graph_fusion(builder.build({normalized}));
+  ASSERT_EQ(plan.regions.size(), 1u);
+  EXPECT_EQ(value_names(plan, plan.regions[0].outputs), (std::vector<std::string>{"normalized"}));
+}
+
+class SwigluVariants : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(SwigluVariants, OneRegionWithTheResidualEpilogue) {
+  SwigluOptions options;
+  options.quantized = std::get<0>(GetParam());
+  options.up_first = std::get<1>(GetParam());
+  const FusionPlan plan = plan_graph_fusion(swiglu_graph(options));
+  ASSERT_EQ(plan_problems(plan), "");
+  ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+  EXPECT_EQ(plan.regions[0].rule, "swiglu_mlp");
+  EXPECT_EQ(node_names(plan, plan.regions[0].nodes),
+            (std::vector<std::string>{"gate", "up", "gate_activation", "hidden", "down", "output"}));
+  EXPECT_EQ(value_names(plan, plan.regions[0].outputs), (std::vector<std::string>{"output"}));
+  EXPECT_EQ(plan.kernel_count(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(DenseQuantizedBothOrders, SwigluVariants,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()));
+
+TEST(Planner, PatternMatchesEitherMultiplyOrderAndBindsRoles) {
+  for (bool up_first : {false, true}) {
+    SwigluOptions options;
+    options.up_first = up_first;
+    options.residual = false;
+    const ComputeGraph graph = swiglu_graph(options);
+    const auto roles = fusion_internal::match_pattern(graph, parallel_epilogue_rule(), *graph.find_node("down"));
+    ASSERT_TRUE(roles.has_value());
+    std::vector<std::string> names;
+    for (NodeId node : *roles) names.push_back(graph.node(node).name);
+    EXPECT_EQ(names, (std::vector<std::string>{"gate", "up", "gate_activation", "hidden", "down"}));
+  }
+}
+
+TEST(Planner, SwigluNeedsOneSharedActivation) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{1, 64}, DType::f16});
+  auto y = builder.input("y", {{1, 64}, DType::f16});
+  auto gate = builder.matmul(x, builder.input("wg", {{64, 128}, DType::f16}), false, "gate");
+  auto up = builder.matmul(y, builder.input("wu", {{64, 128}, DType::f16}), false, "up");
+  auto product = builder.multiply(builder.silu(gate), up);
+  auto down = builder.matmul(product, builder.input("wd", {{128, 64}, DType::f16}), false, "down");
+  const ComputeGraph graph = builder.build({down});
+  EXPECT_FALSE(fusion_internal::match_pattern(graph, parallel_epilogue_rule(), *graph.find_node("down")));
+  const FusionPlan plan = plan_graph_fusion(graph);
+  EXPECT_TRUE(std::none_of(plan.regions.begin(), plan.regions.end(),
+                           [](const FusionRegion& region) { return region.rule == "swiglu_mlp"; }));
+}
+
+bool has_rule(const FusionPlan& plan, const std::string& rule) {
+  return std::any_of(plan.regions.begin(), plan.regions.end(),
+                     [&](const FusionRegion& region) { return region.rule == rule; });
+}
+
+TEST(Planner, SwigluRefusedWhenTheGateEscapesToAConsumer) {
+  for (bool quantized : {false, true}) {
+    SwigluOptions options;
+    options.quantized = quantized;
+    options.gate_escape = "debug_out";
+    const FusionPlan plan = plan_graph_fusion(swiglu_graph(options));
+    ASSERT_EQ(plan_problems(plan), "");
+    EXPECT_FALSE(has_rule(plan, "swiglu_mlp")) << plan.explain();
+    for (const char* node : {"gate", "up", "gate_activation", "hidden", "down"}) {
+      EXPECT_NE(reason_of(plan, node).find("swiglu_mlp refused: intermediate `gate` escapes to `debug_out`"),
+                std::string::npos)
+          << node << ": " << reason_of(plan, node);
+    }
+    // What remains fusable still fuses: the gate's activation and the down projection's residual.
+    EXPECT_TRUE(has_rule(plan, "contraction_epilogue")) << plan.explain();
+  }
+}
+
+TEST(Planner, SwigluRefusedWhenTheGateIsAGraphOutput) {
+  SwigluOptions options;
+  options.gate_escape = "output";
+  const FusionPlan plan = plan_graph_fusion(swiglu_graph(options));
+  EXPECT_FALSE(has_rule(plan, "swiglu_mlp"));
+  EXPECT_NE(reason_of(plan, "hidden").find("swiglu_mlp refused: intermediate `gate` is a graph output"),
+            std::string::npos)
+      << reason_of(plan, "hidden");
+}
+
+TEST(Planner, SwigluRefusedOverTheSharedMemoryLimit) {
+  SwigluOptions options;
+  options.intermediate = 24576;  // the f16 gated row staged for the down projection: 48 KB
+  options.hidden = 64;
+  FusionTarget target = FusionTarget::h200();
+  target.shared_memory_per_block_bytes = 32 * 1024;
+  const FusionPlan refused = plan_graph_fusion(swiglu_graph(options), target);
+  ASSERT_EQ(plan_problems(refused), "");
+  EXPECT_FALSE(has_rule(refused, "swiglu_mlp"));
+  EXPECT_NE(reason_of(refused, "down").find("swiglu_mlp refused: needs 48 KB shared memory, target allows 32 KB"),
+            std::string::npos)
+      << reason_of(refused, "down");
+  // The same graph fits the H200's 227 KB.
+  EXPECT_TRUE(has_rule(plan_graph_fusion(swiglu_graph(options)), "swiglu_mlp"));
+}
+
+TEST(Planner, SwigluRefusedOverTheRegisterLimit) {
+  SwigluOptions options;
+  options.quantized = true;
+  FusionTarget target = FusionTarget::h200();
+  target.registers_per_thread = 128;
+  const FusionPlan refused = plan_graph_fusion(swiglu_graph(options), target);
+  EXPECT_FALSE(has_rule(refused, "swiglu_mlp"));
+  // 32 base + 3 quantized contractions × 40 + silu and multiply × 2.
+  EXPECT_NE(reason_of(refused, "gate").find("swiglu_mlp refused: needs 156 registers per thread, target allows 128"),
+            std::string::npos)
+      << reason_of(refused, "gate");
+  // Dense contractions need fewer: 32 + 3 × 24 + 4 = 108.
+  options.quantized = false;
+  EXPECT_TRUE(has_rule(plan_graph_fusion(swiglu_graph(options), target), "swiglu_mlp"));
+}
+
+// matmul → add (also a graph output) → rms_norm → scale. Three candidates:
+//   A contraction_epilogue {matmul, add}, B row_reduction {rms_norm, scale},
+//   M residual_add_rms_norm {add, rms_norm, scale}, heavier than A or B alone.
+TEST(Planner, MiddleCandidateLosesToTwoOuterOnes) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{1, 1024}, DType::f16});
+  auto projected = builder.matmul(x, builder.input("w", {{1024, 1024}, DType::f16}), false, "projected");
+  auto summed = builder.add(projected, builder.input("residual", {{1, 1024}, DType::f16}), "summed");
+  auto normalized = builder.rms_norm(summed, builder.input("norm_weight", {{1024}, DType::f16}), 1e-5, "normalized");
+  auto scaled = builder.scale(normalized, 0.5, "scaled");
+  const FusionPlan plan = plan_graph_fusion(builder.build({summed, scaled}));
+  ASSERT_EQ(plan_problems(plan), "");
+  auto find_candidate = [&](const std::string& rule) -> const FusionCandidate& {
+    const auto found = std::find_if(plan.candidates.begin(), plan.candidates.end(),
+                                    [&](const FusionCandidate& candidate) { return candidate.rule == rule; });
+    EXPECT_NE(found, plan.candidates.end()) << rule;
+    return *found;
+  };
+  const FusionCandidate& middle = find_candidate("residual_add_rms_norm");
+  const FusionCandidate& left = find_candidate("contraction_epilogue");
+  const FusionCandidate& right = find_candidate("row_reduction");
+  EXPECT_EQ(node_names(plan, middle.nodes), (std::vector<std::string>{"summed", "normalized", "scaled"}));
+  EXPECT_EQ(node_names(plan, left.nodes), (std::vector<std::string>{"projected", "summed"}));
+  EXPECT_EQ(node_names(plan, right.nodes), (std::vector<std::string>{"normalized", "scaled"}));
+  // The situation the exact selection exists for: greedy would take the middle.
+  EXPECT_GT(middle.benefit_ns, left.benefit_ns);
+  EXPECT_GT(middle.benefit_ns, right.benefit_ns);
+  EXPECT_LT(middle.benefit_ns, left.benefit_ns + right.benefit_ns);
+  EXPECT_EQ(plan.components.at(static_cast<std::size_t>(middle.component)).method, "min_cut");
+  EXPECT_EQ(middle.region, -1);
+  ASSERT_EQ(plan.regions.size(), 2u);
+  EXPECT_EQ(plan.regions[0].rule, "contraction_epilogue");
+  EXPECT_EQ(plan.regions[1].rule, "row_reduction");
+  EXPECT_EQ(plan.kernel_count(), 2);
+}
+
+// matmul → silu → add → rms_norm: three candidates that pairwise share {silu, add}.
+TEST(Planner, OddConflictCycleStillGivesALegalExactPlan) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{2, 512}, DType::f32});
+  auto projected = builder.matmul(x, builder.input("w", {{512, 512}, DType::f32}), false, "projected");
+  auto activated = builder.silu(projected, "activated");
+  auto summed = builder.add(activated, builder.input("residual", {{2, 512}, DType::f32}), "summed");
+  auto normalized = builder.rms_norm(summed, builder.input("norm_weight", {{512}, DType::f32}), 1e-5, "normalized");
+  const FusionPlan plan = plan_graph_fusion(builder.build({normalized}));
+  ASSERT_EQ(plan_problems(plan), "");
+  ASSERT_GE(plan.candidates.size(), 3u);
+  const ConflictComponent& component = plan.components.at(0);
+  EXPECT_FALSE(component.bipartite);
+  EXPECT_EQ(component.method, "branch_and_bound");
+  // Pairwise conflicting: exactly one is chosen, the heaviest.
+  ASSERT_EQ(plan.regions.size(), 1u);
+  double best = 0;
+  for (const FusionCandidate& candidate : plan.candidates) best = std::max(best, candidate.benefit_ns);
+  EXPECT_DOUBLE_EQ(plan.regions[0].benefit_ns, best);
+  for (const FusionCandidate& candidate : plan.candidates) {
+    if (candidate.region >= 0) continue;
+    for (NodeId node : candidate.nodes) {
+      const std::string& reason = plan.node_reasons[static_cast<std::size_t>(node)];
+      if (reason.rfind("in region", 0) == 0) continue;
+      EXPECT_NE(reason.find("lost to region R1 in conflict component 1"), std::string::npos) << reason;
+    }
+  }
+}
+
+TEST(Planner, LayoutOpsAreNeverFusedAndSaySo) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4, 64}, DType::f32});
+  auto turned = builder.transpose(builder.silu(x, "activated"), {1, 0}, "turned");
+  auto back = builder.reshape(turned, {4, 64}, "back");
+  const FusionPlan plan = plan_graph_fusion(builder.build({back}));
+  EXPECT_EQ(plan.regions.size(), 0u);
+  EXPECT_EQ(plan.kernel_count(), 3);
+  EXPECT_EQ(reason_of(plan, "turned"), "no rule matches: no rule fuses layout ops (transpose)");
+}
+
+TEST(Planner, IdenticalInputGivesByteIdenticalPlans) {
+  std::mt19937_64 random(7);
+  for (int round = 0; round < 20; ++round) {
+    const ComputeGraph graph = fusion_test::random_graph(random, 30);
+    const FusionPlan first = plan_graph_fusion(graph);
+    const ComputeGraph copy = parse_graph_json(write_graph_json(graph));
+    const FusionPlan second = plan_graph_fusion(copy);
+    EXPECT_EQ(first.to_json(), second.to_json());
+    EXPECT_EQ(first.explain(), second.explain());
+    EXPECT_EQ(first.to_dot(), second.to_dot());
+  }
+}
+
+TEST(Planner, DotHasAColouredClusterPerRegion) {
+  SwigluOptions options;
+  const FusionPlan plan = plan_graph_fusion(swiglu_graph(options));
+  const std::string dot = plan.to_dot();
+  EXPECT_EQ(dot.rfind("digraph fusion_plan {", 0), 0u);
+  EXPECT_NE(dot.find("subgraph cluster_R1 {"), std::string::npos);
+  EXPECT_NE(dot.find("fillcolor=\"#d6e9f8\""), std::string::npos);
+  EXPECT_EQ(dot.find("cluster_R2"), std::string::npos);
+}
+
+TEST(Planner, MalformedRulesAreInputErrors) {
+  RuleSet rules = default_rules();
+  rules.rules[1].pattern[3].inputs = {"activation", "upp"};
+  EXPECT_THROW(plan_graph_fusion(swiglu_graph({}), FusionTarget::h200(), rules), InputError);
+  rules = default_rules();
+  rules.rules.push_back(rules.rules.front());
+  EXPECT_THROW(plan_graph_fusion(swiglu_graph({}), FusionTarget::h200(), rules), InputError);
+  rules = default_rules();
+  rules.max_exact_component_size = 100;
+  EXPECT_THROW(plan_graph_fusion(swiglu_graph({}), FusionTarget::h200(), rules), InputError);
+  FusionTarget target;
+  target.memory_bandwidth_bytes_per_ns = 0;
+  EXPECT_THROW(plan_graph_fusion(swiglu_graph({}), target), InputError);
+}
+
+TEST(Planner, ARuleSetWithoutTheParallelEpilogueFusesLess) {
+  RuleSet rules = default_rules();
+  rules.rules.erase(rules.rules.begin() + 1);
+  const FusionPlan plan = plan_graph_fusion(swiglu_graph({}), FusionTarget::h200(), rules);
+  ASSERT_EQ(plan_problems(plan), "");
+  EXPECT_FALSE(has_rule(plan, "swiglu_mlp"));
+  EXPECT_GT(plan.kernel_count(), 1);
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,227 @@
+// Thousands of small random graphs against independent oracles:
+//  - each neighborhood's min cut equals the best legal subset found by brute force;
+//  - each conflict component's selection equals the best independent set found by
+//    brute force, wherever the component is bipartite or small (solved exactly);
+//  - every plan is legal (disjoint, convex, acyclic between kernels) and runs on
+//    the CPU reference to the unfused graph's outputs bit for bit.
+#include <algorithm>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "fusion_test_support.h"
+#include "metile/cpu_runtime.h"
+#include "metile/fusion.h"
+#include "planner_internal.h"
+
+namespace metile {
+namespace {
+
+using fusion_internal::to_picoseconds;
+
+// Brute-force legality of a region inside a neighborhood: contains the pattern,
+// avoids what the model was told to leave out, is convex, writes no escaping
+// value the rule cannot write, and fits the target.
+bool legal_by_definition(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
+                         const std::vector<NodeId>& region, const std::vector<NodeId>& pattern) {
+  if (!fusion_test::is_convex(graph, region)) return false;
+  if (!rule.materializes_escaping_values) {
+    const std::set<NodeId> inside(region.begin(), region.end());
+    for (NodeId node : region) {
+      if (std::find(pattern.begin(), pattern.end(), node) != pattern.end() && node != pattern.back()) continue;
+      for (ValueId output : graph.node(node).outputs) {
+        bool read_inside = false;
+        bool read_outside = graph.is_output(output);
+        for (NodeId consumer : graph.consumers(output)) (inside.count(consumer) ? read_inside : read_outside) = true;
+        if (read_inside && read_outside) return false;
+      }
+    }
+  }
+  return !exceeded_limit(estimate_region(graph, region, target, rule.resources), target);
+}
+
+TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
+  std::mt19937_64 random(20240611);
+  const FusionTarget targets[] = {FusionTarget::h200(), FusionTarget::cpu()};
+  const RuleSet rules = default_rules();
+  int compared = 0;
+  for (int round = 0; round < 1500; ++round) {
+    const ComputeGraph graph = fusion_test::random_graph(random, 4 + round % 12);
+    const FusionTarget& target = targets[round % 2];
+    fusion_internal::NeighborhoodScratch scratch(graph.nodes().size());
+    for (const FusionRule& rule : rules.rules) {
+      for (const Node& node : graph.nodes()) {
+        const auto pattern = fusion_internal::match_pattern(graph, rule, node.id);
+        if (!pattern) continue;
+        const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, *pattern, 64, scratch);
+        if (outcome.rejection || outcome.considered.size() > 14) continue;
+        ASSERT_TRUE(legal_by_definition(graph, target, rule, outcome.region, *pattern)) << rule.name;
+        std::set<NodeId> left_out;
+        for (const auto& [left, reason] : outcome.left_out) left_out.insert(left);
+        std::vector<NodeId> free;
+        for (NodeId candidate : outcome.considered) {
+          if (std::find(pattern->begin(), pattern->end(), candidate) == pattern->end() && !left_out.count(candidate)) {
+            free.push_back(candidate);
+          }
+        }
+        double best = -1e300;
+        for (std::uint32_t mask = 0; mask < (1U << free.size()); ++mask) {
+          std::vector<NodeId> region(pattern->begin(), pattern->end());
+          for (std::size_t bit = 0; bit < free.size(); ++bit) {
+            if (mask >> bit & 1U) region.push_back(free[bit]);
+          }
+          std::sort(region.begin(), region.end());
+          if (!legal_by_definition(graph, target, rule, region, *pattern)) continue;
+          best = std::max(best, estimate_region(graph, region, target, rule.resources).benefit_ns);
+        }
+        const double found = estimate_region(graph, outcome.region, target, rule.resources).benefit_ns;
+        // Capacities are whole picoseconds: allow one per edge the rounding touched.
+        EXPECT_GE(found, best - 0.05) << rule.name << " at " << node.name << "\n" << write_graph_json(graph);
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GT(compared, 2000);
+}
+
+// A small conflict graph with integer weights: random, bipartite or an odd cycle.
+struct ConflictCase {
+  std::vector<std::int64_t> weights;
+  std::vector<std::vector<int>> conflicts;
+};
+
+ConflictCase random_conflicts(std::mt19937_64& random, int count, bool bipartite) {
+  ConflictCase result;
+  std::uniform_int_distribution<std::int64_t> weight(1, 50);
+  for (int k = 0; k < count; ++k) result.weights.push_back(weight(random));
+  result.conflicts.resize(static_cast<std::size_t>(count));
+  std::bernoulli_distribution edge(0.3);
+  for (int a = 0; a < count; ++a) {
+    for (int b = a + 1; b < count; ++b) {
+      if (bipartite && (a % 2) == (b % 2)) continue;
+      if (!edge(random)) continue;
+      result.conflicts[static_cast<std::size_t>(a)].push_back(b);
+      result.conflicts[static_cast<std::size_t>(b)].push_back(a);
+    }
+  }
+  return result;
+}
+
+std::int64_t best_independent_set(const ConflictCase& problem) {
+  const std::size_t count = problem.weights.size();
+  std::int64_t best = 0;
+  for (std::uint32_t mask = 0; mask < (1U << count); ++mask) {
+    std::int64_t total = 0;
+    bool independent = true;
+    for (std::size_t a = 0; a < count && independent; ++a) {
+      if (!(mask >> a & 1U)) continue;
+      total += problem.weights[a];
+      for (int b : problem.conflicts[a]) independent = independent && !(mask >> b & 1U);
+    }
+    if (independent) best = std::max(best, total);
+  }
+  return best;
+}
+
+TEST(ConflictSelection, ExactComponentsMatchBruteForce) {
+  std::mt19937_64 random(99);
+  for (int round = 0; round < 600; ++round) {
+    const ConflictCase problem = random_conflicts(random, 2 + round % 13, round % 2 == 0);
+    const auto outcome = fusion_internal::select_candidates(problem.weights, problem.conflicts, 24);
+    std::int64_t total = 0;
+    for (std::size_t a = 0; a < problem.weights.size(); ++a) {
+      if (!outcome.selected[a]) continue;
+      total += problem.weights[a];
+      for (int b : problem.conflicts[a]) ASSERT_FALSE(outcome.selected[static_cast<std::size_t>(b)]);
+    }
+    EXPECT_EQ(total, best_independent_set(problem)) << "round " << round;
+    for (const ConflictComponent& component : outcome.components) {
+      if (round % 2 == 0) {
+        EXPECT_TRUE(component.bipartite);
+      }
+      EXPECT_NE(component.method, "greedy");
+    }
+  }
+}
+
+TEST(ConflictSelection, MiddleLosesToOuterPairAndOddCycleIsExact) {
+  // 0 - 1 - 2: the middle (weight 5) against two outer ones (3 + 3).
+  const std::vector<std::int64_t> path_weights = {3, 5, 3};
+  const auto path = fusion_internal::select_candidates(path_weights, {{1}, {0, 2}, {1}}, 24);
+  EXPECT_EQ(path.selected, (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(path.components.at(0).method, "min_cut");
+  // A five-cycle is not bipartite; at most two non-adjacent members. The best
+  // pair is {0, 3} (6 + 6), which greedy misses by taking the heaviest (4) first.
+  const std::vector<std::int64_t> cycle_weights = {6, 1, 1, 6, 7};
+  const auto cycle = fusion_internal::select_candidates(cycle_weights, {{1, 4}, {0, 2}, {1, 3}, {2, 4}, {3, 0}}, 24);
+  EXPECT_EQ(cycle.components.at(0).method, "branch_and_bound");
+  EXPECT_FALSE(cycle.components.at(0).bipartite);
+  EXPECT_EQ(cycle.selected, (std::vector<bool>{true, false, false, true, false}));
+  // Too large for the exact search: greedy, still independent and maximal.
+  const auto greedy = fusion_internal::select_candidates(cycle_weights, {{1, 4}, {0, 2}, {1, 3}, {2, 4}, {3, 0}}, 4);
+  EXPECT_EQ(greedy.components.at(0).method, "greedy");
+  // Heaviest first (4, blocking 3 and 0), then the heaviest still free (1, before 2 on a tie).
+  EXPECT_EQ(greedy.selected, (std::vector<bool>{false, true, false, false, true}));
+}
+
+TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
+  std::mt19937_64 random(314159);
+  int exact_components = 0;
+  int multi_candidate_components = 0;
+  for (int round = 0; round < 2000; ++round) {
+    const ComputeGraph graph = fusion_test::random_graph(random, 3 + round % 28);
+    const FusionPlan plan = plan_graph_fusion(graph, round % 3 == 0 ? FusionTarget::cpu() : FusionTarget::h200());
+    ASSERT_EQ(fusion_test::plan_problems(plan), "") << write_graph_json(graph);
+
+    // Every overlap is a conflict, and conflicts are symmetric.
+    for (std::size_t a = 0; a < plan.candidates.size(); ++a) {
+      const FusionCandidate& first = plan.candidates[a];
+      for (std::size_t b = 0; b < plan.candidates.size(); ++b) {
+        if (a == b) continue;
+        const FusionCandidate& second = plan.candidates[b];
+        std::vector<NodeId> shared;
+        std::set_intersection(first.nodes.begin(), first.nodes.end(), second.nodes.begin(), second.nodes.end(),
+                              std::back_inserter(shared));
+        const bool listed = std::binary_search(first.conflicts.begin(), first.conflicts.end(), static_cast<int>(b));
+        if (!shared.empty()) {
+          ASSERT_TRUE(listed);
+        }
+        ASSERT_EQ(listed, std::binary_search(second.conflicts.begin(), second.conflicts.end(), static_cast<int>(a)));
+      }
+    }
+    // Per exactly solved component: the selection's weight is the brute-force best.
+    for (const ConflictComponent& component : plan.components) {
+      if (component.method == "greedy" || component.candidates.size() > 16) continue;
+      ConflictCase problem;
+      for (int member : component.candidates) {
+        problem.weights.push_back(to_picoseconds(plan.candidates[static_cast<std::size_t>(member)].benefit_ns));
+        std::vector<int> local;
+        for (int other : plan.candidates[static_cast<std::size_t>(member)].conflicts) {
+          local.push_back(static_cast<int>(std::lower_bound(component.candidates.begin(), component.candidates.end(), other) -
+                                           component.candidates.begin()));
+        }
+        problem.conflicts.push_back(local);
+      }
+      std::int64_t chosen = 0;
+      for (std::size_t local = 0; local < component.candidates.size(); ++local) {
+        if (plan.candidates[static_cast<std::size_t>(component.candidates[local])].region >= 0) chosen += problem.weights[local];
+      }
+      EXPECT_EQ(chosen, best_independent_set(problem)) << component.method;
+      ++exact_components;
+      if (component.candidates.size() > 1) ++multi_candidate_components;
+    }
+    // The plan, run kernel by kernel, computes what the graph computes.
+    if (round % 4 == 0) {
+      const TensorMap inputs = random_inputs(graph, static_cast<std::uint64_t>(round));
+      const TensorMap expected = run_reference(graph, inputs);
+      const TensorMap actual = run_plan_reference(plan, inputs);
+      ASSERT_EQ(actual.size(), expected.size());
+      for (const auto& [name, tensor] : expected) EXPECT_TRUE(actual.at(name) == tensor) << name;
+    }
+  }
+  EXPECT_GT(multi_candidate_components, 500);
+  EXPECT_GT(exact_components, 2000);
+}
+
+}  // namespace
+}  // namespace metile

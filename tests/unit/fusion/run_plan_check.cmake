@@ -1,0 +1,25 @@
+# Runs one `metile plan` command line for ctest and checks its exit code and output.
+# -DPROGRAM=exe -DARGUMENTS="arg|arg|..." -DEXPECT_EXIT=N
+# [-DEXPECT_STDOUT=exact text] [-DEXPECT_MATCH=regex on stdout] [-DEXPECT_STDERR=regex]
+# ('|' separates arguments because ';' does not survive add_test's own list splitting.)
+string(REPLACE "|" ";" arguments "${ARGUMENTS}")
+execute_process(COMMAND ${PROGRAM} ${arguments} RESULT_VARIABLE exit_code OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT exit_code STREQUAL EXPECT_EXIT)
+  message(FATAL_ERROR "exit code ${exit_code}, expected ${EXPECT_EXIT}\nstdout: ${out}\nstderr: ${err}")
+endif()
+if(DEFINED EXPECT_STDOUT AND NOT out STREQUAL "${EXPECT_STDOUT}\n")
+  message(FATAL_ERROR "stdout was\n${out}\nexpected\n${EXPECT_STDOUT}")
+endif()
+if(DEFINED EXPECT_MATCH)
+  # Regexes cannot span lines with '.' in CMake unless newlines are folded first.
+  string(REPLACE "\n" " " folded "${out}")
+  if(NOT folded MATCHES "${EXPECT_MATCH}")
+    message(FATAL_ERROR "stdout was\n${out}\nexpected to match\n${EXPECT_MATCH}")
+  endif()
+endif()
+if(DEFINED EXPECT_STDERR AND NOT err MATCHES "${EXPECT_STDERR}")
+  message(FATAL_ERROR "stderr was\n${err}\nexpected to match\n${EXPECT_STDERR}")
+endif()
+if(exit_code STREQUAL "0" AND NOT err STREQUAL "")
+  message(FATAL_ERROR "a successful run wrote to stderr:\n${err}")
+endif()
