@@ -1,0 +1,43 @@
+// `metile run GRAPH.json --backend cuda [--check]`: plans the graph, builds an Executable
+// (compiles, gates and tunes every region, dispatch.h), runs it once on the inputs and returns
+// the outputs; with --check, compares every output with the CPU reference and prints the error.
+// Built only with the CUDA backend (METILE_HAVE_CUDA_BACKEND).
+#include <stdexcept>
+
+#include <fmt/core.h>
+
+#include "commands.h"
+#include "metile/cpu_runtime.h"
+#include "metile/dispatch.h"
+#include "metile/fusion.h"
+
+namespace metile::cli {
+
+TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool check) {
+  std::string reason;
+  const std::optional<CudaDevice> device = CudaDevice::try_open(0, &reason);
+  if (!device) throw std::runtime_error(reason + " (--backend cpu runs everywhere)");
+  const CudaDeviceInfo& info = device->info();
+  fmt::print("cuda: {} ({}, {} SMs, driver {}, NVRTC {}), dispatch {}\n", info.name, info.architecture(),
+             info.multiprocessor_count, info.driver_version, nvrtc_version(),
+             dispatch_mode_name(dispatch_mode_from_environment()));
+  const FusionPlan plan = plan_graph_fusion(graph);
+  Executable executable = Executable::build(plan, *device);
+  for (const RegionReport& report : executable.reports()) fmt::print("{}\n", report.sentence);
+  const TensorMap outputs = executable.run(inputs);
+  if (check) {
+    const TensorMap reference = run_reference(graph, inputs);
+    int failures = 0;
+    for (ValueId id : graph.outputs()) {
+      const std::string& name = graph.value(id).name;
+      const NumericGateResult gate = numeric_gate(outputs.at(name), reference.at(name));
+      fmt::print("check '{}': relative L2 error {:.2e}, max error / max |ref| {:.2e} (gate {:.0e}): {}\n", name,
+                 gate.relative_l2, gate.relative_max, gate.threshold, gate.passed ? "ok" : "FAILED, " + gate.detail);
+      failures += gate.passed ? 0 : 1;
+    }
+    if (failures > 0) throw std::runtime_error(fmt::format("--check: {} output(s) differ from the CPU reference", failures));
+  }
+  return outputs;
+}
+
+}  // namespace metile::cli
