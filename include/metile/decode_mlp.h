@@ -17,12 +17,15 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "metile/cuda_runtime.h"
+#include "metile/dispatch.h"
 #include "metile/graph.h"
 #include "metile/quant.h"
 
@@ -166,5 +169,102 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
 
 // Bytes a GEMV must move at least: weights (codes, scales, biases), x, epilogue tensors, output.
 std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config);
+
+// ---------------------------------------------------------------- the MLP on the host
+// One decode MLP's weights: gate and up [intermediate, hidden], down [hidden, intermediate]
+// (PyTorch's Linear layout), dense in the activation dtype or MLX affine matrices whose scales
+// and biases are in the activation dtype.
+struct DecodeMlpWeights {
+  GemvWeightFormat format;
+  std::int64_t hidden = 0, intermediate = 0;
+  HostTensor gate, up, down;                                        // dense formats
+  std::optional<QuantizedMatrix> quantized_gate, quantized_up, quantized_down;  // affine formats
+
+  static DecodeMlpWeights dense(HostTensor gate, HostTensor up, HostTensor down);
+  static DecodeMlpWeights affine(QuantizedMatrix gate, QuantizedMatrix up, QuantizedMatrix down);
+  // Seeded random weights whose products stay O(1) for O(1) inputs: dense uniform / sqrt(K);
+  // affine random codes over the whole range, scales of both signs, biases around zero.
+  static DecodeMlpWeights random(GemvWeightFormat format, std::int64_t hidden, std::int64_t intermediate,
+                                 std::uint64_t seed);
+  void validate() const;  // InputError naming the matrix whose shape or dtype is wrong
+
+  // The unfused graph the executor implements, for `rows` activation rows:
+  //   inputs  x [rows, hidden], residual [rows, hidden], then the weights (weight_inputs() names)
+  //   gate = x·Wgateᵀ, up = x·Wupᵀ, activated = silu(gate), hidden_state = activated * up,
+  //   down = hidden_state·Wdownᵀ, out = down + residual        (output: out)
+  ComputeGraph graph(std::int64_t rows) const;
+  TensorMap weight_inputs() const;  // "gate_weight" ... or "gate_packed", "gate_scales", "gate_biases" ...
+  std::int64_t weight_bytes() const;  // codes, scales and biases (or dense elements) of the three matrices
+};
+
+// The MLP in float64 (threads over output features), from the quant module's dequantized
+// weights: the oracle of the numeric gates. x, residual [rows, hidden]; hidden [rows, intermediate].
+std::vector<double> decode_mlp_reference_hidden(const DecodeMlpWeights& weights, const HostTensor& x);
+std::vector<double> decode_mlp_reference_out(const DecodeMlpWeights& weights, const HostTensor& hidden,
+                                             const HostTensor& residual);
+
+// ---------------------------------------------------------------- the MLP executor (CUDA)
+struct DecodeMlpOptions {
+  DispatchMode mode = dispatch_mode_from_environment();
+  TournamentOptions tournament;
+  double headroom = 0.10;           // a fused stage must beat the best native candidate by this much
+  std::uint64_t gate_seed = 0x6d6c70;
+  bool use_decision_cache = true;   // a stored decision skips the tournament (the gate still runs)
+  std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
+  int tuning_candidates = 3;        // launch shapes per fused schedule (gemv_tuning_candidates)
+};
+
+// One candidate of a stage. `kind` is "native" (cuBLASLt / dequantize + cuBLASLt, or the
+// unfused GEMV of an affine matrix; each also as a CUDA graph) or "fused".
+struct DecodeMlpCandidate {
+  std::string name;   // "native", "native graph", "unfused gemv", "fused register_resident w4 t1 f2", ...
+  std::string kind;
+  std::string kernel; // the generated kernel's config, empty for native cuBLASLt steps
+  NumericGateResult gate;  // against the float64 reference rounded to the activation dtype
+  double score_ms = -1;    // the tournament's score; < 0 when not timed
+};
+
+struct DecodeMlpStageReport {
+  std::string stage;  // "gate_up" or "down"
+  std::vector<DecodeMlpCandidate> candidates;
+  int chosen = -1;       // index into candidates
+  int best_native = -1;  // the fastest native candidate (the incumbent of the headroom rule)
+  bool from_cache = false;
+  std::string sentence;  // "gate_up: fused scratch_spilled w4 t1 f4, 1.92x over native graph"
+  double chosen_ms() const;
+  double native_ms() const;
+};
+
+// The warmed decode MLP: one CUDA graph replaying the selected gate/up callable and the
+// selected down callable on fixed buffers (x, residual in; out out).
+class DecodeMlpExecutor {
+ public:
+  static DecodeMlpExecutor build(const DecodeMlpWeights& weights, std::int64_t rows, const CudaDevice& device,
+                                 const DecodeMlpOptions& options = {});
+  ~DecodeMlpExecutor();
+  DecodeMlpExecutor(DecodeMlpExecutor&&) noexcept;
+  DecodeMlpExecutor& operator=(DecodeMlpExecutor&&) noexcept;
+
+  std::int64_t rows() const;
+  DeviceTensor& x();
+  DeviceTensor& residual();
+  const DeviceTensor& out() const;
+  const CudaStream& stream() const;
+  void enqueue(const CudaStream& stream) const;  // replays the executor's CUDA graph
+  // Uploads x and residual, replays, synchronizes and returns out.
+  HostTensor run(const HostTensor& x, const HostTensor& residual);
+  // The unfused graph on the native path (both stages' best native candidates, one CUDA graph
+  // on the same buffers): what the executor is compared with.
+  void enqueue_native(const CudaStream& stream) const;
+
+  const DecodeMlpStageReport& gate_up_report() const;
+  const DecodeMlpStageReport& down_report() const;
+  std::string report() const;  // the two stage sentences and every candidate's gate and time
+
+ private:
+  struct State;
+  explicit DecodeMlpExecutor(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace metile

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "metile/decode_mlp.h"
@@ -59,19 +60,28 @@ inline std::vector<double> weight_values(const QuantizedMatrix& matrix) {
   return dequantize_affine(matrix, DType::f32).to_values();
 }
 
-// y[m, n] = sum_k x[m, k] w[n, k] in double.
+// y[m, n] = sum_k x[m, k] w[n, k] in double (threads over n: model-sized oracles stay quick).
 inline std::vector<double> reference_gemv(const std::vector<double>& x, const std::vector<double>& weights,
                                           std::int64_t rows, std::int64_t out_features, std::int64_t in_features) {
   std::vector<double> y(static_cast<std::size_t>(rows * out_features));
-  for (std::int64_t m = 0; m < rows; ++m) {
-    for (std::int64_t n = 0; n < out_features; ++n) {
-      double sum = 0;
+  auto work = [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t n = begin; n < end; ++n) {
       const double* w = weights.data() + n * in_features;
-      const double* xr = x.data() + m * in_features;
-      for (std::int64_t k = 0; k < in_features; ++k) sum += xr[k] * w[k];
-      y[static_cast<std::size_t>(m * out_features + n)] = sum;
+      for (std::int64_t m = 0; m < rows; ++m) {
+        const double* xr = x.data() + m * in_features;
+        double sum = 0;
+        for (std::int64_t k = 0; k < in_features; ++k) sum += xr[k] * w[k];
+        y[static_cast<std::size_t>(m * out_features + n)] = sum;
+      }
     }
+  };
+  const std::int64_t threads = std::clamp<std::int64_t>(std::thread::hardware_concurrency(), 1, 32);
+  const std::int64_t per_thread = (out_features + threads - 1) / threads;
+  std::vector<std::thread> workers;
+  for (std::int64_t begin = 0; begin < out_features; begin += per_thread) {
+    workers.emplace_back(work, begin, std::min(out_features, begin + per_thread));
   }
+  for (std::thread& worker : workers) worker.join();
   return y;
 }
 

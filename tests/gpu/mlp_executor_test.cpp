@@ -1,0 +1,154 @@
+// The decode-MLP executor on the GPU: its output equals the unfused graph's (the CPU reference
+// executor running weights.graph(rows)) within the numeric gate, on fresh inputs other than the
+// ones it was gated on; every candidate of both stages went through the gate; the chosen one
+// passed it; METILE_DISPATCH's modes force native or fused; a stored decision is reused.
+// Skips without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <fmt/core.h>
+
+#include <filesystem>
+#include <unistd.h>
+#include <iostream>
+
+#include "../unit/gemv/gemv_test_support.h"
+#include "gpu_test_support.h"
+#include "metile/cpu_runtime.h"
+#include "metile/decode_mlp.h"
+
+namespace metile {
+namespace {
+
+DecodeMlpOptions quick_options() {
+  DecodeMlpOptions options;
+  options.mode = DispatchMode::automatic;
+  options.use_decision_cache = false;
+  options.tournament.rounds = 3;
+  options.tournament.samples_per_round = 2;
+  options.tournament.calls_per_sample = 5;
+  options.tournament.warmup_calls = 2;
+  return options;
+}
+
+const DecodeMlpCandidate& chosen(const DecodeMlpStageReport& report) {
+  return report.candidates.at(static_cast<std::size_t>(report.chosen));
+}
+
+void expect_well_formed(const DecodeMlpStageReport& report, bool affine) {
+  ASSERT_GE(report.chosen, 0) << report.sentence;
+  EXPECT_TRUE(chosen(report).gate.passed) << report.sentence;
+  EXPECT_GE(chosen(report).score_ms, 0.0) << report.sentence;
+  EXPECT_FALSE(report.sentence.empty());
+  int native = 0, fused = 0;
+  for (const DecodeMlpCandidate& candidate : report.candidates) {
+    (candidate.kind == "native" ? native : fused) += 1;
+    // Every candidate was gated: relative errors are figures, never left at their defaults.
+    EXPECT_TRUE(candidate.gate.passed || !candidate.gate.detail.empty()) << candidate.name;
+    EXPECT_GT(candidate.gate.threshold, 0.0) << candidate.name;
+    if (candidate.kind == "fused") {
+      EXPECT_TRUE(candidate.gate.passed) << report.stage << " " << candidate.name << ": " << candidate.gate.detail;
+    }
+  }
+  EXPECT_EQ(native, affine ? 4 : 2) << report.stage;  // native (+graph), unfused gemv (+graph) when affine
+  EXPECT_GE(fused, 1) << report.stage;
+}
+
+class DecodeMlpExecutorTest : public testing_support::CudaDeviceTest {};
+
+TEST_F(DecodeMlpExecutorTest, OutputEqualsTheUnfusedGraphWithinTheGate) {
+  struct Case {
+    GemvWeightFormat format;
+    std::int64_t hidden, intermediate, rows;
+  };
+  const std::vector<Case> cases = {
+      {GemvWeightFormat::affine(4, 64, DType::bf16), 2048, 8192, 1},   // Llama-3.2-1B, 4-bit
+      {GemvWeightFormat::dense(DType::bf16), 1536, 8960, 4},            // Qwen2.5-1.5B, bf16
+      {GemvWeightFormat::affine(8, 32, DType::f16), 352, 1184, 16},     // small, ragged against the load block
+      {GemvWeightFormat::affine(4, 128, DType::bf16), 4096, 14336, 2},  // Llama-3-8B, 4-bit g128
+  };
+  std::uint64_t seed = 900;
+  for (const Case& c : cases) {
+    const std::string label = fmt::format("{} {}x{} M={}", c.format.to_string(), c.hidden, c.intermediate, c.rows);
+    const DecodeMlpWeights weights = DecodeMlpWeights::random(c.format, c.hidden, c.intermediate, ++seed);
+    DecodeMlpExecutor executor = DecodeMlpExecutor::build(weights, c.rows, device(), quick_options());
+    std::cout << "[report] " << label << "\n" << executor.report();
+    expect_well_formed(executor.gate_up_report(), c.format.is_affine());
+    expect_well_formed(executor.down_report(), c.format.is_affine());
+
+    // Fresh inputs, not the gate's.
+    const ComputeGraph graph = weights.graph(c.rows);
+    TensorMap inputs = weights.weight_inputs();
+    inputs["x"] = gemv_testing::random_tensor(TensorSpec({c.rows, c.hidden}, c.format.activation), ++seed);
+    inputs["residual"] = gemv_testing::random_tensor(TensorSpec({c.rows, c.hidden}, c.format.activation), ++seed);
+    const HostTensor out = executor.run(inputs["x"], inputs["residual"]);
+    const TensorMap reference = run_reference(graph, inputs);
+    const NumericGateResult against_graph = numeric_gate(out, reference.at("out"));
+    EXPECT_TRUE(against_graph.passed) << label << ": " << against_graph.detail;
+
+    // And against the float64 oracle, for the figures.
+    const std::vector<double> hidden = decode_mlp_reference_hidden(weights, inputs["x"]);
+    const HostTensor hidden_tensor =
+        HostTensor::from_values(TensorSpec({c.rows, c.intermediate}, c.format.activation), hidden);
+    const std::vector<double> expected = decode_mlp_reference_out(weights, hidden_tensor, inputs["residual"]);
+    const gemv_testing::ScaledError error = gemv_testing::scaled_error(out.to_values(), expected);
+    std::cout << fmt::format("[figures] executor {:<36} vs graph: L2 {:.2e} max {:.2e}; vs float64: L2 {:.2e} max {:.2e}\n",
+                             label, against_graph.relative_l2, against_graph.relative_max, error.relative_norm,
+                             error.relative_max);
+    EXPECT_LE(error.relative_max, numeric_gate_threshold(c.format.activation)) << label;
+
+    // The native replay computes the same function.
+    executor.enqueue_native(executor.stream());
+    executor.stream().synchronize();
+    const NumericGateResult native = numeric_gate(executor.out().to_host(), reference.at("out"));
+    EXPECT_TRUE(native.passed) << label << " native: " << native.detail;
+  }
+}
+
+TEST_F(DecodeMlpExecutorTest, DispatchModesForceNativeOrFused) {
+  const DecodeMlpWeights weights = DecodeMlpWeights::random(GemvWeightFormat::affine(4, 64, DType::bf16), 1024, 2816, 31);
+  EXPECT_THROW(DecodeMlpExecutor::build(weights, 17, device()), InputError);  // decode is 1..16 rows
+  DecodeMlpOptions options = quick_options();
+  options.mode = DispatchMode::native;
+  DecodeMlpExecutor native = DecodeMlpExecutor::build(weights, 1, device(), options);
+  EXPECT_EQ(chosen(native.gate_up_report()).kind, "native") << native.report();
+  EXPECT_EQ(chosen(native.down_report()).kind, "native") << native.report();
+  options.mode = DispatchMode::fused;
+  DecodeMlpExecutor fused = DecodeMlpExecutor::build(weights, 1, device(), options);
+  EXPECT_EQ(chosen(fused.gate_up_report()).kind, "fused") << fused.report();
+  EXPECT_EQ(chosen(fused.down_report()).kind, "fused") << fused.report();
+  const HostTensor x = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), 5);
+  const HostTensor residual = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), 6);
+  const NumericGateResult same = numeric_gate(fused.run(x, residual), native.run(x, residual));
+  EXPECT_LE(same.relative_l2, 2e-2) << same.detail;
+}
+
+TEST_F(DecodeMlpExecutorTest, StoredDecisionIsReused) {
+  const std::filesystem::path file =
+      std::filesystem::temp_directory_path() / fmt::format("metile_mlp_decisions_{}.json", ::getpid());
+  std::filesystem::remove(file);
+  const DecodeMlpWeights weights = DecodeMlpWeights::random(GemvWeightFormat::dense(DType::f16), 512, 1408, 77);
+  DecodeMlpOptions options = quick_options();
+  options.use_decision_cache = true;
+  options.decision_cache_file = file;
+  DecodeMlpExecutor first = DecodeMlpExecutor::build(weights, 3, device(), options);
+  EXPECT_FALSE(first.gate_up_report().from_cache);
+  DecodeMlpExecutor second = DecodeMlpExecutor::build(weights, 3, device(), options);
+  EXPECT_TRUE(second.gate_up_report().from_cache) << second.report();
+  EXPECT_TRUE(second.down_report().from_cache) << second.report();
+  EXPECT_EQ(chosen(second.gate_up_report()).name, chosen(first.gate_up_report()).name);
+  EXPECT_EQ(chosen(second.down_report()).name, chosen(first.down_report()).name);
+  std::filesystem::remove(file);
+}
+
+TEST(DecodeMlpWeightsTest, RejectsMismatchedMatrices) {
+  const DecodeMlpWeights weights = DecodeMlpWeights::random(GemvWeightFormat::dense(DType::bf16), 64, 96, 1);
+  try {
+    DecodeMlpWeights::dense(weights.gate, weights.up, weights.gate);
+    FAIL() << "a [96, 64] down matrix was accepted for hidden 64, intermediate 96";
+  } catch (const InputError& error) {
+    EXPECT_NE(std::string(error.what()).find("down is bf16[96, 64]"), std::string::npos) << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace metile
