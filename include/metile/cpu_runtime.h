@@ -27,14 +27,16 @@ TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs);
 // value read outside its region that the region does not publish).
 TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs);
 
-// Fresh, seeded random inputs suited to each graph input (never zeros):
-// floats in [-1, 1), rope positions in [0, S), packed quantized weights as
-// random bits, quantization scales in [0.005, 0.02] and biases in
-// [-0.05, 0.05]; other integer inputs uniform over i8/u8, [-1000, 1000] for
-// i32, all bits for u32. A role is read from the input's consumers. Each
+// Fresh, seeded random inputs suited to each graph input (never zeros), its
+// role read from its consumers: floats uniform in [-1, 1), divided by sqrt(K)
+// for a matmul's right operand; rope positions in [0, S); packed quantized
+// weights as random bits; quantization scales in [0.005, 0.02] and biases
+// that centre each group's weights on zero (-scale * (2^bits - 1) / 2 plus
+// up to half a scale; [-0.05, 0.05] when the scales are computed); other
+// integers uniform over i8/u8, [-1000, 1000] for i32, all bits for u32. Each
 // input draws from its own stream (seed and name), so adding an input to a
-// graph leaves the others unchanged; the generator is ours, so the values are
-// the same on every platform.
+// graph leaves the others unchanged; the generator is ours and floats are
+// drawn on an f32 grid, so the values are the same on every platform.
 TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed);
 
 }  // namespace metile

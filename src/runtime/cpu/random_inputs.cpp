@@ -4,9 +4,13 @@
 // each input's role is read from its consumers. The generator is SplitMix64,
 // written out here so the same seed gives the same bits on every standard
 // library (std::uniform_*_distribution is implementation-defined).
+#include <algorithm>
+#include <cmath>
+#include <span>
 #include <string_view>
 
 #include "metile/cpu_runtime.h"
+#include "tensor_access.h"
 
 namespace metile {
 namespace {
@@ -20,9 +24,10 @@ class SplitMix64 {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
   }
-  double uniform(double low, double high) {  // [low, high)
-    return low + (high - low) * (static_cast<double>(next() >> 11) * 0x1.0p-53);
-  }
+  // [0, 1) on a grid of 2^-24: exact in f32, so float arithmetic on it is
+  // reproducible and rounding to f16/bf16 happens once.
+  float unit() { return static_cast<float>(next() >> 40) * 0x1.0p-24f; }
+  float uniform(float low, float high) { return low + (high - low) * unit(); }
   std::int64_t integer(std::int64_t low, std::int64_t high) {  // [low, high], small ranges
     return low + static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(high - low + 1));
   }
@@ -40,54 +45,115 @@ std::uint64_t fnv1a(std::string_view text) {
   return hash;
 }
 
-enum class InputRole { plain, rope_positions, packed_weights, quantization_scales, quantization_biases };
+enum class InputRole {
+  plain,
+  rope_positions,
+  contraction_weight,  // matmul's right operand
+  packed_weights,
+  quantization_scales,
+  quantization_biases,
+};
 
-InputRole role_of(const ComputeGraph& graph, ValueId input) {
+struct InputUse {
+  InputRole role = InputRole::plain;
+  const Node* consumer = nullptr;  // the node that gave the role
+};
+
+InputUse use_of(const ComputeGraph& graph, ValueId input) {
   for (NodeId consumer : graph.consumers(input)) {
     const Node& node = graph.node(consumer);
     for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
       if (node.inputs[slot] != input) continue;
-      if (node.op == "rope" && slot == 1) return InputRole::rope_positions;
-      if (node.op == "quantized_matmul" && slot == 1) return InputRole::packed_weights;
-      if (node.op == "quantized_matmul" && slot == 2) return InputRole::quantization_scales;
-      if (node.op == "quantized_matmul" && slot == 3) return InputRole::quantization_biases;
+      if (node.op == "rope" && slot == 1) return {InputRole::rope_positions, &node};
+      if (node.op == "matmul" && slot == 1) return {InputRole::contraction_weight, &node};
+      if (node.op == "quantized_matmul" && slot == 1) return {InputRole::packed_weights, &node};
+      if (node.op == "quantized_matmul" && slot == 2) return {InputRole::quantization_scales, &node};
+      if (node.op == "quantized_matmul" && slot == 3) return {InputRole::quantization_biases, &node};
     }
   }
-  return InputRole::plain;
+  return {};
 }
 
-double draw(SplitMix64& generator, InputRole role, const TensorSpec& spec) {
-  switch (role) {
-    case InputRole::rope_positions: return static_cast<double>(generator.integer(0, spec.shape.front() - 1));
-    case InputRole::packed_weights: return static_cast<double>(static_cast<std::uint32_t>(generator.next()));
-    case InputRole::quantization_scales: return generator.uniform(0.005, 0.02);
-    case InputRole::quantization_biases: return generator.uniform(-0.05, 0.05);
-    case InputRole::plain: break;
+// Floating-point inputs, drawn as f32 values (elements first .. first + size)
+// and rounded once to the dtype.
+void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& value, const InputUse& use,
+                 const TensorMap& drawn, std::int64_t first, std::span<float> values) {
+  switch (use.role) {
+    case InputRole::quantization_scales:
+      for (float& element : values) element = generator.uniform(0.005f, 0.02f);
+      return;
+    case InputRole::quantization_biases: {
+      // Centre each group's weights on zero, as a real quantizer's min-based
+      // bias does: bias = scale * (u - 1/2 - (2^bits - 1)/2), so
+      // w = scale * q + bias spans about [-8, 8) scales at 4 bits.
+      const auto scales = drawn.find(graph.value(use.consumer->inputs[2]).name);
+      if (scales != drawn.end() && graph.value(use.consumer->inputs[2]).producer < 0) {
+        const auto half_range = static_cast<float>((1 << use.consumer->attributes.get_int("bits")) - 1) / 2.0f;
+        for (std::size_t index = 0; index < values.size(); ++index) {
+          const auto scale = static_cast<float>(scales->second.at(first + static_cast<std::int64_t>(index)));
+          values[index] = scale * (generator.unit() - 0.5f - half_range);
+        }
+        return;
+      }
+      for (float& element : values) element = generator.uniform(-0.05f, 0.05f);
+      return;
+    }
+    case InputRole::contraction_weight: {
+      // Uniform in [-1, 1) / sqrt(K), the usual initialisation, so that
+      // products keep the magnitude of their inputs through deep graphs.
+      const bool transpose_right = use.consumer->attributes.get_int("transpose_right") != 0;
+      const std::vector<std::int64_t>& shape = value.spec.shape;
+      const std::int64_t depth = transpose_right ? shape.back() : shape[shape.size() - 2];
+      const float factor = 1.0f / std::sqrt(static_cast<float>(depth));
+      for (float& element : values) element = generator.uniform(-1.0f, 1.0f) * factor;
+      return;
+    }
+    default:
+      for (float& element : values) element = generator.uniform(-1.0f, 1.0f);
+      return;
   }
-  switch (spec.dtype) {
-    case DType::f16:
-    case DType::bf16:
-    case DType::f32: return generator.uniform(-1.0, 1.0);
-    case DType::i8: return static_cast<double>(generator.integer(-128, 127));
-    case DType::u8: return static_cast<double>(generator.integer(0, 255));
-    case DType::i32: return static_cast<double>(generator.integer(-1000, 1000));
-    case DType::u32: return static_cast<double>(static_cast<std::uint32_t>(generator.next()));
+}
+
+std::int64_t draw_integer(SplitMix64& generator, const Value& value, InputRole role) {
+  if (role == InputRole::rope_positions) return generator.integer(0, value.spec.shape.front() - 1);
+  switch (value.spec.dtype) {
+    case DType::i8: return generator.integer(-128, 127);
+    case DType::u8: return generator.integer(0, 255);
+    case DType::i32: return generator.integer(-1000, 1000);
+    default: return static_cast<std::uint32_t>(generator.next());  // u32, packed weights included
   }
-  return 0;
 }
 
 }  // namespace
 
 TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
   TensorMap inputs;
+  // Biases are drawn last: they are centred using the scales beside them.
+  std::vector<ValueId> order;
   for (ValueId id : graph.inputs()) {
+    if (use_of(graph, id).role != InputRole::quantization_biases) order.push_back(id);
+  }
+  for (ValueId id : graph.inputs()) {
+    if (use_of(graph, id).role == InputRole::quantization_biases) order.push_back(id);
+  }
+  for (ValueId id : order) {
     const Value& value = graph.value(id);
     SplitMix64 generator(seed ^ fnv1a(value.name));
     generator.next();  // decorrelate seeds that differ in few bits
-    const InputRole role = role_of(graph, id);
+    const InputUse use = use_of(graph, id);
     HostTensor tensor(value.spec);
-    for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-      tensor.store(index, draw(generator, role, value.spec));
+    if (is_floating(value.spec.dtype)) {
+      std::vector<float> chunk(std::min<std::size_t>(65536, static_cast<std::size_t>(tensor.element_count())));
+      for (std::int64_t first = 0; first < tensor.element_count(); first += static_cast<std::int64_t>(chunk.size())) {
+        const std::span<float> part(chunk.data(), static_cast<std::size_t>(std::min<std::int64_t>(
+                                                      static_cast<std::int64_t>(chunk.size()), tensor.element_count() - first)));
+        draw_floats(generator, graph, value, use, inputs, first, part);
+        cpu::write_floats(tensor, first, part);
+      }
+    } else {
+      for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
+        tensor.store(index, static_cast<double>(draw_integer(generator, value, use.role)));
+      }
     }
     inputs.insert_or_assign(value.name, std::move(tensor));
   }

@@ -19,47 +19,67 @@
 namespace metile {
 namespace {
 
-using ValueSlots = std::vector<std::optional<HostTensor>>;
+// The values one scope can see, by value id: graph inputs are borrowed from the
+// caller's map (weights can be large), computed values are owned.
+class ValueSlots {
+ public:
+  explicit ValueSlots(std::size_t count) : borrowed_(count, nullptr), owned_(count) {}
+  const HostTensor* find(ValueId id) const {
+    const auto slot = static_cast<std::size_t>(id);
+    return owned_[slot] ? &*owned_[slot] : borrowed_[slot];
+  }
+  void borrow(ValueId id, const HostTensor& tensor) { borrowed_[static_cast<std::size_t>(id)] = &tensor; }
+  void own(ValueId id, HostTensor tensor) { owned_[static_cast<std::size_t>(id)] = std::move(tensor); }
+  void release(ValueId id) {
+    borrowed_[static_cast<std::size_t>(id)] = nullptr;
+    owned_[static_cast<std::size_t>(id)].reset();
+  }
+  // Moves a value out of this scope into `target` (a kernel publishing its output).
+  void move_to(ValueId id, ValueSlots& target) {
+    const auto slot = static_cast<std::size_t>(id);
+    if (owned_[slot]) target.own(id, std::move(*owned_[slot]));
+    owned_[slot].reset();
+  }
+
+ private:
+  std::vector<const HostTensor*> borrowed_;
+  std::vector<std::optional<HostTensor>> owned_;
+};
 
 // Evaluates one node reading its inputs from `local` first, then `published`.
 void evaluate_into(const ComputeGraph& graph, const Node& node, const ValueSlots& published, ValueSlots& local) {
   std::vector<const HostTensor*> inputs;
   for (ValueId input : node.inputs) {
-    const auto slot = static_cast<std::size_t>(input);
-    const std::optional<HostTensor>& value = local[slot] ? local[slot] : published[slot];
+    const HostTensor* value = local.find(input) ? local.find(input) : published.find(input);
     if (!value) {
       throw std::logic_error(fmt::format("node '{}' reads '{}' before it is computed", node.name,
                                          graph.value(input).name));
     }
-    inputs.push_back(&*value);
+    inputs.push_back(value);
   }
   std::vector<TensorSpec> output_specs;
   for (ValueId output : node.outputs) output_specs.push_back(graph.value(output).spec);
   std::vector<HostTensor> results = cpu::evaluate_reference_node(node, inputs, output_specs);
-  for (std::size_t index = 0; index < node.outputs.size(); ++index) {
-    local[static_cast<std::size_t>(node.outputs[index])] = std::move(results[index]);
-  }
+  for (std::size_t index = 0; index < node.outputs.size(); ++index) local.own(node.outputs[index], std::move(results[index]));
 }
 
 ValueSlots published_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
   check_graph_inputs(graph, inputs);
   ValueSlots slots(graph.values().size());
-  for (ValueId input : graph.inputs()) {
-    slots[static_cast<std::size_t>(input)] = inputs.find(graph.value(input).name)->second;
-  }
+  for (ValueId input : graph.inputs()) slots.borrow(input, inputs.find(graph.value(input).name)->second);
   return slots;
 }
 
-TensorMap collect_outputs(const ComputeGraph& graph, ValueSlots& slots) {
+TensorMap collect_outputs(const ComputeGraph& graph, const ValueSlots& slots) {
   TensorMap outputs;
   for (ValueId output : graph.outputs()) {
-    std::optional<HostTensor>& slot = slots[static_cast<std::size_t>(output)];
-    if (!slot) {
+    const HostTensor* value = slots.find(output);
+    if (!value) {
       throw InputError(fmt::format("fusion plan: graph output '{}' is computed inside a region that does not "
                                    "list it among its outputs",
                                    graph.value(output).name));
     }
-    outputs.insert_or_assign(graph.value(output).name, *slot);
+    outputs.insert_or_assign(graph.value(output).name, *value);
   }
   return outputs;
 }
@@ -164,9 +184,7 @@ TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
   for (const Node& node : graph.nodes()) {
     evaluate_into(graph, node, values, values);
     for (ValueId input : node.inputs) {
-      if (--reads_left[static_cast<std::size_t>(input)] == 0 && !graph.is_output(input)) {
-        values[static_cast<std::size_t>(input)].reset();
-      }
+      if (--reads_left[static_cast<std::size_t>(input)] == 0 && !graph.is_output(input)) values.release(input);
     }
   }
   return collect_outputs(graph, values);
@@ -182,14 +200,14 @@ TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs) {
     const auto ready = std::find_if(kernels.begin(), kernels.end(), [&](const Kernel& kernel) {
       if (done[static_cast<std::size_t>(&kernel - kernels.data())]) return false;
       return std::all_of(kernel.needs.begin(), kernel.needs.end(),
-                         [&](ValueId value) { return published[static_cast<std::size_t>(value)].has_value(); });
+                         [&](ValueId value) { return published.find(value) != nullptr; });
     });
     if (ready == kernels.end()) {
       std::string waiting;
       for (std::size_t index = 0; index < kernels.size() && waiting.empty(); ++index) {
         if (done[index]) continue;
         for (ValueId value : kernels[index].needs) {
-          if (!published[static_cast<std::size_t>(value)]) {
+          if (!published.find(value)) {
             waiting = fmt::format("{} waits for '{}'", kernels[index].label, graph.value(value).name);
             break;
           }
@@ -202,9 +220,7 @@ TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs) {
     const Kernel& kernel = *ready;
     ValueSlots local(graph.values().size());
     for (NodeId id : kernel.nodes) evaluate_into(graph, graph.node(id), published, local);
-    for (ValueId value : kernel.publishes) {
-      published[static_cast<std::size_t>(value)] = std::move(local[static_cast<std::size_t>(value)]);
-    }
+    for (ValueId value : kernel.publishes) local.move_to(value, published);
     done[static_cast<std::size_t>(ready - kernels.begin())] = true;
   }
   return collect_outputs(graph, published);

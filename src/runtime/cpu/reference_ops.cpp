@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "metile/quant.h"
+#include "tensor_access.h"
 
 namespace metile::cpu {
 namespace {
@@ -33,20 +34,16 @@ struct OpCall {
   const HostTensor& input(std::size_t index) const { return *inputs[index]; }
 };
 
-std::vector<float> load_floats(const HostTensor& tensor) {
-  std::vector<float> values(static_cast<std::size_t>(tensor.element_count()));
-  for (std::size_t index = 0; index < values.size(); ++index) {
-    values[index] = static_cast<float>(tensor.at(static_cast<std::int64_t>(index)));
-  }
-  return values;
+HostTensor store_values(const TensorSpec& spec, const std::vector<float>& values) {
+  HostTensor tensor(spec);
+  write_floats(tensor, 0, values);
+  return tensor;
 }
 
-template <typename Number>
-HostTensor store_values(const TensorSpec& spec, const std::vector<Number>& values) {
+// f64 results (contractions) round straight to the dtype, never through f32.
+HostTensor store_values(const TensorSpec& spec, const std::vector<double>& values) {
   HostTensor tensor(spec);
-  for (std::size_t index = 0; index < values.size(); ++index) {
-    tensor.store(static_cast<std::int64_t>(index), static_cast<double>(values[index]));
-  }
+  for (std::size_t index = 0; index < values.size(); ++index) tensor.store(static_cast<std::int64_t>(index), values[index]);
   return tensor;
 }
 
@@ -189,36 +186,42 @@ HostTensor evaluate_softmax(const OpCall& call) {
 }
 
 // a [..., M, K] times b [..., K, N] (or [..., N, K] with transpose_right); a
-// rank-2 b is shared by every batch. Dot products in f64, k ascending.
+// rank-2 b is shared by every batch. Dot products in f64, k ascending. b is
+// read one row of b^T at a time, so a large weight is never copied whole.
 HostTensor evaluate_matmul(const OpCall& call) {
   const TensorSpec& a_spec = call.input(0).spec();
-  const TensorSpec& b_spec = call.input(1).spec();
+  const HostTensor& b = call.input(1);
   const bool transpose_right = call.node.attributes.get_int("transpose_right") != 0;
   const std::int64_t m = a_spec.shape[a_spec.shape.size() - 2];
   const std::int64_t k = a_spec.shape.back();
   const std::int64_t n = call.output.shape.back();
   const std::int64_t batches = m * k == 0 ? 0 : a_spec.element_count() / (m * k);
-  const bool b_is_batched = b_spec.rank() > 2;
+  const bool b_is_batched = b.spec().rank() > 2;
   const std::vector<float> a = load_floats(call.input(0));
-  const std::vector<float> b = load_floats(call.input(1));
+  // Without transpose_right, b^T's rows are columns of b: transpose one batch of b once.
+  std::vector<float> b_batch;
+  std::vector<float> b_row(static_cast<std::size_t>(k));
   std::vector<double> out(static_cast<std::size_t>(batches * m * n));
-  std::vector<float> b_rows(static_cast<std::size_t>(n * k));  // b of this batch as [N, K]
   for (std::int64_t batch = 0; batch < batches; ++batch) {
-    if (batch == 0 || b_is_batched) {
-      const std::int64_t b_first = b_is_batched ? batch * k * n : 0;
-      for (std::int64_t column = 0; column < n; ++column) {
+    const std::int64_t b_first = b_is_batched ? batch * k * n : 0;
+    if (!transpose_right && (batch == 0 || b_is_batched)) {
+      b_batch.resize(static_cast<std::size_t>(k * n));
+      read_floats(b, b_first, b_batch);
+    }
+    for (std::int64_t column = 0; column < n; ++column) {
+      if (transpose_right) {
+        read_floats(b, b_first + column * k, b_row);
+      } else {
         for (std::int64_t depth = 0; depth < k; ++depth) {
-          const std::int64_t source = transpose_right ? column * k + depth : depth * n + column;
-          b_rows[static_cast<std::size_t>(column * k + depth)] = b[static_cast<std::size_t>(b_first + source)];
+          b_row[static_cast<std::size_t>(depth)] = b_batch[static_cast<std::size_t>(depth * n + column)];
         }
       }
-    }
-    for (std::int64_t row = 0; row < m; ++row) {
-      const float* a_row = a.data() + (batch * m + row) * k;
-      for (std::int64_t column = 0; column < n; ++column) {
-        const float* b_row = b_rows.data() + column * k;
+      for (std::int64_t row = 0; row < m; ++row) {
+        const float* a_row = a.data() + (batch * m + row) * k;
         double sum = 0;
-        for (std::int64_t depth = 0; depth < k; ++depth) sum += static_cast<double>(a_row[depth]) * b_row[depth];
+        for (std::int64_t depth = 0; depth < k; ++depth) {
+          sum += static_cast<double>(a_row[depth]) * b_row[static_cast<std::size_t>(depth)];
+        }
         out[static_cast<std::size_t>((batch * m + row) * n + column)] = sum;
       }
     }

@@ -130,7 +130,23 @@ TEST(RandomInputs, FitEachInputsRole) {
   EXPECT_TRUE(all_within(inputs.at("positions"), 0, 6));
   EXPECT_GT(distinct_count(inputs.at("positions")), 2);
   EXPECT_TRUE(all_within(inputs.at("scales"), 0.0049, 0.0201));
-  EXPECT_TRUE(all_within(inputs.at("biases"), -0.0501, 0.0501));
+  // Each bias sits 7 to 8 scales below zero, so that codes 0..15 span about [-8, 8) scales.
+  for (std::int64_t group = 0; group < 32; ++group) {
+    const double scale = inputs.at("scales").at(group);
+    const double bias = inputs.at("biases").at(group);
+    EXPECT_LE(bias, -7 * scale * (1 - 1.0 / 128)) << group;
+    EXPECT_GE(bias, -8 * scale * (1 + 1.0 / 128)) << group;
+  }
+  // The dequantized weights are centred on zero.
+  double weight_sum = 0;
+  for (std::int64_t word = 0; word < 16 * 8; ++word) {
+    const auto bits = static_cast<std::uint32_t>(inputs.at("packed").at(word));
+    const std::int64_t group = word / 4;  // 4 words of 8 codes per group of 32
+    for (int slot = 0; slot < 8; ++slot) {
+      weight_sum += inputs.at("scales").at(group) * ((bits >> (4 * slot)) & 15) + inputs.at("biases").at(group);
+    }
+  }
+  EXPECT_LT(std::abs(weight_sum / (16 * 64)), 0.002);
   EXPECT_GT(distinct_count(inputs.at("packed")), 120);
   // Every nibble value occurs: the words are random bits, not small numbers.
   std::vector<int> nibble_counts(16, 0);
@@ -140,6 +156,25 @@ TEST(RandomInputs, FitEachInputsRole) {
   for (int count : nibble_counts) EXPECT_GT(count, 20);
   const TensorMap outputs = run_reference(graph, inputs);
   EXPECT_EQ(outputs.at("rotated").spec(), TensorSpec({7, 16}, DType::bf16));
+}
+
+TEST(RandomInputs, MatmulWeightsAreScaledByTheContractionDepth) {
+  GraphBuilder builder;
+  const ValueRef x = builder.input("x", TensorSpec({2, 400}, DType::f32));
+  const ValueRef w = builder.input("w", TensorSpec({400, 100}, DType::f32));
+  const ValueRef w_transposed = builder.input("w_transposed", TensorSpec({7, 100}, DType::f32));
+  const ValueRef y = builder.matmul(builder.matmul(x, w), w_transposed, true);
+  const TensorMap inputs = random_inputs(builder.build({y}), 3);
+  auto largest = [](const HostTensor& tensor) {
+    double result = 0;
+    for (double value : tensor.to_values()) result = std::max(result, std::abs(value));
+    return result;
+  };
+  EXPECT_GT(largest(inputs.at("x")), 0.9);
+  EXPECT_LE(largest(inputs.at("w")), 1.0 / 20);  // K = 400
+  EXPECT_GT(largest(inputs.at("w")), 0.9 / 20);
+  EXPECT_LE(largest(inputs.at("w_transposed")), 1.0 / 10);  // K = 100
+  EXPECT_GT(largest(inputs.at("w_transposed")), 0.9 / 10);
 }
 
 TEST(RandomInputs, SameSeedSameValuesOtherSeedOtherValues) {
@@ -164,8 +199,8 @@ TEST(RandomInputs, PinnedValuesDoNotDriftAcrossPlatforms) {
   const std::vector<double> values = inputs.at("x").to_values();
   ASSERT_EQ(values.size(), 3u);
   EXPECT_EQ(values[0], static_cast<double>(0.617053509f));
-  EXPECT_EQ(values[1], static_cast<double>(0.28664726f));
-  EXPECT_EQ(values[2], static_cast<double>(0.656218827f));
+  EXPECT_EQ(values[1], static_cast<double>(0.286647201f));
+  EXPECT_EQ(values[2], static_cast<double>(0.656218767f));
 }
 
 // ---------------------------------------------------------------- plans
