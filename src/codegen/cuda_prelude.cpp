@@ -91,7 +91,8 @@ struct MaxOp {
 };
 
 // Reduces v over the THREADS consecutive threads that own one row; every one of them gets the result.
-// Up to a warp: shuffles only (sub-warp groups never mix, as xor offsets stay below THREADS).
+// Up to a warp: shuffles only (sub-warp groups never mix, as xor offsets stay below THREADS);
+// the block is a whole number of warps, so every lane named in the full mask exists.
 // Above a warp (one row per block): each warp's result through shared memory, then a second shuffle.
 template <typename Op, int THREADS>
 __device__ __forceinline__ float row_reduce(float v, float* scratch) {
@@ -110,6 +111,7 @@ __device__ __forceinline__ float row_reduce(float v, float* scratch) {
     for (int offset = kWarps / 2; offset > 0; offset /= 2) {
       v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, offset));
     }
+    v = __shfl_sync(0xffffffffu, v, 0);  // lanes >= kWarps combined only identities: take lane 0's total
     __syncthreads();  // scratch is reused by the next reduction
   }
   return v;

@@ -293,8 +293,11 @@ RowConfig choose_config(const RowAnalysis& analysis, const RowKernelOptions& opt
       throw InputError(fmt::format("row kernel: {} rows per block of {} threads exceed 1024 threads",
                                    config.rows_per_block, config.threads_per_row));
     }
-    // No more rows per block than there are rows.
-    config.rows_per_block = static_cast<int>(std::min<std::int64_t>(config.rows_per_block, analysis.rows));
+    // No more rows per block than there are rows, but at least a whole warp: the shuffles name all
+    // 32 lanes (rows past the end take part as invalid rows).
+    const int warp_rows = std::max(1, 32 / config.threads_per_row);
+    const auto rows = static_cast<int>(std::min<std::int64_t>(config.rows_per_block, analysis.rows));
+    config.rows_per_block = (rows + warp_rows - 1) / warp_rows * warp_rows;
   } else {
     config.rows_per_block = 1;
   }
