@@ -85,14 +85,14 @@ int small_size(Random& random, int low, int high) {
 }
 
 TEST(MaxFlowDifferential, SeedRandomFamily) {
-  run_family(700, 101, [](int index, Random& random) {
-    const int vertices = index < 600 ? small_size(random, 2, 60) : small_size(random, 61, 600);
+  run_family(630, 101, [](int index, Random& random) {
+    const int vertices = index < 600 ? small_size(random, 2, 60) : small_size(random, 61, 400);
     return flow_families::seed_random_network(vertices, small_size(random, 1, 12), random);
   });
 }
 
 TEST(MaxFlowDifferential, LayeredFamily) {
-  run_family(300, 202, [](int index, Random& random) {
+  run_family(265, 202, [](int index, Random& random) {
     const int layers = small_size(random, 2, index < 250 ? 8 : 40);
     const int width = small_size(random, 1, index < 250 ? 8 : 50);
     return flow_families::layered_network(layers, width, small_size(random, 1, 4), 100, random);
@@ -100,14 +100,14 @@ TEST(MaxFlowDifferential, LayeredFamily) {
 }
 
 TEST(MaxFlowDifferential, GridFamily) {
-  run_family(200, 303, [](int index, Random& random) {
+  run_family(180, 303, [](int index, Random& random) {
     const int side = index < 170 ? 8 : 40;
     return flow_families::grid_network(small_size(random, 1, side), small_size(random, 2, side), 50, random);
   });
 }
 
 TEST(MaxFlowDifferential, GenrmfFamily) {
-  run_family(150, 404, [](int index, Random& random) {
+  run_family(130, 404, [](int index, Random& random) {
     const int side = small_size(random, 2, index < 120 ? 4 : 8);
     const int frames = small_size(random, 2, index < 120 ? 6 : 30);
     return flow_families::genrmf_network(side, frames, 1, 100, random);
@@ -115,14 +115,14 @@ TEST(MaxFlowDifferential, GenrmfFamily) {
 }
 
 TEST(MaxFlowDifferential, DenseFamily) {
-  run_family(200, 505, [](int index, Random& random) {
+  run_family(190, 505, [](int index, Random& random) {
     const int vertices = small_size(random, 2, index < 180 ? 25 : 90);
     return flow_families::dense_network(vertices, 0.2 + 0.7 * (index % 5) / 4.0, 1000, random);
   });
 }
 
 TEST(MaxFlowDifferential, MultigraphFamilyWithLoopsAndZeroCapacities) {
-  run_family(500, 606, [](int index, Random& random) {
+  run_family(470, 606, [](int index, Random& random) {
     const int vertices = small_size(random, 2, index < 450 ? 30 : 300);
     return flow_families::multigraph_network(vertices, small_size(random, 0, 5 * vertices), 20, random);
   });
