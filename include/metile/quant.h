@@ -44,11 +44,13 @@ enum class AffineRounding : std::uint8_t {
   // dequantizes within |scale| / 2 of its original value (up to the rounding
   // of scale and bias to their dtype). The default.
   min_max,
-  // MLX's mx.quantize: the group edge with the larger magnitude becomes the
-  // bias and the scale takes its sign (negative when |max| >= |min|), then the
-  // scale is nudged so that 0 is exactly representable (scale = edge / q0,
-  // q0 = round(edge / scale)). Exact zeros survive; the element at the far
-  // edge may be off by up to one |scale|.
+  // MLX's mx.quantize (mlx/ops.cpp, affine_quantize): the group edge with the
+  // larger magnitude becomes the bias and the scale takes its sign (negative
+  // when |max| >= |min|), then the scale is nudged to edge / q0 with
+  // q0 = round(edge / scale), so that 0 falls on a code (up to the rounding of
+  // scale and bias to their dtype). The element at the far edge may then be
+  // off by up to one |scale|. MLX computes in the weight's dtype, we in f64,
+  // so a scale can differ from MLX's in its last bit.
   mlx,
 };
 

@@ -3,14 +3,14 @@
 // Quantization is offline work, so it computes scales and biases in f64 and
 // rounds them once to their dtype; dequantization is on the hot path of the
 // CPU reference executor, so it reads the packed words directly.
-#include "metile/quant.h"
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
 
-#include <fmt/format.h>
+#include "metile/quant.h"
 
 namespace metile {
 namespace {
@@ -56,15 +56,16 @@ GroupParameters choose_group_parameters(double minimum, double maximum, std::uin
 void AffineQuantization::validate() const {
   validate_bits(bits);
   if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw InputError(fmt::format("affine quantization: group_size must be 32, 64 or 128, got {}", group_size));
+    throw InputError(
+        fmt::format("affine quantization: group_size must be 32, 64 or 128, got {}", group_size));
   }
 }
 
 void AffineQuantization::check_columns(std::int64_t columns) const {
   validate();
   if (columns <= 0 || columns % group_size != 0) {
-    throw InputError(fmt::format("affine quantization: {} columns is not a positive multiple of group_size {}",
-                                 columns, group_size));
+    throw InputError(fmt::format(
+        "affine quantization: {} columns is not a positive multiple of group_size {}", columns, group_size));
   }
 }
 
@@ -73,8 +74,9 @@ QuantizedMatrix QuantizedMatrix::from_tensors(AffineQuantization format, HostTen
   format.validate();
   const TensorSpec& packed_spec = packed.spec();
   if (packed_spec.dtype != DType::u32 || packed_spec.rank() != 2) {
-    throw InputError(fmt::format("quantized matrix: packed weights must be u32 [rows, packed columns], got {}",
-                                 packed_spec.to_string()));
+    throw InputError(
+        fmt::format("quantized matrix: packed weights must be u32 [rows, packed columns], got {}",
+                    packed_spec.to_string()));
   }
   QuantizedMatrix matrix;
   matrix.format = format;
@@ -92,8 +94,8 @@ void QuantizedMatrix::validate() const {
   if (rows <= 0) throw InputError(fmt::format("quantized matrix: {} rows is not positive", rows));
   const TensorSpec expected_packed({rows, format.packed_columns(columns)}, DType::u32);
   if (packed.spec() != expected_packed) {
-    throw InputError(fmt::format("quantized matrix: packed weights are {}, expected {}", packed.spec().to_string(),
-                                 expected_packed.to_string()));
+    throw InputError(fmt::format("quantized matrix: packed weights are {}, expected {}",
+                                 packed.spec().to_string(), expected_packed.to_string()));
   }
   if (!is_floating(scales.spec().dtype)) {
     throw InputError(
@@ -114,7 +116,8 @@ std::vector<std::uint32_t> pack_codes(std::span<const std::uint32_t> codes, int 
   validate_bits(bits);
   const std::size_t per_word = static_cast<std::size_t>(32 / bits);
   if (codes.size() % per_word != 0) {
-    throw InputError(fmt::format("pack_codes: {} codes do not fill whole words of {} codes", codes.size(), per_word));
+    throw InputError(
+        fmt::format("pack_codes: {} codes do not fill whole words of {} codes", codes.size(), per_word));
   }
   const std::uint32_t max_code = (std::uint32_t{1} << bits) - 1;
   std::vector<std::uint32_t> words(codes.size() / per_word, 0);
@@ -143,9 +146,8 @@ QuantizedMatrix quantize_affine(const HostTensor& weight, AffineQuantization for
                                 AffineRounding rounding) {
   const TensorSpec& spec = weight.spec();
   if (spec.rank() != 2 || !is_floating(spec.dtype)) {
-    throw InputError(
-        fmt::format("quantize_affine: weight must be a floating-point [rows, columns] matrix, got {}",
-                    spec.to_string()));
+    throw InputError(fmt::format(
+        "quantize_affine: weight must be a floating-point [rows, columns] matrix, got {}", spec.to_string()));
   }
   if (!is_floating(scale_dtype)) {
     throw InputError(
@@ -217,12 +219,14 @@ void dequantize_affine_row(const QuantizedMatrix& matrix, std::int64_t row, std:
     const auto scale = static_cast<float>(matrix.scales.at(row * groups + group));
     const auto bias = static_cast<float>(matrix.biases.at(row * groups + group));
     for (std::int64_t word_in_group = 0; word_in_group < words_per_group; ++word_in_group) {
-      const std::int64_t word_index = (row * matrix.columns + group * format.group_size) / per_word + word_in_group;
+      const std::int64_t word_index =
+          (row * matrix.columns + group * format.group_size) / per_word + word_in_group;
       const std::uint32_t word = read_word(matrix.packed, word_index);
       for (int slot = 0; slot < per_word; ++slot) {
         const auto code = static_cast<float>((word >> (format.bits * slot)) & max_code);
         const float product = scale * code;  // kept apart from the add: no fused multiply-add
-        out[static_cast<std::size_t>(group * format.group_size + word_in_group * per_word + slot)] = product + bias;
+        out[static_cast<std::size_t>(group * format.group_size + word_in_group * per_word + slot)] =
+            product + bias;
       }
     }
   }

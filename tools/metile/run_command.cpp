@@ -4,11 +4,11 @@
 // output (tensor_summary.h); --output writes the outputs as safetensors, all or
 // nothing. The CPU backend is the reference executor; the CUDA backend is
 // reached through run_on_cuda (run_cuda.cpp) when metile is built with it.
+#include <fmt/core.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <fmt/core.h>
 
 #include "commands.h"
 #include "metile/cpu_runtime.h"
@@ -41,8 +41,9 @@ TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options) {
 TensorMap run_on_backend(const ComputeGraph& graph, const TensorMap& inputs, const RunOptions& options) {
   if (options.backend == "cpu") {
     if (options.check) {
-      fmt::print(stderr, "metile run: --check compares a backend with the CPU reference; the CPU backend is the "
-                         "reference, so there is nothing to compare\n");
+      fmt::print(stderr,
+                 "metile run: --check compares a backend with the CPU reference; the CPU backend is the "
+                 "reference, so there is nothing to compare\n");
     }
     return run_reference(graph, inputs);
   }

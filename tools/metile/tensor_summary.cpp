@@ -1,10 +1,10 @@
 // Tensor summaries for `metile run`; see tensor_summary.h.
 #include "tensor_summary.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <limits>
-
-#include <fmt/format.h>
 
 namespace metile::cli {
 
@@ -44,9 +44,9 @@ TensorSummary summarize_tensor(const HostTensor& tensor) {
 
 std::string format_summary_line(std::string_view name, const HostTensor& tensor) {
   const TensorSummary summary = summarize_tensor(tensor);
-  std::string line = fmt::format("{} {} min={:.6g} max={:.6g} mean={:.6g} checksum={:016x}", name,
-                                 tensor.spec().to_string(), summary.minimum, summary.maximum, summary.mean,
-                                 summary.checksum);
+  std::string line =
+      fmt::format("{} {} min={:.6g} max={:.6g} mean={:.6g} checksum={:016x}", name, tensor.spec().to_string(),
+                  summary.minimum, summary.maximum, summary.mean, summary.checksum);
   if (summary.nan_count > 0) line += fmt::format(" nan={}", summary.nan_count);
   return line;
 }
@@ -55,7 +55,8 @@ void print_output_summaries(const ComputeGraph& graph, const TensorMap& outputs)
   for (ValueId output : graph.outputs()) {
     const std::string& name = graph.value(output).name;
     const auto found = outputs.find(name);
-    if (found == outputs.end()) throw std::logic_error("the backend returned no tensor for output '" + name + "'");
+    if (found == outputs.end())
+      throw std::logic_error("the backend returned no tensor for output '" + name + "'");
     fmt::print("{}\n", format_summary_line(name, found->second));
   }
 }

@@ -13,9 +13,9 @@
 namespace metile::cli {
 
 struct TensorSummary {
-  double minimum = 0;        // over the values that are not NaN (NaN when all are)
+  double minimum = 0;  // over the values that are not NaN (NaN when all are)
   double maximum = 0;
-  double mean = 0;           // over the values that are not NaN
+  double mean = 0;  // over the values that are not NaN
   std::int64_t nan_count = 0;
   std::uint64_t checksum = 0;  // fnv1a_64 of the tensor's bytes (its dtype's little-endian layout)
 };

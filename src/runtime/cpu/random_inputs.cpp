@@ -88,7 +88,8 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
       // w = scale * q + bias spans about [-8, 8) scales at 4 bits.
       const auto scales = drawn.find(graph.value(use.consumer->inputs[2]).name);
       if (scales != drawn.end() && graph.value(use.consumer->inputs[2]).producer < 0) {
-        const auto half_range = static_cast<float>((1 << use.consumer->attributes.get_int("bits")) - 1) / 2.0f;
+        const auto half_range =
+            static_cast<float>((1 << use.consumer->attributes.get_int("bits")) - 1) / 2.0f;
         for (std::size_t index = 0; index < values.size(); ++index) {
           const auto scale = static_cast<float>(scales->second.at(first + static_cast<std::int64_t>(index)));
           values[index] = scale * (generator.unit() - 0.5f - half_range);
@@ -117,10 +118,14 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
 std::int64_t draw_integer(SplitMix64& generator, const Value& value, InputRole role) {
   if (role == InputRole::rope_positions) return generator.integer(0, value.spec.shape.front() - 1);
   switch (value.spec.dtype) {
-    case DType::i8: return generator.integer(-128, 127);
-    case DType::u8: return generator.integer(0, 255);
-    case DType::i32: return generator.integer(-1000, 1000);
-    default: return static_cast<std::uint32_t>(generator.next());  // u32, packed weights included
+    case DType::i8:
+      return generator.integer(-128, 127);
+    case DType::u8:
+      return generator.integer(0, 255);
+    case DType::i32:
+      return generator.integer(-1000, 1000);
+    default:
+      return static_cast<std::uint32_t>(generator.next());  // u32, packed weights included
   }
 }
 
@@ -143,10 +148,13 @@ TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
     const InputUse use = use_of(graph, id);
     HostTensor tensor(value.spec);
     if (is_floating(value.spec.dtype)) {
-      std::vector<float> chunk(std::min<std::size_t>(65536, static_cast<std::size_t>(tensor.element_count())));
-      for (std::int64_t first = 0; first < tensor.element_count(); first += static_cast<std::int64_t>(chunk.size())) {
-        const std::span<float> part(chunk.data(), static_cast<std::size_t>(std::min<std::int64_t>(
-                                                      static_cast<std::int64_t>(chunk.size()), tensor.element_count() - first)));
+      std::vector<float> chunk(
+          std::min<std::size_t>(65536, static_cast<std::size_t>(tensor.element_count())));
+      for (std::int64_t first = 0; first < tensor.element_count();
+           first += static_cast<std::int64_t>(chunk.size())) {
+        const std::span<float> part(
+            chunk.data(), static_cast<std::size_t>(std::min<std::int64_t>(
+                              static_cast<std::int64_t>(chunk.size()), tensor.element_count() - first)));
         draw_floats(generator, graph, value, use, inputs, first, part);
         cpu::write_floats(tensor, first, part);
       }

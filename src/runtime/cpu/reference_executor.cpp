@@ -7,11 +7,11 @@
 //   published values ──► kernel (region or single node) ──► its outputs published
 //        ▲                 intermediates stay in the kernel          │
 //        └───────────────────────────────────────────────────────────┘
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <optional>
 #include <string>
-
-#include <fmt/format.h>
 
 #include "metile/cpu_runtime.h"
 #include "reference_ops.h"
@@ -47,20 +47,23 @@ class ValueSlots {
 };
 
 // Evaluates one node reading its inputs from `local` first, then `published`.
-void evaluate_into(const ComputeGraph& graph, const Node& node, const ValueSlots& published, ValueSlots& local) {
+void evaluate_into(const ComputeGraph& graph, const Node& node, const ValueSlots& published,
+                   ValueSlots& local) {
   std::vector<const HostTensor*> inputs;
   for (ValueId input : node.inputs) {
     const HostTensor* value = local.find(input) ? local.find(input) : published.find(input);
     if (!value) {
-      throw std::logic_error(fmt::format("node '{}' reads '{}' before it is computed", node.name,
-                                         graph.value(input).name));
+      throw std::logic_error(
+          fmt::format("node '{}' reads '{}' before it is computed", node.name, graph.value(input).name));
     }
     inputs.push_back(value);
   }
   std::vector<TensorSpec> output_specs;
   for (ValueId output : node.outputs) output_specs.push_back(graph.value(output).spec);
   std::vector<HostTensor> results = cpu::evaluate_reference_node(node, inputs, output_specs);
-  for (std::size_t index = 0; index < node.outputs.size(); ++index) local.own(node.outputs[index], std::move(results[index]));
+  for (std::size_t index = 0; index < node.outputs.size(); ++index) {
+    local.own(node.outputs[index], std::move(results[index]));
+  }
 }
 
 ValueSlots published_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
@@ -75,9 +78,10 @@ TensorMap collect_outputs(const ComputeGraph& graph, const ValueSlots& slots) {
   for (ValueId output : graph.outputs()) {
     const HostTensor* value = slots.find(output);
     if (!value) {
-      throw InputError(fmt::format("fusion plan: graph output '{}' is computed inside a region that does not "
-                                   "list it among its outputs",
-                                   graph.value(output).name));
+      throw InputError(
+          fmt::format("fusion plan: graph output '{}' is computed inside a region that does not "
+                      "list it among its outputs",
+                      graph.value(output).name));
     }
     outputs.insert_or_assign(graph.value(output).name, *value);
   }
@@ -86,15 +90,15 @@ TensorMap collect_outputs(const ComputeGraph& graph, const ValueSlots& slots) {
 
 // One unit of the plan: a region or an unfused node.
 struct Kernel {
-  std::string label;              // for messages
-  std::vector<NodeId> nodes;      // topological (ascending node ids)
-  std::vector<ValueId> needs;     // values read from outside the kernel
-  std::vector<ValueId> publishes; // values it makes visible to later kernels
+  std::string label;               // for messages
+  std::vector<NodeId> nodes;       // topological (ascending node ids)
+  std::vector<ValueId> needs;      // values read from outside the kernel
+  std::vector<ValueId> publishes;  // values it makes visible to later kernels
 };
 
 std::string node_name(const ComputeGraph& graph, NodeId id) {
   return id >= 0 && static_cast<std::size_t>(id) < graph.nodes().size() ? "'" + graph.node(id).name + "'"
-                                                                          : "#" + std::to_string(id);
+                                                                        : "#" + std::to_string(id);
 }
 
 Kernel make_kernel(const ComputeGraph& graph, std::string label, std::vector<NodeId> nodes,
@@ -103,8 +107,8 @@ Kernel make_kernel(const ComputeGraph& graph, std::string label, std::vector<Nod
   std::sort(kernel.nodes.begin(), kernel.nodes.end());
   for (NodeId id : kernel.nodes) {
     if (id < 0 || static_cast<std::size_t>(id) >= graph.nodes().size()) {
-      throw InputError(fmt::format("fusion plan: {} names node {} which the graph does not have", kernel.label,
-                                   node_name(graph, id)));
+      throw InputError(fmt::format("fusion plan: {} names node {} which the graph does not have",
+                                   kernel.label, node_name(graph, id)));
     }
     NodeId& owner = owner_of_node[static_cast<std::size_t>(id)];
     if (owner != -1) {
@@ -134,18 +138,19 @@ std::vector<Kernel> kernels_of(const FusionPlan& plan) {
                                 owner_of_node, static_cast<int>(kernels.size()));
     for (ValueId output : region.outputs) {
       const bool valid = output >= 0 && static_cast<std::size_t>(output) < graph.values().size();
-      if (!valid || !std::binary_search(kernel.nodes.begin(), kernel.nodes.end(), graph.value(output).producer)) {
-        throw InputError(fmt::format("fusion plan: {} lists output {} which none of its nodes computes",
-                                     kernel.label,
-                                     valid ? "'" + graph.value(output).name + "'" : "#" + std::to_string(output)));
+      if (!valid ||
+          !std::binary_search(kernel.nodes.begin(), kernel.nodes.end(), graph.value(output).producer)) {
+        throw InputError(
+            fmt::format("fusion plan: {} lists output {} which none of its nodes computes", kernel.label,
+                        valid ? "'" + graph.value(output).name + "'" : "#" + std::to_string(output)));
       }
     }
     kernel.publishes = region.outputs;
     kernels.push_back(std::move(kernel));
   }
   for (NodeId id : plan.unfused) {
-    Kernel kernel = make_kernel(graph, fmt::format("unfused node {}", node_name(graph, id)), {id}, owner_of_node,
-                                static_cast<int>(kernels.size()));
+    Kernel kernel = make_kernel(graph, fmt::format("unfused node {}", node_name(graph, id)), {id},
+                                owner_of_node, static_cast<int>(kernels.size()));
     kernel.publishes = graph.node(id).outputs;
     kernels.push_back(std::move(kernel));
   }
@@ -184,7 +189,8 @@ TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
   for (const Node& node : graph.nodes()) {
     evaluate_into(graph, node, values, values);
     for (ValueId input : node.inputs) {
-      if (--reads_left[static_cast<std::size_t>(input)] == 0 && !graph.is_output(input)) values.release(input);
+      if (--reads_left[static_cast<std::size_t>(input)] == 0 && !graph.is_output(input))
+        values.release(input);
     }
   }
   return collect_outputs(graph, values);
@@ -213,9 +219,10 @@ TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs) {
           }
         }
       }
-      throw InputError(fmt::format("fusion plan: no kernel can run ({}): the kernels form a cycle or a region "
-                                   "does not publish a value another kernel reads",
-                                   waiting));
+      throw InputError(
+          fmt::format("fusion plan: no kernel can run ({}): the kernels form a cycle or a region "
+                      "does not publish a value another kernel reads",
+                      waiting));
     }
     const Kernel& kernel = *ready;
     ValueSlots local(graph.values().size());

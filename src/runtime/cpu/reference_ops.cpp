@@ -13,13 +13,13 @@
 // that materialises them would see them.
 #include "reference_ops.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <unordered_map>
-
-#include <fmt/format.h>
 
 #include "metile/quant.h"
 #include "tensor_access.h"
@@ -43,7 +43,8 @@ HostTensor store_values(const TensorSpec& spec, const std::vector<float>& values
 // f64 results (contractions) round straight to the dtype, never through f32.
 HostTensor store_values(const TensorSpec& spec, const std::vector<double>& values) {
   HostTensor tensor(spec);
-  for (std::size_t index = 0; index < values.size(); ++index) tensor.store(static_cast<std::int64_t>(index), values[index]);
+  for (std::size_t index = 0; index < values.size(); ++index)
+    tensor.store(static_cast<std::int64_t>(index), values[index]);
   return tensor;
 }
 
@@ -109,8 +110,10 @@ HostTensor evaluate_rms_norm(const OpCall& call) {
   const std::size_t length = weight.size();
   for (std::size_t first = 0; first < x.size(); first += length) {
     double sum_of_squares = 0;
-    for (std::size_t d = 0; d < length; ++d) sum_of_squares += static_cast<double>(x[first + d]) * x[first + d];
-    const auto inverse_rms = static_cast<float>(1.0 / std::sqrt(sum_of_squares / static_cast<double>(length) + eps));
+    for (std::size_t d = 0; d < length; ++d)
+      sum_of_squares += static_cast<double>(x[first + d]) * x[first + d];
+    const auto inverse_rms =
+        static_cast<float>(1.0 / std::sqrt(sum_of_squares / static_cast<double>(length) + eps));
     for (std::size_t d = 0; d < length; ++d) {
       const float normalized = x[first + d] * inverse_rms;
       x[first + d] = normalized * weight[d];
@@ -332,7 +335,8 @@ HostTensor evaluate_transpose(const OpCall& call) {
 // Exact read, one rounding to the target dtype (integers: nearest, saturating).
 HostTensor evaluate_cast(const OpCall& call) {
   HostTensor out(call.output);
-  for (std::int64_t index = 0; index < out.element_count(); ++index) out.store(index, call.input(0).at(index));
+  for (std::int64_t index = 0; index < out.element_count(); ++index)
+    out.store(index, call.input(0).at(index));
   return out;
 }
 
@@ -340,16 +344,21 @@ using Evaluator = HostTensor (*)(const OpCall&);
 
 const std::unordered_map<std::string_view, Evaluator>& evaluators() {
   static const std::unordered_map<std::string_view, Evaluator> table = {
-      {"add", [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a + b; }); }},
-      {"subtract", [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a - b; }); }},
-      {"multiply", [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a * b; }); }},
+      {"add",
+       [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a + b; }); }},
+      {"subtract",
+       [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a - b; }); }},
+      {"multiply",
+       [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a * b; }); }},
       {"scale",
        [](const OpCall& call) {
          const auto factor = static_cast<float>(call.node.attributes.get_double("factor"));
          return map_elements(call, [factor](float x) { return x * factor; });
        }},
       {"silu",
-       [](const OpCall& call) { return map_elements(call, [](float x) { return x / (1.0f + std::exp(-x)); }); }},
+       [](const OpCall& call) {
+         return map_elements(call, [](float x) { return x / (1.0f + std::exp(-x)); });
+       }},
       {"gelu", evaluate_gelu},
       {"exp", [](const OpCall& call) { return map_elements(call, [](float x) { return std::exp(x); }); }},
       {"causal_mask", evaluate_causal_mask},
@@ -375,8 +384,8 @@ std::vector<HostTensor> evaluate_reference_node(const Node& node, std::span<cons
     throw InputError(fmt::format("node '{}': the CPU reference has no op '{}'", node.name, node.op));
   }
   if (output_specs.size() != 1) {
-    throw std::logic_error(fmt::format("node '{}' ({}): expected one output, the graph has {}", node.name, node.op,
-                                       output_specs.size()));
+    throw std::logic_error(fmt::format("node '{}' ({}): expected one output, the graph has {}", node.name,
+                                       node.op, output_specs.size()));
   }
   std::vector<HostTensor> outputs;
   outputs.push_back(evaluator->second(OpCall{node, inputs, output_specs[0]}));

@@ -23,7 +23,9 @@ inline void read_floats(const HostTensor& tensor, std::int64_t first, std::span<
   }
   const std::byte* data = tensor.bytes().data() + first * static_cast<std::int64_t>(dtype_size(dtype));
   switch (dtype) {
-    case DType::f32: std::memcpy(out.data(), data, out.size() * sizeof(float)); return;
+    case DType::f32:
+      std::memcpy(out.data(), data, out.size() * sizeof(float));
+      return;
     case DType::f16:
     case DType::bf16:
       for (std::size_t index = 0; index < out.size(); ++index) {
@@ -52,11 +54,14 @@ inline void write_floats(HostTensor& tensor, std::int64_t first, std::span<const
   }
   std::byte* data = tensor.bytes().data() + first * static_cast<std::int64_t>(dtype_size(dtype));
   switch (dtype) {
-    case DType::f32: std::memcpy(data, values.data(), values.size() * sizeof(float)); return;
+    case DType::f32:
+      std::memcpy(data, values.data(), values.size() * sizeof(float));
+      return;
     case DType::f16:
     case DType::bf16:
       for (std::size_t index = 0; index < values.size(); ++index) {
-        const std::uint16_t bits = dtype == DType::f16 ? f32_to_f16_bits(values[index]) : f32_to_bf16_bits(values[index]);
+        const std::uint16_t bits =
+            dtype == DType::f16 ? f32_to_f16_bits(values[index]) : f32_to_bf16_bits(values[index]);
         std::memcpy(data + index * 2, &bits, 2);
       }
       return;

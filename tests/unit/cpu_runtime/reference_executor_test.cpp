@@ -49,7 +49,8 @@ TEST(RunReference, MultiOutputGraphReturnsEveryOutputByName) {
   // normalized reads the f16-rounded sum, not the f32 one.
   for (std::int64_t row = 0; row < 2; ++row) {
     long double squares = 0;
-    for (std::int64_t d = 0; d < 64; ++d) squares += std::pow(static_cast<long double>(summed.at(row * 64 + d)), 2);
+    for (std::int64_t d = 0; d < 64; ++d)
+      squares += std::pow(static_cast<long double>(summed.at(row * 64 + d)), 2);
     const long double inverse_rms = 1 / std::sqrt(squares / 64 + 1e-5L);
     for (std::int64_t d = 0; d < 64; ++d) {
       const long double expected = summed.at(row * 64 + d) * inverse_rms * inputs.at("weight").at(d);
@@ -65,11 +66,13 @@ TEST(RunReference, IntermediatesAreRoundedToTheirDtype) {
   const ValueRef b = builder.input("b", spec);
   const ValueRef c = builder.input("c", spec);
   const ValueRef y = builder.multiply(builder.add(a, b), c, "y");
-  const TensorMap inputs = {{"a", random_tensor(spec, 1)}, {"b", random_tensor(spec, 2)}, {"c", random_tensor(spec, 3, 1, 3)}};
+  const TensorMap inputs = {
+      {"a", random_tensor(spec, 1)}, {"b", random_tensor(spec, 2)}, {"c", random_tensor(spec, 3, 1, 3)}};
   const TensorMap outputs = run_reference(builder.build({y}), inputs);
   int differs_from_unrounded = 0;
   for (std::int64_t index = 0; index < 40; ++index) {
-    const float sum = round_to_dtype(static_cast<float>(inputs.at("a").at(index) + inputs.at("b").at(index)), DType::f16);
+    const float sum =
+        round_to_dtype(static_cast<float>(inputs.at("a").at(index) + inputs.at("b").at(index)), DType::f16);
     const float product = sum * static_cast<float>(inputs.at("c").at(index));
     EXPECT_EQ(outputs.at("y").at(index), round_to_dtype(product, DType::f16)) << index;
     const float unrounded = static_cast<float>(inputs.at("a").at(index) + inputs.at("b").at(index)) *
@@ -86,9 +89,11 @@ TEST(RunReference, RejectsMissingAndMismatchedInputsByName) {
   EXPECT_EQ(error_of([&] { run_reference(graph, inputs); }), "missing input 'residual' (f16[2, 64])");
   inputs = random_inputs(graph, 2);
   inputs["weight"] = random_tensor(TensorSpec({64}, DType::f32), 3);
-  EXPECT_EQ(error_of([&] { run_reference(graph, inputs); }), "input 'weight' is f32[64], the graph expects f16[64]");
+  EXPECT_EQ(error_of([&] { run_reference(graph, inputs); }),
+            "input 'weight' is f32[64], the graph expects f16[64]");
   inputs["weight"] = random_tensor(TensorSpec({32}, DType::f16), 3);
-  EXPECT_EQ(error_of([&] { run_reference(graph, inputs); }), "input 'weight' is f16[32], the graph expects f16[64]");
+  EXPECT_EQ(error_of([&] { run_reference(graph, inputs); }),
+            "input 'weight' is f16[32], the graph expects f16[64]");
   // Tensors the graph does not name are ignored.
   inputs = random_inputs(graph, 2);
   inputs["unused"] = random_tensor(TensorSpec({3}, DType::f32), 4);
@@ -113,7 +118,8 @@ TEST(RandomInputs, FitEachInputsRole) {
   const ComputeGraph graph = quantized_rope_graph();
   const TensorMap inputs = random_inputs(graph, 7);
   ASSERT_EQ(inputs.size(), 5u);
-  for (const auto& [name, tensor] : inputs) EXPECT_EQ(tensor.spec(), graph.value(*graph.find_value(name)).spec) << name;
+  for (const auto& [name, tensor] : inputs)
+    EXPECT_EQ(tensor.spec(), graph.value(*graph.find_value(name)).spec) << name;
   auto all_within = [](const HostTensor& tensor, double low, double high) {
     for (double value : tensor.to_values()) {
       if (value < low || value > high) return false;
@@ -143,7 +149,8 @@ TEST(RandomInputs, FitEachInputsRole) {
     const auto bits = static_cast<std::uint32_t>(inputs.at("packed").at(word));
     const std::int64_t group = word / 4;  // 4 words of 8 codes per group of 32
     for (int slot = 0; slot < 8; ++slot) {
-      weight_sum += inputs.at("scales").at(group) * ((bits >> (4 * slot)) & 15) + inputs.at("biases").at(group);
+      weight_sum +=
+          inputs.at("scales").at(group) * ((bits >> (4 * slot)) & 15) + inputs.at("biases").at(group);
     }
   }
   EXPECT_LT(std::abs(weight_sum / (16 * 64)), 0.002);
@@ -151,7 +158,8 @@ TEST(RandomInputs, FitEachInputsRole) {
   // Every nibble value occurs: the words are random bits, not small numbers.
   std::vector<int> nibble_counts(16, 0);
   for (double word : inputs.at("packed").to_values()) {
-    for (int slot = 0; slot < 8; ++slot) ++nibble_counts[(static_cast<std::uint32_t>(word) >> (4 * slot)) & 15];
+    for (int slot = 0; slot < 8; ++slot)
+      ++nibble_counts[(static_cast<std::uint32_t>(word) >> (4 * slot)) & 15];
   }
   for (int count : nibble_counts) EXPECT_GT(count, 20);
   const TensorMap outputs = run_reference(graph, inputs);
@@ -244,7 +252,8 @@ TEST(RunPlanReference, EveryNodeUnfusedInAnyListedOrder) {
   const PlanFixture fixture = plan_fixture();
   FusionPlan plan;
   plan.graph = fixture.graph;
-  plan.unfused = {fixture.gated, fixture.scaled, fixture.activated, fixture.projected, fixture.normalized, fixture.summed};
+  plan.unfused = {fixture.gated,     fixture.scaled,     fixture.activated,
+                  fixture.projected, fixture.normalized, fixture.summed};
   EXPECT_EQ(run_plan_reference(plan, fixture.inputs), run_reference(*fixture.graph, fixture.inputs));
 }
 
@@ -253,11 +262,17 @@ TEST(RunPlanReference, RegionsWithLocalIntermediatesMatchBitForBit) {
   FusionPlan plan;
   plan.graph = fixture.graph;
   // Listed before the region it depends on: the executor must order kernels itself.
-  plan.regions.push_back({"epilogue", {fixture.projected, fixture.activated, fixture.gated},
-                          {value_of(fixture, "normalized"), value_of(fixture, "scaled")}, {value_of(fixture, "gated")}, 1});
-  plan.regions.push_back({"residual_add_rms_norm", {fixture.summed, fixture.normalized},
-                          {value_of(fixture, "values"), value_of(fixture, "residual"), value_of(fixture, "weight")},
-                          {value_of(fixture, "summed"), value_of(fixture, "normalized")}, 1});
+  plan.regions.push_back({"epilogue",
+                          {fixture.projected, fixture.activated, fixture.gated},
+                          {value_of(fixture, "normalized"), value_of(fixture, "scaled")},
+                          {value_of(fixture, "gated")},
+                          1});
+  plan.regions.push_back(
+      {"residual_add_rms_norm",
+       {fixture.summed, fixture.normalized},
+       {value_of(fixture, "values"), value_of(fixture, "residual"), value_of(fixture, "weight")},
+       {value_of(fixture, "summed"), value_of(fixture, "normalized")},
+       1});
   plan.unfused = {fixture.scaled};
   const TensorMap expected = run_reference(*fixture.graph, fixture.inputs);
   const TensorMap actual = run_plan_reference(plan, fixture.inputs);
@@ -270,7 +285,8 @@ TEST(RunPlanReference, RejectsMalformedPlans) {
   FusionPlan plan;
   plan.graph = fixture.graph;
   plan.unfused = {fixture.summed, fixture.normalized, fixture.projected, fixture.activated, fixture.scaled};
-  EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }), "fusion plan: node 'gated' is in no kernel");
+  EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }),
+            "fusion plan: node 'gated' is in no kernel");
 
   plan.unfused.push_back(fixture.gated);
   plan.unfused.push_back(fixture.scaled);
@@ -278,22 +294,34 @@ TEST(RunPlanReference, RejectsMalformedPlans) {
             "fusion plan: node 'scaled' is in more than one kernel");
 
   plan.unfused = {fixture.projected, fixture.activated, fixture.scaled, fixture.gated};
-  plan.regions = {{"residual_add_rms_norm", {fixture.summed, fixture.normalized}, {}, {value_of(fixture, "activated")}, 1}};
+  plan.regions = {{"residual_add_rms_norm",
+                   {fixture.summed, fixture.normalized},
+                   {},
+                   {value_of(fixture, "activated")},
+                   1}};
   EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }),
-            "fusion plan: region 0 (residual_add_rms_norm) lists output 'activated' which none of its nodes computes");
+            "fusion plan: region 0 (residual_add_rms_norm) lists output 'activated' which none of its nodes "
+            "computes");
 
   // summed is read by `scaled` outside the region but not published.
-  plan.regions = {{"residual_add_rms_norm", {fixture.summed, fixture.normalized}, {}, {value_of(fixture, "normalized")}, 1}};
+  plan.regions = {{"residual_add_rms_norm",
+                   {fixture.summed, fixture.normalized},
+                   {},
+                   {value_of(fixture, "normalized")},
+                   1}};
   EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }),
-            "fusion plan: no kernel can run (unfused node 'scaled' waits for 'summed'): the kernels form a cycle or "
+            "fusion plan: no kernel can run (unfused node 'scaled' waits for 'summed'): the kernels form a "
+            "cycle or "
             "a region does not publish a value another kernel reads");
 
-  plan.unfused = {fixture.summed, fixture.normalized, fixture.projected, fixture.activated, fixture.scaled, 99};
+  plan.unfused = {fixture.summed,    fixture.normalized, fixture.projected,
+                  fixture.activated, fixture.scaled,     99};
   plan.regions.clear();
   EXPECT_NE(error_of([&] { run_plan_reference(plan, fixture.inputs); }).find("node #99"), std::string::npos);
 
   FusionPlan without_graph;
-  EXPECT_EQ(error_of([&] { run_plan_reference(without_graph, fixture.inputs); }), "fusion plan: it has no graph");
+  EXPECT_EQ(error_of([&] { run_plan_reference(without_graph, fixture.inputs); }),
+            "fusion plan: it has no graph");
 }
 
 TEST(RunPlanReference, DetectsACycleBetweenKernels) {
@@ -301,7 +329,11 @@ TEST(RunPlanReference, DetectsACycleBetweenKernels) {
   FusionPlan plan;
   plan.graph = fixture.graph;
   // {summed, gated} needs activated, which needs normalized, which needs summed: not convex.
-  plan.regions = {{"bad", {fixture.summed, fixture.gated}, {}, {value_of(fixture, "summed"), value_of(fixture, "gated")}, 1}};
+  plan.regions = {{"bad",
+                   {fixture.summed, fixture.gated},
+                   {},
+                   {value_of(fixture, "summed"), value_of(fixture, "gated")},
+                   1}};
   plan.unfused = {fixture.normalized, fixture.projected, fixture.activated, fixture.scaled};
   const std::string message = error_of([&] { run_plan_reference(plan, fixture.inputs); });
   EXPECT_NE(message.find("no kernel can run"), std::string::npos) << message;
@@ -311,10 +343,15 @@ TEST(RunPlanReference, RejectsAGraphOutputThatARegionKeepsLocal) {
   const PlanFixture fixture = plan_fixture();
   FusionPlan plan;
   plan.graph = fixture.graph;
-  plan.regions = {{"all", {fixture.summed, fixture.normalized, fixture.projected, fixture.activated, fixture.scaled, fixture.gated},
-                   {}, {value_of(fixture, "gated")}, 1}};
+  plan.regions = {{"all",
+                   {fixture.summed, fixture.normalized, fixture.projected, fixture.activated, fixture.scaled,
+                    fixture.gated},
+                   {},
+                   {value_of(fixture, "gated")},
+                   1}};
   EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }),
-            "fusion plan: graph output 'summed' is computed inside a region that does not list it among its outputs");
+            "fusion plan: graph output 'summed' is computed inside a region that does not list it among its "
+            "outputs");
   plan.regions[0].outputs.push_back(value_of(fixture, "summed"));
   EXPECT_EQ(run_plan_reference(plan, fixture.inputs), run_reference(*fixture.graph, fixture.inputs));
 }

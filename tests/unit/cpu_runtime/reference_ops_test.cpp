@@ -40,7 +40,8 @@ TEST(ReferenceElementwise, BinaryOpsAreSingleF32OperationsWithSuffixBroadcast) {
     const ValueRef difference = builder.subtract(a, b, "difference");
     const ValueRef product = builder.multiply(a, b, "product");
     const ComputeGraph graph = builder.build({sum, difference, product});
-    const TensorMap inputs = {{"a", random_tensor(a_spec, 1)}, {"b", random_tensor(TensorSpec(b_shape, DType::f32), 2)}};
+    const TensorMap inputs = {{"a", random_tensor(a_spec, 1)},
+                              {"b", random_tensor(TensorSpec(b_shape, DType::f32), 2)}};
     const TensorMap outputs = run_reference(graph, inputs);
     const HostTensor& a_values = inputs.at("a");
     const HostTensor& b_values = inputs.at("b");
@@ -62,7 +63,8 @@ TEST(ReferenceElementwise, HalfPrecisionResultsAreTheF32ResultRoundedOnce) {
     const ValueRef a = builder.input("a", spec);
     const ValueRef b = builder.input("b", TensorSpec({16}, dtype));
     const ValueRef product = builder.multiply(a, b, "product");
-    const TensorMap inputs = {{"a", random_tensor(spec, 3, -4, 4)}, {"b", random_tensor(TensorSpec({16}, dtype), 4)}};
+    const TensorMap inputs = {{"a", random_tensor(spec, 3, -4, 4)},
+                              {"b", random_tensor(TensorSpec({16}, dtype), 4)}};
     const HostTensor out = run_one(builder, product, inputs);
     ASSERT_EQ(out.spec(), spec);
     for (std::int64_t index = 0; index < out.element_count(); ++index) {
@@ -85,7 +87,8 @@ TEST(ReferenceElementwise, ScaleSiluExpMatchClosedForms) {
   for (std::int64_t index = 0; index < spec.element_count(); ++index) {
     const long double value = as_long(inputs.at("x"), index);
     EXPECT_TRUE(close_in_ulps(outputs.at("scaled").at(index), value * 0.37L, DType::f32, 1.5)) << index;
-    EXPECT_TRUE(close_in_ulps(outputs.at("activated").at(index), value / (1 + std::exp(-value)), DType::f32, 4, 1e-7))
+    EXPECT_TRUE(
+        close_in_ulps(outputs.at("activated").at(index), value / (1 + std::exp(-value)), DType::f32, 4, 1e-7))
         << index;
     EXPECT_TRUE(close_in_ulps(outputs.at("exponential").at(index), std::exp(value), DType::f32, 2)) << index;
   }
@@ -97,8 +100,8 @@ TEST(ReferenceElementwise, GeluMatchesKnownValues) {
   // The negative tail is tiny but not zero: a form that computes 1 + erf(...) in f32 fails there.
   // Up to 32 f32 ulps: erfc(4.24) changes 8.5 times faster, relatively, than its argument,
   // which carries the rounding of x / sqrt 2.
-  const std::vector<double> exact = {0.8413447460685429,   -0.15865525393145707, 1.9544997361036416,
-                                     0.34573123063700656,  -0.00404969409489031, -5.919525870226207e-09};
+  const std::vector<double> exact = {0.8413447460685429,  -0.15865525393145707, 1.9544997361036416,
+                                     0.34573123063700656, -0.00404969409489031, -5.919525870226207e-09};
   const std::vector<double> tanh_form = {0.8411919906082768,  -0.15880800939172324,   1.954597694087775,
                                          0.34571400982514394, -0.0036373920817729943, -8.43964670076231e-11};
   const TensorSpec spec({6}, DType::f32);
@@ -170,7 +173,8 @@ TEST(ReferenceRowReduction, RmsNormOfAKnownVector) {
                                   {"weight", HostTensor::from_values(TensorSpec({4}, DType::f32), weights)}});
   // mean of squares (1 + 4 + 9 + 16) / 4 = 7.5; 1 / sqrt(7.5 + 1e-5) = 0.3651481282381064
   for (std::int64_t index = 0; index < 4; ++index) {
-    const double expected = values[static_cast<std::size_t>(index)] * 0.3651481282381064 * weights[static_cast<std::size_t>(index)];
+    const double expected = values[static_cast<std::size_t>(index)] * 0.3651481282381064 *
+                            weights[static_cast<std::size_t>(index)];
     EXPECT_TRUE(close_in_ulps(out.at(index), expected, DType::f32, 2)) << index;
   }
 }
@@ -187,12 +191,15 @@ TEST(ReferenceRowReduction, RmsNormMatchesLongDoubleOnRandomRows) {
     const HostTensor out = run_one(builder, y, inputs);
     for (std::int64_t row = 0; row < 3; ++row) {
       long double sum_of_squares = 0;
-      for (std::int64_t d = 0; d < 96; ++d) sum_of_squares += as_long(inputs.at("x"), row * 96 + d) * as_long(inputs.at("x"), row * 96 + d);
+      for (std::int64_t d = 0; d < 96; ++d)
+        sum_of_squares += as_long(inputs.at("x"), row * 96 + d) * as_long(inputs.at("x"), row * 96 + d);
       const long double inverse_rms = 1 / std::sqrt(sum_of_squares / 96 + 1e-6L);
       for (std::int64_t d = 0; d < 96; ++d) {
-        const long double expected = as_long(inputs.at("x"), row * 96 + d) * inverse_rms * as_long(inputs.at("weight"), d);
+        const long double expected =
+            as_long(inputs.at("x"), row * 96 + d) * inverse_rms * as_long(inputs.at("weight"), d);
         // f32: three roundings; f16/bf16: the f32 value then half an ulp of the dtype.
-        EXPECT_TRUE(close_in_ulps(out.at(row * 96 + d), expected, dtype, dtype == DType::f32 ? 3 : 0.51, 1e-30))
+        EXPECT_TRUE(
+            close_in_ulps(out.at(row * 96 + d), expected, dtype, dtype == DType::f32 ? 3 : 0.51, 1e-30))
             << dtype_name(dtype) << " " << row << "," << d;
       }
     }
@@ -215,12 +222,13 @@ TEST(ReferenceRowReduction, LayerNormMatchesLongDouble) {
     for (std::int64_t d = 0; d < 80; ++d) sum += as_long(inputs.at("x"), row * 80 + d);
     const long double mean = sum / 80;
     long double squares = 0;
-    for (std::int64_t d = 0; d < 80; ++d) squares += std::pow(as_long(inputs.at("x"), row * 80 + d) - mean, 2);
+    for (std::int64_t d = 0; d < 80; ++d)
+      squares += std::pow(as_long(inputs.at("x"), row * 80 + d) - mean, 2);
     const long double inverse_std = 1 / std::sqrt(squares / 80 + 1e-5L);
     for (std::int64_t d = 0; d < 80; ++d) {
-      const long double expected = (as_long(inputs.at("x"), row * 80 + d) - mean) * inverse_std *
-                                       as_long(inputs.at("weight"), d) +
-                                   as_long(inputs.at("bias"), d);
+      const long double expected =
+          (as_long(inputs.at("x"), row * 80 + d) - mean) * inverse_std * as_long(inputs.at("weight"), d) +
+          as_long(inputs.at("bias"), d);
       EXPECT_NEAR(out.at(row * 80 + d), static_cast<double>(expected), 2e-6) << row << "," << d;
     }
   }
@@ -249,7 +257,8 @@ TEST(ReferenceRowReduction, SoftmaxOverEveryAxisMatchesTheExpFormula) {
         sum_of_outputs += out.at(first + other * stride);
       }
       const long double expected = std::exp(as_long(inputs.at("x"), index) - 100) / denominator;
-      EXPECT_TRUE(close_in_ulps(out.at(index), expected, DType::f32, 4, 1e-12)) << "axis " << axis << " at " << index;
+      EXPECT_TRUE(close_in_ulps(out.at(index), expected, DType::f32, 4, 1e-12))
+          << "axis " << axis << " at " << index;
       EXPECT_NEAR(sum_of_outputs, 1.0, 2e-6) << "axis " << axis << " at " << index;
     }
   }
@@ -297,7 +306,8 @@ TEST(ReferenceContraction, MatmulMatchesNaiveLoopsForEveryLayout) {
     for (bool transpose_right : {false, true}) {
       for (bool shared_right : {false, true}) {
         const TensorSpec a_spec({2, m, k}, dtype);
-        std::vector<std::int64_t> b_shape = transpose_right ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n};
+        std::vector<std::int64_t> b_shape =
+            transpose_right ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n};
         if (!shared_right) b_shape.insert(b_shape.begin(), 2);
         const TensorSpec b_spec(b_shape, dtype);
         GraphBuilder builder;
@@ -312,9 +322,10 @@ TEST(ReferenceContraction, MatmulMatchesNaiveLoopsForEveryLayout) {
           for (std::int64_t row = 0; row < m; ++row) {
             for (std::int64_t column = 0; column < n; ++column) {
               const double expected =
-                  transpose_right
-                      ? rounded_dot(inputs.at("a"), (batch * m + row) * k, 1, inputs.at("b"), b_batch_first + column * k, 1, k, dtype)
-                      : rounded_dot(inputs.at("a"), (batch * m + row) * k, 1, inputs.at("b"), b_batch_first + column, n, k, dtype);
+                  transpose_right ? rounded_dot(inputs.at("a"), (batch * m + row) * k, 1, inputs.at("b"),
+                                                b_batch_first + column * k, 1, k, dtype)
+                                  : rounded_dot(inputs.at("a"), (batch * m + row) * k, 1, inputs.at("b"),
+                                                b_batch_first + column, n, k, dtype);
               EXPECT_EQ(out.at((batch * m + row) * n + column), expected)
                   << dtype_name(dtype) << " transpose " << transpose_right << " shared " << shared_right;
             }
@@ -338,12 +349,12 @@ TEST(ReferenceContraction, QuantizedMatmulOfAHandPackedRow) {
   for (int k = 0; k < 32; ++k) x_values[static_cast<std::size_t>(k)] = 1.0 + (k % 3);
   const std::vector<double> words = {0x76543210u, 0xFEDCBA98u, 0x76543210u, 0xFEDCBA98u,
                                      0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
-  const HostTensor out =
-      run_one(builder, y,
-              {{"x", HostTensor::from_values(TensorSpec({1, 32}, DType::f32), x_values)},
-               {"packed", HostTensor::from_values(TensorSpec({2, 4}, DType::u32), words)},
-               {"scales", HostTensor::from_values(TensorSpec({2, 1}, DType::f32), std::vector<double>{0.5, 0.25})},
-               {"biases", HostTensor::from_values(TensorSpec({2, 1}, DType::f32), std::vector<double>{-2, 1})}});
+  const HostTensor out = run_one(
+      builder, y,
+      {{"x", HostTensor::from_values(TensorSpec({1, 32}, DType::f32), x_values)},
+       {"packed", HostTensor::from_values(TensorSpec({2, 4}, DType::u32), words)},
+       {"scales", HostTensor::from_values(TensorSpec({2, 1}, DType::f32), std::vector<double>{0.5, 0.25})},
+       {"biases", HostTensor::from_values(TensorSpec({2, 1}, DType::f32), std::vector<double>{-2, 1})}});
   double row0 = 0, row1 = 0;
   for (int k = 0; k < 32; ++k) {
     row0 += x_values[static_cast<std::size_t>(k)] * (0.5 * (k % 16) - 2);
@@ -355,30 +366,35 @@ TEST(ReferenceContraction, QuantizedMatmulOfAHandPackedRow) {
 
 TEST(ReferenceContraction, QuantizedMatmulEqualsDequantizeThenMatmul) {
   const std::int64_t k = 128, n = 6;
-  for (const AffineQuantization format : {AffineQuantization{4, 32}, AffineQuantization{4, 128}, AffineQuantization{8, 64}}) {
+  for (const AffineQuantization format :
+       {AffineQuantization{4, 32}, AffineQuantization{4, 128}, AffineQuantization{8, 64}}) {
     for (DType dtype : {DType::f32, DType::bf16}) {
-      const QuantizedMatrix weight = quantize_affine(random_tensor(TensorSpec({n, k}, DType::f32), 17), format, dtype);
+      const QuantizedMatrix weight =
+          quantize_affine(random_tensor(TensorSpec({n, k}, DType::f32), 17), format, dtype);
       const TensorSpec x_spec({2, 3, k}, dtype);
       GraphBuilder builder;
       const ValueRef x = builder.input("x", x_spec);
-      const ValueRef y = builder.quantized_matmul(x, builder.input("packed", weight.packed.spec()),
-                                                  builder.input("scales", weight.scales.spec()),
-                                                  builder.input("biases", weight.biases.spec()), format.bits,
-                                                  format.group_size);
+      const ValueRef y = builder.quantized_matmul(
+          x, builder.input("packed", weight.packed.spec()), builder.input("scales", weight.scales.spec()),
+          builder.input("biases", weight.biases.spec()), format.bits, format.group_size);
       const HostTensor x_values = random_tensor(x_spec, 18);
-      const HostTensor out = run_one(builder, y, {{"x", x_values}, {"packed", weight.packed}, {"scales", weight.scales}, {"biases", weight.biases}});
+      const HostTensor out = run_one(
+          builder, y,
+          {{"x", x_values}, {"packed", weight.packed}, {"scales", weight.scales}, {"biases", weight.biases}});
       ASSERT_EQ(out.spec(), TensorSpec({2, 3, n}, dtype));
       const HostTensor dequantized = dequantize_affine(weight);  // f32 [n, k]
       for (std::int64_t row = 0; row < 6; ++row) {
         for (std::int64_t column = 0; column < n; ++column) {
-          EXPECT_EQ(out.at(row * n + column), rounded_dot(x_values, row * k, 1, dequantized, column * k, 1, k, dtype))
+          EXPECT_EQ(out.at(row * n + column),
+                    rounded_dot(x_values, row * k, 1, dequantized, column * k, 1, k, dtype))
               << format.bits << " bits, group " << format.group_size << ", " << dtype_name(dtype);
         }
       }
       if (dtype != DType::f32) continue;
       // And bit for bit the same as the reference matmul on the dequantized weight.
       GraphBuilder dense;
-      const ValueRef dense_y = dense.matmul(dense.input("x", x_spec), dense.input("w", dequantized.spec()), true);
+      const ValueRef dense_y =
+          dense.matmul(dense.input("x", x_spec), dense.input("w", dequantized.spec()), true);
       EXPECT_EQ(run_one(dense, dense_y, {{"x", x_values}, {"w", dequantized}}), out);
     }
   }
@@ -391,10 +407,10 @@ TEST(ReferenceLayout, RopeRotatesAKnownPair) {
   const ValueRef x = builder.input("x", TensorSpec({1, 4}, DType::f32));
   const ValueRef positions = builder.input("positions", TensorSpec({1}, DType::i32));
   const ValueRef y = builder.rope(x, positions, 10000.0, 4);
-  const HostTensor out =
-      run_one(builder, y,
-              {{"x", HostTensor::from_values(TensorSpec({1, 4}, DType::f32), std::vector<double>{1, 0.5, 0.25, 2})},
-               {"positions", HostTensor::from_values(TensorSpec({1}, DType::i32), std::vector<double>{3})}});
+  const HostTensor out = run_one(
+      builder, y,
+      {{"x", HostTensor::from_values(TensorSpec({1, 4}, DType::f32), std::vector<double>{1, 0.5, 0.25, 2})},
+       {"positions", HostTensor::from_values(TensorSpec({1}, DType::i32), std::vector<double>{3})}});
   // pair (0, 2) turns by 3 rad; pair (1, 3) by 3 * 10000^(-1/2) = 0.03 rad.
   EXPECT_NEAR(out.at(0), 1 * std::cos(3.0) - 0.25 * std::sin(3.0), 1e-6);
   EXPECT_NEAR(out.at(2), 1 * std::sin(3.0) + 0.25 * std::cos(3.0), 1e-6);
@@ -412,8 +428,9 @@ TEST(ReferenceLayout, RopeMatchesTheRotationFormula) {
       const ValueRef positions = builder.input("positions", TensorSpec({sequence}, DType::i32));
       const ValueRef y = builder.rope(x, positions, theta, dims);
       const std::vector<double> steps = {0, 7, 99, 1, 42};
-      const TensorMap inputs = {{"x", random_tensor(spec, 19)},
-                                {"positions", HostTensor::from_values(TensorSpec({sequence}, DType::i32), steps)}};
+      const TensorMap inputs = {
+          {"x", random_tensor(spec, 19)},
+          {"positions", HostTensor::from_values(TensorSpec({sequence}, DType::i32), steps)}};
       const HostTensor out = run_one(builder, y, inputs);
       const HostTensor& in = inputs.at("x");
       for (std::int64_t row = 0; row < spec.element_count() / length; ++row) {
@@ -476,7 +493,8 @@ TEST(ReferenceLayout, CastRoundsOnceAndSaturatesIntegers) {
   for (std::int64_t index = 0; index < 10; ++index) {
     EXPECT_EQ(outputs.at("to_i32").at(index), expected_i32[static_cast<std::size_t>(index)]) << index;
     EXPECT_EQ(outputs.at("to_u8").at(index), expected_u8[static_cast<std::size_t>(index)]) << index;
-    EXPECT_EQ(outputs.at("to_f16").at(index), round_to_dtype(static_cast<float>(input.at(index)), DType::f16)) << index;
+    EXPECT_EQ(outputs.at("to_f16").at(index), round_to_dtype(static_cast<float>(input.at(index)), DType::f16))
+        << index;
   }
   EXPECT_EQ(outputs.at("to_f16").at(6), 65504.0);  // rounds down to f16's largest finite value
   EXPECT_EQ(outputs.at("to_f16").at(7), std::numeric_limits<double>::infinity());

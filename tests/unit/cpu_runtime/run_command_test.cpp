@@ -2,7 +2,6 @@
 // safetensors outputs out, compared with run_reference in this process; the
 // printed checksums recomputed here from the bytes that were written.
 #include <gtest/gtest.h>
-
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,9 +22,9 @@ namespace fs = std::filesystem;
 class RunCommand : public ::testing::Test {
  protected:
   void SetUp() override {
-    directory_ = fs::temp_directory_path() /
-                 ("metile_run_test_" + std::to_string(::getpid()) + "_" +
-                  ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    directory_ =
+        fs::temp_directory_path() / ("metile_run_test_" + std::to_string(::getpid()) + "_" +
+                                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(directory_);
     fs::create_directories(directory_);
     GraphBuilder builder;
@@ -78,17 +77,20 @@ std::string checksum_text(const HostTensor& tensor) {
 TEST_F(RunCommand, GivenInputsGiveTheReferenceOutputs) {
   const TensorMap inputs = random_inputs(graph_, 5);
   write_safetensors(path("inputs.safetensors"), inputs);
-  ASSERT_EQ(run("--inputs " + path("inputs.safetensors") + " --output " + path("outputs.safetensors")), 0) << stderr_;
+  ASSERT_EQ(run("--inputs " + path("inputs.safetensors") + " --output " + path("outputs.safetensors")), 0)
+      << stderr_;
   const TensorMap written = read_safetensors(path("outputs.safetensors"));
   const TensorMap expected = run_reference(graph_, inputs);
   EXPECT_EQ(written, expected);
   // One line per output, in output order, each naming its checksum.
   const std::string first_line = stdout_.substr(0, stdout_.find('\n'));
   EXPECT_EQ(first_line.rfind("summed f16[3, 64] min=", 0), 0u) << stdout_;
-  EXPECT_NE(first_line.find("checksum=" + checksum_text(expected.at("summed"))), std::string::npos) << stdout_;
+  EXPECT_NE(first_line.find("checksum=" + checksum_text(expected.at("summed"))), std::string::npos)
+      << stdout_;
   const std::string second_line = stdout_.substr(first_line.size() + 1);
   EXPECT_EQ(second_line.rfind("normalized f16[3, 64] min=", 0), 0u) << stdout_;
-  EXPECT_NE(second_line.find("checksum=" + checksum_text(expected.at("normalized")) + "\n"), std::string::npos)
+  EXPECT_NE(second_line.find("checksum=" + checksum_text(expected.at("normalized")) + "\n"),
+            std::string::npos)
       << stdout_;
   EXPECT_EQ(std::count(stdout_.begin(), stdout_.end(), '\n'), 2);
 }

@@ -18,7 +18,8 @@ namespace metile::testing {
 inline HostTensor random_tensor(TensorSpec spec, std::uint64_t seed, double low = -1.0, double high = 1.0) {
   std::mt19937_64 generator(seed);
   std::vector<double> values(static_cast<std::size_t>(spec.element_count()));
-  for (double& value : values) value = low + (high - low) * (static_cast<double>(generator() >> 11) * 0x1.0p-53);
+  for (double& value : values)
+    value = low + (high - low) * (static_cast<double>(generator() >> 11) * 0x1.0p-53);
   return HostTensor::from_values(std::move(spec), values);
 }
 
@@ -34,9 +35,9 @@ inline ::testing::AssertionResult close_in_ulps(double actual, long double expec
                                                 double absolute = 0) {
   const long double error = std::fabs(static_cast<long double>(actual) - expected);
   if (error <= ulps * ulp_of(expected, dtype) + absolute) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "actual " << actual << " expected " << static_cast<double>(expected)
-                                       << " error " << static_cast<double>(error) << " > " << ulps << " ulps of "
-                                       << dtype_name(dtype);
+  return ::testing::AssertionFailure()
+         << "actual " << actual << " expected " << static_cast<double>(expected) << " error "
+         << static_cast<double>(error) << " > " << ulps << " ulps of " << dtype_name(dtype);
 }
 
 }  // namespace metile::testing

@@ -71,7 +71,8 @@ TEST(AffineQuantization, ValidatesBitsAndGroupSize) {
   for (int bits : {4, 8}) {
     for (int group_size : {32, 64, 128}) EXPECT_NO_THROW((AffineQuantization{bits, group_size}.validate()));
   }
-  for (int bits : {0, 1, 2, 3, 5, 16, 32, -4}) EXPECT_THROW((AffineQuantization{bits, 64}.validate()), InputError);
+  for (int bits : {0, 1, 2, 3, 5, 16, 32, -4})
+    EXPECT_THROW((AffineQuantization{bits, 64}.validate()), InputError);
   for (int group_size : {0, 16, 48, 100, 256, -64}) {
     EXPECT_THROW((AffineQuantization{4, group_size}.validate()), InputError);
   }
@@ -89,7 +90,8 @@ TEST(AffineQuantization, ValidatesBitsAndGroupSize) {
 // One group of 32 values on an exact grid: w[k] = 0.5 * (k % 16) - 2.
 HostTensor grid_row() {
   std::vector<double> values(32);
-  for (int column = 0; column < 32; ++column) values[static_cast<std::size_t>(column)] = 0.5 * (column % 16) - 2.0;
+  for (int column = 0; column < 32; ++column)
+    values[static_cast<std::size_t>(column)] = 0.5 * (column % 16) - 2.0;
   return HostTensor::from_values(TensorSpec({1, 32}, DType::f32), values);
 }
 
@@ -182,7 +184,8 @@ TEST(QuantizeAffine, ErrorIsBoundedByHalfAScale) {
               const std::int64_t index = row * 256 + group * group_size + k;
               const double error = std::abs(restored.at(index) - weight.at(index));
               ASSERT_LE(error, stored_scale / 2 + rounding_slack)
-                  << dtype_name(scale_dtype) << " bits " << bits << " group " << group_size << " at " << index;
+                  << dtype_name(scale_dtype) << " bits " << bits << " group " << group_size << " at "
+                  << index;
             }
           }
         }
@@ -227,7 +230,8 @@ TEST(DequantizeAffine, RoundsTheF32ValueToTheOutputDtype) {
     const auto code = static_cast<float>(codes_of(matrix)[static_cast<std::size_t>(index)]);
     const float product = scale * code;
     EXPECT_EQ(as_f32.at(index), static_cast<double>(product + bias));
-    EXPECT_EQ(as_f16.at(index), static_cast<double>(round_to_dtype(static_cast<float>(as_f32.at(index)), DType::f16)));
+    EXPECT_EQ(as_f16.at(index),
+              static_cast<double>(round_to_dtype(static_cast<float>(as_f32.at(index)), DType::f16)));
   }
   EXPECT_THROW(dequantize_affine(matrix, DType::i32), InputError);
 }
@@ -262,19 +266,20 @@ TEST(QuantizeAffine, RejectsBadInput) {
 TEST(QuantizedMatrix, FromTensorsChecksEverySpec) {
   const QuantizedMatrix good = quantize_affine(random_matrix(4, 128, 17), {4, 64}, DType::f16);
   EXPECT_NO_THROW(QuantizedMatrix::from_tensors(good.format, good.packed, good.scales, good.biases));
-  const QuantizedMatrix rebuilt = QuantizedMatrix::from_tensors(good.format, good.packed, good.scales, good.biases);
+  const QuantizedMatrix rebuilt =
+      QuantizedMatrix::from_tensors(good.format, good.packed, good.scales, good.biases);
   EXPECT_EQ(rebuilt.rows, 4);
   EXPECT_EQ(rebuilt.columns, 128);
   EXPECT_THROW(QuantizedMatrix::from_tensors({4, 32}, good.packed, good.scales, good.biases), InputError);
   EXPECT_THROW(QuantizedMatrix::from_tensors({8, 64}, good.packed, good.scales, good.biases), InputError);
-  EXPECT_THROW(QuantizedMatrix::from_tensors(good.format, HostTensor(TensorSpec({4, 16}, DType::i32)), good.scales,
-                                             good.biases),
+  EXPECT_THROW(QuantizedMatrix::from_tensors(good.format, HostTensor(TensorSpec({4, 16}, DType::i32)),
+                                             good.scales, good.biases),
                InputError);
   EXPECT_THROW(QuantizedMatrix::from_tensors(good.format, good.packed, good.scales,
                                              HostTensor(TensorSpec({4, 2}, DType::f32))),
                InputError);
-  EXPECT_THROW(QuantizedMatrix::from_tensors(good.format, good.packed, HostTensor(TensorSpec({4, 2}, DType::i32)),
-                                             good.biases),
+  EXPECT_THROW(QuantizedMatrix::from_tensors(good.format, good.packed,
+                                             HostTensor(TensorSpec({4, 2}, DType::i32)), good.biases),
                InputError);
   QuantizedMatrix broken = good;
   broken.rows = 5;
