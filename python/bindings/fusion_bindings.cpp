@@ -152,7 +152,12 @@ void bind_target(py::module_& module) {
       .def_static("from_json_file", &FusionTarget::from_json_file, py::arg("path"))
       .def_static("from_name_or_file", &FusionTarget::from_name_or_file, py::arg("name_or_path"))
       .def("to_json", &FusionTarget::to_json)
-      .def("__repr__", [](const FusionTarget& target) { return "FusionTarget(" + target.to_json() + ")"; });
+      .def("__repr__", [](const FusionTarget& target) {
+        // The fields that decide most plans; to_json() has them all.
+        return "FusionTarget('" + target.name +
+               "', launch_overhead_ns=" + number_text(target.launch_overhead_ns) +
+               ", memory_bandwidth_bytes_per_ns=" + number_text(target.memory_bandwidth_bytes_per_ns) + ")";
+      });
 }
 
 void bind_rules(py::module_& module) {

@@ -51,6 +51,7 @@ def test_targets_by_object_name_and_json():
     h200 = metile.FusionTarget.h200()
     cpu = metile.FusionTarget.cpu()
     assert (h200.name, cpu.name) == ("h200", "cpu")
+    assert repr(cpu).startswith("FusionTarget('cpu', launch_overhead_ns=")
     assert metile.FusionTarget().to_json() == h200.to_json()
     assert metile.FusionTarget.from_json(h200.to_json()).to_json() == h200.to_json()
     custom = metile.FusionTarget.from_json('{"base": "h200", "launch_overhead_ns": 7000}')
