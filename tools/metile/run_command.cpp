@@ -6,6 +6,7 @@
 // reached through run_on_cuda (run_cuda.cpp) when metile is built with it.
 #include <fmt/core.h>
 
+#include <charconv>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -21,14 +22,24 @@ namespace {
 struct RunOptions {
   std::string graph_path;
   std::string backend = "cpu";
-  std::uint64_t seed = 0;
+  std::string seed = "0";
   std::string inputs_path;
   std::string output_path;
   bool check = false;
 };
 
-TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options) {
-  if (options.inputs_path.empty()) return random_inputs(graph, options.seed);
+// CLI11 would wrap a negative number into a huge unsigned seed; parse it ourselves.
+std::uint64_t parse_seed(const std::string& text) {
+  std::uint64_t seed = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), seed);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+    throw InputError(fmt::format("--seed must be an integer from 0 to 2^64 - 1, got '{}'", text));
+  }
+  return seed;
+}
+
+TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options, std::uint64_t seed) {
+  if (options.inputs_path.empty()) return random_inputs(graph, seed);
   TensorMap inputs = read_safetensors(options.inputs_path);
   try {
     check_graph_inputs(graph, inputs);
@@ -58,8 +69,9 @@ void run(const RunOptions& options) {
   if (options.backend != "cpu" && options.backend != "cuda") {
     throw InputError(fmt::format("--backend must be cpu or cuda, got '{}'", options.backend));
   }
+  const std::uint64_t seed = parse_seed(options.seed);
   const ComputeGraph graph = read_graph(options.graph_path);
-  const TensorMap inputs = load_inputs(graph, options);
+  const TensorMap inputs = load_inputs(graph, options, seed);
   const TensorMap outputs = run_on_backend(graph, inputs, options);
   print_output_summaries(graph, outputs);
   if (!options.output_path.empty()) write_safetensors(options.output_path, outputs);
