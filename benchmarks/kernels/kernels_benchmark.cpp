@@ -147,8 +147,11 @@ void run_case(BenchmarkContext& context, const std::string& name, const ComputeG
       if (!gate.passed) note = fmt::format("DIFFERS from native: {} {}", output, gate.detail);
     }
     const Timing timing = note.empty() ? time_candidate(context.stream, fused, bytes) : Timing{};
-    const std::string label = fmt::format("fused {} tpr {}", options.variant_name.empty() ? "default" : options.variant_name,
-                                          generated.summary.substr(generated.summary.find(": ") + 2));
+    // "fused wide: 8-wide vectors, 512 threads/row, ..." (the summary without its case prefix and variant suffix)
+    std::string details = generated.summary.substr(generated.summary.find(": ") + 2);
+    if (const auto suffix = details.find(" ("); suffix != std::string::npos) details.resize(suffix);
+    const std::string label =
+        fmt::format("fused {}: {}", options.variant_name.empty() ? "default" : options.variant_name, details);
     context.rows.push_back({name, label, timing, bytes, timing.graph_us > 0 ? native_timing.graph_us / timing.graph_us : 0,
                             note});
   }
@@ -225,11 +228,11 @@ int run(int argc, char** argv) {
   run_case(context, "scale+softmax 4096x32000 f32", scaled_softmax(4096, 32000, DType::f32), sweep(scaled_softmax(4096, 32000, DType::f32), {}));
   run_case(context, "silu(gate)*up 4096x14336 bf16", swiglu_chain(4096, 14336, DType::bf16), sweep(swiglu_chain(4096, 14336, DType::bf16), {}));
 
-  fmt::print("{:<32} {:<78} {:>9} {:>9} {:>8} {:>7} {:>8}\n", "case", "candidate", "us plain", "us graph", "GB/s", "% copy",
+  fmt::print("{:<30} {:<74} {:>9} {:>9} {:>8} {:>7} {:>8}\n", "case", "candidate", "us plain", "us graph", "GB/s", "% copy",
              "speedup");
   for (const Row& row : context.rows) {
     const double gbps = row.timing.graph_us > 0 ? row.bytes / (row.timing.graph_us * 1e3) : 0;
-    fmt::print("{:<32} {:<78} {:>9.2f} {:>9.2f} {:>8.0f} {:>6.1f}% {:>7.2f}x {}\n", row.case_name, row.candidate,
+    fmt::print("{:<30} {:<74} {:>9.2f} {:>9.2f} {:>8.0f} {:>6.1f}% {:>7.2f}x {}\n", row.case_name, row.candidate,
                row.timing.plain_us, row.timing.graph_us, gbps, 100.0 * gbps / context.copy_gbps, row.speedup, row.note);
   }
   fmt::print("\n(GB/s and % copy from the in-graph time; speedup = native graph time / fused graph time)\n");

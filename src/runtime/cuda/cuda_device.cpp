@@ -283,9 +283,9 @@ CudaGraph CudaGraph::capture(const CudaStream& stream, const std::function<void(
   }
   check(api.cuStreamEndCapture(stream.handle(), &graph), "cuStreamEndCapture");
   CUgraphExec exec = nullptr;
-  const CUresult instantiated = api.cuGraphInstantiate(&exec, graph, 0);
+  const CUresult instantiated = api.cuGraphInstantiateWithFlags(&exec, graph, 0);
   api.cuGraphDestroy(graph);
-  check(instantiated, "cuGraphInstantiate");
+  check(instantiated, "cuGraphInstantiateWithFlags");
   CudaGraph result;
   result.exec_ = std::shared_ptr<CUgraphExec_st>(exec, [](CUgraphExec_st* handle) {
     driver().cuGraphExecDestroy(handle);

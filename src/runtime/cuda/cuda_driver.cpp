@@ -35,12 +35,12 @@ LoadedDriver load_driver() {
   }
   DriverApi& api = loaded.api;
   std::string missing;
-  // #name is the unexpanded base name ("cuMemAlloc"); the version picks the ABI of our cuda.h.
-#define METILE_RESOLVE_ENTRY(name)                                                                     \
+  // #name is the unexpanded base name ("cuMemAlloc"); the version picks the prototype we call.
+#define METILE_RESOLVE_ENTRY(name, version)                                                            \
   {                                                                                                    \
     void* address = nullptr;                                                                           \
     CUdriverProcAddressQueryResult status{};                                                           \
-    if (get_proc_address(#name, &address, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status) !=       \
+    if (get_proc_address(#name, &address, version, CU_GET_PROC_ADDRESS_DEFAULT, &status) !=            \
             CUDA_SUCCESS ||                                                                            \
         address == nullptr) {                                                                          \
       missing += missing.empty() ? #name : ", " #name;                                                 \

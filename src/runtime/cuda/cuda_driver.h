@@ -1,31 +1,36 @@
 // The CUDA driver API, loaded with dlopen at first use (never linked), so every metile
-// binary starts where no driver exists. Each entry point is resolved by its base name through
-// cuGetProcAddress for the ABI of the cuda.h we were compiled against, so "cuMemAlloc" gets
-// the same versioned symbol (cuMemAlloc_v2) a linked program would.
+// binary starts where no driver exists. Each entry point is resolved through cuGetProcAddress
+// at the API version whose prototype we call (cudaTypedefs.h's PFN_<name>_v<version>): asking
+// for a name at the toolkit's own version can return a newer ABI under the same name
+// (cuCtxGetDevice and cuCtxSynchronize gained a context argument in CUDA 13.0).
 #pragma once
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <string>
 #include <string_view>
 
 namespace metile::cuda_driver {
 
-#define METILE_CUDA_DRIVER_ENTRIES(X)                                                                \
-  X(cuInit) X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName)              \
-  X(cuDeviceGetAttribute) X(cuDeviceTotalMem) X(cuDevicePrimaryCtxRetain)                           \
-  X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxGetCurrent) X(cuCtxGetDevice) X(cuCtxSynchronize)            \
-  X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD) X(cuMemcpyDtoH) X(cuMemcpyDtoDAsync) X(cuMemsetD8)     \
-  X(cuMemsetD8Async) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuEventCreate)   \
-  X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize) X(cuEventElapsedTime)                    \
-  X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncGetAttribute)                \
-  X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuStreamBeginCapture) X(cuStreamEndCapture)             \
-  X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphExecDestroy) X(cuGraphDestroy) X(cuGetErrorName)  \
-  X(cuGetErrorString)
+#define METILE_CUDA_DRIVER_ENTRIES(X)                                                                   \
+  X(cuInit, 2000) X(cuDriverGetVersion, 2020) X(cuDeviceGet, 2000) X(cuDeviceGetCount, 2000)           \
+  X(cuDeviceGetName, 2000) X(cuDeviceGetAttribute, 2000) X(cuDeviceTotalMem, 3020)                     \
+  X(cuDevicePrimaryCtxRetain, 7000) X(cuDevicePrimaryCtxRelease, 11000) X(cuCtxSetCurrent, 4000)       \
+  X(cuCtxGetCurrent, 4000) X(cuCtxGetDevice, 2000) X(cuCtxSynchronize, 2000) X(cuMemAlloc, 3020)       \
+  X(cuMemFree, 3020) X(cuMemcpyHtoD, 3020) X(cuMemcpyDtoH, 3020) X(cuMemcpyDtoDAsync, 3020)            \
+  X(cuMemsetD8, 3020) X(cuMemsetD8Async, 3020) X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)        \
+  X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)   \
+  X(cuEventSynchronize, 2000) X(cuEventElapsedTime, 2000) X(cuModuleLoadData, 2000)                    \
+  X(cuModuleUnload, 2000) X(cuModuleGetFunction, 2000) X(cuFuncGetAttribute, 2020)                     \
+  X(cuFuncSetAttribute, 9000) X(cuLaunchKernel, 4000) X(cuStreamBeginCapture, 10010)                   \
+  X(cuStreamEndCapture, 10000) X(cuGraphInstantiateWithFlags, 11040) X(cuGraphLaunch, 10000)           \
+  X(cuGraphExecDestroy, 10000) X(cuGraphDestroy, 10000) X(cuGetErrorName, 6000) X(cuGetErrorString, 6000)
 
-// decltype(&cuMemAlloc) expands the cuda.h macro to the versioned prototype (cuMemAlloc_v2).
+// Member names go through cuda.h's macros (cuMemAlloc -> cuMemAlloc_v2) at the declaration and
+// at every use alike; the types and versions come from the unexpanded names.
 struct DriverApi {
-#define METILE_DECLARE_ENTRY(name) decltype(&::name) name = nullptr;
+#define METILE_DECLARE_ENTRY(name, version) PFN_##name##_v##version name = nullptr;
   METILE_CUDA_DRIVER_ENTRIES(METILE_DECLARE_ENTRY)
 #undef METILE_DECLARE_ENTRY
 };
