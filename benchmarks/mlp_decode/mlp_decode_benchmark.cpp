@@ -11,6 +11,7 @@
 //   mlp_decode_benchmark            Llama-3-8B at M = 1, 2, 4, 8, 16; the others at M = 1, 16
 //   mlp_decode_benchmark --full     every model at every M
 //   mlp_decode_benchmark --quick    Llama-3-8B at M = 1, 16 only
+//   mlp_decode_benchmark --kernels  every generated stage kernel of Llama-3-8B alone (no executor)
 // Prints "no CUDA device: ..." and exits 0 where there is none.
 #include <fmt/core.h>
 
@@ -45,6 +46,92 @@ struct Row {
   int replicas = 1;
 };
 
+// --kernels: each tuning candidate of each stage kernel, timed alone over weight replicas.
+void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, double copy_gbps) {
+  const CudaDeviceInfo& info = device.info();
+  const std::int64_t hidden = 4096, intermediate = 14336;
+  fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8} {:>7} {:>6} {:>5}\n", "format", "M", "stage", "kernel", "us", "GB/s", "%copy",
+             "regs");
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16),
+                                         GemvWeightFormat::affine(8, 64, DType::bf16)}) {
+    const DecodeMlpWeights weights = DecodeMlpWeights::random(format, hidden, intermediate, 7);
+    const int replicas =
+        static_cast<int>(std::clamp<std::int64_t>(3 * info.l2_cache_bytes / (weights.weight_bytes() / 3) + 1, 1, 8));
+    // Device weights per matrix (gate, up, down), `replicas` copies each.
+    std::vector<std::vector<DeviceBuffer>> words(3), scale_bias(3);
+    for (int r = 0; r < replicas; ++r) {
+      if (format.is_affine()) {
+        const QuantizedMatrix* matrices[3] = {&*weights.quantized_gate, &*weights.quantized_up, &*weights.quantized_down};
+        for (int i = 0; i < 3; ++i) {
+          const RepackedAffineMatrix repacked = repack_for_gemv(*matrices[i]);
+          words[static_cast<std::size_t>(i)].push_back(DeviceBuffer::from_vector<std::uint32_t>(repacked.words));
+          scale_bias[static_cast<std::size_t>(i)].push_back(DeviceBuffer::from_vector<std::uint16_t>(repacked.scale_bias));
+        }
+      } else {
+        const HostTensor* matrices[3] = {&weights.gate, &weights.up, &weights.down};
+        for (int i = 0; i < 3; ++i) words[static_cast<std::size_t>(i)].push_back(DeviceBuffer::from_tensor(*matrices[i]));
+      }
+    }
+    DeviceBuffer x(2 * 16 * static_cast<std::size_t>(intermediate)), residual(2 * 16 * hidden),
+        out(2 * 16 * static_cast<std::size_t>(intermediate));
+    x.fill_bytes(0x3C, &stream);
+    residual.fill_bytes(0x3C, &stream);
+    for (std::int64_t rows : {1, 16}) {
+      std::vector<GemvKernelConfig> configs;
+      for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
+        GemvKernelConfig base;
+        base.format = format;
+        base.rows = rows;
+        base.out_features = intermediate;
+        base.in_features = hidden;
+        base.epilogue = GemvEpilogue::swiglu();
+        base.schedule = schedule;
+        for (const GemvKernelConfig& config : gemv_tuning_candidates(base, info.multiprocessor_count)) configs.push_back(config);
+      }
+      GemvKernelConfig down;
+      down.format = format;
+      down.rows = rows;
+      down.out_features = hidden;
+      down.in_features = intermediate;
+      down.epilogue = GemvEpilogue::residual_add();
+      for (const GemvKernelConfig& config : gemv_tuning_candidates(down, info.multiprocessor_count)) configs.push_back(config);
+      for (const GemvKernelConfig& config : configs) {
+        const GemvKernelSource kernel = generate_gemv_kernel(config);
+        const CompiledKernel compiled = compile_cuda(kernel.source, kernel.kernel_name);
+        const bool gate_up = config.epilogue.product_count() == 2;
+        std::vector<KernelArguments> per_replica;
+        for (int r = 0; r < replicas; ++r) {
+          KernelArguments arguments;
+          for (int matrix : gate_up ? std::vector<int>{0, 1} : std::vector<int>{2}) {
+            arguments.add_pointer(words[static_cast<std::size_t>(matrix)][static_cast<std::size_t>(r)]);
+            if (format.is_affine()) arguments.add_pointer(scale_bias[static_cast<std::size_t>(matrix)][static_cast<std::size_t>(r)]);
+          }
+          arguments.add_pointer(x);
+          if (!gate_up) arguments.add_pointer(residual);
+          arguments.add_pointer(out);
+          per_replica.push_back(arguments);
+        }
+        const double ms = time_on_stream_ms(
+                              stream,
+                              [&](const CudaStream& s) {
+                                for (const KernelArguments& arguments : per_replica) {
+                                  launch(compiled, Dim3{kernel.grid_blocks, 1, 1}, Dim3{kernel.block_threads, 1, 1}, 0, s,
+                                         arguments);
+                                }
+                              },
+                              3, 20, 5) /
+                          replicas;
+        const double gbps = static_cast<double>(gemv_minimum_bytes(config)) / (ms * 1e-3) / 1e9;
+        std::string name = fmt::format("{} w{} t{} f{}", gate_up ? gated_schedule_name(config.schedule) : "residual",
+                                       config.warps_per_block, config.tiles_per_block, config.iterations_in_flight);
+        fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8.1f} {:>7.0f} {:>5.0f}% {:>5}\n", format.to_string(), rows,
+                   gate_up ? "gate_up" : "down", name, ms * 1e3, gbps, 100 * gbps / copy_gbps, compiled.registers_per_thread());
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
 double measure_copy_bandwidth_gbps(const CudaStream& stream) {
   const std::size_t bytes = std::size_t{1} << 30;
   DeviceBuffer source(bytes), target(bytes);
@@ -56,14 +143,16 @@ double measure_copy_bandwidth_gbps(const CudaStream& stream) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool full = false, quick = false;
+  bool full = false, quick = false, kernels = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--full") == 0) {
       full = true;
     } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--kernels") == 0) {
+      kernels = true;
     } else {
-      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick]\n");
+      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels]\n");
       return 2;
     }
   }
@@ -80,6 +169,10 @@ int main(int argc, char** argv) {
     fmt::print("device: {} ({} SMs, L2 {} MiB), NVRTC {}\n", info.name, info.multiprocessor_count,
                info.l2_cache_bytes >> 20, nvrtc_version());
     fmt::print("device-to-device copy (1 GiB, read + write): {:.0f} GB/s\n\n", copy_gbps);
+    if (kernels) {
+      time_stage_kernels(*device, stream, copy_gbps);
+      return 0;
+    }
 
     const std::vector<Model> models = {{"Llama-3-8B", 4096, 14336}, {"Qwen2.5-1.5B", 1536, 8960}, {"Llama-3.2-1B", 2048, 8192}};
     const std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16),

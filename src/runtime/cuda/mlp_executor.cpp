@@ -77,8 +77,12 @@ DeviceStep sequence(std::vector<DeviceStep> steps) {
   };
 }
 
-// A graph replay as a step; the graph is captured from `eager` on `stream` once.
+// A graph replay as a step; the graph is captured from `eager` on `stream` once, after one eager
+// run: libraries initialise lazily on their first call (cuBLASLt loads its kernels), which must
+// not happen inside a capture.
 DeviceStep as_graph(const DeviceStep& eager, const CudaStream& stream) {
+  eager(stream);
+  stream.synchronize();
   auto graph = std::make_shared<CudaGraph>(CudaGraph::capture(stream, eager));
   return [graph](const CudaStream& s) { graph->replay(s); };
 }
