@@ -39,63 +39,138 @@ std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<co
   return overlaps;
 }
 
-std::vector<int> find_kernel_cycle(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions) {
+std::vector<std::vector<int>> find_kernel_cycles(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions,
+                                                 std::span<const std::int64_t> region_weights,
+                                                 int max_cycles_per_component) {
   const std::size_t node_count = graph.nodes().size();
+  const int region_count = static_cast<int>(regions.size());
   // Kernel numbers: regions first, then one per node left out of every region.
   std::vector<int> kernel_of(node_count, -1);
-  for (std::size_t region = 0; region < regions.size(); ++region) {
-    for (NodeId node : regions[region]) kernel_of[static_cast<std::size_t>(node)] = static_cast<int>(region);
+  for (int region = 0; region < region_count; ++region) {
+    for (NodeId node : regions[static_cast<std::size_t>(region)]) kernel_of[static_cast<std::size_t>(node)] = region;
   }
-  int kernel_count = static_cast<int>(regions.size());
+  int kernel_count = region_count;
   for (auto& kernel : kernel_of) {
     if (kernel < 0) kernel = kernel_count++;
   }
-  std::vector<std::vector<int>> predecessors(static_cast<std::size_t>(kernel_count));
-  std::vector<std::vector<int>> successors(static_cast<std::size_t>(kernel_count));
+  std::vector<std::pair<int, int>> edges;
   for (const Node& node : graph.nodes()) {
     const int to = kernel_of[static_cast<std::size_t>(node.id)];
     for (ValueId input : node.inputs) {
       const NodeId producer = graph.value(input).producer;
-      if (producer < 0) continue;
-      const int from = kernel_of[static_cast<std::size_t>(producer)];
-      if (from == to) continue;
-      successors[static_cast<std::size_t>(from)].push_back(to);
-      predecessors[static_cast<std::size_t>(to)].push_back(from);
+      if (producer >= 0 && kernel_of[static_cast<std::size_t>(producer)] != to) {
+        edges.emplace_back(kernel_of[static_cast<std::size_t>(producer)], to);
+      }
     }
   }
-  std::vector<int> waiting(static_cast<std::size_t>(kernel_count));
-  std::vector<int> ready;
+  std::sort(edges.begin(), edges.end());
+  edges.erase(std::unique(edges.begin(), edges.end()), edges.end());
+  std::vector<int> offsets(static_cast<std::size_t>(kernel_count) + 1, 0);
+  for (const auto& edge : edges) ++offsets[static_cast<std::size_t>(edge.first) + 1];
   for (int kernel = 0; kernel < kernel_count; ++kernel) {
-    waiting[static_cast<std::size_t>(kernel)] = static_cast<int>(predecessors[static_cast<std::size_t>(kernel)].size());
-    if (waiting[static_cast<std::size_t>(kernel)] == 0) ready.push_back(kernel);
+    offsets[static_cast<std::size_t>(kernel) + 1] += offsets[static_cast<std::size_t>(kernel)];
   }
-  std::vector<bool> done(static_cast<std::size_t>(kernel_count), false);
-  while (!ready.empty()) {
-    const int kernel = ready.back();
-    ready.pop_back();
-    done[static_cast<std::size_t>(kernel)] = true;
-    for (int next : successors[static_cast<std::size_t>(kernel)]) {
-      if (--waiting[static_cast<std::size_t>(next)] == 0) ready.push_back(next);
+  auto successors = [&](int kernel) {
+    return std::span(edges).subspan(static_cast<std::size_t>(offsets[static_cast<std::size_t>(kernel)]),
+                                    static_cast<std::size_t>(offsets[static_cast<std::size_t>(kernel) + 1] -
+                                                             offsets[static_cast<std::size_t>(kernel)]));
+  };
+
+  // Tarjan's strongly connected components, iteratively. Only region kernels can
+  // start a cycle (a convex region plus singletons is acyclic), so searches start there.
+  std::vector<int> order(static_cast<std::size_t>(kernel_count), -1);
+  std::vector<int> low(static_cast<std::size_t>(kernel_count), 0);
+  std::vector<int> component(static_cast<std::size_t>(kernel_count), -1);
+  std::vector<bool> on_stack(static_cast<std::size_t>(kernel_count), false);
+  std::vector<int> stack;
+  std::vector<std::pair<int, std::size_t>> calls;  // (kernel, next successor position)
+  int counter = 0;
+  int component_count = 0;
+  std::vector<std::vector<int>> cyclic_components;
+  for (int root = 0; root < region_count; ++root) {
+    if (order[static_cast<std::size_t>(root)] >= 0) continue;
+    calls.emplace_back(root, 0);
+    while (!calls.empty()) {
+      auto& [kernel, position] = calls.back();
+      const auto k = static_cast<std::size_t>(kernel);
+      if (position == 0 && order[k] < 0) {
+        order[k] = low[k] = counter++;
+        stack.push_back(kernel);
+        on_stack[k] = true;
+      }
+      const auto next_edges = successors(kernel);
+      if (position < next_edges.size()) {
+        const int next = next_edges[position++].second;
+        const auto n = static_cast<std::size_t>(next);
+        if (order[n] < 0) {
+          calls.emplace_back(next, 0);
+        } else if (on_stack[n]) {
+          low[k] = std::min(low[k], order[n]);
+        }
+        continue;
+      }
+      if (low[k] == order[k]) {
+        std::vector<int> members;
+        int member = -1;
+        do {
+          member = stack.back();
+          stack.pop_back();
+          on_stack[static_cast<std::size_t>(member)] = false;
+          component[static_cast<std::size_t>(member)] = component_count;
+          members.push_back(member);
+        } while (member != kernel);
+        ++component_count;
+        if (members.size() > 1) cyclic_components.push_back(std::move(members));
+      }
+      const int finished = kernel;
+      calls.pop_back();
+      if (!calls.empty()) {
+        const auto parent = static_cast<std::size_t>(calls.back().first);
+        low[parent] = std::min(low[parent], low[static_cast<std::size_t>(finished)]);
+      }
     }
   }
-  const auto stuck = std::find(done.begin(), done.end(), false);
-  if (stuck == done.end()) return {};
-  // Every kernel left waits on another kernel left: walking back must repeat.
-  std::vector<int> walk_position(static_cast<std::size_t>(kernel_count), -1);
-  std::vector<int> walk;
-  int kernel = static_cast<int>(stuck - done.begin());
-  while (walk_position[static_cast<std::size_t>(kernel)] < 0) {
-    walk_position[static_cast<std::size_t>(kernel)] = static_cast<int>(walk.size());
-    walk.push_back(kernel);
-    const auto& before = predecessors[static_cast<std::size_t>(kernel)];
-    kernel = *std::find_if(before.begin(), before.end(), [&](int k) { return !done[static_cast<std::size_t>(k)]; });
+
+  // Shortest cycles (BFS inside the component) through its lightest regions.
+  std::vector<std::vector<int>> cycles;
+  std::vector<int> parent(static_cast<std::size_t>(kernel_count), -1);
+  for (const auto& members : cyclic_components) {
+    std::vector<int> starts;
+    for (int member : members) {
+      if (member < region_count) starts.push_back(member);
+    }
+    std::sort(starts.begin(), starts.end(), [&](int a, int b) {
+      const auto weight_a = region_weights[static_cast<std::size_t>(a)];
+      const auto weight_b = region_weights[static_cast<std::size_t>(b)];
+      return weight_a != weight_b ? weight_a < weight_b : a < b;
+    });
+    if (static_cast<int>(starts.size()) > max_cycles_per_component) starts.resize(static_cast<std::size_t>(max_cycles_per_component));
+    for (int start : starts) {
+      const int inside = component[static_cast<std::size_t>(start)];
+      std::vector<int> queue = {start};
+      int last = -1;
+      for (std::size_t head = 0; head < queue.size() && last < 0; ++head) {
+        for (const auto& edge : successors(queue[head])) {
+          const int next = edge.second;
+          if (component[static_cast<std::size_t>(next)] != inside) continue;
+          if (next == start) {
+            last = queue[head];
+            break;
+          }
+          if (parent[static_cast<std::size_t>(next)] >= 0) continue;
+          parent[static_cast<std::size_t>(next)] = queue[head];
+          queue.push_back(next);
+        }
+      }
+      std::vector<int> cycle = {start};
+      for (int kernel = last; kernel != start; kernel = parent[static_cast<std::size_t>(kernel)]) {
+        if (kernel < region_count) cycle.push_back(kernel);
+      }
+      for (int visited : queue) parent[static_cast<std::size_t>(visited)] = -1;
+      cycles.push_back(std::move(cycle));
+    }
   }
-  std::vector<int> cycle_regions;
-  for (std::size_t k = static_cast<std::size_t>(walk_position[static_cast<std::size_t>(kernel)]); k < walk.size(); ++k) {
-    if (walk[k] < static_cast<int>(regions.size())) cycle_regions.push_back(walk[k]);
-  }
-  std::sort(cycle_regions.begin(), cycle_regions.end());
-  return cycle_regions;
+  return cycles;
 }
 
 namespace {
@@ -231,8 +306,10 @@ std::vector<bool> select_greedily(const Component& component, std::span<const st
 
 }  // namespace
 
-SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
-                                   int max_exact_size) {
+namespace {
+
+SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
+                        int max_exact_size, const SelectionOutcome* previous, const std::vector<bool>* changed) {
   const std::size_t count = weights.size();
   if (conflicts.size() != count) throw std::invalid_argument("select_candidates: one conflict list per candidate");
   for (std::int64_t weight : weights) {
@@ -266,6 +343,17 @@ SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const 
       }
     }
 
+    if (previous != nullptr &&
+        std::none_of(component.members.begin(), component.members.end(),
+                     [&](int member) { return (*changed)[static_cast<std::size_t>(member)]; })) {
+      // No new conflict touched it: the same members as before, the same answer.
+      for (int member : component.members) {
+        outcome.selected[static_cast<std::size_t>(member)] = previous->selected[static_cast<std::size_t>(member)];
+      }
+      outcome.components.push_back(
+          previous->components[static_cast<std::size_t>(previous->component_of[static_cast<std::size_t>(start)])]);
+      continue;
+    }
     ConflictComponent summary;
     summary.candidates = component.members;
     std::vector<bool> chosen;
@@ -290,6 +378,22 @@ SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const 
     outcome.components.push_back(std::move(summary));
   }
   return outcome;
+}
+
+}  // namespace
+
+SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
+                                   int max_exact_size) {
+  return select(weights, conflicts, max_exact_size, nullptr, nullptr);
+}
+
+SelectionOutcome reselect_candidates(std::span<const std::int64_t> weights,
+                                     const std::vector<std::vector<int>>& conflicts, int max_exact_size,
+                                     const SelectionOutcome& previous, const std::vector<bool>& changed) {
+  if (previous.selected.size() != weights.size() || changed.size() != weights.size()) {
+    throw std::invalid_argument("reselect_candidates: previous outcome and changed flags must match the candidates");
+  }
+  return select(weights, conflicts, max_exact_size, &previous, &changed);
 }
 
 }  // namespace metile::fusion_internal

@@ -41,12 +41,40 @@ std::string kibibytes(std::int64_t bytes) {
 
 }  // namespace
 
-namespace fusion_internal {
-std::int64_t to_picoseconds(double nanoseconds) { return std::llround(nanoseconds * 1000.0); }
-}  // namespace fusion_internal
 
 RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
                                const ResourceNeeds& needs) {
+  std::vector<bool> value_is_output(graph.values().size(), false);
+  for (ValueId output : graph.outputs()) value_is_output[static_cast<std::size_t>(output)] = true;
+  return fusion_internal::estimate_region(graph, nodes, target, needs, value_is_output);
+}
+
+namespace fusion_internal {
+
+std::int64_t to_picoseconds(double nanoseconds) { return std::llround(nanoseconds * 1000.0); }
+
+GraphIndex::GraphIndex(const ComputeGraph& graph)
+    : consumer_nodes(graph.nodes().size()), value_is_output(graph.values().size(), false) {
+  for (ValueId output : graph.outputs()) value_is_output[static_cast<std::size_t>(output)] = true;
+  for (const Node& node : graph.nodes()) {
+    auto& readers = consumer_nodes[static_cast<std::size_t>(node.id)];
+    for (ValueId output : node.outputs) {
+      const auto& consumers = graph.consumers(output);
+      readers.insert(readers.end(), consumers.begin(), consumers.end());
+    }
+    std::sort(readers.begin(), readers.end());
+    readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+  }
+}
+
+bool GraphIndex::writes_graph_output(const ComputeGraph& graph, NodeId node) const {
+  const auto& outputs = graph.node(node).outputs;
+  return std::any_of(outputs.begin(), outputs.end(),
+                     [&](ValueId value) { return value_is_output[static_cast<std::size_t>(value)]; });
+}
+
+RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
+                               const ResourceNeeds& needs, const std::vector<bool>& value_is_output) {
   std::vector<NodeId> region(nodes.begin(), nodes.end());
   std::sort(region.begin(), region.end());
   region.erase(std::unique(region.begin(), region.end()), region.end());
@@ -72,7 +100,7 @@ RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId
       unfused_bytes += bytes;
       on_chip_bytes += bytes;
       const auto& consumers = graph.consumers(output);
-      const bool leaves = graph.is_output(output) || std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) {
+      const bool leaves = value_is_output[static_cast<std::size_t>(output)] || std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) {
                             return !contains(region, c);
                           });
       if (leaves) {
@@ -105,6 +133,8 @@ RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId
   estimate.memory_bytes_avoided = unfused_bytes - fused_bytes;
   return estimate;
 }
+
+}  // namespace fusion_internal
 
 std::optional<std::string> exceeded_limit(const RegionEstimate& estimate, const FusionTarget& target) {
   const std::int64_t shared_memory_limit =

@@ -27,23 +27,6 @@ enum class Side : std::uint8_t { anchor, pattern, prologue, epilogue };
 
 std::string quoted(const std::string& name) { return "`" + name + "`"; }
 
-// Distinct consumer nodes of all of a node's outputs, ascending.
-std::vector<NodeId> consumer_nodes(const ComputeGraph& graph, NodeId node) {
-  std::vector<NodeId> consumers;
-  for (ValueId output : graph.node(node).outputs) {
-    const auto& readers = graph.consumers(output);
-    consumers.insert(consumers.end(), readers.begin(), readers.end());
-  }
-  std::sort(consumers.begin(), consumers.end());
-  consumers.erase(std::unique(consumers.begin(), consumers.end()), consumers.end());
-  return consumers;
-}
-
-bool produces_graph_output(const ComputeGraph& graph, NodeId node) {
-  const auto& outputs = graph.node(node).outputs;
-  return std::any_of(outputs.begin(), outputs.end(), [&](ValueId value) { return graph.is_output(value); });
-}
-
 bool allows(const GrowthSpec& growth, OpKind kind, int depth) {
   if (growth.max_depth >= 0 && depth > growth.max_depth) return false;
   return std::find(growth.kinds.begin(), growth.kinds.end(), kind) != growth.kinds.end();
@@ -67,7 +50,7 @@ class NeighborhoodModel {
     for (NodeId node : pattern_nodes.first(pattern_nodes.size() - 1)) add_node(node, Side::pattern, 0);
     outcome_.rejection = check_pattern_escapes(pattern_nodes);
     if (!outcome_.rejection) {
-      const RegionEstimate pattern_estimate = estimate_region(graph_, pattern_nodes, target_, rule_.resources);
+      const RegionEstimate pattern_estimate = estimate(pattern_nodes);
       outcome_.rejection = exceeded_limit(pattern_estimate, target_);
     }
     if (outcome_.rejection) return finish({});
@@ -81,8 +64,7 @@ class NeighborhoodModel {
     if (outcome_.rejection) return finish({});
     for (;;) {
       std::vector<NodeId> region = solve_once();
-      const RegionEstimate estimate = estimate_region(graph_, region, target_, rule_.resources);
-      const std::optional<std::string> limit = exceeded_limit(estimate, target_);
+      const std::optional<std::string> limit = exceeded_limit(estimate(region), target_);
       if (!limit) return finish(std::move(region));
       const int dropped = farthest_growth_node(region);
       if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
@@ -99,6 +81,12 @@ class NeighborhoodModel {
   }
   Side side(int local_node) const { return side_[static_cast<std::size_t>(local_node)]; }
   const std::string& name(NodeId node) const { return graph_.node(node).name; }
+  const std::vector<NodeId>& consumers_of(NodeId node) const {
+    return scratch_.index.consumer_nodes[static_cast<std::size_t>(node)];
+  }
+  RegionEstimate estimate(std::span<const NodeId> nodes) const {
+    return estimate_region(graph_, nodes, target_, rule_.resources, scratch_.index.value_is_output);
+  }
 
   static std::vector<NodeId> sorted(std::vector<NodeId> nodes) {
     std::sort(nodes.begin(), nodes.end());
@@ -122,7 +110,7 @@ class NeighborhoodModel {
   NeighborhoodOutcome finish(std::vector<NodeId> region) {
     outcome_.considered = nodes_;
     if (!outcome_.rejection) {
-      outcome_.benefit_ns = region.size() > 1 ? estimate_region(graph_, region, target_, rule_.resources).benefit_ns : 0;
+      outcome_.benefit_ns = region.size() > 1 ? estimate(region).benefit_ns : 0;
       outcome_.region = std::move(region);
     }
     return std::move(outcome_);
@@ -133,8 +121,8 @@ class NeighborhoodModel {
     for (std::size_t entry = 0; entry + 1 < pattern_nodes.size(); ++entry) {
       if (rule_.pattern[entry].may_escape) continue;
       const NodeId node = pattern_nodes[entry];
-      if (produces_graph_output(graph_, node)) return "intermediate " + quoted(name(node)) + " is a graph output";
-      for (NodeId consumer : consumer_nodes(graph_, node)) {
+      if (scratch_.index.writes_graph_output(graph_, node)) return "intermediate " + quoted(name(node)) + " is a graph output";
+      for (NodeId consumer : consumers_of(node)) {
         if (std::find(pattern_nodes.begin(), pattern_nodes.end(), consumer) == pattern_nodes.end()) {
           return "intermediate " + quoted(name(node)) + " escapes to " + quoted(name(consumer));
         }
@@ -162,6 +150,10 @@ class NeighborhoodModel {
       outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + *mismatch);
       return false;
     }
+    if (const auto path = certain_reentry(node, node_side, anchor_output)) {
+      outcome_.left_out.emplace_back(node, "left out so the kernel stays convex: " + *path);
+      return false;
+    }
     if (static_cast<int>(nodes_.size()) >= max_nodes_) {
       outcome_.left_out.emplace_back(node, "beyond the planner's neighborhood limit of " + std::to_string(max_nodes_) +
                                                " ops around " + quoted(name(nodes_.front())));
@@ -169,6 +161,69 @@ class NeighborhoodModel {
     }
     add_node(node, node_side, depth);
     return true;
+  }
+
+  bool could_join(NodeId node, const TensorSpec& anchor_output) const {
+    const OpKind kind = graph_.node(node).kind;
+    const auto& prologue = rule_.prologue.kinds;
+    const auto& epilogue = rule_.epilogue.kinds;
+    const bool kind_grows = std::find(prologue.begin(), prologue.end(), kind) != prologue.end() ||
+                            std::find(epilogue.begin(), epilogue.end(), kind) != epilogue.end();
+    return kind_grows && !shape_mismatch(node, anchor_output);
+  }
+
+  // Whether a growth op would see its value come back into the neighborhood
+  // through an op no growth can ever take: the cut would have to leave it out,
+  // so it is not grown at all (this keeps a residual stream from pulling whole
+  // layers into one model). Producers search forward up to the anchor,
+  // consumers backward down to the neighborhood's first op.
+  std::optional<std::string> certain_reentry(NodeId node, Side node_side, const TensorSpec& anchor_output) {
+    const NodeId anchor = nodes_.front();
+    const int stamp = ++scratch_.stamp;
+    std::vector<NodeId> stack;
+    if (node_side == Side::prologue) {
+      for (NodeId exit : consumers_of(node)) {
+        if (in_neighborhood(exit) || exit > anchor || could_join(exit, anchor_output)) continue;
+        stack.assign(1, exit);
+        while (!stack.empty()) {
+          const NodeId current = stack.back();
+          stack.pop_back();
+          for (NodeId next : consumers_of(current)) {
+            if (next > anchor) continue;
+            if (in_neighborhood(next)) {
+              return "a path from " + quoted(name(node)) + " leaves through " + quoted(name(exit)) +
+                     " and comes back at " + quoted(name(next));
+            }
+            if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
+            scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
+            stack.push_back(next);
+          }
+        }
+      }
+      return std::nullopt;
+    }
+    const NodeId first = *std::min_element(nodes_.begin(), nodes_.end());
+    for (ValueId input : graph_.node(node).inputs) {
+      const NodeId entry = graph_.value(input).producer;
+      if (entry < first || in_neighborhood(entry) || could_join(entry, anchor_output)) continue;
+      stack.assign(1, entry);
+      while (!stack.empty()) {
+        const NodeId current = stack.back();
+        stack.pop_back();
+        for (ValueId value : graph_.node(current).inputs) {
+          const NodeId previous = graph_.value(value).producer;
+          if (previous < first) continue;
+          if (in_neighborhood(previous)) {
+            return "a path from " + quoted(name(previous)) + " leaves through " + quoted(name(entry)) +
+                   " and comes back at " + quoted(name(node));
+          }
+          if (scratch_.visit_stamp[static_cast<std::size_t>(previous)] == stamp) continue;
+          scratch_.visit_stamp[static_cast<std::size_t>(previous)] = stamp;
+          stack.push_back(previous);
+        }
+      }
+    }
+    return std::nullopt;
   }
 
   // Producers, breadth first from the anchor and pattern ops; a contraction's
@@ -197,7 +252,7 @@ class NeighborhoodModel {
     std::vector<int> queue = {local(anchor)};
     for (std::size_t head = 0; head < queue.size(); ++head) {
       const int current = queue[head];
-      for (NodeId consumer : consumer_nodes(graph_, nodes_[static_cast<std::size_t>(current)])) {
+      for (NodeId consumer : consumers_of(nodes_[static_cast<std::size_t>(current)])) {
         if (try_grow(consumer, Side::epilogue, depth_[static_cast<std::size_t>(current)] + 1, rule_.epilogue,
                      anchor_output)) {
           queue.push_back(local(consumer));
@@ -208,8 +263,8 @@ class NeighborhoodModel {
 
   // The readers of a node outside the neighborhood, or a graph output (-1).
   std::optional<NodeId> escape_witness(NodeId node) const {
-    if (produces_graph_output(graph_, node)) return -1;
-    for (NodeId consumer : consumer_nodes(graph_, node)) {
+    if (scratch_.index.writes_graph_output(graph_, node)) return -1;
+    for (NodeId consumer : consumers_of(node)) {
       if (!in_neighborhood(consumer)) return consumer;
     }
     return std::nullopt;
@@ -233,7 +288,7 @@ class NeighborhoodModel {
     for (int index = 0; index < count; ++index) {
       const NodeId node = nodes_[static_cast<std::size_t>(index)];
       if (side(index) == Side::prologue) {
-        for (NodeId consumer : consumer_nodes(graph_, node)) {
+        for (NodeId consumer : consumers_of(node)) {
           if (in_neighborhood(consumer) && side(local(consumer)) != Side::epilogue) must_follow(index, local(consumer));
         }
       } else if (side(index) == Side::epilogue) {
@@ -260,10 +315,10 @@ class NeighborhoodModel {
           forbid(index, escape_text(node, *witness));
           continue;
         }
-        for (NodeId consumer : consumer_nodes(graph_, node)) must_follow(index, local(consumer));
+        for (NodeId consumer : consumers_of(node)) must_follow(index, local(consumer));
       } else if (node_side == Side::epilogue || node_side == Side::anchor) {
         std::vector<int> epilogue_readers;
-        for (NodeId consumer : consumer_nodes(graph_, node)) {
+        for (NodeId consumer : consumers_of(node)) {
           if (in_neighborhood(consumer) && side(local(consumer)) == Side::epilogue) {
             epilogue_readers.push_back(local(consumer));
           }
@@ -290,7 +345,7 @@ class NeighborhoodModel {
     std::vector<NodeId> stack;
     for (int index = 0; index < count; ++index) {
       const NodeId start = nodes_[static_cast<std::size_t>(index)];
-      for (NodeId exit : consumer_nodes(graph_, start)) {
+      for (NodeId exit : consumers_of(start)) {
         if (exit > last || in_neighborhood(exit)) continue;
         const int stamp = ++scratch_.stamp;
         scratch_.visit_stamp[static_cast<std::size_t>(exit)] = stamp;
@@ -298,7 +353,7 @@ class NeighborhoodModel {
         while (!stack.empty()) {
           const NodeId current = stack.back();
           stack.pop_back();
-          for (NodeId next : consumer_nodes(graph_, current)) {
+          for (NodeId next : consumers_of(current)) {
             if (next > last) continue;
             if (in_neighborhood(next)) {
               if (auto rejection = separate(index, local(next), exit)) return rejection;
@@ -417,7 +472,7 @@ class NeighborhoodModel {
       const NodeId node = nodes_[static_cast<std::size_t>(index)];
       for (ValueId output : graph_.node(node).outputs) {
         const auto& consumers = graph_.consumers(output);
-        if (graph_.is_output(output) || consumers.empty()) continue;
+        if (scratch_.index.value_is_output[static_cast<std::size_t>(output)] || consumers.empty()) continue;
         if (std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) { return !in_neighborhood(c); })) continue;
         std::vector<int> free_members;
         if (!fixed(index)) free_members.push_back(index);

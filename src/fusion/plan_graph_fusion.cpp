@@ -65,10 +65,10 @@ bool may_grow(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) 
 }
 
 std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const FusionTarget& target,
-                                            const RuleSet& rules, std::vector<NodeNotes>& notes) {
+                                            const RuleSet& rules, NeighborhoodScratch& scratch,
+                                            std::vector<NodeNotes>& notes) {
   std::vector<ProposedRegion> proposals;
   std::set<std::vector<NodeId>> seen;
-  NeighborhoodScratch scratch(graph.nodes().size());
   for (std::size_t rule_index = 0; rule_index < rules.rules.size(); ++rule_index) {
     const FusionRule& rule = rules.rules[rule_index];
     for (const Node& node : graph.nodes()) {
@@ -83,6 +83,12 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
         for (NodeId member : *pattern_nodes) {
           add_distinct(notes[static_cast<std::size_t>(member)].refusals, rule.name + " refused: " + *outcome.rejection);
         }
+      }
+      if (!outcome.rejection && outcome.region.size() < 2 && !outcome.left_out.empty()) {
+        // The anchor stayed alone: say which neighbour could not join and why.
+        const auto& [neighbour, why] = outcome.left_out.front();
+        add_distinct(notes[static_cast<std::size_t>(node.id)].left_out,
+                     fmt::format("{} around it: `{}` cannot join: {}", rule.name, graph.node(neighbour).name, why));
       }
       for (auto& [left_out, reason] : outcome.left_out) {
         add_distinct(notes[static_cast<std::size_t>(left_out)].left_out, std::move(reason));
@@ -106,12 +112,12 @@ std::vector<ValueId> region_inputs(const ComputeGraph& graph, const std::vector<
   return inputs;
 }
 
-std::vector<ValueId> region_outputs(const ComputeGraph& graph, const std::vector<NodeId>& nodes) {
+std::vector<ValueId> region_outputs(const ComputeGraph& graph, const GraphIndex& index, const std::vector<NodeId>& nodes) {
   std::vector<ValueId> outputs;
   for (NodeId id : nodes) {
     for (ValueId output : graph.node(id).outputs) {
       const auto& consumers = graph.consumers(output);
-      const bool leaves = graph.is_output(output) || std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) {
+      const bool leaves = index.value_is_output[static_cast<std::size_t>(output)] || std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) {
                             return !std::binary_search(nodes.begin(), nodes.end(), c);
                           });
       if (leaves) outputs.push_back(output);
@@ -145,7 +151,8 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
   const std::size_t node_count = graph.nodes().size();
 
   std::vector<NodeNotes> notes(node_count);
-  const std::vector<ProposedRegion> proposals = propose_regions(graph, target, rules, notes);
+  NeighborhoodScratch scratch(graph);
+  const std::vector<ProposedRegion> proposals = propose_regions(graph, target, rules, scratch, notes);
   std::vector<std::vector<NodeId>> node_sets;
   std::vector<std::int64_t> weights;
   for (const ProposedRegion& proposal : proposals) {
@@ -154,31 +161,57 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
   }
 
   std::vector<std::vector<int>> conflicts = find_overlaps(node_count, node_sets);
-  SelectionOutcome selection;
+  // Select; while the chosen regions close cycles between kernels, the lightest
+  // region on each cycle found and the lightest other one on it conflict from now
+  // on, and the components that changed are solved again. A graph still cyclic
+  // after a bounded number of rounds (only tangled random graphs get there) has
+  // the lightest region of each cycle dropped instead, and says so in the method.
+  constexpr int exact_rounds = 32;
+  constexpr int cycles_per_component = 16;
+  SelectionOutcome selection = select_candidates(weights, conflicts, rules.max_exact_component_size);
+  std::vector<int> dropped_for_cycle(proposals.size(), -1);  // the region it would have closed a cycle with
   std::vector<int> chosen;
-  for (;;) {
-    selection = select_candidates(weights, conflicts, rules.max_exact_component_size);
+  for (int round = 1;; ++round) {
     chosen.clear();
     std::vector<std::vector<NodeId>> chosen_sets;
+    std::vector<std::int64_t> chosen_weights;
     for (std::size_t index = 0; index < proposals.size(); ++index) {
       if (!selection.selected[index]) continue;
       chosen.push_back(static_cast<int>(index));
       chosen_sets.push_back(node_sets[index]);
+      chosen_weights.push_back(weights[index]);
     }
-    const std::vector<int> cycle = find_kernel_cycle(graph, chosen_sets);
-    if (cycle.empty()) break;
-    if (cycle.size() < 2) throw std::logic_error("fusion: a candidate region is not convex");
-    // The two lightest regions on the cycle may no longer be chosen together.
-    std::vector<int> on_cycle;
-    for (int region : cycle) on_cycle.push_back(chosen[static_cast<std::size_t>(region)]);
-    std::stable_sort(on_cycle.begin(), on_cycle.end(), [&](int a, int b) {
-      return weights[static_cast<std::size_t>(a)] < weights[static_cast<std::size_t>(b)];
-    });
-    const int first = on_cycle[0];
-    const int second = on_cycle[1];
-    for (auto [a, b] : {std::pair{first, second}, std::pair{second, first}}) {
-      auto& list = conflicts[static_cast<std::size_t>(a)];
-      list.insert(std::upper_bound(list.begin(), list.end(), b), b);
+    const auto cycles = find_kernel_cycles(graph, chosen_sets, chosen_weights, cycles_per_component);
+    if (cycles.empty()) break;
+    std::vector<bool> changed(proposals.size(), false);
+    for (const std::vector<int>& cycle : cycles) {
+      if (cycle.size() < 2) throw std::logic_error("fusion: a candidate region is not convex");
+      const int lightest = chosen[static_cast<std::size_t>(cycle.front())];
+      int partner = -1;
+      for (std::size_t k = 1; k < cycle.size(); ++k) {
+        const int other = chosen[static_cast<std::size_t>(cycle[k])];
+        if (partner < 0 || weights[static_cast<std::size_t>(other)] < weights[static_cast<std::size_t>(partner)]) {
+          partner = other;
+        }
+      }
+      if (round > exact_rounds) {
+        if (!selection.selected[static_cast<std::size_t>(lightest)]) continue;
+        selection.selected[static_cast<std::size_t>(lightest)] = false;
+        dropped_for_cycle[static_cast<std::size_t>(lightest)] = partner;
+        std::string& method =
+            selection.components[static_cast<std::size_t>(selection.component_of[static_cast<std::size_t>(lightest)])].method;
+        if (method.find("+cycle_drops") == std::string::npos) method += "+cycle_drops";
+        continue;
+      }
+      for (auto [a, b] : {std::pair{lightest, partner}, std::pair{partner, lightest}}) {
+        auto& list = conflicts[static_cast<std::size_t>(a)];
+        const auto at = std::lower_bound(list.begin(), list.end(), b);
+        if (at == list.end() || *at != b) list.insert(at, b);
+        changed[static_cast<std::size_t>(a)] = true;
+      }
+    }
+    if (round <= exact_rounds) {
+      selection = reselect_candidates(weights, conflicts, rules.max_exact_component_size, selection, changed);
     }
   }
 
@@ -193,7 +226,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     region.rule = rules.rules[static_cast<std::size_t>(proposal.rule)].name;
     region.nodes = proposal.nodes;
     region.inputs = region_inputs(graph, region.nodes);
-    region.outputs = region_outputs(graph, region.nodes);
+    region.outputs = region_outputs(graph, scratch.index, region.nodes);
     region.benefit_ns = proposal.benefit_ns;
     for (NodeId node : region.nodes) region_of_node[static_cast<std::size_t>(node)] = static_cast<int>(plan.regions.size());
     plan.regions.push_back(std::move(region));
@@ -233,8 +266,17 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       continue;
     }
     plan.unfused.push_back(node.id);
-    if (best_loser[id] >= 0) {
-      const FusionCandidate& loser = plan.candidates[static_cast<std::size_t>(best_loser[id])];
+    if (best_loser[id] < 0) {
+      reason = unfused_reason(graph, node, notes[id]);
+      continue;
+    }
+    const FusionCandidate& loser = plan.candidates[static_cast<std::size_t>(best_loser[id])];
+    const int partner = dropped_for_cycle[static_cast<std::size_t>(best_loser[id])];
+    if (partner >= 0) {
+      const int partner_region = plan.candidates[static_cast<std::size_t>(partner)].region;
+      reason = fmt::format("its {} region was dropped: with {} it would close a cycle between kernels", loser.rule,
+                           partner_region >= 0 ? fmt::format("region R{}", partner_region + 1) : "other regions");
+    } else {
       int winner = -1;
       for (int other : loser.conflicts) {
         const FusionCandidate& rival = plan.candidates[static_cast<std::size_t>(other)];
@@ -246,10 +288,8 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
                                          plan.candidates[static_cast<std::size_t>(winner)].region + 1, loser.component + 1)
                            : fmt::format("its {} region was not selected in conflict component {}", loser.rule,
                                          loser.component + 1);
-      for (const std::string& refusal : notes[id].refusals) reason += "; " + refusal;
-      continue;
     }
-    reason = unfused_reason(graph, node, notes[id]);
+    for (const std::string& refusal : notes[id].refusals) reason += "; " + refusal;
   }
   return plan;
 }

@@ -30,12 +30,26 @@ void validate_rule_set(const RuleSet& rules);
 
 // ---------------------------------------------------------------- neighborhoods
 
+// Facts about a graph the planner asks for often, computed once per plan.
+struct GraphIndex {
+  std::vector<std::vector<NodeId>> consumer_nodes;  // per node: distinct readers of its outputs, ascending
+  std::vector<bool> value_is_output;                // per value: a graph output
+  explicit GraphIndex(const ComputeGraph& graph);
+  bool writes_graph_output(const ComputeGraph& graph, NodeId node) const;
+};
+
+// estimate_region with the graph-output flags precomputed.
+RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
+                               const ResourceNeeds& needs, const std::vector<bool>& value_is_output);
+
 // Reused between anchors so one model costs time in its own size, not the graph's.
 struct NeighborhoodScratch {
+  GraphIndex index;
   std::vector<int> local_index;  // graph node -> position in the current neighborhood, or -1
   std::vector<int> visit_stamp;  // graph node -> search that last visited it
   int stamp = 0;
-  explicit NeighborhoodScratch(std::size_t node_count) : local_index(node_count, -1), visit_stamp(node_count, 0) {}
+  explicit NeighborhoodScratch(const ComputeGraph& graph)
+      : index(graph), local_index(graph.nodes().size(), -1), visit_stamp(graph.nodes().size(), 0) {}
 };
 
 struct NeighborhoodOutcome {
@@ -59,10 +73,14 @@ NeighborhoodOutcome solve_neighborhood(const ComputeGraph& graph, const FusionTa
 // ascending indices of the candidates that share a node with it.
 std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates);
 
-// The regions (indices into `regions`, each an ascending node set, pairwise
-// disjoint) on one cycle of the kernel graph, where every other node is its own
-// kernel; empty when the kernel graph is acyclic.
-std::vector<int> find_kernel_cycle(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions);
+// Cycles of the kernel graph, where each region (an ascending node set; regions
+// pairwise disjoint) is one kernel and every other node its own. Per strongly
+// connected component of two or more kernels, a shortest cycle through each of
+// its `max_cycles_per_component` lightest regions (by `region_weights`), as the
+// regions on it, that region first. Empty when the kernel graph is acyclic.
+std::vector<std::vector<int>> find_kernel_cycles(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions,
+                                                 std::span<const std::int64_t> region_weights,
+                                                 int max_cycles_per_component);
 
 struct SelectionOutcome {
   std::vector<bool> selected;
@@ -77,5 +95,10 @@ struct SelectionOutcome {
 // Weights must be positive.
 SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
                                    int max_exact_size);
+// The same after conflicts were added: only components holding a candidate marked
+// in `changed` are solved again; the others keep their choice from `previous`.
+SelectionOutcome reselect_candidates(std::span<const std::int64_t> weights,
+                                     const std::vector<std::vector<int>>& conflicts, int max_exact_size,
+                                     const SelectionOutcome& previous, const std::vector<bool>& changed);
 
 }  // namespace metile::fusion_internal

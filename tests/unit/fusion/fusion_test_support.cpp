@@ -10,7 +10,8 @@ namespace {
 
 class RandomGraphMaker {
  public:
-  RandomGraphMaker(std::mt19937_64& random, int node_count) : random_(random), node_count_(node_count) {
+  RandomGraphMaker(std::mt19937_64& random, int node_count, int far_window)
+      : random_(random), node_count_(node_count), far_window_(far_window) {
     rows_ = pick(2) == 0 ? 1 : 2;
     dtype_ = pick(3) == 0 ? DType::f16 : DType::f32;
     wide_.push_back(builder_.input("x", {{rows_, width_}, dtype_}));
@@ -33,7 +34,10 @@ class RandomGraphMaker {
   // Mostly one of the last few values, sometimes any.
   ValueRef activation(std::vector<ValueRef>& pool) {
     const int size = static_cast<int>(pool.size());
-    if (pick(4) == 0) return pool[static_cast<std::size_t>(pick(size))];
+    if (pick(4) == 0) {
+      const int span = far_window_ > 0 ? std::min(size, far_window_) : size;
+      return pool[static_cast<std::size_t>(size - 1 - pick(span))];
+    }
     const int back = std::min(size - 1, pick(3));
     return pool[static_cast<std::size_t>(size - 1 - back)];
   }
@@ -138,6 +142,7 @@ class RandomGraphMaker {
 
   std::mt19937_64& random_;
   int node_count_;
+  int far_window_;
   GraphBuilder builder_;
   std::int64_t rows_ = 1;
   std::int64_t width_ = 32;
@@ -152,8 +157,8 @@ class RandomGraphMaker {
 
 }  // namespace
 
-ComputeGraph random_graph(std::mt19937_64& random, int node_count) {
-  return RandomGraphMaker(random, node_count).make();
+ComputeGraph random_graph(std::mt19937_64& random, int node_count, int far_window) {
+  return RandomGraphMaker(random, node_count, far_window).make();
 }
 
 ComputeGraph swiglu_graph(const SwigluOptions& options) {

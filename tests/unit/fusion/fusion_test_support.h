@@ -17,8 +17,10 @@ namespace metile::fusion_test {
 // elementwise ops with broadcast weights, row reductions, dense and quantized
 // contractions (some to another width, so shapes differ), layout ops, and now
 // and then a SwiGLU block. Recent values are preferred as inputs, but far ones
-// are picked too, so paths leave and re-enter neighbourhoods.
-ComputeGraph random_graph(std::mt19937_64& random, int node_count);
+// are picked too (one pick in four), so paths leave and re-enter
+// neighbourhoods: from anywhere before, or with `far_window` > 0 from the last
+// `far_window` values only (the locality of real models).
+ComputeGraph random_graph(std::mt19937_64& random, int node_count, int far_window = 0);
 
 struct SwigluOptions {
   bool quantized = false;

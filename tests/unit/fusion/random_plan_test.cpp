@@ -48,7 +48,7 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
   for (int round = 0; round < 1500; ++round) {
     const ComputeGraph graph = fusion_test::random_graph(random, 4 + round % 12);
     const FusionTarget& target = targets[round % 2];
-    fusion_internal::NeighborhoodScratch scratch(graph.nodes().size());
+    fusion_internal::NeighborhoodScratch scratch(graph);
     for (const FusionRule& rule : rules.rules) {
       for (const Node& node : graph.nodes()) {
         const auto pattern = fusion_internal::match_pattern(graph, rule, node.id);
@@ -191,7 +191,9 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
     }
     // Per exactly solved component: the selection's weight is the brute-force best.
     for (const ConflictComponent& component : plan.components) {
-      if (component.method == "greedy" || component.candidates.size() > 16) continue;
+      const bool exact = component.method == "single" || component.method == "min_cut" ||
+                         component.method == "branch_and_bound";
+      if (!exact || component.candidates.size() > 16) continue;
       ConflictCase problem;
       for (int member : component.candidates) {
         problem.weights.push_back(to_picoseconds(plan.candidates[static_cast<std::size_t>(member)].benefit_ns));
