@@ -49,6 +49,7 @@ struct RowKernelOptions {
   int threads_per_row = 0;  // a power of two, 1..1024
   int rows_per_block = 0;   // only when threads_per_row <= 32
   std::string variant_name;  // appended to the kernel name and summary ("wide", "narrow")
+  bool streaming_cache_hints = false;  // row loads/stores marked evict-first (ld.global.cs / st.global.cs)
   bool operator==(const RowKernelOptions&) const = default;
 };
 

@@ -86,7 +86,7 @@ class CudaDevice {
 // ---------------------------------------------------------------- streams and events
 class CudaStream {
  public:
-  CudaStream();  // a new non-blocking stream in the current context
+  CudaStream();  // a new stream in the current context, ordered with DeviceBuffer's synchronous copies
   ~CudaStream();
   CudaStream(CudaStream&& other) noexcept;
   CudaStream& operator=(CudaStream&& other) noexcept;

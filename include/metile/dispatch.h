@@ -117,12 +117,17 @@ struct FusedCandidate {
   std::string name;     // "fused", "fused wide", ...
   std::string source;   // every source it compiles, for the decision key
   std::string summary;  // one line about the kernel(s)
+  int launches = 1;     // kernels (and library calls) per run
   std::function<DeviceStep(DeviceValues& values)> bind;
 };
 // Lowerings other modules add (e.g. the decode MLP): return no candidates for regions they do not handle.
 using RegionLowering = std::function<std::vector<FusedCandidate>(const ComputeGraph& graph, const FusionRegion& region)>;
-// The built-in lowering: the row-kernel generator, one candidate per variant ("fused", "fused wide", ...).
+// The built-in lowerings. Row regions: the row-kernel generator, one candidate per variant ("fused",
+// "fused wide", ...). Regions with contractions (a matmul with a softmax epilogue, SwiGLU's silu * up
+// between projections): the contractions through cuBLASLt and all other ops in one row kernel
+// ("fused epilogue", ...), when those ops form a row region that runs between them.
 std::vector<FusedCandidate> row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
+std::vector<FusedCandidate> contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
 
 // ---------------------------------------------------------------- executable
 struct ExecutableOptions {

@@ -45,12 +45,46 @@ template <typename T> __device__ __forceinline__ float round_to(float v) { retur
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Vector { T lane[N]; };
 
+// The plain integer type of a vector's size, for the cache-hinted load/store intrinsics.
+template <int Bytes> struct RawBits;
+template <> struct RawBits<16> { using type = uint4; };
+template <> struct RawBits<8> { using type = uint2; };
+template <> struct RawBits<4> { using type = unsigned int; };
+template <> struct RawBits<2> { using type = unsigned short; };
+template <> struct RawBits<1> { using type = unsigned char; };
+
+// Streaming (evict-first) accesses for data touched once, so it does not push reused data (weights)
+// out of L2; plain accesses otherwise.
+template <bool kStream, typename V>
+__device__ __forceinline__ V load_hinted(const V* pointer) {
+  if constexpr (kStream) {
+    using Raw = typename RawBits<sizeof(V)>::type;
+    const Raw raw = __ldcs(reinterpret_cast<const Raw*>(pointer));
+    V value;
+    memcpy(&value, &raw, sizeof(V));
+    return value;
+  } else {
+    return *pointer;
+  }
+}
+template <bool kStream, typename V>
+__device__ __forceinline__ void store_hinted(V* pointer, const V& value) {
+  if constexpr (kStream) {
+    using Raw = typename RawBits<sizeof(V)>::type;
+    Raw raw;
+    memcpy(&raw, &value, sizeof(V));
+    __stcs(reinterpret_cast<Raw*>(pointer), raw);
+  } else {
+    *pointer = value;
+  }
+}
+
 // Loads elements [col, col + N) of a row of length L; lanes outside the row (or an invalid row) read 0.
 // The vector path needs row_start + col aligned to the vector: the generator guarantees it.
-template <typename T, int N, int L>
+template <typename T, int N, int L, bool kStream = false>
 __device__ __forceinline__ void load_vector(const T* __restrict__ row_start, int col, bool row_valid, float (&out)[N]) {
   if (row_valid && col + N <= L) {
-    const Vector<T, N> v = *reinterpret_cast<const Vector<T, N>*>(row_start + col);
+    const Vector<T, N> v = load_hinted<kStream>(reinterpret_cast<const Vector<T, N>*>(row_start + col));
 #pragma unroll
     for (int e = 0; e < N; ++e) out[e] = to_float(v.lane[e]);
   } else {
@@ -66,13 +100,13 @@ __device__ __forceinline__ void load_scalar(const T* __restrict__ pointer, float
   for (int e = 0; e < N; ++e) out[e] = value;
 }
 
-template <typename T, int N, int L>
+template <typename T, int N, int L, bool kStream = false>
 __device__ __forceinline__ void store_vector(T* __restrict__ row_start, int col, bool row_valid, const float (&in)[N]) {
   if (row_valid && col + N <= L) {
     Vector<T, N> v;
 #pragma unroll
     for (int e = 0; e < N; ++e) v.lane[e] = from_float<T>(in[e]);
-    *reinterpret_cast<Vector<T, N>*>(row_start + col) = v;
+    store_hinted<kStream>(reinterpret_cast<Vector<T, N>*>(row_start + col), v);
   } else {
 #pragma unroll
     for (int e = 0; e < N; ++e) {

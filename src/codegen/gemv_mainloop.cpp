@@ -146,131 +146,171 @@ __device__ __forceinline__ void affine_fragments(const uint4& rows_low, const ui
   }
 }
 
-// Adds this warp's share of K (iterations warp, warp + kWarps, ...) for P weight matrices into acc.
+// The weights (and scales/biases) of kInFlight iterations of one warp: the unit the mainloop
+// keeps in flight. x is not part of it: every warp of the SM reads the same x, so its loads hit L1
+// and are issued just before the math.
 template <int P>
-__device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
-                                           const u16* const (&scale_bias)[P], const u16* __restrict__ x,
-                                           const int warp, const int lane, const int first_tile) {
+struct Batch {
+  uint4 w[kInFlight][P][kTiles][kLoadsPerIteration][2];
+  uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
+};
+
+// Issues the loads of iterations first, first + kWarps, ... (zeros past the end of K).
+template <int P>
+__device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&weights)[P],
+                                           const u16* const (&scale_bias)[P], int first, int lane, int first_tile) {
   const int g = lane >> 2, t = lane & 3;
-#pragma unroll 1
-  for (int first = warp; first < kIterations; first += kWarps * kInFlight) {
-    uint4 w[kInFlight][P][kTiles][kLoadsPerIteration][2];
-    uint4 xv[kInFlight][kRowHalves][kChunksPerIteration];
-    uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int it = first + u * kWarps;
-      const bool live = it < kIterations;
+  for (int u = 0; u < kInFlight; ++u) {
+    const int it = first + u * kWarps;
+    const bool live = it < kIterations;
 #pragma unroll
-      for (int p = 0; p < P; ++p) {
+    for (int p = 0; p < P; ++p) {
 #pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          const int tile = first_tile + i;
+      for (int i = 0; i < kTiles; ++i) {
+        const int tile = first_tile + i;
 #pragma unroll
-          for (int l = 0; l < kLoadsPerIteration; ++l) {
+        for (int l = 0; l < kLoadsPerIteration; ++l) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              w[u][p][i][l][h] = make_uint4(0u, 0u, 0u, 0u);
-              if constexpr (kAffine) {
-                const u64 block = (u64)tile * kLoadBlocks + (u64)it * kLoadsPerIteration + l;
-                if (live && tile < kTileCount) w[u][p][i][l][h] = load_weights(weights[p] + (block * 2 + h) * 128 + lane * 4);
-              } else {
-                const int row = tile * 16 + 8 * h + g;
-                const int k = it * kColumnsPerIteration + 8 * t;
-                if (live && row < kN && k < kK) {
-                  w[u][p][i][l][h] = load_weights(reinterpret_cast<const u16*>(weights[p]) + (u64)row * kK + k);
-                }
+          for (int h = 0; h < 2; ++h) {
+            batch.w[u][p][i][l][h] = make_uint4(0u, 0u, 0u, 0u);
+            if constexpr (kAffine) {
+              const u64 block = (u64)tile * kLoadBlocks + (u64)it * kLoadsPerIteration + l;
+              if (live && tile < kTileCount) batch.w[u][p][i][l][h] = load_weights(weights[p] + (block * 2 + h) * 128 + lane * 4);
+            } else {
+              const int row = tile * 16 + 8 * h + g;
+              const int k = it * kColumnsPerIteration + 8 * t;
+              if (live && row < kN && k < kK) {
+                batch.w[u][p][i][l][h] = load_weights(reinterpret_cast<const u16*>(weights[p]) + (u64)row * kK + k);
               }
             }
           }
-#pragma unroll
-          for (int q = 0; q < kGroupsPerIteration; ++q) {
-            sb[u][p][i][q] = make_uint2(0u, 0u);
-            if constexpr (kAffine) {
-              const u64 group = (u64)tile * kGroupCount + (u64)it * kGroupsPerIteration + q;
-              if (live && tile < kTileCount) sb[u][p][i][q] = load_scale_bias(scale_bias[p] + (group * 8 + g) * 4);
-            }
-          }
         }
-      }
 #pragma unroll
-      for (int h = 0; h < kRowHalves; ++h) {
-        const int m = g + 8 * h;
-#pragma unroll
-        for (int c = 0; c < kChunksPerIteration; ++c) {
-          const int k = it * kColumnsPerIteration + 32 * c + 8 * t;
-          xv[u][h][c] = make_uint4(0u, 0u, 0u, 0u);
-          if (live && m < kM && k < kK) xv[u][h][c] = load_activations(x + m * kK + k);
+        for (int q = 0; q < kGroupsPerIteration; ++q) {
+          batch.sb[u][p][i][q] = make_uint2(0u, 0u);
+          if constexpr (kAffine) {
+            const u64 group = (u64)tile * kGroupCount + (u64)it * kGroupsPerIteration + q;
+            if (live && tile < kTileCount) batch.sb[u][p][i][q] = load_scale_bias(scale_bias[p] + (group * 8 + g) * 4);
+          }
         }
       }
     }
+  }
+}
 
+// The math of one batch: x fragments, then per group the mma products and the scale/bias fold.
+template <int P>
+__device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves][4], const Batch<P>& batch,
+                                              const u16* __restrict__ x, int first, int lane) {
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if constexpr (kAffine) {
+  for (int u = 0; u < kInFlight; ++u) {
+    const int it = first + u * kWarps;
+    uint4 xv[kRowHalves][kChunksPerIteration];
 #pragma unroll
-        for (int q = 0; q < kGroupsPerIteration; ++q) {
-          float xsum[kRowHalves][4];
+    for (int h = 0; h < kRowHalves; ++h) {
+      const int m = g + 8 * h;
 #pragma unroll
-          for (int h = 0; h < kRowHalves; ++h) {
-            xsum[h][0] = xsum[h][1] = xsum[h][2] = xsum[h][3] = 0.0f;
+      for (int c = 0; c < kChunksPerIteration; ++c) {
+        const int k = it * kColumnsPerIteration + 32 * c + 8 * t;
+        xv[h][c] = make_uint4(0u, 0u, 0u, 0u);
+        if (it < kIterations && m < kM && k < kK) xv[h][c] = load_activations(x + m * kK + k);
+      }
+    }
+    if constexpr (kAffine) {
 #pragma unroll
-            for (int j = 0; j < kChunksPerGroup; ++j) {
-              const uint4 b = xv[u][h][q * kChunksPerGroup + j];
-              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
-              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
-            }
-          }
+      for (int q = 0; q < kGroupsPerIteration; ++q) {
+        float xsum[kRowHalves][4];
 #pragma unroll
-          for (int p = 0; p < P; ++p) {
+        for (int h = 0; h < kRowHalves; ++h) {
+          xsum[h][0] = xsum[h][1] = xsum[h][2] = xsum[h][3] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < kTiles; ++i) {
-              float part[kRowHalves][4];
-#pragma unroll
-              for (int h = 0; h < kRowHalves; ++h) part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
-#pragma unroll
-              for (int j = 0; j < kChunksPerGroup; ++j) {
-                const int chunk = q * kChunksPerGroup + j;
-                const int l = chunk / kChunksPerLoad;
-                u32 step0[4], step1[4];
-                affine_fragments(w[u][p][i][l][0], w[u][p][i][l][1], chunk % kChunksPerLoad, step0, step1);
-#pragma unroll
-                for (int h = 0; h < kRowHalves; ++h) {
-                  const uint4 b = xv[u][h][chunk];
-                  mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
-                  mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
-                }
-              }
-              const uint2 s = sb[u][p][i][q];
-              const float scale_low = to_f32(s.x & 0xFFFFu), bias_low = to_f32(s.x >> 16);
-              const float scale_high = to_f32(s.y & 0xFFFFu), bias_high = to_f32(s.y >> 16);
-              const float offset_low = fmaf(-kCodeOffset, scale_low, bias_low);
-              const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
-#pragma unroll
-              for (int h = 0; h < kRowHalves; ++h) {
-                acc[p][i][h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h][0]);
-                acc[p][i][h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h][1]);
-                acc[p][i][h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h][2]);
-                acc[p][i][h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h][3]);
-              }
-            }
+          for (int j = 0; j < kChunksPerGroup; ++j) {
+            const uint4 b = xv[h][q * kChunksPerGroup + j];
+            mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
+            mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
           }
         }
-      } else {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
 #pragma unroll
           for (int i = 0; i < kTiles; ++i) {
-            const uint4 low = w[u][p][i][0][0], high = w[u][p][i][0][1];
+            float part[kRowHalves][4];
+#pragma unroll
+            for (int h = 0; h < kRowHalves; ++h) part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kChunksPerGroup; ++j) {
+              const int chunk = q * kChunksPerGroup + j;
+              const int l = chunk / kChunksPerLoad;
+              u32 step0[4], step1[4];
+              affine_fragments(batch.w[u][p][i][l][0], batch.w[u][p][i][l][1], chunk % kChunksPerLoad, step0, step1);
+#pragma unroll
+              for (int h = 0; h < kRowHalves; ++h) {
+                const uint4 b = xv[h][chunk];
+                mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
+                mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
+              }
+            }
+            const uint2 s = batch.sb[u][p][i][q];
+            const float scale_low = to_f32(s.x & 0xFFFFu), bias_low = to_f32(s.x >> 16);
+            const float scale_high = to_f32(s.y & 0xFFFFu), bias_high = to_f32(s.y >> 16);
+            const float offset_low = fmaf(-kCodeOffset, scale_low, bias_low);
+            const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
 #pragma unroll
             for (int h = 0; h < kRowHalves; ++h) {
-              const uint4 b = xv[u][h][0];
-              mma(acc[p][i][h], low.x, high.x, low.y, high.y, b.x, b.y);
-              mma(acc[p][i][h], low.z, high.z, low.w, high.w, b.z, b.w);
+              acc[p][i][h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h][0]);
+              acc[p][i][h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h][1]);
+              acc[p][i][h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h][2]);
+              acc[p][i][h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h][3]);
             }
           }
         }
       }
+    } else {
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const uint4 low = batch.w[u][p][i][0][0], high = batch.w[u][p][i][0][1];
+#pragma unroll
+          for (int h = 0; h < kRowHalves; ++h) {
+            const uint4 b = xv[h][0];
+            mma(acc[p][i][h], low.x, high.x, low.y, high.y, b.x, b.y);
+            mma(acc[p][i][h], low.z, high.z, low.w, high.w, b.z, b.w);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Adds this warp's share of K (iterations warp, warp + kWarps, ...) for P weight matrices into acc.
+// Double-buffered: the next batch's loads are issued before the current batch's math, so this
+// warp keeps bytes in flight while it computes. Otherwise each batch is loaded, then computed.
+template <int P>
+__device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
+                                           const u16* const (&scale_bias)[P], const u16* __restrict__ x,
+                                           const int warp, const int lane, const int first_tile) {
+  constexpr int kStride = kWarps * kInFlight;
+  if constexpr (kDoubleBuffered) {
+    Batch<P> even, odd;
+    if (warp < kIterations) load_batch(even, weights, scale_bias, warp, lane, first_tile);
+#pragma unroll 1
+    for (int first = warp; first < kIterations; first += 2 * kStride) {
+      const int second = first + kStride;
+      if (second < kIterations) load_batch(odd, weights, scale_bias, second, lane, first_tile);
+      compute_batch(acc, even, x, first, lane);
+      if (second >= kIterations) break;
+      if (second + kStride < kIterations) load_batch(even, weights, scale_bias, second + kStride, lane, first_tile);
+      compute_batch(acc, odd, x, second, lane);
+    }
+  } else {
+    Batch<P> batch;
+#pragma unroll 1
+    for (int first = warp; first < kIterations; first += kStride) {
+      load_batch(batch, weights, scale_bias, first, lane, first_tile);
+      compute_batch(acc, batch, x, first, lane);
     }
   }
 }
@@ -407,7 +447,8 @@ std::string GemvKernelConfig::to_string() const {
   std::string text = fmt::format("{} M={} N={} K={} [{}]", format.to_string(), rows, out_features, in_features,
                                  epilogue.to_string());
   if (epilogue.product_count() == 2) text += fmt::format(" {}", gated_schedule_name(schedule));
-  return text + fmt::format(" warps={} tiles={} in_flight={}", warps_per_block, tiles_per_block, iterations_in_flight);
+  return text + fmt::format(" warps={} tiles={} in_flight={}{}", warps_per_block, tiles_per_block, iterations_in_flight,
+                            double_buffered ? " double_buffered" : "");
 }
 
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
@@ -420,9 +461,10 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   GemvKernelSource result;
   const std::uint64_t epilogue_hash = fnv1a(config.epilogue.to_string() + "|" + expression);
   result.kernel_name =
-      fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}_e{:08x}", format_tag(config.format), config.rows,
+      fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
-                  config.tiles_per_block, config.iterations_in_flight, epilogue_hash & 0xFFFFFFFFu);
+                  config.tiles_per_block, config.iterations_in_flight, config.double_buffered ? "d" : "",
+                  epilogue_hash & 0xFFFFFFFFu);
 
   std::string source = fmt::format(
       "// Generated by metile (src/codegen/gemv_mainloop.cpp): {}\n"
@@ -430,11 +472,11 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\n"
       "constexpr bool kScratchSpilled = {};\nconstexpr int kWarps = {};\nconstexpr int kTiles = {};\n"
-      "constexpr int kInFlight = {};\n",
+      "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\n",
       config.to_string(), config.rows, config.out_features, config.in_features, config.format.bits,
       config.format.group_size, config.format.activation == DType::f16 ? "true" : "false",
       config.format.columns_per_iteration(), products, scratch ? "true" : "false", config.warps_per_block,
-      config.tiles_per_block, config.iterations_in_flight);
+      config.tiles_per_block, config.iterations_in_flight, config.double_buffered ? "true" : "false");
   source += kernel_body;
 
   source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", result.kernel_name);
@@ -481,21 +523,22 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   const int loads_per_iteration = base.format.columns_per_iteration() / columns_per_load;
   // About eight 16-byte weight loads in flight per lane keep HBM busy with 16 warps per SM
   // (ptxas keeps these shapes under ~180 registers without spills; gemv_compile_test checks).
-  // More than 8 rows doubles the x fragments held per iteration, so halve the depth there.
-  // 16 warps cap a thread at 128 registers (__launch_bounds__): half the depth again.
-  auto in_flight = [&](int warps, int tiles_per_block) {
-    int depth = 8 / (2 * products_in_registers * tiles_per_block * loads_per_iteration);
+  // More than 8 rows doubles the x fragments, 16 warps cap a thread at 128 registers
+  // (__launch_bounds__), and a double buffer holds two batches: halve the depth for each.
+  auto in_flight = [&](int warps, bool double_buffered) {
+    int depth = 8 / (2 * products_in_registers * loads_per_iteration);
     if (base.rows > 8) depth /= 2;
     if (warps > 8) depth /= 2;
+    if (double_buffered) depth /= 2;
     return std::clamp(depth, 1, 4);
   };
   std::vector<GemvKernelConfig> candidates;
-  auto add = [&](int warps, int tiles_per_block) {
-    if (tiles < tiles_per_block) return;
+  auto add = [&](int warps, bool double_buffered) {
     GemvKernelConfig config = base;
     config.warps_per_block = warps;
-    config.tiles_per_block = tiles_per_block;
-    config.iterations_in_flight = in_flight(warps, tiles_per_block);
+    config.tiles_per_block = 1;
+    config.double_buffered = double_buffered;
+    config.iterations_in_flight = in_flight(warps, double_buffered);
     try {
       config.validate();
     } catch (const InputError&) {
@@ -504,11 +547,11 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     candidates.push_back(config);
   };
   // A narrow N (few tiles) leaves SMs idle unless each tile's K is split over more warps.
+  // Measured on the H200 (notes/mlp_decode.md, call 2): one tile per block beat two everywhere.
   const bool narrow = tiles < 2 * multiprocessors;
-  add(narrow ? 8 : 4, 1);
-  add(narrow ? 16 : 8, 1);
-  // Two tiles share their x fragments; not for the dense scratch schedule, where ptxas spills.
-  if (base.format.is_affine() || products_in_registers == products) add(4, 2);
+  add(narrow ? 8 : 4, true);
+  add(narrow ? 16 : 8, true);
+  add(narrow ? 8 : 4, false);
   return candidates;
 }
 

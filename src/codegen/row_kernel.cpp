@@ -258,6 +258,7 @@ struct RowConfig {
   int items = 1;  // vectors per thread (per tile when streaming)
   int tiles = 1;
   bool streaming = false;
+  bool streaming_cache_hints = false;
 };
 
 int next_power_of_two(std::int64_t value) {
@@ -269,6 +270,7 @@ int next_power_of_two(std::int64_t value) {
 RowConfig choose_config(const RowAnalysis& analysis, const RowKernelOptions& options) {
   const std::int64_t vectors = (analysis.length + analysis.vector_width - 1) / analysis.vector_width;
   RowConfig config;
+  config.streaming_cache_hints = options.streaming_cache_hints;
   // Default: about four vectors per thread (loads in flight, few threads per reduction).
   config.threads_per_row = std::clamp(next_power_of_two((vectors + 3) / 4), 1, 1024);
   if (options.threads_per_row != 0) {
@@ -349,6 +351,8 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
   line(1, fmt::format("constexpr int kThreadsPerRow = {};", config.threads_per_row));
   line(1, fmt::format("constexpr int kRowsPerBlock = {};", config.rows_per_block));
   line(1, fmt::format("constexpr int kItems = {};", config.items));
+  line(1, fmt::format("constexpr bool kStream = {};  // evict-first hints on row loads and stores",
+                      config.streaming_cache_hints ? "true" : "false"));
   if (config.streaming) {
     line(1, fmt::format("constexpr int kTiles = {};", config.tiles));
     line(1, "constexpr int kTileElements = kItems * kThreadsPerRow * kVec;");
@@ -395,8 +399,9 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
       if (input.mode == OperandMode::scalar) {
         line(indent + 1, fmt::format("metile_device::load_scalar<{0}, kVec>(in{1}, x{1}[item]);  // {2}", type, i, value.name));
       } else {
-        line(indent + 1, fmt::format("metile_device::load_vector<{0}, kVec, kRowLength>(in{1}_row, col, row_valid, x{1}[item]);  // {2}",
-                                     type, i, value.name));
+        // Rows are read once: streaming hints. Broadcast rows (weights) are reused by every row: plain.
+        line(indent + 1, fmt::format("metile_device::load_vector<{0}, kVec, kRowLength, {3}>(in{1}_row, col, row_valid, x{1}[item]);  // {2}",
+                                     type, i, value.name, input.mode == OperandMode::row ? "kStream" : "false"));
       }
     }
     line(indent, "}");
@@ -437,7 +442,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     line(indent + 1, fmt::format("const int col = {}(item * kThreadsPerRow + lane) * kVec;", column_base));
     for (const Step* step : stored) {
       const Value& value = graph.value(step->value);
-      line(indent + 1, fmt::format("metile_device::store_vector<{}, kVec, kRowLength>(out{}_row, col, row_valid, {}[item]);  // {}",
+      line(indent + 1, fmt::format("metile_device::store_vector<{}, kVec, kRowLength, kStream>(out{}_row, col, row_valid, {}[item]);  // {}",
                                    cuda_storage_type(value.spec.dtype), output_index.at(step->value),
                                    analysis.array_of.at(step->value), value.name));
     }
@@ -555,10 +560,11 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
   kernel.launch.block_x = static_cast<std::uint32_t>(config.threads_per_row * config.rows_per_block);
   kernel.launch.grid_x = static_cast<std::uint32_t>((analysis.rows + config.rows_per_block - 1) / config.rows_per_block);
   const DType dtype = graph.value(region.outputs.front()).spec.dtype;
-  kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}",
+  kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}{}",
                                analysis.rows, analysis.length, dtype_name(dtype), analysis.vector_width,
                                config.threads_per_row, config.rows_per_block, config.items,
                                config.streaming ? fmt::format(" x {} tiles", config.tiles) : "",
+                               config.streaming_cache_hints ? ", evict-first" : "",
                                options.variant_name.empty() ? "" : " (" + options.variant_name + ")");
   return kernel;
 }
@@ -576,6 +582,11 @@ std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, con
       (analysis.length + analysis.vector_width * narrow - 1) / (analysis.vector_width * narrow) <= register_item_limit) {
     variants.push_back({narrow, 0, "narrow"});
   }
+  // Streaming hints pay only when the rows are far larger than L2; below that they may evict reuse.
+  std::int64_t region_bytes = 0;
+  for (const RegionInput& input : analysis.inputs) region_bytes += graph.value(input.value).spec.bytes();
+  for (ValueId output : region.outputs) region_bytes += graph.value(output).spec.bytes();
+  if (region_bytes >= (std::int64_t{256} << 20)) variants.push_back({0, 0, "stream", true});
   return variants;
 }
 

@@ -86,7 +86,10 @@ void CudaDevice::synchronize() const {
 }
 
 // ---------------------------------------------------------------- streams and events
-CudaStream::CudaStream() { check(driver().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate"); }
+// A blocking stream (not CU_STREAM_NON_BLOCKING): the synchronous copies and memsets of DeviceBuffer
+// run on the legacy stream, and only a blocking stream is ordered after them. (A non-blocking one let
+// kernels race a still-running poison memset on large buffers.)
+CudaStream::CudaStream() { check(driver().cuStreamCreate(&stream_, CU_STREAM_DEFAULT), "cuStreamCreate"); }
 
 CudaStream::~CudaStream() {
   if (stream_ != nullptr) driver().cuStreamDestroy(stream_);

@@ -109,6 +109,22 @@ TEST(RowKernelCodegen, VariantsAreDistinctAndCompile) {
   }
 }
 
+TEST(RowKernelCodegen, LargeRegionsGetAStreamingHintVariant) {
+  const ComputeGraph small = seed_graph(512, 4096, DType::bf16);
+  for (const RowKernelOptions& options : row_kernel_variants(small, whole_graph_region(small))) {
+    EXPECT_FALSE(options.streaming_cache_hints) << "16 MiB stays in L2: no evict-first variant";
+  }
+  const ComputeGraph large = seed_graph(8192, 8192, DType::bf16);
+  const std::vector<RowKernelOptions> variants = row_kernel_variants(large, whole_graph_region(large));
+  ASSERT_TRUE(variants.back().streaming_cache_hints);
+  const GeneratedKernel kernel = generate_region_kernel(large, whole_graph_region(large), variants.back());
+  EXPECT_NE(kernel.source.find("constexpr bool kStream = true;"), std::string::npos);
+  EXPECT_NE(kernel.summary.find("evict-first"), std::string::npos) << kernel.summary;
+  // The weight is reused by every row, so it is read without the hint.
+  EXPECT_NE(kernel.source.find("load_vector<__nv_bfloat16, kVec, kRowLength, false>(in2_row"), std::string::npos);
+  expect_compiles_for_sm90(kernel);
+}
+
 TEST(RowKernelCodegen, FusedRegionsOfEveryRowReductionCompile) {
   // layer_norm after a broadcast multiply and add; softmax after scale and a causal mask;
   // an elementwise chain (silu(gate) * up, cast) writing two outputs.

@@ -176,5 +176,44 @@ TEST(RegionGraph, CutsTheRegionOutWithItsNamesAndComputesTheSame) {
   EXPECT_THROW(region_graph(graph, broken), InputError);
 }
 
+TEST(ContractionRowCandidates, SplitContractionsAroundOneRowKernel) {
+  GraphBuilder builder;
+  auto queries = builder.input("queries", {{16, 64}, DType::bf16});
+  auto keys = builder.input("keys", {{16, 64}, DType::bf16});
+  auto gate_weight = builder.input("gate_weight", {{128, 16}, DType::bf16});
+  auto up_weight = builder.input("up_weight", {{128, 16}, DType::bf16});
+  auto down_weight = builder.input("down_weight", {{16, 128}, DType::bf16});
+  auto scores = builder.matmul(queries, keys, true, "scores");
+  auto probabilities = builder.softmax(builder.causal_mask(builder.scale(scores, 0.125, "scaled"), 0, "masked"), -1,
+                                       "probabilities");
+  auto gate = builder.matmul(probabilities, gate_weight, true, "gate");
+  auto up = builder.matmul(probabilities, up_weight, true, "up");
+  auto hidden = builder.multiply(builder.silu(gate, "activated"), up, "hidden");
+  auto down = builder.matmul(hidden, down_weight, true, "down");
+  const ComputeGraph graph = builder.build({down});
+  auto node = [&](const char* name) { return *graph.find_node(name); };
+
+  FusionRegion attention{"contraction_epilogue", {node("scores"), node("scaled"), node("masked"), node("probabilities")},
+                         {queries.id, keys.id}, {probabilities.id}, 0};
+  const std::vector<FusedCandidate> attention_candidates = contraction_row_candidates(graph, attention);
+  ASSERT_FALSE(attention_candidates.empty());
+  EXPECT_EQ(attention_candidates.front().name, "fused epilogue");
+  EXPECT_EQ(attention_candidates.front().launches, 2);
+  EXPECT_NE(attention_candidates.front().source.find("probabilities = softmax(masked)"), std::string::npos);
+
+  FusionRegion mlp{"swiglu_mlp", {node("gate"), node("up"), node("activated"), node("hidden"), node("down")},
+                   {probabilities.id, gate_weight.id, up_weight.id, down_weight.id}, {down.id}, 0};
+  const std::vector<FusedCandidate> mlp_candidates = contraction_row_candidates(graph, mlp);
+  ASSERT_FALSE(mlp_candidates.empty());
+  EXPECT_EQ(mlp_candidates.front().launches, 4) << "gate, up, one silu * up kernel, down";
+
+  // Only contractions, or no contraction: nothing for this lowering.
+  FusionRegion projections{"x", {node("gate"), node("up")}, {probabilities.id}, {gate.id, up.id}, 0};
+  EXPECT_TRUE(contraction_row_candidates(graph, projections).empty());
+  FusionRegion row_only{"x", {node("activated"), node("hidden")}, {gate.id, up.id}, {hidden.id}, 0};
+  EXPECT_TRUE(contraction_row_candidates(graph, row_only).empty());
+  EXPECT_FALSE(row_region_candidates(graph, row_only).empty());
+}
+
 }  // namespace
 }  // namespace metile
