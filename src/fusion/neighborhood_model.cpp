@@ -150,7 +150,8 @@ class NeighborhoodModel {
       outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + *mismatch);
       return false;
     }
-    if (const auto path = certain_reentry(node, node_side, anchor_output)) {
+    if (const auto path = scratch_.prune_certain_reentry ? certain_reentry(node, node_side, anchor_output)
+                                                         : std::nullopt) {
       outcome_.left_out.emplace_back(node, "left out so the kernel stays convex: " + *path);
       return false;
     }

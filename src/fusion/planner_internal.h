@@ -48,6 +48,9 @@ struct NeighborhoodScratch {
   std::vector<int> local_index;  // graph node -> position in the current neighborhood, or -1
   std::vector<int> visit_stamp;  // graph node -> search that last visited it
   int stamp = 0;
+  // Skip growing ops the cut would certainly leave out (same regions, smaller
+  // models); off only in the test that checks exactly that.
+  bool prune_certain_reentry = true;
   explicit NeighborhoodScratch(const ComputeGraph& graph)
       : index(graph), local_index(graph.nodes().size(), -1), visit_stamp(graph.nodes().size(), 0) {}
 };

@@ -54,6 +54,12 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
         const auto pattern = fusion_internal::match_pattern(graph, rule, node.id);
         if (!pattern) continue;
         const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, *pattern, 64, scratch);
+        // Pruning growth that must re-enter changes the model's size, never its answer.
+        scratch.prune_certain_reentry = false;
+        const auto unpruned = fusion_internal::solve_neighborhood(graph, target, rule, *pattern, 64, scratch);
+        scratch.prune_certain_reentry = true;
+        ASSERT_EQ(outcome.region, unpruned.region) << rule.name << " at " << node.name;
+        ASSERT_EQ(outcome.rejection, unpruned.rejection);
         if (outcome.rejection || outcome.considered.size() > 14) continue;
         ASSERT_TRUE(legal_by_definition(graph, target, rule, outcome.region, *pattern)) << rule.name;
         std::set<NodeId> left_out;
