@@ -146,6 +146,7 @@ struct GemvKernelConfig {
   int warps_per_block = 4;         // split K between them; shared memory joins their partial sums
   int tiles_per_block = 1;         // 16-row tiles per block (their x fragments are shared)
   int iterations_in_flight = 2;    // mainloop iterations whose loads are issued before the math
+  bool double_buffered = true;      // issue the next iterations' loads before this one's math
 
   void validate() const;  // InputError naming the bad field
   std::string to_string() const;
