@@ -92,8 +92,9 @@ double median(std::vector<double> samples) {
 }
 
 // The race. Three refinements keep it cheap without changing what it decides:
-//  - solves shorter than kMinimumSampleMs repeat within a round (the sample is the mean),
-//    so microsecond networks are timed above clock and scheduler noise;
+//  - a solve shorter than kWarmUpBelowMs is a warm-up, then repeats until kMinimumSampleMs
+//    has passed (the sample is the mean), so microsecond networks are timed above clock,
+//    cache and scheduler noise;
 //  - once an engine has produced a value, a later run is stopped at kStopFactor times the
 //    other engine's slowest sample: it has lost that round by far more than the headroom,
 //    and the bound is recorded as its time;
@@ -102,7 +103,8 @@ template <typename Capacity>
 MaxFlowResult<Capacity> run_tournament(const FlowNetwork<Capacity>& network, int source, int sink,
                                        const MaxFlowOptions& options) {
   using Clock = flow_detail::Deadline::Clock;
-  constexpr double kMinimumSampleMs = 0.02;
+  constexpr double kMinimumSampleMs = 0.05;
+  constexpr double kWarmUpBelowMs = 1.0;
   constexpr double kStopFactor = 2.0;
   constexpr std::array<std::array<SolverChoice, 2>, 3> kRounds{{{SolverChoice::dinic, SolverChoice::hlpp},
                                                                 {SolverChoice::hlpp, SolverChoice::dinic},
@@ -120,27 +122,35 @@ MaxFlowResult<Capacity> run_tournament(const FlowNetwork<Capacity>& network, int
       if (latest[self] && !others.empty()) {
         stop_after_ms = kStopFactor * *std::max_element(others.begin(), others.end());
       }
-      int runs = 0;
-      double elapsed_ms = 0;
-      bool stopped = false;
-      const auto start = Clock::now();
-      do {
+      auto run_once = [&]() -> bool {
         std::optional<Clock::time_point> deadline;
-        if (stop_after_ms)
+        if (stop_after_ms) {
           deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                         std::chrono::duration<double, std::milli>(*stop_after_ms));
+        }
         const flow_detail::Deadline stop(deadline);
         std::optional<MaxFlowResult<Capacity>> result =
             engine == SolverChoice::hlpp ? flow_detail::hlpp_until(network, source, sink, options, stop)
                                          : flow_detail::dinic_until(network, source, sink, options, stop);
-        elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-        if (!result) {
-          stopped = true;
-          break;
-        }
+        if (!result) return false;
         latest[self] = std::move(result);
-        ++runs;
-      } while (elapsed_ms < kMinimumSampleMs);
+        return true;
+      };
+      auto start = Clock::now();
+      bool stopped = !run_once();
+      double elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+      int runs = 1;
+      if (!stopped && elapsed_ms < kWarmUpBelowMs) {
+        // A cheap solve right after the other engine ran is mostly cold caches and branch
+        // predictors: let it warm up, then time a batch.
+        runs = 0;
+        start = Clock::now();
+        do {
+          stopped = !run_once();
+          elapsed_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+          ++runs;
+        } while (!stopped && elapsed_ms < kMinimumSampleMs);
+      }
       samples[self].push_back(stopped ? *stop_after_ms : elapsed_ms / runs);
     }
     if (!tolerance.equal(latest[0]->value, latest[1]->value)) {
