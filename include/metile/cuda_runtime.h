@@ -364,8 +364,9 @@ struct LoadedKernel {
 };
 LoadedKernel load_generated_kernel(const GeneratedKernel& kernel);
 
-// A step launching the kernel with its parameters bound to `values` (value ids of values.graph(),
-// or through `value_for_parameter` when the kernel was generated for another graph with the same names).
+// A step launching the kernel with its parameters bound to `values`: the value ids recorded in the
+// kernel's parameters must be ids of values.graph(); a kernel generated for another graph (same
+// source, other ids) is bound through `value_for_parameter` instead.
 // Scratch parameters get buffers owned by the step.
 DeviceStep bind_kernel(const LoadedKernel& kernel, DeviceValues& values);
 DeviceStep bind_kernel(const LoadedKernel& kernel, DeviceValues& values, const std::vector<ValueId>& value_for_parameter);

@@ -155,6 +155,19 @@ TEST_F(Dispatch, DecisionsSurviveARestartAndACorruptFile) {
   }
 }
 
+TEST_F(Dispatch, DecoderLayerExampleRunsInEveryMode) {
+  // examples/decoder_layer.json: 4-bit quantized projections, rope, head transposes, batched
+  // attention matmuls, three planned regions (two of them natively run next to fused ones).
+  const ComputeGraph graph = read_graph(std::filesystem::path(METILE_SOURCE_DIR) / "examples" / "decoder_layer.json");
+  const FusionPlan plan = plan_graph_fusion(graph);
+  for (DispatchMode mode : {DispatchMode::native, DispatchMode::automatic, DispatchMode::fused}) {
+    options_.mode = mode;
+    Executable executable = Executable::build(plan, device(), options_);
+    std::printf("%s", executable.report().c_str());
+    expect_runs_correctly(executable, graph, fmt::format("decoder_layer.json, {}", dispatch_mode_name(mode)));
+  }
+}
+
 TEST_F(Dispatch, NativeModeNeverRunsAFusedKernel) {
   options_.mode = DispatchMode::native;
   const ComputeGraph graph = seed_graph(2, 1024, DType::f16);

@@ -180,6 +180,33 @@ TEST_F(NativeKernels, CudaGraphReplayGivesTheSameOutputs) {
   expect_outputs_match(graph, direct, run_reference(graph, inputs), "gelu -> matmul -> rms_norm");
 }
 
+TEST_F(NativeKernels, OneRuntimeBindsEachGraphsOwnBuffers) {
+  // Two graphs whose nodes have the same names and therefore the same kernel source, but different
+  // value ids (the second has an extra input first): a kernel shared by source must still be bound
+  // to each graph's own buffers. (Regression: gating a region graph cached kernels under its ids.)
+  auto build = [](bool extra_input) {
+    GraphBuilder builder;
+    if (extra_input) builder.input("unrelated", {{4, 96}, DType::f16});
+    auto x = builder.input("x", {{4, 96}, DType::f16});
+    auto y = builder.input("y", {{4, 96}, DType::f16});
+    return builder.build({builder.add(x, y, "sum")});
+  };
+  const ComputeGraph first = build(false);
+  const ComputeGraph second = build(true);
+  NativeRuntime native;
+  CudaStream stream;
+  for (const ComputeGraph* graph : {&first, &second}) {
+    const TensorMap inputs = random_inputs(*graph, std::random_device{}());
+    DeviceValues values(*graph);
+    values.upload_inputs(inputs);
+    values.poison_computed_values();
+    run_steps(native.graph_steps(*graph, values), stream);
+    stream.synchronize();
+    expect_outputs_match(*graph, values.download_outputs(), run_reference(*graph, inputs),
+                         graph == &first ? "first graph" : "second graph, same kernel source");
+  }
+}
+
 TEST_F(NativeKernels, DeviceReportsItsProperties) {
   const CudaDeviceInfo& info = device().info();
   EXPECT_FALSE(info.name.empty());

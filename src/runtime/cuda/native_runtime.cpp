@@ -124,9 +124,12 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
       }
       right_address = values[node.inputs[1]].address();
     } else {
-      const LoadedKernel& kernel = kernel_for(generate_dequantize_kernel(graph, node_id));
+      // Bind through this graph's parameters: the cached kernel may come from another graph
+      // (a region graph) whose value ids differ.
+      const GeneratedKernel generated = generate_dequantize_kernel(graph, node_id);
+      const LoadedKernel& kernel = kernel_for(generated);
       // The dense weights: a buffer shared by the dequantize launch and the matmul that reads it.
-      const auto& parameters = kernel.generated.parameters;
+      const auto& parameters = generated.parameters;
       auto dense = std::make_shared<DeviceBuffer>(static_cast<std::size_t>(parameters.back().scratch_bytes));
       KernelArguments arguments;
       for (std::size_t i = 0; i + 1 < parameters.size(); ++i) arguments.add_pointer(values[parameters[i].value].address());
@@ -149,7 +152,12 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
       matmul->run(problem, left_address, right_address, out_address, stream);
     };
   }
-  return bind_kernel(kernel_for(generate_node_kernel(graph, node_id)), values);
+  // Kernels are shared by source, and the same source arises from other graphs (a region cut out for
+  // gating keeps the names, not the value ids): bind with the ids of this graph's generation.
+  const GeneratedKernel generated = generate_node_kernel(graph, node_id);
+  std::vector<ValueId> ids;
+  for (const KernelParameter& parameter : generated.parameters) ids.push_back(parameter.value);
+  return bind_kernel(kernel_for(generated), values, ids);
 }
 
 std::vector<DeviceStep> NativeRuntime::graph_steps(const ComputeGraph& graph, DeviceValues& values) {
