@@ -89,6 +89,11 @@ FlowNetwork<Capacity>::FlowNetwork(int vertex_count, std::initializer_list<FlowE
 template <typename Capacity>
 void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infinite) {
   edge_is_infinite_ = std::move(edge_is_infinite);
+  // Arcs are numbered with int, two per edge.
+  if (edges_.size() > static_cast<std::size_t>(std::numeric_limits<int>::max() / 2 - 1)) {
+    throw InputError("flow network: " + std::to_string(edges_.size()) + " edges are more than the " +
+                     std::to_string(std::numeric_limits<int>::max() / 2 - 1) + " supported");
+  }
   const int edge_total = static_cast<int>(edges_.size());
 
   // Validate and total the finite capacities first: infinite edges take their value from the total.
