@@ -189,6 +189,7 @@ int main(int argc, char** argv) {
     options.tournament.calls_per_sample = 10;
 
     std::vector<Row> table;
+    std::string candidate_reports;  // every candidate's gate and time, for a few configurations
     for (const Model& model : models) {
       const bool first_model = &model == &models.front();
       if (quick && !first_model) continue;
@@ -231,6 +232,9 @@ int main(int argc, char** argv) {
                        3, 10, 7) /
                    static_cast<double>(executors.size());
           };
+          if (model.name == models.front().name && (rows == 1 || rows == 16) && format.bits != 8) {
+            candidate_reports += fmt::format("{} {} M={}\n{}", model.name, format.to_string(), rows, executors.front().report());
+          }
           row.mlp_us = replay(false) * 1e3;
           row.mlp_native_us = replay(true) * 1e3;
           table.push_back(row);
@@ -291,6 +295,7 @@ int main(int argc, char** argv) {
                    sixteen->mlp_us, ratio, ratio < 1.3 ? "reached" : "NOT reached");
       }
     }
+    fmt::print("\ncandidates (numeric gate against float64, tournament score)\n{}", candidate_reports);
     std::filesystem::remove(options.decision_cache_file);
     return 0;
   } catch (const std::exception& error) {

@@ -212,7 +212,7 @@ struct DecodeMlpOptions {
   std::uint64_t gate_seed = 0x6d6c70;
   bool use_decision_cache = true;   // a stored decision skips the tournament (the gate still runs)
   std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
-  int tuning_candidates = 3;        // launch shapes per fused schedule (gemv_tuning_candidates)
+  int tuning_candidates = 5;        // launch shapes per fused schedule (gemv_tuning_candidates)
 };
 
 // One candidate of a stage. `kind` is "native" (cuBLASLt / dequantize + cuBLASLt, or the

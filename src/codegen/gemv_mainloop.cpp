@@ -522,23 +522,30 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   const int columns_per_load = 32 * (base.format.bits == 16 ? 1 : base.format.bits == 8 ? 2 : 4);
   const int loads_per_iteration = base.format.columns_per_iteration() / columns_per_load;
   // About eight 16-byte weight loads in flight per lane keep HBM busy with 16 warps per SM
-  // (ptxas keeps these shapes under ~180 registers without spills; gemv_compile_test checks).
-  // More than 8 rows doubles the x fragments, 16 warps cap a thread at 128 registers
-  // (__launch_bounds__), and a double buffer holds two batches: halve the depth for each.
-  auto in_flight = [&](int warps, bool double_buffered) {
+  // (gemv_compile_test checks that ptxas keeps these shapes in registers). More than 8 rows
+  // doubles the x fragments, 16 warps cap a thread at 128 registers (__launch_bounds__), and a
+  // double buffer holds two batches: halve the depth for each; `deeper` doubles it again.
+  auto in_flight = [&](int warps, bool double_buffered, bool deeper) {
     int depth = 8 / (2 * products_in_registers * loads_per_iteration);
     if (base.rows > 8) depth /= 2;
     if (warps > 8) depth /= 2;
     if (double_buffered) depth /= 2;
+    if (deeper) depth = std::max(depth, 1) * 2;
     return std::clamp(depth, 1, 4);
   };
   std::vector<GemvKernelConfig> candidates;
-  auto add = [&](int warps, bool double_buffered) {
+  auto add = [&](int warps, bool double_buffered, bool deeper = false) {
     GemvKernelConfig config = base;
     config.warps_per_block = warps;
     config.tiles_per_block = 1;
     config.double_buffered = double_buffered;
-    config.iterations_in_flight = in_flight(warps, double_buffered);
+    config.iterations_in_flight = in_flight(warps, double_buffered, deeper);
+    for (const GemvKernelConfig& existing : candidates) {
+      if (existing.warps_per_block == warps && existing.double_buffered == double_buffered &&
+          existing.iterations_in_flight == config.iterations_in_flight) {
+        return;
+      }
+    }
     try {
       config.validate();
     } catch (const InputError&) {
@@ -546,12 +553,23 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
     candidates.push_back(config);
   };
-  // A narrow N (few tiles) leaves SMs idle unless each tile's K is split over more warps.
-  // Measured on the H200 (notes/mlp_decode.md, call 2): one tile per block beat two everywhere.
+  // Measured on the H200 (notes/mlp_decode.md): one tile per block beat two everywhere, and a
+  // grid whose blocks do not all fit at once loses a partial wave. A wide N (many tiles) wants
+  // few warps per tile so that every block is resident; a narrow N splits K over more warps.
   const bool narrow = tiles < 2 * multiprocessors;
-  add(narrow ? 8 : 4, true);
-  add(narrow ? 16 : 8, true);
-  add(narrow ? 8 : 4, false);
+  if (narrow) {
+    add(8, true);
+    add(16, true);
+    add(8, true, true);
+    add(4, true);
+    add(8, false);
+  } else {
+    add(2, true);
+    add(4, true);
+    add(2, true, true);
+    add(8, true);
+    add(4, false);
+  }
   return candidates;
 }
 

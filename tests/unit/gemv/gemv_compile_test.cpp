@@ -137,7 +137,7 @@ TEST(GemvCompile, TunedShapesOfTheDecodeMlpKeepTheirBatchesInRegisters) {
       }
     }
   }
-  EXPECT_EQ(checked, 2 * 2 * 9);
+  EXPECT_GE(checked, 2 * 2 * 12);  // every candidate of three stages, two formats, two row counts
 }
 
 TEST(GemvCompile, RejectsConfigurationsItCannotGenerate) {
