@@ -126,7 +126,7 @@ std::vector<ValueId> region_outputs(const ComputeGraph& graph, const GraphIndex&
   return outputs;
 }
 
-std::string unfused_reason(const ComputeGraph& graph, const Node& node, const NodeNotes& notes) {
+std::string unfused_reason(const Node& node, const NodeNotes& notes) {
   if (!notes.refusals.empty()) {
     std::string text = notes.refusals.front();
     for (std::size_t k = 1; k < notes.refusals.size(); ++k) text += "; " + notes.refusals[k];
@@ -134,7 +134,6 @@ std::string unfused_reason(const ComputeGraph& graph, const Node& node, const No
   }
   if (!notes.left_out.empty()) return notes.left_out.front();
   if (notes.considered) return "no rule found a region around it that saves time";
-  (void)graph;
   if (node.kind == OpKind::layout) return fmt::format("no rule matches: no rule fuses layout ops ({})", node.op);
   return fmt::format("no rule matches: no fusable {} neighbour", op_kind_name(node.kind));
 }
@@ -267,7 +266,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     }
     plan.unfused.push_back(node.id);
     if (best_loser[id] < 0) {
-      reason = unfused_reason(graph, node, notes[id]);
+      reason = unfused_reason(node, notes[id]);
       continue;
     }
     const FusionCandidate& loser = plan.candidates[static_cast<std::size_t>(best_loser[id])];

@@ -45,7 +45,7 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
   const FusionTarget targets[] = {FusionTarget::h200(), FusionTarget::cpu()};
   const RuleSet rules = default_rules();
   int compared = 0;
-  for (int round = 0; round < 1500; ++round) {
+  for (int round = 0; round < 1000; ++round) {
     const ComputeGraph graph = fusion_test::random_graph(random, 4 + round % 12);
     const FusionTarget& target = targets[round % 2];
     fusion_internal::NeighborhoodScratch scratch(graph);
@@ -87,7 +87,7 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
       }
     }
   }
-  EXPECT_GT(compared, 2000);
+  EXPECT_GT(compared, 1500);
 }
 
 // A small conflict graph with integer weights: random, bipartite or an odd cycle.
@@ -219,7 +219,7 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
       if (component.candidates.size() > 1) ++multi_candidate_components;
     }
     // The plan, run kernel by kernel, computes what the graph computes.
-    if (round % 4 == 0) {
+    if (round % 10 == 0) {
       const TensorMap inputs = random_inputs(graph, static_cast<std::uint64_t>(round));
       const TensorMap expected = run_reference(graph, inputs);
       const TensorMap actual = run_plan_reference(plan, inputs);
