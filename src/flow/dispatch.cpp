@@ -184,10 +184,12 @@ MaxFlowResult<Capacity> solve(const FlowNetwork<Capacity>& network, int source, 
     return run_engine(options.solver, network, source, sink, options);
   if (network.vertex_count() < kTournamentMinimumVertices) return dinic(network, source, sink, options);
 
-  // The key covers the terminals too: the same network with other terminals is another problem.
+  // The key covers the terminals and whether flows are wanted (HLPP's second phase can change
+  // the winner) too. A 64-bit collision would only pick an engine; both are exact.
   std::uint64_t key = network.fingerprint();
   key ^= (static_cast<std::uint64_t>(source) * 0x9e3779b97f4a7c15ULL) ^
-         (static_cast<std::uint64_t>(sink) * 0xc2b2ae3d27d4eb4fULL + 0x165667b19e3779f9ULL);
+         (static_cast<std::uint64_t>(sink) * 0xc2b2ae3d27d4eb4fULL + 0x165667b19e3779f9ULL) ^
+         (options.edge_flows ? 0x27d4eb2f165667c5ULL : 0);
   if (options.use_cache) {
     if (const std::optional<SolverChoice> cached = dispatch_cache().find(key)) {
       MaxFlowResult<Capacity> result = run_engine(*cached, network, source, sink, options);

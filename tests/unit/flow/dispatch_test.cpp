@@ -42,18 +42,19 @@ TEST(Dispatch, TournamentWinnerFollowsHeadroomRuleAndIsCached) {
     EXPECT_EQ(first.value, expected);
     EXPECT_TRUE(verify(network, 0, vertices - 1, first));
 
-    const MaxFlowResult<std::int64_t> second = solve(network, 0, vertices - 1);
+    const MaxFlowResult<std::int64_t> second = solve(network, 0, vertices - 1, {.edge_flows = true});
     EXPECT_TRUE(second.from_cache);
     EXPECT_FALSE(second.tournament.has_value());
     EXPECT_EQ(second.solver, first.solver);
     EXPECT_EQ(second.value, expected);
     EXPECT_EQ(second.source_side, first.source_side);
 
-    // Other terminals are another problem: no cache hit.
-    const MaxFlowResult<std::int64_t> other_terminals = solve(network, 1, vertices - 1);
-    EXPECT_FALSE(other_terminals.from_cache);
+    // Other terminals are another problem, and so is the same one without flows: no cache hit.
+    EXPECT_FALSE(solve(network, 1, vertices - 1, {.edge_flows = true}).from_cache);
+    EXPECT_FALSE(solve(network, 0, vertices - 1).from_cache);
+    EXPECT_TRUE(solve(network, 0, vertices - 1).from_cache);
   }
-  EXPECT_EQ(dispatch_cache_size(), 6u);
+  EXPECT_EQ(dispatch_cache_size(), 9u);
   clear_dispatch_cache();
   EXPECT_EQ(dispatch_cache_size(), 0u);
 }
