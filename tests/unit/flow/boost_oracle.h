@@ -8,7 +8,7 @@
 #ifndef BOOST_DISABLE_ASSERTS
 #define BOOST_DISABLE_ASSERTS
 #endif
-// clang-format off: the define above must come before any Boost header
+
 #include <boost/graph/adjacency_list.hpp>
 #include <boost/graph/push_relabel_max_flow.hpp>
 #include <vector>
