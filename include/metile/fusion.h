@@ -26,7 +26,8 @@ namespace metile {
 // ---------------------------------------------------------------- targets
 
 // What a kernel costs and what one kernel may use on a machine. Times in
-// nanoseconds, bandwidths in bytes per nanosecond (1 byte/ns = 1 GB/s).
+// nanoseconds, bandwidths in bytes per nanosecond (1 byte/ns = 1 GB/s). The
+// member defaults are the h200 preset.
 struct FusionTarget {
   std::string name = "h200";
   double launch_overhead_ns = 2500;               // one more kernel in a stream of launches

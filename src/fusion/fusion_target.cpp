@@ -1,10 +1,12 @@
 // FusionTarget: the presets the planner prices kernels with, and target files.
 // The numbers are the planner's model of a machine, not measurements taken here:
 // each preset says where its figures come from so a reader can challenge them.
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
