@@ -36,7 +36,9 @@ const DecodeMlpCandidate& chosen(const DecodeMlpStageReport& report) {
 
 void expect_well_formed(const DecodeMlpStageReport& report, bool affine) {
   ASSERT_GE(report.chosen, 0) << report.sentence;
-  EXPECT_TRUE(chosen(report).gate.passed) << report.sentence;
+  if (chosen(report).kind == "fused") {
+    EXPECT_TRUE(chosen(report).gate.passed) << report.sentence;
+  }
   EXPECT_GE(chosen(report).score_ms, 0.0) << report.sentence;
   EXPECT_FALSE(report.sentence.empty());
   int native = 0, fused = 0;
