@@ -7,32 +7,17 @@
 #include <string>
 
 #include "metile/cpu_runtime.h"
+#include "metile_test_support.h"
 #include "test_support.h"
 
 namespace metile {
 namespace {
 
+using testing::error_of;
 using testing::random_tensor;
 
-// The seed graph: summed = values + residual; normalized = rms_norm(summed, weight).
-ComputeGraph add_rms_norm_graph() {
-  GraphBuilder builder;
-  const ValueRef values = builder.input("values", TensorSpec({2, 64}, DType::f16));
-  const ValueRef residual = builder.input("residual", TensorSpec({2, 64}, DType::f16));
-  const ValueRef weight = builder.input("weight", TensorSpec({64}, DType::f16));
-  const ValueRef summed = builder.add(values, residual, "summed");
-  const ValueRef normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
-  return builder.build({summed, normalized});
-}
-
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const InputError& error) {
-    return error.what();
-  }
-  return "(no InputError)";
-}
+// The seed graph, small: summed = values + residual; normalized = rms_norm(summed, weight).
+ComputeGraph add_rms_norm_graph() { return testing::seed_graph(2, 64); }
 
 TEST(RunReference, MultiOutputGraphReturnsEveryOutputByName) {
   const ComputeGraph graph = add_rms_norm_graph();

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "metile/cpu_runtime.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -27,13 +28,7 @@ class RunCommand : public ::testing::Test {
                                      ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(directory_);
     fs::create_directories(directory_);
-    GraphBuilder builder;
-    const ValueRef values = builder.input("values", TensorSpec({3, 64}, DType::f16));
-    const ValueRef residual = builder.input("residual", TensorSpec({3, 64}, DType::f16));
-    const ValueRef weight = builder.input("weight", TensorSpec({64}, DType::f16));
-    const ValueRef summed = builder.add(values, residual, "summed");
-    const ValueRef normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
-    graph_ = builder.build({summed, normalized});
+    graph_ = testing::seed_graph(3, 64);
     std::ofstream(path("graph.json")) << write_graph_json(graph_);
   }
   void TearDown() override { fs::remove_all(directory_); }
@@ -45,16 +40,9 @@ class RunCommand : public ::testing::Test {
     const std::string command = std::string(METILE_BINARY) + " run " + path("graph.json") + " " + arguments +
                                 " >" + path("stdout.txt") + " 2>" + path("stderr.txt");
     const int status = std::system(command.c_str());
-    stdout_ = read_text(path("stdout.txt"));
-    stderr_ = read_text(path("stderr.txt"));
+    stdout_ = testing::read_text(path("stdout.txt"));
+    stderr_ = testing::read_text(path("stderr.txt"));
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-
-  static std::string read_text(const std::string& file) {
-    std::ifstream stream(file);
-    std::stringstream text;
-    text << stream.rdbuf();
-    return text.str();
   }
 
   fs::path directory_;

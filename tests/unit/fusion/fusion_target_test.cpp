@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "metile/fusion.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -68,15 +69,7 @@ TEST(FusionTarget, FileAndPresetNamesResolve) {
   EXPECT_EQ(FusionTarget::from_name_or_file("cpu").name, "cpu");
 }
 
-ComputeGraph seed_graph() {
-  GraphBuilder builder;
-  auto values = builder.input("values", {{1, 2048}, DType::f16});
-  auto residual = builder.input("residual", {{1, 2048}, DType::f16});
-  auto weight = builder.input("weight", {{2048}, DType::f16});
-  auto summed = builder.add(values, residual, "summed");
-  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
-  return builder.build({summed, normalized});
-}
+using testing::seed_graph;
 
 TEST(CostModel, SeedRegionMatchesHandArithmetic) {
   const ComputeGraph graph = seed_graph();

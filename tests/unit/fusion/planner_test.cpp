@@ -9,6 +9,7 @@
 
 #include "fusion_test_support.h"
 #include "metile/fusion.h"
+#include "metile_test_support.h"
 #include "planner_internal.h"
 
 namespace metile {
@@ -35,13 +36,7 @@ const std::string& reason_of(const FusionPlan& plan, const std::string& node) {
 }
 
 TEST(Planner, SeedIsOneKernelWithTwoOutputs) {
-  GraphBuilder builder;
-  auto values = builder.input("values", {{1, 2048}, DType::f16});
-  auto residual = builder.input("residual", {{1, 2048}, DType::f16});
-  auto weight = builder.input("weight", {{2048}, DType::f16});
-  auto summed = builder.add(values, residual, "summed");
-  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
-  const FusionPlan plan = plan_graph_fusion(builder.build({summed, normalized}));
+  const FusionPlan plan = plan_graph_fusion(testing::seed_graph());
   ASSERT_EQ(plan_problems(plan), "");
   EXPECT_EQ(plan.kernel_count(), 1);
   ASSERT_EQ(plan.regions.size(), 1u);

@@ -6,18 +6,12 @@
 #include <gtest/gtest.h>
 
 #include "metile/graph.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
 
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const InputError& error) {
-    return error.what();
-  }
-  return "(no InputError)";
-}
+using testing::error_of;
 
 struct SeedGraph {
   GraphBuilder builder;

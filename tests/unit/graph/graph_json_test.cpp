@@ -12,43 +12,22 @@
 #include <nlohmann/json.hpp>
 
 #include "metile/graph.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
 
 using Json = nlohmann::json;
 
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const InputError& error) {
-    return error.what();
-  }
-  return "(no InputError)";
-}
+using testing::error_of;
+using testing::read_text;
+using testing::seed_graph;
 
 std::string parse_error(const std::string& text) {
   return error_of([&] { parse_graph_json(text, "g.json"); });
 }
 
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream stream(path);
-  std::ostringstream text;
-  text << stream.rdbuf();
-  return text.str();
-}
-
 const std::filesystem::path kExamples = METILE_EXAMPLES_DIR;
-
-ComputeGraph seed_graph() {
-  GraphBuilder builder;
-  auto values = builder.input("values", {{1, 2048}, DType::f16});
-  auto residual = builder.input("residual", {{1, 2048}, DType::f16});
-  auto weight = builder.input("weight", {{2048}, DType::f16});
-  auto summed = builder.add(values, residual, "summed");
-  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
-  return builder.build({summed, normalized});
-}
 
 TEST(GraphJsonTest, SeedExampleIsTheBuilderGraphAndItsWrittenForm) {
   const ComputeGraph graph = read_graph(kExamples / "add_rms_norm.json");

@@ -13,18 +13,12 @@
 #include <gtest/gtest.h>
 
 #include "metile/graph.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
 
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const InputError& error) {
-    return error.what();
-  }
-  return "(no InputError)";
-}
+using testing::error_of;
 
 TEST(TensorSpecTest, CountsBytesRowsAndText) {
   const TensorSpec spec({3, 4, 5}, DType::bf16);

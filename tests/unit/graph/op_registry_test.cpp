@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "metile/graph.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -30,12 +31,7 @@ TensorSpec infer_one(std::string_view op, std::vector<TensorSpec> inputs, Attrib
 }
 
 std::string infer_error(std::string_view op, std::vector<TensorSpec> inputs, Attributes attributes = {}) {
-  try {
-    infer(op, std::move(inputs), attributes);
-  } catch (const InputError& error) {
-    return error.what();
-  }
-  return "(no InputError)";
+  return testing::error_of([&] { infer(op, std::move(inputs), attributes); });
 }
 
 Attributes attrs(std::initializer_list<std::pair<const char*, AttributeValue>> entries) {
