@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "capacity_text.h"
 #include "residual_graph.h"
 
 namespace metile {
@@ -75,14 +76,6 @@ MaxFlowResult<Capacity> run_engine(SolverChoice engine, const FlowNetwork<Capaci
                                    int sink, const MaxFlowOptions& options) {
   return engine == SolverChoice::hlpp ? hlpp(network, source, sink, options)
                                       : dinic(network, source, sink, options);
-}
-
-template <typename Capacity>
-std::string show(Capacity value) {
-  std::ostringstream text;
-  text.precision(17);
-  text << value;
-  return text.str();
 }
 
 double median(std::vector<double> samples) {
@@ -154,8 +147,8 @@ MaxFlowResult<Capacity> run_tournament(const FlowNetwork<Capacity>& network, int
       samples[self].push_back(stopped ? *stop_after_ms : elapsed_ms / runs);
     }
     if (!tolerance.equal(latest[0]->value, latest[1]->value)) {
-      throw std::runtime_error("max-flow dispatch: dinic found " + show(latest[0]->value) +
-                               " but hlpp found " + show(latest[1]->value) +
+      throw std::runtime_error("max-flow dispatch: dinic found " + capacity_text(latest[0]->value) +
+                               " but hlpp found " + capacity_text(latest[1]->value) +
                                " on the same network (fingerprint " + std::to_string(network.fingerprint()) +
                                ")");
     }

@@ -6,18 +6,11 @@
 #include <string>
 #include <type_traits>
 
+#include "capacity_text.h"
 #include "metile/flow.h"
 
 namespace metile {
 namespace {
-
-template <typename Capacity>
-std::string show(Capacity value) {
-  std::ostringstream text;
-  text.precision(17);
-  text << value;
-  return text.str();
-}
 
 template <typename Capacity>
 FlowCheck failure(std::string problem) {
@@ -66,7 +59,7 @@ FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink,
   }
   if constexpr (std::is_floating_point_v<Capacity>) {
     if (!std::isfinite(result.value))
-      return failure<Capacity>("flow value " + show(result.value) + " is not finite");
+      return failure<Capacity>("flow value " + capacity_text(result.value) + " is not finite");
   }
   if (static_cast<int>(result.source_side.size()) != n) {
     return failure<Capacity>("source side has " + std::to_string(result.source_side.size()) +
@@ -76,8 +69,8 @@ FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink,
   if (result.source_side[sink]) return failure<Capacity>("the sink is on the source side");
   const Capacity cut = cut_capacity(network, result.source_side);
   if (!tolerance.equal(cut, result.value)) {
-    return failure<Capacity>("cut capacity " + show(cut) + " differs from the flow value " +
-                             show(result.value));
+    return failure<Capacity>("cut capacity " + capacity_text(cut) + " differs from the flow value " +
+                             capacity_text(result.value));
   }
   if (result.edge_flows.empty()) return {};
 
@@ -95,8 +88,8 @@ FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink,
     }
     if (tolerance.less(flow, Capacity{}) || tolerance.less(edge.capacity, flow)) {
       return failure<Capacity>("edge " + std::to_string(e) + " (" + std::to_string(edge.from) + " -> " +
-                               std::to_string(edge.to) + ") carries " + show(flow) + " outside [0, " +
-                               show(edge.capacity) + "]");
+                               std::to_string(edge.to) + ") carries " + capacity_text(flow) +
+                               " outside [0, " + capacity_text(edge.capacity) + "]");
     }
     if (edge.from == edge.to) continue;
     net_outflow[edge.from] += flow;
@@ -106,12 +99,12 @@ FlowCheck verify(const FlowNetwork<Capacity>& network, int source, int sink,
     if (v == source || v == sink) continue;
     if (!tolerance.equal(net_outflow[v], Capacity{})) {
       return failure<Capacity>("conservation fails at vertex " + std::to_string(v) + ": net outflow " +
-                               show(net_outflow[v]));
+                               capacity_text(net_outflow[v]));
     }
   }
   if (!tolerance.equal(net_outflow[source], result.value)) {
-    return failure<Capacity>("the source's net outflow " + show(net_outflow[source]) +
-                             " differs from the value " + show(result.value));
+    return failure<Capacity>("the source's net outflow " + capacity_text(net_outflow[source]) +
+                             " differs from the value " + capacity_text(result.value));
   }
   return {};
 }
