@@ -28,9 +28,9 @@
 #include "network_families.h"
 
 #ifdef METILE_HAVE_BOOST_GRAPH
-#include <boost/graph/adjacency_list.hpp>
 #include <boost/graph/boykov_kolmogorov_max_flow.hpp>
-#include <boost/graph/push_relabel_max_flow.hpp>
+
+#include "boost_oracle.h"  // the flow tests' Boost graph of our edges
 #endif
 #ifdef METILE_HAVE_LEMON
 #include <lemon/preflow.h>
@@ -108,18 +108,8 @@ void check_same_value(const char* who, std::int64_t value, std::int64_t expected
 #ifdef METILE_HAVE_BOOST_GRAPH
 class BoostCompetitor {
  public:
-  explicit BoostCompetitor(const GeneratedNetwork& network) : graph_(network.vertex_count) {
-    auto capacity = boost::get(boost::edge_capacity, graph_);
-    auto reverse = boost::get(boost::edge_reverse, graph_);
-    for (const auto& edge : network.edges) {
-      if (edge.from == edge.to) continue;
-      const auto forward = boost::add_edge(edge.from, edge.to, graph_).first;
-      const auto backward = boost::add_edge(edge.to, edge.from, graph_).first;
-      capacity[forward] = edge.capacity;
-      capacity[backward] = 0;
-      reverse[forward] = backward;
-      reverse[backward] = forward;
-    }
+  explicit BoostCompetitor(const GeneratedNetwork& network)
+      : graph_(metile::testing::make_boost_flow_graph(network.vertex_count, network.edges)) {
     source_ = boost::vertex(network.source, graph_);
     sink_ = boost::vertex(network.sink, graph_);
   }
@@ -131,15 +121,10 @@ class BoostCompetitor {
   }
 
  private:
-  using Traits = boost::adjacency_list_traits<boost::vecS, boost::vecS, boost::directedS>;
-  using Graph = boost::adjacency_list<
-      boost::vecS, boost::vecS, boost::directedS, boost::no_property,
-      boost::property<boost::edge_capacity_t, std::int64_t,
-                      boost::property<boost::edge_residual_capacity_t, std::int64_t,
-                                      boost::property<boost::edge_reverse_t, Traits::edge_descriptor>>>>;
+  using Graph = metile::testing::BoostFlowGraph<std::int64_t>;
   Graph graph_;
-  Traits::vertex_descriptor source_{};
-  Traits::vertex_descriptor sink_{};
+  boost::graph_traits<Graph>::vertex_descriptor source_{};
+  boost::graph_traits<Graph>::vertex_descriptor sink_{};
 };
 #endif
 

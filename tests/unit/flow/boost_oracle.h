@@ -17,16 +17,22 @@
 
 namespace metile::testing {
 
+// Our edges as a Boost.Graph flow network: each edge with a zero-capacity reverse twin,
+// as Boost's max-flow algorithms expect. Shared with benchmarks/max_flow, which races
+// push_relabel and boykov_kolmogorov on the same representation.
+using BoostFlowTraits = boost::adjacency_list_traits<boost::vecS, boost::vecS, boost::directedS>;
 template <typename Capacity>
-Capacity boost_max_flow(int vertex_count, const std::vector<FlowEdge<Capacity>>& edges, int source,
-                        int sink) {
-  using Traits = boost::adjacency_list_traits<boost::vecS, boost::vecS, boost::directedS>;
-  using Graph = boost::adjacency_list<
-      boost::vecS, boost::vecS, boost::directedS, boost::no_property,
-      boost::property<boost::edge_capacity_t, Capacity,
-                      boost::property<boost::edge_residual_capacity_t, Capacity,
-                                      boost::property<boost::edge_reverse_t, Traits::edge_descriptor>>>>;
-  Graph graph(vertex_count);
+using BoostFlowGraph = boost::adjacency_list<
+    boost::vecS, boost::vecS, boost::directedS, boost::no_property,
+    boost::property<
+        boost::edge_capacity_t, Capacity,
+        boost::property<boost::edge_residual_capacity_t, Capacity,
+                        boost::property<boost::edge_reverse_t, BoostFlowTraits::edge_descriptor>>>>;
+
+template <typename Capacity>
+BoostFlowGraph<Capacity> make_boost_flow_graph(int vertex_count,
+                                               const std::vector<FlowEdge<Capacity>>& edges) {
+  BoostFlowGraph<Capacity> graph(vertex_count);
   auto capacity = boost::get(boost::edge_capacity, graph);
   auto reverse = boost::get(boost::edge_reverse, graph);
   for (const FlowEdge<Capacity>& edge : edges) {
@@ -38,6 +44,13 @@ Capacity boost_max_flow(int vertex_count, const std::vector<FlowEdge<Capacity>>&
     reverse[forward] = backward;
     reverse[backward] = forward;
   }
+  return graph;
+}
+
+template <typename Capacity>
+Capacity boost_max_flow(int vertex_count, const std::vector<FlowEdge<Capacity>>& edges, int source,
+                        int sink) {
+  BoostFlowGraph<Capacity> graph = make_boost_flow_graph(vertex_count, edges);
   return boost::push_relabel_max_flow(graph, boost::vertex(source, graph), boost::vertex(sink, graph));
 }
 
