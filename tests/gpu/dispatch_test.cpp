@@ -10,6 +10,7 @@
 
 #include "gpu_test_support.h"
 #include "metile/fusion.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -17,14 +18,7 @@ namespace {
 using testing_support::CudaDeviceTest;
 using testing_support::expect_outputs_match;
 
-ComputeGraph seed_graph(std::int64_t rows, std::int64_t length, DType dtype) {
-  GraphBuilder builder;
-  auto values = builder.input("values", {{rows, length}, dtype});
-  auto residual = builder.input("residual", {{rows, length}, dtype});
-  auto weight = builder.input("weight", {{length}, dtype});
-  auto summed = builder.add(values, residual, "summed");
-  return builder.build({summed, builder.rms_norm(summed, weight, 1e-5, "normalized")});
-}
+using metile::testing::seed_graph;
 
 // A small decoder block: attention scores with softmax, projections through cuBLASLt, a residual
 // add + RMSNorm, and a SwiGLU MLP (a region only the decode-MLP lowering can fuse).

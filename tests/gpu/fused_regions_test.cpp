@@ -8,6 +8,7 @@
 #include <random>
 
 #include "gpu_test_support.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -52,14 +53,7 @@ class FusedRegions : public CudaDeviceTest {
   std::optional<CudaStream> stream_;  // made once the device is open
 };
 
-ComputeGraph seed_graph(std::int64_t rows, std::int64_t length, DType dtype) {
-  GraphBuilder builder;
-  auto values = builder.input("values", {{rows, length}, dtype});
-  auto residual = builder.input("residual", {{rows, length}, dtype});
-  auto weight = builder.input("weight", {{length}, dtype});
-  auto summed = builder.add(values, residual, "summed");
-  return builder.build({summed, builder.rms_norm(summed, weight, 1e-5, "normalized")});
-}
+using metile::testing::seed_graph;
 
 TEST_F(FusedRegions, ResidualAddRmsNorm) {
   struct Case {

@@ -1,6 +1,6 @@
-// Helpers shared by the unit tests of several modules (graph, cpu_runtime,
-// fusion): the message of the InputError an action throws, a file read whole,
-// and the seed graph of DESIGN.md. Module-specific helpers stay in their folders.
+// Helpers shared by the tests of several modules (graph, cpu_runtime, fusion,
+// codegen, gpu) and the kernel benchmark: the message of the InputError an action
+// throws, a file read whole, and the seed graph of DESIGN.md. Module-specific helpers stay in their folders.
 #pragma once
 
 #include <cstdint>
@@ -35,12 +35,12 @@ inline std::string read_text(const std::filesystem::path& path) {
 }
 
 // The seed graph, both values outputs: summed = values + residual;
-// normalized = rms_norm(summed, weight, 1e-5), over f16 [rows, hidden].
-inline ComputeGraph seed_graph(std::int64_t rows = 1, std::int64_t hidden = 2048) {
+// normalized = rms_norm(summed, weight, 1e-5), over [rows, hidden] (f16 in the seed).
+inline ComputeGraph seed_graph(std::int64_t rows = 1, std::int64_t hidden = 2048, DType dtype = DType::f16) {
   GraphBuilder builder;
-  const ValueRef values = builder.input("values", TensorSpec({rows, hidden}, DType::f16));
-  const ValueRef residual = builder.input("residual", TensorSpec({rows, hidden}, DType::f16));
-  const ValueRef weight = builder.input("weight", TensorSpec({hidden}, DType::f16));
+  const ValueRef values = builder.input("values", TensorSpec({rows, hidden}, dtype));
+  const ValueRef residual = builder.input("residual", TensorSpec({rows, hidden}, dtype));
+  const ValueRef weight = builder.input("weight", TensorSpec({hidden}, dtype));
   const ValueRef summed = builder.add(values, residual, "summed");
   const ValueRef normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
   return builder.build({summed, normalized});

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "codegen_test_support.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -16,15 +17,7 @@ using testing_support::expect_compiles_for_sm90;
 using testing_support::kernel_body;
 using testing_support::whole_graph_region;
 
-ComputeGraph seed_graph(std::int64_t rows, std::int64_t length, DType dtype) {
-  GraphBuilder builder;
-  auto values = builder.input("values", {{rows, length}, dtype});
-  auto residual = builder.input("residual", {{rows, length}, dtype});
-  auto weight = builder.input("weight", {{length}, dtype});
-  auto summed = builder.add(values, residual, "summed");
-  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
-  return builder.build({summed, normalized});
-}
+using metile::testing::seed_graph;
 
 TEST(RowKernelCodegen, SeedRegionIsOneKernelWithTwoStoresAndOneReduction) {
   const ComputeGraph graph = seed_graph(1, 2048, DType::f16);
