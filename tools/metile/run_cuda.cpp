@@ -9,6 +9,7 @@
 #include "commands.h"
 #include "metile/cpu_runtime.h"
 #include "metile/dispatch.h"
+#include "metile/error.h"
 #include "metile/fusion.h"
 
 namespace metile::cli {
@@ -16,7 +17,8 @@ namespace metile::cli {
 TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool check) {
   std::string reason;
   const std::optional<CudaDevice> device = CudaDevice::try_open(0, &reason);
-  if (!device) throw std::runtime_error(reason + " (--backend cpu runs everywhere)");
+  // A machine without a GPU is the user's environment, not a metile failure: exit 2, one line.
+  if (!device) throw InputError(reason + " (--backend cpu runs everywhere)");
   const CudaDeviceInfo& info = device->info();
   fmt::print("cuda: {} ({}, {} SMs, driver {}, NVRTC {}), dispatch {}\n", info.name, info.architecture(),
              info.multiprocessor_count, info.driver_version, nvrtc_version(),
