@@ -20,28 +20,23 @@
 namespace metile {
 namespace {
 
-// Code positions inside one repacked word: repacked slot i holds original code kCodeOrder[i].
+// Code positions inside one repacked word: repacked slot i holds original code nibble_order[i] (4-bit) or byte_order[i] (8-bit).
 constexpr int nibble_order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 constexpr int byte_order[4] = {0, 2, 1, 3};
 
-std::uint32_t shuffle_word(std::uint32_t word, int bits) {
-  std::uint32_t result = 0;
-  const int codes = 32 / bits;
-  const std::uint32_t mask = (1u << bits) - 1;
-  for (int slot = 0; slot < codes; ++slot) {
-    const int source = bits == 4 ? nibble_order[slot] : byte_order[slot];
-    result |= ((word >> (bits * source)) & mask) << (bits * slot);
-  }
-  return result;
-}
+// The repacking and its exact inverse walk the same table: to_repacked gathers original code
+// order[slot] into slot, to_original scatters it back.
+enum class CodeMove { to_repacked, to_original };
 
-std::uint32_t unshuffle_word(std::uint32_t word, int bits) {
+std::uint32_t move_codes(std::uint32_t word, int bits, CodeMove move) {
   std::uint32_t result = 0;
   const int codes = 32 / bits;
   const std::uint32_t mask = (1u << bits) - 1;
   for (int slot = 0; slot < codes; ++slot) {
-    const int source = bits == 4 ? nibble_order[slot] : byte_order[slot];
-    result |= ((word >> (bits * slot)) & mask) << (bits * source);
+    const int original = bits == 4 ? nibble_order[slot] : byte_order[slot];
+    const int from = move == CodeMove::to_repacked ? original : slot;
+    const int to = move == CodeMove::to_repacked ? slot : original;
+    result |= ((word >> (bits * from)) & mask) << (bits * to);
   }
   return result;
 }
@@ -124,7 +119,7 @@ RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix) {
             const WordSource source = word_source(bits, block, half, lane, slot);
             const std::int64_t row = tile * 16 + source.row_in_tile;
             if (row >= matrix.rows || source.original_word >= words_per_row) continue;  // padding stays 0
-            result.words[index] = shuffle_word(original_word(row, source.original_word), bits);
+            result.words[index] = move_codes(original_word(row, source.original_word), bits, CodeMove::to_repacked);
           }
         }
       }
@@ -185,7 +180,7 @@ QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked) {
             const WordSource source = word_source(bits, block, half, lane, slot);
             const std::int64_t row = tile * 16 + source.row_in_tile;
             if (row >= repacked.rows || source.original_word >= words_per_row) continue;
-            const std::uint32_t word = unshuffle_word(repacked.words[index], bits);
+            const std::uint32_t word = move_codes(repacked.words[index], bits, CodeMove::to_original);
             std::copy_n(reinterpret_cast<const std::byte*>(&word), 4,
                         packed.bytes().data() + (row * words_per_row + source.original_word) * 4);
           }
