@@ -61,6 +61,49 @@ WordSource word_source(int bits, std::int64_t load_block, int half, int lane, in
   return {16 * load_block + 8 * chunk + 2 * t + part, 8 * half + g};
 }
 
+// The repacking and its inverse walk the same two placements; each is written once here and the
+// callers only choose the copy direction.
+// Every word of the repacked stream that holds real data: visit(repacked index, row, original word
+// index within the row). Padding words (rows past the matrix, words past the row) are skipped.
+template <typename Visit>
+void for_each_placed_word(int bits, std::int64_t tiles, std::int64_t load_blocks, std::int64_t rows,
+                          std::int64_t words_per_row, Visit visit) {
+  std::size_t index = 0;
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    for (std::int64_t block = 0; block < load_blocks; ++block) {
+      for (int half = 0; half < 2; ++half) {
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int slot = 0; slot < 4; ++slot, ++index) {
+            const WordSource source = word_source(bits, block, half, lane, slot);
+            const std::int64_t row = tile * 16 + source.row_in_tile;
+            if (row >= rows || source.original_word >= words_per_row) continue;
+            visit(index, row, source.original_word);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Every (scale, bias) pair of the repacked stream: visit(index of the scale in scale_bias, element
+// row * groups + group of the original [rows, groups] tensors); the bias follows its scale.
+template <typename Visit>
+void for_each_placed_scale_bias(std::int64_t tiles, std::int64_t groups, std::int64_t padded_groups,
+                                std::int64_t rows, Visit visit) {
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    for (std::int64_t group_index = 0; group_index < groups; ++group_index) {
+      for (int g = 0; g < 8; ++g) {
+        for (int half = 0; half < 2; ++half) {
+          const std::int64_t row = tile * 16 + 8 * half + g;
+          if (row >= rows) continue;
+          visit(static_cast<std::size_t>(((tile * padded_groups + group_index) * 8 + g) * 4 + 2 * half),
+                row * groups + group_index);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void GemvWeightFormat::validate() const {
@@ -110,21 +153,10 @@ RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix) {
     std::copy_n(packed.data() + (row * words_per_row + word) * 4, 4, reinterpret_cast<std::byte*>(&value));
     return value;
   };
-  std::size_t index = 0;
-  for (std::int64_t tile = 0; tile < tiles; ++tile) {
-    for (std::int64_t block = 0; block < load_blocks; ++block) {
-      for (int half = 0; half < 2; ++half) {
-        for (int lane = 0; lane < 32; ++lane) {
-          for (int slot = 0; slot < 4; ++slot, ++index) {
-            const WordSource source = word_source(bits, block, half, lane, slot);
-            const std::int64_t row = tile * 16 + source.row_in_tile;
-            if (row >= matrix.rows || source.original_word >= words_per_row) continue;  // padding stays 0
-            result.words[index] = move_codes(original_word(row, source.original_word), bits, CodeMove::to_repacked);
-          }
-        }
-      }
-    }
-  }
+  for_each_placed_word(bits, tiles, load_blocks, matrix.rows, words_per_row,
+                       [&](std::size_t index, std::int64_t row, std::int64_t word) {
+                         result.words[index] = move_codes(original_word(row, word), bits, CodeMove::to_repacked);
+                       });
 
   const std::int64_t groups = matrix.columns / group;
   const std::int64_t padded_groups = result.padded_columns / group;
@@ -134,19 +166,10 @@ RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix) {
     std::copy_n(tensor.bytes().data() + element * 2, 2, reinterpret_cast<std::byte*>(&value));
     return value;
   };
-  for (std::int64_t tile = 0; tile < tiles; ++tile) {
-    for (std::int64_t group_index = 0; group_index < groups; ++group_index) {
-      for (int g = 0; g < 8; ++g) {
-        for (int half = 0; half < 2; ++half) {
-          const std::int64_t row = tile * 16 + 8 * half + g;
-          if (row >= matrix.rows) continue;
-          const std::size_t base = static_cast<std::size_t>(((tile * padded_groups + group_index) * 8 + g) * 4 + 2 * half);
-          result.scale_bias[base] = read_u16(matrix.scales, row * groups + group_index);
-          result.scale_bias[base + 1] = read_u16(matrix.biases, row * groups + group_index);
-        }
-      }
-    }
-  }
+  for_each_placed_scale_bias(tiles, groups, padded_groups, matrix.rows, [&](std::size_t base, std::int64_t element) {
+    result.scale_bias[base] = read_u16(matrix.scales, element);
+    result.scale_bias[base + 1] = read_u16(matrix.biases, element);
+  });
   return result;
 }
 
@@ -171,38 +194,17 @@ QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked) {
   HostTensor packed(TensorSpec({repacked.rows, words_per_row}, DType::u32));
   HostTensor scales(TensorSpec({repacked.rows, groups}, format.activation));
   HostTensor biases(TensorSpec({repacked.rows, groups}, format.activation));
-  std::size_t index = 0;
-  for (std::int64_t tile = 0; tile < tiles; ++tile) {
-    for (std::int64_t block = 0; block < load_blocks; ++block) {
-      for (int half = 0; half < 2; ++half) {
-        for (int lane = 0; lane < 32; ++lane) {
-          for (int slot = 0; slot < 4; ++slot, ++index) {
-            const WordSource source = word_source(bits, block, half, lane, slot);
-            const std::int64_t row = tile * 16 + source.row_in_tile;
-            if (row >= repacked.rows || source.original_word >= words_per_row) continue;
-            const std::uint32_t word = move_codes(repacked.words[index], bits, CodeMove::to_original);
-            std::copy_n(reinterpret_cast<const std::byte*>(&word), 4,
-                        packed.bytes().data() + (row * words_per_row + source.original_word) * 4);
-          }
-        }
-      }
-    }
-  }
-  for (std::int64_t tile = 0; tile < tiles; ++tile) {
-    for (std::int64_t group_index = 0; group_index < groups; ++group_index) {
-      for (int g = 0; g < 8; ++g) {
-        for (int half = 0; half < 2; ++half) {
-          const std::int64_t row = tile * 16 + 8 * half + g;
-          if (row >= repacked.rows) continue;
-          const std::size_t base = static_cast<std::size_t>(((tile * padded_groups + group_index) * 8 + g) * 4 + 2 * half);
-          std::copy_n(reinterpret_cast<const std::byte*>(&repacked.scale_bias[base]), 2,
-                      scales.bytes().data() + (row * groups + group_index) * 2);
-          std::copy_n(reinterpret_cast<const std::byte*>(&repacked.scale_bias[base + 1]), 2,
-                      biases.bytes().data() + (row * groups + group_index) * 2);
-        }
-      }
-    }
-  }
+  for_each_placed_word(bits, tiles, load_blocks, repacked.rows, words_per_row,
+                       [&](std::size_t index, std::int64_t row, std::int64_t word) {
+                         const std::uint32_t value = move_codes(repacked.words[index], bits, CodeMove::to_original);
+                         std::copy_n(reinterpret_cast<const std::byte*>(&value), 4,
+                                     packed.bytes().data() + (row * words_per_row + word) * 4);
+                       });
+  for_each_placed_scale_bias(tiles, groups, padded_groups, repacked.rows, [&](std::size_t base, std::int64_t element) {
+    std::copy_n(reinterpret_cast<const std::byte*>(&repacked.scale_bias[base]), 2, scales.bytes().data() + element * 2);
+    std::copy_n(reinterpret_cast<const std::byte*>(&repacked.scale_bias[base + 1]), 2,
+                biases.bytes().data() + element * 2);
+  });
   return QuantizedMatrix::from_tensors(format.quantization(), std::move(packed), std::move(scales), std::move(biases));
 }
 
