@@ -82,6 +82,12 @@ class HostTensor {
 
 using TensorMap = std::map<std::string, HostTensor, std::less<>>;
 
+// FNV-1a 64 of bytes, the one stable hash of the project (tensor checksums, kernel cache keys,
+// per-name random streams): the same value on every platform and run. A non-zero seed is folded
+// into the offset basis to derive independent hashes of the same bytes.
+std::uint64_t fnv1a_64(std::span<const std::byte> bytes, std::uint64_t seed = 0);
+std::uint64_t fnv1a_64(std::string_view text, std::uint64_t seed = 0);
+
 // safetensors files (https://github.com/huggingface/safetensors format):
 // 8-byte little-endian header length, JSON header, raw data. Malformed files
 // throw InputError naming the file and the problem.

@@ -387,15 +387,6 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
     (void)acc1;
 )CUDA";
 
-std::uint64_t fnv1a(std::string_view text) {
-  std::uint64_t hash = 0xcbf29ce484222325ULL;
-  for (char c : text) {
-    hash ^= static_cast<unsigned char>(c);
-    hash *= 0x100000001b3ULL;
-  }
-  return hash;
-}
-
 std::string format_tag(const GemvWeightFormat& format) {
   const std::string dtype(dtype_name(format.activation));
   if (!format.is_affine()) return dtype;
@@ -459,7 +450,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   const std::string expression = config.epilogue.cuda_expression();
 
   GemvKernelSource result;
-  const std::uint64_t epilogue_hash = fnv1a(config.epilogue.to_string() + "|" + expression);
+  const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + expression);
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,

@@ -131,4 +131,17 @@ std::vector<double> HostTensor::to_values() const {
   return values;
 }
 
+std::uint64_t fnv1a_64(std::span<const std::byte> bytes, std::uint64_t seed) {
+  std::uint64_t hash = 0xcbf29ce484222325ull ^ seed;
+  for (std::byte byte : bytes) {
+    hash ^= static_cast<std::uint64_t>(byte);
+    hash *= 0x100000001b3ull;
+  }
+  return hash;
+}
+
+std::uint64_t fnv1a_64(std::string_view text, std::uint64_t seed) {
+  return fnv1a_64(std::as_bytes(std::span<const char>(text.data(), text.size())), seed);
+}
+
 }  // namespace metile

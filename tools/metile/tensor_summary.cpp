@@ -8,15 +8,6 @@
 
 namespace metile::cli {
 
-std::uint64_t fnv1a_64(std::span<const std::byte> bytes) {
-  std::uint64_t hash = 0xcbf29ce484222325ull;
-  for (std::byte byte : bytes) {
-    hash ^= static_cast<std::uint64_t>(byte);
-    hash *= 0x100000001b3ull;
-  }
-  return hash;
-}
-
 TensorSummary summarize_tensor(const HostTensor& tensor) {
   TensorSummary summary;
   summary.minimum = std::numeric_limits<double>::infinity();

@@ -17,10 +17,9 @@ struct TensorSummary {
   double maximum = 0;
   double mean = 0;  // over the values that are not NaN
   std::int64_t nan_count = 0;
-  std::uint64_t checksum = 0;  // fnv1a_64 of the tensor's bytes (its dtype's little-endian layout)
+  std::uint64_t checksum = 0;  // metile::fnv1a_64 of the tensor's bytes (its dtype's little-endian layout)
 };
 
-std::uint64_t fnv1a_64(std::span<const std::byte> bytes);
 TensorSummary summarize_tensor(const HostTensor& tensor);
 
 // "name f16[1, 2048] min=-3.1 max=2.9 mean=0.0012 checksum=0123456789abcdef",

@@ -36,15 +36,6 @@ class SplitMix64 {
   std::uint64_t state_;
 };
 
-std::uint64_t fnv1a(std::string_view text) {
-  std::uint64_t hash = 0xcbf29ce484222325ull;
-  for (char character : text) {
-    hash ^= static_cast<unsigned char>(character);
-    hash *= 0x100000001b3ull;
-  }
-  return hash;
-}
-
 enum class InputRole {
   plain,
   rope_positions,
@@ -143,7 +134,7 @@ TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
   }
   for (ValueId id : order) {
     const Value& value = graph.value(id);
-    SplitMix64 generator(seed ^ fnv1a(value.name));
+    SplitMix64 generator(seed ^ fnv1a_64(value.name));
     generator.next();  // decorrelate seeds that differ in few bits
     const InputUse use = use_of(graph, id);
     HostTensor tensor(value.spec);

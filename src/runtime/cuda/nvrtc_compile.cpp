@@ -34,11 +34,7 @@ void check_nvrtc(nvrtcResult result, std::string_view call) {
 
 std::uint64_t hash64(std::string_view bytes, std::uint64_t seed) {
   // FNV-1a over the bytes, then a splitmix64 finalizer to spread the low-entropy tail.
-  std::uint64_t hash = 0xcbf29ce484222325ULL ^ seed;
-  for (char c : bytes) {
-    hash ^= static_cast<unsigned char>(c);
-    hash *= 0x100000001b3ULL;
-  }
+  std::uint64_t hash = fnv1a_64(bytes, seed);
   hash ^= hash >> 30;
   hash *= 0xbf58476d1ce4e5b9ULL;
   hash ^= hash >> 27;

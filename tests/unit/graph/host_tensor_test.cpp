@@ -230,4 +230,15 @@ TEST_F(SafetensorsTest, FailedWriteLeavesNoFile) {
 }
 
 }  // namespace
+// Published FNV-1a 64 test vectors (the offset basis for "", then "a" and "foobar"); the same
+// bytes through the span overload; a seed derives a different hash.
+TEST(Fnv1a64Test, MatchesThePublishedVectors) {
+  EXPECT_EQ(fnv1a_64(std::string_view("")), 0xcbf29ce484222325ull);
+  EXPECT_EQ(fnv1a_64(std::string_view("a")), 0xaf63dc4c8601ec8cull);
+  EXPECT_EQ(fnv1a_64(std::string_view("foobar")), 0x85944171f73967e8ull);
+  const std::string text = "summed";
+  EXPECT_EQ(fnv1a_64(std::as_bytes(std::span<const char>(text.data(), text.size()))), fnv1a_64(text));
+  EXPECT_NE(fnv1a_64(text, 1), fnv1a_64(text));
+}
+
 }  // namespace metile
