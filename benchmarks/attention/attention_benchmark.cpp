@@ -100,7 +100,7 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
     std::string name;
   };
   std::vector<Shape> shapes;
-  for (int warps : {4, 8, 2}) {
+  for (int warps : {4, 8}) {
     const std::int64_t base = decode_keys_per_split(problem, warps, multiprocessors);
     shapes.push_back({warps, base, warps == 4 ? "default" : ""});
     if (positions_mask) break;

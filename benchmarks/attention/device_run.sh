@@ -13,7 +13,7 @@ elapsed() { echo "$(($(date +%s) - start)) s"; }
 anchor=${1:-}
 torch_pid=
 if [ -n "$anchor" ] && [ -f "$anchor" ]; then
-  PYTHONUNBUFFERED=1 timeout 240 python3 "$anchor" >"$OUT/torch.log" 2>&1 &
+  PYTHONUNBUFFERED=1 timeout 200 python3 "$anchor" >"$OUT/torch.log" 2>&1 &
   torch_pid=$!
 fi
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMETILE_BUILD_PYTHON=OFF >"$OUT/configure.log" 2>&1 ||
@@ -23,10 +23,10 @@ cmake --build build/gpu --target gpu_attention_kernels_test attention_benchmark 
 echo "built after $(elapsed)"
 [ -n "$torch_pid" ] && wait "$torch_pid"
 echo "torch anchor done after $(elapsed)"
-timeout 200 ./build/gpu/tests/gpu/gpu_attention_kernels_test >"$OUT/gpu_test.log" 2>&1
+timeout 150 ./build/gpu/tests/gpu/gpu_attention_kernels_test >"$OUT/gpu_test.log" 2>&1
 echo "gpu_attention_kernels_test: rc=$? after $(elapsed)"
 grep -E "^\[seed\]|^\[figures\]|Failure|^\[  FAILED|^\[  PASSED|Which is|error" "$OUT/gpu_test.log" | head -60
-timeout 280 ./build/gpu/benchmarks/attention/attention_benchmark ${torch_pid:+--torch "$OUT/torch.log"} \
+timeout 170 ./build/gpu/benchmarks/attention/attention_benchmark ${torch_pid:+--torch "$OUT/torch.log"} \
   >"$OUT/benchmark.log" 2>"$OUT/benchmark_progress.log"
 echo "attention_benchmark: rc=$? after $(elapsed)"
 tail -5 "$OUT/benchmark_progress.log"
