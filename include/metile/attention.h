@@ -71,12 +71,12 @@ struct AttentionProblem {
 
 struct DecodeAttentionConfig {
   AttentionProblem problem;
-  int warps = 4;                    // per block: 2, 4 or 8
+  int warps = 8;                    // per block: 2, 4 or 8
   std::int64_t keys_per_split = 0;  // a multiple of 16; 0: decode_keys_per_split()
   void validate() const;
 };
 
-// The default split: enough blocks for two per multiprocessor, at least one 16-key step per warp.
+// The default split: about one block per multiprocessor, at least one 16-key step per warp.
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors = 132);
 
 struct PrefillAttentionConfig {
@@ -105,7 +105,7 @@ AttentionKernelSource generate_prefill_attention_kernel(const PrefillAttentionCo
 
 // ---------------------------------------------------------------- on the device
 struct FlashAttentionOptions {
-  int decode_warps = 4;
+  int decode_warps = 8;
   std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
   int prefill_warps = 4;
   bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)

@@ -351,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
       out[((u64)head * kRows + row) * kValueDim + column] = to_bits(value / l);
     } else {
       if (column == 0) partial_states[slot * kRows + row] = make_float2(m, l);
-      if (m != negative_infinity()) partial_values[(slot * kRows + row) * kValueDim + column] = value;
+      partial_values[(slot * kRows + row) * kValueDim + column] = value;  // 0 where the split saw no key
     }
   }
   if (splits == 1) return;
@@ -364,22 +364,63 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
   if (!last_arrival) return;
   if (threadIdx.x == 0) arrivals[head] = 0u;  // ready for the next launch
   __threadfence();
-  for (int index = threadIdx.x; index < kRows * kValueDim; index += kThreads) {
-    const int row = index / kValueDim, column = index % kValueDim;
-    float m = negative_infinity(), l = 0.0f, value = 0.0f;
-#pragma unroll 4
-    for (int s = 0; s < splits; ++s) {
-      const u64 slot = (u64)head * splits + s;
-      const float2 split_state = __ldcg(partial_states + slot * kRows + row);
-      if (split_state.x == negative_infinity()) continue;  // a split that saw no key wrote no values
-      const float split_value = __ldcg(partial_values + (slot * kRows + row) * kValueDim + column);
-      const float m_new = fmaxf(m, split_state.x);
-      const float old_weight = exp2f(m - m_new), split_weight = exp2f(split_state.x - m_new);
-      l = l * old_weight + split_state.y * split_weight;
-      value = value * old_weight + split_value * split_weight;
-      m = m_new;
+  // Every load of the merge is issued in a few parallel rounds (a serial walk over the splits
+  // would pay one L2 round trip per split): the states into shared memory, then per row the max,
+  // each split's weight exp(m_split - m) and the normalizer (a warp per row, lanes over splits,
+  // shuffle trees of fixed shape), then the values, a 4-column vector per thread and item.
+  float2* split_states = reinterpret_cast<float2*>(shared_words);  // [splits][kRows], reusing the warp merge's space
+  __shared__ float normalizers[kPaddedRows];
+  const float2* head_states = partial_states + (u64)head * splits * kRows;
+  for (int i = threadIdx.x; i < splits * kRows; i += kThreads) split_states[i] = __ldcg(head_states + i);
+  __syncthreads();
+  for (int row = warp; row < kRows; row += kWarps) {
+    float m = negative_infinity();
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, split_states[s * kRows + row].x);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    const float m_use = m == negative_infinity() ? 0.0f : m;
+    float l = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
+      const float2 split_state = split_states[s * kRows + row];
+      const float weight = exp2f(split_state.x - m_use);
+      split_states[s * kRows + row].x = weight;
+      l += weight * split_state.y;
     }
-    out[((u64)head * kRows + row) * kValueDim + column] = to_bits(value / l);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
+    if (lane == 0) normalizers[row] = l;
+  }
+  __syncthreads();
+  constexpr int kVectors = kRows * kValueDim / 4;
+  constexpr int kItems = (kVectors + kThreads - 1) / kThreads;
+  const float4* head_values = reinterpret_cast<const float4*>(partial_values) + (u64)head * splits * kVectors;
+  float4 sums[kItems];
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) sums[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+  for (int s = 0; s < splits; ++s) {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int item = threadIdx.x + i * kThreads;
+      if (item < kVectors) {
+        const float weight = split_states[s * kRows + item / (kValueDim / 4)].x;
+        const float4 x = __ldcg(head_values + (u64)s * kVectors + item);
+        sums[i].x += weight * x.x;
+        sums[i].y += weight * x.y;
+        sums[i].z += weight * x.z;
+        sums[i].w += weight * x.w;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int item = threadIdx.x + i * kThreads;
+    if (item < kVectors) {
+      // 0 / 0 = NaN where no key was visible, as the reference.
+      const float l = normalizers[item / (kValueDim / 4)];
+      const uint2 bits = make_uint2(pack_pair(sums[i].x / l, sums[i].y / l), pack_pair(sums[i].z / l, sums[i].w / l));
+      *reinterpret_cast<uint2*>(out + (u64)head * kRows * kValueDim + 4 * (u64)item) = bits;
+    }
   }
 }
 )CUDA";
@@ -664,7 +705,9 @@ std::int64_t AttentionProblem::key_value_bytes() const {
 
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors) {
   const std::int64_t step_keys = 16;
-  const std::int64_t target_blocks = 2 * static_cast<std::int64_t>(std::max(multiprocessors, 1));
+  // Measured (notes/attention.md): one 8-warp block per multiprocessor beat two 4-warp ones, and
+  // more splits cost more in the merge than they gained.
+  const std::int64_t target_blocks = std::max(multiprocessors, 1);
   const std::int64_t most_splits = (problem.keys + step_keys * warps - 1) / (step_keys * warps);  // a step per warp
   const std::int64_t splits = std::clamp<std::int64_t>((target_blocks + problem.heads - 1) / problem.heads, 1, most_splits);
   const std::int64_t keys = (problem.keys + splits - 1) / splits;
@@ -703,8 +746,9 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   result.launch.grid_x = static_cast<std::uint32_t>(result.splits);
   result.launch.grid_y = static_cast<std::uint32_t>(problem.heads);
   result.launch.block_x = static_cast<std::uint32_t>(config.warps * 32);
-  result.launch.shared_memory_bytes = static_cast<std::uint32_t>(config.warps * 16 * 8 +
-                                                                 config.warps * problem.rows * problem.value_dim * 4);
+  // The warps' states and values, reused by the split merge for every split's states.
+  result.launch.shared_memory_bytes = static_cast<std::uint32_t>(std::max<std::int64_t>(
+      config.warps * 16 * 8 + config.warps * problem.rows * problem.value_dim * 4, result.splits * problem.rows * 8));
   result.summary = fmt::format("decode {} warps, {} splits of {} keys", config.warps, result.splits,
                                result.keys_per_split);
   return result;
