@@ -95,23 +95,24 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
 
   const int multiprocessors = device.info().multiprocessor_count;
   struct Shape {
-    int warps;
+    int warps, stages;
     std::int64_t keys_per_split;
     std::string name;
   };
   std::vector<Shape> shapes;
-  for (int warps : {4, 8}) {
+  for (const auto& [warps, stages] : {std::pair{8, 0}, std::pair{8, 3}, std::pair{4, 4}, std::pair{4, 0}}) {
     const std::int64_t base = decode_keys_per_split(problem, warps, multiprocessors);
-    shapes.push_back({warps, base, warps == 4 ? "default" : ""});
-    if (positions_mask) break;
-    shapes.push_back({warps, base * 2, ""});
-    if (base >= 32 * warps) shapes.push_back({warps, (base / 2 + 15) / 16 * 16, ""});
+    shapes.push_back({warps, stages, base, warps == 8 && stages == 0 ? "default" : ""});
+    if (positions_mask || warps == 4) continue;
+    shapes.push_back({warps, stages, base * 2, ""});
+    if (base >= 32 * warps) shapes.push_back({warps, stages, (base / 2 + 15) / 16 * 16, ""});
   }
   std::vector<Timed> rows;
   for (const Shape& shape : shapes) {
     FlashAttentionOptions options;
     options.decode_warps = shape.warps;
     options.keys_per_split = shape.keys_per_split;
+    options.decode_stages = shape.stages;
     const FlashAttention attention = FlashAttention::build(problem, options);
     Timed timed;
     timed.what = fmt::format("decode T={}{}{}", keys, positions_mask ? fmt::format(" pos={}", last_position) : "",

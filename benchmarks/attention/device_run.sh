@@ -25,7 +25,7 @@ echo "built after $(elapsed)"
 echo "torch anchor done after $(elapsed)"
 timeout 150 ./build/gpu/tests/gpu/gpu_attention_kernels_test >"$OUT/gpu_test.log" 2>&1
 echo "gpu_attention_kernels_test: rc=$? after $(elapsed)"
-grep -E "^\[seed\]|^\[figures\]|Failure|^\[  FAILED|^\[  PASSED|Which is|error" "$OUT/gpu_test.log" | head -60
+grep -E "METILE_TEST_SEED|^\[figures\]|Failure|^\[  FAILED|^\[  PASSED|Which is|error" "$OUT/gpu_test.log" | head -60
 timeout 170 ./build/gpu/benchmarks/attention/attention_benchmark ${torch_pid:+--torch "$OUT/torch.log"} \
   >"$OUT/benchmark.log" 2>"$OUT/benchmark_progress.log"
 echo "attention_benchmark: rc=$? after $(elapsed)"

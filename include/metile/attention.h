@@ -73,8 +73,11 @@ struct DecodeAttentionConfig {
   AttentionProblem problem;
   int warps = 8;                    // per block: 2, 4 or 8
   std::int64_t keys_per_split = 0;  // a multiple of 16; 0: decode_keys_per_split()
+  int stages = 0;                   // 0: K/V fragments double-buffered in registers; 2..4: a per-warp
+                                    // shared-memory ring of that many 16-key steps filled by cp.async
   void validate() const;
 };
+std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 without a ring
 
 // The default split: about one block per multiprocessor, at least one 16-key step per warp.
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors = 132);
@@ -106,6 +109,7 @@ AttentionKernelSource generate_prefill_attention_kernel(const PrefillAttentionCo
 // ---------------------------------------------------------------- on the device
 struct FlashAttentionOptions {
   int decode_warps = 8;
+  int decode_stages = 0;
   std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
   int prefill_warps = 4;
   bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)

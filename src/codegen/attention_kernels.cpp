@@ -230,6 +230,66 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[2][4], float scale_log
     }
   }
 }
+
+// Staged keys: K and V rows of kKeys keys in shared memory, K first. Padded rows keep the
+// fragment loads free of bank conflicts: a K row is read by lanes whose keys differ by 4
+// (4 · stride ≡ 64 bytes mod 128), a V row by lanes whose keys differ by 1 (stride ≡ 32 bytes mod 128).
+constexpr int kKeyStride = kHeadDim + 8;
+constexpr int kValueStride = kValueDim + 16;
+
+__device__ __forceinline__ void copy_async_16(u16* shared, const u16* global) {
+  const u32 address = (u32)__cvta_generic_to_shared(shared);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global));
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
+
+// Keys first .. first + kKeys - 1 of K and V into a stage (keys past last_readable repeat it),
+// copied by kCopiers threads of which this is number `copier`.
+template <int kKeys, int kCopiers>
+__device__ __forceinline__ void copy_keys(u16* stage, const u16* __restrict__ k, const u16* __restrict__ v, int first,
+                                          int last_readable, int copier) {
+  constexpr int kKeyVectors = kHeadDim / 8, kValueVectors = kValueDim / 8;
+#pragma unroll 4
+  for (int i = copier; i < kKeys * kKeyVectors; i += kCopiers) {
+    const int row = i / kKeyVectors, vector = i % kKeyVectors;
+    const int key = min(first + row, last_readable);
+    copy_async_16(stage + row * kKeyStride + 8 * vector, k + (u64)key * kHeadDim + 8 * vector);
+  }
+  u16* values = stage + kKeys * kKeyStride;
+#pragma unroll 4
+  for (int i = copier; i < kKeys * kValueVectors; i += kCopiers) {
+    const int row = i / kValueVectors, vector = i % kValueVectors;
+    const int key = min(first + row, last_readable);
+    copy_async_16(values + row * kValueStride + 8 * vector, v + (u64)key * kValueDim + 8 * vector);
+  }
+}
+
+template <int kKeys>
+__device__ __forceinline__ void load_keys_shared(StepKeys& step, const u16* stage, int step_index, int g, int t) {
+  const u16* keys = stage + 16 * step_index * kKeyStride;
+#pragma unroll
+  for (int tile = 0; tile < 2; ++tile) {
+    const int row = permuted_key(g + 8 * tile);
+#pragma unroll
+    for (int c = 0; c < kKeyChunks; ++c) {
+      step.key[tile][c] = *reinterpret_cast<const uint4*>(keys + row * kKeyStride + 32 * c + 8 * t);
+    }
+  }
+}
+
+template <int kKeys>
+__device__ __forceinline__ void load_values_shared(StepValues& step, const u16* stage, int step_index, int g, int t) {
+  const u16* values = stage + kKeys * kKeyStride + 16 * step_index * kValueStride;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < kValueHalves; ++h) {
+      step.value[i][h] = *reinterpret_cast<const uint4*>(values + (t + 4 * i) * kValueStride + 64 * h + 8 * g);
+    }
+  }
+}
 )CUDA";
 
 constexpr std::string_view decode_body = R"CUDA(
@@ -294,23 +354,65 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
 #pragma unroll
   for (int j = 0; j < kValueTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
-  // Warp w takes steps split_begin + 16 (w + kWarps i); the next step's loads are in flight
-  // while this one's math runs.
-  int first = split_begin + 16 * warp;
-  KeyStep current;
-  if (first < split_end) load_step(current, k, v, first, last_readable, g, t);
+  // Warp w takes steps split_begin + 16 (w + kWarps i).
+  const int stride = 16 * kWarps;
+  if constexpr (kStages == 0) {
+    // Registers: the next step's loads are in flight while this one's math runs.
+    int first = split_begin + 16 * warp;
+    KeyStep current;
+    if (first < split_end) load_step(current, k, v, first, last_readable, g, t);
 #pragma unroll 1
-  for (; first < split_end; first += 16 * kWarps) {
-    KeyStep next;
-    const int next_first = first + 16 * kWarps;
-    if (next_first < split_end) load_step(next, k, v, next_first, last_readable, g, t);
-    float s[1][2][4];
-    step_scores(s[0], qa, current.keys);
-    const bool needs_mask = first + 15 >= split_end || first + 15 > min_limit;
-    scale_and_mask(s[0], scale_log2, needs_mask, first, split_end, limit_low, limit_high, t);
-    fold_scores<1>(state, o, s);
-    step_values(o, s[0], current.values);
-    current = next;
+    for (; first < split_end; first += stride) {
+      KeyStep next;
+      const int next_first = first + stride;
+      if (next_first < split_end) load_step(next, k, v, next_first, last_readable, g, t);
+      float s[1][2][4];
+      step_scores(s[0], qa, current.keys);
+      const bool needs_mask = first + 15 >= split_end || first + 15 > min_limit;
+      scale_and_mask(s[0], scale_log2, needs_mask, first, split_end, limit_low, limit_high, t);
+      fold_scores<1>(state, o, s);
+      step_values(o, s[0], current.values);
+      current = next;
+    }
+  } else {
+    // A ring of kStages steps per warp in shared memory, filled by cp.async: kStages - 1 steps in
+    // flight without holding registers.
+    constexpr int kRing = kStages > 0 ? kStages : 2;  // (this branch is discarded when kStages is 0)
+    constexpr int kStepElements = 16 * (kKeyStride + kValueStride);
+    u16* const ring = reinterpret_cast<u16*>(shared_words) + warp * kRing * kStepElements;
+    int issue = split_begin + 16 * warp;
+#pragma unroll
+    for (int st = 0; st < kRing - 1; ++st) {
+      if (issue < split_end) copy_keys<16, 32>(ring + st * kStepElements, k, v, issue, last_readable, lane);
+      commit_copies();  // empty groups too, so that the count of pending groups stays uniform
+      issue += stride;
+    }
+    int slot = 0;
+#pragma unroll 1
+    for (int first = split_begin + 16 * warp; first < split_end; first += stride) {
+      if (issue < split_end) {
+        copy_keys<16, 32>(ring + ((slot + kRing - 1) % kRing) * kStepElements, k, v, issue, last_readable, lane);
+      }
+      commit_copies();
+      issue += stride;
+      wait_copies<kRing - 1>();
+      __syncwarp();  // every lane's copies of this step have landed
+      const u16* stage = ring + slot * kStepElements;
+      StepKeys step_keys;
+      load_keys_shared<16>(step_keys, stage, 0, g, t);
+      float s[1][2][4];
+      step_scores(s[0], qa, step_keys);
+      const bool needs_mask = first + 15 >= split_end || first + 15 > min_limit;
+      scale_and_mask(s[0], scale_log2, needs_mask, first, split_end, limit_low, limit_high, t);
+      fold_scores<1>(state, o, s);
+      StepValues step_values_;
+      load_values_shared<16>(step_values_, stage, 0, g, t);
+      step_values(o, s[0], step_values_);
+      __syncwarp();  // the slot is refilled next iteration
+      slot = slot + 1 == kRing ? 0 : slot + 1;
+    }
+    wait_copies<0>();
+    __syncthreads();  // the warp merge below reuses the rings' shared memory
   }
 
   // The warps meet: each writes its state, then the block merges them in warp order.
@@ -429,61 +531,7 @@ constexpr std::string_view prefill_body = R"CUDA(
 constexpr int kTileRows = 16 * kWarps;
 constexpr int kTileKeys = 64;
 constexpr int kTileSteps = kTileKeys / 16;
-// Padded shared-memory rows keep the fragment loads free of bank conflicts: a K row is read by
-// lanes whose keys differ by 4 (4 · stride ≡ 64 bytes mod 128), a V row by lanes whose keys differ
-// by 1 (stride ≡ 32 bytes mod 128).
-constexpr int kKeyStride = kHeadDim + 8;
-constexpr int kValueStride = kValueDim + 16;
 constexpr int kStageElements = kTileKeys * (kKeyStride + kValueStride);
-
-__device__ __forceinline__ void copy_async_16(u16* shared, const u16* global) {
-  const u32 address = (u32)__cvta_generic_to_shared(shared);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global));
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;"); }
-template <int kPending>
-__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
-
-// Keys first .. first + 63 of K and V into a stage (keys past last_readable repeat it).
-__device__ __forceinline__ void copy_tile(u16* stage, const u16* __restrict__ k, const u16* __restrict__ v, int first,
-                                          int last_readable) {
-  constexpr int kKeyVectors = kHeadDim / 8, kValueVectors = kValueDim / 8;
-  for (int i = threadIdx.x; i < kTileKeys * kKeyVectors; i += kThreads) {
-    const int row = i / kKeyVectors, vector = i % kKeyVectors;
-    const int key = min(first + row, last_readable);
-    copy_async_16(stage + row * kKeyStride + 8 * vector, k + (u64)key * kHeadDim + 8 * vector);
-  }
-  u16* values = stage + kTileKeys * kKeyStride;
-  for (int i = threadIdx.x; i < kTileKeys * kValueVectors; i += kThreads) {
-    const int row = i / kValueVectors, vector = i % kValueVectors;
-    const int key = min(first + row, last_readable);
-    copy_async_16(values + row * kValueStride + 8 * vector, v + (u64)key * kValueDim + 8 * vector);
-  }
-}
-
-__device__ __forceinline__ void load_keys_shared(StepKeys& step, const u16* stage, int step_index, int g, int t) {
-  const u16* keys = stage + 16 * step_index * kKeyStride;
-#pragma unroll
-  for (int tile = 0; tile < 2; ++tile) {
-    const int row = permuted_key(g + 8 * tile);
-#pragma unroll
-    for (int c = 0; c < kKeyChunks; ++c) {
-      step.key[tile][c] = *reinterpret_cast<const uint4*>(keys + row * kKeyStride + 32 * c + 8 * t);
-    }
-  }
-}
-
-__device__ __forceinline__ void load_values_shared(StepValues& step, const u16* stage, int step_index, int g, int t) {
-  const u16* values = stage + kTileKeys * kKeyStride + 16 * step_index * kValueStride;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int h = 0; h < kValueHalves; ++h) {
-      step.value[i][h] = *reinterpret_cast<const uint4*>(values + (t + 4 * i) * kValueStride + 64 * h + 8 * g);
-    }
-  }
-}
-
 __device__ __forceinline__ int warp_max(int v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
@@ -532,13 +580,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
 
   const int tiles = (key_end + kTileKeys - 1) / kTileKeys;
   if (tiles > 0) {
-    copy_tile(stages, k, v, 0, key_end - 1);
+    copy_keys<kTileKeys, kThreads>(stages, k, v, 0, key_end - 1, threadIdx.x);
     commit_copies();
   }
 #pragma unroll 1
   for (int i = 0; i < tiles; ++i) {
     if (i + 1 < tiles) {
-      copy_tile(stages + ((i + 1) & 1) * kStageElements, k, v, (i + 1) * kTileKeys, key_end - 1);
+      copy_keys<kTileKeys, kThreads>(stages + ((i + 1) & 1) * kStageElements, k, v, (i + 1) * kTileKeys, key_end - 1,
+                                     threadIdx.x);
       commit_copies();
       wait_copies<1>();
     } else {
@@ -552,7 +601,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
 #pragma unroll
       for (int st = 0; st < kTileSteps; ++st) {
         StepKeys step;
-        load_keys_shared(step, stage, st, g, t);
+        load_keys_shared<kTileKeys>(step, stage, st, g, t);
         step_scores(s[st], qa, step);
         const int step_first = first + 16 * st;
         const bool needs_mask = step_first + 15 >= keys || step_first + 15 > warp_min_limit;
@@ -562,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
 #pragma unroll
       for (int st = 0; st < kTileSteps; ++st) {
         StepValues step;
-        load_values_shared(step, stage, st, g, t);
+        load_values_shared<kTileKeys>(step, stage, st, g, t);
         step_values(o, s[st], step);
       }
     }
@@ -714,12 +763,24 @@ std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, i
   return (keys + step_keys - 1) / step_keys * step_keys;
 }
 
+std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config) {
+  const AttentionProblem& p = config.problem;
+  return static_cast<std::int64_t>(config.warps) * config.stages * 16 * (p.head_dim + 8 + p.value_dim + 16) * 2;
+}
+
 void DecodeAttentionConfig::validate() const {
   problem.validate();
   if (!problem.is_decode()) {
     throw InputError(fmt::format("decode attention: {} rows (the decode kernel takes 1..16)", problem.rows));
   }
   if (warps != 2 && warps != 4 && warps != 8) throw InputError(fmt::format("decode attention: {} warps (2, 4 or 8)", warps));
+  if (stages != 0 && (stages < 2 || stages > 4)) {
+    throw InputError(fmt::format("decode attention: {} stages (0: registers, or 2..4)", stages));
+  }
+  if (decode_ring_bytes(*this) > 227 * 1024) {
+    throw InputError(fmt::format("decode attention: {} warps x {} stages need {} bytes of shared memory (227 KiB at most)",
+                                 warps, stages, decode_ring_bytes(*this)));
+  }
   if (keys_per_split < 0 || keys_per_split % 16 != 0) {
     throw InputError(fmt::format("decode attention: {} keys per split (a multiple of 16)", keys_per_split));
   }
@@ -736,20 +797,23 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   AttentionKernelSource result;
   result.keys_per_split = config.keys_per_split > 0 ? config.keys_per_split : decode_keys_per_split(problem, config.warps);
   result.splits = (problem.keys + result.keys_per_split - 1) / result.keys_per_split;
-  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_s{}", problem_tag(problem), problem.rows,
-                                   config.warps, result.keys_per_split);
+  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}_s{}", problem_tag(problem), problem.rows,
+                                   config.warps, config.stages, result.keys_per_split);
   result.source = constants(problem, config.warps, result.kernel_name);
-  result.source += fmt::format("constexpr int kRows = {};\nconstexpr int kKeysPerSplit = {};\n", problem.rows,
-                               result.keys_per_split);
+  result.source += fmt::format("constexpr int kRows = {};\nconstexpr int kKeysPerSplit = {};\nconstexpr int kStages = {};\n",
+                               problem.rows, result.keys_per_split, config.stages);
   result.source += common_body;
   result.source += decode_body;
   result.launch.grid_x = static_cast<std::uint32_t>(result.splits);
   result.launch.grid_y = static_cast<std::uint32_t>(problem.heads);
   result.launch.block_x = static_cast<std::uint32_t>(config.warps * 32);
-  // The warps' states and values, reused by the split merge for every split's states.
-  result.launch.shared_memory_bytes = static_cast<std::uint32_t>(std::max<std::int64_t>(
-      config.warps * 16 * 8 + config.warps * problem.rows * problem.value_dim * 4, result.splits * problem.rows * 8));
-  result.summary = fmt::format("decode {} warps, {} splits of {} keys", config.warps, result.splits,
+  // One space reused three times: the warps' rings of staged keys (stages > 0), the warps' states
+  // and values, every split's states in the split merge.
+  result.launch.shared_memory_bytes = static_cast<std::uint32_t>(
+      std::max({decode_ring_bytes(config), config.warps * 16 * 8 + config.warps * problem.rows * problem.value_dim * 4,
+                result.splits * problem.rows * 8}));
+  result.summary = fmt::format("decode {} warps{}, {} splits of {} keys", config.warps,
+                               config.stages > 0 ? fmt::format(" {}-stage ring", config.stages) : "", result.splits,
                                result.keys_per_split);
   return result;
 }

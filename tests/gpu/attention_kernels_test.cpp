@@ -4,32 +4,27 @@
 // split nor the 64-key tile, masks none / causal / positions, grouped-query rows, both dtypes.
 // Outputs are poisoned (NaN) before each launch, so an unwritten element fails; with the positions
 // mask the cache past the last position holds NaN, so reading it fails. Each case runs twice and
-// must give the same bits (the split merge is deterministic). Seed: METILE_TEST_SEED, else random;
-// printed. Skips without a CUDA device.
+// must give the same bits (the split merge is deterministic). Seed printed;
+// METILE_TEST_SEED replays a run. Skips without a CUDA device.
 #include <gtest/gtest.h>
 
 #include <fmt/core.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <iostream>
 #include <limits>
-#include <random>
 
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
+#include "metile_test_support.h"
 #include "metile/attention.h"
 
 namespace metile {
 namespace {
 
-std::uint64_t test_seed() {
-  static const std::uint64_t seed = [] {
-    const char* text = std::getenv("METILE_TEST_SEED");
-    const std::uint64_t value = text != nullptr && *text != '\0' ? std::strtoull(text, nullptr, 0) : std::random_device{}();
-    std::cout << "[seed] METILE_TEST_SEED=" << value << "\n";
-    return value;
-  }();
+// One seed per process (printed once), each case offset from it.
+std::uint64_t seed_base() {
+  static const std::uint64_t seed = testing::test_seed("attention kernels") % (std::uint64_t{1} << 40);
   return seed;
 }
 
@@ -134,20 +129,22 @@ class AttentionKernels : public testing_support::CudaDeviceTest {
 };
 
 TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
-  std::uint64_t seed = test_seed() * 1000;
+  std::uint64_t seed = seed_base() * 1000;
   const struct {
     DType dtype;
     std::int64_t heads, rows, keys, head_dim, value_dim;
     AttentionMask mask;
     std::int64_t keys_per_split;  // 0: the default split
-    int warps;
+    int warps, stages;
   } cases[] = {
-      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 4},     // Llama-3-8B GQA, T one past 4096
-      {DType::bf16, 3, 1, 1000, 128, 128, AttentionMask::none, 32, 4},    // many splits
-      {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 0, 8},
-      {DType::bf16, 5, 8, 777, 64, 64, AttentionMask::causal, 64, 2},
-      {DType::f16, 4, 7, 1500, 128, 128, AttentionMask::causal, 0, 4},
-      {DType::bf16, 2, 13, 50, 128, 64, AttentionMask::none, 0, 4},       // one split, a partial step
+      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 0},    // Llama-3-8B GQA, T one past 4096
+      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 3},    // the same through the cp.async ring
+      {DType::bf16, 3, 1, 1000, 128, 128, AttentionMask::none, 32, 4, 0},   // many splits
+      {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 0, 8, 2},
+      {DType::bf16, 5, 8, 777, 64, 64, AttentionMask::causal, 64, 2, 0},
+      {DType::f16, 4, 7, 1500, 128, 128, AttentionMask::causal, 0, 4, 4},
+      {DType::bf16, 2, 13, 50, 128, 64, AttentionMask::none, 0, 4, 0},      // one split, a partial step
+      {DType::bf16, 3, 5, 2000, 128, 128, AttentionMask::causal, 0, 8, 3},
   };
   for (const auto& c : cases) {
     AttentionProblem problem;
@@ -163,12 +160,13 @@ TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
     FlashAttentionOptions options;
     options.decode_warps = c.warps;
     options.keys_per_split = c.keys_per_split;
+    options.decode_stages = c.stages;
     check(problem, options, random_inputs(problem, seed += 10), "decode");
   }
 }
 
 TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
-  std::uint64_t seed = test_seed() * 1000 + 500;
+  std::uint64_t seed = seed_base() * 1000 + 500;
   // GQA with S tokens: R = G·S rows, row r at position positions[r mod S]. The cache holds T slots,
   // those after the last position are NaN.
   const struct {
@@ -197,11 +195,14 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
     }
     poison_cache_after(problem, in, c.last_position);
     check(problem, {}, in, "decode positions");
+    FlashAttentionOptions ring;
+    ring.decode_stages = 3;
+    check(problem, ring, in, "decode positions, ring");
   }
 }
 
 TEST_F(AttentionKernels, PrefillMatchesFloat64Reference) {
-  std::uint64_t seed = test_seed() * 1000 + 800;
+  std::uint64_t seed = seed_base() * 1000 + 800;
   const struct {
     DType dtype;
     std::int64_t heads, rows, keys, head_dim, value_dim;
@@ -235,7 +236,7 @@ TEST_F(AttentionKernels, PrefillMatchesFloat64Reference) {
 TEST_F(AttentionKernels, PrefillGroupedQueryCausalByPositions) {
   // Llama-style GQA prefill: G = 4 query heads per KV head, S = 129 tokens appended to a cache
   // whose first 71 slots are filled: row r (head r / S, token r mod S) sees keys up to 71 + r mod S.
-  std::uint64_t seed = test_seed() * 1000 + 900;
+  std::uint64_t seed = seed_base() * 1000 + 900;
   for (std::int64_t head_dim : {64, 128}) {
     AttentionProblem problem;
     problem.dtype = DType::bf16;
@@ -264,7 +265,7 @@ TEST_F(AttentionKernels, RowsThatSeeNoKeyAreNaN) {
   problem.scale = 0.125;
   problem.mask = AttentionMask::causal;
   problem.offset = -3;
-  const AttentionInputs in = random_inputs(problem, test_seed() * 1000 + 950);
+  const AttentionInputs in = random_inputs(problem, seed_base() * 1000 + 950);
   const HostTensor reference = reference_attention(problem, in);
   ASSERT_TRUE(std::isnan(reference.at(0)));
   ASSERT_FALSE(std::isnan(reference.at(3 * 64)));

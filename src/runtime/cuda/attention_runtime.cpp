@@ -35,6 +35,7 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
     config.problem = problem;
     config.warps = options.decode_warps;
     config.keys_per_split = options.keys_per_split;
+    config.stages = options.decode_stages;
     if (config.keys_per_split == 0) {
       int multiprocessors = 0;
       CUdevice device = 0;

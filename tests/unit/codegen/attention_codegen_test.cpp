@@ -60,16 +60,17 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
     DType dtype;
     std::int64_t rows, head_dim, value_dim;
     AttentionMask mask;
-    int warps;
+    int warps, stages;
   } cases[] = {
-      {DType::bf16, 4, 128, 128, AttentionMask::none, 4},     {DType::bf16, 16, 128, 128, AttentionMask::positions, 8},
-      {DType::f16, 1, 64, 64, AttentionMask::causal, 4},      {DType::f16, 12, 128, 64, AttentionMask::positions, 2},
-      {DType::bf16, 7, 64, 128, AttentionMask::causal, 4},
+      {DType::bf16, 4, 128, 128, AttentionMask::none, 8, 0},      {DType::bf16, 16, 128, 128, AttentionMask::positions, 8, 3},
+      {DType::f16, 1, 64, 64, AttentionMask::causal, 4, 0},       {DType::f16, 12, 128, 64, AttentionMask::positions, 2, 0},
+      {DType::bf16, 7, 64, 128, AttentionMask::causal, 4, 4},     {DType::bf16, 4, 128, 128, AttentionMask::none, 4, 2},
   };
   for (const auto& c : cases) {
     DecodeAttentionConfig config;
     config.problem = problem_of(c.dtype, c.rows, 1000, c.head_dim, c.value_dim, c.mask);
     config.warps = c.warps;
+    config.stages = c.stages;
     const AttentionKernelSource kernel = generate_decode_attention_kernel(config);
     EXPECT_GE(kernel.splits * kernel.keys_per_split, 1000);
     EXPECT_LT((kernel.splits - 1) * kernel.keys_per_split, 1000) << "an empty split";
@@ -145,6 +146,11 @@ TEST(AttentionCodegen, OperandShapesBecomeAProblem) {
   decode.problem = problem_of(DType::bf16, 17, 64, 128, 128, AttentionMask::none);
   EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("17 rows"), std::string::npos);
   decode.problem.rows = 4;
+  decode.stages = 4;  // 8 warps x 4 stages x 16 keys x 288 values ... > 227 KiB
+  EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("shared memory"), std::string::npos);
+  decode.stages = 1;
+  EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("1 stages"), std::string::npos);
+  decode.stages = 0;
   decode.keys_per_split = 24;
   EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("multiple of 16"), std::string::npos);
 }
