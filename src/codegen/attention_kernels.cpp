@@ -754,11 +754,12 @@ std::int64_t AttentionProblem::key_value_bytes() const {
 
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors) {
   const std::int64_t step_keys = 16;
-  // Measured (notes/attention.md): one 8-warp block per multiprocessor beat two 4-warp ones, and
-  // more splits cost more in the merge than they gained.
+  // Measured (notes/attention.md): one 8-warp block per multiprocessor (all that fit: ~250
+  // registers a thread) beat two 4-warp ones, and the grid must not exceed one wave — 17 splits of
+  // 8 heads (136 blocks on 132 multiprocessors) ran slower than 9.
   const std::int64_t target_blocks = std::max(multiprocessors, 1);
   const std::int64_t most_splits = (problem.keys + step_keys * warps - 1) / (step_keys * warps);  // a step per warp
-  const std::int64_t splits = std::clamp<std::int64_t>((target_blocks + problem.heads - 1) / problem.heads, 1, most_splits);
+  const std::int64_t splits = std::clamp<std::int64_t>(target_blocks / problem.heads, 1, most_splits);
   const std::int64_t keys = (problem.keys + splits - 1) / splits;
   return (keys + step_keys - 1) / step_keys * step_keys;
 }
