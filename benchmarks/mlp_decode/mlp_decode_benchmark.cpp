@@ -132,14 +132,6 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
   }
 }
 
-double measure_copy_bandwidth_gbps(const CudaStream& stream) {
-  const std::size_t bytes = std::size_t{1} << 30;
-  DeviceBuffer source(bytes), target(bytes);
-  source.fill_bytes(0x3C, &stream);
-  const double ms = time_on_stream_ms(stream, [&](const CudaStream& s) { target.copy_from_device(source, bytes, &s); }, 2, 5, 5);
-  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
