@@ -1,6 +1,7 @@
 // metile CUDA runtime: the thin, checked layer every GPU path stands on (DESIGN.md,
-// "src/runtime/cuda/"). libcuda is loaded with dlopen, so binaries start and CPU paths
-// work where no driver exists; CUDA paths then throw NoCudaDevice ("no CUDA device: ...").
+// "src/runtime/cuda/"). libcuda, NVRTC and cuBLASLt are loaded with dlopen on first use, so
+// binaries start and CPU paths work where no driver or toolkit exists; CUDA paths then throw
+// NoCudaDevice ("no CUDA device: ...") or CudaError ("NVRTC could not be loaded: ...").
 // NVRTC compiles CUDA C++ for the device's architecture, with an on-disk cache.
 //
 // Every failing CUDA, NVRTC or cuBLASLt call throws CudaError naming the call and the error.
