@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "metile/cuda_runtime.h"
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace {
 

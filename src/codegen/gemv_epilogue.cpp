@@ -9,7 +9,7 @@
 #include <cmath>
 #include <numbers>
 
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile {
 

@@ -24,7 +24,7 @@
 
 #include <algorithm>
 
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile {
 namespace {

@@ -13,7 +13,7 @@
 
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile {
 namespace {

@@ -14,7 +14,7 @@
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
 #include "metile/cpu_runtime.h"
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace metile {
 namespace {

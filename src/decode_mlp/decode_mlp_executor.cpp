@@ -22,7 +22,7 @@
 #include <random>
 
 #include "metile/cpu_runtime.h"
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace metile {
 namespace {
