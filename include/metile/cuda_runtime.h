@@ -213,7 +213,10 @@ CompiledProgram compile_cuda_program(std::string_view source, std::string_view k
 std::string nvrtc_version();  // "13.0"
 // A stable 128-bit content hash as 32 hex digits (cache keys, dispatch keys); not cryptographic.
 std::string stable_hash_hex(std::string_view bytes);
-// $METILE_CACHE_DIR/kernels if set, else ~/.cache/metile/kernels (or /tmp/metile-cache/kernels).
+// Where metile keeps what it caches (compiled kernels, dispatch decisions): $METILE_CACHE_DIR if
+// set, else ~/.cache/metile (or /tmp/metile-cache without a home).
+std::string cache_directory();
+// cache_directory()/kernels.
 std::string kernel_cache_directory();
 // The cache's file for a key (tests corrupt it on purpose).
 std::string kernel_cache_path(std::string_view cache_key);

@@ -28,11 +28,12 @@ struct DecodeMlpOptions {
   int tuning_candidates = 5;        // launch shapes per fused schedule (gemv_tuning_candidates)
 };
 
-// One candidate of a stage. `kind` is "native" (cuBLASLt / dequantize + cuBLASLt, or the
-// unfused GEMV of an affine matrix; each also as a CUDA graph) or "fused".
+// One candidate of a stage. Native: cuBLASLt / dequantize + cuBLASLt (the library path), or the
+// unfused GEMV of an affine matrix ("unfused gemv"); each also as a CUDA graph. Fused: a
+// generated GEMV with the stage's epilogue ("register_resident w4 t1 f2 db", "residual w4 ...").
 struct DecodeMlpCandidate {
-  std::string name;   // "native", "native graph", "unfused gemv", "fused register_resident w4 t1 f2", ...
-  std::string kind;
+  CandidateId id;
+  std::string name;   // id.name(): "native", "native graph", "unfused gemv", "fused register_resident w4 t1 f2 db", ...
   std::string kernel; // the generated kernel's config, empty for native cuBLASLt steps
   NumericGateResult gate;  // against the float64 reference rounded to the activation dtype
   double score_ms = -1;    // the tournament's score; < 0 when not timed

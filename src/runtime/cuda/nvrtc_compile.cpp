@@ -115,15 +115,17 @@ std::string nvrtc_version() {
   return fmt::format("{}.{}", major, minor);
 }
 
-std::string kernel_cache_directory() {
+std::string cache_directory() {
   if (const char* directory = std::getenv("METILE_CACHE_DIR"); directory != nullptr && *directory != '\0') {
-    return (std::filesystem::path(directory) / "kernels").string();
+    return directory;
   }
   if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
-    return (std::filesystem::path(home) / ".cache" / "metile" / "kernels").string();
+    return (std::filesystem::path(home) / ".cache" / "metile").string();
   }
-  return "/tmp/metile-cache/kernels";
+  return "/tmp/metile-cache";
 }
+
+std::string kernel_cache_directory() { return (std::filesystem::path(cache_directory()) / "kernels").string(); }
 
 std::string kernel_cache_path(std::string_view cache_key) {
   return (std::filesystem::path(kernel_cache_directory()) / (std::string(cache_key) + ".cubin")).string();
