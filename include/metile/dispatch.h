@@ -100,6 +100,26 @@ struct DispatchDecision {
   std::string report;  // the sentence saying what was chosen and why
 };
 
+// Decisions on disk: one JSON file, rewritten atomically (temp + rename) on every store. A file that
+// cannot be read as a decision file is set aside (its content is ignored and replaced on the next store).
+class DecisionCache {
+ public:
+  explicit DecisionCache(std::filesystem::path file = default_path());
+  // cache_directory()/dispatch.json: $METILE_CACHE_DIR/dispatch.json, else ~/.cache/metile/dispatch.json
+  static std::filesystem::path default_path();
+
+  const std::filesystem::path& path() const { return path_; }
+  std::optional<DispatchDecision> find(const std::string& key) const;
+  void store(const DispatchDecision& decision);
+  bool found_corrupt_file() const { return found_corrupt_file_; }
+  std::size_t size() const { return decisions_.size(); }
+
+ private:
+  std::filesystem::path path_;
+  std::vector<DispatchDecision> decisions_;
+  bool found_corrupt_file_ = false;
+};
+
 // The key of a decision, the same for every client (whole-graph Executable, decode-MLP stages):
 // device name, driver and NVRTC versions, the dispatch mode, the hash of every candidate's
 // identity and source, and the region's ops, dtypes and shapes.

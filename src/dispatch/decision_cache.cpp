@@ -21,7 +21,7 @@ namespace {
 constexpr int decision_file_version = 2;
 
 nlohmann::json candidate_json(const CandidateId& id) {
-  return {{"kind", candidate_kind_name(id.kind)}, {"variant", id.variant},
+  return {{"kind", std::string(candidate_kind_name(id.kind))}, {"variant", id.variant},
           {"replay", id.replay == Replay::cuda_graph ? "graph" : "eager"}};
 }
 

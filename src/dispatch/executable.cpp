@@ -194,7 +194,10 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   report.region = region_index;
   report.rule = region.rule;
   for (NodeId id : region.nodes) report.nodes.push_back(graph.node(id).name);
-  const std::string label = fmt::format("region R{} ({})", region_index, region.rule.empty() ? "region" : region.rule);
+  // Regions are numbered from 1, as `metile plan` prints them (FusionPlan::explain), so a report
+  // line and a plan line about the same region say the same R-number.
+  const std::string label =
+      fmt::format("region R{} ({})", region_index + 1, region.rule.empty() ? "region" : region.rule);
   const DispatchPolicy policy{options.mode, boundary_headroom(region.nodes.size())};
   auto finish = [&](const CandidateId& chosen, const std::string& reason) {
     report.chosen_id = chosen;

@@ -45,45 +45,39 @@ void resolve(void* library, const char* name, Function& slot, std::string& missi
   if (slot == nullptr) missing += missing.empty() ? name : fmt::format(", {}", name);
 }
 
-Loaded<NvrtcApi> load_nvrtc() {
-  Loaded<NvrtcApi> loaded;
+// Opens the first of `candidates` and fills `Api` through resolve_all(library, api, missing).
+template <class Api, class ResolveAll>
+Loaded<Api> load_library(const char* what, std::initializer_list<const char*> candidates, ResolveAll resolve_all) {
+  Loaded<Api> loaded;
   std::string reason;
-  void* library = open_first({METILE_NVRTC_SONAME, METILE_NVRTC_BUILD_PATH}, reason);
+  void* library = open_first(candidates, reason);
   if (library == nullptr) {
-    loaded.unavailable_reason = fmt::format("NVRTC could not be loaded: {}", reason);
+    loaded.unavailable_reason = fmt::format("{} could not be loaded: {}", what, reason);
     return loaded;
   }
   std::string missing;
-#define METILE_RESOLVE_LIBRARY_ENTRY(name) resolve(library, #name, loaded.api.name, missing);
-  METILE_NVRTC_ENTRIES(METILE_RESOLVE_LIBRARY_ENTRY)
-  if (!missing.empty()) loaded.unavailable_reason = fmt::format("NVRTC lacks entry points: {}", missing);
+  resolve_all(library, loaded.api, missing);
+  if (!missing.empty()) loaded.unavailable_reason = fmt::format("{} lacks entry points: {}", what, missing);
   return loaded;
 }
 
-Loaded<CublasLtApi> load_cublaslt() {
-  Loaded<CublasLtApi> loaded;
-  std::string reason;
-  void* library = open_first({METILE_CUBLASLT_SONAME, METILE_CUBLASLT_BUILD_PATH}, reason);
-  if (library == nullptr) {
-    loaded.unavailable_reason = fmt::format("cuBLASLt could not be loaded: {}", reason);
-    return loaded;
-  }
-  std::string missing;
-  METILE_CUBLASLT_ENTRIES(METILE_RESOLVE_LIBRARY_ENTRY)
-#undef METILE_RESOLVE_LIBRARY_ENTRY
-  if (!missing.empty()) loaded.unavailable_reason = fmt::format("cuBLASLt lacks entry points: {}", missing);
-  return loaded;
-}
+#define METILE_RESOLVE_LIBRARY_ENTRY(name) resolve(library, #name, api.name, missing);
 
 const Loaded<NvrtcApi>& loaded_nvrtc() {
-  static const Loaded<NvrtcApi> loaded = load_nvrtc();
+  static const Loaded<NvrtcApi> loaded = load_library<NvrtcApi>(
+      "NVRTC", {METILE_NVRTC_SONAME, METILE_NVRTC_BUILD_PATH},
+      [](void* library, NvrtcApi& api, std::string& missing) { METILE_NVRTC_ENTRIES(METILE_RESOLVE_LIBRARY_ENTRY) });
   return loaded;
 }
 
 const Loaded<CublasLtApi>& loaded_cublaslt() {
-  static const Loaded<CublasLtApi> loaded = load_cublaslt();
+  static const Loaded<CublasLtApi> loaded = load_library<CublasLtApi>(
+      "cuBLASLt", {METILE_CUBLASLT_SONAME, METILE_CUBLASLT_BUILD_PATH},
+      [](void* library, CublasLtApi& api, std::string& missing) { METILE_CUBLASLT_ENTRIES(METILE_RESOLVE_LIBRARY_ENTRY) });
   return loaded;
 }
+
+#undef METILE_RESOLVE_LIBRARY_ENTRY
 
 }  // namespace
 

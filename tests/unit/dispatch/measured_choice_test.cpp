@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <array>
 #include <random>
 
 #include "metile/dispatch.h"

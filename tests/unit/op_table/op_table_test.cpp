@@ -45,7 +45,9 @@ TEST(OpTable, EverySampleGraphRunsThroughEveryConsumer) {
     const Value& out = graph.value(graph.outputs().front());
     ASSERT_EQ(outputs.at(out.name).spec(), out.spec);
     for (double value : outputs.at(out.name).to_values()) {
-      if (op != "causal_mask") EXPECT_TRUE(std::isfinite(value)) << value;
+      if (op != "causal_mask") {
+        EXPECT_TRUE(std::isfinite(value)) << value;
+      }
     }
 
     const FusionPlan plan = plan_graph_fusion(graph);
@@ -53,7 +55,7 @@ TEST(OpTable, EverySampleGraphRunsThroughEveryConsumer) {
     EXPECT_FALSE(plan.node_reasons.front().empty());
     EXPECT_EQ(run_plan_reference(plan, inputs), outputs);
 
-    EXPECT_EQ(row_kernel_computes(node), is_row_region(graph, single_node_region(graph, node.id)));
+    EXPECT_EQ(row_kernel_computes(node), row_region_decision(graph, single_node_region(graph, node.id)).ok);
     if (row_kernel_computes(node)) expect_compiles_for_sm90(generate_node_kernel(graph, node.id));
   }
 }
@@ -139,8 +141,8 @@ TEST(OpTable, SumFusesItsPrologueAndStoresOneValuePerRow) {
   const TensorMap inputs = random_inputs(graph, 3);
   EXPECT_EQ(run_plan_reference(plan, inputs), run_reference(graph, inputs));
 
-  std::string reason;
-  ASSERT_TRUE(is_row_region(graph, region, &reason)) << reason;
+  const Decision rows = row_region_decision(graph, region);
+  ASSERT_TRUE(rows.ok) << rows.reason;
   for (const RowKernelOptions& options : row_kernel_variants(graph, region)) {
     const GeneratedKernel kernel = generate_region_kernel(graph, region, options);
     EXPECT_NE(kernel.source.find("if (row_valid && lane == 0) out0[safe_row] = metile_device::from_float<__nv_bfloat16>(r0);"),
@@ -159,8 +161,9 @@ TEST(OpTable, SumFusesItsPrologueAndStoresOneValuePerRow) {
 
   // Reading a [..., 1] value inside the same row kernel is refused, with the reason.
   const FusionRegion whole = testing_support::whole_graph_region(graph);
-  EXPECT_FALSE(is_row_region(graph, whole, &reason));
-  EXPECT_NE(reason.find("reads 'total', one value per row"), std::string::npos) << reason;
+  const Decision refused = row_region_decision(graph, whole);
+  EXPECT_FALSE(refused.ok);
+  EXPECT_NE(refused.reason.find("reads 'total', one value per row"), std::string::npos) << refused.reason;
 }
 
 // ---------------------------------------------------------------- an op added through the table
