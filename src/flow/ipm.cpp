@@ -462,7 +462,6 @@ class ConservationRepair {
       : network_(network),
         source_(source),
         sink_(sink),
-        tolerance_(flow_detail::solver_tolerance(network)),
         flow_(flow),
         imbalance_(network.vertex_count(), Capacity{}),
         current_arc_(network.vertex_count()),
@@ -525,7 +524,7 @@ class ConservationRepair {
         // imbalances of the opposite sign only shrink.
         dead_[vertex] = 1;
         if (vertex == start) break;  // only rounding noise of real capacities is left
-        truncate(vertices_.size() - 1);
+        truncate(vertices_.size() - 2);  // pop it
         continue;
       }
       if (position_[next_vertex] >= 0) {
@@ -601,7 +600,10 @@ class ConservationRepair {
   const FlowNetwork<Capacity>& network_;
   const int source_;
   const int sink_;
-  const FlowTolerance<Capacity> tolerance_;
+  // Zero even for reals: imbalances under the solvers' epsilon, left alone, add up along a
+  // path to residuals above it and move the canonical cut. Settled exactly instead (x - x
+  // is 0 in floating point too), only rounding in the sums of a vertex's flows is left.
+  const FlowTolerance<Capacity> tolerance_{};
   std::vector<Capacity>& flow_;
   std::vector<Capacity> imbalance_;  // inflow - outflow
   std::vector<int> current_arc_;

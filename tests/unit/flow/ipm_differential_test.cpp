@@ -112,38 +112,38 @@ void run_family(int count, const std::function<GeneratedNetwork(int index, Rando
 }
 
 TEST(IpmDifferential, SeedRandomFamily) {
-  run_family(300, [](int, Random& random) {
+  run_family(500, [](int, Random& random) {
     return flow_families::seed_random_network(draw_int(random, 2, 60), draw_int(random, 1, 8), random);
   });
 }
 
 TEST(IpmDifferential, LayeredFamily) {
-  run_family(150, [](int, Random& random) {
+  run_family(250, [](int, Random& random) {
     return flow_families::layered_network(draw_int(random, 2, 6), draw_int(random, 1, 8), draw_int(random, 1, 4),
                                           100, random);
   });
 }
 
 TEST(IpmDifferential, GridFamily) {
-  run_family(120, [](int, Random& random) {
+  run_family(200, [](int, Random& random) {
     return flow_families::grid_network(draw_int(random, 1, 7), draw_int(random, 2, 7), 50, random);
   });
 }
 
 TEST(IpmDifferential, GenrmfFamily) {
-  run_family(80, [](int, Random& random) {
+  run_family(150, [](int, Random& random) {
     return flow_families::genrmf_network(draw_int(random, 2, 3), draw_int(random, 2, 5), 1, 100, random);
   });
 }
 
 TEST(IpmDifferential, DenseFamily) {
-  run_family(120, [](int index, Random& random) {
+  run_family(200, [](int index, Random& random) {
     return flow_families::dense_network(draw_int(random, 2, 20), 0.2 + 0.7 * (index % 5) / 4.0, 1000, random);
   });
 }
 
 TEST(IpmDifferential, MultigraphFamilyWithLoopsParallelEdgesAndZeroCapacities) {
-  run_family(300, [](int, Random& random) {
+  run_family(500, [](int, Random& random) {
     const int vertices = draw_int(random, 2, 30);
     return flow_families::multigraph_network(vertices, draw_int(random, 0, 5 * vertices), 20, random);
   });
