@@ -9,8 +9,6 @@
 // (unoptimized, instrumented) the network counts are divided by kSanitizerDivisor.
 #include <gtest/gtest.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <random>
 #include <string>
@@ -31,15 +29,10 @@ constexpr int kSanitizerDivisor = 10;
 constexpr int kSanitizerDivisor = 1;
 #endif
 
-// A fresh seed per test (or METILE_TEST_SEED), printed so a failure can be replayed.
+// A fresh seed per test (METILE_TEST_SEED replays it), printed under the test's name.
 std::uint64_t test_seed() {
-  const char* fixed = std::getenv("METILE_TEST_SEED");
-  const std::uint64_t seed =
-      fixed != nullptr ? std::strtoull(fixed, nullptr, 10) : (std::uint64_t{std::random_device{}()} << 32 | std::random_device{}());
   const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::printf("%s.%s: METILE_TEST_SEED=%llu\n", test->test_suite_name(), test->name(),
-              static_cast<unsigned long long>(seed));
-  return seed;
+  return testing::test_seed(std::string(test->test_suite_name()) + "." + test->name());
 }
 
 int networks(int count) { return std::max(1, count / kSanitizerDivisor); }
