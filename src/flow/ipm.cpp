@@ -437,7 +437,7 @@ std::vector<Capacity> rounded_flows(const FlowNetwork<Capacity>& network, const 
     const int edge = program.edge[arc];
     if (edge < 0) continue;
     const Capacity capacity = network.edge(edge).capacity;
-    const double flow = x[arc] * program.scale;
+    const double flow = std::isfinite(x[arc]) ? x[arc] * program.scale : 0.0;  // the repair makes up for it
     if constexpr (std::is_integral_v<Capacity>) {
       flows[edge] = std::clamp<Capacity>(static_cast<Capacity>(std::llround(std::max(flow, 0.0))), 0, capacity);
     } else {
