@@ -119,9 +119,7 @@ __device__ __forceinline__ uint4 shared_vector(const void* address) { return *re
 
 // The math of one stage: `count` iterations starting at `first` within the slice whose x rows
 // start at xs (row stride kXRowElements) and whose group sums start at xsum.
-// Two accumulator banks (and two partial sums per group): the two mma steps of a chunk go to
-// different ones, which halves the dependent mma chains a warp waits on.
-__device__ __forceinline__ void compute_stage(float (&acc)[2][kProducts][kRowHalves][4], const unsigned char* stage,
+__device__ __forceinline__ void compute_stage(float (&acc)[kProducts][kRowHalves][4], const unsigned char* stage,
                                               const u16* xs, const float* xsum, int first, int count, int iteration,
                                               int lane) {
   const int g = lane >> 2, t = lane & 3;
@@ -147,12 +145,9 @@ __device__ __forceinline__ void compute_stage(float (&acc)[2][kProducts][kRowHal
         for (int h = 0; h < kRowHalves; ++h) xsum_h[h] = *reinterpret_cast<const float2*>(sums + 8 * h);
 #pragma unroll
         for (int p = 0; p < kProducts; ++p) {
-          float part[kRowHalves][4], part1[kRowHalves][4];
+          float part[kRowHalves][4];
 #pragma unroll
-          for (int h = 0; h < kRowHalves; ++h) {
-            part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
-            part1[h][0] = part1[h][1] = part1[h][2] = part1[h][3] = 0.0f;
-          }
+          for (int h = 0; h < kRowHalves; ++h) part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
 #pragma unroll
           for (int j = 0; j < kChunksPerGroup; ++j) {
             const int chunk = q * kChunksPerGroup + j;
@@ -164,13 +159,8 @@ __device__ __forceinline__ void compute_stage(float (&acc)[2][kProducts][kRowHal
             for (int h = 0; h < kRowHalves; ++h) {
               const uint4 b = xv[h][chunk];
               mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
-              mma(part1[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
+              mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
             }
-          }
-#pragma unroll
-          for (int h = 0; h < kRowHalves; ++h) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) part[h][e] += part1[h][e];
           }
           const uint2 s = *reinterpret_cast<const uint2*>(stage + kProducts * kStageWordBytes + p * kStageScaleBytes +
                                                           ((u * kGroupsPerIteration + q) * 8 + g) * 8);
@@ -180,11 +170,10 @@ __device__ __forceinline__ void compute_stage(float (&acc)[2][kProducts][kRowHal
           const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
 #pragma unroll
           for (int h = 0; h < kRowHalves; ++h) {
-            float(&bank)[4] = acc[q & 1][p][h];
-            bank[0] += fmaf(scale_low, part[h][0], offset_low * xsum_h[h].x);
-            bank[1] += fmaf(scale_low, part[h][1], offset_low * xsum_h[h].y);
-            bank[2] += fmaf(scale_high, part[h][2], offset_high * xsum_h[h].x);
-            bank[3] += fmaf(scale_high, part[h][3], offset_high * xsum_h[h].y);
+            acc[p][h][0] += fmaf(scale_low, part[h][0], offset_low * xsum_h[h].x);
+            acc[p][h][1] += fmaf(scale_low, part[h][1], offset_low * xsum_h[h].y);
+            acc[p][h][2] += fmaf(scale_high, part[h][2], offset_high * xsum_h[h].x);
+            acc[p][h][3] += fmaf(scale_high, part[h][3], offset_high * xsum_h[h].y);
           }
         }
       }
@@ -200,8 +189,8 @@ __device__ __forceinline__ void compute_stage(float (&acc)[2][kProducts][kRowHal
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) {
           const uint4 b = xv[h][0];
-          mma(acc[0][p][h], low.x, high.x, low.y, high.y, b.x, b.y);
-          mma(acc[1][p][h], low.z, high.z, low.w, high.w, b.z, b.w);
+          mma(acc[p][h], low.x, high.x, low.y, high.y, b.x, b.y);
+          mma(acc[p][h], low.z, high.z, low.w, high.w, b.z, b.w);
         }
       }
     }
@@ -358,13 +347,11 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
   }
   __syncthreads();
 
-  float acc[2][kProducts][kRowHalves][4];
+  float acc[kProducts][kRowHalves][4];
 #pragma unroll
-  for (int b = 0; b < 2; ++b)
+  for (int p = 0; p < kProducts; ++p)
 #pragma unroll
-    for (int p = 0; p < kProducts; ++p)
-#pragma unroll
-      for (int h = 0; h < kRowHalves; ++h) acc[b][p][h][0] = acc[b][p][h][1] = acc[b][p][h][2] = acc[b][p][h][3] = 0.0f;
+    for (int h = 0; h < kRowHalves; ++h) acc[p][h][0] = acc[p][h][1] = acc[p][h][2] = acc[p][h][3] = 0.0f;
   int stage = 0;
   for (long long position = begin; position < end; ++stage) {
     const int buffer = stage % kStages;
@@ -383,20 +370,11 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
     }
     position += count;
     if (position == end || position == (item + 1) * kSliceIterations) {
+      finish_piece(acc, item, global_warp, partials, counters, outputs, lane);
 #pragma unroll
       for (int p = 0; p < kProducts; ++p)
 #pragma unroll
-        for (int h = 0; h < kRowHalves; ++h)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc[0][p][h][e] += acc[1][p][h][e];
-            acc[1][p][h][e] = 0.0f;
-          }
-      finish_piece(acc[0], item, global_warp, partials, counters, outputs, lane);
-#pragma unroll
-      for (int p = 0; p < kProducts; ++p)
-#pragma unroll
-        for (int h = 0; h < kRowHalves; ++h) acc[0][p][h][0] = acc[0][p][h][1] = acc[0][p][h][2] = acc[0][p][h][3] = 0.0f;
+        for (int h = 0; h < kRowHalves; ++h) acc[p][h][0] = acc[p][h][1] = acc[p][h][2] = acc[p][h][3] = 0.0f;
     }
   }
 }
@@ -588,9 +566,9 @@ GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
 }
 
 std::vector<GemvKernelConfig> streamed_tuning_candidates(const GemvKernelConfig& base) {
-  // `unit`: a stage of about 2 KiB (both matrices of a gate/up pair in one stage); ~64 KiB per SM in
-  // flight is what ~4 TB/s at ~1-2 us of loaded latency asks for. The shapes vary the depth, the
-  // stage size and the warps around that.
+  // A stage of about 2 KiB (both matrices of a gate/up pair in one stage); 8 warps x 4 stages keep
+  // up to 64 KiB per SM in flight, which ~4 TB/s at ~1-2 us of loaded latency asks for
+  // (notes/mlp_decode.md). The others vary the depth, the stage size and the warps.
   const int products = base.epilogue.product_count();
   const int loads_per_iteration = base.format.is_affine() ? base.format.columns_per_iteration() /
                                                                 (32 * (base.format.bits == 8 ? 2 : 4))
@@ -599,9 +577,7 @@ std::vector<GemvKernelConfig> streamed_tuning_candidates(const GemvKernelConfig&
   struct Shape {
     int warps, stage_iterations, stages, blocks_per_multiprocessor;
   };
-  // Measured (notes/mlp_decode.md, device call 5): 8 warps of 1-iteration stages are latency-bound
-  // (ncu: 12 % occupancy, warps issuing every ~5 cycles); more warps and larger stages first.
-  const Shape shapes[] = {{16, 2 * unit, 2, 1}, {8, 2 * unit, 4, 1}, {16, unit, 4, 1}, {8, 4 * unit, 2, 1}, {4, 2 * unit, 4, 2}};
+  const Shape shapes[] = {{8, unit, 4, 1}, {8, unit, 6, 1}, {16, unit, 3, 1}, {8, 2 * unit, 3, 1}, {4, unit, 6, 2}};
   std::vector<GemvKernelConfig> candidates;
   for (const Shape& shape : shapes) {
     GemvKernelConfig config = base;
