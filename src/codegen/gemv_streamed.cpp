@@ -578,8 +578,11 @@ std::vector<GemvKernelConfig> streamed_tuning_candidates(const GemvKernelConfig&
     int warps, stage_iterations, stages, blocks_per_multiprocessor;
   };
   const Shape shapes[] = {{8, unit, 4, 1}, {8, unit, 6, 1}, {16, unit, 3, 1}, {8, 2 * unit, 3, 1}, {4, unit, 6, 2}};
+  // Only when none of those fits shared memory (large stages: 8-bit g128 gate/up is 4 KiB per
+  // iteration), the smallest rings, first fit: the list is never empty.
+  const Shape fallbacks[] = {{8, 1, 2, 1}, {4, 1, 2, 1}, {2, 1, 2, 1}};
   std::vector<GemvKernelConfig> candidates;
-  for (const Shape& shape : shapes) {
+  auto add = [&](const Shape& shape) {
     GemvKernelConfig config = base;
     config.mainloop = GemvMainloop::streamed;
     config.warps_per_block = shape.warps;
@@ -589,9 +592,17 @@ std::vector<GemvKernelConfig> streamed_tuning_candidates(const GemvKernelConfig&
     try {
       config.validate();
     } catch (const InputError&) {
-      continue;
+      return false;
     }
     candidates.push_back(config);
+    return true;
+  };
+  for (const Shape& shape : shapes) add(shape);
+  for (const Shape& shape : fallbacks) {
+    if (!candidates.empty() || add(shape)) break;
+  }
+  if (candidates.empty()) {
+    throw InputError(fmt::format("GEMV {}: no streamed shape fits shared memory", base.to_string()));
   }
   return candidates;
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <future>
 #include <iostream>
+#include <stdexcept>
 
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
@@ -288,7 +289,10 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
   const int multiprocessors = device().info().multiprocessor_count;
   auto streamed = [&](GemvKernelConfig config) {
     config.mainloop = GemvMainloop::streamed;
-    return gemv_tuning_candidates(config, multiprocessors);
+    std::vector<GemvKernelConfig> shapes = gemv_tuning_candidates(config, multiprocessors);
+    EXPECT_FALSE(shapes.empty()) << config.to_string();
+    if (shapes.empty()) throw std::runtime_error("no streamed shape for " + config.to_string());
+    return shapes;
   };
   std::uint64_t seed = 0x57e0000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
   const DType bf16 = DType::bf16, f16 = DType::f16;

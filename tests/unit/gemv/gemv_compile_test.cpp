@@ -217,5 +217,29 @@ TEST(GemvCompile, StreamedPlanSplitsKOnlyWhenXDoesNotFit) {
   EXPECT_THROW(generate_gemv_kernel(config), InputError);
 }
 
+// Every format gets streamed shapes at the decode-MLP sizes and ragged ones, even where the default
+// rings do not fit shared memory (8-bit g128 gate/up: 4 KiB per iteration): the list is never empty
+// and every shape it holds generates.
+TEST(GemvCompile, StreamedShapesExistForEveryFormat) {
+  for (const GemvWeightFormat& format : all_formats()) {
+    const std::int64_t ragged_k = format.is_affine() ? format.group_size * 11 : 1000;
+    const std::int64_t sizes[][2] = {{14336, 4096}, {4096, 14336}, {8960, 1536}, {77, ragged_k}, {1000, ragged_k}};
+    for (const auto& [n, k] : sizes) {
+      for (std::int64_t rows : {1, 9, 16}) {
+        for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add()}) {
+          GemvKernelConfig config = base_config(format, rows, n, k, epilogue);
+          config.mainloop = GemvMainloop::streamed;
+          const std::vector<GemvKernelConfig> shapes = gemv_tuning_candidates(config);
+          ASSERT_FALSE(shapes.empty()) << config.to_string();
+          for (const GemvKernelConfig& shape : shapes) {
+            EXPECT_LE(generate_gemv_kernel(shape).dynamic_shared_bytes, 232448u / shape.blocks_per_multiprocessor)
+                << shape.to_string();
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace metile
