@@ -18,8 +18,10 @@
 // the B fragments use the same permutation, so the dot product is unchanged. Affine weights
 // are read in the repacked layout of gemv_weight_layout.cpp.
 //
-// The generated source is self-contained (no includes): its constants come first, then this
-// file's fixed body, then the epilogue expression (gemv_epilogue.cpp) inside the store loop.
+// The generated source is self-contained (no includes): its constants come first, then the device
+// helpers both mainloops share (gemv_device_helpers.cpp), then this file's register-batch body,
+// then the epilogue expression (gemv_epilogue.cpp) inside the store loop. The other mainloop,
+// shared-memory stages fed by bulk copies on a persistent grid, is gemv_streamed.cpp.
 #include <fmt/core.h>
 
 #include <algorithm>
