@@ -52,12 +52,6 @@ __device__ __forceinline__ u16 from_f32(float value) {
   return bits16;
 }
 
-__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float gelu_f32(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_tanh_f32(float x) {
-  return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
-}
-
 // Weights are read once: keep them out of L1, where x lives.
 __device__ __forceinline__ uint4 load_weights(const void* address) {
   uint4 v;

@@ -20,8 +20,9 @@
 //
 // The generated source is self-contained (no includes): its constants come first, then the device
 // helpers both mainloops share (gemv_device_helpers.cpp), then this file's register-batch body,
-// then the epilogue expression (gemv_epilogue.cpp) inside the store loop. The other mainloop,
-// shared-memory stages fed by bulk copies on a persistent grid, is gemv_streamed.cpp.
+// the op table's device functions, then the epilogue expression (gemv_epilogue.cpp) inside the
+// store loop. The other mainloop, shared-memory stages fed by bulk copies on a persistent grid,
+// is gemv_streamed.cpp.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -362,6 +363,8 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
       config.double_buffered ? "true" : "false");
   source += gemv_device_helpers();
   source += register_mainloop_body;
+  source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
+  source += cuda_elementwise_helpers();
 
   source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", result.kernel_name);
   for (int p = 0; p < products; ++p) {

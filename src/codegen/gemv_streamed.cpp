@@ -527,6 +527,8 @@ GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
       plan.stage_scale_bytes, plan.stage_bytes, plan.dense_row_stride, plan.x_row_stride, plan.ring_offset,
       plan.x_offset, plan.x_sum_offset);
   source += gemv_device_helpers();
+  source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
+  source += cuda_elementwise_helpers();
   source += epilogue_function(config);
   source += streamed_body;
 
