@@ -25,8 +25,14 @@ class PythonFlowNetwork {
  public:
   // Returns the number of the new edge. Leaves the network unchanged when it raises.
   int add_edge(const py::object& from, const py::object& to, const py::object& capacity) {
-    const bool integer_capacity = py::isinstance<py::int_>(capacity) && !py::isinstance<py::bool_>(capacity);
-    if (!integer_capacity && !py::isinstance<py::float_>(capacity)) {
+    // numpy scalars count like their Python kinds (np.int64 an int, np.float32 a float); bools are neither.
+    const py::module_ numpy = py::module_::import("numpy");
+    const bool boolean = py::isinstance<py::bool_>(capacity) || py::isinstance(capacity, numpy.attr("bool_"));
+    const bool integer_capacity =
+        !boolean && (py::isinstance<py::int_>(capacity) || py::isinstance(capacity, numpy.attr("integer")));
+    const bool real_capacity =
+        !boolean && (py::isinstance<py::float_>(capacity) || py::isinstance(capacity, numpy.attr("floating")));
+    if (!integer_capacity && !real_capacity) {
       throw py::type_error("FlowNetwork.add_edge: capacity must be an int or a float, got " +
                            std::string(py::str(py::type::handle_of(capacity).attr("__name__"))));
     }

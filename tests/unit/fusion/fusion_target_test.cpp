@@ -45,7 +45,7 @@ void expect_input_error(const std::string& text, const std::string& message) {
 }
 
 TEST(FusionTarget, BadFilesSayWhatIsWrong) {
-  expect_input_error("{", "t.json: not valid JSON");
+  expect_input_error("{", "t.json: invalid JSON");
   expect_input_error("[1]", "t.json: a target file holds one JSON object");
   expect_input_error(R"({"lanch_overhead_ns": 3})", "t.json: unknown field 'lanch_overhead_ns'");
   expect_input_error(R"({"launch_overhead_ns": -3})", "field 'launch_overhead_ns' must be positive");
