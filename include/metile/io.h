@@ -40,4 +40,8 @@ std::uint64_t regular_file_size(const std::filesystem::path& path, std::string_v
 // has started writing to a special file (a FIFO cannot be rolled back).
 void write_output_file(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
 
+// The machine's physical memory in bytes (the largest uint64 when it cannot be told),
+// for limits that depend on the machine: DIMACS counts, `metile run`'s tensors.
+std::uint64_t physical_memory_bytes();
+
 }  // namespace metile

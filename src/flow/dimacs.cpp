@@ -12,7 +12,6 @@
 #include <string>
 #include <system_error>
 #include <type_traits>
-#include <unistd.h>
 
 #include "metile/flow.h"
 #include "metile/io.h"
@@ -33,13 +32,6 @@ constexpr std::uint64_t kBytesPerVertex = 96;
 constexpr std::uint64_t kBytesPerArc = 96;
 // Real-valued files hold integer-written capacities exactly up to 2^53.
 constexpr std::int64_t kLargestExactIntegerInDouble = std::int64_t{1} << 53;
-
-std::uint64_t physical_memory_bytes() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page_size = ::sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page_size <= 0) return std::numeric_limits<std::uint64_t>::max();
-  return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size);
-}
 
 // "123" or "-123": a capacity written as an integer (whatever its size).
 bool written_as_integer(std::string_view token) {

@@ -88,9 +88,13 @@ TargetField positive_field(const char* name, Number FusionTarget::*member) {
         if (!std::isfinite(number) || number <= 0) {
           throw InputError(where + ": field '" + name + "' must be positive, got " + json_excerpt(value));
         }
-        if (number > maximum || (value.is_number_unsigned() && value.get<std::uint64_t>() > static_cast<std::uint64_t>(maximum))) {
-          throw InputError(where + ": field '" + name + "' is above its limit of " + json_excerpt(Json(maximum)) + ": " +
-                           json_excerpt(value));
+        const bool above_integer_type =
+            integral && value.is_number_unsigned() &&
+            value.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<Number>::max());
+        if (number > maximum || above_integer_type) {
+          const std::string limit =
+              integral ? std::to_string(std::numeric_limits<Number>::max()) : json_excerpt(Json(maximum));
+          throw InputError(where + ": field '" + name + "' is above its limit of " + limit + ": " + json_excerpt(value));
         }
         if (number < minimum) {
           throw InputError(where + ": field '" + name + "' is below its limit of " + json_excerpt(Json(minimum)) + ": " +
@@ -137,7 +141,10 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
   }
   FusionTarget target = preset(base, source + ": field 'base': ");
   target.name = std::filesystem::path(source).stem().string();
-  for (const auto& [key, value] : document.items()) {
+  for (const auto& item : document.items()) {
+    // Named, not a structured binding: clang 14 (the fuzz build) cannot capture bindings in lambdas.
+    const std::string& key = item.key();
+    const Json& value = item.value();
     if (key == "base") continue;
     if (key == "name") {
       if (!value.is_string() || value.get<std::string>().empty()) {

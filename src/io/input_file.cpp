@@ -6,7 +6,9 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <limits>
 #include <system_error>
+#include <unistd.h>
 
 #include "metile/io.h"
 
@@ -67,6 +69,13 @@ std::uint64_t regular_file_size(const std::filesystem::path& path, std::string_v
   const std::uintmax_t size = std::filesystem::file_size(path, error);
   if (error) throw InputError(file + ": cannot read the file size: " + error.message());
   return size;
+}
+
+std::uint64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page_size = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return std::numeric_limits<std::uint64_t>::max();
+  return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size);
 }
 
 }  // namespace metile
