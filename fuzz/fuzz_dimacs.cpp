@@ -1,6 +1,8 @@
 // libFuzzer harness: DIMACS max-flow files, read as integer and as real networks.
 // Any input must parse or throw InputError; a small network that parses is solved
 // by both engines, which must agree on the flow value (the oracle).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <sstream>
@@ -29,7 +31,7 @@ void read_and_solve(const std::string& text) {
   if constexpr (std::is_integral_v<Capacity>) {
     if (first != second) std::abort();
   } else {
-    const Capacity scale = std::max<Capacity>({Capacity{1}, first, second});
+    const Capacity scale = std::max(Capacity{1}, std::max(first, second));
     if (std::abs(first - second) > 1e-9 * scale) std::abort();
   }
 }

@@ -2,6 +2,7 @@
 // target presets. Planning a valid graph must never throw; any exception (an
 // InputError included, e.g. a flow network refusing a capacity) is a finding.
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "metile/fusion.h"

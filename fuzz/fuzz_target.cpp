@@ -2,6 +2,7 @@
 // or throw InputError; an accepted target must round-trip through to_json and plan
 // the seed graph without an exception (its costs saturate, never overflow).
 #include <cstdint>
+#include <optional>
 #include <cstdlib>
 #include <string_view>
 

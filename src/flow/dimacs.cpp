@@ -218,7 +218,8 @@ class DimacsReader {
       if (!parse_real(token, value)) fail(line_number, "capacity '" + text + "' is not a number");
       if (!std::isfinite(value)) fail(line_number, "capacity '" + text + "' is not finite");
       if (value < 0) fail(line_number, "negative capacity " + text);
-      if (written_as_integer(token) && value > static_cast<double>(kLargestExactIntegerInDouble)) {
+      std::int64_t exact = 0;  // compared as written: the double has already rounded
+      if (written_as_integer(token) && (!parse_integer(token, exact) || exact > kLargestExactIntegerInDouble)) {
         fail(line_number, "capacity " + text +
                               " is an integer above 2^53 in a file with real capacities, where a double cannot "
                               "hold it exactly");
