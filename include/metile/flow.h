@@ -266,14 +266,18 @@ struct FlowProblem {
 
 // DIMACS max-flow format: `c` comments, one `p max N M`, `n ID s`, `n ID t`, then M
 // lines `a U V CAP`, vertices 1-based. Every malformed line throws InputError
-// "FILE:LINE: message". The integer reader rejects capacities written as reals.
+// "FILE:LINE: message". The integer reader rejects capacities written as reals and
+// integers beyond int64; the real reader rejects integer-written capacities above
+// 2^53 (a double would round them). The declared counts must fit the text (one
+// line per arc; at most max(2^20, 2 arcs + 2) vertices) and half the machine's memory.
 template <typename Capacity>
 FlowProblem<Capacity> read_dimacs_max_flow(std::istream& input, std::string_view file_name);
 template <typename Capacity>
 void write_dimacs_max_flow(std::ostream& output, const FlowProblem<Capacity>& problem);
 
-// Reads a file: an integer problem when every capacity is written as an integer,
-// otherwise a real one. Throws InputError when the file cannot be opened.
+// Reads a file (at most kMaximumDimacsFileBytes, metile/io.h): an integer problem
+// when every capacity is written as an integer (digits only), otherwise a real one.
+// Throws InputError when the file cannot be opened or is a directory.
 using AnyFlowProblem = std::variant<FlowProblem<std::int64_t>, FlowProblem<double>>;
 AnyFlowProblem read_dimacs_max_flow_file(const std::filesystem::path& path);
 
