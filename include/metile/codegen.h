@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "metile/decision.h"
 #include "metile/fusion.h"
 #include "metile/graph.h"
 
@@ -53,9 +54,9 @@ struct RowKernelOptions {
   bool operator==(const RowKernelOptions&) const = default;
 };
 
-// Whether generate_region_kernel can lower the region; when not, *reason says why
+// Whether generate_region_kernel can lower the region; when not, the reason says why
 // ("node 'y' (matmul) is a contraction, not a row op").
-bool is_row_region(const ComputeGraph& graph, const FusionRegion& region, std::string* reason = nullptr);
+Decision row_region_decision(const ComputeGraph& graph, const FusionRegion& region);
 
 // The region as one row kernel. Throws InputError (naming the node) when the region is not a row region.
 // Parameters: the region's inputs (in region.inputs order), then its outputs (region.outputs order).
@@ -65,7 +66,7 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
 // The default options first, then alternatives worth timing (another block shape), without duplicates.
 std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, const FusionRegion& region);
 
-// A region holding exactly one node, with its inputs and outputs filled in from the graph.
+// A region holding exactly one node, with its inputs filled in from the graph and all its outputs.
 FusionRegion single_node_region(const ComputeGraph& graph, NodeId node);
 
 // The native (unfused) kernel of one non-contraction node: elementwise and row-reduction ops through

@@ -161,6 +161,11 @@ struct FusionRegion {
   double benefit_ns = 0;         // estimated cost saved against running the nodes unfused
 };
 
+// The region of `nodes` (any order; kept in topological order) with its boundary computed from
+// the graph: inputs are values read from outside, in first-use order; outputs are values that
+// are graph outputs or read outside the region. The one place a region's boundary is derived.
+FusionRegion region_of_nodes(const ComputeGraph& graph, std::vector<NodeId> nodes, std::string rule = {});
+
 // A region some rule proposed, and what conflict selection made of it.
 struct FusionCandidate {
   std::string rule;

@@ -544,24 +544,20 @@ std::string cuda_storage_type(DType dtype) {
   throw InputError("cuda_storage_type: unknown dtype");
 }
 
-bool is_row_region(const ComputeGraph& graph, const FusionRegion& region, std::string* reason) {
+Decision row_region_decision(const ComputeGraph& graph, const FusionRegion& region) {
+  std::string reason;
   try {
-    analyse(graph, region, reason);
-    return true;
+    analyse(graph, region, &reason);
+    return Decision::allow();
   } catch (const InputError& error) {
-    if (reason != nullptr) *reason = error.what();
-    return false;
+    return Decision::refuse(error.what());
   }
 }
 
 FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
-  const Node& node = graph.node(node_id);
-  FusionRegion region;
-  region.nodes = {node_id};
-  for (ValueId input : node.inputs) {
-    if (std::find(region.inputs.begin(), region.inputs.end(), input) == region.inputs.end()) region.inputs.push_back(input);
-  }
-  region.outputs = node.outputs;
+  // Every output, even one nothing reads: a native kernel writes all its node computes.
+  FusionRegion region = region_of_nodes(graph, {node_id});
+  region.outputs = graph.node(node_id).outputs;
   return region;
 }
 

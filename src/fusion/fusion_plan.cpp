@@ -11,6 +11,29 @@
 #include "metile/fusion.h"
 
 namespace metile {
+
+FusionRegion region_of_nodes(const ComputeGraph& graph, std::vector<NodeId> nodes, std::string rule) {
+  std::sort(nodes.begin(), nodes.end());  // node ids are topological
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  auto inside = [&](NodeId id) { return std::binary_search(nodes.begin(), nodes.end(), id); };
+  FusionRegion region;
+  region.rule = std::move(rule);
+  for (NodeId id : nodes) {
+    const Node& node = graph.node(id);
+    for (ValueId input : node.inputs) {
+      if (inside(graph.value(input).producer)) continue;
+      if (std::find(region.inputs.begin(), region.inputs.end(), input) == region.inputs.end()) region.inputs.push_back(input);
+    }
+    for (ValueId output : node.outputs) {
+      const auto& consumers = graph.consumers(output);
+      if (graph.is_output(output) || !std::all_of(consumers.begin(), consumers.end(), inside)) {
+        region.outputs.push_back(output);
+      }
+    }
+  }
+  region.nodes = std::move(nodes);
+  return region;
+}
 namespace {
 
 std::string duration_text(double nanoseconds) {

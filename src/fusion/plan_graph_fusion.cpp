@@ -145,31 +145,6 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
   return proposals;
 }
 
-std::vector<ValueId> region_inputs(const ComputeGraph& graph, const std::vector<NodeId>& nodes) {
-  std::vector<ValueId> inputs;
-  for (NodeId id : nodes) {
-    for (ValueId input : graph.node(id).inputs) {
-      if (std::binary_search(nodes.begin(), nodes.end(), graph.value(input).producer)) continue;
-      if (std::find(inputs.begin(), inputs.end(), input) == inputs.end()) inputs.push_back(input);
-    }
-  }
-  return inputs;
-}
-
-std::vector<ValueId> region_outputs(const ComputeGraph& graph, const GraphIndex& index, const std::vector<NodeId>& nodes) {
-  std::vector<ValueId> outputs;
-  for (NodeId id : nodes) {
-    for (ValueId output : graph.node(id).outputs) {
-      const auto& consumers = graph.consumers(output);
-      const bool leaves = index.value_is_output[static_cast<std::size_t>(output)] || std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) {
-                            return !std::binary_search(nodes.begin(), nodes.end(), c);
-                          });
-      if (leaves) outputs.push_back(output);
-    }
-  }
-  return outputs;
-}
-
 std::string unfused_reason(const Node& node, const NodeNotes& notes) {
   if (!notes.refusals.empty()) {
     std::string text = notes.refusals.front();
@@ -265,11 +240,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
   std::vector<int> region_of_node(node_count, -1);
   for (int candidate : chosen) {
     const ProposedRegion& proposal = proposals[static_cast<std::size_t>(candidate)];
-    FusionRegion region;
-    region.rule = rules.rules[static_cast<std::size_t>(proposal.rule)].name;
-    region.nodes = proposal.nodes;
-    region.inputs = region_inputs(graph, region.nodes);
-    region.outputs = region_outputs(graph, scratch.index, region.nodes);
+    FusionRegion region = region_of_nodes(graph, proposal.nodes, rules.rules[static_cast<std::size_t>(proposal.rule)].name);
     region.benefit_ns = proposal.benefit_ns;
     for (NodeId node : region.nodes) region_of_node[static_cast<std::size_t>(node)] = static_cast<int>(plan.regions.size());
     plan.regions.push_back(std::move(region));

@@ -168,9 +168,9 @@ TEST(RowKernelCodegen, RejectsRegionsThatAreNotRowRegions) {
   auto projected = builder.matmul(x, w, false, "projected");
   auto activated = builder.silu(projected, "activated");
   const ComputeGraph graph = builder.build({activated});
-  std::string reason;
-  EXPECT_FALSE(is_row_region(graph, whole_graph_region(graph), &reason));
-  EXPECT_NE(reason.find("node 'projected' (matmul)"), std::string::npos) << reason;
+  Decision decision = row_region_decision(graph, whole_graph_region(graph));
+  EXPECT_FALSE(decision.ok);
+  EXPECT_NE(decision.reason.find("node 'projected' (matmul)"), std::string::npos) << decision.reason;
   EXPECT_THROW(generate_region_kernel(graph, whole_graph_region(graph)), InputError);
   EXPECT_THROW(generate_node_kernel(graph, 0), InputError);
 
@@ -178,8 +178,9 @@ TEST(RowKernelCodegen, RejectsRegionsThatAreNotRowRegions) {
   auto y = other.input("y", {{4, 64}, DType::f16});
   auto reshaped = other.reshape(other.silu(y, "activated"), {8, 32}, "reshaped");
   const ComputeGraph mixed = other.build({reshaped});
-  EXPECT_FALSE(is_row_region(mixed, whole_graph_region(mixed), &reason));
-  EXPECT_NE(reason.find("reshaped"), std::string::npos) << reason;
+  decision = row_region_decision(mixed, whole_graph_region(mixed));
+  EXPECT_FALSE(decision.ok);
+  EXPECT_NE(decision.reason.find("reshaped"), std::string::npos) << decision.reason;
 }
 
 TEST(RowKernelCodegen, RejectsBadTuningOptions) {
