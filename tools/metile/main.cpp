@@ -14,11 +14,14 @@ int main(int argc, char** argv) {
   metile::cli::add_run_command(app);
   metile::cli::add_plan_command(app);
   metile::cli::add_maxflow_command(app);
+  metile::cli::add_model_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
     const int code = app.exit(error);
     return code == 0 ? 0 : 2;
+  } catch (const metile::cli::CommandExit& exit) {
+    return exit.code;
   } catch (const metile::InputError& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 2;
