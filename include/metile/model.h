@@ -121,7 +121,9 @@ enum class DecodePath : std::uint8_t { reference, planned };
 
 class DecodeSession {
  public:
+  // The session reads the model's weights in place: the model must outlive it.
   explicit DecodeSession(const DecoderModel& model, DecodePath path = DecodePath::reference);
+  DecodeSession(DecoderModel&&, DecodePath = DecodePath::reference) = delete;
   // Appends tokens (chunks of at most 16 per step) and returns their logits,
   // row-major [tokens.size(), vocab] in f32 (widened exactly from the runtime dtype).
   // InputError when a token is outside the vocabulary or the cache is full.
