@@ -230,6 +230,22 @@ ValueRef GraphBuilder::quantized_matmul(ValueRef x, ValueRef packed, ValueRef sc
 ValueRef GraphBuilder::rope(ValueRef x, ValueRef positions, double theta, std::int64_t dims, std::string name) {
   return add_node("rope", {x, positions}, attributes_of({{"theta", theta}, {"dims", dims}}), std::move(name)).front();
 }
+ValueRef GraphBuilder::embedding(ValueRef ids, ValueRef table, std::string name) {
+  return add_node("embedding", {ids, table}, {}, std::move(name)).front();
+}
+ValueRef GraphBuilder::quantized_embedding(ValueRef ids, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
+                                           int group_size, std::string name) {
+  return add_node("quantized_embedding", {ids, packed, scales, biases},
+                  attributes_of({{"bits", std::int64_t{bits}}, {"group_size", std::int64_t{group_size}}}),
+                  std::move(name))
+      .front();
+}
+ValueRef GraphBuilder::position_mask(ValueRef x, ValueRef positions, std::string name) {
+  return add_node("position_mask", {x, positions}, {}, std::move(name)).front();
+}
+ValueRef GraphBuilder::kv_cache_write(ValueRef cache, ValueRef update, ValueRef positions, std::string name) {
+  return add_node("kv_cache_write", {cache, update, positions}, {}, std::move(name)).front();
+}
 ValueRef GraphBuilder::reshape(ValueRef x, std::vector<std::int64_t> shape, std::string name) {
   return add_node("reshape", {x}, attributes_of({{"shape", std::move(shape)}}), std::move(name)).front();
 }

@@ -48,7 +48,10 @@ TEST(OpRegistryTest, EveryDesignOpIsRegisteredWithItsKind) {
       {"layer_norm", OpKind::row_reduction}, {"softmax", OpKind::row_reduction}, {"sum", OpKind::row_reduction},
       {"mean", OpKind::row_reduction},       {"matmul", OpKind::contraction},
       {"quantized_matmul", OpKind::contraction}, {"rope", OpKind::layout},       {"reshape", OpKind::layout},
-      {"transpose", OpKind::layout},         {"cast", OpKind::layout}};
+      {"transpose", OpKind::layout},         {"cast", OpKind::layout},
+      // the decode-step ops of src/model
+      {"embedding", OpKind::layout},         {"quantized_embedding", OpKind::layout},
+      {"position_mask", OpKind::layout},     {"kv_cache_write", OpKind::layout}};
   for (const auto& [name, kind] : expected) {
     const OpDefinition* definition = find_op(name);
     ASSERT_NE(definition, nullptr) << name;

@@ -45,7 +45,7 @@ TEST(OpTable, EverySampleGraphRunsThroughEveryConsumer) {
     const Value& out = graph.value(graph.outputs().front());
     ASSERT_EQ(outputs.at(out.name).spec(), out.spec);
     for (double value : outputs.at(out.name).to_values()) {
-      if (op != "causal_mask") {
+      if (op != "causal_mask" && op != "position_mask") {
         EXPECT_TRUE(std::isfinite(value)) << value;
       }
     }
