@@ -249,7 +249,7 @@ void bind_table_ops(py::class_<PythonGraphBuilder, BuilderPointer>& builder) {
     if (py::hasattr(builder, op.c_str())) continue;
     builder.def(
         op.c_str(),
-        [op](const BuilderPointer& self, const py::args& inputs, const py::kwargs& keywords) {
+        [op](const BuilderPointer& self, py::args inputs, py::kwargs keywords) {
           std::vector<ValueRef> refs;
           for (const py::handle& input : inputs) refs.push_back(input.cast<BoundValue>().ref);
           OptionalName name;

@@ -146,3 +146,21 @@ def test_swiglu_mlp_plan_runs_like_numpy(rng, order):
     expected = hidden @ down_weight.T
     output = metile.run(plan, inputs)["down"]
     np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_sum_and_mean_from_the_op_table_match_numpy(rng):
+    # GraphBuilder.sum and .mean come from the op table (no hand-written binding).
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 3, 50), "f32"))
+    total = builder.sum(x)
+    average = builder.mean(builder.scale(x, 2.0), name="average")
+    graph = builder.build((total, average))
+    assert [node.op for node in graph.nodes] == ["sum", "scale", "mean"]
+    assert graph.find_value("total").spec == metile.TensorSpec((2, 3, 1), "f32")
+    values = rng.uniform(-1, 1, size=(2, 3, 50)).astype(np.float32)
+    outputs = metile.run(graph, {"x": values})
+    x64 = values.astype(np.float64)
+    np.testing.assert_allclose(outputs["total"], x64.sum(axis=-1, keepdims=True), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outputs["average"], (2 * x64).mean(axis=-1, keepdims=True), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="unknown attribute 'axis'"):
+        builder.sum(x, axis=0)

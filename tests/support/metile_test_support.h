@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -40,10 +41,14 @@ inline std::string read_text(const std::filesystem::path& path) {
 
 // The seed of a randomised test: METILE_TEST_SEED=N replays a run, otherwise a fresh one. Printed
 // as "<what>: METILE_TEST_SEED=N", so a failing test's output says how to replay it.
-inline std::uint64_t test_seed(std::string_view what) {
+// `pinned`, where given, replaces the fresh seed: only for a test a fresh seed is known to break
+// through a bug that is not fixed yet (the test says which).
+inline std::uint64_t test_seed(std::string_view what, std::optional<std::uint64_t> pinned = std::nullopt) {
   std::uint64_t seed = 0;
   if (const char* text = std::getenv("METILE_TEST_SEED"); text != nullptr && *text != '\0') {
     seed = std::strtoull(text, nullptr, 10);
+  } else if (pinned) {
+    seed = *pinned;
   } else {
     std::random_device device;
     seed = (std::uint64_t{device()} << 32) ^ device();

@@ -250,7 +250,9 @@ TEST(Planner, LongElementwiseChainEndsInAHandfulOfKernels) {
   for (int length : {63, 64, 65, 300}) {
     const FusionPlan plan = plan_graph_fusion(fusion_test::elementwise_chain(length), FusionTarget::h200(), rules);
     ASSERT_EQ(plan_problems(plan), "") << length;
-    EXPECT_TRUE(plan.unfused.empty()) << length << " ops: " << plan.unfused.size() << " unfused";
+    // Regions of a full neighborhood each; an op left over alone is its own kernel.
+    const bool one_left_over = length % rules.max_neighborhood_nodes == 1;
+    EXPECT_EQ(plan.unfused.size(), one_left_over ? 1u : 0u) << length << " ops";
     const int bound = (length + rules.max_neighborhood_nodes - 1) / rules.max_neighborhood_nodes;
     EXPECT_EQ(plan.kernel_count(), bound) << length << " ops";
     for (const FusionRegion& region : plan.regions) EXPECT_EQ(region.rule, "elementwise_chain");
