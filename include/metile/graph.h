@@ -135,6 +135,8 @@ struct OpDefinition {
   // The kind of one node when it depends on its attributes (a softmax over a
   // non-last axis is not a row reduction and reports `layout`); empty: `kind`.
   std::function<OpKind(std::span<const TensorSpec> inputs, const Attributes& attributes)> node_kind;
+  // How many trailing input_names may be left out (flash_attention's positions).
+  std::size_t optional_inputs = 0;
 };
 // The kind a node of this op with these (inferred) inputs and attributes has.
 OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs,
@@ -218,6 +220,9 @@ class GraphBuilder {
   ValueRef layer_norm(ValueRef x, ValueRef weight, ValueRef bias, double eps, std::string name = {});
   ValueRef softmax(ValueRef x, std::int64_t axis = -1, std::string name = {});
   ValueRef causal_mask(ValueRef x, std::int64_t offset = 0, std::string name = {});
+  // x [..., R, T], positions i32 [S] with R a multiple of S: row r sees key j only where
+  // j <= positions[r mod S]; the rest is -inf.
+  ValueRef position_mask(ValueRef x, ValueRef positions, std::string name = {});
   ValueRef matmul(ValueRef a, ValueRef b, bool transpose_right = false, std::string name = {});
   ValueRef quantized_matmul(ValueRef x, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
                             int group_size, std::string name = {});

@@ -39,7 +39,9 @@ class SplitMix64 {
 enum class InputRole {
   plain,
   rope_positions,
+  key_positions,       // a mask's positions: the last key each token sees, in [0, T)
   contraction_weight,  // matmul's right operand
+  attention_keys,      // flash_attention's k, scaled like the right operand of q @ k^T
   packed_weights,
   quantization_scales,
   quantization_biases,
@@ -56,7 +58,11 @@ InputUse use_of(const ComputeGraph& graph, ValueId input) {
     for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
       if (node.inputs[slot] != input) continue;
       if (node.op == "rope" && slot == 1) return {InputRole::rope_positions, &node};
+      if ((node.op == "position_mask" && slot == 1) || (node.op == "flash_attention" && slot == 3)) {
+        return {InputRole::key_positions, &node};
+      }
       if (node.op == "matmul" && slot == 1) return {InputRole::contraction_weight, &node};
+      if (node.op == "flash_attention" && slot == 1) return {InputRole::attention_keys, &node};
       if (node.op == "quantized_matmul" && slot == 1) return {InputRole::packed_weights, &node};
       if (node.op == "quantized_matmul" && slot == 2) return {InputRole::quantization_scales, &node};
       if (node.op == "quantized_matmul" && slot == 3) return {InputRole::quantization_biases, &node};
@@ -90,10 +96,12 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
       for (float& element : values) element = generator.uniform(-0.05f, 0.05f);
       return;
     }
+    case InputRole::attention_keys:
     case InputRole::contraction_weight: {
       // Uniform in [-1, 1) / sqrt(K), the usual initialisation, so that
       // products keep the magnitude of their inputs through deep graphs.
-      const bool transpose_right = use.consumer->attributes.get_int("transpose_right") != 0;
+      const bool transpose_right =
+          use.role == InputRole::attention_keys || use.consumer->attributes.get_int("transpose_right") != 0;
       const std::vector<std::int64_t>& shape = value.spec.shape;
       const std::int64_t depth = transpose_right ? shape.back() : shape[shape.size() - 2];
       const float factor = 1.0f / std::sqrt(static_cast<float>(depth));
@@ -106,8 +114,16 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
   }
 }
 
-std::int64_t draw_integer(SplitMix64& generator, const Value& value, InputRole role) {
+std::int64_t draw_integer(SplitMix64& generator, const ComputeGraph& graph, const Value& value, const InputUse& use) {
+  const InputRole role = use.role;
   if (role == InputRole::rope_positions) return generator.integer(0, value.spec.shape.front() - 1);
+  if (role == InputRole::key_positions) {
+    // T: the last axis of the masked scores x [..., R, T], or the key axis of flash_attention's k [..., T, D].
+    const bool scores = use.consumer->op == "position_mask";
+    const TensorSpec& keyed = graph.value(use.consumer->inputs[scores ? 0 : 1]).spec;
+    const std::int64_t keys = scores ? keyed.shape.back() : keyed.shape[keyed.shape.size() - 2];
+    return generator.integer(0, std::max<std::int64_t>(keys, 1) - 1);
+  }
   switch (value.spec.dtype) {
     case DType::i8:
       return generator.integer(-128, 127);
@@ -151,7 +167,7 @@ TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
       }
     } else {
       for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-        tensor.store(index, static_cast<double>(draw_integer(generator, value, use.role)));
+        tensor.store(index, static_cast<double>(draw_integer(generator, graph, value, use)));
       }
     }
     inputs.insert_or_assign(value.name, std::move(tensor));
