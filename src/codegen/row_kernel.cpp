@@ -19,6 +19,7 @@
 
 #include "codegen_internal.h"
 #include "metile/codegen.h"
+#include "metile/discovery.h"
 
 namespace metile {
 namespace {
@@ -61,6 +62,7 @@ struct RowAnalysis {
   std::map<ValueId, std::string> array_of;  // every value the kernel reads or computes -> its register array
   int vector_width = 1;
   bool has_reduction = false;
+  bool online_softmax = false;  // a reduction over OnlineSoftmaxOp (two floats of state)
 };
 
 [[noreturn]] void reject(std::string message, std::string* reason) {
@@ -75,7 +77,8 @@ std::string rounded(const std::string& expression, DType dtype) {
   return fmt::format("metile_device::round_to<{}>({})", cuda_storage_type(dtype), expression);
 }
 
-RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::string* reason) {
+RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::string* reason,
+                    bool online_softmax = false) {
   if (region.nodes.empty()) reject("the region has no nodes", reason);
   if (region.outputs.empty()) reject("the region has no outputs", reason);
   RowAnalysis analysis;
@@ -241,6 +244,13 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
       analysis.steps.back().after =
           fmt::format("const float {} = rsqrtf({} / {} + {});", inverse, variance, length_literal, float_literal(eps));
       add_compute(fmt::format("{} * {} * {} + {}", centered, inverse, element(1), element(2)));
+    } else if (node.op == "softmax" && online_softmax) {
+      const std::string state = add_reduce("OnlineSoftmaxOp", x, "", "running max and normalizer in one pass");
+      const std::string index = state.substr(1);
+      analysis.steps.back().after =
+          fmt::format("const float m{0} = {1}.m;\n  const float s{0} = 1.0f / {1}.l;", index, state);
+      analysis.online_softmax = true;
+      add_compute(fmt::format("expf({} - m{}) * s{}", x, index, index));
     } else if (node.op == "softmax") {
       const std::string maximum = add_reduce("MaxOp", x, "", "row maximum");
       const std::string sum = add_reduce("SumOp", fmt::format("expf({} - {})", x, maximum), "", "sum of exponentials");
@@ -250,6 +260,52 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
     }
   }
   return analysis;
+}
+
+// The CUDA spelling of a law term over a state struct (variables "a.m" and "b.l" are member
+// accesses) and one element "e.s" (the row element x).
+std::string cuda_term(const Term& term) {
+  switch (term.kind) {
+    case Term::Kind::variable: return term.name == "e.s" ? "x" : term.name;
+    case Term::Kind::constant: return float_literal(term.value);
+    case Term::Kind::negative_infinity: return "negative_infinity()";
+    case Term::Kind::add: return fmt::format("({} + {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::subtract:
+      return fmt::format("difference({}, {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::multiply: return fmt::format("({} * {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::divide: return fmt::format("({} / {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::max: return fmt::format("fmaxf({}, {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::exp: return fmt::format("expf({})", cuda_term(*term.operands[0]));
+  }
+  throw std::logic_error("cuda_term: unknown term kind");
+}
+
+// The one-pass softmax reduction, generated from the stable_weighted_softmax law restricted to its
+// scalar components (m, l): the weighted numerator o is not needed for a softmax row, and the m
+// and l terms do not read it. The law's certificate covers exactly these merge terms.
+std::string online_softmax_op_source() {
+  const ReductionLaw law = stable_weighted_softmax_law();
+  if (!prove(law).verified) throw std::logic_error("the stable_weighted_softmax law does not verify");
+  for (std::size_t component = 0; component < 2; ++component) {
+    if (law.state[component].per_lane) throw std::logic_error("online softmax: m and l must be scalars");
+  }
+  auto state = [&](const std::vector<TermRef>& terms) {
+    return fmt::format("State{{{}, {}}}", cuda_term(*terms[0]), cuda_term(*terms[1]));
+  };
+  std::string source = "\n// One-pass softmax statistics, generated from law " + law.name +
+                       " (src/discovery): state (m: running max, l: normalizer).\n";
+  source += "namespace metile_device {\n";
+  source += "struct OnlineSoftmaxOp {\n";
+  source += "  struct State { float m, l; };\n";
+  source += "  static __device__ __forceinline__ State identity() { return " + state(law.identity) + "; }\n";
+  source += "  static __device__ __forceinline__ State combine(State a, State b) { return " + state(law.merge) + "; }\n";
+  source += "  static __device__ __forceinline__ State apply(State a, float x) { return combine(a, " + state(law.lift) + "); }\n";
+  source += "  static __device__ __forceinline__ State shuffle_xor(State v, int offset) {\n"
+            "    return State{__shfl_xor_sync(0xffffffffu, v.m, offset), __shfl_xor_sync(0xffffffffu, v.l, offset)};\n  }\n";
+  source += "  static __device__ __forceinline__ State shuffle(State v, int lane) {\n"
+            "    return State{__shfl_sync(0xffffffffu, v.m, lane), __shfl_sync(0xffffffffu, v.l, lane)};\n  }\n";
+  source += "};\n}  // namespace metile_device\n";
+  return source;
 }
 
 struct RowConfig {
@@ -340,6 +396,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
                         config.streaming ? fmt::format(" per tile, {} tiles (streamed)", config.tiles)
                                          : " (row held in registers)");
   source += codegen_detail::cuda_device_prelude();
+  if (analysis.online_softmax) source += online_softmax_op_source();
   source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}) {}(\n", block_threads, kernel_name);
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     source += "    " + parameters[i] + (i + 1 < parameters.size() ? ",\n" : ") {\n");
@@ -359,7 +416,9 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
   }
   // Reductions across warps meet in shared memory; within a warp they need none.
   const bool block_reduction = analysis.has_reduction && config.threads_per_row > 32;
-  if (block_reduction) line(1, "__shared__ float reduction_scratch[kThreadsPerRow / 32];");
+  if (block_reduction) {
+    line(1, fmt::format("__shared__ {} reduction_scratch[kThreadsPerRow / 32];", analysis.online_softmax ? "float2" : "float"));
+  }
   line(1, "const int lane = threadIdx.x % kThreadsPerRow;");
   line(1, "const long long row = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;");
   line(1, "const bool row_valid = row < kRows;");
@@ -479,7 +538,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     const Phase& phase = phases[p];
     line(1, fmt::format("// phase {}{}", p, phase.reduce ? ": up to " + phase.reduce->comment : ""));
     if (phase.reduce) {
-      line(1, fmt::format("float partial{} = metile_device::{}::identity();", phase.reduce->scalar, phase.reduce->reduce_op));
+      line(1, fmt::format("auto partial{} = metile_device::{}::identity();", phase.reduce->scalar, phase.reduce->reduce_op));
     }
     if (!config.streaming) {
       emit_compute_loop(1, phase.computes, phase.reduce, "");
@@ -502,7 +561,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     }
     earlier_computes.insert(earlier_computes.end(), phase.computes.begin(), phase.computes.end());
     if (phase.reduce) {
-      line(1, fmt::format("const float r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, {2});",
+      line(1, fmt::format("const auto r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, {2});",
                           phase.reduce->scalar, phase.reduce->reduce_op, block_reduction ? "reduction_scratch" : "nullptr"));
       if (!phase.reduce->after.empty()) line(1, phase.reduce->after);
     }
@@ -550,7 +609,7 @@ FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
 
 GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRegion& region,
                                        const RowKernelOptions& options) {
-  const RowAnalysis analysis = analyse(graph, region, nullptr);
+  const RowAnalysis analysis = analyse(graph, region, nullptr, options.online_softmax);
   const RowConfig config = choose_config(analysis, options);
   GeneratedKernel kernel;
   const Node& anchor = graph.node(*std::max_element(region.nodes.begin(), region.nodes.end()));
@@ -560,11 +619,12 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
   kernel.launch.block_x = static_cast<std::uint32_t>(config.threads_per_row * config.rows_per_block);
   kernel.launch.grid_x = static_cast<std::uint32_t>((analysis.rows + config.rows_per_block - 1) / config.rows_per_block);
   const DType dtype = graph.value(region.outputs.front()).spec.dtype;
-  kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}{}",
+  kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}{}{}",
                                analysis.rows, analysis.length, dtype_name(dtype), analysis.vector_width,
                                config.threads_per_row, config.rows_per_block, config.items,
                                config.streaming ? fmt::format(" x {} tiles", config.tiles) : "",
                                config.streaming_cache_hints ? ", evict-first" : "",
+                               analysis.online_softmax ? ", one-pass softmax" : "",
                                options.variant_name.empty() ? "" : " (" + options.variant_name + ")");
   return kernel;
 }
@@ -587,6 +647,16 @@ std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, con
   for (const RegionInput& input : analysis.inputs) region_bytes += graph.value(input.value).spec.bytes();
   for (ValueId output : region.outputs) region_bytes += graph.value(output).spec.bytes();
   if (region_bytes >= (std::int64_t{256} << 20)) variants.push_back({0, 0, "stream", true});
+  // Softmax: max and sum in one pass (the law's running state) against today's two passes; which is
+  // faster depends on whether the row is held in registers or streamed, so both race.
+  const bool has_softmax = std::any_of(region.nodes.begin(), region.nodes.end(),
+                                       [&](NodeId node) { return graph.node(node).op == "softmax"; });
+  if (has_softmax) {
+    RowKernelOptions online;
+    online.variant_name = "online";
+    online.online_softmax = true;
+    variants.push_back(online);
+  }
   return variants;
 }
 
