@@ -119,6 +119,7 @@ int main() {
   rows.push_back(measure("decoder, 1 layer", decoder(1), 51));
   rows.push_back(measure("decoder, 32 layers", decoder(32), 21));
   rows.push_back(measure("decoder, 80 layers", decoder(80), 11));
+  rows.push_back(measure("elementwise chain, 300 ops", fusion_test::elementwise_chain(300), 51));
   // Random DAGs whose far inputs come from the last 64 values (the locality of
   // real models), and tangled ones whose far inputs come from anywhere.
   std::mt19937_64 random(2024);

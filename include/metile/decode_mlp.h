@@ -82,8 +82,9 @@ QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked);
 // f32, the result is rounded once to the activation dtype.
 class GemvEpilogue {
  public:
+  // `op`: any other elementwise op of the op table (graph.h) that does not read its element's position.
   enum class Kind : std::uint8_t { accumulator, tensor, constant, add, subtract, multiply, scale, silu, gelu,
-                                   gelu_tanh, exp };
+                                   gelu_tanh, exp, op };
 
   static GemvEpilogue accumulator(int product);                 // product 0: gate (or only), 1: up
   static GemvEpilogue tensor(std::string name, bool broadcast_rows = false);
@@ -102,7 +103,8 @@ class GemvEpilogue {
   static GemvEpilogue residual_add(std::string name = "residual") { return add(accumulator(0), tensor(name)); }
 
   // Builds the epilogue from a graph: walks back from `output` through elementwise nodes
-  // (add, subtract, multiply, scale, silu, gelu, exp) to the values in `accumulators` (the
+  // (add, subtract, multiply, scale, silu, gelu, exp, and any op-table elementwise op that does
+  // not read its element's position) to the values in `accumulators` (the
   // contractions' outputs, in product order) or to values computed elsewhere, which become
   // tensors named after the value. Throws InputError naming the node that cannot be an
   // epilogue op, or a tensor whose shape is neither the output's nor its last axis.
@@ -117,9 +119,10 @@ class GemvEpilogue {
   };
   std::vector<TensorInput> tensor_inputs() const;  // distinct, first-use order: kernel arguments after x
   // A CUDA C++ f32 expression: accumulators are acc0, acc1; tensor i is read as tensor_value(i).
+  // Each op is the op table's CUDA expression (its device functions: cuda_elementwise_helpers()).
   std::string cuda_expression() const;
   std::string to_string() const;  // "silu(acc0) * acc1"
-  // Evaluates on the host in double (tests; `tensors` in tensor_inputs() order).
+  // Evaluates on the host in double with the op table's f64 math (`tensors` in tensor_inputs() order).
   double evaluate(std::span<const double> accumulators, std::span<const double> tensors) const;
 
  struct Term;  // one node of the expression tree (defined in gemv_epilogue.cpp)

@@ -114,15 +114,82 @@ class Attributes {
   std::map<std::string, AttributeValue, std::less<>> entries_;
 };
 
-// ---------------------------------------------------------------- op registry
-// The planner reasons about kinds, never op names: adding an op is one registry entry.
+// ---------------------------------------------------------------- op table
+class ComputeGraph;
+
+// One entry per op holds everything about it (src/graph/op_registry.cpp; docs/architecture.md,
+// "The op table"): its kind, shape/dtype rule, the math of an elementwise op (CPU f32 reference,
+// float64 oracle and CUDA device expression, used by row kernels and GEMV epilogues alike), the
+// math and row-kernel hook of a row reduction, and a sample graph the tests run through every
+// backend. The planner reasons about kinds, never op names: adding an elementwise op is one
+// entry (register_op) plus its tests.
 enum class OpKind : std::uint8_t {
   elementwise,    // one output element from the same-index elements of its inputs (with broadcast)
-  row_reduction,  // reduces along the last axis (rms_norm, layer_norm, softmax)
+  row_reduction,  // reduces along the last axis (rms_norm, layer_norm, softmax; sum, mean to [..., 1])
   contraction,    // matmul, quantized_matmul
   layout,         // reshape, transpose, cast, rope
 };
 std::string_view op_kind_name(OpKind kind);
+
+// Where one element of an output sits: its row (the flat index over every axis but the last)
+// and its column (the index along the last axis).
+struct ElementSite {
+  std::int64_t row = 0;
+  std::int64_t column = 0;
+};
+
+// The math of one elementwise node with its attributes and input specs bound. `operands` are the
+// same-index elements of its inputs (broadcast applied).
+struct ElementFunctions {
+  // The CPU reference: f32 arithmetic, one rounding per operation (built without contraction).
+  std::function<float(std::span<const float> operands, ElementSite site)> f32;
+  // The float64 oracle (GEMV epilogue evaluation, the decode MLP's reference).
+  std::function<double(std::span<const double> operands, ElementSite site)> f64;
+};
+
+// The element's row and column as CUDA expressions of the generated kernel.
+struct CudaElementSite {
+  std::string row;     // a long long
+  std::string column;  // an int
+};
+
+struct ElementwiseMath {
+  std::function<ElementFunctions(const Attributes& attributes, std::span<const TensorSpec> inputs)> bind;
+  // An f32 CUDA expression of the operands' f32 expressions; the same text in row kernels and in
+  // GEMV epilogues, so an op computes the same way in every generated kernel.
+  std::function<std::string(std::span<const std::string> operands, const CudaElementSite& site,
+                            const Attributes& attributes, std::span<const TensorSpec> inputs)>
+      cuda;
+  std::string cuda_helpers;  // device functions the expression calls (defined in every generated kernel)
+  bool reads_site = false;   // depends on the element's position (causal_mask): no GEMV epilogue op
+};
+
+// What a row reduction's kernel hook asks of the row-kernel generator (src/codegen/row_kernel.cpp).
+// Expressions are f32 CUDA expressions evaluated per element of the row.
+class RowKernelSteps {
+ public:
+  virtual std::string operand(std::size_t input) = 0;  // input i at the current element
+  virtual std::string row_length() = 0;                // the row length as an f32 literal
+  // Reduces `expression` over the row with "sum" or "max"; returns the per-row scalar's name.
+  virtual std::string reduce(std::string_view op, std::string expression, std::string_view what) = 0;
+  // A per-row scalar computed from earlier ones; returns its name.
+  virtual std::string scalar(std::string expression) = 0;
+  // The output: one value per element (the row keeps its length) or one per row ([..., 1]).
+  virtual void element_result(std::string expression) = 0;
+  virtual void row_result(std::string expression) = 0;
+
+ protected:
+  ~RowKernelSteps() = default;
+};
+
+struct RowReductionMath {
+  // The CPU reference of one row: operands[i] is input i's row (a weight's one broadcast row),
+  // `out` the output row (as long as the input row, or 1). f32 element math, f64 accumulation.
+  using RowFunction = std::function<void(std::span<const std::span<const float>> operands, std::span<float> out)>;
+  std::function<RowFunction(const Attributes& attributes)> bind;
+  // The row-kernel hook: the steps of one node, in order.
+  std::function<void(RowKernelSteps& steps, const Attributes& attributes)> row_kernel;
+};
 
 struct OpDefinition {
   std::string_view name;
@@ -135,6 +202,11 @@ struct OpDefinition {
   // The kind of one node when it depends on its attributes (a softmax over a
   // non-last axis is not a row reduction and reports `layout`); empty: `kind`.
   std::function<OpKind(std::span<const TensorSpec> inputs, const Attributes& attributes)> node_kind;
+  std::optional<ElementwiseMath> elementwise;      // elementwise ops
+  std::optional<RowReductionMath> row_reduction;   // row reductions (softmax: over its `axis`)
+  // A small graph using the op (f32 unless the op says otherwise), which the tests run through
+  // JSON, the CPU reference, the planner and, for row ops, the NVRTC-compiled row kernel.
+  std::function<ComputeGraph()> sample_graph;
   // How many trailing input_names may be left out (flash_attention's positions).
   std::size_t optional_inputs = 0;
 };
@@ -143,6 +215,16 @@ OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> i
                    const Attributes& attributes);
 const OpDefinition* find_op(std::string_view name);  // nullptr if unknown
 std::vector<std::string_view> registered_op_names();
+// Adds an op to the table (its name must be new; InputError otherwise). The name's characters are
+// copied, so a definition built from a temporary string is fine. Not thread-safe with lookups.
+void register_op(OpDefinition definition);
+// The bound math of a registered elementwise op (InputError when the op is not elementwise).
+ElementFunctions bind_elementwise(std::string_view op, const Attributes& attributes = {},
+                                  std::span<const TensorSpec> inputs = {});
+// The device functions of every registered elementwise op, for generated kernels' preludes.
+std::string cuda_elementwise_helpers();
+// A CUDA f32 literal that reads back to the same float ("1.00000001e-05f"; inf and NaN as bit patterns).
+std::string cuda_float_literal(double value);
 
 // ---------------------------------------------------------------- graph
 using ValueId = std::int32_t;
@@ -219,6 +301,8 @@ class GraphBuilder {
   ValueRef rms_norm(ValueRef x, ValueRef weight, double eps, std::string name = {});
   ValueRef layer_norm(ValueRef x, ValueRef weight, ValueRef bias, double eps, std::string name = {});
   ValueRef softmax(ValueRef x, std::int64_t axis = -1, std::string name = {});
+  ValueRef sum(ValueRef x, std::string name = {});   // over the last axis, to [..., 1]
+  ValueRef mean(ValueRef x, std::string name = {});  // over the last axis, to [..., 1]
   ValueRef causal_mask(ValueRef x, std::int64_t offset = 0, std::string name = {});
   // x [..., R, T], positions i32 [S] with R a multiple of S: row r sees key j only where
   // j <= positions[r mod S]; the rest is -inf.

@@ -21,10 +21,23 @@
 namespace metile::python {
 namespace {
 
+// numpy integer and floating scalars as the Python int and float they hold (numpy.float64 is a
+// float already); anything else unchanged, for add_edge's checks. numpy is only imported when
+// the value is one of its objects.
+py::object python_number(const py::object& value) {
+  const py::object module = py::type::handle_of(value).attr("__module__");
+  if (!py::isinstance<py::str>(module) || module.cast<std::string>() != "numpy") return value;
+  const py::module_ numpy = py::module_::import("numpy");
+  if (py::isinstance(value, numpy.attr("integer"))) return py::int_(value.attr("__index__")());
+  if (py::isinstance(value, numpy.attr("floating"))) return py::float_(value.attr("__float__")());
+  return value;
+}
+
 class PythonFlowNetwork {
  public:
   // Returns the number of the new edge. Leaves the network unchanged when it raises.
-  int add_edge(const py::object& from, const py::object& to, const py::object& capacity) {
+  int add_edge(const py::object& from, const py::object& to, const py::object& given_capacity) {
+    const py::object capacity = python_number(given_capacity);
     const bool integer_capacity = py::isinstance<py::int_>(capacity) && !py::isinstance<py::bool_>(capacity);
     if (!integer_capacity && !py::isinstance<py::float_>(capacity)) {
       throw py::type_error("FlowNetwork.add_edge: capacity must be an int or a float, got " +
@@ -62,19 +75,36 @@ class PythonFlowNetwork {
   py::tuple minimum_cut(const py::object& source, const py::object& sink, const std::string& solver) const {
     MaxFlowOptions options;
     options.solver = parse_solver_choice(solver);
-    const int source_vertex = existing_vertex(source, "source");
-    const int sink_vertex = existing_vertex(sink, "sink");
-    if (source_vertex == sink_vertex) {
+    const std::optional<int> source_vertex = find_vertex(source);
+    const std::optional<int> sink_vertex = find_vertex(sink);
+    if (source_vertex == sink_vertex && (source_vertex || source.equal(sink))) {
       // Checked here too so that the message names the vertex, not its internal number.
       throw py::value_error("FlowNetwork.minimum_cut: source and sink are the same vertex " +
                             std::string(py::repr(source)));
     }
-    if (integer_edges_) {
-      const MaxFlowResult<std::int64_t> result =
-          solve(integer_builder_.build(), source_vertex, sink_vertex, options);
+    // A vertex no edge names is an isolated vertex of the network (as in the seed's FlowNetwork):
+    // nothing flows, and an isolated source is alone on its side.
+    const py::object zero = integer_edges_ ? py::object(py::int_(0)) : py::object(py::float_(0.0));
+    if (!source_vertex) return py::make_tuple(zero, py::frozenset(py::make_tuple(source)));
+    if (!sink_vertex) {
+      // The cut is then the one of a network with one more, unreachable, vertex as the sink.
+      auto with_isolated_sink = [&](auto builder) {
+        const int isolated = builder.add_vertex();
+        return solve(builder.build(), *source_vertex, isolated, options);
+      };
+      if (integer_edges_) {
+        const auto result = with_isolated_sink(integer_builder_);
+        return py::make_tuple(result.value, source_side(result.source_side));
+      }
+      const auto result = with_isolated_sink(real_builder_);
       return py::make_tuple(result.value, source_side(result.source_side));
     }
-    const MaxFlowResult<double> result = solve(real_builder_.build(), source_vertex, sink_vertex, options);
+    if (integer_edges_) {
+      const MaxFlowResult<std::int64_t> result =
+          solve(integer_builder_.build(), *source_vertex, *sink_vertex, options);
+      return py::make_tuple(result.value, source_side(result.source_side));
+    }
+    const MaxFlowResult<double> result = solve(real_builder_.build(), *source_vertex, *sink_vertex, options);
     return py::make_tuple(result.value, source_side(result.source_side));
   }
 
@@ -109,15 +139,6 @@ class PythonFlowNetwork {
     const py::object number = vertex_numbers_.attr("get")(vertex);
     if (number.is_none()) return std::nullopt;
     return number.cast<int>();
-  }
-
-  int existing_vertex(const py::object& vertex, const std::string& role) const {
-    const std::optional<int> number = find_vertex(vertex);
-    if (!number) {
-      throw py::value_error("FlowNetwork.minimum_cut: " + role + " " + std::string(py::repr(vertex)) +
-                            " is not a vertex of the network (add an edge to or from it first)");
-    }
-    return *number;
   }
 
   int reserve_vertex() {
@@ -156,8 +177,8 @@ void bind_flow(py::module_& module) {
       "integers (int value); any float capacity makes the network real-valued (float value).")
       .def(py::init<>())
       .def("add_edge", &PythonFlowNetwork::add_edge, py::arg("u"), py::arg("v"), py::arg("capacity"),
-           "Adds the edge u -> v; returns its number (0, 1, ... in the order added). ValueError for a "
-           "negative, "
+           "Adds the edge u -> v; returns its number (0, 1, ... in the order added). capacity is an int or a "
+           "float (numpy integer and floating scalars too). ValueError for a negative, "
            "NaN or infinite capacity, TypeError for an unhashable vertex.")
       .def("add_infinite_edge", &PythonFlowNetwork::add_infinite_edge, py::arg("u"), py::arg("v"),
            "Adds a legality edge u -> v that no minimum cut crosses while a finite cut exists; its capacity "
@@ -169,7 +190,8 @@ void bind_flow(py::module_& module) {
            "Returns (value, source_side): the maximum flow value and the frozenset of vertices on the source "
            "side "
            "of a minimum cut (the smallest such set: those reachable from the source in the final residual "
-           "graph). solver is 'auto', 'dinic' or 'hlpp'.")
+           "graph). solver is 'auto', 'dinic' or 'hlpp'. A vertex no edge names is isolated: with it as the "
+           "sink the value is 0; as the source, (0, frozenset({source})).")
       .def_property_readonly("vertex_count", &PythonFlowNetwork::vertex_count)
       .def_property_readonly("edge_count", &PythonFlowNetwork::edge_count)
       .def_property_readonly("exact", &PythonFlowNetwork::exact,

@@ -230,6 +230,34 @@ void bind_value_ref(py::module_& module) {
       });
 }
 
+// Every op of the op table without a hand-written method above gets one, so an op added to the
+// table is recorded from Python too: builder.<op>(*inputs, name=None, **attributes), one output.
+void bind_table_ops(py::class_<PythonGraphBuilder, BuilderPointer>& builder) {
+  for (std::string_view op_name : registered_op_names()) {
+    const std::string op(op_name);
+    if (py::hasattr(builder, op.c_str())) continue;
+    builder.def(
+        op.c_str(),
+        [op](const BuilderPointer& self, const py::args& inputs, const py::kwargs& keywords) {
+          std::vector<ValueRef> refs;
+          for (const py::handle& input : inputs) refs.push_back(input.cast<BoundValue>().ref);
+          OptionalName name;
+          py::dict attributes;
+          for (const auto& [key, value] : keywords) {
+            if (key.cast<std::string>() == "name") {
+              if (!value.is_none()) name = value.cast<std::string>();
+            } else {
+              attributes[key] = value;
+            }
+          }
+          const std::vector<ValueRef> outputs =
+              self->builder.add_node(op, std::move(refs), attributes_from_python(attributes), name_or_empty(name));
+          return record(self, outputs.front(), name);
+        },
+        ("Records a '" + op + "' node (the op table): inputs positionally, attributes as keywords.").c_str());
+  }
+}
+
 void bind_graph_builder(py::module_& module) {
   const auto name_argument = py::arg("name") = py::none();
   py::class_<PythonGraphBuilder, BuilderPointer> builder(
@@ -414,6 +442,7 @@ void bind_graph_builder(py::module_& module) {
             return std::make_shared<ComputeGraph>(self->builder.build(refs_of(outputs)));
           },
           py::arg("outputs"), "build() without naming values after the caller's variables.");
+  bind_table_ops(builder);
 }
 
 void bind_graph_views(py::module_& module) {

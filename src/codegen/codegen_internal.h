@@ -12,9 +12,6 @@ namespace metile::codegen_detail {
 // CPU reference uses, aligned vector loads/stores with a scalar tail, and row reductions.
 std::string_view cuda_device_prelude();
 
-// A float literal that reads back to the same float ("1.00000001e-05f").
-std::string float_literal(double value);
-
 // Letters, digits and '_' only, for kernel symbols and comments that must stay one token.
 std::string sanitize_identifier(std::string_view text);
 

@@ -1,4 +1,5 @@
-// The device-side helper library every generated kernel starts with. Kept as one string so a
+// The device-side helper library every generated row and layout kernel starts with (the op
+// table's device functions, cuda_elementwise_helpers(), follow it). Kept as one string so a
 // kernel's source is self-contained (its hash is the cache key), and written once so that
 // generated kernels stay short and readable.
 #include <fmt/core.h>
@@ -168,23 +169,9 @@ __device__ __forceinline__ typename Op::State row_reduce(typename Op::State v, v
   return v;
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_tanh(float x) {
-  return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
-}
-
 }  // namespace metile_device
 )CUDA";
   return prelude;
-}
-
-std::string float_literal(double value) {
-  if (std::isnan(value)) return "__int_as_float(0x7fc00000)";
-  if (std::isinf(value)) return value > 0 ? "__int_as_float(0x7f800000)" : "__int_as_float(0xff800000)";
-  return fmt::format("{:.9g}f", static_cast<float>(value)).find_first_of(".e") == std::string::npos
-             ? fmt::format("{:.9g}.0f", static_cast<float>(value))
-             : fmt::format("{:.9g}f", static_cast<float>(value));
 }
 
 std::string sanitize_identifier(std::string_view text) {

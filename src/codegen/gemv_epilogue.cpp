@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numbers>
 
 #include "metile/decode_mlp.h"
 
@@ -19,6 +18,8 @@ struct GemvEpilogue::Term {
   std::string tensor_name;    // tensor
   bool broadcast_rows = false;
   double value = 0;           // constant, scale factor
+  std::string op;             // op: the op table's name
+  Attributes attributes;      // op: the node's attributes
   std::vector<std::shared_ptr<const Term>> operands;
 };
 
@@ -46,17 +47,35 @@ int highest_product(const GemvEpilogue::Term& node) {
   return highest;
 }
 
-// Shortest round-trip text of a double as an f32 CUDA literal.
-std::string float_literal(double value) {
-  if (!std::isfinite(value)) throw InputError(fmt::format("epilogue: constant {} is not finite", value));
-  std::string text = fmt::format("{}", static_cast<float>(value));
-  if (text.find_first_of(".eE") == std::string::npos) text += ".0";
-  return text + "f";
+// The op-table op a term applies, with its attributes; empty for leaves.
+std::pair<std::string, Attributes> table_op(const GemvEpilogue::Term& node) {
+  using Kind = GemvEpilogue::Kind;
+  Attributes attributes;
+  switch (node.kind) {
+    case Kind::accumulator:
+    case Kind::tensor:
+    case Kind::constant: return {};
+    case Kind::add: return {"add", attributes};
+    case Kind::subtract: return {"subtract", attributes};
+    case Kind::multiply: return {"multiply", attributes};
+    case Kind::scale: attributes.set("factor", node.value); return {"scale", attributes};
+    case Kind::silu: return {"silu", attributes};
+    case Kind::gelu: attributes.set("approximate", std::string("none")); return {"gelu", attributes};
+    case Kind::gelu_tanh: attributes.set("approximate", std::string("tanh")); return {"gelu", attributes};
+    case Kind::exp: return {"exp", attributes};
+    case Kind::op: return {node.op, node.attributes};
+  }
+  return {};
+}
+
+const ElementwiseMath& math_of(const std::string& op) {
+  const OpDefinition* definition = find_op(op);
+  if (definition == nullptr || !definition->elementwise) throw InputError(fmt::format("epilogue: '{}' is not an elementwise op", op));
+  return *definition->elementwise;
 }
 
 std::string emit(const GemvEpilogue::Term& node, const std::vector<GemvEpilogue::TensorInput>& tensors) {
   using Kind = GemvEpilogue::Kind;
-  auto operand = [&](int index) { return emit(*node.operands[static_cast<std::size_t>(index)], tensors); };
   switch (node.kind) {
     case Kind::accumulator: return fmt::format("acc{}", node.product);
     case Kind::tensor: {
@@ -64,17 +83,13 @@ std::string emit(const GemvEpilogue::Term& node, const std::vector<GemvEpilogue:
                                 [&](const GemvEpilogue::TensorInput& t) { return t.name == node.tensor_name; });
       return fmt::format("tensor_value{}", found - tensors.begin());
     }
-    case Kind::constant: return float_literal(node.value);
-    case Kind::add: return fmt::format("({} + {})", operand(0), operand(1));
-    case Kind::subtract: return fmt::format("({} - {})", operand(0), operand(1));
-    case Kind::multiply: return fmt::format("({} * {})", operand(0), operand(1));
-    case Kind::scale: return fmt::format("({} * {})", operand(0), float_literal(node.value));
-    case Kind::silu: return fmt::format("silu_f32({})", operand(0));
-    case Kind::gelu: return fmt::format("gelu_f32({})", operand(0));
-    case Kind::gelu_tanh: return fmt::format("gelu_tanh_f32({})", operand(0));
-    case Kind::exp: return fmt::format("expf({})", operand(0));
+    case Kind::constant: return cuda_float_literal(node.value);
+    default: break;
   }
-  return "0.0f";
+  std::vector<std::string> operands;
+  for (const NodePointer& operand : node.operands) operands.push_back(emit(*operand, tensors));
+  const auto [op, attributes] = table_op(node);
+  return math_of(op).cuda(operands, CudaElementSite{}, attributes, {});
 }
 
 std::string describe(const GemvEpilogue::Term& node) {
@@ -92,6 +107,11 @@ std::string describe(const GemvEpilogue::Term& node) {
     case Kind::gelu: return fmt::format("gelu({})", operand(0));
     case Kind::gelu_tanh: return fmt::format("gelu_tanh({})", operand(0));
     case Kind::exp: return fmt::format("exp({})", operand(0));
+    case Kind::op: {
+      std::string text = node.op + "(";
+      for (std::size_t i = 0; i < node.operands.size(); ++i) text += (i ? ", " : "") + operand(static_cast<int>(i));
+      return text + ")";
+    }
   }
   return "?";
 }
@@ -99,9 +119,6 @@ std::string describe(const GemvEpilogue::Term& node) {
 double evaluate_node(const GemvEpilogue::Term& node, std::span<const double> accumulators,
                      std::span<const double> tensor_values, const std::vector<GemvEpilogue::TensorInput>& tensors) {
   using Kind = GemvEpilogue::Kind;
-  auto operand = [&](int index) {
-    return evaluate_node(*node.operands[static_cast<std::size_t>(index)], accumulators, tensor_values, tensors);
-  };
   switch (node.kind) {
     case Kind::accumulator: return accumulators[static_cast<std::size_t>(node.product)];
     case Kind::tensor: {
@@ -110,25 +127,12 @@ double evaluate_node(const GemvEpilogue::Term& node, std::span<const double> acc
       return tensor_values[static_cast<std::size_t>(found - tensors.begin())];
     }
     case Kind::constant: return node.value;
-    case Kind::add: return operand(0) + operand(1);
-    case Kind::subtract: return operand(0) - operand(1);
-    case Kind::multiply: return operand(0) * operand(1);
-    case Kind::scale: return operand(0) * node.value;
-    case Kind::silu: {
-      const double x = operand(0);
-      return x / (1.0 + std::exp(-x));
-    }
-    case Kind::gelu: {
-      const double x = operand(0);
-      return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
-    }
-    case Kind::gelu_tanh: {
-      const double x = operand(0);
-      return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
-    }
-    case Kind::exp: return std::exp(operand(0));
+    default: break;
   }
-  return 0;
+  std::vector<double> operands;
+  for (const NodePointer& operand : node.operands) operands.push_back(evaluate_node(*operand, accumulators, tensor_values, tensors));
+  const auto [op, attributes] = table_op(node);
+  return math_of(op).bind(attributes, {}).f64(operands, ElementSite{});
 }
 
 NodePointer make(GemvEpilogue::Kind kind, std::vector<NodePointer> operands, double value = 0) {
@@ -137,6 +141,10 @@ NodePointer make(GemvEpilogue::Kind kind, std::vector<NodePointer> operands, dou
   node->operands = std::move(operands);
   node->value = value;
   return node;
+}
+
+void require_finite(double value) {
+  if (!std::isfinite(value)) throw InputError(fmt::format("epilogue: constant {} is not finite", value));
 }
 
 }  // namespace
@@ -159,7 +167,7 @@ GemvEpilogue GemvEpilogue::tensor(std::string name, bool broadcast_rows) {
 }
 
 GemvEpilogue GemvEpilogue::constant(double value) {
-  float_literal(value);  // rejects non-finite values now rather than at generation
+  require_finite(value);  // rejects non-finite values now rather than at generation
   return GemvEpilogue(make(Kind::constant, {}, value));
 }
 GemvEpilogue GemvEpilogue::add(const GemvEpilogue& a, const GemvEpilogue& b) {
@@ -172,7 +180,7 @@ GemvEpilogue GemvEpilogue::multiply(const GemvEpilogue& a, const GemvEpilogue& b
   return GemvEpilogue(make(Kind::multiply, {a.node_, b.node_}));
 }
 GemvEpilogue GemvEpilogue::scale(const GemvEpilogue& x, double factor) {
-  float_literal(factor);
+  require_finite(factor);
   return GemvEpilogue(make(Kind::scale, {x.node_}, factor));
 }
 GemvEpilogue GemvEpilogue::silu(const GemvEpilogue& x) { return GemvEpilogue(make(Kind::silu, {x.node_})); }
@@ -254,6 +262,16 @@ GemvEpilogue GemvEpilogue::from_graph(const ComputeGraph& graph, ValueId output,
     if (node.op == "gelu") {
       const std::string& approximate = node.attributes.get_string("approximate");
       return gelu(input(0), approximate == "tanh");
+    }
+    // Any other op of the table with a position-free element expression.
+    const OpDefinition* definition = find_op(node.op);
+    if (definition != nullptr && definition->elementwise && !definition->elementwise->reads_site) {
+      auto term = std::make_shared<Term>();
+      term->kind = Kind::op;
+      term->op = node.op;
+      term->attributes = node.attributes;
+      for (std::size_t index = 0; index < node.inputs.size(); ++index) term->operands.push_back(input(index).node_);
+      return GemvEpilogue(term);
     }
     throw InputError(fmt::format("epilogue: node '{}' ({}) is not an op a GEMV epilogue applies", node.name, node.op));
   };

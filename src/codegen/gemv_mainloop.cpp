@@ -19,7 +19,8 @@
 // are read in the repacked layout of gemv_weight_layout.cpp.
 //
 // The generated source is self-contained (no includes): its constants come first, then this
-// file's fixed body, then the epilogue expression (gemv_epilogue.cpp) inside the store loop.
+// file's fixed body, the op table's device functions, then the epilogue expression
+// (gemv_epilogue.cpp) inside the store loop.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -70,12 +71,6 @@ __device__ __forceinline__ u16 from_f32(float value) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
   }
   return bits16;
-}
-
-__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float gelu_f32(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_tanh_f32(float x) {
-  return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
 }
 
 // Weights are read once: keep them out of L1, where x lives.
@@ -469,6 +464,8 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
       config.format.columns_per_iteration(), products, scratch ? "true" : "false", config.warps_per_block,
       config.tiles_per_block, config.iterations_in_flight, config.double_buffered ? "true" : "false");
   source += kernel_body;
+  source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
+  source += cuda_elementwise_helpers();
 
   source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", result.kernel_name);
   for (int p = 0; p < products; ++p) {

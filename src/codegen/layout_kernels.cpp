@@ -14,7 +14,6 @@ namespace metile {
 namespace {
 
 using codegen_detail::describe_node;
-using codegen_detail::float_literal;
 using codegen_detail::sanitize_identifier;
 
 constexpr std::uint32_t elementwise_block = 256;

@@ -25,15 +25,10 @@ namespace metile {
 namespace {
 
 using codegen_detail::describe_node;
-using codegen_detail::float_literal;
 using codegen_detail::sanitize_identifier;
 
 constexpr int register_item_limit = 16;  // vectors per thread kept in registers
 constexpr int streaming_items = 4;       // vectors per thread per tile when streaming
-
-const std::set<std::string, std::less<>> row_ops = {"add",     "subtract", "multiply",   "scale",      "silu",
-                                                    "gelu",    "exp",      "rms_norm",   "layer_norm", "softmax",
-                                                    "causal_mask", "cast"};
 
 // How a region input is read for one row.
 enum class OperandMode { row, broadcast_rows, scalar };
@@ -51,6 +46,8 @@ struct Step {
   std::string reduce_op;    // reduce: "SumOp" / "MaxOp"
   int scalar = -1;          // reduce: writes r<scalar>
   std::string after;        // reduce: statements deriving per-row scalars from r<scalar>
+  ValueId row_result = -1;  // reduce: a [..., 1] value stored once per row after `after`
+  std::string row_result_expression;
   std::string comment;
 };
 
@@ -60,6 +57,7 @@ struct RowAnalysis {
   std::vector<RegionInput> inputs;
   std::vector<Step> steps;
   std::map<ValueId, std::string> array_of;  // every value the kernel reads or computes -> its register array
+  std::set<ValueId> row_results;            // values of one element per row ([..., 1]), not arrays
   int vector_width = 1;
   bool has_reduction = false;
   bool online_softmax = false;  // a reduction over OnlineSoftmaxOp (two floats of state)
@@ -77,6 +75,102 @@ std::string rounded(const std::string& expression, DType dtype) {
   return fmt::format("metile_device::round_to<{}>({})", cuda_storage_type(dtype), expression);
 }
 
+// The steps of the region's nodes, one node at a time: what an op-table hook writes through
+// RowKernelSteps becomes compute and reduce steps of the analysis.
+class NodeSteps final : public RowKernelSteps {
+ public:
+  NodeSteps(const ComputeGraph& graph, RowAnalysis& analysis, bool online_softmax)
+      : graph_(graph),
+        analysis_(analysis),
+        length_literal_(cuda_float_literal(static_cast<double>(analysis.length))),
+        online_softmax_(online_softmax) {}
+
+  void add(const Node& node) {
+    node_ = &node;
+    const OpDefinition& definition = *find_op(node.op);
+    if (node.op == "softmax" && online_softmax_) {
+      // Max and normalizer in one pass: the running state of the stable_weighted_softmax law.
+      const std::string x = operand(0);
+      const std::string state = add_reduction("OnlineSoftmaxOp", x, "running max and normalizer in one pass");
+      const std::string maximum = scalar(state + ".m");
+      const std::string inverse = scalar("1.0f / " + state + ".l");
+      analysis_.online_softmax = true;
+      element_result("expf(" + x + " - " + maximum + ") * " + inverse);
+    } else if (node.op == "cast") {
+      element_result(operand(0));  // the rounding to the output dtype is the cast
+    } else if (definition.elementwise) {
+      std::vector<std::string> operands;
+      std::vector<TensorSpec> specs;
+      for (std::size_t input = 0; input < node.inputs.size(); ++input) {
+        operands.push_back(operand(input));
+        specs.push_back(graph_.value(node.inputs[input]).spec);
+      }
+      element_result(definition.elementwise->cuda(operands, CudaElementSite{"row", "(col + e)"}, node.attributes, specs));
+    } else {
+      definition.row_reduction->row_kernel(*this, node.attributes);
+    }
+  }
+
+  std::string operand(std::size_t input) override {
+    return analysis_.array_of.at(node_->inputs.at(input)) + "[item][e]";
+  }
+  std::string row_length() override { return length_literal_; }
+  std::string reduce(std::string_view op, std::string expression, std::string_view what) override {
+    if (op != "sum" && op != "max") throw std::logic_error(fmt::format("row kernel: no reduction '{}'", op));
+    return add_reduction(op == "sum" ? "SumOp" : "MaxOp", std::move(expression), what);
+  }
+  std::string add_reduction(std::string reduce_op, std::string expression, std::string_view what) {
+    Step step;
+    step.kind = Step::Kind::reduce;
+    step.reduce_op = std::move(reduce_op);
+    step.expression = std::move(expression);
+    step.scalar = reductions_++;
+    step.comment = fmt::format("{} ({})", describe_node(graph_, *node_), what);
+    analysis_.has_reduction = true;
+    analysis_.steps.push_back(std::move(step));
+    return fmt::format("r{}", analysis_.steps.back().scalar);
+  }
+  std::string scalar(std::string expression) override {
+    const std::string name = fmt::format("s{}", scalars_++);
+    last_reduction().after += fmt::format("{}const float {} = {};", last_reduction().after.empty() ? "" : " ", name,
+                                          expression);
+    return name;
+  }
+  void element_result(std::string expression) override {
+    const ValueId out = node_->outputs.front();
+    Step step;
+    step.kind = Step::Kind::compute;
+    step.value = out;
+    step.expression = rounded(expression, graph_.value(out).spec.dtype);
+    step.comment = describe_node(graph_, *node_);
+    analysis_.array_of[out] = fmt::format("v{}", computed_++);
+    analysis_.steps.push_back(std::move(step));
+  }
+  void row_result(std::string expression) override {
+    Step& reduction = last_reduction();
+    reduction.row_result = node_->outputs.front();
+    reduction.row_result_expression = std::move(expression);
+  }
+
+ private:
+  // Per-row scalars are derived right after the reduction that ends their phase.
+  Step& last_reduction() {
+    for (auto step = analysis_.steps.rbegin(); step != analysis_.steps.rend(); ++step) {
+      if (step->kind == Step::Kind::reduce) return *step;
+    }
+    throw std::logic_error(fmt::format("row kernel: {} derives a per-row value before any reduction", node_->op));
+  }
+
+  const ComputeGraph& graph_;
+  RowAnalysis& analysis_;
+  const Node* node_ = nullptr;
+  std::string length_literal_;
+  int computed_ = 0;
+  int reductions_ = 0;
+  int scalars_ = 0;
+  bool online_softmax_ = false;
+};
+
 RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::string* reason,
                     bool online_softmax = false) {
   if (region.nodes.empty()) reject("the region has no nodes", reason);
@@ -85,8 +179,11 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
   std::vector<NodeId> nodes = region.nodes;
   std::sort(nodes.begin(), nodes.end());  // node ids are topological
 
-  // The row shape: that of the first node's first output; every computed value must share it.
-  const TensorSpec& first = graph.value(graph.node(nodes.front()).outputs.front()).spec;
+  // The row shape: that of the first node's first output (a row reduction's input: sum and mean
+  // shorten the row); every other computed value must share it.
+  const Node& first_node = graph.node(nodes.front());
+  const TensorSpec& first = graph.value(first_node.kind == OpKind::row_reduction ? first_node.inputs.front()
+                                                                                  : first_node.outputs.front()).spec;
   analysis.length = first.row_length();
   analysis.rows = first.row_count();
   if (analysis.length <= 0 || analysis.rows <= 0) reject(fmt::format("empty tensor {}", first.to_string()), reason);
@@ -96,25 +193,28 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
   std::set<ValueId> produced;
   for (NodeId id : nodes) {
     const Node& node = graph.node(id);
-    if (!row_ops.contains(node.op)) {
+    const OpDefinition* definition = find_op(node.op);
+    const bool row_op = node.op == "cast" || (definition != nullptr && definition->elementwise) ||
+                        (definition != nullptr && definition->row_reduction && node.kind == OpKind::row_reduction);
+    if (!row_op) {
       reject(fmt::format("{} is a {} op, not a row op", node_label(node), op_kind_name(node.kind)), reason);
+    }
+    for (ValueId input : node.inputs) {
+      if (analysis.row_results.contains(input)) {
+        reject(fmt::format("{} reads '{}', one value per row, inside the region", node_label(node), graph.value(input).name),
+               reason);
+      }
     }
     for (ValueId output : node.outputs) {
       const TensorSpec& spec = graph.value(output).spec;
-      if (spec.row_length() != analysis.length || spec.row_count() != analysis.rows) {
+      const bool row_result = node.kind == OpKind::row_reduction && spec.row_length() == 1 && analysis.length != 1;
+      if ((spec.row_length() != analysis.length && !row_result) || spec.row_count() != analysis.rows) {
         reject(fmt::format("{} produces {}, not rows of {} x {}", node_label(node), spec.to_string(), analysis.rows,
                            analysis.length),
                reason);
       }
+      if (row_result) analysis.row_results.insert(output);
       produced.insert(output);
-    }
-    if (node.op == "softmax") {
-      const std::int64_t axis = node.attributes.has("axis") ? node.attributes.get_int("axis") : -1;
-      const int rank = graph.value(node.inputs[0]).spec.rank();
-      if (axis != -1 && axis != rank - 1) reject(fmt::format("{}: softmax over axis {}, not the last", node_label(node), axis), reason);
-    }
-    if (node.op == "causal_mask" && graph.value(node.inputs[0]).spec.rank() < 2) {
-      reject(fmt::format("{}: causal_mask needs rank >= 2", node_label(node)), reason);
     }
   }
   for (ValueId output : region.outputs) {
@@ -172,93 +272,10 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
     while (analysis.vector_width > 1 && analysis.length % analysis.vector_width != 0) analysis.vector_width /= 2;
   }
 
-  // Steps, in node order.
-  int computed = 0;
-  int scalars = 0;
-  const std::string length_literal = float_literal(static_cast<double>(analysis.length));
-  for (NodeId id : nodes) {
-    const Node& node = graph.node(id);
-    const ValueId out = node.outputs.front();
-    const DType dtype = graph.value(out).spec.dtype;
-    auto element = [&](int input_index) { return analysis.array_of.at(node.inputs.at(input_index)) + "[item][e]"; };
-    const std::string comment = describe_node(graph, node);
-    auto add_compute = [&](const std::string& expression) {
-      Step step;
-      step.kind = Step::Kind::compute;
-      step.value = out;
-      step.expression = rounded(expression, dtype);
-      step.comment = comment;
-      analysis.array_of[out] = fmt::format("v{}", computed++);
-      analysis.steps.push_back(std::move(step));
-    };
-    auto add_reduce = [&](std::string op, std::string expression, std::string after, std::string what) {
-      Step step;
-      step.kind = Step::Kind::reduce;
-      step.reduce_op = std::move(op);
-      step.expression = std::move(expression);
-      step.scalar = scalars++;
-      step.after = std::move(after);
-      step.comment = fmt::format("{} ({})", comment, what);
-      analysis.has_reduction = true;
-      analysis.steps.push_back(std::move(step));
-      return fmt::format("r{}", analysis.steps.back().scalar);
-    };
-    const std::string x = element(0);
-    if (node.op == "add") {
-      add_compute(fmt::format("{} + {}", x, element(1)));
-    } else if (node.op == "subtract") {
-      add_compute(fmt::format("{} - {}", x, element(1)));
-    } else if (node.op == "multiply") {
-      add_compute(fmt::format("{} * {}", x, element(1)));
-    } else if (node.op == "scale") {
-      add_compute(fmt::format("{} * {}", x, float_literal(node.attributes.get_double("factor"))));
-    } else if (node.op == "silu") {
-      add_compute(fmt::format("metile_device::silu({})", x));
-    } else if (node.op == "gelu") {
-      const std::string approximate = node.attributes.has("approximate") ? node.attributes.get_string("approximate") : "none";
-      add_compute(fmt::format("metile_device::{}({})", approximate == "tanh" ? "gelu_tanh" : "gelu_erf", x));
-    } else if (node.op == "exp") {
-      add_compute(fmt::format("expf({})", x));
-    } else if (node.op == "cast") {
-      add_compute(x);  // the rounding to the output dtype is the cast
-    } else if (node.op == "causal_mask") {
-      const TensorSpec& spec = graph.value(node.inputs[0]).spec;
-      const std::int64_t query_length = spec.shape[spec.shape.size() - 2];
-      const std::int64_t offset = node.attributes.has("offset") ? node.attributes.get_int("offset") : 0;
-      add_compute(fmt::format("(col + e) > (row % {}LL) + ({}LL) ? metile_device::negative_infinity() : {}",
-                              query_length, offset, x));
-    } else if (node.op == "rms_norm") {
-      const double eps = node.attributes.get_double("eps");
-      const std::string sum = add_reduce("SumOp", fmt::format("{0} * {0}", x),
-                                         fmt::format("const float s{0} = rsqrtf(r{0} / {1} + {2});", scalars,
-                                                     length_literal, float_literal(eps)),
-                                         "sum of squares");
-      add_compute(fmt::format("{} * s{} * {}", x, sum.substr(1), element(1)));
-    } else if (node.op == "layer_norm") {
-      const double eps = node.attributes.get_double("eps");
-      const std::string mean = "m" + add_reduce("SumOp", x, "", "sum").substr(1);
-      analysis.steps.back().after = fmt::format("const float {} = r{} / {};", mean, mean.substr(1), length_literal);
-      const std::string centered = fmt::format("({} - {})", x, mean);
-      const std::string variance = add_reduce("SumOp", fmt::format("{0} * {0}", centered), "", "centered sum of squares");
-      const std::string inverse = "s" + variance.substr(1);
-      analysis.steps.back().after =
-          fmt::format("const float {} = rsqrtf({} / {} + {});", inverse, variance, length_literal, float_literal(eps));
-      add_compute(fmt::format("{} * {} * {} + {}", centered, inverse, element(1), element(2)));
-    } else if (node.op == "softmax" && online_softmax) {
-      const std::string state = add_reduce("OnlineSoftmaxOp", x, "", "running max and normalizer in one pass");
-      const std::string index = state.substr(1);
-      analysis.steps.back().after =
-          fmt::format("const float m{0} = {1}.m;\n  const float s{0} = 1.0f / {1}.l;", index, state);
-      analysis.online_softmax = true;
-      add_compute(fmt::format("expf({} - m{}) * s{}", x, index, index));
-    } else if (node.op == "softmax") {
-      const std::string maximum = add_reduce("MaxOp", x, "", "row maximum");
-      const std::string sum = add_reduce("SumOp", fmt::format("expf({} - {})", x, maximum), "", "sum of exponentials");
-      const std::string inverse = "s" + sum.substr(1);
-      analysis.steps.back().after = fmt::format("const float {} = 1.0f / {};", inverse, sum);
-      add_compute(fmt::format("expf({} - {}) * {}", x, maximum, inverse));
-    }
-  }
+  // Steps, in node order: elementwise ops through the op table's CUDA expression, row reductions
+  // through their kernel hook.
+  NodeSteps steps(graph, analysis, online_softmax);
+  for (NodeId id : nodes) steps.add(graph.node(id));
   return analysis;
 }
 
@@ -267,7 +284,7 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
 std::string cuda_term(const Term& term) {
   switch (term.kind) {
     case Term::Kind::variable: return term.name == "e.s" ? "x" : term.name;
-    case Term::Kind::constant: return float_literal(term.value);
+    case Term::Kind::constant: return cuda_float_literal(term.value);
     case Term::Kind::negative_infinity: return "negative_infinity()";
     case Term::Kind::add: return fmt::format("({} + {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
     case Term::Kind::subtract:
@@ -396,6 +413,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
                         config.streaming ? fmt::format(" per tile, {} tiles (streamed)", config.tiles)
                                          : " (row held in registers)");
   source += codegen_detail::cuda_device_prelude();
+  source += cuda_elementwise_helpers();
   if (analysis.online_softmax) source += online_softmax_op_source();
   source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}) {}(\n", block_threads, kernel_name);
   for (std::size_t i = 0; i < parameters.size(); ++i) {
@@ -438,6 +456,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     }
   }
   for (std::size_t i = 0; i < region.outputs.size(); ++i) {
+    if (analysis.row_results.contains(region.outputs[i])) continue;  // one value per row, stored by lane 0
     line(1, fmt::format("{0}* __restrict__ out{1}_row = out{1} + safe_row * kRowLength;",
                         cuda_storage_type(graph.value(region.outputs[i]).spec.dtype), i));
   }
@@ -564,6 +583,12 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
       line(1, fmt::format("const auto r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, {2});",
                           phase.reduce->scalar, phase.reduce->reduce_op, block_reduction ? "reduction_scratch" : "nullptr"));
       if (!phase.reduce->after.empty()) line(1, phase.reduce->after);
+      if (output_index.contains(phase.reduce->row_result)) {
+        const Value& value = graph.value(phase.reduce->row_result);
+        line(1, fmt::format("if (row_valid && lane == 0) out{}[safe_row] = metile_device::from_float<{}>({});  // {}",
+                            output_index.at(value.id), cuda_storage_type(value.spec.dtype),
+                            phase.reduce->row_result_expression, value.name));
+      }
     }
   }
   source += body;

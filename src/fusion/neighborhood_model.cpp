@@ -55,7 +55,12 @@ class NeighborhoodModel {
     }
     if (outcome_.rejection) return finish({});
 
-    const TensorSpec& anchor_output = graph_.value(graph_.node(anchor).outputs.front()).spec;
+    // The kernel's iteration space: the anchor's output, or the rows a row reduction reads (sum and
+    // mean shorten them to one value, which the row kernel stores once per row).
+    const Node& anchor_node = graph_.node(anchor);
+    const TensorSpec& anchor_output =
+        graph_.value(anchor_node.kind == OpKind::row_reduction ? anchor_node.inputs.front() : anchor_node.outputs.front())
+            .spec;
     grow_prologue(anchor_output);
     grow_epilogue(anchor, anchor_output);
     if (nodes_.size() == pattern_nodes.size()) return finish(sorted(nodes_));

@@ -64,20 +64,48 @@ bool may_grow(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) 
   return false;
 }
 
+// Whether `node`, left outside a region of a sink-anchored rule, may anchor that rule itself: its
+// consumers of its kind all lie in regions the rule already proposed, so it ends what is left of
+// the chain.
+bool continues_chain(const ComputeGraph& graph, NodeId node, const std::vector<char>& claimed) {
+  const Node& candidate = graph.node(node);
+  if (claimed[static_cast<std::size_t>(node)]) return false;
+  for (ValueId output : candidate.outputs) {
+    for (NodeId consumer : graph.consumers(output)) {
+      if (graph.node(consumer).kind == candidate.kind && !claimed[static_cast<std::size_t>(consumer)]) return false;
+    }
+  }
+  return true;
+}
+
 std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const FusionTarget& target,
                                             const RuleSet& rules, NeighborhoodScratch& scratch,
                                             std::vector<NodeNotes>& notes) {
   std::vector<ProposedRegion> proposals;
   std::set<std::vector<NodeId>> seen;
+  const std::size_t node_count = graph.nodes().size();
   for (std::size_t rule_index = 0; rule_index < rules.rules.size(); ++rule_index) {
     const FusionRule& rule = rules.rules[rule_index];
-    for (const Node& node : graph.nodes()) {
-      if (!can_anchor(graph, rule, node.id)) continue;
-      if (rule.pattern.size() == 1 && !may_grow(graph, rule, node.id)) continue;
-      const auto pattern_nodes = match_pattern(graph, rule, node.id);
+    // A sink-anchored rule walks the graph backwards. A chain longer than one neighborhood
+    // (rules.max_neighborhood_nodes) would otherwise end in one region and leave the rest of its
+    // ops unfused, as no op before the cut is a sink: the op a region could not take (left out or
+    // beyond the limit) anchors the next region, whose end is the previous region's input.
+    FusionRule continuation = rule;
+    continuation.anchor_must_be_sink = false;
+    std::vector<char> claimed(node_count, 0);
+    std::vector<char> chain_anchor(node_count, 0);
+    std::vector<ProposedRegion> rule_proposals;
+    for (std::size_t position = 0; position < node_count; ++position) {
+      const Node& node = graph.node(static_cast<NodeId>(rule.anchor_must_be_sink ? node_count - 1 - position : position));
+      const bool continues = rule.anchor_must_be_sink && chain_anchor[static_cast<std::size_t>(node.id)] &&
+                             !claimed[static_cast<std::size_t>(node.id)];
+      const FusionRule& anchored = continues ? continuation : rule;
+      if (!can_anchor(graph, anchored, node.id)) continue;
+      if (anchored.pattern.size() == 1 && !may_grow(graph, anchored, node.id)) continue;
+      const auto pattern_nodes = match_pattern(graph, anchored, node.id);
       if (!pattern_nodes) continue;
       NeighborhoodOutcome outcome =
-          solve_neighborhood(graph, target, rule, *pattern_nodes, rules.max_neighborhood_nodes, scratch);
+          solve_neighborhood(graph, target, anchored, *pattern_nodes, rules.max_neighborhood_nodes, scratch);
       for (NodeId considered : outcome.considered) notes[static_cast<std::size_t>(considered)].considered = true;
       if (outcome.rejection) {
         for (NodeId member : *pattern_nodes) {
@@ -90,13 +118,29 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
         add_distinct(notes[static_cast<std::size_t>(node.id)].left_out,
                      fmt::format("{} around it: `{}` cannot join: {}", rule.name, graph.node(neighbour).name, why));
       }
+      std::vector<NodeId> outside;
+      for (NodeId considered : outcome.considered) {
+        if (!std::binary_search(outcome.region.begin(), outcome.region.end(), considered)) outside.push_back(considered);
+      }
       for (auto& [left_out, reason] : outcome.left_out) {
+        outside.push_back(left_out);
         add_distinct(notes[static_cast<std::size_t>(left_out)].left_out, std::move(reason));
       }
       if (outcome.region.size() < 2 || to_picoseconds(outcome.benefit_ns) <= 0) continue;
       if (!seen.insert(outcome.region).second) continue;
-      proposals.push_back({static_cast<int>(rule_index), node.id, std::move(outcome.region), outcome.benefit_ns});
+      if (rule.anchor_must_be_sink) {
+        for (NodeId member : outcome.region) claimed[static_cast<std::size_t>(member)] = 1;
+        for (NodeId candidate : outside) {
+          if (graph.node(candidate).kind == node.kind && continues_chain(graph, candidate, claimed)) {
+            chain_anchor[static_cast<std::size_t>(candidate)] = 1;
+          }
+        }
+      }
+      rule_proposals.push_back({static_cast<int>(rule_index), node.id, std::move(outcome.region), outcome.benefit_ns});
     }
+    // Proposals in the order of their anchors, whichever way the rule walked.
+    if (rule.anchor_must_be_sink) std::reverse(rule_proposals.begin(), rule_proposals.end());
+    for (ProposedRegion& proposal : rule_proposals) proposals.push_back(std::move(proposal));
   }
   return proposals;
 }

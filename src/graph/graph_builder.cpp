@@ -5,6 +5,7 @@
 #include <atomic>
 #include <string>
 
+#include "attributes_of.h"
 #include "metile/graph.h"
 
 namespace metile {
@@ -176,15 +177,7 @@ std::vector<ValueRef> GraphBuilder::add_node(std::string_view op, std::vector<Va
   return refs;
 }
 
-namespace {
-
-Attributes attributes_of(std::initializer_list<std::pair<const char*, AttributeValue>> entries) {
-  Attributes attributes;
-  for (const auto& [name, value] : entries) attributes.set(name, value);
-  return attributes;
-}
-
-}  // namespace
+using graph_detail::attributes_of;
 
 ValueRef GraphBuilder::add(ValueRef a, ValueRef b, std::string name) {
   return add_node("add", {a, b}, {}, std::move(name)).front();
@@ -212,6 +205,8 @@ ValueRef GraphBuilder::layer_norm(ValueRef x, ValueRef weight, ValueRef bias, do
 ValueRef GraphBuilder::softmax(ValueRef x, std::int64_t axis, std::string name) {
   return add_node("softmax", {x}, attributes_of({{"axis", axis}}), std::move(name)).front();
 }
+ValueRef GraphBuilder::sum(ValueRef x, std::string name) { return add_node("sum", {x}, {}, std::move(name)).front(); }
+ValueRef GraphBuilder::mean(ValueRef x, std::string name) { return add_node("mean", {x}, {}, std::move(name)).front(); }
 ValueRef GraphBuilder::causal_mask(ValueRef x, std::int64_t offset, std::string name) {
   return add_node("causal_mask", {x}, attributes_of({{"offset", offset}}), std::move(name)).front();
 }

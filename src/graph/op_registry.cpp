@@ -1,5 +1,8 @@
-// The op registry: one entry per op of DESIGN.md's table, with its kind and its
-// shape/dtype inference. Inference also validates and canonicalises attributes
+// The op table: one entry per op (table at the end of this file) with everything about it: its
+// kind, its shape/dtype rule, the math of an elementwise op (CPU f32 reference, float64 oracle and
+// the CUDA device expression every generated kernel uses), the per-row math and row-kernel hook of
+// a row reduction, and a sample graph for the tests. docs/architecture.md, "The op table", says
+// how to add an op. Shape inference also validates and canonicalises attributes
 // (defaults filled in, numbers stored as the type the op reads, a reshape's -1
 // resolved, a softmax axis made non-negative) so that a graph built in C++ and
 // the same graph read from JSON compare equal.
@@ -10,10 +13,14 @@
 // `layout` so that the planner never treats it as a row-reduction anchor.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <deque>
 #include <initializer_list>
+#include <limits>
 #include <sstream>
 #include <string>
 
+#include "attributes_of.h"
 #include "metile/graph.h"
 
 namespace metile {
@@ -393,40 +400,356 @@ std::vector<TensorSpec> infer_cast(std::span<const TensorSpec> inputs, Attribute
   return {TensorSpec(inputs[0].shape, parse_dtype(attributes.get_string("dtype")))};
 }
 
-const std::vector<OpDefinition>& registry() {
-  static const std::vector<OpDefinition> definitions = [] {
-    std::vector<OpDefinition> ops;
-    auto define = [&ops](std::string_view name, OpKind kind, std::vector<std::string_view> input_names,
-                         decltype(OpDefinition::infer) infer, decltype(OpDefinition::node_kind) node_kind = {},
-                         std::size_t optional_inputs = 0) {
-      ops.push_back(OpDefinition{name, kind, std::move(input_names), std::move(infer), std::move(node_kind),
-                                 optional_inputs});
+std::vector<TensorSpec> infer_row_total(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  check_known_attributes(attributes, {});
+  const TensorSpec& x = inputs[0];
+  require_floating(x, "x");
+  require_rank_at_least(x, "x", 1);
+  if (x.row_length() == 0) throw InputError(described("x", x) + " has empty rows");
+  Shape shape = x.shape;
+  shape.back() = 1;
+  return {TensorSpec(shape, x.dtype)};
+}
+
+// ---------------------------------------------------------------- elementwise math helpers
+// Host math is written once as a generic lambda; float gives the CPU reference, double the oracle.
+
+template <typename Bind>
+std::function<ElementFunctions(const Attributes&, std::span<const TensorSpec>)> unary_math(Bind bind) {
+  return [bind](const Attributes& attributes, std::span<const TensorSpec> inputs) {
+    auto f = bind(attributes, inputs);
+    return ElementFunctions{[f](std::span<const float> x, ElementSite) { return f(x[0]); },
+                            [f](std::span<const double> x, ElementSite) { return f(x[0]); }};
+  };
+}
+
+template <typename F>
+std::function<ElementFunctions(const Attributes&, std::span<const TensorSpec>)> binary_math(F f) {
+  return [f](const Attributes&, std::span<const TensorSpec>) {
+    return ElementFunctions{[f](std::span<const float> x, ElementSite) { return f(x[0], x[1]); },
+                            [f](std::span<const double> x, ElementSite) { return f(x[0], x[1]); }};
+  };
+}
+
+// Math with no attributes: the bind step only hands the function over.
+template <typename F>
+auto plain(F f) {
+  return [f](const Attributes&, std::span<const TensorSpec>) { return f; };
+}
+
+using CudaExpression = decltype(ElementwiseMath::cuda);
+
+CudaExpression cuda_infix(std::string symbol) {
+  return [symbol](std::span<const std::string> x, const CudaElementSite&, const Attributes&, std::span<const TensorSpec>) {
+    return "(" + x[0] + " " + symbol + " " + x[1] + ")";
+  };
+}
+
+CudaExpression cuda_call(std::string function) {
+  return [function](std::span<const std::string> x, const CudaElementSite&, const Attributes&, std::span<const TensorSpec>) {
+    return function + "(" + x[0] + ")";
+  };
+}
+
+// silu(x) = x / (1 + e^-x). CUDA's expf (2 ulp over the whole range) rather than __expf, whose
+// error grows with |x|: the CPU reference uses the correctly rounded-ish std::exp, the kernels
+// that apply silu are memory-bound, so the accurate form costs nothing measurable.
+template <typename T>
+T silu(T x) {
+  return x / (T(1) + std::exp(-x));
+}
+
+// Both gelu forms are written so that no step cancels: the textbook 1 + erf(x / sqrt 2) and
+// 1 + tanh(u) lose every significant digit for negative x, where the result is tiny but not zero.
+// 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2)
+template <typename T>
+T gelu_erf(T x) {
+  const T half_x = T(0.5) * x;
+  return half_x * std::erfc(-x * T(0.7071067811865476));
+}
+// 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3)
+template <typename T>
+T gelu_tanh(T x) {
+  const T cube = x * x * x;
+  const T inner = T(0.7978845608028654) * (x + T(0.044715) * cube);
+  return x / (T(1) + std::exp(T(-2) * inner));
+}
+
+constexpr std::string_view silu_helper =
+    "__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + expf(-x)); }\n";
+constexpr std::string_view gelu_helpers =
+    "__device__ __forceinline__ float gelu_f32(float x) { return (0.5f * x) * erfcf(-x * 0.70710678118654752f); }\n"
+    "__device__ __forceinline__ float gelu_tanh_f32(float x) {\n"
+    "  const float inner = 0.79788456080286536f * (x + 0.044715f * (x * x * x));\n"
+    "  return x / (1.0f + expf(-2.0f * inner));\n"
+    "}\n";
+
+ElementwiseMath silu_math() {
+  return {unary_math(plain([](auto x) { return silu(x); })), cuda_call("silu_f32"), std::string(silu_helper), false};
+}
+
+ElementwiseMath gelu_math() {
+  ElementwiseMath math;
+  math.bind = unary_math([](const Attributes& attributes, std::span<const TensorSpec>) {
+    const bool tanh_form = attributes.get_string("approximate") == "tanh";
+    return [tanh_form](auto x) { return tanh_form ? gelu_tanh(x) : gelu_erf(x); };
+  });
+  math.cuda = [](std::span<const std::string> x, const CudaElementSite&, const Attributes& attributes,
+                 std::span<const TensorSpec>) {
+    return (attributes.get_string("approximate") == "tanh" ? "gelu_tanh_f32(" : "gelu_f32(") + x[0] + ")";
+  };
+  math.cuda_helpers = gelu_helpers;
+  return math;
+}
+
+ElementwiseMath scale_math() {
+  ElementwiseMath math;
+  math.bind = unary_math([](const Attributes& attributes, std::span<const TensorSpec>) {
+    const double factor = attributes.get_double("factor");
+    return [factor](auto x) { return x * static_cast<decltype(x)>(factor); };
+  });
+  math.cuda = [](std::span<const std::string> x, const CudaElementSite&, const Attributes& attributes,
+                 std::span<const TensorSpec>) {
+    return "(" + x[0] + " * " + cuda_float_literal(attributes.get_double("factor")) + ")";
+  };
+  return math;
+}
+
+// Keys j > i + offset of query row i (the row index along axis -2) are -inf.
+ElementwiseMath causal_mask_math() {
+  ElementwiseMath math;
+  math.bind = [](const Attributes& attributes, std::span<const TensorSpec> inputs) {
+    const std::int64_t offset = attributes.get_int("offset");
+    const std::int64_t queries = inputs[0].shape[inputs[0].shape.size() - 2];
+    auto masked = [offset, queries](ElementSite site) { return site.column - site.row % queries > offset; };
+    return ElementFunctions{
+        [masked](std::span<const float> x, ElementSite site) {
+          return masked(site) ? -std::numeric_limits<float>::infinity() : x[0];
+        },
+        [masked](std::span<const double> x, ElementSite site) {
+          return masked(site) ? -std::numeric_limits<double>::infinity() : x[0];
+        }};
+  };
+  math.cuda = [](std::span<const std::string> x, const CudaElementSite& site, const Attributes& attributes,
+                 std::span<const TensorSpec> inputs) {
+    const std::int64_t queries = inputs[0].shape[inputs[0].shape.size() - 2];
+    return "(" + site.column + " > (" + site.row + " % " + std::to_string(queries) + "LL) + (" +
+           std::to_string(attributes.get_int("offset")) + "LL) ? __int_as_float(0xff800000) : " + x[0] + ")";
+  };
+  math.reads_site = true;
+  return math;
+}
+
+// ---------------------------------------------------------------- row reductions
+// Per row: element math in f32, accumulation in f64 in index order, each statistic rounded once to
+// f32. The kernel hooks compute the same steps in f32 (row_kernel.cpp reduces across threads).
+
+using RowFunction = RowReductionMath::RowFunction;
+using RowOperands = std::span<const std::span<const float>>;
+
+// x / sqrt(mean(x^2) + eps) * weight.
+RowReductionMath rms_norm_math() {
+  RowReductionMath math;
+  math.bind = [](const Attributes& attributes) -> RowFunction {
+    const double eps = attributes.get_double("eps");
+    return [eps](RowOperands in, std::span<float> out) {
+      const std::span<const float> x = in[0], weight = in[1];
+      double sum_of_squares = 0;
+      for (float value : x) sum_of_squares += static_cast<double>(value) * value;
+      const auto inverse_rms = static_cast<float>(1.0 / std::sqrt(sum_of_squares / static_cast<double>(x.size()) + eps));
+      for (std::size_t d = 0; d < x.size(); ++d) {
+        const float normalized = x[d] * inverse_rms;
+        out[d] = normalized * weight[d];
+      }
     };
-    define("add", OpKind::elementwise, {"a", "b"}, infer_binary);
-    define("subtract", OpKind::elementwise, {"a", "b"}, infer_binary);
-    define("multiply", OpKind::elementwise, {"a", "b"}, infer_binary);
-    define("scale", OpKind::elementwise, {"x"}, infer_scale);
-    define("silu", OpKind::elementwise, {"x"}, infer_unary);
-    define("gelu", OpKind::elementwise, {"x"}, infer_gelu);
-    define("exp", OpKind::elementwise, {"x"}, infer_unary);
-    define("causal_mask", OpKind::elementwise, {"x"}, infer_causal_mask);
+  };
+  math.row_kernel = [](RowKernelSteps& steps, const Attributes& attributes) {
+    const std::string x = steps.operand(0);
+    const std::string sum = steps.reduce("sum", x + " * " + x, "sum of squares");
+    const std::string inverse = steps.scalar("rsqrtf(" + sum + " / " + steps.row_length() + " + " +
+                                             cuda_float_literal(attributes.get_double("eps")) + ")");
+    steps.element_result(x + " * " + inverse + " * " + steps.operand(1));
+  };
+  return math;
+}
+
+// (x - mean) / sqrt(var + eps) * weight + bias, the variance in two passes.
+RowReductionMath layer_norm_math() {
+  RowReductionMath math;
+  math.bind = [](const Attributes& attributes) -> RowFunction {
+    const double eps = attributes.get_double("eps");
+    return [eps](RowOperands in, std::span<float> out) {
+      const std::span<const float> x = in[0], weight = in[1], bias = in[2];
+      const auto length = static_cast<double>(x.size());
+      double sum = 0;
+      for (float value : x) sum += value;
+      const double mean = sum / length;
+      double squared_deviations = 0;
+      for (float value : x) squared_deviations += (value - mean) * (value - mean);
+      const auto mean_f32 = static_cast<float>(mean);
+      const auto inverse_std = static_cast<float>(1.0 / std::sqrt(squared_deviations / length + eps));
+      for (std::size_t d = 0; d < x.size(); ++d) {
+        const float centered = x[d] - mean_f32;
+        const float normalized = centered * inverse_std;
+        const float scaled = normalized * weight[d];
+        out[d] = scaled + bias[d];
+      }
+    };
+  };
+  math.row_kernel = [](RowKernelSteps& steps, const Attributes& attributes) {
+    const std::string x = steps.operand(0);
+    const std::string mean = steps.scalar(steps.reduce("sum", x, "sum") + " / " + steps.row_length());
+    const std::string centered = "(" + x + " - " + mean + ")";
+    const std::string variance = steps.reduce("sum", centered + " * " + centered, "centered sum of squares");
+    const std::string inverse = steps.scalar("rsqrtf(" + variance + " / " + steps.row_length() + " + " +
+                                             cuda_float_literal(attributes.get_double("eps")) + ")");
+    steps.element_result(centered + " * " + inverse + " * " + steps.operand(1) + " + " + steps.operand(2));
+  };
+  return math;
+}
+
+// Numerically stable: exp(x - max) in f32, the sum in f64, each quotient rounded once. A row that
+// is entirely -inf has no finite maximum and gives NaN, as in PyTorch and MLX.
+RowReductionMath softmax_math() {
+  RowReductionMath math;
+  math.bind = [](const Attributes&) -> RowFunction {
+    return [](RowOperands in, std::span<float> out) {
+      const std::span<const float> x = in[0];
+      float maximum = -std::numeric_limits<float>::infinity();
+      for (float value : x) {
+        if (value > maximum || std::isnan(value)) maximum = value;
+      }
+      double sum = 0;
+      for (std::size_t d = 0; d < x.size(); ++d) {
+        out[d] = std::exp(x[d] - maximum);
+        sum += out[d];
+      }
+      for (float& value : out) value = static_cast<float>(value / sum);
+    };
+  };
+  math.row_kernel = [](RowKernelSteps& steps, const Attributes&) {
+    const std::string x = steps.operand(0);
+    const std::string maximum = steps.reduce("max", x, "row maximum");
+    const std::string sum = steps.reduce("sum", "expf(" + x + " - " + maximum + ")", "sum of exponentials");
+    const std::string inverse = steps.scalar("1.0f / " + sum);
+    steps.element_result("expf(" + x + " - " + maximum + ") * " + inverse);
+  };
+  return math;
+}
+
+// sum and mean over the last axis, to [..., 1]: the f64 total rounded to f32 once.
+RowReductionMath row_total_math(bool mean) {
+  RowReductionMath math;
+  math.bind = [mean](const Attributes&) -> RowFunction {
+    return [mean](RowOperands in, std::span<float> out) {
+      double total = 0;
+      for (float value : in[0]) total += value;
+      out[0] = static_cast<float>(mean ? total / static_cast<double>(in[0].size()) : total);
+    };
+  };
+  math.row_kernel = [mean](RowKernelSteps& steps, const Attributes&) {
+    const std::string total = steps.reduce("sum", steps.operand(0), "sum");
+    steps.row_result(mean ? total + " / " + steps.row_length() : total);
+  };
+  return math;
+}
+
+// ---------------------------------------------------------------- sample graphs
+
+using graph_detail::attributes_of;
+
+// One node of `op` over inputs named after the op's input names.
+std::function<ComputeGraph()> sample(std::string op, std::vector<TensorSpec> inputs, Attributes attributes = {}) {
+  return [op = std::move(op), inputs = std::move(inputs), attributes = std::move(attributes)] {
+    const OpDefinition& definition = *find_op(op);
+    GraphBuilder builder;
+    std::vector<ValueRef> refs;
+    for (std::size_t index = 0; index < inputs.size(); ++index) {
+      refs.push_back(builder.input(std::string(definition.input_names.at(index)), inputs[index]));
+    }
+    return builder.build(builder.add_node(op, refs, attributes, "out"));
+  };
+}
+
+TensorSpec f32(Shape shape) { return TensorSpec(std::move(shape), DType::f32); }
+
+// ---------------------------------------------------------------- the table
+
+std::deque<OpDefinition>& table() {
+  static std::deque<OpDefinition> definitions = [] {
+    std::deque<OpDefinition> ops;
+    auto define = [&ops](std::string_view name, OpKind kind, std::vector<std::string_view> input_names,
+                         decltype(OpDefinition::infer) infer, std::function<ComputeGraph()> sample_graph) -> OpDefinition& {
+      OpDefinition& definition = ops.emplace_back();
+      definition.name = name;
+      definition.kind = kind;
+      definition.input_names = std::move(input_names);
+      definition.infer = std::move(infer);
+      definition.sample_graph = std::move(sample_graph);
+      return definition;
+    };
+    const Shape rows{4, 32};
+    define("add", OpKind::elementwise, {"a", "b"}, infer_binary, sample("add", {f32(rows), f32({32})}))
+        .elementwise = ElementwiseMath{binary_math([](auto a, auto b) { return a + b; }), cuda_infix("+"), "", false};
+    define("subtract", OpKind::elementwise, {"a", "b"}, infer_binary, sample("subtract", {f32(rows), f32(rows)}))
+        .elementwise = ElementwiseMath{binary_math([](auto a, auto b) { return a - b; }), cuda_infix("-"), "", false};
+    define("multiply", OpKind::elementwise, {"a", "b"}, infer_binary, sample("multiply", {f32(rows), f32({})}))
+        .elementwise = ElementwiseMath{binary_math([](auto a, auto b) { return a * b; }), cuda_infix("*"), "", false};
+    define("scale", OpKind::elementwise, {"x"}, infer_scale, sample("scale", {f32(rows)}, attributes_of({{"factor", 0.375}})))
+        .elementwise = scale_math();
+    define("silu", OpKind::elementwise, {"x"}, infer_unary, sample("silu", {f32(rows)})).elementwise = silu_math();
+    define("gelu", OpKind::elementwise, {"x"}, infer_gelu,
+           sample("gelu", {f32(rows)}, attributes_of({{"approximate", std::string("tanh")}})))
+        .elementwise = gelu_math();
+    define("exp", OpKind::elementwise, {"x"}, infer_unary, sample("exp", {f32(rows)})).elementwise =
+        ElementwiseMath{unary_math(plain([](auto x) { return std::exp(x); })), cuda_call("expf"), "", false};
+    define("causal_mask", OpKind::elementwise, {"x"}, infer_causal_mask,
+           sample("causal_mask", {f32({2, 8, 8})}, attributes_of({{"offset", std::int64_t{1}}})))
+        .elementwise = causal_mask_math();
+    define("rms_norm", OpKind::row_reduction, {"x", "weight"}, infer_rms_norm,
+           sample("rms_norm", {f32(rows), f32({32})}, attributes_of({{"eps", 1e-5}})))
+        .row_reduction = rms_norm_math();
+    define("layer_norm", OpKind::row_reduction, {"x", "weight", "bias"}, infer_layer_norm,
+           sample("layer_norm", {f32(rows), f32({32}), f32({32})}, attributes_of({{"eps", 1e-5}})))
+        .row_reduction = layer_norm_math();
+    OpDefinition& softmax = define("softmax", OpKind::row_reduction, {"x"}, infer_softmax, sample("softmax", {f32(rows)}));
+    softmax.node_kind = softmax_kind;
+    softmax.row_reduction = softmax_math();
+    define("sum", OpKind::row_reduction, {"x"}, infer_row_total, sample("sum", {f32(rows)})).row_reduction =
+        row_total_math(false);
+    define("mean", OpKind::row_reduction, {"x"}, infer_row_total, sample("mean", {f32(rows)})).row_reduction =
+        row_total_math(true);
+    define("matmul", OpKind::contraction, {"a", "b"}, infer_matmul,
+           sample("matmul", {f32(rows), f32({16, 32})}, attributes_of({{"transpose_right", std::int64_t{1}}})));
+    define("quantized_matmul", OpKind::contraction, {"x", "packed", "scales", "biases"}, infer_quantized_matmul,
+           sample("quantized_matmul", {f32({2, 64}), TensorSpec({16, 8}, DType::u32), f32({16, 1}), f32({16, 1})},
+                  attributes_of({{"bits", std::int64_t{4}}, {"group_size", std::int64_t{64}}})));
+    define("rope", OpKind::layout, {"x", "positions"}, infer_rope,
+           sample("rope", {f32({2, 4, 16}), TensorSpec({4}, DType::i32)}, attributes_of({{"theta", 1e4}})));
+    define("reshape", OpKind::layout, {"x"}, infer_reshape,
+           sample("reshape", {f32(rows)}, attributes_of({{"shape", Shape{8, -1}}})));
+    define("transpose", OpKind::layout, {"x"}, infer_transpose,
+           sample("transpose", {f32({2, 4, 8})}, attributes_of({{"perm", Shape{2, 0, 1}}})));
+    define("cast", OpKind::layout, {"x"}, infer_cast,
+           sample("cast", {f32(rows)}, attributes_of({{"dtype", std::string("f16")}})));
     // Not elementwise in the planner's sense (it reads a second, differently shaped input per row), so
     // `layout` keeps rules from growing into it; the CPU reference and the attention rewrite know it.
-    define("position_mask", OpKind::layout, {"x", "positions"}, infer_position_mask);
-    define("rms_norm", OpKind::row_reduction, {"x", "weight"}, infer_rms_norm);
-    define("layer_norm", OpKind::row_reduction, {"x", "weight", "bias"}, infer_layer_norm);
-    define("softmax", OpKind::row_reduction, {"x"}, infer_softmax, softmax_kind);
-    define("matmul", OpKind::contraction, {"a", "b"}, infer_matmul);
-    define("quantized_matmul", OpKind::contraction, {"x", "packed", "scales", "biases"}, infer_quantized_matmul);
-    // One kernel made by the attention rewrite (src/discovery): it contracts over D and over T.
-    define("flash_attention", OpKind::contraction, {"q", "k", "v", "positions"}, infer_flash_attention, {}, 1);
-    define("rope", OpKind::layout, {"x", "positions"}, infer_rope);
-    define("reshape", OpKind::layout, {"x"}, infer_reshape);
-    define("transpose", OpKind::layout, {"x"}, infer_transpose);
-    define("cast", OpKind::layout, {"x"}, infer_cast);
+    define("position_mask", OpKind::layout, {"x", "positions"}, infer_position_mask,
+           sample("position_mask", {f32({2, 4, 8}), TensorSpec({2}, DType::i32)}));
+    // One kernel made by the attention rewrite (src/discovery): it contracts over D and over T. Its
+    // sample carries no certificate, so the CPU reference refuses to run it (the executor's check).
+    define("flash_attention", OpKind::contraction, {"q", "k", "v", "positions"}, infer_flash_attention,
+           sample("flash_attention", {f32({2, 4, 8}), f32({2, 6, 8}), f32({2, 6, 4})}))
+        .optional_inputs = 1;
     return ops;
   }();
   return definitions;
+}
+
+// Names of ops registered at run time (the table's string_views point here; a deque never moves them).
+std::deque<std::string>& registered_names() {
+  static std::deque<std::string> names;
+  return names;
 }
 
 }  // namespace
@@ -442,7 +765,7 @@ std::string_view op_kind_name(OpKind kind) {
 }
 
 const OpDefinition* find_op(std::string_view name) {
-  for (const OpDefinition& definition : registry()) {
+  for (const OpDefinition& definition : table()) {
     if (definition.name == name) return &definition;
   }
   return nullptr;
@@ -450,8 +773,44 @@ const OpDefinition* find_op(std::string_view name) {
 
 std::vector<std::string_view> registered_op_names() {
   std::vector<std::string_view> names;
-  for (const OpDefinition& definition : registry()) names.push_back(definition.name);
+  for (const OpDefinition& definition : table()) names.push_back(definition.name);
   return names;
+}
+
+void register_op(OpDefinition definition) {
+  if (definition.name.empty()) throw InputError("register_op: an op needs a name");
+  if (find_op(definition.name) != nullptr) {
+    throw InputError("register_op: op '" + std::string(definition.name) + "' is already registered");
+  }
+  if (!definition.infer) throw InputError("register_op: op '" + std::string(definition.name) + "' has no shape rule");
+  definition.name = registered_names().emplace_back(definition.name);
+  table().push_back(std::move(definition));
+}
+
+ElementFunctions bind_elementwise(std::string_view op, const Attributes& attributes, std::span<const TensorSpec> inputs) {
+  const OpDefinition* definition = find_op(op);
+  if (definition == nullptr || !definition->elementwise) {
+    throw InputError("op '" + std::string(op) + "' has no elementwise math");
+  }
+  return definition->elementwise->bind(attributes, inputs);
+}
+
+std::string cuda_elementwise_helpers() {
+  std::string helpers;
+  for (const OpDefinition& definition : table()) {
+    if (definition.elementwise) helpers += definition.elementwise->cuda_helpers;
+  }
+  return helpers;
+}
+
+std::string cuda_float_literal(double value) {
+  if (std::isnan(value)) return "__int_as_float(0x7fc00000)";
+  if (std::isinf(value)) return value > 0 ? "__int_as_float(0x7f800000)" : "__int_as_float(0xff800000)";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(static_cast<float>(value)));
+  std::string literal = text;
+  if (literal.find_first_of(".e") == std::string::npos) literal += ".0";
+  return literal + "f";
 }
 
 OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs, const Attributes& attributes) {

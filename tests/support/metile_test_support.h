@@ -1,14 +1,18 @@
 // Helpers shared by the tests of several modules (graph, cpu_runtime, fusion,
 // codegen, gpu) and the kernel benchmark: the message of the InputError an action
-// throws, a file read whole, and the seed graph of DESIGN.md. Module-specific helpers stay in their folders.
+// throws, a file read whole, the seed of a randomised test, and the seed graph of DESIGN.md. Module-specific helpers stay in their folders.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <random>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "metile/error.h"
 #include "metile/graph.h"
@@ -32,6 +36,22 @@ inline std::string read_text(const std::filesystem::path& path) {
   std::ostringstream text;
   text << stream.rdbuf();
   return text.str();
+}
+
+// The seed of a randomised test: METILE_TEST_SEED=N replays a run, otherwise a fresh one. Printed
+// as "<what>: METILE_TEST_SEED=N", so a failing test's output says how to replay it.
+inline std::uint64_t test_seed(std::string_view what) {
+  std::uint64_t seed = 0;
+  if (const char* text = std::getenv("METILE_TEST_SEED"); text != nullptr && *text != '\0') {
+    seed = std::strtoull(text, nullptr, 10);
+  } else {
+    std::random_device device;
+    seed = (std::uint64_t{device()} << 32) ^ device();
+  }
+  std::printf("%.*s: METILE_TEST_SEED=%llu\n", static_cast<int>(what.size()), what.data(),
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  return seed;
 }
 
 // The seed graph, both values outputs: summed = values + residual;

@@ -1,4 +1,5 @@
-// The reference definition of every op in DESIGN.md's table.
+// The CPU reference executor's ops: contractions and layout ops here, elementwise ops and row
+// reductions from the op table's math (src/graph/op_registry.cpp).
 //
 // Numerics, chosen so that a GPU kernel computing in f32 lands within a few
 // f32 ulps of this code before its result is rounded to the output dtype:
@@ -49,55 +50,23 @@ HostTensor store_values(const TensorSpec& spec, const std::vector<double>& value
   return tensor;
 }
 
-template <typename Operation>
-HostTensor map_elements(const OpCall& call, Operation operation) {
-  std::vector<float> values = load_floats(call.input(0));
-  for (float& value : values) value = operation(value);
-  return store_values(call.output, values);
-}
-
-// b's shape is a suffix of a's (checked by the graph), so in row-major order b
-// simply repeats every b.element_count() elements of a.
-template <typename Operation>
-HostTensor combine_elements(const OpCall& call, Operation operation) {
-  std::vector<float> a = load_floats(call.input(0));
-  const std::vector<float> b = load_floats(call.input(1));
-  if (b.empty()) return store_values(call.output, a);
-  for (std::size_t index = 0; index < a.size(); ++index) a[index] = operation(a[index], b[index % b.size()]);
-  return store_values(call.output, a);
-}
-
-// Both forms are written so that no step cancels: the textbook
-// 1 + erf(x / sqrt 2) and 1 + tanh(u) lose every significant digit for
-// negative x, where the result is tiny but not zero.
-HostTensor evaluate_gelu(const OpCall& call) {
-  if (call.node.attributes.get_string("approximate") == "tanh") {
-    // 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3)
-    constexpr float sqrt_two_over_pi = 0.7978845608028654f;
-    constexpr float cubic_coefficient = 0.044715f;
-    return map_elements(call, [](float x) {
-      const float cube = x * x * x;
-      const float inner = sqrt_two_over_pi * (x + cubic_coefficient * cube);
-      return x / (1.0f + std::exp(-2.0f * inner));
-    });
+// Elementwise ops: the op table's f32 math per element. An input with fewer elements than the
+// output has a suffix of its shape (or none, []), so in row-major order it simply repeats.
+HostTensor evaluate_elementwise(const OpCall& call, const ElementwiseMath& math) {
+  std::vector<TensorSpec> input_specs;
+  std::vector<std::vector<float>> inputs;
+  for (const HostTensor* input : call.inputs) {
+    input_specs.push_back(input->spec());
+    inputs.push_back(load_floats(*input));
   }
-  // 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2)
-  constexpr float one_over_sqrt_two = 0.7071067811865476f;
-  return map_elements(call, [](float x) {
-    const float half_x = 0.5f * x;
-    return half_x * std::erfc(-x * one_over_sqrt_two);
-  });
-}
-
-HostTensor evaluate_causal_mask(const OpCall& call) {
-  const std::int64_t offset = call.node.attributes.get_int("offset");
-  const std::int64_t columns = call.output.shape.back();
-  const std::int64_t rows = call.output.shape[call.output.shape.size() - 2];
-  std::vector<float> values = load_floats(call.input(0));
+  const ElementFunctions functions = math.bind(call.node.attributes, input_specs);
+  const std::int64_t columns = call.output.row_length();
+  std::vector<float> values(static_cast<std::size_t>(call.output.element_count()));
+  std::vector<float> operands(inputs.size());
   for (std::size_t index = 0; index < values.size(); ++index) {
-    const std::int64_t column = static_cast<std::int64_t>(index) % columns;
-    const std::int64_t row = static_cast<std::int64_t>(index) / columns % rows;
-    if (column - row > offset) values[index] = -std::numeric_limits<float>::infinity();
+    for (std::size_t input = 0; input < inputs.size(); ++input) operands[input] = inputs[input][index % inputs[input].size()];
+    const auto flat = static_cast<std::int64_t>(index);
+    values[index] = functions.f32(operands, ElementSite{flat / columns, flat % columns});
   }
   return store_values(call.output, values);
 }
@@ -124,7 +93,7 @@ HostTensor evaluate_position_mask(const OpCall& call) {
 // no visible key finalizes the identity, 0 / 0 = NaN, as softmax over an all -inf row does.
 HostTensor evaluate_flash_attention(const OpCall& call) {
   constexpr std::int64_t kKeyBlock = 64;
-  const std::string& law_name = "stable_weighted_softmax";
+  constexpr std::string_view law_name = "stable_weighted_softmax";
   require_verified_certificate(call.node, law_name);
   const LawEvaluator law(*find_law(law_name), call.input(2).spec().shape.back());
   const TensorSpec& q_spec = call.input(0).spec();
@@ -176,91 +145,41 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
   return store_values(call.output, out);
 }
 
-// x / sqrt(mean(x^2) + eps) * weight: the statistic in f64, rounded once to an
-// f32 factor; the per-element scaling in f32.
-HostTensor evaluate_rms_norm(const OpCall& call) {
-  const double eps = call.node.attributes.get_double("eps");
-  std::vector<float> x = load_floats(call.input(0));
-  const std::vector<float> weight = load_floats(call.input(1));
-  const std::size_t length = weight.size();
-  for (std::size_t first = 0; first < x.size(); first += length) {
-    double sum_of_squares = 0;
-    for (std::size_t d = 0; d < length; ++d)
-      sum_of_squares += static_cast<double>(x[first + d]) * x[first + d];
-    const auto inverse_rms =
-        static_cast<float>(1.0 / std::sqrt(sum_of_squares / static_cast<double>(length) + eps));
-    for (std::size_t d = 0; d < length; ++d) {
-      const float normalized = x[first + d] * inverse_rms;
-      x[first + d] = normalized * weight[d];
-    }
-  }
-  return store_values(call.output, x);
-}
-
-// (x - mean) / sqrt(var + eps) * weight + bias, the mean and the (two-pass)
-// variance in f64, rounded once to f32.
-HostTensor evaluate_layer_norm(const OpCall& call) {
-  const double eps = call.node.attributes.get_double("eps");
-  std::vector<float> x = load_floats(call.input(0));
-  const std::vector<float> weight = load_floats(call.input(1));
-  const std::vector<float> bias = load_floats(call.input(2));
-  const std::size_t length = weight.size();
-  for (std::size_t first = 0; first < x.size(); first += length) {
-    double sum = 0;
-    for (std::size_t d = 0; d < length; ++d) sum += x[first + d];
-    const double mean = sum / static_cast<double>(length);
-    double squared_deviations = 0;
-    for (std::size_t d = 0; d < length; ++d) {
-      const double deviation = x[first + d] - mean;
-      squared_deviations += deviation * deviation;
-    }
-    const auto mean_f32 = static_cast<float>(mean);
-    const auto inverse_std =
-        static_cast<float>(1.0 / std::sqrt(squared_deviations / static_cast<double>(length) + eps));
-    for (std::size_t d = 0; d < length; ++d) {
-      const float centered = x[first + d] - mean_f32;
-      const float normalized = centered * inverse_std;
-      const float scaled = normalized * weight[d];
-      x[first + d] = scaled + bias[d];
-    }
-  }
-  return store_values(call.output, x);
-}
-
-// Numerically stable: exp(x - max) in f32, the sum in f64, each quotient
-// rounded once. A slice that is entirely -inf has no finite maximum and gives
-// NaN, as in PyTorch and MLX.
-HostTensor evaluate_softmax(const OpCall& call) {
-  const auto axis = static_cast<std::size_t>(call.node.attributes.get_int("axis"));
-  const std::vector<std::int64_t>& shape = call.output.shape;
+// Row reductions: the op table's per-row math over the last axis, or over the node's `axis`
+// (softmax), whose strided slices are gathered into a row and scattered back. Inputs after the
+// first (a norm's weight and bias) are one row every row shares.
+HostTensor evaluate_row_reduction(const OpCall& call, const RowReductionMath& math) {
+  const TensorSpec& x_spec = call.input(0).spec();
+  const std::size_t last = x_spec.shape.size() - 1;
+  const std::size_t axis =
+      call.node.attributes.has("axis") ? static_cast<std::size_t>(call.node.attributes.get_int("axis")) : last;
   std::int64_t outer = 1;
   std::int64_t inner = 1;
-  for (std::size_t dim = 0; dim < axis; ++dim) outer *= shape[dim];
-  for (std::size_t dim = axis + 1; dim < shape.size(); ++dim) inner *= shape[dim];
-  const std::int64_t length = shape[axis];
-  std::vector<float> x = load_floats(call.input(0));
-  std::vector<float> exponentials(static_cast<std::size_t>(length));
+  for (std::size_t dim = 0; dim < axis; ++dim) outer *= x_spec.shape[dim];
+  for (std::size_t dim = axis + 1; dim < x_spec.shape.size(); ++dim) inner *= x_spec.shape[dim];
+  const std::int64_t length = x_spec.shape[axis];
+  const std::int64_t out_length = call.output.shape[axis];
+  const std::vector<float> x = load_floats(call.input(0));
+  std::vector<std::vector<float>> shared_rows;
+  for (std::size_t input = 1; input < call.inputs.size(); ++input) shared_rows.push_back(load_floats(call.input(input)));
+  const RowReductionMath::RowFunction row_function = math.bind(call.node.attributes);
+  std::vector<float> out(static_cast<std::size_t>(call.output.element_count()));
+  std::vector<float> row(static_cast<std::size_t>(length));
+  std::vector<float> out_row(static_cast<std::size_t>(out_length));
+  std::vector<std::span<const float>> operands{row};
+  for (const std::vector<float>& shared : shared_rows) operands.emplace_back(shared);
   for (std::int64_t before = 0; before < outer; ++before) {
     for (std::int64_t after = 0; after < inner; ++after) {
-      const auto at = [&](std::int64_t position) {
-        return static_cast<std::size_t>((before * length + position) * inner + after);
-      };
-      float maximum = -std::numeric_limits<float>::infinity();
       for (std::int64_t position = 0; position < length; ++position) {
-        if (x[at(position)] > maximum || std::isnan(x[at(position)])) maximum = x[at(position)];
+        row[static_cast<std::size_t>(position)] = x[static_cast<std::size_t>((before * length + position) * inner + after)];
       }
-      double sum = 0;
-      for (std::int64_t position = 0; position < length; ++position) {
-        const float exponential = std::exp(x[at(position)] - maximum);
-        exponentials[static_cast<std::size_t>(position)] = exponential;
-        sum += exponential;
-      }
-      for (std::int64_t position = 0; position < length; ++position) {
-        x[at(position)] = static_cast<float>(exponentials[static_cast<std::size_t>(position)] / sum);
+      row_function(operands, out_row);
+      for (std::int64_t position = 0; position < out_length; ++position) {
+        out[static_cast<std::size_t>((before * out_length + position) * inner + after)] = out_row[static_cast<std::size_t>(position)];
       }
     }
   }
-  return store_values(call.output, x);
+  return store_values(call.output, out);
 }
 
 // a [..., M, K] times b [..., K, N] (or [..., N, K] with transpose_right); a
@@ -417,37 +336,13 @@ HostTensor evaluate_cast(const OpCall& call) {
 
 using Evaluator = HostTensor (*)(const OpCall&);
 
+// Contractions and layout ops; elementwise ops and row reductions come from the op table.
 const std::unordered_map<std::string_view, Evaluator>& evaluators() {
   static const std::unordered_map<std::string_view, Evaluator> table = {
-      {"add",
-       [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a + b; }); }},
-      {"subtract",
-       [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a - b; }); }},
-      {"multiply",
-       [](const OpCall& call) { return combine_elements(call, [](float a, float b) { return a * b; }); }},
-      {"scale",
-       [](const OpCall& call) {
-         const auto factor = static_cast<float>(call.node.attributes.get_double("factor"));
-         return map_elements(call, [factor](float x) { return x * factor; });
-       }},
-      {"silu",
-       [](const OpCall& call) {
-         return map_elements(call, [](float x) { return x / (1.0f + std::exp(-x)); });
-       }},
-      {"gelu", evaluate_gelu},
-      {"exp", [](const OpCall& call) { return map_elements(call, [](float x) { return std::exp(x); }); }},
-      {"causal_mask", evaluate_causal_mask},
-      {"position_mask", evaluate_position_mask},
-      {"flash_attention", evaluate_flash_attention},
-      {"rms_norm", evaluate_rms_norm},
-      {"layer_norm", evaluate_layer_norm},
-      {"softmax", evaluate_softmax},
-      {"matmul", evaluate_matmul},
-      {"quantized_matmul", evaluate_quantized_matmul},
-      {"rope", evaluate_rope},
-      {"reshape", evaluate_reshape},
-      {"transpose", evaluate_transpose},
-      {"cast", evaluate_cast},
+      {"matmul", evaluate_matmul},       {"quantized_matmul", evaluate_quantized_matmul},
+      {"rope", evaluate_rope},           {"reshape", evaluate_reshape},
+      {"transpose", evaluate_transpose}, {"cast", evaluate_cast},
+      {"position_mask", evaluate_position_mask}, {"flash_attention", evaluate_flash_attention},
   };
   return table;
 }
@@ -456,16 +351,22 @@ const std::unordered_map<std::string_view, Evaluator>& evaluators() {
 
 std::vector<HostTensor> evaluate_reference_node(const Node& node, std::span<const HostTensor* const> inputs,
                                                 std::span<const TensorSpec> output_specs) {
-  const auto evaluator = evaluators().find(node.op);
-  if (evaluator == evaluators().end()) {
-    throw InputError(fmt::format("node '{}': the CPU reference has no op '{}'", node.name, node.op));
-  }
   if (output_specs.size() != 1) {
     throw std::logic_error(fmt::format("node '{}' ({}): expected one output, the graph has {}", node.name,
                                        node.op, output_specs.size()));
   }
+  const OpCall call{node, inputs, output_specs[0]};
+  const OpDefinition* definition = find_op(node.op);
   std::vector<HostTensor> outputs;
-  outputs.push_back(evaluator->second(OpCall{node, inputs, output_specs[0]}));
+  if (const auto evaluator = evaluators().find(node.op); evaluator != evaluators().end()) {
+    outputs.push_back(evaluator->second(call));
+  } else if (definition != nullptr && definition->elementwise) {
+    outputs.push_back(evaluate_elementwise(call, *definition->elementwise));
+  } else if (definition != nullptr && definition->row_reduction) {
+    outputs.push_back(evaluate_row_reduction(call, *definition->row_reduction));
+  } else {
+    throw InputError(fmt::format("node '{}': the CPU reference has no op '{}'", node.name, node.op));
+  }
   return outputs;
 }
 

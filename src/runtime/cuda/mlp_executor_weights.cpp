@@ -238,8 +238,9 @@ std::vector<double> decode_mlp_reference_hidden(const DecodeMlpWeights& weights,
                                                      weights.intermediate, weights.hidden);
   const std::vector<double> up = reference_product(weights, weights.up, weights.quantized_up, x_values, rows,
                                                    weights.intermediate, weights.hidden);
+  const auto silu = bind_elementwise("silu").f64;  // the op table's silu
   std::vector<double> hidden(gate.size());
-  for (std::size_t i = 0; i < gate.size(); ++i) hidden[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
+  for (std::size_t i = 0; i < gate.size(); ++i) hidden[i] = silu(std::span(&gate[i], 1), {}) * up[i];
   return hidden;
 }
 

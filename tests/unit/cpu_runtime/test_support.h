@@ -10,13 +10,22 @@
 #include <vector>
 
 #include "metile/graph.h"
+#include "metile_test_support.h"
 
 namespace metile::testing {
+
+// The seed of this test process, printed once (METILE_TEST_SEED replays it); random_tensor adds
+// it to the seed a test names, so every run draws fresh inputs while a test's tensors stay
+// distinct from each other.
+inline std::uint64_t process_seed() {
+  static const std::uint64_t seed = test_seed("cpu_runtime random tensors");
+  return seed;
+}
 
 // Uniform values in [low, high), rounded to the dtype; drawn from the raw
 // engine output so they are the same with every standard library.
 inline HostTensor random_tensor(TensorSpec spec, std::uint64_t seed, double low = -1.0, double high = 1.0) {
-  std::mt19937_64 generator(seed);
+  std::mt19937_64 generator(seed + process_seed());
   std::vector<double> values(static_cast<std::size_t>(spec.element_count()));
   for (double& value : values)
     value = low + (high - low) * (static_cast<double>(generator() >> 11) * 0x1.0p-53);

@@ -10,6 +10,7 @@
 
 #include "metile/cpu_runtime.h"
 #include "metile/dispatch.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -38,7 +39,7 @@ TEST(NumericGate, ThresholdsFollowTheDtype) {
   EXPECT_EQ(numeric_gate_threshold(DType::bf16), 1e-2);
   EXPECT_EQ(numeric_gate_threshold(DType::i32), 0.0);
   // The same 0.5% error passes bf16's gate and fails f16's.
-  std::mt19937_64 random(std::random_device{}());
+  std::mt19937_64 random(testing::test_seed("NumericGate.ThresholdsFollowTheDtype"));
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
   std::vector<double> values(4096);
   for (double& value : values) value = uniform(random);

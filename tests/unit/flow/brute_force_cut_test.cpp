@@ -10,6 +10,7 @@
 
 #include "metile/flow.h"
 #include "network_families.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -46,7 +47,7 @@ BruteForceCut enumerate_cuts(const FlowNetwork<Capacity>& network, int source, i
 }
 
 TEST(BruteForceMinCut, TinyIntegerNetworks) {
-  std::mt19937_64 random(2024);
+  std::mt19937_64 random(testing::test_seed("BruteForceMinCut.TinyIntegerNetworks"));
   int networks_with_ties = 0;
   for (int trial = 0; trial < 1500; ++trial) {
     const int vertices = static_cast<int>(flow_families::draw(random, 2, 9));
@@ -71,7 +72,7 @@ TEST(BruteForceMinCut, TinyIntegerNetworks) {
 }
 
 TEST(BruteForceMinCut, TinyRealNetworks) {
-  std::mt19937_64 random(77);
+  std::mt19937_64 random(testing::test_seed("BruteForceMinCut.TinyRealNetworks"));
   for (int trial = 0; trial < 500; ++trial) {
     const int vertices = static_cast<int>(flow_families::draw(random, 2, 8));
     const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(

@@ -9,6 +9,7 @@
 
 #include "metile/flow.h"
 #include "network_families.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -50,7 +51,7 @@ TEST(Dimacs, ReadsTheFormat) {
 }
 
 TEST(Dimacs, IntegerRoundTripKeepsEveryEdge) {
-  std::mt19937_64 random(31);
+  std::mt19937_64 random(testing::test_seed("Dimacs.IntegerRoundTripKeepsEveryEdge"));
   for (int trial = 0; trial < 50; ++trial) {
     const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(
         static_cast<int>(flow_families::draw(random, 2, 60)),
@@ -72,7 +73,7 @@ TEST(Dimacs, IntegerRoundTripKeepsEveryEdge) {
 }
 
 TEST(Dimacs, RealRoundTripIsBitExact) {
-  std::mt19937_64 random(32);
+  std::mt19937_64 random(testing::test_seed("Dimacs.RealRoundTripIsBitExact"));
   const flow_families::GeneratedNetwork generated = flow_families::seed_random_network(50, 6, random);
   const FlowProblem<double> original{
       RealFlowNetwork(generated.vertex_count, flow_families::real_edges(generated, true, random)),

@@ -9,6 +9,7 @@
 
 #include "metile/flow.h"
 #include "network_families.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -45,7 +46,7 @@ TEST(FlowNetwork, RejectsBadEdgesNamingTheEdge) {
 }
 
 TEST(FlowNetwork, CsrPairsEveryArcWithItsReverse) {
-  std::mt19937_64 random(7);
+  std::mt19937_64 random(testing::test_seed("FlowNetwork.CsrPairsEveryArcWithItsReverse"));
   const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(40, 300, 50, random);
   const IntegerFlowNetwork network = generated.integer_network();
   int self_loops = 0;

@@ -223,6 +223,22 @@ bool is_convex(const ComputeGraph& graph, const std::vector<NodeId>& nodes) {
   return true;
 }
 
+ComputeGraph elementwise_chain(int length) {
+  GraphBuilder builder;
+  ValueRef value = builder.input("x", {{1, 4096}, DType::f16});
+  const ValueRef weight = builder.input("weight", {{4096}, DType::f16});
+  for (int step = 0; step < length; ++step) {
+    const std::string name = "op" + std::to_string(step);
+    switch (step % 4) {
+      case 0: value = builder.add(value, weight, name); break;
+      case 1: value = builder.silu(value, name); break;
+      case 2: value = builder.multiply(value, weight, name); break;
+      default: value = builder.scale(value, 0.5, name); break;
+    }
+  }
+  return builder.build({value});
+}
+
 std::string plan_problems(const FusionPlan& plan) {
   if (!plan.graph) return "the plan has no graph";
   const ComputeGraph& graph = *plan.graph;

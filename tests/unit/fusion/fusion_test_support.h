@@ -34,6 +34,11 @@ struct SwigluOptions {
 };
 ComputeGraph swiglu_graph(const SwigluOptions& options);
 
+// A chain of `length` elementwise ops over one f16 [1, 4096] activation, each reading the one
+// before (add and multiply also read a broadcast [4096] weight, so every op has work and a reason
+// to stay in a kernel): the shape that asks whether the planner fuses beyond one neighborhood.
+ComputeGraph elementwise_chain(int length);
+
 // Empty when the plan is legal; otherwise what is wrong. Checks: every node in
 // exactly one kernel, regions non-empty/ascending/convex, the kernel graph
 // acyclic, region inputs and outputs as defined, a reason for every node.

@@ -243,6 +243,20 @@ TEST(Planner, OddConflictCycleStillGivesALegalExactPlan) {
   }
 }
 
+// A chain longer than one neighborhood (64 ops) continues in the next region where the last one
+// stopped, instead of ending in one region and 236 unfused ops (237 kernels for 300 ops).
+TEST(Planner, LongElementwiseChainEndsInAHandfulOfKernels) {
+  const RuleSet rules = default_rules();
+  for (int length : {63, 64, 65, 300}) {
+    const FusionPlan plan = plan_graph_fusion(fusion_test::elementwise_chain(length), FusionTarget::h200(), rules);
+    ASSERT_EQ(plan_problems(plan), "") << length;
+    EXPECT_TRUE(plan.unfused.empty()) << length << " ops: " << plan.unfused.size() << " unfused";
+    const int bound = (length + rules.max_neighborhood_nodes - 1) / rules.max_neighborhood_nodes;
+    EXPECT_EQ(plan.kernel_count(), bound) << length << " ops";
+    for (const FusionRegion& region : plan.regions) EXPECT_EQ(region.rule, "elementwise_chain");
+  }
+}
+
 TEST(Planner, LayoutOpsAreNeverFusedAndSaySo) {
   GraphBuilder builder;
   auto x = builder.input("x", {{4, 64}, DType::f32});
@@ -255,7 +269,7 @@ TEST(Planner, LayoutOpsAreNeverFusedAndSaySo) {
 }
 
 TEST(Planner, IdenticalInputGivesByteIdenticalPlans) {
-  std::mt19937_64 random(7);
+  std::mt19937_64 random(testing::test_seed("Planner.IdenticalInputGivesByteIdenticalPlans"));
   for (int round = 0; round < 20; ++round) {
     const ComputeGraph graph = fusion_test::random_graph(random, 30);
     const FusionPlan first = plan_graph_fusion(graph);

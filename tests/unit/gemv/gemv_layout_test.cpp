@@ -14,6 +14,7 @@
 #include "gemv_test_support.h"
 #include "metile/decode_mlp.h"
 #include "metile/quant.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -36,7 +37,7 @@ std::vector<Shape> shapes_for(int group_size) {
 }
 
 TEST(GemvRepack, RoundTripIsExactForEveryFormat) {
-  std::uint64_t seed = 100;
+  std::uint64_t seed = testing::test_seed("GemvRepack.RoundTripIsExactForEveryFormat");
   for (DType dtype : {DType::f16, DType::bf16}) {
     for (int bits : {4, 8}) {
       for (int group : {32, 64, 128}) {
@@ -106,7 +107,7 @@ std::uint32_t code_from_pair(std::uint32_t word, int bits, int pair, int element
 }
 
 TEST(GemvRepack, KernelFragmentViewSeesEveryOriginalCodeOnce) {
-  std::uint64_t seed = 500;
+  std::uint64_t seed = testing::test_seed("GemvRepack.KernelFragmentViewSeesEveryOriginalCodeOnce");
   for (int bits : {4, 8}) {
     for (int group : {32, 64, 128}) {
       for (const Shape& shape : shapes_for(group)) {

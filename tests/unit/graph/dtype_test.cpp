@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "metile/graph.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -152,7 +153,7 @@ std::vector<float> f16_rounding_probes() {
                         std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::max()}) {
     probes.push_back(special);
   }
-  std::mt19937 random(20240617);
+  std::mt19937 random(static_cast<std::uint32_t>(testing::test_seed("DTypeTest f32 probes")));
   std::uniform_int_distribution<std::uint32_t> any_bits;
   std::uniform_real_distribution<float> moderate(-70000.0f, 70000.0f);
   for (int draw = 0; draw < 100000; ++draw) {
@@ -187,7 +188,7 @@ TEST(DTypeTest, F32ToF16MatchesCompilerFloat16) {
 
 TEST(DTypeTest, F32ToBf16MatchesNeighbourComparison) {
   std::vector<float> probes;
-  std::mt19937 random(77);
+  std::mt19937 random(static_cast<std::uint32_t>(testing::test_seed("DTypeTest.F32ToBf16MatchesNeighbourComparison")));
   std::uniform_int_distribution<std::uint32_t> any_bits;
   for (int draw = 0; draw < 300000; ++draw) {
     const std::uint32_t bits = any_bits(random);
@@ -226,7 +227,7 @@ TEST(DTypeTest, OverflowGoesToInfinityAndSignedZerosSurvive) {
 }
 
 TEST(DTypeTest, RoundToDtype) {
-  std::mt19937 random(5);
+  std::mt19937 random(static_cast<std::uint32_t>(testing::test_seed("DTypeTest.RoundToDtype")));
   std::uniform_real_distribution<float> values(-300.0f, 300.0f);
   for (int draw = 0; draw < 10000; ++draw) {
     const float value = values(random);

@@ -244,7 +244,8 @@ ComputeGraph random_graph(std::uint32_t seed) {
 
 TEST(GraphJsonTest, RandomGraphsRoundTrip) {
   std::set<std::string> ops_seen;
-  for (std::uint32_t seed = 1; seed <= 60; ++seed) {
+  const auto first = static_cast<std::uint32_t>(testing::test_seed("GraphJsonTest.RandomGraphsRoundTrip"));
+  for (std::uint32_t seed = first; seed != first + 60; ++seed) {
     const ComputeGraph graph = random_graph(seed);
     for (const Node& node : graph.nodes()) ops_seen.insert(node.op);
     ASSERT_GE(graph.nodes().size(), 12u) << "seed " << seed;
@@ -260,7 +261,8 @@ TEST(GraphJsonTest, RandomGraphsRoundTrip) {
 }
 
 TEST(GraphJsonTest, ShuffledNodeOrderGivesTheSameNodes) {
-  for (std::uint32_t seed = 100; seed < 120; ++seed) {
+  const auto first = static_cast<std::uint32_t>(testing::test_seed("GraphJsonTest.ShuffledNodeOrderGivesTheSameNodes"));
+  for (std::uint32_t seed = first; seed != first + 20; ++seed) {
     const ComputeGraph graph = random_graph(seed);
     Json document = Json::parse(write_graph_json(graph));
     std::mt19937 random(seed);

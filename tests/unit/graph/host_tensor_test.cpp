@@ -35,7 +35,7 @@ TEST(TensorSpecTest, CountsBytesRowsAndText) {
 }
 
 TEST(HostTensorTest, ValuesRepresentableInEachDtypeSurviveExactly) {
-  std::mt19937 random(31);
+  std::mt19937 random(static_cast<std::uint32_t>(testing::test_seed("HostTensorTest.ValuesRepresentableInEachDtypeSurviveExactly")));
   std::uniform_int_distribution<std::uint32_t> bits16(0, 0xffff);
   std::uniform_int_distribution<std::int64_t> i32_values(INT32_MIN, INT32_MAX);
   std::uniform_int_distribution<std::int64_t> u32_values(0, UINT32_MAX);
@@ -140,7 +140,7 @@ class SafetensorsTest : public ::testing::Test {
 };
 
 TEST_F(SafetensorsTest, RoundTripsEveryDtype) {
-  std::mt19937 random(99);
+  std::mt19937 random(static_cast<std::uint32_t>(testing::test_seed("SafetensorsTest.RoundTripsEveryDtype")));
   std::uniform_real_distribution<double> values(-100.0, 100.0);
   TensorMap tensors;
   int shape_seed = 1;

@@ -45,7 +45,8 @@ TEST(OpRegistryTest, EveryDesignOpIsRegisteredWithItsKind) {
       {"add", OpKind::elementwise},          {"subtract", OpKind::elementwise},   {"multiply", OpKind::elementwise},
       {"scale", OpKind::elementwise},        {"silu", OpKind::elementwise},       {"gelu", OpKind::elementwise},
       {"exp", OpKind::elementwise},          {"causal_mask", OpKind::elementwise}, {"rms_norm", OpKind::row_reduction},
-      {"layer_norm", OpKind::row_reduction}, {"softmax", OpKind::row_reduction}, {"matmul", OpKind::contraction},
+      {"layer_norm", OpKind::row_reduction}, {"softmax", OpKind::row_reduction}, {"sum", OpKind::row_reduction},
+      {"mean", OpKind::row_reduction},       {"matmul", OpKind::contraction},
       {"quantized_matmul", OpKind::contraction}, {"rope", OpKind::layout},       {"reshape", OpKind::layout},
       {"transpose", OpKind::layout},         {"cast", OpKind::layout},            {"position_mask", OpKind::layout},
       {"flash_attention", OpKind::contraction}};
@@ -113,6 +114,17 @@ TEST(OpRegistryTest, Normalisations) {
   EXPECT_EQ(infer_error("layer_norm", {spec({4, 8}), spec({8}), spec({8}, DType::f32)}, attrs({{"eps", 1e-5}})),
             "bias f32[8] must have the dtype of x f16[4, 8]");
   EXPECT_EQ(infer_error("rms_norm", {spec({}), spec({})}, attrs({{"eps", 1e-5}})), "x f16[] must have rank 1 or more");
+}
+
+TEST(OpRegistryTest, SumAndMeanShortenTheLastAxisToOne) {
+  for (std::string_view op : {"sum", "mean"}) {
+    EXPECT_EQ(infer_one(op, {spec({2, 7, 64})}), spec({2, 7, 1}));
+    EXPECT_EQ(infer_one(op, {spec({5}, DType::f32)}), spec({1}, DType::f32));
+    EXPECT_EQ(infer_error(op, {spec({})}), "x f16[] must have rank 1 or more");
+    EXPECT_EQ(infer_error(op, {spec({3, 0})}), "x f16[3, 0] has empty rows");
+    EXPECT_EQ(infer_error(op, {spec({3, 4}, DType::i32)}), "x i32[3, 4] must have a floating dtype (f16, bf16 or f32)");
+    EXPECT_EQ(infer_error(op, {spec({4})}, attrs({{"axis", std::int64_t{0}}})), "unknown attribute 'axis' (this op takes none)");
+  }
 }
 
 TEST(OpRegistryTest, SoftmaxAxisIsNormalisedAndDecidesTheKind) {
