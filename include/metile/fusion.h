@@ -161,7 +161,7 @@ struct FusionRegion {
   double benefit_ns = 0;         // estimated cost saved against running the nodes unfused
   // A region of one node made by a certified rewrite (discovery): that node's certificate, as
   // JSON ({"law", "theory", "obligations", "verified"}); empty for every other region.
-  std::string certificate;
+  std::string certificate = {};  // (a default initializer: aggregate initializations may leave it out)
 };
 
 // A region some rule proposed, and what conflict selection made of it.

@@ -251,13 +251,13 @@ TEST(RunPlanReference, RegionsWithLocalIntermediatesMatchBitForBit) {
                           {fixture.projected, fixture.activated, fixture.gated},
                           {value_of(fixture, "normalized"), value_of(fixture, "scaled")},
                           {value_of(fixture, "gated")},
-                          1, ""});
+                          1});
   plan.regions.push_back(
       {"residual_add_rms_norm",
        {fixture.summed, fixture.normalized},
        {value_of(fixture, "values"), value_of(fixture, "residual"), value_of(fixture, "weight")},
        {value_of(fixture, "summed"), value_of(fixture, "normalized")},
-       1, ""});
+       1});
   plan.unfused = {fixture.scaled};
   const TensorMap expected = run_reference(*fixture.graph, fixture.inputs);
   const TensorMap actual = run_plan_reference(plan, fixture.inputs);
@@ -283,7 +283,7 @@ TEST(RunPlanReference, RejectsMalformedPlans) {
                    {fixture.summed, fixture.normalized},
                    {},
                    {value_of(fixture, "activated")},
-                   1, ""}};
+                   1}};
   EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }),
             "fusion plan: region 0 (residual_add_rms_norm) lists output 'activated' which none of its nodes "
             "computes");
@@ -293,7 +293,7 @@ TEST(RunPlanReference, RejectsMalformedPlans) {
                    {fixture.summed, fixture.normalized},
                    {},
                    {value_of(fixture, "normalized")},
-                   1, ""}};
+                   1}};
   EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }),
             "fusion plan: no kernel can run (unfused node 'scaled' waits for 'summed'): the kernels form a "
             "cycle or "
@@ -318,7 +318,7 @@ TEST(RunPlanReference, DetectsACycleBetweenKernels) {
                    {fixture.summed, fixture.gated},
                    {},
                    {value_of(fixture, "summed"), value_of(fixture, "gated")},
-                   1, ""}};
+                   1}};
   plan.unfused = {fixture.normalized, fixture.projected, fixture.activated, fixture.scaled};
   const std::string message = error_of([&] { run_plan_reference(plan, fixture.inputs); });
   EXPECT_NE(message.find("no kernel can run"), std::string::npos) << message;
@@ -333,7 +333,7 @@ TEST(RunPlanReference, RejectsAGraphOutputThatARegionKeepsLocal) {
                     fixture.gated},
                    {},
                    {value_of(fixture, "gated")},
-                   1, ""}};
+                   1}};
   EXPECT_EQ(error_of([&] { run_plan_reference(plan, fixture.inputs); }),
             "fusion plan: graph output 'summed' is computed inside a region that does not list it among its "
             "outputs");
