@@ -266,6 +266,8 @@ struct OpDefinition {
   // A small graph using the op (f32 unless the op says otherwise), which the tests run through
   // JSON, the CPU reference, the planner and, for row ops, the NVRTC-compiled row kernel.
   std::function<ComputeGraph()> sample_graph;
+  // How many trailing input_names may be left out (flash_attention's positions).
+  std::size_t optional_inputs = 0;
 };
 // The kind a node of this op with these (inferred) inputs and attributes has.
 OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs,
@@ -362,6 +364,9 @@ class GraphBuilder {
   ValueRef sum(ValueRef x, std::string name = {});   // over the last axis, to [..., 1]
   ValueRef mean(ValueRef x, std::string name = {});  // over the last axis, to [..., 1]
   ValueRef causal_mask(ValueRef x, std::int64_t offset = 0, std::string name = {});
+  // x [..., R, T], positions i32 [S] with R a multiple of S: row r sees key j only where
+  // j <= positions[r mod S]; the rest is -inf.
+  ValueRef position_mask(ValueRef x, ValueRef positions, std::string name = {});
   ValueRef matmul(ValueRef a, ValueRef b, bool transpose_right = false, std::string name = {});
   ValueRef quantized_matmul(ValueRef x, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
                             int group_size, std::string name = {});

@@ -151,6 +151,7 @@ class NeighborhoodModel {
   // Tries to add a growth op; says why not when the rule would take its kind.
   bool try_grow(NodeId node, Side node_side, int depth, const GrowthSpec& growth, const TensorSpec& anchor_output) {
     if (in_neighborhood(node) || !allows(growth, graph_.node(node).kind, depth)) return false;
+    if (is_certified_node(graph_.node(node))) return false;  // a kernel of its own
     if (const auto mismatch = shape_mismatch(node, anchor_output)) {
       outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + *mismatch);
       return false;
