@@ -371,12 +371,11 @@ class GraphBuilder {
   ValueRef quantized_matmul(ValueRef x, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
                             int group_size, std::string name = {});
   ValueRef rope(ValueRef x, ValueRef positions, double theta, std::int64_t dims, std::string name = {});
-  // The decode-step ops (src/model): a table row gather, its quantized form, the mask of
-  // runtime positions and the KV-cache write (semantics in src/graph/op_registry.cpp).
+  // The decode-step ops (src/model): a table row gather, its quantized form and the
+  // KV-cache write (semantics in src/graph/op_registry.cpp); position_mask is above.
   ValueRef embedding(ValueRef ids, ValueRef table, std::string name = {});
   ValueRef quantized_embedding(ValueRef ids, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
                                int group_size, std::string name = {});
-  ValueRef position_mask(ValueRef x, ValueRef positions, std::string name = {});
   ValueRef kv_cache_write(ValueRef cache, ValueRef update, ValueRef positions, std::string name = {});
   ValueRef reshape(ValueRef x, std::vector<std::int64_t> shape, std::string name = {});
   ValueRef transpose(ValueRef x, std::vector<std::int64_t> perm, std::string name = {});

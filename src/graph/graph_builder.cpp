@@ -249,9 +249,6 @@ ValueRef GraphBuilder::quantized_embedding(ValueRef ids, ValueRef packed, ValueR
                   std::move(name))
       .front();
 }
-ValueRef GraphBuilder::position_mask(ValueRef x, ValueRef positions, std::string name) {
-  return add_node("position_mask", {x, positions}, {}, std::move(name)).front();
-}
 ValueRef GraphBuilder::kv_cache_write(ValueRef cache, ValueRef update, ValueRef positions, std::string name) {
   return add_node("kv_cache_write", {cache, update, positions}, {}, std::move(name)).front();
 }
