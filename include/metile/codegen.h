@@ -1,4 +1,4 @@
-// metile codegen: turns a fusion region, or a single node, into CUDA C++ source (DESIGN.md,
+// metile codegen: turns a fusion region, or a single node, into CUDA C++ source (docs/architecture.md,
 // "Lowering"). Pure text generation: no driver, no GPU. The CUDA runtime compiles the source
 // with NVRTC and binds the parameters in the order given here.
 //

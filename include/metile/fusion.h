@@ -1,5 +1,5 @@
 // metile fusion module: plan_graph_fusion selects legal, profitable,
-// multi-output fusion regions with exact min-cut models (DESIGN.md,
+// multi-output fusion regions with exact min-cut models (docs/architecture.md,
 // "Neighborhood cut models", "Conflict selection", "Rules").
 //
 //   ComputeGraph ──► per rule, per anchor: neighborhood ──one min cut──► candidate region
@@ -214,7 +214,7 @@ struct FusionPlan {
 // kernel of its own, never matched or grown into by a rule.
 bool is_certified_node(const Node& node);
 
-// Conflict selection on its own (DESIGN.md, "Conflict selection"), for passes that propose node sets
+// Conflict selection on its own (docs/architecture.md, "Conflict selection"), for passes that propose node sets
 // of their own (discovery's rewrites): sets sharing a node conflict; per component of the conflict
 // graph the selection of largest total weight (weights positive), exactly where the planner is exact.
 struct NodeSetSelection {

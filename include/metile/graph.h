@@ -408,7 +408,7 @@ class GraphBuilder {
 };
 
 // ---------------------------------------------------------------- files
-// JSON graph files (format in DESIGN.md). Errors name the source and the JSON
+// JSON graph files (format in docs/architecture.md). Errors name the source and the JSON
 // path: "graph.json: /nodes/1/inputs/0: unknown value 'sumed'".
 ComputeGraph read_graph(const std::filesystem::path& path);
 ComputeGraph parse_graph_json(std::string_view text, std::string_view source_name = "<string>");

@@ -1,4 +1,4 @@
-// Conflict selection (DESIGN.md, "Conflict selection"): which candidate regions
+// Conflict selection (docs/architecture.md, "Conflict selection"): which candidate regions
 // become kernels. Candidates that share an op, or that were found to close a
 // cycle between kernels, conflict; each connected component of the conflict
 // graph is a maximum-weight independent set problem:

@@ -1,5 +1,5 @@
 // FusionPlan's three faces: text for a person (explain), JSON for tools (the
-// schema of DESIGN.md, byte-identical for identical plans) and Graphviz DOT with
+// schema of docs/architecture.md, byte-identical for identical plans) and Graphviz DOT with
 // one coloured cluster per region.
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-// The neighborhood cut model of one anchor under one rule (DESIGN.md,
+// The neighborhood cut model of one anchor under one rule (docs/architecture.md,
 // "Neighborhood cut models"): which of the ops around the anchor join its kernel,
 // decided exactly by one minimum s-t cut. Source side = joins the kernel.
 //

@@ -1,6 +1,6 @@
 // `metile plan GRAPH.json [--target cpu|h200|FILE] [--format text|json|dot]`: the
 // fusion planner on a graph file, so a person can see which ops would share a
-// kernel and why (DESIGN.md, "The interfaces users touch").
+// kernel and why (docs/architecture.md, "Formats" and "Commands").
 // The certified attention rewrite runs first (plan_with_discovery; --no-discovery skips it).
 //   text: FusionPlan::explain(), regions then a reason per op
 //   json: {"kernels": N, "regions": [{"rule", "nodes", "inputs", "outputs", "benefit_ns"}], "unfused": [...]}
@@ -30,7 +30,7 @@ struct PlanOptions {
 void add_plan_command(CLI::App& app) {
   auto options = std::make_shared<PlanOptions>();
   CLI::App* command = app.add_subcommand("plan", "Plan the fusion of a graph file into kernels and say why");
-  command->add_option("GRAPH", options->graph_file, "JSON graph file (format in DESIGN.md)")->required();
+  command->add_option("GRAPH", options->graph_file, "JSON graph file (format in docs/architecture.md)")->required();
   command->add_option("--target", options->target, "h200, cpu, or a target JSON file")->capture_default_str();
   command->add_option("--format", options->format, "text, json or dot")
       ->check(CLI::IsMember({"text", "json", "dot"}))

@@ -1,4 +1,4 @@
-// The op registry: every op of DESIGN.md's table is registered with its kind,
+// The op registry: every op of the op table (docs/architecture.md) is registered with its kind,
 // infers the output spec a person would compute by hand, canonicalises its
 // attributes, and rejects bad shapes/attributes with a precise message.
 #include <algorithm>
