@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "metile/attention.h"
+#include "metile/attention_runtime.h"
 #include "metile/cuda_runtime.h"
 
 namespace {

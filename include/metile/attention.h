@@ -24,8 +24,10 @@
 //            shared memory (cp.async, two stages), causal / positions tiles past a row tile's last
 //            visible key skipped.
 //
-// Kernel generation is text only (NVRTC compiles it without a GPU, src/codegen/attention_kernels.cpp);
-// FlashAttention (src/runtime/cuda/attention_runtime.cpp) compiles, owns the scratch and launches.
+// This header is the codegen side: the problem description and kernel generation, text only
+// (NVRTC compiles it without a GPU, src/codegen/attention_kernels.cpp); it includes no runtime
+// header. The launcher, FlashAttention (include/metile/attention_runtime.h), compiles, owns the
+// scratch and launches.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +37,6 @@
 #include <string_view>
 
 #include "metile/codegen.h"
-#include "metile/cuda_runtime.h"
 #include "metile/graph.h"
 
 namespace metile {
@@ -105,36 +106,5 @@ struct AttentionKernelSource {
 AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConfig& config);
 // Prefill kernel arguments: q, k, v, positions, out, then int rows, int keys, float scale·log2(e), int offset.
 AttentionKernelSource generate_prefill_attention_kernel(const PrefillAttentionConfig& config);
-
-// ---------------------------------------------------------------- on the device
-struct FlashAttentionOptions {
-  int decode_warps = 8;
-  int decode_stages = 0;
-  std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
-  int prefill_warps = 4;
-  bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)
-};
-
-// One flash_attention problem compiled and loaded for the current device, with its scratch.
-// enqueue() only launches, so it can be captured in a CUDA graph; the scratch makes one instance
-// serve one stream at a time.
-class FlashAttention {
- public:
-  static FlashAttention build(const AttentionProblem& problem, const FlashAttentionOptions& options = {});
-  ~FlashAttention();
-  FlashAttention(FlashAttention&&) noexcept;
-  FlashAttention& operator=(FlashAttention&&) noexcept;
-
-  const AttentionProblem& problem() const;
-  const AttentionKernelSource& kernel() const;
-  // Device addresses; positions is 0 unless the mask is "positions".
-  void enqueue(const CudaStream& stream, std::uint64_t q, std::uint64_t k, std::uint64_t v, std::uint64_t positions,
-               std::uint64_t out) const;
-
- private:
-  struct State;
-  explicit FlashAttention(std::unique_ptr<State> state);
-  std::unique_ptr<State> state_;
-};
 
 }  // namespace metile

@@ -17,7 +17,7 @@
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
 #include "metile_test_support.h"
-#include "metile/attention.h"
+#include "metile/attention_runtime.h"
 
 namespace metile {
 namespace {

@@ -7,7 +7,7 @@
 #include <numbers>
 
 #include "cuda_driver.h"
-#include "metile/attention.h"
+#include "metile/attention_runtime.h"
 
 namespace metile {
 
