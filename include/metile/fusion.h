@@ -78,8 +78,9 @@ struct ResourceNeeds {
 
 // One op of a rule's required structure. Input slots name where each input
 // comes from: the role of another entry ("gate"), an outside value bound by a
-// name shared between entries ("$activation": same name, same value), or ""
-// (anything).
+// name shared between entries ("$input": same name, same value), or ""
+// (anything). Each "$name" binding becomes the region role "name" (FusionRegion::roles); a
+// "$name" slot the matched node does not have binds nothing.
 struct OpPattern {
   std::string role;
   OpKind kind = OpKind::elementwise;
@@ -110,6 +111,9 @@ struct FusionRule {
   // kernel; the kernel writes them as extra outputs. Without it, such ops stay out.
   bool materializes_escaping_values = false;
   ResourceNeeds resources;
+  // When set, an `add` in the region that reads the anchor's output binds its other operand to this
+  // role ("residual": the residual add on a down projection, which is epilogue growth, not pattern).
+  std::string epilogue_add_operand_role = {};
 };
 
 // Rules in priority order (an identical region found by two rules keeps the
@@ -153,6 +157,13 @@ std::optional<std::string> exceeded_limit(const RegionEstimate& estimate, const 
 // ---------------------------------------------------------------- plans
 
 // One kernel-to-be: a convex set of nodes and the values crossing its boundary.
+// A value a rule bound, under the name the rule gives it ("gate_weight", "residual", ...).
+struct RegionRole {
+  std::string role;
+  ValueId value = -1;
+  bool operator==(const RegionRole&) const = default;
+};
+
 struct FusionRegion {
   std::string rule;              // the rule that matched, e.g. "residual_add_rms_norm", "swiglu_mlp"
   std::vector<NodeId> nodes;     // topological order
@@ -162,6 +173,10 @@ struct FusionRegion {
   // A region of one node made by a certified rewrite (discovery): that node's certificate, as
   // JSON ({"law", "theory", "obligations", "verified"}); empty for every other region.
   std::string certificate = {};  // (a default initializer: aggregate initializations may leave it out)
+  // What the rule's pattern bound, in pattern order (then epilogue roles): lowerings read a
+  // region's operands here instead of by value name. Empty for single-op and certified regions.
+  std::vector<RegionRole> roles = {};
+  std::optional<ValueId> role(std::string_view name) const;  // the value bound to `name`, if any
 };
 
 // The region of `nodes` (any order; kept in topological order) with its boundary computed from

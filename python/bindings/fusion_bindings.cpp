@@ -263,6 +263,17 @@ void bind_plan(py::module_& module) {
           "benefit", [](const FusionRegionView& view) { return view.region().benefit_ns; },
           "The same as benefit_ns (nanoseconds).")
       .def_property_readonly(
+          "roles",
+          [](const FusionRegionView& view) {
+            py::dict roles;
+            for (const RegionRole& bound : view.region().roles) {
+              roles[py::str(bound.role)] = value_views(view.plan->graph, {bound.value})[0];
+            }
+            return roles;
+          },
+          "What the rule's pattern bound, role name -> Value (e.g. swiglu_mlp: input, gate_weight, "
+          "up_weight, down_weight, residual); empty for single-op and certified regions.")
+      .def_property_readonly(
           "certificate",
           [](const FusionRegionView& view) -> py::object {
             const std::string& certificate = view.region().certificate;

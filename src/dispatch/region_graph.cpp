@@ -65,6 +65,7 @@ FusionRegion region_in_region_graph(const ComputeGraph& graph, const FusionRegio
   }
   for (ValueId input : region.inputs) mapped.inputs.push_back(value_in_sub(input));
   for (ValueId output : region.outputs) mapped.outputs.push_back(value_in_sub(output));
+  for (const RegionRole& bound : region.roles) mapped.roles.push_back({bound.role, value_in_sub(bound.value)});
   return mapped;
 }
 

@@ -12,6 +12,13 @@
 
 namespace metile {
 
+std::optional<ValueId> FusionRegion::role(std::string_view name) const {
+  for (const RegionRole& bound : roles) {
+    if (bound.role == name) return bound.value;
+  }
+  return std::nullopt;
+}
+
 FusionRegion region_of_nodes(const ComputeGraph& graph, std::vector<NodeId> nodes, std::string rule) {
   std::sort(nodes.begin(), nodes.end());  // node ids are topological
   nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
@@ -102,6 +109,13 @@ std::string FusionPlan::explain() const {
                         duration_text(region.benefit_ns));
     text += fmt::format("      ops:     {}\n      reads:   {}\n      writes:  {}\n", ops, value_list(region.inputs),
                         value_list(region.outputs));
+    if (!region.roles.empty()) {
+      std::string roles;
+      for (const RegionRole& bound : region.roles) {
+        roles += (roles.empty() ? "" : ", ") + bound.role + "=" + g.value(bound.value).name;
+      }
+      text += "      roles:   " + roles + "\n";
+    }
     if (!region.certificate.empty()) text += "      " + certificate_line(region.certificate) + "\n";
   }
   if (!unfused.empty()) {
@@ -152,6 +166,11 @@ std::string FusionPlan::to_json() const {
     entry["inputs"] = names(region.inputs, value_name);
     entry["outputs"] = names(region.outputs, value_name);
     entry["benefit_ns"] = std::round(region.benefit_ns * 1000) / 1000;
+    if (!region.roles.empty()) {
+      Json roles = Json::object();  // role -> value name, in binding order
+      for (const RegionRole& bound : region.roles) roles[bound.role] = value_name(bound.value);
+      entry["roles"] = std::move(roles);
+    }
     if (!region.certificate.empty()) {
       // A hand-written graph may carry any text: kept as a string when it is not JSON.
       Json certificate = Json::parse(region.certificate, nullptr, false);

@@ -14,6 +14,7 @@ namespace {
 struct MatchState {
   std::vector<NodeId> bound;                        // per pattern entry, -1 while unbound
   std::map<std::string, ValueId, std::less<>> values;  // "$name" bindings
+  std::vector<std::string> binding_order;              // "$name"s in first-binding order
 };
 
 bool entry_accepts(const OpPattern& entry, const Node& node) {
@@ -40,11 +41,15 @@ bool match_inputs(const ComputeGraph& graph, const FusionRule& rule, int entry, 
     const std::string& source = pattern.inputs[slot];
     if (source.empty()) continue;
     const std::size_t actual_slot = slot_order[slot];
-    if (actual_slot >= graph_node.inputs.size()) return false;
+    if (actual_slot >= graph_node.inputs.size()) {
+      if (source.front() == '$') continue;  // a name binds only what is there
+      return false;
+    }
     const ValueId value = graph_node.inputs[actual_slot];
     if (source.front() == '$') {
       const auto [bound, inserted] = state.values.emplace(source, value);
       if (!inserted && bound->second != value) return false;
+      if (inserted) state.binding_order.push_back(source);
       continue;
     }
     const NodeId producer = graph.value(value).producer;
@@ -98,7 +103,7 @@ bool can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node) 
   return true;
 }
 
-std::optional<std::vector<NodeId>> match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) {
+std::optional<PatternMatch> match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) {
   if (!can_anchor(graph, rule, anchor)) return std::nullopt;
   MatchState state;
   state.bound.assign(rule.pattern.size(), -1);
@@ -106,7 +111,30 @@ std::optional<std::vector<NodeId>> match_pattern(const ComputeGraph& graph, cons
   if (!match_entry(graph, rule, anchor_entry, anchor, state)) return std::nullopt;
   // Entries no input slot reaches would be unconstrained: validate_rule_set forbids them.
   if (std::find(state.bound.begin(), state.bound.end(), -1) != state.bound.end()) return std::nullopt;
-  return state.bound;
+  PatternMatch match;
+  match.nodes = std::move(state.bound);
+  for (const std::string& name : state.binding_order) match.roles.push_back({name.substr(1), state.values.at(name)});
+  return match;
+}
+
+std::vector<RegionRole> region_roles(const ComputeGraph& graph, const FusionRule& rule, const PatternMatch& match,
+                                     std::span<const NodeId> region_nodes) {
+  std::vector<RegionRole> roles = match.roles;
+  if (rule.epilogue_add_operand_role.empty()) return roles;
+  const Node& anchor = graph.node(match.nodes.back());
+  for (ValueId output : anchor.outputs) {
+    for (NodeId consumer : graph.consumers(output)) {
+      const Node& add = graph.node(consumer);
+      if (add.op != "add" || add.inputs.size() != 2) continue;
+      if (std::find(region_nodes.begin(), region_nodes.end(), consumer) == region_nodes.end()) continue;
+      // Either operand order: the residual is whichever operand the anchor did not produce.
+      const ValueId other = add.inputs[0] == output ? add.inputs[1] : add.inputs[0];
+      if (other == output) continue;  // x + x has no residual
+      roles.push_back({rule.epilogue_add_operand_role, other});
+      return roles;
+    }
+  }
+  return roles;
 }
 
 void validate_rule_set(const RuleSet& rules) {

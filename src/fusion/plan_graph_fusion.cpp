@@ -22,6 +22,7 @@ struct ProposedRegion {
   NodeId anchor = -1;
   std::vector<NodeId> nodes;
   double benefit_ns = 0;
+  std::vector<RegionRole> roles;  // region_roles() of the match
 };
 
 // What the neighborhood models said about each node, for its reason.
@@ -102,8 +103,9 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       const FusionRule& anchored = continues ? continuation : rule;
       if (!can_anchor(graph, anchored, node.id)) continue;
       if (anchored.pattern.size() == 1 && !may_grow(graph, anchored, node.id)) continue;
-      const auto pattern_nodes = match_pattern(graph, anchored, node.id);
-      if (!pattern_nodes) continue;
+      const auto match = match_pattern(graph, anchored, node.id);
+      if (!match) continue;
+      const std::vector<NodeId>* pattern_nodes = &match->nodes;
       NeighborhoodOutcome outcome =
           solve_neighborhood(graph, target, anchored, *pattern_nodes, rules.max_neighborhood_nodes, scratch);
       for (NodeId considered : outcome.considered) notes[static_cast<std::size_t>(considered)].considered = true;
@@ -136,7 +138,9 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
           }
         }
       }
-      rule_proposals.push_back({static_cast<int>(rule_index), node.id, std::move(outcome.region), outcome.benefit_ns});
+      std::vector<RegionRole> roles = region_roles(graph, anchored, *match, outcome.region);
+      rule_proposals.push_back(
+          {static_cast<int>(rule_index), node.id, std::move(outcome.region), outcome.benefit_ns, std::move(roles)});
     }
     // Proposals in the order of their anchors, whichever way the rule walked.
     if (rule.anchor_must_be_sink) std::reverse(rule_proposals.begin(), rule_proposals.end());
@@ -254,6 +258,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       const ProposedRegion& proposal = proposals[static_cast<std::size_t>(source.candidate)];
       region = region_of_nodes(graph, proposal.nodes, rules.rules[static_cast<std::size_t>(proposal.rule)].name);
       region.benefit_ns = proposal.benefit_ns;
+      region.roles = proposal.roles;
     } else {
       const Node& node = graph.node(source.first);
       region = region_of_nodes(graph, {node.id}, node.op);

@@ -23,9 +23,19 @@ std::int64_t to_picoseconds(double nanoseconds);
 
 // ---------------------------------------------------------------- patterns
 
-// The node bound to each pattern entry (same order as rule.pattern), or nullopt.
-// Validates nothing about escapes or resources: that is the cut model's job.
-std::optional<std::vector<NodeId>> match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor);
+// A pattern's match: the node bound to each entry (same order as rule.pattern, the anchor last)
+// and the outside values its "$name" slots bound, as roles "name" in first-binding order.
+struct PatternMatch {
+  std::vector<NodeId> nodes;
+  std::vector<RegionRole> roles;
+};
+// The match at `anchor`, or nullopt. Validates nothing about escapes or resources: that is the
+// cut model's job.
+std::optional<PatternMatch> match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor);
+// The roles a region of `rule` gets: the pattern's, then the epilogue add operand
+// (FusionRule::epilogue_add_operand_role) when the region holds such an add.
+std::vector<RegionRole> region_roles(const ComputeGraph& graph, const FusionRule& rule, const PatternMatch& match,
+                                     std::span<const NodeId> region_nodes);
 // Whether the node may anchor the rule: the last entry's kind and ops, and the sink condition.
 bool can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node);
 // Throws InputError naming the rule when its pattern is malformed (unknown roles, no entries, ...).

@@ -30,8 +30,10 @@ FusionRule residual_add_rms_norm_rule() {
   rule.name = "residual_add_rms_norm";
   rule.description = "a residual add feeding an RMSNorm; the sum is written too when it is read elsewhere";
   rule.pattern = {
-      entry("sum", OpKind::elementwise, {"add"}, {}, {.commutative = false, .may_escape = true}),
-      entry("norm", OpKind::row_reduction, {"rms_norm"}, {"sum"}),
+      // The add's first operand is "values", its second "residual" (both come from outside the
+      // pattern, so nothing structural tells them apart: the graph's operand order names them).
+      entry("sum", OpKind::elementwise, {"add"}, {"$values", "$residual"}, {.commutative = false, .may_escape = true}),
+      entry("norm", OpKind::row_reduction, {"rms_norm"}, {"sum", "$norm_weight"}),
   };
   rule.prologue = {.kinds = {OpKind::elementwise}, .max_depth = 3};
   rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 3};
@@ -45,12 +47,13 @@ FusionRule parallel_epilogue_rule() {
   rule.description =
       "two contractions sharing their activation, silu(gate) * up, consumed by a down contraction (the SwiGLU MLP)";
   rule.pattern = {
-      entry("gate", OpKind::contraction, {}, {"$activation"}),
-      entry("up", OpKind::contraction, {}, {"$activation"}),
+      entry("gate", OpKind::contraction, {}, {"$input", "$gate_weight"}),
+      entry("up", OpKind::contraction, {}, {"$input", "$up_weight"}),
       entry("activation", OpKind::elementwise, {"silu"}, {"gate"}),
       entry("product", OpKind::elementwise, {"multiply"}, {"activation", "up"}, {.commutative = true, .may_escape = false}),
-      entry("down", OpKind::contraction, {}, {"product"}),
+      entry("down", OpKind::contraction, {}, {"product", "$down_weight"}),
   };
+  rule.epilogue_add_operand_role = "residual";
   // The residual add on the down projection is a composable epilogue.
   rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 2};
   rule.materializes_escaping_values = true;

@@ -103,3 +103,20 @@ def test_rule_sets_and_rules_are_data():
     only_norm = metile.RuleSet([metile.residual_add_rms_norm_rule()])
     plan = metile.plan_graph_fusion(swiglu_graph("gate_first"), rules=only_norm)
     assert plan.regions == []
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_residual_add_region_roles_follow_the_operand_order(swapped):
+    builder = metile.GraphBuilder()
+    a = builder.input("a", metile.TensorSpec((1, 256), "f32"))
+    b = builder.input("b", metile.TensorSpec((1, 256), "f32"))
+    weight = builder.input("weight", metile.TensorSpec((256,), "f32"))
+    summed = builder.add(b, a) if swapped else builder.add(a, b)
+    normalized = builder.rms_norm(summed, weight, 1e-5)
+    plan = metile.plan_graph_fusion(builder.build((summed, normalized)))
+    (region,) = plan.regions
+    first, second = ("b", "a") if swapped else ("a", "b")
+    expected = {"values": first, "residual": second, "norm_weight": "weight"}
+    assert {role: value.name for role, value in region.roles.items()} == expected
+    assert json.loads(plan.to_json())["regions"][0]["roles"] == expected
+    assert f"roles:   values={first}, residual={second}, norm_weight=weight" in plan.explain()

@@ -46,3 +46,13 @@ def test_without_rules_nothing_is_fused():
     assert {node.name for node in plan.unfused} == MLP_NODES
     assert plan.kernel_count == len(MLP_NODES)
     assert set(plan.node_reasons) == MLP_NODES
+
+
+@pytest.mark.parametrize("order", ["gate_first", "up_first"])
+def test_the_region_names_its_operands_by_role(order):
+    region = the_parallel_epilogue_region(metile.plan_graph_fusion(swiglu_graph(order)))
+    roles = {role: value.name for role, value in region.roles.items()}
+    # swiglu_graph names each input after the role it plays; no residual add in this graph.
+    assert roles == {"input": "x", "gate_weight": "gate_weight", "up_weight": "up_weight",
+                     "down_weight": "down_weight"}
+    assert all(value in region.inputs for value in region.roles.values())

@@ -3,7 +3,7 @@
 // kernel and why (docs/architecture.md, "Formats" and "Commands").
 // The certified attention rewrite runs first (plan_with_discovery; --no-discovery skips it).
 //   text: FusionPlan::explain(), regions then a reason per op
-//   json: {"kernels": N, "regions": [{"rule", "nodes", "inputs", "outputs", "benefit_ns"}], "unfused": [...]}
+//   json: {"kernels": N, "regions": [{"rule", "nodes", "inputs", "outputs", "benefit_ns", "roles"}], "unfused": [...]}
 //   dot:  Graphviz, one coloured cluster per region
 #include <memory>
 #include <string>

@@ -186,7 +186,8 @@ ComputeGraph swiglu_graph(const SwigluOptions& options) {
   std::vector<ValueRef> outputs;
   if (options.residual) {
     ValueRef residual = builder.input("residual", {{options.rows, hidden}, options.dtype});
-    outputs.push_back(builder.add(residual, down, "output"));
+    outputs.push_back(options.residual_second ? builder.add(down, residual, "output")
+                                              : builder.add(residual, down, "output"));
   } else {
     outputs.push_back(down);
   }

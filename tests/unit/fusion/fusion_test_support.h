@@ -26,6 +26,7 @@ struct SwigluOptions {
   bool quantized = false;
   bool up_first = false;           // multiply(up, silu(gate)) instead of multiply(silu(gate), up)
   bool residual = true;            // output = residual + down
+  bool residual_second = false;    // output = down + residual instead
   std::int64_t rows = 1;
   std::int64_t hidden = 64;
   std::int64_t intermediate = 256;

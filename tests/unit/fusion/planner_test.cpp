@@ -50,7 +50,7 @@ TEST(Planner, SeedIsOneKernelWithTwoOutputs) {
   EXPECT_EQ(plan.to_json(),
             "{\n  \"kernels\": 1,\n  \"regions\": [\n    {\"rule\":\"residual_add_rms_norm\",\"nodes\":[\"summed\","
             "\"normalized\"],\"inputs\":[\"values\",\"residual\",\"weight\"],\"outputs\":[\"summed\",\"normalized\"],"
-            "\"benefit_ns\":2500.727}\n  ],\n  \"unfused\": []\n}\n");
+            "\"benefit_ns\":2500.727,\"roles\":{\"values\":\"values\",\"residual\":\"residual\",\"norm_weight\":\"weight\"}}\n  ],\n  \"unfused\": []\n}\n");
 }
 
 TEST(Planner, SumThatDoesNotEscapeIsNotWritten) {
@@ -93,8 +93,65 @@ TEST(Planner, PatternMatchesEitherMultiplyOrderAndBindsRoles) {
     const auto roles = fusion_internal::match_pattern(graph, parallel_epilogue_rule(), *graph.find_node("down"));
     ASSERT_TRUE(roles.has_value());
     std::vector<std::string> names;
-    for (NodeId node : *roles) names.push_back(graph.node(node).name);
+    for (NodeId node : roles->nodes) names.push_back(graph.node(node).name);
     EXPECT_EQ(names, (std::vector<std::string>{"gate", "up", "gate_activation", "hidden", "down"}));
+  }
+}
+
+// "role=value" for each role a region bound, in order.
+std::vector<std::string> role_bindings(const FusionPlan& plan, const FusionRegion& region) {
+  std::vector<std::string> bindings;
+  for (const RegionRole& bound : region.roles) bindings.push_back(bound.role + "=" + plan.graph->value(bound.value).name);
+  return bindings;
+}
+
+// The swiglu region names its operands by role whatever the multiply's and the residual add's
+// operand order; the expected names are those swiglu_graph gives the values it creates.
+TEST(Planner, SwigluRegionKeepsItsRolesInEitherOperandOrder) {
+  for (bool quantized : {false, true}) {
+    for (bool up_first : {false, true}) {
+      for (bool residual_second : {false, true}) {
+        SwigluOptions options;
+        options.quantized = quantized;
+        options.up_first = up_first;
+        options.residual_second = residual_second;
+        const FusionPlan plan = plan_graph_fusion(swiglu_graph(options));
+        ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+        const std::string weight = quantized ? "_packed" : "_weight";
+        EXPECT_EQ(role_bindings(plan, plan.regions[0]),
+                  (std::vector<std::string>{"input=x", "gate_weight=gate" + weight, "up_weight=up" + weight,
+                                            "down_weight=down" + weight, "residual=residual"}))
+            << "quantized " << quantized << " up_first " << up_first << " residual_second " << residual_second;
+        const FusionRegion& region = plan.regions[0];
+        ASSERT_TRUE(region.role("residual").has_value());
+        EXPECT_EQ(*region.role("residual"), *plan.graph->find_value("residual"));
+        EXPECT_FALSE(region.role("norm_weight").has_value());
+      }
+    }
+  }
+  SwigluOptions no_residual;
+  no_residual.residual = false;
+  const FusionPlan plan = plan_graph_fusion(swiglu_graph(no_residual));
+  ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+  EXPECT_FALSE(plan.regions[0].role("residual").has_value());
+}
+
+// The residual add's first operand is "values" and its second "residual", in either order of the
+// graph's two inputs; the norm weight is the rms_norm's second operand.
+TEST(Planner, ResidualAddRmsNormRegionKeepsItsRolesInEitherOperandOrder) {
+  for (bool swapped : {false, true}) {
+    GraphBuilder builder;
+    auto a = builder.input("a", {{4, 256}, DType::f32});
+    auto b = builder.input("b", {{4, 256}, DType::f32});
+    auto weight = builder.input("weight", {{256}, DType::f32});
+    auto summed = swapped ? builder.add(b, a, "summed") : builder.add(a, b, "summed");
+    auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+    const FusionPlan plan = plan_graph_fusion(builder.build({summed, normalized}));
+    ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+    EXPECT_EQ(plan.regions[0].rule, "residual_add_rms_norm");
+    const std::string first = swapped ? "b" : "a", second = swapped ? "a" : "b";
+    EXPECT_EQ(role_bindings(plan, plan.regions[0]),
+              (std::vector<std::string>{"values=" + first, "residual=" + second, "norm_weight=weight"}));
   }
 }
 

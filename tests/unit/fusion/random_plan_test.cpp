@@ -56,8 +56,9 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
     fusion_internal::NeighborhoodScratch scratch(graph);
     for (const FusionRule& rule : rules.rules) {
       for (const Node& node : graph.nodes()) {
-        const auto pattern = fusion_internal::match_pattern(graph, rule, node.id);
-        if (!pattern) continue;
+        const auto match = fusion_internal::match_pattern(graph, rule, node.id);
+        if (!match) continue;
+        const std::vector<NodeId>* pattern = &match->nodes;
         const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, *pattern, 64, scratch);
         // Pruning growth that must re-enter changes the model's size, never its answer.
         scratch.prune_certain_reentry = false;
