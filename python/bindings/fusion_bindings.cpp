@@ -209,6 +209,7 @@ void bind_rules(py::module_& module) {
       .def_readwrite("epilogue", &FusionRule::epilogue)
       .def_readwrite("materializes_escaping_values", &FusionRule::materializes_escaping_values)
       .def_readwrite("resources", &FusionRule::resources)
+      .def_readwrite("epilogue_add_operand_role", &FusionRule::epilogue_add_operand_role)
       .def("__repr__", [](const py::object& rule) {
         return std::string(py::str(py::type::handle_of(rule).attr("__name__"))) + "('" +
                rule.cast<const FusionRule&>().name + "')";
