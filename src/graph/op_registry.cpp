@@ -421,13 +421,7 @@ std::vector<TensorSpec> infer_position_mask(std::span<const TensorSpec> inputs, 
   const TensorSpec& x = inputs[0];
   require_floating(x, "x");
   require_rank_at_least(x, "x", 2);
-  require_ids(inputs[1], "positions");
-  const std::int64_t rows = x.shape[x.shape.size() - 2];
-  const std::int64_t steps = inputs[1].shape[0];
-  if (steps == 0 || rows % steps != 0) {
-    throw InputError(described("positions", inputs[1]) + " must have a length that divides the " +
-                     std::to_string(rows) + " rows of " + described("x", x));
-  }
+  require_row_positions(inputs[1], x.shape[x.shape.size() - 2], "x");
   return {x};
 }
 

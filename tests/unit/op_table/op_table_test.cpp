@@ -133,11 +133,14 @@ TEST(OpTable, SumAndMeanReduceRowsToOneValueLikeAFloat64Sum) {
       for (std::size_t row = 0; row < 6; ++row) {
         double total = 0;
         for (std::int64_t d = 0; d < length; ++d) total += values[row * static_cast<std::size_t>(length) + static_cast<std::size_t>(d)];
-        // Rounded to f32, then to the dtype: within one ulp of the dtype of the exact value.
+        // Rounded to f32, then to the dtype: within one ulp of the dtype of the exact value, and
+        // within the dtype's subnormal spacing where the value is below its normal range (an f16
+        // mean of a long row can be ~2e-5, where f16 steps by 2^-24).
         const double ulp = dtype == DType::f32 ? 0x1p-23 : dtype == DType::f16 ? 0x1p-10 : 0x1p-7;
-        EXPECT_NEAR(totals[row], total, ulp * std::fabs(total) + 1e-30) << dtype_name(dtype) << " " << length;
+        const double subnormal_step = dtype == DType::f32 ? 0x1p-149 : dtype == DType::f16 ? 0x1p-24 : 0x1p-133;
+        EXPECT_NEAR(totals[row], total, ulp * std::fabs(total) + subnormal_step) << dtype_name(dtype) << " " << length;
         const double average = total / static_cast<double>(length);
-        EXPECT_NEAR(averages[row], average, ulp * std::fabs(average) + 1e-30) << dtype_name(dtype) << " " << length;
+        EXPECT_NEAR(averages[row], average, ulp * std::fabs(average) + subnormal_step) << dtype_name(dtype) << " " << length;
       }
     }
   }
