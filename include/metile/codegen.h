@@ -1,4 +1,4 @@
-// metile codegen: turns a fusion region, or a single node, into CUDA C++ source (DESIGN.md,
+// metile codegen: turns a fusion region, or a single node, into CUDA C++ source (docs/architecture.md,
 // "Lowering"). Pure text generation: no driver, no GPU. The CUDA runtime compiles the source
 // with NVRTC and binds the parameters in the order given here.
 //
@@ -51,6 +51,9 @@ struct RowKernelOptions {
   int rows_per_block = 0;   // only when threads_per_row <= 32
   std::string variant_name;  // appended to the kernel name and summary ("wide", "narrow")
   bool streaming_cache_hints = false;  // row loads/stores marked evict-first (ld.global.cs / st.global.cs)
+  // Softmax max and sum in one pass over the row (running max and normalizer merged by the
+  // stable_weighted_softmax law's terms) instead of a max pass and a sum pass.
+  bool online_softmax = false;
   bool operator==(const RowKernelOptions&) const = default;
 };
 

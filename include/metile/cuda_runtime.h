@@ -1,4 +1,4 @@
-// metile CUDA runtime: the thin, checked layer every GPU path stands on (DESIGN.md,
+// metile CUDA runtime: the thin, checked layer every GPU path stands on (docs/architecture.md,
 // "src/runtime/cuda/"). libcuda, NVRTC and cuBLASLt are loaded with dlopen on first use, so
 // binaries start and CPU paths work where no driver or toolkit exists; CUDA paths then throw
 // NoCudaDevice ("no CUDA device: ...") or CudaError ("NVRTC could not be loaded: ...").

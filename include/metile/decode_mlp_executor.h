@@ -1,5 +1,5 @@
 // metile decode-MLP executor: the decode MLP (decode_mlp.h) on the GPU, where every byte of
-// weight read counts (DESIGN.md, "Measured dispatch"). Candidates per stage (native cuBLASLt or
+// weight read counts (docs/architecture.md, "Measured dispatch"). Candidates per stage (native cuBLASLt or
 // unfused GEMV, each also as a CUDA graph; register-resident and scratch-spilled fused GEMV
 // kernels from gemv.h) go through the dispatch module's gate, tournament and headroom policy;
 // the two chosen callables are then replayed as one warmed CUDA graph.

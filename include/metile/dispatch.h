@@ -1,4 +1,4 @@
-// metile dispatch: measured choice between the native path and fused kernels (DESIGN.md,
+// metile dispatch: measured choice between the native path and fused kernels (docs/architecture.md,
 // "Measured dispatch"). Analytical cost only proposes; here every fused candidate must first
 // pass a numeric gate against the CPU reference, then beat the native path in an
 // order-interleaved tournament with headroom. Decisions persist on disk, and every one of them
@@ -141,7 +141,7 @@ struct DispatchPolicy {
   double headroom = 0.10;
 };
 // The headroom a fused candidate needs at a boundary: 5% for a single primitive, 10% for a
-// graph or MLP boundary (DESIGN.md, "Measured dispatch").
+// graph or MLP boundary (docs/architecture.md, "Measured dispatch").
 double boundary_headroom(std::size_t nodes);
 
 struct MeasuredCandidate {

@@ -1,5 +1,5 @@
 // metile GEMV codegen: the decode-time matrix-vector kernels (1..16 activation rows) as CUDA
-// C++ source, plus the weight layouts they read (DESIGN.md, "Lowering"). Pure source generation
+// C++ source, plus the weight layouts they read (docs/architecture.md, "Lowering"). Pure source generation
 // and host-side repacking: no driver, no GPU, no runtime (the decode-MLP model is in
 // decode_mlp.h, its CUDA executor in decode_mlp_executor.h).
 //

@@ -266,6 +266,8 @@ struct OpDefinition {
   // A small graph using the op (f32 unless the op says otherwise), which the tests run through
   // JSON, the CPU reference, the planner and, for row ops, the NVRTC-compiled row kernel.
   std::function<ComputeGraph()> sample_graph;
+  // How many trailing input_names may be left out (flash_attention's positions).
+  std::size_t optional_inputs = 0;
 };
 // The kind a node of this op with these (inferred) inputs and attributes has.
 OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs,
@@ -362,16 +364,18 @@ class GraphBuilder {
   ValueRef sum(ValueRef x, std::string name = {});   // over the last axis, to [..., 1]
   ValueRef mean(ValueRef x, std::string name = {});  // over the last axis, to [..., 1]
   ValueRef causal_mask(ValueRef x, std::int64_t offset = 0, std::string name = {});
+  // x [..., R, T], positions i32 [S] with R a multiple of S: row r sees key j only where
+  // j <= positions[r mod S]; the rest is -inf.
+  ValueRef position_mask(ValueRef x, ValueRef positions, std::string name = {});
   ValueRef matmul(ValueRef a, ValueRef b, bool transpose_right = false, std::string name = {});
   ValueRef quantized_matmul(ValueRef x, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
                             int group_size, std::string name = {});
   ValueRef rope(ValueRef x, ValueRef positions, double theta, std::int64_t dims, std::string name = {});
-  // The decode-step ops (src/model): a table row gather, its quantized form, the mask of
-  // runtime positions and the KV-cache write (semantics in src/graph/op_registry.cpp).
+  // The decode-step ops (src/model): a table row gather, its quantized form and the
+  // KV-cache write (semantics in src/graph/op_registry.cpp); position_mask is above.
   ValueRef embedding(ValueRef ids, ValueRef table, std::string name = {});
   ValueRef quantized_embedding(ValueRef ids, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
                                int group_size, std::string name = {});
-  ValueRef position_mask(ValueRef x, ValueRef positions, std::string name = {});
   ValueRef kv_cache_write(ValueRef cache, ValueRef update, ValueRef positions, std::string name = {});
   ValueRef reshape(ValueRef x, std::vector<std::int64_t> shape, std::string name = {});
   ValueRef transpose(ValueRef x, std::vector<std::int64_t> perm, std::string name = {});
@@ -404,7 +408,7 @@ class GraphBuilder {
 };
 
 // ---------------------------------------------------------------- files
-// JSON graph files (format in DESIGN.md). Errors name the source and the JSON
+// JSON graph files (format in docs/architecture.md). Errors name the source and the JSON
 // path: "graph.json: /nodes/1/inputs/0: unknown value 'sumed'".
 ComputeGraph read_graph(const std::filesystem::path& path);
 ComputeGraph parse_graph_json(std::string_view text, std::string_view source_name = "<string>");

@@ -1,5 +1,5 @@
 // metile quant module: MLX's affine quantization format for weight matrices,
-// the format `quantized_matmul` consumes (DESIGN.md, op table). This is the
+// the format `quantized_matmul` consumes (docs/architecture.md, op table). This is the
 // reference: quantize, dequantize and the bit packing every backend must match.
 //
 // A weight W [N, K] (row n, column k) is cut along K into groups of

@@ -226,6 +226,19 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   const std::string key = dispatch_key(device.info(), sub, sources, options.mode);
   std::optional<DispatchDecision> stored;
   if (cache != nullptr) stored = cache->find(key);
+  // A stored decision was gated and raced when it was made, under a key that names every
+  // candidate's source: take it without measuring again, if it names a candidate offered now.
+  if (stored) {
+    bool offered = stored->chosen == CandidateId::native() || stored->chosen == CandidateId::native().as_graph();
+    for (const FusedCandidate& candidate : lowered.candidates) {
+      offered = offered || stored->chosen == candidate.id || stored->chosen == candidate.id.as_graph();
+    }
+    if (offered) {
+      report.from_cache = true;
+      for (const auto& [id, ms] : stored->timings_ms) report.timings_ms.emplace_back(id.name(), ms);
+      return finish(stored->chosen, stored->report + " (cached)");
+    }
+  }
 
   // Gate: every candidate on the same fresh random inputs, outputs poisoned before each run.
   const TensorMap inputs = random_inputs(sub, options.gate_seed);

@@ -188,6 +188,58 @@ std::vector<TensorSpec> infer_causal_mask(std::span<const TensorSpec> inputs, At
   return {inputs[0]};
 }
 
+// positions i32 [S] for the rows of x [..., R, T]: R must be a multiple of S (grouped-query rows
+// are head-major: row r is token r mod S).
+void require_row_positions(const TensorSpec& positions, std::int64_t rows, std::string_view rows_role) {
+  if (positions.dtype != DType::i32 || positions.rank() != 1 || positions.shape[0] <= 0 || rows % positions.shape[0] != 0) {
+    throw InputError(described("positions", positions) + " must be i32[S] with the " + std::to_string(rows) + " rows of " +
+                     std::string(rows_role) + " a multiple of S");
+  }
+}
+
+// q [..., Hkv, R, D], k [..., Hkv, T, D], v [..., Hkv, T, Dv] [, positions i32 [S]] -> [..., Hkv, R, Dv].
+std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  check_known_attributes(attributes, {"scale", "mask", "offset", "certificate"});
+  const TensorSpec& q = inputs[0];
+  const TensorSpec& k = inputs[1];
+  const TensorSpec& v = inputs[2];
+  require_floating(q, "q");
+  require_same_dtype(k, "k", q, "q");
+  require_same_dtype(v, "v", q, "q");
+  require_rank_at_least(q, "q", 3);
+  const auto rank = static_cast<std::size_t>(q.rank());
+  const Shape batch(q.shape.begin(), q.shape.end() - 2);
+  if (k.rank() != q.rank() || v.rank() != q.rank() || Shape(k.shape.begin(), k.shape.end() - 2) != batch ||
+      Shape(v.shape.begin(), v.shape.end() - 2) != batch) {
+    throw InputError(described("k", k) + " and " + described("v", v) + " must have the leading dims [..., Hkv] of " +
+                     described("q", q));
+  }
+  if (k.shape[rank - 1] != q.shape[rank - 1]) {
+    throw InputError(described("k", k) + " must have the head dim D = " + std::to_string(q.shape[rank - 1]) + " of " +
+                     described("q", q));
+  }
+  if (v.shape[rank - 2] != k.shape[rank - 2]) {
+    throw InputError(described("v", v) + " must have the key count T = " + std::to_string(k.shape[rank - 2]) + " of " +
+                     described("k", k));
+  }
+  if (!attributes.has("scale")) attributes.set("scale", 1.0);
+  finite_number(attributes, "scale");
+  if (!attributes.has("mask")) attributes.set("mask", std::string(inputs.size() == 4 ? "positions" : "none"));
+  const std::string& mask = attributes.get_string("mask");
+  if (mask != "none" && mask != "causal" && mask != "positions") {
+    throw InputError("mask must be 'none', 'causal' or 'positions', got '" + mask + "'");
+  }
+  if ((mask == "positions") != (inputs.size() == 4)) {
+    throw InputError("mask '" + mask + "' " + (inputs.size() == 4 ? "takes no positions input" : "needs a positions input"));
+  }
+  if (inputs.size() == 4) require_row_positions(inputs[3], q.shape[rank - 2], "q");
+  integer_or_default(attributes, "offset", 0);
+  if (attributes.has("certificate")) attributes.get_string("certificate");  // a string; the executor checks it
+  Shape output = q.shape;
+  output.back() = v.shape.back();
+  return {TensorSpec(output, q.dtype)};
+}
+
 std::vector<TensorSpec> infer_matmul(std::span<const TensorSpec> inputs, Attributes& attributes) {
   check_known_attributes(attributes, {"transpose_right"});
   const TensorSpec& a = inputs[0];
@@ -369,13 +421,7 @@ std::vector<TensorSpec> infer_position_mask(std::span<const TensorSpec> inputs, 
   const TensorSpec& x = inputs[0];
   require_floating(x, "x");
   require_rank_at_least(x, "x", 2);
-  require_ids(inputs[1], "positions");
-  const std::int64_t rows = x.shape[x.shape.size() - 2];
-  const std::int64_t steps = inputs[1].shape[0];
-  if (steps == 0 || rows % steps != 0) {
-    throw InputError(described("positions", inputs[1]) + " must have a length that divides the " +
-                     std::to_string(rows) + " rows of " + described("x", x));
-  }
+  require_row_positions(inputs[1], x.shape[x.shape.size() - 2], "x");
   return {x};
 }
 
@@ -799,6 +845,11 @@ std::deque<OpDefinition>& table() {
            sample("position_mask", {f32({2, 8, 6}), TensorSpec({4}, DType::i32)}));
     define("kv_cache_write", OpKind::layout, {"cache", "update", "positions"}, infer_kv_cache_write,
            sample("kv_cache_write", {f32({2, 6, 8}), f32({2, 3, 8}), TensorSpec({3}, DType::i32)}));
+    // One kernel made by the attention rewrite (src/discovery): it contracts over D and over T. Its
+    // sample carries no certificate, so the CPU reference refuses to run it (the executor's check).
+    define("flash_attention", OpKind::contraction, {"q", "k", "v", "positions"}, infer_flash_attention,
+           sample("flash_attention", {f32({2, 4, 8}), f32({2, 6, 8}), f32({2, 6, 4})}))
+        .optional_inputs = 1;
     return ops;
   }();
   return definitions;

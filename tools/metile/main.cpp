@@ -1,4 +1,4 @@
-// `metile`: plan, run and inspect graphs from the command line (DESIGN.md,
+// `metile`: plan, run and inspect graphs from the command line (docs/architecture.md,
 // "The interfaces users touch"). Exit codes: 0 success, 2 bad input (usage errors
 // included), 1 internal failure or a failed write to standard output. Every
 // failure is exactly one line on stderr: "metile: error: ..." or

@@ -100,7 +100,7 @@ void add_run_command(CLI::App& app) {
   auto options = std::make_shared<RunOptions>();
   CLI::App* command =
       app.add_subcommand("run", "Run a graph and print min, max, mean and a checksum of each output");
-  command->add_option("graph", options->graph_path, "graph file (JSON, format in DESIGN.md)")->required();
+  command->add_option("graph", options->graph_path, "graph file (JSON, format in docs/architecture.md)")->required();
   command->add_option("--backend", options->backend, "cpu (the reference) or cuda")->capture_default_str();
   command->add_option("--seed", options->seed, "seed of the random inputs")->capture_default_str();
   command->add_option("--inputs", options->inputs_path, "take the inputs from this safetensors file instead");

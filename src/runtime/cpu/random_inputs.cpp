@@ -17,9 +17,11 @@ namespace {
 
 enum class InputRole {
   plain,
-  rope_positions,  // also the positions of position_mask and kv_cache_write: [0, S)
+  rope_positions,  // also the positions of kv_cache_write: [0, S)
   token_ids,       // embedding ids: rows of the table
+  key_positions,   // a mask's positions: the last key each token sees, in [0, T)
   contraction_weight,  // matmul's right operand
+  attention_keys,      // flash_attention's k, scaled like the right operand of q @ k^T
   packed_weights,
   quantization_scales,
   quantization_biases,
@@ -36,12 +38,15 @@ InputUse use_of(const ComputeGraph& graph, ValueId input) {
     for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
       if (node.inputs[slot] != input) continue;
       if (node.op == "rope" && slot == 1) return {InputRole::rope_positions, &node};
-      if (node.op == "position_mask" && slot == 1) return {InputRole::rope_positions, &node};
       if (node.op == "kv_cache_write" && slot == 2) return {InputRole::rope_positions, &node};
+      if ((node.op == "position_mask" && slot == 1) || (node.op == "flash_attention" && slot == 3)) {
+        return {InputRole::key_positions, &node};
+      }
       if ((node.op == "embedding" || node.op == "quantized_embedding") && slot == 0) {
         return {InputRole::token_ids, &node};
       }
       if (node.op == "matmul" && slot == 1) return {InputRole::contraction_weight, &node};
+      if (node.op == "flash_attention" && slot == 1) return {InputRole::attention_keys, &node};
       if (node.op == "quantized_matmul" && slot == 1) return {InputRole::packed_weights, &node};
       if (node.op == "quantized_matmul" && slot == 2) return {InputRole::quantization_scales, &node};
       if (node.op == "quantized_matmul" && slot == 3) return {InputRole::quantization_biases, &node};
@@ -75,10 +80,12 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
       for (float& element : values) element = generator.uniform(-0.05f, 0.05f);
       return;
     }
+    case InputRole::attention_keys:
     case InputRole::contraction_weight: {
       // Uniform in [-1, 1) / sqrt(K), the usual initialisation, so that
       // products keep the magnitude of their inputs through deep graphs.
-      const bool transpose_right = use.consumer->attributes.get_int("transpose_right") != 0;
+      const bool transpose_right =
+          use.role == InputRole::attention_keys || use.consumer->attributes.get_int("transpose_right") != 0;
       const std::vector<std::int64_t>& shape = value.spec.shape;
       const std::int64_t depth = transpose_right ? shape.back() : shape[shape.size() - 2];
       const float factor = 1.0f / std::sqrt(static_cast<float>(depth));
@@ -92,9 +99,17 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
 }
 
 std::int64_t draw_integer(SplitMix64& generator, const ComputeGraph& graph, const Value& value, const InputUse& use) {
-  if (use.role == InputRole::rope_positions) return generator.integer(0, value.spec.shape.front() - 1);
-  if (use.role == InputRole::token_ids) {
+  const InputRole role = use.role;
+  if (role == InputRole::rope_positions) return generator.integer(0, value.spec.shape.front() - 1);
+  if (role == InputRole::token_ids) {
     return generator.integer(0, graph.value(use.consumer->inputs[1]).spec.shape.front() - 1);
+  }
+  if (role == InputRole::key_positions) {
+    // T: the last axis of the masked scores x [..., R, T], or the key axis of flash_attention's k [..., T, D].
+    const bool scores = use.consumer->op == "position_mask";
+    const TensorSpec& keyed = graph.value(use.consumer->inputs[scores ? 0 : 1]).spec;
+    const std::int64_t keys = scores ? keyed.shape.back() : keyed.shape[keyed.shape.size() - 2];
+    return generator.integer(0, std::max<std::int64_t>(keys, 1) - 1);
   }
   switch (value.spec.dtype) {
     case DType::i8:

@@ -24,6 +24,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "metile/discovery.h"
 #include "metile/quant.h"
 #include "parallel.h"
 #include "tensor_access.h"
@@ -71,6 +72,65 @@ HostTensor evaluate_elementwise(const OpCall& call, const ElementwiseMath& math)
     values[index] = functions.f32(operands, ElementSite{flat / columns, flat % columns});
   }
   return store_values(call.output, values);
+}
+
+// flash_attention evaluated with the law it is certified by (src/discovery): per query row, the
+// scores s_j = scale * q.k_j (f64 dot products of the f32 inputs) of the visible keys are lifted
+// with their value rows and merged in blocks of kKeyBlock keys, the block states merged in order,
+// and the state finalized (o / l). Masked keys are skipped: they contribute the identity. A row with
+// no visible key finalizes the identity, 0 / 0 = NaN, as softmax over an all -inf row does.
+HostTensor evaluate_flash_attention(const OpCall& call) {
+  constexpr std::int64_t kKeyBlock = 64;
+  constexpr std::string_view law_name = "stable_weighted_softmax";
+  require_verified_certificate(call.node, law_name);
+  const LawEvaluator law(*find_law(law_name), call.input(2).spec().shape.back());
+  const TensorSpec& q_spec = call.input(0).spec();
+  const std::size_t rank = q_spec.shape.size();
+  const std::int64_t rows = q_spec.shape[rank - 2];
+  const std::int64_t depth = q_spec.shape[rank - 1];
+  const std::int64_t keys = call.input(1).spec().shape[rank - 2];
+  const std::int64_t value_width = call.input(2).spec().shape[rank - 1];
+  const std::int64_t batches = rows == 0 ? 0 : q_spec.element_count() / (rows * depth);
+  const double scale = call.node.attributes.get_double("scale");
+  const std::string& mask = call.node.attributes.get_string("mask");
+  const std::int64_t offset = call.node.attributes.get_int("offset");
+  const std::vector<float> q = load_floats(call.input(0));
+  const std::vector<float> k = load_floats(call.input(1));
+  const std::vector<float> v = load_floats(call.input(2));
+  std::vector<double> out(static_cast<std::size_t>(batches * rows * value_width));
+  std::vector<double> element(law.element_size());
+  std::vector<double> lifted(law.state_size());
+  std::vector<double> result(static_cast<std::size_t>(value_width));
+  for (std::int64_t batch = 0; batch < batches; ++batch) {
+    for (std::int64_t row = 0; row < rows; ++row) {
+      std::int64_t last_visible = keys - 1;
+      if (mask == "causal") last_visible = row + offset;
+      if (mask == "positions") {
+        const HostTensor& positions = call.input(3);
+        last_visible = static_cast<std::int64_t>(positions.at(row % positions.element_count()));
+      }
+      const float* q_row = q.data() + (batch * rows + row) * depth;
+      std::vector<double> total = law.identity();
+      for (std::int64_t first = 0; first < keys; first += kKeyBlock) {
+        std::vector<double> block = law.identity();
+        for (std::int64_t key = first; key < std::min(keys, first + kKeyBlock); ++key) {
+          if (key > last_visible) continue;
+          const float* k_row = k.data() + (batch * keys + key) * depth;
+          double dot = 0;
+          for (std::int64_t d = 0; d < depth; ++d) dot += static_cast<double>(q_row[d]) * k_row[d];
+          element[0] = scale * dot;
+          const float* v_row = v.data() + (batch * keys + key) * value_width;
+          for (std::int64_t lane = 0; lane < value_width; ++lane) element[static_cast<std::size_t>(1 + lane)] = v_row[lane];
+          law.lift(element, lifted);
+          law.merge_into(block, lifted);
+        }
+        law.merge_into(total, block);
+      }
+      law.finalize(total, result);
+      std::copy(result.begin(), result.end(), out.begin() + (batch * rows + row) * value_width);
+    }
+  }
+  return store_values(call.output, out);
 }
 
 // Row reductions: the op table's per-row math over the last axis, or over the node's `axis`
@@ -514,6 +574,7 @@ const std::unordered_map<std::string_view, Evaluator>& evaluators() {
       {"quantized_embedding", evaluate_quantized_embedding},
       {"position_mask", evaluate_position_mask},
       {"kv_cache_write", evaluate_kv_cache_write},
+      {"flash_attention", evaluate_flash_attention},
   };
   return table;
 }

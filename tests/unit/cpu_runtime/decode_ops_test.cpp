@@ -107,7 +107,7 @@ TEST(DecodeOps, PositionMaskHidesKeysPastEachRowsPosition) {
               bad.position_mask(bad.input("x", TensorSpec({2, 5, 7}, DType::f32)),
                                 bad.input("positions", TensorSpec({3}, DType::i32)), "m");
             }),
-            "node 'm' (position_mask): positions i32[3] must have a length that divides the 5 rows of x f32[2, 5, 7]");
+            "node 'm' (position_mask): positions i32[3] must be i32[S] with the 5 rows of x a multiple of S");
 }
 
 TEST(DecodeOps, KvCacheWriteReplacesTheRowsAtThePositions) {

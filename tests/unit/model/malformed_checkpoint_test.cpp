@@ -107,7 +107,7 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          testing::write_text(d / "model.safetensors.index.json",
                              R"({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})");
        },
-       "model-00002-of-00002.safetensors: cannot open file"},
+       "model-00002-of-00002.safetensors: cannot open the file"},
       {"index_lists_an_absent_tensor",
        [](auto d) {
          testing::write_text(d / "model.safetensors.index.json",
