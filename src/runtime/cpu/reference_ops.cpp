@@ -292,8 +292,43 @@ HostTensor evaluate_matmul(const OpCall& call) {
   return store_values(call.output, out);
 }
 
-// y = x . dequant(W)^T, W [N, K] dequantized one row at a time in f32 (the
-// same values dequantize_affine gives), dot products in f64, k ascending.
+// Eight weight rows' codes, dequantized straight into dot_eight's interleaved block:
+// w[d * 8 + j] = scale_j * q_j[d] + bias_j in f32, the product rounded before the add,
+// exactly as dequantize_affine_row computes each value. Depth d of the eight rows is
+// one 8-lane vector (lane j = row j): word `word` of each row, shifted and masked per
+// slot, so every store is a whole block row. Cloned for AVX2 (8 f32 lanes).
+using Float8 = float __attribute__((vector_size(32)));
+using Word8 = std::uint32_t __attribute__((vector_size(32)));
+
+__attribute__((target_clones("avx2", "default"))) void dequantize_eight(const std::uint32_t* words, const float* scales,
+                                                                         const float* biases, std::int64_t k,
+                                                                         int bits, int group_size, float* interleaved) {
+  const int per_word = 32 / bits;
+  const std::int64_t words_per_row = k / per_word;
+  const std::uint32_t max_code = (std::uint32_t{1} << bits) - 1;
+  const Word8 mask = {max_code, max_code, max_code, max_code, max_code, max_code, max_code, max_code};
+  for (std::int64_t word = 0; word < words_per_row; ++word) {
+    const std::int64_t group = word * per_word / group_size;
+    Word8 codes;
+    Float8 scale;
+    Float8 bias;
+    for (int lane = 0; lane < 8; ++lane) {
+      codes[lane] = words[lane * words_per_row + word];
+      scale[lane] = scales[group * 8 + lane];
+      bias[lane] = biases[group * 8 + lane];
+    }
+    float* out = interleaved + word * per_word * kColumnBlock;
+    for (int slot = 0; slot < per_word; ++slot) {
+      const Float8 code = __builtin_convertvector((codes >> (bits * slot)) & mask, Float8);
+      const Float8 product = scale * code;  // kept apart from the add: no fused multiply-add
+      const Float8 value = product + bias;
+      std::memcpy(out + slot * kColumnBlock, &value, sizeof value);
+    }
+  }
+}
+
+// y = x . dequant(W)^T, W [N, K] dequantized eight rows at a time in f32 (the same
+// values dequantize_affine_row gives), dot products in f64, k ascending.
 HostTensor evaluate_quantized_matmul(const OpCall& call) {
   const AffineQuantization format{static_cast<int>(call.node.attributes.get_int("bits")),
                                   static_cast<int>(call.node.attributes.get_int("group_size"))};
@@ -301,11 +336,43 @@ HostTensor evaluate_quantized_matmul(const OpCall& call) {
   const std::int64_t k = call.input(0).spec().row_length();
   const std::int64_t n = call.output.shape.back();
   const std::int64_t rows = k == 0 ? 0 : static_cast<std::int64_t>(x.size()) / k;
+  const HostTensor& packed = call.input(1);
+  const HostTensor& scales = call.input(2);
+  const HostTensor& biases = call.input(3);
+  const std::int64_t words_per_row = format.packed_columns(k);
+  const std::int64_t groups = format.group_count(k);
+  // The op's shape inference guarantees these; checked again because the kernel reads raw words.
+  if (packed.element_count() != n * words_per_row || scales.element_count() != n * groups ||
+      biases.element_count() != n * groups) {
+    throw InputError(fmt::format("node '{}' (quantized_matmul): packed {} / scales {} / biases {} do not match [{}, {}]",
+                                 call.node.name, packed.spec().to_string(), scales.spec().to_string(),
+                                 biases.spec().to_string(), n, k));
+  }
+  const auto* all_words = reinterpret_cast<const std::uint32_t*>(packed.bytes().data());
   std::vector<double> out(static_cast<std::size_t>(rows * n));
-  const auto fill_row = [&](std::int64_t column, std::span<float> row) {
-    dequantize_affine_row(format, call.input(1), call.input(2), call.input(3), column, row);
+  const auto fill_block = [&, words = std::vector<std::uint32_t>(static_cast<std::size_t>(kColumnBlock * words_per_row)),
+                           block_scales = std::vector<float>(static_cast<std::size_t>(kColumnBlock * groups)),
+                           block_biases = std::vector<float>(static_cast<std::size_t>(kColumnBlock * groups))](
+                              std::int64_t first, std::int64_t count, float* interleaved) mutable {
+    // Rows past count (the last, ragged block) decode zeros into lanes that are never stored.
+    std::fill(words.begin(), words.end(), 0u);
+    std::fill(block_scales.begin(), block_scales.end(), 0.0f);
+    std::fill(block_biases.begin(), block_biases.end(), 0.0f);
+    std::memcpy(words.data(), all_words + first * words_per_row,
+                static_cast<std::size_t>(count * words_per_row) * sizeof(std::uint32_t));
+    for (std::int64_t j = 0; j < count; ++j) {
+      for (std::int64_t group = 0; group < groups; ++group) {
+        // scales.at widens f16/bf16/f32 exactly; the f32 value is dequantize_affine_row's.
+        block_scales[static_cast<std::size_t>(group * kColumnBlock + j)] =
+            static_cast<float>(scales.at((first + j) * groups + group));
+        block_biases[static_cast<std::size_t>(group * kColumnBlock + j)] =
+            static_cast<float>(biases.at((first + j) * groups + group));
+      }
+    }
+    dequantize_eight(words.data(), block_scales.data(), block_biases.data(), k, format.bits, format.group_size,
+                     interleaved);
   };
-  contract_rows(x.data(), rows, k, n, interleaving(k, fill_row), out.data(), n);
+  contract_rows(x.data(), rows, k, n, fill_block, out.data(), n);
   return store_values(call.output, out);
 }
 

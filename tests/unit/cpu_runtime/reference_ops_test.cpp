@@ -4,8 +4,10 @@
 // the f32 (or f64-accumulated) result.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <string>
 
 #include "metile/cpu_runtime.h"
@@ -420,6 +422,65 @@ TEST(ReferenceContraction, QuantizedMatmulEqualsDequantizeThenMatmul) {
           dense.matmul(dense.input("x", x_spec), dense.input("w", dequantized.spec()), true);
       EXPECT_EQ(run_one(dense, dense_y, {{"x", x_values}, {"w", dequantized}}), out);
     }
+  }
+}
+
+// The blocked, vectorized quantized_matmul against a per-element dequantize-then-dot written
+// here from the packing rule (low bits first, w = scale * q + bias with the product rounded to
+// f32 before the add, dot products in f64 in index order): bit for bit, on random words, scales
+// and biases, and random shapes with N not a multiple of the 8-column block and 1..5 groups.
+TEST(ReferenceContraction, QuantizedMatmulEqualsPerElementDequantizeThenDot) {
+  std::mt19937_64 generator(testing::test_seed("quantized_matmul random shapes"));
+  const auto pick = [&](std::int64_t low, std::int64_t high) {
+    return std::uniform_int_distribution<std::int64_t>(low, high)(generator);
+  };
+  for (int trial = 0; trial < 24; ++trial) {
+    const int bits = pick(0, 1) == 0 ? 4 : 8;
+    const int group_size = std::array{32, 64, 128}[static_cast<std::size_t>(pick(0, 2))];
+    const std::int64_t groups = pick(1, 5);
+    const std::int64_t k = groups * group_size;
+    const std::int64_t n = pick(1, 41);
+    const std::int64_t m = pick(1, 4);
+    const DType x_dtype = std::array{DType::f32, DType::bf16, DType::f16}[static_cast<std::size_t>(pick(0, 2))];
+    const DType scale_dtype = x_dtype;  // the op takes scales and biases in x's dtype
+    const int per_word = 32 / bits;
+    const TensorSpec x_spec({m, k}, x_dtype);
+    const TensorSpec packed_spec({n, k / per_word}, DType::u32);
+    const TensorSpec scales_spec({n, groups}, scale_dtype);
+    std::vector<double> words(static_cast<std::size_t>(packed_spec.element_count()));
+    for (double& word : words) word = static_cast<double>(static_cast<std::uint32_t>(generator()));
+    const HostTensor packed = HostTensor::from_values(packed_spec, words);
+    const HostTensor scales = random_tensor(scales_spec, generator(), -0.1, 0.1);
+    const HostTensor biases = random_tensor(scales_spec, generator(), -1, 1);
+    const HostTensor x = random_tensor(x_spec, generator(), -2, 2);
+
+    GraphBuilder builder;
+    const ValueRef y = builder.quantized_matmul(builder.input("x", x_spec), builder.input("packed", packed_spec),
+                                                builder.input("scales", scales_spec),
+                                                builder.input("biases", scales_spec), bits, group_size);
+    const HostTensor out =
+        run_one(builder, y, {{"x", x}, {"packed", packed}, {"scales", scales}, {"biases", biases}});
+
+    HostTensor expected(TensorSpec({m, n}, x_dtype));
+    for (std::int64_t column = 0; column < n; ++column) {
+      std::vector<float> w(static_cast<std::size_t>(k));
+      for (std::int64_t depth = 0; depth < k; ++depth) {
+        const auto word = static_cast<std::uint32_t>(packed.at((column * k + depth) / per_word));
+        const std::uint32_t code = (word >> (bits * (depth % per_word))) & ((1u << bits) - 1);
+        const auto scale = static_cast<float>(scales.at(column * groups + depth / group_size));
+        const auto bias = static_cast<float>(biases.at(column * groups + depth / group_size));
+        // In f64 then rounded: each is exactly the f32 operation (no fused multiply-add possible).
+        const auto product = static_cast<float>(static_cast<double>(scale) * code);
+        w[static_cast<std::size_t>(depth)] = static_cast<float>(static_cast<double>(product) + bias);
+      }
+      for (std::int64_t row = 0; row < m; ++row) {
+        double sum = 0;
+        for (std::int64_t depth = 0; depth < k; ++depth) sum += x.at(row * k + depth) * w[static_cast<std::size_t>(depth)];
+        expected.store(row * n + column, sum);
+      }
+    }
+    ASSERT_EQ(out, expected) << "trial " << trial << ": " << bits << " bits, group " << group_size << ", K " << k
+                             << ", N " << n << ", M " << m << ", " << dtype_name(x_dtype);
   }
 }
 
