@@ -10,6 +10,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev libfmt-dev
   pybind11-dev python3 python3-dev python3-numpy python3-pytest
   libboost-graph-dev liblemon-dev
+  clang libclang-rt-14-dev
 )
 
 missing=()

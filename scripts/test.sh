@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test that needs no GPU: the unit and CLI tests and the Python
-# suite on the `default` build, then the unit tests again under ASan+UBSan.
+# suite on the `default` build, then the unit tests again under ASan+UBSan, then
+# each libFuzzer harness for its fixed number of executions (scripts/fuzz.sh).
 # GPU tests (ctest label `gpu`) run on a CUDA machine with `ctest --preset gpu`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,3 +19,6 @@ cmake --preset asan >/dev/null
 cmake --build --preset asan -j "$jobs"
 echo "== tests (asan preset)"
 ASAN_OPTIONS=detect_leaks=1 ctest --preset asan -j "$jobs"
+
+echo "== fuzz (libFuzzer harnesses, ASan+UBSan, fixed executions)"
+scripts/fuzz.sh

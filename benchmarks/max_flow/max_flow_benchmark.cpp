@@ -3,8 +3,11 @@
 // takes, what the dispatch tournament costs and picks, what warm (cached) dispatch costs,
 // and how LEMON's Preflow and Boost.Graph's push_relabel / boykov_kolmogorov do on the
 // same instance in the same run. Every engine's value is checked against the others.
+// The experimental interior-point engine (ipm) gets its own columns: time, interior-point
+// iterations and conjugate-gradient steps, its value and cut checked against Dinic's;
+// `--ipm-scaling` prints how its iteration count grows with the number of edges instead.
 //
-//   max_flow_benchmark [--quick] [--family NAME]
+//   max_flow_benchmark [--quick] [--family NAME] [--ipm-scaling]
 //
 // Times are medians of interleaved repeated runs, in milliseconds, and exclude building each
 // library's graph; ours include allocating the residual graph (every solve does).
@@ -103,6 +106,18 @@ void check_same_value(const char* who, std::int64_t value, std::int64_t expected
   }
 }
 
+// One ipm run, checked against Dinic's value and canonical cut; returns its statistics.
+metile::InteriorPointStatistics checked_ipm(const metile::IntegerFlowNetwork& network, int source, int sink,
+                                            const metile::MaxFlowResult<std::int64_t>& by_dinic,
+                                            const std::string& instance) {
+  const metile::MaxFlowResult<std::int64_t> result = metile::ipm(network, source, sink);
+  check_same_value("ipm", result.value, by_dinic.value, instance);
+  if (result.source_side != by_dinic.source_side) {
+    throw std::runtime_error("ipm's minimum cut differs from dinic's on " + instance);
+  }
+  return *result.interior_point;
+}
+
 // ---------------------------------------------------------------- competitors
 
 #ifdef METILE_HAVE_BOOST_GRAPH
@@ -196,7 +211,13 @@ class CompetitorBudget {
   std::map<std::string, std::pair<std::size_t, double>> previous_;  // family/competitor -> edges, ms
 };
 
+// ipm runs in the crossover table up to this many edges: beyond, one run takes minutes on
+// two cores (Jacobi-preconditioned CG on deep graphs); --ipm-scaling measures its growth.
+constexpr std::size_t kIpmMaxEdges = 20000;
+
 struct Row {
+  CompetitorTime ipm;
+  metile::InteriorPointStatistics ipm_statistics;
   double dinic_ms = 0;
   double hlpp_ms = 0;
   double tuning_ms = 0;
@@ -214,7 +235,8 @@ Row measure(const Instance& instance, CompetitorBudget& budget) {
   const int sink = generated.sink;
   const std::string name = instance.family + " " + instance.shape;
   Row row;
-  const std::int64_t expected = metile::dinic(network, source, sink).value;
+  const metile::MaxFlowResult<std::int64_t> by_dinic = metile::dinic(network, source, sink);
+  const std::int64_t expected = by_dinic.value;
 
   // Tuning: the first dispatch of a network (the tournament), a one-off by nature.
   std::vector<double> tuning;
@@ -262,6 +284,12 @@ Row measure(const Instance& instance, CompetitorBudget& budget) {
     check_same_value("Boost boykov_kolmogorov", boost_graph.boykov_kolmogorov(), expected, name);
   });
 #endif
+  if (edges <= kIpmMaxEdges) {
+    add_competitor("ipm", row.ipm,
+                   [&] { row.ipm_statistics = checked_ipm(network, source, sink, by_dinic, name); });
+  } else {
+    row.ipm.skipped = true;
+  }
   const std::vector<double> medians = interleaved_medians(runs);
   row.dinic_ms = medians[0];
   row.hlpp_ms = medians[1];
@@ -326,6 +354,69 @@ std::vector<Instance> instances(bool quick, const std::string& only) {
   return list;
 }
 
+// --ipm-scaling: per family, networks doubling in edges; the interior-point iteration count
+// against sqrt(m) (the theory's bound for short-step path following), its CG steps, and
+// its time against HLPP and LEMON Preflow on the same network.
+void print_ipm_scaling(bool quick, const std::string& only) {
+  using namespace metile::flow_families;
+  Random random(20240602);
+  const int sizes = quick ? 3 : 5;
+  std::vector<Instance> list;
+  auto wanted = [&](const std::string& family) { return only.empty() || only == family; };
+  for (int step = 0; step < sizes; ++step) {
+    const int doubling = 1 << step;
+    if (wanted("seed-random")) {
+      list.push_back({"seed-random", fmt::format("n={} d=6", 256 * doubling), false,
+                      seed_random_network(256 * doubling, 6, random)});
+    }
+    if (wanted("layered")) {
+      list.push_back({"layered", fmt::format("16x{} d=4", 16 * doubling), true,
+                      layered_network(16, 16 * doubling, 4, 1000, random)});
+    }
+    if (wanted("grid")) {
+      const int side = static_cast<int>(std::lround(16 * std::sqrt(static_cast<double>(doubling))));
+      list.push_back({"grid", fmt::format("{}x{}", side, side), true, grid_network(side, side, 1000, random)});
+    }
+    if (wanted("genrmf")) {
+      list.push_back({"genrmf", fmt::format("a=8 b={}", 4 * doubling), true,
+                      genrmf_network(8, 4 * doubling, 1, 10000, random)});
+    }
+  }
+  std::stable_sort(list.begin(), list.end(),
+                   [](const Instance& a, const Instance& b) { return a.family < b.family; });
+  fmt::print("ipm iterations against sqrt(m); times in ms ({} clock, median)\n\n", use_cpu_clock ? "cpu" : "wall");
+  fmt::print("{:<12} {:<12} {:>8} {:>7} {:>6} {:>4} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>8}  {}\n", "family",
+             "shape", "vertices", "edges", "sqrt(m)", "it", "it/sqrt", "cg", "cg/solve", "ipm", "hlpp", "lemon",
+             "repair", "stop");
+  for (const Instance& instance : list) {
+    const GeneratedNetwork& generated = instance.network;
+    const metile::IntegerFlowNetwork network = generated.integer_network();
+    const std::string name = instance.family + " " + instance.shape;
+    const metile::MaxFlowResult<std::int64_t> by_dinic = metile::dinic(network, generated.source, generated.sink);
+    metile::InteriorPointStatistics statistics;
+    std::vector<std::function<void()>> runs{
+        [&] { statistics = checked_ipm(network, generated.source, generated.sink, by_dinic, name); },
+        [&] {
+          check_same_value("hlpp", metile::hlpp(network, generated.source, generated.sink).value, by_dinic.value,
+                           name);
+        }};
+#ifdef METILE_HAVE_LEMON
+    LemonCompetitor lemon(generated);
+    runs.push_back([&] { check_same_value("LEMON Preflow", lemon.preflow(), by_dinic.value, name); });
+#endif
+    const std::vector<double> medians = interleaved_medians(runs);
+    const double root = std::sqrt(static_cast<double>(generated.edges.size()));
+    fmt::print("{:<12} {:<12} {:>8} {:>7} {:>6.0f} {:>4} {:>7.3f} {:>8} {:>7.0f} {:>9} {:>9} {:>9} {:>8}  {}\n",
+               instance.family, instance.shape, generated.vertex_count, generated.edges.size(), root,
+               statistics.iterations, statistics.iterations / root, statistics.cg_steps,
+               static_cast<double>(statistics.cg_steps) / std::max(1, statistics.laplacian_solves),
+               show_ms(medians[0]), show_ms(medians[1]), show_ms(medians.size() > 2 ? std::optional(medians[2]) : std::nullopt),
+               statistics.repair_paths, statistics.stop_reason);
+    std::fflush(stdout);
+  }
+  fmt::print("\nrepair = augmenting paths from the rounded flow to the maximum\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -334,11 +425,19 @@ int main(int argc, char** argv) {
   std::string only;
   app.add_flag("--quick", quick, "smaller large instances (a smoke run)");
   app.add_option("--family", only, "only this family: seed-random, layered, grid, genrmf");
+  bool ipm_scaling = false;
+  app.add_flag("--ipm-scaling", ipm_scaling,
+               "instead of the crossover table: the interior-point engine's iterations and CG steps as the "
+               "networks double");
   std::string clock = "wall";
   app.add_option("--clock", clock, "wall (default) or cpu: this thread's CPU time, robust on a busy machine")
       ->check(CLI::IsMember({"wall", "cpu"}));
   CLI11_PARSE(app, argc, argv);
   use_cpu_clock = clock == "cpu";
+  if (ipm_scaling) {
+    print_ipm_scaling(quick, only);
+    return 0;
+  }
 
   const auto start = std::chrono::steady_clock::now();
   fmt::print(
@@ -349,13 +448,15 @@ int main(int argc, char** argv) {
       "Boost "
       "push_relabel, Boost boykov_kolmogorov\n\n",
       clock);
-  fmt::print("{:<12} {:<14} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>9} {:>7}  {}\n",
+  fmt::print("{:<12} {:<14} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>9} {:>7}  {:<20} {:>9} {:>4} {:>7} {:>8}\n",
              "family", "shape", "vertices", "edges", "dinic", "hlpp", "tuning", "warm", "w/best", "chosen",
-             "lemon", "boost-pr", "boost-bk", "best/cmp", "goal (lemon; auto)");
+             "lemon", "boost-pr", "boost-bk", "best/cmp", "goal (lemon; auto)", "ipm", "it", "cg", "ipm/fast");
   int lemon_goals = 0;
   int lemon_goals_met = 0;
   int auto_goals_met = 0;
   int rows = 0;
+  int ipm_rows = 0;
+  int ipm_wins = 0;
   CompetitorBudget budget;
   for (const Instance& instance : instances(quick, only)) {
     const Row row = measure(instance, budget);
@@ -379,20 +480,35 @@ int main(int argc, char** argv) {
     }
     ++rows;
     auto_goals_met += auto_met;
+    // ipm/fast: ipm's time over the fastest of everything else in the row (< 1: ipm wins).
+    std::string ipm_ratio = "-";
+    if (row.ipm.ms) {
+      const double fastest = competitor ? std::min(best, *competitor) : best;
+      ++ipm_rows;
+      ipm_wins += *row.ipm.ms < fastest;
+      ipm_ratio = fmt::format("{:.1f}", *row.ipm.ms / fastest);
+    }
+    const bool ipm_ran = row.ipm.ms.has_value();
+    const std::string goals = fmt::format("{}; {}", lemon_goal, auto_met ? "met" : fmt::format("MISSED x{:.2f}", warm_ratio));
     fmt::print(
-        "{:<12} {:<14} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6.2f} {:>6} {:>9} {:>9} {:>9} {:>8}  {}; {}\n",
+        "{:<12} {:<14} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6.2f} {:>6} {:>9} {:>9} {:>9} {:>8}  {:<20} {:>9} {:>4} {:>7} {:>8}\n",
         instance.family, instance.shape, instance.network.vertex_count, instance.network.edges.size(),
         show_ms(row.dinic_ms), show_ms(row.hlpp_ms), show_ms(row.tuning_ms), show_ms(row.warm_auto_ms),
         warm_ratio, row.chosen, show_ms(row.lemon), show_ms(row.boost_push_relabel),
         show_ms(row.boost_boykov_kolmogorov), competitor ? fmt::format("{:.2f}", best / *competitor) : "n/a",
-        lemon_goal, auto_met ? "met" : fmt::format("MISSED x{:.2f}", warm_ratio));
+        goals, show_ms(row.ipm), ipm_ran ? std::to_string(row.ipm_statistics.iterations) : "-",
+        ipm_ran ? std::to_string(row.ipm_statistics.cg_steps) : "-", ipm_ratio);
     std::fflush(stdout);
   }
   fmt::print(
-      "\nskip: not run, its time on the family's smaller row predicts more than {:.0f} s\n"
+      "\nskip: not run, its time on the family's smaller row predicts more than {:.0f} s (ipm: more than {} "
+      "edges)\n"
+      "ipm: experimental interior-point engine (never chosen by auto); it = interior-point iterations, cg = "
+      "conjugate-gradient steps, ipm/fast = its time over the fastest other engine or library in the row\n"
       "summary: best engine no slower than LEMON Preflow on {}/{} large structured rows{}; "
-      "warm auto within 10% of best on {}/{} rows; total {:.1f} s\n",
-      kSkipAboveMs / 1000, lemon_goals_met, lemon_goals, lemon_goals == 0 ? " (LEMON not built in)" : "",
-      auto_goals_met, rows, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      "warm auto within 10% of best on {}/{} rows; ipm fastest on {}/{} rows it ran; total {:.1f} s\n",
+      kSkipAboveMs / 1000, kIpmMaxEdges, lemon_goals_met, lemon_goals,
+      lemon_goals == 0 ? " (LEMON not built in)" : "", auto_goals_met, rows, ipm_wins, ipm_rows,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return 0;
 }

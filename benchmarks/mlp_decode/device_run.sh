@@ -4,7 +4,10 @@
 # on the GPU machine:
 #   benchmarks/mlp_decode/device_run.sh STEP...
 #     gemv     GPU suite of every GEMV kernel and schedule     exec   GPU suite of the executor
+#     streamed only the streamed-mainloop GPU test
+#     profile  ncu --clock-control none over benchmark --profile (M=1 stage kernels, read-only stream)
 #     kernels  benchmark --kernels (stage kernels alone)       quick | default | full   the benchmark
+#     anchors  the PyTorch peers (.anchors/kernels_torch.py, carried beside the tree)
 set -u
 OUT=${OUT:-/tmp/mlp_decode_out}
 mkdir -p "$OUT"
@@ -31,6 +34,22 @@ for step in "$@"; do
         timeout 120 cuda-gdb -q -batch -ex run -ex bt --args ./build/gpu/tests/gpu/gpu_mlp_executor_test 2>&1 |
           grep -E "^#|signal|Signal" | head -30
       fi ;;
+    streamed)
+      timeout 240 ./build/gpu/tests/gpu/gpu_gemv_kernels_test --gtest_filter='*Streamed*' >"$OUT/streamed.log" 2>&1
+      echo "streamed kernels: rc=$? after $(elapsed)"
+      grep -E "^\[figures\]|Failure|^\[  FAILED|^\[  PASSED|Which is|error" "$OUT/streamed.log" | head -60 ;;
+    profile)
+      timeout 200 ncu --clock-control none --kernel-name regex:'metile_' \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section SchedulerStats ./build/gpu/benchmarks/mlp_decode/mlp_decode_benchmark --profile >"$OUT/ncu.log" 2>&1
+      echo "ncu: rc=$? after $(elapsed)"
+      grep -E "^  metile_|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|stalled|Dynamic Shared" "$OUT/ncu.log" |
+        sed -E 's/ +/ /g' | cut -c1-230 | head -150 ;;
+    anchors)
+      [ -f ../.anchors/kernels_torch.py ] && a=../.anchors/kernels_torch.py || a=.anchors/kernels_torch.py
+      PYTHONUNBUFFERED=1 timeout 200 python3 "$a" >"$OUT/anchors.log" 2>&1
+      echo "anchors: rc=$? after $(elapsed)"
+      grep -E "COPY_BW|mlp" "$OUT/anchors.log" | head -40 ;;
     kernels | quick | default | full)
       flag=--$step
       [ "$step" = default ] && flag=

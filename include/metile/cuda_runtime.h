@@ -124,6 +124,10 @@ class CudaEvent {
 double time_on_stream_ms(const CudaStream& stream, const std::function<void(const CudaStream&)>& work,
                          int warmup = 3, int repetitions = 10, int samples = 5);
 
+// The device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (a copy of
+// `bytes` moves 2·bytes): the ceiling memory-bound kernels are reported against.
+double measure_copy_bandwidth_gbps(const CudaStream& stream, std::size_t bytes = std::size_t{1} << 30);
+
 // ---------------------------------------------------------------- device memory
 // Owns one device allocation (cuMemAlloc: 256-byte aligned). Move-only; freed on destruction.
 class DeviceBuffer {

@@ -139,6 +139,18 @@ class GemvEpilogue {
 enum class GatedSchedule : std::uint8_t { register_resident, scratch_spilled };
 std::string_view gated_schedule_name(GatedSchedule schedule);
 
+// How a GEMV gets its weights to the math.
+//   register_batches (gemv_mainloop.cpp): one block per 16-row tile; each warp loads batches of
+//     16-byte vectors into registers, then computes them.
+//   streamed (gemv_streamed.cpp): a persistent grid; each warp owns an equal, contiguous share of
+//     the (K slice, tile, iteration) space (stream-K), and its lane 0 streams the weights into a
+//     private ring of shared-memory stages with bulk copies (cp.async.bulk, L2 evict-first) that
+//     complete on mbarriers, `stages` deep, independently of the math. x and its per-group sums
+//     are staged in shared memory once per block. A tile split between warps is joined through
+//     fp32 partials in a workspace, in a fixed order, by the last warp to arrive.
+enum class GemvMainloop : std::uint8_t { register_batches, streamed };
+std::string_view gemv_mainloop_name(GemvMainloop mainloop);
+
 struct GemvKernelConfig {
   GemvWeightFormat format;
   std::int64_t rows = 1;           // M, activation rows: 1..16
@@ -150,6 +162,12 @@ struct GemvKernelConfig {
   int tiles_per_block = 1;         // 16-row tiles per block (their x fragments are shared)
   int iterations_in_flight = 2;    // mainloop iterations whose loads are issued before the math
   bool double_buffered = true;      // issue the next iterations' loads before this one's math
+  GemvMainloop mainloop = GemvMainloop::register_batches;
+  // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
+  int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
+  int stages = 4;                    // ring depth per warp: stages whose bulk copies may be in flight
+  int multiprocessors = 132;         // persistent grid: multiprocessors x blocks_per_multiprocessor
+  int blocks_per_multiprocessor = 1;
 
   void validate() const;  // InputError naming the bad field
   std::string to_string() const;
@@ -158,14 +176,32 @@ struct GemvKernelConfig {
 // The generated kernel and how to launch it. Arguments, in order: for each weight matrix its
 // weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
 // (affine only), then x [M, K], then each epilogue tensor, then out [M, N]; all pointers.
+// A streamed kernel takes one more pointer after out: its workspace (workspace_bytes, zeroed once
+// before the first launch; every launch leaves it ready for the next, so launches on one stream
+// may share it, concurrent launches may not).
 struct GemvKernelSource {
   std::string kernel_name;  // unique per config
   std::string source;       // self-contained CUDA C++ (no includes) for NVRTC
   unsigned grid_blocks = 0;
   unsigned block_threads = 0;
   unsigned static_shared_bytes = 0;
+  unsigned dynamic_shared_bytes = 0;   // streamed: the stage rings, x and its group sums
+  std::uint64_t workspace_bytes = 0;   // streamed: fp32 partials and per-tile arrival counters
+  int k_slices = 1;                    // streamed: K splits (x slices that fit shared memory)
 };
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
+
+// A generated GEMV loaded for the current device: the dynamic shared-memory limit raised and,
+// for a streamed kernel, its zeroed workspace allocated. launch() appends the workspace to
+// `arguments` (weights ... out, as above).
+struct LoadedGemv {
+  GemvKernelSource kernel;
+  CompiledKernel compiled;
+  std::shared_ptr<DeviceBuffer> workspace;
+
+  static LoadedGemv load(GemvKernelSource kernel, const CompiledProgram& program);
+  void launch(const CudaStream& stream, KernelArguments arguments) const;
+};
 
 // The launch shapes worth trying for one problem (warps, tiles, loads in flight), best guess
 // first; every returned config is valid.

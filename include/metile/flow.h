@@ -1,7 +1,8 @@
 // metile flow module: exact maximum flow / minimum cut on immutable capacity networks.
 // The fusion planner phrases every neighborhood and conflict decision as one s-t min cut;
-// this library solves them exactly (Dinic, highest-label push-relabel, measured dispatch)
-// and reads/writes DIMACS max-flow files. It depends on nothing else in metile.
+// this library solves them exactly (Dinic, highest-label push-relabel, measured dispatch;
+// an experimental interior-point engine outside dispatch) and reads/writes DIMACS
+// max-flow files. It depends on nothing else in metile.
 //
 //   FlowNetworkBuilder ──build()──► FlowNetwork (CSR, immutable) ──dinic/hlpp/solve──► MaxFlowResult
 //                                                                 ──verify──► FlowCheck
@@ -146,8 +147,9 @@ struct FlowTolerance {
 
 // ---------------------------------------------------------------- solving
 
-enum class SolverChoice { automatic, dinic, hlpp };
-std::string_view solver_choice_name(SolverChoice choice);  // "auto", "dinic", "hlpp"
+// ipm is only ever run when asked for by name: automatic dispatch races Dinic and HLPP alone.
+enum class SolverChoice { automatic, dinic, hlpp, ipm };
+std::string_view solver_choice_name(SolverChoice choice);  // "auto", "dinic", "hlpp", "ipm"
 SolverChoice parse_solver_choice(std::string_view name);   // throws InputError on others
 
 struct MaxFlowOptions {
@@ -164,6 +166,20 @@ struct TournamentTimes {
   double hlpp_median_ms = 0;
 };
 
+// What the interior-point engine did on one run (docs/ipm.md explains each phase).
+struct InteriorPointStatistics {
+  int iterations = 0;               // interior-point (Newton) iterations
+  long long cg_steps = 0;           // conjugate-gradient steps over all Laplacian solves
+  int laplacian_solves = 0;         // two per iteration (predictor and corrector)
+  int unconverged_solves = 0;       // solves stopped at the step cap before their tolerance
+  std::string stop_reason;          // "duality gap", "stalled", "iteration limit" or "no s-t path"
+  double duality_gap = 0;           // complementarity gap x'z + (u-x)'w at the stop, capacity units
+  double rounded_value = 0;         // value of the rounded flow once it conserves, before the repair
+  long long conservation_fixes = 0; // path and cycle reductions that made the rounded flow conserve
+  long long repair_paths = 0;       // augmenting paths from the rounded flow to the maximum
+  int repair_phases = 0;            // shortest-path phases those paths took
+};
+
 template <typename Capacity>
 struct MaxFlowResult {
   Capacity value{};
@@ -172,9 +188,10 @@ struct MaxFlowResult {
   std::vector<bool> source_side;
   // Flow on every input edge (0 on self loops); empty unless options.edge_flows.
   std::vector<Capacity> edge_flows;
-  std::string solver;                         // "dinic" or "hlpp": the engine that produced this result
+  std::string solver;                         // "dinic", "hlpp" or "ipm": the engine that produced this result
   bool from_cache = false;                    // solve(): the engine was picked by the dispatch cache
   std::optional<TournamentTimes> tournament;  // solve(): set when this call ran the tournament
+  std::optional<InteriorPointStatistics> interior_point;  // set by the ipm engine
 
   std::vector<int> source_side_vertices() const;  // sorted vertex numbers with source_side true
 };
@@ -191,7 +208,16 @@ MaxFlowResult<Capacity> dinic(const FlowNetwork<Capacity>& network, int source, 
 template <typename Capacity>
 MaxFlowResult<Capacity> hlpp(const FlowNetwork<Capacity>& network, int source, int sink,
                              const MaxFlowOptions& options = {});
-// Dispatch: options.solver picks the engine; automatic uses Dinic below 32 vertices,
+// Experimental interior-point engine (docs/ipm.md): a primal-dual path-following method
+// on the max-flow LP whose Newton steps are electrical flows (weighted Laplacian solves
+// by Jacobi-preconditioned conjugate gradient), stopped on the duality gap; the
+// fractional flow is rounded (integers) or snapped (reals), made to conserve by path and
+// cycle reductions, and repaired by shortest augmenting paths to the exact maximum, so
+// value and cut equal Dinic's. Never chosen by automatic dispatch.
+template <typename Capacity>
+MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, int sink,
+                            const MaxFlowOptions& options = {});
+// Dispatch: options.solver picks the engine (ipm only this way); automatic uses Dinic below 32 vertices,
 // otherwise the engine the cache remembers for this network's fingerprint, otherwise a
 // three-round order-interleaved tournament (Dinic kept unless HLPP's median time is at
 // least 10% lower). The engines must agree on the value, or std::runtime_error.
@@ -240,14 +266,18 @@ struct FlowProblem {
 
 // DIMACS max-flow format: `c` comments, one `p max N M`, `n ID s`, `n ID t`, then M
 // lines `a U V CAP`, vertices 1-based. Every malformed line throws InputError
-// "FILE:LINE: message". The integer reader rejects capacities written as reals.
+// "FILE:LINE: message". The integer reader rejects capacities written as reals and
+// integers beyond int64; the real reader rejects integer-written capacities above
+// 2^53 (a double would round them). The declared counts must fit the text (one
+// line per arc; at most max(2^20, 2 arcs + 2) vertices) and half the machine's memory.
 template <typename Capacity>
 FlowProblem<Capacity> read_dimacs_max_flow(std::istream& input, std::string_view file_name);
 template <typename Capacity>
 void write_dimacs_max_flow(std::ostream& output, const FlowProblem<Capacity>& problem);
 
-// Reads a file: an integer problem when every capacity is written as an integer,
-// otherwise a real one. Throws InputError when the file cannot be opened.
+// Reads a file (at most kMaximumDimacsFileBytes, metile/io.h): an integer problem
+// when every capacity is written as an integer (digits only), otherwise a real one.
+// Throws InputError when the file cannot be opened or is a directory.
 using AnyFlowProblem = std::variant<FlowProblem<std::int64_t>, FlowProblem<double>>;
 AnyFlowProblem read_dimacs_max_flow_file(const std::filesystem::path& path);
 

@@ -47,13 +47,22 @@ struct TensorSpec {
   TensorSpec(std::vector<std::int64_t> shape_, DType dtype_) : shape(std::move(shape_)), dtype(dtype_) {}
 
   int rank() const { return static_cast<int>(shape.size()); }
+  // Both throw InputError for a negative dimension or a count above int64 (never wrap).
   std::int64_t element_count() const;
-  std::int64_t bytes() const { return element_count() * static_cast<std::int64_t>(dtype_size(dtype)); }
+  std::int64_t bytes() const;
   std::int64_t row_length() const { return shape.empty() ? 1 : shape.back(); }  // last axis
   std::int64_t row_count() const { return row_length() == 0 ? 0 : element_count() / row_length(); }
   std::string to_string() const;  // "f16[1, 2048]"
   bool operator==(const TensorSpec&) const = default;
 };
+
+// Limits every recorded tensor meets (README, "Input limits"): 2^48 elements keeps
+// bytes() and every planner cost in picoseconds far from int64 overflow.
+inline constexpr std::int64_t kMaximumElements = std::int64_t{1} << 48;
+inline constexpr int kMaximumRank = 32;
+// Throws InputError "OWNER: ..." for a rank above kMaximumRank, a dimension that is
+// not positive, or more than kMaximumElements elements.
+void check_tensor_spec(const TensorSpec& spec, std::string_view owner);
 
 // Tensor data on the host, stored in its dtype's bit layout (f16/bf16 as bit
 // patterns), row-major. Element access converts through double exactly for
@@ -92,7 +101,8 @@ std::uint64_t fnv1a_64(std::string_view text, std::uint64_t seed = 0);
 // 8-byte little-endian header length, JSON header, raw data. Malformed files
 // throw InputError naming the file and the problem.
 TensorMap read_safetensors(const std::filesystem::path& path);
-void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors);  // atomic (temp + rename)
+// Written by write_output_file (metile/io.h): atomic for regular files, in place for FIFOs and devices.
+void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors);
 
 // ---------------------------------------------------------------- attributes
 using AttributeValue = std::variant<std::int64_t, double, std::string, std::vector<std::int64_t>>;
@@ -271,6 +281,7 @@ class ComputeGraph {
   std::vector<ValueId> inputs_;
   std::vector<ValueId> outputs_;
   std::vector<std::vector<NodeId>> consumers_;
+  std::vector<bool> value_is_output_;  // derived from outputs_ at build(), so is_output is O(1)
 };
 
 // A value recorded by a GraphBuilder (only meaningful with that builder).

@@ -190,8 +190,9 @@ void bind_flow(py::module_& module) {
            "Returns (value, source_side): the maximum flow value and the frozenset of vertices on the source "
            "side "
            "of a minimum cut (the smallest such set: those reachable from the source in the final residual "
-           "graph). solver is 'auto', 'dinic' or 'hlpp'. A vertex no edge names is isolated: with it as the "
-           "sink the value is 0; as the source, (0, frozenset({source})).")
+           "graph). solver is 'auto' (measured dispatch between dinic and hlpp), 'dinic', 'hlpp' or 'ipm' (the "
+           "experimental interior-point engine, exact like the others; never chosen by 'auto'). A vertex no edge "
+           "names is isolated: with it as the sink the value is 0; as the source, (0, frozenset({source})).")
       .def_property_readonly("vertex_count", &PythonFlowNetwork::vertex_count)
       .def_property_readonly("edge_count", &PythonFlowNetwork::edge_count)
       .def_property_readonly("exact", &PythonFlowNetwork::exact,

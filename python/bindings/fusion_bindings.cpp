@@ -385,7 +385,7 @@ void bind_plan(py::module_& module) {
         py::gil_scoped_release release;
         return std::make_shared<FusionPlan>(plan_graph_fusion(*graph, fusion_target, rule_set));
       },
-      py::arg("graph"), py::arg("target") = py::none(), py::arg("rules") = py::none(),
+      py::arg("graph").none(false), py::arg("target") = py::none(), py::arg("rules") = py::none(),
       "Selects legal, profitable, multi-output fusion regions. target: a FusionTarget, 'h200' (the default), "
       "'cpu' "
       "or a JSON target file; rules: a RuleSet, a list of FusionRules in priority order, or None for "

@@ -43,11 +43,20 @@ std::string python_repr(const py::handle& object) { return py::repr(object); }
 
 // ---------------------------------------------------------------- attributes
 
+// An int attribute beyond int64 is a ValueError naming it (pybind11 would say "Unable to cast").
+std::int64_t attribute_integer(const std::string& name, const py::handle& object) {
+  try {
+    return object.cast<std::int64_t>();
+  } catch (const py::cast_error&) {
+    throw py::value_error("attribute '" + name + "': integer " + python_repr(object) + " does not fit in 64 bits");
+  }
+}
+
 // Python values for attributes: bool and int -> integer, float -> double, str -> string,
 // a list or tuple of ints -> integer list. Anything else is a TypeError naming the attribute.
 AttributeValue attribute_from_python(const std::string& name, const py::handle& object) {
   if (py::isinstance<py::bool_>(object)) return static_cast<std::int64_t>(object.cast<bool>());
-  if (py::isinstance<py::int_>(object)) return object.cast<std::int64_t>();
+  if (py::isinstance<py::int_>(object)) return attribute_integer(name, object);
   if (py::isinstance<py::float_>(object)) return object.cast<double>();
   if (py::isinstance<py::str>(object)) return object.cast<std::string>();
   if (py::isinstance<py::list>(object) || py::isinstance<py::tuple>(object)) {
@@ -57,7 +66,7 @@ AttributeValue attribute_from_python(const std::string& name, const py::handle& 
         throw py::type_error("attribute '" + name + "': a list attribute holds ints, got " +
                              python_type_name(item) + " " + python_repr(item));
       }
-      integers.push_back(item.cast<std::int64_t>());
+      integers.push_back(attribute_integer(name, item));
     }
     return integers;
   }
@@ -187,7 +196,9 @@ void bind_tensor_spec(py::module_& module) {
                          "A tensor's static shape and dtype: TensorSpec((1, 2048), \"f16\"). dtype is one of "
                          "f16, bf16, f32, i8, u8, i32, u32.")
       .def(py::init([](std::vector<std::int64_t> shape, const std::string& dtype) {
-             return TensorSpec(std::move(shape), parse_dtype(dtype));
+             TensorSpec spec(std::move(shape), parse_dtype(dtype));
+             check_tensor_spec(spec, "TensorSpec");
+             return spec;
            }),
            py::arg("shape"), py::arg("dtype"))
       .def_property_readonly("shape", [](const TensorSpec& spec) { return py::tuple(py::cast(spec.shape)); })

@@ -1,8 +1,9 @@
 // Entry point of the `_metile` extension: registers every module's bindings and the
 // one error mapping all of them rely on. metile::InputError (the user's mistake)
 // becomes ValueError carrying the C++ message; wrong Python types are TypeErrors
-// (pybind11's own argument casting, or explicit checks in the bindings); anything
-// else that escapes C++ is an internal failure and surfaces as RuntimeError.
+// (pybind11's own argument casting, explicit checks in the bindings, and None passed
+// for an object); anything else that escapes C++ is an internal failure and
+// surfaces as RuntimeError.
 #include <exception>
 
 #include "bindings.h"
@@ -17,6 +18,11 @@ PYBIND11_MODULE(_metile, module) {
       if (error) std::rethrow_exception(error);
     } catch (const metile::InputError& input_error) {
       PyErr_SetString(PyExc_ValueError, input_error.what());
+    } catch (const py::reference_cast_error&) {
+      // None where a C++ object is needed: the caller's type mistake, not an internal failure.
+      PyErr_SetString(PyExc_TypeError, "an argument is None where an object is required");
+    } catch (const py::cast_error& cast_error) {
+      PyErr_SetString(PyExc_TypeError, cast_error.what());
     }
   });
 

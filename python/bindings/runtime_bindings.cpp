@@ -179,7 +179,7 @@ void bind_runtime(py::module_& module) {
       [](const std::shared_ptr<ComputeGraph>& graph, std::uint64_t seed) {
         return tensors_to_numpy(random_inputs(*graph, seed));
       },
-      py::arg("graph"), py::arg("seed"),
+      py::arg("graph").none(false), py::arg("seed"),
       "Fresh seeded random inputs for every graph input (never zeros), as numpy arrays in run()'s dtypes.");
 }
 

@@ -18,129 +18,23 @@
 // the B fragments use the same permutation, so the dot product is unchanged. Affine weights
 // are read in the repacked layout of gemv_weight_layout.cpp.
 //
-// The generated source is self-contained (no includes): its constants come first, then this
-// file's fixed body, the op table's device functions, then the epilogue expression
-// (gemv_epilogue.cpp) inside the store loop.
+// The generated source is self-contained (no includes): its constants come first, then the device
+// helpers both mainloops share (gemv_device_helpers.cpp), then this file's register-batch body,
+// the op table's device functions, then the epilogue expression (gemv_epilogue.cpp) inside the
+// store loop. The other mainloop, shared-memory stages fed by bulk copies on a persistent grid,
+// is gemv_streamed.cpp.
 #include <fmt/core.h>
 
 #include <algorithm>
 
+#include "gemv_internal.h"
 #include "metile/decode_mlp.h"
 
 namespace metile {
+using namespace gemv_detail;
 namespace {
 
-constexpr std::string_view kernel_body = R"CUDA(
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-
-constexpr bool kAffine = kBits != 16;
-constexpr int kChunksPerLoad = kBits == 16 ? 1 : (kBits == 8 ? 2 : 4);  // 32-column chunks per 16-byte vector
-constexpr int kColumnsPerLoad = 32 * kChunksPerLoad;
-constexpr int kLoadsPerIteration = kColumnsPerIteration / kColumnsPerLoad;
-constexpr int kChunksPerIteration = kColumnsPerIteration / 32;
-constexpr int kIterations = (kK + kColumnsPerIteration - 1) / kColumnsPerIteration;
-constexpr int kLoadBlocks = kIterations * kLoadsPerIteration;           // per tile, repacked layout
-constexpr int kGroupsPerIteration = kAffine ? kColumnsPerIteration / kGroup : 1;
-constexpr int kChunksPerGroup = kChunksPerIteration / kGroupsPerIteration;
-constexpr int kGroupCount = kIterations * kGroupsPerIteration;          // per tile, padded
-constexpr int kRowHalves = (kM + 7) / 8;                                // mma B halves
-constexpr int kPaddedM = 8 * kRowHalves;
-constexpr int kTileCount = (kN + 15) / 16;
-constexpr int kThreads = kWarps * 32;
-// The value the magic-number conversion adds to each code (subtracted through sum(x)).
-constexpr float kCodeOffset = kHalf ? 1024.0f : (kBits == 4 ? 128.0f : 0.0f);
-constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
-
-__device__ __forceinline__ float to_f32(u32 bits16) {
-  if constexpr (kHalf) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"((u16)bits16));
-    return value;
-  } else {
-    return __uint_as_float(bits16 << 16);
-  }
-}
-
-__device__ __forceinline__ u16 from_f32(float value) {
-  u16 bits16;
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
-  } else {
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
-  }
-  return bits16;
-}
-
-// Weights are read once: keep them out of L1, where x lives.
-__device__ __forceinline__ uint4 load_weights(const void* address) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
-  return v;
-}
-// x is read by every warp of every block: let L1 and L2 serve the repeats.
-__device__ __forceinline__ uint4 load_activations(const void* address) {
-  uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
-  return v;
-}
-__device__ __forceinline__ uint2 load_scale_bias(const void* address) {
-  uint2 v;
-  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(address));
-  return v;
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if constexpr (kHalf) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ u32 component(const uint4& v, int index) {
-  return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
-}
-
-// Pair j of a repacked word as two activation-dtype values (offset + q_lo, offset + q_hi).
-__device__ __forceinline__ u32 code_pair(u32 word, int j) {
-  if constexpr (kBits == 4) {
-    return ((word >> (4 * j)) & 0x000F000Fu) | (kHalf ? 0x64006400u : 0x43004300u);
-  } else if constexpr (kHalf) {
-    return ((word >> (8 * j)) & 0x00FF00FFu) | 0x64006400u;
-  } else {
-    // bf16 holds 0..255 exactly but not 128 + q for q >= 128: go through f32 (2^23 + q).
-    const float low = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u | j)) - 8388608.0f;
-    const float high = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u | (j + 2))) - 8388608.0f;
-    u32 pair;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(high), "f"(low));
-    return pair;
-  }
-}
-
-// The A fragments of the two 16-column mma steps of chunk `chunk` of one 16-byte load pair.
-__device__ __forceinline__ void affine_fragments(const uint4& rows_low, const uint4& rows_high, int chunk,
-                                                 u32 (&step0)[4], u32 (&step1)[4]) {
-  if constexpr (kBits == 4) {
-    const u32 low = component(rows_low, chunk), high = component(rows_high, chunk);
-    step0[0] = code_pair(low, 0); step0[1] = code_pair(high, 0); step0[2] = code_pair(low, 1); step0[3] = code_pair(high, 1);
-    step1[0] = code_pair(low, 2); step1[1] = code_pair(high, 2); step1[2] = code_pair(low, 3); step1[3] = code_pair(high, 3);
-  } else {
-    const u32 low0 = component(rows_low, 2 * chunk), high0 = component(rows_high, 2 * chunk);
-    const u32 low1 = component(rows_low, 2 * chunk + 1), high1 = component(rows_high, 2 * chunk + 1);
-    step0[0] = code_pair(low0, 0); step0[1] = code_pair(high0, 0); step0[2] = code_pair(low0, 1); step0[3] = code_pair(high0, 1);
-    step1[0] = code_pair(low1, 0); step1[1] = code_pair(high1, 0); step1[2] = code_pair(low1, 1); step1[3] = code_pair(high1, 1);
-  }
-}
-
+constexpr std::string_view register_mainloop_body = R"CUDA(
 // The weights (and scales/biases) of kInFlight iterations of one warp: the unit the mainloop
 // keeps in flight. x is not part of it: every warp of the SM reads the same x, so its loads hit L1
 // and are issued just before the math.
@@ -382,16 +276,15 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
     (void)acc1;
 )CUDA";
 
-std::string format_tag(const GemvWeightFormat& format) {
-  const std::string dtype(dtype_name(format.activation));
-  if (!format.is_affine()) return dtype;
-  return fmt::format("{}_a{}g{}", dtype, format.bits, format.group_size);
-}
 
 }  // namespace
 
 std::string_view gated_schedule_name(GatedSchedule schedule) {
   return schedule == GatedSchedule::register_resident ? "register_resident" : "scratch_spilled";
+}
+
+std::string_view gemv_mainloop_name(GemvMainloop mainloop) {
+  return mainloop == GemvMainloop::register_batches ? "register_batches" : "streamed";
 }
 
 void GemvKernelConfig::validate() const {
@@ -422,6 +315,10 @@ void GemvKernelConfig::validate() const {
   if (iterations_in_flight < 1 || iterations_in_flight > 8) {
     throw InputError(fmt::format("GEMV: iterations_in_flight must be 1..8, not {}", iterations_in_flight));
   }
+  if (mainloop == GemvMainloop::streamed) {
+    validate_streamed(*this);
+    return;
+  }
   const std::int64_t padded_m = (rows + 7) / 8 * 8;
   const std::int64_t shared = std::int64_t{warps_per_block} * epilogue.product_count() * tiles_per_block * 16 * padded_m * 4;
   if (shared > 48 * 1024) {
@@ -432,6 +329,10 @@ void GemvKernelConfig::validate() const {
 std::string GemvKernelConfig::to_string() const {
   std::string text = fmt::format("{} M={} N={} K={} [{}]", format.to_string(), rows, out_features, in_features,
                                  epilogue.to_string());
+  if (mainloop == GemvMainloop::streamed) {
+    return text + fmt::format(" streamed warps={} stage_iterations={} stages={} grid={}x{}", warps_per_block,
+                              stage_iterations, stages, multiprocessors, blocks_per_multiprocessor);
+  }
   if (epilogue.product_count() == 2) text += fmt::format(" {}", gated_schedule_name(schedule));
   return text + fmt::format(" warps={} tiles={} in_flight={}{}", warps_per_block, tiles_per_block, iterations_in_flight,
                             double_buffered ? " double_buffered" : "");
@@ -439,6 +340,7 @@ std::string GemvKernelConfig::to_string() const {
 
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   config.validate();
+  if (config.mainloop == GemvMainloop::streamed) return generate_streamed_gemv_kernel(config);
   const int products = config.epilogue.product_count();
   const bool scratch = products == 2 && config.schedule == GatedSchedule::scratch_spilled;
   const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
@@ -447,23 +349,20 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   GemvKernelSource result;
   const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + expression);
   result.kernel_name =
-      fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", format_tag(config.format), config.rows,
+      fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
                   config.tiles_per_block, config.iterations_in_flight, config.double_buffered ? "d" : "",
                   epilogue_hash & 0xFFFFFFFFu);
 
-  std::string source = fmt::format(
-      "// Generated by metile (src/codegen/gemv_mainloop.cpp): {}\n"
-      "constexpr int kM = {};\nconstexpr int kN = {};\nconstexpr int kK = {};\n"
-      "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
-      "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\n"
-      "constexpr bool kScratchSpilled = {};\nconstexpr int kWarps = {};\nconstexpr int kTiles = {};\n"
+  std::string source = fmt::format("// Generated by metile (src/codegen/gemv_mainloop.cpp): {}\n", config.to_string());
+  source += gemv_problem_constants(config);
+  source += fmt::format(
+      "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
       "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\n",
-      config.to_string(), config.rows, config.out_features, config.in_features, config.format.bits,
-      config.format.group_size, config.format.activation == DType::f16 ? "true" : "false",
-      config.format.columns_per_iteration(), products, scratch ? "true" : "false", config.warps_per_block,
-      config.tiles_per_block, config.iterations_in_flight, config.double_buffered ? "true" : "false");
-  source += kernel_body;
+      scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
+      config.double_buffered ? "true" : "false");
+  source += gemv_device_helpers();
+  source += register_mainloop_body;
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();
 
@@ -504,6 +403,11 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
 
 std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors) {
   base.validate();
+  if (base.mainloop == GemvMainloop::streamed) {
+    GemvKernelConfig streamed = base;
+    streamed.multiprocessors = multiprocessors;
+    return streamed_tuning_candidates(streamed);
+  }
   const int products = base.epilogue.product_count();
   const int products_in_registers = products == 2 && base.schedule == GatedSchedule::register_resident ? 2 : 1;
   const std::int64_t tiles = (base.out_features + 15) / 16;

@@ -6,21 +6,38 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <fstream>
 #include <istream>
 #include <limits>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <system_error>
 #include <type_traits>
 
 #include "metile/flow.h"
+#include "metile/io.h"
 
 namespace metile {
 namespace {
 
 constexpr std::int64_t kMaxVertices = std::numeric_limits<int>::max() / 4;
+// Vertices no arc touches cost memory but change nothing: a file may declare
+// this many vertices, or two per declared arc (plus s and t) when that is more,
+// so `p max 536870911 1` cannot allocate gigabytes (README, "Input limits").
+constexpr std::int64_t kFreeVertices = std::int64_t{1} << 20;
+// The shortest arc line, "a 1 2 0" and its newline.
+constexpr std::int64_t kShortestArcLineBytes = 8;
+// What one vertex and one arc cost at most while reading and solving (network,
+// residual graph, solver state), for the check against the machine's memory.
+constexpr std::uint64_t kBytesPerVertex = 96;
+constexpr std::uint64_t kBytesPerArc = 96;
+// Real-valued files hold integer-written capacities exactly up to 2^53.
+constexpr std::int64_t kLargestExactIntegerInDouble = std::int64_t{1} << 53;
+
+// "123" or "-123": a capacity written as an integer (whatever its size).
+bool written_as_integer(std::string_view token) {
+  if (!token.empty() && token.front() == '-') token.remove_prefix(1);
+  return !token.empty() && std::all_of(token.begin(), token.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
 
 std::vector<std::string_view> split_tokens(std::string_view line) {
   std::vector<std::string_view> tokens;
@@ -57,12 +74,13 @@ class DimacsReader {
   explicit DimacsReader(std::string_view file_name) : file_name_(file_name) {}
 
   [[noreturn]] void fail(int line, const std::string& message) const {
-    throw InputError(std::string(file_name_) + ":" + std::to_string(line) + ": " + message);
+    throw InputError(file_name_ + ":" + std::to_string(line) + ": " + message);
   }
 
   template <typename Capacity>
-  FlowProblem<Capacity> read(std::istream& input) {
-    std::string line;
+  FlowProblem<Capacity> read(std::string_view text) {
+    std::string_view line;
+    std::size_t line_start = 0;
     int line_number = 0;
     int problem_line = 0;
     std::int64_t vertex_count = 0;
@@ -82,7 +100,11 @@ class DimacsReader {
       return static_cast<int>(id - 1);
     };
 
-    while (std::getline(input, line)) {
+    while (line_start < text.size()) {
+      std::size_t line_end = text.find('\n', line_start);
+      if (line_end == std::string_view::npos) line_end = text.size();
+      line = text.substr(line_start, line_end - line_start);
+      line_start = line_end + 1;
       ++line_number;
       const std::vector<std::string_view> tokens = split_tokens(line);
       if (tokens.empty() || tokens[0] == "c") continue;
@@ -101,6 +123,7 @@ class DimacsReader {
           fail(line_number,
                "bad problem line: arc count '" + std::string(tokens[3]) + "' is not a non-negative integer");
         }
+        check_declared_size(line_number, vertex_count, declared_arcs, static_cast<std::int64_t>(text.size()));
         problem_line = line_number;
         edges.reserve(static_cast<std::size_t>(std::min<std::int64_t>(declared_arcs, 1 << 22)));
       } else if (kind == "n") {
@@ -150,29 +173,62 @@ class DimacsReader {
   }
 
  private:
+  // The declared counts must fit the file (every arc takes a line) and the machine.
+  void check_declared_size(int line_number, std::int64_t vertices, std::int64_t arcs, std::int64_t text_bytes) const {
+    if (arcs > (text_bytes + 1) / kShortestArcLineBytes) {
+      fail(line_number, "bad problem line: " + std::to_string(arcs) + " arcs cannot fit in a file of " +
+                            std::to_string(text_bytes) + " bytes");
+    }
+    const std::int64_t vertex_limit = std::max(kFreeVertices, 2 * arcs + 2);
+    if (vertices > vertex_limit) {
+      fail(line_number, "bad problem line: " + std::to_string(vertices) + " vertices for " + std::to_string(arcs) +
+                            " arcs; at most " + std::to_string(vertex_limit) + " (2 per arc + 2, or " +
+                            std::to_string(kFreeVertices) + ")");
+    }
+    const std::uint64_t needed =
+        static_cast<std::uint64_t>(vertices) * kBytesPerVertex + static_cast<std::uint64_t>(arcs) * kBytesPerArc;
+    const std::uint64_t available = physical_memory_bytes() / 2;
+    if (needed > available) {
+      fail(line_number, "bad problem line: " + std::to_string(vertices) + " vertices and " + std::to_string(arcs) +
+                            " arcs need about " + std::to_string(needed >> 20) + " MiB, more than half of this machine's " +
+                            std::to_string((available * 2) >> 20) + " MiB");
+    }
+  }
+
+  // Integer files: every capacity written as an integer and fitting int64 (the network
+  // then checks their sum). Real files: integer-written capacities only up to 2^53,
+  // where a double still holds them exactly.
   template <typename Capacity>
   Capacity parse_capacity(std::string_view token, int line_number) const {
+    const std::string text(token);
     if constexpr (std::is_integral_v<Capacity>) {
       std::int64_t value = 0;
       if (!parse_integer(token, value)) {
+        if (written_as_integer(token)) {
+          fail(line_number, "capacity " + text + " does not fit in a 64-bit integer");
+        }
         double real = 0;
-        if (parse_real(token, real))
-          fail(line_number, "capacity '" + std::string(token) + "' is not an integer");
-        fail(line_number, "capacity '" + std::string(token) + "' is not a number");
+        if (parse_real(token, real)) fail(line_number, "capacity '" + text + "' is not an integer");
+        fail(line_number, "capacity '" + text + "' is not a number");
       }
-      if (value < 0) fail(line_number, "negative capacity " + std::string(token));
+      if (value < 0) fail(line_number, "negative capacity " + text);
       return value;
     } else {
       double value = 0;
-      if (!parse_real(token, value))
-        fail(line_number, "capacity '" + std::string(token) + "' is not a number");
-      if (!std::isfinite(value)) fail(line_number, "capacity '" + std::string(token) + "' is not finite");
-      if (value < 0) fail(line_number, "negative capacity " + std::string(token));
+      if (!parse_real(token, value)) fail(line_number, "capacity '" + text + "' is not a number");
+      if (!std::isfinite(value)) fail(line_number, "capacity '" + text + "' is not finite");
+      if (value < 0) fail(line_number, "negative capacity " + text);
+      std::int64_t exact = 0;  // compared as written: the double has already rounded
+      if (written_as_integer(token) && (!parse_integer(token, exact) || exact > kLargestExactIntegerInDouble)) {
+        fail(line_number, "capacity " + text +
+                              " is an integer above 2^53 in a file with real capacities, where a double cannot "
+                              "hold it exactly");
+      }
       return value;
     }
   }
 
-  std::string_view file_name_;
+  std::string file_name_;
 };
 
 std::string capacity_text(std::int64_t value) { return std::to_string(value); }
@@ -189,10 +245,9 @@ bool capacities_are_integers(std::string_view text) {
     std::size_t end = text.find('\n', position);
     if (end == std::string_view::npos) end = text.size();
     const std::vector<std::string_view> tokens = split_tokens(text.substr(position, end - position));
-    std::int64_t ignored = 0;
-    if (tokens.size() == 4 && tokens[0] == "a" && !parse_integer(tokens[3], ignored)) {
-      double real = 0;
-      if (parse_real(tokens[3], real)) return false;  // a real number: read the file as reals
+    double real = 0;
+    if (tokens.size() == 4 && tokens[0] == "a" && !written_as_integer(tokens[3]) && parse_real(tokens[3], real)) {
+      return false;  // written as a real number: read the file as reals
     }
     position = end + 1;
   }
@@ -203,7 +258,16 @@ bool capacities_are_integers(std::string_view text) {
 
 template <typename Capacity>
 FlowProblem<Capacity> read_dimacs_max_flow(std::istream& input, std::string_view file_name) {
-  return DimacsReader(file_name).read<Capacity>(input);
+  std::string text;
+  char chunk[1 << 16];
+  while (input.read(chunk, sizeof(chunk)) || input.gcount() > 0) {
+    if (static_cast<std::uint64_t>(input.gcount()) > kMaximumDimacsFileBytes - text.size()) {
+      throw InputError(std::string(file_name) + ": larger than the " + std::to_string(kMaximumDimacsFileBytes) +
+                       "-byte limit for DIMACS files");
+    }
+    text.append(chunk, static_cast<std::size_t>(input.gcount()));
+  }
+  return DimacsReader(file_name).read<Capacity>(text);
 }
 
 template <typename Capacity>
@@ -223,14 +287,10 @@ void write_dimacs_max_flow(std::ostream& output, const FlowProblem<Capacity>& pr
 }
 
 AnyFlowProblem read_dimacs_max_flow_file(const std::filesystem::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) throw InputError(path.string() + ": cannot open the file");
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  const std::string text = contents.str();
-  std::istringstream input(text);
-  if (capacities_are_integers(text)) return read_dimacs_max_flow<std::int64_t>(input, path.string());
-  return read_dimacs_max_flow<double>(input, path.string());
+  const std::string text = read_input_file(path, kMaximumDimacsFileBytes, "DIMACS");
+  DimacsReader reader(path.string());
+  if (capacities_are_integers(text)) return reader.read<std::int64_t>(text);
+  return reader.read<double>(text);
 }
 
 template FlowProblem<std::int64_t> read_dimacs_max_flow(std::istream&, std::string_view);

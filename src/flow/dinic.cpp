@@ -6,6 +6,8 @@
 //   phase:  sink ◄─BFS─ distances          source ─DFS(dist-1 steps)─► sink, augment, retreat
 //
 // O(V^2 E) in general; on the planner's small layered networks it finishes in a few phases.
+// augment_to_maximum runs the same phases from a given flow (the interior-point engine's
+// repair of its rounded flow).
 #include <algorithm>
 #include <vector>
 
@@ -18,13 +20,21 @@ template <typename Capacity>
 class DinicSolver {
  public:
   DinicSolver(const FlowNetwork<Capacity>& network, int source, int sink)
+      : DinicSolver(network, source, sink,
+                    std::vector<Capacity>(network.arc_capacities().begin(), network.arc_capacities().end()),
+                    Capacity{}) {}
+
+  // Warm start: augment from the flow whose residual graph is `residual` and value `value`.
+  DinicSolver(const FlowNetwork<Capacity>& network, int source, int sink, std::vector<Capacity> residual,
+              Capacity value)
       : network_(network),
         source_(source),
         sink_(sink),
         tolerance_(flow_detail::solver_tolerance(network)),
-        residual_(network.arc_capacities().begin(), network.arc_capacities().end()),
+        residual_(std::move(residual)),
         distance_(network.vertex_count()),
-        current_arc_(network.vertex_count()) {
+        current_arc_(network.vertex_count()),
+        value_(value) {
     queue_.reserve(network.vertex_count());
     path_.reserve(network.vertex_count());
   }
@@ -33,6 +43,7 @@ class DinicSolver {
   bool run(flow_detail::Deadline& deadline) {
     deadline_ = &deadline;
     while (compute_distances()) {
+      ++phases_;
       if (!augment_blocking_flow()) return false;
     }
     return true;
@@ -40,6 +51,8 @@ class DinicSolver {
 
   Capacity value() const { return value_; }
   const std::vector<Capacity>& residual() const { return residual_; }
+  std::vector<Capacity>& residual() { return residual_; }
+  flow_detail::AugmentingCounts counts() const { return {paths_, phases_}; }
 
  private:
   static constexpr int kUnreached = -1;
@@ -94,6 +107,7 @@ class DinicSolver {
           if (first_saturated == path_.size() && !tolerance_.positive(residual[arc])) first_saturated = i;
         }
         value_ += bottleneck;
+        ++paths_;
         // Retreat to the tail of the first saturated arc: everything before it still has room.
         path_.resize(first_saturated);
         vertex = path_.empty() ? source_ : heads[path_.back()];
@@ -128,6 +142,8 @@ class DinicSolver {
   std::vector<int> queue_;
   std::vector<int> path_;  // arcs from the source to the DFS's current vertex
   Capacity value_{};
+  long long paths_ = 0;
+  int phases_ = 0;
   flow_detail::Deadline* deadline_ = nullptr;
 };
 
@@ -148,6 +164,22 @@ std::optional<MaxFlowResult<Capacity>> dinic_until(const FlowNetwork<Capacity>& 
   result.solver = "dinic";
   return result;
 }
+
+template <typename Capacity>
+AugmentingCounts augment_to_maximum(const FlowNetwork<Capacity>& network, int source, int sink,
+                                    std::vector<Capacity>& residual, Capacity& value) {
+  DinicSolver<Capacity> solver(network, source, sink, std::move(residual), value);
+  Deadline never;
+  solver.run(never);
+  value = solver.value();
+  residual = std::move(solver.residual());
+  return solver.counts();
+}
+
+template AugmentingCounts augment_to_maximum(const FlowNetwork<std::int64_t>&, int, int,
+                                             std::vector<std::int64_t>&, std::int64_t&);
+template AugmentingCounts augment_to_maximum(const FlowNetwork<double>&, int, int, std::vector<double>&,
+                                             double&);
 
 template std::optional<MaxFlowResult<std::int64_t>> dinic_until(const FlowNetwork<std::int64_t>&, int, int,
                                                                 const MaxFlowOptions&, Deadline);

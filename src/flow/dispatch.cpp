@@ -3,6 +3,8 @@
 // interleaved order (dinic,hlpp / hlpp,dinic / dinic,hlpp) on fresh residual graphs,
 // median times compared, HLPP kept only with at least 10% headroom so timing noise
 // cannot flip the reference engine. The winner is remembered per network fingerprint.
+// The experimental interior-point engine (ipm.cpp) never races and is never cached: it
+// runs only when a caller names it.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -74,8 +76,16 @@ DispatchCache& dispatch_cache() {
 template <typename Capacity>
 MaxFlowResult<Capacity> run_engine(SolverChoice engine, const FlowNetwork<Capacity>& network, int source,
                                    int sink, const MaxFlowOptions& options) {
-  return engine == SolverChoice::hlpp ? hlpp(network, source, sink, options)
-                                      : dinic(network, source, sink, options);
+  switch (engine) {
+    case SolverChoice::hlpp:
+      return hlpp(network, source, sink, options);
+    case SolverChoice::ipm:  // only when named: the tournament and the cache know Dinic and HLPP alone
+      return ipm(network, source, sink, options);
+    case SolverChoice::automatic:
+    case SolverChoice::dinic:
+      break;
+  }
+  return dinic(network, source, sink, options);
 }
 
 double median(std::vector<double> samples) {

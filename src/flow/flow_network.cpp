@@ -119,6 +119,13 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
       }
     }
     finite_capacity_sum_ += edge.capacity;
+    if constexpr (std::is_floating_point_v<Capacity>) {
+      // A vertex's excess never exceeds this sum, so a finite sum keeps solver arithmetic finite.
+      if (!std::isfinite(finite_capacity_sum_)) {
+        throw InputError("flow network: the capacities up to edge " + std::to_string(e) +
+                         " sum past the largest double; solver arithmetic could overflow");
+      }
+    }
   }
   if constexpr (std::is_integral_v<Capacity>) {
     infinite_capacity_ = finite_capacity_sum_ + 1;
@@ -130,8 +137,12 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     }
   } else {
     infinite_capacity_ = 2 * finite_capacity_sum_ + 1;
-    if (!std::isfinite(infinite_capacity_ * (infinite_edges + 1))) {
-      throw InputError("flow network: the capacities are too large to represent an infinite edge");
+    if (infinite_edges == 0 && !std::isfinite(infinite_capacity_)) {
+      // No edge carries it; it only marks "no finite cut", which a finite flow never reaches.
+      infinite_capacity_ = std::numeric_limits<double>::infinity();
+    } else if (!std::isfinite(infinite_capacity_ * (infinite_edges + 1))) {
+      throw InputError("flow network: the finite capacities (sum " + capacity_text(finite_capacity_sum_) +
+                       ") are too large to represent its " + std::to_string(infinite_edges) + " infinite edges");
     }
   }
   for (int e = 0; e < edge_total; ++e) {

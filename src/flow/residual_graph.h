@@ -1,6 +1,7 @@
-// Private to src/flow: what both engines share about residual graphs — argument
+// Private to src/flow: what the engines share about residual graphs — argument
 // checks, the solver's notion of "positive" for real capacities, residual
-// reachability (the canonical minimum cut), and per-edge flows read off a residual.
+// reachability (the canonical minimum cut), per-edge flows read off a residual, and
+// augmenting from a given flow.
 #pragma once
 
 #include <algorithm>
@@ -101,6 +102,17 @@ class Deadline {
   std::optional<Clock::time_point> at_;
   unsigned calls_ = 0;
 };
+
+// Dinic's phases started from a flow instead of from zero: `residual` and `value` describe a
+// feasible flow and are updated in place to a maximum one. Returns the augmenting paths and
+// phases it took (the interior-point engine reports them as its repair work).
+struct AugmentingCounts {
+  long long paths = 0;
+  int phases = 0;
+};
+template <typename Capacity>
+AugmentingCounts augment_to_maximum(const FlowNetwork<Capacity>& network, int source, int sink,
+                                    std::vector<Capacity>& residual, Capacity& value);
 
 // The engines as the tournament runs them: nullopt when the deadline passed first.
 template <typename Capacity>

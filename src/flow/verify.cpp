@@ -117,6 +117,8 @@ std::string_view solver_choice_name(SolverChoice choice) {
       return "dinic";
     case SolverChoice::hlpp:
       return "hlpp";
+    case SolverChoice::ipm:
+      return "ipm";
   }
   return "auto";
 }
@@ -125,7 +127,8 @@ SolverChoice parse_solver_choice(std::string_view name) {
   if (name == "auto" || name == "automatic") return SolverChoice::automatic;
   if (name == "dinic") return SolverChoice::dinic;
   if (name == "hlpp") return SolverChoice::hlpp;
-  throw InputError("unknown max-flow solver '" + std::string(name) + "' (expected auto, dinic or hlpp)");
+  if (name == "ipm") return SolverChoice::ipm;
+  throw InputError("unknown max-flow solver '" + std::string(name) + "' (expected auto, dinic, hlpp or ipm)");
 }
 
 template std::int64_t cut_capacity(const FlowNetwork<std::int64_t>&, const std::vector<bool>&);

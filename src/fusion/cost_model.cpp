@@ -51,7 +51,12 @@ RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId
 
 namespace fusion_internal {
 
-std::int64_t to_picoseconds(double nanoseconds) { return std::llround(nanoseconds * 1000.0); }
+std::int64_t to_picoseconds(double nanoseconds) {
+  const double picoseconds = nanoseconds * 1000.0;
+  if (std::isnan(picoseconds)) return 0;
+  const double limit = static_cast<double>(kMaximumCostPicoseconds);
+  return std::llround(std::clamp(picoseconds, -limit, limit));
+}
 
 GraphIndex::GraphIndex(const ComputeGraph& graph)
     : consumer_nodes(graph.nodes().size()), value_is_output(graph.values().size(), false) {

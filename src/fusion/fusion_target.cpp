@@ -3,14 +3,14 @@
 // each preset says where its figures come from so a reader can challenge them.
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <functional>
-#include <sstream>
+#include <system_error>
+#include <limits>
 #include <type_traits>
 
-#include <nlohmann/json.hpp>
-
+#include "json_input.h"
 #include "metile/fusion.h"
+#include "metile/io.h"
 
 namespace metile {
 
@@ -59,6 +59,10 @@ namespace {
 
 using Json = nlohmann::json;
 
+// Real target figures (ns, bytes per ns) lie in [1e-6, 1e12].
+constexpr double kMinimumTargetFigure = 1e-6;
+constexpr double kMaximumTargetFigure = 1e12;
+
 // One JSON field of a target: how to read it into the struct and write it back.
 struct TargetField {
   const char* name;
@@ -74,14 +78,27 @@ TargetField positive_field(const char* name, Number FusionTarget::*member) {
         const bool integral = std::is_integral_v<Number>;
         if (!value.is_number() || (integral && !value.is_number_integer())) {
           throw InputError(where + ": field '" + name + "' must be " + (integral ? "an integer" : "a number") +
-                           ", got " + value.dump());
+                           ", got " + json_excerpt(value));
         }
+        // Integers above the field's type are refused, not truncated; real figures stay in a range
+        // whose costs (bytes / bandwidth, launches x nodes) are finite doubles (README, "Input limits").
         const double number = value.get<double>();
+        const double maximum = integral ? static_cast<double>(std::numeric_limits<Number>::max()) : kMaximumTargetFigure;
+        const double minimum = integral ? 1 : kMinimumTargetFigure;
         if (!std::isfinite(number) || number <= 0) {
-          throw InputError(where + ": field '" + name + "' must be positive, got " + value.dump());
+          throw InputError(where + ": field '" + name + "' must be positive, got " + json_excerpt(value));
         }
-        if (integral && number > 1e15) {
-          throw InputError(where + ": field '" + name + "' is too large: " + value.dump());
+        const bool above_integer_type =
+            integral && value.is_number_unsigned() &&
+            value.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<Number>::max());
+        if (number > maximum || above_integer_type) {
+          const std::string limit =
+              integral ? std::to_string(std::numeric_limits<Number>::max()) : json_excerpt(Json(maximum));
+          throw InputError(where + ": field '" + name + "' is above its limit of " + limit + ": " + json_excerpt(value));
+        }
+        if (number < minimum) {
+          throw InputError(where + ": field '" + name + "' is below its limit of " + json_excerpt(Json(minimum)) + ": " +
+                           json_excerpt(value));
         }
         target.*member = value.get<Number>();
       },
@@ -114,12 +131,7 @@ FusionTarget preset(std::string_view name, const std::string& where) {
 
 FusionTarget FusionTarget::from_json(std::string_view text, std::string_view source_name) {
   const std::string source(source_name);
-  Json document;
-  try {
-    document = Json::parse(text);
-  } catch (const Json::parse_error& error) {
-    throw InputError(source + ": not valid JSON: " + error.what());
-  }
+  const Json document = parse_json_input(text, source);
   if (!document.is_object()) throw InputError(source + ": a target file holds one JSON object");
 
   std::string base = "h200";
@@ -129,7 +141,10 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
   }
   FusionTarget target = preset(base, source + ": field 'base': ");
   target.name = std::filesystem::path(source).stem().string();
-  for (const auto& [key, value] : document.items()) {
+  for (const auto& item : document.items()) {
+    // Named, not a structured binding: clang 14 (the fuzz build) cannot capture bindings in lambdas.
+    const std::string& key = item.key();
+    const Json& value = item.value();
     if (key == "base") continue;
     if (key == "name") {
       if (!value.is_string() || value.get<std::string>().empty()) {
@@ -151,17 +166,14 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
 }
 
 FusionTarget FusionTarget::from_json_file(const std::filesystem::path& path) {
-  std::ifstream file(path);
-  if (!file) throw InputError(path.string() + ": cannot open target file");
-  std::ostringstream text;
-  text << file.rdbuf();
-  return from_json(text.str(), path.string());
+  return from_json(read_input_file(path, kMaximumTargetFileBytes, "target"), path.string());
 }
 
 FusionTarget FusionTarget::from_name_or_file(std::string_view name_or_path) {
   if (name_or_path == "h200" || name_or_path == "cpu") return preset(name_or_path, "");
   const std::filesystem::path path(name_or_path);
-  if (!std::filesystem::exists(path)) {
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) {
     throw InputError("target '" + std::string(name_or_path) + "' is neither a preset (h200, cpu) nor an existing file");
   }
   return from_json_file(path);

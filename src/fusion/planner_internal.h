@@ -15,7 +15,10 @@
 namespace metile::fusion_internal {
 
 // Capacities are integer picoseconds: min cuts are then exact, and equal
-// inputs give equal cuts.
+// inputs give equal cuts. Saturates at +-kMaximumCostPicoseconds (NaN is 0), so
+// huge but legal tensors or extreme target figures never overflow a capacity
+// or the sums the flow network checks (README, "Input limits").
+inline constexpr std::int64_t kMaximumCostPicoseconds = std::int64_t{1} << 38;  // about 275 ms
 std::int64_t to_picoseconds(double nanoseconds);
 
 // ---------------------------------------------------------------- patterns

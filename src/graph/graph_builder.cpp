@@ -3,6 +3,7 @@
 // only ever refer to earlier nodes, which makes node order a topological order.
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <string>
 
 #include "attributes_of.h"
@@ -11,19 +12,39 @@
 namespace metile {
 namespace {
 
-// 2^56 elements: far beyond any real tensor, and bytes() of it still fits int64.
-constexpr std::int64_t kMaximumElements = std::int64_t{1} << 56;
-
 std::string node_label(std::string_view name, std::string_view op) {
   return "node '" + std::string(name) + "' (" + std::string(op) + ")";
 }
 
 }  // namespace
 
+// ---------------------------------------------------------------- TensorSpec limits
+
+void check_tensor_spec(const TensorSpec& spec, std::string_view owner) {
+  const std::string who(owner);
+  if (spec.shape.size() > static_cast<std::size_t>(kMaximumRank)) {
+    throw InputError(who + ": rank " + std::to_string(spec.shape.size()) + " is above the limit of " +
+                     std::to_string(kMaximumRank));
+  }
+  for (std::size_t axis = 0; axis < spec.shape.size(); ++axis) {
+    if (spec.shape[axis] <= 0) {
+      throw InputError(who + ": dimension " + std::to_string(axis) + " of " + spec.to_string() + " is not positive");
+    }
+  }
+  // Every later size computation (bytes(), a reshape's product, a planner cost) must not overflow.
+  std::int64_t elements = 1;
+  for (std::int64_t dim : spec.shape) {
+    if (__builtin_mul_overflow(elements, dim, &elements) || elements > kMaximumElements) {
+      throw InputError(who + ": " + spec.to_string() + " has more than 2^" +
+                       std::to_string(std::countr_zero(static_cast<std::uint64_t>(kMaximumElements))) + " elements");
+    }
+  }
+}
+
 // ---------------------------------------------------------------- ComputeGraph
 
 bool ComputeGraph::is_output(ValueId id) const {
-  return std::find(outputs_.begin(), outputs_.end(), id) != outputs_.end();
+  return id >= 0 && static_cast<std::size_t>(id) < value_is_output_.size() && value_is_output_[static_cast<std::size_t>(id)];
 }
 
 std::optional<ValueId> ComputeGraph::find_value(std::string_view name) const {
@@ -80,19 +101,7 @@ void GraphBuilder::claim_name(const std::string& name, std::string owner) {
 ValueRef GraphBuilder::input(std::string name, TensorSpec spec) {
   const std::string owner = "input '" + name + "'";
   if (name.empty()) throw InputError("an input needs a name");
-  for (std::size_t axis = 0; axis < spec.shape.size(); ++axis) {
-    if (spec.shape[axis] <= 0) {
-      throw InputError(owner + ": dimension " + std::to_string(axis) + " of " + spec.to_string() +
-                       " is not positive");
-    }
-  }
-  // Every later size computation (bytes(), a reshape's product) must not overflow.
-  std::int64_t elements = 1;
-  for (std::int64_t dim : spec.shape) {
-    if (__builtin_mul_overflow(elements, dim, &elements) || elements > kMaximumElements) {
-      throw InputError(owner + ": " + spec.to_string() + " has too many elements");
-    }
-  }
+  check_tensor_spec(spec, owner);
   claim_name(name, owner);
   Value value;
   value.id = static_cast<ValueId>(graph_.values_.size());
@@ -137,6 +146,7 @@ std::vector<ValueRef> GraphBuilder::add_node(std::string_view op, std::vector<Va
   } catch (const InputError& error) {
     throw InputError(owner + ": " + error.what());
   }
+  for (const TensorSpec& spec : output_specs) check_tensor_spec(spec, owner + ": output");
   claim_name(name, owner);
 
   Node node;
@@ -253,6 +263,7 @@ void GraphBuilder::rename(ValueRef value, std::string name) {
 ComputeGraph GraphBuilder::build(const std::vector<ValueRef>& outputs) const {
   if (outputs.empty()) throw InputError("build: a graph needs at least one output");
   ComputeGraph graph = graph_;
+  graph.value_is_output_.assign(graph.values_.size(), false);
   for (std::size_t index = 0; index < outputs.size(); ++index) {
     const std::string role = "output " + std::to_string(index);
     const Value& value = checked_value(outputs[index], "build: " + role);
@@ -261,6 +272,7 @@ ComputeGraph GraphBuilder::build(const std::vector<ValueRef>& outputs) const {
     }
     if (graph.is_output(value.id)) throw InputError("build: output '" + value.name + "' is listed twice");
     graph.outputs_.push_back(value.id);
+    graph.value_is_output_[static_cast<std::size_t>(value.id)] = true;
   }
   graph.consumers_.assign(graph.values_.size(), {});
   for (const Node& node : graph.nodes_) {

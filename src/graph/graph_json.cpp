@@ -3,15 +3,14 @@
 // naming the nodes on it), and a deterministic writer with one input or node per
 // line so that files diff well and parse_graph_json(write_graph_json(g)) == g.
 #include <algorithm>
-#include <fstream>
 #include <limits>
 #include <queue>
-#include <sstream>
 #include <string>
+#include <unordered_set>
 
-#include <nlohmann/json.hpp>
-
+#include "json_input.h"
 #include "metile/graph.h"
+#include "metile/io.h"
 
 namespace metile {
 namespace {
@@ -32,16 +31,7 @@ class GraphFileReader {
   explicit GraphFileReader(std::string_view source) : source_(source) {}
 
   ComputeGraph read(std::string_view text) {
-    Json document;
-    try {
-      document = Json::parse(text);
-    } catch (const Json::parse_error& error) {
-      // nlohmann's message starts with "[json.exception.parse_error.101] "; the rest is the useful part.
-      std::string message = error.what();
-      const std::size_t bracket = message.find("] ");
-      if (message.starts_with("[json.exception") && bracket != std::string::npos) message.erase(0, bracket + 2);
-      throw InputError(source_ + ": invalid JSON: " + message);
-    }
+    const Json document = parse_json_input(text, source_);
     if (!document.is_object()) fail("", "a graph file must be a JSON object with inputs, nodes and outputs");
     check_keys(document, "", {"inputs", "nodes", "outputs", "description"});
     read_inputs(required(document, "", "inputs"));
@@ -68,15 +58,15 @@ class GraphFileReader {
   }
 
   std::string string_at(const Json& value, const std::string& path, std::string_view what) const {
-    if (!value.is_string()) fail(path, std::string(what) + " must be a string, got " + value.dump());
+    if (!value.is_string()) fail(path, std::string(what) + " must be a string, got " + json_excerpt(value));
     return value.get<std::string>();
   }
 
   std::int64_t integer_at(const Json& value, const std::string& path) const {
     if (value.is_number_unsigned() && value.get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max()) {
-      fail(path, "integer " + value.dump() + " is too large");
+      fail(path, "integer " + json_excerpt(value) + " is too large");
     }
-    if (!value.is_number_integer()) fail(path, "expected an integer, got " + value.dump());
+    if (!value.is_number_integer()) fail(path, "expected an integer, got " + json_excerpt(value));
     return value.get<std::int64_t>();
   }
 
@@ -124,7 +114,7 @@ class GraphFileReader {
       }
       return integers;
     }
-    fail(path, "an attribute must be a number, a string or an integer array, got " + value.dump());
+    fail(path, "an attribute must be a number, a string or an integer array, got " + json_excerpt(value));
   }
 
   std::vector<ParsedNode> parse_nodes(const Json& nodes) {
@@ -247,6 +237,7 @@ class GraphFileReader {
   ComputeGraph build(const Json& outputs) {
     if (!outputs.is_array()) fail("/outputs", "must be an array of value names");
     std::vector<ValueRef> refs;
+    std::unordered_set<ValueId> listed;
     for (std::size_t index = 0; index < outputs.size(); ++index) {
       const std::string path = "/outputs/" + std::to_string(index);
       const std::string name = string_at(outputs[index], path, "an output");
@@ -255,7 +246,7 @@ class GraphFileReader {
       if (paths_by_name_.contains(name) && paths_by_name_.at(name).starts_with("/inputs")) {
         fail(path, "'" + name + "' is a graph input, not a value produced by the graph");
       }
-      if (std::find(refs.begin(), refs.end(), value->second) != refs.end()) fail(path, "'" + name + "' is listed twice");
+      if (!listed.insert(value->second.id).second) fail(path, "'" + name + "' is listed twice");
       refs.push_back(value->second);
     }
     try {
@@ -271,7 +262,8 @@ class GraphFileReader {
   std::map<std::string, std::string, std::less<>> paths_by_name_;     // where each name was declared
 };
 
-std::string json_text(const std::string& text) { return Json(text).dump(); }
+// Names from C++ callers need not be UTF-8; replacing bad bytes keeps the writer total.
+std::string json_text(const std::string& text) { return Json(text).dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 std::string integers_text(const std::vector<std::int64_t>& integers) {
   std::string text = "[";
@@ -296,14 +288,7 @@ ComputeGraph parse_graph_json(std::string_view text, std::string_view source_nam
 }
 
 ComputeGraph read_graph(const std::filesystem::path& path) {
-  std::error_code error;
-  if (std::filesystem::is_directory(path, error)) throw InputError(path.string() + ": is a directory, not a graph file");
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream) throw InputError(path.string() + ": cannot open file");
-  std::ostringstream text;
-  text << stream.rdbuf();
-  if (stream.bad()) throw InputError(path.string() + ": cannot read file");
-  return parse_graph_json(text.str(), path.string());
+  return parse_graph_json(read_input_file(path, kMaximumGraphFileBytes, "graph"), path.string());
 }
 
 std::string write_graph_json(const ComputeGraph& graph) {

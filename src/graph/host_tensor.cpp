@@ -15,10 +15,25 @@ namespace metile {
 
 static_assert(std::endian::native == std::endian::little, "HostTensor stores little-endian data");
 
+// Checked: a spec built outside GraphBuilder (Python, a test, a file) may hold any
+// numbers, and a wrapped count would size an allocation.
 std::int64_t TensorSpec::element_count() const {
   std::int64_t count = 1;
-  for (std::int64_t dim : shape) count *= dim;
+  for (std::int64_t dim : shape) {
+    if (dim < 0) throw InputError("tensor " + to_string() + " has a negative dimension");
+    if (__builtin_mul_overflow(count, dim, &count)) {
+      throw InputError("tensor " + to_string() + ": element count overflows a 64-bit integer");
+    }
+  }
   return count;
+}
+
+std::int64_t TensorSpec::bytes() const {
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(element_count(), static_cast<std::int64_t>(dtype_size(dtype)), &bytes)) {
+    throw InputError("tensor " + to_string() + ": byte count overflows a 64-bit integer");
+  }
+  return bytes;
 }
 
 std::string TensorSpec::to_string() const {

@@ -8,19 +8,15 @@
 #include <limits>
 #include <string>
 #include <system_error>
-#include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
+#include "json_input.h"
 #include "metile/graph.h"
+#include "metile/io.h"
 
 namespace metile {
 namespace {
 
 using Json = nlohmann::json;
-
-// Reading more than this from a header is a corrupt length, not a real file.
-constexpr std::uint64_t kMaximumHeaderBytes = std::uint64_t{100} << 20;
 
 std::string_view safetensors_dtype_name(DType dtype) {
   switch (dtype) {
@@ -70,13 +66,18 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
   if (!shape.is_array()) throw InputError(where + "shape is not an array");
   std::uint64_t element_count = 1;
   for (const Json& dim : shape) {
-    if (!dim.is_number_unsigned()) throw InputError(where + "shape " + shape.dump() + " has a non-integer or negative dimension");
+    if (!dim.is_number_unsigned()) throw InputError(where + "shape " + json_excerpt(shape) + " has a non-integer or negative dimension");
     const std::uint64_t extent = dim.get<std::uint64_t>();
-    if (extent > 0 && element_count > (std::numeric_limits<std::uint64_t>::max() >> 4) / extent) {
-      throw InputError(where + "shape " + shape.dump() + " is too large");
+    if (extent > static_cast<std::uint64_t>(kMaximumElements) ||
+        (extent > 0 && element_count > static_cast<std::uint64_t>(kMaximumElements) / extent)) {
+      throw InputError(where + "shape " + json_excerpt(shape) + " has more than 2^48 elements");
     }
     element_count *= extent;
     entry.spec.shape.push_back(static_cast<std::int64_t>(extent));
+  }
+  if (entry.spec.shape.size() > static_cast<std::size_t>(kMaximumRank)) {
+    throw InputError(where + "rank " + std::to_string(entry.spec.shape.size()) + " is above the limit of " +
+                     std::to_string(kMaximumRank));
   }
   const Json& offsets = description["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
@@ -105,11 +106,9 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
 
 TensorMap read_safetensors(const std::filesystem::path& path) {
   const std::string file = path.string();
+  const std::uint64_t file_bytes = regular_file_size(path, "safetensors");
   std::ifstream stream(path, std::ios::binary);
-  if (!stream) throw InputError(file + ": cannot open file");
-  std::error_code error;
-  const std::uintmax_t file_bytes = std::filesystem::file_size(path, error);
-  if (error) throw InputError(file + ": cannot read file size: " + error.message());
+  if (!stream) throw InputError(file + ": cannot open the file");
   if (file_bytes < 8) {
     throw InputError(file + ": too short for a safetensors file (" + std::to_string(file_bytes) +
                      " bytes, the header length alone takes 8)");
@@ -118,20 +117,19 @@ TensorMap read_safetensors(const std::filesystem::path& path) {
   stream.read(reinterpret_cast<char*>(length_bytes), 8);
   std::uint64_t header_bytes = 0;
   for (int index = 7; index >= 0; --index) header_bytes = (header_bytes << 8) | length_bytes[index];
-  if (header_bytes > file_bytes - 8 || header_bytes > kMaximumHeaderBytes) {
+  if (header_bytes > file_bytes - 8) {
     throw InputError(file + ": header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
                      std::to_string(file_bytes) + " bytes)");
+  }
+  if (header_bytes > kMaximumSafetensorsHeaderBytes) {
+    throw InputError(file + ": header length " + std::to_string(header_bytes) + " is above the limit of " +
+                     std::to_string(kMaximumSafetensorsHeaderBytes) + " bytes");
   }
   std::string header(static_cast<std::size_t>(header_bytes), '\0');
   stream.read(header.data(), static_cast<std::streamsize>(header_bytes));
   if (!stream) throw InputError(file + ": cannot read the header");
 
-  Json parsed;
-  try {
-    parsed = Json::parse(header);
-  } catch (const Json::parse_error& parse_error) {
-    throw InputError(file + ": header is not valid JSON: " + parse_error.what());
-  }
+  const Json parsed = parse_json_input(header, file + ": header");
   if (!parsed.is_object()) throw InputError(file + ": header is not a JSON object");
 
   const std::uint64_t data_bytes = file_bytes - 8 - header_bytes;
@@ -177,16 +175,11 @@ void write_safetensors(const std::filesystem::path& path, const TensorMap& tenso
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
-  std::string header_text = header.dump();
+  std::string header_text = header.dump(-1, ' ', false, Json::error_handler_t::replace);
   // Pad with spaces so the data starts 8-byte aligned, as the format recommends.
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
 
-  // Write beside the target and rename: a reader never sees a half-written file.
-  std::filesystem::path temporary = path;
-  temporary += ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream stream(temporary, std::ios::binary | std::ios::trunc);
-    if (!stream) throw InputError(file + ": cannot create " + temporary.string());
+  write_output_file(path, [&](std::ostream& stream) {
     unsigned char length_bytes[8];
     std::uint64_t length = header_text.size();
     for (unsigned char& byte : length_bytes) {
@@ -199,19 +192,7 @@ void write_safetensors(const std::filesystem::path& path, const TensorMap& tenso
       stream.write(reinterpret_cast<const char*>(tensor.bytes().data()),
                    static_cast<std::streamsize>(tensor.bytes().size()));
     }
-    stream.flush();
-    if (!stream) {
-      stream.close();
-      std::filesystem::remove(temporary);
-      throw InputError(file + ": write failed");
-    }
-  }
-  std::error_code error;
-  std::filesystem::rename(temporary, path, error);
-  if (error) {
-    std::filesystem::remove(temporary);
-    throw InputError(file + ": cannot rename " + temporary.string() + " into place: " + error.message());
-  }
+  });
 }
 
 }  // namespace metile

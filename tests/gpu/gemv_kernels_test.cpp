@@ -8,8 +8,10 @@
 
 #include <fmt/core.h>
 
+#include <cstring>
 #include <future>
 #include <iostream>
+#include <stdexcept>
 
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
@@ -69,7 +71,7 @@ Problem make_problem(const GemvWeightFormat& format, std::int64_t n, std::int64_
 }
 
 // Compiles every config (in parallel; NVRTC needs no device) and loads them.
-std::vector<CompiledKernel> compile_all(const std::vector<GemvKernelSource>& kernels, const CudaDevice& device) {
+std::vector<LoadedGemv> compile_all(const std::vector<GemvKernelSource>& kernels, const CudaDevice& device) {
   std::vector<std::future<CompiledProgram>> programs;
   for (const GemvKernelSource& kernel : kernels) {
     programs.push_back(std::async(std::launch::async, [&kernel, architecture = device.info().architecture()] {
@@ -78,15 +80,17 @@ std::vector<CompiledKernel> compile_all(const std::vector<GemvKernelSource>& ker
       return compile_cuda_program(kernel.source, kernel.kernel_name, options);
     }));
   }
-  std::vector<CompiledKernel> compiled;
-  for (auto& program : programs) compiled.push_back(CompiledKernel::load(program.get()));
-  return compiled;
+  std::vector<LoadedGemv> loaded;
+  for (std::size_t i = 0; i < kernels.size(); ++i) loaded.push_back(LoadedGemv::load(kernels[i], programs[i].get()));
+  return loaded;
 }
 
 // Runs one kernel on the problem's first `rows` rows and returns the scale-normalized error
-// against the float64 epilogue of the float64 products.
+// against the float64 epilogue of the float64 products. A kernel with a workspace (streamed) runs
+// twice on fresh poison: the second launch must find the workspace ready and, the join order
+// being fixed, write the same bits.
 gemv_testing::ScaledError run_and_compare(const Problem& problem, const GemvKernelConfig& config,
-                                          const GemvKernelSource& kernel, const CompiledKernel& compiled) {
+                                          const LoadedGemv& gemv) {
   const std::int64_t rows = config.rows, n = problem.n, k = problem.k;
   const DType dtype = problem.format.activation;
   HostTensor x(TensorSpec({rows, k}, dtype));
@@ -113,9 +117,20 @@ gemv_testing::ScaledError run_and_compare(const Problem& problem, const GemvKern
   }
   arguments.add_pointer(out.buffer);
   CudaStream stream;
-  launch(compiled, Dim3{kernel.grid_blocks, 1, 1}, Dim3{kernel.block_threads, 1, 1}, 0, stream, arguments);
+  gemv.launch(stream, arguments);
   stream.synchronize();
   const std::vector<double> actual = out.to_host().to_values();
+  if (gemv.workspace) {
+    out.buffer.fill_bytes(0xFF);
+    gemv.launch(stream, arguments);
+    stream.synchronize();
+    const std::vector<double> again = out.to_host().to_values();
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < actual.size(); ++i) {
+      differing += std::memcmp(&actual[i], &again[i], sizeof(double)) != 0;
+    }
+    EXPECT_EQ(differing, 0u) << config.to_string() << ": a second launch wrote other values";
+  }
 
   std::vector<double> expected(static_cast<std::size_t>(rows * n));
   const std::vector<double> residual_values = problem.residual.to_values(), bias_values = problem.bias.to_values();
@@ -142,11 +157,11 @@ void check_cases(const Problem& problem, const std::vector<GemvKernelConfig>& co
                  const std::string& label) {
   std::vector<GemvKernelSource> kernels;
   for (const GemvKernelConfig& config : configs) kernels.push_back(generate_gemv_kernel(config));
-  const std::vector<CompiledKernel> compiled = compile_all(kernels, device);
+  const std::vector<LoadedGemv> compiled = compile_all(kernels, device);
   const double threshold = numeric_gate_threshold(problem.format.activation);
   double worst_l2 = 0, worst_max = 0;
   for (std::size_t i = 0; i < configs.size(); ++i) {
-    const gemv_testing::ScaledError error = run_and_compare(problem, configs[i], kernels[i], compiled[i]);
+    const gemv_testing::ScaledError error = run_and_compare(problem, configs[i], compiled[i]);
     EXPECT_LE(error.relative_norm, threshold) << label << ": " << configs[i].to_string();
     EXPECT_LE(error.relative_max, threshold) << label << ": " << configs[i].to_string();
     worst_l2 = std::max(worst_l2, error.relative_norm);
@@ -262,6 +277,68 @@ TEST_F(GemvKernels, OtherEpiloguesOnTheSameMainloop) {
       configs.push_back(config_for(problem, 11, epilogue, GatedSchedule::scratch_spilled));
     }
     check_cases(problem, configs, device(), "epilogues " + format.to_string());
+  }
+}
+
+
+// The streamed mainloop (bulk copies into shared-memory stages, stream-K over a persistent grid):
+// every tuning shape at the model sizes, M on both sides of 8, and ragged shapes whose N is
+// smaller than the SM count (most warps then join tiles through the workspace) or not a multiple
+// of 16, and whose K is not a multiple of the load block. The grid is the device's.
+TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
+  const int multiprocessors = device().info().multiprocessor_count;
+  auto streamed = [&](GemvKernelConfig config) {
+    config.mainloop = GemvMainloop::streamed;
+    std::vector<GemvKernelConfig> shapes = gemv_tuning_candidates(config, multiprocessors);
+    EXPECT_FALSE(shapes.empty()) << config.to_string();
+    if (shapes.empty()) throw std::runtime_error("no streamed shape for " + config.to_string());
+    return shapes;
+  };
+  std::uint64_t seed = 0x57e0000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  const DType bf16 = DType::bf16, f16 = DType::f16;
+  const std::vector<Model> models = {
+      {"Llama-3-8B", 4096, 14336,
+       {GemvWeightFormat::dense(bf16), GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(8, 64, bf16)}},
+      {"Qwen2.5-1.5B", 1536, 8960, {GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(4, 128, f16)}},
+      {"Llama-3.2-1B", 2048, 8192, {GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::dense(f16)}},
+  };
+  for (const Model& model : models) {
+    for (const GemvWeightFormat& format : model.formats) {
+      const std::string label = fmt::format("streamed {} {}", model.name, format.to_string());
+      const Problem gate_up = make_problem(format, model.intermediate, model.hidden, 2, seed += 100);
+      const Problem down = make_problem(format, model.hidden, model.intermediate, 1, seed += 100);
+      std::vector<GemvKernelConfig> gate_up_configs, down_configs;
+      for (std::int64_t rows : {1, 5, 16}) {
+        const std::vector<GemvKernelConfig> gated = streamed(config_for(gate_up, rows, GemvEpilogue::swiglu()));
+        const std::vector<GemvKernelConfig> residual = streamed(config_for(down, rows, GemvEpilogue::residual_add()));
+        // Every shape at one and sixteen rows, the first in between.
+        gate_up_configs.insert(gate_up_configs.end(), gated.begin(), rows == 5 ? gated.begin() + 1 : gated.end());
+        down_configs.insert(down_configs.end(), residual.begin(), rows == 5 ? residual.begin() + 1 : residual.end());
+      }
+      check_cases(gate_up, gate_up_configs, device(), label + " gate/up");
+      check_cases(down, down_configs, device(), label + " down+residual");
+    }
+  }
+  for (DType dtype : {bf16, f16}) {
+    std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
+    for (int bits : {4, 8}) {
+      for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
+    }
+    for (const GemvWeightFormat& format : formats) {
+      const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
+      for (std::int64_t n : {77, 1000}) {
+        const Problem problem = make_problem(format, n, k, 2, seed += 100);
+        std::vector<GemvKernelConfig> configs;
+        for (std::int64_t rows : {1, 9}) {
+          for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add()}) {
+            const std::vector<GemvKernelConfig> shapes = streamed(config_for(problem, rows, epilogue));
+            configs.push_back(shapes.front());
+            configs.push_back(shapes.back());
+          }
+        }
+        check_cases(problem, configs, device(), fmt::format("streamed ragged {} N={} K={}", format.to_string(), n, k));
+      }
+    }
   }
 }
 

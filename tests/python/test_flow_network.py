@@ -9,7 +9,7 @@ import pytest
 
 import metile
 
-SOLVERS = ("auto", "dinic", "hlpp")
+SOLVERS = ("auto", "dinic", "hlpp", "ipm")
 
 
 def random_network(rng, vertex_count, edge_count, integer):

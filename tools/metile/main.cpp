@@ -1,12 +1,39 @@
 // `metile`: plan, run and inspect graphs from the command line (DESIGN.md,
-// "The interfaces users touch"). Exit codes: 0 success, 2 bad input, 1 internal failure.
+// "The interfaces users touch"). Exit codes: 0 success, 2 bad input (usage errors
+// included), 1 internal failure or a failed write to standard output. Every
+// failure is exactly one line on stderr: "metile: error: ..." or
+// "metile: internal error: ...".
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
-
-#include <fmt/core.h>
+#include <new>
+#include <string>
 
 #include "commands.h"
 #include "metile/error.h"
+
+namespace {
+
+// One line whatever the message holds (CLI11 messages and nested errors may span lines).
+void print_error_line(const char* kind, std::string message) {
+  for (char& c : message) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  while (!message.empty() && message.back() == ' ') message.pop_back();
+  std::fprintf(stderr, "metile: %s: %s\n", kind, message.c_str());
+}
+
+// Output already buffered must reach its file; a full disk or closed pipe is a failure.
+int finish_standard_output(int code) {
+  const bool failed = std::fflush(stdout) != 0 || std::ferror(stdout) != 0;
+  if (!failed) return code;
+  const int write_error = errno;
+  print_error_line("error", std::string("cannot write to standard output: ") + std::strerror(write_error));
+  return 1;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"metile: compute-graph fusion compiler and runtime"};
@@ -16,15 +43,23 @@ int main(int argc, char** argv) {
   metile::cli::add_maxflow_command(app);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& help) {
+    return finish_standard_output(app.exit(help));
+  } catch (const CLI::CallForAllHelp& help) {
+    return finish_standard_output(app.exit(help));
   } catch (const CLI::ParseError& error) {
-    const int code = app.exit(error);
-    return code == 0 ? 0 : 2;
-  } catch (const metile::InputError& error) {
-    fmt::print(stderr, "metile: error: {}\n", error.what());
+    print_error_line("error", std::string(error.what()) + " (see metile --help)");
     return 2;
+  } catch (const metile::InputError& error) {
+    print_error_line("error", error.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    print_error_line("internal error", "out of memory");
+    return 1;
   } catch (const std::exception& error) {
-    fmt::print(stderr, "metile: internal error: {}\n", error.what());
+    if (std::ferror(stdout)) return finish_standard_output(1);
+    print_error_line("internal error", error.what());
     return 1;
   }
-  return 0;
+  return finish_standard_output(0);
 }

@@ -14,6 +14,7 @@
 #include "commands.h"
 #include "metile/cpu_runtime.h"
 #include "metile/error.h"
+#include "metile/io.h"
 #include "tensor_summary.h"
 
 namespace metile::cli {
@@ -36,6 +37,21 @@ std::uint64_t parse_seed(const std::string& text) {
     throw InputError(fmt::format("--seed must be an integer from 0 to 2^64 - 1, got '{}'", text));
   }
   return seed;
+}
+
+// Every value of the graph at once bounds what a run holds; more than the machine has
+// is the graph's fault (README, "Input limits"), reported before anything is allocated.
+void check_memory(const ComputeGraph& graph) {
+  const std::uint64_t available = physical_memory_bytes();
+  std::uint64_t bytes = 0;  // stops at the first excess, so it cannot wrap
+  for (const Value& value : graph.values()) {
+    bytes += static_cast<std::uint64_t>(value.spec.bytes());
+    if (bytes > available) {
+      throw InputError(fmt::format("the graph's tensors need more than this machine's {} bytes of memory (value '{}' "
+                                   "brings them to {} bytes)",
+                                   available, value.name, bytes));
+    }
+  }
 }
 
 TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options, std::uint64_t seed) {
@@ -71,6 +87,7 @@ void run(const RunOptions& options) {
   }
   const std::uint64_t seed = parse_seed(options.seed);
   const ComputeGraph graph = read_graph(options.graph_path);
+  check_memory(graph);
   const TensorMap inputs = load_inputs(graph, options, seed);
   const TensorMap outputs = run_on_backend(graph, inputs, options);
   print_output_summaries(graph, outputs);

@@ -153,6 +153,14 @@ double time_on_stream_ms(const CudaStream& stream, const std::function<void(cons
   return per_call[per_call.size() / 2];
 }
 
+double measure_copy_bandwidth_gbps(const CudaStream& stream, std::size_t bytes) {
+  DeviceBuffer source(bytes), target(bytes);
+  source.fill_bytes(0x3C, &stream);
+  const double ms =
+      time_on_stream_ms(stream, [&](const CudaStream& s) { target.copy_from_device(source, bytes, &s); }, 2, 5, 5);
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
+}
+
 // ---------------------------------------------------------------- device memory
 DeviceBuffer::DeviceBuffer(std::size_t bytes) : size_(bytes) {
   if (bytes == 0) return;

@@ -38,8 +38,7 @@ struct StageCandidate {
 
 struct GemvLaunch {
   GemvKernelConfig config;
-  GemvKernelSource kernel;
-  CompiledKernel compiled;
+  LoadedGemv loaded;
 };
 
 // Device copies of one affine matrix in the repacked layout.
@@ -57,6 +56,10 @@ RepackedOnDevice upload_repacked(const QuantizedMatrix& matrix) {
 }
 
 std::string shape_name(const GemvKernelConfig& config) {
+  if (config.mainloop == GemvMainloop::streamed) {
+    return fmt::format("streamed w{} u{} s{} g{}x{}", config.warps_per_block, config.stage_iterations, config.stages,
+                       config.multiprocessors, config.blocks_per_multiprocessor);
+  }
   return fmt::format("w{} t{} f{} {}", config.warps_per_block, config.tiles_per_block, config.iterations_in_flight,
                      config.double_buffered ? "db" : "batch");
 }
@@ -140,10 +143,7 @@ struct DecodeMlpExecutor::State {
       arguments.add_pointer((*values)[value(tensor.name)].address());
     }
     arguments.add_pointer((*values)[value(output)].address());
-    return [gemv = launch, arguments](const CudaStream& stream) {
-      metile::launch(gemv->compiled, Dim3{gemv->kernel.grid_blocks, 1, 1}, Dim3{gemv->kernel.block_threads, 1, 1}, 0,
-                     stream, arguments);
-    };
+    return [gemv = launch, arguments](const CudaStream& stream) { gemv->loaded.launch(stream, arguments); };
   }
 
   // Compiles every config in parallel (NVRTC needs no device), then loads them here.
@@ -153,16 +153,16 @@ struct DecodeMlpExecutor::State {
     for (const GemvKernelConfig& config : configs) {
       auto launch = std::make_shared<GemvLaunch>();
       launch->config = config;
-      launch->kernel = generate_gemv_kernel(config);
+      launch->loaded.kernel = generate_gemv_kernel(config);
       result.push_back(launch);
-      programs.push_back(std::async(std::launch::async, [kernel = launch->kernel, architecture = device.info().architecture()] {
+      programs.push_back(std::async(std::launch::async, [kernel = launch->loaded.kernel, architecture = device.info().architecture()] {
         CompileOptions options;
         options.architecture = architecture;
         return compile_cuda_program(kernel.source, kernel.kernel_name, options);
       }));
     }
     for (std::size_t i = 0; i < result.size(); ++i) {
-      result[i]->compiled = CompiledKernel::load(programs[i].get());
+      result[i]->loaded = LoadedGemv::load(result[i]->loaded.kernel, programs[i].get());
       launches.push_back(result[i]);
     }
     return result;
@@ -184,6 +184,12 @@ struct DecodeMlpExecutor::State {
       configs.resize(static_cast<std::size_t>(std::max(1, options.tuning_candidates)));
     }
     return configs;
+  }
+
+  // The streamed mainloop's shapes for the same stage (gemv_streamed.cpp), after the register ones.
+  std::vector<GemvKernelConfig> streamed(GemvKernelConfig base) const {
+    base.mainloop = GemvMainloop::streamed;
+    return tuned(base);
   }
 
   void add_native(std::vector<StageCandidate>& candidates, const std::vector<std::string>& nodes) {
@@ -211,6 +217,9 @@ struct DecodeMlpExecutor::State {
       base.schedule = schedule;
       for (const GemvKernelConfig& config : tuned(base)) configs.push_back(config);
     }
+    for (const GemvKernelConfig& config : streamed(base_config(weights.intermediate, weights.hidden, GemvEpilogue::swiglu()))) {
+      configs.push_back(config);
+    }
     const std::vector<std::shared_ptr<GemvLaunch>> compiled = compile(configs);
     std::size_t next = 0;
     if (unfused) {
@@ -218,7 +227,7 @@ struct DecodeMlpExecutor::State {
       const DeviceStep eager = sequence({bind_gemv(store, {0}, "x", "gate"), bind_gemv(store, {1}, "x", "up"),
                                          native.node_step(*graph, node("activated"), *values),
                                          native.node_step(*graph, node("hidden_state"), *values)});
-      const std::string source = store->kernel.source + NativeRuntime::node_source(*graph, node("activated")) +
+      const std::string source = store->loaded.kernel.source + NativeRuntime::node_source(*graph, node("activated")) +
                                  NativeRuntime::node_source(*graph, node("hidden_state"));
       const std::string kernel = store->config.to_string() + " x2, silu, multiply";
       candidates.push_back({{"unfused gemv", "native", kernel, {}, -1}, eager, eager, source});
@@ -228,9 +237,11 @@ struct DecodeMlpExecutor::State {
     for (; next < compiled.size(); ++next) {
       const auto& launch = compiled[next];
       const DeviceStep step = bind_gemv(launch, {0, 1}, "x", "hidden_state");
-      const std::string name = fmt::format("fused {} {}", gated_schedule_name(launch->config.schedule),
-                                           shape_name(launch->config));
-      candidates.push_back({{name, "fused", launch->config.to_string(), {}, -1}, step, step, launch->kernel.source});
+      const std::string name =
+          launch->config.mainloop == GemvMainloop::streamed
+              ? fmt::format("fused {}", shape_name(launch->config))
+              : fmt::format("fused {} {}", gated_schedule_name(launch->config.schedule), shape_name(launch->config));
+      candidates.push_back({{name, "fused", launch->config.to_string(), {}, -1}, step, step, launch->loaded.kernel.source});
     }
     return candidates;
   }
@@ -245,6 +256,10 @@ struct DecodeMlpExecutor::State {
          tuned(base_config(weights.hidden, weights.intermediate, GemvEpilogue::residual_add("residual")))) {
       configs.push_back(config);
     }
+    for (const GemvKernelConfig& config :
+         streamed(base_config(weights.hidden, weights.intermediate, GemvEpilogue::residual_add("residual")))) {
+      configs.push_back(config);
+    }
     const std::vector<std::shared_ptr<GemvLaunch>> compiled = compile(configs);
     std::size_t next = 0;
     if (unfused) {
@@ -252,7 +267,7 @@ struct DecodeMlpExecutor::State {
       const DeviceStep eager = sequence({bind_gemv(store, {2}, "hidden_state", "down"),
                                          native.node_step(*graph, node("out"), *values)});
       const std::string kernel = store->config.to_string() + ", add";
-      const std::string source = store->kernel.source + NativeRuntime::node_source(*graph, node("out"));
+      const std::string source = store->loaded.kernel.source + NativeRuntime::node_source(*graph, node("out"));
       candidates.push_back({{"unfused gemv", "native", kernel, {}, -1}, eager, eager, source});
       candidates.push_back({{"unfused gemv graph", "native", kernel + ", one CUDA graph", {}, -1}, as_graph(eager, stream),
                             eager, source});
@@ -262,7 +277,7 @@ struct DecodeMlpExecutor::State {
       const DeviceStep step = bind_gemv(launch, {2}, "hidden_state", "out");
       candidates.push_back({{fmt::format("fused residual {}", shape_name(launch->config)), "fused",
                              launch->config.to_string(), {}, -1},
-                            step, step, launch->kernel.source});
+                            step, step, launch->loaded.kernel.source});
     }
     return candidates;
   }

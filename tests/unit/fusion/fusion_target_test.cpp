@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "metile/fusion.h"
 #include "metile_test_support.h"
 
@@ -45,7 +47,7 @@ void expect_input_error(const std::string& text, const std::string& message) {
 }
 
 TEST(FusionTarget, BadFilesSayWhatIsWrong) {
-  expect_input_error("{", "t.json: not valid JSON");
+  expect_input_error("{", "t.json: invalid JSON");
   expect_input_error("[1]", "t.json: a target file holds one JSON object");
   expect_input_error(R"({"lanch_overhead_ns": 3})", "t.json: unknown field 'lanch_overhead_ns'");
   expect_input_error(R"({"launch_overhead_ns": -3})", "field 'launch_overhead_ns' must be positive");
@@ -54,6 +56,25 @@ TEST(FusionTarget, BadFilesSayWhatIsWrong) {
   expect_input_error(R"({"base": "a100"})", "unknown target 'a100'");
   EXPECT_THROW(FusionTarget::from_json_file("/no/such/target.json"), InputError);
   EXPECT_THROW(FusionTarget::from_name_or_file("b200"), InputError);
+}
+
+// Issue 11: integers are refused above their field's C++ type, never truncated; real
+// figures stay within [1e-6, 1e12]; nesting and 1e400 are input errors.
+TEST(FusionTarget, FiguresOutsideTheirRangeAreRefused) {
+  EXPECT_EQ(FusionTarget::from_json(R"({"threads_per_block": 2147483647})").threads_per_block, 2147483647);
+  expect_input_error(R"({"threads_per_block": 2147483648})",
+                     "field 'threads_per_block' is above its limit of 2147483647: 2147483648");
+  expect_input_error(R"({"threads_per_block": 4294967552})", "is above its limit of 2147483647");
+  EXPECT_EQ(FusionTarget::from_json(R"({"shared_memory_per_block_bytes": 9223372036854775807})")
+                .shared_memory_per_block_bytes,
+            std::numeric_limits<std::int64_t>::max());
+  expect_input_error(R"({"shared_memory_per_block_bytes": 9223372036854775808})",
+                     "is above its limit of 9223372036854775807");
+  expect_input_error(R"({"launch_overhead_ns": 1e13})", "field 'launch_overhead_ns' is above its limit of 1000000000000.0");
+  expect_input_error(R"({"memory_bandwidth_bytes_per_ns": 1e-7})", "is below its limit of 1e-06");
+  expect_input_error(R"({"launch_overhead_ns": 1e400})", "t.json: invalid JSON: number overflow parsing '1e400'");
+  expect_input_error(R"({"launch_overhead_ns": )" + std::string(1000, '[') + std::string(1000, ']') + "}",
+                     "t.json: invalid JSON: nested deeper than 64 levels");
 }
 
 TEST(FusionTarget, FileAndPresetNamesResolve) {

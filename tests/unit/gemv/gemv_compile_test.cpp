@@ -163,5 +163,83 @@ TEST(GemvCompile, RejectsConfigurationsItCannotGenerate) {
   }
 }
 
+
+// The streamed mainloop (bulk copies into shared-memory stages, mbarriers, stream-K) compiles for
+// sm_90 at the decode-MLP sizes without spilling, and at ragged shapes in every format.
+TEST(GemvCompile, StreamedMainloopCompilesForSm90) {
+  auto streamed = [](GemvKernelConfig config) {
+    config.mainloop = GemvMainloop::streamed;
+    return config;
+  };
+  int checked = 0;
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
+    for (std::int64_t rows : {1, 16}) {
+      for (const GemvKernelConfig& config :
+           {streamed(base_config(format, rows, 14336, 4096, GemvEpilogue::swiglu())),
+            streamed(base_config(format, rows, 4096, 14336, GemvEpilogue::residual_add()))}) {
+        const GemvKernelConfig first = gemv_tuning_candidates(config).front();
+        const GemvKernelSource kernel = generate_gemv_kernel(first);
+        EXPECT_LE(kernel.grid_blocks, 132u * first.blocks_per_multiprocessor) << first.to_string();
+        EXPECT_LE(kernel.dynamic_shared_bytes, 232448u) << first.to_string();
+        EXPECT_GT(kernel.workspace_bytes, 0u) << first.to_string();
+        expect_no_spills(compile_for_sm90(kernel).log, first.to_string());
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 8);
+  const std::vector<GemvWeightFormat> formats = all_formats();
+  for (std::size_t i = 0; i < formats.size(); i += 2) {
+    const std::int64_t k = formats[i].is_affine() ? formats[i].group_size * 7 : 1000;
+    const GemvEpilogue epilogue = i % 4 == 0 ? GemvEpilogue::swiglu() : GemvEpilogue::residual_add();
+    const GemvKernelConfig config = streamed(base_config(formats[i], i % 4 == 0 ? 9 : 1, 77, k, epilogue));
+    EXPECT_NO_THROW(compile_for_sm90(generate_gemv_kernel(config))) << config.to_string();
+  }
+}
+
+// How the streamed plan splits the work: K is split only when x would not fit shared memory, and
+// a problem with fewer positions than warps gets a smaller grid, never empty blocks.
+TEST(GemvCompile, StreamedPlanSplitsKOnlyWhenXDoesNotFit) {
+  GemvKernelConfig config = base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 4096, 14336,
+                                        GemvEpilogue::residual_add());
+  config.mainloop = GemvMainloop::streamed;
+  config.warps_per_block = 8;
+  EXPECT_EQ(generate_gemv_kernel(config).k_slices, 1);   // x: 28 KiB
+  config.rows = 16;
+  const GemvKernelSource sixteen = generate_gemv_kernel(config);
+  EXPECT_GT(sixteen.k_slices, 1);                         // x: 448 KiB unsplit
+  EXPECT_EQ(112 % sixteen.k_slices, 0);                   // 112 iterations of 128 columns, split evenly
+  EXPECT_LE(sixteen.dynamic_shared_bytes, 232448u);
+  config.rows = 1;
+  config.out_features = 32;   // 2 tiles x 112 iterations = 224 positions over 8-warp blocks
+  EXPECT_EQ(generate_gemv_kernel(config).grid_blocks, 28u);
+  config.stages = 1;
+  EXPECT_THROW(generate_gemv_kernel(config), InputError);
+}
+
+// Every format gets streamed shapes at the decode-MLP sizes and ragged ones, even where the default
+// rings do not fit shared memory (8-bit g128 gate/up: 4 KiB per iteration): the list is never empty
+// and every shape it holds generates.
+TEST(GemvCompile, StreamedShapesExistForEveryFormat) {
+  for (const GemvWeightFormat& format : all_formats()) {
+    const std::int64_t ragged_k = format.is_affine() ? format.group_size * 11 : 1000;
+    const std::int64_t sizes[][2] = {{14336, 4096}, {4096, 14336}, {8960, 1536}, {77, ragged_k}, {1000, ragged_k}};
+    for (const auto& [n, k] : sizes) {
+      for (std::int64_t rows : {1, 9, 16}) {
+        for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add()}) {
+          GemvKernelConfig config = base_config(format, rows, n, k, epilogue);
+          config.mainloop = GemvMainloop::streamed;
+          const std::vector<GemvKernelConfig> shapes = gemv_tuning_candidates(config);
+          ASSERT_FALSE(shapes.empty()) << config.to_string();
+          for (const GemvKernelConfig& shape : shapes) {
+            EXPECT_LE(generate_gemv_kernel(shape).dynamic_shared_bytes, 232448u / shape.blocks_per_multiprocessor)
+                << shape.to_string();
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace metile

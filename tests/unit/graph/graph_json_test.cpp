@@ -180,7 +180,7 @@ TEST(GraphJsonTest, ErrorsNameTheSourceAndThePath) {
   const std::string invalid = parse_error("{\"inputs\": [\n  {\"name\": }\n]}");
   EXPECT_EQ(invalid.rfind("g.json: invalid JSON: parse error at line 2, column 12", 0), 0u) << invalid;
   const std::filesystem::path missing = kExamples / "no_such_graph.json";
-  EXPECT_EQ(error_of([&] { read_graph(missing); }), missing.string() + ": cannot open file");
+  EXPECT_EQ(error_of([&] { read_graph(missing); }), missing.string() + ": cannot open the file: No such file or directory");
   EXPECT_EQ(error_of([&] { read_graph(kExamples); }), kExamples.string() + ": is a directory, not a graph file");
 }
 
@@ -319,6 +319,45 @@ TEST(GraphDotTest, EscapesQuotesInNames) {
   const std::string dot = graph_to_dot(builder.build({builder.exp(x, "e\\x")}));
   EXPECT_NE(dot.find("label=\"say \\\"hi\\\"\\nf32[2]\""), std::string::npos) << dot;
   EXPECT_NE(dot.find("label=\"e\\\\x\\nexp f32[2]\""), std::string::npos) << dot;
+}
+
+// Issue 11: deep nesting anywhere is one InputError (never a stack overflow while
+// parsing, destroying or printing the value); numbers beyond double are InputErrors.
+TEST(GraphJsonLimitsTest, DeepNestingAndHugeNumbersAreInputErrors) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const auto graph_with = [](const std::string& shape, const std::string& factor) {
+    return R"({"inputs": [{"name": "x", "shape": )" + shape + R"(, "dtype": "f32"}], "nodes": [{"name": "y", "op": "scale", "inputs": ["x"], "attrs": {"factor": )" +
+           factor + R"(}}], "outputs": ["y"]})";
+  };
+  EXPECT_EQ(error_of([&] { parse_graph_json(graph_with(deep, "2.0"), "g.json"); }),
+            "g.json: invalid JSON: nested deeper than 64 levels at byte 96");
+  EXPECT_EQ(error_of([&] { parse_graph_json(graph_with("[1]", deep), "g.json"); }).substr(0, 54),
+            "g.json: invalid JSON: nested deeper than 64 levels at ");
+  EXPECT_EQ(error_of([&] { parse_graph_json(graph_with("[1]", "1e400"), "g.json"); }),
+            "g.json: invalid JSON: number overflow parsing '1e400'");
+  // A value in a message is cut short, however long it is.
+  EXPECT_EQ(error_of([&] { parse_graph_json(graph_with("[\"" + std::string(100000, 'a') + "\"]", "2.0"), "g.json"); }),
+            "g.json: /inputs/0/shape/0: expected an integer, got \"" + std::string(56, 'a') + "...");
+}
+
+// Duplicate-output checks are linear: 300k outputs load (quadratic checks took > 20 s;
+// ctest's timeout catches a regression). Every output is distinct and in order.
+TEST(GraphJsonLimitsTest, ThreeHundredThousandOutputsLoad) {
+  constexpr int kOutputs = 300000;
+  std::string nodes;
+  std::string outputs;
+  for (int index = 0; index < kOutputs; ++index) {
+    const std::string name = "\"y" + std::to_string(index) + "\"";
+    nodes += (index ? "," : "") + std::string(R"({"name": )") + name + R"(, "op": "silu", "inputs": ["x"]})";
+    outputs += (index ? "," : "") + name;
+  }
+  const std::string text =
+      R"({"inputs": [{"name": "x", "shape": [1], "dtype": "f32"}], "nodes": [)" + nodes + R"(], "outputs": [)" + outputs + "]}";
+  const ComputeGraph graph = parse_graph_json(text, "wide.json");
+  ASSERT_EQ(graph.outputs().size(), static_cast<std::size_t>(kOutputs));
+  EXPECT_EQ(graph.value(graph.outputs()[kOutputs - 1]).name, "y299999");
+  EXPECT_TRUE(graph.is_output(graph.outputs()[12345]));
+  EXPECT_FALSE(graph.is_output(graph.inputs()[0]));
 }
 
 }  // namespace

@@ -1,0 +1,266 @@
+// attention_benchmark: the fused attention kernels (include/metile/attention.h) on the GPU.
+//
+//   decode   Llama-3-8B heads (32 query, 8 KV, head dim 128, bf16), one token: R = 4 rows per KV
+//            head over a K/V cache of 512 / 4096 / 32768 keys, batch 1. Microseconds per call and
+//            GB/s over the K and V bytes read, as % of the device-to-device copy bandwidth measured
+//            in this run. Calls replay a CUDA graph round-robin over enough K/V copies to exceed the
+//            L2 cache, so K and V come from HBM. Each launch shape (warps, keys per split) is timed;
+//            "default" is the one FlashAttention picks. One more row: the positions mask with the
+//            token at 4095 in a 32768-slot cache (only 4096 keys read).
+//   prefill  4096 tokens, causal, the same heads (GQA rows, causal through positions 0..4095):
+//            TFLOP/s (4·Hq·S²·D / 2) against a bf16 cuBLASLt 8192³ matmul measured in this run.
+//   --torch FILE  the output of .anchors/attention_torch.py (PyTorch SDPA on the same card, same
+//            run): the table then prints metile / SDPA ratios.
+// Prints "no CUDA device: ..." and exits 0 where there is none.
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <random>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "metile/attention.h"
+#include "metile/cuda_runtime.h"
+
+namespace {
+
+using namespace metile;
+
+constexpr std::int64_t kv_heads = 8, groups = 4, head_dim = 128;
+
+// Random bf16 bits in [-1, 1) (no zeros-only data: METHOD.md), generated quickly.
+DeviceBuffer random_bf16(std::int64_t elements, std::uint64_t seed) {
+  std::vector<std::uint16_t> bits(static_cast<std::size_t>(elements));
+  std::mt19937_64 generator(seed);
+  for (auto& b : bits) {
+    const float value = static_cast<float>(static_cast<double>(generator() >> 11) * 0x1.0p-52 - 1.0);
+    std::uint32_t word = 0;
+    std::memcpy(&word, &value, 4);
+    b = static_cast<std::uint16_t>(word >> 16);
+  }
+  return DeviceBuffer::from_vector<std::uint16_t>(bits);
+}
+
+struct Timed {
+  std::string what, kernel;
+  std::int64_t keys = 0;
+  bool positions = false;
+  double us = 0, bytes = 0, flops = 0;
+};
+
+double gbps(double bytes, double us) { return bytes / (us * 1e3); }
+
+// Replays a CUDA graph of one enqueue per K/V copy; microseconds per enqueue.
+double time_rotating(const CudaStream& stream, int copies, const std::function<void(const CudaStream&, int)>& enqueue) {
+  const CudaGraph graph = CudaGraph::capture(stream, [&](const CudaStream& s) {
+    for (int i = 0; i < copies; ++i) enqueue(s, i);
+  });
+  const int repetitions = std::max(2, 400 / copies);
+  return time_on_stream_ms(stream, [&](const CudaStream& s) { graph.replay(s); }, 2, repetitions, 7) * 1e3 / copies;
+}
+
+std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& stream, std::int64_t keys, bool positions_mask,
+                               std::int64_t last_position) {
+  AttentionProblem problem;
+  problem.dtype = DType::bf16;
+  problem.heads = kv_heads;
+  problem.rows = groups;
+  problem.keys = keys;
+  problem.head_dim = problem.value_dim = head_dim;
+  problem.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  if (positions_mask) {
+    problem.mask = AttentionMask::positions;
+    problem.position_count = 1;
+  }
+  const std::int64_t keys_read = positions_mask ? last_position + 1 : keys;
+  const double bytes_read = static_cast<double>(kv_heads * keys_read * head_dim * 2 * 2);
+  // Enough copies that one replay streams at least 3x the L2 through.
+  const std::int64_t copy_bytes = problem.key_value_bytes();
+  const int copies = static_cast<int>(std::clamp<std::int64_t>(3 * device.info().l2_cache_bytes / copy_bytes + 1, 2, 128));
+  std::vector<DeviceBuffer> k, v;
+  for (int i = 0; i < copies; ++i) {
+    k.push_back(random_bf16(kv_heads * keys * head_dim, 10 + 2 * i));
+    v.push_back(random_bf16(kv_heads * keys * head_dim, 11 + 2 * i));
+  }
+  const DeviceBuffer q = random_bf16(kv_heads * groups * head_dim, 1);
+  DeviceBuffer out(static_cast<std::size_t>(kv_heads * groups * head_dim * 2));
+  const std::vector<std::int32_t> position_values = {static_cast<std::int32_t>(last_position)};
+  const DeviceBuffer positions = DeviceBuffer::from_vector<std::int32_t>(position_values);
+
+  const int multiprocessors = device.info().multiprocessor_count;
+  struct Shape {
+    int warps, stages;
+    std::int64_t keys_per_split;
+    std::string name;
+  };
+  std::vector<Shape> shapes;
+  for (const auto& [warps, stages] : {std::pair{8, 0}, std::pair{8, 3}, std::pair{4, 4}, std::pair{4, 0}}) {
+    const std::int64_t base = decode_keys_per_split(problem, warps, multiprocessors);
+    shapes.push_back({warps, stages, base, warps == 8 && stages == 0 ? "default" : ""});
+    if (positions_mask || warps == 4) continue;
+    shapes.push_back({warps, stages, base * 2, ""});
+    if (base >= 32 * warps) shapes.push_back({warps, stages, (base / 2 + 15) / 16 * 16, ""});
+  }
+  std::vector<Timed> rows;
+  for (const Shape& shape : shapes) {
+    FlashAttentionOptions options;
+    options.decode_warps = shape.warps;
+    options.keys_per_split = shape.keys_per_split;
+    options.decode_stages = shape.stages;
+    const FlashAttention attention = FlashAttention::build(problem, options);
+    Timed timed;
+    timed.what = fmt::format("decode T={}{}{}", keys, positions_mask ? fmt::format(" pos={}", last_position) : "",
+                             shape.name.empty() ? "" : " (" + shape.name + ")");
+    timed.kernel = attention.kernel().summary;
+    timed.keys = keys;
+    timed.positions = positions_mask;
+    timed.bytes = bytes_read;
+    timed.us = time_rotating(stream, copies, [&](const CudaStream& s, int i) {
+      attention.enqueue(s, q.address(), k[static_cast<std::size_t>(i)].address(), v[static_cast<std::size_t>(i)].address(),
+                        positions.address(), out.address());
+    });
+    fmt::print(stderr, "  {:<34} {:<40} {:8.2f} us\n", timed.what, timed.kernel, timed.us);
+    rows.push_back(timed);
+  }
+  return rows;
+}
+
+std::vector<Timed> time_prefill(const CudaStream& stream, std::int64_t tokens) {
+  AttentionProblem problem;
+  problem.dtype = DType::bf16;
+  problem.heads = kv_heads;
+  problem.rows = groups * tokens;
+  problem.keys = tokens;
+  problem.head_dim = problem.value_dim = head_dim;
+  problem.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  problem.mask = AttentionMask::positions;
+  problem.position_count = tokens;
+  std::vector<std::int32_t> position_values(static_cast<std::size_t>(tokens));
+  for (std::int64_t s = 0; s < tokens; ++s) position_values[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(s);
+  const DeviceBuffer positions = DeviceBuffer::from_vector<std::int32_t>(position_values);
+  const DeviceBuffer q = random_bf16(kv_heads * groups * tokens * head_dim, 2);
+  const DeviceBuffer k = random_bf16(kv_heads * tokens * head_dim, 3), v = random_bf16(kv_heads * tokens * head_dim, 4);
+  DeviceBuffer out(static_cast<std::size_t>(kv_heads * groups * tokens * head_dim * 2));
+  std::vector<Timed> rows;
+  for (int warps : {4, 8}) {
+    FlashAttentionOptions options;
+    options.prefill_warps = warps;
+    const FlashAttention attention = FlashAttention::build(problem, options);
+    Timed timed;
+    timed.what = fmt::format("prefill S={} causal{}", tokens, warps == 4 ? " (default)" : "");
+    timed.kernel = attention.kernel().summary;
+    timed.flops = 4.0 * kv_heads * groups * static_cast<double>(tokens) * tokens * head_dim / 2;
+    timed.us = time_on_stream_ms(stream, [&](const CudaStream& s) {
+                 attention.enqueue(s, q.address(), k.address(), v.address(), positions.address(), out.address());
+               }, 2, 10, 5) * 1e3;
+    fmt::print(stderr, "  {:<34} {:<40} {:8.1f} us\n", timed.what, timed.kernel, timed.us);
+    rows.push_back(timed);
+  }
+  return rows;
+}
+
+double matmul_tflops(const CudaStream& stream) {
+  const std::int64_t n = 8192;
+  const DeviceBuffer a = random_bf16(n * n, 5), b = random_bf16(n * n, 6);
+  DeviceBuffer c(static_cast<std::size_t>(n * n * 2));
+  CublasLtMatmul matmul;
+  MatmulProblem problem;
+  problem.dtype = DType::bf16;
+  problem.m = problem.n = problem.k = n;
+  const double ms = time_on_stream_ms(stream, [&](const CudaStream& s) { matmul.run(problem, a.address(), b.address(), c.address(), s); },
+                                      3, 10, 5);
+  return 2.0 * n * n * n / (ms * 1e-3) / 1e12;
+}
+
+// The SDPA figures of .anchors/attention_torch.py's output: "decode SDPA T=  4096:  X us ..." and
+// "prefill SDPA causal S=4096:  X us ...".
+std::map<std::string, double> read_torch_figures(const std::string& path) {
+  std::map<std::string, double> figures;
+  std::ifstream file(path);
+  const std::regex decode(R"(decode SDPA T=\s*(\d+):\s*([0-9.]+) us)"), prefill(R"(prefill SDPA causal S=\s*(\d+):\s*([0-9.]+) us)"),
+      copy(R"(COPY_BW_GBS\s+([0-9.]+))");
+  std::string line;
+  std::smatch match;
+  while (std::getline(file, line)) {
+    if (std::regex_search(line, match, decode)) figures["decode " + match[1].str()] = std::stod(match[2].str());
+    if (std::regex_search(line, match, prefill)) figures["prefill " + match[1].str()] = std::stod(match[2].str());
+    if (std::regex_search(line, match, copy)) figures["copy"] = std::stod(match[1].str());
+  }
+  return figures;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string torch_path;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--torch") == 0 && i + 1 < argc) {
+      torch_path = argv[++i];
+    } else {
+      fmt::print(stderr, "usage: attention_benchmark [--torch FILE]\n");
+      return 2;
+    }
+  }
+  std::string reason;
+  std::optional<CudaDevice> device = CudaDevice::try_open(0, &reason);
+  if (!device) {
+    fmt::print("{}\n", reason.rfind("no CUDA device", 0) == 0 ? reason : "no CUDA device: " + reason);
+    return 0;
+  }
+  try {
+    const CudaDeviceInfo& info = device->info();
+    CudaStream stream;
+    const double copy_gbps = measure_copy_bandwidth_gbps(stream);
+    fmt::print(stderr, "device: {} ({} SMs, L2 {} MiB), NVRTC {}; copy {:.0f} GB/s\n", info.name,
+               info.multiprocessor_count, info.l2_cache_bytes >> 20, nvrtc_version(), copy_gbps);
+    const std::map<std::string, double> torch = torch_path.empty() ? std::map<std::string, double>{}
+                                                                    : read_torch_figures(torch_path);
+    std::vector<Timed> decode;
+    for (std::int64_t keys : {512, 4096, 32768}) {
+      for (Timed& row : time_decode(*device, stream, keys, false, 0)) decode.push_back(row);
+    }
+    for (Timed& row : time_decode(*device, stream, 32768, true, 4095)) decode.push_back(row);
+    const std::vector<Timed> prefill = time_prefill(stream, 4096);
+    const double matmul = matmul_tflops(stream);
+
+    fmt::print("\ndevice: {} ({} SMs), copy bandwidth (1 GiB, read + write) {:.0f} GB/s, bf16 cuBLASLt 8192^3 {:.0f} TFLOP/s\n",
+               info.name, info.multiprocessor_count, copy_gbps, matmul);
+    if (torch.count("copy")) fmt::print("PyTorch's copy bandwidth in the same call: {:.0f} GB/s\n", torch.at("copy"));
+    fmt::print("\n{:<34} {:<40} {:>9} {:>8} {:>6} {:>9} {:>8}\n", "decode (Hq 32, Hkv 8, D 128, bf16)", "kernel", "us",
+               "GB/s", "%copy", "SDPA us", "xSDPA");
+    for (const Timed& row : decode) {
+      const std::string key = fmt::format("decode {}", row.keys);
+      const bool has_torch = torch.count(key) > 0 && !row.positions;
+      fmt::print("{:<34} {:<40} {:9.2f} {:8.0f} {:5.1f}% {:>9} {:>8}\n", row.what, row.kernel, row.us, gbps(row.bytes, row.us),
+                 100 * gbps(row.bytes, row.us) / copy_gbps, has_torch ? fmt::format("{:.2f}", torch.at(key)) : "-",
+                 has_torch ? fmt::format("{:.2f}x", torch.at(key) / row.us) : "-");
+    }
+    fmt::print("\n{:<34} {:<40} {:>9} {:>8} {:>6} {:>9} {:>8}\n", "prefill (Hq 32, Hkv 8, D 128, bf16)", "kernel", "us",
+               "TFLOP/s", "%mm", "SDPA us", "xSDPA");
+    for (const Timed& row : prefill) {
+      const double tflops = row.flops / (row.us * 1e-6) / 1e12;
+      const bool has_torch = torch.count("prefill 4096") > 0;
+      fmt::print("{:<34} {:<40} {:9.1f} {:8.1f} {:5.1f}% {:>9} {:>8}\n", row.what, row.kernel, row.us, tflops,
+                 100 * tflops / matmul, has_torch ? fmt::format("{:.1f}", torch.at("prefill 4096")) : "-",
+                 has_torch ? fmt::format("{:.2f}x", torch.at("prefill 4096") / row.us) : "-");
+    }
+    // The issue's goal: >= 80% of copy bandwidth at 4096 and beyond, with the best launch shape.
+    for (std::int64_t keys : {4096, 32768}) {
+      double best = 0;
+      for (const Timed& row : decode) {
+        if (row.keys == keys && !row.positions) best = std::max(best, 100 * gbps(row.bytes, row.us) / copy_gbps);
+      }
+      fmt::print("goal decode T={}: >= 80% of copy bandwidth: best {:.1f}% -> {}\n", keys, best, best >= 80 ? "met" : "NOT met");
+    }
+  } catch (const std::exception& error) {
+    fmt::print(stderr, "metile: error: {}\n", error.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,140 @@
+// metile fused attention on the GPU: the CUDA lowerings of the `flash_attention` op
+//
+//   out [..., Hkv, R, Dv] = softmax(scale · q kᵀ + mask) v
+//   q [..., Hkv, R, D], k [..., Hkv, T, D], v [..., Hkv, T, Dv], positions i32 [S] (mask "positions")
+//
+// Grouped-query attention is the reshape q [Hq, S, D] → [Hkv, G·S, D] (rows head-major), so the
+// G query heads of one KV head are rows of one problem and share one read of its K and V. Masks:
+//   none       every key is visible
+//   causal     row r sees key j where j <= r + offset            (the causal_mask op's rows)
+//   positions  row r sees key j where j <= positions[r mod S]    (the position_mask op)
+// A row that sees no key gives NaN, as softmax over an all -inf row does in the CPU reference.
+//
+// Both kernels keep a running softmax state per row — (max m, normalizer l, weighted sum acc) —
+// and fold key blocks into it with the softmax law's merge: the side with the smaller max is
+// rescaled by exp(m_side − m). Every merge runs in a fixed order, so results are deterministic.
+//
+//   decode   R = 1..16 rows (one 16-row tensor-core tile). The keys are split along the sequence
+//            (flash-decoding); the warps of a split's block take interleaved 16-key steps, loading
+//            K and V straight from global memory into mma fragments (no shared memory), then meet
+//            in shared memory; each split writes its partial state, and the last split of a head
+//            to finish (an arrival counter) merges all of them in split order. With the positions
+//            mask, keys past the largest position are never read.
+//   prefill  any R: blocks of 16-row warps over a row tile, K and V tiles of 64 keys staged in
+//            shared memory (cp.async, two stages), causal / positions tiles past a row tile's last
+//            visible key skipped.
+//
+// Kernel generation is text only (NVRTC compiles it without a GPU, src/codegen/attention_kernels.cpp);
+// FlashAttention (src/runtime/cuda/attention_runtime.cpp) compiles, owns the scratch and launches.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "metile/codegen.h"
+#include "metile/cuda_runtime.h"
+#include "metile/graph.h"
+
+namespace metile {
+
+enum class AttentionMask : std::uint8_t { none, causal, positions };
+std::string_view attention_mask_name(AttentionMask mask);        // "none", "causal", "positions"
+AttentionMask parse_attention_mask(std::string_view name);       // InputError for another name
+
+// One flash_attention problem, with the leading batch dimensions folded into `heads`.
+struct AttentionProblem {
+  DType dtype = DType::bf16;        // of q, k, v and out: f16 or bf16
+  std::int64_t heads = 1;           // product of q's dimensions before R (batch · Hkv)
+  std::int64_t rows = 1;            // R = G·S
+  std::int64_t keys = 1;            // T
+  std::int64_t head_dim = 128;      // D: 64 or 128
+  std::int64_t value_dim = 128;     // Dv: 64 or 128
+  double scale = 1.0;
+  AttentionMask mask = AttentionMask::none;
+  std::int64_t offset = 0;          // causal only
+  std::int64_t position_count = 0;  // S, positions only; R must be a multiple of it
+
+  // The op's operands, as the lowering sees them: shapes checked against each other (same leading
+  // dimensions, D and T shared by k and v), InputError naming the operand otherwise.
+  static AttentionProblem from_specs(const TensorSpec& q, const TensorSpec& k, const TensorSpec& v,
+                                     const std::optional<TensorSpec>& positions, double scale,
+                                     std::string_view mask, std::int64_t offset = 0);
+  void validate() const;           // InputError naming the field the kernels cannot take
+  bool is_decode() const { return rows <= 16; }
+  std::string to_string() const;   // "bf16 heads 8 R 4 T 4096 D 128 Dv 128 causal(+0)"
+  std::int64_t key_value_bytes() const;  // K and V of every head, once
+  std::int64_t output_elements() const { return heads * rows * value_dim; }
+};
+
+struct DecodeAttentionConfig {
+  AttentionProblem problem;
+  int warps = 8;                    // per block: 2, 4 or 8
+  std::int64_t keys_per_split = 0;  // a multiple of 16; 0: decode_keys_per_split()
+  int stages = 0;                   // 0: K/V fragments double-buffered in registers; 2..4: a per-warp
+                                    // shared-memory ring of that many 16-key steps filled by cp.async
+  void validate() const;
+};
+std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 without a ring
+
+// The default split: about one block per multiprocessor, at least one 16-key step per warp.
+std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors = 132);
+
+struct PrefillAttentionConfig {
+  AttentionProblem problem;
+  int warps = 4;  // per block, 16 query rows each: 4 or 8
+  void validate() const;
+};
+
+// A generated attention kernel and its launch shape (grid_x: splits or row tiles, grid_y: heads).
+struct AttentionKernelSource {
+  std::string kernel_name;
+  std::string source;  // self-contained CUDA C++ for NVRTC
+  KernelLaunchShape launch;
+  std::int64_t splits = 1;          // decode only
+  std::int64_t keys_per_split = 0;  // decode only
+  std::string summary;              // one line for notes and benchmark tables
+};
+
+// Decode kernel arguments: q, k, v, positions (may be null unless mask is positions), out,
+// partial_values f32 [heads, splits, R, Dv], partial_states f32x2 [heads, splits, R],
+// arrivals u32 [heads] (zero before the first launch; the kernel leaves it zero), then
+// int keys, float scale·log2(e), int offset.
+AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConfig& config);
+// Prefill kernel arguments: q, k, v, positions, out, then int rows, int keys, float scale·log2(e), int offset.
+AttentionKernelSource generate_prefill_attention_kernel(const PrefillAttentionConfig& config);
+
+// ---------------------------------------------------------------- on the device
+struct FlashAttentionOptions {
+  int decode_warps = 8;
+  int decode_stages = 0;
+  std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
+  int prefill_warps = 4;
+  bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)
+};
+
+// One flash_attention problem compiled and loaded for the current device, with its scratch.
+// enqueue() only launches, so it can be captured in a CUDA graph; the scratch makes one instance
+// serve one stream at a time.
+class FlashAttention {
+ public:
+  static FlashAttention build(const AttentionProblem& problem, const FlashAttentionOptions& options = {});
+  ~FlashAttention();
+  FlashAttention(FlashAttention&&) noexcept;
+  FlashAttention& operator=(FlashAttention&&) noexcept;
+
+  const AttentionProblem& problem() const;
+  const AttentionKernelSource& kernel() const;
+  // Device addresses; positions is 0 unless the mask is "positions".
+  void enqueue(const CudaStream& stream, std::uint64_t q, std::uint64_t k, std::uint64_t v, std::uint64_t positions,
+               std::uint64_t out) const;
+
+ private:
+  struct State;
+  explicit FlashAttention(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace metile

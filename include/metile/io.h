@@ -1,0 +1,47 @@
+// metile io module: the one way metile reads an input file and writes an output
+// file, with the limits every hostile input meets (README, "Input limits").
+// Reading: a directory, a missing file or a file over its size limit is an
+// InputError naming the file; special files (FIFOs, /dev/stdin, /dev/zero) are
+// read in chunks up to the same limit, never grown without bound.
+// Writing: a regular file (or none) is replaced atomically (temporary file beside
+// it, then rename); a symlink is written through (its target is replaced, the
+// link stays); a FIFO or character device is written in place, never replaced.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <ostream>
+#include <string>
+#include <string_view>
+
+#include "metile/error.h"
+
+namespace metile {
+
+// Size limits of the files metile reads whole (README, "Input limits").
+inline constexpr std::uint64_t kMaximumGraphFileBytes = std::uint64_t{256} << 20;
+inline constexpr std::uint64_t kMaximumTargetFileBytes = std::uint64_t{1} << 20;
+inline constexpr std::uint64_t kMaximumDimacsFileBytes = std::uint64_t{256} << 20;
+inline constexpr std::uint64_t kMaximumSafetensorsHeaderBytes = std::uint64_t{100} << 20;
+// Deepest nesting of arrays and objects in any JSON metile reads (a graph needs 4).
+inline constexpr int kMaximumJsonDepth = 64;
+
+// The whole file as bytes. Throws InputError "PATH: is a directory", "PATH: cannot
+// open the file: REASON", "PATH: larger than the LIMIT-byte limit for WHAT".
+std::string read_input_file(const std::filesystem::path& path, std::uint64_t maximum_bytes, std::string_view what);
+
+// The size of a regular file that is read in parts (safetensors); InputError for a
+// directory, a missing file or a special file.
+std::uint64_t regular_file_size(const std::filesystem::path& path, std::string_view what);
+
+// Writes a file by calling write(stream) once, as described above; nothing is
+// left half-written in place of a regular file. write() must not throw after it
+// has started writing to a special file (a FIFO cannot be rolled back).
+void write_output_file(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
+
+// The machine's physical memory in bytes (the largest uint64 when it cannot be told),
+// for limits that depend on the machine: DIMACS counts, `metile run`'s tensors.
+std::uint64_t physical_memory_bytes();
+
+}  // namespace metile

@@ -1,0 +1,22 @@
+// JSON as metile reads it from files (graphs, safetensors headers, targets):
+// nesting limited to kMaximumJsonDepth before nlohmann sees the text, every parse
+// failure (syntax, a number like 1e400 out of double's range) an InputError, and
+// short excerpts of values for messages, so no error path dumps a huge value.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "metile/io.h"
+
+namespace metile {
+
+// Throws InputError "SOURCE: invalid JSON: ..." or "SOURCE: JSON nested deeper than ...".
+nlohmann::json parse_json_input(std::string_view text, std::string_view source);
+
+// value.dump(), cut to about 60 characters with "..." when longer.
+std::string json_excerpt(const nlohmann::json& value);
+
+}  // namespace metile

@@ -1,0 +1,92 @@
+// FlashAttention: one flash_attention problem's generated kernel (src/codegen/attention_kernels.cpp)
+// compiled for the current device, its scratch (decode: partial states of every split and the
+// per-head arrival counters the last split uses to find itself), and its launch.
+#include <fmt/core.h>
+
+#include <cmath>
+#include <numbers>
+
+#include "cuda_driver.h"
+#include "metile/attention.h"
+
+namespace metile {
+
+struct FlashAttention::State {
+  AttentionProblem problem;
+  AttentionKernelSource kernel;
+  CompiledKernel compiled;
+  bool decode = false;
+  float scale_log2 = 0;
+  DeviceBuffer partial_values, partial_states, arrivals;
+};
+
+FlashAttention::FlashAttention(std::unique_ptr<State> state) : state_(std::move(state)) {}
+FlashAttention::~FlashAttention() = default;
+FlashAttention::FlashAttention(FlashAttention&&) noexcept = default;
+FlashAttention& FlashAttention::operator=(FlashAttention&&) noexcept = default;
+
+FlashAttention FlashAttention::build(const AttentionProblem& problem, const FlashAttentionOptions& options) {
+  problem.validate();
+  auto state = std::make_unique<State>();
+  state->problem = problem;
+  state->decode = problem.is_decode() && !options.force_prefill;
+  if (state->decode) {
+    DecodeAttentionConfig config;
+    config.problem = problem;
+    config.warps = options.decode_warps;
+    config.keys_per_split = options.keys_per_split;
+    config.stages = options.decode_stages;
+    if (config.keys_per_split == 0) {
+      int multiprocessors = 0;
+      CUdevice device = 0;
+      cuda_driver::check(cuda_driver::driver().cuCtxGetDevice(&device), "cuCtxGetDevice");
+      cuda_driver::check(cuda_driver::driver().cuDeviceGetAttribute(
+                             &multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
+                         "cuDeviceGetAttribute(multiprocessor count)");
+      config.keys_per_split = decode_keys_per_split(problem, config.warps, multiprocessors);
+    }
+    state->kernel = generate_decode_attention_kernel(config);
+  } else {
+    PrefillAttentionConfig config;
+    config.problem = problem;
+    config.warps = options.prefill_warps;
+    state->kernel = generate_prefill_attention_kernel(config);
+  }
+  state->compiled = compile_cuda(state->kernel.source, state->kernel.kernel_name);
+  if (state->kernel.launch.shared_memory_bytes > 48 * 1024) {
+    state->compiled.set_max_dynamic_shared_memory(static_cast<int>(state->kernel.launch.shared_memory_bytes));
+  }
+  state->scale_log2 = static_cast<float>(problem.scale * std::numbers::log2e);
+  if (state->decode && state->kernel.splits > 1) {
+    const auto states = static_cast<std::size_t>(problem.heads * state->kernel.splits * problem.rows);
+    state->partial_values = DeviceBuffer(states * static_cast<std::size_t>(problem.value_dim) * sizeof(float));
+    state->partial_states = DeviceBuffer(states * 2 * sizeof(float));
+    state->arrivals = DeviceBuffer(static_cast<std::size_t>(problem.heads) * sizeof(std::uint32_t));
+    state->arrivals.fill_bytes(0);  // the kernel leaves the counters at zero after every launch
+  }
+  return FlashAttention(std::move(state));
+}
+
+const AttentionProblem& FlashAttention::problem() const { return state_->problem; }
+const AttentionKernelSource& FlashAttention::kernel() const { return state_->kernel; }
+
+void FlashAttention::enqueue(const CudaStream& stream, std::uint64_t q, std::uint64_t k, std::uint64_t v,
+                             std::uint64_t positions, std::uint64_t out) const {
+  const State& s = *state_;
+  if (s.problem.mask == AttentionMask::positions && positions == 0) {
+    throw InputError("flash_attention: mask 'positions' needs a positions buffer");
+  }
+  const Dim3 grid{s.kernel.launch.grid_x, s.kernel.launch.grid_y, 1};
+  const Dim3 block{s.kernel.launch.block_x, 1, 1};
+  const auto keys = static_cast<std::int32_t>(s.problem.keys);
+  const auto offset = static_cast<std::int32_t>(s.problem.offset);
+  if (s.decode) {
+    launch(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, q, k, v, positions, out,
+           s.partial_values.address(), s.partial_states.address(), s.arrivals.address(), keys, s.scale_log2, offset);
+  } else {
+    launch(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, q, k, v, positions, out,
+           static_cast<std::int32_t>(s.problem.rows), keys, s.scale_log2, offset);
+  }
+}
+
+}  // namespace metile

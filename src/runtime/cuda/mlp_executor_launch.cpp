@@ -1,0 +1,29 @@
+// Loading and launching one generated GEMV: what every caller (the MLP executor, the GPU tests,
+// the benchmark) needs beyond a plain launch, written once. A streamed kernel asks for more than
+// 48 KiB of dynamic shared memory (the limit is raised at load) and reads a workspace of fp32
+// partials and per-tile counters, zeroed here once; each launch leaves the counters at zero.
+#include "metile/decode_mlp.h"
+
+namespace metile {
+
+LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& program) {
+  LoadedGemv loaded;
+  loaded.compiled = CompiledKernel::load(program);
+  if (kernel.dynamic_shared_bytes > 48 * 1024) {
+    loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.dynamic_shared_bytes));
+  }
+  if (kernel.workspace_bytes > 0) {
+    loaded.workspace = std::make_shared<DeviceBuffer>(static_cast<std::size_t>(kernel.workspace_bytes));
+    loaded.workspace->fill_bytes(0);
+  }
+  loaded.kernel = std::move(kernel);
+  return loaded;
+}
+
+void LoadedGemv::launch(const CudaStream& stream, KernelArguments arguments) const {
+  if (workspace) arguments.add_pointer(*workspace);
+  metile::launch(compiled, Dim3{kernel.grid_blocks, 1, 1}, Dim3{kernel.block_threads, 1, 1}, kernel.dynamic_shared_bytes,
+                 stream, arguments);
+}
+
+}  // namespace metile

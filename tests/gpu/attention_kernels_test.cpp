@@ -1,0 +1,279 @@
+// The fused attention kernels (include/metile/attention.h) against a float64 reference written
+// here (two passes over the scores, no online softmax), on fresh random inputs: decode and
+// prefill, head dims 64/128, sequence lengths that are multiples of neither the 16-key step, the
+// split nor the 64-key tile, masks none / causal / positions, grouped-query rows, both dtypes.
+// Outputs are poisoned (NaN) before each launch, so an unwritten element fails; with the positions
+// mask the cache past the last position holds NaN, so reading it fails. Each case runs twice and
+// must give the same bits (the split merge is deterministic). Seed printed;
+// METILE_TEST_SEED replays a run. Skips without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <fmt/core.h>
+
+#include <cmath>
+#include <iostream>
+#include <limits>
+
+#include "../unit/gemv/gemv_test_support.h"
+#include "gpu_test_support.h"
+#include "metile_test_support.h"
+#include "metile/attention.h"
+
+namespace metile {
+namespace {
+
+// One seed per process (printed once), each case offset from it.
+std::uint64_t seed_base() {
+  static const std::uint64_t seed = testing::test_seed("attention kernels") % (std::uint64_t{1} << 40);
+  return seed;
+}
+
+struct AttentionInputs {
+  HostTensor q, k, v;
+  std::vector<std::int32_t> positions;
+};
+
+// The last key row r may see, or T - 1 without a mask.
+std::int64_t visible_limit(const AttentionProblem& p, const std::vector<std::int32_t>& positions, std::int64_t row) {
+  switch (p.mask) {
+    case AttentionMask::causal: return row + p.offset;
+    case AttentionMask::positions: return positions[static_cast<std::size_t>(row % p.position_count)];
+    case AttentionMask::none: break;
+  }
+  return p.keys - 1;
+}
+
+// out[h, r, :] = sum_j softmax_j(scale q·k_j over visible j) v_j in float64, rounded once to the dtype.
+HostTensor reference_attention(const AttentionProblem& p, const AttentionInputs& in) {
+  const std::vector<double> q = in.q.to_values(), k = in.k.to_values(), v = in.v.to_values();
+  std::vector<double> out(static_cast<std::size_t>(p.output_elements()));
+  std::vector<double> weights(static_cast<std::size_t>(p.keys));
+  for (std::int64_t h = 0; h < p.heads; ++h) {
+    for (std::int64_t r = 0; r < p.rows; ++r) {
+      const std::int64_t last = std::min(visible_limit(p, in.positions, r), p.keys - 1);
+      const double* qr = q.data() + (h * p.rows + r) * p.head_dim;
+      double maximum = -std::numeric_limits<double>::infinity();
+      for (std::int64_t j = 0; j <= last; ++j) {
+        const double* kj = k.data() + (h * p.keys + j) * p.head_dim;
+        double dot = 0;
+        for (std::int64_t d = 0; d < p.head_dim; ++d) dot += qr[d] * kj[d];
+        weights[static_cast<std::size_t>(j)] = p.scale * dot;
+        maximum = std::max(maximum, p.scale * dot);
+      }
+      double sum = 0;
+      for (std::int64_t j = 0; j <= last; ++j) sum += weights[static_cast<std::size_t>(j)] = std::exp(weights[static_cast<std::size_t>(j)] - maximum);
+      double* o = out.data() + (h * p.rows + r) * p.value_dim;
+      for (std::int64_t c = 0; c < p.value_dim; ++c) {
+        double value = 0;
+        for (std::int64_t j = 0; j <= last; ++j) value += weights[static_cast<std::size_t>(j)] * v[static_cast<std::size_t>((h * p.keys + j) * p.value_dim + c)];
+        o[c] = last < 0 ? std::numeric_limits<double>::quiet_NaN() : value / sum;
+      }
+    }
+  }
+  return HostTensor::from_values(TensorSpec({p.heads, p.rows, p.value_dim}, p.dtype), out);
+}
+
+AttentionInputs random_inputs(const AttentionProblem& p, std::uint64_t seed) {
+  AttentionInputs in;
+  in.q = gemv_testing::random_tensor(TensorSpec({p.heads, p.rows, p.head_dim}, p.dtype), seed);
+  in.k = gemv_testing::random_tensor(TensorSpec({p.heads, p.keys, p.head_dim}, p.dtype), seed + 1);
+  in.v = gemv_testing::random_tensor(TensorSpec({p.heads, p.keys, p.value_dim}, p.dtype), seed + 2);
+  return in;
+}
+
+// NaN bits in every K and V row past `last` (a cache slot not yet written).
+void poison_cache_after(const AttentionProblem& p, AttentionInputs& in, std::int64_t last) {
+  for (HostTensor* tensor : {&in.k, &in.v}) {
+    const std::int64_t width = tensor->spec().shape.back();
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      for (std::int64_t j = last + 1; j < p.keys; ++j) {
+        for (std::int64_t c = 0; c < width; ++c) tensor->store((h * p.keys + j) * width + c, std::nan(""));
+      }
+    }
+  }
+}
+
+class AttentionKernels : public testing_support::CudaDeviceTest {
+ protected:
+  // Runs the kernel twice on poisoned outputs; gates the first against the reference and requires
+  // the second to be bit-identical.
+  void check(const AttentionProblem& problem, const FlashAttentionOptions& options, const AttentionInputs& in,
+             const std::string& what) {
+    SCOPED_TRACE(what + ": " + problem.to_string());
+    const FlashAttention attention = FlashAttention::build(problem, options);
+    const DeviceBuffer q = DeviceBuffer::from_tensor(in.q), k = DeviceBuffer::from_tensor(in.k),
+                       v = DeviceBuffer::from_tensor(in.v);
+    DeviceBuffer positions;
+    if (!in.positions.empty()) positions = DeviceBuffer::from_vector<std::int32_t>(in.positions);
+    const TensorSpec out_spec({problem.heads, problem.rows, problem.value_dim}, problem.dtype);
+    DeviceBuffer out(static_cast<std::size_t>(out_spec.bytes()));
+    const HostTensor reference = reference_attention(problem, in);
+    CudaStream stream;
+    HostTensor first;
+    for (int run = 0; run < 2; ++run) {
+      out.fill_bytes(0xFF);
+      attention.enqueue(stream, q.address(), k.address(), v.address(), positions.address(), out.address());
+      stream.synchronize();
+      HostTensor result = out.download(out_spec);
+      if (run == 0) {
+        const NumericGateResult gate = numeric_gate(result, reference);
+        EXPECT_TRUE(gate.passed) << attention.kernel().summary << ": " << gate.detail;
+        std::cout << fmt::format("[figures] {:<34} {:<46} {:<40} rel_l2 {:.2e} rel_max {:.2e}\n", what,
+                                 problem.to_string(), attention.kernel().summary, gate.relative_l2, gate.relative_max);
+        first = std::move(result);
+      } else {
+        EXPECT_TRUE(result == first) << "a second run gave other bits";
+      }
+    }
+  }
+};
+
+TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
+  std::uint64_t seed = seed_base() * 1000;
+  const struct {
+    DType dtype;
+    std::int64_t heads, rows, keys, head_dim, value_dim;
+    AttentionMask mask;
+    std::int64_t keys_per_split;  // 0: the default split
+    int warps, stages;
+  } cases[] = {
+      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 0},    // Llama-3-8B GQA, T one past 4096
+      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 3},    // the same through the cp.async ring
+      {DType::bf16, 3, 1, 1000, 128, 128, AttentionMask::none, 32, 4, 0},   // many splits
+      {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 0, 8, 2},
+      {DType::bf16, 5, 8, 777, 64, 64, AttentionMask::causal, 64, 2, 0},
+      {DType::f16, 4, 7, 1500, 128, 128, AttentionMask::causal, 0, 4, 4},
+      {DType::bf16, 2, 13, 50, 128, 64, AttentionMask::none, 0, 4, 0},      // one split, a partial step
+      {DType::bf16, 3, 5, 2000, 128, 128, AttentionMask::causal, 0, 8, 3},
+  };
+  for (const auto& c : cases) {
+    AttentionProblem problem;
+    problem.dtype = c.dtype;
+    problem.heads = c.heads;
+    problem.rows = c.rows;
+    problem.keys = c.keys;
+    problem.head_dim = c.head_dim;
+    problem.value_dim = c.value_dim;
+    problem.scale = 2.0 / std::sqrt(static_cast<double>(c.head_dim));
+    problem.mask = c.mask;
+    problem.offset = c.mask == AttentionMask::causal ? c.keys - c.rows - 5 : 0;  // the last 5 keys hidden
+    FlashAttentionOptions options;
+    options.decode_warps = c.warps;
+    options.keys_per_split = c.keys_per_split;
+    options.decode_stages = c.stages;
+    check(problem, options, random_inputs(problem, seed += 10), "decode");
+  }
+}
+
+TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
+  std::uint64_t seed = seed_base() * 1000 + 500;
+  // GQA with S tokens: R = G·S rows, row r at position positions[r mod S]. The cache holds T slots,
+  // those after the last position are NaN.
+  const struct {
+    DType dtype;
+    std::int64_t heads, groups, tokens, keys, head_dim;
+    std::int64_t last_position;
+  } cases[] = {
+      {DType::bf16, 2, 4, 1, 32768, 128, 4095},  // one token at 4095 in a 32768-slot cache
+      {DType::bf16, 4, 4, 3, 3000, 128, 1234},    // three tokens
+      {DType::f16, 2, 2, 4, 900, 64, 899},        // the cache full
+      {DType::bf16, 3, 1, 2, 200, 64, 17},        // inside the first split
+  };
+  for (const auto& c : cases) {
+    AttentionProblem problem;
+    problem.dtype = c.dtype;
+    problem.heads = c.heads;
+    problem.rows = c.groups * c.tokens;
+    problem.keys = c.keys;
+    problem.head_dim = problem.value_dim = c.head_dim;
+    problem.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    problem.mask = AttentionMask::positions;
+    problem.position_count = c.tokens;
+    AttentionInputs in = random_inputs(problem, seed += 10);
+    for (std::int64_t s = 0; s < c.tokens; ++s) {
+      in.positions.push_back(static_cast<std::int32_t>(c.last_position - c.tokens + 1 + s));
+    }
+    poison_cache_after(problem, in, c.last_position);
+    check(problem, {}, in, "decode positions");
+    FlashAttentionOptions ring;
+    ring.decode_stages = 3;
+    check(problem, ring, in, "decode positions, ring");
+  }
+}
+
+TEST_F(AttentionKernels, PrefillMatchesFloat64Reference) {
+  std::uint64_t seed = seed_base() * 1000 + 800;
+  const struct {
+    DType dtype;
+    std::int64_t heads, rows, keys, head_dim, value_dim;
+    AttentionMask mask;
+    std::int64_t offset;
+    int warps;
+  } cases[] = {
+      {DType::bf16, 3, 300, 300, 128, 128, AttentionMask::causal, 0, 4},  // square causal, partial tiles
+      {DType::f16, 2, 200, 517, 64, 64, AttentionMask::none, 0, 8},
+      {DType::bf16, 2, 250, 400, 64, 128, AttentionMask::causal, 150, 8},  // new rows after a 150-key prefix
+      {DType::f16, 2, 7, 130, 128, 128, AttentionMask::causal, 100, 4},    // few rows through the tiled kernel
+  };
+  for (const auto& c : cases) {
+    AttentionProblem problem;
+    problem.dtype = c.dtype;
+    problem.heads = c.heads;
+    problem.rows = c.rows;
+    problem.keys = c.keys;
+    problem.head_dim = c.head_dim;
+    problem.value_dim = c.value_dim;
+    problem.scale = 2.0 / std::sqrt(static_cast<double>(c.head_dim));
+    problem.mask = c.mask;
+    problem.offset = c.offset;
+    FlashAttentionOptions options;
+    options.prefill_warps = c.warps;
+    options.force_prefill = true;
+    check(problem, options, random_inputs(problem, seed += 10), "prefill");
+  }
+}
+
+TEST_F(AttentionKernels, PrefillGroupedQueryCausalByPositions) {
+  // Llama-style GQA prefill: G = 4 query heads per KV head, S = 129 tokens appended to a cache
+  // whose first 71 slots are filled: row r (head r / S, token r mod S) sees keys up to 71 + r mod S.
+  std::uint64_t seed = seed_base() * 1000 + 900;
+  for (std::int64_t head_dim : {64, 128}) {
+    AttentionProblem problem;
+    problem.dtype = DType::bf16;
+    problem.heads = 2;
+    problem.rows = 4 * 129;
+    problem.keys = 256;
+    problem.head_dim = problem.value_dim = head_dim;
+    problem.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+    problem.mask = AttentionMask::positions;
+    problem.position_count = 129;
+    AttentionInputs in = random_inputs(problem, seed += 10);
+    for (std::int32_t s = 0; s < 129; ++s) in.positions.push_back(71 + s);
+    poison_cache_after(problem, in, 71 + 128);
+    check(problem, {}, in, "prefill positions (GQA)");
+  }
+}
+
+TEST_F(AttentionKernels, RowsThatSeeNoKeyAreNaN) {
+  // causal with offset -3: rows 0..2 see nothing (NaN, as softmax over an all -inf row), row 3 one key.
+  AttentionProblem problem;
+  problem.dtype = DType::bf16;
+  problem.heads = 2;
+  problem.rows = 6;
+  problem.keys = 40;
+  problem.head_dim = problem.value_dim = 64;
+  problem.scale = 0.125;
+  problem.mask = AttentionMask::causal;
+  problem.offset = -3;
+  const AttentionInputs in = random_inputs(problem, seed_base() * 1000 + 950);
+  const HostTensor reference = reference_attention(problem, in);
+  ASSERT_TRUE(std::isnan(reference.at(0)));
+  ASSERT_FALSE(std::isnan(reference.at(3 * 64)));
+  check(problem, {}, in, "decode no visible key");
+  FlashAttentionOptions prefill;
+  prefill.force_prefill = true;
+  check(problem, prefill, in, "prefill no visible key");
+}
+
+}  // namespace
+}  // namespace metile

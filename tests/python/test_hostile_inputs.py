@@ -1,0 +1,102 @@
+"""Hostile inputs from Python (issue 11): None where an object belongs, specs the
+C++ side would mis-size, integers beyond 64 bits, JSON nested past the depth
+limit or holding numbers beyond double. Each is a ValueError or TypeError with a
+message, never a segfault or pybind11's "Unable to cast"; numpy scalars are
+taken like the Python numbers they stand for."""
+import numpy as np
+import pytest
+
+import metile
+
+
+def scaled_graph():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 3), "f32"))
+    y = builder.scale(x, 2.0)
+    return builder.build((y,))
+
+
+def test_none_where_a_graph_belongs_is_a_type_error():
+    with pytest.raises(TypeError):
+        metile.plan_graph_fusion(None)
+    with pytest.raises(TypeError):
+        metile.random_inputs(None, 0)
+    with pytest.raises(TypeError):
+        metile.run(None, {})
+    builder = metile.GraphBuilder()
+    with pytest.raises(TypeError):
+        builder.add(None, None)
+
+
+def test_tensor_specs_are_checked_when_made():
+    with pytest.raises(ValueError, match=r"TensorSpec: dimension 0 of f32\[-1, 5\] is not positive"):
+        metile.TensorSpec((-1, 5), "f32")
+    with pytest.raises(ValueError, match="is not positive"):
+        metile.TensorSpec((4, 0), "f32")
+    with pytest.raises(ValueError, match=r"has more than 2\^48 elements"):
+        metile.TensorSpec((2**32, 2**32), "f32")
+    with pytest.raises(ValueError, match="rank 33 is above the limit of 32"):
+        metile.TensorSpec((1,) * 33, "f32")
+    with pytest.raises(TypeError):
+        metile.TensorSpec((2**70,), "f32")
+    assert metile.TensorSpec((2**24, 2**24), "f16").element_count == 2**48
+
+
+def test_output_shapes_are_checked_like_input_shapes():
+    builder = metile.GraphBuilder()
+    a = builder.input("a", metile.TensorSpec((2**32, 1), "f32"))
+    b = builder.input("b", metile.TensorSpec((1, 2**32), "f32"))
+    with pytest.raises(ValueError, match=r"output: f32\[4294967296, 4294967296\] has more than 2\^48 elements"):
+        builder.matmul(a, b)
+
+
+def test_attributes_beyond_64_bits_are_value_errors():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 3), "f32"))
+    with pytest.raises(ValueError, match=r"attribute 'shape': integer 1180591620717411303424 does not fit in 64 bits"):
+        builder.add_node("reshape", [x], {"shape": [2**70]})
+    with pytest.raises(TypeError):  # a typed argument: pybind11's overload check
+        builder.reshape(x, [2**70])
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
+        builder.add_node("causal_mask", [x], {"offset": -(2**64)})
+
+
+def test_numpy_capacities_count_like_python_numbers(rng):
+    capacities = rng.integers(1, 1000, size=3)
+    network = metile.FlowNetwork()
+    network.add_edge("s", "a", np.int64(capacities[0]))
+    network.add_edge("a", "t", np.uint32(capacities[1]))
+    network.add_edge("s", "t", int(capacities[2]))
+    value, _ = network.minimum_cut("s", "t")
+    assert isinstance(value, int)
+    assert value == min(capacities[0], capacities[1]) + capacities[2]
+    real = metile.FlowNetwork()
+    real.add_edge("s", "t", np.float32(0.5))
+    real.add_edge("s", "t", np.float64(0.25))
+    assert real.minimum_cut("s", "t")[0] == 0.75
+    with pytest.raises(TypeError, match="capacity must be an int or a float, got bool_"):
+        real.add_edge("s", "t", np.bool_(True))
+    with pytest.raises(ValueError, match="does not fit in a 64-bit integer"):
+        real.add_edge("s", "t", np.uint64(2**64 - 1))
+
+
+def test_graph_json_limits():
+    text = scaled_graph().to_json()
+    deep = text.replace('"shape": [2, 3]', '"shape": ' + "[" * 100000 + "]" * 100000)
+    with pytest.raises(ValueError, match="invalid JSON: nested deeper than 64 levels"):
+        metile.ComputeGraph.from_json(deep)
+    with pytest.raises(ValueError, match="invalid JSON: number overflow parsing '1e400'"):
+        metile.ComputeGraph.from_json(text.replace('"factor": 2', '"factor": 1e400'))
+
+
+def test_many_outputs_load(rng):
+    count = int(rng.integers(20000, 30000))
+    nodes = ",".join(f'{{"name": "y{i}", "op": "scale", "inputs": ["x"], "attrs": {{"factor": 2.0}}}}'
+                     for i in range(count))
+    outputs = ",".join(f'"y{i}"' for i in range(count))
+    text = ('{"inputs": [{"name": "x", "shape": [1], "dtype": "f32"}], "nodes": [' + nodes +
+            '], "outputs": [' + outputs + "]}")
+    graph = metile.ComputeGraph.from_json(text)
+    assert len(graph.outputs) == count
+    with pytest.raises(ValueError, match=f"/outputs/{count}: 'y0' is listed twice"):
+        metile.ComputeGraph.from_json(text.replace(outputs, outputs + ',"y0"'))

@@ -1,0 +1,191 @@
+// The fused attention kernels (include/metile/attention.h) compile with NVRTC for sm_90 without a
+// GPU, for both dtypes, head dimensions 64/128, every mask and both kernels, and ptxas keeps the
+// fragments in registers (no spills). Also: the op's operand shapes become a problem (or a
+// one-line error), the split covers every key, and configurations the kernels cannot take are refused.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <iostream>
+#include <regex>
+#include <vector>
+
+#include "metile/attention.h"
+#include "metile/cuda_runtime.h"
+
+namespace metile {
+namespace {
+
+AttentionProblem problem_of(DType dtype, std::int64_t rows, std::int64_t keys, std::int64_t head_dim,
+                            std::int64_t value_dim, AttentionMask mask) {
+  AttentionProblem problem;
+  problem.dtype = dtype;
+  problem.heads = 3;
+  problem.rows = rows;
+  problem.keys = keys;
+  problem.head_dim = head_dim;
+  problem.value_dim = value_dim;
+  problem.scale = 0.125;
+  problem.mask = mask;
+  problem.offset = mask == AttentionMask::causal ? keys - rows : 0;
+  problem.position_count = mask == AttentionMask::positions ? (rows % 2 == 0 ? rows / 2 : rows) : 0;
+  return problem;
+}
+
+// ptxas -v: "N bytes stack frame, N bytes spill stores, N bytes spill loads" (a few parked bytes allowed).
+// The kernels compile in parallel (NVRTC needs no device), then each log is checked.
+void expect_compile_without_spills(const std::vector<AttentionKernelSource>& kernels) {
+  std::vector<std::future<CompiledProgram>> programs;
+  for (const AttentionKernelSource& kernel : kernels) {
+    programs.push_back(std::async(std::launch::async, [&kernel] {
+      CompileOptions options;
+      options.architecture = "sm_90";
+      options.extra = {"--ptxas-options=-v"};
+      options.use_cache = false;  // the ptxas report only comes with a real compile
+      return compile_cuda_program(kernel.source, kernel.kernel_name, options);
+    }));
+  }
+  for (std::size_t i = 0; i < kernels.size(); ++i) {
+    const std::string& name = kernels[i].kernel_name;
+    CompiledProgram program;
+    try {
+      program = programs[i].get();
+    } catch (const CudaError& error) {
+      ADD_FAILURE() << name << ": " << error.what();
+      continue;
+    }
+    EXPECT_GT(program.cubin.size(), 0u);
+    EXPECT_EQ(program.log.find("warning"), std::string::npos) << name << ":\n" << program.log;
+    const std::regex report(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
+    std::smatch match;
+    if (!std::regex_search(program.log, match, report)) {
+      ADD_FAILURE() << name << ": no ptxas report\n" << program.log;
+      continue;
+    }
+    EXPECT_LE(std::stoi(match[2].str()), 32) << name << "\n" << program.log;
+    EXPECT_LE(std::stoi(match[3].str()), 32) << name << "\n" << program.log;
+    const auto used = program.log.rfind("Used");
+    std::cout << "[ptxas] " << name << ": " << program.log.substr(used == std::string::npos ? 0 : used) << "\n";
+  }
+}
+
+TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
+  // Every dtype, head dimension and mask is met at least once, with row counts on both sides of 8.
+  const struct {
+    DType dtype;
+    std::int64_t rows, head_dim, value_dim;
+    AttentionMask mask;
+    int warps, stages;
+  } cases[] = {
+      {DType::bf16, 4, 128, 128, AttentionMask::none, 8, 0},      {DType::bf16, 16, 128, 128, AttentionMask::positions, 8, 3},
+      {DType::f16, 1, 64, 64, AttentionMask::causal, 4, 0},       {DType::f16, 12, 128, 64, AttentionMask::positions, 2, 0},
+      {DType::bf16, 7, 64, 128, AttentionMask::causal, 4, 4},     {DType::bf16, 4, 128, 128, AttentionMask::none, 4, 2},
+  };
+  std::vector<AttentionKernelSource> kernels;
+  for (const auto& c : cases) {
+    DecodeAttentionConfig config;
+    config.problem = problem_of(c.dtype, c.rows, 1000, c.head_dim, c.value_dim, c.mask);
+    config.warps = c.warps;
+    config.stages = c.stages;
+    const AttentionKernelSource kernel = generate_decode_attention_kernel(config);
+    EXPECT_GE(kernel.splits * kernel.keys_per_split, 1000);
+    EXPECT_LT((kernel.splits - 1) * kernel.keys_per_split, 1000) << "an empty split";
+    kernels.push_back(kernel);
+  }
+  expect_compile_without_spills(kernels);
+}
+
+TEST(AttentionCodegen, PrefillKernelsCompileForSm90) {
+  const struct {
+    DType dtype;
+    std::int64_t head_dim, value_dim;
+    AttentionMask mask;
+    int warps;
+  } cases[] = {
+      {DType::bf16, 128, 128, AttentionMask::causal, 4},
+      {DType::f16, 64, 64, AttentionMask::none, 8},
+      {DType::bf16, 128, 64, AttentionMask::positions, 8},
+  };
+  std::vector<AttentionKernelSource> kernels;
+  for (const auto& c : cases) {
+    PrefillAttentionConfig config;
+    config.problem = problem_of(c.dtype, 300, 300, c.head_dim, c.value_dim, c.mask);
+    config.warps = c.warps;
+    const AttentionKernelSource kernel = generate_prefill_attention_kernel(config);
+    EXPECT_EQ(kernel.launch.grid_x, static_cast<std::uint32_t>((300 + 16 * c.warps - 1) / (16 * c.warps)));
+    EXPECT_EQ(kernel.launch.grid_y, 3u);
+    kernels.push_back(kernel);
+  }
+  expect_compile_without_spills(kernels);
+}
+
+TEST(AttentionCodegen, OperandShapesBecomeAProblem) {
+  // GQA at Llama-3-8B shapes with a batch of 2: q [2, 8, 4·3, 128] over k, v [2, 8, 500, 128].
+  const AttentionProblem problem = AttentionProblem::from_specs(
+      TensorSpec({2, 8, 12, 128}, DType::bf16), TensorSpec({2, 8, 500, 128}, DType::bf16),
+      TensorSpec({2, 8, 500, 64}, DType::bf16), TensorSpec({3}, DType::i32), 0.088, "positions");
+  EXPECT_EQ(problem.heads, 16);
+  EXPECT_EQ(problem.rows, 12);
+  EXPECT_EQ(problem.keys, 500);
+  EXPECT_EQ(problem.value_dim, 64);
+  EXPECT_EQ(problem.position_count, 3);
+  EXPECT_TRUE(problem.is_decode());
+  EXPECT_EQ(problem.key_value_bytes(), 16 * 500 * (128 + 64) * 2);
+
+  auto error_of = [](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const InputError& error) {
+      return error.what();
+    }
+    return "";
+  };
+  const TensorSpec q({8, 4, 128}, DType::bf16), k({8, 64, 128}, DType::bf16);
+  EXPECT_NE(error_of([&] { AttentionProblem::from_specs(q, TensorSpec({8, 64, 96}, DType::bf16), k, {}, 1, "none"); })
+                .find("head dimension"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { AttentionProblem::from_specs(q, k, TensorSpec({8, 65, 128}, DType::bf16), {}, 1, "none"); })
+                .find("keys"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { AttentionProblem::from_specs(q, k, k, {}, 1, "sliding"); }).find("mask 'sliding'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { AttentionProblem::from_specs(q, k, k, {}, 1, "positions"); }).find("positions i32"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              AttentionProblem::from_specs(q, k, k, TensorSpec({3}, DType::i32), 1, "positions");
+            }).find("multiple of 3 positions"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              AttentionProblem::from_specs(TensorSpec({8, 4, 96}, DType::bf16), TensorSpec({8, 64, 96}, DType::bf16),
+                                           TensorSpec({8, 64, 96}, DType::bf16), {}, 1, "none");
+            }).find("head dimension 96"),
+            std::string::npos);
+
+  DecodeAttentionConfig decode;
+  decode.problem = problem_of(DType::bf16, 17, 64, 128, 128, AttentionMask::none);
+  EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("17 rows"), std::string::npos);
+  decode.problem.rows = 4;
+  decode.stages = 4;  // 8 warps x 4 stages x 16 keys x 288 values ... > 227 KiB
+  EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("shared memory"), std::string::npos);
+  decode.stages = 1;
+  EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("1 stages"), std::string::npos);
+  decode.stages = 0;
+  decode.keys_per_split = 24;
+  EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("multiple of 16"), std::string::npos);
+}
+
+TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
+  // Llama-3-8B decode: 8 KV heads. Long contexts split into one wave of blocks, a block per
+  // multiprocessor; short ones stop at one 16-key step per warp.
+  AttentionProblem problem = problem_of(DType::bf16, 4, 32768, 128, 128, AttentionMask::none);
+  problem.heads = 8;
+  const std::int64_t keys = decode_keys_per_split(problem, 8, 132);
+  const std::int64_t splits = (32768 + keys - 1) / keys;
+  EXPECT_EQ(keys % 16, 0);
+  EXPECT_GE(splits * 8, 132 - 8);  // one wave, as full as the heads allow
+  EXPECT_LE(splits * 8, 132);
+  problem.keys = 100;
+  EXPECT_EQ(decode_keys_per_split(problem, 4, 132), 64);  // 2 splits: a step per warp
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,131 @@
+// Tests of include/metile/io.h and src/io/json_input.h. Oracles: the bytes
+// written beforehand, what is left on disk (file types, link targets), and
+// hand-counted nesting depths.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <thread>
+
+#include "json_input.h"
+#include "metile/io.h"
+#include "metile_test_support.h"
+
+namespace metile {
+namespace {
+
+using testing::error_of;
+using testing::read_text;
+
+class IoTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    directory_ = std::filesystem::temp_directory_path() /
+                 ("metile_io_test_" + std::to_string(::getpid()) + "_" +
+                  ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(directory_);
+    std::filesystem::create_directories(directory_);
+  }
+  void TearDown() override { std::filesystem::remove_all(directory_); }
+
+  std::filesystem::path file(const std::string& name, const std::string& text) const {
+    const std::filesystem::path path = directory_ / name;
+    std::ofstream(path, std::ios::binary) << text;
+    return path;
+  }
+
+  std::filesystem::path directory_;
+};
+
+TEST_F(IoTest, ReadsUpToTheLimitAndRefusesOneByteMore) {
+  const std::string text(100, 'x');
+  EXPECT_EQ(read_input_file(file("a", text), 100, "test"), text);
+  const std::filesystem::path longer = file("b", text + "y");
+  EXPECT_EQ(error_of([&] { read_input_file(longer, 100, "test"); }),
+            longer.string() + ": larger than the 100-byte limit for test files");
+}
+
+TEST_F(IoTest, SpecialFilesAreReadInChunksUpToTheLimit) {
+  EXPECT_EQ(error_of([] { read_input_file("/dev/zero", 200000, "test"); }),
+            "/dev/zero: larger than the 200000-byte limit for test files");
+  EXPECT_EQ(read_input_file("/dev/null", 10, "test"), "");
+}
+
+TEST_F(IoTest, DirectoriesAndMissingFilesAreNamed) {
+  EXPECT_EQ(error_of([&] { read_input_file(directory_, 10, "graph"); }),
+            directory_.string() + ": is a directory, not a graph file");
+  EXPECT_EQ(error_of([&] { read_input_file(directory_ / "none", 10, "graph"); }),
+            (directory_ / "none").string() + ": cannot open the file: No such file or directory");
+  EXPECT_EQ(error_of([&] { regular_file_size("/dev/zero", "safetensors"); }),
+            "/dev/zero: not a regular file (a safetensors file is read by offset)");
+  EXPECT_EQ(regular_file_size(file("c", "12345"), "safetensors"), 5u);
+}
+
+TEST_F(IoTest, RegularFilesAreReplacedAtomically) {
+  const std::filesystem::path path = file("out", "old contents");
+  write_output_file(path, [](std::ostream& stream) { stream << "new"; });
+  EXPECT_EQ(read_text(path), "new");
+  // A writer that fails leaves the old file and no temporary beside it.
+  EXPECT_THROW(write_output_file(path, [](std::ostream& stream) {
+                 stream << "half";
+                 throw InputError("stop");
+               }),
+               InputError);
+  EXPECT_EQ(read_text(path), "new");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1);
+}
+
+TEST_F(IoTest, SymlinksAreWrittenThroughAndKept) {
+  std::filesystem::create_directories(directory_ / "elsewhere");
+  const std::filesystem::path target = file("elsewhere/target", "old");
+  const std::filesystem::path link = directory_ / "link";
+  std::filesystem::create_symlink("elsewhere/target", link);
+  write_output_file(link, [](std::ostream& stream) { stream << "through"; });
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_EQ(read_text(target), "through");
+  // A dangling link creates its target.
+  const std::filesystem::path dangling = directory_ / "dangling";
+  std::filesystem::create_symlink("created", dangling);
+  write_output_file(dangling, [](std::ostream& stream) { stream << "made"; });
+  EXPECT_TRUE(std::filesystem::is_symlink(dangling));
+  EXPECT_EQ(read_text(directory_ / "created"), "made");
+}
+
+TEST_F(IoTest, FifosAndCharacterDevicesAreWrittenInPlace) {
+  const std::filesystem::path fifo = directory_ / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string received;
+  std::thread reader([&] { received = read_text(fifo); });
+  write_output_file(fifo, [](std::ostream& stream) { stream << "piped"; });
+  reader.join();
+  EXPECT_EQ(received, "piped");
+  EXPECT_TRUE(std::filesystem::is_fifo(fifo));
+
+  write_output_file("/dev/null", [](std::ostream& stream) { stream << "gone"; });
+  EXPECT_TRUE(std::filesystem::is_character_file("/dev/null"));
+  EXPECT_EQ(error_of([] { write_output_file("/dev/full", [](std::ostream& stream) { stream << std::string(1 << 16, 'x'); }); }),
+            "/dev/full: write failed: No space left on device");
+  EXPECT_EQ(error_of([&] { write_output_file(directory_, [](std::ostream&) {}); }), directory_.string() + ": is a directory");
+}
+
+TEST(JsonInputTest, DepthLimitCountsOnlyBracketsOutsideStrings) {
+  const auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  EXPECT_NO_THROW(parse_json_input(nested(kMaximumJsonDepth), "j"));
+  EXPECT_EQ(error_of([&] { parse_json_input(nested(kMaximumJsonDepth + 1), "j"); }),
+            "j: invalid JSON: nested deeper than 64 levels at byte 64");
+  EXPECT_EQ(error_of([&] { parse_json_input(nested(100000), "j"); }),
+            "j: invalid JSON: nested deeper than 64 levels at byte 64");
+  // Brackets and escaped quotes inside strings are text.
+  const std::string text = "[\"" + std::string(1000, '[') + "\\\"" + std::string(1000, '{') + "\"]";
+  EXPECT_EQ(parse_json_input(text, "j")[0].get<std::string>().size(), 2001u);
+}
+
+TEST(JsonInputTest, NumbersOutOfRangeAndSyntaxErrorsAreInputErrors) {
+  EXPECT_EQ(error_of([] { parse_json_input("[1e400]", "j"); }), "j: invalid JSON: number overflow parsing '1e400'");
+  EXPECT_EQ(error_of([] { parse_json_input("{", "j"); }).substr(0, 17), "j: invalid JSON: ");
+  EXPECT_EQ(json_excerpt(nlohmann::json(std::string(100, 'a'))), "\"" + std::string(56, 'a') + "...");
+}
+
+}  // namespace
+}  // namespace metile
