@@ -1,4 +1,4 @@
-// The seed graph of DESIGN.md built with GraphBuilder: a residual add whose sum
+// The seed graph of docs/architecture.md built with GraphBuilder: a residual add whose sum
 // stays a graph output and feeds an RMSNorm (the multi-output fusion the planner
 // turns into one kernel). Prints the graph as JSON, the format `metile plan` and
 // `metile run` read, so `example_build_seed_graph > g.json` gives a runnable file.

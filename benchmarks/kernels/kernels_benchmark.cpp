@@ -220,6 +220,8 @@ int run(int argc, char** argv) {
   run_case(context, large, seed_graph(8192, 8192, DType::bf16), sweep(seed_graph(8192, 8192, DType::bf16), {128, 512, 1024}));
   run_case(context, "scale+softmax 8192x4096 bf16", scaled_softmax(8192, 4096, DType::bf16), sweep(scaled_softmax(8192, 4096, DType::bf16), {}));
   run_case(context, "scale+softmax 4096x32000 f32", scaled_softmax(4096, 32000, DType::f32), sweep(scaled_softmax(4096, 32000, DType::f32), {}));
+  // Rows too long for registers: the two-pass kernel streams the row three times, the one-pass twice.
+  run_case(context, "scale+softmax 512x131072 bf16", scaled_softmax(512, 131072, DType::bf16), sweep(scaled_softmax(512, 131072, DType::bf16), {}));
   run_case(context, "silu(gate)*up 4096x14336 bf16", swiglu_chain(4096, 14336, DType::bf16), sweep(swiglu_chain(4096, 14336, DType::bf16), {}));
 
   fmt::print("{:<30} {:<74} {:>9} {:>9} {:>8} {:>7} {:>8}\n", "case", "candidate", "us plain", "us graph", "GB/s", "% copy",
@@ -230,6 +232,21 @@ int run(int argc, char** argv) {
                row.timing.plain_us, row.timing.graph_us, gbps, 100.0 * gbps / context.copy_gbps, row.speedup, row.note);
   }
   fmt::print("\n(GB/s and % copy from the in-graph time; speedup = native graph time / fused graph time)\n");
+  // Softmax statistics in one pass (the stable_weighted_softmax law's running state) against two.
+  for (const std::string softmax_case : {"scale+softmax 8192x4096 bf16", "scale+softmax 4096x32000 f32",
+                                         "scale+softmax 512x131072 bf16"}) {
+    const Row* two_pass = nullptr;
+    const Row* one_pass = nullptr;
+    for (const Row& row : context.rows) {
+      if (row.case_name != softmax_case || row.timing.graph_us <= 0) continue;
+      if (row.candidate.rfind("fused default:", 0) == 0) two_pass = &row;
+      if (row.candidate.rfind("fused online:", 0) == 0) one_pass = &row;
+    }
+    if (two_pass != nullptr && one_pass != nullptr) {
+      fmt::print("softmax one-pass vs two-pass, {}: {:.2f} us vs {:.2f} us ({:.2f}x)\n", softmax_case,
+                 one_pass->timing.graph_us, two_pass->timing.graph_us, two_pass->timing.graph_us / one_pass->timing.graph_us);
+    }
+  }
   if (const Row* best = find_best(context.rows, large)) {
     const double percent = 100.0 * best->bytes / (best->timing.graph_us * 1e3) / context.copy_gbps;
     fmt::print("goal: {} >= 90% of copy bandwidth (PyTorch: 65%): {:.1f}% with {} -> {}\n", large, percent,

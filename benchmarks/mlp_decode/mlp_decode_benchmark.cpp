@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "metile/cuda_runtime.h"
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace {
 
@@ -222,14 +222,6 @@ extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const 
   }
   const double ms = time_on_stream_ms(stream, run, 2, 5, 5);
   return static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
-}
-
-double measure_copy_bandwidth_gbps(const CudaStream& stream) {
-  const std::size_t bytes = std::size_t{1} << 30;
-  DeviceBuffer source(bytes), target(bytes);
-  source.fill_bytes(0x3C, &stream);
-  const double ms = time_on_stream_ms(stream, [&](const CudaStream& s) { target.copy_from_device(source, bytes, &s); }, 2, 5, 5);
-  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// metile codegen: turns a fusion region, or a single node, into CUDA C++ source (DESIGN.md,
+// metile codegen: turns a fusion region, or a single node, into CUDA C++ source (docs/architecture.md,
 // "Lowering"). Pure text generation: no driver, no GPU. The CUDA runtime compiles the source
 // with NVRTC and binds the parameters in the order given here.
 //
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "metile/decision.h"
 #include "metile/fusion.h"
 #include "metile/graph.h"
 
@@ -50,12 +51,15 @@ struct RowKernelOptions {
   int rows_per_block = 0;   // only when threads_per_row <= 32
   std::string variant_name;  // appended to the kernel name and summary ("wide", "narrow")
   bool streaming_cache_hints = false;  // row loads/stores marked evict-first (ld.global.cs / st.global.cs)
+  // Softmax max and sum in one pass over the row (running max and normalizer merged by the
+  // stable_weighted_softmax law's terms) instead of a max pass and a sum pass.
+  bool online_softmax = false;
   bool operator==(const RowKernelOptions&) const = default;
 };
 
-// Whether generate_region_kernel can lower the region; when not, *reason says why
+// Whether generate_region_kernel can lower the region; when not, the reason says why
 // ("node 'y' (matmul) is a contraction, not a row op").
-bool is_row_region(const ComputeGraph& graph, const FusionRegion& region, std::string* reason = nullptr);
+Decision row_region_decision(const ComputeGraph& graph, const FusionRegion& region);
 
 // The region as one row kernel. Throws InputError (naming the node) when the region is not a row region.
 // Parameters: the region's inputs (in region.inputs order), then its outputs (region.outputs order).
@@ -65,7 +69,7 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
 // The default options first, then alternatives worth timing (another block shape), without duplicates.
 std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, const FusionRegion& region);
 
-// A region holding exactly one node, with its inputs and outputs filled in from the graph.
+// A region holding exactly one node, with its inputs filled in from the graph and all its outputs.
 FusionRegion single_node_region(const ComputeGraph& graph, NodeId node);
 
 // The native (unfused) kernel of one non-contraction node: elementwise and row-reduction ops through

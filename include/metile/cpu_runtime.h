@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "metile/fusion.h"
 #include "metile/graph.h"
@@ -26,6 +27,13 @@ TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs);
 // it does not compute) or cannot be scheduled (a cycle between kernels, or a
 // value read outside its region that the region does not publish).
 TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs);
+
+// The same three with the inputs spread over several maps, each name looked up
+// in order: a model's weights stay in one map, borrowed, while each step's
+// token ids, positions and caches live in another.
+void check_graph_inputs(const ComputeGraph& graph, std::span<const TensorMap* const> inputs);
+TensorMap run_reference(const ComputeGraph& graph, std::span<const TensorMap* const> inputs);
+TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* const> inputs);
 
 // Fresh, seeded random inputs suited to each graph input (never zeros), its
 // role read from its consumers: floats uniform in [-1, 1), divided by sqrt(K)

@@ -1,6 +1,7 @@
-// metile CUDA runtime: the thin, checked layer every GPU path stands on (DESIGN.md,
-// "src/runtime/cuda/"). libcuda is loaded with dlopen, so binaries start and CPU paths
-// work where no driver exists; CUDA paths then throw NoCudaDevice ("no CUDA device: ...").
+// metile CUDA runtime: the thin, checked layer every GPU path stands on (docs/architecture.md,
+// "src/runtime/cuda/"). libcuda, NVRTC and cuBLASLt are loaded with dlopen on first use, so
+// binaries start and CPU paths work where no driver or toolkit exists; CUDA paths then throw
+// NoCudaDevice ("no CUDA device: ...") or CudaError ("NVRTC could not be loaded: ...").
 // NVRTC compiles CUDA C++ for the device's architecture, with an on-disk cache.
 //
 // Every failing CUDA, NVRTC or cuBLASLt call throws CudaError naming the call and the error.
@@ -216,7 +217,10 @@ CompiledProgram compile_cuda_program(std::string_view source, std::string_view k
 std::string nvrtc_version();  // "13.0"
 // A stable 128-bit content hash as 32 hex digits (cache keys, dispatch keys); not cryptographic.
 std::string stable_hash_hex(std::string_view bytes);
-// $METILE_CACHE_DIR/kernels if set, else ~/.cache/metile/kernels (or /tmp/metile-cache/kernels).
+// Where metile keeps what it caches (compiled kernels, dispatch decisions): $METILE_CACHE_DIR if
+// set, else ~/.cache/metile (or /tmp/metile-cache without a home).
+std::string cache_directory();
+// cache_directory()/kernels.
 std::string kernel_cache_directory();
 // The cache's file for a key (tests corrupt it on purpose).
 std::string kernel_cache_path(std::string_view cache_key);

@@ -1,4 +1,4 @@
-// metile dispatch: measured choice between the native path and fused kernels (DESIGN.md,
+// metile dispatch: measured choice between the native path and fused kernels (docs/architecture.md,
 // "Measured dispatch"). Analytical cost only proposes; here every fused candidate must first
 // pass a numeric gate against the CPU reference, then beat the native path in an
 // order-interleaved tournament with headroom. Decisions persist on disk, and every one of them
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "metile/cuda_runtime.h"
+#include "metile/decision.h"
 #include "metile/fusion.h"
 #include "metile/graph.h"
 
@@ -70,11 +71,32 @@ TournamentResult run_tournament(const std::vector<TournamentCandidate>& candidat
 // The headroom rule: a challenger replaces the incumbent only when incumbent_ms >= challenger_ms * (1 + headroom).
 bool beats_with_headroom(double challenger_ms, double incumbent_ms, double headroom);
 
+// ---------------------------------------------------------------- candidates
+// The typed identity of a candidate: what it is (the native path or a fused lowering), which
+// variant of it, and whether it replays as a CUDA graph. Reports print name(); decisions store
+// and match the identity itself, never a prefix of a name.
+enum class CandidateKind : std::uint8_t { native, fused };
+enum class Replay : std::uint8_t { eager, cuda_graph };
+std::string_view candidate_kind_name(CandidateKind kind);  // "native", "fused"
+
+struct CandidateId {
+  CandidateKind kind = CandidateKind::native;
+  std::string variant;  // "" (the plain native path, the default fused kernel), "wide", "epilogue", "unfused gemv", ...
+  Replay replay = Replay::eager;
+
+  static CandidateId native(std::string variant = {}) { return {CandidateKind::native, std::move(variant), Replay::eager}; }
+  static CandidateId fused(std::string variant = {}) { return {CandidateKind::fused, std::move(variant), Replay::eager}; }
+  CandidateId as_graph() const { return {kind, variant, Replay::cuda_graph}; }
+  CandidateId eager() const { return {kind, variant, Replay::eager}; }
+  std::string name() const;  // "native", "native graph", "fused wide", "fused register_resident w4 t1 f2 db graph"
+  bool operator==(const CandidateId&) const = default;
+};
+
 // ---------------------------------------------------------------- decisions
 struct DispatchDecision {
   std::string key;
-  std::string chosen;  // a candidate name: "native", "native graph", "fused", "fused wide", ...
-  std::vector<std::pair<std::string, double>> timings_ms;  // candidate -> score
+  CandidateId chosen;
+  std::vector<std::pair<CandidateId, double>> timings_ms;  // candidate -> score
   std::string report;  // the sentence saying what was chosen and why
 };
 
@@ -83,7 +105,7 @@ struct DispatchDecision {
 class DecisionCache {
  public:
   explicit DecisionCache(std::filesystem::path file = default_path());
-  // $METILE_CACHE_DIR/dispatch.json, else ~/.cache/metile/dispatch.json
+  // cache_directory()/dispatch.json: $METILE_CACHE_DIR/dispatch.json, else ~/.cache/metile/dispatch.json
   static std::filesystem::path default_path();
 
   const std::filesystem::path& path() const { return path_; }
@@ -98,10 +120,55 @@ class DecisionCache {
   bool found_corrupt_file_ = false;
 };
 
-// The key of a region's decision: device name, driver and NVRTC versions, the hash of every
-// candidate's source, and the region's ops, dtypes and shapes.
+// The key of a decision, the same for every client (whole-graph Executable, decode-MLP stages):
+// device name, driver and NVRTC versions, the dispatch mode, the hash of every candidate's
+// identity and source, and the region's ops, dtypes and shapes.
 std::string dispatch_key(const CudaDeviceInfo& device, const ComputeGraph& region_graph,
-                         const std::vector<std::string>& candidate_sources);
+                         const std::vector<std::pair<CandidateId, std::string>>& candidate_sources, DispatchMode mode);
+
+// ---------------------------------------------------------------- the measured choice
+// The one engine behind every measured choice (Executable's regions, the decode-MLP stages).
+// Given each candidate's gate result it decides who races, asks `measure` for their scores (a
+// tournament on the device; anything in tests), and applies the policy:
+//   * a candidate enters only if it passed the gate, or it is the library path (the graph's own
+//     semantics through the native library: it stays whatever its figures against the oracle);
+//     METILE_DISPATCH=native admits native candidates only;
+//   * a stored decision naming an admitted candidate is taken without measuring;
+//   * one admitted candidate is taken without measuring; else all admitted race;
+//   * a fused candidate replaces the best native one only with the headroom (fused mode: always).
+struct DispatchPolicy {
+  DispatchMode mode = DispatchMode::automatic;
+  double headroom = 0.10;
+};
+// The headroom a fused candidate needs at a boundary: 5% for a single primitive, 10% for a
+// graph or MLP boundary (docs/architecture.md, "Measured dispatch").
+double boundary_headroom(std::size_t nodes);
+
+struct MeasuredCandidate {
+  CandidateId id;
+  NumericGateResult gate;     // of the candidate's eager form
+  bool library_path = false;  // admitted whatever its gate result
+};
+
+struct MeasuredChoice {
+  int chosen = -1;       // index into the candidates; -1 when none was admitted
+  int best_native = -1;  // the fastest admitted native candidate (the incumbent)
+  int best_fused = -1;   // the fastest admitted fused candidate
+  std::vector<double> score_ms;  // per candidate; < 0 where not measured
+  bool from_cache = false;
+  bool worth_storing = false;  // a measured race whose fused candidates all had their chance
+  std::string reason;    // "fused wide, 1.80x over native graph (2.1 us vs 3.8 us)", ...
+};
+
+// Scores (ms, lower is better) for the candidates at `entrants` (indices), in that order.
+using MeasureCandidates = std::function<std::vector<double>(const std::vector<int>& entrants)>;
+
+MeasuredChoice choose_measured(const std::vector<MeasuredCandidate>& candidates, const DispatchPolicy& policy,
+                               const std::optional<DispatchDecision>& stored, const MeasureCandidates& measure);
+
+// The decision to store for a choice (key, chosen identity, every score, the reason).
+DispatchDecision decision_of(const std::string& key, const std::vector<MeasuredCandidate>& candidates,
+                             const MeasuredChoice& choice);
 
 // ---------------------------------------------------------------- regions
 // The region as a graph of its own: its inputs become graph inputs (same names and specs), its
@@ -114,20 +181,30 @@ FusionRegion region_in_region_graph(const ComputeGraph& graph, const FusionRegio
 // A fused lowering of a region: generated source (for the decision key) and how to bind it to the
 // device values of the graph it was made for.
 struct FusedCandidate {
-  std::string name;     // "fused", "fused wide", ...
+  CandidateId id;       // fused, with its variant ("", "wide", "epilogue", ...)
   std::string source;   // every source it compiles, for the decision key
   std::string summary;  // one line about the kernel(s)
   int launches = 1;     // kernels (and library calls) per run
   std::function<DeviceStep(DeviceValues& values)> bind;
 };
-// Lowerings other modules add (e.g. the decode MLP): return no candidates for regions they do not handle.
-using RegionLowering = std::function<std::vector<FusedCandidate>(const ComputeGraph& graph, const FusionRegion& region)>;
+// What one lowering made of a region: its candidates, or the reason it has none.
+struct Lowered {
+  Decision decision;
+  std::vector<FusedCandidate> candidates;  // non-empty exactly when decision.ok
+};
+// A lowering: a name for reports ("row kernel") and the function. Other modules add their own
+// (e.g. the decode MLP) through ExecutableOptions::extra_lowerings.
+struct RegionLowering {
+  std::string name;
+  std::function<Lowered(const ComputeGraph& graph, const FusionRegion& region)> lower;
+};
 // The built-in lowerings. Row regions: the row-kernel generator, one candidate per variant ("fused",
 // "fused wide", ...). Regions with contractions (a matmul with a softmax epilogue, SwiGLU's silu * up
 // between projections): the contractions through cuBLASLt and all other ops in one row kernel
 // ("fused epilogue", ...), when those ops form a row region that runs between them.
-std::vector<FusedCandidate> row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
-std::vector<FusedCandidate> contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
+Lowered row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
+Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
+std::vector<RegionLowering> builtin_lowerings();
 
 // ---------------------------------------------------------------- executable
 struct ExecutableOptions {
@@ -144,9 +221,10 @@ struct RegionReport {
   int region = -1;  // index in plan.regions
   std::string rule;
   std::vector<std::string> nodes;
-  std::string chosen;       // candidate name
+  std::string chosen;       // the chosen candidate's name (chosen_id.name())
+  CandidateId chosen_id;
   bool from_cache = false;  // the decision came from the decision cache
-  std::vector<std::pair<std::string, NumericGateResult>> gates;  // per fused candidate (worst output)
+  std::vector<std::pair<std::string, NumericGateResult>> gates;  // per candidate (worst output)
   std::vector<std::pair<std::string, double>> timings_ms;
   std::string sentence;     // "region R1 (residual_add_rms_norm): fused, 1.8x over native graph"
 };

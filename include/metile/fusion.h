@@ -1,5 +1,5 @@
 // metile fusion module: plan_graph_fusion selects legal, profitable,
-// multi-output fusion regions with exact min-cut models (DESIGN.md,
+// multi-output fusion regions with exact min-cut models (docs/architecture.md,
 // "Neighborhood cut models", "Conflict selection", "Rules").
 //
 //   ComputeGraph ──► per rule, per anchor: neighborhood ──one min cut──► candidate region
@@ -159,7 +159,15 @@ struct FusionRegion {
   std::vector<ValueId> inputs;   // values read from outside the region, first-use order
   std::vector<ValueId> outputs;  // values written by the region (graph outputs or consumed outside)
   double benefit_ns = 0;         // estimated cost saved against running the nodes unfused
+  // A region of one node made by a certified rewrite (discovery): that node's certificate, as
+  // JSON ({"law", "theory", "obligations", "verified"}); empty for every other region.
+  std::string certificate = {};  // (a default initializer: aggregate initializations may leave it out)
 };
+
+// The region of `nodes` (any order; kept in topological order) with its boundary computed from
+// the graph: inputs are values read from outside, in first-use order; outputs are values that
+// are graph outputs or read outside the region. The one place a region's boundary is derived.
+FusionRegion region_of_nodes(const ComputeGraph& graph, std::vector<NodeId> nodes, std::string rule = {});
 
 // A region some rule proposed, and what conflict selection made of it.
 struct FusionCandidate {
@@ -188,6 +196,8 @@ struct FusionPlan {
   std::string target_name;
   std::vector<FusionCandidate> candidates;
   std::vector<ConflictComponent> components;
+  // Certified rewrites made before planning (discovery) and the ones refused, one line each.
+  std::vector<std::string> rewrites;
 
   double total_benefit_ns() const;
   // The plan for a person: regions with their ops, inputs, outputs and benefit,
@@ -199,6 +209,21 @@ struct FusionPlan {
   // Graphviz: each region a coloured cluster, unfused nodes plain.
   std::string to_dot() const;
 };
+
+// A node carrying a "certificate" attribute was made by a certified rewrite (discovery): it is a
+// kernel of its own, never matched or grown into by a rule.
+bool is_certified_node(const Node& node);
+
+// Conflict selection on its own (docs/architecture.md, "Conflict selection"), for passes that propose node sets
+// of their own (discovery's rewrites): sets sharing a node conflict; per component of the conflict
+// graph the selection of largest total weight (weights positive), exactly where the planner is exact.
+struct NodeSetSelection {
+  std::vector<bool> selected;
+  std::vector<int> component_of;  // per set: index into components
+  std::vector<ConflictComponent> components;
+};
+NodeSetSelection select_disjoint_node_sets(std::size_t node_count, std::span<const std::vector<NodeId>> node_sets,
+                                           std::span<const std::int64_t> weights, int max_exact_component_size = 24);
 
 // The graph is copied into the plan (plan.graph), so the plan outlives it.
 FusionPlan plan_graph_fusion(const ComputeGraph& graph, const FusionTarget& target = FusionTarget::h200(),

@@ -97,10 +97,59 @@ using TensorMap = std::map<std::string, HostTensor, std::less<>>;
 std::uint64_t fnv1a_64(std::span<const std::byte> bytes, std::uint64_t seed = 0);
 std::uint64_t fnv1a_64(std::string_view text, std::uint64_t seed = 0);
 
+// SplitMix64, the project's seeded random stream (random graph inputs, synthetic
+// checkpoints): written out so the same seed gives the same bits with every
+// standard library (std::uniform_*_distribution is implementation-defined).
+class SplitMix64 {
+ public:
+  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  // [0, 1) on a grid of 2^-24: exact in f32, so float arithmetic on it is
+  // reproducible and rounding to f16/bf16 happens once.
+  float unit() { return static_cast<float>(next() >> 40) * 0x1.0p-24f; }
+  float uniform(float low, float high) { return low + (high - low) * unit(); }
+  std::int64_t integer(std::int64_t low, std::int64_t high) {  // [low, high], small ranges
+    return low + static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(high - low + 1));
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
 // safetensors files (https://github.com/huggingface/safetensors format):
 // 8-byte little-endian header length, JSON header, raw data. Malformed files
 // throw InputError naming the file and the problem.
 TensorMap read_safetensors(const std::filesystem::path& path);
+// The same file mapped read-only into memory: the header is checked exactly as
+// read_safetensors checks it, tensor data stays in the page cache and is read in
+// place (model checkpoints of many GB are never copied whole).
+class MappedSafetensors {
+ public:
+  struct TensorView {
+    TensorSpec spec;
+    std::span<const std::byte> bytes;  // little-endian, valid while the file object lives
+    HostTensor copy() const;
+  };
+  explicit MappedSafetensors(const std::filesystem::path& path);
+  ~MappedSafetensors();
+  MappedSafetensors(const MappedSafetensors&) = delete;
+  MappedSafetensors& operator=(const MappedSafetensors&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  const std::map<std::string, TensorView, std::less<>>& tensors() const { return tensors_; }
+  const TensorView* find(std::string_view name) const;  // nullptr if absent
+
+ private:
+  void parse_header(std::uint64_t file_bytes);
+  std::filesystem::path path_;
+  const std::byte* mapping_ = nullptr;
+  std::size_t mapped_bytes_ = 0;
+  std::map<std::string, TensorView, std::less<>> tensors_;
+};
 // Written by write_output_file (metile/io.h): atomic for regular files, in place for FIFOs and devices.
 void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors);
 
@@ -217,6 +266,8 @@ struct OpDefinition {
   // A small graph using the op (f32 unless the op says otherwise), which the tests run through
   // JSON, the CPU reference, the planner and, for row ops, the NVRTC-compiled row kernel.
   std::function<ComputeGraph()> sample_graph;
+  // How many trailing input_names may be left out (flash_attention's positions).
+  std::size_t optional_inputs = 0;
 };
 // The kind a node of this op with these (inferred) inputs and attributes has.
 OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs,
@@ -313,10 +364,19 @@ class GraphBuilder {
   ValueRef sum(ValueRef x, std::string name = {});   // over the last axis, to [..., 1]
   ValueRef mean(ValueRef x, std::string name = {});  // over the last axis, to [..., 1]
   ValueRef causal_mask(ValueRef x, std::int64_t offset = 0, std::string name = {});
+  // x [..., R, T], positions i32 [S] with R a multiple of S: row r sees key j only where
+  // j <= positions[r mod S]; the rest is -inf.
+  ValueRef position_mask(ValueRef x, ValueRef positions, std::string name = {});
   ValueRef matmul(ValueRef a, ValueRef b, bool transpose_right = false, std::string name = {});
   ValueRef quantized_matmul(ValueRef x, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
                             int group_size, std::string name = {});
   ValueRef rope(ValueRef x, ValueRef positions, double theta, std::int64_t dims, std::string name = {});
+  // The decode-step ops (src/model): a table row gather, its quantized form and the
+  // KV-cache write (semantics in src/graph/op_registry.cpp); position_mask is above.
+  ValueRef embedding(ValueRef ids, ValueRef table, std::string name = {});
+  ValueRef quantized_embedding(ValueRef ids, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
+                               int group_size, std::string name = {});
+  ValueRef kv_cache_write(ValueRef cache, ValueRef update, ValueRef positions, std::string name = {});
   ValueRef reshape(ValueRef x, std::vector<std::int64_t> shape, std::string name = {});
   ValueRef transpose(ValueRef x, std::vector<std::int64_t> perm, std::string name = {});
   ValueRef cast(ValueRef x, DType dtype, std::string name = {});
@@ -348,7 +408,7 @@ class GraphBuilder {
 };
 
 // ---------------------------------------------------------------- files
-// JSON graph files (format in DESIGN.md). Errors name the source and the JSON
+// JSON graph files (format in docs/architecture.md). Errors name the source and the JSON
 // path: "graph.json: /nodes/1/inputs/0: unknown value 'sumed'".
 ComputeGraph read_graph(const std::filesystem::path& path);
 ComputeGraph parse_graph_json(std::string_view text, std::string_view source_name = "<string>");

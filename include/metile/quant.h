@@ -1,5 +1,5 @@
 // metile quant module: MLX's affine quantization format for weight matrices,
-// the format `quantized_matmul` consumes (DESIGN.md, op table). This is the
+// the format `quantized_matmul` consumes (docs/architecture.md, op table). This is the
 // reference: quantize, dequantize and the bit packing every backend must match.
 //
 // A weight W [N, K] (row n, column k) is cut along K into groups of
@@ -85,6 +85,12 @@ QuantizedMatrix quantize_affine(const HostTensor& weight, AffineQuantization for
 HostTensor dequantize_affine(const QuantizedMatrix& matrix, DType output_dtype = DType::f32);
 // One row of W in f32 into `row` (size columns): the executor's inner loop.
 void dequantize_affine_row(const QuantizedMatrix& matrix, std::int64_t row, std::span<float> out);
+// The same row read straight from a graph's three tensors (no QuantizedMatrix is
+// assembled, so nothing is copied): the CPU executor's quantized_matmul and
+// quantized_embedding. out.size() is the row length K; InputError if the row lies
+// outside the tensors.
+void dequantize_affine_row(AffineQuantization format, const HostTensor& packed, const HostTensor& scales,
+                           const HostTensor& biases, std::int64_t row, std::span<float> out);
 
 // Bit packing, low bits first. pack_codes needs a whole number of words
 // (codes.size() a multiple of 32 / bits) and codes below 2^bits; InputError otherwise.

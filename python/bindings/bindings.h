@@ -20,6 +20,7 @@ void bind_graph(py::module_& module);
 void bind_flow(py::module_& module);
 void bind_fusion(py::module_& module);
 void bind_runtime(py::module_& module);
+void bind_model(py::module_& module);
 
 // A GraphBuilder as Python holds it: the C++ builder plus the values whose names it
 // invented (the Python layer renames those after the caller's variables at build()).

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "metile/discovery.h"
 #include "metile/fusion.h"
 
 namespace metile::python {
@@ -261,6 +262,15 @@ void bind_plan(py::module_& module) {
       .def_property_readonly(
           "benefit", [](const FusionRegionView& view) { return view.region().benefit_ns; },
           "The same as benefit_ns (nanoseconds).")
+      .def_property_readonly(
+          "certificate",
+          [](const FusionRegionView& view) -> py::object {
+            const std::string& certificate = view.region().certificate;
+            if (certificate.empty()) return py::none();
+            return py::module_::import("json").attr("loads")(certificate);
+          },
+          "For a region made by a certified rewrite (flash_attention): {'law', 'theory', 'obligations': "
+          "[{'name', 'lhs', 'rhs', 'holds', 'by'}], 'verified'}; None for every other region.")
       .def("__repr__", &region_repr);
 
   bind_view_identity(region_class);
@@ -361,6 +371,8 @@ void bind_plan(py::module_& module) {
             return reasons;
           },
           "{node name: why it is or is not fused}")
+      .def_property_readonly("rewrites", [](const FusionPlan& plan) { return plan.rewrites; },
+                             "Certified rewrites made before planning and the ones refused, one line each.")
       .def_property_readonly("kernel_count", &FusionPlan::kernel_count)
       .def_property_readonly("target_name", [](const FusionPlan& plan) { return plan.target_name; })
       .def_property_readonly("total_benefit_ns", &FusionPlan::total_benefit_ns)
@@ -390,6 +402,18 @@ void bind_plan(py::module_& module) {
       "'cpu' "
       "or a JSON target file; rules: a RuleSet, a list of FusionRules in priority order, or None for "
       "default_rules().");
+  module.def(
+      "plan_with_discovery",
+      [](const std::shared_ptr<ComputeGraph>& graph, const py::object& target, const py::object& rules) {
+        const FusionTarget fusion_target = target_from_python(target);
+        const RuleSet rule_set = rules_from_python(rules);
+        py::gil_scoped_release release;
+        return std::make_shared<FusionPlan>(plan_with_discovery(*graph, fusion_target, rule_set));
+      },
+      py::arg("graph"), py::arg("target") = py::none(), py::arg("rules") = py::none(),
+      "The certified attention rewrite (matmul -> [scale] -> [mask] -> softmax -> matmul becomes one "
+      "flash_attention node carrying its certificate), then plan_graph_fusion of the rewritten graph; "
+      "plan.rewrites says what was rewritten or refused and why.");
 }
 
 }  // namespace

@@ -354,6 +354,12 @@ void bind_graph_builder(py::module_& module) {
           },
           py::arg("x"), py::arg("offset") = 0, name_argument)
       .def(
+          "position_mask",
+          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& positions, const OptionalName& name) {
+            return record(self, self->builder.position_mask(x.ref, positions.ref, name_or_empty(name)), name);
+          },
+          py::arg("x"), py::arg("positions"), name_argument)
+      .def(
           "matmul",
           [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, bool transpose_right,
              const OptionalName& name) {

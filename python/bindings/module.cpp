@@ -30,4 +30,5 @@ PYBIND11_MODULE(_metile, module) {
   metile::python::bind_flow(module);
   metile::python::bind_fusion(module);
   metile::python::bind_runtime(module);
+  metile::python::bind_model(module);
 }

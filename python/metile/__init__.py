@@ -2,7 +2,8 @@
 
 The Python face of the C++ library, name for name (include/metile/*.h): record a
 graph with GraphBuilder, plan it with plan_graph_fusion, run it on the CPU
-reference backend with run(), solve cuts with FlowNetwork. The classes live in
+reference backend with run(), solve cuts with FlowNetwork, load decoder
+checkpoints with load_model() (logits, greedy generate) or write one with synth_model(). The classes live in
 the C++ extension `_metile`; this file re-exports them and adds the one piece of
 sugar that needs Python itself: GraphBuilder.build() names values after the
 caller's variables.
@@ -26,6 +27,7 @@ from ._metile import (
     FusionRule,
     FusionTarget,
     GrowthSpec,
+    Model,
     Node,
     OpPattern,
     ResourceNeeds,
@@ -38,11 +40,14 @@ from ._metile import (
     elementwise_chain_rule,
     parallel_epilogue_rule,
     plan_graph_fusion,
+    plan_with_discovery,
     random_inputs,
+    load_model,
     read_graph,
     residual_add_rms_norm_rule,
     row_reduction_rule,
     run,
+    synth_model,
 )
 
 __all__ = [
@@ -57,6 +62,7 @@ __all__ = [
     "FusionTarget",
     "GraphBuilder",
     "GrowthSpec",
+    "Model",
     "Node",
     "OpPattern",
     "ParallelEpilogueRule",
@@ -70,11 +76,14 @@ __all__ = [
     "elementwise_chain_rule",
     "parallel_epilogue_rule",
     "plan_graph_fusion",
+    "plan_with_discovery",
     "random_inputs",
+    "load_model",
     "read_graph",
     "residual_add_rms_norm_rule",
     "row_reduction_rule",
     "run",
+    "synth_model",
 ]
 
 

@@ -116,26 +116,43 @@ __device__ __forceinline__ void store_vector(T* __restrict__ row_start, int col,
   }
 }
 
+// A reduction: State, identity(), apply(state, element) folds one element in, combine(a, b) merges two
+// partial states, shuffle_xor / shuffle move a state between lanes.
 struct SumOp {
+  using State = float;
   static __device__ __forceinline__ float identity() { return 0.0f; }
   static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
+  static __device__ __forceinline__ float combine(float a, float b) { return a + b; }
+  static __device__ __forceinline__ float shuffle_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+  static __device__ __forceinline__ float shuffle(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 };
 struct MaxOp {
+  using State = float;
   static __device__ __forceinline__ float identity() { return negative_infinity(); }
   static __device__ __forceinline__ float apply(float a, float b) { return fmaxf(a, b); }
+  static __device__ __forceinline__ float combine(float a, float b) { return fmaxf(a, b); }
+  static __device__ __forceinline__ float shuffle_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+  static __device__ __forceinline__ float shuffle(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 };
+
+// a - b, and 0 where a == b even for -inf: the convention of the reduction laws' evaluator
+// (src/discovery/law_evaluator.cpp), under which merging two identity states gives the identity.
+__device__ __forceinline__ float difference(float a, float b) { return a == b ? 0.0f : a - b; }
 
 // Reduces v over the THREADS consecutive threads that own one row; every one of them gets the result.
 // Up to a warp: shuffles only (sub-warp groups never mix, as xor offsets stay below THREADS);
 // the block is a whole number of warps, so every lane named in the full mask exists.
-// Above a warp (one row per block): each warp's result through shared memory, then a second shuffle.
+// Above a warp (one row per block): each warp's result through shared memory (room for one
+// Op::State per warp), then a second shuffle.
 template <typename Op, int THREADS>
-__device__ __forceinline__ float row_reduce(float v, float* scratch) {
+__device__ __forceinline__ typename Op::State row_reduce(typename Op::State v, void* scratch_memory) {
+  using State = typename Op::State;
 #pragma unroll
   for (int offset = (THREADS < 32 ? THREADS : 32) / 2; offset > 0; offset /= 2) {
-    v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    v = Op::combine(v, Op::shuffle_xor(v, offset));
   }
   if constexpr (THREADS > 32) {
+    State* scratch = static_cast<State*>(scratch_memory);
     constexpr int kWarps = THREADS / 32;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -144,9 +161,9 @@ __device__ __forceinline__ float row_reduce(float v, float* scratch) {
     v = lane < kWarps ? scratch[lane] : Op::identity();
 #pragma unroll
     for (int offset = kWarps / 2; offset > 0; offset /= 2) {
-      v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, offset));
+      v = Op::combine(v, Op::shuffle_xor(v, offset));
     }
-    v = __shfl_sync(0xffffffffu, v, 0);  // lanes >= kWarps combined only identities: take lane 0's total
+    v = Op::shuffle(v, 0);  // lanes >= kWarps combined only identities: take lane 0's total
     __syncthreads();  // scratch is reused by the next reduction
   }
   return v;

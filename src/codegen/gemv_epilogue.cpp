@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile {
 

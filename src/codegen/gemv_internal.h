@@ -6,7 +6,7 @@
 #include <string_view>
 #include <vector>
 
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile::gemv_detail {
 

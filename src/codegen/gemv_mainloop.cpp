@@ -28,7 +28,7 @@
 #include <algorithm>
 
 #include "gemv_internal.h"
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile {
 using namespace gemv_detail;

@@ -15,7 +15,7 @@
 
 #include <algorithm>
 
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile {
 namespace {

@@ -225,9 +225,8 @@ GeneratedKernel generate_node_kernel(const ComputeGraph& graph, NodeId node_id) 
   if (node.op == "transpose") return transpose_kernel(graph, node);
   if (node.op == "rope") return rope_kernel(graph, node);
   const FusionRegion region = single_node_region(graph, node_id);
-  std::string reason;
-  if (!is_row_region(graph, region, &reason)) {
-    throw InputError(fmt::format("node '{}' ({}): no native kernel: {}", node.name, node.op, reason));
+  if (const Decision decision = row_region_decision(graph, region); !decision) {
+    throw InputError(fmt::format("node '{}' ({}): no native kernel: {}", node.name, node.op, decision.reason));
   }
   GeneratedKernel kernel = generate_region_kernel(graph, region, {});
   // Native kernels carry their own prefix so they never share a name (or a profile line) with fused ones.

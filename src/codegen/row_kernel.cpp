@@ -19,6 +19,7 @@
 
 #include "codegen_internal.h"
 #include "metile/codegen.h"
+#include "metile/discovery.h"
 
 namespace metile {
 namespace {
@@ -59,6 +60,7 @@ struct RowAnalysis {
   std::set<ValueId> row_results;            // values of one element per row ([..., 1]), not arrays
   int vector_width = 1;
   bool has_reduction = false;
+  bool online_softmax = false;  // a reduction over OnlineSoftmaxOp (two floats of state)
 };
 
 [[noreturn]] void reject(std::string message, std::string* reason) {
@@ -77,13 +79,24 @@ std::string rounded(const std::string& expression, DType dtype) {
 // RowKernelSteps becomes compute and reduce steps of the analysis.
 class NodeSteps final : public RowKernelSteps {
  public:
-  NodeSteps(const ComputeGraph& graph, RowAnalysis& analysis)
-      : graph_(graph), analysis_(analysis), length_literal_(cuda_float_literal(static_cast<double>(analysis.length))) {}
+  NodeSteps(const ComputeGraph& graph, RowAnalysis& analysis, bool online_softmax)
+      : graph_(graph),
+        analysis_(analysis),
+        length_literal_(cuda_float_literal(static_cast<double>(analysis.length))),
+        online_softmax_(online_softmax) {}
 
   void add(const Node& node) {
     node_ = &node;
     const OpDefinition& definition = *find_op(node.op);
-    if (node.op == "cast") {
+    if (node.op == "softmax" && online_softmax_) {
+      // Max and normalizer in one pass: the running state of the stable_weighted_softmax law.
+      const std::string x = operand(0);
+      const std::string state = add_reduction("OnlineSoftmaxOp", x, "running max and normalizer in one pass");
+      const std::string maximum = scalar(state + ".m");
+      const std::string inverse = scalar("1.0f / " + state + ".l");
+      analysis_.online_softmax = true;
+      element_result("expf(" + x + " - " + maximum + ") * " + inverse);
+    } else if (node.op == "cast") {
       element_result(operand(0));  // the rounding to the output dtype is the cast
     } else if (definition.elementwise) {
       std::vector<std::string> operands;
@@ -104,9 +117,12 @@ class NodeSteps final : public RowKernelSteps {
   std::string row_length() override { return length_literal_; }
   std::string reduce(std::string_view op, std::string expression, std::string_view what) override {
     if (op != "sum" && op != "max") throw std::logic_error(fmt::format("row kernel: no reduction '{}'", op));
+    return add_reduction(op == "sum" ? "SumOp" : "MaxOp", std::move(expression), what);
+  }
+  std::string add_reduction(std::string reduce_op, std::string expression, std::string_view what) {
     Step step;
     step.kind = Step::Kind::reduce;
-    step.reduce_op = op == "sum" ? "SumOp" : "MaxOp";
+    step.reduce_op = std::move(reduce_op);
     step.expression = std::move(expression);
     step.scalar = reductions_++;
     step.comment = fmt::format("{} ({})", describe_node(graph_, *node_), what);
@@ -152,9 +168,11 @@ class NodeSteps final : public RowKernelSteps {
   int computed_ = 0;
   int reductions_ = 0;
   int scalars_ = 0;
+  bool online_softmax_ = false;
 };
 
-RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::string* reason) {
+RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::string* reason,
+                    bool online_softmax = false) {
   if (region.nodes.empty()) reject("the region has no nodes", reason);
   if (region.outputs.empty()) reject("the region has no outputs", reason);
   RowAnalysis analysis;
@@ -256,9 +274,55 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
 
   // Steps, in node order: elementwise ops through the op table's CUDA expression, row reductions
   // through their kernel hook.
-  NodeSteps steps(graph, analysis);
+  NodeSteps steps(graph, analysis, online_softmax);
   for (NodeId id : nodes) steps.add(graph.node(id));
   return analysis;
+}
+
+// The CUDA spelling of a law term over a state struct (variables "a.m" and "b.l" are member
+// accesses) and one element "e.s" (the row element x).
+std::string cuda_term(const Term& term) {
+  switch (term.kind) {
+    case Term::Kind::variable: return term.name == "e.s" ? "x" : term.name;
+    case Term::Kind::constant: return cuda_float_literal(term.value);
+    case Term::Kind::negative_infinity: return "negative_infinity()";
+    case Term::Kind::add: return fmt::format("({} + {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::subtract:
+      return fmt::format("difference({}, {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::multiply: return fmt::format("({} * {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::divide: return fmt::format("({} / {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::max: return fmt::format("fmaxf({}, {})", cuda_term(*term.operands[0]), cuda_term(*term.operands[1]));
+    case Term::Kind::exp: return fmt::format("expf({})", cuda_term(*term.operands[0]));
+  }
+  throw std::logic_error("cuda_term: unknown term kind");
+}
+
+// The one-pass softmax reduction, generated from the stable_weighted_softmax law restricted to its
+// scalar components (m, l): the weighted numerator o is not needed for a softmax row, and the m
+// and l terms do not read it. The law's certificate covers exactly these merge terms.
+std::string online_softmax_op_source() {
+  const ReductionLaw law = stable_weighted_softmax_law();
+  if (!prove(law).verified) throw std::logic_error("the stable_weighted_softmax law does not verify");
+  for (std::size_t component = 0; component < 2; ++component) {
+    if (law.state[component].per_lane) throw std::logic_error("online softmax: m and l must be scalars");
+  }
+  auto state = [&](const std::vector<TermRef>& terms) {
+    return fmt::format("State{{{}, {}}}", cuda_term(*terms[0]), cuda_term(*terms[1]));
+  };
+  std::string source = "\n// One-pass softmax statistics, generated from law " + law.name +
+                       " (src/discovery): state (m: running max, l: normalizer).\n";
+  source += "namespace metile_device {\n";
+  source += "struct OnlineSoftmaxOp {\n";
+  source += "  struct State { float m, l; };\n";
+  source += "  static __device__ __forceinline__ State identity() { return " + state(law.identity) + "; }\n";
+  source += "  static __device__ __forceinline__ State combine(State a, State b) { return " + state(law.merge) + "; }\n";
+  source += "  static __device__ __forceinline__ State apply(State a, float x) { return combine(a, " + state(law.lift) + "); }\n";
+  source += "  static __device__ __forceinline__ State shuffle_xor(State v, int offset) {\n"
+            "    return State{__shfl_xor_sync(0xffffffffu, v.m, offset), __shfl_xor_sync(0xffffffffu, v.l, offset)};\n  }\n";
+  source += "  static __device__ __forceinline__ State shuffle(State v, int lane) {\n"
+            "    return State{__shfl_sync(0xffffffffu, v.m, lane), __shfl_sync(0xffffffffu, v.l, lane)};\n  }\n";
+  source += "};\n}  // namespace metile_device\n";
+  return source;
 }
 
 struct RowConfig {
@@ -350,6 +414,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
                                          : " (row held in registers)");
   source += codegen_detail::cuda_device_prelude();
   source += cuda_elementwise_helpers();
+  if (analysis.online_softmax) source += online_softmax_op_source();
   source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}) {}(\n", block_threads, kernel_name);
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     source += "    " + parameters[i] + (i + 1 < parameters.size() ? ",\n" : ") {\n");
@@ -369,7 +434,9 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
   }
   // Reductions across warps meet in shared memory; within a warp they need none.
   const bool block_reduction = analysis.has_reduction && config.threads_per_row > 32;
-  if (block_reduction) line(1, "__shared__ float reduction_scratch[kThreadsPerRow / 32];");
+  if (block_reduction) {
+    line(1, fmt::format("__shared__ {} reduction_scratch[kThreadsPerRow / 32];", analysis.online_softmax ? "float2" : "float"));
+  }
   line(1, "const int lane = threadIdx.x % kThreadsPerRow;");
   line(1, "const long long row = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;");
   line(1, "const bool row_valid = row < kRows;");
@@ -490,7 +557,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     const Phase& phase = phases[p];
     line(1, fmt::format("// phase {}{}", p, phase.reduce ? ": up to " + phase.reduce->comment : ""));
     if (phase.reduce) {
-      line(1, fmt::format("float partial{} = metile_device::{}::identity();", phase.reduce->scalar, phase.reduce->reduce_op));
+      line(1, fmt::format("auto partial{} = metile_device::{}::identity();", phase.reduce->scalar, phase.reduce->reduce_op));
     }
     if (!config.streaming) {
       emit_compute_loop(1, phase.computes, phase.reduce, "");
@@ -513,7 +580,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
     }
     earlier_computes.insert(earlier_computes.end(), phase.computes.begin(), phase.computes.end());
     if (phase.reduce) {
-      line(1, fmt::format("const float r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, {2});",
+      line(1, fmt::format("const auto r{0} = metile_device::row_reduce<metile_device::{1}, kThreadsPerRow>(partial{0}, {2});",
                           phase.reduce->scalar, phase.reduce->reduce_op, block_reduction ? "reduction_scratch" : "nullptr"));
       if (!phase.reduce->after.empty()) line(1, phase.reduce->after);
       if (output_index.contains(phase.reduce->row_result)) {
@@ -544,30 +611,26 @@ std::string cuda_storage_type(DType dtype) {
   throw InputError("cuda_storage_type: unknown dtype");
 }
 
-bool is_row_region(const ComputeGraph& graph, const FusionRegion& region, std::string* reason) {
+Decision row_region_decision(const ComputeGraph& graph, const FusionRegion& region) {
+  std::string reason;
   try {
-    analyse(graph, region, reason);
-    return true;
+    analyse(graph, region, &reason);
+    return Decision::allow();
   } catch (const InputError& error) {
-    if (reason != nullptr) *reason = error.what();
-    return false;
+    return Decision::refuse(error.what());
   }
 }
 
 FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
-  const Node& node = graph.node(node_id);
-  FusionRegion region;
-  region.nodes = {node_id};
-  for (ValueId input : node.inputs) {
-    if (std::find(region.inputs.begin(), region.inputs.end(), input) == region.inputs.end()) region.inputs.push_back(input);
-  }
-  region.outputs = node.outputs;
+  // Every output, even one nothing reads: a native kernel writes all its node computes.
+  FusionRegion region = region_of_nodes(graph, {node_id});
+  region.outputs = graph.node(node_id).outputs;
   return region;
 }
 
 GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRegion& region,
                                        const RowKernelOptions& options) {
-  const RowAnalysis analysis = analyse(graph, region, nullptr);
+  const RowAnalysis analysis = analyse(graph, region, nullptr, options.online_softmax);
   const RowConfig config = choose_config(analysis, options);
   GeneratedKernel kernel;
   const Node& anchor = graph.node(*std::max_element(region.nodes.begin(), region.nodes.end()));
@@ -577,11 +640,12 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
   kernel.launch.block_x = static_cast<std::uint32_t>(config.threads_per_row * config.rows_per_block);
   kernel.launch.grid_x = static_cast<std::uint32_t>((analysis.rows + config.rows_per_block - 1) / config.rows_per_block);
   const DType dtype = graph.value(region.outputs.front()).spec.dtype;
-  kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}{}",
+  kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}{}{}",
                                analysis.rows, analysis.length, dtype_name(dtype), analysis.vector_width,
                                config.threads_per_row, config.rows_per_block, config.items,
                                config.streaming ? fmt::format(" x {} tiles", config.tiles) : "",
                                config.streaming_cache_hints ? ", evict-first" : "",
+                               analysis.online_softmax ? ", one-pass softmax" : "",
                                options.variant_name.empty() ? "" : " (" + options.variant_name + ")");
   return kernel;
 }
@@ -604,6 +668,16 @@ std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, con
   for (const RegionInput& input : analysis.inputs) region_bytes += graph.value(input.value).spec.bytes();
   for (ValueId output : region.outputs) region_bytes += graph.value(output).spec.bytes();
   if (region_bytes >= (std::int64_t{256} << 20)) variants.push_back({0, 0, "stream", true});
+  // Softmax: max and sum in one pass (the law's running state) against today's two passes; which is
+  // faster depends on whether the row is held in registers or streamed, so both race.
+  const bool has_softmax = std::any_of(region.nodes.begin(), region.nodes.end(),
+                                       [&](NodeId node) { return graph.node(node).op == "softmax"; });
+  if (has_softmax) {
+    RowKernelOptions online;
+    online.variant_name = "online";
+    online.online_softmax = true;
+    variants.push_back(online);
+  }
   return variants;
 }
 

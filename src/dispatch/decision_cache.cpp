@@ -17,19 +17,30 @@
 namespace metile {
 namespace {
 
-constexpr int decision_file_version = 1;
+// 2: candidates are typed identities {kind, variant, replay}, not names.
+constexpr int decision_file_version = 2;
+
+nlohmann::json candidate_json(const CandidateId& id) {
+  return {{"kind", std::string(candidate_kind_name(id.kind))}, {"variant", id.variant},
+          {"replay", id.replay == Replay::cuda_graph ? "graph" : "eager"}};
+}
+
+CandidateId candidate_from_json(const nlohmann::json& entry) {
+  CandidateId id;
+  const std::string kind = entry.at("kind").get<std::string>();
+  const std::string replay = entry.at("replay").get<std::string>();
+  if ((kind != "native" && kind != "fused") || (replay != "eager" && replay != "graph")) {
+    throw std::runtime_error("not a candidate identity");
+  }
+  id.kind = kind == "native" ? CandidateKind::native : CandidateKind::fused;
+  id.variant = entry.at("variant").get<std::string>();
+  id.replay = replay == "graph" ? Replay::cuda_graph : Replay::eager;
+  return id;
+}
 
 }  // namespace
 
-std::filesystem::path DecisionCache::default_path() {
-  if (const char* directory = std::getenv("METILE_CACHE_DIR"); directory != nullptr && *directory != '\0') {
-    return std::filesystem::path(directory) / "dispatch.json";
-  }
-  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
-    return std::filesystem::path(home) / ".cache" / "metile" / "dispatch.json";
-  }
-  return "/tmp/metile-cache/dispatch.json";
-}
+std::filesystem::path DecisionCache::default_path() { return std::filesystem::path(cache_directory()) / "dispatch.json"; }
 
 DecisionCache::DecisionCache(std::filesystem::path file) : path_(std::move(file)) {
   std::ifstream stream(path_, std::ios::binary);
@@ -40,10 +51,10 @@ DecisionCache::DecisionCache(std::filesystem::path file) : path_(std::move(file)
     for (const nlohmann::json& entry : document.at("decisions")) {
       DispatchDecision decision;
       decision.key = entry.at("key").get<std::string>();
-      decision.chosen = entry.at("chosen").get<std::string>();
+      decision.chosen = candidate_from_json(entry.at("chosen"));
       decision.report = entry.at("report").get<std::string>();
       for (const nlohmann::json& timing : entry.at("timings_ms")) {
-        decision.timings_ms.emplace_back(timing.at(0).get<std::string>(), timing.at(1).get<double>());
+        decision.timings_ms.emplace_back(candidate_from_json(timing.at(0)), timing.at(1).get<double>());
       }
       decisions_.push_back(std::move(decision));
     }
@@ -75,9 +86,11 @@ void DecisionCache::store(const DispatchDecision& decision) {
   document["decisions"] = nlohmann::json::array();
   for (const DispatchDecision& entry : decisions_) {
     nlohmann::json timings = nlohmann::json::array();
-    for (const auto& [name, milliseconds] : entry.timings_ms) timings.push_back({name, milliseconds});
-    document["decisions"].push_back(
-        {{"key", entry.key}, {"chosen", entry.chosen}, {"report", entry.report}, {"timings_ms", timings}});
+    for (const auto& [id, milliseconds] : entry.timings_ms) timings.push_back({candidate_json(id), milliseconds});
+    document["decisions"].push_back({{"key", entry.key},
+                                     {"chosen", candidate_json(entry.chosen)},
+                                     {"report", entry.report},
+                                     {"timings_ms", timings}});
   }
   static std::atomic<int> counter{0};
   std::error_code error;
@@ -101,7 +114,7 @@ void DecisionCache::store(const DispatchDecision& decision) {
 }
 
 std::string dispatch_key(const CudaDeviceInfo& device, const ComputeGraph& region_graph,
-                         const std::vector<std::string>& candidate_sources) {
+                         const std::vector<std::pair<CandidateId, std::string>>& candidate_sources, DispatchMode mode) {
   // Ops, attributes, dtypes and shapes, not names: the same region elsewhere shares the decision
   // (the sources carry names in comments, so that sharing holds only as far as they agree).
   std::string structure;
@@ -129,9 +142,9 @@ std::string dispatch_key(const CudaDeviceInfo& device, const ComputeGraph& regio
     structure += "\n";
   }
   std::string sources;
-  for (const std::string& source : candidate_sources) sources += stable_hash_hex(source);
-  return fmt::format("{} | driver {} | nvrtc {} | sources {} | region {}", device.name, device.driver_version,
-                     nvrtc_version(), stable_hash_hex(sources), stable_hash_hex(structure));
+  for (const auto& [id, source] : candidate_sources) sources += stable_hash_hex(id.name() + "\n" + source);
+  return fmt::format("{} | driver {} | nvrtc {} | mode {} | sources {} | region {}", device.name, device.driver_version,
+                     nvrtc_version(), dispatch_mode_name(mode), stable_hash_hex(sources), stable_hash_hex(structure));
 }
 
 }  // namespace metile

@@ -3,8 +3,9 @@
 //   candidates  = native (one kernel per node), native graph (the same, as a CUDA graph),
 //                 fused variants from the lowerings (each also as a CUDA graph)
 //   gate        = every candidate on fresh random inputs of the region alone vs run_reference
-//   tournament  = gated candidates, order-interleaved (dispatch.h)
-//   choice      = fused only with >= 10% headroom over the best native (5% for a single node)
+//   choice      = choose_measured (measured_choice.cpp): admission, stored decision,
+//                 order-interleaved tournament, fused only with >= 10% headroom over the best
+//                 native (5% for a single node)
 //
 // then binds the chosen step to the plan's device buffers, orders all steps topologically and
 // (optionally) captures them as one CUDA graph. METILE_DISPATCH=native|fused skips the race.
@@ -44,13 +45,18 @@ std::string_view dispatch_mode_name(DispatchMode mode) {
 }
 
 // ---------------------------------------------------------------- lowerings
-std::vector<FusedCandidate> row_region_candidates(const ComputeGraph& graph, const FusionRegion& region) {
-  if (!is_row_region(graph, region)) return {};
+namespace {
+
+// One candidate per row-kernel variant of `rows`, named `fused <prefix> <variant>`.
+std::vector<FusedCandidate> row_kernel_candidates(const ComputeGraph& graph, const FusionRegion& rows,
+                                                  const std::string& prefix) {
   std::vector<FusedCandidate> candidates;
-  for (const RowKernelOptions& options : row_kernel_variants(graph, region)) {
-    GeneratedKernel generated = generate_region_kernel(graph, region, options);
+  for (const RowKernelOptions& options : row_kernel_variants(graph, rows)) {
+    GeneratedKernel generated = generate_region_kernel(graph, rows, options);
     FusedCandidate candidate;
-    candidate.name = options.variant_name.empty() ? "fused" : "fused " + options.variant_name;
+    std::string variant = prefix;
+    if (!options.variant_name.empty()) variant += (variant.empty() ? "" : " ") + options.variant_name;
+    candidate.id = CandidateId::fused(variant);
     candidate.source = generated.source;
     candidate.summary = generated.summary;
     candidate.bind = [generated](DeviceValues& values) { return bind_kernel(load_generated_kernel(generated), values); };
@@ -59,13 +65,20 @@ std::vector<FusedCandidate> row_region_candidates(const ComputeGraph& graph, con
   return candidates;
 }
 
-std::vector<FusedCandidate> contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region) {
+}  // namespace
+
+Lowered row_region_candidates(const ComputeGraph& graph, const FusionRegion& region) {
+  Decision decision = row_region_decision(graph, region);
+  if (!decision) return {std::move(decision), {}};
+  return {Decision::allow(), row_kernel_candidates(graph, region, "")};
+}
+
+Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region) {
   std::vector<NodeId> nodes = region.nodes;
   std::sort(nodes.begin(), nodes.end());
   std::vector<NodeId> before;  // contractions the row part reads
   std::vector<NodeId> after;   // contractions reading the row part
-  FusionRegion rows;
-  rows.rule = region.rule;
+  std::vector<NodeId> row_nodes;
   std::set<ValueId> row_values;
   std::set<ValueId> after_values;
   for (NodeId id : nodes) {
@@ -78,53 +91,40 @@ std::vector<FusedCandidate> contraction_row_candidates(const ComputeGraph& graph
       if (reads_rows) after_values.insert(node.outputs.begin(), node.outputs.end());
       continue;
     }
-    // A row op reading a contraction that itself reads the row part: no single row kernel fits.
     if (std::any_of(node.inputs.begin(), node.inputs.end(), [&](ValueId input) { return after_values.contains(input); })) {
-      return {};
+      return {Decision::refuse(fmt::format("node '{}' reads a contraction that itself reads the row part: no single "
+                                           "row kernel fits between the contractions", node.name)),
+              {}};
     }
-    rows.nodes.push_back(id);
+    row_nodes.push_back(id);
     row_values.insert(node.outputs.begin(), node.outputs.end());
   }
-  if (before.empty() && after.empty()) return {};
-  if (rows.nodes.empty()) return {};
-  const std::set<NodeId> row_nodes(rows.nodes.begin(), rows.nodes.end());
-  for (NodeId id : rows.nodes) {
-    for (ValueId input : graph.node(id).inputs) {
-      if (!row_values.contains(input) && std::find(rows.inputs.begin(), rows.inputs.end(), input) == rows.inputs.end()) {
-        rows.inputs.push_back(input);
-      }
-    }
-    for (ValueId output : graph.node(id).outputs) {
-      const auto& consumers = graph.consumers(output);
-      const bool escapes = graph.is_output(output) || std::any_of(consumers.begin(), consumers.end(), [&](NodeId consumer) {
-                             return !row_nodes.contains(consumer);
-                           });
-      if (escapes) rows.outputs.push_back(output);
-    }
-  }
-  if (!is_row_region(graph, rows)) return {};
-  std::vector<FusedCandidate> candidates;
-  for (const RowKernelOptions& options : row_kernel_variants(graph, rows)) {
-    GeneratedKernel generated = generate_region_kernel(graph, rows, options);
-    FusedCandidate candidate;
-    candidate.name = options.variant_name.empty() ? "fused epilogue" : "fused epilogue " + options.variant_name;
-    candidate.source = generated.source;
+  if (before.empty() && after.empty()) return {Decision::refuse("the region has no contraction"), {}};
+  if (row_nodes.empty()) return {Decision::refuse("the region is contractions only: nothing to fuse between them"), {}};
+  FusionRegion rows = region_of_nodes(graph, row_nodes, region.rule);
+  Decision rows_decision = row_region_decision(graph, rows);
+  if (!rows_decision) return {Decision::refuse("the ops between the contractions: " + rows_decision.reason), {}};
+  std::vector<FusedCandidate> candidates = row_kernel_candidates(graph, rows, "epilogue");
+  for (FusedCandidate& candidate : candidates) {
     for (NodeId id : before) candidate.source += "\n" + NativeRuntime::node_source(graph, id);
     for (NodeId id : after) candidate.source += "\n" + NativeRuntime::node_source(graph, id);
     candidate.summary = fmt::format("{} contraction(s) through cuBLASLt around one {}", before.size() + after.size(),
-                                    generated.summary);
+                                    candidate.summary);
     candidate.launches = static_cast<int>(1 + before.size() + after.size());
-    candidate.bind = [generated, before, after](DeviceValues& values) {
+    candidate.bind = [row_bind = candidate.bind, before, after](DeviceValues& values) {
       auto native = std::make_shared<NativeRuntime>();
       auto steps = std::make_shared<std::vector<DeviceStep>>();
       for (NodeId id : before) steps->push_back(native->node_step(values.graph(), id, values));
-      steps->push_back(bind_kernel(load_generated_kernel(generated), values));
+      steps->push_back(row_bind(values));
       for (NodeId id : after) steps->push_back(native->node_step(values.graph(), id, values));
       return DeviceStep([native, steps](const CudaStream& stream) { run_steps(*steps, stream); });
     };
-    candidates.push_back(std::move(candidate));
   }
-  return candidates;
+  return {Decision::allow(), std::move(candidates)};
+}
+
+std::vector<RegionLowering> builtin_lowerings() {
+  return {{"row kernel", row_region_candidates}, {"contractions around a row kernel", contraction_row_candidates}};
 }
 
 // ---------------------------------------------------------------- executable
@@ -149,14 +149,26 @@ Executable& Executable::operator=(Executable&&) noexcept = default;
 
 namespace {
 
-std::vector<FusedCandidate> lower_region(const ComputeGraph& graph, const FusionRegion& region,
-                                         const ExecutableOptions& options) {
-  std::vector<FusedCandidate> candidates = row_region_candidates(graph, region);
-  for (FusedCandidate& candidate : contraction_row_candidates(graph, region)) candidates.push_back(std::move(candidate));
-  for (const RegionLowering& lowering : options.extra_lowerings) {
-    for (FusedCandidate& candidate : lowering(graph, region)) candidates.push_back(std::move(candidate));
+// Every lowering's candidates for the region, or (when none has any) why each declined.
+struct RegionLowerings {
+  std::vector<FusedCandidate> candidates;
+  std::string refusals;  // "row kernel: ...; contractions around a row kernel: ..."
+};
+
+RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region, const ExecutableOptions& options) {
+  RegionLowerings result;
+  std::vector<RegionLowering> lowerings = builtin_lowerings();
+  lowerings.insert(lowerings.end(), options.extra_lowerings.begin(), options.extra_lowerings.end());
+  for (const RegionLowering& lowering : lowerings) {
+    Lowered lowered = lowering.lower(graph, region);
+    if (!lowered.decision) {
+      result.refusals += fmt::format("{}{}: {}", result.refusals.empty() ? "" : "; ", lowering.name,
+                                     lowered.decision.reason);
+      continue;
+    }
+    for (FusedCandidate& candidate : lowered.candidates) result.candidates.push_back(std::move(candidate));
   }
-  return candidates;
+  return result;
 }
 
 // The worst output's gate result (the first failure, else the largest relative L2 error).
@@ -173,59 +185,58 @@ NumericGateResult gate_outputs(const TensorMap& outputs, const TensorMap& refere
   return worst;
 }
 
-struct RegionChoice {
-  bool fused = false;
-  std::string chosen;  // candidate name
-  RegionReport report;
-};
-
-// Gates and (in auto mode) races the candidates of one region on a graph of its own.
-RegionChoice choose_for_region(const ComputeGraph& graph, const FusionRegion& region, int region_index,
+// Gates the candidates of one region on a graph of its own, then lets the dispatch engine
+// (choose_measured) race and choose.
+RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& region, int region_index,
                                const CudaDevice& device, const ExecutableOptions& options, NativeRuntime& native,
                                DecisionCache* cache) {
-  RegionChoice choice;
-  RegionReport& report = choice.report;
+  RegionReport report;
   report.region = region_index;
   report.rule = region.rule;
   for (NodeId id : region.nodes) report.nodes.push_back(graph.node(id).name);
-  const std::string label = fmt::format("region R{} ({})", region_index, region.rule.empty() ? "region" : region.rule);
-  choice.chosen = "native";
-
+  // Regions are numbered from 1, as `metile plan` prints them (FusionPlan::explain), so a report
+  // line and a plan line about the same region say the same R-number.
+  const std::string label =
+      fmt::format("region R{} ({})", region_index + 1, region.rule.empty() ? "region" : region.rule);
+  const DispatchPolicy policy{options.mode, boundary_headroom(region.nodes.size())};
+  auto finish = [&](const CandidateId& chosen, const std::string& reason) {
+    report.chosen_id = chosen;
+    report.chosen = chosen.name();
+    report.sentence = fmt::format("{}: {}", label, reason);
+    return report;
+  };
   if (options.mode == DispatchMode::native) {
-    report.sentence = fmt::format("{}: native (METILE_DISPATCH=native)", label);
-    report.chosen = choice.chosen;
-    return choice;
+    return finish(CandidateId::native(), "native (METILE_DISPATCH=native)");
   }
   const ComputeGraph sub = region_graph(graph, region);
   const FusionRegion sub_region = region_in_region_graph(graph, region, sub);
-  std::vector<FusedCandidate> candidates = lower_region(sub, sub_region, options);
-  if (candidates.empty()) {
-    std::string reason;
-    is_row_region(sub, sub_region, &reason);
-    report.sentence = fmt::format("{}: native: no fused lowering ({})", label, reason);
-    report.chosen = choice.chosen;
-    return choice;
+  RegionLowerings lowered = lower_region(sub, sub_region, options);
+  if (lowered.candidates.empty()) {
+    return finish(CandidateId::native(), fmt::format("native: no fused lowering ({})", lowered.refusals));
   }
 
-  std::vector<std::string> sources;
-  for (const FusedCandidate& candidate : candidates) sources.push_back(candidate.source);
-  for (const Node& node : sub.nodes()) sources.push_back(NativeRuntime::node_source(sub, node.id));
-  const std::string key = dispatch_key(device.info(), sub, sources);
-  if (cache != nullptr) {
-    if (std::optional<DispatchDecision> decision = cache->find(key)) {
-      const bool known = decision->chosen.rfind("native", 0) == 0 ||
-                         std::any_of(candidates.begin(), candidates.end(), [&](const FusedCandidate& candidate) {
-                           return decision->chosen.rfind(candidate.name, 0) == 0;
-                         });
-      if (known && (options.mode == DispatchMode::automatic || decision->chosen.rfind("fused", 0) == 0)) {
-        choice.fused = decision->chosen.rfind("fused", 0) == 0;
-        choice.chosen = decision->chosen;
-        report.chosen = decision->chosen;
-        report.from_cache = true;
-        report.timings_ms = decision->timings_ms;
-        report.sentence = decision->report + " (cached)";
-        return choice;
-      }
+  // The candidates, in the order the engine sees them: native, native graph, then each fused
+  // lowering eagerly and as a CUDA graph.
+  std::vector<MeasuredCandidate> measured = {{CandidateId::native(), {}, true}, {CandidateId::native().as_graph(), {}, true}};
+  std::vector<std::pair<CandidateId, std::string>> sources;
+  std::string native_source;
+  for (const Node& node : sub.nodes()) native_source += NativeRuntime::node_source(sub, node.id);
+  sources.emplace_back(CandidateId::native(), native_source);
+  for (const FusedCandidate& candidate : lowered.candidates) sources.emplace_back(candidate.id, candidate.source);
+  const std::string key = dispatch_key(device.info(), sub, sources, options.mode);
+  std::optional<DispatchDecision> stored;
+  if (cache != nullptr) stored = cache->find(key);
+  // A stored decision was gated and raced when it was made, under a key that names every
+  // candidate's source: take it without measuring again, if it names a candidate offered now.
+  if (stored) {
+    bool offered = stored->chosen == CandidateId::native() || stored->chosen == CandidateId::native().as_graph();
+    for (const FusedCandidate& candidate : lowered.candidates) {
+      offered = offered || stored->chosen == candidate.id || stored->chosen == candidate.id.as_graph();
+    }
+    if (offered) {
+      report.from_cache = true;
+      for (const auto& [id, ms] : stored->timings_ms) report.timings_ms.emplace_back(id.name(), ms);
+      return finish(stored->chosen, stored->report + " (cached)");
     }
   }
 
@@ -242,80 +253,45 @@ RegionChoice choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     return gate_outputs(values.download_outputs(), reference);
   };
   const std::vector<DeviceStep> native_steps = native.graph_steps(sub, values);
-  const NumericGateResult native_gate = run_and_gate([&](const CudaStream& s) { run_steps(native_steps, s); });
-  report.gates.emplace_back("native", native_gate);
+  std::vector<DeviceStep> runs = {[&](const CudaStream& s) { run_steps(native_steps, s); }};
+  measured[0].gate = measured[1].gate = run_and_gate(runs[0]);
+  const CudaGraph native_graph = CudaGraph::capture(stream, runs[0]);
+  runs.push_back([native_graph](const CudaStream& s) { native_graph.replay(s); });
+  report.gates.emplace_back("native", measured[0].gate);
 
-  std::vector<TournamentCandidate> race = {{"native", [&](const CudaStream& s) { run_steps(native_steps, s); }}};
-  const CudaGraph native_graph = CudaGraph::capture(stream, [&](const CudaStream& s) { run_steps(native_steps, s); });
-  race.push_back({"native graph", [native_graph](const CudaStream& s) { native_graph.replay(s); }});
-  const std::size_t native_candidates = race.size();
-
-  std::vector<std::string> gate_failures;
-  for (const FusedCandidate& candidate : candidates) {
+  for (const FusedCandidate& candidate : lowered.candidates) {
     DeviceStep step;
+    NumericGateResult gate;
     try {
       step = candidate.bind(values);
+      gate = run_and_gate(step);
     } catch (const CudaError& error) {
-      NumericGateResult failed;
-      failed.detail = fmt::format("did not compile or load: {}", error.what());
-      report.gates.emplace_back(candidate.name, failed);
-      gate_failures.push_back(fmt::format("{} {}", candidate.name, failed.detail));
-      continue;
+      gate.detail = fmt::format("did not compile or load: {}", error.what());
     }
-    const NumericGateResult gate = run_and_gate(step);
-    report.gates.emplace_back(candidate.name, gate);
-    if (!gate.passed) {
-      const double error = std::max(gate.relative_l2, gate.relative_max);
-      gate_failures.push_back(std::isfinite(error)
-                                  ? fmt::format("{} failed the numeric gate by {:.1e} ({})", candidate.name, error, gate.detail)
-                                  : fmt::format("{} failed the numeric gate ({})", candidate.name, gate.detail));
-      continue;
+    report.gates.emplace_back(candidate.id.name(), gate);
+    measured.push_back({candidate.id, gate, false});
+    runs.push_back(step);
+    measured.push_back({candidate.id.as_graph(), gate, false});
+    if (gate.passed) {
+      const CudaGraph fused_graph = CudaGraph::capture(stream, step);
+      runs.push_back([fused_graph](const CudaStream& s) { fused_graph.replay(s); });
+    } else {
+      runs.push_back(step);  // never admitted: it failed the gate
     }
-    race.push_back({candidate.name, step});
-    const CudaGraph fused_graph = CudaGraph::capture(stream, step);
-    race.push_back({candidate.name + " graph", [fused_graph](const CudaStream& s) { fused_graph.replay(s); }});
   }
 
-  if (race.size() == native_candidates) {
-    report.sentence = fmt::format("{}: native: {}", label, gate_failures.empty() ? "no candidate" : gate_failures.front());
-    report.chosen = choice.chosen;
-    return choice;  // not cached: a failing candidate is re-examined next time (the source may change)
+  const MeasuredChoice choice = choose_measured(measured, policy, stored, [&](const std::vector<int>& entrants) {
+    std::vector<TournamentCandidate> race;
+    for (int index : entrants) race.push_back({measured[static_cast<std::size_t>(index)].id.name(), runs[static_cast<std::size_t>(index)]});
+    return run_tournament(race, stream, options.tournament).score_ms;
+  });
+  if (choice.chosen < 0) return finish(CandidateId::native(), "native: " + choice.reason);
+  for (std::size_t i = 0; i < measured.size(); ++i) {
+    if (choice.score_ms[i] >= 0) report.timings_ms.emplace_back(measured[i].id.name(), choice.score_ms[i]);
   }
-
-  const TournamentResult result = run_tournament(race, stream, options.tournament);
-  for (std::size_t i = 0; i < race.size(); ++i) report.timings_ms.emplace_back(race[i].name, result.score_ms[i]);
-  std::size_t best_native = 0;
-  for (std::size_t i = 1; i < native_candidates; ++i) {
-    if (result.score_ms[i] < result.score_ms[best_native]) best_native = i;
-  }
-  std::size_t best_fused = native_candidates;
-  for (std::size_t i = native_candidates; i < race.size(); ++i) {
-    if (result.score_ms[i] < result.score_ms[best_fused]) best_fused = i;
-  }
-  const double speedup = result.score_ms[best_native] / result.score_ms[best_fused];
-  const double headroom = region.nodes.size() == 1 ? 0.05 : 0.10;
-  std::string fused_name = race[best_fused].name;
-  if (fused_name.size() > 6 && fused_name.ends_with(" graph")) fused_name.resize(fused_name.size() - 6);
-  if (options.mode == DispatchMode::fused) {
-    choice.fused = true;
-    choice.chosen = fused_name;
-    report.sentence = fmt::format("{}: {} (METILE_DISPATCH=fused), {:.2f}x over {}", label, race[best_fused].name,
-                                  speedup, race[best_native].name);
-  } else if (beats_with_headroom(result.score_ms[best_fused], result.score_ms[best_native], headroom)) {
-    choice.fused = true;
-    choice.chosen = fused_name;
-    report.sentence = fmt::format("{}: {}, {:.2f}x over {}", label, race[best_fused].name, speedup, race[best_native].name);
-  } else {
-    choice.chosen = race[best_native].name;
-    report.sentence = fmt::format("{}: {}: best fused ({}) only {:.2f}x, needs {:.2f}x", label, race[best_native].name,
-                                  race[best_fused].name, speedup, 1.0 + headroom);
-  }
-  if (!gate_failures.empty()) report.sentence += "; " + gate_failures.front();
-  report.chosen = choice.chosen;
-  if (cache != nullptr && options.mode == DispatchMode::automatic) {
-    cache->store({key, choice.chosen, report.timings_ms, report.sentence});
-  }
-  return choice;
+  report.from_cache = choice.from_cache;
+  if (cache != nullptr && choice.worth_storing && !choice.from_cache) cache->store(decision_of(key, measured, choice));
+  return finish(measured[static_cast<std::size_t>(choice.chosen)].id, choice.reason + (choice.from_cache ? " (cached)" : ""));
 }
 
 // Steps of regions and unfused nodes, ordered so every step runs after the producers of what it reads.
@@ -384,17 +360,20 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   std::set<NodeId> covered;
   for (std::size_t r = 0; r < plan.regions.size(); ++r) {
     const FusionRegion& region = plan.regions[r];
-    RegionChoice choice = choose_for_region(graph, region, static_cast<int>(r), device, options, *state->native,
+    RegionReport report = choose_for_region(graph, region, static_cast<int>(r), device, options, *state->native,
                                             cache ? &*cache : nullptr);
     Unit unit;
     unit.nodes = region.nodes;
-    if (choice.fused) {
-      for (FusedCandidate& candidate : lower_region(graph, region, options)) {
-        if (candidate.name != choice.chosen) continue;
+    if (report.chosen_id.kind == CandidateKind::fused) {
+      // The whole plan replays as one CUDA graph: the chosen lowering binds in its eager form.
+      for (FusedCandidate& candidate : lower_region(graph, region, options).candidates) {
+        if (candidate.id != report.chosen_id.eager()) continue;
         unit.steps.push_back(candidate.bind(*state->values));
         state->kernel_count += candidate.launches;
       }
-      if (unit.steps.empty()) throw std::runtime_error(fmt::format("region R{}: candidate '{}' vanished", r, choice.chosen));
+      if (unit.steps.empty()) {
+        throw std::runtime_error(fmt::format("region R{}: candidate '{}' vanished", r, report.chosen));
+      }
     } else {
       std::vector<NodeId> nodes = region.nodes;
       std::sort(nodes.begin(), nodes.end());
@@ -403,7 +382,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
     }
     covered.insert(region.nodes.begin(), region.nodes.end());
     units.push_back(std::move(unit));
-    state->reports.push_back(std::move(choice.report));
+    state->reports.push_back(std::move(report));
   }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;

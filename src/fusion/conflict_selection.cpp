@@ -1,4 +1,4 @@
-// Conflict selection (DESIGN.md, "Conflict selection"): which candidate regions
+// Conflict selection (docs/architecture.md, "Conflict selection"): which candidate regions
 // become kernels. Candidates that share an op, or that were found to close a
 // cycle between kernels, conflict; each connected component of the conflict
 // graph is a maximum-weight independent set problem:
@@ -397,3 +397,25 @@ SelectionOutcome reselect_candidates(std::span<const std::int64_t> weights,
 }
 
 }  // namespace metile::fusion_internal
+
+namespace metile {
+
+bool is_certified_node(const Node& node) { return node.attributes.has("certificate"); }
+
+NodeSetSelection select_disjoint_node_sets(std::size_t node_count, std::span<const std::vector<NodeId>> node_sets,
+                                           std::span<const std::int64_t> weights, int max_exact_component_size) {
+  if (node_sets.size() != weights.size()) throw std::invalid_argument("select_disjoint_node_sets: one weight per set");
+  for (const auto& set : node_sets) {
+    for (NodeId node : set) {
+      if (node < 0 || static_cast<std::size_t>(node) >= node_count) {
+        throw std::invalid_argument("select_disjoint_node_sets: a node id outside the graph");
+      }
+    }
+  }
+  const auto conflicts = fusion_internal::find_overlaps(node_count, node_sets);
+  fusion_internal::SelectionOutcome outcome =
+      fusion_internal::select_candidates(weights, conflicts, max_exact_component_size);
+  return {std::move(outcome.selected), std::move(outcome.component_of), std::move(outcome.components)};
+}
+
+}  // namespace metile

@@ -1,5 +1,5 @@
 // FusionPlan's three faces: text for a person (explain), JSON for tools (the
-// schema of DESIGN.md, byte-identical for identical plans) and Graphviz DOT with
+// schema of docs/architecture.md, byte-identical for identical plans) and Graphviz DOT with
 // one coloured cluster per region.
 #include <algorithm>
 #include <cmath>
@@ -11,6 +11,29 @@
 #include "metile/fusion.h"
 
 namespace metile {
+
+FusionRegion region_of_nodes(const ComputeGraph& graph, std::vector<NodeId> nodes, std::string rule) {
+  std::sort(nodes.begin(), nodes.end());  // node ids are topological
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  auto inside = [&](NodeId id) { return std::binary_search(nodes.begin(), nodes.end(), id); };
+  FusionRegion region;
+  region.rule = std::move(rule);
+  for (NodeId id : nodes) {
+    const Node& node = graph.node(id);
+    for (ValueId input : node.inputs) {
+      if (inside(graph.value(input).producer)) continue;
+      if (std::find(region.inputs.begin(), region.inputs.end(), input) == region.inputs.end()) region.inputs.push_back(input);
+    }
+    for (ValueId output : node.outputs) {
+      const auto& consumers = graph.consumers(output);
+      if (graph.is_output(output) || !std::all_of(consumers.begin(), consumers.end(), inside)) {
+        region.outputs.push_back(output);
+      }
+    }
+  }
+  region.nodes = std::move(nodes);
+  return region;
+}
 namespace {
 
 std::string duration_text(double nanoseconds) {
@@ -34,6 +57,20 @@ std::string dot_quoted(std::string_view text) {
     quoted += c;
   }
   return quoted + "\"";
+}
+
+// "certificate: law stable_weighted_softmax, verified (4/4 obligations hold)".
+std::string certificate_line(const std::string& certificate_json) {
+  const nlohmann::json certificate = nlohmann::json::parse(certificate_json, nullptr, false);
+  if (certificate.is_discarded() || !certificate.is_object()) return "certificate: unreadable";
+  std::size_t holding = 0;
+  std::size_t total = 0;
+  for (const auto& obligation : certificate.value("obligations", nlohmann::json::array())) {
+    ++total;
+    if (obligation.value("holds", false)) ++holding;
+  }
+  return fmt::format("certificate: law {}, {} ({}/{} obligations hold)", certificate.value("law", std::string("?")),
+                     certificate.value("verified", false) ? "verified" : "NOT verified", holding, total);
 }
 
 }  // namespace
@@ -65,6 +102,7 @@ std::string FusionPlan::explain() const {
                         duration_text(region.benefit_ns));
     text += fmt::format("      ops:     {}\n      reads:   {}\n      writes:  {}\n", ops, value_list(region.inputs),
                         value_list(region.outputs));
+    if (!region.certificate.empty()) text += "      " + certificate_line(region.certificate) + "\n";
   }
   if (!unfused.empty()) {
     std::string list;
@@ -77,6 +115,10 @@ std::string FusionPlan::explain() const {
   for (const auto& [method, count] : methods) method_list += fmt::format("{}{} {}", method_list.empty() ? "" : ", ", count, method);
   text += fmt::format("conflict selection: {} in {}{}\n", counted(candidates.size(), "candidate"),
                       counted(components.size(), "component"), method_list.empty() ? "" : " (" + method_list + ")");
+  if (!rewrites.empty()) {
+    text += "certified rewrites before planning:\n";
+    for (const std::string& line : rewrites) text += "  " + line + "\n";
+  }
   text += "why each op is where it is:\n";
   std::size_t width = 0;
   for (const Node& node : g.nodes()) width = std::max(width, node.name.size());
@@ -110,10 +152,17 @@ std::string FusionPlan::to_json() const {
     entry["inputs"] = names(region.inputs, value_name);
     entry["outputs"] = names(region.outputs, value_name);
     entry["benefit_ns"] = std::round(region.benefit_ns * 1000) / 1000;
+    if (!region.certificate.empty()) {
+      // A hand-written graph may carry any text: kept as a string when it is not JSON.
+      Json certificate = Json::parse(region.certificate, nullptr, false);
+      entry["certificate"] = certificate.is_discarded() ? Json(region.certificate) : std::move(certificate);
+    }
     text += (index == 0 ? "\n    " : ",\n    ") + entry.dump();
   }
   text += regions.empty() ? "],\n" : "\n  ],\n";
-  text += "  \"unfused\": " + names(unfused, node_name).dump() + "\n}\n";
+  text += "  \"unfused\": " + names(unfused, node_name).dump();
+  if (!rewrites.empty()) text += ",\n  \"rewrites\": " + Json(rewrites).dump();
+  text += "\n}\n";
   return text;
 }
 

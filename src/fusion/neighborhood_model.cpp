@@ -1,4 +1,4 @@
-// The neighborhood cut model of one anchor under one rule (DESIGN.md,
+// The neighborhood cut model of one anchor under one rule (docs/architecture.md,
 // "Neighborhood cut models"): which of the ops around the anchor join its kernel,
 // decided exactly by one minimum s-t cut. Source side = joins the kernel.
 //
@@ -151,6 +151,7 @@ class NeighborhoodModel {
   // Tries to add a growth op; says why not when the rule would take its kind.
   bool try_grow(NodeId node, Side node_side, int depth, const GrowthSpec& growth, const TensorSpec& anchor_output) {
     if (in_neighborhood(node) || !allows(growth, graph_.node(node).kind, depth)) return false;
+    if (is_certified_node(graph_.node(node))) return false;  // a kernel of its own
     if (const auto mismatch = shape_mismatch(node, anchor_output)) {
       outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + *mismatch);
       return false;

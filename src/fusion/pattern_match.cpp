@@ -17,7 +17,7 @@ struct MatchState {
 };
 
 bool entry_accepts(const OpPattern& entry, const Node& node) {
-  if (node.kind != entry.kind) return false;
+  if (node.kind != entry.kind || is_certified_node(node)) return false;
   return entry.ops.empty() || std::find(entry.ops.begin(), entry.ops.end(), node.op) != entry.ops.end();
 }
 

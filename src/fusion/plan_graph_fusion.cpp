@@ -145,31 +145,6 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
   return proposals;
 }
 
-std::vector<ValueId> region_inputs(const ComputeGraph& graph, const std::vector<NodeId>& nodes) {
-  std::vector<ValueId> inputs;
-  for (NodeId id : nodes) {
-    for (ValueId input : graph.node(id).inputs) {
-      if (std::binary_search(nodes.begin(), nodes.end(), graph.value(input).producer)) continue;
-      if (std::find(inputs.begin(), inputs.end(), input) == inputs.end()) inputs.push_back(input);
-    }
-  }
-  return inputs;
-}
-
-std::vector<ValueId> region_outputs(const ComputeGraph& graph, const GraphIndex& index, const std::vector<NodeId>& nodes) {
-  std::vector<ValueId> outputs;
-  for (NodeId id : nodes) {
-    for (ValueId output : graph.node(id).outputs) {
-      const auto& consumers = graph.consumers(output);
-      const bool leaves = index.value_is_output[static_cast<std::size_t>(output)] || std::any_of(consumers.begin(), consumers.end(), [&](NodeId c) {
-                            return !std::binary_search(nodes.begin(), nodes.end(), c);
-                          });
-      if (leaves) outputs.push_back(output);
-    }
-  }
-  return outputs;
-}
-
 std::string unfused_reason(const Node& node, const NodeNotes& notes) {
   if (!notes.refusals.empty()) {
     std::string text = notes.refusals.front();
@@ -258,19 +233,32 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     }
   }
 
-  // Regions in the order of their first node.
-  std::stable_sort(chosen.begin(), chosen.end(), [&](int a, int b) {
-    return node_sets[static_cast<std::size_t>(a)].front() < node_sets[static_cast<std::size_t>(b)].front();
-  });
+  // Regions in the order of their first node: the selected candidates, and each node a certified
+  // rewrite made (already one kernel; no rule touches it), as a region of its own carrying its
+  // certificate.
+  struct RegionSource {
+    NodeId first = -1;
+    int candidate = -1;  // -1: the certified node `first`
+  };
+  std::vector<RegionSource> sources;
+  for (int candidate : chosen) sources.push_back({node_sets[static_cast<std::size_t>(candidate)].front(), candidate});
+  for (const Node& node : graph.nodes()) {
+    if (is_certified_node(node)) sources.push_back({node.id, -1});
+  }
+  std::stable_sort(sources.begin(), sources.end(),
+                   [](const RegionSource& a, const RegionSource& b) { return a.first < b.first; });
   std::vector<int> region_of_node(node_count, -1);
-  for (int candidate : chosen) {
-    const ProposedRegion& proposal = proposals[static_cast<std::size_t>(candidate)];
+  for (const RegionSource& source : sources) {
     FusionRegion region;
-    region.rule = rules.rules[static_cast<std::size_t>(proposal.rule)].name;
-    region.nodes = proposal.nodes;
-    region.inputs = region_inputs(graph, region.nodes);
-    region.outputs = region_outputs(graph, scratch.index, region.nodes);
-    region.benefit_ns = proposal.benefit_ns;
+    if (source.candidate >= 0) {
+      const ProposedRegion& proposal = proposals[static_cast<std::size_t>(source.candidate)];
+      region = region_of_nodes(graph, proposal.nodes, rules.rules[static_cast<std::size_t>(proposal.rule)].name);
+      region.benefit_ns = proposal.benefit_ns;
+    } else {
+      const Node& node = graph.node(source.first);
+      region = region_of_nodes(graph, {node.id}, node.op);
+      region.certificate = node.attributes.get_string("certificate");
+    }
     for (NodeId node : region.nodes) region_of_node[static_cast<std::size_t>(node)] = static_cast<int>(plan.regions.size());
     plan.regions.push_back(std::move(region));
   }
@@ -303,6 +291,10 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     const auto id = static_cast<std::size_t>(node.id);
     const int region = region_of_node[id];
     std::string& reason = plan.node_reasons[id];
+    if (region >= 0 && is_certified_node(node)) {
+      reason = fmt::format("in region R{} ({}): a kernel of its own, made by a certified rewrite", region + 1, node.op);
+      continue;
+    }
     if (region >= 0) {
       reason = fmt::format("in region R{} ({})", region + 1, plan.regions[static_cast<std::size_t>(region)].rule);
       for (const std::string& refusal : notes[id].refusals) reason += "; " + refusal;

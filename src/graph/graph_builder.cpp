@@ -118,13 +118,18 @@ std::vector<ValueRef> GraphBuilder::add_node(std::string_view op, std::vector<Va
   const std::string owner = node_label(name, op);
   const OpDefinition* definition = find_op(op);
   if (definition == nullptr) throw InputError(owner + ": unknown op '" + std::string(op) + "'");
-  if (inputs.size() != definition->input_names.size()) {
+  const std::size_t required_inputs = definition->input_names.size() - definition->optional_inputs;
+  if (inputs.size() < required_inputs || inputs.size() > definition->input_names.size()) {
     std::string expected;
-    for (std::string_view input_name : definition->input_names) {
-      expected += (expected.empty() ? "" : ", ") + std::string(input_name);
+    for (std::size_t index = 0; index < definition->input_names.size(); ++index) {
+      const bool optional = index >= required_inputs;
+      expected += (expected.empty() ? "" : ", ") + std::string(optional ? "[" : "") +
+                  std::string(definition->input_names[index]) + (optional ? "]" : "");
     }
-    throw InputError(owner + ": expects " + std::to_string(definition->input_names.size()) + " inputs (" + expected +
-                     "), got " + std::to_string(inputs.size()));
+    const std::string count = definition->optional_inputs == 0
+                                  ? std::to_string(required_inputs)
+                                  : std::to_string(required_inputs) + " to " + std::to_string(definition->input_names.size());
+    throw InputError(owner + ": expects " + count + " inputs (" + expected + "), got " + std::to_string(inputs.size()));
   }
   std::vector<TensorSpec> input_specs;
   std::vector<ValueId> input_ids;
@@ -215,6 +220,10 @@ ValueRef GraphBuilder::mean(ValueRef x, std::string name) { return add_node("mea
 ValueRef GraphBuilder::causal_mask(ValueRef x, std::int64_t offset, std::string name) {
   return add_node("causal_mask", {x}, attributes_of({{"offset", offset}}), std::move(name)).front();
 }
+
+ValueRef GraphBuilder::position_mask(ValueRef x, ValueRef positions, std::string name) {
+  return add_node("position_mask", {x, positions}, {}, std::move(name)).front();
+}
 ValueRef GraphBuilder::matmul(ValueRef a, ValueRef b, bool transpose_right, std::string name) {
   return add_node("matmul", {a, b}, attributes_of({{"transpose_right", std::int64_t{transpose_right ? 1 : 0}}}),
                   std::move(name))
@@ -229,6 +238,19 @@ ValueRef GraphBuilder::quantized_matmul(ValueRef x, ValueRef packed, ValueRef sc
 }
 ValueRef GraphBuilder::rope(ValueRef x, ValueRef positions, double theta, std::int64_t dims, std::string name) {
   return add_node("rope", {x, positions}, attributes_of({{"theta", theta}, {"dims", dims}}), std::move(name)).front();
+}
+ValueRef GraphBuilder::embedding(ValueRef ids, ValueRef table, std::string name) {
+  return add_node("embedding", {ids, table}, {}, std::move(name)).front();
+}
+ValueRef GraphBuilder::quantized_embedding(ValueRef ids, ValueRef packed, ValueRef scales, ValueRef biases, int bits,
+                                           int group_size, std::string name) {
+  return add_node("quantized_embedding", {ids, packed, scales, biases},
+                  attributes_of({{"bits", std::int64_t{bits}}, {"group_size", std::int64_t{group_size}}}),
+                  std::move(name))
+      .front();
+}
+ValueRef GraphBuilder::kv_cache_write(ValueRef cache, ValueRef update, ValueRef positions, std::string name) {
+  return add_node("kv_cache_write", {cache, update, positions}, {}, std::move(name)).front();
 }
 ValueRef GraphBuilder::reshape(ValueRef x, std::vector<std::int64_t> shape, std::string name) {
   return add_node("reshape", {x}, attributes_of({{"shape", std::move(shape)}}), std::move(name)).front();

@@ -1,4 +1,4 @@
-// JSON graph files (DESIGN.md, "Graph files"): reading with a JSON path in every
+// JSON graph files (docs/architecture.md, "Formats"): reading with a JSON path in every
 // error, nodes accepted in any order (sorted topologically, a cycle reported by
 // naming the nodes on it), and a deterministic writer with one input or node per
 // line so that files diff well and parse_graph_json(write_graph_json(g)) == g.

@@ -188,6 +188,58 @@ std::vector<TensorSpec> infer_causal_mask(std::span<const TensorSpec> inputs, At
   return {inputs[0]};
 }
 
+// positions i32 [S] for the rows of x [..., R, T]: R must be a multiple of S (grouped-query rows
+// are head-major: row r is token r mod S).
+void require_row_positions(const TensorSpec& positions, std::int64_t rows, std::string_view rows_role) {
+  if (positions.dtype != DType::i32 || positions.rank() != 1 || positions.shape[0] <= 0 || rows % positions.shape[0] != 0) {
+    throw InputError(described("positions", positions) + " must be i32[S] with the " + std::to_string(rows) + " rows of " +
+                     std::string(rows_role) + " a multiple of S");
+  }
+}
+
+// q [..., Hkv, R, D], k [..., Hkv, T, D], v [..., Hkv, T, Dv] [, positions i32 [S]] -> [..., Hkv, R, Dv].
+std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  check_known_attributes(attributes, {"scale", "mask", "offset", "certificate"});
+  const TensorSpec& q = inputs[0];
+  const TensorSpec& k = inputs[1];
+  const TensorSpec& v = inputs[2];
+  require_floating(q, "q");
+  require_same_dtype(k, "k", q, "q");
+  require_same_dtype(v, "v", q, "q");
+  require_rank_at_least(q, "q", 3);
+  const auto rank = static_cast<std::size_t>(q.rank());
+  const Shape batch(q.shape.begin(), q.shape.end() - 2);
+  if (k.rank() != q.rank() || v.rank() != q.rank() || Shape(k.shape.begin(), k.shape.end() - 2) != batch ||
+      Shape(v.shape.begin(), v.shape.end() - 2) != batch) {
+    throw InputError(described("k", k) + " and " + described("v", v) + " must have the leading dims [..., Hkv] of " +
+                     described("q", q));
+  }
+  if (k.shape[rank - 1] != q.shape[rank - 1]) {
+    throw InputError(described("k", k) + " must have the head dim D = " + std::to_string(q.shape[rank - 1]) + " of " +
+                     described("q", q));
+  }
+  if (v.shape[rank - 2] != k.shape[rank - 2]) {
+    throw InputError(described("v", v) + " must have the key count T = " + std::to_string(k.shape[rank - 2]) + " of " +
+                     described("k", k));
+  }
+  if (!attributes.has("scale")) attributes.set("scale", 1.0);
+  finite_number(attributes, "scale");
+  if (!attributes.has("mask")) attributes.set("mask", std::string(inputs.size() == 4 ? "positions" : "none"));
+  const std::string& mask = attributes.get_string("mask");
+  if (mask != "none" && mask != "causal" && mask != "positions") {
+    throw InputError("mask must be 'none', 'causal' or 'positions', got '" + mask + "'");
+  }
+  if ((mask == "positions") != (inputs.size() == 4)) {
+    throw InputError("mask '" + mask + "' " + (inputs.size() == 4 ? "takes no positions input" : "needs a positions input"));
+  }
+  if (inputs.size() == 4) require_row_positions(inputs[3], q.shape[rank - 2], "q");
+  integer_or_default(attributes, "offset", 0);
+  if (attributes.has("certificate")) attributes.get_string("certificate");  // a string; the executor checks it
+  Shape output = q.shape;
+  output.back() = v.shape.back();
+  return {TensorSpec(output, q.dtype)};
+}
+
 std::vector<TensorSpec> infer_matmul(std::span<const TensorSpec> inputs, Attributes& attributes) {
   check_known_attributes(attributes, {"transpose_right"});
   const TensorSpec& a = inputs[0];
@@ -263,8 +315,33 @@ std::vector<TensorSpec> infer_quantized_matmul(std::span<const TensorSpec> input
   return {TensorSpec(output, x.dtype)};
 }
 
+// rope's optional frequency scaling (Llama 3.1 and later, transformers'
+// _compute_llama3_parameters): attribute "scaling" = "llama3" with "factor",
+// "low_freq_factor", "high_freq_factor" and "original_max_position_embeddings".
+// Absent means unscaled; nothing is filled in, so graphs without it are unchanged.
+void check_rope_scaling(Attributes& attributes) {
+  if (!attributes.has("scaling")) {
+    for (const char* name : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
+      if (attributes.has(name)) throw InputError(std::string("attribute '") + name + "' needs scaling = 'llama3'");
+    }
+    return;
+  }
+  const std::string& scaling = attributes.get_string("scaling");
+  if (scaling != "llama3") throw InputError("scaling must be 'llama3', got '" + scaling + "'");
+  const double factor = positive_number(attributes, "factor");
+  const double low = positive_number(attributes, "low_freq_factor");
+  const double high = positive_number(attributes, "high_freq_factor");
+  positive_number(attributes, "original_max_position_embeddings");
+  if (!(high > low)) {
+    throw InputError("high_freq_factor " + number_text(high) + " must exceed low_freq_factor " + number_text(low));
+  }
+  (void)factor;
+}
+
 std::vector<TensorSpec> infer_rope(std::span<const TensorSpec> inputs, Attributes& attributes) {
-  check_known_attributes(attributes, {"theta", "dims"});
+  check_known_attributes(attributes, {"theta", "dims", "scaling", "factor", "low_freq_factor", "high_freq_factor",
+                                      "original_max_position_embeddings"});
+  check_rope_scaling(attributes);
   const TensorSpec& x = inputs[0];
   const TensorSpec& positions = inputs[1];
   require_floating(x, "x");
@@ -282,6 +359,89 @@ std::vector<TensorSpec> infer_rope(std::span<const TensorSpec> inputs, Attribute
                      described("x", x));
   }
   return {x};
+}
+
+// The ops of a decoder's decode step (src/model): token ids and positions are
+// runtime i32 inputs, the KV cache is a fixed-capacity tensor [Hkv, T, D].
+void require_ids(const TensorSpec& spec, std::string_view role) {
+  if (spec.dtype != DType::i32 || spec.rank() != 1) {
+    throw InputError(described(role, spec) + " must be i32 [S]");
+  }
+}
+
+// embedding(ids i32 [S], table [V, H]) -> [S, H]: row ids[s] of the table.
+std::vector<TensorSpec> infer_embedding(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  check_known_attributes(attributes, {});
+  require_ids(inputs[0], "ids");
+  const TensorSpec& table = inputs[1];
+  require_floating(table, "table");
+  if (table.rank() != 2) throw InputError(described("table", table) + " must be [V, H]");
+  return {TensorSpec({inputs[0].shape[0], table.shape[1]}, table.dtype)};
+}
+
+// quantized_embedding(ids, packed u32 [V, H*bits/32], scales [V, H/g], biases): the rows of
+// an affinely quantized table (include/metile/quant.h), dequantized in the scales' dtype.
+std::vector<TensorSpec> infer_quantized_embedding(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  check_known_attributes(attributes, {"bits", "group_size"});
+  require_ids(inputs[0], "ids");
+  const TensorSpec& packed = inputs[1];
+  const TensorSpec& scales = inputs[2];
+  const TensorSpec& biases = inputs[3];
+  const std::int64_t bits = attributes.get_int("bits");
+  const std::int64_t group_size = attributes.get_int("group_size");
+  if (bits != 4 && bits != 8) throw InputError("bits must be 4 or 8, got " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw InputError("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (packed.dtype != DType::u32 || packed.rank() != 2) {
+    throw InputError(described("packed", packed) + " must be u32 [V, H*bits/32]");
+  }
+  require_floating(scales, "scales");
+  const std::int64_t rows = packed.shape[0];
+  const std::int64_t hidden = packed.shape[1] * 32 / bits;
+  if (hidden % group_size != 0) {
+    throw InputError(described("packed", packed) + " holds rows of " + std::to_string(hidden) +
+                     " values, not a multiple of group_size " + std::to_string(group_size));
+  }
+  const Shape groups_expected{rows, hidden / group_size};
+  for (const auto& [role, spec] : {std::pair{"scales", &scales}, std::pair{"biases", &biases}}) {
+    require_same_dtype(*spec, role, scales, "scales");
+    if (spec->shape != groups_expected) {
+      throw InputError(described(role, *spec) + " must be [V, H/group_size] = " + shape_text(groups_expected));
+    }
+  }
+  return {TensorSpec({inputs[0].shape[0], hidden}, scales.dtype)};
+}
+
+// position_mask(x [..., R, T], positions i32 [S]), R a multiple of S: row r sees key j
+// only where j <= positions[r mod S], the rest becomes -inf (the causal mask of a decode
+// step whose tokens sit at runtime positions, rows of grouped query heads stacked).
+std::vector<TensorSpec> infer_position_mask(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  check_known_attributes(attributes, {});
+  const TensorSpec& x = inputs[0];
+  require_floating(x, "x");
+  require_rank_at_least(x, "x", 2);
+  require_row_positions(inputs[1], x.shape[x.shape.size() - 2], "x");
+  return {x};
+}
+
+// kv_cache_write(cache [H, T, D], update [H, S, D], positions i32 [S]) -> cache with row
+// positions[s] of every head replaced by update[:, s, :]. SSA in the graph; the model
+// runtime hands the output back as the next step's cache.
+std::vector<TensorSpec> infer_kv_cache_write(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  check_known_attributes(attributes, {});
+  const TensorSpec& cache = inputs[0];
+  const TensorSpec& update = inputs[1];
+  require_floating(cache, "cache");
+  require_same_dtype(update, "update", cache, "cache");
+  if (cache.rank() != 3) throw InputError(described("cache", cache) + " must be [H, T, D]");
+  require_ids(inputs[2], "positions");
+  const Shape expected{cache.shape[0], inputs[2].shape[0], cache.shape[2]};
+  if (update.shape != expected) {
+    throw InputError(described("update", update) + " must be " + shape_text(expected) +
+                     " (the cache's heads and row length, one row per position)");
+  }
+  return {cache};
 }
 
 std::vector<TensorSpec> infer_reshape(std::span<const TensorSpec> inputs, Attributes& attributes) {
@@ -671,6 +831,25 @@ std::deque<OpDefinition>& table() {
            sample("transpose", {f32({2, 4, 8})}, attributes_of({{"perm", Shape{2, 0, 1}}})));
     define("cast", OpKind::layout, {"x"}, infer_cast,
            sample("cast", {f32(rows)}, attributes_of({{"dtype", std::string("f16")}})));
+    // The decode-step ops of src/model: gathers and a cache write are data movement
+    // (layout); position_mask also reads a row-indexed runtime input (positions [S]
+    // repeat over rows, not a broadcast suffix), so it is not same-index elementwise
+    // and stays out of elementwise fusion, like rope.
+    define("embedding", OpKind::layout, {"ids", "table"}, infer_embedding,
+           sample("embedding", {TensorSpec({3}, DType::i32), f32({10, 16})}));
+    define("quantized_embedding", OpKind::layout, {"ids", "packed", "scales", "biases"}, infer_quantized_embedding,
+           sample("quantized_embedding",
+                  {TensorSpec({3}, DType::i32), TensorSpec({10, 8}, DType::u32), f32({10, 1}), f32({10, 1})},
+                  attributes_of({{"bits", std::int64_t{4}}, {"group_size", std::int64_t{64}}})));
+    define("position_mask", OpKind::layout, {"x", "positions"}, infer_position_mask,
+           sample("position_mask", {f32({2, 8, 6}), TensorSpec({4}, DType::i32)}));
+    define("kv_cache_write", OpKind::layout, {"cache", "update", "positions"}, infer_kv_cache_write,
+           sample("kv_cache_write", {f32({2, 6, 8}), f32({2, 3, 8}), TensorSpec({3}, DType::i32)}));
+    // One kernel made by the attention rewrite (src/discovery): it contracts over D and over T. Its
+    // sample carries no certificate, so the CPU reference refuses to run it (the executor's check).
+    define("flash_attention", OpKind::contraction, {"q", "k", "v", "positions"}, infer_flash_attention,
+           sample("flash_attention", {f32({2, 4, 8}), f32({2, 6, 8}), f32({2, 6, 4})}))
+        .optional_inputs = 1;
     return ops;
   }();
   return definitions;

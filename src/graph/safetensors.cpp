@@ -1,13 +1,20 @@
 // safetensors files: an 8-byte little-endian header length, a JSON header
 // {"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
-// then the raw little-endian data. Used by `metile run --inputs/--output` and the
-// tests; every malformed file is an InputError naming the file and the tensor.
+// then the raw little-endian data. Used by `metile run --inputs/--output`, the model
+// checkpoint loader (mapped, read in place) and the tests; every malformed file is an
+// InputError naming the file and the tensor.
 #include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <string>
 #include <system_error>
+#include <cerrno>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 
 #include "json_input.h"
 #include "metile/graph.h"
@@ -104,19 +111,33 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
 
 }  // namespace
 
-TensorMap read_safetensors(const std::filesystem::path& path) {
+MappedSafetensors::MappedSafetensors(const std::filesystem::path& path) : path_(path) {
   const std::string file = path.string();
   const std::uint64_t file_bytes = regular_file_size(path, "safetensors");
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream) throw InputError(file + ": cannot open the file");
+  const int descriptor = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (descriptor < 0) throw InputError(file + ": cannot open the file: " + std::strerror(errno));
   if (file_bytes < 8) {
+    ::close(descriptor);
     throw InputError(file + ": too short for a safetensors file (" + std::to_string(file_bytes) +
                      " bytes, the header length alone takes 8)");
   }
-  unsigned char length_bytes[8];
-  stream.read(reinterpret_cast<char*>(length_bytes), 8);
+  void* mapping = ::mmap(nullptr, static_cast<std::size_t>(file_bytes), PROT_READ, MAP_PRIVATE, descriptor, 0);
+  ::close(descriptor);  // the mapping keeps the file alive
+  if (mapping == MAP_FAILED) throw InputError(file + ": cannot map the file: " + std::strerror(errno));
+  mapping_ = static_cast<const std::byte*>(mapping);
+  mapped_bytes_ = static_cast<std::size_t>(file_bytes);
+  try {
+    parse_header(file_bytes);
+  } catch (...) {
+    ::munmap(const_cast<std::byte*>(mapping_), mapped_bytes_);
+    throw;
+  }
+}
+
+void MappedSafetensors::parse_header(std::uint64_t file_bytes) {
+  const std::string file = path_.string();
   std::uint64_t header_bytes = 0;
-  for (int index = 7; index >= 0; --index) header_bytes = (header_bytes << 8) | length_bytes[index];
+  for (int index = 7; index >= 0; --index) header_bytes = (header_bytes << 8) | std::to_integer<std::uint64_t>(mapping_[index]);
   if (header_bytes > file_bytes - 8) {
     throw InputError(file + ": header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
                      std::to_string(file_bytes) + " bytes)");
@@ -125,10 +146,7 @@ TensorMap read_safetensors(const std::filesystem::path& path) {
     throw InputError(file + ": header length " + std::to_string(header_bytes) + " is above the limit of " +
                      std::to_string(kMaximumSafetensorsHeaderBytes) + " bytes");
   }
-  std::string header(static_cast<std::size_t>(header_bytes), '\0');
-  stream.read(header.data(), static_cast<std::streamsize>(header_bytes));
-  if (!stream) throw InputError(file + ": cannot read the header");
-
+  const std::string_view header(reinterpret_cast<const char*>(mapping_ + 8), static_cast<std::size_t>(header_bytes));
   const Json parsed = parse_json_input(header, file + ": header");
   if (!parsed.is_object()) throw InputError(file + ": header is not a JSON object");
 
@@ -149,17 +167,31 @@ TensorMap read_safetensors(const std::filesystem::path& path) {
                        by_offset[index - 1]->name + "'");
     }
   }
-
-  std::vector<std::byte> data(static_cast<std::size_t>(data_bytes));
-  stream.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(data_bytes));
-  if (!stream) throw InputError(file + ": cannot read the tensor data");
-  TensorMap tensors;
+  const std::byte* data = mapping_ + 8 + header_bytes;
   for (const TensorEntry& entry : entries) {
-    HostTensor tensor(entry.spec);
-    std::copy(data.begin() + static_cast<std::ptrdiff_t>(entry.begin), data.begin() + static_cast<std::ptrdiff_t>(entry.end),
-              tensor.bytes().begin());
-    tensors.emplace(entry.name, std::move(tensor));
+    tensors_.emplace(entry.name, TensorView{entry.spec, {data + entry.begin, static_cast<std::size_t>(entry.end - entry.begin)}});
   }
+}
+
+MappedSafetensors::~MappedSafetensors() {
+  if (mapping_) ::munmap(const_cast<std::byte*>(mapping_), mapped_bytes_);
+}
+
+const MappedSafetensors::TensorView* MappedSafetensors::find(std::string_view name) const {
+  const auto found = tensors_.find(name);
+  return found == tensors_.end() ? nullptr : &found->second;
+}
+
+HostTensor MappedSafetensors::TensorView::copy() const {
+  HostTensor tensor(spec);
+  std::copy(bytes.begin(), bytes.end(), tensor.bytes().begin());
+  return tensor;
+}
+
+TensorMap read_safetensors(const std::filesystem::path& path) {
+  const MappedSafetensors file(path);
+  TensorMap tensors;
+  for (const auto& [name, view] : file.tensors()) tensors.emplace(name, view.copy());
   return tensors;
 }
 

@@ -210,18 +210,27 @@ void dequantize_affine_row(const QuantizedMatrix& matrix, std::int64_t row, std:
     throw InputError(fmt::format("dequantize_affine_row: row {} of {} into {} values (expected {})", row,
                                  matrix.rows, out.size(), matrix.columns));
   }
-  const AffineQuantization& format = matrix.format;
+  dequantize_affine_row(matrix.format, matrix.packed, matrix.scales, matrix.biases, row, out);
+}
+
+void dequantize_affine_row(AffineQuantization format, const HostTensor& packed, const HostTensor& scales,
+                           const HostTensor& biases, std::int64_t row, std::span<float> out) {
   const int per_word = format.codes_per_word();
   const std::uint32_t max_code = format.max_code();
-  const std::int64_t groups = format.group_count(matrix.columns);
+  const auto columns = static_cast<std::int64_t>(out.size());
+  const std::int64_t groups = format.group_count(columns);
   const std::int64_t words_per_group = format.group_size / per_word;
+  if (row < 0 || (row + 1) * groups > scales.element_count() || (row + 1) * groups > biases.element_count() ||
+      (row + 1) * columns / per_word > packed.element_count()) {
+    throw InputError(fmt::format("dequantize_affine_row: row {} of {} columns lies outside packed {} / scales {}",
+                                 row, columns, packed.spec().to_string(), scales.spec().to_string()));
+  }
   for (std::int64_t group = 0; group < groups; ++group) {
-    const auto scale = static_cast<float>(matrix.scales.at(row * groups + group));
-    const auto bias = static_cast<float>(matrix.biases.at(row * groups + group));
+    const auto scale = static_cast<float>(scales.at(row * groups + group));
+    const auto bias = static_cast<float>(biases.at(row * groups + group));
     for (std::int64_t word_in_group = 0; word_in_group < words_per_group; ++word_in_group) {
-      const std::int64_t word_index =
-          (row * matrix.columns + group * format.group_size) / per_word + word_in_group;
-      const std::uint32_t word = read_word(matrix.packed, word_index);
+      const std::int64_t word_index = (row * columns + group * format.group_size) / per_word + word_in_group;
+      const std::uint32_t word = read_word(packed, word_index);
       for (int slot = 0; slot < per_word; ++slot) {
         const auto code = static_cast<float>((word >> (format.bits * slot)) & max_code);
         const float product = scale * code;  // kept apart from the add: no fused multiply-add

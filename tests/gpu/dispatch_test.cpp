@@ -81,7 +81,9 @@ TEST_F(Dispatch, SeedGraphRunsInEveryMode) {
       ASSERT_EQ(executable.reports().size(), 1u);
       const RegionReport& report = executable.reports().front();
       std::printf("  %s %s: %s", dtype_name(dtype).data(), dispatch_mode_name(mode).data(), executable.report().c_str());
-      EXPECT_EQ(report.sentence.rfind("region R0 (", 0), 0u) << report.sentence;
+      // Numbered as `metile plan` numbers it: the plan's only region is R1.
+      EXPECT_EQ(report.sentence.rfind("region R1 (", 0), 0u) << report.sentence;
+      EXPECT_NE(plan.explain().find("R1 " + plan.regions.front().rule), std::string::npos) << plan.explain();
       if (mode == DispatchMode::native) {
         EXPECT_EQ(report.chosen, "native");
       }

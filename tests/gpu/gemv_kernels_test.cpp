@@ -15,7 +15,7 @@
 
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace metile {
 namespace {

@@ -14,7 +14,7 @@
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
 #include "metile/cpu_runtime.h"
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace metile {
 namespace {
@@ -36,18 +36,18 @@ const DecodeMlpCandidate& chosen(const DecodeMlpStageReport& report) {
 
 void expect_well_formed(const DecodeMlpStageReport& report, bool affine) {
   ASSERT_GE(report.chosen, 0) << report.sentence;
-  if (chosen(report).kind == "fused") {
+  if (chosen(report).id.kind == CandidateKind::fused) {
     EXPECT_TRUE(chosen(report).gate.passed) << report.sentence;
   }
   EXPECT_GE(chosen(report).score_ms, 0.0) << report.sentence;
   EXPECT_FALSE(report.sentence.empty());
   int native = 0, fused = 0;
   for (const DecodeMlpCandidate& candidate : report.candidates) {
-    (candidate.kind == "native" ? native : fused) += 1;
+    (candidate.id.kind == CandidateKind::native ? native : fused) += 1;
     // Every candidate was gated: relative errors are figures, never left at their defaults.
     EXPECT_TRUE(candidate.gate.passed || !candidate.gate.detail.empty()) << candidate.name;
     EXPECT_GT(candidate.gate.threshold, 0.0) << candidate.name;
-    if (candidate.kind == "fused") {
+    if (candidate.id.kind == CandidateKind::fused) {
       EXPECT_TRUE(candidate.gate.passed) << report.stage << " " << candidate.name << ": " << candidate.gate.detail;
     }
   }
@@ -112,12 +112,12 @@ TEST_F(DecodeMlpExecutorTest, DispatchModesForceNativeOrFused) {
   DecodeMlpOptions options = quick_options();
   options.mode = DispatchMode::native;
   DecodeMlpExecutor native = DecodeMlpExecutor::build(weights, 1, device(), options);
-  EXPECT_EQ(chosen(native.gate_up_report()).kind, "native") << native.report();
-  EXPECT_EQ(chosen(native.down_report()).kind, "native") << native.report();
+  EXPECT_EQ(chosen(native.gate_up_report()).id.kind, CandidateKind::native) << native.report();
+  EXPECT_EQ(chosen(native.down_report()).id.kind, CandidateKind::native) << native.report();
   options.mode = DispatchMode::fused;
   DecodeMlpExecutor fused = DecodeMlpExecutor::build(weights, 1, device(), options);
-  EXPECT_EQ(chosen(fused.gate_up_report()).kind, "fused") << fused.report();
-  EXPECT_EQ(chosen(fused.down_report()).kind, "fused") << fused.report();
+  EXPECT_EQ(chosen(fused.gate_up_report()).id.kind, CandidateKind::fused) << fused.report();
+  EXPECT_EQ(chosen(fused.down_report()).id.kind, CandidateKind::fused) << fused.report();
   const HostTensor x = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), 5);
   const HostTensor residual = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), 6);
   const NumericGateResult same = numeric_gate(fused.run(x, residual), native.run(x, residual));

@@ -1,6 +1,6 @@
 // Helpers shared by the tests of several modules (graph, cpu_runtime, fusion,
 // codegen, gpu) and the kernel benchmark: the message of the InputError an action
-// throws, a file read whole, the seed of a randomised test, and the seed graph of DESIGN.md. Module-specific helpers stay in their folders.
+// throws, a file read whole, the seed of a randomised test, and the seed graph of docs/architecture.md. Module-specific helpers stay in their folders.
 #pragma once
 
 #include <cstdint>

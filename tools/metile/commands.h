@@ -5,6 +5,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
+#include <string>
+
 #include "metile/graph.h"
 
 namespace metile::cli {
@@ -12,6 +15,16 @@ namespace metile::cli {
 void add_run_command(CLI::App& app);      // run_command.cpp
 void add_plan_command(CLI::App& app);     // plan_command.cpp
 void add_maxflow_command(CLI::App& app);  // maxflow_command.cpp
+void add_model_commands(CLI::App& app);   // model_commands.cpp: logits, generate, verify-model, synth-model
+
+// Thrown by a command that has printed its verdict and must exit with `code`
+// (verify-model outside its thresholds: 1); main() returns it without a message.
+struct CommandExit {
+  int code;
+};
+
+// A --seed value: 0 .. 2^64 - 1 (CLI11 would wrap a negative number); InputError otherwise.
+std::uint64_t parse_seed(const std::string& text);
 
 // `metile run --backend cuda` (run_cuda.cpp, built only with the CUDA backend,
 // where METILE_HAVE_CUDA_BACKEND is defined): runs the graph on the GPU and

@@ -1,4 +1,4 @@
-// `metile`: plan, run and inspect graphs from the command line (DESIGN.md,
+// `metile`: plan, run and inspect graphs from the command line (docs/architecture.md,
 // "The interfaces users touch"). Exit codes: 0 success, 2 bad input (usage errors
 // included), 1 internal failure or a failed write to standard output. Every
 // failure is exactly one line on stderr: "metile: error: ..." or
@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   metile::cli::add_run_command(app);
   metile::cli::add_plan_command(app);
   metile::cli::add_maxflow_command(app);
+  metile::cli::add_model_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& help) {
@@ -50,6 +51,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& error) {
     print_error_line("error", std::string(error.what()) + " (see metile --help)");
     return 2;
+  } catch (const metile::cli::CommandExit& exit) {
+    return finish_standard_output(exit.code);
   } catch (const metile::InputError& error) {
     print_error_line("error", error.what());
     return 2;

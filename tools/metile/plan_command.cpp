@@ -1,6 +1,7 @@
 // `metile plan GRAPH.json [--target cpu|h200|FILE] [--format text|json|dot]`: the
 // fusion planner on a graph file, so a person can see which ops would share a
-// kernel and why (DESIGN.md, "The interfaces users touch").
+// kernel and why (docs/architecture.md, "Formats" and "Commands").
+// The certified attention rewrite runs first (plan_with_discovery; --no-discovery skips it).
 //   text: FusionPlan::explain(), regions then a reason per op
 //   json: {"kernels": N, "regions": [{"rule", "nodes", "inputs", "outputs", "benefit_ns"}], "unfused": [...]}
 //   dot:  Graphviz, one coloured cluster per region
@@ -10,6 +11,7 @@
 #include <fmt/core.h>
 
 #include "commands.h"
+#include "metile/discovery.h"
 #include "metile/fusion.h"
 #include "metile/graph.h"
 
@@ -20,6 +22,7 @@ struct PlanOptions {
   std::string graph_file;
   std::string target = "h200";
   std::string format = "text";
+  bool no_discovery = false;
 };
 
 }  // namespace
@@ -27,16 +30,18 @@ struct PlanOptions {
 void add_plan_command(CLI::App& app) {
   auto options = std::make_shared<PlanOptions>();
   CLI::App* command = app.add_subcommand("plan", "Plan the fusion of a graph file into kernels and say why");
-  command->add_option("GRAPH", options->graph_file, "JSON graph file (format in DESIGN.md)")->required();
+  command->add_option("GRAPH", options->graph_file, "JSON graph file (format in docs/architecture.md)")->required();
   command->add_option("--target", options->target, "h200, cpu, or a target JSON file")->capture_default_str();
   command->add_option("--format", options->format, "text, json or dot")
       ->check(CLI::IsMember({"text", "json", "dot"}))
       ->capture_default_str();
+  command->add_flag("--no-discovery", options->no_discovery,
+                    "plan the graph as written, without the certified attention rewrite");
   command->callback([options] {
     // Read everything before printing anything: an error leaves no partial output.
     const FusionTarget target = FusionTarget::from_name_or_file(options->target);
     const ComputeGraph graph = read_graph(options->graph_file);
-    const FusionPlan plan = plan_graph_fusion(graph, target);
+    const FusionPlan plan = options->no_discovery ? plan_graph_fusion(graph, target) : plan_with_discovery(graph, target);
     std::string text;
     if (options->format == "json") {
       text = plan.to_json();

@@ -29,16 +29,6 @@ struct RunOptions {
   bool check = false;
 };
 
-// CLI11 would wrap a negative number into a huge unsigned seed; parse it ourselves.
-std::uint64_t parse_seed(const std::string& text) {
-  std::uint64_t seed = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), seed);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
-    throw InputError(fmt::format("--seed must be an integer from 0 to 2^64 - 1, got '{}'", text));
-  }
-  return seed;
-}
-
 // Every value of the graph at once bounds what a run holds; more than the machine has
 // is the graph's fault (README, "Input limits"), reported before anything is allocated.
 void check_memory(const ComputeGraph& graph) {
@@ -96,11 +86,21 @@ void run(const RunOptions& options) {
 
 }  // namespace
 
+// CLI11 would wrap a negative number into a huge unsigned seed; parse it ourselves.
+std::uint64_t parse_seed(const std::string& text) {
+  std::uint64_t seed = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), seed);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+    throw InputError(fmt::format("--seed must be an integer from 0 to 2^64 - 1, got '{}'", text));
+  }
+  return seed;
+}
+
 void add_run_command(CLI::App& app) {
   auto options = std::make_shared<RunOptions>();
   CLI::App* command =
       app.add_subcommand("run", "Run a graph and print min, max, mean and a checksum of each output");
-  command->add_option("graph", options->graph_path, "graph file (JSON, format in DESIGN.md)")->required();
+  command->add_option("graph", options->graph_path, "graph file (JSON, format in docs/architecture.md)")->required();
   command->add_option("--backend", options->backend, "cpu (the reference) or cuda")->capture_default_str();
   command->add_option("--seed", options->seed, "seed of the random inputs")->capture_default_str();
   command->add_option("--inputs", options->inputs_path, "take the inputs from this safetensors file instead");

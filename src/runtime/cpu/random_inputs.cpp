@@ -1,9 +1,9 @@
 // Seeded random inputs for any graph (`metile run` without --inputs, tests,
 // numeric gates). What a tensor should hold depends on what reads it: rope
 // positions must be valid steps, quantization scales small and positive, so
-// each input's role is read from its consumers. The generator is SplitMix64,
-// written out here so the same seed gives the same bits on every standard
-// library (std::uniform_*_distribution is implementation-defined).
+// each input's role is read from its consumers. The generator is SplitMix64
+// (graph.h), so the same seed gives the same bits on every standard library
+// (std::uniform_*_distribution is implementation-defined).
 #include <algorithm>
 #include <cmath>
 #include <span>
@@ -15,31 +15,13 @@
 namespace metile {
 namespace {
 
-class SplitMix64 {
- public:
-  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // [0, 1) on a grid of 2^-24: exact in f32, so float arithmetic on it is
-  // reproducible and rounding to f16/bf16 happens once.
-  float unit() { return static_cast<float>(next() >> 40) * 0x1.0p-24f; }
-  float uniform(float low, float high) { return low + (high - low) * unit(); }
-  std::int64_t integer(std::int64_t low, std::int64_t high) {  // [low, high], small ranges
-    return low + static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(high - low + 1));
-  }
-
- private:
-  std::uint64_t state_;
-};
-
 enum class InputRole {
   plain,
-  rope_positions,
+  rope_positions,  // also the positions of kv_cache_write: [0, S)
+  token_ids,       // embedding ids: rows of the table
+  key_positions,   // a mask's positions: the last key each token sees, in [0, T)
   contraction_weight,  // matmul's right operand
+  attention_keys,      // flash_attention's k, scaled like the right operand of q @ k^T
   packed_weights,
   quantization_scales,
   quantization_biases,
@@ -56,7 +38,15 @@ InputUse use_of(const ComputeGraph& graph, ValueId input) {
     for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
       if (node.inputs[slot] != input) continue;
       if (node.op == "rope" && slot == 1) return {InputRole::rope_positions, &node};
+      if (node.op == "kv_cache_write" && slot == 2) return {InputRole::rope_positions, &node};
+      if ((node.op == "position_mask" && slot == 1) || (node.op == "flash_attention" && slot == 3)) {
+        return {InputRole::key_positions, &node};
+      }
+      if ((node.op == "embedding" || node.op == "quantized_embedding") && slot == 0) {
+        return {InputRole::token_ids, &node};
+      }
       if (node.op == "matmul" && slot == 1) return {InputRole::contraction_weight, &node};
+      if (node.op == "flash_attention" && slot == 1) return {InputRole::attention_keys, &node};
       if (node.op == "quantized_matmul" && slot == 1) return {InputRole::packed_weights, &node};
       if (node.op == "quantized_matmul" && slot == 2) return {InputRole::quantization_scales, &node};
       if (node.op == "quantized_matmul" && slot == 3) return {InputRole::quantization_biases, &node};
@@ -90,10 +80,12 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
       for (float& element : values) element = generator.uniform(-0.05f, 0.05f);
       return;
     }
+    case InputRole::attention_keys:
     case InputRole::contraction_weight: {
       // Uniform in [-1, 1) / sqrt(K), the usual initialisation, so that
       // products keep the magnitude of their inputs through deep graphs.
-      const bool transpose_right = use.consumer->attributes.get_int("transpose_right") != 0;
+      const bool transpose_right =
+          use.role == InputRole::attention_keys || use.consumer->attributes.get_int("transpose_right") != 0;
       const std::vector<std::int64_t>& shape = value.spec.shape;
       const std::int64_t depth = transpose_right ? shape.back() : shape[shape.size() - 2];
       const float factor = 1.0f / std::sqrt(static_cast<float>(depth));
@@ -106,8 +98,19 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
   }
 }
 
-std::int64_t draw_integer(SplitMix64& generator, const Value& value, InputRole role) {
+std::int64_t draw_integer(SplitMix64& generator, const ComputeGraph& graph, const Value& value, const InputUse& use) {
+  const InputRole role = use.role;
   if (role == InputRole::rope_positions) return generator.integer(0, value.spec.shape.front() - 1);
+  if (role == InputRole::token_ids) {
+    return generator.integer(0, graph.value(use.consumer->inputs[1]).spec.shape.front() - 1);
+  }
+  if (role == InputRole::key_positions) {
+    // T: the last axis of the masked scores x [..., R, T], or the key axis of flash_attention's k [..., T, D].
+    const bool scores = use.consumer->op == "position_mask";
+    const TensorSpec& keyed = graph.value(use.consumer->inputs[scores ? 0 : 1]).spec;
+    const std::int64_t keys = scores ? keyed.shape.back() : keyed.shape[keyed.shape.size() - 2];
+    return generator.integer(0, std::max<std::int64_t>(keys, 1) - 1);
+  }
   switch (value.spec.dtype) {
     case DType::i8:
       return generator.integer(-128, 127);
@@ -151,7 +154,7 @@ TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
       }
     } else {
       for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-        tensor.store(index, static_cast<double>(draw_integer(generator, value, use.role)));
+        tensor.store(index, static_cast<double>(draw_integer(generator, graph, value, use)));
       }
     }
     inputs.insert_or_assign(value.name, std::move(tensor));

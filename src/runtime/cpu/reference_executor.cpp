@@ -28,6 +28,10 @@ class ValueSlots {
     const auto slot = static_cast<std::size_t>(id);
     return owned_[slot] ? &*owned_[slot] : borrowed_[slot];
   }
+  HostTensor* find_owned(ValueId id) {
+    auto& slot = owned_[static_cast<std::size_t>(id)];
+    return slot ? &*slot : nullptr;
+  }
   void borrow(ValueId id, const HostTensor& tensor) { borrowed_[static_cast<std::size_t>(id)] = &tensor; }
   void own(ValueId id, HostTensor tensor) { owned_[static_cast<std::size_t>(id)] = std::move(tensor); }
   void release(ValueId id) {
@@ -66,16 +70,29 @@ void evaluate_into(const ComputeGraph& graph, const Node& node, const ValueSlots
   }
 }
 
-ValueSlots published_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
+const HostTensor* find_input(std::span<const TensorMap* const> inputs, std::string_view name) {
+  for (const TensorMap* map : inputs) {
+    const auto found = map->find(name);
+    if (found != map->end()) return &found->second;
+  }
+  return nullptr;
+}
+
+ValueSlots published_inputs(const ComputeGraph& graph, std::span<const TensorMap* const> inputs) {
   check_graph_inputs(graph, inputs);
   ValueSlots slots(graph.values().size());
-  for (ValueId input : graph.inputs()) slots.borrow(input, inputs.find(graph.value(input).name)->second);
+  for (ValueId input : graph.inputs()) slots.borrow(input, *find_input(inputs, graph.value(input).name));
   return slots;
 }
 
-TensorMap collect_outputs(const ComputeGraph& graph, const ValueSlots& slots) {
+// Outputs computed here are moved out, not copied (a model's KV caches are large).
+TensorMap collect_outputs(const ComputeGraph& graph, ValueSlots& slots) {
   TensorMap outputs;
   for (ValueId output : graph.outputs()) {
+    if (HostTensor* owned = slots.find_owned(output)) {
+      outputs.insert_or_assign(graph.value(output).name, std::move(*owned));
+      continue;
+    }
     const HostTensor* value = slots.find(output);
     if (!value) {
       throw InputError(
@@ -164,21 +181,36 @@ std::vector<Kernel> kernels_of(const FusionPlan& plan) {
 
 }  // namespace
 
-void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
+void check_graph_inputs(const ComputeGraph& graph, std::span<const TensorMap* const> inputs) {
   for (ValueId id : graph.inputs()) {
     const Value& value = graph.value(id);
-    const auto found = inputs.find(value.name);
-    if (found == inputs.end()) {
+    const HostTensor* found = find_input(inputs, value.name);
+    if (!found) {
       throw InputError(fmt::format("missing input '{}' ({})", value.name, value.spec.to_string()));
     }
-    if (found->second.spec() != value.spec) {
+    if (found->spec() != value.spec) {
       throw InputError(fmt::format("input '{}' is {}, the graph expects {}", value.name,
-                                   found->second.spec().to_string(), value.spec.to_string()));
+                                   found->spec().to_string(), value.spec.to_string()));
     }
   }
 }
 
+void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
+  const TensorMap* maps[] = {&inputs};
+  check_graph_inputs(graph, maps);
+}
+
 TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
+  const TensorMap* maps[] = {&inputs};
+  return run_reference(graph, maps);
+}
+
+TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs) {
+  const TensorMap* maps[] = {&inputs};
+  return run_plan_reference(plan, maps);
+}
+
+TensorMap run_reference(const ComputeGraph& graph, std::span<const TensorMap* const> inputs) {
   ValueSlots values = published_inputs(graph, inputs);
   // Free each intermediate after its last reader so a long graph holds only
   // the values still needed.
@@ -196,7 +228,7 @@ TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
   return collect_outputs(graph, values);
 }
 
-TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs) {
+TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* const> inputs) {
   if (!plan.graph) throw InputError("fusion plan: it has no graph");
   const ComputeGraph& graph = *plan.graph;
   const std::vector<Kernel> kernels = kernels_of(plan);

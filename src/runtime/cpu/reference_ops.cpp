@@ -16,13 +16,17 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <unordered_map>
 
+#include "metile/discovery.h"
 #include "metile/quant.h"
+#include "parallel.h"
 #include "tensor_access.h"
 
 namespace metile::cpu {
@@ -70,6 +74,65 @@ HostTensor evaluate_elementwise(const OpCall& call, const ElementwiseMath& math)
   return store_values(call.output, values);
 }
 
+// flash_attention evaluated with the law it is certified by (src/discovery): per query row, the
+// scores s_j = scale * q.k_j (f64 dot products of the f32 inputs) of the visible keys are lifted
+// with their value rows and merged in blocks of kKeyBlock keys, the block states merged in order,
+// and the state finalized (o / l). Masked keys are skipped: they contribute the identity. A row with
+// no visible key finalizes the identity, 0 / 0 = NaN, as softmax over an all -inf row does.
+HostTensor evaluate_flash_attention(const OpCall& call) {
+  constexpr std::int64_t kKeyBlock = 64;
+  constexpr std::string_view law_name = "stable_weighted_softmax";
+  require_verified_certificate(call.node, law_name);
+  const LawEvaluator law(*find_law(law_name), call.input(2).spec().shape.back());
+  const TensorSpec& q_spec = call.input(0).spec();
+  const std::size_t rank = q_spec.shape.size();
+  const std::int64_t rows = q_spec.shape[rank - 2];
+  const std::int64_t depth = q_spec.shape[rank - 1];
+  const std::int64_t keys = call.input(1).spec().shape[rank - 2];
+  const std::int64_t value_width = call.input(2).spec().shape[rank - 1];
+  const std::int64_t batches = rows == 0 ? 0 : q_spec.element_count() / (rows * depth);
+  const double scale = call.node.attributes.get_double("scale");
+  const std::string& mask = call.node.attributes.get_string("mask");
+  const std::int64_t offset = call.node.attributes.get_int("offset");
+  const std::vector<float> q = load_floats(call.input(0));
+  const std::vector<float> k = load_floats(call.input(1));
+  const std::vector<float> v = load_floats(call.input(2));
+  std::vector<double> out(static_cast<std::size_t>(batches * rows * value_width));
+  std::vector<double> element(law.element_size());
+  std::vector<double> lifted(law.state_size());
+  std::vector<double> result(static_cast<std::size_t>(value_width));
+  for (std::int64_t batch = 0; batch < batches; ++batch) {
+    for (std::int64_t row = 0; row < rows; ++row) {
+      std::int64_t last_visible = keys - 1;
+      if (mask == "causal") last_visible = row + offset;
+      if (mask == "positions") {
+        const HostTensor& positions = call.input(3);
+        last_visible = static_cast<std::int64_t>(positions.at(row % positions.element_count()));
+      }
+      const float* q_row = q.data() + (batch * rows + row) * depth;
+      std::vector<double> total = law.identity();
+      for (std::int64_t first = 0; first < keys; first += kKeyBlock) {
+        std::vector<double> block = law.identity();
+        for (std::int64_t key = first; key < std::min(keys, first + kKeyBlock); ++key) {
+          if (key > last_visible) continue;
+          const float* k_row = k.data() + (batch * keys + key) * depth;
+          double dot = 0;
+          for (std::int64_t d = 0; d < depth; ++d) dot += static_cast<double>(q_row[d]) * k_row[d];
+          element[0] = scale * dot;
+          const float* v_row = v.data() + (batch * keys + key) * value_width;
+          for (std::int64_t lane = 0; lane < value_width; ++lane) element[static_cast<std::size_t>(1 + lane)] = v_row[lane];
+          law.lift(element, lifted);
+          law.merge_into(block, lifted);
+        }
+        law.merge_into(total, block);
+      }
+      law.finalize(total, result);
+      std::copy(result.begin(), result.end(), out.begin() + (batch * rows + row) * value_width);
+    }
+  }
+  return store_values(call.output, out);
+}
+
 // Row reductions: the op table's per-row math over the last axis, or over the node's `axis`
 // (softmax), whose strided slices are gathered into a row and scattered back. Inputs after the
 // first (a norm's weight and bias) are one row every row shares.
@@ -107,6 +170,76 @@ HostTensor evaluate_row_reduction(const OpCall& call, const RowReductionMath& ma
   return store_values(call.output, out);
 }
 
+// Eight dot products at once: x [K] with the eight weight rows stored interleaved,
+// w[d * 8 + j] = row j, element d. Each lane of the two vectors is one row's sum,
+// accumulated in f64 in index order, so every sum equals the obvious scalar loop's
+// (an f32 product is exact in f64); the vectors only run eight of those loops side
+// by side. Cloned for AVX2, where the eight sums are two 256-bit registers.
+using Double4 = double __attribute__((vector_size(32)));
+
+__attribute__((target_clones("avx2", "default"))) void dot_eight(const float* x, const float* w, std::int64_t k,
+                                                                  double* sums) {
+  Double4 low = {0, 0, 0, 0};
+  Double4 high = {0, 0, 0, 0};
+  for (std::int64_t depth = 0; depth < k; ++depth) {
+    const double value = x[depth];
+    const Double4 broadcast = {value, value, value, value};
+    const float* row = w + depth * 8;
+    const Double4 first = {row[0], row[1], row[2], row[3]};
+    const Double4 second = {row[4], row[5], row[6], row[7]};
+    low += broadcast * first;
+    high += broadcast * second;
+  }
+  for (int lane = 0; lane < 4; ++lane) {
+    sums[lane] = low[lane];
+    sums[lane + 4] = high[lane];
+  }
+}
+
+constexpr std::int64_t kColumnBlock = 8;  // weight rows per dot_eight
+
+// Dot products of every row of a [M, K] with `columns` weight rows:
+// out[row * out_stride + column]. fill_block(first, count, w) writes weight rows
+// first .. first + count - 1 interleaved as dot_eight reads them (w[d * 8 + j]).
+// Each dot product is one f64 sum in index order (dot_eight), so a column's
+// result never depends on the blocking or the thread count. Speed comes from
+// taking eight weight rows at once (eight independent sums in flight, each row
+// of a read once per eight columns) and spreading column blocks over threads.
+template <typename FillBlock>
+void contract_rows(const float* a, std::int64_t m, std::int64_t k, std::int64_t columns, FillBlock fill_block,
+                   double* out, std::int64_t out_stride) {
+  const auto body = [&](std::int64_t first_block, std::int64_t end_block) {
+    std::vector<float> interleaved(static_cast<std::size_t>(kColumnBlock * k), 0.0f);
+    FillBlock fill = fill_block;  // a copy per thread: it may carry a scratch row
+    double sums[kColumnBlock];
+    for (std::int64_t block_index = first_block; block_index < end_block; ++block_index) {
+      const std::int64_t first = block_index * kColumnBlock;
+      const std::int64_t count = std::min(kColumnBlock, columns - first);
+      fill(first, count, interleaved.data());  // lanes past count keep stale values, never stored
+      for (std::int64_t row = 0; row < m; ++row) {
+        dot_eight(a + row * k, interleaved.data(), k, sums);
+        for (std::int64_t j = 0; j < count; ++j) out[row * out_stride + first + j] = sums[j];
+      }
+    }
+  };
+  const std::int64_t blocks = (columns + kColumnBlock - 1) / kColumnBlock;
+  parallel_for(blocks, m * k * columns, body);
+}
+
+// fill_block for rows that come one at a time (fill_row(column, span of K floats)).
+template <typename FillRow>
+auto interleaving(std::int64_t k, FillRow fill_row) {
+  return [k, fill_row, row = std::vector<float>(static_cast<std::size_t>(k))](
+             std::int64_t first, std::int64_t count, float* interleaved) mutable {
+    for (std::int64_t j = 0; j < count; ++j) {
+      fill_row(first + j, std::span<float>(row));
+      for (std::int64_t depth = 0; depth < k; ++depth) {
+        interleaved[depth * kColumnBlock + j] = row[static_cast<std::size_t>(depth)];
+      }
+    }
+  };
+}
+
 // a [..., M, K] times b [..., K, N] (or [..., N, K] with transpose_right); a
 // rank-2 b is shared by every batch. Dot products in f64, k ascending. b is
 // read one row of b^T at a time, so a large weight is never copied whole.
@@ -122,7 +255,6 @@ HostTensor evaluate_matmul(const OpCall& call) {
   const std::vector<float> a = load_floats(call.input(0));
   // Without transpose_right, b^T's rows are columns of b: transpose one batch of b once.
   std::vector<float> b_batch;
-  std::vector<float> b_row(static_cast<std::size_t>(k));
   std::vector<double> out(static_cast<std::size_t>(batches * m * n));
   for (std::int64_t batch = 0; batch < batches; ++batch) {
     const std::int64_t b_first = b_is_batched ? batch * k * n : 0;
@@ -130,22 +262,31 @@ HostTensor evaluate_matmul(const OpCall& call) {
       b_batch.resize(static_cast<std::size_t>(k * n));
       read_floats(b, b_first, b_batch);
     }
-    for (std::int64_t column = 0; column < n; ++column) {
+    const auto fill_row = [&](std::int64_t column, std::span<float> row) {
       if (transpose_right) {
-        read_floats(b, b_first + column * k, b_row);
+        read_floats(b, b_first + column * k, row);
       } else {
         for (std::int64_t depth = 0; depth < k; ++depth) {
-          b_row[static_cast<std::size_t>(depth)] = b_batch[static_cast<std::size_t>(depth * n + column)];
+          row[static_cast<std::size_t>(depth)] = b_batch[static_cast<std::size_t>(depth * n + column)];
         }
       }
-      for (std::int64_t row = 0; row < m; ++row) {
-        const float* a_row = a.data() + (batch * m + row) * k;
-        double sum = 0;
-        for (std::int64_t depth = 0; depth < k; ++depth) {
-          sum += static_cast<double>(a_row[depth]) * b_row[static_cast<std::size_t>(depth)];
+    };
+    double* batch_out = out.data() + batch * m * n;
+    if (transpose_right && b.spec().dtype == DType::bf16) {
+      // The weights of a bf16 model: widened straight into the interleaved block
+      // (bf16 is the top half of an f32), the hot loop of CPU decoding.
+      const auto* weights = reinterpret_cast<const std::uint16_t*>(b.bytes().data()) + b_first;
+      const auto fill_block = [&](std::int64_t first, std::int64_t count, float* interleaved) {
+        for (std::int64_t j = 0; j < count; ++j) {
+          const std::uint16_t* source = weights + (first + j) * k;
+          for (std::int64_t depth = 0; depth < k; ++depth) {
+            interleaved[depth * kColumnBlock + j] = std::bit_cast<float>(static_cast<std::uint32_t>(source[depth]) << 16);
+          }
         }
-        out[static_cast<std::size_t>((batch * m + row) * n + column)] = sum;
-      }
+      };
+      contract_rows(a.data() + batch * m * k, m, k, n, fill_block, batch_out, n);
+    } else {
+      contract_rows(a.data() + batch * m * k, m, k, n, interleaving(k, fill_row), batch_out, n);
     }
   }
   return store_values(call.output, out);
@@ -156,26 +297,116 @@ HostTensor evaluate_matmul(const OpCall& call) {
 HostTensor evaluate_quantized_matmul(const OpCall& call) {
   const AffineQuantization format{static_cast<int>(call.node.attributes.get_int("bits")),
                                   static_cast<int>(call.node.attributes.get_int("group_size"))};
-  const QuantizedMatrix weight =
-      QuantizedMatrix::from_tensors(format, call.input(1), call.input(2), call.input(3));
   const std::vector<float> x = load_floats(call.input(0));
-  const std::int64_t k = weight.columns;
-  const std::int64_t n = weight.rows;
-  const std::int64_t rows = static_cast<std::int64_t>(x.size()) / k;
+  const std::int64_t k = call.input(0).spec().row_length();
+  const std::int64_t n = call.output.shape.back();
+  const std::int64_t rows = k == 0 ? 0 : static_cast<std::int64_t>(x.size()) / k;
   std::vector<double> out(static_cast<std::size_t>(rows * n));
-  std::vector<float> weight_row(static_cast<std::size_t>(k));
-  for (std::int64_t column = 0; column < n; ++column) {
-    dequantize_affine_row(weight, column, weight_row);
-    for (std::int64_t row = 0; row < rows; ++row) {
-      const float* x_row = x.data() + row * k;
-      double sum = 0;
-      for (std::int64_t depth = 0; depth < k; ++depth) {
-        sum += static_cast<double>(x_row[depth]) * weight_row[static_cast<std::size_t>(depth)];
-      }
-      out[static_cast<std::size_t>(row * n + column)] = sum;
+  const auto fill_row = [&](std::int64_t column, std::span<float> row) {
+    dequantize_affine_row(format, call.input(1), call.input(2), call.input(3), column, row);
+  };
+  contract_rows(x.data(), rows, k, n, interleaving(k, fill_row), out.data(), n);
+  return store_values(call.output, out);
+}
+
+std::int32_t read_id(const HostTensor& ids, std::int64_t index) {
+  std::int32_t id;
+  std::memcpy(&id, ids.bytes().data() + index * 4, 4);
+  return id;
+}
+
+std::int64_t checked_row(const HostTensor& ids, std::int64_t index, std::int64_t rows, std::string_view what,
+                         const Node& node) {
+  const std::int32_t id = read_id(ids, index);
+  if (id < 0 || id >= rows) {
+    throw InputError(fmt::format("node '{}' ({}): {} {} at index {} is outside [0, {})", node.name, node.op, what, id,
+                                 index, rows));
+  }
+  return id;
+}
+
+// Row ids[s] of the table, copied bit for bit (the output has the table's dtype).
+HostTensor evaluate_embedding(const OpCall& call) {
+  const HostTensor& table = call.input(1);
+  const std::int64_t rows = table.spec().shape[0];
+  const std::size_t row_bytes = static_cast<std::size_t>(table.spec().shape[1]) * dtype_size(table.spec().dtype);
+  HostTensor out(call.output);
+  for (std::int64_t step = 0; step < call.output.shape[0]; ++step) {
+    const std::int64_t id = checked_row(call.input(0), step, rows, "token id", call.node);
+    std::memcpy(out.bytes().data() + step * row_bytes, table.bytes().data() + id * row_bytes, row_bytes);
+  }
+  return out;
+}
+
+// Row ids[s] of the quantized table, dequantized in f32 as dequantize_affine_row
+// does, then rounded once to the output dtype.
+HostTensor evaluate_quantized_embedding(const OpCall& call) {
+  const AffineQuantization format{static_cast<int>(call.node.attributes.get_int("bits")),
+                                  static_cast<int>(call.node.attributes.get_int("group_size"))};
+  const std::int64_t hidden = call.output.shape[1];
+  const std::int64_t rows = call.input(1).spec().shape[0];
+  HostTensor out(call.output);
+  std::vector<float> row(static_cast<std::size_t>(hidden));
+  for (std::int64_t step = 0; step < call.output.shape[0]; ++step) {
+    const std::int64_t id = checked_row(call.input(0), step, rows, "token id", call.node);
+    dequantize_affine_row(format, call.input(1), call.input(2), call.input(3), id, row);
+    write_floats(out, step * hidden, row);
+  }
+  return out;
+}
+
+// x[..., r, j] = -inf where j > positions[r mod S].
+HostTensor evaluate_position_mask(const OpCall& call) {
+  const std::int64_t columns = call.output.shape.back();
+  const std::int64_t rows = call.output.shape[call.output.shape.size() - 2];
+  const HostTensor& positions = call.input(1);
+  const std::int64_t steps = positions.element_count();
+  HostTensor out = call.input(0);
+  std::vector<float> row(static_cast<std::size_t>(columns));
+  for (std::int64_t first = 0; first < out.element_count(); first += columns) {
+    const std::int64_t limit = read_id(positions, (first / columns % rows) % steps);
+    const std::int64_t visible = std::clamp<std::int64_t>(limit + 1, 0, columns);
+    if (visible == columns) continue;
+    read_floats(out, first, row);
+    std::fill(row.begin() + visible, row.end(), -std::numeric_limits<float>::infinity());
+    write_floats(out, first, row);
+  }
+  return out;
+}
+
+// A copy of the cache with row positions[s] of every head replaced by update[:, s, :].
+// (The model runtime avoids this copy: src/model/decoder.cpp.)
+HostTensor evaluate_kv_cache_write(const OpCall& call) {
+  HostTensor out = call.input(0);
+  const HostTensor& update = call.input(1);
+  const std::int64_t heads = call.output.shape[0];
+  const std::int64_t capacity = call.output.shape[1];
+  const std::int64_t steps = update.spec().shape[1];
+  const std::size_t row_bytes = static_cast<std::size_t>(call.output.shape[2]) * dtype_size(call.output.dtype);
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const std::int64_t position = checked_row(call.input(2), step, capacity, "position", call.node);
+    for (std::int64_t head = 0; head < heads; ++head) {
+      std::memcpy(out.bytes().data() + (head * capacity + position) * row_bytes,
+                  update.bytes().data() + (head * steps + step) * row_bytes, row_bytes);
     }
   }
-  return store_values(call.output, out);
+  return out;
+}
+
+// Llama 3's frequency scaling (transformers' _compute_llama3_parameters): long
+// wavelengths slow down by `factor`, short ones stay, the band between blends
+// linearly in original_max_position_embeddings / wavelength.
+double rope_frequency(const Attributes& attributes, double frequency) {
+  if (!attributes.has("scaling")) return frequency;
+  const double factor = attributes.get_double("factor");
+  const double low = attributes.get_double("low_freq_factor");
+  const double high = attributes.get_double("high_freq_factor");
+  const double context = attributes.get_double("original_max_position_embeddings");
+  const double wavelength = 2 * M_PI / frequency;
+  if (wavelength < context / high) return frequency;
+  if (wavelength > context / low) return frequency / factor;
+  const double smooth = (context / wavelength - low) / (high - low);
+  return (1 - smooth) * frequency / factor + smooth * frequency;
 }
 
 // Rotate-half rotary embedding (Llama, MLX traditional=False) over the first
@@ -192,9 +423,14 @@ HostTensor evaluate_rope(const OpCall& call) {
   const HostTensor& positions = call.input(1);
   std::vector<float> cosines(static_cast<std::size_t>(sequence * half));
   std::vector<float> sines(cosines.size());
+  std::vector<double> frequencies(static_cast<std::size_t>(half));
+  for (std::int64_t pair = 0; pair < half; ++pair) {
+    frequencies[static_cast<std::size_t>(pair)] =
+        rope_frequency(call.node.attributes, std::pow(theta, -2.0 * static_cast<double>(pair) / static_cast<double>(dims)));
+  }
   for (std::int64_t step = 0; step < sequence; ++step) {
     for (std::int64_t pair = 0; pair < half; ++pair) {
-      const double frequency = std::pow(theta, -2.0 * static_cast<double>(pair) / static_cast<double>(dims));
+      const double frequency = frequencies[static_cast<std::size_t>(pair)];
       const double angle = positions.at(step) * frequency;
       cosines[static_cast<std::size_t>(step * half + pair)] = static_cast<float>(std::cos(angle));
       sines[static_cast<std::size_t>(step * half + pair)] = static_cast<float>(std::sin(angle));
@@ -267,6 +503,11 @@ const std::unordered_map<std::string_view, Evaluator>& evaluators() {
       {"matmul", evaluate_matmul},       {"quantized_matmul", evaluate_quantized_matmul},
       {"rope", evaluate_rope},           {"reshape", evaluate_reshape},
       {"transpose", evaluate_transpose}, {"cast", evaluate_cast},
+      {"embedding", evaluate_embedding},
+      {"quantized_embedding", evaluate_quantized_embedding},
+      {"position_mask", evaluate_position_mask},
+      {"kv_cache_write", evaluate_kv_cache_write},
+      {"flash_attention", evaluate_flash_attention},
   };
   return table;
 }

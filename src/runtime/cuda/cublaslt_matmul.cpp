@@ -2,22 +2,23 @@
 // generated contraction is measured against. Row-major problems are mapped onto cuBLASLt's
 // column-major view by computing Cᵀ = Bᵀ·Aᵀ (a row-major matrix is its transpose, column-major),
 // so no data moves. f32 uses CUBLAS_COMPUTE_32F (not TF32): the f32 numeric gate is 1e-5.
-#include <cublasLt.h>
-
 #include <fmt/core.h>
 
 #include <map>
 #include <tuple>
 
 #include "cuda_driver.h"
+#include "cuda_libraries.h"
 #include "metile/cuda_runtime.h"
 
 namespace metile {
 namespace {
 
+const cuda_libraries::CublasLtApi& lt() { return cuda_libraries::cublaslt(); }
+
 void check_cublas(cublasStatus_t status, std::string_view call) {
   if (status != CUBLAS_STATUS_SUCCESS) {
-    throw CudaError(fmt::format("{}: {} ({})", call, cublasLtGetStatusName(status), cublasLtGetStatusString(status)));
+    throw CudaError(fmt::format("{}: {} ({})", call, lt().cublasLtGetStatusName(status), lt().cublasLtGetStatusString(status)));
   }
 }
 
@@ -41,10 +42,10 @@ struct PreparedMatmul {
   cublasLtMatmulAlgo_t algorithm{};
 
   ~PreparedMatmul() {
-    if (result) cublasLtMatrixLayoutDestroy(result);
-    if (right) cublasLtMatrixLayoutDestroy(right);
-    if (left) cublasLtMatrixLayoutDestroy(left);
-    if (operation) cublasLtMatmulDescDestroy(operation);
+    if (result) lt().cublasLtMatrixLayoutDestroy(result);
+    if (right) lt().cublasLtMatrixLayoutDestroy(right);
+    if (left) lt().cublasLtMatrixLayoutDestroy(left);
+    if (operation) lt().cublasLtMatmulDescDestroy(operation);
   }
 };
 
@@ -58,9 +59,9 @@ ProblemKey key_of(const MatmulProblem& p) {
 
 void set_batch(cublasLtMatrixLayout_t layout, std::int64_t batch, std::int64_t stride) {
   const std::int32_t count = static_cast<std::int32_t>(batch);
-  check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count),
+  check_cublas(lt().cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count),
                "cublasLtMatrixLayoutSetAttribute(batch count)");
-  check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+  check_cublas(lt().cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
                                                 sizeof stride),
                "cublasLtMatrixLayoutSetAttribute(batch stride)");
 }
@@ -74,7 +75,7 @@ struct CublasLtMatmul::State {
 
   ~State() {
     prepared.clear();
-    if (handle) cublasLtDestroy(handle);
+    if (handle) lt().cublasLtDestroy(handle);
   }
 
   PreparedMatmul& prepare(const MatmulProblem& p) {
@@ -82,30 +83,30 @@ struct CublasLtMatmul::State {
     if (slot) return *slot;
     auto prepared_matmul = std::make_unique<PreparedMatmul>();
     const cudaDataType_t type = cuda_data_type(p.dtype);
-    check_cublas(cublasLtMatmulDescCreate(&prepared_matmul->operation, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+    check_cublas(lt().cublasLtMatmulDescCreate(&prepared_matmul->operation, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                  "cublasLtMatmulDescCreate");
     const cublasOperation_t left_operation = p.transpose_right ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t right_operation = CUBLAS_OP_N;
-    check_cublas(cublasLtMatmulDescSetAttribute(prepared_matmul->operation, CUBLASLT_MATMUL_DESC_TRANSA,
+    check_cublas(lt().cublasLtMatmulDescSetAttribute(prepared_matmul->operation, CUBLASLT_MATMUL_DESC_TRANSA,
                                                 &left_operation, sizeof left_operation),
                  "cublasLtMatmulDescSetAttribute(TRANSA)");
-    check_cublas(cublasLtMatmulDescSetAttribute(prepared_matmul->operation, CUBLASLT_MATMUL_DESC_TRANSB,
+    check_cublas(lt().cublasLtMatmulDescSetAttribute(prepared_matmul->operation, CUBLASLT_MATMUL_DESC_TRANSB,
                                                 &right_operation, sizeof right_operation),
                  "cublasLtMatmulDescSetAttribute(TRANSB)");
     // Our B, column-major: [N x K] (ld N) or, transposed, stored [K x N] (ld K).
     if (p.transpose_right) {
-      check_cublas(cublasLtMatrixLayoutCreate(&prepared_matmul->left, type, static_cast<std::uint64_t>(p.k),
+      check_cublas(lt().cublasLtMatrixLayoutCreate(&prepared_matmul->left, type, static_cast<std::uint64_t>(p.k),
                                               static_cast<std::uint64_t>(p.n), p.k),
                    "cublasLtMatrixLayoutCreate(B)");
     } else {
-      check_cublas(cublasLtMatrixLayoutCreate(&prepared_matmul->left, type, static_cast<std::uint64_t>(p.n),
+      check_cublas(lt().cublasLtMatrixLayoutCreate(&prepared_matmul->left, type, static_cast<std::uint64_t>(p.n),
                                               static_cast<std::uint64_t>(p.k), p.n),
                    "cublasLtMatrixLayoutCreate(B)");
     }
-    check_cublas(cublasLtMatrixLayoutCreate(&prepared_matmul->right, type, static_cast<std::uint64_t>(p.k),
+    check_cublas(lt().cublasLtMatrixLayoutCreate(&prepared_matmul->right, type, static_cast<std::uint64_t>(p.k),
                                             static_cast<std::uint64_t>(p.m), p.k),
                  "cublasLtMatrixLayoutCreate(A)");
-    check_cublas(cublasLtMatrixLayoutCreate(&prepared_matmul->result, type, static_cast<std::uint64_t>(p.n),
+    check_cublas(lt().cublasLtMatrixLayoutCreate(&prepared_matmul->result, type, static_cast<std::uint64_t>(p.n),
                                             static_cast<std::uint64_t>(p.m), p.n),
                  "cublasLtMatrixLayoutCreate(C)");
     if (p.batch > 1) {
@@ -114,16 +115,16 @@ struct CublasLtMatmul::State {
       set_batch(prepared_matmul->result, p.batch, p.c_batch_stride);
     }
     cublasLtMatmulPreference_t preference = nullptr;
-    check_cublas(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
+    check_cublas(lt().cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
     const std::uint64_t workspace_limit = workspace_bytes;
-    cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_limit,
+    lt().cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_limit,
                                          sizeof workspace_limit);
     cublasLtMatmulHeuristicResult_t heuristic{};
     int returned = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+    const cublasStatus_t status = lt().cublasLtMatmulAlgoGetHeuristic(
         handle, prepared_matmul->operation, prepared_matmul->left, prepared_matmul->right, prepared_matmul->result,
         prepared_matmul->result, preference, 1, &heuristic, &returned);
-    cublasLtMatmulPreferenceDestroy(preference);
+    lt().cublasLtMatmulPreferenceDestroy(preference);
     check_cublas(status, "cublasLtMatmulAlgoGetHeuristic");
     if (returned == 0) {
       throw CudaError(fmt::format("cublasLtMatmulAlgoGetHeuristic: no algorithm for {} [{}x{}x{}] batch {}",
@@ -137,7 +138,7 @@ struct CublasLtMatmul::State {
 
 CublasLtMatmul::CublasLtMatmul() : state_(std::make_unique<State>()) {
   cuda_driver::driver();  // "no CUDA device" before cuBLASLt's own, vaguer, message
-  check_cublas(cublasLtCreate(&state_->handle), "cublasLtCreate");
+  check_cublas(lt().cublasLtCreate(&state_->handle), "cublasLtCreate");
   state_->workspace = DeviceBuffer(workspace_bytes);
 }
 
@@ -152,7 +153,7 @@ void CublasLtMatmul::run(const MatmulProblem& problem, std::uint64_t a, std::uin
   PreparedMatmul& prepared = state_->prepare(problem);
   const float alpha = 1.0f;
   const float beta = 0.0f;
-  check_cublas(cublasLtMatmul(state_->handle, prepared.operation, &alpha, reinterpret_cast<const void*>(b),
+  check_cublas(lt().cublasLtMatmul(state_->handle, prepared.operation, &alpha, reinterpret_cast<const void*>(b),
                               prepared.left, reinterpret_cast<const void*>(a), prepared.right, &beta,
                               reinterpret_cast<const void*>(c), prepared.result, reinterpret_cast<void*>(c),
                               prepared.result, &prepared.algorithm,

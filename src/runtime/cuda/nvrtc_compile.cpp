@@ -5,7 +5,6 @@
 // checksum; a file whose header, size or checksum does not match (torn write, disk damage, a
 // stranger's file) is treated as absent: recompiled and replaced. Writes go to a temporary
 // file renamed into place, so a reader never sees half an entry.
-#include <nvrtc.h>
 #include <unistd.h>
 
 #include <fmt/core.h>
@@ -17,6 +16,7 @@
 #include <sstream>
 
 #include "cuda_driver.h"
+#include "cuda_libraries.h"
 #include "metile/cuda_runtime.h"
 
 #ifndef METILE_CUDA_INCLUDE_DIR
@@ -28,8 +28,10 @@ namespace {
 
 constexpr std::string_view cache_magic = "METILE-KERNEL-CACHE 1";
 
+const cuda_libraries::NvrtcApi& nvrtc_api() { return cuda_libraries::nvrtc(); }
+
 void check_nvrtc(nvrtcResult result, std::string_view call) {
-  if (result != NVRTC_SUCCESS) throw CudaError(fmt::format("{}: {}", call, nvrtcGetErrorString(result)));
+  if (result != NVRTC_SUCCESS) throw CudaError(fmt::format("{}: {}", call, nvrtc_api().nvrtcGetErrorString(result)));
 }
 
 std::uint64_t hash64(std::string_view bytes, std::uint64_t seed) {
@@ -109,19 +111,21 @@ std::string stable_hash_hex(std::string_view bytes) {
 std::string nvrtc_version() {
   int major = 0;
   int minor = 0;
-  check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
+  check_nvrtc(nvrtc_api().nvrtcVersion(&major, &minor), "nvrtcVersion");
   return fmt::format("{}.{}", major, minor);
 }
 
-std::string kernel_cache_directory() {
+std::string cache_directory() {
   if (const char* directory = std::getenv("METILE_CACHE_DIR"); directory != nullptr && *directory != '\0') {
-    return (std::filesystem::path(directory) / "kernels").string();
+    return directory;
   }
   if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
-    return (std::filesystem::path(home) / ".cache" / "metile" / "kernels").string();
+    return (std::filesystem::path(home) / ".cache" / "metile").string();
   }
-  return "/tmp/metile-cache/kernels";
+  return "/tmp/metile-cache";
 }
+
+std::string kernel_cache_directory() { return (std::filesystem::path(cache_directory()) / "kernels").string(); }
 
 std::string kernel_cache_path(std::string_view cache_key) {
   return (std::filesystem::path(kernel_cache_directory()) / (std::string(cache_key) + ".cubin")).string();
@@ -156,28 +160,28 @@ CompiledProgram compile_cuda_program(std::string_view source, std::string_view k
   const std::string source_text(source);
   const std::string program_name = program.kernel_name + ".cu";
   nvrtcProgram handle = nullptr;
-  check_nvrtc(nvrtcCreateProgram(&handle, source_text.c_str(), program_name.c_str(), 0, nullptr, nullptr),
+  check_nvrtc(nvrtc_api().nvrtcCreateProgram(&handle, source_text.c_str(), program_name.c_str(), 0, nullptr, nullptr),
               "nvrtcCreateProgram");
   std::unique_ptr<_nvrtcProgram, void (*)(_nvrtcProgram*)> owned(handle, [](_nvrtcProgram* p) {
-    nvrtcDestroyProgram(&p);
+    nvrtc_api().nvrtcDestroyProgram(&p);
   });
   std::vector<const char*> argument_pointers;
   for (const std::string& argument : arguments) argument_pointers.push_back(argument.c_str());
   const nvrtcResult compiled =
-      nvrtcCompileProgram(handle, static_cast<int>(argument_pointers.size()), argument_pointers.data());
+      nvrtc_api().nvrtcCompileProgram(handle, static_cast<int>(argument_pointers.size()), argument_pointers.data());
   std::size_t log_size = 0;
-  check_nvrtc(nvrtcGetProgramLogSize(handle, &log_size), "nvrtcGetProgramLogSize");
+  check_nvrtc(nvrtc_api().nvrtcGetProgramLogSize(handle, &log_size), "nvrtcGetProgramLogSize");
   program.log.resize(log_size);
-  if (log_size > 0) check_nvrtc(nvrtcGetProgramLog(handle, program.log.data()), "nvrtcGetProgramLog");
+  if (log_size > 0) check_nvrtc(nvrtc_api().nvrtcGetProgramLog(handle, program.log.data()), "nvrtcGetProgramLog");
   while (!program.log.empty() && (program.log.back() == '\0' || program.log.back() == '\n')) program.log.pop_back();
   if (compiled != NVRTC_SUCCESS) {
     throw CudaError(fmt::format("nvrtcCompileProgram({}, {}): {}\n{}", program.kernel_name, program.architecture,
-                                nvrtcGetErrorString(compiled), program.log));
+                                nvrtc_api().nvrtcGetErrorString(compiled), program.log));
   }
   std::size_t cubin_size = 0;
-  check_nvrtc(nvrtcGetCUBINSize(handle, &cubin_size), "nvrtcGetCUBINSize");
+  check_nvrtc(nvrtc_api().nvrtcGetCUBINSize(handle, &cubin_size), "nvrtcGetCUBINSize");
   program.cubin.resize(cubin_size);
-  check_nvrtc(nvrtcGetCUBIN(handle, program.cubin.data()), "nvrtcGetCUBIN");
+  check_nvrtc(nvrtc_api().nvrtcGetCUBIN(handle, program.cubin.data()), "nvrtcGetCUBIN");
   if (options.use_cache) write_cache_entry(cache_path, program.cubin);
   return program;
 }

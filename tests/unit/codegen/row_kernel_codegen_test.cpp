@@ -3,6 +3,7 @@
 // compiles with NVRTC for sm_90.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -168,9 +169,9 @@ TEST(RowKernelCodegen, RejectsRegionsThatAreNotRowRegions) {
   auto projected = builder.matmul(x, w, false, "projected");
   auto activated = builder.silu(projected, "activated");
   const ComputeGraph graph = builder.build({activated});
-  std::string reason;
-  EXPECT_FALSE(is_row_region(graph, whole_graph_region(graph), &reason));
-  EXPECT_NE(reason.find("node 'projected' (matmul)"), std::string::npos) << reason;
+  Decision decision = row_region_decision(graph, whole_graph_region(graph));
+  EXPECT_FALSE(decision.ok);
+  EXPECT_NE(decision.reason.find("node 'projected' (matmul)"), std::string::npos) << decision.reason;
   EXPECT_THROW(generate_region_kernel(graph, whole_graph_region(graph)), InputError);
   EXPECT_THROW(generate_node_kernel(graph, 0), InputError);
 
@@ -178,14 +179,43 @@ TEST(RowKernelCodegen, RejectsRegionsThatAreNotRowRegions) {
   auto y = other.input("y", {{4, 64}, DType::f16});
   auto reshaped = other.reshape(other.silu(y, "activated"), {8, 32}, "reshaped");
   const ComputeGraph mixed = other.build({reshaped});
-  EXPECT_FALSE(is_row_region(mixed, whole_graph_region(mixed), &reason));
-  EXPECT_NE(reason.find("reshaped"), std::string::npos) << reason;
+  decision = row_region_decision(mixed, whole_graph_region(mixed));
+  EXPECT_FALSE(decision.ok);
+  EXPECT_NE(decision.reason.find("reshaped"), std::string::npos) << decision.reason;
 }
 
 TEST(RowKernelCodegen, RejectsBadTuningOptions) {
   const ComputeGraph graph = seed_graph(4, 256, DType::f32);
   EXPECT_THROW(generate_region_kernel(graph, whole_graph_region(graph), {48, 0, ""}), InputError);
   EXPECT_THROW(generate_region_kernel(graph, whole_graph_region(graph), {32, 64, ""}), InputError);
+}
+
+TEST(RowKernelCodegen, OnlineSoftmaxIsOnePassFromTheLaw) {
+  // Registers (short rows), block-wide reduction through shared memory, and streamed tiles.
+  for (const auto& [rows, length] : {std::pair<std::int64_t, std::int64_t>{64, 100}, {8, 4096}, {2, 300000}}) {
+    GraphBuilder builder;
+    auto x = builder.input("x", {{rows, length}, DType::bf16});
+    const ComputeGraph graph = builder.build({builder.softmax(builder.scale(x, 0.125, "scaled"), -1, "probabilities")});
+    const FusionRegion region = whole_graph_region(graph);
+    const std::vector<RowKernelOptions> variants = row_kernel_variants(graph, region);
+    ASSERT_TRUE(std::any_of(variants.begin(), variants.end(), [](const RowKernelOptions& o) { return o.online_softmax; }))
+        << "softmax regions race the one-pass kernel";
+    RowKernelOptions online;
+    online.online_softmax = true;
+    online.variant_name = "online";
+    const GeneratedKernel two_pass = generate_region_kernel(graph, region);
+    const GeneratedKernel one_pass = generate_region_kernel(graph, region, online);
+    EXPECT_EQ(count_occurrences(kernel_body(two_pass), "row_reduce<"), 2) << two_pass.summary;
+    EXPECT_EQ(count_occurrences(kernel_body(one_pass), "row_reduce<"), 1) << one_pass.summary;
+    EXPECT_EQ(count_occurrences(kernel_body(one_pass), "row_reduce<metile_device::OnlineSoftmaxOp"), 1);
+    // The merge is the law's: each side rescaled by exp(m_side - max(a.m, b.m)).
+    EXPECT_NE(one_pass.source.find("State{fmaxf(a.m, b.m), ((a.l * expf(difference(a.m, fmaxf(a.m, b.m)))) + "
+                                   "(b.l * expf(difference(b.m, fmaxf(a.m, b.m)))))}"),
+              std::string::npos)
+        << one_pass.source;
+    EXPECT_NE(one_pass.summary.find("one-pass softmax"), std::string::npos);
+    expect_compiles_for_sm90(one_pass);  // the two-pass kernels compile in the tests above
+  }
 }
 
 }  // namespace

@@ -159,6 +159,29 @@ TEST(ReferenceElementwise, CausalMaskSetsMinusInfinityAboveTheShiftedDiagonal) {
   }
 }
 
+TEST(ReferenceElementwise, PositionMaskHidesKeysPastEachTokensPosition) {
+  // 2 groups of 3 tokens (grouped-query rows): row r is token r mod 3.
+  const TensorSpec spec({2, 6, 5}, DType::bf16);
+  GraphBuilder builder;
+  const ValueRef x = builder.input("x", spec);
+  const ValueRef positions = builder.input("positions", {{3}, DType::i32});
+  const ValueRef masked = builder.position_mask(x, positions);
+  HostTensor position_values({{3}, DType::i32});
+  const int last_visible[] = {4, 0, 2};
+  for (int token = 0; token < 3; ++token) position_values.store(token, last_visible[token]);
+  const TensorMap inputs = {{"x", random_tensor(spec, 11)}, {"positions", position_values}};
+  const HostTensor out = run_one(builder, masked, inputs);
+  for (std::int64_t index = 0; index < spec.element_count(); ++index) {
+    const std::int64_t key = index % 5;
+    const std::int64_t row = index / 5 % 6;
+    if (key > last_visible[row % 3]) {
+      EXPECT_EQ(out.at(index), -std::numeric_limits<double>::infinity()) << row << "," << key;
+    } else {
+      EXPECT_EQ(out.at(index), inputs.at("x").at(index)) << row << "," << key;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- row reductions
 
 TEST(ReferenceRowReduction, RmsNormOfAKnownVector) {

@@ -104,15 +104,18 @@ TEST_F(DecisionFile, RoundTripsAndReplacesByKey) {
     DecisionCache cache(path_);
     EXPECT_EQ(cache.size(), 0u);
     EXPECT_FALSE(cache.found_corrupt_file());
-    cache.store({"key one", "fused wide", {{"native", 0.5}, {"fused wide", 0.25}}, "region R0: fused wide, 2.00x"});
-    cache.store({"key two", "native graph", {{"native graph", 0.1}}, "region R1: native graph"});
-    cache.store({"key one", "fused", {{"fused", 0.2}}, "region R0: fused, 2.50x"});
+    const CandidateId native = CandidateId::native(), wide = CandidateId::fused("wide");
+    cache.store({"key one", wide, {{native, 0.5}, {wide, 0.25}}, "region R0: fused wide, 2.00x"});
+    cache.store({"key two", native.as_graph(), {{native.as_graph(), 0.1}}, "region R1: native graph"});
+    cache.store({"key one", CandidateId::fused(), {{CandidateId::fused(), 0.2}}, "region R0: fused, 2.50x"});
   }
   const DecisionCache reloaded(path_);
   EXPECT_EQ(reloaded.size(), 2u);
   const auto one = reloaded.find("key one");
   ASSERT_TRUE(one.has_value());
-  EXPECT_EQ(one->chosen, "fused");
+  EXPECT_EQ(one->chosen.name(), "fused");
+  EXPECT_EQ(one->chosen, CandidateId::fused());
+  EXPECT_EQ(reloaded.find("key two")->chosen, CandidateId::native().as_graph());
   ASSERT_EQ(one->timings_ms.size(), 1u);
   EXPECT_EQ(one->timings_ms[0].second, 0.2);
   EXPECT_EQ(reloaded.find("key two")->report, "region R1: native graph");
@@ -133,7 +136,7 @@ TEST_F(DecisionFile, CorruptFilesAreSetAsideAndRewritten) {
     DecisionCache cache(path_);
     EXPECT_TRUE(cache.found_corrupt_file()) << damage;
     EXPECT_EQ(cache.size(), 0u);
-    cache.store({"k", "native", {}, "region R0: native"});
+    cache.store({"k", CandidateId::native(), {}, "region R0: native"});
     EXPECT_FALSE(cache.found_corrupt_file());
     const DecisionCache reloaded(path_);
     EXPECT_FALSE(reloaded.found_corrupt_file());
@@ -196,24 +199,35 @@ TEST(ContractionRowCandidates, SplitContractionsAroundOneRowKernel) {
 
   FusionRegion attention{"contraction_epilogue", {node("scores"), node("scaled"), node("masked"), node("probabilities")},
                          {queries.id, keys.id}, {probabilities.id}, 0};
-  const std::vector<FusedCandidate> attention_candidates = contraction_row_candidates(graph, attention);
+  const std::vector<FusedCandidate> attention_candidates = contraction_row_candidates(graph, attention).candidates;
   ASSERT_FALSE(attention_candidates.empty());
-  EXPECT_EQ(attention_candidates.front().name, "fused epilogue");
+  EXPECT_EQ(attention_candidates.front().id.name(), "fused epilogue");
+  EXPECT_EQ(attention_candidates.front().id, CandidateId::fused("epilogue"));
   EXPECT_EQ(attention_candidates.front().launches, 2);
   EXPECT_NE(attention_candidates.front().source.find("probabilities = softmax(masked)"), std::string::npos);
 
   FusionRegion mlp{"swiglu_mlp", {node("gate"), node("up"), node("activated"), node("hidden"), node("down")},
                    {probabilities.id, gate_weight.id, up_weight.id, down_weight.id}, {down.id}, 0};
-  const std::vector<FusedCandidate> mlp_candidates = contraction_row_candidates(graph, mlp);
+  const std::vector<FusedCandidate> mlp_candidates = contraction_row_candidates(graph, mlp).candidates;
   ASSERT_FALSE(mlp_candidates.empty());
   EXPECT_EQ(mlp_candidates.front().launches, 4) << "gate, up, one silu * up kernel, down";
 
-  // Only contractions, or no contraction: nothing for this lowering.
+  // Only contractions, or no contraction: nothing for this lowering, and it says why.
   FusionRegion projections{"x", {node("gate"), node("up")}, {probabilities.id}, {gate.id, up.id}, 0};
-  EXPECT_TRUE(contraction_row_candidates(graph, projections).empty());
+  const Lowered only_contractions = contraction_row_candidates(graph, projections);
+  EXPECT_TRUE(only_contractions.candidates.empty());
+  EXPECT_FALSE(only_contractions.decision.ok);
+  EXPECT_NE(only_contractions.decision.reason.find("contractions only"), std::string::npos)
+      << only_contractions.decision.reason;
   FusionRegion row_only{"x", {node("activated"), node("hidden")}, {gate.id, up.id}, {hidden.id}, 0};
-  EXPECT_TRUE(contraction_row_candidates(graph, row_only).empty());
-  EXPECT_FALSE(row_region_candidates(graph, row_only).empty());
+  const Lowered no_contraction = contraction_row_candidates(graph, row_only);
+  EXPECT_TRUE(no_contraction.candidates.empty());
+  EXPECT_EQ(no_contraction.decision.reason, "the region has no contraction");
+  EXPECT_FALSE(row_region_candidates(graph, row_only).candidates.empty());
+  // And the row lowering names the node that keeps it out of a region with a matmul.
+  const Lowered not_rows = row_region_candidates(graph, mlp);
+  EXPECT_TRUE(not_rows.candidates.empty());
+  EXPECT_NE(not_rows.decision.reason.find("node 'gate' (matmul)"), std::string::npos) << not_rows.decision.reason;
 }
 
 }  // namespace

@@ -9,7 +9,7 @@
 #include <regex>
 
 #include "metile/cuda_runtime.h"
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 
 namespace metile {
 namespace {

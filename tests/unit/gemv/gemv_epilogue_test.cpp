@@ -6,7 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 #include "metile/graph.h"
 
 namespace metile {

@@ -12,7 +12,7 @@
 #include <map>
 
 #include "gemv_test_support.h"
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 #include "metile/quant.h"
 #include "metile_test_support.h"
 

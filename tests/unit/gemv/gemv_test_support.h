@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "metile/decode_mlp.h"
+#include "metile/gemv.h"
 #include "metile/graph.h"
 #include "metile/quant.h"
 

@@ -1,4 +1,4 @@
-// GraphBuilder and ComputeGraph: the seed graph comes out as DESIGN.md says
+// GraphBuilder and ComputeGraph: the seed graph comes out as docs/architecture.md says
 // (multi-output, consumers, kinds), names are unique and generated predictably,
 // and every mistake is one InputError naming the node and the problem.
 #include <string>

@@ -1,4 +1,4 @@
-// The op registry: every op of DESIGN.md's table is registered with its kind,
+// The op registry: every op of the op table (docs/architecture.md) is registered with its kind,
 // infers the output spec a person would compute by hand, canonicalises its
 // attributes, and rejects bad shapes/attributes with a precise message.
 #include <algorithm>
@@ -48,7 +48,11 @@ TEST(OpRegistryTest, EveryDesignOpIsRegisteredWithItsKind) {
       {"layer_norm", OpKind::row_reduction}, {"softmax", OpKind::row_reduction}, {"sum", OpKind::row_reduction},
       {"mean", OpKind::row_reduction},       {"matmul", OpKind::contraction},
       {"quantized_matmul", OpKind::contraction}, {"rope", OpKind::layout},       {"reshape", OpKind::layout},
-      {"transpose", OpKind::layout},         {"cast", OpKind::layout}};
+      {"transpose", OpKind::layout},         {"cast", OpKind::layout},
+      // the decode-step ops of src/model
+      {"embedding", OpKind::layout},         {"quantized_embedding", OpKind::layout},
+      {"position_mask", OpKind::layout},     {"kv_cache_write", OpKind::layout},
+      {"flash_attention", OpKind::contraction}};
   for (const auto& [name, kind] : expected) {
     const OpDefinition* definition = find_op(name);
     ASSERT_NE(definition, nullptr) << name;
@@ -152,6 +156,47 @@ TEST(OpRegistryTest, CausalMask) {
   EXPECT_EQ(infer_error("causal_mask", {spec({8})}), "x f16[8] must have rank 2 or more");
   EXPECT_EQ(infer_error("causal_mask", {spec({8, 8})}, attrs({{"offset", 0.5}})),
             "attribute 'offset' must be an integer, got a number");
+}
+
+TEST(OpRegistryTest, PositionMask) {
+  const TensorSpec positions = spec({4}, DType::i32);
+  EXPECT_EQ(infer_one("position_mask", {spec({2, 8, 16}), positions}), spec({2, 8, 16}));  // 8 rows = 2 groups of 4
+  EXPECT_EQ(infer_error("position_mask", {spec({2, 6, 16}), positions}),
+            "positions i32[4] must be i32[S] with the 6 rows of x a multiple of S");
+  EXPECT_EQ(infer_error("position_mask", {spec({2, 8, 16}), spec({4})}),
+            "positions f16[4] must be i32[S] with the 8 rows of x a multiple of S");
+  EXPECT_EQ(infer_error("position_mask", {spec({16}), positions}), "x f16[16] must have rank 2 or more");
+}
+
+TEST(OpRegistryTest, FlashAttention) {
+  Attributes attributes;
+  EXPECT_EQ(infer("flash_attention", {spec({2, 6, 64}), spec({2, 100, 64}), spec({2, 100, 32})}, attributes).front(),
+            spec({2, 6, 32}));
+  EXPECT_EQ(attributes.get_double("scale"), 1.0);
+  EXPECT_EQ(attributes.get_string("mask"), "none");
+  EXPECT_EQ(attributes.get_int("offset"), 0);
+  Attributes with_positions;
+  infer("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8}), spec({3}, DType::i32)}, with_positions);
+  EXPECT_EQ(with_positions.get_string("mask"), "positions");
+  EXPECT_EQ(find_op("flash_attention")->optional_inputs, 1u);
+  EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 4}), spec({2, 9, 8})}),
+            "k f16[2, 9, 4] must have the head dim D = 8 of q f16[2, 6, 8]");
+  EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 7, 8})}),
+            "v f16[2, 7, 8] must have the key count T = 9 of k f16[2, 9, 8]");
+  EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({3, 9, 8}), spec({3, 9, 8})}),
+            "k f16[3, 9, 8] and v f16[3, 9, 8] must have the leading dims [..., Hkv] of q f16[2, 6, 8]");
+  EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})},
+                        attrs({{"mask", std::string("positions")}})),
+            "mask 'positions' needs a positions input");
+  EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})},
+                        attrs({{"mask", std::string("sliding")}})),
+            "mask must be 'none', 'causal' or 'positions', got 'sliding'");
+  EXPECT_EQ(testing::error_of([] {
+              GraphBuilder builder;
+              auto q = builder.input("q", spec({2, 6, 8}));
+              builder.add_node("flash_attention", {q}, {}, "attention");
+            }),
+            "node 'attention' (flash_attention): expects 3 to 4 inputs (q, k, v, [positions]), got 1");
 }
 
 TEST(OpRegistryTest, Matmul) {

@@ -2,7 +2,7 @@
 // the benchmark) needs beyond a plain launch, written once. A streamed kernel asks for more than
 // 48 KiB of dynamic shared memory (the limit is raised at load) and reads a workspace of fp32
 // partials and per-tile counters, zeroed here once; each launch leaves the counters at zero.
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace metile {
 

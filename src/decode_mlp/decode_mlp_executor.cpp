@@ -8,11 +8,10 @@
 //   down       native, native graph; affine: unfused GEMV (+ graph);   out
 //              fused GEMV with the residual epilogue, per shape
 //
-// Per stage: every candidate runs on seeded random inputs and must pass the dispatch module's
-// numeric gate against the float64 oracle (decode_mlp_reference_*) before it is timed; the
-// gated candidates meet in one order-interleaved tournament; a fused candidate replaces the
-// best native one only with the headroom (10%) of the MLP boundary. Native stays a candidate at
-// both boundaries. Weights are uploaded once: dense matrices are read in place by every
+// Per stage: every candidate runs on seeded random inputs and is gated against the float64
+// oracle (decode_mlp_reference_*); the dispatch module's engine (choose_measured) then admits,
+// races and chooses with the headroom (10%) of the MLP boundary, exactly as it does for the
+// whole-graph Executable. The library path stays a candidate at both boundaries. Weights are uploaded once: dense matrices are read in place by every
 // candidate, affine ones are also repacked (repack_for_gemv) for the generated kernels.
 #include <fmt/core.h>
 
@@ -22,7 +21,7 @@
 #include <random>
 
 #include "metile/cpu_runtime.h"
-#include "metile/decode_mlp.h"
+#include "metile/decode_mlp_executor.h"
 
 namespace metile {
 namespace {
@@ -31,6 +30,7 @@ namespace {
 // the same work without an inner graph launch).
 struct StageCandidate {
   DecodeMlpCandidate report;
+  bool library_path = false;  // cuBLASLt / dequantize + cuBLASLt: the graph's own semantics
   DeviceStep run;
   DeviceStep eager;
   std::string source;  // every kernel source it runs, for the decision key
@@ -186,6 +186,18 @@ struct DecodeMlpExecutor::State {
     return configs;
   }
 
+  static DecodeMlpCandidate described(const CandidateId& id, std::string kernel) {
+    return {id, id.name(), std::move(kernel), {}, -1};
+  }
+
+  // The unfused GEMV path (generated, so it must pass the gate), eagerly and as a CUDA graph.
+  void add_unfused(std::vector<StageCandidate>& candidates, const DeviceStep& eager, const std::string& kernel,
+                   const std::string& source) {
+    const CandidateId id = CandidateId::native("unfused gemv");
+    candidates.push_back({described(id, kernel), false, eager, eager, source});
+    candidates.push_back({described(id.as_graph(), kernel + ", one CUDA graph"), false, as_graph(eager, stream), eager, source});
+  }
+
   // The streamed mainloop's shapes for the same stage (gemv_streamed.cpp), after the register ones.
   std::vector<GemvKernelConfig> streamed(GemvKernelConfig base) const {
     base.mainloop = GemvMainloop::streamed;
@@ -201,8 +213,9 @@ struct DecodeMlpExecutor::State {
     }
     const DeviceStep eager = sequence(std::move(steps));
     const std::string what = weights.format.is_affine() ? "dequantize + cuBLASLt" : "cuBLASLt";
-    candidates.push_back({{"native", "native", what, {}, -1}, eager, eager, source});
-    candidates.push_back({{"native graph", "native", what + ", one CUDA graph", {}, -1}, as_graph(eager, stream), eager, source});
+    candidates.push_back({described(CandidateId::native(), what), true, eager, eager, source});
+    candidates.push_back(
+        {described(CandidateId::native().as_graph(), what + ", one CUDA graph"), true, as_graph(eager, stream), eager, source});
   }
 
   std::vector<StageCandidate> gate_up_candidates() {
@@ -230,18 +243,16 @@ struct DecodeMlpExecutor::State {
       const std::string source = store->loaded.kernel.source + NativeRuntime::node_source(*graph, node("activated")) +
                                  NativeRuntime::node_source(*graph, node("hidden_state"));
       const std::string kernel = store->config.to_string() + " x2, silu, multiply";
-      candidates.push_back({{"unfused gemv", "native", kernel, {}, -1}, eager, eager, source});
-      candidates.push_back({{"unfused gemv graph", "native", kernel + ", one CUDA graph", {}, -1}, as_graph(eager, stream),
-                            eager, source});
+      add_unfused(candidates, eager, kernel, source);
     }
     for (; next < compiled.size(); ++next) {
       const auto& launch = compiled[next];
       const DeviceStep step = bind_gemv(launch, {0, 1}, "x", "hidden_state");
-      const std::string name =
+      const CandidateId id = CandidateId::fused(
           launch->config.mainloop == GemvMainloop::streamed
-              ? fmt::format("fused {}", shape_name(launch->config))
-              : fmt::format("fused {} {}", gated_schedule_name(launch->config.schedule), shape_name(launch->config));
-      candidates.push_back({{name, "fused", launch->config.to_string(), {}, -1}, step, step, launch->loaded.kernel.source});
+              ? shape_name(launch->config)
+              : fmt::format("{} {}", gated_schedule_name(launch->config.schedule), shape_name(launch->config)));
+      candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source});
     }
     return candidates;
   }
@@ -268,16 +279,13 @@ struct DecodeMlpExecutor::State {
                                          native.node_step(*graph, node("out"), *values)});
       const std::string kernel = store->config.to_string() + ", add";
       const std::string source = store->loaded.kernel.source + NativeRuntime::node_source(*graph, node("out"));
-      candidates.push_back({{"unfused gemv", "native", kernel, {}, -1}, eager, eager, source});
-      candidates.push_back({{"unfused gemv graph", "native", kernel + ", one CUDA graph", {}, -1}, as_graph(eager, stream),
-                            eager, source});
+      add_unfused(candidates, eager, kernel, source);
     }
     for (; next < compiled.size(); ++next) {
       const auto& launch = compiled[next];
       const DeviceStep step = bind_gemv(launch, {2}, "hidden_state", "out");
-      candidates.push_back({{fmt::format("fused residual {}", shape_name(launch->config)), "fused",
-                             launch->config.to_string(), {}, -1},
-                            step, step, launch->loaded.kernel.source});
+      const CandidateId id = CandidateId::fused(fmt::format("residual {}", shape_name(launch->config)));
+      candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source});
     }
     return candidates;
   }
@@ -299,135 +307,47 @@ struct DecodeMlpExecutor::State {
       candidate.report.gate = numeric_gate((*values)[output_id].to_host(), reference);
     }
 
-    // The decision key: device, versions, every candidate's source, the stage's ops and shapes.
-    FusionRegion region;
-    region.rule = "decode_mlp_" + stage;
-    for (const std::string& name : stage_nodes) region.nodes.push_back(node(name));
-    std::vector<std::string> sources;
-    for (const StageCandidate& candidate : candidates) sources.push_back(candidate.report.name + "\n" + candidate.source);
+    // The decision key: device, versions, mode, every candidate's identity and source, the
+    // stage's ops and shapes (the same key the Executable uses for a region).
+    std::vector<NodeId> nodes;
+    for (const std::string& name : stage_nodes) nodes.push_back(node(name));
+    FusionRegion region = region_of_nodes(*graph, nodes, "decode_mlp_" + stage);
+    region.outputs = {output_id};
+    std::vector<MeasuredCandidate> measured;
+    std::vector<std::pair<CandidateId, std::string>> sources;
+    for (const StageCandidate& candidate : candidates) {
+      measured.push_back({candidate.report.id, candidate.report.gate, candidate.library_path});
+      sources.emplace_back(candidate.report.id, candidate.source);
+    }
     std::string key;
-    std::optional<DispatchDecision> cached;
+    std::optional<DispatchDecision> stored;
     std::optional<DecisionCache> cache;
     if (options.use_decision_cache) {
-      // region_graph needs the region's boundary values: derive them from the nodes.
-      for (NodeId id : region.nodes) {
-        for (ValueId input : graph->node(id).inputs) {
-          const bool inside = std::any_of(region.nodes.begin(), region.nodes.end(), [&](NodeId other) {
-            return graph->value(input).producer == other;
-          });
-          if (!inside && std::find(region.inputs.begin(), region.inputs.end(), input) == region.inputs.end()) {
-            region.inputs.push_back(input);
-          }
-        }
-      }
-      region.outputs.push_back(output_id);
-      key = dispatch_key(device.info(), region_graph(*graph, region), sources) + fmt::format(" mode={}", dispatch_mode_name(options.mode));
+      key = dispatch_key(device.info(), region_graph(*graph, region), sources, options.mode);
       cache.emplace(options.decision_cache_file.empty() ? DecisionCache::default_path() : options.decision_cache_file);
-      cached = cache->find(key);
+      stored = cache->find(key);
     }
 
-    // The library path (cuBLASLt, dequantize + cuBLASLt) is the graph's own semantics, intermediate
-    // roundings included: it stays a candidate whatever its figures against the float64 oracle
-    // (at 16 rows its bf16-rounded gate and up can cost it the 1e-2 max-error gate). Every
-    // generated kernel must pass.
-    auto library_path = [&](std::size_t i) { return candidates[i].report.name.rfind("native", 0) == 0; };
-    std::vector<int> timed;
-    for (std::size_t i = 0; i < candidates.size(); ++i) {
-      const bool allowed = options.mode != DispatchMode::native || candidates[i].report.kind == "native";
-      if ((candidates[i].report.gate.passed || library_path(i)) && allowed) timed.push_back(static_cast<int>(i));
-    }
-    if (timed.empty()) {
-      throw CudaError(fmt::format("decode MLP {}: no candidate passed the numeric gate (native: {})", stage,
-                                  candidates.front().report.gate.detail));
-    }
-
-    auto index_of = [&](const std::string& name) {
-      for (std::size_t i = 0; i < candidates.size(); ++i) {
-        if (candidates[i].report.name == name) return static_cast<int>(i);
-      }
-      return -1;
-    };
-    if (cached) {
-      const int index = index_of(cached->chosen);
-      if (index >= 0 && (candidates[static_cast<std::size_t>(index)].report.gate.passed ||
-                         library_path(static_cast<std::size_t>(index)))) {
-        report.from_cache = true;
-        report.chosen = index;
-        for (const auto& [name, ms] : cached->timings_ms) {
-          const int timed_index = index_of(name);
-          if (timed_index >= 0) candidates[static_cast<std::size_t>(timed_index)].report.score_ms = ms;
-        }
-      }
-    }
-    if (!report.from_cache) {
-      std::vector<TournamentCandidate> entrants;
-      for (int index : timed) entrants.push_back({candidates[static_cast<std::size_t>(index)].report.name,
-                                                  candidates[static_cast<std::size_t>(index)].run});
-      const TournamentResult result = run_tournament(entrants, stream, options.tournament);
-      for (std::size_t i = 0; i < timed.size(); ++i) {
-        candidates[static_cast<std::size_t>(timed[i])].report.score_ms = result.score_ms[i];
-      }
-    }
-
-    int best_native = -1, best_fused = -1;
-    for (int index : timed) {
-      const DecodeMlpCandidate& candidate = candidates[static_cast<std::size_t>(index)].report;
-      if (candidate.score_ms < 0) continue;
-      int& best = candidate.kind == "native" ? best_native : best_fused;
-      if (best < 0 || candidate.score_ms < candidates[static_cast<std::size_t>(best)].report.score_ms) best = index;
-    }
-    report.best_native = best_native;
-    auto ms = [&](int index) { return candidates[static_cast<std::size_t>(index)].report.score_ms; };
-    auto name = [&](int index) { return candidates[static_cast<std::size_t>(index)].report.name; };
-    if (!report.from_cache) {
-      if (best_native < 0) {
-        report.chosen = best_fused;
-      } else if (best_fused < 0 || options.mode == DispatchMode::native) {
-        report.chosen = best_native;
-      } else if (options.mode == DispatchMode::fused || beats_with_headroom(ms(best_fused), ms(best_native), options.headroom)) {
-        report.chosen = best_fused;
-      } else {
-        report.chosen = best_native;
-      }
-    }
-    if (report.chosen < 0) report.chosen = timed.front();
-
-    // The sentence: what runs, against what, and why.
-    const int chosen = report.chosen;
-    if (candidates[static_cast<std::size_t>(chosen)].report.kind == "fused" && best_native >= 0) {
-      report.sentence = fmt::format("{}: {}, {:.2f}x over {} ({:.1f} us vs {:.1f} us)", stage, name(chosen),
-                                    ms(best_native) / ms(chosen), name(best_native), ms(chosen) * 1e3,
-                                    ms(best_native) * 1e3);
-    } else if (best_fused >= 0) {
-      report.sentence = fmt::format("{}: {} ({:.1f} us); best fused {} {:.1f} us{}", stage, name(chosen), ms(chosen) * 1e3,
-                                    name(best_fused), ms(best_fused) * 1e3,
-                                    options.mode == DispatchMode::native ? ", METILE_DISPATCH=native"
-                                                                         : fmt::format(", under the {:.0f}% headroom",
-                                                                                       options.headroom * 100));
-    } else {
-      std::string failures;
-      for (const StageCandidate& candidate : candidates) {
-        if (candidate.report.kind == "fused" && !candidate.report.gate.passed) {
-          failures = fmt::format("; fused failed the numeric gate ({})", candidate.report.gate.detail);
-          break;
-        }
-      }
-      report.sentence = fmt::format("{}: {} ({:.1f} us){}", stage, name(chosen), ms(chosen) * 1e3, failures);
-    }
-    if (report.from_cache) report.sentence += " [decision cache]";
-
-    if (cache && !report.from_cache) {
-      DispatchDecision decision;
-      decision.key = key;
-      decision.chosen = name(chosen);
-      for (int index : timed) decision.timings_ms.emplace_back(name(index), ms(index));
-      decision.report = report.sentence;
-      cache->store(decision);
-    }
+    const MeasuredChoice choice =
+        choose_measured(measured, {options.mode, options.headroom}, stored, [&](const std::vector<int>& entrants) {
+          std::vector<TournamentCandidate> race;
+          for (int index : entrants) {
+            race.push_back({candidates[static_cast<std::size_t>(index)].report.name,
+                            candidates[static_cast<std::size_t>(index)].run});
+          }
+          return run_tournament(race, stream, options.tournament).score_ms;
+        });
+    if (choice.chosen < 0) throw CudaError(fmt::format("decode MLP {}: {}", stage, choice.reason));
+    for (std::size_t i = 0; i < candidates.size(); ++i) candidates[i].report.score_ms = choice.score_ms[i];
+    report.chosen = choice.chosen;
+    report.best_native = choice.best_native;
+    report.from_cache = choice.from_cache;
+    report.sentence = fmt::format("{}: {}{}", stage, choice.reason, choice.from_cache ? " (cached)" : "");
+    if (cache && choice.worth_storing && !choice.from_cache) cache->store(decision_of(key, measured, choice));
 
     for (const StageCandidate& candidate : candidates) report.candidates.push_back(candidate.report);
-    chosen_step = candidates[static_cast<std::size_t>(chosen)].eager;
-    native_step = candidates[static_cast<std::size_t>(best_native >= 0 ? best_native : chosen)].eager;
+    chosen_step = candidates[static_cast<std::size_t>(choice.chosen)].eager;
+    native_step = candidates[static_cast<std::size_t>(choice.best_native >= 0 ? choice.best_native : choice.chosen)].eager;
     return report;
   }
 };

@@ -1,0 +1,97 @@
+// metile decode-MLP executor: the decode MLP (decode_mlp.h) on the GPU, where every byte of
+// weight read counts (docs/architecture.md, "Measured dispatch"). Candidates per stage (native cuBLASLt or
+// unfused GEMV, each also as a CUDA graph; register-resident and scratch-spilled fused GEMV
+// kernels from gemv.h) go through the dispatch module's gate, tournament and headroom policy;
+// the two chosen callables are then replayed as one warmed CUDA graph.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "metile/cuda_runtime.h"
+#include "metile/decode_mlp.h"
+#include "metile/dispatch.h"
+
+namespace metile {
+
+// ---------------------------------------------------------------- the MLP executor (CUDA)
+// A generated GEMV loaded for the current device: the dynamic shared-memory limit raised and,
+// for a streamed kernel, its zeroed workspace allocated. launch() appends the workspace to
+// `arguments` (weights ... out, as above).
+struct LoadedGemv {
+  GemvKernelSource kernel;
+  CompiledKernel compiled;
+  std::shared_ptr<DeviceBuffer> workspace;
+
+  static LoadedGemv load(GemvKernelSource kernel, const CompiledProgram& program);
+  void launch(const CudaStream& stream, KernelArguments arguments) const;
+};
+
+struct DecodeMlpOptions {
+  DispatchMode mode = dispatch_mode_from_environment();
+  TournamentOptions tournament;
+  double headroom = 0.10;           // a fused stage must beat the best native candidate by this much
+  std::uint64_t gate_seed = 0x6d6c70;
+  bool use_decision_cache = true;   // a stored decision skips the tournament (the gate still runs)
+  std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
+  int tuning_candidates = 5;        // launch shapes per fused schedule (gemv_tuning_candidates)
+};
+
+// One candidate of a stage. Native: cuBLASLt / dequantize + cuBLASLt (the library path), or the
+// unfused GEMV of an affine matrix ("unfused gemv"); each also as a CUDA graph. Fused: a
+// generated GEMV with the stage's epilogue ("register_resident w4 t1 f2 db", "residual w4 ...").
+struct DecodeMlpCandidate {
+  CandidateId id;
+  std::string name;   // id.name(): "native", "native graph", "unfused gemv", "fused register_resident w4 t1 f2 db", ...
+  std::string kernel; // the generated kernel's config, empty for native cuBLASLt steps
+  NumericGateResult gate;  // against the float64 reference rounded to the activation dtype
+  double score_ms = -1;    // the tournament's score; < 0 when not timed
+};
+
+struct DecodeMlpStageReport {
+  std::string stage;  // "gate_up" or "down"
+  std::vector<DecodeMlpCandidate> candidates;
+  int chosen = -1;       // index into candidates
+  int best_native = -1;  // the fastest native candidate (the incumbent of the headroom rule)
+  bool from_cache = false;
+  std::string sentence;  // "gate_up: fused scratch_spilled w4 t1 f4, 1.92x over native graph"
+  double chosen_ms() const;
+  double native_ms() const;
+};
+
+// The warmed decode MLP: one CUDA graph replaying the selected gate/up callable and the
+// selected down callable on fixed buffers (x, residual in; out out).
+class DecodeMlpExecutor {
+ public:
+  static DecodeMlpExecutor build(const DecodeMlpWeights& weights, std::int64_t rows, const CudaDevice& device,
+                                 const DecodeMlpOptions& options = {});
+  ~DecodeMlpExecutor();
+  DecodeMlpExecutor(DecodeMlpExecutor&&) noexcept;
+  DecodeMlpExecutor& operator=(DecodeMlpExecutor&&) noexcept;
+
+  std::int64_t rows() const;
+  DeviceTensor& x();
+  DeviceTensor& residual();
+  const DeviceTensor& out() const;
+  const CudaStream& stream() const;
+  void enqueue(const CudaStream& stream) const;  // replays the executor's CUDA graph
+  // Uploads x and residual, replays, synchronizes and returns out.
+  HostTensor run(const HostTensor& x, const HostTensor& residual);
+  // The unfused graph on the native path (both stages' best native candidates, one CUDA graph
+  // on the same buffers): what the executor is compared with.
+  void enqueue_native(const CudaStream& stream) const;
+
+  const DecodeMlpStageReport& gate_up_report() const;
+  const DecodeMlpStageReport& down_report() const;
+  std::string report() const;  // the two stage sentences and every candidate's gate and time
+
+ private:
+  struct State;
+  explicit DecodeMlpExecutor(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace metile

@@ -1,0 +1,193 @@
+// metile GEMV codegen: the decode-time matrix-vector kernels (1..16 activation rows) as CUDA
+// C++ source, plus the weight layouts they read (docs/architecture.md, "Lowering"). Pure source generation
+// and host-side repacking: no driver, no GPU, no runtime (the decode-MLP model is in
+// decode_mlp.h, its CUDA executor in decode_mlp_executor.h).
+//
+//   * weight formats and repacking: dense f16/bf16 matrices are read in place; MLX affine
+//     matrices (quant.h) are repacked once at load into the fragment order the kernels read;
+//   * kernel generation (src/codegen/gemv_*): one GEMV mainloop skeleton (tensor-core
+//     m16n8k16 products, the weight tile as the A operand and the activation rows as B) plus
+//     an epilogue expression built from the region's elementwise ops. Changing the epilogue
+//     changes one generated expression, never the mainloop.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "metile/graph.h"
+#include "metile/quant.h"
+
+namespace metile {
+
+// ---------------------------------------------------------------- weight formats
+// How a GEMV's weight W [N, K] is stored. Activations x [M, K], scales, biases, dense
+// weights and outputs are all in `activation` (f16 or bf16).
+struct GemvWeightFormat {
+  int bits = 16;        // 16: dense in the activation dtype; 4 or 8: MLX affine
+  int group_size = 0;   // 32, 64 or 128 when affine; 0 when dense
+  DType activation = DType::bf16;
+
+  static GemvWeightFormat dense(DType activation) { return {16, 0, activation}; }
+  static GemvWeightFormat affine(int bits, int group_size, DType activation) {
+    return {bits, group_size, activation};
+  }
+  bool is_affine() const { return bits != 16; }
+  AffineQuantization quantization() const { return {bits, group_size}; }
+  void validate() const;        // throws InputError naming the bad field
+  std::string to_string() const;  // "bf16", "bf16 affine4 g64"
+  // Columns one mainloop iteration consumes: 32 dense, max(64, group) 8-bit, 128 4-bit.
+  // Repacked matrices pad K to a multiple of it.
+  int columns_per_iteration() const;
+  bool operator==(const GemvWeightFormat&) const = default;
+};
+
+// An affine matrix in the order the generated kernel reads it. Per 16-row tile and per
+// block of 32·(32/bits) columns, the 32 lanes of a warp each load one 16-byte vector for rows
+// 0..7 of the tile and one for rows 8..15; lane (g = lane/4, t = lane%4) finds in it, for
+// every 32-column chunk c, row g's columns 32c + 8t .. 32c + 8t + 7, with the nibbles (bytes)
+// of each word shuffled so that one shift and mask yields the m16n8k16 A-fragment pairs.
+// Scales and biases sit beside each other, per tile and group: [scale, bias] of row g and of
+// row g + 8 in one 8-byte vector. Rows pad to 16 and columns to columns_per_iteration() with
+// zero codes, scales and biases (a zero scale and bias make a padded weight exactly 0).
+struct RepackedAffineMatrix {
+  GemvWeightFormat format;
+  std::int64_t rows = 0, columns = 0;                // N, K of the original matrix
+  std::int64_t padded_rows = 0, padded_columns = 0;  // multiples of 16 and columns_per_iteration()
+  std::vector<std::uint32_t> words;                  // padded_rows * padded_columns * bits / 32
+  std::vector<std::uint16_t> scale_bias;             // padded_rows * (padded_columns / group) * 2
+};
+
+// Repacks `matrix` (its scales' dtype becomes the activation dtype). Throws InputError when
+// the scales are not f16/bf16 or the format is not one the GEMV reads.
+RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix);
+// The exact inverse: the MLX-layout matrix the repacked one came from.
+QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked);
+
+// ---------------------------------------------------------------- epilogues
+// The per-output expression a GEMV applies after its reduction: a tree over the f32 dot
+// products of the kernel's weight matrices ("accumulators"), extra tensors read at the output
+// position ([M, N], or [N] broadcast over rows), constants and elementwise ops. Evaluated in
+// f32, the result is rounded once to the activation dtype.
+class GemvEpilogue {
+ public:
+  // `op`: any other elementwise op of the op table (graph.h) that does not read its element's position.
+  enum class Kind : std::uint8_t { accumulator, tensor, constant, add, subtract, multiply, scale, silu, gelu,
+                                   gelu_tanh, exp, op };
+
+  static GemvEpilogue accumulator(int product);                 // product 0: gate (or only), 1: up
+  static GemvEpilogue tensor(std::string name, bool broadcast_rows = false);
+  static GemvEpilogue constant(double value);
+  static GemvEpilogue add(const GemvEpilogue& a, const GemvEpilogue& b);
+  static GemvEpilogue subtract(const GemvEpilogue& a, const GemvEpilogue& b);
+  static GemvEpilogue multiply(const GemvEpilogue& a, const GemvEpilogue& b);
+  static GemvEpilogue scale(const GemvEpilogue& x, double factor);
+  static GemvEpilogue silu(const GemvEpilogue& x);
+  static GemvEpilogue gelu(const GemvEpilogue& x, bool tanh_approximation = false);
+  static GemvEpilogue exp(const GemvEpilogue& x);
+
+  // The shapes the decode MLP uses.
+  static GemvEpilogue store() { return accumulator(0); }
+  static GemvEpilogue swiglu() { return multiply(silu(accumulator(0)), accumulator(1)); }
+  static GemvEpilogue residual_add(std::string name = "residual") { return add(accumulator(0), tensor(name)); }
+
+  // Builds the epilogue from a graph: walks back from `output` through elementwise nodes
+  // (add, subtract, multiply, scale, silu, gelu, exp, and any op-table elementwise op that does
+  // not read its element's position) to the values in `accumulators` (the
+  // contractions' outputs, in product order) or to values computed elsewhere, which become
+  // tensors named after the value. Throws InputError naming the node that cannot be an
+  // epilogue op, or a tensor whose shape is neither the output's nor its last axis.
+  static GemvEpilogue from_graph(const ComputeGraph& graph, ValueId output, std::span<const ValueId> accumulators);
+
+  Kind kind() const;
+  int product_count() const;  // 1 + the highest accumulator index used (at least 1)
+  struct TensorInput {
+    std::string name;
+    bool broadcast_rows = false;
+    bool operator==(const TensorInput&) const = default;
+  };
+  std::vector<TensorInput> tensor_inputs() const;  // distinct, first-use order: kernel arguments after x
+  // A CUDA C++ f32 expression: accumulators are acc0, acc1; tensor i is read as tensor_value(i).
+  // Each op is the op table's CUDA expression (its device functions: cuda_elementwise_helpers()).
+  std::string cuda_expression() const;
+  std::string to_string() const;  // "silu(acc0) * acc1"
+  // Evaluates on the host in double with the op table's f64 math (`tensors` in tensor_inputs() order).
+  double evaluate(std::span<const double> accumulators, std::span<const double> tensors) const;
+
+ struct Term;  // one node of the expression tree (defined in gemv_epilogue.cpp)
+
+ private:
+  explicit GemvEpilogue(std::shared_ptr<const Term> node) : node_(std::move(node)) {}
+  std::shared_ptr<const Term> node_;
+};
+
+// ---------------------------------------------------------------- kernels
+// How a two-matrix (gate/up) kernel keeps its accumulators: both reductions live at once in
+// registers, or the gate reduction finishes, spills to shared memory and the same registers
+// then accumulate up.
+enum class GatedSchedule : std::uint8_t { register_resident, scratch_spilled };
+std::string_view gated_schedule_name(GatedSchedule schedule);
+
+// How a GEMV gets its weights to the math.
+//   register_batches (gemv_mainloop.cpp): one block per 16-row tile; each warp loads batches of
+//     16-byte vectors into registers, then computes them.
+//   streamed (gemv_streamed.cpp): a persistent grid; each warp owns an equal, contiguous share of
+//     the (K slice, tile, iteration) space (stream-K), and its lane 0 streams the weights into a
+//     private ring of shared-memory stages with bulk copies (cp.async.bulk, L2 evict-first) that
+//     complete on mbarriers, `stages` deep, independently of the math. x and its per-group sums
+//     are staged in shared memory once per block. A tile split between warps is joined through
+//     fp32 partials in a workspace, in a fixed order, by the last warp to arrive.
+enum class GemvMainloop : std::uint8_t { register_batches, streamed };
+std::string_view gemv_mainloop_name(GemvMainloop mainloop);
+
+struct GemvKernelConfig {
+  GemvWeightFormat format;
+  std::int64_t rows = 1;           // M, activation rows: 1..16
+  std::int64_t out_features = 0;   // N
+  std::int64_t in_features = 0;    // K (dense: a multiple of 8; affine: of the group size)
+  GemvEpilogue epilogue = GemvEpilogue::store();  // its product_count() weight matrices share x
+  GatedSchedule schedule = GatedSchedule::register_resident;  // two matrices only
+  int warps_per_block = 4;         // split K between them; shared memory joins their partial sums
+  int tiles_per_block = 1;         // 16-row tiles per block (their x fragments are shared)
+  int iterations_in_flight = 2;    // mainloop iterations whose loads are issued before the math
+  bool double_buffered = true;      // issue the next iterations' loads before this one's math
+  GemvMainloop mainloop = GemvMainloop::register_batches;
+  // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
+  int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
+  int stages = 4;                    // ring depth per warp: stages whose bulk copies may be in flight
+  int multiprocessors = 132;         // persistent grid: multiprocessors x blocks_per_multiprocessor
+  int blocks_per_multiprocessor = 1;
+
+  void validate() const;  // InputError naming the bad field
+  std::string to_string() const;
+};
+
+// The generated kernel and how to launch it. Arguments, in order: for each weight matrix its
+// weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
+// (affine only), then x [M, K], then each epilogue tensor, then out [M, N]; all pointers.
+// A streamed kernel takes one more pointer after out: its workspace (workspace_bytes, zeroed once
+// before the first launch; every launch leaves it ready for the next, so launches on one stream
+// may share it, concurrent launches may not).
+struct GemvKernelSource {
+  std::string kernel_name;  // unique per config
+  std::string source;       // self-contained CUDA C++ (no includes) for NVRTC
+  unsigned grid_blocks = 0;
+  unsigned block_threads = 0;
+  unsigned static_shared_bytes = 0;
+  unsigned dynamic_shared_bytes = 0;   // streamed: the stage rings, x and its group sums
+  std::uint64_t workspace_bytes = 0;   // streamed: fp32 partials and per-tile arrival counters
+  int k_slices = 1;                    // streamed: K splits (x slices that fit shared memory)
+};
+GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
+
+// The launch shapes worth trying for one problem (warps, tiles, loads in flight), best guess
+// first; every returned config is valid.
+std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors = 132);
+
+// Bytes a GEMV must move at least: weights (codes, scales, biases), x, epilogue tensors, output.
+std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config);
+
+}  // namespace metile

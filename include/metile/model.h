@@ -1,0 +1,172 @@
+// metile model module: decoder-only language models as first-class inputs.
+//
+//   checkpoint dir ──► ModelConfig (config.json, transformers 4 and 5 spellings)
+//        │              + weights (model.safetensors or shards, memory-mapped,
+//        │                HF tensor names, dense or MLX-quantized)
+//        ▼
+//   DecoderModel ──► step_graph(S): the decode-step graph for S = 1..16 new tokens,
+//        │           recorded with GraphBuilder as plain ops (attention included),
+//        │           token ids, positions and the KV caches as runtime inputs
+//        ▼
+//   DecodeSession ──► feed(tokens): chunked prefill and decode on the CPU, on the
+//                     reference executor or the planned (fused) one
+//
+// Also here: synthesize_model, a seeded random checkpoint in the Hugging Face
+// layout (presets tiny .. llama3-8b), so everything runs without a download.
+// Every malformed checkpoint is an InputError naming the file and the tensor or
+// config field.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "metile/fusion.h"
+#include "metile/graph.h"
+#include "metile/quant.h"
+
+namespace metile {
+
+enum class ModelArchitecture : std::uint8_t { llama, qwen2, mistral };
+std::string_view architecture_class_name(ModelArchitecture architecture);  // "LlamaForCausalLM", ...
+ModelArchitecture parse_architecture_short_name(std::string_view name);    // "llama" | "qwen2" | "mistral"
+
+// Rotary embedding parameters: rope_type "default" or "llama3" (Llama 3.1 scaling).
+struct RopeParameters {
+  double theta = 10000;
+  bool llama3_scaling = false;
+  double factor = 8;
+  double low_freq_factor = 1;
+  double high_freq_factor = 4;
+  std::int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  ModelArchitecture architecture = ModelArchitecture::llama;
+  std::int64_t vocab_size = 0;
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_key_value_heads = 0;
+  std::int64_t head_dim = 0;  // explicit (Mistral) or hidden_size / num_attention_heads
+  std::int64_t max_position_embeddings = 0;
+  std::optional<std::int64_t> sliding_window;  // Mistral/Qwen2: the capacity is capped at it
+  double rms_norm_eps = 1e-6;
+  RopeParameters rope;
+  bool tie_word_embeddings = false;
+  DType dtype = DType::bf16;  // torch_dtype (4) or dtype (5)
+  std::optional<AffineQuantization> quantization;  // MLX "quantization": {"group_size", "bits"}
+
+  bool qkv_bias() const { return architecture == ModelArchitecture::qwen2; }
+  std::int64_t group_size() const { return num_attention_heads / num_key_value_heads; }  // GQA factor G
+
+  // Reads config.json text; InputError "SOURCE: field 'F': ..." on anything malformed.
+  static ModelConfig parse_json(std::string_view text, std::string_view source);
+  // transformers_version 4: rope_theta/rope_scaling/torch_dtype at the top level;
+  // 5: rope_parameters {rope_type, rope_theta, ...} and dtype.
+  std::string to_json(int transformers_version = 4) const;
+};
+
+struct LoadOptions {
+  DType dtype = DType::bf16;                    // activations and dense weights: bf16 or f32
+  std::optional<AffineQuantization> quantize;  // quantize dense linear weights and the embedding at load
+  std::int64_t max_sequence = 0;               // KV-cache capacity; 0: min(4096, max_position_embeddings)
+};
+
+// A loaded model: its config and weights in the runtime dtype, named as in the
+// checkpoint (quantized ones as NAME.weight u32 / NAME.scales / NAME.biases).
+class DecoderModel {
+ public:
+  static constexpr std::int64_t kMaxStepTokens = 16;
+
+  // Throws InputError naming the file and tensor/field of a malformed checkpoint.
+  static DecoderModel load(const std::filesystem::path& directory, const LoadOptions& options = {});
+
+  const ModelConfig& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+  std::int64_t capacity() const { return capacity_; }
+  bool is_quantized(std::string_view weight_prefix) const;  // "model.layers.0.mlp.up_proj"
+  const TensorMap& weights() const { return weights_; }
+  // The format of the quantized weights (MLX's from config.json, or LoadOptions::quantize).
+  const std::optional<AffineQuantization>& quantization() const { return quantization_; }
+  std::int64_t parameter_count() const;  // elements of the dense model it stands for
+  std::int64_t weight_bytes() const;
+
+  // The decode-step graph for `steps` (1..16) new tokens. Inputs: "token_ids"
+  // i32 [S], "positions" i32 [S], "layers.N.k_cache"/"layers.N.v_cache"
+  // [Hkv, T, D], and the weights; outputs: "logits" [S, V] and the caches
+  // written ("layers.N.k_cache_out", ...). Cached per S.
+  const ComputeGraph& step_graph(std::int64_t steps) const;
+
+ private:
+  ModelConfig config_;
+  DType dtype_ = DType::bf16;
+  std::int64_t capacity_ = 0;
+  TensorMap weights_;
+  std::optional<AffineQuantization> quantization_;
+  mutable std::map<std::int64_t, std::shared_ptr<const ComputeGraph>> graphs_;
+};
+
+// Greedy decoding state for one sequence. The reference path runs each step
+// graph with run_reference; the planned path plans it once per step size with
+// plan_graph_fusion (cpu target) and runs it with run_plan_reference.
+enum class DecodePath : std::uint8_t { reference, planned };
+
+class DecodeSession {
+ public:
+  // The session reads the model's weights in place: the model must outlive it.
+  explicit DecodeSession(const DecoderModel& model, DecodePath path = DecodePath::reference);
+  DecodeSession(DecoderModel&&, DecodePath = DecodePath::reference) = delete;
+  // Appends tokens (chunks of at most 16 per step) and returns their logits,
+  // row-major [tokens.size(), vocab] in f32 (widened exactly from the runtime dtype).
+  // InputError when a token is outside the vocabulary or the cache is full.
+  std::vector<float> feed(std::span<const std::int32_t> tokens);
+  std::int64_t position() const { return position_; }
+
+ private:
+  const DecoderModel& model_;
+  DecodePath path_;
+  std::int64_t position_ = 0;
+  TensorMap state_;  // token ids, positions, caches and (borrowed) weights by graph input name
+  std::map<std::int64_t, std::shared_ptr<const FusionPlan>> plans_;
+};
+
+// Greedy continuation: feeds the prompt, then `count` argmax tokens; `on_token`
+// (if set) is called after each new token with its index.
+struct Generation {
+  std::vector<std::int32_t> tokens;
+  std::int64_t decode_steps = 0;  // one-token steps after the prompt (count - 1)
+  double seconds = 0;             // their time
+};
+Generation generate_greedy(DecodeSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+                           const std::function<void(std::int64_t)>& on_token = {});
+
+std::int64_t argmax(std::span<const float> logits);
+
+// ---------------------------------------------------------------- synthetic checkpoints
+struct SynthOptions {
+  std::string preset = "tiny";  // tiny | small | llama3.2-1b | qwen2.5-1.5b | llama3-8b
+  std::optional<ModelArchitecture> architecture;
+  std::optional<std::int64_t> layers;
+  std::optional<bool> tie_word_embeddings;
+  std::uint64_t seed = 0;
+  std::optional<AffineQuantization> quantize;  // write an MLX-format checkpoint
+  int transformers_version = 4;               // config spelling
+  double max_shard_mb = 2000;                 // split into model-0000N-of-0000M.safetensors beyond this
+};
+ModelConfig synth_config(const SynthOptions& options);
+// Writes config.json and the weights (bf16, seeded per tensor name so that every
+// variant of one seed holds the same numbers) into `directory`, which must not
+// exist or be empty; files are written to a sibling temporary and renamed into
+// place, so an error leaves nothing. `progress` (if set) gets lines for stderr.
+void synthesize_model(const std::filesystem::path& directory, const SynthOptions& options,
+                      const std::function<void(const std::string&)>& progress = {});
+
+}  // namespace metile

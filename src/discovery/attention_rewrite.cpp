@@ -1,0 +1,275 @@
+// The attention rewrite, run before planning: every chain
+//
+//   scores = matmul(q, k, transpose_right) → [scale]* → [causal_mask | position_mask] → softmax(last axis)
+//          → matmul(probabilities, v)
+//
+// whose intermediates are private (one consumer, not a graph output) becomes a
+// candidate worth the bytes of the score and probability tensors it avoids;
+// overlapping candidates go through the planner's conflict selection
+// (select_disjoint_node_sets); each selected chain becomes one flash_attention
+// node carrying the certificate of the stable weighted-softmax law. Grouped-query
+// attention needs nothing more: q arrives reshaped to [Hkv, G·S, D] (COMMON
+// shape convention), so its rows are simply R = G·S rows per KV head.
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "metile/discovery.h"
+
+namespace metile {
+namespace {
+
+constexpr std::string_view required_law = "stable_weighted_softmax";
+
+std::string bytes_text(std::int64_t bytes) {
+  if (bytes >= (std::int64_t{1} << 20)) return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20));
+  if (bytes >= (std::int64_t{1} << 10)) return fmt::format("{:.1f} KiB", static_cast<double>(bytes) / (1 << 10));
+  return fmt::format("{} B", bytes);
+}
+
+struct ChainOutcome {
+  std::optional<AttentionMatch> match;
+  std::optional<std::string> refusal;  // when the shape of a chain is there but it may not be rewritten
+};
+
+// Why a value of the chain may not stay inside the fused kernel, if it may not.
+std::optional<std::string> escape_reason(const ComputeGraph& graph, ValueId value, std::string_view role,
+                                         NodeId expected_consumer) {
+  if (graph.is_output(value)) return fmt::format("{} escape to a graph output", role);
+  for (NodeId consumer : graph.consumers(value)) {
+    if (consumer != expected_consumer) {
+      return fmt::format("{} are also read by '{}' ({})", role, graph.node(consumer).name, graph.node(consumer).op);
+    }
+  }
+  return std::nullopt;
+}
+
+ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
+  ChainOutcome outcome;
+  const ValueId probabilities = softmax.outputs.front();
+  // Forward: the probabilities must be the left operand of a matmul (with v). A softmax that feeds
+  // no matmul is not attention at all: no candidate, no refusal.
+  NodeId output_matmul = -1;
+  for (NodeId consumer : graph.consumers(probabilities)) {
+    const Node& node = graph.node(consumer);
+    if (node.op == "matmul" && node.inputs[0] == probabilities) output_matmul = consumer;
+  }
+  if (output_matmul < 0) return outcome;
+  // Backward: scales and at most one mask, then the scores matmul.
+  std::vector<NodeId> between;  // from the softmax backwards
+  ValueId value = softmax.inputs.front();
+  NodeId producer = graph.value(value).producer;
+  while (producer >= 0) {
+    const std::string& op = graph.node(producer).op;
+    if (op != "scale" && op != "causal_mask" && op != "position_mask") break;
+    between.push_back(producer);
+    value = graph.node(producer).inputs.front();
+    producer = graph.value(value).producer;
+  }
+  if (producer < 0) return outcome;  // the softmax of an input: nothing to fuse
+  const Node& scores_matmul = graph.node(producer);
+  if (scores_matmul.op != "matmul") {
+    const bool reads_scores = std::any_of(scores_matmul.inputs.begin(), scores_matmul.inputs.end(), [&](ValueId input) {
+      const NodeId source = graph.value(input).producer;
+      return source >= 0 && graph.node(source).op == "matmul" && graph.node(source).attributes.get_int("transpose_right") != 0;
+    });
+    if (!between.empty() || reads_scores) {
+      outcome.refusal = fmt::format("'{}' ({}) between the scores and the softmax is not part of the pattern "
+                                    "(scale, causal_mask, position_mask)",
+                                    scores_matmul.name, scores_matmul.op);
+    }
+    return outcome;
+  }
+  auto refuse = [&](std::string reason) {
+    outcome.refusal = std::move(reason);
+    return outcome;
+  };
+  const int rank = graph.value(softmax.inputs.front()).spec.rank();
+  if (softmax.attributes.get_int("axis") != rank - 1) return refuse("softmax axis is not the key axis");
+  if (scores_matmul.attributes.get_int("transpose_right") == 0) {
+    return refuse("the scores come from a matmul without transpose_right (k must be [..., T, D])");
+  }
+  const Node& out_matmul = graph.node(output_matmul);
+  if (out_matmul.attributes.get_int("transpose_right") != 0) {
+    return refuse("the output matmul has transpose_right (v must be [..., T, Dv])");
+  }
+  AttentionMatch match;
+  match.q = scores_matmul.inputs[0];
+  match.k = scores_matmul.inputs[1];
+  match.v = out_matmul.inputs[1];
+  const int q_rank = graph.value(match.q).spec.rank();
+  if (q_rank < 3) return refuse("q has no head axis (rank 2): flash_attention needs q [..., Hkv, R, D]");
+  if (graph.value(match.k).spec.rank() != q_rank) return refuse("k is shared by every batch (rank 2), not [..., Hkv, T, D]");
+  if (graph.value(match.v).spec.rank() != q_rank) return refuse("v is shared by every batch (rank 2), not [..., Hkv, T, Dv]");
+
+  // Private intermediates: every value between the two matmuls is read once, by the next op.
+  std::vector<NodeId> chain = {scores_matmul.id};
+  chain.insert(chain.end(), between.rbegin(), between.rend());
+  chain.push_back(softmax.id);
+  for (std::size_t position = 0; position < chain.size(); ++position) {
+    const Node& node = graph.node(chain[position]);
+    const NodeId next = position + 1 < chain.size() ? chain[position + 1] : output_matmul;
+    const std::string role = position == 0 ? "scores"
+                             : node.op == "softmax" ? "probabilities"
+                                                    : fmt::format("{} scores", node.op == "scale" ? "scaled" : "masked");
+    if (auto reason = escape_reason(graph, node.outputs.front(), role, next)) return refuse(*reason);
+    match.avoided_bytes += 2 * graph.value(node.outputs.front()).spec.bytes();
+  }
+
+  // Scales multiply; one mask; a scale after the mask must keep -inf at -inf.
+  bool masked = false;
+  for (auto position = between.rbegin(); position != between.rend(); ++position) {
+    const Node& node = graph.node(*position);
+    if (node.op == "scale") {
+      const double factor = node.attributes.get_double("factor");
+      if (masked && factor <= 0) return refuse(fmt::format("'{}' scales by {} after the mask (only a positive factor keeps masked scores at -inf)", node.name, factor));
+      match.scale *= factor;
+      continue;
+    }
+    if (masked) return refuse(fmt::format("'{}' is a second mask on the scores", node.name));
+    masked = true;
+    if (node.op == "causal_mask") {
+      match.mask = "causal";
+      match.offset = node.attributes.get_int("offset");
+    } else {
+      match.mask = "positions";
+      match.positions = node.inputs[1];
+    }
+  }
+  match.nodes = chain;
+  match.nodes.push_back(output_matmul);
+  std::sort(match.nodes.begin(), match.nodes.end());
+  match.output_matmul = output_matmul;
+  outcome.match = std::move(match);
+  return outcome;
+}
+
+ComputeGraph rebuild(const ComputeGraph& graph, const std::vector<AttentionMatch>& selected, const Certificate& certificate) {
+  std::map<NodeId, const AttentionMatch*> replaced_at;  // output matmul -> its chain
+  std::set<NodeId> removed;
+  for (const AttentionMatch& match : selected) {
+    replaced_at[match.output_matmul] = &match;
+    removed.insert(match.nodes.begin(), match.nodes.end());
+  }
+  const std::string certificate_json = certificate.to_json();
+  GraphBuilder builder;
+  std::vector<ValueRef> refs(graph.values().size());
+  for (ValueId input : graph.inputs()) {
+    refs[static_cast<std::size_t>(input)] = builder.input(graph.value(input).name, graph.value(input).spec);
+  }
+  auto ref = [&](ValueId id) { return refs[static_cast<std::size_t>(id)]; };
+  for (const Node& node : graph.nodes()) {
+    if (const auto found = replaced_at.find(node.id); found != replaced_at.end()) {
+      const AttentionMatch& match = *found->second;
+      std::vector<ValueRef> inputs = {ref(match.q), ref(match.k), ref(match.v)};
+      if (match.positions >= 0) inputs.push_back(ref(match.positions));
+      Attributes attributes;
+      attributes.set("scale", match.scale);
+      attributes.set("mask", match.mask);
+      attributes.set("offset", match.offset);
+      attributes.set("certificate", certificate_json);
+      refs[static_cast<std::size_t>(node.outputs.front())] =
+          builder.add_node("flash_attention", std::move(inputs), std::move(attributes), node.name).front();
+      continue;
+    }
+    if (removed.contains(node.id)) continue;
+    std::vector<ValueRef> inputs;
+    for (ValueId input : node.inputs) inputs.push_back(ref(input));
+    const std::vector<ValueRef> outputs = builder.add_node(node.op, std::move(inputs), node.attributes, node.name);
+    for (std::size_t index = 0; index < outputs.size(); ++index) refs[static_cast<std::size_t>(node.outputs[index])] = outputs[index];
+  }
+  std::vector<ValueRef> outputs;
+  for (ValueId output : graph.outputs()) outputs.push_back(ref(output));
+  return builder.build(outputs);
+}
+
+}  // namespace
+
+AttentionRewrite rewrite_attention(const ComputeGraph& graph, const ReductionLaw& law) {
+  AttentionRewrite rewrite;
+  rewrite.certificate = prove(law);
+  std::optional<std::string> law_refusal;
+  if (law.name != required_law) {
+    law_refusal = fmt::format("flash_attention is built on law '{}', not '{}'", required_law, law.name);
+  } else if (!rewrite.certificate.verified) {
+    std::string failing;
+    for (const Obligation& obligation : rewrite.certificate.obligations) {
+      if (!obligation.holds) failing += (failing.empty() ? "" : ", ") + obligation.name;
+    }
+    law_refusal = fmt::format("the certificate of law '{}' is not verified (fails: {})", law.name, failing);
+  }
+  for (const Node& node : graph.nodes()) {
+    if (node.op != "softmax") continue;
+    ChainOutcome outcome = match_chain(graph, node);
+    if (outcome.refusal) rewrite.refusals.push_back({node.id, *outcome.refusal});
+    if (!outcome.match) continue;
+    if (law_refusal) {
+      rewrite.refusals.push_back({node.id, *law_refusal});
+      continue;
+    }
+    rewrite.candidates.push_back(std::move(*outcome.match));
+  }
+  std::vector<std::vector<NodeId>> node_sets;
+  std::vector<std::int64_t> weights;
+  for (const AttentionMatch& match : rewrite.candidates) {
+    node_sets.push_back(match.nodes);
+    weights.push_back(std::max<std::int64_t>(match.avoided_bytes, 1));
+  }
+  NodeSetSelection selection = select_disjoint_node_sets(graph.nodes().size(), node_sets, weights);
+  rewrite.components = std::move(selection.components);
+  std::vector<AttentionMatch> selected;
+  for (std::size_t index = 0; index < rewrite.candidates.size(); ++index) {
+    rewrite.candidates[index].selected = selection.selected[index];
+    if (selection.selected[index]) selected.push_back(rewrite.candidates[index]);
+  }
+  rewrite.graph = selected.empty() ? graph : rebuild(graph, selected, rewrite.certificate);
+  return rewrite;
+}
+
+std::vector<std::string> AttentionRewrite::summary(const ComputeGraph& original) const {
+  std::vector<std::string> lines;
+  for (const AttentionMatch& match : candidates) {
+    std::string ops;
+    for (NodeId node : match.nodes) ops += (ops.empty() ? "" : ", ") + original.node(node).name;
+    const std::string& name = original.node(match.output_matmul).name;
+    if (!match.selected) {
+      lines.push_back(fmt::format("flash_attention at '{}' not selected: it overlaps a heavier candidate ({})", name, ops));
+      continue;
+    }
+    lines.push_back(fmt::format("flash_attention '{}' replaces {} ({} of scores and probabilities not written; "
+                                "scale {}, mask {}): law {} {}",
+                                name, ops, bytes_text(match.avoided_bytes), match.scale,
+                                match.mask == "causal" ? fmt::format("causal offset {}", match.offset) : match.mask,
+                                certificate.law, certificate.verified ? "verified" : "NOT verified"));
+  }
+  for (const AttentionRefusal& refusal : refusals) {
+    lines.push_back(fmt::format("flash_attention refused at '{}': {}", original.node(refusal.node).name, refusal.reason));
+  }
+  return lines;
+}
+
+FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& target, const RuleSet& rules) {
+  const AttentionRewrite rewrite = rewrite_attention(graph);
+  FusionPlan plan = plan_graph_fusion(rewrite.graph, target, rules);
+  const ComputeGraph& planned = *plan.graph;
+  for (const AttentionMatch& match : rewrite.candidates) {
+    if (!match.selected) continue;
+    const auto node = planned.find_node(graph.node(match.output_matmul).name);
+    for (FusionRegion& region : plan.regions) {
+      if (node && region.nodes == std::vector<NodeId>{*node}) {
+        region.benefit_ns = estimate_region(graph, match.nodes, target).benefit_ns;
+      }
+    }
+  }
+  for (const AttentionRefusal& refusal : rewrite.refusals) {
+    if (const auto node = planned.find_node(graph.node(refusal.node).name)) {
+      plan.node_reasons[static_cast<std::size_t>(*node)] += "; flash_attention refused: " + refusal.reason;
+    }
+  }
+  plan.rewrites = rewrite.summary(graph);
+  return plan;
+}
+
+}  // namespace metile

@@ -1,0 +1,283 @@
+// DecoderModel::load: a Hugging Face checkpoint directory into runtime weights.
+//
+//   config.json                      -> ModelConfig (model_config.cpp)
+//   model.safetensors                -> one mapped file, or
+//   model.safetensors.index.json     -> {"weight_map": {tensor: shard file}}, each shard mapped once
+//
+// Every tensor the config implies is looked up by its Hugging Face name, its
+// shape and dtype checked, and converted once from the mapping into the runtime
+// dtype (bf16 or f32); tensors the model does not use (rotary inv_freq buffers,
+// ...) are ignored. MLX-quantized linears (NAME.weight u32, NAME.scales,
+// NAME.biases) stay quantized, their scales and biases in the runtime dtype;
+// with LoadOptions::quantize, dense ones are quantized here (src/quant).
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "metile/model.h"
+#include "model_internal.h"
+
+namespace metile {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string read_text_file(const std::filesystem::path& path) {
+  std::ifstream stream(path, std::ios::binary);
+  if (!stream) throw InputError(fmt::format("{}: cannot open file", path.string()));
+  std::ostringstream text;
+  text << stream.rdbuf();
+  return text.str();
+}
+
+// The checkpoint's tensors by name, over one or several mapped files.
+class CheckpointFiles {
+ public:
+  explicit CheckpointFiles(const std::filesystem::path& directory) {
+    const std::filesystem::path index = directory / "model.safetensors.index.json";
+    if (std::filesystem::exists(index)) {
+      Json json;
+      try {
+        json = Json::parse(read_text_file(index));
+      } catch (const Json::parse_error& error) {
+        throw InputError(fmt::format("{}: not valid JSON: {}", index.string(), error.what()));
+      }
+      if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
+        throw InputError(fmt::format("{}: field 'weight_map': missing or not an object", index.string()));
+      }
+      std::map<std::string, std::size_t> file_index;
+      for (const auto& [name, file] : json["weight_map"].items()) {
+        if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos) {
+          throw InputError(fmt::format("{}: field 'weight_map.{}': must be a file name in the directory, got {}",
+                                       index.string(), name, file.dump()));
+        }
+        const auto [slot, added] = file_index.emplace(file.get<std::string>(), files_.size());
+        if (added) files_.push_back(std::make_unique<MappedSafetensors>(directory / file.get<std::string>()));
+        owner_[name] = slot->second;
+      }
+      for (const auto& [name, slot] : owner_) {
+        if (!files_[slot]->find(name)) {
+          throw InputError(fmt::format("{}: tensor '{}': listed in {} but absent from the file",
+                                       files_[slot]->path().string(), name, index.filename().string()));
+        }
+      }
+    } else {
+      const std::filesystem::path single = directory / "model.safetensors";
+      if (!std::filesystem::exists(single)) {
+        throw InputError(fmt::format("{}: neither model.safetensors nor model.safetensors.index.json",
+                                     directory.string()));
+      }
+      files_.push_back(std::make_unique<MappedSafetensors>(single));
+      for (const auto& [name, view] : files_[0]->tensors()) owner_[name] = 0;
+    }
+  }
+
+  const MappedSafetensors::TensorView* find(const std::string& name) const {
+    const auto found = owner_.find(name);
+    return found == owner_.end() ? nullptr : files_[found->second]->find(name);
+  }
+  const MappedSafetensors::TensorView& require(const std::string& name) const {
+    const MappedSafetensors::TensorView* view = find(name);
+    if (!view) throw InputError(fmt::format("{}: tensor '{}' is missing", where(), name));
+    return *view;
+  }
+  std::string file_of(const std::string& name) const {
+    const auto found = owner_.find(name);
+    return found == owner_.end() ? where() : files_[found->second]->path().string();
+  }
+  std::string where() const {
+    return files_.size() == 1 ? files_[0]->path().string()
+                              : (files_[0]->path().parent_path() / "model.safetensors.index.json").string();
+  }
+
+ private:
+  std::vector<std::unique_ptr<MappedSafetensors>> files_;
+  std::map<std::string, std::size_t, std::less<>> owner_;
+};
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  return TensorSpec(shape, DType::f32).to_string().substr(3);  // "[a, b]"
+}
+
+class WeightLoader {
+ public:
+  WeightLoader(const ModelConfig& config, const LoadOptions& options, const CheckpointFiles& files,
+               TensorMap& weights)
+      : config_(config), options_(options), files_(files), weights_(weights) {}
+
+  // A norm weight or bias: dense [length].
+  void vector(const std::string& name, std::int64_t length) {
+    weights_.insert_or_assign(name, dense(name, {length}));
+  }
+
+  // A linear (or the embedding table) [rows, columns]: dense, MLX-quantized, or quantized now.
+  void matrix(const std::string& prefix, std::int64_t rows, std::int64_t columns) {
+    const std::string weight_name = prefix + ".weight";
+    if (files_.find(prefix + ".scales")) {
+      quantized(prefix, rows, columns);
+      return;
+    }
+    HostTensor weight = dense(weight_name, {rows, columns});
+    if (options_.quantize && columns % options_.quantize->group_size == 0) {
+      QuantizedMatrix matrix = quantize_affine(weight, *options_.quantize, options_.dtype);
+      weights_.insert_or_assign(weight_name, std::move(matrix.packed));
+      weights_.insert_or_assign(prefix + ".scales", std::move(matrix.scales));
+      weights_.insert_or_assign(prefix + ".biases", std::move(matrix.biases));
+      return;
+    }
+    weights_.insert_or_assign(weight_name, std::move(weight));
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& name, const std::string& why) const {
+    throw InputError(fmt::format("{}: tensor '{}': {}", files_.file_of(name), name, why));
+  }
+
+  HostTensor dense(const std::string& name, const std::vector<std::int64_t>& shape) const {
+    const MappedSafetensors::TensorView& view = files_.require(name);
+    if (!is_floating(view.spec.dtype)) fail(name, fmt::format("dtype {} is not a float", dtype_name(view.spec.dtype)));
+    if (view.spec.shape != shape) {
+      fail(name, fmt::format("shape {} does not match the config (expected {})", shape_text(view.spec.shape),
+                             shape_text(shape)));
+    }
+    return convert_tensor(view, options_.dtype);
+  }
+
+  void quantized(const std::string& prefix, std::int64_t rows, std::int64_t columns) {
+    const std::string weight_name = prefix + ".weight";
+    if (!config_.quantization) {
+      fail(prefix + ".scales", "the checkpoint is quantized but config.json has no 'quantization'");
+    }
+    const AffineQuantization format = *config_.quantization;
+    if (columns % format.group_size != 0) {
+      fail(weight_name, fmt::format("{} columns are not a multiple of group_size {}", columns, format.group_size));
+    }
+    const MappedSafetensors::TensorView& packed = files_.require(weight_name);
+    const std::vector<std::int64_t> packed_shape{rows, format.packed_columns(columns)};
+    if (packed.spec.dtype != DType::u32 || packed.spec.shape != packed_shape) {
+      fail(weight_name, fmt::format("is {}, expected u32{} ({} bits)", packed.spec.to_string(),
+                                    shape_text(packed_shape), format.bits));
+    }
+    weights_.insert_or_assign(weight_name, packed.copy());
+    for (const char* part : {".scales", ".biases"}) {
+      weights_.insert_or_assign(prefix + part, dense(prefix + part, {rows, format.group_count(columns)}));
+    }
+  }
+
+  const ModelConfig& config_;
+  const LoadOptions& options_;
+  const CheckpointFiles& files_;
+  TensorMap& weights_;
+};
+
+}  // namespace
+
+HostTensor convert_tensor(const MappedSafetensors::TensorView& view, DType dtype) {
+  if (view.spec.dtype == dtype) return view.copy();
+  HostTensor tensor(TensorSpec(view.spec.shape, dtype));
+  const std::int64_t count = tensor.element_count();
+  const std::byte* source = view.bytes.data();
+  std::byte* target = tensor.bytes().data();
+  for (std::int64_t index = 0; index < count; ++index) {
+    float value;
+    if (view.spec.dtype == DType::f32) {
+      std::memcpy(&value, source + index * 4, 4);
+    } else {
+      std::uint16_t bits;
+      std::memcpy(&bits, source + index * 2, 2);
+      value = view.spec.dtype == DType::bf16 ? bf16_bits_to_f32(bits) : f16_bits_to_f32(bits);
+    }
+    if (dtype == DType::f32) {
+      std::memcpy(target + index * 4, &value, 4);
+    } else {
+      const std::uint16_t bits = dtype == DType::bf16 ? f32_to_bf16_bits(value) : f32_to_f16_bits(value);
+      std::memcpy(target + index * 2, &bits, 2);
+    }
+  }
+  return tensor;
+}
+
+std::string layer_prefix(std::int64_t layer) { return fmt::format("model.layers.{}.", layer); }
+
+DecoderModel DecoderModel::load(const std::filesystem::path& directory, const LoadOptions& options) {
+  if (options.dtype != DType::bf16 && options.dtype != DType::f32) {
+    throw InputError(fmt::format("model dtype must be bf16 or f32, got {}", dtype_name(options.dtype)));
+  }
+  if (options.quantize) options.quantize->validate();
+  if (!std::filesystem::is_directory(directory)) {
+    throw InputError(fmt::format("{}: not a model directory", directory.string()));
+  }
+  const std::filesystem::path config_path = directory / "config.json";
+  if (!std::filesystem::exists(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
+  DecoderModel model;
+  model.config_ = ModelConfig::parse_json(read_text_file(config_path), config_path.string());
+  model.dtype_ = options.dtype;
+  const ModelConfig& config = model.config_;
+  if (config.quantization && options.quantize) {
+    throw InputError(fmt::format("{}: the checkpoint is already quantized ({} bits); drop --quantize",
+                                 config_path.string(), config.quantization->bits));
+  }
+  std::int64_t capacity = options.max_sequence > 0 ? options.max_sequence
+                                                   : std::min<std::int64_t>(4096, config.max_position_embeddings);
+  if (config.sliding_window) capacity = std::min(capacity, *config.sliding_window);
+  if (options.max_sequence < 0) throw InputError(fmt::format("max-seq {} is negative", options.max_sequence));
+  model.capacity_ = capacity;
+
+  const CheckpointFiles files(directory);
+  WeightLoader loader(config, options, files, model.weights_);
+  const std::int64_t hidden = config.hidden_size;
+  const std::int64_t q_width = config.num_attention_heads * config.head_dim;
+  const std::int64_t kv_width = config.num_key_value_heads * config.head_dim;
+  loader.matrix("model.embed_tokens", config.vocab_size, hidden);
+  for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    const std::string prefix = layer_prefix(layer);
+    loader.vector(prefix + "input_layernorm.weight", hidden);
+    loader.vector(prefix + "post_attention_layernorm.weight", hidden);
+    loader.matrix(prefix + "self_attn.q_proj", q_width, hidden);
+    loader.matrix(prefix + "self_attn.k_proj", kv_width, hidden);
+    loader.matrix(prefix + "self_attn.v_proj", kv_width, hidden);
+    loader.matrix(prefix + "self_attn.o_proj", hidden, q_width);
+    if (config.qkv_bias()) {
+      loader.vector(prefix + "self_attn.q_proj.bias", q_width);
+      loader.vector(prefix + "self_attn.k_proj.bias", kv_width);
+      loader.vector(prefix + "self_attn.v_proj.bias", kv_width);
+    }
+    loader.matrix(prefix + "mlp.gate_proj", config.intermediate_size, hidden);
+    loader.matrix(prefix + "mlp.up_proj", config.intermediate_size, hidden);
+    loader.matrix(prefix + "mlp.down_proj", hidden, config.intermediate_size);
+  }
+  loader.vector("model.norm.weight", hidden);
+  if (!config.tie_word_embeddings) loader.matrix("lm_head", config.vocab_size, hidden);
+  const bool any_quantized = std::any_of(model.weights_.begin(), model.weights_.end(), [](const auto& entry) {
+    return entry.second.spec().dtype == DType::u32;
+  });
+  if (any_quantized) model.quantization_ = config.quantization ? *config.quantization : *options.quantize;
+  return model;
+}
+
+bool DecoderModel::is_quantized(std::string_view weight_prefix) const {
+  return weights_.find(std::string(weight_prefix) + ".scales") != weights_.end();
+}
+
+std::int64_t DecoderModel::weight_bytes() const {
+  std::int64_t bytes = 0;
+  for (const auto& [name, tensor] : weights_) bytes += static_cast<std::int64_t>(tensor.bytes().size());
+  return bytes;
+}
+
+std::int64_t DecoderModel::parameter_count() const {
+  std::int64_t count = 0;
+  for (const auto& [name, tensor] : weights_) {
+    if (name.ends_with(".scales") || name.ends_with(".biases")) continue;
+    const bool packed = tensor.spec().dtype == DType::u32;
+    count += packed ? tensor.element_count() * quantization_->codes_per_word() : tensor.element_count();
+  }
+  return count;
+}
+
+}  // namespace metile

@@ -1,0 +1,123 @@
+// DecodeSession: runs a model's step graphs over a growing sequence on the CPU.
+//
+// A prompt is fed in chunks of at most 16 tokens (one step graph per chunk size,
+// built once and cached by the model), then decoding feeds one token per step.
+// Each step's inputs are two maps: the model's weights, borrowed and never copied,
+// and this session's state (token ids, positions, the KV caches).
+//
+// The KV cache and SSA. In the graph, kv_cache_write returns a new cache value
+// ("layers.N.k_cache_out") and leaves its input untouched, which keeps the graph
+// a plain dataflow graph for the planner. At run time the input cache is dead
+// once it has been written (nothing else reads it), so the runtime hands the
+// output back as the next step's input: the executors move graph outputs out
+// (src/runtime/cpu/reference_executor.cpp) and feed() moves them into state_,
+// so exactly two buffers per cache exist at any time and the only copy is the
+// one kv_cache_write's reference evaluation makes (src/runtime/cpu/reference_ops.cpp).
+// A backend with its own memory plan may alias the output to the input and
+// write only the S new rows, in place; the results are the same because no
+// other node reads the input cache.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "metile/cpu_runtime.h"
+#include "metile/model.h"
+
+namespace metile {
+namespace {
+
+std::string cache_name(std::int64_t layer, char which) { return fmt::format("layers.{}.{}_cache", layer, which); }
+
+}  // namespace
+
+DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model_(model), path_(path) {
+  const ModelConfig& config = model.config();
+  const TensorSpec cache_spec({config.num_key_value_heads, model.capacity(), config.head_dim}, model.dtype());
+  for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    for (char which : {'k', 'v'}) state_.insert_or_assign(cache_name(layer, which), HostTensor(cache_spec));
+  }
+}
+
+std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
+  const std::int64_t vocab = model_.config().vocab_size;
+  if (position_ + static_cast<std::int64_t>(tokens.size()) > model_.capacity()) {
+    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} (--max-seq)",
+                                 position_ + static_cast<std::int64_t>(tokens.size()), model_.capacity()));
+  }
+  for (std::int32_t token : tokens) {
+    if (token < 0 || token >= vocab) {
+      throw InputError(fmt::format("token id {} is outside the vocabulary [0, {})", token, vocab));
+    }
+  }
+  std::vector<float> logits;
+  logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
+  for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
+    const auto steps =
+        static_cast<std::int64_t>(std::min<std::size_t>(DecoderModel::kMaxStepTokens, tokens.size() - first));
+    HostTensor ids(TensorSpec({steps}, DType::i32));
+    HostTensor positions(TensorSpec({steps}, DType::i32));
+    for (std::int64_t step = 0; step < steps; ++step) {
+      const std::int32_t token = tokens[first + static_cast<std::size_t>(step)];
+      const auto position = static_cast<std::int32_t>(position_ + step);
+      std::memcpy(ids.bytes().data() + step * 4, &token, 4);
+      std::memcpy(positions.bytes().data() + step * 4, &position, 4);
+    }
+    state_.insert_or_assign("token_ids", std::move(ids));
+    state_.insert_or_assign("positions", std::move(positions));
+
+    const ComputeGraph& graph = model_.step_graph(steps);
+    const TensorMap* inputs[] = {&state_, &model_.weights()};
+    TensorMap outputs;
+    if (path_ == DecodePath::planned) {
+      auto& plan = plans_[steps];
+      if (!plan) plan = std::make_shared<const FusionPlan>(plan_graph_fusion(graph, FusionTarget::cpu()));
+      outputs = run_plan_reference(*plan, inputs);
+    } else {
+      outputs = run_reference(graph, inputs);
+    }
+    // The written caches become the next step's caches (see the comment at the top).
+    for (std::int64_t layer = 0; layer < model_.config().num_hidden_layers; ++layer) {
+      for (char which : {'k', 'v'}) {
+        const std::string name = cache_name(layer, which);
+        state_.insert_or_assign(name, std::move(outputs.at(name + "_out")));
+      }
+    }
+    const HostTensor& step_logits = outputs.at("logits");
+    for (std::int64_t index = 0; index < step_logits.element_count(); ++index) {
+      logits.push_back(static_cast<float>(step_logits.at(index)));
+    }
+    position_ += steps;
+  }
+  return logits;
+}
+
+std::int64_t argmax(std::span<const float> logits) {
+  return std::max_element(logits.begin(), logits.end()) - logits.begin();  // first of equal maxima
+}
+
+Generation generate_greedy(DecodeSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+                           const std::function<void(std::int64_t)>& on_token) {
+  if (prompt.empty()) throw InputError("the prompt is empty");
+  if (count < 0) throw InputError(fmt::format("cannot generate {} tokens", count));
+  Generation generation;
+  std::vector<float> logits = session.feed(prompt);
+  const auto vocab = static_cast<std::int64_t>(logits.size() / prompt.size());
+  std::span<const float> last(logits.data() + logits.size() - static_cast<std::size_t>(vocab),
+                              static_cast<std::size_t>(vocab));
+  const auto start = std::chrono::steady_clock::now();
+  for (std::int64_t index = 0; index < count; ++index) {
+    const auto token = static_cast<std::int32_t>(argmax(last));
+    generation.tokens.push_back(token);
+    if (on_token) on_token(index);
+    if (index + 1 == count) break;
+    logits = session.feed(std::span<const std::int32_t>(&token, 1));
+    last = logits;
+    ++generation.decode_steps;
+  }
+  generation.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return generation;
+}
+
+}  // namespace metile

@@ -1,0 +1,298 @@
+// config.json of a Hugging Face decoder checkpoint, in both spellings:
+//   transformers 4: "rope_theta" and "rope_scaling" {"rope_type"|"type", ...} at the top
+//                   level, "torch_dtype";
+//   transformers 5: "rope_parameters" {"rope_type", "rope_theta", ...}, "dtype".
+// MLX-community checkpoints add "quantization": {"group_size", "bits"}.
+// Every malformed or unsupported field is an InputError "SOURCE: field 'F': why".
+#include <cmath>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "metile/model.h"
+
+namespace metile {
+namespace {
+
+using Json = nlohmann::json;
+
+struct FieldReader {
+  const Json& object;
+  std::string source;
+  std::string prefix;  // "rope_parameters." for nested fields
+
+  [[noreturn]] void fail(std::string_view field, const std::string& why) const {
+    throw InputError(fmt::format("{}: field '{}{}': {}", source, prefix, field, why));
+  }
+  bool present(std::string_view field) const {
+    const auto found = object.find(field);
+    return found != object.end() && !found->is_null();
+  }
+  std::int64_t positive_int(std::string_view field) const {
+    if (!present(field)) fail(field, "missing");
+    const Json& value = object.at(field);
+    if (!value.is_number_integer() || value.get<std::int64_t>() <= 0) {
+      fail(field, "must be a positive integer, got " + value.dump());
+    }
+    return value.get<std::int64_t>();
+  }
+  std::int64_t positive_int_or(std::string_view field, std::int64_t fallback) const {
+    return present(field) ? positive_int(field) : fallback;
+  }
+  double positive_number(std::string_view field) const {
+    if (!present(field)) fail(field, "missing");
+    const Json& value = object.at(field);
+    if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() <= 0) {
+      fail(field, "must be a positive number, got " + value.dump());
+    }
+    return value.get<double>();
+  }
+  double positive_number_or(std::string_view field, double fallback) const {
+    return present(field) ? positive_number(field) : fallback;
+  }
+  bool boolean_or(std::string_view field, bool fallback) const {
+    if (!present(field)) return fallback;
+    if (!object.at(field).is_boolean()) fail(field, "must be true or false, got " + object.at(field).dump());
+    return object.at(field).get<bool>();
+  }
+  std::string string(std::string_view field) const {
+    if (!present(field)) fail(field, "missing");
+    if (!object.at(field).is_string()) fail(field, "must be a string, got " + object.at(field).dump());
+    return object.at(field).get<std::string>();
+  }
+};
+
+std::string_view torch_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::f16: return "float16";
+    case DType::f32: return "float32";
+    default: return "bfloat16";
+  }
+}
+
+DType parse_torch_dtype(const FieldReader& reader, std::string_view field) {
+  const std::string name = reader.string(field);
+  for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+    if (torch_dtype_name(dtype) == name) return dtype;
+  }
+  reader.fail(field, "'" + name + "' is not one of bfloat16, float16, float32");
+}
+
+// rope_scaling (4) or rope_parameters (5): {"rope_type": "default" | "llama3", ...}.
+void read_rope_type(const FieldReader& reader, RopeParameters& rope) {
+  std::string type = "default";
+  if (reader.present("rope_type")) {
+    type = reader.string("rope_type");
+  } else if (reader.present("type")) {
+    type = reader.string("type");
+  }
+  if (type == "default") return;
+  if (type != "llama3") reader.fail("rope_type", "'" + type + "' is not supported (default or llama3)");
+  rope.llama3_scaling = true;
+  rope.factor = reader.positive_number("factor");
+  rope.low_freq_factor = reader.positive_number("low_freq_factor");
+  rope.high_freq_factor = reader.positive_number("high_freq_factor");
+  rope.original_max_position_embeddings = static_cast<std::int64_t>(reader.positive_number("original_max_position_embeddings"));
+  if (!(rope.high_freq_factor > rope.low_freq_factor)) {
+    reader.fail("high_freq_factor", "must exceed low_freq_factor");
+  }
+}
+
+}  // namespace
+
+std::string_view architecture_class_name(ModelArchitecture architecture) {
+  switch (architecture) {
+    case ModelArchitecture::llama: return "LlamaForCausalLM";
+    case ModelArchitecture::qwen2: return "Qwen2ForCausalLM";
+    case ModelArchitecture::mistral: return "MistralForCausalLM";
+  }
+  return "?";
+}
+
+std::string_view model_type_name(ModelArchitecture architecture) {
+  switch (architecture) {
+    case ModelArchitecture::llama: return "llama";
+    case ModelArchitecture::qwen2: return "qwen2";
+    case ModelArchitecture::mistral: return "mistral";
+  }
+  return "?";
+}
+
+ModelArchitecture parse_architecture_short_name(std::string_view name) {
+  for (ModelArchitecture architecture :
+       {ModelArchitecture::llama, ModelArchitecture::qwen2, ModelArchitecture::mistral}) {
+    if (model_type_name(architecture) == name) return architecture;
+  }
+  throw InputError(fmt::format("unknown architecture '{}' (llama, qwen2 or mistral)", name));
+}
+
+ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view source) {
+  Json json;
+  try {
+    json = Json::parse(text);
+  } catch (const Json::parse_error& error) {
+    throw InputError(fmt::format("{}: not valid JSON: {}", source, error.what()));
+  }
+  if (!json.is_object()) throw InputError(fmt::format("{}: not a JSON object", source));
+  const FieldReader reader{json, std::string(source), ""};
+  ModelConfig config;
+
+  if (reader.present("architectures")) {
+    const Json& list = json.at("architectures");
+    if (!list.is_array() || list.size() != 1 || !list[0].is_string()) {
+      reader.fail("architectures", "must be a list of one class name, got " + list.dump());
+    }
+    const std::string name = list[0].get<std::string>();
+    bool known = false;
+    for (ModelArchitecture architecture :
+         {ModelArchitecture::llama, ModelArchitecture::qwen2, ModelArchitecture::mistral}) {
+      if (architecture_class_name(architecture) == name) {
+        config.architecture = architecture;
+        known = true;
+      }
+    }
+    if (!known) {
+      reader.fail("architectures",
+                  "'" + name + "' is not supported (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)");
+    }
+  } else {
+    try {
+      config.architecture = parse_architecture_short_name(reader.string("model_type"));
+    } catch (const InputError& error) {
+      reader.fail("model_type", error.what());
+    }
+  }
+
+  config.vocab_size = reader.positive_int("vocab_size");
+  config.hidden_size = reader.positive_int("hidden_size");
+  config.intermediate_size = reader.positive_int("intermediate_size");
+  config.num_hidden_layers = reader.positive_int("num_hidden_layers");
+  config.num_attention_heads = reader.positive_int("num_attention_heads");
+  config.num_key_value_heads = reader.positive_int_or("num_key_value_heads", config.num_attention_heads);
+  if (config.num_attention_heads % config.num_key_value_heads != 0) {
+    reader.fail("num_key_value_heads", fmt::format("{} does not divide num_attention_heads {}",
+                                                   config.num_key_value_heads, config.num_attention_heads));
+  }
+  if (reader.present("head_dim")) {
+    config.head_dim = reader.positive_int("head_dim");
+  } else {
+    if (config.hidden_size % config.num_attention_heads != 0) {
+      reader.fail("hidden_size", "is not a multiple of num_attention_heads and no head_dim is given");
+    }
+    config.head_dim = config.hidden_size / config.num_attention_heads;
+  }
+  if (config.head_dim % 2 != 0) reader.fail("head_dim", "must be even for rotary embeddings");
+  config.max_position_embeddings = reader.positive_int_or("max_position_embeddings", 4096);
+  config.rms_norm_eps = reader.positive_number_or("rms_norm_eps", 1e-6);
+  config.tie_word_embeddings = reader.boolean_or("tie_word_embeddings", false);
+  if (reader.present("hidden_act") && reader.string("hidden_act") != "silu") {
+    reader.fail("hidden_act", "'" + reader.string("hidden_act") + "' is not supported (silu)");
+  }
+  if (reader.boolean_or("attention_bias", false) && config.architecture != ModelArchitecture::qwen2) {
+    reader.fail("attention_bias", "true is not supported");
+  }
+  if (reader.boolean_or("mlp_bias", false)) reader.fail("mlp_bias", "true is not supported");
+  const bool sliding = config.architecture == ModelArchitecture::mistral ||
+                       reader.boolean_or("use_sliding_window", false);
+  if (sliding && reader.present("sliding_window")) config.sliding_window = reader.positive_int("sliding_window");
+
+  if (reader.present("torch_dtype")) {
+    config.dtype = parse_torch_dtype(reader, "torch_dtype");
+  } else if (reader.present("dtype")) {
+    config.dtype = parse_torch_dtype(reader, "dtype");
+  }
+
+  if (reader.present("rope_parameters")) {  // transformers 5
+    const Json& parameters = json.at("rope_parameters");
+    if (!parameters.is_object()) reader.fail("rope_parameters", "must be an object");
+    const FieldReader nested{parameters, reader.source, "rope_parameters."};
+    config.rope.theta = nested.positive_number_or("rope_theta", reader.positive_number_or("rope_theta", 10000));
+    read_rope_type(nested, config.rope);
+  } else {  // transformers 4
+    config.rope.theta = reader.positive_number_or("rope_theta", 10000);
+    if (reader.present("rope_scaling")) {
+      const Json& scaling = json.at("rope_scaling");
+      if (!scaling.is_object()) reader.fail("rope_scaling", "must be an object or null");
+      read_rope_type(FieldReader{scaling, reader.source, "rope_scaling."}, config.rope);
+    }
+  }
+
+  if (reader.present("quantization")) {
+    const Json& quantization = json.at("quantization");
+    if (!quantization.is_object()) reader.fail("quantization", "must be an object");
+    const FieldReader nested{quantization, reader.source, "quantization."};
+    for (const auto& [key, value] : quantization.items()) {
+      if (key != "group_size" && key != "bits" && key != "mode") {
+        nested.fail(key, "per-layer quantization settings are not supported");
+      }
+    }
+    if (nested.present("mode") && nested.string("mode") != "affine") {
+      nested.fail("mode", "'" + nested.string("mode") + "' is not supported (affine)");
+    }
+    AffineQuantization format{static_cast<int>(nested.positive_int("bits")),
+                              static_cast<int>(nested.positive_int("group_size"))};
+    try {
+      format.validate();
+    } catch (const InputError& error) {
+      reader.fail("quantization", error.what());
+    }
+    config.quantization = format;
+  }
+  return config;
+}
+
+std::string ModelConfig::to_json(int transformers_version) const {
+  Json json = Json::object();
+  json["architectures"] = {std::string(architecture_class_name(architecture))};
+  json["model_type"] = std::string(model_type_name(architecture));
+  json["vocab_size"] = vocab_size;
+  json["hidden_size"] = hidden_size;
+  json["intermediate_size"] = intermediate_size;
+  json["num_hidden_layers"] = num_hidden_layers;
+  json["num_attention_heads"] = num_attention_heads;
+  json["num_key_value_heads"] = num_key_value_heads;
+  if (architecture != ModelArchitecture::qwen2) json["head_dim"] = head_dim;
+  json["max_position_embeddings"] = max_position_embeddings;
+  json["rms_norm_eps"] = rms_norm_eps;
+  json["tie_word_embeddings"] = tie_word_embeddings;
+  json["hidden_act"] = "silu";
+  json["attention_dropout"] = 0.0;
+  json["initializer_range"] = 0.02;
+  json["use_cache"] = true;
+  json["bos_token_id"] = 1;
+  json["eos_token_id"] = 2;
+  if (architecture == ModelArchitecture::llama) {
+    json["attention_bias"] = false;
+    json["mlp_bias"] = false;
+    json["pretraining_tp"] = 1;
+  }
+  if (architecture == ModelArchitecture::mistral) json["sliding_window"] = nullptr;
+  if (architecture == ModelArchitecture::qwen2) {
+    json["use_sliding_window"] = false;
+    json["sliding_window"] = nullptr;
+    json["max_window_layers"] = num_hidden_layers;
+  }
+  Json rope_type = {{"rope_type", rope.llama3_scaling ? "llama3" : "default"}};
+  if (rope.llama3_scaling) {
+    rope_type["factor"] = rope.factor;
+    rope_type["low_freq_factor"] = rope.low_freq_factor;
+    rope_type["high_freq_factor"] = rope.high_freq_factor;
+    rope_type["original_max_position_embeddings"] = rope.original_max_position_embeddings;
+  }
+  if (transformers_version >= 5) {
+    rope_type["rope_theta"] = rope.theta;
+    json["rope_parameters"] = rope_type;
+    json["dtype"] = std::string(torch_dtype_name(dtype));
+    json["transformers_version"] = "5.0.0";
+  } else {
+    json["rope_theta"] = rope.theta;
+    json["rope_scaling"] = rope.llama3_scaling ? rope_type : Json(nullptr);
+    json["torch_dtype"] = std::string(torch_dtype_name(dtype));
+    json["transformers_version"] = "4.46.0";
+  }
+  if (quantization) json["quantization"] = {{"group_size", quantization->group_size}, {"bits", quantization->bits}};
+  return json.dump(2) + "\n";
+}
+
+}  // namespace metile

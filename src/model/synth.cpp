@@ -1,0 +1,239 @@
+// synthesize_model: a seeded random checkpoint in the Hugging Face layout, so that
+// every command and test runs without a download. Presets copy the shapes of real
+// models (tiny and small are ours); every tensor is drawn from its own SplitMix64
+// stream (seed and tensor name), so the tied/untied, sharded, quantized and
+// differently spelled variants of one seed hold the same numbers.
+//
+// Magnitudes are chosen for a model that behaves like a trained one numerically
+// (activations of unit scale through every layer, logits spread over several
+// units so that greedy tokens have clear margins), not for what it says:
+//   embedding U(-1, 1); linear weights U(-1, 1)·sqrt(3 / fan_in) (unit-variance
+//   outputs); norm weights 1 + U(-0.1, 0.1); q/k/v biases U(-0.1, 0.1); lm_head
+//   U(-1, 1)·sqrt(3 / H)·3 (logits of standard deviation about 3).
+#include <cmath>
+#include <cstdio>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "metile/model.h"
+#include "model_internal.h"
+
+namespace metile {
+namespace {
+
+struct TensorRecipe {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  enum class Kind { embedding, linear, norm, bias, head } kind;
+  bool quantizable = false;
+};
+
+std::vector<TensorRecipe> recipes(const ModelConfig& config) {
+  using Kind = TensorRecipe::Kind;
+  const std::int64_t hidden = config.hidden_size;
+  const std::int64_t q_width = config.num_attention_heads * config.head_dim;
+  const std::int64_t kv_width = config.num_key_value_heads * config.head_dim;
+  std::vector<TensorRecipe> list;
+  list.push_back({"model.embed_tokens.weight", {config.vocab_size, hidden}, Kind::embedding, true});
+  for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    const std::string prefix = layer_prefix(layer);
+    list.push_back({prefix + "input_layernorm.weight", {hidden}, Kind::norm});
+    list.push_back({prefix + "self_attn.q_proj.weight", {q_width, hidden}, Kind::linear, true});
+    list.push_back({prefix + "self_attn.k_proj.weight", {kv_width, hidden}, Kind::linear, true});
+    list.push_back({prefix + "self_attn.v_proj.weight", {kv_width, hidden}, Kind::linear, true});
+    if (config.qkv_bias()) {
+      list.push_back({prefix + "self_attn.q_proj.bias", {q_width}, Kind::bias});
+      list.push_back({prefix + "self_attn.k_proj.bias", {kv_width}, Kind::bias});
+      list.push_back({prefix + "self_attn.v_proj.bias", {kv_width}, Kind::bias});
+    }
+    list.push_back({prefix + "self_attn.o_proj.weight", {hidden, q_width}, Kind::linear, true});
+    list.push_back({prefix + "post_attention_layernorm.weight", {hidden}, Kind::norm});
+    list.push_back({prefix + "mlp.gate_proj.weight", {config.intermediate_size, hidden}, Kind::linear, true});
+    list.push_back({prefix + "mlp.up_proj.weight", {config.intermediate_size, hidden}, Kind::linear, true});
+    list.push_back({prefix + "mlp.down_proj.weight", {hidden, config.intermediate_size}, Kind::linear, true});
+  }
+  list.push_back({"model.norm.weight", {hidden}, Kind::norm});
+  if (!config.tie_word_embeddings) list.push_back({"lm_head.weight", {config.vocab_size, hidden}, Kind::head, true});
+  return list;
+}
+
+HostTensor draw(const TensorRecipe& recipe, std::uint64_t seed) {
+  HostTensor tensor(TensorSpec(recipe.shape, DType::bf16));
+  SplitMix64 generator(seed ^ fnv1a_64(recipe.name));
+  generator.next();
+  const std::int64_t fan_in = recipe.shape.back();
+  float low = -1, high = 1, offset = 0;
+  const float unit_variance = std::sqrt(3.0f / static_cast<float>(fan_in));
+  switch (recipe.kind) {
+    case TensorRecipe::Kind::embedding: break;
+    case TensorRecipe::Kind::linear: low = -unit_variance, high = unit_variance; break;
+    case TensorRecipe::Kind::head: low = -3 * unit_variance, high = 3 * unit_variance; break;
+    case TensorRecipe::Kind::norm: low = -0.1f, high = 0.1f, offset = 1; break;
+    case TensorRecipe::Kind::bias: low = -0.1f, high = 0.1f; break;
+  }
+  std::byte* data = tensor.bytes().data();
+  for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
+    const std::uint16_t bits = f32_to_bf16_bits(offset + generator.uniform(low, high));
+    std::memcpy(data + index * 2, &bits, 2);
+  }
+  return tensor;
+}
+
+ModelConfig preset_config(const std::string& preset) {
+  ModelConfig config;
+  config.dtype = DType::bf16;
+  if (preset == "tiny") {
+    config.vocab_size = 256, config.hidden_size = 64, config.intermediate_size = 128;
+    config.num_hidden_layers = 2, config.num_attention_heads = 4, config.num_key_value_heads = 2;
+    config.max_position_embeddings = 256, config.rms_norm_eps = 1e-5;
+  } else if (preset == "small") {  // about 125M parameters, untied
+    config.vocab_size = 32000, config.hidden_size = 768, config.intermediate_size = 2048;
+    config.num_hidden_layers = 12, config.num_attention_heads = 12, config.num_key_value_heads = 4;
+    config.max_position_embeddings = 2048, config.rms_norm_eps = 1e-5;
+  } else if (preset == "llama3.2-1b") {
+    config.vocab_size = 128256, config.hidden_size = 2048, config.intermediate_size = 8192;
+    config.num_hidden_layers = 16, config.num_attention_heads = 32, config.num_key_value_heads = 8;
+    config.max_position_embeddings = 131072, config.rms_norm_eps = 1e-5, config.tie_word_embeddings = true;
+    config.rope = {500000, true, 32, 1, 4, 8192};
+  } else if (preset == "qwen2.5-1.5b") {
+    config.architecture = ModelArchitecture::qwen2;
+    config.vocab_size = 151936, config.hidden_size = 1536, config.intermediate_size = 8960;
+    config.num_hidden_layers = 28, config.num_attention_heads = 12, config.num_key_value_heads = 2;
+    config.max_position_embeddings = 32768, config.rms_norm_eps = 1e-6, config.tie_word_embeddings = true;
+    config.rope.theta = 1000000;
+  } else if (preset == "llama3-8b") {
+    config.vocab_size = 128256, config.hidden_size = 4096, config.intermediate_size = 14336;
+    config.num_hidden_layers = 32, config.num_attention_heads = 32, config.num_key_value_heads = 8;
+    config.max_position_embeddings = 131072, config.rms_norm_eps = 1e-5;
+    config.rope = {500000, true, 8, 1, 4, 8192};
+  } else {
+    throw InputError(
+        fmt::format("unknown preset '{}' (tiny, small, llama3.2-1b, qwen2.5-1.5b or llama3-8b)", preset));
+  }
+  config.head_dim = config.hidden_size / config.num_attention_heads;
+  return config;
+}
+
+// Writes `tensors` as one safetensors file; returns its name.
+void write_shard(const std::filesystem::path& directory, const std::string& file, const TensorMap& tensors) {
+  write_safetensors(directory / file, tensors);
+}
+
+}  // namespace
+
+ModelConfig synth_config(const SynthOptions& options) {
+  ModelConfig config = preset_config(options.preset);
+  if (options.architecture) config.architecture = *options.architecture;
+  if (options.layers) {
+    if (*options.layers <= 0) throw InputError(fmt::format("--layers {} must be positive", *options.layers));
+    config.num_hidden_layers = *options.layers;
+  }
+  if (options.tie_word_embeddings) config.tie_word_embeddings = *options.tie_word_embeddings;
+  // Mistral's explicit head_dim: tiny takes one that differs from hidden / heads, so the
+  // loader and the graph are tested on the shapes where the two disagree.
+  if (config.architecture == ModelArchitecture::mistral && options.preset == "tiny") config.head_dim = 32;
+  if (options.quantize) {
+    options.quantize->validate();
+    config.quantization = *options.quantize;
+  }
+  if (options.transformers_version != 4 && options.transformers_version != 5) {
+    throw InputError(fmt::format("config spelling {} is not 4 or 5", options.transformers_version));
+  }
+  return config;
+}
+
+void synthesize_model(const std::filesystem::path& directory, const SynthOptions& options,
+                      const std::function<void(const std::string&)>& progress) {
+  const ModelConfig config = synth_config(options);
+  if (!(options.max_shard_mb > 0)) throw InputError("--max-shard-mb must be positive");
+  std::error_code error;
+  if (std::filesystem::exists(directory) &&
+      (!std::filesystem::is_directory(directory) || !std::filesystem::is_empty(directory))) {
+    throw InputError(fmt::format("{}: exists and is not an empty directory", directory.string()));
+  }
+  const std::filesystem::path absolute = std::filesystem::absolute(directory).lexically_normal();
+  const std::filesystem::path parent = absolute.parent_path();
+  if (!std::filesystem::is_directory(parent)) {
+    throw InputError(fmt::format("{}: parent directory does not exist", parent.string()));
+  }
+  const std::filesystem::path staging =
+      parent / fmt::format(".{}.partial-{}", absolute.filename().string(), ::getpid());
+  std::filesystem::create_directories(staging, error);
+  if (error) throw InputError(fmt::format("{}: cannot create: {}", staging.string(), error.message()));
+  try {
+    const std::vector<TensorRecipe> list = recipes(config);
+    const auto shard_limit = static_cast<std::int64_t>(options.max_shard_mb * 1e6);
+    std::vector<TensorMap> shards(1);
+    std::vector<std::int64_t> shard_bytes(1, 0);
+    std::map<std::string, std::size_t> shard_of;
+    std::vector<std::string> shard_files;
+    std::int64_t total_bytes = 0;
+    // Tensors are drawn and written shard by shard, so memory holds one shard at a time.
+    std::size_t written = 0;
+    const auto flush = [&](bool last) {
+      const std::size_t index = shard_files.size();
+      shard_files.push_back(fmt::format("shard-{}", index));  // renamed once the count is known
+      write_shard(staging, shard_files.back(), shards.back());
+      if (progress) progress(fmt::format("synth-model: wrote shard {} ({} tensors so far)", index + 1, written));
+      if (!last) {
+        shards.back().clear();
+        shard_bytes.back() = 0;
+      }
+    };
+    for (const TensorRecipe& recipe : list) {
+      HostTensor tensor = draw(recipe, options.seed);
+      TensorMap parts;
+      if (options.quantize && recipe.quantizable && recipe.shape.back() % options.quantize->group_size == 0) {
+        const std::string prefix = recipe.name.substr(0, recipe.name.size() - std::string(".weight").size());
+        QuantizedMatrix matrix = quantize_affine(tensor, *options.quantize, DType::bf16, AffineRounding::mlx);
+        parts.emplace(recipe.name, std::move(matrix.packed));
+        parts.emplace(prefix + ".scales", std::move(matrix.scales));
+        parts.emplace(prefix + ".biases", std::move(matrix.biases));
+      } else {
+        parts.emplace(recipe.name, std::move(tensor));
+      }
+      std::int64_t bytes = 0;
+      for (const auto& [name, part] : parts) bytes += static_cast<std::int64_t>(part.bytes().size());
+      if (shard_bytes.back() > 0 && shard_bytes.back() + bytes > shard_limit) flush(false);
+      for (auto& [name, part] : parts) {
+        shard_of[name] = shard_files.size();
+        shards.back().insert_or_assign(name, std::move(part));
+      }
+      shard_bytes.back() += bytes;
+      total_bytes += bytes;
+      ++written;
+    }
+    flush(true);
+    const std::size_t count = shard_files.size();
+    if (count == 1) {
+      std::filesystem::rename(staging / shard_files[0], staging / "model.safetensors");
+    } else {
+      nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", nlohmann::json::object()}};
+      std::vector<std::string> names;
+      for (std::size_t shard = 0; shard < count; ++shard) {
+        names.push_back(fmt::format("model-{:05d}-of-{:05d}.safetensors", shard + 1, count));
+        std::filesystem::rename(staging / shard_files[shard], staging / names.back());
+      }
+      for (const auto& [name, shard] : shard_of) index["weight_map"][name] = names[shard];
+      std::FILE* file = std::fopen((staging / "model.safetensors.index.json").c_str(), "w");
+      if (!file) throw InputError(fmt::format("{}: cannot write the shard index", staging.string()));
+      const std::string text = index.dump(2) + "\n";
+      std::fwrite(text.data(), 1, text.size(), file);
+      std::fclose(file);
+    }
+    std::FILE* file = std::fopen((staging / "config.json").c_str(), "w");
+    if (!file) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
+    const std::string text = config.to_json(options.transformers_version);
+    std::fwrite(text.data(), 1, text.size(), file);
+    if (std::fclose(file) != 0) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
+    if (std::filesystem::exists(directory)) std::filesystem::remove(directory);  // empty, checked above
+    std::filesystem::rename(staging, directory);
+  } catch (...) {
+    std::filesystem::remove_all(staging, error);
+    throw;
+  }
+}
+
+}  // namespace metile

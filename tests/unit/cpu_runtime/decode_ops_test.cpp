@@ -1,0 +1,212 @@
+// The decode-step ops (embedding, quantized_embedding, position_mask,
+// kv_cache_write) and rope's llama3 frequency scaling: the CPU reference against
+// loops written here from the op definitions, plus the registry's shape checks.
+// Fresh random inputs each run; the seed is printed (METILE_TEST_SEED repeats it).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <limits>
+#include <random>
+
+#include "metile/cpu_runtime.h"
+#include "metile/quant.h"
+#include "metile_test_support.h"
+#include "test_support.h"
+
+namespace metile {
+namespace {
+
+using testing::error_of;
+using testing::random_tensor;
+
+std::uint64_t test_seed() {
+  static const std::uint64_t seed = [] {
+    const char* text = std::getenv("METILE_TEST_SEED");
+    const std::uint64_t value = text ? std::strtoull(text, nullptr, 10) : std::random_device{}();
+    std::cout << "decode ops test seed " << value << " (METILE_TEST_SEED=" << value << " repeats it)\n";
+    return value;
+  }();
+  return seed;
+}
+
+HostTensor ids_tensor(const std::vector<double>& ids) {
+  return HostTensor::from_values(TensorSpec({static_cast<std::int64_t>(ids.size())}, DType::i32), ids);
+}
+
+TEST(DecodeOps, EmbeddingGathersRowsBitForBit) {
+  std::mt19937_64 generator(test_seed());
+  const HostTensor table = random_tensor(TensorSpec({11, 6}, DType::bf16), generator());
+  std::vector<double> ids;
+  for (int step = 0; step < 5; ++step) ids.push_back(static_cast<double>(generator() % 11));
+  GraphBuilder builder;
+  const ValueRef out = builder.embedding(builder.input("ids", TensorSpec({5}, DType::i32)),
+                                         builder.input("table", table.spec()), "out");
+  const HostTensor result = run_reference(builder.build({out}), {{"ids", ids_tensor(ids)}, {"table", table}}).at("out");
+  ASSERT_EQ(result.spec(), TensorSpec({5, 6}, DType::bf16));
+  for (std::int64_t step = 0; step < 5; ++step) {
+    for (std::int64_t column = 0; column < 6; ++column) {
+      EXPECT_EQ(result.at(step * 6 + column), table.at(static_cast<std::int64_t>(ids[step]) * 6 + column));
+    }
+  }
+  EXPECT_NE(error_of([&] {
+              run_reference(builder.build({out}), {{"ids", ids_tensor({0, 1, 11, 2, 3})}, {"table", table}});
+            }).find("token id 11 at index 2 is outside [0, 11)"),
+            std::string::npos);
+}
+
+TEST(DecodeOps, QuantizedEmbeddingEqualsTheDequantizedTableRounded) {
+  std::mt19937_64 generator(test_seed() + 1);
+  for (int bits : {4, 8}) {
+    const HostTensor dense = random_tensor(TensorSpec({9, 64}, DType::f32), generator());
+    const QuantizedMatrix matrix = quantize_affine(dense, {bits, 32}, DType::bf16);
+    const HostTensor table = dequantize_affine(matrix, DType::bf16);
+    GraphBuilder builder;
+    const ValueRef out = builder.quantized_embedding(
+        builder.input("ids", TensorSpec({3}, DType::i32)), builder.input("packed", matrix.packed.spec()),
+        builder.input("scales", matrix.scales.spec()), builder.input("biases", matrix.biases.spec()), bits, 32, "out");
+    const std::vector<double> ids{8, 0, 8};
+    const HostTensor result =
+        run_reference(builder.build({out}), {{"ids", ids_tensor(ids)},
+                                             {"packed", matrix.packed},
+                                             {"scales", matrix.scales},
+                                             {"biases", matrix.biases}})
+            .at("out");
+    ASSERT_EQ(result.spec(), TensorSpec({3, 64}, DType::bf16));
+    for (std::int64_t step = 0; step < 3; ++step) {
+      for (std::int64_t column = 0; column < 64; ++column) {
+        EXPECT_EQ(result.at(step * 64 + column), table.at(static_cast<std::int64_t>(ids[step]) * 64 + column));
+      }
+    }
+  }
+}
+
+TEST(DecodeOps, PositionMaskHidesKeysPastEachRowsPosition) {
+  std::mt19937_64 generator(test_seed() + 2);
+  const std::int64_t heads = 2, steps = 3, group = 2, keys = 7;
+  const HostTensor x = random_tensor(TensorSpec({heads, group * steps, keys}, DType::f32), generator());
+  const std::vector<double> positions{static_cast<double>(generator() % 5), 5, 6};
+  GraphBuilder builder;
+  const ValueRef out = builder.position_mask(builder.input("x", x.spec()),
+                                             builder.input("positions", TensorSpec({steps}, DType::i32)), "out");
+  const HostTensor result =
+      run_reference(builder.build({out}), {{"x", x}, {"positions", ids_tensor(positions)}}).at("out");
+  for (std::int64_t index = 0; index < x.element_count(); ++index) {
+    const std::int64_t key = index % keys;
+    const std::int64_t row = index / keys % (group * steps);
+    const bool visible = key <= positions[static_cast<std::size_t>(row % steps)];
+    if (visible) {
+      EXPECT_EQ(result.at(index), x.at(index));
+    } else {
+      EXPECT_EQ(result.at(index), -std::numeric_limits<double>::infinity());
+    }
+  }
+  GraphBuilder bad;
+  EXPECT_EQ(error_of([&] {
+              bad.position_mask(bad.input("x", TensorSpec({2, 5, 7}, DType::f32)),
+                                bad.input("positions", TensorSpec({3}, DType::i32)), "m");
+            }),
+            "node 'm' (position_mask): positions i32[3] must be i32[S] with the 5 rows of x a multiple of S");
+}
+
+TEST(DecodeOps, KvCacheWriteReplacesTheRowsAtThePositions) {
+  std::mt19937_64 generator(test_seed() + 3);
+  const std::int64_t heads = 2, capacity = 6, steps = 2, width = 4;
+  const HostTensor cache = random_tensor(TensorSpec({heads, capacity, width}, DType::bf16), generator());
+  const HostTensor update = random_tensor(TensorSpec({heads, steps, width}, DType::bf16), generator());
+  const std::vector<double> positions{static_cast<double>(generator() % 3), 4};
+  GraphBuilder builder;
+  const ValueRef out = builder.kv_cache_write(builder.input("cache", cache.spec()), builder.input("update", update.spec()),
+                                              builder.input("positions", TensorSpec({steps}, DType::i32)), "out");
+  const ComputeGraph graph = builder.build({out});
+  const HostTensor result =
+      run_reference(graph, {{"cache", cache}, {"update", update}, {"positions", ids_tensor(positions)}}).at("out");
+  for (std::int64_t head = 0; head < heads; ++head) {
+    for (std::int64_t row = 0; row < capacity; ++row) {
+      std::int64_t written = -1;
+      for (std::int64_t step = 0; step < steps; ++step) {
+        if (positions[static_cast<std::size_t>(step)] == row) written = step;
+      }
+      for (std::int64_t column = 0; column < width; ++column) {
+        const double expected = written >= 0 ? update.at((head * steps + written) * width + column)
+                                             : cache.at((head * capacity + row) * width + column);
+        EXPECT_EQ(result.at((head * capacity + row) * width + column), expected);
+      }
+    }
+  }
+  EXPECT_NE(error_of([&] {
+              run_reference(graph, {{"cache", cache}, {"update", update}, {"positions", ids_tensor({0, 6})}});
+            }).find("position 6 at index 1 is outside [0, 6)"),
+            std::string::npos);
+  GraphBuilder bad;
+  EXPECT_EQ(error_of([&] {
+              bad.kv_cache_write(bad.input("cache", TensorSpec({2, 6, 4}, DType::f32)),
+                                 bad.input("update", TensorSpec({2, 3, 4}, DType::f32)),
+                                 bad.input("positions", TensorSpec({2}, DType::i32)), "w");
+            }),
+            "node 'w' (kv_cache_write): update f32[2, 3, 4] must be [2, 2, 4] (the cache's heads and row length, one "
+            "row per position)");
+}
+
+// transformers' _compute_llama3_parameters, written out again here in long double.
+long double llama3_frequency(long double frequency, long double factor, long double low, long double high,
+                             long double context) {
+  const long double wavelength = 2 * 3.14159265358979323846L / frequency;
+  const long double scaled = wavelength > context / low ? frequency / factor : frequency;
+  const long double smooth = (context / wavelength - low) / (high - low);
+  const long double smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+  const bool medium = !(wavelength < context / high) && !(wavelength > context / low);
+  return medium ? smoothed : scaled;
+}
+
+TEST(DecodeOps, RopeLlama3ScalingMatchesTransformersFormula) {
+  std::mt19937_64 generator(test_seed() + 4);
+  const std::int64_t steps = 4, dims = 32;
+  const double theta = 500000, factor = 8, low = 1, high = 4, context = 64;  // short context: all three bands occur
+  const HostTensor x = random_tensor(TensorSpec({2, steps, dims}, DType::f32), generator());
+  std::vector<double> positions;
+  for (int step = 0; step < steps; ++step) positions.push_back(static_cast<double>(generator() % 1000));
+  GraphBuilder builder;
+  Attributes attributes;
+  attributes.set("theta", theta);
+  attributes.set("dims", dims);
+  attributes.set("scaling", std::string("llama3"));
+  attributes.set("factor", factor);
+  attributes.set("low_freq_factor", low);
+  attributes.set("high_freq_factor", high);
+  attributes.set("original_max_position_embeddings", context);
+  const ValueRef out = builder.add_node("rope", {builder.input("x", x.spec()),
+                                                 builder.input("positions", TensorSpec({steps}, DType::i32))},
+                                        attributes, "out").front();
+  const HostTensor result = run_reference(builder.build({out}), {{"x", x}, {"positions", ids_tensor(positions)}}).at("out");
+  int bands[3] = {0, 0, 0};
+  for (std::int64_t row = 0; row < 2 * steps; ++row) {
+    const long double position = positions[static_cast<std::size_t>(row % steps)];
+    for (std::int64_t pair = 0; pair < dims / 2; ++pair) {
+      const long double base = std::pow(static_cast<long double>(theta), -2.0L * pair / dims);
+      const long double frequency = llama3_frequency(base, factor, low, high, context);
+      const long double wavelength = 2 * 3.14159265358979323846L / base;
+      ++bands[wavelength < context / high ? 0 : wavelength > context / low ? 2 : 1];
+      const long double angle = position * frequency;
+      const long double a = x.at(row * dims + pair), b = x.at(row * dims + pair + dims / 2);
+      EXPECT_NEAR(result.at(row * dims + pair), static_cast<double>(a * std::cos(angle) - b * std::sin(angle)), 2e-5);
+      EXPECT_NEAR(result.at(row * dims + pair + dims / 2), static_cast<double>(a * std::sin(angle) + b * std::cos(angle)),
+                  2e-5);
+    }
+  }
+  EXPECT_GT(bands[0], 0);
+  EXPECT_GT(bands[1], 0);
+  EXPECT_GT(bands[2], 0);
+  GraphBuilder bad;
+  Attributes wrong;
+  wrong.set("scaling", std::string("yarn"));
+  EXPECT_EQ(error_of([&] {
+              bad.add_node("rope", {bad.input("x", x.spec()), bad.input("positions", TensorSpec({steps}, DType::i32))},
+                           wrong, "r");
+            }),
+            "node 'r' (rope): scaling must be 'llama3', got 'yarn'");
+}
+
+}  // namespace
+}  // namespace metile

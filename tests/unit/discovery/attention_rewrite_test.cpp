@@ -1,0 +1,362 @@
+// The attention rewrite: the chain with and without scale and mask, grouped-query heads, batched
+// heads, every refusal, the executor's refusal of uncertified nodes, the plan's certificate, and
+// random graphs whose rewritten CPU outputs equal the unrewritten graph's within the numeric gate
+// (seed printed; METILE_TEST_SEED overrides it).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+
+#include "metile/cpu_runtime.h"
+#include "metile/discovery.h"
+#include "metile/dispatch.h"
+#include "metile_test_support.h"
+
+namespace metile {
+namespace {
+
+using metile::testing::error_of;
+
+std::uint64_t test_seed() {
+  const char* text = std::getenv("METILE_TEST_SEED");
+  const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 10) : std::random_device{}();
+  std::cout << "seed " << seed << " (METILE_TEST_SEED=" << seed << " repeats it)\n";
+  return seed;
+}
+
+struct AttentionShape {
+  std::vector<std::int64_t> batch;  // leading dims before the head axis
+  std::int64_t query_heads = 2, kv_heads = 2, tokens = 3, keys = 5, depth = 8, value_depth = 8;
+  bool scale = true;
+  std::string mask = "causal";  // none | causal | positions
+  DType dtype = DType::f32;
+};
+
+std::vector<std::int64_t> dims(std::vector<std::int64_t> batch, std::initializer_list<std::int64_t> rest) {
+  batch.insert(batch.end(), rest);
+  return batch;
+}
+
+// Plain ops in the model's form (COMMON: q [.., Hq, S, D] reshaped to [.., Hkv, G·S, D]).
+ComputeGraph attention_graph(const AttentionShape& shape) {
+  GraphBuilder builder;
+  const std::int64_t group = shape.query_heads / shape.kv_heads;
+  auto q = builder.input("q", {dims(shape.batch, {shape.query_heads, shape.tokens, shape.depth}), shape.dtype});
+  auto k = builder.input("k", {dims(shape.batch, {shape.kv_heads, shape.keys, shape.depth}), shape.dtype});
+  auto v = builder.input("v", {dims(shape.batch, {shape.kv_heads, shape.keys, shape.value_depth}), shape.dtype});
+  if (group > 1) q = builder.reshape(q, dims(shape.batch, {shape.kv_heads, group * shape.tokens, shape.depth}), "q_grouped");
+  auto scores = builder.matmul(q, k, true, "scores");
+  if (shape.scale) scores = builder.scale(scores, 1.0 / std::sqrt(static_cast<double>(shape.depth)), "scaled");
+  if (shape.mask == "causal") scores = builder.causal_mask(scores, shape.keys - shape.tokens, "masked");
+  if (shape.mask == "positions") {
+    auto positions = builder.input("positions", {{shape.tokens}, DType::i32});
+    scores = builder.position_mask(scores, positions, "masked");
+  }
+  auto probabilities = builder.softmax(scores, -1, "probabilities");
+  auto out = builder.matmul(probabilities, v, false, "attention");
+  return builder.build({out});
+}
+
+void expect_equal_within_gate(const ComputeGraph& original, const ComputeGraph& rewritten, std::uint64_t seed) {
+  const TensorMap inputs = random_inputs(original, seed);
+  const TensorMap expected = run_reference(original, inputs);
+  const TensorMap actual = run_reference(rewritten, inputs);
+  ASSERT_EQ(expected.size(), actual.size());
+  for (const auto& [name, reference] : expected) {
+    const NumericGateResult gate = numeric_gate(actual.at(name), reference);
+    EXPECT_TRUE(gate.passed) << name << ": " << gate.detail << " (relative L2 " << gate.relative_l2 << ")";
+  }
+}
+
+const Node& only_node(const ComputeGraph& graph, std::string_view op) {
+  const Node* found = nullptr;
+  for (const Node& node : graph.nodes()) {
+    if (node.op == op) {
+      EXPECT_EQ(found, nullptr) << "two " << op << " nodes";
+      found = &node;
+    }
+  }
+  if (found == nullptr) throw std::runtime_error("no " + std::string(op) + " node");
+  return *found;
+}
+
+TEST(AttentionRewrite, ChainWithAndWithoutScaleAndMask) {
+  const std::uint64_t seed = test_seed();
+  for (bool scale : {false, true}) {
+    for (const char* mask : {"none", "causal", "positions"}) {
+      AttentionShape shape;
+      shape.scale = scale;
+      shape.mask = mask;
+      const ComputeGraph graph = attention_graph(shape);
+      const AttentionRewrite rewrite = rewrite_attention(graph);
+      ASSERT_EQ(rewrite.candidates.size(), 1u) << mask;
+      EXPECT_TRUE(rewrite.refusals.empty());
+      const Node& flash = only_node(rewrite.graph, "flash_attention");
+      EXPECT_EQ(flash.name, "attention");
+      EXPECT_EQ(flash.attributes.get_string("mask"), mask);
+      EXPECT_DOUBLE_EQ(flash.attributes.get_double("scale"), scale ? 1.0 / std::sqrt(8.0) : 1.0);
+      if (std::string(mask) == "causal") {
+        EXPECT_EQ(flash.attributes.get_int("offset"), 2);
+      }
+      EXPECT_EQ(flash.inputs.size(), std::string(mask) == "positions" ? 4u : 3u);
+      EXPECT_EQ(rewrite.graph.nodes().size(), 1u);
+      EXPECT_TRUE(Certificate::from_json(flash.attributes.get_string("certificate")).verified);
+      // scores [2, 3, 5] f32 and each later intermediate, written once and read once.
+      const std::int64_t intermediates = 2 + (scale ? 1 : 0) + (std::string(mask) == "none" ? 0 : 1);
+      EXPECT_EQ(rewrite.candidates[0].avoided_bytes, intermediates * 2 * (2 * 3 * 5 * 4));
+      expect_equal_within_gate(graph, rewrite.graph, seed);
+    }
+  }
+}
+
+TEST(AttentionRewrite, GroupedQueryAndBatchedHeads) {
+  const std::uint64_t seed = test_seed();
+  AttentionShape grouped;
+  grouped.query_heads = 8;
+  grouped.kv_heads = 2;
+  grouped.mask = "positions";
+  grouped.dtype = DType::bf16;
+  AttentionShape batched;
+  batched.batch = {2};
+  batched.query_heads = 4;
+  batched.kv_heads = 2;
+  batched.dtype = DType::f16;
+  batched.value_depth = 6;
+  for (const AttentionShape& shape : {grouped, batched}) {
+    const ComputeGraph graph = attention_graph(shape);
+    const AttentionRewrite rewrite = rewrite_attention(graph);
+    const Node& flash = only_node(rewrite.graph, "flash_attention");
+    const TensorSpec& q = rewrite.graph.value(flash.inputs[0]).spec;
+    EXPECT_EQ(q.shape, dims(shape.batch, {shape.kv_heads, shape.query_heads / shape.kv_heads * shape.tokens, shape.depth}));
+    EXPECT_EQ(rewrite.graph.value(flash.outputs[0]).spec.shape.back(), shape.value_depth);
+    EXPECT_NE(rewrite.graph.find_node("q_grouped"), std::nullopt) << "the reshape stays: flash reads the grouped rows";
+    expect_equal_within_gate(graph, rewrite.graph, seed);
+  }
+}
+
+// One refusal per case: the graph is changed from the plain chain by `edit`, and the reason is exact.
+struct RefusalCase {
+  std::string name;
+  std::function<ComputeGraph()> graph;
+  std::string reason;
+};
+
+TEST(AttentionRewrite, EveryRefusalHasItsReason) {
+  auto chain = [](auto edit) {
+    return [edit] {
+      GraphBuilder b;
+      auto q = b.input("q", {{2, 3, 8}, DType::f32});
+      auto k = b.input("k", {{2, 5, 8}, DType::f32});
+      auto v = b.input("v", {{2, 5, 8}, DType::f32});
+      return edit(b, q, k, v);
+    };
+  };
+  const std::vector<RefusalCase> cases = {
+      {"softmax over the query axis",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef) {
+         auto scores = b.matmul(q, k, true, "scores");
+         auto p = b.softmax(scores, 1, "probabilities");
+         auto v2 = b.input("v2", {{2, 5, 8}, DType::f32});
+         return b.build({b.matmul(p, v2, false, "attention")});
+       }),
+       "softmax axis is not the key axis"},
+      {"scores escape",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto scores = b.matmul(q, k, true, "scores");
+         auto p = b.softmax(scores, -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention"), scores});
+       }),
+       "scores escape to a graph output"},
+      {"probabilities read twice",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto p = b.softmax(b.matmul(q, k, true, "scores"), -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention"), b.exp(p, "side")});
+       }),
+       "probabilities are also read by 'side' (exp)"},
+      {"scaled scores escape",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto scaled = b.scale(b.matmul(q, k, true, "scores"), 0.5, "scaled");
+         auto p = b.softmax(scaled, -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention"), scaled});
+       }),
+       "scaled scores escape to a graph output"},
+      {"k not transposed",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef, ValueRef v) {
+         auto kt = b.input("k_t", {{2, 8, 5}, DType::f32});
+         auto p = b.softmax(b.matmul(q, kt, false, "scores"), -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "the scores come from a matmul without transpose_right (k must be [..., T, D])"},
+      {"shared k",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef, ValueRef v) {
+         auto shared = b.input("k_shared", {{5, 8}, DType::f32});
+         auto p = b.softmax(b.matmul(q, shared, true, "scores"), -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "k is shared by every batch (rank 2), not [..., Hkv, T, D]"},
+      {"two masks",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto masked = b.causal_mask(b.causal_mask(b.matmul(q, k, true, "scores"), 2, "mask_a"), 1, "mask_b");
+         auto p = b.softmax(masked, -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "'mask_b' is a second mask on the scores"},
+      {"negative scale after the mask",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto scaled = b.scale(b.causal_mask(b.matmul(q, k, true, "scores"), 2, "masked"), -0.5, "flipped");
+         auto p = b.softmax(scaled, -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "'flipped' scales by -0.5 after the mask (only a positive factor keeps masked scores at -inf)"},
+      {"an additive bias",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto bias = b.input("bias", {{2, 3, 5}, DType::f32});
+         auto p = b.softmax(b.add(b.matmul(q, k, true, "scores"), bias, "biased"), -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "'biased' (add) between the scores and the softmax is not part of the pattern (scale, causal_mask, position_mask)"},
+  };
+  for (const RefusalCase& refusal : cases) {
+    const ComputeGraph graph = refusal.graph();
+    const AttentionRewrite rewrite = rewrite_attention(graph);
+    EXPECT_TRUE(rewrite.candidates.empty()) << refusal.name;
+    ASSERT_EQ(rewrite.refusals.size(), 1u) << refusal.name;
+    EXPECT_EQ(rewrite.refusals[0].reason, refusal.reason) << refusal.name;
+    EXPECT_EQ(graph.node(rewrite.refusals[0].node).op, "softmax");
+    EXPECT_EQ(rewrite.graph, graph) << refusal.name << ": nothing rewritten";
+    const FusionPlan plan = plan_with_discovery(graph);
+    const auto softmax = plan.graph->find_node("probabilities");
+    EXPECT_NE(plan.node_reasons[static_cast<std::size_t>(*softmax)].find("flash_attention refused: " + refusal.reason),
+              std::string::npos)
+        << plan.explain();
+  }
+}
+
+TEST(AttentionRewrite, SoftmaxOutsideAttentionIsNeitherMatchedNorRefused) {
+  GraphBuilder b;
+  auto x = b.input("x", {{4, 16}, DType::f32});
+  const ComputeGraph graph = b.build({b.softmax(b.scale(x, 2.0), -1, "p")});
+  const AttentionRewrite rewrite = rewrite_attention(graph);
+  EXPECT_TRUE(rewrite.candidates.empty());
+  EXPECT_TRUE(rewrite.refusals.empty());
+}
+
+TEST(AttentionRewrite, AnUnverifiedLawRewritesNothing) {
+  ReductionLaw wrong = stable_weighted_softmax_law();
+  wrong.merge[1] = Term::add(Term::variable("a.l"), Term::variable("b.l"));
+  wrong.merge[2] = Term::add(Term::variable("a.o"), Term::variable("b.o"));
+  const ComputeGraph graph = attention_graph({});
+  const AttentionRewrite rewrite = rewrite_attention(graph, wrong);
+  EXPECT_EQ(rewrite.graph, graph);
+  ASSERT_EQ(rewrite.refusals.size(), 1u);
+  EXPECT_EQ(rewrite.refusals[0].reason,
+            "the certificate of law 'stable_weighted_softmax' is not verified (fails: merge_of_lifts)");
+}
+
+// A graph holding one flash_attention node with the given certificate attribute (or none).
+ComputeGraph flash_graph(const std::optional<std::string>& certificate) {
+  GraphBuilder b;
+  auto q = b.input("q", {{2, 3, 8}, DType::f32});
+  auto k = b.input("k", {{2, 5, 8}, DType::f32});
+  auto v = b.input("v", {{2, 5, 8}, DType::f32});
+  Attributes attributes;
+  if (certificate) attributes.set("certificate", *certificate);
+  return b.build(b.add_node("flash_attention", {q, k, v}, attributes, "attention"));
+}
+
+TEST(AttentionRewrite, TheExecutorRefusesUnverifiedCertificates) {
+  ReductionLaw wrong = stable_weighted_softmax_law();
+  wrong.merge[1] = Term::add(Term::variable("a.l"), Term::variable("b.l"));
+  Certificate forged = prove(stable_weighted_softmax_law());
+  forged.obligations[3].rhs = "(m: 0, l: 0, o: 0)";  // claims verified, but is not the law's proof
+  Certificate other_law = prove(sum_law());
+  const std::uint64_t seed = test_seed();
+  auto run = [&](const std::optional<std::string>& certificate) {
+    return error_of([&] {
+      const ComputeGraph graph = flash_graph(certificate);
+      run_reference(graph, random_inputs(graph, seed));
+    });
+  };
+  EXPECT_EQ(run(prove(wrong).to_json()),
+            "node 'attention' (flash_attention): refused: the certificate of law 'stable_weighted_softmax' is not "
+            "verified (fails: merge_of_lifts)");
+  EXPECT_EQ(run(std::nullopt),
+            "node 'attention' (flash_attention): refused: it carries no certificate (law 'stable_weighted_softmax' "
+            "must be proved first)");
+  EXPECT_EQ(run(forged.to_json()),
+            "node 'attention' (flash_attention): refused: its certificate does not match a fresh proof of law "
+            "'stable_weighted_softmax'");
+  EXPECT_EQ(run(other_law.to_json()),
+            "node 'attention' (flash_attention): refused: its certificate is for law 'sum', the op needs "
+            "'stable_weighted_softmax'");
+  EXPECT_EQ(run(prove(stable_weighted_softmax_law()).to_json()), "(no InputError)");
+}
+
+TEST(AttentionRewrite, PlanCarriesTheCertificate) {
+  AttentionShape shape;
+  shape.mask = "positions";
+  const FusionPlan plan = plan_with_discovery(attention_graph(shape));
+  ASSERT_EQ(plan.regions.size(), 1u);
+  const FusionRegion& region = plan.regions[0];
+  EXPECT_EQ(region.rule, "flash_attention");
+  EXPECT_GT(region.benefit_ns, 0);
+  EXPECT_EQ(Certificate::from_json(region.certificate), prove(stable_weighted_softmax_law()));
+  const std::string json = plan.to_json();
+  EXPECT_NE(json.find("\"certificate\":{\"law\":\"stable_weighted_softmax\",\"theory\":"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"verified\":true}"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"rewrites\": [\"flash_attention 'attention' replaces"), std::string::npos) << json;
+  const std::string text = plan.explain();
+  EXPECT_NE(text.find("certificate: law stable_weighted_softmax, verified (4/4 obligations hold)"), std::string::npos) << text;
+  // The plan runs on the CPU and gives the rewritten graph's outputs bit for bit.
+  const TensorMap inputs = random_inputs(*plan.graph, 7);
+  EXPECT_EQ(run_plan_reference(plan, inputs), run_reference(*plan.graph, inputs));
+}
+
+TEST(AttentionRewrite, RandomGraphsWithTheChainMatchTheOriginal) {
+  const std::uint64_t seed = test_seed();
+  std::mt19937_64 generator(seed);
+  auto pick = [&](std::int64_t low, std::int64_t high) {
+    return std::uniform_int_distribution<std::int64_t>(low, high)(generator);
+  };
+  for (int trial = 0; trial < 12; ++trial) {
+    AttentionShape shape;
+    if (pick(0, 1)) shape.batch = {pick(1, 2)};
+    shape.kv_heads = pick(1, 2);
+    shape.query_heads = shape.kv_heads * pick(1, 3);
+    shape.tokens = pick(1, 4);
+    shape.keys = shape.tokens + pick(0, 70);  // crosses the reference's 64-key blocks
+    shape.depth = pick(1, 3) * 8;
+    shape.value_depth = pick(1, 3) * 4;
+    shape.scale = pick(0, 1) != 0;
+    shape.mask = std::vector<std::string>{"none", "causal", "positions"}[static_cast<std::size_t>(pick(0, 2))];
+    shape.dtype = std::vector<DType>{DType::f32, DType::f16, DType::bf16}[static_cast<std::size_t>(pick(0, 2))];
+    // Around the chain: q computed from an input, the output consumed by an add, both kept as outputs.
+    GraphBuilder b;
+    const std::int64_t group = shape.query_heads / shape.kv_heads;
+    auto q_in = b.input("q_in", {dims(shape.batch, {shape.query_heads, shape.tokens, shape.depth}), shape.dtype});
+    auto k = b.input("k", {dims(shape.batch, {shape.kv_heads, shape.keys, shape.depth}), shape.dtype});
+    auto v = b.input("v", {dims(shape.batch, {shape.kv_heads, shape.keys, shape.value_depth}), shape.dtype});
+    auto q = b.silu(q_in, "q_activated");
+    if (group > 1) q = b.reshape(q, dims(shape.batch, {shape.kv_heads, group * shape.tokens, shape.depth}), "q_grouped");
+    auto scores = b.matmul(q, k, true, "scores");
+    if (shape.scale) scores = b.scale(scores, 0.3, "scaled");
+    if (shape.mask == "causal") scores = b.causal_mask(scores, shape.keys - shape.tokens, "masked");
+    if (shape.mask == "positions") scores = b.position_mask(scores, b.input("positions", {{shape.tokens}, DType::i32}), "masked");
+    auto out = b.matmul(b.softmax(scores, -1, "probabilities"), v, false, "attention");
+    auto residual = b.input("residual", {b.spec(out).shape, shape.dtype});
+    const ComputeGraph graph = b.build({b.add(out, residual, "summed"), q});
+    const AttentionRewrite rewrite = rewrite_attention(graph);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(shape.query_heads) + " heads / " +
+                 std::to_string(shape.kv_heads) + " kv, S " + std::to_string(shape.tokens) + ", T " +
+                 std::to_string(shape.keys) + ", D " + std::to_string(shape.depth) + ", Dv " +
+                 std::to_string(shape.value_depth) + ", mask " + shape.mask + ", " + std::string(dtype_name(shape.dtype)));
+    ASSERT_EQ(rewrite.candidates.size(), 1u);
+    EXPECT_EQ(only_node(rewrite.graph, "flash_attention").name, "attention");
+    expect_equal_within_gate(graph, rewrite.graph, seed + static_cast<std::uint64_t>(trial));
+  }
+}
+
+}  // namespace
+}  // namespace metile

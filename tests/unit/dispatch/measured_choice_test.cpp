@@ -1,0 +1,198 @@
+// The measured-dispatch engine (choose_measured) on the CPU, with fake candidates: each has a
+// made-up gate result and a made-up score, and `measure` returns the scores of exactly the
+// candidates it is asked about while recording who raced. The policy (admission, stored
+// decisions, headroom, dispatch modes) is checked against a separately written statement of it
+// on random races, and on the cases that pin each rule.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <array>
+#include <random>
+
+#include "metile/dispatch.h"
+
+namespace metile {
+namespace {
+
+struct Fake {
+  MeasuredCandidate candidate;
+  double ms;
+};
+
+NumericGateResult gate(bool passed) {
+  NumericGateResult result;
+  result.passed = passed;
+  result.threshold = 1e-2;
+  if (!passed) {
+    result.relative_l2 = 0.5;
+    result.detail = "relative L2 error 5.0e-01 > 1.0e-02";
+  }
+  return result;
+}
+
+Fake native(std::string variant, double ms, bool library_path = true, bool passed = true) {
+  return {{CandidateId::native(std::move(variant)), gate(passed), library_path}, ms};
+}
+Fake fused(std::string variant, double ms, bool passed = true) {
+  return {{CandidateId::fused(std::move(variant)), gate(passed), false}, ms};
+}
+
+struct Race {
+  MeasuredChoice choice;
+  std::vector<int> raced;  // empty when nothing was measured
+};
+
+Race run(const std::vector<Fake>& fakes, DispatchPolicy policy, const std::optional<DispatchDecision>& stored = {}) {
+  std::vector<MeasuredCandidate> candidates;
+  for (const Fake& fake : fakes) candidates.push_back(fake.candidate);
+  Race race;
+  race.choice = choose_measured(candidates, policy, stored, [&](const std::vector<int>& entrants) {
+    race.raced = entrants;
+    std::vector<double> scores;
+    for (int index : entrants) scores.push_back(fakes[static_cast<std::size_t>(index)].ms);
+    return scores;
+  });
+  return race;
+}
+
+TEST(CandidateId, NamesAndIdentityAreTyped) {
+  EXPECT_EQ(CandidateId::native().name(), "native");
+  EXPECT_EQ(CandidateId::native().as_graph().name(), "native graph");
+  EXPECT_EQ(CandidateId::fused("register_resident w4 t1 f2 db").as_graph().name(),
+            "fused register_resident w4 t1 f2 db graph");
+  // A variant that reads like a prefix of another is another candidate.
+  EXPECT_NE(CandidateId::fused("wide"), CandidateId::fused());
+  EXPECT_NE(CandidateId::fused(), CandidateId::fused().as_graph());
+  EXPECT_EQ(CandidateId::fused("wide").as_graph().eager(), CandidateId::fused("wide"));
+  // "native graph" as a variant is not the native path replayed as a CUDA graph.
+  EXPECT_NE(CandidateId::native("graph"), CandidateId::native().as_graph());
+}
+
+TEST(MeasuredChoice, FusedNeedsTheHeadroom) {
+  const DispatchPolicy policy{DispatchMode::automatic, 0.10};
+  Race close = run({native("", 1.0), fused("", 0.95)}, policy);
+  EXPECT_EQ(close.choice.chosen, 0) << close.choice.reason;
+  EXPECT_NE(close.choice.reason.find("only 1.05x, needs 1.10x"), std::string::npos) << close.choice.reason;
+  Race clear = run({native("", 1.0), fused("", 0.8)}, policy);
+  EXPECT_EQ(clear.choice.chosen, 1) << clear.choice.reason;
+  EXPECT_EQ(clear.choice.best_native, 0);
+  EXPECT_EQ(clear.choice.best_fused, 1);
+  EXPECT_NE(clear.choice.reason.find("fused, 1.25x over native"), std::string::npos) << clear.choice.reason;
+  EXPECT_TRUE(clear.choice.worth_storing);
+  // The incumbent is the fastest native candidate, whatever its variant.
+  Race graphs = run({native("", 1.0), {{CandidateId::native().as_graph(), gate(true), true}, 0.5}, fused("", 0.48)},
+                    policy);
+  EXPECT_EQ(graphs.choice.chosen, 1) << graphs.choice.reason;
+  EXPECT_EQ(boundary_headroom(1), 0.05);
+  EXPECT_EQ(boundary_headroom(6), 0.10);
+}
+
+TEST(MeasuredChoice, TheGateAdmitsAndTheLibraryPathStays) {
+  const DispatchPolicy policy{DispatchMode::automatic, 0.10};
+  // A fast fused candidate that failed the gate never races.
+  Race failed = run({native("", 1.0), fused("", 0.1, false), fused("wide", 0.7)}, policy);
+  EXPECT_EQ(failed.raced, (std::vector<int>{0, 2}));
+  EXPECT_EQ(failed.choice.chosen, 2);
+  EXPECT_NE(failed.choice.reason.find("fused failed the numeric gate by 5.0e-01"), std::string::npos)
+      << failed.choice.reason;
+  // The library path stays whatever its gate figures; a generated unfused kernel does not.
+  Race library = run({native("", 1.0, true, false), native("unfused gemv", 0.5, false, false), fused("", 2.0)}, policy);
+  EXPECT_EQ(library.raced, (std::vector<int>{0, 2}));
+  EXPECT_EQ(library.choice.chosen, 0);
+  // Nothing fused passed: the native path, and the race is not worth remembering.
+  Race none = run({native("", 1.0), native("", 0.9), fused("", 0.1, false)}, policy);
+  EXPECT_EQ(none.choice.best_fused, -1);
+  EXPECT_EQ(none.choice.chosen, 1);
+  EXPECT_FALSE(none.choice.worth_storing);
+  // Nothing admitted at all.
+  Race nobody = run({native("unfused gemv", 1.0, false, false)}, policy);
+  EXPECT_EQ(nobody.choice.chosen, -1);
+  EXPECT_NE(nobody.choice.reason.find("no candidate passed"), std::string::npos) << nobody.choice.reason;
+  // One admitted candidate is taken without measuring.
+  Race alone = run({native("", 1.0), fused("", 0.1, false)}, policy);
+  EXPECT_TRUE(alone.raced.empty());
+  EXPECT_EQ(alone.choice.chosen, 0);
+}
+
+TEST(MeasuredChoice, DispatchModesForceTheKind) {
+  const std::vector<Fake> fakes = {native("", 1.0), native("", 0.9), fused("", 0.95), fused("wide", 0.99)};
+  Race forced_native = run(fakes, {DispatchMode::native, 0.10});
+  EXPECT_EQ(forced_native.raced, (std::vector<int>{0, 1}));
+  EXPECT_EQ(forced_native.choice.chosen, 1);
+  Race forced_fused = run(fakes, {DispatchMode::fused, 0.10});
+  EXPECT_EQ(forced_fused.choice.chosen, 2) << "the fastest fused, though under the headroom";
+  EXPECT_NE(forced_fused.choice.reason.find("METILE_DISPATCH=fused"), std::string::npos);
+}
+
+TEST(MeasuredChoice, AStoredDecisionIsMatchedByIdentity) {
+  const DispatchPolicy policy{DispatchMode::automatic, 0.10};
+  const std::vector<Fake> fakes = {native("", 1.0), fused("", 0.5), fused("wide", 0.6)};
+  DispatchDecision stored{"k", CandidateId::fused("wide"), {{CandidateId::fused("wide"), 0.25}}, "fused wide, 4.00x"};
+  Race cached = run(fakes, policy, stored);
+  EXPECT_TRUE(cached.raced.empty()) << "no measurement";
+  EXPECT_TRUE(cached.choice.from_cache);
+  EXPECT_EQ(cached.choice.chosen, 2);
+  EXPECT_EQ(cached.choice.score_ms[2], 0.25);
+  EXPECT_EQ(cached.choice.reason, "fused wide, 4.00x");
+  // A stored name that only shares a prefix with a candidate ("fused wide graph" vs "fused wide")
+  // is another candidate: measured afresh.
+  stored.chosen = CandidateId::fused("wide").as_graph();
+  Race other = run(fakes, policy, stored);
+  EXPECT_FALSE(other.choice.from_cache);
+  EXPECT_EQ(other.choice.chosen, 1);
+  // A stored candidate that has since failed the gate is not taken.
+  stored.chosen = CandidateId::fused();
+  Race regressed = run({native("", 1.0), fused("", 0.5, false)}, policy, stored);
+  EXPECT_FALSE(regressed.choice.from_cache);
+  EXPECT_EQ(regressed.choice.chosen, 0);
+  // decision_of stores what the choice measured, by identity.
+  const DispatchDecision decision = decision_of("key", {fakes[0].candidate, fakes[1].candidate, fakes[2].candidate},
+                                                other.choice);
+  EXPECT_EQ(decision.chosen, CandidateId::fused());
+  ASSERT_EQ(decision.timings_ms.size(), 3u);
+  EXPECT_EQ(decision.timings_ms[2].first, CandidateId::fused("wide"));
+  EXPECT_EQ(decision.timings_ms[2].second, 0.6);
+}
+
+// The policy restated independently: the admitted set, then fastest native vs fastest fused.
+int expected_choice(const std::vector<Fake>& fakes, const DispatchPolicy& policy) {
+  int best_native = -1, best_fused = -1;
+  for (std::size_t i = 0; i < fakes.size(); ++i) {
+    const MeasuredCandidate& c = fakes[i].candidate;
+    const bool fused_kind = c.id.kind == CandidateKind::fused;
+    if (!(c.gate.passed || c.library_path) || (policy.mode == DispatchMode::native && fused_kind)) continue;
+    int& best = fused_kind ? best_fused : best_native;
+    if (best < 0 || fakes[i].ms < fakes[static_cast<std::size_t>(best)].ms) best = static_cast<int>(i);
+  }
+  if (best_fused < 0) return best_native;
+  if (best_native < 0 || policy.mode == DispatchMode::fused) return best_fused;
+  return fakes[static_cast<std::size_t>(best_native)].ms >= fakes[static_cast<std::size_t>(best_fused)].ms * (1 + policy.headroom)
+             ? best_fused
+             : best_native;
+}
+
+TEST(MeasuredChoice, RandomRacesFollowThePolicy) {
+  const char* text = std::getenv("METILE_TEST_SEED");
+  const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 0) : std::random_device{}();
+  std::cout << "[seed] METILE_TEST_SEED=" << seed << "\n";
+  std::mt19937_64 random(seed);
+  std::uniform_real_distribution<double> time(0.1, 2.0);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<Fake> fakes;
+    const int count = 1 + static_cast<int>(random() % 6);
+    for (int i = 0; i < count; ++i) {
+      const bool is_fused = random() % 2 == 0;
+      const std::string variant = std::to_string(i);
+      fakes.push_back(is_fused ? fused(variant, time(random), random() % 4 != 0)
+                               : native(variant, time(random), random() % 2 == 0, random() % 3 != 0));
+    }
+    const DispatchMode mode = std::array{DispatchMode::automatic, DispatchMode::native, DispatchMode::fused}[random() % 3];
+    const DispatchPolicy policy{mode, random() % 2 == 0 ? 0.05 : 0.10};
+    const Race race = run(fakes, policy);
+    ASSERT_EQ(race.choice.chosen, expected_choice(fakes, policy)) << "trial " << trial << ": " << race.choice.reason;
+  }
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,162 @@
+// Every malformed-checkpoint case: DecoderModel::load throws an InputError naming
+// the file and the tensor or config field, and `metile logits` prints that one
+// line with exit 2 and writes nothing to stdout. Each case starts from a valid
+// tiny checkpoint and breaks one thing.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "model_test_support.h"
+
+namespace metile {
+namespace {
+
+using testing::read_text;
+using Json = nlohmann::json;
+
+struct Breakage {
+  std::string name;
+  std::function<void(const std::filesystem::path&)> apply;
+  std::string message;  // a fragment the one-line error must contain
+};
+
+void edit_config(const std::filesystem::path& directory, const std::function<void(Json&)>& edit) {
+  Json config = Json::parse(read_text(directory / "config.json"));
+  edit(config);
+  testing::write_text(directory / "config.json", config.dump());
+}
+
+void edit_tensors(const std::filesystem::path& directory, const std::function<void(TensorMap&)>& edit) {
+  TensorMap tensors = read_safetensors(directory / "model.safetensors");
+  edit(tensors);
+  write_safetensors(directory / "model.safetensors", tensors);
+}
+
+class MalformedCheckpoint : public testing::ModelDirectoryTest {
+ protected:
+  int run_logits(const std::filesystem::path& directory, std::string& out, std::string& err) {
+    const std::string command = std::string(METILE_BINARY) + " logits " + directory.string() + " --prompt-ids 1,2 >" +
+                                (root_ / "out.txt").string() + " 2>" + (root_ / "err.txt").string();
+    const int status = std::system(command.c_str());
+    out = read_text(root_ / "out.txt");
+    err = read_text(root_ / "err.txt");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+};
+
+TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
+  const std::string layer = "model.layers.1.";
+  const std::vector<Breakage> cases = {
+      {"missing_tensor", [&](auto d) { edit_tensors(d, [&](TensorMap& t) { t.erase(layer + "mlp.up_proj.weight"); }); },
+       "tensor 'model.layers.1.mlp.up_proj.weight' is missing"},
+      {"misshapen_tensor",
+       [&](auto d) {
+         edit_tensors(d, [&](TensorMap& t) {
+           t.insert_or_assign(layer + "self_attn.k_proj.weight", HostTensor(TensorSpec({16, 64}, DType::bf16)));
+         });
+       },
+       "tensor 'model.layers.1.self_attn.k_proj.weight': shape [16, 64] does not match the config (expected [32, 64])"},
+      {"integer_tensor",
+       [&](auto d) {
+         edit_tensors(d, [](TensorMap& t) { t.insert_or_assign("model.norm.weight", HostTensor(TensorSpec({64}, DType::i32))); });
+       },
+       "tensor 'model.norm.weight': dtype i32 is not a float"},
+      {"untied_without_lm_head", [](auto d) { edit_tensors(d, [](TensorMap& t) { t.erase("lm_head.weight"); }); },
+       "tensor 'lm_head.weight' is missing"},
+      {"unknown_architecture", [](auto d) { edit_config(d, [](Json& c) { c["architectures"] = {"GPT2LMHeadModel"}; }); },
+       "field 'architectures': 'GPT2LMHeadModel' is not supported"},
+      {"unknown_rope_type",
+       [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }); },
+       "field 'rope_scaling.rope_type': 'yarn' is not supported"},
+      {"unknown_rope_type_5",
+       [](auto d) {
+         edit_config(d, [](Json& c) { c["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 1e4}}; });
+       },
+       "field 'rope_parameters.rope_type': 'dynamic' is not supported"},
+      {"llama3_without_factor",
+       [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"rope_type", "llama3"}}; }); },
+       "field 'rope_scaling.factor': missing"},
+      {"config_not_json", [](auto d) { testing::write_text(d / "config.json", "{\"hidden_size\": 64,"); },
+       "config.json: not valid JSON"},
+      {"missing_field", [](auto d) { edit_config(d, [](Json& c) { c.erase("hidden_size"); }); },
+       "field 'hidden_size': missing"},
+      {"field_of_wrong_type", [](auto d) { edit_config(d, [](Json& c) { c["num_attention_heads"] = "four"; }); },
+       "field 'num_attention_heads': must be a positive integer, got \"four\""},
+      {"heads_not_grouped", [](auto d) { edit_config(d, [](Json& c) { c["num_key_value_heads"] = 3; }); },
+       "field 'num_key_value_heads': 3 does not divide num_attention_heads 4"},
+      {"unsupported_activation", [](auto d) { edit_config(d, [](Json& c) { c["hidden_act"] = "gelu"; }); },
+       "field 'hidden_act': 'gelu' is not supported"},
+      {"quantized_without_config",
+       [&](auto d) {
+         edit_tensors(d, [&](TensorMap& t) {
+           t.insert_or_assign(layer + "mlp.up_proj.scales", HostTensor(TensorSpec({128, 1}, DType::bf16)));
+         });
+       },
+       "tensor 'model.layers.1.mlp.up_proj.scales': the checkpoint is quantized but config.json has no 'quantization'"},
+      {"bad_quantization", [](auto d) { edit_config(d, [](Json& c) { c["quantization"] = {{"group_size", 48}, {"bits", 4}}; }); },
+       "field 'quantization': "},
+      {"no_config", [](auto d) { std::filesystem::remove(d / "config.json"); }, "no config.json"},
+      {"no_weights", [](auto d) { std::filesystem::remove(d / "model.safetensors"); },
+       "neither model.safetensors nor model.safetensors.index.json"},
+      {"truncated_weights", [](auto d) { std::filesystem::resize_file(d / "model.safetensors", 4); },
+       "model.safetensors: too short for a safetensors file"},
+      {"index_names_a_missing_shard",
+       [](auto d) {
+         testing::write_text(d / "model.safetensors.index.json",
+                             R"({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})");
+       },
+       "model-00002-of-00002.safetensors: cannot open the file"},
+      {"index_lists_an_absent_tensor",
+       [](auto d) {
+         testing::write_text(d / "model.safetensors.index.json",
+                             R"({"weight_map": {"model.norm.weight": "model.safetensors", "ghost.weight": "model.safetensors"}})");
+       },
+       "tensor 'ghost.weight': listed in model.safetensors.index.json but absent from the file"},
+  };
+  for (const Breakage& breakage : cases) {
+    SCOPED_TRACE(breakage.name);
+    const std::filesystem::path directory = synth(breakage.name, {});
+    breakage.apply(directory);
+    const std::string message = testing::error_of([&] { DecoderModel::load(directory); });
+    EXPECT_NE(message.find(breakage.message), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos);
+    std::string out, err;
+    EXPECT_EQ(run_logits(directory, out, err), 2);
+    EXPECT_EQ(out, "");
+    EXPECT_EQ(err, "metile: error: " + message + "\n");
+  }
+}
+
+TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
+  const std::filesystem::path directory = synth("model", {});
+  std::string out, err;
+  const auto metile = [&](const std::string& arguments) {
+    const std::string command = std::string(METILE_BINARY) + " " + arguments + " >" + (root_ / "out.txt").string() +
+                                " 2>" + (root_ / "err.txt").string();
+    const int status = std::system(command.c_str());
+    out = read_text(root_ / "out.txt");
+    err = read_text(root_ / "err.txt");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --backend cuda"), 2);
+  EXPECT_EQ(err, "metile: error: --backend cuda: the GPU decode engine is not built yet; use --backend cpu\n");
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,x"), 2);
+  EXPECT_EQ(err, "metile: error: --prompt-ids: 'x' is not a token id (expected e.g. 1,2,3)\n");
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,256"), 2);
+  EXPECT_EQ(err, "metile: error: token id 256 is outside the vocabulary [0, 256)\n");
+  EXPECT_EQ(out, "");
+  EXPECT_EQ(metile("synth-model " + directory.string()), 2);  // exists and holds a model
+  EXPECT_NE(err.find("exists and is not an empty directory"), std::string::npos);
+  EXPECT_EQ(metile("synth-model " + (root_ / "fresh").string() + " --preset huge"), 2);
+  EXPECT_EQ(err, "metile: error: unknown preset 'huge' (tiny, small, llama3.2-1b, qwen2.5-1.5b or llama3-8b)\n");
+  EXPECT_FALSE(std::filesystem::exists(root_ / "fresh"));
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --min-agreement 1.01"), 1);  // cannot be met
+  EXPECT_NE(out.find("FAIL"), std::string::npos);
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
+  EXPECT_NE(out.find("next-token agreement   1.0000"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,425 @@
+// Decoder models on tiny synthetic checkpoints of each architecture:
+//   * the decode-step graph against a per-op forward pass written here in double
+//     from transformers' Llama conventions (rotate-half RoPE, GQA by head index,
+//     rms_norm then weight, SwiGLU), reading the checkpoint with read_safetensors only;
+//   * incremental decode with the KV cache == recomputing the prefix, chunked
+//     prefill == token by token (bit for bit: every op is row-independent);
+//   * synth round trips (config spellings 4 and 5, sharded), MLX-quantized ==
+//     dequantize-then-dense, quantize-at-load == quantize-dequantize-dense.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "metile/quant.h"
+#include "model_test_support.h"
+
+namespace metile {
+namespace {
+
+using testing::ModelDirectoryTest;
+using testing::random_tokens;
+using testing::read_text;
+using Matrix = std::vector<std::vector<double>>;  // [rows][columns]
+
+// ------------------------------------------------------------ the per-op oracle
+class OracleModel {
+ public:
+  explicit OracleModel(const std::filesystem::path& directory) {
+    config_ = nlohmann::json::parse(read_text(directory / "config.json"));
+    if (std::filesystem::exists(directory / "model.safetensors")) {
+      tensors_ = read_safetensors(directory / "model.safetensors");
+    } else {
+      const auto index = nlohmann::json::parse(read_text(directory / "model.safetensors.index.json"));
+      std::set<std::string> files;
+      for (const auto& [name, file] : index["weight_map"].items()) files.insert(file.get<std::string>());
+      for (const std::string& file : files) tensors_.merge(read_safetensors(directory / file));
+    }
+  }
+
+  // Logits of every position of `tokens`, computed without any cache.
+  Matrix logits(const std::vector<std::int32_t>& tokens) const {
+    const auto hidden = config_["hidden_size"].get<std::int64_t>();
+    const auto heads = config_["num_attention_heads"].get<std::int64_t>();
+    const auto kv_heads = config_["num_key_value_heads"].get<std::int64_t>();
+    const std::int64_t head_dim = config_.contains("head_dim") ? config_["head_dim"].get<std::int64_t>() : hidden / heads;
+    const double eps = config_["rms_norm_eps"].get<double>();
+    const bool qwen2 = config_["architectures"][0] == "Qwen2ForCausalLM";
+    const std::size_t n = tokens.size();
+    const Matrix embedding = matrix("model.embed_tokens");
+    Matrix x;
+    for (std::int32_t token : tokens) x.push_back(embedding[static_cast<std::size_t>(token)]);
+    for (std::int64_t layer = 0; layer < config_["num_hidden_layers"].get<std::int64_t>(); ++layer) {
+      const std::string p = "model.layers." + std::to_string(layer) + ".";
+      const Matrix normed = rms_norm(x, vector(p + "input_layernorm.weight"), eps);
+      Matrix q = linear(normed, p + "self_attn.q_proj", qwen2);
+      Matrix k = linear(normed, p + "self_attn.k_proj", qwen2);
+      const Matrix v = linear(normed, p + "self_attn.v_proj", qwen2);
+      rotate(q, heads, head_dim);
+      rotate(k, kv_heads, head_dim);
+      Matrix context(n, std::vector<double>(static_cast<std::size_t>(heads * head_dim), 0.0));
+      for (std::int64_t head = 0; head < heads; ++head) {
+        const std::int64_t kv_head = head / (heads / kv_heads);  // transformers' repeat_kv
+        for (std::size_t i = 0; i < n; ++i) {
+          std::vector<double> scores(i + 1);
+          double maximum = -INFINITY;
+          for (std::size_t j = 0; j <= i; ++j) {
+            double dot = 0;
+            for (std::int64_t d = 0; d < head_dim; ++d) dot += q[i][head * head_dim + d] * k[j][kv_head * head_dim + d];
+            scores[j] = dot / std::sqrt(static_cast<double>(head_dim));
+            maximum = std::max(maximum, scores[j]);
+          }
+          double sum = 0;
+          for (double& score : scores) sum += (score = std::exp(score - maximum));
+          for (std::size_t j = 0; j <= i; ++j) {
+            for (std::int64_t d = 0; d < head_dim; ++d) {
+              context[i][head * head_dim + d] += scores[j] / sum * v[j][kv_head * head_dim + d];
+            }
+          }
+        }
+      }
+      add_into(x, linear(context, p + "self_attn.o_proj", false));
+      const Matrix normed2 = rms_norm(x, vector(p + "post_attention_layernorm.weight"), eps);
+      Matrix gate = linear(normed2, p + "mlp.gate_proj", false);
+      const Matrix up = linear(normed2, p + "mlp.up_proj", false);
+      for (std::size_t row = 0; row < n; ++row) {
+        for (std::size_t c = 0; c < gate[row].size(); ++c) {
+          gate[row][c] = gate[row][c] / (1 + std::exp(-gate[row][c])) * up[row][c];
+        }
+      }
+      add_into(x, linear(gate, p + "mlp.down_proj", false));
+    }
+    const Matrix normed = rms_norm(x, vector("model.norm.weight"), eps);
+    return linear(normed, config_.value("tie_word_embeddings", false) ? "model.embed_tokens" : "lm_head", false);
+  }
+
+ private:
+  std::vector<double> vector(const std::string& name) const { return tensors_.at(name).to_values(); }
+
+  // A weight [rows, columns] in double; MLX-quantized ones through dequantize_affine.
+  Matrix matrix(const std::string& prefix) const {
+    HostTensor dense;
+    if (tensors_.count(prefix + ".scales")) {
+      const auto& q = config_["quantization"];
+      dense = dequantize_affine(QuantizedMatrix::from_tensors({q["bits"].get<int>(), q["group_size"].get<int>()},
+                                                              tensors_.at(prefix + ".weight"),
+                                                              tensors_.at(prefix + ".scales"),
+                                                              tensors_.at(prefix + ".biases")),
+                                DType::f32);
+    } else {
+      dense = tensors_.at(prefix + ".weight");
+    }
+    const std::vector<double> values = dense.to_values();
+    const std::int64_t columns = dense.spec().shape[1];
+    Matrix rows;
+    for (std::size_t first = 0; first < values.size(); first += static_cast<std::size_t>(columns)) {
+      rows.emplace_back(values.begin() + static_cast<std::ptrdiff_t>(first),
+                        values.begin() + static_cast<std::ptrdiff_t>(first + static_cast<std::size_t>(columns)));
+    }
+    return rows;
+  }
+
+  Matrix linear(const Matrix& x, const std::string& prefix, bool bias) const {
+    const Matrix w = matrix(prefix);
+    const std::vector<double> b = bias ? vector(prefix + ".bias") : std::vector<double>(w.size(), 0.0);
+    Matrix y(x.size(), std::vector<double>(w.size()));
+    for (std::size_t row = 0; row < x.size(); ++row) {
+      for (std::size_t out = 0; out < w.size(); ++out) {
+        double sum = 0;
+        for (std::size_t in = 0; in < x[row].size(); ++in) sum += x[row][in] * w[out][in];
+        y[row][out] = sum + b[out];
+      }
+    }
+    return y;
+  }
+
+  static Matrix rms_norm(const Matrix& x, const std::vector<double>& weight, double eps) {
+    Matrix y = x;
+    for (auto& row : y) {
+      double squares = 0;
+      for (double value : row) squares += value * value;
+      const double inverse = 1 / std::sqrt(squares / static_cast<double>(row.size()) + eps);
+      for (std::size_t c = 0; c < row.size(); ++c) row[c] = row[c] * inverse * weight[c];
+    }
+    return y;
+  }
+
+  static void add_into(Matrix& x, const Matrix& y) {
+    for (std::size_t row = 0; row < x.size(); ++row) {
+      for (std::size_t c = 0; c < x[row].size(); ++c) x[row][c] += y[row][c];
+    }
+  }
+
+  // transformers' default / llama3 inverse frequencies.
+  double frequency(std::int64_t pair, std::int64_t head_dim) const {
+    double theta = 10000;
+    nlohmann::json scaling;
+    if (config_.contains("rope_parameters")) {
+      theta = config_["rope_parameters"].value("rope_theta", 10000.0);
+      scaling = config_["rope_parameters"];
+    } else {
+      theta = config_.value("rope_theta", 10000.0);
+      if (!config_["rope_scaling"].is_null()) scaling = config_["rope_scaling"];
+    }
+    const double base = 1 / std::pow(theta, 2.0 * static_cast<double>(pair) / static_cast<double>(head_dim));
+    if (scaling.is_null() || scaling.value("rope_type", "default") != "llama3") return base;
+    const double factor = scaling["factor"], low = scaling["low_freq_factor"], high = scaling["high_freq_factor"];
+    const double context = scaling["original_max_position_embeddings"];
+    const double wavelength = 2 * M_PI / base;
+    if (wavelength < context / high) return base;
+    if (wavelength > context / low) return base / factor;
+    const double smooth = (context / wavelength - low) / (high - low);
+    return (1 - smooth) * base / factor + smooth * base;
+  }
+
+  // rotate_half: x * cos + rotate_half(x) * sin, position = row index.
+  void rotate(Matrix& x, std::int64_t heads, std::int64_t head_dim) const {
+    const std::int64_t half = head_dim / 2;
+    for (std::size_t position = 0; position < x.size(); ++position) {
+      for (std::int64_t head = 0; head < heads; ++head) {
+        for (std::int64_t pair = 0; pair < half; ++pair) {
+          const double angle = static_cast<double>(position) * frequency(pair, head_dim);
+          double& a = x[position][head * head_dim + pair];
+          double& b = x[position][head * head_dim + pair + half];
+          const double rotated_a = a * std::cos(angle) - b * std::sin(angle);
+          const double rotated_b = b * std::cos(angle) + a * std::sin(angle);
+          a = rotated_a;
+          b = rotated_b;
+        }
+      }
+    }
+  }
+
+  nlohmann::json config_;
+  TensorMap tensors_;
+};
+
+// max |a - b| over max |b| of the last `rows` rows.
+double relative_error(const std::vector<float>& actual, const Matrix& expected) {
+  double error = 0, scale = 0;
+  const std::size_t vocab = expected[0].size();
+  for (std::size_t row = 0; row < expected.size(); ++row) {
+    for (std::size_t c = 0; c < vocab; ++c) {
+      error = std::max(error, std::abs(actual[row * vocab + c] - expected[row][c]));
+      scale = std::max(scale, std::abs(expected[row][c]));
+    }
+  }
+  return error / scale;
+}
+
+struct Variant {
+  std::string name;
+  ModelArchitecture architecture;
+  bool tied;
+  int spelling;
+  bool llama3;
+};
+
+class DecoderModelTest : public ModelDirectoryTest {};
+
+TEST_F(DecoderModelTest, StepGraphMatchesThePerOpOracleForEachArchitecture) {
+  std::mt19937_64 generator(testing::model_test_seed());
+  const std::vector<Variant> variants = {
+      {"llama", ModelArchitecture::llama, false, 4, false},  {"llama_tied", ModelArchitecture::llama, true, 5, false},
+      {"qwen2", ModelArchitecture::qwen2, true, 4, false},   {"qwen2_untied", ModelArchitecture::qwen2, false, 5, false},
+      {"mistral", ModelArchitecture::mistral, false, 4, false}, {"llama3", ModelArchitecture::llama, false, 5, true}};
+  for (const Variant& variant : variants) {
+    SCOPED_TRACE(variant.name);
+    SynthOptions options;
+    options.architecture = variant.architecture;
+    options.tie_word_embeddings = variant.tied;
+    options.transformers_version = variant.spelling;
+    const std::filesystem::path directory = synth(variant.name, options);
+    if (variant.llama3) {  // llama3 scaling with a short original context, so all three bands occur
+      auto config = nlohmann::json::parse(read_text(directory / "config.json"));
+      config["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0},
+                                   {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                                   {"original_max_position_embeddings", 64}};
+      testing::write_text(directory / "config.json", config.dump());
+    }
+    const std::vector<std::int32_t> tokens = random_tokens(generator, 7, 256);
+    const Matrix expected = OracleModel(directory).logits(tokens);
+    const DecoderModel f32 = DecoderModel::load(directory, {DType::f32, {}, 64});
+    EXPECT_EQ(f32.config().rope.llama3_scaling, variant.llama3);
+    DecodeSession f32_session(f32);
+    EXPECT_LE(relative_error(f32_session.feed(tokens), expected), 1e-5);
+    const DecoderModel bf16 = DecoderModel::load(directory, {DType::bf16, {}, 64});
+    DecodeSession bf16_session(bf16);
+    EXPECT_LE(relative_error(bf16_session.feed(tokens), expected), 0.05);
+  }
+}
+
+TEST_F(DecoderModelTest, IncrementalDecodeEqualsRecomputingThePrefix) {
+  std::mt19937_64 generator(testing::model_test_seed() + 1);
+  for (ModelArchitecture architecture : {ModelArchitecture::llama, ModelArchitecture::qwen2}) {
+    SynthOptions options;
+    options.architecture = architecture;
+    const DecoderModel model = DecoderModel::load(synth(std::string(architecture_class_name(architecture)), options));
+    const std::vector<std::int32_t> tokens = random_tokens(generator, 12, 256);
+    DecodeSession incremental(model);
+    for (std::size_t length = 1; length <= tokens.size(); ++length) {
+      const std::vector<float> step = incremental.feed(std::span<const std::int32_t>(&tokens[length - 1], 1));
+      DecodeSession fresh(model);
+      const std::vector<float> all = fresh.feed(std::span<const std::int32_t>(tokens.data(), length));
+      const std::vector<float> last(all.end() - 256, all.end());
+      EXPECT_EQ(step, last) << "prefix length " << length;
+    }
+  }
+}
+
+TEST_F(DecoderModelTest, ChunkedPrefillEqualsTokenByToken) {
+  std::mt19937_64 generator(testing::model_test_seed() + 2);
+  SynthOptions options;
+  options.architecture = ModelArchitecture::mistral;
+  const DecoderModel model = DecoderModel::load(synth("mistral", options), {DType::bf16, {}, 40});
+  const std::vector<std::int32_t> tokens = random_tokens(generator, 37, 256);
+  DecodeSession whole(model);
+  const std::vector<float> chunked = whole.feed(tokens);  // steps of 16, 16 and 5
+  DecodeSession single(model);
+  std::vector<float> one_by_one;
+  for (std::int32_t token : tokens) {
+    const std::vector<float> step = single.feed(std::span<const std::int32_t>(&token, 1));
+    one_by_one.insert(one_by_one.end(), step.begin(), step.end());
+  }
+  EXPECT_EQ(chunked, one_by_one);
+  DecodeSession ragged(model);  // 3 + 11 + 23 (16 + 7)
+  std::vector<float> pieces;
+  for (auto [first, count] : {std::pair{0, 3}, std::pair{3, 11}, std::pair{14, 23}}) {
+    const std::vector<float> part = ragged.feed(std::span<const std::int32_t>(tokens.data() + first, count));
+    pieces.insert(pieces.end(), part.begin(), part.end());
+  }
+  EXPECT_EQ(pieces, one_by_one);
+  EXPECT_NE(testing::error_of([&] { ragged.feed(tokens); }).find("past the KV-cache capacity 40"), std::string::npos);
+}
+
+TEST_F(DecoderModelTest, SynthRoundTripsThroughBothSpellingsAndShards) {
+  std::mt19937_64 generator(testing::model_test_seed() + 3);
+  SynthOptions options;
+  options.architecture = ModelArchitecture::qwen2;
+  const std::filesystem::path four = synth("four", options);
+  options.transformers_version = 5;
+  const std::filesystem::path five = synth("five", options);
+  options.max_shard_mb = 0.05;
+  const std::filesystem::path sharded = synth("sharded", options);
+  EXPECT_TRUE(std::filesystem::exists(sharded / "model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(sharded / "model.safetensors"));
+  int shards = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(sharded)) {
+    shards += entry.path().filename().string().starts_with("model-0000") ? 1 : 0;
+  }
+  EXPECT_GE(shards, 3);
+  EXPECT_NE(read_text(four / "config.json").find("\"rope_theta\""), std::string::npos);
+  EXPECT_NE(read_text(five / "config.json").find("\"rope_parameters\""), std::string::npos);
+
+  const ModelConfig expected = synth_config(options);
+  const std::vector<std::int32_t> tokens = random_tokens(generator, 5, 256);
+  std::vector<float> reference;
+  for (const auto& directory : {four, five, sharded}) {
+    const DecoderModel model = DecoderModel::load(directory);
+    EXPECT_EQ(model.config().hidden_size, expected.hidden_size);
+    EXPECT_EQ(model.config().num_key_value_heads, expected.num_key_value_heads);
+    EXPECT_EQ(model.config().rope.theta, expected.rope.theta);
+    EXPECT_EQ(model.config().rms_norm_eps, expected.rms_norm_eps);
+    EXPECT_EQ(model.config().tie_word_embeddings, expected.tie_word_embeddings);
+    EXPECT_EQ(model.config().architecture, ModelArchitecture::qwen2);
+    DecodeSession session(model);
+    const std::vector<float> logits = session.feed(tokens);
+    if (reference.empty()) reference = logits;
+    EXPECT_EQ(logits, reference) << directory;
+  }
+  // The weights on disk are the drawn ones: the oracle (read_safetensors) agrees with the model.
+  const DecoderModel f32 = DecoderModel::load(sharded, {DType::f32, {}, 0});
+  EXPECT_LE(relative_error(DecodeSession(f32).feed(tokens), OracleModel(four).logits(tokens)), 1e-5);
+}
+
+// A dense f32 checkpoint whose weights are the dequantized ones of `source`
+// (MLX-quantized) or, with `format`, those of quantize_affine at load.
+std::filesystem::path dense_copy(const std::filesystem::path& source, const std::filesystem::path& target,
+                                 std::optional<AffineQuantization> format) {
+  auto config = nlohmann::json::parse(read_text(source / "config.json"));
+  TensorMap tensors = read_safetensors(source / "model.safetensors");
+  TensorMap dense;
+  for (auto& [name, tensor] : tensors) {
+    if (name.ends_with(".scales") || name.ends_with(".biases")) continue;
+    const std::string prefix = name.substr(0, name.size() - 7);
+    HostTensor f32 = HostTensor::from_values(TensorSpec(tensor.spec().shape, DType::f32), tensor.to_values());
+    if (tensors.count(prefix + ".scales")) {
+      const auto& q = config["quantization"];
+      f32 = dequantize_affine(QuantizedMatrix::from_tensors({q["bits"].get<int>(), q["group_size"].get<int>()}, tensor,
+                                                            tensors.at(prefix + ".scales"), tensors.at(prefix + ".biases")),
+                              DType::f32);
+    } else if (format && tensor.spec().rank() == 2) {
+      f32 = dequantize_affine(quantize_affine(f32, *format, DType::f32), DType::f32);
+    }
+    dense.insert_or_assign(name, std::move(f32));
+  }
+  config.erase("quantization");
+  std::filesystem::create_directories(target);
+  testing::write_text(target / "config.json", config.dump());
+  write_safetensors(target / "model.safetensors", dense);
+  return target;
+}
+
+TEST_F(DecoderModelTest, MlxQuantizedEqualsDequantizeThenDense) {
+  std::mt19937_64 generator(testing::model_test_seed() + 4);
+  for (int bits : {4, 8}) {
+    for (bool tied : {false, true}) {
+      SCOPED_TRACE(std::to_string(bits) + (tied ? " bits tied" : " bits untied"));
+      SynthOptions options;
+      options.quantize = AffineQuantization{bits, 32};
+      options.tie_word_embeddings = tied;
+      const std::string name = std::to_string(bits) + (tied ? "t" : "u");
+      const std::filesystem::path quantized = synth("q" + name, options);
+      const DecoderModel model = DecoderModel::load(quantized, {DType::f32, {}, 0});
+      EXPECT_TRUE(model.is_quantized("model.embed_tokens"));
+      EXPECT_TRUE(model.is_quantized("model.layers.1.mlp.down_proj"));
+      EXPECT_EQ(model.weights().at("model.layers.0.self_attn.q_proj.weight").spec().dtype, DType::u32);
+      const std::vector<std::int32_t> tokens = random_tokens(generator, 6, 256);
+      DecodeSession quantized_session(model);
+      const DecoderModel dense = DecoderModel::load(dense_copy(quantized, root_ / ("d" + name), {}), {DType::f32, {}, 0});
+      DecodeSession dense_session(dense);
+      const std::vector<float> expected = dense_session.feed(tokens);
+      const std::vector<float> actual = quantized_session.feed(tokens);
+      Matrix rows(tokens.size(), std::vector<double>(256));
+      for (std::size_t index = 0; index < expected.size(); ++index) rows[index / 256][index % 256] = expected[index];
+      EXPECT_LE(relative_error(actual, rows), 1e-6);
+    }
+  }
+}
+
+TEST_F(DecoderModelTest, QuantizeAtLoadEqualsQuantizeDequantizeDense) {
+  std::mt19937_64 generator(testing::model_test_seed() + 5);
+  const std::filesystem::path directory = synth("dense", {});
+  const AffineQuantization format{8, 64};
+  const DecoderModel quantized = DecoderModel::load(directory, {DType::f32, format, 0});
+  EXPECT_TRUE(quantized.is_quantized("lm_head"));
+  EXPECT_LT(quantized.weight_bytes(), DecoderModel::load(directory, {DType::f32, {}, 0}).weight_bytes() / 2);
+  const DecoderModel dense = DecoderModel::load(dense_copy(directory, root_ / "copy", format), {DType::f32, {}, 0});
+  const std::vector<std::int32_t> tokens = random_tokens(generator, 6, 256);
+  DecodeSession quantized_session(quantized), dense_session(dense);
+  const std::vector<float> expected = dense_session.feed(tokens);
+  Matrix rows(tokens.size(), std::vector<double>(256));
+  for (std::size_t index = 0; index < expected.size(); ++index) rows[index / 256][index % 256] = expected[index];
+  EXPECT_LE(relative_error(quantized_session.feed(tokens), rows), 1e-6);
+}
+
+TEST_F(DecoderModelTest, PlannedPathEqualsReferenceAndGenerationIsGreedy) {
+  std::mt19937_64 generator(testing::model_test_seed() + 6);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}));
+  const std::vector<std::int32_t> prompt = random_tokens(generator, 4, 256);
+  DecodeSession reference(model, DecodePath::reference), planned(model, DecodePath::planned);
+  EXPECT_EQ(reference.feed(prompt), planned.feed(prompt));
+  DecodeSession generating(model), checking(model);
+  const Generation generation = generate_greedy(generating, prompt, 6);
+  ASSERT_EQ(generation.tokens.size(), 6u);
+  std::vector<float> logits = checking.feed(prompt);
+  for (std::int32_t token : generation.tokens) {
+    EXPECT_EQ(token, argmax(std::span<const float>(logits).last(256)));
+    logits = checking.feed(std::span<const std::int32_t>(&token, 1));
+  }
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,65 @@
+// Helpers of the model tests: a fresh temporary directory per test, the printed
+// (and overridable) seed, and checkpoint files read and rewritten without the
+// model module (read_safetensors / write_safetensors only).
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <string>
+
+#include "metile/model.h"
+#include "metile_test_support.h"
+
+namespace metile::testing {
+
+inline std::uint64_t model_test_seed() {
+  static const std::uint64_t seed = [] {
+    const char* text = std::getenv("METILE_TEST_SEED");
+    const std::uint64_t value = text ? std::strtoull(text, nullptr, 10) : std::random_device{}();
+    std::cout << "model test seed " << value << " (METILE_TEST_SEED=" << value << " repeats it)\n";
+    return value;
+  }();
+  return seed;
+}
+
+class ModelDirectoryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = std::filesystem::temp_directory_path() /
+            ("metile_model_test_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(root_);
+    std::filesystem::create_directories(root_);
+  }
+  void TearDown() override { std::filesystem::remove_all(root_); }
+
+  // A tiny synthetic checkpoint in root_/name.
+  std::filesystem::path synth(const std::string& name, SynthOptions options) {
+    if (options.seed == 0) options.seed = model_test_seed();
+    const std::filesystem::path directory = root_ / name;
+    synthesize_model(directory, options);
+    return directory;
+  }
+
+  std::filesystem::path root_;
+};
+
+inline void write_text(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+inline std::vector<std::int32_t> random_tokens(std::mt19937_64& generator, std::size_t count, std::int64_t vocab) {
+  std::vector<std::int32_t> tokens;
+  for (std::size_t index = 0; index < count; ++index) {
+    tokens.push_back(static_cast<std::int32_t>(generator() % static_cast<std::uint64_t>(vocab)));
+  }
+  return tokens;
+}
+
+}  // namespace metile::testing
