@@ -221,6 +221,9 @@ class NeighborhoodModel {
           const NodeId previous = graph_.value(value).producer;
           if (previous < first) continue;
           if (in_neighborhood(previous)) {
+            // Only an op reached from the anchor makes the re-entry certain: a
+            // producer-side op may itself stay out (add_reentry_constraints).
+            if (side(local(previous)) == Side::prologue) continue;
             return "a path from " + quoted(name(previous)) + " leaves through " + quoted(name(entry)) +
                    " and comes back at " + quoted(name(node));
           }
@@ -345,8 +348,18 @@ class NeighborhoodModel {
 
   // Paths that leave the neighborhood and come back: the two ends cannot both
   // join, or the kernel would wait on itself. Searches stay below the
-  // neighborhood's last node (node ids are topological).
+  // neighborhood's last node (node ids are topological). A path whose end is
+  // already kept out constrains nothing: forbidding its other end as well would
+  // over-constrain the cut (a growth op that must stay out would push a legal
+  // epilogue out with it), so the certain pairs are applied first, and each
+  // choice pair only while both its ends can still join.
   std::optional<std::string> add_reentry_constraints() {
+    struct Reentry {
+      int from;
+      int to;
+      NodeId exit;
+    };
+    std::vector<Reentry> reentries;
     const NodeId last = *std::max_element(nodes_.begin(), nodes_.end());
     const int count = static_cast<int>(nodes_.size());
     std::vector<NodeId> stack;
@@ -363,7 +376,7 @@ class NeighborhoodModel {
           for (NodeId next : consumers_of(current)) {
             if (next > last) continue;
             if (in_neighborhood(next)) {
-              if (auto rejection = separate(index, local(next), exit)) return rejection;
+              reentries.push_back({index, local(next), exit});
               continue;
             }
             if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
@@ -373,7 +386,40 @@ class NeighborhoodModel {
         }
       }
     }
+    // Certain first: a path from an op the anchor reaches, or into one that
+    // reaches the anchor, re-enters whatever else joins; only a path from a
+    // producer-side op to a consumer-side op leaves the choice of its ends.
+    // A certain pair binds even when its `from` stays out, since kept-out ops
+    // are stops on longer paths; a choice pair whose producer stays out is void,
+    // as nothing that joins can reach that producer.
+    auto certain = [&](const Reentry& path) {
+      return side(path.from) != Side::prologue || side(path.to) != Side::epilogue;
+    };
+    std::stable_partition(reentries.begin(), reentries.end(), certain);
+    for (const Reentry& path : reentries) {
+      if (!certain(path)) {
+        const std::vector<bool> out = kept_out();
+        if (out[static_cast<std::size_t>(path.from)] || out[static_cast<std::size_t>(path.to)]) continue;
+      }
+      if (auto rejection = separate(path.from, path.to, path.exit)) return rejection;
+    }
     return std::nullopt;
+  }
+
+  // The ops the cut can never take: the forbidden ones and those that may join
+  // only with one of them.
+  std::vector<bool> kept_out() const {
+    std::vector<bool> out = forbidden_;
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (const auto& [from, to] : follows_) {
+        if (out[static_cast<std::size_t>(to)] && !out[static_cast<std::size_t>(from)]) {
+          out[static_cast<std::size_t>(from)] = true;
+          changed = true;
+        }
+      }
+    }
+    return out;
   }
 
   // `from` reaches `to` through `exit` outside the neighborhood.
