@@ -132,6 +132,32 @@ std::string gemv_format_tag(const GemvWeightFormat& format) {
   return fmt::format("{}_a{}g{}", dtype, format.bits, format.group_size);
 }
 
+std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string& kernel_name,
+                              std::string_view extra_parameters) {
+  const int products = config.epilogue.product_count();
+  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
+  std::string source = fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", kernel_name);
+  for (int p = 0; p < products; ++p) {
+    source += fmt::format("    const u32* __restrict__ weights{}, ", p);
+    if (config.format.is_affine()) source += fmt::format("const u16* __restrict__ scale_bias{}, ", p);
+    source += "\n";
+  }
+  source += "    const u16* __restrict__ x,\n";
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
+                          tensors[i].broadcast_rows ? " [N]" : " [M, N]");
+  }
+  source += fmt::format("    u16* __restrict__ out{}) {{\n", extra_parameters);
+  source += fmt::format("  const u32* const weights[kProducts] = {{weights0{}}};\n", products == 2 ? ", weights1" : "");
+  if (config.format.is_affine()) {
+    source += fmt::format("  const u16* const scale_bias[kProducts] = {{scale_bias0{}}};\n",
+                          products == 2 ? ", scale_bias1" : "");
+  } else {
+    source += fmt::format("  const u16* const scale_bias[kProducts] = {{nullptr{}}};\n", products == 2 ? ", nullptr" : "");
+  }
+  return source;
+}
+
 std::string gemv_problem_constants(const GemvKernelConfig& config) {
   return fmt::format(
       "constexpr int kM = {};\nconstexpr int kN = {};\nconstexpr int kK = {};\n"

@@ -22,6 +22,13 @@ std::string gemv_format_tag(const GemvWeightFormat& format);
 // kColumnsPerIteration, kProducts, kWarps).
 std::string gemv_problem_constants(const GemvKernelConfig& config);
 
+// The `extern "C" __global__` entry both mainloops share, up to its body: the parameters in the
+// order GemvKernelSource documents (each matrix's weights and affine scale_bias, x, the epilogue
+// tensors, out, then `extra_parameters` such as the streamed workspace) and the kProducts-long
+// `weights` / `scale_bias` arrays the mainloop bodies index.
+std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string& kernel_name,
+                              std::string_view extra_parameters);
+
 // The streamed mainloop (gemv_streamed.cpp).
 void validate_streamed(const GemvKernelConfig& config);  // InputError when it cannot be built
 GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config);
