@@ -10,10 +10,11 @@
 
 namespace metile::gemv_detail {
 
-// The device code both mainloops start from (after the problem constants): types, the derived
-// constants of the weight layout, dtype conversions, activations, the m16n8k16 product and the
-// affine code-to-fragment conversion. Defined in gemv_device_helpers.cpp.
-std::string_view gemv_device_helpers();
+// The device code both mainloops start from (after the problem constants): the tensor-core
+// helpers every such generator shares (codegen_internal.h: types, mma, component), then the
+// derived constants of the weight layout, dtype conversions, activations and the affine
+// code-to-fragment conversion. Defined in gemv_device_helpers.cpp.
+std::string gemv_device_helpers();
 
 // "bf16", "bf16_a4g64": the format part of a kernel name.
 std::string gemv_format_tag(const GemvWeightFormat& format);
