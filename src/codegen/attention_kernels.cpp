@@ -29,12 +29,10 @@
 namespace metile {
 namespace {
 
-// Pieces both kernels use; the generator prepends the constants (kHalf, kHeadDim, kValueDim,
+// Pieces both kernels use, after the tensor-core helpers (codegen_internal.h: types, mma,
+// component); the generator prepends the constants (kHalf, kHeadDim, kValueDim,
 // kWarps, kMask, ...) they read.
 constexpr std::string_view common_body = R"CUDA(
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
 
 constexpr int kThreads = kWarps * 32;
 constexpr int kKeyChunks = kHeadDim / 32;     // 16-byte vectors of one key's K row per lane
@@ -64,24 +62,6 @@ __device__ __forceinline__ u16 to_bits(float value) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   }
   return bits;
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if constexpr (kHalf) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ u32 word(const uint4& v, int index) {
-  return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
 }
 
 __device__ __forceinline__ uint4 pack_vector(float e0, float e1, float e2, float e3, float e4, float e5, float e6,
@@ -155,8 +135,8 @@ __device__ __forceinline__ void step_values(float (&o)[kValueTiles][4], const fl
   for (int j = 0; j < kValueTiles; ++j) {
     const int half = j / 8, element = j % 8;
     const u32 selector = (element & 1) ? 0x7632u : 0x5410u;
-    const u32 b0 = __byte_perm(word(step.value[0][half], element / 2), word(step.value[1][half], element / 2), selector);
-    const u32 b1 = __byte_perm(word(step.value[2][half], element / 2), word(step.value[3][half], element / 2), selector);
+    const u32 b0 = __byte_perm(component(step.value[0][half], element / 2), component(step.value[1][half], element / 2), selector);
+    const u32 b1 = __byte_perm(component(step.value[2][half], element / 2), component(step.value[3][half], element / 2), selector);
     mma(o[j], a0, a1, a2, a3, b0, b1);
   }
 }
@@ -803,6 +783,7 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   result.source = constants(problem, config.warps, result.kernel_name);
   result.source += fmt::format("constexpr int kRows = {};\nconstexpr int kKeysPerSplit = {};\nconstexpr int kStages = {};\n",
                                problem.rows, result.keys_per_split, config.stages);
+  result.source += codegen_detail::tensor_core_device_helpers();
   result.source += common_body;
   result.source += decode_body;
   result.launch.grid_x = static_cast<std::uint32_t>(result.splits);
@@ -825,6 +806,7 @@ AttentionKernelSource generate_prefill_attention_kernel(const PrefillAttentionCo
   AttentionKernelSource result;
   result.kernel_name = fmt::format("metile_attention_prefill_{}_w{}", problem_tag(problem), config.warps);
   result.source = constants(problem, config.warps, result.kernel_name);
+  result.source += codegen_detail::tensor_core_device_helpers();
   result.source += common_body;
   result.source += prefill_body;
   const std::int64_t tile_rows = 16 * config.warps;

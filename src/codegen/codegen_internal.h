@@ -12,6 +12,11 @@ namespace metile::codegen_detail {
 // CPU reference uses, aligned vector loads/stores with a scalar tail, and row reductions.
 std::string_view cuda_device_prelude();
 
+// The integer types (u32, u16, u64), mma() (m16n8k16, f32 accumulators, f16 or bf16 inputs by
+// kHalf) and component() (word i of a uint4): the head of every tensor-core kernel's text (the
+// GEMV mainloops and the attention kernels), after its constants. tensor_core_helpers.cpp.
+std::string_view tensor_core_device_helpers();
+
 // Letters, digits and '_' only, for kernel symbols and comments that must stay one token.
 std::string sanitize_identifier(std::string_view text);
 

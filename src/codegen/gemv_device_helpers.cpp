@@ -1,18 +1,16 @@
 // The device helpers both GEMV mainloops start from (gemv_internal.h): the layout's derived
-// constants, conversions, activations, the tensor-core product and the affine code unpacking.
+// constants, conversions, activations, and the affine code unpacking (after the tensor-core helpers of tensor_core_helpers.cpp).
 // Kept apart from either generator so that the register-batch and the streamed mainloop share
 // one definition of how a repacked word becomes an m16n8k16 A fragment.
 #include <fmt/core.h>
 
+#include "codegen_internal.h"
 #include "gemv_internal.h"
 
 namespace metile::gemv_detail {
 namespace {
 
 constexpr std::string_view device_helpers = R"CUDA(
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
 
 constexpr bool kAffine = kBits != 16;
 constexpr int kChunksPerLoad = kBits == 16 ? 1 : (kBits == 8 ? 2 : 4);  // 32-column chunks per 16-byte vector
@@ -71,24 +69,6 @@ __device__ __forceinline__ uint2 load_scale_bias(const void* address) {
   return v;
 }
 
-__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if constexpr (kHalf) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ u32 component(const uint4& v, int index) {
-  return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
-}
-
 // Pair j of a repacked word as two activation-dtype values (offset + q_lo, offset + q_hi).
 __device__ __forceinline__ u32 code_pair(u32 word, int j) {
   if constexpr (kBits == 4) {
@@ -124,12 +104,40 @@ __device__ __forceinline__ void affine_fragments(const uint4& rows_low, const ui
 
 }  // namespace
 
-std::string_view gemv_device_helpers() { return device_helpers; }
+std::string gemv_device_helpers() {
+  return std::string(codegen_detail::tensor_core_device_helpers()) + std::string(device_helpers);
+}
 
 std::string gemv_format_tag(const GemvWeightFormat& format) {
   const std::string dtype(dtype_name(format.activation));
   if (!format.is_affine()) return dtype;
   return fmt::format("{}_a{}g{}", dtype, format.bits, format.group_size);
+}
+
+std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string& kernel_name,
+                              std::string_view extra_parameters) {
+  const int products = config.epilogue.product_count();
+  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
+  std::string source = fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", kernel_name);
+  for (int p = 0; p < products; ++p) {
+    source += fmt::format("    const u32* __restrict__ weights{}, ", p);
+    if (config.format.is_affine()) source += fmt::format("const u16* __restrict__ scale_bias{}, ", p);
+    source += "\n";
+  }
+  source += "    const u16* __restrict__ x,\n";
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
+                          tensors[i].broadcast_rows ? " [N]" : " [M, N]");
+  }
+  source += fmt::format("    u16* __restrict__ out{}) {{\n", extra_parameters);
+  source += fmt::format("  const u32* const weights[kProducts] = {{weights0{}}};\n", products == 2 ? ", weights1" : "");
+  if (config.format.is_affine()) {
+    source += fmt::format("  const u16* const scale_bias[kProducts] = {{scale_bias0{}}};\n",
+                          products == 2 ? ", scale_bias1" : "");
+  } else {
+    source += fmt::format("  const u16* const scale_bias[kProducts] = {{nullptr{}}};\n", products == 2 ? ", nullptr" : "");
+  }
+  return source;
 }
 
 std::string gemv_problem_constants(const GemvKernelConfig& config) {

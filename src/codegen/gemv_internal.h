@@ -10,10 +10,11 @@
 
 namespace metile::gemv_detail {
 
-// The device code both mainloops start from (after the problem constants): types, the derived
-// constants of the weight layout, dtype conversions, activations, the m16n8k16 product and the
-// affine code-to-fragment conversion. Defined in gemv_device_helpers.cpp.
-std::string_view gemv_device_helpers();
+// The device code both mainloops start from (after the problem constants): the tensor-core
+// helpers every such generator shares (codegen_internal.h: types, mma, component), then the
+// derived constants of the weight layout, dtype conversions, activations and the affine
+// code-to-fragment conversion. Defined in gemv_device_helpers.cpp.
+std::string gemv_device_helpers();
 
 // "bf16", "bf16_a4g64": the format part of a kernel name.
 std::string gemv_format_tag(const GemvWeightFormat& format);
@@ -21,6 +22,13 @@ std::string gemv_format_tag(const GemvWeightFormat& format);
 // The constants every generated GEMV begins with (kM, kN, kK, kBits, kGroup, kHalf,
 // kColumnsPerIteration, kProducts, kWarps).
 std::string gemv_problem_constants(const GemvKernelConfig& config);
+
+// The `extern "C" __global__` entry both mainloops share, up to its body: the parameters in the
+// order GemvKernelSource documents (each matrix's weights and affine scale_bias, x, the epilogue
+// tensors, out, then `extra_parameters` such as the streamed workspace) and the kProducts-long
+// `weights` / `scale_bias` arrays the mainloop bodies index.
+std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string& kernel_name,
+                              std::string_view extra_parameters);
 
 // The streamed mainloop (gemv_streamed.cpp).
 void validate_streamed(const GemvKernelConfig& config);  // InputError when it cannot be built

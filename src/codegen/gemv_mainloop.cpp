@@ -366,25 +366,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();
 
-  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", result.kernel_name);
-  for (int p = 0; p < products; ++p) {
-    source += fmt::format("    const u32* __restrict__ weights{}, ", p);
-    if (config.format.is_affine()) source += fmt::format("const u16* __restrict__ scale_bias{}, ", p);
-    source += "\n";
-  }
-  source += "    const u16* __restrict__ x,\n";
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
-                          tensors[i].broadcast_rows ? " [N]" : " [M, N]");
-  }
-  source += "    u16* __restrict__ out) {\n";
-  source += fmt::format("  const u32* const weights[kProducts] = {{weights0{}}};\n", products == 2 ? ", weights1" : "");
-  if (config.format.is_affine()) {
-    source += fmt::format("  const u16* const scale_bias[kProducts] = {{scale_bias0{}}};\n",
-                          products == 2 ? ", scale_bias1" : "");
-  } else {
-    source += fmt::format("  const u16* const scale_bias[kProducts] = {{nullptr{}}};\n", products == 2 ? ", nullptr" : "");
-  }
+  source += gemv_kernel_entry(config, result.kernel_name, "");
   source += kernel_entry_body;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     source += fmt::format("    const float tensor_value{} = to_f32(tensor{}[{}]);\n", i, i,

@@ -532,25 +532,7 @@ GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
   source += epilogue_function(config);
   source += streamed_body;
 
-  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", result.kernel_name);
-  for (int p = 0; p < products; ++p) {
-    source += fmt::format("    const u32* __restrict__ weights{}, ", p);
-    if (config.format.is_affine()) source += fmt::format("const u16* __restrict__ scale_bias{}, ", p);
-    source += "\n";
-  }
-  source += "    const u16* __restrict__ x,\n";
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
-                          tensors[i].broadcast_rows ? " [N]" : " [M, N]");
-  }
-  source += "    u16* __restrict__ out, float* __restrict__ workspace) {\n";
-  source += fmt::format("  const u32* const weights[kProducts] = {{weights0{}}};\n", products == 2 ? ", weights1" : "");
-  if (config.format.is_affine()) {
-    source += fmt::format("  const u16* const scale_bias[kProducts] = {{scale_bias0{}}};\n",
-                          products == 2 ? ", scale_bias1" : "");
-  } else {
-    source += fmt::format("  const u16* const scale_bias[kProducts] = {{nullptr{}}};\n", products == 2 ? ", nullptr" : "");
-  }
+  source += gemv_kernel_entry(config, result.kernel_name, ", float* __restrict__ workspace");
   source += "  Outputs outputs;\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) source += fmt::format("  outputs.tensor{} = tensor{};\n", i, i);
   source += "  outputs.out = out;\n";
