@@ -62,7 +62,7 @@ class Dispatch : public CudaDeviceTest {
   }
 
   void expect_runs_correctly(Executable& executable, const ComputeGraph& graph, const std::string& what) {
-    const TensorMap inputs = random_inputs(graph, std::random_device{}());
+    const TensorMap inputs = random_inputs(graph, next_seed());
     expect_outputs_match(graph, executable.run(inputs), run_reference(graph, inputs), what);
   }
 

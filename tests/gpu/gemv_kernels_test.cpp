@@ -221,7 +221,7 @@ TEST_F(GemvKernels, DecodeMlpStagesMatchFloat64AtModelSizes) {
       {"Llama-3.2-1B", 2048, 8192,
        {GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(8, 64, f16), GemvWeightFormat::affine(4, 128, f16)}},
   };
-  std::uint64_t seed = 0x5eed0000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();
   for (const Model& model : models) {
     for (const GemvWeightFormat& format : model.formats) {
       const std::string label = fmt::format("{} {}", model.name, format.to_string());
@@ -237,7 +237,7 @@ TEST_F(GemvKernels, DecodeMlpStagesMatchFloat64AtModelSizes) {
 }
 
 TEST_F(GemvKernels, RaggedShapesMatchFloat64ForEveryFormat) {
-  std::uint64_t seed = 0xabc000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();
   for (DType dtype : {DType::bf16, DType::f16}) {
     std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
     for (int bits : {4, 8}) {
@@ -294,7 +294,7 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
     if (shapes.empty()) throw std::runtime_error("no streamed shape for " + config.to_string());
     return shapes;
   };
-  std::uint64_t seed = 0x57e0000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();
   const DType bf16 = DType::bf16, f16 = DType::f16;
   const std::vector<Model> models = {
       {"Llama-3-8B", 4096, 14336,

@@ -1,6 +1,6 @@
-// Shared by the GPU suites: a device fixture that skips where no CUDA device exists, and a
-// helper that runs device work on fresh seeded inputs and gates every output against the CPU
-// reference.
+// Shared by the GPU suites: a device fixture that skips where no CUDA device exists, the seed of
+// the running test (printed, METILE_TEST_SEED overrides it, like the CPU suites), and a helper that
+// gates every output of device work against the CPU reference.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -13,8 +13,16 @@
 #include "metile/cpu_runtime.h"
 #include "metile/cuda_runtime.h"
 #include "metile/dispatch.h"
+#include "metile_test_support.h"
 
 namespace metile::testing_support {
+
+// The seed of the running test, named "Suite.Test" when printed; a test derives its cases' seeds
+// from it (seed + case), so one printed number replays the whole test.
+inline std::uint64_t current_test_seed() {
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  return metile::testing::test_seed(std::string(test->test_suite_name()) + "." + test->name());
+}
 
 class CudaDeviceTest : public ::testing::Test {
  protected:
@@ -24,9 +32,16 @@ class CudaDeviceTest : public ::testing::Test {
     if (!device_) GTEST_SKIP() << reason;
   }
   const CudaDevice& device() const { return *device_; }
+  // The seeds of this test's cases: the first call prints the test's seed (current_test_seed),
+  // each call returns the next one.
+  std::uint64_t next_seed() {
+    if (!seed_) seed_ = current_test_seed();
+    return (*seed_)++;
+  }
 
  private:
   std::optional<CudaDevice> device_;
+  std::optional<std::uint64_t> seed_;
 };
 
 // Gates every output of `graph`; returns the worst relative L2 error for reporting.
