@@ -407,6 +407,31 @@ class GraphBuilder {
   static std::uint64_t next_builder_id();
 };
 
+// ---------------------------------------------------------------- scheduling
+// The one topological sort and cycle check of the tree (docs/architecture.md, "Layering"): graph
+// JSON sorts its nodes with it, the plan executor and the GPU Executable order their kernels with
+// it, the planner checks its kernel graph with it, and the plan checks of the tests use it.
+struct Schedule {
+  std::vector<std::size_t> order;  // each vertex after every vertex it waits on; all of them when acyclic
+  std::vector<std::size_t> cycle;  // empty when acyclic; else one cycle: each waits on the next, the last on the first
+  bool acyclic() const { return cycle.empty(); }
+};
+
+// Kahn's algorithm over `waits_on[v]` (the vertices v must follow; repeats allowed), always taking
+// the ready vertex of the smallest `priority` (ties and an empty span: the smallest index), so
+// vertices already in order keep it. The cycle is walked from the smallest unordered vertex along
+// the first unordered vertex each waits on. O(V log V + E).
+Schedule schedule(std::span<const std::vector<std::size_t>> waits_on, std::span<const std::int64_t> priority = {});
+
+// Disjoint node sets as kernels: per kernel, the other kernels it reads a value from, ascending.
+// A node in no kernel counts as computed before every kernel (its edges are not followed).
+// Throws std::invalid_argument when a node is out of range or in two kernels.
+std::vector<std::vector<std::size_t>> kernel_dependencies(const ComputeGraph& graph,
+                                                          std::span<const std::vector<NodeId>> kernels);
+// The kernels in an order where each runs after those it reads from, the one whose first (smallest)
+// node comes first when several are ready; or, when they wait on each other, a cycle of kernels.
+Schedule schedule_kernels(const ComputeGraph& graph, std::span<const std::vector<NodeId>> kernels);
+
 // ---------------------------------------------------------------- files
 // JSON graph files (format in docs/architecture.md). Errors name the source and the JSON
 // path: "graph.json: /nodes/1/inputs/0: unknown value 'sumed'".

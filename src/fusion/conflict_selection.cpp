@@ -42,29 +42,27 @@ std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<co
 std::vector<std::vector<int>> find_kernel_cycles(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions,
                                                  std::span<const std::int64_t> region_weights,
                                                  int max_cycles_per_component) {
-  const std::size_t node_count = graph.nodes().size();
   const int region_count = static_cast<int>(regions.size());
-  // Kernel numbers: regions first, then one per node left out of every region.
-  std::vector<int> kernel_of(node_count, -1);
-  for (int region = 0; region < region_count; ++region) {
-    for (NodeId node : regions[static_cast<std::size_t>(region)]) kernel_of[static_cast<std::size_t>(node)] = region;
+  // Kernels: the regions first, then one per node left out of every region.
+  std::vector<std::vector<NodeId>> kernels(regions.begin(), regions.end());
+  std::vector<bool> in_region(graph.nodes().size(), false);
+  for (const auto& region : regions) {
+    for (NodeId node : region) in_region[static_cast<std::size_t>(node)] = true;
   }
-  int kernel_count = region_count;
-  for (auto& kernel : kernel_of) {
-    if (kernel < 0) kernel = kernel_count++;
-  }
-  std::vector<std::pair<int, int>> edges;
   for (const Node& node : graph.nodes()) {
-    const int to = kernel_of[static_cast<std::size_t>(node.id)];
-    for (ValueId input : node.inputs) {
-      const NodeId producer = graph.value(input).producer;
-      if (producer >= 0 && kernel_of[static_cast<std::size_t>(producer)] != to) {
-        edges.emplace_back(kernel_of[static_cast<std::size_t>(producer)], to);
-      }
+    if (!in_region[static_cast<std::size_t>(node.id)]) kernels.push_back({node.id});
+  }
+  // The one cycle check (graph.h); only a cyclic kernel graph is searched for cycles to break.
+  const std::vector<std::vector<std::size_t>> waits_on = kernel_dependencies(graph, kernels);
+  if (schedule(waits_on).acyclic()) return {};
+  const int kernel_count = static_cast<int>(kernels.size());
+  std::vector<std::pair<int, int>> edges;
+  for (int kernel = 0; kernel < kernel_count; ++kernel) {
+    for (std::size_t before : waits_on[static_cast<std::size_t>(kernel)]) {
+      edges.emplace_back(static_cast<int>(before), kernel);
     }
   }
   std::sort(edges.begin(), edges.end());
-  edges.erase(std::unique(edges.begin(), edges.end()), edges.end());
   std::vector<int> offsets(static_cast<std::size_t>(kernel_count) + 1, 0);
   for (const auto& edge : edges) ++offsets[static_cast<std::size_t>(edge.first) + 1];
   for (int kernel = 0; kernel < kernel_count; ++kernel) {

@@ -4,7 +4,6 @@
 // line so that files diff well and parse_graph_json(write_graph_json(g)) == g.
 #include <algorithm>
 #include <limits>
-#include <queue>
 #include <string>
 #include <unordered_set>
 
@@ -170,50 +169,19 @@ class GraphFileReader {
     return parsed;
   }
 
-  // Kahn's algorithm, always taking the earliest ready node in file order, so a
+  // In file order wherever the dependencies allow (schedule takes the earliest ready node), so a
   // file already in topological order keeps its order.
   std::vector<std::size_t> topological_order(const std::vector<ParsedNode>& nodes) const {
-    std::vector<std::vector<std::size_t>> readers(nodes.size());
-    std::vector<std::size_t> pending(nodes.size());
-    for (std::size_t index = 0; index < nodes.size(); ++index) {
-      pending[index] = nodes[index].dependencies.size();
-      for (std::size_t dependency : nodes[index].dependencies) readers[dependency].push_back(index);
-    }
-    std::priority_queue<std::size_t, std::vector<std::size_t>, std::greater<>> ready;
-    for (std::size_t index = 0; index < nodes.size(); ++index) {
-      if (pending[index] == 0) ready.push(index);
-    }
-    std::vector<std::size_t> order;
-    while (!ready.empty()) {
-      const std::size_t index = ready.top();
-      ready.pop();
-      order.push_back(index);
-      for (std::size_t reader : readers[index]) {
-        if (--pending[reader] == 0) ready.push(reader);
-      }
-    }
-    if (order.size() == nodes.size()) return order;
-
-    // Every unsorted node waits on another unsorted node, so walking "waits on"
-    // edges from one of them must come back to a node already seen: a cycle.
-    std::size_t current = 0;
-    while (pending[current] == 0) ++current;
-    std::vector<std::size_t> walk;
-    std::vector<std::size_t> seen_at(nodes.size(), nodes.size());
-    while (seen_at[current] == nodes.size()) {
-      seen_at[current] = walk.size();
-      walk.push_back(current);
-      for (std::size_t dependency : nodes[current].dependencies) {
-        if (pending[dependency] != 0) {
-          current = dependency;
-          break;
-        }
-      }
-    }
+    std::vector<std::vector<std::size_t>> waits_on;
+    waits_on.reserve(nodes.size());
+    for (const ParsedNode& node : nodes) waits_on.push_back(node.dependencies);
+    Schedule sorted = schedule(waits_on);
+    if (sorted.acyclic()) return std::move(sorted.order);
+    const ParsedNode& first = nodes[sorted.cycle.front()];
     std::string cycle;
-    for (std::size_t step = seen_at[current]; step < walk.size(); ++step) cycle += nodes[walk[step]].name + " <- ";
-    cycle += nodes[current].name;
-    fail(nodes[current].path, "node '" + nodes[current].name + "' is on a cycle (each reads the next): " + cycle);
+    for (std::size_t index : sorted.cycle) cycle += nodes[index].name + " <- ";
+    cycle += first.name;
+    fail(first.path, "node '" + first.name + "' is on a cycle (each reads the next): " + cycle);
   }
 
   void add_node(const ParsedNode& node) {

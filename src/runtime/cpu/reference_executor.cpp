@@ -232,35 +232,29 @@ TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* 
   if (!plan.graph) throw InputError("fusion plan: it has no graph");
   const ComputeGraph& graph = *plan.graph;
   const std::vector<Kernel> kernels = kernels_of(plan);
+  std::vector<std::vector<NodeId>> node_sets;
+  for (const Kernel& kernel : kernels) node_sets.push_back(kernel.nodes);
+  const Schedule order = schedule_kernels(graph, node_sets);
+  if (!order.acyclic()) {
+    std::string cycle;
+    for (std::size_t index : order.cycle) cycle += kernels[index].label + " waits for ";
+    throw InputError(fmt::format("fusion plan: the kernels form a cycle: {}{}", cycle, kernels[order.cycle.front()].label));
+  }
   ValueSlots published = published_inputs(graph, inputs);
-  std::vector<bool> done(kernels.size(), false);
-  for (std::size_t finished = 0; finished < kernels.size(); ++finished) {
-    const auto ready = std::find_if(kernels.begin(), kernels.end(), [&](const Kernel& kernel) {
-      if (done[static_cast<std::size_t>(&kernel - kernels.data())]) return false;
-      return std::all_of(kernel.needs.begin(), kernel.needs.end(),
-                         [&](ValueId value) { return published.find(value) != nullptr; });
-    });
-    if (ready == kernels.end()) {
-      std::string waiting;
-      for (std::size_t index = 0; index < kernels.size() && waiting.empty(); ++index) {
-        if (done[index]) continue;
-        for (ValueId value : kernels[index].needs) {
-          if (!published.find(value)) {
-            waiting = fmt::format("{} waits for '{}'", kernels[index].label, graph.value(value).name);
-            break;
-          }
-        }
-      }
-      throw InputError(
-          fmt::format("fusion plan: no kernel can run ({}): the kernels form a cycle or a region "
-                      "does not publish a value another kernel reads",
-                      waiting));
+  for (std::size_t index : order.order) {
+    const Kernel& kernel = kernels[index];
+    for (ValueId value : kernel.needs) {
+      if (published.find(value) != nullptr) continue;
+      const NodeId producer = graph.value(value).producer;
+      const auto owner = std::find_if(kernels.begin(), kernels.end(), [&](const Kernel& other) {
+        return std::binary_search(other.nodes.begin(), other.nodes.end(), producer);
+      });
+      throw InputError(fmt::format("fusion plan: {} waits for '{}', which {} does not publish", kernel.label,
+                                   graph.value(value).name, owner->label));
     }
-    const Kernel& kernel = *ready;
     ValueSlots local(graph.values().size());
     for (NodeId id : kernel.nodes) evaluate_into(graph, graph.node(id), published, local);
     for (ValueId value : kernel.publishes) local.move_to(value, published);
-    done[static_cast<std::size_t>(ready - kernels.begin())] = true;
   }
   return collect_outputs(graph, published);
 }
