@@ -217,6 +217,18 @@ struct ExecutableOptions {
   std::vector<RegionLowering> extra_lowerings;
 };
 
+// Every lowering's candidates for a region (the built-in ones, then the extra ones), or, for each
+// lowering that has none, its reason: "row kernel: node 'gate' (matmul) is a contraction op, not a
+// row op; contractions around a row kernel: ...". A lowering that accepts a region but offers no
+// candidate is reported as refusing it. Generates source only: no device is touched.
+struct RegionLowerings {
+  std::vector<FusedCandidate> candidates;
+  std::string refusals;  // empty when every lowering offered candidates
+};
+RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region,
+                             std::span<const RegionLowering> extra_lowerings = {});
+RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region, const ExecutableOptions& options);
+
 struct RegionReport {
   int region = -1;  // index in plan.regions
   std::string rule;

@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "metile/decision.h"
 #include "metile/graph.h"
 
 namespace metile {
@@ -150,9 +151,9 @@ struct RegionEstimate {
 };
 RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
                                const ResourceNeeds& needs = {});
-// The first limit the estimate exceeds, said for a person ("needs 48 KB shared
-// memory, target allows 32 KB"); nullopt when it fits.
-std::optional<std::string> exceeded_limit(const RegionEstimate& estimate, const FusionTarget& target);
+// Whether the estimate fits the target; refused with the first limit it exceeds, said for a
+// person ("needs 48 KB shared memory, target allows 32 KB").
+Decision within_limits(const RegionEstimate& estimate, const FusionTarget& target);
 
 // ---------------------------------------------------------------- plans
 

@@ -63,10 +63,12 @@ struct RowAnalysis {
   bool online_softmax = false;  // a reduction over OnlineSoftmaxOp (two floats of state)
 };
 
-[[noreturn]] void reject(std::string message, std::string* reason) {
-  if (reason) *reason = message;
-  throw InputError(std::move(message));
-}
+// A region's analysis, or (decision not ok) why it is no row kernel.
+struct Analysed {
+  Decision decision;
+  RowAnalysis analysis;
+};
+Analysed refused(std::string reason) { return {Decision::refuse(std::move(reason)), {}}; }
 
 std::string node_label(const Node& node) { return fmt::format("node '{}' ({})", node.name, node.op); }
 
@@ -171,10 +173,9 @@ class NodeSteps final : public RowKernelSteps {
   bool online_softmax_ = false;
 };
 
-RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::string* reason,
-                    bool online_softmax = false) {
-  if (region.nodes.empty()) reject("the region has no nodes", reason);
-  if (region.outputs.empty()) reject("the region has no outputs", reason);
+Analysed analyse(const ComputeGraph& graph, const FusionRegion& region, bool online_softmax = false) {
+  if (region.nodes.empty()) return refused("the region has no nodes");
+  if (region.outputs.empty()) return refused("the region has no outputs");
   RowAnalysis analysis;
   std::vector<NodeId> nodes = region.nodes;
   std::sort(nodes.begin(), nodes.end());  // node ids are topological
@@ -186,9 +187,9 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
                                                                                   : first_node.outputs.front()).spec;
   analysis.length = first.row_length();
   analysis.rows = first.row_count();
-  if (analysis.length <= 0 || analysis.rows <= 0) reject(fmt::format("empty tensor {}", first.to_string()), reason);
+  if (analysis.length <= 0 || analysis.rows <= 0) return refused(fmt::format("empty tensor {}", first.to_string()));
   if (analysis.length > (std::int64_t{1} << 30)) {
-    reject(fmt::format("row length {} is beyond the row kernel's limit", analysis.length), reason);
+    return refused(fmt::format("row length {} is beyond the row kernel's limit", analysis.length));
   }
   std::set<ValueId> produced;
   for (NodeId id : nodes) {
@@ -197,21 +198,20 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
     const bool row_op = node.op == "cast" || (definition != nullptr && definition->elementwise) ||
                         (definition != nullptr && definition->row_reduction && node.kind == OpKind::row_reduction);
     if (!row_op) {
-      reject(fmt::format("{} is a {} op, not a row op", node_label(node), op_kind_name(node.kind)), reason);
+      return refused(fmt::format("{} is a {} op, not a row op", node_label(node), op_kind_name(node.kind)));
     }
     for (ValueId input : node.inputs) {
       if (analysis.row_results.contains(input)) {
-        reject(fmt::format("{} reads '{}', one value per row, inside the region", node_label(node), graph.value(input).name),
-               reason);
+        return refused(fmt::format("{} reads '{}', one value per row, inside the region", node_label(node),
+                                   graph.value(input).name));
       }
     }
     for (ValueId output : node.outputs) {
       const TensorSpec& spec = graph.value(output).spec;
       const bool row_result = node.kind == OpKind::row_reduction && spec.row_length() == 1 && analysis.length != 1;
       if ((spec.row_length() != analysis.length && !row_result) || spec.row_count() != analysis.rows) {
-        reject(fmt::format("{} produces {}, not rows of {} x {}", node_label(node), spec.to_string(), analysis.rows,
-                           analysis.length),
-               reason);
+        return refused(fmt::format("{} produces {}, not rows of {} x {}", node_label(node), spec.to_string(),
+                                   analysis.rows, analysis.length));
       }
       if (row_result) analysis.row_results.insert(output);
       produced.insert(output);
@@ -219,7 +219,7 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
   }
   for (ValueId output : region.outputs) {
     if (!produced.contains(output)) {
-      reject(fmt::format("region output '{}' is not produced by the region", graph.value(output).name), reason);
+      return refused(fmt::format("region output '{}' is not produced by the region", graph.value(output).name));
     }
   }
 
@@ -252,9 +252,8 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
       operand.mode = OperandMode::broadcast_rows;
       operand.broadcast_rows = count / analysis.length;
     } else {
-      reject(fmt::format("input '{}' {} does not broadcast over rows of {} x {}", graph.value(input).name,
-                         spec.to_string(), analysis.rows, analysis.length),
-             reason);
+      return refused(fmt::format("input '{}' {} does not broadcast over rows of {} x {}", graph.value(input).name,
+                         spec.to_string(), analysis.rows, analysis.length));
     }
     largest_element = std::max<int>(largest_element, static_cast<int>(dtype_size(spec.dtype)));
     analysis.array_of[input] = fmt::format("x{}", analysis.inputs.size());
@@ -276,7 +275,14 @@ RowAnalysis analyse(const ComputeGraph& graph, const FusionRegion& region, std::
   // through their kernel hook.
   NodeSteps steps(graph, analysis, online_softmax);
   for (NodeId id : nodes) steps.add(graph.node(id));
-  return analysis;
+  return {Decision::allow(), std::move(analysis)};
+}
+
+// The analysis of a region the caller expects to be a row kernel: InputError with the reason if not.
+RowAnalysis analysis_of_row_region(const ComputeGraph& graph, const FusionRegion& region, bool online_softmax = false) {
+  Analysed analysed = analyse(graph, region, online_softmax);
+  if (!analysed.decision) throw InputError(analysed.decision.reason);
+  return std::move(analysed.analysis);
 }
 
 // The CUDA spelling of a law term over a state struct (variables "a.m" and "b.l" are member
@@ -612,13 +618,7 @@ std::string cuda_storage_type(DType dtype) {
 }
 
 Decision row_region_decision(const ComputeGraph& graph, const FusionRegion& region) {
-  std::string reason;
-  try {
-    analyse(graph, region, &reason);
-    return Decision::allow();
-  } catch (const InputError& error) {
-    return Decision::refuse(error.what());
-  }
+  return analyse(graph, region).decision;
 }
 
 FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
@@ -630,7 +630,7 @@ FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
 
 GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRegion& region,
                                        const RowKernelOptions& options) {
-  const RowAnalysis analysis = analyse(graph, region, nullptr, options.online_softmax);
+  const RowAnalysis analysis = analysis_of_row_region(graph, region, options.online_softmax);
   const RowConfig config = choose_config(analysis, options);
   GeneratedKernel kernel;
   const Node& anchor = graph.node(*std::max_element(region.nodes.begin(), region.nodes.end()));
@@ -651,7 +651,7 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
 }
 
 std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, const FusionRegion& region) {
-  const RowAnalysis analysis = analyse(graph, region, nullptr);
+  const RowAnalysis analysis = analysis_of_row_region(graph, region);
   const RowConfig default_config = choose_config(analysis, {});
   std::vector<RowKernelOptions> variants = {RowKernelOptions{}};
   // Wider: fewer vectors per thread, lower latency for short row counts (decode).

@@ -149,28 +149,6 @@ Executable& Executable::operator=(Executable&&) noexcept = default;
 
 namespace {
 
-// Every lowering's candidates for the region, or (when none has any) why each declined.
-struct RegionLowerings {
-  std::vector<FusedCandidate> candidates;
-  std::string refusals;  // "row kernel: ...; contractions around a row kernel: ..."
-};
-
-RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region, const ExecutableOptions& options) {
-  RegionLowerings result;
-  std::vector<RegionLowering> lowerings = builtin_lowerings();
-  lowerings.insert(lowerings.end(), options.extra_lowerings.begin(), options.extra_lowerings.end());
-  for (const RegionLowering& lowering : lowerings) {
-    Lowered lowered = lowering.lower(graph, region);
-    if (!lowered.decision) {
-      result.refusals += fmt::format("{}{}: {}", result.refusals.empty() ? "" : "; ", lowering.name,
-                                     lowered.decision.reason);
-      continue;
-    }
-    for (FusedCandidate& candidate : lowered.candidates) result.candidates.push_back(std::move(candidate));
-  }
-  return result;
-}
-
 // The worst output's gate result (the first failure, else the largest relative L2 error).
 NumericGateResult gate_outputs(const TensorMap& outputs, const TensorMap& reference) {
   NumericGateResult worst;
@@ -301,43 +279,14 @@ struct Unit {
 };
 
 std::vector<DeviceStep> order_units(const ComputeGraph& graph, std::vector<Unit> units) {
-  std::map<NodeId, std::size_t> unit_of;
-  for (std::size_t u = 0; u < units.size(); ++u) {
-    for (NodeId node : units[u].nodes) unit_of[node] = u;
-  }
-  std::vector<std::set<std::size_t>> successors(units.size());
-  std::vector<int> pending(units.size(), 0);
-  for (std::size_t u = 0; u < units.size(); ++u) {
-    std::set<std::size_t> predecessors;
-    for (NodeId node : units[u].nodes) {
-      for (ValueId input : graph.node(node).inputs) {
-        const NodeId producer = graph.value(input).producer;
-        if (producer >= 0 && unit_of.at(producer) != u) predecessors.insert(unit_of.at(producer));
-      }
-    }
-    for (std::size_t p : predecessors) successors[p].insert(u);
-    pending[u] = static_cast<int>(predecessors.size());
-  }
-  // Kahn's algorithm, always taking the ready unit with the smallest first node (deterministic).
-  auto first_node = [&](std::size_t u) { return *std::min_element(units[u].nodes.begin(), units[u].nodes.end()); };
-  auto later = [&](std::size_t a, std::size_t b) { return first_node(a) > first_node(b); };
-  std::vector<std::size_t> ready;
-  for (std::size_t u = 0; u < units.size(); ++u) {
-    if (pending[u] == 0) ready.push_back(u);
-  }
+  std::vector<std::vector<NodeId>> kernels;
+  for (const Unit& unit : units) kernels.push_back(unit.nodes);
+  const Schedule order = schedule_kernels(graph, kernels);  // the one scheduler (graph.h)
+  if (!order.acyclic()) throw std::runtime_error("Executable: the plan's regions depend on each other in a cycle");
   std::vector<DeviceStep> steps;
-  std::size_t done = 0;
-  while (!ready.empty()) {
-    std::sort(ready.begin(), ready.end(), later);
-    const std::size_t u = ready.back();
-    ready.pop_back();
-    ++done;
+  for (std::size_t u : order.order) {
     for (DeviceStep& step : units[u].steps) steps.push_back(std::move(step));
-    for (std::size_t next : successors[u]) {
-      if (--pending[next] == 0) ready.push_back(next);
-    }
   }
-  if (done != units.size()) throw std::runtime_error("Executable: the plan's regions depend on each other in a cycle");
   return steps;
 }
 

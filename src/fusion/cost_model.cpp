@@ -141,31 +141,33 @@ RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId
 
 }  // namespace fusion_internal
 
-std::optional<std::string> exceeded_limit(const RegionEstimate& estimate, const FusionTarget& target) {
+Decision within_limits(const RegionEstimate& estimate, const FusionTarget& target) {
   const std::int64_t shared_memory_limit =
       std::min(target.shared_memory_per_block_bytes, target.shared_memory_per_multiprocessor_bytes);
   if (estimate.shared_memory_bytes > shared_memory_limit) {
-    return fmt::format("needs {} shared memory, target allows {}", kibibytes(estimate.shared_memory_bytes),
-                       kibibytes(shared_memory_limit));
+    return Decision::refuse(fmt::format("needs {} shared memory, target allows {}",
+                                        kibibytes(estimate.shared_memory_bytes), kibibytes(shared_memory_limit)));
   }
   if (estimate.registers_per_thread > target.registers_per_thread) {
-    return fmt::format("needs {} registers per thread, target allows {}", estimate.registers_per_thread,
-                       target.registers_per_thread);
+    return Decision::refuse(fmt::format("needs {} registers per thread, target allows {}",
+                                        estimate.registers_per_thread, target.registers_per_thread));
   }
   const std::int64_t block_registers =
       static_cast<std::int64_t>(estimate.registers_per_thread) * target.threads_per_block;
   if (block_registers > target.registers_per_multiprocessor) {
-    return fmt::format("needs {} registers per block ({} per thread × {} threads), target allows {}", block_registers,
-                       estimate.registers_per_thread, target.threads_per_block, target.registers_per_multiprocessor);
+    return Decision::refuse(fmt::format("needs {} registers per block ({} per thread × {} threads), target allows {}",
+                                        block_registers, estimate.registers_per_thread, target.threads_per_block,
+                                        target.registers_per_multiprocessor));
   }
   if (estimate.input_count > target.max_kernel_inputs) {
-    return fmt::format("reads {} inputs, target allows {} per kernel", estimate.input_count, target.max_kernel_inputs);
+    return Decision::refuse(
+        fmt::format("reads {} inputs, target allows {} per kernel", estimate.input_count, target.max_kernel_inputs));
   }
   if (estimate.output_count > target.max_kernel_outputs) {
-    return fmt::format("writes {} outputs, target allows {} per kernel", estimate.output_count,
-                       target.max_kernel_outputs);
+    return Decision::refuse(fmt::format("writes {} outputs, target allows {} per kernel", estimate.output_count,
+                                        target.max_kernel_outputs));
   }
-  return std::nullopt;
+  return Decision::allow();
 }
 
 }  // namespace metile

@@ -48,12 +48,9 @@ class NeighborhoodModel {
     const NodeId anchor = pattern_nodes.back();
     add_node(anchor, Side::anchor, 0);
     for (NodeId node : pattern_nodes.first(pattern_nodes.size() - 1)) add_node(node, Side::pattern, 0);
-    outcome_.rejection = check_pattern_escapes(pattern_nodes);
-    if (!outcome_.rejection) {
-      const RegionEstimate pattern_estimate = estimate(pattern_nodes);
-      outcome_.rejection = exceeded_limit(pattern_estimate, target_);
-    }
-    if (outcome_.rejection) return finish({});
+    outcome_.decision = pattern_escapes_allowed(pattern_nodes);
+    if (outcome_.decision) outcome_.decision = within_limits(estimate(pattern_nodes), target_);
+    if (!outcome_.decision) return finish({});
 
     // The kernel's iteration space: the anchor's output, or the rows a row reduction reads (sum and
     // mean shorten them to one value, which the row kernel stores once per row).
@@ -65,15 +62,15 @@ class NeighborhoodModel {
     grow_epilogue(anchor, anchor_output);
     if (nodes_.size() == pattern_nodes.size()) return finish(sorted(nodes_));
 
-    outcome_.rejection = add_legality_constraints();
-    if (outcome_.rejection) return finish({});
+    outcome_.decision = add_legality_constraints();
+    if (!outcome_.decision) return finish({});
     for (;;) {
       std::vector<NodeId> region = solve_once();
-      const std::optional<std::string> limit = exceeded_limit(estimate(region), target_);
-      if (!limit) return finish(std::move(region));
+      const Decision fits = within_limits(estimate(region), target_);
+      if (fits) return finish(std::move(region));
       const int dropped = farthest_growth_node(region);
       if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
-      forbid(dropped, "left out of the region: with it the kernel " + *limit);
+      forbid(dropped, "left out of the region: with it the kernel " + fits.reason);
     }
   }
 
@@ -114,7 +111,7 @@ class NeighborhoodModel {
 
   NeighborhoodOutcome finish(std::vector<NodeId> region) {
     outcome_.considered = nodes_;
-    if (!outcome_.rejection) {
+    if (outcome_.decision) {
       outcome_.benefit_ns = region.size() > 1 ? estimate(region).benefit_ns : 0;
       outcome_.region = std::move(region);
     }
@@ -122,44 +119,49 @@ class NeighborhoodModel {
   }
 
   // A pattern op that may not escape must have all its readers in the pattern.
-  std::optional<std::string> check_pattern_escapes(std::span<const NodeId> pattern_nodes) const {
+  Decision pattern_escapes_allowed(std::span<const NodeId> pattern_nodes) const {
     for (std::size_t entry = 0; entry + 1 < pattern_nodes.size(); ++entry) {
       if (rule_.pattern[entry].may_escape) continue;
       const NodeId node = pattern_nodes[entry];
-      if (scratch_.index.writes_graph_output(graph_, node)) return "intermediate " + quoted(name(node)) + " is a graph output";
+      if (scratch_.index.writes_graph_output(graph_, node)) {
+        return Decision::refuse("intermediate " + quoted(name(node)) + " is a graph output");
+      }
       for (NodeId consumer : consumers_of(node)) {
         if (std::find(pattern_nodes.begin(), pattern_nodes.end(), consumer) == pattern_nodes.end()) {
-          return "intermediate " + quoted(name(node)) + " escapes to " + quoted(name(consumer));
+          return Decision::refuse("intermediate " + quoted(name(node)) + " escapes to " + quoted(name(consumer)));
         }
       }
     }
-    return std::nullopt;
+    return Decision::allow();
   }
 
-  // Why a growth op cannot share the kernel's iteration space, if it cannot.
-  std::optional<std::string> shape_mismatch(NodeId node, const TensorSpec& anchor_output) const {
+  // Whether a growth op shares the kernel's iteration space, and why not.
+  Decision shares_iteration_space(NodeId node, const TensorSpec& anchor_output) const {
     const Node& candidate = graph_.node(node);
-    if (candidate.outputs.size() != 1) return "it has several outputs";
+    if (candidate.outputs.size() != 1) return Decision::refuse("it has several outputs");
     const TensorSpec& spec = graph_.value(candidate.outputs.front()).spec;
     if (spec.shape != anchor_output.shape) {
-      return "its shape " + spec.to_string() + " differs from the kernel's " + anchor_output.to_string();
+      return Decision::refuse("its shape " + spec.to_string() + " differs from the kernel's " + anchor_output.to_string());
     }
-    if (!is_floating(spec.dtype)) return "its dtype " + std::string(dtype_name(spec.dtype)) + " is not a float";
-    return std::nullopt;
+    if (!is_floating(spec.dtype)) {
+      return Decision::refuse("its dtype " + std::string(dtype_name(spec.dtype)) + " is not a float");
+    }
+    return Decision::allow();
   }
 
   // Tries to add a growth op; says why not when the rule would take its kind.
   bool try_grow(NodeId node, Side node_side, int depth, const GrowthSpec& growth, const TensorSpec& anchor_output) {
     if (in_neighborhood(node) || !allows(growth, graph_.node(node).kind, depth)) return false;
     if (is_certified_node(graph_.node(node))) return false;  // a kernel of its own
-    if (const auto mismatch = shape_mismatch(node, anchor_output)) {
-      outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + *mismatch);
+    if (const Decision shares = shares_iteration_space(node, anchor_output); !shares) {
+      outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + shares.reason);
       return false;
     }
-    if (const auto path = scratch_.prune_certain_reentry ? certain_reentry(node, node_side, anchor_output)
-                                                         : std::nullopt) {
-      outcome_.left_out.emplace_back(node, "left out so the kernel stays convex: " + *path);
-      return false;
+    if (scratch_.prune_certain_reentry) {
+      if (const Decision convex = no_certain_reentry(node, node_side, anchor_output); !convex) {
+        outcome_.left_out.emplace_back(node, "left out so the kernel stays convex: " + convex.reason);
+        return false;
+      }
     }
     if (static_cast<int>(nodes_.size()) >= max_nodes_) {
       outcome_.left_out.emplace_back(node, "beyond the planner's neighborhood limit of " + std::to_string(max_nodes_) +
@@ -176,15 +178,15 @@ class NeighborhoodModel {
     const auto& epilogue = rule_.epilogue.kinds;
     const bool kind_grows = std::find(prologue.begin(), prologue.end(), kind) != prologue.end() ||
                             std::find(epilogue.begin(), epilogue.end(), kind) != epilogue.end();
-    return kind_grows && !shape_mismatch(node, anchor_output);
+    return kind_grows && shares_iteration_space(node, anchor_output).ok;
   }
 
   // Whether a growth op would see its value come back into the neighborhood
   // through an op no growth can ever take: the cut would have to leave it out,
   // so it is not grown at all (this keeps a residual stream from pulling whole
   // layers into one model). Producers search forward up to the anchor,
-  // consumers backward down to the neighborhood's first op.
-  std::optional<std::string> certain_reentry(NodeId node, Side node_side, const TensorSpec& anchor_output) {
+  // consumers backward down to the neighborhood's first op. Refused with the path that re-enters.
+  Decision no_certain_reentry(NodeId node, Side node_side, const TensorSpec& anchor_output) {
     const NodeId anchor = nodes_.front();
     const int stamp = ++scratch_.stamp;
     std::vector<NodeId> stack;
@@ -198,8 +200,8 @@ class NeighborhoodModel {
           for (NodeId next : consumers_of(current)) {
             if (next > anchor) continue;
             if (in_neighborhood(next)) {
-              return "a path from " + quoted(name(node)) + " leaves through " + quoted(name(exit)) +
-                     " and comes back at " + quoted(name(next));
+              return Decision::refuse("a path from " + quoted(name(node)) + " leaves through " + quoted(name(exit)) +
+                                      " and comes back at " + quoted(name(next)));
             }
             if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
             scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
@@ -207,7 +209,7 @@ class NeighborhoodModel {
           }
         }
       }
-      return std::nullopt;
+      return Decision::allow();
     }
     const NodeId first = *std::min_element(nodes_.begin(), nodes_.end());
     for (ValueId input : graph_.node(node).inputs) {
@@ -224,8 +226,8 @@ class NeighborhoodModel {
             // Only an op reached from the anchor makes the re-entry certain: a
             // producer-side op may itself stay out (add_reentry_constraints).
             if (side(local(previous)) == Side::prologue) continue;
-            return "a path from " + quoted(name(previous)) + " leaves through " + quoted(name(entry)) +
-                   " and comes back at " + quoted(name(node));
+            return Decision::refuse("a path from " + quoted(name(previous)) + " leaves through " + quoted(name(entry)) +
+                                    " and comes back at " + quoted(name(node)));
           }
           if (scratch_.visit_stamp[static_cast<std::size_t>(previous)] == stamp) continue;
           scratch_.visit_stamp[static_cast<std::size_t>(previous)] = stamp;
@@ -233,7 +235,7 @@ class NeighborhoodModel {
         }
       }
     }
-    return std::nullopt;
+    return Decision::allow();
   }
 
   // Producers, breadth first from the anchor and pattern ops; a contraction's
@@ -290,7 +292,8 @@ class NeighborhoodModel {
     follows_.emplace_back(from, to);
   }
 
-  std::optional<std::string> add_legality_constraints() {
+  // Refused when the pattern itself cannot be one kernel.
+  Decision add_legality_constraints() {
     const int count = static_cast<int>(nodes_.size());
     // Convexity inside the neighborhood: a producer that joins pulls in its
     // consumers on the way to the anchor; a consumer that joins pulls in its
@@ -353,7 +356,7 @@ class NeighborhoodModel {
   // over-constrain the cut (a growth op that must stay out would push a legal
   // epilogue out with it), so the certain pairs are applied first, and each
   // choice pair only while both its ends can still join.
-  std::optional<std::string> add_reentry_constraints() {
+  Decision add_reentry_constraints() {
     struct Reentry {
       int from;
       int to;
@@ -401,9 +404,9 @@ class NeighborhoodModel {
         const std::vector<bool> out = kept_out();
         if (out[static_cast<std::size_t>(path.from)] || out[static_cast<std::size_t>(path.to)]) continue;
       }
-      if (auto rejection = separate(path.from, path.to, path.exit)) return rejection;
+      if (Decision separated = separate(path.from, path.to, path.exit); !separated) return separated;
     }
-    return std::nullopt;
+    return Decision::allow();
   }
 
   // The ops the cut can never take: the forbidden ones and those that may join
@@ -422,8 +425,9 @@ class NeighborhoodModel {
     return out;
   }
 
-  // `from` reaches `to` through `exit` outside the neighborhood.
-  std::optional<std::string> separate(int from, int to, NodeId exit) {
+  // `from` reaches `to` through `exit` outside the neighborhood: keeps one end out, refused when
+  // both are pattern ops.
+  Decision separate(int from, int to, NodeId exit) {
     const NodeId from_node = nodes_[static_cast<std::size_t>(from)];
     const NodeId to_node = nodes_[static_cast<std::size_t>(to)];
     const std::string path = "a path from " + quoted(name(from_node)) + " leaves through " + quoted(name(exit)) +
@@ -434,9 +438,9 @@ class NeighborhoodModel {
     } else if (!fixed(from)) {
       forbid(from, "left out so the kernel stays convex: " + path);
     } else {
-      return "the pattern is not convex: " + path;
+      return Decision::refuse("the pattern is not convex: " + path);
     }
-    return std::nullopt;
+    return Decision::allow();
   }
 
   int farthest_growth_node(const std::vector<NodeId>& region) const {

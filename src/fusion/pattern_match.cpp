@@ -1,10 +1,14 @@
 // Matching a rule's pattern (FusionRule::pattern) at an anchor: a small
 // backtracking matcher that walks from the anchor to producers through the
 // roles named in input slots. Patterns are a handful of entries, so trying both
-// orders of each commutative entry costs nothing that matters.
+// orders of each commutative entry costs nothing that matters. A pattern that does not match says
+// why (the last failure the matcher met), like every other refusal (metile/decision.h).
+#include <fmt/core.h>
+
 #include <algorithm>
 #include <map>
 #include <set>
+#include <stdexcept>
 
 #include "planner_internal.h"
 
@@ -15,11 +19,23 @@ struct MatchState {
   std::vector<NodeId> bound;                        // per pattern entry, -1 while unbound
   std::map<std::string, ValueId, std::less<>> values;  // "$name" bindings
   std::vector<std::string> binding_order;              // "$name"s in first-binding order
+  std::string why;                                     // the last failure, for the refusal
 };
 
-bool entry_accepts(const OpPattern& entry, const Node& node) {
-  if (node.kind != entry.kind || is_certified_node(node)) return false;
-  return entry.ops.empty() || std::find(entry.ops.begin(), entry.ops.end(), node.op) != entry.ops.end();
+std::string label(const Node& node) { return "`" + node.name + "` (" + node.op + ")"; }
+
+Decision entry_accepts(const OpPattern& entry, const Node& node) {
+  if (is_certified_node(node)) return Decision::refuse(label(node) + " is a certified kernel of its own");
+  if (node.kind != entry.kind) {
+    return Decision::refuse(fmt::format("role '{}' takes {} ops, {} is {}", entry.role, op_kind_name(entry.kind),
+                                        label(node), op_kind_name(node.kind)));
+  }
+  if (!entry.ops.empty() && std::find(entry.ops.begin(), entry.ops.end(), node.op) == entry.ops.end()) {
+    std::string ops;
+    for (const std::string& op : entry.ops) ops += (ops.empty() ? "" : " or ") + op;
+    return Decision::refuse(fmt::format("{} is not {} (role '{}')", label(node), ops, entry.role));
+  }
+  return Decision::allow();
 }
 
 int entry_index(const FusionRule& rule, std::string_view role) {
@@ -43,21 +59,34 @@ bool match_inputs(const ComputeGraph& graph, const FusionRule& rule, int entry, 
     const std::size_t actual_slot = slot_order[slot];
     if (actual_slot >= graph_node.inputs.size()) {
       if (source.front() == '$') continue;  // a name binds only what is there
+      state.why = fmt::format("{} has no input {} for role '{}'", label(graph_node), actual_slot, source);
       return false;
     }
     const ValueId value = graph_node.inputs[actual_slot];
     if (source.front() == '$') {
       const auto [bound, inserted] = state.values.emplace(source, value);
-      if (!inserted && bound->second != value) return false;
+      if (!inserted && bound->second != value) {
+        state.why = fmt::format("{} would be both '{}' and '{}'", source, graph.value(bound->second).name,
+                                graph.value(value).name);
+        return false;
+      }
       if (inserted) state.binding_order.push_back(source);
       continue;
     }
     const NodeId producer = graph.value(value).producer;
-    if (producer < 0) return false;
+    if (producer < 0) {
+      state.why = fmt::format("input {} of {} is the graph input '{}', role '{}' wants an op", actual_slot,
+                              label(graph_node), graph.value(value).name, source);
+      return false;
+    }
     const int producer_entry = entry_index(rule, source);
     const NodeId already = state.bound[static_cast<std::size_t>(producer_entry)];
     if (already >= 0) {
-      if (already != producer) return false;
+      if (already != producer) {
+        state.why = fmt::format("role '{}' would be both {} and {}", source, label(graph.node(already)),
+                                label(graph.node(producer)));
+        return false;
+      }
       continue;
     }
     if (!match_entry(graph, rule, producer_entry, producer, state)) return false;
@@ -67,9 +96,15 @@ bool match_inputs(const ComputeGraph& graph, const FusionRule& rule, int entry, 
 
 bool match_entry(const ComputeGraph& graph, const FusionRule& rule, int entry, NodeId node, MatchState& state) {
   const OpPattern& pattern = rule.pattern[static_cast<std::size_t>(entry)];
-  if (!entry_accepts(pattern, graph.node(node))) return false;
+  if (const Decision accepts = entry_accepts(pattern, graph.node(node)); !accepts) {
+    state.why = accepts.reason;
+    return false;
+  }
   // Two roles never share a node.
-  if (std::find(state.bound.begin(), state.bound.end(), node) != state.bound.end()) return false;
+  if (std::find(state.bound.begin(), state.bound.end(), node) != state.bound.end()) {
+    state.why = fmt::format("{} would take two roles", label(graph.node(node)));
+    return false;
+  }
   std::vector<std::size_t> identity(pattern.inputs.size());
   for (std::size_t slot = 0; slot < identity.size(); ++slot) identity[slot] = slot;
   std::vector<std::vector<std::size_t>> orders = {identity};
@@ -78,6 +113,7 @@ bool match_entry(const ComputeGraph& graph, const FusionRule& rule, int entry, N
     std::swap(swapped[0], swapped[1]);
     orders.push_back(swapped);
   }
+  std::string first_failure;  // the graph's own operand order says the most about a mismatch
   for (const auto& order : orders) {
     MatchState attempt = state;
     attempt.bound[static_cast<std::size_t>(entry)] = node;
@@ -85,33 +121,44 @@ bool match_entry(const ComputeGraph& graph, const FusionRule& rule, int entry, N
       state = std::move(attempt);
       return true;
     }
+    if (first_failure.empty()) first_failure = std::move(attempt.why);
   }
+  state.why = std::move(first_failure);
   return false;
 }
 
 }  // namespace
 
-bool can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node) {
+Decision can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node) {
   const Node& anchor = graph.node(node);
-  if (!entry_accepts(rule.pattern.back(), anchor)) return false;
-  if (!rule.anchor_must_be_sink) return true;
+  if (Decision accepts = entry_accepts(rule.pattern.back(), anchor); !accepts) return accepts;
+  if (!rule.anchor_must_be_sink) return Decision::allow();
   for (ValueId output : anchor.outputs) {
     for (NodeId consumer : graph.consumers(output)) {
-      if (graph.node(consumer).kind == anchor.kind) return false;
+      if (graph.node(consumer).kind == anchor.kind) {
+        return Decision::refuse(fmt::format("{} is read by the {} op {}: the chain does not end there", label(anchor),
+                                            op_kind_name(anchor.kind), label(graph.node(consumer))));
+      }
     }
   }
-  return true;
+  return Decision::allow();
 }
 
-std::optional<PatternMatch> match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) {
-  if (!can_anchor(graph, rule, anchor)) return std::nullopt;
+PatternMatch match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) {
+  PatternMatch match;
+  match.decision = can_anchor(graph, rule, anchor);
+  if (!match.decision) return match;
   MatchState state;
   state.bound.assign(rule.pattern.size(), -1);
   const int anchor_entry = static_cast<int>(rule.pattern.size()) - 1;
-  if (!match_entry(graph, rule, anchor_entry, anchor, state)) return std::nullopt;
+  if (!match_entry(graph, rule, anchor_entry, anchor, state)) {
+    match.decision = Decision::refuse(std::move(state.why));
+    return match;
+  }
   // Entries no input slot reaches would be unconstrained: validate_rule_set forbids them.
-  if (std::find(state.bound.begin(), state.bound.end(), -1) != state.bound.end()) return std::nullopt;
-  PatternMatch match;
+  if (std::find(state.bound.begin(), state.bound.end(), -1) != state.bound.end()) {
+    throw std::logic_error("match_pattern: rule '" + rule.name + "' has an entry no input slot reaches");
+  }
   match.nodes = std::move(state.bound);
   for (const std::string& name : state.binding_order) match.roles.push_back({name.substr(1), state.values.at(name)});
   return match;

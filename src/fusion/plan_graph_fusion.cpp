@@ -105,16 +105,16 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       if (anchored.pattern.size() == 1 && !may_grow(graph, anchored, node.id)) continue;
       const auto match = match_pattern(graph, anchored, node.id);
       if (!match) continue;
-      const std::vector<NodeId>* pattern_nodes = &match->nodes;
+      const std::vector<NodeId>* pattern_nodes = &match.nodes;
       NeighborhoodOutcome outcome =
           solve_neighborhood(graph, target, anchored, *pattern_nodes, rules.max_neighborhood_nodes, scratch);
       for (NodeId considered : outcome.considered) notes[static_cast<std::size_t>(considered)].considered = true;
-      if (outcome.rejection) {
+      if (!outcome.decision) {
         for (NodeId member : *pattern_nodes) {
-          add_distinct(notes[static_cast<std::size_t>(member)].refusals, rule.name + " refused: " + *outcome.rejection);
+          add_distinct(notes[static_cast<std::size_t>(member)].refusals, rule.name + " refused: " + outcome.decision.reason);
         }
       }
-      if (!outcome.rejection && outcome.region.size() < 2 && !outcome.left_out.empty()) {
+      if (outcome.decision && outcome.region.size() < 2 && !outcome.left_out.empty()) {
         // The anchor stayed alone: say which neighbour could not join and why.
         const auto& [neighbour, why] = outcome.left_out.front();
         add_distinct(notes[static_cast<std::size_t>(node.id)].left_out,
@@ -138,7 +138,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
           }
         }
       }
-      std::vector<RegionRole> roles = region_roles(graph, anchored, *match, outcome.region);
+      std::vector<RegionRole> roles = region_roles(graph, anchored, match, outcome.region);
       rule_proposals.push_back(
           {static_cast<int>(rule_index), node.id, std::move(outcome.region), outcome.benefit_ns, std::move(roles)});
     }

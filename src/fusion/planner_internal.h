@@ -24,20 +24,22 @@ std::int64_t to_picoseconds(double nanoseconds);
 // ---------------------------------------------------------------- patterns
 
 // A pattern's match: the node bound to each entry (same order as rule.pattern, the anchor last)
-// and the outside values its "$name" slots bound, as roles "name" in first-binding order.
+// and the outside values its "$name" slots bound, as roles "name" in first-binding order; or,
+// refused, why the pattern does not match ("`x` (relu) is not silu (role 'activation')").
 struct PatternMatch {
+  Decision decision;
   std::vector<NodeId> nodes;
   std::vector<RegionRole> roles;
+  explicit operator bool() const { return decision.ok; }
 };
-// The match at `anchor`, or nullopt. Validates nothing about escapes or resources: that is the
-// cut model's job.
-std::optional<PatternMatch> match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor);
+// The match at `anchor`. Validates nothing about escapes or resources: that is the cut model's job.
+PatternMatch match_pattern(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor);
 // The roles a region of `rule` gets: the pattern's, then the epilogue add operand
 // (FusionRule::epilogue_add_operand_role) when the region holds such an add.
 std::vector<RegionRole> region_roles(const ComputeGraph& graph, const FusionRule& rule, const PatternMatch& match,
                                      std::span<const NodeId> region_nodes);
 // Whether the node may anchor the rule: the last entry's kind and ops, and the sink condition.
-bool can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node);
+Decision can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node);
 // Throws InputError naming the rule when its pattern is malformed (unknown roles, no entries, ...).
 void validate_rule_set(const RuleSet& rules);
 
@@ -72,7 +74,7 @@ struct NeighborhoodOutcome {
   std::vector<NodeId> considered;  // the neighborhood, anchor first, then the pattern, then growth in BFS order
   std::vector<NodeId> region;      // ascending; the pattern and anchor at least, unless rejected
   double benefit_ns = 0;
-  std::optional<std::string> rejection;              // the rule cannot apply at this anchor, and why
+  Decision decision = Decision::allow();             // refused: the rule cannot apply at this anchor, and why
   std::vector<std::pair<NodeId, std::string>> left_out;  // ops the model had to keep out, and why
 };
 

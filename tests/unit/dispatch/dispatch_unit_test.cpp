@@ -1,6 +1,6 @@
 // The parts of measured dispatch that need no GPU: the numeric gate's figures and thresholds,
-// the headroom rule, METILE_DISPATCH parsing, the decision file (round trip, corruption) and
-// cutting a region out of its graph.
+// the headroom rule, METILE_DISPATCH parsing, the decision file (round trip, corruption),
+// cutting a region out of its graph, and the lowerings' reasons for every example region.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -228,6 +228,63 @@ TEST(ContractionRowCandidates, SplitContractionsAroundOneRowKernel) {
   const Lowered not_rows = row_region_candidates(graph, mlp);
   EXPECT_TRUE(not_rows.candidates.empty());
   EXPECT_NE(not_rows.decision.reason.find("node 'gate' (matmul)"), std::string::npos) << not_rows.decision.reason;
+}
+
+// What `metile run --backend cuda` reports for a region no lowering takes, checked without a
+// device: for every region of every example graph, each built-in lowering either contributes its
+// candidates or stands in the refusals with its own reason, word for word.
+TEST(LowerRegion, EveryExampleRegionGetsCandidatesOrEachLoweringsOwnReason) {
+  int refused_by_all = 0;
+  int regions = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(METILE_EXAMPLES_DIR)) {
+    if (entry.path().extension() != ".json") continue;
+    const ComputeGraph graph = read_graph(entry.path());
+    const FusionPlan plan = plan_graph_fusion(graph);
+    for (const FusionRegion& region : plan.regions) {
+      const std::string what = entry.path().filename().string() + ", region of " + region.rule;
+      const ComputeGraph sub = region_graph(graph, region);
+      const FusionRegion sub_region = region_in_region_graph(graph, region, sub);
+      const RegionLowerings lowered = lower_region(sub, sub_region);
+      std::size_t expected_candidates = 0;
+      std::string expected_refusals;
+      for (const RegionLowering& lowering : builtin_lowerings()) {
+        const Lowered own = lowering.lower(sub, sub_region);
+        EXPECT_EQ(own.decision.ok, !own.candidates.empty()) << what << ", " << lowering.name;
+        if (own.decision) {
+          expected_candidates += own.candidates.size();
+        } else {
+          EXPECT_FALSE(own.decision.reason.empty()) << what << ", " << lowering.name;
+          expected_refusals += (expected_refusals.empty() ? "" : "; ") + lowering.name + ": " + own.decision.reason;
+        }
+      }
+      EXPECT_EQ(lowered.candidates.size(), expected_candidates) << what;
+      EXPECT_EQ(lowered.refusals, expected_refusals) << what;
+      if (lowered.candidates.empty()) {
+        std::printf("%s: native: no fused lowering (%s)\n", what.c_str(), lowered.refusals.c_str());
+        ++refused_by_all;
+      }
+      ++regions;
+    }
+  }
+  EXPECT_GE(regions, 5);
+  EXPECT_GE(refused_by_all, 1) << "some example region is one no built-in lowering takes";
+}
+
+TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4, 64}, DType::f16});
+  const ComputeGraph graph = builder.build({builder.silu(builder.scale(x, 0.5, "scaled"), "activated")});
+  const FusionRegion region = region_of_nodes(graph, {0, 1}, "test");
+  const std::vector<RegionLowering> extra = {
+      {"empty", [](const ComputeGraph&, const FusionRegion&) { return Lowered{Decision::allow(), {}}; }},
+      {"silent", [](const ComputeGraph&, const FusionRegion&) { return Lowered{Decision::refuse(""), {}}; }},
+      {"picky", [](const ComputeGraph&, const FusionRegion&) { return Lowered{Decision::refuse("too small"), {}}; }},
+  };
+  const RegionLowerings lowered = lower_region(graph, region, extra);
+  EXPECT_EQ(lowered.candidates.size(), row_region_candidates(graph, region).candidates.size());
+  EXPECT_EQ(lowered.refusals,
+            "contractions around a row kernel: the region has no contraction; empty: it accepted the region but offered "
+            "no candidate; silent: refused without a reason; picky: too small");
 }
 
 }  // namespace

@@ -115,25 +115,28 @@ TEST(CostModel, SeedRegionMatchesHandArithmetic) {
   EXPECT_EQ(estimate.registers_per_thread, 32 + 2 + 8);
 }
 
+// "fits", or the reason the target refuses the estimate.
+std::string said(const Decision& decision) { return decision.ok ? "fits" : decision.reason; }
+
 TEST(CostModel, LimitsAreNamedWithTheirNumbers) {
   FusionTarget target = FusionTarget::h200();
   RegionEstimate estimate;
   estimate.shared_memory_bytes = 48 * 1024;
   estimate.registers_per_thread = 40;
   target.shared_memory_per_block_bytes = 32 * 1024;
-  EXPECT_EQ(exceeded_limit(estimate, target), "needs 48 KB shared memory, target allows 32 KB");
+  EXPECT_EQ(said(within_limits(estimate, target)), "needs 48 KB shared memory, target allows 32 KB");
   target.shared_memory_per_block_bytes = 64 * 1024;
-  EXPECT_EQ(exceeded_limit(estimate, target), std::nullopt);
+  EXPECT_EQ(said(within_limits(estimate, target)), "fits");
   target.registers_per_thread = 32;
-  EXPECT_EQ(exceeded_limit(estimate, target), "needs 40 registers per thread, target allows 32");
+  EXPECT_EQ(said(within_limits(estimate, target)), "needs 40 registers per thread, target allows 32");
   target.registers_per_thread = 255;
   target.registers_per_multiprocessor = 8192;
-  EXPECT_EQ(exceeded_limit(estimate, target),
+  EXPECT_EQ(said(within_limits(estimate, target)),
             "needs 10240 registers per block (40 per thread × 256 threads), target allows 8192");
   target.registers_per_multiprocessor = 65536;
   estimate.input_count = 9;
   target.max_kernel_inputs = 8;
-  EXPECT_EQ(exceeded_limit(estimate, target), "reads 9 inputs, target allows 8 per kernel");
+  EXPECT_EQ(said(within_limits(estimate, target)), "reads 9 inputs, target allows 8 per kernel");
 }
 
 }  // namespace

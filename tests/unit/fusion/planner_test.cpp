@@ -91,9 +91,9 @@ TEST(Planner, PatternMatchesEitherMultiplyOrderAndBindsRoles) {
     options.residual = false;
     const ComputeGraph graph = swiglu_graph(options);
     const auto roles = fusion_internal::match_pattern(graph, parallel_epilogue_rule(), *graph.find_node("down"));
-    ASSERT_TRUE(roles.has_value());
+    ASSERT_TRUE(roles.decision.ok) << roles.decision.reason;
     std::vector<std::string> names;
-    for (NodeId node : roles->nodes) names.push_back(graph.node(node).name);
+    for (NodeId node : roles.nodes) names.push_back(graph.node(node).name);
     EXPECT_EQ(names, (std::vector<std::string>{"gate", "up", "gate_activation", "hidden", "down"}));
   }
 }
@@ -164,7 +164,19 @@ TEST(Planner, SwigluNeedsOneSharedActivation) {
   auto product = builder.multiply(builder.silu(gate), up);
   auto down = builder.matmul(product, builder.input("wd", {{128, 64}, DType::f16}), false, "down");
   const ComputeGraph graph = builder.build({down});
-  EXPECT_FALSE(fusion_internal::match_pattern(graph, parallel_epilogue_rule(), *graph.find_node("down")));
+  const auto match = fusion_internal::match_pattern(graph, parallel_epilogue_rule(), *graph.find_node("down"));
+  EXPECT_FALSE(match.decision.ok);
+  EXPECT_EQ(match.decision.reason, "$input would be both 'x' and 'y'");
+  // Refusals of the anchor itself say why too.
+  const NodeId multiply = graph.value(product.id).producer;
+  const std::string multiply_name = graph.node(multiply).name;
+  EXPECT_EQ(fusion_internal::can_anchor(graph, parallel_epilogue_rule(), multiply).reason,
+            "role 'down' takes contraction ops, `" + multiply_name + "` (multiply) is elementwise");
+  const NodeId activation = graph.value(graph.node(multiply).inputs[0]).producer;
+  ASSERT_EQ(graph.node(activation).op, "silu");
+  EXPECT_EQ(fusion_internal::can_anchor(graph, elementwise_chain_rule(), activation).reason,
+            "`" + graph.node(activation).name + "` (silu) is read by the elementwise op `" + multiply_name +
+                "` (multiply): the chain does not end there");
   const FusionPlan plan = plan_graph_fusion(graph);
   EXPECT_TRUE(std::none_of(plan.regions.begin(), plan.regions.end(),
                            [](const FusionRegion& region) { return region.rule == "swiglu_mlp"; }));
