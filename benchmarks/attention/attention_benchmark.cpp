@@ -27,6 +27,7 @@
 
 #include "metile/attention_runtime.h"
 #include "metile/cuda_runtime.h"
+#include "../support/benchmark_device.h"
 
 namespace {
 
@@ -207,18 +208,13 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::string reason;
-  std::optional<CudaDevice> device = CudaDevice::try_open(0, &reason);
-  if (!device) {
-    fmt::print("{}\n", reason.rfind("no CUDA device", 0) == 0 ? reason : "no CUDA device: " + reason);
-    return 0;
-  }
+  const std::optional<CudaDevice> device = benchmarks::open_device_or_say_why("attention_benchmark");
+  if (!device) return 0;
   try {
     const CudaDeviceInfo& info = device->info();
     CudaStream stream;
     const double copy_gbps = measure_copy_bandwidth_gbps(stream);
-    fmt::print(stderr, "device: {} ({} SMs, L2 {} MiB), NVRTC {}; copy {:.0f} GB/s\n", info.name,
-               info.multiprocessor_count, info.l2_cache_bytes >> 20, nvrtc_version(), copy_gbps);
+    fmt::print(stderr, "device: {}; copy {:.0f} GB/s\n", benchmarks::describe_device(info), copy_gbps);
     const std::map<std::string, double> torch = torch_path.empty() ? std::map<std::string, double>{}
                                                                     : read_torch_figures(torch_path);
     std::vector<Timed> decode;

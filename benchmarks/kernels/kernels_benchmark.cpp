@@ -23,6 +23,7 @@
 #include "metile/cuda_runtime.h"
 #include "metile/dispatch.h"
 #include "metile_test_support.h"
+#include "../support/benchmark_device.h"
 
 namespace metile {
 namespace {
@@ -95,15 +96,6 @@ struct BenchmarkContext {
   double copy_gbps = 0;
   std::vector<Row> rows;
 };
-
-double measure_copy_bandwidth(BenchmarkContext& context) {
-  const std::size_t bytes = std::size_t{1} << 30;
-  DeviceBuffer source(bytes);
-  DeviceBuffer target(bytes);
-  source.fill_bytes(0x3c);
-  const double us = median_per_call_us(context.stream, [&](const CudaStream& s) { target.copy_from_device(source, bytes, &s); }, 1);
-  return 2.0 * static_cast<double>(bytes) / (us * 1e3);  // read + write, GB/s
-}
 
 // Measures the native path and every listed fused option of the whole-graph region.
 void run_case(BenchmarkContext& context, const std::string& name, const ComputeGraph& graph,
@@ -197,17 +189,12 @@ const Row* find_best(const std::vector<Row>& rows, const std::string& case_name)
 
 int run(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
-  std::string reason;
-  std::optional<CudaDevice> device = CudaDevice::try_open(0, &reason);
-  if (!device) {
-    fmt::print("kernels_benchmark: {}; nothing to measure\n", reason);
-    return 0;
-  }
+  const std::optional<CudaDevice> device = benchmarks::open_device_or_say_why("kernels_benchmark");
+  if (!device) return 0;
   BenchmarkContext context{*device, CudaStream(), 0, {}};
   const CudaDeviceInfo& info = device->info();
-  context.copy_gbps = measure_copy_bandwidth(context);
-  fmt::print("device {} ({}, {} SMs, L2 {} MiB, driver {}, NVRTC {})\n", info.name, info.architecture(),
-             info.multiprocessor_count, info.l2_cache_bytes >> 20, info.driver_version, nvrtc_version());
+  context.copy_gbps = measure_copy_bandwidth_gbps(context.stream);
+  fmt::print("device {}\n", benchmarks::describe_device(info));
   fmt::print("device-to-device copy (1 GiB, read + write): {:.0f} GB/s\n\n", context.copy_gbps);
 
   const std::string decode_f16 = "add+rms_norm 1x2048 f16";

@@ -32,6 +32,7 @@
 
 #include "metile/cuda_runtime.h"
 #include "metile/decode_mlp_executor.h"
+#include "../support/benchmark_device.h"
 
 namespace {
 
@@ -242,12 +243,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::string reason;
-  std::optional<CudaDevice> device = CudaDevice::try_open(0, &reason);
-  if (!device) {
-    fmt::print("{}\n", reason.rfind("no CUDA device", 0) == 0 ? reason : "no CUDA device: " + reason);
-    return 0;
-  }
+  const std::optional<CudaDevice> device = benchmarks::open_device_or_say_why("mlp_decode_benchmark");
+  if (!device) return 0;
   try {
     const CudaDeviceInfo& info = device->info();
     CudaStream stream;
@@ -258,8 +255,7 @@ int main(int argc, char** argv) {
     }
     const double copy_gbps = measure_copy_bandwidth_gbps(stream);
     const double read_gbps = measure_read_bandwidth_gbps(*device, stream, false);
-    fmt::print("device: {} ({} SMs, L2 {} MiB), NVRTC {}\n", info.name, info.multiprocessor_count,
-               info.l2_cache_bytes >> 20, nvrtc_version());
+    fmt::print("device: {}\n", benchmarks::describe_device(info));
     fmt::print("device-to-device copy (1 GiB, read + write): {:.0f} GB/s\n", copy_gbps);
     fmt::print("read-only stream (1 GiB, 16-byte loads): {:.0f} GB/s = {:.0f}% of copy\n\n", read_gbps,
                100 * read_gbps / copy_gbps);
