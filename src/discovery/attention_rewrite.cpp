@@ -30,20 +30,20 @@ std::string bytes_text(std::int64_t bytes) {
 }
 
 struct ChainOutcome {
-  std::optional<AttentionMatch> match;
-  std::optional<std::string> refusal;  // when the shape of a chain is there but it may not be rewritten
+  std::optional<AttentionMatch> match;  // none and a decision that is ok: not an attention chain at all
+  Decision decision = Decision::allow();  // refused: the shape of a chain is there but it may not be rewritten
 };
 
-// Why a value of the chain may not stay inside the fused kernel, if it may not.
-std::optional<std::string> escape_reason(const ComputeGraph& graph, ValueId value, std::string_view role,
-                                         NodeId expected_consumer) {
-  if (graph.is_output(value)) return fmt::format("{} escape to a graph output", role);
+// Whether a value of the chain may stay inside the fused kernel, and why not.
+Decision stays_private(const ComputeGraph& graph, ValueId value, std::string_view role, NodeId expected_consumer) {
+  if (graph.is_output(value)) return Decision::refuse(fmt::format("{} escape to a graph output", role));
   for (NodeId consumer : graph.consumers(value)) {
     if (consumer != expected_consumer) {
-      return fmt::format("{} are also read by '{}' ({})", role, graph.node(consumer).name, graph.node(consumer).op);
+      return Decision::refuse(
+          fmt::format("{} are also read by '{}' ({})", role, graph.node(consumer).name, graph.node(consumer).op));
     }
   }
-  return std::nullopt;
+  return Decision::allow();
 }
 
 ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
@@ -76,14 +76,14 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
       return source >= 0 && graph.node(source).op == "matmul" && graph.node(source).attributes.get_int("transpose_right") != 0;
     });
     if (!between.empty() || reads_scores) {
-      outcome.refusal = fmt::format("'{}' ({}) between the scores and the softmax is not part of the pattern "
-                                    "(scale, causal_mask, position_mask)",
-                                    scores_matmul.name, scores_matmul.op);
+      outcome.decision = Decision::refuse(fmt::format("'{}' ({}) between the scores and the softmax is not part of "
+                                                      "the pattern (scale, causal_mask, position_mask)",
+                                                      scores_matmul.name, scores_matmul.op));
     }
     return outcome;
   }
   auto refuse = [&](std::string reason) {
-    outcome.refusal = std::move(reason);
+    outcome.decision = Decision::refuse(std::move(reason));
     return outcome;
   };
   const int rank = graph.value(softmax.inputs.front()).spec.rank();
@@ -114,7 +114,9 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
     const std::string role = position == 0 ? "scores"
                              : node.op == "softmax" ? "probabilities"
                                                     : fmt::format("{} scores", node.op == "scale" ? "scaled" : "masked");
-    if (auto reason = escape_reason(graph, node.outputs.front(), role, next)) return refuse(*reason);
+    if (Decision private_value = stays_private(graph, node.outputs.front(), role, next); !private_value) {
+      return refuse(std::move(private_value.reason));
+    }
     match.avoided_bytes += 2 * graph.value(node.outputs.front()).spec.bytes();
   }
 
@@ -190,23 +192,23 @@ ComputeGraph rebuild(const ComputeGraph& graph, const std::vector<AttentionMatch
 AttentionRewrite rewrite_attention(const ComputeGraph& graph, const ReductionLaw& law) {
   AttentionRewrite rewrite;
   rewrite.certificate = prove(law);
-  std::optional<std::string> law_refusal;
+  Decision law_decision = Decision::allow();  // may this law's certificate back flash_attention
   if (law.name != required_law) {
-    law_refusal = fmt::format("flash_attention is built on law '{}', not '{}'", required_law, law.name);
+    law_decision = Decision::refuse(fmt::format("flash_attention is built on law '{}', not '{}'", required_law, law.name));
   } else if (!rewrite.certificate.verified) {
     std::string failing;
     for (const Obligation& obligation : rewrite.certificate.obligations) {
       if (!obligation.holds) failing += (failing.empty() ? "" : ", ") + obligation.name;
     }
-    law_refusal = fmt::format("the certificate of law '{}' is not verified (fails: {})", law.name, failing);
+    law_decision = Decision::refuse(fmt::format("the certificate of law '{}' is not verified (fails: {})", law.name, failing));
   }
   for (const Node& node : graph.nodes()) {
     if (node.op != "softmax") continue;
     ChainOutcome outcome = match_chain(graph, node);
-    if (outcome.refusal) rewrite.refusals.push_back({node.id, *outcome.refusal});
+    if (!outcome.decision) rewrite.refusals.push_back({node.id, outcome.decision.reason});
     if (!outcome.match) continue;
-    if (law_refusal) {
-      rewrite.refusals.push_back({node.id, *law_refusal});
+    if (!law_decision) {
+      rewrite.refusals.push_back({node.id, law_decision.reason});
       continue;
     }
     rewrite.candidates.push_back(std::move(*outcome.match));
