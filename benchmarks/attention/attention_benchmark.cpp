@@ -4,9 +4,10 @@
 //            head over a K/V cache of 512 / 4096 / 32768 keys, batch 1. Microseconds per call and
 //            GB/s over the K and V bytes read, as % of the device-to-device copy bandwidth measured
 //            in this run. Calls replay a CUDA graph round-robin over enough K/V copies to exceed the
-//            L2 cache, so K and V come from HBM. Each launch shape (warps, keys per split) is timed;
-//            "default" is the one FlashAttention picks. One more row: the positions mask with the
-//            token at 4095 in a 32768-slot cache (only 4096 keys read).
+//            L2 cache, so K and V come from HBM. Each launch shape (warps, keys per split, ring,
+//            cluster) is timed; "default" is the one FlashAttention picks. More rows: the positions
+//            mask with the token at 4095 in a 32768-slot cache (4096 keys read) and at 127 in a
+//            4096-slot cache (the model engine's short prefix, 128 keys read).
 //   prefill  4096 tokens, causal, the same heads (GQA rows, causal through positions 0..4095):
 //            TFLOP/s (4·Hq·S²·D / 2) against a bf16 cuBLASLt 8192³ matmul measured in this run.
 //   --torch FILE  the output of .anchors/attention_torch.py (PyTorch SDPA on the same card, same
@@ -96,16 +97,27 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
   const int multiprocessors = device.info().multiprocessor_count;
   struct Shape {
     int warps, stages;
+    bool cluster;
     std::int64_t keys_per_split;
     std::string name;
   };
   std::vector<Shape> shapes;
-  for (const auto& [warps, stages] : {std::pair{8, 0}, std::pair{8, 3}, std::pair{4, 4}, std::pair{4, 0}}) {
-    const std::int64_t base = decode_keys_per_split(problem, warps, multiprocessors);
-    shapes.push_back({warps, stages, base, warps == 8 && stages == 0 ? "default" : ""});
-    if (positions_mask || warps == 4) continue;
-    shapes.push_back({warps, stages, base * 2, ""});
-    if (base >= 32 * warps) shapes.push_back({warps, stages, (base / 2 + 15) / 16 * 16, ""});
+  // The default with half and twice its split (full caches), the ring, 4 warps, and clusters
+  // (a head's splits merged through distributed shared memory, at most 16 splits).
+  const struct {
+    int warps, stages;
+    bool cluster;
+  } variants[] = {{8, 0, false}, {8, 3, false}, {4, 0, false}, {8, 0, true}, {4, 0, true}};
+  for (const auto& variant : variants) {
+    const int blocks = variant.cluster ? static_cast<int>(std::min<std::int64_t>(multiprocessors, kMaxClusterSplits * kv_heads))
+                                       : multiprocessors;
+    const std::int64_t base = decode_keys_per_split(problem, variant.warps, blocks);
+    const bool is_default = variant.warps == 8 && variant.stages == 0 && !variant.cluster;
+    if (positions_mask && !(variant.warps == 8 && variant.stages == 0)) continue;
+    shapes.push_back({variant.warps, variant.stages, variant.cluster, base, is_default ? "default" : ""});
+    if (positions_mask || !is_default) continue;
+    shapes.push_back({variant.warps, variant.stages, false, base * 2, ""});
+    if (base >= 32 * variant.warps) shapes.push_back({variant.warps, variant.stages, false, (base / 2 + 15) / 16 * 16, ""});
   }
   std::vector<Timed> rows;
   for (const Shape& shape : shapes) {
@@ -113,6 +125,7 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
     options.decode_warps = shape.warps;
     options.keys_per_split = shape.keys_per_split;
     options.decode_stages = shape.stages;
+    options.decode_cluster = shape.cluster;
     const FlashAttention attention = FlashAttention::build(problem, options);
     Timed timed;
     timed.what = fmt::format("decode T={}{}{}", keys, positions_mask ? fmt::format(" pos={}", last_position) : "",
@@ -225,7 +238,10 @@ int main(int argc, char** argv) {
     for (std::int64_t keys : {512, 4096, 32768}) {
       for (Timed& row : time_decode(*device, stream, keys, false, 0)) decode.push_back(row);
     }
+    // The positions mask: a token at 4095 in a 32768-slot cache, and the model engine's short
+    // prefix (128 tokens in a 4096-slot cache); splits follow the largest position.
     for (Timed& row : time_decode(*device, stream, 32768, true, 4095)) decode.push_back(row);
+    for (Timed& row : time_decode(*device, stream, 4096, true, 127)) decode.push_back(row);
     const std::vector<Timed> prefill = time_prefill(stream, 4096);
     const double matmul = matmul_tflops(stream);
 

@@ -76,8 +76,14 @@ struct DecodeAttentionConfig {
   std::int64_t keys_per_split = 0;  // a multiple of 16; 0: decode_keys_per_split()
   int stages = 0;                   // 0: K/V fragments double-buffered in registers; 2..4: a per-warp
                                     // shared-memory ring of that many 16-key steps filled by cp.async
+  bool cluster = false;             // the splits of a head form one thread-block cluster and merge
+                                    // through distributed shared memory (no global scratch, no
+                                    // arrival counter); at most kMaxClusterSplits splits
   void validate() const;
 };
+constexpr std::int64_t kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster
+// The grid's splits: from keys_per_split, or the default (for a cluster: at most 16 per head).
+std::int64_t decode_split_count(const DecodeAttentionConfig& config);
 std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 without a ring
 
 // The default split: about one block per multiprocessor, at least one 16-key step per warp.
@@ -90,12 +96,17 @@ struct PrefillAttentionConfig {
 };
 
 // A generated attention kernel and its launch shape (grid_x: splits or row tiles, grid_y: heads).
+// The decode kernel sizes its splits on the device: the grid's splits share the keys that some
+// row may see (up to the largest position, or the causal limit) evenly in 16-key steps, so with
+// the positions mask a short prefix of a long cache is split as finely as a full one, and splits
+// past the last visible key read nothing.
 struct AttentionKernelSource {
   std::string kernel_name;
   std::string source;  // self-contained CUDA C++ for NVRTC
   KernelLaunchShape launch;
-  std::int64_t splits = 1;          // decode only
-  std::int64_t keys_per_split = 0;  // decode only
+  std::int64_t splits = 1;          // decode only: the grid's splits (the most a launch uses)
+  std::int64_t keys_per_split = 0;  // decode only: a split's keys when every key is visible
+  bool cluster = false;             // decode only: launched as clusters of `splits` CTAs
   std::string summary;              // one line for notes and benchmark tables
 };
 

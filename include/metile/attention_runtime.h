@@ -15,6 +15,7 @@ namespace metile {
 struct FlashAttentionOptions {
   int decode_warps = 8;
   int decode_stages = 0;
+  bool decode_cluster = false;      // a head's splits as one thread-block cluster (DecodeAttentionConfig::cluster)
   std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
   int prefill_warps = 4;
   bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)

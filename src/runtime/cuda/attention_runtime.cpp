@@ -36,6 +36,7 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
     config.warps = options.decode_warps;
     config.keys_per_split = options.keys_per_split;
     config.stages = options.decode_stages;
+    config.cluster = options.decode_cluster;
     if (config.keys_per_split == 0) {
       int multiprocessors = 0;
       CUdevice device = 0;
@@ -43,7 +44,10 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
       cuda_driver::check(cuda_driver::driver().cuDeviceGetAttribute(
                              &multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
                          "cuDeviceGetAttribute(multiprocessor count)");
-      config.keys_per_split = decode_keys_per_split(problem, config.warps, multiprocessors);
+      // A head's splits in one cluster: at most kMaxClusterSplits of them.
+      const std::int64_t blocks = config.cluster ? std::min<std::int64_t>(multiprocessors, kMaxClusterSplits * problem.heads)
+                                                 : multiprocessors;
+      config.keys_per_split = decode_keys_per_split(problem, config.warps, static_cast<int>(blocks));
     }
     state->kernel = generate_decode_attention_kernel(config);
   } else {
@@ -56,8 +60,30 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
   if (state->kernel.launch.shared_memory_bytes > 48 * 1024) {
     state->compiled.set_max_dynamic_shared_memory(static_cast<int>(state->kernel.launch.shared_memory_bytes));
   }
+  if (state->kernel.cluster) {
+    // A cluster of more than 8 CTAs (Hopper takes 16) must be allowed per kernel. The summary
+    // says how many clusters fit on the device at once (fewer than the heads: a second wave).
+    const cuda_driver::DriverApi& driver = cuda_driver::driver();
+    const AttentionKernelSource& kernel = state->kernel;
+    if (kernel.splits > 8) {
+      cuda_driver::check(driver.cuFuncSetAttribute(state->compiled.function(),
+                                                   CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                         "cuFuncSetAttribute(non-portable cluster size)");
+    }
+    CUlaunchConfig launch{};
+    launch.gridDimX = kernel.launch.grid_x;
+    launch.gridDimY = kernel.launch.grid_y;
+    launch.gridDimZ = 1;
+    launch.blockDimX = kernel.launch.block_x;
+    launch.blockDimY = launch.blockDimZ = 1;
+    launch.sharedMemBytes = kernel.launch.shared_memory_bytes;
+    int clusters = 0;
+    cuda_driver::check(driver.cuOccupancyMaxActiveClusters(&clusters, state->compiled.function(), &launch),
+                       "cuOccupancyMaxActiveClusters");
+    state->kernel.summary += fmt::format(" ({} at once)", clusters);
+  }
   state->scale_log2 = static_cast<float>(problem.scale * std::numbers::log2e);
-  if (state->decode && state->kernel.splits > 1) {
+  if (state->decode && !state->kernel.cluster && state->kernel.splits > 1) {
     const auto states = static_cast<std::size_t>(problem.heads * state->kernel.splits * problem.rows);
     state->partial_values = DeviceBuffer(states * static_cast<std::size_t>(problem.value_dim) * sizeof(float));
     state->partial_states = DeviceBuffer(states * 2 * sizeof(float));
