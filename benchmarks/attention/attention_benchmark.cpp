@@ -192,7 +192,18 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
     options.keys_per_split = shape.keys_per_split;
     options.decode_stages = shape.stages;
     options.decode_cluster = shape.cluster;
-    const FlashAttention attention = FlashAttention::build(problem, options);
+    // A variant that fails to build or launch is reported and skipped; the rest still run.
+    std::optional<FlashAttention> built;
+    try {
+      built.emplace(FlashAttention::build(problem, options));
+      // One launch outside the graph capture: a launch error is caught here, not mid-capture.
+      built->enqueue(stream, q.address(), k[0].address(), v[0].address(), positions.address(), out.address());
+      stream.synchronize();
+    } catch (const std::exception& error) {
+      fmt::print(stderr, "  decode T={} {} warps{}: {}\n", keys, shape.warps, shape.cluster ? " cluster" : "", error.what());
+      continue;
+    }
+    const FlashAttention& attention = *built;
     Timed timed;
     timed.what = fmt::format("decode T={}{}{}", keys, positions_mask ? fmt::format(" pos={}", last_position) : "",
                              shape.name.empty() ? "" : " (" + shape.name + ")");
