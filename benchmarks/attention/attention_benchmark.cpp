@@ -173,15 +173,19 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
     const int blocks = variant.cluster ? static_cast<int>(std::min<std::int64_t>(multiprocessors, kMaxClusterSplits * kv_heads))
                                        : multiprocessors * variant.blocks_per_multiprocessor;
     const std::int64_t base = decode_keys_per_split(problem, variant.warps, blocks);
-    const bool is_default = variant.warps == 8 && variant.stages == 0 && !variant.cluster;
-    if (positions_mask && !(variant.warps == 8 && variant.stages == 0)) continue;
+    const DecodeShape picked = default_decode_shape(problem);
+    const bool is_default = variant.warps == picked.warps && variant.cluster == picked.cluster && variant.stages == 0 &&
+                            variant.blocks_per_multiprocessor == 1;
+    // The 8-warp global merge: its split halved and doubled too.
+    const bool global_merge = variant.warps == 8 && variant.stages == 0 && !variant.cluster;
+    if (positions_mask && !is_default && !global_merge) continue;
     const bool seen = std::any_of(shapes.begin(), shapes.end(), [&](const Shape& shape) {
       return shape.warps == variant.warps && shape.stages == variant.stages && shape.cluster == variant.cluster &&
              shape.keys_per_split == base;
     });
     if (seen) continue;
     shapes.push_back({variant.warps, variant.stages, variant.cluster, base, is_default ? "default" : ""});
-    if (positions_mask || !is_default) continue;
+    if (positions_mask || !global_merge) continue;
     shapes.push_back({variant.warps, variant.stages, false, base * 2, ""});
     if (base >= 32 * variant.warps) shapes.push_back({variant.warps, variant.stages, false, (base / 2 + 15) / 16 * 16, ""});
   }

@@ -842,6 +842,12 @@ std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, i
   return (keys + step_keys - 1) / step_keys * step_keys;
 }
 
+DecodeShape default_decode_shape(const AttentionProblem& problem) {
+  constexpr std::int64_t longest_clustered = 4096;  // measured at 512, 4096 and 32768 keys
+  if (problem.keys <= longest_clustered) return {4, true};
+  return {8, false};
+}
+
 std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config) {
   const AttentionProblem& p = config.problem;
   return static_cast<std::int64_t>(config.warps) * config.stages * 16 * (p.head_dim + 8 + p.value_dim + 16) * 2;

@@ -141,6 +141,7 @@ TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
       {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 0, false},    // Llama-3-8B GQA, T one past 4096
       {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 3, false},    // the same through the cp.async ring
       {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 0, true},     // the same as clusters of 16
+      {DType::bf16, 8, 4, 4096, 128, 128, AttentionMask::none, 0, 4, 0, true},     // 4-warp clusters of 16
       {DType::bf16, 3, 1, 1000, 128, 128, AttentionMask::none, 32, 4, 0, false},   // many splits
       {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 0, 8, 2, false},
       {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 32, 8, 2, true},       // 11 splits, ring, cluster
@@ -205,11 +206,16 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
       in.positions.push_back(static_cast<std::int32_t>(c.last_position - c.tokens + 1 + s));
     }
     poison_cache_after(problem, in, c.last_position);
-    check(problem, {}, in, "decode positions");
+    check(problem, {}, in, "decode positions (default shape)");
+    FlashAttentionOptions global_merge;
+    global_merge.decode_warps = 8;
+    check(problem, global_merge, in, "decode positions, 8 warps");
     FlashAttentionOptions ring;
+    ring.decode_warps = 8;
     ring.decode_stages = 3;
     check(problem, ring, in, "decode positions, ring");
     FlashAttentionOptions cluster;
+    cluster.decode_warps = 4;
     cluster.decode_cluster = true;
     check(problem, cluster, in, "decode positions, cluster");
   }

@@ -33,10 +33,12 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
   if (state->decode) {
     DecodeAttentionConfig config;
     config.problem = problem;
-    config.warps = options.decode_warps;
+    const DecodeShape shape = options.decode_warps == 0 ? default_decode_shape(problem)
+                                                        : DecodeShape{options.decode_warps, options.decode_cluster};
+    config.warps = shape.warps;
+    config.cluster = shape.cluster;
     config.keys_per_split = options.keys_per_split;
     config.stages = options.decode_stages;
-    config.cluster = options.decode_cluster;
     if (config.keys_per_split == 0) {
       int multiprocessors = 0;
       CUdevice device = 0;

@@ -214,6 +214,16 @@ TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
   EXPECT_EQ(decode_split_count(config), 16);
   config.cluster = false;
   EXPECT_EQ(decode_split_count(config), 64);  // 66 blocks' worth, in 16-key steps: 64 splits of 512
+
+  // The measured default shape: clusters of 4-warp blocks up to 4096 keys, 8 warps beyond.
+  problem.keys = 512;
+  EXPECT_EQ(default_decode_shape(problem).warps, 4);
+  EXPECT_TRUE(default_decode_shape(problem).cluster);
+  problem.keys = 4096;
+  EXPECT_TRUE(default_decode_shape(problem).cluster);
+  problem.keys = 4097;
+  EXPECT_EQ(default_decode_shape(problem).warps, 8);
+  EXPECT_FALSE(default_decode_shape(problem).cluster);
 }
 
 }  // namespace
