@@ -79,9 +79,17 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
     launch.blockDimX = kernel.launch.block_x;
     launch.blockDimY = launch.blockDimZ = 1;
     launch.sharedMemBytes = kernel.launch.shared_memory_bytes;
-    // Only reported: the launch itself says whether the cluster fits at all.
     int clusters = 0;
     const CUresult query = driver.cuOccupancyMaxActiveClusters(&clusters, state->compiled.function(), &launch);
+    // A cluster picked by default that would run the heads in two waves (8-warp clusters of 16
+    // fit only 7 at once on the H200 and ran 1.5x slower, notes/attention.md) gives way to the
+    // 8-warp global merge; one asked for explicitly is kept, and its summary says so.
+    if (options.decode_warps == 0 && query == CUDA_SUCCESS && clusters < problem.heads) {
+      FlashAttentionOptions global_merge = options;
+      global_merge.decode_warps = 8;
+      global_merge.decode_cluster = false;
+      return build(problem, global_merge);
+    }
     state->kernel.summary += query == CUDA_SUCCESS ? fmt::format(" ({} at once)", clusters) : " (occupancy unknown)";
   }
   state->scale_log2 = static_cast<float>(problem.scale * std::numbers::log2e);
