@@ -18,8 +18,11 @@
 //            (flash-decoding); the warps of a split's block take interleaved 16-key steps, loading
 //            K and V straight from global memory into mma fragments (no shared memory), then meet
 //            in shared memory; each split writes its partial state, and the last split of a head
-//            to finish (an arrival counter) merges all of them in split order. With the positions
-//            mask, keys past the largest position are never read.
+//            to finish (an arrival counter) merges all of them in split order — or, with the
+//            splits of a head as one thread-block cluster, every split merges a slice of the
+//            output from the others' shared memory. The splits are sized on the device from the
+//            keys some row may see; with the positions mask, keys past the largest position are
+//            never read.
 //   prefill  any R: blocks of 16-row warps over a row tile, K and V tiles of 64 keys staged in
 //            shared memory (cp.async, two stages), causal / positions tiles past a row tile's last
 //            visible key skipped.
@@ -76,12 +79,30 @@ struct DecodeAttentionConfig {
   std::int64_t keys_per_split = 0;  // a multiple of 16; 0: decode_keys_per_split()
   int stages = 0;                   // 0: K/V fragments double-buffered in registers; 2..4: a per-warp
                                     // shared-memory ring of that many 16-key steps filled by cp.async
+  bool cluster = false;             // the splits of a head form one thread-block cluster and merge
+                                    // through distributed shared memory (no global scratch, no
+                                    // arrival counter); at most kMaxClusterSplits splits
   void validate() const;
 };
+constexpr std::int64_t kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster
+// The grid's splits: from keys_per_split, or the default (for a cluster: at most 16 per head).
+std::int64_t decode_split_count(const DecodeAttentionConfig& config);
 std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 without a ring
 
 // The default split: about one block per multiprocessor, at least one 16-key step per warp.
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors = 132);
+
+// The decode launch shape FlashAttention picks when none is given, as measured on the H200
+// (notes/attention.md, device call 4): up to 4096 keys, 4 warps with a head's splits as one
+// cluster (14 clusters of 16 fit at once, the merge never leaves the chip: 4.97 vs 6.81 us at
+// 512 keys, 11.12 vs 11.39 us at 4096); beyond, 8 warps and the global merge (the cluster's one
+// 4-warp block per multiprocessor keeps too few bytes in flight: 49.6 vs 39.3 us at 32768, and
+// 8-warp clusters of 16 fit only 7 at once).
+struct DecodeShape {
+  int warps = 8;
+  bool cluster = false;
+};
+DecodeShape default_decode_shape(const AttentionProblem& problem);
 
 struct PrefillAttentionConfig {
   AttentionProblem problem;
@@ -90,12 +111,17 @@ struct PrefillAttentionConfig {
 };
 
 // A generated attention kernel and its launch shape (grid_x: splits or row tiles, grid_y: heads).
+// The decode kernel sizes its splits on the device: the grid's splits share the keys that some
+// row may see (up to the largest position, or the causal limit) evenly in 16-key steps, so with
+// the positions mask a short prefix of a long cache is split as finely as a full one, and splits
+// past the last visible key read nothing.
 struct AttentionKernelSource {
   std::string kernel_name;
   std::string source;  // self-contained CUDA C++ for NVRTC
   KernelLaunchShape launch;
-  std::int64_t splits = 1;          // decode only
-  std::int64_t keys_per_split = 0;  // decode only
+  std::int64_t splits = 1;          // decode only: the grid's splits (the most a launch uses)
+  std::int64_t keys_per_split = 0;  // decode only: a split's keys when every key is visible
+  bool cluster = false;             // decode only: launched as clusters of `splits` CTAs
   std::string summary;              // one line for notes and benchmark tables
 };
 

@@ -13,8 +13,10 @@
 namespace metile {
 
 struct FlashAttentionOptions {
-  int decode_warps = 8;
+  int decode_warps = 0;             // 2, 4 or 8; 0: default_decode_shape() picks warps and cluster
   int decode_stages = 0;
+  bool decode_cluster = false;      // with decode_warps set: a head's splits as one thread-block
+                                    // cluster (DecodeAttentionConfig::cluster)
   std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
   int prefill_warps = 4;
   bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)

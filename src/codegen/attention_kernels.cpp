@@ -298,7 +298,27 @@ __device__ __forceinline__ void load_step(KeyStep& step, const u16* __restrict__
   }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
+// Thread-block clusters (kCluster): the CTAs of one head read each other's shared memory.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_address(const void* shared, int rank) {
+  u32 address;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(address) : "r"((u32)__cvta_generic_to_shared(shared)), "r"(rank));
+  return address;
+}
+__device__ __forceinline__ float2 load_cluster_float2(u32 address) {
+  float2 x;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(x.x), "=f"(x.y) : "r"(address) : "memory");
+  return x;
+}
+__device__ __forceinline__ float4 load_cluster_float4(u32 address) {
+  float4 x;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(address) : "memory");
+  return x;
+}
+
+extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL_NAME(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const int* __restrict__ positions,
     u16* __restrict__ out, float* __restrict__ partial_values, float2* __restrict__ partial_states,
     unsigned* __restrict__ arrivals, int keys, float scale_log2, int offset) {
@@ -306,8 +326,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
   float2* shared_states = reinterpret_cast<float2*>(shared_words);              // [kWarps][kPaddedRows]
   float* shared_values = reinterpret_cast<float*>(shared_states + kWarps * kPaddedRows);  // [kWarps][kRows][kValueDim]
   __shared__ int last_arrival;
+  __shared__ float2 block_states[kPaddedRows];  // kCluster: this CTA's merged (m, l) per row
 
-  const int head = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int head = blockIdx.y, split = blockIdx.x, grid_splits = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   q += (u64)head * kRows * kHeadDim;
   k += (u64)head * keys * kHeadDim;
@@ -323,8 +344,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
   }
   const int limit_low = g < kRows ? row_limit(g, positions, kPositionCount, offset) : kNoLimit;
   const int limit_high = g + 8 < kRows ? row_limit(g + 8, positions, kPositionCount, offset) : kNoLimit;
-  const int split_begin = split * kKeysPerSplit;
-  const int split_end = min(split_begin + kKeysPerSplit, key_end);
+  // The split follows the keys some row may see (key_end, from the positions read here or the
+  // causal offset), not the cache's capacity: the grid's splits share them evenly in 16-key steps,
+  // so a short prefix of a long cache keeps its splits short. Splits past key_end read nothing and
+  // leave at once (in a cluster they still take part in the merge, as empty states).
+  const int keys_per_split = max(16, (key_end + 16 * grid_splits - 1) / (16 * grid_splits) * 16);
+  const int splits = max(1, (key_end + keys_per_split - 1) / keys_per_split);
+  if (!kCluster && split >= splits) return;
+  const int split_begin = split * keys_per_split;
+  const int split_end = min(split_begin + keys_per_split, key_end);
   const int last_readable = key_end - 1;
 
   u32 qa[kQuerySteps][4];
@@ -427,32 +455,97 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
       l += weight * warp_state.y;
       value += weight * shared_values[(w * kRows + row) * kValueDim + column];
     }
-    const u64 slot = (u64)head * splits + split;
-    if (splits == 1) {
+    if constexpr (kCluster) {
+      if (column == 0) block_states[row] = make_float2(m, l);
+      shared_values[row * kValueDim + column] = value;  // warp 0's slot: only this thread reads it
+    } else if (splits == 1) {
       // 0 / 0 = NaN where no key was visible, as the reference.
       out[((u64)head * kRows + row) * kValueDim + column] = to_bits(value / l);
     } else {
+      const u64 slot = (u64)head * grid_splits + split;
       if (column == 0) partial_states[slot * kRows + row] = make_float2(m, l);
       partial_values[(slot * kRows + row) * kValueDim + column] = value;  // 0 where the split saw no key
     }
   }
+  constexpr int kVectors = kRows * kValueDim / 4;
+
+  if constexpr (kCluster) {
+    // The CTAs of this head are one cluster (split = rank): after a cluster barrier each CTA merges
+    // a slice of the output vectors from every CTA's shared memory, in split order, with all of
+    // its remote loads issued at once; a second barrier keeps every CTA's shared memory alive
+    // until the last remote read. No global scratch, no fence, no arrival counter.
+    cluster_sync();
+    constexpr int kSlice = (kVectors + kClusterSplits - 1) / kClusterSplits;
+    for (int index = threadIdx.x; index < kSlice && split * kSlice + index < kVectors; index += kThreads) {
+      const int item = split * kSlice + index;
+      const int row = item / (kValueDim / 4);
+      float2 states[kClusterSplits];
+      float4 values[kClusterSplits];
+#pragma unroll
+      for (int s = 0; s < kClusterSplits; ++s) {
+        states[s] = load_cluster_float2(cluster_address(block_states + row, s));
+        values[s] = load_cluster_float4(cluster_address(reinterpret_cast<const float4*>(shared_values) + item, s));
+      }
+      float m = negative_infinity();
+#pragma unroll
+      for (int s = 0; s < kClusterSplits; ++s) m = fmaxf(m, states[s].x);
+      const float m_use = m == negative_infinity() ? 0.0f : m;
+      float l = 0.0f;
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int s = 0; s < kClusterSplits; ++s) {
+        const float weight = exp2f(states[s].x - m_use);
+        l += weight * states[s].y;
+        sum.x += weight * values[s].x;
+        sum.y += weight * values[s].y;
+        sum.z += weight * values[s].z;
+        sum.w += weight * values[s].w;
+      }
+      // 0 / 0 = NaN where no key was visible, as the reference.
+      const uint2 bits = make_uint2(pack_pair(sum.x / l, sum.y / l), pack_pair(sum.z / l, sum.w / l));
+      *reinterpret_cast<uint2*>(out + (u64)head * kRows * kValueDim + 4 * (u64)item) = bits;
+    }
+    cluster_sync();
+    return;
+  }
   if (splits == 1) return;
 
-  // The last split of this head to arrive merges every split's state, in split order.
-  __threadfence();
+  // The last split of this head to arrive merges every split's state, in split order. One thread
+  // publishes the block's partial state: the barrier orders every thread's writes before its
+  // fence, which is cumulative (the pattern of a cooperative grid barrier), then one atomic.
   __syncthreads();
-  if (threadIdx.x == 0) last_arrival = atomicAdd(arrivals + head, 1u) == (unsigned)(splits - 1);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const bool last = atomicAdd(arrivals + head, 1u) == (unsigned)(splits - 1);
+    if (last) {
+      arrivals[head] = 0u;  // ready for the next launch
+      __threadfence();      // the other splits' partial states are visible from here on
+    }
+    last_arrival = last;
+  }
   __syncthreads();
   if (!last_arrival) return;
-  if (threadIdx.x == 0) arrivals[head] = 0u;  // ready for the next launch
-  __threadfence();
-  // Every load of the merge is issued in a few parallel rounds (a serial walk over the splits
-  // would pay one L2 round trip per split): the states into shared memory, then per row the max,
-  // each split's weight exp(m_split - m) and the normalizer (a warp per row, lanes over splits,
-  // shuffle trees of fixed shape), then the values, a 4-column vector per thread and item.
+  // Every load of the merge is issued in one round (a serial walk over the splits would pay one
+  // L2 round trip per split): the first kPrefetch splits' value vectors into registers, then the
+  // states into shared memory; per row the max, each split's weight exp(m_split - m) and the
+  // normalizer (a warp per row, lanes over splits, shuffle trees of fixed shape); then the
+  // weighted sums, a 4-column vector per thread and item, in split order.
   float2* split_states = reinterpret_cast<float2*>(shared_words);  // [splits][kRows], reusing the warp merge's space
   __shared__ float normalizers[kPaddedRows];
-  const float2* head_states = partial_states + (u64)head * splits * kRows;
+  const float2* head_states = partial_states + (u64)head * grid_splits * kRows;
+  constexpr int kItems = (kVectors + kThreads - 1) / kThreads;
+  constexpr int kPrefetch = kItems >= 8 ? 2 : 16 / kItems;
+  const float4* head_values = reinterpret_cast<const float4*>(partial_values) + (u64)head * grid_splits * kVectors;
+  float4 prefetched[kPrefetch][kItems];
+#pragma unroll
+  for (int s = 0; s < kPrefetch; ++s) {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int item = threadIdx.x + i * kThreads;
+      prefetched[s][i] = s < splits && item < kVectors ? __ldcg(head_values + (u64)s * kVectors + item)
+                                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
   for (int i = threadIdx.x; i < splits * kRows; i += kThreads) split_states[i] = __ldcg(head_states + i);
   __syncthreads();
   for (int row = warp; row < kRows; row += kWarps) {
@@ -473,25 +566,30 @@ extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
     if (lane == 0) normalizers[row] = l;
   }
   __syncthreads();
-  constexpr int kVectors = kRows * kValueDim / 4;
-  constexpr int kItems = (kVectors + kThreads - 1) / kThreads;
-  const float4* head_values = reinterpret_cast<const float4*>(partial_values) + (u64)head * splits * kVectors;
   float4 sums[kItems];
 #pragma unroll
   for (int i = 0; i < kItems; ++i) sums[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  auto accumulate = [&](int s, int i, const float4& x) {
+    const int item = threadIdx.x + i * kThreads;
+    const float weight = split_states[s * kRows + item / (kValueDim / 4)].x;
+    sums[i].x += weight * x.x;
+    sums[i].y += weight * x.y;
+    sums[i].z += weight * x.z;
+    sums[i].w += weight * x.w;
+  };
+#pragma unroll
+  for (int s = 0; s < kPrefetch; ++s) {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      if (s < splits && threadIdx.x + i * kThreads < kVectors) accumulate(s, i, prefetched[s][i]);
+    }
+  }
 #pragma unroll 4
-  for (int s = 0; s < splits; ++s) {
+  for (int s = kPrefetch; s < splits; ++s) {
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int item = threadIdx.x + i * kThreads;
-      if (item < kVectors) {
-        const float weight = split_states[s * kRows + item / (kValueDim / 4)].x;
-        const float4 x = __ldcg(head_values + (u64)s * kVectors + item);
-        sums[i].x += weight * x.x;
-        sums[i].y += weight * x.y;
-        sums[i].z += weight * x.z;
-        sums[i].w += weight * x.w;
-      }
+      if (item < kVectors) accumulate(s, i, __ldcg(head_values + (u64)s * kVectors + item));
     }
   }
 #pragma unroll
@@ -744,6 +842,12 @@ std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, i
   return (keys + step_keys - 1) / step_keys * step_keys;
 }
 
+DecodeShape default_decode_shape(const AttentionProblem& problem) {
+  constexpr std::int64_t longest_clustered = 4096;  // measured at 512, 4096 and 32768 keys
+  if (problem.keys <= longest_clustered) return {4, true};
+  return {8, false};
+}
+
 std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config) {
   const AttentionProblem& p = config.problem;
   return static_cast<std::int64_t>(config.warps) * config.stages * 16 * (p.head_dim + 8 + p.value_dim + 16) * 2;
@@ -765,6 +869,20 @@ void DecodeAttentionConfig::validate() const {
   if (keys_per_split < 0 || keys_per_split % 16 != 0) {
     throw InputError(fmt::format("decode attention: {} keys per split (a multiple of 16)", keys_per_split));
   }
+  if (cluster) {
+    const std::int64_t splits = decode_split_count(*this);
+    if (splits > kMaxClusterSplits) {
+      throw InputError(fmt::format("decode attention: {} splits in one cluster (at most {})", splits, kMaxClusterSplits));
+    }
+  }
+}
+
+std::int64_t decode_split_count(const DecodeAttentionConfig& config) {
+  const std::int64_t keys_per_split =
+      config.keys_per_split > 0 ? config.keys_per_split
+                                : decode_keys_per_split(config.problem, config.warps,
+                                                        config.cluster ? std::min<std::int64_t>(132, kMaxClusterSplits * config.problem.heads) : 132);
+  return (config.problem.keys + keys_per_split - 1) / keys_per_split;
 }
 
 void PrefillAttentionConfig::validate() const {
@@ -776,16 +894,24 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   config.validate();
   const AttentionProblem& problem = config.problem;
   AttentionKernelSource result;
-  result.keys_per_split = config.keys_per_split > 0 ? config.keys_per_split : decode_keys_per_split(problem, config.warps);
-  result.splits = (problem.keys + result.keys_per_split - 1) / result.keys_per_split;
-  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}_s{}", problem_tag(problem), problem.rows,
-                                   config.warps, config.stages, result.keys_per_split);
+  result.splits = decode_split_count(config);
+  result.keys_per_split = (problem.keys + result.splits - 1) / result.splits;
+  result.keys_per_split = (result.keys_per_split + 15) / 16 * 16;  // as the kernel sizes a split of `keys` visible keys
+  // A cluster of one split is no cluster: that kernel is the plain one.
+  const bool cluster = config.cluster && result.splits > 1;
+  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}{}", problem_tag(problem), problem.rows,
+                                   config.warps, config.stages,
+                                   cluster ? fmt::format("_cluster{}", result.splits) : std::string());
   result.source = constants(problem, config.warps, result.kernel_name);
-  result.source += fmt::format("constexpr int kRows = {};\nconstexpr int kKeysPerSplit = {};\nconstexpr int kStages = {};\n",
-                               problem.rows, result.keys_per_split, config.stages);
+  result.source += fmt::format(
+      "constexpr int kRows = {};\nconstexpr int kStages = {};\nconstexpr bool kCluster = {};\n"
+      "constexpr int kClusterSplits = {};\n#define CLUSTER_DIMENSIONS {}\n",
+      problem.rows, config.stages, cluster ? "true" : "false", cluster ? result.splits : 1,
+      cluster ? fmt::format("__cluster_dims__({}, 1, 1)", result.splits) : std::string());
   result.source += codegen_detail::tensor_core_device_helpers();
   result.source += common_body;
   result.source += decode_body;
+  result.cluster = cluster;
   result.launch.grid_x = static_cast<std::uint32_t>(result.splits);
   result.launch.grid_y = static_cast<std::uint32_t>(problem.heads);
   result.launch.block_x = static_cast<std::uint32_t>(config.warps * 32);
@@ -794,8 +920,9 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   result.launch.shared_memory_bytes = static_cast<std::uint32_t>(
       std::max({decode_ring_bytes(config), config.warps * 16 * 8 + config.warps * problem.rows * problem.value_dim * 4,
                 result.splits * problem.rows * 8}));
-  result.summary = fmt::format("decode {} warps{}, {} splits of {} keys", config.warps,
-                               config.stages > 0 ? fmt::format(" {}-stage ring", config.stages) : "", result.splits,
+  result.summary = fmt::format("decode {} warps{}{}, {} splits of {} keys", config.warps,
+                               config.stages > 0 ? fmt::format(" {}-stage ring", config.stages) : "",
+                               cluster ? ", cluster" : "", result.splits,
                                result.keys_per_split);
   return result;
 }

@@ -136,15 +136,21 @@ TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
     AttentionMask mask;
     std::int64_t keys_per_split;  // 0: the default split
     int warps, stages;
+    bool cluster;
   } cases[] = {
-      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 0},    // Llama-3-8B GQA, T one past 4096
-      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 3},    // the same through the cp.async ring
-      {DType::bf16, 3, 1, 1000, 128, 128, AttentionMask::none, 32, 4, 0},   // many splits
-      {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 0, 8, 2},
-      {DType::bf16, 5, 8, 777, 64, 64, AttentionMask::causal, 64, 2, 0},
-      {DType::f16, 4, 7, 1500, 128, 128, AttentionMask::causal, 0, 4, 4},
-      {DType::bf16, 2, 13, 50, 128, 64, AttentionMask::none, 0, 4, 0},      // one split, a partial step
-      {DType::bf16, 3, 5, 2000, 128, 128, AttentionMask::causal, 0, 8, 3},
+      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 0, false},    // Llama-3-8B GQA, T one past 4096
+      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 3, false},    // the same through the cp.async ring
+      {DType::bf16, 8, 4, 4097, 128, 128, AttentionMask::none, 0, 8, 0, true},     // the same as clusters of 16
+      {DType::bf16, 8, 4, 4096, 128, 128, AttentionMask::none, 0, 4, 0, true},     // 4-warp clusters of 16
+      {DType::bf16, 3, 1, 1000, 128, 128, AttentionMask::none, 32, 4, 0, false},   // many splits
+      {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 0, 8, 2, false},
+      {DType::f16, 2, 16, 333, 64, 64, AttentionMask::none, 32, 8, 2, true},       // 11 splits, ring, cluster
+      {DType::bf16, 5, 8, 777, 64, 64, AttentionMask::causal, 64, 2, 0, false},
+      {DType::bf16, 5, 8, 777, 64, 64, AttentionMask::causal, 64, 2, 0, true},     // 13 splits, cluster
+      {DType::f16, 4, 7, 1500, 128, 128, AttentionMask::causal, 0, 4, 4, false},
+      {DType::bf16, 2, 13, 50, 128, 64, AttentionMask::none, 0, 4, 0, false},      // one split, a partial step
+      {DType::bf16, 3, 5, 2000, 128, 128, AttentionMask::causal, 0, 8, 3, false},
+      {DType::bf16, 3, 5, 2000, 128, 128, AttentionMask::causal, 256, 8, 0, true},  // 8 splits (portable cluster)
   };
   for (const auto& c : cases) {
     AttentionProblem problem;
@@ -161,14 +167,17 @@ TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
     options.decode_warps = c.warps;
     options.keys_per_split = c.keys_per_split;
     options.decode_stages = c.stages;
-    check(problem, options, random_inputs(problem, seed += 10), "decode");
+    options.decode_cluster = c.cluster;
+    check(problem, options, random_inputs(problem, seed += 10), c.cluster ? "decode cluster" : "decode");
   }
 }
 
 TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
   std::uint64_t seed = seed_base() * 1000 + 500;
   // GQA with S tokens: R = G·S rows, row r at position positions[r mod S]. The cache holds T slots,
-  // those after the last position are NaN.
+  // those after the last position are NaN. The splits are sized on the device from the largest
+  // position: a short prefix of a long cache splits its few keys over the grid (some splits
+  // empty), and a row at position -1 sees nothing (NaN, every split empty).
   const struct {
     DType dtype;
     std::int64_t heads, groups, tokens, keys, head_dim;
@@ -178,6 +187,9 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
       {DType::bf16, 4, 4, 3, 3000, 128, 1234},    // three tokens
       {DType::f16, 2, 2, 4, 900, 64, 899},        // the cache full
       {DType::bf16, 3, 1, 2, 200, 64, 17},        // inside the first split
+      {DType::bf16, 8, 4, 1, 4096, 128, 127},     // the model engine: 128 tokens in a 4096-slot cache
+      {DType::bf16, 8, 4, 1, 4096, 128, 300},     // 301 keys over 16 splits: a partial last split
+      {DType::f16, 2, 4, 1, 1000, 64, -1},        // nothing written yet: NaN rows
   };
   for (const auto& c : cases) {
     AttentionProblem problem;
@@ -194,10 +206,18 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
       in.positions.push_back(static_cast<std::int32_t>(c.last_position - c.tokens + 1 + s));
     }
     poison_cache_after(problem, in, c.last_position);
-    check(problem, {}, in, "decode positions");
+    check(problem, {}, in, "decode positions (default shape)");
+    FlashAttentionOptions global_merge;
+    global_merge.decode_warps = 8;
+    check(problem, global_merge, in, "decode positions, 8 warps");
     FlashAttentionOptions ring;
+    ring.decode_warps = 8;
     ring.decode_stages = 3;
     check(problem, ring, in, "decode positions, ring");
+    FlashAttentionOptions cluster;
+    cluster.decode_warps = 4;
+    cluster.decode_cluster = true;
+    check(problem, cluster, in, "decode positions, cluster");
   }
 }
 

@@ -75,10 +75,19 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
     std::int64_t rows, head_dim, value_dim;
     AttentionMask mask;
     int warps, stages;
+    bool cluster;
+    std::int64_t keys_per_split;  // 0: the default
   } cases[] = {
-      {DType::bf16, 4, 128, 128, AttentionMask::none, 8, 0},      {DType::bf16, 16, 128, 128, AttentionMask::positions, 8, 3},
-      {DType::f16, 1, 64, 64, AttentionMask::causal, 4, 0},       {DType::f16, 12, 128, 64, AttentionMask::positions, 2, 0},
-      {DType::bf16, 7, 64, 128, AttentionMask::causal, 4, 4},     {DType::bf16, 4, 128, 128, AttentionMask::none, 4, 2},
+      {DType::bf16, 4, 128, 128, AttentionMask::none, 8, 0, false, 0},
+      {DType::bf16, 16, 128, 128, AttentionMask::positions, 8, 3, false, 0},
+      {DType::f16, 1, 64, 64, AttentionMask::causal, 4, 0, false, 0},
+      {DType::f16, 12, 128, 64, AttentionMask::positions, 2, 0, false, 0},
+      {DType::bf16, 7, 64, 128, AttentionMask::causal, 4, 4, false, 0},
+      {DType::bf16, 4, 128, 128, AttentionMask::none, 4, 2, false, 0},
+      // Clusters: Llama's 16 splits (non-portable size), 16 rows with the ring, 64-wide f16 with 8.
+      {DType::bf16, 4, 128, 128, AttentionMask::positions, 8, 0, true, 64},
+      {DType::bf16, 16, 128, 128, AttentionMask::causal, 8, 3, true, 64},
+      {DType::f16, 3, 64, 64, AttentionMask::none, 4, 0, true, 128},
   };
   std::vector<AttentionKernelSource> kernels;
   for (const auto& c : cases) {
@@ -86,9 +95,13 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
     config.problem = problem_of(c.dtype, c.rows, 1000, c.head_dim, c.value_dim, c.mask);
     config.warps = c.warps;
     config.stages = c.stages;
+    config.cluster = c.cluster;
+    config.keys_per_split = c.keys_per_split;
     const AttentionKernelSource kernel = generate_decode_attention_kernel(config);
     EXPECT_GE(kernel.splits * kernel.keys_per_split, 1000);
     EXPECT_LT((kernel.splits - 1) * kernel.keys_per_split, 1000) << "an empty split";
+    EXPECT_EQ(kernel.cluster, c.cluster);
+    EXPECT_EQ(kernel.source.find("__cluster_dims__") != std::string::npos, c.cluster) << kernel.kernel_name;
     kernels.push_back(kernel);
   }
   expect_compile_without_spills(kernels);
@@ -171,6 +184,11 @@ TEST(AttentionCodegen, OperandShapesBecomeAProblem) {
   decode.stages = 0;
   decode.keys_per_split = 24;
   EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("multiple of 16"), std::string::npos);
+  decode.problem.keys = 1000;
+  decode.keys_per_split = 16;  // 63 splits of 16 keys: more than a cluster holds
+  decode.cluster = true;
+  EXPECT_NE(error_of([&] { generate_decode_attention_kernel(decode); }).find("63 splits in one cluster (at most 16)"),
+            std::string::npos);
 }
 
 TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
@@ -185,6 +203,27 @@ TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
   EXPECT_LE(splits * 8, 132);
   problem.keys = 100;
   EXPECT_EQ(decode_keys_per_split(problem, 4, 132), 64);  // 2 splits: a step per warp
+
+  // A cluster holds a head's splits: at most 16 of them, however many multiprocessors there are.
+  DecodeAttentionConfig config;
+  config.problem = problem;
+  config.problem.keys = 32768;
+  config.cluster = true;
+  EXPECT_EQ(decode_split_count(config), 16);
+  config.problem.heads = 2;
+  EXPECT_EQ(decode_split_count(config), 16);
+  config.cluster = false;
+  EXPECT_EQ(decode_split_count(config), 64);  // 66 blocks' worth, in 16-key steps: 64 splits of 512
+
+  // The measured default shape: clusters of 4-warp blocks up to 4096 keys, 8 warps beyond.
+  problem.keys = 512;
+  EXPECT_EQ(default_decode_shape(problem).warps, 4);
+  EXPECT_TRUE(default_decode_shape(problem).cluster);
+  problem.keys = 4096;
+  EXPECT_TRUE(default_decode_shape(problem).cluster);
+  problem.keys = 4097;
+  EXPECT_EQ(default_decode_shape(problem).warps, 8);
+  EXPECT_FALSE(default_decode_shape(problem).cluster);
 }
 
 }  // namespace
