@@ -135,6 +135,7 @@ struct Executable::State {
   std::unique_ptr<NativeRuntime> native;
   CudaStream stream;
   std::vector<DeviceStep> steps;
+  std::vector<std::string> step_kinds;  // per step: what profile() sums it under
   CudaGraph replay;
   std::vector<RegionReport> reports;
   int kernel_count = 0;
@@ -207,6 +208,9 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   };
   if (options.mode == DispatchMode::native) {
     return finish(CandidateId::native(), "native (METILE_DISPATCH=native)");
+  }
+  if (options.declined_rules.contains(region.rule)) {
+    return finish(CandidateId::native(), "native: declined by model verification");
   }
   const ComputeGraph sub = region_graph(graph, region);
   const FusionRegion sub_region = region_in_region_graph(graph, region, sub);
@@ -298,9 +302,15 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
 struct Unit {
   std::vector<NodeId> nodes;
   std::vector<DeviceStep> steps;
+  std::string kind;  // Executable::profile's label
 };
 
-std::vector<DeviceStep> order_units(const ComputeGraph& graph, std::vector<Unit> units) {
+struct OrderedSteps {
+  std::vector<DeviceStep> steps;
+  std::vector<std::string> kinds;
+};
+
+OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
   std::map<NodeId, std::size_t> unit_of;
   for (std::size_t u = 0; u < units.size(); ++u) {
     for (NodeId node : units[u].nodes) unit_of[node] = u;
@@ -325,20 +335,23 @@ std::vector<DeviceStep> order_units(const ComputeGraph& graph, std::vector<Unit>
   for (std::size_t u = 0; u < units.size(); ++u) {
     if (pending[u] == 0) ready.push_back(u);
   }
-  std::vector<DeviceStep> steps;
+  OrderedSteps ordered;
   std::size_t done = 0;
   while (!ready.empty()) {
     std::sort(ready.begin(), ready.end(), later);
     const std::size_t u = ready.back();
     ready.pop_back();
     ++done;
-    for (DeviceStep& step : units[u].steps) steps.push_back(std::move(step));
+    for (DeviceStep& step : units[u].steps) {
+      ordered.steps.push_back(std::move(step));
+      ordered.kinds.push_back(units[u].kind);
+    }
     for (std::size_t next : successors[u]) {
       if (--pending[next] == 0) ready.push_back(next);
     }
   }
   if (done != units.size()) throw std::runtime_error("Executable: the plan's regions depend on each other in a cycle");
-  return steps;
+  return ordered;
 }
 
 }  // namespace
@@ -364,6 +377,8 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
                                             cache ? &*cache : nullptr);
     Unit unit;
     unit.nodes = region.nodes;
+    unit.kind = fmt::format("{} {}", region.rule.empty() ? "region" : region.rule,
+                            candidate_kind_name(report.chosen_id.kind));
     if (report.chosen_id.kind == CandidateKind::fused) {
       // The whole plan replays as one CUDA graph: the chosen lowering binds in its eager form.
       for (FusedCandidate& candidate : lower_region(graph, region, options).candidates) {
@@ -386,10 +401,12 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
-    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}});
+    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op});
     state->kernel_count += 1;
   }
-  state->steps = order_units(graph, std::move(units));
+  OrderedSteps ordered = order_units(graph, std::move(units));
+  state->steps = std::move(ordered.steps);
+  state->step_kinds = std::move(ordered.kinds);
   if (options.capture_cuda_graph && !state->steps.empty()) {
     state->replay = CudaGraph::capture(state->stream, [&steps = state->steps](const CudaStream& stream) {
       run_steps(steps, stream);
@@ -417,6 +434,29 @@ void Executable::enqueue(const CudaStream& stream) {
 DeviceValues& Executable::values() { return *state_->values; }
 const CudaStream& Executable::stream() const { return state_->stream; }
 const std::vector<RegionReport>& Executable::reports() const { return state_->reports; }
+
+int Executable::step_count() const { return static_cast<int>(state_->steps.size()); }
+
+std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
+  state_->device.make_current();
+  std::vector<CudaEvent> events(state_->steps.size() + 1);
+  events[0].record(stream);
+  for (std::size_t i = 0; i < state_->steps.size(); ++i) {
+    state_->steps[i](stream);
+    events[i + 1].record(stream);
+  }
+  events.back().synchronize();
+  std::vector<StepKindTime> times;
+  for (std::size_t i = 0; i < state_->steps.size(); ++i) {
+    auto entry = std::find_if(times.begin(), times.end(),
+                              [&](const StepKindTime& time) { return time.kind == state_->step_kinds[i]; });
+    if (entry == times.end()) entry = times.insert(times.end(), StepKindTime{state_->step_kinds[i], 0, 0});
+    entry->ms += CudaEvent::elapsed_ms(events[i], events[i + 1]);
+    entry->steps += 1;
+  }
+  std::stable_sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
+  return times;
+}
 
 std::string Executable::report() const {
   std::string text;

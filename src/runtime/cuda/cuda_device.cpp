@@ -213,6 +213,27 @@ void DeviceBuffer::copy_to_host(std::span<std::byte> bytes, std::size_t offset) 
         fmt::format("cuMemcpyDtoH({} bytes)", bytes.size()));
 }
 
+void DeviceBuffer::copy_from_host_async(std::span<const std::byte> bytes, const CudaStream& stream,
+                                        std::size_t offset) {
+  if (offset + bytes.size() > size_) {
+    throw CudaError(fmt::format("DeviceBuffer::copy_from_host_async: {} bytes at offset {} exceed the {}-byte buffer",
+                                bytes.size(), offset, size_));
+  }
+  if (bytes.empty()) return;
+  check(driver().cuMemcpyHtoDAsync(address_ + offset, bytes.data(), bytes.size(), stream.handle()),
+        fmt::format("cuMemcpyHtoDAsync({} bytes)", bytes.size()));
+}
+
+void DeviceBuffer::copy_to_host_async(std::span<std::byte> bytes, const CudaStream& stream, std::size_t offset) const {
+  if (offset + bytes.size() > size_) {
+    throw CudaError(fmt::format("DeviceBuffer::copy_to_host_async: {} bytes at offset {} exceed the {}-byte buffer",
+                                bytes.size(), offset, size_));
+  }
+  if (bytes.empty()) return;
+  check(driver().cuMemcpyDtoHAsync(bytes.data(), address_ + offset, bytes.size(), stream.handle()),
+        fmt::format("cuMemcpyDtoHAsync({} bytes)", bytes.size()));
+}
+
 void DeviceBuffer::copy_from_device(const DeviceBuffer& source, std::size_t bytes, const CudaStream* stream) {
   if (bytes > size_ || bytes > source.size_) {
     throw CudaError(fmt::format("DeviceBuffer::copy_from_device: {} bytes exceed a buffer ({} and {} bytes)", bytes,
