@@ -85,6 +85,11 @@ struct EngineOptions {
   EngineProgress progress;
 };
 
+// The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery
+// (attention rewritten to flash_attention, the planner's regions for the h200 target); native,
+// the graph as it is with no rule (no region: every node its own native step).
+FusionPlan engine_plan(const ComputeGraph& graph, EnginePath path);
+
 class CudaDecodeSession : public LogitsSession {
  public:
   static constexpr std::int64_t kPrefillChunk = DecoderModel::kMaxStepTokens;  // 16

@@ -82,6 +82,13 @@ std::int64_t CudaModel::decode_step_bytes(std::int64_t context) const {
 // ---------------------------------------------------------------- CudaDecodeSession
 std::string_view engine_path_name(EnginePath path) { return path == EnginePath::fused ? "fused" : "native"; }
 
+FusionPlan engine_plan(const ComputeGraph& graph, EnginePath path) {
+  // fused: discovery (attention -> flash_attention) and the planner's regions; native: the same
+  // graph, no rewrite and no rule, so every node is its own native step.
+  return path == EnginePath::fused ? plan_with_discovery(graph, FusionTarget::h200())
+                                   : plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{});
+}
+
 CudaDecodeSession::CudaDecodeSession(std::shared_ptr<const CudaModel> model, EngineOptions options)
     : model_(std::move(model)), options_(std::move(options)) {
   model_->device().make_current();
@@ -110,11 +117,7 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   const std::string what = fmt::format("{} step of {} token{}", engine_path_name(options_.path), steps,
                                        steps == 1 ? "" : "s");
   report(options_.progress, fmt::format("metile: planning the {}", what));
-  // fused: discovery (attention -> flash_attention) and the planner's regions; native: the
-  // same graph, no rewrite and no rule, so every node is its own native step.
-  const FusionPlan plan = options_.path == EnginePath::fused
-                              ? plan_with_discovery(graph, FusionTarget::h200())
-                              : plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{});
+  const FusionPlan plan = engine_plan(graph, options_.path);
   ExecutableOptions options = options_.executable;
   if (options_.path == EnginePath::native) options.mode = DispatchMode::native;
   for (const auto& [name, address] : model_->weight_addresses()) {
