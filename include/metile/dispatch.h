@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -215,6 +216,10 @@ struct ExecutableOptions {
   TournamentOptions tournament;
   std::uint64_t gate_seed = 0x6d6574696c65;   // inputs of the numeric gate ("metile")
   std::vector<RegionLowering> extra_lowerings;
+  // Graph value name -> device address: those values are borrowed, not allocated (the caller's
+  // buffer holds at least spec.bytes() and outlives the Executable); run() then needs no host
+  // tensor for such an input. InputError when a name is not a value of the plan's graph.
+  std::map<std::string, std::uint64_t> external_values;
 };
 
 struct RegionReport {
