@@ -362,7 +362,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   auto state = std::make_unique<State>(device);
   state->graph = plan.graph;
   const ComputeGraph& graph = *state->graph;
-  state->values = std::make_unique<DeviceValues>(graph);
+  state->values = std::make_unique<DeviceValues>(graph, options.external_values);
   state->native = std::make_unique<NativeRuntime>();
   std::optional<DecisionCache> cache;
   if (options.use_decision_cache) {

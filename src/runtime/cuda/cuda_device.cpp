@@ -170,19 +170,30 @@ DeviceBuffer::DeviceBuffer(std::size_t bytes) : size_(bytes) {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (address_ != 0) driver().cuMemFree(address_);
+  if (owns_memory()) driver().cuMemFree(address_);
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : address_(std::exchange(other.address_, 0)), size_(std::exchange(other.size_, 0)) {}
+    : address_(std::exchange(other.address_, 0)),
+      size_(std::exchange(other.size_, 0)),
+      owned_(std::exchange(other.owned_, true)) {}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
-    if (address_ != 0) driver().cuMemFree(address_);
+    if (owns_memory()) driver().cuMemFree(address_);
     address_ = std::exchange(other.address_, 0);
     size_ = std::exchange(other.size_, 0);
+    owned_ = std::exchange(other.owned_, true);
   }
   return *this;
+}
+
+DeviceBuffer DeviceBuffer::borrow(std::uint64_t address, std::size_t bytes) {
+  DeviceBuffer buffer;
+  buffer.address_ = address;
+  buffer.size_ = bytes;
+  buffer.owned_ = false;
+  return buffer;
 }
 
 DeviceBuffer DeviceBuffer::from_host(std::span<const std::byte> bytes) {

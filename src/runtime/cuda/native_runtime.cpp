@@ -9,16 +9,38 @@
 namespace metile {
 
 // ---------------------------------------------------------------- device values
-DeviceValues::DeviceValues(const ComputeGraph& graph) : graph_(&graph) {
+DeviceValues::DeviceValues(const ComputeGraph& graph, const ExternalValues& external_values)
+    : graph_(&graph), external_(graph.values().size(), false) {
+  std::vector<std::uint64_t> external_address(graph.values().size(), 0);
+  for (const auto& [name, address] : external_values) {
+    const std::optional<ValueId> found = graph.find_value(name);
+    if (!found) throw InputError(fmt::format("external value '{}' is not a value of the graph", name));
+    if (address == 0) throw InputError(fmt::format("external value '{}' has a null device address", name));
+    external_[static_cast<std::size_t>(*found)] = true;
+    external_address[static_cast<std::size_t>(*found)] = address;
+  }
   tensors_.reserve(graph.values().size());
-  for (const Value& value : graph.values()) tensors_.emplace_back(value.spec);
+  for (const Value& value : graph.values()) {
+    const auto index = static_cast<std::size_t>(value.id);
+    if (external_[index]) {
+      DeviceTensor borrowed;
+      borrowed.spec = value.spec;
+      borrowed.buffer = DeviceBuffer::borrow(external_address[index], static_cast<std::size_t>(value.spec.bytes()));
+      tensors_.push_back(std::move(borrowed));
+    } else {
+      tensors_.emplace_back(value.spec);
+    }
+  }
 }
 
 void DeviceValues::upload_inputs(const TensorMap& inputs) {
   for (ValueId id : graph_->inputs()) {
     const Value& value = graph_->value(id);
     auto found = inputs.find(value.name);
-    if (found == inputs.end()) throw InputError(fmt::format("missing input '{}' ({})", value.name, value.spec.to_string()));
+    if (found == inputs.end()) {
+      if (is_external(id)) continue;  // the caller's buffer already holds it
+      throw InputError(fmt::format("missing input '{}' ({})", value.name, value.spec.to_string()));
+    }
     if (found->second.spec() != value.spec) {
       throw InputError(fmt::format("input '{}' is {}, the graph expects {}", value.name,
                                    found->second.spec().to_string(), value.spec.to_string()));
@@ -35,7 +57,8 @@ TensorMap DeviceValues::download_outputs() const {
 
 void DeviceValues::poison_computed_values() {
   for (const Value& value : graph_->values()) {
-    if (value.producer >= 0) tensors_.at(static_cast<std::size_t>(value.id)).buffer.fill_bytes(0xFF);
+    DeviceBuffer& buffer = tensors_.at(static_cast<std::size_t>(value.id)).buffer;
+    if (value.producer >= 0 && buffer.owns_memory()) buffer.fill_bytes(0xFF);
   }
 }
 
