@@ -90,9 +90,12 @@ FusionPlan engine_plan(const ComputeGraph& graph, EnginePath path) {
 }
 
 CudaDecodeSession::CudaDecodeSession(std::shared_ptr<const CudaModel> model, EngineOptions options)
-    : model_(std::move(model)), options_(std::move(options)) {
-  model_->device().make_current();
-  stream_ = CudaStream();
+    : model_(std::move(model)),
+      options_(std::move(options)),
+      stream_([&] {
+        model_->device().make_current();  // the stream and every buffer below belong to the model's device
+        return CudaStream();
+      }()) {
   const DecoderModel& decoder = model_->model();
   const ModelConfig& config = decoder.config();
   const TensorSpec cache_spec({config.num_key_value_heads, decoder.capacity(), config.head_dim}, decoder.dtype());
