@@ -263,7 +263,8 @@ TEST_F(ModelEngineTest, APlantedWrongKernelIsDeclinedByModelVerification) {
     }
   }
   ExecutableOptions options = executable_;
-  options.use_decision_cache = false;  // the planted candidate's wins must not be stored
+  options.mode = DispatchMode::automatic;  // measured, whatever METILE_DISPATCH says
+  options.use_decision_cache = false;      // the planted candidate's wins must not be stored
   options.extra_lowerings.push_back(planted_lowering(rule));
   const std::vector<std::int32_t> prompt = random_prompt(seed, 6, model.config().vocab_size);
   const EngineVerification verification = verify_fused_engine(cuda_model, prompt, 16, EngineThresholds{}, options);
