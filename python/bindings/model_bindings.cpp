@@ -12,6 +12,7 @@
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
 
+#include <cstdio>
 #include <memory>
 
 #include "bindings.h"
@@ -168,7 +169,10 @@ void bind_model(py::module_& module) {
           held->model = model;
           {
             py::gil_scoped_release release;
-            held->session = std::make_unique<CudaDecodeSession>(CudaModel::load(*model, *device));
+            // Uploads and plan builds take seconds to minutes on large models: say so on stderr.
+            const EngineProgress progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+            held->session = std::make_unique<CudaDecodeSession>(CudaModel::load(*model, *device, progress),
+                                                                EngineOptions{EnginePath::fused, {}, progress});
           }
           return py::cast(held);
         }
