@@ -363,7 +363,9 @@ using ExternalValues = std::map<std::string, std::uint64_t>;
 // The graph must outlive this object.
 //
 // External values are borrowed: the caller's buffer is used, never allocated or freed here
-// (InputError when a name is not a value of the graph).
+// (InputError when a name is not a value of the graph). Values that alias_of (graph.h) maps to
+// another value are views of that value's buffer: a reshape's output is its input's bytes, and
+// after a run an in-place kv_cache_write's cache input holds the updated cache.
 class DeviceValues {
  public:
   explicit DeviceValues(const ComputeGraph& graph, const ExternalValues& external_values = {});
@@ -371,6 +373,9 @@ class DeviceValues {
   DeviceTensor& operator[](ValueId id) { return tensors_.at(static_cast<std::size_t>(id)); }
   const DeviceTensor& operator[](ValueId id) const { return tensors_.at(static_cast<std::size_t>(id)); }
   bool is_external(ValueId id) const { return external_.at(static_cast<std::size_t>(id)); }
+  // Whether two values use the same buffer (alias_of: reshape, transpose of size-1 axes, an in-place
+  // kv_cache_write); their nodes' native steps then launch nothing or write only what changes.
+  bool shares_buffer(ValueId a, ValueId b) const;
   // By graph-input name; InputError naming the input when one is missing or its spec differs.
   // An external input may be missing (its buffer already holds it); when given, it is uploaded.
   void upload_inputs(const TensorMap& inputs);

@@ -19,18 +19,27 @@ DeviceValues::DeviceValues(const ComputeGraph& graph, const ExternalValues& exte
     external_[static_cast<std::size_t>(*found)] = true;
     external_address[static_cast<std::size_t>(*found)] = address;
   }
-  tensors_.reserve(graph.values().size());
+  // Owners first (allocated, or the caller's buffer), then every alias as a view of its owner's.
+  const std::vector<ValueId> owner = alias_of(graph, external_);
+  tensors_.resize(graph.values().size());
   for (const Value& value : graph.values()) {
     const auto index = static_cast<std::size_t>(value.id);
-    if (external_[index]) {
-      DeviceTensor borrowed;
-      borrowed.spec = value.spec;
-      borrowed.buffer = DeviceBuffer::borrow(external_address[index], static_cast<std::size_t>(value.spec.bytes()));
-      tensors_.push_back(std::move(borrowed));
-    } else {
-      tensors_.emplace_back(value.spec);
-    }
+    if (owner[index] != value.id) continue;
+    tensors_[index].spec = value.spec;
+    tensors_[index].buffer = external_[index] ? DeviceBuffer::borrow(external_address[index], static_cast<std::size_t>(value.spec.bytes()))
+                                              : DeviceBuffer(static_cast<std::size_t>(value.spec.bytes()));
   }
+  for (const Value& value : graph.values()) {
+    const auto index = static_cast<std::size_t>(value.id);
+    if (owner[index] == value.id) continue;
+    tensors_[index].spec = value.spec;
+    tensors_[index].buffer = DeviceBuffer::borrow(tensors_[static_cast<std::size_t>(owner[index])].address(),
+                                                  static_cast<std::size_t>(value.spec.bytes()));
+  }
+}
+
+bool DeviceValues::shares_buffer(ValueId a, ValueId b) const {
+  return (*this)[a].address() == (*this)[b].address() && (*this)[a].spec.bytes() != 0;
 }
 
 void DeviceValues::upload_inputs(const TensorMap& inputs) {
@@ -175,9 +184,17 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
       matmul->run(problem, left_address, right_address, out_address, stream);
     };
   }
+  // Aliased outputs (alias_of): a reshape or a transpose of size-1 axes moves no byte, and a cache
+  // written in place needs only its new rows.
+  const bool shares_input_buffer = node.outputs.size() == 1 && values.shares_buffer(node.outputs[0], node.inputs[0]);
+  if (shares_input_buffer && (node.op == "reshape" || node.op == "transpose")) {
+    return [](const CudaStream&) {};
+  }
   // Kernels are shared by source, and the same source arises from other graphs (a region cut out for
   // gating keeps the names, not the value ids): bind with the ids of this graph's generation.
-  const GeneratedKernel generated = generate_node_kernel(graph, node_id);
+  const GeneratedKernel generated = node.op == "kv_cache_write" && shares_input_buffer
+                                        ? generate_kv_cache_write_kernel(graph, node_id, /*in_place=*/true)
+                                        : generate_node_kernel(graph, node_id);
   std::vector<ValueId> ids;
   for (const KernelParameter& parameter : generated.parameters) ids.push_back(parameter.value);
   return bind_kernel(kernel_for(generated), values, ids);
