@@ -3,9 +3,10 @@
 # transformers oracle of the model module in the background (CPU only: torch + metile on the
 # CPU), run every GPU test (ctest label `gpu`), `metile run --backend cuda --check` on the
 # examples, the transformers oracle against the GPU decode engine (--backend cuda), one short
-# row of the model benchmark (benchmarks/model/device_run.sh; BENCH_MODEL_ROWS="..." for more,
-# "" for none) and the kernel benchmark (row kernels, one-pass vs two-pass softmax). The decode-MLP
-# and attention benchmarks have their own device scripts (benchmarks/*/device_run.sh).
+# row of the model benchmark (benchmarks/model/device_run.sh, Llama-3.2-1B's shapes cut to 4 layers;
+# BENCH_MODEL_ROWS="..." for others, "" for none) and the kernel benchmark (row kernels, one-pass
+# vs two-pass softmax). The decode-MLP, attention and whole-model benchmarks have their own device
+# scripts (benchmarks/*/device_run.sh).
 # Full logs under $OUT (default /tmp/metile-gpu-check), a summary last.
 set -u
 OUT=${OUT:-/tmp/metile-gpu-check}
@@ -42,12 +43,12 @@ oracle_rc=$?
 summary+=("$(printf '%-22s rc=%-3s at %s' transformers_oracle "$oracle_rc" "$(elapsed)")")
 tail -25 "$OUT/transformers_oracle.log"
 # The GPU decode engine against transformers' float32 logits (after the CPU oracle: one GPU user at a time).
-step oracle_cuda ${ORACLE_CUDA_TIMEOUT:-240} python3 tests/gpu/transformers_oracle.py \
+step oracle_cuda ${ORACLE_CUDA_TIMEOUT:-180} python3 tests/gpu/transformers_oracle.py \
   --metile build/gpu/tools/metile/metile --backend cuda
 tail -18 "$OUT/oracle_cuda.log"
-if [ -n "${BENCH_MODEL_ROWS-llama3.2-1b:4}" ]; then
-  step bench_model ${BENCH_MODEL_TIMEOUT:-300} env OUT="$OUT/bench_model" METILE=build/gpu/tools/metile/metile \
-    benchmarks/model/device_run.sh ${BENCH_MODEL_ROWS-llama3.2-1b:4}
+if [ -n "${BENCH_MODEL_ROWS-llama3.2-1b:4:4}" ]; then
+  step bench_model ${BENCH_MODEL_TIMEOUT:-200} env OUT="$OUT/bench_model" METILE=build/gpu/tools/metile/metile \
+    benchmarks/model/device_run.sh ${BENCH_MODEL_ROWS-llama3.2-1b:4:4}
   tail -8 "$OUT/bench_model.log"
 fi
 step kernels_benchmark ${KERNELS_TIMEOUT:-90} build/gpu/benchmarks/kernels/kernels_benchmark

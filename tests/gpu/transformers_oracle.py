@@ -138,6 +138,10 @@ def main():
                 variants.append((arch, tied, spelling, False))
     variants.append(("llama", "false", 4, True))
     variants.append(("llama", "true", 5, True))
+    if args.backend == "cuda":
+        # The engine sees the same graphs whichever config spelling made them: one spelling per
+        # architecture and tying, plus Llama 3 scaling, keeps the device time short.
+        variants = [variant for variant in variants if variant[2] == 4 or variant[3]]
 
     rows = []
     failures = 0
