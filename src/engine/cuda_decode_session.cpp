@@ -124,7 +124,7 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   ExecutableOptions options = options_.executable;
   if (options_.path == EnginePath::native) options.mode = DispatchMode::native;
   for (const auto& [name, address] : model_->weight_addresses()) {
-    if (graph.find_value(name)) options.external_values[name] = address;  // a checkpoint may hold unused tensors
+    if (plan.graph->find_value(name)) options.external_values[name] = address;  // a checkpoint may hold unused tensors
   }
   for (const auto& [name, buffer] : caches_) options.external_values[name] = buffer.address();
   options.external_values["token_ids"] = token_ids_.address();
