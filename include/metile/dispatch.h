@@ -206,6 +206,10 @@ struct RegionLowering {
 // ("fused epilogue", ...), when those ops form a row region that runs between them.
 Lowered row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
+// A flash_attention region (one node, src/dispatch/attention_lowering.cpp): the generated decode
+// (R <= 16) or prefill attention kernel, "fused attention decode|prefill"; refused when the node's
+// certificate is not verified or the kernels cannot take the problem (dtype, head dims).
+Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region);
 std::vector<RegionLowering> builtin_lowerings();
 
 // ---------------------------------------------------------------- executable

@@ -124,7 +124,9 @@ Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion
 }
 
 std::vector<RegionLowering> builtin_lowerings() {
-  return {{"row kernel", row_region_candidates}, {"contractions around a row kernel", contraction_row_candidates}};
+  return {{"row kernel", row_region_candidates},
+          {"contractions around a row kernel", contraction_row_candidates},
+          {"flash attention", flash_attention_candidates}};
 }
 
 // ---------------------------------------------------------------- executable
@@ -188,9 +190,14 @@ NumericGateResult gate_outputs(const TensorMap& outputs, const TensorMap& refere
 
 // Gates the candidates of one region on a graph of its own, then lets the dispatch engine
 // (choose_measured) race and choose.
+// Choices made earlier in the same build, by a key of the region's structure and its candidates'
+// identities (not their sources, whose comments carry value names): the 32 identical layers of a
+// model are gated and raced once.
+using BuildMemo = std::map<std::string, RegionReport>;
+
 RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& region, int region_index,
                                const CudaDevice& device, const ExecutableOptions& options, NativeRuntime& native,
-                               DecisionCache* cache) {
+                               DecisionCache* cache, BuildMemo& memo) {
   RegionReport report;
   report.region = region_index;
   report.rule = region.rule;
@@ -228,6 +235,22 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   sources.emplace_back(CandidateId::native(), native_source);
   for (const FusedCandidate& candidate : lowered.candidates) sources.emplace_back(candidate.id, candidate.source);
   const std::string key = dispatch_key(device.info(), sub, sources, options.mode);
+  std::vector<std::pair<CandidateId, std::string>> identities;
+  for (const auto& [id, source] : sources) identities.emplace_back(id, std::string());
+  const std::string memo_key = dispatch_key(device.info(), sub, identities, options.mode);
+  if (auto earlier = memo.find(memo_key); earlier != memo.end()) {
+    RegionReport same = earlier->second;
+    same.region = report.region;
+    same.rule = report.rule;
+    same.nodes = report.nodes;
+    same.sentence = fmt::format("{}: {} (as region R{}, same structure)", label,
+                                same.sentence.substr(same.sentence.find(": ") + 2), earlier->second.region + 1);
+    return same;
+  }
+  auto remember = [&](RegionReport chosen) {
+    memo.emplace(memo_key, chosen);
+    return chosen;
+  };
   std::optional<DispatchDecision> stored;
   if (cache != nullptr) stored = cache->find(key);
   // A stored decision was gated and raced when it was made, under a key that names every
@@ -240,7 +263,7 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     if (offered) {
       report.from_cache = true;
       for (const auto& [id, ms] : stored->timings_ms) report.timings_ms.emplace_back(id.name(), ms);
-      return finish(stored->chosen, stored->report + " (cached)");
+      return remember(finish(stored->chosen, stored->report + " (cached)"));
     }
   }
 
@@ -289,13 +312,14 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     for (int index : entrants) race.push_back({measured[static_cast<std::size_t>(index)].id.name(), runs[static_cast<std::size_t>(index)]});
     return run_tournament(race, stream, options.tournament).score_ms;
   });
-  if (choice.chosen < 0) return finish(CandidateId::native(), "native: " + choice.reason);
+  if (choice.chosen < 0) return remember(finish(CandidateId::native(), "native: " + choice.reason));
   for (std::size_t i = 0; i < measured.size(); ++i) {
     if (choice.score_ms[i] >= 0) report.timings_ms.emplace_back(measured[i].id.name(), choice.score_ms[i]);
   }
   report.from_cache = choice.from_cache;
   if (cache != nullptr && choice.worth_storing && !choice.from_cache) cache->store(decision_of(key, measured, choice));
-  return finish(measured[static_cast<std::size_t>(choice.chosen)].id, choice.reason + (choice.from_cache ? " (cached)" : ""));
+  return remember(finish(measured[static_cast<std::size_t>(choice.chosen)].id,
+                         choice.reason + (choice.from_cache ? " (cached)" : "")));
 }
 
 // Steps of regions and unfused nodes, ordered so every step runs after the producers of what it reads.
@@ -371,10 +395,11 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
 
   std::vector<Unit> units;
   std::set<NodeId> covered;
+  BuildMemo memo;
   for (std::size_t r = 0; r < plan.regions.size(); ++r) {
     const FusionRegion& region = plan.regions[r];
     RegionReport report = choose_for_region(graph, region, static_cast<int>(r), device, options, *state->native,
-                                            cache ? &*cache : nullptr);
+                                            cache ? &*cache : nullptr, memo);
     Unit unit;
     unit.nodes = region.nodes;
     unit.kind = fmt::format("{} {}", region.rule.empty() ? "region" : region.rule,
