@@ -2,8 +2,11 @@
 # One call on a CUDA machine: build the GPU-facing targets (Release, no Python), start the
 # transformers oracle of the model module in the background (CPU only: torch + metile on the
 # CPU), run every GPU test (ctest label `gpu`), `metile run --backend cuda --check` on the
-# examples, and the kernel benchmark (row kernels, one-pass vs two-pass softmax). The decode-MLP
-# and attention benchmarks have their own device scripts (benchmarks/*/device_run.sh).
+# examples, the transformers oracle against the GPU decode engine (--backend cuda), one short
+# row of the model benchmark (benchmarks/model/device_run.sh, Llama-3.2-1B's shapes cut to 4 layers;
+# BENCH_MODEL_ROWS="..." for others, "" for none) and the kernel benchmark (row kernels, one-pass
+# vs two-pass softmax). The decode-MLP, attention and whole-model benchmarks have their own device
+# scripts (benchmarks/*/device_run.sh).
 # Full logs under $OUT (default /tmp/metile-gpu-check), a summary last.
 set -u
 OUT=${OUT:-/tmp/metile-gpu-check}
@@ -35,10 +38,19 @@ for example in add_rms_norm decoder_layer; do
   step "run_$example" 60 build/gpu/tools/metile/metile run examples/$example.json --backend cuda --check
   grep -E "^region|^check|error" "$OUT/run_$example.log" | head -12
 done
-step kernels_benchmark ${KERNELS_TIMEOUT:-90} build/gpu/benchmarks/kernels/kernels_benchmark
-tail -22 "$OUT/kernels_benchmark.log"
 wait $oracle
 oracle_rc=$?
 summary+=("$(printf '%-22s rc=%-3s at %s' transformers_oracle "$oracle_rc" "$(elapsed)")")
 tail -25 "$OUT/transformers_oracle.log"
+# The GPU decode engine against transformers' float32 logits (after the CPU oracle: one GPU user at a time).
+step oracle_cuda ${ORACLE_CUDA_TIMEOUT:-180} python3 tests/gpu/transformers_oracle.py \
+  --metile build/gpu/tools/metile/metile --backend cuda
+tail -18 "$OUT/oracle_cuda.log"
+if [ -n "${BENCH_MODEL_ROWS-llama3.2-1b:4:4}" ]; then
+  step bench_model ${BENCH_MODEL_TIMEOUT:-200} env OUT="$OUT/bench_model" METILE=build/gpu/tools/metile/metile \
+    benchmarks/model/device_run.sh ${BENCH_MODEL_ROWS-llama3.2-1b:4:4}
+  tail -8 "$OUT/bench_model.log"
+fi
+step kernels_benchmark ${KERNELS_TIMEOUT:-90} build/gpu/benchmarks/kernels/kernels_benchmark
+tail -22 "$OUT/kernels_benchmark.log"
 printf '%s\n' "${summary[@]}"

@@ -73,9 +73,16 @@ std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, con
 FusionRegion single_node_region(const ComputeGraph& graph, NodeId node);
 
 // The native (unfused) kernel of one non-contraction node: elementwise and row-reduction ops through
-// the row generator, layout ops (reshape, transpose, rope) through simple index kernels.
+// the row generator, layout and decode-step ops (reshape, transpose, rope, embedding,
+// quantized_embedding, position_mask, kv_cache_write) through simple index kernels.
 // Throws InputError for matmul / quantized_matmul (those run through cuBLASLt).
 GeneratedKernel generate_node_kernel(const ComputeGraph& graph, NodeId node);
+
+// kv_cache_write's native kernel. Copied (in_place false, what generate_node_kernel gives): the
+// whole output from the cache with the new rows in it; parameters cache, update, positions, out.
+// In place (the output shares the cache's buffer, alias_of in graph.h): only the S new rows of
+// every head are written; parameters update, positions, out.
+GeneratedKernel generate_kv_cache_write_kernel(const ComputeGraph& graph, NodeId node, bool in_place);
 
 // For a quantized_matmul node: expands the packed affine weights to a dense row-major [N, K] matrix in
 // x's dtype (a scratch parameter), for cuBLASLt to multiply with transpose_right.

@@ -131,6 +131,7 @@ double measure_copy_bandwidth_gbps(const CudaStream& stream, std::size_t bytes =
 
 // ---------------------------------------------------------------- device memory
 // Owns one device allocation (cuMemAlloc: 256-byte aligned). Move-only; freed on destruction.
+// A borrowed buffer (borrow()) is a view of memory someone else owns: same interface, never freed.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -147,14 +148,22 @@ class DeviceBuffer {
   static DeviceBuffer from_vector(std::span<const T> values) {
     return from_host(std::as_bytes(values));
   }
+  // A view of `bytes` bytes at `address` (a CUdeviceptr the caller keeps alive); never freed here.
+  static DeviceBuffer borrow(std::uint64_t address, std::size_t bytes);
 
   std::uint64_t address() const { return address_; }  // a CUdeviceptr
   std::size_t size_bytes() const { return size_; }
   bool empty() const { return size_ == 0; }
+  bool owns_memory() const { return owned_ && address_ != 0; }
 
   // Synchronous copies (ranges checked against the allocation; CudaError when out of range).
   void copy_from_host(std::span<const std::byte> bytes, std::size_t offset = 0);
   void copy_to_host(std::span<std::byte> bytes, std::size_t offset = 0) const;
+  // Asynchronous on `stream` (ordered with the stream's other work, no host synchronisation):
+  // the host bytes must stay valid until the stream has passed the copy. From pageable memory
+  // the driver stages the upload, so the caller may reuse its bytes at once after the call.
+  void copy_from_host_async(std::span<const std::byte> bytes, const CudaStream& stream, std::size_t offset = 0);
+  void copy_to_host_async(std::span<std::byte> bytes, const CudaStream& stream, std::size_t offset = 0) const;
   void copy_from_device(const DeviceBuffer& source, std::size_t bytes, const CudaStream* stream = nullptr);
   void fill_bytes(std::uint8_t value, const CudaStream* stream = nullptr);  // e.g. poison outputs with 0xFF (NaN)
 
@@ -170,6 +179,7 @@ class DeviceBuffer {
  private:
   std::uint64_t address_ = 0;
   std::size_t size_ = 0;
+  bool owned_ = true;
 };
 
 // A tensor on the device: its spec and the buffer holding it in the dtype's bit layout.
@@ -345,24 +355,40 @@ class CublasLtMatmul {
 // One unit of device work bound to its buffers, enqueued on a stream (a launch, a matmul, ...).
 using DeviceStep = std::function<void(const CudaStream&)>;
 
+// Graph value name -> device address of a buffer the caller owns (at least spec.bytes(), alive as
+// long as the DeviceValues that borrow it).
+using ExternalValues = std::map<std::string, std::uint64_t>;
+
 // One device tensor for every value of a graph: inputs, intermediates and outputs.
 // The graph must outlive this object.
+//
+// External values are borrowed: the caller's buffer is used, never allocated or freed here
+// (InputError when a name is not a value of the graph). Values that alias_of (graph.h) maps to
+// another value are views of that value's buffer: a reshape's output is its input's bytes, and
+// after a run an in-place kv_cache_write's cache input holds the updated cache.
 class DeviceValues {
  public:
-  explicit DeviceValues(const ComputeGraph& graph);
+  explicit DeviceValues(const ComputeGraph& graph, const ExternalValues& external_values = {});
   const ComputeGraph& graph() const { return *graph_; }
   DeviceTensor& operator[](ValueId id) { return tensors_.at(static_cast<std::size_t>(id)); }
   const DeviceTensor& operator[](ValueId id) const { return tensors_.at(static_cast<std::size_t>(id)); }
+  bool is_external(ValueId id) const { return external_.at(static_cast<std::size_t>(id)); }
+  // Whether two values use the same buffer (alias_of: reshape, transpose of size-1 axes, an in-place
+  // kv_cache_write); their nodes' native steps then launch nothing or write only what changes.
+  bool shares_buffer(ValueId a, ValueId b) const;
   // By graph-input name; InputError naming the input when one is missing or its spec differs.
+  // An external input may be missing (its buffer already holds it); when given, it is uploaded.
   void upload_inputs(const TensorMap& inputs);
   TensorMap download_outputs() const;  // by output value name
-  // Fills every non-input value with 0xFF bytes (NaN in every float dtype): a value a kernel fails
-  // to write then fails the numeric gate instead of passing on stale data.
+  // Fills every computed value's buffer that this object allocated with 0xFF bytes (NaN in every
+  // float dtype): a value a kernel fails to write then fails the numeric gate instead of passing on
+  // stale data. Buffers that inputs own (or borrow) and external buffers are never poisoned.
   void poison_computed_values();
 
  private:
   const ComputeGraph* graph_;
   std::vector<DeviceTensor> tensors_;
+  std::vector<bool> external_;
 };
 
 // A generated kernel, compiled and loaded for the current device.

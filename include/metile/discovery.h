@@ -206,6 +206,13 @@ struct AttentionRewrite {
 AttentionRewrite rewrite_attention(const ComputeGraph& graph,
                                    const ReductionLaw& law = stable_weighted_softmax_law());
 
+// The definition a flash_attention node stands for, as plain ops: inputs "q", "k", "v" (and
+// "positions" for the positions mask), matmul(q, k, transpose_right) -> scale -> [mask] ->
+// softmax -> matmul(·, v) as output "out". The device's native path runs this graph (cuBLASLt and
+// unfused kernels). InputError when the node's certificate is not verified: nothing built on an
+// unproved law runs.
+ComputeGraph flash_attention_as_plain_ops(const ComputeGraph& graph, NodeId flash_attention_node);
+
 // rewrite_attention, then plan_graph_fusion of the rewritten graph; each
 // flash_attention region's benefit is the planner's estimate for the chain it
 // replaced, and plan.rewrites says what was rewritten or refused and why.

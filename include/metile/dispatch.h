@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -204,6 +206,10 @@ struct RegionLowering {
 // ("fused epilogue", ...), when those ops form a row region that runs between them.
 Lowered row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
+// A flash_attention region (one node, src/dispatch/attention_lowering.cpp): the generated decode
+// (R <= 16) or prefill attention kernel, "fused attention decode|prefill"; refused when the node's
+// certificate is not verified or the kernels cannot take the problem (dtype, head dims).
+Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region);
 std::vector<RegionLowering> builtin_lowerings();
 
 // ---------------------------------------------------------------- executable
@@ -215,6 +221,20 @@ struct ExecutableOptions {
   TournamentOptions tournament;
   std::uint64_t gate_seed = 0x6d6574696c65;   // inputs of the numeric gate ("metile")
   std::vector<RegionLowering> extra_lowerings;
+  // Graph value name -> device address: those values are borrowed, not allocated (the caller's
+  // buffer holds at least spec.bytes() and outlives the Executable); run() then needs no host
+  // tensor for such an input. InputError when a name is not a value of the plan's graph.
+  std::map<std::string, std::uint64_t> external_values;
+  // Region kinds (plan rule names: "swiglu_mlp", "flash_attention", ...) whose regions run native
+  // with the reason "declined by model verification" (the GPU engine's verify_fused_engine).
+  std::set<std::string> declined_rules;
+};
+
+// Device time of one kind of work in one run of an Executable (Executable::profile).
+struct StepKindTime {
+  std::string kind;  // a region's rule and how it ran ("swiglu_mlp fused"), or an unfused node's op ("rope")
+  double ms = 0;
+  int steps = 0;     // device steps of that kind in one run
 };
 
 // Every lowering's candidates for a region (the built-in ones, then the extra ones), or, for each
@@ -256,6 +276,10 @@ class Executable {
   const CudaStream& stream() const;
   const std::vector<RegionReport>& reports() const;
   std::string report() const;  // one line per region, then the kernel count
+  // Runs the steps once eagerly on `stream` with events between them (the inputs already in
+  // values()) and sums the device time by kind, slowest first. For breakdowns, not for speed.
+  std::vector<StepKindTime> profile(const CudaStream& stream);
+  int step_count() const;  // device steps per run
 
  private:
   struct State;

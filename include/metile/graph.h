@@ -282,6 +282,10 @@ ElementFunctions bind_elementwise(std::string_view op, const Attributes& attribu
                                   std::span<const TensorSpec> inputs = {});
 // The device functions of every registered elementwise op, for generated kernels' preludes.
 std::string cuda_elementwise_helpers();
+// rope's angle per position unit for each rotated pair (dims / 2 of them), from a rope node's
+// attributes: theta^(-2i/dims), with Llama 3's frequency scaling when "scaling" is set. The CPU
+// reference and the native kernel both take their angles from it.
+std::vector<double> rope_frequencies(const Attributes& attributes);
 // A CUDA f32 literal that reads back to the same float ("1.00000001e-05f"; inf and NaN as bit patterns).
 std::string cuda_float_literal(double value);
 
@@ -334,6 +338,16 @@ class ComputeGraph {
   std::vector<std::vector<NodeId>> consumers_;
   std::vector<bool> value_is_output_;  // derived from outputs_ at build(), so is_output is O(1)
 };
+
+// ---------------------------------------------------------------- buffer aliasing
+// For each value, the value whose device buffer it uses: itself when it owns one. A reshape's
+// output, and a transpose's that only moves axes of size 1, share their input's buffer (chains
+// resolve to the first owner); a kv_cache_write's output shares its cache's buffer (the write
+// happens in place) when no other node reads that buffer and no value in it is a graph output.
+// Values marked in `owns_buffer` (e.g. caller-owned external buffers) always own theirs.
+std::vector<ValueId> alias_of(const ComputeGraph& graph, const std::vector<bool>& owns_buffer = {});
+// A transpose whose permutation keeps every axis longer than one in order (the bytes do not move).
+bool transpose_moves_only_unit_axes(const ComputeGraph& graph, const Node& node);
 
 // A value recorded by a GraphBuilder (only meaningful with that builder).
 struct ValueRef {

@@ -114,12 +114,24 @@ class DecoderModel {
   mutable std::map<std::int64_t, std::shared_ptr<const ComputeGraph>> graphs_;
 };
 
+// One sequence being decoded, on any backend: feed tokens, get their logits. The CPU
+// DecodeSession below and the GPU engine's CudaDecodeSession (include/metile/engine.h)
+// implement it, so generate_greedy and the model-level comparisons work on both.
+class LogitsSession {
+ public:
+  virtual ~LogitsSession() = default;
+  // Appends tokens and returns their logits, row-major [tokens.size(), vocab] in f32.
+  // InputError when a token is outside the vocabulary or the cache is full.
+  virtual std::vector<float> feed(std::span<const std::int32_t> tokens) = 0;
+  virtual std::int64_t position() const = 0;  // tokens fed so far
+};
+
 // Greedy decoding state for one sequence. The reference path runs each step
 // graph with run_reference; the planned path plans it once per step size with
 // plan_graph_fusion (cpu target) and runs it with run_plan_reference.
 enum class DecodePath : std::uint8_t { reference, planned };
 
-class DecodeSession {
+class DecodeSession : public LogitsSession {
  public:
   // The session reads the model's weights in place: the model must outlive it.
   explicit DecodeSession(const DecoderModel& model, DecodePath path = DecodePath::reference);
@@ -127,8 +139,8 @@ class DecodeSession {
   // Appends tokens (chunks of at most 16 per step) and returns their logits,
   // row-major [tokens.size(), vocab] in f32 (widened exactly from the runtime dtype).
   // InputError when a token is outside the vocabulary or the cache is full.
-  std::vector<float> feed(std::span<const std::int32_t> tokens);
-  std::int64_t position() const { return position_; }
+  std::vector<float> feed(std::span<const std::int32_t> tokens) override;
+  std::int64_t position() const override { return position_; }
 
  private:
   const DecoderModel& model_;
@@ -145,10 +157,43 @@ struct Generation {
   std::int64_t decode_steps = 0;  // one-token steps after the prompt (count - 1)
   double seconds = 0;             // their time
 };
-Generation generate_greedy(DecodeSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
                            const std::function<void(std::int64_t)>& on_token = {});
 
 std::int64_t argmax(std::span<const float> logits);
+
+// A session fed a token sequence before it decodes: InputError unless every token is in
+// [0, vocab) and the sequence stays within `capacity` (both backends say it the same way).
+void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, std::int64_t capacity,
+                      std::int64_t vocab);
+
+// ---------------------------------------------------------------- comparing two paths
+// Two sessions fed the same tokens, compared position by position on their next-token
+// distributions (verify-model on the CPU and on the GPU alike).
+struct LogitsComparison {
+  bool same_argmax = false;
+  double kl = 0;             // KL(reference || candidate) of the softmaxed logits, nats
+  double max_abs_error = 0;  // max |logit difference|
+  double max_abs_logit = 0;  // max |reference logit|
+};
+LogitsComparison compare_logits(std::span<const float> reference, std::span<const float> candidate);
+
+struct AgreementFigures {
+  std::int64_t positions = 0;
+  std::int64_t agreements = 0;          // positions with the same argmax
+  std::int64_t first_disagreement = -1;  // its index, -1 when none
+  double kl_mean = 0, kl_max = 0;
+  double max_logit_error = 0;  // max over positions of max |error| / max |reference logit|
+  double reference_seconds = 0, candidate_seconds = 0;  // time in feed() of the decode steps
+
+  double agreement() const { return positions > 0 ? static_cast<double>(agreements) / static_cast<double>(positions) : 0; }
+};
+
+// Teacher-forced comparison: both sessions take `prompt`, then `positions` - 1 more tokens,
+// each the reference's argmax of the position before (so a disagreement never derails the
+// rest). Every position (the prompt's last, then each decoded one) is compared.
+AgreementFigures compare_sessions(LogitsSession& reference, LogitsSession& candidate,
+                                  std::span<const std::int32_t> prompt, std::int64_t positions);
 
 // ---------------------------------------------------------------- synthetic checkpoints
 struct SynthOptions {

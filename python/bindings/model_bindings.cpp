@@ -1,7 +1,10 @@
-// Python bindings of the model module (include/metile/model.h):
-//   metile.load_model(path, dtype="bf16", quantize=None, group_size=64, max_seq=0) -> Model
-//     Model.logits(ids) -> float32 numpy [len(ids), vocab], a fresh sequence each call
-//     Model.generate(ids, n) -> int32 numpy [n], greedy
+// Python bindings of the model module (include/metile/model.h) and the GPU engine (engine.h):
+//   metile.load_model(path, dtype="bf16", quantize=None, group_size=64, max_seq=0, backend="cpu")
+//       -> Model (backend="cpu") or CudaModel (backend="cuda": weights uploaded once, the fused engine)
+//     .logits(ids) -> float32 numpy [len(ids), vocab], a fresh sequence each call
+//     .generate(ids, n) -> int32 numpy [n], greedy
+//   backend="cuda" without a GPU (or in a build without the CUDA toolkit) raises ValueError, as
+//   `metile logits --backend cuda` exits 2.
 //   metile.synth_model(path, preset="tiny", arch=None, layers=None, seed=0, quantize=None,
 //                      group_size=64, tie_word_embeddings=None, config_spelling=4)
 // Bad checkpoints and arguments raise ValueError with the C++ message.
@@ -9,10 +12,14 @@
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
 
+#include <cstdio>
 #include <memory>
 
 #include "bindings.h"
 #include "metile/model.h"
+#ifdef METILE_HAVE_CUDA_BACKEND
+#include "metile/engine.h"
+#endif
 
 namespace metile::python {
 namespace {
@@ -37,6 +44,27 @@ std::vector<std::int32_t> token_ids(const py::handle& ids) {
   return tokens;
 }
 
+py::array_t<float> logits_array(const std::vector<float>& logits, std::size_t rows, std::int64_t vocab) {
+  py::array_t<float> array({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(vocab)});
+  std::copy(logits.begin(), logits.end(), array.mutable_data());
+  return array;
+}
+
+py::array_t<std::int32_t> tokens_array(const Generation& generation) {
+  py::array_t<std::int32_t> array(static_cast<py::ssize_t>(generation.tokens.size()));
+  std::copy(generation.tokens.begin(), generation.tokens.end(), array.mutable_data());
+  return array;
+}
+
+#ifdef METILE_HAVE_CUDA_BACKEND
+// A model on the GPU as Python holds it: the host model (the step graphs), its weights on the
+// device, and one session whose Executables every call reuses (a fresh sequence each call).
+struct PythonCudaModel {
+  std::shared_ptr<DecoderModel> model;
+  std::unique_ptr<CudaDecodeSession> session;
+};
+#endif
+
 }  // namespace
 
 void bind_model(py::module_& module) {
@@ -56,10 +84,7 @@ void bind_model(py::module_& module) {
               DecodeSession session(model);
               logits = session.feed(tokens);
             }
-            py::array_t<float> array({static_cast<py::ssize_t>(tokens.size()),
-                                      static_cast<py::ssize_t>(model.config().vocab_size)});
-            std::copy(logits.begin(), logits.end(), array.mutable_data());
-            return array;
+            return logits_array(logits, tokens.size(), model.config().vocab_size);
           },
           py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32)")
       .def(
@@ -72,24 +97,91 @@ void bind_model(py::module_& module) {
               DecodeSession session(model);
               generation = generate_greedy(session, tokens, count);
             }
-            py::array_t<std::int32_t> array(static_cast<py::ssize_t>(generation.tokens.size()));
-            std::copy(generation.tokens.begin(), generation.tokens.end(), array.mutable_data());
-            return array;
+            return tokens_array(generation);
           },
           py::arg("ids"), py::arg("n"), "n greedy tokens after ids (int32)");
+
+#ifdef METILE_HAVE_CUDA_BACKEND
+  py::class_<PythonCudaModel, std::shared_ptr<PythonCudaModel>>(
+      module, "CudaModel", "A decoder checkpoint on the GPU: weights uploaded once, the fused decode engine")
+      .def_property_readonly("vocab_size", [](const PythonCudaModel& held) { return held.model->config().vocab_size; })
+      .def_property_readonly("num_layers",
+                             [](const PythonCudaModel& held) { return held.model->config().num_hidden_layers; })
+      .def_property_readonly("dtype",
+                             [](const PythonCudaModel& held) { return std::string(dtype_name(held.model->dtype())); })
+      .def_property_readonly("capacity", [](const PythonCudaModel& held) { return held.model->capacity(); })
+      .def(
+          "logits",
+          [](PythonCudaModel& held, const py::handle& ids) {
+            const std::vector<std::int32_t> tokens = token_ids(ids);
+            std::vector<float> logits;
+            {
+              py::gil_scoped_release release;
+              held.session->reset();
+              logits = held.session->feed(tokens);
+            }
+            return logits_array(logits, tokens.size(), held.model->config().vocab_size);
+          },
+          py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32), computed on the GPU")
+      .def(
+          "generate",
+          [](PythonCudaModel& held, const py::handle& ids, std::int64_t count) {
+            const std::vector<std::int32_t> tokens = token_ids(ids);
+            Generation generation;
+            {
+              py::gil_scoped_release release;
+              held.session->reset();
+              generation = generate_greedy(*held.session, tokens, count);
+            }
+            return tokens_array(generation);
+          },
+          py::arg("ids"), py::arg("n"), "n greedy tokens after ids (int32), decoded on the GPU");
+#endif
 
   module.def(
       "load_model",
       [](const std::filesystem::path& path, const std::string& dtype, std::optional<int> quantize, int group_size,
-         std::int64_t max_seq) {
+         std::int64_t max_seq, const std::string& backend) -> py::object {
+        if (backend != "cpu" && backend != "cuda") {
+          throw InputError("backend must be 'cpu' or 'cuda', got '" + backend + "'");
+        }
+#ifdef METILE_HAVE_CUDA_BACKEND
+        std::optional<CudaDevice> device;
+        if (backend == "cuda") {
+          // Before the checkpoint is read: no GPU is one clear error at once.
+          std::string reason;
+          device = CudaDevice::try_open(0, &reason);
+          if (!device) throw InputError("backend='cuda': " + reason + " (backend='cpu' runs everywhere)");
+        }
+#else
+        if (backend == "cuda") {
+          throw InputError("backend='cuda': this metile was built without the CUDA toolkit; use backend='cpu'");
+        }
+#endif
         LoadOptions options;
         options.dtype = parse_dtype(dtype);
         options.quantize = quantization_of(quantize, group_size);
         options.max_sequence = max_seq;
-        return std::make_shared<DecoderModel>(DecoderModel::load(path, options));
+        auto model = std::make_shared<DecoderModel>(DecoderModel::load(path, options));
+#ifdef METILE_HAVE_CUDA_BACKEND
+        if (device) {
+          auto held = std::make_shared<PythonCudaModel>();
+          held->model = model;
+          {
+            py::gil_scoped_release release;
+            // Uploads and plan builds take seconds to minutes on large models: say so on stderr.
+            const EngineProgress progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+            held->session = std::make_unique<CudaDecodeSession>(CudaModel::load(*model, *device, progress),
+                                                                EngineOptions{EnginePath::fused, {}, progress});
+          }
+          return py::cast(held);
+        }
+#endif
+        return py::cast(model);
       },
       py::arg("path"), py::arg("dtype") = "bf16", py::arg("quantize") = py::none(), py::arg("group_size") = 64,
-      py::arg("max_seq") = 0, "Loads a Llama/Qwen2/Mistral checkpoint (Hugging Face or MLX layout)");
+      py::arg("max_seq") = 0, py::arg("backend") = "cpu",
+      "Loads a Llama/Qwen2/Mistral checkpoint (Hugging Face or MLX layout); backend='cuda' puts it on the GPU");
 
   module.def(
       "synth_model",

@@ -274,4 +274,23 @@ FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& ta
   return plan;
 }
 
+ComputeGraph flash_attention_as_plain_ops(const ComputeGraph& graph, NodeId node_id) {
+  const Node& node = graph.node(node_id);
+  if (node.op != "flash_attention") {
+    throw InputError(fmt::format("node '{}' ({}): not a flash_attention node", node.name, node.op));
+  }
+  require_verified_certificate(node, stable_weighted_softmax_law().name);
+  GraphBuilder builder;
+  const ValueRef q = builder.input("q", graph.value(node.inputs[0]).spec);
+  const ValueRef k = builder.input("k", graph.value(node.inputs[1]).spec);
+  const ValueRef v = builder.input("v", graph.value(node.inputs[2]).spec);
+  ValueRef scores = builder.scale(builder.matmul(q, k, true, "scores"), node.attributes.get_double("scale"), "scaled");
+  const std::string& mask = node.attributes.get_string("mask");
+  if (mask == "causal") scores = builder.causal_mask(scores, node.attributes.get_int("offset"), "masked");
+  if (mask == "positions") {
+    scores = builder.position_mask(scores, builder.input("positions", graph.value(node.inputs[3]).spec), "masked");
+  }
+  return builder.build({builder.matmul(builder.softmax(scores, -1, "probabilities"), v, false, "out")});
+}
+
 }  // namespace metile

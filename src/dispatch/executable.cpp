@@ -124,7 +124,9 @@ Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion
 }
 
 std::vector<RegionLowering> builtin_lowerings() {
-  return {{"row kernel", row_region_candidates}, {"contractions around a row kernel", contraction_row_candidates}};
+  return {{"row kernel", row_region_candidates},
+          {"contractions around a row kernel", contraction_row_candidates},
+          {"flash attention", flash_attention_candidates}};
 }
 
 // ---------------------------------------------------------------- executable
@@ -135,6 +137,7 @@ struct Executable::State {
   std::unique_ptr<NativeRuntime> native;
   CudaStream stream;
   std::vector<DeviceStep> steps;
+  std::vector<std::string> step_kinds;  // per step: what profile() sums it under
   CudaGraph replay;
   std::vector<RegionReport> reports;
   int kernel_count = 0;
@@ -165,9 +168,14 @@ NumericGateResult gate_outputs(const TensorMap& outputs, const TensorMap& refere
 
 // Gates the candidates of one region on a graph of its own, then lets the dispatch engine
 // (choose_measured) race and choose.
+// Choices made earlier in the same build, by a key of the region's structure and its candidates'
+// identities (not their sources, whose comments carry value names): the 32 identical layers of a
+// model are gated and raced once.
+using BuildMemo = std::map<std::string, RegionReport>;
+
 RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& region, int region_index,
                                const CudaDevice& device, const ExecutableOptions& options, NativeRuntime& native,
-                               DecisionCache* cache) {
+                               DecisionCache* cache, BuildMemo& memo) {
   RegionReport report;
   report.region = region_index;
   report.rule = region.rule;
@@ -186,6 +194,9 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   if (options.mode == DispatchMode::native) {
     return finish(CandidateId::native(), "native (METILE_DISPATCH=native)");
   }
+  if (options.declined_rules.contains(region.rule)) {
+    return finish(CandidateId::native(), "native: declined by model verification");
+  }
   const ComputeGraph sub = region_graph(graph, region);
   const FusionRegion sub_region = region_in_region_graph(graph, region, sub);
   RegionLowerings lowered = lower_region(sub, sub_region, options);
@@ -202,6 +213,22 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   sources.emplace_back(CandidateId::native(), native_source);
   for (const FusedCandidate& candidate : lowered.candidates) sources.emplace_back(candidate.id, candidate.source);
   const std::string key = dispatch_key(device.info(), sub, sources, options.mode);
+  std::vector<std::pair<CandidateId, std::string>> identities;
+  for (const auto& [id, source] : sources) identities.emplace_back(id, std::string());
+  const std::string memo_key = dispatch_key(device.info(), sub, identities, options.mode);
+  if (auto earlier = memo.find(memo_key); earlier != memo.end()) {
+    RegionReport same = earlier->second;
+    same.region = report.region;
+    same.rule = report.rule;
+    same.nodes = report.nodes;
+    same.sentence = fmt::format("{}: {} (as region R{}, same structure)", label,
+                                same.sentence.substr(same.sentence.find(": ") + 2), earlier->second.region + 1);
+    return same;
+  }
+  auto remember = [&](RegionReport chosen) {
+    memo.emplace(memo_key, chosen);
+    return chosen;
+  };
   std::optional<DispatchDecision> stored;
   if (cache != nullptr) stored = cache->find(key);
   // A stored decision was gated and raced when it was made, under a key that names every
@@ -214,7 +241,7 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     if (offered) {
       report.from_cache = true;
       for (const auto& [id, ms] : stored->timings_ms) report.timings_ms.emplace_back(id.name(), ms);
-      return finish(stored->chosen, stored->report + " (cached)");
+      return remember(finish(stored->chosen, stored->report + " (cached)"));
     }
   }
 
@@ -263,31 +290,41 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     for (int index : entrants) race.push_back({measured[static_cast<std::size_t>(index)].id.name(), runs[static_cast<std::size_t>(index)]});
     return run_tournament(race, stream, options.tournament).score_ms;
   });
-  if (choice.chosen < 0) return finish(CandidateId::native(), "native: " + choice.reason);
+  if (choice.chosen < 0) return remember(finish(CandidateId::native(), "native: " + choice.reason));
   for (std::size_t i = 0; i < measured.size(); ++i) {
     if (choice.score_ms[i] >= 0) report.timings_ms.emplace_back(measured[i].id.name(), choice.score_ms[i]);
   }
   report.from_cache = choice.from_cache;
   if (cache != nullptr && choice.worth_storing && !choice.from_cache) cache->store(decision_of(key, measured, choice));
-  return finish(measured[static_cast<std::size_t>(choice.chosen)].id, choice.reason + (choice.from_cache ? " (cached)" : ""));
+  return remember(finish(measured[static_cast<std::size_t>(choice.chosen)].id,
+                         choice.reason + (choice.from_cache ? " (cached)" : "")));
 }
 
 // Steps of regions and unfused nodes, ordered so every step runs after the producers of what it reads.
 struct Unit {
   std::vector<NodeId> nodes;
   std::vector<DeviceStep> steps;
+  std::string kind;  // Executable::profile's label
 };
 
-std::vector<DeviceStep> order_units(const ComputeGraph& graph, std::vector<Unit> units) {
+struct OrderedSteps {
+  std::vector<DeviceStep> steps;
+  std::vector<std::string> kinds;
+};
+
+OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
   std::vector<std::vector<NodeId>> kernels;
   for (const Unit& unit : units) kernels.push_back(unit.nodes);
   const Schedule order = schedule_kernels(graph, kernels);  // the one scheduler (graph.h)
   if (!order.acyclic()) throw std::runtime_error("Executable: the plan's regions depend on each other in a cycle");
-  std::vector<DeviceStep> steps;
+  OrderedSteps ordered;
   for (std::size_t u : order.order) {
-    for (DeviceStep& step : units[u].steps) steps.push_back(std::move(step));
+    for (DeviceStep& step : units[u].steps) {
+      ordered.steps.push_back(std::move(step));
+      ordered.kinds.push_back(units[u].kind);
+    }
   }
-  return steps;
+  return ordered;
 }
 
 }  // namespace
@@ -298,7 +335,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   auto state = std::make_unique<State>(device);
   state->graph = plan.graph;
   const ComputeGraph& graph = *state->graph;
-  state->values = std::make_unique<DeviceValues>(graph);
+  state->values = std::make_unique<DeviceValues>(graph, options.external_values);
   state->native = std::make_unique<NativeRuntime>();
   std::optional<DecisionCache> cache;
   if (options.use_decision_cache) {
@@ -307,12 +344,15 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
 
   std::vector<Unit> units;
   std::set<NodeId> covered;
+  BuildMemo memo;
   for (std::size_t r = 0; r < plan.regions.size(); ++r) {
     const FusionRegion& region = plan.regions[r];
     RegionReport report = choose_for_region(graph, region, static_cast<int>(r), device, options, *state->native,
-                                            cache ? &*cache : nullptr);
+                                            cache ? &*cache : nullptr, memo);
     Unit unit;
     unit.nodes = region.nodes;
+    unit.kind = fmt::format("{} {}", region.rule.empty() ? "region" : region.rule,
+                            candidate_kind_name(report.chosen_id.kind));
     if (report.chosen_id.kind == CandidateKind::fused) {
       // The whole plan replays as one CUDA graph: the chosen lowering binds in its eager form.
       for (FusedCandidate& candidate : lower_region(graph, region, options).candidates) {
@@ -335,10 +375,12 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
-    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}});
+    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op});
     state->kernel_count += 1;
   }
-  state->steps = order_units(graph, std::move(units));
+  OrderedSteps ordered = order_units(graph, std::move(units));
+  state->steps = std::move(ordered.steps);
+  state->step_kinds = std::move(ordered.kinds);
   if (options.capture_cuda_graph && !state->steps.empty()) {
     state->replay = CudaGraph::capture(state->stream, [&steps = state->steps](const CudaStream& stream) {
       run_steps(steps, stream);
@@ -366,6 +408,29 @@ void Executable::enqueue(const CudaStream& stream) {
 DeviceValues& Executable::values() { return *state_->values; }
 const CudaStream& Executable::stream() const { return state_->stream; }
 const std::vector<RegionReport>& Executable::reports() const { return state_->reports; }
+
+int Executable::step_count() const { return static_cast<int>(state_->steps.size()); }
+
+std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
+  state_->device.make_current();
+  std::vector<CudaEvent> events(state_->steps.size() + 1);
+  events[0].record(stream);
+  for (std::size_t i = 0; i < state_->steps.size(); ++i) {
+    state_->steps[i](stream);
+    events[i + 1].record(stream);
+  }
+  events.back().synchronize();
+  std::vector<StepKindTime> times;
+  for (std::size_t i = 0; i < state_->steps.size(); ++i) {
+    auto entry = std::find_if(times.begin(), times.end(),
+                              [&](const StepKindTime& time) { return time.kind == state_->step_kinds[i]; });
+    if (entry == times.end()) entry = times.insert(times.end(), StepKindTime{state_->step_kinds[i], 0, 0});
+    entry->ms += CudaEvent::elapsed_ms(events[i], events[i + 1]);
+    entry->steps += 1;
+  }
+  std::stable_sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
+  return times;
+}
 
 std::string Executable::report() const {
   std::string text;

@@ -922,6 +922,32 @@ std::string cuda_float_literal(double value) {
   return literal + "f";
 }
 
+std::vector<double> rope_frequencies(const Attributes& attributes) {
+  const double theta = attributes.get_double("theta");
+  const std::int64_t dims = attributes.get_int("dims");
+  std::vector<double> frequencies(static_cast<std::size_t>(dims / 2));
+  for (std::size_t pair = 0; pair < frequencies.size(); ++pair) {
+    const double frequency = std::pow(theta, -2.0 * static_cast<double>(pair) / static_cast<double>(dims));
+    frequencies[pair] = frequency;
+    if (!attributes.has("scaling")) continue;
+    // Llama 3's scaling (transformers' _compute_llama3_parameters): long wavelengths slow down by
+    // `factor`, short ones stay, the band between blends linearly in context / wavelength.
+    const double factor = attributes.get_double("factor");
+    const double low = attributes.get_double("low_freq_factor");
+    const double high = attributes.get_double("high_freq_factor");
+    const double context = attributes.get_double("original_max_position_embeddings");
+    const double wavelength = 2 * M_PI / frequency;
+    if (wavelength < context / high) continue;
+    if (wavelength > context / low) {
+      frequencies[pair] = frequency / factor;
+      continue;
+    }
+    const double smooth = (context / wavelength - low) / (high - low);
+    frequencies[pair] = (1 - smooth) * frequency / factor + smooth * frequency;
+  }
+  return frequencies;
+}
+
 OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs, const Attributes& attributes) {
   return definition.node_kind ? definition.node_kind(inputs, attributes) : definition.kind;
 }

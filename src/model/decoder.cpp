@@ -18,7 +18,9 @@
 // other node reads the input cache.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -40,17 +42,22 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
   }
 }
 
-std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
-  const std::int64_t vocab = model_.config().vocab_size;
-  if (position_ + static_cast<std::int64_t>(tokens.size()) > model_.capacity()) {
+void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, std::int64_t capacity,
+                      std::int64_t vocab) {
+  if (position + static_cast<std::int64_t>(tokens.size()) > capacity) {
     throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} (--max-seq)",
-                                 position_ + static_cast<std::int64_t>(tokens.size()), model_.capacity()));
+                                 position + static_cast<std::int64_t>(tokens.size()), capacity));
   }
   for (std::int32_t token : tokens) {
     if (token < 0 || token >= vocab) {
       throw InputError(fmt::format("token id {} is outside the vocabulary [0, {})", token, vocab));
     }
   }
+}
+
+std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
+  const std::int64_t vocab = model_.config().vocab_size;
+  check_tokens_fit(tokens, position_, model_.capacity(), vocab);
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
   for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
@@ -97,7 +104,7 @@ std::int64_t argmax(std::span<const float> logits) {
   return std::max_element(logits.begin(), logits.end()) - logits.begin();  // first of equal maxima
 }
 
-Generation generate_greedy(DecodeSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
                            const std::function<void(std::int64_t)>& on_token) {
   if (prompt.empty()) throw InputError("the prompt is empty");
   if (count < 0) throw InputError(fmt::format("cannot generate {} tokens", count));
@@ -118,6 +125,77 @@ Generation generate_greedy(DecodeSession& session, std::span<const std::int32_t>
   }
   generation.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return generation;
+}
+
+namespace {
+
+// max that keeps a NaN (std::max drops one in either position): a NaN logit must show in the figures.
+double max_keeping_nan(double current, double value) { return std::isnan(value) || value > current ? value : current; }
+
+}  // namespace
+
+LogitsComparison compare_logits(std::span<const float> reference, std::span<const float> candidate) {
+  if (reference.size() != candidate.size() || reference.empty()) {
+    throw std::invalid_argument(fmt::format("compare_logits: {} reference logits against {}", reference.size(),
+                                            candidate.size()));
+  }
+  const auto log_softmax = [](std::span<const float> logits) {
+    const double maximum = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (float value : logits) sum += std::exp(value - maximum);
+    std::vector<double> result;
+    result.reserve(logits.size());
+    for (float value : logits) result.push_back(value - maximum - std::log(sum));
+    return result;
+  };
+  const std::vector<double> p = log_softmax(reference);
+  const std::vector<double> q = log_softmax(candidate);
+  LogitsComparison comparison;
+  comparison.same_argmax = argmax(reference) == argmax(candidate);
+  for (std::size_t index = 0; index < p.size(); ++index) {
+    comparison.kl += std::exp(p[index]) * (p[index] - q[index]);
+    comparison.max_abs_error =
+        max_keeping_nan(comparison.max_abs_error, std::abs(static_cast<double>(reference[index]) - candidate[index]));
+    comparison.max_abs_logit = std::max(comparison.max_abs_logit, std::abs(static_cast<double>(reference[index])));
+  }
+  if (comparison.kl < 0) comparison.kl = 0;  // rounding can make a zero divergence slightly negative (NaN stays)
+  return comparison;
+}
+
+AgreementFigures compare_sessions(LogitsSession& reference, LogitsSession& candidate,
+                                  std::span<const std::int32_t> prompt, std::int64_t positions) {
+  if (positions < 1) throw InputError(fmt::format("cannot compare {} positions", positions));
+  if (prompt.empty()) throw InputError("the prompt is empty");
+  AgreementFigures figures;
+  double ignored = 0;
+  // The last position's logits of a feed, and the time it took.
+  const auto last_logits = [](LogitsSession& session, std::span<const std::int32_t> tokens, double& seconds) {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<float> logits = session.feed(tokens);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::size_t vocab = logits.size() / tokens.size();
+    logits.erase(logits.begin(), logits.end() - static_cast<std::ptrdiff_t>(vocab));
+    return logits;
+  };
+  std::vector<float> expected = last_logits(reference, prompt, ignored);
+  std::vector<float> actual = last_logits(candidate, prompt, ignored);
+  double kl_sum = 0;
+  for (std::int64_t position = 0; position < positions; ++position) {
+    const LogitsComparison comparison = compare_logits(expected, actual);
+    ++figures.positions;
+    figures.agreements += comparison.same_argmax ? 1 : 0;
+    if (!comparison.same_argmax && figures.first_disagreement < 0) figures.first_disagreement = position;
+    kl_sum += comparison.kl;
+    figures.kl_max = max_keeping_nan(figures.kl_max, comparison.kl);
+    figures.max_logit_error =
+        max_keeping_nan(figures.max_logit_error, comparison.max_abs_error / std::max(comparison.max_abs_logit, 1e-30));
+    if (position + 1 == positions) break;
+    const auto token = static_cast<std::int32_t>(argmax(expected));  // both paths get the reference's token
+    expected = last_logits(reference, std::span<const std::int32_t>(&token, 1), figures.reference_seconds);
+    actual = last_logits(candidate, std::span<const std::int32_t>(&token, 1), figures.candidate_seconds);
+  }
+  figures.kl_mean = kl_sum / static_cast<double>(figures.positions);
+  return figures;
 }
 
 }  // namespace metile

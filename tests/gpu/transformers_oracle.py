@@ -17,7 +17,13 @@ It needs python3 with torch and transformers (the device has them); without them
 prints why and exits 77, which ctest reports as skipped. No GPU is needed: torch runs
 on the CPU here, the point is the independent implementation.
 
-Usage: transformers_oracle.py --metile PATH/TO/metile [--work DIR] [--seed N]
+With --backend cuda it checks the GPU decode engine instead (metile's fused engine, bf16,
+`metile logits --backend cuda`) against the same float32 logits of transformers, for every
+checkpoint: relative L2 and max error within the bf16 numeric gate (1e-2), or within twice
+what metile's own bf16 CPU reference (`--dtype bf16 --backend cpu`, printed beside it) reaches,
+since both round every op's result to bf16. Exits 77 where no CUDA device exists.
+
+Usage: transformers_oracle.py --metile PATH/TO/metile [--work DIR] [--seed N] [--backend cpu|cuda]
 """
 
 import argparse
@@ -42,6 +48,22 @@ def run(command):
     if result.returncode != 0:
         fail(f"{' '.join(command)} exited {result.returncode}: {result.stderr.strip()}")
     return result.stdout
+
+
+def relative_errors(ours, reference):
+    """relative L2 and max |error| / max |reference| of two float64 tensors."""
+    difference = ours - reference
+    return (difference.norm().item() / reference.norm().item(),
+            difference.abs().max().item() / reference.abs().max().item())
+
+
+def cuda_unavailable(metile, model_dir):
+    """The one-line reason `metile logits --backend cuda` gives where no GPU exists, else None."""
+    result = subprocess.run([metile, "logits", model_dir, "--prompt-ids", "1", "--backend", "cuda", "--format",
+                             "json"], capture_output=True, text=True)
+    if result.returncode == 2 and "--backend cuda" in result.stderr:
+        return result.stderr.strip()
+    return None
 
 
 def transformers_view(model_dir, view_dir, major):
@@ -88,6 +110,8 @@ def main():
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--max-relative-error", type=float, default=1e-4)
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--bf16-gate", type=float, default=1e-2)
     args = parser.parse_args()
 
     try:
@@ -114,6 +138,10 @@ def main():
                 variants.append((arch, tied, spelling, False))
     variants.append(("llama", "false", 4, True))
     variants.append(("llama", "true", 5, True))
+    if args.backend == "cuda":
+        # The engine sees the same graphs whichever config spelling made them: one spelling per
+        # architecture and tying, plus Llama 3 scaling, keeps the device time short.
+        variants = [variant for variant in variants if variant[2] == 4 or variant[3]]
 
     rows = []
     failures = 0
@@ -140,6 +168,24 @@ def main():
 
             with torch.no_grad():
                 reference = model(torch.tensor([prompt])).logits[0].double()
+            if args.backend == "cuda":
+                if index == 0:
+                    reason = cuda_unavailable(args.metile, model_dir)
+                    if reason is not None:
+                        print(f"transformers_oracle: skipped: {reason}")
+                        return SKIP
+                on_gpu = json.loads(run([args.metile, "logits", model_dir, "--prompt-ids", ids, "--backend", "cuda",
+                                         "--format", "json"]))
+                on_cpu = json.loads(run([args.metile, "logits", model_dir, "--prompt-ids", ids, "--dtype", "bf16",
+                                         "--format", "json"]))
+                gpu_l2, gpu_max = relative_errors(torch.tensor(on_gpu["logits"], dtype=torch.float64), reference[-1])
+                cpu_l2, cpu_max = relative_errors(torch.tensor(on_cpu["logits"], dtype=torch.float64), reference[-1])
+                argmax_agreement = sum(a == b for a, b in zip(on_gpu["argmax"], reference.argmax(dim=-1).tolist()))
+                ok = ((gpu_l2 <= args.bf16_gate or gpu_l2 <= 2 * cpu_l2) and
+                      (gpu_max <= args.bf16_gate or gpu_max <= 2 * cpu_max))
+                failures += 0 if ok else 1
+                rows.append((name, gpu_l2, gpu_max, cpu_l2, cpu_max, argmax_agreement, len(prompt), ok))
+                continue
             ours = json.loads(run([args.metile, "logits", model_dir, "--prompt-ids", ids, "--dtype", "f32",
                                    "--format", "json"]))
             last = torch.tensor(ours["logits"], dtype=torch.float64)
@@ -163,6 +209,15 @@ def main():
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
 
+    if args.backend == "cuda":
+        print(f"{'checkpoint':32} {'GPU rel L2':>11} {'GPU rel max':>12} {'CPU bf16 L2':>12} {'CPU bf16 max':>13} "
+              f"{'argmax':>7}  result")
+        for name, gpu_l2, gpu_max, cpu_l2, cpu_max, agreement, count, ok in rows:
+            print(f"{name:32} {gpu_l2:11.3e} {gpu_max:12.3e} {cpu_l2:12.3e} {cpu_max:13.3e} {agreement:>3}/{count:<3}  "
+                  f"{'ok' if ok else 'FAIL'}")
+        print(f"transformers_oracle --backend cuda: {len(rows) - failures}/{len(rows)} checkpoints within the bf16 "
+              f"gate ({args.bf16_gate}) or twice metile's bf16 CPU reference, against transformers float32")
+        return 1 if failures else 0
     print(f"{'checkpoint':32} {'max |err| / max |logit|':>24} {'argmax':>7} {'32 greedy':>10}  result")
     for name, error, same_argmax, same_tokens, first_difference, ok in rows:
         greedy = "same" if same_tokens else f"differ@{first_difference}"

@@ -92,3 +92,34 @@ def test_errors(tmp_path):
         model.logits("12")
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         metile.load_model(str(tmp_path / "m"), quantize=3)
+
+
+def test_cuda_backend(tmp_path):
+    """backend="cuda": without a GPU (or a CUDA build) one ValueError before the checkpoint is
+    read; with one, the GPU engine's logits and greedy tokens match the CPU path's."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    with pytest.raises(ValueError, match="backend must be 'cpu' or 'cuda', got 'tpu'"):
+        metile.load_model(str(tmp_path / "absent"), backend="tpu")
+    path = tmp_path / "m"
+    metile.synth_model(str(path), seed=seed)
+    try:
+        model = metile.load_model(str(path), backend="cuda")
+    except ValueError as error:
+        assert str(error).startswith("backend='cuda': ") and "\n" not in str(error)
+        # The device is looked for first: an absent checkpoint gives the same error.
+        with pytest.raises(ValueError, match="backend='cuda': "):
+            metile.load_model(str(tmp_path / "absent"), backend="cuda")
+        return
+    cpu = metile.load_model(str(path))
+    prompt = [5, 9, 2, 7]
+    on_gpu, on_cpu = model.logits(prompt), cpu.logits(prompt)
+    assert on_gpu.shape == on_cpu.shape == (4, model.vocab_size)
+    assert np.linalg.norm(on_gpu - on_cpu) <= 1e-2 * np.linalg.norm(on_cpu)
+    tokens = model.generate(prompt, 6)
+    sequence = list(prompt)
+    agreements = 0
+    for token in tokens:
+        agreements += int(token) == int(np.argmax(cpu.logits(sequence)[-1]))
+        sequence.append(int(token))
+    assert agreements >= 5, (tokens, agreements)

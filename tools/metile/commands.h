@@ -30,6 +30,6 @@ std::uint64_t parse_seed(const std::string& text);
 // where METILE_HAVE_CUDA_BACKEND is defined): runs the graph on the GPU and
 // returns its outputs by output value name; with `check`, also compares them
 // with the CPU reference. run_command.cpp prints and writes what it returns.
-TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool check);
+TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool check, bool no_discovery);
 
 }  // namespace metile::cli

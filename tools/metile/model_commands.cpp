@@ -1,12 +1,17 @@
-// The model commands (include/metile/model.h):
+// The model commands (include/metile/model.h, include/metile/engine.h):
 //   metile logits MODEL_DIR --prompt-ids 1,2,3 [--dtype f32|bf16] [--backend cpu|cuda] [--format text|json]
 //       JSON {"logits": [last position's logits], "argmax": [each position's argmax]}
 //   metile generate MODEL_DIR --prompt-ids ... --tokens N [...] : greedy decoding, a progress line on stderr;
 //       JSON {"tokens": [...], "tokens_per_second": x}
-//   metile verify-model MODEL_DIR [--tokens N] [--quantize 4|8] [thresholds]: the reference path against
-//       the planned (fused) path fed the same tokens; exit 1 outside the thresholds
+//   metile verify-model MODEL_DIR [--tokens N] [--quantize 4|8] [--backend cpu|cuda] [thresholds]:
+//       cpu: the reference path against the planned (fused) path; cuda: the native engine against the
+//       fused engine, declining the region kinds that break it (model_cuda_commands.cpp); both fed the
+//       same tokens; exit 1 outside the thresholds
+//   metile bench-model MODEL_DIR | --preset NAME [--quantize 4|8] [--context N]: the GPU engine's speed
+//       (model_cuda_commands.cpp)
 //   metile synth-model OUT_DIR --preset ... : a seeded random checkpoint
 // A malformed checkpoint is one line naming the tensor or field, exit 2; nothing is written.
+// --backend cuda where no GPU exists (or metile was built without CUDA) is one line, exit 2.
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,41 +26,9 @@
 
 #include "commands.h"
 #include "metile/model.h"
+#include "model_options.h"
 
 namespace metile::cli {
-namespace {
-
-struct ModelOptions {
-  std::string model_dir;
-  std::string prompt_ids = "1";
-  std::string dtype = "bf16";
-  std::string backend = "cpu";
-  std::string format = "text";
-  std::string quantize;  // "", "4" or "8"
-  int group_size = 64;
-  std::int64_t max_seq = 0;
-  std::int64_t tokens = 16;
-  // verify-model thresholds
-  double min_agreement = 0.95;
-  double max_kl = 0.01;
-  double max_logit_error = 0.02;
-};
-
-void add_model_options(CLI::App* command, ModelOptions& options, bool with_prompt) {
-  command->add_option("MODEL_DIR", options.model_dir, "checkpoint directory (config.json + safetensors)")
-      ->required();
-  if (with_prompt) {
-    command->add_option("--prompt-ids", options.prompt_ids, "comma-separated token ids")->required();
-  }
-  command->add_option("--dtype", options.dtype, "bf16 (rounded as the GPU path) or f32")
-      ->check(CLI::IsMember({"bf16", "f32"}))
-      ->capture_default_str();
-  command->add_option("--backend", options.backend, "cpu or cuda")->capture_default_str();
-  command->add_option("--quantize", options.quantize, "quantize dense weights at load: 4 or 8 bits");
-  command->add_option("--group-size", options.group_size, "quantization group size: 32, 64 or 128")
-      ->capture_default_str();
-  command->add_option("--max-seq", options.max_seq, "KV-cache capacity (default min(4096, the config's limit))");
-}
 
 std::vector<std::int32_t> parse_ids(const std::string& text) {
   std::vector<std::int32_t> ids;
@@ -74,24 +47,87 @@ std::vector<std::int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
-DecoderModel load_model(const ModelOptions& options) {
+std::optional<AffineQuantization> quantization_option(const ModelOptions& options) {
+  if (options.quantize.empty()) return std::nullopt;
+  if (options.quantize != "4" && options.quantize != "8") {
+    throw InputError(fmt::format("--quantize must be 4 or 8, got '{}'", options.quantize));
+  }
+  AffineQuantization format{std::stoi(options.quantize), options.group_size};
+  format.validate();
+  return format;
+}
+
+void check_backend(const ModelOptions& options) {
   if (options.backend != "cpu" && options.backend != "cuda") {
     throw InputError(fmt::format("--backend must be cpu or cuda, got '{}'", options.backend));
   }
   if (options.backend == "cuda") {
-    throw InputError("--backend cuda: the GPU decode engine is not built yet; use --backend cpu");
+#ifdef METILE_HAVE_CUDA_BACKEND
+    require_cuda_device();
+#else
+    throw InputError("--backend cuda: this metile was built without the CUDA toolkit; use --backend cpu");
+#endif
+  }
+}
+
+std::set<std::string> declined_rules(const std::string& text) {
+  std::set<std::string> rules;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    const std::size_t comma = std::min(text.find(',', start), text.size());
+    if (comma == start) throw InputError(fmt::format("--decline: an empty region kind in '{}'", text));
+    rules.insert(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return rules;
+}
+
+namespace {
+
+void add_model_options(CLI::App* command, ModelOptions& options, bool with_prompt) {
+  command->add_option("MODEL_DIR", options.model_dir, "checkpoint directory (config.json + safetensors)")
+      ->required();
+  if (with_prompt) {
+    command->add_option("--prompt-ids", options.prompt_ids, "comma-separated token ids")->required();
+  }
+  command->add_option("--dtype", options.dtype, "bf16 (rounded as the GPU path) or f32")
+      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->capture_default_str();
+  command->add_option("--backend", options.backend, "cpu or cuda (the GPU decode engine)")->capture_default_str();
+  command->add_option("--quantize", options.quantize, "quantize dense weights at load: 4 or 8 bits");
+  command->add_option("--group-size", options.group_size, "quantization group size: 32, 64 or 128")
+      ->capture_default_str();
+  command->add_option("--max-seq", options.max_seq, "KV-cache capacity (default min(4096, the config's limit))");
+  command->add_option("--decline", options.decline,
+                      "--backend cuda: region kinds that run native, comma-separated (e.g. swiglu_mlp)");
+}
+
+// The backend is checked (and a GPU opened) before the checkpoint is read: no device is one line at once.
+DecoderModel load_model(const ModelOptions& options) {
+  check_backend(options);
+  if (options.backend == "cpu" && !options.decline.empty()) {
+    throw InputError("--decline applies to --backend cuda (the fused GPU engine)");
   }
   LoadOptions load;
   load.dtype = parse_dtype(options.dtype);
   load.max_sequence = options.max_seq;
-  if (!options.quantize.empty()) {
-    if (options.quantize != "4" && options.quantize != "8") {
-      throw InputError(fmt::format("--quantize must be 4 or 8, got '{}'", options.quantize));
-    }
-    load.quantize = AffineQuantization{std::stoi(options.quantize), options.group_size};
-    load.quantize->validate();
-  }
+  load.quantize = quantization_option(options);
   return DecoderModel::load(options.model_dir, load);
+}
+
+// A fresh sequence on the chosen backend.
+std::unique_ptr<LogitsSession> open_session(const DecoderModel& model, const ModelOptions& options) {
+#ifdef METILE_HAVE_CUDA_BACKEND
+  if (options.backend == "cuda") return open_cuda_session(model, options);
+#endif
+  return std::make_unique<DecodeSession>(model);
+}
+
+std::string backend_description(const ModelOptions& options) {
+#ifdef METILE_HAVE_CUDA_BACKEND
+  if (options.backend == "cuda") return "on " + cuda_device_name() + " (fused engine)";
+#endif
+  return "on cpu";
 }
 
 std::string float_list(std::span<const float> values) {
@@ -103,8 +139,8 @@ std::string float_list(std::span<const float> values) {
 void logits_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   const DecoderModel model = load_model(options);
-  DecodeSession session(model);
-  const std::vector<float> logits = session.feed(prompt);
+  const std::unique_ptr<LogitsSession> session = open_session(model, options);
+  const std::vector<float> logits = session->feed(prompt);
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
   std::vector<std::int64_t> argmaxes;
   for (std::size_t row = 0; row < prompt.size(); ++row) {
@@ -120,7 +156,7 @@ void logits_command(const ModelOptions& options) {
   }
   std::string positions;
   for (std::int64_t token : argmaxes) positions += (positions.empty() ? "" : " ") + std::to_string(token);
-  fmt::print("{} tokens, vocab {}, {} on cpu\n", prompt.size(), vocab, options.dtype);
+  fmt::print("{} tokens, vocab {}, {} {}\n", prompt.size(), vocab, options.dtype, backend_description(options));
   fmt::print("argmax per position: {}\n", positions);
   fmt::print("last position: max logit {} at token {}\n", last[static_cast<std::size_t>(argmaxes.back())],
              argmaxes.back());
@@ -131,14 +167,15 @@ void generate_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   if (options.tokens < 1) throw InputError(fmt::format("--tokens {} must be at least 1", options.tokens));
   const DecoderModel model = load_model(options);
-  DecodeSession session(model);
+  const std::unique_ptr<LogitsSession> session = open_session(model, options);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
-  const Generation generation = generate_greedy(session, prompt, options.tokens, [&](std::int64_t index) {
+  const Generation generation = generate_greedy(*session, prompt, options.tokens, [&](std::int64_t index) {
     if (terminal) fmt::print(stderr, "\rmetile generate: {}/{} tokens", index + 1, options.tokens);
   });
   const double rate = generation.seconds > 0 ? static_cast<double>(generation.decode_steps) / generation.seconds : 0;
-  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {:.2f} tokens/s ({} on cpu)\n",
-             terminal ? "\r" : "", generation.tokens.size(), prompt.size(), rate, options.dtype);
+  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {:.2f} tokens/s ({} {})\n",
+             terminal ? "\r" : "", generation.tokens.size(), prompt.size(), rate, options.dtype,
+             backend_description(options));
   if (options.format == "json") {
     nlohmann::json json;
     json["tokens"] = generation.tokens;
@@ -151,80 +188,36 @@ void generate_command(const ModelOptions& options) {
   fmt::print("{}\n", text);
 }
 
-// Next-token distributions of the two paths at one position.
-struct StepComparison {
-  bool same_argmax;
-  double kl;               // KL(reference || planned), nats
-  double max_abs_error;    // max |logit difference|
-  double max_abs_logit;    // max |reference logit|
-};
+double or_default(double value, double fallback) { return value < 0 ? fallback : value; }
 
-StepComparison compare_step(std::span<const float> reference, std::span<const float> planned) {
-  const auto log_softmax = [](std::span<const float> logits) {
-    const double maximum = *std::max_element(logits.begin(), logits.end());
-    double sum = 0;
-    for (float value : logits) sum += std::exp(value - maximum);
-    std::vector<double> result;
-    for (float value : logits) result.push_back(value - maximum - std::log(sum));
-    return result;
-  };
-  const std::vector<double> p = log_softmax(reference);
-  const std::vector<double> q = log_softmax(planned);
-  StepComparison comparison{argmax(reference) == argmax(planned), 0, 0, 0};
-  for (std::size_t index = 0; index < p.size(); ++index) {
-    comparison.kl += std::exp(p[index]) * (p[index] - q[index]);
-    comparison.max_abs_error =
-        std::max(comparison.max_abs_error, std::abs(static_cast<double>(reference[index]) - planned[index]));
-    comparison.max_abs_logit = std::max(comparison.max_abs_logit, std::abs(static_cast<double>(reference[index])));
-  }
-  comparison.kl = std::max(0.0, comparison.kl);
-  return comparison;
-}
-
-int verify_command(const ModelOptions& options) {
+int verify_command(ModelOptions options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
-  if (options.tokens < 1) throw InputError(fmt::format("--tokens {} must be at least 1", options.tokens));
+  if (options.tokens < 0) throw InputError(fmt::format("--tokens {} must be at least 1", options.tokens));
   const DecoderModel model = load_model(options);
+#ifdef METILE_HAVE_CUDA_BACKEND
+  if (options.backend == "cuda") return verify_model_on_cuda(model, options);
+#endif
+  const std::int64_t positions = options.tokens == 0 ? 16 : options.tokens;
+  const double min_agreement = or_default(options.min_agreement, 0.95);
+  const double max_kl = or_default(options.max_kl, 0.01);
+  const double max_kl_mean = or_default(options.max_kl_mean, max_kl);
+  const double max_logit_error = or_default(options.max_logit_error, 0.02);
   DecodeSession reference(model, DecodePath::reference);
   DecodeSession planned(model, DecodePath::planned);
-  const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
-  double reference_seconds = 0, planned_seconds = 0;
-  const auto timed_feed = [vocab](DecodeSession& session, std::span<const std::int32_t> tokens, double& seconds) {
-    const auto start = std::chrono::steady_clock::now();
-    std::vector<float> logits = session.feed(tokens);
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return std::vector<float>(logits.end() - static_cast<std::ptrdiff_t>(vocab), logits.end());
-  };
-  double dummy = 0;
-  std::vector<float> reference_logits = timed_feed(reference, prompt, dummy);
-  std::vector<float> planned_logits = timed_feed(planned, prompt, dummy);
-  std::int64_t agreements = 0;
-  double kl_sum = 0, kl_max = 0, relative_error_max = 0;
-  for (std::int64_t step = 0; step < options.tokens; ++step) {
-    const StepComparison comparison = compare_step(reference_logits, planned_logits);
-    agreements += comparison.same_argmax ? 1 : 0;
-    kl_sum += comparison.kl;
-    kl_max = std::max(kl_max, comparison.kl);
-    relative_error_max = std::max(relative_error_max, comparison.max_abs_error / std::max(comparison.max_abs_logit, 1e-30));
-    if (step + 1 == options.tokens) break;
-    const auto token = static_cast<std::int32_t>(argmax(reference_logits));  // both paths get the reference's token
-    reference_logits = timed_feed(reference, std::span<const std::int32_t>(&token, 1), reference_seconds);
-    planned_logits = timed_feed(planned, std::span<const std::int32_t>(&token, 1), planned_seconds);
-  }
-  const double agreement = static_cast<double>(agreements) / static_cast<double>(options.tokens);
-  const double kl_mean = kl_sum / static_cast<double>(options.tokens);
+  const AgreementFigures figures = compare_sessions(reference, planned, prompt, positions);
   const auto rate = [&](double seconds) {
-    return seconds > 0 ? static_cast<double>(options.tokens - 1) / seconds : 0.0;
+    return seconds > 0 ? static_cast<double>(positions - 1) / seconds : 0.0;
   };
   fmt::print("verify-model: {} positions, reference (run_reference) vs planned (plan_graph_fusion cpu + "
-             "run_plan_reference), {} on cpu\n", options.tokens, options.dtype);
-  fmt::print("next-token agreement   {:.4f}   (min {})\n", agreement, options.min_agreement);
-  fmt::print("KL mean / max          {:.3g} / {:.3g}   (max {})\n", kl_mean, kl_max, options.max_kl);
-  fmt::print("max logit error        {:.3g} of max |logit|   (max {})\n", relative_error_max, options.max_logit_error);
-  fmt::print("tokens/s               reference {:.2f}, planned {:.2f}\n", rate(reference_seconds),
-             rate(planned_seconds));
-  const bool pass = agreement >= options.min_agreement && kl_max <= options.max_kl &&
-                    relative_error_max <= options.max_logit_error;
+             "run_plan_reference), {} on cpu\n", positions, options.dtype);
+  fmt::print("next-token agreement   {:.4f}   (min {})\n", figures.agreement(), min_agreement);
+  fmt::print("KL mean / max          {:.3g} / {:.3g}   (max {} / {})\n", figures.kl_mean, figures.kl_max, max_kl_mean,
+             max_kl);
+  fmt::print("max logit error        {:.3g} of max |logit|   (max {})\n", figures.max_logit_error, max_logit_error);
+  fmt::print("tokens/s               reference {:.2f}, planned {:.2f}\n", rate(figures.reference_seconds),
+             rate(figures.candidate_seconds));
+  const bool pass = figures.agreement() >= min_agreement && figures.kl_max <= max_kl &&
+                    figures.kl_mean <= max_kl_mean && figures.max_logit_error <= max_logit_error;
   fmt::print("{}\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
@@ -275,7 +268,7 @@ void synth_command(const SynthCommandOptions& options) {
 void add_model_commands(CLI::App& app) {
   {
     auto options = std::make_shared<ModelOptions>();
-    CLI::App* command = app.add_subcommand("logits", "Logits of a prompt on a checkpoint (CPU reference)");
+    CLI::App* command = app.add_subcommand("logits", "Logits of a prompt on a checkpoint (CPU reference or GPU engine)");
     add_model_options(command, *options, true);
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
@@ -284,7 +277,7 @@ void add_model_commands(CLI::App& app) {
   }
   {
     auto options = std::make_shared<ModelOptions>();
-    CLI::App* command = app.add_subcommand("generate", "Greedy decoding on a checkpoint (CPU reference)");
+    CLI::App* command = app.add_subcommand("generate", "Greedy decoding on a checkpoint (CPU reference or GPU engine)");
     add_model_options(command, *options, true);
     command->add_option("--tokens", options->tokens, "tokens to generate")->required();
     command->add_option("--format", options->format, "text or json")
@@ -296,21 +289,67 @@ void add_model_commands(CLI::App& app) {
     auto options = std::make_shared<ModelOptions>();
     options->prompt_ids = "1,2,3,4";
     CLI::App* command = app.add_subcommand(
-        "verify-model", "Decode with the reference and the planned (fused) path and compare their next tokens");
+        "verify-model",
+        "Compare next tokens of two paths: cpu reference vs planned, or cuda native vs fused engine");
     add_model_options(command, *options, false);
     command->add_option("--prompt-ids", options->prompt_ids, "comma-separated prompt token ids")
         ->capture_default_str();
-    command->add_option("--tokens", options->tokens, "positions to compare")->capture_default_str();
-    command->add_option("--min-agreement", options->min_agreement, "least fraction of equal next tokens")
-        ->capture_default_str();
-    command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position (nats)")
-        ->capture_default_str();
+    options->tokens = 0;
+    command->add_option("--tokens", options->tokens, "positions to compare (default 16 on cpu, 64 on cuda)");
+    command->add_option("--min-agreement", options->min_agreement,
+                        "least fraction of equal next tokens (default 0.95 on cpu, 1 on cuda)");
+    command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position, nats (default 0.01)");
+    command->add_option("--max-kl-mean", options->max_kl_mean,
+                        "largest mean KL divergence, nats (default --max-kl on cpu, 1e-4 on cuda)");
     command->add_option("--max-logit-error", options->max_logit_error,
-                        "largest |logit error| relative to the reference's max |logit|")
+                        "largest |logit error| relative to the reference's max |logit| (default 0.02)");
+    command->add_option("--format", options->format, "text or json (--backend cuda)")
+        ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
     command->callback([options] {
       const int code = verify_command(*options);
       if (code != 0) throw CommandExit{code};
+    });
+  }
+  {
+    auto options = std::make_shared<ModelOptions>();
+    CLI::App* command = app.add_subcommand(
+        "bench-model", "Decode and prefill speed of the GPU engine, fused and native, with a per-kind breakdown");
+    command->add_option("MODEL_DIR", options->model_dir, "checkpoint directory (or --preset)");
+    command->add_option("--preset", options->preset,
+                        "synthesize this preset into a temporary directory instead: tiny, small, llama3.2-1b, "
+                        "qwen2.5-1.5b or llama3-8b");
+    command->add_option("--layers", options->layers, "--preset: number of layers (default: the preset's)");
+    command->add_option("--seed", options->seed, "--preset: seed of the weights, and of the prompt tokens")
+        ->capture_default_str();
+    command->add_option("--quantize", options->quantize, "4 or 8 bits (MLX affine); default: the checkpoint's");
+    command->add_option("--group-size", options->group_size, "quantization group size: 32, 64 or 128")
+        ->capture_default_str();
+    command->add_option("--context", options->context, "cached tokens before the timed decode steps")
+        ->capture_default_str();
+    command->add_option("--prefill-tokens", options->prefill_tokens, "prompt of the prefill measurement")
+        ->capture_default_str();
+    command->add_option("--decode-steps", options->decode_steps, "timed decode steps")->capture_default_str();
+    command->add_option("--max-seq", options->max_seq,
+                        "KV-cache capacity (default: what the measurements need, rounded up to 256)");
+    command->add_option("--decline", options->decline, "region kinds the fused engine runs native, comma-separated");
+    command->add_option("--format", options->format, "text or json")
+        ->check(CLI::IsMember({"text", "json"}))
+        ->capture_default_str();
+    command->callback([options] {
+      if (options->model_dir.empty() == options->preset.empty()) {
+        throw InputError("bench-model: give either MODEL_DIR or --preset NAME");
+      }
+      if (!options->preset.empty() && options->layers < 0) {
+        throw InputError(fmt::format("--layers {} must be at least 1", options->layers));
+      }
+      quantization_option(*options);  // malformed --quantize: one line before anything else
+      declined_rules(options->decline);
+      options->backend = "cuda";
+      check_backend(*options);
+#ifdef METILE_HAVE_CUDA_BACKEND
+      bench_model(*options);
+#endif
     });
   }
   {

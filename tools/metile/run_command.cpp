@@ -1,5 +1,5 @@
 // `metile run GRAPH.json [--backend cpu|cuda] [--seed N] [--inputs FILE.safetensors]
-//                        [--output FILE.safetensors] [--check]`
+//                        [--output FILE.safetensors] [--check] [--no-discovery]`
 // Runs a graph on given or seeded random inputs and prints one summary line per
 // output (tensor_summary.h); --output writes the outputs as safetensors, all or
 // nothing. The CPU backend is the reference executor; the CUDA backend is
@@ -27,6 +27,7 @@ struct RunOptions {
   std::string inputs_path;
   std::string output_path;
   bool check = false;
+  bool no_discovery = false;
 };
 
 // Every value of the graph at once bounds what a run holds; more than the machine has
@@ -65,7 +66,7 @@ TensorMap run_on_backend(const ComputeGraph& graph, const TensorMap& inputs, con
     return run_reference(graph, inputs);
   }
 #ifdef METILE_HAVE_CUDA_BACKEND
-  return run_on_cuda(graph, inputs, options.check);
+  return run_on_cuda(graph, inputs, options.check, options.no_discovery);
 #else
   throw InputError("metile was built without the CUDA backend");
 #endif
@@ -106,6 +107,8 @@ void add_run_command(CLI::App& app) {
   command->add_option("--inputs", options->inputs_path, "take the inputs from this safetensors file instead");
   command->add_option("--output", options->output_path, "write the outputs to this safetensors file");
   command->add_flag("--check", options->check, "compare the backend's outputs with the CPU reference");
+  command->add_flag("--no-discovery", options->no_discovery,
+                    "cuda: plan without the certified attention rewrite (as `metile plan --no-discovery`)");
   command->callback([options] { run(*options); });
 }
 

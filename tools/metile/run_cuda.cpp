@@ -1,4 +1,5 @@
-// `metile run GRAPH.json --backend cuda [--check]`: plans the graph, builds an Executable
+// `metile run GRAPH.json --backend cuda [--check] [--no-discovery]`: plans the graph (with the
+// certified attention rewrite, as `metile plan`), builds an Executable
 // (compiles, gates and tunes every region, dispatch.h), runs it once on the inputs and returns
 // the outputs; with --check, compares every output with the CPU reference and prints the error.
 // Built only with the CUDA backend (METILE_HAVE_CUDA_BACKEND).
@@ -8,13 +9,14 @@
 
 #include "commands.h"
 #include "metile/cpu_runtime.h"
+#include "metile/discovery.h"
 #include "metile/dispatch.h"
 #include "metile/error.h"
 #include "metile/fusion.h"
 
 namespace metile::cli {
 
-TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool check) {
+TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool check, bool no_discovery) {
   std::string reason;
   const std::optional<CudaDevice> device = CudaDevice::try_open(0, &reason);
   // A machine without a GPU is the user's environment, not a metile failure: exit 2, one line.
@@ -23,7 +25,10 @@ TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool c
   fmt::print("cuda: {} ({}, {} SMs, driver {}, NVRTC {}), dispatch {}\n", info.name, info.architecture(),
              info.multiprocessor_count, info.driver_version, nvrtc_version(),
              dispatch_mode_name(dispatch_mode_from_environment()));
-  const FusionPlan plan = plan_graph_fusion(graph);
+  // The plan `metile plan` shows for the H200: the certified attention rewrite first (the flash_attention
+  // nodes it makes refuse to run without a verified certificate), unless --no-discovery.
+  const FusionTarget target = FusionTarget::h200();
+  const FusionPlan plan = no_discovery ? plan_graph_fusion(graph, target) : plan_with_discovery(graph, target);
   Executable executable = Executable::build(plan, *device);
   for (const RegionReport& report : executable.reports()) fmt::print("{}\n", report.sentence);
   const TensorMap outputs = executable.run(inputs);

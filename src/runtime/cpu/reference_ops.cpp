@@ -460,29 +460,12 @@ HostTensor evaluate_kv_cache_write(const OpCall& call) {
   return out;
 }
 
-// Llama 3's frequency scaling (transformers' _compute_llama3_parameters): long
-// wavelengths slow down by `factor`, short ones stay, the band between blends
-// linearly in original_max_position_embeddings / wavelength.
-double rope_frequency(const Attributes& attributes, double frequency) {
-  if (!attributes.has("scaling")) return frequency;
-  const double factor = attributes.get_double("factor");
-  const double low = attributes.get_double("low_freq_factor");
-  const double high = attributes.get_double("high_freq_factor");
-  const double context = attributes.get_double("original_max_position_embeddings");
-  const double wavelength = 2 * M_PI / frequency;
-  if (wavelength < context / high) return frequency;
-  if (wavelength > context / low) return frequency / factor;
-  const double smooth = (context / wavelength - low) / (high - low);
-  return (1 - smooth) * frequency / factor + smooth * frequency;
-}
-
 // Rotate-half rotary embedding (Llama, MLX traditional=False) over the first
 // `dims` elements of each row of x [..., S, D]: element i pairs with i + dims/2
 // and turns by position * theta^(-2i/dims). The angles and their cos/sin are
 // computed in f64 and rounded to f32 (they depend on no tensor data, so a GPU
 // kernel may take them from a table); the rotation itself is f32.
 HostTensor evaluate_rope(const OpCall& call) {
-  const double theta = call.node.attributes.get_double("theta");
   const std::int64_t dims = call.node.attributes.get_int("dims");
   const std::int64_t half = dims / 2;
   const std::int64_t length = call.output.shape.back();
@@ -490,11 +473,7 @@ HostTensor evaluate_rope(const OpCall& call) {
   const HostTensor& positions = call.input(1);
   std::vector<float> cosines(static_cast<std::size_t>(sequence * half));
   std::vector<float> sines(cosines.size());
-  std::vector<double> frequencies(static_cast<std::size_t>(half));
-  for (std::int64_t pair = 0; pair < half; ++pair) {
-    frequencies[static_cast<std::size_t>(pair)] =
-        rope_frequency(call.node.attributes, std::pow(theta, -2.0 * static_cast<double>(pair) / static_cast<double>(dims)));
-  }
+  const std::vector<double> frequencies = rope_frequencies(call.node.attributes);
   for (std::int64_t step = 0; step < sequence; ++step) {
     for (std::int64_t pair = 0; pair < half; ++pair) {
       const double frequency = frequencies[static_cast<std::size_t>(pair)];

@@ -170,19 +170,30 @@ DeviceBuffer::DeviceBuffer(std::size_t bytes) : size_(bytes) {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (address_ != 0) driver().cuMemFree(address_);
+  if (owns_memory()) driver().cuMemFree(address_);
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : address_(std::exchange(other.address_, 0)), size_(std::exchange(other.size_, 0)) {}
+    : address_(std::exchange(other.address_, 0)),
+      size_(std::exchange(other.size_, 0)),
+      owned_(std::exchange(other.owned_, true)) {}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
-    if (address_ != 0) driver().cuMemFree(address_);
+    if (owns_memory()) driver().cuMemFree(address_);
     address_ = std::exchange(other.address_, 0);
     size_ = std::exchange(other.size_, 0);
+    owned_ = std::exchange(other.owned_, true);
   }
   return *this;
+}
+
+DeviceBuffer DeviceBuffer::borrow(std::uint64_t address, std::size_t bytes) {
+  DeviceBuffer buffer;
+  buffer.address_ = address;
+  buffer.size_ = bytes;
+  buffer.owned_ = false;
+  return buffer;
 }
 
 DeviceBuffer DeviceBuffer::from_host(std::span<const std::byte> bytes) {
@@ -211,6 +222,27 @@ void DeviceBuffer::copy_to_host(std::span<std::byte> bytes, std::size_t offset) 
   if (bytes.empty()) return;
   check(driver().cuMemcpyDtoH(bytes.data(), address_ + offset, bytes.size()),
         fmt::format("cuMemcpyDtoH({} bytes)", bytes.size()));
+}
+
+void DeviceBuffer::copy_from_host_async(std::span<const std::byte> bytes, const CudaStream& stream,
+                                        std::size_t offset) {
+  if (offset + bytes.size() > size_) {
+    throw CudaError(fmt::format("DeviceBuffer::copy_from_host_async: {} bytes at offset {} exceed the {}-byte buffer",
+                                bytes.size(), offset, size_));
+  }
+  if (bytes.empty()) return;
+  check(driver().cuMemcpyHtoDAsync(address_ + offset, bytes.data(), bytes.size(), stream.handle()),
+        fmt::format("cuMemcpyHtoDAsync({} bytes)", bytes.size()));
+}
+
+void DeviceBuffer::copy_to_host_async(std::span<std::byte> bytes, const CudaStream& stream, std::size_t offset) const {
+  if (offset + bytes.size() > size_) {
+    throw CudaError(fmt::format("DeviceBuffer::copy_to_host_async: {} bytes at offset {} exceed the {}-byte buffer",
+                                bytes.size(), offset, size_));
+  }
+  if (bytes.empty()) return;
+  check(driver().cuMemcpyDtoHAsync(bytes.data(), address_ + offset, bytes.size(), stream.handle()),
+        fmt::format("cuMemcpyDtoHAsync({} bytes)", bytes.size()));
 }
 
 void DeviceBuffer::copy_from_device(const DeviceBuffer& source, std::size_t bytes, const CudaStream* stream) {

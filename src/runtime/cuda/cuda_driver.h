@@ -19,6 +19,7 @@ namespace metile::cuda_driver {
   X(cuDevicePrimaryCtxRetain, 7000) X(cuDevicePrimaryCtxRelease, 11000) X(cuCtxSetCurrent, 4000)       \
   X(cuCtxGetCurrent, 4000) X(cuCtxGetDevice, 2000) X(cuCtxSynchronize, 2000) X(cuMemAlloc, 3020)       \
   X(cuMemFree, 3020) X(cuMemcpyHtoD, 3020) X(cuMemcpyDtoH, 3020) X(cuMemcpyDtoDAsync, 3020)            \
+  X(cuMemcpyHtoDAsync, 3020) X(cuMemcpyDtoHAsync, 3020)                                                \
   X(cuMemsetD8, 3020) X(cuMemsetD8Async, 3020) X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)        \
   X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)   \
   X(cuEventSynchronize, 2000) X(cuEventElapsedTime, 2000) X(cuModuleLoadData, 2000)                    \

@@ -5,20 +5,52 @@
 
 #include "cuda_driver.h"
 #include "metile/cuda_runtime.h"
+#include "metile/discovery.h"
 
 namespace metile {
 
 // ---------------------------------------------------------------- device values
-DeviceValues::DeviceValues(const ComputeGraph& graph) : graph_(&graph) {
-  tensors_.reserve(graph.values().size());
-  for (const Value& value : graph.values()) tensors_.emplace_back(value.spec);
+DeviceValues::DeviceValues(const ComputeGraph& graph, const ExternalValues& external_values)
+    : graph_(&graph), external_(graph.values().size(), false) {
+  std::vector<std::uint64_t> external_address(graph.values().size(), 0);
+  for (const auto& [name, address] : external_values) {
+    const std::optional<ValueId> found = graph.find_value(name);
+    if (!found) throw InputError(fmt::format("external value '{}' is not a value of the graph", name));
+    if (address == 0) throw InputError(fmt::format("external value '{}' has a null device address", name));
+    external_[static_cast<std::size_t>(*found)] = true;
+    external_address[static_cast<std::size_t>(*found)] = address;
+  }
+  // Owners first (allocated, or the caller's buffer), then every alias as a view of its owner's.
+  const std::vector<ValueId> owner = alias_of(graph, external_);
+  tensors_.resize(graph.values().size());
+  for (const Value& value : graph.values()) {
+    const auto index = static_cast<std::size_t>(value.id);
+    if (owner[index] != value.id) continue;
+    tensors_[index].spec = value.spec;
+    tensors_[index].buffer = external_[index] ? DeviceBuffer::borrow(external_address[index], static_cast<std::size_t>(value.spec.bytes()))
+                                              : DeviceBuffer(static_cast<std::size_t>(value.spec.bytes()));
+  }
+  for (const Value& value : graph.values()) {
+    const auto index = static_cast<std::size_t>(value.id);
+    if (owner[index] == value.id) continue;
+    tensors_[index].spec = value.spec;
+    tensors_[index].buffer = DeviceBuffer::borrow(tensors_[static_cast<std::size_t>(owner[index])].address(),
+                                                  static_cast<std::size_t>(value.spec.bytes()));
+  }
+}
+
+bool DeviceValues::shares_buffer(ValueId a, ValueId b) const {
+  return (*this)[a].address() == (*this)[b].address() && (*this)[a].spec.bytes() != 0;
 }
 
 void DeviceValues::upload_inputs(const TensorMap& inputs) {
   for (ValueId id : graph_->inputs()) {
     const Value& value = graph_->value(id);
     auto found = inputs.find(value.name);
-    if (found == inputs.end()) throw InputError(fmt::format("missing input '{}' ({})", value.name, value.spec.to_string()));
+    if (found == inputs.end()) {
+      if (is_external(id)) continue;  // the caller's buffer already holds it
+      throw InputError(fmt::format("missing input '{}' ({})", value.name, value.spec.to_string()));
+    }
     if (found->second.spec() != value.spec) {
       throw InputError(fmt::format("input '{}' is {}, the graph expects {}", value.name,
                                    found->second.spec().to_string(), value.spec.to_string()));
@@ -35,7 +67,8 @@ TensorMap DeviceValues::download_outputs() const {
 
 void DeviceValues::poison_computed_values() {
   for (const Value& value : graph_->values()) {
-    if (value.producer >= 0) tensors_.at(static_cast<std::size_t>(value.id)).buffer.fill_bytes(0xFF);
+    DeviceBuffer& buffer = tensors_.at(static_cast<std::size_t>(value.id)).buffer;
+    if (value.producer >= 0 && buffer.owns_memory()) buffer.fill_bytes(0xFF);
   }
 }
 
@@ -93,11 +126,30 @@ std::string NativeRuntime::node_source(const ComputeGraph& graph, NodeId node_id
   const Node& node = graph.node(node_id);
   if (node.op == "matmul") return "cublasLt matmul";
   if (node.op == "quantized_matmul") return generate_dequantize_kernel(graph, node_id).source + "\ncublasLt matmul";
+  if (node.op == "flash_attention") {
+    const ComputeGraph plain = flash_attention_as_plain_ops(graph, node_id);
+    std::string source;
+    for (const Node& step : plain.nodes()) source += node_source(plain, step.id);
+    return source;
+  }
   return generate_node_kernel(graph, node_id).source;
 }
 
 DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, DeviceValues& values) {
   const Node& node = graph.node(node_id);
+  if (node.op == "flash_attention") {
+    // The law's definition as plain ops (cuBLASLt QKᵀ, scale, mask, softmax, PV) over values of its
+    // own whose ends borrow this graph's buffers; refused (InputError) without a verified certificate.
+    auto plain = std::make_shared<const ComputeGraph>(flash_attention_as_plain_ops(graph, node_id));
+    ExternalValues ends = {{"q", values[node.inputs[0]].address()},
+                           {"k", values[node.inputs[1]].address()},
+                           {"v", values[node.inputs[2]].address()},
+                           {"out", values[node.outputs[0]].address()}};
+    if (node.inputs.size() == 4) ends["positions"] = values[node.inputs[3]].address();
+    auto plain_values = std::make_shared<DeviceValues>(*plain, ends);
+    auto steps = std::make_shared<std::vector<DeviceStep>>(graph_steps(*plain, *plain_values));
+    return [plain, plain_values, steps](const CudaStream& stream) { run_steps(*steps, stream); };
+  }
   if (node.op == "matmul" || node.op == "quantized_matmul") {
     if (!matmul_) matmul_ = std::make_shared<CublasLtMatmul>();
     const TensorSpec& a = graph.value(node.inputs[0]).spec;
@@ -152,9 +204,17 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
       matmul->run(problem, left_address, right_address, out_address, stream);
     };
   }
+  // Aliased outputs (alias_of): a reshape or a transpose of size-1 axes moves no byte, and a cache
+  // written in place needs only its new rows.
+  const bool shares_input_buffer = node.outputs.size() == 1 && values.shares_buffer(node.outputs[0], node.inputs[0]);
+  if (shares_input_buffer && (node.op == "reshape" || node.op == "transpose")) {
+    return [](const CudaStream&) {};
+  }
   // Kernels are shared by source, and the same source arises from other graphs (a region cut out for
   // gating keeps the names, not the value ids): bind with the ids of this graph's generation.
-  const GeneratedKernel generated = generate_node_kernel(graph, node_id);
+  const GeneratedKernel generated = node.op == "kv_cache_write" && shares_input_buffer
+                                        ? generate_kv_cache_write_kernel(graph, node_id, /*in_place=*/true)
+                                        : generate_node_kernel(graph, node_id);
   std::vector<ValueId> ids;
   for (const KernelParameter& parameter : generated.parameters) ids.push_back(parameter.value);
   return bind_kernel(kernel_for(generated), values, ids);

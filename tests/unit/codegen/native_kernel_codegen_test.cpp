@@ -1,6 +1,7 @@
 // Every op's native (unfused) kernel compiles with NVRTC for sm_90, across dtypes and row lengths
 // that are and are not multiples of the 16-byte vector width. Contractions have no generated
 // kernel (cuBLASLt runs them) but quantized_matmul's dequantization does.
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -100,6 +101,57 @@ TEST(NativeKernelCodegenDequantize, FourAndEightBitCompile) {
     EXPECT_EQ(kernel.parameters[3].scratch_bytes, n * k * 2);
     SCOPED_TRACE(bits);
     expect_compiles_for_sm90(kernel);
+  }
+}
+
+}  // namespace
+}  // namespace metile
+
+namespace metile {
+namespace {
+
+// The decode step's ops (src/model/step_graph.cpp): embedding, quantized_embedding (4 and 8 bit),
+// position_mask, kv_cache_write copied and in place, rope with Llama 3 scaling, in every float dtype.
+TEST(NativeKernelCodegenDecodeStep, EveryDecodeStepKernelCompilesForSm90) {
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    GraphBuilder b;
+    auto ids = b.input("ids", {{3}, DType::i32});
+    auto positions = b.input("positions", {{3}, DType::i32});
+    std::vector<ValueRef> outputs = {b.embedding(ids, b.input("table", {{50, 64}, dtype}), "embedded")};
+    for (int bits : {4, 8}) {
+      outputs.push_back(b.quantized_embedding(ids, b.input(fmt::format("packed{}", bits), {{50, 64 * bits / 32}, DType::u32}),
+                                              b.input(fmt::format("scales{}", bits), {{50, 2}, dtype}),
+                                              b.input(fmt::format("biases{}", bits), {{50, 2}, dtype}), bits, 32,
+                                              fmt::format("quantized{}", bits)));
+    }
+    outputs.push_back(b.position_mask(b.input("scores", {{2, 6, 10}, dtype}), positions, "masked"));
+    auto cache = b.input("cache", {{2, 10, 8}, dtype});
+    outputs.push_back(b.kv_cache_write(cache, b.input("update", {{2, 3, 8}, dtype}), positions, "written"));
+    Attributes scaled;
+    scaled.set("theta", 500000.0);
+    scaled.set("scaling", std::string("llama3"));
+    scaled.set("factor", 8.0);
+    scaled.set("low_freq_factor", 1.0);
+    scaled.set("high_freq_factor", 4.0);
+    scaled.set("original_max_position_embeddings", 8192.0);
+    outputs.push_back(b.add_node("rope", {b.input("x", {{2, 3, 16}, dtype}), positions}, scaled, "rotated").front());
+    const ComputeGraph graph = b.build(outputs);
+    for (const Node& node : graph.nodes()) {
+      SCOPED_TRACE(node.name);
+      const GeneratedKernel kernel = generate_node_kernel(graph, node.id);
+      EXPECT_EQ(kernel.parameters.size(), node.inputs.size() + 1);
+      expect_compiles_for_sm90(kernel);
+      if (node.op == "kv_cache_write") {
+        const GeneratedKernel in_place = generate_kv_cache_write_kernel(graph, node.id, true);
+        EXPECT_EQ(in_place.parameters.size(), 3u);  // update, positions, out: the cache is the output
+        EXPECT_EQ(in_place.launch.grid_x * in_place.launch.block_x, 256u);  // 2 * 3 * 8 rows' elements
+        expect_compiles_for_sm90(in_place);
+      }
+      if (node.op == "rope") {
+        EXPECT_NE(kernel.summary.find("llama3"), std::string::npos);
+      }
+    }
   }
 }
 

@@ -360,3 +360,39 @@ TEST(AttentionRewrite, RandomGraphsWithTheChainMatchTheOriginal) {
 
 }  // namespace
 }  // namespace metile
+
+namespace metile {
+namespace {
+
+// flash_attention_as_plain_ops (what the device's native path runs) computes what the node's
+// law-based reference computes, for every mask, with batched heads; and it
+// refuses a node whose certificate is not verified.
+TEST(AttentionRewrite, ThePlainOpDefinitionMatchesTheNode) {
+  const std::uint64_t seed = test_seed();
+  for (const char* mask : {"none", "causal", "positions"}) {
+    AttentionShape shape;
+    shape.mask = mask;
+    shape.batch = {2};
+    shape.tokens = 6;  // rows; the keys stay 5, so causal and positions masks hide whole rows too
+    const AttentionRewrite rewrite = rewrite_attention(attention_graph(shape));
+    const Node& flash = only_node(rewrite.graph, "flash_attention");
+    const ComputeGraph plain = flash_attention_as_plain_ops(rewrite.graph, flash.id);
+    EXPECT_EQ(plain.outputs().size(), 1u);
+    EXPECT_EQ(plain.value(plain.outputs()[0]).name, "out");
+    const TensorMap inputs = random_inputs(rewrite.graph, seed);
+    TensorMap plain_inputs;
+    const std::vector<std::string> ends = {"q", "k", "v", "positions"};
+    for (std::size_t k = 0; k < flash.inputs.size(); ++k) plain_inputs[ends[k]] = inputs.at(rewrite.graph.value(flash.inputs[k]).name);
+    const HostTensor expected = run_reference(rewrite.graph, inputs).at("attention");
+    const HostTensor actual = run_reference(plain, plain_inputs).at("out");
+    const NumericGateResult gate = numeric_gate(actual, expected);
+    EXPECT_TRUE(gate.passed) << mask << ": " << gate.detail;
+  }
+  Certificate forged = prove(stable_weighted_softmax_law());
+  forged.verified = false;
+  const ComputeGraph unproved = flash_graph(forged.to_json());
+  EXPECT_NE(error_of([&] { flash_attention_as_plain_ops(unproved, 0); }).find("not verified"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace metile

@@ -36,13 +36,17 @@ void edit_tensors(const std::filesystem::path& directory, const std::function<vo
 
 class MalformedCheckpoint : public testing::ModelDirectoryTest {
  protected:
-  int run_logits(const std::filesystem::path& directory, std::string& out, std::string& err) {
-    const std::string command = std::string(METILE_BINARY) + " logits " + directory.string() + " --prompt-ids 1,2 >" +
-                                (root_ / "out.txt").string() + " 2>" + (root_ / "err.txt").string();
+  // `metile ARGUMENTS`: its exit code, standard output and error.
+  int run_metile(const std::string& arguments, std::string& out, std::string& err) {
+    const std::string command = std::string(METILE_BINARY) + " " + arguments + " >" + (root_ / "out.txt").string() +
+                                " 2>" + (root_ / "err.txt").string();
     const int status = std::system(command.c_str());
     out = read_text(root_ / "out.txt");
     err = read_text(root_ / "err.txt");
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  int run_logits(const std::filesystem::path& directory, std::string& out, std::string& err) {
+    return run_metile("logits " + directory.string() + " --prompt-ids 1,2", out, err);
   }
 };
 
@@ -132,16 +136,11 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
 TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   const std::filesystem::path directory = synth("model", {});
   std::string out, err;
-  const auto metile = [&](const std::string& arguments) {
-    const std::string command = std::string(METILE_BINARY) + " " + arguments + " >" + (root_ / "out.txt").string() +
-                                " 2>" + (root_ / "err.txt").string();
-    const int status = std::system(command.c_str());
-    out = read_text(root_ / "out.txt");
-    err = read_text(root_ / "err.txt");
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  };
-  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --backend cuda"), 2);
-  EXPECT_EQ(err, "metile: error: --backend cuda: the GPU decode engine is not built yet; use --backend cpu\n");
+  const auto metile = [&](const std::string& arguments) { return run_metile(arguments, out, err); };
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --backend tpu"), 2);
+  EXPECT_EQ(err, "metile: error: --backend must be cpu or cuda, got 'tpu'\n");
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --decline swiglu_mlp"), 2);
+  EXPECT_EQ(err, "metile: error: --decline applies to --backend cuda (the fused GPU engine)\n");
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,x"), 2);
   EXPECT_EQ(err, "metile: error: --prompt-ids: 'x' is not a token id (expected e.g. 1,2,3)\n");
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,256"), 2);
@@ -156,6 +155,42 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(out.find("FAIL"), std::string::npos);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
   EXPECT_NE(out.find("next-token agreement   1.0000"), std::string::npos);
+}
+
+// Without a GPU (CI) every --backend cuda command and bench-model is one line and exit 2,
+// before the checkpoint is read; bad arguments are one line wherever they are. On a machine
+// with a GPU the commands run instead (the GPU suites cover them), and this test is skipped.
+TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
+  const std::filesystem::path directory = synth("model", {});
+  std::string out, err;
+  const auto metile = [&](const std::string& arguments) { return run_metile(arguments, out, err); };
+  // Argument errors come before the device is looked for.
+  EXPECT_EQ(metile("bench-model"), 2);
+  EXPECT_EQ(err, "metile: error: bench-model: give either MODEL_DIR or --preset NAME\n");
+  EXPECT_EQ(metile("bench-model " + directory.string() + " --preset tiny"), 2);
+  EXPECT_EQ(err, "metile: error: bench-model: give either MODEL_DIR or --preset NAME\n");
+  EXPECT_EQ(metile("bench-model --preset tiny --quantize 5"), 2);
+  EXPECT_EQ(err, "metile: error: --quantize must be 4 or 8, got '5'\n");
+  EXPECT_EQ(metile("bench-model --preset tiny --decline a,,b"), 2);
+  EXPECT_EQ(err, "metile: error: --decline: an empty region kind in 'a,,b'\n");
+  EXPECT_EQ(metile("bench-model --preset tiny --format yaml"), 2);
+  EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+
+  if (metile("logits " + directory.string() + " --prompt-ids 1,2 --backend cuda") == 0) {
+    GTEST_SKIP() << "a CUDA device is present: --backend cuda runs (the gpu suites test it)";
+  }
+  const std::string prefix = "metile: error: --backend cuda: ";
+  for (const std::string& arguments :
+       {"logits " + directory.string() + " --prompt-ids 1,2 --backend cuda",
+        "generate " + directory.string() + " --prompt-ids 1,2 --tokens 3 --backend cuda",
+        "verify-model " + directory.string() + " --backend cuda --decline swiglu_mlp",
+        std::string("bench-model --preset tiny --context 16")}) {
+    SCOPED_TRACE(arguments);
+    EXPECT_EQ(metile(arguments), 2);
+    EXPECT_EQ(out, "");
+    EXPECT_EQ(err.rfind(prefix, 0), 0u) << err;
+    EXPECT_EQ(err.find('\n'), err.size() - 1) << err;  // one line
+  }
 }
 
 }  // namespace

@@ -423,3 +423,43 @@ TEST_F(DecoderModelTest, PlannedPathEqualsReferenceAndGenerationIsGreedy) {
 
 }  // namespace
 }  // namespace metile
+
+namespace metile::testing {
+namespace {
+
+// The step graph's buffers as DeviceValues will share them (alias_of): every cache write in place
+// into the caller's cache, the head split/merge transposes free at S = 1 (they move a size-1 axis)
+// and real copies at S = 3; reshapes always free.
+class StepGraphAliasing : public ModelDirectoryTest {};
+
+TEST_F(StepGraphAliasing, CachesWriteInPlaceAndSizeOneTransposesAreViews) {
+  SynthOptions options;
+  options.preset = "tiny";
+  LoadOptions load;
+  load.max_sequence = 32;
+  const DecoderModel model = DecoderModel::load(synth("tiny", options), load);
+  for (std::int64_t steps : {1, 3}) {
+    const ComputeGraph& graph = model.step_graph(steps);
+    const std::vector<ValueId> owner = alias_of(graph);
+    int cache_writes = 0;
+    for (const Node& node : graph.nodes()) {
+      const ValueId out = node.outputs[0];
+      const ValueId shared = owner[static_cast<std::size_t>(out)];
+      if (node.op == "kv_cache_write") {
+        ++cache_writes;
+        EXPECT_EQ(shared, node.inputs[0]) << node.name;  // the graph input "layers.N.k_cache" itself
+        EXPECT_EQ(graph.value(shared).producer, -1);
+      }
+      if (node.op == "reshape") {
+        EXPECT_NE(shared, out) << node.name;
+      }
+      if (node.op == "transpose") {
+        EXPECT_EQ(shared != out, steps == 1) << node.name;
+      }
+    }
+    EXPECT_EQ(cache_writes, 2 * model.config().num_hidden_layers);
+  }
+}
+
+}  // namespace
+}  // namespace metile::testing

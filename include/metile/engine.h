@@ -1,0 +1,195 @@
+// metile engine: decoder models on the GPU (docs/architecture.md, "The GPU decode engine").
+//
+//   DecoderModel ──► CudaModel: every weight uploaded once into a device buffer, by graph input
+//        │           name (repacking or uploading never happens per step)
+//        ▼
+//   CudaDecodeSession (fused | native): the layers' K/V caches on the device; one Executable per
+//        step size it meets (decode S = 1, prefill chunks S = 16, a remainder in single steps),
+//        built from the model's step graph and sharing the weights and the caches through
+//        ExecutableOptions::external_values; each step is one CUDA graph replay between two tiny
+//        async copies (token ids and positions in, logits out) and one synchronisation at the end.
+//        feed(tokens) -> logits is the CPU DecodeSession's contract (LogitsSession, model.h), so
+//        generate_greedy and compare_sessions work on both.
+//
+//   fused:  plan_with_discovery(step graph, h200): the planner's regions through their lowerings
+//           and the measured dispatch (attention as one flash_attention region).
+//   native: the same step graph with no rewrite and no fusion, every node native (cuBLASLt and
+//           unfused kernels): what the fused engine is verified against.
+//
+//   verify_fused_engine: teacher-forced comparison of fused with native; when the fused plan
+//       fails, every region kind (plan rule) is declined alone to find the ones that break it,
+//       and the plan that is kept declines those.
+//   benchmark_engine: decode and prefill speed, the weight-bandwidth floor, a per-kind breakdown.
+//
+// Without a GPU every entry point throws NoCudaDevice ("no CUDA device: ...").
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "metile/cuda_runtime.h"
+#include "metile/dispatch.h"
+#include "metile/model.h"
+
+namespace metile {
+
+// Lines for stderr during long work (uploads, plan builds); may be empty.
+using EngineProgress = std::function<void(const std::string&)>;
+
+// ---------------------------------------------------------------- the model on the device
+class CudaModel {
+ public:
+  // Opens the device and uploads every weight of `model`. The model must outlive the CudaModel
+  // (its step graphs are planned lazily by the sessions).
+  static std::shared_ptr<const CudaModel> load(const DecoderModel& model, const CudaDevice& device,
+                                               const EngineProgress& progress = {});
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const DecoderModel& model() const { return model_; }
+  const CudaDevice& device() const { return device_; }
+  // Graph input name -> device address of every weight.
+  const std::map<std::string, std::uint64_t>& weight_addresses() const { return addresses_; }
+  std::int64_t device_weight_bytes() const { return device_bytes_; }
+  // The bytes a decode step must read at `context` cached tokens: every weight a step reads in
+  // full (the embedding table only when it is also the LM head; else one row of it) plus the K and
+  // V caches up to `context`. The numerator of the weight-bandwidth floor.
+  std::int64_t decode_step_bytes(std::int64_t context) const;
+
+ private:
+  CudaModel(const DecoderModel& model, CudaDevice device) : model_(model), device_(std::move(device)) {}
+  const DecoderModel& model_;
+  CudaDevice device_;
+  std::map<std::string, DeviceBuffer> buffers_;
+  std::map<std::string, std::uint64_t> addresses_;
+  std::int64_t device_bytes_ = 0;
+};
+
+// ---------------------------------------------------------------- one sequence on the device
+enum class EnginePath : std::uint8_t { fused, native };
+std::string_view engine_path_name(EnginePath path);  // "fused", "native"
+
+struct EngineOptions {
+  EnginePath path = EnginePath::fused;
+  // Passed to every Executable the session builds (dispatch mode, decision cache, tournament,
+  // extra lowerings, declined rules); the session adds the external values (weights, caches,
+  // token ids, positions). The native path also forces DispatchMode::native.
+  ExecutableOptions executable;
+  EngineProgress progress;
+};
+
+// The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery
+// (attention rewritten to flash_attention, the planner's regions for the h200 target); native,
+// the graph as it is with no rule (no region: every node its own native step).
+FusionPlan engine_plan(const ComputeGraph& graph, EnginePath path);
+
+class CudaDecodeSession : public LogitsSession {
+ public:
+  static constexpr std::int64_t kPrefillChunk = DecoderModel::kMaxStepTokens;  // 16
+
+  // Allocates the K/V caches (zeroed: the native attention reads every row, masked or not).
+  explicit CudaDecodeSession(std::shared_ptr<const CudaModel> model, EngineOptions options = {});
+  ~CudaDecodeSession() override;
+  CudaDecodeSession(const CudaDecodeSession&) = delete;
+  CudaDecodeSession& operator=(const CudaDecodeSession&) = delete;
+
+  // Chunks of 16 while at least 16 tokens remain, then single steps (never padding: a padded
+  // token would write a cache row). Same contract as DecodeSession::feed.
+  std::vector<float> feed(std::span<const std::int32_t> tokens) override;
+  std::int64_t position() const override { return position_; }
+  // Starts a new sequence on the same caches and Executables (rows past the position are masked).
+  void reset() { position_ = 0; }
+
+  // The Executable of a step size (1 or 16), built on first use.
+  Executable& executable(std::int64_t steps);
+  const CudaModel& model() const { return *model_; }
+  const EngineOptions& options() const { return options_; }
+  const CudaStream& stream() const { return stream_; }
+
+  // Uploads a step's inputs (`tokens` at positions position() ...) without running it or moving
+  // the position, and waits for the copies: then executable(tokens.size()) can be replayed or
+  // profiled on stream() as that step (benchmark_engine).
+  void stage_step(std::span<const std::int32_t> tokens);
+
+ private:
+  // The two async copies of a step's inputs (token ids, positions from `position`) on stream_.
+  void upload_inputs(std::span<const std::int32_t> tokens, std::int64_t position);
+  std::shared_ptr<const CudaModel> model_;
+  EngineOptions options_;
+  CudaStream stream_;
+  std::map<std::string, DeviceBuffer> caches_;  // "layers.N.k_cache" -> [Hkv, T, D]
+  DeviceBuffer token_ids_, positions_;          // [16] i32 each: the current step's
+  std::vector<std::int32_t> staged_;            // host copies of both (ids, then positions)
+  std::map<std::int64_t, std::unique_ptr<Executable>> executables_;
+  std::int64_t position_ = 0;
+};
+
+// ---------------------------------------------------------------- verification
+// What the fused engine must meet against the native one (verify-model --backend cuda defaults).
+struct EngineThresholds {
+  double min_agreement = 1.0;    // fraction of equal next tokens
+  double max_kl_mean = 1e-4;     // nats
+  double max_kl = 1e-2;          // of any one position
+  double max_logit_error = 0.02;  // max |error| / max |reference logit|
+};
+bool meets(const AgreementFigures& figures, const EngineThresholds& thresholds);
+// The first threshold the figures miss, as a phrase ("KL mean 3.1e-04 > 1e-04"); empty when met.
+std::string first_miss(const AgreementFigures& figures, const EngineThresholds& thresholds);
+
+struct DeclineTrial {
+  std::string rule;  // the region kind declined alone
+  int regions = 0;   // regions of that kind whose chosen candidate was fused
+  AgreementFigures figures;
+  bool meets = false;
+};
+
+struct EngineVerification {
+  AgreementFigures full;                 // the fused plan as planned, against native
+  std::vector<std::string> fused_rules;  // kinds with at least one fused region (the decode step's plan)
+  std::vector<DeclineTrial> trials;      // each of them declined alone (only when `full` misses)
+  std::set<std::string> declined;        // what the kept plan declines
+  AgreementFigures kept;                 // the kept plan against native (== full when nothing is declined)
+  bool passed = false;                   // the kept plan meets the thresholds
+  std::string report;                    // the kept decode plan's region report
+};
+
+// Fused against native on `model`, teacher-forced over `positions` positions after `prompt`.
+// `base` carries the dispatch options of the fused path (its declined_rules are kept too).
+EngineVerification verify_fused_engine(const std::shared_ptr<const CudaModel>& model,
+                                       std::span<const std::int32_t> prompt, std::int64_t positions,
+                                       const EngineThresholds& thresholds, const ExecutableOptions& base = {},
+                                       const EngineProgress& progress = {});
+
+// ---------------------------------------------------------------- benchmark
+struct EngineBenchmark {
+  std::string path;                 // "fused" / "native"
+  std::int64_t context = 0;         // cached tokens before the timed decode steps
+  double decode_replay_ms = 0;      // one decode step's CUDA graph replay (device time, events)
+  double decode_feed_ms = 0;        // one feed() of one token: uploads, replay, logits download
+  double tokens_per_second = 0;     // 1000 / decode_feed_ms
+  double floor_ms = 0;              // decode_step_bytes(context) / copy bandwidth
+  double floor_percent = 0;         // floor_ms / decode_replay_ms
+  std::int64_t prefill_tokens = 0;  // the prompt of the prefill measurement
+  double prefill_tokens_per_second = 0;
+  std::vector<StepKindTime> breakdown;  // one decode step run eagerly, events between units
+  int launches = 0;                 // device steps per decode step
+};
+
+struct BenchmarkOptions {
+  std::int64_t context = 128;
+  std::int64_t prefill_tokens = 512;
+  int decode_steps = 64;
+  std::uint64_t seed = 0;   // of the prompt tokens
+  double copy_bandwidth_gbps = 0;  // measured by the caller in the same run
+};
+
+EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options);
+
+}  // namespace metile

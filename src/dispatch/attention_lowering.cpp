@@ -1,0 +1,71 @@
+// The fused lowering of flash_attention regions (docs/architecture.md, "Measured dispatch"): the
+// generated attention kernel (decode for R <= 16 query rows, the tiled prefill kernel otherwise;
+// include/metile/attention_runtime.h) as a fused candidate, gated against the CPU reference and
+// raced against the native path (the law's definition as plain ops, NativeRuntime) like every region.
+#include <fmt/core.h>
+
+#include "metile/attention_runtime.h"
+#include "metile/discovery.h"
+#include "metile/dispatch.h"
+
+namespace metile {
+
+Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.nodes.size() != 1 || graph.node(region.nodes.front()).op != "flash_attention") {
+    return {Decision::refuse("the region is not one flash_attention node"), {}};
+  }
+  const Node& node = graph.node(region.nodes.front());
+  AttentionProblem problem;
+  try {
+    // Nothing built on an unproved law runs: the certificate first, then the kernels' limits.
+    require_verified_certificate(node, stable_weighted_softmax_law().name);
+    std::optional<TensorSpec> positions;
+    if (node.inputs.size() == 4) positions = graph.value(node.inputs[3]).spec;
+    problem = AttentionProblem::from_specs(graph.value(node.inputs[0]).spec, graph.value(node.inputs[1]).spec,
+                                           graph.value(node.inputs[2]).spec, positions,
+                                           node.attributes.get_double("scale"), node.attributes.get_string("mask"),
+                                           node.attributes.get_int("offset"));
+  } catch (const InputError& error) {
+    return {Decision::refuse(error.what()), {}};
+  }
+  // The source that build() will compile, for the decision key: the split is fixed here (the default
+  // for an H200's 132 multiprocessors) so that key and kernel agree on every device.
+  FlashAttentionOptions options;
+  std::string source;
+  std::string variant;
+  if (problem.is_decode()) {
+    DecodeAttentionConfig config;
+    config.problem = problem;
+    config.warps = options.decode_warps;
+    config.stages = options.decode_stages;
+    config.keys_per_split = options.keys_per_split = decode_keys_per_split(problem, config.warps);
+    source = generate_decode_attention_kernel(config).source;
+    variant = "attention decode";
+  } else {
+    PrefillAttentionConfig config;
+    config.problem = problem;
+    config.warps = options.prefill_warps;
+    source = generate_prefill_attention_kernel(config).source;
+    variant = "attention prefill";
+  }
+  FusedCandidate candidate;
+  candidate.id = CandidateId::fused(variant);
+  candidate.source = std::move(source);
+  candidate.summary = fmt::format("{} ({})", variant, problem.to_string());
+  const std::vector<ValueId> operands = node.inputs;
+  const ValueId out = node.outputs[0];
+  candidate.bind = [problem, options, operands, out](DeviceValues& values) {
+    auto attention = std::make_shared<FlashAttention>(FlashAttention::build(problem, options));
+    const std::uint64_t q = values[operands[0]].address();
+    const std::uint64_t k = values[operands[1]].address();
+    const std::uint64_t v = values[operands[2]].address();
+    const std::uint64_t positions = operands.size() == 4 ? values[operands[3]].address() : 0;
+    const std::uint64_t output = values[out].address();
+    return DeviceStep([attention, q, k, v, positions, output](const CudaStream& stream) {
+      attention->enqueue(stream, q, k, v, positions, output);
+    });
+  };
+  return {Decision::allow(), {std::move(candidate)}};
+}
+
+}  // namespace metile

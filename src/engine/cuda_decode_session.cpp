@@ -1,0 +1,215 @@
+// The GPU decode engine: a DecoderModel's weights on the device once (CudaModel), and one
+// sequence decoded on them (CudaDecodeSession), each step one CUDA graph replay.
+//
+// Memory. The weights, the K/V caches and the step's token ids and positions are buffers this
+// file owns; every Executable of a session (one per step size) borrows them by graph value name
+// (ExecutableOptions::external_values), so decode (S = 1) and prefill (S = 16) read one copy of
+// the weights and write one cache. kv_cache_write's output aliases its cache input inside the
+// Executable (the step graph is SSA, the runtime writes the S new rows in place), so after a
+// step "layers.N.k_cache" holds the updated cache: the next step, of either size, reads it.
+//
+// One step: two async copies of at most 64 bytes (token ids, positions), the replay, and an async
+// copy of the logits out, all on the session's stream; feed() synchronises once, after its last
+// step. A prompt runs as chunks of 16 and a remainder of single steps, never padded (a padding
+// token would write its K/V row at a real position).
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "metile/discovery.h"
+#include "metile/engine.h"
+
+namespace metile {
+namespace {
+
+std::string cache_name(std::int64_t layer, char which) { return fmt::format("layers.{}.{}_cache", layer, which); }
+
+bool is_embedding_table(std::string_view name) { return name.starts_with("model.embed_tokens."); }
+
+void report(const EngineProgress& progress, const std::string& line) {
+  if (progress) progress(line);
+}
+
+// The device address of a graph value in an Executable's memory (checks the external values
+// and the in-place caches were honoured: the engine's correctness rests on both).
+std::uint64_t value_address(Executable& executable, std::string_view name) {
+  const std::optional<ValueId> id = executable.values().graph().find_value(name);
+  if (!id) throw std::logic_error(fmt::format("the step graph has no value '{}'", name));
+  return executable.values()[*id].address();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- CudaModel
+std::shared_ptr<const CudaModel> CudaModel::load(const DecoderModel& model, const CudaDevice& device,
+                                                 const EngineProgress& progress) {
+  device.make_current();
+  std::shared_ptr<CudaModel> result(new CudaModel(model, device));
+  const std::int64_t total = model.weight_bytes();
+  std::int64_t uploaded = 0;
+  std::int64_t next_report = 0;
+  for (const auto& [name, tensor] : model.weights()) {
+    DeviceBuffer buffer = DeviceBuffer::from_tensor(tensor);
+    result->addresses_.emplace(name, buffer.address());
+    result->buffers_.emplace(name, std::move(buffer));
+    uploaded += static_cast<std::int64_t>(tensor.bytes().size());
+    if (uploaded >= next_report) {
+      report(progress, fmt::format("metile: uploading weights to {}: {:.2f} of {:.2f} GB", device.info().name,
+                                   static_cast<double>(uploaded) / 1e9, static_cast<double>(total) / 1e9));
+      next_report = uploaded + std::max<std::int64_t>(total / 10, 1);
+    }
+  }
+  result->device_bytes_ = uploaded;
+  return result;
+}
+
+CudaModel::~CudaModel() { device_.make_current(); }
+
+std::int64_t CudaModel::decode_step_bytes(std::int64_t context) const {
+  const ModelConfig& config = model_.config();
+  std::int64_t bytes = 0;
+  for (const auto& [name, tensor] : model_.weights()) {
+    const auto size = static_cast<std::int64_t>(tensor.bytes().size());
+    // An untied embedding table is only gathered from: one row per token.
+    bytes += is_embedding_table(name) && !config.tie_word_embeddings ? size / config.vocab_size : size;
+  }
+  const auto cache_row = static_cast<std::int64_t>(config.num_key_value_heads * config.head_dim *
+                                                   static_cast<std::int64_t>(dtype_size(model_.dtype())));
+  return bytes + 2 * config.num_hidden_layers * context * cache_row;
+}
+
+// ---------------------------------------------------------------- CudaDecodeSession
+std::string_view engine_path_name(EnginePath path) { return path == EnginePath::fused ? "fused" : "native"; }
+
+FusionPlan engine_plan(const ComputeGraph& graph, EnginePath path) {
+  // fused: discovery (attention -> flash_attention) and the planner's regions; native: the same
+  // graph, no rewrite and no rule, so every node is its own native step.
+  return path == EnginePath::fused ? plan_with_discovery(graph, FusionTarget::h200())
+                                   : plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{});
+}
+
+CudaDecodeSession::CudaDecodeSession(std::shared_ptr<const CudaModel> model, EngineOptions options)
+    : model_(std::move(model)),
+      options_(std::move(options)),
+      stream_([&] {
+        model_->device().make_current();  // the stream and every buffer below belong to the model's device
+        return CudaStream();
+      }()) {
+  const DecoderModel& decoder = model_->model();
+  const ModelConfig& config = decoder.config();
+  const TensorSpec cache_spec({config.num_key_value_heads, decoder.capacity(), config.head_dim}, decoder.dtype());
+  for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    for (char which : {'k', 'v'}) {
+      DeviceBuffer cache(static_cast<std::size_t>(cache_spec.bytes()));
+      cache.fill_bytes(0);
+      caches_.emplace(cache_name(layer, which), std::move(cache));
+    }
+  }
+  token_ids_ = DeviceBuffer(kPrefillChunk * sizeof(std::int32_t));
+  positions_ = DeviceBuffer(kPrefillChunk * sizeof(std::int32_t));
+}
+
+CudaDecodeSession::~CudaDecodeSession() { model_->device().make_current(); }
+
+Executable& CudaDecodeSession::executable(std::int64_t steps) {
+  auto& slot = executables_[steps];
+  if (slot) return *slot;
+  const DecoderModel& decoder = model_->model();
+  const ComputeGraph& graph = decoder.step_graph(steps);
+  const std::string what = fmt::format("{} step of {} token{}", engine_path_name(options_.path), steps,
+                                       steps == 1 ? "" : "s");
+  report(options_.progress, fmt::format("metile: planning the {}", what));
+  const FusionPlan plan = engine_plan(graph, options_.path);
+  ExecutableOptions options = options_.executable;
+  if (options_.path == EnginePath::native) options.mode = DispatchMode::native;
+  for (const auto& [name, address] : model_->weight_addresses()) {
+    if (plan.graph->find_value(name)) options.external_values[name] = address;  // a checkpoint may hold unused tensors
+  }
+  for (const auto& [name, buffer] : caches_) options.external_values[name] = buffer.address();
+  options.external_values["token_ids"] = token_ids_.address();
+  options.external_values["positions"] = positions_.address();
+  report(options_.progress, fmt::format("metile: building the {} ({} regions, {} nodes unfused; gating and "
+                                        "measuring each region)", what, plan.regions.size(), plan.unfused.size()));
+  model_->device().make_current();
+  auto built = std::make_unique<Executable>(Executable::build(plan, model_->device(), options));
+  for (const auto& [name, address] : options.external_values) {
+    if (!built->values().graph().find_value(name)) continue;
+    if (value_address(*built, name) != address) {
+      throw std::logic_error(fmt::format("the Executable of the {} did not use the engine's buffer for '{}' "
+                                         "(ExecutableOptions::external_values)", what, name));
+    }
+  }
+  for (const auto& [name, buffer] : caches_) {
+    if (value_address(*built, name + "_out") != buffer.address()) {
+      throw std::logic_error(fmt::format("the Executable of the {} writes '{}_out' outside its cache input: the "
+                                         "engine needs kv_cache_write in place", what, name));
+    }
+  }
+  report(options_.progress, fmt::format("metile: {} ready, {} device steps per replay", what, built->step_count()));
+  slot = std::move(built);
+  return *slot;
+}
+
+void CudaDecodeSession::upload_inputs(std::span<const std::int32_t> tokens, std::int64_t position) {
+  const std::size_t steps = tokens.size();
+  staged_.assign(tokens.begin(), tokens.end());
+  for (std::size_t index = 0; index < steps; ++index) staged_.push_back(static_cast<std::int32_t>(position + index));
+  const auto bytes = std::as_bytes(std::span<const std::int32_t>(staged_));
+  // Pageable host memory: the driver stages both copies before returning, so staged_ may change.
+  token_ids_.copy_from_host_async(bytes.first(steps * sizeof(std::int32_t)), stream_);
+  positions_.copy_from_host_async(bytes.subspan(steps * sizeof(std::int32_t)), stream_);
+}
+
+void CudaDecodeSession::stage_step(std::span<const std::int32_t> tokens) {
+  const DecoderModel& decoder = model_->model();
+  check_tokens_fit(tokens, position_, decoder.capacity(), decoder.config().vocab_size);
+  model_->device().make_current();
+  executable(static_cast<std::int64_t>(tokens.size()));  // built before its inputs are staged
+  upload_inputs(tokens, position_);
+  stream_.synchronize();
+}
+
+std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens) {
+  const DecoderModel& decoder = model_->model();
+  const std::int64_t vocab = decoder.config().vocab_size;
+  check_tokens_fit(tokens, position_, decoder.capacity(), vocab);
+  model_->device().make_current();
+  std::vector<HostTensor> step_logits;  // one per step, filled by async copies (never reallocated)
+  step_logits.reserve(tokens.size());
+  std::size_t first = 0;
+  while (first < tokens.size()) {
+    const std::size_t steps =
+        tokens.size() - first >= static_cast<std::size_t>(kPrefillChunk) ? static_cast<std::size_t>(kPrefillChunk) : 1;
+    Executable& step = executable(static_cast<std::int64_t>(steps));
+    upload_inputs(tokens.subspan(first, steps), position_ + static_cast<std::int64_t>(first));
+    step.enqueue(stream_);
+    const ValueId logits_id = *step.values().graph().find_value("logits");
+    const DeviceTensor& device_logits = step.values()[logits_id];
+    step_logits.emplace_back(device_logits.spec);
+    device_logits.buffer.copy_to_host_async(step_logits.back().bytes(), stream_);
+    first += steps;
+  }
+  stream_.synchronize();
+  position_ += static_cast<std::int64_t>(tokens.size());
+
+  std::vector<float> logits;
+  logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
+  for (const HostTensor& tensor : step_logits) {
+    const std::span<const std::byte> bytes = tensor.bytes();
+    if (tensor.spec().dtype == DType::bf16) {
+      for (std::size_t index = 0; index < bytes.size(); index += 2) {
+        std::uint16_t bits = 0;
+        std::memcpy(&bits, bytes.data() + index, 2);
+        logits.push_back(bf16_bits_to_f32(bits));
+      }
+    } else {
+      for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
+        logits.push_back(static_cast<float>(tensor.at(index)));  // exact widening of f32 / f16
+      }
+    }
+  }
+  return logits;
+}
+
+}  // namespace metile

@@ -1,0 +1,91 @@
+// The model benchmark behind `metile bench-model` (include/metile/engine.h, benchmark_engine):
+// on one session, after a prompt of `context` tokens,
+//   decode replay  the decode step's CUDA graph replayed with events (device time per token),
+//   decode feed    feed() of one token, as generate runs it (input copies, replay, logits out),
+//   floor          the bytes one step must read / the copy bandwidth measured by the caller,
+//   breakdown      the decode step's units run once eagerly, events between them, summed by kind,
+//   prefill        a fresh sequence of `prefill_tokens` tokens fed at once (chunks of 16).
+// Timings live here and in the command's table only, never in tests.
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "metile/engine.h"
+
+namespace metile {
+namespace {
+
+std::vector<std::int32_t> random_tokens(std::mt19937_64& generator, std::int64_t count, std::int64_t vocab) {
+  std::vector<std::int32_t> tokens;
+  for (std::int64_t index = 0; index < count; ++index) {
+    tokens.push_back(static_cast<std::int32_t>(generator() % static_cast<std::uint64_t>(vocab)));
+  }
+  return tokens;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options) {
+  const DecoderModel& model = session.model().model();
+  const std::int64_t vocab = model.config().vocab_size;
+  constexpr int kWarmupFeeds = 3;
+  const std::int64_t needed = std::max(options.prefill_tokens, options.context + kWarmupFeeds + options.decode_steps);
+  if (options.context < 1 || options.decode_steps < 1 || options.prefill_tokens < 1) {
+    throw InputError(fmt::format("bench-model: --context {} and the step counts must be at least 1", options.context));
+  }
+  if (needed > model.capacity()) {
+    throw InputError(fmt::format("bench-model: {} cached tokens needed, past the KV-cache capacity {} (--max-seq)",
+                                 needed, model.capacity()));
+  }
+  std::mt19937_64 generator(options.seed);
+  EngineBenchmark result;
+  result.path = std::string(engine_path_name(session.options().path));
+  result.context = options.context;
+
+  session.reset();
+  session.feed(random_tokens(generator, options.context, vocab));
+  // The decode step at `context` cached tokens, replayed (each replay writes the same cache row).
+  const std::vector<std::int32_t> next = random_tokens(generator, 1, vocab);
+  session.stage_step(next);
+  Executable& decode = session.executable(1);
+  result.decode_replay_ms =
+      time_on_stream_ms(session.stream(), [&](const CudaStream& stream) { decode.enqueue(stream); }, 5, 20, 7);
+  result.breakdown = decode.profile(session.stream());
+  result.launches = decode.step_count();
+
+  for (int warmup = 0; warmup < kWarmupFeeds; ++warmup) session.feed(random_tokens(generator, 1, vocab));
+  const std::vector<std::int32_t> decode_tokens = random_tokens(generator, options.decode_steps, vocab);
+  const auto decode_start = std::chrono::steady_clock::now();
+  for (std::int32_t token : decode_tokens) session.feed(std::span<const std::int32_t>(&token, 1));
+  result.decode_feed_ms = seconds_since(decode_start) * 1e3 / static_cast<double>(options.decode_steps);
+  result.tokens_per_second = 1e3 / result.decode_feed_ms;
+
+  if (options.copy_bandwidth_gbps > 0) {
+    result.floor_ms = static_cast<double>(session.model().decode_step_bytes(options.context)) /
+                      (options.copy_bandwidth_gbps * 1e9) * 1e3;
+    result.floor_percent = 100 * result.floor_ms / result.decode_replay_ms;
+  }
+
+  // Prefill: the best of two fresh sequences (the first may still build the 16-token step).
+  result.prefill_tokens = options.prefill_tokens;
+  const std::vector<std::int32_t> prompt = random_tokens(generator, options.prefill_tokens, vocab);
+  double best = 0;
+  for (int run = 0; run < 2; ++run) {
+    session.reset();
+    const auto start = std::chrono::steady_clock::now();
+    session.feed(prompt);
+    const double seconds = seconds_since(start);
+    best = run == 0 ? seconds : std::min(best, seconds);
+  }
+  result.prefill_tokens_per_second = static_cast<double>(options.prefill_tokens) / best;
+  session.reset();
+  return result;
+}
+
+}  // namespace metile

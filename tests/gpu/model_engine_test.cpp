@@ -1,0 +1,300 @@
+// The GPU decode engine (include/metile/engine.h) on synthetic checkpoints (llama, qwen2,
+// mistral; bf16, 4-bit and 8-bit):
+//   * the fused engine agrees with the native engine (same step graph, no rewrite, no fusion)
+//     on every next token over 64 teacher-forced positions, mean KL < 1e-4;
+//   * the GPU engines agree with the CPU reference engine (DecodeSession, run_reference: f32
+//     math, f64 accumulation, bf16 rounding per op), the independent oracle;
+//   * a prompt fed at once (chunks of 16 + single steps) gives the logits of the same prompt fed
+//     token by token, and generate_greedy gives the same tokens on the GPU and the CPU;
+//   * a planted wrong kernel (an extra lowering that is right on its region's own graph, where
+//     the gate runs it, and writes nothing inside the model) is declined by model verification,
+//     which names its region kind.
+// Every figure is printed when it differs; seeds via METILE_TEST_SEED.
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+
+#include "gpu_test_support.h"
+#include "metile/discovery.h"
+#include "metile/engine.h"
+#include "metile_test_support.h"
+
+namespace metile {
+namespace {
+
+using testing::test_seed;
+using testing_support::CudaDeviceTest;
+
+std::string architecture_label(ModelArchitecture architecture) {
+  switch (architecture) {
+    case ModelArchitecture::llama: return "llama";
+    case ModelArchitecture::qwen2: return "qwen2";
+    case ModelArchitecture::mistral: return "mistral";
+  }
+  return "unknown";
+}
+
+std::string describe(const AgreementFigures& figures) {
+  return fmt::format("agreement {}/{} (first difference at position {}), KL mean {:.3g}, KL max {:.3g}, "
+                     "max logit error {:.3g}",
+                     figures.agreements, figures.positions, figures.first_disagreement, figures.kl_mean,
+                     figures.kl_max, figures.max_logit_error);
+}
+
+std::vector<std::int32_t> random_prompt(std::uint64_t seed, std::size_t count, std::int64_t vocab) {
+  std::mt19937_64 generator(seed);
+  std::vector<std::int32_t> tokens;
+  for (std::size_t index = 0; index < count; ++index) {
+    tokens.push_back(static_cast<std::int32_t>(generator() % static_cast<std::uint64_t>(vocab)));
+  }
+  return tokens;
+}
+
+// A fresh directory per test, removed after it.
+class ModelEngineTest : public CudaDeviceTest {
+ protected:
+  void SetUp() override {
+    CudaDeviceTest::SetUp();
+    if (IsSkipped()) return;
+    root_ = std::filesystem::temp_directory_path() /
+            fmt::format("metile_model_engine_test_{}_{}", ::getpid(),
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(root_);
+    std::filesystem::create_directories(root_);
+    // Decisions of these tests stay in a file of their own (the planted lowering must not
+    // leave decisions behind for other suites).
+    executable_.decision_cache_file = root_ / "dispatch.json";
+    // Short races: which candidate wins is not what these tests check, and every region of every
+    // Executable races (the planted candidate, which does nothing, still wins by far).
+    executable_.tournament = TournamentOptions{2, 3, 5, 1, 0.75};
+  }
+  void TearDown() override {
+    if (!root_.empty()) std::filesystem::remove_all(root_);
+  }
+
+  DecoderModel synth_and_load(const std::string& name, ModelArchitecture architecture, int bits,
+                              std::uint64_t seed) {
+    SynthOptions synth;
+    synth.preset = "tiny";
+    synth.architecture = architecture;
+    synth.seed = seed;
+    const std::filesystem::path directory = root_ / name;
+    synthesize_model(directory, synth);
+    LoadOptions load;
+    if (bits != 0) load.quantize = AffineQuantization{bits, 64};
+    return DecoderModel::load(directory, load);
+  }
+
+  std::filesystem::path root_;
+  ExecutableOptions executable_;
+};
+
+struct EngineCase {
+  ModelArchitecture architecture;
+  int bits;  // 0: bf16
+};
+
+std::string case_label(const EngineCase& engine_case) {
+  return fmt::format("{}_{}", architecture_label(engine_case.architecture),
+                     engine_case.bits == 0 ? std::string("bf16") : fmt::format("int{}", engine_case.bits));
+}
+std::string case_name(const ::testing::TestParamInfo<EngineCase>& info) { return case_label(info.param); }
+// gtest prints the parameter into the test's name: the label, not the struct's bytes.
+void PrintTo(const EngineCase& engine_case, std::ostream* stream) { *stream << case_label(engine_case); }
+
+class FusedAgainstNative : public ModelEngineTest, public ::testing::WithParamInterface<EngineCase> {};
+
+TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
+  const EngineCase engine_case = GetParam();
+  const std::uint64_t seed = test_seed("FusedAgainstNative");
+  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  CudaDecodeSession native(cuda_model, EngineOptions{EnginePath::native, executable_, {}});
+  CudaDecodeSession fused(cuda_model, EngineOptions{EnginePath::fused, executable_, {}});
+  // 20 prompt tokens: one 16-token chunk and four single steps, then 63 decode steps.
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 20, model.config().vocab_size);
+  const AgreementFigures figures = compare_sessions(native, fused, prompt, 64);
+  const std::string plan = fused.executable(1).report();
+  EXPECT_EQ(figures.agreements, 64) << describe(figures) << "\nfused decode plan:\n" << plan;
+  EXPECT_LT(figures.kl_mean, 1e-4) << describe(figures) << "\nfused decode plan:\n" << plan;
+  EXPECT_LT(figures.max_logit_error, 0.02) << describe(figures);
+  std::printf("fused vs native: %s\n", describe(figures).c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, FusedAgainstNative,
+                         ::testing::Values(EngineCase{ModelArchitecture::llama, 0},
+                                           EngineCase{ModelArchitecture::llama, 4},
+                                           EngineCase{ModelArchitecture::llama, 8},
+                                           EngineCase{ModelArchitecture::qwen2, 0},
+                                           EngineCase{ModelArchitecture::qwen2, 4},
+                                           EngineCase{ModelArchitecture::qwen2, 8},
+                                           EngineCase{ModelArchitecture::mistral, 0},
+                                           EngineCase{ModelArchitecture::mistral, 4},
+                                           EngineCase{ModelArchitecture::mistral, 8}),
+                         case_name);
+
+class GpuAgainstCpuReference : public ModelEngineTest, public ::testing::WithParamInterface<EngineCase> {};
+
+// The CPU reference rounds every op's result to bf16 as the GPU paths store them; the sums
+// differ in order and width (f64 there, f32 here), so next tokens may differ only where two
+// logits nearly tie: the CLI's verify-model thresholds of the CPU paths apply.
+TEST_P(GpuAgainstCpuReference, BothEnginesAgreeWithTheReference) {
+  const EngineCase engine_case = GetParam();
+  const std::uint64_t seed = test_seed("GpuAgainstCpuReference");
+  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 18, model.config().vocab_size);
+  for (EnginePath path : {EnginePath::native, EnginePath::fused}) {
+    SCOPED_TRACE(std::string(engine_path_name(path)));
+    DecodeSession reference(model, DecodePath::reference);
+    CudaDecodeSession engine(cuda_model, EngineOptions{path, executable_, {}});
+    const AgreementFigures figures = compare_sessions(reference, engine, prompt, 24);
+    EXPECT_GE(figures.agreement(), 0.95) << describe(figures);
+    EXPECT_LE(figures.kl_max, 0.01) << describe(figures);
+    EXPECT_LE(figures.max_logit_error, 0.02) << describe(figures);
+    std::printf("%s vs CPU reference: %s\n", std::string(engine_path_name(path)).c_str(), describe(figures).c_str());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, GpuAgainstCpuReference,
+                         ::testing::Values(EngineCase{ModelArchitecture::llama, 0},
+                                           EngineCase{ModelArchitecture::qwen2, 4},
+                                           EngineCase{ModelArchitecture::mistral, 8}),
+                         case_name);
+
+// Chunked prefill and single steps write the same cache: a prompt fed at once and fed token by
+// token give the same logits (bf16 steps of different sizes may round differently: the gate's
+// bf16 threshold), and greedy generation on the GPU continues the way the CPU reference does.
+TEST_F(ModelEngineTest, ChunksAndSingleStepsAndGenerationAgree) {
+  const std::uint64_t seed = test_seed("ChunksAndSingleStepsAndGenerationAgree");
+  const DecoderModel model = synth_and_load("model", ModelArchitecture::llama, 0, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  const std::int64_t vocab = model.config().vocab_size;
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 35, vocab);  // 16 + 16 + 3
+  CudaDecodeSession at_once(cuda_model, EngineOptions{EnginePath::fused, executable_, {}});
+  CudaDecodeSession one_by_one(cuda_model, EngineOptions{EnginePath::fused, executable_, {}});
+  const std::vector<float> all = at_once.feed(prompt);
+  ASSERT_EQ(all.size(), prompt.size() * static_cast<std::size_t>(vocab));
+  EXPECT_EQ(at_once.position(), 35);
+  std::vector<float> single;
+  for (std::int32_t token : prompt) {
+    const std::vector<float> step = one_by_one.feed(std::span<const std::int32_t>(&token, 1));
+    single.insert(single.end(), step.begin(), step.end());
+  }
+  const TensorSpec spec({static_cast<std::int64_t>(prompt.size()), vocab}, DType::f32);
+  const NumericGateResult gate =
+      numeric_gate(HostTensor::from_values(spec, std::vector<double>(all.begin(), all.end())),
+                   HostTensor::from_values(spec, std::vector<double>(single.begin(), single.end())));
+  EXPECT_LE(gate.relative_l2, numeric_gate_threshold(DType::bf16)) << gate.detail;
+  EXPECT_LE(gate.relative_max, numeric_gate_threshold(DType::bf16)) << gate.detail;
+
+  // Past the capacity and outside the vocabulary: the CPU session's errors, nothing fed.
+  EXPECT_THROW(at_once.feed(std::vector<std::int32_t>{static_cast<std::int32_t>(vocab)}), InputError);
+  EXPECT_EQ(at_once.position(), 35);
+
+  // generate_greedy on the GPU session; the CPU reference, fed the prompt and the generated
+  // tokens at once, must pick (nearly) every generated token itself: teacher-forced on the GPU's
+  // sequence, so one near-tie does not derail the rest.
+  at_once.reset();
+  const std::vector<std::int32_t> short_prompt(prompt.begin(), prompt.begin() + 5);
+  const Generation generation = generate_greedy(at_once, short_prompt, 24);
+  ASSERT_EQ(generation.tokens.size(), 24u);
+  EXPECT_EQ(generation.decode_steps, 23);
+  std::vector<std::int32_t> sequence = short_prompt;
+  sequence.insert(sequence.end(), generation.tokens.begin(), generation.tokens.end() - 1);
+  DecodeSession reference(model, DecodePath::reference);
+  const std::vector<float> logits = reference.feed(sequence);
+  int agreements = 0;
+  std::string differences;
+  for (std::size_t index = 0; index < generation.tokens.size(); ++index) {
+    const std::size_t row = short_prompt.size() - 1 + index;
+    const std::int64_t expected =
+        argmax(std::span<const float>(logits.data() + row * static_cast<std::size_t>(vocab), static_cast<std::size_t>(vocab)));
+    if (expected == generation.tokens[index]) {
+      ++agreements;
+    } else {
+      differences += fmt::format(" [{}: GPU {} CPU {}]", index, generation.tokens[index], expected);
+    }
+  }
+  EXPECT_GE(agreements, 23) << "generated tokens the CPU reference picks otherwise:" << differences;
+}
+
+// The planted kernel: for regions of one kind, a candidate that does the region's work (its nodes'
+// native steps) only the first time it runs on the region's own graph, which is when the gate
+// checks it, and nothing after (so it also wins every race); inside the model's step graph it
+// never writes its outputs. Model verification must decline that kind, and only it.
+RegionLowering planted_lowering(const std::string& rule) {
+  RegionLowering lowering;
+  lowering.name = "planted (test)";
+  lowering.lower = [rule](const ComputeGraph& graph, const FusionRegion& region) -> Lowered {
+    if (region.rule != rule) return {Decision::refuse("the planted lowering takes " + rule + " regions"), {}};
+    FusedCandidate candidate;
+    candidate.id = CandidateId::fused("planted");
+    candidate.source = "planted first-call-only candidate";
+    candidate.summary = "the region's native steps on its first call in its own graph, then nothing";
+    const bool own_graph = graph.nodes().size() == region.nodes.size();
+    const std::vector<NodeId> nodes = region.nodes;
+    candidate.bind = [own_graph, nodes](DeviceValues& values) -> DeviceStep {
+      auto native = std::make_shared<NativeRuntime>();
+      auto steps = std::make_shared<std::vector<DeviceStep>>();
+      if (own_graph) {
+        for (NodeId node : nodes) steps->push_back(native->node_step(values.graph(), node, values));
+      }
+      auto calls = std::make_shared<int>(0);
+      return [native, steps, calls](const CudaStream& stream) {
+        if ((*calls)++ == 0) run_steps(*steps, stream);
+      };
+    };
+    return {Decision::allow(), {std::move(candidate)}};
+  };
+  return lowering;
+}
+
+TEST_F(ModelEngineTest, APlantedWrongKernelIsDeclinedByModelVerification) {
+  const std::uint64_t seed = test_seed("APlantedWrongKernelIsDeclinedByModelVerification");
+  const DecoderModel model = synth_and_load("model", ModelArchitecture::llama, 0, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  // The kind to plant into: residual add + RMSNorm where the plan has it, else the first kind.
+  std::string rule;
+  {
+    const FusionPlan plan = plan_with_discovery(model.step_graph(1), FusionTarget::h200());
+    ASSERT_FALSE(plan.regions.empty());
+    rule = plan.regions.front().rule;
+    for (const FusionRegion& region : plan.regions) {
+      if (region.rule == "residual_add_rms_norm") rule = region.rule;
+    }
+  }
+  ExecutableOptions options = executable_;
+  options.mode = DispatchMode::automatic;  // measured, whatever METILE_DISPATCH says
+  options.use_decision_cache = false;      // the planted candidate's wins must not be stored
+  options.extra_lowerings.push_back(planted_lowering(rule));
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 6, model.config().vocab_size);
+  const EngineVerification verification = verify_fused_engine(cuda_model, prompt, 16, EngineThresholds{}, options);
+
+  std::string trials;
+  for (const DeclineTrial& trial : verification.trials) {
+    trials += fmt::format("  {} declined: {}{}\n", trial.rule, describe(trial.figures), trial.meets ? " (meets)" : "");
+  }
+  const std::string context = fmt::format("planted into {}\nfull plan: {}\ntrials:\n{}kept: {}\nkept plan:\n{}", rule,
+                                          describe(verification.full), trials, describe(verification.kept),
+                                          verification.report);
+  EXPECT_FALSE(meets(verification.full, EngineThresholds{})) << context;
+  EXPECT_EQ(verification.declined, std::set<std::string>{rule}) << context;
+  EXPECT_TRUE(verification.passed) << context;
+  EXPECT_NE(verification.report.find("declined by model verification"), std::string::npos) << context;
+  bool tried = false;
+  for (const DeclineTrial& trial : verification.trials) {
+    if (trial.rule == rule) {
+      tried = true;
+      EXPECT_TRUE(trial.meets) << context;
+    } else {
+      EXPECT_FALSE(trial.meets) << context;  // the planted kernel still runs in every other trial
+    }
+  }
+  EXPECT_TRUE(tried) << context;
+  std::printf("%s", context.c_str());
+}
+
+}  // namespace
+}  // namespace metile

@@ -1,0 +1,111 @@
+// The GPU decode engine's host side, on the CPU (include/metile/engine.h, model.h):
+//   * engine_plan: the native path is the step graph untouched with no region (every node its
+//     own native step); the fused path rewrites each layer's attention into one flash_attention
+//     node and plans regions, each node in at most one region;
+//   * compare_logits: KL divergence and logit error against a long-double sum written here, on
+//     fresh random logits; a NaN logit shows as a NaN figure and misses every threshold.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <set>
+
+#include <unistd.h>
+
+#include "metile/engine.h"
+#include "metile_test_support.h"
+
+namespace metile {
+namespace {
+
+TEST(EnginePlan, NativeRunsTheGraphAsItIsAndFusedRewritesAttention) {
+  const std::filesystem::path directory =
+      std::filesystem::temp_directory_path() / ("metile_engine_plan_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(directory);
+  SynthOptions synth;
+  synth.seed = testing::test_seed("EnginePlan");
+  synthesize_model(directory, synth);
+  const DecoderModel model = DecoderModel::load(directory);
+  std::filesystem::remove_all(directory);
+  for (std::int64_t steps : {1, 16}) {
+    SCOPED_TRACE(steps);
+    const ComputeGraph& graph = model.step_graph(steps);
+    const FusionPlan native = engine_plan(graph, EnginePath::native);
+    EXPECT_TRUE(native.regions.empty());
+    EXPECT_EQ(native.unfused.size(), graph.nodes().size());
+    EXPECT_EQ(native.graph->nodes().size(), graph.nodes().size());
+
+    const FusionPlan fused = engine_plan(graph, EnginePath::fused);
+    int attention_nodes = 0;
+    for (const Node& node : fused.graph->nodes()) attention_nodes += node.op == "flash_attention" ? 1 : 0;
+    EXPECT_EQ(attention_nodes, model.config().num_hidden_layers);  // one per layer
+    EXPECT_FALSE(fused.regions.empty());
+    std::set<NodeId> seen;
+    std::size_t covered = 0;
+    for (const FusionRegion& region : fused.regions) {
+      EXPECT_FALSE(region.rule.empty());
+      for (NodeId node : region.nodes) EXPECT_TRUE(seen.insert(node).second) << "node " << node << " in two regions";
+      covered += region.nodes.size();
+    }
+    EXPECT_EQ(covered + fused.unfused.size(), fused.graph->nodes().size());
+  }
+}
+
+TEST(EngineVerificationFigures, KlAndLogitErrorAgainstALongDoubleSum) {
+  std::mt19937_64 generator(testing::test_seed("EngineVerificationFigures"));
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<float> reference(97), candidate(97);
+    for (std::size_t i = 0; i < reference.size(); ++i) {
+      reference[i] = normal(generator);
+      candidate[i] = reference[i] + 0.05f * normal(generator);
+    }
+    long double p_sum = 0, q_sum = 0;
+    for (std::size_t i = 0; i < reference.size(); ++i) {
+      p_sum += std::exp(static_cast<long double>(reference[i]));
+      q_sum += std::exp(static_cast<long double>(candidate[i]));
+    }
+    long double kl = 0, error = 0, largest = 0;
+    for (std::size_t i = 0; i < reference.size(); ++i) {
+      const long double p = std::exp(static_cast<long double>(reference[i])) / p_sum;
+      const long double q = std::exp(static_cast<long double>(candidate[i])) / q_sum;
+      kl += p * std::log(p / q);
+      error = std::max(error, std::fabs(static_cast<long double>(reference[i]) - candidate[i]));
+      largest = std::max(largest, std::fabs(static_cast<long double>(reference[i])));
+    }
+    const LogitsComparison comparison = compare_logits(reference, candidate);
+    EXPECT_NEAR(comparison.kl, static_cast<double>(kl), 1e-9 + 1e-6 * static_cast<double>(kl));
+    EXPECT_DOUBLE_EQ(comparison.max_abs_error, static_cast<double>(error));
+    EXPECT_DOUBLE_EQ(comparison.max_abs_logit, static_cast<double>(largest));
+    EXPECT_EQ(comparison.same_argmax, argmax(reference) == argmax(candidate));
+  }
+}
+
+TEST(EngineVerificationFigures, ANanLogitMissesEveryThreshold) {
+  std::vector<float> reference = {1, 2, 3, 4};
+  std::vector<float> candidate = {1, 2, std::numeric_limits<float>::quiet_NaN(), 4};
+  const LogitsComparison comparison = compare_logits(reference, candidate);
+  EXPECT_TRUE(std::isnan(comparison.kl));
+  EXPECT_TRUE(std::isnan(comparison.max_abs_error));
+
+  AgreementFigures figures;
+  figures.positions = figures.agreements = 4;
+  const EngineThresholds thresholds;
+  EXPECT_TRUE(meets(figures, thresholds));
+  figures.kl_mean = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_FALSE(meets(figures, thresholds));
+  EXPECT_NE(first_miss(figures, thresholds).find("KL mean"), std::string::npos);
+  figures.kl_mean = 0;
+  figures.max_logit_error = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_NE(first_miss(figures, thresholds).find("logit error"), std::string::npos);
+  figures.max_logit_error = 0;
+  figures.agreements = 3;
+  figures.first_disagreement = 2;
+  EXPECT_NE(first_miss(figures, thresholds).find("agreement 0.7500 < 1 (first difference at position 2)"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace metile

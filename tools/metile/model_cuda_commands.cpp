@@ -1,0 +1,285 @@
+// `--backend cuda` of the model commands and `metile bench-model` (include/metile/engine.h).
+// Built only with the CUDA backend (METILE_HAVE_CUDA_BACKEND); model_commands.cpp parses the
+// options and calls in here.
+//
+//   logits / generate  a CudaDecodeSession on the fused engine (--decline: kinds run native)
+//   verify-model       verify_fused_engine: native vs fused, teacher-forced; what was declined
+//                      and how each declined kind moved the figures; exit 1 when even the kept
+//                      plan misses the thresholds
+//   bench-model        copy bandwidth, then benchmark_engine on the fused and the native engine;
+//                      --preset synthesizes the checkpoint into a temporary directory, removed after
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <optional>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "metile/engine.h"
+#include "model_options.h"
+
+namespace metile::cli {
+namespace {
+
+// The process's one device (opened by require_cuda_device).
+std::optional<CudaDevice>& opened_device() {
+  static std::optional<CudaDevice> device;
+  return device;
+}
+
+void progress_line(const std::string& line) { fmt::print(stderr, "{}\n", line); }
+
+std::shared_ptr<const CudaModel> upload(const DecoderModel& model) {
+  require_cuda_device();
+  return CudaModel::load(model, *opened_device(), progress_line);
+}
+
+ExecutableOptions executable_options(const ModelOptions& options) {
+  ExecutableOptions executable;
+  executable.declined_rules = declined_rules(options.decline);
+  return executable;
+}
+
+double or_default(double value, double fallback) { return value < 0 ? fallback : value; }
+
+// A temporary directory removed when it goes out of scope (also on errors).
+class TemporaryDirectory {
+ public:
+  TemporaryDirectory()
+      : path_(std::filesystem::temp_directory_path() / fmt::format("metile-bench-model-{}", ::getpid())) {
+    std::filesystem::remove_all(path_);
+  }
+  ~TemporaryDirectory() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TemporaryDirectory(const TemporaryDirectory&) = delete;
+  TemporaryDirectory& operator=(const TemporaryDirectory&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+nlohmann::json figures_json(const AgreementFigures& figures) {
+  return {{"positions", figures.positions},
+          {"agreement", figures.agreement()},
+          {"first_disagreement", figures.first_disagreement},
+          {"kl_mean", figures.kl_mean},
+          {"kl_max", figures.kl_max},
+          {"max_logit_error", figures.max_logit_error}};
+}
+
+std::string figures_row(const std::string& label, const AgreementFigures& figures, const std::string& verdict) {
+  return fmt::format("{:<28} {:>9.4f} {:>10.3g} {:>10.3g} {:>12.3g}   {}", label, figures.agreement(),
+                     figures.kl_mean, figures.kl_max, figures.max_logit_error, verdict);
+}
+
+nlohmann::json benchmark_json(const EngineBenchmark& result) {
+  nlohmann::json breakdown = nlohmann::json::array();
+  for (const StepKindTime& time : result.breakdown) {
+    breakdown.push_back({{"kind", time.kind}, {"ms", time.ms}, {"steps", time.steps}});
+  }
+  return {{"decode_ms_per_token", result.decode_replay_ms},
+          {"decode_feed_ms_per_token", result.decode_feed_ms},
+          {"tokens_per_second", result.tokens_per_second},
+          {"floor_ms", result.floor_ms},
+          {"floor_percent", result.floor_percent},
+          {"prefill_tokens", result.prefill_tokens},
+          {"prefill_tokens_per_second", result.prefill_tokens_per_second},
+          {"device_steps_per_decode_step", result.launches},
+          {"breakdown", breakdown}};
+}
+
+void print_breakdown(const EngineBenchmark& result) {
+  double total = 0;
+  for (const StepKindTime& time : result.breakdown) total += time.ms;
+  fmt::print("\none {} decode step at context {}, units run eagerly with events between them ({:.3f} ms in all):\n",
+             result.path, result.context, total);
+  fmt::print("{:<36} {:>9} {:>8} {:>7}\n", "kind", "ms", "share", "steps");
+  for (const StepKindTime& time : result.breakdown) {
+    fmt::print("{:<36} {:>9.4f} {:>7.1f}% {:>7}\n", time.kind, time.ms, total > 0 ? 100 * time.ms / total : 0.0,
+               time.steps);
+  }
+}
+
+}  // namespace
+
+void require_cuda_device() {
+  if (opened_device()) return;
+  std::string reason;
+  opened_device() = CudaDevice::try_open(0, &reason);
+  // A machine without a GPU is the user's environment, not a metile failure: exit 2, one line.
+  if (!opened_device()) throw InputError("--backend cuda: " + reason + " (--backend cpu runs everywhere)");
+}
+
+std::string cuda_device_name() {
+  require_cuda_device();
+  return opened_device()->info().name;
+}
+
+std::unique_ptr<LogitsSession> open_cuda_session(const DecoderModel& model, const ModelOptions& options) {
+  EngineOptions engine{EnginePath::fused, executable_options(options), progress_line};
+  return std::make_unique<CudaDecodeSession>(upload(model), std::move(engine));
+}
+
+int verify_model_on_cuda(const DecoderModel& model, const ModelOptions& options) {
+  const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
+  const std::int64_t positions = options.tokens == 0 ? 64 : options.tokens;
+  EngineThresholds thresholds;
+  thresholds.min_agreement = or_default(options.min_agreement, thresholds.min_agreement);
+  thresholds.max_kl = or_default(options.max_kl, thresholds.max_kl);
+  thresholds.max_kl_mean = or_default(options.max_kl_mean, thresholds.max_kl_mean);
+  thresholds.max_logit_error = or_default(options.max_logit_error, thresholds.max_logit_error);
+  const EngineVerification verification =
+      verify_fused_engine(upload(model), prompt, positions, thresholds, executable_options(options), progress_line);
+
+  if (options.format == "json") {
+    nlohmann::json json;
+    json["positions"] = positions;
+    json["full"] = figures_json(verification.full);
+    json["kept"] = figures_json(verification.kept);
+    json["fused_rules"] = verification.fused_rules;
+    json["declined"] = verification.declined;
+    nlohmann::json trials = nlohmann::json::array();
+    for (const DeclineTrial& trial : verification.trials) {
+      nlohmann::json entry = figures_json(trial.figures);
+      entry["rule"] = trial.rule;
+      entry["regions"] = trial.regions;
+      entry["meets"] = trial.meets;
+      trials.push_back(entry);
+    }
+    json["trials"] = trials;
+    json["passed"] = verification.passed;
+    fmt::print("{}\n", json.dump());
+    return verification.passed ? 0 : 1;
+  }
+  fmt::print("verify-model: {} positions, native engine (same step graph, no rewrite, no fusion: cuBLASLt and "
+             "unfused kernels) vs fused engine (plan_with_discovery h200, measured dispatch), {} on {}\n",
+             positions, options.dtype, opened_device()->info().name);
+  std::string kinds;
+  for (const std::string& rule : verification.fused_rules) kinds += (kinds.empty() ? "" : ", ") + rule;
+  fmt::print("region kinds running fused: {}\n", kinds.empty() ? "none" : kinds);
+  fmt::print("thresholds: agreement >= {}, KL mean <= {:.3g}, KL max <= {:.3g}, logit error <= {:.3g} of max "
+             "|logit|\n\n",
+             thresholds.min_agreement, thresholds.max_kl_mean, thresholds.max_kl, thresholds.max_logit_error);
+  fmt::print("{:<28} {:>9} {:>10} {:>10} {:>12}\n", "fused plan", "agreement", "KL mean", "KL max", "logit error");
+  const std::string full_miss = first_miss(verification.full, thresholds);
+  fmt::print("{}\n", figures_row("as planned", verification.full, full_miss.empty() ? "meets" : "misses: " + full_miss));
+  for (const DeclineTrial& trial : verification.trials) {
+    fmt::print("{}\n", figures_row(fmt::format("{} declined ({} regions)", trial.rule, trial.regions), trial.figures,
+                                   trial.meets ? "meets" : "misses: " + first_miss(trial.figures, thresholds)));
+  }
+  std::string declined;
+  for (const std::string& rule : verification.declined) declined += (declined.empty() ? "" : ", ") + rule;
+  if (!verification.declined.empty()) {
+    const std::string kept_miss = first_miss(verification.kept, thresholds);
+    fmt::print("{}\n", figures_row("kept: " + declined + " declined", verification.kept,
+                                   kept_miss.empty() ? "meets" : "misses: " + kept_miss));
+  }
+  fmt::print("\ndeclined by model verification: {}\n", declined.empty() ? "nothing" : declined);
+  fmt::print("the kept decode plan:\n{}", verification.report);
+  fmt::print("{}\n", verification.passed ? "PASS" : "FAIL");
+  return verification.passed ? 0 : 1;
+}
+
+void bench_model(const ModelOptions& options) {
+  require_cuda_device();
+  const CudaDevice& device = *opened_device();
+  std::optional<TemporaryDirectory> temporary;
+  std::string model_dir = options.model_dir;
+  std::string name = options.model_dir;
+  LoadOptions load;
+  load.dtype = DType::bf16;
+  if (!options.preset.empty()) {
+    SynthOptions synth;
+    synth.preset = options.preset;
+    if (options.layers > 0) synth.layers = options.layers;
+    synth.seed = parse_seed(options.seed);
+    synth.quantize = quantization_option(options);  // an MLX checkpoint: quantized once, when written
+    synth_config(synth);  // an unknown preset is one line before anything is written
+    temporary.emplace();
+    model_dir = temporary->path().string();
+    name = options.preset;
+    progress_line(fmt::format("metile bench-model: synthesizing {} into {}", options.preset, model_dir));
+    synthesize_model(model_dir, synth, [](const std::string& line) {
+      static auto last = std::chrono::steady_clock::now();
+      if (std::chrono::steady_clock::now() - last > std::chrono::seconds(5)) {
+        last = std::chrono::steady_clock::now();
+        progress_line(line);
+      }
+    });
+  } else {
+    load.quantize = quantization_option(options);
+  }
+  // The capacity the measurements need (decode after the context, the prefill prompt), rounded
+  // up: the native attention reads every cached row, so a larger capacity only slows it.
+  const std::int64_t needed = std::max(options.prefill_tokens, options.context + 3 + options.decode_steps);
+  load.max_sequence = options.max_seq > 0 ? options.max_seq : (needed + 255) / 256 * 256;
+  progress_line(fmt::format("metile bench-model: loading {}", model_dir));
+  const DecoderModel model = DecoderModel::load(model_dir, load);
+  temporary.reset();  // the weights are in memory now
+  const ModelConfig& config = model.config();
+
+  CudaStream stream;
+  const double bandwidth = measure_copy_bandwidth_gbps(stream);
+  const std::shared_ptr<const CudaModel> cuda_model = CudaModel::load(model, device, progress_line);
+  BenchmarkOptions bench;
+  bench.context = options.context;
+  bench.prefill_tokens = options.prefill_tokens;
+  bench.decode_steps = options.decode_steps;
+  bench.seed = parse_seed(options.seed);
+  bench.copy_bandwidth_gbps = bandwidth;
+  std::vector<EngineBenchmark> results;
+  for (EnginePath path : {EnginePath::fused, EnginePath::native}) {
+    progress_line(fmt::format("metile bench-model: measuring the {} engine", engine_path_name(path)));
+    CudaDecodeSession session(cuda_model, EngineOptions{path, executable_options(options), progress_line});
+    results.push_back(benchmark_engine(session, bench));
+  }
+  const std::int64_t step_bytes = cuda_model->decode_step_bytes(options.context);
+  const std::string format = model.quantization()
+                                 ? fmt::format("{}-bit group {}", model.quantization()->bits,
+                                               model.quantization()->group_size)
+                                 : std::string("bf16");
+
+  if (options.format == "json") {
+    nlohmann::json json;
+    json["model"] = name;
+    json["architecture"] = std::string(architecture_class_name(config.architecture));
+    json["layers"] = config.num_hidden_layers;
+    json["format"] = format;
+    json["device"] = device.info().name;
+    json["context"] = options.context;
+    json["capacity"] = model.capacity();
+    json["weight_bytes"] = cuda_model->device_weight_bytes();
+    json["decode_step_bytes"] = step_bytes;
+    json["copy_bandwidth_gbps"] = bandwidth;
+    json["fused"] = benchmark_json(results[0]);
+    json["native"] = benchmark_json(results[1]);
+    fmt::print("{}\n", json.dump());
+    return;
+  }
+  fmt::print("bench-model: {} ({}, {} layers, hidden {}, vocab {}), {}, batch 1, context {}, capacity {}, {}\n",
+             name, architecture_class_name(config.architecture), config.num_hidden_layers, config.hidden_size,
+             config.vocab_size, format, options.context, model.capacity(), device.info().name);
+  fmt::print("weight-bandwidth floor: {:.3f} GB a step / {:.0f} GB/s copy bandwidth (measured now) = {:.3f} ms\n\n",
+             static_cast<double>(step_bytes) / 1e9, bandwidth, results[0].floor_ms);
+  fmt::print("{:<40} {:>12} {:>12}\n", "", "fused", "native");
+  const auto row = [&](const std::string& label, auto value, const char* pattern) {
+    fmt::print("{:<40} {:>12} {:>12}\n", label, fmt::format(fmt::runtime(pattern), value(results[0])),
+               fmt::format(fmt::runtime(pattern), value(results[1])));
+  };
+  row("decode ms/token (graph replay)", [](const EngineBenchmark& r) { return r.decode_replay_ms; }, "{:.3f}");
+  row("% of the weight-bandwidth floor", [](const EngineBenchmark& r) { return r.floor_percent; }, "{:.1f}%");
+  row("decode ms/token (feed: copies + replay)", [](const EngineBenchmark& r) { return r.decode_feed_ms; }, "{:.3f}");
+  row("decode tokens/s (feed)", [](const EngineBenchmark& r) { return r.tokens_per_second; }, "{:.1f}");
+  row(fmt::format("prefill tokens/s ({}-token prompt)", options.prefill_tokens),
+      [](const EngineBenchmark& r) { return r.prefill_tokens_per_second; }, "{:.0f}");
+  row("device steps per decode step", [](const EngineBenchmark& r) { return r.launches; }, "{}");
+  for (const EngineBenchmark& result : results) print_breakdown(result);
+}
+
+}  // namespace metile::cli

@@ -1,0 +1,59 @@
+// The options the model commands share (logits, generate, verify-model, bench-model) and the
+// helpers both their CPU file (model_commands.cpp) and their CUDA file (model_cuda_commands.cpp,
+// built only with the CUDA backend) use.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "metile/model.h"
+
+namespace metile::cli {
+
+struct ModelOptions {
+  std::string model_dir;
+  std::string prompt_ids = "1";
+  std::string dtype = "bf16";
+  std::string backend = "cpu";
+  std::string format = "text";
+  std::string quantize;  // "", "4" or "8"
+  int group_size = 64;
+  std::int64_t max_seq = 0;
+  std::int64_t tokens = 16;  // verify-model: 0 = the backend's default (16 on cpu, 64 on cuda)
+  std::string decline;       // --backend cuda: comma-separated region kinds to run native
+  // verify-model thresholds; < 0: the backend's default
+  double min_agreement = -1;
+  double max_kl = -1;
+  double max_kl_mean = -1;
+  double max_logit_error = -1;
+  // bench-model
+  std::string preset;
+  std::int64_t layers = 0;
+  std::int64_t context = 128;
+  std::int64_t prefill_tokens = 512;
+  int decode_steps = 64;
+  std::string seed = "0";
+};
+
+std::vector<std::int32_t> parse_ids(const std::string& text);
+// --quantize / --group-size as a format (nullopt without --quantize); InputError when malformed.
+std::optional<AffineQuantization> quantization_option(const ModelOptions& options);
+// --backend cpu|cuda; InputError otherwise.
+void check_backend(const ModelOptions& options);
+// --decline "a,b": the region kinds (plan rule names).
+std::set<std::string> declined_rules(const std::string& text);
+
+#ifdef METILE_HAVE_CUDA_BACKEND
+// model_cuda_commands.cpp. Every entry opens the device first: InputError
+// "--backend cuda: no CUDA device: ..." where none exists (exit 2, one line).
+void require_cuda_device();
+std::unique_ptr<LogitsSession> open_cuda_session(const DecoderModel& model, const ModelOptions& options);
+std::string cuda_device_name();
+int verify_model_on_cuda(const DecoderModel& model, const ModelOptions& options);
+void bench_model(const ModelOptions& options);
+#endif
+
+}  // namespace metile::cli
