@@ -283,7 +283,8 @@ TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
   const RegionLowerings lowered = lower_region(graph, region, extra);
   EXPECT_EQ(lowered.candidates.size(), row_region_candidates(graph, region).candidates.size());
   EXPECT_EQ(lowered.refusals,
-            "contractions around a row kernel: the region has no contraction; empty: it accepted the region but offered "
+            "contractions around a row kernel: the region has no contraction; flash attention: the region is not one "
+            "flash_attention node; empty: it accepted the region but offered "
             "no candidate; silent: refused without a reason; picky: too small");
 }
 
