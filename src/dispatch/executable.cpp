@@ -124,7 +124,9 @@ Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion
 }
 
 std::vector<RegionLowering> builtin_lowerings() {
-  return {{"row kernel", row_region_candidates}, {"contractions around a row kernel", contraction_row_candidates}};
+  return {{"row kernel", row_region_candidates},
+          {"contractions around a row kernel", contraction_row_candidates},
+          {"gemv", gemv_region_candidates}};
 }
 
 // ---------------------------------------------------------------- executable
@@ -195,9 +197,11 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   report.rule = region.rule;
   for (NodeId id : region.nodes) report.nodes.push_back(graph.node(id).name);
   // Regions are numbered from 1, as `metile plan` prints them (FusionPlan::explain), so a report
-  // line and a plan line about the same region say the same R-number.
+  // line and a plan line about the same region say the same R-number. An unfused node offered as a
+  // region of its own (region_index -1) is named by its node.
   const std::string label =
-      fmt::format("region R{} ({})", region_index + 1, region.rule.empty() ? "region" : region.rule);
+      region_index >= 0 ? fmt::format("region R{} ({})", region_index + 1, region.rule.empty() ? "region" : region.rule)
+                        : fmt::format("node '{}' ({})", report.nodes.front(), region.rule);
   const DispatchPolicy policy{options.mode, boundary_headroom(region.nodes.size())};
   auto finish = [&](const CandidateId& chosen, const std::string& reason) {
     report.chosen_id = chosen;
@@ -358,9 +362,8 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
 
   std::vector<Unit> units;
   std::set<NodeId> covered;
-  for (std::size_t r = 0; r < plan.regions.size(); ++r) {
-    const FusionRegion& region = plan.regions[r];
-    RegionReport report = choose_for_region(graph, region, static_cast<int>(r), device, options, *state->native,
+  auto add_region = [&](const FusionRegion& region, int region_index) {
+    RegionReport report = choose_for_region(graph, region, region_index, device, options, *state->native,
                                             cache ? &*cache : nullptr);
     Unit unit;
     unit.nodes = region.nodes;
@@ -371,9 +374,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
         unit.steps.push_back(candidate.bind(*state->values));
         state->kernel_count += candidate.launches;
       }
-      if (unit.steps.empty()) {
-        throw std::runtime_error(fmt::format("region R{}: candidate '{}' vanished", r, report.chosen));
-      }
+      if (unit.steps.empty()) throw std::runtime_error(fmt::format("{}: candidate '{}' vanished", report.sentence, report.chosen));
     } else {
       std::vector<NodeId> nodes = region.nodes;
       std::sort(nodes.begin(), nodes.end());
@@ -383,9 +384,16 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
     covered.insert(region.nodes.begin(), region.nodes.end());
     units.push_back(std::move(unit));
     state->reports.push_back(std::move(report));
-  }
+  };
+  for (std::size_t r = 0; r < plan.regions.size(); ++r) add_region(plan.regions[r], static_cast<int>(r));
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
+    // An unfused matmul / quantized_matmul (q, k, v, the LM head) races its lowerings (the GEMV)
+    // against cuBLASLt like a region of its own.
+    if (options.mode != DispatchMode::native && is_gemv_contraction_op(node)) {
+      add_region(contraction_node_region(graph, node.id), -1);
+      continue;
+    }
     units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}});
     state->kernel_count += 1;
   }

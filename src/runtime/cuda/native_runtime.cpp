@@ -25,6 +25,18 @@ void DeviceValues::upload_inputs(const TensorMap& inputs) {
     }
     tensors_.at(static_cast<std::size_t>(id)).buffer.upload(found->second);
   }
+  // upload_inputs writes every graph input, so every derivation reads new data.
+  for (const Derived& derived : derived_) derived.derive();
+}
+
+void DeviceValues::keep_derived(std::vector<ValueId> inputs, std::function<void()> derive) {
+  for (ValueId id : inputs) {
+    if (id < 0 || static_cast<std::size_t>(id) >= tensors_.size() || graph_->value(id).producer >= 0) {
+      throw std::logic_error("DeviceValues::keep_derived: derived data must come from graph inputs");
+    }
+  }
+  derive();
+  derived_.push_back({std::move(inputs), std::move(derive)});
 }
 
 TensorMap DeviceValues::download_outputs() const {
