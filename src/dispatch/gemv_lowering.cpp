@@ -147,10 +147,50 @@ Decision gemv_matrix(const ComputeGraph& graph, const Node& node, GemvMatrix& ma
 }
 
 // A region cut out as a graph of its own; plans are made here and mapped back to `graph`.
+// `canonical` is the same graph with its inputs named in0, in1, ... (in input order): epilogues
+// are built there, so a kernel's text and name do not depend on value names, and the same region
+// in every layer of a model is one kernel, compiled once.
 struct RegionView {
   ComputeGraph sub;
   FusionRegion region;
+  ComputeGraph canonical;
 };
+
+RegionView view_of(const ComputeGraph& graph, const FusionRegion& region) {
+  RegionView view{region_graph(graph, region), {}, {}};
+  view.region = region_in_region_graph(graph, region, view.sub);
+  GraphBuilder builder;
+  std::map<ValueId, ValueRef> mapped;
+  for (std::size_t i = 0; i < view.sub.inputs().size(); ++i) {
+    const ValueId input = view.sub.inputs()[i];
+    mapped[input] = builder.input(fmt::format("in{}", i), view.sub.value(input).spec);
+  }
+  for (const Node& node : view.sub.nodes()) {
+    std::vector<ValueRef> inputs;
+    for (ValueId input : node.inputs) inputs.push_back(mapped.at(input));
+    const std::vector<ValueRef> outputs = builder.add_node(node.op, inputs, node.attributes, node.name);
+    for (std::size_t i = 0; i < outputs.size(); ++i) mapped[node.outputs[i]] = outputs[i];
+  }
+  std::vector<ValueRef> outputs;
+  for (ValueId output : view.sub.outputs()) outputs.push_back(mapped.at(output));
+  view.canonical = builder.build(outputs);
+  return view;
+}
+
+// A value of the region graph in the canonical one, and back: inputs by position, computed
+// values by name (node names are kept).
+ValueId to_canonical(const RegionView& view, ValueId id) {
+  const auto& inputs = view.sub.inputs();
+  const auto found = std::find(inputs.begin(), inputs.end(), id);
+  if (found != inputs.end()) return view.canonical.inputs()[static_cast<std::size_t>(found - inputs.begin())];
+  return *view.canonical.find_value(view.sub.value(id).name);
+}
+ValueId from_canonical(const RegionView& view, ValueId id) {
+  const auto& inputs = view.canonical.inputs();
+  const auto found = std::find(inputs.begin(), inputs.end(), id);
+  if (found != inputs.end()) return view.sub.inputs()[static_cast<std::size_t>(found - inputs.begin())];
+  return *view.sub.find_value(view.canonical.value(id).name);
+}
 
 ValueId in_graph(const ComputeGraph& graph, const ComputeGraph& sub, ValueId id) {
   return *graph.find_value(sub.value(id).name);
@@ -165,11 +205,14 @@ std::vector<NodeId> contractions(const RegionView& view) {
   return found;
 }
 
-// The epilogue from `output` back to `accumulators`, or the reason from_graph gave.
-Decision epilogue_of(const ComputeGraph& sub, ValueId output, std::vector<ValueId> accumulators, GemvStage& stage,
+// The epilogue from `output` back to `accumulators` (region-graph ids), built on the canonical
+// graph, or the reason from_graph gave.
+Decision epilogue_of(const RegionView& view, ValueId output, std::vector<ValueId> accumulators, GemvStage& stage,
                      std::string_view what) {
+  std::vector<ValueId> canonical_accumulators;
+  for (ValueId id : accumulators) canonical_accumulators.push_back(to_canonical(view, id));
   try {
-    stage.epilogue = GemvEpilogue::from_graph(sub, output, accumulators);
+    stage.epilogue = GemvEpilogue::from_graph(view.canonical, to_canonical(view, output), canonical_accumulators);
   } catch (const InputError& error) {
     return Decision::refuse(fmt::format("{}: {}", what, error.what()));
   }
@@ -178,7 +221,7 @@ Decision epilogue_of(const ComputeGraph& sub, ValueId output, std::vector<ValueI
                                         stage.epilogue.to_string(), accumulators.size()));
   }
   for (const GemvEpilogue::TensorInput& tensor : stage.epilogue.tensor_inputs()) {
-    stage.epilogue_tensors.push_back(*sub.find_value(tensor.name));
+    stage.epilogue_tensors.push_back(from_canonical(view, *view.canonical.find_value(tensor.name)));
   }
   stage.output = output;
   return Decision::allow();
@@ -236,8 +279,7 @@ Decision tensors_exist(const ComputeGraph& sub, const GemvStage& stage, ValueId 
 GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& region) {
   if (region.rule != "swiglu_mlp") return refuse(fmt::format("not a swiglu_mlp region (rule '{}')", region.rule));
   if (auto missing = missing_role(region, {"input", "gate_weight", "up_weight", "down_weight"})) return refuse(*missing);
-  RegionView view{region_graph(graph, region), {}};
-  view.region = region_in_region_graph(graph, region, view.sub);
+  const RegionView view = view_of(graph, region);
   const ComputeGraph& sub = view.sub;
   const ValueId input = *view.region.role("input");
   if (contractions(view).size() != 3) {
@@ -270,7 +312,7 @@ GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& r
   gate_up.matrices = {gate_matrix, up_matrix};
   gate_up.input = input;
   const ValueId hidden = sub.node(*down).inputs[0];
-  Decision decision = epilogue_of(sub, hidden, {sub.node(*gate).outputs[0], sub.node(*up).outputs[0]}, gate_up,
+  Decision decision = epilogue_of(view, hidden, {sub.node(*gate).outputs[0], sub.node(*up).outputs[0]}, gate_up,
                                   "the gate/up epilogue");
   if (!decision) return {std::move(decision), {}};
   if (decision = tensors_exist(sub, gate_up, -1, "the gate/up epilogue"); !decision) return {std::move(decision), {}};
@@ -288,7 +330,7 @@ GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& r
   down_stage.matrices = {down_matrix};
   down_stage.input = hidden;
   down_stage.rows = down_rows;
-  decision = epilogue_of(sub, finals.front(), {sub.node(*down).outputs[0]}, down_stage, "the down epilogue");
+  decision = epilogue_of(view, finals.front(), {sub.node(*down).outputs[0]}, down_stage, "the down epilogue");
   if (!decision) return {std::move(decision), {}};
   if (decision = tensors_exist(sub, down_stage, hidden, "the down epilogue"); !decision) return {std::move(decision), {}};
   return mapped_to(graph, sub, {std::move(gate_up), std::move(down_stage)});
@@ -299,8 +341,7 @@ GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegi
     return refuse(fmt::format("not a contraction region (rule '{}')", region.rule));
   }
   if (auto missing = missing_role(region, {"input", "weight"})) return refuse(*missing);
-  RegionView view{region_graph(graph, region), {}};
-  view.region = region_in_region_graph(graph, region, view.sub);
+  const RegionView view = view_of(graph, region);
   const ComputeGraph& sub = view.sub;
   if (contractions(view).size() != 1) {
     return refuse(fmt::format("{} contractions: one GEMV computes one", contractions(view).size()));
@@ -317,7 +358,7 @@ GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegi
   if (view.region.outputs.size() != 1) {
     return refuse(fmt::format("the region writes {} values; one GEMV writes one", view.region.outputs.size()));
   }
-  decision = epilogue_of(sub, view.region.outputs.front(), {sub.node(*node).outputs[0]}, stage, "the epilogue");
+  decision = epilogue_of(view, view.region.outputs.front(), {sub.node(*node).outputs[0]}, stage, "the epilogue");
   if (!decision) return {std::move(decision), {}};
   if (decision = tensors_exist(sub, stage, -1, "the epilogue"); !decision) return {std::move(decision), {}};
   return mapped_to(graph, sub, {std::move(stage)});

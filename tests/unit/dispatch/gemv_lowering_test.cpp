@@ -9,6 +9,7 @@
 #include <future>
 
 #include "gemv_region_graphs.h"
+#include "metile/decode_mlp.h"
 #include "metile/dispatch.h"
 #include "metile_test_support.h"
 
@@ -85,6 +86,26 @@ TEST(GemvLowering, SwigluReadsItsOperandsFromTheRegionsRoles) {
         expect_epilogue(down.epilogue, [](double d, double, double r) { return d + r; }, where);
       }
     }
+  }
+}
+
+// The decode-MLP executor plans its graph the same way (decode_mlp_executor.cpp): one swiglu_mlp
+// region whose stages read x, the three weights and the residual by role.
+TEST(GemvLowering, TheDecodeMlpGraphPlansToTwoStages) {
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::f16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
+    const DecodeMlpWeights weights = DecodeMlpWeights::random(format, 128, 256, 1);
+    const ComputeGraph graph = weights.graph(3);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    const FusionRegion* region = region_of_rule(plan, "swiglu_mlp");
+    ASSERT_NE(region, nullptr) << plan.explain();
+    const GemvRegionPlan stages = plan_gemv_swiglu(*plan.graph, *region);
+    ASSERT_TRUE(stages.decision) << stages.decision.reason;
+    EXPECT_EQ(value_name(graph, stages.stages[0].input), "x");
+    EXPECT_EQ(value_name(graph, stages.stages[0].output), "hidden_state");
+    EXPECT_EQ(value_name(graph, stages.stages[1].output), "out");
+    EXPECT_EQ(stages.stages[0].matrices[0].format, format);
+    ASSERT_EQ(stages.stages[1].epilogue_tensors.size(), 1u);
+    EXPECT_EQ(value_name(graph, stages.stages[1].epilogue_tensors[0]), "residual");
   }
 }
 
