@@ -237,8 +237,9 @@ std::vector<LoadedGemv> load_gemvs(std::vector<GemvKernelSource> kernels);
 
 // The launch shapes one GEMV stage tries, best guesses first: for a two-matrix epilogue both
 // gated schedules (register_resident, scratch_spilled), else the base; `per_family` shapes of each
-// from gemv_tuning_candidates, then as many of the streamed mainloop. Shared by the decode-MLP
-// executor and the lowerings, so both race the same kernels.
+// from gemv_tuning_candidates, then as many of the streamed mainloop (a family the problem does
+// not fit is left out; InputError when none fits). Shared by the decode-MLP executor and the
+// lowerings, so both race the same kernels.
 std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family,
                                                  int multiprocessors = 132);
 // The variant name of a config in candidate names: "register_resident w4 t1 f2 db" (two

@@ -30,8 +30,17 @@ namespace metile {
 std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family, int multiprocessors) {
   const std::size_t keep = static_cast<std::size_t>(std::max(1, per_family));
   std::vector<GemvKernelConfig> configs;
+  // A family the problem does not fit (its base fails validation) is left out; when every family
+  // is, the first one's error says why.
+  std::optional<InputError> first_error;
   auto add_family = [&](const GemvKernelConfig& family_base) {
-    std::vector<GemvKernelConfig> family = gemv_tuning_candidates(family_base, multiprocessors);
+    std::vector<GemvKernelConfig> family;
+    try {
+      family = gemv_tuning_candidates(family_base, multiprocessors);
+    } catch (const InputError& error) {
+      if (!first_error) first_error = error;
+      return;
+    }
     if (family.size() > keep) family.resize(keep);
     configs.insert(configs.end(), family.begin(), family.end());
   };
@@ -48,6 +57,7 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
   GemvKernelConfig streamed = base;
   streamed.mainloop = GemvMainloop::streamed;
   add_family(streamed);
+  if (configs.empty() && first_error) throw *first_error;
   return configs;
 }
 

@@ -184,6 +184,24 @@ TEST(GemvLowering, ContractionEpilogueTakesResidualOrBiasAndUnfusedNodesTakeASto
   }
 }
 
+// An LM head (N = 128256, K = 4096) at M = 1 and 16, dense and 4-bit: both mainloops' shapes.
+TEST(GemvLowering, AnLmHeadGetsRegisterAndStreamedShapes) {
+  for (int bits : {16, 4}) {
+    for (std::int64_t rows : {1, 16}) {
+      const ComputeGraph graph = testing::projection_test_graph(rows, 128256, 4096, {bits, 64, DType::bf16}, "none");
+      const FusionPlan plan = plan_graph_fusion(graph);
+      const Lowered lowered = gemv_region_candidates(*plan.graph, contraction_node_region(*plan.graph, plan.unfused.at(0)));
+      ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+      int streamed = 0;
+      for (const FusedCandidate& candidate : lowered.candidates) {
+        streamed += candidate.id.variant.find("streamed") != std::string::npos ? 1 : 0;
+      }
+      EXPECT_EQ(streamed, gemv_lowering_shapes_per_family) << bits << " bits, M " << rows;
+      EXPECT_EQ(lowered.candidates.size(), 2u * gemv_lowering_shapes_per_family);
+    }
+  }
+}
+
 TEST(GemvLowering, OtherRegionsAreRefusedWithTheReason) {
   // A row region: the built-in "gemv" lowering says which rules it takes.
   const FusionPlan rows = plan_graph_fusion(testing::seed_graph(1, 256, DType::f16));
