@@ -3,6 +3,8 @@
 // must beat, and the fallback whenever a fused kernel is unsupported, wrong or slower.
 #include <fmt/core.h>
 
+#include <algorithm>
+
 #include "cuda_driver.h"
 #include "metile/cuda_runtime.h"
 
@@ -15,6 +17,7 @@ DeviceValues::DeviceValues(const ComputeGraph& graph) : graph_(&graph) {
 }
 
 void DeviceValues::upload_inputs(const TensorMap& inputs) {
+  std::vector<ValueId> uploaded;
   for (ValueId id : graph_->inputs()) {
     const Value& value = graph_->value(id);
     auto found = inputs.find(value.name);
@@ -24,9 +27,15 @@ void DeviceValues::upload_inputs(const TensorMap& inputs) {
                                    found->second.spec().to_string(), value.spec.to_string()));
     }
     tensors_.at(static_cast<std::size_t>(id)).buffer.upload(found->second);
+    uploaded.push_back(id);
   }
-  // upload_inputs writes every graph input, so every derivation reads new data.
-  for (const Derived& derived : derived_) derived.derive();
+  // Derived data follows the inputs just written, and only those (weights bound once stay derived once).
+  for (const Derived& derived : derived_) {
+    if (std::find_first_of(derived.inputs.begin(), derived.inputs.end(), uploaded.begin(), uploaded.end()) !=
+        derived.inputs.end()) {
+      derived.derive();
+    }
+  }
 }
 
 void DeviceValues::keep_derived(std::vector<ValueId> inputs, std::function<void()> derive) {
