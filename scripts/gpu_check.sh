@@ -31,7 +31,7 @@ step build 240 cmake --build build/gpu --target metile kernels_benchmark $gpu_ta
 PYTHONUNBUFFERED=1 timeout 420 python3 tests/gpu/transformers_oracle.py --metile build/gpu/tools/metile/metile \
   >"$OUT/transformers_oracle.log" 2>&1 &
 oracle=$!
-step gpu_tests ${GPU_TESTS_TIMEOUT:-330} ctest --test-dir build/gpu -L gpu -E transformers_oracle -j1 \
+step gpu_tests ${GPU_TESTS_TIMEOUT:-420} ctest --test-dir build/gpu -L gpu -E transformers_oracle -j1 \
   --output-on-failure --timeout 200
 grep -E "tests passed|FAILED|Failed|\*\*\*|Passed|sec$" "$OUT/gpu_tests.log" | tail -24
 for example in add_rms_norm decoder_layer; do

@@ -225,6 +225,9 @@ CompiledProgram compile_cuda_program(std::string_view source, std::string_view k
                                      const CompileOptions& options = {});
 
 std::string nvrtc_version();  // "13.0"
+// The architecture of the context current on this thread ("sm_90"); sm_90 where there is none.
+// Threads that compile for the device in parallel take it from the thread that owns the context.
+std::string current_device_architecture();
 // A stable 128-bit content hash as 32 hex digits (cache keys, dispatch keys); not cryptographic.
 std::string stable_hash_hex(std::string_view bytes);
 // Where metile keeps what it caches (compiled kernels, dispatch decisions): $METILE_CACHE_DIR if
@@ -384,11 +387,20 @@ class DeviceValues {
   // float dtype): a value a kernel fails to write then fails the numeric gate instead of passing on
   // stale data. Buffers that inputs own (or borrow) and external buffers are never poisoned.
   void poison_computed_values();
+  // Device data a bound step derives from input values (a weight repacked for a GEMV) follows
+  // them: `derive` runs now and again after every upload_inputs that writes one of `inputs`, so
+  // it runs once for weights that never change and never inside a run.
+  void keep_derived(std::vector<ValueId> inputs, std::function<void()> derive);
 
  private:
+  struct Derived {
+    std::vector<ValueId> inputs;
+    std::function<void()> derive;
+  };
   const ComputeGraph* graph_;
   std::vector<DeviceTensor> tensors_;
   std::vector<bool> external_;
+  std::vector<Derived> derived_;
 };
 
 // A generated kernel, compiled and loaded for the current device.

@@ -18,18 +18,6 @@
 namespace metile {
 
 // ---------------------------------------------------------------- the MLP executor (CUDA)
-// A generated GEMV loaded for the current device: the dynamic shared-memory limit raised and,
-// for a streamed kernel, its zeroed workspace allocated. launch() appends the workspace to
-// `arguments` (weights ... out, as above).
-struct LoadedGemv {
-  GemvKernelSource kernel;
-  CompiledKernel compiled;
-  std::shared_ptr<DeviceBuffer> workspace;
-
-  static LoadedGemv load(GemvKernelSource kernel, const CompiledProgram& program);
-  void launch(const CudaStream& stream, KernelArguments arguments) const;
-};
-
 struct DecodeMlpOptions {
   DispatchMode mode = dispatch_mode_from_environment();
   TournamentOptions tournament;

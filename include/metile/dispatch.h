@@ -18,6 +18,7 @@
 #include "metile/cuda_runtime.h"
 #include "metile/decision.h"
 #include "metile/fusion.h"
+#include "metile/gemv.h"
 #include "metile/graph.h"
 
 namespace metile {
@@ -203,7 +204,8 @@ struct RegionLowering {
 // The built-in lowerings. Row regions: the row-kernel generator, one candidate per variant ("fused",
 // "fused wide", ...). Regions with contractions (a matmul with a softmax epilogue, SwiGLU's silu * up
 // between projections): the contractions through cuBLASLt and all other ops in one row kernel
-// ("fused epilogue", ...), when those ops form a row region that runs between them.
+// ("fused epilogue", ...), when those ops form a row region that runs between them. Decode-time
+// contractions (swiglu_mlp, contraction_epilogue, contraction): the GEMV lowerings above.
 Lowered row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
 // A flash_attention region (one node, src/dispatch/attention_lowering.cpp): the generated decode
@@ -211,6 +213,84 @@ Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion
 // certificate is not verified or the kernels cannot take the problem (dtype, head dims).
 Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region);
 std::vector<RegionLowering> builtin_lowerings();
+
+// ---------------------------------------------------------------- GEMV lowerings
+// Decode-time regions (1..16 activation rows) on the generated GEMV kernels of gemv.h
+// (src/dispatch/gemv_lowering.cpp; docs/architecture.md, "Lowering"). The operands come from the
+// region's roles, the epilogue from the region's own elementwise ops (GemvEpilogue::from_graph on
+// the region graph), so the kernel computes what the graph recorded:
+//   swiglu_mlp            gate/up GEMV (epilogue: silu(gate) * up, as written) + down GEMV
+//                         (epilogue: the residual add, or a plain store)
+//   contraction_epilogue  one GEMV whose epilogue is the region's elementwise ops (residual add, bias)
+//   contraction           one unfused matmul / quantized_matmul (q, k, v, the LM head), as a
+//                         one-node region the Executable offers (contraction_node_region)
+
+// A generated GEMV loaded for the current device: the dynamic shared-memory limit raised and,
+// for a streamed kernel, its zeroed workspace allocated. launch() appends the workspace to
+// `arguments` (weights ... out, gemv.h's argument order).
+struct LoadedGemv {
+  GemvKernelSource kernel;
+  CompiledKernel compiled;
+  std::shared_ptr<DeviceBuffer> workspace;
+
+  static LoadedGemv load(GemvKernelSource kernel, const CompiledProgram& program);
+  void launch(const CudaStream& stream, KernelArguments arguments) const;
+};
+// Compiles the kernels in parallel (NVRTC needs no device) for the current device's architecture;
+// load_gemvs then loads them on this thread, in order.
+std::vector<CompiledProgram> compile_gemvs(const std::vector<GemvKernelSource>& kernels);
+std::vector<LoadedGemv> load_gemvs(std::vector<GemvKernelSource> kernels);
+
+// The launch shapes one GEMV stage tries, best guesses first: for a two-matrix epilogue both
+// gated schedules (register_resident, scratch_spilled), else the base; `per_family` shapes of each
+// from gemv_tuning_candidates, then as many of the streamed mainloop (a family the problem does
+// not fit is left out; InputError when none fits). Shared by the decode-MLP executor and the
+// lowerings, so both race the same kernels.
+std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family,
+                                                 int multiprocessors = 132);
+// The variant name of a config in candidate names: "register_resident w4 t1 f2 db" (two
+// matrices), "w4 t1 f2 db", "streamed w4 u1 s4 g132x1".
+std::string gemv_shape_name(const GemvKernelConfig& config);
+
+// One weight matrix of a GEMV, as values of the graph it was planned on.
+struct GemvMatrix {
+  GemvWeightFormat format;
+  std::int64_t out_features = 0, in_features = 0;  // N, K
+  ValueId weight = -1;                // dense: W [N, K] (read in place); affine: the packed codes
+  ValueId scales = -1, biases = -1;   // affine only (repacked with the codes when bound)
+};
+// One GEMV launch of a lowered region: its matrices (two share x: gate, up), x, the epilogue and
+// the values its tensors read, and the value it writes.
+struct GemvStage {
+  std::vector<GemvMatrix> matrices;
+  ValueId input = -1;   // x [M, K]
+  ValueId output = -1;  // [M, N]
+  std::int64_t rows = 0;
+  GemvEpilogue epilogue = GemvEpilogue::store();
+  std::vector<ValueId> epilogue_tensors;  // in epilogue.tensor_inputs() order
+  std::vector<NodeId> nodes;              // the region's nodes this launch computes
+  GemvKernelConfig base_config() const;   // register mainloop, default launch shape
+};
+// How a region maps onto GEMV launches, or why it does not (M > 16, f32, a batched or
+// untransposed weight, a value the kernels would not write, a role missing, ...).
+struct GemvRegionPlan {
+  Decision decision;
+  std::vector<GemvStage> stages;  // in launch order; non-empty exactly when decision.ok
+};
+GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& region);
+GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegion& region);
+GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region);  // by the region's rule
+// The lowerings: each candidate runs the plan's stages with one launch shape per stage (every
+// gate/up shape with every down shape for swiglu_mlp). Binding repacks affine weights once
+// (DeviceValues::keep_derived: again only when the weights are uploaded again).
+inline constexpr int gemv_lowering_shapes_per_family = 2;
+Lowered gemv_swiglu_candidates(const ComputeGraph& graph, const FusionRegion& region);
+Lowered gemv_contraction_candidates(const ComputeGraph& graph, const FusionRegion& region);
+Lowered gemv_region_candidates(const ComputeGraph& graph, const FusionRegion& region);  // the built-in "gemv"
+// A matmul or quantized_matmul node as a region of its own (rule "contraction", roles input and
+// weight), so that unfused contractions race their GEMV like any region.
+FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node);
+bool is_gemv_contraction_op(const Node& node);  // matmul or quantized_matmul
 
 // ---------------------------------------------------------------- executable
 struct ExecutableOptions {
@@ -250,7 +330,7 @@ RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& regi
 RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region, const ExecutableOptions& options);
 
 struct RegionReport {
-  int region = -1;  // index in plan.regions
+  int region = -1;  // index in plan.regions; -1: an unfused matmul offered as a region of its own ("contraction")
   std::string rule;
   std::vector<std::string> nodes;
   std::string chosen;       // the chosen candidate's name (chosen_id.name())

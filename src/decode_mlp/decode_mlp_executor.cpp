@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <future>
 #include <random>
 
 #include "metile/cpu_runtime.h"
@@ -53,15 +52,6 @@ RepackedOnDevice upload_repacked(const QuantizedMatrix& matrix) {
   device.words = DeviceBuffer::from_vector<std::uint32_t>(repacked.words);
   device.scale_bias = DeviceBuffer::from_vector<std::uint16_t>(repacked.scale_bias);
   return device;
-}
-
-std::string shape_name(const GemvKernelConfig& config) {
-  if (config.mainloop == GemvMainloop::streamed) {
-    return fmt::format("streamed w{} u{} s{} g{}x{}", config.warps_per_block, config.stage_iterations, config.stages,
-                       config.multiprocessors, config.blocks_per_multiprocessor);
-  }
-  return fmt::format("w{} t{} f{} {}", config.warps_per_block, config.tiles_per_block, config.iterations_in_flight,
-                     config.double_buffered ? "db" : "batch");
 }
 
 HostTensor to_tensor(const std::vector<double>& values, std::int64_t rows, std::int64_t columns, DType dtype) {
@@ -110,6 +100,9 @@ struct DecodeMlpExecutor::State {
   NativeRuntime native;
   CudaStream stream;
   std::vector<RepackedOnDevice> repacked;  // gate, up, down (affine only)
+  // The MLP's swiglu_mlp region as the GEMV lowering plans it (plan_gemv_swiglu): the gate/up
+  // and down launches with their operands taken from the region's roles.
+  GemvStage gate_up_stage, down_stage;
   std::vector<std::shared_ptr<GemvLaunch>> launches;
   DecodeMlpStageReport gate_up, down;
   DeviceStep chosen_gate_up, chosen_down, native_gate_up, native_down;
@@ -124,66 +117,51 @@ struct DecodeMlpExecutor::State {
   }
   NodeId node(std::string_view name) const { return *graph->find_node(name); }
 
-  // Kernel arguments for a GEMV over `matrices` (0 gate, 1 up, 2 down), reading `input`,
-  // the epilogue's tensors by value name, writing `output`.
-  DeviceStep bind_gemv(const std::shared_ptr<GemvLaunch>& launch, std::vector<int> matrices, std::string_view input,
-                       std::string_view output) {
-    static const char* const dense_names[] = {"gate_weight", "up_weight", "down_weight"};
+  // Kernel arguments for one GEMV of `stage` (gemv.h's order): its matrices (`repacked_index`:
+  // their repacked copies, 0 gate, 1 up, 2 down, when affine), x, the epilogue's tensors, out.
+  // `output` overrides the stage's (the unfused path writes the bare products).
+  DeviceStep bind_gemv(const std::shared_ptr<GemvLaunch>& launch, const GemvStage& stage, std::vector<int> matrices,
+                       std::optional<ValueId> output = std::nullopt) {
     KernelArguments arguments;
     for (int matrix : matrices) {
       if (weights.format.is_affine()) {
         arguments.add_pointer(repacked[static_cast<std::size_t>(matrix)].words);
         arguments.add_pointer(repacked[static_cast<std::size_t>(matrix)].scale_bias);
       } else {
-        arguments.add_pointer((*values)[value(dense_names[matrix])].address());
+        const std::size_t in_stage = stage.matrices.size() == 1 ? 0 : static_cast<std::size_t>(matrix);
+        arguments.add_pointer((*values)[stage.matrices[in_stage].weight].address());
       }
     }
-    arguments.add_pointer((*values)[value(input)].address());
-    for (const GemvEpilogue::TensorInput& tensor : launch->config.epilogue.tensor_inputs()) {
-      arguments.add_pointer((*values)[value(tensor.name)].address());
+    arguments.add_pointer((*values)[stage.input].address());
+    if (!output) {
+      for (ValueId tensor : stage.epilogue_tensors) arguments.add_pointer((*values)[tensor].address());
     }
-    arguments.add_pointer((*values)[value(output)].address());
+    arguments.add_pointer((*values)[output.value_or(stage.output)].address());
     return [gemv = launch, arguments](const CudaStream& stream) { gemv->loaded.launch(stream, arguments); };
   }
 
-  // Compiles every config in parallel (NVRTC needs no device), then loads them here.
+  // Compiles every config in parallel (load_gemvs), then keeps them loaded.
   std::vector<std::shared_ptr<GemvLaunch>> compile(const std::vector<GemvKernelConfig>& configs) {
+    std::vector<GemvKernelSource> kernels;
+    for (const GemvKernelConfig& config : configs) kernels.push_back(generate_gemv_kernel(config));
+    std::vector<LoadedGemv> loaded = load_gemvs(std::move(kernels));
     std::vector<std::shared_ptr<GemvLaunch>> result;
-    std::vector<std::future<CompiledProgram>> programs;
-    for (const GemvKernelConfig& config : configs) {
-      auto launch = std::make_shared<GemvLaunch>();
-      launch->config = config;
-      launch->loaded.kernel = generate_gemv_kernel(config);
-      result.push_back(launch);
-      programs.push_back(std::async(std::launch::async, [kernel = launch->loaded.kernel, architecture = device.info().architecture()] {
-        CompileOptions options;
-        options.architecture = architecture;
-        return compile_cuda_program(kernel.source, kernel.kernel_name, options);
-      }));
-    }
-    for (std::size_t i = 0; i < result.size(); ++i) {
-      result[i]->loaded = LoadedGemv::load(result[i]->loaded.kernel, programs[i].get());
-      launches.push_back(result[i]);
+    for (std::size_t i = 0; i < configs.size(); ++i) {
+      result.push_back(std::make_shared<GemvLaunch>(GemvLaunch{configs[i], std::move(loaded[i])}));
+      launches.push_back(result.back());
     }
     return result;
   }
 
-  GemvKernelConfig base_config(std::int64_t out_features, std::int64_t in_features, GemvEpilogue epilogue) const {
-    GemvKernelConfig config;
-    config.format = weights.format;
-    config.rows = rows;
-    config.out_features = out_features;
-    config.in_features = in_features;
-    config.epilogue = std::move(epilogue);
-    return config;
+  // The stage's launch shapes (gemv_stage_configs, as the lowerings race them).
+  std::vector<GemvKernelConfig> tuned(const GemvStage& stage) const {
+    return gemv_stage_configs(stage.base_config(), options.tuning_candidates, device.info().multiprocessor_count);
   }
-
-  std::vector<GemvKernelConfig> tuned(const GemvKernelConfig& base) const {
-    std::vector<GemvKernelConfig> configs = gemv_tuning_candidates(base, device.info().multiprocessor_count);
-    if (configs.size() > static_cast<std::size_t>(std::max(1, options.tuning_candidates))) {
-      configs.resize(static_cast<std::size_t>(std::max(1, options.tuning_candidates)));
-    }
-    return configs;
+  // The plain-store GEMV of the unfused path: the stage's first register shape without its epilogue.
+  std::vector<GemvKernelConfig> plain_store(const GemvStage& stage) const {
+    GemvKernelConfig base = stage.base_config();
+    base.epilogue = GemvEpilogue::store();
+    return {gemv_tuning_candidates(base, device.info().multiprocessor_count).front()};
   }
 
   static DecodeMlpCandidate described(const CandidateId& id, std::string kernel) {
@@ -196,12 +174,6 @@ struct DecodeMlpExecutor::State {
     const CandidateId id = CandidateId::native("unfused gemv");
     candidates.push_back({described(id, kernel), false, eager, eager, source});
     candidates.push_back({described(id.as_graph(), kernel + ", one CUDA graph"), false, as_graph(eager, stream), eager, source});
-  }
-
-  // The streamed mainloop's shapes for the same stage (gemv_streamed.cpp), after the register ones.
-  std::vector<GemvKernelConfig> streamed(GemvKernelConfig base) const {
-    base.mainloop = GemvMainloop::streamed;
-    return tuned(base);
   }
 
   void add_native(std::vector<StageCandidate>& candidates, const std::vector<std::string>& nodes) {
@@ -221,23 +193,17 @@ struct DecodeMlpExecutor::State {
   std::vector<StageCandidate> gate_up_candidates() {
     std::vector<StageCandidate> candidates;
     add_native(candidates, {"gate", "up", "activated", "hidden_state"});
-    std::vector<GemvKernelConfig> configs;
     // Unfused GEMV (affine): one plain-store GEMV per matrix, then the native elementwise ops.
     const bool unfused = weights.format.is_affine();
-    if (unfused) configs.push_back(tuned(base_config(weights.intermediate, weights.hidden, GemvEpilogue::store())).front());
-    for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
-      GemvKernelConfig base = base_config(weights.intermediate, weights.hidden, GemvEpilogue::swiglu());
-      base.schedule = schedule;
-      for (const GemvKernelConfig& config : tuned(base)) configs.push_back(config);
-    }
-    for (const GemvKernelConfig& config : streamed(base_config(weights.intermediate, weights.hidden, GemvEpilogue::swiglu()))) {
-      configs.push_back(config);
-    }
+    std::vector<GemvKernelConfig> configs;
+    if (unfused) configs = plain_store(gate_up_stage);
+    for (const GemvKernelConfig& config : tuned(gate_up_stage)) configs.push_back(config);
     const std::vector<std::shared_ptr<GemvLaunch>> compiled = compile(configs);
     std::size_t next = 0;
     if (unfused) {
       const auto& store = compiled[next++];
-      const DeviceStep eager = sequence({bind_gemv(store, {0}, "x", "gate"), bind_gemv(store, {1}, "x", "up"),
+      const DeviceStep eager = sequence({bind_gemv(store, gate_up_stage, {0}, value("gate")),
+                                         bind_gemv(store, gate_up_stage, {1}, value("up")),
                                          native.node_step(*graph, node("activated"), *values),
                                          native.node_step(*graph, node("hidden_state"), *values)});
       const std::string source = store->loaded.kernel.source + NativeRuntime::node_source(*graph, node("activated")) +
@@ -247,11 +213,8 @@ struct DecodeMlpExecutor::State {
     }
     for (; next < compiled.size(); ++next) {
       const auto& launch = compiled[next];
-      const DeviceStep step = bind_gemv(launch, {0, 1}, "x", "hidden_state");
-      const CandidateId id = CandidateId::fused(
-          launch->config.mainloop == GemvMainloop::streamed
-              ? shape_name(launch->config)
-              : fmt::format("{} {}", gated_schedule_name(launch->config.schedule), shape_name(launch->config)));
+      const DeviceStep step = bind_gemv(launch, gate_up_stage, {0, 1});
+      const CandidateId id = CandidateId::fused(gemv_shape_name(launch->config));
       candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source});
     }
     return candidates;
@@ -260,22 +223,15 @@ struct DecodeMlpExecutor::State {
   std::vector<StageCandidate> down_candidates() {
     std::vector<StageCandidate> candidates;
     add_native(candidates, {"down", "out"});
-    std::vector<GemvKernelConfig> configs;
     const bool unfused = weights.format.is_affine();
-    if (unfused) configs.push_back(tuned(base_config(weights.hidden, weights.intermediate, GemvEpilogue::store())).front());
-    for (const GemvKernelConfig& config :
-         tuned(base_config(weights.hidden, weights.intermediate, GemvEpilogue::residual_add("residual")))) {
-      configs.push_back(config);
-    }
-    for (const GemvKernelConfig& config :
-         streamed(base_config(weights.hidden, weights.intermediate, GemvEpilogue::residual_add("residual")))) {
-      configs.push_back(config);
-    }
+    std::vector<GemvKernelConfig> configs;
+    if (unfused) configs = plain_store(down_stage);
+    for (const GemvKernelConfig& config : tuned(down_stage)) configs.push_back(config);
     const std::vector<std::shared_ptr<GemvLaunch>> compiled = compile(configs);
     std::size_t next = 0;
     if (unfused) {
       const auto& store = compiled[next++];
-      const DeviceStep eager = sequence({bind_gemv(store, {2}, "hidden_state", "down"),
+      const DeviceStep eager = sequence({bind_gemv(store, down_stage, {2}, value("down")),
                                          native.node_step(*graph, node("out"), *values)});
       const std::string kernel = store->config.to_string() + ", add";
       const std::string source = store->loaded.kernel.source + NativeRuntime::node_source(*graph, node("out"));
@@ -283,8 +239,8 @@ struct DecodeMlpExecutor::State {
     }
     for (; next < compiled.size(); ++next) {
       const auto& launch = compiled[next];
-      const DeviceStep step = bind_gemv(launch, {2}, "hidden_state", "out");
-      const CandidateId id = CandidateId::fused(fmt::format("residual {}", shape_name(launch->config)));
+      const DeviceStep step = bind_gemv(launch, down_stage, {2});
+      const CandidateId id = CandidateId::fused(fmt::format("residual {}", gemv_shape_name(launch->config)));
       candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source});
     }
     return candidates;
@@ -371,6 +327,15 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
   s.weights.intermediate = weights.intermediate;
   s.graph = std::make_shared<const ComputeGraph>(weights.graph(rows));
   s.values = std::make_unique<DeviceValues>(*s.graph);
+  // The MLP is one swiglu_mlp region; its roles name the operands of both GEMV stages.
+  const FusionPlan plan = plan_graph_fusion(*s.graph);
+  const auto region = std::find_if(plan.regions.begin(), plan.regions.end(),
+                                   [](const FusionRegion& r) { return r.rule == "swiglu_mlp"; });
+  if (region == plan.regions.end()) throw std::logic_error("decode MLP: the planner found no swiglu_mlp region");
+  const GemvRegionPlan stages = plan_gemv_swiglu(*s.graph, *region);
+  if (!stages.decision) throw InputError("decode MLP: " + stages.decision.reason);
+  s.gate_up_stage = stages.stages[0];
+  s.down_stage = stages.stages[1];
 
   // Weights: the graph's inputs (read by the native path, and in place by dense GEMVs) and,
   // for affine matrices, the repacked copies the generated kernels read.

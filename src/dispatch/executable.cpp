@@ -126,7 +126,8 @@ Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion
 std::vector<RegionLowering> builtin_lowerings() {
   return {{"row kernel", row_region_candidates},
           {"contractions around a row kernel", contraction_row_candidates},
-          {"flash attention", flash_attention_candidates}};
+          {"flash attention", flash_attention_candidates},
+          {"gemv", gemv_region_candidates}};
 }
 
 // ---------------------------------------------------------------- executable
@@ -181,9 +182,11 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   report.rule = region.rule;
   for (NodeId id : region.nodes) report.nodes.push_back(graph.node(id).name);
   // Regions are numbered from 1, as `metile plan` prints them (FusionPlan::explain), so a report
-  // line and a plan line about the same region say the same R-number.
+  // line and a plan line about the same region say the same R-number. An unfused node offered as a
+  // region of its own (region_index -1) is named by its node.
   const std::string label =
-      fmt::format("region R{} ({})", region_index + 1, region.rule.empty() ? "region" : region.rule);
+      region_index >= 0 ? fmt::format("region R{} ({})", region_index + 1, region.rule.empty() ? "region" : region.rule)
+                        : fmt::format("node '{}' ({})", report.nodes.front(), region.rule);
   const DispatchPolicy policy{options.mode, boundary_headroom(region.nodes.size())};
   auto finish = [&](const CandidateId& chosen, const std::string& reason) {
     report.chosen_id = chosen;
@@ -221,8 +224,10 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     same.region = report.region;
     same.rule = report.rule;
     same.nodes = report.nodes;
-    same.sentence = fmt::format("{}: {} (as region R{}, same structure)", label,
-                                same.sentence.substr(same.sentence.find(": ") + 2), earlier->second.region + 1);
+    // "region R3 (...)" or "node 'q_proj' (contraction)": the label the earlier choice was made under.
+    const std::string& first = earlier->second.sentence;
+    same.sentence = fmt::format("{}: {} (as {}, same structure)", label, first.substr(first.find(": ") + 2),
+                                first.substr(0, first.find(": ")));
     return same;
   }
   auto remember = [&](RegionReport chosen) {
@@ -345,9 +350,8 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   std::vector<Unit> units;
   std::set<NodeId> covered;
   BuildMemo memo;
-  for (std::size_t r = 0; r < plan.regions.size(); ++r) {
-    const FusionRegion& region = plan.regions[r];
-    RegionReport report = choose_for_region(graph, region, static_cast<int>(r), device, options, *state->native,
+  auto add_region = [&](const FusionRegion& region, int region_index) {
+    RegionReport report = choose_for_region(graph, region, region_index, device, options, *state->native,
                                             cache ? &*cache : nullptr, memo);
     Unit unit;
     unit.nodes = region.nodes;
@@ -360,9 +364,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
         unit.steps.push_back(candidate.bind(*state->values));
         state->kernel_count += candidate.launches;
       }
-      if (unit.steps.empty()) {
-        throw std::runtime_error(fmt::format("region R{}: candidate '{}' vanished", r, report.chosen));
-      }
+      if (unit.steps.empty()) throw std::runtime_error(fmt::format("{}: candidate '{}' vanished", report.sentence, report.chosen));
     } else {
       std::vector<NodeId> nodes = region.nodes;
       std::sort(nodes.begin(), nodes.end());
@@ -372,9 +374,16 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
     covered.insert(region.nodes.begin(), region.nodes.end());
     units.push_back(std::move(unit));
     state->reports.push_back(std::move(report));
-  }
+  };
+  for (std::size_t r = 0; r < plan.regions.size(); ++r) add_region(plan.regions[r], static_cast<int>(r));
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
+    // An unfused matmul / quantized_matmul (q, k, v, the LM head) races its lowerings (the GEMV)
+    // against cuBLASLt like a region of its own.
+    if (options.mode != DispatchMode::native && is_gemv_contraction_op(node)) {
+      add_region(contraction_node_region(graph, node.id), -1);
+      continue;
+    }
     units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op});
     state->kernel_count += 1;
   }

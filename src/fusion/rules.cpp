@@ -67,7 +67,11 @@ FusionRule contraction_epilogue_rule() {
   FusionRule rule;
   rule.name = "contraction_epilogue";
   rule.description = "a contraction and elementwise ops applied to its output (residual add, activation, scale)";
-  rule.pattern = {entry("contraction", OpKind::contraction, {}, {})};
+  // matmul(a, b) and quantized_matmul(x, packed, ...) both take the activation first and the
+  // weight (or its packed codes) second; an add on the output binds its other operand as the
+  // "addend" (a residual [M, N] or a bias [N], told apart by shape by whoever reads it).
+  rule.pattern = {entry("contraction", OpKind::contraction, {}, {"$input", "$weight"})};
+  rule.epilogue_add_operand_role = "addend";
   rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 8};
   rule.materializes_escaping_values = true;
   return rule;

@@ -72,17 +72,8 @@ Problem make_problem(const GemvWeightFormat& format, std::int64_t n, std::int64_
 
 // Compiles every config (in parallel; NVRTC needs no device) and loads them.
 std::vector<LoadedGemv> compile_all(const std::vector<GemvKernelSource>& kernels, const CudaDevice& device) {
-  std::vector<std::future<CompiledProgram>> programs;
-  for (const GemvKernelSource& kernel : kernels) {
-    programs.push_back(std::async(std::launch::async, [&kernel, architecture = device.info().architecture()] {
-      CompileOptions options;
-      options.architecture = architecture;
-      return compile_cuda_program(kernel.source, kernel.kernel_name, options);
-    }));
-  }
-  std::vector<LoadedGemv> loaded;
-  for (std::size_t i = 0; i < kernels.size(); ++i) loaded.push_back(LoadedGemv::load(kernels[i], programs[i].get()));
-  return loaded;
+  device.make_current();
+  return load_gemvs(kernels);
 }
 
 // Runs one kernel on the problem's first `rows` rows and returns the scale-normalized error

@@ -3,6 +3,8 @@
 // must beat, and the fallback whenever a fused kernel is unsupported, wrong or slower.
 #include <fmt/core.h>
 
+#include <algorithm>
+
 #include "cuda_driver.h"
 #include "metile/cuda_runtime.h"
 #include "metile/discovery.h"
@@ -44,6 +46,7 @@ bool DeviceValues::shares_buffer(ValueId a, ValueId b) const {
 }
 
 void DeviceValues::upload_inputs(const TensorMap& inputs) {
+  std::vector<ValueId> uploaded;
   for (ValueId id : graph_->inputs()) {
     const Value& value = graph_->value(id);
     auto found = inputs.find(value.name);
@@ -56,7 +59,25 @@ void DeviceValues::upload_inputs(const TensorMap& inputs) {
                                    found->second.spec().to_string(), value.spec.to_string()));
     }
     tensors_.at(static_cast<std::size_t>(id)).buffer.upload(found->second);
+    uploaded.push_back(id);
   }
+  // Derived data follows the inputs just written, and only those (weights bound once stay derived once).
+  for (const Derived& derived : derived_) {
+    if (std::find_first_of(derived.inputs.begin(), derived.inputs.end(), uploaded.begin(), uploaded.end()) !=
+        derived.inputs.end()) {
+      derived.derive();
+    }
+  }
+}
+
+void DeviceValues::keep_derived(std::vector<ValueId> inputs, std::function<void()> derive) {
+  for (ValueId id : inputs) {
+    if (id < 0 || static_cast<std::size_t>(id) >= tensors_.size() || graph_->value(id).producer >= 0) {
+      throw std::logic_error("DeviceValues::keep_derived: derived data must come from graph inputs");
+    }
+  }
+  derive();
+  derived_.push_back({std::move(inputs), std::move(derive)});
 }
 
 TensorMap DeviceValues::download_outputs() const {

@@ -86,6 +86,9 @@ void write_cache_entry(const std::filesystem::path& path, std::string_view paylo
   if (error) std::filesystem::remove(temporary, error);
 }
 
+
+}  // namespace
+
 std::string current_device_architecture() {
   if (!cuda_driver::driver_unavailable_reason().empty()) return "sm_90";
   const auto& api = cuda_driver::driver();
@@ -101,8 +104,6 @@ std::string current_device_architecture() {
                      "cuDeviceGetAttribute(compute capability)");
   return fmt::format("sm_{}{}", major, minor);
 }
-
-}  // namespace
 
 std::string stable_hash_hex(std::string_view bytes) {
   return fmt::format("{:016x}{:016x}", hash64(bytes, 0), hash64(bytes, 0x9e3779b97f4a7c15ULL));

@@ -1,0 +1,54 @@
+// Loading and launching generated GEMVs: what every caller (the GEMV lowerings, the decode-MLP
+// executor, the GPU tests, the benchmark) needs beyond a plain launch, written once. A streamed
+// kernel asks for more than 48 KiB of dynamic shared memory (the limit is raised at load) and
+// reads a workspace of fp32 partials and per-tile counters, zeroed here once; each launch leaves
+// the counters at zero.
+#include <future>
+
+#include "metile/dispatch.h"
+
+namespace metile {
+
+LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& program) {
+  LoadedGemv loaded;
+  loaded.compiled = CompiledKernel::load(program);
+  if (kernel.dynamic_shared_bytes > 48 * 1024) {
+    loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.dynamic_shared_bytes));
+  }
+  if (kernel.workspace_bytes > 0) {
+    loaded.workspace = std::make_shared<DeviceBuffer>(static_cast<std::size_t>(kernel.workspace_bytes));
+    loaded.workspace->fill_bytes(0);
+  }
+  loaded.kernel = std::move(kernel);
+  return loaded;
+}
+
+void LoadedGemv::launch(const CudaStream& stream, KernelArguments arguments) const {
+  if (workspace) arguments.add_pointer(*workspace);
+  metile::launch(compiled, Dim3{kernel.grid_blocks, 1, 1}, Dim3{kernel.block_threads, 1, 1}, kernel.dynamic_shared_bytes,
+                 stream, arguments);
+}
+
+std::vector<CompiledProgram> compile_gemvs(const std::vector<GemvKernelSource>& kernels) {
+  // The compiling threads have no context of their own: the architecture comes from this one.
+  CompileOptions options;
+  options.architecture = current_device_architecture();
+  std::vector<std::future<CompiledProgram>> futures;
+  for (const GemvKernelSource& kernel : kernels) {
+    futures.push_back(std::async(std::launch::async, [&kernel, options] {
+      return compile_cuda_program(kernel.source, kernel.kernel_name, options);
+    }));
+  }
+  std::vector<CompiledProgram> programs;
+  for (auto& future : futures) programs.push_back(future.get());
+  return programs;
+}
+
+std::vector<LoadedGemv> load_gemvs(std::vector<GemvKernelSource> kernels) {
+  const std::vector<CompiledProgram> programs = compile_gemvs(kernels);
+  std::vector<LoadedGemv> loaded;
+  for (std::size_t i = 0; i < kernels.size(); ++i) loaded.push_back(LoadedGemv::load(std::move(kernels[i]), programs[i]));
+  return loaded;
+}
+
+}  // namespace metile

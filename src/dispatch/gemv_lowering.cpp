@@ -1,0 +1,531 @@
+// The GEMV lowerings (include/metile/dispatch.h, "GEMV lowerings"; docs/architecture.md,
+// "Lowering"): decode-time regions of the planner onto the generated GEMV kernels of gemv.h.
+//
+//   region                 launches                                   operands from roles
+//   swiglu_mlp             gate/up GEMV (two matrices share x) ─ h    input, gate_weight, up_weight,
+//                          down GEMV (its epilogue: the residual add)  down_weight
+//   contraction_epilogue   one GEMV, the region's elementwise ops as    input, weight
+//                          its epilogue (residual add, bias add, ...)
+//   contraction            one GEMV with a plain store                 input, weight
+//
+// Planning happens on the region graph (region_graph): every value the region reads from outside
+// is an input there, so GemvEpilogue::from_graph stops at the region's boundary and the kernel
+// applies exactly the region's ops, whether it was lowered for the gate (on the region graph) or
+// for the whole plan. Dense weights are read in place ([N, K], transpose_right); MLX affine weights
+// are repacked (repack_for_gemv) when a candidate is bound, once per weight and device values
+// (DeviceValues::keep_derived repeats it only when the weights are uploaded again).
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "metile/dispatch.h"
+#include "metile/quant.h"
+
+namespace metile {
+
+// ---------------------------------------------------------------- launch shapes
+std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family, int multiprocessors) {
+  const std::size_t keep = static_cast<std::size_t>(std::max(1, per_family));
+  std::vector<GemvKernelConfig> configs;
+  // A family the problem does not fit (its base fails validation) is left out; when every family
+  // is, the first one's error says why.
+  std::optional<InputError> first_error;
+  auto add_family = [&](const GemvKernelConfig& family_base) {
+    std::vector<GemvKernelConfig> family;
+    try {
+      family = gemv_tuning_candidates(family_base, multiprocessors);
+    } catch (const InputError& error) {
+      if (!first_error) first_error = error;
+      return;
+    }
+    if (family.size() > keep) family.resize(keep);
+    configs.insert(configs.end(), family.begin(), family.end());
+  };
+  GemvKernelConfig registers = base;
+  registers.mainloop = GemvMainloop::register_batches;
+  if (base.epilogue.product_count() == 2) {
+    for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
+      registers.schedule = schedule;
+      add_family(registers);
+    }
+  } else {
+    add_family(registers);
+  }
+  GemvKernelConfig streamed = base;
+  streamed.mainloop = GemvMainloop::streamed;
+  add_family(streamed);
+  if (configs.empty() && first_error) throw *first_error;
+  return configs;
+}
+
+std::string gemv_shape_name(const GemvKernelConfig& config) {
+  if (config.mainloop == GemvMainloop::streamed) {
+    return fmt::format("streamed w{} u{} s{} g{}x{}", config.warps_per_block, config.stage_iterations, config.stages,
+                       config.multiprocessors, config.blocks_per_multiprocessor);
+  }
+  const std::string shape = fmt::format("w{} t{} f{} {}", config.warps_per_block, config.tiles_per_block,
+                                        config.iterations_in_flight, config.double_buffered ? "db" : "batch");
+  if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
+  return shape;
+}
+
+GemvKernelConfig GemvStage::base_config() const {
+  GemvKernelConfig config;
+  config.format = matrices.front().format;
+  config.rows = rows;
+  config.out_features = matrices.front().out_features;
+  config.in_features = matrices.front().in_features;
+  config.epilogue = epilogue;
+  return config;
+}
+
+bool is_gemv_contraction_op(const Node& node) { return node.op == "matmul" || node.op == "quantized_matmul"; }
+
+FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node) {
+  FusionRegion region = region_of_nodes(graph, {node}, "contraction");
+  const Node& contraction = graph.node(node);
+  if (is_gemv_contraction_op(contraction) && contraction.inputs.size() >= 2) {
+    region.roles = {{"input", contraction.inputs[0]}, {"weight", contraction.inputs[1]}};
+  }
+  return region;
+}
+
+// ---------------------------------------------------------------- planning
+namespace {
+
+GemvRegionPlan refuse(std::string reason) { return {Decision::refuse(std::move(reason)), {}}; }
+
+std::string described(const ComputeGraph& graph, ValueId id) {
+  return fmt::format("'{}' {}", graph.value(id).name, graph.value(id).spec.to_string());
+}
+
+// The weight matrix of one contraction node and its activation rows, or why the GEMV cannot read it.
+Decision gemv_matrix(const ComputeGraph& graph, const Node& node, GemvMatrix& matrix, std::int64_t& rows) {
+  if (!is_gemv_contraction_op(node)) {
+    return Decision::refuse(fmt::format("node '{}' is {}, not a matmul or quantized_matmul", node.name, node.op));
+  }
+  const TensorSpec& x = graph.value(node.inputs[0]).spec;
+  if (x.dtype != DType::f16 && x.dtype != DType::bf16) {
+    return Decision::refuse(fmt::format("node '{}' multiplies {} activations: the GEMV kernels read f16 or bf16",
+                                        node.name, dtype_name(x.dtype)));
+  }
+  const std::int64_t k = x.row_length();
+  rows = x.row_count();
+  if (rows < 1 || rows > 16) {
+    return Decision::refuse(fmt::format("node '{}' has M = {} activation rows: the GEMV kernels take 1..16 (decode)",
+                                        node.name, rows));
+  }
+  matrix.in_features = k;
+  matrix.weight = node.inputs[1];
+  const TensorSpec& weight = graph.value(matrix.weight).spec;
+  if (node.op == "matmul") {
+    if (weight.rank() != 2) {
+      return Decision::refuse(fmt::format("node '{}': the weight {} is batched; the GEMV reads one [N, K] matrix",
+                                          node.name, described(graph, matrix.weight)));
+    }
+    if (!node.attributes.has("transpose_right") || node.attributes.get_int("transpose_right") != 1) {
+      return Decision::refuse(fmt::format("node '{}': the weight {} is [K, N] (no transpose_right); the GEMV reads "
+                                          "[N, K] rows in place",
+                                          node.name, described(graph, matrix.weight)));
+    }
+    if (k % 8 != 0) {
+      return Decision::refuse(fmt::format("node '{}': K = {} is not a multiple of 8 (16-byte weight rows)", node.name, k));
+    }
+    matrix.format = GemvWeightFormat::dense(x.dtype);
+    matrix.out_features = weight.shape[0];
+    return Decision::allow();
+  }
+  const int bits = static_cast<int>(node.attributes.get_int("bits"));
+  const int group_size = static_cast<int>(node.attributes.get_int("group_size"));
+  matrix.format = GemvWeightFormat::affine(bits, group_size, x.dtype);
+  matrix.out_features = weight.shape[0];
+  matrix.scales = node.inputs[2];
+  matrix.biases = node.inputs[3];
+  // The repacked copy is made from the weights when a candidate is bound: they must be inputs of
+  // the graph (checkpoint tensors), not values a step computes.
+  for (ValueId id : {matrix.weight, matrix.scales, matrix.biases}) {
+    if (graph.value(id).producer >= 0) {
+      return Decision::refuse(fmt::format("node '{}': the quantized weight '{}' is computed in the graph; the GEMV "
+                                          "reads a copy repacked once",
+                                          node.name, graph.value(id).name));
+    }
+  }
+  return Decision::allow();
+}
+
+// A region cut out as a graph of its own; plans are made here and mapped back to `graph`.
+// `canonical` is the same graph with its inputs named in0, in1, ... (in input order): epilogues
+// are built there, so a kernel's text and name do not depend on value names, and the same region
+// in every layer of a model is one kernel, compiled once.
+struct RegionView {
+  ComputeGraph sub;
+  FusionRegion region;
+  ComputeGraph canonical;
+};
+
+RegionView view_of(const ComputeGraph& graph, const FusionRegion& region) {
+  RegionView view{region_graph(graph, region), {}, {}};
+  view.region = region_in_region_graph(graph, region, view.sub);
+  GraphBuilder builder;
+  std::map<ValueId, ValueRef> mapped;
+  for (std::size_t i = 0; i < view.sub.inputs().size(); ++i) {
+    const ValueId input = view.sub.inputs()[i];
+    mapped[input] = builder.input(fmt::format("in{}", i), view.sub.value(input).spec);
+  }
+  for (const Node& node : view.sub.nodes()) {
+    std::vector<ValueRef> inputs;
+    for (ValueId input : node.inputs) inputs.push_back(mapped.at(input));
+    const std::vector<ValueRef> outputs = builder.add_node(node.op, inputs, node.attributes, node.name);
+    for (std::size_t i = 0; i < outputs.size(); ++i) mapped[node.outputs[i]] = outputs[i];
+  }
+  std::vector<ValueRef> outputs;
+  for (ValueId output : view.sub.outputs()) outputs.push_back(mapped.at(output));
+  view.canonical = builder.build(outputs);
+  return view;
+}
+
+// A value of the region graph in the canonical one, and back: inputs by position, computed
+// values by name (node names are kept).
+ValueId to_canonical(const RegionView& view, ValueId id) {
+  const auto& inputs = view.sub.inputs();
+  const auto found = std::find(inputs.begin(), inputs.end(), id);
+  if (found != inputs.end()) return view.canonical.inputs()[static_cast<std::size_t>(found - inputs.begin())];
+  return *view.canonical.find_value(view.sub.value(id).name);
+}
+ValueId from_canonical(const RegionView& view, ValueId id) {
+  const auto& inputs = view.canonical.inputs();
+  const auto found = std::find(inputs.begin(), inputs.end(), id);
+  if (found != inputs.end()) return view.sub.inputs()[static_cast<std::size_t>(found - inputs.begin())];
+  return *view.sub.find_value(view.canonical.value(id).name);
+}
+
+ValueId in_graph(const ComputeGraph& graph, const ComputeGraph& sub, ValueId id) {
+  return *graph.find_value(sub.value(id).name);
+}
+
+// The contraction nodes of the region graph, in topological order.
+std::vector<NodeId> contractions(const RegionView& view) {
+  std::vector<NodeId> found;
+  for (NodeId id : view.region.nodes) {
+    if (view.sub.node(id).kind == OpKind::contraction) found.push_back(id);
+  }
+  return found;
+}
+
+// The epilogue from `output` back to `accumulators` (region-graph ids), built on the canonical
+// graph, or the reason from_graph gave.
+Decision epilogue_of(const RegionView& view, ValueId output, std::vector<ValueId> accumulators, GemvStage& stage,
+                     std::string_view what) {
+  std::vector<ValueId> canonical_accumulators;
+  for (ValueId id : accumulators) canonical_accumulators.push_back(to_canonical(view, id));
+  try {
+    stage.epilogue = GemvEpilogue::from_graph(view.canonical, to_canonical(view, output), canonical_accumulators);
+  } catch (const InputError& error) {
+    return Decision::refuse(fmt::format("{}: {}", what, error.what()));
+  }
+  if (stage.epilogue.product_count() != static_cast<int>(accumulators.size())) {
+    return Decision::refuse(fmt::format("{}: the epilogue {} does not read all {} products", what,
+                                        stage.epilogue.to_string(), accumulators.size()));
+  }
+  for (const GemvEpilogue::TensorInput& tensor : stage.epilogue.tensor_inputs()) {
+    stage.epilogue_tensors.push_back(from_canonical(view, *view.canonical.find_value(tensor.name)));
+  }
+  stage.output = output;
+  return Decision::allow();
+}
+
+// The stages' value ids, from the region graph's to the graph's.
+GemvRegionPlan mapped_to(const ComputeGraph& graph, const ComputeGraph& sub, std::vector<GemvStage> stages) {
+  auto map = [&](ValueId& id) {
+    if (id >= 0) id = in_graph(graph, sub, id);
+  };
+  for (GemvStage& stage : stages) {
+    for (GemvMatrix& matrix : stage.matrices) {
+      map(matrix.weight);
+      map(matrix.scales);
+      map(matrix.biases);
+    }
+    map(stage.input);
+    map(stage.output);
+    for (ValueId& id : stage.epilogue_tensors) map(id);
+  }
+  return {Decision::allow(), std::move(stages)};
+}
+
+std::optional<std::string> missing_role(const FusionRegion& region, std::initializer_list<std::string_view> roles) {
+  for (std::string_view role : roles) {
+    if (!region.role(role)) return fmt::format("the region has no role '{}' (its pattern bound none)", role);
+  }
+  return std::nullopt;
+}
+
+// The one contraction reading `input` with the weight `weight`.
+std::optional<NodeId> contraction_reading(const RegionView& view, ValueId input, ValueId weight) {
+  for (NodeId id : contractions(view)) {
+    const Node& node = view.sub.node(id);
+    if (node.inputs.size() >= 2 && node.inputs[0] == input && node.inputs[1] == weight) return id;
+  }
+  return std::nullopt;
+}
+
+// Every epilogue tensor must be read from outside the region (or be `written`, a value an
+// earlier launch writes): a value computed inside the region and not written by a launch
+// would not exist.
+Decision tensors_exist(const ComputeGraph& sub, const GemvStage& stage, ValueId written, std::string_view what) {
+  for (ValueId id : stage.epilogue_tensors) {
+    if (sub.value(id).producer >= 0 && id != written) {
+      return Decision::refuse(fmt::format("{}: the epilogue reads '{}', computed inside the region by no GEMV",
+                                          what, sub.value(id).name));
+    }
+  }
+  return Decision::allow();
+}
+
+}  // namespace
+
+GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule != "swiglu_mlp") return refuse(fmt::format("not a swiglu_mlp region (rule '{}')", region.rule));
+  if (auto missing = missing_role(region, {"input", "gate_weight", "up_weight", "down_weight"})) return refuse(*missing);
+  const RegionView view = view_of(graph, region);
+  const ComputeGraph& sub = view.sub;
+  const ValueId input = *view.region.role("input");
+  if (contractions(view).size() != 3) {
+    return refuse(fmt::format("{} contractions: the SwiGLU GEMVs compute gate, up and down", contractions(view).size()));
+  }
+  const std::optional<NodeId> gate = contraction_reading(view, input, *view.region.role("gate_weight"));
+  const std::optional<NodeId> up = contraction_reading(view, input, *view.region.role("up_weight"));
+  if (!gate || !up || *gate == *up) return refuse("no two contractions read the input with the gate and up weights");
+  const ValueId down_weight = *view.region.role("down_weight");
+  std::optional<NodeId> down;
+  for (NodeId id : contractions(view)) {
+    if (id != *gate && id != *up && sub.node(id).inputs.size() >= 2 && sub.node(id).inputs[1] == down_weight) down = id;
+  }
+  if (!down) return refuse("no contraction reads the down weight");
+
+  GemvStage gate_up;
+  GemvMatrix gate_matrix, up_matrix, down_matrix;
+  std::int64_t down_rows = 0;
+  std::int64_t up_rows = 0;
+  for (auto [node, matrix, rows] : {std::tuple{*gate, &gate_matrix, &gate_up.rows}, std::tuple{*up, &up_matrix, &up_rows},
+                                    std::tuple{*down, &down_matrix, &down_rows}}) {
+    Decision decision = gemv_matrix(sub, sub.node(node), *matrix, *rows);
+    if (!decision) return {std::move(decision), {}};
+  }
+  if (gate_matrix.format != up_matrix.format || gate_matrix.out_features != up_matrix.out_features) {
+    return refuse(fmt::format("gate ({}, N = {}) and up ({}, N = {}) differ: one GEMV reads both",
+                              gate_matrix.format.to_string(), gate_matrix.out_features, up_matrix.format.to_string(),
+                              up_matrix.out_features));
+  }
+  gate_up.matrices = {gate_matrix, up_matrix};
+  gate_up.input = input;
+  const ValueId hidden = sub.node(*down).inputs[0];
+  Decision decision = epilogue_of(view, hidden, {sub.node(*gate).outputs[0], sub.node(*up).outputs[0]}, gate_up,
+                                  "the gate/up epilogue");
+  if (!decision) return {std::move(decision), {}};
+  if (decision = tensors_exist(sub, gate_up, -1, "the gate/up epilogue"); !decision) return {std::move(decision), {}};
+
+  // The down GEMV writes the one value the region leaves besides h.
+  std::vector<ValueId> finals;
+  for (ValueId output : view.region.outputs) {
+    if (output != hidden) finals.push_back(output);
+  }
+  if (finals.size() != 1) {
+    return refuse(fmt::format("the region writes {} values after the down projection; its GEMV writes one",
+                              finals.size()));
+  }
+  GemvStage down_stage;
+  down_stage.matrices = {down_matrix};
+  down_stage.input = hidden;
+  down_stage.rows = down_rows;
+  decision = epilogue_of(view, finals.front(), {sub.node(*down).outputs[0]}, down_stage, "the down epilogue");
+  if (!decision) return {std::move(decision), {}};
+  if (decision = tensors_exist(sub, down_stage, hidden, "the down epilogue"); !decision) return {std::move(decision), {}};
+  return mapped_to(graph, sub, {std::move(gate_up), std::move(down_stage)});
+}
+
+GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule != "contraction_epilogue" && region.rule != "contraction") {
+    return refuse(fmt::format("not a contraction region (rule '{}')", region.rule));
+  }
+  if (auto missing = missing_role(region, {"input", "weight"})) return refuse(*missing);
+  const RegionView view = view_of(graph, region);
+  const ComputeGraph& sub = view.sub;
+  if (contractions(view).size() != 1) {
+    return refuse(fmt::format("{} contractions: one GEMV computes one", contractions(view).size()));
+  }
+  const std::optional<NodeId> node =
+      contraction_reading(view, *view.region.role("input"), *view.region.role("weight"));
+  if (!node) return refuse("the contraction does not read the input and weight roles");
+  GemvStage stage;
+  GemvMatrix matrix;
+  Decision decision = gemv_matrix(sub, sub.node(*node), matrix, stage.rows);
+  if (!decision) return {std::move(decision), {}};
+  stage.matrices = {matrix};
+  stage.input = *view.region.role("input");
+  if (view.region.outputs.size() != 1) {
+    return refuse(fmt::format("the region writes {} values; one GEMV writes one", view.region.outputs.size()));
+  }
+  decision = epilogue_of(view, view.region.outputs.front(), {sub.node(*node).outputs[0]}, stage, "the epilogue");
+  if (!decision) return {std::move(decision), {}};
+  if (decision = tensors_exist(sub, stage, -1, "the epilogue"); !decision) return {std::move(decision), {}};
+  return mapped_to(graph, sub, {std::move(stage)});
+}
+
+GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule == "swiglu_mlp") return plan_gemv_swiglu(graph, region);
+  if (region.rule == "contraction_epilogue" || region.rule == "contraction") return plan_gemv_contraction(graph, region);
+  return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue and contraction regions, not {}",
+                            region.rule.empty() ? std::string("an unnamed region") : "'" + region.rule + "'"));
+}
+
+// ---------------------------------------------------------------- candidates
+namespace {
+
+// Device copies of one affine matrix in the repacked layout.
+struct RepackedOnDevice {
+  DeviceBuffer words;
+  DeviceBuffer scale_bias;
+};
+
+// The kernels of one lowering, compiled together (in parallel) on the first bind and loaded as
+// candidates need them, and the repacked weights per device values, shared by every candidate.
+struct GemvKernelPool {
+  std::vector<GemvKernelSource> kernels;
+  std::mutex mutex;
+  std::vector<CompiledProgram> programs;
+  std::vector<std::shared_ptr<LoadedGemv>> loaded;
+  std::map<std::pair<const DeviceValues*, ValueId>, std::shared_ptr<RepackedOnDevice>> repacked;
+
+  std::shared_ptr<LoadedGemv> kernel(std::size_t index) {
+    std::lock_guard lock(mutex);
+    if (programs.empty()) {
+      programs = compile_gemvs(kernels);
+      loaded.resize(kernels.size());
+    }
+    if (!loaded[index]) loaded[index] = std::make_shared<LoadedGemv>(LoadedGemv::load(kernels[index], programs[index]));
+    return loaded[index];
+  }
+
+  // The matrix's repacked copy on `values`' device, made once and kept current.
+  std::shared_ptr<RepackedOnDevice> repacked_matrix(DeviceValues& values, const GemvMatrix& matrix) {
+    std::lock_guard lock(mutex);
+    auto& slot = repacked[{&values, matrix.weight}];
+    if (slot) return slot;
+    slot = std::make_shared<RepackedOnDevice>();
+    values.keep_derived({matrix.weight, matrix.scales, matrix.biases}, [&values, matrix, device = slot] {
+      const QuantizedMatrix host = QuantizedMatrix::from_tensors(
+          matrix.format.quantization(), values[matrix.weight].to_host(), values[matrix.scales].to_host(),
+          values[matrix.biases].to_host());
+      const RepackedAffineMatrix packed = repack_for_gemv(host);
+      if (device->words.empty()) {
+        device->words = DeviceBuffer::from_vector<std::uint32_t>(packed.words);
+        device->scale_bias = DeviceBuffer::from_vector<std::uint16_t>(packed.scale_bias);
+      } else {
+        device->words.copy_from_host(std::as_bytes(std::span(packed.words)));
+        device->scale_bias.copy_from_host(std::as_bytes(std::span(packed.scale_bias)));
+      }
+    });
+    return slot;
+  }
+};
+
+Lowered candidates_of(const GemvRegionPlan& plan) {
+  if (!plan.decision) return {plan.decision, {}};
+  auto pool = std::make_shared<GemvKernelPool>();
+  // Per stage: the configs and their kernels' indices in the pool.
+  std::vector<std::vector<GemvKernelConfig>> configs;
+  std::vector<std::vector<std::size_t>> kernel_index;
+  for (const GemvStage& stage : plan.stages) {
+    std::vector<GemvKernelConfig> stage_configs;
+    try {
+      stage_configs = gemv_stage_configs(stage.base_config(), gemv_lowering_shapes_per_family);
+    } catch (const InputError& error) {
+      return {Decision::refuse(fmt::format("no GEMV for {}: {}", stage.base_config().to_string(), error.what())), {}};
+    }
+    std::vector<std::size_t> indices;
+    for (const GemvKernelConfig& config : stage_configs) {
+      indices.push_back(pool->kernels.size());
+      pool->kernels.push_back(generate_gemv_kernel(config));
+    }
+    configs.push_back(std::move(stage_configs));
+    kernel_index.push_back(std::move(indices));
+  }
+  auto stages = std::make_shared<const std::vector<GemvStage>>(plan.stages);
+
+  // Every combination of one shape per stage (first stage slowest-varying).
+  std::vector<std::vector<std::size_t>> choices = {{}};
+  for (const auto& stage_configs : configs) {
+    std::vector<std::vector<std::size_t>> extended;
+    for (const auto& prefix : choices) {
+      for (std::size_t i = 0; i < stage_configs.size(); ++i) {
+        extended.push_back(prefix);
+        extended.back().push_back(i);
+      }
+    }
+    choices = std::move(extended);
+  }
+  std::vector<FusedCandidate> candidates;
+  for (const std::vector<std::size_t>& choice : choices) {
+    FusedCandidate candidate;
+    std::string variant = "gemv";
+    std::vector<std::size_t> kernels;
+    for (std::size_t s = 0; s < choice.size(); ++s) {
+      const GemvKernelConfig& config = configs[s][choice[s]];
+      variant += (s == 0 ? " " : " + ") + gemv_shape_name(config);
+      kernels.push_back(kernel_index[s][choice[s]]);
+      candidate.source += pool->kernels[kernel_index[s][choice[s]]].source;
+      candidate.summary += (s == 0 ? "" : "; ") + config.to_string();
+    }
+    candidate.id = CandidateId::fused(variant);
+    candidate.launches = static_cast<int>(choice.size());
+    candidate.bind = [pool, stages, kernels](DeviceValues& values) {
+      struct Launch {
+        std::shared_ptr<LoadedGemv> gemv;
+        KernelArguments arguments;
+      };
+      std::vector<Launch> launches;
+      std::vector<std::shared_ptr<RepackedOnDevice>> repacked;
+      for (std::size_t s = 0; s < stages->size(); ++s) {
+        const GemvStage& stage = (*stages)[s];
+        Launch launch{pool->kernel(kernels[s]), {}};
+        for (const GemvMatrix& matrix : stage.matrices) {
+          if (matrix.format.is_affine()) {
+            repacked.push_back(pool->repacked_matrix(values, matrix));
+            launch.arguments.add_pointer(repacked.back()->words);
+            launch.arguments.add_pointer(repacked.back()->scale_bias);
+          } else {
+            launch.arguments.add_pointer(values[matrix.weight].address());
+          }
+        }
+        launch.arguments.add_pointer(values[stage.input].address());
+        for (ValueId tensor : stage.epilogue_tensors) launch.arguments.add_pointer(values[tensor].address());
+        launch.arguments.add_pointer(values[stage.output].address());
+        launches.push_back(std::move(launch));
+      }
+      return DeviceStep([launches = std::move(launches), repacked = std::move(repacked)](const CudaStream& stream) {
+        for (const Launch& launch : launches) launch.gemv->launch(stream, launch.arguments);
+      });
+    };
+    candidates.push_back(std::move(candidate));
+  }
+  return {Decision::allow(), std::move(candidates)};
+}
+
+}  // namespace
+
+Lowered gemv_swiglu_candidates(const ComputeGraph& graph, const FusionRegion& region) {
+  return candidates_of(plan_gemv_swiglu(graph, region));
+}
+
+Lowered gemv_contraction_candidates(const ComputeGraph& graph, const FusionRegion& region) {
+  return candidates_of(plan_gemv_contraction(graph, region));
+}
+
+Lowered gemv_region_candidates(const ComputeGraph& graph, const FusionRegion& region) {
+  return candidates_of(plan_gemv_region(graph, region));
+}
+
+}  // namespace metile

@@ -1,0 +1,308 @@
+// The GEMV lowerings without a GPU (src/dispatch/gemv_lowering.cpp): which regions each accepts and
+// why it refuses the others, that operands come from the regions' roles (the test graphs' value
+// names say nothing about roles, and the multiply and the residual add come either way round),
+// the M = 1..16 limit, and NVRTC compiles (sm_90) of the kernels each lowering generates.
+#include <gtest/gtest.h>
+
+#include <fmt/core.h>
+
+#include <future>
+
+#include "gemv_region_graphs.h"
+#include "metile/decode_mlp.h"
+#include "metile/dispatch.h"
+#include "metile_test_support.h"
+
+namespace metile {
+namespace {
+
+using testing::LinearFormat;
+
+const FusionRegion* region_of_rule(const FusionPlan& plan, std::string_view rule) {
+  for (const FusionRegion& region : plan.regions) {
+    if (region.rule == rule) return &region;
+  }
+  return nullptr;
+}
+
+std::string value_name(const ComputeGraph& graph, ValueId id) { return id < 0 ? "-" : graph.value(id).name; }
+
+// The epilogue evaluated on a few products, against the formula it must compute.
+void expect_epilogue(const GemvEpilogue& epilogue, const std::function<double(double, double, double)>& formula,
+                     const std::string& where) {
+  for (auto [a, b, t] : {std::tuple{0.5, -1.25, 2.0}, std::tuple{-3.0, 0.75, -0.5}, std::tuple{1.5, 2.0, 0.0}}) {
+    const double accumulators[] = {a, b};
+    const double tensors[] = {t};
+    EXPECT_NEAR(epilogue.evaluate(std::span(accumulators, epilogue.product_count()),
+                                  std::span(tensors, epilogue.tensor_inputs().size())),
+                formula(a, b, t), 1e-12)
+        << where << ": " << epilogue.to_string();
+  }
+}
+
+double silu(double x) { return x / (1 + std::exp(-x)); }
+
+TEST(GemvLowering, SwigluReadsItsOperandsFromTheRegionsRoles) {
+  for (int bits : {16, 4, 8}) {
+    for (bool swapped : {false, true}) {
+      for (std::int64_t rows : {1, 5, 16}) {
+        const std::string where = fmt::format("bits {} swapped {} M {}", bits, swapped, rows);
+        const ComputeGraph graph = testing::swiglu_test_graph(rows, 192, 320, {bits, 64, DType::bf16}, swapped);
+        const FusionPlan plan = plan_graph_fusion(graph);
+        const FusionRegion* region = region_of_rule(plan, "swiglu_mlp");
+        ASSERT_NE(region, nullptr) << plan.explain();
+        const GemvRegionPlan lowered = plan_gemv_swiglu(*plan.graph, *region);
+        ASSERT_TRUE(lowered.decision) << where << ": " << lowered.decision.reason;
+        ASSERT_EQ(lowered.stages.size(), 2u);
+        const GemvStage& gate_up = lowered.stages[0];
+        const GemvStage& down = lowered.stages[1];
+        // p1 is the gate (it goes through silu), p0 the up projection, p2 down: by role, not by name.
+        EXPECT_EQ(gate_up.matrices[0].weight, *region->role("gate_weight")) << where;
+        EXPECT_EQ(gate_up.matrices[1].weight, *region->role("up_weight")) << where;
+        EXPECT_EQ(down.matrices[0].weight, *region->role("down_weight")) << where;
+        const std::string suffix = bits == 16 ? ".w" : ".q";
+        EXPECT_EQ(value_name(graph, gate_up.matrices[0].weight), "p1" + suffix);
+        EXPECT_EQ(value_name(graph, gate_up.matrices[1].weight), "p0" + suffix);
+        EXPECT_EQ(value_name(graph, down.matrices[0].weight), "p2" + suffix);
+        if (bits != 16) {
+          EXPECT_EQ(value_name(graph, gate_up.matrices[0].scales), "p1.s");
+          EXPECT_EQ(value_name(graph, down.matrices[0].biases), "p2.b");
+        }
+        EXPECT_EQ(gate_up.input, *region->role("input"));
+        EXPECT_EQ(value_name(graph, gate_up.output), "n1");
+        EXPECT_EQ(down.input, gate_up.output);
+        EXPECT_EQ(value_name(graph, down.output), "n2");
+        EXPECT_EQ(gate_up.rows, rows);
+        EXPECT_EQ(down.rows, rows);
+        EXPECT_EQ(gate_up.matrices[0].format, bits == 16 ? GemvWeightFormat::dense(DType::bf16)
+                                                         : GemvWeightFormat::affine(bits, 64, DType::bf16));
+        EXPECT_EQ(gate_up.matrices[0].out_features, 320);
+        EXPECT_EQ(gate_up.matrices[0].in_features, 192);
+        EXPECT_EQ(down.matrices[0].out_features, 192);
+        EXPECT_EQ(down.matrices[0].in_features, 320);
+        expect_epilogue(gate_up.epilogue, [](double g, double u, double) { return silu(g) * u; }, where);
+        ASSERT_EQ(down.epilogue_tensors.size(), 1u);
+        EXPECT_EQ(down.epilogue_tensors[0], *region->role("residual"));
+        expect_epilogue(down.epilogue, [](double d, double, double r) { return d + r; }, where);
+      }
+    }
+  }
+}
+
+// The decode-MLP executor plans its graph the same way (decode_mlp_executor.cpp): one swiglu_mlp
+// region whose stages read x, the three weights and the residual by role.
+TEST(GemvLowering, TheDecodeMlpGraphPlansToTwoStages) {
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::f16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
+    const DecodeMlpWeights weights = DecodeMlpWeights::random(format, 128, 256, 1);
+    const ComputeGraph graph = weights.graph(3);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    const FusionRegion* region = region_of_rule(plan, "swiglu_mlp");
+    ASSERT_NE(region, nullptr) << plan.explain();
+    const GemvRegionPlan stages = plan_gemv_swiglu(*plan.graph, *region);
+    ASSERT_TRUE(stages.decision) << stages.decision.reason;
+    EXPECT_EQ(value_name(graph, stages.stages[0].input), "x");
+    EXPECT_EQ(value_name(graph, stages.stages[0].output), "hidden_state");
+    EXPECT_EQ(value_name(graph, stages.stages[1].output), "out");
+    EXPECT_EQ(stages.stages[0].matrices[0].format, format);
+    ASSERT_EQ(stages.stages[1].epilogue_tensors.size(), 1u);
+    EXPECT_EQ(value_name(graph, stages.stages[1].epilogue_tensors[0]), "residual");
+  }
+}
+
+TEST(GemvLowering, SwigluRefusesWithTheReason) {
+  const LinearFormat dense{16, 64, DType::bf16};
+  auto reason = [](const ComputeGraph& graph, const std::function<void(FusionRegion&)>& edit = {}) {
+    const FusionPlan plan = plan_graph_fusion(graph);
+    const FusionRegion* found = region_of_rule(plan, "swiglu_mlp");
+    if (found == nullptr) return std::string("(no swiglu_mlp region)");
+    FusionRegion region = *found;
+    if (edit) edit(region);
+    const Lowered lowered = gemv_swiglu_candidates(*plan.graph, region);
+    EXPECT_EQ(lowered.decision.ok, !lowered.candidates.empty());
+    return lowered.decision.ok ? std::string("(accepted)") : lowered.decision.reason;
+  };
+  EXPECT_EQ(reason(testing::swiglu_test_graph(17, 64, 128, dense)),
+            "node 'p1' has M = 17 activation rows: the GEMV kernels take 1..16 (decode)");
+  EXPECT_EQ(reason(testing::swiglu_test_graph(16, 64, 128, dense)), "(accepted)");
+  EXPECT_EQ(reason(testing::swiglu_test_graph(4, 64, 128, {16, 64, DType::f32})),
+            "node 'p1' multiplies f32 activations: the GEMV kernels read f16 or bf16");
+  EXPECT_EQ(reason(testing::swiglu_test_graph(4, 64, 128, dense),
+                   [](FusionRegion& region) {
+                     std::erase_if(region.roles, [](const RegionRole& role) { return role.role == "up_weight"; });
+                   }),
+            "the region has no role 'up_weight' (its pattern bound none)");
+  EXPECT_EQ(reason(testing::swiglu_test_graph(4, 64, 128, dense),
+                   [](FusionRegion& region) { region.rule = "contraction_epilogue"; }),
+            "not a swiglu_mlp region (rule 'contraction_epilogue')");
+
+  // Weights stored [K, N] (no transpose_right): the GEMV reads [N, K] rows in place.
+  GraphBuilder builder;
+  const ValueRef x = builder.input("a", TensorSpec({2, 64}, DType::f16));
+  const ValueRef g = builder.matmul(x, builder.input("g", TensorSpec({64, 128}, DType::f16)), false, "gate");
+  const ValueRef u = builder.matmul(x, builder.input("u", TensorSpec({64, 128}, DType::f16)), false, "up");
+  const ValueRef h = builder.multiply(builder.silu(g, "s"), u, "h");
+  const ValueRef d = builder.matmul(h, builder.input("d", TensorSpec({128, 64}, DType::f16)), false, "down");
+  EXPECT_EQ(reason(builder.build({d})),
+            "node 'gate': the weight 'g' f16[64, 128] is [K, N] (no transpose_right); the GEMV reads [N, K] rows in "
+            "place");
+}
+
+TEST(GemvLowering, ContractionEpilogueTakesResidualOrBiasAndUnfusedNodesTakeAStore) {
+  for (int bits : {16, 4, 8}) {
+    const LinearFormat format{bits, 64, DType::bf16};
+    for (const std::string epilogue : {"residual", "bias"}) {
+      const std::string where = fmt::format("bits {} {}", bits, epilogue);
+      const ComputeGraph graph = testing::projection_test_graph(5, 100, 320, format, epilogue);
+      const FusionPlan plan = plan_graph_fusion(graph);
+      const FusionRegion* region = region_of_rule(plan, "contraction_epilogue");
+      ASSERT_NE(region, nullptr) << where << "\n" << plan.explain();
+      // The rule binds input, weight and the add's other operand.
+      EXPECT_EQ(value_name(graph, *region->role("input")), "a");
+      EXPECT_EQ(value_name(graph, *region->role("weight")), bits == 16 ? "p0.w" : "p0.q");
+      EXPECT_EQ(value_name(graph, *region->role("addend")), epilogue == "residual" ? "r" : "c");
+      const GemvRegionPlan lowered = plan_gemv_contraction(*plan.graph, *region);
+      ASSERT_TRUE(lowered.decision) << where << ": " << lowered.decision.reason;
+      ASSERT_EQ(lowered.stages.size(), 1u);
+      const GemvStage& stage = lowered.stages[0];
+      EXPECT_EQ(stage.rows, 5);
+      EXPECT_EQ(stage.matrices[0].out_features, 100);
+      ASSERT_EQ(stage.epilogue_tensors.size(), 1u);
+      EXPECT_EQ(stage.epilogue_tensors[0], *region->role("addend"));
+      EXPECT_EQ(stage.epilogue.tensor_inputs()[0].broadcast_rows, epilogue == "bias") << where;
+      expect_epilogue(stage.epilogue, [](double y, double, double t) { return y + t; }, where);
+    }
+    // A projection alone stays unfused in the plan; the Executable offers it as a one-node region.
+    const ComputeGraph graph = testing::projection_test_graph(1, 130, 256, format, "none");
+    const FusionPlan plan = plan_graph_fusion(graph);
+    ASSERT_EQ(plan.unfused.size(), 1u);
+    const FusionRegion region = contraction_node_region(*plan.graph, plan.unfused[0]);
+    EXPECT_EQ(region.rule, "contraction");
+    const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, region);
+    ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+    EXPECT_EQ(lowered.stages[0].epilogue.to_string(), GemvEpilogue::store().to_string());
+    EXPECT_EQ(value_name(graph, lowered.stages[0].output), "p0");
+  }
+}
+
+// An LM head (N = 128256, K = 4096) at M = 1 and 16, dense and 4-bit: both mainloops' shapes.
+TEST(GemvLowering, AnLmHeadGetsRegisterAndStreamedShapes) {
+  for (int bits : {16, 4}) {
+    for (std::int64_t rows : {1, 16}) {
+      const ComputeGraph graph = testing::projection_test_graph(rows, 128256, 4096, {bits, 64, DType::bf16}, "none");
+      const FusionPlan plan = plan_graph_fusion(graph);
+      const Lowered lowered = gemv_region_candidates(*plan.graph, contraction_node_region(*plan.graph, plan.unfused.at(0)));
+      ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+      int streamed = 0;
+      for (const FusedCandidate& candidate : lowered.candidates) {
+        streamed += candidate.id.variant.find("streamed") != std::string::npos ? 1 : 0;
+      }
+      EXPECT_EQ(streamed, gemv_lowering_shapes_per_family) << bits << " bits, M " << rows;
+      EXPECT_EQ(lowered.candidates.size(), 2u * gemv_lowering_shapes_per_family);
+    }
+  }
+}
+
+TEST(GemvLowering, OtherRegionsAreRefusedWithTheReason) {
+  // A row region: the built-in "gemv" lowering says which rules it takes.
+  const FusionPlan rows = plan_graph_fusion(testing::seed_graph(1, 256, DType::f16));
+  ASSERT_EQ(rows.regions.size(), 1u);
+  const Lowered row_lowered = gemv_region_candidates(*rows.graph, rows.regions[0]);
+  EXPECT_FALSE(row_lowered.decision);
+  EXPECT_EQ(row_lowered.decision.reason,
+            "the GEMV lowers swiglu_mlp, contraction_epilogue and contraction regions, not 'residual_add_rms_norm'");
+  bool listed = false;
+  for (const RegionLowering& lowering : builtin_lowerings()) listed = listed || lowering.name == "gemv";
+  EXPECT_TRUE(listed);
+
+  // A batched weight (attention's q·kᵀ) and a contraction whose output also leaves the region.
+  GraphBuilder builder;
+  const ValueRef q = builder.input("q", TensorSpec({2, 1, 64}, DType::bf16));
+  const ValueRef k = builder.input("k", TensorSpec({2, 8, 64}, DType::bf16));
+  const ValueRef scores = builder.matmul(q, k, true, "scores");
+  const ComputeGraph batched = builder.build({builder.scale(scores, 0.125, "scaled")});
+  const FusionPlan batched_plan = plan_graph_fusion(batched);
+  const FusionRegion* region = region_of_rule(batched_plan, "contraction_epilogue");
+  ASSERT_NE(region, nullptr) << batched_plan.explain();
+  EXPECT_EQ(plan_gemv_contraction(*batched_plan.graph, *region).decision.reason,
+            "node 'scores': the weight 'k' bf16[2, 8, 64] is batched; the GEMV reads one [N, K] matrix");
+
+  const ComputeGraph two_outputs = [] {
+    GraphBuilder b;
+    const ValueRef x = b.input("a", TensorSpec({1, 64}, DType::bf16));
+    const ValueRef y = b.matmul(x, b.input("w", TensorSpec({32, 64}, DType::bf16)), true, "y");
+    return b.build({y, b.silu(y, "z")});
+  }();
+  const FusionPlan two_plan = plan_graph_fusion(two_outputs);
+  region = region_of_rule(two_plan, "contraction_epilogue");
+  ASSERT_NE(region, nullptr) << two_plan.explain();
+  EXPECT_EQ(plan_gemv_contraction(*two_plan.graph, *region).decision.reason,
+            "the region writes 2 values; one GEMV writes one");
+}
+
+// Every kernel a lowering's candidates run, generated from the plan the way the lowering does,
+// compiles with NVRTC for sm_90; each candidate's source is exactly its kernels' sources.
+TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
+  struct Case {
+    std::string what;
+    ComputeGraph graph;
+    std::string rule;
+  };
+  std::vector<Case> cases;
+  for (int bits : {16, 4, 8}) {
+    const LinearFormat format{bits, 64, DType::bf16};
+    cases.push_back({fmt::format("swiglu bits {}", bits), testing::swiglu_test_graph(5, 192, 320, format, true), "swiglu_mlp"});
+  }
+  cases.push_back({"residual f16", testing::projection_test_graph(16, 100, 320, {16, 64, DType::f16}, "residual"),
+                   "contraction_epilogue"});
+  cases.push_back({"bias affine8", testing::projection_test_graph(1, 100, 320, {8, 32, DType::bf16}, "bias"),
+                   "contraction_epilogue"});
+  cases.push_back({"store affine4", testing::projection_test_graph(1, 130, 256, {4, 128, DType::bf16}, "none"), "contraction"});
+
+  std::vector<std::future<std::string>> compiles;
+  for (const Case& test_case : cases) {
+    const FusionPlan plan = plan_graph_fusion(test_case.graph);
+    const FusionRegion region = test_case.rule == "contraction"
+                                    ? contraction_node_region(*plan.graph, plan.unfused.at(0))
+                                    : *region_of_rule(plan, test_case.rule);
+    const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, region);
+    ASSERT_TRUE(lowered.decision) << test_case.what << ": " << lowered.decision.reason;
+    const Lowered candidates = gemv_region_candidates(*plan.graph, region);
+    ASSERT_TRUE(candidates.decision) << candidates.decision.reason;
+    std::vector<std::vector<GemvKernelSource>> stage_kernels;
+    for (const GemvStage& stage : lowered.stages) {
+      stage_kernels.emplace_back();
+      for (const GemvKernelConfig& config : gemv_stage_configs(stage.base_config(), gemv_lowering_shapes_per_family)) {
+        stage_kernels.back().push_back(generate_gemv_kernel(config));
+      }
+    }
+    // Every combination of one shape per stage, in the lowering's order.
+    std::size_t expected = 1;
+    for (const auto& kernels : stage_kernels) expected *= kernels.size();
+    ASSERT_EQ(candidates.candidates.size(), expected) << test_case.what;
+    const std::size_t last = stage_kernels.back().size();
+    for (std::size_t c = 0; c < candidates.candidates.size(); ++c) {
+      std::string source = stage_kernels.size() == 2 ? stage_kernels[0][c / last].source : "";
+      source += stage_kernels.back()[c % last].source;
+      EXPECT_EQ(candidates.candidates[c].source, source) << test_case.what << " candidate " << c;
+      EXPECT_EQ(candidates.candidates[c].launches, static_cast<int>(stage_kernels.size()));
+      EXPECT_EQ(candidates.candidates[c].id.name().rfind("fused gemv ", 0), 0u) << candidates.candidates[c].id.name();
+    }
+    // The best-guess shape of each stage (the first) of every case compiles (all shapes: gemv_compile_tests).
+    for (const auto& kernels : stage_kernels) {
+      compiles.push_back(std::async(std::launch::async, [kernel = kernels.front(), what = test_case.what] {
+        CompileOptions options;
+        options.architecture = "sm_90";
+        try {
+          const CompiledProgram program = compile_cuda_program(kernel.source, kernel.kernel_name, options);
+          return program.cubin.empty() ? what + ": empty cubin" : std::string();
+        } catch (const CudaError& error) {
+          return what + ": " + error.what();
+        }
+      }));
+    }
+  }
+  for (auto& compiled : compiles) EXPECT_EQ(compiled.get(), "");
+}
+
+}  // namespace
+}  // namespace metile
