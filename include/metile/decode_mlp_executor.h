@@ -19,15 +19,17 @@ namespace metile {
 
 // ---------------------------------------------------------------- the MLP executor (CUDA)
 // A generated GEMV loaded for the current device: the dynamic shared-memory limit raised and,
-// for a streamed kernel, its zeroed workspace allocated. launch() appends the workspace to
-// `arguments` (weights ... out, as above).
+// for a streamed or split-K kernel, its zeroed workspace allocated. launch() appends the workspace
+// to `arguments` (weights ... out, as above); `programmatic_dependent` launches it as a
+// programmatic dependent of the previous kernel on the stream (gemv.h: every generated GEMV
+// waits for it before reading x).
 struct LoadedGemv {
   GemvKernelSource kernel;
   CompiledKernel compiled;
   std::shared_ptr<DeviceBuffer> workspace;
 
   static LoadedGemv load(GemvKernelSource kernel, const CompiledProgram& program);
-  void launch(const CudaStream& stream, KernelArguments arguments) const;
+  void launch(const CudaStream& stream, KernelArguments arguments, bool programmatic_dependent = false) const;
 };
 
 struct DecodeMlpOptions {
@@ -37,7 +39,11 @@ struct DecodeMlpOptions {
   std::uint64_t gate_seed = 0x6d6c70;
   bool use_decision_cache = true;   // a stored decision skips the tournament (the gate still runs)
   std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
-  int tuning_candidates = 5;        // launch shapes per fused schedule (gemv_tuning_candidates)
+  int tuning_candidates = 9;        // launch shapes per fused schedule (gemv_tuning_candidates)
+  // The down stage, when both stages are generated GEMVs, launches as a programmatic dependent of
+  // gate/up (its prologue and first weight loads overlap gate/up's tail). enqueue_serialized()
+  // replays the same kernels without it.
+  bool programmatic_dependent_launch = true;
 };
 
 // One candidate of a stage. Native: cuBLASLt / dequantize + cuBLASLt (the library path), or the
@@ -78,6 +84,11 @@ class DecodeMlpExecutor {
   const DeviceTensor& out() const;
   const CudaStream& stream() const;
   void enqueue(const CudaStream& stream) const;  // replays the executor's CUDA graph
+  // The same chosen kernels in a graph without programmatic dependent launch (plain stream order).
+  void enqueue_serialized(const CudaStream& stream) const;
+  // Whether the executor's graph launches the down stage as a programmatic dependent, and why not.
+  bool programmatic_dependent() const;
+  const std::string& programmatic_dependent_reason() const;
   // Uploads x and residual, replays, synchronizes and returns out.
   HostTensor run(const HostTensor& x, const HostTensor& residual);
   // The unfused graph on the native path (both stages' best native candidates, one CUDA graph

@@ -34,6 +34,9 @@ struct StageCandidate {
   DeviceStep run;
   DeviceStep eager;
   std::string source;  // every kernel source it runs, for the decision key
+  // A generated GEMV's eager step launched as a programmatic dependent of the previous kernel
+  // (empty for every other candidate).
+  DeviceStep dependent = {};
 };
 
 struct GemvLaunch {
@@ -112,8 +115,10 @@ struct DecodeMlpExecutor::State {
   std::vector<RepackedOnDevice> repacked;  // gate, up, down (affine only)
   std::vector<std::shared_ptr<GemvLaunch>> launches;
   DecodeMlpStageReport gate_up, down;
-  DeviceStep chosen_gate_up, chosen_down, native_gate_up, native_down;
-  CudaGraph executor_graph, native_graph;
+  DeviceStep chosen_gate_up, chosen_down, native_gate_up, native_down, chosen_down_dependent;
+  CudaGraph executor_graph, native_graph, serialized_graph;
+  bool programmatic_dependent = false;
+  std::string programmatic_dependent_reason;
 
   explicit State(const CudaDevice& device_) : device(device_) {}
 
@@ -127,7 +132,7 @@ struct DecodeMlpExecutor::State {
   // Kernel arguments for a GEMV over `matrices` (0 gate, 1 up, 2 down), reading `input`,
   // the epilogue's tensors by value name, writing `output`.
   DeviceStep bind_gemv(const std::shared_ptr<GemvLaunch>& launch, std::vector<int> matrices, std::string_view input,
-                       std::string_view output) {
+                       std::string_view output, bool programmatic_dependent = false) {
     static const char* const dense_names[] = {"gate_weight", "up_weight", "down_weight"};
     KernelArguments arguments;
     for (int matrix : matrices) {
@@ -143,7 +148,9 @@ struct DecodeMlpExecutor::State {
       arguments.add_pointer((*values)[value(tensor.name)].address());
     }
     arguments.add_pointer((*values)[value(output)].address());
-    return [gemv = launch, arguments](const CudaStream& stream) { gemv->loaded.launch(stream, arguments); };
+    return [gemv = launch, arguments, programmatic_dependent](const CudaStream& stream) {
+      gemv->loaded.launch(stream, arguments, programmatic_dependent);
+    };
   }
 
   // Compiles every config in parallel (NVRTC needs no device), then loads them here.
@@ -285,7 +292,8 @@ struct DecodeMlpExecutor::State {
       const auto& launch = compiled[next];
       const DeviceStep step = bind_gemv(launch, {2}, "hidden_state", "out");
       const CandidateId id = CandidateId::fused(fmt::format("residual {}", shape_name(launch->config)));
-      candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source});
+      candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source,
+                            bind_gemv(launch, {2}, "hidden_state", "out", true)});
     }
     return candidates;
   }
@@ -409,10 +417,30 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
       },
       "out", out_reference, s.chosen_down, s.native_down);
 
-  // The executor: both selected callables in one graph, warmed by one replay.
-  s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+  // The executor: both selected callables in one graph, warmed by one replay. A generated down
+  // GEMV launches as a programmatic dependent of gate/up where the option asks for it and the
+  // driver captures it; the plain-order graph of the same kernels is kept for comparison.
+  s.chosen_down_dependent = down[static_cast<std::size_t>(s.down.chosen)].dependent;
+  s.serialized_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+  if (!options.programmatic_dependent_launch) {
+    s.programmatic_dependent_reason = "off (DecodeMlpOptions::programmatic_dependent_launch)";
+  } else if (!s.chosen_down_dependent) {
+    s.programmatic_dependent_reason = "the chosen down stage is not a generated GEMV";
+  } else {
+    try {
+      s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down_dependent}));
+      s.executor_graph.replay(s.stream);
+      s.stream.synchronize();
+      s.programmatic_dependent = true;
+      s.programmatic_dependent_reason = "down launches as a programmatic dependent of gate/up";
+    } catch (const CudaError& error) {
+      s.programmatic_dependent_reason = fmt::format("not captured: {}", error.what());
+    }
+  }
+  if (!s.programmatic_dependent) s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
   s.native_graph = CudaGraph::capture(s.stream, sequence({s.native_gate_up, s.native_down}));
   s.executor_graph.replay(s.stream);
+  s.serialized_graph.replay(s.stream);
   s.native_graph.replay(s.stream);
   s.stream.synchronize();
   return DecodeMlpExecutor(std::move(state));
@@ -425,6 +453,11 @@ const DeviceTensor& DecodeMlpExecutor::out() const { return (*state_->values)[st
 const CudaStream& DecodeMlpExecutor::stream() const { return state_->stream; }
 void DecodeMlpExecutor::enqueue(const CudaStream& stream) const { state_->executor_graph.replay(stream); }
 void DecodeMlpExecutor::enqueue_native(const CudaStream& stream) const { state_->native_graph.replay(stream); }
+void DecodeMlpExecutor::enqueue_serialized(const CudaStream& stream) const { state_->serialized_graph.replay(stream); }
+bool DecodeMlpExecutor::programmatic_dependent() const { return state_->programmatic_dependent; }
+const std::string& DecodeMlpExecutor::programmatic_dependent_reason() const {
+  return state_->programmatic_dependent_reason;
+}
 const DecodeMlpStageReport& DecodeMlpExecutor::gate_up_report() const { return state_->gate_up; }
 const DecodeMlpStageReport& DecodeMlpExecutor::down_report() const { return state_->down; }
 
@@ -437,7 +470,7 @@ HostTensor DecodeMlpExecutor::run(const HostTensor& x_values, const HostTensor& 
 }
 
 std::string DecodeMlpExecutor::report() const {
-  std::string text;
+  std::string text = fmt::format("programmatic dependent launch: {}\n", state_->programmatic_dependent_reason);
   for (const DecodeMlpStageReport* stage : {&state_->gate_up, &state_->down}) {
     text += stage->sentence + "\n";
     for (const DecodeMlpCandidate& candidate : stage->candidates) {

@@ -1,7 +1,8 @@
 // Loading and launching one generated GEMV: what every caller (the MLP executor, the GPU tests,
-// the benchmark) needs beyond a plain launch, written once. A streamed kernel asks for more than
-// 48 KiB of dynamic shared memory (the limit is raised at load) and reads a workspace of fp32
-// partials and per-tile counters, zeroed here once; each launch leaves the counters at zero.
+// the benchmark) needs beyond a plain launch, written once. A streamed or staged kernel may ask for
+// more than 48 KiB of dynamic shared memory (the limit is raised at load); a streamed or split-K
+// kernel reads a workspace of fp32 partials and per-tile counters, zeroed here once; each launch
+// leaves the counters at zero.
 #include "metile/decode_mlp_executor.h"
 
 namespace metile {
@@ -20,10 +21,14 @@ LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& prog
   return loaded;
 }
 
-void LoadedGemv::launch(const CudaStream& stream, KernelArguments arguments) const {
+void LoadedGemv::launch(const CudaStream& stream, KernelArguments arguments, bool programmatic_dependent) const {
   if (workspace) arguments.add_pointer(*workspace);
-  metile::launch(compiled, Dim3{kernel.grid_blocks, 1, 1}, Dim3{kernel.block_threads, 1, 1}, kernel.dynamic_shared_bytes,
-                 stream, arguments);
+  const Dim3 grid{kernel.grid_blocks, 1, 1}, block{kernel.block_threads, 1, 1};
+  if (programmatic_dependent) {
+    launch_programmatic_dependent(compiled, grid, block, kernel.dynamic_shared_bytes, stream, arguments);
+  } else {
+    metile::launch(compiled, grid, block, kernel.dynamic_shared_bytes, stream, arguments);
+  }
 }
 
 }  // namespace metile

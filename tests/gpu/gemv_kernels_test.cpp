@@ -12,6 +12,7 @@
 #include <future>
 #include <iostream>
 #include <stdexcept>
+#include <tuple>
 
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
@@ -280,6 +281,111 @@ TEST_F(GemvKernels, OtherEpiloguesOnTheSameMainloop) {
   }
 }
 
+// Split-K (several blocks per tile, joined in split order through the workspace) and staged batches
+// (cp.async into shared-memory rings), alone and together, in every format, at shapes whose N is
+// smaller than the SM count and not a multiple of 16 and whose K is not a multiple of the load
+// block; M on both sides of 8; both gate/up schedules. Kernels with a workspace run twice and must
+// write the same bits (run_and_compare).
+TEST_F(GemvKernels, SplitKAndStagedBatchesMatchFloat64) {
+  std::uint64_t seed = 0x5b1700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
+    for (int bits : {4, 8}) {
+      for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
+    }
+    for (const GemvWeightFormat& format : formats) {
+      const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
+      for (std::int64_t n : {77, 200}) {
+        const Problem problem = make_problem(format, n, k, 2, seed += 100);
+        std::vector<GemvKernelConfig> configs;
+        int variant = 0;
+        for (std::int64_t rows : {1, 9, 16}) {
+          for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add(), GemvEpilogue::store()}) {
+            for (const auto& [splits, stages] : {std::pair{3, 0}, std::pair{0, 3}, std::pair{2, 2}}) {
+              GemvKernelConfig config = config_for(problem, rows, epilogue,
+                                                   ++variant % 2 == 0 ? GatedSchedule::scratch_spilled
+                                                                      : GatedSchedule::register_resident);
+              config.warps_per_block = variant % 3 == 0 ? 8 : 4;
+              config.iterations_in_flight = format.is_affine() ? 1 : 2;
+              config.double_buffered = variant % 4 != 0;
+              config.k_splits = std::max(1, std::min<int>(splits, static_cast<int>(k / format.columns_per_iteration())));
+              config.shared_stages = stages;
+              configs.push_back(config);
+            }
+          }
+        }
+        check_cases(problem, configs, device(), fmt::format("split-K/staged {} N={} K={}", format.to_string(), n, k));
+      }
+    }
+  }
+}
+
+// Programmatic dependent launch: a GEMV launched as a programmatic dependent of the GEMV that
+// writes its x waits for it (x is poisoned with NaN before the first kernel, so reading it early
+// fails), eagerly and inside a captured CUDA graph, for each kind of mainloop schedule.
+TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
+  std::uint64_t seed = 0x9d1000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::cout << "seed " << seed << "\n";
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  const std::int64_t rows = 2, hidden = 1024, intermediate = 4096, n = 300;
+  const Problem first = make_problem(format, intermediate, hidden, 1, seed);        // y = W1 x
+  const Problem second = make_problem(format, n, intermediate, 1, seed + 1000);     // z = W2 y
+  GemvKernelConfig producer = config_for(first, rows, GemvEpilogue::store());
+  producer.warps_per_block = 2;
+  std::vector<GemvKernelConfig> consumers;
+  for (const auto& [splits, stages, double_buffered] : {std::tuple{1, 0, true}, std::tuple{1, 0, false}, std::tuple{4, 0, true},
+                                                        std::tuple{1, 4, false}, std::tuple{3, 3, false}}) {
+    GemvKernelConfig config = config_for(second, rows, GemvEpilogue::store());
+    config.warps_per_block = 8;
+    config.iterations_in_flight = 1;
+    config.k_splits = splits;
+    config.shared_stages = stages;
+    config.double_buffered = double_buffered;
+    consumers.push_back(config);
+  }
+  std::vector<GemvKernelSource> kernels = {generate_gemv_kernel(producer)};
+  for (const GemvKernelConfig& config : consumers) kernels.push_back(generate_gemv_kernel(config));
+  const std::vector<LoadedGemv> loaded = compile_all(kernels, device());
+
+  HostTensor x(TensorSpec({rows, hidden}, format.activation));
+  std::copy_n(first.x.bytes().data(), x.bytes().size(), x.bytes().data());
+  const DeviceBuffer x_device = DeviceBuffer::from_tensor(x);
+  DeviceTensor y(TensorSpec({rows, intermediate}, format.activation)), z(TensorSpec({rows, n}, format.activation));
+  KernelArguments produce;
+  produce.add_pointer(first.matrices[0].weights);
+  produce.add_pointer(first.matrices[0].scale_bias);
+  produce.add_pointer(x_device);
+  produce.add_pointer(y.buffer);
+  KernelArguments consume;
+  consume.add_pointer(second.matrices[0].weights);
+  consume.add_pointer(second.matrices[0].scale_bias);
+  consume.add_pointer(y.buffer);
+  consume.add_pointer(z.buffer);
+  CudaStream stream;
+  const double threshold = numeric_gate_threshold(format.activation);
+  for (std::size_t c = 0; c < consumers.size(); ++c) {
+    const auto work = [&](const CudaStream& s) {
+      y.buffer.fill_bytes(0xFF, &s);  // NaN until the producer has written y
+      z.buffer.fill_bytes(0xFF, &s);
+      loaded[0].launch(s, produce);
+      loaded[c + 1].launch(s, consume, true);
+    };
+    const CudaGraph graph = CudaGraph::capture(stream, work);
+    for (int round = 0; round < 6; ++round) {
+      if (round % 2 == 0) {
+        work(stream);
+      } else {
+        graph.replay(stream);
+      }
+      stream.synchronize();
+      const std::vector<double> y_values = y.to_host().to_values();
+      const std::vector<double> expected = gemv_testing::reference_gemv(y_values, second.matrices[0].values, rows, n, intermediate);
+      const gemv_testing::ScaledError error = scaled_error(z.to_host().to_values(), expected);
+      EXPECT_LE(error.relative_max, threshold) << consumers[c].to_string() << (round % 2 ? " (graph)" : " (eager)");
+    }
+  }
+}
 
 // The streamed mainloop (bulk copies into shared-memory stages, stream-K over a persistent grid):
 // every tuning shape at the model sizes, M on both sides of 8, and ragged shapes whose N is
