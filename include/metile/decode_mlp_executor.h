@@ -40,9 +40,11 @@ struct DecodeMlpOptions {
   bool use_decision_cache = true;   // a stored decision skips the tournament (the gate still runs)
   std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
   int tuning_candidates = 9;        // launch shapes per fused schedule (gemv_tuning_candidates)
-  // The down stage, when both stages are generated GEMVs, launches as a programmatic dependent of
-  // gate/up (its prologue and first weight loads overlap gate/up's tail). enqueue_serialized()
-  // replays the same kernels without it.
+  // When the chosen down stage is a generated GEMV, its graph with down launched as a programmatic
+  // dependent of gate/up (prologue and first weight loads overlapping gate/up's tail) races the
+  // plain-order graph of the same kernels; the faster one is the executor's graph (it helps the
+  // wide Llama-3-8B stages and hurt the narrow models' on the H200). enqueue_serialized() replays
+  // the plain-order one.
   bool programmatic_dependent_launch = true;
 };
 

@@ -88,6 +88,19 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// The wait, returning `pointer` out of the same asm statement: loads through the result depend on
+// it. x is read with non-volatile `ld.global.nc` asm, which the "memory" clobber does not order:
+// on the H200 (device call 8) ptxas hoisted those loads above a plain wait, and a dependent GEMV
+// read its x before the previous kernel had written it.
+template <class T>
+__device__ __forceinline__ T* after_previous_kernel(T* pointer) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n\tmov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+#else
+  asm volatile("mov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+#endif
+  return pointer;
+}
 
 // fp32 partial sums another block (on another SM) adds: st/ld .cg bypass L1 and meet in L2.
 __device__ __forceinline__ void store_partial(float* address, float value) {
@@ -148,10 +161,11 @@ __device__ __forceinline__ void affine_fragments(const uint4& rows_low, const ui
 // from shared memory through `fragments(chunk, step0, step1)`, the A fragments of one 32-column
 // chunk):  acc += scale * sum((offset + q) x) + (bias - offset * scale) * sum(x), per tile row
 // (g from the low half of `scale_bias`, g + 8 from the high half); xsum[h] holds sum(x) of the
-// group for activation rows 8h + 2t and 8h + 2t + 1.
+// group in the C-fragment layout (element e: activation row 8h + 2t + (e & 1)). Four values, not
+// two, though e and e + 2 are equal: ptxas spilled with two at M = 16 (4-bit down w8 f2).
 template <class Fragments>
 __device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4], const uint4 (&xv)[kRowHalves][kChunksPerIteration],
-                                                     int q, uint2 scale_bias, const float2 (&xsum)[kRowHalves],
+                                                     int q, uint2 scale_bias, const float (&xsum)[kRowHalves][4],
                                                      Fragments&& fragments) {
   float part[kRowHalves][4];
 #pragma unroll
@@ -174,10 +188,10 @@ __device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4]
   const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
 #pragma unroll
   for (int h = 0; h < kRowHalves; ++h) {
-    acc[h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h].x);
-    acc[h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h].y);
-    acc[h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h].x);
-    acc[h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h].y);
+    acc[h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h][0]);
+    acc[h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h][1]);
+    acc[h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h][2]);
+    acc[h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h][3]);
   }
 }
 

@@ -191,14 +191,11 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
             mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
           }
         }
-        float2 xsum_pairs[kRowHalves];  // rows g and g + 8 of the ones-product are the same sums
-#pragma unroll
-        for (int h = 0; h < kRowHalves; ++h) xsum_pairs[h] = make_float2(xsum[h][0], xsum[h][1]);
 #pragma unroll
         for (int p = 0; p < P; ++p) {
 #pragma unroll
           for (int i = 0; i < kTiles; ++i) {
-            affine_group_product(acc[p][i], xv, q, batch.sb[u][p][i][q], xsum_pairs,
+            affine_group_product(acc[p][i], xv, q, batch.sb[u][p][i][q], xsum,
                                  [&](int chunk, u32(&step0)[4], u32(&step1)[4]) {
                                    const int l = chunk / kChunksPerLoad;
                                    affine_fragments(batch.w[u][p][i][l][0], batch.w[u][p][i][l][1], chunk % kChunksPerLoad,
@@ -231,7 +228,8 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 //     kSharedStages - 1 batches ahead of the math; each is read back into registers just before it;
 //   double-buffered: the next batch's register loads are issued before the current batch's math;
 //   otherwise each batch is loaded, then computed.
-// Only weights are read before wait_for_previous_kernel(): x may be the previous kernel's output.
+// Only weights are read before the wait: x may be the previous kernel's output, and every x load
+// goes through the pointer after_previous_kernel() returns.
 template <int P>
 __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
                                            const u16* const (&scale_bias)[P], const u16* __restrict__ x,
@@ -250,7 +248,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       copy_async_commit();
       issue += kStride;
     }
-    wait_for_previous_kernel();
+    x = after_previous_kernel(x);
     int slot = 0;
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
@@ -269,7 +267,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
   } else if constexpr (kDoubleBuffered) {
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
-    wait_for_previous_kernel();
+    x = after_previous_kernel(x);
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
@@ -285,7 +283,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
       load_batch(batch, weights, scale_bias, first, end, lane, first_tile);
-      if (!waited) wait_for_previous_kernel();
+      if (!waited) x = after_previous_kernel(x);
       waited = true;
       compute_batch(acc, batch, x, first, end, lane);
     }
@@ -640,9 +638,15 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   const bool narrow = tiles < 2 * multiprocessors;
   const bool extended = products_in_registers == products;
   const std::int64_t iterations = (base.in_features + base.format.columns_per_iteration() - 1) / base.format.columns_per_iteration();
-  // Enough splits for about four blocks per SM, each split at least 4 iterations long.
-  const int splits = static_cast<int>(std::clamp<std::int64_t>(
-      std::min<std::int64_t>((4 * multiprocessors + tiles - 1) / tiles, iterations / 4), 1, 8));
+  // Split-K only where some SMs would get no tile at all: about two blocks per SM, each split at
+  // least 4 iterations long. Measured on the H200 (device call 8, ncu): splitting Llama-3-8B's down
+  // projection (256 tiles) three ways took 35 us against 23 us unsplit: shorter blocks only add
+  // latency-bound prologues and joins once every SM already has work.
+  const int splits = tiles >= multiprocessors ? 1
+                                              : static_cast<int>(std::clamp<std::int64_t>(
+                                                    std::min<std::int64_t>((2 * multiprocessors + tiles - 1) / tiles,
+                                                                           iterations / 4),
+                                                    1, 8));
   if (narrow) {
     add(8, true);
     add(16, true);
@@ -650,10 +654,10 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     add(4, true);
     add(8, false);
     if (extended) {
+      if (splits >= 2) add(8, true, false, splits);
       if (splits >= 2) add(4, true, false, splits);
-      if (splits >= 2) add(8, true, false, std::max(2, splits / 2));
       add_staged(8, 72 * 1024);
-      if (splits >= 2) add_staged(4, 48 * 1024, splits);
+      if (splits >= 2) add_staged(8, 72 * 1024, splits);
     }
   } else {
     add(2, true);

@@ -134,9 +134,13 @@ __device__ __forceinline__ void compute_stage(float (&acc)[kProducts][kRowHalves
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
         const float* sums = xsum + ((first + u) * kGroupsPerIteration + q) * kPaddedM + 2 * t;
-        float2 xsum_h[kRowHalves];
+        float xsum_h[kRowHalves][4];
 #pragma unroll
-        for (int h = 0; h < kRowHalves; ++h) xsum_h[h] = *reinterpret_cast<const float2*>(sums + 8 * h);
+        for (int h = 0; h < kRowHalves; ++h) {
+          const float2 pair = *reinterpret_cast<const float2*>(sums + 8 * h);
+          xsum_h[h][0] = xsum_h[h][2] = pair.x;
+          xsum_h[h][1] = xsum_h[h][3] = pair.y;
+        }
 #pragma unroll
         for (int p = 0; p < kProducts; ++p) {
           const uint2 s = *reinterpret_cast<const uint2*>(stage + kProducts * kStageWordBytes + p * kStageScaleBytes +
@@ -276,7 +280,7 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
 
   // x of the slices this block's warps touch, all M rows, and the per-group sums of each row;
   // x may be the previous kernel's output.
-  wait_for_previous_kernel();
+  x = after_previous_kernel(x);
   constexpr long long kSlicePositions = (long long)kTileCount * kSliceIterations;
   const long long block_begin = share_begin((long long)blockIdx.x * kWarps);
   const long long block_end = share_begin((long long)(blockIdx.x + 1) * kWarps);

@@ -10,7 +10,9 @@ namespace metile {
 LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& program) {
   LoadedGemv loaded;
   loaded.compiled = CompiledKernel::load(program);
-  if (kernel.dynamic_shared_bytes > 48 * 1024) {
+  // The opt-in counts static shared memory too: a staged kernel with 48 KiB of rings and 4 KiB of
+  // partial sums fails to launch without it (CUDA_ERROR_INVALID_VALUE, device call 8).
+  if (kernel.dynamic_shared_bytes + kernel.static_shared_bytes > 48 * 1024) {
     loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.dynamic_shared_bytes));
   }
   if (kernel.workspace_bytes > 0) {
