@@ -2,8 +2,9 @@
 # One call on a CUDA machine: build the GPU-facing targets (Release, no Python), start the
 # transformers oracle of the model module in the background (CPU only: torch + metile on the
 # CPU), run every GPU test (ctest label `gpu`), `metile run --backend cuda --check` on the
-# examples, and the kernel benchmark (row kernels, one-pass vs two-pass softmax). The decode-MLP
-# and attention benchmarks have their own device scripts (benchmarks/*/device_run.sh).
+# examples, the kernel benchmark (row kernels, one-pass vs two-pass softmax) and the decode-MLP
+# goals (mlp_decode_benchmark --quick; MLP_DECODE_TIMEOUT=0 skips it). The decode-MLP and attention
+# benchmarks' other modes have their own device scripts (benchmarks/*/device_run.sh).
 # Full logs under $OUT (default /tmp/metile-gpu-check), a summary last.
 set -u
 OUT=${OUT:-/tmp/metile-gpu-check}
@@ -22,7 +23,7 @@ step() {  # step NAME TIMEOUT COMMAND...: runs, logs to $OUT/NAME.log, records r
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMETILE_BUILD_PYTHON=OFF >"$OUT/configure.log" 2>&1 ||
   { tail -20 "$OUT/configure.log"; exit 1; }
 gpu_targets=$(for source in tests/gpu/*_test.cpp; do echo "gpu_$(basename "$source" .cpp)"; done)
-step build 240 cmake --build build/gpu --target metile kernels_benchmark $gpu_targets -j"$(nproc)" ||
+step build 240 cmake --build build/gpu --target metile kernels_benchmark mlp_decode_benchmark $gpu_targets -j"$(nproc)" ||
   { grep -E "error" -A3 "$OUT/build.log" | head -40; printf '%s\n' "${summary[@]}"; exit 1; }
 # The oracle needs no GPU; it runs beside the GPU suites on the machine's CPU cores.
 PYTHONUNBUFFERED=1 timeout 420 python3 tests/gpu/transformers_oracle.py --metile build/gpu/tools/metile/metile \
@@ -37,6 +38,10 @@ for example in add_rms_norm decoder_layer; do
 done
 step kernels_benchmark ${KERNELS_TIMEOUT:-90} build/gpu/benchmarks/kernels/kernels_benchmark
 tail -22 "$OUT/kernels_benchmark.log"
+if [ "${MLP_DECODE_TIMEOUT:-150}" != 0 ]; then
+  step mlp_decode_benchmark ${MLP_DECODE_TIMEOUT:-150} build/gpu/benchmarks/mlp_decode/mlp_decode_benchmark --quick
+  sed -n '/^whole MLP/,/^candidates/p' "$OUT/mlp_decode_benchmark.log" | head -30
+fi
 wait $oracle
 oracle_rc=$?
 summary+=("$(printf '%-22s rc=%-3s at %s' transformers_oracle "$oracle_rc" "$(elapsed)")")
