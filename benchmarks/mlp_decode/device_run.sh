@@ -43,7 +43,7 @@ for step in "$@"; do
       fi ;;
     new)
       timeout $(limit ${NEW_TIMEOUT:-90}) ./build/gpu/tests/gpu/gpu_gemv_kernels_test \
-        --gtest_filter='*SplitKAndStaged*:*ProgrammaticDependent*' >"$OUT/new_kernels.log" 2>&1
+        --gtest_filter='*SplitKStaged*:*ProgrammaticDependent*' >"$OUT/new_kernels.log" 2>&1
       new_rc=$?
       echo "split-K/staged/PDL kernels: rc=$new_rc after $(elapsed)"
       if [ $new_rc -ne 0 ] && [ $new_rc -ne 124 ]; then BENCHMARK_ARGS="${BENCHMARK_ARGS:-} --candidates 5"; echo "benchmark falls back to --candidates 5"; fi

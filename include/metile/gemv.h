@@ -161,8 +161,12 @@ struct GemvKernelConfig {
   //   shared_stages >= 2: each warp's batches are staged in shared memory by cp.async (16-byte
   //     asynchronous copies, one per lane and vector), that many batches deep, and read back just
   //     before their math: bytes in flight no longer cost registers. 0: batches live in registers.
+  //   shared_group_sums (affine): sum(x) of each group is computed once per block into shared
+  //     memory (after the wait for the previous kernel) instead of by an mma against a tile of ones
+  //     in every iteration: a third fewer tensor instructions for a 4-bit gate/up.
   int k_splits = 1;
   int shared_stages = 0;
+  bool shared_group_sums = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage

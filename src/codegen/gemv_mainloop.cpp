@@ -158,6 +158,30 @@ __device__ __forceinline__ void read_batch(Batch<P>& batch, const unsigned char*
       }
 }
 
+// shared_group_sums: sum(x) per group of the block's iterations, rows kM..kPaddedM-1 zero.
+constexpr int kGroupSumFloats = kSharedGroupSums ? kGroupCount * kPaddedM : 1;
+__shared__ __align__(8) float group_sums[kGroupSumFloats];
+
+// Fills group_sums for the iterations [begin, end) (x through the pointer the wait returned); the
+// caller synchronizes the block.
+__device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, int begin, int end) {
+  const int first_group = begin * kGroupsPerIteration, groups = (end - begin) * kGroupsPerIteration;
+  for (int unit = threadIdx.x; unit < groups * kPaddedM; unit += kThreads) {
+    const int m = unit / groups, group = first_group + (unit - m * groups);
+    float total = 0.0f;
+    if (m < kM) {
+      for (int v = 0; v < kGroup / 8; ++v) {
+        const int k = group * kGroup + 8 * v;
+        if (k >= kK) break;
+        const uint4 value = load_activations(x + m * kK + k);
+        total += to_f32(value.x & 0xFFFFu) + to_f32(value.x >> 16) + to_f32(value.y & 0xFFFFu) + to_f32(value.y >> 16) +
+                 to_f32(value.z & 0xFFFFu) + to_f32(value.z >> 16) + to_f32(value.w & 0xFFFFu) + to_f32(value.w >> 16);
+      }
+    }
+    group_sums[group * kPaddedM + m] = total;
+  }
+}
+
 // The math of one batch: x fragments, then per group the mma products and the scale/bias fold.
 template <int P>
 __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves][4], const Batch<P>& batch,
@@ -181,14 +205,26 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
         float xsum[kRowHalves][4];
+        if constexpr (kSharedGroupSums) {
 #pragma unroll
-        for (int h = 0; h < kRowHalves; ++h) {
-          xsum[h][0] = xsum[h][1] = xsum[h][2] = xsum[h][3] = 0.0f;
+          for (int h = 0; h < kRowHalves; ++h) {
+            float2 pair = make_float2(0.0f, 0.0f);
+            if (it < end) {
+              pair = *reinterpret_cast<const float2*>(group_sums + (it * kGroupsPerIteration + q) * kPaddedM + 8 * h + 2 * t);
+            }
+            xsum[h][0] = xsum[h][2] = pair.x;
+            xsum[h][1] = xsum[h][3] = pair.y;
+          }
+        } else {
 #pragma unroll
-          for (int j = 0; j < kChunksPerGroup; ++j) {
-            const uint4 b = xv[h][q * kChunksPerGroup + j];
-            mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
-            mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
+          for (int h = 0; h < kRowHalves; ++h) {
+            xsum[h][0] = xsum[h][1] = xsum[h][2] = xsum[h][3] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kChunksPerGroup; ++j) {
+              const uint4 b = xv[h][q * kChunksPerGroup + j];
+              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
+              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
+            }
           }
         }
 #pragma unroll
@@ -234,7 +270,7 @@ template <int P>
 __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
                                            const u16* const (&scale_bias)[P], const u16* __restrict__ x,
                                            const int warp, const int lane, const int first_tile, const int split_begin,
-                                           const int split_end, unsigned char* ring) {
+                                           const int split_end, unsigned char* ring, const bool fill_sums) {
   constexpr int kStride = kWarps * kInFlight;
   // Without split-K the bounds are the compile-time ones (a run-time bound here costs ptxas ~7
   // registers, 120 -> 127 for 4-bit g64 gate/up w4, even where it folds to the same constant).
@@ -249,6 +285,10 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       issue += kStride;
     }
     x = after_previous_kernel(x);
+    if (kSharedGroupSums && fill_sums) {  // fill_sums is the same for the whole block
+      fill_group_sums(x, begin, end);
+      __syncthreads();
+    }
     int slot = 0;
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
@@ -268,6 +308,10 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
     x = after_previous_kernel(x);
+    if (kSharedGroupSums && fill_sums) {
+      fill_group_sums(x, begin, end);
+      __syncthreads();
+    }
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
@@ -280,6 +324,12 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
   } else {
     Batch<P> batch;
     bool waited = false;
+    if (kSharedGroupSums && fill_sums) {  // every warp must reach the barrier: wait before the loop
+      x = after_previous_kernel(x);
+      waited = true;
+      fill_group_sums(x, begin, end);
+      __syncthreads();
+    }
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
       load_batch(batch, weights, scale_bias, first, end, lane, first_tile);
@@ -339,7 +389,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
         for (int h = 0; h < kRowHalves; ++h) acc[0][i][h][0] = acc[0][i][h][1] = acc[0][i][h][2] = acc[0][i][h][3] = 0.0f;
       const u32* const one_weights[1] = {weights[p]};
       const u16* const one_scale_bias[1] = {scale_bias[p]};
-      accumulate<1>(acc, one_weights, one_scale_bias, x, warp, lane, first_tile, begin, end, ring);
+      accumulate<1>(acc, one_weights, one_scale_bias, x, warp, lane, first_tile, begin, end, ring, p == 0);
       spill(acc[0], partial, warp, p, lane);
     }
   } else {
@@ -351,7 +401,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
-    accumulate<kProducts>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring);
+    accumulate<kProducts>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring, true);
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
@@ -426,6 +476,14 @@ std::int64_t partial_sum_bytes(const GemvKernelConfig& config) {
   return std::int64_t{config.warps_per_block} * config.epilogue.product_count() * config.tiles_per_block * 16 * padded_m * 4;
 }
 
+// shared_group_sums: one float per (padded) group and padded row (group_sums in the kernel).
+std::int64_t group_sum_bytes(const GemvKernelConfig& config) {
+  if (!config.shared_group_sums) return 0;
+  const std::int64_t columns = config.format.columns_per_iteration();
+  const std::int64_t groups = (config.in_features + columns - 1) / columns * (columns / config.format.group_size);
+  return groups * ((config.rows + 7) / 8 * 8) * 4;
+}
+
 // The staged batches' rings in dynamic shared memory: per warp, shared_stages slots of one batch
 // of every matrix (SharedSlot<kProducts> in the kernel: 512 bytes per weight vector of the warp,
 // 256 per scale/bias pair).
@@ -493,9 +551,16 @@ void GemvKernelConfig::validate() const {
   if (shared_stages != 0 && (shared_stages < 2 || shared_stages > 8)) {
     throw InputError(fmt::format("GEMV: shared_stages must be 0 (registers) or 2..8, not {}", shared_stages));
   }
-  if (shared + staged_ring_bytes(*this) > shared_memory_per_block) {
+  if (shared_group_sums && !format.is_affine()) {
+    throw InputError("GEMV: shared_group_sums needs affine weights (dense has no groups)");
+  }
+  if (shared + group_sum_bytes(*this) > 48 * 1024) {
+    throw InputError(fmt::format("GEMV {}: {} bytes of static shared memory for partial and group sums (at most 49152)",
+                                 to_string(), shared + group_sum_bytes(*this)));
+  }
+  if (shared + group_sum_bytes(*this) + staged_ring_bytes(*this) > shared_memory_per_block) {
     throw InputError(fmt::format("GEMV {}: {} bytes of shared memory per block (at most {})", to_string(),
-                                 shared + staged_ring_bytes(*this), shared_memory_per_block));
+                                 shared + group_sum_bytes(*this) + staged_ring_bytes(*this), shared_memory_per_block));
   }
 }
 
@@ -511,6 +576,7 @@ std::string GemvKernelConfig::to_string() const {
                       shared_stages >= 2 ? fmt::format(" shared_stages={}", shared_stages)
                                          : std::string(double_buffered ? " double_buffered" : ""));
   if (k_splits > 1) text += fmt::format(" k_splits={}", k_splits);
+  if (shared_group_sums) text += " shared_group_sums";
   return text;
 }
 
@@ -527,6 +593,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + config.epilogue.cuda_expression());
   std::string schedule_tag = staged ? fmt::format("s{}", config.shared_stages) : config.double_buffered ? "d" : "";
   if (config.k_splits > 1) schedule_tag += fmt::format("k{}", config.k_splits);
+  if (config.shared_group_sums) schedule_tag += "g";
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
@@ -537,9 +604,10 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   source += fmt::format(
       "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
       "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
-      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\n",
+      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n",
       scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
-      config.double_buffered ? "true" : "false", staged ? config.shared_stages : 0, config.k_splits, tile_blocks);
+      config.double_buffered ? "true" : "false", staged ? config.shared_stages : 0, config.k_splits, tile_blocks,
+      config.shared_group_sums ? "true" : "false");
   source += gemv_device_helpers();
   source += register_mainloop_body;
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
@@ -554,7 +622,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   result.source = std::move(source);
   result.grid_blocks = static_cast<unsigned>(tile_blocks * config.k_splits);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
-  result.static_shared_bytes = static_cast<unsigned>(partial_sum_bytes(config));
+  result.static_shared_bytes = static_cast<unsigned>(partial_sum_bytes(config) + group_sum_bytes(config));
   result.dynamic_shared_bytes = static_cast<unsigned>(staged_ring_bytes(config));
   if (config.k_splits > 1) {
     result.workspace_bytes = static_cast<std::uint64_t>(tile_blocks * config.k_splits * products * config.rows *
@@ -593,7 +661,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     for (const GemvKernelConfig& existing : candidates) {
       if (existing.warps_per_block == config.warps_per_block && existing.double_buffered == config.double_buffered &&
           existing.iterations_in_flight == config.iterations_in_flight && existing.k_splits == config.k_splits &&
-          existing.shared_stages == config.shared_stages) {
+          existing.shared_stages == config.shared_stages && existing.shared_group_sums == config.shared_group_sums) {
         return;
       }
     }
@@ -604,7 +672,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
     candidates.push_back(config);
   };
-  auto add = [&](int warps, bool double_buffered, bool deeper = false, int k_splits = 1) {
+  auto add = [&](int warps, bool double_buffered, bool deeper = false, int k_splits = 1, bool group_sums = false) {
     GemvKernelConfig config = base;
     config.warps_per_block = warps;
     config.tiles_per_block = 1;
@@ -612,6 +680,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     config.iterations_in_flight = in_flight(warps, double_buffered, deeper);
     config.k_splits = k_splits;
     config.shared_stages = 0;
+    config.shared_group_sums = group_sums;
     add_config(config);
   };
   // Staged batches (shared_stages): one iteration per affine batch (in shared memory the depth
@@ -624,6 +693,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     config.double_buffered = false;
     config.iterations_in_flight = base.format.is_affine() ? 1 : in_flight(warps, false, false);
     config.k_splits = k_splits;
+    config.shared_group_sums = false;
     config.shared_stages = 2;
     const std::int64_t slot_bytes = staged_ring_bytes(config) / 2;
     config.shared_stages = static_cast<int>(std::clamp<std::int64_t>(ring_bytes / slot_bytes, 2, 8));
@@ -637,6 +707,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   // register-resident schedule only (the scratch-spilled one has never been chosen).
   const bool narrow = tiles < 2 * multiprocessors;
   const bool extended = products_in_registers == products;
+  const bool affine = base.format.is_affine();
   const std::int64_t iterations = (base.in_features + base.format.columns_per_iteration() - 1) / base.format.columns_per_iteration();
   // Split-K only where some SMs would get no tile at all: about two blocks per SM, each split at
   // least 4 iterations long. Measured on the H200 (device call 8, ncu): splitting Llama-3-8B's down
@@ -658,6 +729,8 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       if (splits >= 2) add(4, true, false, splits);
       add_staged(8, 72 * 1024);
       if (splits >= 2) add_staged(8, 72 * 1024, splits);
+      if (affine) add(16, true, false, 1, true);
+      if (affine) add(8, true, false, 1, true);
     }
   } else {
     add(2, true);
@@ -669,6 +742,8 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       add_staged(4, 64 * 1024);
       add_staged(8, 96 * 1024);
       add_staged(4, 40 * 1024);
+      if (affine) add(4, false, false, 1, true);
+      if (affine) add(2, true, false, 1, true);
     }
   }
   return candidates;

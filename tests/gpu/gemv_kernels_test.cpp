@@ -281,12 +281,13 @@ TEST_F(GemvKernels, OtherEpiloguesOnTheSameMainloop) {
   }
 }
 
-// Split-K (several blocks per tile, joined in split order through the workspace) and staged batches
-// (cp.async into shared-memory rings), alone and together, in every format, at shapes whose N is
+// Split-K (several blocks per tile, joined in split order through the workspace), staged batches
+// (cp.async into shared-memory rings) and per-block group sums of x in shared memory (affine), alone
+// and together, in every format, at shapes whose N is
 // smaller than the SM count and not a multiple of 16 and whose K is not a multiple of the load
 // block; M on both sides of 8; both gate/up schedules. Kernels with a workspace run twice and must
 // write the same bits (run_and_compare).
-TEST_F(GemvKernels, SplitKAndStagedBatchesMatchFloat64) {
+TEST_F(GemvKernels, SplitKStagedAndSharedGroupSumsMatchFloat64) {
   std::uint64_t seed = 0x5b1700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
   std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
   for (DType dtype : {DType::bf16, DType::f16}) {
@@ -302,7 +303,8 @@ TEST_F(GemvKernels, SplitKAndStagedBatchesMatchFloat64) {
         int variant = 0;
         for (std::int64_t rows : {1, 9, 16}) {
           for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add(), GemvEpilogue::store()}) {
-            for (const auto& [splits, stages] : {std::pair{3, 0}, std::pair{0, 3}, std::pair{2, 2}}) {
+            for (const auto& [splits, stages, group_sums] :
+                 {std::tuple{3, 0, false}, std::tuple{1, 3, false}, std::tuple{2, 2, true}, std::tuple{1, 0, true}}) {
               GemvKernelConfig config = config_for(problem, rows, epilogue,
                                                    ++variant % 2 == 0 ? GatedSchedule::scratch_spilled
                                                                       : GatedSchedule::register_resident);
@@ -311,6 +313,7 @@ TEST_F(GemvKernels, SplitKAndStagedBatchesMatchFloat64) {
               config.double_buffered = variant % 4 != 0;
               config.k_splits = std::max(1, std::min<int>(splits, static_cast<int>(k / format.columns_per_iteration())));
               config.shared_stages = stages;
+              config.shared_group_sums = group_sums && format.is_affine();
               configs.push_back(config);
             }
           }
@@ -334,14 +337,16 @@ TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
   GemvKernelConfig producer = config_for(first, rows, GemvEpilogue::store());
   producer.warps_per_block = 2;
   std::vector<GemvKernelConfig> consumers;
-  for (const auto& [splits, stages, double_buffered] : {std::tuple{1, 0, true}, std::tuple{1, 0, false}, std::tuple{4, 0, true},
-                                                        std::tuple{1, 4, false}, std::tuple{3, 3, false}}) {
+  for (const auto& [splits, stages, double_buffered, group_sums] :
+       {std::tuple{1, 0, true, false}, std::tuple{1, 0, false, false}, std::tuple{4, 0, true, false}, std::tuple{1, 4, false, false},
+        std::tuple{3, 3, false, false}, std::tuple{1, 0, false, true}, std::tuple{2, 0, true, true}}) {
     GemvKernelConfig config = config_for(second, rows, GemvEpilogue::store());
     config.warps_per_block = 8;
     config.iterations_in_flight = 1;
     config.k_splits = splits;
     config.shared_stages = stages;
     config.double_buffered = double_buffered;
+    config.shared_group_sums = group_sums;
     consumers.push_back(config);
   }
   std::vector<GemvKernelSource> kernels = {generate_gemv_kernel(producer)};
