@@ -5,7 +5,7 @@
 #   benchmarks/mlp_decode/device_run.sh STEP...
 #     gemv     GPU suite of every GEMV kernel and schedule     exec   GPU suite of the executor
 #     streamed only the streamed-mainloop GPU test
-#     new      only the split-K / staged and programmatic-dependent-launch GPU tests (issue 15)
+#     new      the split-K / staged / group-sum and programmatic-dependent-launch GPU suite (issue 15)
 #     profile  ncu --clock-control none over benchmark --profile (M=1 stage kernels, read-only stream)
 #     kernels  benchmark --kernels (stage kernels alone)       quick | default | full   the benchmark
 #     anchors  the PyTorch peers (.anchors/kernels_torch.py, carried beside the tree)
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMETILE_BUILD_PYTHON=OFF >"$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build/gpu --target gpu_gemv_kernels_test gpu_mlp_executor_test mlp_decode_benchmark -j16 \
+cmake --build build/gpu --target gpu_gemv_kernels_test gpu_gemv_schedules_test gpu_mlp_executor_test mlp_decode_benchmark -j16 \
   >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
 echo "built in $(($(date +%s) - start)) s"
 export METILE_CACHE_DIR=/tmp/metile-cache
@@ -42,10 +42,9 @@ for step in "$@"; do
           grep -E "^#|signal|Signal" | head -30
       fi ;;
     new)
-      timeout $(limit ${NEW_TIMEOUT:-90}) ./build/gpu/tests/gpu/gpu_gemv_kernels_test \
-        --gtest_filter='*SplitKStaged*:*ProgrammaticDependent*' >"$OUT/new_kernels.log" 2>&1
+      timeout $(limit ${NEW_TIMEOUT:-150}) ./build/gpu/tests/gpu/gpu_gemv_schedules_test >"$OUT/new_kernels.log" 2>&1
       new_rc=$?
-      echo "split-K/staged/PDL kernels: rc=$new_rc after $(elapsed)"
+      echo "split-K/staged/group-sum/PDL kernels: rc=$new_rc after $(elapsed)"
       if [ $new_rc -ne 0 ] && [ $new_rc -ne 124 ]; then BENCHMARK_ARGS="${BENCHMARK_ARGS:-} --candidates 5"; echo "benchmark falls back to --candidates 5"; fi
       grep -E "^\[figures\]|Failure|^\[  FAILED|^\[  PASSED|^\[       OK|Which is|error" "$OUT/new_kernels.log" | head -60 ;;
     streamed)
