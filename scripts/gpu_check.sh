@@ -4,8 +4,9 @@
 # CPU), run every GPU test (ctest label `gpu`), `metile run --backend cuda --check` on the
 # examples, the transformers oracle against the GPU decode engine (--backend cuda), one short
 # row of the model benchmark (benchmarks/model/device_run.sh, Llama-3.2-1B's shapes cut to 4 layers;
-# BENCH_MODEL_ROWS="..." for others, "" for none) and the kernel benchmark (row kernels, one-pass
-# vs two-pass softmax). The decode-MLP, attention and whole-model benchmarks have their own device
+# BENCH_MODEL_ROWS="..." for others, "" for none), the kernel benchmark (row kernels, one-pass
+# vs two-pass softmax) and the decode-MLP goals (mlp_decode_benchmark --quick; MLP_DECODE_TIMEOUT=0
+# skips it). The decode-MLP, attention and whole-model benchmarks' other modes have their own device
 # scripts (benchmarks/*/device_run.sh).
 # Full logs under $OUT (default /tmp/metile-gpu-check), a summary last.
 set -u
@@ -25,7 +26,7 @@ step() {  # step NAME TIMEOUT COMMAND...: runs, logs to $OUT/NAME.log, records r
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMETILE_BUILD_PYTHON=OFF >"$OUT/configure.log" 2>&1 ||
   { tail -20 "$OUT/configure.log"; exit 1; }
 gpu_targets=$(for source in tests/gpu/*_test.cpp; do echo "gpu_$(basename "$source" .cpp)"; done)
-step build 240 cmake --build build/gpu --target metile kernels_benchmark $gpu_targets -j"$(nproc)" ||
+step build 240 cmake --build build/gpu --target metile kernels_benchmark mlp_decode_benchmark $gpu_targets -j"$(nproc)" ||
   { grep -E "error" -A3 "$OUT/build.log" | head -40; printf '%s\n' "${summary[@]}"; exit 1; }
 # The oracle needs no GPU; it runs beside the GPU suites on the machine's CPU cores.
 PYTHONUNBUFFERED=1 timeout 420 python3 tests/gpu/transformers_oracle.py --metile build/gpu/tools/metile/metile \
@@ -53,4 +54,8 @@ if [ -n "${BENCH_MODEL_ROWS-llama3.2-1b:4:4}" ]; then
 fi
 step kernels_benchmark ${KERNELS_TIMEOUT:-90} build/gpu/benchmarks/kernels/kernels_benchmark
 tail -22 "$OUT/kernels_benchmark.log"
+if [ "${MLP_DECODE_TIMEOUT:-150}" != 0 ]; then
+  step mlp_decode_benchmark ${MLP_DECODE_TIMEOUT:-150} build/gpu/benchmarks/mlp_decode/mlp_decode_benchmark --quick
+  sed -n '/^whole MLP/,/^candidates/p' "$OUT/mlp_decode_benchmark.log" | head -30
+fi
 printf '%s\n' "${summary[@]}"

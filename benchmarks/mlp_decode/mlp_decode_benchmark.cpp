@@ -13,14 +13,18 @@
 //   mlp_decode_benchmark --quick    Llama-3-8B at M = 1, 16; the others 4-bit g64 at M = 1 (the goals)
 //   mlp_decode_benchmark --kernels  every generated stage kernel of Llama-3-8B alone (no executor),
 //                                   register-batch and streamed mainloops side by side
-//   mlp_decode_benchmark --profile  launches a few Llama-3-8B M=1 stage kernels and the read-only
-//                                   stream once each, for `ncu --clock-control none` (no timing)
+//   --candidates N                  launch shapes per fused schedule (DecodeMlpOptions::tuning_candidates;
+//                                   5: the register shapes of v3 only, without the staged and split-K ones)
+//   mlp_decode_benchmark --profile  launches the first Llama-3-8B M=1 stage kernel of each kind (register,
+//                                   staged, split-K, streamed) and the read-only stream once each, for
+//                                   `ncu --clock-control none` (no timing)
 // Every mode also measures a read-only stream of 1 GiB (16-byte loads, nothing written): the
 // ceiling of a GEMV, which only reads, beside the copy's.
 // Prints "no CUDA device: ..." and exits 0 where there is none.
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <future>
@@ -28,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "metile/cuda_runtime.h"
@@ -50,6 +55,8 @@ struct Row {
   double stage_bytes[2] = {0, 0};
   std::string stage_choice[2];
   double mlp_us = 0, mlp_native_us = 0, mlp_bytes = 0;
+  double mlp_serialized_us = 0;  // the same kernels without programmatic dependent launch
+  bool programmatic_dependent = false;
   int replicas = 1;
 };
 
@@ -65,7 +72,7 @@ GemvKernelConfig base_swiglu(const GemvWeightFormat& format, std::int64_t rows, 
 }
 
 // --kernels: each tuning candidate of each stage kernel, timed alone over weight replicas.
-// --profile (profile_only): the M=1 stage kernels of 4-bit g64 and bf16, each launched once.
+// --profile (profile_only): the M=1 stage kernels of 4-bit g64, each launched once.
 void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, double copy_gbps, bool profile_only) {
   const CudaDeviceInfo& info = device.info();
   const std::int64_t hidden = 4096, intermediate = 14336;
@@ -73,7 +80,7 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
              "regs");
   for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16),
                                          GemvWeightFormat::affine(8, 64, DType::bf16)}) {
-    if (profile_only && format.bits == 8) continue;
+    if (profile_only && format.bits != 4) continue;  // bf16 was profiled in call 5 (notes/mlp_decode.md)
     const DecodeMlpWeights weights = DecodeMlpWeights::random(format, hidden, intermediate, 7);
     const int replicas =
         static_cast<int>(std::clamp<std::int64_t>(3 * info.l2_cache_bytes / (weights.weight_bytes() / 3) + 1, 1, 8));
@@ -117,18 +124,16 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
           configs.push_back(config);
         }
       }
-      if (profile_only) {  // the first and last register shape and the first streamed shape of each stage
+      if (profile_only) {  // per stage, the first shape of each kind: register, staged, split-K, streamed
         std::vector<GemvKernelConfig> chosen;
-        for (std::size_t i = 0; i < configs.size(); ++i) {
-          const bool streamed = configs[i].mainloop == GemvMainloop::streamed;
-          const bool first = i == 0 || configs[i - 1].mainloop != configs[i].mainloop ||
-                             configs[i - 1].epilogue.product_count() != configs[i].epilogue.product_count() ||
-                             configs[i - 1].schedule != configs[i].schedule;
-          const bool last = i + 1 == configs.size() || configs[i + 1].mainloop != configs[i].mainloop ||
-                            configs[i + 1].epilogue.product_count() != configs[i].epilogue.product_count() ||
-                            configs[i + 1].schedule != configs[i].schedule;
-          if (configs[i].schedule == GatedSchedule::scratch_spilled && !streamed) continue;
-          if (first || (last && !streamed)) chosen.push_back(configs[i]);
+        auto kind = [](const GemvKernelConfig& c) {
+          return std::tuple{c.epilogue.product_count(), c.mainloop, c.shared_stages >= 2, c.k_splits > 1};
+        };
+        for (const GemvKernelConfig& config : configs) {
+          if (config.schedule == GatedSchedule::scratch_spilled && config.mainloop == GemvMainloop::register_batches) continue;
+          if (std::none_of(chosen.begin(), chosen.end(), [&](const GemvKernelConfig& c) { return kind(c) == kind(config); })) {
+            chosen.push_back(config);
+          }
         }
         configs = chosen;
       }
@@ -176,8 +181,11 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
             config.mainloop == GemvMainloop::streamed
                 ? fmt::format("{} streamed w{} u{} s{} x{} k{}", gate_up ? "swiglu" : "residual", config.warps_per_block,
                               config.stage_iterations, config.stages, config.blocks_per_multiprocessor, kernel.k_slices)
-                : fmt::format("{} w{} t{} f{}{}", what, config.warps_per_block, config.tiles_per_block,
-                              config.iterations_in_flight, config.double_buffered ? " db" : "");
+                : fmt::format("{} w{} t{} f{}{}{}", what, config.warps_per_block, config.tiles_per_block,
+                              config.iterations_in_flight,
+                              config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
+                                                        : std::string(config.double_buffered ? " db" : ""),
+                              config.k_splits > 1 ? fmt::format(" split{}", config.k_splits) : std::string());
         fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8.1f} {:>7.0f} {:>5.0f}% {:>5}\n", format.to_string(), rows,
                    gate_up ? "gate_up" : "down", name, ms * 1e3, gbps, 100 * gbps / copy_gbps, gemv.compiled.registers_per_thread());
         std::fflush(stdout);
@@ -229,6 +237,7 @@ extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const 
 
 int main(int argc, char** argv) {
   bool full = false, quick = false, kernels = false, profile = false;
+  int tuning_candidates = DecodeMlpOptions{}.tuning_candidates;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--full") == 0) {
       full = true;
@@ -238,8 +247,10 @@ int main(int argc, char** argv) {
       kernels = true;
     } else if (std::strcmp(argv[i], "--profile") == 0) {
       profile = true;
+    } else if (std::strcmp(argv[i], "--candidates") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
+      tuning_candidates = std::atoi(argv[++i]);
     } else {
-      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels | --profile]\n");
+      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels | --profile] [--candidates N]\n");
       return 2;
     }
   }
@@ -275,6 +286,7 @@ int main(int argc, char** argv) {
     options.decision_cache_file =
         std::filesystem::temp_directory_path() / fmt::format("metile_mlp_decode_benchmark_{}.json", ::getpid());
     std::filesystem::remove(options.decision_cache_file);
+    options.tuning_candidates = tuning_candidates;
     options.tournament.rounds = 5;
     options.tournament.calls_per_sample = 10;
 
@@ -312,12 +324,19 @@ int main(int argc, char** argv) {
             row.stage_choice[s] = stages[s]->candidates[static_cast<std::size_t>(stages[s]->chosen)].name;
           }
           row.mlp_bytes = static_cast<double>(weight_bytes + activations * 3 * model.hidden);
-          const auto replay = [&](bool native) {
+          enum class Graph { executor, native, serialized };
+          const auto replay = [&](Graph graph) {
             return time_on_stream_ms(
                        stream,
                        [&](const CudaStream& s) {
                          for (const DecodeMlpExecutor& executor : executors) {
-                           native ? executor.enqueue_native(s) : executor.enqueue(s);
+                           if (graph == Graph::native) {
+                             executor.enqueue_native(s);
+                           } else if (graph == Graph::serialized) {
+                             executor.enqueue_serialized(s);
+                           } else {
+                             executor.enqueue(s);
+                           }
                          }
                        },
                        3, 10, 7) /
@@ -326,8 +345,10 @@ int main(int argc, char** argv) {
           if (model.name == models.front().name && (rows == 1 || rows == 16) && format.bits != 8) {
             candidate_reports += fmt::format("{} {} M={}\n{}", model.name, format.to_string(), rows, executors.front().report());
           }
-          row.mlp_us = replay(false) * 1e3;
-          row.mlp_native_us = replay(true) * 1e3;
+          row.mlp_us = replay(Graph::executor) * 1e3;
+          row.mlp_native_us = replay(Graph::native) * 1e3;
+          row.mlp_serialized_us = replay(Graph::serialized) * 1e3;
+          row.programmatic_dependent = executors.front().programmatic_dependent();
           table.push_back(row);
           fmt::print("{:<13} {:<18} M={:<2} gate/up {:>7.1f} us ({}), down {:>7.1f} us ({}), MLP {:>7.1f} us vs native {:>7.1f} us\n",
                      row.model, row.format, rows, row.stage_us[0], row.stage_choice[0], row.stage_us[1],
@@ -349,13 +370,15 @@ int main(int argc, char** argv) {
                  100 * gbps(row.stage_bytes[1], row.stage_us[1]) / copy_gbps, row.stage_native_us[1] / row.stage_us[1],
                  row.stage_choice[1]);
     }
-    fmt::print("\nwhole MLP (executor CUDA graph vs native CUDA graph, round-robin over replicas > 3x L2)\n");
-    fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9} {:>7} {:>6} {:>10} {:>6}\n", "model", "format", "M", "replicas", "us", "GB/s",
-               "%copy", "native us", "xnat");
+    fmt::print("\nwhole MLP (executor CUDA graph vs native CUDA graph, round-robin over replicas > 3x L2; PDL: down\n"
+               "launched as a programmatic dependent of gate/up, 'no PDL us' the same kernels in plain stream order)\n");
+    fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9} {:>7} {:>6} {:>10} {:>6} {:>4} {:>10}\n", "model", "format", "M", "replicas", "us",
+               "GB/s", "%copy", "native us", "xnat", "PDL", "no PDL us");
     for (const Row& row : table) {
-      fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9.1f} {:>7.0f} {:>5.0f}% {:>10.1f} {:>6.2f}\n", row.model, row.format, row.rows,
-                 row.replicas, row.mlp_us, gbps(row.mlp_bytes, row.mlp_us), 100 * gbps(row.mlp_bytes, row.mlp_us) / copy_gbps,
-                 row.mlp_native_us, row.mlp_native_us / row.mlp_us);
+      fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9.1f} {:>7.0f} {:>5.0f}% {:>10.1f} {:>6.2f} {:>4} {:>10.1f}\n", row.model, row.format,
+                 row.rows, row.replicas, row.mlp_us, gbps(row.mlp_bytes, row.mlp_us),
+                 100 * gbps(row.mlp_bytes, row.mlp_us) / copy_gbps, row.mlp_native_us, row.mlp_native_us / row.mlp_us,
+                 row.programmatic_dependent ? "yes" : "no", row.mlp_serialized_us);
     }
 
     // The goals of issue 15, with what this run reached (copy bandwidth of this run).

@@ -289,6 +289,13 @@ void launch(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared
             const CudaStream& stream, const KernelArguments& arguments);
 void launch_raw(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
                 const CudaStream& stream, void** argument_pointers);
+// A programmatic dependent launch (cuLaunchKernelEx with programmatic stream serialization): the
+// kernel may start before the previous kernel on the stream has finished, once every block of that
+// one has executed griddepcontrol.launch_dependents (or exited); the kernel itself must execute
+// griddepcontrol.wait before it touches anything the previous kernel writes or reads. Capturable
+// into a CUDA graph (the edge becomes a programmatic one).
+void launch_programmatic_dependent(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+                                   const CudaStream& stream, const KernelArguments& arguments);
 
 namespace detail {
 inline std::uint64_t kernel_argument(const DeviceBuffer& buffer) { return buffer.address(); }

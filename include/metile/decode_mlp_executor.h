@@ -25,7 +25,13 @@ struct DecodeMlpOptions {
   std::uint64_t gate_seed = 0x6d6c70;
   bool use_decision_cache = true;   // a stored decision skips the tournament (the gate still runs)
   std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
-  int tuning_candidates = 5;        // launch shapes per fused schedule (gemv_tuning_candidates)
+  int tuning_candidates = 11;       // launch shapes per fused schedule (gemv_tuning_candidates)
+  // When the chosen down stage is a generated GEMV, its graph with down launched as a programmatic
+  // dependent of gate/up (prologue and first weight loads overlapping gate/up's tail) races the
+  // plain-order graph of the same kernels; the faster one is the executor's graph (it helps the
+  // wide Llama-3-8B stages and hurt the narrow models' on the H200). enqueue_serialized() replays
+  // the plain-order one.
+  bool programmatic_dependent_launch = true;
 };
 
 // One candidate of a stage. Native: cuBLASLt / dequantize + cuBLASLt (the library path), or the
@@ -66,6 +72,11 @@ class DecodeMlpExecutor {
   const DeviceTensor& out() const;
   const CudaStream& stream() const;
   void enqueue(const CudaStream& stream) const;  // replays the executor's CUDA graph
+  // The same chosen kernels in a graph without programmatic dependent launch (plain stream order).
+  void enqueue_serialized(const CudaStream& stream) const;
+  // Whether the executor's graph launches the down stage as a programmatic dependent, and why not.
+  bool programmatic_dependent() const;
+  const std::string& programmatic_dependent_reason() const;
   // Uploads x and residual, replays, synchronizes and returns out.
   HostTensor run(const HostTensor& x, const HostTensor& residual);
   // The unfused graph on the native path (both stages' best native candidates, one CUDA graph

@@ -226,15 +226,17 @@ std::vector<RegionLowering> builtin_lowerings();
 //                         one-node region the Executable offers (contraction_node_region)
 
 // A generated GEMV loaded for the current device: the dynamic shared-memory limit raised and,
-// for a streamed kernel, its zeroed workspace allocated. launch() appends the workspace to
-// `arguments` (weights ... out, gemv.h's argument order).
+// for a streamed or split-K kernel, its zeroed workspace allocated. launch() appends the workspace
+// to `arguments` (weights ... out, gemv.h's argument order); `programmatic_dependent` launches it
+// as a programmatic dependent of the previous kernel on the stream (gemv.h: every generated GEMV
+// waits for it before reading x).
 struct LoadedGemv {
   GemvKernelSource kernel;
   CompiledKernel compiled;
   std::shared_ptr<DeviceBuffer> workspace;
 
   static LoadedGemv load(GemvKernelSource kernel, const CompiledProgram& program);
-  void launch(const CudaStream& stream, KernelArguments arguments) const;
+  void launch(const CudaStream& stream, KernelArguments arguments, bool programmatic_dependent = false) const;
 };
 // Compiles the kernels in parallel (NVRTC needs no device) for the current device's architecture;
 // load_gemvs then loads them on this thread, in order.

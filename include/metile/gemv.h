@@ -154,6 +154,19 @@ struct GemvKernelConfig {
   int tiles_per_block = 1;         // 16-row tiles per block (their x fragments are shared)
   int iterations_in_flight = 2;    // mainloop iterations whose loads are issued before the math
   bool double_buffered = true;      // issue the next iterations' loads before this one's math
+  // Register-batch mainloop only:
+  //   k_splits > 1: split-K, each 16-row tile's K range is shared by that many blocks (so a narrow
+  //     N still fills every SM); each writes fp32 partials to the workspace and the last block to
+  //     arrive adds them in split order (deterministic) and applies the epilogue.
+  //   shared_stages >= 2: each warp's batches are staged in shared memory by cp.async (16-byte
+  //     asynchronous copies, one per lane and vector), that many batches deep, and read back just
+  //     before their math: bytes in flight no longer cost registers. 0: batches live in registers.
+  //   shared_group_sums (affine): sum(x) of each group is computed once per block into shared
+  //     memory (after the wait for the previous kernel) instead of by an mma against a tile of ones
+  //     in every iteration: a third fewer tensor instructions for a 4-bit gate/up.
+  int k_splits = 1;
+  int shared_stages = 0;
+  bool shared_group_sums = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
@@ -168,17 +181,24 @@ struct GemvKernelConfig {
 // The generated kernel and how to launch it. Arguments, in order: for each weight matrix its
 // weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
 // (affine only), then x [M, K], then each epilogue tensor, then out [M, N]; all pointers.
-// A streamed kernel takes one more pointer after out: its workspace (workspace_bytes, zeroed once
-// before the first launch; every launch leaves it ready for the next, so launches on one stream
-// may share it, concurrent launches may not).
+// A streamed or split-K kernel takes one more pointer after out: its workspace (workspace_bytes,
+// zeroed once before the first launch; every launch leaves it ready for the next, so launches on
+// one stream may share it, concurrent launches may not).
+//
+// Every generated kernel is ready for programmatic dependent launch (PDL): each block lets the next
+// kernel of the stream launch as soon as it starts (griddepcontrol.launch_dependents), and reads
+// nothing but its weights before griddepcontrol.wait (x, the epilogue tensors, the workspace, and
+// every write, come after). Launched with the programmatic-stream-serialization attribute, its
+// prologue and first weight loads overlap the previous kernel's tail; launched plainly, the wait
+// returns at once.
 struct GemvKernelSource {
   std::string kernel_name;  // unique per config
   std::string source;       // self-contained CUDA C++ (no includes) for NVRTC
   unsigned grid_blocks = 0;
   unsigned block_threads = 0;
   unsigned static_shared_bytes = 0;
-  unsigned dynamic_shared_bytes = 0;   // streamed: the stage rings, x and its group sums
-  std::uint64_t workspace_bytes = 0;   // streamed: fp32 partials and per-tile arrival counters
+  unsigned dynamic_shared_bytes = 0;   // streamed: the stage rings, x and its group sums; staged: the rings
+  std::uint64_t workspace_bytes = 0;   // streamed, split-K: fp32 partials and per-tile arrival counters
   int k_slices = 1;                    // streamed: K splits (x slices that fit shared memory)
 };
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);

@@ -69,6 +69,63 @@ __device__ __forceinline__ uint2 load_scale_bias(const void* address) {
   return v;
 }
 
+__device__ __forceinline__ u32 shared_address(const void* pointer) {
+  u32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+  return address;
+}
+
+// Programmatic dependent launch (gemv.h): the next kernel of the stream may launch once every block
+// of this one has started; this one reads what an earlier kernel wrote only after the wait. Both
+// are no-ops when the kernel was not launched as a programmatic dependent.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The wait, returning `pointer` out of the same asm statement: loads through the result depend on
+// it. x is read with non-volatile `ld.global.nc` asm, which the "memory" clobber does not order:
+// on the H200 (device call 8) ptxas hoisted those loads above a plain wait, and a dependent GEMV
+// read its x before the previous kernel had written it.
+template <class T>
+__device__ __forceinline__ T* after_previous_kernel(T* pointer) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n\tmov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+#else
+  asm volatile("mov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+#endif
+  return pointer;
+}
+
+// fp32 partial sums another block (on another SM) adds: st/ld .cg bypass L1 and meet in L2.
+__device__ __forceinline__ void store_partial(float* address, float value) {
+  asm volatile("st.global.cg.f32 [%0], %1;" :: "l"(address), "f"(value) : "memory");
+}
+__device__ __forceinline__ float load_partial(const float* address) {
+  float value;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(value) : "l"(address) : "memory");
+  return value;
+}
+
+// Asynchronous copies into shared memory (cp.async): `live` false copies nothing and fills zeros
+// (the source must still be a valid address).
+__device__ __forceinline__ void copy_async_16(void* destination, const void* source, bool live) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(shared_address(destination)), "l"(source), "r"(live ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void copy_async_8(void* destination, const void* source, bool live) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;"
+               :: "r"(shared_address(destination)), "l"(source), "r"(live ? 8 : 0) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(Pending) : "memory"); }
+
 // Pair j of a repacked word as two activation-dtype values (offset + q_lo, offset + q_hi).
 __device__ __forceinline__ u32 code_pair(u32 word, int j) {
   if constexpr (kBits == 4) {
@@ -97,6 +154,44 @@ __device__ __forceinline__ void affine_fragments(const uint4& rows_low, const ui
     const u32 low1 = component(rows_low, 2 * chunk + 1), high1 = component(rows_high, 2 * chunk + 1);
     step0[0] = code_pair(low0, 0); step0[1] = code_pair(high0, 0); step0[2] = code_pair(low0, 1); step0[3] = code_pair(high0, 1);
     step1[0] = code_pair(low1, 0); step1[1] = code_pair(high1, 0); step1[2] = code_pair(low1, 1); step1[3] = code_pair(high1, 1);
+  }
+}
+
+// One group q of one matrix's affine product, both mainloops' (the weights come from registers or
+// from shared memory through `fragments(chunk, step0, step1)`, the A fragments of one 32-column
+// chunk):  acc += scale * sum((offset + q) x) + (bias - offset * scale) * sum(x), per tile row
+// (g from the low half of `scale_bias`, g + 8 from the high half); xsum[h] holds sum(x) of the
+// group in the C-fragment layout (element e: activation row 8h + 2t + (e & 1)). Four values, not
+// two, though e and e + 2 are equal: ptxas spilled with two at M = 16 (4-bit down w8 f2).
+template <class Fragments>
+__device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4], const uint4 (&xv)[kRowHalves][kChunksPerIteration],
+                                                     int q, uint2 scale_bias, const float (&xsum)[kRowHalves][4],
+                                                     Fragments&& fragments) {
+  float part[kRowHalves][4];
+#pragma unroll
+  for (int h = 0; h < kRowHalves; ++h) part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChunksPerGroup; ++j) {
+    const int chunk = q * kChunksPerGroup + j;
+    u32 step0[4], step1[4];
+    fragments(chunk, step0, step1);
+#pragma unroll
+    for (int h = 0; h < kRowHalves; ++h) {
+      const uint4 b = xv[h][chunk];
+      mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
+      mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
+    }
+  }
+  const float scale_low = to_f32(scale_bias.x & 0xFFFFu), bias_low = to_f32(scale_bias.x >> 16);
+  const float scale_high = to_f32(scale_bias.y & 0xFFFFu), bias_high = to_f32(scale_bias.y >> 16);
+  const float offset_low = fmaf(-kCodeOffset, scale_low, bias_low);
+  const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
+#pragma unroll
+  for (int h = 0; h < kRowHalves; ++h) {
+    acc[h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h][0]);
+    acc[h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h][1]);
+    acc[h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h][2]);
+    acc[h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h][3]);
   }
 }
 
@@ -138,6 +233,29 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
     source += fmt::format("  const u16* const scale_bias[kProducts] = {{nullptr{}}};\n", products == 2 ? ", nullptr" : "");
   }
   return source;
+}
+
+std::string gemv_output_functions(const GemvKernelConfig& config) {
+  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
+  std::string text = "struct Outputs {\n";
+  for (std::size_t i = 0; i < tensors.size(); ++i) text += fmt::format("  const u16* tensor{};\n", i);
+  text += "  u16* out;\n};\n";
+  text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
+          "  (void)acc1;\n";
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    text += fmt::format("  const float tensor_value{} = to_f32(outputs.tensor{}[{}]);\n", i, i,
+                        tensors[i].broadcast_rows ? "n" : "m * kN + n");
+  }
+  text += fmt::format("  outputs.out[m * kN + n] = from_f32({});\n}}\n", config.epilogue.cuda_expression());
+  return text;
+}
+
+std::string gemv_outputs_binding(const GemvKernelConfig& config) {
+  std::string text = "  Outputs outputs;\n";
+  for (std::size_t i = 0; i < config.epilogue.tensor_inputs().size(); ++i) {
+    text += fmt::format("  outputs.tensor{} = tensor{};\n", i, i);
+  }
+  return text + "  outputs.out = out;\n";
 }
 
 std::string gemv_problem_constants(const GemvKernelConfig& config) {

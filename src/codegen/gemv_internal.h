@@ -30,6 +30,12 @@ std::string gemv_problem_constants(const GemvKernelConfig& config);
 std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string& kernel_name,
                               std::string_view extra_parameters);
 
+// `struct Outputs` (the epilogue tensors and out) and `store_output(outputs, m, n, acc0, acc1)`,
+// which applies the epilogue to one output; both mainloops store through it (after the op table's
+// device functions). gemv_outputs_binding: the kernel-entry lines that fill `outputs`.
+std::string gemv_output_functions(const GemvKernelConfig& config);
+std::string gemv_outputs_binding(const GemvKernelConfig& config);
+
 // The streamed mainloop (gemv_streamed.cpp).
 void validate_streamed(const GemvKernelConfig& config);  // InputError when it cannot be built
 GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config);

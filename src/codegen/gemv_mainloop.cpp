@@ -4,8 +4,13 @@
 //
 //   block  = `warps` warps x `tiles` 16-row tiles of W; the warps split K (iteration i goes to
 //            warp i mod warps) and meet in shared memory at the end
+//   split-K: with k_splits > 1, that many blocks share a tile's K range (a narrow N still gives
+//            every SM blocks); each writes fp32 partials to the workspace, the last to arrive
+//            adds them in split order and applies the epilogue
 //   warp   : per iteration, per tile and matrix, two 16-byte loads per lane (rows 0..7 and
-//            8..15 of the tile), `in_flight` iterations issued before any math
+//            8..15 of the tile), `in_flight` iterations issued before any math: into registers,
+//            or (shared_stages) by cp.async into a per-warp ring of shared-memory slots that
+//            many batches deep, read back just before the math
 //   math   : tensor-core mma.m16n8k16 with the weight tile as A (16 rows x 16 columns) and up
 //            to 8 activation rows as B (two B halves for M > 8); f32 accumulation
 //   affine : codes become f16/bf16 with one shift-and-mask-or per pair (the "magic number"
@@ -44,15 +49,17 @@ struct Batch {
   uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
 };
 
-// Issues the loads of iterations first, first + kWarps, ... (zeros past the end of K).
-template <int P>
-__device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&weights)[P],
-                                           const u16* const (&scale_bias)[P], int first, int lane, int first_tile) {
+// Visits every 16-byte weight vector and every 8-byte scale/bias pair of the batch whose iterations
+// are first, first + kWarps, ... (live: inside [.., end) and inside the matrix). One place for the
+// addresses, whether the batch goes to registers (load_batch) or to shared memory (issue_batch).
+template <int P, class Vector, class Pair>
+__device__ __forceinline__ void for_each_load(const u32* const (&weights)[P], const u16* const (&scale_bias)[P], int first,
+                                              int end, int lane, int first_tile, Vector&& vector, Pair&& pair) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int u = 0; u < kInFlight; ++u) {
     const int it = first + u * kWarps;
-    const bool live = it < kIterations;
+    const bool live = it < end;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
 #pragma unroll
@@ -62,25 +69,21 @@ __device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&w
         for (int l = 0; l < kLoadsPerIteration; ++l) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            batch.w[u][p][i][l][h] = make_uint4(0u, 0u, 0u, 0u);
             if constexpr (kAffine) {
               const u64 block = (u64)tile * kLoadBlocks + (u64)it * kLoadsPerIteration + l;
-              if (live && tile < kTileCount) batch.w[u][p][i][l][h] = load_weights(weights[p] + (block * 2 + h) * 128 + lane * 4);
+              vector(u, p, i, l, h, weights[p] + (block * 2 + h) * 128 + lane * 4, live && tile < kTileCount);
             } else {
               const int row = tile * 16 + 8 * h + g;
               const int k = it * kColumnsPerIteration + 8 * t;
-              if (live && row < kN && k < kK) {
-                batch.w[u][p][i][l][h] = load_weights(reinterpret_cast<const u16*>(weights[p]) + (u64)row * kK + k);
-              }
+              vector(u, p, i, l, h, reinterpret_cast<const u16*>(weights[p]) + (u64)row * kK + k, live && row < kN && k < kK);
             }
           }
         }
+        if constexpr (kAffine) {
 #pragma unroll
-        for (int q = 0; q < kGroupsPerIteration; ++q) {
-          batch.sb[u][p][i][q] = make_uint2(0u, 0u);
-          if constexpr (kAffine) {
+          for (int q = 0; q < kGroupsPerIteration; ++q) {
             const u64 group = (u64)tile * kGroupCount + (u64)it * kGroupsPerIteration + q;
-            if (live && tile < kTileCount) batch.sb[u][p][i][q] = load_scale_bias(scale_bias[p] + (group * 8 + g) * 4);
+            pair(u, p, i, q, scale_bias[p] + (group * 8 + g) * 4, live && tile < kTileCount);
           }
         }
       }
@@ -88,10 +91,101 @@ __device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&w
   }
 }
 
+// Loads a batch into registers (zeros where not live).
+template <int P>
+__device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&weights)[P],
+                                           const u16* const (&scale_bias)[P], int first, int end, int lane, int first_tile) {
+  for_each_load<P>(
+      weights, scale_bias, first, end, lane, first_tile,
+      [&](int u, int p, int i, int l, int h, const void* address, bool live) {
+        // Zero, then a predicated load: ptxas keeps ~25 more registers live for a select (95 -> 120
+        // for 4-bit g64 gate/up w4).
+        batch.w[u][p][i][l][h] = make_uint4(0u, 0u, 0u, 0u);
+        if (live) batch.w[u][p][i][l][h] = load_weights(address);
+      },
+      [&](int u, int p, int i, int q, const void* address, bool live) {
+        batch.sb[u][p][i][q] = make_uint2(0u, 0u);
+        if (live) batch.sb[u][p][i][q] = load_scale_bias(address);
+      });
+}
+
+// A batch staged in shared memory (shared_stages >= 2): the same vectors, each lane's at
+// [vector][lane] so that a warp's 32 vectors are 512 contiguous bytes (no bank conflicts). Every
+// lane copies, and later reads back, only its own vectors: no barrier between lanes is needed.
+template <int P>
+struct SharedSlot {
+  static constexpr int kWordBytes = kInFlight * P * kTiles * kLoadsPerIteration * 2 * 512;
+  static constexpr int kBytes = kWordBytes + (kAffine ? kInFlight * P * kTiles * kGroupsPerIteration * 256 : 0);
+  __device__ static int word(int u, int p, int i, int l, int h) {
+    return ((((u * P + p) * kTiles + i) * kLoadsPerIteration + l) * 2 + h) * 512;
+  }
+  __device__ static int pair(int u, int p, int i, int q) {
+    return kWordBytes + (((u * P + p) * kTiles + i) * kGroupsPerIteration + q) * 256;
+  }
+};
+
+template <int P>
+__device__ __forceinline__ void issue_batch(unsigned char* slot, const u32* const (&weights)[P],
+                                            const u16* const (&scale_bias)[P], int first, int end, int lane, int first_tile) {
+  for_each_load<P>(
+      weights, scale_bias, first, end, lane, first_tile,
+      [&](int u, int p, int i, int l, int h, const void* address, bool live) {
+        copy_async_16(slot + SharedSlot<P>::word(u, p, i, l, h) + lane * 16, live ? address : weights[p], live);
+      },
+      [&](int u, int p, int i, int q, const void* address, bool live) {
+        copy_async_8(slot + SharedSlot<P>::pair(u, p, i, q) + lane * 8, live ? address : scale_bias[p], live);
+      });
+}
+
+template <int P>
+__device__ __forceinline__ void read_batch(Batch<P>& batch, const unsigned char* slot, int lane) {
+#pragma unroll
+  for (int u = 0; u < kInFlight; ++u)
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+        for (int l = 0; l < kLoadsPerIteration; ++l)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            batch.w[u][p][i][l][h] = *reinterpret_cast<const uint4*>(slot + SharedSlot<P>::word(u, p, i, l, h) + lane * 16);
+        if constexpr (kAffine) {
+#pragma unroll
+          for (int q = 0; q < kGroupsPerIteration; ++q)
+            batch.sb[u][p][i][q] = *reinterpret_cast<const uint2*>(slot + SharedSlot<P>::pair(u, p, i, q) + lane * 8);
+        }
+      }
+}
+
+// shared_group_sums: sum(x) per group of the block's iterations, rows kM..kPaddedM-1 zero.
+constexpr int kGroupSumFloats = kSharedGroupSums ? kGroupCount * kPaddedM : 1;
+__shared__ __align__(8) float group_sums[kGroupSumFloats];
+
+// Fills group_sums for the iterations [begin, end) (x through the pointer the wait returned); the
+// caller synchronizes the block.
+__device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, int begin, int end) {
+  const int first_group = begin * kGroupsPerIteration, groups = (end - begin) * kGroupsPerIteration;
+  for (int unit = threadIdx.x; unit < groups * kPaddedM; unit += kThreads) {
+    const int m = unit / groups, group = first_group + (unit - m * groups);
+    float total = 0.0f;
+    if (m < kM) {
+      for (int v = 0; v < kGroup / 8; ++v) {
+        const int k = group * kGroup + 8 * v;
+        if (k >= kK) break;
+        const uint4 value = load_activations(x + m * kK + k);
+        total += to_f32(value.x & 0xFFFFu) + to_f32(value.x >> 16) + to_f32(value.y & 0xFFFFu) + to_f32(value.y >> 16) +
+                 to_f32(value.z & 0xFFFFu) + to_f32(value.z >> 16) + to_f32(value.w & 0xFFFFu) + to_f32(value.w >> 16);
+      }
+    }
+    group_sums[group * kPaddedM + m] = total;
+  }
+}
+
 // The math of one batch: x fragments, then per group the mma products and the scale/bias fold.
 template <int P>
 __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves][4], const Batch<P>& batch,
-                                              const u16* __restrict__ x, int first, int lane) {
+                                              const u16* __restrict__ x, int first, int end, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int u = 0; u < kInFlight; ++u) {
@@ -104,55 +198,45 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
       for (int c = 0; c < kChunksPerIteration; ++c) {
         const int k = it * kColumnsPerIteration + 32 * c + 8 * t;
         xv[h][c] = make_uint4(0u, 0u, 0u, 0u);
-        if (it < kIterations && m < kM && k < kK) xv[h][c] = load_activations(x + m * kK + k);
+        if (it < end && m < kM && k < kK) xv[h][c] = load_activations(x + m * kK + k);
       }
     }
     if constexpr (kAffine) {
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
         float xsum[kRowHalves][4];
+        if constexpr (kSharedGroupSums) {
 #pragma unroll
-        for (int h = 0; h < kRowHalves; ++h) {
-          xsum[h][0] = xsum[h][1] = xsum[h][2] = xsum[h][3] = 0.0f;
+          for (int h = 0; h < kRowHalves; ++h) {
+            float2 pair = make_float2(0.0f, 0.0f);
+            if (it < end) {
+              pair = *reinterpret_cast<const float2*>(group_sums + (it * kGroupsPerIteration + q) * kPaddedM + 8 * h + 2 * t);
+            }
+            xsum[h][0] = xsum[h][2] = pair.x;
+            xsum[h][1] = xsum[h][3] = pair.y;
+          }
+        } else {
 #pragma unroll
-          for (int j = 0; j < kChunksPerGroup; ++j) {
-            const uint4 b = xv[h][q * kChunksPerGroup + j];
-            mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
-            mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
+          for (int h = 0; h < kRowHalves; ++h) {
+            xsum[h][0] = xsum[h][1] = xsum[h][2] = xsum[h][3] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kChunksPerGroup; ++j) {
+              const uint4 b = xv[h][q * kChunksPerGroup + j];
+              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
+              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
+            }
           }
         }
 #pragma unroll
         for (int p = 0; p < P; ++p) {
 #pragma unroll
           for (int i = 0; i < kTiles; ++i) {
-            float part[kRowHalves][4];
-#pragma unroll
-            for (int h = 0; h < kRowHalves; ++h) part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < kChunksPerGroup; ++j) {
-              const int chunk = q * kChunksPerGroup + j;
-              const int l = chunk / kChunksPerLoad;
-              u32 step0[4], step1[4];
-              affine_fragments(batch.w[u][p][i][l][0], batch.w[u][p][i][l][1], chunk % kChunksPerLoad, step0, step1);
-#pragma unroll
-              for (int h = 0; h < kRowHalves; ++h) {
-                const uint4 b = xv[h][chunk];
-                mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
-                mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
-              }
-            }
-            const uint2 s = batch.sb[u][p][i][q];
-            const float scale_low = to_f32(s.x & 0xFFFFu), bias_low = to_f32(s.x >> 16);
-            const float scale_high = to_f32(s.y & 0xFFFFu), bias_high = to_f32(s.y >> 16);
-            const float offset_low = fmaf(-kCodeOffset, scale_low, bias_low);
-            const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
-#pragma unroll
-            for (int h = 0; h < kRowHalves; ++h) {
-              acc[p][i][h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h][0]);
-              acc[p][i][h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h][1]);
-              acc[p][i][h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h][2]);
-              acc[p][i][h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h][3]);
-            }
+            affine_group_product(acc[p][i], xv, q, batch.sb[u][p][i][q], xsum,
+                                 [&](int chunk, u32(&step0)[4], u32(&step1)[4]) {
+                                   const int l = chunk / kChunksPerLoad;
+                                   affine_fragments(batch.w[u][p][i][l][0], batch.w[u][p][i][l][1], chunk % kChunksPerLoad,
+                                                    step0, step1);
+                                 });
           }
         }
       }
@@ -174,32 +258,84 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
   }
 }
 
-// Adds this warp's share of K (iterations warp, warp + kWarps, ...) for P weight matrices into acc.
-// Double-buffered: the next batch's loads are issued before the current batch's math, so this
-// warp keeps bytes in flight while it computes. Otherwise each batch is loaded, then computed.
+// Adds this warp's share of the block's iterations [begin, end) (begin + warp, begin + warp + kWarps,
+// ...) for P weight matrices into acc. Three schedules:
+//   staged (kSharedStages >= 2): batches go to a ring of shared-memory slots by cp.async,
+//     kSharedStages - 1 batches ahead of the math; each is read back into registers just before it;
+//   double-buffered: the next batch's register loads are issued before the current batch's math;
+//   otherwise each batch is loaded, then computed.
+// Only weights are read before the wait: x may be the previous kernel's output, and every x load
+// goes through the pointer after_previous_kernel() returns.
 template <int P>
 __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
                                            const u16* const (&scale_bias)[P], const u16* __restrict__ x,
-                                           const int warp, const int lane, const int first_tile) {
+                                           const int warp, const int lane, const int first_tile, const int split_begin,
+                                           const int split_end, unsigned char* ring, const bool fill_sums) {
   constexpr int kStride = kWarps * kInFlight;
-  if constexpr (kDoubleBuffered) {
-    Batch<P> even, odd;
-    if (warp < kIterations) load_batch(even, weights, scale_bias, warp, lane, first_tile);
+  // Without split-K the bounds are the compile-time ones (a run-time bound here costs ptxas ~7
+  // registers, 120 -> 127 for 4-bit g64 gate/up w4, even where it folds to the same constant).
+  const int begin = kSplits == 1 ? 0 : split_begin;
+  const int end = kSplits == 1 ? kIterations : split_end;
+  if constexpr (kSharedStages >= 2) {
+    int issue = begin + warp;
+#pragma unroll
+    for (int s = 0; s < kSharedStages - 1; ++s) {
+      if (issue < end) issue_batch<P>(ring + s * SharedSlot<P>::kBytes, weights, scale_bias, issue, end, lane, first_tile);
+      copy_async_commit();
+      issue += kStride;
+    }
+    x = after_previous_kernel(x);
+    if (kSharedGroupSums && fill_sums) {  // fill_sums is the same for the whole block
+      fill_group_sums(x, begin, end);
+      __syncthreads();
+    }
+    int slot = 0;
 #pragma unroll 1
-    for (int first = warp; first < kIterations; first += 2 * kStride) {
+    for (int first = begin + warp; first < end; first += kStride) {
+      // The slot computed last time round takes the batch kSharedStages - 1 ahead.
+      const int refill = slot == 0 ? kSharedStages - 1 : slot - 1;
+      if (issue < end) issue_batch<P>(ring + refill * SharedSlot<P>::kBytes, weights, scale_bias, issue, end, lane, first_tile);
+      copy_async_commit();
+      issue += kStride;
+      copy_async_wait<kSharedStages - 1>();
+      Batch<P> batch;
+      read_batch<P>(batch, ring + slot * SharedSlot<P>::kBytes, lane);
+      compute_batch(acc, batch, x, first, end, lane);
+      slot = slot + 1 == kSharedStages ? 0 : slot + 1;
+    }
+    copy_async_wait<0>();
+  } else if constexpr (kDoubleBuffered) {
+    Batch<P> even, odd;
+    if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
+    x = after_previous_kernel(x);
+    if (kSharedGroupSums && fill_sums) {
+      fill_group_sums(x, begin, end);
+      __syncthreads();
+    }
+#pragma unroll 1
+    for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
-      if (second < kIterations) load_batch(odd, weights, scale_bias, second, lane, first_tile);
-      compute_batch(acc, even, x, first, lane);
-      if (second >= kIterations) break;
-      if (second + kStride < kIterations) load_batch(even, weights, scale_bias, second + kStride, lane, first_tile);
-      compute_batch(acc, odd, x, second, lane);
+      if (second < end) load_batch(odd, weights, scale_bias, second, end, lane, first_tile);
+      compute_batch(acc, even, x, first, end, lane);
+      if (second >= end) break;
+      if (second + kStride < end) load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
+      compute_batch(acc, odd, x, second, end, lane);
     }
   } else {
     Batch<P> batch;
+    bool waited = false;
+    if (kSharedGroupSums && fill_sums) {  // every warp must reach the barrier: wait before the loop
+      x = after_previous_kernel(x);
+      waited = true;
+      fill_group_sums(x, begin, end);
+      __syncthreads();
+    }
 #pragma unroll 1
-    for (int first = warp; first < kIterations; first += kStride) {
-      load_batch(batch, weights, scale_bias, first, lane, first_tile);
-      compute_batch(acc, batch, x, first, lane);
+    for (int first = begin + warp; first < end; first += kStride) {
+      load_batch(batch, weights, scale_bias, first, end, lane, first_tile);
+      if (!waited) x = after_previous_kernel(x);
+      waited = true;
+      compute_batch(acc, batch, x, first, end, lane);
     }
   }
 }
@@ -229,8 +365,19 @@ __device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4],
 // The kernel entry: accumulate (one of the two schedules), join the warps, apply the epilogue.
 constexpr std::string_view kernel_entry_body = R"CUDA(
   __shared__ float partial[kWarps * kProducts * kTiles * 16 * kPaddedM];
+  allow_dependent_launch();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int first_tile = blockIdx.x * kTiles;
+  // Split-K: block b takes tile block b % kTileBlocks and split b / kTileBlocks, whose iterations
+  // are [split * I / S, (split + 1) * I / S).
+  const int tile_block = kSplits == 1 ? (int)blockIdx.x : (int)blockIdx.x % kTileBlocks;
+  const int split = kSplits == 1 ? 0 : (int)blockIdx.x / kTileBlocks;
+  const int first_tile = tile_block * kTiles;
+  const int begin = split * kIterations / kSplits, end = (split + 1) * kIterations / kSplits;
+  unsigned char* ring = nullptr;
+  if constexpr (kSharedStages >= 2) {
+    extern __shared__ __align__(16) unsigned char ring_memory[];
+    ring = ring_memory + warp * kSharedStages * SharedSlot<kProducts>::kBytes;
+  }
   if constexpr (kProducts == 2 && kScratchSpilled) {
     // Finish the gate reduction, park it in shared memory, reuse the same registers for up.
     float acc[1][kTiles][kRowHalves][4];
@@ -242,7 +389,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
         for (int h = 0; h < kRowHalves; ++h) acc[0][i][h][0] = acc[0][i][h][1] = acc[0][i][h][2] = acc[0][i][h][3] = 0.0f;
       const u32* const one_weights[1] = {weights[p]};
       const u16* const one_scale_bias[1] = {scale_bias[p]};
-      accumulate<1>(acc, one_weights, one_scale_bias, x, warp, lane, first_tile);
+      accumulate<1>(acc, one_weights, one_scale_bias, x, warp, lane, first_tile, begin, end, ring, p == 0);
       spill(acc[0], partial, warp, p, lane);
     }
   } else {
@@ -254,28 +401,101 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
-    accumulate<kProducts>(acc, weights, scale_bias, x, warp, lane, first_tile);
+    accumulate<kProducts>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring, true);
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
+  // A warp with no iterations has not waited yet; nothing below may run before the previous kernel.
+  wait_for_previous_kernel();
   __syncthreads();
 
   // One thread per output; consecutive threads take consecutive n so the stores coalesce.
-  for (int o = threadIdx.x; o < kM * kTiles * 16; o += kThreads) {
-    const int m = o / (kTiles * 16);
-    const int r = o - m * (kTiles * 16);
-    const int n = first_tile * 16 + r;
-    if (n >= kN) continue;
-    const int i = r >> 4, row = r & 15;
-    float acc0 = 0.0f, acc1 = 0.0f;
+  if constexpr (kSplits == 1) {
+    for (int o = threadIdx.x; o < kM * kTiles * 16; o += kThreads) {
+      const int m = o / (kTiles * 16);
+      const int r = o - m * (kTiles * 16);
+      const int n = first_tile * 16 + r;
+      if (n >= kN) continue;
+      float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      acc0 += partial[partial_index(w, 0, i, row, m)];
-      if constexpr (kProducts == 2) acc1 += partial[partial_index(w, 1, i, row, m)];
+      for (int w = 0; w < kWarps; ++w) {
+        acc0 += partial[partial_index(w, 0, r >> 4, r & 15, m)];
+        if constexpr (kProducts == 2) acc1 += partial[partial_index(w, 1, r >> 4, r & 15, m)];
+      }
+      store_output(outputs, m, n, acc0, acc1);
     }
-    (void)acc1;
+  } else {
+    // Each split writes its block's sums to its own workspace slot; the last split of the tile block
+    // to arrive adds the slots in split order (the same bits whatever the timing), applies the
+    // epilogue and re-arms the counter for the next launch.
+    constexpr int kOutputs = kM * kTiles * 16;
+    float* const slots = workspace + (long long)tile_block * kSplits * kProducts * kOutputs;
+    u32* const counters = reinterpret_cast<u32*>(workspace + (long long)kTileBlocks * kSplits * kProducts * kOutputs);
+    for (int o = threadIdx.x; o < kOutputs; o += kThreads) {
+      const int m = o / (kTiles * 16);
+      const int r = o - m * (kTiles * 16);
+      float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        acc0 += partial[partial_index(w, 0, r >> 4, r & 15, m)];
+        if constexpr (kProducts == 2) acc1 += partial[partial_index(w, 1, r >> 4, r & 15, m)];
+      }
+      store_partial(slots + (split * kProducts) * kOutputs + o, acc0);
+      if constexpr (kProducts == 2) store_partial(slots + (split * kProducts + 1) * kOutputs + o, acc1);
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ u32 arrived;
+    if (threadIdx.x == 0) arrived = atomicAdd(counters + tile_block, 1u);
+    __syncthreads();
+    if (arrived != kSplits - 1) return;
+    __threadfence();
+    for (int o = threadIdx.x; o < kOutputs; o += kThreads) {
+      const int m = o / (kTiles * 16);
+      const int r = o - m * (kTiles * 16);
+      const int n = first_tile * 16 + r;
+      if (n >= kN) continue;
+      float acc0 = 0.0f, acc1 = 0.0f;
+      for (int s = 0; s < kSplits; ++s) {
+        acc0 += load_partial(slots + (s * kProducts) * kOutputs + o);
+        if constexpr (kProducts == 2) acc1 += load_partial(slots + (s * kProducts + 1) * kOutputs + o);
+      }
+      store_output(outputs, m, n, acc0, acc1);
+    }
+    if (threadIdx.x == 0) atomicExch(counters + tile_block, 0u);
+  }
+}
 )CUDA";
 
+
+constexpr std::int64_t shared_memory_per_block = 232448;  // sm_90: 227 KiB per block after opting in
+
+// The warps' partial sums, joined in static shared memory.
+std::int64_t partial_sum_bytes(const GemvKernelConfig& config) {
+  const std::int64_t padded_m = (config.rows + 7) / 8 * 8;
+  return std::int64_t{config.warps_per_block} * config.epilogue.product_count() * config.tiles_per_block * 16 * padded_m * 4;
+}
+
+// shared_group_sums: one float per (padded) group and padded row (group_sums in the kernel).
+std::int64_t group_sum_bytes(const GemvKernelConfig& config) {
+  if (!config.shared_group_sums) return 0;
+  const std::int64_t columns = config.format.columns_per_iteration();
+  const std::int64_t groups = (config.in_features + columns - 1) / columns * (columns / config.format.group_size);
+  return groups * ((config.rows + 7) / 8 * 8) * 4;
+}
+
+// The staged batches' rings in dynamic shared memory: per warp, shared_stages slots of one batch
+// of every matrix (SharedSlot<kProducts> in the kernel: 512 bytes per weight vector of the warp,
+// 256 per scale/bias pair).
+std::int64_t staged_ring_bytes(const GemvKernelConfig& config) {
+  if (config.shared_stages == 0) return 0;
+  const GemvWeightFormat& format = config.format;
+  const int columns_per_load = 32 * (format.bits == 16 ? 1 : format.bits == 8 ? 2 : 4);
+  const std::int64_t loads = format.columns_per_iteration() / columns_per_load;
+  const std::int64_t groups = format.is_affine() ? format.columns_per_iteration() / format.group_size : 0;
+  const std::int64_t per_matrix = std::int64_t{config.iterations_in_flight} * config.tiles_per_block * (loads * 2 * 512 + groups * 256);
+  return std::int64_t{config.warps_per_block} * config.shared_stages * config.epilogue.product_count() * per_matrix;
+}
 
 }  // namespace
 
@@ -319,10 +539,28 @@ void GemvKernelConfig::validate() const {
     validate_streamed(*this);
     return;
   }
-  const std::int64_t padded_m = (rows + 7) / 8 * 8;
-  const std::int64_t shared = std::int64_t{warps_per_block} * epilogue.product_count() * tiles_per_block * 16 * padded_m * 4;
+  const std::int64_t shared = partial_sum_bytes(*this);
   if (shared > 48 * 1024) {
     throw InputError(fmt::format("GEMV {}: {} bytes of shared memory for partial sums (at most 49152)", to_string(), shared));
+  }
+  const std::int64_t iterations = (in_features + format.columns_per_iteration() - 1) / format.columns_per_iteration();
+  if (k_splits < 1 || k_splits > 16 || k_splits > iterations) {
+    throw InputError(fmt::format("GEMV {}: k_splits must be 1..min(16, {} iterations), not {}", to_string(), iterations,
+                                 k_splits));
+  }
+  if (shared_stages != 0 && (shared_stages < 2 || shared_stages > 8)) {
+    throw InputError(fmt::format("GEMV: shared_stages must be 0 (registers) or 2..8, not {}", shared_stages));
+  }
+  if (shared_group_sums && !format.is_affine()) {
+    throw InputError("GEMV: shared_group_sums needs affine weights (dense has no groups)");
+  }
+  if (shared + group_sum_bytes(*this) > 48 * 1024) {
+    throw InputError(fmt::format("GEMV {}: {} bytes of static shared memory for partial and group sums (at most 49152)",
+                                 to_string(), shared + group_sum_bytes(*this)));
+  }
+  if (shared + group_sum_bytes(*this) + staged_ring_bytes(*this) > shared_memory_per_block) {
+    throw InputError(fmt::format("GEMV {}: {} bytes of shared memory per block (at most {})", to_string(),
+                                 shared + group_sum_bytes(*this) + staged_ring_bytes(*this), shared_memory_per_block));
   }
 }
 
@@ -334,8 +572,12 @@ std::string GemvKernelConfig::to_string() const {
                               stage_iterations, stages, multiprocessors, blocks_per_multiprocessor);
   }
   if (epilogue.product_count() == 2) text += fmt::format(" {}", gated_schedule_name(schedule));
-  return text + fmt::format(" warps={} tiles={} in_flight={}{}", warps_per_block, tiles_per_block, iterations_in_flight,
-                            double_buffered ? " double_buffered" : "");
+  text += fmt::format(" warps={} tiles={} in_flight={}{}", warps_per_block, tiles_per_block, iterations_in_flight,
+                      shared_stages >= 2 ? fmt::format(" shared_stages={}", shared_stages)
+                                         : std::string(double_buffered ? " double_buffered" : ""));
+  if (k_splits > 1) text += fmt::format(" k_splits={}", k_splits);
+  if (shared_group_sums) text += " shared_group_sums";
+  return text;
 }
 
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
@@ -343,43 +585,50 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.mainloop == GemvMainloop::streamed) return generate_streamed_gemv_kernel(config);
   const int products = config.epilogue.product_count();
   const bool scratch = products == 2 && config.schedule == GatedSchedule::scratch_spilled;
-  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
-  const std::string expression = config.epilogue.cuda_expression();
+  const bool staged = config.shared_stages >= 2;
+  const std::int64_t tile_count = (config.out_features + 15) / 16;
+  const std::int64_t tile_blocks = (tile_count + config.tiles_per_block - 1) / config.tiles_per_block;
 
   GemvKernelSource result;
-  const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + expression);
+  const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + config.epilogue.cuda_expression());
+  std::string schedule_tag = staged ? fmt::format("s{}", config.shared_stages) : config.double_buffered ? "d" : "";
+  if (config.k_splits > 1) schedule_tag += fmt::format("k{}", config.k_splits);
+  if (config.shared_group_sums) schedule_tag += "g";
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
-                  config.tiles_per_block, config.iterations_in_flight, config.double_buffered ? "d" : "",
-                  epilogue_hash & 0xFFFFFFFFu);
+                  config.tiles_per_block, config.iterations_in_flight, schedule_tag, epilogue_hash & 0xFFFFFFFFu);
 
   std::string source = fmt::format("// Generated by metile (src/codegen/gemv_mainloop.cpp): {}\n", config.to_string());
   source += gemv_problem_constants(config);
   source += fmt::format(
       "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
-      "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\n",
+      "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
+      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n",
       scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
-      config.double_buffered ? "true" : "false");
+      config.double_buffered ? "true" : "false", staged ? config.shared_stages : 0, config.k_splits, tile_blocks,
+      config.shared_group_sums ? "true" : "false");
   source += gemv_device_helpers();
   source += register_mainloop_body;
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();
+  source += gemv_output_functions(config);
 
-  source += gemv_kernel_entry(config, result.kernel_name, "");
+  source += gemv_kernel_entry(config, result.kernel_name, config.k_splits > 1 ? ", float* __restrict__ workspace" : "");
+  if (config.k_splits == 1) source += "  float* const workspace = nullptr;  // no split-K join\n";
+  source += gemv_outputs_binding(config);
   source += kernel_entry_body;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    source += fmt::format("    const float tensor_value{} = to_f32(tensor{}[{}]);\n", i, i,
-                          tensors[i].broadcast_rows ? "n" : "m * kN + n");
-  }
-  source += fmt::format("    out[m * kN + n] = from_f32({});\n  }}\n}}\n", expression);
 
-  const std::int64_t tile_count = (config.out_features + 15) / 16;
   result.source = std::move(source);
-  result.grid_blocks = static_cast<unsigned>((tile_count + config.tiles_per_block - 1) / config.tiles_per_block);
+  result.grid_blocks = static_cast<unsigned>(tile_blocks * config.k_splits);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
-  result.static_shared_bytes = static_cast<unsigned>(config.warps_per_block * products * config.tiles_per_block * 16 *
-                                                     ((config.rows + 7) / 8 * 8) * 4);
+  result.static_shared_bytes = static_cast<unsigned>(partial_sum_bytes(config) + group_sum_bytes(config));
+  result.dynamic_shared_bytes = static_cast<unsigned>(staged_ring_bytes(config));
+  if (config.k_splits > 1) {
+    result.workspace_bytes = static_cast<std::uint64_t>(tile_blocks * config.k_splits * products * config.rows *
+                                                            config.tiles_per_block * 16 * 4 +
+                                                        tile_blocks * 4);
+  }
   return result;
 }
 
@@ -408,15 +657,11 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     return std::clamp(depth, 1, 4);
   };
   std::vector<GemvKernelConfig> candidates;
-  auto add = [&](int warps, bool double_buffered, bool deeper = false) {
-    GemvKernelConfig config = base;
-    config.warps_per_block = warps;
-    config.tiles_per_block = 1;
-    config.double_buffered = double_buffered;
-    config.iterations_in_flight = in_flight(warps, double_buffered, deeper);
+  auto add_config = [&](GemvKernelConfig config) {
     for (const GemvKernelConfig& existing : candidates) {
-      if (existing.warps_per_block == warps && existing.double_buffered == double_buffered &&
-          existing.iterations_in_flight == config.iterations_in_flight) {
+      if (existing.warps_per_block == config.warps_per_block && existing.double_buffered == config.double_buffered &&
+          existing.iterations_in_flight == config.iterations_in_flight && existing.k_splits == config.k_splits &&
+          existing.shared_stages == config.shared_stages && existing.shared_group_sums == config.shared_group_sums) {
         return;
       }
     }
@@ -427,22 +672,79 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
     candidates.push_back(config);
   };
+  auto add = [&](int warps, bool double_buffered, bool deeper = false, int k_splits = 1, bool group_sums = false) {
+    GemvKernelConfig config = base;
+    config.warps_per_block = warps;
+    config.tiles_per_block = 1;
+    config.double_buffered = double_buffered;
+    config.iterations_in_flight = in_flight(warps, double_buffered, deeper);
+    config.k_splits = k_splits;
+    config.shared_stages = 0;
+    config.shared_group_sums = group_sums;
+    add_config(config);
+  };
+  // Staged batches (shared_stages): one iteration per affine batch (in shared memory the depth
+  // comes from the ring, not the batch), the register heuristic's batch for dense; as many slots
+  // as fit `ring_bytes` per block, so that several blocks share an SM's 227 KiB.
+  auto add_staged = [&](int warps, std::int64_t ring_bytes, int k_splits = 1) {
+    GemvKernelConfig config = base;
+    config.warps_per_block = warps;
+    config.tiles_per_block = 1;
+    config.double_buffered = false;
+    config.iterations_in_flight = base.format.is_affine() ? 1 : in_flight(warps, false, false);
+    config.k_splits = k_splits;
+    config.shared_group_sums = false;
+    config.shared_stages = 2;
+    const std::int64_t slot_bytes = staged_ring_bytes(config) / 2;
+    config.shared_stages = static_cast<int>(std::clamp<std::int64_t>(ring_bytes / slot_bytes, 2, 8));
+    add_config(config);
+  };
   // Measured on the H200 (notes/mlp_decode.md): one tile per block beat two everywhere, and a
   // grid whose blocks do not all fit at once loses a partial wave. A wide N (many tiles) wants
-  // few warps per tile so that every block is resident; a narrow N splits K over more warps.
+  // few warps per tile so that every block is resident; a narrow N splits K over more warps, and
+  // over several blocks (split-K) when there are too few tiles for the SMs. The first five of each
+  // list are the register shapes of v3; staged and split-K shapes follow (issue 15), for the
+  // register-resident schedule only (the scratch-spilled one has never been chosen).
   const bool narrow = tiles < 2 * multiprocessors;
+  const bool extended = products_in_registers == products;
+  const bool affine = base.format.is_affine();
+  const std::int64_t iterations = (base.in_features + base.format.columns_per_iteration() - 1) / base.format.columns_per_iteration();
+  // Split-K only where some SMs would get no tile at all: about two blocks per SM, each split at
+  // least 4 iterations long. Measured on the H200 (device call 8, ncu): splitting Llama-3-8B's down
+  // projection (256 tiles) three ways took 35 us against 23 us unsplit: shorter blocks only add
+  // latency-bound prologues and joins once every SM already has work.
+  const int splits = tiles >= multiprocessors ? 1
+                                              : static_cast<int>(std::clamp<std::int64_t>(
+                                                    std::min<std::int64_t>((2 * multiprocessors + tiles - 1) / tiles,
+                                                                           iterations / 4),
+                                                    1, 8));
   if (narrow) {
     add(8, true);
     add(16, true);
     add(8, true, true);
     add(4, true);
     add(8, false);
+    if (extended) {
+      if (splits >= 2) add(8, true, false, splits);
+      if (splits >= 2) add(4, true, false, splits);
+      add_staged(8, 72 * 1024);
+      if (splits >= 2) add_staged(8, 72 * 1024, splits);
+      if (affine) add(16, true, false, 1, true);
+      if (affine) add(8, true, false, 1, true);
+    }
   } else {
     add(2, true);
     add(4, true);
     add(2, true, true);
     add(8, true);
     add(4, false);
+    if (extended) {
+      add_staged(4, 64 * 1024);
+      add_staged(8, 96 * 1024);
+      add_staged(4, 40 * 1024);
+      if (affine) add(4, false, false, 1, true);
+      if (affine) add(2, true, false, 1, true);
+    }
   }
   return candidates;
 }

@@ -40,12 +40,6 @@ constexpr long long kTotalWarps = (long long)kBlocks * kWarps;
 constexpr int kXRowElements = kXRowStride / 2;
 constexpr int kPartialFloats = 16 * kM;  // one product of one piece of a tile
 
-__device__ __forceinline__ u32 shared_address(const void* pointer) {
-  u32 address;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
-  return address;
-}
-
 // The first position of warp w's share; owner(x) is the warp whose share holds position x.
 __device__ __forceinline__ long long share_begin(long long warp) { return warp * kPositions / kTotalWarps; }
 __device__ __forceinline__ long long owner(long long position) {
@@ -140,41 +134,22 @@ __device__ __forceinline__ void compute_stage(float (&acc)[kProducts][kRowHalves
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
         const float* sums = xsum + ((first + u) * kGroupsPerIteration + q) * kPaddedM + 2 * t;
-        float2 xsum_h[kRowHalves];
+        float xsum_h[kRowHalves][4];
 #pragma unroll
-        for (int h = 0; h < kRowHalves; ++h) xsum_h[h] = *reinterpret_cast<const float2*>(sums + 8 * h);
+        for (int h = 0; h < kRowHalves; ++h) {
+          const float2 pair = *reinterpret_cast<const float2*>(sums + 8 * h);
+          xsum_h[h][0] = xsum_h[h][2] = pair.x;
+          xsum_h[h][1] = xsum_h[h][3] = pair.y;
+        }
 #pragma unroll
         for (int p = 0; p < kProducts; ++p) {
-          float part[kRowHalves][4];
-#pragma unroll
-          for (int h = 0; h < kRowHalves; ++h) part[h][0] = part[h][1] = part[h][2] = part[h][3] = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kChunksPerGroup; ++j) {
-            const int chunk = q * kChunksPerGroup + j;
-            const int l = chunk / kChunksPerLoad;
-            const unsigned char* words = stage + p * kStageWordBytes + (u * kLoadsPerIteration + l) * 1024 + lane * 16;
-            u32 step0[4], step1[4];
-            affine_fragments(shared_vector(words), shared_vector(words + 512), chunk % kChunksPerLoad, step0, step1);
-#pragma unroll
-            for (int h = 0; h < kRowHalves; ++h) {
-              const uint4 b = xv[h][chunk];
-              mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
-              mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
-            }
-          }
           const uint2 s = *reinterpret_cast<const uint2*>(stage + kProducts * kStageWordBytes + p * kStageScaleBytes +
                                                           ((u * kGroupsPerIteration + q) * 8 + g) * 8);
-          const float scale_low = to_f32(s.x & 0xFFFFu), bias_low = to_f32(s.x >> 16);
-          const float scale_high = to_f32(s.y & 0xFFFFu), bias_high = to_f32(s.y >> 16);
-          const float offset_low = fmaf(-kCodeOffset, scale_low, bias_low);
-          const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
-#pragma unroll
-          for (int h = 0; h < kRowHalves; ++h) {
-            acc[p][h][0] += fmaf(scale_low, part[h][0], offset_low * xsum_h[h].x);
-            acc[p][h][1] += fmaf(scale_low, part[h][1], offset_low * xsum_h[h].y);
-            acc[p][h][2] += fmaf(scale_high, part[h][2], offset_high * xsum_h[h].x);
-            acc[p][h][3] += fmaf(scale_high, part[h][3], offset_high * xsum_h[h].y);
-          }
+          affine_group_product(acc[p], xv, q, s, xsum_h, [&](int chunk, u32(&step0)[4], u32(&step1)[4]) {
+            const unsigned char* words =
+                stage + p * kStageWordBytes + (u * kLoadsPerIteration + chunk / kChunksPerLoad) * 1024 + lane * 16;
+            affine_fragments(shared_vector(words), shared_vector(words + 512), chunk % kChunksPerLoad, step0, step1);
+          });
         }
       }
     } else {
@@ -216,16 +191,6 @@ __device__ __forceinline__ void store_tile(const float (&v)[kProducts][kRowHalve
 __device__ __forceinline__ long long partial_offset(long long item, long long piece, int product, int lane, int h, int e) {
   return ((item * kMaxPieces + piece) * kProducts + product) * kPartialFloats + fragment_row(lane, e) * kM +
          fragment_m(lane, h, e);
-}
-
-// Partials bypass L1 (another SM reads them): st/ld .cg go to L2.
-__device__ __forceinline__ void store_partial(float* address, float value) {
-  asm volatile("st.global.cg.f32 [%0], %1;" :: "l"(address), "f"(value) : "memory");
-}
-__device__ __forceinline__ float load_partial(const float* address) {
-  float value;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(value) : "l"(address) : "memory");
-  return value;
 }
 
 // The end of one piece of tile `item`'s work (positions started by warp `warp`).
@@ -287,6 +252,7 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
                                               const u16* const (&scale_bias)[kProducts], const u16* __restrict__ x,
                                               const Outputs& outputs, float* partials, u32* counters) {
   extern __shared__ __align__(128) unsigned char shared[];
+  allow_dependent_launch();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   u64* barriers = reinterpret_cast<u64*>(shared);
   unsigned char* ring = shared + kRingOffset + warp * kStages * kStageBytes;
@@ -312,7 +278,9 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
     issue += stage_count(issue, end);
   }
 
-  // x of the slices this block's warps touch, all M rows, and the per-group sums of each row.
+  // x of the slices this block's warps touch, all M rows, and the per-group sums of each row;
+  // x may be the previous kernel's output.
+  x = after_previous_kernel(x);
   constexpr long long kSlicePositions = (long long)kTileCount * kSliceIterations;
   const long long block_begin = share_begin((long long)blockIdx.x * kWarps);
   const long long block_end = share_begin((long long)(blockIdx.x + 1) * kWarps);
@@ -473,21 +441,6 @@ StreamedPlan plan_streamed(const GemvKernelConfig& config) {
                                config.to_string(), smallest.shared_bytes, limit));
 }
 
-std::string epilogue_function(const GemvKernelConfig& config) {
-  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
-  std::string text = "struct Outputs {\n";
-  for (std::size_t i = 0; i < tensors.size(); ++i) text += fmt::format("  const u16* tensor{};\n", i);
-  text += "  u16* out;\n};\n";
-  text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
-          "  (void)acc1;\n";
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    text += fmt::format("  const float tensor_value{} = to_f32(outputs.tensor{}[{}]);\n", i, i,
-                        tensors[i].broadcast_rows ? "n" : "m * kN + n");
-  }
-  text += fmt::format("  outputs.out[m * kN + n] = from_f32({});\n}}\n", config.epilogue.cuda_expression());
-  return text;
-}
-
 }  // namespace
 
 void validate_streamed(const GemvKernelConfig& config) {
@@ -508,7 +461,6 @@ void validate_streamed(const GemvKernelConfig& config) {
 GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
   const StreamedPlan plan = plan_streamed(config);
   const int products = config.epilogue.product_count();
-  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
   GemvKernelSource result;
   const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + config.epilogue.cuda_expression());
   result.kernel_name = fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}_streamed_w{}u{}s{}g{}x{}_e{:08x}",
@@ -529,13 +481,11 @@ GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
   source += gemv_device_helpers();
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();
-  source += epilogue_function(config);
+  source += gemv_output_functions(config);
   source += streamed_body;
 
   source += gemv_kernel_entry(config, result.kernel_name, ", float* __restrict__ workspace");
-  source += "  Outputs outputs;\n";
-  for (std::size_t i = 0; i < tensors.size(); ++i) source += fmt::format("  outputs.tensor{} = tensor{};\n", i, i);
-  source += "  outputs.out = out;\n";
+  source += gemv_outputs_binding(config);
   source += fmt::format(
       "  streamed_gemv(weights, scale_bias, x, outputs, workspace, reinterpret_cast<u32*>(workspace + {}));\n}}\n",
       plan.items * plan.max_pieces * products * 16 * config.rows);

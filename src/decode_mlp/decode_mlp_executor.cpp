@@ -33,6 +33,9 @@ struct StageCandidate {
   DeviceStep run;
   DeviceStep eager;
   std::string source;  // every kernel source it runs, for the decision key
+  // A generated GEMV's eager step launched as a programmatic dependent of the previous kernel
+  // (empty for every other candidate).
+  DeviceStep dependent = {};
 };
 
 struct GemvLaunch {
@@ -105,8 +108,10 @@ struct DecodeMlpExecutor::State {
   GemvStage gate_up_stage, down_stage;
   std::vector<std::shared_ptr<GemvLaunch>> launches;
   DecodeMlpStageReport gate_up, down;
-  DeviceStep chosen_gate_up, chosen_down, native_gate_up, native_down;
-  CudaGraph executor_graph, native_graph;
+  DeviceStep chosen_gate_up, chosen_down, native_gate_up, native_down, chosen_down_dependent;
+  CudaGraph executor_graph, native_graph, serialized_graph;
+  bool programmatic_dependent = false;
+  std::string programmatic_dependent_reason;
 
   explicit State(const CudaDevice& device_) : device(device_) {}
 
@@ -119,9 +124,10 @@ struct DecodeMlpExecutor::State {
 
   // Kernel arguments for one GEMV of `stage` (gemv.h's order): its matrices (`repacked_index`:
   // their repacked copies, 0 gate, 1 up, 2 down, when affine), x, the epilogue's tensors, out.
-  // `output` overrides the stage's (the unfused path writes the bare products).
+  // `output` overrides the stage's (the unfused path writes the bare products);
+  // `programmatic_dependent` launches it as a programmatic dependent of the previous kernel.
   DeviceStep bind_gemv(const std::shared_ptr<GemvLaunch>& launch, const GemvStage& stage, std::vector<int> matrices,
-                       std::optional<ValueId> output = std::nullopt) {
+                       std::optional<ValueId> output = std::nullopt, bool programmatic_dependent = false) {
     KernelArguments arguments;
     for (int matrix : matrices) {
       if (weights.format.is_affine()) {
@@ -137,7 +143,9 @@ struct DecodeMlpExecutor::State {
       for (ValueId tensor : stage.epilogue_tensors) arguments.add_pointer((*values)[tensor].address());
     }
     arguments.add_pointer((*values)[output.value_or(stage.output)].address());
-    return [gemv = launch, arguments](const CudaStream& stream) { gemv->loaded.launch(stream, arguments); };
+    return [gemv = launch, arguments, programmatic_dependent](const CudaStream& stream) {
+      gemv->loaded.launch(stream, arguments, programmatic_dependent);
+    };
   }
 
   // Compiles every config in parallel (load_gemvs), then keeps them loaded.
@@ -241,7 +249,8 @@ struct DecodeMlpExecutor::State {
       const auto& launch = compiled[next];
       const DeviceStep step = bind_gemv(launch, down_stage, {2});
       const CandidateId id = CandidateId::fused(fmt::format("residual {}", gemv_shape_name(launch->config)));
-      candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source});
+      candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source,
+                            bind_gemv(launch, down_stage, {2}, std::nullopt, true)});
     }
     return candidates;
   }
@@ -374,10 +383,43 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
       },
       "out", out_reference, s.chosen_down, s.native_down);
 
-  // The executor: both selected callables in one graph, warmed by one replay.
-  s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+  // The executor: both selected callables in one graph, warmed by one replay. A generated down
+  // GEMV launches as a programmatic dependent of gate/up where the option asks for it and the
+  // driver captures it; the plain-order graph of the same kernels is kept for comparison.
+  s.chosen_down_dependent = down[static_cast<std::size_t>(s.down.chosen)].dependent;
+  s.serialized_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+  if (!options.programmatic_dependent_launch) {
+    s.programmatic_dependent_reason = "off (DecodeMlpOptions::programmatic_dependent_launch)";
+  } else if (!s.chosen_down_dependent) {
+    s.programmatic_dependent_reason = "the chosen down stage is not a generated GEMV";
+  } else {
+    // Measured, not assumed: on the H200 (device call 8) PDL took ~1 us off the Llama-3-8B MLP and
+    // added 1-2 us to the narrow models' (their down blocks, launched early, crowd the SMs that
+    // finish gate/up first). The faster graph of the two wins; a tie keeps plain stream order.
+    try {
+      CudaGraph dependent = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down_dependent}));
+      dependent.replay(s.stream);
+      s.stream.synchronize();
+      const std::vector<TournamentCandidate> race = {
+          {"programmatic dependent", [&dependent](const CudaStream& stream) { dependent.replay(stream); }},
+          {"plain stream order", [&s](const CudaStream& stream) { s.serialized_graph.replay(stream); }}};
+      const TournamentResult timing = run_tournament(race, s.stream, options.tournament);
+      const double with = timing.score_ms[0] * 1e3, without = timing.score_ms[1] * 1e3;
+      s.programmatic_dependent = with < without;
+      if (s.programmatic_dependent) s.executor_graph = dependent;
+      s.programmatic_dependent_reason =
+          fmt::format("{} ({:.2f} us with, {:.2f} us without)",
+                      s.programmatic_dependent ? "down launches as a programmatic dependent of gate/up"
+                                               : "not used, no faster",
+                      with, without);
+    } catch (const CudaError& error) {
+      s.programmatic_dependent_reason = fmt::format("not captured: {}", error.what());
+    }
+  }
+  if (!s.programmatic_dependent) s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
   s.native_graph = CudaGraph::capture(s.stream, sequence({s.native_gate_up, s.native_down}));
   s.executor_graph.replay(s.stream);
+  s.serialized_graph.replay(s.stream);
   s.native_graph.replay(s.stream);
   s.stream.synchronize();
   return DecodeMlpExecutor(std::move(state));
@@ -390,6 +432,11 @@ const DeviceTensor& DecodeMlpExecutor::out() const { return (*state_->values)[st
 const CudaStream& DecodeMlpExecutor::stream() const { return state_->stream; }
 void DecodeMlpExecutor::enqueue(const CudaStream& stream) const { state_->executor_graph.replay(stream); }
 void DecodeMlpExecutor::enqueue_native(const CudaStream& stream) const { state_->native_graph.replay(stream); }
+void DecodeMlpExecutor::enqueue_serialized(const CudaStream& stream) const { state_->serialized_graph.replay(stream); }
+bool DecodeMlpExecutor::programmatic_dependent() const { return state_->programmatic_dependent; }
+const std::string& DecodeMlpExecutor::programmatic_dependent_reason() const {
+  return state_->programmatic_dependent_reason;
+}
 const DecodeMlpStageReport& DecodeMlpExecutor::gate_up_report() const { return state_->gate_up; }
 const DecodeMlpStageReport& DecodeMlpExecutor::down_report() const { return state_->down; }
 
@@ -402,7 +449,7 @@ HostTensor DecodeMlpExecutor::run(const HostTensor& x_values, const HostTensor& 
 }
 
 std::string DecodeMlpExecutor::report() const {
-  std::string text;
+  std::string text = fmt::format("programmatic dependent launch: {}\n", state_->programmatic_dependent_reason);
   for (const DecodeMlpStageReport* stage : {&state_->gate_up, &state_->down}) {
     text += stage->sentence + "\n";
     for (const DecodeMlpCandidate& candidate : stage->candidates) {

@@ -1,8 +1,8 @@
 // Loading and launching generated GEMVs: what every caller (the GEMV lowerings, the decode-MLP
-// executor, the GPU tests, the benchmark) needs beyond a plain launch, written once. A streamed
-// kernel asks for more than 48 KiB of dynamic shared memory (the limit is raised at load) and
-// reads a workspace of fp32 partials and per-tile counters, zeroed here once; each launch leaves
-// the counters at zero.
+// executor, the GPU tests, the benchmark) needs beyond a plain launch, written once. A streamed or
+// staged kernel may ask for more than 48 KiB of dynamic shared memory (the limit is raised at load);
+// a streamed or split-K kernel reads a workspace of fp32 partials and per-tile counters, zeroed here
+// once; each launch leaves the counters at zero.
 #include <future>
 
 #include "metile/dispatch.h"
@@ -12,7 +12,9 @@ namespace metile {
 LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& program) {
   LoadedGemv loaded;
   loaded.compiled = CompiledKernel::load(program);
-  if (kernel.dynamic_shared_bytes > 48 * 1024) {
+  // The opt-in counts static shared memory too: a staged kernel with 48 KiB of rings and 4 KiB of
+  // partial sums fails to launch without it (CUDA_ERROR_INVALID_VALUE, notes/mlp_decode.md call 8).
+  if (kernel.dynamic_shared_bytes + kernel.static_shared_bytes > 48 * 1024) {
     loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.dynamic_shared_bytes));
   }
   if (kernel.workspace_bytes > 0) {
@@ -23,10 +25,14 @@ LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& prog
   return loaded;
 }
 
-void LoadedGemv::launch(const CudaStream& stream, KernelArguments arguments) const {
+void LoadedGemv::launch(const CudaStream& stream, KernelArguments arguments, bool programmatic_dependent) const {
   if (workspace) arguments.add_pointer(*workspace);
-  metile::launch(compiled, Dim3{kernel.grid_blocks, 1, 1}, Dim3{kernel.block_threads, 1, 1}, kernel.dynamic_shared_bytes,
-                 stream, arguments);
+  const Dim3 grid{kernel.grid_blocks, 1, 1}, block{kernel.block_threads, 1, 1};
+  if (programmatic_dependent) {
+    launch_programmatic_dependent(compiled, grid, block, kernel.dynamic_shared_bytes, stream, arguments);
+  } else {
+    metile::launch(compiled, grid, block, kernel.dynamic_shared_bytes, stream, arguments);
+  }
 }
 
 std::vector<CompiledProgram> compile_gemvs(const std::vector<GemvKernelSource>& kernels) {

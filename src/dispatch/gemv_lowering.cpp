@@ -66,8 +66,13 @@ std::string gemv_shape_name(const GemvKernelConfig& config) {
     return fmt::format("streamed w{} u{} s{} g{}x{}", config.warps_per_block, config.stage_iterations, config.stages,
                        config.multiprocessors, config.blocks_per_multiprocessor);
   }
-  const std::string shape = fmt::format("w{} t{} f{} {}", config.warps_per_block, config.tiles_per_block,
-                                        config.iterations_in_flight, config.double_buffered ? "db" : "batch");
+  // Split-K, staged batches and shared group sums are part of the name: two candidates of one
+  // stage never share a name (the tournament and the decision cache know them by it).
+  std::string shape = fmt::format("w{} t{} f{} {}", config.warps_per_block, config.tiles_per_block,
+                                  config.iterations_in_flight, config.double_buffered ? "db" : "batch");
+  if (config.k_splits > 1) shape += fmt::format(" split{}", config.k_splits);
+  if (config.shared_stages > 0) shape += fmt::format(" staged{}", config.shared_stages);
+  if (config.shared_group_sums) shape += " group-sums";
   if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
   return shape;
 }

@@ -311,6 +311,29 @@ void launch(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared
   launch_raw(kernel, grid, block, shared_memory_bytes, stream, pointers.data());
 }
 
+void launch_programmatic_dependent(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+                                   const CudaStream& stream, const KernelArguments& arguments) {
+  if (!kernel) throw CudaError("launch: the kernel is not loaded");
+  std::vector<void*> pointers = arguments.pointers();
+  CUlaunchAttribute attribute{};
+  attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attribute.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = grid.x;
+  config.gridDimY = grid.y;
+  config.gridDimZ = grid.z;
+  config.blockDimX = block.x;
+  config.blockDimY = block.y;
+  config.blockDimZ = block.z;
+  config.sharedMemBytes = shared_memory_bytes;
+  config.hStream = stream.handle();
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  check(driver().cuLaunchKernelEx(&config, kernel.function(), pointers.data(), nullptr),
+        fmt::format("cuLaunchKernelEx({}, programmatic stream serialization, grid {}x{}x{}, block {}x{}x{})",
+                    kernel.name(), grid.x, grid.y, grid.z, block.x, block.y, block.z));
+}
+
 // ---------------------------------------------------------------- CUDA graphs
 CudaGraph CudaGraph::capture(const CudaStream& stream, const std::function<void(const CudaStream&)>& work) {
   const auto& api = driver();

@@ -24,7 +24,8 @@ namespace metile::cuda_driver {
   X(cuStreamSynchronize, 2000) X(cuEventCreate, 2000) X(cuEventDestroy, 4000) X(cuEventRecord, 2000)   \
   X(cuEventSynchronize, 2000) X(cuEventElapsedTime, 2000) X(cuModuleLoadData, 2000)                    \
   X(cuModuleUnload, 2000) X(cuModuleGetFunction, 2000) X(cuFuncGetAttribute, 2020)                     \
-  X(cuFuncSetAttribute, 9000) X(cuLaunchKernel, 4000) X(cuStreamBeginCapture, 10010)                   \
+  X(cuFuncSetAttribute, 9000) X(cuLaunchKernel, 4000) X(cuLaunchKernelEx, 11060)                       \
+  X(cuStreamBeginCapture, 10010)                                                                        \
   X(cuStreamEndCapture, 10000) X(cuGraphInstantiateWithFlags, 11040) X(cuGraphLaunch, 10000)           \
   X(cuGraphExecDestroy, 10000) X(cuGraphDestroy, 10000) X(cuGetErrorName, 6000) X(cuGetErrorString, 6000) \
   X(cuOccupancyMaxActiveClusters, 11070)

@@ -267,7 +267,9 @@ TEST(LowerRegion, EveryExampleRegionGetsCandidatesOrEachLoweringsOwnReason) {
     }
   }
   EXPECT_GE(regions, 5);
-  EXPECT_GE(refused_by_all, 1) << "some example region is one no built-in lowering takes";
+  // Since the GEMV lowerings, every example region has some lowering; a region no lowering takes
+  // is covered by ALoweringThatOffersNothingIsReportedAsRefusing below.
+  std::printf("%d of %d example regions refused by every lowering\n", refused_by_all, regions);
 }
 
 TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
@@ -284,7 +286,8 @@ TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
   EXPECT_EQ(lowered.candidates.size(), row_region_candidates(graph, region).candidates.size());
   EXPECT_EQ(lowered.refusals,
             "contractions around a row kernel: the region has no contraction; flash attention: the region is not one "
-            "flash_attention node; empty: it accepted the region but offered "
+            "flash_attention node; gemv: the GEMV lowers swiglu_mlp, contraction_epilogue and contraction regions, "
+            "not 'test'; empty: it accepted the region but offered "
             "no candidate; silent: refused without a reason; picky: too small");
 }
 

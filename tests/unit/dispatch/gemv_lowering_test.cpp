@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include <future>
+#include <set>
 
 #include "gemv_region_graphs.h"
 #include "metile/decode_mlp.h"
@@ -198,6 +199,32 @@ TEST(GemvLowering, AnLmHeadGetsRegisterAndStreamedShapes) {
       }
       EXPECT_EQ(streamed, gemv_lowering_shapes_per_family) << bits << " bits, M " << rows;
       EXPECT_EQ(lowered.candidates.size(), 2u * gemv_lowering_shapes_per_family);
+    }
+  }
+}
+
+// Every launch shape a stage races has a name of its own (the tournament and the decision cache
+// know candidates by it): all of gemv_tuning_candidates' shapes, split-K, staged and group-sum ones
+// included, at wide and narrow sizes, dense and affine, one and two products.
+TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
+  for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{14336, 4096}, {1536, 8960}, {96, 512}}) {
+    for (int bits : {16, 8, 4}) {
+      for (int products : {1, 2}) {
+        GemvKernelConfig base;
+        base.format = bits == 16 ? GemvWeightFormat::dense(DType::bf16) : GemvWeightFormat::affine(bits, 64, DType::bf16);
+        base.rows = 1;
+        base.out_features = n;
+        base.in_features = k;
+        base.epilogue = products == 2 ? GemvEpilogue::multiply(GemvEpilogue::silu(GemvEpilogue::accumulator(0)), GemvEpilogue::accumulator(1))
+                                      : GemvEpilogue::accumulator(0);
+        const std::vector<GemvKernelConfig> configs = gemv_stage_configs(base, 100);
+        std::set<std::string> names;
+        for (const GemvKernelConfig& config : configs) {
+          EXPECT_TRUE(names.insert(gemv_shape_name(config)).second)
+              << gemv_shape_name(config) << " twice (" << config.to_string() << "), N " << n << " K " << k;
+        }
+        EXPECT_GE(names.size(), 5u);
+      }
     }
   }
 }

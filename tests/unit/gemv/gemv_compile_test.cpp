@@ -132,12 +132,88 @@ TEST(GemvCompile, TunedShapesOfTheDecodeMlpKeepTheirBatchesInRegisters) {
         configs.push_back(candidate);
       }
       for (const GemvKernelConfig& config : configs) {
+        if (config.k_splits > 1 || config.shared_stages >= 2 || config.shared_group_sums) continue;  // tested below
         expect_no_spills(compile_for_sm90(generate_gemv_kernel(config)).log, config.to_string());
         ++checked;
       }
     }
   }
-  EXPECT_GE(checked, 2 * 2 * 12);  // every candidate of three stages, two formats, two row counts
+  EXPECT_GE(checked, 2 * 2 * 12);  // every register candidate of three stages, two formats, two row counts
+}
+
+// The split-K, staged and shared-group-sum shapes the tuner adds: present where they should be (split-K only where
+// some SMs would get no tile, enough splits for about two blocks per SM), their launch shape and
+// workspace, and for the Llama-3-8B gate/up and Qwen2.5-1.5B down stages (4-bit M = 1, bf16
+// M = 16) an sm_90 compile without spills.
+TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
+  int compiled = 0;
+  for (const auto& [format, rows] : {std::pair{GemvWeightFormat::affine(4, 64, DType::bf16), std::int64_t{1}},
+                                     std::pair{GemvWeightFormat::dense(DType::bf16), std::int64_t{16}}}) {
+    const GemvKernelConfig gate_up = base_config(format, rows, 14336, 4096, GemvEpilogue::swiglu());
+    const GemvKernelConfig down = base_config(format, rows, 1536, 8960, GemvEpilogue::residual_add());
+    int staged = 0, split = 0, group_sums = 0;
+    for (const GemvKernelConfig& stage : {gate_up, down}) {
+      const std::int64_t tiles = (stage.out_features + 15) / 16;
+      for (const GemvKernelConfig& config : gemv_tuning_candidates(stage, 132)) {
+        if (config.shared_group_sums) {  // affine only; compiled once per stage, without spills
+          EXPECT_TRUE(format.is_affine()) << config.to_string();
+          if (group_sums++ % 2 == 0) expect_no_spills(compile_for_sm90(generate_gemv_kernel(config)).log, config.to_string());
+          continue;
+        }
+        if (config.k_splits == 1 && config.shared_stages == 0) continue;
+        const GemvKernelSource kernel = generate_gemv_kernel(config);
+        EXPECT_EQ(kernel.grid_blocks, static_cast<unsigned>(tiles * config.k_splits)) << config.to_string();
+        EXPECT_EQ(kernel.workspace_bytes > 0, config.k_splits > 1) << config.to_string();
+        EXPECT_EQ(kernel.dynamic_shared_bytes > 0, config.shared_stages >= 2) << config.to_string();
+        EXPECT_LE(kernel.static_shared_bytes + kernel.dynamic_shared_bytes, 232448u) << config.to_string();
+        if (rows == 16 && (config.k_splits > 1 ? split : staged) > 0) continue;  // one of each kind at M = 16
+        expect_no_spills(compile_for_sm90(kernel).log, config.to_string());
+        (config.k_splits > 1 ? split : staged) += 1;
+        ++compiled;
+      }
+    }
+    EXPECT_GE(staged, 1) << format.to_string();
+    EXPECT_GE(split, 1) << format.to_string();  // Qwen's down projection: 96 tiles for 132 SMs
+    EXPECT_EQ(group_sums, format.is_affine() ? 4 : 0) << format.to_string();
+  }
+  EXPECT_GE(compiled, 6);
+  // N with a tile for every SM gets no split-K (Llama-3-8B gate/up and down); Qwen2.5-1.5B's down
+  // projection (96 tiles) gets splits that put about two blocks on each of 132 SMs.
+  for (const auto& [n, k] : {std::pair{14336, 4096}, std::pair{4096, 14336}}) {
+    for (const GemvKernelConfig& config :
+         gemv_tuning_candidates(base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, n, k, GemvEpilogue::residual_add()), 132)) {
+      EXPECT_EQ(config.k_splits, 1) << config.to_string();
+    }
+  }
+  int qwen_splits = 0;
+  for (const GemvKernelConfig& config :
+       gemv_tuning_candidates(base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 1536, 8960, GemvEpilogue::residual_add()), 132)) {
+    qwen_splits = std::max(qwen_splits, config.k_splits);
+  }
+  EXPECT_EQ(qwen_splits, 3);  // ceil(2 * 132 / 96)
+  // Ragged shapes (N below the SM count and not a multiple of 16, K not a multiple of the load
+  // block), every kind at once, in four formats.
+  for (const GemvWeightFormat& format : {GemvWeightFormat::affine(4, 32, DType::f16), GemvWeightFormat::affine(8, 128, DType::bf16),
+                                         GemvWeightFormat::dense(DType::f16), GemvWeightFormat::affine(8, 64, DType::f16)}) {
+    const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
+    GemvKernelConfig config = base_config(format, 9, 77, k, compiled % 2 ? GemvEpilogue::swiglu() : GemvEpilogue::residual_add());
+    config.k_splits = 3;
+    config.shared_stages = 3;
+    config.shared_group_sums = format.is_affine();
+    config.double_buffered = false;
+    config.schedule = GatedSchedule::scratch_spilled;
+    const GemvKernelSource kernel = generate_gemv_kernel(config);
+    EXPECT_EQ(kernel.grid_blocks, 5u * 3u) << config.to_string();
+    EXPECT_NO_THROW(compile_for_sm90(kernel)) << config.to_string();
+    ++compiled;
+  }
+  GemvKernelConfig too_many_splits = base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 64, 256, GemvEpilogue::store());
+  too_many_splits.k_splits = 3;  // two iterations of 128 columns
+  EXPECT_THROW(generate_gemv_kernel(too_many_splits), InputError);
+  GemvKernelConfig one_stage = too_many_splits;
+  one_stage.k_splits = 1;
+  one_stage.shared_stages = 1;
+  EXPECT_THROW(generate_gemv_kernel(one_stage), InputError);
 }
 
 TEST(GemvCompile, RejectsConfigurationsItCannotGenerate) {

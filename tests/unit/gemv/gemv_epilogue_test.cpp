@@ -96,7 +96,8 @@ TEST(GemvEpilogue, RejectsOpsAndShapesAnEpilogueCannotTake) {
 
 TEST(GemvEpilogue, ComposesWithoutTouchingTheMainloop) {
   // Same mainloop config, three epilogues: the generated sources differ only after the
-  // mainloop text, in the kernel's parameters and the store expression.
+  // mainloop text, in the store function (struct Outputs, store_output), the kernel's parameters
+  // and the store expression.
   GemvKernelConfig config;
   config.format = GemvWeightFormat::affine(4, 64, DType::bf16);
   config.rows = 1;
@@ -108,10 +109,12 @@ TEST(GemvEpilogue, ComposesWithoutTouchingTheMainloop) {
     config.epilogue = epilogue;
     sources.push_back(generate_gemv_kernel(config).source);
   }
-  // The first line names the config (epilogue included); the mainloop runs up to the kernel entry.
+  // The first line names the config (epilogue included); the mainloop runs up to the store function.
   auto mainloop_text = [](const std::string& source) {
     const std::size_t start = source.find('\n');
-    return source.substr(start, source.find("extern \"C\" __global__") - start);
+    const std::size_t end = source.find("struct Outputs {");
+    EXPECT_LT(end, source.find("extern \"C\" __global__"));
+    return source.substr(start, end - start);
   };
   const std::string first = mainloop_text(sources[0]);
   EXPECT_GT(first.size(), 5000u);

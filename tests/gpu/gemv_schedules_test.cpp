@@ -1,0 +1,155 @@
+// The register mainloop's issue-15 schedules against a float64 reference on fresh random inputs
+// (seeds printed; --gtest_random_seed changes them): split-K (several blocks per tile, joined in a
+// fixed order through the workspace), staged batches (cp.async into shared-memory rings) and
+// per-block group sums of x in shared memory, at the decode-MLP sizes of Llama-3-8B, Qwen2.5-1.5B
+// and Llama-3.2-1B and at ragged shapes whose N is below the SM count; and programmatic dependent
+// launch, eager and in a CUDA graph. Skips without a CUDA device.
+#include <tuple>
+
+#include "gemv_gpu_test_support.h"
+
+namespace metile {
+namespace {
+
+using namespace gemv_gpu_testing;
+
+bool issue15_shape(const GemvKernelConfig& config) { return !register_v3_shape(config); }
+
+// Every split-K, staged and group-sum candidate the tuner proposes for the decode-MLP stages, at
+// one and sixteen rows (the first one at the rows in between).
+TEST_F(GemvKernels, NewSchedulesMatchFloat64AtModelSizes) {
+  const DType bf16 = DType::bf16, f16 = DType::f16;
+  const std::vector<Model> models = {
+      {"Llama-3-8B", 4096, 14336,
+       {GemvWeightFormat::dense(bf16), GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(8, 64, bf16)}},
+      {"Qwen2.5-1.5B", 1536, 8960, {GemvWeightFormat::dense(f16), GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(8, 32, f16)}},
+      {"Llama-3.2-1B", 2048, 8192, {GemvWeightFormat::affine(4, 128, f16)}},
+  };
+  std::uint64_t seed = 0x5c4ed00 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::cout << "seed " << seed << "\n";
+  for (const Model& model : models) {
+    for (const GemvWeightFormat& format : model.formats) {
+      const std::string label = fmt::format("{} {}", model.name, format.to_string());
+      const Problem gate_up = make_problem(format, model.intermediate, model.hidden, 2, seed += 100);
+      check_cases(gate_up, stage_configs(gate_up, GemvEpilogue::swiglu(), false, issue15_shape), device(),
+                  label + " gate/up (issue 15 shapes)");
+      const Problem down = make_problem(format, model.hidden, model.intermediate, 1, seed += 100);
+      check_cases(down, stage_configs(down, GemvEpilogue::residual_add(), false, issue15_shape), device(),
+                  label + " down+residual (issue 15 shapes)");
+    }
+  }
+}
+
+// Split-K (several blocks per tile, joined in split order through the workspace), staged batches
+// (cp.async into shared-memory rings) and per-block group sums of x in shared memory (affine), alone
+// and together, in every format, at shapes whose N is
+// smaller than the SM count and not a multiple of 16 and whose K is not a multiple of the load
+// block; M on both sides of 8; both gate/up schedules. Kernels with a workspace run twice and must
+// write the same bits (run_and_compare).
+TEST_F(GemvKernels, SplitKStagedAndSharedGroupSumsMatchFloat64) {
+  std::uint64_t seed = 0x5b1700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
+    for (int bits : {4, 8}) {
+      for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
+    }
+    for (const GemvWeightFormat& format : formats) {
+      const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
+      for (std::int64_t n : {77, 200}) {
+        const Problem problem = make_problem(format, n, k, 2, seed += 100);
+        std::vector<GemvKernelConfig> configs;
+        int variant = 0;
+        for (std::int64_t rows : {1, 9, 16}) {
+          for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add(), GemvEpilogue::store()}) {
+            for (const auto& [splits, stages, group_sums] :
+                 {std::tuple{3, 0, false}, std::tuple{1, 3, false}, std::tuple{2, 2, true}, std::tuple{1, 0, true}}) {
+              GemvKernelConfig config = config_for(problem, rows, epilogue,
+                                                   ++variant % 2 == 0 ? GatedSchedule::scratch_spilled
+                                                                      : GatedSchedule::register_resident);
+              config.warps_per_block = variant % 3 == 0 ? 8 : 4;
+              config.iterations_in_flight = format.is_affine() ? 1 : 2;
+              config.double_buffered = variant % 4 != 0;
+              config.k_splits = std::max(1, std::min<int>(splits, static_cast<int>(k / format.columns_per_iteration())));
+              config.shared_stages = stages;
+              config.shared_group_sums = group_sums && format.is_affine();
+              configs.push_back(config);
+            }
+          }
+        }
+        check_cases(problem, configs, device(), fmt::format("split-K/staged {} N={} K={}", format.to_string(), n, k));
+      }
+    }
+  }
+}
+
+// Programmatic dependent launch: a GEMV launched as a programmatic dependent of the GEMV that
+// writes its x waits for it (x is poisoned with NaN before the first kernel, so reading it early
+// fails), eagerly and inside a captured CUDA graph, for each kind of mainloop schedule.
+TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
+  std::uint64_t seed = 0x9d1000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::cout << "seed " << seed << "\n";
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  const std::int64_t rows = 2, hidden = 1024, intermediate = 4096, n = 300;
+  const Problem first = make_problem(format, intermediate, hidden, 1, seed);        // y = W1 x
+  const Problem second = make_problem(format, n, intermediate, 1, seed + 1000);     // z = W2 y
+  GemvKernelConfig producer = config_for(first, rows, GemvEpilogue::store());
+  producer.warps_per_block = 2;
+  std::vector<GemvKernelConfig> consumers;
+  for (const auto& [splits, stages, double_buffered, group_sums] :
+       {std::tuple{1, 0, true, false}, std::tuple{1, 0, false, false}, std::tuple{4, 0, true, false}, std::tuple{1, 4, false, false},
+        std::tuple{3, 3, false, false}, std::tuple{1, 0, false, true}, std::tuple{2, 0, true, true}}) {
+    GemvKernelConfig config = config_for(second, rows, GemvEpilogue::store());
+    config.warps_per_block = 8;
+    config.iterations_in_flight = 1;
+    config.k_splits = splits;
+    config.shared_stages = stages;
+    config.double_buffered = double_buffered;
+    config.shared_group_sums = group_sums;
+    consumers.push_back(config);
+  }
+  std::vector<GemvKernelSource> kernels = {generate_gemv_kernel(producer)};
+  for (const GemvKernelConfig& config : consumers) kernels.push_back(generate_gemv_kernel(config));
+  const std::vector<LoadedGemv> loaded = compile_all(kernels, device());
+
+  HostTensor x(TensorSpec({rows, hidden}, format.activation));
+  std::copy_n(first.x.bytes().data(), x.bytes().size(), x.bytes().data());
+  const DeviceBuffer x_device = DeviceBuffer::from_tensor(x);
+  DeviceTensor y(TensorSpec({rows, intermediate}, format.activation)), z(TensorSpec({rows, n}, format.activation));
+  KernelArguments produce;
+  produce.add_pointer(first.matrices[0].weights);
+  produce.add_pointer(first.matrices[0].scale_bias);
+  produce.add_pointer(x_device);
+  produce.add_pointer(y.buffer);
+  KernelArguments consume;
+  consume.add_pointer(second.matrices[0].weights);
+  consume.add_pointer(second.matrices[0].scale_bias);
+  consume.add_pointer(y.buffer);
+  consume.add_pointer(z.buffer);
+  CudaStream stream;
+  const double threshold = numeric_gate_threshold(format.activation);
+  for (std::size_t c = 0; c < consumers.size(); ++c) {
+    const auto work = [&](const CudaStream& s) {
+      y.buffer.fill_bytes(0xFF, &s);  // NaN until the producer has written y
+      z.buffer.fill_bytes(0xFF, &s);
+      loaded[0].launch(s, produce);
+      loaded[c + 1].launch(s, consume, true);
+    };
+    const CudaGraph graph = CudaGraph::capture(stream, work);
+    for (int round = 0; round < 6; ++round) {
+      if (round % 2 == 0) {
+        work(stream);
+      } else {
+        graph.replay(stream);
+      }
+      stream.synchronize();
+      const std::vector<double> y_values = y.to_host().to_values();
+      const std::vector<double> expected = gemv_testing::reference_gemv(y_values, second.matrices[0].values, rows, n, intermediate);
+      const gemv_testing::ScaledError error = scaled_error(z.to_host().to_values(), expected);
+      EXPECT_LE(error.relative_max, threshold) << consumers[c].to_string() << (round % 2 ? " (graph)" : " (eager)");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace metile
