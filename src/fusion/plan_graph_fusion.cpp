@@ -107,7 +107,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       if (!match) continue;
       if (rule.siblings) {
         SiblingOutcome group = solve_siblings(graph, target, rule, match, scratch.index);
-        notes[static_cast<std::size_t>(node.id)].considered = true;
+        if (!group.alone) notes[static_cast<std::size_t>(node.id)].considered = true;
         // A lone contraction is no refusal worth a line in every reason; a reader that differs is.
         if (!group.decision && !group.alone) {
           add_distinct(notes[static_cast<std::size_t>(node.id)].refusals, rule.name + " refused: " + group.decision.reason);

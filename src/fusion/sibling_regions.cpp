@@ -78,7 +78,7 @@ struct BiasAdd {
 };
 std::optional<BiasAdd> bias_add_of(const ComputeGraph& graph, const GraphIndex& index, const Node& member,
                                    std::vector<std::pair<NodeId, std::string>>& left_out) {
-  if (member.outputs.size() != 1) return std::nullopt;
+  if (member.outputs.size() != 1 || graph.value(member.outputs.front()).spec.rank() == 0) return std::nullopt;
   const ValueId output = member.outputs.front();
   const auto& readers = graph.consumers(output);
   for (NodeId reader : readers) {

@@ -147,6 +147,22 @@ TEST(SiblingContractions, RefusesWithReasons) {
   }
 }
 
+TEST(SiblingContractions, MalformedSiblingRulesAreRefused) {
+  const ComputeGraph graph = testing::sibling_test_graph(1, {32, 32}, 64, {}, {false, false});
+  FusionRule two_entries = sibling_contractions_rule();
+  two_entries.pattern.push_back(two_entries.pattern.front());
+  two_entries.pattern.back().role = "second";
+  two_entries.pattern.back().inputs = {"contraction"};
+  FusionRule unbound = sibling_contractions_rule();
+  unbound.siblings->member_role = "bias";
+  FusionRule one_member = sibling_contractions_rule();
+  one_member.siblings->max_members = 1;
+  for (const FusionRule& rule : {two_entries, unbound, one_member}) {
+    EXPECT_THROW(plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{{rule}}), InputError);
+  }
+  EXPECT_EQ(plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{{sibling_contractions_rule()}}).kernel_count(), 1);
+}
+
 // The SwiGLU MLP's gate and up are siblings too; its own region saves more and wins.
 TEST(SiblingContractions, SwigluStillWinsGateAndUp) {
   for (int bits : {16, 4}) {
