@@ -107,6 +107,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       if (!match) continue;
       if (rule.siblings) {
         SiblingOutcome group = solve_siblings(graph, target, rule, match, scratch.index);
+        if (group.follower) continue;
         if (!group.alone) notes[static_cast<std::size_t>(node.id)].considered = true;
         // A lone contraction is no refusal worth a line in every reason; a reader that differs is.
         if (!group.decision && !group.alone) {
@@ -116,7 +117,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
           add_distinct(notes[static_cast<std::size_t>(left_out)].left_out, rule.name + ": " + reason);
         }
         if (group.region.size() < 2 || to_picoseconds(group.benefit_ns) <= 0) continue;
-        if (!seen.insert(group.region).second) continue;  // every member finds the same group
+        if (!seen.insert(group.region).second) continue;
         rule_proposals.push_back(
             {static_cast<int>(rule_index), node.id, std::move(group.region), group.benefit_ns, std::move(group.roles)});
         continue;

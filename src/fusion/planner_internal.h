@@ -92,6 +92,7 @@ NeighborhoodOutcome solve_neighborhood(const ComputeGraph& graph, const FusionTa
 struct SiblingOutcome {
   Decision decision = Decision::allow();  // refused: no group forms here, and why
   bool alone = false;                     // refused because nothing else reads the shared value alike or not
+  bool follower = false;                  // refused because an earlier alike reader proposes the group
   std::vector<NodeId> region;             // ascending
   double benefit_ns = 0;
   std::vector<RegionRole> roles;          // the shared role, then per member its role and bias

@@ -152,7 +152,7 @@ SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& tar
   const ValueId shared = anchor.inputs[static_cast<std::size_t>(shared_slot)];
 
   // The alike readers of the shared value in the same slot, in topological order. The relation
-  // is an equality of signatures, so every member finds the same group (the planner keeps one).
+  // is an equality of signatures, so every member would find the same group: the first proposes it.
   std::vector<NodeId> members;
   std::vector<std::string> differences;
   std::vector<NodeId> readers = graph.consumers(shared);
@@ -169,6 +169,12 @@ SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& tar
       if (const Decision same = alike(graph, anchor, other, shared_slot); !same) {
         differences.push_back(same.reason);
         continue;
+      }
+      if (reader < anchor.id) {
+        // An earlier member leads the same group (the relation is an equality): it proposes it.
+        outcome.decision = Decision::refuse(fmt::format("{} leads the group", quoted(other)));
+        outcome.follower = true;
+        return outcome;
       }
     }
     if (static_cast<int>(members.size()) >= spec.max_members) {

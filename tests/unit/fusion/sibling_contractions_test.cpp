@@ -122,7 +122,9 @@ TEST(SiblingContractions, RefusesWithReasons) {
     const ValueRef y1 = testing::test_linear(builder, a, "p1", 32, 64, format);
     const ValueRef biased1 = builder.add(y1, builder.input("c1", TensorSpec({32}, DType::bf16)), "y1");
     const ComputeGraph graph = builder.build({biased0, escape, biased1});
-    const auto outcome = siblings_at(graph, "p1");
+    // p1 follows p0, which proposes the group.
+    EXPECT_TRUE(siblings_at(graph, "p1").follower);
+    const auto outcome = siblings_at(graph, "p0");
     ASSERT_TRUE(outcome.decision) << outcome.decision.reason;
     EXPECT_EQ(outcome.region, (std::vector<NodeId>{*graph.find_node("p0"), *graph.find_node("p1"), *graph.find_node("y1")}));
     ASSERT_EQ(outcome.left_out.size(), 1u);
