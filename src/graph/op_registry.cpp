@@ -499,12 +499,19 @@ std::vector<TensorSpec> infer_cast(std::span<const TensorSpec> inputs, Attribute
   return {TensorSpec(inputs[0].shape, parse_dtype(attributes.get_string("dtype")))};
 }
 
-std::vector<TensorSpec> infer_row_total(std::span<const TensorSpec> inputs, Attributes& attributes) {
+// The input of an op over each row's last axis that takes no attribute (sum, mean, argmax): x
+// floating, of rank 1 or more, with rows that are not empty.
+const TensorSpec& attributeless_floating_rows(std::span<const TensorSpec> inputs, const Attributes& attributes) {
   check_known_attributes(attributes, {});
   const TensorSpec& x = inputs[0];
   require_floating(x, "x");
   require_rank_at_least(x, "x", 1);
   if (x.row_length() == 0) throw InputError(described("x", x) + " has empty rows");
+  return x;
+}
+
+std::vector<TensorSpec> infer_row_total(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  const TensorSpec& x = attributeless_floating_rows(inputs, attributes);
   Shape shape = x.shape;
   shape.back() = 1;
   return {TensorSpec(shape, x.dtype)};
@@ -514,11 +521,7 @@ std::vector<TensorSpec> infer_row_total(std::span<const TensorSpec> inputs, Attr
 // op, not a row reduction: its result is an index, not a value in x's dtype, so no row kernel
 // computes it and it never fuses into one; its native kernel reduces one row per block.
 std::vector<TensorSpec> infer_argmax(std::span<const TensorSpec> inputs, Attributes& attributes) {
-  check_known_attributes(attributes, {});
-  const TensorSpec& x = inputs[0];
-  require_floating(x, "x");
-  require_rank_at_least(x, "x", 1);
-  if (x.row_length() == 0) throw InputError(described("x", x) + " has empty rows");
+  const TensorSpec& x = attributeless_floating_rows(inputs, attributes);
   if (x.row_length() > std::numeric_limits<std::int32_t>::max()) {
     throw InputError(described("x", x) + " has rows longer than an i32 index reaches");
   }
