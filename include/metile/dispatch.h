@@ -228,11 +228,13 @@ std::vector<RegionLowering> builtin_lowerings();
 //   swiglu_mlp            gate/up GEMV (epilogue: silu(gate) * up, as written) + down GEMV
 //                         (epilogue: the residual add, or a plain store)
 //   contraction_epilogue  one GEMV whose epilogue is the region's elementwise ops (residual add, bias)
-//   contraction           one unfused matmul / quantized_matmul (q, k, v, the LM head), as a
+//   contraction           one unfused matmul / quantized_matmul (the LM head, ...), as a
 //                         one-node region the Executable offers (contraction_node_region)
 //   contraction_argmax    the same with the argmax of its output (the LM head and greedy
 //                         decoding's next tokens): one GEMV writing the values and, by its
 //                         argmax_rows join, each row's argmax
+//   sibling_contractions  one GEMV over the siblings' weights stacked by rows (q, k, v), each
+//                         part's rows written to its own value after its bias add
 
 // A generated GEMV loaded for the current device: the dynamic shared-memory limit raised and,
 // for a streamed or split-K kernel, its zeroed workspace allocated. launch() appends the workspace
@@ -270,13 +272,25 @@ struct GemvMatrix {
   ValueId weight = -1;                // dense: W [N, K] (read in place); affine: the packed codes
   ValueId scales = -1, biases = -1;   // affine only (repacked with the codes when bound)
 };
+// One sibling of a stacked GEMV (sibling_contractions): its matrix, its bias and the value its
+// rows write.
+struct GemvRowPart {
+  GemvMatrix matrix;
+  ValueId bias = -1;    // [N_p]; -1: none (zeros in the stacked bias)
+  ValueId output = -1;  // [M, N_p]
+};
 // One GEMV launch of a lowered region: its matrices (two share x: gate, up), x, the epilogue and
 // the values its tensors read, and the value it writes.
 struct GemvStage {
   std::vector<GemvMatrix> matrices;
   ValueId input = -1;   // x [M, K]
-  ValueId output = -1;  // [M, N]
+  ValueId output = -1;  // [M, N]; -1 when row_parts write the output
   ValueId argmax_output = -1;  // next [M] i32 (contraction_argmax): the kernel's argmax_rows join writes it
+  // Sibling contractions as one GEMV: matrices holds one matrix (weight -1) that stacks these
+  // parts' matrices by rows, made once when bound (DeviceValues::keep_derived); part p's rows
+  // write part p's output (GemvKernelConfig::output_splits). With a bias on any part the epilogue
+  // is acc0 + the stacked bias [N] (the one epilogue tensor, not in epilogue_tensors).
+  std::vector<GemvRowPart> row_parts;
   std::int64_t rows = 0;
   GemvEpilogue epilogue = GemvEpilogue::store();
   std::vector<ValueId> epilogue_tensors;  // in epilogue.tensor_inputs() order
@@ -291,6 +305,7 @@ struct GemvRegionPlan {
 };
 GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& region);
 GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegion& region);
+GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion& region);  // sibling_contractions
 GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region);  // by the region's rule
 // The lowerings: each candidate runs the plan's stages with one launch shape per stage (every
 // gate/up shape with every down shape for swiglu_mlp). Binding repacks affine weights once

@@ -97,6 +97,20 @@ struct GrowthSpec {
   int max_depth = 0;          // steps from the anchor; -1: unbounded
 };
 
+// Sibling grouping: ops that read one value in the same input slot and are alike (same op and
+// attributes, their other operands of one dtype and shape but the first axis, outputs of one
+// dtype and shape but the last axis) become one kernel, e.g. the q, k and v projections as one
+// contraction over their weights stacked by rows. The rule's pattern is one entry; the value its
+// `"$" + shared_role` slot binds is the shared one, and each member's `"$" + member_role` binding
+// becomes the role `member_role.i` (i: the member's position in topological order). A member's
+// only reader that adds a vector as long as the member's last axis (a bias) joins as that
+// member's epilogue, binding FusionRule::epilogue_add_operand_role as `<role>.i`.
+struct SiblingSpec {
+  std::string shared_role;  // "input"
+  std::string member_role;  // "weight"
+  int max_members = 8;      // readers beyond this many stay out (the kernel writes one value per member)
+};
+
 // A declarative fusion rule: a pattern anchored at its last entry, optional
 // growth on the producer side (prologue) and consumer side (epilogue), and the
 // resources its kernel takes. Growth ops must produce the anchor's output shape
@@ -115,6 +129,8 @@ struct FusionRule {
   // When set, an `add` in the region that reads the anchor's output binds its other operand to this
   // role ("residual": the residual add on a down projection, which is epilogue growth, not pattern).
   std::string epilogue_add_operand_role = {};
+  // When set, the rule groups siblings (SiblingSpec) instead of growing a neighborhood.
+  std::optional<SiblingSpec> siblings = {};
 };
 
 // Rules in priority order (an identical region found by two rules keeps the
@@ -129,6 +145,7 @@ struct RuleSet {
 FusionRule residual_add_rms_norm_rule();  // add → rms_norm, the sum written too when it escapes
 FusionRule parallel_epilogue_rule();      // "swiglu_mlp": gate/up contractions, silu(gate)·up, down contraction
 FusionRule contraction_epilogue_rule();   // a contraction and elementwise ops on its output
+FusionRule sibling_contractions_rule();   // contractions sharing their input (q, k, v), with their bias adds
 FusionRule row_reduction_rule();          // elementwise prologue and epilogue around a row reduction
 FusionRule elementwise_chain_rule();      // elementwise ops ending in an elementwise sink
 RuleSet default_rules();

@@ -67,6 +67,11 @@ RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix);
 // The exact inverse: the MLX-layout matrix the repacked one came from.
 QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked);
 
+// Sibling weights stacked by rows for one GEMV (rule sibling_contractions: q, k and v [N_p, K] as
+// one [sum N_p, K]; MLX codes, scales and biases alike): tensors of one dtype and shape but the
+// first axis, concatenated along it. Throws InputError when there are none or they do not stack.
+HostTensor stack_rows(std::span<const HostTensor> parts);
+
 // ---------------------------------------------------------------- epilogues
 // The per-output expression a GEMV applies after its reduction: a tree over the f32 dot
 // products of the kernel's weight matrices ("accumulators"), extra tensors read at the output
@@ -180,14 +185,20 @@ struct GemvKernelConfig {
   int multiprocessors = 132;         // persistent grid: multiprocessors x blocks_per_multiprocessor
   int blocks_per_multiprocessor = 1;
 
+  // Split outputs: when not empty, the N output columns are written as several values, output s
+  // taking the next output_splits[s] columns as its own [M, output_splits[s]] (the q, k and v of
+  // one GEMV over their stacked weights). The widths sum to N; epilogue tensors are then [N]
+  // (broadcast over rows) only.
+  std::vector<std::int64_t> output_splits = {};
+
   void validate() const;  // InputError naming the bad field
   std::string to_string() const;
 };
 
 // The generated kernel and how to launch it. Arguments, in order: for each weight matrix its
 // weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
-// (affine only), then x [M, K], then each epilogue tensor, then out [M, N], then (argmax_rows)
-// next [M] i32; all pointers.
+// (affine only), then x [M, K], then each epilogue tensor, then out [M, N] (with output_splits:
+// one out per split, [M, width] each), then (argmax_rows) next [M] i32; all pointers.
 // A streamed, split-K or argmax kernel takes one more pointer last: its workspace (workspace_bytes,
 // zeroed once before the first launch; every launch leaves it ready for the next, so launches on
 // one stream may share it, concurrent launches may not).

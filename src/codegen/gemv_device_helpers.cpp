@@ -224,7 +224,15 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
     source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
                           tensors[i].broadcast_rows ? " [N]" : " [M, N]");
   }
-  source += fmt::format("    u16* __restrict__ out{}) {{\n", extra_parameters);
+  if (config.output_splits.empty()) {
+    source += fmt::format("    u16* __restrict__ out{}) {{\n", extra_parameters);
+  } else {
+    for (std::size_t s = 0; s < config.output_splits.size(); ++s) {
+      source += fmt::format("    u16* __restrict__ out{}{}  // [M, {}]\n", s,
+                            s + 1 == config.output_splits.size() ? std::string(extra_parameters) + ") {" : ",",
+                            config.output_splits[s]);
+    }
+  }
   source += fmt::format("  const u32* const weights[kProducts] = {{weights0{}}};\n", products == 2 ? ", weights1" : "");
   if (config.format.is_affine()) {
     source += fmt::format("  const u16* const scale_bias[kProducts] = {{scale_bias0{}}};\n",
@@ -239,15 +247,29 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
   const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
   std::string text = "struct Outputs {\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) text += fmt::format("  const u16* tensor{};\n", i);
-  text += "  u16* out;\n};\n";
+  text += config.output_splits.empty() ? "  u16* out;\n};\n"
+                                        : fmt::format("  u16* out[{}];\n}};\n", config.output_splits.size());
   text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
           "  (void)acc1;\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     text += fmt::format("  const float tensor_value{} = to_f32(outputs.tensor{}[{}]);\n", i, i,
                         tensors[i].broadcast_rows ? "n" : "m * kN + n");
   }
-  text += fmt::format("  outputs.out[m * kN + n] = from_f32({});\n}}\n", config.epilogue.cuda_expression());
-  return text;
+  const std::string value = fmt::format("from_f32({})", config.epilogue.cuda_expression());
+  if (config.output_splits.empty()) return text + fmt::format("  outputs.out[m * kN + n] = {};\n}}\n", value);
+  // Split outputs: columns [begin, begin + width) of the stacked matrix are output s's [M, width]
+  // (compile-time bounds: the branch is uniform but at the borders of a tile).
+  text += "  const u16 result = " + value + ";\n";
+  std::int64_t begin = 0;
+  for (std::size_t s = 0; s < config.output_splits.size(); ++s) {
+    const std::int64_t width = config.output_splits[s];
+    const bool last = s + 1 == config.output_splits.size();
+    const std::string condition = last ? "" : fmt::format("if (n < {}) ", begin + width);
+    text += fmt::format("  {}{}outputs.out[{}][m * {} + (n - {})] = result;\n", s == 0 ? "" : "else ", condition, s,
+                        width, begin);
+    begin += width;
+  }
+  return text + "}\n";
 }
 
 std::string gemv_outputs_binding(const GemvKernelConfig& config) {
@@ -255,7 +277,15 @@ std::string gemv_outputs_binding(const GemvKernelConfig& config) {
   for (std::size_t i = 0; i < config.epilogue.tensor_inputs().size(); ++i) {
     text += fmt::format("  outputs.tensor{} = tensor{};\n", i, i);
   }
-  return text + "  outputs.out = out;\n";
+  if (config.output_splits.empty()) return text + "  outputs.out = out;\n";
+  for (std::size_t s = 0; s < config.output_splits.size(); ++s) text += fmt::format("  outputs.out[{}] = out{};\n", s, s);
+  return text;
+}
+
+std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config) {
+  std::string text = config.epilogue.to_string() + "|" + config.epilogue.cuda_expression();
+  for (std::int64_t width : config.output_splits) text += fmt::format("|{}", width);
+  return fnv1a_64(text);
 }
 
 std::string gemv_problem_constants(const GemvKernelConfig& config) {

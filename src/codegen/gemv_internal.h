@@ -2,6 +2,7 @@
 // gemv_streamed.cpp: bulk copies into shared-memory stages), private to the codegen module.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,6 +19,10 @@ std::string gemv_device_helpers();
 
 // "bf16", "bf16_a4g64": the format part of a kernel name.
 std::string gemv_format_tag(const GemvWeightFormat& format);
+
+// The hash of what a kernel does after its reduction (the epilogue and the output splits), part
+// of every kernel name.
+std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config);
 
 // The constants every generated GEMV begins with (kM, kN, kK, kBits, kGroup, kHalf,
 // kColumnsPerIteration, kProducts, kWarps).

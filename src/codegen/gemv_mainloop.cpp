@@ -29,6 +29,7 @@
 // store loop. The other mainloop, shared-memory stages fed by bulk copies on a persistent grid,
 // is gemv_streamed.cpp.
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -600,6 +601,22 @@ void GemvKernelConfig::validate() const {
   if (iterations_in_flight < 1 || iterations_in_flight > 8) {
     throw InputError(fmt::format("GEMV: iterations_in_flight must be 1..8, not {}", iterations_in_flight));
   }
+  if (!output_splits.empty()) {
+    std::int64_t columns = 0;
+    for (std::int64_t width : output_splits) {
+      if (width < 1) throw InputError(fmt::format("GEMV: an output split has {} columns", width));
+      columns += width;
+    }
+    if (columns != out_features || output_splits.size() > 16) {
+      throw InputError(fmt::format("GEMV: {} output splits of {} columns in all; they must cover N = {} (at most 16)",
+                                   output_splits.size(), columns, out_features));
+    }
+    for (const GemvEpilogue::TensorInput& tensor : epilogue.tensor_inputs()) {
+      if (!tensor.broadcast_rows) {
+        throw InputError(fmt::format("GEMV: with split outputs the epilogue tensor '{}' must be [N]", tensor.name));
+      }
+    }
+  }
   if (mainloop == GemvMainloop::streamed) {
     if (argmax_rows) throw InputError("GEMV: argmax_rows needs the register-batch mainloop, not the streamed one");
     validate_streamed(*this);
@@ -613,6 +630,9 @@ void GemvKernelConfig::validate() const {
   if (k_splits < 1 || k_splits > 16 || k_splits > iterations) {
     throw InputError(fmt::format("GEMV {}: k_splits must be 1..min(16, {} iterations), not {}", to_string(), iterations,
                                  k_splits));
+  }
+  if (argmax_rows && !output_splits.empty()) {
+    throw InputError(fmt::format("GEMV {}: argmax_rows reads back one output [M, N], not output_splits", to_string()));
   }
   if (argmax_rows && k_splits != 1) {
     throw InputError(fmt::format("GEMV {}: argmax_rows needs the unsplit store (k_splits 1, not {})", to_string(), k_splits));
@@ -636,6 +656,7 @@ void GemvKernelConfig::validate() const {
 std::string GemvKernelConfig::to_string() const {
   std::string text = fmt::format("{} M={} N={} K={} [{}]", format.to_string(), rows, out_features, in_features,
                                  epilogue.to_string());
+  if (!output_splits.empty()) text += fmt::format(" outputs={}", fmt::join(output_splits, "+"));
   if (mainloop == GemvMainloop::streamed) {
     return text + fmt::format(" streamed warps={} stage_iterations={} stages={} grid={}x{}", warps_per_block,
                               stage_iterations, stages, multiprocessors, blocks_per_multiprocessor);
@@ -660,7 +681,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   const std::int64_t tile_blocks = (tile_count + config.tiles_per_block - 1) / config.tiles_per_block;
 
   GemvKernelSource result;
-  const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + config.epilogue.cuda_expression());
+  const std::uint64_t epilogue_hash = gemv_epilogue_hash(config);
   std::string schedule_tag = staged ? fmt::format("s{}", config.shared_stages) : config.double_buffered ? "d" : "";
   if (config.k_splits > 1) schedule_tag += fmt::format("k{}", config.k_splits);
   if (config.shared_group_sums) schedule_tag += "g";

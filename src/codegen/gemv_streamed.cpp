@@ -462,7 +462,7 @@ GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
   const StreamedPlan plan = plan_streamed(config);
   const int products = config.epilogue.product_count();
   GemvKernelSource result;
-  const std::uint64_t epilogue_hash = fnv1a_64(config.epilogue.to_string() + "|" + config.epilogue.cuda_expression());
+  const std::uint64_t epilogue_hash = gemv_epilogue_hash(config);
   result.kernel_name = fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}_streamed_w{}u{}s{}g{}x{}_e{:08x}",
                                    gemv_format_tag(config.format), config.rows, config.out_features, config.in_features,
                                    products, config.warps_per_block, config.stage_iterations, config.stages, plan.blocks,

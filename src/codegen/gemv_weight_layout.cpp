@@ -208,4 +208,31 @@ QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked) {
   return QuantizedMatrix::from_tensors(format.quantization(), std::move(packed), std::move(scales), std::move(biases));
 }
 
+HostTensor stack_rows(std::span<const HostTensor> parts) {
+  if (parts.empty()) throw InputError("stack_rows: no tensors to stack");
+  TensorSpec stacked = parts.front().spec();
+  if (stacked.rank() < 1) throw InputError("stack_rows: a scalar has no rows to stack");
+  stacked.shape[0] = 0;
+  for (const HostTensor& part : parts) {
+    TensorSpec alike = part.spec();
+    if (alike.rank() != stacked.rank() || alike.dtype != stacked.dtype) {
+      throw InputError(fmt::format("stack_rows: {} does not stack with {}", alike.to_string(), parts.front().spec().to_string()));
+    }
+    stacked.shape[0] += alike.shape[0];
+    alike.shape[0] = 0;
+    TensorSpec first = parts.front().spec();
+    first.shape[0] = 0;
+    if (alike != first) {
+      throw InputError(fmt::format("stack_rows: {} does not stack with {}", part.spec().to_string(), parts.front().spec().to_string()));
+    }
+  }
+  HostTensor result(stacked);
+  std::size_t offset = 0;
+  for (const HostTensor& part : parts) {
+    std::copy(part.bytes().begin(), part.bytes().end(), result.bytes().begin() + static_cast<std::ptrdiff_t>(offset));
+    offset += part.bytes().size();
+  }
+  return result;
+}
+
 }  // namespace metile

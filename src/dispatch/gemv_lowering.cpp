@@ -87,6 +87,7 @@ GemvKernelConfig GemvStage::base_config() const {
   config.in_features = matrices.front().in_features;
   config.epilogue = epilogue;
   config.argmax_rows = argmax_output >= 0;
+  for (const GemvRowPart& part : row_parts) config.output_splits.push_back(part.matrix.out_features);
   return config;
 }
 
@@ -255,11 +256,17 @@ GemvRegionPlan mapped_to(const ComputeGraph& graph, const ComputeGraph& sub, std
   auto map = [&](ValueId& id) {
     if (id >= 0) id = in_graph(graph, sub, id);
   };
+  auto map_matrix = [&](GemvMatrix& matrix) {
+    map(matrix.weight);
+    map(matrix.scales);
+    map(matrix.biases);
+  };
   for (GemvStage& stage : stages) {
-    for (GemvMatrix& matrix : stage.matrices) {
-      map(matrix.weight);
-      map(matrix.scales);
-      map(matrix.biases);
+    for (GemvMatrix& matrix : stage.matrices) map_matrix(matrix);
+    for (GemvRowPart& part : stage.row_parts) {
+      map_matrix(part.matrix);
+      map(part.bias);
+      map(part.output);
     }
     map(stage.input);
     map(stage.output);
@@ -403,12 +410,95 @@ GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegi
   return mapped_to(graph, sub, {std::move(stage)});
 }
 
+GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule != "sibling_contractions") {
+    return refuse(fmt::format("not a sibling_contractions region (rule '{}')", region.rule));
+  }
+  if (auto missing = missing_role(region, {"input", "weight.0", "weight.1"})) return refuse(*missing);
+  const RegionView view = view_of(graph, region);
+  const ComputeGraph& sub = view.sub;
+  GemvStage stage;
+  stage.input = *view.region.role("input");
+  std::set<NodeId> covered;
+  for (int p = 0; view.region.role(fmt::format("weight.{}", p)); ++p) {
+    const std::optional<NodeId> node =
+        contraction_reading(view, stage.input, *view.region.role(fmt::format("weight.{}", p)));
+    if (!node) return refuse(fmt::format("no contraction reads the input with the role 'weight.{}'", p));
+    GemvRowPart part;
+    std::int64_t rows = 0;
+    if (Decision decision = gemv_matrix(sub, sub.node(*node), part.matrix, rows); !decision) return {decision, {}};
+    const GemvMatrix& first = stage.row_parts.empty() ? part.matrix : stage.row_parts.front().matrix;
+    if (part.matrix.format != first.format || part.matrix.in_features != first.in_features) {
+      return refuse(fmt::format("part {} ({}, K = {}) differs from part 0 ({}, K = {}): one GEMV reads them stacked", p,
+                                part.matrix.format.to_string(), part.matrix.in_features, first.format.to_string(),
+                                first.in_features));
+    }
+    stage.rows = rows;
+    covered.insert(*node);
+    part.output = sub.node(*node).outputs[0];
+    if (const auto bias = view.region.role(fmt::format("bias.{}", p))) {
+      // The bias add reading this part's product: its result is what the part writes.
+      for (NodeId id : view.region.nodes) {
+        const Node& add = sub.node(id);
+        if (add.op == "add" && add.inputs.size() == 2 &&
+            ((add.inputs[0] == part.output && add.inputs[1] == *bias) ||
+             (add.inputs[1] == part.output && add.inputs[0] == *bias))) {
+          covered.insert(id);
+          part.output = add.outputs[0];
+          part.bias = *bias;
+          break;
+        }
+      }
+      if (part.bias < 0) return refuse(fmt::format("no add reads part {}'s product and the role 'bias.{}'", p, p));
+    }
+    stage.row_parts.push_back(part);
+  }
+  for (NodeId id : view.region.nodes) {
+    if (!covered.contains(id)) {
+      return refuse(fmt::format("node '{}' ({}) is neither a stacked contraction nor its bias add", sub.node(id).name,
+                                sub.node(id).op));
+    }
+  }
+  for (const GemvRowPart& part : stage.row_parts) {
+    const auto& outputs = view.region.outputs;
+    if (std::find(outputs.begin(), outputs.end(), part.output) == outputs.end()) {
+      return refuse(fmt::format("'{}' is not written by the region", sub.value(part.output).name));
+    }
+  }
+  if (view.region.outputs.size() != stage.row_parts.size()) {
+    return refuse(fmt::format("the region writes {} values; its GEMV writes one per part ({})", view.region.outputs.size(),
+                              stage.row_parts.size()));
+  }
+  // The stacked copies are made from the weights and biases once, when bound: they must be inputs
+  // of the whole graph (checkpoint tensors), not values a step computes.
+  for (const GemvRowPart& part : stage.row_parts) {
+    for (ValueId id : {part.matrix.weight, part.matrix.scales, part.matrix.biases, part.bias}) {
+      if (id >= 0 && graph.value(in_graph(graph, sub, id)).producer >= 0) {
+        return refuse(fmt::format("'{}' is computed in the graph; the stacked GEMV reads a copy made once",
+                                  sub.value(id).name));
+      }
+    }
+  }
+  GemvMatrix stacked = stage.row_parts.front().matrix;
+  stacked.weight = stacked.scales = stacked.biases = -1;
+  stacked.out_features = 0;
+  for (const GemvRowPart& part : stage.row_parts) stacked.out_features += part.matrix.out_features;
+  stage.matrices = {stacked};
+  const bool biased = std::any_of(stage.row_parts.begin(), stage.row_parts.end(),
+                                  [](const GemvRowPart& part) { return part.bias >= 0; });
+  stage.epilogue = biased ? GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true))
+                          : GemvEpilogue::store();
+  return mapped_to(graph, sub, {std::move(stage)});
+}
+
 GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region) {
   if (region.rule == "swiglu_mlp") return plan_gemv_swiglu(graph, region);
+  if (region.rule == "sibling_contractions") return plan_gemv_siblings(graph, region);
   if (region.rule == "contraction_epilogue" || region.rule == "contraction" || region.rule == "contraction_argmax") {
     return plan_gemv_contraction(graph, region);
   }
-  return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction and contraction_argmax "
+  return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax and "
+                            "sibling_contractions "
                             "regions, not {}",
                             region.rule.empty() ? std::string("an unnamed region") : "'" + region.rule + "'"));
 }
@@ -422,6 +512,22 @@ struct RepackedOnDevice {
   DeviceBuffer scale_bias;
 };
 
+// Device copies of a stacked matrix (sibling contractions): weights (dense) or repacked words and
+// scale_bias (affine), and the stacked bias when a part has one.
+struct StackedOnDevice {
+  DeviceBuffer words;
+  DeviceBuffer scale_bias;
+  DeviceBuffer bias;
+};
+
+void upload_into(DeviceBuffer& buffer, std::span<const std::byte> bytes) {
+  if (buffer.empty()) {
+    buffer = DeviceBuffer::from_host(bytes);
+  } else {
+    buffer.copy_from_host(bytes);
+  }
+}
+
 // The kernels of one lowering, compiled together (in parallel) on the first bind and loaded as
 // candidates need them, and the repacked weights per device values, shared by every candidate.
 struct GemvKernelPool {
@@ -430,6 +536,7 @@ struct GemvKernelPool {
   std::vector<CompiledProgram> programs;
   std::vector<std::shared_ptr<LoadedGemv>> loaded;
   std::map<std::pair<const DeviceValues*, ValueId>, std::shared_ptr<RepackedOnDevice>> repacked;
+  std::map<std::pair<const DeviceValues*, std::size_t>, std::shared_ptr<StackedOnDevice>> stacked;
 
   std::shared_ptr<LoadedGemv> kernel(std::size_t index) {
     std::lock_guard lock(mutex);
@@ -459,6 +566,49 @@ struct GemvKernelPool {
         device->words.copy_from_host(std::as_bytes(std::span(packed.words)));
         device->scale_bias.copy_from_host(std::as_bytes(std::span(packed.scale_bias)));
       }
+    });
+    return slot;
+  }
+
+  // Stage `index`'s parts stacked by rows on `values`' device (and repacked when affine), made
+  // once and kept current like the repacked matrices.
+  std::shared_ptr<StackedOnDevice> stacked_matrix(DeviceValues& values, const GemvStage& stage, std::size_t index) {
+    std::lock_guard lock(mutex);
+    auto& slot = stacked[{&values, index}];
+    if (slot) return slot;
+    slot = std::make_shared<StackedOnDevice>();
+    std::vector<ValueId> sources;
+    for (const GemvRowPart& part : stage.row_parts) {
+      for (ValueId id : {part.matrix.weight, part.matrix.scales, part.matrix.biases, part.bias}) {
+        if (id >= 0) sources.push_back(id);
+      }
+    }
+    values.keep_derived(sources, [&values, stage, device = slot] {
+      auto stacked_of = [&](auto value_of) {
+        std::vector<HostTensor> parts;
+        for (const GemvRowPart& part : stage.row_parts) parts.push_back(value_of(part));
+        return stack_rows(parts);
+      };
+      const GemvMatrix& format = stage.matrices.front();
+      if (format.format.is_affine()) {
+        const QuantizedMatrix host = QuantizedMatrix::from_tensors(
+            format.format.quantization(), stacked_of([&](const GemvRowPart& p) { return values[p.matrix.weight].to_host(); }),
+            stacked_of([&](const GemvRowPart& p) { return values[p.matrix.scales].to_host(); }),
+            stacked_of([&](const GemvRowPart& p) { return values[p.matrix.biases].to_host(); }));
+        const RepackedAffineMatrix packed = repack_for_gemv(host);
+        upload_into(device->words, std::as_bytes(std::span(packed.words)));
+        upload_into(device->scale_bias, std::as_bytes(std::span(packed.scale_bias)));
+      } else {
+        upload_into(device->words,
+                    stacked_of([&](const GemvRowPart& p) { return values[p.matrix.weight].to_host(); }).bytes());
+      }
+      if (stage.epilogue.tensor_inputs().empty()) return;
+      // A part without a bias adds zeros (x + 0 is x).
+      const HostTensor bias = stacked_of([&](const GemvRowPart& p) {
+        return p.bias >= 0 ? values[p.bias].to_host()
+                           : HostTensor(TensorSpec{{p.matrix.out_features}, format.format.activation});
+      });
+      upload_into(device->bias, bias.bytes());
     });
     return slot;
   }
@@ -520,9 +670,20 @@ Lowered candidates_of(const GemvRegionPlan& plan) {
       };
       std::vector<Launch> launches;
       std::vector<std::shared_ptr<RepackedOnDevice>> repacked;
+      std::vector<std::shared_ptr<StackedOnDevice>> stacked;
       for (std::size_t s = 0; s < stages->size(); ++s) {
         const GemvStage& stage = (*stages)[s];
         Launch launch{pool->kernel(kernels[s]), {}};
+        if (!stage.row_parts.empty()) {
+          stacked.push_back(pool->stacked_matrix(values, stage, s));
+          launch.arguments.add_pointer(stacked.back()->words);
+          if (stage.matrices.front().format.is_affine()) launch.arguments.add_pointer(stacked.back()->scale_bias);
+          launch.arguments.add_pointer(values[stage.input].address());
+          if (!stage.epilogue.tensor_inputs().empty()) launch.arguments.add_pointer(stacked.back()->bias);
+          for (const GemvRowPart& part : stage.row_parts) launch.arguments.add_pointer(values[part.output].address());
+          launches.push_back(std::move(launch));
+          continue;
+        }
         for (const GemvMatrix& matrix : stage.matrices) {
           if (matrix.format.is_affine()) {
             repacked.push_back(pool->repacked_matrix(values, matrix));
@@ -538,7 +699,8 @@ Lowered candidates_of(const GemvRegionPlan& plan) {
         if (stage.argmax_output >= 0) launch.arguments.add_pointer(values[stage.argmax_output].address());
         launches.push_back(std::move(launch));
       }
-      return DeviceStep([launches = std::move(launches), repacked = std::move(repacked)](const CudaStream& stream) {
+      return DeviceStep([launches = std::move(launches), repacked = std::move(repacked),
+                         stacked = std::move(stacked)](const CudaStream& stream) {
         for (const Launch& launch : launches) launch.gemv->launch(stream, launch.arguments);
       });
     };

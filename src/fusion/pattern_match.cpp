@@ -225,6 +225,18 @@ void validate_rule_set(const RuleSet& rules) {
         throw InputError(where + ": role '" + rule.pattern[index].role + "' is not reached from the anchor");
       }
     }
+    if (rule.siblings) {
+      // Siblings are found through the one entry's bindings (src/fusion/sibling_regions.cpp).
+      const auto& inputs = rule.pattern.front().inputs;
+      auto binds = [&](const std::string& role) {
+        return !role.empty() && std::find(inputs.begin(), inputs.end(), "$" + role) != inputs.end();
+      };
+      if (rule.pattern.size() != 1 || !binds(rule.siblings->shared_role) || !binds(rule.siblings->member_role) ||
+          rule.siblings->shared_role == rule.siblings->member_role || rule.siblings->max_members < 2) {
+        throw InputError(where + ": a sibling rule has one pattern entry binding its shared and member roles as "
+                                 "different \"$name\" slots, and at least 2 members");
+      }
+    }
     for (const GrowthSpec* growth : {&rule.prologue, &rule.epilogue}) {
       if (growth->max_depth < -1) throw InputError(where + ": a growth depth must be -1 (unbounded) or more");
     }

@@ -102,9 +102,26 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
                              !claimed[static_cast<std::size_t>(node.id)];
       const FusionRule& anchored = continues ? continuation : rule;
       if (!can_anchor(graph, anchored, node.id)) continue;
-      if (anchored.pattern.size() == 1 && !may_grow(graph, anchored, node.id)) continue;
+      if (anchored.pattern.size() == 1 && !anchored.siblings && !may_grow(graph, anchored, node.id)) continue;
       const auto match = match_pattern(graph, anchored, node.id);
       if (!match) continue;
+      if (rule.siblings) {
+        SiblingOutcome group = solve_siblings(graph, target, rule, match, scratch.index);
+        if (group.follower) continue;
+        if (!group.alone) notes[static_cast<std::size_t>(node.id)].considered = true;
+        // A lone contraction is no refusal worth a line in every reason; a reader that differs is.
+        if (!group.decision && !group.alone) {
+          add_distinct(notes[static_cast<std::size_t>(node.id)].refusals, rule.name + " refused: " + group.decision.reason);
+        }
+        for (auto& [left_out, reason] : group.left_out) {
+          add_distinct(notes[static_cast<std::size_t>(left_out)].left_out, rule.name + ": " + reason);
+        }
+        if (group.region.size() < 2 || to_picoseconds(group.benefit_ns) <= 0) continue;
+        if (!seen.insert(group.region).second) continue;
+        rule_proposals.push_back(
+            {static_cast<int>(rule_index), node.id, std::move(group.region), group.benefit_ns, std::move(group.roles)});
+        continue;
+      }
       const std::vector<NodeId>* pattern_nodes = &match.nodes;
       NeighborhoodOutcome outcome =
           solve_neighborhood(graph, target, anchored, *pattern_nodes, rules.max_neighborhood_nodes, scratch);

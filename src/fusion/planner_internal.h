@@ -85,6 +85,22 @@ NeighborhoodOutcome solve_neighborhood(const ComputeGraph& graph, const FusionTa
                                        std::span<const NodeId> pattern_nodes, int max_neighborhood_nodes,
                                        NeighborhoodScratch& scratch);
 
+// ---------------------------------------------------------------- sibling groups
+
+// The group a sibling rule (FusionRule::siblings) forms around a matched anchor
+// (sibling_regions.cpp): every alike reader of the shared value and each one's bias add.
+struct SiblingOutcome {
+  Decision decision = Decision::allow();  // refused: no group forms here, and why
+  bool alone = false;                     // refused because nothing else reads the shared value alike or not
+  bool follower = false;                  // refused because an earlier alike reader proposes the group
+  std::vector<NodeId> region;             // ascending
+  double benefit_ns = 0;
+  std::vector<RegionRole> roles;          // the shared role, then per member its role and bias
+  std::vector<std::pair<NodeId, std::string>> left_out;  // readers and adds kept out, and why
+};
+SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
+                              const PatternMatch& match, const GraphIndex& index);
+
 // ---------------------------------------------------------------- conflicts
 
 // Overlap conflicts: for candidate node sets (each ascending), per candidate the

@@ -77,6 +77,21 @@ FusionRule contraction_epilogue_rule() {
   return rule;
 }
 
+FusionRule sibling_contractions_rule() {
+  FusionRule rule;
+  rule.name = "sibling_contractions";
+  rule.description =
+      "contractions reading one input with alike weights (q, k, v), as one contraction over the weights stacked by "
+      "rows, each with its bias add";
+  // Every member binds its own weight ("weight.0", "weight.1", ...) and, with a bias add on its
+  // output, the bias ("bias.0", ...); all of them bind the one "input".
+  rule.pattern = {entry("contraction", OpKind::contraction, {}, {"$input", "$weight"})};
+  rule.siblings = SiblingSpec{.shared_role = "input", .member_role = "weight", .max_members = 8};
+  rule.epilogue_add_operand_role = "bias";
+  rule.materializes_escaping_values = true;
+  return rule;
+}
+
 FusionRule row_reduction_rule() {
   FusionRule rule;
   rule.name = "row_reduction";
@@ -104,7 +119,7 @@ FusionRule elementwise_chain_rule() {
 RuleSet default_rules() {
   RuleSet rules;
   rules.rules = {residual_add_rms_norm_rule(), parallel_epilogue_rule(), contraction_epilogue_rule(),
-                 row_reduction_rule(), elementwise_chain_rule()};
+                 sibling_contractions_rule(), row_reduction_rule(), elementwise_chain_rule()};
   return rules;
 }
 

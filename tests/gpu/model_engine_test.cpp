@@ -28,15 +28,6 @@ namespace {
 using testing::test_seed;
 using testing_support::CudaDeviceTest;
 
-std::string architecture_label(ModelArchitecture architecture) {
-  switch (architecture) {
-    case ModelArchitecture::llama: return "llama";
-    case ModelArchitecture::qwen2: return "qwen2";
-    case ModelArchitecture::mistral: return "mistral";
-  }
-  return "unknown";
-}
-
 std::string describe(const AgreementFigures& figures) {
   return fmt::format("agreement {}/{} (first difference at position {}), KL mean {:.3g}, KL max {:.3g}, "
                      "max logit error {:.3g}",
@@ -98,7 +89,7 @@ struct EngineCase {
 };
 
 std::string case_label(const EngineCase& engine_case) {
-  return fmt::format("{}_{}", architecture_label(engine_case.architecture),
+  return fmt::format("{}_{}", model_type_name(engine_case.architecture),
                      engine_case.bits == 0 ? std::string("bf16") : fmt::format("int{}", engine_case.bits));
 }
 std::string case_name(const ::testing::TestParamInfo<EngineCase>& info) { return case_label(info.param); }

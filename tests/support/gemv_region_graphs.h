@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "metile/graph.h"
 
@@ -59,6 +60,23 @@ inline ComputeGraph projection_test_graph(std::int64_t rows, std::int64_t n, std
   if (epilogue == "bias") return builder.build({builder.add(y, builder.input("c", TensorSpec({n}, format.dtype)), "n0")});
   if (epilogue == "argmax") return builder.build({y, builder.argmax(y, "n0")});
   return builder.build({y});
+}
+
+// Sibling projections of one x [rows, k] (q, k, v): projection p "p<p>" has widths[p] outputs
+// and, where biased[p], adds its bias "c<p>" [widths[p]]; each result is a graph output
+// ("y<p>"), as the q, k and v of a decode step are read by layout ops outside.
+inline ComputeGraph sibling_test_graph(std::int64_t rows, const std::vector<std::int64_t>& widths, std::int64_t k,
+                                       const LinearFormat& format, const std::vector<bool>& biased) {
+  GraphBuilder builder;
+  const ValueRef x = builder.input("a", TensorSpec({rows, k}, format.dtype));
+  std::vector<ValueRef> outputs;
+  for (std::size_t p = 0; p < widths.size(); ++p) {
+    const std::string name = "p" + std::to_string(p);
+    ValueRef y = test_linear(builder, x, name, widths[p], k, format);
+    if (biased[p]) y = builder.add(y, builder.input("c" + std::to_string(p), TensorSpec({widths[p]}, format.dtype)), "y" + std::to_string(p));
+    outputs.push_back(y);
+  }
+  return builder.build(outputs);
 }
 
 }  // namespace metile::testing

@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include <future>
+#include <random>
 #include <set>
 
 #include "gemv_region_graphs.h"
@@ -291,7 +292,8 @@ TEST(GemvLowering, OtherRegionsAreRefusedWithTheReason) {
   const Lowered row_lowered = gemv_region_candidates(*rows.graph, rows.regions[0]);
   EXPECT_FALSE(row_lowered.decision);
   EXPECT_EQ(row_lowered.decision.reason,
-            "the GEMV lowers swiglu_mlp, contraction_epilogue, contraction and contraction_argmax regions, not "
+            "the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax and "
+            "sibling_contractions regions, not "
             "'residual_add_rms_norm'");
   bool listed = false;
   for (const RegionLowering& lowering : builtin_lowerings()) listed = listed || lowering.name == "gemv";
@@ -344,6 +346,16 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
                    "contraction_argmax"});
   cases.push_back({"lm head and argmax affine4", testing::projection_test_graph(1, 1000, 512, {4, 64, DType::bf16}, "argmax"),
                    "contraction_argmax"});
+  // q, k, v as one GEMV: dense and affine, M = 1 and 16, Qwen-like biases (one part without).
+  cases.push_back({"siblings dense M16 biased",
+                   testing::sibling_test_graph(16, {128, 32, 32}, 256, {16, 64, DType::bf16}, {true, true, true}),
+                   "sibling_contractions"});
+  cases.push_back({"siblings affine4 M1",
+                   testing::sibling_test_graph(1, {128, 32, 32}, 256, {4, 64, DType::bf16}, {false, false, false}),
+                   "sibling_contractions"});
+  cases.push_back({"siblings affine8 M16 biased",
+                   testing::sibling_test_graph(16, {64, 48, 32}, 256, {8, 32, DType::f16}, {true, false, true}),
+                   "sibling_contractions"});
 
   std::vector<std::future<std::string>> compiles;
   for (const Case& test_case : cases) {
@@ -389,6 +401,126 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
     }
   }
   for (auto& compiled : compiles) EXPECT_EQ(compiled.get(), "");
+}
+
+// Sibling contractions (q, k, v) lower to one GEMV whose matrix stacks the parts by role (the
+// graph's value names say nothing), each part writing its own value after its bias; every shape
+// the lowering offers writes the parts as split outputs, and the streamed and split-K mainloops
+// (which store through the same function) compile with them too.
+TEST(GemvLowering, SiblingsAreOneGemvOverTheirStackedWeights) {
+  for (int bits : {16, 4, 8}) {
+    for (std::int64_t rows : {1, 16}) {
+      const std::string where = fmt::format("bits {} M {}", bits, rows);
+      const ComputeGraph graph =
+          testing::sibling_test_graph(rows, {96, 32, 32}, 128, {bits, 64, DType::bf16}, {true, false, true});
+      const FusionPlan plan = plan_graph_fusion(graph);
+      const FusionRegion* region = region_of_rule(plan, "sibling_contractions");
+      ASSERT_NE(region, nullptr) << plan.explain();
+      const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, *region);
+      ASSERT_TRUE(lowered.decision) << where << ": " << lowered.decision.reason;
+      ASSERT_EQ(lowered.stages.size(), 1u);
+      const GemvStage& stage = lowered.stages[0];
+      const ComputeGraph& g = *plan.graph;
+      EXPECT_EQ(value_name(g, stage.input), "a");
+      ASSERT_EQ(stage.row_parts.size(), 3u);
+      const std::string weight = bits == 16 ? ".w" : ".q";
+      const std::vector<std::string> outputs = {"y0", "p1", "y2"};
+      const std::vector<std::string> biases = {"c0", "-", "c2"};
+      for (std::size_t p = 0; p < 3; ++p) {
+        const GemvRowPart& part = stage.row_parts[p];
+        EXPECT_EQ(value_name(g, part.matrix.weight), fmt::format("p{}{}", p, weight)) << where;
+        EXPECT_EQ(value_name(g, part.matrix.scales), bits == 16 ? "-" : fmt::format("p{}.s", p)) << where;
+        EXPECT_EQ(value_name(g, part.bias), biases[p]) << where;
+        EXPECT_EQ(value_name(g, part.output), outputs[p]) << where;
+      }
+      ASSERT_EQ(stage.matrices.size(), 1u);
+      EXPECT_EQ(stage.matrices[0].out_features, 160);
+      EXPECT_EQ(stage.matrices[0].weight, -1) << "the stacked matrix is no value of the graph";
+      expect_epilogue(stage.epilogue, [](double a, double, double t) { return a + t; }, where);
+      const GemvKernelConfig base = stage.base_config();
+      EXPECT_EQ(base.output_splits, (std::vector<std::int64_t>{96, 32, 32}));
+      const Lowered candidates = gemv_region_candidates(g, *region);
+      ASSERT_TRUE(candidates.decision) << candidates.decision.reason;
+      for (const FusedCandidate& candidate : candidates.candidates) {
+        EXPECT_EQ(candidate.launches, 1) << "three launches become one";
+        EXPECT_NE(candidate.source.find("u16* __restrict__ out2"), std::string::npos) << candidate.id.name();
+      }
+    }
+  }
+  // Mismatched splits and per-row tensors are refused by the config.
+  GemvKernelConfig config;
+  config.format = GemvWeightFormat::dense(DType::bf16);
+  config.out_features = 64;
+  config.in_features = 128;
+  config.output_splits = {32, 16};
+  EXPECT_THROW(config.validate(), InputError);
+  config.output_splits = {32, 32};
+  config.epilogue = GemvEpilogue::residual_add();
+  EXPECT_THROW(config.validate(), InputError);
+  config.epilogue = GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true));
+  EXPECT_NO_THROW(config.validate());
+
+  // Streamed and split-K kernels with split outputs and the bias compile for sm_90.
+  std::vector<GemvKernelConfig> shapes;
+  GemvKernelConfig streamed = config;
+  streamed.format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  streamed.rows = 16;
+  streamed.mainloop = GemvMainloop::streamed;
+  shapes.push_back(streamed);
+  GemvKernelConfig split = config;
+  split.rows = 3;
+  split.in_features = 4096;
+  split.k_splits = 4;
+  shapes.push_back(split);
+  std::vector<std::future<std::string>> compiles;
+  for (const GemvKernelConfig& shape : shapes) {
+    compiles.push_back(std::async(std::launch::async, [kernel = generate_gemv_kernel(shape), what = shape.to_string()] {
+      CompileOptions options;
+      options.architecture = "sm_90";
+      try {
+        return compile_cuda_program(kernel.source, kernel.kernel_name, options).cubin.empty() ? what + ": empty cubin"
+                                                                                              : std::string();
+      } catch (const CudaError& error) {
+        return what + ": " + error.what();
+      }
+    }));
+  }
+  for (auto& compiled : compiles) EXPECT_EQ(compiled.get(), "");
+}
+
+// What a stacked GEMV reads: stack_rows of the parts' codes, scales and biases dequantizes to the
+// parts' own dequantized rows, one after another (checked against each part dequantized alone).
+TEST(GemvLowering, StackedAffineMatricesDequantizeToTheirPartsRows) {
+  const std::uint64_t seed = testing::test_seed("stacked affine");
+  std::mt19937_64 random(seed);
+  for (int bits : {4, 8}) {
+    const AffineQuantization format{bits, 64};
+    std::vector<QuantizedMatrix> parts;
+    std::vector<HostTensor> codes, scales, biases;
+    for (std::int64_t rows : {48, 16, 16}) {
+      std::vector<double> values(static_cast<std::size_t>(rows * 128));
+      std::uniform_real_distribution<double> uniform(-1, 1);
+      for (double& value : values) value = uniform(random);
+      parts.push_back(quantize_affine(HostTensor::from_values(TensorSpec({rows, 128}, DType::f32), values), format, DType::bf16));
+      codes.push_back(parts.back().packed);
+      scales.push_back(parts.back().scales);
+      biases.push_back(parts.back().biases);
+    }
+    const QuantizedMatrix stacked =
+        QuantizedMatrix::from_tensors(format, stack_rows(codes), stack_rows(scales), stack_rows(biases));
+    const HostTensor whole = dequantize_affine(stacked, DType::f32);
+    std::vector<HostTensor> dequantized;
+    for (const QuantizedMatrix& part : parts) dequantized.push_back(dequantize_affine(part, DType::f32));
+    EXPECT_EQ(whole, stack_rows(dequantized)) << "bits " << bits;
+    // And the repacked layout round-trips the stacked matrix exactly.
+    const QuantizedMatrix back = unpack_from_gemv(repack_for_gemv(stacked));
+    EXPECT_EQ(back.packed, stacked.packed);
+    EXPECT_EQ(back.scales, stacked.scales);
+  }
+  EXPECT_THROW(stack_rows({}), InputError);
+  const HostTensor a(TensorSpec({2, 4}, DType::bf16));
+  const HostTensor b(TensorSpec({2, 5}, DType::bf16));
+  EXPECT_THROW(stack_rows(std::vector<HostTensor>{a, b}), InputError);
 }
 
 }  // namespace

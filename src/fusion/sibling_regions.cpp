@@ -1,0 +1,232 @@
+// Sibling grouping (FusionRule::siblings; docs/architecture.md, "Rules"): ops that read one value in
+// the same slot and are alike become one kernel (q, k and v as one contraction over their weights
+// stacked by rows), each member with its bias add. Unlike the neighborhood cut models, nothing
+// here is a choice between growing and not: the members are siblings (no value flows between
+// them), so the region is every alike reader, checked for convexity, escapes and limits.
+#include <fmt/core.h>
+
+#include <algorithm>
+
+#include "planner_internal.h"
+
+namespace metile::fusion_internal {
+namespace {
+
+std::string quoted(const Node& node) { return "`" + node.name + "`"; }
+
+// The input slot where `rule`'s one entry binds `"$" + role`, or -1.
+int slot_of(const FusionRule& rule, const std::string& role) {
+  const auto& inputs = rule.pattern.front().inputs;
+  const auto found = std::find(inputs.begin(), inputs.end(), "$" + role);
+  return found == inputs.end() ? -1 : static_cast<int>(found - inputs.begin());
+}
+
+std::string shape_but(const TensorSpec& spec, bool first_axis) {
+  std::string text;
+  for (std::size_t axis = 0; axis < spec.shape.size(); ++axis) {
+    const bool skipped = first_axis ? axis == 0 : axis + 1 == spec.shape.size();
+    text += (axis == 0 ? "" : ", ") + (skipped ? std::string("*") : std::to_string(spec.shape[axis]));
+  }
+  return std::string(dtype_name(spec.dtype)) + " [" + text + "]";
+}
+
+// Whether `other` is alike `anchor` (both read the shared value at `shared_slot`), and how it
+// differs when not. Alike: same op and attributes; other operands of one dtype and rank and one
+// shape but the first axis (stacked by rows); outputs the same but the last axis.
+Decision alike(const ComputeGraph& graph, const Node& anchor, const Node& other, int shared_slot) {
+  auto differs = [&](const std::string& what) {
+    return Decision::refuse(fmt::format("{} differs from {}: {}", quoted(other), quoted(anchor), what));
+  };
+  if (other.op != anchor.op) return differs(fmt::format("op {}, not {}", other.op, anchor.op));
+  if (other.attributes != anchor.attributes) {
+    for (const auto& [key, value] : anchor.attributes.entries()) {
+      const auto& entries = other.attributes.entries();
+      const auto found = entries.find(key);
+      if (found == entries.end() || found->second != value) return differs(fmt::format("attribute '{}'", key));
+    }
+    return differs("its attributes");
+  }
+  if (other.inputs.size() != anchor.inputs.size() || other.outputs.size() != anchor.outputs.size()) {
+    return differs("operand count");
+  }
+  for (std::size_t slot = 0; slot < anchor.inputs.size(); ++slot) {
+    if (static_cast<int>(slot) == shared_slot) continue;
+    const std::string a = shape_but(graph.value(anchor.inputs[slot]).spec, true);
+    const std::string b = shape_but(graph.value(other.inputs[slot]).spec, true);
+    if (a != b || graph.value(anchor.inputs[slot]).spec.rank() == 0) {
+      return differs(fmt::format("operand {} is {}, not {}", slot, b, a));
+    }
+  }
+  for (std::size_t k = 0; k < anchor.outputs.size(); ++k) {
+    const std::string a = shape_but(graph.value(anchor.outputs[k]).spec, false);
+    const std::string b = shape_but(graph.value(other.outputs[k]).spec, false);
+    if (a != b) return differs(fmt::format("output {} is {}, not {}", k, b, a));
+  }
+  return Decision::allow();
+}
+
+NodeId other_reader(const std::vector<NodeId>& readers, NodeId reader) {
+  return *std::find_if(readers.begin(), readers.end(), [&](NodeId r) { return r != reader; });
+}
+
+// The member's bias add: its one output's only reader, an `add` of a vector as long as the
+// output's last axis. Refused (with why) when there is an add that cannot join; nullopt when the
+// member has no such reader at all.
+struct BiasAdd {
+  NodeId add = -1;
+  ValueId bias = -1;
+};
+std::optional<BiasAdd> bias_add_of(const ComputeGraph& graph, const GraphIndex& index, const Node& member,
+                                   std::vector<std::pair<NodeId, std::string>>& left_out) {
+  if (member.outputs.size() != 1 || graph.value(member.outputs.front()).spec.rank() == 0) return std::nullopt;
+  const ValueId output = member.outputs.front();
+  const auto& readers = graph.consumers(output);
+  for (NodeId reader : readers) {
+    const Node& add = graph.node(reader);
+    if (add.op != "add" || add.inputs.size() != 2 || is_certified_node(add)) continue;
+    const ValueId other = add.inputs[0] == output ? add.inputs[1] : add.inputs[0];
+    const TensorSpec& spec = graph.value(output).spec;
+    const TensorSpec& bias = graph.value(other).spec;
+    if (other == output || bias.rank() != 1 || bias.shape[0] != spec.shape.back() || bias.dtype != spec.dtype ||
+        graph.value(add.outputs.front()).spec != spec) {
+      continue;  // not a bias: a residual or another operand stays outside
+    }
+    if (index.value_is_output[static_cast<std::size_t>(output)] || readers.size() > 1) {
+      left_out.emplace_back(reader, fmt::format("not a bias epilogue: the intermediate {} is also {}", quoted(member),
+                                                index.value_is_output[static_cast<std::size_t>(output)]
+                                                    ? "a graph output"
+                                                    : "read by " + quoted(graph.node(other_reader(readers, reader)))));
+      return std::nullopt;
+    }
+    return BiasAdd{reader, other};
+  }
+  return std::nullopt;
+}
+
+// Whether `region` (ascending) is convex: no path leaves it and comes back. Refused with the op
+// the path passes through outside. Node ids are topological, so searches stop at the last member.
+Decision convex(const ComputeGraph& graph, const GraphIndex& index, const std::vector<NodeId>& region) {
+  const NodeId last = region.back();
+  std::vector<char> reached(graph.nodes().size(), 0);
+  std::vector<NodeId> stack;
+  auto inside = [&](NodeId node) { return std::binary_search(region.begin(), region.end(), node); };
+  for (NodeId start : region) {
+    for (NodeId next : index.consumer_nodes[static_cast<std::size_t>(start)]) {
+      if (!inside(next) && next < last && !reached[static_cast<std::size_t>(next)]) {
+        reached[static_cast<std::size_t>(next)] = 1;
+        stack.push_back(next);
+      }
+    }
+  }
+  while (!stack.empty()) {
+    const NodeId current = stack.back();
+    stack.pop_back();
+    for (NodeId next : index.consumer_nodes[static_cast<std::size_t>(current)]) {
+      if (inside(next)) {
+        return Decision::refuse(fmt::format("not convex: a path leaves the group through {} and comes back at {}",
+                                            quoted(graph.node(current)), quoted(graph.node(next))));
+      }
+      if (next < last && !reached[static_cast<std::size_t>(next)]) {
+        reached[static_cast<std::size_t>(next)] = 1;
+        stack.push_back(next);
+      }
+    }
+  }
+  return Decision::allow();
+}
+
+}  // namespace
+
+SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
+                              const PatternMatch& match, const GraphIndex& index) {
+  SiblingOutcome outcome;
+  const SiblingSpec& spec = *rule.siblings;
+  const int shared_slot = slot_of(rule, spec.shared_role);
+  const int member_slot = slot_of(rule, spec.member_role);
+  const Node& anchor = graph.node(match.nodes.back());
+  if (shared_slot < 0 || member_slot < 0 || static_cast<std::size_t>(shared_slot) >= anchor.inputs.size() ||
+      static_cast<std::size_t>(member_slot) >= anchor.inputs.size()) {
+    outcome.decision = Decision::refuse(fmt::format("{} binds no '{}' and '{}'", quoted(anchor), spec.shared_role, spec.member_role));
+    return outcome;
+  }
+  const ValueId shared = anchor.inputs[static_cast<std::size_t>(shared_slot)];
+
+  // The alike readers of the shared value in the same slot, in topological order. The relation
+  // is an equality of signatures, so every member would find the same group: the first proposes it.
+  std::vector<NodeId> members;
+  std::vector<std::string> differences;
+  std::vector<NodeId> readers = graph.consumers(shared);
+  std::sort(readers.begin(), readers.end());
+  readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+  for (NodeId reader : readers) {
+    const Node& other = graph.node(reader);
+    if (other.inputs.size() <= static_cast<std::size_t>(shared_slot) ||
+        other.inputs[static_cast<std::size_t>(shared_slot)] != shared) {
+      continue;
+    }
+    if (reader != anchor.id) {
+      if (!match_pattern(graph, rule, reader)) continue;  // not an op of the pattern's kind
+      if (const Decision same = alike(graph, anchor, other, shared_slot); !same) {
+        differences.push_back(same.reason);
+        continue;
+      }
+      if (reader < anchor.id) {
+        // An earlier member leads the same group (the relation is an equality): it proposes it.
+        outcome.decision = Decision::refuse(fmt::format("{} leads the group", quoted(other)));
+        outcome.follower = true;
+        return outcome;
+      }
+    }
+    if (static_cast<int>(members.size()) >= spec.max_members) {
+      outcome.left_out.emplace_back(
+          reader, fmt::format("beyond rule {}'s {} members reading `{}`", rule.name, spec.max_members, graph.value(shared).name));
+      continue;
+    }
+    members.push_back(reader);
+  }
+  if (std::find(members.begin(), members.end(), anchor.id) == members.end()) {
+    outcome.decision = Decision::refuse(fmt::format("{} is beyond the group's {} members", quoted(anchor), spec.max_members));
+    return outcome;
+  }
+  if (members.size() < 2) {
+    std::string why = fmt::format("no other {} op reads `{}` as its operand {}", op_kind_name(anchor.kind),
+                                  graph.value(shared).name, shared_slot);
+    for (const std::string& difference : differences) why += "; " + difference;
+    outcome.decision = Decision::refuse(std::move(why));
+    outcome.alone = differences.empty();
+    return outcome;
+  }
+
+  // Roles: the shared value, then each member's own operand and its bias, member by member.
+  std::vector<NodeId> region = members;
+  outcome.roles.push_back({spec.shared_role, shared});
+  std::vector<NodeId> one_member = {members.front()};
+  for (std::size_t m = 0; m < members.size(); ++m) {
+    const Node& member = graph.node(members[m]);
+    outcome.roles.push_back({fmt::format("{}.{}", spec.member_role, m), member.inputs[static_cast<std::size_t>(member_slot)]});
+    if (rule.epilogue_add_operand_role.empty()) continue;
+    if (const auto bias = bias_add_of(graph, index, member, outcome.left_out)) {
+      region.push_back(bias->add);
+      outcome.roles.push_back({fmt::format("{}.{}", rule.epilogue_add_operand_role, m), bias->bias});
+      if (m == 0) one_member.push_back(bias->add);
+    }
+  }
+  std::sort(region.begin(), region.end());
+  if (Decision shape = convex(graph, index, region); !shape) {
+    outcome.decision = std::move(shape);
+    return outcome;
+  }
+  RegionEstimate estimate = estimate_region(graph, region, target, rule.resources, index.value_is_output);
+  // The members share one mainloop over the stacked operand: their registers are one member's.
+  estimate.registers_per_thread =
+      estimate_region(graph, one_member, target, rule.resources, index.value_is_output).registers_per_thread;
+  if (Decision fits = within_limits(estimate, target); !fits) {
+    outcome.decision = Decision::refuse("the group " + fits.reason);
+    return outcome;
+  }
+  outcome.region = std::move(region);
+  outcome.benefit_ns = estimate.benefit_ns;
+  return outcome;
+}
+
+}  // namespace metile::fusion_internal

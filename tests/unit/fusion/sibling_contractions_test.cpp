@@ -1,0 +1,183 @@
+// The sibling_contractions rule (src/fusion/sibling_regions.cpp): contractions that read one input
+// with alike weights group into one region with roles input, weight.i and bias.i (i in topological
+// order, whatever the value names say), and every way a group cannot form says why: different
+// inputs, different formats, an intermediate that escapes, a path between members. The plans run
+// on the CPU plan executor against the unplanned graph.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "gemv_region_graphs.h"
+#include "metile/cpu_runtime.h"
+#include "metile/fusion.h"
+#include "metile_test_support.h"
+#include "planner_internal.h"
+
+namespace metile {
+namespace {
+
+using testing::LinearFormat;
+
+const FusionRegion* region_of_rule(const FusionPlan& plan, std::string_view rule) {
+  for (const FusionRegion& region : plan.regions) {
+    if (region.rule == rule) return &region;
+  }
+  return nullptr;
+}
+
+std::string role_text(const ComputeGraph& graph, const FusionRegion& region) {
+  std::string text;
+  for (const RegionRole& role : region.roles) text += (text.empty() ? "" : " ") + role.role + "=" + graph.value(role.value).name;
+  return text;
+}
+
+fusion_internal::SiblingOutcome siblings_at(const ComputeGraph& graph, const std::string& node) {
+  const FusionRule rule = sibling_contractions_rule();
+  const auto match = fusion_internal::match_pattern(graph, rule, *graph.find_node(node));
+  EXPECT_TRUE(match) << match.decision.reason;
+  const fusion_internal::GraphIndex index(graph);
+  return fusion_internal::solve_siblings(graph, FusionTarget::h200(), rule, match, index);
+}
+
+// The plan executes on the CPU reference exactly as the graph does.
+void expect_plan_runs_like_graph(const FusionPlan& plan, std::uint64_t seed) {
+  const TensorMap inputs = random_inputs(*plan.graph, seed);
+  EXPECT_EQ(run_plan_reference(plan, inputs), run_reference(*plan.graph, inputs)) << plan.explain();
+}
+
+TEST(SiblingContractions, GroupsQkvWithTheirBiasesByRole) {
+  const std::uint64_t seed = testing::test_seed("sibling contractions");
+  for (int bits : {16, 4, 8}) {
+    for (std::int64_t rows : {1, 16}) {
+      // Widths as q, k, v with grouped-query attention; k first and v unbiased: roles follow the
+      // graph's order and its bias adds, never the names.
+      const ComputeGraph graph =
+          testing::sibling_test_graph(rows, {96, 32, 32}, 128, {bits, 64, DType::bf16}, {true, true, false});
+      const FusionPlan plan = plan_graph_fusion(graph);
+      const FusionRegion* region = region_of_rule(plan, "sibling_contractions");
+      ASSERT_NE(region, nullptr) << plan.explain();
+      EXPECT_EQ(plan.kernel_count(), 1) << plan.explain();
+      EXPECT_EQ(region->nodes.size(), 5u);
+      const std::string weight = bits == 16 ? ".w" : ".q";
+      EXPECT_EQ(role_text(*plan.graph, *region), "input=a weight.0=p0" + weight + " bias.0=c0 weight.1=p1" + weight +
+                                                     " bias.1=c1 weight.2=p2" + weight);
+      EXPECT_EQ(region->outputs.size(), 3u);
+      EXPECT_GT(region->benefit_ns, 2 * FusionTarget::h200().launch_overhead_ns) << "saves at least two launches";
+      expect_plan_runs_like_graph(plan, seed);
+    }
+  }
+}
+
+TEST(SiblingContractions, RefusesWithReasons) {
+  {  // Different inputs: each contraction alone.
+    GraphBuilder builder;
+    const ValueRef a = builder.input("a", TensorSpec({1, 64}, DType::bf16));
+    const ValueRef b = builder.input("b", TensorSpec({1, 64}, DType::bf16));
+    const ValueRef y0 = testing::test_linear(builder, a, "p0", 32, 64, {});
+    const ValueRef y1 = testing::test_linear(builder, b, "p1", 32, 64, {});
+    const ComputeGraph graph = builder.build({y0, y1});
+    EXPECT_EQ(region_of_rule(plan_graph_fusion(graph), "sibling_contractions"), nullptr);
+    const auto outcome = siblings_at(graph, "p0");
+    EXPECT_FALSE(outcome.decision);
+    EXPECT_TRUE(outcome.alone);
+    EXPECT_NE(outcome.decision.reason.find("no other contraction op reads `a`"), std::string::npos) << outcome.decision.reason;
+  }
+  {  // Different formats: 4-bit and 8-bit weights, a dense one.
+    GraphBuilder builder;
+    const ValueRef a = builder.input("a", TensorSpec({1, 128}, DType::bf16));
+    const ValueRef y0 = testing::test_linear(builder, a, "p0", 32, 128, {4, 64, DType::bf16});
+    const ValueRef y1 = testing::test_linear(builder, a, "p1", 32, 128, {8, 64, DType::bf16});
+    const ValueRef y2 = testing::test_linear(builder, a, "p2", 32, 128, {16, 64, DType::bf16});
+    const ComputeGraph graph = builder.build({y0, y1, y2});
+    const FusionPlan plan = plan_graph_fusion(graph);
+    EXPECT_EQ(region_of_rule(plan, "sibling_contractions"), nullptr) << plan.explain();
+    const auto outcome = siblings_at(graph, "p0");
+    EXPECT_FALSE(outcome.decision);
+    EXPECT_FALSE(outcome.alone);
+    EXPECT_NE(outcome.decision.reason.find("`p1` differs from `p0`: attribute 'bits'"), std::string::npos)
+        << outcome.decision.reason;
+    EXPECT_NE(outcome.decision.reason.find("`p2` differs from `p0`: op matmul, not quantized_matmul"), std::string::npos)
+        << outcome.decision.reason;
+    // The reason reaches the plan's explanation of the node.
+    EXPECT_NE(plan.node_reasons[static_cast<std::size_t>(*graph.find_node("p0"))].find("sibling_contractions refused"),
+              std::string::npos);
+  }
+  {  // Weights that do not stack by rows: a batched [2, 32, 128] and a [32, 128] matrix.
+    GraphBuilder builder;
+    const ValueRef a = builder.input("a", TensorSpec({2, 64, 128}, DType::bf16));
+    const ValueRef w0 = builder.input("w0", TensorSpec({2, 32, 128}, DType::bf16));
+    const ValueRef w1 = builder.input("w1", TensorSpec({32, 128}, DType::bf16));
+    const ComputeGraph graph = builder.build({builder.matmul(a, w0, true, "p0"), builder.matmul(a, w1, true, "p1")});
+    const auto outcome = siblings_at(graph, "p0");
+    EXPECT_FALSE(outcome.decision);
+    EXPECT_NE(outcome.decision.reason.find("operand 1 is"), std::string::npos) << outcome.decision.reason;
+  }
+  {  // An intermediate that escapes: p0's product is read elsewhere too, so its bias add stays out.
+    GraphBuilder builder;
+    const LinearFormat format{};
+    const ValueRef a = builder.input("a", TensorSpec({1, 64}, DType::bf16));
+    const ValueRef y0 = testing::test_linear(builder, a, "p0", 32, 64, format);
+    const ValueRef biased0 = builder.add(y0, builder.input("c0", TensorSpec({32}, DType::bf16)), "y0");
+    const ValueRef escape = builder.silu(y0, "escape");
+    const ValueRef y1 = testing::test_linear(builder, a, "p1", 32, 64, format);
+    const ValueRef biased1 = builder.add(y1, builder.input("c1", TensorSpec({32}, DType::bf16)), "y1");
+    const ComputeGraph graph = builder.build({biased0, escape, biased1});
+    // p1 follows p0, which proposes the group.
+    EXPECT_TRUE(siblings_at(graph, "p1").follower);
+    const auto outcome = siblings_at(graph, "p0");
+    ASSERT_TRUE(outcome.decision) << outcome.decision.reason;
+    EXPECT_EQ(outcome.region, (std::vector<NodeId>{*graph.find_node("p0"), *graph.find_node("p1"), *graph.find_node("y1")}));
+    ASSERT_EQ(outcome.left_out.size(), 1u);
+    EXPECT_EQ(outcome.left_out[0].first, *graph.find_node("y0"));
+    EXPECT_NE(outcome.left_out[0].second.find("`p0` is also read by `escape`"), std::string::npos) << outcome.left_out[0].second;
+    EXPECT_EQ(outcome.roles.size(), 4u) << "input, weight.0, weight.1, bias.1";
+    // Here two contraction_epilogue regions (p0 writing its bias add and silu too) save more.
+    expect_plan_runs_like_graph(plan_graph_fusion(graph), testing::test_seed("sibling contractions"));
+  }
+  {  // A path between members: p1's weight is computed from p0's product.
+    GraphBuilder builder;
+    const ValueRef a = builder.input("a", TensorSpec({16, 16}, DType::bf16));
+    const ValueRef y0 = builder.matmul(a, builder.input("w0", TensorSpec({16, 16}, DType::bf16)), true, "p0");
+    const ValueRef derived = builder.silu(y0, "derived");
+    const ValueRef y1 = builder.matmul(a, derived, true, "p1");
+    const ComputeGraph graph = builder.build({y1});
+    const auto outcome = siblings_at(graph, "p0");
+    EXPECT_FALSE(outcome.decision);
+    EXPECT_NE(outcome.decision.reason.find("not convex: a path leaves the group through `derived`"), std::string::npos)
+        << outcome.decision.reason;
+    expect_plan_runs_like_graph(plan_graph_fusion(graph), testing::test_seed("sibling contractions"));
+  }
+}
+
+TEST(SiblingContractions, MalformedSiblingRulesAreRefused) {
+  const ComputeGraph graph = testing::sibling_test_graph(1, {32, 32}, 64, {}, {false, false});
+  FusionRule two_entries = sibling_contractions_rule();
+  two_entries.pattern.push_back(two_entries.pattern.front());
+  two_entries.pattern.back().role = "second";
+  two_entries.pattern.back().inputs = {"contraction"};
+  FusionRule unbound = sibling_contractions_rule();
+  unbound.siblings->member_role = "bias";
+  FusionRule one_member = sibling_contractions_rule();
+  one_member.siblings->max_members = 1;
+  for (const FusionRule& rule : {two_entries, unbound, one_member}) {
+    EXPECT_THROW(plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{{rule}}), InputError);
+  }
+  EXPECT_EQ(plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{{sibling_contractions_rule()}}).kernel_count(), 1);
+}
+
+// The SwiGLU MLP's gate and up are siblings too; its own region saves more and wins.
+TEST(SiblingContractions, SwigluStillWinsGateAndUp) {
+  for (int bits : {16, 4}) {
+    const ComputeGraph graph = testing::swiglu_test_graph(1, 128, 256, {bits, 64, DType::bf16});
+    const FusionPlan plan = plan_graph_fusion(graph);
+    ASSERT_NE(region_of_rule(plan, "swiglu_mlp"), nullptr) << plan.explain();
+    EXPECT_EQ(region_of_rule(plan, "sibling_contractions"), nullptr) << plan.explain();
+    const bool proposed = std::any_of(plan.candidates.begin(), plan.candidates.end(), [](const FusionCandidate& candidate) {
+      return candidate.rule == "sibling_contractions";
+    });
+    EXPECT_TRUE(proposed) << "gate and up form a sibling group that loses the conflict";
+  }
+}
+
+}  // namespace
+}  // namespace metile

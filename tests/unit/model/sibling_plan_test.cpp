@@ -1,0 +1,59 @@
+// The decode-step graphs of synthetic models as the GPU plans them (plan_with_discovery, h200):
+// every layer's q, k and v projections (quantized or not, with Qwen2's biases or without) are one
+// sibling_contractions region bound by role, the MLP stays one swiglu_mlp region, and the planned
+// graph runs on the CPU plan executor exactly as the unplanned one.
+#include <gtest/gtest.h>
+
+#include "metile/cpu_runtime.h"
+#include "metile/discovery.h"
+#include "model_test_support.h"
+
+namespace metile {
+namespace {
+
+class SiblingPlanTest : public testing::ModelDirectoryTest {};
+
+TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
+  struct Case {
+    ModelArchitecture architecture;
+    std::optional<AffineQuantization> quantize;
+    std::int64_t steps;
+  };
+  const std::vector<Case> cases = {{ModelArchitecture::qwen2, std::nullopt, 1},
+                                   {ModelArchitecture::qwen2, AffineQuantization{4, 32}, 3},
+                                   {ModelArchitecture::llama, AffineQuantization{8, 32}, 1}};
+  for (const Case& test_case : cases) {
+    const std::string name = std::string(architecture_class_name(test_case.architecture)) +
+                             (test_case.quantize ? std::to_string(test_case.quantize->bits) : "dense");
+    SynthOptions options;
+    options.architecture = test_case.architecture;
+    options.layers = 2;
+    const DecoderModel model =
+        DecoderModel::load(synth(name, options), {.quantize = test_case.quantize, .max_sequence = 16});
+    const FusionPlan plan = plan_with_discovery(model.step_graph(test_case.steps), FusionTarget::h200());
+    const bool biased = test_case.architecture == ModelArchitecture::qwen2;
+    int siblings = 0, mlps = 0;
+    for (const FusionRegion& region : plan.regions) {
+      mlps += region.rule == "swiglu_mlp";
+      if (region.rule != "sibling_contractions") continue;
+      ++siblings;
+      EXPECT_EQ(region.nodes.size(), biased ? 6u : 3u) << name;
+      EXPECT_EQ(region.outputs.size(), 3u) << name;
+      std::string roles;
+      for (const RegionRole& role : region.roles) roles += role.role + " ";
+      EXPECT_EQ(roles, biased ? "input weight.0 bias.0 weight.1 bias.1 weight.2 bias.2 "
+                              : "input weight.0 weight.1 weight.2 ")
+          << name;
+      // weight.1 is the layer's k projection: the role follows the graph's order, whatever its name.
+      const std::string k_weight = plan.graph->value(*region.role("weight.1")).name;
+      EXPECT_NE(k_weight.find("self_attn.k_proj.weight"), std::string::npos) << k_weight;
+    }
+    EXPECT_EQ(siblings, 2) << name << "\n" << plan.explain();
+    EXPECT_EQ(mlps, 2) << name << "\n" << plan.explain();
+    const TensorMap inputs = random_inputs(*plan.graph, testing::model_test_seed());
+    EXPECT_EQ(run_plan_reference(plan, inputs), run_reference(*plan.graph, inputs)) << name;
+  }
+}
+
+}  // namespace
+}  // namespace metile
