@@ -62,7 +62,8 @@ for name, f in breakdowns:
     kinds = sorted(f["breakdown"], key=lambda k: -k["ms"])
     total = sum(k["ms"] for k in kinds)
     print(f"\n{name}: fused step by kind, {total:.3f} ms eager, {f['decode_ms_per_token']:.3f} ms replayed, "
-          f"{f['decode_feed_ms_per_token']:.3f} ms a feed (uploads, replay, logits back)")
+          f"{f['decode_feed_ms_per_token']:.3f} ms a feed (uploads, replay, logits back), "
+          f"{f['decode_greedy_ms_per_token']:.3f} ms a greedy step (uploads, replay, next-token id back)")
     for k in kinds[:8]:
         print(f"  {k['kind']:<44} {k['ms']:8.4f} ms {100 * k['ms'] / total:5.1f}% {k['steps']:5d} steps")
 PY

@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
       std::int32_t token = 5;
       for (std::int64_t step = 0; step < tokens; ++step) {
         const std::vector<float> logits = session.feed(std::span<const std::int32_t>(&token, 1));
-        token = static_cast<std::int32_t>(metile::argmax(logits));
+        token = static_cast<std::int32_t>(metile::argmax_index(logits));
       }
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const double cpu = cpu_seconds() - cpu_before;

@@ -74,7 +74,8 @@ FusionRegion single_node_region(const ComputeGraph& graph, NodeId node);
 
 // The native (unfused) kernel of one non-contraction node: elementwise and row-reduction ops through
 // the row generator, layout and decode-step ops (reshape, transpose, rope, embedding,
-// quantized_embedding, position_mask, kv_cache_write) through simple index kernels.
+// quantized_embedding, position_mask, kv_cache_write) through simple index kernels, argmax through
+// one block per row.
 // Throws InputError for matmul / quantized_matmul (those run through cuBLASLt).
 GeneratedKernel generate_node_kernel(const ComputeGraph& graph, NodeId node);
 

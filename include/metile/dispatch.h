@@ -46,6 +46,12 @@ struct NumericGateResult {
 };
 double numeric_gate_threshold(DType dtype);
 NumericGateResult numeric_gate(const HostTensor& output, const HostTensor& reference);
+// Every output of `graph` (a region graph) against the reference: the first failure, else the
+// largest relative L2 error. An argmax output whose input is also an output is checked against
+// the candidate's own values instead, exactly (argmax_index per row): two right kernels may round
+// a near tie apart, so an index is right when it names the largest value the candidate wrote,
+// and those values pass the numeric gate against the reference.
+NumericGateResult gate_region_outputs(const ComputeGraph& graph, const TensorMap& outputs, const TensorMap& reference);
 
 // ---------------------------------------------------------------- tournament
 struct TournamentCandidate {
@@ -224,6 +230,9 @@ std::vector<RegionLowering> builtin_lowerings();
 //   contraction_epilogue  one GEMV whose epilogue is the region's elementwise ops (residual add, bias)
 //   contraction           one unfused matmul / quantized_matmul (the LM head, ...), as a
 //                         one-node region the Executable offers (contraction_node_region)
+//   contraction_argmax    the same with the argmax of its output (the LM head and greedy
+//                         decoding's next tokens): one GEMV writing the values and, by its
+//                         argmax_rows join, each row's argmax
 //   sibling_contractions  one GEMV over the siblings' weights stacked by rows (q, k, v), each
 //                         part's rows written to its own value after its bias add
 
@@ -276,6 +285,7 @@ struct GemvStage {
   std::vector<GemvMatrix> matrices;
   ValueId input = -1;   // x [M, K]
   ValueId output = -1;  // [M, N]; -1 when row_parts write the output
+  ValueId argmax_output = -1;  // next [M] i32 (contraction_argmax): the kernel's argmax_rows join writes it
   // Sibling contractions as one GEMV: matrices holds one matrix (weight -1) that stacks these
   // parts' matrices by rows, made once when bound (DeviceValues::keep_derived); part p's rows
   // write part p's output (GemvKernelConfig::output_splits). With a bias on any part the epilogue
@@ -305,7 +315,8 @@ Lowered gemv_swiglu_candidates(const ComputeGraph& graph, const FusionRegion& re
 Lowered gemv_contraction_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered gemv_region_candidates(const ComputeGraph& graph, const FusionRegion& region);  // the built-in "gemv"
 // A matmul or quantized_matmul node as a region of its own (rule "contraction", roles input and
-// weight), so that unfused contractions race their GEMV like any region.
+// weight), so that unfused contractions race their GEMV like any region. When an argmax reads its
+// output (the LM head), the argmax joins it (rule "contraction_argmax"): the GEMV can take both.
 FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node);
 bool is_gemv_contraction_op(const Node& node);  // matmul or quantized_matmul
 

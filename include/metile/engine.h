@@ -6,10 +6,12 @@
 //   CudaDecodeSession (fused | native): the layers' K/V caches on the device; one Executable per
 //        step size it meets (decode S = 1, prefill chunks S = 16, a remainder in single steps),
 //        built from the model's step graph and sharing the weights and the caches through
-//        ExecutableOptions::external_values; each step is one CUDA graph replay between two tiny
-//        async copies (token ids and positions in, logits out) and one synchronisation at the end.
-//        feed(tokens) -> logits is the CPU DecodeSession's contract (LogitsSession, model.h), so
-//        generate_greedy and compare_sessions work on both.
+//        ExecutableOptions::external_values; each step is one CUDA graph replay between tiny
+//        async copies (token ids and positions in; logits, or with feed_greedy only the next-token
+//        ids, out) and one synchronisation at the end. feed(tokens) -> logits is the CPU
+//        DecodeSession's contract (LogitsSession, model.h), so generate_greedy and
+//        compare_sessions work on both; the step graphs carry "next_tokens" (argmax of the logits)
+//        so that greedy decoding copies 4 bytes per token, not a row of logits.
 //
 //   fused:  plan_with_discovery(step graph, h200): the planner's regions through their lowerings
 //           and the measured dispatch (attention as one flash_attention region).
@@ -103,6 +105,9 @@ class CudaDecodeSession : public LogitsSession {
   // Chunks of 16 while at least 16 tokens remain, then single steps (never padding: a padded
   // token would write a cache row). Same contract as DecodeSession::feed.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
+  // The same steps, copying back only each token's next-token id (the step graph's "next_tokens",
+  // the argmax of its logits taken on the device): 4 bytes per token instead of a row of logits.
+  std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }
   // Starts a new sequence on the same caches and Executables (rows past the position are masked).
   void reset() { position_ = 0; }
@@ -119,6 +124,9 @@ class CudaDecodeSession : public LogitsSession {
   void stage_step(std::span<const std::int32_t> tokens);
 
  private:
+  // Runs tokens as steps (chunks of 16, then single ones), copies the graph output `output` of each
+  // step back, synchronises once and moves the position.
+  std::vector<HostTensor> run_steps(std::span<const std::int32_t> tokens, std::string_view output);
   // The two async copies of a step's inputs (token ids, positions from `position`) on stream_.
   void upload_inputs(std::span<const std::int32_t> tokens, std::int64_t position);
   std::shared_ptr<const CudaModel> model_;
@@ -178,7 +186,8 @@ struct EngineBenchmark {
   std::int64_t context = 0;         // cached tokens before the timed decode steps
   double decode_replay_ms = 0;      // one decode step's CUDA graph replay (device time, events)
   double decode_feed_ms = 0;        // one feed() of one token: uploads, replay, logits download
-  double tokens_per_second = 0;     // 1000 / decode_feed_ms
+  double decode_greedy_ms = 0;      // one feed_greedy() of one token (generate's step): one id downloaded
+  double tokens_per_second = 0;     // 1000 / decode_greedy_ms
   double floor_ms = 0;              // decode_step_bytes(context) / copy bandwidth
   double floor_percent = 0;         // floor_ms / decode_replay_ms
   std::int64_t prefill_tokens = 0;  // the prompt of the prefill measurement
@@ -193,6 +202,10 @@ struct BenchmarkOptions {
   int decode_steps = 64;
   std::uint64_t seed = 0;   // of the prompt tokens
   double copy_bandwidth_gbps = 0;  // measured by the caller in the same run
+
+  // The KV-cache capacity the measurements fill: the context, the warm-up steps, the timed feed()
+  // and feed_greedy() steps, or the prefill prompt, whichever is more.
+  std::int64_t cached_tokens_needed() const;
 };
 
 EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options);

@@ -172,6 +172,12 @@ struct GemvKernelConfig {
   int k_splits = 1;
   int shared_stages = 0;
   bool shared_group_sums = false;
+  // argmax_rows (register-batch mainloop, no split-K): the kernel also writes next [M] (i32), each
+  // activation row's argmax over its N outputs as stored (argmax_index's rule, graph.h: ties to the
+  // lowest index, a NaN above every number), the LM head's greedy token. Each block reduces its
+  // tiles' (value, index) pairs per row and leaves its winners in the workspace; the last block to
+  // arrive (a counter, as in the split-K join) reduces them and writes the ids.
+  bool argmax_rows = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
@@ -192,8 +198,8 @@ struct GemvKernelConfig {
 // The generated kernel and how to launch it. Arguments, in order: for each weight matrix its
 // weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
 // (affine only), then x [M, K], then each epilogue tensor, then out [M, N] (with output_splits:
-// one out per split, [M, width] each); all pointers.
-// A streamed or split-K kernel takes one more pointer after out: its workspace (workspace_bytes,
+// one out per split, [M, width] each), then (argmax_rows) next [M] i32; all pointers.
+// A streamed, split-K or argmax kernel takes one more pointer last: its workspace (workspace_bytes,
 // zeroed once before the first launch; every launch leaves it ready for the next, so launches on
 // one stream may share it, concurrent launches may not).
 //
@@ -210,7 +216,8 @@ struct GemvKernelSource {
   unsigned block_threads = 0;
   unsigned static_shared_bytes = 0;
   unsigned dynamic_shared_bytes = 0;   // streamed: the stage rings, x and its group sums; staged: the rings
-  std::uint64_t workspace_bytes = 0;   // streamed, split-K: fp32 partials and per-tile arrival counters
+  std::uint64_t workspace_bytes = 0;   // streamed, split-K: fp32 partials and per-tile arrival counters;
+                                       // argmax: per-block winners and an arrival counter
   int k_slices = 1;                    // streamed: K splits (x slices that fit shared memory)
 };
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);

@@ -288,6 +288,10 @@ std::string cuda_elementwise_helpers();
 std::vector<double> rope_frequencies(const Attributes& attributes);
 // A CUDA f32 literal that reads back to the same float ("1.00000001e-05f"; inf and NaN as bit patterns).
 std::string cuda_float_literal(double value);
+// argmax's rule, the one place it is written (the CPU reference of the op, greedy decoding on the
+// host): the index of the largest value, ties to the lowest index; a NaN counts as larger than any
+// number (the first NaN wins, as in NumPy and PyTorch); -0 and +0 are equal. 0 for an empty row.
+std::int64_t argmax_index(std::span<const float> row);
 
 // ---------------------------------------------------------------- graph
 using ValueId = std::int32_t;
@@ -377,6 +381,8 @@ class GraphBuilder {
   ValueRef softmax(ValueRef x, std::int64_t axis = -1, std::string name = {});
   ValueRef sum(ValueRef x, std::string name = {});   // over the last axis, to [..., 1]
   ValueRef mean(ValueRef x, std::string name = {});  // over the last axis, to [..., 1]
+  // i32 index of each row's maximum over the last axis, [..., L] to [...] (argmax_index's rule).
+  ValueRef argmax(ValueRef x, std::string name = {});
   ValueRef causal_mask(ValueRef x, std::int64_t offset = 0, std::string name = {});
   // x [..., R, T], positions i32 [S] with R a multiple of S: row r sees key j only where
   // j <= positions[r mod S]; the rest is -inf.

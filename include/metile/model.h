@@ -25,6 +25,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "metile/fusion.h"
@@ -75,6 +76,12 @@ struct ModelConfig {
   std::string to_json(int transformers_version = 4) const;
 };
 
+// What a step graph returns besides the written caches.
+enum class StepOutputs : std::uint8_t {
+  logits,                  // "logits" [S, V]
+  logits_and_next_tokens,  // and "next_tokens" i32 [S]: each row's argmax (greedy decoding on the device)
+};
+
 struct LoadOptions {
   DType dtype = DType::bf16;                    // activations and dense weights: bf16 or f32
   std::optional<AffineQuantization> quantize;  // quantize dense linear weights and the embedding at load
@@ -102,9 +109,10 @@ class DecoderModel {
 
   // The decode-step graph for `steps` (1..16) new tokens. Inputs: "token_ids"
   // i32 [S], "positions" i32 [S], "layers.N.k_cache"/"layers.N.v_cache"
-  // [Hkv, T, D], and the weights; outputs: "logits" [S, V] and the caches
-  // written ("layers.N.k_cache_out", ...). Cached per S.
-  const ComputeGraph& step_graph(std::int64_t steps) const;
+  // [Hkv, T, D], and the weights; outputs: "logits" [S, V], with
+  // StepOutputs::logits_and_next_tokens "next_tokens" i32 [S] (argmax of each row of the
+  // logits), and the caches written ("layers.N.k_cache_out", ...). Cached per S and outputs.
+  const ComputeGraph& step_graph(std::int64_t steps, StepOutputs outputs = StepOutputs::logits) const;
 
  private:
   ModelConfig config_;
@@ -112,7 +120,7 @@ class DecoderModel {
   std::int64_t capacity_ = 0;
   TensorMap weights_;
   std::optional<AffineQuantization> quantization_;
-  mutable std::map<std::int64_t, std::shared_ptr<const ComputeGraph>> graphs_;
+  mutable std::map<std::pair<std::int64_t, StepOutputs>, std::shared_ptr<const ComputeGraph>> graphs_;
 };
 
 // One sequence being decoded, on any backend: feed tokens, get their logits. The CPU
@@ -124,6 +132,10 @@ class LogitsSession {
   // Appends tokens and returns their logits, row-major [tokens.size(), vocab] in f32.
   // InputError when a token is outside the vocabulary or the cache is full.
   virtual std::vector<float> feed(std::span<const std::int32_t> tokens) = 0;
+  // Appends tokens like feed() and returns each one's greedy next token: the argmax of its logits
+  // (argmax_index's rule, graph.h). This default takes it from feed()'s logits on the host; the GPU
+  // engine computes it on the device and copies back only the ids.
+  virtual std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens);
   virtual std::int64_t position() const = 0;  // tokens fed so far
 };
 
@@ -151,8 +163,8 @@ class DecodeSession : public LogitsSession {
   std::map<std::int64_t, std::shared_ptr<const FusionPlan>> plans_;
 };
 
-// Greedy continuation: feeds the prompt, then `count` argmax tokens; `on_token`
-// (if set) is called after each new token with its index.
+// Greedy continuation: feeds the prompt, then `count` argmax tokens (through feed_greedy);
+// `on_token` (if set) is called after each new token with its index.
 struct Generation {
   std::vector<std::int32_t> tokens;
   std::int64_t decode_steps = 0;  // one-token steps after the prompt (count - 1)
@@ -161,7 +173,6 @@ struct Generation {
 Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
                            const std::function<void(std::int64_t)>& on_token = {});
 
-std::int64_t argmax(std::span<const float> logits);
 
 // A session fed a token sequence before it decodes: InputError unless every token is in
 // [0, vocab) and the sequence stays within `capacity` (both backends say it the same way).

@@ -17,6 +17,12 @@ std::string_view cuda_device_prelude();
 // GEMV mainloops and the attention kernels), after its constants. tensor_core_helpers.cpp.
 std::string_view tensor_core_device_helpers();
 
+// argmax's rule on the device (argmax_index in graph.h): metile_device::argmax_beats(value, index,
+// best, best_index) says whether (value, index) replaces the running (best, best_index); a NaN is
+// above every number, equal values go to the lower index. A running pair that starts as
+// (-inf, row length) is replaced by any element. For the kernels that reduce to an index only.
+std::string_view cuda_argmax_helpers();
+
 // Letters, digits and '_' only, for kernel symbols and comments that must stay one token.
 std::string sanitize_identifier(std::string_view text);
 

@@ -184,6 +184,35 @@ std::string sanitize_identifier(std::string_view text) {
   return result;
 }
 
+std::string_view cuda_argmax_helpers() {
+  static constexpr std::string_view helpers = R"CUDA(
+namespace metile_device {
+
+// argmax's rule (argmax_index, include/metile/graph.h): NaN above every number, ties to the lower index.
+__device__ __forceinline__ bool argmax_beats(float value, int index, float best, int best_index) {
+  const bool value_nan = value != value;
+  const bool best_nan = best != best;
+  if (value_nan || best_nan) return value_nan && (!best_nan || index < best_index);
+  return value > best || (value == best && index < best_index);
+}
+
+// The winner of a warp's (best, best_index) pairs, in every lane.
+__device__ __forceinline__ void argmax_warp(float& best, int& best_index) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+    const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+    if (argmax_beats(other, other_index, best, best_index)) {
+      best = other;
+      best_index = other_index;
+    }
+  }
+}
+
+}  // namespace metile_device
+)CUDA";
+  return helpers;
+}
+
 std::string describe_node(const ComputeGraph& graph, const Node& node) {
   std::string text;
   for (std::size_t i = 0; i < node.outputs.size(); ++i) {

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 
+#include "codegen_internal.h"
 #include "gemv_internal.h"
 #include "metile/gemv.h"
 
@@ -469,6 +470,70 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
 )CUDA";
 
 
+// argmax_rows: after the unsplit store above (the kernel's closing brace is replaced by this),
+// every block finds, per activation row, the largest of the outputs it stored (read back as
+// stored: __syncthreads makes the block's global writes visible to it) and leaves the winner, its
+// value's bits and its index in one 8-byte word, in the workspace; the last block to arrive
+// reduces every block's winners with all its threads (independent loads, so thousands of blocks
+// cost a few round trips to L2) by argmax_beats (cuda_argmax_helpers), writes next[m] and re-arms
+// the counter.
+constexpr std::string_view argmax_rows_tail = R"CUDA(
+  __syncthreads();
+  int2* const winners = reinterpret_cast<int2*>(workspace);  // [kTileBlocks][kM]: (value bits, index)
+  u32* const arrivals = reinterpret_cast<u32*>(winners + kTileBlocks * kM);
+  for (int m = warp; m < kM; m += kWarps) {
+    float best = __int_as_float(0xff800000);  // -inf at index kN: any output replaces it
+    int best_index = kN;
+    for (int r = lane; r < kTiles * 16; r += 32) {
+      const int n = first_tile * 16 + r;
+      if (n >= kN) break;
+      const float value = to_f32(out[m * kN + n]);
+      if (metile_device::argmax_beats(value, n, best, best_index)) {
+        best = value;
+        best_index = n;
+      }
+    }
+    metile_device::argmax_warp(best, best_index);
+    if (lane == 0) __stcg(winners + tile_block * kM + m, make_int2(__float_as_int(best), best_index));
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ u32 argmax_arrived;
+  if (threadIdx.x == 0) argmax_arrived = atomicAdd(arrivals, 1u);
+  __syncthreads();
+  if (argmax_arrived != kTileBlocks - 1) return;
+  __threadfence();
+  __shared__ float warp_best[kWarps];
+  __shared__ int warp_best_index[kWarps];
+  for (int m = 0; m < kM; ++m) {
+    float best = __int_as_float(0xff800000);
+    int best_index = kN;
+#pragma unroll 4
+    for (int b = threadIdx.x; b < kTileBlocks; b += kThreads) {
+      const int2 winner = __ldcg(winners + b * kM + m);
+      if (metile_device::argmax_beats(__int_as_float(winner.x), winner.y, best, best_index)) {
+        best = __int_as_float(winner.x);
+        best_index = winner.y;
+      }
+    }
+    metile_device::argmax_warp(best, best_index);
+    if (lane == 0) {
+      warp_best[warp] = best;
+      warp_best_index[warp] = best_index;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      best = lane < kWarps ? warp_best[lane] : __int_as_float(0xff800000);
+      best_index = lane < kWarps ? warp_best_index[lane] : kN;
+      metile_device::argmax_warp(best, best_index);
+      if (lane == 0) next[m] = best_index;
+    }
+    __syncthreads();  // warp_best is reused for the next row
+  }
+  if (threadIdx.x == 0) atomicExch(arrivals, 0u);
+}
+)CUDA";
+
 constexpr std::int64_t shared_memory_per_block = 232448;  // sm_90: 227 KiB per block after opting in
 
 // The warps' partial sums, joined in static shared memory.
@@ -553,6 +618,7 @@ void GemvKernelConfig::validate() const {
     }
   }
   if (mainloop == GemvMainloop::streamed) {
+    if (argmax_rows) throw InputError("GEMV: argmax_rows needs the register-batch mainloop, not the streamed one");
     validate_streamed(*this);
     return;
   }
@@ -564,6 +630,12 @@ void GemvKernelConfig::validate() const {
   if (k_splits < 1 || k_splits > 16 || k_splits > iterations) {
     throw InputError(fmt::format("GEMV {}: k_splits must be 1..min(16, {} iterations), not {}", to_string(), iterations,
                                  k_splits));
+  }
+  if (argmax_rows && !output_splits.empty()) {
+    throw InputError(fmt::format("GEMV {}: argmax_rows reads back one output [M, N], not output_splits", to_string()));
+  }
+  if (argmax_rows && k_splits != 1) {
+    throw InputError(fmt::format("GEMV {}: argmax_rows needs the unsplit store (k_splits 1, not {})", to_string(), k_splits));
   }
   if (shared_stages != 0 && (shared_stages < 2 || shared_stages > 8)) {
     throw InputError(fmt::format("GEMV: shared_stages must be 0 (registers) or 2..8, not {}", shared_stages));
@@ -595,6 +667,7 @@ std::string GemvKernelConfig::to_string() const {
                                          : std::string(double_buffered ? " double_buffered" : ""));
   if (k_splits > 1) text += fmt::format(" k_splits={}", k_splits);
   if (shared_group_sums) text += " shared_group_sums";
+  if (argmax_rows) text += " argmax_rows";
   return text;
 }
 
@@ -612,6 +685,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   std::string schedule_tag = staged ? fmt::format("s{}", config.shared_stages) : config.double_buffered ? "d" : "";
   if (config.k_splits > 1) schedule_tag += fmt::format("k{}", config.k_splits);
   if (config.shared_group_sums) schedule_tag += "g";
+  if (config.argmax_rows) schedule_tag += "a";
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
@@ -627,15 +701,27 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
       config.double_buffered ? "true" : "false", staged ? config.shared_stages : 0, config.k_splits, tile_blocks,
       config.shared_group_sums ? "true" : "false");
   source += gemv_device_helpers();
+  if (config.argmax_rows) source += codegen_detail::cuda_argmax_helpers();
   source += register_mainloop_body;
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();
   source += gemv_output_functions(config);
 
-  source += gemv_kernel_entry(config, result.kernel_name, config.k_splits > 1 ? ", float* __restrict__ workspace" : "");
-  if (config.k_splits == 1) source += "  float* const workspace = nullptr;  // no split-K join\n";
+  const bool has_workspace = config.k_splits > 1 || config.argmax_rows;
+  source += gemv_kernel_entry(config, result.kernel_name,
+                              std::string(config.argmax_rows ? ", int* __restrict__ next" : "") +
+                                  (has_workspace ? ", float* __restrict__ workspace" : ""));
+  if (!has_workspace) source += "  float* const workspace = nullptr;  // no split-K join\n";
   source += gemv_outputs_binding(config);
-  source += kernel_entry_body;
+  if (config.argmax_rows) {
+    // The body's closing brace gives way to the argmax join (argmax_rows_tail ends the kernel).
+    std::string_view body = kernel_entry_body;
+    body.remove_suffix(2);
+    source += body;
+    source += argmax_rows_tail;
+  } else {
+    source += kernel_entry_body;
+  }
 
   result.source = std::move(source);
   result.grid_blocks = static_cast<unsigned>(tile_blocks * config.k_splits);
@@ -646,6 +732,9 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
     result.workspace_bytes = static_cast<std::uint64_t>(tile_blocks * config.k_splits * products * config.rows *
                                                             config.tiles_per_block * 16 * 4 +
                                                         tile_blocks * 4);
+  }
+  if (config.argmax_rows) {  // a value's bits and an index per block and row, then the arrival counter
+    result.workspace_bytes = static_cast<std::uint64_t>(2 * tile_blocks * config.rows * 4 + 4);
   }
   return result;
 }

@@ -1,8 +1,9 @@
 // Native kernels for the ops the row generator does not cover: layout ops (reshape as a copy,
 // transpose as an index permutation), rotary embedding, the decode step's ops (embedding,
-// quantized_embedding, position_mask, kv_cache_write copied or in place), and the dequantization
-// that feeds cuBLASLt for quantized_matmul. Each is a plain grid-stride kernel with the shapes baked in as
-// constants: they are the unfused baseline, correct first and simple to read.
+// quantized_embedding, position_mask, kv_cache_write copied or in place), argmax (one block per
+// row), and the dequantization that feeds cuBLASLt for quantized_matmul. Each is a plain
+// grid-stride kernel with the shapes baked in as constants: they are the unfused baseline,
+// correct first and simple to read.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -248,6 +249,62 @@ GeneratedKernel position_mask_kernel(const ComputeGraph& graph, const Node& node
                             fmt::format("position mask {}", out.spec.to_string()));
 }
 
+GeneratedKernel argmax_kernel(const ComputeGraph& graph, const Node& node) {
+  // One block per row (grid-stride over rows): each thread scans a strided slice of the row in
+  // index order, then warps and the block reduce (value, index) pairs by argmax_beats, so the
+  // result is the reference's whatever the order in which pairs meet.
+  constexpr std::uint32_t threads = 512;
+  const Value& in = graph.value(node.inputs[0]);
+  const Value& out = graph.value(node.outputs[0]);
+  const std::int64_t length = in.spec.row_length();
+  const std::int64_t rows = out.spec.element_count();
+  GeneratedKernel kernel;
+  kernel.kernel_name = "metile_native_" + sanitize_identifier(node.name);
+  kernel.source = header(graph, node, "argmax");
+  kernel.source += codegen_detail::cuda_argmax_helpers();
+  kernel.source += fmt::format(R"(
+extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in0 /* {3} {4} */, int* __restrict__ out0 /* {5} {6} */) {{
+  constexpr long long kRows = {7}LL;
+  constexpr int kLength = {8};
+  constexpr int kWarps = {0} / 32;
+  __shared__ float warp_best[kWarps];
+  __shared__ int warp_best_index[kWarps];
+  for (long long row = blockIdx.x; row < kRows; row += gridDim.x) {{
+    const {2}* x = in0 + row * kLength;
+    float best = metile_device::negative_infinity();
+    int best_index = kLength;
+    for (int i = threadIdx.x; i < kLength; i += {0}) {{
+      const float value = metile_device::to_float(x[i]);
+      if (metile_device::argmax_beats(value, i, best, best_index)) {{
+        best = value;
+        best_index = i;
+      }}
+    }}
+    metile_device::argmax_warp(best, best_index);
+    if (threadIdx.x % 32 == 0) {{
+      warp_best[threadIdx.x / 32] = best;
+      warp_best_index[threadIdx.x / 32] = best_index;
+    }}
+    __syncthreads();
+    if (threadIdx.x < 32) {{
+      best = threadIdx.x < kWarps ? warp_best[threadIdx.x] : metile_device::negative_infinity();
+      best_index = threadIdx.x < kWarps ? warp_best_index[threadIdx.x] : kLength;
+      metile_device::argmax_warp(best, best_index);
+      if (threadIdx.x == 0) out0[row] = best_index;
+    }}
+    __syncthreads();  // the next row reuses warp_best
+  }}
+}}
+)",
+                               threads, kernel.kernel_name, cuda_storage_type(in.spec.dtype), in.name,
+                               in.spec.to_string(), out.name, out.spec.to_string(), rows, length);
+  kernel.launch.block_x = threads;
+  kernel.launch.grid_x = static_cast<std::uint32_t>(std::clamp<std::int64_t>(rows, 1, 65536));
+  kernel.parameters = {{KernelParameter::Kind::input, in.id, "in0", 0}, {KernelParameter::Kind::output, out.id, "out0", 0}};
+  kernel.summary = fmt::format("argmax of {} rows of {}, one block per row", rows, length);
+  return kernel;
+}
+
 }  // namespace
 
 GeneratedKernel generate_kv_cache_write_kernel(const ComputeGraph& graph, NodeId node_id, bool in_place) {
@@ -358,6 +415,7 @@ GeneratedKernel generate_node_kernel(const ComputeGraph& graph, NodeId node_id) 
   if (node.op == "embedding") return embedding_kernel(graph, node);
   if (node.op == "quantized_embedding") return quantized_embedding_kernel(graph, node);
   if (node.op == "position_mask") return position_mask_kernel(graph, node);
+  if (node.op == "argmax") return argmax_kernel(graph, node);
   if (node.op == "kv_cache_write") return generate_kv_cache_write_kernel(graph, node_id, /*in_place=*/false);
   const FusionRegion region = single_node_region(graph, node_id);
   if (const Decision decision = row_region_decision(graph, region); !decision) {

@@ -153,20 +153,6 @@ Executable& Executable::operator=(Executable&&) noexcept = default;
 
 namespace {
 
-// The worst output's gate result (the first failure, else the largest relative L2 error).
-NumericGateResult gate_outputs(const TensorMap& outputs, const TensorMap& reference) {
-  NumericGateResult worst;
-  worst.passed = true;
-  for (const auto& [name, expected] : reference) {
-    NumericGateResult result = numeric_gate(outputs.at(name), expected);
-    if (!result.passed) result.detail = fmt::format("output '{}': {}", name, result.detail);
-    if ((worst.passed && !result.passed) || (worst.passed == result.passed && result.relative_l2 > worst.relative_l2)) {
-      worst = result;
-    }
-  }
-  return worst;
-}
-
 // Gates the candidates of one region on a graph of its own, then lets the dispatch engine
 // (choose_measured) race and choose.
 // Choices made earlier in the same build, by a key of the region's structure and its candidates'
@@ -260,7 +246,7 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     values.poison_computed_values();
     run(stream);
     stream.synchronize();
-    return gate_outputs(values.download_outputs(), reference);
+    return gate_region_outputs(sub, values.download_outputs(), reference);
   };
   const std::vector<DeviceStep> native_steps = native.graph_steps(sub, values);
   std::vector<DeviceStep> runs = {[&](const CudaStream& s) { run_steps(native_steps, s); }};

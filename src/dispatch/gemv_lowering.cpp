@@ -7,6 +7,8 @@
 //   contraction_epilogue   one GEMV, the region's elementwise ops as    input, weight
 //                          its epilogue (residual add, bias add, ...)
 //   contraction            one GEMV with a plain store                 input, weight
+//   contraction_argmax     one GEMV with a plain store and the rows'   input, weight
+//                          argmax (argmax_rows: the LM head's greedy token)
 //
 // Planning happens on the region graph (region_graph): every value the region reads from outside
 // is an input there, so GemvEpilogue::from_graph stops at the region's boundary and the kernel
@@ -84,6 +86,7 @@ GemvKernelConfig GemvStage::base_config() const {
   config.out_features = matrices.front().out_features;
   config.in_features = matrices.front().in_features;
   config.epilogue = epilogue;
+  config.argmax_rows = argmax_output >= 0;
   for (const GemvRowPart& part : row_parts) config.output_splits.push_back(part.matrix.out_features);
   return config;
 }
@@ -91,8 +94,13 @@ GemvKernelConfig GemvStage::base_config() const {
 bool is_gemv_contraction_op(const Node& node) { return node.op == "matmul" || node.op == "quantized_matmul"; }
 
 FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node) {
-  FusionRegion region = region_of_nodes(graph, {node}, "contraction");
   const Node& contraction = graph.node(node);
+  std::vector<NodeId> argmaxes;
+  for (const Node& reader : graph.nodes()) {
+    if (reader.op == "argmax" && reader.inputs[0] == contraction.outputs[0]) argmaxes.push_back(reader.id);
+  }
+  FusionRegion region = argmaxes.size() == 1 ? region_of_nodes(graph, {node, argmaxes.front()}, "contraction_argmax")
+                                             : region_of_nodes(graph, {node}, "contraction");
   if (is_gemv_contraction_op(contraction) && contraction.inputs.size() >= 2) {
     region.roles = {{"input", contraction.inputs[0]}, {"weight", contraction.inputs[1]}};
   }
@@ -262,6 +270,7 @@ GemvRegionPlan mapped_to(const ComputeGraph& graph, const ComputeGraph& sub, std
     }
     map(stage.input);
     map(stage.output);
+    map(stage.argmax_output);
     for (ValueId& id : stage.epilogue_tensors) map(id);
   }
   return {Decision::allow(), std::move(stages)};
@@ -359,7 +368,7 @@ GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& r
 }
 
 GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegion& region) {
-  if (region.rule != "contraction_epilogue" && region.rule != "contraction") {
+  if (region.rule != "contraction_epilogue" && region.rule != "contraction" && region.rule != "contraction_argmax") {
     return refuse(fmt::format("not a contraction region (rule '{}')", region.rule));
   }
   if (auto missing = missing_role(region, {"input", "weight"})) return refuse(*missing);
@@ -377,10 +386,25 @@ GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegi
   if (!decision) return {std::move(decision), {}};
   stage.matrices = {matrix};
   stage.input = *view.region.role("input");
-  if (view.region.outputs.size() != 1) {
-    return refuse(fmt::format("the region writes {} values; one GEMV writes one", view.region.outputs.size()));
+  std::vector<ValueId> written = view.region.outputs;
+  if (region.rule == "contraction_argmax") {
+    // The argmax of the contraction's values: the kernel's argmax_rows join; the values are the store.
+    const ValueId values = sub.node(*node).outputs[0];
+    for (NodeId id : view.region.nodes) {
+      const Node& argmax = sub.node(id);
+      if (argmax.op == "argmax" && argmax.inputs[0] == values) stage.argmax_output = argmax.outputs[0];
+    }
+    if (stage.argmax_output < 0) return refuse("no argmax reads the contraction's values");
+    if (std::find(written.begin(), written.end(), values) == written.end()) {
+      return refuse(fmt::format("'{}' is read by the argmax only: the GEMV's argmax join reads the values it wrote",
+                                sub.value(values).name));
+    }
+    std::erase(written, stage.argmax_output);
   }
-  decision = epilogue_of(view, view.region.outputs.front(), {sub.node(*node).outputs[0]}, stage, "the epilogue");
+  if (written.size() != 1) {
+    return refuse(fmt::format("the region writes {} values; one GEMV writes one", written.size()));
+  }
+  decision = epilogue_of(view, written.front(), {sub.node(*node).outputs[0]}, stage, "the epilogue");
   if (!decision) return {std::move(decision), {}};
   if (decision = tensors_exist(sub, stage, -1, "the epilogue"); !decision) return {std::move(decision), {}};
   return mapped_to(graph, sub, {std::move(stage)});
@@ -470,8 +494,11 @@ GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion&
 GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region) {
   if (region.rule == "swiglu_mlp") return plan_gemv_swiglu(graph, region);
   if (region.rule == "sibling_contractions") return plan_gemv_siblings(graph, region);
-  if (region.rule == "contraction_epilogue" || region.rule == "contraction") return plan_gemv_contraction(graph, region);
-  return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction and sibling_contractions "
+  if (region.rule == "contraction_epilogue" || region.rule == "contraction" || region.rule == "contraction_argmax") {
+    return plan_gemv_contraction(graph, region);
+  }
+  return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax and "
+                            "sibling_contractions "
                             "regions, not {}",
                             region.rule.empty() ? std::string("an unnamed region") : "'" + region.rule + "'"));
 }
@@ -669,6 +696,7 @@ Lowered candidates_of(const GemvRegionPlan& plan) {
         launch.arguments.add_pointer(values[stage.input].address());
         for (ValueId tensor : stage.epilogue_tensors) launch.arguments.add_pointer(values[tensor].address());
         launch.arguments.add_pointer(values[stage.output].address());
+        if (stage.argmax_output >= 0) launch.arguments.add_pointer(values[stage.argmax_output].address());
         launches.push_back(std::move(launch));
       }
       return DeviceStep([launches = std::move(launches), repacked = std::move(repacked),

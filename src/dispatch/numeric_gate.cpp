@@ -5,6 +5,8 @@
 #include <fmt/core.h>
 
 #include <cmath>
+#include <optional>
+#include <vector>
 
 #include "metile/dispatch.h"
 
@@ -63,6 +65,47 @@ NumericGateResult numeric_gate(const HostTensor& output, const HostTensor& refer
   }
   result.passed = result.detail.empty();
   return result;
+}
+
+NumericGateResult gate_region_outputs(const ComputeGraph& graph, const TensorMap& outputs, const TensorMap& reference) {
+  NumericGateResult worst;
+  worst.passed = true;
+  for (const auto& [name, expected] : reference) {
+    NumericGateResult result;
+    const std::optional<ValueId> id = graph.find_value(name);
+    const Node* producer = id && graph.value(*id).producer >= 0 ? &graph.node(graph.value(*id).producer) : nullptr;
+    const bool own_argmax = producer != nullptr && producer->op == "argmax" &&
+                            outputs.contains(graph.value(producer->inputs[0]).name);
+    if (own_argmax) {
+      // The candidate's own values, row by row, give the index it must have written.
+      const HostTensor& values = outputs.at(graph.value(producer->inputs[0]).name);
+      const HostTensor& indices = outputs.at(name);
+      const std::int64_t length = values.spec().row_length();
+      result.passed = indices.spec() == expected.spec();
+      result.detail = result.passed ? "" : fmt::format("output is {}, the reference {}", indices.spec().to_string(),
+                                                       expected.spec().to_string());
+      std::vector<float> row(static_cast<std::size_t>(length));
+      for (std::int64_t r = 0; result.passed && r < indices.element_count(); ++r) {
+        for (std::int64_t column = 0; column < length; ++column) {
+          row[static_cast<std::size_t>(column)] = static_cast<float>(values.at(r * length + column));
+        }
+        const std::int64_t own = argmax_index(row);
+        if (indices.at(r) != static_cast<double>(own)) {
+          result.passed = false;
+          result.detail = fmt::format("row {}: index {}, the argmax of the candidate's own '{}' is {}", r,
+                                      indices.at(r), graph.value(producer->inputs[0]).name, own);
+        }
+      }
+      if (!result.passed) result.relative_l2 = result.relative_max = INFINITY;
+    } else {
+      result = numeric_gate(outputs.at(name), expected);
+    }
+    if (!result.passed) result.detail = fmt::format("output '{}': {}", name, result.detail);
+    if ((worst.passed && !result.passed) || (worst.passed == result.passed && result.relative_l2 > worst.relative_l2)) {
+      worst = result;
+    }
+  }
+  return worst;
 }
 
 }  // namespace metile

@@ -9,8 +9,9 @@
 // step "layers.N.k_cache" holds the updated cache: the next step, of either size, reads it.
 //
 // One step: two async copies of at most 64 bytes (token ids, positions), the replay, and an async
-// copy of the logits out, all on the session's stream; feed() synchronises once, after its last
-// step. A prompt runs as chunks of 16 and a remainder of single steps, never padded (a padding
+// copy out of the logits (feed) or of the S next-token ids, 4 bytes each (feed_greedy: the step
+// graph's "next_tokens", the argmax taken on the device), all on the session's stream; either
+// synchronises once, after its last step. A prompt runs as chunks of 16 and a remainder of single steps, never padded (a padding
 // token would write its K/V row at a real position).
 #include <algorithm>
 #include <cstring>
@@ -116,7 +117,8 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   auto& slot = executables_[steps];
   if (slot) return *slot;
   const DecoderModel& decoder = model_->model();
-  const ComputeGraph& graph = decoder.step_graph(steps);
+  // With next_tokens: the greedy path copies back only the ids, feed() the logits, one Executable.
+  const ComputeGraph& graph = decoder.step_graph(steps, StepOutputs::logits_and_next_tokens);
   const std::string what = fmt::format("{} step of {} token{}", engine_path_name(options_.path), steps,
                                        steps == 1 ? "" : "s");
   report(options_.progress, fmt::format("metile: planning the {}", what));
@@ -170,13 +172,12 @@ void CudaDecodeSession::stage_step(std::span<const std::int32_t> tokens) {
   stream_.synchronize();
 }
 
-std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens) {
+std::vector<HostTensor> CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens, std::string_view output) {
   const DecoderModel& decoder = model_->model();
-  const std::int64_t vocab = decoder.config().vocab_size;
-  check_tokens_fit(tokens, position_, decoder.capacity(), vocab);
+  check_tokens_fit(tokens, position_, decoder.capacity(), decoder.config().vocab_size);
   model_->device().make_current();
-  std::vector<HostTensor> step_logits;  // one per step, filled by async copies (never reallocated)
-  step_logits.reserve(tokens.size());
+  std::vector<HostTensor> step_outputs;  // one per step, filled by async copies (never reallocated)
+  step_outputs.reserve(tokens.size());
   std::size_t first = 0;
   while (first < tokens.size()) {
     const std::size_t steps =
@@ -184,15 +185,30 @@ std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens)
     Executable& step = executable(static_cast<std::int64_t>(steps));
     upload_inputs(tokens.subspan(first, steps), position_ + static_cast<std::int64_t>(first));
     step.enqueue(stream_);
-    const ValueId logits_id = *step.values().graph().find_value("logits");
-    const DeviceTensor& device_logits = step.values()[logits_id];
-    step_logits.emplace_back(device_logits.spec);
-    device_logits.buffer.copy_to_host_async(step_logits.back().bytes(), stream_);
+    const DeviceTensor& device_output = step.values()[*step.values().graph().find_value(output)];
+    step_outputs.emplace_back(device_output.spec);
+    device_output.buffer.copy_to_host_async(step_outputs.back().bytes(), stream_);
     first += steps;
   }
   stream_.synchronize();
   position_ += static_cast<std::int64_t>(tokens.size());
+  return step_outputs;
+}
 
+std::vector<std::int32_t> CudaDecodeSession::feed_greedy(std::span<const std::int32_t> tokens) {
+  std::vector<std::int32_t> next;
+  for (const HostTensor& ids : run_steps(tokens, "next_tokens")) {
+    const std::span<const std::byte> bytes = ids.bytes();
+    const std::size_t first = next.size();
+    next.resize(first + bytes.size() / sizeof(std::int32_t));
+    std::memcpy(next.data() + first, bytes.data(), bytes.size());
+  }
+  return next;
+}
+
+std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens) {
+  const std::int64_t vocab = model_->model().config().vocab_size;
+  const std::vector<HostTensor> step_logits = run_steps(tokens, "logits");
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
   for (const HostTensor& tensor : step_logits) {

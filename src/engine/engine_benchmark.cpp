@@ -1,7 +1,8 @@
 // The model benchmark behind `metile bench-model` (include/metile/engine.h, benchmark_engine):
 // on one session, after a prompt of `context` tokens,
 //   decode replay  the decode step's CUDA graph replayed with events (device time per token),
-//   decode feed    feed() of one token, as generate runs it (input copies, replay, logits out),
+//   decode feed    feed() of one token (input copies, replay, the logits row out),
+//   greedy feed    feed_greedy() of one token, as generate runs it (input copies, replay, one id out),
 //   floor          the bytes one step must read / the copy bandwidth measured by the caller,
 //   breakdown      the decode step's units run once eagerly, events between them, summed by kind,
 //   prefill        a fresh sequence of `prefill_tokens` tokens fed at once (chunks of 16).
@@ -31,11 +32,17 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+constexpr int kWarmupFeeds = 3;
+
+std::int64_t BenchmarkOptions::cached_tokens_needed() const {
+  // The context, the warm-up feeds, the timed feed() steps, then one greedy step and the timed ones.
+  return std::max(prefill_tokens, context + kWarmupFeeds + 2 * static_cast<std::int64_t>(decode_steps) + 1);
+}
+
 EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options) {
   const DecoderModel& model = session.model().model();
   const std::int64_t vocab = model.config().vocab_size;
-  constexpr int kWarmupFeeds = 3;
-  const std::int64_t needed = std::max(options.prefill_tokens, options.context + kWarmupFeeds + options.decode_steps);
+  const std::int64_t needed = options.cached_tokens_needed();
   if (options.context < 1 || options.decode_steps < 1 || options.prefill_tokens < 1) {
     throw InputError(fmt::format("bench-model: --context {} and the step counts must be at least 1", options.context));
   }
@@ -64,7 +71,15 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   const auto decode_start = std::chrono::steady_clock::now();
   for (std::int32_t token : decode_tokens) session.feed(std::span<const std::int32_t>(&token, 1));
   result.decode_feed_ms = seconds_since(decode_start) * 1e3 / static_cast<double>(options.decode_steps);
-  result.tokens_per_second = 1e3 / result.decode_feed_ms;
+  // The same steps as generate runs them: the argmax on the device, one id copied back. Each token
+  // is one the step before chose, so these steps run on the sequence feed_greedy makes.
+  std::int32_t greedy_token = session.feed_greedy(std::span<const std::int32_t>(&decode_tokens.back(), 1)).front();
+  const auto greedy_start = std::chrono::steady_clock::now();
+  for (int step = 0; step < options.decode_steps; ++step) {
+    greedy_token = session.feed_greedy(std::span<const std::int32_t>(&greedy_token, 1)).front();
+  }
+  result.decode_greedy_ms = seconds_since(greedy_start) * 1e3 / static_cast<double>(options.decode_steps);
+  result.tokens_per_second = 1e3 / result.decode_greedy_ms;
 
   if (options.copy_bandwidth_gbps > 0) {
     result.floor_ms = static_cast<double>(session.model().decode_step_bytes(options.context)) /

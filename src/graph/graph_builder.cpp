@@ -239,6 +239,9 @@ ValueRef GraphBuilder::quantized_matmul(ValueRef x, ValueRef packed, ValueRef sc
 ValueRef GraphBuilder::rope(ValueRef x, ValueRef positions, double theta, std::int64_t dims, std::string name) {
   return add_node("rope", {x, positions}, attributes_of({{"theta", theta}, {"dims", dims}}), std::move(name)).front();
 }
+ValueRef GraphBuilder::argmax(ValueRef x, std::string name) {
+  return add_node("argmax", {x}, {}, std::move(name)).front();
+}
 ValueRef GraphBuilder::embedding(ValueRef ids, ValueRef table, std::string name) {
   return add_node("embedding", {ids, table}, {}, std::move(name)).front();
 }

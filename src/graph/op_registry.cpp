@@ -499,15 +499,35 @@ std::vector<TensorSpec> infer_cast(std::span<const TensorSpec> inputs, Attribute
   return {TensorSpec(inputs[0].shape, parse_dtype(attributes.get_string("dtype")))};
 }
 
-std::vector<TensorSpec> infer_row_total(std::span<const TensorSpec> inputs, Attributes& attributes) {
+// The input of an op over each row's last axis that takes no attribute (sum, mean, argmax): x
+// floating, of rank 1 or more, with rows that are not empty.
+const TensorSpec& attributeless_floating_rows(std::span<const TensorSpec> inputs, const Attributes& attributes) {
   check_known_attributes(attributes, {});
   const TensorSpec& x = inputs[0];
   require_floating(x, "x");
   require_rank_at_least(x, "x", 1);
   if (x.row_length() == 0) throw InputError(described("x", x) + " has empty rows");
+  return x;
+}
+
+std::vector<TensorSpec> infer_row_total(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  const TensorSpec& x = attributeless_floating_rows(inputs, attributes);
   Shape shape = x.shape;
   shape.back() = 1;
   return {TensorSpec(shape, x.dtype)};
+}
+
+// argmax(x [..., L]) -> i32 [...]: the index of each row's maximum (argmax_index's rule). A layout
+// op, not a row reduction: its result is an index, not a value in x's dtype, so no row kernel
+// computes it and it never fuses into one; its native kernel reduces one row per block.
+std::vector<TensorSpec> infer_argmax(std::span<const TensorSpec> inputs, Attributes& attributes) {
+  const TensorSpec& x = attributeless_floating_rows(inputs, attributes);
+  if (x.row_length() > std::numeric_limits<std::int32_t>::max()) {
+    throw InputError(described("x", x) + " has rows longer than an i32 index reaches");
+  }
+  Shape shape = x.shape;
+  shape.pop_back();
+  return {TensorSpec(shape, DType::i32)};
 }
 
 // ---------------------------------------------------------------- elementwise math helpers
@@ -818,6 +838,7 @@ std::deque<OpDefinition>& table() {
         row_total_math(false);
     define("mean", OpKind::row_reduction, {"x"}, infer_row_total, sample("mean", {f32(rows)})).row_reduction =
         row_total_math(true);
+    define("argmax", OpKind::layout, {"x"}, infer_argmax, sample("argmax", {f32({5, 37})}));
     define("matmul", OpKind::contraction, {"a", "b"}, infer_matmul,
            sample("matmul", {f32(rows), f32({16, 32})}, attributes_of({{"transpose_right", std::int64_t{1}}})));
     define("quantized_matmul", OpKind::contraction, {"x", "packed", "scales", "biases"}, infer_quantized_matmul,
@@ -920,6 +941,15 @@ std::string cuda_float_literal(double value) {
   std::string literal = text;
   if (literal.find_first_of(".e") == std::string::npos) literal += ".0";
   return literal + "f";
+}
+
+std::int64_t argmax_index(std::span<const float> row) {
+  std::size_t best = 0;
+  for (std::size_t index = 1; index < row.size(); ++index) {
+    if (std::isnan(row[best])) break;  // the first NaN is the maximum
+    if (std::isnan(row[index]) || row[index] > row[best]) best = index;
+  }
+  return static_cast<std::int64_t>(best);
 }
 
 std::vector<double> rope_frequencies(const Attributes& attributes) {

@@ -100,8 +100,15 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
   return logits;
 }
 
-std::int64_t argmax(std::span<const float> logits) {
-  return std::max_element(logits.begin(), logits.end()) - logits.begin();  // first of equal maxima
+std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_t> tokens) {
+  const std::vector<float> logits = feed(tokens);
+  std::vector<std::int32_t> next;
+  if (tokens.empty()) return next;
+  const std::size_t vocab = logits.size() / tokens.size();
+  for (std::size_t row = 0; row < tokens.size(); ++row) {
+    next.push_back(static_cast<std::int32_t>(argmax_index(std::span<const float>(logits).subspan(row * vocab, vocab))));
+  }
+  return next;
 }
 
 Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
@@ -109,18 +116,13 @@ Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t>
   if (prompt.empty()) throw InputError("the prompt is empty");
   if (count < 0) throw InputError(fmt::format("cannot generate {} tokens", count));
   Generation generation;
-  std::vector<float> logits = session.feed(prompt);
-  const auto vocab = static_cast<std::int64_t>(logits.size() / prompt.size());
-  std::span<const float> last(logits.data() + logits.size() - static_cast<std::size_t>(vocab),
-                              static_cast<std::size_t>(vocab));
+  std::int32_t token = session.feed_greedy(prompt).back();
   const auto start = std::chrono::steady_clock::now();
   for (std::int64_t index = 0; index < count; ++index) {
-    const auto token = static_cast<std::int32_t>(argmax(last));
     generation.tokens.push_back(token);
     if (on_token) on_token(index);
     if (index + 1 == count) break;
-    logits = session.feed(std::span<const std::int32_t>(&token, 1));
-    last = logits;
+    token = session.feed_greedy(std::span<const std::int32_t>(&token, 1)).front();
     ++generation.decode_steps;
   }
   generation.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -151,7 +153,7 @@ LogitsComparison compare_logits(std::span<const float> reference, std::span<cons
   const std::vector<double> p = log_softmax(reference);
   const std::vector<double> q = log_softmax(candidate);
   LogitsComparison comparison;
-  comparison.same_argmax = argmax(reference) == argmax(candidate);
+  comparison.same_argmax = argmax_index(reference) == argmax_index(candidate);
   for (std::size_t index = 0; index < p.size(); ++index) {
     comparison.kl += std::exp(p[index]) * (p[index] - q[index]);
     comparison.max_abs_error =
@@ -190,7 +192,7 @@ AgreementFigures compare_sessions(LogitsSession& reference, LogitsSession& candi
     figures.max_logit_error =
         max_keeping_nan(figures.max_logit_error, comparison.max_abs_error / std::max(comparison.max_abs_logit, 1e-30));
     if (position + 1 == positions) break;
-    const auto token = static_cast<std::int32_t>(argmax(expected));  // both paths get the reference's token
+    const auto token = static_cast<std::int32_t>(argmax_index(expected));  // both paths get the reference's token
     expected = last_logits(reference, std::span<const std::int32_t>(&token, 1), figures.reference_seconds);
     actual = last_logits(candidate, std::span<const std::int32_t>(&token, 1), figures.candidate_seconds);
   }

@@ -12,7 +12,9 @@
 //          ─ position_mask(positions) ─ softmax ─ matmul(·, v_cache') [Hkv, G·S, D]
 //          ─ reshape [Hq, S, D] ─ transpose [S, Hq, D] ─ reshape [S, Hq·D] ─ o_proj ─ + x
 //   ─ rms_norm ─ silu(gate_proj) · up_proj ─ down_proj ─ + x
-// then the final rms_norm and the LM head (lm_head, or the embedding when tied).
+// then the final rms_norm and the LM head (lm_head, or the embedding when tied), and, when asked
+// for (StepOutputs::logits_and_next_tokens), next_tokens = argmax(logits): greedy decoding's
+// token ids, so a step need not copy the logits off the device.
 //
 // The order of operations follows transformers' modeling_llama.py (scores scaled
 // after q·kᵀ, softmax over the masked scores, residual adds after each block), so
@@ -29,7 +31,8 @@ namespace {
 
 class StepGraphRecorder {
  public:
-  StepGraphRecorder(const DecoderModel& model, std::int64_t steps) : model_(model), steps_(steps) {}
+  StepGraphRecorder(const DecoderModel& model, std::int64_t steps, StepOutputs step_outputs)
+      : model_(model), steps_(steps), step_outputs_(step_outputs) {}
 
   ComputeGraph record() {
     const ModelConfig& config = model_.config();
@@ -50,6 +53,9 @@ class StepGraphRecorder {
     const ValueRef logits =
         linear(normed, config.tie_word_embeddings ? "model.embed_tokens" : "lm_head", false, "logits");
     outputs.insert(outputs.begin(), logits);
+    if (step_outputs_ == StepOutputs::logits_and_next_tokens) {
+      outputs.insert(outputs.begin() + 1, builder_.argmax(logits, "next_tokens"));
+    }
     (void)dtype;
     return builder_.build(outputs);
   }
@@ -158,6 +164,7 @@ class StepGraphRecorder {
 
   const DecoderModel& model_;
   std::int64_t steps_;
+  StepOutputs step_outputs_;
   GraphBuilder builder_;
   ValueRef token_ids_, positions_;
   std::map<std::string, ValueRef> inputs_;
@@ -165,12 +172,12 @@ class StepGraphRecorder {
 
 }  // namespace
 
-const ComputeGraph& DecoderModel::step_graph(std::int64_t steps) const {
+const ComputeGraph& DecoderModel::step_graph(std::int64_t steps, StepOutputs outputs) const {
   if (steps < 1 || steps > kMaxStepTokens) {
     throw InputError(fmt::format("a decode step takes 1 to {} tokens, not {}", kMaxStepTokens, steps));
   }
-  auto& cached = graphs_[steps];
-  if (!cached) cached = std::make_shared<const ComputeGraph>(StepGraphRecorder(*this, steps).record());
+  auto& cached = graphs_[{steps, outputs}];
+  if (!cached) cached = std::make_shared<const ComputeGraph>(StepGraphRecorder(*this, steps, outputs).record());
   return *cached;
 }
 

@@ -118,6 +118,54 @@ TEST_F(GemvLowering, ProjectionCandidatesMatchTheReference) {
   }
 }
 
+// The LM head with its argmax (contraction_argmax): every GEMV candidate writes logits that pass the
+// gate against the CPU reference and, in next, exactly each row's argmax of the logits it wrote
+// (a brute-force argmax here; near ties may round apart from the reference's, so the reference's
+// indices are not the oracle). N = 1000 is not a multiple of the tile; 128256 is Llama 3's
+// vocabulary (one dense case: 8016 blocks meet in the join).
+TEST_F(GemvLowering, LmHeadArgmaxCandidatesWriteTheArgmaxOfTheirLogits) {
+  struct Case {
+    LinearFormat format;
+    std::int64_t rows, n, k;
+  };
+  std::vector<Case> cases = {{{16, 0, DType::bf16}, 1, 128256, 512}};
+  for (const LinearFormat& format : formats()) {
+    for (std::int64_t rows : {1, 5, 16}) cases.push_back({format, rows, 1000, 384});
+  }
+  for (const Case& c : cases) {
+    const ComputeGraph graph = testing::projection_test_graph(c.rows, c.n, c.k, c.format, "argmax");
+    const FusionPlan plan = plan_graph_fusion(graph);
+    const FusionRegion region = contraction_node_region(*plan.graph, plan.unfused.at(0));
+    const std::string what = fmt::format("LM head argmax bits {} {} M={} N={}", c.format.bits, dtype_name(c.format.dtype),
+                                         c.rows, c.n);
+    const Lowered lowered = gemv_region_candidates(*plan.graph, region);
+    ASSERT_TRUE(lowered.decision) << what << ": " << lowered.decision.reason;
+    DeviceValues values(*plan.graph);
+    const TensorMap inputs = random_inputs(*plan.graph, seed() + 200 + c.rows);
+    values.upload_inputs(inputs);
+    const TensorMap reference = run_reference(*plan.graph, inputs);
+    CudaStream stream;
+    for (const FusedCandidate& candidate : lowered.candidates) {
+      const DeviceStep step = candidate.bind(values);
+      for (int launch = 0; launch < 2; ++launch) {  // the second launch finds the join's counter re-armed
+        values.poison_computed_values();
+        step(stream);
+        stream.synchronize();
+        const TensorMap outputs = values.download_outputs();
+        const NumericGateResult gate = gate_region_outputs(*plan.graph, outputs, reference);
+        EXPECT_TRUE(gate.passed) << what << ", " << candidate.id.name() << " launch " << launch << ": " << gate.detail;
+        const HostTensor& logits = outputs.at("p0");
+        for (std::int64_t row = 0; row < c.rows; ++row) {
+          std::vector<double> own(static_cast<std::size_t>(c.n));
+          for (std::int64_t column = 0; column < c.n; ++column) own[static_cast<std::size_t>(column)] = logits.at(row * c.n + column);
+          EXPECT_EQ(outputs.at("n0").at(row), static_cast<double>(testing::brute_force_argmax(own)))
+              << what << ", " << candidate.id.name() << " launch " << launch << " row " << row;
+        }
+      }
+    }
+  }
+}
+
 // `metile run examples/decoder_layer.json --backend cuda` in C++: the swiglu_mlp region is fused
 // (fused mode takes the fastest fused candidate that passes the gate), every GEMV candidate
 // passes its gate, and the plan's outputs match the CPU reference.

@@ -7,6 +7,7 @@
 //     math, f64 accumulation, bf16 rounding per op), the independent oracle;
 //   * a prompt fed at once (chunks of 16 + single steps) gives the logits of the same prompt fed
 //     token by token, and generate_greedy gives the same tokens on the GPU and the CPU;
+//   * the greedy path (next_tokens from the device) picks exactly the argmax of the logits;
 //   * a planted wrong kernel (an extra lowering that is right on its region's own graph, where
 //     the gate runs it, and writes nothing inside the model) is declined by model verification,
 //     which names its region kind.
@@ -217,7 +218,7 @@ TEST_F(ModelEngineTest, ChunksAndSingleStepsAndGenerationAgree) {
   for (std::size_t index = 0; index < generation.tokens.size(); ++index) {
     const std::size_t row = short_prompt.size() - 1 + index;
     const std::int64_t expected =
-        argmax(std::span<const float>(logits.data() + row * static_cast<std::size_t>(vocab), static_cast<std::size_t>(vocab)));
+        argmax_index(std::span<const float>(logits.data() + row * static_cast<std::size_t>(vocab), static_cast<std::size_t>(vocab)));
     if (expected == generation.tokens[index]) {
       ++agreements;
     } else {
@@ -226,6 +227,58 @@ TEST_F(ModelEngineTest, ChunksAndSingleStepsAndGenerationAgree) {
   }
   EXPECT_GE(agreements, 23) << "generated tokens the CPU reference picks otherwise:" << differences;
 }
+
+// The session as a plain LogitsSession: feed() forwarded, feed_greedy left to the host argmax of
+// the logits (the path greedy decoding took before the step graph had next_tokens).
+class LogitsOnly : public LogitsSession {
+ public:
+  explicit LogitsOnly(CudaDecodeSession& session) : session_(session) {}
+  std::vector<float> feed(std::span<const std::int32_t> tokens) override { return session_.feed(tokens); }
+  std::int64_t position() const override { return session_.position(); }
+
+ private:
+  CudaDecodeSession& session_;
+};
+
+class GreedyOnTheDevice : public ModelEngineTest, public ::testing::WithParamInterface<EngineCase> {};
+
+// The engine's greedy path (next_tokens, the argmax taken on the device, 4 bytes per token copied
+// back) picks exactly the tokens the host picks from the same session's logits: every row of a
+// prompt (chunks of 16 and single steps), and 24 generated tokens, on both engines.
+TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
+  const EngineCase engine_case = GetParam();
+  const std::uint64_t seed = test_seed("GreedyOnTheDevice");
+  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  const std::int64_t vocab = model.config().vocab_size;
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 19, vocab);  // 16 + 3
+  for (EnginePath path : {EnginePath::native, EnginePath::fused}) {
+    SCOPED_TRACE(std::string(engine_path_name(path)));
+    CudaDecodeSession session(cuda_model, EngineOptions{path, executable_, {}});
+    const std::vector<std::int32_t> next = session.feed_greedy(prompt);
+    ASSERT_EQ(next.size(), prompt.size());
+    EXPECT_EQ(session.position(), 19);
+    session.reset();
+    const std::vector<float> logits = session.feed(prompt);
+    for (std::size_t row = 0; row < prompt.size(); ++row) {
+      const std::vector<double> values(logits.begin() + static_cast<std::ptrdiff_t>(row * vocab),
+                                       logits.begin() + static_cast<std::ptrdiff_t>((row + 1) * vocab));
+      EXPECT_EQ(next[row], testing::brute_force_argmax(values)) << "prompt row " << row;
+    }
+    session.reset();
+    const Generation on_device = generate_greedy(session, prompt, 24);
+    session.reset();
+    LogitsOnly by_logits(session);
+    const Generation on_host = generate_greedy(by_logits, prompt, 24);
+    EXPECT_EQ(on_device.tokens, on_host.tokens);
+    EXPECT_EQ(on_device.decode_steps, 23);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, GreedyOnTheDevice,
+                         ::testing::Values(EngineCase{ModelArchitecture::llama, 0},
+                                           EngineCase{ModelArchitecture::qwen2, 4}),
+                         case_name);
 
 // The planted kernel: for regions of one kind, a candidate that does the region's work (its nodes'
 // native steps) only the first time it runs on the region's own graph, which is when the gate

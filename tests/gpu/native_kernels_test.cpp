@@ -4,6 +4,8 @@
 // same results.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <random>
 
@@ -89,6 +91,41 @@ TEST_F(NativeKernels, EveryOpMatchesTheReference) {
         run_steps(native.graph_steps(graph, values), stream);
         stream.synchronize();
         expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs), what);
+      }
+    }
+  }
+}
+
+// argmax's native kernel (one block per row) gives the reference's index exactly: ties to the lowest
+// index, the first NaN above all, rows of -inf alone; Llama 3's vocabulary and lengths of no
+// particular multiple, one row and several.
+TEST_F(NativeKernels, ArgmaxEqualsTheReferenceExactly) {
+  NativeRuntime native;
+  CudaStream stream;
+  const std::vector<std::vector<std::int64_t>> shapes = {{1, 128256}, {16, 128256}, {5, 37}, {3, 1}, {2, 3, 4099}};
+  int trial = 0;
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    for (const auto& shape : shapes) {
+      ++trial;
+      const std::uint64_t seed = next_seed();
+      std::mt19937_64 generator(seed);
+      const TensorSpec spec(shape, dtype);
+      std::vector<double> values = testing::argmax_test_values(generator, static_cast<std::size_t>(spec.element_count()),
+                                                               trial % 2 == 0, trial % 3 == 0);
+      if (trial % 4 == 0) std::fill(values.begin(), values.begin() + shape.back(), -HUGE_VAL);
+      GraphBuilder builder;
+      const ComputeGraph graph = builder.build({builder.argmax(builder.input("x", spec), "next")});
+      const TensorMap inputs = {{"x", HostTensor::from_values(spec, values)}};
+      DeviceValues device_values(graph);
+      device_values.upload_inputs(inputs);
+      device_values.poison_computed_values();
+      run_steps(native.graph_steps(graph, device_values), stream);
+      stream.synchronize();
+      const HostTensor expected = run_reference(graph, inputs).at("next");
+      const HostTensor actual = device_values.download_outputs().at("next");
+      for (std::int64_t row = 0; row < expected.element_count(); ++row) {
+        EXPECT_EQ(actual.at(row), expected.at(row))
+            << fmt::format("argmax {} row {} seed {}", spec.to_string(), row, seed);
       }
     }
   }

@@ -164,3 +164,20 @@ def test_sum_and_mean_from_the_op_table_match_numpy(rng):
     np.testing.assert_allclose(outputs["average"], (2 * x64).mean(axis=-1, keepdims=True), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="unknown attribute 'axis'"):
         builder.sum(x, axis=0)
+
+
+def test_argmax_from_the_op_table_matches_numpy_with_ties_and_nan(rng):
+    # GraphBuilder.argmax comes from the op table: i32 [...] from [..., L], ties to the lowest
+    # index and the first NaN above every number, as numpy.argmax.
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((4, 3, 61), "f32"))
+    graph = builder.build((builder.argmax(x, name="next"),))
+    assert graph.find_value("next").spec == metile.TensorSpec((4, 3), "i32")
+    values = rng.integers(-2, 3, size=(4, 3, 61)).astype(np.float32)  # five values: ties everywhere
+    values[0, 1, rng.integers(0, 61, size=2)] = np.nan
+    values[1, 2, :] = -np.inf
+    outputs = metile.run(graph, {"x": values})
+    assert outputs["next"].dtype == np.int32
+    np.testing.assert_array_equal(outputs["next"], np.argmax(values, axis=-1))
+    with pytest.raises(ValueError, match="must have a floating dtype"):
+        builder.argmax(builder.input("ids", metile.TensorSpec((4,), "i32")))

@@ -49,8 +49,8 @@ inline ComputeGraph swiglu_test_graph(std::int64_t rows, std::int64_t hidden, st
   return builder.build({out});
 }
 
-// One projection y = x·Wᵀ [rows, n], then by `epilogue`: "none", "residual" (+ r [rows, n]) or
-// "bias" (+ c [n]).
+// One projection y = x·Wᵀ [rows, n], then by `epilogue`: "none", "residual" (+ r [rows, n]),
+// "bias" (+ c [n]) or "argmax" (an LM head: y and n0 = argmax(y), i32 [rows], both outputs).
 inline ComputeGraph projection_test_graph(std::int64_t rows, std::int64_t n, std::int64_t k, const LinearFormat& format,
                                           const std::string& epilogue) {
   GraphBuilder builder;
@@ -58,6 +58,7 @@ inline ComputeGraph projection_test_graph(std::int64_t rows, std::int64_t n, std
   const ValueRef y = test_linear(builder, x, "p0", n, k, format);
   if (epilogue == "residual") return builder.build({builder.add(y, builder.input("r", TensorSpec({rows, n}, format.dtype)), "n0")});
   if (epilogue == "bias") return builder.build({builder.add(y, builder.input("c", TensorSpec({n}, format.dtype)), "n0")});
+  if (epilogue == "argmax") return builder.build({y, builder.argmax(y, "n0")});
   return builder.build({y});
 }
 

@@ -1,8 +1,11 @@
 // Helpers shared by the tests of several modules (graph, cpu_runtime, fusion,
 // codegen, gpu) and the kernel benchmark: the message of the InputError an action
-// throws, a file read whole, the seed of a randomised test, and the seed graph of docs/architecture.md. Module-specific helpers stay in their folders.
+// throws, a file read whole, the seed of a randomised test, the seed graph of docs/architecture.md and
+// a brute-force argmax and its test rows. Module-specific helpers stay in their folders.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +17,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "metile/error.h"
 #include "metile/graph.h"
@@ -69,6 +73,39 @@ inline ComputeGraph seed_graph(std::int64_t rows = 1, std::int64_t hidden = 2048
   const ValueRef summed = builder.add(values, residual, "summed");
   const ValueRef normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
   return builder.build({summed, normalized});
+}
+
+// argmax's rule stated apart from argmax_index (graph.h), the oracle of the argmax op and of greedy
+// decoding: the first NaN when the row has one, else the first index that holds the row's largest
+// value (-0 and +0 compare equal).
+inline std::int64_t brute_force_argmax(const std::vector<double>& row) {
+  for (std::size_t index = 0; index < row.size(); ++index) {
+    if (std::isnan(row[index])) return static_cast<std::int64_t>(index);
+  }
+  const double largest = *std::max_element(row.begin(), row.end());
+  return std::find(row.begin(), row.end(), largest) - row.begin();
+}
+
+// Rows for argmax tests: drawn from five values (ties everywhere) when `few_values`, else from
+// [-10, 10); about 3% -inf, 0.5% +inf, 1% -0 and, `with_nan`, 0.5% NaN.
+inline std::vector<double> argmax_test_values(std::mt19937_64& generator, std::size_t count, bool few_values,
+                                              bool with_nan) {
+  std::vector<double> values(count);
+  for (double& value : values) {
+    const std::uint64_t draw = generator() % 1000;
+    value = few_values ? 0.5 * (static_cast<double>(generator() % 5) - 2)
+                       : static_cast<double>(generator() >> 11) * 0x1.0p-53 * 20 - 10;
+    if (draw < 30) {
+      value = -HUGE_VAL;
+    } else if (draw < 35) {
+      value = HUGE_VAL;
+    } else if (draw < 45) {
+      value = -0.0;
+    } else if (with_nan && draw < 50) {
+      value = std::nan("");
+    }
+  }
+  return values;
 }
 
 }  // namespace metile::testing

@@ -144,7 +144,7 @@ void logits_command(const ModelOptions& options) {
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
   std::vector<std::int64_t> argmaxes;
   for (std::size_t row = 0; row < prompt.size(); ++row) {
-    argmaxes.push_back(argmax(std::span<const float>(logits.data() + row * vocab, vocab)));
+    argmaxes.push_back(argmax_index(std::span<const float>(logits.data() + row * vocab, vocab)));
   }
   const std::span<const float> last(logits.data() + logits.size() - vocab, vocab);
   if (options.format == "json") {

@@ -501,6 +501,19 @@ HostTensor evaluate_rope(const OpCall& call) {
   return store_values(call.output, x);
 }
 
+// Per row of x [..., L], the i32 index of its maximum by argmax_index's rule (graph.h).
+HostTensor evaluate_argmax(const OpCall& call) {
+  const HostTensor& x = call.input(0);
+  const std::int64_t length = x.spec().row_length();
+  HostTensor out(call.output);
+  std::vector<float> row(static_cast<std::size_t>(length));
+  for (std::int64_t index = 0; index < out.element_count(); ++index) {
+    read_floats(x, index * length, row);
+    out.store(index, static_cast<double>(argmax_index(row)));
+  }
+  return out;
+}
+
 HostTensor evaluate_reshape(const OpCall& call) {
   HostTensor out(call.output);
   std::memcpy(out.bytes().data(), call.input(0).bytes().data(), out.bytes().size());
@@ -554,6 +567,7 @@ const std::unordered_map<std::string_view, Evaluator>& evaluators() {
       {"position_mask", evaluate_position_mask},
       {"kv_cache_write", evaluate_kv_cache_write},
       {"flash_attention", evaluate_flash_attention},
+      {"argmax", evaluate_argmax},
   };
   return table;
 }

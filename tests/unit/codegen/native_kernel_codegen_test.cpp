@@ -111,7 +111,8 @@ namespace metile {
 namespace {
 
 // The decode step's ops (src/model/step_graph.cpp): embedding, quantized_embedding (4 and 8 bit),
-// position_mask, kv_cache_write copied and in place, rope with Llama 3 scaling, in every float dtype.
+// position_mask, kv_cache_write copied and in place, rope with Llama 3 scaling, argmax (greedy
+// decoding's next tokens), in every float dtype.
 TEST(NativeKernelCodegenDecodeStep, EveryDecodeStepKernelCompilesForSm90) {
   for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
     SCOPED_TRACE(std::string(dtype_name(dtype)));
@@ -136,6 +137,7 @@ TEST(NativeKernelCodegenDecodeStep, EveryDecodeStepKernelCompilesForSm90) {
     scaled.set("high_freq_factor", 4.0);
     scaled.set("original_max_position_embeddings", 8192.0);
     outputs.push_back(b.add_node("rope", {b.input("x", {{2, 3, 16}, dtype}), positions}, scaled, "rotated").front());
+    outputs.push_back(b.argmax(b.input("logits", {{3, 1001}, dtype}), "next_tokens"));
     const ComputeGraph graph = b.build(outputs);
     for (const Node& node : graph.nodes()) {
       SCOPED_TRACE(node.name);
@@ -150,6 +152,10 @@ TEST(NativeKernelCodegenDecodeStep, EveryDecodeStepKernelCompilesForSm90) {
       }
       if (node.op == "rope") {
         EXPECT_NE(kernel.summary.find("llama3"), std::string::npos);
+      }
+      if (node.op == "argmax") {
+        EXPECT_EQ(kernel.launch.grid_x, 3u);  // one block per row
+        EXPECT_NE(kernel.source.find("int* __restrict__ out0"), std::string::npos);
       }
     }
   }

@@ -1,9 +1,10 @@
 // The decode-step ops (embedding, quantized_embedding, position_mask,
-// kv_cache_write) and rope's llama3 frequency scaling: the CPU reference against
+// kv_cache_write, argmax) and rope's llama3 frequency scaling: the CPU reference against
 // loops written here from the op definitions, plus the registry's shape checks.
 // Fresh random inputs each run; the seed is printed (METILE_TEST_SEED repeats it).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
@@ -18,6 +19,7 @@
 namespace metile {
 namespace {
 
+using testing::brute_force_argmax;
 using testing::error_of;
 using testing::random_tensor;
 
@@ -206,6 +208,57 @@ TEST(DecodeOps, RopeLlama3ScalingMatchesTransformersFormula) {
                            wrong, "r");
             }),
             "node 'r' (rope): scaling must be 'llama3', got 'yarn'");
+}
+
+TEST(DecodeOps, ArgmaxIsTheFirstLargestIndexOfEveryRowWithNaNAboveAll) {
+  std::mt19937_64 generator(test_seed() + 5);
+  const double infinity = std::numeric_limits<double>::infinity();
+  const std::int64_t lengths[] = {1, 2, 3, 31, 97, 1000, 4099};
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+  int nan_rows = 0, tied_rows = 0, all_negative_infinity_rows = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<std::int64_t> shape;
+    for (std::uint64_t axis = generator() % 3; axis > 0; --axis) shape.push_back(1 + static_cast<std::int64_t>(generator() % 4));
+    const std::int64_t length = lengths[generator() % std::size(lengths)];
+    shape.push_back(length);
+    const TensorSpec spec(shape, dtypes[generator() % std::size(dtypes)]);
+    SCOPED_TRACE(spec.to_string());
+    // Half the trials draw from five values (ties everywhere), the rest from a continuum; some add
+    // NaNs; every fifth trial's first row is all -inf.
+    std::vector<double> values = testing::argmax_test_values(generator, static_cast<std::size_t>(spec.element_count()),
+                                                             trial % 2 == 0, trial % 3 == 0);
+    if (trial % 5 == 0) std::fill(values.begin(), values.begin() + length, -infinity);
+    const HostTensor x = HostTensor::from_values(spec, values);
+    GraphBuilder builder;
+    const ValueRef out = builder.argmax(builder.input("x", spec), "out");
+    const HostTensor result = run_reference(builder.build({out}), {{"x", x}}).at("out");
+    std::vector<std::int64_t> expected_shape = shape;
+    expected_shape.pop_back();
+    ASSERT_EQ(result.spec(), TensorSpec(expected_shape, DType::i32));
+    for (std::int64_t row = 0; row < result.element_count(); ++row) {
+      std::vector<double> row_values;
+      std::vector<float> row_floats;
+      for (std::int64_t column = 0; column < length; ++column) {
+        row_values.push_back(x.at(row * length + column));  // as stored in the dtype
+        row_floats.push_back(static_cast<float>(row_values.back()));
+      }
+      const std::int64_t expected = brute_force_argmax(row_values);
+      EXPECT_EQ(result.at(row), static_cast<double>(expected)) << "row " << row;
+      EXPECT_EQ(argmax_index(row_floats), expected) << "row " << row;  // the host's greedy pick
+      nan_rows += std::any_of(row_values.begin(), row_values.end(), [](double v) { return std::isnan(v); }) ? 1 : 0;
+      tied_rows += std::count(row_values.begin(), row_values.end(), row_values[static_cast<std::size_t>(expected)]) > 1;
+      all_negative_infinity_rows += std::all_of(row_values.begin(), row_values.end(), [&](double v) { return v == -infinity; });
+    }
+  }
+  EXPECT_GT(nan_rows, 0);
+  EXPECT_GT(tied_rows, 0);
+  EXPECT_GT(all_negative_infinity_rows, 0);
+
+  GraphBuilder bad;
+  EXPECT_EQ(error_of([&] { bad.argmax(bad.input("ids", TensorSpec({4}, DType::i32)), "a"); }),
+            "node 'a' (argmax): x i32[4] must have a floating dtype (f16, bf16 or f32)");
+  EXPECT_EQ(error_of([&] { bad.argmax(bad.input("scalar", TensorSpec({}, DType::f32)), "b"); }),
+            "node 'b' (argmax): x f32[] must have rank 1 or more");
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// The parts of measured dispatch that need no GPU: the numeric gate's figures and thresholds,
-// the headroom rule, METILE_DISPATCH parsing, the decision file (round trip, corruption),
+// The parts of measured dispatch that need no GPU: the numeric gate's figures and thresholds (an
+// argmax against the candidate's own values), the headroom rule, METILE_DISPATCH parsing, the decision file (round trip, corruption),
 // cutting a region out of its graph, and the lowerings' reasons for every example region.
 #include <gtest/gtest.h>
 
@@ -66,6 +66,49 @@ TEST(NumericGate, NonFiniteValuesPassOnlyWhereTheReferenceHasThem) {
   EXPECT_FALSE(numeric_gate(tensor(DType::f16, {1.0, inf, 2.0}), reference).passed) << "the other infinity";
   EXPECT_FALSE(numeric_gate(tensor(DType::f16, {1.0, 0.0, 2.0}), reference).passed) << "a finite value for -inf";
   EXPECT_FALSE(numeric_gate(tensor(DType::f32, {1.0, -inf, 2.0}), reference).passed) << "another dtype";
+}
+
+// An argmax the region computes from values it also writes is checked against the candidate's own
+// values, exactly: a near tie rounded the other way is right, an index that is not the largest of
+// what the candidate wrote is not, and wrong values still fail the numeric gate.
+TEST(NumericGate, AnArgmaxIsCheckedAgainstTheCandidatesOwnValues) {
+  GraphBuilder builder;
+  const ValueRef x = builder.input("x", TensorSpec({2, 8}, DType::bf16));
+  const ValueRef logits = builder.matmul(x, builder.input("w", TensorSpec({6, 8}, DType::bf16)), true, "logits");
+  const ComputeGraph graph = builder.build({logits, builder.argmax(logits, "next")});
+  auto ids = [](std::vector<double> values) { return HostTensor::from_values({{2}, DType::i32}, values); };
+  // Row 0 has a near tie (index 1 and 4), rounded apart in the candidate; row 1 none.
+  const std::vector<double> reference_values = {0.5, 2.0, -1.0, 0.25, 1.984375, 0.0, 1.0, -2.0, 8.0, 0.5, 0.75, -0.5};
+  std::vector<double> candidate_values = reference_values;
+  candidate_values[4] = 2.015625;  // within bf16's gate of the reference, now the row's largest
+  const TensorMap reference = {{"logits", HostTensor::from_values({{2, 6}, DType::bf16}, reference_values)},
+                               {"next", ids({1, 2})}};
+  auto outputs = [&](const std::vector<double>& values, std::vector<double> next) {
+    return TensorMap{{"logits", HostTensor::from_values({{2, 6}, DType::bf16}, values)},
+                     {"next", ids(next)}};
+  };
+  EXPECT_TRUE(gate_region_outputs(graph, outputs(candidate_values, {4, 2}), reference).passed);
+  EXPECT_TRUE(gate_region_outputs(graph, outputs(reference_values, {1, 2}), reference).passed);
+  const NumericGateResult stale = gate_region_outputs(graph, outputs(candidate_values, {1, 2}), reference);
+  EXPECT_FALSE(stale.passed);
+  EXPECT_EQ(stale.detail, "output 'next': row 0: index 1, the argmax of the candidate's own 'logits' is 4");
+  EXPECT_FALSE(gate_region_outputs(graph, outputs(candidate_values, {4, 3}), reference).passed);
+  std::vector<double> wrong_values = candidate_values;
+  wrong_values[8] = -3.0;  // row 1's largest value gone: its own argmax is index 0
+  const NumericGateResult wrong = gate_region_outputs(graph, outputs(wrong_values, {4, 0}), reference);
+  EXPECT_FALSE(wrong.passed);
+  EXPECT_NE(wrong.detail.find("output 'logits'"), std::string::npos) << wrong.detail;
+  // Without the values among the outputs, the index is compared with the reference's, exactly.
+  const ComputeGraph index_only = [] {
+    GraphBuilder b;
+    const ValueRef v = b.input("v", TensorSpec({2, 6}, DType::bf16));
+    return b.build({b.argmax(v, "next")});
+  }();
+  const TensorMap index_reference = {{"next", ids({1, 2})}};
+  EXPECT_TRUE(gate_region_outputs(index_only, {{"next", ids({1, 2})}},
+                                  index_reference).passed);
+  EXPECT_FALSE(gate_region_outputs(index_only, {{"next", ids({4, 2})}},
+                                   index_reference).passed);
 }
 
 TEST(Headroom, FusedNeedsTenPercent) {
@@ -319,8 +362,8 @@ TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
   EXPECT_EQ(lowered.candidates.size(), row_region_candidates(graph, region).candidates.size());
   EXPECT_EQ(lowered.refusals,
             "contractions around a row kernel: the region has no contraction; flash attention: the region is not one "
-            "flash_attention node; gemv: the GEMV lowers swiglu_mlp, contraction_epilogue, contraction and "
-            "sibling_contractions regions, not 'test'; empty: it accepted the region but offered "
+            "flash_attention node; gemv: the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, "
+            "contraction_argmax and sibling_contractions regions, not 'test'; empty: it accepted the region but offered "
             "no candidate; silent: refused without a reason; picky: too small");
 }
 

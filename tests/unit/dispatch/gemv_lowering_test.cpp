@@ -204,6 +204,61 @@ TEST(GemvLowering, AnLmHeadGetsRegisterAndStreamedShapes) {
   }
 }
 
+// An LM head whose values an argmax reads (greedy decoding's next tokens) is offered with it as
+// one region; the GEMV writes both (argmax_rows), on the register mainloop only (the streamed one
+// has no argmax join; its kernels compile in EveryLoweringsKernelsCompileForSm90). Without the
+// values as an output, or with two argmaxes, it is not one GEMV's work.
+TEST(GemvLowering, AnLmHeadWithItsArgmaxIsOneGemvWritingBoth) {
+  for (int bits : {16, 4}) {
+    for (std::int64_t rows : {1, 5}) {
+      const std::string where = fmt::format("bits {} M {}", bits, rows);
+      const ComputeGraph graph = testing::projection_test_graph(rows, 1000, 512, {bits, 64, DType::bf16}, "argmax");
+      const FusionPlan plan = plan_graph_fusion(graph);
+      ASSERT_EQ(plan.unfused.size(), 2u) << where << "\n" << plan.explain();
+      const FusionRegion region = contraction_node_region(*plan.graph, plan.unfused.at(0));
+      EXPECT_EQ(region.rule, "contraction_argmax") << where;
+      EXPECT_EQ(region.nodes.size(), 2u) << where;
+      EXPECT_EQ(region.outputs.size(), 2u) << where;
+      const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, region);
+      ASSERT_TRUE(lowered.decision) << where << ": " << lowered.decision.reason;
+      ASSERT_EQ(lowered.stages.size(), 1u);
+      EXPECT_EQ(value_name(graph, lowered.stages[0].output), "p0");
+      EXPECT_EQ(value_name(graph, lowered.stages[0].argmax_output), "n0");
+      EXPECT_EQ(lowered.stages[0].epilogue.to_string(), GemvEpilogue::store().to_string());
+      EXPECT_TRUE(lowered.stages[0].base_config().argmax_rows);
+      const Lowered candidates = gemv_region_candidates(*plan.graph, region);
+      ASSERT_TRUE(candidates.decision) << candidates.decision.reason;
+      EXPECT_GE(candidates.candidates.size(), 1u) << where;
+      for (const FusedCandidate& candidate : candidates.candidates) {
+        EXPECT_EQ(candidate.id.variant.find("streamed"), std::string::npos) << candidate.id.name();
+        EXPECT_NE(candidate.source.find("argmax_rows"), std::string::npos) << candidate.id.name();
+      }
+      const GemvKernelSource kernel =
+          generate_gemv_kernel(gemv_stage_configs(lowered.stages[0].base_config(), gemv_lowering_shapes_per_family).front());
+      EXPECT_EQ(kernel.workspace_bytes, static_cast<std::uint64_t>(2 * kernel.grid_blocks * rows * 4 + 4)) << where;
+    }
+  }
+  // The values read by the argmax only: the GEMV's join reads the values it wrote.
+  const ComputeGraph hidden_values = [] {
+    GraphBuilder b;
+    const ValueRef x = b.input("a", TensorSpec({1, 64}, DType::bf16));
+    return b.build({b.argmax(b.matmul(x, b.input("w", TensorSpec({32, 64}, DType::bf16)), true, "y"), "next")});
+  }();
+  const FusionPlan hidden_plan = plan_graph_fusion(hidden_values);
+  const FusionRegion hidden_region = contraction_node_region(*hidden_plan.graph, hidden_plan.unfused.at(0));
+  EXPECT_EQ(plan_gemv_region(*hidden_plan.graph, hidden_region).decision.reason,
+            "'y' is read by the argmax only: the GEMV's argmax join reads the values it wrote");
+  // Two argmaxes of one LM head: the plain contraction region.
+  const ComputeGraph two = [] {
+    GraphBuilder b;
+    const ValueRef x = b.input("a", TensorSpec({1, 64}, DType::bf16));
+    const ValueRef y = b.matmul(x, b.input("w", TensorSpec({32, 64}, DType::bf16)), true, "y");
+    return b.build({y, b.argmax(y, "first"), b.argmax(y, "second")});
+  }();
+  const FusionPlan two_plan = plan_graph_fusion(two);
+  EXPECT_EQ(contraction_node_region(*two_plan.graph, two_plan.unfused.at(0)).rule, "contraction");
+}
+
 // Every launch shape a stage races has a name of its own (the tournament and the decision cache
 // know candidates by it): all of gemv_tuning_candidates' shapes, split-K, staged and group-sum ones
 // included, at wide and narrow sizes, dense and affine, one and two products.
@@ -237,7 +292,8 @@ TEST(GemvLowering, OtherRegionsAreRefusedWithTheReason) {
   const Lowered row_lowered = gemv_region_candidates(*rows.graph, rows.regions[0]);
   EXPECT_FALSE(row_lowered.decision);
   EXPECT_EQ(row_lowered.decision.reason,
-            "the GEMV lowers swiglu_mlp, contraction_epilogue, contraction and sibling_contractions regions, not "
+            "the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax and "
+            "sibling_contractions regions, not "
             "'residual_add_rms_norm'");
   bool listed = false;
   for (const RegionLowering& lowering : builtin_lowerings()) listed = listed || lowering.name == "gemv";
@@ -286,6 +342,10 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
   cases.push_back({"bias affine8", testing::projection_test_graph(1, 100, 320, {8, 32, DType::bf16}, "bias"),
                    "contraction_epilogue"});
   cases.push_back({"store affine4", testing::projection_test_graph(1, 130, 256, {4, 128, DType::bf16}, "none"), "contraction"});
+  cases.push_back({"lm head and argmax dense", testing::projection_test_graph(5, 1000, 512, {16, 64, DType::bf16}, "argmax"),
+                   "contraction_argmax"});
+  cases.push_back({"lm head and argmax affine4", testing::projection_test_graph(1, 1000, 512, {4, 64, DType::bf16}, "argmax"),
+                   "contraction_argmax"});
   // q, k, v as one GEMV: dense and affine, M = 1 and 16, Qwen-like biases (one part without).
   cases.push_back({"siblings dense M16 biased",
                    testing::sibling_test_graph(16, {128, 32, 32}, 256, {16, 64, DType::bf16}, {true, true, true}),
@@ -300,7 +360,7 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
   std::vector<std::future<std::string>> compiles;
   for (const Case& test_case : cases) {
     const FusionPlan plan = plan_graph_fusion(test_case.graph);
-    const FusionRegion region = test_case.rule == "contraction"
+    const FusionRegion region = test_case.rule == "contraction" || test_case.rule == "contraction_argmax"
                                     ? contraction_node_region(*plan.graph, plan.unfused.at(0))
                                     : *region_of_rule(plan, test_case.rule);
     const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, region);

@@ -79,7 +79,7 @@ TEST(EngineVerificationFigures, KlAndLogitErrorAgainstALongDoubleSum) {
     EXPECT_NEAR(comparison.kl, static_cast<double>(kl), 1e-9 + 1e-6 * static_cast<double>(kl));
     EXPECT_DOUBLE_EQ(comparison.max_abs_error, static_cast<double>(error));
     EXPECT_DOUBLE_EQ(comparison.max_abs_logit, static_cast<double>(largest));
-    EXPECT_EQ(comparison.same_argmax, argmax(reference) == argmax(candidate));
+    EXPECT_EQ(comparison.same_argmax, argmax_index(reference) == argmax_index(candidate));
   }
 }
 

@@ -216,6 +216,31 @@ TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
   EXPECT_THROW(generate_gemv_kernel(one_stage), InputError);
 }
 
+// The LM head with greedy decoding's argmax join (argmax_rows): Llama 3's vocabulary at K = 2048,
+// dense and 4-bit, compiles for sm_90 without spills; the join's workspace holds a value and an
+// index per block and row and one counter; split-K and the streamed mainloop have no such join.
+TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
+    GemvKernelConfig config = base_config(format, 1, 128256, 2048, GemvEpilogue::store());
+    const GemvKernelSource plain = generate_gemv_kernel(config);
+    config.argmax_rows = true;
+    const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(config, 132);
+    ASSERT_FALSE(candidates.empty());
+    for (const GemvKernelConfig& candidate : candidates) EXPECT_TRUE(candidate.argmax_rows) << candidate.to_string();
+    const GemvKernelSource kernel = generate_gemv_kernel(candidates.front());
+    EXPECT_NE(kernel.kernel_name, plain.kernel_name);
+    EXPECT_EQ(kernel.workspace_bytes, 2u * kernel.grid_blocks * 4u + 4u) << candidates.front().to_string();
+    EXPECT_NE(kernel.source.find("int* __restrict__ next, float* __restrict__ workspace"), std::string::npos);
+    expect_no_spills(compile_for_sm90(kernel).log, candidates.front().to_string());
+    GemvKernelConfig split = config;
+    split.k_splits = 2;
+    EXPECT_THROW(generate_gemv_kernel(split), InputError);
+    GemvKernelConfig streamed = config;
+    streamed.mainloop = GemvMainloop::streamed;
+    EXPECT_THROW(generate_gemv_kernel(streamed), InputError);
+  }
+}
+
 TEST(GemvCompile, RejectsConfigurationsItCannotGenerate) {
   const GemvWeightFormat dense = GemvWeightFormat::dense(DType::bf16);
   EXPECT_THROW(generate_gemv_kernel(base_config(dense, 17, 64, 64, GemvEpilogue::store())), InputError);

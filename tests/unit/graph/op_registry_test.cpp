@@ -52,7 +52,9 @@ TEST(OpRegistryTest, EveryDesignOpIsRegisteredWithItsKind) {
       // the decode-step ops of src/model
       {"embedding", OpKind::layout},         {"quantized_embedding", OpKind::layout},
       {"position_mask", OpKind::layout},     {"kv_cache_write", OpKind::layout},
-      {"flash_attention", OpKind::contraction}};
+      {"flash_attention", OpKind::contraction},
+      // greedy decoding's next token: an index, not a value, so not a row reduction
+      {"argmax", OpKind::layout}};
   for (const auto& [name, kind] : expected) {
     const OpDefinition* definition = find_op(name);
     ASSERT_NE(definition, nullptr) << name;

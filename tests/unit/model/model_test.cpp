@@ -5,7 +5,8 @@
 //   * incremental decode with the KV cache == recomputing the prefix, chunked
 //     prefill == token by token (bit for bit: every op is row-independent);
 //   * synth round trips (config spellings 4 and 5, sharded), MLX-quantized ==
-//     dequantize-then-dense, quantize-at-load == quantize-dequantize-dense.
+//     dequantize-then-dense, quantize-at-load == quantize-dequantize-dense;
+//   * the greedy step graph's next_tokens == a brute-force argmax of its logits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "metile/cpu_runtime.h"
 #include "metile/quant.h"
 #include "model_test_support.h"
 
@@ -416,8 +418,62 @@ TEST_F(DecoderModelTest, PlannedPathEqualsReferenceAndGenerationIsGreedy) {
   ASSERT_EQ(generation.tokens.size(), 6u);
   std::vector<float> logits = checking.feed(prompt);
   for (std::int32_t token : generation.tokens) {
-    EXPECT_EQ(token, argmax(std::span<const float>(logits).last(256)));
+    EXPECT_EQ(token, argmax_index(std::span<const float>(logits).last(256)));
     logits = checking.feed(std::span<const std::int32_t>(&token, 1));
+  }
+}
+
+// The greedy step graph: "next_tokens" is each row of its logits' argmax (brute force on the
+// logits it also returns), its logits are the plain step graph's bit for bit, the CPU plan gives
+// the same, and a session's feed_greedy picks the argmax of feed's logits.
+TEST_F(DecoderModelTest, StepGraphNextTokensAreTheArgmaxOfItsLogits) {
+  std::mt19937_64 generator(testing::model_test_seed() + 7);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}), {DType::bf16, {}, 48});
+  const std::int64_t vocab = model.config().vocab_size;
+  for (std::int64_t steps : {1, 5}) {
+    SCOPED_TRACE(steps);
+    const ComputeGraph& plain = model.step_graph(steps);
+    const ComputeGraph& greedy = model.step_graph(steps, StepOutputs::logits_and_next_tokens);
+    EXPECT_FALSE(plain.find_value("next_tokens"));
+    ASSERT_EQ(greedy.outputs().size(), plain.outputs().size() + 1);
+    EXPECT_EQ(greedy.value(greedy.outputs()[1]).name, "next_tokens");
+    EXPECT_EQ(greedy.value(greedy.outputs()[1]).spec, TensorSpec({steps}, DType::i32));
+    TensorMap state;
+    const std::int64_t start = static_cast<std::int64_t>(generator() % 20);
+    std::vector<double> ids, positions;
+    for (std::int32_t token : random_tokens(generator, static_cast<std::size_t>(steps), vocab)) ids.push_back(token);
+    for (std::int64_t step = 0; step < steps; ++step) positions.push_back(static_cast<double>(start + step));
+    state.emplace("token_ids", HostTensor::from_values(TensorSpec({steps}, DType::i32), ids));
+    state.emplace("positions", HostTensor::from_values(TensorSpec({steps}, DType::i32), positions));
+    for (ValueId input : greedy.inputs()) {  // caches of random earlier rows
+      const Value& value = greedy.value(input);
+      if (!value.name.ends_with("_cache")) continue;
+      std::vector<double> rows(static_cast<std::size_t>(value.spec.element_count()));
+      for (double& element : rows) element = static_cast<double>(generator() % 2001) / 1000.0 - 1;
+      state.emplace(value.name, HostTensor::from_values(value.spec, rows));
+    }
+    const TensorMap* inputs[] = {&state, &model.weights()};
+    const TensorMap outputs = run_reference(greedy, inputs);
+    const HostTensor& logits = outputs.at("logits");
+    EXPECT_EQ(logits, run_reference(plain, inputs).at("logits"));
+    for (std::int64_t row = 0; row < steps; ++row) {
+      std::vector<double> values;
+      for (std::int64_t column = 0; column < vocab; ++column) values.push_back(logits.at(row * vocab + column));
+      EXPECT_EQ(outputs.at("next_tokens").at(row), static_cast<double>(testing::brute_force_argmax(values)));
+    }
+    EXPECT_EQ(run_plan_reference(plan_graph_fusion(greedy, FusionTarget::cpu()), inputs).at("next_tokens"),
+              outputs.at("next_tokens"));
+  }
+  const std::vector<std::int32_t> tokens = random_tokens(generator, 19, vocab);  // a chunk of 16 and 3 steps
+  DecodeSession by_logits(model), greedy(model);
+  const std::vector<float> logits = by_logits.feed(tokens);
+  const std::vector<std::int32_t> next = greedy.feed_greedy(tokens);
+  ASSERT_EQ(next.size(), tokens.size());
+  EXPECT_EQ(greedy.position(), 19);
+  for (std::size_t row = 0; row < tokens.size(); ++row) {
+    const std::vector<double> values(logits.begin() + static_cast<std::ptrdiff_t>(row * vocab),
+                                     logits.begin() + static_cast<std::ptrdiff_t>((row + 1) * vocab));
+    EXPECT_EQ(next[row], testing::brute_force_argmax(values)) << "row " << row;
   }
 }
 
