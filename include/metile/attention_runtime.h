@@ -22,6 +22,12 @@ struct FlashAttentionOptions {
   bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)
 };
 
+// The decode kernel's configuration for `problem` under `options` on a device of `multiprocessors`:
+// the one place build() and the flash_attention lowering (its decision key, at an H200's 132) decide
+// warps, cluster and split.
+DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, const FlashAttentionOptions& options,
+                                              int multiprocessors);
+
 // One flash_attention problem compiled and loaded for the current device, with its scratch.
 // enqueue() only launches, so it can be captured in a CUDA graph; the scratch makes one instance
 // serve one stream at a time.

@@ -322,19 +322,19 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       compute_batch(acc, odd, x, second, end, lane);
     }
   } else {
+    // The wait comes before the loop: with it inside the first iteration (after the first weight
+    // loads) a dependent launch inside a CUDA graph read x before the previous kernel wrote it on
+    // the H200 (gemv_schedules_test, notes/mlp_decode.md), though the PTX orders every x load
+    // after the wait. This schedule is the unpipelined one; it loses no overlap worth keeping.
     Batch<P> batch;
-    bool waited = false;
-    if (kSharedGroupSums && fill_sums) {  // every warp must reach the barrier: wait before the loop
-      x = after_previous_kernel(x);
-      waited = true;
+    x = after_previous_kernel(x);
+    if (kSharedGroupSums && fill_sums) {  // every warp must reach the barrier
       fill_group_sums(x, begin, end);
       __syncthreads();
     }
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
       load_batch(batch, weights, scale_bias, first, end, lane, first_tile);
-      if (!waited) x = after_previous_kernel(x);
-      waited = true;
       compute_batch(acc, batch, x, first, end, lane);
     }
   }

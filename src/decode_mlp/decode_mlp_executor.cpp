@@ -398,8 +398,19 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
     // finish gate/up first). The faster graph of the two wins; a tie keeps plain stream order.
     try {
       CudaGraph dependent = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down_dependent}));
+      // Gated like every candidate: the same kernels in the dependent order must write the same
+      // bits as in plain order (an x read before the wait would not), onto a poisoned output.
+      DeviceTensor& out = (*s.values)[s.value("out")];
+      s.serialized_graph.replay(s.stream);
+      s.stream.synchronize();
+      const HostTensor plain_out = out.to_host();
+      out.buffer.fill_bytes(0xFF);
       dependent.replay(s.stream);
       s.stream.synchronize();
+      const HostTensor dependent_out = out.to_host();
+      if (!std::ranges::equal(plain_out.bytes(), dependent_out.bytes())) {
+        throw CudaError("the dependent graph's output differs from plain stream order's");
+      }
       const std::vector<TournamentCandidate> race = {
           {"programmatic dependent", [&dependent](const CudaStream& stream) { dependent.replay(stream); }},
           {"plain stream order", [&s](const CudaStream& stream) { s.serialized_graph.replay(stream); }}};
@@ -413,7 +424,7 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
                                                : "not used, no faster",
                       with, without);
     } catch (const CudaError& error) {
-      s.programmatic_dependent_reason = fmt::format("not captured: {}", error.what());
+      s.programmatic_dependent_reason = fmt::format("not used: {}", error.what());
     }
   }
   if (!s.programmatic_dependent) s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));

@@ -34,11 +34,8 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   std::string source;
   std::string variant;
   if (problem.is_decode()) {
-    DecodeAttentionConfig config;
-    config.problem = problem;
-    config.warps = options.decode_warps;
-    config.stages = options.decode_stages;
-    config.keys_per_split = options.keys_per_split = decode_keys_per_split(problem, config.warps);
+    // build() on the device decides the same way (its multiprocessor count in place of 132).
+    const DecodeAttentionConfig config = decode_attention_config(problem, options, 132);
     source = generate_decode_attention_kernel(config).source;
     variant = "attention decode";
   } else {

@@ -151,6 +151,7 @@ TEST_F(GemvLowering, TinyModelStepMatchesTheReference) {
   const std::filesystem::path root =
       std::filesystem::temp_directory_path() / ("metile_gemv_lowering_" + std::to_string(::getpid()));
   std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);  // synthesize_model writes into an existing parent
   std::mt19937_64 generator(seed());
   for (auto [bits, steps] : {std::pair{std::optional<int>{}, std::int64_t{1}}, std::pair{std::optional<int>{4}, std::int64_t{5}},
                              std::pair{std::optional<int>{8}, std::int64_t{16}}}) {

@@ -25,32 +25,38 @@ FlashAttention::~FlashAttention() = default;
 FlashAttention::FlashAttention(FlashAttention&&) noexcept = default;
 FlashAttention& FlashAttention::operator=(FlashAttention&&) noexcept = default;
 
+DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, const FlashAttentionOptions& options,
+                                              int multiprocessors) {
+  DecodeAttentionConfig config;
+  config.problem = problem;
+  const DecodeShape shape = options.decode_warps == 0 ? default_decode_shape(problem)
+                                                      : DecodeShape{options.decode_warps, options.decode_cluster};
+  config.warps = shape.warps;
+  config.cluster = shape.cluster;
+  config.keys_per_split = options.keys_per_split;
+  config.stages = options.decode_stages;
+  if (config.keys_per_split == 0) {
+    // A head's splits in one cluster: at most kMaxClusterSplits of them.
+    const std::int64_t blocks = config.cluster ? std::min<std::int64_t>(multiprocessors, kMaxClusterSplits * problem.heads)
+                                               : multiprocessors;
+    config.keys_per_split = decode_keys_per_split(problem, config.warps, static_cast<int>(blocks));
+  }
+  return config;
+}
+
 FlashAttention FlashAttention::build(const AttentionProblem& problem, const FlashAttentionOptions& options) {
   problem.validate();
   auto state = std::make_unique<State>();
   state->problem = problem;
   state->decode = problem.is_decode() && !options.force_prefill;
   if (state->decode) {
-    DecodeAttentionConfig config;
-    config.problem = problem;
-    const DecodeShape shape = options.decode_warps == 0 ? default_decode_shape(problem)
-                                                        : DecodeShape{options.decode_warps, options.decode_cluster};
-    config.warps = shape.warps;
-    config.cluster = shape.cluster;
-    config.keys_per_split = options.keys_per_split;
-    config.stages = options.decode_stages;
-    if (config.keys_per_split == 0) {
-      int multiprocessors = 0;
-      CUdevice device = 0;
-      cuda_driver::check(cuda_driver::driver().cuCtxGetDevice(&device), "cuCtxGetDevice");
-      cuda_driver::check(cuda_driver::driver().cuDeviceGetAttribute(
-                             &multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
-                         "cuDeviceGetAttribute(multiprocessor count)");
-      // A head's splits in one cluster: at most kMaxClusterSplits of them.
-      const std::int64_t blocks = config.cluster ? std::min<std::int64_t>(multiprocessors, kMaxClusterSplits * problem.heads)
-                                                 : multiprocessors;
-      config.keys_per_split = decode_keys_per_split(problem, config.warps, static_cast<int>(blocks));
-    }
+    int multiprocessors = 0;
+    CUdevice device = 0;
+    cuda_driver::check(cuda_driver::driver().cuCtxGetDevice(&device), "cuCtxGetDevice");
+    cuda_driver::check(cuda_driver::driver().cuDeviceGetAttribute(&multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                                                  device),
+                       "cuDeviceGetAttribute(multiprocessor count)");
+    const DecodeAttentionConfig config = decode_attention_config(problem, options, multiprocessors);
     state->kernel = generate_decode_attention_kernel(config);
   } else {
     PrefillAttentionConfig config;

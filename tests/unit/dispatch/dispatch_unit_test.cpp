@@ -8,7 +8,9 @@
 #include <fstream>
 #include <random>
 
+#include "metile/attention_runtime.h"
 #include "metile/cpu_runtime.h"
+#include "metile/discovery.h"
 #include "metile/dispatch.h"
 #include "metile_test_support.h"
 
@@ -270,6 +272,37 @@ TEST(LowerRegion, EveryExampleRegionGetsCandidatesOrEachLoweringsOwnReason) {
   // Since the GEMV lowerings, every example region has some lowering; a region no lowering takes
   // is covered by ALoweringThatOffersNothingIsReportedAsRefusing below.
   std::printf("%d of %d example regions refused by every lowering\n", refused_by_all, regions);
+}
+
+// The flash_attention lowering without a GPU: a decode problem (R <= 16 over a position-masked
+// cache) and a prefill one each get one candidate, and the decode kernel is the one the device
+// build picks by default (default_decode_shape: 4 warps as a cluster up to 4096 keys; the lowering
+// once passed 0 warps and divided by zero).
+TEST(LowerRegion, FlashAttentionLowersDecodeAndPrefillWithTheDefaultShape) {
+  const Certificate certificate = prove(stable_weighted_softmax_law());
+  for (auto [rows, keys, mask] : {std::tuple{std::int64_t{8}, std::int64_t{203}, "positions"},
+                                  std::tuple{std::int64_t{48}, std::int64_t{130}, "causal"}}) {
+    GraphBuilder b;
+    std::vector<ValueRef> inputs = {b.input("q", {{2, rows, 128}, DType::bf16}), b.input("k", {{2, keys, 128}, DType::bf16}),
+                                    b.input("v", {{2, keys, 128}, DType::bf16})};
+    Attributes attributes;
+    attributes.set("scale", 0.125);
+    attributes.set("mask", std::string(mask));
+    attributes.set("offset", keys - rows);
+    if (std::string(mask) == "positions") inputs.push_back(b.input("positions", {{rows / 2}, DType::i32}));
+    attributes.set("certificate", certificate.to_json());
+    const ComputeGraph graph = b.build(b.add_node("flash_attention", inputs, attributes, "attention"));
+    const Lowered lowered = flash_attention_candidates(graph, region_of_nodes(graph, {0}, "flash_attention"));
+    ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+    ASSERT_EQ(lowered.candidates.size(), 1u);
+    if (rows <= 16) {
+      EXPECT_EQ(lowered.candidates[0].id.variant, "attention decode");
+      EXPECT_NE(lowered.candidates[0].source.find("_w4_"), std::string::npos) << "not the default 4-warp decode shape";
+      EXPECT_NE(lowered.candidates[0].source.find("_cluster"), std::string::npos) << "not the default clustered merge";
+    } else {
+      EXPECT_EQ(lowered.candidates[0].id.variant, "attention prefill");
+    }
+  }
 }
 
 TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
