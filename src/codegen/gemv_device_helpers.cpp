@@ -195,7 +195,13 @@ __device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4]
       // Odd elements are activation row 8h + 2t + 1: at M = 1 no lane holds a real one.
       if (kM == 1 && (e & 1)) continue;
       const float scale = e < 2 ? scale_low : scale_high, offset = e < 2 ? offset_low : offset_high;
-      acc[h][e] = fmaf(offset, xsum[h][e], fmaf(scale, part[h][e], acc[h][e]));
+      // Two FFMA; with two row halves (M > 8) that form made ptxas spill (4-bit gate/up w4 db, M = 16),
+      // the three-instruction one does not.
+      if constexpr (kRowHalves == 1) {
+        acc[h][e] = fmaf(offset, xsum[h][e], fmaf(scale, part[h][e], acc[h][e]));
+      } else {
+        acc[h][e] += fmaf(scale, part[h][e], offset * xsum[h][e]);
+      }
     }
   }
 }
