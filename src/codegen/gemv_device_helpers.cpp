@@ -124,6 +124,44 @@ __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.com
 template <int Pending>
 __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(Pending) : "memory"); }
 
+// The sum of the eight activation values of one 16-byte vector (the affine fold's sum(x) per group).
+__device__ __forceinline__ float sum_of_eight(const uint4& value) {
+  return to_f32(value.x & 0xFFFFu) + to_f32(value.x >> 16) + to_f32(value.y & 0xFFFFu) + to_f32(value.y >> 16) +
+         to_f32(value.z & 0xFFFFu) + to_f32(value.z >> 16) + to_f32(value.w & 0xFFFFu) + to_f32(value.w >> 16);
+}
+
+// The B fragments of one iteration's x for both mainloops: lane (g, t) holds activation rows g and
+// g + 8, columns 32c + 8t .. + 7 of each chunk c (the A fragments' column permutation).
+// `read(m, column)` reads row m at `column` within the iteration where `live(column)`; rows past kM
+// and columns not live are zeros (zero, then a predicated read: a select costs ptxas registers).
+template <class Live, class Read>
+__device__ __forceinline__ void load_x_fragments(uint4 (&xv)[kRowHalves][kChunksPerIteration], int lane, Live&& live,
+                                                 Read&& read) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < kRowHalves; ++h) {
+    const int m = g + 8 * h;
+#pragma unroll
+    for (int c = 0; c < kChunksPerIteration; ++c) {
+      xv[h][c] = make_uint4(0u, 0u, 0u, 0u);
+      if (live(32 * c + 8 * t) && m < kM) xv[h][c] = read(m, 32 * c + 8 * t);
+    }
+  }
+}
+
+// sum(x) of one group in the C-fragment layout affine_group_product takes, from a table of kPaddedM
+// floats per group (`group` points at the group's row 0; zeros where not `live`).
+__device__ __forceinline__ void read_group_sums(float (&xsum)[kRowHalves][4], const float* group, int lane, bool live) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < kRowHalves; ++h) {
+    float2 pair = make_float2(0.0f, 0.0f);
+    if (live) pair = *reinterpret_cast<const float2*>(group + 8 * h + 2 * t);
+    xsum[h][0] = xsum[h][2] = pair.x;
+    xsum[h][1] = xsum[h][3] = pair.y;
+  }
+}
+
 // Pair j of a repacked word as two activation-dtype values (offset + q_lo, offset + q_hi): the
 // decode affine_code_decode describes (gemv_weight_layout.cpp, emulated there on the host). The
 // lop3 is written out: from `(w & mask) | magic` ptxas made two LOP3s, each with one immediate.
