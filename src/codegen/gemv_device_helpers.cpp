@@ -308,6 +308,11 @@ std::string gemv_outputs_binding(const GemvKernelConfig& config) {
 }
 
 namespace {
+// The kernel's enum CodeMethod numbers the methods as AffineCodeDecode::Method does.
+static_assert(static_cast<int>(AffineCodeDecode::Method::mask_or) == 0 &&
+              static_cast<int>(AffineCodeDecode::Method::byte_permute) == 1 &&
+              static_cast<int>(AffineCodeDecode::Method::through_f32) == 2);
+
 // The affine code decode's constants (affine_code_decode); dense kernels get the 4-bit ones, unused.
 std::string code_decode_constants(const GemvWeightFormat& format) {
   const AffineCodeDecode decode = affine_code_decode(format.is_affine() ? format.bits : 4, format.activation);
