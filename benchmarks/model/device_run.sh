@@ -42,6 +42,7 @@ import json, os, sys
 out, rows = sys.argv[1], sys.argv[2:]
 print(f"{'model':22} {'format':>14} {'fused ms':>9} {'floor %':>8} {'tok/s':>7} {'native ms':>10} "
       f"{'prefill tok/s':>14} {'native prefill':>15}")
+breakdowns = []
 for row in rows:
     preset, fmt, *rest = row.split(":")
     name = f"{preset}-{fmt}" + (f"-{rest[0]}l" if rest and rest[0] else "")
@@ -55,4 +56,13 @@ for row in rows:
     print(f"{name:22} {r['format']:>14} {f['decode_ms_per_token']:9.3f} {f['floor_percent']:7.1f}% "
           f"{f['tokens_per_second']:7.0f} {n['decode_ms_per_token']:10.3f} {f['prefill_tokens_per_second']:14.0f} "
           f"{n['prefill_tokens_per_second']:15.0f}")
+    breakdowns.append((name, f))
+# Where one fused decode step's time goes (units run eagerly with events between them), largest first.
+for name, f in breakdowns:
+    kinds = sorted(f["breakdown"], key=lambda k: -k["ms"])
+    total = sum(k["ms"] for k in kinds)
+    print(f"\n{name}: fused step by kind, {total:.3f} ms eager, {f['decode_ms_per_token']:.3f} ms replayed, "
+          f"{f['decode_feed_ms_per_token']:.3f} ms a feed (uploads, replay, logits back)")
+    for k in kinds[:8]:
+        print(f"  {k['kind']:<44} {k['ms']:8.4f} ms {100 * k['ms'] / total:5.1f}% {k['steps']:5d} steps")
 PY

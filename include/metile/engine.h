@@ -133,11 +133,16 @@ class CudaDecodeSession : public LogitsSession {
 
 // ---------------------------------------------------------------- verification
 // What the fused engine must meet against the native one (verify-model --backend cuda defaults).
+// Set above the bf16 noise of two correct paths and far below a wrong kernel, as measured on the
+// H200 (notes/gpu_check.md, session 4): on the synthetic checkpoints, correct fused plans differ
+// from native by a mean KL of 0.8-5e-4 over 64 positions, 63 or 64 equal next tokens (the odd one
+// a near tie) and a logit error up to 0.02 — while native itself is 6e-5 from the float32
+// reference and fused 4e-5; a wrong kernel moves the mean KL to ~2 and most next tokens.
 struct EngineThresholds {
-  double min_agreement = 1.0;    // fraction of equal next tokens
-  double max_kl_mean = 1e-4;     // nats
+  double min_agreement = 0.95;   // fraction of equal next tokens
+  double max_kl_mean = 1e-3;     // nats
   double max_kl = 1e-2;          // of any one position
-  double max_logit_error = 0.02;  // max |error| / max |reference logit|
+  double max_logit_error = 0.05;  // max |error| / max |reference logit|
 };
 bool meets(const AgreementFigures& figures, const EngineThresholds& thresholds);
 // The first threshold the figures miss, as a phrase ("KL mean 3.1e-04 > 1e-04"); empty when met.

@@ -36,6 +36,7 @@ namespace metile {
 enum class ModelArchitecture : std::uint8_t { llama, qwen2, mistral };
 std::string_view architecture_class_name(ModelArchitecture architecture);  // "LlamaForCausalLM", ...
 ModelArchitecture parse_architecture_short_name(std::string_view name);    // "llama" | "qwen2" | "mistral"
+std::string_view model_type_name(ModelArchitecture architecture);              // its inverse: config.json's model_type
 
 // Rotary embedding parameters: rope_type "default" or "llama3" (Llama 3.1 scaling).
 struct RopeParameters {

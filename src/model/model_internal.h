@@ -12,7 +12,5 @@ namespace metile {
 std::string layer_prefix(std::int64_t layer);
 // A mapped tensor in another float dtype (exact widening, round-to-nearest-even narrowing).
 HostTensor convert_tensor(const MappedSafetensors::TensorView& view, DType dtype);
-// "llama" | "qwen2" | "mistral": config.json's model_type.
-std::string_view model_type_name(ModelArchitecture architecture);
 
 }  // namespace metile

@@ -70,6 +70,15 @@ inline Problem make_problem(const GemvWeightFormat& format, std::int64_t n, std:
   return problem;
 }
 
+// Dense and every affine format (4 and 8 bits, groups 32, 64 and 128) over one activation dtype.
+inline std::vector<GemvWeightFormat> every_gemv_format(DType dtype) {
+  std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
+  for (int bits : {4, 8}) {
+    for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
+  }
+  return formats;
+}
+
 // Compiles every config (in parallel; NVRTC needs no device) and loads them.
 inline std::vector<LoadedGemv> compile_all(const std::vector<GemvKernelSource>& kernels, const CudaDevice& device) {
   device.make_current();

@@ -50,11 +50,7 @@ TEST_F(GemvKernels, DecodeMlpStagesMatchFloat64AtModelSizes) {
 TEST_F(GemvKernels, RaggedShapesMatchFloat64ForEveryFormat) {
   std::uint64_t seed = 0xabc000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
   for (DType dtype : {DType::bf16, DType::f16}) {
-    std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
-    for (int bits : {4, 8}) {
-      for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
-    }
-    for (const GemvWeightFormat& format : formats) {
+    for (const GemvWeightFormat& format : every_gemv_format(dtype)) {
       // N not a multiple of 16; K not a multiple of the 32..128-column load block.
       const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
       for (std::int64_t n : {1000, 77}) {
@@ -130,11 +126,7 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
     }
   }
   for (DType dtype : {bf16, f16}) {
-    std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
-    for (int bits : {4, 8}) {
-      for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
-    }
-    for (const GemvWeightFormat& format : formats) {
+    for (const GemvWeightFormat& format : every_gemv_format(dtype)) {
       const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
       for (std::int64_t n : {77, 1000}) {
         const Problem problem = make_problem(format, n, k, 2, seed += 100);

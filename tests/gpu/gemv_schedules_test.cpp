@@ -50,11 +50,7 @@ TEST_F(GemvKernels, SplitKStagedAndSharedGroupSumsMatchFloat64) {
   std::uint64_t seed = 0x5b1700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
   std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
   for (DType dtype : {DType::bf16, DType::f16}) {
-    std::vector<GemvWeightFormat> formats = {GemvWeightFormat::dense(dtype)};
-    for (int bits : {4, 8}) {
-      for (int group : {32, 64, 128}) formats.push_back(GemvWeightFormat::affine(bits, group, dtype));
-    }
-    for (const GemvWeightFormat& format : formats) {
+    for (const GemvWeightFormat& format : every_gemv_format(dtype)) {
       const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
       for (std::int64_t n : {77, 200}) {
         const Problem problem = make_problem(format, n, k, 2, seed += 100);

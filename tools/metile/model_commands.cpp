@@ -297,12 +297,12 @@ void add_model_commands(CLI::App& app) {
     options->tokens = 0;
     command->add_option("--tokens", options->tokens, "positions to compare (default 16 on cpu, 64 on cuda)");
     command->add_option("--min-agreement", options->min_agreement,
-                        "least fraction of equal next tokens (default 0.95 on cpu, 1 on cuda)");
+                        "least fraction of equal next tokens (default 0.95)");
     command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position, nats (default 0.01)");
     command->add_option("--max-kl-mean", options->max_kl_mean,
-                        "largest mean KL divergence, nats (default --max-kl on cpu, 1e-4 on cuda)");
+                        "largest mean KL divergence, nats (default --max-kl on cpu, 1e-3 on cuda)");
     command->add_option("--max-logit-error", options->max_logit_error,
-                        "largest |logit error| relative to the reference's max |logit| (default 0.02)");
+                        "largest |logit error| relative to the reference's max |logit| (default 0.02 on cpu, 0.05 on cuda)");
     command->add_option("--format", options->format, "text or json (--backend cuda)")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();

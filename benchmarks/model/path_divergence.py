@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+# How far each GPU path is from the CPU float32 reference, and from each other: synthetic tiny checkpoints
+# (Llama bf16, Qwen2 4-bit), a 40-token prompt, mean KL over its positions, for the native engine, the fused
+# engine and the fused engine with each region kind declined. Usage on a CUDA machine:
+#   python3 benchmarks/model/path_divergence.py build/gpu/tools/metile/metile /tmp/path-divergence
+import json, math, random, subprocess, sys
+metile = sys.argv[1]; root = sys.argv[2]
+def logits(model, extra):
+    out = subprocess.run([metile, "logits", model, "--prompt-ids", ids, "--format", "json"] + extra,
+                         capture_output=True, text=True)
+    if out.returncode != 0: return None, out.stderr.strip()[-200:]
+    j = json.loads(out.stdout); return j["logits"], ""
+def kl(p_logits, q_logits, vocab):
+    total = 0; n = len(p_logits) // vocab
+    for r in range(n):
+        p = p_logits[r*vocab:(r+1)*vocab]; q = q_logits[r*vocab:(r+1)*vocab]
+        mp = max(p); mq = max(q)
+        lp = [x - mp for x in p]; lq = [x - mq for x in q]
+        zp = math.log(sum(math.exp(x) for x in lp)); zq = math.log(sum(math.exp(x) for x in lq))
+        total += sum(math.exp(a - zp) * ((a - zp) - (b - zq)) for a, b in zip(lp, lq))
+    return total / n
+import os
+os.makedirs(root, exist_ok=True)
+kinds = ["flash_attention", "contraction_epilogue", "swiglu_mlp", "contraction"]
+rows = []
+for arch, quant in [("llama", None), ("qwen2", "4")]:
+    model = f"{root}/{arch}"
+    subprocess.run([metile, "synth-model", model, "--preset", "tiny", "--arch", arch, "--seed", "11"], check=True, capture_output=True)
+    random.seed(5); ids = ",".join(str(random.randrange(256)) for _ in range(40))
+    q = ["--quantize", quant] if quant else []
+    ref, _ = logits(model, ["--dtype", "f32"] + q)
+    vocab = len(ref) // 40
+    paths = {"cpu bf16": ["--dtype", "bf16"], "cuda native (all declined)": ["--backend", "cuda", "--decline", ",".join(kinds)],
+             "cuda fused": ["--backend", "cuda"]}
+    for k in kinds: paths[f"cuda fused, {k} declined"] = ["--backend", "cuda", "--decline", k]
+    native = None
+    for name, extra in paths.items():
+        got, err = logits(model, extra + q)
+        if got is None: rows.append((arch, quant, name, "error " + err, "")); continue
+        if name.startswith("cuda native"): native = got
+        rows.append((arch, quant, name, f"{kl(ref, got, vocab):.2e}", f"{kl(native, got, vocab):.2e}" if native else ""))
+print(f"{'model':<12}{'path':<40}{'KL vs f32 ref':>14}{'KL vs native':>14}")
+for arch, quant, name, a, b in rows: print(f"{arch + (' q' + quant if quant else ''):<12}{name:<40}{a:>14}{b:>14}")
