@@ -72,6 +72,32 @@ QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked);
 // first axis, concatenated along it. Throws InputError when there are none or they do not stack.
 HostTensor stack_rows(std::span<const HostTensor> parts);
 
+// How the affine mainloops turn a repacked word into m16n8k16 A-fragment registers: pair j (0..3 at
+// 4 bits, 0..1 at 8 bits) of a word becomes one 32-bit register of two activation-dtype values,
+// (offset + q_low, offset + q_high), exactly; the kernels fold the offset into the bias through
+// sum(x) per group. The generated kernels take their constants from here (gemv_device_helpers.cpp),
+// and decode_affine_code_pair emulates the same bit operations on the host, so that tests can check
+// every code value against the reference dequantization.
+struct AffineCodeDecode {
+  enum class Method : std::uint8_t {
+    mask_or,       // (word >> shift j) & mask | magic: one lop3 per pair (the magic's exponent makes
+                   // the masked code the low mantissa bits of offset + q), one shift per pair after the first
+    byte_permute,  // one prmt per pair: the code bytes under the magic's exponent byte (8-bit f16)
+    through_f32,   // 8-bit bf16 (7 mantissa bits cannot hold 128 + q for every q): per code one prmt
+                   // into the f32 2^23 + q and one subtract, one cvt per pair
+  };
+  Method method = Method::mask_or;
+  std::uint32_t mask = 0;   // mask_or
+  std::uint32_t magic = 0;  // mask_or, byte_permute: the exponent bits of both halves
+  int shift = 0;            // mask_or: bits from one pair to the next
+  double offset = 0;        // each decoded value is offset + q
+  // byte_permute: the prmt selector of pair j (bytes j and j + 2 of the word under the magic's byte).
+  std::uint32_t selector(int pair) const;
+};
+AffineCodeDecode affine_code_decode(int bits, DType activation);
+// The fragment register the device computes for pair `pair` of `word` (the bits of two f16/bf16 values).
+std::uint32_t decode_affine_code_pair(const AffineCodeDecode& decode, std::uint32_t word, int pair);
+
 // ---------------------------------------------------------------- epilogues
 // The per-output expression a GEMV applies after its reduction: a tree over the f32 dot
 // products of the kernel's weight matrices ("accumulators"), extra tensors read at the output

@@ -26,8 +26,6 @@ constexpr int kRowHalves = (kM + 7) / 8;                                // mma B
 constexpr int kPaddedM = 8 * kRowHalves;
 constexpr int kTileCount = (kN + 15) / 16;
 constexpr int kThreads = kWarps * 32;
-// The value the magic-number conversion adds to each code (subtracted through sum(x)).
-constexpr float kCodeOffset = kHalf ? 1024.0f : (kBits == 4 ? 128.0f : 0.0f);
 constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
 
 __device__ __forceinline__ float to_f32(u32 bits16) {
@@ -126,12 +124,54 @@ __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.com
 template <int Pending>
 __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(Pending) : "memory"); }
 
-// Pair j of a repacked word as two activation-dtype values (offset + q_lo, offset + q_hi).
+// The sum of the eight activation values of one 16-byte vector (the affine fold's sum(x) per group).
+__device__ __forceinline__ float sum_of_eight(const uint4& value) {
+  return to_f32(value.x & 0xFFFFu) + to_f32(value.x >> 16) + to_f32(value.y & 0xFFFFu) + to_f32(value.y >> 16) +
+         to_f32(value.z & 0xFFFFu) + to_f32(value.z >> 16) + to_f32(value.w & 0xFFFFu) + to_f32(value.w >> 16);
+}
+
+// The B fragments of one iteration's x for both mainloops: lane (g, t) holds activation rows g and
+// g + 8, columns 32c + 8t .. + 7 of each chunk c (the A fragments' column permutation).
+// `read(m, column)` reads row m at `column` within the iteration where `live(column)`; rows past kM
+// and columns not live are zeros (zero, then a predicated read: a select costs ptxas registers).
+template <class Live, class Read>
+__device__ __forceinline__ void load_x_fragments(uint4 (&xv)[kRowHalves][kChunksPerIteration], int lane, Live&& live,
+                                                 Read&& read) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < kRowHalves; ++h) {
+    const int m = g + 8 * h;
+#pragma unroll
+    for (int c = 0; c < kChunksPerIteration; ++c) {
+      xv[h][c] = make_uint4(0u, 0u, 0u, 0u);
+      if (live(32 * c + 8 * t) && m < kM) xv[h][c] = read(m, 32 * c + 8 * t);
+    }
+  }
+}
+
+// sum(x) of one group in the C-fragment layout affine_group_product takes, from a table of kPaddedM
+// floats per group (`group` points at the group's row 0; zeros where not `live`).
+__device__ __forceinline__ void read_group_sums(float (&xsum)[kRowHalves][4], const float* group, int lane, bool live) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < kRowHalves; ++h) {
+    float2 pair = make_float2(0.0f, 0.0f);
+    if (live) pair = *reinterpret_cast<const float2*>(group + 8 * h + 2 * t);
+    xsum[h][0] = xsum[h][2] = pair.x;
+    xsum[h][1] = xsum[h][3] = pair.y;
+  }
+}
+
+// Pair j of a repacked word as two activation-dtype values (offset + q_lo, offset + q_hi): the
+// decode affine_code_decode describes (gemv_weight_layout.cpp, emulated there on the host). The
+// lop3 is written out: from `(w & mask) | magic` ptxas made two LOP3s, each with one immediate.
 __device__ __forceinline__ u32 code_pair(u32 word, int j) {
-  if constexpr (kBits == 4) {
-    return ((word >> (4 * j)) & 0x000F000Fu) | (kHalf ? 0x64006400u : 0x43004300u);
-  } else if constexpr (kHalf) {
-    return ((word >> (8 * j)) & 0x00FF00FFu) | 0x64006400u;
+  if constexpr (kCodeMethod == kCodeMaskOr) {
+    u32 pair;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(pair) : "r"(word >> (kCodeShift * j)), "n"(kCodeMask), "r"(kCodeMagic));
+    return pair;
+  } else if constexpr (kCodeMethod == kCodeBytePermute) {
+    return __byte_perm(word, kCodeMagic, j == 0 ? kCodeSelector0 : kCodeSelector1);
   } else {
     // bf16 holds 0..255 exactly but not 128 + q for q >= 128: go through f32 (2^23 + q).
     const float low = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u | j)) - 8388608.0f;
@@ -188,10 +228,19 @@ __device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4]
   const float offset_high = fmaf(-kCodeOffset, scale_high, bias_high);
 #pragma unroll
   for (int h = 0; h < kRowHalves; ++h) {
-    acc[h][0] += fmaf(scale_low, part[h][0], offset_low * xsum[h][0]);
-    acc[h][1] += fmaf(scale_low, part[h][1], offset_low * xsum[h][1]);
-    acc[h][2] += fmaf(scale_high, part[h][2], offset_high * xsum[h][2]);
-    acc[h][3] += fmaf(scale_high, part[h][3], offset_high * xsum[h][3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // Odd elements are activation row 8h + 2t + 1: at M = 1 no lane holds a real one.
+      if (kM == 1 && (e & 1)) continue;
+      const float scale = e < 2 ? scale_low : scale_high, offset = e < 2 ? offset_low : offset_high;
+      // Two FFMA; with two row halves (M > 8) that form made ptxas spill (4-bit gate/up w4 db, M = 16),
+      // the three-instruction one does not.
+      if constexpr (kRowHalves == 1) {
+        acc[h][e] = fmaf(offset, xsum[h][e], fmaf(scale, part[h][e], acc[h][e]));
+      } else {
+        acc[h][e] += fmaf(scale, part[h][e], offset * xsum[h][e]);
+      }
+    }
   }
 }
 
@@ -288,8 +337,27 @@ std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config) {
   return fnv1a_64(text);
 }
 
-std::string gemv_problem_constants(const GemvKernelConfig& config) {
+namespace {
+// The kernel's enum CodeMethod numbers the methods as AffineCodeDecode::Method does.
+static_assert(static_cast<int>(AffineCodeDecode::Method::mask_or) == 0 &&
+              static_cast<int>(AffineCodeDecode::Method::byte_permute) == 1 &&
+              static_cast<int>(AffineCodeDecode::Method::through_f32) == 2);
+
+// The affine code decode's constants (affine_code_decode); dense kernels get the 4-bit ones, unused.
+std::string code_decode_constants(const GemvWeightFormat& format) {
+  const AffineCodeDecode decode = affine_code_decode(format.is_affine() ? format.bits : 4, format.activation);
   return fmt::format(
+      "enum CodeMethod {{ kCodeMaskOr, kCodeBytePermute, kCodeThroughF32 }};\n"
+      "constexpr CodeMethod kCodeMethod = CodeMethod({});\nconstexpr unsigned kCodeMask = 0x{:08X}u;\nconstexpr unsigned kCodeMagic = 0x{:08X}u;\n"
+      "constexpr int kCodeShift = {};\nconstexpr unsigned kCodeSelector0 = 0x{:04X}u, kCodeSelector1 = 0x{:04X}u;\n"
+      "constexpr float kCodeOffset = {:.1f}f;  // the decoded value of code q is kCodeOffset + q\n",
+      static_cast<int>(decode.method), decode.mask, decode.magic, decode.shift, decode.selector(0), decode.selector(1),
+      decode.offset);
+}
+}  // namespace
+
+std::string gemv_problem_constants(const GemvKernelConfig& config) {
+  return code_decode_constants(config.format) + fmt::format(
       "constexpr int kM = {};\nconstexpr int kN = {};\nconstexpr int kK = {};\n"
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\nconstexpr int kWarps = {};\n",

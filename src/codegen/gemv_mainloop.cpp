@@ -175,9 +175,7 @@ __device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, int b
       for (int v = 0; v < kGroup / 8; ++v) {
         const int k = group * kGroup + 8 * v;
         if (k >= kK) break;
-        const uint4 value = load_activations(x + m * kK + k);
-        total += to_f32(value.x & 0xFFFFu) + to_f32(value.x >> 16) + to_f32(value.y & 0xFFFFu) + to_f32(value.y >> 16) +
-                 to_f32(value.z & 0xFFFFu) + to_f32(value.z >> 16) + to_f32(value.w & 0xFFFFu) + to_f32(value.w >> 16);
+        total += sum_of_eight(load_activations(x + m * kK + k));
       }
     }
     group_sums[group * kPaddedM + m] = total;
@@ -188,35 +186,19 @@ __device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, int b
 template <int P>
 __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves][4], const Batch<P>& batch,
                                               const u16* __restrict__ x, int first, int end, int lane) {
-  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int u = 0; u < kInFlight; ++u) {
     const int it = first + u * kWarps;
     uint4 xv[kRowHalves][kChunksPerIteration];
-#pragma unroll
-    for (int h = 0; h < kRowHalves; ++h) {
-      const int m = g + 8 * h;
-#pragma unroll
-      for (int c = 0; c < kChunksPerIteration; ++c) {
-        const int k = it * kColumnsPerIteration + 32 * c + 8 * t;
-        xv[h][c] = make_uint4(0u, 0u, 0u, 0u);
-        if (it < end && m < kM && k < kK) xv[h][c] = load_activations(x + m * kK + k);
-      }
-    }
+    load_x_fragments(
+        xv, lane, [&](int column) { return it < end && it * kColumnsPerIteration + column < kK; },
+        [&](int m, int column) { return load_activations(x + (m * kK + it * kColumnsPerIteration + column)); });
     if constexpr (kAffine) {
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
         float xsum[kRowHalves][4];
         if constexpr (kSharedGroupSums) {
-#pragma unroll
-          for (int h = 0; h < kRowHalves; ++h) {
-            float2 pair = make_float2(0.0f, 0.0f);
-            if (it < end) {
-              pair = *reinterpret_cast<const float2*>(group_sums + (it * kGroupsPerIteration + q) * kPaddedM + 8 * h + 2 * t);
-            }
-            xsum[h][0] = xsum[h][2] = pair.x;
-            xsum[h][1] = xsum[h][3] = pair.y;
-          }
+          read_group_sums(xsum, group_sums + (it * kGroupsPerIteration + q) * kPaddedM, lane, it < end);
         } else {
 #pragma unroll
           for (int h = 0; h < kRowHalves; ++h) {

@@ -122,25 +122,14 @@ __device__ __forceinline__ void compute_stage(float (&acc)[kProducts][kRowHalves
     if (u >= count) break;
     const int column = (first + u) * kColumnsPerIteration;
     uint4 xv[kRowHalves][kChunksPerIteration];
-#pragma unroll
-    for (int h = 0; h < kRowHalves; ++h) {
-      const int m = g + 8 * h;
-#pragma unroll
-      for (int c = 0; c < kChunksPerIteration; ++c) {
-        xv[h][c] = m < kM ? shared_vector(xs + m * kXRowElements + column + 32 * c + 8 * t) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
+    load_x_fragments(
+        xv, lane, [](int) { return true; },
+        [&](int m, int offset) { return shared_vector(xs + m * kXRowElements + column + offset); });
     if constexpr (kAffine) {
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
-        const float* sums = xsum + ((first + u) * kGroupsPerIteration + q) * kPaddedM + 2 * t;
         float xsum_h[kRowHalves][4];
-#pragma unroll
-        for (int h = 0; h < kRowHalves; ++h) {
-          const float2 pair = *reinterpret_cast<const float2*>(sums + 8 * h);
-          xsum_h[h][0] = xsum_h[h][2] = pair.x;
-          xsum_h[h][1] = xsum_h[h][3] = pair.y;
-        }
+        read_group_sums(xsum_h, xsum + ((first + u) * kGroupsPerIteration + q) * kPaddedM, lane, true);
 #pragma unroll
         for (int p = 0; p < kProducts; ++p) {
           const uint2 s = *reinterpret_cast<const uint2*>(stage + kProducts * kStageWordBytes + p * kStageScaleBytes +
@@ -299,10 +288,7 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
       uint4 value = make_uint4(0u, 0u, 0u, 0u);
       if (column < kK) value = *reinterpret_cast<const uint4*>(x + (long long)m * kK + column);
       *reinterpret_cast<uint4*>(xs + (slice * kM + m) * kXRowElements + first_column + 8 * v) = value;
-      if constexpr (kAffine) {
-        total += to_f32(value.x & 0xFFFFu) + to_f32(value.x >> 16) + to_f32(value.y & 0xFFFFu) + to_f32(value.y >> 16) +
-                 to_f32(value.z & 0xFFFFu) + to_f32(value.z >> 16) + to_f32(value.w & 0xFFFFu) + to_f32(value.w >> 16);
-      }
+      if constexpr (kAffine) total += sum_of_eight(value);
     }
     if constexpr (kAffine) xsum[(slice * kSliceGroups + c) * kPaddedM + m] = total;
   }

@@ -14,6 +14,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "metile/gemv.h"
 
@@ -233,6 +234,68 @@ HostTensor stack_rows(std::span<const HostTensor> parts) {
     offset += part.bytes().size();
   }
   return result;
+}
+
+AffineCodeDecode affine_code_decode(int bits, DType activation) {
+  GemvWeightFormat::affine(bits, 32, activation).validate();
+  const bool half = activation == DType::f16;
+  AffineCodeDecode decode;
+  if (bits == 4) {
+    // 0x6400 is f16 1024 (10 mantissa bits), 0x4300 is bf16 128 (7 mantissa bits): 4 bits fit both.
+    decode.method = AffineCodeDecode::Method::mask_or;
+    decode.mask = 0x000F000Fu;
+    decode.magic = half ? 0x64006400u : 0x43004300u;
+    decode.shift = 4;
+    decode.offset = half ? 1024.0 : 128.0;
+  } else if (half) {
+    decode.method = AffineCodeDecode::Method::byte_permute;
+    decode.magic = 0x64646464u;
+    decode.offset = 1024.0;
+  } else {
+    decode.method = AffineCodeDecode::Method::through_f32;
+    decode.offset = 0.0;
+  }
+  return decode;
+}
+
+std::uint32_t AffineCodeDecode::selector(int pair) const {
+  // prmt numbers the bytes of {b, a} 0..7, a's first: byte j and j + 2 of the word, each under byte 4
+  // (the magic's low byte).
+  return 0x4040u | static_cast<std::uint32_t>(pair) | (static_cast<std::uint32_t>(pair + 2) << 8);
+}
+
+namespace {
+// PTX prmt (default mode): result byte i is byte selector[i] (its low 3 bits) of the 8 bytes {b, a}.
+std::uint32_t byte_permute(std::uint32_t a, std::uint32_t b, std::uint32_t selector) {
+  const std::uint64_t bytes = (std::uint64_t{b} << 32) | a;
+  std::uint32_t result = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned from = (selector >> (4 * i)) & 7u;
+    result |= static_cast<std::uint32_t>((bytes >> (8 * from)) & 0xFFu) << (8 * i);
+  }
+  return result;
+}
+}  // namespace
+
+std::uint32_t decode_affine_code_pair(const AffineCodeDecode& decode, std::uint32_t word, int pair) {
+  switch (decode.method) {
+    case AffineCodeDecode::Method::mask_or:
+      return ((word >> (decode.shift * pair)) & decode.mask) | decode.magic;  // lop3 0xEA: (a & b) | c
+    case AffineCodeDecode::Method::byte_permute:
+      return byte_permute(word, decode.magic, decode.selector(pair));
+    case AffineCodeDecode::Method::through_f32: {
+      // float(2^23 + q) - 2^23 = q, then cvt.rn.bf16x2.f32 (exact: q < 256 has 8 significant bits).
+      auto bf16_of_code = [&](int byte) {
+        const std::uint32_t biased = byte_permute(word, 0x4B000000u, 0x7540u | static_cast<std::uint32_t>(byte));
+        float value = 0.0f;
+        std::memcpy(&value, &biased, 4);
+        value -= 8388608.0f;
+        return f32_to_bf16_bits(value);
+      };
+      return std::uint32_t{bf16_of_code(pair)} | (std::uint32_t{bf16_of_code(pair + 2)} << 16);
+    }
+  }
+  return 0;
 }
 
 }  // namespace metile

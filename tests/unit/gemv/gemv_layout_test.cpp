@@ -9,7 +9,9 @@
 
 #include <fmt/core.h>
 
+#include <cmath>
 #include <map>
+#include <random>
 
 #include "gemv_test_support.h"
 #include "metile/gemv.h"
@@ -101,9 +103,87 @@ struct KernelView {
   std::int64_t row, column;
 };
 
-std::uint32_t code_from_pair(std::uint32_t word, int bits, int pair, int element) {
-  if (bits == 4) return ((word >> (4 * pair)) & 0x000F000Fu) >> (16 * element) & 0xFu;
-  return ((word >> (8 * pair)) & 0x00FF00FFu) >> (16 * element) & 0xFFu;
+// One 16-bit half of a fragment register as a number.
+double half_value(std::uint32_t pair_bits, int element, DType activation) {
+  const auto bits16 = static_cast<std::uint16_t>(pair_bits >> (16 * element));
+  return activation == DType::f16 ? f16_bits_to_f32(bits16) : bf16_bits_to_f32(bits16);
+}
+
+// The code the kernel's decode (affine_code_decode, emulated on the host) puts at element `element`
+// of the fragment register of pair `pair`: its value minus the offset.
+std::uint32_t code_from_pair(std::uint32_t word, int bits, DType activation, int pair, int element) {
+  const AffineCodeDecode decode = affine_code_decode(bits, activation);
+  const double value = half_value(decode_affine_code_pair(decode, word, pair), element, activation);
+  return static_cast<std::uint32_t>(value - decode.offset);
+}
+
+// Every code value at every place of a word decodes to exactly offset + q, the neighbours to theirs:
+// the magic-number bit tricks (lop3, prmt, the f32 route) against integer arithmetic. The slot of
+// pair j, element e is the repacked layout's (gemv_weight_layout.cpp): nibble j + 4e at 4 bits, byte
+// j + 2e at 8 bits.
+TEST(GemvCodeDecode, EveryCodeDecodesExactlyToOffsetPlusCode) {
+  const std::uint64_t seed = testing::test_seed("GemvCodeDecode.EveryCodeDecodesExactlyToOffsetPlusCode");
+  std::mt19937_64 generator(seed);
+  for (DType activation : {DType::bf16, DType::f16}) {
+    for (int bits : {4, 8}) {
+      const AffineCodeDecode decode = affine_code_decode(bits, activation);
+      const int codes_per_word = 32 / bits, pairs = codes_per_word / 2;
+      const std::uint32_t max_code = (1u << bits) - 1;
+      int mismatches = 0;
+      for (int pair = 0; pair < pairs; ++pair) {
+        for (int element = 0; element < 2; ++element) {
+          const int slot = pair + pairs * element;
+          for (std::uint32_t q = 0; q <= max_code; ++q) {
+            for (int trial = 0; trial < 4; ++trial) {  // the other codes random, then all zeros / all ones
+              std::uint32_t word = trial == 0 ? 0u : trial == 1 ? ~0u : static_cast<std::uint32_t>(generator());
+              word = (word & ~(max_code << (bits * slot))) | (q << (bits * slot));
+              const std::uint32_t pair_bits = decode_affine_code_pair(decode, word, pair);
+              for (int e = 0; e < 2; ++e) {
+                const std::uint32_t expected = e == element ? q : (word >> (bits * (pair + pairs * e))) & max_code;
+                const double value = half_value(pair_bits, e, activation);
+                if (value != decode.offset + expected && ++mismatches <= 5) {
+                  ADD_FAILURE() << dtype_name(activation) << " " << bits << "-bit pair " << pair << " element " << e
+                                << ": word 0x" << std::hex << word << std::dec << " decodes to " << value << ", not "
+                                << decode.offset << " + " << expected;
+                }
+              }
+            }
+          }
+        }
+      }
+      EXPECT_EQ(mismatches, 0) << dtype_name(activation) << " " << bits << "-bit (seed " << seed << ")";
+    }
+  }
+}
+
+// The kernels fold the offset into the bias: scale * (offset + q) + (bias - offset * scale) * 1 must
+// be the reference dequantization scale * q + bias, here in float64 for every code and random
+// bf16/f16 scales and biases, up to the f32 rounding of the kernel's per-group terms.
+TEST(GemvCodeDecode, FoldedOffsetGivesTheReferenceDequantization) {
+  const std::uint64_t seed = testing::test_seed("GemvCodeDecode.FoldedOffsetGivesTheReferenceDequantization");
+  std::mt19937_64 generator(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (DType activation : {DType::bf16, DType::f16}) {
+    for (int bits : {4, 8}) {
+      const AffineCodeDecode decode = affine_code_decode(bits, activation);
+      for (int trial = 0; trial < 64; ++trial) {
+        const float scale = round_to_dtype(uniform(generator) * 0.05f, activation);
+        const float bias = round_to_dtype(uniform(generator), activation);
+        // As the kernel computes it: offset term in f32 (fmaf), the code value exact.
+        const float folded_bias = std::fmaf(-static_cast<float>(decode.offset), scale, bias);
+        for (std::uint32_t q = 0; q < (1u << bits); ++q) {
+          const std::uint32_t word = q | (q << (bits * (32 / bits / 2)));  // q in both halves of pair 0
+          const double value = half_value(decode_affine_code_pair(decode, word, 0), 0, activation);
+          const double kernel = static_cast<double>(scale) * value + static_cast<double>(folded_bias);
+          const double reference = static_cast<double>(scale) * q + static_cast<double>(bias);
+          // One f32 rounding of a term of size |offset * scale| + |bias|.
+          const double tolerance = (std::abs(decode.offset * scale) + std::abs(bias)) * 0x1p-23;
+          ASSERT_NEAR(kernel, reference, tolerance) << dtype_name(activation) << " " << bits << "-bit q " << q
+                                                    << " scale " << scale << " bias " << bias << " (seed " << seed << ")";
+        }
+      }
+    }
+  }
 }
 
 TEST(GemvRepack, KernelFragmentViewSeesEveryOriginalCodeOnce) {
@@ -111,10 +191,12 @@ TEST(GemvRepack, KernelFragmentViewSeesEveryOriginalCodeOnce) {
   for (int bits : {4, 8}) {
     for (int group : {32, 64, 128}) {
       for (const Shape& shape : shapes_for(group)) {
-        const QuantizedMatrix matrix = random_affine_matrix(shape.rows, shape.columns, bits, group, DType::bf16, ++seed);
+        // Both activation dtypes at 8 bits (their decodes differ), bf16 at 4 (one lop3 for both).
+        const DType activation = bits == 8 && group == 64 ? DType::f16 : DType::bf16;
+        const QuantizedMatrix matrix = random_affine_matrix(shape.rows, shape.columns, bits, group, activation, ++seed);
         const RepackedAffineMatrix repacked = repack_for_gemv(matrix);
         const std::vector<std::uint32_t> codes = original_codes(matrix);
-        const std::string where = fmt::format("{}-bit g{} {}x{}", bits, group, shape.rows, shape.columns);
+        const std::string where = fmt::format("{}-bit g{} {} {}x{}", bits, group, dtype_name(activation), shape.rows, shape.columns);
 
         const int chunks_per_load = bits == 4 ? 4 : 2;
         const int columns_per_load = 32 * chunks_per_load;
@@ -143,7 +225,7 @@ TEST(GemvRepack, KernelFragmentViewSeesEveryOriginalCodeOnce) {
                     for (int e = 0; e < 2; ++e) {
                       const std::int64_t row = tile * 16 + g + 8 * half;
                       const std::int64_t column = it * columns_per_iteration + 32 * chunk + 8 * t + 4 * step + 2 * (r / 2) + e;
-                      const std::uint32_t code = code_from_pair(word, bits, pair, e);
+                      const std::uint32_t code = code_from_pair(word, bits, activation, pair, e);
                       ++seen[{row, column}];
                       const bool inside = row < shape.rows && column < shape.columns;
                       const std::uint32_t expected = inside ? codes[static_cast<std::size_t>(row * shape.columns + column)] : 0u;

@@ -1,0 +1,209 @@
+// gemv_sass_benchmark: how many SASS instructions the affine GEMV mainloops issue per 32-bit weight
+// word, per lane (issue 15: the 4-bit kernels are instruction-bound). Needs no GPU: each kernel of
+// the Llama-3-8B decode MLP at M = 1 (gate/up and down, 4-bit and 8-bit g64, bf16) is generated,
+// compiled by NVRTC for sm_90, and its cubin's mainloop (the `#pragma unroll 1` batch loop: the
+// backward branch whose body holds the most HMMA) is counted by opcode.
+//
+//   gemv_sass_benchmark           the shapes the decode MLP races first (notes/mlp_decode.md)
+//   gemv_sass_benchmark --all     every register-batch tuning candidate
+//
+// The toolchain here has no disassembler (cuobjdump and nvdisasm are not installed), so the cubin is
+// read directly: sm_90 instructions are 16 bytes, the opcode is the low 12 bits (bits 9..11 say
+// whether an operand is a register, a constant or an immediate), a BRA's byte offset is bits 16..23 (times 4) and
+// 34..81 (times 1024, signed). The opcode numbers were identified on ptxas 13.0 probes; the table
+// checks itself: a loop whose HMMA count is not the mma count the configuration implies is reported.
+#include <fmt/core.h>
+
+#include <cstdint>
+#include <cstring>
+#include <future>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "metile/cuda_runtime.h"
+#include "metile/gemv.h"
+
+namespace metile {
+namespace {
+
+struct Instruction {
+  std::uint64_t low = 0, high = 0;
+  unsigned opcode() const { return static_cast<unsigned>(low & 0xFFFu); }
+  unsigned base() const { return opcode() & 0x1FFu; }  // without the operand-kind bits (0x200 register, 0x400 constant, 0x800 immediate)
+};
+
+// The instructions of section `.text.<kernel>` of an ELF64 cubin.
+std::vector<Instruction> kernel_text(const std::string& cubin, const std::string& kernel) {
+  auto read = [&](std::size_t offset, auto value) {
+    if (offset + sizeof(value) > cubin.size()) throw std::runtime_error("gemv_sass_benchmark: truncated cubin");
+    std::memcpy(&value, cubin.data() + offset, sizeof(value));
+    return value;
+  };
+  const auto section_offset = read(0x28, std::uint64_t{});
+  const auto entry_size = read(0x3A, std::uint16_t{}), count = read(0x3C, std::uint16_t{}), names = read(0x3E, std::uint16_t{});
+  auto header = [&](int index, int field) { return section_offset + static_cast<std::uint64_t>(index) * entry_size + field; };
+  const auto name_table = read(header(names, 0x18), std::uint64_t{});
+  for (int i = 0; i < count; ++i) {
+    const std::string name(cubin.c_str() + name_table + read(header(i, 0), std::uint32_t{}));
+    if (name != ".text." + kernel) continue;
+    const auto offset = read(header(i, 0x18), std::uint64_t{}), size = read(header(i, 0x20), std::uint64_t{});
+    std::vector<Instruction> text(size / 16);
+    for (std::size_t k = 0; k < text.size(); ++k) {
+      text[k].low = read(offset + 16 * k, std::uint64_t{});
+      text[k].high = read(offset + 16 * k + 8, std::uint64_t{});
+    }
+    return text;
+  }
+  throw std::runtime_error(fmt::format("gemv_sass_benchmark: no section .text.{} in the cubin", kernel));
+}
+
+constexpr unsigned kMma = 0x03C;
+
+std::string opcode_name(unsigned base) {
+  static const std::map<unsigned, std::string> names = {
+      {0x03C, "HMMA"}, {0x012, "LOP3"}, {0x019, "SHF"}, {0x016, "PRMT"}, {0x03E, "F2FP"}, {0x023, "FFMA"},
+      {0x021, "FADD"}, {0x020, "FMUL"}, {0x181, "LDG"}, {0x184, "LDS"}, {0x024, "IMAD"}, {0x025, "IMAD.WIDE"},
+      {0x010, "IADD3"}, {0x00C, "ISETP"}, {0x011, "LEA"}, {0x147, "BRA"}, {0x118, "NOP"}};
+  const auto found = names.find(base);
+  return found == names.end() ? fmt::format("op{:03x}", base) : found->second;
+}
+
+// [first, last] of the loop (a backward branch at `last`) whose body holds the most HMMA.
+std::pair<std::size_t, std::size_t> mainloop(const std::vector<Instruction>& text) {
+  std::pair<std::size_t, std::size_t> best{0, 0};
+  int best_mma = -1;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i].opcode() != 0x947) continue;
+    std::int64_t high = static_cast<std::int64_t>(((text[i].high & 0x3FFFFu) << 30) | (text[i].low >> 34));
+    if (high >> 47) high -= std::int64_t{1} << 48;
+    const std::int64_t offset = high * 1024 + static_cast<std::int64_t>(((text[i].low >> 16) & 0xFFu) << 2);
+    const std::int64_t target = static_cast<std::int64_t>(i + 1) * 16 + offset;
+    if (target < 0 || target >= static_cast<std::int64_t>(i) * 16) continue;  // forward, or a jump to itself
+    const std::size_t first = static_cast<std::size_t>(target / 16);
+    int mma = 0;
+    for (std::size_t k = first; k <= i; ++k) mma += text[k].base() == kMma;
+    if (mma > best_mma || (mma == best_mma && i - first < best.second - best.first)) {
+      best = {first, i};
+      best_mma = mma;
+    }
+  }
+  return best;
+}
+
+// Per lane and loop trip: the 32-bit weight words read and the mma the source issues.
+struct LoopWork {
+  int words = 0, mma = 0;
+};
+LoopWork loop_work(const GemvKernelConfig& config) {
+  const int bits = config.format.bits;
+  const int columns_per_load = 32 * (bits == 8 ? 2 : 4);
+  const int loads = config.format.columns_per_iteration() / columns_per_load;
+  const int chunks = config.format.columns_per_iteration() / 32;
+  const int products = config.epilogue.product_count();
+  const int row_halves = static_cast<int>((config.rows + 7) / 8);
+  const int batches = config.shared_stages == 0 && config.double_buffered ? 2 : 1;
+  const int iterations = config.iterations_in_flight * batches;
+  LoopWork work;
+  work.words = iterations * products * config.tiles_per_block * loads * 2 * 4;
+  // 4-bit: one mma per chunk and step (two per word pair); 8-bit: two words per chunk, same mma count.
+  work.mma = iterations * (products * config.tiles_per_block + (config.shared_group_sums ? 0 : 1)) * chunks * 2 * row_halves;
+  return work;
+}
+
+std::string shape_name(const GemvKernelConfig& config) {
+  return fmt::format("{} w{} f{}{}{}", config.epilogue.product_count() == 2 ? "gate/up" : "down", config.warps_per_block,
+                     config.iterations_in_flight,
+                     config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
+                                               : std::string(config.double_buffered ? " db" : " batch"),
+                     config.shared_group_sums ? " sums" : "");
+}
+
+int run(bool all) {
+  const std::int64_t hidden = 4096, intermediate = 14336;
+  std::vector<GemvKernelConfig> configs;
+  for (int bits : {4, 8}) {
+    const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
+    GemvKernelConfig gate_up;
+    gate_up.format = format;
+    gate_up.out_features = intermediate;
+    gate_up.in_features = hidden;
+    gate_up.epilogue = GemvEpilogue::swiglu();
+    GemvKernelConfig down = gate_up;
+    down.out_features = hidden;
+    down.in_features = intermediate;
+    down.epilogue = GemvEpilogue::residual_add();
+    for (const GemvKernelConfig& base : {gate_up, down}) {
+      const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(base, 132);
+      for (const GemvKernelConfig& config : candidates) {
+        // The decode MLP's choices on the H200 (notes/mlp_decode.md): gate/up w4 f2 batch, down w8 db.
+        const bool chosen = config.shared_stages == 0 && !config.shared_group_sums &&
+                            (base.epilogue.product_count() == 2 ? config.warps_per_block == 4 && !config.double_buffered
+                                                                : config.warps_per_block == 8 && config.double_buffered &&
+                                                                      config.iterations_in_flight == 2);
+        if (all || chosen) configs.push_back(config);
+      }
+    }
+  }
+  fmt::print(stderr, "compiling {} kernels for sm_90 with NVRTC\n", configs.size());
+  std::vector<std::future<CompiledProgram>> programs;
+  for (const GemvKernelConfig& config : configs) {
+    programs.push_back(std::async(std::launch::async, [kernel = generate_gemv_kernel(config)] {
+      CompileOptions options;
+      options.architecture = "sm_90";
+      return compile_cuda_program(kernel.source, kernel.kernel_name, options);
+    }));
+  }
+  const std::vector<std::string> columns = {"HMMA", "LOP3", "SHF", "PRMT", "F2FP", "FFMA", "FADD", "FMUL", "LDG", "LDS"};
+  fmt::print("{:<22} {:<28} {:>5} {:>5} {:>6}", "format (Llama-3-8B M=1)", "shape", "instr", "words", "/word");
+  for (const std::string& column : columns) fmt::print(" {:>5}", column);
+  fmt::print(" {:>5}\n", "other");
+  int mismatched = 0;
+  for (std::size_t index = 0; index < configs.size(); ++index) {
+    const GemvKernelConfig& config = configs[index];
+    const CompiledProgram program = programs[index].get();
+    const std::vector<Instruction> text = kernel_text(program.cubin, generate_gemv_kernel(config).kernel_name);
+    const auto [first, last] = mainloop(text);
+    std::map<std::string, int> counts;
+    for (std::size_t k = first; k <= last; ++k) ++counts[opcode_name(text[k].base())];
+    const LoopWork work = loop_work(config);
+    const int total = static_cast<int>(last - first + 1);
+    int other = total;
+    fmt::print("{:<22} {:<28} {:>5} {:>5} {:>6.2f}", config.format.to_string(), shape_name(config), total, work.words,
+               static_cast<double>(total) / work.words);
+    for (const std::string& column : columns) {
+      other -= counts[column];
+      fmt::print(" {:>5.2f}", static_cast<double>(counts[column]) / work.words);
+    }
+    fmt::print(" {:>5.2f}\n", static_cast<double>(other) / work.words);
+    if (counts["HMMA"] != work.mma) {
+      ++mismatched;
+      fmt::print("  ^ the loop holds {} HMMA, the configuration issues {}: the opcode table or the loop is wrong here\n",
+                 counts["HMMA"], work.mma);
+    }
+  }
+  fmt::print("(instructions per 32-bit weight word per lane, in the mainloop's body; 'words': words per lane per trip)\n");
+  return mismatched == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace metile
+
+int main(int argc, char** argv) {
+  bool all = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--all") == 0) {
+      all = true;
+    } else {
+      fmt::print(stderr, "metile: error: unknown argument '{}' (usage: gemv_sass_benchmark [--all])\n", argv[i]);
+      return 2;
+    }
+  }
+  try {
+    return metile::run(all);
+  } catch (const std::exception& error) {
+    fmt::print(stderr, "metile: error: {}\n", error.what());
+    return 1;
+  }
+}
