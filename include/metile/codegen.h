@@ -85,6 +85,28 @@ GeneratedKernel generate_node_kernel(const ComputeGraph& graph, NodeId node);
 // every head are written; parameters update, positions, out.
 GeneratedKernel generate_kv_cache_write_kernel(const ComputeGraph& graph, NodeId node, bool in_place);
 
+// A rope_kv_cache region (src/fusion/rules.cpp) read back from its roles and nodes: q, k and v
+// [S, H·D] (the projections), each split into heads ([S, H, D] → [H, S, D]); rope on q and k with
+// one set of attributes; k rotated and v written into k_cache and v_cache [Hkv, T, D] at positions.
+// decision says why a region does not have exactly this structure.
+struct RopeCacheRegion {
+  Decision decision = Decision::allow();
+  ValueId q = -1, k = -1, v = -1, positions = -1, k_cache = -1, v_cache = -1;  // inputs
+  ValueId q_rotated = -1, k_cache_out = -1, v_cache_out = -1;                  // outputs
+  NodeId rope = -1;  // q's rope node (its attributes are k's too)
+  std::int64_t steps = 0, q_heads = 0, kv_heads = 0, head_dim = 0, capacity = 0;
+  DType dtype = DType::f32;
+};
+RopeCacheRegion rope_cache_region(const ComputeGraph& graph, const FusionRegion& region);
+
+// The region as one grid-stride kernel, each element computed as the native rope and cache-write
+// kernels compute it (so the results are the same bits): q rotated, then each cache. A cache in
+// place (its output shares its input's buffer, alias_of) gets only its S new rows; otherwise the
+// whole cache is copied with the rows in it. Parameters: q, k, v, positions, k_cache, v_cache,
+// q rotated, k_cache_out, v_cache_out. No value name enters the source: every layer shares it.
+GeneratedKernel generate_rope_cache_kernel(const ComputeGraph& graph, const RopeCacheRegion& problem, bool k_in_place,
+                                           bool v_in_place);
+
 // For a quantized_matmul node: expands the packed affine weights to a dense row-major [N, K] matrix in
 // x's dtype (a scratch parameter), for cuBLASLt to multiply with transpose_right.
 // Parameters: packed, scales, biases (inputs), then the dense weights (scratch).

@@ -218,6 +218,11 @@ Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion
 // (R <= 16) or prefill attention kernel, "fused attention decode|prefill"; refused when the node's
 // certificate is not verified or the kernels cannot take the problem (dtype, head dims).
 Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region);
+// A rope_kv_cache region (rope on q and k, k and v written into their caches; src/fusion/rules.cpp):
+// one generated kernel (generate_rope_cache_kernel, codegen.h), "fused rope kv cache", writing each
+// cache in place when its output shares the cache's buffer; refused when the region does not have
+// exactly that structure (rope_cache_region's reason).
+Lowered rope_kv_cache_candidates(const ComputeGraph& graph, const FusionRegion& region);
 std::vector<RegionLowering> builtin_lowerings();
 
 // ---------------------------------------------------------------- GEMV lowerings

@@ -111,6 +111,22 @@ struct SiblingSpec {
   int max_members = 8;      // readers beyond this many stay out (the kernel writes one value per member)
 };
 
+// Companion chains (FusionRule::companions): patterns matched beside the rule's own pattern at
+// readers of a value it bound, joining its region as one kernel, e.g. the q chain (reshape,
+// transpose, rope) and the v chain (reshape, transpose, kv_cache_write) beside k's (reshape,
+// transpose, rope, kv_cache_write). A "$name" the rule's pattern binds must bind the same value
+// in the companion (the positions); other "$name"s become roles of the region. The companion's
+// `source_role` value and the rule's `FusionRule::companion_source_role` value must come from
+// sibling contractions (one input read by both, each directly or through a bias add), so the q and
+// v of k's own layer join, and every chain's values but its anchor's output stay in the kernel.
+struct CompanionChain {
+  std::vector<OpPattern> pattern;  // the last entry is its anchor
+  std::string source_role;         // "q"
+  // Pairs (companion role, pattern role) whose ops must carry equal attributes: the kernel applies
+  // one rotary embedding to q and k ({"q_rope", "k_rope"}).
+  std::vector<std::pair<std::string, std::string>> same_attributes = {};
+};
+
 // A declarative fusion rule: a pattern anchored at its last entry, optional
 // growth on the producer side (prologue) and consumer side (epilogue), and the
 // resources its kernel takes. Growth ops must produce the anchor's output shape
@@ -131,6 +147,10 @@ struct FusionRule {
   std::string epilogue_add_operand_role = {};
   // When set, the rule groups siblings (SiblingSpec) instead of growing a neighborhood.
   std::optional<SiblingSpec> siblings = {};
+  // When set, the rule's region is its pattern plus every companion chain, each matched exactly
+  // once (CompanionChain), instead of a grown neighborhood; refused, with why, otherwise.
+  std::vector<CompanionChain> companions = {};
+  std::string companion_source_role = {};  // "k"
 };
 
 // Rules in priority order (an identical region found by two rules keeps the
@@ -146,6 +166,7 @@ FusionRule residual_add_rms_norm_rule();  // add → rms_norm, the sum written t
 FusionRule parallel_epilogue_rule();      // "swiglu_mlp": gate/up contractions, silu(gate)·up, down contraction
 FusionRule contraction_epilogue_rule();   // a contraction and elementwise ops on its output
 FusionRule sibling_contractions_rule();   // contractions sharing their input (q, k, v), with their bias adds
+FusionRule rope_kv_cache_rule();          // rope on q and k, k and v into their caches (companion chains)
 FusionRule row_reduction_rule();          // elementwise prologue and epilogue around a row reduction
 FusionRule elementwise_chain_rule();      // elementwise ops ending in an elementwise sink
 RuleSet default_rules();

@@ -135,49 +135,58 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
   return kernel;
 }
 
+// The rotary embedding of one element, shared by the native rope kernel and the rope_kv_cache
+// kernel: `metile_rope_frequencies` (rope_frequencies: theta^(-2d/dims), Llama 3 scaling applied)
+// and `metile_rope_element(row, d, position)`, element d of a row of length >= dims after rope at
+// `position`: for d < dims, (x[pair], x[pair + dims/2]) turns by position * frequency[pair]; d >= dims
+// is copied.
+std::string rope_device_code(const Attributes& attributes) {
+  const std::int64_t dims = attributes.get_int("dims");
+  std::string frequencies;
+  for (double frequency : rope_frequencies(attributes)) {
+    frequencies += fmt::format("{}{:.17g}", frequencies.empty() ? "" : ", ", frequency);
+  }
+  return fmt::format(R"(__constant__ double metile_rope_frequencies[{0}] = {{{1}}};
+template <typename T>
+__device__ __forceinline__ float metile_rope_element(const T* __restrict__ row, int d, int position_index) {{
+  constexpr int kDims = {2};
+  constexpr int kHalf = kDims / 2;
+  if (d >= kDims) return metile_device::to_float(row[d]);
+  const int pair = d < kHalf ? d : d - kHalf;
+  // The angle and its sine and cosine in f64, rounded to f32, as the reference does: an f32
+  // angle would lose about position * 6e-8 radians, visible at long sequences.
+  const double position = static_cast<double>(position_index);
+  double sine_f64, cosine_f64;
+  sincos(position * metile_rope_frequencies[pair], &sine_f64, &cosine_f64);
+  const float sine = static_cast<float>(sine_f64);
+  const float cosine = static_cast<float>(cosine_f64);
+  const float first = metile_device::to_float(row[pair]);
+  const float second = metile_device::to_float(row[pair + kHalf]);
+  return d < kHalf ? __fsub_rn(__fmul_rn(first, cosine), __fmul_rn(second, sine))
+                   : __fadd_rn(__fmul_rn(first, sine), __fmul_rn(second, cosine));
+}}
+)",
+                     dims / 2, frequencies, dims);
+}
+
 GeneratedKernel rope_kernel(const ComputeGraph& graph, const Node& node) {
-  // Rotate-half rotary embedding over the last axis of x [..., S, D]: for d < dims/2, with
-  // angle = position[s] * frequency[d] (rope_frequencies: theta^(-2d/dims), Llama 3 scaling
-  // applied), (x[d], x[d + dims/2]) rotates by angle; d >= dims copies.
+  // Rotate-half rotary embedding over the last axis of x [..., S, D], row by row (rope_device_code).
   const Value& x = graph.value(node.inputs[0]);
   const Value& out = graph.value(node.outputs[0]);
   const std::int64_t head_dim = x.spec.row_length();
   const std::int64_t sequence = x.spec.shape.at(x.spec.shape.size() - 2);
   const std::int64_t dims = node.attributes.get_int("dims");
-  std::string frequencies;
-  for (double frequency : rope_frequencies(node.attributes)) {
-    frequencies += fmt::format("{}{:.17g}", frequencies.empty() ? "" : ", ", frequency);
-  }
   const std::string body = fmt::format(R"(    constexpr int kHeadDim = {0};
     constexpr int kSequence = {1};
-    constexpr int kDims = {2};
-    constexpr int kHalf = kDims / 2;
     const int d = static_cast<int>(i % kHeadDim);
     const long long row_start = (i / kHeadDim) * kHeadDim;
-    float result;
-    if (d >= kDims) {{
-      result = metile_device::to_float(in0[i]);
-    }} else {{
-      const int pair = d < kHalf ? d : d - kHalf;
-      // The angle and its sine and cosine in f64, rounded to f32, as the reference does: an f32
-      // angle would lose about position * 6e-8 radians, visible at long sequences.
-      const double position = static_cast<double>(in1[(i / kHeadDim) % kSequence]);
-      double sine_f64, cosine_f64;
-      sincos(position * metile_rope_frequencies[pair], &sine_f64, &cosine_f64);
-      const float sine = static_cast<float>(sine_f64);
-      const float cosine = static_cast<float>(cosine_f64);
-      const float first = metile_device::to_float(in0[row_start + pair]);
-      const float second = metile_device::to_float(in0[row_start + pair + kHalf]);
-      result = d < kHalf ? __fsub_rn(__fmul_rn(first, cosine), __fmul_rn(second, sine))
-                         : __fadd_rn(__fmul_rn(first, sine), __fmul_rn(second, cosine));
-    }}
-    out0[i] = metile_device::from_float<{3}>(result);
+    out0[i] = metile_device::from_float<{2}>(metile_rope_element(in0 + row_start, d, in1[(i / kHeadDim) % kSequence]));
 )",
-                                       head_dim, sequence, dims, cuda_storage_type(out.spec.dtype));
+                                       head_dim, sequence, cuda_storage_type(out.spec.dtype));
   return grid_stride_kernel(graph, node, "rope", {node.inputs[0], node.inputs[1]}, out.id, out.spec.element_count(),
-                            fmt::format("__constant__ double metile_rope_frequencies[{}] = {{{}}};\n", dims / 2, frequencies),
-                            body, fmt::format("rope {} dims {}{}", x.spec.to_string(), dims,
-                                              node.attributes.has("scaling") ? " (llama3 scaling)" : ""));
+                            rope_device_code(node.attributes), body,
+                            fmt::format("rope {} dims {}{}", x.spec.to_string(), dims,
+                                        node.attributes.has("scaling") ? " (llama3 scaling)" : ""));
 }
 
 // NaN in the output's dtype: the row of an out-of-range token id, where the reference throws.
@@ -307,6 +316,219 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
 
 }  // namespace
 
+namespace {
+
+// The statements writing element `index` of a cache write into `out` [H, T, D] (H heads, T rows of
+// D), shared by the native kv_cache_write kernel and the rope_kv_cache kernel. In place, `index`
+// walks the new rows [H, S, D] and only they are written; copied, it walks [H, T, D] and the cache
+// element is kept where no step names its row. `update` is the new element, an expression of h, s
+// and d (and of kRow, kSteps and position). The reference rejects a position outside [0, T); here
+// such a row is never written. When two steps name one position the later step's row wins, as in
+// the reference.
+std::string cache_write_statements(std::string_view index, bool in_place, std::int64_t capacity, std::int64_t row,
+                                   std::int64_t steps, std::string_view positions, std::string_view cache,
+                                   std::string_view out, std::string_view update) {
+  if (in_place) {
+    return fmt::format(R"(    {{
+      constexpr long long kCapacity = {1}LL;
+      constexpr long long kRow = {2}LL;
+      constexpr int kSteps = {3};
+      const long long d = {0} % kRow;
+      const int s = static_cast<int>(({0} / kRow) % kSteps);
+      const long long h = {0} / kRow / kSteps;
+      const int position = {4}[s];
+      bool skipped = position < 0 || position >= kCapacity;
+      for (int later = s + 1; later < kSteps; ++later) skipped = skipped || {4}[later] == position;
+      if (!skipped) {5}[(h * kCapacity + position) * kRow + d] = {6};
+    }}
+)",
+                       index, capacity, row, steps, positions, out, update);
+  }
+  return fmt::format(R"(    {{
+      constexpr long long kCapacity = {1}LL;
+      constexpr long long kRow = {2}LL;
+      constexpr int kSteps = {3};
+      const long long d = {0} % kRow;
+      const long long t = ({0} / kRow) % kCapacity;
+      const long long h = {0} / kRow / kCapacity;
+      int s = -1;
+      for (int step = 0; step < kSteps; ++step) s = {4}[step] == t ? step : s;
+      const int position = s < 0 ? 0 : {4}[s];
+      (void)position;  // read by a rotated update only
+      {5}[{0}] = s < 0 ? {6}[{0}] : {7};
+    }}
+)",
+                     index, capacity, row, steps, positions, out, cache, update);
+}
+
+// The value `id` is split into heads from `source` [S, H·D]: transpose(reshape(source) [S, H, D],
+// {1, 0, 2}) [H, S, D], both in `region`. H, or 0 (with why) when not.
+std::int64_t heads_split_from(const ComputeGraph& graph, const FusionRegion& region, ValueId id, ValueId source,
+                              std::string& why) {
+  auto in_region = [&](NodeId node) {
+    return node >= 0 && std::find(region.nodes.begin(), region.nodes.end(), node) != region.nodes.end();
+  };
+  const NodeId transpose = graph.value(id).producer;
+  const Value& value = graph.value(id);
+  if (!in_region(transpose) || graph.node(transpose).op != "transpose" ||
+      graph.node(transpose).attributes.get_ints("perm") != std::vector<std::int64_t>{1, 0, 2}) {
+    why = fmt::format("'{}' is not a transpose {{1, 0, 2}} in the region", value.name);
+    return 0;
+  }
+  const NodeId reshape = graph.value(graph.node(transpose).inputs[0]).producer;
+  if (!in_region(reshape) || graph.node(reshape).op != "reshape" || graph.node(reshape).inputs[0] != source) {
+    why = fmt::format("'{}' is not a reshape of '{}' in the region", graph.value(graph.node(transpose).inputs[0]).name,
+                      graph.value(source).name);
+    return 0;
+  }
+  const TensorSpec& from = graph.value(source).spec;
+  const TensorSpec& heads = value.spec;
+  if (from.rank() != 2 || heads.rank() != 3 || from.shape[0] != heads.shape[1] ||
+      from.shape[1] != heads.shape[0] * heads.shape[2]) {
+    why = fmt::format("'{}' {} is not '{}' {} split into heads", value.name, heads.to_string(), graph.value(source).name,
+                      from.to_string());
+    return 0;
+  }
+  return heads.shape[0];
+}
+
+}  // namespace
+
+RopeCacheRegion rope_cache_region(const ComputeGraph& graph, const FusionRegion& region) {
+  RopeCacheRegion problem;
+  auto refuse = [&](std::string why) {
+    problem.decision = Decision::refuse(std::move(why));
+    return problem;
+  };
+  for (const char* role : {"q", "k", "v", "positions", "k_cache", "v_cache"}) {
+    if (!region.role(role)) return refuse(fmt::format("the region binds no role '{}'", role));
+  }
+  problem.q = *region.role("q"), problem.k = *region.role("k"), problem.v = *region.role("v");
+  problem.positions = *region.role("positions");
+  problem.k_cache = *region.role("k_cache"), problem.v_cache = *region.role("v_cache");
+  if (region.nodes.size() != 10 || region.outputs.size() != 3) {
+    return refuse(fmt::format("{} ops writing {} values, not the 10 ops of three chains writing q rotated and two caches",
+                              region.nodes.size(), region.outputs.size()));
+  }
+  // The outputs: the rope's, and each cache write's by its cache.
+  for (ValueId output : region.outputs) {
+    const Node& node = graph.node(graph.value(output).producer);
+    if (node.op == "rope") problem.q_rotated = output;
+    if (node.op == "kv_cache_write" && node.inputs[0] == problem.k_cache) problem.k_cache_out = output;
+    if (node.op == "kv_cache_write" && node.inputs[0] == problem.v_cache) problem.v_cache_out = output;
+  }
+  if (problem.q_rotated < 0 || problem.k_cache_out < 0 || problem.v_cache_out < 0) {
+    return refuse("the region's outputs are not q rotated and the writes of k_cache and v_cache");
+  }
+  const Node& q_rope = graph.node(graph.value(problem.q_rotated).producer);
+  const Node& k_write = graph.node(graph.value(problem.k_cache_out).producer);
+  const Node& v_write = graph.node(graph.value(problem.v_cache_out).producer);
+  const NodeId k_rope_id = graph.value(k_write.inputs[1]).producer;
+  if (k_rope_id < 0 || graph.node(k_rope_id).op != "rope") return refuse("k's cache write does not read a rope");
+  const Node& k_rope = graph.node(k_rope_id);
+  if (q_rope.inputs[1] != problem.positions || k_rope.inputs[1] != problem.positions ||
+      k_write.inputs[2] != problem.positions || v_write.inputs[2] != problem.positions) {
+    return refuse("the ropes and cache writes do not all read the region's positions");
+  }
+  if (q_rope.attributes != k_rope.attributes) return refuse("q's and k's rope differ in their attributes");
+  std::string why;
+  problem.q_heads = heads_split_from(graph, region, q_rope.inputs[0], problem.q, why);
+  if (problem.q_heads == 0) return refuse(why);
+  problem.kv_heads = heads_split_from(graph, region, k_rope.inputs[0], problem.k, why);
+  if (problem.kv_heads == 0) return refuse(why);
+  if (heads_split_from(graph, region, v_write.inputs[1], problem.v, why) != problem.kv_heads) {
+    return refuse(why.empty() ? "v's heads are not k's" : why);
+  }
+  const TensorSpec& cache = graph.value(problem.k_cache).spec;
+  const TensorSpec& q = graph.value(q_rope.inputs[0]).spec;
+  problem.rope = q_rope.id;
+  problem.dtype = cache.dtype;
+  problem.steps = q.shape[1];
+  problem.head_dim = q.shape[2];
+  problem.capacity = cache.shape[1];
+  if (graph.value(problem.v_cache).spec != cache || cache.shape[0] != problem.kv_heads ||
+      cache.shape[2] != problem.head_dim || graph.value(k_rope.inputs[0]).spec.shape[2] != problem.head_dim) {
+    return refuse(fmt::format("the caches {} and {} and the heads of q and k do not agree",
+                              graph.value(problem.k_cache).spec.to_string(), graph.value(problem.v_cache).spec.to_string()));
+  }
+  for (ValueId value : {problem.q, problem.k, problem.v}) {
+    if (graph.value(value).spec.dtype != problem.dtype) return refuse("q, k, v and the caches differ in dtype");
+  }
+  if (q_rope.attributes.get_int("dims") > problem.head_dim) return refuse("rope's dims exceed the head dim");
+  return problem;
+}
+
+GeneratedKernel generate_rope_cache_kernel(const ComputeGraph& graph, const RopeCacheRegion& problem, bool k_in_place,
+                                           bool v_in_place) {
+  if (!problem.decision) throw InputError("generate_rope_cache_kernel: " + problem.decision.reason);
+  const Node& rope = graph.node(problem.rope);
+  const std::string type = cuda_storage_type(problem.dtype);
+  const std::int64_t q_items = problem.q_heads * problem.steps * problem.head_dim;
+  const std::int64_t k_items = problem.kv_heads * (k_in_place ? problem.steps : problem.capacity) * problem.head_dim;
+  const std::int64_t v_items = problem.kv_heads * (v_in_place ? problem.steps : problem.capacity) * problem.head_dim;
+  // Element (s, h, d) of k or v [S, Hkv·D].
+  const std::string row = fmt::format("(static_cast<long long>(s) * {} + h) * kRow", problem.kv_heads);
+  const std::string k_update =
+      fmt::format("metile_device::from_float<{}>(metile_rope_element(in1 + {}, static_cast<int>(d), position))", type, row);
+  const std::string v_update = fmt::format("in2[{} + d]", row);
+  GeneratedKernel kernel;
+  kernel.kernel_name = fmt::format("metile_rope_kv_cache_{}{}", k_in_place ? "k_in_place" : "k_copied",
+                                   v_in_place ? "_v_in_place" : "_v_copied");
+  kernel.source = fmt::format(
+      "// Generated by metile (src/codegen/layout_kernels.cpp): the rope_kv_cache region as one kernel:\n"
+      "//   q rotated [{0}, {1}, {2}], k rotated and v into caches [{3}, {4}, {2}] at positions ({5}, {6})\n{7}\n{8}",
+      problem.q_heads, problem.steps, problem.head_dim, problem.kv_heads, problem.capacity,
+      k_in_place ? "k in place" : "k copied", v_in_place ? "v in place" : "v copied", codegen_detail::cuda_device_prelude(),
+      rope_device_code(rope.attributes));
+  // The caches may share the outputs' buffers (in place): no __restrict__ on either.
+  kernel.source += fmt::format(R"(
+extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in0 /* q [S, Hq*D] */,
+    const {2}* __restrict__ in1 /* k [S, Hkv*D] */, const {2}* __restrict__ in2 /* v [S, Hkv*D] */,
+    const int* __restrict__ in3 /* positions [S] */, const {2}* in4 /* k cache */, const {2}* in5 /* v cache */,
+    {2}* __restrict__ out0 /* q rotated [Hq, S, D] */, {2}* out1 /* k cache out */, {2}* out2 /* v cache out */) {{
+  constexpr long long kQItems = {3}LL;
+  constexpr long long kKItems = {4}LL;
+  constexpr long long kVItems = {5}LL;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < kQItems + kKItems + kVItems;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {{
+    if (i < kQItems) {{
+      constexpr int kHeadDim = {6};
+      constexpr int kSteps = {7};
+      constexpr int kQHeads = {8};
+      const int d = static_cast<int>(i % kHeadDim);
+      const int s = static_cast<int>((i / kHeadDim) % kSteps);
+      const long long h = i / kHeadDim / kSteps;
+      out0[i] = metile_device::from_float<{2}>(
+          metile_rope_element(in0 + (static_cast<long long>(s) * kQHeads + h) * kHeadDim, d, in3[s]));
+    }} else if (i < kQItems + kKItems) {{
+      const long long k_index = i - kQItems;
+{9}    }} else {{
+      const long long v_index = i - kQItems - kKItems;
+{10}    }}
+  }}
+}}
+)",
+                               elementwise_block, kernel.kernel_name, type, q_items, k_items, v_items, problem.head_dim,
+                               problem.steps, problem.q_heads,
+                               cache_write_statements("k_index", k_in_place, problem.capacity, problem.head_dim,
+                                                      problem.steps, "in3", "in4", "out1", k_update),
+                               cache_write_statements("v_index", v_in_place, problem.capacity, problem.head_dim,
+                                                      problem.steps, "in3", "in5", "out2", v_update));
+  kernel.launch.block_x = elementwise_block;
+  kernel.launch.grid_x = grid_for(q_items + k_items + v_items, elementwise_block);
+  using Kind = KernelParameter::Kind;
+  kernel.parameters = {{Kind::input, problem.q, "in0", 0},          {Kind::input, problem.k, "in1", 0},
+                       {Kind::input, problem.v, "in2", 0},          {Kind::input, problem.positions, "in3", 0},
+                       {Kind::input, problem.k_cache, "in4", 0},    {Kind::input, problem.v_cache, "in5", 0},
+                       {Kind::output, problem.q_rotated, "out0", 0}, {Kind::output, problem.k_cache_out, "out1", 0},
+                       {Kind::output, problem.v_cache_out, "out2", 0}};
+  kernel.summary = fmt::format("rope on q [{}, {}, {}] and k, k and v into [{}, {}, {}] caches ({}, {}){}", problem.q_heads,
+                               problem.steps, problem.head_dim, problem.kv_heads, problem.capacity, problem.head_dim,
+                               k_in_place ? "k in place" : "k copied", v_in_place ? "v in place" : "v copied",
+                               rope.attributes.has("scaling") ? ", llama3 scaling" : "");
+  return kernel;
+}
+
 GeneratedKernel generate_kv_cache_write_kernel(const ComputeGraph& graph, NodeId node_id, bool in_place) {
   const Node& node = graph.node(node_id);
   if (node.op != "kv_cache_write") {
@@ -317,37 +539,18 @@ GeneratedKernel generate_kv_cache_write_kernel(const ComputeGraph& graph, NodeId
   const std::int64_t capacity = out.spec.shape[1];
   const std::int64_t row = out.spec.shape[2];
   const std::int64_t steps = graph.value(node.inputs[2]).spec.shape[0];
-  // The reference rejects a position outside [0, T); here such a row is never written. When two
-  // steps name one position the later step's row wins, as in the reference.
   if (in_place) {
     // The output is the cache's own buffer (alias_of): only the S new rows of every head are written.
-    const std::string body = fmt::format(R"(    constexpr long long kCapacity = {0}LL;
-    constexpr long long kRow = {1}LL;
-    constexpr int kSteps = {2};
-    const int s = static_cast<int>((i / kRow) % kSteps);
-    const long long position = in1[s];
-    if (position < 0 || position >= kCapacity) continue;
-    bool overwritten = false;
-    for (int later = s + 1; later < kSteps; ++later) overwritten = overwritten || in1[later] == in1[s];
-    if (overwritten) continue;
-    out0[((i / kRow) / kSteps * kCapacity + position) * kRow + i % kRow] = in0[i];
-)",
-                                         capacity, row, steps);
     return grid_stride_kernel(graph, node, "in-place cache write", {node.inputs[1], node.inputs[2]}, out.id,
-                              heads * steps * row, "", body,
+                              heads * steps * row, "",
+                              cache_write_statements("i", true, capacity, row, steps, "in1", "", "out0",
+                                                     "in0[(h * kSteps + s) * kRow + d]"),
                               fmt::format("write {} rows of {} in place", steps, out.spec.to_string()));
   }
-  const std::string body = fmt::format(R"(    constexpr long long kCapacity = {0}LL;
-    constexpr long long kRow = {1}LL;
-    constexpr int kSteps = {2};
-    const long long t = (i / kRow) % kCapacity;
-    int source = -1;
-    for (int s = 0; s < kSteps; ++s) source = in2[s] == t ? s : source;
-    out0[i] = source < 0 ? in0[i] : in1[((i / kRow) / kCapacity * kSteps + source) * kRow + i % kRow];
-)",
-                                       capacity, row, steps);
   return grid_stride_kernel(graph, node, "cache copy and write", node.inputs, out.id, out.spec.element_count(), "",
-                            body, fmt::format("copy {} with {} rows written", out.spec.to_string(), steps));
+                            cache_write_statements("i", false, capacity, row, steps, "in2", "in0", "out0",
+                                                   "in1[(h * kSteps + s) * kRow + d]"),
+                            fmt::format("copy {} with {} rows written", out.spec.to_string(), steps));
 }
 
 GeneratedKernel generate_dequantize_kernel(const ComputeGraph& graph, NodeId node_id) {

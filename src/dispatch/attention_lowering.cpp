@@ -2,6 +2,8 @@
 // generated attention kernel (decode for R <= 16 query rows, the tiled prefill kernel otherwise;
 // include/metile/attention_runtime.h) as a fused candidate, gated against the CPU reference and
 // raced against the native path (the law's definition as plain ops, NativeRuntime) like every region.
+// Also the lowering of attention's inputs (rope_kv_cache regions): rope on q and k and both cache
+// writes as one generated kernel.
 #include <fmt/core.h>
 
 #include "metile/attention_runtime.h"
@@ -61,6 +63,25 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
     return DeviceStep([attention, q, k, v, positions, output](const CudaStream& stream) {
       attention->enqueue(stream, q, k, v, positions, output);
     });
+  };
+  return {Decision::allow(), {std::move(candidate)}};
+}
+
+Lowered rope_kv_cache_candidates(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule != "rope_kv_cache") return {Decision::refuse("not a rope_kv_cache region"), {}};
+  const RopeCacheRegion problem = rope_cache_region(graph, region);
+  if (!problem.decision) return {problem.decision, {}};
+  FusedCandidate candidate;
+  candidate.id = CandidateId::fused("rope kv cache");
+  // Which form binds depends on the buffers (a cache written in place or copied), known at bind.
+  const GeneratedKernel copied = generate_rope_cache_kernel(graph, problem, false, false);
+  candidate.source = copied.source + generate_rope_cache_kernel(graph, problem, true, true).source;
+  candidate.summary = copied.summary;
+  candidate.bind = [problem](DeviceValues& values) {
+    const bool k_in_place = values.shares_buffer(problem.k_cache_out, problem.k_cache);
+    const bool v_in_place = values.shares_buffer(problem.v_cache_out, problem.v_cache);
+    return bind_kernel(load_generated_kernel(generate_rope_cache_kernel(values.graph(), problem, k_in_place, v_in_place)),
+                       values);
   };
   return {Decision::allow(), {std::move(candidate)}};
 }

@@ -127,6 +127,7 @@ std::vector<RegionLowering> builtin_lowerings() {
   return {{"row kernel", row_region_candidates},
           {"contractions around a row kernel", contraction_row_candidates},
           {"flash attention", flash_attention_candidates},
+          {"rope and cache writes", rope_kv_cache_candidates},
           {"gemv", gemv_region_candidates}};
 }
 

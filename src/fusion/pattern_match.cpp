@@ -237,6 +237,19 @@ void validate_rule_set(const RuleSet& rules) {
                                  "different \"$name\" slots, and at least 2 members");
       }
     }
+    if (!rule.companions.empty()) {
+      // Each companion is a pattern of its own, matched by match_pattern (src/fusion/sibling_regions.cpp).
+      if (rule.companion_source_role.empty()) throw InputError(where + ": companion chains need companion_source_role");
+      for (const CompanionChain& companion : rule.companions) {
+        FusionRule chain;
+        chain.name = rule.name + " (companion)";
+        chain.pattern = companion.pattern;
+        RuleSet alone;
+        alone.rules = {chain};
+        validate_rule_set(alone);
+        if (companion.source_role.empty()) throw InputError(where + ": a companion chain needs a source_role");
+      }
+    }
     for (const GrowthSpec* growth : {&rule.prologue, &rule.epilogue}) {
       if (growth->max_depth < -1) throw InputError(where + ": a growth depth must be -1 (unbounded) or more");
     }

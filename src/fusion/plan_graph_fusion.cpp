@@ -105,6 +105,20 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       if (anchored.pattern.size() == 1 && !anchored.siblings && !may_grow(graph, anchored, node.id)) continue;
       const auto match = match_pattern(graph, anchored, node.id);
       if (!match) continue;
+      if (!rule.companions.empty()) {
+        SiblingOutcome group = solve_companions(graph, target, rule, match, scratch.index);
+        if (!group.decision) {
+          for (NodeId member : match.nodes) {
+            add_distinct(notes[static_cast<std::size_t>(member)].refusals, rule.name + " refused: " + group.decision.reason);
+          }
+          continue;
+        }
+        for (NodeId member : group.region) notes[static_cast<std::size_t>(member)].considered = true;
+        if (to_picoseconds(group.benefit_ns) <= 0 || !seen.insert(group.region).second) continue;
+        rule_proposals.push_back(
+            {static_cast<int>(rule_index), node.id, std::move(group.region), group.benefit_ns, std::move(group.roles)});
+        continue;
+      }
       if (rule.siblings) {
         SiblingOutcome group = solve_siblings(graph, target, rule, match, scratch.index);
         if (group.follower) continue;

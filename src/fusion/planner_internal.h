@@ -98,6 +98,10 @@ struct SiblingOutcome {
   std::vector<RegionRole> roles;          // the shared role, then per member its role and bias
   std::vector<std::pair<NodeId, std::string>> left_out;  // readers and adds kept out, and why
 };
+// Companion chains (FusionRule::companions, sibling_regions.cpp): the match plus each companion
+// chain, found exactly once beside it; `alone` and `follower` stay false.
+SiblingOutcome solve_companions(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
+                                const PatternMatch& match, const GraphIndex& index);
 SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
                               const PatternMatch& match, const GraphIndex& index);
 

@@ -92,6 +92,36 @@ FusionRule sibling_contractions_rule() {
   return rule;
 }
 
+FusionRule rope_kv_cache_rule() {
+  FusionRule rule;
+  rule.name = "rope_kv_cache";
+  rule.description =
+      "the q, k and v projections' outputs made attention's inputs (src/model/step_graph.cpp): rope on q and k, k "
+      "and v written into their caches at the step's positions, as one kernel";
+  // k's chain is the pattern; q's and v's chains join it as companions (the outputs of k's sibling
+  // contractions, read at the same positions), so each layer's three chains are one region.
+  rule.pattern = {
+      entry("k_heads", OpKind::layout, {"reshape"}, {"$k"}),
+      entry("k_by_head", OpKind::layout, {"transpose"}, {"k_heads"}),
+      entry("k_rope", OpKind::layout, {"rope"}, {"k_by_head", "$positions"}),
+      entry("k_write", OpKind::layout, {"kv_cache_write"}, {"$k_cache", "k_rope", "$positions"}),
+  };
+  rule.companion_source_role = "k";
+  rule.companions = {
+      CompanionChain{.pattern = {entry("q_heads", OpKind::layout, {"reshape"}, {"$q"}),
+                                 entry("q_by_head", OpKind::layout, {"transpose"}, {"q_heads"}),
+                                 entry("q_rope", OpKind::layout, {"rope"}, {"q_by_head", "$positions"})},
+                     .source_role = "q",
+                     .same_attributes = {{"q_rope", "k_rope"}}},
+      CompanionChain{.pattern = {entry("v_heads", OpKind::layout, {"reshape"}, {"$v"}),
+                                 entry("v_by_head", OpKind::layout, {"transpose"}, {"v_heads"}),
+                                 entry("v_write", OpKind::layout, {"kv_cache_write"}, {"$v_cache", "v_by_head", "$positions"})},
+                     .source_role = "v"},
+  };
+  rule.materializes_escaping_values = false;
+  return rule;
+}
+
 FusionRule row_reduction_rule() {
   FusionRule rule;
   rule.name = "row_reduction";
@@ -119,7 +149,8 @@ FusionRule elementwise_chain_rule() {
 RuleSet default_rules() {
   RuleSet rules;
   rules.rules = {residual_add_rms_norm_rule(), parallel_epilogue_rule(), contraction_epilogue_rule(),
-                 sibling_contractions_rule(), row_reduction_rule(), elementwise_chain_rule()};
+                 sibling_contractions_rule(), rope_kv_cache_rule(),
+                 row_reduction_rule(), elementwise_chain_rule()};
   return rules;
 }
 

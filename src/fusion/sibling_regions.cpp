@@ -3,6 +3,9 @@
 // stacked by rows), each member with its bias add. Unlike the neighborhood cut models, nothing
 // here is a choice between growing and not: the members are siblings (no value flows between
 // them), so the region is every alike reader, checked for convexity, escapes and limits.
+// Companion chains (FusionRule::companions) group the same way one step later: the chains that
+// carry sibling contractions' outputs to attention (rope on q and k, k and v written into their
+// caches) join as one kernel.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -135,7 +138,152 @@ Decision convex(const ComputeGraph& graph, const GraphIndex& index, const std::v
   return Decision::allow();
 }
 
+ValueId role_value(const std::vector<RegionRole>& roles, std::string_view name) {
+  const auto found = std::find_if(roles.begin(), roles.end(), [&](const RegionRole& role) { return role.role == name; });
+  return found == roles.end() ? ValueId{-1} : found->value;
+}
+
+// The contraction a value comes from: its producer, or the contraction behind a bias add. -1: none.
+NodeId source_contraction(const ComputeGraph& graph, ValueId value) {
+  const NodeId producer = graph.value(value).producer;
+  if (producer < 0) return -1;
+  const Node& node = graph.node(producer);
+  if (node.kind == OpKind::contraction) return producer;
+  if (node.op != "add") return -1;
+  for (ValueId operand : node.inputs) {
+    const NodeId inner = graph.value(operand).producer;
+    if (inner >= 0 && graph.node(inner).kind == OpKind::contraction) return inner;
+  }
+  return -1;
+}
+
+NodeId role_node(const FusionRule& chain, const PatternMatch& match, std::string_view role) {
+  for (std::size_t entry = 0; entry < chain.pattern.size(); ++entry) {
+    if (chain.pattern[entry].role == role) return match.nodes[entry];
+  }
+  return -1;
+}
+
+// The one match of `companion` beside `match` (whose source contraction is `contraction`), or why none.
+struct CompanionMatch {
+  Decision decision = Decision::allow();
+  PatternMatch match;
+};
+CompanionMatch match_companion(const ComputeGraph& graph, const FusionRule& rule, const CompanionChain& companion,
+                               const PatternMatch& match, NodeId contraction) {
+  FusionRule chain;
+  chain.name = rule.name;
+  chain.pattern = companion.pattern;
+  const std::string& anchor_role = companion.pattern.back().role;
+  // Candidates: the readers of a value the rule's pattern bound, in the slot where the companion's
+  // anchor names it (the positions).
+  std::vector<NodeId> candidates;
+  const auto& slots = companion.pattern.back().inputs;
+  for (std::size_t slot = 0; slot < slots.size(); ++slot) {
+    if (slots[slot].empty() || slots[slot].front() != '$') continue;
+    const ValueId value = role_value(match.roles, std::string_view(slots[slot]).substr(1));
+    if (value < 0) continue;
+    for (NodeId reader : graph.consumers(value)) {
+      const Node& node = graph.node(reader);
+      if (slot < node.inputs.size() && node.inputs[slot] == value &&
+          std::find(match.nodes.begin(), match.nodes.end(), reader) == match.nodes.end()) {
+        candidates.push_back(reader);
+      }
+    }
+  }
+  std::sort(candidates.begin(), candidates.end());
+  candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+  const ValueId activation = graph.node(contraction).inputs.front();
+  std::vector<PatternMatch> found;
+  for (NodeId candidate : candidates) {
+    PatternMatch other = match_pattern(graph, chain, candidate);
+    if (!other) continue;
+    const bool agrees = std::all_of(other.roles.begin(), other.roles.end(), [&](const RegionRole& role) {
+      const ValueId shared = role_value(match.roles, role.role);
+      return shared < 0 || shared == role.value;
+    });
+    const ValueId source = role_value(other.roles, companion.source_role);
+    const NodeId sibling = source < 0 ? NodeId{-1} : source_contraction(graph, source);
+    if (!agrees || sibling < 0 || sibling == contraction || graph.node(sibling).inputs.front() != activation) continue;
+    found.push_back(std::move(other));
+  }
+  if (found.size() != 1) {
+    return {Decision::refuse(fmt::format("{} chains ending in '{}' carry the output of a sibling of `{}`, not one",
+                                         found.size(), anchor_role, graph.node(contraction).name)),
+            {}};
+  }
+  for (const auto& [mine, theirs] : companion.same_attributes) {
+    const NodeId a = role_node(chain, found.front(), mine);
+    const NodeId b = role_node(rule, match, theirs);
+    if (a >= 0 && b >= 0 && graph.node(a).attributes != graph.node(b).attributes) {
+      return {Decision::refuse(fmt::format("{} and {} differ in their attributes: one kernel applies one {}",
+                                           quoted(graph.node(a)), quoted(graph.node(b)), graph.node(a).op)),
+              {}};
+    }
+  }
+  return {Decision::allow(), std::move(found.front())};
+}
+
 }  // namespace
+
+SiblingOutcome solve_companions(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
+                                const PatternMatch& match, const GraphIndex& index) {
+  SiblingOutcome outcome;
+  auto refuse = [&](std::string why) {
+    outcome.decision = Decision::refuse(std::move(why));
+    return outcome;
+  };
+  const ValueId source = role_value(match.roles, rule.companion_source_role);
+  const NodeId contraction = source < 0 ? NodeId{-1} : source_contraction(graph, source);
+  if (contraction < 0) {
+    return refuse(source < 0 ? fmt::format("the pattern binds no '{}'", rule.companion_source_role)
+                             : fmt::format("`{}` comes from no contraction (directly or through a bias add)",
+                                           graph.value(source).name));
+  }
+  std::vector<NodeId> region = match.nodes;
+  std::vector<NodeId> anchors = {match.nodes.back()};  // the ops whose outputs the kernel writes
+  outcome.roles = match.roles;
+  for (const CompanionChain& companion : rule.companions) {
+    CompanionMatch found = match_companion(graph, rule, companion, match, contraction);
+    if (!found.decision) {
+      outcome.decision = std::move(found.decision);
+      return outcome;
+    }
+    region.insert(region.end(), found.match.nodes.begin(), found.match.nodes.end());
+    anchors.push_back(found.match.nodes.back());
+    for (const RegionRole& role : found.match.roles) {
+      if (role_value(outcome.roles, role.role) < 0) outcome.roles.push_back(role);
+    }
+  }
+  std::sort(region.begin(), region.end());
+  if (std::adjacent_find(region.begin(), region.end()) != region.end()) {
+    return refuse("two chains share an op");
+  }
+  // Only the chains' ends leave the kernel.
+  for (NodeId id : region) {
+    if (std::find(anchors.begin(), anchors.end(), id) != anchors.end()) continue;
+    for (ValueId output : graph.node(id).outputs) {
+      if (index.value_is_output[static_cast<std::size_t>(output)]) {
+        return refuse(fmt::format("the intermediate {} is a graph output", quoted(graph.node(id))));
+      }
+      for (NodeId reader : graph.consumers(output)) {
+        if (!std::binary_search(region.begin(), region.end(), reader)) {
+          return refuse(fmt::format("the intermediate {} is read by {} outside the chains", quoted(graph.node(id)),
+                                    quoted(graph.node(reader))));
+        }
+      }
+    }
+  }
+  if (Decision shape = convex(graph, index, region); !shape) {
+    outcome.decision = std::move(shape);
+    return outcome;
+  }
+  const RegionEstimate estimate = estimate_region(graph, region, target, rule.resources, index.value_is_output);
+  if (Decision fits = within_limits(estimate, target); !fits) return refuse("the chains " + fits.reason);
+  outcome.region = std::move(region);
+  outcome.benefit_ns = estimate.benefit_ns;
+  return outcome;
+}
 
 SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
                               const PatternMatch& match, const GraphIndex& index) {

@@ -1,5 +1,5 @@
 // Decode-time graphs for the GEMV lowerings' tests (tests/unit/dispatch, tests/gpu): a SwiGLU
-// MLP and a single projection, dense or MLX affine, with value names that say nothing about the
+// MLP, sibling projections and the attention inputs after them (rope, cache writes), a single projection, dense or MLX affine, with value names that say nothing about the
 // roles (the lowerings must read the regions' roles, not names) and, where asked, the operands
 // of the multiply and the residual add the other way round.
 #pragma once
@@ -76,6 +76,60 @@ inline ComputeGraph sibling_test_graph(std::int64_t rows, const std::vector<std:
     if (biased[p]) y = builder.add(y, builder.input("c" + std::to_string(p), TensorSpec({widths[p]}, format.dtype)), "y" + std::to_string(p));
     outputs.push_back(y);
   }
+  return builder.build(outputs);
+}
+
+// The attention inputs of a decode step as src/model/step_graph.cpp records them: q, k and v
+// projections of one x [rows, hidden] (biased or not), each split into heads ([rows, H·D] →
+// [rows, H, D] → [H, rows, D]), rope on q and k at "positions", k and v written into the caches
+// "k_cache" and "v_cache" [kv_heads, capacity, D]. Outputs: q rotated, both updated caches. The
+// probes break what the rope_kv_cache rule needs, one at a time.
+struct AttentionInputsShape {
+  std::int64_t rows = 1, q_heads = 4, kv_heads = 2, head_dim = 64, capacity = 32, hidden = 128;
+  bool bias = false;
+  bool llama3_scaling = false;  // Llama 3.2's rope scaling (factor 32, 1, 4, 8192)
+  double theta = 500000;
+  LinearFormat format;
+  bool k_rope_escapes = false;      // probe: k rotated is a graph output too
+  double q_theta = 0;               // probe (when not 0): q's rope turns with another theta
+  bool v_from_other_input = false;  // probe: v projects another input, so it is no sibling of k
+};
+
+inline ComputeGraph attention_inputs_test_graph(const AttentionInputsShape& shape) {
+  GraphBuilder builder;
+  const DType dtype = shape.format.dtype;
+  const ValueRef x = builder.input("a", TensorSpec({shape.rows, shape.hidden}, dtype));
+  const ValueRef positions = builder.input("positions", TensorSpec({shape.rows}, DType::i32));
+  auto rope_attributes = [&](double theta) {
+    Attributes attributes;
+    attributes.set("theta", theta);
+    attributes.set("dims", shape.head_dim);
+    if (shape.llama3_scaling) {
+      attributes.set("scaling", std::string("llama3"));
+      attributes.set("factor", 32.0);
+      attributes.set("low_freq_factor", 1.0);
+      attributes.set("high_freq_factor", 4.0);
+      attributes.set("original_max_position_embeddings", 8192.0);
+    }
+    return attributes;
+  };
+  auto project = [&](ValueRef input, const std::string& name, std::int64_t heads) {
+    ValueRef y = test_linear(builder, input, name, heads * shape.head_dim, shape.hidden, shape.format);
+    if (shape.bias) y = builder.add(y, builder.input(name + ".c", TensorSpec({heads * shape.head_dim}, dtype)), name + ".y");
+    const ValueRef split = builder.reshape(y, {shape.rows, heads, shape.head_dim}, name + ".heads");
+    return builder.transpose(split, {1, 0, 2}, name + ".by_head");
+  };
+  const ValueRef other = shape.v_from_other_input ? builder.input("a2", TensorSpec({shape.rows, shape.hidden}, dtype)) : x;
+  const ValueRef q = project(x, "p0", shape.q_heads);
+  const ValueRef k = project(x, "p1", shape.kv_heads);
+  const ValueRef v = project(other, "p2", shape.kv_heads);
+  const ValueRef q_rotated = builder.add_node("rope", {q, positions}, rope_attributes(shape.q_theta != 0 ? shape.q_theta : shape.theta), "q.rope").front();
+  const ValueRef k_rotated = builder.add_node("rope", {k, positions}, rope_attributes(shape.theta), "k.rope").front();
+  const TensorSpec cache({shape.kv_heads, shape.capacity, shape.head_dim}, dtype);
+  const ValueRef k_all = builder.kv_cache_write(builder.input("k_cache", cache), k_rotated, positions, "k_cache_out");
+  const ValueRef v_all = builder.kv_cache_write(builder.input("v_cache", cache), v, positions, "v_cache_out");
+  std::vector<ValueRef> outputs = {q_rotated, k_all, v_all};
+  if (shape.k_rope_escapes) outputs.push_back(k_rotated);
   return builder.build(outputs);
 }
 

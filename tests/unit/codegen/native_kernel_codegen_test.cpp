@@ -4,11 +4,13 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "codegen_test_support.h"
+#include "gemv_region_graphs.h"
 
 namespace metile {
 namespace {
@@ -159,6 +161,52 @@ TEST(NativeKernelCodegenDecodeStep, EveryDecodeStepKernelCompilesForSm90) {
       }
     }
   }
+}
+
+}  // namespace
+}  // namespace metile
+
+namespace metile {
+namespace {
+
+// The rope_kv_cache region's kernel (rope on q and k, both cache writes), with each cache in place
+// and copied, Llama 3 scaling or not, one step and a prefill chunk, in every float dtype.
+TEST(NativeKernelCodegenDecodeStep, RopeKvCacheKernelCompilesForSm90) {
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    for (std::int64_t rows : {1, 16}) {
+      testing::AttentionInputsShape shape;
+      shape.rows = rows, shape.llama3_scaling = rows == 1, shape.format.dtype = dtype;
+      const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
+      const FusionPlan plan = plan_graph_fusion(graph);
+      const auto region = std::find_if(plan.regions.begin(), plan.regions.end(),
+                                       [](const FusionRegion& r) { return r.rule == "rope_kv_cache"; });
+      ASSERT_NE(region, plan.regions.end()) << plan.explain();
+      const RopeCacheRegion problem = rope_cache_region(graph, *region);
+      ASSERT_TRUE(problem.decision) << problem.decision.reason;
+      EXPECT_EQ(problem.q_heads, 4);
+      EXPECT_EQ(problem.kv_heads, 2);
+      EXPECT_EQ(problem.steps, rows);
+      for (bool in_place : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} rows {} {}", dtype_name(dtype), rows, in_place ? "in place" : "copied"));
+        const GeneratedKernel kernel = generate_rope_cache_kernel(graph, problem, in_place, in_place);
+        ASSERT_EQ(kernel.parameters.size(), 9u);
+        // q's elements, then k's and v's new rows (in place) or whole caches (copied).
+        const std::int64_t items = (4 * rows + 2 * 2 * (in_place ? rows : shape.capacity)) * shape.head_dim;
+        EXPECT_NE(kernel.source.find(fmt::format("kQItems + kKItems + kVItems")), std::string::npos);
+        EXPECT_GE(static_cast<std::int64_t>(kernel.launch.grid_x) * kernel.launch.block_x, std::min<std::int64_t>(items, 256));
+        EXPECT_EQ(kernel.source.find("q.rope"), std::string::npos) << "no value name in the source";
+        EXPECT_EQ(kernel.source.find("k_cache_out"), std::string::npos) << "no value name in the source";
+        expect_compiles_for_sm90(kernel);
+      }
+    }
+  }
+  // A region that is not the three chains is refused with why.
+  testing::AttentionInputsShape shape;
+  const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
+  FusionRegion rope_only = region_of_nodes(graph, {*graph.find_node("q.rope")}, "rope_kv_cache");
+  const RopeCacheRegion refused = rope_cache_region(graph, rope_only);
+  EXPECT_FALSE(refused.decision);
+  EXPECT_NE(refused.decision.reason.find("binds no role 'q'"), std::string::npos) << refused.decision.reason;
 }
 
 }  // namespace

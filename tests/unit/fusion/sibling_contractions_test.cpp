@@ -2,7 +2,9 @@
 // with alike weights group into one region with roles input, weight.i and bias.i (i in topological
 // order, whatever the value names say), and every way a group cannot form says why: different
 // inputs, different formats, an intermediate that escapes, a path between members. The plans run
-// on the CPU plan executor against the unplanned graph.
+// on the CPU plan executor against the unplanned graph. The rope_kv_cache rule's companion chains
+// (rope on q and k, both cache writes after the sibling projections) group the same way.
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -177,6 +179,63 @@ TEST(SiblingContractions, SwigluStillWinsGateAndUp) {
     });
     EXPECT_TRUE(proposed) << "gate and up form a sibling group that loses the conflict";
   }
+}
+
+// Each layer's q, k and v chains after the projections become one rope_kv_cache region whose
+// roles name k, the positions, both caches, q and v, whatever the values are called.
+TEST(RopeKvCache, GroupsTheChainsAfterSiblingProjections) {
+  const std::uint64_t seed = testing::test_seed("rope kv cache");
+  for (bool bias : {false, true}) {
+    for (std::int64_t rows : {1, 16}) {
+      testing::AttentionInputsShape shape;
+      shape.rows = rows, shape.bias = bias, shape.llama3_scaling = !bias;
+      shape.format = {bias ? 16 : 4, 64, DType::bf16};
+      const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
+      const FusionPlan plan = plan_graph_fusion(graph);
+      const FusionRegion* region = region_of_rule(plan, "rope_kv_cache");
+      ASSERT_NE(region, nullptr) << plan.explain();
+      EXPECT_EQ(region->nodes.size(), 10u) << plan.explain();
+      const std::string y = bias ? ".y" : "";
+      EXPECT_EQ(role_text(graph, *region), fmt::format("k_cache=k_cache k=p1{0} positions=positions q=p0{0} v_cache=v_cache "
+                                                       "v=p2{0}", y));
+      std::vector<std::string> outputs;
+      for (ValueId output : region->outputs) outputs.push_back(graph.value(output).name);
+      std::sort(outputs.begin(), outputs.end());
+      EXPECT_EQ(outputs, (std::vector<std::string>{"k_cache_out", "q.rope", "v_cache_out"}));
+      EXPECT_NE(region_of_rule(plan, "sibling_contractions"), nullptr) << plan.explain();
+      EXPECT_EQ(plan.kernel_count(), 2) << plan.explain();
+      expect_plan_runs_like_graph(plan, seed);
+    }
+  }
+}
+
+TEST(RopeKvCache, RefusesWithReasons) {
+  struct Probe {
+    std::string name;
+    testing::AttentionInputsShape shape;
+    std::string reason;  // in k's cache write's reason
+  };
+  testing::AttentionInputsShape escapes, other_theta, other_input;
+  escapes.k_rope_escapes = true;
+  other_theta.q_theta = 10000;
+  other_input.v_from_other_input = true;
+  const std::vector<Probe> probes = {
+      {"k rotated escapes", escapes, "rope_kv_cache refused: the intermediate `k.rope` is a graph output"},
+      {"q turns otherwise", other_theta, "rope_kv_cache refused: `q.rope` and `k.rope` differ in their attributes"},
+      {"v is no sibling", other_input,
+       "rope_kv_cache refused: 0 chains ending in 'v_write' carry the output of a sibling of `p1`, not one"},
+  };
+  for (const Probe& probe : probes) {
+    const ComputeGraph graph = testing::attention_inputs_test_graph(probe.shape);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    EXPECT_EQ(region_of_rule(plan, "rope_kv_cache"), nullptr) << probe.name << "\n" << plan.explain();
+    const std::string& reason = plan.node_reasons[static_cast<std::size_t>(*graph.find_node("k_cache_out"))];
+    EXPECT_NE(reason.find(probe.reason), std::string::npos) << probe.name << ": " << reason;
+  }
+  FusionRule no_source = rope_kv_cache_rule();
+  no_source.companion_source_role.clear();
+  EXPECT_THROW(plan_graph_fusion(testing::attention_inputs_test_graph({}), FusionTarget::h200(), RuleSet{{no_source}}),
+               InputError);
 }
 
 }  // namespace
