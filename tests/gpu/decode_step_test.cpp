@@ -3,7 +3,8 @@
 // Llama 3 scaling, kv_cache_write copied and in place) and flash_attention (native plain-op path and
 // the fused candidate) against the CPU reference on fresh random inputs; an unverified certificate
 // refused by both; whole step graphs of synthetic checkpoints (llama, qwen2, mistral; bf16, 4-bit,
-// 8-bit) through Executable in native and fused mode against run_reference; and the in-place cache:
+// 8-bit) through Executable in native and fused mode against run_reference (fused: every layer's rope
+// and cache writes as one rope_kv_cache kernel); and the in-place cache:
 // after two steps with caller-owned (borrowed) cache buffers, those buffers hold what the
 // reference computes. Seed printed; METILE_TEST_SEED replays a run. Skips without a CUDA device.
 #include <gtest/gtest.h>
@@ -230,6 +231,17 @@ TEST_P(StepGraphOnTheGpu, NativeAndFusedExecutablesMatchTheReference) {
       options.use_decision_cache = false;
       Executable executable = Executable::build(plan, device(), options);
       if (mode == DispatchMode::fused && steps == 1) std::cerr << executable.report();
+      if (mode == DispatchMode::fused) {
+        // Each layer's rope on q and k and both cache writes: one rope_kv_cache region whose kernel
+        // passed its gate (fused mode keeps the fused candidate exactly then).
+        int rope_regions = 0;
+        for (const RegionReport& report : executable.reports()) {
+          if (report.rule != "rope_kv_cache") continue;
+          ++rope_regions;
+          EXPECT_EQ(report.chosen, "fused rope kv cache") << report.sentence;
+        }
+        EXPECT_EQ(rope_regions, model.config().num_hidden_layers) << executable.report();
+      }
       expect_outputs_match(graph, executable.run(inputs), reference, "step graph",
                            testing_support::kWholeStepMaxErrorFactor);
     }

@@ -124,6 +124,21 @@ TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
   const std::string figures = fmt::format("fused vs native: {}\nnative vs CPU reference: {}\nfused vs CPU reference: {}",
                                           describe(against_native), describe(native_noise), describe(fused_noise));
   const std::string plan = fused.executable(1).report();
+  // The decode step and the prefill chunk each run every layer's rope and cache writes as one
+  // rope_kv_cache region, its fused kernel gated (a race may still keep the native path).
+  for (std::int64_t steps : {1, 16}) {
+    int rope_regions = 0;
+    for (const RegionReport& report : fused.executable(steps).reports()) {
+      if (report.rule != "rope_kv_cache") continue;
+      ++rope_regions;
+      for (const auto& [name, gate] : report.gates) {
+        if (name == "fused rope kv cache") {
+          EXPECT_TRUE(gate.passed) << report.sentence << ": " << gate.detail;
+        }
+      }
+    }
+    EXPECT_EQ(rope_regions, model.config().num_hidden_layers) << "S " << steps << "\n" << fused.executable(steps).report();
+  }
   EXPECT_GE(against_native.agreement(), 0.95) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_LE(against_native.kl_mean, 2 * (native_noise.kl_mean + fused_noise.kl_mean)) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_TRUE(meets(against_native, EngineThresholds{})) << first_miss(against_native, EngineThresholds{}) << "\n" << figures;

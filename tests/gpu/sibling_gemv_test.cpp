@@ -5,10 +5,16 @@
 // dequantized exactly, the dot products and bias in double); then the same graph through the
 // Executable (the region gated and raced like any other). A tiny model's step with the regions
 // fused runs in gemv_lowering_test.cpp (its 4-bit case Qwen2-like, with q/k/v biases).
+// The attention inputs after the projections (rope_kv_cache regions: rope on q and k, k and v
+// into their caches as one kernel) against a float64 oracle of the unfused ops written here, with
+// Llama 3.2's shapes and rope scaling and Qwen2.5's (biased projections), M = 1 and 16, positions
+// scattered over the cache, each cache in place and copied; and bit for bit against the native path.
 // Inputs are fresh per run (seed printed, METILE_TEST_SEED replays).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "gemv_region_graphs.h"
 #include "gpu_test_support.h"
@@ -135,6 +141,152 @@ TEST_F(SiblingGemv, EveryCandidateMatchesTheFloat64Oracle) {
                            fmt::format("executable bits {} M {} part {}", format.bits, rows, p));
       }
     }
+  }
+}
+
+// ---------------------------------------------------------------- rope_kv_cache
+// rope (rotate-half: element i pairs with i + dims/2, angle position · rope_frequencies) and the
+// cache writes, in double from the inputs' values: q rotated [Hq, S, D], both caches [Hkv, T, D].
+struct AttentionInputsOracle {
+  std::vector<double> q_rotated, k_cache, v_cache;
+};
+AttentionInputsOracle attention_inputs_oracle(const TensorMap& inputs, const testing::AttentionInputsShape& shape,
+                                              const Attributes& rope, const std::string& q, const std::string& k,
+                                              const std::string& v) {
+  const std::int64_t rows = shape.rows, dim = shape.head_dim, half = rope.get_int("dims") / 2;
+  const std::vector<double> frequencies = rope_frequencies(rope);
+  const std::vector<double> positions = inputs.at("positions").to_values();
+  // Row s of head h of x [S, H·D], rotated at positions[s].
+  auto rotated = [&](const std::vector<double>& x, std::int64_t heads, std::int64_t h, std::int64_t s) {
+    std::vector<double> row(x.begin() + (s * heads + h) * dim, x.begin() + (s * heads + h + 1) * dim);
+    std::vector<double> out = row;
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double angle = positions[static_cast<std::size_t>(s)] * frequencies[static_cast<std::size_t>(i)];
+      out[static_cast<std::size_t>(i)] = row[static_cast<std::size_t>(i)] * std::cos(angle) - row[static_cast<std::size_t>(i + half)] * std::sin(angle);
+      out[static_cast<std::size_t>(i + half)] = row[static_cast<std::size_t>(i)] * std::sin(angle) + row[static_cast<std::size_t>(i + half)] * std::cos(angle);
+    }
+    return out;
+  };
+  AttentionInputsOracle oracle;
+  const std::vector<double> qs = inputs.at(q).to_values(), ks = inputs.at(k).to_values(), vs = inputs.at(v).to_values();
+  for (std::int64_t h = 0; h < shape.q_heads; ++h) {
+    for (std::int64_t s = 0; s < rows; ++s) {
+      const std::vector<double> row = rotated(qs, shape.q_heads, h, s);
+      oracle.q_rotated.insert(oracle.q_rotated.end(), row.begin(), row.end());
+    }
+  }
+  oracle.k_cache = inputs.at("k_cache").to_values();
+  oracle.v_cache = inputs.at("v_cache").to_values();
+  for (std::int64_t h = 0; h < shape.kv_heads; ++h) {
+    for (std::int64_t s = 0; s < rows; ++s) {
+      const auto at = static_cast<std::size_t>((h * shape.capacity + static_cast<std::int64_t>(positions[static_cast<std::size_t>(s)])) * dim);
+      const std::vector<double> row = rotated(ks, shape.kv_heads, h, s);
+      std::copy(row.begin(), row.end(), oracle.k_cache.begin() + static_cast<std::ptrdiff_t>(at));
+      std::copy(vs.begin() + (s * shape.kv_heads + h) * dim, vs.begin() + (s * shape.kv_heads + h + 1) * dim,
+                oracle.v_cache.begin() + static_cast<std::ptrdiff_t>(at));
+    }
+  }
+  return oracle;
+}
+
+class RopeKvCache : public CudaDeviceTest {};
+
+TEST_F(RopeKvCache, FusedMatchesTheFloat64OracleAndTheNativePath) {
+  struct Case {
+    std::string name;
+    testing::AttentionInputsShape shape;
+  };
+  testing::AttentionInputsShape llama;  // Llama-3.2-1B: 32/8 heads of 64, rope scaled
+  llama.q_heads = 32, llama.kv_heads = 8, llama.head_dim = 64, llama.llama3_scaling = true, llama.theta = 500000;
+  testing::AttentionInputsShape qwen;  // Qwen2.5-1.5B: 12/2 heads of 128, biased projections
+  qwen.q_heads = 12, qwen.kv_heads = 2, qwen.head_dim = 128, qwen.bias = true, qwen.theta = 1000000;
+  std::vector<Case> cases;
+  for (std::int64_t rows : {1, 16}) {
+    for (auto [name, shape] : {std::pair{"llama", llama}, std::pair{"qwen", qwen}}) {
+      shape.rows = rows, shape.capacity = 160, shape.hidden = 256;
+      cases.push_back({fmt::format("{} M {}", name, rows), shape});
+    }
+  }
+  for (const Case& test_case : cases) {
+    SCOPED_TRACE(test_case.name);
+    const ComputeGraph graph = testing::attention_inputs_test_graph(test_case.shape);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    const auto region = std::find_if(plan.regions.begin(), plan.regions.end(),
+                                     [](const FusionRegion& r) { return r.rule == "rope_kv_cache"; });
+    ASSERT_NE(region, plan.regions.end()) << plan.explain();
+    const ComputeGraph sub = region_graph(*plan.graph, *region);
+    const FusionRegion sub_region = region_in_region_graph(*plan.graph, *region, sub);
+    const Lowered lowered = rope_kv_cache_candidates(sub, sub_region);
+    ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+    ASSERT_EQ(lowered.candidates.size(), 1u);
+    const std::string y = test_case.shape.bias ? ".y" : "";
+    // Fresh inputs; positions scattered over the cache, not contiguous, not from zero.
+    TensorMap inputs = random_inputs(sub, next_seed());
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(test_case.shape.capacity));
+    std::iota(rows.begin(), rows.end(), 0);
+    SplitMix64 shuffle(next_seed());
+    for (std::size_t i = rows.size(); i > 1; --i) std::swap(rows[i - 1], rows[shuffle.next() % i]);
+    HostTensor& positions = inputs.at("positions");
+    for (std::int64_t s = 0; s < test_case.shape.rows; ++s) positions.store(s, static_cast<double>(rows[static_cast<std::size_t>(s)]));
+    const AttentionInputsOracle oracle = attention_inputs_oracle(inputs, test_case.shape, sub.node(*sub.find_node("q.rope")).attributes,
+                                                                 "p0" + y, "p1" + y, "p2" + y);
+    // In place (the region graph's caches are read by the writes alone), then copied into
+    // caller-owned outputs (external values own their buffers).
+    const TensorSpec cache_spec = sub.value(*sub.find_value("k_cache_out")).spec;
+    std::vector<DeviceBuffer> caches_out;  // per path (native, fused): k, v; never written by the other path
+    for (int buffer = 0; buffer < 4; ++buffer) caches_out.emplace_back(static_cast<std::size_t>(cache_spec.bytes()));
+    for (bool in_place : {true, false}) {
+      SCOPED_TRACE(in_place ? "in place" : "copied");
+      TensorMap outputs_of[2];  // native, fused
+      for (int fused = 0; fused < 2; ++fused) {
+        ExternalValues external;
+        if (!in_place) {
+          external = {{"k_cache_out", caches_out[static_cast<std::size_t>(2 * fused)].address()},
+                      {"v_cache_out", caches_out[static_cast<std::size_t>(2 * fused + 1)].address()}};
+        }
+        DeviceValues values(sub, external);
+        const ValueId k_cache_out = *sub.find_value("k_cache_out");
+        ASSERT_EQ(values.shares_buffer(k_cache_out, *sub.find_value("k_cache")), in_place);
+        values.upload_inputs(inputs);
+        NativeRuntime native;
+        const std::vector<DeviceStep> native_steps = native.graph_steps(sub, values);
+        const DeviceStep step = fused ? lowered.candidates.front().bind(values)
+                                      : DeviceStep([&](const CudaStream& stream) { run_steps(native_steps, stream); });
+        values.poison_computed_values();
+        CudaStream stream;
+        step(stream);
+        stream.synchronize();
+        outputs_of[fused] = values.download_outputs();
+      }
+      const TensorMap& outputs = outputs_of[1];
+      // The same element math as the native rope and cache-write kernels: the same bits.
+      for (const char* name : {"q.rope", "k_cache_out", "v_cache_out"}) {
+        EXPECT_TRUE(outputs.at(name) == outputs_of[0].at(name)) << name << " differs from the native path";
+      }
+      expect_near_oracle(outputs.at("q.rope"), oracle.q_rotated, DType::bf16, "q rotated");
+      expect_near_oracle(outputs.at("k_cache_out"), oracle.k_cache, DType::bf16, "k cache");
+      // v and every row no step writes are copies: exact.
+      EXPECT_EQ(outputs.at("v_cache_out").to_values(), oracle.v_cache);
+      const std::vector<double> k_cache = outputs.at("k_cache_out").to_values();
+      const std::vector<double> k_before = inputs.at("k_cache").to_values();
+      const std::int64_t dim = test_case.shape.head_dim;
+      std::int64_t kept = 0;
+      for (std::int64_t r = 0; r < test_case.shape.kv_heads * test_case.shape.capacity; ++r) {
+        const std::int64_t t = r % test_case.shape.capacity;
+        if (std::find(rows.begin(), rows.begin() + test_case.shape.rows, t) != rows.begin() + test_case.shape.rows) continue;
+        kept += std::equal(k_cache.begin() + r * dim, k_cache.begin() + (r + 1) * dim, k_before.begin() + r * dim) ? 1 : 0;
+      }
+      EXPECT_EQ(kept, test_case.shape.kv_heads * (test_case.shape.capacity - test_case.shape.rows));
+    }
+    // Through the Executable: the region passes the gate and runs fused in fused mode.
+    Executable executable = Executable::build(plan, device(), quick_fused_options());
+    bool found = false;
+    for (const RegionReport& report : executable.reports()) {
+      if (report.rule != "rope_kv_cache") continue;
+      found = true;
+      EXPECT_EQ(report.chosen, "fused rope kv cache") << report.sentence;
+    }
+    EXPECT_TRUE(found) << executable.report();
   }
 }
 
