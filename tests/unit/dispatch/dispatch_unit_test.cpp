@@ -362,7 +362,7 @@ TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
   EXPECT_EQ(lowered.candidates.size(), row_region_candidates(graph, region).candidates.size());
   EXPECT_EQ(lowered.refusals,
             "contractions around a row kernel: the region has no contraction; flash attention: the region is not one "
-            "flash_attention node; gemv: the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, "
+            "flash_attention node; rope and cache writes: not a rope_kv_cache region; gemv: the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, "
             "contraction_argmax and sibling_contractions regions, not 'test'; empty: it accepted the region but offered "
             "no candidate; silent: refused without a reason; picky: too small");
 }
