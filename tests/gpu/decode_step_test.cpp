@@ -238,7 +238,7 @@ TEST_P(StepGraphOnTheGpu, NativeAndFusedExecutablesMatchTheReference) {
         for (const RegionReport& report : executable.reports()) {
           if (report.rule != "rope_kv_cache") continue;
           ++rope_regions;
-          EXPECT_EQ(report.chosen, "fused rope kv cache") << report.sentence;
+          EXPECT_EQ(report.chosen_id.eager(), CandidateId::fused("rope kv cache")) << report.sentence;
         }
         EXPECT_EQ(rope_regions, model.config().num_hidden_layers) << executable.report();
       }

@@ -284,7 +284,7 @@ TEST_F(RopeKvCache, FusedMatchesTheFloat64OracleAndTheNativePath) {
     for (const RegionReport& report : executable.reports()) {
       if (report.rule != "rope_kv_cache") continue;
       found = true;
-      EXPECT_EQ(report.chosen, "fused rope kv cache") << report.sentence;
+      EXPECT_EQ(report.chosen_id.eager(), CandidateId::fused("rope kv cache")) << report.sentence;
     }
     EXPECT_TRUE(found) << executable.report();
   }

@@ -1,7 +1,8 @@
 // The decode-step graphs of synthetic models as the GPU plans them (plan_with_discovery, h200):
 // every layer's q, k and v projections (quantized or not, with Qwen2's biases or without) are one
-// sibling_contractions region bound by role, the MLP stays one swiglu_mlp region, and the planned
-// graph runs on the CPU plan executor exactly as the unplanned one.
+// sibling_contractions region bound by role, its rope and cache writes one rope_kv_cache region, the
+// MLP stays one swiglu_mlp region, and the planned graph runs on the CPU plan executor exactly as
+// the unplanned one.
 #include <gtest/gtest.h>
 
 #include "metile/cpu_runtime.h"
@@ -32,9 +33,19 @@ TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
         DecoderModel::load(synth(name, options), {.quantize = test_case.quantize, .max_sequence = 16});
     const FusionPlan plan = plan_with_discovery(model.step_graph(test_case.steps), FusionTarget::h200());
     const bool biased = test_case.architecture == ModelArchitecture::qwen2;
-    int siblings = 0, mlps = 0;
+    int siblings = 0, mlps = 0, ropes = 0;
     for (const FusionRegion& region : plan.regions) {
       mlps += region.rule == "swiglu_mlp";
+      if (region.rule == "rope_kv_cache") {
+        // One layer's chains: q and v of k's own layer, its caches.
+        ++ropes;
+        EXPECT_EQ(region.nodes.size(), 10u) << name;
+        const std::string k_cache = plan.graph->value(*region.role("k_cache")).name;
+        const std::string layer = k_cache.substr(0, k_cache.find(".k_cache"));
+        for (const char* role : {"q", "k", "v", "v_cache"}) {
+          EXPECT_EQ(plan.graph->value(*region.role(role)).name.rfind(layer + ".", 0), 0u) << name << " " << role;
+        }
+      }
       if (region.rule != "sibling_contractions") continue;
       ++siblings;
       EXPECT_EQ(region.nodes.size(), biased ? 6u : 3u) << name;
@@ -50,6 +61,7 @@ TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
     }
     EXPECT_EQ(siblings, 2) << name << "\n" << plan.explain();
     EXPECT_EQ(mlps, 2) << name << "\n" << plan.explain();
+    EXPECT_EQ(ropes, 2) << name << "\n" << plan.explain();
     const TensorMap inputs = random_inputs(*plan.graph, testing::model_test_seed());
     EXPECT_EQ(run_plan_reference(plan, inputs), run_reference(*plan.graph, inputs)) << name;
   }
