@@ -455,6 +455,10 @@ RopeCacheRegion rope_cache_region(const ComputeGraph& graph, const FusionRegion&
     if (graph.value(value).spec.dtype != problem.dtype) return refuse("q, k, v and the caches differ in dtype");
   }
   if (q_rope.attributes.get_int("dims") > problem.head_dim) return refuse("rope's dims exceed the head dim");
+  // Positions index the cache; a gate draws them from [0, S), so a cache shorter than the step stays native.
+  if (problem.capacity < problem.steps) {
+    return refuse(fmt::format("the caches hold {} rows, fewer than the step's {} tokens", problem.capacity, problem.steps));
+  }
   return problem;
 }
 

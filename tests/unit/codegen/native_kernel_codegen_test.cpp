@@ -207,6 +207,18 @@ TEST(NativeKernelCodegenDecodeStep, RopeKvCacheKernelCompilesForSm90) {
   const RopeCacheRegion refused = rope_cache_region(graph, rope_only);
   EXPECT_FALSE(refused.decision);
   EXPECT_NE(refused.decision.reason.find("binds no role 'q'"), std::string::npos) << refused.decision.reason;
+  shape.rows = 16, shape.capacity = 8;
+  const ComputeGraph short_cache = testing::attention_inputs_test_graph(shape);
+  const FusionPlan plan = plan_graph_fusion(short_cache);
+  int short_regions = 0;
+  for (const FusionRegion& region : plan.regions) {
+    if (region.rule != "rope_kv_cache") continue;
+    ++short_regions;
+    const RopeCacheRegion too_short = rope_cache_region(short_cache, region);
+    EXPECT_NE(too_short.decision.reason.find("the caches hold 8 rows, fewer than the step's 16 tokens"), std::string::npos)
+        << too_short.decision.reason;
+  }
+  EXPECT_EQ(short_regions, 1) << plan.explain();
 }
 
 }  // namespace
