@@ -218,8 +218,9 @@ TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
 
 // x normalized as it is loaded (x_rms_norm_eps: the RMSNorm before q/k/v, gate/up and the LM head)
 // in every schedule a region with a norm can lower to, each once, ragged (N not a multiple of 16,
-// K not of the load block): plain and batch-by-batch register mainloops, scratch-spilled gate/up
-// with shared group sums, split-K with staged batches, the argmax join, split outputs, streamed.
+// K not of the load block): the double-buffered register mainloop, scratch-spilled gate/up with
+// shared group sums, split-K with staged batches, the argmax join batch by batch, split outputs,
+// streamed.
 // The decode case (4-bit, M = 1) keeps its batches in registers. The kernel takes the norm's weight
 // after x, is named apart from the same kernel without the norm, and counts the norm's scratch.
 TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
@@ -232,9 +233,6 @@ TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
   };
   std::vector<GemvKernelConfig> configs;
   configs.push_back(normalized(base_config(four, 1, 100, 64 * 5, GemvEpilogue::store())));
-  GemvKernelConfig batches = normalized(base_config(dense, 16, 77, 200, GemvEpilogue::residual_add()));
-  batches.double_buffered = false;
-  configs.push_back(batches);
   GemvKernelConfig spilled = normalized(base_config(eight, 9, 77, 64 * 5, GemvEpilogue::swiglu()));
   spilled.schedule = GatedSchedule::scratch_spilled;
   spilled.shared_group_sums = true;
@@ -243,8 +241,9 @@ TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
   split.k_splits = 3;
   split.shared_stages = 3;
   configs.push_back(split);
-  GemvKernelConfig argmax = normalized(base_config(dense, 1, 1000, 200, GemvEpilogue::store()));
+  GemvKernelConfig argmax = normalized(base_config(dense, 16, 1000, 200, GemvEpilogue::residual_add()));
   argmax.argmax_rows = true;
+  argmax.double_buffered = false;  // batch by batch
   configs.push_back(argmax);
   GemvKernelConfig stacked = normalized(base_config(four, 16, 96 + 32 + 32, 64 * 5,
                                                     GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true))));
