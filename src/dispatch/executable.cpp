@@ -141,6 +141,7 @@ struct Executable::State {
   std::vector<DeviceStep> steps;
   std::vector<std::string> step_kinds;  // per step: what profile() sums it under
   CudaGraph replay;
+  bool programmatic_replay = false;  // the replay launches GEMVs as programmatic dependents
   std::vector<RegionReport> reports;
   int kernel_count = 0;
 
@@ -363,14 +364,19 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
     state->reports.push_back(std::move(report));
   };
   for (std::size_t r = 0; r < plan.regions.size(); ++r) add_region(plan.regions[r], static_cast<int>(r));
+  // An unfused matmul / quantized_matmul (q, k, v, the LM head) races its lowerings (the GEMV)
+  // against cuBLASLt like a region of its own, with the unfused RMSNorm that only it reads (the
+  // final norm): those regions are made before the remaining nodes run natively, as the norm comes
+  // first in graph order.
+  if (options.mode != DispatchMode::native) {
+    for (const Node& node : graph.nodes()) {
+      if (!covered.contains(node.id) && is_gemv_contraction_op(node)) {
+        add_region(contraction_node_region(graph, node.id, covered), -1);
+      }
+    }
+  }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
-    // An unfused matmul / quantized_matmul (q, k, v, the LM head) races its lowerings (the GEMV)
-    // against cuBLASLt like a region of its own.
-    if (options.mode != DispatchMode::native && is_gemv_contraction_op(node)) {
-      add_region(contraction_node_region(graph, node.id), -1);
-      continue;
-    }
     units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op});
     state->kernel_count += 1;
   }
@@ -378,9 +384,13 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   state->steps = std::move(ordered.steps);
   state->step_kinds = std::move(ordered.kinds);
   if (options.capture_cuda_graph && !state->steps.empty()) {
+    state->stream.set_programmatic_dependent_launch(options.programmatic_dependent_launch);
     state->replay = CudaGraph::capture(state->stream, [&steps = state->steps](const CudaStream& stream) {
       run_steps(steps, stream);
     });
+    // Eager runs (profile(), no graph) launch plainly.
+    state->stream.set_programmatic_dependent_launch(false);
+    state->programmatic_replay = options.programmatic_dependent_launch;
   }
   return Executable(std::move(state));
 }
@@ -431,8 +441,9 @@ std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
 std::string Executable::report() const {
   std::string text;
   for (const RegionReport& report : state_->reports) text += report.sentence + "\n";
-  text += fmt::format("{} kernel launches per run{}\n", state_->kernel_count,
-                      state_->replay ? ", replayed as one CUDA graph" : "");
+  text += fmt::format("{} kernel launches per run{}{}\n", state_->kernel_count,
+                      state_->replay ? ", replayed as one CUDA graph" : "",
+                      state_->programmatic_replay ? " (GEMVs as programmatic dependents)" : "");
   return text;
 }
 
