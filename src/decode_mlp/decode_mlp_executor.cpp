@@ -7,6 +7,8 @@
 //              GEMV, register-resident and scratch-spilled, per shape
 //   down       native, native graph; affine: unfused GEMV (+ graph);   out
 //              fused GEMV with the residual epilogue, per shape
+//   whole      native graph, the chosen stages' graph, the persistent    out (and hidden_state)
+//              decode-MLP kernels (both stages in one launch, gemv.h)
 //
 // Per stage: every candidate runs on seeded random inputs and is gated against the float64
 // oracle (decode_mlp_reference_*); the dispatch module's engine (choose_measured) then admits,
@@ -293,15 +295,22 @@ struct DecodeMlpExecutor::State {
     } catch (const InputError& error) {
       persistent_refusals.push_back(error.what());
     }
+    // A kernel that does not generate, compile or load loses its place in the race; it never ends the build.
     std::vector<GemvKernelSource> kernels;
-    for (const PersistentMlpConfig& config : configs) kernels.push_back(generate_persistent_mlp_kernel(config));
-    const std::vector<CompiledProgram> programs = compile_gemvs(kernels);
+    std::vector<CompiledProgram> programs;
+    try {
+      for (const PersistentMlpConfig& config : configs) kernels.push_back(generate_persistent_mlp_kernel(config));
+      programs = compile_gemvs(kernels);
+    } catch (const std::exception& error) {
+      persistent_refusals.push_back(error.what());
+      return candidates;
+    }
     for (std::size_t i = 0; i < configs.size(); ++i) {
       auto launch = std::make_shared<GemvLaunch>();
       launch->config = configs[i].gate_up;
       try {
         launch->loaded = LoadedGemv::load(kernels[i], programs[i]);
-      } catch (const CudaError& error) {
+      } catch (const std::exception& error) {
         persistent_refusals.push_back(fmt::format("{}: {}", configs[i].shape_name(), error.what()));
         continue;
       }

@@ -530,20 +530,38 @@ void upload_into(DeviceBuffer& buffer, std::span<const std::byte> bytes) {
 
 // The kernels of one lowering, compiled together (in parallel) on the first bind and loaded as
 // candidates need them, and the repacked weights per device values, shared by every candidate.
+// The stage kernels and the persistent ones (from `first_persistent` on) compile as two batches, so
+// that a persistent kernel that fails to compile costs only the persistent candidates.
 struct GemvKernelPool {
   std::vector<GemvKernelSource> kernels;
+  std::size_t first_persistent = static_cast<std::size_t>(-1);
   std::mutex mutex;
   std::vector<CompiledProgram> programs;
+  bool compiled[2] = {false, false};
+  std::string compile_error[2];
   std::vector<std::shared_ptr<LoadedGemv>> loaded;
   std::map<std::pair<const DeviceValues*, ValueId>, std::shared_ptr<RepackedOnDevice>> repacked;
   std::map<std::pair<const DeviceValues*, std::size_t>, std::shared_ptr<StackedOnDevice>> stacked;
 
   std::shared_ptr<LoadedGemv> kernel(std::size_t index) {
     std::lock_guard lock(mutex);
-    if (programs.empty()) {
-      programs = compile_gemvs(kernels);
+    const int batch = index < first_persistent ? 0 : 1;
+    if (!compiled[batch]) {
+      compiled[batch] = true;
+      programs.resize(kernels.size());
       loaded.resize(kernels.size());
+      const std::size_t begin = batch == 0 ? 0 : first_persistent;
+      const std::size_t end = batch == 0 ? std::min(first_persistent, kernels.size()) : kernels.size();
+      try {
+        std::vector<CompiledProgram> batch_programs =
+            compile_gemvs(std::vector<GemvKernelSource>(kernels.begin() + static_cast<std::ptrdiff_t>(begin),
+                                                        kernels.begin() + static_cast<std::ptrdiff_t>(end)));
+        std::move(batch_programs.begin(), batch_programs.end(), programs.begin() + static_cast<std::ptrdiff_t>(begin));
+      } catch (const CudaError& error) {
+        compile_error[batch] = error.what();
+      }
     }
+    if (!compile_error[batch].empty()) throw CudaError(compile_error[batch]);
     if (!loaded[index]) loaded[index] = std::make_shared<LoadedGemv>(LoadedGemv::load(kernels[index], programs[index]));
     return loaded[index];
   }
@@ -735,6 +753,7 @@ Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
     if (configs.size() > static_cast<std::size_t>(gemv_lowering_shapes_per_family)) {
       configs.resize(static_cast<std::size_t>(gemv_lowering_shapes_per_family));
     }
+    if (!configs.empty()) pool->first_persistent = pool->kernels.size();
     for (const PersistentMlpConfig& config : configs) {
       const std::size_t index = pool->kernels.size();
       pool->kernels.push_back(generate_persistent_mlp_kernel(config));
