@@ -15,6 +15,7 @@
 //                                   register-batch and streamed mainloops side by side
 //   --candidates N                  launch shapes per fused schedule (DecodeMlpOptions::tuning_candidates;
 //                                   5: the register shapes of v3 only, without the staged and split-K ones)
+//   --verbose                       every stage's candidates: gate result and tournament score
 //   mlp_decode_benchmark --profile  launches the first Llama-3-8B M=1 stage kernel of each kind (register,
 //                                   staged, split-K, streamed) and the read-only stream once each, for
 //                                   `ncu --clock-control none` (no timing)
@@ -242,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool full = false, quick = false, kernels = false, profile = false;
+  bool full = false, quick = false, kernels = false, profile = false, verbose = false;
   int tuning_candidates = DecodeMlpOptions{}.tuning_candidates;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--full") == 0) {
@@ -253,10 +254,12 @@ int main(int argc, char** argv) {
       kernels = true;
     } else if (std::strcmp(argv[i], "--profile") == 0) {
       profile = true;
+    } else if (std::strcmp(argv[i], "--verbose") == 0) {
+      verbose = true;
     } else if (std::strcmp(argv[i], "--candidates") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
       tuning_candidates = std::atoi(argv[++i]);
     } else {
-      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels | --profile] [--candidates N]\n");
+      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels | --profile] [--candidates N] [--verbose]\n");
       return 2;
     }
   }
@@ -327,6 +330,13 @@ int main(int argc, char** argv) {
             row.stage_us[s] = stages[s]->chosen_ms() * 1e3;
             row.stage_native_us[s] = stages[s]->native_ms() * 1e3;
             row.stage_choice[s] = stages[s]->candidates[static_cast<std::size_t>(stages[s]->chosen)].name;
+            if (!verbose) continue;
+            fmt::print("  {} {} M={} {}\n", model.name, row.format, rows, stages[s]->sentence);
+            for (const DecodeMlpCandidate& candidate : stages[s]->candidates) {
+              fmt::print("    {:<48} gate {} (L2 {:.1e}{}{}) {}\n", candidate.name, candidate.gate.passed ? "passed" : "FAILED",
+                         candidate.gate.relative_l2, candidate.gate.detail.empty() ? "" : ": ", candidate.gate.detail,
+                         candidate.score_ms < 0 ? std::string("not timed") : fmt::format("{:.1f} us", candidate.score_ms * 1e3));
+            }
           }
           row.mlp_bytes = static_cast<double>(weight_bytes + activations * 3 * model.hidden);
           enum class Graph { executor, native, serialized, stages, persistent };

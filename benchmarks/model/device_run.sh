@@ -40,7 +40,7 @@ fi
 python3 - "$OUT" "${rows[@]}" <<'PY'
 import json, os, sys
 out, rows = sys.argv[1], sys.argv[2:]
-print(f"{'model':22} {'format':>14} {'fused ms':>9} {'floor %':>8} {'tok/s':>7} {'native ms':>10} "
+print(f"{'model':22} {'format':>14} {'fused ms':>9} {'floor %':>8} {'tok/s':>7} {'+PDL ms':>8} {'native ms':>10} "
       f"{'prefill tok/s':>14} {'native prefill':>15}")
 breakdowns = []
 for row in rows:
@@ -53,8 +53,9 @@ for row in rows:
         print(f"{name:22} {'(no result: see ' + name + '.log)':>40}")
         continue
     f, n = r["fused"], r["native"]
+    pdl = r.get("fused_pdl", {}).get("decode_ms_per_token", float("nan"))
     print(f"{name:22} {r['format']:>14} {f['decode_ms_per_token']:9.3f} {f['floor_percent']:7.1f}% "
-          f"{f['tokens_per_second']:7.0f} {n['decode_ms_per_token']:10.3f} {f['prefill_tokens_per_second']:14.0f} "
+          f"{f['tokens_per_second']:7.0f} {pdl:8.3f} {n['decode_ms_per_token']:10.3f} {f['prefill_tokens_per_second']:14.0f} "
           f"{n['prefill_tokens_per_second']:15.0f}")
     breakdowns.append((name, f))
 # Where one fused decode step's time goes (units run eagerly with events between them), largest first.

@@ -97,8 +97,16 @@ class CudaStream {
   CUstream_st* handle() const { return stream_; }
   void synchronize() const;
 
+  // When set, kernels that read their predecessors' writes only after griddepcontrol.wait (the
+  // generated GEMVs, LoadedGemv::launch) launch on this stream as programmatic dependents of the
+  // kernel before them: their prologue and first weight loads overlap that kernel's tail.
+  // Executable sets it while capturing its replay graph (ExecutableOptions).
+  void set_programmatic_dependent_launch(bool enabled) { programmatic_dependent_launch_ = enabled; }
+  bool programmatic_dependent_launch() const { return programmatic_dependent_launch_; }
+
  private:
   CUstream_st* stream_ = nullptr;
+  bool programmatic_dependent_launch_ = false;
 };
 
 class CudaEvent {

@@ -326,6 +326,9 @@ struct ExecutableOptions {
   bool use_decision_cache = true;
   std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
   bool capture_cuda_graph = true;             // run the whole plan as one CUDA graph replay
+  // In that replay, each generated GEMV launches as a programmatic dependent of the kernel before it
+  // (CudaStream::set_programmatic_dependent_launch): same kernels, same bits, launch gaps hidden.
+  bool programmatic_dependent_launch = false;
   TournamentOptions tournament;
   std::uint64_t gate_seed = 0x6d6574696c65;   // inputs of the numeric gate ("metile")
   std::vector<RegionLowering> extra_lowerings;

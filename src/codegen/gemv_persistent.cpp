@@ -27,7 +27,9 @@
 // (co_resident_blocks_per_multiprocessor) and that many SMs. A kernel sharing the device delays
 // the last blocks but does not wait on this one, so they are scheduled when it ends. The kernel
 // never triggers a programmatic dependent launch early, so no dependent can take the SMs that
-// blocks of this grid are still waiting for.
+// blocks of this grid are still waiting for; launched itself as a programmatic dependent, its blocks
+// that start early wait (griddepcontrol.wait) for a kernel that waits on nothing of theirs, and the
+// rest are scheduled as that kernel's blocks leave.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -283,7 +285,11 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
   if (threadIdx.x == 0) grid_arrivals = arrivals;  // published by the barrier after phase 1
 )CUDA";
   source += phase_call(config.gate_up, "gate_up", "gate_up_x", "hidden_out", "gate_up_partials", "gate_up_counters");
-  source += R"CUDA(  // Arrive: this block's hidden-state writes (the joins it finished) are visible before its arrival.
+  source += R"CUDA(  // Launched as a programmatic dependent (Executable graphs launch every generated GEMV so), a warp
+  // writes nothing before the previous kernel is done: a warp with a phase-1 piece waited in its
+  // mainloop; one without waits here, before the block's first write (its arrival).
+  gate_up::wait_for_previous_kernel();
+  // Arrive: this block's hidden-state writes (the joins it finished) are visible before its arrival.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {

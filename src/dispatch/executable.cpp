@@ -140,6 +140,7 @@ struct Executable::State {
   std::vector<DeviceStep> steps;
   std::vector<std::string> step_kinds;  // per step: what profile() sums it under
   CudaGraph replay;
+  bool programmatic_replay = false;  // the replay launches GEMVs as programmatic dependents
   std::vector<RegionReport> reports;
   int kernel_count = 0;
 
@@ -377,9 +378,13 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   state->steps = std::move(ordered.steps);
   state->step_kinds = std::move(ordered.kinds);
   if (options.capture_cuda_graph && !state->steps.empty()) {
+    state->stream.set_programmatic_dependent_launch(options.programmatic_dependent_launch);
     state->replay = CudaGraph::capture(state->stream, [&steps = state->steps](const CudaStream& stream) {
       run_steps(steps, stream);
     });
+    // Eager runs (profile(), no graph) launch plainly.
+    state->stream.set_programmatic_dependent_launch(false);
+    state->programmatic_replay = options.programmatic_dependent_launch;
   }
   return Executable(std::move(state));
 }
@@ -430,8 +435,9 @@ std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
 std::string Executable::report() const {
   std::string text;
   for (const RegionReport& report : state_->reports) text += report.sentence + "\n";
-  text += fmt::format("{} kernel launches per run{}\n", state_->kernel_count,
-                      state_->replay ? ", replayed as one CUDA graph" : "");
+  text += fmt::format("{} kernel launches per run{}{}\n", state_->kernel_count,
+                      state_->replay ? ", replayed as one CUDA graph" : "",
+                      state_->programmatic_replay ? " (GEMVs as programmatic dependents)" : "");
   return text;
 }
 

@@ -57,9 +57,11 @@ FusionRule parallel_epilogue_rule() {
   // The residual add on the down projection is a composable epilogue.
   rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 2};
   rule.materializes_escaping_values = true;
-  // gate and up accumulate together; the gated product is staged on chip for
-  // the down projection's mainloop.
-  rule.resources.stages_contraction_activations = true;
+  // gate and up accumulate together into the gated product, which the down projection reads back
+  // from global memory (src/dispatch/gemv_lowering.cpp: two GEMV stages; at decode the product is
+  // M x intermediate, a few hundred KB at most, and stays in L2). Nothing is staged in shared
+  // memory, so the region is not limited by it: staging it on chip refused Llama-3-8B at M >= 8.
+  rule.resources.stages_contraction_activations = false;
   return rule;
 }
 

@@ -14,6 +14,7 @@
 // Every figure is printed when it differs; seeds via METILE_TEST_SEED.
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -279,6 +280,35 @@ INSTANTIATE_TEST_SUITE_P(Architectures, GreedyOnTheDevice,
                          ::testing::Values(EngineCase{ModelArchitecture::llama, 0},
                                            EngineCase{ModelArchitecture::qwen2, 4}),
                          case_name);
+
+// Programmatic dependent launches change when a GEMV starts, not what it computes: the fused
+// engine (every region on its generated kernel: DispatchMode::fused) replayed with its GEMVs as
+// programmatic dependents gives the same bits as the plain replay, over a 16-token chunk, single
+// steps and greedy steps. A GEMV reading x before its predecessor wrote it would differ here.
+TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
+  const EngineCase engine_case = GetParam();
+  const std::uint64_t seed = test_seed("ProgrammaticLaunchesChangeNoBit");
+  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  ExecutableOptions plain = executable_;
+  plain.mode = DispatchMode::fused;
+  ExecutableOptions programmatic = plain;
+  programmatic.programmatic_dependent_launch = true;
+  CudaDecodeSession expected(cuda_model, EngineOptions{EnginePath::fused, plain, {}});
+  CudaDecodeSession actual(cuda_model, EngineOptions{EnginePath::fused, programmatic, {}});
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 19, model.config().vocab_size);  // 16 + 3
+  std::vector<std::int32_t> tokens(prompt.begin(), prompt.begin() + 16);
+  for (int step = 0; step < 12; ++step) {
+    SCOPED_TRACE(fmt::format("step {} ({} tokens)", step, tokens.size()));
+    const std::vector<float> want = expected.feed(tokens);
+    const std::vector<float> got = actual.feed(tokens);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+    const std::size_t row = want.size() - static_cast<std::size_t>(model.config().vocab_size);
+    const std::int32_t next = static_cast<std::int32_t>(argmax_index(std::span<const float>(want).subspan(row)));
+    tokens = step < 3 ? std::vector<std::int32_t>{prompt[static_cast<std::size_t>(16 + step)]} : std::vector<std::int32_t>{next};
+  }
+}
 
 // The planted kernel: for regions of one kind, a candidate that does the region's work (its nodes'
 // native steps) only the first time it runs on the region's own graph, which is when the gate

@@ -6,7 +6,8 @@
 //   verify-model       verify_fused_engine: native vs fused, teacher-forced; what was declined
 //                      and how each declined kind moved the figures; exit 1 when even the kept
 //                      plan misses the thresholds
-//   bench-model        copy bandwidth, then benchmark_engine on the fused and the native engine;
+//   bench-model        copy bandwidth, then benchmark_engine on the fused engine, the fused engine
+//                      with programmatic dependent launches, and the native engine;
 //                      --preset synthesizes the checkpoint into a temporary directory, removed after
 #include <unistd.h>
 
@@ -30,7 +31,13 @@ std::optional<CudaDevice>& opened_device() {
   return device;
 }
 
-void progress_line(const std::string& line) { fmt::print(stderr, "{}\n", line); }
+// Each line says how long the command has run (model loads and engine builds take minutes on
+// large checkpoints; the stamps show where).
+void progress_line(const std::string& line) {
+  static const auto start = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fmt::print(stderr, "[{:6.1f} s] {}\n", seconds, line);
+}
 
 std::shared_ptr<const CudaModel> upload(const DecoderModel& model) {
   require_cuda_device();
@@ -234,10 +241,22 @@ void bench_model(const ModelOptions& options) {
   const double bandwidth = measure_copy_bandwidth_gbps(stream);
   const std::shared_ptr<const CudaModel> cuda_model = CudaModel::load(model, device, progress_line);
   bench.copy_bandwidth_gbps = bandwidth;
+  // Fused, the fused plan again with its GEMVs launched as programmatic dependents (the same
+  // kernels: the second build takes every decision from the cache), then native.
+  struct Variant {
+    EnginePath path;
+    bool programmatic;
+    const char* label;
+  };
+  const Variant variants[] = {{EnginePath::fused, false, "fused"},
+                              {EnginePath::fused, true, "fused + PDL"},
+                              {EnginePath::native, false, "native"}};
   std::vector<EngineBenchmark> results;
-  for (EnginePath path : {EnginePath::fused, EnginePath::native}) {
-    progress_line(fmt::format("metile bench-model: measuring the {} engine", engine_path_name(path)));
-    CudaDecodeSession session(cuda_model, EngineOptions{path, executable_options(options), progress_line});
+  for (const Variant& variant : variants) {
+    progress_line(fmt::format("metile bench-model: measuring the {} engine", variant.label));
+    ExecutableOptions executable = executable_options(options);
+    executable.programmatic_dependent_launch = variant.programmatic;
+    CudaDecodeSession session(cuda_model, EngineOptions{variant.path, executable, progress_line});
     results.push_back(benchmark_engine(session, bench));
   }
   const std::int64_t step_bytes = cuda_model->decode_step_bytes(options.context);
@@ -259,7 +278,8 @@ void bench_model(const ModelOptions& options) {
     json["decode_step_bytes"] = step_bytes;
     json["copy_bandwidth_gbps"] = bandwidth;
     json["fused"] = benchmark_json(results[0]);
-    json["native"] = benchmark_json(results[1]);
+    json["fused_pdl"] = benchmark_json(results[1]);
+    json["native"] = benchmark_json(results[2]);
     fmt::print("{}\n", json.dump());
     return;
   }
@@ -268,10 +288,10 @@ void bench_model(const ModelOptions& options) {
              config.vocab_size, format, options.context, model.capacity(), device.info().name);
   fmt::print("weight-bandwidth floor: {:.3f} GB a step / {:.0f} GB/s copy bandwidth (measured now) = {:.3f} ms\n\n",
              static_cast<double>(step_bytes) / 1e9, bandwidth, results[0].floor_ms);
-  fmt::print("{:<40} {:>12} {:>12}\n", "", "fused", "native");
+  fmt::print("{:<40} {:>12} {:>12} {:>12}\n", "", "fused", "fused + PDL", "native");
   const auto row = [&](const std::string& label, auto value, const char* pattern) {
-    fmt::print("{:<40} {:>12} {:>12}\n", label, fmt::format(fmt::runtime(pattern), value(results[0])),
-               fmt::format(fmt::runtime(pattern), value(results[1])));
+    fmt::print("{:<40} {:>12} {:>12} {:>12}\n", label, fmt::format(fmt::runtime(pattern), value(results[0])),
+               fmt::format(fmt::runtime(pattern), value(results[1])), fmt::format(fmt::runtime(pattern), value(results[2])));
   };
   row("decode ms/token (graph replay)", [](const EngineBenchmark& r) { return r.decode_replay_ms; }, "{:.3f}");
   row("% of the weight-bandwidth floor", [](const EngineBenchmark& r) { return r.floor_percent; }, "{:.1f}%");
@@ -282,7 +302,9 @@ void bench_model(const ModelOptions& options) {
   row(fmt::format("prefill tokens/s ({}-token prompt)", options.prefill_tokens),
       [](const EngineBenchmark& r) { return r.prefill_tokens_per_second; }, "{:.0f}");
   row("device steps per decode step", [](const EngineBenchmark& r) { return r.launches; }, "{}");
-  for (const EngineBenchmark& result : results) print_breakdown(result);
+  // The PDL variant runs the same kernels eagerly: its breakdown is the fused one's.
+  print_breakdown(results[0]);
+  print_breakdown(results[2]);
 }
 
 }  // namespace metile::cli

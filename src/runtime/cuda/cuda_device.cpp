@@ -95,12 +95,14 @@ CudaStream::~CudaStream() {
   if (stream_ != nullptr) driver().cuStreamDestroy(stream_);
 }
 
-CudaStream::CudaStream(CudaStream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+CudaStream::CudaStream(CudaStream&& other) noexcept
+    : stream_(std::exchange(other.stream_, nullptr)), programmatic_dependent_launch_(other.programmatic_dependent_launch_) {}
 
 CudaStream& CudaStream::operator=(CudaStream&& other) noexcept {
   if (this != &other) {
     if (stream_ != nullptr) driver().cuStreamDestroy(stream_);
     stream_ = std::exchange(other.stream_, nullptr);
+    programmatic_dependent_launch_ = other.programmatic_dependent_launch_;
   }
   return *this;
 }
