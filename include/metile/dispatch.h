@@ -294,6 +294,11 @@ struct GemvStage {
   std::int64_t rows = 0;
   GemvEpilogue epilogue = GemvEpilogue::store();
   std::vector<ValueId> epilogue_tensors;  // in epilogue.tensor_inputs() order
+  // The region's RMSNorm of x (rule input prologue, normalized_input_prologue): input is then the
+  // norm's x, norm_weight its weight [K], and the kernel normalizes x as it loads it
+  // (GemvKernelConfig::x_rms_norm_eps). -1: x is read as it is.
+  ValueId norm_weight = -1;
+  double norm_eps = 0;
   std::vector<NodeId> nodes;              // the region's nodes this launch computes
   GemvKernelConfig base_config() const;   // register mainloop, default launch shape
 };
@@ -317,7 +322,10 @@ Lowered gemv_region_candidates(const ComputeGraph& graph, const FusionRegion& re
 // A matmul or quantized_matmul node as a region of its own (rule "contraction", roles input and
 // weight), so that unfused contractions race their GEMV like any region. When an argmax reads its
 // output (the LM head), the argmax joins it (rule "contraction_argmax"): the GEMV can take both.
-FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node);
+// When an RMSNorm not in `elsewhere` (other regions' nodes) computes its input and only it reads
+// that (the final norm before the LM head), the norm joins too (normalized_input_prologue: roles
+// norm_input, norm_weight), and the GEMV normalizes x as it loads it.
+FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node, const std::set<NodeId>& elsewhere = {});
 bool is_gemv_contraction_op(const Node& node);  // matmul or quantized_matmul
 
 // ---------------------------------------------------------------- executable

@@ -77,6 +77,13 @@ struct ResourceNeeds {
   bool stages_contraction_activations = false;
 };
 
+// A value a rule bound, under the name the rule gives it ("gate_weight", "residual", ...).
+struct RegionRole {
+  std::string role;
+  ValueId value = -1;
+  bool operator==(const RegionRole&) const = default;
+};
+
 // One op of a rule's required structure. Input slots name where each input
 // comes from: the role of another entry ("gate"), an outside value bound by a
 // name shared between entries ("$input": same name, same value), or ""
@@ -111,6 +118,28 @@ struct SiblingSpec {
   int max_members = 8;      // readers beyond this many stay out (the kernel writes one value per member)
 };
 
+// A producer of the value a region's role binds, joining the region when the region is its only
+// reader: the RMSNorm before a GEMV region (q/k/v siblings, gate/up), which the GEMV computes
+// while it loads x. The producer must match `pattern` (one entry; its "$name" slots bind roles as
+// a rule's do; slots naming other entries are not allowed), lie outside the region, and its value
+// must be read by region nodes only and be no graph output (the kernel never writes it).
+struct InputPrologue {
+  std::string role;   // "input"
+  OpPattern pattern;  // "norm": rms_norm("$norm_input", "$norm_weight")
+};
+// The RMSNorm prologue of the GEMV regions (rules.cpp): rms_norm(norm_input, norm_weight) producing
+// the role "input".
+InputPrologue normalized_input_prologue();
+// The node `prologue` adds to a region of `region_nodes` with `roles`, and the roles it binds; or
+// why it adds none ("`normed` is also read by `other`", "the role 'input' is a graph input").
+struct PrologueMatch {
+  Decision decision;
+  NodeId node = -1;
+  std::vector<RegionRole> roles;
+};
+PrologueMatch match_input_prologue(const ComputeGraph& graph, std::span<const NodeId> region_nodes,
+                                   std::span<const RegionRole> roles, const InputPrologue& prologue);
+
 // A declarative fusion rule: a pattern anchored at its last entry, optional
 // growth on the producer side (prologue) and consumer side (epilogue), and the
 // resources its kernel takes. Growth ops must produce the anchor's output shape
@@ -131,6 +160,9 @@ struct FusionRule {
   std::string epilogue_add_operand_role = {};
   // When set, the rule groups siblings (SiblingSpec) instead of growing a neighborhood.
   std::optional<SiblingSpec> siblings = {};
+  // When set, every region the rule proposes is proposed a second time with this producer of its
+  // input (InputPrologue) when it may join; conflict selection keeps the better of the two.
+  std::optional<InputPrologue> input_prologue = {};
 };
 
 // Rules in priority order (an identical region found by two rules keeps the
@@ -175,12 +207,6 @@ Decision within_limits(const RegionEstimate& estimate, const FusionTarget& targe
 // ---------------------------------------------------------------- plans
 
 // One kernel-to-be: a convex set of nodes and the values crossing its boundary.
-// A value a rule bound, under the name the rule gives it ("gate_weight", "residual", ...).
-struct RegionRole {
-  std::string role;
-  ValueId value = -1;
-  bool operator==(const RegionRole&) const = default;
-};
 
 struct FusionRegion {
   std::string rule;              // the rule that matched, e.g. "residual_add_rms_norm", "swiglu_mlp"

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -217,13 +218,20 @@ struct GemvKernelConfig {
   // (broadcast over rows) only.
   std::vector<std::int64_t> output_splits = {};
 
+  // x normalized while it is loaded (the RMSNorm before the GEMV, FusionRule::input_prologue): when
+  // set, the kernel reads x [M, K] and the norm's weight [K] (the pointer after x) and computes with
+  // rms_norm(x, weight, eps) rounded to the activation dtype, each product rounded in f32 as the op's
+  // CPU reference does. Every block reduces each whole row for the scale (a split-K or streamed block
+  // too, though it reads only part of K for the mainloop: x is at most 16 rows).
+  std::optional<double> x_rms_norm_eps = std::nullopt;
+
   void validate() const;  // InputError naming the bad field
   std::string to_string() const;
 };
 
 // The generated kernel and how to launch it. Arguments, in order: for each weight matrix its
 // weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
-// (affine only), then x [M, K], then each epilogue tensor, then out [M, N] (with output_splits:
+// (affine only), then x [M, K] (and, with x_rms_norm_eps, the norm's weight [K]), then each epilogue tensor, then out [M, N] (with output_splits:
 // one out per split, [M, width] each), then (argmax_rows) next [M] i32; all pointers.
 // A streamed, split-K or argmax kernel takes one more pointer last: its workspace (workspace_bytes,
 // zeroed once before the first launch; every launch leaves it ready for the next, so launches on

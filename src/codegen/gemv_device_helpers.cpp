@@ -135,6 +135,70 @@ __device__ __forceinline__ float sum_of_eight(const uint4& value) {
          to_f32(value.z & 0xFFFFu) + to_f32(value.z >> 16) + to_f32(value.w & 0xFFFFu) + to_f32(value.w >> 16);
 }
 
+// x normalized as it is loaded (GemvKernelConfig::x_rms_norm_eps: the RMSNorm before the GEMV).
+// Each block reduces every activation row over the whole of K for the norm's scale, then every load
+// of x multiplies by the row's scale and the norm's weight as rms_norm's CPU reference does
+// (rms_norm_math, src/graph/op_registry.cpp): (x * scale) * weight, each product rounded in f32, the
+// result rounded to the activation dtype (the normalized value a native rms_norm would have written).
+// x_norm_scratch: per warp and row a partial sum of squares, then per row the scale.
+__shared__ float x_norm_scratch[kNormedX ? (kWarps + 1) * kPaddedM : 1];
+
+__device__ __forceinline__ float sum_of_eight_squares(const uint4& value) {
+  const u32 words[4] = {value.x, value.y, value.z, value.w};
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float low = to_f32(words[i] & 0xFFFFu), high = to_f32(words[i] >> 16);
+    total = fmaf(low, low, total);
+    total = fmaf(high, high, total);
+  }
+  return total;
+}
+
+// The rows' scales 1 / sqrt(mean(x^2) + eps) into x_norm_scratch; every thread of the block calls it
+// once, after the wait for the previous kernel (x may be its output).
+__device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x) {
+  if constexpr (kNormedX) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int m = 0; m < kM; ++m) {
+      float total = 0.0f;
+      for (int v = threadIdx.x; v < kK / 8; v += kThreads) total += sum_of_eight_squares(load_activations(x + (m * kK + 8 * v)));
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
+      if (lane == 0) x_norm_scratch[warp * kPaddedM + m] = total;
+    }
+    __syncthreads();
+    if (threadIdx.x < kM) {
+      float total = 0.0f;
+      for (int w = 0; w < kWarps; ++w) total += x_norm_scratch[w * kPaddedM + threadIdx.x];
+      // The reference's 1 / sqrt in double, rounded once to f32.
+      x_norm_scratch[kWarps * kPaddedM + threadIdx.x] = (float)(1.0 / sqrt((double)total / kK + kNormEps));
+    }
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ u32 normalized_pair(u32 pair, u32 weight_pair, float scale) {
+  const float low = __fmul_rn(__fmul_rn(to_f32(pair & 0xFFFFu), scale), to_f32(weight_pair & 0xFFFFu));
+  const float high = __fmul_rn(__fmul_rn(to_f32(pair >> 16), scale), to_f32(weight_pair >> 16));
+  return (u32)from_f32(low) | ((u32)from_f32(high) << 16);
+}
+
+// The eight values of row m at columns k .. k + 7 (k a multiple of 8) as both mainloops read x:
+// normalized when kNormedX (after compute_x_row_scales), else as stored.
+__device__ __forceinline__ uint4 load_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight, int m, int k) {
+  const uint4 value = load_activations(x + (m * kK + k));
+  if constexpr (kNormedX) {
+    const uint4 weight = load_activations(norm_weight + k);
+    const float scale = x_norm_scratch[kWarps * kPaddedM + m];
+    return make_uint4(normalized_pair(value.x, weight.x, scale), normalized_pair(value.y, weight.y, scale),
+                      normalized_pair(value.z, weight.z, scale), normalized_pair(value.w, weight.w, scale));
+  } else {
+    (void)norm_weight;
+    return value;
+  }
+}
+
 // The B fragments of one iteration's x for both mainloops: lane (g, t) holds activation rows g and
 // g + 8, columns 32c + 8t .. + 7 of each chunk c (the A fragments' column permutation).
 // `read(m, column)` reads row m at `column` within the iteration where `live(column)`; rows past kM
@@ -276,6 +340,7 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
     source += "\n";
   }
   source += "    const u16* __restrict__ x,\n";
+  if (config.x_rms_norm_eps) source += "    const u16* __restrict__ x_norm_weight,  // [K], the RMSNorm's weight\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
                           tensors[i].broadcast_rows ? " [N]" : " [M, N]");
@@ -296,6 +361,7 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
   } else {
     source += fmt::format("  const u16* const scale_bias[kProducts] = {{nullptr{}}};\n", products == 2 ? ", nullptr" : "");
   }
+  if (!config.x_rms_norm_eps) source += "  const u16* const x_norm_weight = nullptr;  // x is not normalized\n";
   return source;
 }
 
@@ -341,7 +407,13 @@ std::string gemv_outputs_binding(const GemvKernelConfig& config) {
 std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config) {
   std::string text = config.epilogue.to_string() + "|" + config.epilogue.cuda_expression();
   for (std::int64_t width : config.output_splits) text += fmt::format("|{}", width);
+  if (config.x_rms_norm_eps) text += fmt::format("|rms_norm {:.17g}", *config.x_rms_norm_eps);
   return fnv1a_64(text);
+}
+
+std::int64_t x_norm_shared_bytes(const GemvKernelConfig& config) {
+  if (!config.x_rms_norm_eps) return 4;
+  return (std::int64_t{config.warps_per_block} + 1) * ((config.rows + 7) / 8 * 8) * 4;
 }
 
 namespace {
@@ -368,10 +440,11 @@ std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_writte
       "constexpr int kM = {};\nconstexpr int kN = {};\nconstexpr int kK = {};\n"
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\nconstexpr int kWarps = {};\n"
-      "constexpr bool kXWrittenInKernel = {};\n",
+      "constexpr bool kNormedX = {};\nconstexpr double kNormEps = {:.17g};\nconstexpr bool kXWrittenInKernel = {};\n",
       config.rows, config.out_features, config.in_features, config.format.bits, config.format.group_size,
       config.format.activation == DType::f16 ? "true" : "false", config.format.columns_per_iteration(),
-      config.epilogue.product_count(), config.warps_per_block, x_written_in_kernel ? "true" : "false");
+      config.epilogue.product_count(), config.warps_per_block, config.x_rms_norm_eps ? "true" : "false",
+      config.x_rms_norm_eps.value_or(0.0), x_written_in_kernel ? "true" : "false");
 }
 
 }  // namespace metile::gemv_detail

@@ -64,6 +64,10 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
 std::string gemv_output_functions(const GemvKernelConfig& config);
 std::string gemv_outputs_binding(const GemvKernelConfig& config);
 
+// Static shared memory the x normalization takes (GemvKernelConfig::x_rms_norm_eps: per warp and
+// row a partial sum of squares, per row the scale); a few bytes when x is not normalized.
+std::int64_t x_norm_shared_bytes(const GemvKernelConfig& config);
+
 // The streamed mainloop (gemv_streamed.cpp).
 void validate_streamed(const GemvKernelConfig& config);  // InputError when it cannot be built
 GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config);

@@ -166,7 +166,8 @@ __shared__ __align__(8) float group_sums[kGroupSumFloats];
 
 // Fills group_sums for the iterations [begin, end) (x through the pointer the wait returned); the
 // caller synchronizes the block.
-__device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, int begin, int end) {
+__device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, const u16* __restrict__ norm_weight, int begin,
+                                                int end) {
   const int first_group = begin * kGroupsPerIteration, groups = (end - begin) * kGroupsPerIteration;
   for (int unit = threadIdx.x; unit < groups * kPaddedM; unit += kThreads) {
     const int m = unit / groups, group = first_group + (unit - m * groups);
@@ -175,24 +176,38 @@ __device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, int b
       for (int v = 0; v < kGroup / 8; ++v) {
         const int k = group * kGroup + 8 * v;
         if (k >= kK) break;
-        total += sum_of_eight(load_activations(x + m * kK + k));
+        total += sum_of_eight(load_x(x, norm_weight, m, k));
       }
     }
     group_sums[group * kPaddedM + m] = total;
   }
 }
 
+// What the block computes from x once, after the wait (x through the pointer it returned): the
+// RMSNorm's row scales (kNormedX), then the shared group sums (of the normalized x). fill_sums is
+// the same for the whole block, so every warp reaches the barriers or none does.
+__device__ __forceinline__ void prepare_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight, int begin,
+                                          int end, bool fill_sums) {
+  if (!fill_sums) return;
+  compute_x_row_scales(x);
+  if constexpr (kSharedGroupSums) {
+    fill_group_sums(x, norm_weight, begin, end);
+    __syncthreads();
+  }
+}
+
 // The math of one batch: x fragments, then per group the mma products and the scale/bias fold.
 template <int P>
 __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves][4], const Batch<P>& batch,
-                                              const u16* __restrict__ x, int first, int end, int lane) {
+                                              const u16* __restrict__ x, const u16* __restrict__ norm_weight, int first,
+                                              int end, int lane) {
 #pragma unroll
   for (int u = 0; u < kInFlight; ++u) {
     const int it = first + u * kWarps;
     uint4 xv[kRowHalves][kChunksPerIteration];
     load_x_fragments(
         xv, lane, [&](int column) { return it < end && it * kColumnsPerIteration + column < kK; },
-        [&](int m, int column) { return load_activations(x + (m * kK + it * kColumnsPerIteration + column)); });
+        [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
     if constexpr (kAffine) {
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
@@ -254,7 +269,7 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 template <int P>
 __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
                                            const u16* const (&scale_bias)[P], const u16* __restrict__ x,
-                                           const int warp, const int lane, const int first_tile, const int split_begin,
+                                           const u16* __restrict__ norm_weight, const int warp, const int lane, const int first_tile, const int split_begin,
                                            const int split_end, unsigned char* ring, const bool fill_sums) {
   constexpr int kStride = kWarps * kInFlight;
   // kSplits == 0: the caller's bounds (the persistent decode MLP's stream-K pieces).
@@ -271,10 +286,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       issue += kStride;
     }
     x = activations_ready(x);
-    if (kSharedGroupSums && fill_sums) {  // fill_sums is the same for the whole block
-      fill_group_sums(x, begin, end);
-      __syncthreads();
-    }
+    prepare_x(x, norm_weight, begin, end, fill_sums);
     int slot = 0;
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
@@ -286,7 +298,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       copy_async_wait<kSharedStages - 1>();
       Batch<P> batch;
       read_batch<P>(batch, ring + slot * SharedSlot<P>::kBytes, lane);
-      compute_batch(acc, batch, x, first, end, lane);
+      compute_batch(acc, batch, x, norm_weight, first, end, lane);
       slot = slot + 1 == kSharedStages ? 0 : slot + 1;
     }
     copy_async_wait<0>();
@@ -294,18 +306,15 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
     x = activations_ready(x);
-    if (kSharedGroupSums && fill_sums) {
-      fill_group_sums(x, begin, end);
-      __syncthreads();
-    }
+    prepare_x(x, norm_weight, begin, end, fill_sums);
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
       if (second < end) load_batch(odd, weights, scale_bias, second, end, lane, first_tile);
-      compute_batch(acc, even, x, first, end, lane);
+      compute_batch(acc, even, x, norm_weight, first, end, lane);
       if (second >= end) break;
       if (second + kStride < end) load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
-      compute_batch(acc, odd, x, second, end, lane);
+      compute_batch(acc, odd, x, norm_weight, second, end, lane);
     }
   } else {
     // The wait comes before the loop: with it inside the first iteration (after the first weight
@@ -314,14 +323,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     // after the wait. This schedule is the unpipelined one; it loses no overlap worth keeping.
     Batch<P> batch;
     x = activations_ready(x);
-    if (kSharedGroupSums && fill_sums) {  // every warp must reach the barrier
-      fill_group_sums(x, begin, end);
-      __syncthreads();
-    }
+    prepare_x(x, norm_weight, begin, end, fill_sums);  // every warp must reach its barriers
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
       load_batch(batch, weights, scale_bias, first, end, lane, first_tile);
-      compute_batch(acc, batch, x, first, end, lane);
+      compute_batch(acc, batch, x, norm_weight, first, end, lane);
     }
   }
 }
@@ -381,7 +387,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
         for (int h = 0; h < kRowHalves; ++h) acc[0][i][h][0] = acc[0][i][h][1] = acc[0][i][h][2] = acc[0][i][h][3] = 0.0f;
       const u32* const one_weights[1] = {weights[p]};
       const u16* const one_scale_bias[1] = {scale_bias[p]};
-      accumulate<1>(acc, one_weights, one_scale_bias, x, warp, lane, first_tile, begin, end, ring, p == 0);
+      accumulate<1>(acc, one_weights, one_scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring, p == 0);
       spill(acc[0], partial, warp, p, lane);
     }
   } else {
@@ -393,7 +399,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
-    accumulate<kProducts>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring, true);
+    accumulate<kProducts>(acc, weights, scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring, true);
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
@@ -652,19 +658,21 @@ void GemvKernelConfig::validate() const {
   if (shared_group_sums && !format.is_affine()) {
     throw InputError("GEMV: shared_group_sums needs affine weights (dense has no groups)");
   }
-  if (shared + group_sum_bytes(*this) > 48 * 1024) {
+  const std::int64_t static_shared = shared + group_sum_bytes(*this) + x_norm_shared_bytes(*this);
+  if (static_shared > 48 * 1024) {
     throw InputError(fmt::format("GEMV {}: {} bytes of static shared memory for partial and group sums (at most 49152)",
-                                 to_string(), shared + group_sum_bytes(*this)));
+                                 to_string(), static_shared));
   }
-  if (shared + group_sum_bytes(*this) + staged_ring_bytes(*this) > shared_memory_per_block) {
+  if (static_shared + staged_ring_bytes(*this) > shared_memory_per_block) {
     throw InputError(fmt::format("GEMV {}: {} bytes of shared memory per block (at most {})", to_string(),
-                                 shared + group_sum_bytes(*this) + staged_ring_bytes(*this), shared_memory_per_block));
+                                 static_shared + staged_ring_bytes(*this), shared_memory_per_block));
   }
 }
 
 std::string GemvKernelConfig::to_string() const {
   std::string text = fmt::format("{} M={} N={} K={} [{}]", format.to_string(), rows, out_features, in_features,
                                  epilogue.to_string());
+  if (x_rms_norm_eps) text += fmt::format(" x=rms_norm(eps={:g})", *x_rms_norm_eps);
   if (!output_splits.empty()) text += fmt::format(" outputs={}", fmt::join(output_splits, "+"));
   if (mainloop == GemvMainloop::streamed) {
     return text + fmt::format(" streamed warps={} stage_iterations={} stages={} grid={}x{}", warps_per_block,
@@ -730,7 +738,8 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   result.source = std::move(source);
   result.grid_blocks = static_cast<unsigned>(tile_blocks * config.k_splits);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
-  result.static_shared_bytes = static_cast<unsigned>(partial_sum_bytes(config) + group_sum_bytes(config));
+  result.static_shared_bytes =
+      static_cast<unsigned>(partial_sum_bytes(config) + group_sum_bytes(config) + x_norm_shared_bytes(config));
   result.dynamic_shared_bytes = static_cast<unsigned>(staged_ring_bytes(config));
   if (config.k_splits > 1) {
     result.workspace_bytes = static_cast<std::uint64_t>(tile_blocks * config.k_splits * products * config.rows *

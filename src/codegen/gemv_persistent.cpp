@@ -99,7 +99,7 @@ __device__ __forceinline__ void run_phase(const u32* const (&weights)[kProducts]
     for (int p = 0; p < kProducts; ++p)
 #pragma unroll
       for (int h = 0; h < kRowHalves; ++h) acc[p][0][h][0] = acc[p][0][h][1] = acc[p][0][h][2] = acc[p][0][h][3] = 0.0f;
-    accumulate<kProducts>(acc, weights, scale_bias, x, 0, lane, (int)item, first, last, nullptr, false);
+    accumulate<kProducts>(acc, weights, scale_bias, x, nullptr, 0, lane, (int)item, first, last, nullptr, false);
     float piece[kProducts][kRowHalves][4];
 #pragma unroll
     for (int p = 0; p < kProducts; ++p)
@@ -215,6 +215,9 @@ void PersistentMlpConfig::validate() const {
     }
   }
   if (down.epilogue.product_count() != 1) throw InputError("persistent MLP: the down phase multiplies one matrix");
+  if (gate_up.x_rms_norm_eps || down.x_rms_norm_eps) {
+    throw InputError("persistent MLP: x normalized as it is loaded (the RMSNorm prologue) is not supported");
+  }
   if (gate_up.format != down.format || gate_up.rows != down.rows || down.in_features != gate_up.out_features) {
     throw InputError(fmt::format("persistent MLP: down ({}) must read gate/up's output ({}): same format and rows, K = N",
                                  down.to_string(), gate_up.to_string()));

@@ -246,7 +246,7 @@ __device__ __forceinline__ void finish_piece(const float (&acc)[kProducts][kRowH
 constexpr std::string_view streamed_tail = R"CUDA(
 __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProducts],
                                               const u16* const (&scale_bias)[kProducts], const u16* __restrict__ x,
-                                              const Outputs& outputs, float* partials, u32* counters) {
+                                              const u16* __restrict__ norm_weight, const Outputs& outputs, float* partials, u32* counters) {
   extern __shared__ __align__(128) unsigned char shared[];
   allow_dependent_launch();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -274,9 +274,11 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
     issue += stage_count(issue, end);
   }
 
-  // x of the slices this block's warps touch, all M rows, and the per-group sums of each row;
-  // x may be the previous kernel's output.
+  // x of the slices this block's warps touch, all M rows (normalized when kNormedX: the row scales
+  // come from the whole of K first), and the per-group sums of each row; x may be the previous
+  // kernel's output.
   x = after_previous_kernel(x);
+  compute_x_row_scales(x);
   constexpr long long kSlicePositions = (long long)kTileCount * kSliceIterations;
   const long long block_begin = share_begin((long long)blockIdx.x * kWarps);
   const long long block_end = share_begin((long long)(blockIdx.x + 1) * kWarps);
@@ -293,7 +295,7 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
     for (int v = 0; v < kVectorsPerUnit; ++v) {
       const int column = (first_slice + slice) * kSliceColumns + first_column + 8 * v;
       uint4 value = make_uint4(0u, 0u, 0u, 0u);
-      if (column < kK) value = *reinterpret_cast<const uint4*>(x + (long long)m * kK + column);
+      if (column < kK) value = load_x(x, norm_weight, m, column);
       *reinterpret_cast<uint4*>(xs + (slice * kM + m) * kXRowElements + first_column + 8 * v) = value;
       if constexpr (kAffine) total += sum_of_eight(value);
     }
@@ -422,7 +424,8 @@ StreamedPlan plan_with_slices(const GemvKernelConfig& config, int slices) {
 StreamedPlan plan_streamed(const GemvKernelConfig& config) {
   const int columns_per_iteration = config.format.columns_per_iteration();
   const std::int64_t iterations = (config.in_features + columns_per_iteration - 1) / columns_per_iteration;
-  const std::int64_t limit = shared_limit(config.blocks_per_multiprocessor);
+  // The x normalization's few static bytes share the block's limit with the dynamic layout.
+  const std::int64_t limit = shared_limit(config.blocks_per_multiprocessor) - x_norm_shared_bytes(config);
   StreamedPlan smallest;
   for (std::int64_t slices = 1; slices <= iterations; ++slices) {
     if (iterations % slices != 0) continue;
@@ -484,12 +487,13 @@ GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
   source += gemv_kernel_entry(config, result.kernel_name, ", float* __restrict__ workspace");
   source += gemv_outputs_binding(config);
   source += fmt::format(
-      "  streamed_gemv(weights, scale_bias, x, outputs, workspace, reinterpret_cast<u32*>(workspace + {}));\n}}\n",
+      "  streamed_gemv(weights, scale_bias, x, x_norm_weight, outputs, workspace, reinterpret_cast<u32*>(workspace + {}));\n}}\n",
       plan.items * plan.max_pieces * products * 16 * config.rows);
 
   result.source = std::move(source);
   result.grid_blocks = static_cast<unsigned>(plan.blocks);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
+  result.static_shared_bytes = static_cast<unsigned>(x_norm_shared_bytes(config));
   result.dynamic_shared_bytes = static_cast<unsigned>(plan.shared_bytes);
   result.workspace_bytes = static_cast<std::uint64_t>(plan.workspace_bytes);
   result.k_slices = plan.slices;

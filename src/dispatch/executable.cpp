@@ -363,14 +363,19 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
     state->reports.push_back(std::move(report));
   };
   for (std::size_t r = 0; r < plan.regions.size(); ++r) add_region(plan.regions[r], static_cast<int>(r));
+  // An unfused matmul / quantized_matmul (q, k, v, the LM head) races its lowerings (the GEMV)
+  // against cuBLASLt like a region of its own, with the unfused RMSNorm that only it reads (the
+  // final norm): those regions are made before the remaining nodes run natively, as the norm comes
+  // first in graph order.
+  if (options.mode != DispatchMode::native) {
+    for (const Node& node : graph.nodes()) {
+      if (!covered.contains(node.id) && is_gemv_contraction_op(node)) {
+        add_region(contraction_node_region(graph, node.id, covered), -1);
+      }
+    }
+  }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
-    // An unfused matmul / quantized_matmul (q, k, v, the LM head) races its lowerings (the GEMV)
-    // against cuBLASLt like a region of its own.
-    if (options.mode != DispatchMode::native && is_gemv_contraction_op(node)) {
-      add_region(contraction_node_region(graph, node.id), -1);
-      continue;
-    }
     units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op});
     state->kernel_count += 1;
   }

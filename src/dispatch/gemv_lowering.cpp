@@ -9,6 +9,11 @@
 //   contraction            one GEMV with a plain store                 input, weight
 //   contraction_argmax     one GEMV with a plain store and the rows'   input, weight
 //                          argmax (argmax_rows: the LM head's greedy token)
+//   sibling_contractions   one GEMV over the stacked weights (q, k, v)  input, weight.i, bias.i
+//
+// A region that holds the RMSNorm of its input (the rules' input prologue: norm_input, norm_weight)
+// launches nothing for it: the GEMV reading the normalized value reads the norm's x and weight and
+// normalizes x as it loads it (GemvKernelConfig::x_rms_norm_eps).
 //
 // Planning happens on the region graph (region_graph): every value the region reads from outside
 // is an input there, so GemvEpilogue::from_graph stops at the region's boundary and the kernel
@@ -87,13 +92,14 @@ GemvKernelConfig GemvStage::base_config() const {
   config.in_features = matrices.front().in_features;
   config.epilogue = epilogue;
   config.argmax_rows = argmax_output >= 0;
+  if (norm_weight >= 0) config.x_rms_norm_eps = norm_eps;
   for (const GemvRowPart& part : row_parts) config.output_splits.push_back(part.matrix.out_features);
   return config;
 }
 
 bool is_gemv_contraction_op(const Node& node) { return node.op == "matmul" || node.op == "quantized_matmul"; }
 
-FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node) {
+FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node, const std::set<NodeId>& elsewhere) {
   const Node& contraction = graph.node(node);
   std::vector<NodeId> argmaxes;
   for (const Node& reader : graph.nodes()) {
@@ -103,6 +109,15 @@ FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node) {
                                              : region_of_nodes(graph, {node}, "contraction");
   if (is_gemv_contraction_op(contraction) && contraction.inputs.size() >= 2) {
     region.roles = {{"input", contraction.inputs[0]}, {"weight", contraction.inputs[1]}};
+    const PrologueMatch norm = match_input_prologue(graph, region.nodes, region.roles, normalized_input_prologue());
+    if (norm.decision && !elsewhere.contains(norm.node)) {
+      std::vector<NodeId> nodes = region.nodes;
+      nodes.push_back(norm.node);
+      std::vector<RegionRole> roles = region.roles;
+      roles.insert(roles.end(), norm.roles.begin(), norm.roles.end());
+      region = region_of_nodes(graph, std::move(nodes), region.rule);
+      region.roles = std::move(roles);
+    }
   }
   return region;
 }
@@ -251,6 +266,44 @@ Decision epilogue_of(const RegionView& view, ValueId output, std::vector<ValueId
   return Decision::allow();
 }
 
+// When the region computes the stage's x itself by an RMSNorm (the input prologue), the stage reads
+// the norm's x and weight instead and normalizes x as it loads it; the normalized value must stay
+// inside the region (the kernel never writes it) and be read only by the stage's contractions.
+// Returns the norm's node (or -1: x comes from outside the region), or why the GEMV cannot do it.
+Decision normalized_input(const RegionView& view, GemvStage& stage, NodeId& norm_node) {
+  const ComputeGraph& sub = view.sub;
+  const ValueId normalized = stage.input;
+  norm_node = sub.value(normalized).producer;
+  if (norm_node < 0) return Decision::allow();
+  const Node& norm = sub.node(norm_node);
+  if (norm.op != "rms_norm" || norm.inputs.size() != 2) {
+    return Decision::refuse(fmt::format("x '{}' is computed in the region by '{}' ({}); the GEMV normalizes x by an "
+                                        "rms_norm only", sub.value(normalized).name, norm.name, norm.op));
+  }
+  const auto& outputs = view.region.outputs;
+  if (std::find(outputs.begin(), outputs.end(), normalized) != outputs.end()) {
+    return Decision::refuse(fmt::format("'{}' is also written by the region; the GEMV normalizes x as it loads it and "
+                                        "writes no normalized x", sub.value(normalized).name));
+  }
+  for (NodeId reader : sub.consumers(normalized)) {
+    const Node& node = sub.node(reader);
+    if (!is_gemv_contraction_op(node) || node.inputs[0] != normalized) {
+      return Decision::refuse(fmt::format("'{}' is read by '{}' ({}), not only as the GEMV's x", sub.value(normalized).name,
+                                          node.name, node.op));
+    }
+  }
+  const TensorSpec& x = sub.value(norm.inputs[0]).spec;
+  const TensorSpec& weight = sub.value(norm.inputs[1]).spec;
+  if (weight.dtype != x.dtype || weight.rank() != 1 || weight.shape[0] != x.row_length()) {
+    return Decision::refuse(fmt::format("the rms_norm weight {} is not [K] in x's dtype {}: the GEMV reads it beside x",
+                                        described(sub, norm.inputs[1]), dtype_name(x.dtype)));
+  }
+  stage.input = norm.inputs[0];
+  stage.norm_weight = norm.inputs[1];
+  stage.norm_eps = norm.attributes.get_double("eps");
+  return Decision::allow();
+}
+
 // The stages' value ids, from the region graph's to the graph's.
 GemvRegionPlan mapped_to(const ComputeGraph& graph, const ComputeGraph& sub, std::vector<GemvStage> stages) {
   auto map = [&](ValueId& id) {
@@ -269,6 +322,7 @@ GemvRegionPlan mapped_to(const ComputeGraph& graph, const ComputeGraph& sub, std
       map(part.output);
     }
     map(stage.input);
+    map(stage.norm_weight);
     map(stage.output);
     map(stage.argmax_output);
     for (ValueId& id : stage.epilogue_tensors) map(id);
@@ -342,6 +396,8 @@ GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& r
   }
   gate_up.matrices = {gate_matrix, up_matrix};
   gate_up.input = input;
+  NodeId norm = -1;
+  if (Decision normalized = normalized_input(view, gate_up, norm); !normalized) return {std::move(normalized), {}};
   const ValueId hidden = sub.node(*down).inputs[0];
   Decision decision = epilogue_of(view, hidden, {sub.node(*gate).outputs[0], sub.node(*up).outputs[0]}, gate_up,
                                   "the gate/up epilogue");
@@ -386,6 +442,8 @@ GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegi
   if (!decision) return {std::move(decision), {}};
   stage.matrices = {matrix};
   stage.input = *view.region.role("input");
+  NodeId norm = -1;
+  if (decision = normalized_input(view, stage, norm); !decision) return {std::move(decision), {}};
   std::vector<ValueId> written = view.region.outputs;
   if (region.rule == "contraction_argmax") {
     // The argmax of the contraction's values: the kernel's argmax_rows join; the values are the store.
@@ -453,6 +511,9 @@ GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion&
     }
     stage.row_parts.push_back(part);
   }
+  NodeId norm = -1;
+  if (Decision normalized = normalized_input(view, stage, norm); !normalized) return {std::move(normalized), {}};
+  if (norm >= 0) covered.insert(norm);
   for (NodeId id : view.region.nodes) {
     if (!covered.contains(id)) {
       return refuse(fmt::format("node '{}' ({}) is neither a stacked contraction nor its bias add", sub.node(id).name,
@@ -642,6 +703,7 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
     arguments.add_pointer(stacked.back()->words);
     if (stage.matrices.front().format.is_affine()) arguments.add_pointer(stacked.back()->scale_bias);
     arguments.add_pointer(values[stage.input].address());
+    if (stage.norm_weight >= 0) arguments.add_pointer(values[stage.norm_weight].address());
     if (!stage.epilogue.tensor_inputs().empty()) arguments.add_pointer(stacked.back()->bias);
     for (const GemvRowPart& part : stage.row_parts) arguments.add_pointer(values[part.output].address());
     return;
@@ -656,6 +718,7 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
     }
   }
   arguments.add_pointer(values[stage.input].address());
+  if (stage.norm_weight >= 0) arguments.add_pointer(values[stage.norm_weight].address());
   for (ValueId tensor : stage.epilogue_tensors) arguments.add_pointer(values[tensor].address());
   arguments.add_pointer(values[stage.output].address());
   if (stage.argmax_output >= 0) arguments.add_pointer(values[stage.argmax_output].address());

@@ -184,6 +184,20 @@ std::vector<RegionRole> region_roles(const ComputeGraph& graph, const FusionRule
   return roles;
 }
 
+void validate_input_prologue(const FusionRule& rule) {
+  if (!rule.input_prologue) return;
+  const std::string where = "rule '" + rule.name + "'";
+  const InputPrologue& prologue = *rule.input_prologue;
+  if (prologue.role.empty() || prologue.pattern.role.empty()) {
+    throw InputError(where + ": an input prologue names the role it produces and its entry's role");
+  }
+  for (const std::string& source : prologue.pattern.inputs) {
+    if (!source.empty() && source.front() != '$') {
+      throw InputError(where + ": the input prologue's slot '" + source + "' names an entry; it may bind \"$name\"s only");
+    }
+  }
+}
+
 void validate_rule_set(const RuleSet& rules) {
   if (rules.max_neighborhood_nodes < 1) throw InputError("rule set: max_neighborhood_nodes must be at least 1");
   if (rules.max_exact_component_size < 1 || rules.max_exact_component_size > 40) {
@@ -237,6 +251,7 @@ void validate_rule_set(const RuleSet& rules) {
                                  "different \"$name\" slots, and at least 2 members");
       }
     }
+    validate_input_prologue(rule);
     for (const GrowthSpec* growth : {&rule.prologue, &rule.epilogue}) {
       if (growth->max_depth < -1) throw InputError(where + ": a growth depth must be -1 (unbounded) or more");
     }
@@ -244,3 +259,45 @@ void validate_rule_set(const RuleSet& rules) {
 }
 
 }  // namespace metile::fusion_internal
+
+namespace metile {
+
+PrologueMatch match_input_prologue(const ComputeGraph& graph, std::span<const NodeId> region_nodes,
+                                   std::span<const RegionRole> roles, const InputPrologue& prologue) {
+  PrologueMatch result;
+  auto refused = [&](std::string why) {
+    result.decision = Decision::refuse(std::move(why));
+    return result;
+  };
+  const auto bound = std::find_if(roles.begin(), roles.end(), [&](const RegionRole& r) { return r.role == prologue.role; });
+  if (bound == roles.end()) return refused(fmt::format("the region binds no role '{}'", prologue.role));
+  const NodeId producer = graph.value(bound->value).producer;
+  if (producer < 0) {
+    return refused(fmt::format("'{}' (role '{}') is a graph input", graph.value(bound->value).name, prologue.role));
+  }
+  auto inside = [&](NodeId node) { return std::find(region_nodes.begin(), region_nodes.end(), node) != region_nodes.end(); };
+  if (inside(producer)) return refused(fmt::format("{} is in the region already", fusion_internal::label(graph.node(producer))));
+  FusionRule one_entry;
+  one_entry.name = "input prologue";
+  one_entry.pattern = {prologue.pattern};
+  const fusion_internal::PatternMatch match = fusion_internal::match_pattern(graph, one_entry, producer);
+  if (!match) return refused(match.decision.reason);
+  // From here the producer matches: a refusal names it, so the planner can say why it stays out.
+  result.node = producer;
+  const auto& graph_outputs = graph.outputs();
+  for (ValueId output : graph.node(producer).outputs) {
+    if (std::find(graph_outputs.begin(), graph_outputs.end(), output) != graph_outputs.end()) {
+      return refused(fmt::format("its value '{}' is a graph output", graph.value(output).name));
+    }
+    for (NodeId reader : graph.consumers(output)) {
+      if (!inside(reader)) {
+        return refused(fmt::format("its value '{}' is also read by {}", graph.value(output).name, fusion_internal::label(graph.node(reader))));
+      }
+    }
+  }
+  result.decision = Decision::allow();
+  result.roles = match.roles;
+  return result;
+}
+
+}  // namespace metile

@@ -5,6 +5,7 @@
 // Last, every node gets the reason it is or is not fused.
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 
@@ -77,6 +78,32 @@ bool continues_chain(const ComputeGraph& graph, NodeId node, const std::vector<c
     }
   }
   return true;
+}
+
+// `proposal` with its rule's input prologue (FusionRule::input_prologue: the RMSNorm before a GEMV
+// region) when that may join; else nothing, and a matching producer that must stay out gets why.
+// The kernel normalizes x while it loads it (no row of it is staged), so joining saves the norm's
+// launch and its value's write and read, and takes no resource the region did not already hold.
+std::optional<ProposedRegion> with_input_prologue(const ComputeGraph& graph, const FusionTarget& target,
+                                                  const FusionRule& rule, const ProposedRegion& proposal,
+                                                  std::vector<NodeNotes>& notes) {
+  const PrologueMatch prologue = match_input_prologue(graph, proposal.nodes, proposal.roles, *rule.input_prologue);
+  if (!prologue.decision) {
+    if (prologue.node >= 0) {
+      add_distinct(notes[static_cast<std::size_t>(prologue.node)].left_out,
+                   fmt::format("{}: not the input prologue of the region at `{}`: {}", rule.name,
+                               graph.node(proposal.anchor).name, prologue.decision.reason));
+    }
+    return std::nullopt;
+  }
+  ProposedRegion extended = proposal;
+  extended.nodes.insert(std::upper_bound(extended.nodes.begin(), extended.nodes.end(), prologue.node), prologue.node);
+  extended.roles.insert(extended.roles.end(), prologue.roles.begin(), prologue.roles.end());
+  std::int64_t value_bytes = 0;
+  for (ValueId output : graph.node(prologue.node).outputs) value_bytes += graph.value(output).spec.bytes();
+  extended.benefit_ns += target.launch_overhead_ns +
+                         2.0 * static_cast<double>(value_bytes) / target.memory_bandwidth_bytes_per_ns;
+  return extended;
 }
 
 std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const FusionTarget& target,
@@ -161,6 +188,14 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
     }
     // Proposals in the order of their anchors, whichever way the rule walked.
     if (rule.anchor_must_be_sink) std::reverse(rule_proposals.begin(), rule_proposals.end());
+    if (rule.input_prologue) {
+      // Each region again with its input's producer (the RMSNorm): both compete in conflict selection.
+      const std::size_t proposed = rule_proposals.size();
+      for (std::size_t k = 0; k < proposed; ++k) {
+        std::optional<ProposedRegion> extended = with_input_prologue(graph, target, rule, rule_proposals[k], notes);
+        if (extended && seen.insert(extended->nodes).second) rule_proposals.push_back(std::move(*extended));
+      }
+    }
     for (ProposedRegion& proposal : rule_proposals) proposals.push_back(std::move(proposal));
   }
   return proposals;

@@ -25,6 +25,13 @@ OpPattern entry(std::string role, OpKind kind, std::vector<std::string> ops, std
 
 }  // namespace
 
+InputPrologue normalized_input_prologue() {
+  // The RMSNorm whose output only the GEMVs read: each GEMV block reduces x's rows itself (x is at
+  // most 16 rows at decode) and normalizes x while it loads it (src/codegen/gemv_device_helpers.cpp).
+  return {.role = "input",
+          .pattern = entry("norm", OpKind::row_reduction, {"rms_norm"}, {"$norm_input", "$norm_weight"})};
+}
+
 FusionRule residual_add_rms_norm_rule() {
   FusionRule rule;
   rule.name = "residual_add_rms_norm";
@@ -62,6 +69,7 @@ FusionRule parallel_epilogue_rule() {
   // M x intermediate, a few hundred KB at most, and stays in L2). Nothing is staged in shared
   // memory, so the region is not limited by it: staging it on chip refused Llama-3-8B at M >= 8.
   rule.resources.stages_contraction_activations = false;
+  rule.input_prologue = normalized_input_prologue();
   return rule;
 }
 
@@ -91,6 +99,7 @@ FusionRule sibling_contractions_rule() {
   rule.siblings = SiblingSpec{.shared_role = "input", .member_role = "weight", .max_members = 8};
   rule.epilogue_add_operand_role = "bias";
   rule.materializes_escaping_values = true;
+  rule.input_prologue = normalized_input_prologue();
   return rule;
 }
 

@@ -259,6 +259,80 @@ TEST(GemvLowering, AnLmHeadWithItsArgmaxIsOneGemvWritingBoth) {
   EXPECT_EQ(contraction_node_region(*two_plan.graph, two_plan.unfused.at(0)).rule, "contraction");
 }
 
+// The RMSNorm a region takes as its input prologue (the planner's q/k/v group and SwiGLU MLP, the
+// Executable's LM head with its argmax): the GEMV stage that reads it reads the norm's x and weight
+// instead and normalizes x as it loads it (x_rms_norm_eps), every candidate's kernel takes the
+// weight after x; the down projection reads h as it is. A norm the region would also have to write
+// is refused with the reason, and a norm in another region stays out of the LM head's.
+TEST(GemvLowering, AnRmsNormInTheRegionNormalizesTheGemvsX) {
+  const LinearFormat format{4, 64, DType::bf16};
+  auto expect_normalized = [](const ComputeGraph& graph, const GemvStage& stage, const std::string& where) {
+    EXPECT_EQ(value_name(graph, stage.input), "a") << where;
+    EXPECT_EQ(value_name(graph, stage.norm_weight), "g") << where;
+    EXPECT_EQ(stage.base_config().x_rms_norm_eps, testing::kTestNormEps) << where;
+  };
+  auto expect_candidates_normalize = [](const ComputeGraph& graph, const FusionRegion& region, const std::string& where) {
+    const Lowered lowered = gemv_region_candidates(graph, region);
+    ASSERT_TRUE(lowered.decision) << where << ": " << lowered.decision.reason;
+    ASSERT_FALSE(lowered.candidates.empty()) << where;
+    for (const FusedCandidate& candidate : lowered.candidates) {
+      EXPECT_NE(candidate.source.find("__restrict__ x_norm_weight,"), std::string::npos) << where << ", " << candidate.id.name();
+    }
+  };
+  struct Planned {
+    std::string rule;
+    ComputeGraph graph;
+    std::size_t stages;
+  };
+  for (const Planned& planned :
+       {Planned{"sibling_contractions", testing::sibling_test_graph(1, {96, 32, 32}, 320, format, {true, false, false}, true), 1},
+        Planned{"swiglu_mlp", testing::swiglu_test_graph(16, 192, 320, format, true, true, true), 2}}) {
+    const FusionPlan plan = plan_graph_fusion(planned.graph);
+    const FusionRegion* region = region_of_rule(plan, planned.rule);
+    ASSERT_NE(region, nullptr) << plan.explain();
+    const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, *region);
+    ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+    ASSERT_EQ(lowered.stages.size(), planned.stages);
+    expect_normalized(*plan.graph, lowered.stages[0], planned.rule);
+    expect_candidates_normalize(*plan.graph, *region, planned.rule);
+    if (planned.stages == 2) {  // the down projection reads h as it is
+      EXPECT_EQ(lowered.stages[1].norm_weight, -1);
+      EXPECT_FALSE(lowered.stages[1].base_config().x_rms_norm_eps);
+    }
+  }
+  {
+    const ComputeGraph graph = testing::projection_test_graph(1, 1000, 320, format, "argmax", true);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    EXPECT_EQ(plan.kernel_count(), 3) << "the planner leaves the final norm to the Executable's LM head region\n"
+                                      << plan.explain();
+    const NodeId head = *plan.graph->find_node("p0"), norm = *plan.graph->find_node("m0");
+    const FusionRegion region = contraction_node_region(*plan.graph, head);
+    EXPECT_EQ(region.rule, "contraction_argmax");
+    EXPECT_EQ(region.nodes.size(), 3u);
+    EXPECT_EQ(value_name(graph, *region.role("norm_input")), "a");
+    const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, region);
+    ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+    expect_normalized(*plan.graph, lowered.stages[0], "LM head");
+    expect_candidates_normalize(*plan.graph, region, "LM head");
+    // The norm in another region: the LM head reads its value as it is.
+    const FusionRegion alone = contraction_node_region(*plan.graph, head, {norm});
+    EXPECT_EQ(alone.nodes.size(), 2u);
+    EXPECT_FALSE(alone.role("norm_input"));
+  }
+  {
+    // Hand-made: the normalized value is also a graph output, so the region would have to write it.
+    GraphBuilder builder;
+    const ValueRef normalized = testing::test_activation(builder, 1, 128, DType::bf16, true);
+    const ValueRef y = testing::test_linear(builder, normalized, "p0", 64, 128, {});
+    const ComputeGraph graph = builder.build({y, normalized});
+    FusionRegion region = region_of_nodes(graph, {*graph.find_node("m0"), *graph.find_node("p0")}, "contraction");
+    region.roles = {{"input", *graph.find_value("m0")}, {"weight", *graph.find_value("p0.w")}};
+    EXPECT_EQ(plan_gemv_region(graph, region).decision.reason,
+              "'m0' is also written by the region; the GEMV normalizes x as it loads it and writes no normalized x");
+    EXPECT_FALSE(contraction_node_region(graph, *graph.find_node("p0")).role("norm_input"));
+  }
+}
+
 // Every launch shape a stage races has a name of its own (the tournament and the decision cache
 // know candidates by it): all of gemv_tuning_candidates' shapes, split-K, staged and group-sum ones
 // included, at wide and narrow sizes, dense and affine, one and two products.
@@ -383,7 +457,8 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
     if (test_case.rule == "swiglu_mlp") {
       persistent = persistent_mlp_candidates(lowered.stages[0].base_config(), lowered.stages[1].base_config(), 132);
       persistent.resize(std::min<std::size_t>(persistent.size(), gemv_lowering_shapes_per_family));
-      EXPECT_FALSE(persistent.empty()) << test_case.what;
+      // Not with x normalized as it is loaded (the RMSNorm prologue): the persistent kernel reads x plainly.
+      EXPECT_EQ(persistent.empty(), lowered.stages[0].norm_weight >= 0) << test_case.what;
     }
     ASSERT_EQ(candidates.candidates.size(), expected + persistent.size()) << test_case.what;
     for (std::size_t p = 0; p < persistent.size(); ++p) {

@@ -1,8 +1,10 @@
 // The sibling_contractions rule (src/fusion/sibling_regions.cpp): contractions that read one input
 // with alike weights group into one region with roles input, weight.i and bias.i (i in topological
 // order, whatever the value names say), and every way a group cannot form says why: different
-// inputs, different formats, an intermediate that escapes, a path between members. The plans run
-// on the CPU plan executor against the unplanned graph.
+// inputs, different formats, an intermediate that escapes, a path between members. The GEMV
+// regions (this group, the SwiGLU MLP) also take the RMSNorm of their input when only they read it
+// (FusionRule::input_prologue), and say why not when its value escapes. The plans run on the CPU
+// plan executor against the unplanned graph.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -176,6 +178,86 @@ TEST(SiblingContractions, SwigluStillWinsGateAndUp) {
       return candidate.rule == "sibling_contractions";
     });
     EXPECT_TRUE(proposed) << "gate and up form a sibling group that loses the conflict";
+  }
+}
+
+bool holds_node(const FusionPlan& plan, const FusionRegion& region, const std::string& name) {
+  const NodeId node = *plan.graph->find_node(name);
+  return std::find(region.nodes.begin(), region.nodes.end(), node) != region.nodes.end();
+}
+
+const std::string& reason_of(const FusionPlan& plan, const std::string& name) {
+  return plan.node_reasons.at(static_cast<std::size_t>(*plan.graph->find_node(name)));
+}
+
+// The attention block's q/k/v and the MLP's gate/up read rms_norm(a) ("m0") and nothing else
+// does: each region takes the norm, binds its operands as norm_input and norm_weight, and the
+// whole graph is one kernel.
+TEST(InputPrologue, GemvRegionsTakeTheirPrivateRmsNorm) {
+  const std::uint64_t seed = testing::test_seed("input prologue");
+  for (int bits : {16, 4}) {
+    for (std::int64_t rows : {1, 16}) {
+      const LinearFormat format{bits, 64, DType::bf16};
+      const FusionPlan siblings = plan_graph_fusion(
+          testing::sibling_test_graph(rows, {96, 32, 32}, 128, format, {true, false, false}, /*normalized=*/true));
+      const FusionRegion* group = region_of_rule(siblings, "sibling_contractions");
+      ASSERT_NE(group, nullptr) << siblings.explain();
+      EXPECT_TRUE(holds_node(siblings, *group, "m0")) << siblings.explain();
+      EXPECT_EQ(siblings.kernel_count(), 1) << siblings.explain();
+      const std::string weight = bits == 16 ? ".w" : ".q";
+      EXPECT_EQ(role_text(*siblings.graph, *group), "input=m0 weight.0=p0" + weight + " bias.0=c0 weight.1=p1" + weight +
+                                                        " weight.2=p2" + weight + " norm_input=a norm_weight=g");
+      expect_plan_runs_like_graph(siblings, seed + static_cast<std::uint64_t>(rows));
+
+      const FusionPlan mlp =
+          plan_graph_fusion(testing::swiglu_test_graph(rows, 128, 256, format, false, true, /*normalized=*/true));
+      const FusionRegion* swiglu = region_of_rule(mlp, "swiglu_mlp");
+      ASSERT_NE(swiglu, nullptr) << mlp.explain();
+      EXPECT_TRUE(holds_node(mlp, *swiglu, "m0")) << mlp.explain();
+      EXPECT_EQ(mlp.kernel_count(), 1) << mlp.explain();
+      EXPECT_EQ(swiglu->role("norm_input"), mlp.graph->find_value("a"));
+      EXPECT_EQ(swiglu->role("norm_weight"), mlp.graph->find_value("g"));
+      EXPECT_EQ(swiglu->role("input"), mlp.graph->find_value("m0"));
+      // With the norm the region saves its launch on top of the region without it.
+      const FusionPlan plain = plan_graph_fusion(testing::swiglu_test_graph(rows, 128, 256, format));
+      EXPECT_GT(swiglu->benefit_ns, region_of_rule(plain, "swiglu_mlp")->benefit_ns + FusionTarget::h200().launch_overhead_ns);
+      expect_plan_runs_like_graph(mlp, seed + 100 + static_cast<std::uint64_t>(rows));
+    }
+  }
+}
+
+// A norm whose value leaves the region (a graph output, another reader) is not the region's to
+// compute: the region forms without it and the norm's reason says why.
+TEST(InputPrologue, AnEscapingNormStaysOutAndSaysWhy) {
+  for (const bool graph_output : {true, false}) {
+    GraphBuilder builder;
+    const ValueRef normalized = testing::test_activation(builder, 1, 128, DType::bf16, true);
+    std::vector<ValueRef> outputs = {testing::test_linear(builder, normalized, "p0", 64, 128, {}),
+                                     testing::test_linear(builder, normalized, "p1", 64, 128, {})};
+    outputs.push_back(graph_output ? normalized : builder.silu(normalized, "n9"));
+    const FusionPlan plan = plan_graph_fusion(builder.build(outputs));
+    const FusionRegion* group = region_of_rule(plan, "sibling_contractions");
+    ASSERT_NE(group, nullptr) << plan.explain();
+    EXPECT_FALSE(holds_node(plan, *group, "m0")) << plan.explain();
+    const std::string expected = graph_output ? "its value 'm0' is a graph output" : "its value 'm0' is also read by `n9`";
+    EXPECT_NE(reason_of(plan, "m0").find(expected), std::string::npos) << reason_of(plan, "m0");
+    EXPECT_NE(reason_of(plan, "m0").find("not the input prologue"), std::string::npos) << reason_of(plan, "m0");
+  }
+  {  // x read straight from the graph's inputs: nothing to take.
+    const ComputeGraph graph = testing::sibling_test_graph(1, {64, 64}, 128, {}, {false, false});
+    const FusionPlan plan = plan_graph_fusion(graph);
+    const FusionRegion* group = region_of_rule(plan, "sibling_contractions");
+    ASSERT_NE(group, nullptr) << plan.explain();
+    const PrologueMatch match = match_input_prologue(graph, group->nodes, group->roles, normalized_input_prologue());
+    EXPECT_FALSE(match.decision);
+    EXPECT_EQ(match.decision.reason, "'a' (role 'input') is a graph input");
+    EXPECT_EQ(match.node, -1);
+  }
+  {  // An input prologue whose slot names an entry is malformed.
+    FusionRule rule = sibling_contractions_rule();
+    rule.input_prologue->pattern.inputs = {"contraction"};
+    const ComputeGraph graph = testing::sibling_test_graph(1, {64, 64}, 128, {}, {false, false});
+    EXPECT_THROW(plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{{rule}}), InputError);
   }
 }
 

@@ -216,6 +216,67 @@ TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
   EXPECT_THROW(generate_gemv_kernel(one_stage), InputError);
 }
 
+// x normalized as it is loaded (x_rms_norm_eps: the RMSNorm before q/k/v, gate/up and the LM head)
+// in every schedule a region with a norm can lower to, each once, ragged (N not a multiple of 16,
+// K not of the load block): the double-buffered register mainloop, scratch-spilled gate/up with
+// shared group sums, split-K with staged batches, the argmax join batch by batch, split outputs,
+// streamed.
+// The decode case (4-bit, M = 1) keeps its batches in registers. The kernel takes the norm's weight
+// after x, is named apart from the same kernel without the norm, and counts the norm's scratch.
+TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
+  const GemvWeightFormat four = GemvWeightFormat::affine(4, 64, DType::bf16);
+  const GemvWeightFormat eight = GemvWeightFormat::affine(8, 64, DType::f16);
+  const GemvWeightFormat dense = GemvWeightFormat::dense(DType::bf16);
+  auto normalized = [](GemvKernelConfig config) {
+    config.x_rms_norm_eps = 1e-5;
+    return config;
+  };
+  std::vector<GemvKernelConfig> configs;
+  configs.push_back(normalized(base_config(four, 1, 100, 64 * 5, GemvEpilogue::store())));
+  GemvKernelConfig spilled = normalized(base_config(eight, 9, 77, 64 * 5, GemvEpilogue::swiglu()));
+  spilled.schedule = GatedSchedule::scratch_spilled;
+  spilled.shared_group_sums = true;
+  configs.push_back(spilled);
+  GemvKernelConfig split = normalized(base_config(four, 16, 77, 64 * 11, GemvEpilogue::swiglu()));
+  split.k_splits = 3;
+  split.shared_stages = 3;
+  configs.push_back(split);
+  GemvKernelConfig argmax = normalized(base_config(dense, 16, 1000, 200, GemvEpilogue::residual_add()));
+  argmax.argmax_rows = true;
+  argmax.double_buffered = false;  // batch by batch
+  configs.push_back(argmax);
+  GemvKernelConfig stacked = normalized(base_config(four, 16, 96 + 32 + 32, 64 * 5,
+                                                    GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true))));
+  stacked.output_splits = {96, 32, 32};
+  configs.push_back(stacked);
+  GemvKernelConfig streamed = normalized(base_config(dense, 16, 77, 1000, GemvEpilogue::swiglu()));
+  streamed.mainloop = GemvMainloop::streamed;
+  configs.push_back(streamed);
+  for (std::size_t c = 0; c < configs.size(); ++c) {
+    const GemvKernelConfig& config = configs[c];
+    GemvKernelConfig plain = config;
+    plain.x_rms_norm_eps.reset();
+    const GemvKernelSource kernel = generate_gemv_kernel(config);
+    const GemvKernelSource without = generate_gemv_kernel(plain);
+    EXPECT_NE(kernel.kernel_name, without.kernel_name) << config.to_string();
+    EXPECT_NE(kernel.source.find("const u16* __restrict__ x,\n    const u16* __restrict__ x_norm_weight,"), std::string::npos)
+        << config.to_string();
+    EXPECT_EQ(without.source.find("__restrict__ x_norm_weight"), std::string::npos) << config.to_string();
+    const unsigned rows = static_cast<unsigned>((config.rows + 7) / 8 * 8);
+    EXPECT_EQ(kernel.static_shared_bytes - without.static_shared_bytes,
+              (static_cast<unsigned>(kernel.block_threads / 32) + 1) * rows * 4 - 4)
+        << config.to_string();
+    EXPECT_EQ(kernel.grid_blocks, without.grid_blocks) << config.to_string();
+    try {
+      const Compiled compiled = compile_for_sm90(kernel);
+      EXPECT_FALSE(compiled.program.cubin.empty()) << config.to_string();
+      if (c == 0) expect_no_spills(compiled.log, config.to_string());
+    } catch (const CudaError& error) {
+      ADD_FAILURE() << config.to_string() << "\n" << error.what();
+    }
+  }
+}
+
 // The LM head with greedy decoding's argmax join (argmax_rows): Llama 3's vocabulary at K = 2048,
 // dense and 4-bit, compiles for sm_90 without spills; the join's workspace holds a value and an
 // index per block and row and one counter; split-K and the streamed mainloop have no such join.

@@ -1,8 +1,13 @@
 // The decode-step graphs of synthetic models as the GPU plans them (plan_with_discovery, h200):
 // every layer's q, k and v projections (quantized or not, with Qwen2's biases or without) are one
-// sibling_contractions region bound by role, the MLP stays one swiglu_mlp region, and the planned
-// graph runs on the CPU plan executor exactly as the unplanned one.
+// sibling_contractions region bound by role, the MLP stays one swiglu_mlp region, each with the
+// layer's RMSNorm of its input (the input prologue: no norm is a kernel of its own but the final
+// one, which the GPU Executable gives the LM head), and the planned graph runs on the CPU plan
+// executor exactly as the unplanned one.
 #include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
 
 #include "metile/cpu_runtime.h"
 #include "metile/discovery.h"
@@ -37,12 +42,12 @@ TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
       mlps += region.rule == "swiglu_mlp";
       if (region.rule != "sibling_contractions") continue;
       ++siblings;
-      EXPECT_EQ(region.nodes.size(), biased ? 6u : 3u) << name;
+      EXPECT_EQ(region.nodes.size(), biased ? 7u : 4u) << name;  // the norm, q, k, v (and their bias adds)
       EXPECT_EQ(region.outputs.size(), 3u) << name;
       std::string roles;
       for (const RegionRole& role : region.roles) roles += role.role + " ";
-      EXPECT_EQ(roles, biased ? "input weight.0 bias.0 weight.1 bias.1 weight.2 bias.2 "
-                              : "input weight.0 weight.1 weight.2 ")
+      EXPECT_EQ(roles, biased ? "input weight.0 bias.0 weight.1 bias.1 weight.2 bias.2 norm_input norm_weight "
+                              : "input weight.0 weight.1 weight.2 norm_input norm_weight ")
           << name;
       // weight.1 is the layer's k projection: the role follows the graph's order, whatever its name.
       const std::string k_weight = plan.graph->value(*region.role("weight.1")).name;
@@ -50,6 +55,19 @@ TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
     }
     EXPECT_EQ(siblings, 2) << name << "\n" << plan.explain();
     EXPECT_EQ(mlps, 2) << name << "\n" << plan.explain();
+    std::vector<std::string> norms_in_regions, norms_alone;
+    for (const FusionRegion& region : plan.regions) {
+      for (NodeId node : region.nodes) {
+        if (plan.graph->node(node).op == "rms_norm") norms_in_regions.push_back(region.rule);
+      }
+    }
+    for (NodeId node : plan.unfused) {
+      if (plan.graph->node(node).op == "rms_norm") norms_alone.push_back(plan.graph->node(node).name);
+    }
+    EXPECT_EQ(norms_in_regions, (std::vector<std::string>{"sibling_contractions", "swiglu_mlp", "sibling_contractions",
+                                                          "swiglu_mlp"}))
+        << name << "\n" << plan.explain();
+    EXPECT_EQ(norms_alone, std::vector<std::string>{"final_norm"}) << name << "\n" << plan.explain();
     const TensorMap inputs = random_inputs(*plan.graph, testing::model_test_seed());
     EXPECT_EQ(run_plan_reference(plan, inputs), run_reference(*plan.graph, inputs)) << name;
   }
