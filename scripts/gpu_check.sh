@@ -54,8 +54,8 @@ if [ -n "${BENCH_MODEL_ROWS-llama3.2-1b:4:4}" ]; then
 fi
 step kernels_benchmark ${KERNELS_TIMEOUT:-90} build/gpu/benchmarks/kernels/kernels_benchmark
 tail -22 "$OUT/kernels_benchmark.log"
-if [ "${MLP_DECODE_TIMEOUT:-150}" != 0 ]; then
-  step mlp_decode_benchmark ${MLP_DECODE_TIMEOUT:-150} build/gpu/benchmarks/mlp_decode/mlp_decode_benchmark --quick
-  sed -n '/^whole MLP/,/^candidates/p' "$OUT/mlp_decode_benchmark.log" | head -30
+if [ "${MLP_DECODE_TIMEOUT:-240}" != 0 ]; then
+  step mlp_decode_benchmark ${MLP_DECODE_TIMEOUT:-240} build/gpu/benchmarks/mlp_decode/mlp_decode_benchmark --quick
+  sed -n '/^whole MLP/,/^candidates/p' "$OUT/mlp_decode_benchmark.log" | head -50
 fi
 printf '%s\n' "${summary[@]}"

@@ -4,7 +4,7 @@
 # on the GPU machine:
 #   benchmarks/mlp_decode/device_run.sh STEP...
 #     gemv     GPU suite of every GEMV kernel and schedule     exec   GPU suite of the executor
-#     streamed only the streamed-mainloop GPU test
+#     streamed only the streamed-mainloop GPU test     persistent  the persistent decode-MLP GPU suite
 #     new      the split-K / staged / group-sum and programmatic-dependent-launch GPU suite (issue 15)
 #     profile  ncu --clock-control none over benchmark --profile (M=1 stage kernels, read-only stream)
 #     kernels  benchmark --kernels (stage kernels alone)       quick | default | full   the benchmark
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMETILE_BUILD_PYTHON=OFF >"$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build/gpu --target gpu_gemv_kernels_test gpu_gemv_schedules_test gpu_mlp_executor_test mlp_decode_benchmark -j16 \
+cmake --build build/gpu --target gpu_gemv_kernels_test gpu_gemv_schedules_test gpu_mlp_executor_test gpu_mlp_persistent_test mlp_decode_benchmark -j16 \
   >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
 echo "built in $(($(date +%s) - start)) s"
 export METILE_CACHE_DIR=/tmp/metile-cache
@@ -47,6 +47,10 @@ for step in "$@"; do
       echo "split-K/staged/group-sum/PDL kernels: rc=$new_rc after $(elapsed)"
       if [ $new_rc -ne 0 ] && [ $new_rc -ne 124 ]; then BENCHMARK_ARGS="${BENCHMARK_ARGS:-} --candidates 5"; echo "benchmark falls back to --candidates 5"; fi
       grep -E "^\[figures\]|Failure|^\[  FAILED|^\[  PASSED|^\[       OK|Which is|error" "$OUT/new_kernels.log" | head -60 ;;
+    persistent)
+      timeout $(limit ${PERSISTENT_TIMEOUT:-200}) ./build/gpu/tests/gpu/gpu_mlp_persistent_test >"$OUT/persistent.log" 2>&1
+      echo "persistent decode MLP: rc=$? after $(elapsed)"
+      grep -E "^\[figures\]|Failure|^\[  FAILED|^\[  PASSED|Which is|error|seed" "$OUT/persistent.log" | head -60 ;;
     streamed)
       timeout $(limit 240) ./build/gpu/tests/gpu/gpu_gemv_kernels_test --gtest_filter='*Streamed*' >"$OUT/streamed.log" 2>&1
       echo "streamed kernels: rc=$? after $(elapsed)"

@@ -10,7 +10,7 @@
 //
 //   mlp_decode_benchmark            Llama-3-8B at M = 1, 2, 4, 8, 16; the others at M = 1, 16
 //   mlp_decode_benchmark --full     every model at every M
-//   mlp_decode_benchmark --quick    Llama-3-8B at M = 1, 16; the others 4-bit g64 at M = 1 (the goals)
+//   mlp_decode_benchmark --quick    Llama-3-8B at M = 1, 16; the others 4-bit g64 at M = 1, 16 (the goals)
 //   mlp_decode_benchmark --kernels  every generated stage kernel of Llama-3-8B alone (no executor),
 //                                   register-batch and streamed mainloops side by side
 //   --candidates N                  launch shapes per fused schedule (DecodeMlpOptions::tuning_candidates;
@@ -19,6 +19,8 @@
 //   mlp_decode_benchmark --profile  launches the first Llama-3-8B M=1 stage kernel of each kind (register,
 //                                   staged, split-K, streamed) and the read-only stream once each, for
 //                                   `ncu --clock-control none` (no timing)
+// The whole-MLP table also gives, per row, the chosen stage kernels and the fastest persistent decode
+// MLP (one launch for both stages, gemv.h) timed the same way, and which one the executor runs.
 // Every mode also measures a read-only stream of 1 GiB (16-byte loads, nothing written): the
 // ceiling of a GEMV, which only reads, beside the copy's.
 // Prints "no CUDA device: ..." and exits 0 where there is none.
@@ -58,6 +60,10 @@ struct Row {
   double mlp_us = 0, mlp_native_us = 0, mlp_bytes = 0;
   double mlp_serialized_us = 0;  // the same kernels without programmatic dependent launch
   bool programmatic_dependent = false;
+  double mlp_stages_us = 0;      // the chosen stage kernels (two launches), whatever the whole-MLP race chose
+  double mlp_persistent_us = -1;  // the fastest gated persistent kernel (one launch); < 0: none passed
+  std::string persistent_shape;   // its name; the executor runs it when `persistent`
+  bool persistent = false;
   int replicas = 1;
 };
 
@@ -299,7 +305,6 @@ int main(int argc, char** argv) {
       const bool first_model = &model == &models.front();
       std::vector<std::int64_t> row_counts = {1, 2, 4, 8, 16};
       if (quick || (!full && !first_model)) row_counts = {1, 16};
-      if (quick && !first_model) row_counts = {1};
       for (const GemvWeightFormat& format : formats) {
         if (quick && !first_model && !(format.bits == 4 && format.group_size == 64)) continue;
         // Replicas so that the weights streamed per whole-MLP round exceed 3x the L2 cache.
@@ -334,7 +339,7 @@ int main(int argc, char** argv) {
             }
           }
           row.mlp_bytes = static_cast<double>(weight_bytes + activations * 3 * model.hidden);
-          enum class Graph { executor, native, serialized };
+          enum class Graph { executor, native, serialized, stages, persistent };
           const auto replay = [&](Graph graph) {
             return time_on_stream_ms(
                        stream,
@@ -344,6 +349,10 @@ int main(int argc, char** argv) {
                              executor.enqueue_native(s);
                            } else if (graph == Graph::serialized) {
                              executor.enqueue_serialized(s);
+                           } else if (graph == Graph::stages) {
+                             executor.enqueue_stages(s);
+                           } else if (graph == Graph::persistent) {
+                             executor.enqueue_persistent(s);
                            } else {
                              executor.enqueue(s);
                            }
@@ -359,6 +368,26 @@ int main(int argc, char** argv) {
           row.mlp_native_us = replay(Graph::native) * 1e3;
           row.mlp_serialized_us = replay(Graph::serialized) * 1e3;
           row.programmatic_dependent = executors.front().programmatic_dependent();
+          row.mlp_stages_us = replay(Graph::stages) * 1e3;
+          row.persistent = executors.front().persistent();
+          const bool every_replica_has_one = std::all_of(executors.begin(), executors.end(), [](const DecodeMlpExecutor& e) {
+            return e.has_persistent();
+          });
+          if (every_replica_has_one) {
+            row.mlp_persistent_us = replay(Graph::persistent) * 1e3;
+            // The fastest persistent candidate of the whole-MLP race (the tournament's score).
+            double best = -1;
+            for (const DecodeMlpCandidate& candidate : executors.front().whole_report().candidates) {
+              if (candidate.name.find("persistent") == std::string::npos || !candidate.gate.passed) continue;
+              if (candidate.score_ms >= 0 && (best < 0 || candidate.score_ms < best)) {
+                best = candidate.score_ms;
+                row.persistent_shape = candidate.id.variant;
+              }
+            }
+          }
+          if (model.name != models.front().name && rows == 1) {
+            candidate_reports += fmt::format("{} {} M={}\n{}", model.name, format.to_string(), rows, executors.front().report());
+          }
           table.push_back(row);
           fmt::print("{:<13} {:<18} M={:<2} gate/up {:>7.1f} us ({}), down {:>7.1f} us ({}), MLP {:>7.1f} us vs native {:>7.1f} us\n",
                      row.model, row.format, rows, row.stage_us[0], row.stage_choice[0], row.stage_us[1],
@@ -389,6 +418,24 @@ int main(int argc, char** argv) {
                  row.rows, row.replicas, row.mlp_us, gbps(row.mlp_bytes, row.mlp_us),
                  100 * gbps(row.mlp_bytes, row.mlp_us) / copy_gbps, row.mlp_native_us, row.mlp_native_us / row.mlp_us,
                  row.programmatic_dependent ? "yes" : "no", row.mlp_serialized_us);
+    }
+
+    fmt::print("\npersistent decode MLP (issue 15: gate/up, a grid-wide barrier and down in one launch; same replicas):\n"
+               "'stages us' the chosen two stage kernels, 'persistent us' the fastest persistent kernel that passed the\n"
+               "float64 gate, 'chosen' whether the whole-MLP race put it in the executor's graph\n");
+    fmt::print("{:<13} {:<17} {:>2} {:>10} {:>7} {:>14} {:>7} {:>7} {:<28} {:>6}\n", "model", "format", "M", "stages us",
+               "%copy", "persistent us", "%copy", "xstages", "persistent shape", "chosen");
+    for (const Row& row : table) {
+      if (row.mlp_persistent_us < 0) {
+        fmt::print("{:<13} {:<17} {:>2} {:>10.1f} {:>6.0f}% {:>14} {:>7} {:>7} {:<28} {:>6}\n", row.model, row.format,
+                   row.rows, row.mlp_stages_us, 100 * gbps(row.mlp_bytes, row.mlp_stages_us) / copy_gbps, "-", "", "",
+                   "none passed the gate", "no");
+        continue;
+      }
+      fmt::print("{:<13} {:<17} {:>2} {:>10.1f} {:>6.0f}% {:>14.1f} {:>6.0f}% {:>7.2f} {:<28} {:>6}\n", row.model, row.format,
+                 row.rows, row.mlp_stages_us, 100 * gbps(row.mlp_bytes, row.mlp_stages_us) / copy_gbps,
+                 row.mlp_persistent_us, 100 * gbps(row.mlp_bytes, row.mlp_persistent_us) / copy_gbps,
+                 row.mlp_stages_us / row.mlp_persistent_us, row.persistent_shape, row.persistent ? "yes" : "no");
     }
 
     // The goals of issue 15, with what this run reached (copy bandwidth of this run).

@@ -236,6 +236,8 @@ std::string nvrtc_version();  // "13.0"
 // The architecture of the context current on this thread ("sm_90"); sm_90 where there is none.
 // Threads that compile for the device in parallel take it from the thread that owns the context.
 std::string current_device_architecture();
+// The SMs of the device of the context current on this thread (needs one).
+int current_device_multiprocessors();
 // A stable 128-bit content hash as 32 hex digits (cache keys, dispatch keys); not cryptographic.
 std::string stable_hash_hex(std::string_view bytes);
 // Where metile keeps what it caches (compiled kernels, dispatch decisions): $METILE_CACHE_DIR if
@@ -255,6 +257,9 @@ class CompiledKernel {
   const std::string& name() const { return name_; }
   bool from_cache() const { return from_cache_; }
   int registers_per_thread() const;
+  // How many blocks of `block_threads` threads the driver keeps resident per SM (registers, shared
+  // memory and the kernel's launch bounds counted): what a grid whose blocks wait for each other needs.
+  int max_active_blocks_per_multiprocessor(int block_threads, std::size_t dynamic_shared_bytes) const;
   // Allows dynamic shared memory above 48 KiB.
   void set_max_dynamic_shared_memory(int bytes) const;
   explicit operator bool() const { return function_ != nullptr; }

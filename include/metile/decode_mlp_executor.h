@@ -32,9 +32,14 @@ struct DecodeMlpOptions {
   // wide Llama-3-8B stages and hurt the narrow models' on the H200). enqueue_serialized() replays
   // the plain-order one.
   bool programmatic_dependent_launch = true;
+  // Once both stages are chosen, the persistent kernels (gemv.h: both stages in one launch, a
+  // grid-wide barrier between them) race the chosen stages' graph and the native graph on the whole
+  // MLP, gated against the float64 MLP; a persistent kernel that wins (with the headroom over
+  // native) becomes the executor's graph.
+  bool persistent = true;
 };
 
-// One candidate of a stage. Native: cuBLASLt / dequantize + cuBLASLt (the library path), or the
+// One candidate of a stage (or of the whole MLP). Native: cuBLASLt / dequantize + cuBLASLt (the library path), or the
 // unfused GEMV of an affine matrix ("unfused gemv"); each also as a CUDA graph. Fused: a
 // generated GEMV with the stage's epilogue ("register_resident w4 t1 f2 db", "residual w4 ...").
 struct DecodeMlpCandidate {
@@ -46,7 +51,7 @@ struct DecodeMlpCandidate {
 };
 
 struct DecodeMlpStageReport {
-  std::string stage;  // "gate_up" or "down"
+  std::string stage;  // "gate_up", "down" or "whole"
   std::vector<DecodeMlpCandidate> candidates;
   int chosen = -1;       // index into candidates
   int best_native = -1;  // the fastest native candidate (the incumbent of the headroom rule)
@@ -85,6 +90,15 @@ class DecodeMlpExecutor {
 
   const DecodeMlpStageReport& gate_up_report() const;
   const DecodeMlpStageReport& down_report() const;
+  // The whole-MLP race ("whole"): native graph, the chosen stages ("fused stages graph") and the
+  // persistent kernels ("fused persistent w8 b2 f1db f2db graph"); persistent() when one of those won.
+  const DecodeMlpStageReport& whole_report() const;
+  bool persistent() const;
+  // For comparison: the fastest persistent kernel that passed the gate (has_persistent(): one did),
+  // and the chosen stages' graph (what enqueue() replays unless persistent()).
+  bool has_persistent() const;
+  void enqueue_persistent(const CudaStream& stream) const;
+  void enqueue_stages(const CudaStream& stream) const;
   std::string report() const;  // the two stage sentences and every candidate's gate and time
 
  private:

@@ -253,6 +253,11 @@ struct GemvKernelSource {
   std::uint64_t workspace_bytes = 0;   // streamed, split-K: fp32 partials and per-tile arrival counters;
                                        // argmax: per-block winners and an arrival counter
   int k_slices = 1;                    // streamed: K splits (x slices that fit shared memory)
+  // A grid whose blocks wait for one another (the persistent decode MLP's grid-wide barrier): all
+  // grid_blocks must be resident at once. LoadedGemv::load checks that the device keeps this many
+  // blocks per SM resident (the occupancy the driver reports for the compiled kernel) and that
+  // grid_blocks <= SMs x that, and refuses the kernel otherwise. 0: no such requirement.
+  int co_resident_blocks_per_multiprocessor = 0;
 };
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 
@@ -262,5 +267,41 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
 
 // Bytes a GEMV must move at least: weights (codes, scales, biases), x, epilogue tensors, output.
 std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config);
+
+// ---------------------------------------------------------------- the persistent decode MLP
+// The whole SwiGLU MLP at decode time as ONE launch (gemv_persistent.cpp), for the narrow models
+// whose two stage kernels are dominated by ramp, tail and the boundary between them:
+//
+//   grid    = multiprocessors x blocks_per_multiprocessor blocks of warps_per_block warps, all
+//             resident at once (GemvKernelSource::co_resident_blocks_per_multiprocessor)
+//   phase 1 = gate_up: the (16-row tile, mainloop iteration) positions of the gate/up problem,
+//             tile-major, split into equal contiguous shares, one per warp (stream-K, so every SM
+//             gets equal work for any N); each piece of a tile is the register mainloop
+//             (gate and up rows of a tile in the same piece) and the stream-K join: fp32 partials,
+//             the last piece to arrive adds them in K order and applies the epilogue (silu(gate) * up)
+//   barrier = every block arrives once its phase 1 is done; a warp waits for all of them only
+//             where it first reads the hidden state, after issuing its first down weight loads
+//   phase 2 = down: the same over the down problem, with its epilogue (the residual add)
+//
+// Deterministic (fixed shares and a fixed reduction order), and every counter is re-armed inside
+// the kernel, so launches and CUDA-graph replays follow each other on one stream. Arguments:
+// gate_up's in gemv.h's order (weights, scale_bias, x, its epilogue tensors, its out = the hidden
+// state), then down's (weights, scale_bias, its x = the same hidden state, its epilogue tensors,
+// out), then the workspace (LoadedGemv appends it).
+struct PersistentMlpConfig {
+  GemvKernelConfig gate_up;  // N = intermediate, K = hidden; register fields used: iterations_in_flight, double_buffered
+  GemvKernelConfig down;     // N = hidden, K = intermediate, one matrix
+  int warps_per_block = 8;
+  int blocks_per_multiprocessor = 2;
+  int multiprocessors = 132;
+
+  void validate() const;  // InputError naming the bad field
+  std::string to_string() const;
+  std::string shape_name() const;  // "persistent w8 b2 f1 f2" (candidate names)
+};
+GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& config);
+// The launch shapes worth trying for one MLP, best guess first (every returned config is valid).
+std::vector<PersistentMlpConfig> persistent_mlp_candidates(const GemvKernelConfig& gate_up, const GemvKernelConfig& down,
+                                                           int multiprocessors = 132);
 
 }  // namespace metile

@@ -55,10 +55,15 @@ __device__ __forceinline__ uint4 load_weights(const void* address) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
   return v;
 }
-// x is read by every warp of every block: let L1 and L2 serve the repeats.
+// x is read by every warp of every block: let L1 and L2 serve the repeats. x written by this same
+// kernel (kXWrittenInKernel, gemv_internal.h) comes from L2, where the writers' fences left it.
 __device__ __forceinline__ uint4 load_activations(const void* address) {
   uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  if constexpr (kXWrittenInKernel) {
+    asm("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  } else {
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  }
   return v;
 }
 __device__ __forceinline__ uint2 load_scale_bias(const void* address) {
@@ -316,6 +321,8 @@ std::string gemv_device_helpers() {
   return std::string(codegen_detail::tensor_core_device_helpers()) + std::string(device_helpers);
 }
 
+std::string gemv_format_helpers() { return std::string(device_helpers); }
+
 std::string gemv_format_tag(const GemvWeightFormat& format) {
   const std::string dtype(dtype_name(format.activation));
   if (!format.is_affine()) return dtype;
@@ -428,16 +435,16 @@ std::string code_decode_constants(const GemvWeightFormat& format) {
 }
 }  // namespace
 
-std::string gemv_problem_constants(const GemvKernelConfig& config) {
+std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_written_in_kernel) {
   return code_decode_constants(config.format) + fmt::format(
       "constexpr int kM = {};\nconstexpr int kN = {};\nconstexpr int kK = {};\n"
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\nconstexpr int kWarps = {};\n"
-      "constexpr bool kNormedX = {};\nconstexpr double kNormEps = {:.17g};\n",
+      "constexpr bool kNormedX = {};\nconstexpr double kNormEps = {:.17g};\nconstexpr bool kXWrittenInKernel = {};\n",
       config.rows, config.out_features, config.in_features, config.format.bits, config.format.group_size,
       config.format.activation == DType::f16 ? "true" : "false", config.format.columns_per_iteration(),
       config.epilogue.product_count(), config.warps_per_block, config.x_rms_norm_eps ? "true" : "false",
-      config.x_rms_norm_eps.value_or(0.0));
+      config.x_rms_norm_eps.value_or(0.0), x_written_in_kernel ? "true" : "false");
 }
 
 }  // namespace metile::gemv_detail

@@ -16,6 +16,9 @@ namespace metile::gemv_detail {
 // derived constants of the weight layout, dtype conversions, activations and the affine
 // code-to-fragment conversion. Defined in gemv_device_helpers.cpp.
 std::string gemv_device_helpers();
+// The same without the tensor-core helpers (for a kernel that holds several GEMV problems, each in
+// a namespace of its own after one copy of those helpers: the persistent decode MLP).
+std::string gemv_format_helpers();
 
 // "bf16", "bf16_a4g64": the format part of a kernel name.
 std::string gemv_format_tag(const GemvWeightFormat& format);
@@ -25,8 +28,28 @@ std::string gemv_format_tag(const GemvWeightFormat& format);
 std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config);
 
 // The constants every generated GEMV begins with (kM, kN, kK, kBits, kGroup, kHalf,
-// kColumnsPerIteration, kProducts, kWarps).
-std::string gemv_problem_constants(const GemvKernelConfig& config);
+// kColumnsPerIteration, kProducts, kWarps, kXWrittenInKernel). `x_written_in_kernel`: x is written
+// by other blocks of the same kernel before a grid-wide barrier (the persistent decode MLP's down
+// phase), so it is read through L2 (ld.global.cg) instead of the read-only path (.nc needs data that
+// stays unchanged for the kernel's lifetime).
+std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_written_in_kernel = false);
+
+// The register-batch mainloop (gemv_mainloop.cpp): Batch, the loads, compute_batch,
+// accumulate<P>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring, fill_sums),
+// spill. It reads x only through `activations_ready(x)`, which the generator defines before it, and
+// needs the constants gemv_register_constants emits (`splits` 0: accumulate takes its iteration
+// bounds from the caller).
+std::string_view gemv_register_mainloop();
+std::string gemv_register_constants(const GemvKernelConfig& config, int splits);
+
+// The stream-K join both persistent kernels share (gemv_streamed.cpp): share_begin(warp),
+// owner(position), store_tile and finish_piece(acc, item, warp, partials, counters, outputs, lane):
+// a warp's piece of a tile is stored directly when it is the whole tile, else written as fp32
+// partials to its slot; the last piece to arrive adds every slot in (slice, warp) order,
+// applies the epilogue and re-arms the tile's counter. Needs kSlices, kSliceIterations,
+// kPositions, kTotalWarps, kMaxPieces and kPartialFloats (16 * kM) besides the problem constants,
+// and store_output (gemv_output_functions).
+std::string_view gemv_stream_k_join();
 
 // The `extern "C" __global__` entry both mainloops share, up to its body: the parameters in the
 // order GemvKernelSource documents (each matrix's weights and affine scale_bias, x, the epilogue

@@ -263,14 +263,16 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 //     kSharedStages - 1 batches ahead of the math; each is read back into registers just before it;
 //   double-buffered: the next batch's register loads are issued before the current batch's math;
 //   otherwise each batch is loaded, then computed.
-// Only weights are read before the wait: x may be the previous kernel's output, and every x load
-// goes through the pointer after_previous_kernel() returns.
+// Only weights are read before the wait: x may be the previous kernel's output (or, in the
+// persistent decode MLP's down phase, other blocks' output before a grid-wide barrier), and every x
+// load goes through the pointer activations_ready() returns; the generator defines it before this body.
 template <int P>
 __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
                                            const u16* const (&scale_bias)[P], const u16* __restrict__ x,
                                            const u16* __restrict__ norm_weight, const int warp, const int lane, const int first_tile, const int split_begin,
                                            const int split_end, unsigned char* ring, const bool fill_sums) {
   constexpr int kStride = kWarps * kInFlight;
+  // kSplits == 0: the caller's bounds (the persistent decode MLP's stream-K pieces).
   // Without split-K the bounds are the compile-time ones (a run-time bound here costs ptxas ~7
   // registers, 120 -> 127 for 4-bit g64 gate/up w4, even where it folds to the same constant).
   const int begin = kSplits == 1 ? 0 : split_begin;
@@ -283,7 +285,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       copy_async_commit();
       issue += kStride;
     }
-    x = after_previous_kernel(x);
+    x = activations_ready(x);
     prepare_x(x, norm_weight, begin, end, fill_sums);
     int slot = 0;
 #pragma unroll 1
@@ -303,7 +305,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
   } else if constexpr (kDoubleBuffered) {
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
-    x = after_previous_kernel(x);
+    x = activations_ready(x);
     prepare_x(x, norm_weight, begin, end, fill_sums);
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
@@ -320,7 +322,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     // the H200 (gemv_schedules_test, notes/mlp_decode.md), though the PTX orders every x load
     // after the wait. This schedule is the unpipelined one; it loses no overlap worth keeping.
     Batch<P> batch;
-    x = after_previous_kernel(x);
+    x = activations_ready(x);
     prepare_x(x, norm_weight, begin, end, fill_sums);  // every warp must reach its barriers
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
@@ -350,6 +352,12 @@ __device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4],
     }
   }
 }
+)CUDA";
+
+// x is ready once the previous kernel on the stream has written it (programmatic dependent launch).
+constexpr std::string_view activations_after_previous_kernel = R"CUDA(
+template <class T>
+__device__ __forceinline__ T* activations_ready(T* pointer) { return after_previous_kernel(pointer); }
 )CUDA";
 
 // The kernel entry: accumulate (one of the two schedules), join the warps, apply the epilogue.
@@ -553,6 +561,25 @@ std::int64_t staged_ring_bytes(const GemvKernelConfig& config) {
 
 }  // namespace
 
+namespace gemv_detail {
+
+std::string_view gemv_register_mainloop() { return register_mainloop_body; }
+
+std::string gemv_register_constants(const GemvKernelConfig& config, int splits) {
+  const bool scratch = config.epilogue.product_count() == 2 && config.schedule == GatedSchedule::scratch_spilled;
+  const std::int64_t tile_count = (config.out_features + 15) / 16;
+  const std::int64_t tile_blocks = (tile_count + config.tiles_per_block - 1) / config.tiles_per_block;
+  return fmt::format(
+      "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
+      "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
+      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n",
+      scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
+      config.double_buffered ? "true" : "false", config.shared_stages >= 2 ? config.shared_stages : 0, splits,
+      tile_blocks, config.shared_group_sums ? "true" : "false");
+}
+
+}  // namespace gemv_detail
+
 std::string_view gated_schedule_name(GatedSchedule schedule) {
   return schedule == GatedSchedule::register_resident ? "register_resident" : "scratch_spilled";
 }
@@ -683,15 +710,10 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
 
   std::string source = fmt::format("// Generated by metile (src/codegen/gemv_mainloop.cpp): {}\n", config.to_string());
   source += gemv_problem_constants(config);
-  source += fmt::format(
-      "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
-      "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
-      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n",
-      scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
-      config.double_buffered ? "true" : "false", staged ? config.shared_stages : 0, config.k_splits, tile_blocks,
-      config.shared_group_sums ? "true" : "false");
+  source += gemv_register_constants(config, config.k_splits);
   source += gemv_device_helpers();
   if (config.argmax_rows) source += codegen_detail::cuda_argmax_helpers();
+  source += activations_after_previous_kernel;
   source += register_mainloop_body;
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();

@@ -40,12 +40,6 @@ constexpr long long kTotalWarps = (long long)kBlocks * kWarps;
 constexpr int kXRowElements = kXRowStride / 2;
 constexpr int kPartialFloats = 16 * kM;  // one product of one piece of a tile
 
-// The first position of warp w's share; owner(x) is the warp whose share holds position x.
-__device__ __forceinline__ long long share_begin(long long warp) { return warp * kPositions / kTotalWarps; }
-__device__ __forceinline__ long long owner(long long position) {
-  return ((position + 1) * kTotalWarps - 1) / kPositions;
-}
-
 __device__ __forceinline__ void wait_stage(u32 barrier, u32 parity) {
   u32 done;
   do {
@@ -161,6 +155,16 @@ __device__ __forceinline__ void compute_stage(float (&acc)[kProducts][kRowHalves
   }
 }
 
+)CUDA";
+
+// The stream-K join (gemv_internal.h), shared with the persistent decode MLP (gemv_persistent.cpp).
+constexpr std::string_view stream_k_join = R"CUDA(
+// The first position of warp w's share; owner(x) is the warp whose share holds position x.
+__device__ __forceinline__ long long share_begin(long long warp) { return warp * kPositions / kTotalWarps; }
+__device__ __forceinline__ long long owner(long long position) {
+  return ((position + 1) * kTotalWarps - 1) / kPositions;
+}
+
 // Fragment element e of row half h: tile row g (+8 for e >= 2), activation row 8h + 2t (+1 for odd e).
 __device__ __forceinline__ int fragment_row(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int fragment_m(int lane, int h, int e) { return 8 * h + 2 * (lane & 3) + (e & 1); }
@@ -237,6 +241,9 @@ __device__ __forceinline__ void finish_piece(const float (&acc)[kProducts][kRowH
   if (lane == 0) atomicExch(counters + tile, 0u);
 }
 
+)CUDA";
+
+constexpr std::string_view streamed_tail = R"CUDA(
 __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProducts],
                                               const u16* const (&scale_bias)[kProducts], const u16* __restrict__ x,
                                               const u16* __restrict__ norm_weight, const Outputs& outputs, float* partials, u32* counters) {
@@ -432,6 +439,8 @@ StreamedPlan plan_streamed(const GemvKernelConfig& config) {
 
 }  // namespace
 
+std::string_view gemv_stream_k_join() { return stream_k_join; }
+
 void validate_streamed(const GemvKernelConfig& config) {
   if (config.stage_iterations < 1 || config.stage_iterations > 8) {
     throw InputError(fmt::format("GEMV: stage_iterations must be 1..8, not {}", config.stage_iterations));
@@ -472,6 +481,8 @@ GemvKernelSource generate_streamed_gemv_kernel(const GemvKernelConfig& config) {
   source += cuda_elementwise_helpers();
   source += gemv_output_functions(config);
   source += streamed_body;
+  source += stream_k_join;
+  source += streamed_tail;
 
   source += gemv_kernel_entry(config, result.kernel_name, ", float* __restrict__ workspace");
   source += gemv_outputs_binding(config);

@@ -7,6 +7,8 @@
 //              GEMV, register-resident and scratch-spilled, per shape
 //   down       native, native graph; affine: unfused GEMV (+ graph);   out
 //              fused GEMV with the residual epilogue, per shape
+//   whole      native graph, the chosen stages' graph, the persistent    out (and hidden_state)
+//              decode-MLP kernels (both stages in one launch, gemv.h)
 //
 // Per stage: every candidate runs on seeded random inputs and is gated against the float64
 // oracle (decode_mlp_reference_*); the dispatch module's engine (choose_measured) then admits,
@@ -107,9 +109,13 @@ struct DecodeMlpExecutor::State {
   // and down launches with their operands taken from the region's roles.
   GemvStage gate_up_stage, down_stage;
   std::vector<std::shared_ptr<GemvLaunch>> launches;
-  DecodeMlpStageReport gate_up, down;
+  DecodeMlpStageReport gate_up, down, whole;
+  std::vector<std::string> persistent_refusals;  // persistent kernels not raced, and why
+  bool persistent = false;                       // the executor's graph is one persistent kernel
   DeviceStep chosen_gate_up, chosen_down, native_gate_up, native_down, chosen_down_dependent;
   CudaGraph executor_graph, native_graph, serialized_graph;
+  CudaGraph stages_graph;      // the chosen stages (what executor_graph is unless a persistent kernel won)
+  CudaGraph persistent_graph;  // the fastest persistent kernel that passed the gate (empty: none)
   bool programmatic_dependent = false;
   std::string programmatic_dependent_reason;
 
@@ -129,6 +135,14 @@ struct DecodeMlpExecutor::State {
   DeviceStep bind_gemv(const std::shared_ptr<GemvLaunch>& launch, const GemvStage& stage, std::vector<int> matrices,
                        std::optional<ValueId> output = std::nullopt, bool programmatic_dependent = false) {
     KernelArguments arguments;
+    add_stage_arguments(arguments, stage, matrices, output);
+    return [gemv = launch, arguments, programmatic_dependent](const CudaStream& stream) {
+      gemv->loaded.launch(stream, arguments, programmatic_dependent);
+    };
+  }
+
+  void add_stage_arguments(KernelArguments& arguments, const GemvStage& stage, const std::vector<int>& matrices,
+                           std::optional<ValueId> output = std::nullopt) {
     for (int matrix : matrices) {
       if (weights.format.is_affine()) {
         arguments.add_pointer(repacked[static_cast<std::size_t>(matrix)].words);
@@ -143,9 +157,6 @@ struct DecodeMlpExecutor::State {
       for (ValueId tensor : stage.epilogue_tensors) arguments.add_pointer((*values)[tensor].address());
     }
     arguments.add_pointer((*values)[output.value_or(stage.output)].address());
-    return [gemv = launch, arguments, programmatic_dependent](const CudaStream& stream) {
-      gemv->loaded.launch(stream, arguments, programmatic_dependent);
-    };
   }
 
   // Compiles every config in parallel (load_gemvs), then keeps them loaded.
@@ -251,6 +262,66 @@ struct DecodeMlpExecutor::State {
       const CandidateId id = CandidateId::fused(fmt::format("residual {}", gemv_shape_name(launch->config)));
       candidates.push_back({described(id, launch->config.to_string()), false, step, step, launch->loaded.kernel.source,
                             bind_gemv(launch, down_stage, {2}, std::nullopt, true)});
+    }
+    return candidates;
+  }
+
+  // The whole MLP, once both stages are chosen: the native graph (the library path), the chosen
+  // stages as the executor's graph, and the persistent kernels (one launch for both stages,
+  // gemv.h). A persistent kernel the device cannot keep resident is refused at load and named in
+  // persistent_refusals.
+  std::vector<StageCandidate> whole_candidates() {
+    std::vector<StageCandidate> candidates;
+    const DeviceStep native_eager = sequence({native_gate_up, native_down});
+    const std::string native_source =
+        "native: " + gate_up.candidates[static_cast<std::size_t>(std::max(gate_up.best_native, 0))].name + " + " +
+        down.candidates[static_cast<std::size_t>(std::max(down.best_native, 0))].name;
+    candidates.push_back({described(CandidateId::native().as_graph(), native_source), true, as_graph(native_eager, stream),
+                          native_eager, native_source});
+    const DecodeMlpCandidate& chosen_gate_up_report = gate_up.candidates[static_cast<std::size_t>(gate_up.chosen)];
+    const DecodeMlpCandidate& chosen_down_report = down.candidates[static_cast<std::size_t>(down.chosen)];
+    if (chosen_gate_up_report.id.kind == CandidateKind::fused || chosen_down_report.id.kind == CandidateKind::fused) {
+      const std::string what = chosen_gate_up_report.name + " + " + chosen_down_report.name +
+                               (programmatic_dependent ? " (programmatic dependent)" : "");
+      const DeviceStep replay = [this](const CudaStream& s) { executor_graph.replay(s); };
+      candidates.push_back({described(CandidateId::fused("stages").as_graph(), what), false, replay,
+                            sequence({chosen_gate_up, chosen_down}), what});
+    }
+    if (!options.persistent) return candidates;
+    std::vector<PersistentMlpConfig> configs;
+    try {
+      configs = persistent_mlp_candidates(gate_up_stage.base_config(), down_stage.base_config(),
+                                          device.info().multiprocessor_count);
+    } catch (const InputError& error) {
+      persistent_refusals.push_back(error.what());
+    }
+    // A kernel that does not generate, compile or load loses its place in the race; it never ends the build.
+    std::vector<GemvKernelSource> kernels;
+    std::vector<CompiledProgram> programs;
+    try {
+      for (const PersistentMlpConfig& config : configs) kernels.push_back(generate_persistent_mlp_kernel(config));
+      programs = compile_gemvs(kernels);
+    } catch (const std::exception& error) {
+      persistent_refusals.push_back(error.what());
+      return candidates;
+    }
+    for (std::size_t i = 0; i < configs.size(); ++i) {
+      auto launch = std::make_shared<GemvLaunch>();
+      launch->config = configs[i].gate_up;
+      try {
+        launch->loaded = LoadedGemv::load(kernels[i], programs[i]);
+      } catch (const std::exception& error) {
+        persistent_refusals.push_back(fmt::format("{}: {}", configs[i].shape_name(), error.what()));
+        continue;
+      }
+      launches.push_back(launch);
+      KernelArguments arguments;
+      add_stage_arguments(arguments, gate_up_stage, {0, 1});
+      add_stage_arguments(arguments, down_stage, {2});
+      const DeviceStep eager = [launch, arguments](const CudaStream& s) { launch->loaded.launch(s, arguments); };
+      const CandidateId id = CandidateId::fused(configs[i].shape_name()).as_graph();
+      candidates.push_back({described(id, configs[i].to_string()), false, as_graph(eager, stream), eager,
+                            launch->loaded.kernel.source});
     }
     return candidates;
   }
@@ -428,9 +499,46 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
     }
   }
   if (!s.programmatic_dependent) s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+  // The whole MLP: the persistent kernels race the chosen stages and the native graph, gated against
+  // the float64 MLP (the hidden state rounded to the activation dtype, as every path stores it). Only
+  // a persistent kernel that wins replaces the stages' graph.
+  const HostTensor whole_reference = to_tensor(decode_mlp_reference_out(weights, hidden_reference, residual), rows,
+                                               weights.hidden, dtype);
+  std::vector<StageCandidate> whole = s.whole_candidates();
+  DeviceStep whole_step, whole_native;
+  s.whole = s.tune(
+      "whole", whole, {"gate", "up", "activated", "hidden_state", "down", "out"},
+      [&] {
+        (*s.values)[x_id].buffer.upload(x);
+        (*s.values)[residual_id].buffer.upload(residual);
+      },
+      "out", whole_reference, whole_step, whole_native);
+  s.stages_graph = s.executor_graph;
+  int fastest_persistent = -1;
+  for (std::size_t i = 0; i < whole.size(); ++i) {
+    const DecodeMlpCandidate& candidate = s.whole.candidates[i];
+    if (candidate.id.kind != CandidateKind::fused || candidate.id.variant == "stages" || !candidate.gate.passed) continue;
+    const DecodeMlpCandidate* best =
+        fastest_persistent < 0 ? nullptr : &s.whole.candidates[static_cast<std::size_t>(fastest_persistent)];
+    if (best == nullptr || (candidate.score_ms >= 0 && (best->score_ms < 0 || candidate.score_ms < best->score_ms))) {
+      fastest_persistent = static_cast<int>(i);
+    }
+  }
+  if (fastest_persistent >= 0) {
+    s.persistent_graph = CudaGraph::capture(s.stream, whole[static_cast<std::size_t>(fastest_persistent)].eager);
+  }
+  const StageCandidate& whole_chosen = whole[static_cast<std::size_t>(s.whole.chosen)];
+  if (whole_chosen.report.id.kind == CandidateKind::fused && whole_chosen.report.id.variant != "stages") {
+    s.persistent = true;
+    s.programmatic_dependent = false;
+    s.programmatic_dependent_reason = "not used: one persistent kernel computes both stages";
+    s.executor_graph = CudaGraph::capture(s.stream, whole_step);
+    s.serialized_graph = CudaGraph::capture(s.stream, whole_step);
+  }
   s.native_graph = CudaGraph::capture(s.stream, sequence({s.native_gate_up, s.native_down}));
   s.executor_graph.replay(s.stream);
   s.serialized_graph.replay(s.stream);
+  if (s.persistent_graph) s.persistent_graph.replay(s.stream);
   s.native_graph.replay(s.stream);
   s.stream.synchronize();
   return DecodeMlpExecutor(std::move(state));
@@ -450,6 +558,14 @@ const std::string& DecodeMlpExecutor::programmatic_dependent_reason() const {
 }
 const DecodeMlpStageReport& DecodeMlpExecutor::gate_up_report() const { return state_->gate_up; }
 const DecodeMlpStageReport& DecodeMlpExecutor::down_report() const { return state_->down; }
+const DecodeMlpStageReport& DecodeMlpExecutor::whole_report() const { return state_->whole; }
+bool DecodeMlpExecutor::persistent() const { return state_->persistent; }
+bool DecodeMlpExecutor::has_persistent() const { return static_cast<bool>(state_->persistent_graph); }
+void DecodeMlpExecutor::enqueue_persistent(const CudaStream& stream) const {
+  if (!state_->persistent_graph) throw CudaError("decode MLP: no persistent kernel passed the gate");
+  state_->persistent_graph.replay(stream);
+}
+void DecodeMlpExecutor::enqueue_stages(const CudaStream& stream) const { state_->stages_graph.replay(stream); }
 
 HostTensor DecodeMlpExecutor::run(const HostTensor& x_values, const HostTensor& residual_values) {
   x().buffer.upload(x_values);
@@ -461,7 +577,8 @@ HostTensor DecodeMlpExecutor::run(const HostTensor& x_values, const HostTensor& 
 
 std::string DecodeMlpExecutor::report() const {
   std::string text = fmt::format("programmatic dependent launch: {}\n", state_->programmatic_dependent_reason);
-  for (const DecodeMlpStageReport* stage : {&state_->gate_up, &state_->down}) {
+  for (const std::string& refusal : state_->persistent_refusals) text += fmt::format("persistent refused: {}\n", refusal);
+  for (const DecodeMlpStageReport* stage : {&state_->gate_up, &state_->down, &state_->whole}) {
     text += stage->sentence + "\n";
     for (const DecodeMlpCandidate& candidate : stage->candidates) {
       text += fmt::format("  {:<40} gate {} (L2 {:.2e}, max {:.2e}){}\n", candidate.name,

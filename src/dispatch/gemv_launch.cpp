@@ -3,6 +3,8 @@
 // staged kernel may ask for more than 48 KiB of dynamic shared memory (the limit is raised at load);
 // a streamed or split-K kernel reads a workspace of fp32 partials and per-tile counters, zeroed here
 // once; each launch leaves the counters at zero.
+#include <fmt/core.h>
+
 #include <future>
 
 #include "metile/dispatch.h"
@@ -16,6 +18,17 @@ LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& prog
   // partial sums fails to launch without it (CUDA_ERROR_INVALID_VALUE, notes/mlp_decode.md call 8).
   if (kernel.dynamic_shared_bytes + kernel.static_shared_bytes > 48 * 1024) {
     loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.dynamic_shared_bytes));
+  }
+  if (kernel.co_resident_blocks_per_multiprocessor > 0) {
+    // A grid whose blocks wait for one another (a grid-wide barrier) deadlocks unless every block is
+    // resident at once: refuse it unless the driver keeps that many blocks per SM for this kernel.
+    const int resident = loaded.compiled.max_active_blocks_per_multiprocessor(
+        static_cast<int>(kernel.block_threads), kernel.dynamic_shared_bytes);
+    const std::int64_t capacity = std::int64_t{resident} * current_device_multiprocessors();
+    if (resident < kernel.co_resident_blocks_per_multiprocessor || kernel.grid_blocks > capacity) {
+      throw CudaError(fmt::format("{}: {} blocks must be resident at once, the device keeps {} per SM ({} in all)",
+                                  kernel.kernel_name, kernel.grid_blocks, resident, capacity));
+    }
   }
   if (kernel.workspace_bytes > 0) {
     loaded.workspace = std::make_shared<DeviceBuffer>(static_cast<std::size_t>(kernel.workspace_bytes));

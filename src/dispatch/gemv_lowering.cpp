@@ -591,20 +591,38 @@ void upload_into(DeviceBuffer& buffer, std::span<const std::byte> bytes) {
 
 // The kernels of one lowering, compiled together (in parallel) on the first bind and loaded as
 // candidates need them, and the repacked weights per device values, shared by every candidate.
+// The stage kernels and the persistent ones (from `first_persistent` on) compile as two batches, so
+// that a persistent kernel that fails to compile costs only the persistent candidates.
 struct GemvKernelPool {
   std::vector<GemvKernelSource> kernels;
+  std::size_t first_persistent = static_cast<std::size_t>(-1);
   std::mutex mutex;
   std::vector<CompiledProgram> programs;
+  bool compiled[2] = {false, false};
+  std::string compile_error[2];
   std::vector<std::shared_ptr<LoadedGemv>> loaded;
   std::map<std::pair<const DeviceValues*, ValueId>, std::shared_ptr<RepackedOnDevice>> repacked;
   std::map<std::pair<const DeviceValues*, std::size_t>, std::shared_ptr<StackedOnDevice>> stacked;
 
   std::shared_ptr<LoadedGemv> kernel(std::size_t index) {
     std::lock_guard lock(mutex);
-    if (programs.empty()) {
-      programs = compile_gemvs(kernels);
+    const int batch = index < first_persistent ? 0 : 1;
+    if (!compiled[batch]) {
+      compiled[batch] = true;
+      programs.resize(kernels.size());
       loaded.resize(kernels.size());
+      const std::size_t begin = batch == 0 ? 0 : first_persistent;
+      const std::size_t end = batch == 0 ? std::min(first_persistent, kernels.size()) : kernels.size();
+      try {
+        std::vector<CompiledProgram> batch_programs =
+            compile_gemvs(std::vector<GemvKernelSource>(kernels.begin() + static_cast<std::ptrdiff_t>(begin),
+                                                        kernels.begin() + static_cast<std::ptrdiff_t>(end)));
+        std::move(batch_programs.begin(), batch_programs.end(), programs.begin() + static_cast<std::ptrdiff_t>(begin));
+      } catch (const CudaError& error) {
+        compile_error[batch] = error.what();
+      }
     }
+    if (!compile_error[batch].empty()) throw CudaError(compile_error[batch]);
     if (!loaded[index]) loaded[index] = std::make_shared<LoadedGemv>(LoadedGemv::load(kernels[index], programs[index]));
     return loaded[index];
   }
@@ -675,7 +693,50 @@ struct GemvKernelPool {
   }
 };
 
-Lowered candidates_of(const GemvRegionPlan& plan) {
+// A stage's kernel arguments in gemv.h's order (stacked siblings, or its matrices: repacked when
+// affine), keeping alive the device copies they point at.
+void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvStage& stage, std::size_t index,
+                         KernelArguments& arguments, std::vector<std::shared_ptr<RepackedOnDevice>>& repacked,
+                         std::vector<std::shared_ptr<StackedOnDevice>>& stacked) {
+  if (!stage.row_parts.empty()) {
+    stacked.push_back(pool.stacked_matrix(values, stage, index));
+    arguments.add_pointer(stacked.back()->words);
+    if (stage.matrices.front().format.is_affine()) arguments.add_pointer(stacked.back()->scale_bias);
+    arguments.add_pointer(values[stage.input].address());
+    if (stage.norm_weight >= 0) arguments.add_pointer(values[stage.norm_weight].address());
+    if (!stage.epilogue.tensor_inputs().empty()) arguments.add_pointer(stacked.back()->bias);
+    for (const GemvRowPart& part : stage.row_parts) arguments.add_pointer(values[part.output].address());
+    return;
+  }
+  for (const GemvMatrix& matrix : stage.matrices) {
+    if (matrix.format.is_affine()) {
+      repacked.push_back(pool.repacked_matrix(values, matrix));
+      arguments.add_pointer(repacked.back()->words);
+      arguments.add_pointer(repacked.back()->scale_bias);
+    } else {
+      arguments.add_pointer(values[matrix.weight].address());
+    }
+  }
+  arguments.add_pointer(values[stage.input].address());
+  if (stage.norm_weight >= 0) arguments.add_pointer(values[stage.norm_weight].address());
+  for (ValueId tensor : stage.epilogue_tensors) arguments.add_pointer(values[tensor].address());
+  arguments.add_pointer(values[stage.output].address());
+  if (stage.argmax_output >= 0) arguments.add_pointer(values[stage.argmax_output].address());
+}
+
+// The SMs of the current device, for the persistent grid; 132 (the H200's) where there is none
+// (lowerings also run on machines without a GPU: the kernel is then refused when it is loaded).
+int multiprocessors_or_h200() {
+  try {
+    return current_device_multiprocessors();
+  } catch (const std::exception&) {
+    return 132;
+  }
+}
+
+// `persistent`: a swiglu_mlp plan (gate/up, then down) also gets the persistent decode-MLP kernels
+// (gemv.h: both stages in one launch), the first `gemv_lowering_shapes_per_family` shapes.
+Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
   if (!plan.decision) return {plan.decision, {}};
   auto pool = std::make_shared<GemvKernelPool>();
   // Per stage: the configs and their kernels' indices in the pool.
@@ -733,33 +794,8 @@ Lowered candidates_of(const GemvRegionPlan& plan) {
       std::vector<std::shared_ptr<RepackedOnDevice>> repacked;
       std::vector<std::shared_ptr<StackedOnDevice>> stacked;
       for (std::size_t s = 0; s < stages->size(); ++s) {
-        const GemvStage& stage = (*stages)[s];
         Launch launch{pool->kernel(kernels[s]), {}};
-        if (!stage.row_parts.empty()) {
-          stacked.push_back(pool->stacked_matrix(values, stage, s));
-          launch.arguments.add_pointer(stacked.back()->words);
-          if (stage.matrices.front().format.is_affine()) launch.arguments.add_pointer(stacked.back()->scale_bias);
-          launch.arguments.add_pointer(values[stage.input].address());
-          if (stage.norm_weight >= 0) launch.arguments.add_pointer(values[stage.norm_weight].address());
-          if (!stage.epilogue.tensor_inputs().empty()) launch.arguments.add_pointer(stacked.back()->bias);
-          for (const GemvRowPart& part : stage.row_parts) launch.arguments.add_pointer(values[part.output].address());
-          launches.push_back(std::move(launch));
-          continue;
-        }
-        for (const GemvMatrix& matrix : stage.matrices) {
-          if (matrix.format.is_affine()) {
-            repacked.push_back(pool->repacked_matrix(values, matrix));
-            launch.arguments.add_pointer(repacked.back()->words);
-            launch.arguments.add_pointer(repacked.back()->scale_bias);
-          } else {
-            launch.arguments.add_pointer(values[matrix.weight].address());
-          }
-        }
-        launch.arguments.add_pointer(values[stage.input].address());
-        if (stage.norm_weight >= 0) launch.arguments.add_pointer(values[stage.norm_weight].address());
-        for (ValueId tensor : stage.epilogue_tensors) launch.arguments.add_pointer(values[tensor].address());
-        launch.arguments.add_pointer(values[stage.output].address());
-        if (stage.argmax_output >= 0) launch.arguments.add_pointer(values[stage.argmax_output].address());
+        add_stage_arguments(*pool, values, (*stages)[s], s, launch.arguments, repacked, stacked);
         launches.push_back(std::move(launch));
       }
       return DeviceStep([launches = std::move(launches), repacked = std::move(repacked),
@@ -769,13 +805,46 @@ Lowered candidates_of(const GemvRegionPlan& plan) {
     };
     candidates.push_back(std::move(candidate));
   }
+  if (persistent && plan.stages.size() == 2) {
+    std::vector<PersistentMlpConfig> configs;
+    try {
+      configs = persistent_mlp_candidates(plan.stages[0].base_config(), plan.stages[1].base_config(),
+                                          multiprocessors_or_h200());
+    } catch (const InputError&) {
+      configs.clear();  // a plan the persistent kernel cannot take keeps the two-stage candidates
+    }
+    if (configs.size() > static_cast<std::size_t>(gemv_lowering_shapes_per_family)) {
+      configs.resize(static_cast<std::size_t>(gemv_lowering_shapes_per_family));
+    }
+    if (!configs.empty()) pool->first_persistent = pool->kernels.size();
+    for (const PersistentMlpConfig& config : configs) {
+      const std::size_t index = pool->kernels.size();
+      pool->kernels.push_back(generate_persistent_mlp_kernel(config));
+      FusedCandidate candidate;
+      candidate.id = CandidateId::fused("gemv " + config.shape_name());
+      candidate.source = pool->kernels.back().source;
+      candidate.summary = config.to_string();
+      candidate.launches = 1;
+      candidate.bind = [pool, stages, index](DeviceValues& values) {
+        std::vector<std::shared_ptr<RepackedOnDevice>> repacked;
+        std::vector<std::shared_ptr<StackedOnDevice>> stacked;
+        KernelArguments arguments;
+        for (std::size_t s = 0; s < stages->size(); ++s) {
+          add_stage_arguments(*pool, values, (*stages)[s], s, arguments, repacked, stacked);
+        }
+        return DeviceStep([gemv = pool->kernel(index), arguments, repacked = std::move(repacked),
+                           stacked = std::move(stacked)](const CudaStream& stream) { gemv->launch(stream, arguments); });
+      };
+      candidates.push_back(std::move(candidate));
+    }
+  }
   return {Decision::allow(), std::move(candidates)};
 }
 
 }  // namespace
 
 Lowered gemv_swiglu_candidates(const ComputeGraph& graph, const FusionRegion& region) {
-  return candidates_of(plan_gemv_swiglu(graph, region));
+  return candidates_of(plan_gemv_swiglu(graph, region), true);
 }
 
 Lowered gemv_contraction_candidates(const ComputeGraph& graph, const FusionRegion& region) {
@@ -783,7 +852,7 @@ Lowered gemv_contraction_candidates(const ComputeGraph& graph, const FusionRegio
 }
 
 Lowered gemv_region_candidates(const ComputeGraph& graph, const FusionRegion& region) {
-  return candidates_of(plan_gemv_region(graph, region));
+  return candidates_of(plan_gemv_region(graph, region), region.rule == "swiglu_mlp");
 }
 
 }  // namespace metile

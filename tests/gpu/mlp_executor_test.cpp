@@ -76,6 +76,15 @@ TEST_F(DecodeMlpExecutorTest, OutputEqualsTheUnfusedGraphWithinTheGate) {
     std::cout << "[report] " << label << "\n" << executor.report();
     expect_well_formed(executor.gate_up_report(), c.format.is_affine());
     expect_well_formed(executor.down_report(), c.format.is_affine());
+    // The whole-MLP race: every persistent kernel was raced (none refused at load) and passed the gate.
+    int persistent = 0;
+    for (const DecodeMlpCandidate& candidate : executor.whole_report().candidates) {
+      if (candidate.id.variant.rfind("persistent", 0) != 0) continue;
+      ++persistent;
+      EXPECT_TRUE(candidate.gate.passed) << label << " " << candidate.name << ": " << candidate.gate.detail;
+    }
+    EXPECT_GE(persistent, 1) << label << "\n" << executor.report();
+    EXPECT_TRUE(executor.has_persistent()) << label;
 
     // Fresh inputs, not the gate's.
     const ComputeGraph graph = weights.graph(c.rows);
@@ -97,6 +106,15 @@ TEST_F(DecodeMlpExecutorTest, OutputEqualsTheUnfusedGraphWithinTheGate) {
                              label, against_graph.relative_l2, against_graph.relative_max, error.relative_norm,
                              error.relative_max);
     EXPECT_LE(error.relative_max, numeric_gate_threshold(c.format.activation)) << label;
+
+    // The fastest persistent kernel (whether chosen or not) computes the same function.
+    if (executor.has_persistent()) {
+      const_cast<DeviceTensor&>(executor.out()).buffer.fill_bytes(0xFF);  // poison: it must write every element
+      executor.enqueue_persistent(executor.stream());
+      executor.stream().synchronize();
+      const NumericGateResult persistent_gate = numeric_gate(executor.out().to_host(), reference.at("out"));
+      EXPECT_TRUE(persistent_gate.passed) << label << " persistent: " << persistent_gate.detail;
+    }
 
     // The native replay computes the same function.
     executor.enqueue_native(executor.stream());

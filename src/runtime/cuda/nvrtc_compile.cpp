@@ -105,6 +105,16 @@ std::string current_device_architecture() {
   return fmt::format("sm_{}{}", major, minor);
 }
 
+int current_device_multiprocessors() {
+  const auto& api = cuda_driver::driver();
+  CUdevice device = 0;
+  cuda_driver::check(api.cuCtxGetDevice(&device), "cuCtxGetDevice");
+  int count = 0;
+  cuda_driver::check(api.cuDeviceGetAttribute(&count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
+                     "cuDeviceGetAttribute(multiprocessor count)");
+  return count;
+}
+
 std::string stable_hash_hex(std::string_view bytes) {
   return fmt::format("{:016x}{:016x}", hash64(bytes, 0), hash64(bytes, 0x9e3779b97f4a7c15ULL));
 }
@@ -209,6 +219,14 @@ int CompiledKernel::registers_per_thread() const {
   cuda_driver::check(cuda_driver::driver().cuFuncGetAttribute(&registers, CU_FUNC_ATTRIBUTE_NUM_REGS, function_),
                      fmt::format("cuFuncGetAttribute({}, registers)", name_));
   return registers;
+}
+
+int CompiledKernel::max_active_blocks_per_multiprocessor(int block_threads, std::size_t dynamic_shared_bytes) const {
+  int blocks = 0;
+  cuda_driver::check(cuda_driver::driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, function_, block_threads,
+                                                                                       dynamic_shared_bytes),
+                     fmt::format("cuOccupancyMaxActiveBlocksPerMultiprocessor({}, {} threads)", name_, block_threads));
+  return blocks;
 }
 
 void CompiledKernel::set_max_dynamic_shared_memory(int bytes) const {

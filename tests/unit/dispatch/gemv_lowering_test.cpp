@@ -448,12 +448,27 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
         stage_kernels.back().push_back(generate_gemv_kernel(config));
       }
     }
-    // Every combination of one shape per stage, in the lowering's order.
+    // Every combination of one shape per stage, in the lowering's order; then, for a swiglu_mlp
+    // region, the first persistent decode-MLP shapes (one launch for both stages; no device here:
+    // the H200's 132 SMs).
     std::size_t expected = 1;
     for (const auto& kernels : stage_kernels) expected *= kernels.size();
-    ASSERT_EQ(candidates.candidates.size(), expected) << test_case.what;
+    std::vector<PersistentMlpConfig> persistent;
+    if (test_case.rule == "swiglu_mlp") {
+      persistent = persistent_mlp_candidates(lowered.stages[0].base_config(), lowered.stages[1].base_config(), 132);
+      persistent.resize(std::min<std::size_t>(persistent.size(), gemv_lowering_shapes_per_family));
+      // Not with x normalized as it is loaded (the RMSNorm prologue): the persistent kernel reads x plainly.
+      EXPECT_EQ(persistent.empty(), lowered.stages[0].norm_weight >= 0) << test_case.what;
+    }
+    ASSERT_EQ(candidates.candidates.size(), expected + persistent.size()) << test_case.what;
+    for (std::size_t p = 0; p < persistent.size(); ++p) {
+      const FusedCandidate& candidate = candidates.candidates[expected + p];
+      EXPECT_EQ(candidate.source, generate_persistent_mlp_kernel(persistent[p]).source) << test_case.what;
+      EXPECT_EQ(candidate.launches, 1);
+      EXPECT_EQ(candidate.id.name(), "fused gemv " + persistent[p].shape_name());
+    }
     const std::size_t last = stage_kernels.back().size();
-    for (std::size_t c = 0; c < candidates.candidates.size(); ++c) {
+    for (std::size_t c = 0; c < expected; ++c) {
       std::string source = stage_kernels.size() == 2 ? stage_kernels[0][c / last].source : "";
       source += stage_kernels.back()[c % last].source;
       EXPECT_EQ(candidates.candidates[c].source, source) << test_case.what << " candidate " << c;

@@ -403,5 +403,60 @@ TEST(GemvCompile, StreamedShapesExistForEveryFormat) {
   }
 }
 
+// The persistent decode MLP (gemv_persistent.cpp): one kernel per format at the narrow models'
+// sizes compiles for sm_90 with its batches in registers under its launch bounds (16 warps per SM:
+// 128 registers), for M = 1 and 16. Three compiles, ~1 s each: the CI budget allows no more.
+PersistentMlpConfig persistent_config(GemvWeightFormat format, std::int64_t rows, std::int64_t hidden,
+                                      std::int64_t intermediate, std::size_t shape) {
+  const std::vector<PersistentMlpConfig> candidates =
+      persistent_mlp_candidates(base_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu()),
+                                base_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()));
+  EXPECT_GT(candidates.size(), shape) << format.to_string();
+  return candidates.size() <= shape ? PersistentMlpConfig{} : candidates[shape];
+}
+
+TEST(GemvCompile, PersistentMlpCompilesForSm90) {
+  const struct {
+    GemvWeightFormat format;
+    std::int64_t rows, hidden, intermediate;
+    std::size_t shape;  // 0: 16 warps per SM at 128 registers; 2: 8 warps per SM, deeper batches
+  } cases[] = {{GemvWeightFormat::affine(4, 64, DType::bf16), 1, 1536, 8960, 0},
+               {GemvWeightFormat::affine(8, 64, DType::f16), 16, 2048, 8192, 0},
+               {GemvWeightFormat::dense(DType::bf16), 1, 1536, 8960, 2}};
+  for (const auto& c : cases) {
+    const PersistentMlpConfig config = persistent_config(c.format, c.rows, c.hidden, c.intermediate, c.shape);
+    const GemvKernelSource kernel = generate_persistent_mlp_kernel(config);
+    EXPECT_EQ(kernel.grid_blocks, 132u * static_cast<unsigned>(config.blocks_per_multiprocessor)) << config.to_string();
+    EXPECT_EQ(kernel.co_resident_blocks_per_multiprocessor, config.blocks_per_multiprocessor);
+    EXPECT_GT(kernel.workspace_bytes, 0u);
+    EXPECT_NE(kernel.source.find("namespace down"), std::string::npos);
+    expect_no_spills(compile_for_sm90(kernel).log, config.to_string());
+  }
+}
+
+// What the persistent kernel refuses, and its candidates: 16 warps per SM, one shape name each.
+TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  const std::vector<PersistentMlpConfig> candidates =
+      persistent_mlp_candidates(base_config(format, 1, 8960, 1536, GemvEpilogue::swiglu()),
+                                base_config(format, 1, 1536, 8960, GemvEpilogue::residual_add()), 100);
+  ASSERT_GE(candidates.size(), 2u);
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    EXPECT_LE(candidates[i].warps_per_block * candidates[i].blocks_per_multiprocessor, 16);
+    EXPECT_EQ(generate_persistent_mlp_kernel(candidates[i]).grid_blocks,
+              100u * static_cast<unsigned>(candidates[i].blocks_per_multiprocessor));
+    for (std::size_t j = 0; j < i; ++j) EXPECT_NE(candidates[i].shape_name(), candidates[j].shape_name());
+  }
+  PersistentMlpConfig config = candidates.front();
+  config.down.in_features = 1024;  // down must read gate/up's N = 8960 outputs
+  EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError);
+  config = candidates.front();
+  config.warps_per_block = 16;  // 16 x 2 blocks: 32 warps per SM leave 64 registers per thread
+  EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError);
+  config = candidates.front();
+  config.down.epilogue = GemvEpilogue::swiglu();  // down multiplies one matrix
+  EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError);
+}
+
 }  // namespace
 }  // namespace metile

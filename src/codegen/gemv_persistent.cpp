@@ -1,0 +1,371 @@
+// The persistent decode MLP (gemv.h, "the persistent decode MLP"): gate/up, a grid-wide barrier and
+// down in ONE launch, for the narrow models (Qwen2.5-1.5B, Llama-3.2-1B) whose two stage kernels
+// move only 10-30 MB and spend most of their time in ramp, tail and the boundary between them
+// (notes/mlp_decode.md).
+//
+//   text    one copy of the tensor-core helpers, then each phase in a namespace of its own
+//           (gate_up, down): its problem constants, the format helpers, the register mainloop
+//           (gemv_mainloop.cpp, accumulate<P> with run-time bounds and kWarps = 1: each warp
+//           works alone), its epilogue (store_output) and the stream-K join (gemv_streamed.cpp)
+//   work    per phase, the (16-row tile, iteration) positions, tile-major, in equal contiguous
+//           shares, one per warp of the grid: warp w owns [w P / W, (w + 1) P / W). A tile
+//           covered by one warp is stored directly; a tile split between warps is joined through
+//           fp32 partials, added in K order by the last piece to arrive (finish_piece), which
+//           applies the epilogue. The gate and up rows of a tile are always in the same piece.
+//   barrier after phase 1 every block fences its writes and bumps `arrivals` once; a warp of
+//           phase 2 issues its first batch of down weights (they need nothing from phase 1), then
+//           waits (activations_ready) until arrivals == kBlocks before it reads the hidden state,
+//           through L2 (kXWrittenInKernel). At the end every block bumps `departures`; the last
+//           one re-arms both, so the next launch (or graph replay) on the stream starts at zero.
+//
+// Why it cannot deadlock: a block waits only for the other blocks' arrivals, and every block
+// arrives unconditionally once its own phase 1 is done (phase 1 waits for nothing but memory). So
+// the barrier completes as soon as every block has been scheduled, which holds when all of them
+// fit on the device at once: the grid is multiprocessors x blocks_per_multiprocessor, the kernel
+// is compiled with __launch_bounds__(threads, blocks_per_multiprocessor), and LoadedGemv::load
+// refuses it unless the driver reports that occupancy for the compiled kernel
+// (co_resident_blocks_per_multiprocessor) and that many SMs. A kernel sharing the device delays
+// the last blocks but does not wait on this one, so they are scheduled when it ends. The kernel
+// never triggers a programmatic dependent launch early, so no dependent can take the SMs that
+// blocks of this grid are still waiting for; launched itself as a programmatic dependent, its blocks
+// that start early wait (griddepcontrol.wait) for a kernel that waits on nothing of theirs, and the
+// rest are scheduled as that kernel's blocks leave.
+#include <fmt/core.h>
+
+#include <algorithm>
+
+#include "codegen_internal.h"
+#include "gemv_internal.h"
+#include "metile/gemv.h"
+
+namespace metile {
+using namespace gemv_detail;
+namespace {
+
+constexpr std::string_view grid_barrier = R"CUDA(
+// This launch's arrival counter, set by thread 0 before the block's first barrier.
+__shared__ const u32* grid_arrivals;
+
+__device__ __forceinline__ u64 global_nanoseconds() {
+  u64 now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+// Waits until every block of the grid has arrived (each bumps the counter once, after its phase 1).
+// The wait lasts microseconds; one that lasts seconds means blocks are not co-resident after all
+// (which LoadedGemv::load rules out): the kernel traps, an error the host sees, rather than hang.
+__device__ __forceinline__ void wait_for_every_block(const u32* arrivals) {
+  const u64 start = global_nanoseconds();
+  for (;;) {
+    u32 seen;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
+    if (seen >= (u32)kBlocks) return;
+    if (global_nanoseconds() - start > 4000000000ull) asm volatile("trap;");
+    __nanosleep(64);
+  }
+}
+)CUDA";
+
+// The down phase's x is the hidden state: ready once every block has arrived. The pointer comes out
+// of the asm statement after the wait, so no load through it can be hoisted above the wait.
+constexpr std::string_view activations_after_grid_barrier = R"CUDA(
+template <class T>
+__device__ __forceinline__ T* activations_ready(T* pointer) {
+  wait_for_every_block(grid_arrivals);
+  asm volatile("mov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+  return pointer;
+}
+)CUDA";
+
+constexpr std::string_view activations_after_previous_kernel = R"CUDA(
+template <class T>
+__device__ __forceinline__ T* activations_ready(T* pointer) { return after_previous_kernel(pointer); }
+)CUDA";
+
+// One phase: this warp's share of the positions, piece by piece (a piece never crosses a tile).
+constexpr std::string_view phase_body = R"CUDA(
+__device__ __forceinline__ void run_phase(const u32* const (&weights)[kProducts], const u16* const (&scale_bias)[kProducts],
+                                          const u16* x, const Outputs& outputs, float* partials, u32* counters,
+                                          long long worker, int lane) {
+  const long long begin = share_begin(worker), end = share_begin(worker + 1);
+#pragma unroll 1
+  for (long long position = begin; position < end;) {
+    const long long item = position / kIterations;
+    const int first = (int)(position - item * kIterations);
+    const int last = (int)(min(end, (item + 1) * kIterations) - item * kIterations);
+    float acc[kProducts][1][kRowHalves][4];
+#pragma unroll
+    for (int p = 0; p < kProducts; ++p)
+#pragma unroll
+      for (int h = 0; h < kRowHalves; ++h) acc[p][0][h][0] = acc[p][0][h][1] = acc[p][0][h][2] = acc[p][0][h][3] = 0.0f;
+    accumulate<kProducts>(acc, weights, scale_bias, x, nullptr, 0, lane, (int)item, first, last, nullptr, false);
+    float piece[kProducts][kRowHalves][4];
+#pragma unroll
+    for (int p = 0; p < kProducts; ++p)
+#pragma unroll
+      for (int h = 0; h < kRowHalves; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) piece[p][h][e] = acc[p][0][h][e];
+    finish_piece(piece, item, worker, partials, counters, outputs, lane);
+    position = item * kIterations + last;
+  }
+}
+)CUDA";
+
+std::int64_t tiles_of(const GemvKernelConfig& config) { return (config.out_features + 15) / 16; }
+std::int64_t iterations_of(const GemvKernelConfig& config) {
+  const int columns = config.format.columns_per_iteration();
+  return (config.in_features + columns - 1) / columns;
+}
+
+// The most warps whose shares meet one tile (the partial slots per tile), as finish_piece counts them.
+std::int64_t max_pieces(const GemvKernelConfig& config, std::int64_t warps) {
+  const std::int64_t iterations = iterations_of(config), positions = tiles_of(config) * iterations;
+  auto owner = [&](std::int64_t position) { return ((position + 1) * warps - 1) / positions; };
+  std::int64_t most = 1;
+  for (std::int64_t tile = 0; tile < tiles_of(config); ++tile) {
+    most = std::max(most, owner((tile + 1) * iterations - 1) - owner(tile * iterations) + 1);
+  }
+  return most;
+}
+
+std::int64_t partial_floats(const GemvKernelConfig& config, std::int64_t warps) {
+  return tiles_of(config) * max_pieces(config, warps) * config.epilogue.product_count() * 16 * config.rows;
+}
+
+// One phase's namespace: everything a GEMV needs, with this phase's constants.
+std::string phase_source(std::string_view name, const GemvKernelConfig& config, bool x_written_in_kernel,
+                         std::int64_t warps) {
+  GemvKernelConfig alone = config;  // the mainloop's view: one warp per piece
+  alone.warps_per_block = 1;
+  std::string source = fmt::format("\n// ---------------- {}: {}\nnamespace {} {{\n", name, config.to_string(), name);
+  source += gemv_problem_constants(alone, x_written_in_kernel);
+  source += gemv_register_constants(alone, 0);
+  source += gemv_format_helpers();
+  source += x_written_in_kernel ? activations_after_grid_barrier : activations_after_previous_kernel;
+  source += gemv_register_mainloop();
+  source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
+  source += cuda_elementwise_helpers();
+  source += gemv_output_functions(config);
+  source += fmt::format(
+      "constexpr int kSlices = 1;\nconstexpr int kSliceIterations = kIterations;\n"
+      "constexpr long long kPositions = (long long)kTileCount * kIterations;\n"
+      "constexpr long long kTotalWarps = {};\nconstexpr int kMaxPieces = {};\nconstexpr int kPartialFloats = 16 * kM;\n",
+      warps, max_pieces(config, warps));
+  source += gemv_stream_k_join();
+  source += phase_body;
+  return source + fmt::format("}}  // namespace {}\n", name);
+}
+
+// A phase's parameters in gemv.h's order, each prefixed; `x` and `out` are named by the caller
+// (the hidden state is one phase's out and the other's x: neither is __restrict__).
+std::string phase_parameters(const GemvKernelConfig& config, std::string_view prefix, std::string_view x,
+                             std::string_view out) {
+  std::string text;
+  for (int p = 0; p < config.epilogue.product_count(); ++p) {
+    text += fmt::format("    const u32* __restrict__ {}_weights{}, ", prefix, p);
+    if (config.format.is_affine()) text += fmt::format("const u16* __restrict__ {}_scale_bias{}, ", prefix, p);
+    text += "\n";
+  }
+  text += fmt::format("    {},\n", x);
+  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    text += fmt::format("    const u16* __restrict__ {}_tensor{},  // {}\n", prefix, i, tensors[i].name);
+  }
+  return text + fmt::format("    {},\n", out);
+}
+
+// The call of one phase's run_phase with its arguments bound.
+std::string phase_call(const GemvKernelConfig& config, std::string_view prefix, std::string_view x,
+                       std::string_view out, std::string_view partials, std::string_view counters) {
+  const int products = config.epilogue.product_count();
+  const bool affine = config.format.is_affine();
+  std::string text = "  {\n";
+  text += fmt::format("    const u32* const weights[{}] = {{{}_weights0{}}};\n", products, prefix,
+                      products == 2 ? fmt::format(", {}_weights1", prefix) : "");
+  if (affine) {
+    text += fmt::format("    const u16* const scale_bias[{}] = {{{}_scale_bias0{}}};\n", products, prefix,
+                        products == 2 ? fmt::format(", {}_scale_bias1", prefix) : "");
+  } else {
+    text += fmt::format("    const u16* const scale_bias[{}] = {{nullptr{}}};\n", products, products == 2 ? ", nullptr" : "");
+  }
+  text += fmt::format("    {}::Outputs outputs;\n", prefix);
+  for (std::size_t i = 0; i < config.epilogue.tensor_inputs().size(); ++i) {
+    text += fmt::format("    outputs.tensor{} = {}_tensor{};\n", i, prefix, i);
+  }
+  text += fmt::format("    outputs.out = {};\n", out);
+  text += fmt::format("    {}::run_phase(weights, scale_bias, {}, outputs, {}, {}, worker, lane);\n  }}\n", prefix, x,
+                      partials, counters);
+  return text;
+}
+
+}  // namespace
+
+void PersistentMlpConfig::validate() const {
+  gate_up.validate();
+  down.validate();
+  for (const GemvKernelConfig* phase : {&gate_up, &down}) {
+    if (phase->mainloop != GemvMainloop::register_batches || phase->shared_stages != 0 || phase->k_splits != 1 ||
+        phase->shared_group_sums || phase->argmax_rows || !phase->output_splits.empty() || phase->tiles_per_block != 1 ||
+        (phase->epilogue.product_count() == 2 && phase->schedule != GatedSchedule::register_resident)) {
+      throw InputError(fmt::format("persistent MLP: a phase is the plain register mainloop (one tile, register-resident, "
+                                   "no split-K, staging, group sums, argmax or split outputs), not {}",
+                                   phase->to_string()));
+    }
+  }
+  if (down.epilogue.product_count() != 1) throw InputError("persistent MLP: the down phase multiplies one matrix");
+  if (gate_up.x_rms_norm_eps || down.x_rms_norm_eps) {
+    throw InputError("persistent MLP: x normalized as it is loaded (the RMSNorm prologue) is not supported");
+  }
+  if (gate_up.format != down.format || gate_up.rows != down.rows || down.in_features != gate_up.out_features) {
+    throw InputError(fmt::format("persistent MLP: down ({}) must read gate/up's output ({}): same format and rows, K = N",
+                                 down.to_string(), gate_up.to_string()));
+  }
+  if (warps_per_block < 1 || warps_per_block > 16 || blocks_per_multiprocessor < 1 || blocks_per_multiprocessor > 4 ||
+      warps_per_block * blocks_per_multiprocessor > 16) {
+    throw InputError(fmt::format("persistent MLP: {} warps x {} blocks per SM; 1..16 warps, 1..4 blocks, at most 16 warps "
+                                 "per SM (128 registers per thread)",
+                                 warps_per_block, blocks_per_multiprocessor));
+  }
+  if (multiprocessors < 1 || multiprocessors > 1024) {
+    throw InputError(fmt::format("persistent MLP: multiprocessors must be 1..1024, not {}", multiprocessors));
+  }
+}
+
+std::string PersistentMlpConfig::shape_name() const {
+  return fmt::format("persistent w{} b{} f{}{} f{}{}", warps_per_block, blocks_per_multiprocessor,
+                     gate_up.iterations_in_flight, gate_up.double_buffered ? "db" : "", down.iterations_in_flight,
+                     down.double_buffered ? "db" : "");
+}
+
+std::string PersistentMlpConfig::to_string() const {
+  return fmt::format("{} grid={}x{} | gate_up {} | down {}", shape_name(), multiprocessors, blocks_per_multiprocessor,
+                     gate_up.to_string(), down.to_string());
+}
+
+GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& config) {
+  config.validate();
+  const std::int64_t blocks = std::int64_t{config.multiprocessors} * config.blocks_per_multiprocessor;
+  const std::int64_t warps = blocks * config.warps_per_block;
+  const std::int64_t gate_up_partials = partial_floats(config.gate_up, warps);
+  const std::int64_t down_partials = partial_floats(config.down, warps);
+
+  GemvKernelSource result;
+  const std::uint64_t hash = fnv1a_64(config.to_string() + "|" + config.gate_up.epilogue.cuda_expression() + "|" +
+                                      config.down.epilogue.cuda_expression());
+  result.kernel_name = fmt::format("metile_persistent_mlp_{}_m{}_h{}_i{}_w{}b{}g{}_f{}{}f{}{}_e{:08x}",
+                                   gemv_format_tag(config.gate_up.format), config.gate_up.rows, config.gate_up.in_features,
+                                   config.gate_up.out_features, config.warps_per_block, config.blocks_per_multiprocessor,
+                                   blocks, config.gate_up.iterations_in_flight, config.gate_up.double_buffered ? "d" : "",
+                                   config.down.iterations_in_flight, config.down.double_buffered ? "d" : "",
+                                   hash & 0xFFFFFFFFu);
+  std::string source = fmt::format("// Generated by metile (src/codegen/gemv_persistent.cpp): {}\n", config.to_string());
+  source += fmt::format(
+      "constexpr bool kHalf = {};\nconstexpr int kBlocks = {};\nconstexpr int kBlockWarps = {};\n"
+      "constexpr int kBlocksPerMultiprocessor = {};\n",
+      config.gate_up.format.activation == DType::f16 ? "true" : "false", blocks, config.warps_per_block,
+      config.blocks_per_multiprocessor);
+  source += codegen_detail::tensor_core_device_helpers();
+  source += grid_barrier;
+  source += phase_source("gate_up", config.gate_up, false, warps);
+  source += phase_source("down", config.down, true, warps);
+
+  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}, {}) {}(\n", config.warps_per_block * 32,
+                        config.blocks_per_multiprocessor, result.kernel_name);
+  source += phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out");
+  source += phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out");
+  source += "    float* __restrict__ workspace) {\n";
+  source += fmt::format(
+      "  // workspace: gate_up partials, down partials, the tiles' counters of both phases, arrivals, departures\n"
+      "  float* const gate_up_partials = workspace;\n  float* const down_partials = workspace + {};\n"
+      "  u32* const gate_up_counters = reinterpret_cast<u32*>(workspace + {});\n"
+      "  u32* const down_counters = gate_up_counters + gate_up::kTileCount;\n"
+      "  u32* const arrivals = down_counters + down::kTileCount;\n  u32* const departures = arrivals + 1;\n",
+      gate_up_partials, gate_up_partials + down_partials);
+  source += R"CUDA(  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long worker = (long long)blockIdx.x * kBlockWarps + warp;
+  if (threadIdx.x == 0) grid_arrivals = arrivals;  // published by the barrier after phase 1
+)CUDA";
+  source += phase_call(config.gate_up, "gate_up", "gate_up_x", "hidden_out", "gate_up_partials", "gate_up_counters");
+  source += R"CUDA(  // Launched as a programmatic dependent (Executable graphs launch every generated GEMV so), a warp
+  // writes nothing before the previous kernel is done: a warp with a phase-1 piece waited in its
+  // mainloop; one without waits here, before the block's first write (its arrival).
+  gate_up::wait_for_previous_kernel();
+  // Arrive: this block's hidden-state writes (the joins it finished) are visible before its arrival.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(arrivals, 1u);
+  }
+)CUDA";
+  source += phase_call(config.down, "down", "hidden_in", "out", "down_partials", "down_counters");
+  source += R"CUDA(  // Depart: every warp of this block is past its waits. The last block re-arms the barrier.
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(departures, 1u) == (u32)kBlocks - 1) {
+    atomicExch(arrivals, 0u);
+    atomicExch(departures, 0u);
+  }
+}
+)CUDA";
+
+  result.source = std::move(source);
+  result.grid_blocks = static_cast<unsigned>(blocks);
+  result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
+  result.static_shared_bytes = 16;  // grid_arrivals and the two unused group-sum floats
+  result.workspace_bytes = static_cast<std::uint64_t>(
+      (gate_up_partials + down_partials) * 4 + (tiles_of(config.gate_up) + tiles_of(config.down) + 2) * 4);
+  result.co_resident_blocks_per_multiprocessor = config.blocks_per_multiprocessor;
+  return result;
+}
+
+std::vector<PersistentMlpConfig> persistent_mlp_candidates(const GemvKernelConfig& gate_up, const GemvKernelConfig& down,
+                                                           int multiprocessors) {
+  // 16 warps per SM (the register kernels' best occupancy, notes/mlp_decode.md) as 2 blocks of 8, 4
+  // of 4 or 1 of 16: at 128 registers per thread one double-buffered iteration per batch is what
+  // fits without spilling (ptxas, 4-bit M = 1; M > 8 doubles the x fragments and accumulators, so
+  // there the batch is not double-buffered); and 8 warps per SM with two-iteration batches (~200
+  // registers). A double-buffered down phase issues its first batch before the barrier.
+  struct Shape {
+    int warps, blocks, gate_up_depth, down_depth;
+    bool double_buffered;
+  };
+  const bool two_halves = gate_up.rows > 8;
+  const std::vector<Shape> shapes =
+      two_halves ? std::vector<Shape>{{8, 2, 1, 1, false}, {4, 4, 1, 1, false}, {8, 1, 1, 2, true}, {16, 1, 1, 1, false}}
+                 : std::vector<Shape>{{8, 2, 1, 1, true}, {4, 4, 1, 1, true}, {8, 1, 2, 2, true}, {16, 1, 1, 1, true}};
+  std::vector<PersistentMlpConfig> candidates;
+  for (const Shape& shape : shapes) {
+    PersistentMlpConfig config;
+    config.gate_up = gate_up;
+    config.down = down;
+    config.warps_per_block = shape.warps;
+    config.blocks_per_multiprocessor = shape.blocks;
+    config.multiprocessors = multiprocessors;
+    config.gate_up.iterations_in_flight = shape.gate_up_depth;
+    config.down.iterations_in_flight = shape.down_depth;
+    for (GemvKernelConfig* phase : {&config.gate_up, &config.down}) {
+      phase->mainloop = GemvMainloop::register_batches;
+      phase->double_buffered = shape.double_buffered;
+      phase->warps_per_block = shape.warps;
+      phase->tiles_per_block = 1;
+      phase->k_splits = 1;
+      phase->shared_stages = 0;
+      phase->shared_group_sums = false;
+      phase->schedule = GatedSchedule::register_resident;
+    }
+    try {
+      config.validate();
+    } catch (const InputError&) {
+      continue;
+    }
+    const bool repeated = std::any_of(candidates.begin(), candidates.end(), [&](const PersistentMlpConfig& other) {
+      return other.shape_name() == config.shape_name();
+    });
+    if (!repeated) candidates.push_back(config);
+  }
+  return candidates;
+}
+
+}  // namespace metile
