@@ -6,7 +6,8 @@
 #   benchmarks/model/device_run.sh [--torch PATH/decode_torch.py] [ROW...]
 #     ROW = PRESET:FORMAT[:LAYERS], FORMAT bf16 | 4 | 8 (group 64), LAYERS to shorten a model;
 #     default rows: the goals' (llama3.2-1b:4 qwen2.5-1.5b:4 llama3-8b:bf16 llama3-8b:4)
-# METILE (default build/gpu/tools/metile/metile) is built when missing; ROW_TIMEOUT (s) bounds each row.
+# METILE (default build/gpu/tools/metile/metile) is built when missing; ROW_TIMEOUT (s) bounds each row;
+# ENGINES (bench-model --engines, default fused,fused-pdl,native) picks the engines measured.
 set -u
 OUT=${OUT:-/tmp/metile-bench-model}
 mkdir -p "$OUT"
@@ -26,7 +27,7 @@ fi
 for row in "${rows[@]}"; do
   IFS=: read -r preset format layers <<<"$row"
   name=${preset}-${format}${layers:+-${layers}l}
-  arguments=(bench-model --preset "$preset" --format json)
+  arguments=(bench-model --preset "$preset" --format json --engines "${ENGINES:-fused,fused-pdl,native}")
   [ "$format" != bf16 ] && arguments+=(--quantize "$format" --group-size 64)
   [ -n "$layers" ] && arguments+=(--layers "$layers")
   timeout "${ROW_TIMEOUT:-420}" "$METILE" "${arguments[@]}" >"$OUT/$name.json" 2>"$OUT/$name.log"
@@ -52,8 +53,9 @@ for row in rows:
     except (OSError, ValueError):
         print(f"{name:22} {'(no result: see ' + name + '.log)':>40}")
         continue
-    f, n = r["fused"], r["native"]
-    pdl = r.get("fused_pdl", {}).get("decode_ms_per_token", float("nan"))
+    nan = {"decode_ms_per_token": float("nan"), "prefill_tokens_per_second": float("nan")}
+    f, n = r["fused"], r.get("native", nan)
+    pdl = r.get("fused_pdl", nan)["decode_ms_per_token"]
     print(f"{name:22} {r['format']:>14} {f['decode_ms_per_token']:9.3f} {f['floor_percent']:7.1f}% "
           f"{f['tokens_per_second']:7.0f} {pdl:8.3f} {n['decode_ms_per_token']:10.3f} {f['prefill_tokens_per_second']:14.0f} "
           f"{n['prefill_tokens_per_second']:15.0f}")

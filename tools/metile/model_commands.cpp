@@ -70,16 +70,32 @@ void check_backend(const ModelOptions& options) {
   }
 }
 
-std::set<std::string> declined_rules(const std::string& text) {
-  std::set<std::string> rules;
+namespace {
+// "a,b,c" as a set; an empty item is an error naming the option.
+std::set<std::string> comma_separated(const std::string& text, const char* option, const char* item) {
+  std::set<std::string> items;
   std::size_t start = 0;
   while (start < text.size()) {
     const std::size_t comma = std::min(text.find(',', start), text.size());
-    if (comma == start) throw InputError(fmt::format("--decline: an empty region kind in '{}'", text));
-    rules.insert(text.substr(start, comma - start));
+    if (comma == start) throw InputError(fmt::format("{}: an empty {} in '{}'", option, item, text));
+    items.insert(text.substr(start, comma - start));
     start = comma + 1;
   }
-  return rules;
+  return items;
+}
+}  // namespace
+
+std::set<std::string> declined_rules(const std::string& text) { return comma_separated(text, "--decline", "region kind"); }
+
+std::set<std::string> benchmarked_engines(const std::string& text) {
+  std::set<std::string> engines = comma_separated(text, "--engines", "engine");
+  if (engines.empty()) throw InputError("--engines: name at least one of fused, fused-pdl, native");
+  for (const std::string& engine : engines) {
+    if (engine != "fused" && engine != "fused-pdl" && engine != "native") {
+      throw InputError(fmt::format("--engines: unknown engine '{}' (fused, fused-pdl, native)", engine));
+    }
+  }
+  return engines;
 }
 
 namespace {
@@ -333,6 +349,10 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--max-seq", options->max_seq,
                         "KV-cache capacity (default: what the measurements need, rounded up to 256)");
     command->add_option("--decline", options->decline, "region kinds the fused engine runs native, comma-separated");
+    command->add_option("--engines", options->engines,
+                        "engines to measure, comma-separated: fused, fused-pdl (GEMVs as programmatic dependents), "
+                        "native")
+        ->capture_default_str();
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
@@ -340,6 +360,7 @@ void add_model_commands(CLI::App& app) {
       if (options->model_dir.empty() == options->preset.empty()) {
         throw InputError("bench-model: give either MODEL_DIR or --preset NAME");
       }
+      benchmarked_engines(options->engines);
       if (!options->preset.empty() && options->layers < 0) {
         throw InputError(fmt::format("--layers {} must be at least 1", options->layers));
       }

@@ -14,6 +14,8 @@
 #include <chrono>
 #include <filesystem>
 #include <optional>
+#include <set>
+#include <vector>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -242,15 +244,21 @@ void bench_model(const ModelOptions& options) {
   const std::shared_ptr<const CudaModel> cuda_model = CudaModel::load(model, device, progress_line);
   bench.copy_bandwidth_gbps = bandwidth;
   // Fused, the fused plan again with its GEMVs launched as programmatic dependents (the same
-  // kernels: the second build takes every decision from the cache), then native.
+  // kernels: the second build takes every decision from the cache), then native; --engines picks.
   struct Variant {
     EnginePath path;
     bool programmatic;
-    const char* label;
+    const char* name;   // --engines
+    const char* key;    // JSON
+    const char* label;  // the table's column
   };
-  const Variant variants[] = {{EnginePath::fused, false, "fused"},
-                              {EnginePath::fused, true, "fused + PDL"},
-                              {EnginePath::native, false, "native"}};
+  const std::set<std::string> chosen = benchmarked_engines(options.engines);
+  std::vector<Variant> variants;
+  for (const Variant& variant : {Variant{EnginePath::fused, false, "fused", "fused", "fused"},
+                                 Variant{EnginePath::fused, true, "fused-pdl", "fused_pdl", "fused + PDL"},
+                                 Variant{EnginePath::native, false, "native", "native", "native"}}) {
+    if (chosen.contains(variant.name)) variants.push_back(variant);
+  }
   std::vector<EngineBenchmark> results;
   for (const Variant& variant : variants) {
     progress_line(fmt::format("metile bench-model: measuring the {} engine", variant.label));
@@ -277,9 +285,7 @@ void bench_model(const ModelOptions& options) {
     json["weight_bytes"] = cuda_model->device_weight_bytes();
     json["decode_step_bytes"] = step_bytes;
     json["copy_bandwidth_gbps"] = bandwidth;
-    json["fused"] = benchmark_json(results[0]);
-    json["fused_pdl"] = benchmark_json(results[1]);
-    json["native"] = benchmark_json(results[2]);
+    for (std::size_t i = 0; i < variants.size(); ++i) json[variants[i].key] = benchmark_json(results[i]);
     fmt::print("{}\n", json.dump());
     return;
   }
@@ -288,10 +294,13 @@ void bench_model(const ModelOptions& options) {
              config.vocab_size, format, options.context, model.capacity(), device.info().name);
   fmt::print("weight-bandwidth floor: {:.3f} GB a step / {:.0f} GB/s copy bandwidth (measured now) = {:.3f} ms\n\n",
              static_cast<double>(step_bytes) / 1e9, bandwidth, results[0].floor_ms);
-  fmt::print("{:<40} {:>12} {:>12} {:>12}\n", "", "fused", "fused + PDL", "native");
+  std::string header = fmt::format("{:<40}", "");
+  for (const Variant& variant : variants) header += fmt::format(" {:>12}", variant.label);
+  fmt::print("{}\n", header);
   const auto row = [&](const std::string& label, auto value, const char* pattern) {
-    fmt::print("{:<40} {:>12} {:>12} {:>12}\n", label, fmt::format(fmt::runtime(pattern), value(results[0])),
-               fmt::format(fmt::runtime(pattern), value(results[1])), fmt::format(fmt::runtime(pattern), value(results[2])));
+    std::string line = fmt::format("{:<40}", label);
+    for (const EngineBenchmark& result : results) line += fmt::format(" {:>12}", fmt::format(fmt::runtime(pattern), value(result)));
+    fmt::print("{}\n", line);
   };
   row("decode ms/token (graph replay)", [](const EngineBenchmark& r) { return r.decode_replay_ms; }, "{:.3f}");
   row("% of the weight-bandwidth floor", [](const EngineBenchmark& r) { return r.floor_percent; }, "{:.1f}%");
@@ -303,8 +312,9 @@ void bench_model(const ModelOptions& options) {
       [](const EngineBenchmark& r) { return r.prefill_tokens_per_second; }, "{:.0f}");
   row("device steps per decode step", [](const EngineBenchmark& r) { return r.launches; }, "{}");
   // The PDL variant runs the same kernels eagerly: its breakdown is the fused one's.
-  print_breakdown(results[0]);
-  print_breakdown(results[2]);
+  for (std::size_t i = 0; i < variants.size(); ++i) {
+    if (!variants[i].programmatic) print_breakdown(results[i]);
+  }
 }
 
 }  // namespace metile::cli

@@ -24,6 +24,7 @@ struct ModelOptions {
   std::int64_t max_seq = 0;
   std::int64_t tokens = 16;  // verify-model: 0 = the backend's default (16 on cpu, 64 on cuda)
   std::string decline;       // --backend cuda: comma-separated region kinds to run native
+  std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
   // verify-model thresholds; < 0: the backend's default
   double min_agreement = -1;
   double max_kl = -1;
@@ -45,6 +46,9 @@ std::optional<AffineQuantization> quantization_option(const ModelOptions& option
 void check_backend(const ModelOptions& options);
 // --decline "a,b": the region kinds (plan rule names).
 std::set<std::string> declined_rules(const std::string& text);
+// bench-model --engines "a,b": fused, fused-pdl (its GEMVs as programmatic dependents), native;
+// InputError naming an unknown one.
+std::set<std::string> benchmarked_engines(const std::string& text);
 
 #ifdef METILE_HAVE_CUDA_BACKEND
 // model_cuda_commands.cpp. Every entry opens the device first: InputError

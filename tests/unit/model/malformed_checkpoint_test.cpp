@@ -173,6 +173,10 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
   EXPECT_EQ(err, "metile: error: --quantize must be 4 or 8, got '5'\n");
   EXPECT_EQ(metile("bench-model --preset tiny --decline a,,b"), 2);
   EXPECT_EQ(err, "metile: error: --decline: an empty region kind in 'a,,b'\n");
+  EXPECT_EQ(metile("bench-model --preset tiny --engines fused,cublas"), 2);
+  EXPECT_EQ(err, "metile: error: --engines: unknown engine 'cublas' (fused, fused-pdl, native)\n");
+  EXPECT_EQ(metile("bench-model --preset tiny --engines ,"), 2);
+  EXPECT_EQ(err, "metile: error: --engines: an empty engine in ','\n");
   EXPECT_EQ(metile("bench-model --preset tiny --format yaml"), 2);
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
 
