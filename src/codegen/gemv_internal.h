@@ -34,6 +34,11 @@ std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config);
 // stays unchanged for the kernel's lifetime).
 std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_written_in_kernel = false);
 
+// `activations_ready(x)` for a kernel whose x an earlier kernel on the stream wrote: the
+// programmatic-dependent-launch wait (gemv_mainloop.cpp; the persistent MLP's gate/up phase uses it
+// too, its down phase waits for the grid barrier instead).
+std::string_view gemv_activations_after_previous_kernel();
+
 // The register-batch mainloop (gemv_mainloop.cpp): Batch, the loads, compute_batch,
 // accumulate<P>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring, fill_sums),
 // spill. It reads x only through `activations_ready(x)`, which the generator defines before it, and

@@ -354,12 +354,6 @@ __device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4],
 }
 )CUDA";
 
-// x is ready once the previous kernel on the stream has written it (programmatic dependent launch).
-constexpr std::string_view activations_after_previous_kernel = R"CUDA(
-template <class T>
-__device__ __forceinline__ T* activations_ready(T* pointer) { return after_previous_kernel(pointer); }
-)CUDA";
-
 // The kernel entry: accumulate (one of the two schedules), join the warps, apply the epilogue.
 constexpr std::string_view kernel_entry_body = R"CUDA(
   __shared__ float partial[kWarps * kProducts * kTiles * 16 * kPaddedM];
@@ -563,6 +557,14 @@ std::int64_t staged_ring_bytes(const GemvKernelConfig& config) {
 
 namespace gemv_detail {
 
+std::string_view gemv_activations_after_previous_kernel() {
+  // x is ready once the previous kernel on the stream has written it (programmatic dependent launch).
+  return R"CUDA(
+template <class T>
+__device__ __forceinline__ T* activations_ready(T* pointer) { return after_previous_kernel(pointer); }
+)CUDA";
+}
+
 std::string_view gemv_register_mainloop() { return register_mainloop_body; }
 
 std::string gemv_register_constants(const GemvKernelConfig& config, int splits) {
@@ -713,7 +715,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   source += gemv_register_constants(config, config.k_splits);
   source += gemv_device_helpers();
   if (config.argmax_rows) source += codegen_detail::cuda_argmax_helpers();
-  source += activations_after_previous_kernel;
+  source += gemv_activations_after_previous_kernel();
   source += register_mainloop_body;
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();

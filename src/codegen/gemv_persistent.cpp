@@ -78,11 +78,6 @@ __device__ __forceinline__ T* activations_ready(T* pointer) {
 }
 )CUDA";
 
-constexpr std::string_view activations_after_previous_kernel = R"CUDA(
-template <class T>
-__device__ __forceinline__ T* activations_ready(T* pointer) { return after_previous_kernel(pointer); }
-)CUDA";
-
 // One phase: this warp's share of the positions, piece by piece (a piece never crosses a tile).
 constexpr std::string_view phase_body = R"CUDA(
 __device__ __forceinline__ void run_phase(const u32* const (&weights)[kProducts], const u16* const (&scale_bias)[kProducts],
@@ -143,7 +138,7 @@ std::string phase_source(std::string_view name, const GemvKernelConfig& config, 
   source += gemv_problem_constants(alone, x_written_in_kernel);
   source += gemv_register_constants(alone, 0);
   source += gemv_format_helpers();
-  source += x_written_in_kernel ? activations_after_grid_barrier : activations_after_previous_kernel;
+  source += x_written_in_kernel ? activations_after_grid_barrier : gemv_activations_after_previous_kernel();
   source += gemv_register_mainloop();
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();

@@ -20,6 +20,8 @@
 namespace metile {
 namespace {
 
+using gemv_testing::gemv_config;
+
 // One MLP's weights on the device as the kernel reads them (affine: repacked).
 struct DeviceMatrix {
   DeviceBuffer weights, scale_bias;
@@ -37,17 +39,6 @@ DeviceMatrix upload(const DecodeMlpWeights& weights, int which) {
     matrix.weights = DeviceBuffer::from_tensor(which == 0 ? weights.gate : which == 1 ? weights.up : weights.down);
   }
   return matrix;
-}
-
-GemvKernelConfig stage_config(const GemvWeightFormat& format, std::int64_t rows, std::int64_t n, std::int64_t k,
-                              GemvEpilogue epilogue) {
-  GemvKernelConfig config;
-  config.format = format;
-  config.rows = rows;
-  config.out_features = n;
-  config.in_features = k;
-  config.epilogue = std::move(epilogue);
-  return config;
 }
 
 std::vector<std::uint8_t> bytes_of(const HostTensor& tensor) {
@@ -76,8 +67,8 @@ class PersistentMlpTest : public testing_support::CudaDeviceTest {
         TensorSpec({rows, hidden}, dtype), decode_mlp_reference_out(weights, hidden_reference, residual));
 
     std::vector<PersistentMlpConfig> configs = persistent_mlp_candidates(
-        stage_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu()),
-        stage_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()),
+        gemv_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu()),
+        gemv_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()),
         device().info().multiprocessor_count);
     ASSERT_FALSE(configs.empty()) << label;
     if (configs.size() > shapes) configs.resize(shapes);

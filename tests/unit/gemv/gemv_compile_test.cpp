@@ -10,9 +10,12 @@
 
 #include "metile/cuda_runtime.h"
 #include "metile/gemv.h"
+#include "gemv_test_support.h"
 
 namespace metile {
 namespace {
+
+using gemv_testing::gemv_config;
 
 struct Compiled {
   std::string log;
@@ -40,17 +43,6 @@ void expect_no_spills(const std::string& log, const std::string& where) {
   EXPECT_LE(std::stoi(match[1].str()), 32) << where << "\n" << log;
   EXPECT_LE(std::stoi(match[2].str()), 32) << where << "\n" << log;
   EXPECT_LE(std::stoi(match[3].str()), 32) << where << "\n" << log;
-}
-
-GemvKernelConfig base_config(GemvWeightFormat format, std::int64_t rows, std::int64_t n, std::int64_t k,
-                             GemvEpilogue epilogue) {
-  GemvKernelConfig config;
-  config.format = format;
-  config.rows = rows;
-  config.out_features = n;
-  config.in_features = k;
-  config.epilogue = std::move(epilogue);
-  return config;
 }
 
 std::vector<GemvWeightFormat> all_formats() {
@@ -84,7 +76,7 @@ TEST(GemvCompile, EveryFormatAndEpilogueCompilesForSm90) {
     const std::size_t first_case = static_cast<std::size_t>(compiled / 2) % 2;
     for (std::size_t index = first_case; index < all_cases.size(); index += 2) {
       const Case& c = all_cases[index];
-      GemvKernelConfig config = base_config(format, c.rows, 100, k, c.epilogue);
+      GemvKernelConfig config = gemv_config(format, c.rows, 100, k, c.epilogue);
       config.schedule = c.schedule;
       const GemvKernelSource kernel = generate_gemv_kernel(config);
       EXPECT_EQ(kernel.block_threads, 128u);
@@ -109,7 +101,7 @@ TEST(GemvCompile, OtherEpiloguesCompileOnTheSameMainloop) {
       GemvEpilogue::multiply(GemvEpilogue::gelu(GemvEpilogue::accumulator(0), true), GemvEpilogue::accumulator(1)),
       GemvEpilogue::tensor("residual"));
   for (const GemvEpilogue& epilogue : {bias_gelu, scaled_exp, gated_difference}) {
-    const GemvKernelConfig config = base_config(GemvWeightFormat::affine(4, 64, DType::f16), 3, 48, 256, epilogue);
+    const GemvKernelConfig config = gemv_config(GemvWeightFormat::affine(4, 64, DType::f16), 3, 48, 256, epilogue);
     const GemvKernelSource kernel = generate_gemv_kernel(config);
     EXPECT_NO_THROW(compile_for_sm90(kernel)) << config.to_string();
   }
@@ -123,12 +115,12 @@ TEST(GemvCompile, TunedShapesOfTheDecodeMlpKeepTheirBatchesInRegisters) {
     for (std::int64_t rows : {1, 16}) {
       std::vector<GemvKernelConfig> configs;
       for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
-        GemvKernelConfig gate_up = base_config(format, rows, 14336, 4096, GemvEpilogue::swiglu());
+        GemvKernelConfig gate_up = gemv_config(format, rows, 14336, 4096, GemvEpilogue::swiglu());
         gate_up.schedule = schedule;
         for (const GemvKernelConfig& candidate : gemv_tuning_candidates(gate_up)) configs.push_back(candidate);
       }
       for (const GemvKernelConfig& candidate :
-           gemv_tuning_candidates(base_config(format, rows, 4096, 14336, GemvEpilogue::residual_add()))) {
+           gemv_tuning_candidates(gemv_config(format, rows, 4096, 14336, GemvEpilogue::residual_add()))) {
         configs.push_back(candidate);
       }
       for (const GemvKernelConfig& config : configs) {
@@ -149,8 +141,8 @@ TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
   int compiled = 0;
   for (const auto& [format, rows] : {std::pair{GemvWeightFormat::affine(4, 64, DType::bf16), std::int64_t{1}},
                                      std::pair{GemvWeightFormat::dense(DType::bf16), std::int64_t{16}}}) {
-    const GemvKernelConfig gate_up = base_config(format, rows, 14336, 4096, GemvEpilogue::swiglu());
-    const GemvKernelConfig down = base_config(format, rows, 1536, 8960, GemvEpilogue::residual_add());
+    const GemvKernelConfig gate_up = gemv_config(format, rows, 14336, 4096, GemvEpilogue::swiglu());
+    const GemvKernelConfig down = gemv_config(format, rows, 1536, 8960, GemvEpilogue::residual_add());
     int staged = 0, split = 0, group_sums = 0;
     for (const GemvKernelConfig& stage : {gate_up, down}) {
       const std::int64_t tiles = (stage.out_features + 15) / 16;
@@ -181,13 +173,13 @@ TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
   // projection (96 tiles) gets splits that put about two blocks on each of 132 SMs.
   for (const auto& [n, k] : {std::pair{14336, 4096}, std::pair{4096, 14336}}) {
     for (const GemvKernelConfig& config :
-         gemv_tuning_candidates(base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, n, k, GemvEpilogue::residual_add()), 132)) {
+         gemv_tuning_candidates(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, n, k, GemvEpilogue::residual_add()), 132)) {
       EXPECT_EQ(config.k_splits, 1) << config.to_string();
     }
   }
   int qwen_splits = 0;
   for (const GemvKernelConfig& config :
-       gemv_tuning_candidates(base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 1536, 8960, GemvEpilogue::residual_add()), 132)) {
+       gemv_tuning_candidates(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 1536, 8960, GemvEpilogue::residual_add()), 132)) {
     qwen_splits = std::max(qwen_splits, config.k_splits);
   }
   EXPECT_EQ(qwen_splits, 3);  // ceil(2 * 132 / 96)
@@ -196,7 +188,7 @@ TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
   for (const GemvWeightFormat& format : {GemvWeightFormat::affine(4, 32, DType::f16), GemvWeightFormat::affine(8, 128, DType::bf16),
                                          GemvWeightFormat::dense(DType::f16), GemvWeightFormat::affine(8, 64, DType::f16)}) {
     const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
-    GemvKernelConfig config = base_config(format, 9, 77, k, compiled % 2 ? GemvEpilogue::swiglu() : GemvEpilogue::residual_add());
+    GemvKernelConfig config = gemv_config(format, 9, 77, k, compiled % 2 ? GemvEpilogue::swiglu() : GemvEpilogue::residual_add());
     config.k_splits = 3;
     config.shared_stages = 3;
     config.shared_group_sums = format.is_affine();
@@ -207,7 +199,7 @@ TEST(GemvCompile, SplitKAndStagedShapesCompileForSm90) {
     EXPECT_NO_THROW(compile_for_sm90(kernel)) << config.to_string();
     ++compiled;
   }
-  GemvKernelConfig too_many_splits = base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 64, 256, GemvEpilogue::store());
+  GemvKernelConfig too_many_splits = gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 64, 256, GemvEpilogue::store());
   too_many_splits.k_splits = 3;  // two iterations of 128 columns
   EXPECT_THROW(generate_gemv_kernel(too_many_splits), InputError);
   GemvKernelConfig one_stage = too_many_splits;
@@ -232,24 +224,24 @@ TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
     return config;
   };
   std::vector<GemvKernelConfig> configs;
-  configs.push_back(normalized(base_config(four, 1, 100, 64 * 5, GemvEpilogue::store())));
-  GemvKernelConfig spilled = normalized(base_config(eight, 9, 77, 64 * 5, GemvEpilogue::swiglu()));
+  configs.push_back(normalized(gemv_config(four, 1, 100, 64 * 5, GemvEpilogue::store())));
+  GemvKernelConfig spilled = normalized(gemv_config(eight, 9, 77, 64 * 5, GemvEpilogue::swiglu()));
   spilled.schedule = GatedSchedule::scratch_spilled;
   spilled.shared_group_sums = true;
   configs.push_back(spilled);
-  GemvKernelConfig split = normalized(base_config(four, 16, 77, 64 * 11, GemvEpilogue::swiglu()));
+  GemvKernelConfig split = normalized(gemv_config(four, 16, 77, 64 * 11, GemvEpilogue::swiglu()));
   split.k_splits = 3;
   split.shared_stages = 3;
   configs.push_back(split);
-  GemvKernelConfig argmax = normalized(base_config(dense, 16, 1000, 200, GemvEpilogue::residual_add()));
+  GemvKernelConfig argmax = normalized(gemv_config(dense, 16, 1000, 200, GemvEpilogue::residual_add()));
   argmax.argmax_rows = true;
   argmax.double_buffered = false;  // batch by batch
   configs.push_back(argmax);
-  GemvKernelConfig stacked = normalized(base_config(four, 16, 96 + 32 + 32, 64 * 5,
+  GemvKernelConfig stacked = normalized(gemv_config(four, 16, 96 + 32 + 32, 64 * 5,
                                                     GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true))));
   stacked.output_splits = {96, 32, 32};
   configs.push_back(stacked);
-  GemvKernelConfig streamed = normalized(base_config(dense, 16, 77, 1000, GemvEpilogue::swiglu()));
+  GemvKernelConfig streamed = normalized(gemv_config(dense, 16, 77, 1000, GemvEpilogue::swiglu()));
   streamed.mainloop = GemvMainloop::streamed;
   configs.push_back(streamed);
   for (std::size_t c = 0; c < configs.size(); ++c) {
@@ -282,7 +274,7 @@ TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
 // index per block and row and one counter; split-K and the streamed mainloop have no such join.
 TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
   for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
-    GemvKernelConfig config = base_config(format, 1, 128256, 2048, GemvEpilogue::store());
+    GemvKernelConfig config = gemv_config(format, 1, 128256, 2048, GemvEpilogue::store());
     const GemvKernelSource plain = generate_gemv_kernel(config);
     config.argmax_rows = true;
     const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(config, 132);
@@ -304,17 +296,17 @@ TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
 
 TEST(GemvCompile, RejectsConfigurationsItCannotGenerate) {
   const GemvWeightFormat dense = GemvWeightFormat::dense(DType::bf16);
-  EXPECT_THROW(generate_gemv_kernel(base_config(dense, 17, 64, 64, GemvEpilogue::store())), InputError);
-  EXPECT_THROW(generate_gemv_kernel(base_config(dense, 1, 64, 60, GemvEpilogue::store())), InputError);
-  EXPECT_THROW(generate_gemv_kernel(base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 64, 96,
+  EXPECT_THROW(generate_gemv_kernel(gemv_config(dense, 17, 64, 64, GemvEpilogue::store())), InputError);
+  EXPECT_THROW(generate_gemv_kernel(gemv_config(dense, 1, 64, 60, GemvEpilogue::store())), InputError);
+  EXPECT_THROW(generate_gemv_kernel(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 64, 96,
                                                 GemvEpilogue::store())),
                InputError);
-  EXPECT_THROW(generate_gemv_kernel(base_config(GemvWeightFormat::affine(3, 64, DType::bf16), 1, 64, 128,
+  EXPECT_THROW(generate_gemv_kernel(gemv_config(GemvWeightFormat::affine(3, 64, DType::bf16), 1, 64, 128,
                                                 GemvEpilogue::store())),
                InputError);
-  EXPECT_THROW(generate_gemv_kernel(base_config(GemvWeightFormat::dense(DType::f32), 1, 64, 128, GemvEpilogue::store())),
+  EXPECT_THROW(generate_gemv_kernel(gemv_config(GemvWeightFormat::dense(DType::f32), 1, 64, 128, GemvEpilogue::store())),
                InputError);
-  GemvKernelConfig too_much_shared = base_config(dense, 16, 64, 128, GemvEpilogue::swiglu());
+  GemvKernelConfig too_much_shared = gemv_config(dense, 16, 64, 128, GemvEpilogue::swiglu());
   too_much_shared.warps_per_block = 16;
   too_much_shared.tiles_per_block = 4;
   try {
@@ -337,8 +329,8 @@ TEST(GemvCompile, StreamedMainloopCompilesForSm90) {
   for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
     for (std::int64_t rows : {1, 16}) {
       for (const GemvKernelConfig& config :
-           {streamed(base_config(format, rows, 14336, 4096, GemvEpilogue::swiglu())),
-            streamed(base_config(format, rows, 4096, 14336, GemvEpilogue::residual_add()))}) {
+           {streamed(gemv_config(format, rows, 14336, 4096, GemvEpilogue::swiglu())),
+            streamed(gemv_config(format, rows, 4096, 14336, GemvEpilogue::residual_add()))}) {
         const GemvKernelConfig first = gemv_tuning_candidates(config).front();
         const GemvKernelSource kernel = generate_gemv_kernel(first);
         EXPECT_LE(kernel.grid_blocks, 132u * first.blocks_per_multiprocessor) << first.to_string();
@@ -354,7 +346,7 @@ TEST(GemvCompile, StreamedMainloopCompilesForSm90) {
   for (std::size_t i = 0; i < formats.size(); i += 2) {
     const std::int64_t k = formats[i].is_affine() ? formats[i].group_size * 7 : 1000;
     const GemvEpilogue epilogue = i % 4 == 0 ? GemvEpilogue::swiglu() : GemvEpilogue::residual_add();
-    const GemvKernelConfig config = streamed(base_config(formats[i], i % 4 == 0 ? 9 : 1, 77, k, epilogue));
+    const GemvKernelConfig config = streamed(gemv_config(formats[i], i % 4 == 0 ? 9 : 1, 77, k, epilogue));
     EXPECT_NO_THROW(compile_for_sm90(generate_gemv_kernel(config))) << config.to_string();
   }
 }
@@ -362,7 +354,7 @@ TEST(GemvCompile, StreamedMainloopCompilesForSm90) {
 // How the streamed plan splits the work: K is split only when x would not fit shared memory, and
 // a problem with fewer positions than warps gets a smaller grid, never empty blocks.
 TEST(GemvCompile, StreamedPlanSplitsKOnlyWhenXDoesNotFit) {
-  GemvKernelConfig config = base_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 4096, 14336,
+  GemvKernelConfig config = gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 4096, 14336,
                                         GemvEpilogue::residual_add());
   config.mainloop = GemvMainloop::streamed;
   config.warps_per_block = 8;
@@ -389,7 +381,7 @@ TEST(GemvCompile, StreamedShapesExistForEveryFormat) {
     for (const auto& [n, k] : sizes) {
       for (std::int64_t rows : {1, 9, 16}) {
         for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add()}) {
-          GemvKernelConfig config = base_config(format, rows, n, k, epilogue);
+          GemvKernelConfig config = gemv_config(format, rows, n, k, epilogue);
           config.mainloop = GemvMainloop::streamed;
           const std::vector<GemvKernelConfig> shapes = gemv_tuning_candidates(config);
           ASSERT_FALSE(shapes.empty()) << config.to_string();
@@ -409,8 +401,8 @@ TEST(GemvCompile, StreamedShapesExistForEveryFormat) {
 PersistentMlpConfig persistent_config(GemvWeightFormat format, std::int64_t rows, std::int64_t hidden,
                                       std::int64_t intermediate, std::size_t shape) {
   const std::vector<PersistentMlpConfig> candidates =
-      persistent_mlp_candidates(base_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu()),
-                                base_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()));
+      persistent_mlp_candidates(gemv_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu()),
+                                gemv_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()));
   EXPECT_GT(candidates.size(), shape) << format.to_string();
   return candidates.size() <= shape ? PersistentMlpConfig{} : candidates[shape];
 }
@@ -438,8 +430,8 @@ TEST(GemvCompile, PersistentMlpCompilesForSm90) {
 TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
   const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
   const std::vector<PersistentMlpConfig> candidates =
-      persistent_mlp_candidates(base_config(format, 1, 8960, 1536, GemvEpilogue::swiglu()),
-                                base_config(format, 1, 1536, 8960, GemvEpilogue::residual_add()), 100);
+      persistent_mlp_candidates(gemv_config(format, 1, 8960, 1536, GemvEpilogue::swiglu()),
+                                gemv_config(format, 1, 1536, 8960, GemvEpilogue::residual_add()), 100);
   ASSERT_GE(candidates.size(), 2u);
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     EXPECT_LE(candidates[i].warps_per_block * candidates[i].blocks_per_multiprocessor, 16);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "metile/gemv.h"
@@ -15,6 +16,19 @@
 #include "metile/quant.h"
 
 namespace metile::gemv_testing {
+
+// A GEMV of `rows` activation rows, `n` outputs over `k` inputs in `format`, with `epilogue`; the
+// other fields (schedule, launch shape) at their defaults.
+inline GemvKernelConfig gemv_config(const GemvWeightFormat& format, std::int64_t rows, std::int64_t n, std::int64_t k,
+                                    GemvEpilogue epilogue) {
+  GemvKernelConfig config;
+  config.format = format;
+  config.rows = rows;
+  config.out_features = n;
+  config.in_features = k;
+  config.epilogue = std::move(epilogue);
+  return config;
+}
 
 inline double unit_uniform(std::mt19937_64& generator) {
   return static_cast<double>(generator() >> 11) * 0x1.0p-53;  // [0, 1), same on every standard library
