@@ -65,12 +65,7 @@ class GemvLowering : public CudaDeviceTest {
   }
 };
 
-const FusionRegion* region_of_rule(const FusionPlan& plan, std::string_view rule) {
-  for (const FusionRegion& region : plan.regions) {
-    if (region.rule == rule) return &region;
-  }
-  return nullptr;
-}
+using testing::region_of_rule;
 
 // Dense bf16, 4-bit and 8-bit (the 8-bit one with f16 activations).
 std::vector<LinearFormat> formats() { return {{16, 0, DType::bf16}, {4, 64, DType::bf16}, {8, 64, DType::f16}}; }

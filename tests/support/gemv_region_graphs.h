@@ -6,8 +6,10 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "metile/fusion.h"
 #include "metile/graph.h"
 
 namespace metile::testing {
@@ -145,6 +147,14 @@ inline ComputeGraph attention_inputs_test_graph(const AttentionInputsShape& shap
   std::vector<ValueRef> outputs = {q_rotated, k_all, v_all};
   if (shape.k_rope_escapes) outputs.push_back(k_rotated);
   return builder.build(outputs);
+}
+
+// The plan's first region of `rule`, or nullptr.
+inline const FusionRegion* region_of_rule(const FusionPlan& plan, std::string_view rule) {
+  for (const FusionRegion& region : plan.regions) {
+    if (region.rule == rule) return &region;
+  }
+  return nullptr;
 }
 
 }  // namespace metile::testing

@@ -20,12 +20,7 @@ namespace {
 
 using testing::LinearFormat;
 
-const FusionRegion* region_of_rule(const FusionPlan& plan, std::string_view rule) {
-  for (const FusionRegion& region : plan.regions) {
-    if (region.rule == rule) return &region;
-  }
-  return nullptr;
-}
+using testing::region_of_rule;
 
 std::string value_name(const ComputeGraph& graph, ValueId id) { return id < 0 ? "-" : graph.value(id).name; }
 

@@ -22,12 +22,7 @@ namespace {
 
 using testing::LinearFormat;
 
-const FusionRegion* region_of_rule(const FusionPlan& plan, std::string_view rule) {
-  for (const FusionRegion& region : plan.regions) {
-    if (region.rule == rule) return &region;
-  }
-  return nullptr;
-}
+using testing::region_of_rule;
 
 std::string role_text(const ComputeGraph& graph, const FusionRegion& region) {
   std::string text;
