@@ -133,6 +133,11 @@ class CudaEvent {
 double time_on_stream_ms(const CudaStream& stream, const std::function<void(const CudaStream&)>& work,
                          int warmup = 3, int repetitions = 10, int samples = 5);
 
+// Runs `work` on `stream` between cuProfilerStart and cuProfilerStop, synchronized on both sides:
+// under `ncu --profile-from-start off` only these kernels are profiled (bench-model's
+// METILE_PROFILE_DECODE_STEP=1 profiles one replay of the decode step this way).
+void profile_on_stream(const CudaStream& stream, const std::function<void(const CudaStream&)>& work);
+
 // The device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (a copy of
 // `bytes` moves 2·bytes): the ceiling memory-bound kernels are reported against.
 double measure_copy_bandwidth_gbps(const CudaStream& stream, std::size_t bytes = std::size_t{1} << 30);

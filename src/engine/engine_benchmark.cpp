@@ -5,10 +5,12 @@
 //   greedy feed    feed_greedy() of one token, as generate runs it (input copies, replay, one id out),
 //   floor          the bytes one step must read / the copy bandwidth measured by the caller,
 //   breakdown      the decode step's units run once eagerly, events between them, summed by kind,
+//   profile        with METILE_PROFILE_DECODE_STEP=1, one replay between cuProfilerStart/Stop (ncu),
 //   prefill        a fresh sequence of `prefill_tokens` tokens fed at once (chunks of 16).
 // Timings live here and in the command's table only, never in tests.
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <random>
 
 #include <fmt/format.h>
@@ -64,6 +66,11 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   result.decode_replay_ms =
       time_on_stream_ms(session.stream(), [&](const CudaStream& stream) { decode.enqueue(stream); }, 5, 20, 7);
   result.breakdown = decode.profile(session.stream());
+  // One more replay between the profiler's start and stop marks, for
+  // `ncu --profile-from-start off --graph-profiling node`: every kernel of one decode step.
+  if (const char* flag = std::getenv("METILE_PROFILE_DECODE_STEP"); flag != nullptr && std::string_view(flag) == "1") {
+    profile_on_stream(session.stream(), [&](const CudaStream& stream) { decode.enqueue(stream); });
+  }
   result.launches = decode.step_count();
 
   for (int warmup = 0; warmup < kWarmupFeeds; ++warmup) session.feed(random_tokens(generator, 1, vocab));

@@ -137,6 +137,14 @@ float CudaEvent::elapsed_ms(const CudaEvent& start, const CudaEvent& end) {
   return milliseconds;
 }
 
+void profile_on_stream(const CudaStream& stream, const std::function<void(const CudaStream&)>& work) {
+  stream.synchronize();
+  check(driver().cuProfilerStart(), "cuProfilerStart");
+  work(stream);
+  stream.synchronize();
+  check(driver().cuProfilerStop(), "cuProfilerStop");
+}
+
 double time_on_stream_ms(const CudaStream& stream, const std::function<void(const CudaStream&)>& work, int warmup,
                          int repetitions, int samples) {
   if (repetitions < 1 || samples < 1) throw InputError("time_on_stream_ms: repetitions and samples must be >= 1");
