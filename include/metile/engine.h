@@ -85,6 +85,10 @@ struct EngineOptions {
   // token ids, positions). The native path also forces DispatchMode::native.
   ExecutableOptions executable;
   EngineProgress progress;
+  // The regions' tournaments run with cold caches (TournamentOptions::cold_cache_bytes = twice the
+  // device's L2) unless the options above already set a size: a decode step reads each weight
+  // once, from DRAM, and a race on L2-resident weights picked kernels that lose there.
+  bool cold_cache_tournaments = true;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

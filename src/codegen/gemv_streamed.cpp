@@ -278,7 +278,7 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
   // come from the whole of K first), and the per-group sums of each row; x may be the previous
   // kernel's output.
   x = after_previous_kernel(x);
-  compute_x_row_scales(x);
+  compute_x_row_scales(x, norm_weight);
   constexpr long long kSlicePositions = (long long)kTileCount * kSliceIterations;
   const long long block_begin = share_begin((long long)blockIdx.x * kWarps);
   const long long block_end = share_begin((long long)(blockIdx.x + 1) * kWarps);

@@ -203,7 +203,9 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   for (const Node& node : sub.nodes()) native_source += NativeRuntime::node_source(sub, node.id);
   sources.emplace_back(CandidateId::native(), native_source);
   for (const FusedCandidate& candidate : lowered.candidates) sources.emplace_back(candidate.id, candidate.source);
-  const std::string key = dispatch_key(device.info(), sub, sources, options.mode);
+  // A race with cold caches measures other figures than a warm one: their decisions never mix.
+  const std::string key = dispatch_key(device.info(), sub, sources, options.mode) +
+                          (options.tournament.cold_cache_bytes > 0 ? " cold" : "");
   std::vector<std::pair<CandidateId, std::string>> identities;
   for (const auto& [id, source] : sources) identities.emplace_back(id, std::string());
   const std::string memo_key = dispatch_key(device.info(), sub, identities, options.mode);

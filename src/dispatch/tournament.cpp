@@ -1,7 +1,8 @@
 // The order-interleaved tournament. Clocks drift and caches warm, so no candidate always goes
 // first: round r starts at candidate r (rotation) and odd rounds run in reverse. Each round's
 // figure is a median of samples; a candidate's score is a pessimistic quantile of its rounds, so
-// one lucky round cannot win the race.
+// one lucky round cannot win the race. With cold caches (TournamentOptions::cold_cache_bytes) every
+// timed call starts after a flush of the L2, as a kernel of a whole decode step does.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -45,19 +46,44 @@ TournamentResult run_tournament(const std::vector<TournamentCandidate>& candidat
   result.round_medians.assign(count, {});
   CudaEvent start;
   CudaEvent end;
+  DeviceBuffer scratch;
+  std::vector<CudaEvent> call_starts, call_ends;
+  if (options.cold_cache_bytes > 0) {
+    scratch = DeviceBuffer(options.cold_cache_bytes);
+    call_starts.resize(static_cast<std::size_t>(options.calls_per_sample));
+    call_ends.resize(static_cast<std::size_t>(options.calls_per_sample));
+  }
+  std::uint8_t flush_value = 0;
+  // One sample's milliseconds per call: back to back between two events, or (cold caches) each
+  // call after its own flush, between its own events.
+  const auto sample_ms = [&](const TournamentCandidate& candidate) {
+    if (options.cold_cache_bytes == 0) {
+      start.record(stream);
+      for (int call = 0; call < options.calls_per_sample; ++call) candidate.run(stream);
+      end.record(stream);
+      end.synchronize();
+      return static_cast<double>(CudaEvent::elapsed_ms(start, end)) / options.calls_per_sample;
+    }
+    for (std::size_t call = 0; call < call_starts.size(); ++call) {
+      scratch.fill_bytes(++flush_value, &stream);
+      call_starts[call].record(stream);
+      candidate.run(stream);
+      call_ends[call].record(stream);
+    }
+    call_ends.back().synchronize();
+    double total = 0;
+    for (std::size_t call = 0; call < call_starts.size(); ++call) {
+      total += static_cast<double>(CudaEvent::elapsed_ms(call_starts[call], call_ends[call]));
+    }
+    return total / options.calls_per_sample;
+  };
   for (int round = 0; round < options.rounds; ++round) {
     std::vector<std::size_t> order(count);
     for (std::size_t i = 0; i < count; ++i) order[i] = (i + static_cast<std::size_t>(round)) % count;
     if (round % 2 == 1) std::reverse(order.begin(), order.end());
     for (std::size_t index : order) {
       std::vector<double> samples;
-      for (int sample = 0; sample < options.samples_per_round; ++sample) {
-        start.record(stream);
-        for (int call = 0; call < options.calls_per_sample; ++call) candidates[index].run(stream);
-        end.record(stream);
-        end.synchronize();
-        samples.push_back(static_cast<double>(CudaEvent::elapsed_ms(start, end)) / options.calls_per_sample);
-      }
+      for (int sample = 0; sample < options.samples_per_round; ++sample) samples.push_back(sample_ms(candidates[index]));
       result.round_medians[index].push_back(median(samples));
     }
   }

@@ -125,6 +125,9 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   const FusionPlan plan = engine_plan(graph, options_.path);
   ExecutableOptions options = options_.executable;
   if (options_.path == EnginePath::native) options.mode = DispatchMode::native;
+  if (options_.cold_cache_tournaments && options.tournament.cold_cache_bytes == 0) {
+    options.tournament.cold_cache_bytes = 2 * static_cast<std::size_t>(model_->device().info().l2_cache_bytes);
+  }
   for (const auto& [name, address] : model_->weight_addresses()) {
     if (plan.graph->find_value(name)) options.external_values[name] = address;  // a checkpoint may hold unused tensors
   }

@@ -133,6 +133,30 @@ TEST(GemvCompile, TunedShapesOfTheDecodeMlpKeepTheirBatchesInRegisters) {
   EXPECT_GE(checked, 2 * 2 * 12);  // every register candidate of three stages, two formats, two row counts
 }
 
+// The LM head (Llama-3.2-1B: 128256 rows of 2048, 4-bit, the final norm in its prologue, the argmax
+// join): the tuner adds blocks of 2 and 4 tiles for a vocabulary-wide N, and every register
+// candidate compiles without spills. SwiGLU stages and narrower N get one tile per block.
+TEST(GemvCompile, LmHeadGetsMultiTileBlocksWithoutSpills) {
+  GemvKernelConfig head = gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 128256, 2048, GemvEpilogue::store());
+  head.argmax_rows = true;
+  head.x_rms_norm_eps = 1e-5;
+  int multi_tile = 0;
+  for (const GemvKernelConfig& config : gemv_tuning_candidates(head, 132)) {
+    if (config.tiles_per_block > 1) ++multi_tile;
+    if (config.shared_stages >= 2 || config.shared_group_sums) continue;
+    expect_no_spills(compile_for_sm90(generate_gemv_kernel(config)).log, config.to_string());
+  }
+  EXPECT_EQ(multi_tile, 3);
+  for (const GemvKernelConfig& config :
+       gemv_tuning_candidates(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 14336, 4096, GemvEpilogue::swiglu()), 132)) {
+    EXPECT_EQ(config.tiles_per_block, 1) << config.to_string();
+  }
+  for (const GemvKernelConfig& config :
+       gemv_tuning_candidates(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 3072, 2048, GemvEpilogue::store()), 132)) {
+    EXPECT_EQ(config.tiles_per_block, 1) << config.to_string();
+  }
+}
+
 // The split-K, staged and shared-group-sum shapes the tuner adds: present where they should be (split-K only where
 // some SMs would get no tile, enough splits for about two blocks per SM), their launch shape and
 // workspace, and for the Llama-3-8B gate/up and Qwen2.5-1.5B down stages (4-bit M = 1, bf16
@@ -255,8 +279,17 @@ TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
         << config.to_string();
     EXPECT_EQ(without.source.find("__restrict__ x_norm_weight"), std::string::npos) << config.to_string();
     const unsigned rows = static_cast<unsigned>((config.rows + 7) / 8 * 8);
+    // The register mainloop normalizes x once into shared memory where M x K bf16 values fit 16 KiB
+    // (kXStaged: they replace a 16-byte placeholder); the split (16 x 704) and streamed kernels
+    // normalize as they load.
+    const bool staged = config.mainloop == GemvMainloop::register_batches && config.rows * config.in_features * 2 <= 16384;
+    EXPECT_EQ(staged, c != 2 && c != 5) << config.to_string();
+    EXPECT_NE(kernel.source.find(staged ? "constexpr bool kXStaged = true;" : "constexpr bool kXStaged = false;"),
+              std::string::npos)
+        << config.to_string();
+    const unsigned staged_bytes = staged ? static_cast<unsigned>(config.rows * config.in_features * 2) - 16 : 0;
     EXPECT_EQ(kernel.static_shared_bytes - without.static_shared_bytes,
-              (static_cast<unsigned>(kernel.block_threads / 32) + 1) * rows * 4 - 4)
+              (static_cast<unsigned>(kernel.block_threads / 32) + 1) * rows * 4 - 4 + staged_bytes)
         << config.to_string();
     EXPECT_EQ(kernel.grid_blocks, without.grid_blocks) << config.to_string();
     try {
