@@ -353,6 +353,11 @@ void add_model_commands(CLI::App& app) {
                         "engines to measure, comma-separated: fused, fused-pdl (GEMVs as programmatic dependents), "
                         "native")
         ->capture_default_str();
+    command->add_option("--tournament-caches", options->tournament_caches,
+                        "the regions' races: cold (the L2 flushed before every timed call, as in a decode step) "
+                        "or warm (calls back to back)")
+        ->check(CLI::IsMember({"cold", "warm"}))
+        ->capture_default_str();
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();

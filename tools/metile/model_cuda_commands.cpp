@@ -264,7 +264,8 @@ void bench_model(const ModelOptions& options) {
     progress_line(fmt::format("metile bench-model: measuring the {} engine", variant.label));
     ExecutableOptions executable = executable_options(options);
     executable.programmatic_dependent_launch = variant.programmatic;
-    CudaDecodeSession session(cuda_model, EngineOptions{variant.path, executable, progress_line});
+    CudaDecodeSession session(cuda_model, EngineOptions{variant.path, executable, progress_line,
+                                                        options.tournament_caches == "cold"});
     results.push_back(benchmark_engine(session, bench));
   }
   const std::int64_t step_bytes = cuda_model->decode_step_bytes(options.context);
