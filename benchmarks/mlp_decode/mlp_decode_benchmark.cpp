@@ -298,8 +298,6 @@ int main(int argc, char** argv) {
     options.tuning_candidates = tuning_candidates;
     options.tournament.rounds = 5;
     options.tournament.calls_per_sample = 10;
-    // The stages race with cold caches, as a decode step runs them (the narrow models' MLPs fit the L2).
-    options.tournament.cold_cache_bytes = 2 * static_cast<std::size_t>(info.l2_cache_bytes);
 
     std::vector<Row> table;
     std::string candidate_reports;  // every candidate's gate and time, for a few configurations

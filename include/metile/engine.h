@@ -85,10 +85,12 @@ struct EngineOptions {
   // token ids, positions). The native path also forces DispatchMode::native.
   ExecutableOptions executable;
   EngineProgress progress;
-  // The regions' tournaments run with cold caches (TournamentOptions::cold_cache_bytes = twice the
-  // device's L2) unless the options above already set a size: a decode step reads each weight
-  // once, from DRAM, and a race on L2-resident weights picked kernels that lose there.
-  bool cold_cache_tournaments = true;
+  // true: the regions' tournaments run with cold caches (TournamentOptions::cold_cache_bytes = twice
+  // the device's L2) unless the options above already set a size. A decode step reads each weight
+  // once, from DRAM, so cold races look closer to it; measured, they are not better: Llama-3.2-1B
+  // 4-bit decoded in 0.574 ms/token with cold races and 0.542 with warm ones (session 6, call 3;
+  // notes/gpu_check.md). Warm (back to back) stays the default; `bench-model --tournament-caches`.
+  bool cold_cache_tournaments = false;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

@@ -120,6 +120,37 @@ TEST_F(Dispatch, DecoderBlockRunsWithContractionsAndRegions) {
   }
 }
 
+// Cold caches (TournamentOptions::cold_cache_bytes): every timed call runs alone after a read of
+// twice the L2, so each candidate runs warm-up + rounds x samples x calls times, a score per
+// candidate comes back, and a decoder block built with cold races still computes the reference's
+// outputs. (Which candidate is faster is a benchmark's question, not this test's.)
+TEST_F(Dispatch, ColdCacheTournamentsTimeEveryCallAlone) {
+  TournamentOptions cold{2, 3, 4, 2, 0.75};
+  cold.cold_cache_bytes = 2 * static_cast<std::size_t>(device().info().l2_cache_bytes);
+  ASSERT_GT(cold.cold_cache_bytes, 0u);
+  CudaStream stream;
+  DeviceBuffer buffer(std::size_t{1} << 20);
+  std::vector<int> calls(2, 0);
+  std::vector<TournamentCandidate> race;
+  for (int index = 0; index < 2; ++index) {
+    race.push_back({fmt::format("fill {}", index), [&, index](const CudaStream& s) {
+                      ++calls[static_cast<std::size_t>(index)];
+                      buffer.fill_bytes(static_cast<std::uint8_t>(index), &s);
+                    }});
+  }
+  const TournamentResult result = run_tournament(race, stream, cold);
+  ASSERT_EQ(result.score_ms.size(), 2u);
+  for (int index = 0; index < 2; ++index) {
+    EXPECT_EQ(calls[static_cast<std::size_t>(index)], 2 + 3 * 2 * 4);
+    EXPECT_GT(result.score_ms[static_cast<std::size_t>(index)], 0.0);
+    EXPECT_EQ(result.round_medians[static_cast<std::size_t>(index)].size(), 3u);
+  }
+  options_.tournament = cold;
+  const ComputeGraph graph = decoder_block(DType::bf16);
+  Executable executable = Executable::build(plan_graph_fusion(graph), device(), options_);
+  expect_runs_correctly(executable, graph, "decoder block, cold-cache races");
+}
+
 TEST_F(Dispatch, DecisionsSurviveARestartAndACorruptFile) {
   const ComputeGraph graph = seed_graph(64, 4096, DType::bf16);
   const FusionPlan plan = plan_graph_fusion(graph);

@@ -179,6 +179,9 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
   EXPECT_EQ(err, "metile: error: --engines: an empty engine in ','\n");
   EXPECT_EQ(metile("bench-model --preset tiny --format yaml"), 2);
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+  EXPECT_EQ(metile("bench-model --preset tiny --tournament-caches lukewarm"), 2);
+  EXPECT_NE(err.find("--tournament-caches"), std::string::npos) << err;
+  EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
 
   if (metile("logits " + directory.string() + " --prompt-ids 1,2 --backend cuda") == 0) {
     GTEST_SKIP() << "a CUDA device is present: --backend cuda runs (the gpu suites test it)";
