@@ -355,7 +355,8 @@ std::string cache_write_statements(std::string_view index, bool in_place, std::i
       const int s = static_cast<int>(({0} / kRow) % kSteps);
       const long long h = {0} / kRow / kSteps;
       const int position = {4}[s];
-      const auto value = {6};  // loaded with the positions, not after them
+      const auto value = {6};
+      metile_device::complete_here(value);  // loaded with the positions, not after them
       bool skipped = position < 0 || position >= kCapacity;
       for (int later = s + 1; later < kSteps; ++later) skipped = skipped || {4}[later] == position;
       if (!skipped) {5}[(h * kCapacity + position) * kRow + d] = value;
@@ -520,6 +521,7 @@ GeneratedKernel generate_rope_cache_kernel(const ComputeGraph& graph, const Rope
       }} else {{
         const int d = kDims + (j - kHalf);
         const {0} value = metile_device::from_float<{0}>(metile_device::to_float(row[d]));
+        metile_device::complete_here(value);  // loaded with the positions, not after them
         if (!skipped) cache_row[d] = value;
       }}
 )",

@@ -88,6 +88,12 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
       {DType::bf16, 4, 128, 128, AttentionMask::positions, 8, 0, true, 64},
       {DType::bf16, 16, 128, 128, AttentionMask::causal, 8, 3, true, 64},
       {DType::f16, 3, 64, 64, AttentionMask::none, 4, 0, true, 128},
+      // The model engine's decode: Llama-3.2-1B (4 rows of 64) and Qwen2.5-1.5B (6 rows of 128) as
+      // the short-cache default (one 8-warp block per head), and Llama's previous default (4-warp
+      // clusters of 8), which collapses to one split on the device at short contexts.
+      {DType::bf16, 4, 64, 64, AttentionMask::positions, 8, 0, false, 1008},
+      {DType::bf16, 6, 128, 128, AttentionMask::positions, 8, 0, false, 1008},
+      {DType::bf16, 4, 64, 64, AttentionMask::positions, 4, 0, true, 128},
   };
   std::vector<AttentionKernelSource> kernels;
   for (const auto& c : cases) {
@@ -102,6 +108,10 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
     EXPECT_LT((kernel.splits - 1) * kernel.keys_per_split, 1000) << "an empty split";
     EXPECT_EQ(kernel.cluster, c.cluster);
     EXPECT_EQ(kernel.source.find("__cluster_dims__") != std::string::npos, c.cluster) << kernel.kernel_name;
+    // Split 0's first step is loaded with the positions in the short-cache shapes only.
+    EXPECT_EQ(kernel.source.find("kSpeculate = true") != std::string::npos,
+              c.stages == 0 && (kernel.splits == 1 || c.cluster))
+        << kernel.kernel_name;
     kernels.push_back(kernel);
   }
   expect_compile_without_spills(kernels);
@@ -215,15 +225,22 @@ TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
   config.cluster = false;
   EXPECT_EQ(decode_split_count(config), 64);  // 66 blocks' worth, in 16-key steps: 64 splits of 512
 
-  // The measured default shape: clusters of 4-warp blocks up to 4096 keys, 8 warps beyond.
+  // The default shape: one 8-warp block per head up to 512 keys (no split merge), clusters of
+  // 4-warp blocks up to 4096 keys (measured), 8 warps and the global merge beyond.
   problem.keys = 512;
+  EXPECT_EQ(default_decode_shape(problem).warps, 8);
+  EXPECT_FALSE(default_decode_shape(problem).cluster);
+  EXPECT_TRUE(default_decode_shape(problem).one_split);
+  problem.keys = 513;
   EXPECT_EQ(default_decode_shape(problem).warps, 4);
   EXPECT_TRUE(default_decode_shape(problem).cluster);
+  EXPECT_FALSE(default_decode_shape(problem).one_split);
   problem.keys = 4096;
   EXPECT_TRUE(default_decode_shape(problem).cluster);
   problem.keys = 4097;
   EXPECT_EQ(default_decode_shape(problem).warps, 8);
   EXPECT_FALSE(default_decode_shape(problem).cluster);
+  EXPECT_FALSE(default_decode_shape(problem).one_split);
 }
 
 }  // namespace
