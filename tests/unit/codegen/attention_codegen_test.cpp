@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "metile/attention.h"
+#include "metile/attention_runtime.h"
 #include "metile/cuda_runtime.h"
 
 namespace metile {
@@ -241,6 +242,51 @@ TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
   EXPECT_EQ(default_decode_shape(problem).warps, 8);
   EXPECT_FALSE(default_decode_shape(problem).cluster);
   EXPECT_FALSE(default_decode_shape(problem).one_split);
+}
+
+}  // namespace
+}  // namespace metile
+
+namespace metile {
+namespace {
+
+// The configuration FlashAttention::build and the flash_attention lowering derive from the default
+// shape (decode_attention_config, host side): a short cache is one 8-warp block per head whose
+// split 0 loads its first step with the positions; a longer one keeps the 4-warp cluster; an
+// explicit shape is kept as asked.
+TEST(AttentionCodegen, ShortCachesAreOneSplitPerHead) {
+  AttentionProblem problem = problem_of(DType::bf16, 4, 500, 64, 64, AttentionMask::positions);
+  problem.heads = 8;  // Llama-3.2-1B: 8 KV heads of 64, 4 query rows each
+  DecodeAttentionConfig config = decode_attention_config(problem, {}, 132);
+  EXPECT_EQ(config.warps, 8);
+  EXPECT_FALSE(config.cluster);
+  EXPECT_EQ(config.keys_per_split, 512);
+  AttentionKernelSource kernel = generate_decode_attention_kernel(config);
+  EXPECT_EQ(kernel.splits, 1);
+  EXPECT_EQ(kernel.launch.grid_x, 1u);
+  EXPECT_EQ(kernel.launch.grid_y, 8u);
+  EXPECT_EQ(kernel.launch.block_x, 256u);
+  EXPECT_FALSE(kernel.cluster);
+  EXPECT_EQ(kernel.kernel_name, "metile_attention_decode_bf16_d64_v64_positions_r4_w8_k0");
+  EXPECT_NE(kernel.source.find("kSpeculate = true"), std::string::npos);
+
+  problem.keys = 513;
+  config = decode_attention_config(problem, {}, 132);
+  EXPECT_EQ(config.warps, 4);
+  EXPECT_TRUE(config.cluster);
+  kernel = generate_decode_attention_kernel(config);
+  EXPECT_EQ(kernel.splits, 9);  // 128 blocks' worth of 64-key splits, a step per warp
+  EXPECT_TRUE(kernel.cluster);
+  EXPECT_NE(kernel.source.find("kSpeculate = true"), std::string::npos);  // split 0 alone at short contexts
+
+  FlashAttentionOptions explicit_shape;
+  explicit_shape.decode_warps = 8;
+  problem.keys = 500;
+  config = decode_attention_config(problem, explicit_shape, 132);
+  EXPECT_FALSE(config.cluster);
+  EXPECT_EQ(config.keys_per_split, 128);  // the global merge: 4 splits, a step per warp
+  kernel = generate_decode_attention_kernel(config);
+  EXPECT_EQ(kernel.source.find("kSpeculate = true"), std::string::npos) << "the global merge does not speculate";
 }
 
 }  // namespace
