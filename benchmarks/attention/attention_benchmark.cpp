@@ -7,7 +7,7 @@
 //            L2 cache, so K and V come from HBM. Each launch shape (warps, keys per split, ring,
 //            cluster) is timed; "default" is the one FlashAttention picks. More rows: the positions
 //            mask with the token at 4095 in a 32768-slot cache (4096 keys read) and at 127 in a
-//            4096-slot cache (the model engine's short prefix, 128 keys read).
+//            4096-slot and a 512-slot cache (the model engine's short prefix, 128 keys read).
 //   prefill  4096 tokens, causal, the same heads (GQA rows, causal through positions 0..4095):
 //            TFLOP/s (4·Hq·S²·D / 2) against a bf16 cuBLASLt 8192³ matmul measured in this run.
 //   --torch FILE  the output of .anchors/attention_torch.py (PyTorch SDPA on the same card, same
@@ -162,6 +162,9 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
     std::string name;
   };
   std::vector<Shape> shapes;
+  // A short cache's default: one 8-warp block per head, no split merge.
+  const DecodeShape picked = default_decode_shape(problem);
+  if (picked.one_split) shapes.push_back({picked.warps, 0, false, (keys + 15) / 16 * 16, "default"});
   // The default with half and twice its split (full caches), the ring, 4 warps (one and two
   // blocks per multiprocessor), and clusters (a head's splits merged through distributed shared
   // memory, at most 16 splits).
@@ -174,8 +177,7 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
     const int blocks = variant.cluster ? static_cast<int>(std::min<std::int64_t>(multiprocessors, kMaxClusterSplits * kv_heads))
                                        : multiprocessors * variant.blocks_per_multiprocessor;
     const std::int64_t base = decode_keys_per_split(problem, variant.warps, blocks);
-    const DecodeShape picked = default_decode_shape(problem);
-    const bool is_default = variant.warps == picked.warps && variant.cluster == picked.cluster && variant.stages == 0 &&
+    const bool is_default = !picked.one_split && variant.warps == picked.warps && variant.cluster == picked.cluster && variant.stages == 0 &&
                             variant.blocks_per_multiprocessor == 1;
     // The 8-warp global merge: its split halved and doubled too.
     const bool global_merge = variant.warps == 8 && variant.stages == 0 && !variant.cluster;
@@ -324,6 +326,8 @@ int main(int argc, char** argv) {
     // prefix (128 tokens in a 4096-slot cache); splits follow the largest position.
     for (Timed& row : time_decode(*device, stream, 32768, true, 4095)) decode.push_back(row);
     for (Timed& row : time_decode(*device, stream, 4096, true, 127)) decode.push_back(row);
+    // The same 128 tokens in a 512-slot cache (bench-model's decode step: the one-split default).
+    for (Timed& row : time_decode(*device, stream, 512, true, 127)) decode.push_back(row);
     const std::vector<Timed> prefill = time_prefill(stream, 4096);
     const double matmul = matmul_tflops(stream);
 

@@ -22,7 +22,10 @@
 //            splits of a head as one thread-block cluster, every split merges a slice of the
 //            output from the others' shared memory. The splits are sized on the device from the
 //            keys some row may see; with the positions mask, keys past the largest position are
-//            never read.
+//            never read (but for split 0's first step, below). Up to two steps per warp of
+//            visible keys a head is one split whatever the grid: no split merge at all. In the
+//            short-cache shapes (one split, or a cluster) split 0 loads each warp's first step
+//            together with Q and the positions, one dependent global round trip instead of two.
 //   prefill  any R: blocks of 16-row warps over a row tile, K and V tiles of 64 keys staged in
 //            shared memory (cp.async, two stages), causal / positions tiles past a row tile's last
 //            visible key skipped.
@@ -92,16 +95,20 @@ std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 witho
 // The default split: about one block per multiprocessor, at least one 16-key step per warp.
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors = 132);
 
-// The decode launch shape FlashAttention picks when none is given, as measured on the H200
-// (notes/attention.md, device call 4): up to 4096 keys, 4 warps with a head's splits as one
-// cluster (14 clusters of 16 fit at once, the merge never leaves the chip: 4.97 vs 6.81 us at
-// 512 keys, 11.12 vs 11.39 us at 4096); beyond, 8 warps and the global merge (the cluster's one
-// 4-warp block per multiprocessor keeps too few bytes in flight: 49.6 vs 39.3 us at 32768, and
-// 8-warp clusters of 16 fit only 7 at once).
+// The decode launch shape FlashAttention picks when none is given. Caches of up to
+// kLongestOneSplit keys (the model engine's short contexts): one 8-warp block per head, no split
+// merge at all (notes/attention.md, session 6: a latency-bound kernel, one dependent global round
+// trip and one block barrier). Up to 4096 keys, as measured on the H200 (device call 4): 4 warps
+// with a head's splits as one cluster (14 clusters of 16 fit at once, the merge never leaves the
+// chip: 4.97 vs 6.81 us at 512 keys, 11.12 vs 11.39 us at 4096); beyond, 8 warps and the global
+// merge (the cluster's one 4-warp block per multiprocessor keeps too few bytes in flight: 49.6 vs
+// 39.3 us at 32768, and 8-warp clusters of 16 fit only 7 at once).
 struct DecodeShape {
   int warps = 8;
   bool cluster = false;
+  bool one_split = false;  // the grid is one block per head (keys_per_split covers the cache)
 };
+constexpr std::int64_t kLongestOneSplit = 512;
 DecodeShape default_decode_shape(const AttentionProblem& problem);
 
 struct PrefillAttentionConfig {

@@ -274,6 +274,10 @@ __device__ __forceinline__ void load_values_shared(StepValues& step, const u16* 
 
 constexpr std::string_view decode_body = R"CUDA(
 constexpr int kPaddedRows = 16;
+// Up to this many visible keys (two 16-key steps per warp: both in flight at once) a head is one
+// split, whatever the grid: the other splits leave at once, and the one left writes the output
+// without a split merge (no cluster barrier, no global partials).
+constexpr int kOneSplitKeys = 32 * kWarps;
 
 // A step's K and V fragments straight from global memory (keys past last_readable repeat it).
 struct KeyStep {
@@ -334,7 +338,17 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   k += (u64)head * keys * kHeadDim;
   v += (u64)head * keys * kValueDim;
 
-  // Keys past the last one any row may see are never read.
+  // kSpeculate: issued before the positions are read, in the same round trip: Q's fragments and,
+  // in split 0 (its keys start at key 0 however the splits are sized), each warp's first step,
+  // read up to the cache's capacity. Keys past the last visible one may hold anything (an
+  // unwritten slot: NaN): below, their V rows become zeros and their scores are masked.
+  u32 qa[kQuerySteps][4];
+  if constexpr (kSpeculate) load_query(qa, q, g, kRows, t);
+  const bool speculative = kSpeculate && split == 0;
+  KeyStep current;
+  if (speculative) load_step(current, k, v, 16 * warp, keys - 1, g, t);
+
+  // Keys past the last one any row may see are never read (but for the speculative step above).
   int key_end = 0, min_limit = kNoLimit;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -347,16 +361,19 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   // The split follows the keys some row may see (key_end, from the positions read here or the
   // causal offset), not the cache's capacity: the grid's splits share them evenly in 16-key steps,
   // so a short prefix of a long cache keeps its splits short. Splits past key_end read nothing and
-  // leave at once (in a cluster they still take part in the merge, as empty states).
-  const int keys_per_split = max(16, (key_end + 16 * grid_splits - 1) / (16 * grid_splits) * 16);
+  // leave at once (in a cluster they still take part in the merge, as empty states). Up to
+  // kOneSplitKeys visible keys the head is one split (split 0 alone, no merge of any kind).
+  const int keys_per_split = key_end <= kOneSplitKeys
+                                 ? max(16, (key_end + 15) / 16 * 16)
+                                 : max(16, (key_end + 16 * grid_splits - 1) / (16 * grid_splits) * 16);
   const int splits = max(1, (key_end + keys_per_split - 1) / keys_per_split);
-  if (!kCluster && split >= splits) return;
+  // (splits is the same in every CTA of a cluster: with one split nothing reads another's memory.)
+  if ((!kCluster || splits == 1) && split >= splits) return;
   const int split_begin = split * keys_per_split;
   const int split_end = min(split_begin + keys_per_split, key_end);
   const int last_readable = key_end - 1;
 
-  u32 qa[kQuerySteps][4];
-  load_query(qa, q, g, kRows, t);
+  if constexpr (!kSpeculate) load_query(qa, q, g, kRows, t);
   RowState state = {{negative_infinity(), negative_infinity()}, {0.0f, 0.0f}};
   float o[kValueTiles][4];
 #pragma unroll
@@ -367,8 +384,19 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   if constexpr (kStages == 0) {
     // Registers: the next step's loads are in flight while this one's math runs.
     int first = split_begin + 16 * warp;
-    KeyStep current;
-    if (first < split_end) load_step(current, k, v, first, last_readable, g, t);
+    if (speculative) {
+      if (first < split_end) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (first + t + 4 * i > last_readable) {
+#pragma unroll
+            for (int h = 0; h < kValueHalves; ++h) current.values.value[i][h] = make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
+      }
+    } else if (first < split_end) {
+      load_step(current, k, v, first, last_readable, g, t);
+    }
 #pragma unroll 1
     for (; first < split_end; first += stride) {
       KeyStep next;
@@ -455,12 +483,12 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
       l += weight * warp_state.y;
       value += weight * shared_values[(w * kRows + row) * kValueDim + column];
     }
-    if constexpr (kCluster) {
-      if (column == 0) block_states[row] = make_float2(m, l);
-      shared_values[row * kValueDim + column] = value;  // warp 0's slot: only this thread reads it
-    } else if (splits == 1) {
+    if (splits == 1) {
       // 0 / 0 = NaN where no key was visible, as the reference.
       out[((u64)head * kRows + row) * kValueDim + column] = to_bits(value / l);
+    } else if constexpr (kCluster) {
+      if (column == 0) block_states[row] = make_float2(m, l);
+      shared_values[row * kValueDim + column] = value;  // warp 0's slot: only this thread reads it
     } else {
       const u64 slot = (u64)head * grid_splits + split;
       if (column == 0) partial_states[slot * kRows + row] = make_float2(m, l);
@@ -468,6 +496,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
     }
   }
   constexpr int kVectors = kRows * kValueDim / 4;
+  if (splits == 1) return;
 
   if constexpr (kCluster) {
     // The CTAs of this head are one cluster (split = rank): after a cluster barrier each CTA merges
@@ -508,7 +537,6 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
     cluster_sync();
     return;
   }
-  if (splits == 1) return;
 
   // The last split of this head to arrive merges every split's state, in split order. One thread
   // publishes the block's partial state: the barrier orders every thread's writes before its
@@ -844,8 +872,9 @@ std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, i
 
 DecodeShape default_decode_shape(const AttentionProblem& problem) {
   constexpr std::int64_t longest_clustered = 4096;  // measured at 512, 4096 and 32768 keys
-  if (problem.keys <= longest_clustered) return {4, true};
-  return {8, false};
+  if (problem.keys <= kLongestOneSplit) return {8, false, true};
+  if (problem.keys <= longest_clustered) return {4, true, false};
+  return {8, false, false};
 }
 
 std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config) {
@@ -899,14 +928,19 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   result.keys_per_split = (result.keys_per_split + 15) / 16 * 16;  // as the kernel sizes a split of `keys` visible keys
   // A cluster of one split is no cluster: that kernel is the plain one.
   const bool cluster = config.cluster && result.splits > 1;
+  // Split 0 loads its first step with the positions (kSpeculate) in the short-cache shapes: one
+  // split, or a cluster (whose split 0 takes a short context alone). Not in the global-merge
+  // kernel: its 8-warp, 128-wide variant (the long-context default) would go from 251 to 255
+  // registers, and at long contexts that round trip is not the critical path.
+  const bool speculate = config.stages == 0 && (result.splits == 1 || cluster);
   result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}{}", problem_tag(problem), problem.rows,
                                    config.warps, config.stages,
                                    cluster ? fmt::format("_cluster{}", result.splits) : std::string());
   result.source = constants(problem, config.warps, result.kernel_name);
   result.source += fmt::format(
       "constexpr int kRows = {};\nconstexpr int kStages = {};\nconstexpr bool kCluster = {};\n"
-      "constexpr int kClusterSplits = {};\n#define CLUSTER_DIMENSIONS {}\n",
-      problem.rows, config.stages, cluster ? "true" : "false", cluster ? result.splits : 1,
+      "constexpr int kClusterSplits = {};\nconstexpr bool kSpeculate = {};\n#define CLUSTER_DIMENSIONS {}\n",
+      problem.rows, config.stages, cluster ? "true" : "false", cluster ? result.splits : 1, speculate ? "true" : "false",
       cluster ? fmt::format("__cluster_dims__({}, 1, 1)", result.splits) : std::string());
   result.source += codegen_detail::tensor_core_device_helpers();
   result.source += common_body;

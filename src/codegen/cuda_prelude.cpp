@@ -80,6 +80,26 @@ __device__ __forceinline__ void store_hinted(V* pointer, const V& value) {
   }
 }
 
+// Waits here for `value` (a load issued just before, with others): a load whose only use is under
+// a branch would otherwise be issued inside it, one round trip after what the branch waits on.
+template <typename V>
+__device__ __forceinline__ void complete_here(const V& value) {
+  using Raw = typename RawBits<sizeof(V)>::type;
+  Raw raw;
+  memcpy(&raw, &value, sizeof(V));
+  if constexpr (sizeof(V) == 2) {
+    asm volatile("" ::"h"(raw));
+  } else if constexpr (sizeof(V) == 4) {
+    asm volatile("" ::"r"(raw));
+  } else if constexpr (sizeof(V) == 1) {
+    asm volatile("" ::"r"(static_cast<unsigned int>(raw)));
+  } else if constexpr (sizeof(V) == 8) {
+    asm volatile("" ::"r"(raw.x), "r"(raw.y));
+  } else {
+    asm volatile("" ::"r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w));
+  }
+}
+
 // Loads elements [col, col + N) of a row of length L; lanes outside the row (or an invalid row) read 0.
 // The vector path needs row_start + col aligned to the vector: the generator guarantees it.
 template <typename T, int N, int L, bool kStream = false>

@@ -19,6 +19,9 @@ using codegen_detail::describe_node;
 using codegen_detail::sanitize_identifier;
 
 constexpr std::uint32_t elementwise_block = 256;
+// The rope_kv_cache kernel does a few thousand units of latency-bound work: smaller blocks spread
+// them over more multiprocessors.
+constexpr std::uint32_t rope_cache_block = 128;
 
 std::uint32_t grid_for(std::int64_t work_items, std::uint32_t block) {
   const std::int64_t blocks = (work_items + block - 1) / block;
@@ -135,35 +138,50 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
   return kernel;
 }
 
-// The rotary embedding of one element, shared by the native rope kernel and the rope_kv_cache
-// kernel: `metile_rope_frequencies` (rope_frequencies: theta^(-2d/dims), Llama 3 scaling applied)
-// and `metile_rope_element(row, d, position)`, element d of a row of length >= dims after rope at
-// `position`: for d < dims, (x[pair], x[pair + dims/2]) turns by position * frequency[pair]; d >= dims
-// is copied.
+// The rotary embedding, shared by the native rope kernel and the rope_kv_cache kernel:
+// `metile_rope_frequencies` (rope_frequencies: theta^(-2d/dims), Llama 3 scaling applied),
+// `metile_rope_pair(row, pair, position, low, high)`, the pair (pair, pair + dims/2) of a row after
+// rope at `position`, and `metile_rope_element(row, d, position)`, element d of a row of length
+// >= dims (d >= dims is copied). Both compute every element with the same operations, so the
+// native and the fused kernels give the same bits.
+//
+// The table lives in global memory, read through the read-only path: the lanes of a warp read
+// consecutive pairs' frequencies, one coalesced load issued with the row's loads. (As a
+// __constant__ array indexed by the lane's pair, a warp's 32 distinct addresses were served one
+// after another by the constant cache.)
 std::string rope_device_code(const Attributes& attributes) {
   const std::int64_t dims = attributes.get_int("dims");
   std::string frequencies;
   for (double frequency : rope_frequencies(attributes)) {
     frequencies += fmt::format("{}{:.17g}", frequencies.empty() ? "" : ", ", frequency);
   }
-  return fmt::format(R"(__constant__ double metile_rope_frequencies[{0}] = {{{1}}};
+  return fmt::format(R"(__device__ const double metile_rope_frequencies[{0}] = {{{1}}};
+template <typename T>
+__device__ __forceinline__ void metile_rope_pair(const T* __restrict__ row, int pair, int position_index, float& low,
+                                                 float& high) {{
+  constexpr int kHalf = {2} / 2;
+  // Every load first (the frequency, both elements): nothing here waits on another load.
+  const double frequency = __ldg(metile_rope_frequencies + pair);
+  const float first = metile_device::to_float(row[pair]);
+  const float second = metile_device::to_float(row[pair + kHalf]);
+  // The angle and its sine and cosine in f64, rounded to f32, as the reference does: an f32
+  // angle would lose about position * 6e-8 radians, visible at long sequences.
+  const double position = static_cast<double>(position_index);
+  double sine_f64, cosine_f64;
+  sincos(position * frequency, &sine_f64, &cosine_f64);
+  const float sine = static_cast<float>(sine_f64);
+  const float cosine = static_cast<float>(cosine_f64);
+  low = __fsub_rn(__fmul_rn(first, cosine), __fmul_rn(second, sine));
+  high = __fadd_rn(__fmul_rn(first, sine), __fmul_rn(second, cosine));
+}}
 template <typename T>
 __device__ __forceinline__ float metile_rope_element(const T* __restrict__ row, int d, int position_index) {{
   constexpr int kDims = {2};
   constexpr int kHalf = kDims / 2;
   if (d >= kDims) return metile_device::to_float(row[d]);
-  const int pair = d < kHalf ? d : d - kHalf;
-  // The angle and its sine and cosine in f64, rounded to f32, as the reference does: an f32
-  // angle would lose about position * 6e-8 radians, visible at long sequences.
-  const double position = static_cast<double>(position_index);
-  double sine_f64, cosine_f64;
-  sincos(position * metile_rope_frequencies[pair], &sine_f64, &cosine_f64);
-  const float sine = static_cast<float>(sine_f64);
-  const float cosine = static_cast<float>(cosine_f64);
-  const float first = metile_device::to_float(row[pair]);
-  const float second = metile_device::to_float(row[pair + kHalf]);
-  return d < kHalf ? __fsub_rn(__fmul_rn(first, cosine), __fmul_rn(second, sine))
-                   : __fadd_rn(__fmul_rn(first, sine), __fmul_rn(second, cosine));
+  float low, high;
+  metile_rope_pair(row, d < kHalf ? d : d - kHalf, position_index, low, high);
+  return d < kHalf ? low : high;
 }}
 )",
                      dims / 2, frequencies, dims);
@@ -337,9 +355,11 @@ std::string cache_write_statements(std::string_view index, bool in_place, std::i
       const int s = static_cast<int>(({0} / kRow) % kSteps);
       const long long h = {0} / kRow / kSteps;
       const int position = {4}[s];
+      const auto value = {6};
+      metile_device::complete_here(value);  // loaded with the positions, not after them
       bool skipped = position < 0 || position >= kCapacity;
       for (int later = s + 1; later < kSteps; ++later) skipped = skipped || {4}[later] == position;
-      if (!skipped) {5}[(h * kCapacity + position) * kRow + d] = {6};
+      if (!skipped) {5}[(h * kCapacity + position) * kRow + d] = value;
     }}
 )",
                        index, capacity, row, steps, positions, out, update);
@@ -467,14 +487,45 @@ GeneratedKernel generate_rope_cache_kernel(const ComputeGraph& graph, const Rope
   if (!problem.decision) throw InputError("generate_rope_cache_kernel: " + problem.decision.reason);
   const Node& rope = graph.node(problem.rope);
   const std::string type = cuda_storage_type(problem.dtype);
-  const std::int64_t q_items = problem.q_heads * problem.steps * problem.head_dim;
-  const std::int64_t k_items = problem.kv_heads * (k_in_place ? problem.steps : problem.capacity) * problem.head_dim;
+  const std::int64_t dims = rope.attributes.get_int("dims");
+  // A thread per unit of a row: a rotated pair (d, d + dims/2), or one element past dims (copied).
+  const std::int64_t units = problem.head_dim - dims / 2;
+  const std::int64_t q_units = problem.q_heads * problem.steps * units;
+  // k in place: its new rows by units too; copied, the whole cache element by element.
+  const std::int64_t k_units =
+      k_in_place ? problem.kv_heads * problem.steps * units : problem.kv_heads * problem.capacity * problem.head_dim;
   const std::int64_t v_items = problem.kv_heads * (v_in_place ? problem.steps : problem.capacity) * problem.head_dim;
   // Element (s, h, d) of k or v [S, Hkv·D].
   const std::string row = fmt::format("(static_cast<long long>(s) * {} + h) * kRow", problem.kv_heads);
   const std::string k_update =
       fmt::format("metile_device::from_float<{}>(metile_rope_element(in1 + {}, static_cast<int>(d), position))", type, row);
   const std::string v_update = fmt::format("in2[{} + d]", row);
+  // k's new rows in place, a unit at a time: every load (the position, the later steps' positions,
+  // the frequency, both elements) is issued before any of them is used; the cache row follows
+  // the position, and a position named again by a later step is left to that step.
+  const std::string k_in_place_statements = fmt::format(R"(      const int j = static_cast<int>(k_index % kUnits);
+      const int s = static_cast<int>((k_index / kUnits) % kSteps);
+      const long long h = k_index / kUnits / kSteps;
+      const {0}* row = in1 + (static_cast<long long>(s) * kKvHeads + h) * kHeadDim;
+      const int position = in3[s];
+      bool skipped = position < 0 || position >= kCapacity;
+      for (int later = s + 1; later < kSteps; ++later) skipped = skipped || in3[later] == position;
+      {0}* cache_row = out1 + (h * kCapacity + position) * kHeadDim;
+      if (j < kHalf) {{
+        float low, high;
+        metile_rope_pair(row, j, position, low, high);
+        if (!skipped) {{
+          cache_row[j] = metile_device::from_float<{0}>(low);
+          cache_row[j + kHalf] = metile_device::from_float<{0}>(high);
+        }}
+      }} else {{
+        const int d = kDims + (j - kHalf);
+        const {0} value = metile_device::from_float<{0}>(metile_device::to_float(row[d]));
+        metile_device::complete_here(value);  // loaded with the positions, not after them
+        if (!skipped) cache_row[d] = value;
+      }}
+)",
+                                                        type);
   GeneratedKernel kernel;
   kernel.kernel_name = fmt::format("metile_rope_kv_cache_{}{}", k_in_place ? "k_in_place" : "k_copied",
                                    v_in_place ? "_v_in_place" : "_v_copied");
@@ -484,42 +535,61 @@ GeneratedKernel generate_rope_cache_kernel(const ComputeGraph& graph, const Rope
       problem.q_heads, problem.steps, problem.head_dim, problem.kv_heads, problem.capacity,
       k_in_place ? "k in place" : "k copied", v_in_place ? "v in place" : "v copied", codegen_detail::cuda_device_prelude(),
       rope_device_code(rope.attributes));
+  // One pass over q's and k's pairs and v's elements: one dependent global round trip per thread
+  // (the position, the frequency and the elements are loaded together), one f64 sincos per pair.
   // The caches may share the outputs' buffers (in place): no __restrict__ on either.
   kernel.source += fmt::format(R"(
 extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in0 /* q [S, Hq*D] */,
     const {2}* __restrict__ in1 /* k [S, Hkv*D] */, const {2}* __restrict__ in2 /* v [S, Hkv*D] */,
     const int* __restrict__ in3 /* positions [S] */, const {2}* in4 /* k cache */, const {2}* in5 /* v cache */,
     {2}* __restrict__ out0 /* q rotated [Hq, S, D] */, {2}* out1 /* k cache out */, {2}* out2 /* v cache out */) {{
-  constexpr long long kQItems = {3}LL;
-  constexpr long long kKItems = {4}LL;
+  constexpr long long kQUnits = {3}LL;
+  constexpr long long kKUnits = {4}LL;
   constexpr long long kVItems = {5}LL;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < kQItems + kKItems + kVItems;
+  constexpr int kHeadDim = {6};
+  constexpr int kSteps = {7};
+  constexpr int kQHeads = {8};
+  constexpr int kKvHeads = {9};
+  constexpr long long kCapacity = {10}LL;
+  constexpr int kDims = {11};
+  constexpr int kHalf = kDims / 2;
+  constexpr int kUnits = kHeadDim - kHalf;
+  (void)kKvHeads, (void)kCapacity;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < kQUnits + kKUnits + kVItems;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {{
-    if (i < kQItems) {{
-      constexpr int kHeadDim = {6};
-      constexpr int kSteps = {7};
-      constexpr int kQHeads = {8};
-      const int d = static_cast<int>(i % kHeadDim);
-      const int s = static_cast<int>((i / kHeadDim) % kSteps);
-      const long long h = i / kHeadDim / kSteps;
-      out0[i] = metile_device::from_float<{2}>(
-          metile_rope_element(in0 + (static_cast<long long>(s) * kQHeads + h) * kHeadDim, d, in3[s]));
-    }} else if (i < kQItems + kKItems) {{
-      const long long k_index = i - kQItems;
-{9}    }} else {{
-      const long long v_index = i - kQItems - kKItems;
-{10}    }}
+    if (i < kQUnits) {{
+      const int j = static_cast<int>(i % kUnits);
+      const int s = static_cast<int>((i / kUnits) % kSteps);
+      const long long h = i / kUnits / kSteps;
+      const {2}* row = in0 + (static_cast<long long>(s) * kQHeads + h) * kHeadDim;
+      {2}* out_row = out0 + (h * kSteps + s) * kHeadDim;
+      const int position = in3[s];
+      if (j < kHalf) {{
+        float low, high;
+        metile_rope_pair(row, j, position, low, high);
+        out_row[j] = metile_device::from_float<{2}>(low);
+        out_row[j + kHalf] = metile_device::from_float<{2}>(high);
+      }} else {{
+        const int d = kDims + (j - kHalf);
+        out_row[d] = metile_device::from_float<{2}>(metile_device::to_float(row[d]));
+      }}
+    }} else if (i < kQUnits + kKUnits) {{
+      const long long k_index = i - kQUnits;
+{12}    }} else {{
+      const long long v_index = i - kQUnits - kKUnits;
+{13}    }}
   }}
 }}
 )",
-                               elementwise_block, kernel.kernel_name, type, q_items, k_items, v_items, problem.head_dim,
-                               problem.steps, problem.q_heads,
-                               cache_write_statements("k_index", k_in_place, problem.capacity, problem.head_dim,
-                                                      problem.steps, "in3", "in4", "out1", k_update),
+                               rope_cache_block, kernel.kernel_name, type, q_units, k_units, v_items, problem.head_dim,
+                               problem.steps, problem.q_heads, problem.kv_heads, problem.capacity, dims,
+                               k_in_place ? k_in_place_statements
+                                          : cache_write_statements("k_index", false, problem.capacity, problem.head_dim,
+                                                                   problem.steps, "in3", "in4", "out1", k_update),
                                cache_write_statements("v_index", v_in_place, problem.capacity, problem.head_dim,
                                                       problem.steps, "in3", "in5", "out2", v_update));
-  kernel.launch.block_x = elementwise_block;
-  kernel.launch.grid_x = grid_for(q_items + k_items + v_items, elementwise_block);
+  kernel.launch.block_x = rope_cache_block;
+  kernel.launch.grid_x = grid_for(q_units + k_units + v_items, rope_cache_block);
   using Kind = KernelParameter::Kind;
   kernel.parameters = {{Kind::input, problem.q, "in0", 0},          {Kind::input, problem.k, "in1", 0},
                        {Kind::input, problem.v, "in2", 0},          {Kind::input, problem.positions, "in3", 0},

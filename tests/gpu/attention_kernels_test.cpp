@@ -151,6 +151,9 @@ TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
       {DType::bf16, 2, 13, 50, 128, 64, AttentionMask::none, 0, 4, 0, false},      // one split, a partial step
       {DType::bf16, 3, 5, 2000, 128, 128, AttentionMask::causal, 0, 8, 3, false},
       {DType::bf16, 3, 5, 2000, 128, 128, AttentionMask::causal, 256, 8, 0, true},  // 8 splits (portable cluster)
+      // One split of a whole short cache (the default up to 512 keys): 4 steps per warp.
+      {DType::bf16, 8, 4, 512, 64, 64, AttentionMask::none, 512, 8, 0, false},      // Llama-3.2-1B's heads
+      {DType::bf16, 2, 6, 500, 128, 128, AttentionMask::causal, 512, 8, 0, false},  // Qwen2.5-1.5B's heads
   };
   for (const auto& c : cases) {
     AttentionProblem problem;
@@ -190,6 +193,13 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
       {DType::bf16, 8, 4, 1, 4096, 128, 127},     // the model engine: 128 tokens in a 4096-slot cache
       {DType::bf16, 8, 4, 1, 4096, 128, 300},     // 301 keys over 16 splits: a partial last split
       {DType::f16, 2, 4, 1, 1000, 64, -1},        // nothing written yet: NaN rows
+      // Short caches (default: one 8-warp block per head, each warp's first step read with the
+      // positions, NaN slots past the last position zeroed or masked); with 4-warp clusters and the
+      // 8-warp global merge the same context collapses to one split on the device.
+      {DType::bf16, 8, 4, 1, 512, 64, 127},       // Llama-3.2-1B, 128 tokens in a 512-slot cache
+      {DType::bf16, 2, 6, 1, 512, 128, 127},      // Qwen2.5-1.5B
+      {DType::bf16, 8, 4, 1, 512, 64, 300},       // 301 keys: up to 3 steps per warp
+      {DType::f16, 2, 2, 3, 64, 64, 40},          // three tokens, a partial step
   };
   for (const auto& c : cases) {
     AttentionProblem problem;

@@ -30,11 +30,12 @@ DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, c
   DecodeAttentionConfig config;
   config.problem = problem;
   const DecodeShape shape = options.decode_warps == 0 ? default_decode_shape(problem)
-                                                      : DecodeShape{options.decode_warps, options.decode_cluster};
+                                                      : DecodeShape{options.decode_warps, options.decode_cluster, false};
   config.warps = shape.warps;
   config.cluster = shape.cluster;
   config.keys_per_split = options.keys_per_split;
   config.stages = options.decode_stages;
+  if (config.keys_per_split == 0 && shape.one_split) config.keys_per_split = (problem.keys + 15) / 16 * 16;
   if (config.keys_per_split == 0) {
     // A head's splits in one cluster: at most kMaxClusterSplits of them.
     const std::int64_t blocks = config.cluster ? std::min<std::int64_t>(multiprocessors, kMaxClusterSplits * problem.heads)

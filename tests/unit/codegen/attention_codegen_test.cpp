@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "metile/attention.h"
+#include "metile/attention_runtime.h"
 #include "metile/cuda_runtime.h"
 
 namespace metile {
@@ -88,6 +89,12 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
       {DType::bf16, 4, 128, 128, AttentionMask::positions, 8, 0, true, 64},
       {DType::bf16, 16, 128, 128, AttentionMask::causal, 8, 3, true, 64},
       {DType::f16, 3, 64, 64, AttentionMask::none, 4, 0, true, 128},
+      // The model engine's decode: Llama-3.2-1B (4 rows of 64) and Qwen2.5-1.5B (6 rows of 128) as
+      // the short-cache default (one 8-warp block per head), and Llama's previous default (4-warp
+      // clusters of 8), which collapses to one split on the device at short contexts.
+      {DType::bf16, 4, 64, 64, AttentionMask::positions, 8, 0, false, 1008},
+      {DType::bf16, 6, 128, 128, AttentionMask::positions, 8, 0, false, 1008},
+      {DType::bf16, 4, 64, 64, AttentionMask::positions, 4, 0, true, 128},
   };
   std::vector<AttentionKernelSource> kernels;
   for (const auto& c : cases) {
@@ -102,6 +109,10 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
     EXPECT_LT((kernel.splits - 1) * kernel.keys_per_split, 1000) << "an empty split";
     EXPECT_EQ(kernel.cluster, c.cluster);
     EXPECT_EQ(kernel.source.find("__cluster_dims__") != std::string::npos, c.cluster) << kernel.kernel_name;
+    // Split 0's first step is loaded with the positions in the short-cache shapes only.
+    EXPECT_EQ(kernel.source.find("kSpeculate = true") != std::string::npos,
+              c.stages == 0 && (kernel.splits == 1 || c.cluster))
+        << kernel.kernel_name;
     kernels.push_back(kernel);
   }
   expect_compile_without_spills(kernels);
@@ -215,15 +226,67 @@ TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
   config.cluster = false;
   EXPECT_EQ(decode_split_count(config), 64);  // 66 blocks' worth, in 16-key steps: 64 splits of 512
 
-  // The measured default shape: clusters of 4-warp blocks up to 4096 keys, 8 warps beyond.
+  // The default shape: one 8-warp block per head up to 512 keys (no split merge), clusters of
+  // 4-warp blocks up to 4096 keys (measured), 8 warps and the global merge beyond.
   problem.keys = 512;
+  EXPECT_EQ(default_decode_shape(problem).warps, 8);
+  EXPECT_FALSE(default_decode_shape(problem).cluster);
+  EXPECT_TRUE(default_decode_shape(problem).one_split);
+  problem.keys = 513;
   EXPECT_EQ(default_decode_shape(problem).warps, 4);
   EXPECT_TRUE(default_decode_shape(problem).cluster);
+  EXPECT_FALSE(default_decode_shape(problem).one_split);
   problem.keys = 4096;
   EXPECT_TRUE(default_decode_shape(problem).cluster);
   problem.keys = 4097;
   EXPECT_EQ(default_decode_shape(problem).warps, 8);
   EXPECT_FALSE(default_decode_shape(problem).cluster);
+  EXPECT_FALSE(default_decode_shape(problem).one_split);
+}
+
+}  // namespace
+}  // namespace metile
+
+namespace metile {
+namespace {
+
+// The configuration FlashAttention::build and the flash_attention lowering derive from the default
+// shape (decode_attention_config, host side): a short cache is one 8-warp block per head whose
+// split 0 loads its first step with the positions; a longer one keeps the 4-warp cluster; an
+// explicit shape is kept as asked.
+TEST(AttentionCodegen, ShortCachesAreOneSplitPerHead) {
+  AttentionProblem problem = problem_of(DType::bf16, 4, 500, 64, 64, AttentionMask::positions);
+  problem.heads = 8;  // Llama-3.2-1B: 8 KV heads of 64, 4 query rows each
+  DecodeAttentionConfig config = decode_attention_config(problem, {}, 132);
+  EXPECT_EQ(config.warps, 8);
+  EXPECT_FALSE(config.cluster);
+  EXPECT_EQ(config.keys_per_split, 512);
+  AttentionKernelSource kernel = generate_decode_attention_kernel(config);
+  EXPECT_EQ(kernel.splits, 1);
+  EXPECT_EQ(kernel.launch.grid_x, 1u);
+  EXPECT_EQ(kernel.launch.grid_y, 8u);
+  EXPECT_EQ(kernel.launch.block_x, 256u);
+  EXPECT_FALSE(kernel.cluster);
+  EXPECT_EQ(kernel.kernel_name, "metile_attention_decode_bf16_d64_v64_positions_r4_w8_k0");
+  EXPECT_NE(kernel.source.find("kSpeculate = true"), std::string::npos);
+
+  problem.keys = 513;
+  config = decode_attention_config(problem, {}, 132);
+  EXPECT_EQ(config.warps, 4);
+  EXPECT_TRUE(config.cluster);
+  kernel = generate_decode_attention_kernel(config);
+  EXPECT_EQ(kernel.splits, 9);  // 128 blocks' worth of 64-key splits, a step per warp
+  EXPECT_TRUE(kernel.cluster);
+  EXPECT_NE(kernel.source.find("kSpeculate = true"), std::string::npos);  // split 0 alone at short contexts
+
+  FlashAttentionOptions explicit_shape;
+  explicit_shape.decode_warps = 8;
+  problem.keys = 500;
+  config = decode_attention_config(problem, explicit_shape, 132);
+  EXPECT_FALSE(config.cluster);
+  EXPECT_EQ(config.keys_per_split, 128);  // the global merge: 4 splits, a step per warp
+  kernel = generate_decode_attention_kernel(config);
+  EXPECT_EQ(kernel.source.find("kSpeculate = true"), std::string::npos) << "the global merge does not speculate";
 }
 
 }  // namespace

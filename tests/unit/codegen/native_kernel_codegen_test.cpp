@@ -190,10 +190,16 @@ TEST(NativeKernelCodegenDecodeStep, RopeKvCacheKernelCompilesForSm90) {
         SCOPED_TRACE(fmt::format("{} rows {} {}", dtype_name(dtype), rows, in_place ? "in place" : "copied"));
         const GeneratedKernel kernel = generate_rope_cache_kernel(graph, problem, in_place, in_place);
         ASSERT_EQ(kernel.parameters.size(), 9u);
-        // q's elements, then k's and v's new rows (in place) or whole caches (copied).
-        const std::int64_t items = (4 * rows + 2 * 2 * (in_place ? rows : shape.capacity)) * shape.head_dim;
-        EXPECT_NE(kernel.source.find(fmt::format("kQItems + kKItems + kVItems")), std::string::npos);
-        EXPECT_GE(static_cast<std::int64_t>(kernel.launch.grid_x) * kernel.launch.block_x, std::min<std::int64_t>(items, 256));
+        // A thread per unit: q's rotated pairs, k's (in place) or k's whole cache (copied, element
+        // by element), v's new rows (in place) or whole cache (copied); no grid-stride loop at these sizes.
+        const std::int64_t pairs = shape.head_dim / 2;  // dims = head_dim: every unit a pair
+        const std::int64_t units = 4 * rows * pairs + (in_place ? 2 * rows * pairs : 2 * shape.capacity * shape.head_dim) +
+                                   2 * (in_place ? rows : shape.capacity) * shape.head_dim;
+        EXPECT_NE(kernel.source.find("kQUnits + kKUnits + kVItems"), std::string::npos);
+        EXPECT_NE(kernel.source.find("metile_rope_pair(row, j, position, low, high)"), std::string::npos);
+        EXPECT_EQ(kernel.source.find("__constant__"), std::string::npos) << "the frequencies are a global table";
+        EXPECT_EQ(kernel.launch.block_x, 128u);
+        EXPECT_EQ(static_cast<std::int64_t>(kernel.launch.grid_x), (units + 127) / 128);
         EXPECT_EQ(kernel.source.find("q.rope"), std::string::npos) << "no value name in the source";
         EXPECT_EQ(kernel.source.find("k_cache_out"), std::string::npos) << "no value name in the source";
         expect_compiles_for_sm90(kernel);

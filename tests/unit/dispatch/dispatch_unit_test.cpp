@@ -319,11 +319,12 @@ TEST(LowerRegion, EveryExampleRegionGetsCandidatesOrEachLoweringsOwnReason) {
 
 // The flash_attention lowering without a GPU: a decode problem (R <= 16 over a position-masked
 // cache) and a prefill one each get one candidate, and the decode kernel is the one the device
-// build picks by default (default_decode_shape: 4 warps as a cluster up to 4096 keys; the lowering
-// once passed 0 warps and divided by zero).
+// build picks by default (default_decode_shape: one 8-warp block per head up to 512 keys, 4 warps
+// as a cluster up to 4096; the lowering once passed 0 warps and divided by zero).
 TEST(LowerRegion, FlashAttentionLowersDecodeAndPrefillWithTheDefaultShape) {
   const Certificate certificate = prove(stable_weighted_softmax_law());
   for (auto [rows, keys, mask] : {std::tuple{std::int64_t{8}, std::int64_t{203}, "positions"},
+                                  std::tuple{std::int64_t{8}, std::int64_t{1203}, "positions"},
                                   std::tuple{std::int64_t{48}, std::int64_t{130}, "causal"}}) {
     GraphBuilder b;
     std::vector<ValueRef> inputs = {b.input("q", {{2, rows, 128}, DType::bf16}), b.input("k", {{2, keys, 128}, DType::bf16}),
@@ -340,8 +341,13 @@ TEST(LowerRegion, FlashAttentionLowersDecodeAndPrefillWithTheDefaultShape) {
     ASSERT_EQ(lowered.candidates.size(), 1u);
     if (rows <= 16) {
       EXPECT_EQ(lowered.candidates[0].id.variant, "attention decode");
-      EXPECT_NE(lowered.candidates[0].source.find("_w4_"), std::string::npos) << "not the default 4-warp decode shape";
-      EXPECT_NE(lowered.candidates[0].source.find("_cluster"), std::string::npos) << "not the default clustered merge";
+      if (keys <= kLongestOneSplit) {
+        EXPECT_NE(lowered.candidates[0].source.find("_w8_k0\n"), std::string::npos) << "not the default one-split shape";
+        EXPECT_EQ(lowered.candidates[0].source.find("__cluster_dims__"), std::string::npos) << "a cluster for a short cache";
+      } else {
+        EXPECT_NE(lowered.candidates[0].source.find("_w4_"), std::string::npos) << "not the default 4-warp decode shape";
+        EXPECT_NE(lowered.candidates[0].source.find("_cluster"), std::string::npos) << "not the default clustered merge";
+      }
     } else {
       EXPECT_EQ(lowered.candidates[0].id.variant, "attention prefill");
     }
