@@ -411,6 +411,13 @@ class Executable {
   // values()) and sums the device time by kind, slowest first. For breakdowns, not for speed.
   std::vector<StepKindTime> profile(const CudaStream& stream);
   int step_count() const;  // device steps per run
+  // Captures the same steps a second time with every generated GEMV launched as a programmatic
+  // dependent of the kernel before it, races the two replays (run_tournament: same kernels, same
+  // bits) and keeps the faster; returns whether that is the dependent one, and report() says so
+  // with both times. The replays run on whatever values() holds and write what a run writes: the
+  // caller stages inputs whose writes are harmless (the decode engine: the last cache rows).
+  // Without a captured graph, or when the options already asked for dependent launches: nothing.
+  bool race_programmatic_replay(const TournamentOptions& tournament);
 
  private:
   struct State;

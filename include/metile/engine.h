@@ -91,6 +91,11 @@ struct EngineOptions {
   // 4-bit decoded in 0.574 ms/token with cold races and 0.542 with warm ones (session 6, call 3;
   // notes/gpu_check.md). Warm (back to back) stays the default; `bench-model --tournament-caches`.
   bool cold_cache_tournaments = false;
+  // The fused path races each step's replay with and without programmatic dependent launch
+  // (Executable::race_programmatic_replay) and keeps the faster: measured, it lost on Llama-3.2-1B
+  // (0.559 vs 0.534 ms/token) and won on Qwen2.5-1.5B (0.914 vs 0.983; session 6, call 4). The race
+  // replays the step on token 0 at the cache's last rows, which no step reads before writing them.
+  bool race_programmatic_launch = true;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

@@ -142,6 +142,7 @@ struct Executable::State {
   std::vector<std::string> step_kinds;  // per step: what profile() sums it under
   CudaGraph replay;
   bool programmatic_replay = false;  // the replay launches GEMVs as programmatic dependents
+  std::string programmatic_race;     // race_programmatic_replay's figures, for report()
   std::vector<RegionReport> reports;
   int kernel_count = 0;
 
@@ -440,9 +441,32 @@ std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
   return times;
 }
 
+bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
+  if (!state_->replay || state_->programmatic_replay) return state_->programmatic_replay;
+  state_->device.make_current();
+  state_->stream.set_programmatic_dependent_launch(true);
+  const CudaGraph dependent = CudaGraph::capture(state_->stream, [&steps = state_->steps](const CudaStream& stream) {
+    run_steps(steps, stream);
+  });
+  state_->stream.set_programmatic_dependent_launch(false);
+  const CudaGraph plain = state_->replay;
+  const TournamentResult race =
+      run_tournament({{"plain", [plain](const CudaStream& s) { plain.replay(s); }},
+                      {"programmatic dependents", [dependent](const CudaStream& s) { dependent.replay(s); }}},
+                     state_->stream, tournament);
+  state_->stream.synchronize();
+  const bool faster = race.score_ms[1] < race.score_ms[0];
+  if (faster) state_->replay = dependent;
+  state_->programmatic_replay = faster;
+  state_->programmatic_race = fmt::format("programmatic dependent launch raced: {:.4f} ms with, {:.4f} ms without: {}\n",
+                                          race.score_ms[1], race.score_ms[0], faster ? "kept" : "not kept");
+  return faster;
+}
+
 std::string Executable::report() const {
   std::string text;
   for (const RegionReport& report : state_->reports) text += report.sentence + "\n";
+  text += state_->programmatic_race;
   text += fmt::format("{} kernel launches per run{}{}\n", state_->kernel_count,
                       state_->replay ? ", replayed as one CUDA graph" : "",
                       state_->programmatic_replay ? " (GEMVs as programmatic dependents)" : "");

@@ -151,6 +151,14 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
                                          "engine needs kv_cache_write in place", what, name));
     }
   }
+  if (options_.path == EnginePath::fused && options_.race_programmatic_launch && !options.programmatic_dependent_launch) {
+    const std::vector<std::int32_t> first_token(static_cast<std::size_t>(steps), 0);
+    upload_inputs(first_token, decoder.capacity() - steps);
+    stream_.synchronize();
+    const bool dependent = built->race_programmatic_replay(options.tournament);
+    report(options_.progress, fmt::format("metile: the {} launches its GEMVs {}", what,
+                                          dependent ? "as programmatic dependents (faster)" : "plainly (faster)"));
+  }
   report(options_.progress, fmt::format("metile: {} ready, {} device steps per replay", what, built->step_count()));
   slot = std::move(built);
   return *slot;

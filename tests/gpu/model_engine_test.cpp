@@ -313,8 +313,11 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
   plain.mode = DispatchMode::fused;
   ExecutableOptions programmatic = plain;
   programmatic.programmatic_dependent_launch = true;
-  CudaDecodeSession expected(cuda_model, EngineOptions{EnginePath::fused, plain, {}});
+  // `raced` keeps whichever replay its race found faster, after replaying each step's graph on
+  // token 0 at the cache's last rows: that must change no bit of any later step either.
+  CudaDecodeSession expected(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, false});
   CudaDecodeSession actual(cuda_model, EngineOptions{EnginePath::fused, programmatic, {}});
+  CudaDecodeSession raced(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, true});
   const std::vector<std::int32_t> prompt = random_prompt(seed, 19, model.config().vocab_size);  // 16 + 3
   std::vector<std::int32_t> tokens(prompt.begin(), prompt.begin() + 16);
   for (int step = 0; step < 12; ++step) {
@@ -323,6 +326,9 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
     const std::vector<float> got = actual.feed(tokens);
     ASSERT_EQ(got.size(), want.size());
     EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+    const std::vector<float> got_raced = raced.feed(tokens);
+    ASSERT_EQ(got_raced.size(), want.size());
+    EXPECT_EQ(std::memcmp(got_raced.data(), want.data(), got_raced.size() * sizeof(float)), 0) << "raced";
     const std::size_t row = want.size() - static_cast<std::size_t>(model.config().vocab_size);
     const std::int32_t next = static_cast<std::int32_t>(argmax_index(std::span<const float>(want).subspan(row)));
     tokens = step < 3 ? std::vector<std::int32_t>{prompt[static_cast<std::size_t>(16 + step)]} : std::vector<std::int32_t>{next};
