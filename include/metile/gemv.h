@@ -205,11 +205,16 @@ struct GemvKernelConfig {
   // tiles' (value, index) pairs per row and leaves its winners in the workspace; the last block to
   // arrive (a counter, as in the split-K join) reduces them and writes the ids.
   bool argmax_rows = false;
+  // tile_loop_blocks_per_multiprocessor > 0 (register-batch mainloop, no split-K): the grid is
+  // multiprocessors x this many blocks (at most the tile blocks) and block b computes tile blocks
+  // b, b + grid, ...; the x prologue (the norm's scales, the staged x, the group sums) runs once
+  // per block instead of once per tile block. For the LM head's thousands of tile blocks.
+  int tile_loop_blocks_per_multiprocessor = 0;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
   int stages = 4;                    // ring depth per warp: stages whose bulk copies may be in flight
-  int multiprocessors = 132;         // persistent grid: multiprocessors x blocks_per_multiprocessor
+  int multiprocessors = 132;         // persistent grid: multiprocessors x blocks_per_multiprocessor (and the tile loop's)
   int blocks_per_multiprocessor = 1;
 
   // Split outputs: when not empty, the N output columns are written as several values, output s

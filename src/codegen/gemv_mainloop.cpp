@@ -354,22 +354,32 @@ __device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4],
 }
 )CUDA";
 
-// The kernel entry: accumulate (one of the two schedules), join the warps, apply the epilogue.
+// The kernel entry: accumulate (one of the two schedules), join the warps, apply the epilogue,
+// for each unit of work the block takes (kernel_entry_loop_end closes the loop).
 constexpr std::string_view kernel_entry_body = R"CUDA(
   __shared__ float partial[kWarps * kProducts * kTiles * 16 * kPaddedM];
   allow_dependent_launch();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // Split-K: block b takes tile block b % kTileBlocks and split b / kTileBlocks, whose iterations
-  // are [split * I / S, (split + 1) * I / S).
-  const int tile_block = kSplits == 1 ? (int)blockIdx.x : (int)blockIdx.x % kTileBlocks;
-  const int split = kSplits == 1 ? 0 : (int)blockIdx.x / kTileBlocks;
-  const int first_tile = tile_block * kTiles;
-  const int begin = split * kIterations / kSplits, end = (split + 1) * kIterations / kSplits;
   unsigned char* ring = nullptr;
   if constexpr (kSharedStages >= 2) {
     extern __shared__ __align__(16) unsigned char ring_memory[];
     ring = ring_memory + warp * kSharedStages * SharedSlot<kProducts>::kBytes;
   }
+  // A unit is a (tile block, split) pair. Without kTileLoop block b takes unit b and the loop runs
+  // once; with it (no split-K) block b takes tile blocks b, b + gridDim.x, ..., and the x prologue
+  // (the norm's row scales, the staged x, the group sums) runs for its first one only.
+  const int first_unit = (int)blockIdx.x;
+  const int unit_stride = kTileLoop ? (int)gridDim.x : kTileBlocks * kSplits;
+  int joined = 0;  // tile blocks this block stored (the argmax join counts them)
+  (void)joined;
+  for (int unit = first_unit; unit < kTileBlocks * kSplits; unit += unit_stride) {
+  const bool first_of_block = unit == first_unit;
+  // Split-K: unit u is tile block u % kTileBlocks and split u / kTileBlocks, whose iterations
+  // are [split * I / S, (split + 1) * I / S).
+  const int tile_block = kSplits == 1 ? unit : unit % kTileBlocks;
+  const int split = kSplits == 1 ? 0 : unit / kTileBlocks;
+  const int first_tile = tile_block * kTiles;
+  const int begin = split * kIterations / kSplits, end = (split + 1) * kIterations / kSplits;
   if constexpr (kProducts == 2 && kScratchSpilled) {
     // Finish the gate reduction, park it in shared memory, reuse the same registers for up.
     float acc[1][kTiles][kRowHalves][4];
@@ -381,7 +391,8 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
         for (int h = 0; h < kRowHalves; ++h) acc[0][i][h][0] = acc[0][i][h][1] = acc[0][i][h][2] = acc[0][i][h][3] = 0.0f;
       const u32* const one_weights[1] = {weights[p]};
       const u16* const one_scale_bias[1] = {scale_bias[p]};
-      accumulate<1>(acc, one_weights, one_scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring, p == 0);
+      accumulate<1>(acc, one_weights, one_scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
+                    first_of_block && p == 0);
       spill(acc[0], partial, warp, p, lane);
     }
   } else {
@@ -393,7 +404,8 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
-    accumulate<kProducts>(acc, weights, scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring, true);
+    accumulate<kProducts>(acc, weights, scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
+                          first_of_block);
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
@@ -456,7 +468,12 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
     }
     if (threadIdx.x == 0) atomicExch(counters + tile_block, 0u);
   }
-}
+)CUDA";
+
+// Closes the unit loop (the next unit's spill reuses `partial`), then the kernel.
+constexpr std::string_view kernel_entry_loop_end = R"CUDA(
+  if constexpr (kTileLoop) __syncthreads();
+  }
 )CUDA";
 
 
@@ -467,10 +484,9 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
 // reduces every block's winners with all its threads (independent loads, so thousands of blocks
 // cost a few round trips to L2) by argmax_beats (cuda_argmax_helpers), writes next[m] and re-arms
 // the counter.
-constexpr std::string_view argmax_rows_tail = R"CUDA(
+constexpr std::string_view argmax_rows_block = R"CUDA(
   __syncthreads();
   int2* const winners = reinterpret_cast<int2*>(workspace);  // [kTileBlocks][kM]: (value bits, index)
-  u32* const arrivals = reinterpret_cast<u32*>(winners + kTileBlocks * kM);
   for (int m = warp; m < kM; m += kWarps) {
     float best = __int_as_float(0xff800000);  // -inf at index kN: any output replaces it
     int best_index = kN;
@@ -486,12 +502,20 @@ constexpr std::string_view argmax_rows_tail = R"CUDA(
     metile_device::argmax_warp(best, best_index);
     if (lane == 0) __stcg(winners + tile_block * kM + m, make_int2(__float_as_int(best), best_index));
   }
+  ++joined;
+)CUDA";
+
+// After the unit loop: each block adds the tile blocks it joined to the arrival counter; the one
+// that completes the count reduces every winner.
+constexpr std::string_view argmax_rows_tail = R"CUDA(
+  const int2* const winners = reinterpret_cast<const int2*>(workspace);
+  u32* const arrivals = reinterpret_cast<u32*>(workspace) + 2 * kTileBlocks * kM;
   __threadfence();
   __syncthreads();
   __shared__ u32 argmax_arrived;
-  if (threadIdx.x == 0) argmax_arrived = atomicAdd(arrivals, 1u);
+  if (threadIdx.x == 0) argmax_arrived = atomicAdd(arrivals, (u32)joined);
   __syncthreads();
-  if (argmax_arrived != kTileBlocks - 1) return;
+  if (joined == 0 || argmax_arrived + (u32)joined != (u32)kTileBlocks) return;
   __threadfence();
   __shared__ float warp_best[kWarps];
   __shared__ int warp_best_index[kWarps];
@@ -575,10 +599,12 @@ std::string gemv_register_constants(const GemvKernelConfig& config, int splits) 
   return fmt::format(
       "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
       "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
-      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n",
+      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n"
+      "constexpr bool kTileLoop = {};\n",
       scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
       config.double_buffered ? "true" : "false", config.shared_stages >= 2 ? config.shared_stages : 0, splits,
-      tile_blocks, config.shared_group_sums ? "true" : "false");
+      tile_blocks, config.shared_group_sums ? "true" : "false",
+      config.tile_loop_blocks_per_multiprocessor > 0 ? "true" : "false");
 }
 
 }  // namespace gemv_detail
@@ -655,6 +681,16 @@ void GemvKernelConfig::validate() const {
   if (argmax_rows && k_splits != 1) {
     throw InputError(fmt::format("GEMV {}: argmax_rows needs the unsplit store (k_splits 1, not {})", to_string(), k_splits));
   }
+  if (tile_loop_blocks_per_multiprocessor < 0 || tile_loop_blocks_per_multiprocessor > 32) {
+    throw InputError(fmt::format("GEMV: tile_loop_blocks_per_multiprocessor must be 0..32, not {}",
+                                 tile_loop_blocks_per_multiprocessor));
+  }
+  if (tile_loop_blocks_per_multiprocessor > 0 && (k_splits != 1 || mainloop != GemvMainloop::register_batches)) {
+    throw InputError("GEMV: the tile loop needs the register-batch mainloop without split-K");
+  }
+  if (tile_loop_blocks_per_multiprocessor > 0 && multiprocessors < 1) {
+    throw InputError(fmt::format("GEMV: multiprocessors must be positive, not {}", multiprocessors));
+  }
   if (shared_stages != 0 && (shared_stages < 2 || shared_stages > 8)) {
     throw InputError(fmt::format("GEMV: shared_stages must be 0 (registers) or 2..8, not {}", shared_stages));
   }
@@ -688,6 +724,9 @@ std::string GemvKernelConfig::to_string() const {
   if (k_splits > 1) text += fmt::format(" k_splits={}", k_splits);
   if (shared_group_sums) text += " shared_group_sums";
   if (argmax_rows) text += " argmax_rows";
+  if (tile_loop_blocks_per_multiprocessor > 0) {
+    text += fmt::format(" tile_loop={}x{}", multiprocessors, tile_loop_blocks_per_multiprocessor);
+  }
   return text;
 }
 
@@ -706,6 +745,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.k_splits > 1) schedule_tag += fmt::format("k{}", config.k_splits);
   if (config.shared_group_sums) schedule_tag += "g";
   if (config.argmax_rows) schedule_tag += "a";
+  if (config.tile_loop_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("l{}", config.tile_loop_blocks_per_multiprocessor);
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
@@ -728,18 +768,17 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
                                   (has_workspace ? ", float* __restrict__ workspace" : ""));
   if (!has_workspace) source += "  float* const workspace = nullptr;  // no split-K join\n";
   source += gemv_outputs_binding(config);
-  if (config.argmax_rows) {
-    // The body's closing brace gives way to the argmax join (argmax_rows_tail ends the kernel).
-    std::string_view body = kernel_entry_body;
-    body.remove_suffix(2);
-    source += body;
-    source += argmax_rows_tail;
-  } else {
-    source += kernel_entry_body;
-  }
+  source += kernel_entry_body;
+  if (config.argmax_rows) source += argmax_rows_block;  // per tile block, inside the unit loop
+  source += kernel_entry_loop_end;
+  if (config.argmax_rows) source += argmax_rows_tail;   // ends with the kernel's closing brace
+  else source += "}\n";
 
   result.source = std::move(source);
-  result.grid_blocks = static_cast<unsigned>(tile_blocks * config.k_splits);
+  result.grid_blocks = static_cast<unsigned>(
+      config.tile_loop_blocks_per_multiprocessor > 0
+          ? std::min<std::int64_t>(tile_blocks, std::int64_t{config.multiprocessors} * config.tile_loop_blocks_per_multiprocessor)
+          : tile_blocks * config.k_splits);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
   result.static_shared_bytes =
       static_cast<unsigned>(partial_sum_bytes(config) + group_sum_bytes(config) + x_norm_shared_bytes(config));
@@ -785,7 +824,8 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       if (existing.warps_per_block == config.warps_per_block && existing.tiles_per_block == config.tiles_per_block &&
           existing.double_buffered == config.double_buffered &&
           existing.iterations_in_flight == config.iterations_in_flight && existing.k_splits == config.k_splits &&
-          existing.shared_stages == config.shared_stages && existing.shared_group_sums == config.shared_group_sums) {
+          existing.shared_stages == config.shared_stages && existing.shared_group_sums == config.shared_group_sums &&
+          existing.tile_loop_blocks_per_multiprocessor == config.tile_loop_blocks_per_multiprocessor) {
         return;
       }
     }
@@ -872,6 +912,21 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       add(4, true, false, 1, false, 2);
       add(4, true, false, 1, false, 4);
       add(8, true, false, 1, false, 4);
+      // Or one-tile blocks that loop over the tile blocks, about as many as fit at once (two warps
+      // at ~96 registers: 10 a multiprocessor; four: 5), so the prologue runs once per block.
+      for (const auto& [warps, blocks_per_multiprocessor] : {std::pair{2, 8}, std::pair{4, 4}}) {
+        GemvKernelConfig looped = base;
+        looped.warps_per_block = warps;
+        looped.tiles_per_block = 1;
+        looped.double_buffered = true;
+        looped.iterations_in_flight = in_flight(warps, true, false);
+        looped.k_splits = 1;
+        looped.shared_stages = 0;
+        looped.shared_group_sums = false;
+        looped.multiprocessors = multiprocessors;
+        looped.tile_loop_blocks_per_multiprocessor = blocks_per_multiprocessor;
+        add_config(looped);
+      }
     }
     if (extended) {
       add_staged(4, 64 * 1024);

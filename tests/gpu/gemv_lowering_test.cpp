@@ -425,13 +425,19 @@ TEST_F(NormalizedGemv, SwigluCandidatesMatchTheFloat64Reference) {
   }
 }
 
+// N = 1000 for every format and row count; then the decode case of a vocabulary-wide head (4-bit,
+// M = 1, 40000 rows: 2500 tile blocks, enough for the candidates whose blocks loop over tile blocks
+// with the norm and the staged x computed once per block).
 TEST_F(NormalizedGemv, LmHeadArgmaxCandidatesMatchTheFloat64Reference) {
-  for (const NormalizedCase& c : normalized_cases()) {
-    const ComputeGraph graph = testing::projection_test_graph(c.rows, 1000, c.k(), c.format, "argmax", true);
+  std::vector<std::pair<NormalizedCase, std::int64_t>> cases;
+  for (const NormalizedCase& c : normalized_cases()) cases.emplace_back(c, 1000);
+  cases.emplace_back(NormalizedCase{LinearFormat{4, 64, DType::bf16}, 1}, 40000);
+  for (const auto& [c, n] : cases) {
+    const ComputeGraph graph = testing::projection_test_graph(c.rows, n, c.k(), c.format, "argmax", true);
     const FusionPlan plan = plan_graph_fusion(graph);
     const FusionRegion region = contraction_node_region(*plan.graph, *plan.graph->find_node("p0"));
     EXPECT_EQ(region.rule, "contraction_argmax");
-    expect_every_candidate_matches(*plan.graph, region, "LM head " + c.name());
+    expect_every_candidate_matches(*plan.graph, region, fmt::format("LM head {} N={}", c.name(), n));
   }
 }
 

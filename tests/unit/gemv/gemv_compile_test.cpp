@@ -140,13 +140,31 @@ TEST(GemvCompile, LmHeadGetsMultiTileBlocksWithoutSpills) {
   GemvKernelConfig head = gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 128256, 2048, GemvEpilogue::store());
   head.argmax_rows = true;
   head.x_rms_norm_eps = 1e-5;
-  int multi_tile = 0;
+  int multi_tile = 0, looped = 0;
   for (const GemvKernelConfig& config : gemv_tuning_candidates(head, 132)) {
     if (config.tiles_per_block > 1) ++multi_tile;
+    const GemvKernelSource kernel = generate_gemv_kernel(config);
+    if (config.tile_loop_blocks_per_multiprocessor > 0) {
+      ++looped;  // blocks that loop over the 8016 tile blocks: as many as fit at once
+      EXPECT_EQ(kernel.grid_blocks, static_cast<unsigned>(132 * config.tile_loop_blocks_per_multiprocessor)) << config.to_string();
+      EXPECT_NE(kernel.source.find("constexpr bool kTileLoop = true;"), std::string::npos);
+    } else {
+      EXPECT_EQ(kernel.grid_blocks, static_cast<unsigned>((8016 + config.tiles_per_block - 1) / config.tiles_per_block))
+          << config.to_string();
+    }
     if (config.shared_stages >= 2 || config.shared_group_sums) continue;
-    expect_no_spills(compile_for_sm90(generate_gemv_kernel(config)).log, config.to_string());
+    expect_no_spills(compile_for_sm90(kernel).log, config.to_string());
   }
   EXPECT_EQ(multi_tile, 3);
+  EXPECT_EQ(looped, 2);
+  // The loop never takes more blocks than there are tile blocks, and refuses split-K.
+  GemvKernelConfig narrow = head;
+  narrow.out_features = 1000;  // 63 tiles
+  narrow.tile_loop_blocks_per_multiprocessor = 8;
+  EXPECT_EQ(generate_gemv_kernel(narrow).grid_blocks, 63u);
+  narrow.argmax_rows = false;
+  narrow.k_splits = 2;
+  EXPECT_THROW(narrow.validate(), InputError);
   for (const GemvKernelConfig& config :
        gemv_tuning_candidates(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 14336, 4096, GemvEpilogue::swiglu()), 132)) {
     EXPECT_EQ(config.tiles_per_block, 1) << config.to_string();
