@@ -10,8 +10,13 @@
 //   embedding U(-1, 1); linear weights U(-1, 1)·sqrt(3 / fan_in) (unit-variance
 //   outputs); norm weights 1 + U(-0.1, 0.1); q/k/v biases U(-0.1, 0.1); lm_head
 //   U(-1, 1)·sqrt(3 / H)·3 (logits of standard deviation about 3).
+//
+// Drawing (ranges of elements, each jumping its stream ahead) and quantizing (ranges of rows)
+// run on every hardware thread and write the bytes of the sequential loops, whatever the
+// thread count (the model and quant unit suites check it).
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -19,6 +24,7 @@
 
 #include "metile/model.h"
 #include "model_internal.h"
+#include "parallel.h"
 
 namespace metile {
 namespace {
@@ -61,8 +67,6 @@ std::vector<TensorRecipe> recipes(const ModelConfig& config) {
 
 HostTensor draw(const TensorRecipe& recipe, std::uint64_t seed) {
   HostTensor tensor(TensorSpec(recipe.shape, DType::bf16));
-  SplitMix64 generator(seed ^ fnv1a_64(recipe.name));
-  generator.next();
   const std::int64_t fan_in = recipe.shape.back();
   float low = -1, high = 1, offset = 0;
   const float unit_variance = std::sqrt(3.0f / static_cast<float>(fan_in));
@@ -73,11 +77,7 @@ HostTensor draw(const TensorRecipe& recipe, std::uint64_t seed) {
     case TensorRecipe::Kind::norm: low = -0.1f, high = 0.1f, offset = 1; break;
     case TensorRecipe::Kind::bias: low = -0.1f, high = 0.1f; break;
   }
-  std::byte* data = tensor.bytes().data();
-  for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-    const std::uint16_t bits = f32_to_bf16_bits(offset + generator.uniform(low, high));
-    std::memcpy(data + index * 2, &bits, 2);
-  }
+  draw_uniform_bf16(tensor, seed ^ fnv1a_64(recipe.name), low, high, offset);
   return tensor;
 }
 
@@ -122,6 +122,25 @@ void write_shard(const std::filesystem::path& directory, const std::string& file
 }
 
 }  // namespace
+
+void draw_uniform_bf16(HostTensor& tensor, std::uint64_t stream_seed, float low, float high, float offset,
+                       std::int64_t ranges) {
+  if (tensor.spec().dtype != DType::bf16) {
+    throw InputError(fmt::format("draw_uniform_bf16: tensor is {}, not bf16", tensor.spec().to_string()));
+  }
+  std::byte* data = tensor.bytes().data();
+  const auto draw_range = [&](std::int64_t first, std::int64_t last) {
+    SplitMix64 generator(stream_seed);
+    generator.skip(1 + static_cast<std::uint64_t>(first));  // draw 0 is discarded
+    for (std::int64_t index = first; index < last; ++index) {
+      const std::uint16_t bits = f32_to_bf16_bits(offset + generator.uniform(low, high));
+      std::memcpy(data + index * 2, &bits, 2);
+    }
+  };
+  const std::int64_t count = tensor.element_count();
+  constexpr std::int64_t kElementsPerRange = std::int64_t{1} << 20;
+  parallel_ranges(count, ranges > 0 ? ranges : ranges_for(count, kElementsPerRange), draw_range);
+}
 
 ModelConfig synth_config(const SynthOptions& options) {
   ModelConfig config = preset_config(options.preset);

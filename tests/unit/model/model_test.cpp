@@ -9,7 +9,9 @@
 //   * the greedy step graph's next_tokens == a brute-force argmax of its logits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -515,6 +517,38 @@ TEST_F(StepGraphAliasing, CachesWriteInPlaceAndSizeOneTransposesAreViews) {
     }
     EXPECT_EQ(cache_writes, 2 * model.config().num_hidden_layers);
   }
+}
+
+// The synthetic checkpoints' draw runs ranges of elements at once, each jumping its stream
+// ahead: every split gives the stream of one sequential SplitMix64 (written out here), on
+// element counts that no range count and no 2^20 divides.
+TEST(DrawUniformBf16, RangesGiveTheSequentialStream) {
+  const std::uint64_t seed = metile::testing::test_seed("DrawUniformBf16.RangesGiveTheSequentialStream");
+  SplitMix64 walked(seed);
+  SplitMix64 jumped(seed);
+  for (int draw = 0; draw < 1000; ++draw) walked.next();
+  jumped.skip(1000);
+  EXPECT_EQ(walked.next(), jumped.next());
+  const std::vector<std::vector<std::int64_t>> shapes = {
+      {1}, {7}, {3, 333}, {4099}, {(std::int64_t{1} << 20) + 3}, {3, 1 << 20, 1}, {5, 419431}};
+  for (const std::vector<std::int64_t>& shape : shapes) {
+    HostTensor expected(TensorSpec(shape, DType::bf16));
+    const std::uint64_t stream = seed ^ static_cast<std::uint64_t>(shape.front());
+    SplitMix64 generator(stream);
+    generator.next();  // draw 0 is discarded
+    for (std::int64_t index = 0; index < expected.element_count(); ++index) {
+      const std::uint16_t bits = f32_to_bf16_bits(0.5f + generator.uniform(-0.25f, 0.75f));
+      std::memcpy(expected.bytes().data() + index * 2, &bits, 2);
+    }
+    for (std::int64_t ranges : {0, 1, 2, 3, 5, 16}) {
+      HostTensor drawn(TensorSpec(shape, DType::bf16));
+      draw_uniform_bf16(drawn, stream, -0.25f, 0.75f, 0.5f, ranges);
+      EXPECT_TRUE(std::ranges::equal(drawn.bytes(), expected.bytes()))
+          << drawn.spec().to_string() << " in " << ranges << " ranges";
+    }
+  }
+  HostTensor f32(TensorSpec({4}, DType::f32));
+  EXPECT_THROW(draw_uniform_bf16(f32, seed, 0, 1, 0), InputError);
 }
 
 }  // namespace
