@@ -338,6 +338,36 @@ TEST_F(DecoderModelTest, SynthRoundTripsThroughBothSpellingsAndShards) {
   EXPECT_LE(relative_error(DecodeSession(f32).feed(tokens), OracleModel(four).logits(tokens)), 1e-5);
 }
 
+// A quantized synthetic checkpoint is drawn and quantized a block of rows at a time on every
+// thread: its tensors are quantize_affine (mlx rounding, bf16 scales) of the dense checkpoint's
+// weights of the same seed, byte for byte. `small`'s embedding (32000 x 768) is split into
+// blocks of 85 rows (32000 is no multiple) and into ranges wherever there are two threads.
+TEST_F(DecoderModelTest, SynthQuantizedIsQuantizeAffineOfTheDenseDraw) {
+  SynthOptions options;
+  options.preset = "small";
+  options.layers = 1;
+  const std::filesystem::path dense = synth("dense", options);
+  options.quantize = AffineQuantization{4, 64};
+  const std::filesystem::path quantized = synth("quantized", options);
+  const TensorMap weights = read_safetensors(dense / "model.safetensors");
+  const TensorMap packed = read_safetensors(quantized / "model.safetensors");
+  int compared = 0;
+  for (const auto& [name, tensor] : packed) {
+    if (!name.ends_with(".scales")) continue;
+    const std::string prefix = name.substr(0, name.size() - std::string(".scales").size());
+    const QuantizedMatrix expected =
+        quantize_affine(weights.at(prefix + ".weight"), *options.quantize, DType::bf16, AffineRounding::mlx);
+    EXPECT_EQ(packed.at(prefix + ".weight"), expected.packed) << prefix;
+    EXPECT_EQ(tensor, expected.scales) << prefix;
+    EXPECT_EQ(packed.at(prefix + ".biases"), expected.biases) << prefix;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 9);  // the embedding, lm_head and one layer's seven linears
+  for (const char* name : {"model.norm.weight", "model.layers.0.input_layernorm.weight"}) {
+    EXPECT_EQ(packed.at(name), weights.at(name)) << name;
+  }
+}
+
 // A dense f32 checkpoint whose weights are the dequantized ones of `source`
 // (MLX-quantized) or, with `format`, those of quantize_affine at load.
 std::filesystem::path dense_copy(const std::filesystem::path& source, const std::filesystem::path& target,
