@@ -104,7 +104,7 @@ class SplitMix64 {
  public:
   explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
   std::uint64_t next() {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    std::uint64_t z = (state_ += kGamma);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
@@ -116,8 +116,12 @@ class SplitMix64 {
   std::int64_t integer(std::int64_t low, std::int64_t high) {  // [low, high], small ranges
     return low + static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(high - low + 1));
   }
+  // Jumps over `draws` draws exactly (the state advances by one constant per draw, modulo
+  // 2^64): a thread can start a stream at any index and produce the sequential stream's bits.
+  void skip(std::uint64_t draws) { state_ += draws * kGamma; }
 
  private:
+  static constexpr std::uint64_t kGamma = 0x9E3779B97F4A7C15ull;
   std::uint64_t state_;
 };
 

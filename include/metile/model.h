@@ -225,5 +225,12 @@ ModelConfig synth_config(const SynthOptions& options);
 // place, so an error leaves nothing. `progress` (if set) gets lines for stderr.
 void synthesize_model(const std::filesystem::path& directory, const SynthOptions& options,
                       const std::function<void(const std::string&)>& progress = {});
+// The draw behind every synthetic tensor: element i of `tensor` (bf16, any shape) is
+// bf16(offset + uniform(low, high)) of draw i + 1 of SplitMix64(stream_seed), counting from 0
+// (draw 0 is discarded). Contiguous ranges of elements are drawn at once, each jumping its
+// stream ahead (SplitMix64::skip): `ranges` 0 picks one per hardware thread and at most one per
+// 2^20 elements, 1 is the sequential loop; the bytes are the same for every value.
+void draw_uniform_bf16(HostTensor& tensor, std::uint64_t stream_seed, float low, float high, float offset,
+                       std::int64_t ranges = 0);
 
 }  // namespace metile

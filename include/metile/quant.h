@@ -75,9 +75,12 @@ struct QuantizedMatrix {
 // to scale_dtype first and the codes are chosen against the rounded values,
 // so that dequantize_affine reproduces exactly what was chosen. Codes are
 // round-half-to-even of (w - bias) / scale, clamped to [0, 2^bits - 1].
-// Throws InputError on a bad format, shape, dtype or a non-finite weight.
+// Throws InputError on a bad format, shape, dtype or a non-finite weight (the first one in
+// row-major order). Rows are quantized in `ranges` contiguous ranges of rows at once: 0 picks
+// one per hardware thread and at most one per 2^20 weights, 1 is the sequential loop; the
+// bytes are the same for every value.
 QuantizedMatrix quantize_affine(const HostTensor& weight, AffineQuantization format, DType scale_dtype,
-                                AffineRounding rounding = AffineRounding::min_max);
+                                AffineRounding rounding = AffineRounding::min_max, std::int64_t ranges = 0);
 
 // W [N, K] in output_dtype. Each element is computed in f32 as
 // float(scale) * float(q) + float(bias) (no fused multiply-add), then rounded

@@ -10,8 +10,14 @@
 //   embedding U(-1, 1); linear weights U(-1, 1)·sqrt(3 / fan_in) (unit-variance
 //   outputs); norm weights 1 + U(-0.1, 0.1); q/k/v biases U(-0.1, 0.1); lm_head
 //   U(-1, 1)·sqrt(3 / H)·3 (logits of standard deviation about 3).
+//
+// Drawing (ranges of elements, each jumping its stream ahead) and quantizing (ranges of rows)
+// run on every hardware thread and write the bytes of the sequential loops, whatever the
+// thread count (the model and quant unit suites check it).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -19,6 +25,7 @@
 
 #include "metile/model.h"
 #include "model_internal.h"
+#include "parallel.h"
 
 namespace metile {
 namespace {
@@ -59,26 +66,78 @@ std::vector<TensorRecipe> recipes(const ModelConfig& config) {
   return list;
 }
 
-HostTensor draw(const TensorRecipe& recipe, std::uint64_t seed) {
-  HostTensor tensor(TensorSpec(recipe.shape, DType::bf16));
-  SplitMix64 generator(seed ^ fnv1a_64(recipe.name));
-  generator.next();
-  const std::int64_t fan_in = recipe.shape.back();
+// Elements [first, last) of the stream drawn with `low`, `high`, `offset` into `data` (element
+// `first` at data[0]): draw i + 1 of SplitMix64(stream_seed) for element i (draw 0 is discarded).
+void draw_elements(std::byte* data, std::int64_t first, std::int64_t last, std::uint64_t stream_seed, float low,
+                   float high, float offset) {
+  SplitMix64 generator(stream_seed);
+  generator.skip(1 + static_cast<std::uint64_t>(first));
+  for (std::int64_t index = first; index < last; ++index) {
+    const std::uint16_t bits = f32_to_bf16_bits(offset + generator.uniform(low, high));
+    std::memcpy(data + (index - first) * 2, &bits, 2);
+  }
+}
+
+struct Distribution {
+  std::uint64_t stream_seed;
   float low = -1, high = 1, offset = 0;
+};
+
+Distribution distribution(const TensorRecipe& recipe, std::uint64_t seed) {
+  Distribution result{seed ^ fnv1a_64(recipe.name)};
+  const std::int64_t fan_in = recipe.shape.back();
   const float unit_variance = std::sqrt(3.0f / static_cast<float>(fan_in));
   switch (recipe.kind) {
     case TensorRecipe::Kind::embedding: break;
-    case TensorRecipe::Kind::linear: low = -unit_variance, high = unit_variance; break;
-    case TensorRecipe::Kind::head: low = -3 * unit_variance, high = 3 * unit_variance; break;
-    case TensorRecipe::Kind::norm: low = -0.1f, high = 0.1f, offset = 1; break;
-    case TensorRecipe::Kind::bias: low = -0.1f, high = 0.1f; break;
+    case TensorRecipe::Kind::linear: result.low = -unit_variance, result.high = unit_variance; break;
+    case TensorRecipe::Kind::head: result.low = -3 * unit_variance, result.high = 3 * unit_variance; break;
+    case TensorRecipe::Kind::norm: result.low = -0.1f, result.high = 0.1f, result.offset = 1; break;
+    case TensorRecipe::Kind::bias: result.low = -0.1f, result.high = 0.1f; break;
   }
-  std::byte* data = tensor.bytes().data();
-  for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-    const std::uint16_t bits = f32_to_bf16_bits(offset + generator.uniform(low, high));
-    std::memcpy(data + index * 2, &bits, 2);
-  }
+  return result;
+}
+
+HostTensor draw(const TensorRecipe& recipe, std::uint64_t seed) {
+  HostTensor tensor(TensorSpec(recipe.shape, DType::bf16));
+  const Distribution d = distribution(recipe, seed);
+  draw_uniform_bf16(tensor, d.stream_seed, d.low, d.high, d.offset);
   return tensor;
+}
+
+// quantize_affine(draw(recipe, seed), format, bf16, mlx), without the bf16 matrix: each thread
+// draws a block of rows at a time into a small buffer and quantizes it (rows are independent,
+// so the bytes are the same), which spares allocating and zero-filling 2 bytes a weight on one
+// thread, a serial cost no thread count shrinks.
+QuantizedMatrix draw_quantized(const TensorRecipe& recipe, std::uint64_t seed, AffineQuantization format) {
+  const Distribution d = distribution(recipe, seed);
+  const std::int64_t rows = recipe.shape.at(0);
+  const std::int64_t columns = recipe.shape.at(1);
+  format.check_columns(columns);
+  QuantizedMatrix matrix;
+  matrix.format = format;
+  matrix.rows = rows;
+  matrix.columns = columns;
+  matrix.packed = HostTensor(TensorSpec({rows, format.packed_columns(columns)}, DType::u32));
+  matrix.scales = HostTensor(TensorSpec({rows, format.group_count(columns)}, DType::bf16));
+  matrix.biases = HostTensor(matrix.scales.spec());
+  const std::int64_t block_rows = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / columns);
+  const auto quantize_rows = [&](std::int64_t first_row, std::int64_t last_row) {
+    for (std::int64_t row = first_row; row < last_row; row += block_rows) {
+      const std::int64_t count = std::min(block_rows, last_row - row);
+      HostTensor block(TensorSpec({count, columns}, DType::bf16));
+      draw_elements(block.bytes().data(), row * columns, (row + count) * columns, d.stream_seed, d.low, d.high,
+                    d.offset);
+      const QuantizedMatrix part = quantize_affine(block, format, DType::bf16, AffineRounding::mlx, 1);
+      for (auto [target, source] : {std::pair{&matrix.packed, &part.packed}, std::pair{&matrix.scales, &part.scales},
+                                    std::pair{&matrix.biases, &part.biases}}) {
+        const std::size_t row_bytes = source->bytes().size() / static_cast<std::size_t>(count);
+        std::memcpy(target->bytes().data() + static_cast<std::size_t>(row) * row_bytes, source->bytes().data(),
+                    source->bytes().size());
+      }
+    }
+  };
+  parallel_ranges(rows, ranges_for(rows * columns, std::int64_t{1} << 20), quantize_rows);
+  return matrix;
 }
 
 ModelConfig preset_config(const std::string& preset) {
@@ -122,6 +181,20 @@ void write_shard(const std::filesystem::path& directory, const std::string& file
 }
 
 }  // namespace
+
+void draw_uniform_bf16(HostTensor& tensor, std::uint64_t stream_seed, float low, float high, float offset,
+                       std::int64_t ranges) {
+  if (tensor.spec().dtype != DType::bf16) {
+    throw InputError(fmt::format("draw_uniform_bf16: tensor is {}, not bf16", tensor.spec().to_string()));
+  }
+  std::byte* data = tensor.bytes().data();
+  const auto draw_range = [&](std::int64_t first, std::int64_t last) {
+    draw_elements(data + first * 2, first, last, stream_seed, low, high, offset);
+  };
+  const std::int64_t count = tensor.element_count();
+  constexpr std::int64_t kElementsPerRange = std::int64_t{1} << 20;
+  parallel_ranges(count, ranges > 0 ? ranges : ranges_for(count, kElementsPerRange), draw_range);
+}
 
 ModelConfig synth_config(const SynthOptions& options) {
   ModelConfig config = preset_config(options.preset);
@@ -183,16 +256,15 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       }
     };
     for (const TensorRecipe& recipe : list) {
-      HostTensor tensor = draw(recipe, options.seed);
       TensorMap parts;
       if (options.quantize && recipe.quantizable && recipe.shape.back() % options.quantize->group_size == 0) {
         const std::string prefix = recipe.name.substr(0, recipe.name.size() - std::string(".weight").size());
-        QuantizedMatrix matrix = quantize_affine(tensor, *options.quantize, DType::bf16, AffineRounding::mlx);
+        QuantizedMatrix matrix = draw_quantized(recipe, options.seed, *options.quantize);
         parts.emplace(recipe.name, std::move(matrix.packed));
         parts.emplace(prefix + ".scales", std::move(matrix.scales));
         parts.emplace(prefix + ".biases", std::move(matrix.biases));
       } else {
-        parts.emplace(recipe.name, std::move(tensor));
+        parts.emplace(recipe.name, draw(recipe, options.seed));
       }
       std::int64_t bytes = 0;
       for (const auto& [name, part] : parts) bytes += static_cast<std::int64_t>(part.bytes().size());

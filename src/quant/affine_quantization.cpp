@@ -11,6 +11,7 @@
 #include <string>
 
 #include "metile/quant.h"
+#include "parallel.h"
 
 namespace metile {
 namespace {
@@ -25,10 +26,6 @@ std::uint32_t read_word(const HostTensor& tensor, std::int64_t index) {
   std::uint32_t word = 0;
   std::memcpy(&word, tensor.bytes().data() + index * static_cast<std::int64_t>(sizeof word), sizeof word);
   return word;
-}
-
-void write_word(HostTensor& tensor, std::int64_t index, std::uint32_t word) {
-  std::memcpy(tensor.bytes().data() + index * static_cast<std::int64_t>(sizeof word), &word, sizeof word);
 }
 
 struct GroupParameters {
@@ -143,7 +140,7 @@ std::vector<std::uint32_t> unpack_codes(std::span<const std::uint32_t> words, in
 }
 
 QuantizedMatrix quantize_affine(const HostTensor& weight, AffineQuantization format, DType scale_dtype,
-                                AffineRounding rounding) {
+                                AffineRounding rounding, std::int64_t ranges) {
   const TensorSpec& spec = weight.spec();
   if (spec.rank() != 2 || !is_floating(spec.dtype)) {
     throw InputError(fmt::format(
@@ -167,40 +164,65 @@ QuantizedMatrix quantize_affine(const HostTensor& weight, AffineQuantization for
   matrix.biases = HostTensor(matrix.scales.spec());
 
   const std::uint32_t max_code = format.max_code();
-  std::vector<std::uint32_t> codes(static_cast<std::size_t>(format.group_size));
-  for (std::int64_t row = 0; row < rows; ++row) {
-    for (std::int64_t group = 0; group < format.group_count(columns); ++group) {
-      const std::int64_t first = row * columns + group * format.group_size;
-      double minimum = INFINITY;
-      double maximum = -INFINITY;
-      for (std::int64_t offset = 0; offset < format.group_size; ++offset) {
-        const double value = weight.at(first + offset);
-        if (!std::isfinite(value)) {
-          throw InputError(fmt::format("quantize_affine: weight [{}, {}] is {}", row,
-                                       group * format.group_size + offset, value));
+  const std::int64_t groups = format.group_count(columns);
+  const int per_word = format.codes_per_word();
+  const DType dtype = spec.dtype;
+  const std::byte* source = weight.bytes().data();
+  std::byte* packed = matrix.packed.bytes().data();
+  // weight.at(index), without its bounds check and dtype dispatch per element: the same double.
+  const auto value_at = [dtype, source](std::int64_t index) -> double {
+    std::uint16_t bits = 0;
+    float value = 0;
+    switch (dtype) {
+      case DType::bf16: std::memcpy(&bits, source + index * 2, 2); return bf16_bits_to_f32(bits);
+      case DType::f16: std::memcpy(&bits, source + index * 2, 2); return f16_bits_to_f32(bits);
+      default: std::memcpy(&value, source + index * 4, 4); return value;  // f32 (is_floating above)
+    }
+  };
+  // Rows are independent (each writes its own words, scales and biases), so ranges of rows run
+  // at once; the bytes are those of the sequential loop whatever the split.
+  const auto quantize_rows = [&](std::int64_t first_row, std::int64_t last_row) {
+    std::vector<double> values(static_cast<std::size_t>(format.group_size));
+    for (std::int64_t row = first_row; row < last_row; ++row) {
+      for (std::int64_t group = 0; group < groups; ++group) {
+        const std::int64_t first = row * columns + group * format.group_size;
+        double minimum = INFINITY;
+        double maximum = -INFINITY;
+        for (std::int64_t offset = 0; offset < format.group_size; ++offset) {
+          const double value = value_at(first + offset);
+          if (!std::isfinite(value)) {
+            throw InputError(fmt::format("quantize_affine: weight [{}, {}] is {}", row,
+                                         group * format.group_size + offset, value));
+          }
+          values[static_cast<std::size_t>(offset)] = value;
+          minimum = std::min(minimum, value);
+          maximum = std::max(maximum, value);
         }
-        minimum = std::min(minimum, value);
-        maximum = std::max(maximum, value);
-      }
-      const GroupParameters exact = choose_group_parameters(minimum, maximum, max_code, rounding);
-      const std::int64_t group_index = row * format.group_count(columns) + group;
-      matrix.scales.store(group_index, exact.scale);
-      matrix.biases.store(group_index, exact.bias);
-      // Codes are chosen against the stored (rounded) scale and bias.
-      const double scale = matrix.scales.at(group_index);
-      const double bias = matrix.biases.at(group_index);
-      for (std::int64_t offset = 0; offset < format.group_size; ++offset) {
-        double code = scale == 0 ? 0.0 : std::nearbyint((weight.at(first + offset) - bias) / scale);
-        code = std::clamp(code, 0.0, static_cast<double>(max_code));
-        codes[static_cast<std::size_t>(offset)] = static_cast<std::uint32_t>(code);
-      }
-      const std::vector<std::uint32_t> words = pack_codes(codes, format.bits);
-      const std::int64_t first_word = (row * columns + group * format.group_size) / format.codes_per_word();
-      for (std::size_t word = 0; word < words.size(); ++word) {
-        write_word(matrix.packed, first_word + static_cast<std::int64_t>(word), words[word]);
+        const GroupParameters exact = choose_group_parameters(minimum, maximum, max_code, rounding);
+        const std::int64_t group_index = row * groups + group;
+        matrix.scales.store(group_index, exact.scale);
+        matrix.biases.store(group_index, exact.bias);
+        // Codes are chosen against the stored (rounded) scale and bias.
+        const double scale = matrix.scales.at(group_index);
+        const double bias = matrix.biases.at(group_index);
+        // Packed as pack_codes packs (low bits first); the clamp keeps every code in its bits.
+        std::uint32_t word = 0;
+        for (std::int64_t offset = 0; offset < format.group_size; ++offset) {
+          double code = scale == 0 ? 0.0 : std::nearbyint((values[static_cast<std::size_t>(offset)] - bias) / scale);
+          code = std::clamp(code, 0.0, static_cast<double>(max_code));
+          const int slot = static_cast<int>(offset % per_word);
+          word |= static_cast<std::uint32_t>(code) << (format.bits * slot);
+          if (slot == per_word - 1) {
+            const std::int64_t word_index = (first + offset) / per_word;
+            std::memcpy(packed + word_index * static_cast<std::int64_t>(sizeof word), &word, sizeof word);
+            word = 0;
+          }
+        }
       }
     }
-  }
+  };
+  constexpr std::int64_t kWeightsPerRange = std::int64_t{1} << 20;
+  parallel_ranges(rows, ranges > 0 ? ranges : ranges_for(rows * columns, kWeightsPerRange), quantize_rows);
   return matrix;
 }
 

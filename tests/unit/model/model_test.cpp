@@ -9,7 +9,9 @@
 //   * the greedy step graph's next_tokens == a brute-force argmax of its logits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -336,6 +338,36 @@ TEST_F(DecoderModelTest, SynthRoundTripsThroughBothSpellingsAndShards) {
   EXPECT_LE(relative_error(DecodeSession(f32).feed(tokens), OracleModel(four).logits(tokens)), 1e-5);
 }
 
+// A quantized synthetic checkpoint is drawn and quantized a block of rows at a time on every
+// thread: its tensors are quantize_affine (mlx rounding, bf16 scales) of the dense checkpoint's
+// weights of the same seed, byte for byte. `small`'s embedding (32000 x 768) is split into
+// blocks of 85 rows (32000 is no multiple) and into ranges wherever there are two threads.
+TEST_F(DecoderModelTest, SynthQuantizedIsQuantizeAffineOfTheDenseDraw) {
+  SynthOptions options;
+  options.preset = "small";
+  options.layers = 1;
+  const std::filesystem::path dense = synth("dense", options);
+  options.quantize = AffineQuantization{4, 64};
+  const std::filesystem::path quantized = synth("quantized", options);
+  const TensorMap weights = read_safetensors(dense / "model.safetensors");
+  const TensorMap packed = read_safetensors(quantized / "model.safetensors");
+  int compared = 0;
+  for (const auto& [name, tensor] : packed) {
+    if (!name.ends_with(".scales")) continue;
+    const std::string prefix = name.substr(0, name.size() - std::string(".scales").size());
+    const QuantizedMatrix expected =
+        quantize_affine(weights.at(prefix + ".weight"), *options.quantize, DType::bf16, AffineRounding::mlx);
+    EXPECT_EQ(packed.at(prefix + ".weight"), expected.packed) << prefix;
+    EXPECT_EQ(tensor, expected.scales) << prefix;
+    EXPECT_EQ(packed.at(prefix + ".biases"), expected.biases) << prefix;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 9);  // the embedding, lm_head and one layer's seven linears
+  for (const char* name : {"model.norm.weight", "model.layers.0.input_layernorm.weight"}) {
+    EXPECT_EQ(packed.at(name), weights.at(name)) << name;
+  }
+}
+
 // A dense f32 checkpoint whose weights are the dequantized ones of `source`
 // (MLX-quantized) or, with `format`, those of quantize_affine at load.
 std::filesystem::path dense_copy(const std::filesystem::path& source, const std::filesystem::path& target,
@@ -515,6 +547,38 @@ TEST_F(StepGraphAliasing, CachesWriteInPlaceAndSizeOneTransposesAreViews) {
     }
     EXPECT_EQ(cache_writes, 2 * model.config().num_hidden_layers);
   }
+}
+
+// The synthetic checkpoints' draw runs ranges of elements at once, each jumping its stream
+// ahead: every split gives the stream of one sequential SplitMix64 (written out here), on
+// element counts that no range count and no 2^20 divides.
+TEST(DrawUniformBf16, RangesGiveTheSequentialStream) {
+  const std::uint64_t seed = metile::testing::test_seed("DrawUniformBf16.RangesGiveTheSequentialStream");
+  SplitMix64 walked(seed);
+  SplitMix64 jumped(seed);
+  for (int draw = 0; draw < 1000; ++draw) walked.next();
+  jumped.skip(1000);
+  EXPECT_EQ(walked.next(), jumped.next());
+  const std::vector<std::vector<std::int64_t>> shapes = {
+      {1}, {7}, {3, 333}, {4099}, {(std::int64_t{1} << 20) + 3}, {3, 1 << 20, 1}, {5, 419431}};
+  for (const std::vector<std::int64_t>& shape : shapes) {
+    HostTensor expected(TensorSpec(shape, DType::bf16));
+    const std::uint64_t stream = seed ^ static_cast<std::uint64_t>(shape.front());
+    SplitMix64 generator(stream);
+    generator.next();  // draw 0 is discarded
+    for (std::int64_t index = 0; index < expected.element_count(); ++index) {
+      const std::uint16_t bits = f32_to_bf16_bits(0.5f + generator.uniform(-0.25f, 0.75f));
+      std::memcpy(expected.bytes().data() + index * 2, &bits, 2);
+    }
+    for (std::int64_t ranges : {0, 1, 2, 3, 5, 16}) {
+      HostTensor drawn(TensorSpec(shape, DType::bf16));
+      draw_uniform_bf16(drawn, stream, -0.25f, 0.75f, 0.5f, ranges);
+      EXPECT_TRUE(std::ranges::equal(drawn.bytes(), expected.bytes()))
+          << drawn.spec().to_string() << " in " << ranges << " ranges";
+    }
+  }
+  HostTensor f32(TensorSpec({4}, DType::f32));
+  EXPECT_THROW(draw_uniform_bf16(f32, seed, 0, 1, 0), InputError);
 }
 
 }  // namespace

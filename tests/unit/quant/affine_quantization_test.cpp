@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -261,6 +262,75 @@ TEST(QuantizeAffine, RejectsBadInput) {
     FAIL() << "NaN weight accepted";
   } catch (const InputError& error) {
     EXPECT_NE(std::string(error.what()).find("[1, 6]"), std::string::npos) << error.what();
+  }
+}
+
+// quantize_affine runs ranges of rows at once: every split gives the bytes of the sequential
+// loop (ranges = 1), on row counts that no range count divides, and the codes are the ones
+// pack_codes packs from round((w - bias) / scale) against the stored scale and bias.
+TEST(QuantizeAffine, RangesOfRowsGiveTheSequentialBytes) {
+  const std::uint64_t seed = testing::test_seed("QuantizeAffine.RangesOfRowsGiveTheSequentialBytes");
+  struct Shape {
+    std::int64_t rows, columns;
+    DType dtype;
+  };
+  // The last one is 2^21 + 2048 weights: the default (ranges = 0) splits it wherever there are
+  // two hardware threads.
+  for (const Shape shape : {Shape{1, 128, DType::f32}, Shape{37, 192, DType::bf16}, Shape{13, 384, DType::f16},
+                            Shape{101, 256, DType::bf16}, Shape{2050, 1024, DType::bf16}}) {
+    const HostTensor source = random_matrix(shape.rows, shape.columns, seed + static_cast<std::uint64_t>(shape.rows));
+    HostTensor weight(TensorSpec({shape.rows, shape.columns}, shape.dtype));
+    for (std::int64_t index = 0; index < weight.element_count(); ++index) weight.store(index, source.at(index));
+    for (int bits : {4, 8}) {
+      for (int group_size : {32, 64, 128}) {
+        if (shape.columns % group_size != 0) continue;
+        for (AffineRounding rounding : {AffineRounding::min_max, AffineRounding::mlx}) {
+          const AffineQuantization format{bits, group_size};
+          const QuantizedMatrix sequential = quantize_affine(weight, format, DType::bf16, rounding, 1);
+          // The codes against the stored scale and bias, packed by pack_codes.
+          std::vector<std::uint32_t> codes(static_cast<std::size_t>(weight.element_count()));
+          for (std::int64_t index = 0; index < weight.element_count(); ++index) {
+            const std::int64_t group = index / group_size;
+            const double scale = sequential.scales.at(group);
+            const double bias = sequential.biases.at(group);
+            const double code = scale == 0 ? 0.0 : std::nearbyint((weight.at(index) - bias) / scale);
+            codes[static_cast<std::size_t>(index)] =
+                static_cast<std::uint32_t>(std::clamp(code, 0.0, static_cast<double>(format.max_code())));
+          }
+          const std::vector<std::uint32_t> words = pack_codes(codes, bits);
+          ASSERT_EQ(sequential.packed.bytes().size(), words.size() * 4);
+          ASSERT_EQ(std::memcmp(sequential.packed.bytes().data(), words.data(), words.size() * 4), 0)
+              << shape.rows << "x" << shape.columns << " bits " << bits << " group " << group_size;
+          if (shape.rows > 200 && (bits != 4 || group_size != 64)) continue;  // the large one: once
+          for (std::int64_t ranges : {0, 2, 3, 7, 64}) {
+            const QuantizedMatrix split = quantize_affine(weight, format, DType::bf16, rounding, ranges);
+            const std::string what = std::to_string(shape.rows) + "x" + std::to_string(shape.columns) + " bits " +
+                                     std::to_string(bits) + " group " + std::to_string(group_size) + " ranges " +
+                                     std::to_string(ranges);
+            EXPECT_TRUE(std::ranges::equal(split.packed.bytes(), sequential.packed.bytes())) << what;
+            EXPECT_TRUE(std::ranges::equal(split.scales.bytes(), sequential.scales.bytes())) << what;
+            EXPECT_TRUE(std::ranges::equal(split.biases.bytes(), sequential.biases.bytes())) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+// With several ranges failing at once, the error is still the first bad weight in row order.
+TEST(QuantizeAffine, RangesReportTheFirstBadWeight) {
+  std::vector<double> values = random_matrix(37, 64, 11).to_values();
+  values[30 * 64 + 3] = INFINITY;
+  values[2 * 64 + 9] = NAN;
+  values[36 * 64] = -INFINITY;
+  const HostTensor weight = HostTensor::from_values(TensorSpec({37, 64}, DType::f32), values);
+  for (std::int64_t ranges : {1, 2, 5, 37}) {
+    try {
+      quantize_affine(weight, {4, 32}, DType::f16, AffineRounding::min_max, ranges);
+      ADD_FAILURE() << "NaN weight accepted with " << ranges << " ranges";
+    } catch (const InputError& error) {
+      EXPECT_NE(std::string(error.what()).find("[2, 9]"), std::string::npos) << ranges << ": " << error.what();
+    }
   }
 }
 
