@@ -65,7 +65,7 @@ struct TournamentOptions {
   int calls_per_sample = 20;  // calls between two events
   int samples_per_round = 3;  // a round's figure is the median of its samples
   double quantile = 0.75;     // the score: this quantile of the per-round figures (pessimistic, not the minimum)
-  // > 0: cold caches. Before every timed call this many bytes of scratch are overwritten on the
+  // > 0: cold caches. Before every timed call a kernel reads this many bytes of scratch on the
   // stream (pass at least twice the L2 size), so the candidate reads its weights from DRAM as it
   // does inside a whole decode step, whose bytes are many times the L2; each call is then timed
   // alone, between its own events. 0: calls run back to back, and inputs that fit the L2 (a

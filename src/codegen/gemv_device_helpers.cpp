@@ -206,7 +206,6 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
   }
 }
 
-
 // The eight values of row m at columns k .. k + 7 (k a multiple of 8) as both mainloops read x:
 // normalized when kNormedX (after compute_x_row_scales), else as stored.
 __device__ __forceinline__ uint4 load_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight, int m, int k) {

@@ -69,14 +69,14 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
 std::string gemv_output_functions(const GemvKernelConfig& config);
 std::string gemv_outputs_binding(const GemvKernelConfig& config);
 
-// Static shared memory the x normalization takes (GemvKernelConfig::x_rms_norm_eps: per warp and
-// row a partial sum of squares, per row the scale); a few bytes when x is not normalized.
 // The register mainloop stages the normalized x rows in shared memory (kXStaged) when the GEMV
 // normalizes x (x_rms_norm_eps) and M x K bf16 values fit kMaxStagedXBytes: every decode row (M = 1,
 // K <= 8192), not a prefill chunk of 16 rows of 4096.
 constexpr std::int64_t kMaxStagedXBytes = 16 * 1024;
 bool x_staged_in_shared_memory(const GemvKernelConfig& config);
-// Static shared memory of the norm's scratch and the staged x (kXStaged), in bytes.
+// Static shared memory the x normalization takes (GemvKernelConfig::x_rms_norm_eps: per warp and
+// row a partial sum of squares, per row the scale, and the staged x); a few bytes when x is not
+// normalized.
 std::int64_t x_norm_shared_bytes(const GemvKernelConfig& config);
 
 // The streamed mainloop (gemv_streamed.cpp).

@@ -477,13 +477,11 @@ constexpr std::string_view kernel_entry_loop_end = R"CUDA(
 )CUDA";
 
 
-// argmax_rows: after the unsplit store above (the kernel's closing brace is replaced by this),
-// every block finds, per activation row, the largest of the outputs it stored (read back as
-// stored: __syncthreads makes the block's global writes visible to it) and leaves the winner, its
-// value's bits and its index in one 8-byte word, in the workspace; the last block to arrive
-// reduces every block's winners with all its threads (independent loads, so thousands of blocks
-// cost a few round trips to L2) by argmax_beats (cuda_argmax_helpers), writes next[m] and re-arms
-// the counter.
+// argmax_rows, inside the unit loop after the unsplit store above: for the tile block it just
+// stored, the block finds per activation row the largest output (read back as stored:
+// __syncthreads makes the block's global writes visible to it) and leaves the winner, its value's
+// bits and its index in one 8-byte word, in the workspace (argmax_rows_tail, after the loop,
+// reduces the winners).
 constexpr std::string_view argmax_rows_block = R"CUDA(
   __syncthreads();
   int2* const winners = reinterpret_cast<int2*>(workspace);  // [kTileBlocks][kM]: (value bits, index)
@@ -506,7 +504,9 @@ constexpr std::string_view argmax_rows_block = R"CUDA(
 )CUDA";
 
 // After the unit loop: each block adds the tile blocks it joined to the arrival counter; the one
-// that completes the count reduces every winner.
+// that completes the count reduces every tile block's winners with all its threads (independent
+// loads, so thousands of them cost a few round trips to L2) by argmax_beats (cuda_argmax_helpers),
+// writes next[m] and re-arms the counter.
 constexpr std::string_view argmax_rows_tail = R"CUDA(
   const int2* const winners = reinterpret_cast<const int2*>(workspace);
   u32* const arrivals = reinterpret_cast<u32*>(workspace) + 2 * kTileBlocks * kM;
@@ -836,8 +836,9 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
     candidates.push_back(config);
   };
-  auto add = [&](int warps, bool double_buffered, bool deeper = false, int k_splits = 1, bool group_sums = false,
-                 int tiles_per_block = 1) {
+  // A register-batch shape (batches in registers, no staging).
+  auto register_shape = [&](int warps, bool double_buffered, bool deeper = false, int k_splits = 1,
+                            bool group_sums = false, int tiles_per_block = 1) {
     GemvKernelConfig config = base;
     config.warps_per_block = warps;
     config.tiles_per_block = tiles_per_block;
@@ -846,7 +847,11 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     config.k_splits = k_splits;
     config.shared_stages = 0;
     config.shared_group_sums = group_sums;
-    add_config(config);
+    return config;
+  };
+  auto add = [&](int warps, bool double_buffered, bool deeper = false, int k_splits = 1, bool group_sums = false,
+                 int tiles_per_block = 1) {
+    add_config(register_shape(warps, double_buffered, deeper, k_splits, group_sums, tiles_per_block));
   };
   // Staged batches (shared_stages): one iteration per affine batch (in shared memory the depth
   // comes from the ring, not the batch), the register heuristic's batch for dense; as many slots
@@ -915,14 +920,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       // Or one-tile blocks that loop over the tile blocks, about as many as fit at once (two warps
       // at ~96 registers: 10 a multiprocessor; four: 5), so the prologue runs once per block.
       for (const auto& [warps, blocks_per_multiprocessor] : {std::pair{2, 8}, std::pair{4, 4}}) {
-        GemvKernelConfig looped = base;
-        looped.warps_per_block = warps;
-        looped.tiles_per_block = 1;
-        looped.double_buffered = true;
-        looped.iterations_in_flight = in_flight(warps, true, false);
-        looped.k_splits = 1;
-        looped.shared_stages = 0;
-        looped.shared_group_sums = false;
+        GemvKernelConfig looped = register_shape(warps, true);
         looped.multiprocessors = multiprocessors;
         looped.tile_loop_blocks_per_multiprocessor = blocks_per_multiprocessor;
         add_config(looped);
