@@ -125,16 +125,23 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
       down.in_features = intermediate;
       down.epilogue = GemvEpilogue::residual_add();
       for (const GemvKernelConfig& config : gemv_tuning_candidates(down, info.multiprocessor_count)) configs.push_back(config);
+      // Each register-resident shape again with its weights prefetched into L2 ahead of the loads.
+      for (std::size_t i = 0, plain = configs.size(); i < plain; ++i) {
+        if (configs[i].schedule == GatedSchedule::scratch_spilled && configs[i].epilogue.product_count() == 2) continue;
+        GemvKernelConfig prefetching = configs[i];
+        prefetching.l2_prefetch_rounds = gemv_l2_prefetch_rounds(prefetching, info.multiprocessor_count);
+        configs.push_back(prefetching);
+      }
       for (GemvKernelConfig streamed : {base_swiglu(format, rows, hidden, intermediate), down}) {
         streamed.mainloop = GemvMainloop::streamed;
         for (const GemvKernelConfig& config : gemv_tuning_candidates(streamed, info.multiprocessor_count)) {
           configs.push_back(config);
         }
       }
-      if (profile_only) {  // per stage, the first shape of each kind: register, staged, split-K, streamed
+      if (profile_only) {  // per stage, the first shape of each kind: register, staged, split-K, prefetching, streamed
         std::vector<GemvKernelConfig> chosen;
         auto kind = [](const GemvKernelConfig& c) {
-          return std::tuple{c.epilogue.product_count(), c.mainloop, c.shared_stages >= 2, c.k_splits > 1};
+          return std::tuple{c.epilogue.product_count(), c.mainloop, c.shared_stages >= 2, c.k_splits > 1, c.l2_prefetch_rounds > 0};
         };
         for (const GemvKernelConfig& config : configs) {
           if (config.schedule == GatedSchedule::scratch_spilled && config.mainloop == GemvMainloop::register_batches) continue;

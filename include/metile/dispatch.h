@@ -266,11 +266,11 @@ struct LoadedGemv {
 std::vector<CompiledProgram> compile_gemvs(const std::vector<GemvKernelSource>& kernels);
 std::vector<LoadedGemv> load_gemvs(std::vector<GemvKernelSource> kernels);
 
-// The launch shapes one GEMV stage tries, best guesses first: for a two-matrix epilogue both
-// gated schedules (register_resident, scratch_spilled), else the base; `per_family` shapes of each
-// from gemv_tuning_candidates, then as many of the streamed mainloop (a family the problem does
-// not fit is left out; InputError when none fits). Shared by the decode-MLP executor and the
-// lowerings, so both race the same kernels.
+// The launch shapes one GEMV stage tries, best guesses first: `per_family` register-batch shapes
+// from gemv_tuning_candidates (a two-matrix epilogue: the register-resident schedule), the same
+// shapes with their weights prefetched into L2 (gemv_l2_prefetch_rounds), then as many of the
+// streamed mainloop (a family the problem does not fit is left out; InputError when none fits).
+// Shared by the decode-MLP executor and the lowerings, so both race the same kernels.
 std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family,
                                                  int multiprocessors = 132);
 // The variant name of a config in candidate names: "register_resident w4 t1 f2 db" (two
@@ -328,6 +328,8 @@ GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& r
 // gate/up shape with every down shape for swiglu_mlp). Binding repacks affine weights once
 // (DeviceValues::keep_derived: again only when the weights are uploaded again).
 inline constexpr int gemv_lowering_shapes_per_family = 2;
+// A one-stage region's candidates do not multiply with another stage's: it races twice as many.
+inline constexpr int gemv_lowering_shapes_per_family_one_stage = 2 * gemv_lowering_shapes_per_family;
 Lowered gemv_swiglu_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered gemv_contraction_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered gemv_region_candidates(const ComputeGraph& graph, const FusionRegion& region);  // the built-in "gemv"

@@ -205,6 +205,8 @@ struct EngineBenchmark {
   double prefill_tokens_per_second = 0;
   std::vector<StepKindTime> breakdown;  // one decode step run eagerly, events between units
   int launches = 0;                 // device steps per decode step
+  // What the decode step's regions run: "rule: candidate" (RegionReport) -> how many regions.
+  std::map<std::string, int> chosen;
 };
 
 struct BenchmarkOptions {

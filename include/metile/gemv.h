@@ -43,6 +43,9 @@ struct GemvWeightFormat {
   // Columns one mainloop iteration consumes: 32 dense, max(64, group) 8-bit, 128 4-bit.
   // Repacked matrices pad K to a multiple of it.
   int columns_per_iteration() const;
+  // Columns one 16-byte load per lane covers (a warp's 512 bytes, half of a 16-row tile's 1 KiB):
+  // 32 dense, 64 8-bit, 128 4-bit.
+  int columns_per_load() const;
   bool operator==(const GemvWeightFormat&) const = default;
 };
 
@@ -210,6 +213,13 @@ struct GemvKernelConfig {
   // b, b + grid, ...; the x prologue (the norm's scales, the staged x, the group sums) runs once
   // per block instead of once per tile block. For the LM head's thousands of tile blocks.
   int tile_loop_blocks_per_multiprocessor = 0;
+  // l2_prefetch_rounds > 0 (register-batch mainloop): warp 0 of each block requests its weights
+  // into L2 with bulk prefetches, that many rounds (one batch of every warp) ahead of the loads,
+  // the first rounds before the wait for the previous kernel. Loads then find their lines in L2
+  // or on their way: the bytes in flight no longer depend on the batches' registers, and the
+  // DRAM stream starts before the kernel's activations are ready. A count at least the block's
+  // rounds requests everything at once (kernels whose weights fit in L2).
+  int l2_prefetch_rounds = 0;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
@@ -269,6 +279,13 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 // The launch shapes worth trying for one problem (warps, tiles, loads in flight), best guess
 // first; every returned config is valid.
 std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors = 132);
+
+// The L2 prefetch depth for a register-batch config (l2_prefetch_rounds): every round of the
+// block's share when all the kernel's weights fit in `l2_budget_bytes` (the decode GEMVs of the
+// small models: the whole stream is requested at once), else as many rounds as keep the resident
+// blocks' requests within that budget (at least one).
+int gemv_l2_prefetch_rounds(const GemvKernelConfig& config, int multiprocessors = 132,
+                            std::int64_t l2_budget_bytes = std::int64_t{24} << 20);
 
 // Bytes a GEMV must move at least: weights (codes, scales, biases), x, epilogue tensors, output.
 std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config);

@@ -111,6 +111,55 @@ __device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&w
       });
 }
 
+// L2 prefetch (kPrefetchRounds > 0). A round is the block's iterations [first, first + kStride):
+// one batch of every warp. Its weights and scales/biases are contiguous per tile and matrix in the
+// repacked layout (per tile row for dense), so lane j of warp 0 requests range j with one bulk
+// prefetch into L2 (cp.async.bulk.prefetch: no registers, no completion to wait for). Warp 0
+// requests the first kPrefetchRounds rounds before the wait for the previous kernel (weights never
+// depend on it) and round r + kPrefetchRounds when it starts round r: the block's requests run
+// that many rounds ahead of its loads, which then find their lines in L2 or on their way, however
+// few registers the batches leave for loads in flight.
+__device__ __forceinline__ void prefetch_l2(const void* address, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
+}
+
+template <int P>
+__device__ __forceinline__ void prefetch_round(const u32* const (&weights)[P], const u16* const (&scale_bias)[P], int first,
+                                               int end, int lane, int first_tile) {
+  if (first >= end) return;
+  const int last = min(first + kWarps * kInFlight, end);
+  if constexpr (kAffine) {
+    constexpr int kRanges = P * kTiles;  // per matrix and tile: its weights, then its scales/biases
+    static_assert(2 * kRanges <= 32, "one lane per prefetched range");
+    if (lane >= 2 * kRanges) return;
+    const int range = lane < kRanges ? lane : lane - kRanges;
+    const int p = range / kTiles, tile = first_tile + range % kTiles;
+    if (tile >= kTileCount) return;
+    if (lane < kRanges) {
+      const u64 block = (u64)tile * kLoadBlocks + (u64)first * kLoadsPerIteration;
+      prefetch_l2(weights[p] + block * 256, (u32)(last - first) * kLoadsPerIteration * 1024);
+    } else {
+      const u64 group = (u64)tile * kGroupCount + (u64)first * kGroupsPerIteration;
+      prefetch_l2(scale_bias[p] + group * 32, (u32)(last - first) * kGroupsPerIteration * 64);
+    }
+  } else {
+    const int column = first * kColumnsPerIteration;
+    const int columns = min(last * kColumnsPerIteration, kK) - column;
+    for (int range = lane; range < P * kTiles * 16; range += 32) {
+      const int p = range / (kTiles * 16), row = first_tile * 16 + range % (kTiles * 16);
+      if (row < kN) prefetch_l2(reinterpret_cast<const u16*>(weights[p]) + (u64)row * kK + column, (u32)columns * 2);
+    }
+  }
+}
+
+// Warp 0's requests for the rounds starting at `first`, `first` + kStride, ... (`rounds` of them).
+template <int P>
+__device__ __forceinline__ void prefetch_rounds(const u32* const (&weights)[P], const u16* const (&scale_bias)[P], int first,
+                                                int end, int rounds, int warp, int lane, int first_tile) {
+  if (kPrefetchRounds == 0 || warp != 0) return;
+  for (int r = 0; r < rounds; ++r) prefetch_round<P>(weights, scale_bias, first + r * kWarps * kInFlight, end, lane, first_tile);
+}
+
 // A batch staged in shared memory (shared_stages >= 2): the same vectors, each lane's at
 // [vector][lane] so that a warp's 32 vectors are 512 contiguous bytes (no bank conflicts). Every
 // lane copies, and later reads back, only its own vectors: no barrier between lanes is needed.
@@ -277,6 +326,12 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
   // registers, 120 -> 127 for 4-bit g64 gate/up w4, even where it folds to the same constant).
   const int begin = kSplits == 1 ? 0 : split_begin;
   const int end = kSplits == 1 ? kIterations : split_end;
+  // Before the wait: the first rounds' weights into L2 (a no-op without kPrefetchRounds).
+  prefetch_rounds<P>(weights, scale_bias, begin, end, kPrefetchRounds, warp, lane, first_tile);
+  // The round that starts at `first` (warp 0's batch) requests the one kPrefetchRounds ahead.
+  auto prefetch_ahead = [&](int first) {
+    prefetch_rounds<P>(weights, scale_bias, first + kPrefetchRounds * kStride, end, 1, warp, lane, first_tile);
+  };
   if constexpr (kSharedStages >= 2) {
     int issue = begin + warp;
 #pragma unroll
@@ -296,6 +351,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       copy_async_commit();
       issue += kStride;
       copy_async_wait<kSharedStages - 1>();
+      prefetch_ahead(first);
       Batch<P> batch;
       read_batch<P>(batch, ring + slot * SharedSlot<P>::kBytes, lane);
       compute_batch(acc, batch, x, norm_weight, first, end, lane);
@@ -310,9 +366,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
+      prefetch_ahead(first);
       if (second < end) load_batch(odd, weights, scale_bias, second, end, lane, first_tile);
       compute_batch(acc, even, x, norm_weight, first, end, lane);
       if (second >= end) break;
+      prefetch_ahead(second);
       if (second + kStride < end) load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
       compute_batch(acc, odd, x, norm_weight, second, end, lane);
     }
@@ -326,6 +384,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     prepare_x(x, norm_weight, begin, end, fill_sums);  // every warp must reach its barriers
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
+      prefetch_ahead(first);
       load_batch(batch, weights, scale_bias, first, end, lane, first_tile);
       compute_batch(acc, batch, x, norm_weight, first, end, lane);
     }
@@ -380,6 +439,11 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
   const int split = kSplits == 1 ? 0 : unit / kTileBlocks;
   const int first_tile = tile_block * kTiles;
   const int begin = split * kIterations / kSplits, end = (split + 1) * kIterations / kSplits;
+  // With the tile loop, the block's next tile block is requested into L2 while this one runs.
+  if constexpr (kTileLoop) {
+    prefetch_rounds<kProducts>(weights, scale_bias, 0, kIterations, kPrefetchRounds, warp, lane,
+                               (unit + unit_stride) * kTiles);
+  }
   if constexpr (kProducts == 2 && kScratchSpilled) {
     // Finish the gate reduction, park it in shared memory, reuse the same registers for up.
     float acc[1][kTiles][kRowHalves][4];
@@ -571,8 +635,7 @@ std::int64_t group_sum_bytes(const GemvKernelConfig& config) {
 std::int64_t staged_ring_bytes(const GemvKernelConfig& config) {
   if (config.shared_stages == 0) return 0;
   const GemvWeightFormat& format = config.format;
-  const int columns_per_load = 32 * (format.bits == 16 ? 1 : format.bits == 8 ? 2 : 4);
-  const std::int64_t loads = format.columns_per_iteration() / columns_per_load;
+  const std::int64_t loads = format.columns_per_iteration() / format.columns_per_load();
   const std::int64_t groups = format.is_affine() ? format.columns_per_iteration() / format.group_size : 0;
   const std::int64_t per_matrix = std::int64_t{config.iterations_in_flight} * config.tiles_per_block * (loads * 2 * 512 + groups * 256);
   return std::int64_t{config.warps_per_block} * config.shared_stages * config.epilogue.product_count() * per_matrix;
@@ -600,11 +663,11 @@ std::string gemv_register_constants(const GemvKernelConfig& config, int splits) 
       "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
       "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
       "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n"
-      "constexpr bool kTileLoop = {};\n",
+      "constexpr bool kTileLoop = {};\nconstexpr int kPrefetchRounds = {};\n",
       scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
       config.double_buffered ? "true" : "false", config.shared_stages >= 2 ? config.shared_stages : 0, splits,
       tile_blocks, config.shared_group_sums ? "true" : "false",
-      config.tile_loop_blocks_per_multiprocessor > 0 ? "true" : "false");
+      config.tile_loop_blocks_per_multiprocessor > 0 ? "true" : "false", config.l2_prefetch_rounds);
 }
 
 }  // namespace gemv_detail
@@ -691,6 +754,9 @@ void GemvKernelConfig::validate() const {
   if (tile_loop_blocks_per_multiprocessor > 0 && multiprocessors < 1) {
     throw InputError(fmt::format("GEMV: multiprocessors must be positive, not {}", multiprocessors));
   }
+  if (l2_prefetch_rounds < 0 || l2_prefetch_rounds > 1024) {
+    throw InputError(fmt::format("GEMV: l2_prefetch_rounds must be 0..1024, not {}", l2_prefetch_rounds));
+  }
   if (shared_stages != 0 && (shared_stages < 2 || shared_stages > 8)) {
     throw InputError(fmt::format("GEMV: shared_stages must be 0 (registers) or 2..8, not {}", shared_stages));
   }
@@ -727,6 +793,7 @@ std::string GemvKernelConfig::to_string() const {
   if (tile_loop_blocks_per_multiprocessor > 0) {
     text += fmt::format(" tile_loop={}x{}", multiprocessors, tile_loop_blocks_per_multiprocessor);
   }
+  if (l2_prefetch_rounds > 0) text += fmt::format(" l2_prefetch_rounds={}", l2_prefetch_rounds);
   return text;
 }
 
@@ -746,6 +813,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.shared_group_sums) schedule_tag += "g";
   if (config.argmax_rows) schedule_tag += "a";
   if (config.tile_loop_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("l{}", config.tile_loop_blocks_per_multiprocessor);
+  if (config.l2_prefetch_rounds > 0) schedule_tag += fmt::format("p{}", config.l2_prefetch_rounds);
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
@@ -804,8 +872,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   const int products = base.epilogue.product_count();
   const int products_in_registers = products == 2 && base.schedule == GatedSchedule::register_resident ? 2 : 1;
   const std::int64_t tiles = (base.out_features + 15) / 16;
-  const int columns_per_load = 32 * (base.format.bits == 16 ? 1 : base.format.bits == 8 ? 2 : 4);
-  const int loads_per_iteration = base.format.columns_per_iteration() / columns_per_load;
+  const int loads_per_iteration = base.format.columns_per_iteration() / base.format.columns_per_load();
   // About eight 16-byte weight loads in flight per lane keep HBM busy with 16 warps per SM
   // (gemv_compile_test checks that ptxas keeps these shapes in registers). More than 8 rows
   // doubles the x fragments, 16 warps cap a thread at 128 registers (__launch_bounds__), and a
@@ -825,7 +892,8 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
           existing.double_buffered == config.double_buffered &&
           existing.iterations_in_flight == config.iterations_in_flight && existing.k_splits == config.k_splits &&
           existing.shared_stages == config.shared_stages && existing.shared_group_sums == config.shared_group_sums &&
-          existing.tile_loop_blocks_per_multiprocessor == config.tile_loop_blocks_per_multiprocessor) {
+          existing.tile_loop_blocks_per_multiprocessor == config.tile_loop_blocks_per_multiprocessor &&
+          existing.l2_prefetch_rounds == config.l2_prefetch_rounds) {
         return;
       }
     }
@@ -904,28 +972,31 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
   } else {
     add(2, true);
-    add(4, true);
-    add(2, true, true);
-    add(8, true);
-    add(4, false);
     // A vocabulary-wide N (the LM head: 128256 rows of 2048, 16 iterations of 4-bit) gives each
     // one-tile block a few iterations per warp behind a prologue of its own (the norm of x, the
     // argmax join): 8016 blocks of 2 warps took 117.6 us, 30% of copy, under ncu (Llama-3.2-1B).
     // Blocks of several tiles share that prologue and keep more rows' loads in flight per x
-    // fragment. One product only: SwiGLU's two at four tiles spill.
+    // fragment, or one-tile blocks loop over the tile blocks, about as many as fit at once (two
+    // warps at ~96 registers: 10 a multiprocessor; four: 5), so the prologue runs once per block.
+    // One product only: SwiGLU's two at four tiles spill. They come right after the first shape:
+    // a one-stage region races the first few of each family (gemv_stage_configs).
     if (products == 1 && tiles >= 16 * multiprocessors) {
-      add(4, true, false, 1, false, 2);
-      add(4, true, false, 1, false, 4);
-      add(8, true, false, 1, false, 4);
-      // Or one-tile blocks that loop over the tile blocks, about as many as fit at once (two warps
-      // at ~96 registers: 10 a multiprocessor; four: 5), so the prologue runs once per block.
-      for (const auto& [warps, blocks_per_multiprocessor] : {std::pair{2, 8}, std::pair{4, 4}}) {
+      auto add_looped = [&](int warps, int blocks_per_multiprocessor) {
         GemvKernelConfig looped = register_shape(warps, true);
         looped.multiprocessors = multiprocessors;
         looped.tile_loop_blocks_per_multiprocessor = blocks_per_multiprocessor;
         add_config(looped);
-      }
+      };
+      add_looped(2, 8);
+      add(4, true, false, 1, false, 2);
+      add_looped(4, 4);
+      add(4, true, false, 1, false, 4);
+      add(8, true, false, 1, false, 4);
     }
+    add(4, true);
+    add(2, true, true);
+    add(8, true);
+    add(4, false);
     if (extended) {
       add_staged(4, 64 * 1024);
       add_staged(8, 96 * 1024);
@@ -935,6 +1006,26 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
   }
   return candidates;
+}
+
+int gemv_l2_prefetch_rounds(const GemvKernelConfig& config, int multiprocessors, std::int64_t l2_budget_bytes) {
+  const std::int64_t columns = config.format.columns_per_iteration();
+  const std::int64_t iterations = (config.in_features + columns - 1) / columns;
+  const std::int64_t stride = std::int64_t{config.warps_per_block} * config.iterations_in_flight;
+  const std::int64_t rounds = ((iterations + config.k_splits - 1) / config.k_splits + stride - 1) / stride;
+  const int products = config.epilogue.product_count();
+  // One iteration of one 16-row tile: 1 KiB per load (every format), plus its groups' scales and
+  // biases (64 bytes a group) when affine.
+  const std::int64_t iteration_bytes =
+      columns / config.format.columns_per_load() * 1024 + (config.format.is_affine() ? columns / config.format.group_size * 64 : 0);
+  const std::int64_t tiles = (config.out_features + 15) / 16;
+  if (products * tiles * iterations * iteration_bytes <= l2_budget_bytes) return static_cast<int>(std::min<std::int64_t>(rounds, 1024));
+  const std::int64_t tile_blocks = (tiles + config.tiles_per_block - 1) / config.tiles_per_block;
+  // Resident blocks: about 32 warps a multiprocessor at the batches' register counts.
+  const std::int64_t resident =
+      std::min(tile_blocks * config.k_splits, std::int64_t{multiprocessors} * std::max(1, 32 / config.warps_per_block));
+  const std::int64_t round_bytes = stride * config.tiles_per_block * products * iteration_bytes;
+  return static_cast<int>(std::clamp<std::int64_t>(l2_budget_bytes / (resident * round_bytes), 1, std::max<std::int64_t>(rounds, 1)));
 }
 
 std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config) {

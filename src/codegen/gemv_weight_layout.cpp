@@ -44,8 +44,6 @@ std::uint32_t move_codes(std::uint32_t word, int bits, CodeMove move) {
 
 std::int64_t round_up(std::int64_t value, std::int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-int columns_per_load(int bits) { return 32 * (bits == 16 ? 1 : bits == 8 ? 2 : 4); }
-
 // For lane (g, t), half h, word `slot` of its 16-byte vector: the original word index in the row
 // (relative to the start of the row) and the row offset inside the tile.
 struct WordSource {
@@ -126,8 +124,10 @@ std::string GemvWeightFormat::to_string() const {
   return fmt::format("{} affine{} g{}", dtype_name(activation), bits, group_size);
 }
 
+int GemvWeightFormat::columns_per_load() const { return 32 * (bits == 16 ? 1 : bits == 8 ? 2 : 4); }
+
 int GemvWeightFormat::columns_per_iteration() const {
-  const int per_load = columns_per_load(bits);
+  const int per_load = columns_per_load();
   return is_affine() ? std::max(per_load, group_size) : per_load;
 }
 
@@ -145,7 +145,7 @@ RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix) {
   result.padded_columns = round_up(matrix.columns, result.format.columns_per_iteration());
 
   const std::int64_t tiles = result.padded_rows / 16;
-  const std::int64_t load_blocks = result.padded_columns / columns_per_load(bits);
+  const std::int64_t load_blocks = result.padded_columns / result.format.columns_per_load();
   const std::int64_t words_per_row = matrix.columns * bits / 32;
   result.words.assign(static_cast<std::size_t>(tiles * load_blocks * 256), 0);
   auto packed = matrix.packed.bytes();
@@ -180,7 +180,7 @@ QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked) {
   if (!format.is_affine()) throw InputError("unpack_from_gemv: the matrix is dense");
   const int bits = format.bits;
   const std::int64_t tiles = repacked.padded_rows / 16;
-  const std::int64_t load_blocks = repacked.padded_columns / columns_per_load(bits);
+  const std::int64_t load_blocks = repacked.padded_columns / format.columns_per_load();
   const std::int64_t words_per_row = repacked.columns * bits / 32;
   const std::int64_t groups = repacked.columns / format.group_size;
   const std::int64_t padded_groups = repacked.padded_columns / format.group_size;

@@ -46,20 +46,23 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
       family = gemv_tuning_candidates(family_base, multiprocessors);
     } catch (const InputError& error) {
       if (!first_error) first_error = error;
-      return;
+      return family;
     }
     if (family.size() > keep) family.resize(keep);
     configs.insert(configs.end(), family.begin(), family.end());
+    return family;
   };
   GemvKernelConfig registers = base;
   registers.mainloop = GemvMainloop::register_batches;
-  if (base.epilogue.product_count() == 2) {
-    for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
-      registers.schedule = schedule;
-      add_family(registers);
-    }
-  } else {
-    add_family(registers);
+  // Two matrices (gate/up): the register-resident schedule only; the scratch-spilled one never won
+  // a race on the H200 (notes/mlp_decode.md) and stays reachable through gemv_tuning_candidates.
+  registers.schedule = GatedSchedule::register_resident;
+  const std::vector<GemvKernelConfig> register_family = add_family(registers);
+  // The same shapes again with their weights requested into L2 ahead of the loads (issue 15: bytes
+  // in flight decoupled from the batches' registers).
+  for (GemvKernelConfig config : register_family) {
+    config.l2_prefetch_rounds = gemv_l2_prefetch_rounds(config, multiprocessors);
+    configs.push_back(config);
   }
   GemvKernelConfig streamed = base;
   streamed.mainloop = GemvMainloop::streamed;
@@ -80,6 +83,8 @@ std::string gemv_shape_name(const GemvKernelConfig& config) {
   if (config.k_splits > 1) shape += fmt::format(" split{}", config.k_splits);
   if (config.shared_stages > 0) shape += fmt::format(" staged{}", config.shared_stages);
   if (config.shared_group_sums) shape += " group-sums";
+  if (config.tile_loop_blocks_per_multiprocessor > 0) shape += fmt::format(" loop{}", config.tile_loop_blocks_per_multiprocessor);
+  if (config.l2_prefetch_rounds > 0) shape += fmt::format(" prefetch{}", config.l2_prefetch_rounds);
   if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
   return shape;
 }
@@ -745,7 +750,9 @@ Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
   for (const GemvStage& stage : plan.stages) {
     std::vector<GemvKernelConfig> stage_configs;
     try {
-      stage_configs = gemv_stage_configs(stage.base_config(), gemv_lowering_shapes_per_family);
+      const int per_family =
+          plan.stages.size() == 1 ? gemv_lowering_shapes_per_family_one_stage : gemv_lowering_shapes_per_family;
+      stage_configs = gemv_stage_configs(stage.base_config(), per_family, multiprocessors_or_h200());
     } catch (const InputError& error) {
       return {Decision::refuse(fmt::format("no GEMV for {}: {}", stage.base_config().to_string(), error.what())), {}};
     }

@@ -72,6 +72,7 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
     profile_on_stream(session.stream(), [&](const CudaStream& stream) { decode.enqueue(stream); });
   }
   result.launches = decode.step_count();
+  for (const RegionReport& region : decode.reports()) ++result.chosen[region.rule + ": " + region.chosen];
 
   for (int warmup = 0; warmup < kWarmupFeeds; ++warmup) session.feed(random_tokens(generator, 1, vocab));
   const std::vector<std::int32_t> decode_tokens = random_tokens(generator, options.decode_steps, vocab);

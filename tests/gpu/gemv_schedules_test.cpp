@@ -79,6 +79,41 @@ TEST_F(GemvKernels, SplitKStagedAndSharedGroupSumsMatchFloat64) {
   }
 }
 
+// L2 prefetch (l2_prefetch_rounds): the bulk prefetches change no result. Every format, at shapes
+// whose N is below the SM count and not a multiple of 16 and whose K is not a multiple of the load
+// block (the last round's ranges are clipped to the matrix), M on both sides of 8, depths of one
+// round, two, and every round, under each schedule (double-buffered, one batch at a time, staged,
+// split-K). The LM head's tile loop with prefetch (it also requests its next tile block) races in
+// the lowering: gemv_lowering_test's 40000-row LM head checks every candidate.
+TEST_F(GemvKernels, L2PrefetchMatchesFloat64) {
+  std::uint64_t seed = 0x12f700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
+  for (const GemvWeightFormat& format : every_gemv_format(DType::bf16)) {
+    const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
+    for (std::int64_t n : {77, 200}) {
+      const Problem problem = make_problem(format, n, k, 2, seed += 100);
+      std::vector<GemvKernelConfig> configs;
+      int variant = 0;
+      for (std::int64_t rows : {1, 9, 16}) {
+        for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add()}) {
+          for (const auto& [splits, stages, double_buffered] :
+               {std::tuple{1, 0, true}, std::tuple{1, 0, false}, std::tuple{1, 3, false}, std::tuple{3, 0, true}}) {
+            GemvKernelConfig config = config_for(problem, rows, epilogue);
+            config.warps_per_block = ++variant % 2 == 0 ? 2 : 4;
+            config.iterations_in_flight = 1;
+            config.double_buffered = double_buffered;
+            config.k_splits = std::max(1, std::min<int>(splits, static_cast<int>(k / format.columns_per_iteration())));
+            config.shared_stages = stages;
+            config.l2_prefetch_rounds = variant % 3 == 0 ? 1 : variant % 3 == 1 ? 2 : gemv_l2_prefetch_rounds(config);
+            configs.push_back(config);
+          }
+        }
+      }
+      check_cases(problem, configs, device(), fmt::format("L2 prefetch {} N={} K={}", format.to_string(), n, k));
+    }
+  }
+}
+
 // Programmatic dependent launch: a GEMV launched as a programmatic dependent of the GEMV that
 // writes its x waits for it (x is poisoned with NaN before the first kernel, so reading it early
 // fails), eagerly and inside a captured CUDA graph, for each kind of mainloop schedule.
@@ -103,6 +138,12 @@ TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
     config.double_buffered = double_buffered;
     config.shared_group_sums = group_sums;
     consumers.push_back(config);
+  }
+  // The L2 prefetch is issued before the wait (weights only): the result must not change.
+  for (int consumer : {0, 3}) {
+    GemvKernelConfig prefetching = consumers[static_cast<std::size_t>(consumer)];
+    prefetching.l2_prefetch_rounds = 2;
+    consumers.push_back(prefetching);
   }
   std::vector<GemvKernelSource> kernels = {generate_gemv_kernel(producer)};
   for (const GemvKernelConfig& config : consumers) kernels.push_back(generate_gemv_kernel(config));

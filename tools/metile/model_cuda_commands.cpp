@@ -101,7 +101,8 @@ nlohmann::json benchmark_json(const EngineBenchmark& result) {
           {"prefill_tokens", result.prefill_tokens},
           {"prefill_tokens_per_second", result.prefill_tokens_per_second},
           {"device_steps_per_decode_step", result.launches},
-          {"breakdown", breakdown}};
+          {"breakdown", breakdown},
+          {"chosen", result.chosen}};
 }
 
 void print_breakdown(const EngineBenchmark& result) {
@@ -114,6 +115,8 @@ void print_breakdown(const EngineBenchmark& result) {
     fmt::print("{:<36} {:>9.4f} {:>7.1f}% {:>7}\n", time.kind, time.ms, total > 0 ? 100 * time.ms / total : 0.0,
                time.steps);
   }
+  fmt::print("what its regions run (regions):\n");
+  for (const auto& [chosen, regions] : result.chosen) fmt::print("  {:>4}  {}\n", regions, chosen);
 }
 
 }  // namespace

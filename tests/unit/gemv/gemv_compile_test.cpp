@@ -133,6 +133,59 @@ TEST(GemvCompile, TunedShapesOfTheDecodeMlpKeepTheirBatchesInRegisters) {
   EXPECT_GE(checked, 2 * 2 * 12);  // every register candidate of three stages, two formats, two row counts
 }
 
+// L2 prefetch (l2_prefetch_rounds): a kernel whose weights fit the budget requests every round of
+// its block's share at once; a wider one only as many rounds as keep the resident blocks within
+// it, at least one; the prefetching twins of the lowered shapes compile for sm_90 in every
+// schedule (double-buffered, one batch at a time, staged, split-K, tile loop) without spilling (the
+// register shapes), and their source asks for the prefetch depth.
+TEST(GemvCompile, L2PrefetchDepthAndKernelsCompile) {
+  const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16);
+  // Llama-3.2-1B gate/up (2 x 8192 x 2048 4-bit: 18.9 MB with scales) fits 24 MiB: every round.
+  GemvKernelConfig small = gemv_config(int4, 1, 8192, 2048, GemvEpilogue::swiglu());
+  small.warps_per_block = 4;
+  small.iterations_in_flight = 1;
+  const int small_rounds = (2048 / 128 + 3) / 4;
+  EXPECT_EQ(gemv_l2_prefetch_rounds(small), small_rounds);
+  // Llama-3-8B gate/up (66 MB) does not: a bounded depth, at least one, below the block's rounds.
+  GemvKernelConfig wide = gemv_config(int4, 1, 14336, 4096, GemvEpilogue::swiglu());
+  wide.warps_per_block = 2;
+  wide.iterations_in_flight = 1;
+  const int wide_rounds = gemv_l2_prefetch_rounds(wide);
+  EXPECT_GE(wide_rounds, 1);
+  EXPECT_LT(wide_rounds, 4096 / 128 / 2);
+  // A budget of one byte still prefetches one round; a huge one takes every round.
+  EXPECT_EQ(gemv_l2_prefetch_rounds(wide, 132, 1), 1);
+  EXPECT_EQ(gemv_l2_prefetch_rounds(wide, 132, std::int64_t{1} << 40), 4096 / 128 / 2);
+
+  int checked = 0;
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), int4, GemvWeightFormat::affine(8, 128, DType::f16)}) {
+    // The last one is the LM head's width, whose candidates loop over tile blocks.
+    for (GemvKernelConfig config : {gemv_config(format, 1, 2000, 1024, GemvEpilogue::swiglu()),
+                                    gemv_config(format, 16, 300, 2048, GemvEpilogue::residual_add()),
+                                    gemv_config(format, 1, 128256, 2048, GemvEpilogue::store())}) {
+      if (config.out_features > 100000 && format != int4) continue;
+      for (const GemvKernelConfig& shape : gemv_tuning_candidates(config)) {
+        GemvKernelConfig prefetching = shape;
+        prefetching.l2_prefetch_rounds = gemv_l2_prefetch_rounds(shape);
+        const GemvKernelSource plain = generate_gemv_kernel(shape), fetched = generate_gemv_kernel(prefetching);
+        EXPECT_EQ(plain.source.find("kPrefetchRounds = 0;") != std::string::npos, true);
+        EXPECT_NE(fetched.source.find(fmt::format("kPrefetchRounds = {};", prefetching.l2_prefetch_rounds)), std::string::npos);
+        EXPECT_NE(plain.kernel_name, fetched.kernel_name);
+        if (shape.k_splits == 1 && shape.shared_stages == 0) {
+          expect_no_spills(compile_for_sm90(fetched).log, prefetching.to_string());
+        } else {
+          compile_for_sm90(fetched);  // split-K and staged shapes: compiling is the check
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GE(checked, 3 * 2 * 5);
+  GemvKernelConfig bad = small;
+  bad.l2_prefetch_rounds = -1;
+  EXPECT_THROW(bad.validate(), InputError);
+}
+
 // The LM head (Llama-3.2-1B: 128256 rows of 2048, 4-bit, the final norm in its prologue, the argmax
 // join): the tuner adds blocks of 2 and 4 tiles for a vocabulary-wide N, and every register
 // candidate compiles without spills. SwiGLU stages and narrower N get one tile per block.
