@@ -231,6 +231,91 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
   }
 }
 
+// Issue 13/14: decode over few KV heads (2 KV heads x 6 query rows: Qwen2.5-1.5B's groups) at key
+// counts that are no multiple of the 16-key step (1, 17, 500) and 128, in every launch shape the
+// flash_attention lowering races (decode_attention_variants) and the explicit small-block and L2
+// prefetch shapes: one- and two-warp clusters (the few-heads default), a one-warp global merge,
+// the one-split grid, the prefetch on the global merge, a 4-warp and a one-warp cluster. With the
+// positions mask the cache holds 512 slots, NaN past the last position (the model engine's case:
+// the splits sized on the device from the visible keys, the prefetch never past them).
+class FewHeadsAttention : public AttentionKernels {
+ public:
+  void run(DType dtype, std::int64_t head_dim, AttentionMask mask, std::uint64_t seed) {
+    for (const std::int64_t keys : {1, 17, 128, 500}) {
+      AttentionProblem problem;
+      problem.dtype = dtype;
+      problem.heads = 2;
+      problem.rows = 6;
+      problem.keys = mask == AttentionMask::positions ? 512 : keys;
+      problem.head_dim = problem.value_dim = head_dim;
+      problem.scale = 2.0 / std::sqrt(static_cast<double>(head_dim));
+      problem.mask = mask;
+      problem.position_count = mask == AttentionMask::positions ? 1 : 0;
+      AttentionInputs in = random_inputs(problem, seed += 10);
+      if (mask == AttentionMask::positions) {
+        in.positions = {static_cast<std::int32_t>(keys - 1)};
+        poison_cache_after(problem, in, keys - 1);
+      }
+      std::vector<DecodeVariant> shapes = decode_attention_variants(problem);
+      auto explicit_shape = [&](const std::string& name, int warps, bool cluster, bool prefetch) {
+        FlashAttentionOptions options;
+        options.decode_warps = warps;
+        options.decode_cluster = cluster;
+        options.decode_l2_prefetch = prefetch;
+        shapes.push_back({name, options});
+      };
+      explicit_shape("cluster w1", 1, true, false);
+      explicit_shape("global merge w1", 1, false, false);
+      explicit_shape("l2 prefetch, global merge w8", 8, false, true);
+      explicit_shape("l2 prefetch, cluster w4", 4, true, true);
+      explicit_shape("l2 prefetch, cluster w1", 1, true, true);
+      for (const DecodeVariant& shape : shapes) {
+        check(problem, shape.options, in,
+              fmt::format("decode few heads T={} {}", keys, shape.name.empty() ? "default" : shape.name));
+      }
+    }
+  }
+};
+
+TEST_F(FewHeadsAttention, Dim128NoMask) { run(DType::bf16, 128, AttentionMask::none, seed_base() * 1000 + 600); }
+TEST_F(FewHeadsAttention, Dim128Positions) { run(DType::bf16, 128, AttentionMask::positions, seed_base() * 1000 + 650); }
+TEST_F(FewHeadsAttention, Dim64NoMask) { run(DType::f16, 64, AttentionMask::none, seed_base() * 1000 + 700); }
+TEST_F(FewHeadsAttention, Dim64Positions) { run(DType::bf16, 64, AttentionMask::positions, seed_base() * 1000 + 750); }
+
+// The L2 prefetch at long contexts, where its window slides ahead of the loads (more rounds than
+// the split's first window): Llama-3-8B's groups over 4097 keys, the prefetch on the default
+// shape, the 8-warp global merge and 4-warp clusters; the positions mask with a token at 3000 in
+// a 4096-slot cache (NaN after it: nothing past the last position is read).
+TEST_F(AttentionKernels, L2PrefetchAtLongContexts) {
+  std::uint64_t seed = seed_base() * 1000 + 400;
+  for (const AttentionMask mask : {AttentionMask::none, AttentionMask::positions}) {
+    AttentionProblem problem;
+    problem.dtype = DType::bf16;
+    problem.heads = 8;
+    problem.rows = 4;
+    problem.keys = mask == AttentionMask::positions ? 4096 : 4097;
+    problem.head_dim = problem.value_dim = 128;
+    problem.scale = 1.0 / std::sqrt(128.0);
+    problem.mask = mask;
+    problem.position_count = mask == AttentionMask::positions ? 1 : 0;
+    AttentionInputs in = random_inputs(problem, seed += 10);
+    if (mask == AttentionMask::positions) {
+      in.positions = {3000};
+      poison_cache_after(problem, in, 3000);
+    }
+    for (const auto& [warps, cluster, keys_per_split] :
+         {std::tuple{0, false, std::int64_t{0}}, std::tuple{8, false, std::int64_t{0}}, std::tuple{8, false, std::int64_t{1024}},
+          std::tuple{4, true, std::int64_t{0}}}) {
+      FlashAttentionOptions options;
+      options.decode_warps = warps;
+      options.decode_cluster = cluster;
+      options.keys_per_split = keys_per_split;
+      options.decode_l2_prefetch = true;
+      check(problem, options, in, fmt::format("decode L2 prefetch w{}{}", warps, cluster ? " cluster" : ""));
+    }
+  }
+}
+
 TEST_F(AttentionKernels, PrefillMatchesFloat64Reference) {
   std::uint64_t seed = seed_base() * 1000 + 800;
   const struct {
