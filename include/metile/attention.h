@@ -26,6 +26,9 @@
 //            visible keys a head is one split whatever the grid: no split merge at all. In the
 //            short-cache shapes (one split, or a cluster) split 0 loads each warp's first step
 //            together with Q and the positions, one dependent global round trip instead of two.
+//            Few heads at short caches: one-warp blocks, a head's splits one cluster, so 2 heads
+//            still occupy 16 multiprocessors at 128 keys. Optionally (l2_prefetch) each block asks
+//            the L2 for a window of its K and V rows by bulk prefetches ahead of its loads.
 //   prefill  any R: blocks of 16-row warps over a row tile, K and V tiles of 64 keys staged in
 //            shared memory (cp.async, two stages), causal / positions tiles past a row tile's last
 //            visible key skipped.

@@ -148,7 +148,9 @@ TEST_F(DecodeStepKernels, FlashAttentionNativeAndFusedMatchTheReference) {
     ASSERT_TRUE(lowered.decision.ok) << lowered.decision.reason;
     ASSERT_FALSE(lowered.candidates.empty());
     EXPECT_EQ(lowered.candidates[0].id.variant, c.rows <= 16 ? "attention decode" : "attention prefill");
-    if (c.rows > 16) EXPECT_EQ(lowered.candidates.size(), 1u);
+    if (c.rows > 16) {
+      EXPECT_EQ(lowered.candidates.size(), 1u);
+    }
     // Every launch shape the tournament may pick (decode: decode_attention_variants) gives the reference.
     for (const FusedCandidate& candidate : lowered.candidates) {
       values.poison_computed_values();
