@@ -359,11 +359,17 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   // in split 0 (its keys start at key 0 however the splits are sized), each warp's first step,
   // read up to the cache's capacity. Keys past the last visible one may hold anything (an
   // unwritten slot: NaN): below, their V rows become zeros and their scores are masked.
+  // kSpeculateEverySplit (clusters over a short cache with the positions mask: the few-heads
+  // default in the model engine's decode step): every split
+  // guesses that the visible keys give one step per warp (a split of 16 · kWarps keys, as they do
+  // from kOneSplitKeys up to 16 · kWarps · grid_splits visible keys: 33..256 for Qwen's one-warp
+  // clusters of 16) and loads that step with the positions; a wrong guess is dropped and reloaded.
   u32 qa[kQuerySteps][4];
   if constexpr (kSpeculate) load_query(qa, q, g, kRows, t);
-  const bool speculative = kSpeculate && split == 0;
+  const bool speculative = kSpeculate && (split == 0 || kSpeculateEverySplit);
+  const int guessed_begin = split * 16 * kWarps;
   KeyStep current;
-  if (speculative) load_step(current, k, v, 16 * warp, keys - 1, g, t);
+  if (speculative) load_step(current, k, v, guessed_begin + 16 * warp, keys - 1, g, t);
 
   // Keys past the last one any row may see are never read (but for the speculative step above).
   int key_end = 0, min_limit = kNoLimit;
@@ -389,6 +395,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   const int split_begin = split * keys_per_split;
   const int split_end = min(split_begin + keys_per_split, key_end);
   const int last_readable = key_end - 1;
+  const bool speculated = speculative && split_begin == guessed_begin;  // always so for split 0
 
   if constexpr (!kSpeculate) load_query(qa, q, g, kRows, t);
   RowState state = {{negative_infinity(), negative_infinity()}, {0.0f, 0.0f}};
@@ -406,7 +413,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   if constexpr (kStages == 0) {
     // Registers: the next step's loads are in flight while this one's math runs.
     int first = split_begin + 16 * warp;
-    if (speculative) {
+    if (speculated) {
       if (first < split_end) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -979,6 +986,11 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   // kernel: its 8-warp, 128-wide variant (the long-context default) would go from 251 to 255
   // registers, and at long contexts that round trip is not the critical path.
   const bool speculate = config.stages == 0 && (result.splits == 1 || cluster);
+  // Every split of a cluster guesses its first step (kSpeculateEverySplit) only where the positions
+  // mask makes the split wait for a global round trip, and over short caches (where a context's
+  // visible keys are mostly within the guess's range): elsewhere a wrong guess is bytes read twice.
+  const bool speculate_every_split =
+      speculate && cluster && problem.mask == AttentionMask::positions && problem.keys <= kLongestOneSplit;
   const int prefetch_rounds = decode_prefetch_rounds(config);
   result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}{}{}", problem_tag(problem), problem.rows,
                                    config.warps, config.stages,
@@ -987,10 +999,11 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   result.source = constants(problem, config.warps, result.kernel_name);
   result.source += fmt::format(
       "constexpr int kRows = {};\nconstexpr int kStages = {};\nconstexpr bool kCluster = {};\n"
-      "constexpr int kClusterSplits = {};\nconstexpr bool kSpeculate = {};\nconstexpr int kPrefetchRounds = {};\n"
-      "#define CLUSTER_DIMENSIONS {}\n",
+      "constexpr int kClusterSplits = {};\nconstexpr bool kSpeculate = {};\nconstexpr bool kSpeculateEverySplit = {};\n"
+      "constexpr int kPrefetchRounds = {};\n#define CLUSTER_DIMENSIONS {}\n",
       problem.rows, config.stages, cluster ? "true" : "false", cluster ? result.splits : 1, speculate ? "true" : "false",
-      prefetch_rounds, cluster ? fmt::format("__cluster_dims__({}, 1, 1)", result.splits) : std::string());
+      speculate_every_split ? "true" : "false", prefetch_rounds,
+      cluster ? fmt::format("__cluster_dims__({}, 1, 1)", result.splits) : std::string());
   result.source += codegen_detail::tensor_core_device_helpers();
   result.source += common_body;
   result.source += decode_body;

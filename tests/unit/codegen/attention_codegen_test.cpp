@@ -381,6 +381,10 @@ TEST(AttentionCodegen, DecodeVariantsCompileForSm90) {
       EXPECT_EQ(kernel.source.find("kPrefetchRounds = 0;") == std::string::npos, variant.options.decode_l2_prefetch)
           << kernel.kernel_name;
       EXPECT_EQ(kernel.kernel_name.find("_l2prefetch") != std::string::npos, variant.options.decode_l2_prefetch);
+      // Every split of a cluster loads its guessed first step with the positions over short caches only.
+      EXPECT_EQ(kernel.source.find("kSpeculateEverySplit = true") != std::string::npos,
+                kernel.cluster && shape.keys <= kLongestOneSplit)
+          << kernel.kernel_name;
     }
   }
   const struct {
