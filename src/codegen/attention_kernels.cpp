@@ -360,10 +360,10 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   // read up to the cache's capacity. Keys past the last visible one may hold anything (an
   // unwritten slot: NaN): below, their V rows become zeros and their scores are masked.
   // kSpeculateEverySplit (clusters over a short cache with the positions mask: the few-heads
-  // default in the model engine's decode step): every split
-  // guesses that the visible keys give one step per warp (a split of 16 · kWarps keys, as they do
-  // from kOneSplitKeys up to 16 · kWarps · grid_splits visible keys: 33..256 for Qwen's one-warp
-  // clusters of 16) and loads that step with the positions; a wrong guess is dropped and reloaded.
+  // default in the model engine's decode step): every split guesses that the visible keys give one
+  // step per warp (a split of 16 · kWarps keys, as they do from kOneSplitKeys up to 16 · kWarps ·
+  // grid_splits visible keys: 33..256 for Qwen's one-warp clusters of 16) and loads that step with
+  // the positions; a wrong guess is dropped and the split's first step loaded after the positions.
   u32 qa[kQuerySteps][4];
   if constexpr (kSpeculate) load_query(qa, q, g, kRows, t);
   const bool speculative = kSpeculate && (split == 0 || kSpeculateEverySplit);
@@ -906,14 +906,13 @@ std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, i
 }
 
 DecodeShape default_decode_shape(const AttentionProblem& problem) {
-  constexpr std::int64_t longest_clustered = 4096;  // measured at 512, 4096 and 32768 keys
   if (problem.keys <= kLongestOneSplit) {
     // Few heads: one-warp blocks, a head's splits one cluster (not measured yet: notes/attention.md,
     // session 7, and the flash_attention lowering races it against the one-split grid).
     if (problem.heads < kOneSplitHeads) return {1, true, false};
     return {8, false, true};
   }
-  if (problem.keys <= longest_clustered) return {4, true, false};
+  if (problem.keys <= kLongestClustered) return {4, true, false};
   return {8, false, false};
 }
 

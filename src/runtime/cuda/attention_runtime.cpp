@@ -50,8 +50,8 @@ DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, c
 std::vector<DecodeVariant> decode_attention_variants(const AttentionProblem& problem) {
   std::vector<DecodeVariant> variants = {{"", {}}};
   if (!problem.is_decode()) return variants;
-  constexpr std::int64_t longest_clustered = 4096;  // as default_decode_shape: beyond, a cluster holds too few bytes
-  if (problem.keys <= longest_clustered && problem.heads < kOneSplitHeads) {
+  // Beyond kLongestClustered keys a cluster holds too few bytes in flight (default_decode_shape).
+  if (problem.keys <= kLongestClustered && problem.heads < kOneSplitHeads) {
     for (int warps : {1, 2}) {
       FlashAttentionOptions options;
       options.decode_warps = warps;
