@@ -26,6 +26,9 @@
 //            visible keys a head is one split whatever the grid: no split merge at all. In the
 //            short-cache shapes (one split, or a cluster) split 0 loads each warp's first step
 //            together with Q and the positions, one dependent global round trip instead of two.
+//            Few heads at short caches: one-warp blocks, a head's splits one cluster, so 2 heads
+//            still occupy 16 multiprocessors at 128 keys. Optionally (l2_prefetch) each block asks
+//            the L2 for a window of its K and V rows by bulk prefetches ahead of its loads.
 //   prefill  any R: blocks of 16-row warps over a row tile, K and V tiles of 64 keys staged in
 //            shared memory (cp.async, two stages), causal / positions tiles past a row tile's last
 //            visible key skipped.
@@ -78,16 +81,28 @@ struct AttentionProblem {
 
 struct DecodeAttentionConfig {
   AttentionProblem problem;
-  int warps = 8;                    // per block: 2, 4 or 8
+  int warps = 8;                    // per block: 1, 2, 4 or 8 (1 and 2: small splits over many
+                                    // blocks when the heads are few)
   std::int64_t keys_per_split = 0;  // a multiple of 16; 0: decode_keys_per_split()
   int stages = 0;                   // 0: K/V fragments double-buffered in registers; 2..4: a per-warp
                                     // shared-memory ring of that many 16-key steps filled by cp.async
   bool cluster = false;             // the splits of a head form one thread-block cluster and merge
                                     // through distributed shared memory (no global scratch, no
                                     // arrival counter); at most kMaxClusterSplits splits
+  bool l2_prefetch = false;         // registers only (stages 0): each block first asks the L2 for its
+                                    // next kL2PrefetchWindowBytes of K and V by bulk prefetches
+                                    // (cp.async.bulk.prefetch.L2, sm_90) and keeps that window
+                                    // ahead of its loads, so the DRAM holds more of the block's
+                                    // bytes in flight than its registers can
   void validate() const;
 };
 constexpr std::int64_t kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster
+// The prefetch window of a block (K and V together), in whole rounds of 16·warps keys (at least
+// one, at most 32: one lane of a warp each). 128 KiB a block is a whole split at 4096 keys of
+// Llama-3-8B's 8 heads (16 splits of 256 keys), and 132 blocks' windows (17 MB) stay a third of
+// the H200's 50 MB L2, so lines prefetched are not evicted before they are read.
+constexpr std::int64_t kL2PrefetchWindowBytes = 128 * 1024;
+int decode_prefetch_rounds(const DecodeAttentionConfig& config);  // 0 without l2_prefetch
 // The grid's splits: from keys_per_split, or the default (for a cluster: at most 16 per head).
 std::int64_t decode_split_count(const DecodeAttentionConfig& config);
 std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 without a ring
@@ -96,9 +111,14 @@ std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 witho
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors = 132);
 
 // The decode launch shape FlashAttention picks when none is given. Caches of up to
-// kLongestOneSplit keys (the model engine's short contexts): one 8-warp block per head, no split
-// merge at all (notes/attention.md, session 6: a latency-bound kernel, one dependent global round
-// trip and one block barrier). Up to 4096 keys, as measured on the H200 (device call 4): 4 warps
+// kLongestOneSplit keys (the model engine's short contexts) over at least kOneSplitHeads heads:
+// one 8-warp block per head, no split merge at all (notes/attention.md, session 6: a
+// latency-bound kernel, one dependent global round trip and one block barrier). Over fewer heads
+// that grid leaves the GPU nearly empty (Qwen2.5-1.5B's 2 KV heads: 2 blocks, 7.9 us under ncu
+// for 128 keys, against 5.5 us for Llama-3.2-1B's 8 blocks), so there the keys are split over
+// one-warp blocks, a head's splits one cluster (merged on the chip): 16 splits of a 512-key cache,
+// which on the device share the visible keys in 16-key steps (128 keys: 8 blocks per head, one
+// step each). Up to 4096 keys, as measured on the H200 (device call 4): 4 warps
 // with a head's splits as one cluster (14 clusters of 16 fit at once, the merge never leaves the
 // chip: 4.97 vs 6.81 us at 512 keys, 11.12 vs 11.39 us at 4096); beyond, 8 warps and the global
 // merge (the cluster's one 4-warp block per multiprocessor keeps too few bytes in flight: 49.6 vs
@@ -109,6 +129,8 @@ struct DecodeShape {
   bool one_split = false;  // the grid is one block per head (keys_per_split covers the cache)
 };
 constexpr std::int64_t kLongestOneSplit = 512;
+constexpr std::int64_t kOneSplitHeads = 16;
+constexpr std::int64_t kLongestClustered = 4096;  // measured at 512, 4096 and 32768 keys
 DecodeShape default_decode_shape(const AttentionProblem& problem);
 
 struct PrefillAttentionConfig {

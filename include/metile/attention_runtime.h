@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "metile/attention.h"
 #include "metile/cuda_runtime.h"
@@ -13,11 +15,12 @@
 namespace metile {
 
 struct FlashAttentionOptions {
-  int decode_warps = 0;             // 2, 4 or 8; 0: default_decode_shape() picks warps and cluster
+  int decode_warps = 0;             // 1, 2, 4 or 8; 0: default_decode_shape() picks warps and cluster
   int decode_stages = 0;
   bool decode_cluster = false;      // with decode_warps set: a head's splits as one thread-block
                                     // cluster (DecodeAttentionConfig::cluster)
   std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
+  bool decode_l2_prefetch = false;  // DecodeAttentionConfig::l2_prefetch (with any shape, default or not)
   int prefill_warps = 4;
   bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)
 };
@@ -27,6 +30,19 @@ struct FlashAttentionOptions {
 // warps, cluster and split.
 DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, const FlashAttentionOptions& options,
                                               int multiprocessors);
+
+// The decode launch shapes worth racing for `problem`, each under a name for reports ("" first: the
+// default, the options FlashAttention::build takes when given none), no two with the same kernel
+// at an H200's 132 multiprocessors. Caches of up to 4096 keys over fewer than kOneSplitHeads
+// heads: one- and two-warp clusters (many small splits); caches of up to kLongestOneSplit keys:
+// the one-split grid (one 8-warp block per head); beyond kLongestOneSplit keys: the default with
+// the L2 prefetch. The flash_attention lowering offers each as a candidate for the tournament;
+// attention_benchmark and the GPU suite run each.
+struct DecodeVariant {
+  std::string name;
+  FlashAttentionOptions options;
+};
+std::vector<DecodeVariant> decode_attention_variants(const AttentionProblem& problem);
 
 // One flash_attention problem compiled and loaded for the current device, with its scratch.
 // enqueue() only launches, so it can be captured in a CUDA graph; the scratch makes one instance

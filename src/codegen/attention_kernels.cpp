@@ -279,6 +279,23 @@ constexpr int kPaddedRows = 16;
 // without a split merge (no cluster barrier, no global partials).
 constexpr int kOneSplitKeys = 32 * kWarps;
 
+// kPrefetchRounds > 0 (DecodeAttentionConfig::l2_prefetch): the block asks the L2 for its keys
+// ahead of its loads, kPrefetchRounds rounds of 16·kWarps keys, K and V each one contiguous range
+// per round (a head's cache is [T, D]). One bulk prefetch per range, issued by the copy engine (TMA)
+// without registers or load slots, so the DRAM sees the block's whole window requested at once;
+// the loads below then meet those lines in (or on their way to) the L2. Only keys below `stop`
+// (the split's visible end) are asked for, so nothing past the written cache is touched.
+__device__ __forceinline__ void prefetch_keys_l2(const u16* __restrict__ k, const u16* __restrict__ v, int first, int stop) {
+  const int count = min(16 * kWarps, stop - first);
+  if (count <= 0) return;
+  // Byte counts are multiples of 16 (a row is 128 or 256 bytes), addresses 16-byte aligned as
+  // every vector load here already requires.
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(k + (u64)first * kHeadDim),
+               "r"((u32)(count * kHeadDim * 2)) : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(v + (u64)first * kValueDim),
+               "r"((u32)(count * kValueDim * 2)) : "memory");
+}
+
 // A step's K and V fragments straight from global memory (keys past last_readable repeat it).
 struct KeyStep {
   StepKeys keys;
@@ -342,11 +359,17 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   // in split 0 (its keys start at key 0 however the splits are sized), each warp's first step,
   // read up to the cache's capacity. Keys past the last visible one may hold anything (an
   // unwritten slot: NaN): below, their V rows become zeros and their scores are masked.
+  // kSpeculateEverySplit (clusters over a short cache with the positions mask: the few-heads
+  // default in the model engine's decode step): every split guesses that the visible keys give one
+  // step per warp (a split of 16 · kWarps keys, as they do from kOneSplitKeys up to 16 · kWarps ·
+  // grid_splits visible keys: 33..256 for Qwen's one-warp clusters of 16) and loads that step with
+  // the positions; a wrong guess is dropped and the split's first step loaded after the positions.
   u32 qa[kQuerySteps][4];
   if constexpr (kSpeculate) load_query(qa, q, g, kRows, t);
-  const bool speculative = kSpeculate && split == 0;
+  const bool speculative = kSpeculate && (split == 0 || kSpeculateEverySplit);
+  const int guessed_begin = split * 16 * kWarps;
   KeyStep current;
-  if (speculative) load_step(current, k, v, 16 * warp, keys - 1, g, t);
+  if (speculative) load_step(current, k, v, guessed_begin + 16 * warp, keys - 1, g, t);
 
   // Keys past the last one any row may see are never read (but for the speculative step above).
   int key_end = 0, min_limit = kNoLimit;
@@ -372,6 +395,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   const int split_begin = split * keys_per_split;
   const int split_end = min(split_begin + keys_per_split, key_end);
   const int last_readable = key_end - 1;
+  const bool speculated = speculative && split_begin == guessed_begin;  // always so for split 0
 
   if constexpr (!kSpeculate) load_query(qa, q, g, kRows, t);
   RowState state = {{negative_infinity(), negative_infinity()}, {0.0f, 0.0f}};
@@ -381,10 +405,15 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
 
   // Warp w takes steps split_begin + 16 (w + kWarps i).
   const int stride = 16 * kWarps;
+  if constexpr (kPrefetchRounds > 0) {
+    // The first kPrefetchRounds rounds of the split, one lane of warp 0 per round, before this
+    // block's first loads; warp 0 keeps the window kPrefetchRounds rounds ahead in the loop below.
+    if (warp == 0 && lane < kPrefetchRounds) prefetch_keys_l2(k, v, split_begin + lane * stride, split_end);
+  }
   if constexpr (kStages == 0) {
     // Registers: the next step's loads are in flight while this one's math runs.
     int first = split_begin + 16 * warp;
-    if (speculative) {
+    if (speculated) {
       if (first < split_end) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -399,6 +428,9 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
     }
 #pragma unroll 1
     for (; first < split_end; first += stride) {
+      if constexpr (kPrefetchRounds > 0) {
+        if (warp == 0 && lane == 0) prefetch_keys_l2(k, v, first + kPrefetchRounds * stride, split_end);
+      }
       KeyStep next;
       const int next_first = first + stride;
       if (next_first < split_end) load_step(next, k, v, next_first, last_readable, g, t);
@@ -562,9 +594,12 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   __shared__ float normalizers[kPaddedRows];
   const float2* head_states = partial_states + (u64)head * grid_splits * kRows;
   constexpr int kItems = (kVectors + kThreads - 1) / kThreads;
-  constexpr int kPrefetch = kItems >= 8 ? 2 : 16 / kItems;
+  // A one-warp block over 16 rows of 128 columns has 16 items a thread: its sums alone are 64
+  // registers, so it loads no split ahead and walks the splits one at a time (else it spills).
+  constexpr int kPrefetch = kItems >= 16 ? 0 : kItems >= 8 ? 2 : 16 / kItems;
+  constexpr int kSplitUnroll = kItems >= 16 ? 1 : 4;
   const float4* head_values = reinterpret_cast<const float4*>(partial_values) + (u64)head * grid_splits * kVectors;
-  float4 prefetched[kPrefetch][kItems];
+  float4 prefetched[kPrefetch > 0 ? kPrefetch : 1][kItems];
 #pragma unroll
   for (int s = 0; s < kPrefetch; ++s) {
 #pragma unroll
@@ -612,7 +647,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
       if (s < splits && threadIdx.x + i * kThreads < kVectors) accumulate(s, i, prefetched[s][i]);
     }
   }
-#pragma unroll 4
+#pragma unroll kSplitUnroll
   for (int s = kPrefetch; s < splits; ++s) {
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
@@ -871,9 +906,13 @@ std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, i
 }
 
 DecodeShape default_decode_shape(const AttentionProblem& problem) {
-  constexpr std::int64_t longest_clustered = 4096;  // measured at 512, 4096 and 32768 keys
-  if (problem.keys <= kLongestOneSplit) return {8, false, true};
-  if (problem.keys <= longest_clustered) return {4, true, false};
+  if (problem.keys <= kLongestOneSplit) {
+    // Few heads: one-warp blocks, a head's splits one cluster (not measured yet: notes/attention.md,
+    // session 7, and the flash_attention lowering races it against the one-split grid).
+    if (problem.heads < kOneSplitHeads) return {1, true, false};
+    return {8, false, true};
+  }
+  if (problem.keys <= kLongestClustered) return {4, true, false};
   return {8, false, false};
 }
 
@@ -887,9 +926,15 @@ void DecodeAttentionConfig::validate() const {
   if (!problem.is_decode()) {
     throw InputError(fmt::format("decode attention: {} rows (the decode kernel takes 1..16)", problem.rows));
   }
-  if (warps != 2 && warps != 4 && warps != 8) throw InputError(fmt::format("decode attention: {} warps (2, 4 or 8)", warps));
+  if (warps != 1 && warps != 2 && warps != 4 && warps != 8) {
+    throw InputError(fmt::format("decode attention: {} warps (1, 2, 4 or 8)", warps));
+  }
   if (stages != 0 && (stages < 2 || stages > 4)) {
     throw InputError(fmt::format("decode attention: {} stages (0: registers, or 2..4)", stages));
+  }
+  if (l2_prefetch && stages != 0) {
+    throw InputError(fmt::format("decode attention: the L2 prefetch runs with the register path (stages 0), not {} stages",
+                                 stages));
   }
   if (decode_ring_bytes(*this) > 227 * 1024) {
     throw InputError(fmt::format("decode attention: {} warps x {} stages need {} bytes of shared memory (227 KiB at most)",
@@ -904,6 +949,13 @@ void DecodeAttentionConfig::validate() const {
       throw InputError(fmt::format("decode attention: {} splits in one cluster (at most {})", splits, kMaxClusterSplits));
     }
   }
+}
+
+int decode_prefetch_rounds(const DecodeAttentionConfig& config) {
+  if (!config.l2_prefetch) return 0;
+  const std::int64_t round_bytes =
+      16 * config.warps * (config.problem.head_dim + config.problem.value_dim) * dtype_size(config.problem.dtype);
+  return static_cast<int>(std::clamp<std::int64_t>(kL2PrefetchWindowBytes / round_bytes, 1, 32));
 }
 
 std::int64_t decode_split_count(const DecodeAttentionConfig& config) {
@@ -933,14 +985,23 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   // kernel: its 8-warp, 128-wide variant (the long-context default) would go from 251 to 255
   // registers, and at long contexts that round trip is not the critical path.
   const bool speculate = config.stages == 0 && (result.splits == 1 || cluster);
-  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}{}", problem_tag(problem), problem.rows,
+  // Every split of a cluster guesses its first step (kSpeculateEverySplit) only where the positions
+  // mask makes the split wait for a global round trip, and over short caches (where a context's
+  // visible keys are mostly within the guess's range): elsewhere a wrong guess is bytes read twice.
+  const bool speculate_every_split =
+      speculate && cluster && problem.mask == AttentionMask::positions && problem.keys <= kLongestOneSplit;
+  const int prefetch_rounds = decode_prefetch_rounds(config);
+  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}{}{}", problem_tag(problem), problem.rows,
                                    config.warps, config.stages,
-                                   cluster ? fmt::format("_cluster{}", result.splits) : std::string());
+                                   cluster ? fmt::format("_cluster{}", result.splits) : std::string(),
+                                   prefetch_rounds > 0 ? "_l2prefetch" : "");
   result.source = constants(problem, config.warps, result.kernel_name);
   result.source += fmt::format(
       "constexpr int kRows = {};\nconstexpr int kStages = {};\nconstexpr bool kCluster = {};\n"
-      "constexpr int kClusterSplits = {};\nconstexpr bool kSpeculate = {};\n#define CLUSTER_DIMENSIONS {}\n",
+      "constexpr int kClusterSplits = {};\nconstexpr bool kSpeculate = {};\nconstexpr bool kSpeculateEverySplit = {};\n"
+      "constexpr int kPrefetchRounds = {};\n#define CLUSTER_DIMENSIONS {}\n",
       problem.rows, config.stages, cluster ? "true" : "false", cluster ? result.splits : 1, speculate ? "true" : "false",
+      speculate_every_split ? "true" : "false", prefetch_rounds,
       cluster ? fmt::format("__cluster_dims__({}, 1, 1)", result.splits) : std::string());
   result.source += codegen_detail::tensor_core_device_helpers();
   result.source += common_body;
@@ -954,10 +1015,11 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   result.launch.shared_memory_bytes = static_cast<std::uint32_t>(
       std::max({decode_ring_bytes(config), config.warps * 16 * 8 + config.warps * problem.rows * problem.value_dim * 4,
                 result.splits * problem.rows * 8}));
-  result.summary = fmt::format("decode {} warps{}{}, {} splits of {} keys", config.warps,
+  result.summary = fmt::format("decode {} warp{}{}{}{}, {} splits of {} keys", config.warps, config.warps == 1 ? "" : "s",
                                config.stages > 0 ? fmt::format(" {}-stage ring", config.stages) : "",
-                               cluster ? ", cluster" : "", result.splits,
-                               result.keys_per_split);
+                               cluster ? ", cluster" : "",
+                               prefetch_rounds > 0 ? fmt::format(", L2 prefetch {} rounds", prefetch_rounds) : "",
+                               result.splits, result.keys_per_split);
   return result;
 }
 

@@ -1,7 +1,8 @@
 // The fused lowering of flash_attention regions (docs/architecture.md, "Measured dispatch"): the
 // generated attention kernel (decode for R <= 16 query rows, the tiled prefill kernel otherwise;
-// include/metile/attention_runtime.h) as a fused candidate, gated against the CPU reference and
-// raced against the native path (the law's definition as plain ops, NativeRuntime) like every region.
+// include/metile/attention_runtime.h) as fused candidates (decode: one per launch shape of
+// decode_attention_variants), gated against the CPU reference and raced against each other and the
+// native path (the law's definition as plain ops, NativeRuntime) like every region.
 // Also the lowering of attention's inputs (rope_kv_cache regions): rope on q and k and both cache
 // writes as one generated kernel.
 #include <fmt/core.h>
@@ -30,41 +31,50 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   } catch (const InputError& error) {
     return {Decision::refuse(error.what()), {}};
   }
-  // The source that build() will compile, for the decision key: the split is fixed here (the default
-  // for an H200's 132 multiprocessors) so that key and kernel agree on every device.
-  FlashAttentionOptions options;
-  std::string source;
-  std::string variant;
+  // The sources that build() will compile, for the decision key: the split is fixed here (the default
+  // for an H200's 132 multiprocessors) so that key and kernel agree on every device. Decode offers
+  // every launch shape worth racing (decode_attention_variants: the default first, then, for few
+  // heads or short caches, small clusters or the one-split grid, for long caches the L2 prefetch),
+  // each its own candidate: the tournament, not a rule, picks among them on the device.
+  std::vector<std::pair<std::string, FlashAttentionOptions>> shapes;
+  std::vector<std::string> sources;
   if (problem.is_decode()) {
-    // build() on the device decides the same way (its multiprocessor count in place of 132).
-    const DecodeAttentionConfig config = decode_attention_config(problem, options, 132);
-    source = generate_decode_attention_kernel(config).source;
-    variant = "attention decode";
+    for (const DecodeVariant& variant : decode_attention_variants(problem)) {
+      // build() on the device decides the same way (its multiprocessor count in place of 132).
+      const DecodeAttentionConfig config = decode_attention_config(problem, variant.options, 132);
+      shapes.emplace_back(variant.name.empty() ? "attention decode" : "attention decode " + variant.name, variant.options);
+      sources.push_back(generate_decode_attention_kernel(config).source);
+    }
   } else {
+    FlashAttentionOptions options;
     PrefillAttentionConfig config;
     config.problem = problem;
     config.warps = options.prefill_warps;
-    source = generate_prefill_attention_kernel(config).source;
-    variant = "attention prefill";
+    shapes.emplace_back("attention prefill", options);
+    sources.push_back(generate_prefill_attention_kernel(config).source);
   }
-  FusedCandidate candidate;
-  candidate.id = CandidateId::fused(variant);
-  candidate.source = std::move(source);
-  candidate.summary = fmt::format("{} ({})", variant, problem.to_string());
   const std::vector<ValueId> operands = node.inputs;
   const ValueId out = node.outputs[0];
-  candidate.bind = [problem, options, operands, out](DeviceValues& values) {
-    auto attention = std::make_shared<FlashAttention>(FlashAttention::build(problem, options));
-    const std::uint64_t q = values[operands[0]].address();
-    const std::uint64_t k = values[operands[1]].address();
-    const std::uint64_t v = values[operands[2]].address();
-    const std::uint64_t positions = operands.size() == 4 ? values[operands[3]].address() : 0;
-    const std::uint64_t output = values[out].address();
-    return DeviceStep([attention, q, k, v, positions, output](const CudaStream& stream) {
-      attention->enqueue(stream, q, k, v, positions, output);
-    });
-  };
-  return {Decision::allow(), {std::move(candidate)}};
+  std::vector<FusedCandidate> candidates;
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    FusedCandidate candidate;
+    candidate.id = CandidateId::fused(shapes[i].first);
+    candidate.source = std::move(sources[i]);
+    candidate.summary = fmt::format("{} ({})", shapes[i].first, problem.to_string());
+    candidate.bind = [problem, options = shapes[i].second, operands, out](DeviceValues& values) {
+      auto attention = std::make_shared<FlashAttention>(FlashAttention::build(problem, options));
+      const std::uint64_t q = values[operands[0]].address();
+      const std::uint64_t k = values[operands[1]].address();
+      const std::uint64_t v = values[operands[2]].address();
+      const std::uint64_t positions = operands.size() == 4 ? values[operands[3]].address() : 0;
+      const std::uint64_t output = values[out].address();
+      return DeviceStep([attention, q, k, v, positions, output](const CudaStream& stream) {
+        attention->enqueue(stream, q, k, v, positions, output);
+      });
+    };
+    candidates.push_back(std::move(candidate));
+  }
+  return {Decision::allow(), std::move(candidates)};
 }
 
 Lowered rope_kv_cache_candidates(const ComputeGraph& graph, const FusionRegion& region) {

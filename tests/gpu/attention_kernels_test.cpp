@@ -10,9 +10,12 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "../unit/gemv/gemv_test_support.h"
 #include "gpu_test_support.h"
@@ -228,6 +231,120 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
     cluster.decode_warps = 4;
     cluster.decode_cluster = true;
     check(problem, cluster, in, "decode positions, cluster");
+  }
+}
+
+// Issue 13/14: decode over few KV heads (2 KV heads x 6 query rows: Qwen2.5-1.5B's groups) at key
+// counts that are no multiple of the 16-key step (1, 17, 500) and 128, in every launch shape the
+// flash_attention lowering races (decode_attention_variants) and the explicit small-block and L2
+// prefetch shapes: one- and two-warp clusters (the few-heads default), a one-warp global merge,
+// the one-split grid, the prefetch on the global merge, a 4-warp and a one-warp cluster. With the
+// positions mask the cache holds 512 slots, NaN past the last position (the model engine's case:
+// the splits sized on the device from the visible keys, the prefetch never past them).
+// One case per head dim, mask and key count (16 test instances, each its own process in
+// benchmarks/attention/device_run.sh: each compiles ~8 kernels).
+struct FewHeadsCase {
+  DType dtype;
+  std::int64_t head_dim;
+  AttentionMask mask;
+  std::int64_t keys;
+};
+
+class FewHeadsAttention : public AttentionKernels, public ::testing::WithParamInterface<FewHeadsCase> {};
+
+TEST_P(FewHeadsAttention, EveryShapeMatchesFloat64Reference) {
+  const FewHeadsCase c = GetParam();
+  AttentionProblem problem;
+  problem.dtype = c.dtype;
+  problem.heads = 2;
+  problem.rows = 6;
+  problem.keys = c.mask == AttentionMask::positions ? 512 : c.keys;
+  problem.head_dim = problem.value_dim = c.head_dim;
+  problem.scale = 2.0 / std::sqrt(static_cast<double>(c.head_dim));
+  problem.mask = c.mask;
+  problem.position_count = c.mask == AttentionMask::positions ? 1 : 0;
+  AttentionInputs in =
+      random_inputs(problem, seed_base() * 1000 + 600 + static_cast<std::uint64_t>(c.head_dim + 7 * c.keys) +
+                                 (c.mask == AttentionMask::positions ? 5000 : 0));
+  if (c.mask == AttentionMask::positions) {
+    in.positions = {static_cast<std::int32_t>(c.keys - 1)};
+    poison_cache_after(problem, in, c.keys - 1);
+  }
+  std::vector<DecodeVariant> shapes = decode_attention_variants(problem);
+  auto explicit_shape = [&](const std::string& name, int warps, bool cluster, bool prefetch) {
+    FlashAttentionOptions options;
+    options.decode_warps = warps;
+    options.decode_cluster = cluster;
+    options.decode_l2_prefetch = prefetch;
+    shapes.push_back({name, options});
+  };
+  explicit_shape("cluster w1", 1, true, false);  // (the default here: checked once, below)
+  explicit_shape("global merge w1", 1, false, false);
+  explicit_shape("l2 prefetch, global merge w8", 8, false, true);
+  explicit_shape("l2 prefetch, cluster w4", 4, true, true);
+  explicit_shape("l2 prefetch, cluster w1", 1, true, true);
+  std::vector<std::string> checked;
+  for (const DecodeVariant& shape : shapes) {
+    const AttentionKernelSource kernel =
+        generate_decode_attention_kernel(decode_attention_config(problem, shape.options, device().info().multiprocessor_count));
+    const std::string identity = fmt::format("{} {}", kernel.source, kernel.splits);
+    if (std::find(checked.begin(), checked.end(), identity) != checked.end()) continue;
+    checked.push_back(identity);
+    check(problem, shape.options, in, fmt::format("decode few heads T={} {}", c.keys, shape.name.empty() ? "default" : shape.name));
+  }
+  EXPECT_GE(checked.size(), 5u);
+}
+
+std::vector<FewHeadsCase> few_heads_cases() {
+  std::vector<FewHeadsCase> cases;
+  for (const auto& [dtype, head_dim] : {std::pair{DType::bf16, std::int64_t{128}}, std::pair{DType::f16, std::int64_t{64}}}) {
+    for (const AttentionMask mask : {AttentionMask::none, AttentionMask::positions}) {
+      // (positions: bf16 at both head dims)
+      for (const std::int64_t keys : {1, 17, 128, 500}) {
+        cases.push_back({mask == AttentionMask::positions ? DType::bf16 : dtype, head_dim, mask, keys});
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Qwen, FewHeadsAttention, ::testing::ValuesIn(few_heads_cases()),
+                         [](const ::testing::TestParamInfo<FewHeadsCase>& info) {
+                           return fmt::format("{}_D{}_{}_T{}", dtype_name(info.param.dtype), info.param.head_dim,
+                                              attention_mask_name(info.param.mask), info.param.keys);
+                         });
+
+// The L2 prefetch at long contexts, where its window slides ahead of the loads (more rounds than
+// the split's first window): Llama-3-8B's groups over 4097 keys, the prefetch on the default
+// shape, the 8-warp global merge and 4-warp clusters; the positions mask with a token at 3000 in
+// a 4096-slot cache (NaN after it: nothing past the last position is read).
+TEST_F(AttentionKernels, L2PrefetchAtLongContexts) {
+  std::uint64_t seed = seed_base() * 1000 + 400;
+  for (const AttentionMask mask : {AttentionMask::none, AttentionMask::positions}) {
+    AttentionProblem problem;
+    problem.dtype = DType::bf16;
+    problem.heads = 8;
+    problem.rows = 4;
+    problem.keys = mask == AttentionMask::positions ? 4096 : 4097;
+    problem.head_dim = problem.value_dim = 128;
+    problem.scale = 1.0 / std::sqrt(128.0);
+    problem.mask = mask;
+    problem.position_count = mask == AttentionMask::positions ? 1 : 0;
+    AttentionInputs in = random_inputs(problem, seed += 10);
+    if (mask == AttentionMask::positions) {
+      in.positions = {3000};
+      poison_cache_after(problem, in, 3000);
+    }
+    for (const auto& [warps, cluster, keys_per_split] :
+         {std::tuple{0, false, std::int64_t{0}}, std::tuple{8, false, std::int64_t{0}}, std::tuple{8, false, std::int64_t{1024}},
+          std::tuple{4, true, std::int64_t{0}}}) {
+      FlashAttentionOptions options;
+      options.decode_warps = warps;
+      options.decode_cluster = cluster;
+      options.keys_per_split = keys_per_split;
+      options.decode_l2_prefetch = true;
+      check(problem, options, in, fmt::format("decode L2 prefetch w{}{}", warps, cluster ? " cluster" : ""));
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 // per-head arrival counters the last split uses to find itself), and its launch.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -35,6 +36,7 @@ DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, c
   config.cluster = shape.cluster;
   config.keys_per_split = options.keys_per_split;
   config.stages = options.decode_stages;
+  config.l2_prefetch = options.decode_l2_prefetch;
   if (config.keys_per_split == 0 && shape.one_split) config.keys_per_split = (problem.keys + 15) / 16 * 16;
   if (config.keys_per_split == 0) {
     // A head's splits in one cluster: at most kMaxClusterSplits of them.
@@ -43,6 +45,41 @@ DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, c
     config.keys_per_split = decode_keys_per_split(problem, config.warps, static_cast<int>(blocks));
   }
   return config;
+}
+
+std::vector<DecodeVariant> decode_attention_variants(const AttentionProblem& problem) {
+  std::vector<DecodeVariant> variants = {{"", {}}};
+  if (!problem.is_decode()) return variants;
+  // Beyond kLongestClustered keys a cluster holds too few bytes in flight (default_decode_shape).
+  if (problem.keys <= kLongestClustered && problem.heads < kOneSplitHeads) {
+    for (int warps : {1, 2}) {
+      FlashAttentionOptions options;
+      options.decode_warps = warps;
+      options.decode_cluster = true;
+      variants.push_back({fmt::format("cluster w{}", warps), options});
+    }
+  }
+  if (problem.keys <= kLongestOneSplit) {
+    FlashAttentionOptions options;
+    options.decode_warps = 8;
+    options.keys_per_split = (problem.keys + 15) / 16 * 16;
+    variants.push_back({"one split w8", options});
+  } else {
+    FlashAttentionOptions options;
+    options.decode_l2_prefetch = true;
+    variants.push_back({"l2 prefetch", options});
+  }
+  // The default is one of the shapes above for some problems: keep each kernel once, first name wins.
+  std::vector<DecodeVariant> distinct;
+  std::vector<std::string> names;
+  for (DecodeVariant& variant : variants) {
+    const AttentionKernelSource kernel = generate_decode_attention_kernel(decode_attention_config(problem, variant.options, 132));
+    const std::string identity = fmt::format("{} {} {}", kernel.kernel_name, kernel.splits, kernel.keys_per_split);
+    if (std::find(names.begin(), names.end(), identity) != names.end()) continue;
+    names.push_back(identity);
+    distinct.push_back(std::move(variant));
+  }
+  return distinct;
 }
 
 FlashAttention FlashAttention::build(const AttentionProblem& problem, const FlashAttentionOptions& options) {

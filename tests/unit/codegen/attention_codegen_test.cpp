@@ -4,6 +4,9 @@
 // one-line error), the split covers every key, and configurations the kernels cannot take are refused.
 #include <gtest/gtest.h>
 
+#include <fmt/core.h>
+
+#include <algorithm>
 #include <future>
 #include <iostream>
 #include <regex>
@@ -226,12 +229,18 @@ TEST(AttentionCodegen, DefaultSplitFillsTheMachine) {
   config.cluster = false;
   EXPECT_EQ(decode_split_count(config), 64);  // 66 blocks' worth, in 16-key steps: 64 splits of 512
 
-  // The default shape: one 8-warp block per head up to 512 keys (no split merge), clusters of
-  // 4-warp blocks up to 4096 keys (measured), 8 warps and the global merge beyond.
+  // The default shape: up to 512 keys, one 8-warp block per head (no split merge) where the
+  // heads are many, one-warp clusters where they are few (8 here); clusters of 4-warp blocks up to
+  // 4096 keys (measured), 8 warps and the global merge beyond.
   problem.keys = 512;
+  EXPECT_EQ(default_decode_shape(problem).warps, 1);
+  EXPECT_TRUE(default_decode_shape(problem).cluster);
+  EXPECT_FALSE(default_decode_shape(problem).one_split);
+  problem.heads = kOneSplitHeads;
   EXPECT_EQ(default_decode_shape(problem).warps, 8);
   EXPECT_FALSE(default_decode_shape(problem).cluster);
   EXPECT_TRUE(default_decode_shape(problem).one_split);
+  problem.heads = 8;
   problem.keys = 513;
   EXPECT_EQ(default_decode_shape(problem).warps, 4);
   EXPECT_TRUE(default_decode_shape(problem).cluster);
@@ -251,12 +260,12 @@ namespace metile {
 namespace {
 
 // The configuration FlashAttention::build and the flash_attention lowering derive from the default
-// shape (decode_attention_config, host side): a short cache is one 8-warp block per head whose
-// split 0 loads its first step with the positions; a longer one keeps the 4-warp cluster; an
-// explicit shape is kept as asked.
+// shape (decode_attention_config, host side): a short cache over many heads is one 8-warp block per
+// head whose split 0 loads its first step with the positions; over few heads, one-warp clusters;
+// a longer one keeps the 4-warp cluster; an explicit shape is kept as asked.
 TEST(AttentionCodegen, ShortCachesAreOneSplitPerHead) {
   AttentionProblem problem = problem_of(DType::bf16, 4, 500, 64, 64, AttentionMask::positions);
-  problem.heads = 8;  // Llama-3.2-1B: 8 KV heads of 64, 4 query rows each
+  problem.heads = 32;  // Llama-3.2-1B's 8 KV heads of 64, 4 query rows each, at a batch of 4
   DecodeAttentionConfig config = decode_attention_config(problem, {}, 132);
   EXPECT_EQ(config.warps, 8);
   EXPECT_FALSE(config.cluster);
@@ -264,7 +273,7 @@ TEST(AttentionCodegen, ShortCachesAreOneSplitPerHead) {
   AttentionKernelSource kernel = generate_decode_attention_kernel(config);
   EXPECT_EQ(kernel.splits, 1);
   EXPECT_EQ(kernel.launch.grid_x, 1u);
-  EXPECT_EQ(kernel.launch.grid_y, 8u);
+  EXPECT_EQ(kernel.launch.grid_y, 32u);
   EXPECT_EQ(kernel.launch.block_x, 256u);
   EXPECT_FALSE(kernel.cluster);
   EXPECT_EQ(kernel.kernel_name, "metile_attention_decode_bf16_d64_v64_positions_r4_w8_k0");
@@ -275,18 +284,144 @@ TEST(AttentionCodegen, ShortCachesAreOneSplitPerHead) {
   EXPECT_EQ(config.warps, 4);
   EXPECT_TRUE(config.cluster);
   kernel = generate_decode_attention_kernel(config);
-  EXPECT_EQ(kernel.splits, 9);  // 128 blocks' worth of 64-key splits, a step per warp
+  EXPECT_EQ(kernel.splits, 4);  // 132 blocks' worth over 32 heads: 4 splits of 144 keys
   EXPECT_TRUE(kernel.cluster);
   EXPECT_NE(kernel.source.find("kSpeculate = true"), std::string::npos);  // split 0 alone at short contexts
 
   FlashAttentionOptions explicit_shape;
   explicit_shape.decode_warps = 8;
+  problem.heads = 8;
   problem.keys = 500;
   config = decode_attention_config(problem, explicit_shape, 132);
   EXPECT_FALSE(config.cluster);
   EXPECT_EQ(config.keys_per_split, 128);  // the global merge: 4 splits, a step per warp
   kernel = generate_decode_attention_kernel(config);
   EXPECT_EQ(kernel.source.find("kSpeculate = true"), std::string::npos) << "the global merge does not speculate";
+}
+
+// Issue 13: decode over few KV heads at short contexts. Qwen2.5-1.5B (2 KV heads, 6 query rows of
+// 128) and Llama-3.2-1B (8 KV heads, 4 rows of 64) split their keys over one-warp blocks, a head's
+// splits one cluster, enough blocks for 128 keys to occupy 16 and 64 multiprocessors; wide heads
+// (a batch of Llama-3-8B's 8 heads, 32 and more) stay one 8-warp block per head.
+TEST(AttentionCodegen, FewHeadsSplitTheKeysOverManyBlocks) {
+  struct Shape {
+    const char* name;
+    std::int64_t heads, rows, head_dim;
+  };
+  for (const Shape& shape : {Shape{"Qwen2.5-1.5B", 2, 6, 128}, Shape{"Llama-3.2-1B", 8, 4, 64}}) {
+    for (std::int64_t keys : {128, 512}) {
+      SCOPED_TRACE(fmt::format("{} T {}", shape.name, keys));
+      AttentionProblem problem = problem_of(DType::bf16, shape.rows, keys, shape.head_dim, shape.head_dim, AttentionMask::positions);
+      problem.heads = shape.heads;
+      const DecodeShape picked = default_decode_shape(problem);
+      EXPECT_FALSE(picked.one_split);
+      EXPECT_TRUE(picked.cluster);
+      EXPECT_EQ(picked.warps, 1);
+      const AttentionKernelSource kernel = generate_decode_attention_kernel(decode_attention_config(problem, {}, 132));
+      EXPECT_TRUE(kernel.cluster);
+      EXPECT_EQ(kernel.launch.block_x, 32u);
+      const std::int64_t blocks = static_cast<std::int64_t>(kernel.launch.grid_x) * kernel.launch.grid_y;
+      // At 128 keys a split is one 16-key step (8 per head, as many as the keys allow); at 512 keys
+      // 16 splits of 32 keys per head, and on the device 128 visible keys again take 8 of them.
+      EXPECT_EQ(kernel.splits, keys == 128 ? 8 : 16);
+      EXPECT_EQ(kernel.keys_per_split, keys == 128 ? 16 : 32);
+      EXPECT_GE(blocks, 8 * shape.heads);
+      EXPECT_GE(blocks, 16);
+      EXPECT_LE(blocks, 132);
+    }
+  }
+  // Wide heads keep one 8-warp block per head: the heads alone fill the machine's blocks.
+  for (std::int64_t heads : {kOneSplitHeads, std::int64_t{32}, std::int64_t{64}}) {
+    AttentionProblem problem = problem_of(DType::bf16, 4, 128, 128, 128, AttentionMask::positions);
+    problem.heads = heads;
+    EXPECT_TRUE(default_decode_shape(problem).one_split) << heads << " heads";
+    const AttentionKernelSource kernel = generate_decode_attention_kernel(decode_attention_config(problem, {}, 132));
+    EXPECT_EQ(kernel.splits, 1);
+    EXPECT_EQ(kernel.launch.block_x, 256u);
+  }
+}
+
+// Every launch shape the lowering races (decode_attention_variants): the default first, named "";
+// no kernel twice; the few-heads clusters and the one-split grid at short caches, the L2 prefetch
+// at long ones; and all of them, with explicit one-warp and prefetch shapes the variants do not
+// cover (the global merge of one warp over 16 rows of 128: its registers; a one-warp prefetch of
+// 32 rounds), compile for sm_90 without spills.
+TEST(AttentionCodegen, DecodeVariantsCompileForSm90) {
+  struct Shape {
+    std::int64_t heads, rows, head_dim, keys;
+    std::vector<std::string> expected;  // the variants' names, in order
+  };
+  const std::vector<Shape> shapes = {
+      {2, 6, 128, 128, {"", "cluster w2", "one split w8"}},             // Qwen2.5-1.5B (default: cluster w1)
+      {8, 4, 64, 128, {"", "cluster w2", "one split w8"}},              // Llama-3.2-1B
+      {2, 6, 128, 500, {"", "cluster w2", "one split w8"}},
+      {32, 4, 128, 512, {""}},                                          // wide heads: one split, the default
+      {8, 4, 128, 4096, {"", "cluster w1", "cluster w2", "l2 prefetch"}},  // Llama-3-8B
+      {8, 4, 128, 32768, {"", "l2 prefetch"}},
+  };
+  std::vector<AttentionKernelSource> kernels;
+  std::vector<std::string> seen;
+  auto add = [&](const DecodeAttentionConfig& config) {
+    AttentionKernelSource kernel = generate_decode_attention_kernel(config);
+    if (std::find(seen.begin(), seen.end(), kernel.source) != seen.end()) return kernel;
+    seen.push_back(kernel.source);
+    kernels.push_back(kernel);
+    return kernel;
+  };
+  for (const Shape& shape : shapes) {
+    AttentionProblem problem = problem_of(DType::bf16, shape.rows, shape.keys, shape.head_dim, shape.head_dim,
+                                          AttentionMask::positions);
+    problem.heads = shape.heads;
+    const std::vector<DecodeVariant> variants = decode_attention_variants(problem);
+    std::vector<std::string> names;
+    for (const DecodeVariant& variant : variants) names.push_back(variant.name);
+    EXPECT_EQ(names, shape.expected) << problem.to_string();
+    for (const DecodeVariant& variant : variants) {
+      const AttentionKernelSource kernel = add(decode_attention_config(problem, variant.options, 132));
+      EXPECT_EQ(kernel.source.find("kPrefetchRounds = 0;") == std::string::npos, variant.options.decode_l2_prefetch)
+          << kernel.kernel_name;
+      EXPECT_EQ(kernel.kernel_name.find("_l2prefetch") != std::string::npos, variant.options.decode_l2_prefetch);
+      // Every split of a cluster loads its guessed first step with the positions over short caches only.
+      EXPECT_EQ(kernel.source.find("kSpeculateEverySplit = true") != std::string::npos,
+                kernel.cluster && shape.keys <= kLongestOneSplit)
+          << kernel.kernel_name;
+    }
+  }
+  const struct {
+    DType dtype;
+    std::int64_t rows, head_dim, value_dim;
+    AttentionMask mask;
+    int warps;
+    bool cluster, prefetch;
+    int rounds;  // kPrefetchRounds expected
+  } cases[] = {
+      {DType::bf16, 16, 128, 128, AttentionMask::none, 1, false, false, 0},      // the global merge's registers
+      {DType::f16, 6, 64, 128, AttentionMask::causal, 1, true, false, 0},
+      {DType::bf16, 4, 128, 128, AttentionMask::positions, 8, false, true, 2},  // 128 KiB / (128 keys x 512 B)
+      {DType::f16, 7, 64, 64, AttentionMask::causal, 1, false, true, 32},       // 256 rounds' worth, 32 lanes
+      {DType::bf16, 16, 128, 64, AttentionMask::none, 4, true, true, 5},
+  };
+  for (const auto& c : cases) {
+    DecodeAttentionConfig config;
+    config.problem = problem_of(c.dtype, c.rows, 1000, c.head_dim, c.value_dim, c.mask);
+    config.warps = c.warps;
+    config.cluster = c.cluster;
+    config.l2_prefetch = c.prefetch;
+    config.keys_per_split = c.cluster ? 64 : 0;
+    EXPECT_EQ(decode_prefetch_rounds(config), c.rounds);
+    const AttentionKernelSource kernel = add(config);
+    EXPECT_NE(kernel.source.find(fmt::format("kPrefetchRounds = {};", c.rounds)), std::string::npos) << kernel.kernel_name;
+  }
+  // The prefetch is the register path's; a ring refuses it.
+  DecodeAttentionConfig ring;
+  ring.problem = problem_of(DType::bf16, 4, 1000, 128, 128, AttentionMask::none);
+  ring.stages = 3;
+  ring.l2_prefetch = true;
+  EXPECT_THROW(generate_decode_attention_kernel(ring), InputError);
+  ring.warps = 3;
+  ring.stages = 0;
+  EXPECT_THROW(generate_decode_attention_kernel(ring), InputError);
+  expect_compile_without_spills(kernels);
 }
 
 }  // namespace
