@@ -30,7 +30,7 @@ fi
 suite=./build/gpu/tests/gpu/gpu_attention_kernels_test
 pids=
 for test in $($suite --gtest_list_tests | awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'); do
-  timeout 100 $suite --gtest_filter="$test" >"/tmp/gpu_test.$test.log" 2>&1 &
+  timeout 100 $suite --gtest_filter="$test" >"/tmp/gpu_test.${test//\//_}.log" 2>&1 &  # parameterized names hold "/"
   pids="$pids $!"
 done
 failed=0

@@ -111,14 +111,13 @@ std::int64_t decode_ring_bytes(const DecodeAttentionConfig& config);  // 0 witho
 std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, int multiprocessors = 132);
 
 // The decode launch shape FlashAttention picks when none is given. Caches of up to
-// kLongestOneSplit keys (the model engine's short contexts) over at least kOneSplitHeads heads:
-// one 8-warp block per head, no split merge at all (notes/attention.md, session 6: a
+// kLongestOneSplit keys (the model engine's short contexts) over at least kClusteredShortCacheHeads
+// heads: one 8-warp block per head, no split merge at all (notes/attention.md, session 6: a
 // latency-bound kernel, one dependent global round trip and one block barrier). Over fewer heads
-// that grid leaves the GPU nearly empty (Qwen2.5-1.5B's 2 KV heads: 2 blocks, 7.9 us under ncu
-// for 128 keys, against 5.5 us for Llama-3.2-1B's 8 blocks), so there the keys are split over
-// one-warp blocks, a head's splits one cluster (merged on the chip): 16 splits of a 512-key cache,
-// which on the device share the visible keys in 16-key steps (128 keys: 8 blocks per head, one
-// step each). Up to 4096 keys, as measured on the H200 (device call 4): 4 warps
+// that grid leaves the GPU nearly empty (Qwen2.5-1.5B's 2 KV heads: 2 blocks), so there the keys
+// are split over two-warp blocks, a head's splits one cluster (merged on the chip): measured
+// 5.17 against 5.78 us at 128 keys (session 7; the one-warp cluster 5.47, and both lose to the
+// one-split grid over Llama-3.2-1B's 8 heads: 3.94 / 4.15 against 3.45 us). Up to 4096 keys, as measured on the H200 (device call 4): 4 warps
 // with a head's splits as one cluster (14 clusters of 16 fit at once, the merge never leaves the
 // chip: 4.97 vs 6.81 us at 512 keys, 11.12 vs 11.39 us at 4096); beyond, 8 warps and the global
 // merge (the cluster's one 4-warp block per multiprocessor keeps too few bytes in flight: 49.6 vs
@@ -129,7 +128,8 @@ struct DecodeShape {
   bool one_split = false;  // the grid is one block per head (keys_per_split covers the cache)
 };
 constexpr std::int64_t kLongestOneSplit = 512;
-constexpr std::int64_t kOneSplitHeads = 16;
+constexpr std::int64_t kOneSplitHeads = 16;            // below: decode_attention_variants lists small clusters
+constexpr std::int64_t kClusteredShortCacheHeads = 4;   // below: the short-cache default is a 2-warp cluster
 constexpr std::int64_t kLongestClustered = 4096;  // measured at 512, 4096 and 32768 keys
 DecodeShape default_decode_shape(const AttentionProblem& problem);
 

@@ -36,8 +36,9 @@ DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, c
 // at an H200's 132 multiprocessors. Caches of up to 4096 keys over fewer than kOneSplitHeads
 // heads: one- and two-warp clusters (many small splits); caches of up to kLongestOneSplit keys:
 // the one-split grid (one 8-warp block per head); beyond kLongestOneSplit keys: the default with
-// the L2 prefetch. The flash_attention lowering offers each as a candidate for the tournament;
-// attention_benchmark and the GPU suite run each.
+// the L2 prefetch. attention_benchmark and the GPU suite run each; the flash_attention lowering
+// offers the default only (a race among these picked the 2-warp cluster for Llama-3.2-1B, whose
+// decode step then took 0.552 against 0.516 ms: notes/attention.md, session 7).
 struct DecodeVariant {
   std::string name;
   FlashAttentionOptions options;

@@ -222,8 +222,7 @@ struct RegionLowering {
 Lowered row_region_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
 // A flash_attention region (one node, src/dispatch/attention_lowering.cpp): the generated decode
-// (R <= 16) or prefill attention kernel, "fused attention decode|prefill" (decode also in the other
-// launch shapes of decode_attention_variants, "fused attention decode <shape>"); refused when the node's
+// (R <= 16, its default launch shape) or prefill attention kernel, "fused attention decode|prefill"; refused when the node's
 // certificate is not verified or the kernels cannot take the problem (dtype, head dims).
 Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region);
 // A rope_kv_cache region (rope on q and k, k and v written into their caches; src/fusion/rules.cpp):

@@ -907,9 +907,10 @@ std::int64_t decode_keys_per_split(const AttentionProblem& problem, int warps, i
 
 DecodeShape default_decode_shape(const AttentionProblem& problem) {
   if (problem.keys <= kLongestOneSplit) {
-    // Few heads: one-warp blocks, a head's splits one cluster (not measured yet: notes/attention.md,
-    // session 7, and the flash_attention lowering races it against the one-split grid).
-    if (problem.heads < kOneSplitHeads) return {1, true, false};
+    // Very few heads: two-warp blocks, a head's splits one cluster (measured, notes/attention.md
+    // session 7: Qwen2.5-1.5B's 2 heads 5.17 against 5.78 us one-split at 128 keys; Llama-3.2-1B's 8
+    // heads keep the one-split grid, 3.45 against 3.94 us).
+    if (problem.heads < kClusteredShortCacheHeads) return {2, true, false};
     return {8, false, true};
   }
   if (problem.keys <= kLongestClustered) return {4, true, false};

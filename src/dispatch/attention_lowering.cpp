@@ -1,8 +1,8 @@
 // The fused lowering of flash_attention regions (docs/architecture.md, "Measured dispatch"): the
 // generated attention kernel (decode for R <= 16 query rows, the tiled prefill kernel otherwise;
-// include/metile/attention_runtime.h) as fused candidates (decode: one per launch shape of
-// decode_attention_variants), gated against the CPU reference and raced against each other and the
-// native path (the law's definition as plain ops, NativeRuntime) like every region.
+// include/metile/attention_runtime.h) as a fused candidate (decode: the default launch shape),
+// gated against the CPU reference and raced against the native path (the law's definition as plain
+// ops, NativeRuntime) like every region.
 // Also the lowering of attention's inputs (rope_kv_cache regions): rope on q and k and both cache
 // writes as one generated kernel.
 #include <fmt/core.h>
@@ -31,20 +31,17 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   } catch (const InputError& error) {
     return {Decision::refuse(error.what()), {}};
   }
-  // The sources that build() will compile, for the decision key: the split is fixed here (the default
+  // The source that build() will compile, for the decision key: the split is fixed here (the default
   // for an H200's 132 multiprocessors) so that key and kernel agree on every device. Decode offers
-  // every launch shape worth racing (decode_attention_variants: the default first, then, for few
-  // heads or short caches, small clusters or the one-split grid, for long caches the L2 prefetch),
-  // each its own candidate: the tournament, not a rule, picks among them on the device.
+  // the default launch shape only: the other shapes of decode_attention_variants won races run
+  // alone and lost inside the decode step (include/metile/attention_runtime.h).
   std::vector<std::pair<std::string, FlashAttentionOptions>> shapes;
   std::vector<std::string> sources;
   if (problem.is_decode()) {
-    for (const DecodeVariant& variant : decode_attention_variants(problem)) {
-      // build() on the device decides the same way (its multiprocessor count in place of 132).
-      const DecodeAttentionConfig config = decode_attention_config(problem, variant.options, 132);
-      shapes.emplace_back(variant.name.empty() ? "attention decode" : "attention decode " + variant.name, variant.options);
-      sources.push_back(generate_decode_attention_kernel(config).source);
-    }
+    // build() on the device decides the same way (its multiprocessor count in place of 132).
+    const FlashAttentionOptions defaults;
+    shapes.emplace_back("attention decode", defaults);
+    sources.push_back(generate_decode_attention_kernel(decode_attention_config(problem, defaults, 132)).source);
   } else {
     FlashAttentionOptions options;
     PrefillAttentionConfig config;

@@ -318,11 +318,10 @@ TEST(LowerRegion, EveryExampleRegionGetsCandidatesOrEachLoweringsOwnReason) {
 }
 
 // The flash_attention lowering without a GPU: a decode problem (R <= 16 over a position-masked
-// cache) gets one candidate per launch shape worth racing, the default first (the one the device
-// build picks: default_decode_shape; the lowering once passed 0 warps and divided by zero); a
-// prefill one gets one candidate. Two KV heads are few: a short cache's default is the one-warp
-// cluster, raced against the two-warp cluster and the one-split grid; a longer one's the 4-warp
-// cluster, raced against the small clusters and the L2 prefetch.
+// cache) and a prefill one each get one candidate, and the decode kernel is the one the device
+// build picks by default (default_decode_shape; the lowering once passed 0 warps and divided by
+// zero). Two KV heads are few: a short cache's default is the two-warp cluster, a longer one's the
+// 4-warp cluster.
 TEST(LowerRegion, FlashAttentionLowersDecodeAndPrefillWithTheDefaultShape) {
   const Certificate certificate = prove(stable_weighted_softmax_law());
   for (auto [rows, keys, mask] : {std::tuple{std::int64_t{8}, std::int64_t{203}, "positions"},
@@ -345,23 +344,13 @@ TEST(LowerRegion, FlashAttentionLowersDecodeAndPrefillWithTheDefaultShape) {
       EXPECT_EQ(lowered.candidates[0].id.variant, "attention prefill");
       continue;
     }
-    std::vector<std::string> variants;
-    for (const FusedCandidate& candidate : lowered.candidates) variants.push_back(candidate.id.variant);
+    ASSERT_EQ(lowered.candidates.size(), 1u);
+    EXPECT_EQ(lowered.candidates[0].id.variant, "attention decode");
     if (keys <= kLongestOneSplit) {
-      EXPECT_EQ(variants, (std::vector<std::string>{"attention decode", "attention decode cluster w2",
-                                                    "attention decode one split w8"}));
-      ASSERT_EQ(lowered.candidates.size(), 3u);
-      EXPECT_NE(lowered.candidates[0].source.find("_w1_k0_cluster13\n"), std::string::npos) << "not the one-warp cluster default";
-      EXPECT_NE(lowered.candidates[2].source.find("_w8_k0\n"), std::string::npos) << "not the one-split grid";
-      EXPECT_EQ(lowered.candidates[2].source.find("__cluster_dims__"), std::string::npos) << "a cluster for one split";
+      EXPECT_NE(lowered.candidates[0].source.find("_w2_k0_cluster"), std::string::npos) << "not the two-warp cluster default";
     } else {
-      EXPECT_EQ(variants, (std::vector<std::string>{"attention decode", "attention decode cluster w1",
-                                                    "attention decode cluster w2", "attention decode l2 prefetch"}));
-      ASSERT_EQ(lowered.candidates.size(), 4u);
       EXPECT_NE(lowered.candidates[0].source.find("_w4_"), std::string::npos) << "not the default 4-warp decode shape";
       EXPECT_NE(lowered.candidates[0].source.find("_cluster"), std::string::npos) << "not the default clustered merge";
-      EXPECT_NE(lowered.candidates[3].source.find("_w4_k0_cluster16_l2prefetch\n"), std::string::npos)
-          << "not the default shape with the prefetch";
     }
   }
 }
