@@ -158,7 +158,10 @@ class CudaDecodeSession : public LogitsSession {
 // a near tie) and a logit error up to 0.02 — while native itself is 6e-5 from the float32
 // reference and fused 4e-5; a wrong kernel moves the mean KL to ~2 and most next tokens.
 struct EngineThresholds {
-  double min_agreement = 0.95;   // fraction of equal next tokens
+  // Every decided position (AgreementFigures::kDecidedMargin: the reference's two best tokens
+  // apart by at least 5% of its largest logit) must agree; of all positions, near-ties included,
+  // this fraction.
+  double min_agreement = 0.9;    // fraction of equal next tokens
   double max_kl_mean = 1e-3;     // nats
   double max_kl = 1e-2;          // of any one position
   double max_logit_error = 0.05;  // max |error| / max |reference logit|

@@ -187,13 +187,24 @@ struct LogitsComparison {
   double kl = 0;             // KL(reference || candidate) of the softmaxed logits, nats
   double max_abs_error = 0;  // max |logit difference|
   double max_abs_logit = 0;  // max |reference logit|
+  // The reference's largest logit minus its second largest, over max |reference logit|: how far
+  // the reference's next token is from a tie (0 at a tie; 1 with one logit).
+  double reference_margin = 0;
 };
 LogitsComparison compare_logits(std::span<const float> reference, std::span<const float> candidate);
 
 struct AgreementFigures {
+  // A position is decided when the reference's margin (LogitsComparison::reference_margin) is at
+  // least this: two 16-bit paths whose logits each stay within 2% of the largest logit (the engine
+  // measures 1.4-1.9%) cannot order its two best tokens differently, so every decided position must
+  // agree; the others are near-ties that rounding alone may flip.
+  static constexpr double kDecidedMargin = 0.05;
   std::int64_t positions = 0;
   std::int64_t agreements = 0;          // positions with the same argmax
   std::int64_t first_disagreement = -1;  // its index, -1 when none
+  std::int64_t decided_positions = 0;    // positions whose reference margin is at least kDecidedMargin
+  std::int64_t decided_agreements = 0;   // those with the same argmax
+  std::int64_t first_decided_disagreement = -1;
   double kl_mean = 0, kl_max = 0;
   double max_logit_error = 0;  // max over positions of max |error| / max |reference logit|
   double reference_seconds = 0, candidate_seconds = 0;  // time in feed() of the decode steps

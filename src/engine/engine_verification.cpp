@@ -22,6 +22,11 @@ namespace metile {
 
 // Written as "not within" so that a NaN figure (a kernel that wrote NaN logits) is a miss.
 std::string first_miss(const AgreementFigures& figures, const EngineThresholds& thresholds) {
+  if (figures.decided_agreements != figures.decided_positions) {
+    return fmt::format("{} of {} decided next tokens differ (the first at position {})",
+                       figures.decided_positions - figures.decided_agreements, figures.decided_positions,
+                       figures.first_decided_disagreement);
+  }
   if (!(figures.agreement() >= thresholds.min_agreement)) {
     return fmt::format("next-token agreement {:.4f} < {} (first difference at position {})", figures.agreement(),
                        thresholds.min_agreement, figures.first_disagreement);

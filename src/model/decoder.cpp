@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -154,6 +155,15 @@ LogitsComparison compare_logits(std::span<const float> reference, std::span<cons
   const std::vector<double> q = log_softmax(candidate);
   LogitsComparison comparison;
   comparison.same_argmax = argmax_index(reference) == argmax_index(candidate);
+  double first = -std::numeric_limits<double>::infinity(), second = first;
+  for (float value : reference) {
+    if (value > first) {
+      second = first;
+      first = value;
+    } else if (value > second) {
+      second = value;
+    }
+  }
   for (std::size_t index = 0; index < p.size(); ++index) {
     comparison.kl += std::exp(p[index]) * (p[index] - q[index]);
     comparison.max_abs_error =
@@ -161,6 +171,7 @@ LogitsComparison compare_logits(std::span<const float> reference, std::span<cons
     comparison.max_abs_logit = std::max(comparison.max_abs_logit, std::abs(static_cast<double>(reference[index])));
   }
   if (comparison.kl < 0) comparison.kl = 0;  // rounding can make a zero divergence slightly negative (NaN stays)
+  comparison.reference_margin = reference.size() == 1 ? 1.0 : (first - second) / std::max(comparison.max_abs_logit, 1e-30);
   return comparison;
 }
 
@@ -187,6 +198,11 @@ AgreementFigures compare_sessions(LogitsSession& reference, LogitsSession& candi
     ++figures.positions;
     figures.agreements += comparison.same_argmax ? 1 : 0;
     if (!comparison.same_argmax && figures.first_disagreement < 0) figures.first_disagreement = position;
+    if (comparison.reference_margin >= AgreementFigures::kDecidedMargin) {
+      ++figures.decided_positions;
+      figures.decided_agreements += comparison.same_argmax ? 1 : 0;
+      if (!comparison.same_argmax && figures.first_decided_disagreement < 0) figures.first_decided_disagreement = position;
+    }
     kl_sum += comparison.kl;
     figures.kl_max = max_keeping_nan(figures.kl_max, comparison.kl);
     figures.max_logit_error =

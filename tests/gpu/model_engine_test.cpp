@@ -30,10 +30,10 @@ using testing::test_seed;
 using testing_support::CudaDeviceTest;
 
 std::string describe(const AgreementFigures& figures) {
-  return fmt::format("agreement {}/{} (first difference at position {}), KL mean {:.3g}, KL max {:.3g}, "
-                     "max logit error {:.3g}",
-                     figures.agreements, figures.positions, figures.first_disagreement, figures.kl_mean,
-                     figures.kl_max, figures.max_logit_error);
+  return fmt::format("agreement {}/{} (first difference at position {}), decided {}/{}, KL mean {:.3g}, "
+                     "KL max {:.3g}, max logit error {:.3g}",
+                     figures.agreements, figures.positions, figures.first_disagreement, figures.decided_agreements,
+                     figures.decided_positions, figures.kl_mean, figures.kl_max, figures.max_logit_error);
 }
 
 std::vector<std::int32_t> random_prompt(std::uint64_t seed, std::size_t count, std::int64_t vocab) {
@@ -102,7 +102,10 @@ class FusedAgainstNative : public ModelEngineTest, public ::testing::WithParamIn
 // Two correct bf16 paths differ by rounding noise, and the CPU reference engine (an independent
 // implementation, f64 sums, bf16 rounding per op) says how much each path has: for small
 // perturbations KL ~ |d|^2 / 2, so KL(native, fused) <= 2 (KL(ref, native) + KL(ref, fused))
-// unless fused moves the logits beyond its own rounding. Next tokens may differ only at a near tie.
+// unless fused moves the logits beyond its own rounding. Next tokens may differ only at a near tie:
+// every decided position (the native path's two best tokens apart by at least 5% of its largest
+// logit, AgreementFigures::kDecidedMargin) must agree, and at least half of the 64 must be decided
+// (so that the check cannot pass empty); of all positions 90% (measured: 59-64 of 64).
 TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
   const EngineCase engine_case = GetParam();
   const std::uint64_t seed = test_seed("FusedAgainstNative");
@@ -140,7 +143,9 @@ TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
     }
     EXPECT_EQ(rope_regions, model.config().num_hidden_layers) << "S " << steps << "\n" << fused.executable(steps).report();
   }
-  EXPECT_GE(against_native.agreement(), 0.95) << figures << "\nfused decode plan:\n" << plan;
+  EXPECT_EQ(against_native.decided_agreements, against_native.decided_positions) << figures << "\nfused decode plan:\n" << plan;
+  EXPECT_GE(against_native.decided_positions, against_native.positions / 2) << figures;
+  EXPECT_GE(against_native.agreement(), 0.9) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_LE(against_native.kl_mean, 2 * (native_noise.kl_mean + fused_noise.kl_mean)) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_TRUE(meets(against_native, EngineThresholds{})) << first_miss(against_native, EngineThresholds{}) << "\n" << figures;
   std::printf("%s\n", figures.c_str());
@@ -179,6 +184,7 @@ TEST_P(GpuAgainstCpuReference, BothEnginesAgreeWithTheReference) {
     // and logit error 0.015, below native's 5.3e-4 and 0.018); the KL and logit-error bounds below
     // are what a wrong kernel breaks (a planted one measures KL ~2).
     EXPECT_GE(figures.agreements, figures.positions - 2) << describe(figures);
+    EXPECT_EQ(figures.decided_agreements, figures.decided_positions) << describe(figures);
     EXPECT_LE(figures.kl_max, 0.01) << describe(figures);
     EXPECT_LE(figures.max_logit_error, 0.02) << describe(figures);
     std::printf("%s vs CPU reference: %s\n", std::string(engine_path_name(path)).c_str(), describe(figures).c_str());

@@ -77,6 +77,8 @@ nlohmann::json figures_json(const AgreementFigures& figures) {
   return {{"positions", figures.positions},
           {"agreement", figures.agreement()},
           {"first_disagreement", figures.first_disagreement},
+          {"decided_positions", figures.decided_positions},
+          {"decided_agreements", figures.decided_agreements},
           {"kl_mean", figures.kl_mean},
           {"kl_max", figures.kl_max},
           {"max_logit_error", figures.max_logit_error}};
@@ -176,9 +178,9 @@ int verify_model_on_cuda(const DecoderModel& model, const ModelOptions& options)
   std::string kinds;
   for (const std::string& rule : verification.fused_rules) kinds += (kinds.empty() ? "" : ", ") + rule;
   fmt::print("region kinds running fused: {}\n", kinds.empty() ? "none" : kinds);
-  fmt::print("thresholds: agreement >= {}, KL mean <= {:.3g}, KL max <= {:.3g}, logit error <= {:.3g} of max "
-             "|logit|\n\n",
-             thresholds.min_agreement, thresholds.max_kl_mean, thresholds.max_kl, thresholds.max_logit_error);
+  fmt::print("thresholds: every decided next token agrees (native's two best apart by >= {:g} of max |logit|), "
+             "agreement >= {}, KL mean <= {:.3g}, KL max <= {:.3g}, logit error <= {:.3g} of max |logit|\n\n",
+             AgreementFigures::kDecidedMargin, thresholds.min_agreement, thresholds.max_kl_mean, thresholds.max_kl, thresholds.max_logit_error);
   fmt::print("{:<28} {:>9} {:>10} {:>10} {:>12}\n", "fused plan", "agreement", "KL mean", "KL max", "logit error");
   const std::string full_miss = first_miss(verification.full, thresholds);
   fmt::print("{}\n", figures_row("as planned", verification.full, full_miss.empty() ? "meets" : "misses: " + full_miss));

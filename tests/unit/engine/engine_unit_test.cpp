@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <random>
 #include <set>
@@ -103,8 +104,38 @@ TEST(EngineVerificationFigures, ANanLogitMissesEveryThreshold) {
   figures.max_logit_error = 0;
   figures.agreements = 3;
   figures.first_disagreement = 2;
-  EXPECT_NE(first_miss(figures, thresholds).find("agreement 0.7500 < 0.95 (first difference at position 2)"),
+  EXPECT_NE(first_miss(figures, thresholds).find("agreement 0.7500 < 0.9 (first difference at position 2)"),
             std::string::npos);
+  // A decided position that differs misses whatever the overall agreement.
+  figures.agreements = 4;
+  figures.first_disagreement = -1;
+  figures.decided_positions = 3;
+  figures.decided_agreements = 2;
+  figures.first_decided_disagreement = 1;
+  EXPECT_NE(first_miss(figures, thresholds).find("1 of 3 decided next tokens differ (the first at position 1)"),
+            std::string::npos);
+}
+
+// The reference margin: the two largest reference logits' difference over max |logit|, whatever
+// the candidate; decided positions are counted by compare_sessions from it (kDecidedMargin).
+TEST(EngineVerificationFigures, ReferenceMarginIsTheGapOfTheTwoBestLogits) {
+  std::mt19937_64 generator(0x6d61726769ULL);
+  for (int trial = 0; trial < 100; ++trial) {
+    std::vector<float> reference(50), candidate(50);
+    std::uniform_real_distribution<float> uniform(-8.0f, 8.0f);
+    for (float& value : reference) value = uniform(generator);
+    for (float& value : candidate) value = uniform(generator);
+    std::vector<float> sorted = reference;
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    double largest = 0;
+    for (float value : reference) largest = std::max(largest, std::abs(static_cast<double>(value)));
+    const LogitsComparison comparison = compare_logits(reference, candidate);
+    EXPECT_NEAR(comparison.reference_margin, (static_cast<double>(sorted[0]) - sorted[1]) / largest, 1e-12);
+  }
+  const std::vector<float> tie = {3, 1, 3, -2};
+  EXPECT_EQ(compare_logits(tie, tie).reference_margin, 0.0);
+  const std::vector<float> one = {5};
+  EXPECT_EQ(compare_logits(one, one).reference_margin, 1.0);
 }
 
 }  // namespace
