@@ -85,6 +85,8 @@ class CudaDevice {
 };
 
 // ---------------------------------------------------------------- streams and events
+class CudaEvent;
+
 class CudaStream {
  public:
   CudaStream();  // a new stream in the current context, ordered with DeviceBuffer's synchronous copies
@@ -96,6 +98,9 @@ class CudaStream {
 
   CUstream_st* handle() const { return stream_; }
   void synchronize() const;
+  // Work enqueued after this waits for `event`'s recorded work (across streams; inside a capture,
+  // an edge of the graph: how a capture forks onto a second stream and joins back).
+  void wait(const CudaEvent& event) const;
 
   // When set, kernels that read their predecessors' writes only after griddepcontrol.wait (the
   // generated GEMVs, LoadedGemv::launch) launch on this stream as programmatic dependents of the
@@ -350,6 +355,31 @@ class CudaGraph {
 
  private:
   std::shared_ptr<CUgraphExec_st> exec_;
+};
+
+// Byte ranges of device memory requested into the L2 (cp.async.bulk.prefetch.L2, sm_90): nothing is
+// written, nothing waits for the lines; work that reads the ranges later finds them in the L2 or on
+// their way. The ranges are cut into pieces of at most 64 KiB, one thread each (16-byte aligned
+// starts; a range's last bytes past a multiple of 16 are left out).
+struct DeviceByteRange {
+  std::uint64_t address = 0;
+  std::uint64_t bytes = 0;
+};
+// The pieces an L2Prefetch requests for `ranges`: each range from its first 16-byte boundary to
+// its last, cut into pieces of at most 64 KiB (CPU only: tested without a device).
+std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRange>& ranges);
+
+class L2Prefetch {
+ public:
+  explicit L2Prefetch(const std::vector<DeviceByteRange>& ranges);
+  void enqueue(const CudaStream& stream) const;
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  std::shared_ptr<const CompiledKernel> kernel_;
+  std::shared_ptr<const DeviceBuffer> pieces_;  // (address, bytes) pairs
+  unsigned piece_count_ = 0;
+  std::uint64_t bytes_ = 0;
 };
 
 // ---------------------------------------------------------------- cuBLASLt

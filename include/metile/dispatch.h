@@ -202,6 +202,9 @@ struct FusedCandidate {
   std::string summary;  // one line about the kernel(s)
   int launches = 1;     // kernels (and library calls) per run
   std::function<DeviceStep(DeviceValues& values)> bind;
+  // The read-only bytes its bound step streams (a GEMV's weights, repacked or in place), for an
+  // L2 prefetch ahead of it (Executable::race_weight_prefetch); unset where there are none to name.
+  std::function<std::vector<DeviceByteRange>(DeviceValues& values)> weights;
 };
 // What one lowering made of a region: its candidates, or the reason it has none.
 struct Lowered {
@@ -420,6 +423,16 @@ class Executable {
   // caller stages inputs whose writes are harmless (the decode engine: the last cache rows).
   // Without a captured graph, or when the options already asked for dependent launches: nothing.
   bool race_programmatic_replay(const TournamentOptions& tournament);
+  // Captures the replay again (with or without dependent launches, as it is) with the weights of
+  // each GEMV step (FusedCandidate::weights) requested into the L2 by an L2Prefetch on a second
+  // stream, forked before the GEMV step before it, so that the bytes stream in while that GEMV and
+  // the latency-bound kernels between the two run (GEMVs whose weights exceed `l2_budget_bytes`
+  // are left out); races the two replays as race_programmatic_replay does (same kernels, same
+  // bits: a prefetch writes nothing) and keeps the faster; returns whether that is the prefetching
+  // one (`keep_without_race`: keeps it untimed). Run it after race_programmatic_replay. Without a
+  // captured graph or a GEMV step whose weights fit: nothing.
+  bool race_weight_prefetch(const TournamentOptions& tournament, std::uint64_t l2_budget_bytes = std::uint64_t{24} << 20,
+                            bool keep_without_race = false);
 
  private:
   struct State;

@@ -78,6 +78,8 @@ class CudaModel {
 enum class EnginePath : std::uint8_t { fused, native };
 std::string_view engine_path_name(EnginePath path);  // "fused", "native"
 
+enum class WeightPrefetch : std::uint8_t { off, raced, always };
+
 struct EngineOptions {
   EnginePath path = EnginePath::fused;
   // Passed to every Executable the session builds (dispatch mode, decision cache, tournament,
@@ -96,6 +98,10 @@ struct EngineOptions {
   // (0.559 vs 0.534 ms/token) and won on Qwen2.5-1.5B (0.914 vs 0.983; session 6, call 4). The race
   // replays the step on token 0 at the cache's last rows, which no step reads before writing them.
   bool race_programmatic_launch = true;
+  // Then the step's replay with its GEMVs' weights prefetched into the L2 from a second stream,
+  // one GEMV ahead (Executable::race_weight_prefetch): raced against the replay without and the
+  // faster kept, always kept, or not tried.
+  WeightPrefetch weight_prefetch = WeightPrefetch::raced;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

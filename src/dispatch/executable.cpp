@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <set>
 
@@ -140,9 +141,17 @@ struct Executable::State {
   CudaStream stream;
   std::vector<DeviceStep> steps;
   std::vector<std::string> step_kinds;  // per step: what profile() sums it under
+  std::vector<std::vector<DeviceByteRange>> step_weights;  // per step: the weights it streams (GEMVs)
   CudaGraph replay;
   bool programmatic_replay = false;  // the replay launches GEMVs as programmatic dependents
   std::string programmatic_race;     // race_programmatic_replay's figures, for report()
+  // race_weight_prefetch: the side stream its replay forks onto, the events of the forks and the
+  // join, the prefetches' piece tables (the graph's kernels read them), its figures for report().
+  CudaStream prefetch_stream;
+  std::deque<CudaEvent> prefetch_events;
+  std::vector<std::shared_ptr<const L2Prefetch>> prefetches;
+  bool weight_prefetch = false;
+  std::string prefetch_race;
   std::vector<RegionReport> reports;
   int kernel_count = 0;
 
@@ -301,11 +310,13 @@ struct Unit {
   std::vector<NodeId> nodes;
   std::vector<DeviceStep> steps;
   std::string kind;  // Executable::profile's label
+  std::vector<DeviceByteRange> weights;  // what its (one, fused) step streams: FusedCandidate::weights
 };
 
 struct OrderedSteps {
   std::vector<DeviceStep> steps;
   std::vector<std::string> kinds;
+  std::vector<std::vector<DeviceByteRange>> weights;
 };
 
 OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
@@ -315,9 +326,10 @@ OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
   if (!order.acyclic()) throw std::runtime_error("Executable: the plan's regions depend on each other in a cycle");
   OrderedSteps ordered;
   for (std::size_t u : order.order) {
-    for (DeviceStep& step : units[u].steps) {
-      ordered.steps.push_back(std::move(step));
+    for (std::size_t i = 0; i < units[u].steps.size(); ++i) {
+      ordered.steps.push_back(std::move(units[u].steps[i]));
       ordered.kinds.push_back(units[u].kind);
+      ordered.weights.push_back(i == 0 ? units[u].weights : std::vector<DeviceByteRange>{});
     }
   }
   return ordered;
@@ -353,6 +365,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
       for (FusedCandidate& candidate : lower_region(graph, region, options).candidates) {
         if (candidate.id != report.chosen_id.eager()) continue;
         unit.steps.push_back(candidate.bind(*state->values));
+        if (candidate.weights) unit.weights = candidate.weights(*state->values);
         state->kernel_count += candidate.launches;
       }
       if (unit.steps.empty()) throw std::runtime_error(fmt::format("{}: candidate '{}' vanished", report.sentence, report.chosen));
@@ -380,12 +393,13 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
-    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op});
+    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op, {}});
     state->kernel_count += 1;
   }
   OrderedSteps ordered = order_units(graph, std::move(units));
   state->steps = std::move(ordered.steps);
   state->step_kinds = std::move(ordered.kinds);
+  state->step_weights = std::move(ordered.weights);
   if (options.capture_cuda_graph && !state->steps.empty()) {
     state->stream.set_programmatic_dependent_launch(options.programmatic_dependent_launch);
     state->replay = CudaGraph::capture(state->stream, [&steps = state->steps](const CudaStream& stream) {
@@ -442,7 +456,8 @@ std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
 }
 
 bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
-  if (!state_->replay || state_->programmatic_replay) return state_->programmatic_replay;
+  // After a kept weight prefetch the replay has its side stream: race launches first (the engine does).
+  if (!state_->replay || state_->programmatic_replay || state_->weight_prefetch) return state_->programmatic_replay;
   state_->device.make_current();
   state_->stream.set_programmatic_dependent_launch(true);
   const CudaGraph dependent = CudaGraph::capture(state_->stream, [&steps = state_->steps](const CudaStream& stream) {
@@ -463,10 +478,74 @@ bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
   return faster;
 }
 
+bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::uint64_t l2_budget_bytes,
+                                      bool keep_without_race) {
+  State& state = *state_;
+  if (!state.replay || state.weight_prefetch) return state.weight_prefetch;
+  state.device.make_current();
+  // The GEMV steps (steps with weights) and, for each, its prefetch when it fits the budget: the
+  // prefetch of GEMV j forks before the GEMV before it (before the first step for the first), so
+  // j's bytes stream in while that GEMV and the latency-bound kernels between the two run.
+  std::vector<std::size_t> gemvs;
+  for (std::size_t i = 0; i < state.steps.size(); ++i) {
+    if (!state.step_weights[i].empty()) gemvs.push_back(i);
+  }
+  std::map<std::size_t, std::vector<const L2Prefetch*>> forks;  // step index -> prefetches forked before it
+  std::vector<std::shared_ptr<const L2Prefetch>> prefetches;
+  std::uint64_t prefetched = 0;
+  for (std::size_t k = 0; k < gemvs.size(); ++k) {
+    auto prefetch = std::make_shared<const L2Prefetch>(state.step_weights[gemvs[k]]);
+    if (prefetch->bytes() == 0 || prefetch->bytes() > l2_budget_bytes) continue;
+    prefetched += prefetch->bytes();
+    forks[k == 0 ? 0 : gemvs[k - 1]].push_back(prefetch.get());
+    prefetches.push_back(std::move(prefetch));
+  }
+  if (prefetches.empty()) return false;
+  const std::size_t prefetch_count = prefetches.size();
+  std::deque<CudaEvent> events;
+  state.stream.set_programmatic_dependent_launch(state.programmatic_replay);
+  const CudaGraph prefetching = CudaGraph::capture(state.stream, [&](const CudaStream& stream) {
+    for (std::size_t i = 0; i < state.steps.size(); ++i) {
+      if (auto fork = forks.find(i); fork != forks.end()) {
+        events.emplace_back().record(stream);  // the side stream waits for the steps before i only
+        state.prefetch_stream.wait(events.back());
+        for (const L2Prefetch* prefetch : fork->second) prefetch->enqueue(state.prefetch_stream);
+      }
+      state.steps[i](stream);
+    }
+    events.emplace_back().record(state.prefetch_stream);  // the capture joins the side stream back
+    stream.wait(events.back());
+  });
+  state.stream.set_programmatic_dependent_launch(false);
+  const CudaGraph current = state.replay;
+  TournamentResult race;
+  race.score_ms = {-1, -1};
+  if (!keep_without_race) {
+    race = run_tournament({{"as captured", [current](const CudaStream& s) { current.replay(s); }},
+                           {"weights prefetched", [prefetching](const CudaStream& s) { prefetching.replay(s); }}},
+                          state.stream, tournament);
+    state.stream.synchronize();
+  }
+  const bool faster = keep_without_race || race.score_ms[1] < race.score_ms[0];
+  if (faster) {
+    state.replay = prefetching;
+    state.prefetch_events = std::move(events);
+    state.prefetches = std::move(prefetches);
+  }
+  state.weight_prefetch = faster;
+  const std::string what = fmt::format("L2 weight prefetch ({} GEMVs, {:.1f} MB a step)", prefetch_count,
+                                       static_cast<double>(prefetched) / 1e6);
+  state.prefetch_race = keep_without_race ? what + ": kept without a race\n"
+                                          : fmt::format("{} raced: {:.4f} ms with, {:.4f} ms without: {}\n", what,
+                                                        race.score_ms[1], race.score_ms[0], faster ? "kept" : "not kept");
+  return faster;
+}
+
 std::string Executable::report() const {
   std::string text;
   for (const RegionReport& report : state_->reports) text += report.sentence + "\n";
   text += state_->programmatic_race;
+  text += state_->prefetch_race;
   text += fmt::format("{} kernel launches per run{}{}\n", state_->kernel_count,
                       state_->replay ? ", replayed as one CUDA graph" : "",
                       state_->programmatic_replay ? " (GEMVs as programmatic dependents)" : "");

@@ -729,6 +729,34 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
   if (stage.argmax_output >= 0) arguments.add_pointer(values[stage.argmax_output].address());
 }
 
+// The weight bytes a bound plan streams: the buffers add_stage_arguments passes (the pool's
+// repacked and stacked copies are made once per DeviceValues, so these are the bound step's own).
+std::vector<DeviceByteRange> stage_weights(GemvKernelPool& pool, DeviceValues& values, const std::vector<GemvStage>& stages) {
+  std::vector<DeviceByteRange> ranges;
+  auto add = [&](const DeviceBuffer& buffer) {
+    if (!buffer.empty()) ranges.push_back({buffer.address(), buffer.size_bytes()});
+  };
+  for (std::size_t index = 0; index < stages.size(); ++index) {
+    const GemvStage& stage = stages[index];
+    if (!stage.row_parts.empty()) {
+      const std::shared_ptr<StackedOnDevice> stacked = pool.stacked_matrix(values, stage, index);
+      add(stacked->words);
+      add(stacked->scale_bias);
+      continue;
+    }
+    for (const GemvMatrix& matrix : stage.matrices) {
+      if (matrix.format.is_affine()) {
+        const std::shared_ptr<RepackedOnDevice> repacked = pool.repacked_matrix(values, matrix);
+        add(repacked->words);
+        add(repacked->scale_bias);
+      } else {
+        ranges.push_back({values[matrix.weight].address(), static_cast<std::uint64_t>(values[matrix.weight].spec.bytes())});
+      }
+    }
+  }
+  return ranges;
+}
+
 // The SMs of the current device, for the persistent grid; 132 (the H200's) where there is none
 // (lowerings also run on machines without a GPU: the kernel is then refused when it is loaded).
 int multiprocessors_or_h200() {
@@ -810,6 +838,7 @@ Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
         for (const Launch& launch : launches) launch.gemv->launch(stream, launch.arguments);
       });
     };
+    candidate.weights = [pool, stages](DeviceValues& values) { return stage_weights(*pool, values, *stages); };
     candidates.push_back(std::move(candidate));
   }
   if (persistent && plan.stages.size() == 2) {
@@ -842,6 +871,7 @@ Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
         return DeviceStep([gemv = pool->kernel(index), arguments, repacked = std::move(repacked),
                            stacked = std::move(stacked)](const CudaStream& stream) { gemv->launch(stream, arguments); });
       };
+      candidate.weights = [pool, stages](DeviceValues& values) { return stage_weights(*pool, values, *stages); };
       candidates.push_back(std::move(candidate));
     }
   }

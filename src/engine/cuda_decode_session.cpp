@@ -159,6 +159,18 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
     report(options_.progress, fmt::format("metile: the {} launches its GEMVs {}", what,
                                           dependent ? "as programmatic dependents (faster)" : "plainly (faster)"));
   }
+  if (options_.path == EnginePath::fused && options_.weight_prefetch != WeightPrefetch::off) {
+    const std::vector<std::int32_t> first_token(static_cast<std::size_t>(steps), 0);
+    upload_inputs(first_token, decoder.capacity() - steps);
+    stream_.synchronize();
+    built->race_weight_prefetch(options.tournament, std::uint64_t{24} << 20,
+                                options_.weight_prefetch == WeightPrefetch::always);
+    const std::string text = built->report();
+    const std::size_t line = text.find("L2 weight prefetch");
+    report(options_.progress, fmt::format("metile: the {}: {}", what,
+                                          line == std::string::npos ? "no GEMV's weights fit the L2 prefetch"
+                                                                    : text.substr(line, text.find('\n', line) - line)));
+  }
   report(options_.progress, fmt::format("metile: {} ready, {} device steps per replay", what, built->step_count()));
   slot = std::move(built);
   return *slot;

@@ -306,9 +306,10 @@ INSTANTIATE_TEST_SUITE_P(Architectures, GreedyOnTheDevice,
                                            EngineCase{ModelArchitecture::qwen2, 4}),
                          case_name);
 
-// Programmatic dependent launches change when a GEMV starts, not what it computes: the fused
-// engine (every region on its generated kernel: DispatchMode::fused) replayed with its GEMVs as
-// programmatic dependents gives the same bits as the plain replay, over a 16-token chunk, single
+// Programmatic dependent launches and the L2 weight prefetch change when a GEMV starts and where its
+// weights come from, not what it computes: the fused engine (every region on its generated kernel:
+// DispatchMode::fused) replayed with its GEMVs as programmatic dependents and its weights prefetched
+// gives the same bits as the plain replay, over a 16-token chunk, single
 // steps and greedy steps. A GEMV reading x before its predecessor wrote it would differ here.
 TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
   const EngineCase engine_case = GetParam();
@@ -321,9 +322,11 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
   programmatic.programmatic_dependent_launch = true;
   // `raced` keeps whichever replay its race found faster, after replaying each step's graph on
   // token 0 at the cache's last rows: that must change no bit of any later step either.
-  CudaDecodeSession expected(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, false});
-  CudaDecodeSession actual(cuda_model, EngineOptions{EnginePath::fused, programmatic, {}});
-  CudaDecodeSession raced(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, true});
+  // `actual` also always prefetches its GEMVs' weights into the L2 from a second stream (one GEMV
+  // ahead): a prefetch writes nothing, and the forks and the join must not reorder the steps.
+  CudaDecodeSession expected(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, false, WeightPrefetch::off});
+  CudaDecodeSession actual(cuda_model, EngineOptions{EnginePath::fused, programmatic, {}, false, true, WeightPrefetch::always});
+  CudaDecodeSession raced(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, true, WeightPrefetch::raced});
   const std::vector<std::int32_t> prompt = random_prompt(seed, 19, model.config().vocab_size);  // 16 + 3
   std::vector<std::int32_t> tokens(prompt.begin(), prompt.begin() + 16);
   for (int step = 0; step < 12; ++step) {

@@ -358,6 +358,11 @@ void add_model_commands(CLI::App& app) {
                         "call, as in a decode step; measured slower on Llama-3.2-1B)")
         ->check(CLI::IsMember({"cold", "warm"}))
         ->capture_default_str();
+    command->add_option("--weight-prefetch", options->weight_prefetch,
+                        "the fused engines' L2 prefetch of each GEMV's weights, one GEMV ahead: raced (kept when "
+                        "the step replays faster), always or off")
+        ->check(CLI::IsMember({"raced", "always", "off"}))
+        ->capture_default_str();
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();

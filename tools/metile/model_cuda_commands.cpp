@@ -269,8 +269,11 @@ void bench_model(const ModelOptions& options) {
     progress_line(fmt::format("metile bench-model: measuring the {} engine", variant.label));
     ExecutableOptions executable = executable_options(options);
     executable.programmatic_dependent_launch = variant.programmatic;
+    const WeightPrefetch prefetch = options.weight_prefetch == "off"      ? WeightPrefetch::off
+                                    : options.weight_prefetch == "always" ? WeightPrefetch::always
+                                                                          : WeightPrefetch::raced;
     CudaDecodeSession session(cuda_model, EngineOptions{variant.path, executable, progress_line,
-                                                        options.tournament_caches == "cold"});
+                                                        options.tournament_caches == "cold", true, prefetch});
     results.push_back(benchmark_engine(session, bench));
   }
   const std::int64_t step_bytes = cuda_model->decode_step_bytes(options.context);

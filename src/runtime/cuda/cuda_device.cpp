@@ -109,6 +109,10 @@ CudaStream& CudaStream::operator=(CudaStream&& other) noexcept {
 
 void CudaStream::synchronize() const { check(driver().cuStreamSynchronize(stream_), "cuStreamSynchronize"); }
 
+void CudaStream::wait(const CudaEvent& event) const {
+  check(driver().cuStreamWaitEvent(stream_, event.handle(), 0), "cuStreamWaitEvent");
+}
+
 CudaEvent::CudaEvent() { check(driver().cuEventCreate(&event_, CU_EVENT_DEFAULT), "cuEventCreate"); }
 
 CudaEvent::~CudaEvent() {
@@ -135,6 +139,60 @@ float CudaEvent::elapsed_ms(const CudaEvent& start, const CudaEvent& end) {
   float milliseconds = 0;
   check(driver().cuEventElapsedTime(&milliseconds, start.event_, end.event_), "cuEventElapsedTime");
   return milliseconds;
+}
+
+namespace {
+
+constexpr std::uint64_t kL2PrefetchPiece = 64 * 1024;
+
+std::shared_ptr<const CompiledKernel> l2_prefetch_kernel() {
+  static std::mutex mutex;
+  static std::shared_ptr<const CompiledKernel> kernel;
+  std::lock_guard lock(mutex);
+  if (!kernel) {
+    kernel = std::make_shared<const CompiledKernel>(compile_cuda(R"CUDA(
+extern "C" __global__ void __launch_bounds__(32) metile_l2_prefetch(const unsigned long long* __restrict__ pieces,
+                                                                  unsigned count) {
+  const unsigned piece = blockIdx.x * 32 + threadIdx.x;
+  if (piece >= count) return;
+  const unsigned long long address = pieces[2 * piece];
+  const unsigned bytes = (unsigned)pieces[2 * piece + 1];
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
+}
+)CUDA",
+                                                                 "metile_l2_prefetch"));
+  }
+  return kernel;
+}
+
+}  // namespace
+
+std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRange>& ranges) {
+  std::vector<DeviceByteRange> pieces;
+  for (const DeviceByteRange& range : ranges) {
+    const std::uint64_t begin = (range.address + 15) / 16 * 16;
+    const std::uint64_t end = (range.address + range.bytes) / 16 * 16;
+    for (std::uint64_t at = begin; at < end; at += kL2PrefetchPiece) pieces.push_back({at, std::min(kL2PrefetchPiece, end - at)});
+  }
+  return pieces;
+}
+
+L2Prefetch::L2Prefetch(const std::vector<DeviceByteRange>& ranges) {
+  std::vector<std::uint64_t> pieces;
+  for (const DeviceByteRange& piece : l2_prefetch_pieces(ranges)) {
+    pieces.push_back(piece.address);
+    pieces.push_back(piece.bytes);
+    bytes_ += piece.bytes;
+  }
+  piece_count_ = static_cast<unsigned>(pieces.size() / 2);
+  if (piece_count_ == 0) return;
+  kernel_ = l2_prefetch_kernel();
+  pieces_ = std::make_shared<const DeviceBuffer>(DeviceBuffer::from_vector<std::uint64_t>(pieces));
+}
+
+void L2Prefetch::enqueue(const CudaStream& stream) const {
+  if (piece_count_ == 0) return;
+  launch(*kernel_, Dim3{(piece_count_ + 31) / 32, 1, 1}, Dim3{32, 1, 1}, 0, stream, *pieces_, piece_count_);
 }
 
 void profile_on_stream(const CudaStream& stream, const std::function<void(const CudaStream&)>& work) {
