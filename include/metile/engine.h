@@ -100,8 +100,10 @@ struct EngineOptions {
   bool race_programmatic_launch = true;
   // Then the step's replay with its GEMVs' weights prefetched into the L2 from a second stream,
   // one GEMV ahead (Executable::race_weight_prefetch): raced against the replay without and the
-  // faster kept, always kept, or not tried.
-  WeightPrefetch weight_prefetch = WeightPrefetch::raced;
+  // faster kept, always kept, or not tried. Off by default: measured, it lost every race (session 7,
+  // call 5: Llama-3.2-1B 0.577 vs 0.568 ms, Qwen2.5-1.5B 0.959 vs 0.916, Llama-3-8B 4-bit 2.168 vs
+  // 2.133; notes/mlp_decode.md), so the default skips the extra capture and race.
+  WeightPrefetch weight_prefetch = WeightPrefetch::off;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

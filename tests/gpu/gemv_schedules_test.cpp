@@ -41,12 +41,13 @@ TEST_F(GemvKernels, NewSchedulesMatchFloat64AtModelSizes) {
 }
 
 // Split-K (several blocks per tile, joined in split order through the workspace), staged batches
-// (cp.async into shared-memory rings) and per-block group sums of x in shared memory (affine), alone
-// and together, in every format, at shapes whose N is
-// smaller than the SM count and not a multiple of 16 and whose K is not a multiple of the load
-// block; M on both sides of 8; both gate/up schedules. Kernels with a workspace run twice and must
-// write the same bits (run_and_compare).
-TEST_F(GemvKernels, SplitKStagedAndSharedGroupSumsMatchFloat64) {
+// (cp.async into shared-memory rings), per-block group sums of x in shared memory (affine) and the
+// L2 prefetch of the weights (one round ahead, two, all at once: a prefetch must change no result,
+// and the last round's ranges are clipped to the matrix), alone and together, in every format, at
+// shapes whose N is smaller than the SM count and not a multiple of 16 and whose K is not a
+// multiple of the load block; M on both sides of 8; both gate/up schedules. Kernels with a
+// workspace run twice and must write the same bits (run_and_compare).
+TEST_F(GemvKernels, SplitKStagedGroupSumsAndPrefetchMatchFloat64) {
   std::uint64_t seed = 0x5b1700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
   std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
   for (DType dtype : {DType::bf16, DType::f16}) {
@@ -58,8 +59,10 @@ TEST_F(GemvKernels, SplitKStagedAndSharedGroupSumsMatchFloat64) {
         int variant = 0;
         for (std::int64_t rows : {1, 9, 16}) {
           for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add(), GemvEpilogue::store()}) {
-            for (const auto& [splits, stages, group_sums] :
-                 {std::tuple{3, 0, false}, std::tuple{1, 3, false}, std::tuple{2, 2, true}, std::tuple{1, 0, true}}) {
+            // Prefetch depths (l2_prefetch_rounds): none, one round, two, every round (-1).
+            for (const auto& [splits, stages, group_sums, prefetch] :
+                 {std::tuple{3, 0, false, 0}, std::tuple{1, 3, false, 1}, std::tuple{2, 2, true, 2}, std::tuple{1, 0, true, -1},
+                  std::tuple{1, 0, false, 2}, std::tuple{3, 0, false, -1}}) {
               GemvKernelConfig config = config_for(problem, rows, epilogue,
                                                    ++variant % 2 == 0 ? GatedSchedule::scratch_spilled
                                                                       : GatedSchedule::register_resident);
@@ -69,47 +72,13 @@ TEST_F(GemvKernels, SplitKStagedAndSharedGroupSumsMatchFloat64) {
               config.k_splits = std::max(1, std::min<int>(splits, static_cast<int>(k / format.columns_per_iteration())));
               config.shared_stages = stages;
               config.shared_group_sums = group_sums && format.is_affine();
+              config.l2_prefetch_rounds = prefetch >= 0 ? prefetch : std::max(1, gemv_l2_prefetch_rounds(config));
               configs.push_back(config);
             }
           }
         }
         check_cases(problem, configs, device(), fmt::format("split-K/staged {} N={} K={}", format.to_string(), n, k));
       }
-    }
-  }
-}
-
-// L2 prefetch (l2_prefetch_rounds): the bulk prefetches change no result. Every format, at shapes
-// whose N is below the SM count and not a multiple of 16 and whose K is not a multiple of the load
-// block (the last round's ranges are clipped to the matrix), M on both sides of 8, depths of one
-// round, two, and every round, under each schedule (double-buffered, one batch at a time, staged,
-// split-K). The LM head's tile loop with prefetch (it also requests its next tile block) races in
-// the lowering: gemv_lowering_test's 40000-row LM head checks every candidate.
-TEST_F(GemvKernels, L2PrefetchMatchesFloat64) {
-  std::uint64_t seed = 0x12f700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
-  std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
-  for (const GemvWeightFormat& format : every_gemv_format(DType::bf16)) {
-    const std::int64_t k = format.is_affine() ? format.group_size * 11 : 1000;
-    for (std::int64_t n : {77, 200}) {
-      const Problem problem = make_problem(format, n, k, 2, seed += 100);
-      std::vector<GemvKernelConfig> configs;
-      int variant = 0;
-      for (std::int64_t rows : {1, 9, 16}) {
-        for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add()}) {
-          for (const auto& [splits, stages, double_buffered] :
-               {std::tuple{1, 0, true}, std::tuple{1, 0, false}, std::tuple{1, 3, false}, std::tuple{3, 0, true}}) {
-            GemvKernelConfig config = config_for(problem, rows, epilogue);
-            config.warps_per_block = ++variant % 2 == 0 ? 2 : 4;
-            config.iterations_in_flight = 1;
-            config.double_buffered = double_buffered;
-            config.k_splits = std::max(1, std::min<int>(splits, static_cast<int>(k / format.columns_per_iteration())));
-            config.shared_stages = stages;
-            config.l2_prefetch_rounds = variant % 3 == 0 ? 1 : variant % 3 == 1 ? 2 : gemv_l2_prefetch_rounds(config);
-            configs.push_back(config);
-          }
-        }
-      }
-      check_cases(problem, configs, device(), fmt::format("L2 prefetch {} N={} K={}", format.to_string(), n, k));
     }
   }
 }

@@ -26,7 +26,7 @@ struct ModelOptions {
   std::string decline;       // --backend cuda: comma-separated region kinds to run native
   std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
   std::string tournament_caches = "warm";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)
-  std::string weight_prefetch = "raced";            // bench-model: raced, always or off (EngineOptions::weight_prefetch)
+  std::string weight_prefetch = "off";              // bench-model: off, raced or always (EngineOptions::weight_prefetch)
   // verify-model thresholds; < 0: the backend's default
   double min_agreement = -1;
   double max_kl = -1;

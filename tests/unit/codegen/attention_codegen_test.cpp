@@ -35,6 +35,16 @@ AttentionProblem problem_of(DType dtype, std::int64_t rows, std::int64_t keys, s
   return problem;
 }
 
+// A decode launch over 1000 keys of problem_of's heads: a test case's fields (any struct with
+// dtype, rows, head_dim, value_dim, mask and warps), the rest set by the caller.
+template <class Case>
+DecodeAttentionConfig decode_config_of(const Case& c) {
+  DecodeAttentionConfig config;
+  config.problem = problem_of(c.dtype, c.rows, 1000, c.head_dim, c.value_dim, c.mask);
+  config.warps = c.warps;
+  return config;
+}
+
 // ptxas -v: "N bytes stack frame, N bytes spill stores, N bytes spill loads" (a few parked bytes allowed).
 // The kernels compile in parallel (NVRTC needs no device), then each log is checked.
 void expect_compile_without_spills(const std::vector<AttentionKernelSource>& kernels) {
@@ -101,9 +111,7 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
   };
   std::vector<AttentionKernelSource> kernels;
   for (const auto& c : cases) {
-    DecodeAttentionConfig config;
-    config.problem = problem_of(c.dtype, c.rows, 1000, c.head_dim, c.value_dim, c.mask);
-    config.warps = c.warps;
+    DecodeAttentionConfig config = decode_config_of(c);
     config.stages = c.stages;
     config.cluster = c.cluster;
     config.keys_per_split = c.keys_per_split;
@@ -396,9 +404,7 @@ TEST(AttentionCodegen, DecodeVariantsCompileForSm90) {
       {DType::bf16, 16, 128, 64, AttentionMask::none, 4, true, true, 5},
   };
   for (const auto& c : cases) {
-    DecodeAttentionConfig config;
-    config.problem = problem_of(c.dtype, c.rows, 1000, c.head_dim, c.value_dim, c.mask);
-    config.warps = c.warps;
+    DecodeAttentionConfig config = decode_config_of(c);
     config.cluster = c.cluster;
     config.l2_prefetch = c.prefetch;
     config.keys_per_split = c.cluster ? 64 : 0;
