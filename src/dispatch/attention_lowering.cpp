@@ -35,43 +35,39 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   // for an H200's 132 multiprocessors) so that key and kernel agree on every device. Decode offers
   // the default launch shape only: the other shapes of decode_attention_variants won races run
   // alone and lost inside the decode step (include/metile/attention_runtime.h).
-  std::vector<std::pair<std::string, FlashAttentionOptions>> shapes;
-  std::vector<std::string> sources;
+  FlashAttentionOptions options;
+  std::string source;
+  std::string variant;
   if (problem.is_decode()) {
     // build() on the device decides the same way (its multiprocessor count in place of 132).
-    const FlashAttentionOptions defaults;
-    shapes.emplace_back("attention decode", defaults);
-    sources.push_back(generate_decode_attention_kernel(decode_attention_config(problem, defaults, 132)).source);
+    const DecodeAttentionConfig config = decode_attention_config(problem, options, 132);
+    source = generate_decode_attention_kernel(config).source;
+    variant = "attention decode";
   } else {
-    FlashAttentionOptions options;
     PrefillAttentionConfig config;
     config.problem = problem;
     config.warps = options.prefill_warps;
-    shapes.emplace_back("attention prefill", options);
-    sources.push_back(generate_prefill_attention_kernel(config).source);
+    source = generate_prefill_attention_kernel(config).source;
+    variant = "attention prefill";
   }
+  FusedCandidate candidate;
+  candidate.id = CandidateId::fused(variant);
+  candidate.source = std::move(source);
+  candidate.summary = fmt::format("{} ({})", variant, problem.to_string());
   const std::vector<ValueId> operands = node.inputs;
   const ValueId out = node.outputs[0];
-  std::vector<FusedCandidate> candidates;
-  for (std::size_t i = 0; i < shapes.size(); ++i) {
-    FusedCandidate candidate;
-    candidate.id = CandidateId::fused(shapes[i].first);
-    candidate.source = std::move(sources[i]);
-    candidate.summary = fmt::format("{} ({})", shapes[i].first, problem.to_string());
-    candidate.bind = [problem, options = shapes[i].second, operands, out](DeviceValues& values) {
-      auto attention = std::make_shared<FlashAttention>(FlashAttention::build(problem, options));
-      const std::uint64_t q = values[operands[0]].address();
-      const std::uint64_t k = values[operands[1]].address();
-      const std::uint64_t v = values[operands[2]].address();
-      const std::uint64_t positions = operands.size() == 4 ? values[operands[3]].address() : 0;
-      const std::uint64_t output = values[out].address();
-      return DeviceStep([attention, q, k, v, positions, output](const CudaStream& stream) {
-        attention->enqueue(stream, q, k, v, positions, output);
-      });
-    };
-    candidates.push_back(std::move(candidate));
-  }
-  return {Decision::allow(), std::move(candidates)};
+  candidate.bind = [problem, options, operands, out](DeviceValues& values) {
+    auto attention = std::make_shared<FlashAttention>(FlashAttention::build(problem, options));
+    const std::uint64_t q = values[operands[0]].address();
+    const std::uint64_t k = values[operands[1]].address();
+    const std::uint64_t v = values[operands[2]].address();
+    const std::uint64_t positions = operands.size() == 4 ? values[operands[3]].address() : 0;
+    const std::uint64_t output = values[out].address();
+    return DeviceStep([attention, q, k, v, positions, output](const CudaStream& stream) {
+      attention->enqueue(stream, q, k, v, positions, output);
+    });
+  };
+  return {Decision::allow(), {std::move(candidate)}};
 }
 
 Lowered rope_kv_cache_candidates(const ComputeGraph& graph, const FusionRegion& region) {
