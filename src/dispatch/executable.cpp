@@ -455,6 +455,22 @@ std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
   return times;
 }
 
+namespace {
+
+// Races another capture of the same steps (same kernels, same bits) against the current replay;
+// returns both scores, the other's first.
+std::pair<double, double> race_against_replay(const CudaGraph& current, const CudaGraph& other, std::string other_name,
+                                              const CudaStream& stream, const TournamentOptions& tournament) {
+  const TournamentResult race =
+      run_tournament({{"as captured", [current](const CudaStream& s) { current.replay(s); }},
+                      {std::move(other_name), [other](const CudaStream& s) { other.replay(s); }}},
+                     stream, tournament);
+  stream.synchronize();
+  return {race.score_ms[1], race.score_ms[0]};
+}
+
+}  // namespace
+
 bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
   // After a kept weight prefetch the replay has its side stream: race launches first (the engine does).
   if (!state_->replay || state_->programmatic_replay || state_->weight_prefetch) return state_->programmatic_replay;
@@ -464,17 +480,13 @@ bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
     run_steps(steps, stream);
   });
   state_->stream.set_programmatic_dependent_launch(false);
-  const CudaGraph plain = state_->replay;
-  const TournamentResult race =
-      run_tournament({{"plain", [plain](const CudaStream& s) { plain.replay(s); }},
-                      {"programmatic dependents", [dependent](const CudaStream& s) { dependent.replay(s); }}},
-                     state_->stream, tournament);
-  state_->stream.synchronize();
-  const bool faster = race.score_ms[1] < race.score_ms[0];
+  const auto [with, without] =
+      race_against_replay(state_->replay, dependent, "programmatic dependents", state_->stream, tournament);
+  const bool faster = with < without;
   if (faster) state_->replay = dependent;
   state_->programmatic_replay = faster;
   state_->programmatic_race = fmt::format("programmatic dependent launch raced: {:.4f} ms with, {:.4f} ms without: {}\n",
-                                          race.score_ms[1], race.score_ms[0], faster ? "kept" : "not kept");
+                                          with, without, faster ? "kept" : "not kept");
   return faster;
 }
 
@@ -517,16 +529,11 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
     stream.wait(events.back());
   });
   state.stream.set_programmatic_dependent_launch(false);
-  const CudaGraph current = state.replay;
-  TournamentResult race;
-  race.score_ms = {-1, -1};
+  std::pair<double, double> scores{-1, -1};  // with, without
   if (!keep_without_race) {
-    race = run_tournament({{"as captured", [current](const CudaStream& s) { current.replay(s); }},
-                           {"weights prefetched", [prefetching](const CudaStream& s) { prefetching.replay(s); }}},
-                          state.stream, tournament);
-    state.stream.synchronize();
+    scores = race_against_replay(state.replay, prefetching, "weights prefetched", state.stream, tournament);
   }
-  const bool faster = keep_without_race || race.score_ms[1] < race.score_ms[0];
+  const bool faster = keep_without_race || scores.first < scores.second;
   if (faster) {
     state.replay = prefetching;
     state.prefetch_events = std::move(events);
@@ -537,7 +544,7 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
                                        static_cast<double>(prefetched) / 1e6);
   state.prefetch_race = keep_without_race ? what + ": kept without a race\n"
                                           : fmt::format("{} raced: {:.4f} ms with, {:.4f} ms without: {}\n", what,
-                                                        race.score_ms[1], race.score_ms[0], faster ? "kept" : "not kept");
+                                                        scores.first, scores.second, faster ? "kept" : "not kept");
   return faster;
 }
 

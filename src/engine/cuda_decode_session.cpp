@@ -151,18 +151,20 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
                                          "engine needs kv_cache_write in place", what, name));
     }
   }
-  if (options_.path == EnginePath::fused && options_.race_programmatic_launch && !options.programmatic_dependent_launch) {
+  // The replay races run the step on token 0 at the cache's last rows, which no step reads before
+  // writing them: staged once for both.
+  const bool race_launches = options_.race_programmatic_launch && !options.programmatic_dependent_launch;
+  if (options_.path == EnginePath::fused && (race_launches || options_.weight_prefetch != WeightPrefetch::off)) {
     const std::vector<std::int32_t> first_token(static_cast<std::size_t>(steps), 0);
     upload_inputs(first_token, decoder.capacity() - steps);
     stream_.synchronize();
+  }
+  if (options_.path == EnginePath::fused && race_launches) {
     const bool dependent = built->race_programmatic_replay(options.tournament);
     report(options_.progress, fmt::format("metile: the {} launches its GEMVs {}", what,
                                           dependent ? "as programmatic dependents (faster)" : "plainly (faster)"));
   }
   if (options_.path == EnginePath::fused && options_.weight_prefetch != WeightPrefetch::off) {
-    const std::vector<std::int32_t> first_token(static_cast<std::size_t>(steps), 0);
-    upload_inputs(first_token, decoder.capacity() - steps);
-    stream_.synchronize();
     built->race_weight_prefetch(options.tournament, std::uint64_t{24} << 20,
                                 options_.weight_prefetch == WeightPrefetch::always);
     const std::string text = built->report();
