@@ -314,6 +314,14 @@ struct GemvStage {
   // (GemvKernelConfig::x_rms_norm_eps). -1: x is read as it is.
   ValueId norm_weight = -1;
   double norm_eps = 0;
+  // qkv_rope_kv_cache: the stacked q, k, v rows rotated and written as attention's inputs
+  // (GemvKernelConfig::rope_cache; the stacked rows reordered by gemv_rope_row_order). The parts'
+  // outputs are then q, k and v before rope, which nothing writes; the kernel writes q rotated and
+  // the caches (in place: the bound step copies a cache whose output has a buffer of its own first).
+  std::optional<GemvRopeCacheEpilogue> rope_cache;
+  struct RopeCacheValues {
+    ValueId positions = -1, q_rotated = -1, k_cache = -1, k_cache_out = -1, v_cache = -1, v_cache_out = -1;
+  } rope_values;
   std::vector<NodeId> nodes;              // the region's nodes this launch computes
   GemvKernelConfig base_config() const;   // register mainloop, default launch shape
 };
@@ -326,6 +334,7 @@ struct GemvRegionPlan {
 GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& region);
 GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegion& region);
 GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion& region);  // sibling_contractions
+GemvRegionPlan plan_gemv_qkv_rope_cache(const ComputeGraph& graph, const FusionRegion& region);  // qkv_rope_kv_cache
 GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region);  // by the region's rule
 // The lowerings: each candidate runs the plan's stages with one launch shape per stage (every
 // gate/up shape with every down shape for swiglu_mlp). Binding repacks affine weights once

@@ -182,6 +182,14 @@ struct FusionRule {
   // When set, every region the rule proposes is proposed a second time with this producer of its
   // input (InputPrologue) when it may join; conflict selection keeps the better of the two.
   std::optional<InputPrologue> input_prologue = {};
+  // When set (two names of earlier rules in the set, producer first), the rule has no pattern of
+  // its own: its regions are one region of the first rule joined to one of the second where every
+  // value the first writes is read by the second only (and is no graph output), e.g. the q, k, v
+  // sibling contractions and the rope and cache writes that carry them to attention. The joined
+  // region keeps both regions' roles and, as FusionRegion::parts, the two regions; it saves one
+  // launch and the round trip of the values between them, and competes with its parts in conflict
+  // selection like any region.
+  std::vector<std::string> composes = {};
 };
 
 // Rules in priority order (an identical region found by two rules keeps the
@@ -198,6 +206,7 @@ FusionRule parallel_epilogue_rule();      // "swiglu_mlp": gate/up contractions,
 FusionRule contraction_epilogue_rule();   // a contraction and elementwise ops on its output
 FusionRule sibling_contractions_rule();   // contractions sharing their input (q, k, v), with their bias adds
 FusionRule rope_kv_cache_rule();          // rope on q and k, k and v into their caches (companion chains)
+FusionRule qkv_rope_kv_cache_rule();      // composes sibling_contractions and rope_kv_cache: one kernel
 FusionRule row_reduction_rule();          // elementwise prologue and epilogue around a row reduction
 FusionRule elementwise_chain_rule();      // elementwise ops ending in an elementwise sink
 RuleSet default_rules();
@@ -240,6 +249,8 @@ struct FusionRegion {
   // What the rule's pattern bound, in pattern order (then epilogue roles): lowerings read a
   // region's operands here instead of by value name. Empty for single-op and certified regions.
   std::vector<RegionRole> roles = {};
+  // A composed rule's region (FusionRule::composes): the regions it joins, producer first.
+  std::vector<FusionRegion> parts = {};
   std::optional<ValueId> role(std::string_view name) const;  // the value bound to `name`, if any
 };
 

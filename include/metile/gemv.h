@@ -75,6 +75,9 @@ QuantizedMatrix unpack_from_gemv(const RepackedAffineMatrix& repacked);
 // one [sum N_p, K]; MLX codes, scales and biases alike): tensors of one dtype and shape but the
 // first axis, concatenated along it. Throws InputError when there are none or they do not stack.
 HostTensor stack_rows(std::span<const HostTensor> parts);
+// Rows of `tensor` in `order` (result row r is row order[r]); InputError unless order names
+// shape[0] rows that exist.
+HostTensor gather_rows(const HostTensor& tensor, std::span<const std::int64_t> order);
 
 // How the affine mainloops turn a repacked word into m16n8k16 A-fragment registers: pair j (0..3 at
 // 4 bits, 0..1 at 8 bits) of a word becomes one 32-bit register of two activation-dtype values,
@@ -178,6 +181,28 @@ std::string_view gated_schedule_name(GatedSchedule schedule);
 enum class GemvMainloop : std::uint8_t { register_batches, streamed };
 std::string_view gemv_mainloop_name(GemvMainloop mainloop);
 
+// q, k and v made attention's inputs in the epilogue of their stacked GEMV (the qkv_rope_kv_cache
+// region: the sibling contractions and rope_kv_cache as one kernel). The stacked rows are q's
+// (q_heads x head_dim), k's and v's (kv_heads x head_dim each), output_splits {Hq·D, Hkv·D, Hkv·D};
+// within every head of q and k the rows are reordered (gemv_rope_row_order) so that rotary pair
+// (j, j + dims/2) sits in rows 2j and 2j + 1 of one 16-row tile. The epilogue rounds each row's
+// value to the activation dtype (as the separate GEMV would store it), rotates the pairs at the
+// step's positions as the rope kernel does (the same operations: the same bits), and writes q
+// rotated [Hq, M, D], k rotated into the k cache [Hkv, capacity, D] and v into the v cache at
+// row positions[m] (a position outside the cache, or named again by a later row, writes nothing:
+// kv_cache_write's rule). The caches are written in place; the kernel takes the positions (i32
+// [M]) after its outputs.
+struct GemvRopeCacheEpilogue {
+  std::int64_t q_heads = 0, kv_heads = 0, head_dim = 0, capacity = 0;
+  Attributes rope;  // the rope op's attributes (dims, theta, the Llama 3 scaling)
+  std::int64_t dims() const { return rope.get_int("dims"); }
+  bool operator==(const GemvRopeCacheEpilogue&) const = default;
+};
+// Stacked row s of the kernel holds original row order[s] of the stacked [q; k; v] matrix (v's rows,
+// and rows past the rotary dims, keep their place). Applied to the weights, scales, biases and the
+// bias once, when they are stacked.
+std::vector<std::int64_t> gemv_rope_row_order(const GemvRopeCacheEpilogue& rope);
+
 struct GemvKernelConfig {
   GemvWeightFormat format;
   std::int64_t rows = 1;           // M, activation rows: 1..16
@@ -239,6 +264,10 @@ struct GemvKernelConfig {
   // CPU reference does. Every block reduces each whole row for the scale (a split-K or streamed block
   // too, though it reads only part of K for the mainloop: x is at most 16 rows).
   std::optional<double> x_rms_norm_eps = std::nullopt;
+
+  // Rotary embedding and cache writes in the epilogue (GemvRopeCacheEpilogue; register-batch
+  // mainloop, one matrix, three output splits).
+  std::optional<GemvRopeCacheEpilogue> rope_cache = std::nullopt;
 
   void validate() const;  // InputError naming the bad field
   std::string to_string() const;

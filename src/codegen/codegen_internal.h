@@ -23,6 +23,11 @@ std::string_view tensor_core_device_helpers();
 // (-inf, row length) is replaced by any element. For the kernels that reduce to an index only.
 std::string_view cuda_argmax_helpers();
 
+// The rotary embedding's frequency table and `metile_rope_rotate(first, second, pair, position,
+// low, high)` for the rope op with `attributes` (layout_kernels.cpp): the one rotation every rope
+// kernel (native, rope_kv_cache, the GEMV's rope epilogue) applies, so all of them give the same bits.
+std::string rope_rotation_device_code(const Attributes& attributes);
+
 // Letters, digits and '_' only, for kernel symbols and comments that must stay one token.
 std::string sanitize_identifier(std::string_view text);
 

@@ -385,12 +385,71 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
   return source;
 }
 
+namespace {
+// store_output of the rope epilogue (GemvRopeCacheEpilogue): acc1 is the partner row's (n ^ 1)
+// accumulator. Each row's value is rounded to the activation dtype first, as the separate GEMV
+// stores it and the rope kernel reads it; then q's and k's pairs are rotated (metile_rope_rotate,
+// the rope kernel's operations) and written: q to [Hq, M, D], k and v to their caches.
+std::string rope_cache_output_functions(const GemvKernelConfig& config) {
+  const GemvRopeCacheEpilogue& rope = *config.rope_cache;
+  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
+  std::string text = codegen_detail::rope_rotation_device_code(rope.rope);
+  text += "// The value the stacked GEMV stores for row n (its epilogue expression), as stored.\n"
+          "__device__ __forceinline__ float stored_value(const Outputs& outputs, int m, int n, float acc0) {\n"
+          "  (void)m;\n  const float acc1 = 0.0f;\n  (void)acc1;\n";
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    text += fmt::format("  const float tensor_value{} = to_f32(outputs.tensor{}[{}]);\n", i, i,
+                        tensors[i].broadcast_rows ? "n" : "m * kN + n");
+  }
+  text += fmt::format("  return to_f32(from_f32({}));\n}}\n", config.epilogue.cuda_expression());
+  text += fmt::format(R"(constexpr int kRopeHeadDim = {0};
+constexpr int kRopeDims = {1};
+constexpr int kQRows = {2};
+constexpr int kKvRows = {3};
+constexpr long long kCacheRows = {4}LL;
+__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {{
+  const int part = n < kQRows ? 0 : n < kQRows + kKvRows ? 1 : 2;  // q, k, v
+  const int row = n - (part == 0 ? 0 : part == 1 ? kQRows : kQRows + kKvRows);
+  const int head = row / kRopeHeadDim, p = row - head * kRopeHeadDim;
+  const int position = outputs.positions[m];
+  const float value = stored_value(outputs, m, n, acc0);
+  float result = value;
+  int d = p;
+  if (part < 2 && p < kRopeDims) {{
+    // Rows 2j and 2j + 1 of a head hold the pair (j, j + dims/2) (gemv_rope_row_order).
+    const float partner = stored_value(outputs, m, n ^ 1, acc1);
+    const int pair = p >> 1;
+    const bool high = (p & 1) != 0;
+    float low_value, high_value;
+    metile_rope_rotate(high ? partner : value, high ? value : partner, pair, position, low_value, high_value);
+    result = high ? high_value : low_value;
+    d = high ? pair + kRopeDims / 2 : pair;
+  }}
+  if (part == 0) {{
+    outputs.out[0][(static_cast<long long>(head) * kM + m) * kRopeHeadDim + d] = from_f32(result);
+    return;
+  }}
+  // kv_cache_write's rule: a position outside the cache writes nothing, and a position a later row
+  // names again is left to that row.
+  bool skipped = position < 0 || position >= kCacheRows;
+  for (int later = m + 1; later < kM; ++later) skipped = skipped || outputs.positions[later] == position;
+  if (!skipped) outputs.out[part][(static_cast<long long>(head) * kCacheRows + position) * kRopeHeadDim + d] = from_f32(result);
+}}
+)",
+                      rope.head_dim, rope.dims(), rope.q_heads * rope.head_dim, rope.kv_heads * rope.head_dim,
+                      rope.capacity);
+  return text;
+}
+}  // namespace
+
 std::string gemv_output_functions(const GemvKernelConfig& config) {
   const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
   std::string text = "struct Outputs {\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) text += fmt::format("  const u16* tensor{};\n", i);
-  text += config.output_splits.empty() ? "  u16* out;\n};\n"
-                                        : fmt::format("  u16* out[{}];\n}};\n", config.output_splits.size());
+  text += config.output_splits.empty() ? "  u16* out;\n"
+                                        : fmt::format("  u16* out[{}];\n", config.output_splits.size());
+  text += config.rope_cache ? "  const int* positions;  // [M], the rows' positions in the caches\n};\n" : "};\n";
+  if (config.rope_cache) return text + rope_cache_output_functions(config);
   text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
           "  (void)acc1;\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -421,11 +480,14 @@ std::string gemv_outputs_binding(const GemvKernelConfig& config) {
   }
   if (config.output_splits.empty()) return text + "  outputs.out = out;\n";
   for (std::size_t s = 0; s < config.output_splits.size(); ++s) text += fmt::format("  outputs.out[{}] = out{};\n", s, s);
+  if (config.rope_cache) text += "  outputs.positions = positions;\n";
   return text;
 }
 
 std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config) {
   std::string text = config.epilogue.to_string() + "|" + config.epilogue.cuda_expression();
+  // The rope's shape and its frequency table (theta and scaling as they reach the kernel).
+  if (config.rope_cache) text += "|rope " + config.to_string() + codegen_detail::rope_rotation_device_code(config.rope_cache->rope);
   for (std::int64_t width : config.output_splits) text += fmt::format("|{}", width);
   if (config.x_rms_norm_eps) text += fmt::format("|rms_norm {:.17g}", *config.x_rms_norm_eps);
   return fnv1a_64(text);
@@ -467,12 +529,12 @@ std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_writte
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\nconstexpr int kWarps = {};\n"
       "constexpr bool kNormedX = {};\nconstexpr double kNormEps = {:.17g};\nconstexpr bool kXWrittenInKernel = {};\n"
-      "constexpr bool kXStaged = {};\n",
+      "constexpr bool kXStaged = {};\nconstexpr bool kRopeCache = {};\n",
       config.rows, config.out_features, config.in_features, config.format.bits, config.format.group_size,
       config.format.activation == DType::f16 ? "true" : "false", config.format.columns_per_iteration(),
       config.epilogue.product_count(), config.warps_per_block, config.x_rms_norm_eps ? "true" : "false",
       config.x_rms_norm_eps.value_or(0.0), x_written_in_kernel ? "true" : "false",
-      x_staged_in_shared_memory(config) ? "true" : "false");
+      x_staged_in_shared_memory(config) ? "true" : "false", config.rope_cache ? "true" : "false");
 }
 
 }  // namespace metile::gemv_detail

@@ -489,6 +489,8 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       for (int w = 0; w < kWarps; ++w) {
         acc0 += partial[partial_index(w, 0, r >> 4, r & 15, m)];
         if constexpr (kProducts == 2) acc1 += partial[partial_index(w, 1, r >> 4, r & 15, m)];
+        // The rope epilogue rotates row pairs (2j, 2j + 1): acc1 is the partner row's sum.
+        if constexpr (kRopeCache) acc1 += partial[partial_index(w, 0, (r ^ 1) >> 4, (r ^ 1) & 15, m)];
       }
       store_output(outputs, m, n, acc0, acc1);
     }
@@ -527,6 +529,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       for (int s = 0; s < kSplits; ++s) {
         acc0 += load_partial(slots + (s * kProducts) * kOutputs + o);
         if constexpr (kProducts == 2) acc1 += load_partial(slots + (s * kProducts + 1) * kOutputs + o);
+        if constexpr (kRopeCache) acc1 += load_partial(slots + (s * kProducts) * kOutputs + (o ^ 1));  // the partner row
       }
       store_output(outputs, m, n, acc0, acc1);
     }
@@ -724,6 +727,19 @@ void GemvKernelConfig::validate() const {
       }
     }
   }
+  if (rope_cache) {
+    const GemvRopeCacheEpilogue& rope = *rope_cache;
+    (void)gemv_rope_row_order(rope);  // its checks of the heads and dims
+    const std::int64_t q_width = rope.q_heads * rope.head_dim, kv_width = rope.kv_heads * rope.head_dim;
+    if (output_splits != std::vector<std::int64_t>{q_width, kv_width, kv_width}) {
+      throw InputError(fmt::format("GEMV: the rope epilogue writes q, k and v: output splits {}+{}+{}, not {}", q_width,
+                                   kv_width, kv_width, fmt::join(output_splits, "+")));
+    }
+    if (epilogue.product_count() != 1 || mainloop != GemvMainloop::register_batches || argmax_rows) {
+      throw InputError("GEMV: the rope epilogue needs one matrix, the register-batch mainloop and no argmax");
+    }
+    if (rope.capacity < 1) throw InputError(fmt::format("GEMV: a rope epilogue's caches hold {} rows", rope.capacity));
+  }
   if (mainloop == GemvMainloop::streamed) {
     if (argmax_rows) throw InputError("GEMV: argmax_rows needs the register-batch mainloop, not the streamed one");
     validate_streamed(*this);
@@ -779,6 +795,10 @@ std::string GemvKernelConfig::to_string() const {
                                  epilogue.to_string());
   if (x_rms_norm_eps) text += fmt::format(" x=rms_norm(eps={:g})", *x_rms_norm_eps);
   if (!output_splits.empty()) text += fmt::format(" outputs={}", fmt::join(output_splits, "+"));
+  if (rope_cache) {
+    text += fmt::format(" rope_cache(heads={}/{} D={} dims={} capacity={})", rope_cache->q_heads, rope_cache->kv_heads,
+                        rope_cache->head_dim, rope_cache->dims(), rope_cache->capacity);
+  }
   if (mainloop == GemvMainloop::streamed) {
     return text + fmt::format(" streamed warps={} stage_iterations={} stages={} grid={}x{}", warps_per_block,
                               stage_iterations, stages, multiprocessors, blocks_per_multiprocessor);
@@ -832,7 +852,8 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
 
   const bool has_workspace = config.k_splits > 1 || config.argmax_rows;
   source += gemv_kernel_entry(config, result.kernel_name,
-                              std::string(config.argmax_rows ? ", int* __restrict__ next" : "") +
+                              std::string(config.rope_cache ? ", const int* __restrict__ positions" : "") +
+                                  std::string(config.argmax_rows ? ", int* __restrict__ next" : "") +
                                   (has_workspace ? ", float* __restrict__ workspace" : ""));
   if (!has_workspace) source += "  float* const workspace = nullptr;  // no split-K join\n";
   source += gemv_outputs_binding(config);

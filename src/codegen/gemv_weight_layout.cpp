@@ -236,6 +236,24 @@ HostTensor stack_rows(std::span<const HostTensor> parts) {
   return result;
 }
 
+HostTensor gather_rows(const HostTensor& tensor, std::span<const std::int64_t> order) {
+  const TensorSpec& spec = tensor.spec();
+  if (spec.rank() < 1 || static_cast<std::int64_t>(order.size()) != spec.shape[0]) {
+    throw InputError(fmt::format("gather_rows: {} rows asked of {}", order.size(), spec.to_string()));
+  }
+  HostTensor result(spec);
+  const std::size_t row_bytes = spec.shape[0] == 0 ? 0 : tensor.bytes().size() / static_cast<std::size_t>(spec.shape[0]);
+  for (std::size_t row = 0; row < order.size(); ++row) {
+    if (order[row] < 0 || order[row] >= spec.shape[0]) {
+      throw InputError(fmt::format("gather_rows: row {} of {} does not exist", order[row], spec.to_string()));
+    }
+    const auto from = tensor.bytes().begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(order[row]) * row_bytes);
+    std::copy(from, from + static_cast<std::ptrdiff_t>(row_bytes),
+              result.bytes().begin() + static_cast<std::ptrdiff_t>(row * row_bytes));
+  }
+  return result;
+}
+
 AffineCodeDecode affine_code_decode(int bits, DType activation) {
   GemvWeightFormat::affine(bits, 32, activation).validate();
   const bool half = activation == DType::f16;
@@ -296,6 +314,29 @@ std::uint32_t decode_affine_code_pair(const AffineCodeDecode& decode, std::uint3
     }
   }
   return 0;
+}
+
+std::vector<std::int64_t> gemv_rope_row_order(const GemvRopeCacheEpilogue& rope) {
+  const std::int64_t dims = rope.dims();
+  if (rope.q_heads < 1 || rope.kv_heads < 1 || rope.head_dim < 2 || rope.head_dim % 2 != 0 || dims < 2 ||
+      dims % 2 != 0 || dims > rope.head_dim) {
+    throw InputError(fmt::format("GEMV rope epilogue: {} q heads, {} kv heads, head dim {}, rotary dims {}: want heads "
+                                 ">= 1 and even dims <= an even head dim",
+                                 rope.q_heads, rope.kv_heads, rope.head_dim, dims));
+  }
+  const std::int64_t half = dims / 2;
+  const std::int64_t rows = (rope.q_heads + 2 * rope.kv_heads) * rope.head_dim;
+  std::vector<std::int64_t> order(static_cast<std::size_t>(rows));
+  for (std::int64_t row = 0; row < rows; ++row) order[static_cast<std::size_t>(row)] = row;
+  // Heads of q, then of k: pair j of a head moves to rows 2j (its low element) and 2j + 1 (its high one).
+  for (std::int64_t head = 0; head < rope.q_heads + rope.kv_heads; ++head) {
+    const std::int64_t first = head * rope.head_dim;
+    for (std::int64_t j = 0; j < half; ++j) {
+      order[static_cast<std::size_t>(first + 2 * j)] = first + j;
+      order[static_cast<std::size_t>(first + 2 * j + 1)] = first + j + half;
+    }
+  }
+  return order;
 }
 
 }  // namespace metile

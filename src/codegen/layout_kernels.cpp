@@ -138,32 +138,32 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
   return kernel;
 }
 
-// The rotary embedding, shared by the native rope kernel and the rope_kv_cache kernel:
-// `metile_rope_frequencies` (rope_frequencies: theta^(-2d/dims), Llama 3 scaling applied),
-// `metile_rope_pair(row, pair, position, low, high)`, the pair (pair, pair + dims/2) of a row after
-// rope at `position`, and `metile_rope_element(row, d, position)`, element d of a row of length
-// >= dims (d >= dims is copied). Both compute every element with the same operations, so the
-// native and the fused kernels give the same bits.
+// The rotary embedding, shared by the native rope kernel, the rope_kv_cache kernel and the GEMV's
+// rope epilogue (gemv_device_helpers.cpp): rope_rotation_device_code gives `metile_rope_frequencies`
+// (rope_frequencies: theta^(-2d/dims), Llama 3 scaling applied) and `metile_rope_rotate(first,
+// second, pair, position, low, high)`, pair (pair, pair + dims/2) with the elements' values
+// `first` and `second` after rope at `position`; rope_device_code adds `metile_rope_pair(row,
+// pair, position, low, high)`, which reads the two elements from a row, and
+// `metile_rope_element(row, d, position)`, element d of a row of length >= dims (d >= dims is
+// copied). All of them compute every element with the same operations, so the native and the
+// fused kernels give the same bits.
 //
 // The table lives in global memory, read through the read-only path: the lanes of a warp read
 // consecutive pairs' frequencies, one coalesced load issued with the row's loads. (As a
 // __constant__ array indexed by the lane's pair, a warp's 32 distinct addresses were served one
 // after another by the constant cache.)
-std::string rope_device_code(const Attributes& attributes) {
+}  // namespace
+
+std::string codegen_detail::rope_rotation_device_code(const Attributes& attributes) {
   const std::int64_t dims = attributes.get_int("dims");
   std::string frequencies;
   for (double frequency : rope_frequencies(attributes)) {
     frequencies += fmt::format("{}{:.17g}", frequencies.empty() ? "" : ", ", frequency);
   }
   return fmt::format(R"(__device__ const double metile_rope_frequencies[{0}] = {{{1}}};
-template <typename T>
-__device__ __forceinline__ void metile_rope_pair(const T* __restrict__ row, int pair, int position_index, float& low,
-                                                 float& high) {{
-  constexpr int kHalf = {2} / 2;
-  // Every load first (the frequency, both elements): nothing here waits on another load.
+__device__ __forceinline__ void metile_rope_rotate(float first, float second, int pair, int position_index, float& low,
+                                                   float& high) {{
   const double frequency = __ldg(metile_rope_frequencies + pair);
-  const float first = metile_device::to_float(row[pair]);
-  const float second = metile_device::to_float(row[pair + kHalf]);
   // The angle and its sine and cosine in f64, rounded to f32, as the reference does: an f32
   // angle would lose about position * 6e-8 radians, visible at long sequences.
   const double position = static_cast<double>(position_index);
@@ -174,9 +174,26 @@ __device__ __forceinline__ void metile_rope_pair(const T* __restrict__ row, int 
   low = __fsub_rn(__fmul_rn(first, cosine), __fmul_rn(second, sine));
   high = __fadd_rn(__fmul_rn(first, sine), __fmul_rn(second, cosine));
 }}
+)",
+                     dims / 2, frequencies);
+}
+
+namespace {
+
+std::string rope_device_code(const Attributes& attributes) {
+  const std::int64_t dims = attributes.get_int("dims");
+  return codegen_detail::rope_rotation_device_code(attributes) + fmt::format(R"(template <typename T>
+__device__ __forceinline__ void metile_rope_pair(const T* __restrict__ row, int pair, int position_index, float& low,
+                                                 float& high) {{
+  constexpr int kHalf = {0} / 2;
+  // Every load first (the frequency, both elements): nothing here waits on another load.
+  const float first = metile_device::to_float(row[pair]);
+  const float second = metile_device::to_float(row[pair + kHalf]);
+  metile_rope_rotate(first, second, pair, position_index, low, high);
+}}
 template <typename T>
 __device__ __forceinline__ float metile_rope_element(const T* __restrict__ row, int d, int position_index) {{
-  constexpr int kDims = {2};
+  constexpr int kDims = {0};
   constexpr int kHalf = kDims / 2;
   if (d >= kDims) return metile_device::to_float(row[d]);
   float low, high;
@@ -184,7 +201,7 @@ __device__ __forceinline__ float metile_rope_element(const T* __restrict__ row, 
   return d < kHalf ? low : high;
 }}
 )",
-                     dims / 2, frequencies, dims);
+                                                             dims);
 }
 
 GeneratedKernel rope_kernel(const ComputeGraph& graph, const Node& node) {

@@ -10,6 +10,8 @@
 //   contraction_argmax     one GEMV with a plain store and the rows'   input, weight
 //                          argmax (argmax_rows: the LM head's greedy token)
 //   sibling_contractions   one GEMV over the stacked weights (q, k, v)  input, weight.i, bias.i
+//   qkv_rope_kv_cache      the same GEMV, rope on q and k and both      the parts' roles (FusionRegion::parts:
+//                          cache writes in its epilogue                 sibling_contractions, rope_kv_cache)
 //
 // A region that holds the RMSNorm of its input (the rules' input prologue: norm_input, norm_weight)
 // launches nothing for it: the GEMV reading the normalized value reads the norm's x and weight and
@@ -28,6 +30,7 @@
 #include <mutex>
 #include <set>
 
+#include "metile/codegen.h"
 #include "metile/dispatch.h"
 #include "metile/quant.h"
 
@@ -98,6 +101,7 @@ GemvKernelConfig GemvStage::base_config() const {
   config.epilogue = epilogue;
   config.argmax_rows = argmax_output >= 0;
   if (norm_weight >= 0) config.x_rms_norm_eps = norm_eps;
+  config.rope_cache = rope_cache;
   for (const GemvRowPart& part : row_parts) config.output_splits.push_back(part.matrix.out_features);
   return config;
 }
@@ -557,15 +561,46 @@ GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion&
   return mapped_to(graph, sub, {std::move(stage)});
 }
 
+GemvRegionPlan plan_gemv_qkv_rope_cache(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule != "qkv_rope_kv_cache" || region.parts.size() != 2) {
+    return refuse(fmt::format("not a qkv_rope_kv_cache region of two parts (rule '{}', {} parts)", region.rule,
+                              region.parts.size()));
+  }
+  GemvRegionPlan plan = plan_gemv_siblings(graph, region.parts[0]);
+  if (!plan.decision) return plan;
+  const RopeCacheRegion rope = rope_cache_region(graph, region.parts[1]);
+  if (!rope.decision) return refuse("the rope and cache writes: " + rope.decision.reason);
+  GemvStage& stage = plan.stages.front();
+  if (stage.row_parts.size() != 3 || stage.row_parts[0].output != rope.q || stage.row_parts[1].output != rope.k ||
+      stage.row_parts[2].output != rope.v) {
+    return refuse("the stacked GEMV's parts are not the q, k and v the rope and cache writes read, in that order");
+  }
+  if (rope.dtype != stage.matrices.front().format.activation || stage.rows != rope.steps) {
+    return refuse(fmt::format("the rope reads {} [{} rows], the GEMV writes {} [{} rows]", dtype_name(rope.dtype), rope.steps,
+                              dtype_name(stage.matrices.front().format.activation), stage.rows));
+  }
+  GemvRopeCacheEpilogue epilogue{rope.q_heads, rope.kv_heads, rope.head_dim, rope.capacity,
+                                 graph.node(rope.rope).attributes};
+  try {
+    (void)gemv_rope_row_order(epilogue);
+  } catch (const InputError& error) {
+    return refuse(error.what());
+  }
+  stage.rope_cache = std::move(epilogue);
+  stage.rope_values = {rope.positions, rope.q_rotated, rope.k_cache, rope.k_cache_out, rope.v_cache, rope.v_cache_out};
+  stage.nodes = region.nodes;
+  return plan;
+}
+
 GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule == "qkv_rope_kv_cache") return plan_gemv_qkv_rope_cache(graph, region);
   if (region.rule == "swiglu_mlp") return plan_gemv_swiglu(graph, region);
   if (region.rule == "sibling_contractions") return plan_gemv_siblings(graph, region);
   if (region.rule == "contraction_epilogue" || region.rule == "contraction" || region.rule == "contraction_argmax") {
     return plan_gemv_contraction(graph, region);
   }
-  return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax and "
-                            "sibling_contractions "
-                            "regions, not {}",
+  return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax, "
+                            "sibling_contractions and qkv_rope_kv_cache regions, not {}",
                             region.rule.empty() ? std::string("an unnamed region") : "'" + region.rule + "'"));
 }
 
@@ -668,10 +703,14 @@ struct GemvKernelPool {
       }
     }
     values.keep_derived(sources, [&values, stage, device = slot] {
+      // With the rope epilogue the kernel reads the rows in gemv_rope_row_order.
+      const std::vector<std::int64_t> order =
+          stage.rope_cache ? gemv_rope_row_order(*stage.rope_cache) : std::vector<std::int64_t>{};
       auto stacked_of = [&](auto value_of) {
         std::vector<HostTensor> parts;
         for (const GemvRowPart& part : stage.row_parts) parts.push_back(value_of(part));
-        return stack_rows(parts);
+        HostTensor stacked = stack_rows(parts);
+        return order.empty() ? stacked : gather_rows(stacked, order);
       };
       const GemvMatrix& format = stage.matrices.front();
       if (format.format.is_affine()) {
@@ -710,6 +749,14 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
     arguments.add_pointer(values[stage.input].address());
     if (stage.norm_weight >= 0) arguments.add_pointer(values[stage.norm_weight].address());
     if (!stage.epilogue.tensor_inputs().empty()) arguments.add_pointer(stacked.back()->bias);
+    if (stage.rope_cache) {
+      // q rotated and the caches (in place), then the positions.
+      for (ValueId written : {stage.rope_values.q_rotated, stage.rope_values.k_cache_out, stage.rope_values.v_cache_out}) {
+        arguments.add_pointer(values[written].address());
+      }
+      arguments.add_pointer(values[stage.rope_values.positions].address());
+      return;
+    }
     for (const GemvRowPart& part : stage.row_parts) arguments.add_pointer(values[part.output].address());
     return;
   }
@@ -824,18 +871,40 @@ Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
       struct Launch {
         std::shared_ptr<LoadedGemv> gemv;
         KernelArguments arguments;
+        // The rope epilogue writes its caches in place: a cache whose output has a buffer of its
+        // own is copied there first (the kernel then writes the new rows).
+        struct CacheCopy {
+          std::uint64_t to = 0, from = 0;
+          std::size_t bytes = 0;
+        };
+        std::vector<CacheCopy> cache_copies;
       };
       std::vector<Launch> launches;
       std::vector<std::shared_ptr<RepackedOnDevice>> repacked;
       std::vector<std::shared_ptr<StackedOnDevice>> stacked;
       for (std::size_t s = 0; s < stages->size(); ++s) {
-        Launch launch{pool->kernel(kernels[s]), {}};
-        add_stage_arguments(*pool, values, (*stages)[s], s, launch.arguments, repacked, stacked);
+        const GemvStage& stage = (*stages)[s];
+        Launch launch{pool->kernel(kernels[s]), {}, {}};
+        add_stage_arguments(*pool, values, stage, s, launch.arguments, repacked, stacked);
+        if (stage.rope_cache) {
+          for (auto [cache, written] : {std::pair{stage.rope_values.k_cache, stage.rope_values.k_cache_out},
+                                        std::pair{stage.rope_values.v_cache, stage.rope_values.v_cache_out}}) {
+            if (values.shares_buffer(written, cache)) continue;
+            const std::size_t bytes = static_cast<std::size_t>(values.graph().value(cache).spec.bytes());
+            launch.cache_copies.push_back({values[written].address(), values[cache].address(), bytes});
+          }
+        }
         launches.push_back(std::move(launch));
       }
       return DeviceStep([launches = std::move(launches), repacked = std::move(repacked),
                          stacked = std::move(stacked)](const CudaStream& stream) {
-        for (const Launch& launch : launches) launch.gemv->launch(stream, launch.arguments);
+        for (const Launch& launch : launches) {
+          for (const Launch::CacheCopy& copy : launch.cache_copies) {
+            DeviceBuffer::borrow(copy.to, copy.bytes).copy_from_device(DeviceBuffer::borrow(copy.from, copy.bytes), copy.bytes,
+                                                                         &stream);
+          }
+          launch.gemv->launch(stream, launch.arguments);
+        }
       });
     };
     candidate.weights = [pool, stages](DeviceValues& values) { return stage_weights(*pool, values, *stages); };

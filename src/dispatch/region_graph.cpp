@@ -66,6 +66,8 @@ FusionRegion region_in_region_graph(const ComputeGraph& graph, const FusionRegio
   for (ValueId input : region.inputs) mapped.inputs.push_back(value_in_sub(input));
   for (ValueId output : region.outputs) mapped.outputs.push_back(value_in_sub(output));
   for (const RegionRole& bound : region.roles) mapped.roles.push_back({bound.role, value_in_sub(bound.value)});
+  // A composed region's parts: every value they name is one of the region's, so in the region graph too.
+  for (const FusionRegion& part : region.parts) mapped.parts.push_back(region_in_region_graph(graph, part, sub));
   return mapped;
 }
 

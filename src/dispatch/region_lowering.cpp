@@ -8,6 +8,53 @@
 
 namespace metile {
 
+namespace {
+
+// A composed region (FusionRule::composes) also races its parts' kernels run back to back (every
+// candidate of the producer, each followed by the consumer's first), so that the one kernel for both
+// replaces them only where it measures faster; without these, losing the race or the gate would send
+// both parts to the native path.
+void add_part_candidates(const ComputeGraph& graph, const FusionRegion& region,
+                         std::span<const RegionLowering> extra_lowerings, RegionLowerings& result) {
+  const RegionLowerings first = lower_region(graph, region.parts[0], extra_lowerings);
+  const RegionLowerings second = lower_region(graph, region.parts[1], extra_lowerings);
+  if (first.candidates.empty() || second.candidates.empty()) {
+    result.refusals += fmt::format("{}its parts one after the other: {}", result.refusals.empty() ? "" : "; ",
+                                   first.candidates.empty() ? first.refusals : second.refusals);
+    return;
+  }
+  const FusedCandidate& then = second.candidates.front();
+  for (const FusedCandidate& candidate : first.candidates) {
+    FusedCandidate both;
+    both.id = CandidateId::fused(fmt::format("{}, then {}", candidate.id.variant, then.id.variant));
+    both.source = candidate.source + then.source;
+    both.summary = candidate.summary + "; then " + then.summary;
+    both.launches = candidate.launches + then.launches;
+    both.bind = [bind_first = candidate.bind, bind_then = then.bind](DeviceValues& values) {
+      DeviceStep a = bind_first(values);
+      DeviceStep b = bind_then(values);
+      return DeviceStep([a, b](const CudaStream& stream) {
+        a(stream);
+        b(stream);
+      });
+    };
+    if (candidate.weights || then.weights) {
+      both.weights = [weights_first = candidate.weights, weights_then = then.weights](DeviceValues& values) {
+        std::vector<DeviceByteRange> ranges;
+        for (const auto& weights : {weights_first, weights_then}) {
+          if (!weights) continue;
+          const std::vector<DeviceByteRange> more = weights(values);
+          ranges.insert(ranges.end(), more.begin(), more.end());
+        }
+        return ranges;
+      };
+    }
+    result.candidates.push_back(std::move(both));
+  }
+}
+
+}  // namespace
+
 RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region,
                              std::span<const RegionLowering> extra_lowerings) {
   RegionLowerings result;
@@ -27,6 +74,7 @@ RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& regi
     }
     for (FusedCandidate& candidate : lowered.candidates) result.candidates.push_back(std::move(candidate));
   }
+  if (region.parts.size() == 2) add_part_candidates(graph, region, extra_lowerings, result);
   return result;
 }
 

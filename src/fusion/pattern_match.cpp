@@ -131,6 +131,8 @@ bool match_entry(const ComputeGraph& graph, const FusionRule& rule, int entry, N
 
 Decision can_anchor(const ComputeGraph& graph, const FusionRule& rule, NodeId node) {
   const Node& anchor = graph.node(node);
+  // A composed rule (FusionRule::composes) has no pattern: it joins other rules' regions.
+  if (rule.pattern.empty()) return Decision::refuse(fmt::format("rule '{}' has no pattern to anchor", rule.name));
   if (Decision accepts = entry_accepts(rule.pattern.back(), anchor); !accepts) return accepts;
   if (!rule.anchor_must_be_sink) return Decision::allow();
   for (ValueId output : anchor.outputs) {
@@ -208,6 +210,21 @@ void validate_rule_set(const RuleSet& rules) {
     const std::string where = "rule '" + rule.name + "'";
     if (rule.name.empty()) throw InputError("rule set: a rule has no name");
     if (!names.insert(rule.name).second) throw InputError("rule set: two rules are named '" + rule.name + "'");
+    if (!rule.composes.empty()) {
+      // A composed rule joins two earlier rules' regions (plan_graph_fusion.cpp); it matches nothing itself.
+      if (rule.composes.size() != 2 || rule.composes[0] == rule.composes[1]) {
+        throw InputError(where + ": a composed rule names two different rules, producer first");
+      }
+      for (const std::string& part : rule.composes) {
+        if (part == rule.name || !names.contains(part)) {
+          throw InputError(where + ": it composes '" + part + "', which is not an earlier rule of the set");
+        }
+      }
+      if (!rule.pattern.empty() || rule.siblings || !rule.companions.empty() || rule.input_prologue) {
+        throw InputError(where + ": a composed rule has no pattern, siblings, companions or input prologue of its own");
+      }
+      continue;
+    }
     if (rule.pattern.empty()) throw InputError(where + ": the pattern needs at least the anchor entry");
     std::set<std::string> roles;
     std::vector<bool> reached(rule.pattern.size(), false);

@@ -24,6 +24,7 @@ struct ProposedRegion {
   std::vector<NodeId> nodes;
   double benefit_ns = 0;
   std::vector<RegionRole> roles;  // region_roles() of the match
+  std::vector<int> parts = {};    // a composed rule's region: the two proposals it joins
 };
 
 // What the neighborhood models said about each node, for its reason.
@@ -106,6 +107,72 @@ std::optional<ProposedRegion> with_input_prologue(const ComputeGraph& graph, con
   return extended;
 }
 
+// A composed rule's regions (FusionRule::composes): each proposal of the producer rule joined to the
+// proposal of the consumer rule that reads every value it writes (none of them a graph output).
+// Disjoint, and convex because no value leaves the producer for anything but the consumer.
+std::vector<ProposedRegion> compose_regions(const ComputeGraph& graph, const FusionTarget& target, const RuleSet& rules,
+                                            int rule_index, const std::vector<ProposedRegion>& proposals,
+                                            const GraphIndex& index) {
+  const FusionRule& rule = rules.rules[static_cast<std::size_t>(rule_index)];
+  auto rule_named = [&](const std::string& name) {
+    for (std::size_t k = 0; k < rules.rules.size(); ++k) {
+      if (rules.rules[k].name == name) return static_cast<int>(k);
+    }
+    return -1;
+  };
+  const int producer_rule = rule_named(rule.composes[0]);
+  const int consumer_rule = rule_named(rule.composes[1]);
+  std::vector<ProposedRegion> composed;
+  for (std::size_t p = 0; p < proposals.size(); ++p) {
+    const ProposedRegion& producer = proposals[p];
+    if (producer.rule != producer_rule) continue;
+    // The readers outside the producer of the values it writes, and those values' bytes.
+    std::vector<NodeId> readers;
+    std::int64_t between_bytes = 0;
+    bool escapes = false;
+    for (NodeId id : producer.nodes) {
+      for (ValueId output : graph.node(id).outputs) {
+        bool read_outside = false;
+        for (NodeId reader : graph.consumers(output)) {
+          if (std::binary_search(producer.nodes.begin(), producer.nodes.end(), reader)) continue;
+          readers.push_back(reader);
+          read_outside = true;
+        }
+        if (read_outside) between_bytes += graph.value(output).spec.bytes();
+        escapes = escapes || index.value_is_output[static_cast<std::size_t>(output)];
+      }
+    }
+    if (escapes || readers.empty()) continue;
+    for (std::size_t c = 0; c < proposals.size(); ++c) {
+      const ProposedRegion& consumer = proposals[c];
+      if (consumer.rule != consumer_rule) continue;
+      auto inside = [&](NodeId id) { return std::binary_search(consumer.nodes.begin(), consumer.nodes.end(), id); };
+      if (!std::all_of(readers.begin(), readers.end(), inside)) continue;
+      if (std::any_of(producer.nodes.begin(), producer.nodes.end(), inside)) continue;
+      ProposedRegion joined;
+      joined.rule = rule_index;
+      joined.anchor = consumer.anchor;
+      joined.nodes = producer.nodes;
+      joined.nodes.insert(joined.nodes.end(), consumer.nodes.begin(), consumer.nodes.end());
+      std::sort(joined.nodes.begin(), joined.nodes.end());
+      const RegionEstimate estimate = estimate_region(graph, joined.nodes, target, rule.resources, index.value_is_output);
+      if (!within_limits(estimate, target)) continue;
+      // One launch fewer, and the values between the two written and read back no more.
+      joined.benefit_ns = producer.benefit_ns + consumer.benefit_ns + target.launch_overhead_ns +
+                          2.0 * static_cast<double>(between_bytes) / target.memory_bandwidth_bytes_per_ns;
+      joined.roles = producer.roles;
+      for (const RegionRole& role : consumer.roles) {
+        const bool bound = std::any_of(joined.roles.begin(), joined.roles.end(),
+                                       [&](const RegionRole& r) { return r.role == role.role; });
+        if (!bound) joined.roles.push_back(role);
+      }
+      joined.parts = {static_cast<int>(p), static_cast<int>(c)};
+      composed.push_back(std::move(joined));
+    }
+  }
+  return composed;
+}
+
 std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const FusionTarget& target,
                                             const RuleSet& rules, NeighborhoodScratch& scratch,
                                             std::vector<NodeNotes>& notes) {
@@ -114,6 +181,12 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
   const std::size_t node_count = graph.nodes().size();
   for (std::size_t rule_index = 0; rule_index < rules.rules.size(); ++rule_index) {
     const FusionRule& rule = rules.rules[rule_index];
+    if (!rule.composes.empty()) {
+      for (ProposedRegion& joined : compose_regions(graph, target, rules, static_cast<int>(rule_index), proposals, scratch.index)) {
+        if (seen.insert(joined.nodes).second) proposals.push_back(std::move(joined));
+      }
+      continue;
+    }
     // A sink-anchored rule walks the graph backwards. A chain longer than one neighborhood
     // (rules.max_neighborhood_nodes) would otherwise end in one region and leave the rest of its
     // ops unfused, as no op before the cut is a sink: the op a region could not take (left out or
@@ -322,9 +395,14 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     FusionRegion region;
     if (source.candidate >= 0) {
       const ProposedRegion& proposal = proposals[static_cast<std::size_t>(source.candidate)];
-      region = region_of_nodes(graph, proposal.nodes, rules.rules[static_cast<std::size_t>(proposal.rule)].name);
-      region.benefit_ns = proposal.benefit_ns;
-      region.roles = proposal.roles;
+      auto region_of_proposal = [&](const ProposedRegion& chosen) {
+        FusionRegion made = region_of_nodes(graph, chosen.nodes, rules.rules[static_cast<std::size_t>(chosen.rule)].name);
+        made.benefit_ns = chosen.benefit_ns;
+        made.roles = chosen.roles;
+        return made;
+      };
+      region = region_of_proposal(proposal);
+      for (int part : proposal.parts) region.parts.push_back(region_of_proposal(proposals[static_cast<std::size_t>(part)]));
     } else {
       const Node& node = graph.node(source.first);
       region = region_of_nodes(graph, {node.id}, node.op);

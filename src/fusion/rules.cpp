@@ -133,6 +133,16 @@ FusionRule rope_kv_cache_rule() {
   return rule;
 }
 
+FusionRule qkv_rope_kv_cache_rule() {
+  FusionRule rule;
+  rule.name = "qkv_rope_kv_cache";
+  rule.description =
+      "the q, k and v projections (one GEMV over their stacked weights) with rope on q and k and the cache writes "
+      "in its epilogue";
+  rule.composes = {"sibling_contractions", "rope_kv_cache"};
+  return rule;
+}
+
 FusionRule row_reduction_rule() {
   FusionRule rule;
   rule.name = "row_reduction";
@@ -160,7 +170,7 @@ FusionRule elementwise_chain_rule() {
 RuleSet default_rules() {
   RuleSet rules;
   rules.rules = {residual_add_rms_norm_rule(), parallel_epilogue_rule(), contraction_epilogue_rule(),
-                 sibling_contractions_rule(), rope_kv_cache_rule(),
+                 sibling_contractions_rule(), rope_kv_cache_rule(), qkv_rope_kv_cache_rule(),
                  row_reduction_rule(), elementwise_chain_rule()};
   return rules;
 }

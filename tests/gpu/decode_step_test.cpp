@@ -238,13 +238,19 @@ TEST_P(StepGraphOnTheGpu, NativeAndFusedExecutablesMatchTheReference) {
       Executable executable = Executable::build(plan, device(), options);
       if (mode == DispatchMode::fused && steps == 1) std::cerr << executable.report();
       if (mode == DispatchMode::fused) {
-        // Each layer's rope on q and k and both cache writes: one rope_kv_cache region whose kernel
-        // passed its gate (fused mode keeps the fused candidate exactly then).
+        // Each layer's q/k/v projections, rope on q and k and both cache writes: one
+        // qkv_rope_kv_cache region whose candidates passed their gates (fused mode keeps a fused
+        // candidate exactly then: the GEMV with the rope epilogue, or the stacked GEMV then the rope kernel).
         int rope_regions = 0;
         for (const RegionReport& report : executable.reports()) {
-          if (report.rule != "rope_kv_cache") continue;
+          if (report.rule != "qkv_rope_kv_cache") continue;
           ++rope_regions;
-          EXPECT_EQ(report.chosen_id.eager(), CandidateId::fused("rope kv cache")) << report.sentence;
+          EXPECT_EQ(report.chosen_id.kind, CandidateKind::fused) << report.sentence;
+          for (const auto& [name, gate] : report.gates) {
+            if (name.starts_with("fused")) {
+              EXPECT_TRUE(gate.passed) << name << ": " << gate.detail;
+            }
+          }
         }
         EXPECT_EQ(rope_regions, model.config().num_hidden_layers) << executable.report();
       }

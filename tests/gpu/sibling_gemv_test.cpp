@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include "gemv_region_graphs.h"
@@ -211,9 +212,9 @@ TEST_F(RopeKvCache, FusedMatchesTheFloat64OracleAndTheNativePath) {
     SCOPED_TRACE(test_case.name);
     const ComputeGraph graph = testing::attention_inputs_test_graph(test_case.shape);
     const FusionPlan plan = plan_graph_fusion(graph);
-    const auto region = std::find_if(plan.regions.begin(), plan.regions.end(),
-                                     [](const FusionRegion& r) { return r.rule == "rope_kv_cache"; });
-    ASSERT_NE(region, plan.regions.end()) << plan.explain();
+    // The rope and cache writes: the second part of the layer's qkv_rope_kv_cache region.
+    const FusionRegion* region = testing::region_of_rule(plan, "rope_kv_cache");
+    ASSERT_NE(region, nullptr) << plan.explain();
     const ComputeGraph sub = region_graph(*plan.graph, *region);
     const FusionRegion sub_region = region_in_region_graph(*plan.graph, *region, sub);
     const Lowered lowered = rope_kv_cache_candidates(sub, sub_region);
@@ -278,8 +279,12 @@ TEST_F(RopeKvCache, FusedMatchesTheFloat64OracleAndTheNativePath) {
       }
       EXPECT_EQ(kept, test_case.shape.kv_heads * (test_case.shape.capacity - test_case.shape.rows));
     }
-    // Through the Executable: the region passes the gate and runs fused in fused mode.
-    Executable executable = Executable::build(plan, device(), quick_fused_options());
+    // Through the Executable, planned without the joined rule: the region passes the gate and runs
+    // fused in fused mode.
+    RuleSet rules = default_rules();
+    std::erase_if(rules.rules, [](const FusionRule& rule) { return !rule.composes.empty(); });
+    Executable executable = Executable::build(plan_graph_fusion(graph, FusionTarget::h200(), rules), device(),
+                                              quick_fused_options());
     bool found = false;
     for (const RegionReport& report : executable.reports()) {
       if (report.rule != "rope_kv_cache") continue;
@@ -287,6 +292,106 @@ TEST_F(RopeKvCache, FusedMatchesTheFloat64OracleAndTheNativePath) {
       EXPECT_EQ(report.chosen_id.eager(), CandidateId::fused("rope kv cache")) << report.sentence;
     }
     EXPECT_TRUE(found) << executable.report();
+  }
+}
+
+// ---------------------------------------------------------------- qkv_rope_kv_cache
+// The q/k/v GEMV with rope and the cache writes in its epilogue (GemvKernelConfig::rope_cache):
+// every candidate of the joined region (each GEMV shape as one kernel, and as the stacked GEMV
+// followed by the rope kernel) against a float64 oracle (the projections in double, rounded to the
+// dtype as the graph stores them, then rotated in double), and each one-kernel shape bit for bit
+// against the same shape's two kernels: the epilogue rounds and rotates as the rope kernel does.
+// Llama-3.2-like (4-bit, rope scaling) and Qwen-like (biases, 12/2 heads of 128) shapes, M = 1, 5,
+// 16, positions scattered over the cache; then through the Executable.
+TEST_F(RopeKvCache, OneKernelWithTheProjectionsMatchesItsPartsAndTheOracle) {
+  struct Case {
+    std::string name;
+    testing::AttentionInputsShape shape;
+    std::int64_t rows;
+  };
+  testing::AttentionInputsShape llama;
+  llama.q_heads = 32, llama.kv_heads = 8, llama.head_dim = 64, llama.llama3_scaling = true, llama.theta = 500000;
+  llama.format = {4, 64, DType::bf16};
+  testing::AttentionInputsShape qwen;
+  qwen.q_heads = 12, qwen.kv_heads = 2, qwen.head_dim = 128, qwen.bias = true, qwen.theta = 1000000;
+  qwen.format = {16, 0, DType::bf16};
+  testing::AttentionInputsShape half = llama;
+  half.format = {8, 64, DType::f16}, half.bias = true;
+  const std::vector<Case> cases = {{"llama 4-bit M 1", llama, 1}, {"qwen dense M 16", qwen, 16}, {"llama 8-bit f16 M 5", half, 5}};
+  for (Case test_case : cases) {
+    SCOPED_TRACE(test_case.name);
+    test_case.shape.rows = test_case.rows, test_case.shape.capacity = 160, test_case.shape.hidden = 256;
+    const testing::AttentionInputsShape& shape = test_case.shape;
+    const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+    const FusionRegion& region = plan.regions.front();
+    ASSERT_EQ(region.rule, "qkv_rope_kv_cache") << plan.explain();
+    const ComputeGraph sub = region_graph(*plan.graph, region);
+    const FusionRegion sub_region = region_in_region_graph(*plan.graph, region, sub);
+    const RegionLowerings lowered = lower_region(sub, sub_region, std::span<const RegionLowering>{});
+    ASSERT_FALSE(lowered.candidates.empty()) << lowered.refusals;
+    TensorMap inputs = random_inputs(sub, next_seed());
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(shape.capacity));
+    std::iota(rows.begin(), rows.end(), 0);
+    SplitMix64 shuffle(next_seed());
+    for (std::size_t i = rows.size(); i > 1; --i) std::swap(rows[i - 1], rows[shuffle.next() % i]);
+    for (std::int64_t s = 0; s < shape.rows; ++s) inputs.at("positions").store(s, static_cast<double>(rows[static_cast<std::size_t>(s)]));
+    // The oracle: each projection in double, stored in the dtype, then rope and the writes in double.
+    TensorMap projected = inputs;
+    const std::string y = shape.bias ? ".y" : "";
+    for (int part = 0; part < 3; ++part) {
+      const std::string prefix = "p" + std::to_string(part);
+      const std::int64_t width = (part == 0 ? shape.q_heads : shape.kv_heads) * shape.head_dim;
+      TensorMap named = inputs;
+      if (shape.bias) named["c" + std::to_string(part)] = inputs.at(prefix + ".c");
+      const std::vector<double> values = oracle(named, static_cast<std::size_t>(part), shape.rows, width, shape.hidden,
+                                                shape.format, shape.bias);
+      projected[prefix + y] = HostTensor::from_values(TensorSpec({shape.rows, width}, shape.format.dtype), values);
+    }
+    const AttentionInputsOracle expected = attention_inputs_oracle(
+        projected, shape, sub.node(*sub.find_node("q.rope")).attributes, "p0" + y, "p1" + y, "p2" + y);
+    DeviceValues values(sub);
+    values.upload_inputs(inputs);
+    CudaStream stream;
+    std::map<std::string, TensorMap> outputs_of;
+    int one_kernel = 0;
+    for (const FusedCandidate& candidate : lowered.candidates) {
+      SCOPED_TRACE(candidate.id.name());
+      const DeviceStep step = candidate.bind(values);
+      // The caches are inputs written in place: upload them again before every candidate.
+      values.upload_inputs(inputs);
+      values.poison_computed_values();
+      step(stream);
+      stream.synchronize();
+      const TensorMap outputs = values.download_outputs();
+      expect_near_oracle(outputs.at("q.rope"), expected.q_rotated, shape.format.dtype, "q rotated");
+      expect_near_oracle(outputs.at("k_cache_out"), expected.k_cache, shape.format.dtype, "k cache");
+      expect_near_oracle(outputs.at("v_cache_out"), expected.v_cache, shape.format.dtype, "v cache");
+      outputs_of[candidate.id.variant] = outputs;
+      one_kernel += candidate.launches == 1;
+    }
+    EXPECT_GE(one_kernel, 2) << "the one-kernel shapes are offered";
+    int compared = 0;
+    for (const auto& [variant, outputs] : outputs_of) {
+      const auto parts = outputs_of.find(variant + ", then rope kv cache");
+      if (parts == outputs_of.end()) continue;
+      ++compared;
+      for (const char* name : {"q.rope", "k_cache_out", "v_cache_out"}) {
+        EXPECT_TRUE(outputs.at(name) == parts->second.at(name)) << variant << ": " << name << " differs from its two kernels";
+      }
+    }
+    EXPECT_EQ(compared, one_kernel);
+    // Through the Executable: the joined region is gated and raced, and its steps agree with the oracle.
+    Executable executable = Executable::build(plan, device(), quick_fused_options());
+    ASSERT_EQ(executable.reports().size(), 1u) << executable.report();
+    EXPECT_EQ(executable.reports().front().chosen_id.kind, CandidateKind::fused) << executable.report();
+    for (const auto& [name, gate] : executable.reports().front().gates) {
+      EXPECT_TRUE(gate.passed) << name << ": " << gate.detail;
+    }
+    const TensorMap outputs = executable.run(inputs);
+    expect_near_oracle(outputs.at("q.rope"), expected.q_rotated, shape.format.dtype, "executable q rotated");
+    expect_near_oracle(outputs.at("k_cache_out"), expected.k_cache, shape.format.dtype, "executable k cache");
   }
 }
 

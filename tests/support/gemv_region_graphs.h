@@ -109,6 +109,7 @@ struct AttentionInputsShape {
   bool k_rope_escapes = false;      // probe: k rotated is a graph output too
   double q_theta = 0;               // probe (when not 0): q's rope turns with another theta
   bool v_from_other_input = false;  // probe: v projects another input, so it is no sibling of k
+  bool q_escapes = false;           // probe: q (before rope) is a graph output too
 };
 
 inline ComputeGraph attention_inputs_test_graph(const AttentionInputsShape& shape) {
@@ -129,9 +130,11 @@ inline ComputeGraph attention_inputs_test_graph(const AttentionInputsShape& shap
     }
     return attributes;
   };
+  std::vector<ValueRef> projections;  // q, k, v before their heads are split
   auto project = [&](ValueRef input, const std::string& name, std::int64_t heads) {
     ValueRef y = test_linear(builder, input, name, heads * shape.head_dim, shape.hidden, shape.format);
     if (shape.bias) y = builder.add(y, builder.input(name + ".c", TensorSpec({heads * shape.head_dim}, dtype)), name + ".y");
+    projections.push_back(y);
     const ValueRef split = builder.reshape(y, {shape.rows, heads, shape.head_dim}, name + ".heads");
     return builder.transpose(split, {1, 0, 2}, name + ".by_head");
   };
@@ -146,6 +149,7 @@ inline ComputeGraph attention_inputs_test_graph(const AttentionInputsShape& shap
   const ValueRef v_all = builder.kv_cache_write(builder.input("v_cache", cache), v, positions, "v_cache_out");
   std::vector<ValueRef> outputs = {q_rotated, k_all, v_all};
   if (shape.k_rope_escapes) outputs.push_back(k_rotated);
+  if (shape.q_escapes) outputs.push_back(projections.front());
   return builder.build(outputs);
 }
 
@@ -153,6 +157,10 @@ inline ComputeGraph attention_inputs_test_graph(const AttentionInputsShape& shap
 inline const FusionRegion* region_of_rule(const FusionPlan& plan, std::string_view rule) {
   for (const FusionRegion& region : plan.regions) {
     if (region.rule == rule) return &region;
+    // A composed region (qkv_rope_kv_cache) holds the regions of its rules as parts.
+    for (const FusionRegion& part : region.parts) {
+      if (part.rule == rule) return &part;
+    }
   }
   return nullptr;
 }

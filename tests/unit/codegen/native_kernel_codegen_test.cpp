@@ -178,9 +178,8 @@ TEST(NativeKernelCodegenDecodeStep, RopeKvCacheKernelCompilesForSm90) {
       shape.rows = rows, shape.llama3_scaling = rows == 1, shape.format.dtype = dtype;
       const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
       const FusionPlan plan = plan_graph_fusion(graph);
-      const auto region = std::find_if(plan.regions.begin(), plan.regions.end(),
-                                       [](const FusionRegion& r) { return r.rule == "rope_kv_cache"; });
-      ASSERT_NE(region, plan.regions.end()) << plan.explain();
+      const FusionRegion* region = testing::region_of_rule(plan, "rope_kv_cache");
+      ASSERT_NE(region, nullptr) << plan.explain();
       const RopeCacheRegion problem = rope_cache_region(graph, *region);
       ASSERT_TRUE(problem.decision) << problem.decision.reason;
       EXPECT_EQ(problem.q_heads, 4);
@@ -216,15 +215,11 @@ TEST(NativeKernelCodegenDecodeStep, RopeKvCacheKernelCompilesForSm90) {
   shape.rows = 16, shape.capacity = 8;
   const ComputeGraph short_cache = testing::attention_inputs_test_graph(shape);
   const FusionPlan plan = plan_graph_fusion(short_cache);
-  int short_regions = 0;
-  for (const FusionRegion& region : plan.regions) {
-    if (region.rule != "rope_kv_cache") continue;
-    ++short_regions;
-    const RopeCacheRegion too_short = rope_cache_region(short_cache, region);
-    EXPECT_NE(too_short.decision.reason.find("the caches hold 8 rows, fewer than the step's 16 tokens"), std::string::npos)
-        << too_short.decision.reason;
-  }
-  EXPECT_EQ(short_regions, 1) << plan.explain();
+  const FusionRegion* short_region = testing::region_of_rule(plan, "rope_kv_cache");
+  ASSERT_NE(short_region, nullptr) << plan.explain();
+  const RopeCacheRegion too_short = rope_cache_region(short_cache, *short_region);
+  EXPECT_NE(too_short.decision.reason.find("the caches hold 8 rows, fewer than the step's 16 tokens"), std::string::npos)
+      << too_short.decision.reason;
 }
 
 }  // namespace

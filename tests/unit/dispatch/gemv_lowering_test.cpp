@@ -370,8 +370,8 @@ TEST(GemvLowering, OtherRegionsAreRefusedWithTheReason) {
   const Lowered row_lowered = gemv_region_candidates(*rows.graph, rows.regions[0]);
   EXPECT_FALSE(row_lowered.decision);
   EXPECT_EQ(row_lowered.decision.reason,
-            "the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax and "
-            "sibling_contractions regions, not "
+            "the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax, "
+            "sibling_contractions and qkv_rope_kv_cache regions, not "
             "'residual_add_rms_norm'");
   bool listed = false;
   for (const RegionLowering& lowering : builtin_lowerings()) listed = listed || lowering.name == "gemv";
@@ -581,6 +581,69 @@ TEST(GemvLowering, SiblingsAreOneGemvOverTheirStackedWeights) {
     }));
   }
   for (auto& compiled : compiles) EXPECT_EQ(compiled.get(), "");
+}
+
+// The joined q/k/v + rope + cache region lowers to the stacked GEMV with the rope epilogue: its
+// parts' roles, the rope's heads and cache, the values the kernel writes (q rotated and the caches,
+// not q, k and v); its candidates are the one-kernel shapes and, from lower_region, each stacked
+// GEMV followed by the rope kernel. A region without its two parts is refused with why.
+TEST(GemvLowering, QkvWithRopeAndCacheWritesIsOneGemvWithTheRopeEpilogue) {
+  for (bool bias : {false, true}) {
+    testing::AttentionInputsShape shape;
+    shape.rows = bias ? 16 : 1, shape.bias = bias, shape.llama3_scaling = !bias;
+    shape.format = {bias ? 16 : 4, 64, DType::bf16};
+    const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+    const FusionRegion& region = plan.regions.front();
+    const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, region);
+    ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+    ASSERT_EQ(lowered.stages.size(), 1u);
+    const GemvStage& stage = lowered.stages.front();
+    const ComputeGraph& g = *plan.graph;
+    ASSERT_TRUE(stage.rope_cache.has_value());
+    EXPECT_EQ(stage.rope_cache->q_heads, 4);
+    EXPECT_EQ(stage.rope_cache->kv_heads, 2);
+    EXPECT_EQ(stage.rope_cache->head_dim, 64);
+    EXPECT_EQ(stage.rope_cache->capacity, 32);
+    EXPECT_EQ(stage.rope_cache->rope, g.node(*g.find_node("q.rope")).attributes);
+    EXPECT_EQ(value_name(g, stage.rope_values.positions), "positions");
+    EXPECT_EQ(value_name(g, stage.rope_values.q_rotated), "q.rope");
+    EXPECT_EQ(value_name(g, stage.rope_values.k_cache_out), "k_cache_out");
+    EXPECT_EQ(value_name(g, stage.rope_values.v_cache), "v_cache");
+    EXPECT_EQ(stage.nodes.size(), region.nodes.size());
+    const GemvKernelConfig base = stage.base_config();
+    EXPECT_EQ(base.output_splits, (std::vector<std::int64_t>{256, 128, 128}));
+    EXPECT_TRUE(base.rope_cache.has_value());
+    const RegionLowerings all = lower_region(g, region, std::span<const RegionLowering>{});
+    int one_kernel = 0, two_kernels = 0;
+    std::set<std::string> variants;
+    for (const FusedCandidate& candidate : all.candidates) variants.insert(candidate.id.variant);
+    for (const FusedCandidate& candidate : all.candidates) {
+      const bool joined = candidate.launches == 1;
+      one_kernel += joined;
+      two_kernels += candidate.launches == 2 && candidate.id.variant.ends_with(", then rope kv cache");
+      // Every one-kernel shape races its own two kernels (the streamed stacked GEMVs have no rope
+      // epilogue: they race as two kernels only).
+      if (joined) {
+        EXPECT_TRUE(variants.contains(candidate.id.variant + ", then rope kv cache")) << candidate.id.name();
+      }
+      EXPECT_EQ(candidate.source.find("metile_rope_rotate(") != std::string::npos, true) << candidate.id.name();
+      EXPECT_EQ(candidate.source.find("constexpr bool kRopeCache = true;") != std::string::npos, joined)
+          << candidate.id.name();
+    }
+    EXPECT_GE(one_kernel, 2);
+    EXPECT_GT(two_kernels, one_kernel);
+    EXPECT_EQ(static_cast<int>(all.candidates.size()), one_kernel + two_kernels);
+  }
+  testing::AttentionInputsShape shape;
+  const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
+  const FusionPlan plan = plan_graph_fusion(graph);
+  FusionRegion no_parts = plan.regions.front();
+  no_parts.parts.clear();
+  const GemvRegionPlan refused = plan_gemv_region(*plan.graph, no_parts);
+  EXPECT_FALSE(refused.decision);
+  EXPECT_NE(refused.decision.reason.find("0 parts"), std::string::npos) << refused.decision.reason;
 }
 
 // What a stacked GEMV reads: stack_rows of the parts' codes, scales and biases dequantizes to the

@@ -279,11 +279,58 @@ TEST(RopeKvCache, GroupsTheChainsAfterSiblingProjections) {
       for (ValueId output : region->outputs) outputs.push_back(graph.value(output).name);
       std::sort(outputs.begin(), outputs.end());
       EXPECT_EQ(outputs, (std::vector<std::string>{"k_cache_out", "q.rope", "v_cache_out"}));
-      EXPECT_NE(region_of_rule(plan, "sibling_contractions"), nullptr) << plan.explain();
-      EXPECT_EQ(plan.kernel_count(), 2) << plan.explain();
+      // Both regions are the parts of one qkv_rope_kv_cache region: one kernel for the projections,
+      // the rope and the cache writes, with both parts' roles; q, k and v no longer leave it.
+      const FusionRegion* siblings = region_of_rule(plan, "sibling_contractions");
+      ASSERT_NE(siblings, nullptr) << plan.explain();
+      EXPECT_EQ(plan.kernel_count(), 1) << plan.explain();
+      const FusionRegion& joined = plan.regions.front();
+      ASSERT_EQ(joined.rule, "qkv_rope_kv_cache") << plan.explain();
+      ASSERT_EQ(joined.parts.size(), 2u);
+      EXPECT_EQ(&joined.parts[0], siblings);
+      EXPECT_EQ(&joined.parts[1], region);
+      EXPECT_EQ(joined.nodes.size(), siblings->nodes.size() + region->nodes.size());
+      EXPECT_GT(joined.benefit_ns, siblings->benefit_ns + region->benefit_ns);
+      EXPECT_EQ(role_text(graph, joined), role_text(graph, *siblings) + " " + role_text(graph, *region));
+      std::vector<std::string> joined_outputs;
+      for (ValueId output : joined.outputs) joined_outputs.push_back(graph.value(output).name);
+      std::sort(joined_outputs.begin(), joined_outputs.end());
+      EXPECT_EQ(joined_outputs, outputs);
       expect_plan_runs_like_graph(plan, seed);
     }
   }
+}
+
+// The projections join the rope and cache writes only when nothing else reads q, k and v: with q
+// also a graph output both regions stay apart (two kernels). A composed rule names two earlier
+// rules and has no pattern of its own.
+TEST(QkvRopeKvCache, JoinsOnlyWhatNothingElseReads) {
+  testing::AttentionInputsShape shape;
+  shape.q_escapes = true;
+  const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
+  const FusionPlan plan = plan_graph_fusion(graph);
+  EXPECT_EQ(region_of_rule(plan, "qkv_rope_kv_cache"), nullptr) << plan.explain();
+  EXPECT_NE(region_of_rule(plan, "sibling_contractions"), nullptr) << plan.explain();
+  EXPECT_NE(region_of_rule(plan, "rope_kv_cache"), nullptr) << plan.explain();
+  EXPECT_EQ(plan.kernel_count(), 2) << plan.explain();
+  for (const FusionRegion& region : plan.regions) EXPECT_TRUE(region.parts.empty());
+
+  auto rules_with = [](FusionRule composed, bool composed_first) {
+    RuleSet rules = default_rules();
+    std::erase_if(rules.rules, [](const FusionRule& rule) { return !rule.composes.empty(); });
+    rules.rules.insert(composed_first ? rules.rules.begin() : rules.rules.end(), std::move(composed));
+    return rules;
+  };
+  const ComputeGraph plain = testing::attention_inputs_test_graph({});
+  EXPECT_EQ(plan_graph_fusion(plain, FusionTarget::h200(), rules_with(qkv_rope_kv_cache_rule(), false)).kernel_count(), 1);
+  EXPECT_THROW(plan_graph_fusion(plain, FusionTarget::h200(), rules_with(qkv_rope_kv_cache_rule(), true)), InputError)
+      << "its parts must come earlier";
+  FusionRule unknown = qkv_rope_kv_cache_rule();
+  unknown.composes = {"sibling_contractions", "no_such_rule"};
+  EXPECT_THROW(plan_graph_fusion(plain, FusionTarget::h200(), rules_with(unknown, false)), InputError);
+  FusionRule with_pattern = qkv_rope_kv_cache_rule();
+  with_pattern.pattern = sibling_contractions_rule().pattern;
+  EXPECT_THROW(plan_graph_fusion(plain, FusionTarget::h200(), rules_with(with_pattern, false)), InputError);
 }
 
 TEST(RopeKvCache, RefusesWithReasons) {

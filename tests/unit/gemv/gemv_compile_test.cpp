@@ -6,6 +6,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <regex>
 
 #include "metile/cuda_runtime.h"
@@ -371,6 +372,83 @@ TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
       ADD_FAILURE() << config.to_string() << "\n" << error.what();
     }
   }
+}
+
+// The rope epilogue (GemvKernelConfig::rope_cache: q/k/v with rope and the cache writes): the row
+// order puts each rotary pair in adjacent rows of one tile and keeps v and the rows past the rotary
+// dims; the kernels (4-bit with norm, dense with bias and split-K, f16 8-bit at M = 16, partial
+// rotary dims) compile for sm_90, the decode one without spills, take the positions after their
+// outputs and are named apart from the plain stacked GEMV; what the epilogue cannot do is refused.
+TEST(GemvCompile, RopeCacheEpilogueCompilesAndRefusesWhatItCannotDo) {
+  GemvRopeCacheEpilogue rope{4, 2, 64, 160, {}};
+  rope.rope.set("theta", 500000.0);
+  rope.rope.set("dims", std::int64_t{48});
+  const std::vector<std::int64_t> order = gemv_rope_row_order(rope);
+  ASSERT_EQ(order.size(), 8u * 64u);
+  std::vector<std::int64_t> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t i = 0; i < sorted.size(); ++i) ASSERT_EQ(sorted[i], static_cast<std::int64_t>(i)) << "not a permutation";
+  for (std::int64_t head = 0; head < 8; ++head) {
+    for (std::int64_t p = 0; p < 64; ++p) {
+      const std::int64_t row = head * 64 + p;
+      // q's 4 heads and k's 2 rotate: rows 2j, 2j + 1 hold elements j, j + 24; v's heads and
+      // every element past the 48 rotary dims stay where they are.
+      const std::int64_t expected = head >= 6 || p >= 48 ? row : head * 64 + (p % 2 == 0 ? p / 2 : p / 2 + 24);
+      EXPECT_EQ(order[static_cast<std::size_t>(row)], expected) << "row " << row;
+    }
+  }
+  const GemvEpilogue biased = GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true));
+  auto with_rope = [&](GemvKernelConfig config, std::int64_t dims) {
+    config.output_splits = {4 * 64, 2 * 64, 2 * 64};
+    config.rope_cache = rope;
+    config.rope_cache->rope.set("dims", dims);
+    return config;
+  };
+  std::vector<GemvKernelConfig> configs;
+  GemvKernelConfig decode = with_rope(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 512, 64 * 8, GemvEpilogue::store()), 64);
+  decode.x_rms_norm_eps = 1e-5;
+  configs.push_back(decode);
+  GemvKernelConfig split = with_rope(gemv_config(GemvWeightFormat::dense(DType::bf16), 3, 512, 1024, biased), 64);
+  split.k_splits = 4;
+  configs.push_back(split);
+  configs.push_back(with_rope(gemv_config(GemvWeightFormat::affine(8, 32, DType::f16), 16, 512, 256, biased), 32));
+  for (std::size_t c = 0; c < configs.size(); ++c) {
+    const GemvKernelConfig& config = configs[c];
+    GemvKernelConfig plain = config;
+    plain.rope_cache.reset();
+    const GemvKernelSource kernel = generate_gemv_kernel(config);
+    EXPECT_NE(kernel.kernel_name, generate_gemv_kernel(plain).kernel_name) << config.to_string();
+    EXPECT_NE(kernel.source.find("constexpr bool kRopeCache = true;"), std::string::npos);
+    EXPECT_NE(kernel.source.find("u16* __restrict__ out2, const int* __restrict__ positions"), std::string::npos)
+        << kernel.source.substr(kernel.source.find("extern \"C\""), 1200);
+    EXPECT_NE(kernel.source.find("metile_rope_rotate("), std::string::npos);
+    try {
+      const Compiled compiled = compile_for_sm90(kernel);
+      EXPECT_FALSE(compiled.program.cubin.empty()) << config.to_string();
+      if (c == 0) {
+        // The f64 sincos keeps a small local array for its slow argument reduction (a stack frame);
+        // the batches and accumulators must still not spill.
+        const std::regex report(R"((\d+) bytes spill stores, (\d+) bytes spill loads)");
+        std::smatch match;
+        ASSERT_TRUE(std::regex_search(compiled.log, match, report)) << compiled.log;
+        EXPECT_LE(std::stoi(match[1].str()), 32) << compiled.log;
+        EXPECT_LE(std::stoi(match[2].str()), 32) << compiled.log;
+      }
+    } catch (const CudaError& error) {
+      ADD_FAILURE() << config.to_string() << "\n" << error.what();
+    }
+  }
+  GemvKernelConfig wrong_splits = decode;
+  wrong_splits.output_splits = {256, 256};
+  EXPECT_THROW(generate_gemv_kernel(wrong_splits), InputError);
+  GemvKernelConfig streamed = decode;
+  streamed.mainloop = GemvMainloop::streamed;
+  EXPECT_THROW(generate_gemv_kernel(streamed), InputError);
+  GemvKernelConfig gated = decode;
+  gated.epilogue = GemvEpilogue::swiglu();
+  EXPECT_THROW(generate_gemv_kernel(gated), InputError);
+  GemvKernelConfig odd = with_rope(gemv_config(GemvWeightFormat::dense(DType::bf16), 1, 512, 256, biased), 63);
+  EXPECT_THROW(generate_gemv_kernel(odd), InputError);
 }
 
 // The LM head with greedy decoding's argmax join (argmax_rows): Llama 3's vocabulary at K = 2048,

@@ -38,8 +38,23 @@ TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
         DecoderModel::load(synth(name, options), {.quantize = test_case.quantize, .max_sequence = 16});
     const FusionPlan plan = plan_with_discovery(model.step_graph(test_case.steps), FusionTarget::h200());
     const bool biased = test_case.architecture == ModelArchitecture::qwen2;
-    int siblings = 0, mlps = 0, ropes = 0;
+    int siblings = 0, mlps = 0, ropes = 0, joined = 0;
+    // Each layer's q/k/v GEMV and its rope and cache writes are one qkv_rope_kv_cache region whose
+    // parts are the two regions.
+    std::vector<const FusionRegion*> regions;
     for (const FusionRegion& region : plan.regions) {
+      regions.push_back(&region);
+      if (region.rule != "qkv_rope_kv_cache") continue;
+      ++joined;
+      ASSERT_EQ(region.parts.size(), 2u) << name;
+      EXPECT_EQ(region.parts[0].rule, "sibling_contractions") << name;
+      EXPECT_EQ(region.parts[1].rule, "rope_kv_cache") << name;
+      EXPECT_EQ(region.nodes.size(), region.parts[0].nodes.size() + region.parts[1].nodes.size()) << name;
+      for (const FusionRegion& part : region.parts) regions.push_back(&part);
+    }
+    EXPECT_EQ(joined, 2) << name << "\n" << plan.explain();
+    for (const FusionRegion* part_or_region : regions) {
+      const FusionRegion& region = *part_or_region;
       mlps += region.rule == "swiglu_mlp";
       if (region.rule == "rope_kv_cache") {
         // One layer's chains: q and v of k's own layer, its caches.
@@ -76,7 +91,7 @@ TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
     for (NodeId node : plan.unfused) {
       if (plan.graph->node(node).op == "rms_norm") norms_alone.push_back(plan.graph->node(node).name);
     }
-    EXPECT_EQ(norms_in_regions, (std::vector<std::string>{"sibling_contractions", "swiglu_mlp", "sibling_contractions",
+    EXPECT_EQ(norms_in_regions, (std::vector<std::string>{"qkv_rope_kv_cache", "swiglu_mlp", "qkv_rope_kv_cache",
                                                           "swiglu_mlp"}))
         << name << "\n" << plan.explain();
     EXPECT_EQ(norms_alone, std::vector<std::string>{"final_norm"}) << name << "\n" << plan.explain();
