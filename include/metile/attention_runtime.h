@@ -57,7 +57,10 @@ class FlashAttention {
 
   const AttentionProblem& problem() const;
   const AttentionKernelSource& kernel() const;
-  // Device addresses; positions is 0 unless the mask is "positions".
+  // Device addresses; positions is 0 unless the mask is "positions". On a stream set for
+  // programmatic dependent launch (CudaStream::set_programmatic_dependent_launch) the kernel
+  // launches as a programmatic dependent: it lets the next kernel launch at once and touches
+  // memory only after griddepcontrol.wait, so its launch overlaps the previous kernel's tail.
   void enqueue(const CudaStream& stream, std::uint64_t q, std::uint64_t k, std::uint64_t v, std::uint64_t positions,
                std::uint64_t out) const;
 

@@ -343,6 +343,14 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const int* __restrict__ positions,
     u16* __restrict__ out, float* __restrict__ partial_values, float2* __restrict__ partial_states,
     unsigned* __restrict__ arrivals, int keys, float scale_log2, int offset) {
+  // Programmatic dependent launch (attention_runtime.h): the next kernel may launch now; this one
+  // reads q, the caches and the positions, and writes anything, only after the kernel before it
+  // (which wrote q and the new cache rows) has finished. No-ops when launched plainly.
+  allow_dependent_launch();
+  q = after_previous_kernel(q);
+  k = ordered_after_wait(k), v = ordered_after_wait(v), positions = ordered_after_wait(positions);
+  out = ordered_after_wait(out), partial_values = ordered_after_wait(partial_values);
+  partial_states = ordered_after_wait(partial_states), arrivals = ordered_after_wait(arrivals);
   extern __shared__ float4 shared_words[];
   float2* shared_states = reinterpret_cast<float2*>(shared_words);              // [kWarps][kPaddedRows]
   float* shared_values = reinterpret_cast<float*>(shared_states + kWarps * kPaddedRows);  // [kWarps][kRows][kValueDim]
@@ -687,6 +695,11 @@ __device__ __forceinline__ int warp_min(int v) {
 extern "C" __global__ void __launch_bounds__(kThreads) KERNEL_NAME(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const int* __restrict__ positions,
     u16* __restrict__ out, int rows, int keys, float scale_log2, int offset) {
+  // Programmatic dependent launch, as in the decode kernel.
+  allow_dependent_launch();
+  q = after_previous_kernel(q);
+  k = ordered_after_wait(k), v = ordered_after_wait(v), positions = ordered_after_wait(positions);
+  out = ordered_after_wait(out);
   extern __shared__ float4 shared_words[];
   u16* const stages = reinterpret_cast<u16*>(shared_words);
   __shared__ int warp_key_ends[kWarps];

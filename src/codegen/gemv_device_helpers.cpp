@@ -78,33 +78,6 @@ __device__ __forceinline__ u32 shared_address(const void* pointer) {
   return address;
 }
 
-// Programmatic dependent launch (gemv.h): the next kernel of the stream may launch once every block
-// of this one has started; this one reads what an earlier kernel wrote only after the wait. Both
-// are no-ops when the kernel was not launched as a programmatic dependent.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// The wait, returning `pointer` out of the same asm statement: loads through the result depend on
-// it. x is read with non-volatile `ld.global.nc` asm, which the "memory" clobber does not order:
-// on the H200 (device call 8) ptxas hoisted those loads above a plain wait, and a dependent GEMV
-// read its x before the previous kernel had written it.
-template <class T>
-__device__ __forceinline__ T* after_previous_kernel(T* pointer) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n\tmov.b64 %0, %0;" : "+l"(pointer) :: "memory");
-#else
-  asm volatile("mov.b64 %0, %0;" : "+l"(pointer) :: "memory");
-#endif
-  return pointer;
-}
-
 // fp32 partial sums another block (on another SM) adds: st/ld .cg bypass L1 and meet in L2.
 __device__ __forceinline__ void store_partial(float* address, float value) {
   asm volatile("st.global.cg.f32 [%0], %1;" :: "l"(address), "f"(value) : "memory");

@@ -286,7 +286,7 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
   source += R"CUDA(  // Launched as a programmatic dependent (Executable graphs launch every generated GEMV so), a warp
   // writes nothing before the previous kernel is done: a warp with a phase-1 piece waited in its
   // mainloop; one without waits here, before the block's first write (its arrival).
-  gate_up::wait_for_previous_kernel();
+  wait_for_previous_kernel();
   // Arrive: this block's hidden-state writes (the joins it finished) are visible before its arrival.
   __threadfence();
   __syncthreads();

@@ -1,7 +1,8 @@
 // The device helpers every tensor-core generator (the GEMV mainloops, the attention kernels)
-// starts its kernel text with: the integer types, the m16n8k16 product in the activation dtype
-// and a 32-bit component of a 16-byte vector. One definition, so that the two kernel families
-// cannot drift apart in how they call the tensor cores.
+// starts its kernel text with: the integer types, the m16n8k16 product in the activation dtype,
+// a 32-bit component of a 16-byte vector and the programmatic-dependent-launch controls. One
+// definition, so that the two kernel families cannot drift apart in how they call the tensor
+// cores or wait for the kernel before them.
 #include "codegen_internal.h"
 
 namespace metile::codegen_detail {
@@ -29,6 +30,40 @@ __device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a
 
 __device__ __forceinline__ u32 component(const uint4& v, int index) {
   return index == 0 ? v.x : index == 1 ? v.y : index == 2 ? v.z : v.w;
+}
+
+// Programmatic dependent launch (gemv.h, attention_runtime.h): the next kernel of the stream may launch once every block
+// of this one has started; this one reads what an earlier kernel wrote only after the wait. Both
+// are no-ops when the kernel was not launched as a programmatic dependent.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The wait, returning `pointer` out of the same asm statement: loads through the result depend on
+// it. x is read with non-volatile `ld.global.nc` asm, which the "memory" clobber does not order:
+// on the H200 (device call 8) ptxas hoisted those loads above a plain wait, and a dependent GEMV
+// read its x before the previous kernel had written it.
+template <class T>
+__device__ __forceinline__ T* after_previous_kernel(T* pointer) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n\tmov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+#else
+  asm volatile("mov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+#endif
+  return pointer;
+}
+// `pointer` pinned after a wait already made (wait_for_previous_kernel, after_previous_kernel):
+// loads through the result cannot be hoisted above it either.
+template <class T>
+__device__ __forceinline__ T* ordered_after_wait(T* pointer) {
+  asm volatile("mov.b64 %0, %0;" : "+l"(pointer) :: "memory");
+  return pointer;
 }
 )CUDA";
 

@@ -160,12 +160,24 @@ void FlashAttention::enqueue(const CudaStream& stream, std::uint64_t q, std::uin
   const Dim3 block{s.kernel.launch.block_x, 1, 1};
   const auto keys = static_cast<std::int32_t>(s.problem.keys);
   const auto offset = static_cast<std::int32_t>(s.problem.offset);
+  KernelArguments arguments;
+  for (std::uint64_t pointer : {q, k, v, positions, out}) arguments.add_pointer(pointer);
   if (s.decode) {
-    launch(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, q, k, v, positions, out,
-           s.partial_values.address(), s.partial_states.address(), s.arrivals.address(), keys, s.scale_log2, offset);
+    for (const DeviceBuffer* workspace : {&s.partial_values, &s.partial_states, &s.arrivals}) {
+      arguments.add_pointer(workspace->address());
+    }
   } else {
-    launch(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, q, k, v, positions, out,
-           static_cast<std::int32_t>(s.problem.rows), keys, s.scale_log2, offset);
+    arguments.add_int32(static_cast<std::int32_t>(s.problem.rows));
+  }
+  arguments.add_int32(keys);
+  arguments.add_float(s.scale_log2);
+  arguments.add_int32(offset);
+  // Both kernels wait for the kernel before them before they touch memory (griddepcontrol), so on
+  // a stream that asks for it they launch as programmatic dependents, like the GEMVs.
+  if (stream.programmatic_dependent_launch()) {
+    launch_programmatic_dependent(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, arguments);
+  } else {
+    launch(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, arguments);
   }
 }
 
