@@ -103,7 +103,8 @@ class CudaStream {
   void wait(const CudaEvent& event) const;
 
   // When set, kernels that read their predecessors' writes only after griddepcontrol.wait (the
-  // generated GEMVs, LoadedGemv::launch) launch on this stream as programmatic dependents of the
+  // generated GEMVs, LoadedGemv::launch; the attention kernels, FlashAttention::enqueue) launch on
+  // this stream as programmatic dependents of the
   // kernel before them: their prologue and first weight loads overlap that kernel's tail.
   // Executable sets it while capturing its replay graph (ExecutableOptions).
   void set_programmatic_dependent_launch(bool enabled) { programmatic_dependent_launch_ = enabled; }

@@ -213,7 +213,7 @@ struct EngineBenchmark {
   double floor_ms = 0;              // decode_step_bytes(context) / copy bandwidth
   double floor_percent = 0;         // floor_ms / decode_replay_ms
   std::int64_t prefill_tokens = 0;  // the prompt of the prefill measurement
-  double prefill_tokens_per_second = 0;
+  double prefill_tokens_per_second = 0;  // the prompt fed as generate feeds it (feed_greedy: ids copied back)
   std::vector<StepKindTime> breakdown;  // one decode step run eagerly, events between units
   int launches = 0;                 // device steps per decode step
   // What the decode step's regions run: "rule: candidate" (RegionReport) -> how many regions.

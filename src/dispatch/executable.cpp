@@ -143,7 +143,7 @@ struct Executable::State {
   std::vector<std::string> step_kinds;  // per step: what profile() sums it under
   std::vector<std::vector<DeviceByteRange>> step_weights;  // per step: the weights it streams (GEMVs)
   CudaGraph replay;
-  bool programmatic_replay = false;  // the replay launches GEMVs as programmatic dependents
+  bool programmatic_replay = false;  // the replay launches GEMVs and attention as programmatic dependents
   std::string programmatic_race;     // race_programmatic_replay's figures, for report()
   // race_weight_prefetch: the side stream its replay forks onto, the events of the forks and the
   // join, the prefetches' piece tables (the graph's kernels read them), its figures for report().
@@ -555,7 +555,7 @@ std::string Executable::report() const {
   text += state_->prefetch_race;
   text += fmt::format("{} kernel launches per run{}{}\n", state_->kernel_count,
                       state_->replay ? ", replayed as one CUDA graph" : "",
-                      state_->programmatic_replay ? " (GEMVs as programmatic dependents)" : "");
+                      state_->programmatic_replay ? " (GEMVs and attention as programmatic dependents)" : "");
   return text;
 }
 

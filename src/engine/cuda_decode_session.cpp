@@ -161,7 +161,7 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   }
   if (options_.path == EnginePath::fused && race_launches) {
     const bool dependent = built->race_programmatic_replay(options.tournament);
-    report(options_.progress, fmt::format("metile: the {} launches its GEMVs {}", what,
+    report(options_.progress, fmt::format("metile: the {} launches its GEMVs and attention {}", what,
                                           dependent ? "as programmatic dependents (faster)" : "plainly (faster)"));
   }
   if (options_.path == EnginePath::fused && options_.weight_prefetch != WeightPrefetch::off) {

@@ -309,7 +309,7 @@ INSTANTIATE_TEST_SUITE_P(Architectures, GreedyOnTheDevice,
 
 // Programmatic dependent launches and the L2 weight prefetch change when a GEMV starts and where its
 // weights come from, not what it computes: the fused engine (every region on its generated kernel:
-// DispatchMode::fused) replayed with its GEMVs as programmatic dependents and its weights prefetched
+// DispatchMode::fused) replayed with its GEMVs and attention as programmatic dependents and its weights prefetched
 // gives the same bits as the plain replay, over a 16-token chunk, single
 // steps and greedy steps. A GEMV reading x before its predecessor wrote it would differ here.
 TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {

@@ -350,7 +350,7 @@ void add_model_commands(CLI::App& app) {
                         "KV-cache capacity (default: what the measurements need, rounded up to 256)");
     command->add_option("--decline", options->decline, "region kinds the fused engine runs native, comma-separated");
     command->add_option("--engines", options->engines,
-                        "engines to measure, comma-separated: fused, fused-pdl (GEMVs as programmatic dependents), "
+                        "engines to measure, comma-separated: fused, fused-pdl (GEMVs and attention as programmatic dependents), "
                         "native")
         ->capture_default_str();
     command->add_option("--tournament-caches", options->tournament_caches,

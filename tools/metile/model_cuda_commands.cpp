@@ -248,7 +248,7 @@ void bench_model(const ModelOptions& options) {
   const double bandwidth = measure_copy_bandwidth_gbps(stream);
   const std::shared_ptr<const CudaModel> cuda_model = CudaModel::load(model, device, progress_line);
   bench.copy_bandwidth_gbps = bandwidth;
-  // Fused, the fused plan again with its GEMVs launched as programmatic dependents (the same
+  // Fused, the fused plan again with its GEMVs and attention launched as programmatic dependents (the same
   // kernels: the second build takes every decision from the cache), then native; --engines picks.
   struct Variant {
     EnginePath path;

@@ -48,7 +48,7 @@ std::optional<AffineQuantization> quantization_option(const ModelOptions& option
 void check_backend(const ModelOptions& options);
 // --decline "a,b": the region kinds (plan rule names).
 std::set<std::string> declined_rules(const std::string& text);
-// bench-model --engines "a,b": fused, fused-pdl (its GEMVs as programmatic dependents), native;
+// bench-model --engines "a,b": fused, fused-pdl (its GEMVs and attention as programmatic dependents), native;
 // InputError naming an unknown one.
 std::set<std::string> benchmarked_engines(const std::string& text);
 
