@@ -139,19 +139,47 @@ __device__ __forceinline__ u32 normalized_pair(u32 pair, u32 weight_pair, float 
   return (u32)from_f32(low) | ((u32)from_f32(high) << 16);
 }
 
+__device__ __forceinline__ uint4 normalized_vector(const uint4& value, const uint4& weight, float scale) {
+  return make_uint4(normalized_pair(value.x, weight.x, scale), normalized_pair(value.y, weight.y, scale),
+                    normalized_pair(value.z, weight.z, scale), normalized_pair(value.w, weight.w, scale));
+}
+
 // Row m's eight normalized values at columns k .. k + 7 (the row scales computed already).
 __device__ __forceinline__ uint4 normalized_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight, int m, int k) {
   const uint4 value = load_activations(x + (m * kK + k));
   const uint4 weight = load_activations(norm_weight + k);
-  const float scale = x_norm_scratch[kWarps * kPaddedM + m];
-  return make_uint4(normalized_pair(value.x, weight.x, scale), normalized_pair(value.y, weight.y, scale),
-                    normalized_pair(value.z, weight.z, scale), normalized_pair(value.w, weight.w, scale));
+  return normalized_vector(value, weight, x_norm_scratch[kWarps * kPaddedM + m]);
+}
+
+// The norm's weight, which no kernel writes, loaded before the wait for the previous kernel
+// (kNormPreloaded: x staged, at most four 8-value vectors a thread): thread t's vectors are
+// t, t + kThreads, ..., the ones its staging pass below normalizes, so after the wait the staging
+// waits on x alone (in L1 from the sum of squares) instead of one more round trip to L2 for these.
+constexpr int kNormVectors = (kK / 8 + kThreads - 1) / kThreads;
+constexpr bool kNormPreloaded = kXStaged && kK % 8 == 0 && kNormVectors <= 4;
+struct NormWeights {
+  uint4 vectors[kNormPreloaded ? kNormVectors : 1];
+};
+__device__ __forceinline__ NormWeights preload_norm_weights(const u16* __restrict__ norm_weight, bool load) {
+  NormWeights preloaded;
+  if constexpr (kNormPreloaded) {
+#pragma unroll
+    for (int j = 0; j < kNormVectors; ++j) {
+      const int vector = threadIdx.x + j * kThreads;
+      preloaded.vectors[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (load && vector < kK / 8) preloaded.vectors[j] = load_activations(norm_weight + 8 * vector);
+    }
+  } else {
+    (void)norm_weight, (void)load;
+  }
+  return preloaded;
 }
 
 // The rows' scales 1 / sqrt(mean(x^2) + eps) into x_norm_scratch, then (kXStaged) the normalized rows
 // into x_staged; every thread of the block calls it once, after the wait for the previous kernel (x
 // may be its output).
-__device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, const u16* __restrict__ norm_weight) {
+__device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, const u16* __restrict__ norm_weight,
+                                                     const NormWeights& preloaded = NormWeights{}) {
   if constexpr (kNormedX) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int m = 0; m < kM; ++m) {
@@ -169,12 +197,26 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
       x_norm_scratch[kWarps * kPaddedM + threadIdx.x] = (float)(1.0 / sqrt((double)total / kK + kNormEps));
     }
     __syncthreads();
-    if constexpr (kXStaged) {
+    if constexpr (kNormPreloaded) {
+#pragma unroll
+      for (int j = 0; j < kNormVectors; ++j) {
+        const int vector = threadIdx.x + j * kThreads;
+        if (vector >= kK / 8) break;
+        for (int m = 0; m < kM; ++m) {
+          *reinterpret_cast<uint4*>(x_staged + (m * kK + 8 * vector)) = normalized_vector(
+              load_activations(x + (m * kK + 8 * vector)), preloaded.vectors[j], x_norm_scratch[kWarps * kPaddedM + m]);
+        }
+      }
+      __syncthreads();
+    } else if constexpr (kXStaged) {
+      (void)preloaded;
       for (int v = threadIdx.x; v < kM * (kK / 8); v += kThreads) {
         const int m = v / (kK / 8), k = 8 * (v - m * (kK / 8));
         *reinterpret_cast<uint4*>(x_staged + (m * kK + k)) = normalized_x(x, norm_weight, m, k);
       }
       __syncthreads();
+    } else {
+      (void)preloaded;
     }
   }
 }

@@ -235,10 +235,10 @@ __device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, const
 // What the block computes from x once, after the wait (x through the pointer it returned): the
 // RMSNorm's row scales (kNormedX), then the shared group sums (of the normalized x). fill_sums is
 // the same for the whole block, so every warp reaches the barriers or none does.
-__device__ __forceinline__ void prepare_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight, int begin,
-                                          int end, bool fill_sums) {
+__device__ __forceinline__ void prepare_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight,
+                                          const NormWeights& preloaded, int begin, int end, bool fill_sums) {
   if (!fill_sums) return;
-  compute_x_row_scales(x, norm_weight);
+  compute_x_row_scales(x, norm_weight, preloaded);
   if constexpr (kSharedGroupSums) {
     fill_group_sums(x, norm_weight, begin, end);
     __syncthreads();
@@ -340,8 +340,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       copy_async_commit();
       issue += kStride;
     }
+    const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
-    prepare_x(x, norm_weight, begin, end, fill_sums);
+    prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
     int slot = 0;
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
@@ -361,8 +362,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
   } else if constexpr (kDoubleBuffered) {
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
+    const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
-    prepare_x(x, norm_weight, begin, end, fill_sums);
+    prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
@@ -380,8 +382,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     // the H200 (gemv_schedules_test, notes/mlp_decode.md), though the PTX orders every x load
     // after the wait. This schedule is the unpipelined one; it loses no overlap worth keeping.
     Batch<P> batch;
+    const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
-    prepare_x(x, norm_weight, begin, end, fill_sums);  // every warp must reach its barriers
+    prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);  // every warp must reach its barriers
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
       prefetch_ahead(first);
