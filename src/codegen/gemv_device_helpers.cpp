@@ -4,6 +4,8 @@
 // one definition of how a repacked word becomes an m16n8k16 A fragment.
 #include <fmt/core.h>
 
+#include <algorithm>
+
 #include "codegen_internal.h"
 #include "gemv_internal.h"
 
@@ -464,15 +466,40 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
   text += config.output_splits.empty() ? "  u16* out;\n"
                                         : fmt::format("  u16* out[{}];\n", config.output_splits.size());
   text += config.rope_cache ? "  const int* positions;  // [M], the rows' positions in the caches\n};\n" : "};\n";
-  if (config.rope_cache) return text + rope_cache_output_functions(config);
-  text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
-          "  (void)acc1;\n";
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    text += fmt::format("  const float tensor_value{} = to_f32(outputs.tensor{}[{}]);\n", i, i,
-                        tensors[i].broadcast_rows ? "n" : "m * kN + n");
+  // kPreloadEpilogue (register mainloop, unsplit, one output a thread): the kernel entry loads each
+  // thread's epilogue tensors right after the wait for the previous kernel, so that their round trip
+  // to L2 overlaps the mainloop instead of following the join; store_output then takes them.
+  const bool preload = !config.rope_cache && !tensors.empty() && config.mainloop == GemvMainloop::register_batches &&
+                       config.k_splits == 1 && config.rows * config.tiles_per_block * 16 <= config.warps_per_block * 32;
+  text += fmt::format("constexpr bool kPreloadEpilogue = {};\nstruct EpilogueTensors {{\n  float value[{}];\n}};\n",
+                      preload ? "true" : "false", std::max<std::size_t>(tensors.size(), 1));
+  text += "__device__ __forceinline__ EpilogueTensors load_epilogue_tensors(const Outputs& outputs, int m, int n) {\n"
+          "  (void)outputs, (void)m, (void)n;\n  EpilogueTensors tensors{};\n";
+  if (!config.rope_cache) {
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      text += fmt::format("  tensors.value[{}] = to_f32(outputs.tensor{}[{}]);\n", i, i,
+                          tensors[i].broadcast_rows ? "n" : "m * kN + n");
+    }
   }
+  text += "  return tensors;\n}\n";
+  if (config.rope_cache) {
+    return text + rope_cache_output_functions(config) +
+           "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,\n"
+           "                                             const EpilogueTensors&) {\n"
+           "  store_output(outputs, m, n, acc0, acc1);\n}\n";
+  }
+  // The store with the tensors loaded already; the plain one loads them itself.
+  text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,\n"
+          "                                             const EpilogueTensors& tensors) {\n"
+          "  (void)acc1, (void)tensors;\n";
+  for (std::size_t i = 0; i < tensors.size(); ++i) text += fmt::format("  const float tensor_value{} = tensors.value[{}];\n", i, i);
   const std::string value = fmt::format("from_f32({})", config.epilogue.cuda_expression());
-  if (config.output_splits.empty()) return text + fmt::format("  outputs.out[m * kN + n] = {};\n}}\n", value);
+  const std::string plain_store =
+      "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
+      "  store_output(outputs, m, n, acc0, acc1, load_epilogue_tensors(outputs, m, n));\n}\n";
+  if (config.output_splits.empty()) {
+    return text + fmt::format("  outputs.out[m * kN + n] = {};\n}}\n", value) + plain_store;
+  }
   // Split outputs: columns [begin, begin + width) of the stacked matrix are output s's [M, width]
   // (compile-time bounds: the branch is uniform but at the borders of a tile).
   text += "  const u16 result = " + value + ";\n";
@@ -485,7 +512,7 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
                         width, begin);
     begin += width;
   }
-  return text + "}\n";
+  return text + "}\n" + plain_store;
 }
 
 std::string gemv_outputs_binding(const GemvKernelConfig& config) {

@@ -315,11 +315,17 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 // Only weights are read before the wait: x may be the previous kernel's output (or, in the
 // persistent decode MLP's down phase, other blocks' output before a grid-wide barrier), and every x
 // load goes through the pointer activations_ready() returns; the generator defines it before this body.
-template <int P>
+// `after_wait` runs once the wait has returned, before the mainloop (the kernel entry loads its
+// epilogue's tensors there, so that their round trip overlaps the mainloop instead of following it).
+struct NothingAfterWait {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <int P, class AfterWait = NothingAfterWait>
 __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
                                            const u16* const (&scale_bias)[P], const u16* __restrict__ x,
                                            const u16* __restrict__ norm_weight, const int warp, const int lane, const int first_tile, const int split_begin,
-                                           const int split_end, unsigned char* ring, const bool fill_sums) {
+                                           const int split_end, unsigned char* ring, const bool fill_sums,
+                                           AfterWait after_wait = AfterWait{}) {
   constexpr int kStride = kWarps * kInFlight;
   // kSplits == 0: the caller's bounds (the persistent decode MLP's stream-K pieces).
   // Without split-K the bounds are the compile-time ones (a run-time bound here costs ptxas ~7
@@ -342,6 +348,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     }
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
+    after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
     int slot = 0;
 #pragma unroll 1
@@ -364,6 +371,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
+    after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
@@ -384,6 +392,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     Batch<P> batch;
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
+    after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);  // every warp must reach its barriers
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += kStride) {
@@ -447,6 +456,16 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
     prefetch_rounds<kProducts>(weights, scale_bias, 0, kIterations, kPrefetchRounds, warp, lane,
                                (unit + unit_stride) * kTiles);
   }
+  // kPreloadEpilogue: this thread's one output's epilogue tensors (a residual, a bias), loaded
+  // right after the wait; the unsplit store below uses them.
+  EpilogueTensors preloaded_tensors{};
+  auto load_epilogue = [&] {
+    if constexpr (kPreloadEpilogue) {
+      const int o = threadIdx.x;
+      const int n = first_tile * 16 + (o - (o / (kTiles * 16)) * (kTiles * 16));
+      if (o < kM * kTiles * 16 && n < kN) preloaded_tensors = load_epilogue_tensors(outputs, o / (kTiles * 16), n);
+    }
+  };
   if constexpr (kProducts == 2 && kScratchSpilled) {
     // Finish the gate reduction, park it in shared memory, reuse the same registers for up.
     float acc[1][kTiles][kRowHalves][4];
@@ -459,7 +478,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       const u32* const one_weights[1] = {weights[p]};
       const u16* const one_scale_bias[1] = {scale_bias[p]};
       accumulate<1>(acc, one_weights, one_scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
-                    first_of_block && p == 0);
+                    first_of_block && p == 0, load_epilogue);
       spill(acc[0], partial, warp, p, lane);
     }
   } else {
@@ -472,7 +491,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
     accumulate<kProducts>(acc, weights, scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
-                          first_of_block);
+                          first_of_block, load_epilogue);
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
@@ -495,7 +514,11 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
         // The rope epilogue rotates row pairs (2j, 2j + 1): acc1 is the partner row's sum.
         if constexpr (kRopeCache) acc1 += partial[partial_index(w, 0, (r ^ 1) >> 4, (r ^ 1) & 15, m)];
       }
-      store_output(outputs, m, n, acc0, acc1);
+      if constexpr (kPreloadEpilogue) {
+        store_output(outputs, m, n, acc0, acc1, preloaded_tensors);
+      } else {
+        store_output(outputs, m, n, acc0, acc1);
+      }
     }
   } else {
     // Each split writes its block's sums to its own workspace slot; the last split of the tile block

@@ -451,6 +451,36 @@ TEST(GemvCompile, RopeCacheEpilogueCompilesAndRefusesWhatItCannotDo) {
   EXPECT_THROW(generate_gemv_kernel(odd), InputError);
 }
 
+// A residual or bias epilogue's tensors are loaded right after the wait for the previous kernel
+// (kPreloadEpilogue) where each thread stores one output of an unsplit register-mainloop kernel;
+// split-K joins, more outputs than threads and the streamed mainloop load them in the store.
+TEST(GemvCompile, EpilogueTensorsArePreloadedWhereEachThreadStoresOneOutput) {
+  const GemvWeightFormat four = GemvWeightFormat::affine(4, 64, DType::bf16);
+  auto preloads = [](const GemvKernelConfig& config) {
+    const std::string source = generate_gemv_kernel(config).source;
+    EXPECT_NE(source.find("constexpr bool kPreloadEpilogue"), std::string::npos);
+    return source.find("constexpr bool kPreloadEpilogue = true;") != std::string::npos;
+  };
+  GemvKernelConfig down = gemv_config(four, 1, 2048, 8192, GemvEpilogue::residual_add());
+  down.warps_per_block = 16;
+  EXPECT_TRUE(preloads(down));
+  GemvKernelConfig split = down;
+  split.k_splits = 4;
+  EXPECT_FALSE(preloads(split));
+  GemvKernelConfig wide = down;
+  wide.rows = 16, wide.warps_per_block = 4;  // 256 outputs, 128 threads
+  EXPECT_FALSE(preloads(wide));
+  EXPECT_FALSE(preloads(gemv_config(four, 1, 2048, 8192, GemvEpilogue::store())));
+  GemvKernelConfig streamed = down;
+  streamed.mainloop = GemvMainloop::streamed;
+  EXPECT_FALSE(preloads(streamed));
+  try {
+    EXPECT_FALSE(compile_for_sm90(generate_gemv_kernel(down)).program.cubin.empty());
+  } catch (const CudaError& error) {
+    ADD_FAILURE() << error.what();
+  }
+}
+
 // The LM head with greedy decoding's argmax join (argmax_rows): Llama 3's vocabulary at K = 2048,
 // dense and 4-bit, compiles for sm_90 without spills; the join's workspace holds a value and an
 // index per block and row and one counter; split-K and the streamed mainloop have no such join.
