@@ -21,7 +21,10 @@ echo "== build (asan preset: AddressSanitizer + UndefinedBehaviorSanitizer)"
 cmake --preset asan >/dev/null
 cmake --build --preset asan -j "$jobs"
 echo "== tests (asan preset)"
-ASAN_OPTIONS=detect_leaks=1 ctest --preset asan -j "$jobs"
+# intercept_tls_get_addr=0: LeakSanitizer's tracking of dynamic TLS read a bogus block of a
+# dlopen'd library (NVRTC) at exit and crashed ("Tracer caught signal 11", "DTLS 5 at 0x11a7-...")
+# in two NVRTC tests under ctest, after they had passed; leaks are still detected.
+ASAN_OPTIONS=detect_leaks=1:intercept_tls_get_addr=0 ctest --preset asan -j "$jobs"
 
 echo "== fuzz (libFuzzer harnesses, ASan+UBSan, fixed executions)"
 scripts/fuzz.sh

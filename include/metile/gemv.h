@@ -276,7 +276,8 @@ struct GemvKernelConfig {
 // The generated kernel and how to launch it. Arguments, in order: for each weight matrix its
 // weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
 // (affine only), then x [M, K] (and, with x_rms_norm_eps, the norm's weight [K]), then each epilogue tensor, then out [M, N] (with output_splits:
-// one out per split, [M, width] each), then (argmax_rows) next [M] i32; all pointers.
+// one out per split, [M, width] each; with rope_cache: q rotated and the two caches), then (rope_cache)
+// the positions [M] i32, then (argmax_rows) next [M] i32; all pointers.
 // A streamed, split-K or argmax kernel takes one more pointer last: its workspace (workspace_bytes,
 // zeroed once before the first launch; every launch leaves it ready for the next, so launches on
 // one stream may share it, concurrent launches may not).
