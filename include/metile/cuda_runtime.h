@@ -320,6 +320,11 @@ void launch_raw(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned sh
 // into a CUDA graph (the edge becomes a programmatic one).
 void launch_programmatic_dependent(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
                                    const CudaStream& stream, const KernelArguments& arguments);
+// A kernel that touches memory only after griddepcontrol.wait (the generated GEMVs, the attention
+// kernels): launched as a programmatic dependent when `dependent` is set or the stream asks for it
+// (CudaStream::set_programmatic_dependent_launch), plainly otherwise.
+void launch_waiting_kernel(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+                           const CudaStream& stream, const KernelArguments& arguments, bool dependent = false);
 
 namespace detail {
 inline std::uint64_t kernel_argument(const DeviceBuffer& buffer) { return buffer.address(); }

@@ -41,11 +41,7 @@ LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& prog
 void LoadedGemv::launch(const CudaStream& stream, KernelArguments arguments, bool programmatic_dependent) const {
   if (workspace) arguments.add_pointer(*workspace);
   const Dim3 grid{kernel.grid_blocks, 1, 1}, block{kernel.block_threads, 1, 1};
-  if (programmatic_dependent || stream.programmatic_dependent_launch()) {
-    launch_programmatic_dependent(compiled, grid, block, kernel.dynamic_shared_bytes, stream, arguments);
-  } else {
-    metile::launch(compiled, grid, block, kernel.dynamic_shared_bytes, stream, arguments);
-  }
+  launch_waiting_kernel(compiled, grid, block, kernel.dynamic_shared_bytes, stream, arguments, programmatic_dependent);
 }
 
 std::vector<CompiledProgram> compile_gemvs(const std::vector<GemvKernelSource>& kernels) {

@@ -174,11 +174,7 @@ void FlashAttention::enqueue(const CudaStream& stream, std::uint64_t q, std::uin
   arguments.add_int32(offset);
   // Both kernels wait for the kernel before them before they touch memory (griddepcontrol), so on
   // a stream that asks for it they launch as programmatic dependents, like the GEMVs.
-  if (stream.programmatic_dependent_launch()) {
-    launch_programmatic_dependent(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, arguments);
-  } else {
-    launch(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, arguments);
-  }
+  launch_waiting_kernel(s.compiled, grid, block, s.kernel.launch.shared_memory_bytes, stream, arguments);
 }
 
 }  // namespace metile

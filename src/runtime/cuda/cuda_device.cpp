@@ -402,6 +402,15 @@ void launch_programmatic_dependent(const CompiledKernel& kernel, Dim3 grid, Dim3
                     kernel.name(), grid.x, grid.y, grid.z, block.x, block.y, block.z));
 }
 
+void launch_waiting_kernel(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared_memory_bytes,
+                           const CudaStream& stream, const KernelArguments& arguments, bool dependent) {
+  if (dependent || stream.programmatic_dependent_launch()) {
+    launch_programmatic_dependent(kernel, grid, block, shared_memory_bytes, stream, arguments);
+  } else {
+    launch(kernel, grid, block, shared_memory_bytes, stream, arguments);
+  }
+}
+
 // ---------------------------------------------------------------- CUDA graphs
 CudaGraph CudaGraph::capture(const CudaStream& stream, const std::function<void(const CudaStream&)>& work) {
   const auto& api = driver();
