@@ -109,12 +109,13 @@ std::uint32_t decode_affine_code_pair(const AffineCodeDecode& decode, std::uint3
 // The per-output expression a GEMV applies after its reduction: a tree over the f32 dot
 // products of the kernel's weight matrices ("accumulators"), extra tensors read at the output
 // position ([M, N], or [N] broadcast over rows), constants and elementwise ops. Evaluated in
-// f32, the result is rounded once to the activation dtype.
+// f32; the result is rounded to the activation dtype when stored, and a `rounded` term rounds
+// a value on the way, where the graph stored it in that dtype (from_graph inserts them).
 class GemvEpilogue {
  public:
   // `op`: any other elementwise op of the op table (graph.h) that does not read its element's position.
   enum class Kind : std::uint8_t { accumulator, tensor, constant, add, subtract, multiply, scale, silu, gelu,
-                                   gelu_tanh, exp, op };
+                                   gelu_tanh, exp, op, rounded };
 
   static GemvEpilogue accumulator(int product);                 // product 0: gate (or only), 1: up
   static GemvEpilogue tensor(std::string name, bool broadcast_rows = false);
@@ -126,6 +127,11 @@ class GemvEpilogue {
   static GemvEpilogue silu(const GemvEpilogue& x);
   static GemvEpilogue gelu(const GemvEpilogue& x, bool tanh_approximation = false);
   static GemvEpilogue exp(const GemvEpilogue& x);
+  // x rounded to `dtype` (f16 or bf16: the GEMV's activation dtype) and read back as f32: what an
+  // unfused op writes to memory and the next op reads.
+  static GemvEpilogue rounded(const GemvEpilogue& x, DType dtype);
+  // Any other elementwise op of the op table that does not read its element's position (Kind::op).
+  static GemvEpilogue elementwise(std::string op, Attributes attributes, const std::vector<GemvEpilogue>& operands);
 
   // The shapes the decode MLP uses.
   static GemvEpilogue store() { return accumulator(0); }
@@ -136,8 +142,11 @@ class GemvEpilogue {
   // (add, subtract, multiply, scale, silu, gelu, exp, and any op-table elementwise op that does
   // not read its element's position) to the values in `accumulators` (the
   // contractions' outputs, in product order) or to values computed elsewhere, which become
-  // tensors named after the value. Throws InputError naming the node that cannot be an
-  // epilogue op, or a tensor whose shape is neither the output's nor its last axis.
+  // tensors named after the value. Every value inside the tree that the graph types in the
+  // activation dtype is rounded to it (a `rounded` term), so the kernel computes what the unfused
+  // ops compute, bit for bit up to the order of the dot products' sums; f32 values are not
+  // rounded. Throws InputError naming the node that cannot be an epilogue op, a value of any other
+  // dtype, or a tensor whose shape is neither the output's nor its last axis.
   static GemvEpilogue from_graph(const ComputeGraph& graph, ValueId output, std::span<const ValueId> accumulators);
 
   Kind kind() const;

@@ -18,6 +18,7 @@ struct GemvEpilogue::Term {
   std::string tensor_name;    // tensor
   bool broadcast_rows = false;
   double value = 0;           // constant, scale factor
+  DType dtype = DType::f32;   // rounded: the dtype rounded to
   std::string op;             // op: the op table's name
   Attributes attributes;      // op: the node's attributes
   std::vector<std::shared_ptr<const Term>> operands;
@@ -64,6 +65,7 @@ std::pair<std::string, Attributes> table_op(const GemvEpilogue::Term& node) {
     case Kind::gelu_tanh: attributes.set("approximate", std::string("tanh")); return {"gelu", attributes};
     case Kind::exp: return {"exp", attributes};
     case Kind::op: return {node.op, node.attributes};
+    case Kind::rounded: return {};
   }
   return {};
 }
@@ -84,6 +86,8 @@ std::string emit(const GemvEpilogue::Term& node, const std::vector<GemvEpilogue:
       return fmt::format("tensor_value{}", found - tensors.begin());
     }
     case Kind::constant: return cuda_float_literal(node.value);
+    // from_f32 rounds to the kernel's activation dtype, the only one a rounded term names.
+    case Kind::rounded: return fmt::format("to_f32(from_f32({}))", emit(*node.operands[0], tensors));
     default: break;
   }
   std::vector<std::string> operands;
@@ -112,6 +116,7 @@ std::string describe(const GemvEpilogue::Term& node) {
       for (std::size_t i = 0; i < node.operands.size(); ++i) text += (i ? ", " : "") + operand(static_cast<int>(i));
       return text + ")";
     }
+    case Kind::rounded: return fmt::format("{}({})", dtype_name(node.dtype), operand(0));
   }
   return "?";
 }
@@ -127,6 +132,9 @@ double evaluate_node(const GemvEpilogue::Term& node, std::span<const double> acc
       return tensor_values[static_cast<std::size_t>(found - tensors.begin())];
     }
     case Kind::constant: return node.value;
+    case Kind::rounded:
+      return round_to_dtype(static_cast<float>(evaluate_node(*node.operands[0], accumulators, tensor_values, tensors)),
+                            node.dtype);
     default: break;
   }
   std::vector<double> operands;
@@ -145,6 +153,25 @@ NodePointer make(GemvEpilogue::Kind kind, std::vector<NodePointer> operands, dou
 
 void require_finite(double value) {
   if (!std::isfinite(value)) throw InputError(fmt::format("epilogue: constant {} is not finite", value));
+}
+
+// The term of elementwise node `node`, its operands built by input(i).
+template <typename Input>
+GemvEpilogue elementwise_term(const Node& node, Input&& input) {
+  if (node.op == "add") return GemvEpilogue::add(input(0), input(1));
+  if (node.op == "subtract") return GemvEpilogue::subtract(input(0), input(1));
+  if (node.op == "multiply") return GemvEpilogue::multiply(input(0), input(1));
+  if (node.op == "scale") return GemvEpilogue::scale(input(0), node.attributes.get_double("factor"));
+  if (node.op == "silu") return GemvEpilogue::silu(input(0));
+  if (node.op == "exp") return GemvEpilogue::exp(input(0));
+  if (node.op == "gelu") return GemvEpilogue::gelu(input(0), node.attributes.get_string("approximate") == "tanh");
+  const OpDefinition* definition = find_op(node.op);
+  if (definition == nullptr || !definition->elementwise || definition->elementwise->reads_site) {
+    throw InputError(fmt::format("epilogue: node '{}' ({}) is not an op a GEMV epilogue applies", node.name, node.op));
+  }
+  std::vector<GemvEpilogue> operands;
+  for (std::size_t index = 0; index < node.inputs.size(); ++index) operands.push_back(input(index));
+  return GemvEpilogue::elementwise(node.op, node.attributes, operands);
 }
 
 }  // namespace
@@ -188,6 +215,26 @@ GemvEpilogue GemvEpilogue::gelu(const GemvEpilogue& x, bool tanh_approximation) 
   return GemvEpilogue(make(tanh_approximation ? Kind::gelu_tanh : Kind::gelu, {x.node_}));
 }
 GemvEpilogue GemvEpilogue::exp(const GemvEpilogue& x) { return GemvEpilogue(make(Kind::exp, {x.node_})); }
+GemvEpilogue GemvEpilogue::elementwise(std::string op, Attributes attributes, const std::vector<GemvEpilogue>& operands) {
+  const OpDefinition* definition = find_op(op);
+  if (definition == nullptr || !definition->elementwise || definition->elementwise->reads_site) {
+    throw InputError(fmt::format("epilogue: '{}' is not an elementwise op that a GEMV epilogue applies", op));
+  }
+  auto node = std::make_shared<Term>();
+  node->kind = Kind::op;
+  node->op = std::move(op);
+  node->attributes = std::move(attributes);
+  for (const GemvEpilogue& operand : operands) node->operands.push_back(operand.node_);
+  return GemvEpilogue(node);
+}
+GemvEpilogue GemvEpilogue::rounded(const GemvEpilogue& x, DType dtype) {
+  if (dtype != DType::bf16 && dtype != DType::f16) {
+    throw InputError(fmt::format("epilogue: values are rounded to f16 or bf16, not {}", dtype_name(dtype)));
+  }
+  auto node = std::make_shared<Term>(*make(Kind::rounded, {x.node_}));
+  node->dtype = dtype;
+  return GemvEpilogue(node);
+}
 
 GemvEpilogue::Kind GemvEpilogue::kind() const { return node_->kind; }
 
@@ -230,11 +277,23 @@ GemvEpilogue GemvEpilogue::from_graph(const ComputeGraph& graph, ValueId output,
   }
   const std::int64_t features = accumulator_spec.row_length();
 
+  // A value the graph stores in the activation dtype is rounded to it where the tree reads it;
+  // the output is rounded by the store. f32 values stay as computed.
+  const DType activation = accumulator_spec.dtype;
+  auto as_stored = [&](ValueId id, GemvEpilogue term) {
+    const Value& value = graph.value(id);
+    if (id == output || value.spec.dtype == DType::f32) return term;
+    if (value.spec.dtype != activation) {
+      throw InputError(fmt::format("epilogue: value '{}' is {}, the GEMV computes {}", value.name,
+                                   dtype_name(value.spec.dtype), dtype_name(activation)));
+    }
+    return rounded(term, activation);
+  };
   // Depth-first from the output; a value reached twice is rebuilt twice, which is harmless for
   // the small trees epilogues are.
   auto build = [&](auto&& self, ValueId id) -> GemvEpilogue {
     for (std::size_t i = 0; i < accumulators.size(); ++i) {
-      if (accumulators[i] == id) return accumulator(static_cast<int>(i));
+      if (accumulators[i] == id) return as_stored(id, accumulator(static_cast<int>(i)));
     }
     const Value& value = graph.value(id);
     if (value.producer < 0 || graph.node(value.producer).kind != OpKind::elementwise) {
@@ -253,27 +312,7 @@ GemvEpilogue GemvEpilogue::from_graph(const ComputeGraph& graph, ValueId output,
     }
     const Node& node = graph.node(value.producer);
     auto input = [&](std::size_t index) { return self(self, node.inputs.at(index)); };
-    if (node.op == "add") return add(input(0), input(1));
-    if (node.op == "subtract") return subtract(input(0), input(1));
-    if (node.op == "multiply") return multiply(input(0), input(1));
-    if (node.op == "scale") return scale(input(0), node.attributes.get_double("factor"));
-    if (node.op == "silu") return silu(input(0));
-    if (node.op == "exp") return exp(input(0));
-    if (node.op == "gelu") {
-      const std::string& approximate = node.attributes.get_string("approximate");
-      return gelu(input(0), approximate == "tanh");
-    }
-    // Any other op of the table with a position-free element expression.
-    const OpDefinition* definition = find_op(node.op);
-    if (definition != nullptr && definition->elementwise && !definition->elementwise->reads_site) {
-      auto term = std::make_shared<Term>();
-      term->kind = Kind::op;
-      term->op = node.op;
-      term->attributes = node.attributes;
-      for (std::size_t index = 0; index < node.inputs.size(); ++index) term->operands.push_back(input(index).node_);
-      return GemvEpilogue(term);
-    }
-    throw InputError(fmt::format("epilogue: node '{}' ({}) is not an op a GEMV epilogue applies", node.name, node.op));
+    return as_stored(id, elementwise_term(node, input));
   };
   return build(build, output);
 }

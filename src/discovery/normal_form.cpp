@@ -205,7 +205,9 @@ Polynomial max_of(std::vector<Polynomial> arguments, const CaseContext& context)
   // Translation invariance: the terms every argument has with the same coefficient move out.
   Polynomial shared;
   const Polynomial& first = distinct.begin()->second;
-  for (const auto& [key, entry] : first.terms) {
+  for (const auto& term : first.terms) {
+    const auto& key = term.first;  // not a structured binding: clang 14 cannot capture those
+    const auto& entry = term.second;
     const bool everywhere = std::all_of(distinct.begin(), distinct.end(), [&](const auto& item) {
       const auto found = item.second.terms.find(key);
       return found != item.second.terms.end() && found->second.second == entry.second;

@@ -38,6 +38,9 @@ void expect_epilogue(const GemvEpilogue& epilogue, const std::function<double(do
 }
 
 double silu(double x) { return x / (1 + std::exp(-x)); }
+// A bf16 value of the graph, as the unfused op stores it (round_to_dtype is checked on every bf16
+// pattern by DTypeTest).
+double bf16(double x) { return round_to_dtype(static_cast<float>(x), DType::bf16); }
 
 TEST(GemvLowering, SwigluReadsItsOperandsFromTheRegionsRoles) {
   for (int bits : {16, 4, 8}) {
@@ -77,10 +80,11 @@ TEST(GemvLowering, SwigluReadsItsOperandsFromTheRegionsRoles) {
         EXPECT_EQ(gate_up.matrices[0].in_features, 192);
         EXPECT_EQ(down.matrices[0].out_features, 192);
         EXPECT_EQ(down.matrices[0].in_features, 320);
-        expect_epilogue(gate_up.epilogue, [](double g, double u, double) { return silu(g) * u; }, where);
+        // gate, up and silu(gate) are bf16 values of the graph: rounded where the epilogue reads them.
+        expect_epilogue(gate_up.epilogue, [](double g, double u, double) { return bf16(silu(bf16(g))) * bf16(u); }, where);
         ASSERT_EQ(down.epilogue_tensors.size(), 1u);
         EXPECT_EQ(down.epilogue_tensors[0], *region->role("residual"));
-        expect_epilogue(down.epilogue, [](double d, double, double r) { return d + r; }, where);
+        expect_epilogue(down.epilogue, [](double d, double, double r) { return bf16(d) + r; }, where);
       }
     }
   }
@@ -166,7 +170,7 @@ TEST(GemvLowering, ContractionEpilogueTakesResidualOrBiasAndUnfusedNodesTakeASto
       ASSERT_EQ(stage.epilogue_tensors.size(), 1u);
       EXPECT_EQ(stage.epilogue_tensors[0], *region->role("addend"));
       EXPECT_EQ(stage.epilogue.tensor_inputs()[0].broadcast_rows, epilogue == "bias") << where;
-      expect_epilogue(stage.epilogue, [](double y, double, double t) { return y + t; }, where);
+      expect_epilogue(stage.epilogue, [](double y, double, double t) { return bf16(y) + t; }, where);
     }
     // A projection alone stays unfused in the plan; the Executable offers it as a one-node region.
     const ComputeGraph graph = testing::projection_test_graph(1, 130, 256, format, "none");

@@ -14,6 +14,17 @@ namespace {
 
 double silu(double x) { return x / (1 + std::exp(-x)); }
 
+// x rounded to nearest, ties to even, with `bits` stored mantissa bits (bf16: 7, f16: 10), for
+// normal values: the rounding an unfused op applies when it stores its result (an oracle written
+// here, apart from the library's round_to_dtype).
+double round_mantissa(double x, int bits) {
+  if (x == 0) return x;
+  const double unit = std::ldexp(1.0, std::ilogb(x) - bits);
+  return std::nearbyint(x / unit) * unit;
+}
+double bf16(double x) { return round_mantissa(x, 7); }
+double f16(double x) { return round_mantissa(x, 10); }
+
 TEST(GemvEpilogue, SwigluFromGraphInEitherOperandOrder) {
   for (bool up_first : {false, true}) {
     GraphBuilder builder;
@@ -29,10 +40,34 @@ TEST(GemvEpilogue, SwigluFromGraphInEitherOperandOrder) {
     const GemvEpilogue epilogue = GemvEpilogue::from_graph(graph, *graph.find_value("hidden"), accumulators);
     EXPECT_EQ(epilogue.product_count(), 2);
     EXPECT_TRUE(epilogue.tensor_inputs().empty());
-    const std::vector<double> values = {0.75, -1.5};
-    EXPECT_DOUBLE_EQ(epilogue.evaluate(values, {}), silu(0.75) * -1.5);
-    EXPECT_EQ(epilogue.cuda_expression(), up_first ? "(acc1 * silu_f32(acc0))" : "(silu_f32(acc0) * acc1)");
+    // gate, up and silu(gate) are bf16 values of the graph: each is rounded where it is read, as the
+    // unfused ops store them; the product is the output (the store rounds it).
+    const std::vector<double> values = {0.7, -1.3};
+    const double expected = bf16(silu(bf16(0.7))) * bf16(-1.3);
+    EXPECT_NE(expected, silu(0.7) * -1.3);
+    EXPECT_DOUBLE_EQ(epilogue.evaluate(values, {}), expected);
+    const std::string gate_text = "to_f32(from_f32(silu_f32(to_f32(from_f32(acc0)))))", up_text = "to_f32(from_f32(acc1))";
+    EXPECT_EQ(epilogue.cuda_expression(),
+              up_first ? "(" + up_text + " * " + gate_text + ")" : "(" + gate_text + " * " + up_text + ")");
+    EXPECT_EQ(epilogue.to_string(), up_first ? "bf16(acc1) * bf16(silu(bf16(acc0)))" : "bf16(silu(bf16(acc0))) * bf16(acc1)");
   }
+}
+
+TEST(GemvEpilogue, F32GraphsRoundNothingOnTheWay) {
+  GraphBuilder builder;
+  auto x = builder.input("x", TensorSpec({1, 64}, DType::f32));
+  auto gate = builder.matmul(x, builder.input("gate_weight", TensorSpec({96, 64}, DType::f32)), true, "gate");
+  auto up = builder.matmul(x, builder.input("up_weight", TensorSpec({96, 64}, DType::f32)), true, "up");
+  auto hidden = builder.multiply(builder.silu(gate, "activated"), up, "hidden");
+  const ComputeGraph graph = builder.build({hidden});
+  const std::vector<ValueId> accumulators = {*graph.find_value("gate"), *graph.find_value("up")};
+  const GemvEpilogue epilogue = GemvEpilogue::from_graph(graph, *graph.find_value("hidden"), accumulators);
+  EXPECT_EQ(epilogue.cuda_expression(), "(silu_f32(acc0) * acc1)");
+  const std::vector<double> values = {0.7, -1.3};
+  EXPECT_DOUBLE_EQ(epilogue.evaluate(values, {}), silu(0.7) * -1.3);
+  EXPECT_THROW(GemvEpilogue::rounded(GemvEpilogue::accumulator(0), DType::f32), InputError);
+  EXPECT_THROW(GemvEpilogue::rounded(GemvEpilogue::accumulator(0), DType::i8), InputError);
+  EXPECT_THROW(GemvEpilogue::elementwise("causal_mask", {}, {GemvEpilogue::accumulator(0)}), InputError);
 }
 
 TEST(GemvEpilogue, ResidualAndBroadcastTensorsFromGraph) {
@@ -52,12 +87,15 @@ TEST(GemvEpilogue, ResidualAndBroadcastTensorsFromGraph) {
   ASSERT_EQ(tensors.size(), 2u);
   EXPECT_EQ(tensors[0], (GemvEpilogue::TensorInput{"residual", false}));
   EXPECT_EQ(tensors[1], (GemvEpilogue::TensorInput{"bias", true}));
-  const double acc = 1.25, residual_value = -0.5, bias_value = 0.25;
-  const double inner = (acc + bias_value) * 0.5;
+  // f16 values: down, with_bias, scaled and activated are each rounded to f16 (tensors are f16 already).
+  const double acc = 1.2345678, residual_value = -0.5, bias_value = 0.25;
+  const double inner = f16(f16(f16(acc) + bias_value) * 0.5);
   const double gelu = 0.5 * inner * (1 + std::tanh(std::sqrt(2 / 3.14159265358979323846) * (inner + 0.044715 * inner * inner * inner)));
   const std::vector<double> accumulator_values = {acc}, tensor_values = {residual_value, bias_value};
-  EXPECT_NEAR(epilogue.evaluate(accumulator_values, tensor_values), residual_value + gelu, 1e-15);
-  EXPECT_EQ(epilogue.cuda_expression(), "(tensor_value0 + gelu_tanh_f32(((acc0 + tensor_value1) * 0.5f)))");
+  EXPECT_NEAR(epilogue.evaluate(accumulator_values, tensor_values), residual_value + f16(gelu), 1e-15);
+  EXPECT_EQ(epilogue.cuda_expression(),
+            "(tensor_value0 + to_f32(from_f32(gelu_tanh_f32(to_f32(from_f32((to_f32(from_f32((to_f32(from_f32(acc0)) + "
+            "tensor_value1))) * 0.5f)))))))");
 }
 
 TEST(GemvEpilogue, RejectsOpsAndShapesAnEpilogueCannotTake) {
@@ -77,7 +115,7 @@ TEST(GemvEpilogue, RejectsOpsAndShapesAnEpilogueCannotTake) {
   const GemvEpilogue through_norm = GemvEpilogue::from_graph(graph, *graph.find_value("combined"), accumulators);
   ASSERT_EQ(through_norm.tensor_inputs().size(), 1u);
   EXPECT_EQ(through_norm.tensor_inputs().front().name, "normalized");
-  EXPECT_EQ(through_norm.to_string(), "(normalized + acc0)");
+  EXPECT_EQ(through_norm.to_string(), "(normalized + bf16(acc0))");
   try {
     GemvEpilogue::from_graph(graph, *graph.find_value("masked"), accumulators);
     FAIL() << "causal_mask was accepted as an epilogue op";

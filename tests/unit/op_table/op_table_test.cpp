@@ -273,8 +273,8 @@ TEST(OpTable, AnOpAddedThroughTheTableWorksEverywhere) {
   const std::vector<ValueId> accumulators{*gemv_graph.find_value("product")};
   const GemvEpilogue epilogue = GemvEpilogue::from_graph(gemv_graph, *gemv_graph.find_value("squashed"), accumulators);
   EXPECT_EQ(epilogue.kind(), GemvEpilogue::Kind::op);
-  EXPECT_EQ(epilogue.cuda_expression(), "softsign_f32(acc0)");
-  EXPECT_EQ(epilogue.to_string(), "softsign(acc0)");
+  EXPECT_EQ(epilogue.cuda_expression(), "softsign_f32(to_f32(from_f32(acc0)))");  // the product is a bf16 value
+  EXPECT_EQ(epilogue.to_string(), "softsign(bf16(acc0))");
   const std::vector<double> accumulator_values{-3.0};
   EXPECT_DOUBLE_EQ(epilogue.evaluate(accumulator_values, {}), -0.75);
 }

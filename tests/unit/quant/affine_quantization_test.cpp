@@ -284,6 +284,8 @@ TEST(QuantizeAffine, RangesOfRowsGiveTheSequentialBytes) {
     for (int bits : {4, 8}) {
       for (int group_size : {32, 64, 128}) {
         if (shape.columns % group_size != 0) continue;
+        // The large shape is there for the split into ranges: one format covers it.
+        if (shape.rows > 1000 && (bits != 4 || group_size != 64)) continue;
         for (AffineRounding rounding : {AffineRounding::min_max, AffineRounding::mlx}) {
           const AffineQuantization format{bits, group_size};
           const QuantizedMatrix sequential = quantize_affine(weight, format, DType::bf16, rounding, 1);
