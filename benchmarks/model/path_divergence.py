@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 # How far each GPU path is from the CPU float32 reference, and from each other: synthetic tiny checkpoints
-# (Llama bf16, Qwen2 4-bit), a 40-token prompt, mean KL over its positions, for the native engine, the fused
-# engine and the fused engine with each region kind declined. Usage on a CUDA machine:
-#   python3 benchmarks/model/path_divergence.py build/gpu/tools/metile/metile /tmp/path-divergence
+# (by default Llama bf16, Qwen2 bf16, Llama 4-bit and 8-bit), a 40-token prompt, mean KL over its positions,
+# for the native engine, the fused engine and the fused engine with each region kind declined. Usage on a
+# CUDA machine:
+#   python3 benchmarks/model/path_divergence.py build/gpu/tools/metile/metile /tmp/path-divergence [arch:bits ...]
+# (bits 0 = bf16; e.g. llama:4 qwen2:0).
 import json, math, random, subprocess, sys
 metile = sys.argv[1]; root = sys.argv[2]
 def logits(model, extra):
@@ -21,10 +23,13 @@ def kl(p_logits, q_logits, vocab):
     return total / n
 import os
 os.makedirs(root, exist_ok=True)
-kinds = ["flash_attention", "contraction_epilogue", "swiglu_mlp", "contraction"]
+kinds = ["flash_attention", "contraction_epilogue", "swiglu_mlp", "contraction", "qkv_rope_kv_cache",
+         "sibling_contractions", "rope_kv_cache", "residual_add_rms_norm"]
+cases = [a.split(":") for a in sys.argv[3:]] or [["llama", "0"], ["qwen2", "0"], ["llama", "4"], ["llama", "8"]]
 rows = []
-for arch, quant in [("llama", None), ("qwen2", "4")]:
-    model = f"{root}/{arch}"
+for arch, bits in cases:
+    quant = None if bits == "0" else bits
+    model = f"{root}/{arch}{bits}"
     subprocess.run([metile, "synth-model", model, "--preset", "tiny", "--arch", arch, "--seed", "11"], check=True, capture_output=True)
     random.seed(5); ids = ",".join(str(random.randrange(256)) for _ in range(40))
     q = ["--quantize", quant] if quant else []
@@ -36,8 +41,11 @@ for arch, quant in [("llama", None), ("qwen2", "4")]:
     native = None
     for name, extra in paths.items():
         got, err = logits(model, extra + q)
-        if got is None: rows.append((arch, quant, name, "error " + err, "")); continue
-        if name.startswith("cuda native"): native = got
-        rows.append((arch, quant, name, f"{kl(ref, got, vocab):.2e}", f"{kl(native, got, vocab):.2e}" if native else ""))
+        if got is None: row = (arch, quant, name, "error " + err, "")
+        else:
+            if name.startswith("cuda native"): native = got
+            row = (arch, quant, name, f"{kl(ref, got, vocab):.2e}", f"{kl(native, got, vocab):.2e}" if native else "")
+        rows.append(row)
+        print("  ", *row, flush=True)  # progress: each path as it is measured
 print(f"{'model':<12}{'path':<40}{'KL vs f32 ref':>14}{'KL vs native':>14}")
 for arch, quant, name, a, b in rows: print(f"{arch + (' q' + quant if quant else ''):<12}{name:<40}{a:>14}{b:>14}")

@@ -107,9 +107,11 @@ RopeCacheRegion rope_cache_region(const ComputeGraph& graph, const FusionRegion&
 GeneratedKernel generate_rope_cache_kernel(const ComputeGraph& graph, const RopeCacheRegion& problem, bool k_in_place,
                                            bool v_in_place);
 
-// For a quantized_matmul node: expands the packed affine weights to a dense row-major [N, K] matrix in
-// x's dtype (a scratch parameter), for cuBLASLt to multiply with transpose_right.
-// Parameters: packed, scales, biases (inputs), then the dense weights (scratch).
+// For a quantized_matmul node: expands the packed affine weights to dense row-major weights for
+// cuBLASLt to multiply with transpose_right, without rounding them to x's dtype: with f16/bf16 x
+// each weight is two values, hi and lo ([N, 2K]), and x is written twice ([M, 2K]), so one GEMM
+// over 2K columns sums both in f32; with f32 x the weights are [N, K] and x is read as it is.
+// Parameters: packed, scales, biases, x (inputs), then the weights and the doubled x (scratch).
 GeneratedKernel generate_dequantize_kernel(const ComputeGraph& graph, NodeId quantized_matmul_node);
 
 // The CUDA C++ spelling of a dtype's storage type ("__half", "__nv_bfloat16", "float", "int", ...).

@@ -644,6 +644,16 @@ GeneratedKernel generate_kv_cache_write_kernel(const ComputeGraph& graph, NodeId
                             fmt::format("copy {} with {} rows written", out.spec.to_string(), steps));
 }
 
+// quantized_matmul's operands for cuBLASLt. The op is y = x . dequant(W)^T with each weight
+// w = scale * q + bias computed in f32 (a product, then a sum: dequantize_affine_row's operations)
+// and rounded only at y. A 16-bit GEMM cannot take w itself, so with f16/bf16 activations the
+// kernel writes each weight as two values of the activation dtype, hi = round(w) and
+// lo = round(w - hi), side by side ([N, 2K]: hi at column k, lo at K + k), and x twice ([M, 2K]);
+// one GEMM over 2K columns then sums x hi + x lo in f32 before rounding y once. w is kept to about
+// 16 significant bits instead of the activation dtype's 8 or 11, which rounding w alone would
+// leave (measured on the H200: a native path that rounded w was 4-5e-4 mean KL from the CPU
+// reference on 4- and 8-bit checkpoints, where the fused GEMVs, which never round w, were 2e-6).
+// f32 activations take w as computed: [N, K], x as it is.
 GeneratedKernel generate_dequantize_kernel(const ComputeGraph& graph, NodeId node_id) {
   const Node& node = graph.node(node_id);
   if (node.op != "quantized_matmul") {
@@ -657,43 +667,68 @@ GeneratedKernel generate_dequantize_kernel(const ComputeGraph& graph, NodeId nod
   const int group_size = static_cast<int>(node.attributes.get_int("group_size"));
   const std::int64_t rows = packed.spec.shape.at(0);  // N
   const std::int64_t columns = x.spec.row_length();   // K
+  const std::int64_t x_rows = columns == 0 ? 0 : x.spec.element_count() / columns;  // M
+  const bool split = x.spec.dtype != DType::f32;
   const std::string type = cuda_storage_type(x.spec.dtype);
   GeneratedKernel kernel;
   kernel.kernel_name = "metile_dequantize_" + sanitize_identifier(node.name);
   kernel.source = header(graph, node, fmt::format("{}-bit affine dequantization", bits));
   kernel.source += fmt::format(R"(
-// w[n, k] = scale[n, k / {5}] * q[n, k] + bias[n, k / {5}], q = bits of packed[n] from bit k * {4}, low bits first.
+// w[n, k] = scale[n, k / {5}] * q[n, k] + bias[n, k / {5}] in f32, q = bits of packed[n] from bit k * {4}, low bits first.
+// kSplit: scratch0[n] = (hi of w[n, 0..K), lo of w[n, 0..K)), scratch1[m] = (x[m], x[m]).
 extern "C" __global__ void __launch_bounds__({0}) {1}(const unsigned int* __restrict__ in0 /* {6} */,
-    const {2}* __restrict__ in1 /* {7} */, const {2}* __restrict__ in2 /* {8} */, {2}* __restrict__ scratch0 /* dense [{9}, {3}] */) {{
+    const {2}* __restrict__ in1 /* {7} */, const {2}* __restrict__ in2 /* {8} */, const {2}* __restrict__ in3 /* {10} */,
+    {2}* __restrict__ scratch0 /* weights [{9}, {12} * {3}] */, {2}* __restrict__ scratch1 /* x [{11}, 2 * {3}] when split */) {{
+  constexpr bool kSplit = {13};
   constexpr long long kElements = {9}LL * {3}LL;
+  constexpr long long kXElements = {11}LL * {3}LL;
   constexpr int kColumns = {3};
   constexpr int kBits = {4};
   constexpr int kGroup = {5};
   constexpr int kWordsPerRow = kColumns * kBits / 32;
   constexpr int kGroupsPerRow = kColumns / kGroup;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < kElements;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {{
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < kElements; i += stride) {{
     const long long n = i / kColumns;
     const int k = static_cast<int>(i % kColumns);
     const unsigned int word = in0[n * kWordsPerRow + (k * kBits) / 32];
     const unsigned int q = (word >> ((k * kBits) % 32)) & ((1u << kBits) - 1u);
     const long long group = n * kGroupsPerRow + k / kGroup;
-    const float w = metile_device::to_float(in1[group]) * static_cast<float>(q) + metile_device::to_float(in2[group]);
-    scratch0[i] = metile_device::from_float<{2}>(w);
+    // A product, then a sum, each rounded in f32 (no fused multiply-add), as the reference does.
+    const float w = __fadd_rn(__fmul_rn(metile_device::to_float(in1[group]), static_cast<float>(q)),
+                              metile_device::to_float(in2[group]));
+    if constexpr (kSplit) {{
+      const {2} high = metile_device::from_float<{2}>(w);
+      scratch0[n * 2 * kColumns + k] = high;
+      scratch0[n * 2 * kColumns + kColumns + k] = metile_device::from_float<{2}>(w - metile_device::to_float(high));
+    }} else {{
+      scratch0[i] = metile_device::from_float<{2}>(w);
+    }}
+  }}
+  if constexpr (kSplit) {{
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < kXElements; i += stride) {{
+      const long long m = i / kColumns;
+      const int k = static_cast<int>(i % kColumns);
+      scratch1[m * 2 * kColumns + k] = in3[i];
+      scratch1[m * 2 * kColumns + kColumns + k] = in3[i];
+    }}
   }}
 }}
 )",
                                elementwise_block, kernel.kernel_name, type, columns, bits, group_size, packed.name,
-                               scales.name, biases.name, rows);
+                               scales.name, biases.name, rows, x.name, x_rows, split ? 2 : 1, split ? "true" : "false");
   kernel.launch.block_x = elementwise_block;
   kernel.launch.grid_x = grid_for(rows * columns, elementwise_block);
+  const std::int64_t element = static_cast<std::int64_t>(dtype_size(x.spec.dtype));
   kernel.parameters = {{KernelParameter::Kind::input, packed.id, "in0", 0},
                        {KernelParameter::Kind::input, scales.id, "in1", 0},
                        {KernelParameter::Kind::input, biases.id, "in2", 0},
-                       {KernelParameter::Kind::scratch, -1, "scratch0",
-                        rows * columns * static_cast<std::int64_t>(dtype_size(x.spec.dtype))}};
-  kernel.summary = fmt::format("dequantize {}-bit group {} -> {}[{}, {}]", bits, group_size, dtype_name(x.spec.dtype),
-                               rows, columns);
+                       {KernelParameter::Kind::input, x.id, "in3", 0},
+                       {KernelParameter::Kind::scratch, -1, "scratch0", (split ? 2 : 1) * rows * columns * element},
+                       // At least one element: a buffer the kernel never touches without the split.
+                       {KernelParameter::Kind::scratch, -1, "scratch1", split ? 2 * x_rows * columns * element : element}};
+  kernel.summary = fmt::format("dequantize {}-bit group {} -> {}[{}, {}]{}", bits, group_size, dtype_name(x.spec.dtype),
+                               rows, split ? 2 * columns : columns, split ? " (hi, lo)" : "");
   return kernel;
 }
 

@@ -556,8 +556,12 @@ GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion&
   stage.matrices = {stacked};
   const bool biased = std::any_of(stage.row_parts.begin(), stage.row_parts.end(),
                                   [](const GemvRowPart& part) { return part.bias >= 0; });
-  stage.epilogue = biased ? GemvEpilogue::add(GemvEpilogue::accumulator(0), GemvEpilogue::tensor("bias", true))
-                          : GemvEpilogue::store();
+  // The product is a value of the graph before its bias is added: rounded to its dtype first, as the
+  // unfused matmul stores it (GemvEpilogue::from_graph's rule).
+  const DType product_dtype = sub.value(stage.row_parts.front().output).spec.dtype;
+  const GemvEpilogue product = product_dtype == DType::f32 ? GemvEpilogue::accumulator(0)
+                                                           : GemvEpilogue::rounded(GemvEpilogue::accumulator(0), product_dtype);
+  stage.epilogue = biased ? GemvEpilogue::add(product, GemvEpilogue::tensor("bias", true)) : GemvEpilogue::store();
   return mapped_to(graph, sub, {std::move(stage)});
 }
 

@@ -149,6 +149,13 @@ TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
   EXPECT_GE(against_native.agreement(), 0.9) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_LE(against_native.kl_mean, 2 * (native_noise.kl_mean + fused_noise.kl_mean)) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_TRUE(meets(against_native, EngineThresholds{})) << first_miss(against_native, EngineThresholds{}) << "\n" << figures;
+  if (engine_case.bits == 0) {
+    // bf16: the fused kernels round every value the graph stores where the unfused ops do
+    // (GemvEpilogue::from_graph), so the two paths differ only in the order of f32 sums: every next
+    // token agrees and the mean KL stays far below 1e-4 (measured on the H200: 0 to 1e-9).
+    EXPECT_EQ(against_native.agreements, against_native.positions) << figures;
+    EXPECT_LT(against_native.kl_mean, 1e-4) << figures;
+  }
   std::printf("%s\n", figures.c_str());
 }
 

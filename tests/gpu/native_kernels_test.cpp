@@ -182,8 +182,20 @@ TEST_F(NativeKernels, QuantizedMatmulsMatchTheReference) {
         values.poison_computed_values();
         run_steps(native.graph_steps(graph, values), stream);
         stream.synchronize();
-        expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs),
-                             fmt::format("quantized_matmul {} {}-bit group {} seed {}", dtype_name(dtype), bits, group, seed));
+        const TensorMap outputs = values.download_outputs(), expected = run_reference(graph, inputs);
+        const std::string what = fmt::format("quantized_matmul {} {}-bit group {} seed {}", dtype_name(dtype), bits, group, seed);
+        expect_outputs_match(graph, outputs, expected, what);
+        // The weights are not rounded to the activation dtype (hi and lo, generate_dequantize_kernel):
+        // y differs from the f64 reference only by f32 sums, so nearly every output rounds to the same
+        // value. Rounding each weight instead left about half of the bf16 outputs an ulp off.
+        if (dtype != DType::f32) {
+          const HostTensor& actual = outputs.at("y");
+          const HostTensor& reference = expected.at("y");
+          std::int64_t equal = 0;
+          for (std::int64_t i = 0; i < reference.element_count(); ++i) equal += actual.at(i) == reference.at(i);
+          EXPECT_GE(equal, reference.element_count() * 97 / 100)
+              << what << ": " << equal << " of " << reference.element_count() << " outputs equal the reference";
+        }
       }
     }
   }

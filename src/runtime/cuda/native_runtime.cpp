@@ -177,6 +177,7 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
     const TensorSpec& out = graph.value(node.outputs[0]).spec;
     MatmulProblem problem;
     problem.dtype = out.dtype;
+    std::uint64_t left_address = values[node.inputs[0]].address();
     std::uint64_t right_address = 0;
     DeviceStep dequantize;
     if (node.op == "matmul") {
@@ -201,24 +202,31 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
       // (a region graph) whose value ids differ.
       const GeneratedKernel generated = generate_dequantize_kernel(graph, node_id);
       const LoadedKernel& kernel = kernel_for(generated);
-      // The dense weights: a buffer shared by the dequantize launch and the matmul that reads it.
-      const auto& parameters = generated.parameters;
-      auto dense = std::make_shared<DeviceBuffer>(static_cast<std::size_t>(parameters.back().scratch_bytes));
+      // The weights (and the doubled x where they are split in hi and lo): buffers shared by the
+      // dequantize launch and the matmul that reads them.
+      std::vector<std::shared_ptr<DeviceBuffer>> scratch;
       KernelArguments arguments;
-      for (std::size_t i = 0; i + 1 < parameters.size(); ++i) arguments.add_pointer(values[parameters[i].value].address());
-      arguments.add_pointer(*dense);
+      for (const KernelParameter& parameter : generated.parameters) {
+        if (parameter.kind == KernelParameter::Kind::scratch) {
+          scratch.push_back(std::make_shared<DeviceBuffer>(static_cast<std::size_t>(parameter.scratch_bytes)));
+          arguments.add_pointer(*scratch.back());
+        } else {
+          arguments.add_pointer(values[parameter.value].address());
+        }
+      }
       const KernelLaunchShape shape = kernel.generated.launch;
-      dequantize = [compiled = kernel.compiled, arguments, dense, shape](const CudaStream& stream) {
+      dequantize = [compiled = kernel.compiled, arguments, scratch, shape](const CudaStream& stream) {
         launch(compiled, Dim3{shape.grid_x, shape.grid_y, shape.grid_z}, Dim3{shape.block_x, 1, 1},
                shape.shared_memory_bytes, stream, arguments);
       };
+      const bool split = a.dtype != DType::f32;  // generate_dequantize_kernel's hi and lo
       problem.transpose_right = true;
-      problem.k = a.row_length();
+      problem.k = (split ? 2 : 1) * a.row_length();
       problem.n = out.row_length();
-      problem.m = problem.k == 0 ? 0 : a.element_count() / problem.k;
-      right_address = dense->address();
+      problem.m = a.row_length() == 0 ? 0 : a.element_count() / a.row_length();
+      right_address = scratch[0]->address();
+      if (split) left_address = scratch[1]->address();
     }
-    const std::uint64_t left_address = values[node.inputs[0]].address();
     const std::uint64_t out_address = values[node.outputs[0]].address();
     return [matmul = matmul_, problem, left_address, right_address, out_address, dequantize](const CudaStream& stream) {
       if (dequantize) dequantize(stream);

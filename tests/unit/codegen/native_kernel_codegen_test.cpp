@@ -98,9 +98,14 @@ TEST(NativeKernelCodegenDequantize, FourAndEightBitCompile) {
     auto y = builder.quantized_matmul(x, packed, scales, biases, bits, group, "y");
     const ComputeGraph graph = builder.build({y});
     const GeneratedKernel kernel = generate_dequantize_kernel(graph, graph.value(y.id).producer);
-    ASSERT_EQ(kernel.parameters.size(), 4u);
-    EXPECT_EQ(kernel.parameters[3].kind, KernelParameter::Kind::scratch);
-    EXPECT_EQ(kernel.parameters[3].scratch_bytes, n * k * 2);
+    // packed, scales, biases, x; then the weights as hi and lo ([N, 2K] bf16) and x twice ([2, 2K]).
+    ASSERT_EQ(kernel.parameters.size(), 6u);
+    EXPECT_EQ(kernel.parameters[3].value, x.id);
+    EXPECT_EQ(kernel.parameters[4].kind, KernelParameter::Kind::scratch);
+    EXPECT_EQ(kernel.parameters[4].scratch_bytes, n * 2 * k * 2);
+    EXPECT_EQ(kernel.parameters[5].kind, KernelParameter::Kind::scratch);
+    EXPECT_EQ(kernel.parameters[5].scratch_bytes, 2 * 2 * k * 2);
+    EXPECT_NE(kernel.source.find("kSplit = true"), std::string::npos);
     SCOPED_TRACE(bits);
     expect_compiles_for_sm90(kernel);
   }
