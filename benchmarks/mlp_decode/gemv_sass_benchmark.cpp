@@ -129,11 +129,11 @@ int run(bool all) {
     gate_up.format = format;
     gate_up.out_features = intermediate;
     gate_up.in_features = hidden;
-    gate_up.epilogue = GemvEpilogue::swiglu();
+    gate_up.epilogue = GemvEpilogue::swiglu(format.activation);
     GemvKernelConfig down = gate_up;
     down.out_features = hidden;
     down.in_features = intermediate;
-    down.epilogue = GemvEpilogue::residual_add();
+    down.epilogue = GemvEpilogue::residual_add("residual", format.activation);
     for (const GemvKernelConfig& base : {gate_up, down}) {
       const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(base, 132);
       for (const GemvKernelConfig& config : candidates) {

@@ -74,7 +74,7 @@ GemvKernelConfig base_swiglu(const GemvWeightFormat& format, std::int64_t rows, 
   base.rows = rows;
   base.out_features = intermediate;
   base.in_features = hidden;
-  base.epilogue = GemvEpilogue::swiglu();
+  base.epilogue = GemvEpilogue::swiglu(format.activation);  // rounded as the planned region rounds
   return base;
 }
 
@@ -123,7 +123,7 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
       down.rows = rows;
       down.out_features = hidden;
       down.in_features = intermediate;
-      down.epilogue = GemvEpilogue::residual_add();
+      down.epilogue = GemvEpilogue::residual_add("residual", format.activation);
       for (const GemvKernelConfig& config : gemv_tuning_candidates(down, info.multiprocessor_count)) configs.push_back(config);
       // Each register-resident shape again with its weights prefetched into L2 ahead of the loads.
       for (std::size_t i = 0, plain = configs.size(); i < plain; ++i) {

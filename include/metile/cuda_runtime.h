@@ -492,8 +492,14 @@ class NativeRuntime {
 
  private:
   const LoadedKernel& kernel_for(const GeneratedKernel& generated);
+  // Scratch buffer `slot` of at least `bytes`, shared by every step this runtime makes (quantized_matmul's
+  // dequantized weights and doubled x): steps run one after another on one stream, so one buffer the size
+  // of the largest request serves a whole model, where one per node would hold twice its weights again.
+  // A larger request replaces the buffer for later steps; earlier ones keep theirs alive.
+  std::shared_ptr<DeviceBuffer> shared_scratch(std::size_t slot, std::size_t bytes);
   std::shared_ptr<CublasLtMatmul> matmul_;
   std::map<std::string, LoadedKernel, std::less<>> kernels_by_source_;
+  std::vector<std::shared_ptr<DeviceBuffer>> scratch_;
 };
 
 // Runs the steps in order on the stream.

@@ -304,7 +304,8 @@ struct GemvStage {
   // Sibling contractions as one GEMV: matrices holds one matrix (weight -1) that stacks these
   // parts' matrices by rows, made once when bound (DeviceValues::keep_derived); part p's rows
   // write part p's output (GemvKernelConfig::output_splits). With a bias on any part the epilogue
-  // is acc0 + the stacked bias [N] (the one epilogue tensor, not in epilogue_tensors).
+  // is the product rounded to its dtype + the stacked bias [N] (the one epilogue tensor, not in
+  // epilogue_tensors).
   std::vector<GemvRowPart> row_parts;
   std::int64_t rows = 0;
   GemvEpilogue epilogue = GemvEpilogue::store();

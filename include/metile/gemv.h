@@ -133,10 +133,12 @@ class GemvEpilogue {
   // Any other elementwise op of the op table that does not read its element's position (Kind::op).
   static GemvEpilogue elementwise(std::string op, Attributes attributes, const std::vector<GemvEpilogue>& operands);
 
-  // The shapes the decode MLP uses.
+  // The shapes the decode MLP uses. `stored`: the dtype the unfused ops would store gate, up, silu(gate)
+  // and the projection in; f16/bf16 rounds them to it (what from_graph builds for such a graph), f32
+  // keeps them as computed.
   static GemvEpilogue store() { return accumulator(0); }
-  static GemvEpilogue swiglu() { return multiply(silu(accumulator(0)), accumulator(1)); }
-  static GemvEpilogue residual_add(std::string name = "residual") { return add(accumulator(0), tensor(name)); }
+  static GemvEpilogue swiglu(DType stored = DType::f32);
+  static GemvEpilogue residual_add(std::string name = "residual", DType stored = DType::f32);
 
   // Builds the epilogue from a graph: walks back from `output` through elementwise nodes
   // (add, subtract, multiply, scale, silu, gelu, exp, and any op-table elementwise op that does
@@ -151,6 +153,9 @@ class GemvEpilogue {
 
   Kind kind() const;
   int product_count() const;  // 1 + the highest accumulator index used (at least 1)
+  // Whether every rounded term rounds to `activation`: the generated code can round only to the
+  // kernel's own activation dtype (GemvKernelConfig::validate refuses the others).
+  bool rounds_only_to(DType activation) const;
   struct TensorInput {
     std::string name;
     bool broadcast_rows = false;

@@ -220,6 +220,9 @@ GemvEpilogue GemvEpilogue::elementwise(std::string op, Attributes attributes, co
   if (definition == nullptr || !definition->elementwise || definition->elementwise->reads_site) {
     throw InputError(fmt::format("epilogue: '{}' is not an elementwise op that a GEMV epilogue applies", op));
   }
+  if (operands.size() != definition->input_names.size()) {
+    throw InputError(fmt::format("epilogue: '{}' takes {} operands, got {}", op, definition->input_names.size(), operands.size()));
+  }
   auto node = std::make_shared<Term>();
   node->kind = Kind::op;
   node->op = std::move(op);
@@ -236,7 +239,24 @@ GemvEpilogue GemvEpilogue::rounded(const GemvEpilogue& x, DType dtype) {
   return GemvEpilogue(node);
 }
 
+GemvEpilogue GemvEpilogue::swiglu(DType stored) {
+  auto as_stored = [stored](const GemvEpilogue& value) { return stored == DType::f32 ? value : rounded(value, stored); };
+  return multiply(as_stored(silu(as_stored(accumulator(0)))), as_stored(accumulator(1)));
+}
+GemvEpilogue GemvEpilogue::residual_add(std::string name, DType stored) {
+  const GemvEpilogue product = stored == DType::f32 ? accumulator(0) : rounded(accumulator(0), stored);
+  return add(product, tensor(std::move(name)));
+}
+
 GemvEpilogue::Kind GemvEpilogue::kind() const { return node_->kind; }
+
+bool GemvEpilogue::rounds_only_to(DType activation) const {
+  auto visit = [activation](auto&& self, const Term& node) -> bool {
+    if (node.kind == Kind::rounded && node.dtype != activation) return false;
+    return std::all_of(node.operands.begin(), node.operands.end(), [&](const NodePointer& operand) { return self(self, *operand); });
+  };
+  return visit(visit, *node_);
+}
 
 int GemvEpilogue::product_count() const { return std::max(1, highest_product(*node_) + 1); }
 

@@ -727,6 +727,10 @@ void GemvKernelConfig::validate() const {
   if (rows * in_features >= (std::int64_t{1} << 31) || rows * out_features >= (std::int64_t{1} << 31)) {
     throw InputError("GEMV: x or out has 2^31 elements or more");
   }
+  if (!epilogue.rounds_only_to(format.activation)) {
+    throw InputError(fmt::format("GEMV: epilogue {} rounds to a dtype other than the activations' {}", epilogue.to_string(),
+                                 dtype_name(format.activation)));
+  }
   if (warps_per_block != 1 && warps_per_block != 2 && warps_per_block != 4 && warps_per_block != 8 &&
       warps_per_block != 16) {
     throw InputError(fmt::format("GEMV: warps_per_block must be 1, 2, 4, 8 or 16, not {}", warps_per_block));

@@ -203,12 +203,12 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
       const GeneratedKernel generated = generate_dequantize_kernel(graph, node_id);
       const LoadedKernel& kernel = kernel_for(generated);
       // The weights (and the doubled x where they are split in hi and lo): buffers shared by the
-      // dequantize launch and the matmul that reads them.
+      // dequantize launch and the matmul that reads them, and by the other quantized_matmul steps.
       std::vector<std::shared_ptr<DeviceBuffer>> scratch;
       KernelArguments arguments;
       for (const KernelParameter& parameter : generated.parameters) {
         if (parameter.kind == KernelParameter::Kind::scratch) {
-          scratch.push_back(std::make_shared<DeviceBuffer>(static_cast<std::size_t>(parameter.scratch_bytes)));
+          scratch.push_back(shared_scratch(scratch.size(), static_cast<std::size_t>(parameter.scratch_bytes)));
           arguments.add_pointer(*scratch.back());
         } else {
           arguments.add_pointer(values[parameter.value].address());
@@ -247,6 +247,12 @@ DeviceStep NativeRuntime::node_step(const ComputeGraph& graph, NodeId node_id, D
   std::vector<ValueId> ids;
   for (const KernelParameter& parameter : generated.parameters) ids.push_back(parameter.value);
   return bind_kernel(kernel_for(generated), values, ids);
+}
+
+std::shared_ptr<DeviceBuffer> NativeRuntime::shared_scratch(std::size_t slot, std::size_t bytes) {
+  if (scratch_.size() <= slot) scratch_.resize(slot + 1);
+  if (!scratch_[slot] || scratch_[slot]->size_bytes() < bytes) scratch_[slot] = std::make_shared<DeviceBuffer>(bytes);
+  return scratch_[slot];
 }
 
 std::vector<DeviceStep> NativeRuntime::graph_steps(const ComputeGraph& graph, DeviceValues& values) {

@@ -106,6 +106,19 @@ TEST(NativeKernelCodegenDequantize, FourAndEightBitCompile) {
     EXPECT_EQ(kernel.parameters[5].kind, KernelParameter::Kind::scratch);
     EXPECT_EQ(kernel.parameters[5].scratch_bytes, 2 * 2 * k * 2);
     EXPECT_NE(kernel.source.find("kSplit = true"), std::string::npos);
+    // f32 activations: the weights as computed, [N, K], and x read in place (the second scratch unused).
+    GraphBuilder wide;
+    auto x32 = wide.input("x", {{2, k}, DType::f32});
+    auto y32 = wide.quantized_matmul(x32, wide.input("packed", {{n, k * bits / 32}, DType::u32}),
+                                     wide.input("scales", {{n, k / group}, DType::f32}),
+                                     wide.input("biases", {{n, k / group}, DType::f32}), bits, group, "y");
+    const ComputeGraph graph32 = wide.build({y32});
+    const GeneratedKernel kernel32 = generate_dequantize_kernel(graph32, graph32.value(y32.id).producer);
+    ASSERT_EQ(kernel32.parameters.size(), 6u);
+    EXPECT_EQ(kernel32.parameters[4].scratch_bytes, n * k * 4);
+    EXPECT_EQ(kernel32.parameters[5].scratch_bytes, 4);
+    EXPECT_NE(kernel32.source.find("kSplit = false"), std::string::npos);
+    expect_compiles_for_sm90(kernel32);
     SCOPED_TRACE(bits);
     expect_compiles_for_sm90(kernel);
   }

@@ -68,6 +68,19 @@ TEST(GemvEpilogue, F32GraphsRoundNothingOnTheWay) {
   EXPECT_THROW(GemvEpilogue::rounded(GemvEpilogue::accumulator(0), DType::f32), InputError);
   EXPECT_THROW(GemvEpilogue::rounded(GemvEpilogue::accumulator(0), DType::i8), InputError);
   EXPECT_THROW(GemvEpilogue::elementwise("causal_mask", {}, {GemvEpilogue::accumulator(0)}), InputError);
+  EXPECT_THROW(GemvEpilogue::elementwise("silu", {}, {}), InputError);  // one operand, not none
+  // A kernel rounds only to its own activation dtype: a bf16 GEMV with an f16 rounding is refused.
+  GemvKernelConfig config;
+  config.format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  config.out_features = 64;
+  config.in_features = 256;
+  config.epilogue = GemvEpilogue::swiglu(DType::f16);
+  EXPECT_FALSE(config.epilogue.rounds_only_to(DType::bf16));
+  EXPECT_THROW(generate_gemv_kernel(config), InputError);
+  config.epilogue = GemvEpilogue::swiglu(DType::bf16);
+  EXPECT_TRUE(config.epilogue.rounds_only_to(DType::bf16));
+  EXPECT_EQ(config.epilogue.to_string(), "bf16(silu(bf16(acc0))) * bf16(acc1)");
+  EXPECT_NO_THROW(generate_gemv_kernel(config));
 }
 
 TEST(GemvEpilogue, ResidualAndBroadcastTensorsFromGraph) {
