@@ -130,6 +130,8 @@ class GemvEpilogue {
   // x rounded to `dtype` (f16 or bf16: the GEMV's activation dtype) and read back as f32: what an
   // unfused op writes to memory and the next op reads.
   static GemvEpilogue rounded(const GemvEpilogue& x, DType dtype);
+  // x as a value stored in `dtype`: as computed for f32, rounded for f16/bf16.
+  static GemvEpilogue stored_as(const GemvEpilogue& x, DType dtype);
   // Any other elementwise op of the op table that does not read its element's position (Kind::op).
   static GemvEpilogue elementwise(std::string op, Attributes attributes, const std::vector<GemvEpilogue>& operands);
 

@@ -155,6 +155,13 @@ void require_finite(double value) {
   if (!std::isfinite(value)) throw InputError(fmt::format("epilogue: constant {} is not finite", value));
 }
 
+// The op table's definition of `op` if a GEMV epilogue can apply it (elementwise, reading no
+// position), else null.
+const OpDefinition* epilogue_op(const std::string& op) {
+  const OpDefinition* definition = find_op(op);
+  return definition != nullptr && definition->elementwise && !definition->elementwise->reads_site ? definition : nullptr;
+}
+
 // The term of elementwise node `node`, its operands built by input(i).
 template <typename Input>
 GemvEpilogue elementwise_term(const Node& node, Input&& input) {
@@ -165,8 +172,7 @@ GemvEpilogue elementwise_term(const Node& node, Input&& input) {
   if (node.op == "silu") return GemvEpilogue::silu(input(0));
   if (node.op == "exp") return GemvEpilogue::exp(input(0));
   if (node.op == "gelu") return GemvEpilogue::gelu(input(0), node.attributes.get_string("approximate") == "tanh");
-  const OpDefinition* definition = find_op(node.op);
-  if (definition == nullptr || !definition->elementwise || definition->elementwise->reads_site) {
+  if (epilogue_op(node.op) == nullptr) {
     throw InputError(fmt::format("epilogue: node '{}' ({}) is not an op a GEMV epilogue applies", node.name, node.op));
   }
   std::vector<GemvEpilogue> operands;
@@ -216,8 +222,8 @@ GemvEpilogue GemvEpilogue::gelu(const GemvEpilogue& x, bool tanh_approximation) 
 }
 GemvEpilogue GemvEpilogue::exp(const GemvEpilogue& x) { return GemvEpilogue(make(Kind::exp, {x.node_})); }
 GemvEpilogue GemvEpilogue::elementwise(std::string op, Attributes attributes, const std::vector<GemvEpilogue>& operands) {
-  const OpDefinition* definition = find_op(op);
-  if (definition == nullptr || !definition->elementwise || definition->elementwise->reads_site) {
+  const OpDefinition* definition = epilogue_op(op);
+  if (definition == nullptr) {
     throw InputError(fmt::format("epilogue: '{}' is not an elementwise op that a GEMV epilogue applies", op));
   }
   if (operands.size() != definition->input_names.size()) {
@@ -234,18 +240,21 @@ GemvEpilogue GemvEpilogue::rounded(const GemvEpilogue& x, DType dtype) {
   if (dtype != DType::bf16 && dtype != DType::f16) {
     throw InputError(fmt::format("epilogue: values are rounded to f16 or bf16, not {}", dtype_name(dtype)));
   }
-  auto node = std::make_shared<Term>(*make(Kind::rounded, {x.node_}));
+  auto node = std::make_shared<Term>();
+  node->kind = Kind::rounded;
   node->dtype = dtype;
+  node->operands = {x.node_};
   return GemvEpilogue(node);
+}
+GemvEpilogue GemvEpilogue::stored_as(const GemvEpilogue& x, DType dtype) {
+  return dtype == DType::f32 ? x : rounded(x, dtype);
 }
 
 GemvEpilogue GemvEpilogue::swiglu(DType stored) {
-  auto as_stored = [stored](const GemvEpilogue& value) { return stored == DType::f32 ? value : rounded(value, stored); };
-  return multiply(as_stored(silu(as_stored(accumulator(0)))), as_stored(accumulator(1)));
+  return multiply(stored_as(silu(stored_as(accumulator(0), stored)), stored), stored_as(accumulator(1), stored));
 }
 GemvEpilogue GemvEpilogue::residual_add(std::string name, DType stored) {
-  const GemvEpilogue product = stored == DType::f32 ? accumulator(0) : rounded(accumulator(0), stored);
-  return add(product, tensor(std::move(name)));
+  return add(stored_as(accumulator(0), stored), tensor(std::move(name)));
 }
 
 GemvEpilogue::Kind GemvEpilogue::kind() const { return node_->kind; }
@@ -302,12 +311,12 @@ GemvEpilogue GemvEpilogue::from_graph(const ComputeGraph& graph, ValueId output,
   const DType activation = accumulator_spec.dtype;
   auto as_stored = [&](ValueId id, GemvEpilogue term) {
     const Value& value = graph.value(id);
-    if (id == output || value.spec.dtype == DType::f32) return term;
-    if (value.spec.dtype != activation) {
+    if (id == output) return term;
+    if (value.spec.dtype != DType::f32 && value.spec.dtype != activation) {
       throw InputError(fmt::format("epilogue: value '{}' is {}, the GEMV computes {}", value.name,
                                    dtype_name(value.spec.dtype), dtype_name(activation)));
     }
-    return rounded(term, activation);
+    return stored_as(term, value.spec.dtype);
   };
   // Depth-first from the output; a value reached twice is rebuilt twice, which is harmless for
   // the small trees epilogues are.

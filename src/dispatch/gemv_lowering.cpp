@@ -558,9 +558,8 @@ GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion&
                                   [](const GemvRowPart& part) { return part.bias >= 0; });
   // The product is a value of the graph before its bias is added: rounded to its dtype first, as the
   // unfused matmul stores it (GemvEpilogue::from_graph's rule).
-  const DType product_dtype = sub.value(stage.row_parts.front().output).spec.dtype;
-  const GemvEpilogue product = product_dtype == DType::f32 ? GemvEpilogue::accumulator(0)
-                                                           : GemvEpilogue::rounded(GemvEpilogue::accumulator(0), product_dtype);
+  const GemvEpilogue product =
+      GemvEpilogue::stored_as(GemvEpilogue::accumulator(0), sub.value(stage.row_parts.front().output).spec.dtype);
   stage.epilogue = biased ? GemvEpilogue::add(product, GemvEpilogue::tensor("bias", true)) : GemvEpilogue::store();
   return mapped_to(graph, sub, {std::move(stage)});
 }
