@@ -6,6 +6,7 @@
 //
 //   gemv_sass_benchmark           the shapes the decode MLP races first (notes/mlp_decode.md)
 //   gemv_sass_benchmark --all     every register-batch tuning candidate
+//   --opcodes                     also what the 'other' column is made of, per kernel
 //
 // The toolchain here has no disassembler (cuobjdump and nvdisasm are not installed), so the cubin is
 // read directly: sm_90 instructions are 16 bytes, the opcode is the low 12 bits (bits 9..11 say
@@ -14,10 +15,12 @@
 // checks itself: a loop whose HMMA count is not the mma count the configuration implies is reported.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <future>
 #include <map>
+#include <regex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -120,7 +123,7 @@ std::string shape_name(const GemvKernelConfig& config) {
                      config.shared_group_sums ? " sums" : "");
 }
 
-int run(bool all) {
+int run(bool all, bool opcodes) {
   const std::int64_t hidden = 4096, intermediate = 14336;
   std::vector<GemvKernelConfig> configs;
   for (int bits : {4, 8}) {
@@ -152,11 +155,13 @@ int run(bool all) {
     programs.push_back(std::async(std::launch::async, [kernel = generate_gemv_kernel(config)] {
       CompileOptions options;
       options.architecture = "sm_90";
+      options.extra = {"--ptxas-options=-v"};  // the register count
+      options.use_cache = false;                // ptxas reports only on a real compile
       return compile_cuda_program(kernel.source, kernel.kernel_name, options);
     }));
   }
   const std::vector<std::string> columns = {"HMMA", "LOP3", "SHF", "PRMT", "F2FP", "FFMA", "FADD", "FMUL", "LDG", "LDS"};
-  fmt::print("{:<22} {:<28} {:>5} {:>5} {:>6}", "format (Llama-3-8B M=1)", "shape", "instr", "words", "/word");
+  fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>6}", "format (Llama-3-8B M=1)", "shape", "regs", "instr", "words", "/word");
   for (const std::string& column : columns) fmt::print(" {:>5}", column);
   fmt::print(" {:>5}\n", "other");
   int mismatched = 0;
@@ -170,13 +175,25 @@ int run(bool all) {
     const LoopWork work = loop_work(config);
     const int total = static_cast<int>(last - first + 1);
     int other = total;
-    fmt::print("{:<22} {:<28} {:>5} {:>5} {:>6.2f}", config.format.to_string(), shape_name(config), total, work.words,
+    std::smatch registers;
+    const bool reported = std::regex_search(program.log, registers, std::regex(R"(Used (\d+) registers)"));
+    fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>6.2f}", config.format.to_string(), shape_name(config),
+               reported ? registers[1].str() : "?", total, work.words,
                static_cast<double>(total) / work.words);
     for (const std::string& column : columns) {
       other -= counts[column];
       fmt::print(" {:>5.2f}", static_cast<double>(counts[column]) / work.words);
     }
     fmt::print(" {:>5.2f}\n", static_cast<double>(other) / work.words);
+    if (opcodes) {  // what 'other' is made of, most frequent first
+      std::vector<std::pair<int, std::string>> rest;
+      for (const auto& [name, count] : counts)
+        if (std::find(columns.begin(), columns.end(), name) == columns.end()) rest.emplace_back(count, name);
+      std::sort(rest.rbegin(), rest.rend());
+      fmt::print("  other:");
+      for (const auto& [count, name] : rest) fmt::print(" {} {:.2f}", name, static_cast<double>(count) / work.words);
+      fmt::print("\n");
+    }
     if (counts["HMMA"] != work.mma) {
       ++mismatched;
       fmt::print("  ^ the loop holds {} HMMA, the configuration issues {}: the opcode table or the loop is wrong here\n",
@@ -191,17 +208,19 @@ int run(bool all) {
 }  // namespace metile
 
 int main(int argc, char** argv) {
-  bool all = false;
+  bool all = false, opcodes = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--all") == 0) {
       all = true;
+    } else if (std::strcmp(argv[i], "--opcodes") == 0) {
+      opcodes = true;
     } else {
-      fmt::print(stderr, "metile: error: unknown argument '{}' (usage: gemv_sass_benchmark [--all])\n", argv[i]);
+      fmt::print(stderr, "metile: error: unknown argument '{}' (usage: gemv_sass_benchmark [--all] [--opcodes])\n", argv[i]);
       return 2;
     }
   }
   try {
-    return metile::run(all);
+    return metile::run(all, opcodes);
   } catch (const std::exception& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 1;

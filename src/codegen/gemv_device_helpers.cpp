@@ -238,19 +238,21 @@ __device__ __forceinline__ uint4 load_x(const u16* __restrict__ x, const u16* __
 
 // The B fragments of one iteration's x for both mainloops: lane (g, t) holds activation rows g and
 // g + 8, columns 32c + 8t .. + 7 of each chunk c (the A fragments' column permutation).
-// `read(m, column)` reads row m at `column` within the iteration where `live(column)`; rows past kM
-// and columns not live are zeros (zero, then a predicated read: a select costs ptxas registers).
+// `read(m, column)` reads row m at `column` within the iteration where `live(column)`; columns not
+// live are zeros (zero, then a predicated read: a select costs ptxas registers). Lanes of rows past kM
+// read row kM - 1: the mma keeps its C columns apart, and no reader looks at the columns of rows past
+// kM, so those lanes need neither a predicate nor zeroed registers (at M = 1, 8 of every 16 x registers).
 template <class Live, class Read>
 __device__ __forceinline__ void load_x_fragments(uint4 (&xv)[kRowHalves][kChunksPerIteration], int lane, Live&& live,
                                                  Read&& read) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int h = 0; h < kRowHalves; ++h) {
-    const int m = g + 8 * h;
+    const int m = min(g + 8 * h, kM - 1);
 #pragma unroll
     for (int c = 0; c < kChunksPerIteration; ++c) {
       xv[h][c] = make_uint4(0u, 0u, 0u, 0u);
-      if (live(32 * c + 8 * t) && m < kM) xv[h][c] = read(m, 32 * c + 8 * t);
+      if (live(32 * c + 8 * t)) xv[h][c] = read(m, 32 * c + 8 * t);
     }
   }
 }

@@ -51,17 +51,46 @@ struct Batch {
   uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
 };
 
+// Whether every batch the mainloop issues lies whole inside the matrix: K and the tiles divide evenly
+// and each warp's batches tile [0, kIterations) exactly (no split-K, whose bounds are run-time, nor the
+// persistent kernel's pieces). Then no load needs a predicate or its register zeroed first, and no x
+// fragment a bound check: ~2 instructions per 4-bit weight word fewer (gemv_sass_benchmark).
+constexpr bool kBatchesWhole = kSplits == 1 && kIterations % (kWarps * kInFlight) == 0 &&
+                               kK % kColumnsPerIteration == 0 &&
+                               (kAffine ? kTileCount % kTiles == 0 : kN % (16 * kTiles) == 0);
+
 // Visits every 16-byte weight vector and every 8-byte scale/bias pair of the batch whose iterations
 // are first, first + kWarps, ... (live: inside [.., end) and inside the matrix). One place for the
 // addresses, whether the batch goes to registers (load_batch) or to shared memory (issue_batch).
+// Each address is a per-(matrix, tile) base plus a compile-time offset, so that the unrolled loads
+// take immediate offsets instead of a 64-bit multiply each.
 template <int P, class Vector, class Pair>
 __device__ __forceinline__ void for_each_load(const u32* const (&weights)[P], const u16* const (&scale_bias)[P], int first,
                                               int end, int lane, int first_tile, Vector&& vector, Pair&& pair) {
   const int g = lane >> 2, t = lane & 3;
+  // The batch's first vector and scale/bias pair per matrix and tile (repacked layout), or row g of the
+  // dense matrix at the batch's first column.
+  const u32* vectors[P][kTiles];
+  const u16* pairs[P][kTiles];
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const int tile = first_tile + i;
+      if constexpr (kAffine) {
+        vectors[p][i] = weights[p] + ((u64)tile * kLoadBlocks + (u64)first * kLoadsPerIteration) * 256 + lane * 4;
+        pairs[p][i] = scale_bias[p] + (((u64)tile * kGroupCount + (u64)first * kGroupsPerIteration) * 8 + g) * 4;
+      } else {
+        vectors[p][i] = reinterpret_cast<const u32*>(reinterpret_cast<const u16*>(weights[p]) + (u64)(tile * 16 + g) * kK +
+                                                     first * kColumnsPerIteration + 8 * t);
+        pairs[p][i] = nullptr;
+      }
+    }
+  }
 #pragma unroll
   for (int u = 0; u < kInFlight; ++u) {
     const int it = first + u * kWarps;
-    const bool live = it < end;
+    const bool live = kBatchesWhole || it < end;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
 #pragma unroll
@@ -72,21 +101,21 @@ __device__ __forceinline__ void for_each_load(const u32* const (&weights)[P], co
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if constexpr (kAffine) {
-              const u64 block = (u64)tile * kLoadBlocks + (u64)it * kLoadsPerIteration + l;
-              vector(u, p, i, l, h, weights[p] + (block * 2 + h) * 128 + lane * 4, live && tile < kTileCount);
+              vector(u, p, i, l, h, vectors[p][i] + ((u * kWarps * kLoadsPerIteration + l) * 2 + h) * 128,
+                     kBatchesWhole || (live && tile < kTileCount));
             } else {
               const int row = tile * 16 + 8 * h + g;
               const int k = it * kColumnsPerIteration + 8 * t;
-              vector(u, p, i, l, h, reinterpret_cast<const u16*>(weights[p]) + (u64)row * kK + k, live && row < kN && k < kK);
+              vector(u, p, i, l, h,
+                     reinterpret_cast<const u16*>(vectors[p][i]) + 8 * h * kK + u * kWarps * kColumnsPerIteration,
+                     kBatchesWhole || (live && row < kN && k < kK));
             }
           }
         }
         if constexpr (kAffine) {
 #pragma unroll
-          for (int q = 0; q < kGroupsPerIteration; ++q) {
-            const u64 group = (u64)tile * kGroupCount + (u64)it * kGroupsPerIteration + q;
-            pair(u, p, i, q, scale_bias[p] + (group * 8 + g) * 4, live && tile < kTileCount);
-          }
+          for (int q = 0; q < kGroupsPerIteration; ++q)
+            pair(u, p, i, q, pairs[p][i] + (u * kWarps * kGroupsPerIteration + q) * 32, kBatchesWhole || (live && tile < kTileCount));
         }
       }
     }
@@ -101,13 +130,21 @@ __device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&w
       weights, scale_bias, first, end, lane, first_tile,
       [&](int u, int p, int i, int l, int h, const void* address, bool live) {
         // Zero, then a predicated load: ptxas keeps ~25 more registers live for a select (95 -> 120
-        // for 4-bit g64 gate/up w4).
-        batch.w[u][p][i][l][h] = make_uint4(0u, 0u, 0u, 0u);
-        if (live) batch.w[u][p][i][l][h] = load_weights(address);
+        // for 4-bit g64 gate/up w4). Whole batches need neither.
+        if constexpr (kBatchesWhole) {
+          batch.w[u][p][i][l][h] = load_weights(address);
+        } else {
+          batch.w[u][p][i][l][h] = make_uint4(0u, 0u, 0u, 0u);
+          if (live) batch.w[u][p][i][l][h] = load_weights(address);
+        }
       },
       [&](int u, int p, int i, int q, const void* address, bool live) {
-        batch.sb[u][p][i][q] = make_uint2(0u, 0u);
-        if (live) batch.sb[u][p][i][q] = load_scale_bias(address);
+        if constexpr (kBatchesWhole) {
+          batch.sb[u][p][i][q] = load_scale_bias(address);
+        } else {
+          batch.sb[u][p][i][q] = make_uint2(0u, 0u);
+          if (live) batch.sb[u][p][i][q] = load_scale_bias(address);
+        }
       });
 }
 
@@ -255,14 +292,14 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
     const int it = first + u * kWarps;
     uint4 xv[kRowHalves][kChunksPerIteration];
     load_x_fragments(
-        xv, lane, [&](int column) { return it < end && it * kColumnsPerIteration + column < kK; },
+        xv, lane, [&](int column) { return kBatchesWhole || (it < end && it * kColumnsPerIteration + column < kK); },
         [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
     if constexpr (kAffine) {
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
         float xsum[kRowHalves][4];
         if constexpr (kSharedGroupSums) {
-          read_group_sums(xsum, group_sums + (it * kGroupsPerIteration + q) * kPaddedM, lane, it < end);
+          read_group_sums(xsum, group_sums + (it * kGroupsPerIteration + q) * kPaddedM, lane, kBatchesWhole || it < end);
         } else {
 #pragma unroll
           for (int h = 0; h < kRowHalves; ++h) {
@@ -731,9 +768,10 @@ void GemvKernelConfig::validate() const {
     throw InputError(fmt::format("GEMV: epilogue {} rounds to a dtype other than the activations' {}", epilogue.to_string(),
                                  dtype_name(format.activation)));
   }
-  if (warps_per_block != 1 && warps_per_block != 2 && warps_per_block != 4 && warps_per_block != 8 &&
-      warps_per_block != 16) {
-    throw InputError(fmt::format("GEMV: warps_per_block must be 1, 2, 4, 8 or 16, not {}", warps_per_block));
+  // Any count: a K whose iterations 8 and 16 do not divide gets its whole-batch shape from another
+  // (gemv_tuning_candidates).
+  if (warps_per_block < 1 || warps_per_block > 16) {
+    throw InputError(fmt::format("GEMV: warps_per_block must be 1..16, not {}", warps_per_block));
   }
   if (tiles_per_block < 1 || tiles_per_block > 4) {
     throw InputError(fmt::format("GEMV: tiles_per_block must be 1..4, not {}", tiles_per_block));
@@ -1007,8 +1045,20 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
                                                     std::min<std::int64_t>((2 * multiprocessors + tiles - 1) / tiles,
                                                                            iterations / 4),
                                                     1, 8));
+  // Whether every batch of a shape lies whole inside the matrix (kBatchesWhole in the kernel: no
+  // predicates, no zeroed registers), and for a K whose iterations neither 8 nor 16 warps divide
+  // (Qwen2.5-1.5B's down projection: 70), the most warps from 16 down to 5 whose batches are whole.
+  auto whole = [&](const GemvKernelConfig& config) {
+    return iterations % (std::int64_t{config.warps_per_block} * config.iterations_in_flight) == 0;
+  };
+  auto add_whole_warps = [&](bool double_buffered) {
+    for (int warps = 16; warps >= 5; --warps) {
+      if (whole(register_shape(warps, double_buffered))) return add(warps, double_buffered);
+    }
+  };
   if (narrow) {
     add(8, true);
+    if (!whole(register_shape(8, true)) && !whole(register_shape(16, true))) add_whole_warps(true);
     add(16, true);
     add(8, true, true);
     add(4, true);
