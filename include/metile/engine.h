@@ -218,6 +218,8 @@ struct EngineBenchmark {
   int launches = 0;                 // device steps per decode step
   // What the decode step's regions run: "rule: candidate" (RegionReport) -> how many regions.
   std::map<std::string, int> chosen;
+  // Why: each region kind's first region's reason (RegionReport::reason: the race's figures).
+  std::map<std::string, std::string> reasons;
 };
 
 struct BenchmarkOptions {

@@ -1072,7 +1072,14 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       if (affine) add(8, true, false, 1, true);
     }
   } else {
+    // 4 warps with unbuffered batches come second (but for the vocabulary-wide shapes below): since
+    // batches are whole (no zeroing, no predicates) it won every wide gate/up race on the H200
+    // (session 10: Llama-3-8B bf16 61.2 us against 65.7 for the first; 4-bit g64 20.8 against 22.3;
+    // M = 16 31.2 against 38.9), and a region races only the first few of each family
+    // (gemv_lowering_shapes_per_family).
+    const bool vocabulary_wide = products == 1 && tiles >= 16 * multiprocessors;
     add(2, true);
+    if (!vocabulary_wide) add(4, false);
     // A vocabulary-wide N (the LM head: 128256 rows of 2048, 16 iterations of 4-bit) gives each
     // one-tile block a few iterations per warp behind a prologue of its own (the norm of x, the
     // argmax join): 8016 blocks of 2 warps took 117.6 us, 30% of copy, under ncu (Llama-3.2-1B).
@@ -1081,7 +1088,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     // warps at ~96 registers: 10 a multiprocessor; four: 5), so the prologue runs once per block.
     // One product only: SwiGLU's two at four tiles spill. They come right after the first shape:
     // a one-stage region races the first few of each family (gemv_stage_configs).
-    if (products == 1 && tiles >= 16 * multiprocessors) {
+    if (vocabulary_wide) {
       auto add_looped = [&](int warps, int blocks_per_multiprocessor) {
         GemvKernelConfig looped = register_shape(warps, true);
         looped.multiprocessors = multiprocessors;

@@ -72,7 +72,21 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
     profile_on_stream(session.stream(), [&](const CudaStream& stream) { decode.enqueue(stream); });
   }
   result.launches = decode.step_count();
-  for (const RegionReport& region : decode.reports()) ++result.chosen[region.rule + ": " + region.chosen];
+  for (const RegionReport& region : decode.reports()) {
+    ++result.chosen[region.rule + ": " + region.chosen];
+    if (result.reasons.count(region.rule)) continue;  // the first region of each kind
+    // Its sentence, the three fastest candidates of its race and how many failed the numeric gate.
+    std::vector<std::pair<double, std::string>> fastest;
+    for (const auto& [name, ms] : region.timings_ms) fastest.emplace_back(ms, name);
+    std::sort(fastest.begin(), fastest.end());
+    std::string reason = region.sentence;
+    for (std::size_t i = 0; i < std::min<std::size_t>(3, fastest.size()); ++i) {
+      reason += fmt::format("{} {} {:.1f} us", i == 0 ? "; fastest:" : ",", fastest[i].second, fastest[i].first * 1e3);
+    }
+    const auto failed = std::count_if(region.gates.begin(), region.gates.end(), [](const auto& gate) { return !gate.second.passed; });
+    if (failed > 0) reason += fmt::format("; {} of {} failed the numeric gate", failed, region.gates.size());
+    result.reasons.emplace(region.rule, reason);
+  }
 
   for (int warmup = 0; warmup < kWarmupFeeds; ++warmup) session.feed(random_tokens(generator, 1, vocab));
   const std::vector<std::int32_t> decode_tokens = random_tokens(generator, options.decode_steps, vocab);

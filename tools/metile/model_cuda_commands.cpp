@@ -104,7 +104,8 @@ nlohmann::json benchmark_json(const EngineBenchmark& result) {
           {"prefill_tokens_per_second", result.prefill_tokens_per_second},
           {"device_steps_per_decode_step", result.launches},
           {"breakdown", breakdown},
-          {"chosen", result.chosen}};
+          {"chosen", result.chosen},
+          {"reasons", result.reasons}};
 }
 
 void print_breakdown(const EngineBenchmark& result) {
@@ -119,6 +120,8 @@ void print_breakdown(const EngineBenchmark& result) {
   }
   fmt::print("what its regions run (regions):\n");
   for (const auto& [chosen, regions] : result.chosen) fmt::print("  {:>4}  {}\n", regions, chosen);
+  fmt::print("why (the first region of each kind):\n");
+  for (const auto& [rule, reason] : result.reasons) fmt::print("  {}: {}\n", rule, reason);
 }
 
 }  // namespace
