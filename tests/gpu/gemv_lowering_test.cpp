@@ -389,7 +389,8 @@ class NormalizedGemv : public CudaDeviceTest {
 struct NormalizedCase {
   LinearFormat format;
   std::int64_t rows;
-  std::int64_t k() const { return format.bits == 16 ? 200 : 320; }  // not a multiple of 32 (dense) or 128 (4-bit)
+  std::int64_t columns = 0;  // K; 0: 200 dense, 320 quantized (not a multiple of 32 (dense) or 128 (4-bit))
+  std::int64_t k() const { return columns > 0 ? columns : format.bits == 16 ? 200 : 320; }
   std::string name() const {
     return fmt::format("bits {} {} M={} K={}", format.bits, dtype_name(format.dtype), rows, k());
   }
@@ -401,6 +402,10 @@ std::vector<NormalizedCase> normalized_cases() {
        {LinearFormat{16, 0, DType::bf16}, LinearFormat{4, 64, DType::bf16}, LinearFormat{8, 64, DType::bf16}}) {
     for (std::int64_t rows : {1, 16}) all.push_back({format, rows});
   }
+  // A K long enough that the threads of an eight-warp block (these N are narrow: 8 and 16 warps) each
+  // take more than eight vectors of x for the norm's sum of squares (for_each_thread_vector's batches
+  // of eight, the last one partial; x this long is normalized as it is loaded, not staged).
+  all.push_back({LinearFormat{16, 0, DType::bf16}, 1, 16648});
   return all;
 }
 
@@ -427,11 +432,13 @@ TEST_F(NormalizedGemv, SwigluCandidatesMatchTheFloat64Reference) {
 
 // N = 1000 for every format and row count; then the decode case of a vocabulary-wide head (4-bit,
 // M = 1, 40000 rows: 2500 tile blocks, enough for the candidates whose blocks loop over tile blocks
-// with the norm and the staged x computed once per block).
+// with the norm and the staged x computed once per block), at K = 320 and 8192.
 TEST_F(NormalizedGemv, LmHeadArgmaxCandidatesMatchTheFloat64Reference) {
   std::vector<std::pair<NormalizedCase, std::int64_t>> cases;
   for (const NormalizedCase& c : normalized_cases()) cases.emplace_back(c, 1000);
   cases.emplace_back(NormalizedCase{LinearFormat{4, 64, DType::bf16}, 1}, 40000);
+  // Two-warp blocks staging a 16 KiB x: 16 vectors a thread for the sum of squares and the staging.
+  cases.emplace_back(NormalizedCase{LinearFormat{4, 64, DType::bf16}, 1, 8192}, 40000);
   for (const auto& [c, n] : cases) {
     const ComputeGraph graph = testing::projection_test_graph(c.rows, n, c.k(), c.format, "argmax", true);
     const FusionPlan plan = plan_graph_fusion(graph);
