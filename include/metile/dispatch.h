@@ -271,11 +271,11 @@ std::vector<LoadedGemv> load_gemvs(std::vector<GemvKernelSource> kernels);
 
 // The launch shapes one GEMV stage tries, best guesses first: `per_family` register-batch shapes
 // from gemv_tuning_candidates (a two-matrix epilogue: the register-resident schedule), the same
-// shapes with their weights prefetched into L2 (gemv_l2_prefetch_rounds), then as many of the
-// streamed mainloop (a family the problem does not fit is left out; InputError when none fits).
-// Shared by the decode-MLP executor and the lowerings, so both race the same kernels.
+// shapes with their weights prefetched into L2 (gemv_l2_prefetch_rounds), then, where `streamed`, as
+// many of the streamed mainloop (a family the problem does not fit is left out; InputError when none
+// fits). Shared by the decode-MLP executor and the lowerings, so both race the same kernels.
 std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family,
-                                                 int multiprocessors = 132);
+                                                 int multiprocessors = 132, bool streamed = true);
 // The variant name of a config in candidate names: "register_resident w4 t1 f2 db" (two
 // matrices), "w4 t1 f2 db", "streamed w4 u1 s4 g132x1".
 std::string gemv_shape_name(const GemvKernelConfig& config);
@@ -340,9 +340,14 @@ GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& r
 // The lowerings: each candidate runs the plan's stages with one launch shape per stage (every
 // gate/up shape with every down shape for swiglu_mlp). Binding repacks affine weights once
 // (DeviceValues::keep_derived: again only when the weights are uploaded again).
-inline constexpr int gemv_lowering_shapes_per_family = 2;
-// A one-stage region's candidates do not multiply with another stage's: it races twice as many.
-inline constexpr int gemv_lowering_shapes_per_family_one_stage = 2 * gemv_lowering_shapes_per_family;
+// A two-stage region (swiglu_mlp) races every combination of its stages' shapes: per stage the first
+// three register shapes and their prefetching twins, without the streamed family, which never won a
+// stage race on the H200 (notes/mlp_decode.md; the decode-MLP executor still races it): 36
+// combinations. A one-stage region's candidates do not multiply: four of each family, streamed too.
+inline constexpr int gemv_lowering_shapes_per_family = 3;
+inline constexpr bool gemv_lowering_two_stage_streamed = false;
+inline constexpr int gemv_lowering_shapes_per_family_one_stage = 4;
+inline constexpr int gemv_lowering_persistent_shapes = 2;  // persistent decode-MLP kernels per swiglu_mlp region
 Lowered gemv_swiglu_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered gemv_contraction_candidates(const ComputeGraph& graph, const FusionRegion& region);
 Lowered gemv_region_candidates(const ComputeGraph& graph, const FusionRegion& region);  // the built-in "gemv"

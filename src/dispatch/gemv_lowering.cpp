@@ -37,7 +37,8 @@
 namespace metile {
 
 // ---------------------------------------------------------------- launch shapes
-std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family, int multiprocessors) {
+std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family, int multiprocessors,
+                                                 bool streamed) {
   const std::size_t keep = static_cast<std::size_t>(std::max(1, per_family));
   std::vector<GemvKernelConfig> configs;
   // A family the problem does not fit (its base fails validation) is left out; when every family
@@ -67,9 +68,11 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
     config.l2_prefetch_rounds = gemv_l2_prefetch_rounds(config, multiprocessors);
     configs.push_back(config);
   }
-  GemvKernelConfig streamed = base;
-  streamed.mainloop = GemvMainloop::streamed;
-  add_family(streamed);
+  if (streamed) {
+    GemvKernelConfig streamed_base = base;
+    streamed_base.mainloop = GemvMainloop::streamed;
+    add_family(streamed_base);
+  }
   if (configs.empty() && first_error) throw *first_error;
   return configs;
 }
@@ -818,7 +821,7 @@ int multiprocessors_or_h200() {
 }
 
 // `persistent`: a swiglu_mlp plan (gate/up, then down) also gets the persistent decode-MLP kernels
-// (gemv.h: both stages in one launch), the first `gemv_lowering_shapes_per_family` shapes.
+// (gemv.h: both stages in one launch), the first `gemv_lowering_persistent_shapes` shapes.
 Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
   if (!plan.decision) return {plan.decision, {}};
   auto pool = std::make_shared<GemvKernelPool>();
@@ -828,9 +831,10 @@ Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
   for (const GemvStage& stage : plan.stages) {
     std::vector<GemvKernelConfig> stage_configs;
     try {
-      const int per_family =
-          plan.stages.size() == 1 ? gemv_lowering_shapes_per_family_one_stage : gemv_lowering_shapes_per_family;
-      stage_configs = gemv_stage_configs(stage.base_config(), per_family, multiprocessors_or_h200());
+      const bool one_stage = plan.stages.size() == 1;
+      stage_configs = gemv_stage_configs(
+          stage.base_config(), one_stage ? gemv_lowering_shapes_per_family_one_stage : gemv_lowering_shapes_per_family,
+          multiprocessors_or_h200(), one_stage || gemv_lowering_two_stage_streamed);
     } catch (const InputError& error) {
       return {Decision::refuse(fmt::format("no GEMV for {}: {}", stage.base_config().to_string(), error.what())), {}};
     }
@@ -921,8 +925,8 @@ Lowered candidates_of(const GemvRegionPlan& plan, bool persistent = false) {
     } catch (const InputError&) {
       configs.clear();  // a plan the persistent kernel cannot take keeps the two-stage candidates
     }
-    if (configs.size() > static_cast<std::size_t>(gemv_lowering_shapes_per_family)) {
-      configs.resize(static_cast<std::size_t>(gemv_lowering_shapes_per_family));
+    if (configs.size() > static_cast<std::size_t>(gemv_lowering_persistent_shapes)) {
+      configs.resize(static_cast<std::size_t>(gemv_lowering_persistent_shapes));
     }
     if (!configs.empty()) pool->first_persistent = pool->kernels.size();
     for (const PersistentMlpConfig& config : configs) {

@@ -451,11 +451,12 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
     const Lowered candidates = gemv_region_candidates(*plan.graph, region);
     ASSERT_TRUE(candidates.decision) << candidates.decision.reason;
     std::vector<std::vector<GemvKernelSource>> stage_kernels;
-    const int per_family =
-        lowered.stages.size() == 1 ? gemv_lowering_shapes_per_family_one_stage : gemv_lowering_shapes_per_family;
+    const bool one_stage = lowered.stages.size() == 1;
+    const int per_family = one_stage ? gemv_lowering_shapes_per_family_one_stage : gemv_lowering_shapes_per_family;
     for (const GemvStage& stage : lowered.stages) {
       stage_kernels.emplace_back();
-      for (const GemvKernelConfig& config : gemv_stage_configs(stage.base_config(), per_family)) {
+      for (const GemvKernelConfig& config :
+           gemv_stage_configs(stage.base_config(), per_family, 132, one_stage || gemv_lowering_two_stage_streamed)) {
         stage_kernels.back().push_back(generate_gemv_kernel(config));
       }
     }
@@ -467,7 +468,7 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
     std::vector<PersistentMlpConfig> persistent;
     if (test_case.rule == "swiglu_mlp") {
       persistent = persistent_mlp_candidates(lowered.stages[0].base_config(), lowered.stages[1].base_config(), 132);
-      persistent.resize(std::min<std::size_t>(persistent.size(), gemv_lowering_shapes_per_family));
+      persistent.resize(std::min<std::size_t>(persistent.size(), gemv_lowering_persistent_shapes));
       // Not with x normalized as it is loaded (the RMSNorm prologue): the persistent kernel reads x plainly.
       EXPECT_EQ(persistent.empty(), lowered.stages[0].norm_weight >= 0) << test_case.what;
     }
