@@ -508,6 +508,49 @@ TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
   }
 }
 
+// Whole batches (kBatchesWhole in the kernel: no predicated loads, no zeroed registers) need the warps'
+// batches to tile K's iterations exactly. For every stage of the three decode models, one of the first
+// three register shapes (what a swiglu_mlp region races) has them; where neither 8 nor 16 warps divide the
+// iterations (Qwen2.5-1.5B's down projection: 8960 / 128 = 70), the list offers the largest count in
+// 16..5 that does, and it compiles without spills. Any warp count 1..16 is valid, 0 and 17 are not.
+TEST(GemvCompile, EveryDecodeStageRacesAShapeWithWholeBatches) {
+  struct Model {
+    std::string name;
+    std::int64_t hidden, intermediate;
+  };
+  const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16);
+  auto whole = [](const GemvKernelConfig& config) {
+    const std::int64_t columns = config.format.columns_per_iteration();
+    const std::int64_t iterations = (config.in_features + columns - 1) / columns;
+    return config.k_splits == 1 && config.in_features % columns == 0 &&
+           iterations % (std::int64_t{config.warps_per_block} * config.iterations_in_flight) == 0;
+  };
+  for (const Model& model : {Model{"Llama-3-8B", 4096, 14336}, Model{"Qwen2.5-1.5B", 1536, 8960}, Model{"Llama-3.2-1B", 2048, 8192}}) {
+    for (const GemvWeightFormat& format : {int4, GemvWeightFormat::dense(DType::bf16)}) {
+      for (const GemvKernelConfig& stage : {gemv_config(format, 1, model.intermediate, model.hidden, GemvEpilogue::swiglu()),
+                                            gemv_config(format, 1, model.hidden, model.intermediate, GemvEpilogue::residual_add())}) {
+        const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(stage);
+        const auto raced_end = candidates.begin() + std::min<std::ptrdiff_t>(3, static_cast<std::ptrdiff_t>(candidates.size()));
+        EXPECT_TRUE(std::any_of(candidates.begin(), raced_end, whole)) << model.name << " " << stage.to_string();
+      }
+    }
+  }
+  const std::vector<GemvKernelConfig> qwen_down = gemv_tuning_candidates(gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add()));
+  ASSERT_GE(qwen_down.size(), 2u);
+  EXPECT_EQ(qwen_down[1].warps_per_block, 14) << qwen_down[1].to_string();
+  EXPECT_TRUE(whole(qwen_down[1]));
+  expect_no_spills(compile_for_sm90(generate_gemv_kernel(qwen_down[1])).log, qwen_down[1].to_string());
+  GemvKernelConfig odd = gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add());
+  for (int warps : {1, 3, 7, 16}) {
+    odd.warps_per_block = warps;
+    EXPECT_NO_THROW(odd.validate()) << warps;
+  }
+  for (int warps : {0, 17}) {
+    odd.warps_per_block = warps;
+    EXPECT_THROW(odd.validate(), InputError) << warps;
+  }
+}
+
 TEST(GemvCompile, RejectsConfigurationsItCannotGenerate) {
   const GemvWeightFormat dense = GemvWeightFormat::dense(DType::bf16);
   EXPECT_THROW(generate_gemv_kernel(gemv_config(dense, 17, 64, 64, GemvEpilogue::store())), InputError);
