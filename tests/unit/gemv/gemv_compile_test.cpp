@@ -37,13 +37,15 @@ Compiled compile_for_sm90(const GemvKernelSource& kernel) {
 // ptxas -v: "... 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads". ptxas sometimes
 // parks a register or two (<= 32 bytes) to land on an occupancy step; the weights and
 // accumulators of a batch (hundreds of bytes per thread) must never go to local memory. The stack
-// frame may also hold the L2 prefetch's tables of matrix pointers (32 bytes: it picks a matrix per
-// lane, so they are indexed at run time), hence its larger bound.
+// frame holds those parked bytes beside the L2 prefetch's tables of matrix pointers (32 bytes: it
+// picks a matrix per lane, so they are indexed at run time): f16 affine8 g128 gate/up, N = 2000,
+// K = 1024, 4 warps double-buffered with two prefetch rounds parks 4 bytes to stay at 128 registers
+// (four blocks an SM) in a 48-byte frame.
 void expect_no_spills(const std::string& log, const std::string& where) {
   const std::regex report(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
   std::smatch match;
   ASSERT_TRUE(std::regex_search(log, match, report)) << where << ": no ptxas report in\n" << log;
-  EXPECT_LE(std::stoi(match[1].str()), 64) << where << "\n" << log;
+  EXPECT_LE(std::stoi(match[1].str()), 48) << where << "\n" << log;
   EXPECT_LE(std::stoi(match[2].str()), 32) << where << "\n" << log;
   EXPECT_LE(std::stoi(match[3].str()), 32) << where << "\n" << log;
 }
