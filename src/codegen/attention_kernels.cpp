@@ -54,16 +54,6 @@ __device__ __forceinline__ u32 pack_pair(float low, float high) {
   return pair;
 }
 
-__device__ __forceinline__ u16 to_bits(float value) {
-  u16 bits;
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-  } else {
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-  }
-  return bits;
-}
-
 __device__ __forceinline__ uint4 pack_vector(float e0, float e1, float e2, float e3, float e4, float e5, float e6,
                                              float e7) {
   return make_uint4(pack_pair(e0, e1), pack_pair(e2, e3), pack_pair(e4, e5), pack_pair(e6, e7));
@@ -525,7 +515,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
     }
     if (splits == 1) {
       // 0 / 0 = NaN where no key was visible, as the reference.
-      out[((u64)head * kRows + row) * kValueDim + column] = to_bits(value / l);
+      out[((u64)head * kRows + row) * kValueDim + column] = from_f32(value / l);
     } else if constexpr (kCluster) {
       if (column == 0) block_states[row] = make_float2(m, l);
       shared_values[row * kValueDim + column] = value;  // warp 0's slot: only this thread reads it

@@ -30,25 +30,6 @@ constexpr int kTileCount = (kN + 15) / 16;
 constexpr int kThreads = kWarps * 32;
 constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
 
-__device__ __forceinline__ float to_f32(u32 bits16) {
-  if constexpr (kHalf) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"((u16)bits16));
-    return value;
-  } else {
-    return __uint_as_float(bits16 << 16);
-  }
-}
-
-__device__ __forceinline__ u16 from_f32(float value) {
-  u16 bits16;
-  if constexpr (kHalf) {
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
-  } else {
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
-  }
-  return bits16;
-}
 
 // Weights are read once: keep them out of L1, where x lives.
 __device__ __forceinline__ uint4 load_weights(const void* address) {

@@ -1,6 +1,7 @@
 // The device helpers every tensor-core generator (the GEMV mainloops, the attention kernels)
 // starts its kernel text with: the integer types, the m16n8k16 product in the activation dtype,
-// a 32-bit component of a 16-byte vector and the programmatic-dependent-launch controls. One
+// the conversions between f32 and the activation dtype, a 32-bit component of a 16-byte vector and
+// the programmatic-dependent-launch controls. One
 // definition, so that the two kernel families cannot drift apart in how they call the tensor
 // cores or wait for the kernel before them.
 #include "codegen_internal.h"
@@ -26,6 +27,28 @@ __device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
+}
+
+// One activation-dtype value (the low 16 bits of `bits16`) as f32, and an f32 rounded to nearest even
+// into the activation dtype.
+__device__ __forceinline__ float to_f32(u32 bits16) {
+  if constexpr (kHalf) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"((u16)bits16));
+    return value;
+  } else {
+    return __uint_as_float(bits16 << 16);
+  }
+}
+
+__device__ __forceinline__ u16 from_f32(float value) {
+  u16 bits16;
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
+  } else {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits16) : "f"(value));
+  }
+  return bits16;
 }
 
 __device__ __forceinline__ u32 component(const uint4& v, int index) {
