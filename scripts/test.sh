@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test that needs no GPU. The unit and CLI suites are built and run once, under
-# ASan+UBSan (the asan preset, Debug), but for the GEMV NVRTC compile suite (ASan doubles NVRTC's
-# time). The ci preset (the default preset's options, optimized without debug info and without the
-# command-line tool, which the asan preset builds) builds the library, the benchmarks, the Python
-# module and that suite, and runs the Python suite and it. Then each libFuzzer
+# ASan+UBSan (the asan preset, Debug), but for the NVRTC compile suites of the GEMV, native and
+# attention kernels (ASan doubles NVRTC's time). The ci preset (the default preset's options,
+# optimized without debug info and without the command-line tool, which the asan preset builds)
+# builds the library, the benchmarks, the Python module and those suites, and runs the Python suite
+# and them. Then each libFuzzer
 # harness for its fixed number of executions (scripts/fuzz.sh). The GPU suites (ctest label `gpu`)
 # are not built here: without a device they only skip; scripts/gpu_check.sh builds and runs them on
 # a CUDA machine (and `cmake --preset default` builds them, with the unit suites, for
