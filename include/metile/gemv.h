@@ -326,6 +326,12 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 // first; every returned config is valid.
 std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors = 132);
 
+// Whether every batch of the register-batch mainloop lies whole inside the matrix: no split-K, K a
+// multiple of the iteration, the tiles a multiple of the block's, and the warps' batches
+// (warps_per_block x iterations_in_flight iterations) tiling K's iterations exactly. The kernel's loads
+// then need no predicates and no zeroed registers (kBatchesWhole, gemv_mainloop.cpp).
+bool gemv_batches_whole(const GemvKernelConfig& config);
+
 // The L2 prefetch depth for a register-batch config (l2_prefetch_rounds): every round of the
 // block's share when all the kernel's weights fit in `l2_budget_bytes` (the decode GEMVs of the
 // small models: the whole stream is requested at once), else as many rounds as keep the resident

@@ -30,7 +30,6 @@ constexpr int kTileCount = (kN + 15) / 16;
 constexpr int kThreads = kWarps * 32;
 constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
 
-
 // Weights are read once: keep them out of L1, where x lives.
 __device__ __forceinline__ uint4 load_weights(const void* address) {
   uint4 v;

@@ -51,13 +51,10 @@ struct Batch {
   uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
 };
 
-// Whether every batch the mainloop issues lies whole inside the matrix: K and the tiles divide evenly
-// and each warp's batches tile [0, kIterations) exactly (no split-K, whose bounds are run-time, nor the
-// persistent kernel's pieces). Then no load needs a predicate or its register zeroed first, and no x
-// fragment a bound check: ~2 instructions per 4-bit weight word fewer (gemv_sass_benchmark).
-constexpr bool kBatchesWhole = kSplits == 1 && kIterations % (kWarps * kInFlight) == 0 &&
-                               kK % kColumnsPerIteration == 0 &&
-                               (kAffine ? kTileCount % kTiles == 0 : kN % (16 * kTiles) == 0);
+// kBatchesWhole (gemv_batches_whole, emitted with the constants; never for the persistent kernel's
+// pieces): every batch the mainloop issues lies whole inside the matrix, so no load needs a predicate
+// or its register zeroed first, and no x fragment a bound check: ~2 instructions per 4-bit weight word
+// fewer (gemv_sass_benchmark).
 
 // Visits every 16-byte weight vector and every 8-byte scale/bias pair of the batch whose iterations
 // are first, first + kWarps, ... (live: inside [.., end) and inside the matrix). One place for the
@@ -729,11 +726,12 @@ std::string gemv_register_constants(const GemvKernelConfig& config, int splits) 
       "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
       "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
       "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n"
-      "constexpr bool kTileLoop = {};\nconstexpr int kPrefetchRounds = {};\n",
+      "constexpr bool kTileLoop = {};\nconstexpr int kPrefetchRounds = {};\nconstexpr bool kBatchesWhole = {};\n",
       scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
       config.double_buffered ? "true" : "false", config.shared_stages >= 2 ? config.shared_stages : 0, splits,
       tile_blocks, config.shared_group_sums ? "true" : "false",
-      config.tile_loop_blocks_per_multiprocessor > 0 ? "true" : "false", config.l2_prefetch_rounds);
+      config.tile_loop_blocks_per_multiprocessor > 0 ? "true" : "false", config.l2_prefetch_rounds,
+      splits == 1 && gemv_batches_whole(config) ? "true" : "false");
 }
 
 }  // namespace gemv_detail
@@ -1048,17 +1046,14 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   // Whether every batch of a shape lies whole inside the matrix (kBatchesWhole in the kernel: no
   // predicates, no zeroed registers), and for a K whose iterations neither 8 nor 16 warps divide
   // (Qwen2.5-1.5B's down projection: 70), the most warps from 16 down to 5 whose batches are whole.
-  auto whole = [&](const GemvKernelConfig& config) {
-    return iterations % (std::int64_t{config.warps_per_block} * config.iterations_in_flight) == 0;
-  };
   auto add_whole_warps = [&](bool double_buffered) {
     for (int warps = 16; warps >= 5; --warps) {
-      if (whole(register_shape(warps, double_buffered))) return add(warps, double_buffered);
+      if (gemv_batches_whole(register_shape(warps, double_buffered))) return add(warps, double_buffered);
     }
   };
   if (narrow) {
     add(8, true);
-    if (!whole(register_shape(8, true)) && !whole(register_shape(16, true))) add_whole_warps(true);
+    if (!gemv_batches_whole(register_shape(8, true)) && !gemv_batches_whole(register_shape(16, true))) add_whole_warps(true);
     add(16, true);
     add(8, true, true);
     add(4, true);
@@ -1114,6 +1109,15 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
   }
   return candidates;
+}
+
+bool gemv_batches_whole(const GemvKernelConfig& config) {
+  const std::int64_t columns = config.format.columns_per_iteration();
+  const std::int64_t iterations = (config.in_features + columns - 1) / columns;
+  const std::int64_t tiles = (config.out_features + 15) / 16;
+  return config.k_splits == 1 && config.in_features % columns == 0 &&
+         iterations % (std::int64_t{config.warps_per_block} * config.iterations_in_flight) == 0 &&
+         (config.format.is_affine() ? tiles % config.tiles_per_block == 0 : config.out_features % (16 * config.tiles_per_block) == 0);
 }
 
 int gemv_l2_prefetch_rounds(const GemvKernelConfig& config, int multiprocessors, std::int64_t l2_budget_bytes) {

@@ -521,11 +521,15 @@ TEST(GemvCompile, EveryDecodeStageRacesAShapeWithWholeBatches) {
     std::int64_t hidden, intermediate;
   };
   const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16);
+  // Computed here from the rule, and compared with gemv_batches_whole (what the generator emits).
   auto whole = [](const GemvKernelConfig& config) {
     const std::int64_t columns = config.format.columns_per_iteration();
     const std::int64_t iterations = (config.in_features + columns - 1) / columns;
-    return config.k_splits == 1 && config.in_features % columns == 0 &&
-           iterations % (std::int64_t{config.warps_per_block} * config.iterations_in_flight) == 0;
+    const bool result = config.k_splits == 1 && config.in_features % columns == 0 && config.out_features % 16 == 0 &&
+                        config.tiles_per_block == 1 &&
+                        iterations % (std::int64_t{config.warps_per_block} * config.iterations_in_flight) == 0;
+    EXPECT_EQ(gemv_batches_whole(config), result) << config.to_string();
+    return result;
   };
   for (const Model& model : {Model{"Llama-3-8B", 4096, 14336}, Model{"Qwen2.5-1.5B", 1536, 8960}, Model{"Llama-3.2-1B", 2048, 8192}}) {
     for (const GemvWeightFormat& format : {int4, GemvWeightFormat::dense(DType::bf16)}) {
