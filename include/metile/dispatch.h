@@ -386,6 +386,10 @@ struct StepKindTime {
   std::string kind;  // a region's rule and how it ran ("swiglu_mlp fused"), or an unfused node's op ("rope")
   double ms = 0;
   int steps = 0;     // device steps of that kind in one run
+  // What the kind costs inside the replayed graph: the replay's time less that of the same graph
+  // captured without this kind's steps (Executable::replay_cost_by_kind); < 0 when not measured.
+  // Eager times (ms) overstate latency-bound kernels: inside the replay their launches overlap.
+  double replay_ms = -1;
 };
 
 // Every lowering's candidates for a region (the built-in ones, then the extra ones), or, for each
@@ -430,6 +434,12 @@ class Executable {
   // Runs the steps once eagerly on `stream` with events between them (the inputs already in
   // values()) and sums the device time by kind, slowest first. For breakdowns, not for speed.
   std::vector<StepKindTime> profile(const CudaStream& stream);
+  // Fills each kind's replay_ms: the replay raced (run_tournament, interleaved rounds) against, for
+  // every kind, the same steps captured without that kind's steps, launched as the replay launches
+  // them. A timing experiment only: a replay that leaves steps out computes garbage in the values
+  // those steps would write (the caller stages inputs whose writes are harmless, as for the races
+  // below) and a real run afterwards writes them again. Kinds absent from `times` are ignored.
+  void replay_cost_by_kind(std::vector<StepKindTime>& times, const TournamentOptions& tournament);
   int step_count() const;  // device steps per run
   // Captures the same steps a second time with every generated GEMV launched as a programmatic
   // dependent of the kernel before it, races the two replays (run_tournament: same kernels, same

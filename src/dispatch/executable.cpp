@@ -455,6 +455,34 @@ std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
   return times;
 }
 
+void Executable::replay_cost_by_kind(std::vector<StepKindTime>& times, const TournamentOptions& tournament) {
+  State& state = *state_;
+  if (!state.replay || times.empty()) return;
+  state.device.make_current();
+  // The replay as kept (with its dependent launches); a kept weight prefetch is not reproduced, so
+  // the reference is recaptured the same way as the ablated graphs.
+  const auto capture_without = [&](const std::string& left_out) {
+    state.stream.set_programmatic_dependent_launch(state.programmatic_replay);
+    CudaGraph graph = CudaGraph::capture(state.stream, [&](const CudaStream& stream) {
+      for (std::size_t i = 0; i < state.steps.size(); ++i) {
+        if (state.step_kinds[i] != left_out) state.steps[i](stream);
+      }
+    });
+    state.stream.set_programmatic_dependent_launch(false);
+    return graph;
+  };
+  // CudaGraph copies share one instantiated graph.
+  const CudaGraph whole = capture_without("");
+  std::vector<TournamentCandidate> candidates{{"whole step", [whole](const CudaStream& s) { whole.replay(s); }}};
+  for (const StepKindTime& time : times) {
+    const CudaGraph without = capture_without(time.kind);
+    candidates.push_back({"without " + time.kind, [without](const CudaStream& s) { without.replay(s); }});
+  }
+  const TournamentResult race = run_tournament(candidates, state.stream, tournament);
+  state.stream.synchronize();
+  for (std::size_t k = 0; k < times.size(); ++k) times[k].replay_ms = race.score_ms[0] - race.score_ms[k + 1];
+}
+
 namespace {
 
 // Races another capture of the same steps (same kernels, same bits) against the current replay;

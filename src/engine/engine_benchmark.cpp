@@ -5,6 +5,7 @@
 //   greedy feed    feed_greedy() of one token, as generate runs it (input copies, replay, one id out),
 //   floor          the bytes one step must read / the copy bandwidth measured by the caller,
 //   breakdown      the decode step's units run once eagerly, events between them, summed by kind,
+//                  and each kind's cost inside the replay (the step replayed without that kind),
 //   profile        with METILE_PROFILE_DECODE_STEP=1, one replay between cuProfilerStart/Stop (ncu),
 //   prefill        a fresh sequence of `prefill_tokens` tokens fed at once (chunks of 16).
 // Timings live here and in the command's table only, never in tests.
@@ -66,6 +67,13 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   result.decode_replay_ms =
       time_on_stream_ms(session.stream(), [&](const CudaStream& stream) { decode.enqueue(stream); }, 5, 20, 7);
   result.breakdown = decode.profile(session.stream());
+  // Inside the replay: the step raced against itself without each kind (fewer calls than a region
+  // race: each candidate is a whole step). The ablated replays wrote the staged row only.
+  TournamentOptions ablation;
+  ablation.warmup_calls = 2;
+  ablation.rounds = 5;
+  ablation.calls_per_sample = 5;
+  decode.replay_cost_by_kind(result.breakdown, ablation);
   // One more replay between the profiler's start and stop marks, for
   // `ncu --profile-from-start off --graph-profiling node`: every kernel of one decode step.
   if (const char* flag = std::getenv("METILE_PROFILE_DECODE_STEP"); flag != nullptr && std::string_view(flag) == "1") {
