@@ -7,6 +7,7 @@
 //   gemv_sass_benchmark           the shapes the decode MLP races first (notes/mlp_decode.md)
 //   gemv_sass_benchmark --all     every register-batch tuning candidate
 //   --opcodes                     also what the 'other' column is made of, per kernel
+//   --norm                        gate/up with the RMSNorm prologue, as a swiglu_mlp region runs it
 //
 // The toolchain here has no disassembler (cuobjdump and nvdisasm are not installed), so the cubin is
 // read directly: sm_90 instructions are 16 bytes, the opcode is the low 12 bits (bits 9..11 say
@@ -123,7 +124,7 @@ std::string shape_name(const GemvKernelConfig& config) {
                      config.shared_group_sums ? " sums" : "");
 }
 
-int run(bool all, bool opcodes) {
+int run(bool all, bool opcodes, bool norm) {
   const std::int64_t hidden = 4096, intermediate = 14336;
   std::vector<GemvKernelConfig> configs;
   for (int bits : {4, 8}) {
@@ -133,6 +134,7 @@ int run(bool all, bool opcodes) {
     gate_up.out_features = intermediate;
     gate_up.in_features = hidden;
     gate_up.epilogue = GemvEpilogue::swiglu(format.activation);
+    if (norm) gate_up.x_rms_norm_eps = 1e-5;
     GemvKernelConfig down = gate_up;
     down.out_features = hidden;
     down.in_features = intermediate;
@@ -208,19 +210,21 @@ int run(bool all, bool opcodes) {
 }  // namespace metile
 
 int main(int argc, char** argv) {
-  bool all = false, opcodes = false;
+  bool all = false, opcodes = false, norm = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--all") == 0) {
       all = true;
     } else if (std::strcmp(argv[i], "--opcodes") == 0) {
       opcodes = true;
+    } else if (std::strcmp(argv[i], "--norm") == 0) {
+      norm = true;
     } else {
-      fmt::print(stderr, "metile: error: unknown argument '{}' (usage: gemv_sass_benchmark [--all] [--opcodes])\n", argv[i]);
+      fmt::print(stderr, "metile: error: unknown argument '{}' (usage: gemv_sass_benchmark [--all] [--opcodes] [--norm])\n", argv[i]);
       return 2;
     }
   }
   try {
-    return metile::run(all, opcodes);
+    return metile::run(all, opcodes, norm);
   } catch (const std::exception& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 1;

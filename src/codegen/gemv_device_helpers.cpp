@@ -157,24 +157,38 @@ __device__ __forceinline__ NormWeights preload_norm_weights(const u16* __restric
   return preloaded;
 }
 
-// Calls use(v, value) for row vectors v = threadIdx.x, threadIdx.x + kThreads, ... below `count`, in that
-// order, with the loads of up to eight of them issued before the first use: a plain loop would wait for
-// each load before issuing the next, one round trip to L2 per vector (eight for a two-warp block at
+// Calls use(v, value) for row vectors v = threadIdx.x, threadIdx.x + kThreads, ... below kCount, in that
+// order, with the loads of up to kInFlight of them issued before the first use: a plain loop would wait
+// for each load before issuing the next, one round trip to L2 per vector (eight for a two-warp block at
 // K = 4096, most of a small GEMV's time: the q/k/v GEMV of Llama-3-8B bf16 took 19.7 us for 12 us of
-// weights). `load(v)` returns the vector; rows past `count` are not loaded.
-template <class Load, class Use>
-__device__ __forceinline__ void for_each_thread_vector(int count, Load&& load, Use&& use) {
-  for (int first = threadIdx.x; first < count; first += 8 * kThreads) {
-    uint4 values[8];
+// weights). `load(v)` returns the vector. The counts are compile-time, so that a whole trip (every
+// thread's vector below kCount) carries no predicate; and few in flight: the loads' registers add to
+// the kernel's peak (eight 16-byte vectors took the gate/up kernels with the norm from 46 to 94
+// registers, bf16 w4 f2, and halved their occupancy: the Llama-3-8B bf16 MLP went from 91 to 101 us).
+// Two in flight: across the normalized candidates of seven model shapes (135 kernels) the registers
+// average what they were with one load at a time (85.7 against 85.4; eight in flight: 103).
+constexpr int kNormLoadsInFlight = 2;
+template <int kCount, int kInFlight, class Load, class Use>
+__device__ __forceinline__ void for_each_thread_vector(Load&& load, Use&& use) {
+  constexpr int kPerThread = (kCount + kThreads - 1) / kThreads;
+  constexpr int kBatch = kPerThread < kInFlight ? kPerThread : kInFlight;
+#pragma unroll 1
+  for (int first = 0; first < kPerThread; first += kBatch) {
+    uint4 values[kBatch];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int v = first + j * kThreads;
-      values[j] = make_uint4(0u, 0u, 0u, 0u);
-      if (v < count) values[j] = load(v);
+    for (int j = 0; j < kBatch; ++j) {
+      const int v = threadIdx.x + (first + j) * kThreads;
+      if (kCount % kThreads == 0 && kPerThread % kBatch == 0) {
+        values[j] = load(v);
+      } else {
+        values[j] = make_uint4(0u, 0u, 0u, 0u);
+        if (v < kCount && first + j < kPerThread) values[j] = load(v);
+      }
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (first + j * kThreads < count) use(first + j * kThreads, values[j]);
+    for (int j = 0; j < kBatch; ++j) {
+      const int v = threadIdx.x + (first + j) * kThreads;
+      if ((kCount % kThreads == 0 && kPerThread % kBatch == 0) || (v < kCount && first + j < kPerThread)) use(v, values[j]);
     }
   }
 }
@@ -188,8 +202,8 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int m = 0; m < kM; ++m) {
       float total = 0.0f;
-      for_each_thread_vector(
-          kK / 8, [&](int v) { return load_activations(x + (m * kK + 8 * v)); },
+      for_each_thread_vector<kK / 8, kNormLoadsInFlight>(
+          [&](int v) { return load_activations(x + (m * kK + 8 * v)); },
           [&](int, const uint4& value) { total += sum_of_eight_squares(value); });
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
@@ -217,8 +231,8 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
     } else if constexpr (kXStaged) {
       (void)preloaded;
       // The norm's weight from L2 (x is in L1 from the sum of squares), eight vectors in flight.
-      for_each_thread_vector(
-          kK / 8, [&](int v) { return load_activations(norm_weight + 8 * v); },
+      for_each_thread_vector<kK / 8, kNormLoadsInFlight>(
+          [&](int v) { return load_activations(norm_weight + 8 * v); },
           [&](int v, const uint4& weight) {
             for (int m = 0; m < kM; ++m) {
               *reinterpret_cast<uint4*>(x_staged + (m * kK + 8 * v)) =
