@@ -89,10 +89,13 @@ struct EngineOptions {
   EngineProgress progress;
   // true: the regions' tournaments run with cold caches (TournamentOptions::cold_cache_bytes = twice
   // the device's L2) unless the options above already set a size. A decode step reads each weight
-  // once, from DRAM, so cold races look closer to it; measured, they are not better: Llama-3.2-1B
-  // 4-bit decoded in 0.574 ms/token with cold races and 0.542 with warm ones (session 6, call 3;
-  // notes/gpu_check.md). Warm (back to back) stays the default; `bench-model --tournament-caches`.
-  bool cold_cache_tournaments = false;
+  // once, from DRAM, and cold races look like it: warm ones let a region whose weights nearly fit the
+  // L2 win with an L2 prefetch that loses inside the step (Llama-3-8B bf16's q/k/v: 18.5 us in a warm
+  // race, 22.7 in the replay; with cold races the step took 4.313 ms/token against 4.578; 4-bit 1.763
+  // against 1.786, Qwen2.5-1.5B 0.818 against 0.817; session 11, notes/gpu_check.md). Session 6 had
+  // measured the opposite on Llama-3.2-1B (0.574 cold, 0.542 warm) before the races held the kernels
+  // they hold now. `bench-model --tournament-caches warm` races back to back.
+  bool cold_cache_tournaments = true;
   // The fused path races each step's replay with and without programmatic dependent launch
   // (Executable::race_programmatic_replay) and keeps the faster: measured, it lost on Llama-3.2-1B
   // (0.559 vs 0.534 ms/token) and won on Qwen2.5-1.5B (0.914 vs 0.983; session 6, call 4). The race

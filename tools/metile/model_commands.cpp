@@ -354,8 +354,8 @@ void add_model_commands(CLI::App& app) {
                         "native")
         ->capture_default_str();
     command->add_option("--tournament-caches", options->tournament_caches,
-                        "the regions' races: warm (calls back to back) or cold (the L2 flushed before every timed "
-                        "call, as in a decode step; measured slower on Llama-3.2-1B)")
+                        "the regions' races: cold (the L2 flushed before every timed call, as in a decode step) or "
+                        "warm (calls back to back: weights that nearly fit the L2 favour kernels that lose in the step)")
         ->check(CLI::IsMember({"cold", "warm"}))
         ->capture_default_str();
     command->add_option("--weight-prefetch", options->weight_prefetch,

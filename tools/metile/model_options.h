@@ -25,7 +25,7 @@ struct ModelOptions {
   std::int64_t tokens = 16;  // verify-model: 0 = the backend's default (16 on cpu, 64 on cuda)
   std::string decline;       // --backend cuda: comma-separated region kinds to run native
   std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
-  std::string tournament_caches = "warm";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)
+  std::string tournament_caches = "cold";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)
   std::string weight_prefetch = "off";              // bench-model: off, raced or always (EngineOptions::weight_prefetch)
   // verify-model thresholds; < 0: the backend's default
   double min_agreement = -1;
