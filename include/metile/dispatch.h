@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -387,9 +388,10 @@ struct StepKindTime {
   double ms = 0;
   int steps = 0;     // device steps of that kind in one run
   // What the kind costs inside the replayed graph: the replay's time less that of the same graph
-  // captured without this kind's steps (Executable::replay_cost_by_kind); < 0 when not measured.
+  // captured without this kind's steps (Executable::replay_cost_by_kind); NaN when not measured.
+  // A kind that costs nothing (a reshape that moves no byte) measures about 0, either sign: noise.
   // Eager times (ms) overstate latency-bound kernels: inside the replay their launches overlap.
-  double replay_ms = -1;
+  double replay_ms = std::numeric_limits<double>::quiet_NaN();
 };
 
 // Every lowering's candidates for a region (the built-in ones, then the extra ones), or, for each

@@ -11,8 +11,8 @@
 //                      --preset synthesizes the checkpoint into a temporary directory, removed after
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <optional>
 #include <set>
@@ -93,7 +93,8 @@ std::string figures_row(const std::string& label, const AgreementFigures& figure
 nlohmann::json benchmark_json(const EngineBenchmark& result) {
   nlohmann::json breakdown = nlohmann::json::array();
   for (const StepKindTime& time : result.breakdown) {
-    breakdown.push_back({{"kind", time.kind}, {"ms", time.ms}, {"replay_ms", time.replay_ms}, {"steps", time.steps}});
+    nlohmann::json replay = std::isnan(time.replay_ms) ? nlohmann::json(nullptr) : nlohmann::json(time.replay_ms);
+    breakdown.push_back({{"kind", time.kind}, {"ms", time.ms}, {"replay_ms", replay}, {"steps", time.steps}});
   }
   return {{"decode_ms_per_token", result.decode_replay_ms},
           {"decode_feed_ms_per_token", result.decode_feed_ms},
@@ -113,7 +114,7 @@ void print_breakdown(const EngineBenchmark& result) {
   double total = 0, replayed = 0;
   for (const StepKindTime& time : result.breakdown) {
     total += time.ms;
-    replayed += std::max(0.0, time.replay_ms);
+    if (!std::isnan(time.replay_ms)) replayed += time.replay_ms;
   }
   fmt::print("\none {} decode step at context {}: units run eagerly with events between them ({:.3f} ms in all), and\n"
              "what each kind costs inside the replay (the replay less the step replayed without it; {:.3f} ms in all):\n",
@@ -121,7 +122,7 @@ void print_breakdown(const EngineBenchmark& result) {
   fmt::print("{:<36} {:>9} {:>8} {:>10} {:>7}\n", "kind", "eager ms", "share", "replay ms", "steps");
   for (const StepKindTime& time : result.breakdown) {
     fmt::print("{:<36} {:>9.4f} {:>7.1f}% {:>10} {:>7}\n", time.kind, time.ms, total > 0 ? 100 * time.ms / total : 0.0,
-               time.replay_ms < 0 ? std::string("-") : fmt::format("{:.4f}", time.replay_ms), time.steps);
+               std::isnan(time.replay_ms) ? std::string("-") : fmt::format("{:.4f}", time.replay_ms), time.steps);
   }
   fmt::print("what its regions run (regions):\n");
   for (const auto& [chosen, regions] : result.chosen) fmt::print("  {:>4}  {}\n", regions, chosen);

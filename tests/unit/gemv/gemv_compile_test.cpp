@@ -378,6 +378,31 @@ TEST(GemvCompile, NormalizedXCompilesInEverySchedule) {
   }
 }
 
+// The norm's prologue must not raise the kernel's register peak much: the registers decide how many
+// blocks an SM holds, and the Llama-3-8B gate/up grid (896 blocks of 4 warps) needs 7 an SM for one
+// wave. Eight 16-byte loads in flight took bf16 w4 f2 from 48 to 94 registers (4-bit: 64 -> 114) and
+// the whole MLP from 91 to 101 us on the H200 (notes/mlp_decode.md, session 11). Four compiles.
+TEST(GemvCompile, TheNormPrologueKeepsTheMlpGateUpRegisters) {
+  const std::regex used(R"(Used (\d+) registers)");
+  auto registers = [&](const GemvKernelConfig& config) {
+    const Compiled compiled = compile_for_sm90(generate_gemv_kernel(config));
+    std::smatch match;
+    EXPECT_TRUE(std::regex_search(compiled.log, match, used)) << compiled.log;
+    return match.empty() ? 0 : std::stoi(match[1].str());
+  };
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
+    GemvKernelConfig plain = gemv_config(format, 1, 14336, 4096, GemvEpilogue::swiglu());
+    plain.warps_per_block = 4;
+    plain.iterations_in_flight = 2;
+    plain.double_buffered = false;
+    GemvKernelConfig normalized = plain;
+    normalized.x_rms_norm_eps = 1e-5;
+    const int without = registers(plain), with = registers(normalized);
+    EXPECT_GT(without, 0);
+    EXPECT_LE(with, without + 8) << normalized.to_string();
+  }
+}
+
 // The rope epilogue (GemvKernelConfig::rope_cache: q/k/v with rope and the cache writes): the row
 // order puts each rotary pair in adjacent rows of one tile and keeps v and the rows past the rotary
 // dims; the kernels (4-bit with norm, dense with bias and split-K, f16 8-bit at M = 16, partial
