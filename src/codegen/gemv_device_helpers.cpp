@@ -230,7 +230,7 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
       __syncthreads();
     } else if constexpr (kXStaged) {
       (void)preloaded;
-      // The norm's weight from L2 (x is in L1 from the sum of squares), eight vectors in flight.
+      // The norm's weight from L2 (x is in L1 from the sum of squares), two vectors in flight.
       for_each_thread_vector<kK / 8, kNormLoadsInFlight>(
           [&](int v) { return load_activations(norm_weight + 8 * v); },
           [&](int v, const uint4& weight) {
