@@ -261,6 +261,13 @@ struct GemvKernelConfig {
   // DRAM stream starts before the kernel's activations are ready. A count at least the block's
   // rounds requests everything at once (kernels whose weights fit in L2).
   int l2_prefetch_rounds = 0;
+  // x_staged_by_async_copy (x normalized and staged in shared memory, batches in registers, no
+  // shared_stages): the prologue copies x into shared memory with cp.async, every vector at once,
+  // and sums its squares and normalizes it there: one round trip to L2 after the wait for the
+  // previous kernel and no registers held, where the register prologue takes one trip per two
+  // vectors a thread for the sums and one more for the staging. Same bits. Not raced yet: an
+  // experiment awaiting its device measurement (notes/mlp_decode.md, session 11).
+  bool x_staged_by_async_copy = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage

@@ -195,15 +195,32 @@ __device__ __forceinline__ void for_each_thread_vector(Load&& load, Use&& use) {
 
 // The rows' scales 1 / sqrt(mean(x^2) + eps) into x_norm_scratch, then (kXStaged) the normalized rows
 // into x_staged; every thread of the block calls it once, after the wait for the previous kernel (x
-// may be its output).
+// may be its output). kXStagedByCopy (GemvKernelConfig::x_staged_by_async_copy): x is first copied
+// into x_staged by cp.async, all of it at once, and both passes read it there (the staging pass
+// normalizes in place: each thread rewrites the vectors it reads). The sums keep their order, so
+// the bits are those of the register prologue.
 __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, const u16* __restrict__ norm_weight,
                                                      const NormWeights& preloaded = NormWeights{}) {
   if constexpr (kNormedX) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Row m's raw vector v (8 values at column 8v).
+    auto raw_x = [&](int m, int v) {
+      if constexpr (kXStagedByCopy) {
+        return *reinterpret_cast<const uint4*>(x_staged + (m * kK + 8 * v));
+      } else {
+        return load_activations(x + (m * kK + 8 * v));
+      }
+    };
+    if constexpr (kXStagedByCopy) {
+      for (int v = threadIdx.x; v < kM * (kK / 8); v += kThreads) copy_async_16(x_staged + 8 * v, x + 8 * v, true);
+      copy_async_commit();
+      copy_async_wait<0>();
+      __syncthreads();
+    }
     for (int m = 0; m < kM; ++m) {
       float total = 0.0f;
       for_each_thread_vector<kK / 8, kNormLoadsInFlight>(
-          [&](int v) { return load_activations(x + (m * kK + 8 * v)); },
+          [&](int v) { return raw_x(m, v); },
           [&](int, const uint4& value) { total += sum_of_eight_squares(value); });
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
@@ -223,20 +240,20 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
         const int vector = threadIdx.x + j * kThreads;
         if (vector >= kK / 8) break;
         for (int m = 0; m < kM; ++m) {
-          *reinterpret_cast<uint4*>(x_staged + (m * kK + 8 * vector)) = normalized_vector(
-              load_activations(x + (m * kK + 8 * vector)), preloaded.vectors[j], x_norm_scratch[kWarps * kPaddedM + m]);
+          *reinterpret_cast<uint4*>(x_staged + (m * kK + 8 * vector)) =
+              normalized_vector(raw_x(m, vector), preloaded.vectors[j], x_norm_scratch[kWarps * kPaddedM + m]);
         }
       }
       __syncthreads();
     } else if constexpr (kXStaged) {
       (void)preloaded;
-      // The norm's weight from L2 (x is in L1 from the sum of squares), two vectors in flight.
+      // The norm's weight from L2 (x is in L1 from the sum of squares, or staged), two vectors in flight.
       for_each_thread_vector<kK / 8, kNormLoadsInFlight>(
           [&](int v) { return load_activations(norm_weight + 8 * v); },
           [&](int v, const uint4& weight) {
             for (int m = 0; m < kM; ++m) {
               *reinterpret_cast<uint4*>(x_staged + (m * kK + 8 * v)) =
-                  normalized_vector(load_activations(x + (m * kK + 8 * v)), weight, x_norm_scratch[kWarps * kPaddedM + m]);
+                  normalized_vector(raw_x(m, v), weight, x_norm_scratch[kWarps * kPaddedM + m]);
             }
           });
       __syncthreads();
@@ -596,12 +613,13 @@ std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_writte
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\nconstexpr int kWarps = {};\n"
       "constexpr bool kNormedX = {};\nconstexpr double kNormEps = {:.17g};\nconstexpr bool kXWrittenInKernel = {};\n"
-      "constexpr bool kXStaged = {};\nconstexpr bool kRopeCache = {};\n",
+      "constexpr bool kXStaged = {};\nconstexpr bool kXStagedByCopy = {};\nconstexpr bool kRopeCache = {};\n",
       config.rows, config.out_features, config.in_features, config.format.bits, config.format.group_size,
       config.format.activation == DType::f16 ? "true" : "false", config.format.columns_per_iteration(),
       config.epilogue.product_count(), config.warps_per_block, config.x_rms_norm_eps ? "true" : "false",
       config.x_rms_norm_eps.value_or(0.0), x_written_in_kernel ? "true" : "false",
-      x_staged_in_shared_memory(config) ? "true" : "false", config.rope_cache ? "true" : "false");
+      x_staged_in_shared_memory(config) ? "true" : "false", config.x_staged_by_async_copy ? "true" : "false",
+      config.rope_cache ? "true" : "false");
 }
 
 }  // namespace metile::gemv_detail

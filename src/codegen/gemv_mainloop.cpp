@@ -842,6 +842,12 @@ void GemvKernelConfig::validate() const {
   if (shared_stages != 0 && (shared_stages < 2 || shared_stages > 8)) {
     throw InputError(fmt::format("GEMV: shared_stages must be 0 (registers) or 2..8, not {}", shared_stages));
   }
+  if (x_staged_by_async_copy && (!x_staged_in_shared_memory(*this) || shared_stages >= 2)) {
+    throw InputError(fmt::format("GEMV {}: x_staged_by_async_copy needs x normalized and staged in shared memory "
+                                 "(x_rms_norm_eps, M x K bf16 values within {} bytes) and batches in registers "
+                                 "(shared_stages 0: the ring's cp.async groups would wait for it)",
+                                 to_string(), kMaxStagedXBytes));
+  }
   if (shared_group_sums && !format.is_affine()) {
     throw InputError("GEMV: shared_group_sums needs affine weights (dense has no groups)");
   }
@@ -880,6 +886,7 @@ std::string GemvKernelConfig::to_string() const {
     text += fmt::format(" tile_loop={}x{}", multiprocessors, tile_loop_blocks_per_multiprocessor);
   }
   if (l2_prefetch_rounds > 0) text += fmt::format(" l2_prefetch_rounds={}", l2_prefetch_rounds);
+  if (x_staged_by_async_copy) text += " x_staged_by_async_copy";
   return text;
 }
 
@@ -900,6 +907,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.argmax_rows) schedule_tag += "a";
   if (config.tile_loop_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("l{}", config.tile_loop_blocks_per_multiprocessor);
   if (config.l2_prefetch_rounds > 0) schedule_tag += fmt::format("p{}", config.l2_prefetch_rounds);
+  if (config.x_staged_by_async_copy) schedule_tag += "c";
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
