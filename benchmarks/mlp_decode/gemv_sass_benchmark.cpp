@@ -134,11 +134,11 @@ int run(bool all, bool opcodes, bool norm) {
     gate_up.out_features = intermediate;
     gate_up.in_features = hidden;
     gate_up.epilogue = GemvEpilogue::swiglu(format.activation);
-    if (norm) gate_up.x_rms_norm_eps = 1e-5;
     GemvKernelConfig down = gate_up;
     down.out_features = hidden;
     down.in_features = intermediate;
     down.epilogue = GemvEpilogue::residual_add("residual", format.activation);
+    if (norm) gate_up.x_rms_norm_eps = 1e-5;  // the gate/up stage only: down's x is the gated product
     for (const GemvKernelConfig& base : {gate_up, down}) {
       const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(base, 132);
       for (const GemvKernelConfig& config : candidates) {

@@ -806,6 +806,12 @@ void GemvKernelConfig::validate() const {
     }
     if (rope.capacity < 1) throw InputError(fmt::format("GEMV: a rope epilogue's caches hold {} rows", rope.capacity));
   }
+  if (x_staged_by_async_copy && (!x_staged_in_shared_memory(*this) || shared_stages >= 2)) {
+    throw InputError(fmt::format("GEMV {}: x_staged_by_async_copy needs x normalized and staged in shared memory "
+                                 "(x_rms_norm_eps, M x K bf16 values within {} bytes) and batches in registers "
+                                 "(the register-batch mainloop, shared_stages 0: the ring's cp.async groups would wait for it)",
+                                 to_string(), kMaxStagedXBytes));
+  }
   if (mainloop == GemvMainloop::streamed) {
     if (argmax_rows) throw InputError("GEMV: argmax_rows needs the register-batch mainloop, not the streamed one");
     validate_streamed(*this);
@@ -841,12 +847,6 @@ void GemvKernelConfig::validate() const {
   }
   if (shared_stages != 0 && (shared_stages < 2 || shared_stages > 8)) {
     throw InputError(fmt::format("GEMV: shared_stages must be 0 (registers) or 2..8, not {}", shared_stages));
-  }
-  if (x_staged_by_async_copy && (!x_staged_in_shared_memory(*this) || shared_stages >= 2)) {
-    throw InputError(fmt::format("GEMV {}: x_staged_by_async_copy needs x normalized and staged in shared memory "
-                                 "(x_rms_norm_eps, M x K bf16 values within {} bytes) and batches in registers "
-                                 "(shared_stages 0: the ring's cp.async groups would wait for it)",
-                                 to_string(), kMaxStagedXBytes));
   }
   if (shared_group_sums && !format.is_affine()) {
     throw InputError("GEMV: shared_group_sums needs affine weights (dense has no groups)");

@@ -149,15 +149,21 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
 
 // GemvKernelConfig::x_staged_by_async_copy: x copied into shared memory by cp.async, its squares summed
 // and its rows normalized there, must write the bits of the register prologue (same sums in the same
-// order) for every format, M = 1, 3 and 16, K with a partial last vector batch and K = 4096 (four
-// vectors a thread at four warps), double-buffered and batch-by-batch mainloops, one matrix and the
-// SwiGLU pair; outputs poisoned before each launch.
+// order) for every format, M = 1, 3 and 16; four warps at K = 4096 (four vectors a thread: the norm's
+// weight preloaded), K = 3072 (three: a second, partial batch of two) and K = 192 (threads without a
+// vector), two warps at K = 4096 (eight a thread: the weight staged through for_each_thread_vector);
+// double-buffered and batch-by-batch mainloops, one matrix and the SwiGLU pair; outputs poisoned.
 TEST_F(GemvKernels, XStagedByAsyncCopyWritesTheRegisterProloguesBits) {
   const DType bf16 = DType::bf16;
   int compared = 0;
   for (const GemvWeightFormat& format :
        {GemvWeightFormat::dense(bf16), GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(8, 64, DType::f16)}) {
-    for (const auto& [rows, k] : {std::pair<std::int64_t, std::int64_t>{1, 4096}, {3, 640}, {16, 448}, {1, 192}}) {
+    struct Shape {
+      std::int64_t rows, k;
+      int warps;
+    };
+    for (const auto& [rows, k, warps] : {Shape{1, 4096, 4}, Shape{1, 3072, 4}, Shape{3, 640, 4}, Shape{16, 448, 4},
+                                         Shape{1, 192, 4}, Shape{1, 4096, 2}}) {
       const Problem problem = make_problem(format, 200, k, 2, next_seed());
       const HostTensor norm_weight = gemv_testing::random_tensor(TensorSpec({k}, format.activation), next_seed(), 0.5, 1.5);
       const DeviceBuffer norm_device = DeviceBuffer::from_tensor(norm_weight);
@@ -169,6 +175,7 @@ TEST_F(GemvKernels, XStagedByAsyncCopyWritesTheRegisterProloguesBits) {
           GemvKernelConfig registers = config_for(problem, rows, epilogue);
           registers.x_rms_norm_eps = 1e-5;
           registers.double_buffered = double_buffered;
+          registers.warps_per_block = warps;
           GemvKernelConfig copied = registers;
           copied.x_staged_by_async_copy = true;
           const std::vector<LoadedGemv> loaded = compile_all({generate_gemv_kernel(registers), generate_gemv_kernel(copied)}, device());

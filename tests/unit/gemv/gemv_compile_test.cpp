@@ -407,8 +407,8 @@ TEST(GemvCompile, TheNormPrologueKeepsTheMlpGateUpRegisters) {
 // constant set); the kernels compile for sm_90 without spills and within 8 registers of the register
 // prologue's (x's loads hold no registers; reading it back from shared memory took 2 more, dense
 // w4 f2 db: 70 -> 72). Refused where x is not staged (no norm,
-// M x K past 16 KiB) or the batches ride a cp.async ring (shared_stages: its group count would wait
-// for x too). Four compiles.
+// M x K past 16 KiB, the streamed mainloop) or the batches ride a cp.async ring (shared_stages: its
+// group count would wait for x too). Four compiles.
 TEST(GemvCompile, XStagedByAsyncCopyCompilesAndIsRefusedWhereItCannotWork) {
   const std::regex used(R"(Used (\d+) registers)");
   auto registers = [&](const GemvKernelConfig& config, const std::string& log) {
@@ -449,6 +449,9 @@ TEST(GemvCompile, XStagedByAsyncCopyCompilesAndIsRefusedWhereItCannotWork) {
   EXPECT_THROW(ring.validate(), InputError);
   ring.shared_stages = 0;
   EXPECT_NO_THROW(ring.validate());
+  GemvKernelConfig streamed = ring;  // its x_staged is a placeholder: the copy would run past it
+  streamed.mainloop = GemvMainloop::streamed;
+  EXPECT_THROW(streamed.validate(), InputError);
 }
 
 // The rope epilogue (GemvKernelConfig::rope_cache: q/k/v with rope and the cache writes): the row
