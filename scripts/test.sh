@@ -2,7 +2,7 @@
 # Runs every test that needs no GPU. The unit and CLI suites are built and run once, under
 # ASan+UBSan (the asan preset, Debug), but for the NVRTC compile suites of the GEMV, native and
 # attention kernels (ASan doubles NVRTC's time). The ci preset (the default preset's options,
-# optimized without debug info and without the command-line tool, which the asan preset builds)
+# -O1 without debug info and without the command-line tool, which the asan preset builds)
 # builds the library, the benchmarks, the Python module and those suites, and runs the Python suite
 # and them. Then each libFuzzer
 # harness for its fixed number of executions (scripts/fuzz.sh). The GPU suites (ctest label `gpu`)
@@ -16,7 +16,7 @@ jobs=$(nproc)
 start=$(date +%s)
 elapsed() { echo "($(($(date +%s) - start)) s)"; }
 
-echo "== build (ci preset: optimized, no debug info)"
+echo "== build (ci preset: -O1, no debug info)"
 cmake --preset ci >/dev/null
 cmake --build --preset ci -j "$jobs"
 echo "== tests (ci preset) $(elapsed)"
