@@ -165,6 +165,21 @@ Executable& Executable::operator=(Executable&&) noexcept = default;
 
 namespace {
 
+// Captures `work` on `stream` with its GEMVs and attention launched as programmatic dependents or
+// not (CudaStream::set_programmatic_dependent_launch); the stream launches plainly again afterwards,
+// as eager runs (profile(), no graph) do, also when the capture throws.
+CudaGraph capture_launching(CudaStream& stream, bool programmatic, const std::function<void(const CudaStream&)>& work) {
+  stream.set_programmatic_dependent_launch(programmatic);
+  try {
+    CudaGraph graph = CudaGraph::capture(stream, work);
+    stream.set_programmatic_dependent_launch(false);
+    return graph;
+  } catch (...) {
+    stream.set_programmatic_dependent_launch(false);
+    throw;
+  }
+}
+
 // Gates the candidates of one region on a graph of its own, then lets the dispatch engine
 // (choose_measured) race and choose.
 // Choices made earlier in the same build, by a key of the region's structure and its candidates'
@@ -401,12 +416,8 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   state->step_kinds = std::move(ordered.kinds);
   state->step_weights = std::move(ordered.weights);
   if (options.capture_cuda_graph && !state->steps.empty()) {
-    state->stream.set_programmatic_dependent_launch(options.programmatic_dependent_launch);
-    state->replay = CudaGraph::capture(state->stream, [&steps = state->steps](const CudaStream& stream) {
-      run_steps(steps, stream);
-    });
-    // Eager runs (profile(), no graph) launch plainly.
-    state->stream.set_programmatic_dependent_launch(false);
+    state->replay = capture_launching(state->stream, options.programmatic_dependent_launch,
+                                      [&steps = state->steps](const CudaStream& stream) { run_steps(steps, stream); });
     state->programmatic_replay = options.programmatic_dependent_launch;
   }
   return Executable(std::move(state));
@@ -462,14 +473,11 @@ void Executable::replay_cost_by_kind(std::vector<StepKindTime>& times, const Tou
   // The replay as kept (with its dependent launches); a kept weight prefetch is not reproduced, so
   // the reference is recaptured the same way as the ablated graphs.
   const auto capture_without = [&](const std::string& left_out) {
-    state.stream.set_programmatic_dependent_launch(state.programmatic_replay);
-    CudaGraph graph = CudaGraph::capture(state.stream, [&](const CudaStream& stream) {
+    return capture_launching(state.stream, state.programmatic_replay, [&](const CudaStream& stream) {
       for (std::size_t i = 0; i < state.steps.size(); ++i) {
         if (state.step_kinds[i] != left_out) state.steps[i](stream);
       }
     });
-    state.stream.set_programmatic_dependent_launch(false);
-    return graph;
   };
   // CudaGraph copies share one instantiated graph.
   const CudaGraph whole = capture_without("");
@@ -503,11 +511,8 @@ bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
   // After a kept weight prefetch the replay has its side stream: race launches first (the engine does).
   if (!state_->replay || state_->programmatic_replay || state_->weight_prefetch) return state_->programmatic_replay;
   state_->device.make_current();
-  state_->stream.set_programmatic_dependent_launch(true);
-  const CudaGraph dependent = CudaGraph::capture(state_->stream, [&steps = state_->steps](const CudaStream& stream) {
-    run_steps(steps, stream);
-  });
-  state_->stream.set_programmatic_dependent_launch(false);
+  const CudaGraph dependent = capture_launching(
+      state_->stream, true, [&steps = state_->steps](const CudaStream& stream) { run_steps(steps, stream); });
   const auto [with, without] =
       race_against_replay(state_->replay, dependent, "programmatic dependents", state_->stream, tournament);
   const bool faster = with < without;
@@ -543,8 +548,7 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
   if (prefetches.empty()) return false;
   const std::size_t prefetch_count = prefetches.size();
   std::deque<CudaEvent> events;
-  state.stream.set_programmatic_dependent_launch(state.programmatic_replay);
-  const CudaGraph prefetching = CudaGraph::capture(state.stream, [&](const CudaStream& stream) {
+  const CudaGraph prefetching = capture_launching(state.stream, state.programmatic_replay, [&](const CudaStream& stream) {
     for (std::size_t i = 0; i < state.steps.size(); ++i) {
       if (auto fork = forks.find(i); fork != forks.end()) {
         events.emplace_back().record(stream);  // the side stream waits for the steps before i only
@@ -556,7 +560,6 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
     events.emplace_back().record(state.prefetch_stream);  // the capture joins the side stream back
     stream.wait(events.back());
   });
-  state.stream.set_programmatic_dependent_launch(false);
   std::pair<double, double> scores{-1, -1};  // with, without
   if (!keep_without_race) {
     scores = race_against_replay(state.replay, prefetching, "weights prefetched", state.stream, tournament);
