@@ -68,6 +68,18 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
     config.l2_prefetch_rounds = gemv_l2_prefetch_rounds(config, multiprocessors);
     configs.push_back(config);
   }
+  // Normalized GEMVs (x_rms_norm_eps, x staged): the same shapes with x copied into shared memory by
+  // cp.async and summed and normalized there, one L2 round trip after the wait instead of two or
+  // three. A shape the option does not fit (staged ring, x too large) is left out.
+  for (GemvKernelConfig config : register_family) {
+    config.x_staged_by_async_copy = true;
+    try {
+      config.validate();
+    } catch (const InputError&) {
+      continue;
+    }
+    configs.push_back(config);
+  }
   if (streamed) {
     GemvKernelConfig streamed_base = base;
     streamed_base.mainloop = GemvMainloop::streamed;
@@ -91,6 +103,7 @@ std::string gemv_shape_name(const GemvKernelConfig& config) {
   if (config.shared_group_sums) shape += " group-sums";
   if (config.tile_loop_blocks_per_multiprocessor > 0) shape += fmt::format(" loop{}", config.tile_loop_blocks_per_multiprocessor);
   if (config.l2_prefetch_rounds > 0) shape += fmt::format(" prefetch{}", config.l2_prefetch_rounds);
+  if (config.x_staged_by_async_copy) shape += " x-async";
   if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
   return shape;
 }

@@ -356,13 +356,35 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
         base.in_features = k;
         base.epilogue = products == 2 ? GemvEpilogue::multiply(GemvEpilogue::silu(GemvEpilogue::accumulator(0)), GemvEpilogue::accumulator(1))
                                       : GemvEpilogue::accumulator(0);
-        const std::vector<GemvKernelConfig> configs = gemv_stage_configs(base, 100);
-        std::set<std::string> names;
-        for (const GemvKernelConfig& config : configs) {
-          EXPECT_TRUE(names.insert(gemv_shape_name(config)).second)
-              << gemv_shape_name(config) << " twice (" << config.to_string() << "), N " << n << " K " << k;
+        for (bool normalized : {false, true}) {
+          if (normalized) base.x_rms_norm_eps = 1e-5;
+          const std::vector<GemvKernelConfig> configs = gemv_stage_configs(base, 100);
+          std::set<std::string> names;
+          int copied = 0;
+          for (const GemvKernelConfig& config : configs) {
+            EXPECT_TRUE(names.insert(gemv_shape_name(config)).second)
+                << gemv_shape_name(config) << " twice (" << config.to_string() << "), N " << n << " K " << k;
+            EXPECT_NO_THROW(config.validate()) << config.to_string();
+            copied += config.x_staged_by_async_copy ? 1 : 0;
+          }
+          EXPECT_GE(names.size(), 5u);
+          // Only a normalized GEMV whose x fits the shared-memory stage (not K = 8960) races the
+          // cp.async prologue, and then at least one shape of it.
+          GemvKernelConfig copied_base = base;
+          copied_base.x_staged_by_async_copy = true;
+          bool fits = true;
+          try {
+            copied_base.validate();
+          } catch (const InputError&) {
+            fits = false;
+          }
+          EXPECT_EQ(fits, normalized && k <= 4096) << "N " << n << " K " << k;
+          if (fits) {
+            EXPECT_GE(copied, 1) << "N " << n << " K " << k << " bits " << bits;
+          } else {
+            EXPECT_EQ(copied, 0) << "N " << n << " K " << k << " bits " << bits;
+          }
         }
-        EXPECT_GE(names.size(), 5u);
       }
     }
   }
