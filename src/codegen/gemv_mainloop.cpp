@@ -1081,6 +1081,21 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     // M = 16 31.2 against 38.9), and a region races only the first few of each family
     // (gemv_lowering_shapes_per_family).
     const bool vocabulary_wide = products == 1 && tiles >= 16 * multiprocessors;
+    // Fewer than 6 tiles an SM (Llama-3-8B's q/k/v, 384 tiles): four warps a tile leave under 24 warps
+    // an SM. Measured there under ncu (session 12): w4 f2 db 17.5% achieved occupancy, no warp
+    // eligible in 89% of the cycles, DRAM 54%; w2 f4 db, the same bytes in flight with half the
+    // warps, took the same 20.3 us. Bytes in flight per SM are what is missing, so these shapes lead
+    // with more warps a tile (the MLP's stages, at 27-31 warps an SM, run at 87-91% of copy).
+    const bool few_tiles = !vocabulary_wide && tiles < 6 * multiprocessors;
+    if (few_tiles && products == 1) {
+      add(8, true);
+      add(16, true);
+      add(4, true);
+    } else if (few_tiles) {
+      add(4, false);
+      add(4, true);
+      add(8, true);
+    }
     add(2, true);
     if (!vocabulary_wide) add(4, false);
     // A vocabulary-wide N (the LM head: 128256 rows of 2048, 16 iterations of 4-bit) gives each
