@@ -1061,10 +1061,6 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   };
   if (narrow) {
     add(8, true);
-    // Fewer tiles than SMs (Qwen2.5-1.5B's down projection: 96 tiles, 27% of copy in the step; Llama-3.2-1B's:
-    // 128): unsplit, some SMs get no work at all, so split-K comes second, where the first few
-    // shapes of a family are raced.
-    if (extended && splits >= 2 && tiles < multiprocessors) add(8, true, false, splits);
     if (!gemv_batches_whole(register_shape(8, true)) && !gemv_batches_whole(register_shape(16, true))) add_whole_warps(true);
     add(16, true);
     add(8, true, true);

@@ -618,17 +618,10 @@ TEST(GemvCompile, EveryDecodeStageRacesAShapeWithWholeBatches) {
     }
   }
   const std::vector<GemvKernelConfig> qwen_down = gemv_tuning_candidates(gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add()));
-  ASSERT_GE(qwen_down.size(), 3u);
-  // 96 tiles for 132 SMs: split-K (three ways: about two blocks an SM) is raced second, the whole
-  // 14-warp batches third.
-  EXPECT_EQ(qwen_down[1].k_splits, 3) << qwen_down[1].to_string();
-  EXPECT_EQ(qwen_down[2].warps_per_block, 14) << qwen_down[2].to_string();
-  EXPECT_TRUE(whole(qwen_down[2]));
-  expect_no_spills(compile_for_sm90(generate_gemv_kernel(qwen_down[2])).log, qwen_down[2].to_string());
-  // Llama-3-8B's down projection (256 tiles: every SM has one) is not split.
-  for (const GemvKernelConfig& config : gemv_tuning_candidates(gemv_config(int4, 1, 4096, 14336, GemvEpilogue::residual_add()))) {
-    EXPECT_EQ(config.k_splits, 1) << config.to_string();
-  }
+  ASSERT_GE(qwen_down.size(), 2u);
+  EXPECT_EQ(qwen_down[1].warps_per_block, 14) << qwen_down[1].to_string();
+  EXPECT_TRUE(whole(qwen_down[1]));
+  expect_no_spills(compile_for_sm90(generate_gemv_kernel(qwen_down[1])).log, qwen_down[1].to_string());
   GemvKernelConfig odd = gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add());
   for (int warps : {1, 3, 7, 16}) {
     odd.warps_per_block = warps;
