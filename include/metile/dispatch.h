@@ -381,6 +381,9 @@ struct ExecutableOptions {
   // Region kinds (plan rule names: "swiglu_mlp", "flash_attention", ...) whose regions run native
   // with the reason "declined by model verification" (the GPU engine's verify_fused_engine).
   std::set<std::string> declined_rules;
+  // > 0: a fused region also binds the fused candidate its race nearly chose (near_tie_candidate:
+  // within this fraction of the chosen one's score), for Executable::race_near_ties. 0: none bound.
+  double near_tie_margin = 0;
 };
 
 // Device time of one kind of work in one run of an Executable (Executable::profile).
@@ -406,6 +409,13 @@ struct RegionLowerings {
 RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region,
                              std::span<const RegionLowering> extra_lowerings = {});
 RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region, const ExecutableOptions& options);
+
+// The fused candidate a region's race nearly chose: of `timings_ms` (candidate name, score in ms,
+// as RegionReport holds them; a name ending in " graph" is the CUDA-graph form of the same kernels),
+// the fastest fused one whose kernels are not `chosen`'s, when its score is within `margin` (a
+// fraction) of the chosen one's. Its eager name ("fused gemv w8 t1 f2 db"), or nothing.
+std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
+                                              const std::string& chosen, double margin);
 
 struct RegionReport {
   int region = -1;  // index in plan.regions; -1: an unfused matmul offered as a region of its own ("contraction")
@@ -461,6 +471,14 @@ class Executable {
   // captured graph or a GEMV step whose weights fit: nothing.
   bool race_weight_prefetch(const TournamentOptions& tournament, std::uint64_t l2_budget_bytes = std::uint64_t{24} << 20,
                             bool keep_without_race = false);
+  // The regions race alone and cold; near ties among their fused candidates can go either way inside
+  // the step, where neighbours and programmatic launches change what a kernel costs. For each kind
+  // whose regions bound a near tie (ExecutableOptions::near_tie_margin), captures the step with those
+  // regions running it instead and races the two replays (run_tournament); keeps the other kernels
+  // when the replay is at least 1% faster. Run it after race_programmatic_replay and before
+  // race_weight_prefetch. The replays run on whatever values() holds and write what a run writes, as
+  // for race_programmatic_replay. Returns how many kinds changed their kernels.
+  int race_near_ties(const TournamentOptions& tournament);
 
  private:
   struct State;

@@ -107,6 +107,12 @@ struct EngineOptions {
   // call 5: Llama-3.2-1B 0.577 vs 0.568 ms, Qwen2.5-1.5B 0.959 vs 0.916, Llama-3-8B 4-bit 2.168 vs
   // 2.133; notes/mlp_decode.md), so the default skips the extra capture and race.
   WeightPrefetch weight_prefetch = WeightPrefetch::off;
+  // After the launch race, for each region kind, the step with its regions running the fused candidate their race nearly
+  // chose (within 5% of the winner's score: ExecutableOptions::near_tie_margin) raced against the step
+  // as built (Executable::race_near_ties); kept when 1% faster. Off by default: built in session 12
+  // after the isolated races' near ties were seen to flip between calls (Qwen2.5-1.5B's gate/up: 19.5
+  // against 19.7 us in the race, 0.380 against 0.422 ms a step inside the replay), not yet run on a GPU.
+  bool race_near_ties = false;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

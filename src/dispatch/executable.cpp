@@ -154,6 +154,13 @@ struct Executable::State {
   std::string prefetch_race;
   std::vector<RegionReport> reports;
   int kernel_count = 0;
+  // race_near_ties: per step, the fused candidate its region's race nearly chose, bound (empty
+  // function: none) with its launch count, and the report of the step's region (-1: none); its figures.
+  std::vector<DeviceStep> near_ties;
+  std::vector<CandidateId> near_tie_ids;
+  std::vector<int> near_tie_launches;  // the near tie's kernel launches less the step's
+  std::vector<int> step_reports;
+  std::string near_tie_race;
 
   explicit State(CudaDevice device_) : device(std::move(device_)) {}
 };
@@ -326,12 +333,20 @@ struct Unit {
   std::vector<DeviceStep> steps;
   std::string kind;  // Executable::profile's label
   std::vector<DeviceByteRange> weights;  // what its (one, fused) step streams: FusedCandidate::weights
+  DeviceStep near_tie;     // a fused unit's one step as its race's near tie would run it (none: empty)
+  CandidateId near_tie_id;
+  int near_tie_launches = 0;  // the near tie's kernel launches less the chosen candidate's
+  int report = -1;         // index of its region's report
 };
 
 struct OrderedSteps {
   std::vector<DeviceStep> steps;
   std::vector<std::string> kinds;
   std::vector<std::vector<DeviceByteRange>> weights;
+  std::vector<DeviceStep> near_ties;
+  std::vector<CandidateId> near_tie_ids;
+  std::vector<int> near_tie_launches;
+  std::vector<int> reports;
 };
 
 OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
@@ -345,6 +360,10 @@ OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
       ordered.steps.push_back(std::move(units[u].steps[i]));
       ordered.kinds.push_back(units[u].kind);
       ordered.weights.push_back(i == 0 ? units[u].weights : std::vector<DeviceByteRange>{});
+      ordered.near_ties.push_back(i == 0 ? units[u].near_tie : DeviceStep{});
+      ordered.near_tie_ids.push_back(units[u].near_tie_id);
+      ordered.near_tie_launches.push_back(i == 0 ? units[u].near_tie_launches : 0);
+      ordered.reports.push_back(units[u].report);
     }
   }
   return ordered;
@@ -376,13 +395,24 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
     unit.kind = fmt::format("{} {}", region.rule.empty() ? "region" : region.rule,
                             candidate_kind_name(report.chosen_id.kind));
     if (report.chosen_id.kind == CandidateKind::fused) {
-      // The whole plan replays as one CUDA graph: the chosen lowering binds in its eager form.
+      // The whole plan replays as one CUDA graph: the chosen lowering binds in its eager form, and
+      // with a near-tie margin the candidate its race nearly chose binds too (race_near_ties).
+      const std::optional<std::string> near_tie =
+          options.near_tie_margin > 0 ? near_tie_candidate(report.timings_ms, report.chosen, options.near_tie_margin)
+                                      : std::nullopt;
       for (FusedCandidate& candidate : lower_region(graph, region, options).candidates) {
+        if (near_tie && candidate.id.name() == *near_tie) {
+          unit.near_tie = candidate.bind(*state->values);
+          unit.near_tie_id = candidate.id;
+          unit.near_tie_launches += candidate.launches;
+        }
         if (candidate.id != report.chosen_id.eager()) continue;
         unit.steps.push_back(candidate.bind(*state->values));
         if (candidate.weights) unit.weights = candidate.weights(*state->values);
         state->kernel_count += candidate.launches;
+        unit.near_tie_launches -= candidate.launches;
       }
+      if (!unit.near_tie) unit.near_tie_launches = 0;
       if (unit.steps.empty()) throw std::runtime_error(fmt::format("{}: candidate '{}' vanished", report.sentence, report.chosen));
     } else {
       std::vector<NodeId> nodes = region.nodes;
@@ -391,6 +421,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
       state->kernel_count += static_cast<int>(nodes.size());
     }
     covered.insert(region.nodes.begin(), region.nodes.end());
+    unit.report = static_cast<int>(state->reports.size());
     units.push_back(std::move(unit));
     state->reports.push_back(std::move(report));
   };
@@ -408,13 +439,21 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
-    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op, {}});
+    Unit unit;
+    unit.nodes = {node.id};
+    unit.steps.push_back(state->native->node_step(graph, node.id, *state->values));
+    unit.kind = node.op;
+    units.push_back(std::move(unit));
     state->kernel_count += 1;
   }
   OrderedSteps ordered = order_units(graph, std::move(units));
   state->steps = std::move(ordered.steps);
   state->step_kinds = std::move(ordered.kinds);
   state->step_weights = std::move(ordered.weights);
+  state->near_ties = std::move(ordered.near_ties);
+  state->near_tie_ids = std::move(ordered.near_tie_ids);
+  state->near_tie_launches = std::move(ordered.near_tie_launches);
+  state->step_reports = std::move(ordered.reports);
   if (options.capture_cuda_graph && !state->steps.empty()) {
     state->replay = capture_launching(state->stream, options.programmatic_dependent_launch,
                                       [&steps = state->steps](const CudaStream& stream) { run_steps(steps, stream); });
@@ -523,6 +562,54 @@ bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
   return faster;
 }
 
+int Executable::race_near_ties(const TournamentOptions& tournament) {
+  State& state = *state_;
+  // After a kept weight prefetch the replay has its side stream: race near ties before it.
+  if (!state.replay || state.weight_prefetch) return 0;
+  state.device.make_current();
+  std::vector<std::string> kinds;  // kinds with a bound near tie, in step order
+  for (std::size_t i = 0; i < state.steps.size(); ++i) {
+    if (state.near_ties[i] && std::find(kinds.begin(), kinds.end(), state.step_kinds[i]) == kinds.end()) {
+      kinds.push_back(state.step_kinds[i]);
+    }
+  }
+  int changed = 0;
+  for (const std::string& kind : kinds) {
+    std::vector<DeviceStep> trial = state.steps;
+    for (std::size_t i = 0; i < trial.size(); ++i) {
+      if (state.step_kinds[i] == kind && state.near_ties[i]) trial[i] = state.near_ties[i];
+    }
+    const CudaGraph other = capture_launching(state.stream, state.programmatic_replay,
+                                              [&trial](const CudaStream& stream) { run_steps(trial, stream); });
+    const auto [with, without] = race_against_replay(state.replay, other, kind + " near ties", state.stream, tournament);
+    // 1%: a margin, so that kernels the step cannot tell apart do not change on noise.
+    const bool faster = with < 0.99 * without;
+    std::set<int> reports;
+    for (std::size_t i = 0; i < trial.size(); ++i) {
+      if (state.step_kinds[i] != kind || !state.near_ties[i]) continue;
+      if (state.step_reports[i] >= 0) reports.insert(state.step_reports[i]);
+      if (!faster) continue;
+      std::swap(state.steps[i], state.near_ties[i]);
+      state.kernel_count += state.near_tie_launches[i];
+      state.near_tie_launches[i] = -state.near_tie_launches[i];
+      if (state.step_reports[i] >= 0) {
+        RegionReport& report = state.reports[static_cast<std::size_t>(state.step_reports[i])];
+        std::swap(report.chosen_id, state.near_tie_ids[i]);
+        report.chosen = report.chosen_id.name();
+      }
+    }
+    const std::string verdict = fmt::format("{}: the near ties raced in the step: {:.4f} ms with them, {:.4f} ms without: {}",
+                                            kind, with, without, faster ? "kept" : "not kept");
+    for (int r : reports) state.reports[static_cast<std::size_t>(r)].sentence += "; " + verdict;
+    state.near_tie_race += verdict + "\n";
+    if (faster) {
+      state.replay = other;
+      ++changed;
+    }
+  }
+  return changed;
+}
+
 bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::uint64_t l2_budget_bytes,
                                       bool keep_without_race) {
   State& state = *state_;
@@ -583,6 +670,7 @@ std::string Executable::report() const {
   std::string text;
   for (const RegionReport& report : state_->reports) text += report.sentence + "\n";
   text += state_->programmatic_race;
+  text += state_->near_tie_race;
   text += state_->prefetch_race;
   text += fmt::format("{} kernel launches per run{}{}\n", state_->kernel_count,
                       state_->replay ? ", replayed as one CUDA graph" : "",

@@ -125,6 +125,9 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   const FusionPlan plan = engine_plan(graph, options_.path);
   ExecutableOptions options = options_.executable;
   if (options_.path == EnginePath::native) options.mode = DispatchMode::native;
+  if (options_.path == EnginePath::fused && options_.race_near_ties && options.near_tie_margin == 0) {
+    options.near_tie_margin = 0.05;
+  }
   if (options_.cold_cache_tournaments && options.tournament.cold_cache_bytes == 0) {
     options.tournament.cold_cache_bytes = 2 * static_cast<std::size_t>(model_->device().info().l2_cache_bytes);
   }
@@ -154,7 +157,8 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   // The replay races run the step on token 0 at the cache's last rows, which no step reads before
   // writing them: staged once for both.
   const bool race_launches = options_.race_programmatic_launch && !options.programmatic_dependent_launch;
-  if (options_.path == EnginePath::fused && (race_launches || options_.weight_prefetch != WeightPrefetch::off)) {
+  if (options_.path == EnginePath::fused &&
+      (race_launches || options_.race_near_ties || options_.weight_prefetch != WeightPrefetch::off)) {
     const std::vector<std::int32_t> first_token(static_cast<std::size_t>(steps), 0);
     upload_inputs(first_token, decoder.capacity() - steps);
     stream_.synchronize();
@@ -163,6 +167,11 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
     const bool dependent = built->race_programmatic_replay(options.tournament);
     report(options_.progress, fmt::format("metile: the {} launches its GEMVs and attention {}", what,
                                           dependent ? "as programmatic dependents (faster)" : "plainly (faster)"));
+  }
+  if (options_.path == EnginePath::fused && options_.race_near_ties) {
+    const int changed = built->race_near_ties(options.tournament);
+    report(options_.progress, fmt::format("metile: the {}: near ties raced in the step, {} kind{} changed kernels", what,
+                                          changed, changed == 1 ? "" : "s"));
   }
   if (options_.path == EnginePath::fused && options_.weight_prefetch != WeightPrefetch::off) {
     built->race_weight_prefetch(options.tournament, std::uint64_t{24} << 20,

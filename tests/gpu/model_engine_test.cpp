@@ -14,6 +14,7 @@
 // Every figure is printed when it differs; seeds via METILE_TEST_SEED.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -173,6 +174,35 @@ INSTANTIATE_TEST_SUITE_P(Architectures, FusedAgainstNative,
                                            EngineCase{ModelArchitecture::mistral, 4},
                                            EngineCase{ModelArchitecture::mistral, 8}),
                          case_name);
+
+// EngineOptions::race_near_ties (built in session 12, first run here): the fused engine races, inside the
+// step, each kind's regions with the candidate their race nearly chose. Whatever it keeps passed the
+// region's numeric gate, so the engine still agrees with the native path as FusedAgainstNative
+// requires; the race's verdicts are in the step's report, one line per raced kind, and a region's
+// report says which it kept.
+TEST_F(ModelEngineTest, NearTieRacesKeepTheFusedEngineAgreeingWithNative) {
+  const std::uint64_t seed = test_seed("NearTieRaces");
+  const DecoderModel model = synth_and_load("model", ModelArchitecture::llama, 4, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 20, model.config().vocab_size);
+  EngineOptions raced{EnginePath::fused, executable_, {}};
+  raced.race_near_ties = true;
+  CudaDecodeSession native(cuda_model, EngineOptions{EnginePath::native, executable_, {}});
+  CudaDecodeSession fused(cuda_model, raced);
+  const AgreementFigures figures = compare_sessions(native, fused, prompt, 64);
+  const std::string report = fused.executable(1).report();
+  int raced_regions = 0;
+  for (const RegionReport& region : fused.executable(1).reports()) {
+    if (region.sentence.find("near ties raced in the step") != std::string::npos) ++raced_regions;
+  }
+  const std::size_t lines = static_cast<std::size_t>(std::count(report.begin(), report.end(), '\n'));
+  EXPECT_EQ(raced_regions > 0, report.find(": the near ties raced in the step: ") != std::string::npos) << report;
+  EXPECT_EQ(figures.decided_agreements, figures.decided_positions) << describe(figures) << "\n" << report;
+  EXPECT_GE(figures.agreement(), 0.9) << describe(figures) << "\n" << report;
+  EXPECT_TRUE(meets(figures, EngineThresholds{})) << first_miss(figures, EngineThresholds{}) << "\n" << report;
+  std::printf("near-tie races: %d regions raced (%zu report lines)\nfused (near ties raced) vs native: %s\n", raced_regions,
+              lines, describe(figures).c_str());
+}
 
 class GpuAgainstCpuReference : public ModelEngineTest, public ::testing::WithParamInterface<EngineCase> {};
 

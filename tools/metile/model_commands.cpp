@@ -363,6 +363,9 @@ void add_model_commands(CLI::App& app) {
                         "when the step replays faster) or always (measured slower on every model so far)")
         ->check(CLI::IsMember({"off", "raced", "always"}))
         ->capture_default_str();
+    command->add_flag("--race-near-ties", options->race_near_ties,
+                      "the fused engines race, inside the step, each kind's regions with the fused candidate their race "
+                      "nearly chose (within 5%) and keep it when the step is 1% faster (not yet measured)");
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();

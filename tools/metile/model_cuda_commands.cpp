@@ -281,8 +281,9 @@ void bench_model(const ModelOptions& options) {
     const WeightPrefetch prefetch = options.weight_prefetch == "off"      ? WeightPrefetch::off
                                     : options.weight_prefetch == "always" ? WeightPrefetch::always
                                                                           : WeightPrefetch::raced;
-    CudaDecodeSession session(cuda_model, EngineOptions{variant.path, executable, progress_line,
-                                                        options.tournament_caches == "cold", true, prefetch});
+    EngineOptions engine{variant.path, executable, progress_line, options.tournament_caches == "cold", true, prefetch};
+    engine.race_near_ties = options.race_near_ties;
+    CudaDecodeSession session(cuda_model, engine);
     results.push_back(benchmark_engine(session, bench));
   }
   const std::int64_t step_bytes = cuda_model->decode_step_bytes(options.context);

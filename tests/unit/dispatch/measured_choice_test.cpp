@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <array>
+#include <map>
 #include <random>
 
 #include "metile/dispatch.h"
@@ -191,6 +192,62 @@ TEST(MeasuredChoice, RandomRacesFollowThePolicy) {
     const DispatchPolicy policy{mode, random() % 2 == 0 ? 0.05 : 0.10};
     const Race race = run(fakes, policy);
     ASSERT_EQ(race.choice.chosen, expected_choice(fakes, policy)) << "trial " << trial << ": " << race.choice.reason;
+  }
+}
+
+// near_tie_candidate: the fastest fused candidate with other kernels than the chosen one (its CUDA-graph
+// form is the same kernels), within the margin; never a native one. Random score lists against a
+// brute-force oracle written from the definition.
+TEST(MeasuredChoice, TheNearTieIsTheFastestOtherFusedKernelWithinTheMargin) {
+  const std::vector<std::pair<std::string, double>> scores = {
+      {"native", 10.0}, {"native graph", 9.0}, {"fused a", 9.6}, {"fused a graph", 9.5},
+      {"fused b", 9.9}, {"fused b graph", 10.2}, {"fused c", 9.8}};
+  EXPECT_EQ(near_tie_candidate(scores, "fused a graph", 0.05), std::optional<std::string>("fused c"));
+  EXPECT_EQ(near_tie_candidate(scores, "fused a graph", 0.02), std::nullopt);  // 9.8 > 9.5 x 1.02
+  EXPECT_EQ(near_tie_candidate(scores, "fused c", 0.05), std::optional<std::string>("fused a"));  // its graph form, 9.5
+  EXPECT_EQ(near_tie_candidate(scores, "native graph", 0.5), std::nullopt);  // native chosen: no fused near tie
+  EXPECT_EQ(near_tie_candidate(scores, "fused z", 0.5), std::nullopt);       // not raced
+  EXPECT_EQ(near_tie_candidate({{"fused a", 1.0}, {"fused a graph", 1.01}}, "fused a", 0.5), std::nullopt);
+
+  const char* text = std::getenv("METILE_TEST_SEED");
+  const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 0) : std::random_device{}();
+  std::cout << "[seed] METILE_TEST_SEED=" << seed << "\n";
+  std::mt19937_64 random(seed);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<std::pair<std::string, double>> timings;
+    const int kernels = 1 + static_cast<int>(random() % 5);
+    for (int k = 0; k < kernels; ++k) {
+      const std::string name = (random() % 4 == 0 ? "native " : "fused ") + std::string(1, static_cast<char>('a' + k));
+      const double ms = 1.0 + static_cast<double>(random() % 40) / 100.0;  // ties happen
+      timings.emplace_back(name, ms);
+      if (random() % 2 == 0) timings.emplace_back(name + " graph", ms + static_cast<double>(random() % 5) / 100.0 - 0.02);
+    }
+    std::shuffle(timings.begin(), timings.end(), random);
+    const std::string chosen = timings[random() % timings.size()].first;
+    const double margin = static_cast<double>(random() % 10) / 100.0;
+    // Oracle: for every other fused kernel, its best score; the smallest (then the first name) if within the margin.
+    auto kernels_of = [](const std::string& name) {
+      return name.size() > 6 && name.substr(name.size() - 6) == " graph" ? name.substr(0, name.size() - 6) : name;
+    };
+    double chosen_ms = 0;
+    for (const auto& [name, ms] : timings) if (name == chosen) chosen_ms = ms;
+    std::map<std::string, double> best;
+    for (const auto& [name, ms] : timings) {
+      const std::string kernel = kernels_of(name);
+      if (kernel.rfind("fused ", 0) != 0 || kernel == kernels_of(chosen)) continue;
+      if (!best.contains(kernel) || ms < best[kernel]) best[kernel] = ms;
+    }
+    std::optional<std::string> expected;
+    double expected_ms = 0;
+    if (kernels_of(chosen).rfind("fused ", 0) == 0) {
+      for (const auto& [kernel, ms] : best) {  // std::map: names in order, so the first name wins a tie
+        if (ms <= chosen_ms * (1 + margin) && (!expected || ms < expected_ms)) {
+          expected = kernel;
+          expected_ms = ms;
+        }
+      }
+    }
+    ASSERT_EQ(near_tie_candidate(timings, chosen, margin), expected) << "trial " << trial << " chosen " << chosen;
   }
 }
 

@@ -591,6 +591,27 @@ TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
 // three register shapes (what a swiglu_mlp region races) has them; where neither 8 nor 16 warps divide the
 // iterations (Qwen2.5-1.5B's down projection: 8960 / 128 = 70), the list offers the largest count in
 // 16..5 that does, and it compiles without spills. Any warp count 1..16 is valid, 0 and 17 are not.
+// A stage with fewer than six 16-row tiles an SM leads with more warps a tile (one product: 8, then
+// 16): Llama-3-8B's q/k/v (6144 rows, 384 tiles) under ncu had 4-warp blocks at 17.5% occupancy with no
+// eligible warp in 89% of the cycles. A wide gate/up (896 tiles) keeps the order measured for it.
+TEST(GemvCompile, FewTilesAnSmLeadWithMoreWarpsATile) {
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
+    const std::vector<GemvKernelConfig> qkv = gemv_tuning_candidates(gemv_config(format, 1, 6144, 4096, GemvEpilogue::accumulator(0)));
+    ASSERT_GE(qkv.size(), 3u);
+    EXPECT_EQ(qkv[0].warps_per_block, 8) << qkv[0].to_string();
+    EXPECT_EQ(qkv[1].warps_per_block, 16) << qkv[1].to_string();
+    const std::vector<GemvKernelConfig> gate_up = gemv_tuning_candidates(gemv_config(format, 1, 14336, 4096, GemvEpilogue::swiglu()));
+    ASSERT_GE(gate_up.size(), 2u);
+    EXPECT_EQ(gate_up[0].warps_per_block, 2) << gate_up[0].to_string();
+    EXPECT_EQ(gate_up[1].warps_per_block, 4) << gate_up[1].to_string();
+    EXPECT_FALSE(gate_up[1].double_buffered) << gate_up[1].to_string();
+    // Two products with few tiles (Qwen2.5-1.5B's gate/up: 560 tiles): 8 warps among the first three.
+    const std::vector<GemvKernelConfig> narrow_gate_up = gemv_tuning_candidates(gemv_config(format, 1, 8960, 1536, GemvEpilogue::swiglu()));
+    ASSERT_GE(narrow_gate_up.size(), 3u);
+    EXPECT_EQ(narrow_gate_up[2].warps_per_block, 8) << narrow_gate_up[2].to_string();
+  }
+}
+
 TEST(GemvCompile, EveryDecodeStageRacesAShapeWithWholeBatches) {
   struct Model {
     std::string name;
