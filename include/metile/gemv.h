@@ -265,8 +265,8 @@ struct GemvKernelConfig {
   // shared_stages): the prologue copies x into shared memory with cp.async, every vector at once,
   // and sums its squares and normalizes it there: one round trip to L2 after the wait for the
   // previous kernel and no registers held, where the register prologue takes one trip per two
-  // vectors a thread for the sums and one more for the staging. Same bits. Not raced yet: an
-  // experiment awaiting its device measurement (notes/mlp_decode.md, session 11).
+  // vectors a thread for the sums and one more for the staging. Same bits (72 kernel pairs on the
+  // H200). gemv_stage_configs races it beside the register prologue (notes/mlp_decode.md, session 12).
   bool x_staged_by_async_copy = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):

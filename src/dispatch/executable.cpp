@@ -158,6 +158,7 @@ struct Executable::State {
   // function: none) with its launch count, and the report of the step's region (-1: none); its figures.
   std::vector<DeviceStep> near_ties;
   std::vector<CandidateId> near_tie_ids;
+  std::vector<std::vector<DeviceByteRange>> near_tie_weights;
   std::vector<int> near_tie_launches;  // the near tie's kernel launches less the step's
   std::vector<int> step_reports;
   std::string near_tie_race;
@@ -335,6 +336,7 @@ struct Unit {
   std::vector<DeviceByteRange> weights;  // what its (one, fused) step streams: FusedCandidate::weights
   DeviceStep near_tie;     // a fused unit's one step as its race's near tie would run it (none: empty)
   CandidateId near_tie_id;
+  std::vector<DeviceByteRange> near_tie_weights;
   int near_tie_launches = 0;  // the near tie's kernel launches less the chosen candidate's
   int report = -1;         // index of its region's report
 };
@@ -345,6 +347,7 @@ struct OrderedSteps {
   std::vector<std::vector<DeviceByteRange>> weights;
   std::vector<DeviceStep> near_ties;
   std::vector<CandidateId> near_tie_ids;
+  std::vector<std::vector<DeviceByteRange>> near_tie_weights;
   std::vector<int> near_tie_launches;
   std::vector<int> reports;
 };
@@ -362,6 +365,7 @@ OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
       ordered.weights.push_back(i == 0 ? units[u].weights : std::vector<DeviceByteRange>{});
       ordered.near_ties.push_back(i == 0 ? units[u].near_tie : DeviceStep{});
       ordered.near_tie_ids.push_back(units[u].near_tie_id);
+      ordered.near_tie_weights.push_back(i == 0 ? units[u].near_tie_weights : std::vector<DeviceByteRange>{});
       ordered.near_tie_launches.push_back(i == 0 ? units[u].near_tie_launches : 0);
       ordered.reports.push_back(units[u].report);
     }
@@ -404,6 +408,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
         if (near_tie && candidate.id.name() == *near_tie) {
           unit.near_tie = candidate.bind(*state->values);
           unit.near_tie_id = candidate.id;
+          if (candidate.weights) unit.near_tie_weights = candidate.weights(*state->values);
           unit.near_tie_launches += candidate.launches;
         }
         if (candidate.id != report.chosen_id.eager()) continue;
@@ -452,6 +457,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   state->step_weights = std::move(ordered.weights);
   state->near_ties = std::move(ordered.near_ties);
   state->near_tie_ids = std::move(ordered.near_tie_ids);
+  state->near_tie_weights = std::move(ordered.near_tie_weights);
   state->near_tie_launches = std::move(ordered.near_tie_launches);
   state->step_reports = std::move(ordered.reports);
   if (options.capture_cuda_graph && !state->steps.empty()) {
@@ -584,24 +590,26 @@ int Executable::race_near_ties(const TournamentOptions& tournament) {
     const auto [with, without] = race_against_replay(state.replay, other, kind + " near ties", state.stream, tournament);
     // 1%: a margin, so that kernels the step cannot tell apart do not change on noise.
     const bool faster = with < 0.99 * without;
-    std::set<int> reports;
     for (std::size_t i = 0; i < trial.size(); ++i) {
       if (state.step_kinds[i] != kind || !state.near_ties[i]) continue;
-      if (state.step_reports[i] >= 0) reports.insert(state.step_reports[i]);
-      if (!faster) continue;
-      std::swap(state.steps[i], state.near_ties[i]);
-      state.kernel_count += state.near_tie_launches[i];
-      state.near_tie_launches[i] = -state.near_tie_launches[i];
-      if (state.step_reports[i] >= 0) {
-        RegionReport& report = state.reports[static_cast<std::size_t>(state.step_reports[i])];
+      const std::string near_tie = state.near_tie_ids[i].name();
+      if (faster) {  // the near tie runs the step now; what ran it waits where the near tie was
+        std::swap(state.steps[i], state.near_ties[i]);
+        std::swap(state.step_weights[i], state.near_tie_weights[i]);
+        state.kernel_count += state.near_tie_launches[i];
+        state.near_tie_launches[i] = -state.near_tie_launches[i];
+      }
+      if (state.step_reports[i] < 0) continue;
+      RegionReport& report = state.reports[static_cast<std::size_t>(state.step_reports[i])];
+      report.sentence += fmt::format("; raced in the step against '{}': {}", near_tie,
+                                     faster ? "'" + near_tie + "' kept" : "kept");
+      if (faster) {
         std::swap(report.chosen_id, state.near_tie_ids[i]);
         report.chosen = report.chosen_id.name();
       }
     }
-    const std::string verdict = fmt::format("{}: the near ties raced in the step: {:.4f} ms with them, {:.4f} ms without: {}",
-                                            kind, with, without, faster ? "kept" : "not kept");
-    for (int r : reports) state.reports[static_cast<std::size_t>(r)].sentence += "; " + verdict;
-    state.near_tie_race += verdict + "\n";
+    state.near_tie_race += fmt::format("{}: the near ties raced in the step: {:.4f} ms with them, {:.4f} ms without: {}\n",
+                                       kind, with, without, faster ? "kept" : "not kept");
     if (faster) {
       state.replay = other;
       ++changed;

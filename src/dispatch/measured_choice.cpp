@@ -147,17 +147,19 @@ std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::s
   auto eager = [&](const std::string& name) {
     return name.ends_with(kGraphSuffix) ? name.substr(0, name.size() - kGraphSuffix.size()) : name;
   };
+  // "fused" alone is the default fused variant (CandidateId::fused()); "fused wide", "fused gemv ..." others.
+  auto is_fused = [](const std::string& kernels) { return kernels == "fused" || kernels.starts_with("fused "); };
   const std::string chosen_eager = eager(chosen);
   double chosen_ms = -1;
   for (const auto& [name, ms] : timings_ms) {
     if (name == chosen) chosen_ms = ms;
   }
-  if (chosen_ms <= 0 || !chosen_eager.starts_with("fused ")) return std::nullopt;
+  if (chosen_ms <= 0 || !is_fused(chosen_eager)) return std::nullopt;
   std::optional<std::string> best;
   double best_ms = chosen_ms * (1 + margin);
   for (const auto& [name, ms] : timings_ms) {
     const std::string kernels = eager(name);
-    if (!kernels.starts_with("fused ") || kernels == chosen_eager || ms <= 0 || ms > best_ms) continue;
+    if (!is_fused(kernels) || kernels == chosen_eager || ms <= 0 || ms > best_ms) continue;
     if (best && ms == best_ms && kernels > *best) continue;  // ties: the first name in order, whatever the list's order
     best = kernels;
     best_ms = ms;

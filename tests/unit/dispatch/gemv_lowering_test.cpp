@@ -381,6 +381,24 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
           EXPECT_EQ(fits, normalized && k <= 4096) << "N " << n << " K " << k;
           if (fits) {
             EXPECT_GE(copied, 1) << "N " << n << " K " << k << " bits " << bits;
+            // Every register shape without a prefetch or a staged ring has its twin, when the twin is valid.
+            for (const GemvKernelConfig& config : configs) {
+              if (config.mainloop != GemvMainloop::register_batches || config.x_staged_by_async_copy ||
+                  config.l2_prefetch_rounds > 0 || config.shared_stages >= 2) {
+                continue;
+              }
+              GemvKernelConfig twin = config;
+              twin.x_staged_by_async_copy = true;
+              bool valid = true;
+              try {
+                twin.validate();
+              } catch (const InputError&) {
+                valid = false;
+              }
+              if (valid) {
+                EXPECT_TRUE(names.contains(gemv_shape_name(twin))) << gemv_shape_name(twin) << " is not raced";
+              }
+            }
           } else {
             EXPECT_EQ(copied, 0) << "N " << n << " K " << k << " bits " << bits;
           }

@@ -208,6 +208,11 @@ TEST(MeasuredChoice, TheNearTieIsTheFastestOtherFusedKernelWithinTheMargin) {
   EXPECT_EQ(near_tie_candidate(scores, "native graph", 0.5), std::nullopt);  // native chosen: no fused near tie
   EXPECT_EQ(near_tie_candidate(scores, "fused z", 0.5), std::nullopt);       // not raced
   EXPECT_EQ(near_tie_candidate({{"fused a", 1.0}, {"fused a graph", 1.01}}, "fused a", 0.5), std::nullopt);
+  // The default fused variant is named "fused" alone (CandidateId::fused()).
+  const std::vector<std::pair<std::string, double>> rows = {{"native", 2.0}, {"fused", 1.0}, {"fused graph", 1.02},
+                                                            {"fused wide", 1.03}, {"fused wide graph", 1.1}};
+  EXPECT_EQ(near_tie_candidate(rows, "fused", 0.05), std::optional<std::string>("fused wide"));
+  EXPECT_EQ(near_tie_candidate(rows, "fused wide", 0.05), std::optional<std::string>("fused"));
 
   const char* text = std::getenv("METILE_TEST_SEED");
   const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 0) : std::random_device{}();
@@ -217,7 +222,9 @@ TEST(MeasuredChoice, TheNearTieIsTheFastestOtherFusedKernelWithinTheMargin) {
     std::vector<std::pair<std::string, double>> timings;
     const int kernels = 1 + static_cast<int>(random() % 5);
     for (int k = 0; k < kernels; ++k) {
-      const std::string name = (random() % 4 == 0 ? "native " : "fused ") + std::string(1, static_cast<char>('a' + k));
+      // Kernel 0 is sometimes the default fused variant, named "fused" alone.
+      const std::string name = k == 0 && random() % 3 == 0 ? std::string("fused")
+                               : (random() % 4 == 0 ? "native " : "fused ") + std::string(1, static_cast<char>('a' + k));
       const double ms = 1.0 + static_cast<double>(random() % 40) / 100.0;  // ties happen
       timings.emplace_back(name, ms);
       if (random() % 2 == 0) timings.emplace_back(name + " graph", ms + static_cast<double>(random() % 5) / 100.0 - 0.02);
@@ -234,12 +241,12 @@ TEST(MeasuredChoice, TheNearTieIsTheFastestOtherFusedKernelWithinTheMargin) {
     std::map<std::string, double> best;
     for (const auto& [name, ms] : timings) {
       const std::string kernel = kernels_of(name);
-      if (kernel.rfind("fused ", 0) != 0 || kernel == kernels_of(chosen)) continue;
+      if ((kernel != "fused" && kernel.rfind("fused ", 0) != 0) || kernel == kernels_of(chosen)) continue;
       if (!best.contains(kernel) || ms < best[kernel]) best[kernel] = ms;
     }
     std::optional<std::string> expected;
     double expected_ms = 0;
-    if (kernels_of(chosen).rfind("fused ", 0) == 0) {
+    if (kernels_of(chosen) == "fused" || kernels_of(chosen).rfind("fused ", 0) == 0) {
       for (const auto& [kernel, ms] : best) {  // std::map: names in order, so the first name wins a tie
         if (ms <= chosen_ms * (1 + margin) && (!expected || ms < expected_ms)) {
           expected = kernel;

@@ -586,11 +586,6 @@ TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
   }
 }
 
-// Whole batches (kBatchesWhole in the kernel: no predicated loads, no zeroed registers) need the warps'
-// batches to tile K's iterations exactly. For every stage of the three decode models, one of the first
-// three register shapes (what a swiglu_mlp region races) has them; where neither 8 nor 16 warps divide the
-// iterations (Qwen2.5-1.5B's down projection: 8960 / 128 = 70), the list offers the largest count in
-// 16..5 that does, and it compiles without spills. Any warp count 1..16 is valid, 0 and 17 are not.
 // A stage with fewer than six 16-row tiles an SM leads with more warps a tile (one product: 8, then
 // 16): Llama-3-8B's q/k/v (6144 rows, 384 tiles) under ncu had 4-warp blocks at 17.5% occupancy with no
 // eligible warp in 89% of the cycles. A wide gate/up (896 tiles) keeps the order measured for it.
@@ -612,6 +607,11 @@ TEST(GemvCompile, FewTilesAnSmLeadWithMoreWarpsATile) {
   }
 }
 
+// Whole batches (kBatchesWhole in the kernel: no predicated loads, no zeroed registers) need the warps'
+// batches to tile K's iterations exactly. For every stage of the three decode models, one of the first
+// three register shapes (what a swiglu_mlp region races) has them; where neither 8 nor 16 warps divide the
+// iterations (Qwen2.5-1.5B's down projection: 8960 / 128 = 70), the list offers the largest count in
+// 16..5 that does, and it compiles without spills. Any warp count 1..16 is valid, 0 and 17 are not.
 TEST(GemvCompile, EveryDecodeStageRacesAShapeWithWholeBatches) {
   struct Model {
     std::string name;
