@@ -370,14 +370,17 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
           EXPECT_GE(names.size(), 5u);
           // Only a normalized GEMV whose x fits the shared-memory stage (not K = 8960) races the
           // cp.async prologue, and then at least one shape of it.
-          GemvKernelConfig copied_base = base;
-          copied_base.x_staged_by_async_copy = true;
-          bool fits = true;
-          try {
-            copied_base.validate();
-          } catch (const InputError&) {
-            fits = false;
-          }
+          // Whether `config` with the cp.async prologue is a valid kernel.
+          auto valid_copied = [](GemvKernelConfig config) {
+            config.x_staged_by_async_copy = true;
+            try {
+              config.validate();
+              return true;
+            } catch (const InputError&) {
+              return false;
+            }
+          };
+          const bool fits = valid_copied(base);
           EXPECT_EQ(fits, normalized && k <= 4096) << "N " << n << " K " << k;
           if (fits) {
             EXPECT_GE(copied, 1) << "N " << n << " K " << k << " bits " << bits;
@@ -389,13 +392,7 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
               }
               GemvKernelConfig twin = config;
               twin.x_staged_by_async_copy = true;
-              bool valid = true;
-              try {
-                twin.validate();
-              } catch (const InputError&) {
-                valid = false;
-              }
-              if (valid) {
+              if (valid_copied(config)) {
                 EXPECT_TRUE(names.contains(gemv_shape_name(twin))) << gemv_shape_name(twin) << " is not raced";
               }
             }
