@@ -133,6 +133,18 @@ std::vector<RegionLowering> builtin_lowerings() {
 }
 
 // ---------------------------------------------------------------- executable
+namespace {
+// A fused region's step as the candidate its race nearly chose would run it (race_near_ties); an
+// empty step: none. Swapped with what runs the step when the race keeps it.
+struct NearTie {
+  DeviceStep step;
+  CandidateId id;
+  std::vector<DeviceByteRange> weights;  // FusedCandidate::weights
+  int extra_launches = 0;                // its kernel launches less those of what runs the step
+  int report = -1;                       // index of the region's report
+};
+}  // namespace
+
 struct Executable::State {
   CudaDevice device;
   std::shared_ptr<const ComputeGraph> graph;
@@ -154,14 +166,8 @@ struct Executable::State {
   std::string prefetch_race;
   std::vector<RegionReport> reports;
   int kernel_count = 0;
-  // race_near_ties: per step, the fused candidate its region's race nearly chose, bound (empty
-  // function: none) with its launch count, and the report of the step's region (-1: none); its figures.
-  std::vector<DeviceStep> near_ties;
-  std::vector<CandidateId> near_tie_ids;
-  std::vector<std::vector<DeviceByteRange>> near_tie_weights;
-  std::vector<int> near_tie_launches;  // the near tie's kernel launches less the step's
-  std::vector<int> step_reports;
-  std::string near_tie_race;
+  std::vector<NearTie> near_ties;  // per step (race_near_ties)
+  std::string near_tie_race;        // race_near_ties's figures, for report()
 
   explicit State(CudaDevice device_) : device(std::move(device_)) {}
 };
@@ -334,22 +340,14 @@ struct Unit {
   std::vector<DeviceStep> steps;
   std::string kind;  // Executable::profile's label
   std::vector<DeviceByteRange> weights;  // what its (one, fused) step streams: FusedCandidate::weights
-  DeviceStep near_tie;     // a fused unit's one step as its race's near tie would run it (none: empty)
-  CandidateId near_tie_id;
-  std::vector<DeviceByteRange> near_tie_weights;
-  int near_tie_launches = 0;  // the near tie's kernel launches less the chosen candidate's
-  int report = -1;         // index of its region's report
+  NearTie near_tie;  // a fused unit's one step run by its race's near tie (none: an empty step)
 };
 
 struct OrderedSteps {
   std::vector<DeviceStep> steps;
   std::vector<std::string> kinds;
   std::vector<std::vector<DeviceByteRange>> weights;
-  std::vector<DeviceStep> near_ties;
-  std::vector<CandidateId> near_tie_ids;
-  std::vector<std::vector<DeviceByteRange>> near_tie_weights;
-  std::vector<int> near_tie_launches;
-  std::vector<int> reports;
+  std::vector<NearTie> near_ties;
 };
 
 OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
@@ -363,11 +361,7 @@ OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
       ordered.steps.push_back(std::move(units[u].steps[i]));
       ordered.kinds.push_back(units[u].kind);
       ordered.weights.push_back(i == 0 ? units[u].weights : std::vector<DeviceByteRange>{});
-      ordered.near_ties.push_back(i == 0 ? units[u].near_tie : DeviceStep{});
-      ordered.near_tie_ids.push_back(units[u].near_tie_id);
-      ordered.near_tie_weights.push_back(i == 0 ? units[u].near_tie_weights : std::vector<DeviceByteRange>{});
-      ordered.near_tie_launches.push_back(i == 0 ? units[u].near_tie_launches : 0);
-      ordered.reports.push_back(units[u].report);
+      ordered.near_ties.push_back(i == 0 ? units[u].near_tie : NearTie{});
     }
   }
   return ordered;
@@ -404,20 +398,22 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
       const std::optional<std::string> near_tie =
           options.near_tie_margin > 0 ? near_tie_candidate(report.timings_ms, report.chosen, options.near_tie_margin)
                                       : std::nullopt;
+      int chosen_launches = 0;
       for (FusedCandidate& candidate : lower_region(graph, region, options).candidates) {
         if (near_tie && candidate.id.name() == *near_tie) {
-          unit.near_tie = candidate.bind(*state->values);
-          unit.near_tie_id = candidate.id;
-          if (candidate.weights) unit.near_tie_weights = candidate.weights(*state->values);
-          unit.near_tie_launches += candidate.launches;
+          unit.near_tie.step = candidate.bind(*state->values);
+          unit.near_tie.id = candidate.id;
+          if (candidate.weights) unit.near_tie.weights = candidate.weights(*state->values);
+          unit.near_tie.extra_launches = candidate.launches;
+          unit.near_tie.report = static_cast<int>(state->reports.size());
         }
         if (candidate.id != report.chosen_id.eager()) continue;
         unit.steps.push_back(candidate.bind(*state->values));
         if (candidate.weights) unit.weights = candidate.weights(*state->values);
+        chosen_launches = candidate.launches;
         state->kernel_count += candidate.launches;
-        unit.near_tie_launches -= candidate.launches;
       }
-      if (!unit.near_tie) unit.near_tie_launches = 0;
+      if (unit.near_tie.step) unit.near_tie.extra_launches -= chosen_launches;
       if (unit.steps.empty()) throw std::runtime_error(fmt::format("{}: candidate '{}' vanished", report.sentence, report.chosen));
     } else {
       std::vector<NodeId> nodes = region.nodes;
@@ -426,7 +422,6 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
       state->kernel_count += static_cast<int>(nodes.size());
     }
     covered.insert(region.nodes.begin(), region.nodes.end());
-    unit.report = static_cast<int>(state->reports.size());
     units.push_back(std::move(unit));
     state->reports.push_back(std::move(report));
   };
@@ -444,11 +439,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   }
   for (const Node& node : graph.nodes()) {
     if (covered.contains(node.id)) continue;
-    Unit unit;
-    unit.nodes = {node.id};
-    unit.steps.push_back(state->native->node_step(graph, node.id, *state->values));
-    unit.kind = node.op;
-    units.push_back(std::move(unit));
+    units.push_back({{node.id}, {state->native->node_step(graph, node.id, *state->values)}, node.op, {}, {}});
     state->kernel_count += 1;
   }
   OrderedSteps ordered = order_units(graph, std::move(units));
@@ -456,10 +447,6 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   state->step_kinds = std::move(ordered.kinds);
   state->step_weights = std::move(ordered.weights);
   state->near_ties = std::move(ordered.near_ties);
-  state->near_tie_ids = std::move(ordered.near_tie_ids);
-  state->near_tie_weights = std::move(ordered.near_tie_weights);
-  state->near_tie_launches = std::move(ordered.near_tie_launches);
-  state->step_reports = std::move(ordered.reports);
   if (options.capture_cuda_graph && !state->steps.empty()) {
     state->replay = capture_launching(state->stream, options.programmatic_dependent_launch,
                                       [&steps = state->steps](const CudaStream& stream) { run_steps(steps, stream); });
@@ -575,7 +562,7 @@ int Executable::race_near_ties(const TournamentOptions& tournament) {
   state.device.make_current();
   std::vector<std::string> kinds;  // kinds with a bound near tie, in step order
   for (std::size_t i = 0; i < state.steps.size(); ++i) {
-    if (state.near_ties[i] && std::find(kinds.begin(), kinds.end(), state.step_kinds[i]) == kinds.end()) {
+    if (state.near_ties[i].step && std::find(kinds.begin(), kinds.end(), state.step_kinds[i]) == kinds.end()) {
       kinds.push_back(state.step_kinds[i]);
     }
   }
@@ -583,7 +570,7 @@ int Executable::race_near_ties(const TournamentOptions& tournament) {
   for (const std::string& kind : kinds) {
     std::vector<DeviceStep> trial = state.steps;
     for (std::size_t i = 0; i < trial.size(); ++i) {
-      if (state.step_kinds[i] == kind && state.near_ties[i]) trial[i] = state.near_ties[i];
+      if (state.step_kinds[i] == kind && state.near_ties[i].step) trial[i] = state.near_ties[i].step;
     }
     const CudaGraph other = capture_launching(state.stream, state.programmatic_replay,
                                               [&trial](const CudaStream& stream) { run_steps(trial, stream); });
@@ -591,21 +578,18 @@ int Executable::race_near_ties(const TournamentOptions& tournament) {
     // 1%: a margin, so that kernels the step cannot tell apart do not change on noise.
     const bool faster = with < 0.99 * without;
     for (std::size_t i = 0; i < trial.size(); ++i) {
-      if (state.step_kinds[i] != kind || !state.near_ties[i]) continue;
-      const std::string near_tie = state.near_tie_ids[i].name();
+      NearTie& near_tie = state.near_ties[i];
+      if (state.step_kinds[i] != kind || !near_tie.step) continue;
+      const std::string name = near_tie.id.name();
+      RegionReport& report = state.reports[static_cast<std::size_t>(near_tie.report)];
+      report.sentence += fmt::format("; raced in the step against '{}': {}", name, faster ? "'" + name + "' kept" : "kept");
       if (faster) {  // the near tie runs the step now; what ran it waits where the near tie was
-        std::swap(state.steps[i], state.near_ties[i]);
-        std::swap(state.step_weights[i], state.near_tie_weights[i]);
-        state.kernel_count += state.near_tie_launches[i];
-        state.near_tie_launches[i] = -state.near_tie_launches[i];
-      }
-      if (state.step_reports[i] < 0) continue;
-      RegionReport& report = state.reports[static_cast<std::size_t>(state.step_reports[i])];
-      report.sentence += fmt::format("; raced in the step against '{}': {}", near_tie,
-                                     faster ? "'" + near_tie + "' kept" : "kept");
-      if (faster) {
-        std::swap(report.chosen_id, state.near_tie_ids[i]);
+        std::swap(state.steps[i], near_tie.step);
+        std::swap(state.step_weights[i], near_tie.weights);
+        std::swap(report.chosen_id, near_tie.id);
         report.chosen = report.chosen_id.name();
+        state.kernel_count += near_tie.extra_launches;
+        near_tie.extra_launches = -near_tie.extra_launches;
       }
     }
     state.near_tie_race += fmt::format("{}: the near ties raced in the step: {:.4f} ms with them, {:.4f} ms without: {}\n",

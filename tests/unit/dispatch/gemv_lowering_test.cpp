@@ -368,8 +368,6 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
             copied += config.x_staged_by_async_copy ? 1 : 0;
           }
           EXPECT_GE(names.size(), 5u);
-          // Only a normalized GEMV whose x fits the shared-memory stage (not K = 8960) races the
-          // cp.async prologue, and then at least one shape of it.
           // Whether `config` with the cp.async prologue is a valid kernel.
           auto valid_copied = [](GemvKernelConfig config) {
             config.x_staged_by_async_copy = true;
@@ -380,6 +378,8 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
               return false;
             }
           };
+          // Only a normalized GEMV whose x fits the shared-memory stage (not K = 8960) races the
+          // cp.async prologue, and then at least one shape of it.
           const bool fits = valid_copied(base);
           EXPECT_EQ(fits, normalized && k <= 4096) << "N " << n << " K " << k;
           if (fits) {
