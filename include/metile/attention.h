@@ -94,6 +94,13 @@ struct DecodeAttentionConfig {
                                     // (cp.async.bulk.prefetch.L2, sm_90) and keeps that window
                                     // ahead of its loads, so the DRAM holds more of the block's
                                     // bytes in flight than its registers can
+  bool cache_before_wait = false;   // positions mask, registers only: the positions and every K/V row
+                                    // below the smallest position are read before griddepcontrol.wait
+                                    // (each warp's first step, where all its keys lie there), q and
+                                    // the rows at or past it after. Only where no kernel of the run
+                                    // writes those: the positions a graph input and the caches a
+                                    // graph input written only at the positions (a decode step's
+                                    // kv_cache_write; flash_attention_candidates checks the graph)
   void validate() const;
 };
 constexpr std::int64_t kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster

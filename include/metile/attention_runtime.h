@@ -21,6 +21,8 @@ struct FlashAttentionOptions {
                                     // cluster (DecodeAttentionConfig::cluster)
   std::int64_t keys_per_split = 0;  // 0: decode_keys_per_split() for the device's multiprocessors
   bool decode_l2_prefetch = false;  // DecodeAttentionConfig::l2_prefetch (with any shape, default or not)
+  bool decode_cache_before_wait = false;  // DecodeAttentionConfig::cache_before_wait (the caller vouches
+                                          // that no kernel before this one in the run writes those rows)
   int prefill_warps = 4;
   bool force_prefill = false;       // the tiled kernel even for R <= 16 (tests, benchmarks)
 };

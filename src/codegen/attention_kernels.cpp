@@ -336,9 +336,14 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   // Programmatic dependent launch (attention_runtime.h): the next kernel may launch now; this one
   // reads q, the caches and the positions, and writes anything, only after the kernel before it
   // (which wrote q and the new cache rows) has finished. No-ops when launched plainly.
+  // kCacheBeforeWait (DecodeAttentionConfig::cache_before_wait): the positions and every cache row
+  // below the smallest of them are the graph's inputs, which no kernel of this run writes; they are
+  // read before the wait, so the first step's DRAM round trip overlaps the previous kernel's tail.
   allow_dependent_launch();
-  q = after_previous_kernel(q);
-  k = ordered_after_wait(k), v = ordered_after_wait(v), positions = ordered_after_wait(positions);
+  if constexpr (!kCacheBeforeWait) {
+    q = after_previous_kernel(q);
+    k = ordered_after_wait(k), v = ordered_after_wait(v), positions = ordered_after_wait(positions);
+  }
   out = ordered_after_wait(out), partial_values = ordered_after_wait(partial_values);
   partial_states = ordered_after_wait(partial_states), arrivals = ordered_after_wait(arrivals);
   extern __shared__ float4 shared_words[];
@@ -389,12 +394,28 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
                                  : max(16, (key_end + 16 * grid_splits - 1) / (16 * grid_splits) * 16);
   const int splits = max(1, (key_end + keys_per_split - 1) / keys_per_split);
   // (splits is the same in every CTA of a cluster: with one split nothing reads another's memory.)
-  if ((!kCluster || splits == 1) && split >= splits) return;
+  if ((!kCluster || splits == 1) && split >= splits) {
+    if constexpr (kCacheBeforeWait) wait_for_previous_kernel();  // its completion still follows the previous kernel's
+    return;
+  }
   const int split_begin = split * keys_per_split;
   const int split_end = min(split_begin + keys_per_split, key_end);
   const int last_readable = key_end - 1;
   const bool speculated = speculative && split_begin == guessed_begin;  // always so for split 0
 
+  // kCacheBeforeWait: each warp's first step, if every one of its keys lies below the smallest
+  // position (rows the previous kernel cannot have written), is loaded before the wait; the step
+  // holding a new row, q and everything after them come after it.
+  bool loaded_before_wait = false;
+  if constexpr (kCacheBeforeWait) {
+    const int first = split_begin + 16 * warp;
+    if (first < split_end && first + 15 < min_limit) {
+      load_step(current, k, v, first, last_readable, g, t);
+      loaded_before_wait = true;
+    }
+    q = after_previous_kernel(q);
+    k = ordered_after_wait(k), v = ordered_after_wait(v);
+  }
   if constexpr (!kSpeculate) load_query(qa, q, g, kRows, t);
   RowState state = {{negative_infinity(), negative_infinity()}, {0.0f, 0.0f}};
   float o[kValueTiles][4];
@@ -421,7 +442,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
           }
         }
       }
-    } else if (first < split_end) {
+    } else if (first < split_end && !loaded_before_wait) {
       load_step(current, k, v, first, last_readable, g, t);
     }
 #pragma unroll 1
@@ -940,6 +961,10 @@ void DecodeAttentionConfig::validate() const {
     throw InputError(fmt::format("decode attention: the L2 prefetch runs with the register path (stages 0), not {} stages",
                                  stages));
   }
+  if (cache_before_wait && (problem.mask != AttentionMask::positions || stages != 0)) {
+    throw InputError("decode attention: the cache is read before the wait only with the positions mask and the "
+                     "register path (stages 0)");
+  }
   if (decode_ring_bytes(*this) > 227 * 1024) {
     throw InputError(fmt::format("decode attention: {} warps x {} stages need {} bytes of shared memory (227 KiB at most)",
                                  warps, stages, decode_ring_bytes(*this)));
@@ -988,24 +1013,26 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   // split, or a cluster (whose split 0 takes a short context alone). Not in the global-merge
   // kernel: its 8-warp, 128-wide variant (the long-context default) would go from 251 to 255
   // registers, and at long contexts that round trip is not the critical path.
-  const bool speculate = config.stages == 0 && (result.splits == 1 || cluster);
+  // With the cache read before the wait (cache_before_wait) the positions are known before q is,
+  // so nothing is guessed.
+  const bool speculate = config.stages == 0 && (result.splits == 1 || cluster) && !config.cache_before_wait;
   // Every split of a cluster guesses its first step (kSpeculateEverySplit) only where the positions
   // mask makes the split wait for a global round trip, and over short caches (where a context's
   // visible keys are mostly within the guess's range): elsewhere a wrong guess is bytes read twice.
   const bool speculate_every_split =
       speculate && cluster && problem.mask == AttentionMask::positions && problem.keys <= kLongestOneSplit;
   const int prefetch_rounds = decode_prefetch_rounds(config);
-  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}{}{}", problem_tag(problem), problem.rows,
+  result.kernel_name = fmt::format("metile_attention_decode_{}_r{}_w{}_k{}{}{}{}", problem_tag(problem), problem.rows,
                                    config.warps, config.stages,
                                    cluster ? fmt::format("_cluster{}", result.splits) : std::string(),
-                                   prefetch_rounds > 0 ? "_l2prefetch" : "");
+                                   prefetch_rounds > 0 ? "_l2prefetch" : "", config.cache_before_wait ? "_cachefirst" : "");
   result.source = constants(problem, config.warps, result.kernel_name);
   result.source += fmt::format(
       "constexpr int kRows = {};\nconstexpr int kStages = {};\nconstexpr bool kCluster = {};\n"
       "constexpr int kClusterSplits = {};\nconstexpr bool kSpeculate = {};\nconstexpr bool kSpeculateEverySplit = {};\n"
-      "constexpr int kPrefetchRounds = {};\n#define CLUSTER_DIMENSIONS {}\n",
+      "constexpr int kPrefetchRounds = {};\nconstexpr bool kCacheBeforeWait = {};\n#define CLUSTER_DIMENSIONS {}\n",
       problem.rows, config.stages, cluster ? "true" : "false", cluster ? result.splits : 1, speculate ? "true" : "false",
-      speculate_every_split ? "true" : "false", prefetch_rounds,
+      speculate_every_split ? "true" : "false", prefetch_rounds, config.cache_before_wait ? "true" : "false",
       cluster ? fmt::format("__cluster_dims__({}, 1, 1)", result.splits) : std::string());
   result.source += codegen_detail::tensor_core_device_helpers();
   result.source += common_body;
@@ -1019,11 +1046,12 @@ AttentionKernelSource generate_decode_attention_kernel(const DecodeAttentionConf
   result.launch.shared_memory_bytes = static_cast<std::uint32_t>(
       std::max({decode_ring_bytes(config), config.warps * 16 * 8 + config.warps * problem.rows * problem.value_dim * 4,
                 result.splits * problem.rows * 8}));
-  result.summary = fmt::format("decode {} warp{}{}{}{}, {} splits of {} keys", config.warps, config.warps == 1 ? "" : "s",
+  result.summary = fmt::format("decode {} warp{}{}{}{}{}, {} splits of {} keys", config.warps, config.warps == 1 ? "" : "s",
                                config.stages > 0 ? fmt::format(" {}-stage ring", config.stages) : "",
                                cluster ? ", cluster" : "",
                                prefetch_rounds > 0 ? fmt::format(", L2 prefetch {} rounds", prefetch_rounds) : "",
-                               result.splits, result.keys_per_split);
+                               config.cache_before_wait ? ", cache before the wait" : "", result.splits,
+                               result.keys_per_split);
   return result;
 }
 

@@ -13,6 +13,29 @@
 
 namespace metile {
 
+namespace {
+
+// Whether a decode kernel may read the positions and the cache rows below the smallest position
+// before the wait for the previous kernel (DecodeAttentionConfig::cache_before_wait): the positions
+// are a graph input, and K and V are each a graph input or a kv_cache_write of a graph-input cache
+// at those same positions, so no kernel of the run writes the positions or any other cache row.
+// (The decode step graph, src/model/step_graph.cpp, has this form.)
+bool cache_rows_are_run_inputs(const ComputeGraph& graph, const Node& attention) {
+  if (attention.inputs.size() != 4) return false;
+  const ValueId positions = attention.inputs[3];
+  if (graph.value(positions).producer >= 0) return false;
+  for (const ValueId cache : {attention.inputs[1], attention.inputs[2]}) {
+    const NodeId producer = graph.value(cache).producer;
+    if (producer < 0) continue;  // a graph input: no kernel of the run writes it
+    const Node& write = graph.node(producer);
+    if (write.op != "kv_cache_write" || write.inputs.size() != 3) return false;
+    if (graph.value(write.inputs[0]).producer >= 0 || write.inputs[2] != positions) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region) {
   if (region.nodes.size() != 1 || graph.node(region.nodes.front()).op != "flash_attention") {
     return {Decision::refuse("the region is not one flash_attention node"), {}};
@@ -39,6 +62,7 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   std::string source;
   std::string variant;
   if (problem.is_decode()) {
+    options.decode_cache_before_wait = problem.mask == AttentionMask::positions && cache_rows_are_run_inputs(graph, node);
     // build() on the device decides the same way (its multiprocessor count in place of 132).
     const DecodeAttentionConfig config = decode_attention_config(problem, options, 132);
     source = generate_decode_attention_kernel(config).source;

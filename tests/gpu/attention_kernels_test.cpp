@@ -348,6 +348,111 @@ TEST_F(AttentionKernels, L2PrefetchAtLongContexts) {
   }
 }
 
+// DecodeAttentionConfig::cache_before_wait (the flash_attention lowering's choice in a decode step):
+// the positions and the cache rows below the smallest position are read before griddepcontrol.wait,
+// q and the new rows after it. A writer kernel lets the attention kernel launch at once (a
+// programmatic dependent), spins for 50 us, then writes q and the new K/V rows (the q/k/v GEMV's
+// part in a step); until then q and those rows hold NaN, as do the slots past the last position.
+// A kernel that read any of them before the wait gives NaN rows, which the gate fails.
+TEST_F(AttentionKernels, TheCacheBeforeTheWaitReadsTheNewRowsAfterIt) {
+  std::uint64_t seed = seed_base() * 1000 + 700;
+  const CompiledKernel writer = compile_cuda(R"CUDA(
+extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* q_final, long long q_count,
+                                       unsigned short* k, const unsigned short* k_final, long long k_width,
+                                       unsigned short* v, const unsigned short* v_final, long long v_width,
+                                       long long heads, long long keys, long long first_row, long long end_row,
+                                       long long spin_ns) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < (unsigned long long)spin_ns);
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (long long i = id; i < q_count; i += stride) q[i] = q_final[i];
+  const long long rows = end_row - first_row;
+  for (long long i = id; i < heads * rows * k_width; i += stride) {
+    const long long at = ((i / (rows * k_width)) * keys + first_row + i / k_width % rows) * k_width + i % k_width;
+    k[at] = k_final[at];
+  }
+  for (long long i = id; i < heads * rows * v_width; i += stride) {
+    const long long at = ((i / (rows * v_width)) * keys + first_row + i / v_width % rows) * v_width + i % v_width;
+    v[at] = v_final[at];
+  }
+}
+)CUDA",
+                                             "late_writer");
+  const struct {
+    DType dtype;
+    std::int64_t heads, groups, tokens, keys, head_dim, last_position;
+  } cases[] = {
+      {DType::bf16, 8, 4, 1, 512, 64, 127},     // Llama-3.2-1B's step: one 8-warp block per head
+      {DType::bf16, 2, 6, 1, 512, 128, 127},    // Qwen2.5-1.5B's: two-warp clusters
+      {DType::bf16, 8, 4, 1, 4096, 128, 300},   // Llama-3-8B at 301 keys: 4-warp clusters
+      {DType::bf16, 4, 4, 3, 3000, 128, 1234},  // three new rows
+      {DType::bf16, 2, 4, 1, 32768, 128, 4095}, // the global merge
+      {DType::f16, 2, 2, 4, 900, 64, 899},      // the cache full
+      {DType::bf16, 3, 1, 2, 200, 64, 17},      // every row inside the first split
+  };
+  for (const auto& c : cases) {
+    AttentionProblem problem;
+    problem.dtype = c.dtype;
+    problem.heads = c.heads;
+    problem.rows = c.groups * c.tokens;
+    problem.keys = c.keys;
+    problem.head_dim = problem.value_dim = c.head_dim;
+    problem.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    problem.mask = AttentionMask::positions;
+    problem.position_count = c.tokens;
+    AttentionInputs in = random_inputs(problem, seed += 10);
+    const std::int64_t first_new = c.last_position - c.tokens + 1;
+    for (std::int64_t s = 0; s < c.tokens; ++s) in.positions.push_back(static_cast<std::int32_t>(first_new + s));
+    poison_cache_after(problem, in, c.last_position);
+    // What the device holds before the writer runs: q and the new rows NaN too.
+    AttentionInputs before = in;
+    poison_cache_after(problem, before, first_new - 1);
+    for (std::int64_t i = 0; i < before.q.element_count(); ++i) before.q.store(i, std::nan(""));
+    FlashAttentionOptions options;
+    options.decode_cache_before_wait = true;
+    const FlashAttention attention = FlashAttention::build(problem, options);
+    SCOPED_TRACE(problem.to_string() + ", " + attention.kernel().summary);
+    const DeviceBuffer q_final = DeviceBuffer::from_tensor(in.q), k_final = DeviceBuffer::from_tensor(in.k),
+                       v_final = DeviceBuffer::from_tensor(in.v);
+    const DeviceBuffer positions = DeviceBuffer::from_vector<std::int32_t>(in.positions);
+    const TensorSpec out_spec({problem.heads, problem.rows, problem.value_dim}, problem.dtype);
+    DeviceBuffer out(static_cast<std::size_t>(out_spec.bytes()));
+    const HostTensor reference = reference_attention(problem, in);
+    CudaStream stream;
+    stream.set_programmatic_dependent_launch(true);
+    HostTensor first;
+    for (int run = 0; run < 2; ++run) {
+      const DeviceBuffer q = DeviceBuffer::from_tensor(before.q), k = DeviceBuffer::from_tensor(before.k),
+                         v = DeviceBuffer::from_tensor(before.v);
+      out.fill_bytes(0xFF);
+      stream.synchronize();
+      launch(writer, Dim3{64}, Dim3{256}, 0, stream, q, q_final, static_cast<long long>(in.q.element_count()), k,
+             k_final, static_cast<long long>(problem.head_dim), v, v_final, static_cast<long long>(problem.value_dim),
+             static_cast<long long>(problem.heads), static_cast<long long>(problem.keys),
+             static_cast<long long>(first_new), static_cast<long long>(c.last_position + 1), 50'000LL);
+      attention.enqueue(stream, q.address(), k.address(), v.address(), positions.address(), out.address());
+      stream.synchronize();
+      HostTensor result = out.download(out_spec);
+      if (run == 0) {
+        const NumericGateResult gate = numeric_gate(result, reference);
+        EXPECT_TRUE(gate.passed) << gate.detail;
+        std::cout << fmt::format("[figures] decode, cache before the wait {:<46} {:<56} rel_l2 {:.2e}\n",
+                                 problem.to_string(), attention.kernel().summary, gate.relative_l2);
+        first = std::move(result);
+      } else {
+        EXPECT_TRUE(result == first) << "a second run gave other bits";
+      }
+    }
+  }
+}
+
 TEST_F(AttentionKernels, PrefillMatchesFloat64Reference) {
   std::uint64_t seed = seed_base() * 1000 + 800;
   const struct {

@@ -37,6 +37,7 @@ DecodeAttentionConfig decode_attention_config(const AttentionProblem& problem, c
   config.keys_per_split = options.keys_per_split;
   config.stages = options.decode_stages;
   config.l2_prefetch = options.decode_l2_prefetch;
+  config.cache_before_wait = options.decode_cache_before_wait;
   if (config.keys_per_split == 0 && shape.one_split) config.keys_per_split = (problem.keys + 15) / 16 * 16;
   if (config.keys_per_split == 0) {
     // A head's splits in one cluster: at most kMaxClusterSplits of them.

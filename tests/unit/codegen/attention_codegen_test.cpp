@@ -91,6 +91,7 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
     int warps, stages;
     bool cluster;
     std::int64_t keys_per_split;  // 0: the default
+    bool cache_before_wait = false;
   } cases[] = {
       {DType::bf16, 4, 128, 128, AttentionMask::none, 8, 0, false, 0},
       {DType::bf16, 16, 128, 128, AttentionMask::positions, 8, 3, false, 0},
@@ -108,6 +109,11 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
       {DType::bf16, 4, 64, 64, AttentionMask::positions, 8, 0, false, 1008},
       {DType::bf16, 6, 128, 128, AttentionMask::positions, 8, 0, false, 1008},
       {DType::bf16, 4, 64, 64, AttentionMask::positions, 4, 0, true, 128},
+      // The same three with the positions and the cache below them read before the wait (the
+      // flash_attention lowering's choice in a decode step), and Qwen's two-warp cluster default.
+      {DType::bf16, 4, 64, 64, AttentionMask::positions, 8, 0, false, 1008, true},
+      {DType::bf16, 6, 128, 128, AttentionMask::positions, 2, 0, true, 64, true},
+      {DType::f16, 12, 128, 64, AttentionMask::positions, 8, 0, false, 0, true},
   };
   std::vector<AttentionKernelSource> kernels;
   for (const auto& c : cases) {
@@ -115,14 +121,17 @@ TEST(AttentionCodegen, DecodeKernelsCompileForSm90) {
     config.stages = c.stages;
     config.cluster = c.cluster;
     config.keys_per_split = c.keys_per_split;
+    config.cache_before_wait = c.cache_before_wait;
     const AttentionKernelSource kernel = generate_decode_attention_kernel(config);
+    EXPECT_EQ(kernel.source.find("kCacheBeforeWait = true") != std::string::npos, c.cache_before_wait);
     EXPECT_GE(kernel.splits * kernel.keys_per_split, 1000);
     EXPECT_LT((kernel.splits - 1) * kernel.keys_per_split, 1000) << "an empty split";
     EXPECT_EQ(kernel.cluster, c.cluster);
     EXPECT_EQ(kernel.source.find("__cluster_dims__") != std::string::npos, c.cluster) << kernel.kernel_name;
-    // Split 0's first step is loaded with the positions in the short-cache shapes only.
+    // Split 0's first step is loaded with the positions in the short-cache shapes only (and not
+    // guessed where the positions are read before the wait).
     EXPECT_EQ(kernel.source.find("kSpeculate = true") != std::string::npos,
-              c.stages == 0 && (kernel.splits == 1 || c.cluster))
+              c.stages == 0 && (kernel.splits == 1 || c.cluster) && !c.cache_before_wait)
         << kernel.kernel_name;
     kernels.push_back(kernel);
   }
@@ -422,6 +431,28 @@ TEST(AttentionCodegen, DecodeVariantsCompileForSm90) {
   ring.stages = 0;
   EXPECT_THROW(generate_decode_attention_kernel(ring), InputError);
   expect_compile_without_spills(kernels);
+}
+
+// The cache is read before the wait only where the positions say which rows are old: with the
+// positions mask and the register path; a ring or another mask is refused with the reason.
+TEST(AttentionCodegen, TheCacheBeforeTheWaitNeedsThePositionsAndRegisters) {
+  DecodeAttentionConfig config;
+  config.problem = problem_of(DType::bf16, 4, 1000, 128, 128, AttentionMask::positions);
+  config.cache_before_wait = true;
+  EXPECT_NO_THROW(generate_decode_attention_kernel(config));
+  for (const AttentionMask mask : {AttentionMask::none, AttentionMask::causal}) {
+    DecodeAttentionConfig other = config;
+    other.problem = problem_of(DType::bf16, 4, 1000, 128, 128, mask);
+    try {
+      generate_decode_attention_kernel(other);
+      ADD_FAILURE() << "mask " << attention_mask_name(mask) << " accepted";
+    } catch (const InputError& error) {
+      EXPECT_NE(std::string(error.what()).find("positions mask"), std::string::npos) << error.what();
+    }
+  }
+  DecodeAttentionConfig ring = config;
+  ring.stages = 3;
+  EXPECT_THROW(generate_decode_attention_kernel(ring), InputError);
 }
 
 }  // namespace

@@ -355,6 +355,43 @@ TEST(LowerRegion, FlashAttentionLowersDecodeAndPrefillWithTheDefaultShape) {
   }
 }
 
+// The decode kernel reads the positions and the old cache rows before the wait for the previous
+// kernel only where the graph proves no kernel of the run writes them: the positions a graph input,
+// K and V graph inputs or kv_cache_writes of graph-input caches at those same positions (a decode
+// step's form). Anything else (other positions for the write, computed positions, a computed K)
+// keeps every read after the wait.
+TEST(LowerRegion, FlashAttentionReadsTheCacheBeforeTheWaitOnlyWhereNoKernelWritesIt) {
+  const Certificate certificate = prove(stable_weighted_softmax_law());
+  enum class Form { decode_step, other_positions, computed_positions, computed_keys };
+  for (const Form form : {Form::decode_step, Form::other_positions, Form::computed_positions, Form::computed_keys}) {
+    GraphBuilder b;
+    const ValueRef q = b.input("q", {{2, 8, 128}, DType::bf16});
+    const ValueRef positions_in = b.input("positions", {{4}, DType::i32});
+    const ValueRef positions = form == Form::computed_positions ? b.reshape(positions_in, {4}, "positions.copy") : positions_in;
+    const ValueRef write_positions = form == Form::other_positions ? b.input("other", {{4}, DType::i32}) : positions;
+    const ValueRef k_cache = b.input("k_cache", {{2, 203, 128}, DType::bf16});
+    const ValueRef v_cache = b.input("v_cache", {{2, 203, 128}, DType::bf16});
+    const ValueRef k_new = b.input("k_new", {{2, 4, 128}, DType::bf16});
+    const ValueRef v_new = b.input("v_new", {{2, 4, 128}, DType::bf16});
+    const ValueRef k_all = form == Form::computed_keys ? b.scale(k_cache, 0.5, "k_scaled")
+                                                       : b.kv_cache_write(k_cache, k_new, write_positions, "k_all");
+    const ValueRef v_all = b.kv_cache_write(v_cache, v_new, write_positions, "v_all");
+    Attributes attributes;
+    attributes.set("scale", 0.125);
+    attributes.set("mask", std::string("positions"));
+    attributes.set("offset", std::int64_t{0});
+    attributes.set("certificate", certificate.to_json());
+    const ValueRef out = b.add_node("flash_attention", {q, k_all, v_all, positions}, attributes, "attention").front();
+    const ComputeGraph graph = b.build({out, k_all, v_all});
+    const NodeId attention = graph.value(out.id).producer;
+    const Lowered lowered = flash_attention_candidates(graph, region_of_nodes(graph, {attention}, "flash_attention"));
+    ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
+    ASSERT_EQ(lowered.candidates.size(), 1u);
+    const bool before_wait = lowered.candidates[0].source.find("kCacheBeforeWait = true") != std::string::npos;
+    EXPECT_EQ(before_wait, form == Form::decode_step) << static_cast<int>(form);
+  }
+}
+
 TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
   GraphBuilder builder;
   auto x = builder.input("x", {{4, 64}, DType::f16});
