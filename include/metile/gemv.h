@@ -211,6 +211,10 @@ std::string_view gemv_mainloop_name(GemvMainloop mainloop);
 struct GemvRopeCacheEpilogue {
   std::int64_t q_heads = 0, kv_heads = 0, head_dim = 0, capacity = 0;
   Attributes rope;  // the rope op's attributes (dims, theta, the Llama 3 scaling)
+  // The positions and the epilogue's tensors (the biases) are graph inputs that no kernel of the run
+  // writes (the lowering checks the graph): each thread loads its output's and computes the rope
+  // angle before griddepcontrol.wait, off the path after the mainloop's join. Otherwise right after it.
+  bool inputs_before_wait = false;
   std::int64_t dims() const { return rope.get_int("dims"); }
   bool operator==(const GemvRopeCacheEpilogue&) const = default;
 };

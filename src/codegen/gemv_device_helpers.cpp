@@ -445,58 +445,88 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
 }
 
 namespace {
-// store_output of the rope epilogue (GemvRopeCacheEpilogue): acc1 is the partner row's (n ^ 1)
-// accumulator. Each row's value is rounded to the activation dtype first, as the separate GEMV
-// stores it and the rope kernel reads it; then q's and k's pairs are rotated (metile_rope_rotate,
-// the rope kernel's operations) and written: q to [Hq, M, D], k and v to their caches.
+// The rope epilogue (GemvRopeCacheEpilogue): its EpilogueTensors, load_epilogue_tensors and
+// store_output. acc1 is the partner row's (n ^ 1) accumulator. Each row's value is rounded to the
+// activation dtype first, as the separate GEMV stores it and the rope kernel reads it; then q's and
+// k's pairs are rotated (metile_rope_angle and metile_rope_apply, the rope kernel's operations) and
+// written: q to [Hq, M, D], k and v to their caches. The loads (the position, the biases at n and
+// n ^ 1) are the epilogue's tensors; with kEpilogueBeforeWait the angle's sine and cosine are
+// computed with them, before the wait, so nothing after the join waits on a load or on sincos.
 std::string rope_cache_output_functions(const GemvKernelConfig& config) {
   const GemvRopeCacheEpilogue& rope = *config.rope_cache;
-  const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
+  const std::size_t tensor_count = config.epilogue.tensor_inputs().size();
   std::string text = codegen_detail::rope_rotation_device_code(rope.rope);
-  text += "// The value the stacked GEMV stores for row n (its epilogue expression), as stored.\n"
-          "__device__ __forceinline__ float stored_value(const Outputs& outputs, int m, int n, float acc0) {\n"
-          "  (void)m;\n  const float acc1 = 0.0f;\n  (void)acc1;\n";
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    text += fmt::format("  const float tensor_value{} = to_f32(outputs.tensor{}[{}]);\n", i, i,
-                        tensors[i].broadcast_rows ? "n" : "m * kN + n");
-  }
-  text += fmt::format("  return to_f32(from_f32({}));\n}}\n", config.epilogue.cuda_expression());
   text += fmt::format(R"(constexpr int kRopeHeadDim = {0};
 constexpr int kRopeDims = {1};
 constexpr int kQRows = {2};
 constexpr int kKvRows = {3};
 constexpr long long kCacheRows = {4}LL;
-__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {{
-  const int part = n < kQRows ? 0 : n < kQRows + kKvRows ? 1 : 2;  // q, k, v
+constexpr int kEpilogueTensorCount = {5};
+struct EpilogueTensors {{
+  float value[kEpilogueTensorCount > 0 ? kEpilogueTensorCount : 1];    // the tensors at n
+  float partner[kEpilogueTensorCount > 0 ? kEpilogueTensorCount : 1];  // at n ^ 1 (rotated rows only)
+  int position;
+  float sine, cosine;  // kEpilogueBeforeWait and a rotated row only
+}};
+// Row n of the stacked q, k, v: its part (0, 1, 2), its head and its element p within the head.
+__device__ __forceinline__ void rope_row(int n, int& part, int& head, int& p) {{
+  part = n < kQRows ? 0 : n < kQRows + kKvRows ? 1 : 2;
   const int row = n - (part == 0 ? 0 : part == 1 ? kQRows : kQRows + kKvRows);
-  const int head = row / kRopeHeadDim, p = row - head * kRopeHeadDim;
-  const int position = outputs.positions[m];
-  const float value = stored_value(outputs, m, n, acc0);
+  head = row / kRopeHeadDim;
+  p = row - head * kRopeHeadDim;
+}}
+__device__ __forceinline__ EpilogueTensors load_epilogue_tensors(const Outputs& outputs, int m, int n) {{
+  EpilogueTensors tensors{{}};
+  tensors.position = outputs.positions[m];
+  int part, head, p;
+  rope_row(n, part, head, p);
+)",
+                      rope.head_dim, rope.dims(), rope.q_heads * rope.head_dim, rope.kv_heads * rope.head_dim,
+                      rope.capacity, tensor_count);
+  for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("  tensors.value[{0}] = to_f32(outputs.tensor{0}[n]);\n", i);
+  text += "  if (part < 2 && p < kRopeDims) {\n";
+  for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("    tensors.partner[{0}] = to_f32(outputs.tensor{0}[n ^ 1]);\n", i);
+  text += "    if constexpr (kEpilogueBeforeWait) metile_rope_angle(p >> 1, tensors.position, tensors.sine, tensors.cosine);\n"
+          "  }\n  return tensors;\n}\n";
+  text += "// The value the stacked GEMV stores for a row (its epilogue expression), as stored.\n"
+          "__device__ __forceinline__ float stored_value(float acc0, const float (&tensor)[kEpilogueTensorCount > 0 ? kEpilogueTensorCount : 1]) {\n"
+          "  (void)tensor;\n  const float acc1 = 0.0f;\n  (void)acc1;\n";
+  for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("  const float tensor_value{0} = tensor[{0}];\n", i);
+  text += fmt::format("  return to_f32(from_f32({}));\n}}\n", config.epilogue.cuda_expression());
+  text += R"(__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,
+                                             const EpilogueTensors& tensors) {
+  int part, head, p;
+  rope_row(n, part, head, p);
+  const int position = tensors.position;
+  const float value = stored_value(acc0, tensors.value);
   float result = value;
   int d = p;
-  if (part < 2 && p < kRopeDims) {{
+  if (part < 2 && p < kRopeDims) {
     // Rows 2j and 2j + 1 of a head hold the pair (j, j + dims/2) (gemv_rope_row_order).
-    const float partner = stored_value(outputs, m, n ^ 1, acc1);
+    const float partner = stored_value(acc1, tensors.partner);
     const int pair = p >> 1;
     const bool high = (p & 1) != 0;
+    float sine = tensors.sine, cosine = tensors.cosine;
+    if constexpr (!kEpilogueBeforeWait) metile_rope_angle(pair, position, sine, cosine);
     float low_value, high_value;
-    metile_rope_rotate(high ? partner : value, high ? value : partner, pair, position, low_value, high_value);
+    metile_rope_apply(high ? partner : value, high ? value : partner, sine, cosine, low_value, high_value);
     result = high ? high_value : low_value;
     d = high ? pair + kRopeDims / 2 : pair;
-  }}
-  if (part == 0) {{
+  }
+  if (part == 0) {
     outputs.out[0][(static_cast<long long>(head) * kM + m) * kRopeHeadDim + d] = from_f32(result);
     return;
-  }}
+  }
   // kv_cache_write's rule: a position outside the cache writes nothing, and a position a later row
   // names again is left to that row.
   bool skipped = position < 0 || position >= kCacheRows;
   for (int later = m + 1; later < kM; ++later) skipped = skipped || outputs.positions[later] == position;
   if (!skipped) outputs.out[part][(static_cast<long long>(head) * kCacheRows + position) * kRopeHeadDim + d] = from_f32(result);
-}}
-)",
-                      rope.head_dim, rope.dims(), rope.q_heads * rope.head_dim, rope.kv_heads * rope.head_dim,
-                      rope.capacity);
+}
+__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {
+  store_output(outputs, m, n, acc0, acc1, load_epilogue_tensors(outputs, m, n));
+}
+)";
   return text;
 }
 }  // namespace
@@ -511,25 +541,23 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
   // kPreloadEpilogue (register mainloop, unsplit, one output a thread): the kernel entry loads each
   // thread's epilogue tensors right after the wait for the previous kernel, so that their round trip
   // to L2 overlaps the mainloop instead of following the join; store_output then takes them.
-  const bool preload = !config.rope_cache && !tensors.empty() && config.mainloop == GemvMainloop::register_batches &&
-                       config.k_splits == 1 && config.rows * config.tiles_per_block * 16 <= config.warps_per_block * 32;
-  text += fmt::format("constexpr bool kPreloadEpilogue = {};\nstruct EpilogueTensors {{\n  float value[{}];\n}};\n",
-                      preload ? "true" : "false", std::max<std::size_t>(tensors.size(), 1));
+  // kEpilogueBeforeWait (the rope epilogue whose inputs no kernel of the run writes,
+  // GemvRopeCacheEpilogue::inputs_before_wait): before the wait instead.
+  const bool one_output_a_thread = config.mainloop == GemvMainloop::register_batches && config.k_splits == 1 &&
+                                   config.rows * config.tiles_per_block * 16 <= config.warps_per_block * 32;
+  const bool preload = one_output_a_thread && (config.rope_cache || !tensors.empty());
+  const bool before_wait = preload && config.rope_cache && config.rope_cache->inputs_before_wait;
+  text += fmt::format("constexpr bool kPreloadEpilogue = {};\nconstexpr bool kEpilogueBeforeWait = {};\n",
+                      preload ? "true" : "false", before_wait ? "true" : "false");
+  if (config.rope_cache) return text + rope_cache_output_functions(config);
+  text += fmt::format("struct EpilogueTensors {{\n  float value[{}];\n}};\n", std::max<std::size_t>(tensors.size(), 1));
   text += "__device__ __forceinline__ EpilogueTensors load_epilogue_tensors(const Outputs& outputs, int m, int n) {\n"
           "  (void)outputs, (void)m, (void)n;\n  EpilogueTensors tensors{};\n";
-  if (!config.rope_cache) {
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      text += fmt::format("  tensors.value[{}] = to_f32(outputs.tensor{}[{}]);\n", i, i,
-                          tensors[i].broadcast_rows ? "n" : "m * kN + n");
-    }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    text += fmt::format("  tensors.value[{}] = to_f32(outputs.tensor{}[{}]);\n", i, i,
+                        tensors[i].broadcast_rows ? "n" : "m * kN + n");
   }
   text += "  return tensors;\n}\n";
-  if (config.rope_cache) {
-    return text + rope_cache_output_functions(config) +
-           "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,\n"
-           "                                             const EpilogueTensors&) {\n"
-           "  store_output(outputs, m, n, acc0, acc1);\n}\n";
-  }
   // The store with the tensors loaded already; the plain one loads them itself.
   text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,\n"
           "                                             const EpilogueTensors& tensors) {\n"

@@ -500,6 +500,12 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       if (o < kM * kTiles * 16 && n < kN) preloaded_tensors = load_epilogue_tensors(outputs, o / (kTiles * 16), n);
     }
   };
+  // kEpilogueBeforeWait: inputs no kernel of the run writes (the rope epilogue's positions and
+  // biases), loaded before the wait; else right after it.
+  if constexpr (kEpilogueBeforeWait) load_epilogue();
+  auto load_epilogue_after_wait = [&] {
+    if constexpr (!kEpilogueBeforeWait) load_epilogue();
+  };
   if constexpr (kProducts == 2 && kScratchSpilled) {
     // Finish the gate reduction, park it in shared memory, reuse the same registers for up.
     float acc[1][kTiles][kRowHalves][4];
@@ -512,7 +518,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       const u32* const one_weights[1] = {weights[p]};
       const u16* const one_scale_bias[1] = {scale_bias[p]};
       accumulate<1>(acc, one_weights, one_scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
-                    first_of_block && p == 0, load_epilogue);
+                    first_of_block && p == 0, load_epilogue_after_wait);
       spill(acc[0], partial, warp, p, lane);
     }
   } else {
@@ -525,7 +531,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
     accumulate<kProducts>(acc, weights, scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
-                          first_of_block, load_epilogue);
+                          first_of_block, load_epilogue_after_wait);
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
@@ -868,8 +874,9 @@ std::string GemvKernelConfig::to_string() const {
   if (x_rms_norm_eps) text += fmt::format(" x=rms_norm(eps={:g})", *x_rms_norm_eps);
   if (!output_splits.empty()) text += fmt::format(" outputs={}", fmt::join(output_splits, "+"));
   if (rope_cache) {
-    text += fmt::format(" rope_cache(heads={}/{} D={} dims={} capacity={})", rope_cache->q_heads, rope_cache->kv_heads,
-                        rope_cache->head_dim, rope_cache->dims(), rope_cache->capacity);
+    text += fmt::format(" rope_cache(heads={}/{} D={} dims={} capacity={}{})", rope_cache->q_heads, rope_cache->kv_heads,
+                        rope_cache->head_dim, rope_cache->dims(), rope_cache->capacity,
+                        rope_cache->inputs_before_wait ? " inputs before the wait" : "");
   }
   if (mainloop == GemvMainloop::streamed) {
     return text + fmt::format(" streamed warps={} stage_iterations={} stages={} grid={}x{}", warps_per_block,

@@ -161,18 +161,28 @@ std::string codegen_detail::rope_rotation_device_code(const Attributes& attribut
     frequencies += fmt::format("{}{:.17g}", frequencies.empty() ? "" : ", ", frequency);
   }
   return fmt::format(R"(__device__ const double metile_rope_frequencies[{0}] = {{{1}}};
-__device__ __forceinline__ void metile_rope_rotate(float first, float second, int pair, int position_index, float& low,
-                                                   float& high) {{
+// The angle of `pair` at a position, its sine and cosine (apart from the rotation, so that a kernel
+// can compute them before its operands exist: the GEMV's rope epilogue, gemv_device_helpers.cpp).
+__device__ __forceinline__ void metile_rope_angle(int pair, int position_index, float& sine, float& cosine) {{
   const double frequency = __ldg(metile_rope_frequencies + pair);
   // The angle and its sine and cosine in f64, rounded to f32, as the reference does: an f32
   // angle would lose about position * 6e-8 radians, visible at long sequences.
   const double position = static_cast<double>(position_index);
   double sine_f64, cosine_f64;
   sincos(position * frequency, &sine_f64, &cosine_f64);
-  const float sine = static_cast<float>(sine_f64);
-  const float cosine = static_cast<float>(cosine_f64);
+  sine = static_cast<float>(sine_f64);
+  cosine = static_cast<float>(cosine_f64);
+}}
+__device__ __forceinline__ void metile_rope_apply(float first, float second, float sine, float cosine, float& low,
+                                                  float& high) {{
   low = __fsub_rn(__fmul_rn(first, cosine), __fmul_rn(second, sine));
   high = __fadd_rn(__fmul_rn(first, sine), __fmul_rn(second, cosine));
+}}
+__device__ __forceinline__ void metile_rope_rotate(float first, float second, int pair, int position_index, float& low,
+                                                   float& high) {{
+  float sine, cosine;
+  metile_rope_angle(pair, position_index, sine, cosine);
+  metile_rope_apply(first, second, sine, cosine, low, high);
 }}
 )",
                      dims / 2, frequencies);

@@ -652,6 +652,8 @@ TEST(GemvLowering, QkvWithRopeAndCacheWritesIsOneGemvWithTheRopeEpilogue) {
     EXPECT_EQ(stage.rope_cache->head_dim, 64);
     EXPECT_EQ(stage.rope_cache->capacity, 32);
     EXPECT_EQ(stage.rope_cache->rope, g.node(*g.find_node("q.rope")).attributes);
+    // The positions and the biases are graph inputs: the epilogue may read them before the wait.
+    EXPECT_TRUE(stage.rope_cache->inputs_before_wait);
     EXPECT_EQ(value_name(g, stage.rope_values.positions), "positions");
     EXPECT_EQ(value_name(g, stage.rope_values.q_rotated), "q.rope");
     EXPECT_EQ(value_name(g, stage.rope_values.k_cache_out), "k_cache_out");

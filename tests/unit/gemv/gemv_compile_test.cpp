@@ -492,6 +492,11 @@ TEST(GemvCompile, RopeCacheEpilogueCompilesAndRefusesWhatItCannotDo) {
   split.k_splits = 4;
   configs.push_back(split);
   configs.push_back(with_rope(gemv_config(GemvWeightFormat::affine(8, 32, DType::f16), 16, 512, 256, biased), 32));
+  // A decode step's: the positions and the biases read, the angle computed, before the wait.
+  GemvKernelConfig early = with_rope(gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 512, 64 * 8, biased), 64);
+  early.x_rms_norm_eps = 1e-5;
+  early.rope_cache->inputs_before_wait = true;
+  configs.push_back(early);
   for (std::size_t c = 0; c < configs.size(); ++c) {
     const GemvKernelConfig& config = configs[c];
     GemvKernelConfig plain = config;
@@ -501,11 +506,24 @@ TEST(GemvCompile, RopeCacheEpilogueCompilesAndRefusesWhatItCannotDo) {
     EXPECT_NE(kernel.source.find("constexpr bool kRopeCache = true;"), std::string::npos);
     EXPECT_NE(kernel.source.find("u16* __restrict__ out2, const int* __restrict__ positions"), std::string::npos)
         << kernel.source.substr(kernel.source.find("extern \"C\""), 1200);
-    EXPECT_NE(kernel.source.find("metile_rope_rotate("), std::string::npos);
+    EXPECT_NE(kernel.source.find("metile_rope_apply("), std::string::npos);
+    // Each thread's position, biases (and, before the wait, angle) are loaded ahead of the join
+    // where it stores one output (M = 1 here; the split-K and the M = 16 kernels load in the store).
+    const bool one_output_a_thread = config.k_splits == 1 && config.rows * 16 <= config.warps_per_block * 32;
+    EXPECT_EQ(kernel.source.find("constexpr bool kPreloadEpilogue = true;") != std::string::npos, one_output_a_thread)
+        << config.to_string();
+    EXPECT_EQ(kernel.source.find("constexpr bool kEpilogueBeforeWait = true;") != std::string::npos,
+              one_output_a_thread && config.rope_cache->inputs_before_wait)
+        << config.to_string();
+    if (config.rope_cache->inputs_before_wait) {
+      GemvKernelConfig after = config;
+      after.rope_cache->inputs_before_wait = false;
+      EXPECT_NE(kernel.kernel_name, generate_gemv_kernel(after).kernel_name) << "one name for two kernels";
+    }
     try {
       const Compiled compiled = compile_for_sm90(kernel);
       EXPECT_FALSE(compiled.program.cubin.empty()) << config.to_string();
-      if (c == 0) {
+      if (c == 0 || config.rope_cache->inputs_before_wait) {
         // The f64 sincos keeps a small local array for its slow argument reduction (a stack frame);
         // the batches and accumulators must still not spill.
         const std::regex report(R"((\d+) bytes spill stores, (\d+) bytes spill loads)");
