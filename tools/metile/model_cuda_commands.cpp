@@ -283,6 +283,7 @@ void bench_model(const ModelOptions& options) {
                                                                           : WeightPrefetch::raced;
     EngineOptions engine{variant.path, executable, progress_line, options.tournament_caches == "cold", true, prefetch};
     engine.race_near_ties = options.race_near_ties;
+    if (options.race_near_ties) engine.executable.near_tie_margin = options.near_tie_margin;
     CudaDecodeSession session(cuda_model, engine);
     results.push_back(benchmark_engine(session, bench));
   }
