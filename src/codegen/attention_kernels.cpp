@@ -309,28 +309,6 @@ __device__ __forceinline__ void load_step(KeyStep& step, const u16* __restrict__
   }
 }
 
-// load_step split by key (kCacheBeforeWait): the fragments of keys below `new_from` (rows no kernel
-// of this run writes) when `old` is set, the others when not; the same keys as load_step.
-__device__ __forceinline__ void load_step_part(KeyStep& step, const u16* __restrict__ k, const u16* __restrict__ v,
-                                               int first, int last_readable, int new_from, bool old, int g, int t) {
-#pragma unroll
-  for (int tile = 0; tile < 2; ++tile) {
-    const int key = min(first + permuted_key(g + 8 * tile), last_readable);
-    if ((key < new_from) == old) {
-#pragma unroll
-      for (int c = 0; c < kKeyChunks; ++c) step.keys.key[tile][c] = load_stream(k + (u64)key * kHeadDim + 32 * c + 8 * t);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int key = min(first + t + 4 * i, last_readable);
-    if ((key < new_from) == old) {
-#pragma unroll
-      for (int h = 0; h < kValueHalves; ++h) step.values.value[i][h] = load_stream(v + (u64)key * kValueDim + 64 * h + 8 * g);
-    }
-  }
-}
-
 // Thread-block clusters (kCluster): the CTAs of one head read each other's shared memory.
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -425,19 +403,18 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   const int last_readable = key_end - 1;
   const bool speculated = speculative && split_begin == guessed_begin;  // always so for split 0
 
-  // kCacheBeforeWait: each warp's first step is loaded before the wait where its keys lie below the
-  // smallest position (rows the previous kernel cannot have written); its keys at or past it (the
-  // new rows, in L2 since the previous kernel wrote them), q and every later step after the wait.
+  // kCacheBeforeWait: each warp's first step, if every one of its keys lies below the smallest
+  // position (rows the previous kernel cannot have written), is loaded before the wait; the step
+  // holding a new row, q and everything after them come after it.
   bool loaded_before_wait = false;
   if constexpr (kCacheBeforeWait) {
     const int first = split_begin + 16 * warp;
-    if (first < split_end) {
-      load_step_part(current, k, v, first, last_readable, min_limit, true, g, t);
+    if (first < split_end && first + 15 < min_limit) {
+      load_step(current, k, v, first, last_readable, g, t);
       loaded_before_wait = true;
     }
     q = after_previous_kernel(q);
     k = ordered_after_wait(k), v = ordered_after_wait(v);
-    if (first < split_end && first + 15 >= min_limit) load_step_part(current, k, v, first, last_readable, min_limit, false, g, t);
   }
   if constexpr (!kSpeculate) load_query(qa, q, g, kRows, t);
   RowState state = {{negative_infinity(), negative_infinity()}, {0.0f, 0.0f}};
