@@ -340,12 +340,16 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
   // below the smallest of them are the graph's inputs, which no kernel of this run writes; they are
   // read before the wait, so the first step's DRAM round trip overlaps the previous kernel's tail.
   allow_dependent_launch();
+  // Every pointer but those read before the wait is pinned after it (ordered_after_wait).
+  auto pin_after_wait = [&] {
+    out = ordered_after_wait(out), partial_values = ordered_after_wait(partial_values);
+    partial_states = ordered_after_wait(partial_states), arrivals = ordered_after_wait(arrivals);
+  };
   if constexpr (!kCacheBeforeWait) {
     q = after_previous_kernel(q);
     k = ordered_after_wait(k), v = ordered_after_wait(v), positions = ordered_after_wait(positions);
+    pin_after_wait();
   }
-  out = ordered_after_wait(out), partial_values = ordered_after_wait(partial_values);
-  partial_states = ordered_after_wait(partial_states), arrivals = ordered_after_wait(arrivals);
   extern __shared__ float4 shared_words[];
   float2* shared_states = reinterpret_cast<float2*>(shared_words);              // [kWarps][kPaddedRows]
   float* shared_values = reinterpret_cast<float*>(shared_states + kWarps * kPaddedRows);  // [kWarps][kRows][kValueDim]
@@ -415,6 +419,7 @@ extern "C" __global__ void CLUSTER_DIMENSIONS __launch_bounds__(kThreads) KERNEL
     }
     q = after_previous_kernel(q);
     k = ordered_after_wait(k), v = ordered_after_wait(v);
+    pin_after_wait();
   }
   if constexpr (!kSpeculate) load_query(qa, q, g, kRows, t);
   RowState state = {{negative_infinity(), negative_infinity()}, {0.0f, 0.0f}};

@@ -7,6 +7,9 @@
 // writes as one generated kernel.
 #include <fmt/core.h>
 
+#include <utility>
+#include <vector>
+
 #include "metile/attention_runtime.h"
 #include "metile/discovery.h"
 #include "metile/dispatch.h"
@@ -17,21 +20,33 @@ namespace {
 
 // Whether a decode kernel may read the positions and the cache rows below the smallest position
 // before the wait for the previous kernel (DecodeAttentionConfig::cache_before_wait): the positions
-// are a graph input, and K and V are each a graph input or a kv_cache_write of a graph-input cache
-// at those same positions, so no kernel of the run writes the positions or any other cache row.
-// (The decode step graph, src/model/step_graph.cpp, has this form.)
-bool cache_rows_are_run_inputs(const ComputeGraph& graph, const Node& attention) {
-  if (attention.inputs.size() != 4) return false;
+// are a graph input, and K and V are each a graph input or a kv_cache_write in place (alias_of) of a
+// graph-input cache at those same positions, so no kernel of the run writes the positions or any
+// other cache row. (The decode step graph, src/model/step_graph.cpp, has this form.) A write that
+// copies the cache first is a kernel writing every row: then nothing is read before the wait.
+// `in_place` lists each write's (output, cache) pair: the bound buffers must share too (an external
+// output buffer forces the copy, DeviceValues), which the binding checks.
+struct CacheRowsBeforeWait {
+  bool allowed = false;
+  std::vector<std::pair<ValueId, ValueId>> in_place;
+};
+CacheRowsBeforeWait cache_rows_are_run_inputs(const ComputeGraph& graph, const Node& attention) {
+  CacheRowsBeforeWait result;
+  if (attention.inputs.size() != 4) return result;
   const ValueId positions = attention.inputs[3];
-  if (graph.value(positions).producer >= 0) return false;
+  if (graph.value(positions).producer >= 0) return result;
+  const std::vector<ValueId> owner = alias_of(graph);
   for (const ValueId cache : {attention.inputs[1], attention.inputs[2]}) {
     const NodeId producer = graph.value(cache).producer;
     if (producer < 0) continue;  // a graph input: no kernel of the run writes it
     const Node& write = graph.node(producer);
-    if (write.op != "kv_cache_write" || write.inputs.size() != 3) return false;
-    if (graph.value(write.inputs[0]).producer >= 0 || write.inputs[2] != positions) return false;
+    if (write.op != "kv_cache_write" || write.inputs.size() != 3) return result;
+    if (graph.value(write.inputs[0]).producer >= 0 || write.inputs[2] != positions) return result;
+    if (owner[static_cast<std::size_t>(cache)] != owner[static_cast<std::size_t>(write.inputs[0])]) return result;
+    result.in_place.emplace_back(cache, write.inputs[0]);
   }
-  return true;
+  result.allowed = true;
+  return result;
 }
 
 }  // namespace
@@ -59,10 +74,12 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   // the default launch shape only: the other shapes of decode_attention_variants won races run
   // alone and lost inside the decode step (include/metile/attention_runtime.h).
   FlashAttentionOptions options;
+  CacheRowsBeforeWait cache_rows;
   std::string source;
   std::string variant;
   if (problem.is_decode()) {
-    options.decode_cache_before_wait = problem.mask == AttentionMask::positions && cache_rows_are_run_inputs(graph, node);
+    cache_rows = problem.mask == AttentionMask::positions ? cache_rows_are_run_inputs(graph, node) : CacheRowsBeforeWait{};
+    options.decode_cache_before_wait = cache_rows.allowed;
     // build() on the device decides the same way (its multiprocessor count in place of 132).
     const DecodeAttentionConfig config = decode_attention_config(problem, options, 132);
     source = generate_decode_attention_kernel(config).source;
@@ -80,8 +97,12 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   candidate.summary = fmt::format("{} ({})", variant, problem.to_string());
   const std::vector<ValueId> operands = node.inputs;
   const ValueId out = node.outputs[0];
-  candidate.bind = [problem, options, operands, out](DeviceValues& values) {
-    auto attention = std::make_shared<FlashAttention>(FlashAttention::build(problem, options));
+  candidate.bind = [problem, options, cache_rows, operands, out](DeviceValues& values) {
+    FlashAttentionOptions bound = options;
+    for (const auto& [written, cache] : cache_rows.in_place) {
+      if (!values.shares_buffer(written, cache)) bound.decode_cache_before_wait = false;
+    }
+    auto attention = std::make_shared<FlashAttention>(FlashAttention::build(problem, bound));
     const std::uint64_t q = values[operands[0]].address();
     const std::uint64_t k = values[operands[1]].address();
     const std::uint64_t v = values[operands[2]].address();

@@ -13,6 +13,7 @@
 #include <system_error>
 #include <type_traits>
 
+#include "capacity_text.h"
 #include "metile/flow.h"
 #include "metile/io.h"
 
@@ -230,13 +231,6 @@ class DimacsReader {
 
   std::string file_name_;
 };
-
-std::string capacity_text(std::int64_t value) { return std::to_string(value); }
-std::string capacity_text(double value) {
-  char buffer[64];
-  const auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;  // shortest exact round trip
-  return std::string(buffer, end);
-}
 
 // True when every `a` line's capacity token is an integer, so the file reads as an integer problem.
 bool capacities_are_integers(std::string_view text) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <type_traits>
 
+#include "capacity_text.h"
 #include "metile/flow.h"
 
 namespace metile {
@@ -18,15 +19,6 @@ namespace {
 // Integer totals must stay far from overflow: a solver's excess at one vertex is
 // bounded by the sum of all capacities, and residual arithmetic adds two of those.
 constexpr std::int64_t kIntegerCapacityLimit = std::numeric_limits<std::int64_t>::max() / 4;
-
-std::string capacity_text(std::int64_t capacity) { return std::to_string(capacity); }
-std::string capacity_text(double capacity) {
-  if (std::isnan(capacity)) return "NaN";
-  if (std::isinf(capacity)) return capacity > 0 ? "inf" : "-inf";
-  char buffer[64];
-  const auto end = std::to_chars(buffer, buffer + sizeof(buffer), capacity).ptr;  // shortest round trip
-  return std::string(buffer, end);
-}
 
 template <typename Capacity>
 void check_capacity(int edge_index, Capacity capacity) {

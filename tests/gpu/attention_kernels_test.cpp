@@ -388,6 +388,7 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
   const struct {
     DType dtype;
     std::int64_t heads, groups, tokens, keys, head_dim, last_position;
+    std::vector<std::int64_t> order = {};  // the tokens' positions less last_position; empty: ascending
   } cases[] = {
       {DType::bf16, 8, 4, 1, 512, 64, 127},     // Llama-3.2-1B's step: one 8-warp block per head
       {DType::bf16, 2, 6, 1, 512, 128, 127},    // Qwen2.5-1.5B's: two-warp clusters
@@ -396,6 +397,8 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
       {DType::bf16, 2, 4, 1, 32768, 128, 4095}, // the global merge
       {DType::f16, 2, 2, 4, 900, 64, 899},      // the cache full
       {DType::bf16, 3, 1, 2, 200, 64, 17},      // every row inside the first split
+      {DType::bf16, 4, 4, 3, 3000, 128, 1234, {0, -2, -1}},  // the smallest position is not row 0's
+      {DType::bf16, 8, 2, 3, 512, 64, 140, {-1, 0, -1}},     // a position named twice
   };
   for (const auto& c : cases) {
     AttentionProblem problem;
@@ -408,8 +411,10 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
     problem.mask = AttentionMask::positions;
     problem.position_count = c.tokens;
     AttentionInputs in = random_inputs(problem, seed += 10);
-    const std::int64_t first_new = c.last_position - c.tokens + 1;
-    for (std::int64_t s = 0; s < c.tokens; ++s) in.positions.push_back(static_cast<std::int32_t>(first_new + s));
+    std::vector<std::int64_t> order = c.order;
+    for (std::int64_t s = 0; order.empty() && s < c.tokens; ++s) order.push_back(s - c.tokens + 1);
+    for (const std::int64_t offset : order) in.positions.push_back(static_cast<std::int32_t>(c.last_position + offset));
+    const std::int64_t first_new = c.last_position + *std::min_element(order.begin(), order.end());
     poison_cache_after(problem, in, c.last_position);
     // What the device holds before the writer runs: q and the new rows NaN too.
     AttentionInputs before = in;
@@ -419,6 +424,7 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
     options.decode_cache_before_wait = true;
     const FlashAttention attention = FlashAttention::build(problem, options);
     SCOPED_TRACE(problem.to_string() + ", " + attention.kernel().summary);
+    EXPECT_NE(attention.kernel().summary.find("cache before the wait"), std::string::npos);
     const DeviceBuffer q_final = DeviceBuffer::from_tensor(in.q), k_final = DeviceBuffer::from_tensor(in.k),
                        v_final = DeviceBuffer::from_tensor(in.v);
     const DeviceBuffer positions = DeviceBuffer::from_vector<std::int32_t>(in.positions);
@@ -451,6 +457,43 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
       }
     }
   }
+  // The control, so that the test cannot pass without the overlap it depends on: positions that
+  // claim the new row is old (200, where the writer writes row 127 alone and every other row up to
+  // 200 holds its final value) make the kernel read row 127 before the wait. It reads NaN only if
+  // it ran while the writer spun, which the NaN in its output shows.
+  AttentionProblem problem;
+  problem.dtype = DType::bf16;
+  problem.heads = 8, problem.rows = 4, problem.keys = 512, problem.head_dim = problem.value_dim = 64;
+  problem.scale = 0.125;
+  problem.mask = AttentionMask::positions;
+  problem.position_count = 1;
+  AttentionInputs in = random_inputs(problem, seed += 10);
+  in.positions = {200};
+  AttentionInputs before = in;
+  for (HostTensor* tensor : {&before.k, &before.v}) {
+    for (std::int64_t h = 0; h < problem.heads; ++h) {
+      for (std::int64_t c = 0; c < problem.head_dim; ++c) tensor->store((h * problem.keys + 127) * problem.head_dim + c, std::nan(""));
+    }
+  }
+  FlashAttentionOptions options;
+  options.decode_cache_before_wait = true;
+  const FlashAttention attention = FlashAttention::build(problem, options);
+  const DeviceBuffer q = DeviceBuffer::from_tensor(in.q), k = DeviceBuffer::from_tensor(before.k),
+                     v = DeviceBuffer::from_tensor(before.v), k_final = DeviceBuffer::from_tensor(in.k),
+                     v_final = DeviceBuffer::from_tensor(in.v);
+  const DeviceBuffer positions = DeviceBuffer::from_vector<std::int32_t>(in.positions);
+  const TensorSpec out_spec({problem.heads, problem.rows, problem.value_dim}, problem.dtype);
+  DeviceBuffer out(static_cast<std::size_t>(out_spec.bytes()));
+  CudaStream stream;
+  stream.set_programmatic_dependent_launch(true);
+  launch(writer, Dim3{64}, Dim3{256}, 0, stream, q, q, static_cast<long long>(in.q.element_count()), k, k_final,
+         static_cast<long long>(problem.head_dim), v, v_final, static_cast<long long>(problem.value_dim),
+         static_cast<long long>(problem.heads), static_cast<long long>(problem.keys), 127LL, 128LL, 50'000LL);
+  attention.enqueue(stream, q.address(), k.address(), v.address(), positions.address(), out.address());
+  stream.synchronize();
+  const std::vector<double> control = out.download(out_spec).to_values();
+  EXPECT_TRUE(std::any_of(control.begin(), control.end(), [](double x) { return std::isnan(x); }))
+      << "the attention kernel did not run while the writer spun: the cases above prove nothing";
 }
 
 TEST_F(AttentionKernels, PrefillMatchesFloat64Reference) {

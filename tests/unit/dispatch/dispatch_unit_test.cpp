@@ -358,12 +358,14 @@ TEST(LowerRegion, FlashAttentionLowersDecodeAndPrefillWithTheDefaultShape) {
 // The decode kernel reads the positions and the old cache rows before the wait for the previous
 // kernel only where the graph proves no kernel of the run writes them: the positions a graph input,
 // K and V graph inputs or kv_cache_writes of graph-input caches at those same positions (a decode
-// step's form). Anything else (other positions for the write, computed positions, a computed K)
+// step's form, the write in place). Anything else (other positions for the write, computed
+// positions, a computed K, a write that copies the cache because another node reads the old one)
 // keeps every read after the wait.
 TEST(LowerRegion, FlashAttentionReadsTheCacheBeforeTheWaitOnlyWhereNoKernelWritesIt) {
   const Certificate certificate = prove(stable_weighted_softmax_law());
-  enum class Form { decode_step, other_positions, computed_positions, computed_keys };
-  for (const Form form : {Form::decode_step, Form::other_positions, Form::computed_positions, Form::computed_keys}) {
+  enum class Form { decode_step, other_positions, computed_positions, computed_keys, copied_cache };
+  for (const Form form : {Form::decode_step, Form::other_positions, Form::computed_positions, Form::computed_keys,
+                          Form::copied_cache}) {
     GraphBuilder b;
     const ValueRef q = b.input("q", {{2, 8, 128}, DType::bf16});
     const ValueRef positions_in = b.input("positions", {{4}, DType::i32});
@@ -382,7 +384,9 @@ TEST(LowerRegion, FlashAttentionReadsTheCacheBeforeTheWaitOnlyWhereNoKernelWrite
     attributes.set("offset", std::int64_t{0});
     attributes.set("certificate", certificate.to_json());
     const ValueRef out = b.add_node("flash_attention", {q, k_all, v_all, positions}, attributes, "attention").front();
-    const ComputeGraph graph = b.build({out, k_all, v_all});
+    std::vector<ValueRef> outputs = {out, k_all, v_all};
+    if (form == Form::copied_cache) outputs.push_back(b.scale(k_cache, 0.5, "old_keys_read"));
+    const ComputeGraph graph = b.build(outputs);
     const NodeId attention = graph.value(out.id).producer;
     const Lowered lowered = flash_attention_candidates(graph, region_of_nodes(graph, {attention}, "flash_attention"));
     ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
