@@ -145,17 +145,8 @@ std::vector<Timed> time_floors(const Model& model, const CudaStream& stream, int
 std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& stream, const Model& model, std::int64_t keys,
                                bool positions_mask, std::int64_t last_position) {
   const std::int64_t kv_heads = model.kv_heads, groups = model.groups, head_dim = model.head_dim;
-  AttentionProblem problem;
-  problem.dtype = DType::bf16;
-  problem.heads = kv_heads;
-  problem.rows = groups;
-  problem.keys = keys;
-  problem.head_dim = problem.value_dim = head_dim;
-  problem.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  if (positions_mask) {
-    problem.mask = AttentionMask::positions;
-    problem.position_count = 1;
-  }
+  const AttentionProblem problem = AttentionProblem::grouped_query(
+      DType::bf16, kv_heads, groups, 1, keys, head_dim, positions_mask ? AttentionMask::positions : AttentionMask::none);
   const std::int64_t keys_read = positions_mask ? last_position + 1 : keys;
   const double bytes_read = static_cast<double>(kv_heads * keys_read * head_dim * 2 * 2);
   // Enough copies that one replay streams at least 3x the L2 through (the small models' 128-key
@@ -268,15 +259,8 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
 
 std::vector<Timed> time_prefill(const CudaStream& stream, std::int64_t tokens) {
   const std::int64_t kv_heads = llama_3_8b.kv_heads, groups = llama_3_8b.groups, head_dim = llama_3_8b.head_dim;
-  AttentionProblem problem;
-  problem.dtype = DType::bf16;
-  problem.heads = kv_heads;
-  problem.rows = groups * tokens;
-  problem.keys = tokens;
-  problem.head_dim = problem.value_dim = head_dim;
-  problem.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  problem.mask = AttentionMask::positions;
-  problem.position_count = tokens;
+  const AttentionProblem problem =
+      AttentionProblem::grouped_query(DType::bf16, kv_heads, groups, tokens, tokens, head_dim, AttentionMask::positions);
   std::vector<std::int32_t> position_values(static_cast<std::size_t>(tokens));
   for (std::int64_t s = 0; s < tokens; ++s) position_values[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(s);
   const DeviceBuffer positions = DeviceBuffer::from_vector<std::int32_t>(position_values);

@@ -72,6 +72,11 @@ struct AttentionProblem {
   static AttentionProblem from_specs(const TensorSpec& q, const TensorSpec& k, const TensorSpec& v,
                                      const std::optional<TensorSpec>& positions, double scale,
                                      std::string_view mask, std::int64_t offset = 0);
+  // A decoder's attention over a cache of `keys` slots: `groups` query heads of each of `kv_heads`
+  // KV heads for each of `tokens` tokens (R = groups · tokens), D = Dv = head_dim, the scale
+  // 1/sqrt(D), with the positions mask (S = tokens) or none.
+  static AttentionProblem grouped_query(DType dtype, std::int64_t kv_heads, std::int64_t groups, std::int64_t tokens,
+                                        std::int64_t keys, std::int64_t head_dim, AttentionMask mask);
   void validate() const;           // InputError naming the field the kernels cannot take
   bool is_decode() const { return rows <= 16; }
   std::string to_string() const;   // "bf16 heads 8 R 4 T 4096 D 128 Dv 128 causal(+0)"

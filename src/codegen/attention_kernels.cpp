@@ -846,6 +846,21 @@ AttentionMask parse_attention_mask(std::string_view name) {
   throw InputError(fmt::format("flash_attention: mask '{}' is not one of none, causal, positions", name));
 }
 
+AttentionProblem AttentionProblem::grouped_query(DType dtype, std::int64_t kv_heads, std::int64_t groups,
+                                                 std::int64_t tokens, std::int64_t keys, std::int64_t head_dim,
+                                                 AttentionMask mask) {
+  AttentionProblem problem;
+  problem.dtype = dtype;
+  problem.heads = kv_heads;
+  problem.rows = groups * tokens;
+  problem.keys = keys;
+  problem.head_dim = problem.value_dim = head_dim;
+  problem.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  problem.mask = mask;
+  problem.position_count = mask == AttentionMask::positions ? tokens : 0;
+  return problem;
+}
+
 AttentionProblem AttentionProblem::from_specs(const TensorSpec& q, const TensorSpec& k, const TensorSpec& v,
                                               const std::optional<TensorSpec>& positions, double scale,
                                               std::string_view mask, std::int64_t offset) {

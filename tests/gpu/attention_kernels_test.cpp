@@ -205,15 +205,8 @@ TEST_F(AttentionKernels, DecodePositionsNeverReadPastTheLastPosition) {
       {DType::f16, 2, 2, 3, 64, 64, 40},          // three tokens, a partial step
   };
   for (const auto& c : cases) {
-    AttentionProblem problem;
-    problem.dtype = c.dtype;
-    problem.heads = c.heads;
-    problem.rows = c.groups * c.tokens;
-    problem.keys = c.keys;
-    problem.head_dim = problem.value_dim = c.head_dim;
-    problem.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-    problem.mask = AttentionMask::positions;
-    problem.position_count = c.tokens;
+    const AttentionProblem problem = AttentionProblem::grouped_query(c.dtype, c.heads, c.groups, c.tokens, c.keys, c.head_dim,
+                                                                            AttentionMask::positions);
     AttentionInputs in = random_inputs(problem, seed += 10);
     for (std::int64_t s = 0; s < c.tokens; ++s) {
       in.positions.push_back(static_cast<std::int32_t>(c.last_position - c.tokens + 1 + s));
@@ -321,15 +314,8 @@ INSTANTIATE_TEST_SUITE_P(Qwen, FewHeadsAttention, ::testing::ValuesIn(few_heads_
 TEST_F(AttentionKernels, L2PrefetchAtLongContexts) {
   std::uint64_t seed = seed_base() * 1000 + 400;
   for (const AttentionMask mask : {AttentionMask::none, AttentionMask::positions}) {
-    AttentionProblem problem;
-    problem.dtype = DType::bf16;
-    problem.heads = 8;
-    problem.rows = 4;
-    problem.keys = mask == AttentionMask::positions ? 4096 : 4097;
-    problem.head_dim = problem.value_dim = 128;
-    problem.scale = 1.0 / std::sqrt(128.0);
-    problem.mask = mask;
-    problem.position_count = mask == AttentionMask::positions ? 1 : 0;
+    const AttentionProblem problem =
+        AttentionProblem::grouped_query(DType::bf16, 8, 4, 1, mask == AttentionMask::positions ? 4096 : 4097, 128, mask);
     AttentionInputs in = random_inputs(problem, seed += 10);
     if (mask == AttentionMask::positions) {
       in.positions = {3000};
@@ -401,15 +387,8 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
       {DType::bf16, 8, 2, 3, 512, 64, 140, {-1, 0, -1}},     // a position named twice
   };
   for (const auto& c : cases) {
-    AttentionProblem problem;
-    problem.dtype = c.dtype;
-    problem.heads = c.heads;
-    problem.rows = c.groups * c.tokens;
-    problem.keys = c.keys;
-    problem.head_dim = problem.value_dim = c.head_dim;
-    problem.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-    problem.mask = AttentionMask::positions;
-    problem.position_count = c.tokens;
+    const AttentionProblem problem = AttentionProblem::grouped_query(c.dtype, c.heads, c.groups, c.tokens, c.keys, c.head_dim,
+                                                                            AttentionMask::positions);
     AttentionInputs in = random_inputs(problem, seed += 10);
     std::vector<std::int64_t> order = c.order;
     for (std::int64_t s = 0; order.empty() && s < c.tokens; ++s) order.push_back(s - c.tokens + 1);
@@ -461,12 +440,7 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
   // claim the new row is old (200, where the writer writes row 127 alone and every other row up to
   // 200 holds its final value) make the kernel read row 127 before the wait. It reads NaN only if
   // it ran while the writer spun, which the NaN in its output shows.
-  AttentionProblem problem;
-  problem.dtype = DType::bf16;
-  problem.heads = 8, problem.rows = 4, problem.keys = 512, problem.head_dim = problem.value_dim = 64;
-  problem.scale = 0.125;
-  problem.mask = AttentionMask::positions;
-  problem.position_count = 1;
+  const AttentionProblem problem = AttentionProblem::grouped_query(DType::bf16, 8, 4, 1, 512, 64, AttentionMask::positions);
   AttentionInputs in = random_inputs(problem, seed += 10);
   in.positions = {200};
   AttentionInputs before = in;

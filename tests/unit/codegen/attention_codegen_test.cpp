@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <future>
+#include <optional>
 #include <iostream>
 #include <regex>
 #include <vector>
@@ -160,6 +161,22 @@ TEST(AttentionCodegen, PrefillKernelsCompileForSm90) {
     kernels.push_back(kernel);
   }
   expect_compile_without_spills(kernels);
+}
+
+// grouped_query is the problem from_specs makes of a decoder's operands (scale 1/sqrt(D)).
+TEST(AttentionCodegen, GroupedQueryIsTheDecodersProblem) {
+  for (const AttentionMask mask : {AttentionMask::positions, AttentionMask::none}) {
+    const AttentionProblem grouped = AttentionProblem::grouped_query(DType::f16, 8, 4, 3, 512, 64, mask);
+    const std::optional<TensorSpec> positions =
+        mask == AttentionMask::positions ? std::optional<TensorSpec>(TensorSpec({3}, DType::i32)) : std::nullopt;
+    const AttentionProblem from = AttentionProblem::from_specs(
+        TensorSpec({8, 12, 64}, DType::f16), TensorSpec({8, 512, 64}, DType::f16), TensorSpec({8, 512, 64}, DType::f16),
+        positions, 0.125, attention_mask_name(mask));
+    EXPECT_EQ(grouped.to_string(), from.to_string());
+    EXPECT_EQ(grouped.scale, from.scale);
+    EXPECT_EQ(grouped.position_count, from.position_count);
+    EXPECT_EQ(grouped.value_dim, from.value_dim);
+  }
 }
 
 TEST(AttentionCodegen, OperandShapesBecomeAProblem) {
