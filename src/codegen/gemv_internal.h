@@ -11,6 +11,9 @@
 
 namespace metile::gemv_detail {
 
+// `value` rounded up to a multiple of `multiple` (positive).
+inline std::int64_t round_up(std::int64_t value, std::int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
 // The device code both mainloops start from (after the problem constants): the tensor-core
 // helpers every such generator shares (codegen_internal.h: types, mma, component), then the
 // derived constants of the weight layout, dtype conversions, activations and the affine

@@ -343,7 +343,6 @@ __device__ __forceinline__ void streamed_gemv(const u32* const (&weights)[kProdu
 }
 )CUDA";
 
-std::int64_t round_up(std::int64_t value, std::int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // Where everything sits in the block's dynamic shared memory, and how the work is split. Both the
 // host (launch size, workspace) and the kernel (emitted constants) take it from here.

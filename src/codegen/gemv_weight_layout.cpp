@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "gemv_internal.h"
 #include "metile/gemv.h"
 
 namespace metile {
@@ -42,7 +43,6 @@ std::uint32_t move_codes(std::uint32_t word, int bits, CodeMove move) {
   return result;
 }
 
-std::int64_t round_up(std::int64_t value, std::int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // For lane (g, t), half h, word `slot` of its 16-byte vector: the original word index in the row
 // (relative to the start of the row) and the row offset inside the tile.
@@ -141,8 +141,8 @@ RepackedAffineMatrix repack_for_gemv(const QuantizedMatrix& matrix) {
   const int group = result.format.group_size;
   result.rows = matrix.rows;
   result.columns = matrix.columns;
-  result.padded_rows = round_up(matrix.rows, 16);
-  result.padded_columns = round_up(matrix.columns, result.format.columns_per_iteration());
+  result.padded_rows = gemv_detail::round_up(matrix.rows, 16);
+  result.padded_columns = gemv_detail::round_up(matrix.columns, result.format.columns_per_iteration());
 
   const std::int64_t tiles = result.padded_rows / 16;
   const std::int64_t load_blocks = result.padded_columns / result.format.columns_per_load();

@@ -204,8 +204,6 @@ void generate_command(const ModelOptions& options) {
   fmt::print("{}\n", text);
 }
 
-double or_default(double value, double fallback) { return value < 0 ? fallback : value; }
-
 int verify_command(ModelOptions options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   if (options.tokens < 0) throw InputError(fmt::format("--tokens {} must be at least 1", options.tokens));

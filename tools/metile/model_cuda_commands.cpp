@@ -53,8 +53,6 @@ ExecutableOptions executable_options(const ModelOptions& options) {
   return executable;
 }
 
-double or_default(double value, double fallback) { return value < 0 ? fallback : value; }
-
 // A temporary directory removed when it goes out of scope (also on errors).
 class TemporaryDirectory {
  public:

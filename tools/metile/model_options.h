@@ -44,6 +44,8 @@ struct ModelOptions {
 };
 
 std::vector<std::int32_t> parse_ids(const std::string& text);
+// A verify-model threshold option: `value`, or `fallback` (the backend's default) where it is unset (< 0).
+inline double or_default(double value, double fallback) { return value < 0 ? fallback : value; }
 // --quantize / --group-size as a format (nullopt without --quantize); InputError when malformed.
 std::optional<AffineQuantization> quantization_option(const ModelOptions& options);
 // --backend cpu|cuda; InputError otherwise.

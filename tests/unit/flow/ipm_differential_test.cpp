@@ -69,7 +69,7 @@ void check_ipm_matches_dinic(const FlowNetwork<Capacity>& network, int source, i
 }
 
 // One generated network as int64, as dyadic reals (c / 8) and as irregular reals.
-void check_all_capacity_types(const GeneratedNetwork& generated, Random& random, const std::string& label) {
+void check_ipm_on_all_capacity_types(const GeneratedNetwork& generated, Random& random, const std::string& label) {
   check_ipm_matches_dinic(generated.integer_network(), generated.source, generated.sink, true, label + " int64");
   const std::vector<FlowEdge<double>> dyadic = flow_families::real_edges(generated, false, random);
   check_ipm_matches_dinic(RealFlowNetwork(generated.vertex_count, dyadic), generated.source, generated.sink, true,
@@ -97,7 +97,7 @@ void run_family(int count, const std::function<GeneratedNetwork(int index, Rando
     const std::string label = generated.family + " #" + std::to_string(index) + " (" +
                               std::to_string(generated.vertex_count) + " vertices, " +
                               std::to_string(generated.edges.size()) + " edges)";
-    check_all_capacity_types(generated, random, label);
+    check_ipm_on_all_capacity_types(generated, random, label);
     const GeneratedNetwork huge = at_2_40_scale(generated, random);
     check_ipm_matches_dinic(huge.integer_network(), huge.source, huge.sink, true, label + " at 2^40");
     if (::testing::Test::HasFatalFailure()) return;
@@ -152,7 +152,7 @@ TEST(IpmDifferential, UnreachableSinkHasZeroFlowAndNoIterations) {
     ASSERT_EQ(result.value, 0);
     EXPECT_EQ(result.interior_point->iterations, 0);
     EXPECT_EQ(result.interior_point->stop_reason, "no s-t path");
-    check_all_capacity_types(generated, random, "unreachable-sink #" + std::to_string(index));
+    check_ipm_on_all_capacity_types(generated, random, "unreachable-sink #" + std::to_string(index));
     if (HasFatalFailure()) return;
   }
 }
@@ -162,10 +162,10 @@ TEST(IpmDifferential, UnreachableSinkHasZeroFlowAndNoIterations) {
 TEST(IpmDifferential, LargerNetworks) {
   Random random(test_seed());
   const int shrink = kSanitizerDivisor == 1 ? 1 : 2;
-  check_all_capacity_types(flow_families::seed_random_network(400 / shrink, 6, random), random, "seed-random");
-  check_all_capacity_types(flow_families::layered_network(8, 40 / shrink, 3, 1000, random), random, "layered");
-  check_all_capacity_types(flow_families::grid_network(20 / shrink, 20 / shrink, 100, random), random, "grid");
-  check_all_capacity_types(flow_families::genrmf_network(5, 8 / shrink, 1, 1000, random), random, "genrmf");
+  check_ipm_on_all_capacity_types(flow_families::seed_random_network(400 / shrink, 6, random), random, "seed-random");
+  check_ipm_on_all_capacity_types(flow_families::layered_network(8, 40 / shrink, 3, 1000, random), random, "layered");
+  check_ipm_on_all_capacity_types(flow_families::grid_network(20 / shrink, 20 / shrink, 100, random), random, "grid");
+  check_ipm_on_all_capacity_types(flow_families::genrmf_network(5, 8 / shrink, 1, 1000, random), random, "genrmf");
 }
 
 // Legality (infinite) edges: their capacity dwarfs the others, the IPM's scaling with them.

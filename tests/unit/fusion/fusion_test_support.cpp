@@ -321,4 +321,8 @@ std::string plan_problems(const FusionPlan& plan) {
   return {};
 }
 
+const std::string& reason_of(const FusionPlan& plan, const std::string& node) {
+  return plan.node_reasons.at(static_cast<std::size_t>(*plan.graph->find_node(node)));
+}
+
 }  // namespace metile::fusion_test

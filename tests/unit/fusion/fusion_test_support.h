@@ -48,4 +48,7 @@ std::string plan_problems(const FusionPlan& plan);
 // Whether the nodes (ascending) form a convex set: no path leaves and comes back.
 bool is_convex(const ComputeGraph& graph, const std::vector<NodeId>& nodes);
 
+// Why the plan left node `node` (by name) where it is: plan.node_reasons of it.
+const std::string& reason_of(const FusionPlan& plan, const std::string& node);
+
 }  // namespace metile::fusion_test

@@ -16,6 +16,7 @@ namespace metile {
 namespace {
 
 using fusion_test::plan_problems;
+using fusion_test::reason_of;
 using fusion_test::swiglu_graph;
 using fusion_test::SwigluOptions;
 
@@ -29,10 +30,6 @@ std::vector<std::string> value_names(const FusionPlan& plan, const std::vector<V
   std::vector<std::string> names;
   for (ValueId value : values) names.push_back(plan.graph->value(value).name);
   return names;
-}
-
-const std::string& reason_of(const FusionPlan& plan, const std::string& node) {
-  return plan.node_reasons.at(static_cast<std::size_t>(*plan.graph->find_node(node)));
 }
 
 TEST(Planner, SeedIsOneKernelWithTwoOutputs) {

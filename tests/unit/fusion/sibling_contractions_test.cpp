@@ -11,6 +11,7 @@
 
 #include <algorithm>
 
+#include "fusion_test_support.h"
 #include "gemv_region_graphs.h"
 #include "metile/cpu_runtime.h"
 #include "metile/fusion.h"
@@ -20,6 +21,7 @@
 namespace metile {
 namespace {
 
+using fusion_test::reason_of;
 using testing::LinearFormat;
 
 using testing::region_of_rule;
@@ -181,10 +183,6 @@ TEST(SiblingContractions, SwigluStillWinsGateAndUp) {
 bool holds_node(const FusionPlan& plan, const FusionRegion& region, const std::string& name) {
   const NodeId node = *plan.graph->find_node(name);
   return std::find(region.nodes.begin(), region.nodes.end(), node) != region.nodes.end();
-}
-
-const std::string& reason_of(const FusionPlan& plan, const std::string& name) {
-  return plan.node_reasons.at(static_cast<std::size_t>(*plan.graph->find_node(name)));
 }
 
 // The attention block's q/k/v and the MLP's gate/up read rms_norm(a) ("m0") and nothing else
