@@ -84,6 +84,23 @@ AttentionInputs random_inputs(const AttentionProblem& p, std::uint64_t seed) {
   return in;
 }
 
+// The problem of a test case's fields (dtype, heads, rows, keys, head_dim, value_dim, mask) with the
+// scale 2/sqrt(D) (scores wider than a model's, so the softmax is not nearly flat); the caller sets
+// the offset or the positions.
+template <class Case>
+AttentionProblem problem_of_case(const Case& c) {
+  AttentionProblem problem;
+  problem.dtype = c.dtype;
+  problem.heads = c.heads;
+  problem.rows = c.rows;
+  problem.keys = c.keys;
+  problem.head_dim = c.head_dim;
+  problem.value_dim = c.value_dim;
+  problem.scale = 2.0 / std::sqrt(static_cast<double>(c.head_dim));
+  problem.mask = c.mask;
+  return problem;
+}
+
 // NaN bits in every K and V row past `last` (a cache slot not yet written).
 void poison_cache_after(const AttentionProblem& p, AttentionInputs& in, std::int64_t last) {
   for (HostTensor* tensor : {&in.k, &in.v}) {
@@ -159,15 +176,7 @@ TEST_F(AttentionKernels, DecodeMatchesFloat64Reference) {
       {DType::bf16, 2, 6, 500, 128, 128, AttentionMask::causal, 512, 8, 0, false},  // Qwen2.5-1.5B's heads
   };
   for (const auto& c : cases) {
-    AttentionProblem problem;
-    problem.dtype = c.dtype;
-    problem.heads = c.heads;
-    problem.rows = c.rows;
-    problem.keys = c.keys;
-    problem.head_dim = c.head_dim;
-    problem.value_dim = c.value_dim;
-    problem.scale = 2.0 / std::sqrt(static_cast<double>(c.head_dim));
-    problem.mask = c.mask;
+    AttentionProblem problem = problem_of_case(c);
     problem.offset = c.mask == AttentionMask::causal ? c.keys - c.rows - 5 : 0;  // the last 5 keys hidden
     FlashAttentionOptions options;
     options.decode_warps = c.warps;
@@ -485,15 +494,7 @@ TEST_F(AttentionKernels, PrefillMatchesFloat64Reference) {
       {DType::f16, 2, 7, 130, 128, 128, AttentionMask::causal, 100, 4},    // few rows through the tiled kernel
   };
   for (const auto& c : cases) {
-    AttentionProblem problem;
-    problem.dtype = c.dtype;
-    problem.heads = c.heads;
-    problem.rows = c.rows;
-    problem.keys = c.keys;
-    problem.head_dim = c.head_dim;
-    problem.value_dim = c.value_dim;
-    problem.scale = 2.0 / std::sqrt(static_cast<double>(c.head_dim));
-    problem.mask = c.mask;
+    AttentionProblem problem = problem_of_case(c);
     problem.offset = c.offset;
     FlashAttentionOptions options;
     options.prefill_warps = c.warps;
