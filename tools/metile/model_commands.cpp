@@ -361,7 +361,7 @@ void add_model_commands(CLI::App& app) {
                         "when the step replays faster) or always (measured slower on every model so far)")
         ->check(CLI::IsMember({"off", "raced", "always"}))
         ->capture_default_str();
-    command->add_flag("--race-near-ties", options->race_near_ties,
+    CLI::Option* race_near_ties = command->add_flag("--race-near-ties", options->race_near_ties,
                       "the fused engines race, inside the step, each kind's regions with the fused candidate their race "
                       "nearly chose (within --near-tie-margin) and keep it when the step is 1% faster (on Qwen2.5-1.5B "
                       "and Llama-3-8B bf16 it changed no kernel: notes/mlp_decode.md, session 13)");
@@ -369,6 +369,7 @@ void add_model_commands(CLI::App& app) {
                         "with --race-near-ties: how far behind the race's winner (a fraction of its time) a fused "
                         "candidate may be and still be raced inside the step")
         ->check(CLI::Range(0.001, 10.0))
+        ->needs(race_near_ties)
         ->capture_default_str();
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
