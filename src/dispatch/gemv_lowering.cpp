@@ -600,12 +600,10 @@ GemvRegionPlan plan_gemv_qkv_rope_cache(const ComputeGraph& graph, const FusionR
   }
   GemvRopeCacheEpilogue epilogue{rope.q_heads, rope.kv_heads, rope.head_dim, rope.capacity,
                                  graph.node(rope.rope).attributes};
-  // The epilogue's inputs (the positions, the parts' biases, stacked once when bound) are read before
-  // the wait for the previous kernel where they are graph inputs: no kernel of the run writes them.
+  // The epilogue's inputs are read before the wait for the previous kernel where no kernel of the run
+  // writes them: the parts' biases always qualify (plan_gemv_siblings refuses a computed one: the
+  // stacked bias is a copy made once, when bound), the positions where they are a graph input.
   epilogue.inputs_before_wait = graph.value(rope.positions).producer < 0;
-  for (const GemvRowPart& part : stage.row_parts) {
-    if (part.bias >= 0 && graph.value(part.bias).producer >= 0) epilogue.inputs_before_wait = false;
-  }
   try {
     (void)gemv_rope_row_order(epilogue);
   } catch (const InputError& error) {
