@@ -1066,16 +1066,9 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       if (gemv_batches_whole(register_shape(warps, double_buffered))) return add(warps, double_buffered);
     }
   };
-  // A one-product stage with few tiles an SM (q/k/v, the o- and down projections) races a staged
-  // shape among its first: a whole ring of cp.async batches is in flight per block, all but one
-  // issued before the wait for the previous kernel (weights never depend on it), so the bytes in
-  // flight per SM no longer depend on how many 16-row tiles the SM holds (session 12's ncu: 4-warp
-  // register blocks of Llama-3-8B's q/k/v at 17.5% occupancy, DRAM 54%).
-  const bool staged_early = products == 1 && extended;
   if (narrow) {
     add(8, true);
     if (!gemv_batches_whole(register_shape(8, true)) && !gemv_batches_whole(register_shape(16, true))) add_whole_warps(true);
-    if (staged_early) add_staged(4, 72 * 1024);
     add(16, true);
     add(8, true, true);
     add(4, true);
@@ -1103,7 +1096,6 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     const bool few_tiles = !vocabulary_wide && tiles < 6 * multiprocessors;
     if (few_tiles && products == 1) {
       add(8, true);
-      if (staged_early) add_staged(4, 64 * 1024);
       add(16, true);
       add(4, true);
     } else if (few_tiles) {

@@ -610,12 +610,9 @@ TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
 TEST(GemvCompile, FewTilesAnSmLeadWithMoreWarpsATile) {
   for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16)}) {
     const std::vector<GemvKernelConfig> qkv = gemv_tuning_candidates(gemv_config(format, 1, 6144, 4096, GemvEpilogue::accumulator(0)));
-    ASSERT_GE(qkv.size(), 4u);
+    ASSERT_GE(qkv.size(), 3u);
     EXPECT_EQ(qkv[0].warps_per_block, 8) << qkv[0].to_string();
-    // Second, a staged ring: its bytes in flight per SM do not depend on the tiles an SM holds.
-    EXPECT_GE(qkv[1].shared_stages, 2) << qkv[1].to_string();
-    expect_no_spills(compile_for_sm90(generate_gemv_kernel(qkv[1])).log, qkv[1].to_string());
-    EXPECT_EQ(qkv[2].warps_per_block, 16) << qkv[2].to_string();
+    EXPECT_EQ(qkv[1].warps_per_block, 16) << qkv[1].to_string();
     const std::vector<GemvKernelConfig> gate_up = gemv_tuning_candidates(gemv_config(format, 1, 14336, 4096, GemvEpilogue::swiglu()));
     ASSERT_GE(gate_up.size(), 2u);
     EXPECT_EQ(gate_up[0].warps_per_block, 2) << gate_up[0].to_string();
