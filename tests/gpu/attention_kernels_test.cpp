@@ -400,8 +400,11 @@ extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* 
                                                                             AttentionMask::positions);
     AttentionInputs in = random_inputs(problem, seed += 10);
     std::vector<std::int64_t> order = c.order;
-    for (std::int64_t s = 0; order.empty() && s < c.tokens; ++s) order.push_back(s - c.tokens + 1);
+    if (order.empty()) {
+      for (std::int64_t s = 0; s < c.tokens; ++s) order.push_back(s - c.tokens + 1);
+    }
     for (const std::int64_t offset : order) in.positions.push_back(static_cast<std::int32_t>(c.last_position + offset));
+    ASSERT_EQ(static_cast<std::int64_t>(in.positions.size()), c.tokens);  // one position a token
     const std::int64_t first_new = c.last_position + *std::min_element(order.begin(), order.end());
     poison_cache_after(problem, in, c.last_position);
     // What the device holds before the writer runs: q and the new rows NaN too.
