@@ -109,11 +109,11 @@ struct EngineOptions {
   WeightPrefetch weight_prefetch = WeightPrefetch::off;
   // After the launch race, for each region kind, the step with its regions running the fused candidate their race nearly
   // chose (within 5% of the winner's score: ExecutableOptions::near_tie_margin) raced against the step
-  // as built (Executable::race_near_ties); kept when 1% faster. Off by default: built in session 12
-  // after the isolated races' near ties were seen to flip between calls (Qwen2.5-1.5B's gate/up: 19.5
-  // against 19.7 us in the race, 0.380 against 0.422 ms a step inside the replay); measured in session
-  // 13, it kept every kernel the races chose on Qwen2.5-1.5B 4-bit and Llama-3-8B bf16.
-  bool race_near_ties = false;
+  // as built (Executable::race_near_ties); kept when 1% faster. On by default since session 14: a region races
+  // alone and cold, and near ties there are not near ties inside the step. Measured on the H200: Qwen2.5-1.5B
+  // 4-bit's gate/up pairs took 19.6 and 19.7 us in their race and 18.6 and 13.9 us a layer inside the
+  // replay; the cold race picked either between calls (0.861 or 0.729 ms/token; notes/mlp_decode.md).
+  bool race_near_ties = true;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

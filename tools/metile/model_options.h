@@ -27,7 +27,7 @@ struct ModelOptions {
   std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
   std::string tournament_caches = "cold";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)
   std::string weight_prefetch = "off";              // bench-model: off, raced or always (EngineOptions::weight_prefetch)
-  bool race_near_ties = false;                      // bench-model: EngineOptions::race_near_ties
+  bool race_near_ties = true;                       // bench-model: EngineOptions::race_near_ties
   double near_tie_margin = 0.05;                    // bench-model: ExecutableOptions::near_tie_margin with it
   // verify-model thresholds; < 0: the backend's default
   double min_agreement = -1;

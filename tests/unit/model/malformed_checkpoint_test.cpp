@@ -182,10 +182,10 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
   EXPECT_EQ(metile("bench-model --preset tiny --tournament-caches lukewarm"), 2);
   EXPECT_NE(err.find("--tournament-caches"), std::string::npos) << err;
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
-  // The near-tie margin: a fraction in (0, 10], and only with the race it sizes.
+  // The near-tie margin: a fraction in (0, 10], and only with the race it sizes (on unless turned off).
   for (const std::string& arguments : {std::string("--race-near-ties --near-tie-margin 0"),
-                                       std::string("--race-near-ties --near-tie-margin x"),
-                                       std::string("--near-tie-margin 0.3")}) {
+                                       std::string("--near-tie-margin x"),
+                                       std::string("--no-race-near-ties --near-tie-margin 0.3")}) {
     EXPECT_EQ(metile("bench-model --preset tiny " + arguments), 2) << arguments;
     EXPECT_NE(err.find("--near-tie-margin"), std::string::npos) << arguments << ": " << err;
     EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
