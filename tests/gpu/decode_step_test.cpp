@@ -199,12 +199,18 @@ DecoderModel load_synthetic(const Checkpoint& checkpoint) {
   return model;
 }
 
-// Seeded token ids, positions and caches; the checkpoint's own weights.
+// Seeded token ids and caches; the checkpoint's own weights; distinct non-zero positions within the
+// 48-row caches (20, 27, 34, ...). random_inputs draws rope positions in [0, S): at S = 1 that is 0,
+// where RoPE is the identity and attention sees only the row the step writes, so neither a wrong
+// rotation nor a wrong read of the cache could change an output.
 TensorMap step_inputs(const DecoderModel& model, const ComputeGraph& graph, std::uint64_t seed) {
   TensorMap inputs = random_inputs(graph, seed);
   for (const auto& [name, weight] : model.weights()) {
     if (inputs.contains(name)) inputs[name] = weight;
   }
+  HostTensor& positions = inputs.at("positions");
+  for (std::int64_t s = 0; s < positions.element_count(); ++s) positions.store(s, static_cast<double>(20 + 7 * s));
+  EXPECT_LT(20 + 7 * (positions.element_count() - 1), 48);
   return inputs;
 }
 

@@ -32,7 +32,7 @@ TEST_F(GemvKernels, DecodeMlpStagesMatchFloat64AtModelSizes) {
       {"Llama-3.2-1B", 2048, 8192,
        {GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(8, 64, f16), GemvWeightFormat::affine(4, 128, f16)}},
   };
-  std::uint64_t seed = 0x5eed0000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   for (const Model& model : models) {
     for (const GemvWeightFormat& format : model.formats) {
       const std::string label = fmt::format("{} {}", model.name, format.to_string());
@@ -50,7 +50,7 @@ TEST_F(GemvKernels, DecodeMlpStagesMatchFloat64AtModelSizes) {
 }
 
 TEST_F(GemvKernels, RaggedShapesMatchFloat64ForEveryFormat) {
-  std::uint64_t seed = 0xabc000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   for (DType dtype : {DType::bf16, DType::f16}) {
     for (const GemvWeightFormat& format : every_gemv_format(dtype)) {
       // N not a multiple of 16; K not a multiple of the 32..128-column load block.
@@ -79,7 +79,7 @@ TEST_F(GemvKernels, OtherEpiloguesOnTheSameMainloop) {
       GemvEpilogue::tensor("residual"));
   const GemvEpilogue exp_of_scaled = GemvEpilogue::exp(GemvEpilogue::scale(GemvEpilogue::accumulator(0), 0.25));
   for (const GemvWeightFormat& format : {GemvWeightFormat::affine(4, 64, DType::bf16), GemvWeightFormat::dense(DType::f16)}) {
-    const Problem problem = make_problem(format, 300, 512, 2, 4242);
+    const Problem problem = make_problem(format, 300, 512, 2, next_seed());
     std::vector<GemvKernelConfig> configs;
     for (const GemvEpilogue& epilogue : {bias_gelu, scaled_tanh_gelu, gated_gelu_minus_residual, exp_of_scaled}) {
       configs.push_back(config_for(problem, 2, epilogue));
@@ -102,7 +102,7 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
     if (shapes.empty()) throw std::runtime_error("no streamed shape for " + config.to_string());
     return shapes;
   };
-  std::uint64_t seed = 0x57e0000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   const DType bf16 = DType::bf16, f16 = DType::f16;
   const std::vector<Model> models = {
       {"Llama-3-8B", 4096, 14336,

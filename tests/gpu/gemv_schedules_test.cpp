@@ -25,7 +25,7 @@ TEST_F(GemvKernels, NewSchedulesMatchFloat64AtModelSizes) {
       {"Qwen2.5-1.5B", 1536, 8960, {GemvWeightFormat::dense(f16), GemvWeightFormat::affine(4, 64, bf16), GemvWeightFormat::affine(8, 32, f16)}},
       {"Llama-3.2-1B", 2048, 8192, {GemvWeightFormat::affine(4, 128, f16)}},
   };
-  std::uint64_t seed = 0x5c4ed00 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   std::cout << "seed " << seed << "\n";
   for (const Model& model : models) {
     for (const GemvWeightFormat& format : model.formats) {
@@ -48,7 +48,7 @@ TEST_F(GemvKernels, NewSchedulesMatchFloat64AtModelSizes) {
 // multiple of the load block; M on both sides of 8; both gate/up schedules. Kernels with a
 // workspace run twice and must write the same bits (run_and_compare).
 TEST_F(GemvKernels, SplitKStagedGroupSumsAndPrefetchMatchFloat64) {
-  std::uint64_t seed = 0x5b1700 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   std::cout << "seed " << seed << " (gtest --gtest_random_seed changes it)\n";
   for (DType dtype : {DType::bf16, DType::f16}) {
     for (const GemvWeightFormat& format : every_gemv_format(dtype)) {
@@ -87,7 +87,7 @@ TEST_F(GemvKernels, SplitKStagedGroupSumsAndPrefetchMatchFloat64) {
 // writes its x waits for it (x is poisoned with NaN before the first kernel, so reading it early
 // fails), eagerly and inside a captured CUDA graph, for each kind of mainloop schedule.
 TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
-  std::uint64_t seed = 0x9d1000 + static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed());
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   std::cout << "seed " << seed << "\n";
   const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
   const std::int64_t rows = 2, hidden = 1024, intermediate = 4096, n = 300;

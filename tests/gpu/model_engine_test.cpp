@@ -280,6 +280,8 @@ TEST_F(ModelEngineTest, ChunksAndSingleStepsAndGenerationAgree) {
   // Past the capacity and outside the vocabulary: the CPU session's errors, nothing fed.
   EXPECT_THROW(at_once.feed(std::vector<std::int32_t>{static_cast<std::int32_t>(vocab)}), InputError);
   EXPECT_EQ(at_once.position(), 35);
+  EXPECT_THROW(at_once.feed(std::vector<std::int32_t>(static_cast<std::size_t>(model.capacity() - 35 + 1), 0)), InputError);
+  EXPECT_EQ(at_once.position(), 35);
 
   // generate_greedy on the GPU session; the CPU reference, fed the prompt and the generated
   // tokens at once, must pick (nearly) every generated token itself: teacher-forced on the GPU's
