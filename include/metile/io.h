@@ -24,6 +24,8 @@ inline constexpr std::uint64_t kMaximumGraphFileBytes = std::uint64_t{256} << 20
 inline constexpr std::uint64_t kMaximumTargetFileBytes = std::uint64_t{1} << 20;
 inline constexpr std::uint64_t kMaximumDimacsFileBytes = std::uint64_t{256} << 20;
 inline constexpr std::uint64_t kMaximumSafetensorsHeaderBytes = std::uint64_t{100} << 20;
+// A checkpoint's config.json and model.safetensors.index.json (a 405B model's index is ~100 KB).
+inline constexpr std::uint64_t kMaximumCheckpointJsonBytes = std::uint64_t{16} << 20;
 // Deepest nesting of arrays and objects in any JSON metile reads (a graph needs 4).
 inline constexpr int kMaximumJsonDepth = 64;
 

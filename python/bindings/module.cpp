@@ -5,6 +5,7 @@
 // for an object); anything else that escapes C++ is an internal failure and
 // surfaces as RuntimeError.
 #include <exception>
+#include <string_view>
 
 #include "bindings.h"
 #include "metile/error.h"
@@ -17,7 +18,16 @@ PYBIND11_MODULE(_metile, module) {
     try {
       if (error) std::rethrow_exception(error);
     } catch (const metile::InputError& input_error) {
-      PyErr_SetString(PyExc_ValueError, input_error.what());
+      // The message may quote the user's bytes (a file's invalid UTF-8): PyErr_SetString would fail to decode
+      // it and raise with no message at all, so undecodable bytes become \xNN escapes.
+      const std::string_view message = input_error.what();
+      PyObject* text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "backslashreplace");
+      if (text) {
+        PyErr_SetObject(PyExc_ValueError, text);
+        Py_DECREF(text);
+      } else {
+        PyErr_SetString(PyExc_ValueError, "invalid input (the message could not be decoded)");
+      }
     } catch (const py::reference_cast_error&) {
       // None where a C++ object is needed: the caller's type mistake, not an internal failure.
       PyErr_SetString(PyExc_TypeError, "an argument is None where an object is required");

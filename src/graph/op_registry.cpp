@@ -652,8 +652,14 @@ ElementwiseMath causal_mask_math() {
   math.cuda = [](std::span<const std::string> x, const CudaElementSite& site, const Attributes& attributes,
                  std::span<const TensorSpec> inputs) {
     const std::int64_t queries = inputs[0].shape[inputs[0].shape.size() - 2];
-    return "(" + site.column + " > (" + site.row + " % " + std::to_string(queries) + "LL) + (" +
-           std::to_string(attributes.get_int("offset")) + "LL) ? __int_as_float(0xff800000) : " + x[0] + ")";
+    // column - row % queries > offset, as the CPU path compares: row + offset could overflow. The
+    // offset's literal is spelled so that -2^63 is one too ("-9223372036854775808LL" is not C++).
+    const std::int64_t offset = attributes.get_int("offset");
+    const std::string offset_literal = offset == std::numeric_limits<std::int64_t>::min()
+                                           ? std::string("(-9223372036854775807LL - 1)")
+                                           : "(" + std::to_string(offset) + "LL)";
+    return "((" + site.column + " - " + site.row + " % " + std::to_string(queries) + "LL) > " + offset_literal +
+           " ? __int_as_float(0xff800000) : " + x[0] + ")";
   };
   math.reads_site = true;
   return math;

@@ -12,13 +12,13 @@
 // with LoadOptions::quantize, dense ones are quantized here (src/quant).
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "json_input.h"
+#include "metile/io.h"
 #include "metile/model.h"
 #include "model_internal.h"
 
@@ -27,12 +27,10 @@ namespace {
 
 using Json = nlohmann::json;
 
-std::string read_text_file(const std::filesystem::path& path) {
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream) throw InputError(fmt::format("{}: cannot open file", path.string()));
-  std::ostringstream text;
-  text << stream.rdbuf();
-  return text.str();
+// config.json and the shard index: read within kMaximumCheckpointJsonBytes (a directory, a FIFO or
+// /dev/zero in their place is an error, not a hang), parsed with the nesting limit of every JSON input.
+Json read_checkpoint_json(const std::filesystem::path& path) {
+  return parse_json_input(read_input_file(path, kMaximumCheckpointJsonBytes, "a checkpoint's JSON file"), path.string());
 }
 
 // The checkpoint's tensors by name, over one or several mapped files.
@@ -41,20 +39,16 @@ class CheckpointFiles {
   explicit CheckpointFiles(const std::filesystem::path& directory) {
     const std::filesystem::path index = directory / "model.safetensors.index.json";
     if (std::filesystem::exists(index)) {
-      Json json;
-      try {
-        json = Json::parse(read_text_file(index));
-      } catch (const Json::parse_error& error) {
-        throw InputError(fmt::format("{}: not valid JSON: {}", index.string(), error.what()));
-      }
+      const Json json = read_checkpoint_json(index);
       if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
         throw InputError(fmt::format("{}: field 'weight_map': missing or not an object", index.string()));
       }
+      if (json["weight_map"].empty()) throw InputError(fmt::format("{}: field 'weight_map': lists no tensor", index.string()));
       std::map<std::string, std::size_t> file_index;
       for (const auto& [name, file] : json["weight_map"].items()) {
         if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos) {
           throw InputError(fmt::format("{}: field 'weight_map.{}': must be a file name in the directory, got {}",
-                                       index.string(), name, file.dump()));
+                                       index.string(), name, json_excerpt(file)));
         }
         const auto [slot, added] = file_index.emplace(file.get<std::string>(), files_.size());
         if (added) files_.push_back(std::make_unique<MappedSafetensors>(directory / file.get<std::string>()));
@@ -215,7 +209,8 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   const std::filesystem::path config_path = directory / "config.json";
   if (!std::filesystem::exists(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
   DecoderModel model;
-  model.config_ = ModelConfig::parse_json(read_text_file(config_path), config_path.string());
+  model.config_ = ModelConfig::parse_json(read_input_file(config_path, kMaximumCheckpointJsonBytes, "a checkpoint's JSON file"),
+                                          config_path.string());
   model.dtype_ = options.dtype;
   const ModelConfig& config = model.config_;
   if (config.quantization && options.quantize) {
@@ -226,6 +221,16 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
                                                    : std::min<std::int64_t>(4096, config.max_position_embeddings);
   if (config.sliding_window) capacity = std::min(capacity, *config.sliding_window);
   if (options.max_sequence < 0) throw InputError(fmt::format("max-seq {} is negative", options.max_sequence));
+  // A session keeps K and V of every layer for `capacity` positions: refuse a capacity whose caches
+  // alone exceed this machine's memory (a typo in --max-seq) before anything allocates them.
+  const double cache_bytes = 2.0 * static_cast<double>(config.num_hidden_layers) *
+                             static_cast<double>(config.num_key_value_heads) * static_cast<double>(config.head_dim) *
+                             static_cast<double>(capacity) * static_cast<double>(dtype_size(options.dtype));
+  if (cache_bytes > static_cast<double>(physical_memory_bytes())) {
+    throw InputError(fmt::format("max-seq {}: the KV caches of {} positions take {:.1f} GB, more than this machine's "
+                                 "{:.1f} GB of memory", capacity, capacity, cache_bytes / 1e9,
+                                 static_cast<double>(physical_memory_bytes()) / 1e9));
+  }
   model.capacity_ = capacity;
 
   const CheckpointFiles files(directory);

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "json_input.h"
 #include "metile/model.h"
 
 namespace metile {
@@ -33,9 +34,23 @@ struct FieldReader {
     if (!present(field)) fail(field, "missing");
     const Json& value = object.at(field);
     if (!value.is_number_integer() || value.get<std::int64_t>() <= 0) {
-      fail(field, "must be a positive integer, got " + value.dump());
+      fail(field, "must be a positive integer, got " + json_excerpt(value));
     }
     return value.get<std::int64_t>();
+  }
+  // A positive integer no larger than `limit`, so that narrowing it cannot wrap (2^32 + 4 bits is not 4).
+  std::int64_t positive_int_at_most(std::string_view field, std::int64_t limit) const {
+    const std::int64_t value = positive_int(field);
+    if (value > limit) fail(field, fmt::format("must be at most {}, got {}", limit, value));
+    return value;
+  }
+  // A count written as a number, 8192 or 8192.0: positive, whole and below 2^53 (a double holds it exactly).
+  std::int64_t positive_whole_number(std::string_view field) const {
+    const double value = positive_number(field);
+    if (value != std::floor(value) || value >= 9007199254740992.0) {
+      fail(field, "must be a positive whole number, got " + json_excerpt(object.at(field)));
+    }
+    return static_cast<std::int64_t>(value);
   }
   std::int64_t positive_int_or(std::string_view field, std::int64_t fallback) const {
     return present(field) ? positive_int(field) : fallback;
@@ -44,7 +59,7 @@ struct FieldReader {
     if (!present(field)) fail(field, "missing");
     const Json& value = object.at(field);
     if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() <= 0) {
-      fail(field, "must be a positive number, got " + value.dump());
+      fail(field, "must be a positive number, got " + json_excerpt(value));
     }
     return value.get<double>();
   }
@@ -53,12 +68,12 @@ struct FieldReader {
   }
   bool boolean_or(std::string_view field, bool fallback) const {
     if (!present(field)) return fallback;
-    if (!object.at(field).is_boolean()) fail(field, "must be true or false, got " + object.at(field).dump());
+    if (!object.at(field).is_boolean()) fail(field, "must be true or false, got " + json_excerpt(object.at(field)));
     return object.at(field).get<bool>();
   }
   std::string string(std::string_view field) const {
     if (!present(field)) fail(field, "missing");
-    if (!object.at(field).is_string()) fail(field, "must be a string, got " + object.at(field).dump());
+    if (!object.at(field).is_string()) fail(field, "must be a string, got " + json_excerpt(object.at(field)));
     return object.at(field).get<std::string>();
   }
 };
@@ -93,7 +108,7 @@ void read_rope_type(const FieldReader& reader, RopeParameters& rope) {
   rope.factor = reader.positive_number("factor");
   rope.low_freq_factor = reader.positive_number("low_freq_factor");
   rope.high_freq_factor = reader.positive_number("high_freq_factor");
-  rope.original_max_position_embeddings = static_cast<std::int64_t>(reader.positive_number("original_max_position_embeddings"));
+  rope.original_max_position_embeddings = reader.positive_whole_number("original_max_position_embeddings");
   if (!(rope.high_freq_factor > rope.low_freq_factor)) {
     reader.fail("high_freq_factor", "must exceed low_freq_factor");
   }
@@ -128,12 +143,7 @@ ModelArchitecture parse_architecture_short_name(std::string_view name) {
 }
 
 ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view source) {
-  Json json;
-  try {
-    json = Json::parse(text);
-  } catch (const Json::parse_error& error) {
-    throw InputError(fmt::format("{}: not valid JSON: {}", source, error.what()));
-  }
+  const Json json = parse_json_input(text, source);  // the nesting limit of every JSON metile reads
   if (!json.is_object()) throw InputError(fmt::format("{}: not a JSON object", source));
   const FieldReader reader{json, std::string(source), ""};
   ModelConfig config;
@@ -141,7 +151,7 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   if (reader.present("architectures")) {
     const Json& list = json.at("architectures");
     if (!list.is_array() || list.size() != 1 || !list[0].is_string()) {
-      reader.fail("architectures", "must be a list of one class name, got " + list.dump());
+      reader.fail("architectures", "must be a list of one class name, got " + json_excerpt(list));
     }
     const std::string name = list[0].get<std::string>();
     bool known = false;
@@ -230,8 +240,8 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     if (nested.present("mode") && nested.string("mode") != "affine") {
       nested.fail("mode", "'" + nested.string("mode") + "' is not supported (affine)");
     }
-    AffineQuantization format{static_cast<int>(nested.positive_int("bits")),
-                              static_cast<int>(nested.positive_int("group_size"))};
+    AffineQuantization format{static_cast<int>(nested.positive_int_at_most("bits", 64)),
+                              static_cast<int>(nested.positive_int_at_most("group_size", std::int64_t{1} << 20))};
     try {
       format.validate();
     } catch (const InputError& error) {

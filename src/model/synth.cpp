@@ -200,7 +200,11 @@ ModelConfig synth_config(const SynthOptions& options) {
   ModelConfig config = preset_config(options.preset);
   if (options.architecture) config.architecture = *options.architecture;
   if (options.layers) {
-    if (*options.layers <= 0) throw InputError(fmt::format("--layers {} must be positive", *options.layers));
+    // The deepest public decoders have ~130 layers; the bound keeps a typo from filling the disk and memory.
+    constexpr std::int64_t kMaximumLayers = 1024;
+    if (*options.layers <= 0 || *options.layers > kMaximumLayers) {
+      throw InputError(fmt::format("--layers {} must be 1..{}", *options.layers, kMaximumLayers));
+    }
     config.num_hidden_layers = *options.layers;
   }
   if (options.tie_word_embeddings) config.tie_word_embeddings = *options.tie_word_embeddings;
@@ -220,7 +224,10 @@ ModelConfig synth_config(const SynthOptions& options) {
 void synthesize_model(const std::filesystem::path& directory, const SynthOptions& options,
                       const std::function<void(const std::string&)>& progress) {
   const ModelConfig config = synth_config(options);
-  if (!(options.max_shard_mb > 0)) throw InputError("--max-shard-mb must be positive");
+  // At most 10^6 MB (a terabyte): also keeps max_shard_mb * 1e6 inside an int64 below.
+  if (!(options.max_shard_mb > 0 && options.max_shard_mb <= 1e6)) {
+    throw InputError(fmt::format("--max-shard-mb {} must be in (0, 1000000]", options.max_shard_mb));
+  }
   std::error_code error;
   if (std::filesystem::exists(directory) &&
       (!std::filesystem::is_directory(directory) || !std::filesystem::is_empty(directory))) {

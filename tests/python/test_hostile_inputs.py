@@ -100,3 +100,14 @@ def test_many_outputs_load(rng):
     assert len(graph.outputs) == count
     with pytest.raises(ValueError, match=f"/outputs/{count}: 'y0' is listed twice"):
         metile.ComputeGraph.from_json(text.replace(outputs, outputs + ',"y0"'))
+
+
+def test_a_parse_error_quoting_invalid_utf8_keeps_its_message(tmp_path):
+    # nlohmann quotes the bytes it last read; half a UTF-8 sequence there once made the ValueError empty.
+    with pytest.raises(ValueError, match=r"invalid JSON: .*\\xc3"):  # U+00FF is C3 BF; the parser stops at C3
+        metile.ComputeGraph.from_json("\xff")
+    path = tmp_path / "bad.json"
+    path.write_bytes(b'{"inputs": [{"name": "a\xff", "shape": [4], "dtype": "f32"}], "nodes": [], "outputs": []}')
+    with pytest.raises(ValueError) as error:
+        metile.read_graph(str(path))
+    assert str(error.value), "the message is empty"

@@ -18,6 +18,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -310,13 +311,25 @@ void add_model_commands(CLI::App& app) {
         ->capture_default_str();
     options->tokens = 0;
     command->add_option("--tokens", options->tokens, "positions to compare (default 16 on cpu, 64 on cuda)");
+    // Given thresholds are finite and >= 0 (NaN passes CLI::Range, so it is checked here); an unset one
+    // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
+    const CLI::Validator non_negative(
+        [](std::string& text) {
+          const double value = std::strtod(text.c_str(), nullptr);
+          return std::isfinite(value) && value >= 0 ? std::string() : "must be a finite number >= 0";
+        },
+        ">= 0");
     command->add_option("--min-agreement", options->min_agreement,
-                        "least fraction of equal next tokens (default 0.95)");
-    command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position, nats (default 0.01)");
+                        "least fraction of equal next tokens (default 0.95)")
+        ->check(non_negative);
+    command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position, nats (default 0.01)")
+        ->check(non_negative);
     command->add_option("--max-kl-mean", options->max_kl_mean,
-                        "largest mean KL divergence, nats (default --max-kl on cpu, 1e-3 on cuda)");
+                        "largest mean KL divergence, nats (default --max-kl on cpu, 1e-3 on cuda)")
+        ->check(non_negative);
     command->add_option("--max-logit-error", options->max_logit_error,
-                        "largest |logit error| relative to the reference's max |logit| (default 0.02 on cpu, 0.05 on cuda)");
+                        "largest |logit error| relative to the reference's max |logit| (default 0.02 on cpu, 0.05 on cuda)")
+        ->check(non_negative);
     command->add_option("--format", options->format, "text or json (--backend cuda)")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();

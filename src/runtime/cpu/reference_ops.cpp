@@ -104,7 +104,9 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
   for (std::int64_t batch = 0; batch < batches; ++batch) {
     for (std::int64_t row = 0; row < rows; ++row) {
       std::int64_t last_visible = keys - 1;
-      if (mask == "causal") last_visible = row + offset;
+      // Saturated: an offset of +-2^63 must not overflow row + offset (causal_mask, which compares
+      // key - row with the offset, cannot); beyond the keys every key, or none, is visible.
+      if (mask == "causal") last_visible = offset >= keys ? keys - 1 : offset <= -(rows + keys) ? -1 : row + offset;
       if (mask == "positions") {
         const HostTensor& positions = call.input(3);
         last_visible = static_cast<std::int64_t>(positions.at(row % positions.element_count()));

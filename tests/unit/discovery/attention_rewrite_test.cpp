@@ -4,6 +4,8 @@
 // (seed printed; METILE_TEST_SEED overrides it).
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
@@ -367,6 +369,29 @@ namespace {
 // flash_attention_as_plain_ops (what the device's native path runs) computes what the node's
 // law-based reference computes, for every mask, with batched heads; and it
 // refuses a node whose certificate is not verified.
+// The causal offset at the ends of int64: the rewritten node's reference compares like causal_mask
+// (key - row > offset) without computing row + offset, which overflowed at 2^63 - 1 and hid every key
+// of rows past the first (NaN rows) where the chain sees them all. At -2^63 every key is hidden: NaN
+// rows in both.
+TEST(AttentionRewrite, CausalOffsetsAtTheEndsOfInt64MatchTheChain) {
+  const std::uint64_t seed = test_seed();
+  for (const std::int64_t offset : {std::numeric_limits<std::int64_t>::max(), std::numeric_limits<std::int64_t>::min(),
+                                    std::int64_t{-3}, std::int64_t{1} << 40}) {
+    GraphBuilder builder;
+    auto q = builder.input("q", {{2, 4, 8}, DType::f32});
+    auto k = builder.input("k", {{2, 6, 8}, DType::f32});
+    auto v = builder.input("v", {{2, 6, 8}, DType::f32});
+    auto scores = builder.causal_mask(builder.matmul(q, k, true, "scores"), offset, "masked");
+    auto out = builder.matmul(builder.softmax(scores, -1, "probabilities"), v, false, "attention");
+    const ComputeGraph graph = builder.build({out});
+    const AttentionRewrite rewrite = rewrite_attention(graph);
+    ASSERT_EQ(rewrite.candidates.size(), 1u) << offset;
+    EXPECT_EQ(only_node(rewrite.graph, "flash_attention").attributes.get_int("offset"), offset);
+    SCOPED_TRACE(offset);
+    expect_equal_within_gate(graph, rewrite.graph, seed);
+  }
+}
+
 TEST(AttentionRewrite, ThePlainOpDefinitionMatchesTheNode) {
   const std::uint64_t seed = test_seed();
   for (const char* mask : {"none", "causal", "positions"}) {

@@ -83,7 +83,34 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
        [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"rope_type", "llama3"}}; }); },
        "field 'rope_scaling.factor': missing"},
       {"config_not_json", [](auto d) { testing::write_text(d / "config.json", "{\"hidden_size\": 64,"); },
-       "config.json: not valid JSON"},
+       "config.json: invalid JSON"},
+      // The nesting limit of every JSON input (a wrong-typed value 100k brackets deep once overflowed the stack
+      // when its message quoted it), the size limit (config.json a link to /dev/zero grew without bound).
+      {"config_nested_too_deep",
+       [](auto d) {
+         std::string text = read_text(d / "config.json");
+         const std::size_t at = text.find("\"vocab_size\"");
+         text.insert(at, "\"deep\": " + std::string(100000, '[') + std::string(100000, ']') + ", ");
+         testing::write_text(d / "config.json", text);
+       },
+       "config.json: invalid JSON: nested deeper than 64 levels"},
+      {"config_is_dev_zero",
+       [](auto d) {
+         std::filesystem::remove(d / "config.json");
+         std::filesystem::create_symlink("/dev/zero", d / "config.json");
+       },
+       "config.json: larger than the 16777216-byte limit"},
+      {"quantization_bits_past_32_bits",
+       [](auto d) { edit_config(d, [](Json& c) { c["quantization"] = {{"group_size", 64}, {"bits", 4294967300LL}}; }); },
+       "field 'quantization.bits': must be at most 64, got 4294967300"},
+      {"rope_original_positions_a_fraction",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                                {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 0.5}};
+         });
+       },
+       "field 'rope_scaling.original_max_position_embeddings': must be a positive whole number, got 0.5"},
       {"missing_field", [](auto d) { edit_config(d, [](Json& c) { c.erase("hidden_size"); }); },
        "field 'hidden_size': missing"},
       {"field_of_wrong_type", [](auto d) { edit_config(d, [](Json& c) { c["num_attention_heads"] = "four"; }); },
@@ -118,6 +145,14 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
                              R"({"weight_map": {"model.norm.weight": "model.safetensors", "ghost.weight": "model.safetensors"}})");
        },
        "tensor 'ghost.weight': listed in model.safetensors.index.json but absent from the file"},
+      {"index_lists_no_tensor", [](auto d) { testing::write_text(d / "model.safetensors.index.json", R"({"weight_map": {}})"); },
+       "model.safetensors.index.json: field 'weight_map': lists no tensor"},
+      {"index_nested_too_deep",
+       [](auto d) {
+         testing::write_text(d / "model.safetensors.index.json", R"({"weight_map": {"model.norm.weight": )" +
+                                                                    std::string(100000, '[') + std::string(100000, ']') + "}}");
+       },
+       "model.safetensors.index.json: invalid JSON: nested deeper than 64 levels"},
   };
   for (const Breakage& breakage : cases) {
     SCOPED_TRACE(breakage.name);
@@ -151,6 +186,20 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("synth-model " + (root_ / "fresh").string() + " --preset huge"), 2);
   EXPECT_EQ(err, "metile: error: unknown preset 'huge' (tiny, small, llama3.2-1b, qwen2.5-1.5b or llama3-8b)\n");
   EXPECT_FALSE(std::filesystem::exists(root_ / "fresh"));
+  // Sizes and thresholds out of range (a typo must not fill the memory or the disk, nor pass as a default).
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 1000000000000"), 2);
+  EXPECT_NE(err.find("max-seq 1000000000000: the KV caches of"), std::string::npos) << err;
+  EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+  EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 100000000000"), 2);
+  EXPECT_EQ(err, "metile: error: --layers 100000000000 must be 1..1024\n");
+  EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
+  EXPECT_EQ(err, "metile: error: --max-shard-mb inf must be in (0, 1000000]\n");
+  EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
+  for (const std::string threshold : {"--max-logit-error -0.5", "--min-agreement nan", "--max-kl inf", "--max-kl-mean -1"}) {
+    EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 " + threshold), 2) << threshold;
+    EXPECT_NE(err.find(threshold.substr(0, threshold.find(' '))), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+  }
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --min-agreement 1.01"), 1);  // cannot be met
   EXPECT_NE(out.find("FAIL"), std::string::npos);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
