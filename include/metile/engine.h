@@ -138,6 +138,7 @@ class CudaDecodeSession : public LogitsSession {
   // the argmax of its logits taken on the device): 4 bytes per token instead of a row of logits.
   std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }
+  std::int64_t capacity() const override { return model_->model().capacity(); }
   // Starts a new sequence on the same caches and Executables (rows past the position are masked).
   void reset() { position_ = 0; }
 

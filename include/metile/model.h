@@ -137,6 +137,7 @@ class LogitsSession {
   // engine computes it on the device and copies back only the ids.
   virtual std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens);
   virtual std::int64_t position() const = 0;  // tokens fed so far
+  virtual std::int64_t capacity() const = 0;  // tokens the KV caches hold
 };
 
 // Greedy decoding state for one sequence. The reference path runs each step
@@ -154,6 +155,7 @@ class DecodeSession : public LogitsSession {
   // InputError when a token is outside the vocabulary or the cache is full.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }
+  std::int64_t capacity() const override { return model_.capacity(); }
 
  private:
   const DecoderModel& model_;

@@ -116,6 +116,16 @@ Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t>
                            const std::function<void(std::int64_t)>& on_token) {
   if (prompt.empty()) throw InputError("the prompt is empty");
   if (count < 0) throw InputError(fmt::format("cannot generate {} tokens", count));
+  // Checked before the first step: the prompt and every generated token but the last are fed (count is
+  // compared first, so that the sum cannot overflow).
+  const std::int64_t capacity = session.capacity();
+  const std::int64_t fed = count > capacity ? count
+                                            : session.position() + static_cast<std::int64_t>(prompt.size()) +
+                                                  std::max<std::int64_t>(count - 1, 0);
+  if (fed > capacity) {
+    throw InputError(fmt::format("{} tokens after a {}-token prompt would go past the KV-cache capacity {} (--max-seq)",
+                                 count, prompt.size(), capacity));
+  }
   Generation generation;
   std::int32_t token = session.feed_greedy(prompt).back();
   const auto start = std::chrono::steady_clock::now();

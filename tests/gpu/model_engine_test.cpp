@@ -317,6 +317,7 @@ class LogitsOnly : public LogitsSession {
   explicit LogitsOnly(CudaDecodeSession& session) : session_(session) {}
   std::vector<float> feed(std::span<const std::int32_t> tokens) override { return session_.feed(tokens); }
   std::int64_t position() const override { return session_.position(); }
+  std::int64_t capacity() const override { return session_.capacity(); }
 
  private:
   CudaDecodeSession& session_;

@@ -9,6 +9,8 @@
 //   * the greedy step graph's next_tokens == a brute-force argmax of its logits.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -453,6 +455,18 @@ TEST_F(DecoderModelTest, PlannedPathEqualsReferenceAndGenerationIsGreedy) {
     EXPECT_EQ(token, argmax_index(std::span<const float>(logits).last(256)));
     logits = checking.feed(std::span<const std::int32_t>(&token, 1));
   }
+  // More tokens than the caches hold are refused before the first step (the session feeds nothing),
+  // also where the count alone would overflow the sum; exactly up to the capacity is fine.
+  const std::int64_t capacity = model.capacity();
+  for (const std::int64_t count : {capacity - 4 + 2, std::numeric_limits<std::int64_t>::max()}) {
+    DecodeSession full(model);
+    EXPECT_NE(testing::error_of([&] { generate_greedy(full, prompt, count); }).find("past the KV-cache capacity"),
+              std::string::npos)
+        << count;
+    EXPECT_EQ(full.position(), 0);
+  }
+  DecodeSession exact(model);
+  EXPECT_EQ(generate_greedy(exact, std::span<const std::int32_t>(prompt).first(1), 2).tokens.size(), 2u);
 }
 
 // The greedy step graph: "next_tokens" is each row of its logits' argmax (brute force on the
