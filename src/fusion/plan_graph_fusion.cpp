@@ -441,7 +441,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     const int region = region_of_node[id];
     std::string& reason = plan.node_reasons[id];
     if (region >= 0 && is_certified_node(node)) {
-      reason = fmt::format("in region R{} ({}): a kernel of its own, made by a certified rewrite", region + 1, node.op);
+      reason = fmt::format("in region R{} ({}): a kernel of its own, a certified op (its certificate is checked before it runs)", region + 1, node.op);
       continue;
     }
     if (region >= 0) {
