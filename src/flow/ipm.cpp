@@ -14,7 +14,9 @@
 //                  within a hair of a bound snapped onto it. The rounded flow does not
 //                  conserve; excesses are walked back and deficits forward along the flow
 //                  (reducing it along paths, cancelling cycles met on the way) until every
-//                  vertex but s and t conserves, giving a feasible flow.
+//                  vertex but s and t conserves, giving a feasible flow. Its s-t paths are
+//                  then pushed from zero into the residual graph, as Dinic pushes its paths:
+//                  the value is what reaches t, whatever rounding the reals left (below).
 //   4. repair      shortest augmenting paths (Dinic's phases, warm-started) from that flow
 //                  to a maximum one: the value is exact whatever phases 2-3 achieved, and the
 //                  cut is the canonical one (what the final residual graph reaches from s).
@@ -31,6 +33,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "residual_graph.h"
@@ -614,6 +617,86 @@ class ConservationRepair {
   long long reductions_ = 0;
 };
 
+// The flow that reaches the sink along `flow`'s s-t paths, pushed from zero into `residual`
+// (set to the network's capacities first) with Dinic's arithmetic and tolerance; returns its value.
+//
+// Why not take `flow` as it is: for reals it conserves only up to rounding at the scale of
+// its largest arc flows, and the interior point leaves circulations as large as the largest
+// capacity (x starts at u/2). With 1e15-capacity cycles around a 1e6 flow, ConservationRepair
+// subtracts amounts of 1e14 whose last bits (0.06) are lost, so vertices keep imbalances
+// of 0.1: the source's outflow, once the value, exceeded what reached the sink and the
+// capacity of the cut's arcs that can carry flow (tests/data/flow/ipm_real_1e15_cycles.max:
+// 1179749.617 against 1179749.555). Here every path pushes the same amount on each
+// of its arcs, cycles are cancelled in `flow` without being pushed, and leftover imbalances
+// are dead ends: the result is a flow whose value is the sum of what was pushed, exact for
+// integers. A depth-first search with current arcs; each push or cancellation empties an arc
+// and dead ends stay dead (flows and residuals only go down), so O(n m) in all.
+template <typename Capacity>
+Capacity push_flow_paths(const FlowNetwork<Capacity>& network, int source, int sink, std::vector<Capacity> flow,
+                         std::vector<Capacity>& residual) {
+  const FlowTolerance<Capacity> tolerance = flow_detail::solver_tolerance(network);
+  residual.assign(network.arc_capacities().begin(), network.arc_capacities().end());
+  // Only forward arcs are walked: what an arc can still pass is the smaller of its flow and residual.
+  auto room = [&](int arc) { return std::min(flow[network.arc_edge(arc)], residual[arc]); };
+  std::vector<int> current_arc(network.arc_offsets().begin(), network.arc_offsets().end() - 1);
+  std::vector<char> dead(network.vertex_count(), 0);
+  std::vector<int> position(network.vertex_count(), -1);  // arcs on the path before the vertex; -1 off it
+  std::vector<int> path;                                  // arcs from the source
+  int vertex = source;
+  position[source] = 0;
+  // Keeps the first `keep` arcs of the path and continues from the last one's head.
+  auto retreat = [&](std::size_t keep) {
+    for (std::size_t i = keep; i < path.size(); ++i) position[network.arc_head(path[i])] = -1;
+    path.resize(keep);
+    vertex = keep == 0 ? source : network.arc_head(path.back());
+  };
+  // The first arc of the path at or after `from` with no room left (path.size() when none).
+  auto first_empty = [&](std::size_t from) {
+    while (from < path.size() && tolerance.positive(room(path[from]))) ++from;
+    return from;
+  };
+  Capacity value{};
+  while (true) {
+    if (vertex == sink) {
+      Capacity amount = room(path.front());
+      for (const int arc : path) amount = std::min(amount, room(arc));
+      for (const int arc : path) {  // amount <= each term, so nothing goes negative; x - x is 0
+        residual[arc] -= amount;
+        residual[network.reverse_arc(arc)] += amount;
+        flow[network.arc_edge(arc)] -= amount;
+      }
+      value += amount;
+      retreat(first_empty(0));
+      continue;
+    }
+    int& arc = current_arc[vertex];
+    while (arc < network.arc_end(vertex) &&
+           !(network.arc_edge(arc) >= 0 && !dead[network.arc_head(arc)] && tolerance.positive(room(arc)))) {
+      ++arc;
+    }
+    if (arc == network.arc_end(vertex)) {
+      if (vertex == source) return value;
+      dead[vertex] = 1;  // flow in, none out toward the sink: an imbalance left by rounding
+      retreat(path.size() - 1);
+      continue;
+    }
+    const int head = network.arc_head(arc);
+    if (position[head] < 0) {
+      position[head] = static_cast<int>(path.size()) + 1;
+      path.push_back(arc);
+      vertex = head;
+      continue;
+    }
+    // A cycle of the flow (path[position[head]..] and `arc`) carries no value: cancel it.
+    const std::size_t first = static_cast<std::size_t>(position[head]);
+    Capacity amount = flow[network.arc_edge(arc)];
+    for (std::size_t i = first; i < path.size(); ++i) amount = std::min(amount, flow[network.arc_edge(path[i])]);
+    for (std::size_t i = first; i < path.size(); ++i) flow[network.arc_edge(path[i])] -= amount;
+    flow[network.arc_edge(arc)] -= amount;
+    retreat(first_empty(first));  // when only `arc` emptied, the current arc passes over it next
+  }
+}
+
 }  // namespace
 
 template <typename Capacity>
@@ -637,17 +720,10 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
   }
   statistics.conservation_fixes = ConservationRepair<Capacity>(network, source, sink, flow).run();
 
-  std::vector<Capacity> residual(network.arc_count());
-  Capacity value{};
-  for (int arc = 0; arc < network.arc_count(); ++arc) {
-    const int edge = network.arc_edge(arc);
-    if (edge < 0) continue;
-    residual[arc] = network.arc_capacity(arc) - flow[edge];
-    residual[network.reverse_arc(arc)] = flow[edge];
-    const FlowEdge<Capacity>& input = network.edge(edge);
-    if (input.from == source) value += flow[edge];
-    if (input.to == source) value -= flow[edge];
-  }
+  // Not the source's net outflow of `flow`: for reals that flow conserves only up to
+  // rounding (push_flow_paths says why), and its outflow can exceed what reaches the sink.
+  std::vector<Capacity> residual;
+  Capacity value = push_flow_paths(network, source, sink, std::move(flow), residual);
   statistics.rounded_value = static_cast<double>(value);
   const flow_detail::AugmentingCounts repair = flow_detail::augment_to_maximum(network, source, sink, residual, value);
   statistics.repair_paths = repair.paths;
