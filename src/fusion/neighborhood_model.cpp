@@ -12,9 +12,15 @@
 // The cut value is a constant minus the estimate_region() benefit of the source
 // side, so the source side is the region of largest benefit; the smallest one
 // among ties, since the solver returns the source side reachable in the residual
-// graph. Resource limits are not additive in a cut; a region that exceeds one
-// loses its farthest growth op and is solved again.
+// graph. Two constraints are not cut constraints: a path from a producer-side op
+// that leaves the neighborhood and comes back at a consumer-side op forbids its
+// ends joining together (not submodular), so up to kExactChoicePairs such paths
+// the cut is solved for each way of keeping their ends apart and the best region
+// kept; and resource limits are not additive, so a region that exceeds one loses
+// its farthest growth op and is solved again (NeighborhoodOutcome::exact says
+// whether either fallback ran).
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 #include "metile/flow.h"
@@ -31,6 +37,17 @@ bool allows(const GrowthSpec& growth, OpKind kind, int depth) {
   if (growth.max_depth >= 0 && depth > growth.max_depth) return false;
   return std::find(growth.kinds.begin(), growth.kinds.end(), kind) != growth.kinds.end();
 }
+
+// A path from local op `from` that leaves the neighborhood through `exit` and comes back at `to`.
+struct Reentry {
+  int from;
+  int to;
+  NodeId exit;
+};
+
+// Up to this many choice re-entry paths a neighborhood is solved for every way of keeping their
+// ends apart (2^k cuts); beyond it, by the consumer-side rule alone.
+constexpr std::size_t kExactChoicePairs = 6;
 
 class NeighborhoodModel {
  public:
@@ -64,14 +81,42 @@ class NeighborhoodModel {
 
     outcome_.decision = add_legality_constraints();
     if (!outcome_.decision) return finish({});
-    for (;;) {
-      std::vector<NodeId> region = solve_once();
-      const Decision fits = within_limits(estimate(region), target_);
-      if (fits) return finish(std::move(region));
-      const int dropped = farthest_growth_node(region);
-      if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
-      forbid(dropped, "left out of the region: with it the kernel " + fits.reason);
+    if (choices_.size() > kExactChoicePairs) {
+      // Many choice paths: each keeps its consumer-side end out, in order (deterministic, not exact).
+      for (const Reentry& path : choices_) separate_if_both_can_join(path, false);
+      outcome_.exact = false;
+      return finish(solve_within_limits());
     }
+    // Few (every real model's neighborhood so far: none): each path keeps either end out, and the
+    // cut is solved for every combination; the best region wins, ties to the earliest combination
+    // (consumer-side ends out first). The constraint "not both ends" is not a cut constraint (it is
+    // not submodular), so exactness comes from the enumeration, not from one cut.
+    const std::vector<bool> forbidden = forbidden_;
+    const std::size_t left_out = outcome_.left_out.size();
+    std::vector<NodeId> best_region;
+    std::vector<bool> best_forbidden;
+    std::vector<std::pair<NodeId, std::string>> best_left_out;
+    bool best_exact = true;
+    double best_benefit = -std::numeric_limits<double>::infinity();
+    for (std::uint32_t mask = 0; mask < (1U << choices_.size()); ++mask) {
+      forbidden_ = forbidden;
+      outcome_.left_out.resize(left_out);
+      outcome_.exact = true;
+      for (std::size_t k = 0; k < choices_.size(); ++k) separate_if_both_can_join(choices_[k], (mask >> k & 1U) != 0);
+      std::vector<NodeId> region = solve_within_limits();
+      const double benefit = region.size() > 1 ? estimate(region).benefit_ns : 0;
+      if (benefit > best_benefit) {
+        best_benefit = benefit;
+        best_region = std::move(region);
+        best_forbidden = forbidden_;
+        best_left_out = outcome_.left_out;
+        best_exact = outcome_.exact;
+      }
+    }
+    forbidden_ = std::move(best_forbidden);
+    outcome_.left_out = std::move(best_left_out);
+    outcome_.exact = best_exact;
+    return finish(std::move(best_region));
   }
 
  private:
@@ -357,11 +402,6 @@ class NeighborhoodModel {
   // epilogue out with it), so the certain pairs are applied first, and each
   // choice pair only while both its ends can still join.
   Decision add_reentry_constraints() {
-    struct Reentry {
-      int from;
-      int to;
-      NodeId exit;
-    };
     std::vector<Reentry> reentries;
     const NodeId last = *std::max_element(nodes_.begin(), nodes_.end());
     const int count = static_cast<int>(nodes_.size());
@@ -398,15 +438,37 @@ class NeighborhoodModel {
     auto certain = [&](const Reentry& path) {
       return side(path.from) != Side::prologue || side(path.to) != Side::epilogue;
     };
-    std::stable_partition(reentries.begin(), reentries.end(), certain);
+    // The choice pairs are left to run(), which tries both ends of each.
     for (const Reentry& path : reentries) {
       if (!certain(path)) {
-        const std::vector<bool> out = kept_out();
-        if (out[static_cast<std::size_t>(path.from)] || out[static_cast<std::size_t>(path.to)]) continue;
+        choices_.push_back(path);
+        continue;
       }
-      if (Decision separated = separate(path.from, path.to, path.exit); !separated) return separated;
+      if (Decision separated = separate(path.from, path.to, path.exit, false); !separated) return separated;
     }
     return Decision::allow();
+  }
+
+  // A choice path (producer-side `from`, consumer-side `to`, neither a pattern op) keeps one end out
+  // unless one already is: `keep_producer_out` picks which.
+  void separate_if_both_can_join(const Reentry& path, bool keep_producer_out) {
+    const std::vector<bool> out = kept_out();
+    if (out[static_cast<std::size_t>(path.from)] || out[static_cast<std::size_t>(path.to)]) return;
+    (void)separate(path.from, path.to, path.exit, keep_producer_out);
+  }
+
+  // The cut, then again after each resource-limit exclusion (the farthest growth op first: a
+  // deterministic order, not an exact one) until the region fits the target.
+  std::vector<NodeId> solve_within_limits() {
+    for (;;) {
+      std::vector<NodeId> region = solve_once();
+      const Decision fits = within_limits(estimate(region), target_);
+      if (fits) return region;
+      const int dropped = farthest_growth_node(region);
+      if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
+      forbid(dropped, "left out of the region: with it the kernel " + fits.reason);
+      outcome_.exact = false;
+    }
   }
 
   // The ops the cut can never take: the forbidden ones and those that may join
@@ -426,14 +488,14 @@ class NeighborhoodModel {
   }
 
   // `from` reaches `to` through `exit` outside the neighborhood: keeps one end out, refused when
-  // both are pattern ops.
-  Decision separate(int from, int to, NodeId exit) {
+  // both are pattern ops. A choice path keeps `from` out when `keep_producer_out`, else `to`.
+  Decision separate(int from, int to, NodeId exit, bool keep_producer_out) {
     const NodeId from_node = nodes_[static_cast<std::size_t>(from)];
     const NodeId to_node = nodes_[static_cast<std::size_t>(to)];
     const std::string path = "a path from " + quoted(name(from_node)) + " leaves through " + quoted(name(exit)) +
                              " and comes back at " + quoted(name(to_node));
-    // Keep out the end that is not required, preferring a consumer-side op.
-    if (side(to) == Side::epilogue || (fixed(from) && !fixed(to))) {
+    // Keep out the end that is not required, preferring a consumer-side op (unless told otherwise).
+    if (!keep_producer_out && (side(to) == Side::epilogue || (fixed(from) && !fixed(to)))) {
       forbid(to, "left out so the kernel stays convex: " + path);
     } else if (!fixed(from)) {
       forbid(from, "left out so the kernel stays convex: " + path);
@@ -569,6 +631,7 @@ class NeighborhoodModel {
   std::vector<int> depth_;
   std::vector<bool> forbidden_;
   std::vector<std::pair<int, int>> follows_;  // (a, b): a joins only if b joins
+  std::vector<Reentry> choices_;              // re-entry paths whose kept-out end is a choice (run() makes it)
   NeighborhoodOutcome outcome_;
 };
 

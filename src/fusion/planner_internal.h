@@ -76,6 +76,10 @@ struct NeighborhoodOutcome {
   double benefit_ns = 0;
   Decision decision = Decision::allow();             // refused: the rule cannot apply at this anchor, and why
   std::vector<std::pair<NodeId, std::string>> left_out;  // ops the model had to keep out, and why
+  // The region is the neighborhood's best legal one (the cut, over every way of keeping the ends of
+  // its choice re-entry paths apart). false where a resource limit dropped ops (farthest first) or
+  // more than kExactChoicePairs choice paths were kept apart by the consumer-side rule alone.
+  bool exact = true;
 };
 
 // Builds the s-t network of the anchor's neighborhood under the rule and solves

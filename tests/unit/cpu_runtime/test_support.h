@@ -32,11 +32,16 @@ inline HostTensor random_tensor(TensorSpec spec, std::uint64_t seed, double low 
   return HostTensor::from_values(std::move(spec), values);
 }
 
-// One unit in the last place of `value` in dtype (f16: 2^-10 relative, bf16: 2^-7, f32: 2^-23).
+// One unit in the last place of `value` in dtype (f16: 2^-10 relative, bf16: 2^-7, f32: 2^-23), and
+// no finer than the dtype's subnormal spacing (f16: 2^-24, bf16: 2^-133, f32: 2^-149): a value near
+// zero (an f16 output of 2.7e-6 is subnormal) is rounded to that grid, not to its relative ulp. Without
+// this floor the random-row tests failed about once in 60 fresh seeds.
 inline long double ulp_of(long double value, DType dtype) {
   const int mantissa_bits = dtype == DType::f16 ? 10 : dtype == DType::bf16 ? 7 : 23;
+  const int smallest_exponent = dtype == DType::f16 ? -14 : -126;  // of the smallest normal number
   const long double magnitude = std::max(std::fabs(value), 1e-30L);
-  return std::ldexp(1.0L, std::ilogb(static_cast<double>(magnitude)) - mantissa_bits);
+  const int exponent = std::max(std::ilogb(static_cast<double>(magnitude)), smallest_exponent);
+  return std::ldexp(1.0L, exponent - mantissa_bits);
 }
 
 // |actual - expected| <= ulps * ulp(expected) + absolute

@@ -41,17 +41,14 @@ bool legal_by_definition(const ComputeGraph& graph, const FusionTarget& target, 
   return within_limits(estimate_region(graph, region, target, rule.resources), target).ok;
 }
 
-// The largest benefit of any legal region the neighborhood allows (the pattern, plus any subset of
-// the considered ops the model did not have to leave out), by trying every subset.
+// The largest benefit of any legal region of the neighborhood (the pattern, plus any subset of the
+// considered ops), by trying every subset. Legality is legal_by_definition's alone: the model's own
+// left_out list is not trusted (it once hid a re-entry path whose wrong end the model kept out).
 double brute_force_best_benefit(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
                                 const fusion_internal::NeighborhoodOutcome& outcome, const std::vector<NodeId>& pattern) {
-  std::set<NodeId> left_out;
-  for (const auto& [left, reason] : outcome.left_out) left_out.insert(left);
   std::vector<NodeId> free;
   for (NodeId candidate : outcome.considered) {
-    if (std::find(pattern.begin(), pattern.end(), candidate) == pattern.end() && !left_out.count(candidate)) {
-      free.push_back(candidate);
-    }
+    if (std::find(pattern.begin(), pattern.end(), candidate) == pattern.end()) free.push_back(candidate);
   }
   double best = -1e300;
   for (std::uint32_t mask = 0; mask < (1U << free.size()); ++mask) {
@@ -70,7 +67,7 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
   std::mt19937_64 random(testing::test_seed("RandomGraphs.EveryNeighborhoodCutIsTheBruteForceOptimum"));
   const FusionTarget targets[] = {FusionTarget::h200(), FusionTarget::cpu()};
   const RuleSet rules = default_rules();
-  int compared = 0;
+  int compared = 0, inexact = 0;
   for (int round = 0; round < 1000; ++round) {
     const ComputeGraph graph = fusion_test::random_graph(random, 4 + round % 12);
     const FusionTarget& target = targets[round % 2];
@@ -92,12 +89,19 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
         ASSERT_TRUE(legal_by_definition(graph, target, rule, outcome.region, *pattern)) << rule.name;
         const double best = brute_force_best_benefit(graph, target, rule, outcome, *pattern);
         const double found = estimate_region(graph, outcome.region, target, rule.resources).benefit_ns;
-        // Capacities are whole picoseconds: allow one per edge the rounding touched.
+        // Capacities are whole picoseconds: allow one per edge the rounding touched. Where a resource
+        // limit dropped ops (farthest first: not exact) the region is legal but may not be the best.
+        if (!outcome.exact) {
+          ++inexact;
+          continue;
+        }
         EXPECT_GE(found, best - 0.05) << rule.name << " at " << node.name << "\n" << write_graph_json(graph);
         ++compared;
       }
     }
   }
+  std::printf("%d neighborhoods against the brute force, %d left out by a resource limit (not compared)\n", compared,
+              inexact);
   EXPECT_GT(compared, 1500);
 }
 
@@ -143,6 +147,51 @@ TEST(RandomGraphs, PinnedSeedResidualNormTakesItsWholeEpilogue) {
   EXPECT_EQ(names, (std::vector<std::string>{"add_0", "rms_norm_1", "add_1", "scale_2", "multiply_1"}));
   const double best = brute_force_best_benefit(graph, target, rule, outcome, match.nodes);
   EXPECT_GE(estimate_region(graph, outcome.region, target, rule.resources).benefit_ns, best - 0.05);
+}
+
+// Regression: round 596 with METILE_TEST_SEED=3 (h200), found by a brute force that no longer trusts
+// the model's left_out list. A path from the prologue op add_0 leaves through reshape_0 and comes
+// back at the epilogue op add_2: the two cannot both join. The model kept add_2 out (its
+// consumer-side rule), losing add_3 and gelu_0 with it (5000 ns); keeping add_0 out instead saves
+// two launches (10000 ns). Both ways are solved now and the better one kept.
+TEST(RandomGraphs, PinnedSeedReentryKeepsTheCheaperEndOut) {
+  const ComputeGraph graph = parse_graph_json(R"({
+    "inputs": [
+      {"name": "x", "shape": [2, 32], "dtype": "f32"}, {"name": "in0", "shape": [32, 8], "dtype": "u32"},
+      {"name": "in1", "shape": [32, 1], "dtype": "f32"}, {"name": "in2", "shape": [32, 1], "dtype": "f32"},
+      {"name": "in3", "shape": [2, 32], "dtype": "f32"}, {"name": "in4", "shape": [32], "dtype": "f32"},
+      {"name": "in5", "shape": [32], "dtype": "f32"}, {"name": "in6", "shape": [32], "dtype": "f32"},
+      {"name": "in7", "shape": [32], "dtype": "f32"}
+    ],
+    "nodes": [
+      {"name": "subtract_0", "op": "subtract", "inputs": ["x", "x"]},
+      {"name": "quantized_matmul_0", "op": "quantized_matmul", "inputs": ["x", "in0", "in1", "in2"], "attrs": {"bits": 8, "group_size": 32}},
+      {"name": "multiply_0", "op": "multiply", "inputs": ["x", "in3"]},
+      {"name": "add_0", "op": "add", "inputs": ["quantized_matmul_0", "in4"]},
+      {"name": "rms_norm_0", "op": "rms_norm", "inputs": ["quantized_matmul_0", "in5"], "attrs": {"eps": 1e-05}},
+      {"name": "add_1", "op": "add", "inputs": ["rms_norm_0", "add_0"]},
+      {"name": "reshape_0", "op": "reshape", "inputs": ["add_0"], "attrs": {"shape": [2, 32]}},
+      {"name": "rms_norm_1", "op": "rms_norm", "inputs": ["add_1", "in6"], "attrs": {"eps": 1e-05}},
+      {"name": "scale_0", "op": "scale", "inputs": ["add_1"], "attrs": {"factor": 0.5}},
+      {"name": "add_2", "op": "add", "inputs": ["reshape_0", "rms_norm_1"]},
+      {"name": "add_3", "op": "add", "inputs": ["add_2", "in7"]},
+      {"name": "gelu_0", "op": "gelu", "inputs": ["add_3"], "attrs": {"approximate": "none"}}
+    ],
+    "outputs": ["subtract_0", "quantized_matmul_0", "multiply_0", "rms_norm_0", "scale_0", "gelu_0"]
+  })", "seed 3, round 596");
+  const FusionTarget target = FusionTarget::h200();
+  const FusionRule rule = residual_add_rms_norm_rule();
+  const auto match = fusion_internal::match_pattern(graph, rule, *graph.find_node("rms_norm_1"));
+  ASSERT_TRUE(match.decision.ok) << match.decision.reason;
+  fusion_internal::NeighborhoodScratch scratch(graph);
+  const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, match.nodes, 64, scratch);
+  ASSERT_TRUE(outcome.decision.ok) << outcome.decision.reason;
+  EXPECT_TRUE(outcome.exact);
+  std::vector<std::string> names;
+  for (NodeId node : outcome.region) names.push_back(graph.node(node).name);
+  EXPECT_EQ(names, (std::vector<std::string>{"add_1", "rms_norm_1", "add_2", "add_3", "gelu_0"}));
+  const double best = brute_force_best_benefit(graph, target, rule, outcome, match.nodes);
+  EXPECT_GE(outcome.benefit_ns, best - 0.05);
 }
 
 // A small conflict graph with integer weights: random, bipartite or an odd cycle.
