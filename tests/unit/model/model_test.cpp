@@ -465,8 +465,16 @@ TEST_F(DecoderModelTest, PlannedPathEqualsReferenceAndGenerationIsGreedy) {
         << count;
     EXPECT_EQ(full.position(), 0);
   }
-  DecodeSession exact(model);
-  EXPECT_EQ(generate_greedy(exact, std::span<const std::int32_t>(prompt).first(1), 2).tokens.size(), 2u);
+  // Exactly at the boundary: a 16-row cache, a 4-token prompt and 13 tokens (the last one is not fed).
+  LoadOptions small;
+  small.max_sequence = 16;
+  const DecoderModel short_model = DecoderModel::load(root_ / "llama", small);
+  DecodeSession exact(short_model);
+  EXPECT_EQ(generate_greedy(exact, prompt, 16 - 4 + 1).tokens.size(), 13u);
+  EXPECT_EQ(exact.position(), 16);
+  DecodeSession one_more(short_model);
+  EXPECT_THROW(generate_greedy(one_more, prompt, 16 - 4 + 2), InputError);
+  EXPECT_EQ(one_more.position(), 0);
 }
 
 // The greedy step graph: "next_tokens" is each row of its logits' argmax (brute force on the
