@@ -6,6 +6,7 @@
 #include <random>
 
 #include "metile/cuda_runtime.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -46,7 +47,7 @@ TEST(NvrtcWithoutDevice, ReportsItsVersion) {
 // last, in pieces of at most 64 KiB that cover it exactly, in order; a range shorter than its
 // alignment gives none. Random ranges against a byte-by-byte count.
 TEST(L2PrefetchPieces, CoverEachAlignedRangeInPiecesOfAtMost64KiB) {
-  std::mt19937_64 generator(0x6c327066ULL);
+  std::mt19937_64 generator(testing::test_seed("L2PrefetchPieces.CoverEachAlignedRangeInPiecesOfAtMost64KiB"));
   for (int trial = 0; trial < 200; ++trial) {
     std::vector<DeviceByteRange> ranges;
     for (int r = 0; r < 3; ++r) {

@@ -119,7 +119,7 @@ TEST(EngineVerificationFigures, ANanLogitMissesEveryThreshold) {
 // The reference margin: the two largest reference logits' difference over max |logit|, whatever
 // the candidate; decided positions are counted by compare_sessions from it (kDecidedMargin).
 TEST(EngineVerificationFigures, ReferenceMarginIsTheGapOfTheTwoBestLogits) {
-  std::mt19937_64 generator(0x6d61726769ULL);
+  std::mt19937_64 generator(testing::test_seed("EngineVerificationFigures.ReferenceMarginIsTheGapOfTheTwoBestLogits"));
   for (int trial = 0; trial < 100; ++trial) {
     std::vector<float> reference(50), candidate(50);
     std::uniform_real_distribution<float> uniform(-8.0f, 8.0f);

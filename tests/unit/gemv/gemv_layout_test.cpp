@@ -257,7 +257,7 @@ TEST(GemvRepack, KernelFragmentViewSeesEveryOriginalCodeOnce) {
 }
 
 TEST(GemvRepack, ScaleBiasVectorsHoldEachLanesGroups) {
-  const QuantizedMatrix matrix = random_affine_matrix(37, 384, 4, 64, DType::f16, 77);
+  const QuantizedMatrix matrix = random_affine_matrix(37, 384, 4, 64, DType::f16, testing::test_seed("GemvRepack.ScaleBiasVectorsHoldEachLanesGroups"));
   const RepackedAffineMatrix repacked = repack_for_gemv(matrix);
   const std::int64_t groups = 384 / 64, padded_groups = repacked.padded_columns / 64;
   for (std::int64_t tile = 0; tile < repacked.padded_rows / 16; ++tile) {

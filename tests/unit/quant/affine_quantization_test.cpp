@@ -156,7 +156,7 @@ TEST(QuantizeAffine, HandComputedRoundingAndEightBits) {
 // bound is widened only by the rounding of scale and bias to their dtype, which
 // this test measures against the exact scale and bias it computes itself.
 TEST(QuantizeAffine, ErrorIsBoundedByHalfAScale) {
-  const HostTensor weight = random_matrix(6, 256, 777);
+  const HostTensor weight = random_matrix(6, 256, testing::test_seed("QuantizeAffine.ErrorIsBoundedByHalfAScale"));
   for (DType scale_dtype : {DType::f32, DType::f16, DType::bf16}) {
     for (int bits : {4, 8}) {
       for (int group_size : {32, 64, 128}) {
@@ -197,7 +197,7 @@ TEST(QuantizeAffine, ErrorIsBoundedByHalfAScale) {
 }
 
 TEST(QuantizeAffine, MlxRoundingErrorIsBoundedByOneScale) {
-  const HostTensor weight = random_matrix(4, 128, 4242);
+  const HostTensor weight = random_matrix(4, 128, testing::test_seed("QuantizeAffine.MlxRoundingErrorIsBoundedByOneScale"));
   for (int bits : {4, 8}) {
     const QuantizedMatrix matrix = quantize_affine(weight, {bits, 32}, DType::f32, AffineRounding::mlx);
     const HostTensor restored = dequantize_affine(matrix);
@@ -221,7 +221,7 @@ TEST(QuantizeAffine, MlxRoundingErrorIsBoundedByOneScale) {
 }
 
 TEST(DequantizeAffine, RoundsTheF32ValueToTheOutputDtype) {
-  const QuantizedMatrix matrix = quantize_affine(random_matrix(3, 64, 99), {4, 32}, DType::bf16);
+  const QuantizedMatrix matrix = quantize_affine(random_matrix(3, 64, testing::test_seed("DequantizeAffine.RoundsTheF32ValueToTheOutputDtype")), {4, 32}, DType::bf16);
   const HostTensor as_f32 = dequantize_affine(matrix);
   const HostTensor as_f16 = dequantize_affine(matrix, DType::f16);
   ASSERT_EQ(as_f16.spec(), TensorSpec({3, 64}, DType::f16));
