@@ -105,6 +105,24 @@ TEST(RandomGraphs, EveryNeighborhoodCutIsTheBruteForceOptimum) {
   EXPECT_GT(compared, 1500);
 }
 
+// A pinned graph's residual add + RMSNorm neighborhood at rms_norm_1 (h200): exact, the expected
+// region, and no subset of the neighborhood better.
+void expect_pinned_region(const ComputeGraph& graph, const std::vector<std::string>& expected) {
+  const FusionTarget target = FusionTarget::h200();
+  const FusionRule rule = residual_add_rms_norm_rule();
+  const auto match = fusion_internal::match_pattern(graph, rule, *graph.find_node("rms_norm_1"));
+  ASSERT_TRUE(match.decision.ok) << match.decision.reason;
+  fusion_internal::NeighborhoodScratch scratch(graph);
+  const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, match.nodes, 64, scratch);
+  ASSERT_TRUE(outcome.decision.ok) << outcome.decision.reason;
+  EXPECT_TRUE(outcome.exact);
+  std::vector<std::string> names;
+  for (NodeId node : outcome.region) names.push_back(graph.node(node).name);
+  EXPECT_EQ(names, expected);
+  const double best = brute_force_best_benefit(graph, target, rule, outcome, match.nodes);
+  EXPECT_GE(estimate_region(graph, outcome.region, target, rule.resources).benefit_ns, best - 0.05);
+}
+
 // Regression: round 586 of the test above with METILE_TEST_SEED=14161574311039533052 (h200). A
 // re-entry path from a growth op that must stay out (subtract_0 -> layer_norm_0 -> multiply_0 ->
 // add_1) once forbade its other end too, pushing the legal epilogue add_1, scale_2, multiply_1 out
@@ -135,18 +153,7 @@ TEST(RandomGraphs, PinnedSeedResidualNormTakesItsWholeEpilogue) {
     ],
     "outputs": ["rms_norm_0", "reshape_0", "matmul_0", "silu_0", "multiply_1"]
   })", "seed 14161574311039533052, round 586");
-  const FusionTarget target = FusionTarget::h200();
-  const FusionRule rule = residual_add_rms_norm_rule();
-  const auto match = fusion_internal::match_pattern(graph, rule, *graph.find_node("rms_norm_1"));
-  ASSERT_TRUE(match.decision.ok) << match.decision.reason;
-  fusion_internal::NeighborhoodScratch scratch(graph);
-  const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, match.nodes, 64, scratch);
-  ASSERT_TRUE(outcome.decision.ok) << outcome.decision.reason;
-  std::vector<std::string> names;
-  for (NodeId node : outcome.region) names.push_back(graph.node(node).name);
-  EXPECT_EQ(names, (std::vector<std::string>{"add_0", "rms_norm_1", "add_1", "scale_2", "multiply_1"}));
-  const double best = brute_force_best_benefit(graph, target, rule, outcome, match.nodes);
-  EXPECT_GE(estimate_region(graph, outcome.region, target, rule.resources).benefit_ns, best - 0.05);
+  expect_pinned_region(graph, {"add_0", "rms_norm_1", "add_1", "scale_2", "multiply_1"});
 }
 
 // Regression: round 596 with METILE_TEST_SEED=3 (h200), found by a brute force that no longer trusts
@@ -179,19 +186,7 @@ TEST(RandomGraphs, PinnedSeedReentryKeepsTheCheaperEndOut) {
     ],
     "outputs": ["subtract_0", "quantized_matmul_0", "multiply_0", "rms_norm_0", "scale_0", "gelu_0"]
   })", "seed 3, round 596");
-  const FusionTarget target = FusionTarget::h200();
-  const FusionRule rule = residual_add_rms_norm_rule();
-  const auto match = fusion_internal::match_pattern(graph, rule, *graph.find_node("rms_norm_1"));
-  ASSERT_TRUE(match.decision.ok) << match.decision.reason;
-  fusion_internal::NeighborhoodScratch scratch(graph);
-  const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, match.nodes, 64, scratch);
-  ASSERT_TRUE(outcome.decision.ok) << outcome.decision.reason;
-  EXPECT_TRUE(outcome.exact);
-  std::vector<std::string> names;
-  for (NodeId node : outcome.region) names.push_back(graph.node(node).name);
-  EXPECT_EQ(names, (std::vector<std::string>{"add_1", "rms_norm_1", "add_2", "add_3", "gelu_0"}));
-  const double best = brute_force_best_benefit(graph, target, rule, outcome, match.nodes);
-  EXPECT_GE(outcome.benefit_ns, best - 0.05);
+  expect_pinned_region(graph, {"add_1", "rms_norm_1", "add_2", "add_3", "gelu_0"});
 }
 
 // A small conflict graph with integer weights: random, bipartite or an odd cycle.
