@@ -87,10 +87,10 @@ class NeighborhoodModel {
       outcome_.exact = false;
       return finish(solve_within_limits());
     }
-    // Few (every real model's neighborhood so far: none): each path keeps either end out, and the
-    // cut is solved for every combination; the best region wins, ties to the earliest combination
-    // (consumer-side ends out first). The constraint "not both ends" is not a cut constraint (it is
-    // not submodular), so exactness comes from the enumeration, not from one cut.
+    // Few: each path keeps either end out, and the cut is solved for every combination; the best
+    // region wins, ties to the earliest combination (consumer-side ends out first). The constraint
+    // "not both ends" is not a cut constraint (it is not submodular), so exactness comes from the
+    // enumeration, not from one cut.
     const std::vector<bool> forbidden = forbidden_;
     const std::size_t left_out = outcome_.left_out.size();
     std::vector<NodeId> best_region;
