@@ -480,7 +480,11 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
   std::vector<std::future<std::string>> compiles;
   for (const Case& test_case : cases) {
     const FusionPlan plan = plan_graph_fusion(test_case.graph);
-    const FusionRegion region = test_case.rule == "contraction" || test_case.rule == "contraction_argmax"
+    const bool unfused = test_case.rule == "contraction" || test_case.rule == "contraction_argmax";
+    if (!unfused) {
+      ASSERT_NE(region_of_rule(plan, test_case.rule), nullptr) << test_case.what;
+    }
+    const FusionRegion region = unfused
                                     ? contraction_node_region(*plan.graph, plan.unfused.at(0))
                                     : *region_of_rule(plan, test_case.rule);
     const GemvRegionPlan lowered = plan_gemv_region(*plan.graph, region);

@@ -268,15 +268,18 @@ TEST(Planner, MiddleCandidateLosesToTwoOuterOnes) {
   auto scaled = builder.scale(normalized, 0.5, "scaled");
   const FusionPlan plan = plan_graph_fusion(builder.build({summed, scaled}));
   ASSERT_EQ(plan_problems(plan), "");
-  auto find_candidate = [&](const std::string& rule) -> const FusionCandidate& {
+  auto find_candidate = [&](const std::string& rule) -> const FusionCandidate* {
     const auto found = std::find_if(plan.candidates.begin(), plan.candidates.end(),
                                     [&](const FusionCandidate& candidate) { return candidate.rule == rule; });
-    EXPECT_NE(found, plan.candidates.end()) << rule;
-    return *found;
+    return found == plan.candidates.end() ? nullptr : &*found;
   };
-  const FusionCandidate& middle = find_candidate("residual_add_rms_norm");
-  const FusionCandidate& left = find_candidate("contraction_epilogue");
-  const FusionCandidate& right = find_candidate("row_reduction");
+  // Asserted before use: a missing candidate fails with its rule's name, not a read past the end.
+  for (const char* rule : {"residual_add_rms_norm", "contraction_epilogue", "row_reduction"}) {
+    ASSERT_NE(find_candidate(rule), nullptr) << rule;
+  }
+  const FusionCandidate& middle = *find_candidate("residual_add_rms_norm");
+  const FusionCandidate& left = *find_candidate("contraction_epilogue");
+  const FusionCandidate& right = *find_candidate("row_reduction");
   EXPECT_EQ(node_names(plan, middle.nodes), (std::vector<std::string>{"summed", "normalized", "scaled"}));
   EXPECT_EQ(node_names(plan, left.nodes), (std::vector<std::string>{"projected", "summed"}));
   EXPECT_EQ(node_names(plan, right.nodes), (std::vector<std::string>{"normalized", "scaled"}));

@@ -215,6 +215,7 @@ TEST(InputPrologue, GemvRegionsTakeTheirPrivateRmsNorm) {
       EXPECT_EQ(swiglu->role("input"), mlp.graph->find_value("m0"));
       // With the norm the region saves its launch on top of the region without it.
       const FusionPlan plain = plan_graph_fusion(testing::swiglu_test_graph(rows, 128, 256, format));
+      ASSERT_NE(region_of_rule(plain, "swiglu_mlp"), nullptr);
       EXPECT_GT(swiglu->benefit_ns, region_of_rule(plain, "swiglu_mlp")->benefit_ns + FusionTarget::h200().launch_overhead_ns);
       expect_plan_runs_like_graph(mlp, seed + 100 + static_cast<std::uint64_t>(rows));
     }
