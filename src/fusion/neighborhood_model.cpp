@@ -81,24 +81,20 @@ class NeighborhoodModel {
 
     outcome_.decision = add_legality_constraints();
     if (!outcome_.decision) return finish({});
-    if (choices_.size() > kExactChoicePairs) {
-      // Many choice paths: each keeps its consumer-side end out, in order (deterministic, not exact).
-      for (const Reentry& path : choices_) separate_if_both_can_join(path, false);
-      outcome_.exact = false;
-      return finish(solve_within_limits());
-    }
-    // Few: each path keeps either end out, and the cut is solved for every combination; the best
-    // region wins, ties to the earliest combination (consumer-side ends out first). The constraint
-    // "not both ends" is not a cut constraint (it is not submodular), so exactness comes from the
-    // enumeration, not from one cut.
+    // Each choice path keeps either end out, and the cut is solved for every combination; the best
+    // region wins, ties to the earliest combination (mask 0: every consumer-side end out). The
+    // constraint "not both ends" is not a cut constraint (it is not submodular), so exactness comes
+    // from the enumeration, not from one cut. Beyond kExactChoicePairs paths only mask 0 is solved
+    // (deterministic, not exact).
+    const bool enumerated = choices_.size() <= kExactChoicePairs;
+    const std::uint32_t combinations = enumerated ? 1U << choices_.size() : 1U;
     const std::vector<bool> forbidden = forbidden_;
     const std::size_t left_out = outcome_.left_out.size();
     std::vector<NodeId> best_region;
-    std::vector<bool> best_forbidden;
     std::vector<std::pair<NodeId, std::string>> best_left_out;
     bool best_exact = true;
     double best_benefit = -std::numeric_limits<double>::infinity();
-    for (std::uint32_t mask = 0; mask < (1U << choices_.size()); ++mask) {
+    for (std::uint32_t mask = 0; mask < combinations; ++mask) {
       forbidden_ = forbidden;
       outcome_.left_out.resize(left_out);
       outcome_.exact = true;
@@ -108,14 +104,12 @@ class NeighborhoodModel {
       if (benefit > best_benefit) {
         best_benefit = benefit;
         best_region = std::move(region);
-        best_forbidden = forbidden_;
         best_left_out = outcome_.left_out;
         best_exact = outcome_.exact;
       }
     }
-    forbidden_ = std::move(best_forbidden);
     outcome_.left_out = std::move(best_left_out);
-    outcome_.exact = best_exact;
+    outcome_.exact = best_exact && enumerated;
     return finish(std::move(best_region));
   }
 

@@ -28,9 +28,9 @@ namespace {
 using Json = nlohmann::json;
 
 // config.json and the shard index: read within kMaximumCheckpointJsonBytes (a directory, a FIFO or
-// /dev/zero in their place is an error, not a hang), parsed with the nesting limit of every JSON input.
-Json read_checkpoint_json(const std::filesystem::path& path) {
-  return parse_json_input(read_input_file(path, kMaximumCheckpointJsonBytes, "a checkpoint's JSON file"), path.string());
+// /dev/zero in their place is an error, not a hang); each is parsed with parse_json_input's nesting limit.
+std::string read_checkpoint_json(const std::filesystem::path& path) {
+  return read_input_file(path, kMaximumCheckpointJsonBytes, "a checkpoint's JSON file");
 }
 
 // The checkpoint's tensors by name, over one or several mapped files.
@@ -39,7 +39,7 @@ class CheckpointFiles {
   explicit CheckpointFiles(const std::filesystem::path& directory) {
     const std::filesystem::path index = directory / "model.safetensors.index.json";
     if (std::filesystem::exists(index)) {
-      const Json json = read_checkpoint_json(index);
+      const Json json = parse_json_input(read_checkpoint_json(index), index.string());
       if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
         throw InputError(fmt::format("{}: field 'weight_map': missing or not an object", index.string()));
       }
@@ -209,8 +209,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   const std::filesystem::path config_path = directory / "config.json";
   if (!std::filesystem::exists(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
   DecoderModel model;
-  model.config_ = ModelConfig::parse_json(read_input_file(config_path, kMaximumCheckpointJsonBytes, "a checkpoint's JSON file"),
-                                          config_path.string());
+  model.config_ = ModelConfig::parse_json(read_checkpoint_json(config_path), config_path.string());
   model.dtype_ = options.dtype;
   const ModelConfig& config = model.config_;
   if (config.quantization && options.quantize) {
@@ -226,10 +225,9 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   const double cache_bytes = 2.0 * static_cast<double>(config.num_hidden_layers) *
                              static_cast<double>(config.num_key_value_heads) * static_cast<double>(config.head_dim) *
                              static_cast<double>(capacity) * static_cast<double>(dtype_size(options.dtype));
-  if (cache_bytes > static_cast<double>(physical_memory_bytes())) {
+  if (const auto memory = static_cast<double>(physical_memory_bytes()); cache_bytes > memory) {
     throw InputError(fmt::format("max-seq {}: the KV caches of {} positions take {:.1f} GB, more than this machine's "
-                                 "{:.1f} GB of memory", capacity, capacity, cache_bytes / 1e9,
-                                 static_cast<double>(physical_memory_bytes()) / 1e9));
+                                 "{:.1f} GB of memory", capacity, capacity, cache_bytes / 1e9, memory / 1e9));
   }
   model.capacity_ = capacity;
 
