@@ -4,6 +4,8 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <functional>
 #include <string>
@@ -48,6 +50,15 @@ std::vector<OpCase> op_cases() {
        }},
       {"softmax", [](GraphBuilder& b, ValueRef x, DType, std::int64_t) { return b.softmax(x, -1, "out"); }},
       {"causal_mask", [](GraphBuilder& b, ValueRef x, DType, std::int64_t) { return b.causal_mask(x, 1, "out"); }},
+      // The offset's literal at both ends of int64 ("-9223372036854775808LL" alone is not C++).
+      {"causal_mask_int64_min",
+       [](GraphBuilder& b, ValueRef x, DType, std::int64_t) {
+         return b.causal_mask(x, std::numeric_limits<std::int64_t>::min(), "out");
+       }},
+      {"causal_mask_int64_max",
+       [](GraphBuilder& b, ValueRef x, DType, std::int64_t) {
+         return b.causal_mask(x, std::numeric_limits<std::int64_t>::max(), "out");
+       }},
       {"cast", [](GraphBuilder& b, ValueRef x, DType dtype, std::int64_t) {
          return b.cast(x, dtype == DType::f32 ? DType::bf16 : DType::f32, "out");
        }},
