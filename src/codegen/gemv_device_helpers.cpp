@@ -30,11 +30,20 @@ constexpr int kTileCount = (kN + 15) / 16;
 constexpr int kThreads = kWarps * 32;
 constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
 
-// Weights are read once: keep them out of L1, where x lives.
+// Weights are read once: keep them out of L1, where x lives. Dense weights stay in the graph's row-major
+// layout, so one warp-wide load touches 64 bytes of each of 8 rows: the L2::256B hint has L2 fetch 256
+// bytes of each row from DRAM, which the next iterations' loads then find in L2 (Llama-3-8B bf16 gate/up
+// 61.4 -> 58.8 us, notes/mlp_decode.md, session 15). The affine layouts are repacked so that a warp's load
+// is 512 contiguous bytes already; there the hint measured no gain.
 __device__ __forceinline__ uint4 load_weights(const void* address) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  if constexpr (kBits == 16) {
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  } else {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+  }
   return v;
 }
 // x is read by every warp of every block: let L1 and L2 serve the repeats. x written by this same
