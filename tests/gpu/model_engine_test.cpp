@@ -287,7 +287,10 @@ TEST_F(ModelEngineTest, ChunksAndSingleStepsAndGenerationAgree) {
     const double relative = std::sqrt(difference / std::max(norm, 1e-300));
     if (relative > numeric_gate_threshold(DType::bf16)) disagreeing += fmt::format(" {}:{:.2e}", position, relative);
   }
-  EXPECT_LE(gate.relative_l2, numeric_gate_threshold(DType::bf16)) << gate.detail << "; positions (relative L2):" << disagreeing;
+  EXPECT_LE(gate.relative_l2, numeric_gate_threshold(DType::bf16))
+      << gate.detail << "; positions (relative L2):" << disagreeing << "\nthe 16-token step:\n"
+      << at_once.executable(16).report() << "the 1-token step (fed at once):\n" << at_once.executable(1).report()
+      << "the 1-token step (fed one by one):\n" << one_by_one.executable(1).report();
   EXPECT_LE(gate.relative_max, numeric_gate_threshold(DType::bf16)) << gate.detail;
 
   // Past the capacity and outside the vocabulary: the CPU session's errors, nothing fed.
