@@ -32,36 +32,7 @@
 namespace metile {
 namespace {
 
-struct Instruction {
-  std::uint64_t low = 0, high = 0;
-  unsigned opcode() const { return static_cast<unsigned>(low & 0xFFFu); }
-  unsigned base() const { return opcode() & 0x1FFu; }  // without the operand-kind bits (0x200 register, 0x400 constant, 0x800 immediate)
-};
-
-// The instructions of section `.text.<kernel>` of an ELF64 cubin.
-std::vector<Instruction> kernel_text(const std::string& cubin, const std::string& kernel) {
-  auto read = [&](std::size_t offset, auto value) {
-    if (offset + sizeof(value) > cubin.size()) throw std::runtime_error("gemv_sass_benchmark: truncated cubin");
-    std::memcpy(&value, cubin.data() + offset, sizeof(value));
-    return value;
-  };
-  const auto section_offset = read(0x28, std::uint64_t{});
-  const auto entry_size = read(0x3A, std::uint16_t{}), count = read(0x3C, std::uint16_t{}), names = read(0x3E, std::uint16_t{});
-  auto header = [&](int index, int field) { return section_offset + static_cast<std::uint64_t>(index) * entry_size + field; };
-  const auto name_table = read(header(names, 0x18), std::uint64_t{});
-  for (int i = 0; i < count; ++i) {
-    const std::string name(cubin.c_str() + name_table + read(header(i, 0), std::uint32_t{}));
-    if (name != ".text." + kernel) continue;
-    const auto offset = read(header(i, 0x18), std::uint64_t{}), size = read(header(i, 0x20), std::uint64_t{});
-    std::vector<Instruction> text(size / 16);
-    for (std::size_t k = 0; k < text.size(); ++k) {
-      text[k].low = read(offset + 16 * k, std::uint64_t{});
-      text[k].high = read(offset + 16 * k + 8, std::uint64_t{});
-    }
-    return text;
-  }
-  throw std::runtime_error(fmt::format("gemv_sass_benchmark: no section .text.{} in the cubin", kernel));
-}
+using Instruction = CubinInstruction;
 
 constexpr unsigned kMma = 0x03C;
 
@@ -170,7 +141,7 @@ int run(bool all, bool opcodes, bool norm) {
   for (std::size_t index = 0; index < configs.size(); ++index) {
     const GemvKernelConfig& config = configs[index];
     const CompiledProgram program = programs[index].get();
-    const std::vector<Instruction> text = kernel_text(program.cubin, generate_gemv_kernel(config).kernel_name);
+    const std::vector<Instruction> text = cubin_kernel_instructions(program.cubin, generate_gemv_kernel(config).kernel_name);
     const auto [first, last] = mainloop(text);
     std::map<std::string, int> counts;
     for (std::size_t k = first; k <= last; ++k) ++counts[opcode_name(text[k].base())];

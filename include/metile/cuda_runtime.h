@@ -243,6 +243,18 @@ struct CompiledProgram {
 CompiledProgram compile_cuda_program(std::string_view source, std::string_view kernel_name,
                                      const CompileOptions& options = {});
 
+// One sm_90 machine instruction of a compiled kernel (16 bytes, read from the cubin; there is no
+// disassembler in the toolchain CI installs): the opcode is the low 12 bits, bits 9..11 of it say
+// whether an operand is a register, a constant or an immediate. Tests and gemv_sass_benchmark read
+// kernels' code this way (the opcode numbers were identified on ptxas 13.0 probes).
+struct CubinInstruction {
+  std::uint64_t low = 0, high = 0;
+  unsigned opcode() const { return static_cast<unsigned>(low & 0xFFFu); }
+  unsigned base() const { return opcode() & 0x1FFu; }  // without the operand-kind bits
+};
+// The instructions of section `.text.<kernel>` of an ELF64 cubin; std::runtime_error when absent.
+std::vector<CubinInstruction> cubin_kernel_instructions(const std::string& cubin, const std::string& kernel);
+
 std::string nvrtc_version();  // "13.0"
 // The architecture of the context current on this thread ("sm_90"); sm_90 where there is none.
 // Threads that compile for the device in parallel take it from the thread that owns the context.

@@ -492,9 +492,9 @@ __device__ __forceinline__ EpilogueTensors load_epilogue_tensors(const Outputs& 
 )",
                       rope.head_dim, rope.dims(), rope.q_heads * rope.head_dim, rope.kv_heads * rope.head_dim,
                       rope.capacity, tensor_count);
-  for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("  tensors.value[{0}] = to_f32(outputs.tensor{0}[n]);\n", i);
+  for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("  tensors.value[{0}] = to_f32(ordered_after_wait(outputs.tensor{0})[n]);\n", i);
   text += "  if (part < 2 && p < kRopeDims) {\n";
-  for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("    tensors.partner[{0}] = to_f32(outputs.tensor{0}[n ^ 1]);\n", i);
+  for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("    tensors.partner[{0}] = to_f32(ordered_after_wait(outputs.tensor{0})[n ^ 1]);\n", i);
   text += "    if constexpr (kEpilogueBeforeWait) metile_rope_angle(p >> 1, tensors.position, tensors.sine, tensors.cosine);\n"
           "  }\n  return tensors;\n}\n";
   text += "// The value the stacked GEMV stores for a row (its epilogue expression), as stored.\n"
@@ -563,7 +563,7 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
   text += "__device__ __forceinline__ EpilogueTensors load_epilogue_tensors(const Outputs& outputs, int m, int n) {\n"
           "  (void)outputs, (void)m, (void)n;\n  EpilogueTensors tensors{};\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    text += fmt::format("  tensors.value[{}] = to_f32(outputs.tensor{}[{}]);\n", i, i,
+    text += fmt::format("  tensors.value[{}] = to_f32(ordered_after_wait(outputs.tensor{})[{}]);\n", i, i,
                         tensors[i].broadcast_rows ? "n" : "m * kN + n");
   }
   text += "  return tensors;\n}\n";

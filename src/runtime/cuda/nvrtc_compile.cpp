@@ -11,9 +11,11 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 
 #include "cuda_driver.h"
 #include "cuda_libraries.h"
@@ -238,6 +240,30 @@ void CompiledKernel::set_max_dynamic_shared_memory(int bytes) const {
 CompiledKernel compile_cuda(std::string_view source, std::string_view kernel_name, CompileOptions options) {
   if (options.architecture.empty()) options.architecture = current_device_architecture();
   return CompiledKernel::load(compile_cuda_program(source, kernel_name, options));
+}
+
+std::vector<CubinInstruction> cubin_kernel_instructions(const std::string& cubin, const std::string& kernel) {
+  auto read = [&](std::size_t offset, auto value) {
+    if (offset + sizeof(value) > cubin.size()) throw std::runtime_error("cubin_kernel_instructions: truncated cubin");
+    std::memcpy(&value, cubin.data() + offset, sizeof(value));
+    return value;
+  };
+  const auto section_offset = read(0x28, std::uint64_t{});
+  const auto entry_size = read(0x3A, std::uint16_t{}), count = read(0x3C, std::uint16_t{}), names = read(0x3E, std::uint16_t{});
+  auto header = [&](int index, int field) { return section_offset + static_cast<std::uint64_t>(index) * entry_size + field; };
+  const auto name_table = read(header(names, 0x18), std::uint64_t{});
+  for (int i = 0; i < count; ++i) {
+    const std::string name(cubin.c_str() + name_table + read(header(i, 0), std::uint32_t{}));
+    if (name != ".text." + kernel) continue;
+    const auto offset = read(header(i, 0x18), std::uint64_t{}), size = read(header(i, 0x20), std::uint64_t{});
+    std::vector<CubinInstruction> text(size / 16);
+    for (std::size_t k = 0; k < text.size(); ++k) {
+      text[k].low = read(offset + 16 * k, std::uint64_t{});
+      text[k].high = read(offset + 16 * k + 8, std::uint64_t{});
+    }
+    return text;
+  }
+  throw std::runtime_error(fmt::format("cubin_kernel_instructions: no section .text.{} in the cubin", kernel));
 }
 
 }  // namespace metile

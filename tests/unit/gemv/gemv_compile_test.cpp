@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <regex>
+#include <tuple>
 
 #include "metile/cuda_runtime.h"
 #include "metile/gemv.h"
@@ -96,6 +97,43 @@ TEST(GemvCompile, EveryFormatAndEpilogueCompilesForSm90) {
     }
   }
   EXPECT_EQ(compiled, 2 * 14);
+}
+
+// Under programmatic dependent launch a GEMV may read only its weights before griddepcontrol.wait.
+// Its epilogue tensors (the residual of the o- and down projections) are written by a kernel two
+// launches back: in session 15 ptxas hoisted the residual's 16-bit load above the wait in the
+// w8 f1/f2 db shapes (the Llama-3-8B-sized and the tiny models' down projections), and a decode
+// step could add the previous token's residual. Read from the sm_90 code: before the first
+// griddepcontrol.wait (opcode 0x82e) no global load (LDG, base 0x181) narrower than the weights'
+// 128 bits (width field, bits 9..11 of the high word: 6).
+TEST(GemvCompile, NoEpilogueLoadIsScheduledBeforeTheWaitForThePreviousKernel) {
+  constexpr unsigned kGridDependencyWait = 0x82E, kGlobalLoad = 0x181, kWidth128 = 6;
+  int kernels = 0;
+  for (const auto& [rows, n, k] : {std::tuple{1, 64, 128}, std::tuple{1, 4096, 4096}, std::tuple{16, 64, 128}}) {
+    for (int warps : {4, 8, 16}) {
+      for (int in_flight : {1, 2}) {
+        GemvKernelConfig config;
+        config.format = GemvWeightFormat::dense(DType::bf16);
+        config.rows = rows, config.out_features = n, config.in_features = k;
+        config.epilogue = GemvEpilogue::residual_add("residual", DType::bf16);
+        config.warps_per_block = warps, config.iterations_in_flight = in_flight, config.double_buffered = true;
+        const GemvKernelSource kernel = generate_gemv_kernel(config);
+        CompileOptions options;
+        options.architecture = "sm_90";
+        const std::vector<CubinInstruction> text =
+            cubin_kernel_instructions(compile_cuda_program(kernel.source, kernel.kernel_name, options).cubin, kernel.kernel_name);
+        const auto wait = std::find_if(text.begin(), text.end(), [&](const CubinInstruction& i) { return i.opcode() == kGridDependencyWait; });
+        ASSERT_NE(wait, text.end()) << config.to_string();
+        for (auto i = text.begin(); i != wait; ++i) {
+          EXPECT_FALSE(i->base() == kGlobalLoad && ((i->high >> 9) & 7u) != kWidth128)
+              << config.to_string() << ": a narrow global load at instruction " << (i - text.begin())
+              << ", before the wait at " << (wait - text.begin());
+        }
+        ++kernels;
+      }
+    }
+  }
+  EXPECT_EQ(kernels, 18);
 }
 
 TEST(GemvCompile, OtherEpiloguesCompileOnTheSameMainloop) {
