@@ -9,9 +9,8 @@
 //   --opcodes                     also what the 'other' column is made of, per kernel
 //   --norm                        gate/up with the RMSNorm prologue, as a swiglu_mlp region runs it
 //
-// The toolchain here has no disassembler (cuobjdump and nvdisasm are not installed), so the cubin is
-// read directly: sm_90 instructions are 16 bytes, the opcode is the low 12 bits (bits 9..11 say
-// whether an operand is a register, a constant or an immediate), a BRA's byte offset is bits 16..23 (times 4) and
+// The toolchain here has no disassembler, so the cubin is read directly (cubin_kernel_instructions,
+// metile/cuda_runtime.h); a BRA's byte offset is bits 16..23 (times 4) and
 // 34..81 (times 1024, signed). The opcode numbers were identified on ptxas 13.0 probes; the table
 // checks itself: a loop whose HMMA count is not the mma count the configuration implies is reported.
 #include <fmt/core.h>
@@ -22,7 +21,6 @@
 #include <future>
 #include <map>
 #include <regex>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -31,8 +29,6 @@
 
 namespace metile {
 namespace {
-
-using Instruction = CubinInstruction;
 
 constexpr unsigned kMma = 0x03C;
 
@@ -46,7 +42,7 @@ std::string opcode_name(unsigned base) {
 }
 
 // [first, last] of the loop (a backward branch at `last`) whose body holds the most HMMA.
-std::pair<std::size_t, std::size_t> mainloop(const std::vector<Instruction>& text) {
+std::pair<std::size_t, std::size_t> mainloop(const std::vector<CubinInstruction>& text) {
   std::pair<std::size_t, std::size_t> best{0, 0};
   int best_mma = -1;
   for (std::size_t i = 0; i < text.size(); ++i) {
@@ -141,7 +137,7 @@ int run(bool all, bool opcodes, bool norm) {
   for (std::size_t index = 0; index < configs.size(); ++index) {
     const GemvKernelConfig& config = configs[index];
     const CompiledProgram program = programs[index].get();
-    const std::vector<Instruction> text = cubin_kernel_instructions(program.cubin, generate_gemv_kernel(config).kernel_name);
+    const std::vector<CubinInstruction> text = cubin_kernel_instructions(program.cubin, generate_gemv_kernel(config).kernel_name);
     const auto [first, last] = mainloop(text);
     std::map<std::string, int> counts;
     for (std::size_t k = first; k <= last; ++k) ++counts[opcode_name(text[k].base())];
