@@ -85,6 +85,28 @@ inline std::vector<LoadedGemv> compile_all(const std::vector<GemvKernelSource>& 
   return load_gemvs(kernels);
 }
 
+// The float64 epilogue of the float64 products on the problem's first config.rows rows: the
+// epilogue's tensor named "bias" is the problem's bias (one a column), any other its residual.
+inline std::vector<double> expected_output(const Problem& problem, const GemvKernelConfig& config) {
+  const std::int64_t rows = config.rows, n = problem.n;
+  const int products = config.epilogue.product_count();
+  std::vector<double> expected(static_cast<std::size_t>(rows * n));
+  const std::vector<double> residual_values = problem.residual.to_values(), bias_values = problem.bias.to_values();
+  for (std::int64_t m = 0; m < rows; ++m) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      const std::size_t index = static_cast<std::size_t>(m * n + j);
+      std::vector<double> accumulators;
+      for (int p = 0; p < products; ++p) accumulators.push_back(problem.products[p][index]);
+      std::vector<double> tensors;
+      for (const GemvEpilogue::TensorInput& tensor : config.epilogue.tensor_inputs()) {
+        tensors.push_back(tensor.name == "bias" ? bias_values[static_cast<std::size_t>(j)] : residual_values[index]);
+      }
+      expected[index] = config.epilogue.evaluate(accumulators, tensors);
+    }
+  }
+  return expected;
+}
+
 // Runs one kernel on the problem's first `rows` rows and returns the scale-normalized error
 // against the float64 epilogue of the float64 products. A kernel with a workspace (streamed) runs
 // twice on fresh poison: the second launch must find the workspace ready and, the join order
@@ -110,10 +132,8 @@ inline gemv_testing::ScaledError run_and_compare(const Problem& problem, const G
     if (problem.format.is_affine()) arguments.add_pointer(problem.matrices[static_cast<std::size_t>(p)].scale_bias);
   }
   arguments.add_pointer(x_device);
-  std::vector<std::string> tensor_names;
   for (const GemvEpilogue::TensorInput& tensor : config.epilogue.tensor_inputs()) {
     arguments.add_pointer(tensor.name == "bias" ? bias_device : residual_device);
-    tensor_names.push_back(tensor.name);
   }
   arguments.add_pointer(out.buffer);
   CudaStream stream;
@@ -132,19 +152,7 @@ inline gemv_testing::ScaledError run_and_compare(const Problem& problem, const G
     EXPECT_EQ(differing, 0u) << config.to_string() << ": a second launch wrote other values";
   }
 
-  std::vector<double> expected(static_cast<std::size_t>(rows * n));
-  const std::vector<double> residual_values = problem.residual.to_values(), bias_values = problem.bias.to_values();
-  for (std::int64_t m = 0; m < rows; ++m) {
-    for (std::int64_t j = 0; j < n; ++j) {
-      const std::size_t index = static_cast<std::size_t>(m * n + j);
-      std::vector<double> accumulators;
-      for (int p = 0; p < products; ++p) accumulators.push_back(problem.products[p][index]);
-      std::vector<double> tensors;
-      for (const std::string& name : tensor_names) tensors.push_back(name == "bias" ? bias_values[static_cast<std::size_t>(j)] : residual_values[index]);
-      expected[index] = config.epilogue.evaluate(accumulators, tensors);
-    }
-  }
-  return scaled_error(actual, expected);
+  return scaled_error(actual, expected_output(problem, config));
 }
 
 

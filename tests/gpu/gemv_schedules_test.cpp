@@ -4,6 +4,8 @@
 // per-block group sums of x in shared memory, at the decode-MLP sizes of Llama-3-8B, Qwen2.5-1.5B
 // and Llama-3.2-1B and at ragged shapes whose N is below the SM count; and programmatic dependent
 // launch, eager and in a CUDA graph. Skips without a CUDA device.
+#include <algorithm>
+#include <cmath>
 #include <tuple>
 
 #include "gemv_gpu_test_support.h"
@@ -155,6 +157,132 @@ TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
       EXPECT_LE(error.relative_max, threshold) << consumers[c].to_string() << (round % 2 ? " (graph)" : " (eager)");
     }
   }
+}
+
+// What the numeric gate and the races never see: in a decode step a GEMV is a programmatic
+// dependent of the kernel that writes its x and the residual its epilogue adds, and only
+// griddepcontrol.wait keeps it from reading them early (session 15: the compiler hoisted a residual
+// load above the wait in the w8 f1/f2 double-buffered shapes, and a CUDA-graph step could add a
+// stale residual). A writer kernel releases the GEMV at once, spins for 50 us, then writes x and
+// the residual, NaN until then; every tuning candidate of a residual-epilogue stage (dense bf16 and
+// 4-bit, one and sixteen rows) and the shapes that were hoisted must give the float64 result,
+// eagerly and replayed in a CUDA graph. A control kernel that reads before its wait must see the
+// NaN, or the overlap the test depends on did not happen.
+constexpr std::string_view kLateWriterSource = R"CUDA(
+extern "C" __global__ void late_writer(unsigned short* a, const unsigned short* a_final, long long a_count,
+                                       unsigned short* b, const unsigned short* b_final, long long b_count,
+                                       long long spin_ns) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < (unsigned long long)spin_ns);
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a_count; i += stride) a[i] = a_final[i];
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < b_count; i += stride) b[i] = b_final[i];
+}
+extern "C" __global__ void early_reader(const unsigned short* a, unsigned short* copy, long long count) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) copy[i] = a[i];
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+)CUDA";
+
+TEST_F(GemvKernels, EpilogueTensorsAndXAreReadAfterTheWaitForALateWriter) {
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
+  std::cout << "seed " << seed << "\n";
+  device().make_current();
+  const CompiledKernel writer = compile_cuda(kLateWriterSource, "late_writer");
+  const CompiledKernel early_reader = compile_cuda(kLateWriterSource, "early_reader");
+  constexpr long long kSpinNanoseconds = 50'000;
+  const DType dtype = DType::bf16;
+  const double threshold = numeric_gate_threshold(dtype);
+  int checked = 0;
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(dtype), GemvWeightFormat::affine(4, 64, dtype)}) {
+    for (const auto& [n, k] : {std::pair<std::int64_t, std::int64_t>{64, 128}, {1024, 2048}}) {
+      const Problem problem = make_problem(format, n, k, 1, seed += 100);
+      std::vector<GemvKernelConfig> configs;
+      for (std::int64_t rows : {1, 16}) {
+        for (const GemvKernelConfig& candidate : gemv_tuning_candidates(config_for(problem, rows, GemvEpilogue::residual_add()))) {
+          configs.push_back(candidate);
+        }
+        // The session-15 shapes (the compile test reads their code for a hoisted load).
+        for (int warps : {4, 8, 16}) {
+          for (int in_flight : {1, 2}) {
+            GemvKernelConfig config = config_for(problem, rows, GemvEpilogue::residual_add());
+            config.warps_per_block = warps, config.iterations_in_flight = in_flight, config.double_buffered = true;
+            configs.push_back(config);
+          }
+        }
+      }
+      std::vector<GemvKernelSource> kernels;
+      for (const GemvKernelConfig& config : configs) kernels.push_back(generate_gemv_kernel(config));
+      const std::vector<LoadedGemv> loaded = compile_all(kernels, device());
+      for (std::size_t c = 0; c < configs.size(); ++c) {
+        const GemvKernelConfig& config = configs[c];
+        const std::int64_t rows = config.rows;
+        HostTensor x(TensorSpec({rows, k}, dtype)), residual(TensorSpec({rows, n}, dtype));
+        std::copy_n(problem.x.bytes().data(), x.bytes().size(), x.bytes().data());
+        std::copy_n(problem.residual.bytes().data(), residual.bytes().size(), residual.bytes().data());
+        const DeviceBuffer x_final = DeviceBuffer::from_tensor(x), residual_final = DeviceBuffer::from_tensor(residual);
+        DeviceBuffer x_late(x_final.size_bytes()), residual_late(residual_final.size_bytes());
+        DeviceTensor out(TensorSpec({rows, n}, dtype));
+        KernelArguments arguments;
+        arguments.add_pointer(problem.matrices[0].weights);
+        if (format.is_affine()) arguments.add_pointer(problem.matrices[0].scale_bias);
+        arguments.add_pointer(x_late);
+        arguments.add_pointer(residual_late);
+        arguments.add_pointer(out.buffer);
+        const std::vector<double> expected = expected_output(problem, config);
+        CudaStream stream;
+        const auto step = [&](const CudaStream& s) {
+          x_late.fill_bytes(0xFF, &s);  // NaN until the writer has spun
+          residual_late.fill_bytes(0xFF, &s);
+          out.buffer.fill_bytes(0xFF, &s);
+          launch(writer, Dim3{32}, Dim3{256}, 0, s, x_late, x_final, static_cast<long long>(x.element_count()), residual_late,
+                 residual_final, static_cast<long long>(residual.element_count()), kSpinNanoseconds);
+          loaded[c].launch(s, arguments, true);
+        };
+        const CudaGraph graph = CudaGraph::capture(stream, step);
+        for (int round = 0; round < 4; ++round) {
+          if (round % 2 == 0) {
+            step(stream);
+          } else {
+            graph.replay(stream);
+          }
+          stream.synchronize();
+          const gemv_testing::ScaledError error = scaled_error(out.to_host().to_values(), expected);
+          EXPECT_LE(error.relative_max, threshold) << config.to_string() << (round % 2 ? " (graph)" : " (eager)");
+        }
+        ++checked;
+      }
+    }
+  }
+  std::cout << fmt::format("[figures] {} residual-epilogue GEMVs behind a late writer, eager and in a graph\n", checked);
+
+  // The control: a kernel that copies before its wait, launched the same way, sees the NaN.
+  const std::int64_t count = 1 << 16;
+  HostTensor values = gemv_testing::random_tensor(TensorSpec({count}, dtype), seed + 1);
+  const DeviceBuffer final_values = DeviceBuffer::from_tensor(values);
+  DeviceBuffer late(final_values.size_bytes()), copy(final_values.size_bytes()), unused(16);
+  late.fill_bytes(0xFF);
+  CudaStream stream;
+  launch(writer, Dim3{32}, Dim3{256}, 0, stream, late, final_values, static_cast<long long>(count), unused, unused, 0LL,
+         kSpinNanoseconds);
+  KernelArguments copy_arguments;
+  copy_arguments.add_pointer(late);
+  copy_arguments.add_pointer(copy);
+  copy_arguments.add_int64(count);
+  launch_programmatic_dependent(early_reader, Dim3{32}, Dim3{256}, 0, stream, copy_arguments);
+  stream.synchronize();
+  const std::vector<double> seen = copy.download(TensorSpec({count}, dtype)).to_values();
+  EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](double v) { return std::isnan(v); }))
+      << "the reader did not run while the writer spun: the cases above prove nothing";
 }
 
 }  // namespace
