@@ -351,20 +351,13 @@ TEST_F(AttentionKernels, L2PrefetchAtLongContexts) {
 // A kernel that read any of them before the wait gives NaN rows, which the gate fails.
 TEST_F(AttentionKernels, TheCacheBeforeTheWaitReadsTheNewRowsAfterIt) {
   std::uint64_t seed = seed_base() * 1000 + 700;
-  const CompiledKernel writer = compile_cuda(R"CUDA(
+  const CompiledKernel writer = compile_cuda(std::string(testing_support::kReleaseDependentsThenSpinSource) + R"CUDA(
 extern "C" __global__ void late_writer(unsigned short* q, const unsigned short* q_final, long long q_count,
                                        unsigned short* k, const unsigned short* k_final, long long k_width,
                                        unsigned short* v, const unsigned short* v_final, long long v_width,
                                        long long heads, long long keys, long long first_row, long long end_row,
                                        long long spin_ns) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  unsigned long long start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < (unsigned long long)spin_ns);
+  release_dependents_then_spin(spin_ns);
   const long long stride = (long long)gridDim.x * blockDim.x;
   const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   for (long long i = id; i < q_count; i += stride) q[i] = q_final[i];

@@ -143,19 +143,12 @@ TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
       loaded[0].launch(s, produce);
       loaded[c + 1].launch(s, consume, true);
     };
-    const CudaGraph graph = CudaGraph::capture(stream, work);
-    for (int round = 0; round < 6; ++round) {
-      if (round % 2 == 0) {
-        work(stream);
-      } else {
-        graph.replay(stream);
-      }
-      stream.synchronize();
+    testing_support::run_eager_and_in_a_graph(stream, work, 6, [&](const char* how) {
       const std::vector<double> y_values = y.to_host().to_values();
       const std::vector<double> expected = gemv_testing::reference_gemv(y_values, second.matrices[0].values, rows, n, intermediate);
       const gemv_testing::ScaledError error = scaled_error(z.to_host().to_values(), expected);
-      EXPECT_LE(error.relative_max, threshold) << consumers[c].to_string() << (round % 2 ? " (graph)" : " (eager)");
-    }
+      EXPECT_LE(error.relative_max, threshold) << consumers[c].to_string() << " (" << how << ")";
+    });
   }
 }
 
@@ -168,18 +161,11 @@ TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
 // 4-bit, one and sixteen rows) and the shapes that were hoisted must give the float64 result,
 // eagerly and replayed in a CUDA graph. A control kernel that reads before its wait must see the
 // NaN, or the overlap the test depends on did not happen.
-constexpr std::string_view kLateWriterSource = R"CUDA(
+constexpr std::string_view kLateWriterKernels = R"CUDA(
 extern "C" __global__ void late_writer(unsigned short* a, const unsigned short* a_final, long long a_count,
                                        unsigned short* b, const unsigned short* b_final, long long b_count,
                                        long long spin_ns) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  unsigned long long start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < (unsigned long long)spin_ns);
+  release_dependents_then_spin(spin_ns);
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < a_count; i += stride) a[i] = a_final[i];
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < b_count; i += stride) b[i] = b_final[i];
@@ -197,8 +183,9 @@ TEST_F(GemvKernels, EpilogueTensorsAndXAreReadAfterTheWaitForALateWriter) {
   std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   std::cout << "seed " << seed << "\n";
   device().make_current();
-  const CompiledKernel writer = compile_cuda(kLateWriterSource, "late_writer");
-  const CompiledKernel early_reader = compile_cuda(kLateWriterSource, "early_reader");
+  const std::string source = std::string(testing_support::kReleaseDependentsThenSpinSource) + std::string(kLateWriterKernels);
+  const CompiledKernel writer = compile_cuda(source, "late_writer");
+  const CompiledKernel early_reader = compile_cuda(source, "early_reader");
   constexpr long long kSpinNanoseconds = 50'000;
   const DType dtype = DType::bf16;
   const double threshold = numeric_gate_threshold(dtype);
@@ -248,17 +235,10 @@ TEST_F(GemvKernels, EpilogueTensorsAndXAreReadAfterTheWaitForALateWriter) {
                  residual_final, static_cast<long long>(residual.element_count()), kSpinNanoseconds);
           loaded[c].launch(s, arguments, true);
         };
-        const CudaGraph graph = CudaGraph::capture(stream, step);
-        for (int round = 0; round < 4; ++round) {
-          if (round % 2 == 0) {
-            step(stream);
-          } else {
-            graph.replay(stream);
-          }
-          stream.synchronize();
+        testing_support::run_eager_and_in_a_graph(stream, step, 4, [&](const char* how) {
           const gemv_testing::ScaledError error = scaled_error(out.to_host().to_values(), expected);
-          EXPECT_LE(error.relative_max, threshold) << config.to_string() << (round % 2 ? " (graph)" : " (eager)");
-        }
+          EXPECT_LE(error.relative_max, threshold) << config.to_string() << " (" << how << ")";
+        });
         ++checked;
       }
     }

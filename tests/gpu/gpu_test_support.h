@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "metile/cpu_runtime.h"
 #include "metile/cuda_runtime.h"
@@ -67,6 +68,38 @@ inline double expect_outputs_match(const ComputeGraph& graph, const TensorMap& o
     worst = std::max(worst, gate.relative_l2);
   }
   return worst;
+}
+
+// CUDA source for kernels that stand in for a slow previous kernel of a decode step (the tests of
+// what a programmatic dependent reads before griddepcontrol.wait): release the dependents at once,
+// then spin for spin_ns nanoseconds before writing anything.
+inline constexpr std::string_view kReleaseDependentsThenSpinSource = R"CUDA(
+__device__ __forceinline__ void release_dependents_then_spin(long long spin_ns) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < (unsigned long long)spin_ns);
+}
+)CUDA";
+
+// Runs `work` on `stream` `rounds` times, eagerly on even rounds and as a replay of its CUDA graph
+// on odd ones, synchronizing and calling check(label) after each ("eager" or "graph").
+template <class Work, class Check>
+void run_eager_and_in_a_graph(const CudaStream& stream, Work&& work, int rounds, Check&& check) {
+  const CudaGraph graph = CudaGraph::capture(stream, work);
+  for (int round = 0; round < rounds; ++round) {
+    if (round % 2 == 0) {
+      work(stream);
+    } else {
+      graph.replay(stream);
+    }
+    stream.synchronize();
+    check(round % 2 ? "graph" : "eager");
+  }
 }
 
 }  // namespace metile::testing_support
