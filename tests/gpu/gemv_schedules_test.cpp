@@ -159,8 +159,9 @@ TEST_F(GemvKernels, ProgrammaticDependentLaunchWaitsForThePreviousKernel) {
 // stale residual). A writer kernel releases the GEMV at once, spins for 50 us, then writes x and
 // the residual, NaN until then; every tuning candidate of a residual-epilogue stage (dense bf16 and
 // 4-bit, one and sixteen rows) and the shapes that were hoisted must give the float64 result,
-// eagerly and replayed in a CUDA graph. A control kernel that reads before its wait must see the
-// NaN, or the overlap the test depends on did not happen.
+// eagerly and replayed in a CUDA graph; so must the normalized SwiGLU stages (x read by the RMSNorm
+// prologue). A control kernel that reads before its wait must see the NaN, or the overlap the test
+// depends on did not happen.
 constexpr std::string_view kLateWriterKernels = R"CUDA(
 extern "C" __global__ void late_writer(unsigned short* a, const unsigned short* a_final, long long a_count,
                                        unsigned short* b, const unsigned short* b_final, long long b_count,
@@ -244,6 +245,73 @@ TEST_F(GemvKernels, EpilogueTensorsAndXAreReadAfterTheWaitForALateWriter) {
     }
   }
   std::cout << fmt::format("[figures] {} residual-epilogue GEMVs behind a late writer, eager and in a graph\n", checked);
+
+  // Normalized stages (x's RMSNorm as the prologue: q/k/v, gate/up, the LM head; the SwiGLU pair here):
+  // x is read by the prologue, after the second weight batch is requested; behind the late writer
+  // each tuning candidate and its x-async twin must write the bits it writes launched alone.
+  int normalized = 0;
+  for (const GemvWeightFormat& format : {GemvWeightFormat::dense(dtype), GemvWeightFormat::affine(4, 64, dtype)}) {
+    const std::int64_t n = 512, k = 2048;
+    const Problem problem = make_problem(format, n, k, 2, seed += 100);
+    const HostTensor norm_weight = gemv_testing::random_tensor(TensorSpec({k}, dtype), seed + 1, 0.5, 1.5);
+    const DeviceBuffer norm_device = DeviceBuffer::from_tensor(norm_weight);
+    std::vector<GemvKernelConfig> configs;
+    for (std::int64_t rows : {1, 16}) {
+      GemvKernelConfig base = config_for(problem, rows, GemvEpilogue::swiglu());
+      base.x_rms_norm_eps = 1e-5;
+      for (GemvKernelConfig candidate : gemv_tuning_candidates(base)) {
+        configs.push_back(candidate);
+        candidate.x_staged_by_async_copy = true;  // the twin the lowering races where it fits
+        try {
+          candidate.validate();
+        } catch (const InputError&) {
+          continue;
+        }
+        configs.push_back(candidate);
+      }
+    }
+    std::vector<GemvKernelSource> kernels;
+    for (const GemvKernelConfig& config : configs) kernels.push_back(generate_gemv_kernel(config));
+    const std::vector<LoadedGemv> loaded = compile_all(kernels, device());
+    for (std::size_t c = 0; c < configs.size(); ++c) {
+      const std::int64_t rows = configs[c].rows;
+      HostTensor x(TensorSpec({rows, k}, dtype));
+      std::copy_n(problem.x.bytes().data(), x.bytes().size(), x.bytes().data());
+      const DeviceBuffer x_final = DeviceBuffer::from_tensor(x);
+      DeviceBuffer x_late(x_final.size_bytes()), unused(16);
+      DeviceTensor out(TensorSpec({rows, n}, dtype));
+      const auto arguments_reading = [&](const DeviceBuffer& x_buffer) {
+        KernelArguments arguments;
+        for (const MatrixUnderTest& matrix : problem.matrices) {
+          arguments.add_pointer(matrix.weights);
+          if (format.is_affine()) arguments.add_pointer(matrix.scale_bias);
+        }
+        arguments.add_pointer(x_buffer);
+        arguments.add_pointer(norm_device);
+        arguments.add_pointer(out.buffer);
+        return arguments;
+      };
+      CudaStream stream;
+      out.buffer.fill_bytes(0xFF);
+      loaded[c].launch(stream, arguments_reading(x_final));
+      stream.synchronize();
+      const HostTensor alone = out.to_host();
+      for (double value : alone.to_values()) ASSERT_TRUE(std::isfinite(value)) << configs[c].to_string() << " launched alone";
+      const KernelArguments late_arguments = arguments_reading(x_late);
+      const auto step = [&](const CudaStream& s) {
+        x_late.fill_bytes(0xFF, &s);  // NaN until the writer has spun
+        out.buffer.fill_bytes(0xFF, &s);
+        launch(writer, Dim3{32}, Dim3{256}, 0, s, x_late, x_final, static_cast<long long>(x.element_count()), unused, unused,
+               0LL, kSpinNanoseconds);
+        loaded[c].launch(s, late_arguments, true);
+      };
+      testing_support::run_eager_and_in_a_graph(stream, step, 4, [&](const char* how) {
+        EXPECT_TRUE(out.to_host() == alone) << configs[c].to_string() << " (" << how << "): other bits behind the late writer";
+      });
+      ++normalized;
+    }
+  }
+  std::cout << fmt::format("[figures] {} normalized SwiGLU GEMVs behind a late writer: the bits of their plain launch\n", normalized);
 
   // The control: a kernel that copies before its wait, launched the same way, sees the NaN.
   const std::int64_t count = 1 << 16;
