@@ -8,7 +8,10 @@
 # vs two-pass softmax) and the decode-MLP goals (mlp_decode_benchmark --quick; MLP_DECODE_TIMEOUT=0
 # skips it). The decode-MLP, attention and whole-model benchmarks' other modes have their own device
 # scripts (benchmarks/*/device_run.sh).
-# Full logs under $OUT (default /tmp/metile-gpu-check), a summary last.
+# Full logs under $OUT (default /tmp/metile-gpu-check), a summary last. Everything fits one call of
+# the device tool (TIME_LIMIT seconds, default 570): each step runs for at most what is left, steps run
+# in order of importance (build, the GPU tests three at a time, the oracles, then the benchmarks), and a
+# step with less than 20 s left is skipped and said so in the summary.
 set -u
 OUT=${OUT:-/tmp/metile-gpu-check}
 mkdir -p "$OUT"
@@ -16,8 +19,15 @@ export METILE_CACHE_DIR=${METILE_CACHE_DIR:-/tmp/metile-cache}
 start=$(date +%s)
 elapsed() { echo "$(($(date +%s) - start))s"; }
 summary=()
-step() {  # step NAME TIMEOUT COMMAND...: runs, logs to $OUT/NAME.log, records rc
+TIME_LIMIT=${TIME_LIMIT:-570}
+left() { echo $((TIME_LIMIT - ($(date +%s) - start))); }
+step() {  # step NAME TIMEOUT COMMAND...: runs for at most TIMEOUT and what is left, logs to $OUT/NAME.log, records rc
   local name=$1 limit=$2; shift 2
+  if [ "$(left)" -lt 20 ]; then
+    summary+=("$(printf '%-22s skipped: %s s left' "$name" "$(left)")")
+    return 124
+  fi
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-22s rc=%-3s at %s' "$name" "$rc" "$(elapsed)")")
@@ -29,11 +39,12 @@ gpu_targets=$(for source in tests/gpu/*_test.cpp; do echo "gpu_$(basename "$sour
 step build 240 cmake --build build/gpu --target metile kernels_benchmark mlp_decode_benchmark $gpu_targets -j"$(nproc)" ||
   { grep -E "error" -A3 "$OUT/build.log" | head -40; printf '%s\n' "${summary[@]}"; exit 1; }
 # The oracle needs no GPU; it runs beside the GPU suites on the machine's CPU cores.
-PYTHONUNBUFFERED=1 timeout 420 python3 tests/gpu/transformers_oracle.py --metile build/gpu/tools/metile/metile \
+PYTHONUNBUFFERED=1 timeout "$(left)" python3 tests/gpu/transformers_oracle.py --metile build/gpu/tools/metile/metile \
   >"$OUT/transformers_oracle.log" 2>&1 &
 oracle=$!
-step gpu_tests ${GPU_TESTS_TIMEOUT:-420} ctest --test-dir build/gpu -L gpu -E transformers_oracle -j1 \
-  --output-on-failure --timeout 200
+# Three suites at a time: the label took ~380 s so on the H200 (session 16), one at a time past 600.
+step gpu_tests ${GPU_TESTS_TIMEOUT:-420} ctest --test-dir build/gpu -L gpu -E transformers_oracle -j3 \
+  --output-on-failure --timeout 250
 grep -E "tests passed|FAILED|Failed|\*\*\*|Passed|sec$" "$OUT/gpu_tests.log" | tail -24
 for example in add_rms_norm decoder_layer; do
   step "run_$example" 60 build/gpu/tools/metile/metile run examples/$example.json --backend cuda --check
