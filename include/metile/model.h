@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -120,7 +121,20 @@ class DecoderModel {
   std::int64_t capacity_ = 0;
   TensorMap weights_;
   std::optional<AffineQuantization> quantization_;
-  mutable std::map<std::pair<std::int64_t, StepOutputs>, std::shared_ptr<const ComputeGraph>> graphs_;
+  // The step graphs built so far. Filled under a lock: the Python bindings release the GIL, so
+  // several threads may ask one model for a graph at once. Copies and moves carry the graphs, not the lock.
+  class StepGraphCache {
+   public:
+    StepGraphCache() = default;
+    StepGraphCache(const StepGraphCache& other);
+    StepGraphCache& operator=(const StepGraphCache& other);
+    const ComputeGraph& get(std::int64_t steps, StepOutputs outputs, const std::function<ComputeGraph()>& build) const;
+
+   private:
+    mutable std::mutex mutex_;
+    mutable std::map<std::pair<std::int64_t, StepOutputs>, std::shared_ptr<const ComputeGraph>> graphs_;
+  };
+  StepGraphCache graphs_;
 };
 
 // One sequence being decoded, on any backend: feed tokens, get their logits. The CPU

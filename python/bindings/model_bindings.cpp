@@ -13,6 +13,7 @@
 #include <pybind11/stl/filesystem.h>
 
 #include <cstdio>
+#include <limits>
 #include <memory>
 
 #include "bindings.h"
@@ -32,13 +33,23 @@ std::optional<AffineQuantization> quantization_of(std::optional<int> bits, int g
 }
 
 std::vector<std::int32_t> token_ids(const py::handle& ids) {
-  if (py::isinstance<py::str>(ids)) throw py::type_error("ids must be a sequence of integers, got str");
+  if (py::isinstance<py::str>(ids) || py::isinstance<py::bytes>(ids) || py::isinstance(ids, py::module_::import("builtins").attr("bytearray"))) {
+    throw py::type_error("ids must be a sequence of integers, got " + std::string(py::str(py::type::handle_of(ids).attr("__name__"))));
+  }
+  const py::object numpy_integer = py::module_::import("numpy").attr("integer");
   std::vector<std::int32_t> tokens;
   for (const py::handle& item : py::iter(ids)) {
-    if (!py::isinstance<py::int_>(item) && !py::isinstance(item, py::module_::import("numpy").attr("integer"))) {
+    // bool is an int to Python, never a token id.
+    if (py::isinstance<py::bool_>(item) || (!py::isinstance<py::int_>(item) && !py::isinstance(item, numpy_integer))) {
       throw py::type_error("ids must hold integers, got " + std::string(py::str(py::type::handle_of(item).attr("__name__"))));
     }
-    tokens.push_back(item.cast<std::int32_t>());
+    const py::int_ value(py::reinterpret_borrow<py::object>(item));
+    int overflow = 0;
+    const long long id = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+    if (overflow != 0 || id < std::numeric_limits<std::int32_t>::min() || id > std::numeric_limits<std::int32_t>::max()) {
+      throw InputError("ids: " + std::string(py::str(item)) + " is not a token id (ids are 32-bit integers below the vocabulary size)");
+    }
+    tokens.push_back(static_cast<std::int32_t>(id));
   }
   if (tokens.empty()) throw InputError("ids is empty");
   return tokens;
@@ -68,6 +79,12 @@ struct PythonCudaModel {
 }  // namespace
 
 void bind_model(py::module_& module) {
+  // numpy imported and pybind11's numpy table filled now, while the import holds the GIL: filled
+  // lazily by the first array a call returns, two threads could deadlock (one in the table's
+  // static initialisation importing numpy, which wants the GIL; the other holding the GIL and
+  // waiting for that initialisation).
+  py::module_::import("numpy");
+  (void)py::detail::npy_api::get();
   py::class_<DecoderModel, std::shared_ptr<DecoderModel>>(module, "Model",
                                                           "A decoder checkpoint loaded for CPU decoding")
       .def_property_readonly("vocab_size", [](const DecoderModel& model) { return model.config().vocab_size; })

@@ -27,10 +27,17 @@ namespace {
 
 using Json = nlohmann::json;
 
-// config.json and the shard index: read within kMaximumCheckpointJsonBytes (a directory, a FIFO or
-// /dev/zero in their place is an error, not a hang); each is parsed with parse_json_input's nesting limit.
+// config.json and the shard index: regular files read within kMaximumCheckpointJsonBytes (a
+// directory, a FIFO or a device in their place is an error, not a hang: opening a FIFO with no
+// writer blocks); each is parsed with parse_json_input's nesting limit.
 std::string read_checkpoint_json(const std::filesystem::path& path) {
-  return read_input_file(path, kMaximumCheckpointJsonBytes, "a checkpoint's JSON file");
+  std::error_code error;
+  const std::filesystem::file_status status = std::filesystem::status(path, error);
+  if (!error && std::filesystem::exists(status) && !std::filesystem::is_directory(status) &&
+      !std::filesystem::is_regular_file(status)) {
+    throw InputError(path.string() + ": not a regular file (a checkpoint's config.json and shard index are files)");
+  }
+  return read_input_file(path, kMaximumCheckpointJsonBytes, "checkpoint JSON");
 }
 
 // The checkpoint's tensors by name, over one or several mapped files.

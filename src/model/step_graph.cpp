@@ -176,8 +176,27 @@ const ComputeGraph& DecoderModel::step_graph(std::int64_t steps, StepOutputs out
   if (steps < 1 || steps > kMaxStepTokens) {
     throw InputError(fmt::format("a decode step takes 1 to {} tokens, not {}", kMaxStepTokens, steps));
   }
+  return graphs_.get(steps, outputs, [&] { return StepGraphRecorder(*this, steps, outputs).record(); });
+}
+
+DecoderModel::StepGraphCache::StepGraphCache(const StepGraphCache& other) {
+  const std::lock_guard lock(other.mutex_);
+  graphs_ = other.graphs_;
+}
+
+DecoderModel::StepGraphCache& DecoderModel::StepGraphCache::operator=(const StepGraphCache& other) {
+  if (this == &other) return *this;
+  const std::scoped_lock lock(mutex_, other.mutex_);
+  graphs_ = other.graphs_;
+  return *this;
+}
+
+// A graph once built is never replaced, so the reference stays valid after the lock is released.
+const ComputeGraph& DecoderModel::StepGraphCache::get(std::int64_t steps, StepOutputs outputs,
+                                                      const std::function<ComputeGraph()>& build) const {
+  const std::lock_guard lock(mutex_);
   auto& cached = graphs_[{steps, outputs}];
-  if (!cached) cached = std::make_shared<const ComputeGraph>(StepGraphRecorder(*this, steps, outputs).record());
+  if (!cached) cached = std::make_shared<const ComputeGraph>(build());
   return *cached;
 }
 
