@@ -225,16 +225,26 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   }
   std::int64_t capacity = options.max_sequence > 0 ? options.max_sequence
                                                    : std::min<std::int64_t>(4096, config.max_position_embeddings);
-  if (config.sliding_window) capacity = std::min(capacity, *config.sliding_window);
   if (options.max_sequence < 0) throw InputError(fmt::format("max-seq {} is negative", options.max_sequence));
+  if (config.sliding_window && capacity > *config.sliding_window) {
+    // Attention here sees every cached position, so the window bounds the context instead of sliding.
+    if (options.max_sequence > 0) {
+      throw InputError(fmt::format("max-seq {}: the checkpoint's sliding_window {} bounds the context (attention over a "
+                                   "sliding window is not implemented); ask for at most {} positions",
+                                   options.max_sequence, *config.sliding_window, *config.sliding_window));
+    }
+    capacity = *config.sliding_window;
+  }
   // A session keeps K and V of every layer for `capacity` positions: refuse a capacity whose caches
   // alone exceed this machine's memory (a typo in --max-seq) before anything allocates them.
   const double cache_bytes = 2.0 * static_cast<double>(config.num_hidden_layers) *
                              static_cast<double>(config.num_key_value_heads) * static_cast<double>(config.head_dim) *
                              static_cast<double>(capacity) * static_cast<double>(dtype_size(options.dtype));
   if (const auto memory = static_cast<double>(physical_memory_bytes()); cache_bytes > memory) {
-    throw InputError(fmt::format("max-seq {}: the KV caches of {} positions take {:.1f} GB, more than this machine's "
-                                 "{:.1f} GB of memory", capacity, capacity, cache_bytes / 1e9, memory / 1e9));
+    throw InputError(fmt::format("the KV caches of {} positions (max-seq) x {} layers x {} KV heads x head dim {} take "
+                                 "{:.1f} GB, more than this machine's {:.1f} GB of memory",
+                                 capacity, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                 cache_bytes / 1e9, memory / 1e9));
   }
   model.capacity_ = capacity;
 

@@ -112,12 +112,12 @@ std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_
   return next;
 }
 
-Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
-                           const std::function<void(std::int64_t)>& on_token) {
-  if (prompt.empty()) throw InputError("the prompt is empty");
-  if (count < 0) throw InputError(fmt::format("cannot generate {} tokens", count));
-  // Checked before the first step: the prompt and every generated token but the last are fed (count is
-  // compared first, so that the sum cannot overflow).
+namespace {
+
+// Greedy decoding and the model-level comparison feed the prompt, then each of `count` tokens but
+// the last: checked before the first step, so that a run too long for the caches fails at once
+// instead of after doing most of its work (count is compared first, so that the sum cannot overflow).
+void check_generation_fits(const LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count) {
   const std::int64_t capacity = session.capacity();
   const std::int64_t fed = count > capacity ? count
                                             : session.position() + static_cast<std::int64_t>(prompt.size()) +
@@ -126,6 +126,15 @@ Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t>
     throw InputError(fmt::format("{} tokens after a {}-token prompt would go past the KV-cache capacity {} (--max-seq)",
                                  count, prompt.size(), capacity));
   }
+}
+
+}  // namespace
+
+Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+                           const std::function<void(std::int64_t)>& on_token) {
+  if (prompt.empty()) throw InputError("the prompt is empty");
+  if (count < 0) throw InputError(fmt::format("cannot generate {} tokens", count));
+  check_generation_fits(session, prompt, count);
   Generation generation;
   std::int32_t token = session.feed_greedy(prompt).back();
   const auto start = std::chrono::steady_clock::now();
@@ -189,6 +198,8 @@ AgreementFigures compare_sessions(LogitsSession& reference, LogitsSession& candi
                                   std::span<const std::int32_t> prompt, std::int64_t positions) {
   if (positions < 1) throw InputError(fmt::format("cannot compare {} positions", positions));
   if (prompt.empty()) throw InputError("the prompt is empty");
+  check_generation_fits(reference, prompt, positions);
+  check_generation_fits(candidate, prompt, positions);
   AgreementFigures figures;
   double ignored = 0;
   // The last position's logits of a feed, and the time it took.

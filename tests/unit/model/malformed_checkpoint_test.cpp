@@ -99,7 +99,10 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          std::filesystem::remove(d / "config.json");
          std::filesystem::create_symlink("/dev/zero", d / "config.json");
        },
-       "config.json: larger than the 16777216-byte limit"},
+       "config.json: not a regular file"},
+      {"config_past_the_size_limit",
+       [](auto d) { testing::write_text(d / "config.json", std::string(16 * 1024 * 1024, ' ') + "{}"); },
+       "config.json: larger than the 16777216-byte limit for checkpoint JSON files"},
       {"quantization_bits_past_32_bits",
        [](auto d) { edit_config(d, [](Json& c) { c["quantization"] = {{"group_size", 64}, {"bits", 4294967300LL}}; }); },
        "field 'quantization.bits': must be at most 64, got 4294967300"},
@@ -188,7 +191,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_FALSE(std::filesystem::exists(root_ / "fresh"));
   // Sizes and thresholds out of range (a typo must not fill the memory or the disk, nor pass as a default).
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 1000000000000"), 2);
-  EXPECT_NE(err.find("max-seq 1000000000000: the KV caches of"), std::string::npos) << err;
+  EXPECT_NE(err.find("the KV caches of 1000000000000 positions (max-seq) x 2 layers"), std::string::npos) << err;
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 100000000000"), 2);
   EXPECT_EQ(err, "metile: error: --layers 100000000000 must be 1..1024\n");
@@ -204,6 +207,23 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(out.find("FAIL"), std::string::npos);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
   EXPECT_NE(out.find("next-token agreement   1.0000"), std::string::npos);
+  // A comparison too long for the caches fails before its first step, as generate does.
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2 --max-seq 16 --tokens 20"), 2);
+  EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (--max-seq)\n");
+  EXPECT_EQ(out, "");
+  // A sliding window bounds the context (attention sees every cached position): asking for more is
+  // an error naming the window, not a capacity silently cut to it.
+  const std::filesystem::path windowed = synth("windowed", {});
+  edit_config(windowed, [](Json& c) {
+    c["use_sliding_window"] = true;
+    c["sliding_window"] = 8;
+  });
+  EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2 --max-seq 100"), 2);
+  EXPECT_EQ(err, "metile: error: max-seq 100: the checkpoint's sliding_window 8 bounds the context (attention over a sliding "
+                 "window is not implemented); ask for at most 8 positions\n");
+  EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2"), 0);
+  EXPECT_EQ(metile("generate " + windowed.string() + " --prompt-ids 1,2 --tokens 8"), 2);
+  EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (--max-seq)\n");
 }
 
 // Without a GPU (CI) every --backend cuda command and bench-model is one line and exit 2,
