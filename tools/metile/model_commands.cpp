@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -207,12 +208,11 @@ void generate_command(const ModelOptions& options) {
 
 int verify_command(ModelOptions options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
-  if (options.tokens < 0) throw InputError(fmt::format("--tokens {} must be at least 1", options.tokens));
   const DecoderModel model = load_model(options);
 #ifdef METILE_HAVE_CUDA_BACKEND
   if (options.backend == "cuda") return verify_model_on_cuda(model, options);
 #endif
-  const std::int64_t positions = options.tokens == 0 ? 16 : options.tokens;
+  const std::int64_t positions = options.tokens < 0 ? 16 : options.tokens;
   const double min_agreement = or_default(options.min_agreement, 0.95);
   const double max_kl = or_default(options.max_kl, 0.01);
   const double max_kl_mean = or_default(options.max_kl_mean, max_kl);
@@ -309,8 +309,9 @@ void add_model_commands(CLI::App& app) {
     add_model_options(command, *options, false);
     command->add_option("--prompt-ids", options->prompt_ids, "comma-separated prompt token ids")
         ->capture_default_str();
-    options->tokens = 0;
-    command->add_option("--tokens", options->tokens, "positions to compare (default 16 on cpu, 64 on cuda)");
+    options->tokens = -1;  // unset: the backend's default (a given value is at least 1)
+    command->add_option("--tokens", options->tokens, "positions to compare (default 16 on cpu, 64 on cuda)")
+        ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()));
     // Given thresholds are finite and >= 0 (NaN passes CLI::Range, so it is checked here); an unset one
     // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
     const CLI::Validator non_negative(

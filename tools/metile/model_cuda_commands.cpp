@@ -150,7 +150,7 @@ std::unique_ptr<LogitsSession> open_cuda_session(const DecoderModel& model, cons
 
 int verify_model_on_cuda(const DecoderModel& model, const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
-  const std::int64_t positions = options.tokens == 0 ? 64 : options.tokens;
+  const std::int64_t positions = options.tokens < 0 ? 64 : options.tokens;
   EngineThresholds thresholds;
   thresholds.min_agreement = or_default(options.min_agreement, thresholds.min_agreement);
   thresholds.max_kl = or_default(options.max_kl, thresholds.max_kl);

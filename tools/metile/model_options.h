@@ -22,7 +22,7 @@ struct ModelOptions {
   std::string quantize;  // "", "4" or "8"
   int group_size = 64;
   std::int64_t max_seq = 0;
-  std::int64_t tokens = 16;  // verify-model: 0 = the backend's default (16 on cpu, 64 on cuda)
+  std::int64_t tokens = 16;  // verify-model: -1 (unset) = the backend's default (16 on cpu, 64 on cuda)
   std::string decline;       // --backend cuda: comma-separated region kinds to run native
   std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
   std::string tournament_caches = "cold";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)

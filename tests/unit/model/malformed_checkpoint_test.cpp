@@ -207,6 +207,8 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(out.find("FAIL"), std::string::npos);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
   EXPECT_NE(out.find("next-token agreement   1.0000"), std::string::npos);
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 0"), 2);  // unset means the default; 0 is no count
+  EXPECT_NE(err.find("--tokens: Value 0 not in range 1"), std::string::npos) << err;
   // A comparison too long for the caches fails before its first step, as generate does.
   EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2 --max-seq 16 --tokens 20"), 2);
   EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (--max-seq)\n");
