@@ -25,6 +25,7 @@ step() {  # step NAME TIMEOUT COMMAND...: runs for at most TIMEOUT and what is l
   local name=$1 limit=$2; shift 2
   if [ "$(left)" -lt 20 ]; then
     summary+=("$(printf '%-22s skipped: %s s left' "$name" "$(left)")")
+    echo "skipped: $(left) s of TIME_LIMIT left" >"$OUT/$name.log"  # not an earlier run's log
     return 124
   fi
   [ "$limit" -gt "$(left)" ] && limit=$(left)
@@ -39,7 +40,8 @@ gpu_targets=$(for source in tests/gpu/*_test.cpp; do echo "gpu_$(basename "$sour
 step build 240 cmake --build build/gpu --target metile kernels_benchmark mlp_decode_benchmark $gpu_targets -j"$(nproc)" ||
   { grep -E "error" -A3 "$OUT/build.log" | head -40; printf '%s\n' "${summary[@]}"; exit 1; }
 # The oracle needs no GPU; it runs beside the GPU suites on the machine's CPU cores.
-PYTHONUNBUFFERED=1 timeout "$(left)" python3 tests/gpu/transformers_oracle.py --metile build/gpu/tools/metile/metile \
+oracle_limit=$(left); [ "$oracle_limit" -lt 20 ] && oracle_limit=20
+PYTHONUNBUFFERED=1 timeout "$oracle_limit" python3 tests/gpu/transformers_oracle.py --metile build/gpu/tools/metile/metile \
   >"$OUT/transformers_oracle.log" 2>&1 &
 oracle=$!
 # Three suites at a time: the label took ~380 s so on the H200 (session 16), one at a time past 600.

@@ -83,8 +83,12 @@ void bind_model(py::module_& module) {
   // lazily by the first array a call returns, two threads could deadlock (one in the table's
   // static initialisation importing numpy, which wants the GIL; the other holding the GIL and
   // waiting for that initialisation).
-  py::module_::import("numpy");
-  (void)py::detail::npy_api::get();
+  // Without numpy the module still loads (the graph and flow functions need none); the model's calls then fail alone.
+  try {
+    py::module_::import("numpy");
+    (void)py::detail::npy_api::get();
+  } catch (const py::error_already_set&) {
+  }
   py::class_<DecoderModel, std::shared_ptr<DecoderModel>>(module, "Model",
                                                           "A decoder checkpoint loaded for CPU decoding")
       .def_property_readonly("vocab_size", [](const DecoderModel& model) { return model.config().vocab_size; })

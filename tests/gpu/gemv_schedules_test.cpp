@@ -313,24 +313,29 @@ TEST_F(GemvKernels, EpilogueTensorsAndXAreReadAfterTheWaitForALateWriter) {
   }
   std::cout << fmt::format("[figures] {} normalized SwiGLU GEMVs behind a late writer: the bits of their plain launch\n", normalized);
 
-  // The control: a kernel that copies before its wait, launched the same way, sees the NaN.
+  // The control: a kernel that copies before its wait, launched the same way (eagerly and in a
+  // graph), sees the NaN each time.
   const std::int64_t count = 1 << 16;
   HostTensor values = gemv_testing::random_tensor(TensorSpec({count}, dtype), seed + 1);
   const DeviceBuffer final_values = DeviceBuffer::from_tensor(values);
   DeviceBuffer late(final_values.size_bytes()), copy(final_values.size_bytes()), unused(16);
-  late.fill_bytes(0xFF);
-  CudaStream stream;
-  launch(writer, Dim3{32}, Dim3{256}, 0, stream, late, final_values, static_cast<long long>(count), unused, unused, 0LL,
-         kSpinNanoseconds);
   KernelArguments copy_arguments;
   copy_arguments.add_pointer(late);
   copy_arguments.add_pointer(copy);
   copy_arguments.add_int64(count);
-  launch_programmatic_dependent(early_reader, Dim3{32}, Dim3{256}, 0, stream, copy_arguments);
-  stream.synchronize();
-  const std::vector<double> seen = copy.download(TensorSpec({count}, dtype)).to_values();
-  EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](double v) { return std::isnan(v); }))
-      << "the reader did not run while the writer spun: the cases above prove nothing";
+  CudaStream stream;
+  const auto control = [&](const CudaStream& s) {
+    late.fill_bytes(0xFF, &s);
+    copy.fill_bytes(0, &s);  // zeros: a copy the reader did not make shows no NaN
+    launch(writer, Dim3{32}, Dim3{256}, 0, s, late, final_values, static_cast<long long>(count), unused, unused, 0LL,
+           kSpinNanoseconds);
+    launch_programmatic_dependent(early_reader, Dim3{32}, Dim3{256}, 0, s, copy_arguments);
+  };
+  testing_support::run_eager_and_in_a_graph(stream, control, 4, [&](const char* how) {
+    const std::vector<double> seen = copy.download(TensorSpec({count}, dtype)).to_values();
+    EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](double v) { return std::isnan(v); }))
+        << "the reader did not run while the writer spun (" << how << "): the cases above prove nothing";
+  });
 }
 
 }  // namespace
