@@ -33,7 +33,7 @@ std::optional<AffineQuantization> quantization_of(std::optional<int> bits, int g
 }
 
 std::vector<std::int32_t> token_ids(const py::handle& ids) {
-  if (py::isinstance<py::str>(ids) || py::isinstance<py::bytes>(ids) || py::isinstance(ids, py::module_::import("builtins").attr("bytearray"))) {
+  if (py::isinstance<py::str>(ids) || py::isinstance<py::bytes>(ids) || py::isinstance<py::bytearray>(ids)) {
     throw py::type_error("ids must be a sequence of integers, got " + std::string(py::str(py::type::handle_of(ids).attr("__name__"))));
   }
   const py::object numpy_integer = py::module_::import("numpy").attr("integer");
