@@ -381,8 +381,9 @@ struct ExecutableOptions {
   // Region kinds (plan rule names: "swiglu_mlp", "flash_attention", ...) whose regions run native
   // with the reason "declined by model verification" (the GPU engine's verify_fused_engine).
   std::set<std::string> declined_rules;
-  // > 0: a fused region also binds the fused candidate its race nearly chose (near_tie_candidate:
-  // within this fraction of the chosen one's score), for Executable::race_near_ties. 0: none bound.
+  // > 0: a fused region also binds a second candidate for Executable::race_near_ties
+  // (step_race_candidate): the chosen shape's L2-prefetch twin, else the fused candidate its race
+  // nearly chose (near_tie_candidate: within this fraction of the chosen one's score). 0: none bound.
   double near_tie_margin = 0;
 };
 
@@ -416,6 +417,17 @@ RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& regi
 // fraction) of the chosen one's. Its eager name ("fused gemv w8 t1 f2 db"), or nothing.
 std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                               const std::string& chosen, double margin);
+// The chosen GEMV shape's L2-prefetch twin, if it was raced: the same shape whose weights are
+// requested into L2 before its wait for the previous kernel ("fused gemv w16 t1 f1 db" ->
+// "fused gemv w16 t1 f1 db prefetch4", gemv_shape_name). Its eager name, or nothing. It gains only
+// where the kernel before it leaves the DRAM idle (attention before the o-projection), which a race
+// of the stage alone cannot see: the step races it instead (Executable::race_near_ties).
+std::optional<std::string> prefetch_twin_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
+                                                   const std::string& chosen);
+// What a fused region binds for the race inside the step (ExecutableOptions::near_tie_margin): its
+// prefetch twin when it has one, else its near tie.
+std::optional<std::string> step_race_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
+                                               const std::string& chosen, double margin);
 
 struct RegionReport {
   int region = -1;  // index in plan.regions; -1: an unfused matmul offered as a region of its own ("contraction")
@@ -473,7 +485,7 @@ class Executable {
                             bool keep_without_race = false);
   // The regions race alone and cold; near ties among their fused candidates can go either way inside
   // the step, where neighbours and programmatic launches change what a kernel costs. For each kind
-  // whose regions bound a near tie (ExecutableOptions::near_tie_margin), captures the step with those
+  // whose regions bound a near tie or a prefetch twin (ExecutableOptions::near_tie_margin), captures the step with those
   // regions running it instead and races the two replays (run_tournament); keeps the other kernels
   // when the replay is at least 1% faster. Run it after race_programmatic_replay and before
   // race_weight_prefetch. The replays run on whatever values() holds and write what a run writes, as

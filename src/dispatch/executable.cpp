@@ -134,7 +134,8 @@ std::vector<RegionLowering> builtin_lowerings() {
 
 // ---------------------------------------------------------------- executable
 namespace {
-// A fused region's step as the candidate its race nearly chose would run it (race_near_ties); an
+// A fused region's step as its step-race candidate would run it (step_race_candidate: the chosen
+// shape's prefetch twin or the candidate its race nearly chose; race_near_ties); an
 // empty step: none. Swapped with what runs the step when the race keeps it.
 struct NearTie {
   DeviceStep step;
@@ -340,7 +341,7 @@ struct Unit {
   std::vector<DeviceStep> steps;
   std::string kind;  // Executable::profile's label
   std::vector<DeviceByteRange> weights;  // what its (one, fused) step streams: FusedCandidate::weights
-  NearTie near_tie;  // a fused unit's one step run by its race's near tie (none: an empty step)
+  NearTie near_tie;  // a fused unit's one step run by its step-race candidate (none: an empty step)
 };
 
 struct OrderedSteps {
@@ -394,9 +395,10 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
                             candidate_kind_name(report.chosen_id.kind));
     if (report.chosen_id.kind == CandidateKind::fused) {
       // The whole plan replays as one CUDA graph: the chosen lowering binds in its eager form, and
-      // with a near-tie margin the candidate its race nearly chose binds too (race_near_ties).
+      // with a near-tie margin its prefetch twin or the candidate its race nearly chose binds too
+      // (step_race_candidate, race_near_ties).
       const std::optional<std::string> near_tie =
-          options.near_tie_margin > 0 ? near_tie_candidate(report.timings_ms, report.chosen, options.near_tie_margin)
+          options.near_tie_margin > 0 ? step_race_candidate(report.timings_ms, report.chosen, options.near_tie_margin)
                                       : std::nullopt;
       int chosen_launches = 0;
       for (FusedCandidate& candidate : lower_region(graph, region, options).candidates) {

@@ -141,30 +141,54 @@ DispatchDecision decision_of(const std::string& key, const std::vector<MeasuredC
   return decision;
 }
 
+namespace {
+constexpr std::string_view kGraphSuffix = " graph";
+// A candidate name's kernels: its CUDA-graph form ("... graph") runs the same ones as its eager form.
+std::string eager_name(const std::string& name) {
+  return name.ends_with(kGraphSuffix) ? name.substr(0, name.size() - kGraphSuffix.size()) : name;
+}
+// "fused" alone is the default fused variant (CandidateId::fused()); "fused wide", "fused gemv ..." others.
+bool is_fused_name(const std::string& kernels) { return kernels == "fused" || kernels.starts_with("fused "); }
+}  // namespace
+
 std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                               const std::string& chosen, double margin) {
-  constexpr std::string_view kGraphSuffix = " graph";
-  auto eager = [&](const std::string& name) {
-    return name.ends_with(kGraphSuffix) ? name.substr(0, name.size() - kGraphSuffix.size()) : name;
-  };
-  // "fused" alone is the default fused variant (CandidateId::fused()); "fused wide", "fused gemv ..." others.
-  auto is_fused = [](const std::string& kernels) { return kernels == "fused" || kernels.starts_with("fused "); };
-  const std::string chosen_eager = eager(chosen);
+  const std::string chosen_eager = eager_name(chosen);
   double chosen_ms = -1;
   for (const auto& [name, ms] : timings_ms) {
     if (name == chosen) chosen_ms = ms;
   }
-  if (chosen_ms <= 0 || !is_fused(chosen_eager)) return std::nullopt;
+  if (chosen_ms <= 0 || !is_fused_name(chosen_eager)) return std::nullopt;
   std::optional<std::string> best;
   double best_ms = chosen_ms * (1 + margin);
   for (const auto& [name, ms] : timings_ms) {
-    const std::string kernels = eager(name);
-    if (!is_fused(kernels) || kernels == chosen_eager || ms <= 0 || ms > best_ms) continue;
+    const std::string kernels = eager_name(name);
+    if (!is_fused_name(kernels) || kernels == chosen_eager || ms <= 0 || ms > best_ms) continue;
     if (best && ms == best_ms && kernels > *best) continue;  // ties: the first name in order, whatever the list's order
     best = kernels;
     best_ms = ms;
   }
   return best;
+}
+
+std::optional<std::string> prefetch_twin_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
+                                                   const std::string& chosen) {
+  const std::string chosen_eager = eager_name(chosen);
+  if (!is_fused_name(chosen_eager)) return std::nullopt;
+  const std::string prefix = chosen_eager + " prefetch";
+  for (const auto& [name, ms] : timings_ms) {
+    const std::string kernels = eager_name(name);
+    if (ms <= 0 || kernels.size() <= prefix.size() || !kernels.starts_with(prefix)) continue;
+    const std::string_view rounds = std::string_view(kernels).substr(prefix.size());
+    if (std::all_of(rounds.begin(), rounds.end(), [](char c) { return c >= '0' && c <= '9'; })) return kernels;
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> step_race_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
+                                               const std::string& chosen, double margin) {
+  if (std::optional<std::string> twin = prefetch_twin_candidate(timings_ms, chosen)) return twin;
+  return near_tie_candidate(timings_ms, chosen, margin);
 }
 
 }  // namespace metile

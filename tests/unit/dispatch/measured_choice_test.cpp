@@ -195,6 +195,35 @@ TEST(MeasuredChoice, RandomRacesFollowThePolicy) {
   }
 }
 
+// prefetch_twin_candidate: the chosen shape with " prefetch<rounds>" appended, raced (any score), in
+// its eager form; step_race_candidate prefers it to the near tie.
+TEST(MeasuredChoice, ThePrefetchTwinIsTheChosenShapeWithItsWeightsPrefetched) {
+  const std::vector<std::pair<std::string, double>> scores = {
+      {"native", 10.0},
+      {"fused gemv w16 t1 f1 db", 5.0},
+      {"fused gemv w16 t1 f1 db graph", 4.9},
+      {"fused gemv w16 t1 f1 db prefetch4 graph", 7.5},  // slower alone: raced in the step all the same
+      {"fused gemv w16 t1 f1 db x-async", 5.05},
+      {"fused gemv w8 t1 f2 db", 5.1},
+      {"fused gemv w8 t1 f2 db prefetch", 5.0},  // no round count: not a twin
+      {"fused gemv w8 t1 f2 db prefetch3 x-async", 5.0},  // another shape
+      {"fused gemv w4 t1 f2 db prefetch2", -1.0}};  // not scored (refused by the gate): not raced
+  EXPECT_EQ(prefetch_twin_candidate(scores, "fused gemv w16 t1 f1 db graph"),
+            std::optional<std::string>("fused gemv w16 t1 f1 db prefetch4"));
+  EXPECT_EQ(prefetch_twin_candidate(scores, "fused gemv w16 t1 f1 db"),
+            std::optional<std::string>("fused gemv w16 t1 f1 db prefetch4"));
+  EXPECT_EQ(prefetch_twin_candidate(scores, "fused gemv w8 t1 f2 db"), std::nullopt);
+  EXPECT_EQ(prefetch_twin_candidate(scores, "fused gemv w4 t1 f2 db"), std::nullopt);
+  EXPECT_EQ(prefetch_twin_candidate(scores, "fused gemv w16 t1 f1 db prefetch4"), std::nullopt);  // the twin itself
+  EXPECT_EQ(prefetch_twin_candidate(scores, "native"), std::nullopt);
+  // The twin first; without one, the near tie (the x-async shape is within 5% of 4.9 only with 5.05 <= 5.145).
+  EXPECT_EQ(step_race_candidate(scores, "fused gemv w16 t1 f1 db graph", 0.05),
+            std::optional<std::string>("fused gemv w16 t1 f1 db prefetch4"));
+  EXPECT_EQ(step_race_candidate(scores, "fused gemv w8 t1 f2 db", 0.05), near_tie_candidate(scores, "fused gemv w8 t1 f2 db", 0.05));
+  EXPECT_TRUE(step_race_candidate(scores, "fused gemv w8 t1 f2 db", 0.05).has_value());
+  EXPECT_EQ(step_race_candidate(scores, "native", 0.5), std::nullopt);
+}
+
 // near_tie_candidate: the fastest fused candidate with other kernels than the chosen one (its CUDA-graph
 // form is the same kernels), within the margin; never a native one. Random score lists against a
 // brute-force oracle written from the definition.
