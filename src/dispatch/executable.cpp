@@ -594,8 +594,8 @@ int Executable::race_near_ties(const TournamentOptions& tournament) {
         near_tie.extra_launches = -near_tie.extra_launches;
       }
     }
-    state.near_tie_race += fmt::format("{}: the near ties raced in the step: {:.4f} ms with them, {:.4f} ms without: {}\n",
-                                       kind, with, without, faster ? "kept" : "not kept");
+    state.near_tie_race += fmt::format("{}: the prefetch twins and near ties raced in the step: {:.4f} ms with them, "
+                                       "{:.4f} ms without: {}\n", kind, with, without, faster ? "kept" : "not kept");
     if (faster) {
       state.replay = other;
       ++changed;

@@ -170,8 +170,15 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   }
   if (options_.path == EnginePath::fused && options_.race_near_ties) {
     const int changed = built->race_near_ties(options.tournament);
-    report(options_.progress, fmt::format("metile: the {}: near ties raced in the step, {} kind{} changed kernels", what,
-                                          changed, changed == 1 ? "" : "s"));
+    // Each kind's race (the replay with and without its twins or near ties), then the count.
+    const std::string text = built->report();
+    for (std::size_t line = text.find("raced in the step:"); line != std::string::npos;
+         line = text.find("raced in the step:", line + 1)) {
+      const std::size_t begin = text.rfind('\n', line) + 1;  // npos + 1 == 0: the first line
+      report(options_.progress, fmt::format("metile: the {}: {}", what, text.substr(begin, text.find('\n', line) - begin)));
+    }
+    report(options_.progress, fmt::format("metile: the {}: prefetch twins and near ties raced in the step, {} kind{} "
+                                          "changed kernels", what, changed, changed == 1 ? "" : "s"));
   }
   if (options_.path == EnginePath::fused && options_.weight_prefetch != WeightPrefetch::off) {
     built->race_weight_prefetch(options.tournament, std::uint64_t{24} << 20,
