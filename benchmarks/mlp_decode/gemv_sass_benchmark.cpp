@@ -8,6 +8,7 @@
 //   gemv_sass_benchmark --all     every register-batch tuning candidate
 //   --opcodes                     also what the 'other' column is made of, per kernel
 //   --norm                        gate/up with the RMSNorm prologue, as a swiglu_mlp region runs it
+//   --model NAME                  another model's MLP: llama3-8b (the default), llama3.2-1b, qwen2.5-1.5b
 //
 // The toolchain here has no disassembler, so the cubin is read directly (cubin_kernel_instructions,
 // metile/cuda_runtime.h); a BRA's byte offset is bits 16..23 (times 4) and
@@ -91,8 +92,19 @@ std::string shape_name(const GemvKernelConfig& config) {
                      config.shared_group_sums ? " sums" : "");
 }
 
-int run(bool all, bool opcodes, bool norm) {
-  const std::int64_t hidden = 4096, intermediate = 14336;
+struct MlpShape {
+  std::string name, label;
+  std::int64_t hidden = 0, intermediate = 0;
+};
+const std::vector<MlpShape>& mlp_shapes() {
+  static const std::vector<MlpShape> shapes = {{"llama3-8b", "Llama-3-8B", 4096, 14336},
+                                               {"llama3.2-1b", "Llama-3.2-1B", 2048, 8192},
+                                               {"qwen2.5-1.5b", "Qwen2.5-1.5B", 1536, 8960}};
+  return shapes;
+}
+
+int run(bool all, bool opcodes, bool norm, const MlpShape& model) {
+  const std::int64_t hidden = model.hidden, intermediate = model.intermediate;
   std::vector<GemvKernelConfig> configs;
   for (int bits : {4, 8}) {
     const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
@@ -130,7 +142,7 @@ int run(bool all, bool opcodes, bool norm) {
     }));
   }
   const std::vector<std::string> columns = {"HMMA", "LOP3", "SHF", "PRMT", "F2FP", "FFMA", "FADD", "FMUL", "LDG", "LDS"};
-  fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>6}", "format (Llama-3-8B M=1)", "shape", "regs", "instr", "words", "/word");
+  fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>6}", fmt::format("format ({} M=1)", model.label), "shape", "regs", "instr", "words", "/word");
   for (const std::string& column : columns) fmt::print(" {:>5}", column);
   fmt::print(" {:>5}\n", "other");
   int mismatched = 0;
@@ -178,6 +190,8 @@ int run(bool all, bool opcodes, bool norm) {
 
 int main(int argc, char** argv) {
   bool all = false, opcodes = false, norm = false;
+  const metile::MlpShape* model = &metile::mlp_shapes().front();
+  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--all") == 0) {
       all = true;
@@ -185,13 +199,22 @@ int main(int argc, char** argv) {
       opcodes = true;
     } else if (std::strcmp(argv[i], "--norm") == 0) {
       norm = true;
+    } else if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
+      const std::string name = argv[++i];
+      const auto& shapes = metile::mlp_shapes();
+      const auto found = std::find_if(shapes.begin(), shapes.end(), [&](const auto& shape) { return shape.name == name; });
+      if (found == shapes.end()) {
+        fmt::print(stderr, "metile: error: unknown model '{}' ({})\n", name, usage);
+        return 2;
+      }
+      model = &*found;
     } else {
-      fmt::print(stderr, "metile: error: unknown argument '{}' (usage: gemv_sass_benchmark [--all] [--opcodes] [--norm])\n", argv[i]);
+      fmt::print(stderr, "metile: error: unknown argument '{}' ({})\n", argv[i], usage);
       return 2;
     }
   }
   try {
-    return metile::run(all, opcodes, norm);
+    return metile::run(all, opcodes, norm, *model);
   } catch (const std::exception& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 1;

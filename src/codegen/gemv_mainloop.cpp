@@ -345,7 +345,7 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 //   staged (kSharedStages >= 2): batches go to a ring of shared-memory slots by cp.async,
 //     kSharedStages - 1 batches ahead of the math; each is read back into registers just before it;
 //   double-buffered: the next batch's register loads are outstanding during the current batch's math
-//     (the second batch's already during the x prologue);
+//     (the second batch's already during the x prologue, where it has work);
 //   otherwise each batch is loaded, then computed.
 // Only weights are read before the wait: x may be the previous kernel's output (or, in the
 // persistent decode MLP's down phase, other blocks' output before a grid-wide barrier), and every x
@@ -402,27 +402,40 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     }
     copy_async_wait<0>();
   } else if constexpr (kDoubleBuffered) {
-    // The first batch is requested before the wait, the second right after it: the x prologue
-    // (the RMSNorm's row scales: L2 round trips and block barriers) then runs with two batches in
-    // flight instead of one. Each later batch is requested as soon as its registers are free, so
-    // the loop computes one batch while the next one's loads are outstanding.
+    // The first batch is requested before the wait. Where the x prologue has work (the RMSNorm's
+    // row scales: L2 round trips and block barriers; shared group sums) the second is requested
+    // right after the wait, so that the prologue runs with two batches in flight (Llama-3-8B bf16
+    // 4.197 -> 4.014 ms/token, notes/mlp_decode.md session 16). Elsewhere it is requested at the top
+    // of the first iteration, as before session 16: about the same point in time, in the loop that
+    // had measured faster there (with the early request everywhere, Llama-3.2-1B 4-bit took 0.444
+    // against 0.396 ms/token; which of its stages lost is not measured yet: session 17). Each later
+    // batch is requested as soon as its registers are free, so the loop computes one batch while the
+    // next one's loads are outstanding.
+    constexpr bool kPrologueWork = kNormedX || kSharedGroupSums;
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
     after_wait();
-    if (begin + warp + kStride < end) load_batch(odd, weights, scale_bias, begin + warp + kStride, end, lane, first_tile);
+    if constexpr (kPrologueWork) {
+      if (begin + warp + kStride < end) load_batch(odd, weights, scale_bias, begin + warp + kStride, end, lane, first_tile);
+    }
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
       prefetch_ahead(first);
+      if constexpr (!kPrologueWork) {
+        if (second < end) load_batch(odd, weights, scale_bias, second, end, lane, first_tile);
+      }
       compute_batch(acc, even, x, norm_weight, first, end, lane);
       if (second >= end) break;
       prefetch_ahead(second);
       if (second + kStride < end) load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
       compute_batch(acc, odd, x, norm_weight, second, end, lane);
-      if (second + 2 * kStride < end) load_batch(odd, weights, scale_bias, second + 2 * kStride, end, lane, first_tile);
+      if constexpr (kPrologueWork) {
+        if (second + 2 * kStride < end) load_batch(odd, weights, scale_bias, second + 2 * kStride, end, lane, first_tile);
+      }
     }
   } else {
     // The wait comes before the loop: with it inside the first iteration (after the first weight
