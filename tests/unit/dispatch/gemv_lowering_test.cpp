@@ -405,6 +405,49 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
   }
 }
 
+// The step's race finds each raced register shape's L2-prefetch twin by name (prefetch_twin_candidate):
+// for every shape a stage races at wide and narrow sizes, the twin it finds among the stage's
+// candidate names is exactly the shape with l2_prefetch_rounds set, and a shape that has no twin raced
+// (x-async, staged, streamed, a twin itself) finds none.
+TEST(GemvLowering, EachRacedShapeFindsItsOwnPrefetchTwinByName) {
+  for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{14336, 4096}, {1536, 8960}, {6144, 4096}}) {
+    for (int bits : {16, 4}) {
+      for (int products : {1, 2}) {
+        GemvKernelConfig base;
+        base.format = bits == 16 ? GemvWeightFormat::dense(DType::bf16) : GemvWeightFormat::affine(bits, 64, DType::bf16);
+        base.rows = 1;
+        base.out_features = n;
+        base.in_features = k;
+        base.epilogue = products == 2 ? GemvEpilogue::multiply(GemvEpilogue::silu(GemvEpilogue::accumulator(0)), GemvEpilogue::accumulator(1))
+                                      : GemvEpilogue::accumulator(0);
+        base.x_rms_norm_eps = 1e-5;
+        const std::vector<GemvKernelConfig> configs = gemv_stage_configs(base, 4);
+        auto candidate_name = [](const GemvKernelConfig& config) { return "fused gemv " + gemv_shape_name(config); };
+        std::vector<std::pair<std::string, double>> timings;
+        for (const GemvKernelConfig& config : configs) {
+          timings.emplace_back(candidate_name(config), 1.0);
+          timings.emplace_back(candidate_name(config) + " graph", 1.0);
+        }
+        int twins = 0;
+        for (const GemvKernelConfig& config : configs) {
+          const std::optional<std::string> found = prefetch_twin_candidate(timings, candidate_name(config) + " graph");
+          std::optional<std::string> expected;
+          for (const GemvKernelConfig& other : configs) {
+            GemvKernelConfig plain = other;
+            plain.l2_prefetch_rounds = 0;
+            if (other.l2_prefetch_rounds > 0 && config.l2_prefetch_rounds == 0 && gemv_shape_name(plain) == gemv_shape_name(config)) {
+              expected = candidate_name(other);
+            }
+          }
+          EXPECT_EQ(found, expected) << candidate_name(config) << ", N " << n << " K " << k << " bits " << bits;
+          twins += found ? 1 : 0;
+        }
+        EXPECT_GE(twins, 1) << "N " << n << " K " << k << " bits " << bits << ": no raced shape has a prefetch twin";
+      }
+    }
+  }
+}
+
 TEST(GemvLowering, OtherRegionsAreRefusedWithTheReason) {
   // A row region: the built-in "gemv" lowering says which rules it takes.
   const FusionPlan rows = plan_graph_fusion(testing::seed_graph(1, 256, DType::f16));
