@@ -43,6 +43,19 @@ double silu(double x) { return x / (1 + std::exp(-x)); }
 // pattern by DTypeTest).
 double bf16(double x) { return round_to_dtype(static_cast<float>(x), DType::bf16); }
 
+// A one-row stage of N x K weights (bits 16: dense bf16; else affine, group 64), one product
+// (the accumulator) or two (SwiGLU's gate and up).
+GemvKernelConfig stage_base(std::int64_t n, std::int64_t k, int bits, int products) {
+  GemvKernelConfig base;
+  base.format = bits == 16 ? GemvWeightFormat::dense(DType::bf16) : GemvWeightFormat::affine(bits, 64, DType::bf16);
+  base.rows = 1;
+  base.out_features = n;
+  base.in_features = k;
+  base.epilogue = products == 2 ? GemvEpilogue::multiply(GemvEpilogue::silu(GemvEpilogue::accumulator(0)), GemvEpilogue::accumulator(1))
+                                : GemvEpilogue::accumulator(0);
+  return base;
+}
+
 TEST(GemvLowering, SwigluReadsItsOperandsFromTheRegionsRoles) {
   for (int bits : {16, 4, 8}) {
     for (bool swapped : {false, true}) {
@@ -349,13 +362,7 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
   for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{14336, 4096}, {1536, 8960}, {96, 512}}) {
     for (int bits : {16, 8, 4}) {
       for (int products : {1, 2}) {
-        GemvKernelConfig base;
-        base.format = bits == 16 ? GemvWeightFormat::dense(DType::bf16) : GemvWeightFormat::affine(bits, 64, DType::bf16);
-        base.rows = 1;
-        base.out_features = n;
-        base.in_features = k;
-        base.epilogue = products == 2 ? GemvEpilogue::multiply(GemvEpilogue::silu(GemvEpilogue::accumulator(0)), GemvEpilogue::accumulator(1))
-                                      : GemvEpilogue::accumulator(0);
+        GemvKernelConfig base = stage_base(n, k, bits, products);
         for (bool normalized : {false, true}) {
           if (normalized) base.x_rms_norm_eps = 1e-5;
           const std::vector<GemvKernelConfig> configs = gemv_stage_configs(base, 100);
@@ -413,13 +420,7 @@ TEST(GemvLowering, EachRacedShapeFindsItsOwnPrefetchTwinByName) {
   for (auto [n, k] : {std::pair<std::int64_t, std::int64_t>{14336, 4096}, {1536, 8960}, {6144, 4096}}) {
     for (int bits : {16, 4}) {
       for (int products : {1, 2}) {
-        GemvKernelConfig base;
-        base.format = bits == 16 ? GemvWeightFormat::dense(DType::bf16) : GemvWeightFormat::affine(bits, 64, DType::bf16);
-        base.rows = 1;
-        base.out_features = n;
-        base.in_features = k;
-        base.epilogue = products == 2 ? GemvEpilogue::multiply(GemvEpilogue::silu(GemvEpilogue::accumulator(0)), GemvEpilogue::accumulator(1))
-                                      : GemvEpilogue::accumulator(0);
+        GemvKernelConfig base = stage_base(n, k, bits, products);
         base.x_rms_norm_eps = 1e-5;
         const std::vector<GemvKernelConfig> configs = gemv_stage_configs(base, 4);
         auto candidate_name = [](const GemvKernelConfig& config) { return "fused gemv " + gemv_shape_name(config); };
