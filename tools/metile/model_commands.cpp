@@ -376,9 +376,10 @@ void add_model_commands(CLI::App& app) {
         ->check(CLI::IsMember({"off", "raced", "always"}))
         ->capture_default_str();
     command->add_flag("--race-near-ties,!--no-race-near-ties", options->race_near_ties,
-                      "the fused engines race, inside the step, each kind's regions with the fused candidate their race "
-                      "nearly chose (within --near-tie-margin) and keep it when the step is 1% faster (default on: alone "
-                      "and cold, Qwen2.5-1.5B's gate/up took 19.6 and 19.7 us, inside the step 18.6 and 13.9 us a layer)");
+                      "the fused engines race, inside the step, each kind's regions with their chosen shape's L2-prefetch "
+                      "twin, else the fused candidate their race nearly chose (within --near-tie-margin), and keep it when "
+                      "the step is 1% faster (default on: alone and cold, Qwen2.5-1.5B's gate/up took 19.6 and 19.7 us, "
+                      "inside the step 18.6 and 13.9 us a layer)");
     CLI::Option* margin = command->add_option("--near-tie-margin", options->near_tie_margin,
                                               "how far behind the race's winner (a fraction of its time) a fused "
                                               "candidate may be and still be raced inside the step")
