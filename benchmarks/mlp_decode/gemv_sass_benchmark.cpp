@@ -1,6 +1,6 @@
 // gemv_sass_benchmark: how many SASS instructions the affine GEMV mainloops issue per 32-bit weight
 // word, per lane (issue 15: the 4-bit kernels are instruction-bound). Needs no GPU: each kernel of
-// the Llama-3-8B decode MLP at M = 1 (gate/up and down, 4-bit and 8-bit g64, bf16) is generated,
+// the Llama-3-8B decode MLP (or --model's) at M = 1 (gate/up and down, 4-bit and 8-bit g64, bf16) is generated,
 // compiled by NVRTC for sm_90, and its cubin's mainloop (the `#pragma unroll 1` batch loop: the
 // backward branch whose body holds the most HMMA) is counted by opcode.
 //
@@ -9,6 +9,7 @@
 //   --opcodes                     also what the 'other' column is made of, per kernel
 //   --norm                        gate/up with the RMSNorm prologue, as a swiglu_mlp region runs it
 //   --model NAME                  another model's MLP: llama3-8b (the default), llama3.2-1b, qwen2.5-1.5b
+//                                 (without --all: the same two shapes, chosen for Llama-3-8B)
 //
 // The toolchain here has no disassembler, so the cubin is read directly (cubin_kernel_instructions,
 // metile/cuda_runtime.h); a BRA's byte offset is bits 16..23 (times 4) and

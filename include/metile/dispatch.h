@@ -419,13 +419,16 @@ std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::s
                                               const std::string& chosen, double margin);
 // The chosen GEMV shape's L2-prefetch twin, if it was raced: the same shape whose weights are
 // requested into L2 before its wait for the previous kernel ("fused gemv w16 t1 f1 db" ->
-// "fused gemv w16 t1 f1 db prefetch4", gemv_shape_name). Its eager name, or nothing. It gains only
-// where the kernel before it leaves the DRAM idle (attention before the o-projection), which a race
-// of the stage alone cannot see: the step races it instead (Executable::race_near_ties).
+// "fused gemv w16 t1 f1 db prefetch4", gemv_shape_name: " prefetchN" is the last part of a raced
+// twin's name, gemv_stage_configs never makes an x-async one). Its eager name, or nothing; nothing
+// for a region of several stages ("gemv A + B"). It gains only where the kernel before it leaves the
+// DRAM idle (attention before the o-projection), which a race of the stage alone cannot see: the
+// step races it instead (Executable::race_near_ties).
 std::optional<std::string> prefetch_twin_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                                    const std::string& chosen);
 // What a fused region binds for the race inside the step (ExecutableOptions::near_tie_margin): its
-// prefetch twin when it has one, else its near tie.
+// prefetch twin when it has one (its near tie is then not raced: one alternative a region), else its
+// near tie.
 std::optional<std::string> step_race_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                                const std::string& chosen, double margin);
 
@@ -456,6 +459,9 @@ class Executable {
   const CudaStream& stream() const;
   const std::vector<RegionReport>& reports() const;
   std::string report() const;  // one line per region, then the kernel count
+  // race_near_ties's verdicts (also in report()): one line per raced kind, "<kind>: the prefetch twins
+  // and near ties raced in the step: X ms with them, Y ms without: kept|not kept"; empty before it ran.
+  const std::string& near_tie_verdicts() const;
   // Runs the steps once eagerly on `stream` with events between them (the inputs already in
   // values()) and sums the device time by kind, slowest first. For breakdowns, not for speed.
   std::vector<StepKindTime> profile(const CudaStream& stream);

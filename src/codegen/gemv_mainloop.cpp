@@ -406,9 +406,10 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     // row scales: L2 round trips and block barriers; shared group sums) the second is requested
     // right after the wait, so that the prologue runs with two batches in flight (Llama-3-8B bf16
     // 4.197 -> 4.014 ms/token, notes/mlp_decode.md session 16). Elsewhere it is requested at the top
-    // of the first iteration, as before session 16: about the same point in time, in the loop that
-    // had measured faster there (with the early request everywhere, Llama-3.2-1B 4-bit took 0.444
-    // against 0.396 ms/token; which of its stages lost is not measured yet: session 17). Each later
+    // of the first iteration, as before session 16: about the same point in time, in that loop's code
+    // (with the early request everywhere Llama-3.2-1B 4-bit took 0.444 against 0.396 ms/token, while
+    // Qwen2.5-1.5B 4-bit took 0.679 against 0.719; which stages won or lost is not measured yet:
+    // session 17). Each later
     // batch is requested as soon as its registers are free, so the loop computes one batch while the
     // next one's loads are outstanding.
     constexpr bool kPrologueWork = kNormedX || kSharedGroupSums;

@@ -660,6 +660,8 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
   return faster;
 }
 
+const std::string& Executable::near_tie_verdicts() const { return state_->near_tie_race; }
+
 std::string Executable::report() const {
   std::string text;
   for (const RegionReport& report : state_->reports) text += report.sentence + "\n";

@@ -174,7 +174,9 @@ std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::s
 std::optional<std::string> prefetch_twin_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                                    const std::string& chosen) {
   const std::string chosen_eager = eager_name(chosen);
-  if (!is_fused_name(chosen_eager)) return std::nullopt;
+  // A region of several stages ("gemv A + B") has no one twin: " prefetchN" appended to its name
+  // would be the last stage's alone.
+  if (!is_fused_name(chosen_eager) || chosen_eager.find(" + ") != std::string::npos) return std::nullopt;
   const std::string prefix = chosen_eager + " prefetch";
   for (const auto& [name, ms] : timings_ms) {
     const std::string kernels = eager_name(name);

@@ -15,6 +15,7 @@
 // token would write its K/V row at a real position).
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -171,12 +172,8 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
   if (options_.path == EnginePath::fused && options_.race_near_ties) {
     const int changed = built->race_near_ties(options.tournament);
     // Each kind's race (the replay with and without its twins or near ties), then the count.
-    const std::string text = built->report();
-    for (std::size_t line = text.find("raced in the step:"); line != std::string::npos;
-         line = text.find("raced in the step:", line + 1)) {
-      const std::size_t begin = text.rfind('\n', line) + 1;  // npos + 1 == 0: the first line
-      report(options_.progress, fmt::format("metile: the {}: {}", what, text.substr(begin, text.find('\n', line) - begin)));
-    }
+    std::istringstream verdicts(built->near_tie_verdicts());
+    for (std::string line; std::getline(verdicts, line);) report(options_.progress, fmt::format("metile: the {}: {}", what, line));
     report(options_.progress, fmt::format("metile: the {}: prefetch twins and near ties raced in the step, {} kind{} "
                                           "changed kernels", what, changed, changed == 1 ? "" : "s"));
   }

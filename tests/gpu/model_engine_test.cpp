@@ -177,11 +177,12 @@ INSTANTIATE_TEST_SUITE_P(Architectures, FusedAgainstNative,
                          case_name);
 
 // EngineOptions::race_near_ties (built in session 12, first run on a GPU in the session after): the fused
-// engine races, inside the step, each kind's regions with the fused candidate their race nearly chose.
-// A margin of 1000% binds a near tie in every region whose race had two fused kernels, so the race
-// certainly runs; whatever it keeps passed the region's numeric gate, so the engine still agrees with
-// the native path as FusedAgainstNative requires. Each raced region's report says what it raced and
-// kept, and the step's report has one verdict line per raced kind.
+// engine races, inside the step, each kind's regions with their chosen shape's L2-prefetch twin, else
+// the fused candidate their race nearly chose (step_race_candidate). A margin of 1000% binds a near
+// tie in every region whose race had two fused kernels and no twin, so the race certainly runs;
+// whatever it keeps passed the region's numeric gate, so the engine still agrees with the native path
+// as FusedAgainstNative requires. Each raced region's report says what it raced and kept, and the
+// step has one verdict line per raced kind (Executable::near_tie_verdicts, also in its report).
 TEST_F(ModelEngineTest, NearTieRacesKeepTheFusedEngineAgreeingWithNative) {
   const std::uint64_t seed = test_seed("NearTieRaces");
   const DecoderModel model = synth_and_load("model", ModelArchitecture::llama, 4, seed);
@@ -201,11 +202,9 @@ TEST_F(ModelEngineTest, NearTieRacesKeepTheFusedEngineAgreeingWithNative) {
     ++raced_regions;
     raced_kinds.insert(region.rule);
   }
-  std::size_t verdicts = 0;
-  for (std::size_t at = report.find("raced in the step: "); at != std::string::npos;
-       at = report.find("raced in the step: ", at + 1)) {
-    ++verdicts;
-  }
+  const std::string& verdict_lines = fused.executable(1).near_tie_verdicts();
+  const auto verdicts = static_cast<std::size_t>(std::count(verdict_lines.begin(), verdict_lines.end(), '\n'));
+  EXPECT_NE(report.find(verdict_lines), std::string::npos) << report;
   EXPECT_GT(raced_regions, 0) << report;
   EXPECT_GE(verdicts, 1u) << report;
   EXPECT_EQ(raced_kinds.size(), verdicts) << report;  // a kind is "<rule> fused": one verdict for each raced rule

@@ -222,6 +222,15 @@ TEST(MeasuredChoice, ThePrefetchTwinIsTheChosenShapeWithItsWeightsPrefetched) {
   EXPECT_EQ(step_race_candidate(scores, "fused gemv w8 t1 f2 db", 0.05), near_tie_candidate(scores, "fused gemv w8 t1 f2 db", 0.05));
   EXPECT_TRUE(step_race_candidate(scores, "fused gemv w8 t1 f2 db", 0.05).has_value());
   EXPECT_EQ(step_race_candidate(scores, "native", 0.5), std::nullopt);
+  // Two stages: " prefetchN" after the name is the down stage's twin alone, not the region's; the near tie races.
+  const std::vector<std::pair<std::string, double>> mlp = {
+      {"fused gemv register_resident w4 t1 f1 db + w16 t1 f1 db", 10.0},
+      {"fused gemv register_resident w4 t1 f1 db + w16 t1 f1 db prefetch5", 10.1},
+      {"fused gemv register_resident w4 t1 f1 db prefetch2 + w16 t1 f1 db", 10.2},
+      {"fused gemv register_resident w4 t1 f2 batch + w16 t1 f1 db", 10.3}};
+  EXPECT_EQ(prefetch_twin_candidate(mlp, "fused gemv register_resident w4 t1 f1 db + w16 t1 f1 db"), std::nullopt);
+  EXPECT_EQ(step_race_candidate(mlp, "fused gemv register_resident w4 t1 f1 db + w16 t1 f1 db", 0.05),
+            std::optional<std::string>("fused gemv register_resident w4 t1 f1 db + w16 t1 f1 db prefetch5"));  // as a near tie
 }
 
 // near_tie_candidate: the fastest fused candidate with other kernels than the chosen one (its CUDA-graph
