@@ -491,8 +491,8 @@ class Executable {
                             bool keep_without_race = false);
   // The regions race alone and cold; near ties among their fused candidates can go either way inside
   // the step, where neighbours and programmatic launches change what a kernel costs. For each kind
-  // whose regions bound a near tie or a prefetch twin (ExecutableOptions::near_tie_margin), captures the step with those
-  // regions running it instead and races the two replays (run_tournament); keeps the other kernels
+  // whose regions bound a near tie or a prefetch twin (ExecutableOptions::near_tie_margin), captures
+  // the step with those regions running it instead and races the two replays (run_tournament); keeps the other kernels
   // when the replay is at least 1% faster. Run it after race_programmatic_replay and before
   // race_weight_prefetch. The replays run on whatever values() holds and write what a run writes, as
   // for race_programmatic_replay. Returns how many kinds changed their kernels.

@@ -409,9 +409,8 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     // of the first iteration, as before session 16: about the same point in time, in that loop's code
     // (with the early request everywhere Llama-3.2-1B 4-bit took 0.444 against 0.396 ms/token, while
     // Qwen2.5-1.5B 4-bit took 0.679 against 0.719; which stages won or lost is not measured yet:
-    // session 17). Each later
-    // batch is requested as soon as its registers are free, so the loop computes one batch while the
-    // next one's loads are outstanding.
+    // session 17). Each later batch is requested as soon as its registers are free, so the loop
+    // computes one batch while the next one's loads are outstanding.
     constexpr bool kPrologueWork = kNormedX || kSharedGroupSums;
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
