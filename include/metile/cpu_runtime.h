@@ -14,6 +14,9 @@ namespace metile {
 // Throws InputError naming the first graph input that `inputs` lacks or holds
 // with another spec. Tensors the graph does not name are ignored.
 void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs);
+// Throws InputError "'NAME' is not an input of the graph (its inputs: a, b)" unless `name` is one of
+// the graph's inputs: what a user's input file or dict holds beyond them is a misspelt name.
+void check_is_graph_input(const ComputeGraph& graph, const std::string& name);
 
 // Runs the graph; inputs by graph-input name, outputs by output value name.
 // Throws InputError on a missing input or one whose spec differs.

@@ -43,32 +43,43 @@ std::string python_repr(const py::handle& object) { return py::repr(object); }
 
 // ---------------------------------------------------------------- attributes
 
-// An int attribute beyond int64 is a ValueError naming it (pybind11 would say "Unable to cast").
-std::int64_t attribute_integer(const std::string& name, const py::handle& object) {
+// An int beyond int64 is a ValueError naming what it is for (pybind11 would say "Unable to cast").
+std::int64_t attribute_integer(const std::string& what, const py::handle& object) {
   try {
     return object.cast<std::int64_t>();
   } catch (const py::cast_error&) {
-    throw py::value_error("attribute '" + name + "': integer " + python_repr(object) + " does not fit in 64 bits");
+    throw py::value_error(what + ": integer " + python_repr(object) + " does not fit in 64 bits");
   }
+}
+
+// A list or tuple of ints (a shape, a permutation, a list attribute) for `what` ("attribute 'perm'",
+// "TensorSpec shape"): bool, an int to Python, is refused as the JSON reader refuses true; numpy
+// integers are ints. TypeError for anything else, ValueError past 64 bits.
+std::vector<std::int64_t> integer_list(const std::string& what, const py::handle& object) {
+  if (!py::isinstance<py::list>(object) && !py::isinstance<py::tuple>(object)) {
+    throw py::type_error(what + ": expected a list or tuple of ints, got " + python_type_name(object));
+  }
+  std::vector<std::int64_t> integers;
+  for (const py::handle& item : object) {
+    if (py::isinstance<py::bool_>(item) || !PyIndex_Check(item.ptr())) {
+      throw py::type_error(what + ": a list of ints, got " + python_type_name(item) + " " + python_repr(item));
+    }
+    PyObject* index = PyNumber_Index(item.ptr());
+    if (index == nullptr) throw py::error_already_set();
+    integers.push_back(attribute_integer(what, py::reinterpret_steal<py::object>(index)));
+  }
+  return integers;
 }
 
 // Python values for attributes: bool and int -> integer, float -> double, str -> string,
 // a list or tuple of ints -> integer list. Anything else is a TypeError naming the attribute.
 AttributeValue attribute_from_python(const std::string& name, const py::handle& object) {
   if (py::isinstance<py::bool_>(object)) return static_cast<std::int64_t>(object.cast<bool>());
-  if (py::isinstance<py::int_>(object)) return attribute_integer(name, object);
+  if (py::isinstance<py::int_>(object)) return attribute_integer("attribute '" + name + "'", object);
   if (py::isinstance<py::float_>(object)) return object.cast<double>();
   if (py::isinstance<py::str>(object)) return object.cast<std::string>();
   if (py::isinstance<py::list>(object) || py::isinstance<py::tuple>(object)) {
-    std::vector<std::int64_t> integers;
-    for (const py::handle& item : object) {
-      if (!py::isinstance<py::int_>(item) || py::isinstance<py::bool_>(item)) {
-        throw py::type_error("attribute '" + name + "': a list attribute holds ints, got " +
-                             python_type_name(item) + " " + python_repr(item));
-      }
-      integers.push_back(attribute_integer(name, item));
-    }
-    return integers;
+    return integer_list("attribute '" + name + "'", object);
   }
   throw py::type_error("attribute '" + name + "': expected int, float, str or a list of ints, got " +
                        python_type_name(object));
@@ -195,8 +206,8 @@ void bind_tensor_spec(py::module_& module) {
   py::class_<TensorSpec>(module, "TensorSpec",
                          "A tensor's static shape and dtype: TensorSpec((1, 2048), \"f16\"). dtype is one of "
                          "f16, bf16, f32, i8, u8, i32, u32.")
-      .def(py::init([](std::vector<std::int64_t> shape, const std::string& dtype) {
-             TensorSpec spec(std::move(shape), parse_dtype(dtype));
+      .def(py::init([](const py::object& shape, const std::string& dtype) {
+             TensorSpec spec(integer_list("TensorSpec shape", shape), parse_dtype(dtype));
              check_tensor_spec(spec, "TensorSpec");
              return spec;
            }),
@@ -389,16 +400,14 @@ void bind_graph_builder(py::module_& module) {
           py::arg("x"), py::arg("positions"), py::arg("theta"), py::arg("dims"), name_argument)
       .def(
           "reshape",
-          [](const BuilderPointer& self, const BoundValue& x, std::vector<std::int64_t> shape,
-             const OptionalName& name) {
-            return record(self, self->builder.reshape(x.ref, std::move(shape), name_or_empty(name)), name);
+          [](const BuilderPointer& self, const BoundValue& x, const py::object& shape, const OptionalName& name) {
+            return record(self, self->builder.reshape(x.ref, integer_list("reshape shape", shape), name_or_empty(name)), name);
           },
           py::arg("x"), py::arg("shape"), name_argument)
       .def(
           "transpose",
-          [](const BuilderPointer& self, const BoundValue& x, std::vector<std::int64_t> perm,
-             const OptionalName& name) {
-            return record(self, self->builder.transpose(x.ref, std::move(perm), name_or_empty(name)), name);
+          [](const BuilderPointer& self, const BoundValue& x, const py::object& perm, const OptionalName& name) {
+            return record(self, self->builder.transpose(x.ref, integer_list("transpose perm", perm), name_or_empty(name)), name);
           },
           py::arg("x"), py::arg("perm"), name_argument)
       .def(

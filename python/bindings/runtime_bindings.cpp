@@ -122,14 +122,12 @@ TensorMap tensors_from_numpy(const ComputeGraph& graph, const py::dict& inputs) 
                            std::string(py::repr(key)));
     }
     const std::string name = key.cast<std::string>();
-    const std::optional<ValueId> id = graph.find_value(name);
-    const bool is_input = id && graph.value(*id).producer < 0;
-    if (!is_input) {
-      std::string known;
-      for (ValueId input : graph.inputs()) known += (known.empty() ? "" : ", ") + graph.value(input).name;
-      throw py::value_error("run: '" + name + "' is not an input of the graph (its inputs: " + known + ")");
+    try {
+      check_is_graph_input(graph, name);
+    } catch (const InputError& error) {
+      throw py::value_error(std::string("run: ") + error.what());
     }
-    tensors.emplace(name, tensor_from_numpy(name, graph.value(*id).spec, object));
+    tensors.emplace(name, tensor_from_numpy(name, graph.value(*graph.find_value(name)).spec, object));
   }
   return tensors;
 }

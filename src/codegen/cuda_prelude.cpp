@@ -155,9 +155,11 @@ struct MaxOp {
   static __device__ __forceinline__ float shuffle(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 };
 
-// a - b, and 0 where a == b even for -inf: the convention of the reduction laws' evaluator
-// (src/discovery/law_evaluator.cpp), under which merging two identity states gives the identity.
-__device__ __forceinline__ float difference(float a, float b) { return a == b ? 0.0f : a - b; }
+// a - b, and -inf for -inf - (-inf) (exp of it: 0, a state or score at -inf weighs nothing), the
+// convention of the reduction laws' evaluator (src/discovery/law_evaluator.cpp): merging two
+// identity states gives the identity, a row of -inf ends at l = 0 (0 / 0 = NaN) and a row holding
+// +inf at NaN, as the two-pass softmax gives. Finite operands: a - b.
+__device__ __forceinline__ float difference(float a, float b) { return a == b && a == negative_infinity() ? a : a - b; }
 
 // Reduces v over the THREADS consecutive threads that own one row; every one of them gets the result.
 // Up to a warp: shuffles only (sub-warp groups never mix, as xor offsets stay below THREADS);

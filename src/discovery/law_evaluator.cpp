@@ -102,9 +102,14 @@ class Program {
       case Term::Kind::constant:
       case Term::Kind::negative_infinity: return instruction.constant;
       case Term::Kind::add: return at(instruction.left) + at(instruction.right);
-      // a − a = 0 also for a = −inf: the limit the identity state needs (merging two identities).
-      case Term::Kind::subtract:
-        return at(instruction.left) == at(instruction.right) ? 0.0 : at(instruction.left) - at(instruction.right);
+      // −inf − (−inf) = −inf: a state or score at −inf weighs nothing (its exp is 0), so merging
+      // two identities gives the identity and a row whose scores are all −inf ends at l = 0,
+      // 0 / 0 = NaN, as softmax over it does. Otherwise IEEE: +inf − (+inf) = NaN, as softmax over
+      // a row holding +inf gives (a shortcut to 0 here once gave one-hot rows and means of v).
+      case Term::Kind::subtract: {
+        const double a = at(instruction.left), b = at(instruction.right);
+        return a == b && a == -std::numeric_limits<double>::infinity() ? a : a - b;
+      }
       case Term::Kind::multiply: return at(instruction.left) * at(instruction.right);
       case Term::Kind::divide: return at(instruction.left) / at(instruction.right);
       case Term::Kind::max: return std::max(at(instruction.left), at(instruction.right));

@@ -37,8 +37,14 @@ def test_tensor_specs_are_checked_when_made():
         metile.TensorSpec((2**32, 2**32), "f32")
     with pytest.raises(ValueError, match="rank 33 is above the limit of 32"):
         metile.TensorSpec((1,) * 33, "f32")
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"TensorSpec shape: integer 1180591620717411303424 does not fit in 64 bits"):
         metile.TensorSpec((2**70,), "f32")
+    # bool is an int to Python, never a dimension (the JSON reader refuses true as well); numpy ints are ints.
+    with pytest.raises(TypeError, match="TensorSpec shape: a list of ints, got bool True"):
+        metile.TensorSpec((True, 3), "f32")
+    with pytest.raises(TypeError, match="TensorSpec shape: expected a list or tuple of ints, got int"):
+        metile.TensorSpec(3, "f32")
+    assert metile.TensorSpec((np.int64(2), np.int32(3)), "f32").shape == (2, 3)
     assert metile.TensorSpec((2**24, 2**24), "f16").element_count == 2**48
 
 
@@ -55,8 +61,12 @@ def test_attributes_beyond_64_bits_are_value_errors():
     x = builder.input("x", metile.TensorSpec((2, 3), "f32"))
     with pytest.raises(ValueError, match=r"attribute 'shape': integer 1180591620717411303424 does not fit in 64 bits"):
         builder.add_node("reshape", [x], {"shape": [2**70]})
-    with pytest.raises(TypeError):  # a typed argument: pybind11's overload check
+    with pytest.raises(ValueError, match="reshape shape: integer 1180591620717411303424 does not fit in 64 bits"):
         builder.reshape(x, [2**70])
+    with pytest.raises(TypeError, match="reshape shape: a list of ints, got bool False"):
+        builder.reshape(x, [6, False])
+    with pytest.raises(TypeError, match="transpose perm: a list of ints, got float 1.0"):
+        builder.transpose(x, [1.0, 0])
     with pytest.raises(ValueError, match="does not fit in 64 bits"):
         builder.add_node("causal_mask", [x], {"offset": -(2**64)})
 

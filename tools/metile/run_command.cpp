@@ -50,6 +50,7 @@ TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options, std:
   TensorMap inputs = read_safetensors(options.inputs_path);
   try {
     check_graph_inputs(graph, inputs);
+    for (const auto& [name, tensor] : inputs) check_is_graph_input(graph, name);  // as Python's metile.run
   } catch (const InputError& error) {
     throw InputError(options.inputs_path + ": " + error.what());
   }

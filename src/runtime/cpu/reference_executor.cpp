@@ -195,6 +195,14 @@ void check_graph_inputs(const ComputeGraph& graph, std::span<const TensorMap* co
   }
 }
 
+void check_is_graph_input(const ComputeGraph& graph, const std::string& name) {
+  const std::optional<ValueId> id = graph.find_value(name);
+  if (id && graph.value(*id).producer < 0) return;
+  std::string known;
+  for (ValueId input : graph.inputs()) known += (known.empty() ? "" : ", ") + graph.value(input).name;
+  throw InputError(fmt::format("'{}' is not an input of the graph (its inputs: {})", name, known));
+}
+
 void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
   const TensorMap* maps[] = {&inputs};
   check_graph_inputs(graph, maps);

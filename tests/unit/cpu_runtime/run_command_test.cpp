@@ -110,6 +110,17 @@ TEST_F(RunCommand, MismatchedInputNamesBothSpecs) {
                          ": input 'values' is f32[3, 64], the graph expects f16[3, 64]\n");
 }
 
+TEST_F(RunCommand, ATensorNoInputTakesIsRefused) {
+  TensorMap inputs = random_inputs(graph_, 5);
+  inputs["wieght"] = HostTensor(TensorSpec({64}, DType::f16));
+  write_safetensors(path("inputs.safetensors"), inputs);
+  EXPECT_EQ(run("--inputs " + path("inputs.safetensors") + " --output " + path("outputs.safetensors")), 2);
+  EXPECT_EQ(stderr_.rfind("metile: error: " + path("inputs.safetensors") + ": 'wieght' is not an input of the graph (its inputs: ", 0),
+            0u) << stderr_;
+  EXPECT_EQ(std::count(stderr_.begin(), stderr_.end(), '\n'), 1) << stderr_;
+  EXPECT_FALSE(fs::exists(path("outputs.safetensors")));
+}
+
 TEST_F(RunCommand, MalformedInputsFileIsOneLine) {
   std::ofstream(path("inputs.safetensors")) << "not a safetensors file";
   EXPECT_EQ(run("--inputs " + path("inputs.safetensors")), 2);

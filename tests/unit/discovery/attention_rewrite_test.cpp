@@ -6,6 +6,7 @@
 
 #include <limits>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
@@ -389,6 +390,80 @@ TEST(AttentionRewrite, CausalOffsetsAtTheEndsOfInt64MatchTheChain) {
     EXPECT_EQ(only_node(rewrite.graph, "flash_attention").attributes.get_int("offset"), offset);
     SCOPED_TRACE(offset);
     expect_equal_within_gate(graph, rewrite.graph, seed);
+  }
+}
+
+// Scores that are not finite: the rewritten node gives what the chain gives, by a float64 softmax
+// written here (IEEE: a row holding +inf, or all -inf, is NaN; a -inf score among finite ones
+// weighs 0). 130 keys: two +inf scores fall in different 64-key blocks of the law's evaluation.
+// Found by an adversarial pass: the law evaluator's a - a = 0 shortcut gave one-hot rows for +inf
+// and the mean of v for an all -inf row.
+TEST(AttentionRewrite, NonFiniteScoresGiveWhatTheChainGives) {
+  const std::uint64_t seed = test_seed();
+  std::mt19937_64 random(seed);
+  std::uniform_real_distribution<float> uniform(0.25f, 1.0f);
+  constexpr std::int64_t kRows = 3, kKeys = 130, kDepth = 2, kWidth = 3;
+  const double infinity = std::numeric_limits<double>::infinity();
+  GraphBuilder builder;
+  auto q = builder.input("q", {{1, kRows, kDepth}, DType::f32});
+  auto k = builder.input("k", {{1, kKeys, kDepth}, DType::f32});
+  auto v = builder.input("v", {{1, kKeys, kWidth}, DType::f32});
+  auto out = builder.matmul(builder.softmax(builder.matmul(q, k, true, "scores"), -1, "probabilities"), v, false, "attention");
+  const ComputeGraph graph = builder.build({out});
+  const AttentionRewrite rewrite = rewrite_attention(graph);
+  ASSERT_EQ(rewrite.candidates.size(), 1u);
+  struct Case {
+    const char* name;
+    std::vector<std::pair<std::int64_t, double>> planted;  // key, its first component (q's is positive)
+    bool all_negative_infinity = false;
+  };
+  const std::vector<Case> cases = {{"one +inf score", {{7, infinity}}},
+                                   {"two +inf scores in two blocks", {{3, infinity}, {100, infinity}}},
+                                   {"every score -inf", {}, true},
+                                   {"one -inf score among finite ones", {{70, -infinity}}},
+                                   {"-inf and +inf", {{5, -infinity}, {90, infinity}}}};
+  for (const Case& test : cases) {
+    SCOPED_TRACE(test.name);
+    std::vector<double> qv(kRows * kDepth), kv(kKeys * kDepth), vv(kKeys * kWidth);
+    for (double& x : qv) x = uniform(random);
+    for (double& x : kv) x = uniform(random);
+    for (double& x : vv) x = uniform(random);
+    for (const auto& [key, first] : test.planted) kv[static_cast<std::size_t>(key * kDepth)] = first;
+    if (test.all_negative_infinity) {
+      for (std::int64_t key = 0; key < kKeys; ++key) kv[static_cast<std::size_t>(key * kDepth)] = -infinity;
+    }
+    const TensorMap inputs = {{"q", HostTensor::from_values({{1, kRows, kDepth}, DType::f32}, qv)},
+                              {"k", HostTensor::from_values({{1, kKeys, kDepth}, DType::f32}, kv)},
+                              {"v", HostTensor::from_values({{1, kKeys, kWidth}, DType::f32}, vv)}};
+    for (const auto& [label, candidate] : {std::pair<const char*, const ComputeGraph*>{"the chain", &graph},
+                                           {"the rewritten node", &rewrite.graph}}) {
+      const HostTensor result = run_reference(*candidate, inputs).at("attention");
+      for (std::int64_t row = 0; row < kRows; ++row) {
+        std::vector<double> scores(kKeys);
+        double top = -infinity;
+        for (std::int64_t key = 0; key < kKeys; ++key) {
+          scores[key] = 0;
+          for (std::int64_t d = 0; d < kDepth; ++d) scores[key] += qv[row * kDepth + d] * kv[key * kDepth + d];
+          top = std::max(top, scores[key]);
+        }
+        double normalizer = 0;
+        std::vector<double> weighted(kWidth, 0.0);
+        for (std::int64_t key = 0; key < kKeys; ++key) {
+          const double weight = std::exp(scores[key] - top);  // IEEE: inf - inf and -inf - -inf are NaN
+          normalizer += weight;
+          for (std::int64_t c = 0; c < kWidth; ++c) weighted[c] += weight * vv[key * kWidth + c];
+        }
+        for (std::int64_t c = 0; c < kWidth; ++c) {
+          const double expected = weighted[c] / normalizer;
+          const double actual = result.at(row * kWidth + c);
+          if (std::isnan(expected)) {
+            EXPECT_TRUE(std::isnan(actual)) << label << ": row " << row << " column " << c << " gave " << actual;
+          } else {
+            EXPECT_NEAR(actual, expected, 1e-5 * std::abs(expected) + 1e-6) << label << ": row " << row << " column " << c;
+          }
+        }
+      }
+    }
   }
 }
 
