@@ -26,6 +26,13 @@ namespace metile {
 
 // ---------------------------------------------------------------- networks
 
+// Integer capacities of one network sum to at most this (2^61 - 1): a solver's excess at one
+// vertex is bounded by the sum of all capacities, and residual arithmetic adds two of those.
+inline constexpr std::int64_t kIntegerCapacitySumLimit = (std::int64_t{1} << 61) - 1;
+// A real-valued network holds integer capacities exactly up to this (2^53): beyond, a double
+// rounds them, so the DIMACS reader and Python's FlowNetwork refuse them there.
+inline constexpr std::int64_t kLargestExactIntegerInDouble = std::int64_t{1} << 53;
+
 // One input edge. Edges are numbered in the order they were given; results that
 // speak of edges (edge_flows, cut_edges) use these numbers.
 template <typename Capacity>

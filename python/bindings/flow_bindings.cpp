@@ -6,9 +6,12 @@
 //
 // Capacities: while every capacity is a Python int the network is solved in exact
 // 64-bit integers and the value is an int; the first float switches it to doubles
-// and the value is a float. Validation (negative, NaN, infinite, overflowing
-// capacities) is the C++ builder's, at add_edge, so a mistake is reported where it
-// was made.
+// and the value is a float. Validation (negative, NaN, infinite capacities) is the C++
+// builder's, at add_edge, so a mistake is reported where it was made; so are the two
+// limits the C++ network checks only when built: integer capacities summing past
+// kIntegerCapacitySumLimit, and integers past kLargestExactIntegerInDouble in a network
+// that is (or would become) real-valued, where a double would round them.
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -53,10 +56,28 @@ class PythonFlowNetwork {
       }
     }
     const double real_value = integer_value ? static_cast<double>(*integer_value) : capacity.cast<double>();
+    const std::string what = "FlowNetwork.add_edge: capacity " + std::string(py::repr(capacity));
+    const bool self_loop = from.equal(to);  // dropped when built: it counts for nothing
+    if (integer_edges_ && integer_value && !self_loop && *integer_value > kIntegerCapacitySumLimit - integer_sum_) {
+      throw py::value_error(what + ": the integer capacities would sum to more than " +
+                            std::to_string(kIntegerCapacitySumLimit) + " (solver arithmetic could overflow)");
+    }
+    const bool real_network = !integer_edges_ || !integer_value;
+    if (real_network && integer_value && *integer_value > kLargestExactIntegerInDouble) {
+      throw py::value_error(what + ": an integer above 2^53 in a real-valued network would be rounded (add it as a float to accept that)");
+    }
+    if (!integer_value && integer_edges_ && largest_integer_ > kLargestExactIntegerInDouble) {
+      throw py::value_error(what + ": a float makes the network real-valued, and its integer capacity " +
+                            std::to_string(largest_integer_) + " (above 2^53) would be rounded");
+    }
     return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
       if (integer_edges_ && integer_value) {
         const int edge_number = integer_builder_.add_edge(from_vertex, to_vertex, *integer_value);
         real_builder_.add_edge(from_vertex, to_vertex, real_value);
+        if (from_vertex != to_vertex) {  // self loops are dropped, as the C++ network drops them
+          integer_sum_ += *integer_value;
+          largest_integer_ = std::max(largest_integer_, *integer_value);
+        }
         return edge_number;
       }
       const int edge_number = real_builder_.add_edge(from_vertex, to_vertex, real_value);
@@ -165,6 +186,8 @@ class PythonFlowNetwork {
   FlowNetworkBuilder<std::int64_t> integer_builder_;
   FlowNetworkBuilder<double> real_builder_;
   bool integer_edges_ = true;
+  std::int64_t integer_sum_ = 0;      // of the finite integer capacities (self loops dropped)
+  std::int64_t largest_integer_ = 0;  // the largest of them
 };
 
 }  // namespace
@@ -178,8 +201,9 @@ void bind_flow(py::module_& module) {
       .def(py::init<>())
       .def("add_edge", &PythonFlowNetwork::add_edge, py::arg("u"), py::arg("v"), py::arg("capacity"),
            "Adds the edge u -> v; returns its number (0, 1, ... in the order added). capacity is an int or a "
-           "float (numpy integer and floating scalars too). ValueError for a negative, "
-           "NaN or infinite capacity, TypeError for an unhashable vertex.")
+           "float (numpy integer and floating scalars too). ValueError for a negative, NaN or infinite "
+           "capacity, integer capacities summing past 2^61 - 1, or an integer above 2^53 in a real-valued "
+           "network (a double would round it); TypeError for an unhashable vertex.")
       .def("add_infinite_edge", &PythonFlowNetwork::add_infinite_edge, py::arg("u"), py::arg("v"),
            "Adds a legality edge u -> v that no minimum cut crosses while a finite cut exists; its capacity "
            "is "

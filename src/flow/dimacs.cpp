@@ -31,8 +31,6 @@ constexpr std::int64_t kShortestArcLineBytes = 8;
 // residual graph, solver state), for the check against the machine's memory.
 constexpr std::uint64_t kBytesPerVertex = 96;
 constexpr std::uint64_t kBytesPerArc = 96;
-// Real-valued files hold integer-written capacities exactly up to 2^53.
-constexpr std::int64_t kLargestExactIntegerInDouble = std::int64_t{1} << 53;
 
 // "123" or "-123": a capacity written as an integer (whatever its size).
 bool written_as_integer(std::string_view token) {
@@ -74,8 +72,10 @@ class DimacsReader {
  public:
   explicit DimacsReader(std::string_view file_name) : file_name_(file_name) {}
 
+  // The message quotes the file's bytes: printable_bytes keeps a NUL or an escape sequence there
+  // from cutting or colouring the one line.
   [[noreturn]] void fail(int line, const std::string& message) const {
-    throw InputError(file_name_ + ":" + std::to_string(line) + ": " + message);
+    throw InputError(file_name_ + ":" + std::to_string(line) + ": " + printable_bytes(message));
   }
 
   template <typename Capacity>

@@ -16,9 +16,6 @@
 namespace metile {
 namespace {
 
-// Integer totals must stay far from overflow: a solver's excess at one vertex is
-// bounded by the sum of all capacities, and residual arithmetic adds two of those.
-constexpr std::int64_t kIntegerCapacityLimit = std::numeric_limits<std::int64_t>::max() / 4;
 
 template <typename Capacity>
 void check_capacity(int edge_index, Capacity capacity) {
@@ -104,9 +101,9 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     }
     check_capacity(e, edge.capacity);
     if constexpr (std::is_integral_v<Capacity>) {
-      if (edge.capacity > kIntegerCapacityLimit - finite_capacity_sum_) {
+      if (edge.capacity > kIntegerCapacitySumLimit - finite_capacity_sum_) {
         throw InputError("flow network: the capacities up to edge " + std::to_string(e) +
-                         " sum to more than " + std::to_string(kIntegerCapacityLimit) +
+                         " sum to more than " + std::to_string(kIntegerCapacitySumLimit) +
                          "; solver arithmetic could overflow");
       }
     }
@@ -122,7 +119,7 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
   if constexpr (std::is_integral_v<Capacity>) {
     infinite_capacity_ = finite_capacity_sum_ + 1;
     // The flow through infinite edges is bounded by their number times their capacity.
-    if (infinite_edges > 0 && (infinite_capacity_ > kIntegerCapacityLimit / (infinite_edges + 1))) {
+    if (infinite_edges > 0 && (infinite_capacity_ > kIntegerCapacitySumLimit / (infinite_edges + 1))) {
       throw InputError("flow network: " + std::to_string(infinite_edges) + " infinite edges of capacity " +
                        std::to_string(infinite_capacity_) +
                        " could overflow solver arithmetic; the finite capacities are too large");

@@ -36,24 +36,6 @@ void check_depth(std::string_view text, std::string_view source) {
   }
 }
 
-// nlohmann quotes the bytes it last read, which may be half a UTF-8 sequence or a control byte: those
-// become \xNN, so that the one-line message stays one line and valid UTF-8 (Python decodes it).
-std::string printable(std::string_view text) {
-  std::string result;
-  for (const char c : text) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f) {
-      result += c;
-    } else {
-      constexpr char kHex[] = "0123456789abcdef";
-      result += "\\x";
-      result += kHex[byte >> 4];
-      result += kHex[byte & 15];
-    }
-  }
-  return result;
-}
-
 }  // namespace
 
 Json parse_json_input(std::string_view text, std::string_view source) {
@@ -65,7 +47,7 @@ Json parse_json_input(std::string_view text, std::string_view source) {
     std::string message = error.what();
     const std::size_t bracket = message.find("] ");
     if (message.starts_with("[json.exception") && bracket != std::string::npos) message.erase(0, bracket + 2);
-    throw InputError(std::string(source) + ": invalid JSON: " + printable(message));
+    throw InputError(std::string(source) + ": invalid JSON: " + printable_bytes(message));
   }
 }
 

@@ -177,6 +177,30 @@ def test_bad_vertices_and_capacities_raise_and_leave_the_network_unchanged():
     assert network.minimum_cut("s", "t") == (1, frozenset({"s"}))
 
 
+def test_limits_that_solving_would_hit_are_refused_at_add_edge():
+    # Integer capacities past 2^61 - 1 in all: refused where added (solving used to refuse every
+    # later call with no way back); the network stays usable.
+    network = metile.FlowNetwork()
+    network.add_edge("s", "t", 2**60)
+    with pytest.raises(ValueError, match=r"would sum to more than 2305843009213693951"):
+        network.add_edge("s", "t", 2**60)
+    network.add_edge("s", "x", 5)
+    network.add_edge("x", "x", 2**62)  # a self loop carries nothing and counts for nothing
+    assert network.minimum_cut("s", "t") == (2**60, frozenset({"s", "x"}))
+    # An integer above 2^53 in a real-valued network would be rounded: refused in either order.
+    real = metile.FlowNetwork()
+    real.add_edge("s", "t", 0.5)
+    with pytest.raises(ValueError, match="above 2\\^53 in a real-valued network"):
+        real.add_edge("s", "t", 2**53 + 1)
+    real.add_edge("s", "t", 2**53)  # exact in a double
+    assert real.minimum_cut("s", "t")[0] == 2**53 + 0.5
+    big = metile.FlowNetwork()
+    big.add_edge("s", "t", 2**53 + 1)
+    with pytest.raises(ValueError, match=r"integer capacity 9007199254740993 \(above 2\^53\) would be rounded"):
+        big.add_edge("s", "t", 0.5)
+    assert big.exact and big.minimum_cut("s", "t") == (2**53 + 1, frozenset({"s"}))
+
+
 def test_bad_cut_requests_raise():
     network = metile.FlowNetwork()
     network.add_edge("s", "t", 1)

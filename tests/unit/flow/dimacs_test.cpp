@@ -163,6 +163,11 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
   EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 -0.5\n"), "net.max:4: negative capacity -0.5");
   EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 1x\n"),
             "net.max:4: capacity '1x' is not a number");
+  // Bytes of the file quoted in the message: a NUL or an escape sequence would cut or colour the line.
+  using namespace std::string_literals;
+  EXPECT_EQ(error_of<std::int64_t>("p max 2 1\nn 1 s\nn 2 t\na 1 2 5\0x\n"s),
+            "net.max:4: capacity '5\\x00x' is not a number");
+  EXPECT_EQ(error_of<std::int64_t>("p max 2 0\n\x1b[31mred\n"s), "net.max:2: unknown line type '\\x1b[31mred' (expected c, p, n or a)");
 }
 
 }  // namespace
