@@ -32,6 +32,13 @@ inline constexpr std::int64_t kIntegerCapacitySumLimit = (std::int64_t{1} << 61)
 // A real-valued network holds integer capacities exactly up to this (2^53): beyond, a double
 // rounds them, so the DIMACS reader and Python's FlowNetwork refuse them there.
 inline constexpr std::int64_t kLargestExactIntegerInDouble = std::int64_t{1} << 53;
+// What a network's construction refuses about its totals besides each integer edge's share of
+// kIntegerCapacitySumLimit: finite capacities summing to `finite_sum` (within that limit for
+// integers) with `infinite_edges` legality edges, whose capacity is derived from the sum, could
+// overflow solver arithmetic. The reason ("flow network: ..."), or empty. For callers that add
+// edges one at a time and refuse the one that crosses a limit (Python's FlowNetwork).
+std::string integer_capacity_totals_problem(std::int64_t finite_sum, int infinite_edges);
+std::string real_capacity_totals_problem(double finite_sum, int infinite_edges);
 
 // One input edge. Edges are numbered in the order they were given; results that
 // speak of edges (edge_flows, cut_edges) use these numbers.

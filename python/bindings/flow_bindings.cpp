@@ -12,6 +12,7 @@
 // kIntegerCapacitySumLimit, and integers past kLargestExactIntegerInDouble in a network
 // that is (or would become) real-valued, where a double would round them.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -58,11 +59,20 @@ class PythonFlowNetwork {
     const double real_value = integer_value ? static_cast<double>(*integer_value) : capacity.cast<double>();
     const std::string what = "FlowNetwork.add_edge: capacity " + std::string(py::repr(capacity));
     const bool self_loop = from.equal(to);  // dropped when built: it counts for nothing
-    if (integer_edges_ && integer_value && !self_loop && *integer_value > kIntegerCapacitySumLimit - integer_sum_) {
-      throw py::value_error(what + ": the integer capacities would sum to more than " +
-                            std::to_string(kIntegerCapacitySumLimit) + " (solver arithmetic could overflow)");
-    }
     const bool real_network = !integer_edges_ || !integer_value;
+    // The totals the network's construction checks (a negative, NaN or infinite capacity is the
+    // builder's to refuse, below).
+    if (!self_loop && std::isfinite(real_value) && real_value >= 0) {
+      if (!real_network) {
+        if (*integer_value > kIntegerCapacitySumLimit - integer_sum_) {
+          throw py::value_error(what + ": the integer capacities would sum to more than " +
+                                std::to_string(kIntegerCapacitySumLimit) + " (solver arithmetic could overflow)");
+        }
+        refuse_totals(what, integer_capacity_totals_problem(integer_sum_ + *integer_value, infinite_edges_));
+      } else {
+        refuse_totals(what, real_capacity_totals_problem(real_sum_ + real_value, infinite_edges_));
+      }
+    }
     if (real_network && integer_value && *integer_value > kLargestExactIntegerInDouble) {
       throw py::value_error(what + ": an integer above 2^53 in a real-valued network would be rounded (add it as a float to accept that)");
     }
@@ -77,19 +87,28 @@ class PythonFlowNetwork {
         if (from_vertex != to_vertex) {  // self loops are dropped, as the C++ network drops them
           integer_sum_ += *integer_value;
           largest_integer_ = std::max(largest_integer_, *integer_value);
+          real_sum_ += real_value;
         }
         return edge_number;
       }
       const int edge_number = real_builder_.add_edge(from_vertex, to_vertex, real_value);
       integer_edges_ = false;  // from here on only the real builder is kept current
+      if (from_vertex != to_vertex) real_sum_ += real_value;
       return edge_number;
     });
   }
 
   int add_infinite_edge(const py::object& from, const py::object& to) {
+    if (!from.equal(to)) {
+      const std::string what = "FlowNetwork.add_infinite_edge";
+      refuse_totals(what, integer_edges_ ? integer_capacity_totals_problem(integer_sum_, infinite_edges_ + 1)
+                                         : real_capacity_totals_problem(real_sum_, infinite_edges_ + 1));
+    }
     return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
       if (integer_edges_) integer_builder_.add_infinite_edge(from_vertex, to_vertex);
-      return real_builder_.add_infinite_edge(from_vertex, to_vertex);
+      const int edge_number = real_builder_.add_infinite_edge(from_vertex, to_vertex);
+      if (from_vertex != to_vertex) ++infinite_edges_;
+      return edge_number;
     });
   }
 
@@ -188,6 +207,12 @@ class PythonFlowNetwork {
   bool integer_edges_ = true;
   std::int64_t integer_sum_ = 0;      // of the finite integer capacities (self loops dropped)
   std::int64_t largest_integer_ = 0;  // the largest of them
+  double real_sum_ = 0;               // of every finite capacity (self loops dropped)
+  int infinite_edges_ = 0;            // legality edges (self loops dropped)
+
+  static void refuse_totals(const std::string& what, const std::string& problem) {
+    if (!problem.empty()) throw py::value_error(what + ": " + problem);
+  }
 };
 
 }  // namespace

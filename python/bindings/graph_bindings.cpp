@@ -52,11 +52,13 @@ std::int64_t attribute_integer(const std::string& what, const py::handle& object
   }
 }
 
-// A list or tuple of ints (a shape, a permutation, a list attribute) for `what` ("attribute 'perm'",
+// A sequence of ints (a shape, a permutation, a list attribute) for `what` ("attribute 'perm'",
 // "TensorSpec shape"): bool, an int to Python, is refused as the JSON reader refuses true; numpy
 // integers are ints. TypeError for anything else, ValueError past 64 bits.
 std::vector<std::int64_t> integer_list(const std::string& what, const py::handle& object) {
-  if (!py::isinstance<py::list>(object) && !py::isinstance<py::tuple>(object)) {
+  // Any sequence (list, tuple, range, a numpy array) but text.
+  if (!py::isinstance<py::sequence>(object) || py::isinstance<py::str>(object) || py::isinstance<py::bytes>(object) ||
+      py::isinstance<py::bytearray>(object)) {
     throw py::type_error(what + ": expected a list or tuple of ints, got " + python_type_name(object));
   }
   std::vector<std::int64_t> integers;

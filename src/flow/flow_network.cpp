@@ -117,22 +117,17 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     }
   }
   if constexpr (std::is_integral_v<Capacity>) {
+    if (const std::string problem = integer_capacity_totals_problem(finite_capacity_sum_, infinite_edges); !problem.empty()) {
+      throw InputError(problem);
+    }
     infinite_capacity_ = finite_capacity_sum_ + 1;
-    // The flow through infinite edges is bounded by their number times their capacity.
-    if (infinite_edges > 0 && (infinite_capacity_ > kIntegerCapacitySumLimit / (infinite_edges + 1))) {
-      throw InputError("flow network: " + std::to_string(infinite_edges) + " infinite edges of capacity " +
-                       std::to_string(infinite_capacity_) +
-                       " could overflow solver arithmetic; the finite capacities are too large");
-    }
   } else {
-    infinite_capacity_ = 2 * finite_capacity_sum_ + 1;
-    if (infinite_edges == 0 && !std::isfinite(infinite_capacity_)) {
-      // No edge carries it; it only marks "no finite cut", which a finite flow never reaches.
-      infinite_capacity_ = std::numeric_limits<double>::infinity();
-    } else if (!std::isfinite(infinite_capacity_ * (infinite_edges + 1))) {
-      throw InputError("flow network: the finite capacities (sum " + capacity_text(finite_capacity_sum_) +
-                       ") are too large to represent its " + std::to_string(infinite_edges) + " infinite edges");
+    if (const std::string problem = real_capacity_totals_problem(finite_capacity_sum_, infinite_edges); !problem.empty()) {
+      throw InputError(problem);
     }
+    infinite_capacity_ = 2 * finite_capacity_sum_ + 1;
+    // With no edge to carry it, it only marks "no finite cut", which a finite flow never reaches.
+    if (infinite_edges == 0 && !std::isfinite(infinite_capacity_)) infinite_capacity_ = std::numeric_limits<double>::infinity();
   }
   for (int e = 0; e < edge_total; ++e) {
     if (edge_is_infinite_[e]) edges_[e].capacity = infinite_capacity_;
@@ -251,6 +246,29 @@ std::vector<int> MaxFlowResult<Capacity>::source_side_vertices() const {
     if (source_side[v]) vertices.push_back(static_cast<int>(v));
   }
   return vertices;
+}
+
+std::string integer_capacity_totals_problem(std::int64_t finite_sum, int infinite_edges) {
+  // Infinite edges have capacity finite_sum + 1; the flow through them is bounded by their number
+  // times that.
+  const std::int64_t infinite_capacity = finite_sum + 1;
+  if (infinite_edges > 0 && infinite_capacity > kIntegerCapacitySumLimit / (infinite_edges + 1)) {
+    return "flow network: " + std::to_string(infinite_edges) + " infinite edges of capacity " +
+           std::to_string(infinite_capacity) + " could overflow solver arithmetic; the finite capacities are too large";
+  }
+  return {};
+}
+
+std::string real_capacity_totals_problem(double finite_sum, int infinite_edges) {
+  // A vertex's excess never exceeds the finite sum; infinite edges have capacity 2 * sum + 1.
+  if (!std::isfinite(finite_sum)) {
+    return "flow network: the finite capacities sum past the largest double; solver arithmetic could overflow";
+  }
+  if (infinite_edges > 0 && !std::isfinite((2 * finite_sum + 1) * (infinite_edges + 1))) {
+    return "flow network: the finite capacities (sum " + capacity_text(finite_sum) + ") are too large to represent its " +
+           std::to_string(infinite_edges) + " infinite edges";
+  }
+  return {};
 }
 
 template class FlowNetwork<std::int64_t>;

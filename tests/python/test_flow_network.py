@@ -199,6 +199,27 @@ def test_limits_that_solving_would_hit_are_refused_at_add_edge():
     with pytest.raises(ValueError, match=r"integer capacity 9007199254740993 \(above 2\^53\) would be rounded"):
         big.add_edge("s", "t", 0.5)
     assert big.exact and big.minimum_cut("s", "t") == (2**53 + 1, frozenset({"s"}))
+    # Infinite edges take the finite sum + 1 (integers) or 2 x sum + 1 (reals): their totals too.
+    legal = metile.FlowNetwork()
+    legal.add_edge("s", "a", 2**60)
+    with pytest.raises(ValueError, match="add_infinite_edge: flow network: 1 infinite edges of capacity"):
+        legal.add_infinite_edge("a", "t")
+    legal.add_edge("a", "t", 1)
+    assert legal.minimum_cut("s", "t") == (1, frozenset({"s", "a"}))
+    guarded = metile.FlowNetwork()
+    guarded.add_edge("s", "a", 1)
+    guarded.add_infinite_edge("a", "t")
+    with pytest.raises(ValueError, match="add_edge: capacity 1152921504606846976: flow network: 1 infinite edges"):
+        guarded.add_edge("s", "b", 2**60)
+    assert guarded.minimum_cut("s", "t") == (1, frozenset({"s"}))
+    huge = metile.FlowNetwork()
+    huge.add_edge("s", "a", 1e308)
+    with pytest.raises(ValueError, match="sum past the largest double"):
+        huge.add_edge("a", "t", 1e308)
+    with pytest.raises(ValueError, match="too large to represent its 1 infinite edges"):
+        huge.add_infinite_edge("a", "t")
+    huge.add_edge("a", "t", 1e300)  # the network still solves (a flow below 1e-13 x 1e308 would read 0: README)
+    assert huge.minimum_cut("s", "t")[0] == 1e300
 
 
 def test_bad_cut_requests_raise():

@@ -45,6 +45,10 @@ def test_tensor_specs_are_checked_when_made():
     with pytest.raises(TypeError, match="TensorSpec shape: expected a list or tuple of ints, got int"):
         metile.TensorSpec(3, "f32")
     assert metile.TensorSpec((np.int64(2), np.int32(3)), "f32").shape == (2, 3)
+    assert metile.TensorSpec(np.array([2, 3]), "f32").shape == (2, 3)  # any sequence but text
+    assert metile.TensorSpec(range(1, 3), "f32").shape == (1, 2)
+    with pytest.raises(TypeError, match="TensorSpec shape: expected a list or tuple of ints, got str"):
+        metile.TensorSpec("23", "f32")
     assert metile.TensorSpec((2**24, 2**24), "f16").element_count == 2**48
 
 

@@ -49,8 +49,8 @@ TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options, std:
   if (options.inputs_path.empty()) return random_inputs(graph, seed);
   TensorMap inputs = read_safetensors(options.inputs_path);
   try {
+    for (const auto& [name, tensor] : inputs) check_is_graph_input(graph, name);  // a misspelt name first, as Python's metile.run
     check_graph_inputs(graph, inputs);
-    for (const auto& [name, tensor] : inputs) check_is_graph_input(graph, name);  // as Python's metile.run
   } catch (const InputError& error) {
     throw InputError(options.inputs_path + ": " + error.what());
   }

@@ -112,7 +112,9 @@ TEST_F(RunCommand, MismatchedInputNamesBothSpecs) {
 
 TEST_F(RunCommand, ATensorNoInputTakesIsRefused) {
   TensorMap inputs = random_inputs(graph_, 5);
-  inputs["wieght"] = HostTensor(TensorSpec({64}, DType::f16));
+  // Misspelt: named before the input it misses (as Python's metile.run names it).
+  inputs["wieght"] = inputs.at("weight");
+  inputs.erase("weight");
   write_safetensors(path("inputs.safetensors"), inputs);
   EXPECT_EQ(run("--inputs " + path("inputs.safetensors") + " --output " + path("outputs.safetensors")), 2);
   EXPECT_EQ(stderr_.rfind("metile: error: " + path("inputs.safetensors") + ": 'wieght' is not an input of the graph (its inputs: ", 0),
