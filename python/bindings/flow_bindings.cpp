@@ -7,10 +7,11 @@
 // Capacities: while every capacity is a Python int the network is solved in exact
 // 64-bit integers and the value is an int; the first float switches it to doubles
 // and the value is a float. Validation (negative, NaN, infinite capacities) is the C++
-// builder's, at add_edge, so a mistake is reported where it was made; so are the two
-// limits the C++ network checks only when built: integer capacities summing past
-// kIntegerCapacitySumLimit, and integers past kLargestExactIntegerInDouble in a network
-// that is (or would become) real-valued, where a double would round them.
+// builder's, at add_edge, so a mistake is reported where it was made; so are the limits
+// the C++ network checks only when built: integer capacities summing past
+// kIntegerCapacitySumLimit, the totals its infinite edges derive from
+// (integer_/real_capacity_totals_problem), and integers past kLargestExactIntegerInDouble
+// in a network that is (or would become) real-valued, where a double would round them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -16,7 +16,6 @@
 namespace metile {
 namespace {
 
-
 template <typename Capacity>
 void check_capacity(int edge_index, Capacity capacity) {
   if constexpr (std::is_floating_point_v<Capacity>) {
