@@ -59,21 +59,7 @@ class PythonFlowNetwork {
     }
     const double real_value = integer_value ? static_cast<double>(*integer_value) : capacity.cast<double>();
     const std::string what = "FlowNetwork.add_edge: capacity " + std::string(py::repr(capacity));
-    const bool self_loop = from.equal(to);  // dropped when built: it counts for nothing
     const bool real_network = !integer_edges_ || !integer_value;
-    // The totals the network's construction checks (a negative, NaN or infinite capacity is the
-    // builder's to refuse, below).
-    if (!self_loop && std::isfinite(real_value) && real_value >= 0) {
-      if (!real_network) {
-        if (*integer_value > kIntegerCapacitySumLimit - integer_sum_) {
-          throw py::value_error(what + ": the integer capacities would sum to more than " +
-                                std::to_string(kIntegerCapacitySumLimit) + " (solver arithmetic could overflow)");
-        }
-        refuse_totals(what, integer_capacity_totals_problem(integer_sum_ + *integer_value, infinite_edges_));
-      } else {
-        refuse_totals(what, real_capacity_totals_problem(real_sum_ + real_value, infinite_edges_));
-      }
-    }
     if (real_network && integer_value && *integer_value > kLargestExactIntegerInDouble) {
       throw py::value_error(what + ": an integer above 2^53 in a real-valued network would be rounded (add it as a float to accept that)");
     }
@@ -82,30 +68,45 @@ class PythonFlowNetwork {
                             std::to_string(largest_integer_) + " (above 2^53) would be rounded");
     }
     return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
-      if (integer_edges_ && integer_value) {
-        const int edge_number = integer_builder_.add_edge(from_vertex, to_vertex, *integer_value);
+      // A self loop is dropped when built and counts for nothing. The totals the network's
+      // construction checks, before either builder changes (a negative, NaN or infinite capacity
+      // is the builder's to refuse).
+      const bool counted = from_vertex != to_vertex && std::isfinite(real_value) && real_value >= 0;
+      if (counted && !real_network) {
+        if (*integer_value > kIntegerCapacitySumLimit - integer_sum_) {
+          throw py::value_error(what + ": the integer capacities would sum to more than " +
+                                std::to_string(kIntegerCapacitySumLimit) + " (solver arithmetic could overflow)");
+        }
+        refuse_totals(what, integer_capacity_totals_problem(integer_sum_ + *integer_value, infinite_edges_));
+      } else if (counted) {
+        refuse_totals(what, real_capacity_totals_problem(real_sum_ + real_value, infinite_edges_));
+      }
+      int edge_number = 0;
+      if (!real_network) {
+        edge_number = integer_builder_.add_edge(from_vertex, to_vertex, *integer_value);
         real_builder_.add_edge(from_vertex, to_vertex, real_value);
-        if (from_vertex != to_vertex) {  // self loops are dropped, as the C++ network drops them
+      } else {
+        edge_number = real_builder_.add_edge(from_vertex, to_vertex, real_value);
+        integer_edges_ = false;  // from here on only the real builder is kept current
+      }
+      if (from_vertex != to_vertex) {
+        if (!real_network) {
           integer_sum_ += *integer_value;
           largest_integer_ = std::max(largest_integer_, *integer_value);
-          real_sum_ += real_value;
         }
-        return edge_number;
+        real_sum_ += real_value;
       }
-      const int edge_number = real_builder_.add_edge(from_vertex, to_vertex, real_value);
-      integer_edges_ = false;  // from here on only the real builder is kept current
-      if (from_vertex != to_vertex) real_sum_ += real_value;
       return edge_number;
     });
   }
 
   int add_infinite_edge(const py::object& from, const py::object& to) {
-    if (!from.equal(to)) {
-      const std::string what = "FlowNetwork.add_infinite_edge";
-      refuse_totals(what, integer_edges_ ? integer_capacity_totals_problem(integer_sum_, infinite_edges_ + 1)
-                                         : real_capacity_totals_problem(real_sum_, infinite_edges_ + 1));
-    }
     return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
+      if (from_vertex != to_vertex) {  // a self loop is dropped when built
+        refuse_totals("FlowNetwork.add_infinite_edge",
+                      integer_edges_ ? integer_capacity_totals_problem(integer_sum_, infinite_edges_ + 1)
+                                     : real_capacity_totals_problem(real_sum_, infinite_edges_ + 1));
+      }
       if (integer_edges_) integer_builder_.add_infinite_edge(from_vertex, to_vertex);
       const int edge_number = real_builder_.add_infinite_edge(from_vertex, to_vertex);
       if (from_vertex != to_vertex) ++infinite_edges_;
