@@ -404,22 +404,23 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
   } else if constexpr (kDoubleBuffered) {
     // The first batch is requested before the wait. Where the x prologue has work (the RMSNorm's
     // row scales: L2 round trips and block barriers; shared group sums) the second is requested
-    // right after the wait, so that the prologue runs with two batches in flight (Llama-3-8B bf16
-    // 4.197 -> 4.014 ms/token, notes/mlp_decode.md session 16). Elsewhere it is requested at the top
-    // of the first iteration, as before session 16: about the same point in time, in that loop's code
-    // (with the early request everywhere Llama-3.2-1B 4-bit took 0.444 against 0.396 ms/token, while
-    // Qwen2.5-1.5B 4-bit took 0.679 against 0.719; which stages won or lost is not measured yet:
-    // session 17). Each later batch is requested as soon as its registers are free, so the loop
-    // computes one batch while the next one's loads are outstanding.
+    // before the wait too (weights never depend on the previous kernel), so that the prologue runs
+    // with two batches in flight (after the wait: Llama-3-8B bf16 4.197 -> 4.014 ms/token, session
+    // 16; before it: Qwen2.5-1.5B 4-bit 0.705 -> 0.679, Llama-3.2-1B 0.408 -> 0.402, session 18;
+    // notes/mlp_decode.md). Elsewhere it is requested at the top of the first iteration: about the
+    // same point in time, in the loop code that measured faster there (the early request everywhere
+    // cost Llama-3.2-1B 4-bit 0.396 -> 0.444 ms/token, session 17). Each later batch is requested as
+    // soon as its registers are free, so the loop computes one batch while the next one's loads are
+    // outstanding.
     constexpr bool kPrologueWork = kNormedX || kSharedGroupSums;
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
-    const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
-    x = activations_ready(x);
-    after_wait();
     if constexpr (kPrologueWork) {
       if (begin + warp + kStride < end) load_batch(odd, weights, scale_bias, begin + warp + kStride, end, lane, first_tile);
     }
+    const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
+    x = activations_ready(x);
+    after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
