@@ -38,6 +38,14 @@ void check_graph_inputs(const ComputeGraph& graph, std::span<const TensorMap* co
 TensorMap run_reference(const ComputeGraph& graph, std::span<const TensorMap* const> inputs);
 TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* const> inputs);
 
+// The same, with the tensors in `owned` handed over: each is freed after its last reader, and a
+// kv_cache_write that is the last reader of its cache writes the new rows into that cache and
+// returns it, where the borrowing forms copy it (a decode step's caches: held once, not twice).
+// Inputs are looked up in `owned` first, then in `borrowed` in order; `owned` is consumed whatever
+// happens (on an error its tensors are lost).
+TensorMap run_reference(const ComputeGraph& graph, TensorMap owned, std::span<const TensorMap* const> borrowed);
+TensorMap run_plan_reference(const FusionPlan& plan, TensorMap owned, std::span<const TensorMap* const> borrowed);
+
 // Fresh, seeded random inputs suited to each graph input (never zeros), its
 // role read from its consumers: floats uniform in [-1, 1), divided by sqrt(K)
 // for a matmul's right operand; rope positions in [0, S); packed quantized

@@ -144,7 +144,9 @@ class LogitsSession {
  public:
   virtual ~LogitsSession() = default;
   // Appends tokens and returns their logits, row-major [tokens.size(), vocab] in f32.
-  // InputError when a token is outside the vocabulary or the cache is full.
+  // InputError when a token is outside the vocabulary or the cache is full (checked before any
+  // step runs). A step hands the caches to the executor, which writes them in place: should it
+  // fail, the session has no caches left and every later feed is an InputError.
   virtual std::vector<float> feed(std::span<const std::int32_t> tokens) = 0;
   // Appends tokens like feed() and returns each one's greedy next token: the argmax of its logits
   // (argmax_index's rule, graph.h). This default takes it from feed()'s logits on the host; the GPU
@@ -166,7 +168,9 @@ class DecodeSession : public LogitsSession {
   DecodeSession(DecoderModel&&, DecodePath = DecodePath::reference) = delete;
   // Appends tokens (chunks of at most 16 per step) and returns their logits,
   // row-major [tokens.size(), vocab] in f32 (widened exactly from the runtime dtype).
-  // InputError when a token is outside the vocabulary or the cache is full.
+  // InputError when a token is outside the vocabulary or the cache is full (checked before any
+  // step runs). A step hands the caches to the executor, which writes them in place: should it
+  // fail, the session has no caches left and every later feed is an InputError.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }
   std::int64_t capacity() const override { return model_.capacity(); }
@@ -175,8 +179,9 @@ class DecodeSession : public LogitsSession {
   const DecoderModel& model_;
   DecodePath path_;
   std::int64_t position_ = 0;
-  TensorMap state_;  // token ids, positions, caches and (borrowed) weights by graph input name
+  TensorMap state_;  // token ids, positions and caches by graph input name (the weights are the model's)
   std::map<std::int64_t, std::shared_ptr<const FusionPlan>> plans_;
+  bool caches_lost_ = false;  // an error inside a step took the caches with it (feed refuses from then on)
 };
 
 // Greedy continuation: feeds the prompt, then `count` argmax tokens (through feed_greedy);

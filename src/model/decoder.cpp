@@ -8,13 +8,11 @@
 // The KV cache and SSA. In the graph, kv_cache_write returns a new cache value
 // ("layers.N.k_cache_out") and leaves its input untouched, which keeps the graph
 // a plain dataflow graph for the planner. At run time the input cache is dead
-// once it has been written (nothing else reads it), so the runtime hands the
-// output back as the next step's input: the executors move graph outputs out
-// (src/runtime/cpu/reference_executor.cpp) and feed() moves them into state_,
-// so exactly two buffers per cache exist at any time and the only copy is the
-// one kv_cache_write's reference evaluation makes (src/runtime/cpu/reference_ops.cpp).
-// A backend with its own memory plan may alias the output to the input and
-// write only the S new rows, in place; the results are the same because no
+// once it has been written (nothing else reads it): feed() hands the step's state
+// (ids, positions, caches) over to the executor, which writes each cache's new
+// rows in place and returns it as the output (src/runtime/cpu/reference_executor.cpp),
+// and feed() moves the outputs back into state_. One buffer per cache exists at any
+// time and no step copies one. The results are the same as with a copy because no
 // other node reads the input cache.
 #include <algorithm>
 #include <chrono>
@@ -22,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -57,6 +56,9 @@ void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t positio
 }
 
 std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
+  if (caches_lost_) {
+    throw InputError("this decode session lost its KV caches to an error in an earlier step: start a new session");
+  }
   const std::int64_t vocab = model_.config().vocab_size;
   check_tokens_fit(tokens, position_, model_.capacity(), vocab);
   std::vector<float> logits;
@@ -76,15 +78,18 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
     state_.insert_or_assign("positions", std::move(positions));
 
     const ComputeGraph& graph = model_.step_graph(steps);
-    const TensorMap* inputs[] = {&state_, &model_.weights()};
-    TensorMap outputs;
+    const TensorMap* weights[] = {&model_.weights()};
+    const FusionPlan* plan = nullptr;
     if (path_ == DecodePath::planned) {
-      auto& plan = plans_[steps];
-      if (!plan) plan = std::make_shared<const FusionPlan>(plan_graph_fusion(graph, FusionTarget::cpu()));
-      outputs = run_plan_reference(*plan, inputs);
-    } else {
-      outputs = run_reference(graph, inputs);
+      auto& cached = plans_[steps];
+      if (!cached) cached = std::make_shared<const FusionPlan>(plan_graph_fusion(graph, FusionTarget::cpu()));
+      plan = cached.get();
     }
+    // The state is handed over (the caches are written in place): from here to the moves below
+    // an error leaves the session without its caches.
+    caches_lost_ = true;
+    TensorMap outputs = plan ? run_plan_reference(*plan, std::exchange(state_, {}), weights)
+                             : run_reference(graph, std::exchange(state_, {}), weights);
     // The written caches become the next step's caches (see the comment at the top).
     for (std::int64_t layer = 0; layer < model_.config().num_hidden_layers; ++layer) {
       for (char which : {'k', 'v'}) {
@@ -92,6 +97,7 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
         state_.insert_or_assign(name, std::move(outputs.at(name + "_out")));
       }
     }
+    caches_lost_ = false;
     const HostTensor& step_logits = outputs.at("logits");
     for (std::int64_t index = 0; index < step_logits.element_count(); ++index) {
       logits.push_back(static_cast<float>(step_logits.at(index)));

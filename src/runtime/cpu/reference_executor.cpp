@@ -32,6 +32,13 @@ class ValueSlots {
     auto& slot = owned_[static_cast<std::size_t>(id)];
     return slot ? &*slot : nullptr;
   }
+  // Moves an owned value out, leaving the slot empty.
+  HostTensor take(ValueId id) {
+    auto& slot = owned_[static_cast<std::size_t>(id)];
+    HostTensor value = std::move(*slot);
+    slot.reset();
+    return value;
+  }
   void borrow(ValueId id, const HostTensor& tensor) { borrowed_[static_cast<std::size_t>(id)] = &tensor; }
   void own(ValueId id, HostTensor tensor) { owned_[static_cast<std::size_t>(id)] = std::move(tensor); }
   void release(ValueId id) {
@@ -50,9 +57,38 @@ class ValueSlots {
   std::vector<std::optional<HostTensor>> owned_;
 };
 
-// Evaluates one node reading its inputs from `local` first, then `published`.
-void evaluate_into(const ComputeGraph& graph, const Node& node, const ValueSlots& published,
-                   ValueSlots& local) {
+// How many node inputs still read each value; a value no later node reads and that is not a graph
+// output is freed at once (a long graph holds only the values still needed).
+class ReadsLeft {
+ public:
+  explicit ReadsLeft(const ComputeGraph& graph) : graph_(graph), reads_(graph.values().size(), 0) {
+    for (const Node& node : graph.nodes()) {
+      for (ValueId input : node.inputs) ++reads_[static_cast<std::size_t>(input)];
+    }
+  }
+  // True when the next node to read `value` (once) is its last reader and the graph does not return it.
+  bool last_reader(ValueId value) const {
+    return reads_[static_cast<std::size_t>(value)] == 1 && !graph_.is_output(value);
+  }
+  // After `node` ran: frees, in every scope given, the values it was the last to read.
+  void done(const Node& node, std::initializer_list<ValueSlots*> scopes) {
+    for (ValueId input : node.inputs) {
+      if (--reads_[static_cast<std::size_t>(input)] == 0 && !graph_.is_output(input)) {
+        for (ValueSlots* scope : scopes) scope->release(input);
+      }
+    }
+  }
+
+ private:
+  const ComputeGraph& graph_;
+  std::vector<std::size_t> reads_;
+};
+
+// Evaluates one node reading its inputs from `local` first, then `published`. A kv_cache_write
+// whose cache this executor owns (a handed-over input or a computed value) and no later node reads
+// writes its rows into that cache, which becomes the output: no copy of a decode step's caches.
+void evaluate_into(const ComputeGraph& graph, const Node& node, ValueSlots& published, ValueSlots& local,
+                   const ReadsLeft& reads) {
   std::vector<const HostTensor*> inputs;
   for (ValueId input : node.inputs) {
     const HostTensor* value = local.find(input) ? local.find(input) : published.find(input);
@@ -61,6 +97,17 @@ void evaluate_into(const ComputeGraph& graph, const Node& node, const ValueSlots
           fmt::format("node '{}' reads '{}' before it is computed", node.name, graph.value(input).name));
     }
     inputs.push_back(value);
+  }
+  if (node.op == "kv_cache_write" && reads.last_reader(node.inputs[0])) {
+    ValueSlots* holder = local.find_owned(node.inputs[0])       ? &local
+                         : published.find_owned(node.inputs[0]) ? &published
+                                                                : nullptr;
+    if (holder != nullptr) {
+      // The rows are checked before any is written; on an error the cache stays where it was.
+      cpu::write_cache_rows(*holder->find_owned(node.inputs[0]), node, *inputs[1], *inputs[2]);
+      local.own(node.outputs[0], holder->take(node.inputs[0]));
+      return;
+    }
   }
   std::vector<TensorSpec> output_specs;
   for (ValueId output : node.outputs) output_specs.push_back(graph.value(output).spec);
@@ -78,10 +125,22 @@ const HostTensor* find_input(std::span<const TensorMap* const> inputs, std::stri
   return nullptr;
 }
 
-ValueSlots published_inputs(const ComputeGraph& graph, std::span<const TensorMap* const> inputs) {
-  check_graph_inputs(graph, inputs);
+// The graph's inputs: those in `owned` moved in (the executor frees them after their last reader),
+// the others borrowed from `borrowed` (looked up in order).
+ValueSlots published_inputs(const ComputeGraph& graph, TensorMap& owned, std::span<const TensorMap* const> borrowed) {
+  std::vector<const TensorMap*> maps = {&owned};
+  maps.insert(maps.end(), borrowed.begin(), borrowed.end());
+  check_graph_inputs(graph, maps);
   ValueSlots slots(graph.values().size());
-  for (ValueId input : graph.inputs()) slots.borrow(input, *find_input(inputs, graph.value(input).name));
+  for (ValueId input : graph.inputs()) {
+    const auto found = owned.find(graph.value(input).name);
+    if (found != owned.end()) {
+      slots.own(input, std::move(found->second));
+    } else {
+      slots.borrow(input, *find_input(borrowed, graph.value(input).name));
+    }
+  }
+  owned.clear();
   return slots;
 }
 
@@ -210,33 +269,33 @@ void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
 
 TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
   const TensorMap* maps[] = {&inputs};
-  return run_reference(graph, maps);
+  return run_reference(graph, {}, maps);
 }
 
 TensorMap run_plan_reference(const FusionPlan& plan, const TensorMap& inputs) {
   const TensorMap* maps[] = {&inputs};
-  return run_plan_reference(plan, maps);
+  return run_plan_reference(plan, {}, maps);
 }
 
 TensorMap run_reference(const ComputeGraph& graph, std::span<const TensorMap* const> inputs) {
-  ValueSlots values = published_inputs(graph, inputs);
-  // Free each intermediate after its last reader so a long graph holds only
-  // the values still needed.
-  std::vector<std::size_t> reads_left(graph.values().size(), 0);
+  return run_reference(graph, {}, inputs);
+}
+
+TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* const> inputs) {
+  return run_plan_reference(plan, {}, inputs);
+}
+
+TensorMap run_reference(const ComputeGraph& graph, TensorMap owned, std::span<const TensorMap* const> borrowed) {
+  ValueSlots values = published_inputs(graph, owned, borrowed);
+  ReadsLeft reads(graph);
   for (const Node& node : graph.nodes()) {
-    for (ValueId input : node.inputs) ++reads_left[static_cast<std::size_t>(input)];
-  }
-  for (const Node& node : graph.nodes()) {
-    evaluate_into(graph, node, values, values);
-    for (ValueId input : node.inputs) {
-      if (--reads_left[static_cast<std::size_t>(input)] == 0 && !graph.is_output(input))
-        values.release(input);
-    }
+    evaluate_into(graph, node, values, values, reads);
+    reads.done(node, {&values});
   }
   return collect_outputs(graph, values);
 }
 
-TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* const> inputs) {
+TensorMap run_plan_reference(const FusionPlan& plan, TensorMap owned, std::span<const TensorMap* const> borrowed) {
   if (!plan.graph) throw InputError("fusion plan: it has no graph");
   const ComputeGraph& graph = *plan.graph;
   const std::vector<Kernel> kernels = kernels_of(plan);
@@ -248,7 +307,8 @@ TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* 
     for (std::size_t index : order.cycle) cycle += kernels[index].label + " waits for ";
     throw InputError(fmt::format("fusion plan: the kernels form a cycle: {}{}", cycle, kernels[order.cycle.front()].label));
   }
-  ValueSlots published = published_inputs(graph, inputs);
+  ValueSlots published = published_inputs(graph, owned, borrowed);
+  ReadsLeft reads(graph);
   for (std::size_t index : order.order) {
     const Kernel& kernel = kernels[index];
     for (ValueId value : kernel.needs) {
@@ -261,7 +321,11 @@ TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* 
                                    graph.value(value).name, owner->label));
     }
     ValueSlots local(graph.values().size());
-    for (NodeId id : kernel.nodes) evaluate_into(graph, graph.node(id), published, local);
+    for (NodeId id : kernel.nodes) {
+      const Node& node = graph.node(id);
+      evaluate_into(graph, node, published, local, reads);
+      reads.done(node, {&local, &published});
+    }
     for (ValueId value : kernel.publishes) local.move_to(value, published);
   }
   return collect_outputs(graph, published);

@@ -443,22 +443,12 @@ HostTensor evaluate_position_mask(const OpCall& call) {
   return out;
 }
 
-// A copy of the cache with row positions[s] of every head replaced by update[:, s, :].
-// (The model runtime avoids this copy: src/model/decoder.cpp.)
+// A copy of the cache with row positions[s] of every head replaced by update[:, s, :]. (The
+// executors skip the copy where they own the cache and this node is its last reader:
+// write_cache_rows on the cache itself, src/runtime/cpu/reference_executor.cpp.)
 HostTensor evaluate_kv_cache_write(const OpCall& call) {
   HostTensor out = call.input(0);
-  const HostTensor& update = call.input(1);
-  const std::int64_t heads = call.output.shape[0];
-  const std::int64_t capacity = call.output.shape[1];
-  const std::int64_t steps = update.spec().shape[1];
-  const std::size_t row_bytes = static_cast<std::size_t>(call.output.shape[2]) * dtype_size(call.output.dtype);
-  for (std::int64_t step = 0; step < steps; ++step) {
-    const std::int64_t position = checked_row(call.input(2), step, capacity, "position", call.node);
-    for (std::int64_t head = 0; head < heads; ++head) {
-      std::memcpy(out.bytes().data() + (head * capacity + position) * row_bytes,
-                  update.bytes().data() + (head * steps + step) * row_bytes, row_bytes);
-    }
-  }
+  write_cache_rows(out, call.node, call.input(1), call.input(2));
   return out;
 }
 
@@ -575,6 +565,22 @@ const std::unordered_map<std::string_view, Evaluator>& evaluators() {
 }
 
 }  // namespace
+
+void write_cache_rows(HostTensor& cache, const Node& node, const HostTensor& update, const HostTensor& positions) {
+  const std::int64_t heads = cache.spec().shape[0];
+  const std::int64_t capacity = cache.spec().shape[1];
+  const std::int64_t steps = update.spec().shape[1];
+  const std::size_t row_bytes = static_cast<std::size_t>(cache.spec().shape[2]) * dtype_size(cache.spec().dtype);
+  // Every position is checked before the first row is written: an error leaves the cache as it was.
+  std::vector<std::int64_t> rows;
+  for (std::int64_t step = 0; step < steps; ++step) rows.push_back(checked_row(positions, step, capacity, "position", node));
+  for (std::int64_t step = 0; step < steps; ++step) {
+    for (std::int64_t head = 0; head < heads; ++head) {
+      std::memcpy(cache.bytes().data() + (head * capacity + rows[static_cast<std::size_t>(step)]) * row_bytes,
+                  update.bytes().data() + (head * steps + step) * row_bytes, row_bytes);
+    }
+  }
+}
 
 std::vector<HostTensor> evaluate_reference_node(const Node& node, std::span<const HostTensor* const> inputs,
                                                 std::span<const TensorSpec> output_specs) {

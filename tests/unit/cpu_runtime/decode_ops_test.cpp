@@ -12,6 +12,7 @@
 #include <random>
 
 #include "metile/cpu_runtime.h"
+#include "metile/fusion.h"
 #include "metile/quant.h"
 #include "metile_test_support.h"
 #include "test_support.h"
@@ -149,6 +150,57 @@ TEST(DecodeOps, KvCacheWriteReplacesTheRowsAtThePositions) {
             }),
             "node 'w' (kv_cache_write): update f32[2, 3, 4] must be [2, 2, 4] (the cache's heads and row length, one "
             "row per position)");
+}
+
+// A cache handed over to the executor (run_reference / run_plan_reference with `owned` inputs)
+// is written in place where kv_cache_write is its last reader: the output is the same buffer, with
+// the same bytes as the borrowing form's copy. Where another node reads the cache after the write,
+// that node still sees the cache as it was.
+TEST(DecodeOps, KvCacheWriteOnAHandedOverCacheWritesItInPlace) {
+  std::mt19937_64 generator(test_seed() + 5);
+  const std::int64_t heads = 2, capacity = 9, steps = 3, width = 8;
+  const HostTensor cache = random_tensor(TensorSpec({heads, capacity, width}, DType::bf16), generator());
+  const HostTensor update = random_tensor(TensorSpec({heads, steps, width}, DType::bf16), generator());
+  const HostTensor positions =
+      ids_tensor({static_cast<double>(generator() % 3), static_cast<double>(3 + generator() % 3), 8});
+  GraphBuilder builder;
+  const ValueRef cache_in = builder.input("cache", cache.spec());
+  const ValueRef out = builder.kv_cache_write(cache_in, builder.input("update", update.spec()),
+                                              builder.input("positions", positions.spec()), "out");
+  const ComputeGraph graph = builder.build({out});
+  const TensorMap borrowed = {{"update", update}, {"positions", positions}};
+  const TensorMap* maps[] = {&borrowed};
+  const HostTensor expected = run_reference(graph, {{"cache", cache}, {"update", update}, {"positions", positions}}).at("out");
+  const FusionPlan plan = plan_graph_fusion(graph, FusionTarget::cpu());
+  for (const bool planned : {false, true}) {
+    SCOPED_TRACE(planned ? "run_plan_reference" : "run_reference");
+    TensorMap owned = {{"cache", cache}};
+    const std::byte* buffer = owned.at("cache").bytes().data();
+    const TensorMap outputs = planned ? run_plan_reference(plan, std::move(owned), maps) : run_reference(graph, std::move(owned), maps);
+    EXPECT_EQ(outputs.at("out").bytes().data(), buffer) << "the handed-over cache was copied";
+    EXPECT_TRUE(std::equal(outputs.at("out").bytes().begin(), outputs.at("out").bytes().end(), expected.bytes().begin()));
+    // A position outside the cache: an error before any row is written.
+    EXPECT_NE(error_of([&] {
+                const TensorMap bad = {{"update", update}, {"positions", ids_tensor({0, 1, 9})}};
+                const TensorMap* bad_maps[] = {&bad};
+                planned ? run_plan_reference(plan, {{"cache", cache}}, bad_maps) : run_reference(graph, {{"cache", cache}}, bad_maps);
+              }).find("position 9 at index 2 is outside [0, 9)"),
+              std::string::npos);
+  }
+
+  // The cache also read by a node that runs after the write (as a second output): no write in place.
+  GraphBuilder shared;
+  const ValueRef shared_cache = shared.input("cache", cache.spec());
+  const ValueRef written = shared.kv_cache_write(shared_cache, shared.input("update", update.spec()),
+                                                 shared.input("positions", positions.spec()), "out");
+  const ValueRef doubled = shared.add(shared_cache, shared_cache, "doubled");
+  const ComputeGraph both = shared.build({written, doubled});
+  TensorMap owned = {{"cache", cache}};
+  const TensorMap outputs = run_reference(both, std::move(owned), maps);
+  EXPECT_TRUE(std::equal(outputs.at("out").bytes().begin(), outputs.at("out").bytes().end(), expected.bytes().begin()));
+  for (std::int64_t index = 0; index < cache.element_count(); ++index) {
+    ASSERT_EQ(outputs.at("doubled").at(index), round_to_dtype(static_cast<float>(2 * cache.at(index)), DType::bf16)) << index;
+  }
 }
 
 // transformers' _compute_llama3_parameters, written out again here in long double.
