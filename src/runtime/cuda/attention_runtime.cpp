@@ -89,13 +89,7 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
   state->problem = problem;
   state->decode = problem.is_decode() && !options.force_prefill;
   if (state->decode) {
-    int multiprocessors = 0;
-    CUdevice device = 0;
-    cuda_driver::check(cuda_driver::driver().cuCtxGetDevice(&device), "cuCtxGetDevice");
-    cuda_driver::check(cuda_driver::driver().cuDeviceGetAttribute(&multiprocessors, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                                                                  device),
-                       "cuDeviceGetAttribute(multiprocessor count)");
-    const DecodeAttentionConfig config = decode_attention_config(problem, options, multiprocessors);
+    const DecodeAttentionConfig config = decode_attention_config(problem, options, current_device_multiprocessors());
     state->kernel = generate_decode_attention_kernel(config);
   } else {
     PrefillAttentionConfig config;
