@@ -198,16 +198,7 @@ Decision gemv_matrix(const ComputeGraph& graph, const Node& node, GemvMatrix& ma
   matrix.out_features = weight.shape[0];
   matrix.scales = node.inputs[2];
   matrix.biases = node.inputs[3];
-  // The repacked copy is made from the weights when a candidate is bound: they must be inputs of
-  // the graph (checkpoint tensors), not values a step computes.
-  for (ValueId id : {matrix.weight, matrix.scales, matrix.biases}) {
-    if (graph.value(id).producer >= 0) {
-      return Decision::refuse(fmt::format("node '{}': the quantized weight '{}' is computed in the graph; the GEMV "
-                                          "reads a copy repacked once",
-                                          node.name, graph.value(id).name));
-    }
-  }
-  return Decision::allow();
+  return Decision::allow();  // (mapped_to refuses weights the whole graph computes)
 }
 
 // A region cut out as a graph of its own; plans are made here and mapped back to `graph`.
@@ -351,6 +342,27 @@ GemvRegionPlan mapped_to(const ComputeGraph& graph, const ComputeGraph& sub, std
     map(stage.output);
     map(stage.argmax_output);
     for (ValueId& id : stage.epilogue_tensors) map(id);
+  }
+  // A GEMV reads its weights and its norm's weight before the wait for the previous kernel (and
+  // repacks quantized ones once, when bound): they must be inputs of the whole graph (checkpoint
+  // tensors), never values a kernel of the run computes. In the region's own graph every value from
+  // outside looks like an input, so this is asked of `graph`.
+  for (const GemvStage& stage : stages) {
+    for (const GemvMatrix& matrix : stage.matrices) {
+      for (ValueId id : {matrix.weight, matrix.scales, matrix.biases}) {
+        if (id >= 0 && graph.value(id).producer >= 0) {
+          return refuse(fmt::format("the weight '{}' is computed in the graph (by '{}'); the GEMV reads its weights "
+                                    "before the previous kernel finishes, and a copy of quantized ones made once",
+                                    graph.value(id).name, graph.node(graph.value(id).producer).name));
+        }
+      }
+    }
+    if (stage.norm_weight >= 0 && graph.value(stage.norm_weight).producer >= 0) {
+      return refuse(fmt::format("the rms_norm weight '{}' is computed in the graph (by '{}'); the GEMV reads it before "
+                                "the previous kernel finishes",
+                                graph.value(stage.norm_weight).name,
+                                graph.node(graph.value(stage.norm_weight).producer).name));
+    }
   }
   return {Decision::allow(), std::move(stages)};
 }

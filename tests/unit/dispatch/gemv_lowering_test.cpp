@@ -355,6 +355,58 @@ TEST(GemvLowering, AnRmsNormInTheRegionNormalizesTheGemvsX) {
   }
 }
 
+// A GEMV reads its weights (and its RMSNorm's weight) before the wait for the previous kernel, and
+// repacks quantized ones once: a weight some node of the graph computes, outside the region, is
+// refused with the node that computes it (the region's own graph sees every outside value as an
+// input; the check is on the whole graph).
+TEST(GemvLowering, WeightsTheGraphComputesAreRefused) {
+  auto reason = [](const ComputeGraph& graph, const std::string& contraction, bool with_norm) {
+    std::vector<NodeId> nodes = {*graph.find_node(contraction)};
+    if (with_norm) nodes.insert(nodes.begin(), *graph.find_node("m0"));
+    FusionRegion region = region_of_nodes(graph, nodes, "contraction");
+    region.roles = {{"input", *graph.find_value(with_norm ? "m0" : "a")},
+                    {"weight", graph.node(nodes.back()).inputs[1]}};
+    return plan_gemv_region(graph, region).decision.reason;
+  };
+  {  // dense: W = W0 + W1
+    GraphBuilder builder;
+    const ValueRef x = builder.input("a", TensorSpec({1, 64}, DType::bf16));
+    const TensorSpec weight({32, 64}, DType::bf16);
+    const ValueRef w = builder.add(builder.input("w0", weight), builder.input("w1", weight), "summed_weight");
+    const ComputeGraph graph = builder.build({builder.matmul(x, w, true, "p0")});
+    EXPECT_EQ(reason(graph, "p0", false),
+              "the weight 'summed_weight' is computed in the graph (by 'summed_weight'); the GEMV reads its weights "
+              "before the previous kernel finishes, and a copy of quantized ones made once");
+  }
+  {  // 4-bit: the scales computed
+    GraphBuilder builder;
+    const ValueRef x = builder.input("a", TensorSpec({1, 128}, DType::bf16));
+    const TensorSpec scales({32, 2}, DType::bf16);
+    const ValueRef s = builder.multiply(builder.input("s0", scales), builder.input("s1", scales), "scaled");
+    const ValueRef y = builder.quantized_matmul(x, builder.input("q", TensorSpec({32, 16}, DType::u32)), s,
+                                                builder.input("b", scales), 4, 64, "p0");
+    EXPECT_EQ(reason(builder.build({y}), "p0", false),
+              "the weight 'scaled' is computed in the graph (by 'scaled'); the GEMV reads its weights before the "
+              "previous kernel finishes, and a copy of quantized ones made once");
+  }
+  {  // the RMSNorm's weight computed
+    GraphBuilder builder;
+    const ValueRef a = builder.input("a", TensorSpec({1, 64}, DType::bf16));
+    const TensorSpec gain({64}, DType::bf16);
+    const ValueRef g = builder.add(builder.input("g0", gain), builder.input("g1", gain), "gain");
+    const ValueRef normalized = builder.rms_norm(a, g, 1e-5, "m0");
+    const ComputeGraph graph = builder.build({builder.matmul(normalized, builder.input("w", TensorSpec({32, 64}, DType::bf16)), true, "p0")});
+    EXPECT_EQ(reason(graph, "p0", true),
+              "the rms_norm weight 'gain' is computed in the graph (by 'gain'); the GEMV reads it before the previous "
+              "kernel finishes");
+    // The same graph with the norm's weight an input lowers.
+    GraphBuilder plain;
+    const ValueRef plain_normalized = plain.rms_norm(plain.input("a", TensorSpec({1, 64}, DType::bf16)), plain.input("g", gain), 1e-5, "m0");
+    const ComputeGraph accepted = plain.build({plain.matmul(plain_normalized, plain.input("w", TensorSpec({32, 64}, DType::bf16)), true, "p0")});
+    EXPECT_EQ(reason(accepted, "p0", true), "");
+  }
+}
+
 // Every launch shape a stage races has a name of its own (the tournament and the decision cache
 // know candidates by it): all of gemv_tuning_candidates' shapes, split-K, staged and group-sum ones
 // included, at wide and narrow sizes, dense and affine, one and two products.
