@@ -50,6 +50,10 @@ struct RopeParameters {
   std::int64_t original_max_position_embeddings = 8192;
 };
 
+// The largest size or count config.json may give (vocab_size, hidden_size, intermediate_size,
+// num_hidden_layers, the head counts, head_dim): 2^24, so that any product of two fits an int64.
+inline constexpr std::int64_t kLargestModelDimension = std::int64_t{1} << 24;
+
 struct ModelConfig {
   ModelArchitecture architecture = ModelArchitecture::llama;
   std::int64_t vocab_size = 0;

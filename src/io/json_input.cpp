@@ -3,6 +3,10 @@
 // recursively: 100k nested brackets must never reach it.
 #include "json_input.h"
 
+#include <set>
+#include <string>
+#include <vector>
+
 namespace metile {
 namespace {
 
@@ -40,8 +44,25 @@ void check_depth(std::string_view text, std::string_view source) {
 
 Json parse_json_input(std::string_view text, std::string_view source) {
   check_depth(text, source);
+  // The keys of each open object: a name given twice is an error, not "the last one wins" (a
+  // safetensors header listing a tensor twice, a node with two "op" fields).
+  std::vector<std::set<std::string>> open_objects;
+  const auto refuse_repeated_keys = [&](int, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == Json::parse_event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (!open_objects.back().insert(key).second) {
+        throw InputError(std::string(source) + ": invalid JSON: the key \"" + printable_bytes(key) +
+                         "\" appears twice in one object");
+      }
+    }
+    return true;
+  };
   try {
-    return Json::parse(text);
+    return Json::parse(text, refuse_repeated_keys);
   } catch (const Json::exception& error) {
     // nlohmann's message starts with "[json.exception.parse_error.101] "; the rest is the useful part.
     std::string message = error.what();

@@ -13,7 +13,8 @@
 
 namespace metile {
 
-// Throws InputError "SOURCE: invalid JSON: ..." or "SOURCE: JSON nested deeper than ...".
+// Throws InputError "SOURCE: invalid JSON: ..." (a syntax error, a number out of range, a key given
+// twice in one object) or "SOURCE: JSON nested deeper than ...".
 nlohmann::json parse_json_input(std::string_view text, std::string_view source);
 
 // value.dump(), cut to about 60 characters with "..." when longer.

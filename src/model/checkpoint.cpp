@@ -226,6 +226,10 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   std::int64_t capacity = options.max_sequence > 0 ? options.max_sequence
                                                    : std::min<std::int64_t>(4096, config.max_position_embeddings);
   if (options.max_sequence < 0) throw InputError(fmt::format("max-seq {} is negative", options.max_sequence));
+  // Positions are i32 in the step graphs: the last one, capacity - 1, must fit.
+  if (capacity > (std::int64_t{1} << 31)) {
+    throw InputError(fmt::format("max-seq {}: at most 2^31 positions (they are 32-bit integers)", capacity));
+  }
   if (config.sliding_window && capacity > *config.sliding_window) {
     // Attention here sees every cached position, so the window bounds the context instead of sliding.
     if (options.max_sequence > 0) {

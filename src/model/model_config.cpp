@@ -55,6 +55,12 @@ struct FieldReader {
   std::int64_t positive_int_or(std::string_view field, std::int64_t fallback) const {
     return present(field) ? positive_int(field) : fallback;
   }
+  // A model dimension (sizes, counts of layers and heads): 1..kLargestModelDimension, so that the
+  // product of any two (a weight's width, heads x head_dim) fits an int64 with room to spare.
+  std::int64_t dimension(std::string_view field) const { return positive_int_at_most(field, kLargestModelDimension); }
+  std::int64_t dimension_or(std::string_view field, std::int64_t fallback) const {
+    return present(field) ? dimension(field) : fallback;
+  }
   double positive_number(std::string_view field) const {
     if (!present(field)) fail(field, "missing");
     const Json& value = object.at(field);
@@ -167,25 +173,26 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
                   "'" + name + "' is not supported (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)");
     }
   } else {
+    const std::string model_type = reader.string("model_type");
     try {
-      config.architecture = parse_architecture_short_name(reader.string("model_type"));
+      config.architecture = parse_architecture_short_name(model_type);
     } catch (const InputError& error) {
       reader.fail("model_type", error.what());
     }
   }
 
-  config.vocab_size = reader.positive_int("vocab_size");
-  config.hidden_size = reader.positive_int("hidden_size");
-  config.intermediate_size = reader.positive_int("intermediate_size");
-  config.num_hidden_layers = reader.positive_int("num_hidden_layers");
-  config.num_attention_heads = reader.positive_int("num_attention_heads");
-  config.num_key_value_heads = reader.positive_int_or("num_key_value_heads", config.num_attention_heads);
+  config.vocab_size = reader.dimension("vocab_size");
+  config.hidden_size = reader.dimension("hidden_size");
+  config.intermediate_size = reader.dimension("intermediate_size");
+  config.num_hidden_layers = reader.dimension("num_hidden_layers");
+  config.num_attention_heads = reader.dimension("num_attention_heads");
+  config.num_key_value_heads = reader.dimension_or("num_key_value_heads", config.num_attention_heads);
   if (config.num_attention_heads % config.num_key_value_heads != 0) {
     reader.fail("num_key_value_heads", fmt::format("{} does not divide num_attention_heads {}",
                                                    config.num_key_value_heads, config.num_attention_heads));
   }
   if (reader.present("head_dim")) {
-    config.head_dim = reader.positive_int("head_dim");
+    config.head_dim = reader.dimension("head_dim");
   } else {
     if (config.hidden_size % config.num_attention_heads != 0) {
       reader.fail("hidden_size", "is not a multiple of num_attention_heads and no head_dim is given");

@@ -229,17 +229,23 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     throw InputError(fmt::format("--max-shard-mb {} must be in (0, 1000000]", options.max_shard_mb));
   }
   std::error_code error;
-  if (std::filesystem::exists(directory) &&
-      (!std::filesystem::is_directory(directory) || !std::filesystem::is_empty(directory))) {
+  if (directory.empty()) throw InputError("synth-model: the output directory is an empty path");
+  // "d/", "d/." and "d" are one directory: the staging folder goes beside it, never inside it.
+  std::filesystem::path target = std::filesystem::absolute(directory).lexically_normal();
+  if (target.filename().empty()) target = target.parent_path();
+  if (std::filesystem::is_symlink(std::filesystem::symlink_status(target))) {
+    throw InputError(fmt::format("{}: is a symbolic link; name the directory itself", directory.string()));
+  }
+  if (std::filesystem::exists(target) &&
+      (!std::filesystem::is_directory(target) || !std::filesystem::is_empty(target))) {
     throw InputError(fmt::format("{}: exists and is not an empty directory", directory.string()));
   }
-  const std::filesystem::path absolute = std::filesystem::absolute(directory).lexically_normal();
-  const std::filesystem::path parent = absolute.parent_path();
-  if (!std::filesystem::is_directory(parent)) {
+  const std::filesystem::path parent = target.parent_path();
+  if (target == parent || !std::filesystem::is_directory(parent)) {
     throw InputError(fmt::format("{}: parent directory does not exist", parent.string()));
   }
   const std::filesystem::path staging =
-      parent / fmt::format(".{}.partial-{}", absolute.filename().string(), ::getpid());
+      parent / fmt::format(".{}.partial-{}", target.filename().string(), ::getpid());
   std::filesystem::create_directories(staging, error);
   if (error) throw InputError(fmt::format("{}: cannot create: {}", staging.string(), error.message()));
   try {
@@ -299,16 +305,18 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       std::FILE* file = std::fopen((staging / "model.safetensors.index.json").c_str(), "w");
       if (!file) throw InputError(fmt::format("{}: cannot write the shard index", staging.string()));
       const std::string text = index.dump(2) + "\n";
-      std::fwrite(text.data(), 1, text.size(), file);
-      std::fclose(file);
+      const bool complete = std::fwrite(text.data(), 1, text.size(), file) == text.size();
+      if (std::fclose(file) != 0 || !complete) {
+        throw InputError(fmt::format("{}: cannot write the shard index", staging.string()));
+      }
     }
     std::FILE* file = std::fopen((staging / "config.json").c_str(), "w");
     if (!file) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
     const std::string text = config.to_json(options.transformers_version);
-    std::fwrite(text.data(), 1, text.size(), file);
-    if (std::fclose(file) != 0) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
-    if (std::filesystem::exists(directory)) std::filesystem::remove(directory);  // empty, checked above
-    std::filesystem::rename(staging, directory);
+    const bool complete = std::fwrite(text.data(), 1, text.size(), file) == text.size();
+    if (std::fclose(file) != 0 || !complete) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
+    if (std::filesystem::exists(target)) std::filesystem::remove(target);  // empty, checked above
+    std::filesystem::rename(staging, target);
   } catch (...) {
     std::filesystem::remove_all(staging, error);
     throw;

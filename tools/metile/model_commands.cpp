@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fmt/core.h>
@@ -241,7 +242,7 @@ struct SynthCommandOptions {
   std::string directory;
   std::string preset = "tiny";
   std::string architecture;
-  std::int64_t layers = 0;
+  std::optional<std::int64_t> layers;  // the preset's when unset
   std::string seed = "0";
   std::string quantize;
   int group_size = 64;
@@ -254,7 +255,7 @@ void synth_command(const SynthCommandOptions& options) {
   SynthOptions synth;
   synth.preset = options.preset;
   if (!options.architecture.empty()) synth.architecture = parse_architecture_short_name(options.architecture);
-  if (options.layers != 0) synth.layers = options.layers;
+  synth.layers = options.layers;
   synth.seed = parse_seed(options.seed);
   if (!options.quantize.empty()) {
     if (options.quantize != "4" && options.quantize != "8") {
@@ -396,8 +397,9 @@ void add_model_commands(CLI::App& app) {
       if (margin->count() > 0 && !options->race_near_ties) {
         throw InputError("--near-tie-margin sizes the near-tie race, which --no-race-near-ties turns off");
       }
-      if (!options->preset.empty() && options->layers < 0) {
-        throw InputError(fmt::format("--layers {} must be at least 1", options->layers));
+      if (options->layers && options->preset.empty()) throw InputError("--layers sizes a --preset model");
+      if (options->layers && *options->layers < 1) {
+        throw InputError(fmt::format("--layers {} must be at least 1", *options->layers));
       }
       quantization_option(*options);  // malformed --quantize: one line before anything else
       declined_rules(options->decline);

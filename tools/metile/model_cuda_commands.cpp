@@ -219,7 +219,7 @@ void bench_model(const ModelOptions& options) {
   if (!options.preset.empty()) {
     SynthOptions synth;
     synth.preset = options.preset;
-    if (options.layers > 0) synth.layers = options.layers;
+    synth.layers = options.layers;
     synth.seed = parse_seed(options.seed);
     synth.quantize = quantization_option(options);  // an MLX checkpoint: quantized once, when written
     synth_config(synth);  // an unknown preset is one line before anything is written

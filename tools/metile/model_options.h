@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <set>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,7 @@ struct ModelOptions {
   double max_logit_error = -1;
   // bench-model
   std::string preset;
-  std::int64_t layers = 0;
+  std::optional<std::int64_t> layers;  // --layers (bench-model --preset): the preset's when unset
   std::int64_t context = 128;
   std::int64_t prefill_tokens = 512;
   int decode_steps = 64;

@@ -337,6 +337,14 @@ TEST(GraphJsonLimitsTest, DeepNestingAndHugeNumbersAreInputErrors) {
             "g.json: invalid JSON: nested deeper than 64 levels at ");
   EXPECT_EQ(error_of([&] { parse_graph_json(graph_with("[1]", "1e400"), "g.json"); }),
             "g.json: invalid JSON: number overflow parsing '1e400'");
+  // A field given twice in one object is an error (nlohmann alone keeps the last); the same key in
+  // two objects is not.
+  EXPECT_EQ(error_of([&] {
+              parse_graph_json(R"({"inputs": [{"name": "x", "shape": [1], "shape": [2], "dtype": "f32"}], "nodes": [], "outputs": ["x"]})",
+                               "g.json");
+            }),
+            "g.json: invalid JSON: the key \"shape\" appears twice in one object");
+  EXPECT_NO_THROW(parse_graph_json(graph_with("[1]", "2.0"), "g.json"));
   // A value in a message is cut short, however long it is.
   EXPECT_EQ(error_of([&] { parse_graph_json(graph_with("[\"" + std::string(100000, 'a') + "\"]", "2.0"), "g.json"); }),
             "g.json: /inputs/0/shape/0: expected an integer, got \"" + std::string(56, 'a') + "...");

@@ -217,6 +217,11 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
   path = raw_file(R"({"a": {"dtype": "F16", "shape": [2]}})", 8);
   EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": tensor 'a': header entry has no 'data_offsets'");
 
+  // One name twice: the last entry silently won (the first one's bytes were never read).
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                      "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": header: invalid JSON: the key \"a\" appears twice in one object");
+
   const std::string missing = (directory_ / "missing.safetensors").string();
   EXPECT_EQ(error_of([&] { read_safetensors(missing); }), missing + ": cannot open the file: No such file or directory");
 }

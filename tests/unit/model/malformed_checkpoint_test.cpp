@@ -118,6 +118,24 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
        "field 'hidden_size': missing"},
       {"field_of_wrong_type", [](auto d) { edit_config(d, [](Json& c) { c["num_attention_heads"] = "four"; }); },
        "field 'num_attention_heads': must be a positive integer, got \"four\""},
+      // 2^62 heads of dimension 2: heads x head_dim overflowed an int64 (undefined behaviour), and with
+      // 2^62 + 12 heads of 4 it wrapped to a width the weights matched, so the model loaded.
+      {"heads_past_the_dimension_limit",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["num_attention_heads"] = (std::int64_t{1} << 62) + 12;
+           c["head_dim"] = 4;
+         });
+       },
+       "field 'num_attention_heads': must be at most 16777216, got 4611686018427387916"},
+      {"model_type_missing",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c.erase("architectures");
+           c.erase("model_type");
+         });
+       },
+       "config.json: field 'model_type': missing"},
       {"heads_not_grouped", [](auto d) { edit_config(d, [](Json& c) { c["num_key_value_heads"] = 3; }); },
        "field 'num_key_value_heads': 3 does not divide num_attention_heads 4"},
       {"unsupported_activation", [](auto d) { edit_config(d, [](Json& c) { c["hidden_act"] = "gelu"; }); },
@@ -164,6 +182,9 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
     const std::string message = testing::error_of([&] { DecoderModel::load(directory); });
     EXPECT_NE(message.find(breakage.message), std::string::npos) << message;
     EXPECT_EQ(message.find('\n'), std::string::npos);
+    // The field is named once (a wrapped message once repeated "config.json: field 'model_type': ").
+    const std::size_t field = message.find("field '");
+    EXPECT_TRUE(field == std::string::npos || message.find("field '", field + 1) == std::string::npos) << message;
     std::string out, err;
     EXPECT_EQ(run_logits(directory, out, err), 2);
     EXPECT_EQ(out, "");
@@ -186,13 +207,32 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(out, "");
   EXPECT_EQ(metile("synth-model " + directory.string()), 2);  // exists and holds a model
   EXPECT_NE(err.find("exists and is not an empty directory"), std::string::npos);
+  // "d/" and "d/." name the directory d (the staging folder once went inside it, and the rename failed
+  // after the whole model was written); a link and an empty path are refused before any work.
+  std::filesystem::create_directories(root_ / "empty");
+  EXPECT_EQ(metile("synth-model " + (root_ / "empty").string() + "/"), 0) << err;
+  EXPECT_TRUE(std::filesystem::exists(root_ / "empty" / "config.json"));
+  EXPECT_EQ(metile("synth-model " + (root_ / "new").string() + "/."), 0) << err;
+  EXPECT_TRUE(std::filesystem::exists(root_ / "new" / "model.safetensors"));
+  std::filesystem::create_symlink(root_ / "nowhere", root_ / "link");
+  EXPECT_EQ(metile("synth-model " + (root_ / "link").string()), 2);
+  EXPECT_EQ(err, "metile: error: " + (root_ / "link").string() + ": is a symbolic link; name the directory itself\n");
+  EXPECT_EQ(metile("synth-model ''"), 2);
+  EXPECT_EQ(err, "metile: error: synth-model: the output directory is an empty path\n");
+  EXPECT_EQ(metile("synth-model " + (root_ / "none").string() + " --layers 0"), 2);
+  EXPECT_EQ(err, "metile: error: --layers 0 must be 1..1024\n");
+  for (const auto& entry : std::filesystem::directory_iterator(root_)) {
+    EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
+  }
   EXPECT_EQ(metile("synth-model " + (root_ / "fresh").string() + " --preset huge"), 2);
   EXPECT_EQ(err, "metile: error: unknown preset 'huge' (tiny, small, llama3.2-1b, qwen2.5-1.5b or llama3-8b)\n");
   EXPECT_FALSE(std::filesystem::exists(root_ / "fresh"));
   // Sizes and thresholds out of range (a typo must not fill the memory or the disk, nor pass as a default).
-  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 1000000000000"), 2);
-  EXPECT_NE(err.find("the KV caches of 1000000000000 positions (max-seq) x 2 layers"), std::string::npos) << err;
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 2000000000"), 2);
+  EXPECT_NE(err.find("the KV caches of 2000000000 positions (max-seq) x 2 layers"), std::string::npos) << err;
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 1000000000000"), 2);
+  EXPECT_EQ(err, "metile: error: max-seq 1000000000000: at most 2^31 positions (they are 32-bit integers)\n");
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 100000000000"), 2);
   EXPECT_EQ(err, "metile: error: --layers 100000000000 must be 1..1024\n");
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
