@@ -101,6 +101,17 @@ std::set<std::string> benchmarked_engines(const std::string& text) {
   return engines;
 }
 
+nlohmann::json figures_json(const AgreementFigures& figures) {
+  return {{"positions", figures.positions},
+          {"agreement", figures.agreement()},
+          {"first_disagreement", figures.first_disagreement},
+          {"decided_positions", figures.decided_positions},
+          {"decided_agreements", figures.decided_agreements},
+          {"kl_mean", figures.kl_mean},
+          {"kl_max", figures.kl_max},
+          {"max_logit_error", figures.max_logit_error}};
+}
+
 namespace {
 
 void add_model_options(CLI::App* command, ModelOptions& options, bool with_prompt) {
@@ -224,6 +235,22 @@ int verify_command(ModelOptions options) {
   const auto rate = [&](double seconds) {
     return seconds > 0 ? static_cast<double>(positions - 1) / seconds : 0.0;
   };
+  const bool pass = figures.agreement() >= min_agreement && figures.kl_max <= max_kl &&
+                    figures.kl_mean <= max_kl_mean && figures.max_logit_error <= max_logit_error;
+  if (options.format == "json") {
+    nlohmann::json json;
+    json["backend"] = "cpu";
+    json["dtype"] = options.dtype;
+    json["positions"] = positions;
+    json["figures"] = figures_json(figures);
+    json["thresholds"] = {{"min_agreement", min_agreement}, {"max_kl", max_kl}, {"max_kl_mean", max_kl_mean},
+                          {"max_logit_error", max_logit_error}};
+    json["tokens_per_second"] = {{"reference", rate(figures.reference_seconds)},
+                                 {"planned", rate(figures.candidate_seconds)}};
+    json["passed"] = pass;
+    fmt::print("{}\n", json.dump(2));
+    return pass ? 0 : 1;
+  }
   fmt::print("verify-model: {} positions, reference (run_reference) vs planned (plan_graph_fusion cpu + "
              "run_plan_reference), {} on cpu\n", positions, options.dtype);
   fmt::print("next-token agreement   {:.4f}   (min {})\n", figures.agreement(), min_agreement);
@@ -232,8 +259,6 @@ int verify_command(ModelOptions options) {
   fmt::print("max logit error        {:.3g} of max |logit|   (max {})\n", figures.max_logit_error, max_logit_error);
   fmt::print("tokens/s               reference {:.2f}, planned {:.2f}\n", rate(figures.reference_seconds),
              rate(figures.candidate_seconds));
-  const bool pass = figures.agreement() >= min_agreement && figures.kl_max <= max_kl &&
-                    figures.kl_mean <= max_kl_mean && figures.max_logit_error <= max_logit_error;
   fmt::print("{}\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
@@ -317,8 +342,10 @@ void add_model_commands(CLI::App& app) {
     // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
     const CLI::Validator non_negative(
         [](std::string& text) {
-          const double value = std::strtod(text.c_str(), nullptr);
-          return std::isfinite(value) && value >= 0 ? std::string() : "must be a finite number >= 0";
+          char* end = nullptr;
+          const double value = std::strtod(text.c_str(), &end);
+          const bool whole = !text.empty() && end == text.c_str() + text.size();  // "" and "0.1x" are not numbers
+          return whole && std::isfinite(value) && value >= 0 ? std::string() : "must be a finite number >= 0";
         },
         ">= 0");
     command->add_option("--min-agreement", options->min_agreement,
@@ -332,7 +359,7 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--max-logit-error", options->max_logit_error,
                         "largest |logit error| relative to the reference's max |logit| (default 0.02 on cpu, 0.05 on cuda)")
         ->check(non_negative);
-    command->add_option("--format", options->format, "text or json (--backend cuda)")
+    command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
     command->callback([options] {

@@ -72,17 +72,6 @@ class TemporaryDirectory {
   std::filesystem::path path_;
 };
 
-nlohmann::json figures_json(const AgreementFigures& figures) {
-  return {{"positions", figures.positions},
-          {"agreement", figures.agreement()},
-          {"first_disagreement", figures.first_disagreement},
-          {"decided_positions", figures.decided_positions},
-          {"decided_agreements", figures.decided_agreements},
-          {"kl_mean", figures.kl_mean},
-          {"kl_max", figures.kl_max},
-          {"max_logit_error", figures.max_logit_error}};
-}
-
 std::string figures_row(const std::string& label, const AgreementFigures& figures, const std::string& verdict) {
   return fmt::format("{:<28} {:>9.4f} {:>10.3g} {:>10.3g} {:>12.3g}   {}", label, figures.agreement(),
                      figures.kl_mean, figures.kl_max, figures.max_logit_error, verdict);

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "metile/model.h"
 
 namespace metile::cli {
@@ -51,6 +53,8 @@ inline double or_default(double value, double fallback) { return value < 0 ? fal
 std::optional<AffineQuantization> quantization_option(const ModelOptions& options);
 // --backend cpu|cuda; InputError otherwise.
 void check_backend(const ModelOptions& options);
+// verify-model's figures of one comparison as JSON (both backends' --format json).
+nlohmann::json figures_json(const AgreementFigures& figures);
 // --decline "a,b": the region kinds (plan rule names).
 std::set<std::string> declined_rules(const std::string& text);
 // bench-model --engines "a,b": fused, fused-pdl (its GEMVs and attention as programmatic dependents), native;

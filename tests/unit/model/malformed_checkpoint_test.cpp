@@ -238,7 +238,9 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
   EXPECT_EQ(err, "metile: error: --max-shard-mb inf must be in (0, 1000000]\n");
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
-  for (const std::string threshold : {"--max-logit-error -0.5", "--min-agreement nan", "--max-kl inf", "--max-kl-mean -1"}) {
+  // An empty or half-numeric threshold is not 0 (strtod read "" as 0).
+  for (const std::string threshold : {"--max-logit-error -0.5", "--min-agreement nan", "--max-kl inf", "--max-kl-mean -1",
+                                      "--max-kl ''", "--max-kl 0.1x"}) {
     EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 " + threshold), 2) << threshold;
     EXPECT_NE(err.find(threshold.substr(0, threshold.find(' '))), std::string::npos) << err;
     EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
@@ -247,6 +249,15 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(out.find("FAIL"), std::string::npos);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
   EXPECT_NE(out.find("next-token agreement   1.0000"), std::string::npos);
+  // --format json on the CPU too (it was ignored there: text where a script expected JSON).
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --format json"), 0);
+  const nlohmann::json verdict = nlohmann::json::parse(out);
+  EXPECT_EQ(verdict.at("backend"), "cpu");
+  EXPECT_EQ(verdict.at("positions"), 4);
+  EXPECT_EQ(verdict.at("figures").at("agreement"), 1.0);
+  EXPECT_EQ(verdict.at("passed"), true);
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --format json --min-agreement 1.01"), 1);
+  EXPECT_EQ(nlohmann::json::parse(out).at("passed"), false);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 0"), 2);  // unset means the default; 0 is no count
   EXPECT_NE(err.find("--tokens: Value 0 not in range 1"), std::string::npos) << err;
   // A comparison too long for the caches fails before its first step, as generate does.
