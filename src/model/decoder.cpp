@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "metile/cpu_runtime.h"
+#include "metile/io.h"
 #include "metile/model.h"
 
 namespace metile {
@@ -36,6 +37,26 @@ std::string cache_name(std::int64_t layer, char which) { return fmt::format("lay
 
 DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model_(model), path_(path) {
   const ModelConfig& config = model.config();
+  // Besides its caches a step holds one layer's attention over the whole cache: the scores and
+  // probabilities of every query head for up to kMaxStepTokens rows (stored in the runtime dtype,
+  // widened to f32 where an op reads them: measured ~11 bytes an element in bf16, ~15 in f32, with
+  // `generate` at 10^6 positions), and V widened to f32. Refused up front when that passes this
+  // machine's memory: a --max-seq the load-time check (the caches alone) lets through must not end
+  // in the kernel's out-of-memory killer halfway through a prompt.
+  const double positions = static_cast<double>(model.capacity());
+  const double element = static_cast<double>(dtype_size(model.dtype()));
+  const double cache_bytes = 2.0 * static_cast<double>(config.num_hidden_layers * config.num_key_value_heads) *
+                             static_cast<double>(config.head_dim) * positions * element;
+  const double step_bytes = positions * (static_cast<double>(config.num_attention_heads * DecoderModel::kMaxStepTokens) *
+                                             (8 + 4 * element) +
+                                         8.0 * static_cast<double>(config.head_dim));
+  if (const auto memory = static_cast<double>(physical_memory_bytes()); cache_bytes + step_bytes > memory) {
+    throw InputError(fmt::format("a CPU decode step over {} positions (max-seq) needs about {:.1f} GB (the KV caches {:.1f} "
+                                 "GB and one layer's attention scores for {} tokens {:.1f} GB), more than this machine's "
+                                 "{:.1f} GB of memory",
+                                 model.capacity(), (cache_bytes + step_bytes) / 1e9, cache_bytes / 1e9,
+                                 DecoderModel::kMaxStepTokens, step_bytes / 1e9, memory / 1e9));
+  }
   const TensorSpec cache_spec({config.num_key_value_heads, model.capacity(), config.head_dim}, model.dtype());
   for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
     for (char which : {'k', 'v'}) state_.insert_or_assign(cache_name(layer, which), HostTensor(cache_spec));

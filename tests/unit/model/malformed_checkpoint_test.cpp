@@ -6,8 +6,10 @@
 #include <sys/wait.h>
 
 #include <functional>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "metile/io.h"
 #include "model_test_support.h"
 
 namespace metile {
@@ -190,6 +192,24 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
     EXPECT_EQ(out, "");
     EXPECT_EQ(err, "metile: error: " + message + "\n");
   }
+}
+
+// A capacity whose caches fit this machine's memory but whose CPU step does not (one layer's
+// attention scores for 16 tokens over the whole cache): refused when the session is made, before it
+// allocates anything, instead of by the out-of-memory killer halfway through a prompt.
+TEST_F(MalformedCheckpoint, ACpuStepPastTheMachinesMemoryIsRefusedUpFront) {
+  const std::filesystem::path directory = synth("model", {});
+  // The tiny preset: 2 layers, 2 KV heads of 16 (caches 256 bytes a position in bf16), 4 query heads.
+  const std::uint64_t memory = physical_memory_bytes();
+  const auto capacity = static_cast<std::int64_t>(memory / 2 / 256);  // caches: half the memory
+  if (capacity > (std::int64_t{1} << 31)) GTEST_SKIP() << "a machine this large takes positions past 2^31";
+  LoadOptions options;
+  options.max_sequence = capacity;
+  const DecoderModel model = DecoderModel::load(directory, options);  // the caches alone fit
+  const std::string message = testing::error_of([&] { DecodeSession session(model); });
+  EXPECT_EQ(message.rfind(fmt::format("a CPU decode step over {} positions (max-seq) needs about", capacity), 0), 0u)
+      << message;
+  EXPECT_NE(message.find("more than this machine's"), std::string::npos) << message;
 }
 
 TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
