@@ -258,9 +258,12 @@ ModelConfig synth_config(const SynthOptions& options);
 // Writes config.json and the weights (bf16, seeded per tensor name so that every
 // variant of one seed holds the same numbers) into `directory`, which must not
 // exist or be empty; files are written to a sibling temporary and renamed into
-// place, so an error leaves nothing. `progress` (if set) gets lines for stderr.
+// place, so an error leaves nothing. `progress` (if set) gets lines for stderr; `cancelled` (if
+// set) is asked before each tensor, and when it answers true the temporary is removed and
+// InputError "synth-model: interrupted; nothing was written" is thrown (the CLI's Ctrl-C).
 void synthesize_model(const std::filesystem::path& directory, const SynthOptions& options,
-                      const std::function<void(const std::string&)>& progress = {});
+                      const std::function<void(const std::string&)>& progress = {},
+                      const std::function<bool()>& cancelled = {});
 // The draw behind every synthetic tensor: element i of `tensor` (bf16, any shape) is
 // bf16(offset + uniform(low, high)) of draw i + 1 of SplitMix64(stream_seed), counting from 0
 // (draw 0 is discarded). Contiguous ranges of elements are drawn at once, each jumping its

@@ -222,7 +222,7 @@ ModelConfig synth_config(const SynthOptions& options) {
 }
 
 void synthesize_model(const std::filesystem::path& directory, const SynthOptions& options,
-                      const std::function<void(const std::string&)>& progress) {
+                      const std::function<void(const std::string&)>& progress, const std::function<bool()>& cancelled) {
   const ModelConfig config = synth_config(options);
   // At most 10^6 MB (a terabyte): also keeps max_shard_mb * 1e6 inside an int64 below.
   if (!(options.max_shard_mb > 0 && options.max_shard_mb <= 1e6)) {
@@ -269,6 +269,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       }
     };
     for (const TensorRecipe& recipe : list) {
+      if (cancelled && cancelled()) throw InputError("synth-model: interrupted; nothing was written");
       TensorMap parts;
       if (options.quantize && recipe.quantizable && recipe.shape.back() % options.quantize->group_size == 0) {
         const std::string prefix = recipe.name.substr(0, recipe.name.size() - std::string(".weight").size());

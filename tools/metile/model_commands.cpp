@@ -21,6 +21,8 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <csignal>
+#include <signal.h>
 #include <optional>
 #include <string>
 
@@ -276,6 +278,38 @@ struct SynthCommandOptions {
   double max_shard_mb = 2000;
 };
 
+// While it lives, SIGINT and SIGTERM set a flag instead of ending the process (a second one ends it
+// at once); the handlers before it come back when it goes.
+volatile std::sig_atomic_t interrupt_signal = 0;
+class InterruptFlag {
+ public:
+  InterruptFlag() {
+    interrupt_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = [](int signal) {
+      if (interrupt_signal != 0) {
+        std::signal(signal, SIG_DFL);
+        std::raise(signal);
+      }
+      interrupt_signal = signal;
+    };
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, &previous_interrupt_);
+    sigaction(SIGTERM, &action, &previous_terminate_);
+  }
+  ~InterruptFlag() {
+    sigaction(SIGINT, &previous_interrupt_, nullptr);
+    sigaction(SIGTERM, &previous_terminate_, nullptr);
+  }
+  InterruptFlag(const InterruptFlag&) = delete;
+  InterruptFlag& operator=(const InterruptFlag&) = delete;
+  bool raised() const { return interrupt_signal != 0; }
+
+ private:
+  struct sigaction previous_interrupt_ {};
+  struct sigaction previous_terminate_ {};
+};
+
 void synth_command(const SynthCommandOptions& options) {
   SynthOptions synth;
   synth.preset = options.preset;
@@ -293,9 +327,23 @@ void synth_command(const SynthCommandOptions& options) {
   synth.max_shard_mb = options.max_shard_mb;
   const ModelConfig config = synth_config(synth);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
-  synthesize_model(options.directory, synth, [&](const std::string& line) {
-    if (terminal) fmt::print(stderr, "\r{}", line);
-  });
+  {
+    // Ctrl-C or a kill while the weights are written: the staging folder is removed, not left behind.
+    const InterruptFlag interrupt;
+    try {
+      synthesize_model(
+          options.directory, synth,
+          [&](const std::string& line) {
+            if (terminal) fmt::print(stderr, "\r{}", line);
+          },
+          [&] { return interrupt.raised(); });
+    } catch (const InputError& error) {
+      if (!interrupt.raised()) throw;
+      if (terminal) fmt::print(stderr, "\n");
+      fmt::print(stderr, "metile: {}\n", error.what());
+      throw CommandExit{130};
+    }
+  }
   if (terminal) fmt::print(stderr, "\n");
   fmt::print("synth-model: {} ({}, {} layers, hidden {}, vocab {}, {}{}) seed {} -> {}\n", options.preset,
              architecture_class_name(config.architecture), config.num_hidden_layers, config.hidden_size,

@@ -212,6 +212,22 @@ TEST_F(MalformedCheckpoint, ACpuStepPastTheMachinesMemoryIsRefusedUpFront) {
   EXPECT_NE(message.find("more than this machine's"), std::string::npos) << message;
 }
 
+// synth-model interrupted (the CLI's Ctrl-C answers `cancelled`): the staging folder, with the
+// tensors written so far, is removed and the target never appears (it was left as a hidden
+// .NAME.partial-PID folder, up to the whole model's size).
+TEST_F(MalformedCheckpoint, AnInterruptedSynthesisLeavesNothing) {
+  int asked = 0;
+  SynthOptions options;
+  options.preset = "small";
+  options.max_shard_mb = 10;  // several shards, some written before the interruption
+  EXPECT_EQ(testing::error_of([&] {
+              synthesize_model(root_ / "model", options, {}, [&] { return ++asked > 40; });
+            }),
+            "synth-model: interrupted; nothing was written");
+  EXPECT_EQ(asked, 41);
+  EXPECT_TRUE(std::filesystem::is_empty(root_)) << "left behind: " << std::filesystem::directory_iterator(root_)->path();
+}
+
 TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   const std::filesystem::path directory = synth("model", {});
   std::string out, err;
