@@ -6,6 +6,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,10 @@ struct GraphNodeView {
   std::shared_ptr<const ComputeGraph> graph;
   NodeId id = -1;
 };
+
+// One integer argument (`what` names it): an int or a numpy integer; bool, an int to Python, is a
+// TypeError (True is not 1 token or 1 bit), as is anything else; ValueError past 64 bits.
+std::int64_t integer_argument(const std::string& what, const py::handle& object);
 
 // Python lists of views of these values / nodes, in order.
 py::list value_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<ValueId>& ids);

@@ -33,6 +33,19 @@ py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std:
   return views;
 }
 
+std::int64_t integer_argument(const std::string& what, const py::handle& object) {
+  if (py::isinstance<py::bool_>(object) || !PyIndex_Check(object.ptr())) {
+    throw py::type_error(what + " must be an integer, got " +
+                         std::string(py::str(py::type::handle_of(object).attr("__name__"))));
+  }
+  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(object.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) throw py::value_error(what + ": " + std::string(py::repr(object)) + " does not fit in 64 bits");
+  return value;
+}
+
 namespace {
 
 std::string python_type_name(const py::handle& object) {

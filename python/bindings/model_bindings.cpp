@@ -25,14 +25,19 @@
 namespace metile::python {
 namespace {
 
-std::optional<AffineQuantization> quantization_of(std::optional<int> bits, int group_size) {
-  if (!bits) return std::nullopt;
-  AffineQuantization format{*bits, group_size};
+// quantize=None, 4 or 8 (True is not a bit count).
+std::optional<AffineQuantization> quantization_of(const py::handle& bits, int group_size) {
+  if (bits.is_none()) return std::nullopt;
+  const std::int64_t value = integer_argument("quantize", bits);
+  if (value < 1 || value > 64) throw InputError("quantize: bits must be 4 or 8, got " + std::to_string(value));
+  AffineQuantization format{static_cast<int>(value), group_size};
   format.validate();
   return format;
 }
 
-std::vector<std::int32_t> token_ids(const py::handle& ids) {
+// The ids of one sequence; reading stops past `capacity` of them (an endless iterator is an error,
+// not a loop until memory runs out).
+std::vector<std::int32_t> token_ids(const py::handle& ids, std::int64_t capacity) {
   if (py::isinstance<py::str>(ids) || py::isinstance<py::bytes>(ids) || py::isinstance<py::bytearray>(ids)) {
     throw py::type_error("ids must be a sequence of integers, got " + std::string(py::str(py::type::handle_of(ids).attr("__name__"))));
   }
@@ -50,6 +55,9 @@ std::vector<std::int32_t> token_ids(const py::handle& ids) {
       throw InputError("ids: " + std::string(py::str(item)) + " is not a token id (ids are 32-bit integers below the vocabulary size)");
     }
     tokens.push_back(static_cast<std::int32_t>(id));
+    if (static_cast<std::int64_t>(tokens.size()) > capacity) {
+      throw InputError("ids: more than the KV-cache capacity of " + std::to_string(capacity) + " tokens (max_seq)");
+    }
   }
   if (tokens.empty()) throw InputError("ids is empty");
   return tokens;
@@ -98,7 +106,7 @@ void bind_model(py::module_& module) {
       .def(
           "logits",
           [](const DecoderModel& model, const py::handle& ids) {
-            const std::vector<std::int32_t> tokens = token_ids(ids);
+            const std::vector<std::int32_t> tokens = token_ids(ids, model.capacity());
             std::vector<float> logits;
             {
               py::gil_scoped_release release;
@@ -110,8 +118,9 @@ void bind_model(py::module_& module) {
           py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32)")
       .def(
           "generate",
-          [](const DecoderModel& model, const py::handle& ids, std::int64_t count) {
-            const std::vector<std::int32_t> tokens = token_ids(ids);
+          [](const DecoderModel& model, const py::handle& ids, const py::handle& n) {
+            const std::vector<std::int32_t> tokens = token_ids(ids, model.capacity());
+            const std::int64_t count = integer_argument("n", n);
             Generation generation;
             {
               py::gil_scoped_release release;
@@ -134,7 +143,7 @@ void bind_model(py::module_& module) {
       .def(
           "logits",
           [](PythonCudaModel& held, const py::handle& ids) {
-            const std::vector<std::int32_t> tokens = token_ids(ids);
+            const std::vector<std::int32_t> tokens = token_ids(ids, held.model->capacity());
             std::vector<float> logits;
             {
               py::gil_scoped_release release;
@@ -146,8 +155,9 @@ void bind_model(py::module_& module) {
           py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32), computed on the GPU")
       .def(
           "generate",
-          [](PythonCudaModel& held, const py::handle& ids, std::int64_t count) {
-            const std::vector<std::int32_t> tokens = token_ids(ids);
+          [](PythonCudaModel& held, const py::handle& ids, const py::handle& n) {
+            const std::vector<std::int32_t> tokens = token_ids(ids, held.model->capacity());
+            const std::int64_t count = integer_argument("n", n);
             Generation generation;
             {
               py::gil_scoped_release release;
@@ -161,7 +171,7 @@ void bind_model(py::module_& module) {
 
   module.def(
       "load_model",
-      [](const std::filesystem::path& path, const std::string& dtype, std::optional<int> quantize, int group_size,
+      [](const std::filesystem::path& path, const std::string& dtype, const py::handle& quantize, int group_size,
          std::int64_t max_seq, const std::string& backend) -> py::object {
         if (backend != "cpu" && backend != "cuda") {
           throw InputError("backend must be 'cpu' or 'cuda', got '" + backend + "'");
@@ -207,7 +217,7 @@ void bind_model(py::module_& module) {
   module.def(
       "synth_model",
       [](const std::filesystem::path& path, const std::string& preset, std::optional<std::string> arch,
-         std::optional<std::int64_t> layers, std::uint64_t seed, std::optional<int> quantize, int group_size,
+         std::optional<std::int64_t> layers, std::uint64_t seed, const py::handle& quantize, int group_size,
          std::optional<bool> tie_word_embeddings, int config_spelling) {
         SynthOptions options;
         options.preset = preset;

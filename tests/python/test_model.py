@@ -3,6 +3,7 @@ those of `metile logits` (the same C++ path) and agree with a numpy forward pass
 position 0 written here (embedding, RMSNorm, attention over one key = v, SwiGLU); greedy
 generate picks each argmax; bad input raises ValueError / TypeError."""
 
+import itertools
 import json
 import struct
 import subprocess
@@ -99,6 +100,19 @@ def test_errors(tmp_path):
         model.logits([2**40])
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         metile.load_model(str(tmp_path / "m"), quantize=3)
+    # True is not 1 token nor 1 bit; numpy integers are integers.
+    with pytest.raises(TypeError, match="n must be an integer, got bool"):
+        model.generate([1, 2], True)
+    with pytest.raises(TypeError, match="quantize must be an integer, got bool"):
+        metile.load_model(str(tmp_path / "m"), quantize=True)
+    assert list(model.generate([1, 2], np.int64(2))) == list(model.generate([1, 2], 2))
+    # An endless iterator of ids stops at the cache's capacity instead of filling the memory.
+    with pytest.raises(ValueError, match="more than the KV-cache capacity of 256 tokens"):
+        model.logits(itertools.repeat(1))
+    # Trailing separators name the directory itself (the staging folder once went inside it).
+    (tmp_path / "empty").mkdir()
+    metile.synth_model(str(tmp_path / "empty") + "/")
+    assert metile.load_model(str(tmp_path / "empty")).vocab_size == model.vocab_size
 
 
 def test_cuda_backend(tmp_path, rng):
