@@ -149,8 +149,7 @@ class LogitsSession {
   virtual ~LogitsSession() = default;
   // Appends tokens and returns their logits, row-major [tokens.size(), vocab] in f32.
   // InputError when a token is outside the vocabulary or the cache is full (checked before any
-  // step runs). A step hands the caches to the executor, which writes them in place: should it
-  // fail, the session has no caches left and every later feed is an InputError.
+  // step runs).
   virtual std::vector<float> feed(std::span<const std::int32_t> tokens) = 0;
   // Appends tokens like feed() and returns each one's greedy next token: the argmax of its logits
   // (argmax_index's rule, graph.h). This default takes it from feed()'s logits on the host; the GPU
@@ -167,7 +166,9 @@ enum class DecodePath : std::uint8_t { reference, planned };
 
 class DecodeSession : public LogitsSession {
  public:
-  // The session reads the model's weights in place: the model must outlive it.
+  // The session reads the model's weights in place: the model must outlive it. InputError, before
+  // anything is allocated, when its caches and one step's attention scores (16 tokens over the
+  // whole cache) would pass this machine's memory.
   explicit DecodeSession(const DecoderModel& model, DecodePath path = DecodePath::reference);
   DecodeSession(DecoderModel&&, DecodePath = DecodePath::reference) = delete;
   // Appends tokens (chunks of at most 16 per step) and returns their logits,

@@ -70,16 +70,28 @@ class ReadsLeft {
   bool last_reader(ValueId value) const {
     return reads_[static_cast<std::size_t>(value)] == 1 && !graph_.is_output(value);
   }
-  // After `node` ran: frees, in every scope given, the values it was the last to read.
+  // After `node` ran: frees, in every scope given, the values it was the last to read, and its own
+  // outputs that nothing reads (a dead node's).
   void done(const Node& node, std::initializer_list<ValueSlots*> scopes) {
     for (ValueId input : node.inputs) {
       if (--reads_[static_cast<std::size_t>(input)] == 0 && !graph_.is_output(input)) {
         for (ValueSlots* scope : scopes) scope->release(input);
       }
     }
+    for (ValueId output : node.outputs) release_if_unread(output, scopes);
+  }
+  // Frees the graph's inputs that no node reads and the graph does not return (handed-over ones).
+  void drop_unread_inputs(ValueSlots& slots) {
+    for (ValueId input : graph_.inputs()) release_if_unread(input, {&slots});
   }
 
  private:
+  void release_if_unread(ValueId value, std::initializer_list<ValueSlots*> scopes) {
+    if (reads_[static_cast<std::size_t>(value)] == 0 && !graph_.is_output(value)) {
+      for (ValueSlots* scope : scopes) scope->release(value);
+    }
+  }
+
   const ComputeGraph& graph_;
   std::vector<std::size_t> reads_;
 };
@@ -288,6 +300,7 @@ TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* 
 TensorMap run_reference(const ComputeGraph& graph, TensorMap owned, std::span<const TensorMap* const> borrowed) {
   ValueSlots values = published_inputs(graph, owned, borrowed);
   ReadsLeft reads(graph);
+  reads.drop_unread_inputs(values);
   for (const Node& node : graph.nodes()) {
     evaluate_into(graph, node, values, values, reads);
     reads.done(node, {&values});
@@ -309,6 +322,7 @@ TensorMap run_plan_reference(const FusionPlan& plan, TensorMap owned, std::span<
   }
   ValueSlots published = published_inputs(graph, owned, borrowed);
   ReadsLeft reads(graph);
+  reads.drop_unread_inputs(published);
   for (std::size_t index : order.order) {
     const Kernel& kernel = kernels[index];
     for (ValueId value : kernel.needs) {
