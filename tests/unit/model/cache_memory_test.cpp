@@ -26,13 +26,18 @@ namespace {
 std::atomic<std::size_t> live_bytes{0};
 std::atomic<std::size_t> peak_bytes{0};
 
-void* counted(void* pointer) {
-  if (pointer == nullptr) throw std::bad_alloc();
+void* counted_or_null(void* pointer) noexcept {
+  if (pointer == nullptr) return nullptr;
   const std::size_t now = live_bytes.fetch_add(malloc_usable_size(pointer)) + malloc_usable_size(pointer);
   std::size_t peak = peak_bytes.load();
   while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {
   }
   return pointer;
+}
+
+void* counted(void* pointer) {
+  if (pointer == nullptr) throw std::bad_alloc();
+  return counted_or_null(pointer);
 }
 
 void uncounted(void* pointer) noexcept {
@@ -48,6 +53,9 @@ std::size_t aligned_size(std::size_t size, std::align_val_t alignment) {
 
 }  // namespace
 
+// Every replaceable form, the nothrow ones included (std::stable_sort's buffer comes from
+// operator new(size, nothrow): left to the sanitizer's allocator it reached our free(), an
+// alloc-dealloc mismatch under AddressSanitizer).
 void* operator new(std::size_t size) { return counted(std::malloc(std::max<std::size_t>(size, 1))); }
 void* operator new[](std::size_t size) { return counted(std::malloc(std::max<std::size_t>(size, 1))); }
 void* operator new(std::size_t size, std::align_val_t alignment) {
@@ -56,7 +64,21 @@ void* operator new(std::size_t size, std::align_val_t alignment) {
 void* operator new[](std::size_t size, std::align_val_t alignment) {
   return counted(std::aligned_alloc(static_cast<std::size_t>(alignment), aligned_size(size, alignment)));
 }
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept { return counted_or_null(std::malloc(std::max<std::size_t>(size, 1))); }
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
+  return counted_or_null(std::malloc(std::max<std::size_t>(size, 1)));
+}
+void* operator new(std::size_t size, std::align_val_t alignment, const std::nothrow_t&) noexcept {
+  return counted_or_null(std::aligned_alloc(static_cast<std::size_t>(alignment), aligned_size(size, alignment)));
+}
+void* operator new[](std::size_t size, std::align_val_t alignment, const std::nothrow_t&) noexcept {
+  return counted_or_null(std::aligned_alloc(static_cast<std::size_t>(alignment), aligned_size(size, alignment)));
+}
 void operator delete(void* pointer) noexcept { uncounted(pointer); }
+void operator delete(void* pointer, const std::nothrow_t&) noexcept { uncounted(pointer); }
+void operator delete[](void* pointer, const std::nothrow_t&) noexcept { uncounted(pointer); }
+void operator delete(void* pointer, std::align_val_t, const std::nothrow_t&) noexcept { uncounted(pointer); }
+void operator delete[](void* pointer, std::align_val_t, const std::nothrow_t&) noexcept { uncounted(pointer); }
 void operator delete[](void* pointer) noexcept { uncounted(pointer); }
 void operator delete(void* pointer, std::size_t) noexcept { uncounted(pointer); }
 void operator delete[](void* pointer, std::size_t) noexcept { uncounted(pointer); }
