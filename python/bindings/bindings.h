@@ -47,8 +47,9 @@ struct GraphNodeView {
   NodeId id = -1;
 };
 
-// One integer argument (`what` names it): an int or a numpy integer; bool, an int to Python, is a
-// TypeError (True is not 1 token or 1 bit), as is anything else; ValueError past 64 bits.
+// One integer argument (`what` names it): an int or a numpy integer; bool (Python's or numpy's), an
+// int to Python, is a TypeError (True is not 1 token or 1 bit), as is anything else; ValueError past
+// 64 bits.
 std::int64_t integer_argument(const std::string& what, const py::handle& object);
 
 // Python lists of views of these values / nodes, in order.

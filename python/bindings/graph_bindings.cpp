@@ -34,7 +34,9 @@ py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std:
 }
 
 std::int64_t integer_argument(const std::string& what, const py::handle& object) {
-  if (py::isinstance<py::bool_>(object) || !PyIndex_Check(object.ptr())) {
+  const bool boolean = py::isinstance<py::bool_>(object) ||
+                       py::isinstance(object, py::module_::import("numpy").attr("bool_"));
+  if (boolean || !PyIndex_Check(object.ptr())) {
     throw py::type_error(what + " must be an integer, got " +
                          std::string(py::str(py::type::handle_of(object).attr("__name__"))));
   }

@@ -25,12 +25,14 @@
 namespace metile::python {
 namespace {
 
-// quantize=None, 4 or 8 (True is not a bit count).
-std::optional<AffineQuantization> quantization_of(const py::handle& bits, int group_size) {
+// quantize=None, 4 or 8 (True is not a bit count), and its group_size.
+std::optional<AffineQuantization> quantization_of(const py::handle& bits, const py::handle& group_size) {
+  const std::int64_t group = integer_argument("group_size", group_size);
   if (bits.is_none()) return std::nullopt;
   const std::int64_t value = integer_argument("quantize", bits);
   if (value < 1 || value > 64) throw InputError("quantize: bits must be 4 or 8, got " + std::to_string(value));
-  AffineQuantization format{static_cast<int>(value), group_size};
+  if (group < 1 || group > (1 << 20)) throw InputError("group_size: must be 32, 64 or 128, got " + std::to_string(group));
+  AffineQuantization format{static_cast<int>(value), static_cast<int>(group)};
   format.validate();
   return format;
 }
@@ -171,8 +173,8 @@ void bind_model(py::module_& module) {
 
   module.def(
       "load_model",
-      [](const std::filesystem::path& path, const std::string& dtype, const py::handle& quantize, int group_size,
-         std::int64_t max_seq, const std::string& backend) -> py::object {
+      [](const std::filesystem::path& path, const std::string& dtype, const py::handle& quantize,
+         const py::handle& group_size, const py::handle& max_seq, const std::string& backend) -> py::object {
         if (backend != "cpu" && backend != "cuda") {
           throw InputError("backend must be 'cpu' or 'cuda', got '" + backend + "'");
         }
@@ -192,7 +194,7 @@ void bind_model(py::module_& module) {
         LoadOptions options;
         options.dtype = parse_dtype(dtype);
         options.quantize = quantization_of(quantize, group_size);
-        options.max_sequence = max_seq;
+        options.max_sequence = integer_argument("max_seq", max_seq);
         auto model = std::make_shared<DecoderModel>(DecoderModel::load(path, options));
 #ifdef METILE_HAVE_CUDA_BACKEND
         if (device) {
@@ -217,12 +219,12 @@ void bind_model(py::module_& module) {
   module.def(
       "synth_model",
       [](const std::filesystem::path& path, const std::string& preset, std::optional<std::string> arch,
-         std::optional<std::int64_t> layers, std::uint64_t seed, const py::handle& quantize, int group_size,
+         const py::handle& layers, std::uint64_t seed, const py::handle& quantize, const py::handle& group_size,
          std::optional<bool> tie_word_embeddings, int config_spelling) {
         SynthOptions options;
         options.preset = preset;
         if (arch) options.architecture = parse_architecture_short_name(*arch);
-        options.layers = layers;
+        if (!layers.is_none()) options.layers = integer_argument("layers", layers);
         options.seed = seed;
         options.quantize = quantization_of(quantize, group_size);
         options.tie_word_embeddings = tie_word_embeddings;

@@ -50,11 +50,14 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
   const double step_bytes = positions * (static_cast<double>(config.num_attention_heads * DecoderModel::kMaxStepTokens) *
                                              (8 + 4 * element) +
                                          8.0 * static_cast<double>(config.head_dim));
-  if (const auto memory = static_cast<double>(physical_memory_bytes()); cache_bytes + step_bytes > memory) {
-    throw InputError(fmt::format("a CPU decode step over {} positions (max-seq) needs about {:.1f} GB (the KV caches {:.1f} "
-                                 "GB and one layer's attention scores for {} tokens {:.1f} GB), more than this machine's "
-                                 "{:.1f} GB of memory",
-                                 model.capacity(), (cache_bytes + step_bytes) / 1e9, cache_bytes / 1e9,
+  // The weights are in memory already (the model is loaded): they count too.
+  const auto weight_bytes = static_cast<double>(model.weight_bytes());
+  const double needed = weight_bytes + cache_bytes + step_bytes;
+  if (const auto memory = static_cast<double>(physical_memory_bytes()); needed > memory) {
+    throw InputError(fmt::format("a CPU decode step over {} positions (max-seq) needs about {:.1f} GB (the weights {:.1f} "
+                                 "GB, the KV caches {:.1f} GB and one layer's attention scores for {} tokens {:.1f} GB), "
+                                 "more than this machine's {:.1f} GB of memory",
+                                 model.capacity(), needed / 1e9, weight_bytes / 1e9, cache_bytes / 1e9,
                                  DecoderModel::kMaxStepTokens, step_bytes / 1e9, memory / 1e9));
   }
   const TensorSpec cache_spec({config.num_key_value_heads, model.capacity(), config.head_dim}, model.dtype());

@@ -230,9 +230,14 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   }
   std::error_code error;
   if (directory.empty()) throw InputError("synth-model: the output directory is an empty path");
-  // "d/", "d/." and "d" are one directory: the staging folder goes beside it, never inside it.
-  std::filesystem::path target = std::filesystem::absolute(directory).lexically_normal();
-  if (target.filename().empty()) target = target.parent_path();
+  // "d/", "d/." and "d" are one directory: the staging folder goes beside it, never inside it. Only
+  // trailing "/" and "." are dropped: a ".." after a symbolic link means what the system says it
+  // means (lexically_normal would take "link/../d" for "d").
+  std::filesystem::path target = directory;
+  while (!target.empty() && target != target.parent_path() && (target.filename().empty() || target.filename() == ".")) {
+    target = target.parent_path();
+  }
+  target = target.empty() ? std::filesystem::current_path() : std::filesystem::absolute(target);
   if (std::filesystem::is_symlink(std::filesystem::symlink_status(target))) {
     throw InputError(fmt::format("{}: is a symbolic link; name the directory itself", directory.string()));
   }
@@ -258,10 +263,14 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     std::int64_t total_bytes = 0;
     // Tensors are drawn and written shard by shard, so memory holds one shard at a time.
     std::size_t written = 0;
+    const auto stop_if_cancelled = [&] {
+      if (cancelled && cancelled()) throw InputError("synth-model: interrupted; nothing was written");
+    };
     const auto flush = [&](bool last) {
       const std::size_t index = shard_files.size();
       shard_files.push_back(fmt::format("shard-{}", index));  // renamed once the count is known
       write_shard(staging, shard_files.back(), shards.back());
+      stop_if_cancelled();
       if (progress) progress(fmt::format("synth-model: wrote shard {} ({} tensors so far)", index + 1, written));
       if (!last) {
         shards.back().clear();
@@ -269,7 +278,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       }
     };
     for (const TensorRecipe& recipe : list) {
-      if (cancelled && cancelled()) throw InputError("synth-model: interrupted; nothing was written");
+      stop_if_cancelled();
       TensorMap parts;
       if (options.quantize && recipe.quantizable && recipe.shape.back() % options.quantize->group_size == 0) {
         const std::string prefix = recipe.name.substr(0, recipe.name.size() - std::string(".weight").size());
@@ -316,8 +325,17 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     const std::string text = config.to_json(options.transformers_version);
     const bool complete = std::fwrite(text.data(), 1, text.size(), file) == text.size();
     if (std::fclose(file) != 0 || !complete) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
-    if (std::filesystem::exists(target)) std::filesystem::remove(target);  // empty, checked above
-    std::filesystem::rename(staging, target);
+    stop_if_cancelled();  // the last moment: after the renames below the model is there
+    if (std::filesystem::exists(target)) {
+      // An empty directory that exists (".", a folder a shell is in) stays the same directory: the
+      // files move into it.
+      for (const auto& entry : std::filesystem::directory_iterator(staging)) {
+        std::filesystem::rename(entry.path(), target / entry.path().filename());
+      }
+      std::filesystem::remove(staging);
+    } else {
+      std::filesystem::rename(staging, target);
+    }
   } catch (...) {
     std::filesystem::remove_all(staging, error);
     throw;

@@ -106,6 +106,15 @@ def test_errors(tmp_path):
     with pytest.raises(TypeError, match="quantize must be an integer, got bool"):
         metile.load_model(str(tmp_path / "m"), quantize=True)
     assert list(model.generate([1, 2], np.int64(2))) == list(model.generate([1, 2], 2))
+    with pytest.raises(TypeError, match="n must be an integer, got bool_"):
+        model.generate([1, 2], np.bool_(True))
+    with pytest.raises(TypeError, match="max_seq must be an integer, got bool"):
+        metile.load_model(str(tmp_path / "m"), max_seq=True)
+    with pytest.raises(TypeError, match="group_size must be an integer, got bool"):
+        metile.load_model(str(tmp_path / "m"), quantize=4, group_size=True)
+    with pytest.raises(TypeError, match="layers must be an integer, got bool"):
+        metile.synth_model(str(tmp_path / "one_layer"), layers=True)
+    assert metile.load_model(str(tmp_path / "m"), max_seq=np.int64(64)).capacity == 64
     # An endless iterator of ids stops at the cache's capacity instead of filling the memory.
     with pytest.raises(ValueError, match="more than the KV-cache capacity of 256 tokens"):
         model.logits(itertools.repeat(1))

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <atomic>
 #include <csignal>
 #include <signal.h>
 #include <optional>
@@ -280,7 +281,8 @@ struct SynthCommandOptions {
 
 // While it lives, SIGINT and SIGTERM set a flag instead of ending the process (a second one ends it
 // at once); the handlers before it come back when it goes.
-volatile std::sig_atomic_t interrupt_signal = 0;
+std::atomic<int> interrupt_signal{0};  // lock-free: safe to write from a handler on any thread
+static_assert(std::atomic<int>::is_always_lock_free);
 class InterruptFlag {
  public:
   InterruptFlag() {
@@ -304,6 +306,7 @@ class InterruptFlag {
   InterruptFlag(const InterruptFlag&) = delete;
   InterruptFlag& operator=(const InterruptFlag&) = delete;
   bool raised() const { return interrupt_signal != 0; }
+  int signal() const { return interrupt_signal; }
 
  private:
   struct sigaction previous_interrupt_ {};
@@ -341,7 +344,7 @@ void synth_command(const SynthCommandOptions& options) {
       if (!interrupt.raised()) throw;
       if (terminal) fmt::print(stderr, "\n");
       fmt::print(stderr, "metile: {}\n", error.what());
-      throw CommandExit{130};
+      throw CommandExit{128 + interrupt.signal()};  // the shell's convention: 130 for SIGINT, 143 for SIGTERM
     }
   }
   if (terminal) fmt::print(stderr, "\n");

@@ -3,6 +3,7 @@
 // line with exit 2 and writes nothing to stdout. Each case starts from a valid
 // tiny checkpoint and breaks one thing.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <functional>
@@ -246,8 +247,20 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   // "d/" and "d/." name the directory d (the staging folder once went inside it, and the rename failed
   // after the whole model was written); a link and an empty path are refused before any work.
   std::filesystem::create_directories(root_ / "empty");
+  struct stat before {};
+  ASSERT_EQ(::stat((root_ / "empty").c_str(), &before), 0);
   EXPECT_EQ(metile("synth-model " + (root_ / "empty").string() + "/"), 0) << err;
   EXPECT_TRUE(std::filesystem::exists(root_ / "empty" / "config.json"));
+  // An empty directory that exists stays the same directory (a shell inside it, `synth-model .`).
+  struct stat after {};
+  ASSERT_EQ(::stat((root_ / "empty").c_str(), &after), 0);
+  EXPECT_EQ(before.st_ino, after.st_ino);
+  // ".." after a symbolic link is the link target's parent, as mkdir takes it (not lexically dropped).
+  std::filesystem::create_directories(root_ / "q" / "deep");
+  std::filesystem::create_directory_symlink(root_ / "q" / "deep", root_ / "deep_link");
+  EXPECT_EQ(metile("synth-model " + (root_ / "deep_link").string() + "/../beside"), 0) << err;
+  EXPECT_TRUE(std::filesystem::exists(root_ / "q" / "beside" / "config.json"));
+  EXPECT_FALSE(std::filesystem::exists(root_ / "beside"));
   EXPECT_EQ(metile("synth-model " + (root_ / "new").string() + "/."), 0) << err;
   EXPECT_TRUE(std::filesystem::exists(root_ / "new" / "model.safetensors"));
   std::filesystem::create_symlink(root_ / "nowhere", root_ / "link");
