@@ -12,18 +12,18 @@
 //   metile synth-model OUT_DIR --preset ... : a seeded random checkpoint
 // A malformed checkpoint is one line naming the tensor or field, exit 2; nothing is written.
 // --backend cuda where no GPU exists (or metile was built without CUDA) is one line, exit 2.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <limits>
 #include <memory>
-#include <atomic>
-#include <csignal>
-#include <signal.h>
 #include <optional>
 #include <string>
 
