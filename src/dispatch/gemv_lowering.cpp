@@ -343,25 +343,29 @@ GemvRegionPlan mapped_to(const ComputeGraph& graph, const ComputeGraph& sub, std
     map(stage.argmax_output);
     for (ValueId& id : stage.epilogue_tensors) map(id);
   }
-  // A GEMV reads its weights and its norm's weight before the wait for the previous kernel (and
-  // repacks quantized ones once, when bound): they must be inputs of the whole graph (checkpoint
-  // tensors), never values a kernel of the run computes. In the region's own graph every value from
-  // outside looks like an input, so this is asked of `graph`.
+  // A GEMV reads its weights, its stacked parts' biases and its norm's weight before the wait for
+  // the previous kernel (and copies quantized or stacked ones once, when bound): they must be inputs
+  // of the whole graph (checkpoint tensors), never values a kernel of the run computes. In the
+  // region's own graph every value from outside looks like an input, so this is asked of `graph`.
+  const auto computed = [&](ValueId id) { return id >= 0 && graph.value(id).producer >= 0; };
+  const auto producer_name = [&](ValueId id) { return graph.node(graph.value(id).producer).name; };
   for (const GemvStage& stage : stages) {
-    for (const GemvMatrix& matrix : stage.matrices) {
-      for (ValueId id : {matrix.weight, matrix.scales, matrix.biases}) {
-        if (id >= 0 && graph.value(id).producer >= 0) {
-          return refuse(fmt::format("the weight '{}' is computed in the graph (by '{}'); the GEMV reads its weights "
-                                    "before the previous kernel finishes, and a copy of quantized ones made once",
-                                    graph.value(id).name, graph.node(graph.value(id).producer).name));
-        }
+    std::vector<ValueId> weights;
+    for (const GemvMatrix& matrix : stage.matrices) weights.insert(weights.end(), {matrix.weight, matrix.scales, matrix.biases});
+    for (const GemvRowPart& part : stage.row_parts) {
+      weights.insert(weights.end(), {part.matrix.weight, part.matrix.scales, part.matrix.biases, part.bias});
+    }
+    for (ValueId id : weights) {
+      if (computed(id)) {
+        return refuse(fmt::format("the weight '{}' is computed in the graph (by '{}'); the GEMV reads its weights "
+                                  "before the previous kernel finishes, and a copy of quantized ones made once",
+                                  graph.value(id).name, producer_name(id)));
       }
     }
-    if (stage.norm_weight >= 0 && graph.value(stage.norm_weight).producer >= 0) {
+    if (computed(stage.norm_weight)) {
       return refuse(fmt::format("the rms_norm weight '{}' is computed in the graph (by '{}'); the GEMV reads it before "
                                 "the previous kernel finishes",
-                                graph.value(stage.norm_weight).name,
-                                graph.node(graph.value(stage.norm_weight).producer).name));
+                                graph.value(stage.norm_weight).name, producer_name(stage.norm_weight)));
     }
   }
   return {Decision::allow(), std::move(stages)};
@@ -566,16 +570,6 @@ GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion&
   if (view.region.outputs.size() != stage.row_parts.size()) {
     return refuse(fmt::format("the region writes {} values; its GEMV writes one per part ({})", view.region.outputs.size(),
                               stage.row_parts.size()));
-  }
-  // The stacked copies are made from the weights and biases once, when bound: they must be inputs
-  // of the whole graph (checkpoint tensors), not values a step computes.
-  for (const GemvRowPart& part : stage.row_parts) {
-    for (ValueId id : {part.matrix.weight, part.matrix.scales, part.matrix.biases, part.bias}) {
-      if (id >= 0 && graph.value(in_graph(graph, sub, id)).producer >= 0) {
-        return refuse(fmt::format("'{}' is computed in the graph; the stacked GEMV reads a copy made once",
-                                  sub.value(id).name));
-      }
-    }
   }
   GemvMatrix stacked = stage.row_parts.front().matrix;
   stacked.weight = stacked.scales = stacked.biases = -1;

@@ -389,6 +389,26 @@ TEST(GemvLowering, WeightsTheGraphComputesAreRefused) {
               "the weight 'scaled' is computed in the graph (by 'scaled'); the GEMV reads its weights before the "
               "previous kernel finishes, and a copy of quantized ones made once");
   }
+  {  // a stacked (sibling) projection's bias computed
+    GraphBuilder builder;
+    const ValueRef x = builder.input("a", TensorSpec({1, 64}, DType::bf16));
+    std::vector<ValueRef> outputs;
+    for (int p = 0; p < 3; ++p) {
+      const std::string name = "p" + std::to_string(p);
+      const ValueRef y = builder.matmul(x, builder.input(name + ".w", TensorSpec({32, 64}, DType::bf16)), true, name);
+      const TensorSpec bias({32}, DType::bf16);
+      const ValueRef c = p == 1 ? builder.add(builder.input("c1a", bias), builder.input("c1b", bias), "summed_bias")
+                                : builder.input("c" + std::to_string(p), bias);
+      outputs.push_back(builder.add(y, c, "y" + std::to_string(p)));
+    }
+    const ComputeGraph graph = builder.build(outputs);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    const FusionRegion* region = region_of_rule(plan, "sibling_contractions");
+    ASSERT_NE(region, nullptr) << plan.explain();
+    EXPECT_EQ(plan_gemv_region(*plan.graph, *region).decision.reason,
+              "the weight 'summed_bias' is computed in the graph (by 'summed_bias'); the GEMV reads its weights "
+              "before the previous kernel finishes, and a copy of quantized ones made once");
+  }
   {  // the RMSNorm's weight computed
     GraphBuilder builder;
     const ValueRef a = builder.input("a", TensorSpec({1, 64}, DType::bf16));
