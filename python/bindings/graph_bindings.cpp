@@ -33,21 +33,6 @@ py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std:
   return views;
 }
 
-std::int64_t integer_argument(const std::string& what, const py::handle& object) {
-  const bool boolean = py::isinstance<py::bool_>(object) ||
-                       py::isinstance(object, py::module_::import("numpy").attr("bool_"));
-  if (boolean || !PyIndex_Check(object.ptr())) {
-    throw py::type_error(what + " must be an integer, got " +
-                         std::string(py::str(py::type::handle_of(object).attr("__name__"))));
-  }
-  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(object.ptr()));
-  if (!index) throw py::error_already_set();
-  int overflow = 0;
-  const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-  if (overflow != 0) throw py::value_error(what + ": " + std::string(py::repr(object)) + " does not fit in 64 bits");
-  return value;
-}
-
 namespace {
 
 std::string python_type_name(const py::handle& object) {
@@ -67,6 +52,26 @@ std::int64_t attribute_integer(const std::string& what, const py::handle& object
   }
 }
 
+// An object with __index__ (an int, a numpy integer) as an int64 (attribute_integer's ValueError).
+std::int64_t index_as_int64(const std::string& what, const py::handle& object) {
+  PyObject* index = PyNumber_Index(object.ptr());
+  if (index == nullptr) throw py::error_already_set();
+  return attribute_integer(what, py::reinterpret_steal<py::object>(index));
+}
+
+}  // namespace
+
+std::int64_t integer_argument(const std::string& what, const py::handle& object) {
+  const bool boolean = py::isinstance<py::bool_>(object) ||
+                       py::isinstance(object, py::module_::import("numpy").attr("bool_"));
+  if (boolean || !PyIndex_Check(object.ptr())) {
+    throw py::type_error(what + " must be an integer, got " + python_type_name(object));
+  }
+  return index_as_int64(what, object);
+}
+
+namespace {
+
 // A sequence of ints (a shape, a permutation, a list attribute) for `what` ("attribute 'perm'",
 // "TensorSpec shape"): bool, an int to Python, is refused as the JSON reader refuses true; numpy
 // integers are ints. TypeError for anything else, ValueError past 64 bits.
@@ -81,9 +86,7 @@ std::vector<std::int64_t> integer_list(const std::string& what, const py::handle
     if (py::isinstance<py::bool_>(item) || !PyIndex_Check(item.ptr())) {
       throw py::type_error(what + ": a list of ints, got " + python_type_name(item) + " " + python_repr(item));
     }
-    PyObject* index = PyNumber_Index(item.ptr());
-    if (index == nullptr) throw py::error_already_set();
-    integers.push_back(attribute_integer(what, py::reinterpret_steal<py::object>(index)));
+    integers.push_back(index_as_int64(what, item));
   }
   return integers;
 }
