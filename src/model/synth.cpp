@@ -16,13 +16,13 @@
 // thread count (the model and quant unit suites check it).
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "metile/io.h"
 #include "metile/model.h"
 #include "model_internal.h"
 #include "parallel.h"
@@ -312,19 +312,10 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
         std::filesystem::rename(staging / shard_files[shard], staging / names.back());
       }
       for (const auto& [name, shard] : shard_of) index["weight_map"][name] = names[shard];
-      std::FILE* file = std::fopen((staging / "model.safetensors.index.json").c_str(), "w");
-      if (!file) throw InputError(fmt::format("{}: cannot write the shard index", staging.string()));
-      const std::string text = index.dump(2) + "\n";
-      const bool complete = std::fwrite(text.data(), 1, text.size(), file) == text.size();
-      if (std::fclose(file) != 0 || !complete) {
-        throw InputError(fmt::format("{}: cannot write the shard index", staging.string()));
-      }
+      write_output_file(staging / "model.safetensors.index.json", [&](std::ostream& out) { out << index.dump(2) << "\n"; });
     }
-    std::FILE* file = std::fopen((staging / "config.json").c_str(), "w");
-    if (!file) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
-    const std::string text = config.to_json(options.transformers_version);
-    const bool complete = std::fwrite(text.data(), 1, text.size(), file) == text.size();
-    if (std::fclose(file) != 0 || !complete) throw InputError(fmt::format("{}: cannot write config.json", staging.string()));
+    write_output_file(staging / "config.json",
+                      [&](std::ostream& out) { out << config.to_json(options.transformers_version); });
     stop_if_cancelled();  // the last moment: after the renames below the model is there
     if (std::filesystem::exists(target)) {
       // An empty directory that exists (".", a folder a shell is in) stays the same directory: the
