@@ -205,6 +205,11 @@ HostTensor convert_tensor(const MappedSafetensors::TensorView& view, DType dtype
 
 std::string layer_prefix(std::int64_t layer) { return fmt::format("model.layers.{}.", layer); }
 
+double kv_cache_bytes(const ModelConfig& config, std::int64_t capacity, DType dtype) {
+  return 2.0 * static_cast<double>(config.num_hidden_layers) * static_cast<double>(config.num_key_value_heads) *
+         static_cast<double>(config.head_dim) * static_cast<double>(capacity) * static_cast<double>(dtype_size(dtype));
+}
+
 DecoderModel DecoderModel::load(const std::filesystem::path& directory, const LoadOptions& options) {
   if (options.dtype != DType::bf16 && options.dtype != DType::f32) {
     throw InputError(fmt::format("model dtype must be bf16 or f32, got {}", dtype_name(options.dtype)));
@@ -241,9 +246,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   }
   // A session keeps K and V of every layer for `capacity` positions: refuse a capacity whose caches
   // alone exceed this machine's memory (a typo in --max-seq) before anything allocates them.
-  const double cache_bytes = 2.0 * static_cast<double>(config.num_hidden_layers) *
-                             static_cast<double>(config.num_key_value_heads) * static_cast<double>(config.head_dim) *
-                             static_cast<double>(capacity) * static_cast<double>(dtype_size(options.dtype));
+  const double cache_bytes = kv_cache_bytes(config, capacity, options.dtype);
   if (const auto memory = static_cast<double>(physical_memory_bytes()); cache_bytes > memory) {
     throw InputError(fmt::format("the KV caches of {} positions (max-seq) x {} layers x {} KV heads x head dim {} take "
                                  "{:.1f} GB, more than this machine's {:.1f} GB of memory",

@@ -27,6 +27,7 @@
 #include "metile/cpu_runtime.h"
 #include "metile/io.h"
 #include "metile/model.h"
+#include "model_internal.h"
 
 namespace metile {
 namespace {
@@ -45,8 +46,7 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
   // in the kernel's out-of-memory killer halfway through a prompt.
   const double positions = static_cast<double>(model.capacity());
   const double element = static_cast<double>(dtype_size(model.dtype()));
-  const double cache_bytes = 2.0 * static_cast<double>(config.num_hidden_layers * config.num_key_value_heads) *
-                             static_cast<double>(config.head_dim) * positions * element;
+  const double cache_bytes = kv_cache_bytes(config, model.capacity(), model.dtype());
   const double step_bytes = positions * (static_cast<double>(config.num_attention_heads * DecoderModel::kMaxStepTokens) *
                                              (8 + 4 * element) +
                                          8.0 * static_cast<double>(config.head_dim));
