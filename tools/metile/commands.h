@@ -26,6 +26,11 @@ struct CommandExit {
 // A --seed value: 0 .. 2^64 - 1 (CLI11 would wrap a negative number); InputError otherwise.
 std::uint64_t parse_seed(const std::string& text);
 
+// Checks a 64-bit integer option's text before CLI11 converts it: CLI11 saturates a decimal number
+// past int64 (99999999999999999999 became 9223372036854775807 and was used), so such text is refused
+// here, naming the option's value. Other text is left to CLI11's own conversion and its error.
+const CLI::Validator& fits_in_64_bits();
+
 // `metile run --backend cuda` (run_cuda.cpp, built only with the CUDA backend,
 // where METILE_HAVE_CUDA_BACKEND is defined): runs the graph on the GPU and
 // returns its outputs by output value name; with `check`, also compares them

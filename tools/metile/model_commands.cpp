@@ -130,7 +130,8 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
   command->add_option("--quantize", options.quantize, "quantize dense weights at load: 4 or 8 bits");
   command->add_option("--group-size", options.group_size, "quantization group size: 32, 64 or 128")
       ->capture_default_str();
-  command->add_option("--max-seq", options.max_seq, "KV-cache capacity (default min(4096, the config's limit))");
+  command->add_option("--max-seq", options.max_seq, "KV-cache capacity (default min(4096, the config's limit))")
+      ->check(fits_in_64_bits());
   command->add_option("--decline", options.decline,
                       "--backend cuda: region kinds that run native, comma-separated (e.g. swiglu_mlp)");
 }
@@ -371,7 +372,7 @@ void add_model_commands(CLI::App& app) {
     auto options = std::make_shared<ModelOptions>();
     CLI::App* command = app.add_subcommand("generate", "Greedy decoding on a checkpoint (CPU reference or GPU engine)");
     add_model_options(command, *options, true);
-    command->add_option("--tokens", options->tokens, "tokens to generate")->required();
+    command->add_option("--tokens", options->tokens, "tokens to generate")->required()->check(fits_in_64_bits());
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
@@ -388,6 +389,7 @@ void add_model_commands(CLI::App& app) {
         ->capture_default_str();
     options->tokens = -1;  // unset: the backend's default (a given value is at least 1)
     command->add_option("--tokens", options->tokens, "positions to compare (default 16 on cpu, 64 on cuda)")
+        ->check(fits_in_64_bits())
         ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()));
     // Given thresholds are finite and >= 0 (NaN passes CLI::Range, so it is checked here); an unset one
     // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
@@ -426,19 +428,23 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--preset", options->preset,
                         "synthesize this preset into a temporary directory instead: tiny, small, llama3.2-1b, "
                         "qwen2.5-1.5b or llama3-8b");
-    command->add_option("--layers", options->layers, "--preset: number of layers (default: the preset's)");
+    command->add_option("--layers", options->layers, "--preset: number of layers (default: the preset's)")
+        ->check(fits_in_64_bits());
     command->add_option("--seed", options->seed, "--preset: seed of the weights, and of the prompt tokens")
         ->capture_default_str();
     command->add_option("--quantize", options->quantize, "4 or 8 bits (MLX affine); default: the checkpoint's");
     command->add_option("--group-size", options->group_size, "quantization group size: 32, 64 or 128")
         ->capture_default_str();
     command->add_option("--context", options->context, "cached tokens before the timed decode steps")
+        ->check(fits_in_64_bits())
         ->capture_default_str();
     command->add_option("--prefill-tokens", options->prefill_tokens, "prompt of the prefill measurement")
+        ->check(fits_in_64_bits())
         ->capture_default_str();
     command->add_option("--decode-steps", options->decode_steps, "timed decode steps")->capture_default_str();
     command->add_option("--max-seq", options->max_seq,
-                        "KV-cache capacity (default: what the measurements need, rounded up to 256)");
+                        "KV-cache capacity (default: what the measurements need, rounded up to 256)")
+        ->check(fits_in_64_bits());
     command->add_option("--decline", options->decline, "region kinds the fused engine runs native, comma-separated");
     command->add_option("--engines", options->engines,
                         "engines to measure, comma-separated: fused, fused-pdl (GEMVs and attention as programmatic dependents), "
@@ -496,7 +502,8 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--preset", options->preset, "tiny, small, llama3.2-1b, qwen2.5-1.5b or llama3-8b")
         ->capture_default_str();
     command->add_option("--arch", options->architecture, "llama, qwen2 or mistral (default: the preset's)");
-    command->add_option("--layers", options->layers, "number of layers (default: the preset's)");
+    command->add_option("--layers", options->layers, "number of layers (default: the preset's)")
+        ->check(fits_in_64_bits());
     command->add_option("--seed", options->seed, "seed of the weights")->capture_default_str();
     command->add_option("--quantize", options->quantize, "write MLX-quantized weights: 4 or 8 bits");
     command->add_option("--group-size", options->group_size, "quantization group size")->capture_default_str();

@@ -98,6 +98,23 @@ std::uint64_t parse_seed(const std::string& text) {
   return seed;
 }
 
+const CLI::Validator& fits_in_64_bits() {
+  static const CLI::Validator validator(
+      [](std::string& text) {
+        const std::size_t digits_from = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+        const bool decimal = text.size() > digits_from &&
+                             text.find_first_not_of("0123456789", digits_from) == std::string::npos;
+        if (!decimal) return std::string();  // CLI11 converts it or says why not
+        std::int64_t value = 0;
+        const char* first = text.data() + (text[0] == '+' ? 1 : 0);  // from_chars takes no '+'
+        const auto [end, error] = std::from_chars(first, text.data() + text.size(), value);
+        return error == std::errc() ? std::string()
+                                    : fmt::format("{} does not fit in a 64-bit signed integer", text);
+      },
+      "INT64");
+  return validator;
+}
+
 void add_run_command(CLI::App& app) {
   auto options = std::make_shared<RunOptions>();
   CLI::App* command =

@@ -284,6 +284,17 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(err, "metile: error: max-seq 1000000000000: at most 2^31 positions (they are 32-bit integers)\n");
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 100000000000"), 2);
   EXPECT_EQ(err, "metile: error: --layers 100000000000 must be 1..1024\n");
+  // Past int64, CLI11 alone saturated the number (99999999999999999999 ran as 9223372036854775807);
+  // every 64-bit integer option now refuses it by name.
+  EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 99999999999999999999"), 2);
+  EXPECT_EQ(err, "metile: error: --layers: 99999999999999999999 does not fit in a 64-bit signed integer (see metile --help)\n");
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens -9223372036854775809"), 2);
+  EXPECT_EQ(err, "metile: error: --tokens: -9223372036854775809 does not fit in a 64-bit signed integer (see metile --help)\n");
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1 --max-seq 9223372036854775808"), 2);
+  EXPECT_NE(err.find("--max-seq: 9223372036854775808 does not fit"), std::string::npos) << err;
+  EXPECT_EQ(metile("bench-model --preset tiny --context 18446744073709551616"), 2);
+  EXPECT_NE(err.find("--context: 18446744073709551616 does not fit"), std::string::npos) << err;
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens +1"), 0);  // a sign is still a number
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
   EXPECT_EQ(err, "metile: error: --max-shard-mb inf must be in (0, 1000000]\n");
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
