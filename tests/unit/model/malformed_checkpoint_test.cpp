@@ -294,7 +294,11 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(err.find("--max-seq: 9223372036854775808 does not fit"), std::string::npos) << err;
   EXPECT_EQ(metile("bench-model --preset tiny --context 18446744073709551616"), 2);
   EXPECT_NE(err.find("--context: 18446744073709551616 does not fit"), std::string::npos) << err;
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x10000000000000000"), 2);
+  EXPECT_NE(err.find("--tokens: 0x10000000000000000 does not fit"), std::string::npos) << err;
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x8000000000000000"), 2);  // 2^63
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens +1"), 0);  // a sign is still a number
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x2"), 0);  // and a base
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
   EXPECT_EQ(err, "metile: error: --max-shard-mb inf must be in (0, 1000000]\n");
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
