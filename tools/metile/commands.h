@@ -28,7 +28,8 @@ std::uint64_t parse_seed(const std::string& text);
 
 // Checks a 64-bit integer option's text before CLI11 converts it: CLI11 saturates a number past int64
 // (99999999999999999999 or 0xFFFFFFFFFFFFFFFFFF became 9223372036854775807 and was used), so such text,
-// decimal or 0x / 0o / 0b, is refused here, naming the value. Other text is left to CLI11's conversion.
+// in any form CLI11 reads (decimal, 0x hexadecimal, leading-0 octal), is refused here, naming the value.
+// Other text is left to CLI11's conversion and its error.
 const CLI::Validator& fits_in_64_bits();
 
 // `metile run --backend cuda` (run_cuda.cpp, built only with the CUDA backend,

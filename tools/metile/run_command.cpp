@@ -7,8 +7,10 @@
 #include <fmt/core.h>
 
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -102,22 +104,19 @@ std::uint64_t parse_seed(const std::string& text) {
 const CLI::Validator& fits_in_64_bits() {
   static const CLI::Validator validator(
       [](std::string& text) {
-        // The forms CLI11 reads as integers: decimal, and 0x / 0o / 0b with a base (either sign).
+        // CLI11 reads an integer as strtoll's base 0 does (0x hexadecimal, a leading 0 octal, else
+        // decimal), after an optional sign; the magnitude is read the same way here, unclamped.
         const bool negative = !text.empty() && text[0] == '-';
-        std::size_t digits_from = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
-        int base = 10;
-        if (text.size() > digits_from + 2 && text[digits_from] == '0') {
-          const char prefix = static_cast<char>(std::tolower(static_cast<unsigned char>(text[digits_from + 1])));
-          base = prefix == 'x' ? 16 : prefix == 'o' ? 8 : prefix == 'b' ? 2 : 10;
-          if (base != 10) digits_from += 2;
+        const std::size_t digits_from = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+        if (text.size() <= digits_from || !std::isdigit(static_cast<unsigned char>(text[digits_from]))) {
+          return std::string();  // CLI11 converts it or says why not
         }
-        const char* digits = base == 16 ? "0123456789abcdefABCDEF" : base == 8 ? "01234567" : base == 2 ? "01" : "0123456789";
-        const bool integer = text.size() > digits_from && text.find_first_not_of(digits, digits_from) == std::string::npos;
-        if (!integer) return std::string();  // CLI11 converts it or says why not
-        std::uint64_t magnitude = 0;
-        const auto [end, error] = std::from_chars(text.data() + digits_from, text.data() + text.size(), magnitude, base);
-        const std::uint64_t largest = std::uint64_t{1} << 63;  // -2^63 .. 2^63 - 1
-        const bool fits = error == std::errc() && (negative ? magnitude <= largest : magnitude < largest);
+        errno = 0;
+        char* end = nullptr;
+        const unsigned long long magnitude = std::strtoull(text.c_str() + digits_from, &end, 0);
+        if (end != text.c_str() + text.size()) return std::string();  // not all digits: CLI11's error
+        const unsigned long long largest = 1ULL << 63;                 // -2^63 .. 2^63 - 1
+        const bool fits = errno != ERANGE && (negative ? magnitude <= largest : magnitude < largest);
         return fits ? std::string() : fmt::format("{} does not fit in a 64-bit signed integer", text);
       },
       "INT64");

@@ -299,6 +299,12 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x8000000000000000"), 2);  // 2^63
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens +1"), 0);  // a sign is still a number
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x2"), 0);  // and a base
+  // A leading 0 is octal to CLI11: 21 sevens are 2^63 - 1 there (accepted, then past the cache's capacity),
+  // and 1 followed by 21 zeros is 2^63.
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0777777777777777777777"), 2);
+  EXPECT_NE(err.find("9223372036854775807 tokens after a 1-token prompt"), std::string::npos) << err;
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 01000000000000000000000"), 2);
+  EXPECT_NE(err.find("--tokens: 01000000000000000000000 does not fit"), std::string::npos) << err;
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
   EXPECT_EQ(err, "metile: error: --max-shard-mb inf must be in (0, 1000000]\n");
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
