@@ -10,6 +10,8 @@
 //   --norm                        gate/up with the RMSNorm prologue, as a swiglu_mlp region runs it
 //   --model NAME                  another model's MLP: llama3-8b (the default), llama3.2-1b, qwen2.5-1.5b
 //                                 (without --all: the same two shapes, chosen for Llama-3-8B)
+//   --qkv                         the model's q/k/v GEMV instead (the RMSNorm prologue, rope and the cache
+//                                 writes in its epilogue), every register-batch candidate, 4-bit and 8-bit g64
 //
 // The toolchain here has no disassembler, so the cubin is read directly (cubin_kernel_instructions,
 // metile/cuda_runtime.h); a BRA's byte offset is bits 16..23 (times 4) and
@@ -86,28 +88,67 @@ LoopWork loop_work(const GemvKernelConfig& config) {
 }
 
 std::string shape_name(const GemvKernelConfig& config) {
-  return fmt::format("{} w{} f{}{}{}", config.epilogue.product_count() == 2 ? "gate/up" : "down", config.warps_per_block,
-                     config.iterations_in_flight,
+  return fmt::format("{} w{} f{}{}{}{}",
+                     config.rope_cache ? "q/k/v" : config.epilogue.product_count() == 2 ? "gate/up" : "down",
+                     config.warps_per_block, config.iterations_in_flight,
                      config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
                                                : std::string(config.double_buffered ? " db" : " batch"),
-                     config.shared_group_sums ? " sums" : "");
+                     std::string(config.shared_group_sums ? " sums" : "") + (config.x_staged_by_async_copy ? " x-async" : ""),
+                     config.resident_blocks_per_multiprocessor > 0
+                         ? fmt::format(" r{}", config.resident_blocks_per_multiprocessor)
+                         : std::string());
 }
 
 struct MlpShape {
   std::string name, label;
   std::int64_t hidden = 0, intermediate = 0;
+  std::int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
 };
 const std::vector<MlpShape>& mlp_shapes() {
-  static const std::vector<MlpShape> shapes = {{"llama3-8b", "Llama-3-8B", 4096, 14336},
-                                               {"llama3.2-1b", "Llama-3.2-1B", 2048, 8192},
-                                               {"qwen2.5-1.5b", "Qwen2.5-1.5B", 1536, 8960}};
+  static const std::vector<MlpShape> shapes = {{"llama3-8b", "Llama-3-8B", 4096, 14336, 32, 8, 128},
+                                               {"llama3.2-1b", "Llama-3.2-1B", 2048, 8192, 32, 8, 64},
+                                               {"qwen2.5-1.5b", "Qwen2.5-1.5B", 1536, 8960, 12, 2, 128}};
   return shapes;
 }
 
-int run(bool all, bool opcodes, bool norm, const MlpShape& model) {
+// The q/k/v GEMV of a decode step (one matrix over the stacked weights, the norm before it, rope
+// and the cache writes after it), every register-batch candidate.
+std::vector<GemvKernelConfig> qkv_configs(const MlpShape& model) {
+  std::vector<GemvKernelConfig> configs;
+  // Affine only: the table's words per lane assume an affine load (dense kernels are counted elsewhere).
+  for (const GemvWeightFormat format : {GemvWeightFormat::affine(4, 64, DType::bf16), GemvWeightFormat::affine(8, 64, DType::bf16)}) {
+    GemvKernelConfig qkv;
+    qkv.format = format;
+    qkv.in_features = model.hidden;
+    qkv.out_features = (model.q_heads + 2 * model.kv_heads) * model.head_dim;
+    qkv.output_splits = {model.q_heads * model.head_dim, model.kv_heads * model.head_dim, model.kv_heads * model.head_dim};
+    qkv.x_rms_norm_eps = 1e-5;
+    GemvRopeCacheEpilogue rope{model.q_heads, model.kv_heads, model.head_dim, 4096, {}};
+    rope.rope.set("theta", 500000.0);
+    rope.rope.set("dims", model.head_dim);
+    rope.inputs_before_wait = true;
+    qkv.rope_cache = rope;
+    for (const GemvKernelConfig& config : gemv_tuning_candidates(qkv, 132)) {
+      if (config.shared_stages == 0) configs.push_back(config);
+    }
+    // The same with x staged in shared memory by cp.async (gemv_stage_configs races that twin).
+    const std::size_t register_shapes = configs.size();
+    for (std::size_t c = 0; c < register_shapes; ++c) {
+      if (configs[c].format != format || configs[c].resident_blocks_per_multiprocessor == 0) continue;
+      GemvKernelConfig staged = configs[c];
+      staged.x_staged_by_async_copy = true;
+      configs.push_back(staged);
+    }
+  }
+  return configs;
+}
+
+int run(bool all, bool opcodes, bool norm, bool qkv, const MlpShape& model) {
   const std::int64_t hidden = model.hidden, intermediate = model.intermediate;
   std::vector<GemvKernelConfig> configs;
+  if (qkv) configs = qkv_configs(model);
   for (int bits : {4, 8}) {
+    if (qkv) break;
     const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
     GemvKernelConfig gate_up;
     gate_up.format = format;
@@ -143,7 +184,8 @@ int run(bool all, bool opcodes, bool norm, const MlpShape& model) {
     }));
   }
   const std::vector<std::string> columns = {"HMMA", "LOP3", "SHF", "PRMT", "F2FP", "FFMA", "FADD", "FMUL", "LDG", "LDS"};
-  fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>6}", fmt::format("format ({} M=1)", model.label), "shape", "regs", "instr", "words", "/word");
+  fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>5} {:>6}", fmt::format("format ({} M=1)", model.label), "shape", "regs",
+             "spill", "instr", "words", "/word");
   for (const std::string& column : columns) fmt::print(" {:>5}", column);
   fmt::print(" {:>5}\n", "other");
   int mismatched = 0;
@@ -159,8 +201,11 @@ int run(bool all, bool opcodes, bool norm, const MlpShape& model) {
     int other = total;
     std::smatch registers;
     const bool reported = std::regex_search(program.log, registers, std::regex(R"(Used (\d+) registers)"));
-    fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>6.2f}", config.format.to_string(), shape_name(config),
-               reported ? registers[1].str() : "?", total, work.words,
+    // Local-memory bytes a thread stores to spill (ptxas: "N bytes spill stores").
+    std::smatch spills;
+    const bool spill_reported = std::regex_search(program.log, spills, std::regex(R"((\d+) bytes spill stores)"));
+    fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>5} {:>6.2f}", config.format.to_string(), shape_name(config),
+               reported ? registers[1].str() : "?", spill_reported ? spills[1].str() : "?", total, work.words,
                static_cast<double>(total) / work.words);
     for (const std::string& column : columns) {
       other -= counts[column];
@@ -190,9 +235,9 @@ int run(bool all, bool opcodes, bool norm, const MlpShape& model) {
 }  // namespace metile
 
 int main(int argc, char** argv) {
-  bool all = false, opcodes = false, norm = false;
+  bool all = false, opcodes = false, norm = false, qkv = false;
   const metile::MlpShape* model = &metile::mlp_shapes().front();
-  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
+  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--qkv] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--all") == 0) {
       all = true;
@@ -200,6 +245,8 @@ int main(int argc, char** argv) {
       opcodes = true;
     } else if (std::strcmp(argv[i], "--norm") == 0) {
       norm = true;
+    } else if (std::strcmp(argv[i], "--qkv") == 0) {
+      qkv = true;
     } else if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
       const std::string name = argv[++i];
       const auto& shapes = metile::mlp_shapes();
@@ -215,7 +262,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    return metile::run(all, opcodes, norm, *model);
+    return metile::run(all, opcodes, norm, qkv, *model);
   } catch (const std::exception& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 1;

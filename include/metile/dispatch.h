@@ -227,7 +227,9 @@ Lowered row_region_candidates(const ComputeGraph& graph, const FusionRegion& reg
 Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion& region);
 // A flash_attention region (one node, src/dispatch/attention_lowering.cpp): the generated decode
 // (R <= 16, its default launch shape) or prefill attention kernel, "fused attention decode|prefill"; refused when the node's
-// certificate is not verified or the kernels cannot take the problem (dtype, head dims).
+// certificate is not verified or the kernels cannot take the problem (dtype, head dims). The node may
+// be followed by layout ops that read only it (an attention_output_projection region's first part):
+// they run natively after the kernel (views of its output launch nothing).
 Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region);
 // A rope_kv_cache region (rope on q and k, k and v written into their caches; src/fusion/rules.cpp):
 // one generated kernel (generate_rope_cache_kernel, codegen.h), "fused rope kv cache", writing each
@@ -325,6 +327,13 @@ struct GemvStage {
   struct RopeCacheValues {
     ValueId positions = -1, q_rotated = -1, k_cache = -1, k_cache_out = -1, v_cache = -1, v_cache_out = -1;
   } rope_values;
+  // attention_output_projection: x is the kernel's own decode attention over q and the caches
+  // (GemvKernelConfig::attention; input is then the heads merged into one row, which the kernel
+  // writes before it reads it).
+  std::optional<GemvAttentionPrologue> attention;
+  struct AttentionValues {
+    ValueId q = -1, k = -1, v = -1, positions = -1;
+  } attention_values;
   std::vector<NodeId> nodes;              // the region's nodes this launch computes
   GemvKernelConfig base_config() const;   // register mainloop, default launch shape
 };
@@ -338,6 +347,13 @@ GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& r
 GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegion& region);
 GemvRegionPlan plan_gemv_siblings(const ComputeGraph& graph, const FusionRegion& region);  // sibling_contractions
 GemvRegionPlan plan_gemv_qkv_rope_cache(const ComputeGraph& graph, const FusionRegion& region);  // qkv_rope_kv_cache
+// attention_output_projection at decode (one token, the positions mask, a verified certificate): the
+// projection's GEMV with the attention prologue. The region's two kernels otherwise (its parts, run
+// one after the other, race beside it: lower_region): the flash_attention node with the layout chain
+// after it, and the projection with its epilogue as a contraction_epilogue region (roles input: the
+// merged heads, weight, addend). Empty when the region does not have the rule's structure.
+GemvRegionPlan plan_gemv_attention_projection(const ComputeGraph& graph, const FusionRegion& region);
+std::vector<FusionRegion> attention_projection_parts(const ComputeGraph& graph, const FusionRegion& region);
 GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region);  // by the region's rule
 // The lowerings: each candidate runs the plan's stages with one launch shape per stage (every
 // gate/up shape with every down shape for swiglu_mlp). Binding repacks affine weights once

@@ -96,6 +96,10 @@ struct OpPattern {
   std::vector<std::string> inputs;  // per input slot, as above; missing slots are unconstrained
   bool commutative = false;         // slots 0 and 1 may match either way round
   bool may_escape = false;          // its value may also leave the kernel (written as an extra output)
+  // A certified rewrite's op (a node with a certificate: flash_attention) is a kernel of its own, and
+  // no entry takes it unless the entry says so here; the region then carries the node's certificate
+  // (FusionRegion::certificate), which the lowering checks before anything built on it runs.
+  bool certified = false;
 };
 
 // Neighbours the cut model may pull in around the required structure.
@@ -206,6 +210,7 @@ FusionRule parallel_epilogue_rule();      // "swiglu_mlp": gate/up contractions,
 FusionRule contraction_epilogue_rule();   // a contraction and elementwise ops on its output
 FusionRule sibling_contractions_rule();   // contractions sharing their input (q, k, v), with their bias adds
 FusionRule rope_kv_cache_rule();          // rope on q and k, k and v into their caches (companion chains)
+FusionRule attention_output_projection_rule();  // flash_attention, its heads merged, the projection (+ residual)
 FusionRule qkv_rope_kv_cache_rule();      // composes sibling_contractions and rope_kv_cache: one kernel
 FusionRule row_reduction_rule();          // elementwise prologue and epilogue around a row reduction
 FusionRule elementwise_chain_rule();      // elementwise ops ending in an elementwise sink
@@ -243,8 +248,9 @@ struct FusionRegion {
   std::vector<ValueId> inputs;   // values read from outside the region, first-use order
   std::vector<ValueId> outputs;  // values written by the region (graph outputs or consumed outside)
   double benefit_ns = 0;         // estimated cost saved against running the nodes unfused
-  // A region of one node made by a certified rewrite (discovery): that node's certificate, as
-  // JSON ({"law", "theory", "obligations", "verified"}); empty for every other region.
+  // A region of one node made by a certified rewrite (discovery), or a rule's region holding such a
+  // node (OpPattern::certified): that node's certificate, as JSON ({"law", "theory", "obligations",
+  // "verified"}); empty for every other region.
   std::string certificate = {};  // (a default initializer: aggregate initializations may leave it out)
   // What the rule's pattern bound, in pattern order (then epilogue roles): lowerings read a
   // region's operands here instead of by value name. Empty for single-op and certified regions.

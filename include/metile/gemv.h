@@ -223,6 +223,23 @@ struct GemvRopeCacheEpilogue {
 // bias once, when they are stacked.
 std::vector<std::int64_t> gemv_rope_row_order(const GemvRopeCacheEpilogue& rope);
 
+// Decode attention run inside the GEMV that projects its output (the attention_output_projection
+// region: flash_attention over a KV cache with the positions mask, its heads merged into one row,
+// then the output projection with its residual). x [1, Hkv·G·D] is the attention output: blocks
+// 0 .. kv_heads - 1 each compute one KV head's G query rows (q [Hkv, G, D], the caches [Hkv, keys, D],
+// keys j <= positions[0] visible, scale · q kᵀ, a softmax by chunks with the running max, then · V,
+// in f32 and in a fixed order), write them rounded to the activation dtype into x and bump an
+// arrival counter; every block issues its first weight batches, waits for the previous kernel and
+// then for all kv_heads arrivals, and reads x through L2. So the grid must be resident at once
+// (GemvKernelSource::co_resident_blocks_per_multiprocessor); the last block to leave re-arms the
+// counters. A row that sees no key is NaN, as flash_attention's. One activation row only (decode).
+struct GemvAttentionPrologue {
+  std::int64_t kv_heads = 0, groups = 0, head_dim = 0;  // Hkv, G (query heads a KV head), D = Dv: 64 or 128
+  std::int64_t keys = 0;                                // T, the cache's slots
+  double scale = 1.0;
+  bool operator==(const GemvAttentionPrologue&) const = default;
+};
+
 struct GemvKernelConfig {
   GemvWeightFormat format;
   std::int64_t rows = 1;           // M, activation rows: 1..16
@@ -272,6 +289,12 @@ struct GemvKernelConfig {
   // vectors a thread for the sums and one more for the staging. Same bits (72 kernel pairs on the
   // H200). gemv_stage_configs races it beside the register prologue (notes/mlp_decode.md, session 12).
   bool x_staged_by_async_copy = false;
+  // resident_blocks_per_multiprocessor > 0 (register-batch mainloop): the kernel is compiled with
+  // __launch_bounds__(threads, this many), so ptxas holds a thread to the registers that let that
+  // many blocks share an SM. For a few-tile stage (Llama-3-8B's q/k/v: 384 tiles of 16 warps) it
+  // puts the whole grid in one wave, every weight load issued at once, before the wait for the
+  // previous kernel; 0: ptxas chooses (the registers then cap the blocks an SM).
+  int resident_blocks_per_multiprocessor = 0;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
@@ -296,6 +319,10 @@ struct GemvKernelConfig {
   // mainloop, one matrix, three output splits).
   std::optional<GemvRopeCacheEpilogue> rope_cache = std::nullopt;
 
+  // Attention before the mainloop, in the same kernel (GemvAttentionPrologue; register-batch mainloop,
+  // one matrix, M = 1, no split-K, tile loop, argmax, norm or staged x; K = kv_heads · groups · head_dim).
+  std::optional<GemvAttentionPrologue> attention = std::nullopt;
+
   void validate() const;  // InputError naming the bad field
   std::string to_string() const;
 };
@@ -304,8 +331,9 @@ struct GemvKernelConfig {
 // weights (dense: [N, K] in place; affine: RepackedAffineMatrix::words) and its scale_bias
 // (affine only), then x [M, K] (and, with x_rms_norm_eps, the norm's weight [K]), then each epilogue tensor, then out [M, N] (with output_splits:
 // one out per split, [M, width] each; with rope_cache: q rotated and the two caches), then (rope_cache)
-// the positions [M] i32, then (argmax_rows) next [M] i32; all pointers.
-// A streamed, split-K or argmax kernel takes one more pointer last: its workspace (workspace_bytes,
+// the positions [M] i32, then (argmax_rows) next [M] i32, then (attention) q, the k cache, the v cache
+// and the positions [1] i32; all pointers. x is then written by the kernel (the attention output).
+// A streamed, split-K, argmax or attention kernel takes one more pointer last: its workspace (workspace_bytes,
 // zeroed once before the first launch; every launch leaves it ready for the next, so launches on
 // one stream may share it, concurrent launches may not).
 //

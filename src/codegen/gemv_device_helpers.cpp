@@ -421,7 +421,10 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
                               std::string_view extra_parameters) {
   const int products = config.epilogue.product_count();
   const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
-  std::string source = fmt::format("\nextern \"C\" __global__ void __launch_bounds__(kThreads) {}(\n", kernel_name);
+  const std::string bounds = config.resident_blocks_per_multiprocessor > 0
+                                 ? fmt::format("kThreads, {}", config.resident_blocks_per_multiprocessor)
+                                 : std::string("kThreads");
+  std::string source = fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}) {}(\n", bounds, kernel_name);
   for (int p = 0; p < products; ++p) {
     source += fmt::format("    const u32* __restrict__ weights{}, ", p);
     if (config.format.is_affine()) source += fmt::format("const u16* __restrict__ scale_bias{}, ", p);

@@ -42,6 +42,14 @@ std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_writte
 // too, its down phase waits for the grid barrier instead).
 std::string_view gemv_activations_after_previous_kernel();
 
+// `activations_ready(x)` for a kernel that computes its own x by attention first
+// (GemvKernelConfig::attention, gemv_attention.cpp): the wait for the previous kernel, blocks
+// 0 .. kv_heads - 1 each attend over one KV head and write its rows into x, then every block waits
+// for all of them. Also the `attention_arguments` the kernel entry sets and the counters' re-arming.
+std::string gemv_attention_prologue(const GemvKernelConfig& config);
+// Static shared memory the attention prologue adds (q and one chunk of scores per block).
+std::int64_t gemv_attention_shared_bytes(const GemvKernelConfig& config);
+
 // The register-batch mainloop (gemv_mainloop.cpp): Batch, the loads, compute_batch,
 // accumulate<P>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring, fill_sums),
 // spill. It reads x only through `activations_ready(x)`, which the generator defines before it, and

@@ -32,6 +32,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <bit>
 
 #include "codegen_internal.h"
 #include "gemv_internal.h"
@@ -832,6 +833,46 @@ void GemvKernelConfig::validate() const {
     }
     if (rope.capacity < 1) throw InputError(fmt::format("GEMV: a rope epilogue's caches hold {} rows", rope.capacity));
   }
+  if (attention) {
+    const GemvAttentionPrologue& a = *attention;
+    if (a.head_dim != 64 && a.head_dim != 128) {
+      throw InputError(fmt::format("GEMV: the attention prologue's head dim must be 64 or 128, not {}", a.head_dim));
+    }
+    if (a.kv_heads < 1 || a.groups < 1 || a.groups > 8 || a.keys < 1) {
+      throw InputError(fmt::format("GEMV: the attention prologue takes 1..8 query heads a KV head over at least one "
+                                   "key, not {} KV heads x {} over {} keys",
+                                   a.kv_heads, a.groups, a.keys));
+    }
+    if (a.kv_heads * a.groups * a.head_dim != in_features) {
+      throw InputError(fmt::format("GEMV: the attention output has {} x {} x {} columns, K is {}", a.kv_heads, a.groups,
+                                   a.head_dim, in_features));
+    }
+    const std::int64_t pairs = a.head_dim / 2;
+    if (pairs % warps_per_block != 0 || pairs / warps_per_block > 32) {
+      throw InputError(fmt::format("GEMV: the attention prologue shares the {} value pairs of a head between the warps "
+                                   "evenly (at most 32 a warp): not with {} warps",
+                                   pairs, warps_per_block));
+    }
+    if (rows != 1 || epilogue.product_count() != 1 || mainloop != GemvMainloop::register_batches || k_splits != 1 ||
+        shared_stages >= 2 || tile_loop_blocks_per_multiprocessor > 0 || argmax_rows || x_rms_norm_eps || rope_cache ||
+        !output_splits.empty()) {
+      throw InputError(fmt::format("GEMV {}: the attention prologue needs one activation row and one matrix in the "
+                                   "register-batch mainloop, batches in registers, one output, and no split-K, tile "
+                                   "loop, argmax, norm or rope",
+                                   to_string()));
+    }
+    const std::int64_t blocks = ((out_features + 15) / 16 + tiles_per_block - 1) / tiles_per_block;
+    if (blocks < a.kv_heads) {
+      throw InputError(fmt::format("GEMV {}: fewer blocks than the {} KV heads the attention prologue gives one each",
+                                   to_string(), a.kv_heads));
+    }
+    // Its blocks wait for one another, so all of them must fit the SMs at once (64 warps an SM).
+    if (multiprocessors < 1 || blocks > std::int64_t{multiprocessors} * (64 / warps_per_block)) {
+      throw InputError(fmt::format("GEMV {}: the attention prologue needs its {} blocks of {} warps resident at once "
+                                   "on {} SMs",
+                                   to_string(), blocks, warps_per_block, multiprocessors));
+    }
+  }
   if (x_staged_by_async_copy && (!x_staged_in_shared_memory(*this) || shared_stages >= 2)) {
     throw InputError(fmt::format("GEMV {}: x_staged_by_async_copy needs x normalized and staged in shared memory "
                                  "(x_rms_norm_eps, M x K bf16 values within {} bytes) and batches in registers "
@@ -867,6 +908,14 @@ void GemvKernelConfig::validate() const {
   }
   if (tile_loop_blocks_per_multiprocessor > 0 && multiprocessors < 1) {
     throw InputError(fmt::format("GEMV: multiprocessors must be positive, not {}", multiprocessors));
+  }
+  if (resident_blocks_per_multiprocessor < 0 || resident_blocks_per_multiprocessor * warps_per_block > 64) {
+    throw InputError(fmt::format("GEMV: resident_blocks_per_multiprocessor must be 0..{} for {} warps a block "
+                                 "(64 warps an SM), not {}",
+                                 64 / warps_per_block, warps_per_block, resident_blocks_per_multiprocessor));
+  }
+  if (resident_blocks_per_multiprocessor > 0 && mainloop != GemvMainloop::register_batches) {
+    throw InputError("GEMV: resident_blocks_per_multiprocessor is for the register-batch mainloop");
   }
   if (l2_prefetch_rounds < 0 || l2_prefetch_rounds > 1024) {
     throw InputError(fmt::format("GEMV: l2_prefetch_rounds must be 0..1024, not {}", l2_prefetch_rounds));
@@ -914,6 +963,11 @@ std::string GemvKernelConfig::to_string() const {
   }
   if (l2_prefetch_rounds > 0) text += fmt::format(" l2_prefetch_rounds={}", l2_prefetch_rounds);
   if (x_staged_by_async_copy) text += " x_staged_by_async_copy";
+  if (resident_blocks_per_multiprocessor > 0) text += fmt::format(" resident_blocks={}", resident_blocks_per_multiprocessor);
+  if (attention) {
+    text += fmt::format(" attention(heads={}x{} D={} keys={} scale={:g})", attention->kv_heads, attention->groups,
+                        attention->head_dim, attention->keys, attention->scale);
+  }
   return text;
 }
 
@@ -935,28 +989,55 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.tile_loop_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("l{}", config.tile_loop_blocks_per_multiprocessor);
   if (config.l2_prefetch_rounds > 0) schedule_tag += fmt::format("p{}", config.l2_prefetch_rounds);
   if (config.x_staged_by_async_copy) schedule_tag += "c";
+  if (config.resident_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("r{}", config.resident_blocks_per_multiprocessor);
+  if (config.attention) {
+    // The scale's float bits, as the kernel's constant holds it.
+    schedule_tag += fmt::format("_att{}x{}d{}t{}s{:08x}", config.attention->kv_heads, config.attention->groups,
+                                config.attention->head_dim, config.attention->keys,
+                                std::bit_cast<std::uint32_t>(static_cast<float>(config.attention->scale)));
+  }
   result.kernel_name =
       fmt::format("metile_gemv_{}_m{}_n{}_k{}_p{}{}_w{}t{}f{}{}_e{:08x}", gemv_format_tag(config.format), config.rows,
                   config.out_features, config.in_features, products, scratch ? "s" : "r", config.warps_per_block,
                   config.tiles_per_block, config.iterations_in_flight, schedule_tag, epilogue_hash & 0xFFFFFFFFu);
 
+  // The attention prologue's blocks wait for one another: hold the registers to what keeps the
+  // whole grid resident (LoadedGemv::load checks the device's count).
+  GemvKernelConfig bounded = config;
+  if (config.attention && config.resident_blocks_per_multiprocessor == 0) {
+    bounded.resident_blocks_per_multiprocessor =
+        static_cast<int>((tile_blocks + config.multiprocessors - 1) / config.multiprocessors);
+  }
   std::string source = fmt::format("// Generated by metile (src/codegen/gemv_mainloop.cpp): {}\n", config.to_string());
-  source += gemv_problem_constants(config);
+  source += gemv_problem_constants(config, config.attention.has_value());
   source += gemv_register_constants(config, config.k_splits);
   source += gemv_device_helpers();
   if (config.argmax_rows) source += codegen_detail::cuda_argmax_helpers();
-  source += gemv_activations_after_previous_kernel();
+  if (config.attention) {
+    source += gemv_attention_prologue(config);
+  } else {
+    source += gemv_activations_after_previous_kernel();
+  }
   source += register_mainloop_body;
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();
   source += gemv_output_functions(config);
 
-  const bool has_workspace = config.k_splits > 1 || config.argmax_rows;
-  source += gemv_kernel_entry(config, result.kernel_name,
+  const bool has_workspace = config.k_splits > 1 || config.argmax_rows || config.attention;
+  source += gemv_kernel_entry(bounded, result.kernel_name,
                               std::string(config.rope_cache ? ", const int* __restrict__ positions" : "") +
                                   std::string(config.argmax_rows ? ", int* __restrict__ next" : "") +
+                                  std::string(config.attention ? ",\n    const u16* __restrict__ attention_q, "
+                                                                 "const u16* __restrict__ attention_k, "
+                                                                 "const u16* __restrict__ attention_v, "
+                                                                 "const int* __restrict__ attention_positions"
+                                                               : "") +
                                   (has_workspace ? ", float* __restrict__ workspace" : ""));
   if (!has_workspace) source += "  float* const workspace = nullptr;  // no split-K join\n";
+  if (config.attention) {
+    source += "  if (threadIdx.x == 0) {\n    attention_arguments = {attention_q, attention_k, attention_v, attention_positions,\n"
+              "                           reinterpret_cast<u32*>(workspace)};\n  }\n";
+  }
   source += gemv_outputs_binding(config);
   source += kernel_entry_body;
   if (config.argmax_rows) source += argmax_rows_block;  // per tile block, inside the unit loop
@@ -980,6 +1061,11 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   }
   if (config.argmax_rows) {  // a value's bits and an index per block and row, then the arrival counter
     result.workspace_bytes = static_cast<std::uint64_t>(2 * tile_blocks * config.rows * 4 + 4);
+  }
+  if (config.attention) {  // the arrival and departure counters; the blocks wait for one another
+    result.workspace_bytes = 8;
+    result.co_resident_blocks_per_multiprocessor = 1;
+    result.static_shared_bytes += static_cast<unsigned>(gemv_attention_shared_bytes(config));
   }
   return result;
 }
@@ -1015,7 +1101,8 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
           existing.iterations_in_flight == config.iterations_in_flight && existing.k_splits == config.k_splits &&
           existing.shared_stages == config.shared_stages && existing.shared_group_sums == config.shared_group_sums &&
           existing.tile_loop_blocks_per_multiprocessor == config.tile_loop_blocks_per_multiprocessor &&
-          existing.l2_prefetch_rounds == config.l2_prefetch_rounds) {
+          existing.l2_prefetch_rounds == config.l2_prefetch_rounds &&
+          existing.resident_blocks_per_multiprocessor == config.resident_blocks_per_multiprocessor) {
         return;
       }
     }
@@ -1117,6 +1204,16 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     if (few_tiles && products == 1) {
       add(8, true);
       add(16, true);
+      // The same 16 warps a tile held to the registers that fit the whole grid on the SMs at once
+      // (Llama-3-8B's q/k/v: 384 tiles, 3 blocks an SM, <= 40 registers, against 2 at ptxas's 64):
+      // every weight load of the stage is issued before its wait, none waits for a second wave. Two
+      // blocks an SM need no bound (64 registers fit them).
+      const std::int64_t waves_of_blocks = (tiles + multiprocessors - 1) / multiprocessors;
+      if (waves_of_blocks >= 3 && waves_of_blocks * 16 <= 64) {
+        GemvKernelConfig one_wave = register_shape(16, true);
+        one_wave.resident_blocks_per_multiprocessor = static_cast<int>(waves_of_blocks);
+        add_config(one_wave);
+      }
       add(4, true);
     } else if (few_tiles) {
       add(4, false);

@@ -52,8 +52,19 @@ CacheRowsBeforeWait cache_rows_are_run_inputs(const ComputeGraph& graph, const N
 }  // namespace
 
 Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion& region) {
-  if (region.nodes.size() != 1 || graph.node(region.nodes.front()).op != "flash_attention") {
+  if (region.nodes.empty() || graph.node(region.nodes.front()).op != "flash_attention") {
     return {Decision::refuse("the region is not one flash_attention node"), {}};
+  }
+  // Layout ops after it (an attention_output_projection region's first part) run natively after
+  // the kernel; each must read the node or the op before it.
+  std::vector<NodeId> layout_after;
+  for (std::size_t i = 1; i < region.nodes.size(); ++i) {
+    const Node& op = graph.node(region.nodes[i]);
+    const ValueId previous = graph.node(region.nodes[i - 1]).outputs[0];
+    if (op.kind != OpKind::layout || op.inputs.empty() || op.inputs[0] != previous) {
+      return {Decision::refuse("the region is not one flash_attention node (and layout ops reading it)"), {}};
+    }
+    layout_after.push_back(op.id);
   }
   const Node& node = graph.node(region.nodes.front());
   AttentionProblem problem;
@@ -97,7 +108,9 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   candidate.summary = fmt::format("{} ({})", variant, problem.to_string());
   const std::vector<ValueId> operands = node.inputs;
   const ValueId out = node.outputs[0];
-  candidate.bind = [problem, options, cache_rows, operands, out](DeviceValues& values) {
+  for (NodeId id : layout_after) candidate.source += "\n" + NativeRuntime::node_source(graph, id);
+  candidate.launches += static_cast<int>(layout_after.size());
+  candidate.bind = [problem, options, cache_rows, operands, out, layout_after](DeviceValues& values) {
     FlashAttentionOptions bound = options;
     for (const auto& [written, cache] : cache_rows.in_place) {
       if (!values.shares_buffer(written, cache)) bound.decode_cache_before_wait = false;
@@ -108,8 +121,12 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
     const std::uint64_t v = values[operands[2]].address();
     const std::uint64_t positions = operands.size() == 4 ? values[operands[3]].address() : 0;
     const std::uint64_t output = values[out].address();
-    return DeviceStep([attention, q, k, v, positions, output](const CudaStream& stream) {
+    auto native = std::make_shared<NativeRuntime>();
+    auto after = std::make_shared<std::vector<DeviceStep>>();
+    for (NodeId id : layout_after) after->push_back(native->node_step(values.graph(), id, values));
+    return DeviceStep([attention, q, k, v, positions, output, native, after](const CudaStream& stream) {
       attention->enqueue(stream, q, k, v, positions, output);
+      run_steps(*after, stream);
     });
   };
   return {Decision::allow(), {std::move(candidate)}};

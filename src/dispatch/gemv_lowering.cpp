@@ -30,7 +30,9 @@
 #include <mutex>
 #include <set>
 
+#include "metile/attention.h"
 #include "metile/codegen.h"
+#include "metile/discovery.h"
 #include "metile/dispatch.h"
 #include "metile/quant.h"
 
@@ -102,6 +104,8 @@ std::string gemv_shape_name(const GemvKernelConfig& config) {
   if (config.shared_stages > 0) shape += fmt::format(" staged{}", config.shared_stages);
   if (config.shared_group_sums) shape += " group-sums";
   if (config.tile_loop_blocks_per_multiprocessor > 0) shape += fmt::format(" loop{}", config.tile_loop_blocks_per_multiprocessor);
+  if (config.attention) shape += " attend";
+  if (config.resident_blocks_per_multiprocessor > 0) shape += fmt::format(" resident{}", config.resident_blocks_per_multiprocessor);
   if (config.l2_prefetch_rounds > 0) shape += fmt::format(" prefetch{}", config.l2_prefetch_rounds);
   if (config.x_staged_by_async_copy) shape += " x-async";
   if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
@@ -118,6 +122,7 @@ GemvKernelConfig GemvStage::base_config() const {
   config.argmax_rows = argmax_output >= 0;
   if (norm_weight >= 0) config.x_rms_norm_eps = norm_eps;
   config.rope_cache = rope_cache;
+  config.attention = attention;
   for (const GemvRowPart& part : row_parts) config.output_splits.push_back(part.matrix.out_features);
   return config;
 }
@@ -621,7 +626,75 @@ GemvRegionPlan plan_gemv_qkv_rope_cache(const ComputeGraph& graph, const FusionR
   return plan;
 }
 
+std::vector<FusionRegion> attention_projection_parts(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule != "attention_output_projection") return {};
+  const std::optional<ValueId> weight = region.role("weight");
+  std::vector<NodeId> heads, projection;
+  NodeId contraction = -1;
+  for (NodeId id : region.nodes) {
+    const Node& node = graph.node(id);
+    if (node.op == "flash_attention" || node.kind == OpKind::layout) {
+      heads.push_back(id);
+    } else {
+      projection.push_back(id);
+      if (node.kind == OpKind::contraction && weight && node.inputs.size() >= 2 && node.inputs[1] == *weight) contraction = id;
+    }
+  }
+  if (contraction < 0 || heads.empty() || graph.node(heads.front()).op != "flash_attention") return {};
+  FusionRegion first = region_of_nodes(graph, heads, "attention_heads");
+  first.certificate = region.certificate;
+  FusionRegion second = region_of_nodes(graph, projection, "contraction_epilogue");
+  second.roles = {{"input", graph.node(contraction).inputs[0]}, {"weight", *weight}};
+  if (const std::optional<ValueId> addend = region.role("addend")) second.roles.push_back({"addend", *addend});
+  return {std::move(first), std::move(second)};
+}
+
+GemvRegionPlan plan_gemv_attention_projection(const ComputeGraph& graph, const FusionRegion& region) {
+  const std::vector<FusionRegion> parts = attention_projection_parts(graph, region);
+  if (parts.size() != 2) return refuse("not an attention_output_projection region of that rule's structure");
+  GemvRegionPlan plan = plan_gemv_contraction(graph, parts[1]);
+  if (!plan.decision) return plan;
+  GemvStage& stage = plan.stages.front();
+  const Node& attention = graph.node(parts[0].nodes.front());
+  AttentionProblem problem;
+  try {
+    // Nothing built on an unproved law runs.
+    require_verified_certificate(attention, stable_weighted_softmax_law().name);
+    if (attention.inputs.size() != 4) return refuse("the attention has no positions: the kernel attends at decode only");
+    problem = AttentionProblem::from_specs(graph.value(attention.inputs[0]).spec, graph.value(attention.inputs[1]).spec,
+                                           graph.value(attention.inputs[2]).spec, graph.value(attention.inputs[3]).spec,
+                                           attention.attributes.get_double("scale"), attention.attributes.get_string("mask"),
+                                           attention.attributes.get_int("offset"));
+  } catch (const InputError& error) {
+    return refuse(error.what());
+  }
+  if (problem.mask != AttentionMask::positions || problem.position_count != 1 || stage.rows != 1) {
+    return refuse(fmt::format("the attention prologue attends for one token with the positions mask, not {}",
+                              problem.to_string()));
+  }
+  if (problem.dtype != stage.matrices.front().format.activation || problem.head_dim != problem.value_dim) {
+    return refuse(fmt::format("the attention prologue writes x in the projection's dtype with D = Dv: {}", problem.to_string()));
+  }
+  // x must be the attention output in its own order: every op between is a reshape or a transpose
+  // that moves only axes of length one.
+  for (std::size_t i = 1; i < parts[0].nodes.size(); ++i) {
+    const Node& node = graph.node(parts[0].nodes[i]);
+    if (node.op != "reshape" && !transpose_moves_only_unit_axes(graph, node)) {
+      return refuse(fmt::format("'{}' ({}) reorders the attention output before the projection", node.name, node.op));
+    }
+  }
+  if (problem.output_elements() != stage.matrices.front().in_features) {
+    return refuse(fmt::format("the attention writes {} values, the projection reads {}", problem.output_elements(),
+                              stage.matrices.front().in_features));
+  }
+  stage.attention = GemvAttentionPrologue{problem.heads, problem.rows, problem.head_dim, problem.keys, problem.scale};
+  stage.attention_values = {attention.inputs[0], attention.inputs[1], attention.inputs[2], attention.inputs[3]};
+  stage.nodes = region.nodes;
+  return plan;
+}
+
 GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& region) {
+  if (region.rule == "attention_output_projection") return plan_gemv_attention_projection(graph, region);
   if (region.rule == "qkv_rope_kv_cache") return plan_gemv_qkv_rope_cache(graph, region);
   if (region.rule == "swiglu_mlp") return plan_gemv_swiglu(graph, region);
   if (region.rule == "sibling_contractions") return plan_gemv_siblings(graph, region);
@@ -629,7 +702,7 @@ GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& r
     return plan_gemv_contraction(graph, region);
   }
   return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax, "
-                            "sibling_contractions and qkv_rope_kv_cache regions, not {}",
+                            "sibling_contractions, qkv_rope_kv_cache and attention_output_projection regions, not {}",
                             region.rule.empty() ? std::string("an unnamed region") : "'" + region.rule + "'"));
 }
 
@@ -803,6 +876,12 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
   for (ValueId tensor : stage.epilogue_tensors) arguments.add_pointer(values[tensor].address());
   arguments.add_pointer(values[stage.output].address());
   if (stage.argmax_output >= 0) arguments.add_pointer(values[stage.argmax_output].address());
+  if (stage.attention) {
+    for (ValueId id : {stage.attention_values.q, stage.attention_values.k, stage.attention_values.v,
+                       stage.attention_values.positions}) {
+      arguments.add_pointer(values[id].address());
+    }
+  }
 }
 
 // The weight bytes a bound plan streams: the buffers add_stage_arguments passes (the pool's

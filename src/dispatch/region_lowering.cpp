@@ -4,27 +4,55 @@
 // generates source only, so the report's reasons are tested on the CPU (tests/unit/dispatch).
 #include <fmt/core.h>
 
+#include "metile/cuda_runtime.h"
 #include "metile/dispatch.h"
 
 namespace metile {
 
 namespace {
 
-// A composed region (FusionRule::composes) also races its parts' kernels run back to back (every
-// candidate of the producer, each followed by the consumer's first), so that the one kernel for both
-// replaces them only where it measures faster; without these, losing the race or the gate would send
-// both parts to the native path.
-void add_part_candidates(const ComputeGraph& graph, const FusionRegion& region,
+// A region that is two kernels otherwise also races its parts' kernels run back to back, so that the
+// one kernel for both replaces them only where it measures faster; without these, losing the race or
+// the gate would send both parts to the native path. The parts: a composed region's
+// (FusionRule::composes), or an attention_output_projection region's (attention_projection_parts).
+// Every candidate of the first part, each followed by the second's first; a first part of one
+// candidate (the attention kernel) is followed by each of the second's instead, so that the second
+// keeps its own race.
+void add_part_candidates(const ComputeGraph& graph, const std::vector<FusionRegion>& parts,
                          std::span<const RegionLowering> extra_lowerings, RegionLowerings& result) {
-  const RegionLowerings first = lower_region(graph, region.parts[0], extra_lowerings);
-  const RegionLowerings second = lower_region(graph, region.parts[1], extra_lowerings);
-  if (first.candidates.empty() || second.candidates.empty()) {
+  RegionLowerings first = lower_region(graph, parts[0], extra_lowerings);
+  RegionLowerings second = lower_region(graph, parts[1], extra_lowerings);
+  if (first.candidates.empty() && second.candidates.empty()) {
     result.refusals += fmt::format("{}its parts one after the other: {}", result.refusals.empty() ? "" : "; ",
-                                   first.candidates.empty() ? first.refusals : second.refusals);
+                                   first.refusals);
     return;
   }
-  const FusedCandidate& then = second.candidates.front();
-  for (const FusedCandidate& candidate : first.candidates) {
+  // A part no lowering takes runs its ops natively beside the other part's kernels (a region is
+  // never worse off than its parts would be as regions of their own).
+  for (auto [part, lowered] : {std::pair{&parts[0], &first}, std::pair{&parts[1], &second}}) {
+    if (!lowered->candidates.empty()) continue;
+    FusedCandidate native;
+    native.id = CandidateId::fused("native");
+    native.summary = "native: " + lowered->refusals;
+    native.launches = static_cast<int>(part->nodes.size());
+    for (NodeId id : part->nodes) native.source += "\n" + NativeRuntime::node_source(graph, id);
+    native.bind = [nodes = part->nodes](DeviceValues& values) {
+      auto runtime = std::make_shared<NativeRuntime>();
+      auto steps = std::make_shared<std::vector<DeviceStep>>();
+      for (NodeId id : nodes) steps->push_back(runtime->node_step(values.graph(), id, values));
+      return DeviceStep([runtime, steps](const CudaStream& stream) { run_steps(*steps, stream); });
+    };
+    lowered->candidates.push_back(std::move(native));
+  }
+  std::vector<std::pair<const FusedCandidate*, const FusedCandidate*>> pairs;
+  if (first.candidates.size() == 1) {
+    for (const FusedCandidate& then : second.candidates) pairs.emplace_back(&first.candidates.front(), &then);
+  } else {
+    for (const FusedCandidate& candidate : first.candidates) pairs.emplace_back(&candidate, &second.candidates.front());
+  }
+  for (const auto& [first_candidate, then_candidate] : pairs) {
+    const FusedCandidate& candidate = *first_candidate;
+    const FusedCandidate& then = *then_candidate;
     FusedCandidate both;
     both.id = CandidateId::fused(fmt::format("{}, then {}", candidate.id.variant, then.id.variant));
     both.source = candidate.source + then.source;
@@ -74,7 +102,11 @@ RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& regi
     }
     for (FusedCandidate& candidate : lowered.candidates) result.candidates.push_back(std::move(candidate));
   }
-  if (region.parts.size() == 2) add_part_candidates(graph, region, extra_lowerings, result);
+  if (region.parts.size() == 2) add_part_candidates(graph, region.parts, extra_lowerings, result);
+  if (region.rule == "attention_output_projection") {
+    const std::vector<FusionRegion> parts = attention_projection_parts(graph, region);
+    if (parts.size() == 2) add_part_candidates(graph, parts, extra_lowerings, result);
+  }
   return result;
 }
 

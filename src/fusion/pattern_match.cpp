@@ -25,7 +25,10 @@ struct MatchState {
 std::string label(const Node& node) { return "`" + node.name + "` (" + node.op + ")"; }
 
 Decision entry_accepts(const OpPattern& entry, const Node& node) {
-  if (is_certified_node(node)) return Decision::refuse(label(node) + " is a certified kernel of its own");
+  if (is_certified_node(node) && !entry.certified) return Decision::refuse(label(node) + " is a certified kernel of its own");
+  if (entry.certified && !is_certified_node(node)) {
+    return Decision::refuse(fmt::format("role '{}' takes a certified rewrite's op, {} has no certificate", entry.role, label(node)));
+  }
   if (node.kind != entry.kind) {
     return Decision::refuse(fmt::format("role '{}' takes {} ops, {} is {}", entry.role, op_kind_name(entry.kind),
                                         label(node), op_kind_name(node.kind)));

@@ -377,16 +377,20 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
   }
 
   // Regions in the order of their first node: the selected candidates, and each node a certified
-  // rewrite made (already one kernel; no rule touches it), as a region of its own carrying its
-  // certificate.
+  // rewrite made (already one kernel; only a rule entry that says so takes it, OpPattern::certified)
+  // that no selected candidate holds, as a region of its own. Either region carries the certificate.
   struct RegionSource {
     NodeId first = -1;
     int candidate = -1;  // -1: the certified node `first`
   };
   std::vector<RegionSource> sources;
-  for (int candidate : chosen) sources.push_back({node_sets[static_cast<std::size_t>(candidate)].front(), candidate});
+  std::vector<char> in_chosen(node_count, 0);
+  for (int candidate : chosen) {
+    sources.push_back({node_sets[static_cast<std::size_t>(candidate)].front(), candidate});
+    for (NodeId node : node_sets[static_cast<std::size_t>(candidate)]) in_chosen[static_cast<std::size_t>(node)] = 1;
+  }
   for (const Node& node : graph.nodes()) {
-    if (is_certified_node(node)) sources.push_back({node.id, -1});
+    if (is_certified_node(node) && !in_chosen[static_cast<std::size_t>(node.id)]) sources.push_back({node.id, -1});
   }
   std::stable_sort(sources.begin(), sources.end(),
                    [](const RegionSource& a, const RegionSource& b) { return a.first < b.first; });
@@ -403,6 +407,9 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       };
       region = region_of_proposal(proposal);
       for (int part : proposal.parts) region.parts.push_back(region_of_proposal(proposals[static_cast<std::size_t>(part)]));
+      for (NodeId id : region.nodes) {
+        if (is_certified_node(graph.node(id))) region.certificate = graph.node(id).attributes.get_string("certificate");
+      }
     } else {
       const Node& node = graph.node(source.first);
       region = region_of_nodes(graph, {node.id}, node.op);
@@ -441,7 +448,13 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     const int region = region_of_node[id];
     std::string& reason = plan.node_reasons[id];
     if (region >= 0 && is_certified_node(node)) {
-      reason = fmt::format("in region R{} ({}): a kernel of its own, a certified op (its certificate is checked before it runs)", region + 1, node.op);
+      const std::string& rule = plan.regions[static_cast<std::size_t>(region)].rule;
+      reason = rule == node.op ? fmt::format("in region R{} ({}): a kernel of its own, a certified op (its certificate is "
+                                             "checked before it runs)",
+                                             region + 1, node.op)
+                               : fmt::format("in region R{} ({}): a certified op the rule takes (its certificate is "
+                                             "checked before it runs)",
+                                             region + 1, rule);
       continue;
     }
     if (region >= 0) {

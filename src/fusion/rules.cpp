@@ -10,6 +10,7 @@ namespace {
 struct EntryFlags {
   bool commutative = false;
   bool may_escape = false;
+  bool certified = false;
 };
 OpPattern entry(std::string role, OpKind kind, std::vector<std::string> ops, std::vector<std::string> inputs,
                 EntryFlags flags = {}) {
@@ -20,6 +21,7 @@ OpPattern entry(std::string role, OpKind kind, std::vector<std::string> ops, std
   pattern.inputs = std::move(inputs);
   pattern.commutative = flags.commutative;
   pattern.may_escape = flags.may_escape;
+  pattern.certified = flags.certified;
   return pattern;
 }
 
@@ -143,6 +145,28 @@ FusionRule qkv_rope_kv_cache_rule() {
   return rule;
 }
 
+FusionRule attention_output_projection_rule() {
+  FusionRule rule;
+  rule.name = "attention_output_projection";
+  rule.description =
+      "decode attention, its heads merged into one row, and the output projection that reads them (with its residual "
+      "add): one GEMV whose first blocks attend while every block's weights are in flight";
+  // The decode step's chain (src/model/step_graph.cpp): out [Hkv, G·S, D] -> [Hq, S, D] -> [S, Hq, D]
+  // -> [S, Hq·D], the projection's x. Nothing between attention and the projection may be read
+  // elsewhere: the kernel writes only x (materializes_escaping_values false).
+  rule.pattern = {
+      entry("attention", OpKind::contraction, {"flash_attention"}, {"$q", "$k", "$v", "$positions"}, {.certified = true}),
+      entry("by_head", OpKind::layout, {"reshape"}, {"attention"}),
+      entry("by_token", OpKind::layout, {"transpose"}, {"by_head"}),
+      entry("input", OpKind::layout, {"reshape"}, {"by_token"}),
+      entry("contraction", OpKind::contraction, {}, {"input", "$weight"}),
+  };
+  rule.epilogue_add_operand_role = "addend";
+  rule.epilogue = {.kinds = {OpKind::elementwise}, .max_depth = 8};
+  rule.materializes_escaping_values = false;
+  return rule;
+}
+
 FusionRule row_reduction_rule() {
   FusionRule rule;
   rule.name = "row_reduction";
@@ -171,7 +195,7 @@ RuleSet default_rules() {
   RuleSet rules;
   rules.rules = {residual_add_rms_norm_rule(), parallel_epilogue_rule(), contraction_epilogue_rule(),
                  sibling_contractions_rule(), rope_kv_cache_rule(), qkv_rope_kv_cache_rule(),
-                 row_reduction_rule(), elementwise_chain_rule()};
+                 attention_output_projection_rule(), row_reduction_rule(), elementwise_chain_rule()};
   return rules;
 }
 

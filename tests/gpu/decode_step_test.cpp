@@ -175,6 +175,70 @@ TEST_F(DecodeStepKernels, AnUnverifiedCertificateIsRefusedByBothPaths) {
   EXPECT_NE(testing::error_of([&] { native.node_step(graph, 0, values); }).find("not verified"), std::string::npos);
 }
 
+// Attention inside the output projection (the attention_output_projection region, GemvKernelConfig::
+// attention): on a one-layer decode step of a synthetic checkpoint with head dim 64 (Llama: 12 query
+// heads over 4 KV heads; 4-bit g64 and bf16 weights), every candidate of the region (the GEMV whose
+// blocks attend first, each shape; and the attention kernel then the projection) against
+// run_reference on the region's graph: random q, caches and residual, the positions at the first
+// slot, inside the cache and past its end (every key visible). Each GEMV runs three times eagerly
+// and twice as a CUDA graph replay, so a counter left armed by one launch would break the next.
+TEST_F(DecodeStepKernels, AttentionInsideTheProjectionMatchesTheReference) {
+  for (const std::optional<AffineQuantization> quantize : {std::optional<AffineQuantization>{AffineQuantization{4, 64}},
+                                                           std::optional<AffineQuantization>{}}) {
+    const std::filesystem::path directory =
+        std::filesystem::temp_directory_path() / fmt::format("metile-attention-projection-{}", ::getpid());
+    std::filesystem::remove_all(directory);
+    SynthOptions synth;
+    synth.preset = "small";
+    synth.layers = 1;
+    synth.seed = seed_base();
+    synthesize_model(directory, synth);
+    const DecoderModel model = DecoderModel::load(directory, {.quantize = quantize, .max_sequence = 48});
+    std::filesystem::remove_all(directory);
+    const ComputeGraph& graph = model.step_graph(1);
+    const FusionPlan plan = plan_with_discovery(graph, FusionTarget::h200());
+    const FusionRegion* region = nullptr;
+    for (const FusionRegion& candidate : plan.regions) {
+      if (candidate.rule == "attention_output_projection") region = &candidate;
+    }
+    ASSERT_NE(region, nullptr) << plan.explain();
+    const ComputeGraph sub = region_graph(graph, *region);
+    const FusionRegion in_sub = region_in_region_graph(graph, *region, sub);
+    const RegionLowerings lowered = lower_region(sub, in_sub);
+    int attending = 0;
+    for (const std::int32_t position : {0, 29, 400}) {
+      SCOPED_TRACE(fmt::format("{} position {}", quantize ? "4-bit" : "bf16", position));
+      TensorMap inputs = random_inputs(sub, seed_base() + 77 + static_cast<std::uint64_t>(position));
+      HostTensor& positions = inputs.at(sub.value(*in_sub.role("positions")).name);
+      positions.store(0, position);
+      const TensorMap reference = run_reference(sub, inputs);
+      DeviceValues values(sub);
+      values.upload_inputs(inputs);
+      CudaStream stream;
+      for (const FusedCandidate& candidate : lowered.candidates) {
+        const bool attends = candidate.id.variant.find(" attend") != std::string::npos;
+        if (!attends && candidate.id.variant.rfind("attention decode, then gemv", 0) != 0) continue;
+        attending += attends;
+        const DeviceStep step = candidate.bind(values);
+        for (int run = 0; run < 3; ++run) {
+          values.poison_computed_values();
+          step(stream);
+          stream.synchronize();
+          expect_outputs_match(sub, values.download_outputs(), reference, fmt::format("{}, run {}", candidate.id.name(), run));
+        }
+        const CudaGraph replay = CudaGraph::capture(stream, step);
+        for (int run = 0; run < 2; ++run) {
+          values.poison_computed_values();
+          replay.replay(stream);
+          stream.synchronize();
+          expect_outputs_match(sub, values.download_outputs(), reference, fmt::format("{}, replay {}", candidate.id.name(), run));
+        }
+      }
+    }
+    EXPECT_GE(attending, 6) << lowered.refusals;  // at least two shapes at each position
+  }
+}
+
 // ---------------------------------------------------------------- whole step graphs
 struct Checkpoint {
   ModelArchitecture architecture;

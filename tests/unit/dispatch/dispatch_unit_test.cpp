@@ -412,7 +412,7 @@ TEST(LowerRegion, ALoweringThatOffersNothingIsReportedAsRefusing) {
   EXPECT_EQ(lowered.refusals,
             "contractions around a row kernel: the region has no contraction; flash attention: the region is not one "
             "flash_attention node; rope and cache writes: not a rope_kv_cache region; gemv: the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, "
-            "contraction_argmax, sibling_contractions and qkv_rope_kv_cache regions, not 'test'; empty: it accepted the "
+            "contraction_argmax, sibling_contractions, qkv_rope_kv_cache and attention_output_projection regions, not 'test'; empty: it accepted the "
             "region but offered "
             "no candidate; silent: refused without a reason; picky: too small");
 }

@@ -529,7 +529,7 @@ TEST(GemvLowering, OtherRegionsAreRefusedWithTheReason) {
   EXPECT_FALSE(row_lowered.decision);
   EXPECT_EQ(row_lowered.decision.reason,
             "the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax, "
-            "sibling_contractions and qkv_rope_kv_cache regions, not "
+            "sibling_contractions, qkv_rope_kv_cache and attention_output_projection regions, not "
             "'residual_add_rms_norm'");
   bool listed = false;
   for (const RegionLowering& lowering : builtin_lowerings()) listed = listed || lowering.name == "gemv";

@@ -7,6 +7,8 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <regex>
 #include <tuple>
 
@@ -661,6 +663,103 @@ TEST(GemvCompile, FewTilesAnSmLeadWithMoreWarpsATile) {
     ASSERT_GE(narrow_gate_up.size(), 3u);
     EXPECT_EQ(narrow_gate_up[2].warps_per_block, 8) << narrow_gate_up[2].to_string();
   }
+}
+
+// A few-tile stage of one matrix (Llama-3-8B's q/k/v: 384 tiles) also races 16 warps a tile held to
+// the registers that fit the whole grid at once (3 blocks an SM: __launch_bounds__(512, 3)); a stage
+// whose tiles fit two blocks an SM (the o-projection's 256) or that has two matrices does not.
+TEST(GemvCompile, FewTilesOfOneMatrixRaceAOneWaveShape) {
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  auto one_wave = [](const std::vector<GemvKernelConfig>& configs) {
+    std::vector<GemvKernelConfig> found;
+    for (const GemvKernelConfig& config : configs) {
+      if (config.resident_blocks_per_multiprocessor > 0) found.push_back(config);
+    }
+    return found;
+  };
+  const std::vector<GemvKernelConfig> qkv = gemv_tuning_candidates(gemv_config(format, 1, 6144, 4096, GemvEpilogue::accumulator(0)));
+  ASSERT_GE(qkv.size(), 4u);
+  EXPECT_EQ(qkv[2].resident_blocks_per_multiprocessor, 3) << qkv[2].to_string();  // raced: among the first four
+  EXPECT_EQ(qkv[2].warps_per_block, 16);
+  const GemvKernelSource kernel = generate_gemv_kernel(qkv[2]);
+  EXPECT_NE(kernel.source.find("__launch_bounds__(kThreads, 3)"), std::string::npos);
+  EXPECT_NE(kernel.kernel_name, generate_gemv_kernel(qkv[1]).kernel_name);
+  const std::regex registers(R"(Used (\d+) registers)");
+  std::smatch match;
+  const std::string log = compile_for_sm90(kernel).log;
+  ASSERT_TRUE(std::regex_search(log, match, registers)) << log;
+  EXPECT_LE(std::stoi(match[1].str()), 65536 / (3 * 512)) << log;  // three blocks of 512 threads fit
+  EXPECT_TRUE(one_wave(gemv_tuning_candidates(gemv_config(format, 1, 4096, 4096, GemvEpilogue::accumulator(0)))).empty());
+  EXPECT_TRUE(one_wave(gemv_tuning_candidates(gemv_config(format, 1, 6144, 4096, GemvEpilogue::swiglu()))).empty());
+  GemvKernelConfig too_many = qkv[2];
+  too_many.resident_blocks_per_multiprocessor = 5;  // 80 warps an SM
+  EXPECT_THROW(too_many.validate(), InputError);
+}
+
+// The attention prologue (GemvKernelConfig::attention: decode attention inside the output projection)
+// compiles for sm_90 for the three decode models' heads (Llama-3-8B 8 x 4 x 128, Qwen2.5-1.5B 2 x 6 x
+// 128, Llama-3.2-1B 8 x 4 x 64) with the residual epilogue, takes q, the caches and the positions after
+// its output and a workspace of two counters last, reads x through L2, needs its grid resident at once,
+// and is named apart from the plain projection and by its scale; what it cannot do is refused.
+TEST(GemvCompile, AttentionPrologueCompilesAndRefusesWhatItCannotDo) {
+  struct Heads {
+    std::int64_t kv_heads, groups, head_dim;
+  };
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  for (const Heads heads : {Heads{8, 4, 128}, Heads{2, 6, 128}, Heads{8, 4, 64}}) {
+    const std::int64_t width = heads.kv_heads * heads.groups * heads.head_dim;
+    GemvKernelConfig base = gemv_config(format, 1, width, width, GemvEpilogue::residual_add("residual", DType::bf16));
+    base.attention = GemvAttentionPrologue{heads.kv_heads, heads.groups, heads.head_dim, 4096,
+                                           1.0 / std::sqrt(static_cast<double>(heads.head_dim))};
+    int compiled = 0;
+    for (const GemvKernelConfig& config : gemv_tuning_candidates(base)) {
+      ASSERT_TRUE(config.attention) << config.to_string();
+      if (config.k_splits != 1 || config.shared_stages >= 2) continue;  // refused: not among the candidates
+      const GemvKernelSource kernel = generate_gemv_kernel(config);
+      EXPECT_EQ(kernel.workspace_bytes, 8u);
+      EXPECT_EQ(kernel.co_resident_blocks_per_multiprocessor, 1);
+      EXPECT_NE(kernel.source.find("constexpr bool kXWrittenInKernel = true;"), std::string::npos);
+      EXPECT_NE(kernel.source.find("const int* __restrict__ attention_positions, float* __restrict__ workspace"),
+                std::string::npos);
+      GemvKernelConfig plain = config;
+      plain.attention.reset();
+      EXPECT_NE(kernel.kernel_name, generate_gemv_kernel(plain).kernel_name);
+      GemvKernelConfig other_scale = config;
+      other_scale.attention->scale = 0.5;
+      EXPECT_NE(kernel.kernel_name, generate_gemv_kernel(other_scale).kernel_name);
+      if (compiled++ < 2 || std::getenv("METILE_PRINT_PTXAS")) {
+        const Compiled result = compile_for_sm90(kernel);
+        EXPECT_FALSE(result.program.cubin.empty()) << config.to_string();
+        if (std::getenv("METILE_PRINT_PTXAS")) fmt::print("{}\n{}\n", config.to_string(), result.log);
+      }
+    }
+    EXPECT_GE(compiled, 2) << base.to_string();
+    GemvKernelConfig refused = base;
+    refused.k_splits = 2;
+    EXPECT_THROW(refused.validate(), InputError);
+    refused = base;
+    refused.rows = 2;
+    EXPECT_THROW(refused.validate(), InputError);
+    refused = base;
+    refused.x_rms_norm_eps = 1e-5;
+    EXPECT_THROW(refused.validate(), InputError);
+    refused = base;
+    refused.attention->groups = 9;
+    EXPECT_THROW(refused.validate(), InputError);
+    refused = base;
+    refused.attention->head_dim = 96;
+    EXPECT_THROW(refused.validate(), InputError);
+    refused = base;
+    refused.warps_per_block = 3;  // the head's value pairs do not split evenly
+    EXPECT_THROW(refused.validate(), InputError);
+    refused = base;
+    refused.in_features += 64;
+    EXPECT_THROW(refused.validate(), InputError);
+  }
+  // Fewer tile blocks than KV heads: a head would have no block to attend over it.
+  GemvKernelConfig few = gemv_config(format, 1, 16 * 7, 8 * 4 * 64, GemvEpilogue::store());
+  few.attention = GemvAttentionPrologue{8, 4, 64, 128, 0.125};
+  EXPECT_THROW(few.validate(), InputError);
 }
 
 // Whole batches (kBatchesWhole in the kernel: no predicated loads, no zeroed registers) need the warps'
