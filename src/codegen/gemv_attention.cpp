@@ -88,10 +88,32 @@ __device__ __forceinline__ u32 attention_load2(const u16* address) {
   return v;
 }
 
+// Before the wait for the previous kernel: KV head `head`'s K and V rows up to the position requested
+// into L2 (a hint: the position is read before the wait, so it may be one the previous kernel has yet
+// to write, and only bounds which rows are asked for; the L2 is coherent, so no row read later can be
+// stale). The rows the previous kernel writes are read after the wait in any case.
+__device__ __forceinline__ void attention_prefetch_rows(const AttentionArguments& arguments, const int head) {
+  int position;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(position) : "l"(arguments.positions));
+  const int rows = min(max(position, 0), kAttentionKeys - 1) + 1;
+  constexpr int kLinesPerRow = kAttentionDim * 2 / 128;
+  const long long first = (long long)head * kAttentionKeys * kAttentionDim;
+  for (int line = threadIdx.x; line < 2 * rows * kLinesPerRow; line += kThreads) {
+    const int row_line = line >> 1;
+    const u16* base = (line & 1) ? arguments.v : arguments.k;
+    const u16* address = base + first + (long long)(row_line / kLinesPerRow) * kAttentionDim + (row_line % kLinesPerRow) * 64;
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(address));
+  }
+}
+
 // KV head `head`'s G output rows, over keys 0 .. last, into out [G, D] (this head's part of x).
 __device__ __forceinline__ void attend(const u16* __restrict__ q_all, const u16* __restrict__ k_all,
                                        const u16* __restrict__ v_all, const int last, const int head, u16* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long head_rows = (long long)head * kAttentionKeys;
+  // This thread's key of a chunk and its half of D. (Its first chunk's K loads issued before q's
+  // cost ptxas 25-60 more registers, spilled beside the weight batches in flight: not done.)
+  const int slot = threadIdx.x / kAttentionLanesPerKey, part = threadIdx.x % kAttentionLanesPerKey;
   const u16* q = q_all + (long long)head * kAttentionGroups * kAttentionDim;
   for (int e = threadIdx.x; e < kAttentionGroups * kAttentionDim; e += kThreads) {
     attention_q[e / kAttentionDim][e % kAttentionDim] = to_f32(attention_load2(q + e));
@@ -102,14 +124,12 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q_all, const u16*
   }
   const int pair = warp * kAttentionPairsPerWarp + (lane % kAttentionPairsPerWarp);
   const int slice = lane / kAttentionPairsPerWarp;
-  const long long head_rows = (long long)head * kAttentionKeys;
   float acc[kAttentionGroups][2];
 #pragma unroll
   for (int i = 0; i < kAttentionGroups; ++i) acc[i][0] = acc[i][1] = 0.0f;
   __syncthreads();
   for (int chunk = 0; chunk <= last; chunk += kAttentionChunk) {
     {  // Scores: two lanes a key, each over half of D.
-      const int slot = threadIdx.x / kAttentionLanesPerKey, part = threadIdx.x % kAttentionLanesPerKey;
       const int key = chunk + slot;
       float score[kAttentionGroups];
 #pragma unroll
@@ -174,15 +194,25 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q_all, const u16*
       acc[i][1] *= rescale;
     }
     const int keys_here = min(kAttentionChunk, last + 1 - chunk);
-#pragma unroll 4
-    for (int slot = slice; slot < keys_here; slot += kAttentionSlices) {
-      const u32 bits = attention_load4(v_all + (head_rows + chunk + slot) * kAttentionDim + 2 * pair);
-      const float v0 = to_f32(bits & 0xFFFFu), v1 = to_f32(bits >> 16);
+    // Eight keys' loads in flight at a time (V is in L2: attention_prefetch_rows).
+    for (int first = slice; first < keys_here; first += 8 * kAttentionSlices) {
+      u32 bits[8];
 #pragma unroll
-      for (int i = 0; i < kAttentionGroups; ++i) {
-        const float p = attention_scores[i][slot];
-        acc[i][0] = fmaf(p, v0, acc[i][0]);
-        acc[i][1] = fmaf(p, v1, acc[i][1]);
+      for (int u = 0; u < 8; ++u) {
+        const int key_slot = first + u * kAttentionSlices;
+        bits[u] = key_slot < keys_here ? attention_load4(v_all + (head_rows + chunk + key_slot) * kAttentionDim + 2 * pair) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int key_slot = first + u * kAttentionSlices;
+        if (key_slot >= keys_here) break;
+        const float v0 = to_f32(bits[u] & 0xFFFFu), v1 = to_f32(bits[u] >> 16);
+#pragma unroll
+        for (int i = 0; i < kAttentionGroups; ++i) {
+          const float p = attention_scores[i][key_slot];
+          acc[i][0] = fmaf(p, v0, acc[i][0]);
+          acc[i][1] = fmaf(p, v1, acc[i][1]);
+        }
       }
     }
     __syncthreads();  // the next chunk's scores overwrite these
@@ -215,9 +245,10 @@ __device__ __forceinline__ u64 attention_nanoseconds() {
 // Every thread of the block calls this once (the mainloop's one call a warp), so its barriers hold.
 template <class T>
 __device__ __forceinline__ T* activations_ready(T* pointer) {
-  wait_for_previous_kernel();
   __syncthreads();  // attention_arguments, set by thread 0 at the entry
   const AttentionArguments arguments = attention_arguments;
+  if (blockIdx.x < kAttentionHeads) attention_prefetch_rows(arguments, (int)blockIdx.x);
+  wait_for_previous_kernel();
   u32* const counters = ordered_after_wait(arguments.counters);
   if (blockIdx.x < kAttentionHeads) {
     const int last = min(*ordered_after_wait(arguments.positions), kAttentionKeys - 1);

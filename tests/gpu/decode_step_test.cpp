@@ -195,8 +195,8 @@ TEST_F(DecodeStepKernels, AttentionInsideTheProjectionMatchesTheReference) {
     synthesize_model(directory, synth);
     const DecoderModel model = DecoderModel::load(directory, {.quantize = quantize, .max_sequence = 48});
     std::filesystem::remove_all(directory);
-    const ComputeGraph& graph = model.step_graph(1);
-    const FusionPlan plan = plan_with_discovery(graph, FusionTarget::h200());
+    const FusionPlan plan = plan_with_discovery(model.step_graph(1), FusionTarget::h200());
+    const ComputeGraph& graph = *plan.graph;  // the rewritten graph: flash_attention in place of the chain
     const FusionRegion* region = nullptr;
     for (const FusionRegion& candidate : plan.regions) {
       if (candidate.rule == "attention_output_projection") region = &candidate;
@@ -219,7 +219,13 @@ TEST_F(DecodeStepKernels, AttentionInsideTheProjectionMatchesTheReference) {
         const bool attends = candidate.id.variant.find(" attend") != std::string::npos;
         if (!attends && candidate.id.variant.rfind("attention decode, then gemv", 0) != 0) continue;
         attending += attends;
-        const DeviceStep step = candidate.bind(values);
+        DeviceStep step;
+        try {
+          step = candidate.bind(values);
+        } catch (const CudaError& error) {
+          ADD_FAILURE() << candidate.id.name() << " did not load: " << error.what();
+          continue;
+        }
         for (int run = 0; run < 3; ++run) {
           values.poison_computed_values();
           step(stream);
