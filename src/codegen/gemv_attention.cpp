@@ -235,12 +235,6 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q_all, const u16*
   }
 }
 
-__device__ __forceinline__ u64 attention_nanoseconds() {
-  u64 now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
-
 // x is this kernel's own attention output: ready once every KV head's block has written its rows.
 // Every thread of the block calls this once (the mainloop's one call a warp), so its barriers hold.
 template <class T>
@@ -259,16 +253,7 @@ __device__ __forceinline__ T* activations_ready(T* pointer) {
     if (threadIdx.x == 0) atomicAdd(counters, 1u);
   }
   if (threadIdx.x == 0) {
-    // Microseconds; seconds means the blocks are not co-resident after all (LoadedGemv::load rules
-    // that out): trap, an error the host sees, rather than hang.
-    const u64 start = attention_nanoseconds();
-    for (;;) {
-      u32 seen;
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counters) : "memory");
-      if (seen >= (u32)kAttentionHeads) break;
-      if (attention_nanoseconds() - start > 4000000000ull) asm volatile("trap;");
-      __nanosleep(32);
-    }
+    wait_for_arrivals(counters, (u32)kAttentionHeads);
     // Depart. Once every block has departed none still reads the arrivals: the last re-arms both.
     if (atomicAdd(counters + 1, 1u) == gridDim.x - 1) {
       atomicExch(counters, 0u);
@@ -292,7 +277,7 @@ std::string gemv_attention_prologue(const GemvKernelConfig& config) {
              "constexpr int kAttentionLanesPerKey = {};\nconstexpr int kAttentionChunk = {};\n",
              attention.kv_heads, attention.groups, attention.head_dim, attention.keys, scale_log2, attention.scale,
              kLanesPerKey, chunk_keys(config)) +
-         std::string(attention_body);
+         std::string(gemv_arrival_wait()) + std::string(attention_body);
 }
 
 std::int64_t gemv_attention_shared_bytes(const GemvKernelConfig& config) {

@@ -411,6 +411,26 @@ std::string gemv_device_helpers() {
 
 std::string gemv_format_helpers() { return std::string(device_helpers); }
 
+std::string_view gemv_arrival_wait() {
+  return R"CUDA(
+__device__ __forceinline__ u64 global_nanoseconds() {
+  u64 now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+__device__ __forceinline__ void wait_for_arrivals(const u32* counter, u32 target) {
+  const u64 start = global_nanoseconds();
+  for (;;) {
+    u32 seen;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen >= target) return;
+    if (global_nanoseconds() - start > 4000000000ull) asm volatile("trap;");
+    __nanosleep(32);
+  }
+}
+)CUDA";
+}
+
 std::string gemv_format_tag(const GemvWeightFormat& format) {
   const std::string dtype(dtype_name(format.activation));
   if (!format.is_affine()) return dtype;

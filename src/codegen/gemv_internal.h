@@ -42,6 +42,13 @@ std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_writte
 // too, its down phase waits for the grid barrier instead).
 std::string_view gemv_activations_after_previous_kernel();
 
+// `wait_for_arrivals(counter, target)`: spins (ld.acquire.gpu, a short sleep between reads) until a
+// counter other blocks bump reaches `target`. Microseconds; seconds means the blocks are not
+// co-resident after all (which LoadedGemv::load rules out): the kernel traps, an error the host
+// sees, rather than hang. For the kernels whose blocks wait for one another (the persistent decode
+// MLP's grid barrier, the attention prologue). Defined in gemv_device_helpers.cpp.
+std::string_view gemv_arrival_wait();
+
 // `activations_ready(x)` for a kernel that computes its own x by attention first
 // (GemvKernelConfig::attention, gemv_attention.cpp): the wait for the previous kernel, blocks
 // 0 .. kv_heads - 1 each attend over one KV head and write its rows into x, then every block waits

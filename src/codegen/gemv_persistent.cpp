@@ -46,25 +46,8 @@ constexpr std::string_view grid_barrier = R"CUDA(
 // This launch's arrival counter, set by thread 0 before the block's first barrier.
 __shared__ const u32* grid_arrivals;
 
-__device__ __forceinline__ u64 global_nanoseconds() {
-  u64 now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
-
 // Waits until every block of the grid has arrived (each bumps the counter once, after its phase 1).
-// The wait lasts microseconds; one that lasts seconds means blocks are not co-resident after all
-// (which LoadedGemv::load rules out): the kernel traps, an error the host sees, rather than hang.
-__device__ __forceinline__ void wait_for_every_block(const u32* arrivals) {
-  const u64 start = global_nanoseconds();
-  for (;;) {
-    u32 seen;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals) : "memory");
-    if (seen >= (u32)kBlocks) return;
-    if (global_nanoseconds() - start > 4000000000ull) asm volatile("trap;");
-    __nanosleep(64);
-  }
-}
+__device__ __forceinline__ void wait_for_every_block(const u32* arrivals) { wait_for_arrivals(arrivals, (u32)kBlocks); }
 )CUDA";
 
 // The down phase's x is the hidden state: ready once every block has arrived. The pointer comes out
@@ -262,6 +245,7 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
       config.gate_up.format.activation == DType::f16 ? "true" : "false", blocks, config.warps_per_block,
       config.blocks_per_multiprocessor);
   source += codegen_detail::tensor_core_device_helpers();
+  source += gemv_arrival_wait();
   source += grid_barrier;
   source += phase_source("gate_up", config.gate_up, false, warps);
   source += phase_source("down", config.down, true, warps);
