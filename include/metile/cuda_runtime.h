@@ -464,6 +464,11 @@ class DeviceValues {
   // them: `derive` runs now and again after every upload_inputs that writes one of `inputs`, so
   // it runs once for weights that never change and never inside a run.
   void keep_derived(std::vector<ValueId> inputs, std::function<void()> derive);
+  // A number no other DeviceValues of this process has had: what caches of device data derived
+  // from one object's values key on (an address is reused by the next object on the stack, whose
+  // weights may differ: a GEMV pool keyed by it served one test position's repacked weights to
+  // the next).
+  std::uint64_t serial() const { return serial_; }
 
  private:
   struct Derived {
@@ -474,6 +479,7 @@ class DeviceValues {
   std::vector<DeviceTensor> tensors_;
   std::vector<bool> external_;
   std::vector<Derived> derived_;
+  std::uint64_t serial_;
 };
 
 // A generated kernel, compiled and loaded for the current device.

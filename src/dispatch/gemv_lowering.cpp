@@ -743,8 +743,9 @@ struct GemvKernelPool {
   bool compiled[2] = {false, false};
   std::string compile_error[2];
   std::vector<std::shared_ptr<LoadedGemv>> loaded;
-  std::map<std::pair<const DeviceValues*, ValueId>, std::shared_ptr<RepackedOnDevice>> repacked;
-  std::map<std::pair<const DeviceValues*, std::size_t>, std::shared_ptr<StackedOnDevice>> stacked;
+  // Keyed by DeviceValues::serial(), never by its address.
+  std::map<std::pair<std::uint64_t, ValueId>, std::shared_ptr<RepackedOnDevice>> repacked;
+  std::map<std::pair<std::uint64_t, std::size_t>, std::shared_ptr<StackedOnDevice>> stacked;
 
   std::shared_ptr<LoadedGemv> kernel(std::size_t index) {
     std::lock_guard lock(mutex);
@@ -772,7 +773,7 @@ struct GemvKernelPool {
   // The matrix's repacked copy on `values`' device, made once and kept current.
   std::shared_ptr<RepackedOnDevice> repacked_matrix(DeviceValues& values, const GemvMatrix& matrix) {
     std::lock_guard lock(mutex);
-    auto& slot = repacked[{&values, matrix.weight}];
+    auto& slot = repacked[{values.serial(), matrix.weight}];
     if (slot) return slot;
     slot = std::make_shared<RepackedOnDevice>();
     values.keep_derived({matrix.weight, matrix.scales, matrix.biases}, [&values, matrix, device = slot] {
@@ -795,7 +796,7 @@ struct GemvKernelPool {
   // once and kept current like the repacked matrices.
   std::shared_ptr<StackedOnDevice> stacked_matrix(DeviceValues& values, const GemvStage& stage, std::size_t index) {
     std::lock_guard lock(mutex);
-    auto& slot = stacked[{&values, index}];
+    auto& slot = stacked[{values.serial(), index}];
     if (slot) return slot;
     slot = std::make_shared<StackedOnDevice>();
     std::vector<ValueId> sources;

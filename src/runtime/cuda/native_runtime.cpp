@@ -4,6 +4,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "cuda_driver.h"
 #include "metile/cuda_runtime.h"
@@ -12,8 +13,15 @@
 namespace metile {
 
 // ---------------------------------------------------------------- device values
+namespace {
+std::uint64_t next_device_values_serial() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
 DeviceValues::DeviceValues(const ComputeGraph& graph, const ExternalValues& external_values)
-    : graph_(&graph), external_(graph.values().size(), false) {
+    : graph_(&graph), external_(graph.values().size(), false), serial_(next_device_values_serial()) {
   std::vector<std::uint64_t> external_address(graph.values().size(), 0);
   for (const auto& [name, address] : external_values) {
     const std::optional<ValueId> found = graph.find_value(name);
