@@ -445,6 +445,10 @@ using ExternalValues = std::map<std::string, std::uint64_t>;
 class DeviceValues {
  public:
   explicit DeviceValues(const ComputeGraph& graph, const ExternalValues& external_values = {});
+  // Neither copied nor moved: steps bound to it and the functions given keep_derived hold its
+  // address, and caches key on its serial().
+  DeviceValues(const DeviceValues&) = delete;
+  DeviceValues& operator=(const DeviceValues&) = delete;
   const ComputeGraph& graph() const { return *graph_; }
   DeviceTensor& operator[](ValueId id) { return tensors_.at(static_cast<std::size_t>(id)); }
   const DeviceTensor& operator[](ValueId id) const { return tensors_.at(static_cast<std::size_t>(id)); }

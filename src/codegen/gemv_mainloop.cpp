@@ -866,8 +866,9 @@ void GemvKernelConfig::validate() const {
       throw InputError(fmt::format("GEMV {}: fewer blocks than the {} KV heads the attention prologue gives one each",
                                    to_string(), a.kv_heads));
     }
-    // Its blocks wait for one another, so all of them must fit the SMs at once (64 warps an SM).
-    if (multiprocessors < 1 || blocks > std::int64_t{multiprocessors} * (64 / warps_per_block)) {
+    // Its blocks wait for one another, so all of them must fit the SMs at once (64 warps and 32
+    // blocks an SM).
+    if (multiprocessors < 1 || blocks > std::int64_t{multiprocessors} * std::min(32, 64 / warps_per_block)) {
       throw InputError(fmt::format("GEMV {}: the attention prologue needs its {} blocks of {} warps resident at once "
                                    "on {} SMs",
                                    to_string(), blocks, warps_per_block, multiprocessors));
@@ -909,10 +910,10 @@ void GemvKernelConfig::validate() const {
   if (tile_loop_blocks_per_multiprocessor > 0 && multiprocessors < 1) {
     throw InputError(fmt::format("GEMV: multiprocessors must be positive, not {}", multiprocessors));
   }
-  if (resident_blocks_per_multiprocessor < 0 || resident_blocks_per_multiprocessor * warps_per_block > 64) {
+  if (resident_blocks_per_multiprocessor < 0 || resident_blocks_per_multiprocessor > std::min(32, 64 / warps_per_block)) {
     throw InputError(fmt::format("GEMV: resident_blocks_per_multiprocessor must be 0..{} for {} warps a block "
-                                 "(64 warps an SM), not {}",
-                                 64 / warps_per_block, warps_per_block, resident_blocks_per_multiprocessor));
+                                 "(64 warps and 32 blocks an SM), not {}",
+                                 std::min(32, 64 / warps_per_block), warps_per_block, resident_blocks_per_multiprocessor));
   }
   if (resident_blocks_per_multiprocessor > 0 && mainloop != GemvMainloop::register_batches) {
     throw InputError("GEMV: resident_blocks_per_multiprocessor is for the register-batch mainloop");
@@ -1124,6 +1125,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     config.k_splits = k_splits;
     config.shared_stages = 0;
     config.shared_group_sums = group_sums;
+    config.multiprocessors = multiprocessors;  // the attention prologue's residency bound is per SM
     return config;
   };
   auto add = [&](int warps, bool double_buffered, bool deeper = false, int k_splits = 1, bool group_sums = false,

@@ -743,9 +743,16 @@ struct GemvKernelPool {
   bool compiled[2] = {false, false};
   std::string compile_error[2];
   std::vector<std::shared_ptr<LoadedGemv>> loaded;
-  // Keyed by DeviceValues::serial(), never by its address.
-  std::map<std::pair<std::uint64_t, ValueId>, std::shared_ptr<RepackedOnDevice>> repacked;
-  std::map<std::pair<std::uint64_t, std::size_t>, std::shared_ptr<StackedOnDevice>> stacked;
+  // Keyed by DeviceValues::serial(), never by its address. The DeviceValues owns each copy (through
+  // the keep_derived function that refreshes it) and so do the steps bound to it: the pool only finds
+  // them, so a copy goes with the last of those.
+  std::map<std::pair<std::uint64_t, ValueId>, std::weak_ptr<RepackedOnDevice>> repacked;
+  std::map<std::pair<std::uint64_t, std::size_t>, std::weak_ptr<StackedOnDevice>> stacked;
+
+  template <class Map>
+  static void forget_expired(Map& map) {
+    std::erase_if(map, [](const auto& entry) { return entry.second.expired(); });
+  }
 
   std::shared_ptr<LoadedGemv> kernel(std::size_t index) {
     std::lock_guard lock(mutex);
@@ -773,9 +780,10 @@ struct GemvKernelPool {
   // The matrix's repacked copy on `values`' device, made once and kept current.
   std::shared_ptr<RepackedOnDevice> repacked_matrix(DeviceValues& values, const GemvMatrix& matrix) {
     std::lock_guard lock(mutex);
-    auto& slot = repacked[{values.serial(), matrix.weight}];
-    if (slot) return slot;
-    slot = std::make_shared<RepackedOnDevice>();
+    if (std::shared_ptr<RepackedOnDevice> found = repacked[{values.serial(), matrix.weight}].lock()) return found;
+    forget_expired(repacked);
+    auto slot = std::make_shared<RepackedOnDevice>();
+    repacked[{values.serial(), matrix.weight}] = slot;
     values.keep_derived({matrix.weight, matrix.scales, matrix.biases}, [&values, matrix, device = slot] {
       const QuantizedMatrix host = QuantizedMatrix::from_tensors(
           matrix.format.quantization(), values[matrix.weight].to_host(), values[matrix.scales].to_host(),
@@ -796,9 +804,10 @@ struct GemvKernelPool {
   // once and kept current like the repacked matrices.
   std::shared_ptr<StackedOnDevice> stacked_matrix(DeviceValues& values, const GemvStage& stage, std::size_t index) {
     std::lock_guard lock(mutex);
-    auto& slot = stacked[{values.serial(), index}];
-    if (slot) return slot;
-    slot = std::make_shared<StackedOnDevice>();
+    if (std::shared_ptr<StackedOnDevice> found = stacked[{values.serial(), index}].lock()) return found;
+    forget_expired(stacked);
+    auto slot = std::make_shared<StackedOnDevice>();
+    stacked[{values.serial(), index}] = slot;
     std::vector<ValueId> sources;
     for (const GemvRowPart& part : stage.row_parts) {
       for (ValueId id : {part.matrix.weight, part.matrix.scales, part.matrix.biases, part.bias}) {

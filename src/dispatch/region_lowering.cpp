@@ -4,6 +4,8 @@
 // generates source only, so the report's reasons are tested on the CPU (tests/unit/dispatch).
 #include <fmt/core.h>
 
+#include <vector>
+
 #include "metile/cuda_runtime.h"
 #include "metile/dispatch.h"
 
@@ -15,25 +17,25 @@ namespace {
 // one kernel for both replaces them only where it measures faster; without these, losing the race or
 // the gate would send both parts to the native path. The parts: a composed region's
 // (FusionRule::composes), or an attention_output_projection region's (attention_projection_parts).
-// Every candidate of the first part, each followed by the second's first; a first part of one
-// candidate (the attention kernel) is followed by each of the second's instead, so that the second
-// keeps its own race.
+// Each part also runs natively (its ops one after the other, cuBLASLt for a contraction): as a region
+// of its own a part would race its kernels against that too (a projection of several tokens may well
+// be faster in cuBLASLt than in any GEMV), so the region is never worse off than its parts. Raced:
+// every candidate of the first part followed by the second's first, and the first's first followed
+// by every other candidate of the second (so that a first part of one candidate, the attention
+// kernel, keeps the second's whole race).
 void add_part_candidates(const ComputeGraph& graph, const std::vector<FusionRegion>& parts,
                          std::span<const RegionLowering> extra_lowerings, RegionLowerings& result) {
   RegionLowerings first = lower_region(graph, parts[0], extra_lowerings);
   RegionLowerings second = lower_region(graph, parts[1], extra_lowerings);
-  if (first.candidates.empty() && second.candidates.empty()) {
-    result.refusals += fmt::format("{}its parts one after the other: {}", result.refusals.empty() ? "" : "; ",
-                                   first.refusals);
+  if (first.candidates.empty() && second.candidates.empty()) {  // the region's own native path is the same
+    result.refusals += fmt::format("{}its parts one after the other: first part: {}; second part: {}",
+                                   result.refusals.empty() ? "" : "; ", first.refusals, second.refusals);
     return;
   }
-  // A part no lowering takes runs its ops natively beside the other part's kernels (a region is
-  // never worse off than its parts would be as regions of their own).
   for (auto [part, lowered] : {std::pair{&parts[0], &first}, std::pair{&parts[1], &second}}) {
-    if (!lowered->candidates.empty()) continue;
     FusedCandidate native;
     native.id = CandidateId::fused("native");
-    native.summary = "native: " + lowered->refusals;
+    native.summary = lowered->candidates.empty() ? "native: " + lowered->refusals : "native";
     native.launches = static_cast<int>(part->nodes.size());
     for (NodeId id : part->nodes) native.source += "\n" + NativeRuntime::node_source(graph, id);
     native.bind = [nodes = part->nodes](DeviceValues& values) {
@@ -45,11 +47,12 @@ void add_part_candidates(const ComputeGraph& graph, const std::vector<FusionRegi
     lowered->candidates.push_back(std::move(native));
   }
   std::vector<std::pair<const FusedCandidate*, const FusedCandidate*>> pairs;
-  if (first.candidates.size() == 1) {
-    for (const FusedCandidate& then : second.candidates) pairs.emplace_back(&first.candidates.front(), &then);
-  } else {
-    for (const FusedCandidate& candidate : first.candidates) pairs.emplace_back(&candidate, &second.candidates.front());
+  for (const FusedCandidate& candidate : first.candidates) pairs.emplace_back(&candidate, &second.candidates.front());
+  for (std::size_t i = 1; i < second.candidates.size(); ++i) {
+    pairs.emplace_back(&first.candidates.front(), &second.candidates[i]);
   }
+  // Both parts native is the region's own native path, raced already.
+  std::erase_if(pairs, [&](const auto& pair) { return pair.first->id.variant == "native" && pair.second->id.variant == "native"; });
   for (const auto& [first_candidate, then_candidate] : pairs) {
     const FusedCandidate& candidate = *first_candidate;
     const FusedCandidate& then = *then_candidate;

@@ -783,13 +783,15 @@ TEST(GemvLowering, QkvWithRopeAndCacheWritesIsOneGemvWithTheRopeEpilogue) {
     EXPECT_EQ(base.output_splits, (std::vector<std::int64_t>{256, 128, 128}));
     EXPECT_TRUE(base.rope_cache.has_value());
     const RegionLowerings all = lower_region(g, region, std::span<const RegionLowering>{});
-    int one_kernel = 0, two_kernels = 0;
+    int one_kernel = 0, two_kernels = 0, a_part_native = 0;
     std::set<std::string> variants;
     for (const FusedCandidate& candidate : all.candidates) variants.insert(candidate.id.variant);
     for (const FusedCandidate& candidate : all.candidates) {
       const bool joined = candidate.launches == 1;
       one_kernel += joined;
       two_kernels += candidate.launches == 2 && candidate.id.variant.ends_with(", then rope kv cache");
+      // Each part also runs natively beside the other's first candidate.
+      a_part_native += candidate.id.variant.starts_with("native, then ") || candidate.id.variant.ends_with(", then native");
       // Every one-kernel shape races its own two kernels (the streamed stacked GEMVs have no rope
       // epilogue: they race as two kernels only).
       if (joined) {
@@ -801,7 +803,9 @@ TEST(GemvLowering, QkvWithRopeAndCacheWritesIsOneGemvWithTheRopeEpilogue) {
     }
     EXPECT_GE(one_kernel, 2);
     EXPECT_GT(two_kernels, one_kernel);
-    EXPECT_EQ(static_cast<int>(all.candidates.size()), one_kernel + two_kernels);
+    EXPECT_TRUE(variants.contains("native, then rope kv cache")) << all.refusals;
+    EXPECT_EQ(a_part_native, 2);
+    EXPECT_EQ(static_cast<int>(all.candidates.size()), one_kernel + two_kernels + a_part_native);
   }
   testing::AttentionInputsShape shape;
   const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
