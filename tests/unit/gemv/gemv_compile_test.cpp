@@ -714,7 +714,10 @@ TEST(GemvCompile, AttentionPrologueCompilesAndRefusesWhatItCannotDo) {
     int compiled = 0;
     for (const GemvKernelConfig& config : gemv_tuning_candidates(base)) {
       ASSERT_TRUE(config.attention) << config.to_string();
-      if (config.k_splits != 1 || config.shared_stages >= 2) continue;  // refused: not among the candidates
+      // Split-K and staged rings are refused with the prologue: never among its candidates.
+      EXPECT_EQ(config.k_splits, 1) << config.to_string();
+      EXPECT_LT(config.shared_stages, 2) << config.to_string();
+      EXPECT_EQ(config.multiprocessors, 132) << config.to_string();
       const GemvKernelSource kernel = generate_gemv_kernel(config);
       EXPECT_EQ(kernel.workspace_bytes, 8u);
       EXPECT_EQ(kernel.co_resident_blocks_per_multiprocessor, 1);
@@ -734,6 +737,18 @@ TEST(GemvCompile, AttentionPrologueCompilesAndRefusesWhatItCannotDo) {
       }
     }
     EXPECT_GE(compiled, 2) << base.to_string();
+    // The grid must be resident at once on the device the candidates are for: on 2 SMs (at most 64
+    // warps and 32 blocks each) only grids of few blocks remain (Llama-3-8B's 256 tiles: none).
+    const std::vector<GemvKernelConfig> two_sms = gemv_tuning_candidates(base, 2);
+    for (const GemvKernelConfig& config : two_sms) {
+      const std::int64_t blocks = ((config.out_features + 15) / 16 + config.tiles_per_block - 1) / config.tiles_per_block;
+      EXPECT_LE(blocks, 2 * std::min(32, 64 / config.warps_per_block)) << config.to_string();
+      EXPECT_EQ(config.multiprocessors, 2) << config.to_string();
+    }
+    if (width == 4096) {
+      EXPECT_TRUE(two_sms.empty());
+    }
+    EXPECT_LT(two_sms.size(), gemv_tuning_candidates(base).size()) << base.to_string();
     GemvKernelConfig refused = base;
     refused.k_splits = 2;
     EXPECT_THROW(refused.validate(), InputError);
