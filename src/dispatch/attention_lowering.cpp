@@ -109,7 +109,12 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   const std::vector<ValueId> operands = node.inputs;
   const ValueId out = node.outputs[0];
   for (NodeId id : layout_after) candidate.source += "\n" + NativeRuntime::node_source(graph, id);
-  candidate.launches += static_cast<int>(layout_after.size());
+  // A reshape, or a transpose that moves only axes of length one, is a view of its input (alias_of,
+  // graph.h) and launches nothing; any other layout op is a copy kernel.
+  for (NodeId id : layout_after) {
+    const Node& op = graph.node(id);
+    candidate.launches += op.op != "reshape" && !(op.op == "transpose" && transpose_moves_only_unit_axes(graph, op));
+  }
   candidate.bind = [problem, options, cache_rows, operands, out, layout_after](DeviceValues& values) {
     FlashAttentionOptions bound = options;
     for (const auto& [written, cache] : cache_rows.in_place) {
