@@ -526,5 +526,9 @@ class NativeRuntime {
 
 // Runs the steps in order on the stream.
 void run_steps(const std::vector<DeviceStep>& steps, const CudaStream& stream);
+// One step that runs `nodes` of values' graph natively, in order, on `runtime` (which the step keeps
+// alive): the ops a lowering leaves beside its kernels.
+DeviceStep native_nodes_step(const std::shared_ptr<NativeRuntime>& runtime, DeviceValues& values,
+                             const std::vector<NodeId>& nodes);
 
 }  // namespace metile

@@ -356,6 +356,9 @@ class ComputeGraph {
 std::vector<ValueId> alias_of(const ComputeGraph& graph, const std::vector<bool>& owns_buffer = {});
 // A transpose whose permutation keeps every axis longer than one in order (the bytes do not move).
 bool transpose_moves_only_unit_axes(const ComputeGraph& graph, const Node& node);
+// A reshape, or such a transpose: its output is its input's bytes (alias_of makes it a view, and its
+// native step launches nothing).
+bool is_view_of_its_input(const ComputeGraph& graph, const Node& node);
 
 // A value recorded by a GraphBuilder (only meaningful with that builder).
 struct ValueRef {

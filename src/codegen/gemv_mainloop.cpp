@@ -771,6 +771,11 @@ std::string_view gemv_mainloop_name(GemvMainloop mainloop) {
   return mainloop == GemvMainloop::register_batches ? "register_batches" : "streamed";
 }
 
+namespace {
+// The most blocks of this many warps an SM keeps at once (sm_90: 64 warps, 32 blocks).
+int blocks_an_sm_holds(int warps_per_block) { return std::min(32, 64 / warps_per_block); }
+}  // namespace
+
 void GemvKernelConfig::validate() const {
   format.validate();
   if (rows < 1 || rows > 16) throw InputError(fmt::format("GEMV: rows (M) must be 1..16, not {}", rows));
@@ -868,7 +873,7 @@ void GemvKernelConfig::validate() const {
     }
     // Its blocks wait for one another, so all of them must fit the SMs at once (64 warps and 32
     // blocks an SM).
-    if (multiprocessors < 1 || blocks > std::int64_t{multiprocessors} * std::min(32, 64 / warps_per_block)) {
+    if (multiprocessors < 1 || blocks > std::int64_t{multiprocessors} * blocks_an_sm_holds(warps_per_block)) {
       throw InputError(fmt::format("GEMV {}: the attention prologue needs its {} blocks of {} warps resident at once "
                                    "on {} SMs",
                                    to_string(), blocks, warps_per_block, multiprocessors));
@@ -910,10 +915,10 @@ void GemvKernelConfig::validate() const {
   if (tile_loop_blocks_per_multiprocessor > 0 && multiprocessors < 1) {
     throw InputError(fmt::format("GEMV: multiprocessors must be positive, not {}", multiprocessors));
   }
-  if (resident_blocks_per_multiprocessor < 0 || resident_blocks_per_multiprocessor > std::min(32, 64 / warps_per_block)) {
+  if (resident_blocks_per_multiprocessor < 0 || resident_blocks_per_multiprocessor > blocks_an_sm_holds(warps_per_block)) {
     throw InputError(fmt::format("GEMV: resident_blocks_per_multiprocessor must be 0..{} for {} warps a block "
                                  "(64 warps and 32 blocks an SM), not {}",
-                                 std::min(32, 64 / warps_per_block), warps_per_block, resident_blocks_per_multiprocessor));
+                                 blocks_an_sm_holds(warps_per_block), warps_per_block, resident_blocks_per_multiprocessor));
   }
   if (resident_blocks_per_multiprocessor > 0 && mainloop != GemvMainloop::register_batches) {
     throw InputError("GEMV: resident_blocks_per_multiprocessor is for the register-batch mainloop");
@@ -1211,7 +1216,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       // every weight load of the stage is issued before its wait, none waits for a second wave. Two
       // blocks an SM need no bound (64 registers fit them).
       const std::int64_t waves_of_blocks = (tiles + multiprocessors - 1) / multiprocessors;
-      if (waves_of_blocks >= 3 && waves_of_blocks * 16 <= 64) {
+      if (waves_of_blocks >= 3 && waves_of_blocks <= blocks_an_sm_holds(16)) {
         GemvKernelConfig one_wave = register_shape(16, true);
         one_wave.resident_blocks_per_multiprocessor = static_cast<int>(waves_of_blocks);
         add_config(one_wave);

@@ -109,12 +109,8 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
   const std::vector<ValueId> operands = node.inputs;
   const ValueId out = node.outputs[0];
   for (NodeId id : layout_after) candidate.source += "\n" + NativeRuntime::node_source(graph, id);
-  // A reshape, or a transpose that moves only axes of length one, is a view of its input (alias_of,
-  // graph.h) and launches nothing; any other layout op is a copy kernel.
-  for (NodeId id : layout_after) {
-    const Node& op = graph.node(id);
-    candidate.launches += op.op != "reshape" && !(op.op == "transpose" && transpose_moves_only_unit_axes(graph, op));
-  }
+  // A view of its input launches nothing; any other layout op is a copy kernel.
+  for (NodeId id : layout_after) candidate.launches += !is_view_of_its_input(graph, graph.node(id));
   candidate.bind = [problem, options, cache_rows, operands, out, layout_after](DeviceValues& values) {
     FlashAttentionOptions bound = options;
     for (const auto& [written, cache] : cache_rows.in_place) {
@@ -126,12 +122,10 @@ Lowered flash_attention_candidates(const ComputeGraph& graph, const FusionRegion
     const std::uint64_t v = values[operands[2]].address();
     const std::uint64_t positions = operands.size() == 4 ? values[operands[3]].address() : 0;
     const std::uint64_t output = values[out].address();
-    auto native = std::make_shared<NativeRuntime>();
-    auto after = std::make_shared<std::vector<DeviceStep>>();
-    for (NodeId id : layout_after) after->push_back(native->node_step(values.graph(), id, values));
-    return DeviceStep([attention, q, k, v, positions, output, native, after](const CudaStream& stream) {
+    const DeviceStep after = native_nodes_step(std::make_shared<NativeRuntime>(), values, layout_after);
+    return DeviceStep([attention, q, k, v, positions, output, after](const CudaStream& stream) {
       attention->enqueue(stream, q, k, v, positions, output);
-      run_steps(*after, stream);
+      after(stream);
     });
   };
   return {Decision::allow(), {std::move(candidate)}};

@@ -114,11 +114,14 @@ Lowered contraction_row_candidates(const ComputeGraph& graph, const FusionRegion
     candidate.launches = static_cast<int>(1 + before.size() + after.size());
     candidate.bind = [row_bind = candidate.bind, before, after](DeviceValues& values) {
       auto native = std::make_shared<NativeRuntime>();
-      auto steps = std::make_shared<std::vector<DeviceStep>>();
-      for (NodeId id : before) steps->push_back(native->node_step(values.graph(), id, values));
-      steps->push_back(row_bind(values));
-      for (NodeId id : after) steps->push_back(native->node_step(values.graph(), id, values));
-      return DeviceStep([native, steps](const CudaStream& stream) { run_steps(*steps, stream); });
+      const DeviceStep first = native_nodes_step(native, values, before);
+      const DeviceStep rows = row_bind(values);
+      const DeviceStep last = native_nodes_step(native, values, after);
+      return DeviceStep([first, rows, last](const CudaStream& stream) {
+        first(stream);
+        rows(stream);
+        last(stream);
+      });
     };
   }
   return {Decision::allow(), std::move(candidates)};

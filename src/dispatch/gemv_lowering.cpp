@@ -679,7 +679,7 @@ GemvRegionPlan plan_gemv_attention_projection(const ComputeGraph& graph, const F
   // that moves only axes of length one.
   for (std::size_t i = 1; i < parts[0].nodes.size(); ++i) {
     const Node& node = graph.node(parts[0].nodes[i]);
-    if (node.op != "reshape" && !transpose_moves_only_unit_axes(graph, node)) {
+    if (!is_view_of_its_input(graph, node)) {
       return refuse(fmt::format("'{}' ({}) reorders the attention output before the projection", node.name, node.op));
     }
   }
@@ -749,9 +749,16 @@ struct GemvKernelPool {
   std::map<std::pair<std::uint64_t, ValueId>, std::weak_ptr<RepackedOnDevice>> repacked;
   std::map<std::pair<std::uint64_t, std::size_t>, std::weak_ptr<StackedOnDevice>> stacked;
 
+  // The copy `map` finds for `key` while something owns it (made: false), else a new empty one it
+  // finds from now on (made: true; the entries of copies gone are dropped then).
   template <class Map>
-  static void forget_expired(Map& map) {
+  static auto found_or_made(Map& map, const typename Map::key_type& key) {
+    using Copy = typename Map::mapped_type::element_type;
+    if (std::shared_ptr<Copy> found = map[key].lock()) return std::pair{found, false};
     std::erase_if(map, [](const auto& entry) { return entry.second.expired(); });
+    auto made = std::make_shared<Copy>();
+    map[key] = made;
+    return std::pair{made, true};
   }
 
   std::shared_ptr<LoadedGemv> kernel(std::size_t index) {
@@ -780,10 +787,8 @@ struct GemvKernelPool {
   // The matrix's repacked copy on `values`' device, made once and kept current.
   std::shared_ptr<RepackedOnDevice> repacked_matrix(DeviceValues& values, const GemvMatrix& matrix) {
     std::lock_guard lock(mutex);
-    if (std::shared_ptr<RepackedOnDevice> found = repacked[{values.serial(), matrix.weight}].lock()) return found;
-    forget_expired(repacked);
-    auto slot = std::make_shared<RepackedOnDevice>();
-    repacked[{values.serial(), matrix.weight}] = slot;
+    const auto [slot, made] = found_or_made(repacked, {values.serial(), matrix.weight});
+    if (!made) return slot;
     values.keep_derived({matrix.weight, matrix.scales, matrix.biases}, [&values, matrix, device = slot] {
       const QuantizedMatrix host = QuantizedMatrix::from_tensors(
           matrix.format.quantization(), values[matrix.weight].to_host(), values[matrix.scales].to_host(),
@@ -804,10 +809,8 @@ struct GemvKernelPool {
   // once and kept current like the repacked matrices.
   std::shared_ptr<StackedOnDevice> stacked_matrix(DeviceValues& values, const GemvStage& stage, std::size_t index) {
     std::lock_guard lock(mutex);
-    if (std::shared_ptr<StackedOnDevice> found = stacked[{values.serial(), index}].lock()) return found;
-    forget_expired(stacked);
-    auto slot = std::make_shared<StackedOnDevice>();
-    stacked[{values.serial(), index}] = slot;
+    const auto [slot, made] = found_or_made(stacked, {values.serial(), index});
+    if (!made) return slot;
     std::vector<ValueId> sources;
     for (const GemvRowPart& part : stage.row_parts) {
       for (ValueId id : {part.matrix.weight, part.matrix.scales, part.matrix.biases, part.bias}) {

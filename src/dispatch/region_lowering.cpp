@@ -39,10 +39,7 @@ void add_part_candidates(const ComputeGraph& graph, const std::vector<FusionRegi
     native.launches = static_cast<int>(part->nodes.size());
     for (NodeId id : part->nodes) native.source += "\n" + NativeRuntime::node_source(graph, id);
     native.bind = [nodes = part->nodes](DeviceValues& values) {
-      auto runtime = std::make_shared<NativeRuntime>();
-      auto steps = std::make_shared<std::vector<DeviceStep>>();
-      for (NodeId id : nodes) steps->push_back(runtime->node_step(values.graph(), id, values));
-      return DeviceStep([runtime, steps](const CudaStream& stream) { run_steps(*steps, stream); });
+      return native_nodes_step(std::make_shared<NativeRuntime>(), values, nodes);
     };
     lowered->candidates.push_back(std::move(native));
   }

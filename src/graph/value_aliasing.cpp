@@ -25,6 +25,10 @@ bool transpose_moves_only_unit_axes(const ComputeGraph& graph, const Node& node)
   return true;
 }
 
+bool is_view_of_its_input(const ComputeGraph& graph, const Node& node) {
+  return node.op == "reshape" || transpose_moves_only_unit_axes(graph, node);
+}
+
 std::vector<ValueId> alias_of(const ComputeGraph& graph, const std::vector<bool>& owns_buffer) {
   const std::size_t count = graph.values().size();
   std::vector<ValueId> owner(count);
@@ -39,7 +43,7 @@ std::vector<ValueId> alias_of(const ComputeGraph& graph, const std::vector<bool>
     const ValueId out = node.outputs[0];
     if (forced_owner(out)) continue;
     const ValueId source = owner[static_cast<std::size_t>(node.inputs[0])];
-    if (node.op == "reshape" || transpose_moves_only_unit_axes(graph, node)) {
+    if (is_view_of_its_input(graph, node)) {
       owner[static_cast<std::size_t>(out)] = source;
       aliasing_node[static_cast<std::size_t>(node.id)] = true;
       continue;

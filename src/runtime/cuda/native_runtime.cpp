@@ -273,4 +273,11 @@ void run_steps(const std::vector<DeviceStep>& steps, const CudaStream& stream) {
   for (const DeviceStep& step : steps) step(stream);
 }
 
+DeviceStep native_nodes_step(const std::shared_ptr<NativeRuntime>& runtime, DeviceValues& values,
+                             const std::vector<NodeId>& nodes) {
+  auto steps = std::make_shared<std::vector<DeviceStep>>();
+  for (NodeId id : nodes) steps->push_back(runtime->node_step(values.graph(), id, values));
+  return DeviceStep([runtime, steps](const CudaStream& stream) { run_steps(*steps, stream); });
+}
+
 }  // namespace metile
