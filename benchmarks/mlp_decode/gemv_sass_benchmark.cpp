@@ -10,6 +10,7 @@
 //   --norm                        gate/up with the RMSNorm prologue, as a swiglu_mlp region runs it
 //   --model NAME                  another model's MLP: llama3-8b (the default), llama3.2-1b, qwen2.5-1.5b
 //                                 (without --all: the same two shapes, chosen for Llama-3-8B)
+//   --rows M                      M activation rows (1..16; default 1): what M = 16 adds per weight word
 //   --qkv                         the model's q/k/v GEMV instead (the RMSNorm prologue, rope and the cache
 //                                 writes in its epilogue), every register-batch candidate, 4-bit and 8-bit g64
 //
@@ -143,7 +144,7 @@ std::vector<GemvKernelConfig> qkv_configs(const MlpShape& model) {
   return configs;
 }
 
-int run(bool all, bool opcodes, bool norm, bool qkv, const MlpShape& model) {
+int run(bool all, bool opcodes, bool norm, bool qkv, std::int64_t rows, const MlpShape& model) {
   const std::int64_t hidden = model.hidden, intermediate = model.intermediate;
   std::vector<GemvKernelConfig> configs;
   if (qkv) configs = qkv_configs(model);
@@ -152,6 +153,7 @@ int run(bool all, bool opcodes, bool norm, bool qkv, const MlpShape& model) {
     const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
     GemvKernelConfig gate_up;
     gate_up.format = format;
+    gate_up.rows = rows;
     gate_up.out_features = intermediate;
     gate_up.in_features = hidden;
     gate_up.epilogue = GemvEpilogue::swiglu(format.activation);
@@ -184,7 +186,7 @@ int run(bool all, bool opcodes, bool norm, bool qkv, const MlpShape& model) {
     }));
   }
   const std::vector<std::string> columns = {"HMMA", "LOP3", "SHF", "PRMT", "F2FP", "FFMA", "FADD", "FMUL", "LDG", "LDS"};
-  fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>5} {:>6}", fmt::format("format ({} M=1)", model.label), "shape", "regs",
+  fmt::print("{:<22} {:<28} {:>4} {:>5} {:>5} {:>5} {:>6}", fmt::format("format ({} M={})", model.label, rows), "shape", "regs",
              "spill", "instr", "words", "/word");
   for (const std::string& column : columns) fmt::print(" {:>5}", column);
   fmt::print(" {:>5}\n", "other");
@@ -236,8 +238,9 @@ int run(bool all, bool opcodes, bool norm, bool qkv, const MlpShape& model) {
 
 int main(int argc, char** argv) {
   bool all = false, opcodes = false, norm = false, qkv = false;
+  std::int64_t rows = 1;
   const metile::MlpShape* model = &metile::mlp_shapes().front();
-  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--qkv] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
+  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--qkv] [--rows M] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--all") == 0) {
       all = true;
@@ -247,6 +250,13 @@ int main(int argc, char** argv) {
       norm = true;
     } else if (std::strcmp(argv[i], "--qkv") == 0) {
       qkv = true;
+    } else if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc) {
+      char* end = nullptr;
+      rows = std::strtoll(argv[++i], &end, 10);
+      if (*end != '\0' || rows < 1 || rows > 16) {
+        fmt::print(stderr, "metile: error: --rows takes 1..16, not '{}' ({})\n", argv[i], usage);
+        return 2;
+      }
     } else if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
       const std::string name = argv[++i];
       const auto& shapes = metile::mlp_shapes();
@@ -262,7 +272,11 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    return metile::run(all, opcodes, norm, qkv, *model);
+    if (qkv && rows != 1) {
+      fmt::print(stderr, "metile: error: --qkv counts the decode step's q/k/v at M = 1 ({})\n", usage);
+      return 2;
+    }
+    return metile::run(all, opcodes, norm, qkv, rows, *model);
   } catch (const std::exception& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 1;
