@@ -89,9 +89,11 @@ LoopWork loop_work(const GemvKernelConfig& config) {
 }
 
 std::string shape_name(const GemvKernelConfig& config) {
-  return fmt::format("{} w{} f{}{}{}{}",
+  return fmt::format("{} w{}{} f{}{}{}{}",
                      config.rope_cache ? "q/k/v" : config.epilogue.product_count() == 2 ? "gate/up" : "down",
-                     config.warps_per_block, config.iterations_in_flight,
+                     config.warps_per_block,
+                     config.tiles_per_block > 1 ? fmt::format(" t{}", config.tiles_per_block) : std::string(),
+                     config.iterations_in_flight,
                      config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
                                                : std::string(config.double_buffered ? " db" : " batch"),
                      std::string(config.shared_group_sums ? " sums" : "") + (config.x_staged_by_async_copy ? " x-async" : ""),
