@@ -413,6 +413,10 @@ struct StepKindTime {
   // A kind that costs nothing (a reshape that moves no byte) measures about 0, either sign: noise.
   // Eager times (ms) overstate latency-bound kernels: inside the replay their launches overlap.
   double replay_ms = std::numeric_limits<double>::quiet_NaN();
+  // The weight bytes its steps stream in one run (FusedCandidate::weights: a GEMV's matrices, repacked
+  // or in place, with their scales and biases); 0 where its steps name none (native library calls,
+  // attention, row kernels). Over replay_ms it says how near the copy rate the kind streams.
+  std::uint64_t weight_bytes = 0;
 };
 
 // Every lowering's candidates for a region (the built-in ones, then the extra ones), or, for each

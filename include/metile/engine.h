@@ -223,6 +223,7 @@ struct EngineBenchmark {
   double tokens_per_second = 0;     // 1000 / decode_greedy_ms
   double floor_ms = 0;              // decode_step_bytes(context) / copy bandwidth
   double floor_percent = 0;         // floor_ms / decode_replay_ms
+  double copy_bandwidth_gbps = 0;   // BenchmarkOptions::copy_bandwidth_gbps (0: not measured)
   std::int64_t prefill_tokens = 0;  // the prompt of the prefill measurement
   double prefill_tokens_per_second = 0;  // the prompt fed as generate feeds it (feed_greedy: ids copied back)
   std::vector<StepKindTime> breakdown;  // one decode step run eagerly, events between units
@@ -232,6 +233,12 @@ struct EngineBenchmark {
   // Why: each region kind's first region's reason (RegionReport::reason: the race's figures).
   std::map<std::string, std::string> reasons;
 };
+
+// How near the copy rate one kind of a step streams its weights inside the replay: the time its
+// weight_bytes take at `copy_bandwidth_gbps`, in percent of its replay_ms. NaN where the kind names
+// no weights, its replay cost was not measured or is not positive (a kind whose work overlaps others
+// can cost ~0), or no bandwidth was measured.
+double weight_stream_percent(const StepKindTime& time, double copy_bandwidth_gbps);
 
 struct BenchmarkOptions {
   std::int64_t context = 128;

@@ -498,6 +498,7 @@ std::vector<StepKindTime> Executable::profile(const CudaStream& stream) {
     if (entry == times.end()) entry = times.insert(times.end(), StepKindTime{state_->step_kinds[i], 0, 0});
     entry->ms += CudaEvent::elapsed_ms(events[i], events[i + 1]);
     entry->steps += 1;
+    for (const DeviceByteRange& range : state_->step_weights[i]) entry->weight_bytes += range.bytes;
   }
   std::stable_sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
   return times;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <limits>
 #include <random>
 
 #include <fmt/format.h>
@@ -40,6 +41,14 @@ constexpr int kWarmupFeeds = 3;
 std::int64_t BenchmarkOptions::cached_tokens_needed() const {
   // The context, the warm-up feeds, the timed feed() steps, then one greedy step and the timed ones.
   return std::max(prefill_tokens, context + kWarmupFeeds + 2 * static_cast<std::int64_t>(decode_steps) + 1);
+}
+
+double weight_stream_percent(const StepKindTime& time, double copy_bandwidth_gbps) {
+  if (time.weight_bytes == 0 || !(time.replay_ms > 0) || !(copy_bandwidth_gbps > 0)) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  const double floor_ms = static_cast<double>(time.weight_bytes) / (copy_bandwidth_gbps * 1e9) * 1e3;
+  return 100 * floor_ms / time.replay_ms;
 }
 
 EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options) {
@@ -111,6 +120,7 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   result.decode_greedy_ms = seconds_since(greedy_start) * 1e3 / static_cast<double>(options.decode_steps);
   result.tokens_per_second = 1e3 / result.decode_greedy_ms;
 
+  result.copy_bandwidth_gbps = options.copy_bandwidth_gbps;
   if (options.copy_bandwidth_gbps > 0) {
     result.floor_ms = static_cast<double>(session.model().decode_step_bytes(options.context)) /
                       (options.copy_bandwidth_gbps * 1e9) * 1e3;

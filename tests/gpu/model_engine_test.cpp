@@ -23,6 +23,7 @@
 #include "gpu_test_support.h"
 #include "metile/discovery.h"
 #include "metile/engine.h"
+#include "metile/gemv.h"
 #include "metile_test_support.h"
 
 namespace metile {
@@ -214,6 +215,51 @@ TEST_F(ModelEngineTest, NearTieRacesKeepTheFusedEngineAgreeingWithNative) {
   EXPECT_TRUE(meets(figures, EngineThresholds{})) << first_miss(figures, EngineThresholds{}) << "\n" << report;
   std::printf("near-tie races: %d regions raced, %zu verdicts\nfused (near ties raced) vs native: %s\n", raced_regions,
               verdicts, describe(figures).c_str());
+}
+
+// Executable::profile names the weight bytes each fused GEMV kind streams (bench-model's "weights MB"
+// and "% of copy" columns), against the checkpoint's matrix sizes written here: bf16 weights are
+// read in place or stacked (2 bytes a weight, exactly); 4-bit g64 ones repacked, half a byte a
+// weight plus a bf16 scale and bias a group of 64, over rows padded to tiles of 16 and columns to
+// whole iterations (the tiny model's 64 columns become one iteration of 128). Regions are forced
+// fused so that every GEMV kind names its bytes.
+TEST_F(ModelEngineTest, ProfileCountsTheWeightsEachFusedGemvKindStreams) {
+  for (int bits : {0, 4}) {
+    const std::uint64_t seed = test_seed(fmt::format("ProfileWeights{}", bits));
+    const DecoderModel model = synth_and_load(fmt::format("model{}", bits), ModelArchitecture::llama, bits, seed);
+    const auto cuda_model = CudaModel::load(model, device());
+    ExecutableOptions forced = executable_;
+    forced.mode = DispatchMode::fused;
+    CudaDecodeSession fused(cuda_model, EngineOptions{EnginePath::fused, forced, {}});
+    fused.feed(random_prompt(seed, 8, model.config().vocab_size));
+    const std::vector<StepKindTime> times = fused.executable(1).profile(fused.stream());
+    const ModelConfig& config = model.config();
+    const std::int64_t columns_per_iteration = GemvWeightFormat::affine(4, 64, DType::bf16).columns_per_iteration();
+    const auto weights = [&](std::int64_t rows, std::int64_t columns) -> std::uint64_t {
+      if (bits == 0) return static_cast<std::uint64_t>(2 * rows * columns);
+      const std::int64_t padded_rows = (rows + 15) / 16 * 16;
+      const std::int64_t padded_columns = (columns + columns_per_iteration - 1) / columns_per_iteration * columns_per_iteration;
+      return static_cast<std::uint64_t>(padded_rows * padded_columns / 2 + padded_rows * (padded_columns / 64) * 4);
+    };
+    const std::int64_t qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim;
+    const auto layers = static_cast<std::uint64_t>(config.num_hidden_layers);
+    const std::map<std::string, std::uint64_t> expected = {
+        {"swiglu_mlp fused", layers * (2 * weights(config.intermediate_size, config.hidden_size) +
+                                       weights(config.hidden_size, config.intermediate_size))},
+        {"qkv_rope_kv_cache fused", layers * weights(qkv_rows, config.hidden_size)}};
+    std::string kinds;
+    for (const StepKindTime& time : times) kinds += fmt::format("{}: {} bytes\n", time.kind, time.weight_bytes);
+    for (const auto& [kind, bytes] : expected) {
+      const auto found = std::find_if(times.begin(), times.end(), [&](const StepKindTime& time) { return time.kind == kind; });
+      ASSERT_NE(found, times.end()) << "bits " << bits << ": no kind '" << kind << "'\n" << kinds;
+      EXPECT_EQ(found->weight_bytes, bytes) << "bits " << bits << ", " << kind << "\n" << kinds;
+    }
+    for (const StepKindTime& time : times) {
+      if (time.kind.rfind("rope", 0) == 0 || time.kind.rfind("reshape", 0) == 0) {
+        EXPECT_EQ(time.weight_bytes, 0u) << time.kind;  // unfused layout ops name no weights
+      }
+    }
+  }
 }
 
 class GpuAgainstCpuReference : public ModelEngineTest, public ::testing::WithParamInterface<EngineCase> {};

@@ -81,7 +81,13 @@ nlohmann::json benchmark_json(const EngineBenchmark& result) {
   nlohmann::json breakdown = nlohmann::json::array();
   for (const StepKindTime& time : result.breakdown) {
     nlohmann::json replay = std::isnan(time.replay_ms) ? nlohmann::json(nullptr) : nlohmann::json(time.replay_ms);
-    breakdown.push_back({{"kind", time.kind}, {"ms", time.ms}, {"replay_ms", replay}, {"steps", time.steps}});
+    const double percent = weight_stream_percent(time, result.copy_bandwidth_gbps);
+    breakdown.push_back({{"kind", time.kind},
+                         {"ms", time.ms},
+                         {"replay_ms", replay},
+                         {"steps", time.steps},
+                         {"weight_bytes", time.weight_bytes},
+                         {"weight_copy_percent", std::isnan(percent) ? nlohmann::json(nullptr) : nlohmann::json(percent)}});
   }
   return {{"decode_ms_per_token", result.decode_replay_ms},
           {"decode_feed_ms_per_token", result.decode_feed_ms},
@@ -106,10 +112,17 @@ void print_breakdown(const EngineBenchmark& result) {
   fmt::print("\none {} decode step at context {}: units run eagerly with events between them ({:.3f} ms in all), and\n"
              "what each kind costs inside the replay (the replay less the step replayed without it; {:.3f} ms in all):\n",
              result.path, result.context, total, replayed);
-  fmt::print("{:<36} {:>9} {:>8} {:>10} {:>7}\n", "kind", "eager ms", "share", "replay ms", "steps");
+  // The weights each kind streams, and how near the copy rate it streams them inside the replay:
+  // a GEMV kind far below it is bound by latency (its kernels' chains), not by DRAM.
+  fmt::print("{:<36} {:>9} {:>8} {:>10} {:>7} {:>11} {:>10}\n", "kind", "eager ms", "share", "replay ms", "steps",
+             "weights MB", "% of copy");
   for (const StepKindTime& time : result.breakdown) {
-    fmt::print("{:<36} {:>9.4f} {:>7.1f}% {:>10} {:>7}\n", time.kind, time.ms, total > 0 ? 100 * time.ms / total : 0.0,
-               std::isnan(time.replay_ms) ? std::string("-") : fmt::format("{:.4f}", time.replay_ms), time.steps);
+    const double percent = weight_stream_percent(time, result.copy_bandwidth_gbps);
+    fmt::print("{:<36} {:>9.4f} {:>7.1f}% {:>10} {:>7} {:>11} {:>10}\n", time.kind, time.ms,
+               total > 0 ? 100 * time.ms / total : 0.0,
+               std::isnan(time.replay_ms) ? std::string("-") : fmt::format("{:.4f}", time.replay_ms), time.steps,
+               time.weight_bytes == 0 ? std::string("-") : fmt::format("{:.1f}", static_cast<double>(time.weight_bytes) / 1e6),
+               std::isnan(percent) ? std::string("-") : fmt::format("{:.1f}%", percent));
   }
   fmt::print("what its regions run (regions):\n");
   for (const auto& [chosen, regions] : result.chosen) fmt::print("  {:>4}  {}\n", regions, chosen);

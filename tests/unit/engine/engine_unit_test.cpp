@@ -3,7 +3,9 @@
 //     own native step); the fused path rewrites each layer's attention into one flash_attention
 //     node and plans regions, each node in at most one region;
 //   * compare_logits: KL divergence and logit error against a long-double sum written here, on
-//     fresh random logits; a NaN logit shows as a NaN figure and misses every threshold.
+//     fresh random logits; a NaN logit shows as a NaN figure and misses every threshold;
+//   * weight_stream_percent: a kind's weight bytes at the copy rate over its replay cost, against
+//     the same ratio in long double; NaN where a figure is missing.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -136,6 +138,40 @@ TEST(EngineVerificationFigures, ReferenceMarginIsTheGapOfTheTwoBestLogits) {
   EXPECT_EQ(compare_logits(tie, tie).reference_margin, 0.0);
   const std::vector<float> one = {5};
   EXPECT_EQ(compare_logits(one, one).reference_margin, 1.0);
+}
+
+TEST(BenchmarkBreakdown, WeightStreamPercentIsTheCopyTimeOfTheWeightsOverTheReplayCost) {
+  std::mt19937_64 generator(testing::test_seed("BenchmarkBreakdown"));
+  std::uniform_int_distribution<std::uint64_t> bytes(1, std::uint64_t{1} << 34);
+  std::uniform_real_distribution<double> milliseconds(1e-4, 10.0), bandwidth(100.0, 8000.0);
+  for (int trial = 0; trial < 200; ++trial) {
+    StepKindTime time;
+    time.weight_bytes = bytes(generator);
+    time.replay_ms = milliseconds(generator);
+    const double gbps = bandwidth(generator);
+    const long double expected = 100.0L * (static_cast<long double>(time.weight_bytes) / (static_cast<long double>(gbps) * 1e9L)) /
+                                 (static_cast<long double>(time.replay_ms) * 1e-3L);
+    EXPECT_NEAR(weight_stream_percent(time, gbps), static_cast<double>(expected), 1e-12 * static_cast<double>(expected));
+  }
+  // 88.1 MB in 33.5 us at 4240 GB/s: the Llama-3-8B 4-bit MLP's figures, 62% of copy.
+  StepKindTime mlp;
+  mlp.weight_bytes = 88'100'000;
+  mlp.replay_ms = 0.0335;
+  EXPECT_NEAR(weight_stream_percent(mlp, 4240), 62.02, 0.01);
+  // No figure where one is missing: no weights named, no replay cost, a cost of ~0 or below (a kind
+  // that overlaps others), no bandwidth measured.
+  StepKindTime none = mlp;
+  none.weight_bytes = 0;
+  EXPECT_TRUE(std::isnan(weight_stream_percent(none, 4240)));
+  StepKindTime unmeasured = mlp;
+  unmeasured.replay_ms = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(weight_stream_percent(unmeasured, 4240)));
+  for (double cost : {0.0, -0.002}) {
+    StepKindTime overlapped = mlp;
+    overlapped.replay_ms = cost;
+    EXPECT_TRUE(std::isnan(weight_stream_percent(overlapped, 4240))) << cost;
+  }
+  EXPECT_TRUE(std::isnan(weight_stream_percent(mlp, 0)));
 }
 
 }  // namespace
