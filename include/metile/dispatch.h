@@ -414,8 +414,10 @@ struct StepKindTime {
   // Eager times (ms) overstate latency-bound kernels: inside the replay their launches overlap.
   double replay_ms = std::numeric_limits<double>::quiet_NaN();
   // The weight bytes its steps stream in one run (FusedCandidate::weights: a GEMV's matrices, repacked
-  // or in place, with their scales and biases); 0 where its steps name none (native library calls,
-  // attention, row kernels). Over replay_ms it says how near the copy rate the kind streams.
+  // or in place, and an affine format's scales and biases; not a stacked output bias); 0 where its
+  // steps name none (native library calls, attention, row kernels, and a two-part region whose GEMV
+  // part ran natively: such a step still counts as its rule's fused kind). Over replay_ms it says how
+  // near the copy rate the kind streams.
   std::uint64_t weight_bytes = 0;
 };
 

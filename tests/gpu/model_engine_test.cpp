@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <set>
 
@@ -222,7 +223,9 @@ TEST_F(ModelEngineTest, NearTieRacesKeepTheFusedEngineAgreeingWithNative) {
 // read in place or stacked (2 bytes a weight, exactly); 4-bit g64 ones repacked, half a byte a
 // weight plus a bf16 scale and bias a group of 64, over rows padded to tiles of 16 and columns to
 // whole iterations (the tiny model's 64 columns become one iteration of 128). Regions are forced
-// fused so that every GEMV kind names its bytes.
+// fused; a q/k/v region may still run its projection natively beside the fused rope part (a
+// two-part region races each part natively too), and then names no weights: the expected bytes
+// count the regions whose chosen candidate is a GEMV. The SwiGLU MLP has only GEMV candidates.
 TEST_F(ModelEngineTest, ProfileCountsTheWeightsEachFusedGemvKindStreams) {
   for (int bits : {0, 4}) {
     const std::uint64_t seed = test_seed(fmt::format("ProfileWeights{}", bits));
@@ -242,11 +245,16 @@ TEST_F(ModelEngineTest, ProfileCountsTheWeightsEachFusedGemvKindStreams) {
       return static_cast<std::uint64_t>(padded_rows * padded_columns / 2 + padded_rows * (padded_columns / 64) * 4);
     };
     const std::int64_t qkv_rows = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim;
-    const auto layers = static_cast<std::uint64_t>(config.num_hidden_layers);
+    std::map<std::string, std::uint64_t> gemv_regions;  // rule -> regions whose chosen candidate is a GEMV
+    for (const RegionReport& region : fused.executable(1).reports()) {
+      if (region.chosen.find("gemv") != std::string::npos) ++gemv_regions[region.rule];
+    }
+    ASSERT_EQ(gemv_regions["swiglu_mlp"], static_cast<std::uint64_t>(config.num_hidden_layers))
+        << fused.executable(1).report();
     const std::map<std::string, std::uint64_t> expected = {
-        {"swiglu_mlp fused", layers * (2 * weights(config.intermediate_size, config.hidden_size) +
-                                       weights(config.hidden_size, config.intermediate_size))},
-        {"qkv_rope_kv_cache fused", layers * weights(qkv_rows, config.hidden_size)}};
+        {"swiglu_mlp fused", gemv_regions["swiglu_mlp"] * (2 * weights(config.intermediate_size, config.hidden_size) +
+                                                           weights(config.hidden_size, config.intermediate_size))},
+        {"qkv_rope_kv_cache fused", gemv_regions["qkv_rope_kv_cache"] * weights(qkv_rows, config.hidden_size)}};
     std::string kinds;
     for (const StepKindTime& time : times) kinds += fmt::format("{}: {} bytes\n", time.kind, time.weight_bytes);
     for (const auto& [kind, bytes] : expected) {
@@ -255,8 +263,8 @@ TEST_F(ModelEngineTest, ProfileCountsTheWeightsEachFusedGemvKindStreams) {
       EXPECT_EQ(found->weight_bytes, bytes) << "bits " << bits << ", " << kind << "\n" << kinds;
     }
     for (const StepKindTime& time : times) {
-      if (time.kind.rfind("rope", 0) == 0 || time.kind.rfind("reshape", 0) == 0) {
-        EXPECT_EQ(time.weight_bytes, 0u) << time.kind;  // unfused layout ops name no weights
+      if (time.kind.find("native") != std::string::npos) {
+        EXPECT_EQ(time.weight_bytes, 0u) << time.kind;
       }
     }
   }
