@@ -34,6 +34,11 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// The time `bytes` take at the copy rate, in ms: the floor a step or a kind of its work is held to.
+double copy_time_ms(std::uint64_t bytes, double copy_bandwidth_gbps) {
+  return static_cast<double>(bytes) / (copy_bandwidth_gbps * 1e9) * 1e3;
+}
+
 }  // namespace
 
 constexpr int kWarmupFeeds = 3;
@@ -47,8 +52,7 @@ double weight_stream_percent(const StepKindTime& time, double copy_bandwidth_gbp
   if (time.weight_bytes == 0 || !(time.replay_ms > 0) || !(copy_bandwidth_gbps > 0)) {
     return std::numeric_limits<double>::quiet_NaN();
   }
-  const double floor_ms = static_cast<double>(time.weight_bytes) / (copy_bandwidth_gbps * 1e9) * 1e3;
-  return 100 * floor_ms / time.replay_ms;
+  return 100 * copy_time_ms(time.weight_bytes, copy_bandwidth_gbps) / time.replay_ms;
 }
 
 EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options) {
@@ -122,8 +126,8 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
 
   result.copy_bandwidth_gbps = options.copy_bandwidth_gbps;
   if (options.copy_bandwidth_gbps > 0) {
-    result.floor_ms = static_cast<double>(session.model().decode_step_bytes(options.context)) /
-                      (options.copy_bandwidth_gbps * 1e9) * 1e3;
+    result.floor_ms = copy_time_ms(static_cast<std::uint64_t>(session.model().decode_step_bytes(options.context)),
+                                   options.copy_bandwidth_gbps);
     result.floor_percent = 100 * result.floor_ms / result.decode_replay_ms;
   }
 
