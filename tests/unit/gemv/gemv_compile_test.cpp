@@ -233,8 +233,7 @@ TEST(GemvCompile, L2PrefetchDepthAndKernelsCompile) {
 
 // The LM head (Llama-3.2-1B: 128256 rows of 2048, 4-bit, the final norm in its prologue, the argmax
 // join): the tuner adds blocks of 2 and 4 tiles for a vocabulary-wide N, and every register
-// candidate compiles without spills. Narrower N and SwiGLU stages at M <= 8 get one tile per block
-// (at M > 8 the 4-bit gate/up also races two tiles a block with shared group sums).
+// candidate compiles without spills. SwiGLU stages and narrower N get one tile per block.
 TEST(GemvCompile, LmHeadGetsMultiTileBlocksWithoutSpills) {
   GemvKernelConfig head = gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 128256, 2048, GemvEpilogue::store());
   head.argmax_rows = true;
