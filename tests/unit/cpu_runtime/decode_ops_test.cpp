@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <iostream>
 #include <limits>
 #include <random>
 
@@ -25,12 +24,7 @@ using testing::error_of;
 using testing::random_tensor;
 
 std::uint64_t test_seed() {
-  static const std::uint64_t seed = [] {
-    const char* text = std::getenv("METILE_TEST_SEED");
-    const std::uint64_t value = text ? std::strtoull(text, nullptr, 10) : std::random_device{}();
-    std::cout << "decode ops test seed " << value << " (METILE_TEST_SEED=" << value << " repeats it)\n";
-    return value;
-  }();
+  static const std::uint64_t seed = testing::test_seed("decode ops tests");
   return seed;
 }
 
@@ -280,6 +274,9 @@ TEST(DecodeOps, ArgmaxIsTheFirstLargestIndexOfEveryRowWithNaNAboveAll) {
     std::vector<double> values = testing::argmax_test_values(generator, static_cast<std::size_t>(spec.element_count()),
                                                              trial % 2 == 0, trial % 3 == 0);
     if (trial % 5 == 0) std::fill(values.begin(), values.begin() + length, -infinity);
+    // A NaN trial's last row holds at least one NaN: at 0.5% of the elements, short rows drew none
+    // in any trial for one seed in a thousand (METILE_TEST_SEED=682).
+    if (trial % 3 == 0) values[values.size() - 1 - generator() % static_cast<std::uint64_t>(length)] = std::nan("");
     const HostTensor x = HostTensor::from_values(spec, values);
     GraphBuilder builder;
     const ValueRef out = builder.argmax(builder.input("x", spec), "out");

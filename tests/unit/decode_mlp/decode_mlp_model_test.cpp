@@ -17,20 +17,12 @@
 namespace metile {
 namespace {
 
-// METILE_TEST_SEED overrides the seed; it is printed either way so a failure can be replayed.
-std::uint64_t test_seed() {
-  const char* text = std::getenv("METILE_TEST_SEED");
-  const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 0)
-                                             : static_cast<std::uint64_t>(::testing::UnitTest::GetInstance()->random_seed()) + 0xd3c0de;
-  std::cout << "[seed] METILE_TEST_SEED=" << seed << "\n";
-  return seed;
-}
 
 // The f16 numeric gate of the dispatch module (dispatch.h), which GPU candidates must pass too.
 constexpr double numeric_gate_threshold_f16 = 2e-3;
 
 TEST(DecodeMlpModel, Float64OracleMatchesTheCpuReferenceOfTheGraph) {
-  std::uint64_t seed = test_seed();
+  std::uint64_t seed = metile::testing::test_seed("decode MLP model");
   const std::int64_t hidden = 128, intermediate = 192, rows = 3;
   for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::f16), GemvWeightFormat::affine(4, 32, DType::f16),
                                          GemvWeightFormat::affine(8, 64, DType::f16)}) {

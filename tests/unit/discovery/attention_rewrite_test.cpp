@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <iostream>
 #include <random>
 
 #include "metile/cpu_runtime.h"
@@ -22,12 +21,7 @@ namespace {
 
 using metile::testing::error_of;
 
-std::uint64_t test_seed() {
-  const char* text = std::getenv("METILE_TEST_SEED");
-  const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 10) : std::random_device{}();
-  std::cout << "seed " << seed << " (METILE_TEST_SEED=" << seed << " repeats it)\n";
-  return seed;
-}
+std::uint64_t test_seed() { return metile::testing::test_seed("attention rewrite"); }
 
 struct AttentionShape {
   std::vector<std::int64_t> batch;  // leading dims before the head axis

@@ -6,12 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-#include <iostream>
 #include <array>
 #include <map>
 #include <random>
 
 #include "metile/dispatch.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -174,10 +174,7 @@ int expected_choice(const std::vector<Fake>& fakes, const DispatchPolicy& policy
 }
 
 TEST(MeasuredChoice, RandomRacesFollowThePolicy) {
-  const char* text = std::getenv("METILE_TEST_SEED");
-  const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 0) : std::random_device{}();
-  std::cout << "[seed] METILE_TEST_SEED=" << seed << "\n";
-  std::mt19937_64 random(seed);
+  std::mt19937_64 random(testing::test_seed("MeasuredChoice.RandomRacesFollowThePolicy"));
   std::uniform_real_distribution<double> time(0.1, 2.0);
   for (int trial = 0; trial < 2000; ++trial) {
     std::vector<Fake> fakes;
@@ -252,10 +249,7 @@ TEST(MeasuredChoice, TheNearTieIsTheFastestOtherFusedKernelWithinTheMargin) {
   EXPECT_EQ(near_tie_candidate(rows, "fused", 0.05), std::optional<std::string>("fused wide"));
   EXPECT_EQ(near_tie_candidate(rows, "fused wide", 0.05), std::optional<std::string>("fused"));
 
-  const char* text = std::getenv("METILE_TEST_SEED");
-  const std::uint64_t seed = text != nullptr ? std::strtoull(text, nullptr, 0) : std::random_device{}();
-  std::cout << "[seed] METILE_TEST_SEED=" << seed << "\n";
-  std::mt19937_64 random(seed);
+  std::mt19937_64 random(testing::test_seed("MeasuredChoice near ties"));
   for (int trial = 0; trial < 2000; ++trial) {
     std::vector<std::pair<std::string, double>> timings;
     const int kernels = 1 + static_cast<int>(random() % 5);

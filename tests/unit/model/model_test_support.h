@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iostream>
 #include <random>
 #include <string>
 
@@ -19,12 +18,7 @@
 namespace metile::testing {
 
 inline std::uint64_t model_test_seed() {
-  static const std::uint64_t seed = [] {
-    const char* text = std::getenv("METILE_TEST_SEED");
-    const std::uint64_t value = text ? std::strtoull(text, nullptr, 10) : std::random_device{}();
-    std::cout << "model test seed " << value << " (METILE_TEST_SEED=" << value << " repeats it)\n";
-    return value;
-  }();
+  static const std::uint64_t seed = test_seed("model tests");
   return seed;
 }
 
