@@ -37,6 +37,9 @@ float bf16_bits_to_f32(std::uint16_t bits);
 // Rounds value to the nearest value representable in dtype (identity for f32;
 // integer dtypes round to nearest and saturate).
 float round_to_dtype(float value, DType dtype);
+// The value a tensor of dtype holds after HostTensor::store(value): a double rounded once, straight to
+// the dtype (never through f32 first); overflow goes to inf; integer dtypes round and saturate.
+double round_double_to_dtype(double value, DType dtype);
 
 // ---------------------------------------------------------------- tensors
 struct TensorSpec {

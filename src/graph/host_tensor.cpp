@@ -124,6 +124,19 @@ double HostTensor::at(std::int64_t index) const {
   return 0.0;
 }
 
+double round_double_to_dtype(double value, DType dtype) {
+  switch (dtype) {
+    case DType::f16: return f16_bits_to_f32(f32_to_f16_bits(round_double_to_float_odd(value)));
+    case DType::bf16: return bf16_bits_to_f32(f32_to_bf16_bits(round_double_to_float_odd(value)));
+    case DType::f32: return static_cast<float>(value);
+    case DType::i8: return round_to_integer<std::int8_t>(value);
+    case DType::u8: return round_to_integer<std::uint8_t>(value);
+    case DType::i32: return round_to_integer<std::int32_t>(value);
+    case DType::u32: return round_to_integer<std::uint32_t>(value);
+  }
+  return value;
+}
+
 void HostTensor::store(std::int64_t index, double value) {
   if (index < 0 || index >= element_count()) {
     throw std::out_of_range("HostTensor::store: index " + std::to_string(index) + " outside " + spec_.to_string());

@@ -79,6 +79,10 @@ HostTensor evaluate_elementwise(const OpCall& call, const ElementwiseMath& math)
 // with their value rows and merged in blocks of kKeyBlock keys, the block states merged in order,
 // and the state finalized (o / l). Masked keys are skipped: they contribute the identity. A row with
 // no visible key finalizes the identity, 0 / 0 = NaN, as softmax over an all -inf row does.
+// The chain stores its scores, and its scaled scores, in the dtype: a finite q.k beyond the dtype's
+// range (f16's 65504 is within reach of real activations) is +-inf there, and a row holding +inf is
+// NaN; so a score that overflows the dtype is taken as that infinity here too. Short of overflow the
+// score stays unrounded (the numeric gate covers that rounding).
 HostTensor evaluate_flash_attention(const OpCall& call) {
   constexpr std::int64_t kKeyBlock = 64;
   constexpr std::string_view law_name = "stable_weighted_softmax";
@@ -92,6 +96,11 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
   const std::int64_t value_width = call.input(2).spec().shape[rank - 1];
   const std::int64_t batches = rows == 0 ? 0 : q_spec.element_count() / (rows * depth);
   const double scale = call.node.attributes.get_double("scale");
+  const DType score_dtype = q_spec.dtype;
+  const auto as_the_chain_stores = [score_dtype](double score) {
+    const double stored = round_double_to_dtype(score, score_dtype);
+    return std::isinf(stored) ? stored : score;
+  };
   const std::string& mask = call.node.attributes.get_string("mask");
   const std::int64_t offset = call.node.attributes.get_int("offset");
   const std::vector<float> q = load_floats(call.input(0));
@@ -120,7 +129,7 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
           const float* k_row = k.data() + (batch * keys + key) * depth;
           double dot = 0;
           for (std::int64_t d = 0; d < depth; ++d) dot += static_cast<double>(q_row[d]) * k_row[d];
-          element[0] = scale * dot;
+          element[0] = as_the_chain_stores(scale * as_the_chain_stores(dot));
           const float* v_row = v.data() + (batch * keys + key) * value_width;
           for (std::int64_t lane = 0; lane < value_width; ++lane) element[static_cast<std::size_t>(1 + lane)] = v_row[lane];
           law.lift(element, lifted);

@@ -461,6 +461,63 @@ TEST(AttentionRewrite, NonFiniteScoresGiveWhatTheChainGives) {
   }
 }
 
+// A finite q.k (or a scaled one) beyond the dtype's range: the chain stores it as +-inf (f16's
+// 65504 is within reach of real activations), so a row with one such +inf score is NaN there and
+// must be NaN in the rewritten node too; one that overflows to -inf weighs nothing in both.
+TEST(AttentionRewrite, ScoresBeyondTheDtypesRangeGiveWhatTheChainGives) {
+  std::mt19937_64 random(test_seed());
+  std::uniform_real_distribution<double> uniform(0.25, 1.0);
+  constexpr std::int64_t kRows = 3, kKeys = 70, kDepth = 4, kWidth = 3, kPlantedRow = 1, kPlantedKey = 66;
+  struct Case {
+    const char* name;
+    DType dtype;
+    double q, k, scale;  // the planted row's and key's first components, the chain's scale
+    bool overflows_to_plus_infinity;
+  };
+  const std::vector<Case> cases = {
+      {"f16 q.k beyond 65504", DType::f16, 255, 300, 0.125, true},
+      {"f16 q.k finite, scaled beyond 65504", DType::f16, 255, 200, 2.0, true},
+      {"f16 q.k below -65504", DType::f16, 255, -300, 0.125, false},
+      {"bf16 q.k beyond 3.4e38", DType::bf16, 1e20, 1e20, 0.125, true},
+      {"f32 q.k finite, scaled beyond 3.4e38", DType::f32, 1e19, 1e19, 8.0, true},
+      {"f32 q.k below -3.4e38", DType::f32, 1e20, -1e20, 1.0, false}};
+  for (const Case& test : cases) {
+    SCOPED_TRACE(test.name);
+    GraphBuilder builder;
+    auto q = builder.input("q", {{1, kRows, kDepth}, test.dtype});
+    auto k = builder.input("k", {{1, kKeys, kDepth}, test.dtype});
+    auto v = builder.input("v", {{1, kKeys, kWidth}, test.dtype});
+    const ValueRef scores = builder.scale(builder.matmul(q, k, true, "scores"), test.scale, "scaled");
+    auto out = builder.matmul(builder.softmax(scores, -1, "probabilities"), v, false, "attention");
+    const ComputeGraph graph = builder.build({out});
+    const AttentionRewrite rewrite = rewrite_attention(graph);
+    ASSERT_EQ(rewrite.candidates.size(), 1u);
+    std::vector<double> qv(kRows * kDepth), kv(kKeys * kDepth), vv(kKeys * kWidth);
+    for (double& x : qv) x = uniform(random);
+    for (double& x : kv) x = uniform(random);
+    for (double& x : vv) x = uniform(random);
+    qv[kPlantedRow * kDepth] = test.q;
+    kv[kPlantedKey * kDepth] = test.k;
+    const TensorMap inputs = {{"q", HostTensor::from_values({{1, kRows, kDepth}, test.dtype}, qv)},
+                              {"k", HostTensor::from_values({{1, kKeys, kDepth}, test.dtype}, kv)},
+                              {"v", HostTensor::from_values({{1, kKeys, kWidth}, test.dtype}, vv)}};
+    const HostTensor chain = run_reference(graph, inputs).at("attention");
+    const HostTensor rewritten = run_reference(rewrite.graph, inputs).at("attention");
+    for (std::int64_t row = 0; row < kRows; ++row) {
+      for (std::int64_t c = 0; c < kWidth; ++c) {
+        const double expected = chain.at(row * kWidth + c), actual = rewritten.at(row * kWidth + c);
+        // The case is what it says: the planted row is NaN in the chain exactly when it overflows up.
+        EXPECT_EQ(std::isnan(expected), row == kPlantedRow && test.overflows_to_plus_infinity) << "row " << row;
+        if (std::isnan(expected)) {
+          EXPECT_TRUE(std::isnan(actual)) << "row " << row << " column " << c << " gave " << actual;
+        } else {
+          EXPECT_NEAR(actual, expected, 1e-2 * std::abs(expected)) << "row " << row << " column " << c;
+        }
+      }
+    }
+  }
+}
+
 TEST(AttentionRewrite, ThePlainOpDefinitionMatchesTheNode) {
   const std::uint64_t seed = test_seed();
   for (const char* mask : {"none", "causal", "positions"}) {
