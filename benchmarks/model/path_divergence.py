@@ -8,7 +8,7 @@
 import json, math, random, subprocess, sys
 metile = sys.argv[1]; root = sys.argv[2]
 def logits(model, extra):
-    out = subprocess.run([metile, "logits", model, "--prompt-ids", ids, "--format", "json"] + extra,
+    out = subprocess.run([metile, "logits", model, "--prompt-ids", ids, "--format", "json", "--all-positions"] + extra,
                          capture_output=True, text=True)
     if out.returncode != 0: return None, out.stderr.strip()[-200:]
     j = json.loads(out.stdout); return j["logits"], ""
@@ -34,7 +34,8 @@ for arch, bits in cases:
     random.seed(5); ids = ",".join(str(random.randrange(256)) for _ in range(40))
     q = ["--quantize", quant] if quant else []
     ref, _ = logits(model, ["--dtype", "f32"] + q)
-    vocab = len(ref) // 40
+    with open(f"{model}/config.json") as file: vocab = json.load(file)["vocab_size"]
+    assert len(ref) == 40 * vocab, "every position's logits"
     paths = {"cpu bf16": ["--dtype", "bf16"], "cuda native (all declined)": ["--backend", "cuda", "--decline", ",".join(kinds)],
              "cuda fused": ["--backend", "cuda"]}
     for k in kinds: paths[f"cuda fused, {k} declined"] = ["--backend", "cuda", "--decline", k]

@@ -141,6 +141,12 @@ class WeightLoader {
 
   HostTensor dense(const std::string& name, const std::vector<std::int64_t>& shape) const {
     const MappedSafetensors::TensorView& view = files_.require(name);
+    if (view.spec.dtype == DType::u32 && name.ends_with(".weight")) {
+      // Packed codes without their scales: name the tensor that is missing, not the weight's dtype.
+      const std::string scales = name.substr(0, name.size() - 6) + "scales";
+      throw InputError(fmt::format("{}: tensor '{}' is missing ('{}' is u32: the packed codes of a quantized layer)",
+                                   files_.where(), scales, name));
+    }
     if (!is_floating(view.spec.dtype)) fail(name, fmt::format("dtype {} is not a float", dtype_name(view.spec.dtype)));
     if (view.spec.shape != shape) {
       fail(name, fmt::format("shape {} does not match the config (expected {})", shape_text(view.spec.shape),

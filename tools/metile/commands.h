@@ -32,6 +32,10 @@ std::uint64_t parse_seed(const std::string& text);
 // Other text is left to CLI11's conversion and its error.
 const CLI::Validator& fits_in_64_bits();
 
+// A path option given as "" (an unset shell variable, say) is refused: taken as "no file", `--output
+// "$OUT"` reported success and wrote nothing, and `--inputs ""` ran on random inputs.
+const CLI::Validator& non_empty_path();
+
 // `metile run --backend cuda` (run_cuda.cpp, built only with the CUDA backend,
 // where METILE_HAVE_CUDA_BACKEND is defined): runs the graph on the GPU and
 // returns its outputs by output value name; with `check`, also compares them

@@ -1,8 +1,9 @@
 // The model commands (include/metile/model.h, include/metile/engine.h):
 //   metile logits MODEL_DIR --prompt-ids 1,2,3 [--dtype f32|bf16] [--backend cpu|cuda] [--format text|json]
-//       JSON {"logits": [last position's logits], "argmax": [each position's argmax]}
+//       [--all-positions]: JSON {"logits": [last position's logits, or with --all-positions every
+//       position's, row after row], "argmax": [each position's argmax]}
 //   metile generate MODEL_DIR --prompt-ids ... --tokens N [...] : greedy decoding, a progress line on stderr;
-//       JSON {"tokens": [...], "tokens_per_second": x}
+//       JSON {"tokens": [...], "tokens_per_second": x} (null for one token: no decode step ran)
 //   metile verify-model MODEL_DIR [--tokens N] [--quantize 4|8] [--backend cpu|cuda] [thresholds]:
 //       cpu: the reference path against the planned (fused) path; cuda: the native engine against the
 //       fused engine, declining the region kinds that break it (model_cuda_commands.cpp); both fed the
@@ -171,6 +172,7 @@ std::string float_list(std::span<const float> values) {
 }
 
 void logits_command(const ModelOptions& options) {
+  if (options.all_positions && options.format != "json") throw InputError("--all-positions needs --format json");
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   const DecoderModel model = load_model(options);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);
@@ -183,7 +185,8 @@ void logits_command(const ModelOptions& options) {
   const std::span<const float> last(logits.data() + logits.size() - vocab, vocab);
   if (options.format == "json") {
     nlohmann::json json;
-    json["logits"] = std::vector<double>(last.begin(), last.end());
+    const std::span<const float> shown = options.all_positions ? std::span<const float>(logits) : last;
+    json["logits"] = std::vector<double>(shown.begin(), shown.end());
     json["argmax"] = argmaxes;
     fmt::print("{}\n", json.dump());
     return;
@@ -206,14 +209,19 @@ void generate_command(const ModelOptions& options) {
   const Generation generation = generate_greedy(*session, prompt, options.tokens, [&](std::int64_t index) {
     if (terminal) fmt::print(stderr, "\rmetile generate: {}/{} tokens", index + 1, options.tokens);
   });
-  const double rate = generation.seconds > 0 ? static_cast<double>(generation.decode_steps) / generation.seconds : 0;
-  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {:.2f} tokens/s ({} {})\n",
-             terminal ? "\r" : "", generation.tokens.size(), prompt.size(), rate, options.dtype,
+  // Decode steps a second; the first token comes from the prompt's step, so one token has no rate.
+  std::optional<double> rate;
+  if (generation.decode_steps > 0 && generation.seconds > 0) {
+    rate = static_cast<double>(generation.decode_steps) / generation.seconds;
+  }
+  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {} ({} {})\n", terminal ? "\r" : "",
+             generation.tokens.size(), prompt.size(),
+             rate ? fmt::format("{:.2f} tokens/s", *rate) : std::string("no decode step to time"), options.dtype,
              backend_description(options));
   if (options.format == "json") {
     nlohmann::json json;
     json["tokens"] = generation.tokens;
-    json["tokens_per_second"] = rate;
+    json["tokens_per_second"] = rate ? nlohmann::json(*rate) : nlohmann::json(nullptr);
     fmt::print("{}\n", json.dump());
     return;
   }
@@ -366,6 +374,8 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
+    command->add_flag("--all-positions", options->all_positions,
+                      "--format json: every position's logits, row after row (default: the last position's)");
     command->callback([options] { logits_command(*options); });
   }
   {

@@ -22,6 +22,7 @@ struct ModelOptions {
   std::string dtype = "bf16";
   std::string backend = "cpu";
   std::string format = "text";
+  bool all_positions = false;  // logits --format json: every position's logits, not only the last
   std::string quantize;  // "", "4" or "8"
   int group_size = 64;
   std::int64_t max_seq = 0;

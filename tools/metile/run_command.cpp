@@ -123,6 +123,12 @@ const CLI::Validator& fits_in_64_bits() {
   return validator;
 }
 
+const CLI::Validator& non_empty_path() {
+  static const CLI::Validator validator(
+      [](std::string& text) { return text.empty() ? std::string("an empty path") : std::string(); }, "PATH");
+  return validator;
+}
+
 void add_run_command(CLI::App& app) {
   auto options = std::make_shared<RunOptions>();
   CLI::App* command =
@@ -130,8 +136,10 @@ void add_run_command(CLI::App& app) {
   command->add_option("graph", options->graph_path, "graph file (JSON, format in docs/architecture.md)")->required();
   command->add_option("--backend", options->backend, "cpu (the reference) or cuda")->capture_default_str();
   command->add_option("--seed", options->seed, "seed of the random inputs")->capture_default_str();
-  command->add_option("--inputs", options->inputs_path, "take the inputs from this safetensors file instead");
-  command->add_option("--output", options->output_path, "write the outputs to this safetensors file");
+  command->add_option("--inputs", options->inputs_path, "take the inputs from this safetensors file instead")
+      ->check(non_empty_path());
+  command->add_option("--output", options->output_path, "write the outputs to this safetensors file")
+      ->check(non_empty_path());
   command->add_flag("--check", options->check, "compare the backend's outputs with the CPU reference");
   command->add_flag("--no-discovery", options->no_discovery,
                     "cuda: plan without the certified attention rewrite (as `metile plan --no-discovery`)");

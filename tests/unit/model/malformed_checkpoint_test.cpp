@@ -39,15 +39,6 @@ void edit_tensors(const std::filesystem::path& directory, const std::function<vo
 
 class MalformedCheckpoint : public testing::ModelDirectoryTest {
  protected:
-  // `metile ARGUMENTS`: its exit code, standard output and error.
-  int run_metile(const std::string& arguments, std::string& out, std::string& err) {
-    const std::string command = std::string(METILE_BINARY) + " " + arguments + " >" + (root_ / "out.txt").string() +
-                                " 2>" + (root_ / "err.txt").string();
-    const int status = std::system(command.c_str());
-    out = read_text(root_ / "out.txt");
-    err = read_text(root_ / "err.txt");
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
   int run_logits(const std::filesystem::path& directory, std::string& out, std::string& err) {
     return run_metile("logits " + directory.string() + " --prompt-ids 1,2", out, err);
   }
@@ -150,6 +141,14 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "tensor 'model.layers.1.mlp.up_proj.scales': the checkpoint is quantized but config.json has no 'quantization'"},
+      {"packed_codes_without_scales",
+       [&](auto d) {
+         edit_tensors(d, [&](TensorMap& t) {
+           t.insert_or_assign(layer + "mlp.up_proj.weight", HostTensor(TensorSpec({128, 8}, DType::u32)));
+         });
+       },
+       "tensor 'model.layers.1.mlp.up_proj.scales' is missing ('model.layers.1.mlp.up_proj.weight' is u32: the packed "
+       "codes of a quantized layer)"},
       {"bad_quantization", [](auto d) { edit_config(d, [](Json& c) { c["quantization"] = {{"group_size", 48}, {"bits", 4}}; }); },
        "field 'quantization': "},
       {"no_config", [](auto d) { std::filesystem::remove(d / "config.json"); }, "no config.json"},

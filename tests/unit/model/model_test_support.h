@@ -4,6 +4,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -40,6 +41,18 @@ class ModelDirectoryTest : public ::testing::Test {
     synthesize_model(directory, options);
     return directory;
   }
+
+#ifdef METILE_BINARY
+  // `metile ARGUMENTS` (a shell command line): its exit code, standard output and error.
+  int run_metile(const std::string& arguments, std::string& out, std::string& err) {
+    const std::string command = std::string(METILE_BINARY) + " " + arguments + " >" + (root_ / "out.txt").string() +
+                                " 2>" + (root_ / "err.txt").string();
+    const int status = std::system(command.c_str());
+    out = read_text(root_ / "out.txt");
+    err = read_text(root_ / "err.txt");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+#endif
 
   std::filesystem::path root_;
 };

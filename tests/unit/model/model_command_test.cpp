@@ -1,0 +1,77 @@
+// The model commands' output (tools/metile/model_commands.cpp) on a tiny synthetic checkpoint:
+// `metile logits --format json`, with and without --all-positions, against the same prompt fed
+// in this process (DecodeSession, the CPU path the command runs); `metile generate`'s rate, which
+// one token does not have.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "model_test_support.h"
+
+namespace metile {
+namespace {
+
+using Json = nlohmann::json;
+
+class ModelCommand : public testing::ModelDirectoryTest {};
+
+TEST_F(ModelCommand, LogitsJsonGivesTheLastOrEveryPosition) {
+  const std::filesystem::path directory = synth("model", {});
+  std::mt19937_64 generator(testing::model_test_seed());
+  const DecoderModel model = DecoderModel::load(directory);
+  const std::int64_t vocab = model.config().vocab_size;
+  const std::vector<std::int32_t> prompt = testing::random_tokens(generator, 5, vocab);
+  std::string ids;
+  for (std::int32_t token : prompt) ids += (ids.empty() ? "" : ",") + std::to_string(token);
+  DecodeSession session(model);
+  const std::vector<float> expected = session.feed(prompt);  // every position's, row after row
+  ASSERT_EQ(expected.size(), prompt.size() * static_cast<std::size_t>(vocab));
+
+  std::string out, err;
+  ASSERT_EQ(run_metile("logits " + directory.string() + " --prompt-ids " + ids + " --format json", out, err), 0) << err;
+  const Json last = Json::parse(out);
+  ASSERT_EQ(run_metile("logits " + directory.string() + " --prompt-ids " + ids + " --format json --all-positions", out, err),
+            0)
+      << err;
+  const Json every = Json::parse(out);
+  ASSERT_EQ(last["logits"].size(), static_cast<std::size_t>(vocab));
+  ASSERT_EQ(every["logits"].size(), expected.size());
+  for (std::size_t index = 0; index < expected.size(); ++index) {
+    EXPECT_EQ(every["logits"][index].get<double>(), static_cast<double>(expected[index])) << "element " << index;
+  }
+  const std::size_t last_row = expected.size() - static_cast<std::size_t>(vocab);
+  for (std::size_t column = 0; column < static_cast<std::size_t>(vocab); ++column) {
+    EXPECT_EQ(last["logits"][column].get<double>(), static_cast<double>(expected[last_row + column])) << column;
+  }
+  EXPECT_EQ(every["argmax"], last["argmax"]);
+  ASSERT_EQ(last["argmax"].size(), prompt.size());
+  for (std::size_t row = 0; row < prompt.size(); ++row) {
+    const std::vector<double> values(expected.begin() + static_cast<std::ptrdiff_t>(row * vocab),
+                                     expected.begin() + static_cast<std::ptrdiff_t>((row + 1) * vocab));
+    EXPECT_EQ(last["argmax"][row].get<std::int64_t>(), testing::brute_force_argmax(values)) << "row " << row;
+  }
+
+  EXPECT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 1 --all-positions", out, err), 2);
+  EXPECT_EQ(err, "metile: error: --all-positions needs --format json\n");
+  EXPECT_EQ(out, "");
+}
+
+// The first token comes from the prompt's step; the rate counts decode steps, so one token has none
+// (it printed 0.00 tokens/s, which reads as a stall).
+TEST_F(ModelCommand, GenerateGivesNoRateForOneToken) {
+  const std::filesystem::path directory = synth("model", {});
+  std::string out, err;
+  ASSERT_EQ(run_metile("generate " + directory.string() + " --prompt-ids 1,2 --tokens 1 --format json", out, err), 0) << err;
+  const Json one = Json::parse(out);
+  EXPECT_EQ(one["tokens"].size(), 1u);
+  EXPECT_TRUE(one["tokens_per_second"].is_null()) << out;
+  EXPECT_NE(err.find("no decode step to time"), std::string::npos) << err;
+  ASSERT_EQ(run_metile("generate " + directory.string() + " --prompt-ids 1,2 --tokens 3 --format json", out, err), 0) << err;
+  const Json three = Json::parse(out);
+  EXPECT_EQ(three["tokens"].size(), 3u);
+  ASSERT_TRUE(three["tokens_per_second"].is_number()) << out;
+  EXPECT_GT(three["tokens_per_second"].get<double>(), 0);
+}
+
+}  // namespace
+}  // namespace metile
