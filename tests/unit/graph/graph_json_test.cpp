@@ -355,7 +355,7 @@ TEST(GraphJsonLimitsTest, DeepNestingAndHugeNumbersAreInputErrors) {
             "g.json: /inputs/0/shape/0: expected an integer, got \"" + std::string(56, 'a') + "...");
 }
 
-// Duplicate-output checks are linear: 300k outputs load (quadratic checks took > 20 s;
+// Duplicate-output checks are linear: 100k outputs load (a quadratic check would take minutes;
 // ctest's timeout catches a regression). Every output is distinct and in order.
 TEST(GraphJsonLimitsTest, AHundredThousandOutputsLoad) {
   // Enough to make anything quadratic in the outputs run for hours; more only costs CI time.
