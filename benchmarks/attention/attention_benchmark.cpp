@@ -50,7 +50,7 @@ const Model llama_3_8b{"Llama-3-8B", 8, 4, 128};
 const Model qwen_2_5_1_5b{"Qwen2.5-1.5B", 2, 6, 128};
 const Model llama_3_2_1b{"Llama-3.2-1B", 8, 4, 64};
 
-// Random bf16 bits in [-1, 1) (no zeros-only data: METHOD.md), generated quickly.
+// Random bf16 bits in [-1, 1) (never zeros-only data, which the hardware moves faster), generated quickly.
 DeviceBuffer random_bf16(std::int64_t elements, std::uint64_t seed) {
   std::vector<std::uint16_t> bits(static_cast<std::size_t>(elements));
   std::mt19937_64 generator(seed);

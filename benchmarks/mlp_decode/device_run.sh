@@ -8,7 +8,7 @@
 #     new      the split-K / staged / group-sum and programmatic-dependent-launch GPU suite (issue 15)
 #     profile  ncu --clock-control none over benchmark --profile (M=1 stage kernels, read-only stream)
 #     kernels  benchmark --kernels (stage kernels alone)       quick | default | full   the benchmark
-#     anchors  the PyTorch peers (.anchors/kernels_torch.py, carried beside the tree)
+#     anchors  the PyTorch peers ($ANCHORS/kernels_torch.py, default .anchors/: copied beside the tree and carried)
 # Environment: DEADLINE (seconds; every step's timeout shrinks to fit it), *_TIMEOUT per step,
 # BENCHMARK_ARGS (extra benchmark flags). When the `new` step failed (not a timeout), the benchmark
 # runs with --candidates 5 (the v3 register shapes only), so that a broken new kernel cannot take
@@ -63,8 +63,7 @@ for step in "$@"; do
       grep -E "^  metile_|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|stalled|Dynamic Shared" "$OUT/ncu.log" |
         sed -E 's/ +/ /g' | cut -c1-230 | head -150 ;;
     anchors)
-      [ -f ../.anchors/kernels_torch.py ] && a=../.anchors/kernels_torch.py || a=.anchors/kernels_torch.py
-      PYTHONUNBUFFERED=1 timeout 200 python3 "$a" >"$OUT/anchors.log" 2>&1
+      PYTHONUNBUFFERED=1 timeout 200 python3 "${ANCHORS:-.anchors}/kernels_torch.py" >"$OUT/anchors.log" 2>&1
       echo "anchors: rc=$? after $(elapsed)"
       grep -E "COPY_BW|mlp" "$OUT/anchors.log" | head -40 ;;
     kernels | quick | default | full)
