@@ -94,6 +94,25 @@ std::string GraphBuilder::fresh_name(std::string_view op) const {
 }
 
 void GraphBuilder::claim_name(const std::string& name, std::string owner) {
+  // Names are printed a line each (run's summaries, plan's regions): a newline or other control
+  // byte in one would forge lines of output.
+  for (std::size_t offset = 0; offset < name.size(); ++offset) {
+    const auto byte = static_cast<unsigned char>(name[offset]);
+    if (byte < 0x20 || byte == 0x7f) {
+      std::string shown;  // the owner's text with its control bytes spelled \xNN (a NUL would end the message)
+      for (const char c : owner) {
+        const auto b = static_cast<unsigned char>(c);
+        if (b < 0x20 || b == 0x7f) {
+          const char digits[] = "0123456789abcdef";
+          shown += std::string("\\x") + digits[b >> 4] + digits[b & 15];
+        } else {
+          shown += c;
+        }
+      }
+      throw InputError(shown + ": a name may not hold a control character (byte " + std::to_string(byte) + " at offset " +
+                       std::to_string(offset) + ")");
+    }
+  }
   auto [existing, inserted] = name_owners_.try_emplace(name, owner);
   if (!inserted) throw InputError(owner + ": duplicate name '" + name + "', already used by " + existing->second);
 }

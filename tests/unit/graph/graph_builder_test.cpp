@@ -120,6 +120,21 @@ TEST(GraphBuilderTest, DuplicateNamesAreRejected) {
   EXPECT_EQ(error_of([&] { builder.silu(x, "x"); }), "node 'x' (silu): duplicate name 'x', already used by input 'x'");
 }
 
+// A name is printed a line each: control characters (a newline forging a summary line, NUL, DEL)
+// are refused wherever a name is given; other bytes, UTF-8 included, are kept.
+TEST(GraphBuilderTest, NamesHoldNoControlCharacters) {
+  GraphBuilder builder;
+  EXPECT_EQ(error_of([&] { builder.input("a\nb", {{4}, DType::f32}); }),
+            "input 'a\\x0ab': a name may not hold a control character (byte 10 at offset 1)");
+  auto x = builder.input("x", {{4}, DType::f32});
+  EXPECT_EQ(error_of([&] { builder.exp(x, std::string("e\0", 2)); }),
+            "node 'e\\x00' (exp): a name may not hold a control character (byte 0 at offset 1)");
+  const ValueRef e = builder.exp(x, "\xc3\xa9t\xc3\xa9");  // été
+  EXPECT_EQ(error_of([&] { builder.rename(e, "del\x7f"); }),
+            "node 'del\\x7f' (exp): a name may not hold a control character (byte 127 at offset 3)");
+  EXPECT_EQ(builder.name(e), "\xc3\xa9t\xc3\xa9");
+}
+
 TEST(GraphBuilderTest, InputsNeedPositiveDimensionsAndAName) {
   GraphBuilder builder;
   EXPECT_EQ(error_of([&] { builder.input("x", {{4, 0}, DType::f32}); }),
