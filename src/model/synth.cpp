@@ -241,8 +241,10 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   if (std::filesystem::is_symlink(std::filesystem::symlink_status(target))) {
     throw InputError(fmt::format("{}: is a symbolic link; name the directory itself", directory.string()));
   }
-  if (std::filesystem::exists(target) &&
-      (!std::filesystem::is_directory(target) || !std::filesystem::is_empty(target))) {
+  if (std::filesystem::exists(target) && !std::filesystem::is_directory(target)) {
+    throw InputError(fmt::format("{}: exists and is not a directory", directory.string()));
+  }
+  if (std::filesystem::exists(target) && !std::filesystem::is_empty(target)) {
     throw InputError(fmt::format("{}: exists and is not an empty directory", directory.string()));
   }
   const std::filesystem::path parent = target.parent_path();

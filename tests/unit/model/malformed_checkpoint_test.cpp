@@ -243,6 +243,9 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(out, "");
   EXPECT_EQ(metile("synth-model " + directory.string()), 2);  // exists and holds a model
   EXPECT_NE(err.find("exists and is not an empty directory"), std::string::npos);
+  testing::write_text(root_ / "a_file", "x");
+  EXPECT_EQ(metile("synth-model " + (root_ / "a_file").string()), 2);
+  EXPECT_EQ(err, "metile: error: " + (root_ / "a_file").string() + ": exists and is not a directory\n");
   // "d/" and "d/." name the directory d (the staging folder once went inside it, and the rename failed
   // after the whole model was written); a link and an empty path are refused before any work.
   std::filesystem::create_directories(root_ / "empty");
