@@ -63,7 +63,7 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
     throw InputError(fmt::format("bench-model: --context {} and the step counts must be at least 1", options.context));
   }
   if (needed > model.capacity()) {
-    throw InputError(fmt::format("bench-model: {} cached tokens needed, past the KV-cache capacity {} (--max-seq)",
+    throw InputError(fmt::format("bench-model: {} cached tokens needed, past the KV-cache capacity {} (max-seq)",
                                  needed, model.capacity()));
   }
   std::mt19937_64 generator(options.seed);

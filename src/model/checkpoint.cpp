@@ -231,7 +231,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   model.dtype_ = options.dtype;
   const ModelConfig& config = model.config_;
   if (config.quantization && options.quantize) {
-    throw InputError(fmt::format("{}: the checkpoint is already quantized ({} bits); drop --quantize",
+    throw InputError(fmt::format("{}: the checkpoint is already quantized ({} bits); drop the quantize option",
                                  config_path.string(), config.quantization->bits));
   }
   std::int64_t capacity = options.max_sequence > 0 ? options.max_sequence

@@ -69,7 +69,7 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, std::int64_t capacity,
                       std::int64_t vocab) {
   if (position + static_cast<std::int64_t>(tokens.size()) > capacity) {
-    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} (--max-seq)",
+    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} (max-seq)",
                                  position + static_cast<std::int64_t>(tokens.size()), capacity));
   }
   for (std::int32_t token : tokens) {
@@ -153,7 +153,7 @@ void check_generation_fits(const LogitsSession& session, std::span<const std::in
                                             : session.position() + static_cast<std::int64_t>(prompt.size()) +
                                                   std::max<std::int64_t>(count - 1, 0);
   if (fed > capacity) {
-    throw InputError(fmt::format("{} tokens after a {}-token prompt would go past the KV-cache capacity {} (--max-seq)",
+    throw InputError(fmt::format("{} tokens after a {}-token prompt would go past the KV-cache capacity {} (max-seq)",
                                  count, prompt.size(), capacity));
   }
 }

@@ -203,7 +203,7 @@ ModelConfig synth_config(const SynthOptions& options) {
     // The deepest public decoders have ~130 layers; the bound keeps a typo from filling the disk and memory.
     constexpr std::int64_t kMaximumLayers = 1024;
     if (*options.layers <= 0 || *options.layers > kMaximumLayers) {
-      throw InputError(fmt::format("--layers {} must be 1..{}", *options.layers, kMaximumLayers));
+      throw InputError(fmt::format("layers {} must be 1..{}", *options.layers, kMaximumLayers));
     }
     config.num_hidden_layers = *options.layers;
   }
@@ -226,7 +226,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   const ModelConfig config = synth_config(options);
   // At most 10^6 MB (a terabyte): also keeps max_shard_mb * 1e6 inside an int64 below.
   if (!(options.max_shard_mb > 0 && options.max_shard_mb <= 1e6)) {
-    throw InputError(fmt::format("--max-shard-mb {} must be in (0, 1000000]", options.max_shard_mb));
+    throw InputError(fmt::format("max-shard-mb {} must be in (0, 1000000]", options.max_shard_mb));
   }
   std::error_code error;
   if (directory.empty()) throw InputError("synth-model: the output directory is an empty path");

@@ -271,7 +271,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("synth-model ''"), 2);
   EXPECT_EQ(err, "metile: error: synth-model: the output directory is an empty path\n");
   EXPECT_EQ(metile("synth-model " + (root_ / "none").string() + " --layers 0"), 2);
-  EXPECT_EQ(err, "metile: error: --layers 0 must be 1..1024\n");
+  EXPECT_EQ(err, "metile: error: layers 0 must be 1..1024\n");
   for (const auto& entry : std::filesystem::directory_iterator(root_)) {
     EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
   }
@@ -285,7 +285,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 1000000000000"), 2);
   EXPECT_EQ(err, "metile: error: max-seq 1000000000000: at most 2^31 positions (they are 32-bit integers)\n");
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 100000000000"), 2);
-  EXPECT_EQ(err, "metile: error: --layers 100000000000 must be 1..1024\n");
+  EXPECT_EQ(err, "metile: error: layers 100000000000 must be 1..1024\n");
   // Past int64, CLI11 alone saturated the number (99999999999999999999 ran as 9223372036854775807);
   // every 64-bit integer option now refuses it by name.
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 99999999999999999999"), 2);
@@ -308,7 +308,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 01000000000000000000000"), 2);
   EXPECT_NE(err.find("--tokens: 01000000000000000000000 does not fit"), std::string::npos) << err;
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
-  EXPECT_EQ(err, "metile: error: --max-shard-mb inf must be in (0, 1000000]\n");
+  EXPECT_EQ(err, "metile: error: max-shard-mb inf must be in (0, 1000000]\n");
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
   // An empty or half-numeric threshold is not 0 (strtod read "" as 0).
   for (const std::string threshold : {"--max-logit-error -0.5", "--min-agreement nan", "--max-kl inf", "--max-kl-mean -1",
@@ -334,7 +334,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(err.find("--tokens: Value 0 not in range 1"), std::string::npos) << err;
   // A comparison too long for the caches fails before its first step, as generate does.
   EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2 --max-seq 16 --tokens 20"), 2);
-  EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (--max-seq)\n");
+  EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (max-seq)\n");
   EXPECT_EQ(out, "");
   // A sliding window bounds the context (attention sees every cached position): asking for more is
   // an error naming the window, not a capacity silently cut to it.
@@ -348,7 +348,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
                  "window is not implemented); ask for at most 8 positions\n");
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2"), 0);
   EXPECT_EQ(metile("generate " + windowed.string() + " --prompt-ids 1,2 --tokens 8"), 2);
-  EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (--max-seq)\n");
+  EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (max-seq)\n");
 }
 
 // Without a GPU (CI) every --backend cuda command and bench-model is one line and exit 2,
