@@ -8,7 +8,7 @@
 #     new      the split-K / staged / group-sum and programmatic-dependent-launch GPU suite (issue 15)
 #     profile  ncu --clock-control none over benchmark --profile (M=1 stage kernels, read-only stream)
 #     kernels  benchmark --kernels (stage kernels alone)       quick | default | full   the benchmark
-#     anchors  the PyTorch peers ($ANCHORS/kernels_torch.py, default .anchors/: copied beside the tree and carried)
+#     anchors  the PyTorch peers ($ANCHORS/kernels_torch.py, default .anchors/: copied into the checkout and carried)
 # Environment: DEADLINE (seconds; every step's timeout shrinks to fit it), *_TIMEOUT per step,
 # BENCHMARK_ARGS (extra benchmark flags). When the `new` step failed (not a timeout), the benchmark
 # runs with --candidates 5 (the v3 register shapes only), so that a broken new kernel cannot take

@@ -93,26 +93,34 @@ std::string GraphBuilder::fresh_name(std::string_view op) const {
   return name;
 }
 
+namespace {
+
+bool is_control_byte(char c) {
+  const auto byte = static_cast<unsigned char>(c);
+  return byte < 0x20 || byte == 0x7f;
+}
+
+std::string control_byte_text(char c) {
+  const auto byte = static_cast<unsigned char>(c);
+  const char digits[] = "0123456789abcdef";
+  return std::string("\\x") + digits[byte >> 4] + digits[byte & 15];
+}
+
+// Names are printed a line each (run's summaries, plan's regions): a newline or other control byte in
+// one would forge lines of output. Checked before anything else about the name's owner, so that no
+// message carries the raw bytes (a NUL would end it); the owner's text spells them \xNN.
+void refuse_control_bytes(const std::string& name, const std::string& owner) {
+  const auto found = std::find_if(name.begin(), name.end(), is_control_byte);
+  if (found == name.end()) return;
+  std::string shown;
+  for (const char c : owner) shown += is_control_byte(c) ? control_byte_text(c) : std::string(1, c);
+  throw InputError(shown + ": a name may not hold a control character (" + control_byte_text(*found) + " at offset " +
+                   std::to_string(found - name.begin()) + ")");
+}
+
+}  // namespace
+
 void GraphBuilder::claim_name(const std::string& name, std::string owner) {
-  // Names are printed a line each (run's summaries, plan's regions): a newline or other control
-  // byte in one would forge lines of output.
-  for (std::size_t offset = 0; offset < name.size(); ++offset) {
-    const auto byte = static_cast<unsigned char>(name[offset]);
-    if (byte < 0x20 || byte == 0x7f) {
-      std::string shown;  // the owner's text with its control bytes spelled \xNN (a NUL would end the message)
-      for (const char c : owner) {
-        const auto b = static_cast<unsigned char>(c);
-        if (b < 0x20 || b == 0x7f) {
-          const char digits[] = "0123456789abcdef";
-          shown += std::string("\\x") + digits[b >> 4] + digits[b & 15];
-        } else {
-          shown += c;
-        }
-      }
-      throw InputError(shown + ": a name may not hold a control character (byte " + std::to_string(byte) + " at offset " +
-                       std::to_string(offset) + ")");
-    }
-  }
   auto [existing, inserted] = name_owners_.try_emplace(name, owner);
   if (!inserted) throw InputError(owner + ": duplicate name '" + name + "', already used by " + existing->second);
 }
@@ -120,6 +128,7 @@ void GraphBuilder::claim_name(const std::string& name, std::string owner) {
 ValueRef GraphBuilder::input(std::string name, TensorSpec spec) {
   const std::string owner = "input '" + name + "'";
   if (name.empty()) throw InputError("an input needs a name");
+  refuse_control_bytes(name, owner);
   check_tensor_spec(spec, owner);
   claim_name(name, owner);
   Value value;
@@ -135,6 +144,7 @@ std::vector<ValueRef> GraphBuilder::add_node(std::string_view op, std::vector<Va
                                              std::string name) {
   if (name.empty()) name = fresh_name(op.empty() ? std::string_view("node") : op);
   const std::string owner = node_label(name, op);
+  refuse_control_bytes(name, owner);
   const OpDefinition* definition = find_op(op);
   if (definition == nullptr) throw InputError(owner + ": unknown op '" + std::string(op) + "'");
   const std::size_t required_inputs = definition->input_names.size() - definition->optional_inputs;
@@ -295,11 +305,14 @@ void GraphBuilder::rename(ValueRef value, std::string name) {
   if (name.empty()) throw InputError(owner + ": the new name is empty");
   Node* node = current.producer >= 0 ? &graph_.nodes_[static_cast<std::size_t>(current.producer)] : nullptr;
   const bool renames_node = node != nullptr && node->outputs.size() == 1;
+  const std::string new_owner =
+      renames_node ? node_label(name, node->op) : (node ? "value '" + name + "'" : "input '" + name + "'");
+  refuse_control_bytes(name, new_owner);  // before the old name is given up
   if (auto existing = name_owners_.find(name); existing != name_owners_.end()) {
     throw InputError(owner + ": duplicate name '" + name + "', already used by " + existing->second);
   }
   name_owners_.erase(current.name);
-  claim_name(name, renames_node ? node_label(name, node->op) : (node ? "value '" + name + "'" : "input '" + name + "'"));
+  claim_name(name, new_owner);
   if (renames_node) node->name = name;
   graph_.values_[static_cast<std::size_t>(value.id)].name = std::move(name);
 }

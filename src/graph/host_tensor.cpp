@@ -143,13 +143,14 @@ void HostTensor::store(std::int64_t index, double value) {
   }
   std::byte* address = data_.data() + index * static_cast<std::int64_t>(dtype_size(spec_.dtype));
   switch (spec_.dtype) {
-    case DType::f16: save(address, f32_to_f16_bits(round_double_to_float_odd(value))); return;
-    case DType::bf16: save(address, f32_to_bf16_bits(round_double_to_float_odd(value))); return;
-    case DType::f32: save(address, static_cast<float>(value)); return;
-    case DType::i8: save(address, round_to_integer<std::int8_t>(value)); return;
-    case DType::u8: save(address, round_to_integer<std::uint8_t>(value)); return;
-    case DType::i32: save(address, round_to_integer<std::int32_t>(value)); return;
-    case DType::u32: save(address, round_to_integer<std::uint32_t>(value)); return;
+    // round_double_to_dtype's value is exact in the dtype, so the conversions below drop nothing.
+    case DType::f16: save(address, f32_to_f16_bits(static_cast<float>(round_double_to_dtype(value, DType::f16)))); return;
+    case DType::bf16: save(address, f32_to_bf16_bits(static_cast<float>(round_double_to_dtype(value, DType::bf16)))); return;
+    case DType::f32: save(address, static_cast<float>(round_double_to_dtype(value, DType::f32))); return;
+    case DType::i8: save(address, static_cast<std::int8_t>(round_double_to_dtype(value, DType::i8))); return;
+    case DType::u8: save(address, static_cast<std::uint8_t>(round_double_to_dtype(value, DType::u8))); return;
+    case DType::i32: save(address, static_cast<std::int32_t>(round_double_to_dtype(value, DType::i32))); return;
+    case DType::u32: save(address, static_cast<std::uint32_t>(round_double_to_dtype(value, DType::u32))); return;
   }
 }
 

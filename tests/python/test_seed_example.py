@@ -4,7 +4,6 @@ compute both (checked against a float64 numpy reference)."""
 import contextlib
 import io
 import os
-import pathlib
 import runpy
 import subprocess
 import sys
@@ -13,18 +12,15 @@ import numpy as np
 
 import metile
 
-SEED_SCRIPT = pathlib.Path(os.environ.get("METILE_SOURCE_DIR", pathlib.Path(__file__).resolve().parents[2])) / "examples" / "seed.py"
-
-
-def build_seed_plan():
+def build_seed_plan(source_dir):
     """The graph and plan examples/seed.py builds (run here, its printing swallowed)."""
     with contextlib.redirect_stdout(io.StringIO()):
-        namespace = runpy.run_path(str(SEED_SCRIPT))
+        namespace = runpy.run_path(str(source_dir / "examples" / "seed.py"))
     return namespace["graph"], namespace["plan"]
 
 
-def test_seed_plan_is_one_region_writing_summed_and_normalized():
-    graph, plan = build_seed_plan()
+def test_seed_plan_is_one_region_writing_summed_and_normalized(source_dir):
+    graph, plan = build_seed_plan(source_dir)
     assert [value.name for value in graph.outputs] == ["summed", "normalized"]
     assert len(plan.regions) == 1
     region = plan.regions[0]
@@ -37,8 +33,8 @@ def test_seed_plan_is_one_region_writing_summed_and_normalized():
     assert plan.graph == graph
 
 
-def test_printed_plan_names_the_region_and_both_outputs():
-    _, plan = build_seed_plan()
+def test_printed_plan_names_the_region_and_both_outputs(source_dir):
+    _, plan = build_seed_plan(source_dir)
     text = str(plan)
     assert text == plan.explain().rstrip("\n")
     assert plan.regions[0].rule in text
@@ -51,7 +47,7 @@ def test_examples_seed_py_runs_and_prints_the_plan(source_dir):
     completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                                env=dict(os.environ))
     assert completed.returncode == 0, completed.stderr
-    _, plan = build_seed_plan()
+    _, plan = build_seed_plan(source_dir)
     assert completed.stdout == str(plan) + "\n"
 
 
@@ -59,8 +55,8 @@ def float64_rms_norm(x, weight, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def test_running_the_seed_plan_computes_summed_and_normalized(rng):
-    graph, plan = build_seed_plan()
+def test_running_the_seed_plan_computes_summed_and_normalized(rng, source_dir):
+    graph, plan = build_seed_plan(source_dir)
     inputs = {
         "values": rng.uniform(-1, 1, size=(1, 2048)).astype(np.float16),
         "residual": rng.uniform(-1, 1, size=(1, 2048)).astype(np.float16),

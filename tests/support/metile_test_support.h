@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -50,7 +51,14 @@ inline std::string read_text(const std::filesystem::path& path) {
 inline std::uint64_t test_seed(std::string_view what, std::optional<std::uint64_t> pinned = std::nullopt) {
   std::uint64_t seed = 0;
   if (const char* text = std::getenv("METILE_TEST_SEED"); text != nullptr && *text != '\0') {
-    seed = std::strtoull(text, nullptr, 10);
+    // Decimal or 0x hexadecimal; anything else stops the test (it would replay seed 0 silently).
+    char* end = nullptr;
+    errno = 0;
+    seed = std::strtoull(text, &end, 0);
+    if (*end != '\0' || errno == ERANGE || *text == '-') {
+      std::fprintf(stderr, "METILE_TEST_SEED='%s' is not a seed (an integer from 0 to 2^64 - 1)\n", text);
+      std::abort();
+    }
   } else if (pinned) {
     seed = *pinned;
   } else {

@@ -3,7 +3,7 @@
 //       [--all-positions]: JSON {"logits": [last position's logits, or with --all-positions every
 //       position's, row after row], "argmax": [each position's argmax]}
 //   metile generate MODEL_DIR --prompt-ids ... --tokens N [...] : greedy decoding, a progress line on stderr;
-//       JSON {"tokens": [...], "tokens_per_second": x} (null for one token: no decode step ran)
+//       JSON {"tokens": [...], "tokens_per_second": x} (null for one token: no decode step ran; "n/a" in text)
 //   metile verify-model MODEL_DIR [--tokens N] [--quantize 4|8] [--backend cpu|cuda] [thresholds]:
 //       cpu: the reference path against the planned (fused) path; cuda: the native engine against the
 //       fused engine, declining the region kinds that break it (model_cuda_commands.cpp); both fed the
@@ -200,6 +200,15 @@ void logits_command(const ModelOptions& options) {
   fmt::print("last position, first logits: {}\n", float_list(last.subspan(0, std::min<std::size_t>(8, vocab))));
 }
 
+// Decode steps a second; none where no decode step was timed: the first token comes from the
+// prompt's step, so one token has no rate (0 read as a stall).
+std::optional<double> decode_rate(std::int64_t steps, double seconds) {
+  if (steps <= 0 || seconds <= 0) return std::nullopt;
+  return static_cast<double>(steps) / seconds;
+}
+nlohmann::json rate_json(std::optional<double> rate) { return rate ? nlohmann::json(*rate) : nlohmann::json(nullptr); }
+std::string rate_text(std::optional<double> rate) { return rate ? fmt::format("{:.2f}", *rate) : std::string("n/a"); }
+
 void generate_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   if (options.tokens < 1) throw InputError(fmt::format("--tokens {} must be at least 1", options.tokens));
@@ -209,19 +218,13 @@ void generate_command(const ModelOptions& options) {
   const Generation generation = generate_greedy(*session, prompt, options.tokens, [&](std::int64_t index) {
     if (terminal) fmt::print(stderr, "\rmetile generate: {}/{} tokens", index + 1, options.tokens);
   });
-  // Decode steps a second; the first token comes from the prompt's step, so one token has no rate.
-  std::optional<double> rate;
-  if (generation.decode_steps > 0 && generation.seconds > 0) {
-    rate = static_cast<double>(generation.decode_steps) / generation.seconds;
-  }
-  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {} ({} {})\n", terminal ? "\r" : "",
-             generation.tokens.size(), prompt.size(),
-             rate ? fmt::format("{:.2f} tokens/s", *rate) : std::string("no decode step to time"), options.dtype,
-             backend_description(options));
+  const std::optional<double> rate = decode_rate(generation.decode_steps, generation.seconds);
+  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {} tokens/s ({} {})\n", terminal ? "\r" : "",
+             generation.tokens.size(), prompt.size(), rate_text(rate), options.dtype, backend_description(options));
   if (options.format == "json") {
     nlohmann::json json;
     json["tokens"] = generation.tokens;
-    json["tokens_per_second"] = rate ? nlohmann::json(*rate) : nlohmann::json(nullptr);
+    json["tokens_per_second"] = rate_json(rate);
     fmt::print("{}\n", json.dump());
     return;
   }
@@ -244,9 +247,7 @@ int verify_command(ModelOptions options) {
   DecodeSession reference(model, DecodePath::reference);
   DecodeSession planned(model, DecodePath::planned);
   const AgreementFigures figures = compare_sessions(reference, planned, prompt, positions);
-  const auto rate = [&](double seconds) {
-    return seconds > 0 ? static_cast<double>(positions - 1) / seconds : 0.0;
-  };
+  const auto rate = [&](double seconds) { return decode_rate(positions - 1, seconds); };
   const bool pass = figures.agreement() >= min_agreement && figures.kl_max <= max_kl &&
                     figures.kl_mean <= max_kl_mean && figures.max_logit_error <= max_logit_error;
   if (options.format == "json") {
@@ -257,8 +258,8 @@ int verify_command(ModelOptions options) {
     json["figures"] = figures_json(figures);
     json["thresholds"] = {{"min_agreement", min_agreement}, {"max_kl", max_kl}, {"max_kl_mean", max_kl_mean},
                           {"max_logit_error", max_logit_error}};
-    json["tokens_per_second"] = {{"reference", rate(figures.reference_seconds)},
-                                 {"planned", rate(figures.candidate_seconds)}};
+    json["tokens_per_second"] = {{"reference", rate_json(rate(figures.reference_seconds))},
+                                 {"planned", rate_json(rate(figures.candidate_seconds))}};
     json["passed"] = pass;
     fmt::print("{}\n", json.dump(2));
     return pass ? 0 : 1;
@@ -269,8 +270,8 @@ int verify_command(ModelOptions options) {
   fmt::print("KL mean / max          {:.3g} / {:.3g}   (max {} / {})\n", figures.kl_mean, figures.kl_max, max_kl_mean,
              max_kl);
   fmt::print("max logit error        {:.3g} of max |logit|   (max {})\n", figures.max_logit_error, max_logit_error);
-  fmt::print("tokens/s               reference {:.2f}, planned {:.2f}\n", rate(figures.reference_seconds),
-             rate(figures.candidate_seconds));
+  fmt::print("tokens/s               reference {}, planned {}\n", rate_text(rate(figures.reference_seconds)),
+             rate_text(rate(figures.candidate_seconds)));
   fmt::print("{}\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }

@@ -79,10 +79,12 @@ HostTensor evaluate_elementwise(const OpCall& call, const ElementwiseMath& math)
 // with their value rows and merged in blocks of kKeyBlock keys, the block states merged in order,
 // and the state finalized (o / l). Masked keys are skipped: they contribute the identity. A row with
 // no visible key finalizes the identity, 0 / 0 = NaN, as softmax over an all -inf row does.
-// The chain stores its scores, and its scaled scores, in the dtype: a finite q.k beyond the dtype's
-// range (f16's 65504 is within reach of real activations) is +-inf there, and a row holding +inf is
-// NaN; so a score that overflows the dtype is taken as that infinity here too. Short of overflow the
-// score stays unrounded (the numeric gate covers that rounding).
+// Overflow as the chain has it: the chain stores q.k in the dtype (f16's largest value, 65504, is
+// within reach of real activations; from 65520 on a value rounds to inf), then its scale op multiplies
+// that stored value in f32 and stores the product; a row holding +inf is NaN. Where either stored
+// value is infinite the score here is that infinity; otherwise it stays the unrounded scale * q.k (the
+// numeric gate covers that rounding). A chain of several scale ops is mirrored as one: an overflow
+// between two of them is not seen here.
 HostTensor evaluate_flash_attention(const OpCall& call) {
   constexpr std::int64_t kKeyBlock = 64;
   constexpr std::string_view law_name = "stable_weighted_softmax";
@@ -97,9 +99,12 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
   const std::int64_t batches = rows == 0 ? 0 : q_spec.element_count() / (rows * depth);
   const double scale = call.node.attributes.get_double("scale");
   const DType score_dtype = q_spec.dtype;
-  const auto as_the_chain_stores = [score_dtype](double score) {
-    const double stored = round_double_to_dtype(score, score_dtype);
-    return std::isinf(stored) ? stored : score;
+  const auto score_as_the_chain_overflows = [score_dtype, scale](double dot) {
+    const double stored = round_double_to_dtype(dot, score_dtype);
+    if (std::isinf(stored)) return stored * scale;  // the scale op's f32 product of an infinity
+    const double scaled =
+        round_double_to_dtype(static_cast<double>(static_cast<float>(stored) * static_cast<float>(scale)), score_dtype);
+    return std::isinf(scaled) ? scaled : scale * dot;
   };
   const std::string& mask = call.node.attributes.get_string("mask");
   const std::int64_t offset = call.node.attributes.get_int("offset");
@@ -129,7 +134,7 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
           const float* k_row = k.data() + (batch * keys + key) * depth;
           double dot = 0;
           for (std::int64_t d = 0; d < depth; ++d) dot += static_cast<double>(q_row[d]) * k_row[d];
-          element[0] = as_the_chain_stores(scale * as_the_chain_stores(dot));
+          element[0] = score_as_the_chain_overflows(dot);
           const float* v_row = v.data() + (batch * keys + key) * value_width;
           for (std::int64_t lane = 0; lane < value_width; ++lane) element[static_cast<std::size_t>(1 + lane)] = v_row[lane];
           law.lift(element, lifted);

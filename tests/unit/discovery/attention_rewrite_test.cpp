@@ -461,9 +461,10 @@ TEST(AttentionRewrite, NonFiniteScoresGiveWhatTheChainGives) {
   }
 }
 
-// A finite q.k (or a scaled one) beyond the dtype's range: the chain stores it as +-inf (f16's
-// 65504 is within reach of real activations), so a row with one such +inf score is NaN there and
-// must be NaN in the rewritten node too; one that overflows to -inf weighs nothing in both.
+// A finite q.k (or a scaled one) the chain cannot store: the chain rounds q.k to the dtype (f16: from
+// 65520 on, inf), multiplies the stored value by the scale in f32 and rounds again, so a row with one
+// such +inf score is NaN there and must be NaN in the rewritten node too; -inf weighs nothing in both;
+// and a q.k that rounds down to a finite value stays finite in both, however near the edge.
 TEST(AttentionRewrite, ScoresBeyondTheDtypesRangeGiveWhatTheChainGives) {
   std::mt19937_64 random(test_seed());
   std::uniform_real_distribution<double> uniform(0.25, 1.0);
@@ -471,16 +472,24 @@ TEST(AttentionRewrite, ScoresBeyondTheDtypesRangeGiveWhatTheChainGives) {
   struct Case {
     const char* name;
     DType dtype;
-    double q, k, scale;  // the planted row's and key's first components, the chain's scale
-    bool overflows_to_plus_infinity;
+    double q, k, k_second, scale;  // planted row [q, 1, 0, 0], planted key [k, k_second, 0, 0]: q.k = q k + k_second
+    bool planted_row_is_nan;
   };
   const std::vector<Case> cases = {
-      {"f16 q.k beyond 65504", DType::f16, 255, 300, 0.125, true},
-      {"f16 q.k finite, scaled beyond 65504", DType::f16, 255, 200, 2.0, true},
-      {"f16 q.k below -65504", DType::f16, 255, -300, 0.125, false},
-      {"bf16 q.k beyond 3.4e38", DType::bf16, 1e20, 1e20, 0.125, true},
-      {"f32 q.k finite, scaled beyond 3.4e38", DType::f32, 1e19, 1e19, 8.0, true},
-      {"f32 q.k below -3.4e38", DType::f32, 1e20, -1e20, 1.0, false}};
+      {"f16 q.k 76500 stores inf", DType::f16, 255, 300, 0, 0.125, true},
+      {"f16 q.k 51000 finite, scaled by 2 stores inf", DType::f16, 255, 200, 0, 2.0, true},
+      {"f16 q.k -76500 stores -inf", DType::f16, 255, -300, 0, 0.125, false},
+      {"f16 q.k 76500 scaled by -0.125: -inf", DType::f16, 255, 300, 0, -0.125, false},
+      {"f16 q.k 76500 scaled by 0: inf * 0", DType::f16, 255, 300, 0, 0.0, true},
+      // 65512 stores as 65504; 65504 * 1.0002 = 65517.1 stores as 65504: finite in the chain, although
+      // the exact 65512 * 1.0002 = 65525.1 would round to inf.
+      {"f16 q.k 65512 stored 65504, scaled by 1.0002 finite", DType::f16, 256, 255.875, 8, 1.0002, false},
+      // 65490 stores as 65504 (rounded up); 65504 * 1.0003 = 65523.7 stores as inf, although the
+      // exact 65490 * 1.0003 = 65509.6 would not.
+      {"f16 q.k 65490 stored 65504, scaled by 1.0003 inf", DType::f16, 256, 255.75, 18, 1.0003, true},
+      {"bf16 q.k 2^132 stores inf", DType::bf16, 0x1p66, 0x1p66, 0, 0.125, true},
+      {"f32 q.k 2^126 finite, scaled by 8 stores inf", DType::f32, 0x1p63, 0x1p63, 0, 8.0, true},
+      {"f32 q.k -2^132 stores -inf", DType::f32, 0x1p66, -0x1p66, 0, 1.0, false}};
   for (const Case& test : cases) {
     SCOPED_TRACE(test.name);
     GraphBuilder builder;
@@ -496,18 +505,20 @@ TEST(AttentionRewrite, ScoresBeyondTheDtypesRangeGiveWhatTheChainGives) {
     for (double& x : qv) x = uniform(random);
     for (double& x : kv) x = uniform(random);
     for (double& x : vv) x = uniform(random);
-    qv[kPlantedRow * kDepth] = test.q;
-    kv[kPlantedKey * kDepth] = test.k;
+    const std::vector<double> planted_q = {test.q, 1, 0, 0}, planted_k = {test.k, test.k_second, 0, 0};
+    std::copy(planted_q.begin(), planted_q.end(), qv.begin() + kPlantedRow * kDepth);
+    std::copy(planted_k.begin(), planted_k.end(), kv.begin() + kPlantedKey * kDepth);
     const TensorMap inputs = {{"q", HostTensor::from_values({{1, kRows, kDepth}, test.dtype}, qv)},
                               {"k", HostTensor::from_values({{1, kKeys, kDepth}, test.dtype}, kv)},
                               {"v", HostTensor::from_values({{1, kKeys, kWidth}, test.dtype}, vv)}};
+    ASSERT_EQ(inputs.at("k").at(kPlantedKey * kDepth), test.k) << "the planted key is exact in the dtype";
     const HostTensor chain = run_reference(graph, inputs).at("attention");
     const HostTensor rewritten = run_reference(rewrite.graph, inputs).at("attention");
     for (std::int64_t row = 0; row < kRows; ++row) {
       for (std::int64_t c = 0; c < kWidth; ++c) {
         const double expected = chain.at(row * kWidth + c), actual = rewritten.at(row * kWidth + c);
-        // The case is what it says: the planted row is NaN in the chain exactly when it overflows up.
-        EXPECT_EQ(std::isnan(expected), row == kPlantedRow && test.overflows_to_plus_infinity) << "row " << row;
+        // The case is what it says: the planted row is NaN in the chain exactly when it says so.
+        EXPECT_EQ(std::isnan(expected), row == kPlantedRow && test.planted_row_is_nan) << "row " << row;
         if (std::isnan(expected)) {
           EXPECT_TRUE(std::isnan(actual)) << "row " << row << " column " << c << " gave " << actual;
         } else {

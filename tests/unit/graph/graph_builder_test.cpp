@@ -125,14 +125,20 @@ TEST(GraphBuilderTest, DuplicateNamesAreRejected) {
 TEST(GraphBuilderTest, NamesHoldNoControlCharacters) {
   GraphBuilder builder;
   EXPECT_EQ(error_of([&] { builder.input("a\nb", {{4}, DType::f32}); }),
-            "input 'a\\x0ab': a name may not hold a control character (byte 10 at offset 1)");
+            "input 'a\\x0ab': a name may not hold a control character (\\x0a at offset 1)");
   auto x = builder.input("x", {{4}, DType::f32});
   EXPECT_EQ(error_of([&] { builder.exp(x, std::string("e\0", 2)); }),
-            "node 'e\\x00' (exp): a name may not hold a control character (byte 0 at offset 1)");
+            "node 'e\\x00' (exp): a name may not hold a control character (\\x00 at offset 1)");
+  // Checked before the op's own checks, whose messages would carry the raw name.
+  EXPECT_EQ(error_of([&] { builder.softmax(x, 5, "c\nforged"); }),
+            "node 'c\\x0aforged' (softmax): a name may not hold a control character (\\x0a at offset 1)");
   const ValueRef e = builder.exp(x, "\xc3\xa9t\xc3\xa9");  // été
   EXPECT_EQ(error_of([&] { builder.rename(e, "del\x7f"); }),
-            "node 'del\\x7f' (exp): a name may not hold a control character (byte 127 at offset 3)");
+            "node 'del\\x7f' (exp): a name may not hold a control character (\\x7f at offset 3)");
   EXPECT_EQ(builder.name(e), "\xc3\xa9t\xc3\xa9");
+  // The refused rename kept the old name taken.
+  EXPECT_EQ(error_of([&] { builder.exp(x, "\xc3\xa9t\xc3\xa9"); }),
+            "node '\xc3\xa9t\xc3\xa9' (exp): duplicate name '\xc3\xa9t\xc3\xa9', already used by node '\xc3\xa9t\xc3\xa9' (exp)");
 }
 
 TEST(GraphBuilderTest, InputsNeedPositiveDimensionsAndAName) {

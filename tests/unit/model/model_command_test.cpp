@@ -65,12 +65,17 @@ TEST_F(ModelCommand, GenerateGivesNoRateForOneToken) {
   const Json one = Json::parse(out);
   EXPECT_EQ(one["tokens"].size(), 1u);
   EXPECT_TRUE(one["tokens_per_second"].is_null()) << out;
-  EXPECT_NE(err.find("no decode step to time"), std::string::npos) << err;
+  EXPECT_NE(err.find("1 tokens after a 2-token prompt, n/a tokens/s"), std::string::npos) << err;
   ASSERT_EQ(run_metile("generate " + directory.string() + " --prompt-ids 1,2 --tokens 3 --format json", out, err), 0) << err;
   const Json three = Json::parse(out);
   EXPECT_EQ(three["tokens"].size(), 3u);
   ASSERT_TRUE(three["tokens_per_second"].is_number()) << out;
   EXPECT_GT(three["tokens_per_second"].get<double>(), 0);
+  // verify-model times positions - 1 decode steps: none for one position.
+  ASSERT_EQ(run_metile("verify-model " + directory.string() + " --tokens 1 --format json", out, err), 0) << err;
+  const Json verified = Json::parse(out);
+  EXPECT_TRUE(verified["tokens_per_second"]["reference"].is_null()) << out;
+  EXPECT_TRUE(verified["tokens_per_second"]["planned"].is_null()) << out;
 }
 
 }  // namespace

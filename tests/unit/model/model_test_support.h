@@ -43,10 +43,12 @@ class ModelDirectoryTest : public ::testing::Test {
   }
 
 #ifdef METILE_BINARY
-  // `metile ARGUMENTS` (a shell command line): its exit code, standard output and error.
+  // `metile ARGUMENTS` (a shell command line, the caller's to quote): its exit code, standard output
+  // and error. The test's own paths are quoted (a temporary directory may hold spaces).
   int run_metile(const std::string& arguments, std::string& out, std::string& err) {
-    const std::string command = std::string(METILE_BINARY) + " " + arguments + " >" + (root_ / "out.txt").string() +
-                                " 2>" + (root_ / "err.txt").string();
+    const auto quoted = [](const std::string& text) { return "'" + text + "'"; };
+    const std::string command = quoted(METILE_BINARY) + " " + arguments + " >" + quoted((root_ / "out.txt").string()) +
+                                " 2>" + quoted((root_ / "err.txt").string());
     const int status = std::system(command.c_str());
     out = read_text(root_ / "out.txt");
     err = read_text(root_ / "err.txt");
