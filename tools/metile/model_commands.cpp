@@ -24,6 +24,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -138,6 +139,25 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
 }
 
 // The backend is checked (and a GPU opened) before the checkpoint is read: no device is one line at once.
+// Quantizing at load keeps a matrix dense when its columns are not whole groups (as MLX's quantize
+// does); said on stderr, since a user who asked for --quantize would otherwise measure a model that
+// is partly bf16 without knowing.
+void note_matrices_left_dense(const ModelConfig& config, const AffineQuantization& format) {
+  std::map<std::int64_t, std::string> matrices_of_width;  // columns -> the matrices that have them
+  for (const auto& [columns, matrices] : {std::pair<std::int64_t, const char*>{config.hidden_size, "q/k/v, gate/up, the embedding, the LM head"},
+                                          {config.num_attention_heads * config.head_dim, "the o-projection"},
+                                          {config.intermediate_size, "the down projection"}}) {
+    std::string& names = matrices_of_width[columns];
+    names += (names.empty() ? "" : ", ") + std::string(matrices);
+  }
+  for (const auto& [columns, matrices] : matrices_of_width) {
+    if (columns % format.group_size != 0) {
+      fmt::print(stderr, "metile: note: --quantize leaves {} dense: {} columns are not a multiple of --group-size {}\n",
+                 matrices, columns, format.group_size);
+    }
+  }
+}
+
 DecoderModel load_model(const ModelOptions& options) {
   check_backend(options);
   if (options.backend == "cpu" && !options.decline.empty()) {
@@ -147,7 +167,9 @@ DecoderModel load_model(const ModelOptions& options) {
   load.dtype = parse_dtype(options.dtype);
   load.max_sequence = options.max_seq;
   load.quantize = quantization_option(options);
-  return DecoderModel::load(options.model_dir, load);
+  DecoderModel model = DecoderModel::load(options.model_dir, load);
+  if (load.quantize) note_matrices_left_dense(model.config(), *load.quantize);
+  return model;
 }
 
 // A fresh sequence on the chosen backend.

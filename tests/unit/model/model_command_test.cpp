@@ -78,5 +78,29 @@ TEST_F(ModelCommand, GenerateGivesNoRateForOneToken) {
   EXPECT_TRUE(verified["tokens_per_second"]["planned"].is_null()) << out;
 }
 
+// --quantize keeps a matrix dense when its columns are not whole groups (as MLX does), and says so:
+// the tiny preset's hidden size is 64, its intermediate size a multiple of 128 or not.
+TEST_F(ModelCommand, QuantizingNamesTheMatricesItLeavesDense) {
+  const std::filesystem::path directory = synth("model", {});
+  const DecoderModel model = DecoderModel::load(directory);
+  const ModelConfig& config = model.config();
+  std::string out, err;
+  ASSERT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 1 --quantize 4 --group-size 64", out, err), 0) << err;
+  EXPECT_EQ(err.find("note:"), std::string::npos) << "64 divides every width: " << err;
+  ASSERT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 1 --quantize 4 --group-size 128", out, err), 0) << err;
+  ASSERT_EQ(config.hidden_size % 128, 64) << "the test expects hidden 64 (mod 128)";
+  EXPECT_NE(err.find("metile: note: --quantize leaves q/k/v, gate/up, the embedding, the LM head"), std::string::npos) << err;
+  EXPECT_NE(err.find(std::to_string(config.hidden_size) + " columns are not a multiple of --group-size 128"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("the down projection") != std::string::npos, config.intermediate_size % 128 != 0) << err;
+  // What it left dense is what the model holds dense.
+  LoadOptions options;
+  options.quantize = AffineQuantization{4, 128};
+  const DecoderModel quantized = DecoderModel::load(directory, options);
+  EXPECT_FALSE(quantized.is_quantized("model.layers.0.mlp.up_proj"));
+  EXPECT_EQ(quantized.is_quantized("model.layers.0.mlp.down_proj"), config.intermediate_size % 128 == 0);
+}
+
 }  // namespace
 }  // namespace metile
