@@ -361,6 +361,7 @@ void synth_command(const SynthCommandOptions& options) {
   synth.transformers_version = options.config_spelling;
   synth.max_shard_mb = options.max_shard_mb;
   const ModelConfig config = synth_config(synth);
+  if (synth.quantize) note_matrices_left_dense(config, *synth.quantize);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
   {
     // Ctrl-C or a kill while the weights are written: the staging folder is removed, not left behind.

@@ -100,6 +100,12 @@ TEST_F(ModelCommand, QuantizingNamesTheMatricesItLeavesDense) {
   const DecoderModel quantized = DecoderModel::load(directory, options);
   EXPECT_FALSE(quantized.is_quantized("model.layers.0.mlp.up_proj"));
   EXPECT_EQ(quantized.is_quantized("model.layers.0.mlp.down_proj"), config.intermediate_size % 128 == 0);
+  // synth-model --quantize writes the same matrices dense, and says so the same way.
+  ASSERT_EQ(run_metile("synth-model " + (root_ / "q128").string() + " --quantize 4 --group-size 128", out, err), 0) << err;
+  EXPECT_NE(err.find("metile: note: --quantize leaves q/k/v, gate/up, the embedding, the LM head"), std::string::npos) << err;
+  const DecoderModel written = DecoderModel::load(root_ / "q128");
+  EXPECT_FALSE(written.is_quantized("model.layers.0.mlp.up_proj"));
+  EXPECT_EQ(written.is_quantized("model.layers.0.mlp.down_proj"), config.intermediate_size % 128 == 0);
 }
 
 }  // namespace
