@@ -11,12 +11,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "metile/decision.h"
 #include "metile/fusion.h"
 #include "metile/graph.h"
 
@@ -202,9 +204,11 @@ struct AttentionRewrite {
 // by one flash_attention node named like the output matmul (so consumers and
 // graph outputs are unchanged), carrying attrs scale, mask, offset and the
 // certificate. A law whose certificate is not verified rewrites nothing (every
-// chain is refused with that reason).
+// chain is refused with that reason). `admit`, where given, may refuse a chain
+// before selection (plan_with_discovery: the target's cost model finds no saving).
 AttentionRewrite rewrite_attention(const ComputeGraph& graph,
-                                   const ReductionLaw& law = stable_weighted_softmax_law());
+                                   const ReductionLaw& law = stable_weighted_softmax_law(),
+                                   const std::function<Decision(const AttentionMatch&)>& admit = {});
 
 // The definition a flash_attention node stands for, as plain ops: inputs "q", "k", "v" (and
 // "positions" for the positions mask), matmul(q, k, transpose_right) -> scale -> [mask] ->
@@ -215,7 +219,8 @@ ComputeGraph flash_attention_as_plain_ops(const ComputeGraph& graph, NodeId flas
 
 // rewrite_attention, then plan_graph_fusion of the rewritten graph; each
 // flash_attention region's benefit is the planner's estimate for the chain it
-// replaced, and plan.rewrites says what was rewritten or refused and why.
+// replaced, a chain whose estimate is no saving on the target stays unrewritten
+// (refused with the figure), and plan.rewrites says what was rewritten or refused and why.
 FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& target = FusionTarget::h200(),
                                const RuleSet& rules = default_rules());
 

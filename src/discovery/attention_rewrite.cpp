@@ -189,7 +189,8 @@ ComputeGraph rebuild(const ComputeGraph& graph, const std::vector<AttentionMatch
 
 }  // namespace
 
-AttentionRewrite rewrite_attention(const ComputeGraph& graph, const ReductionLaw& law) {
+AttentionRewrite rewrite_attention(const ComputeGraph& graph, const ReductionLaw& law,
+                                   const std::function<Decision(const AttentionMatch&)>& admit) {
   AttentionRewrite rewrite;
   rewrite.certificate = prove(law);
   Decision law_decision = Decision::allow();  // may this law's certificate back flash_attention
@@ -210,6 +211,12 @@ AttentionRewrite rewrite_attention(const ComputeGraph& graph, const ReductionLaw
     if (!law_decision) {
       rewrite.refusals.push_back({node.id, law_decision.reason});
       continue;
+    }
+    if (admit) {
+      if (const Decision admitted = admit(*outcome.match); !admitted) {
+        rewrite.refusals.push_back({node.id, admitted.reason});
+        continue;
+      }
     }
     rewrite.candidates.push_back(std::move(*outcome.match));
   }
@@ -253,7 +260,13 @@ std::vector<std::string> AttentionRewrite::summary(const ComputeGraph& original)
 }
 
 FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& target, const RuleSet& rules) {
-  const AttentionRewrite rewrite = rewrite_attention(graph);
+  // A chain the target's cost model gives no saving stays plain ops: planning selects profitable
+  // regions only, and a rewrite is a region of one kernel.
+  const AttentionRewrite rewrite = rewrite_attention(graph, stable_weighted_softmax_law(), [&](const AttentionMatch& match) {
+    const double benefit_ns = estimate_region(graph, match.nodes, target).benefit_ns;
+    if (benefit_ns > 0) return Decision::allow();
+    return Decision::refuse(fmt::format("the target '{}' estimates no saving for it ({:.1f} ns)", target.name, benefit_ns));
+  });
   FusionPlan plan = plan_graph_fusion(rewrite.graph, target, rules);
   const ComputeGraph& planned = *plan.graph;
   for (const AttentionMatch& match : rewrite.candidates) {

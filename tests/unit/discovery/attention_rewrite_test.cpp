@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <random>
 
+#include <fmt/format.h>
+
 #include "metile/cpu_runtime.h"
 #include "metile/discovery.h"
 #include "metile/dispatch.h"
@@ -289,6 +291,37 @@ TEST(AttentionRewrite, TheExecutorRefusesUnverifiedCertificates) {
             "node 'attention' (flash_attention): refused: its certificate is for law 'sum', the op needs "
             "'stable_weighted_softmax'");
   EXPECT_EQ(run(prove(stable_weighted_softmax_law()).to_json()), "(no InputError)");
+}
+
+// A chain the target's cost model gives no saving (no launch cost, a memory system this fast) stays plain
+// ops, refused with the estimate; on the H200 the same chain is rewritten with a positive benefit.
+TEST(AttentionRewrite, AChainWithoutASavingOnTheTargetStaysPlainOps) {
+  AttentionShape shape;
+  shape.mask = "positions";
+  const ComputeGraph graph = attention_graph(shape);
+  FusionTarget free_launches = FusionTarget::cpu();
+  free_launches.name = "free_launches";
+  free_launches.launch_overhead_ns = 1e-6;
+  free_launches.memory_bandwidth_bytes_per_ns = 1e12;
+  const AttentionMatch match = rewrite_attention(graph).candidates.at(0);
+  const double benefit_ns = estimate_region(graph, match.nodes, free_launches).benefit_ns;
+  ASSERT_LE(benefit_ns, 0) << "the target is meant to make fusing this chain a loss";
+  const FusionPlan plan = plan_with_discovery(graph, free_launches);
+  EXPECT_FALSE(plan.graph->find_node("attention").has_value() &&
+               plan.graph->node(*plan.graph->find_node("attention")).op == "flash_attention")
+      << plan.explain();
+  EXPECT_EQ(*plan.graph, graph) << "nothing rewritten";
+  const auto softmax = plan.graph->find_node("probabilities");
+  ASSERT_TRUE(softmax.has_value());
+  EXPECT_NE(plan.node_reasons[static_cast<std::size_t>(*softmax)].find(
+                fmt::format("flash_attention refused: the target 'free_launches' estimates no saving for it ({:.1f} ns)",
+                            benefit_ns)),
+            std::string::npos)
+      << plan.explain();
+  const FusionPlan on_h200 = plan_with_discovery(graph, FusionTarget::h200());
+  ASSERT_EQ(on_h200.regions.size(), 1u);
+  EXPECT_EQ(on_h200.regions[0].rule, "flash_attention");
+  EXPECT_GT(on_h200.regions[0].benefit_ns, 0);
 }
 
 TEST(AttentionRewrite, PlanCarriesTheCertificate) {
