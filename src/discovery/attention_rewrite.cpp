@@ -261,9 +261,12 @@ std::vector<std::string> AttentionRewrite::summary(const ComputeGraph& original)
 
 FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& target, const RuleSet& rules) {
   // A chain the target's cost model gives no saving stays plain ops: planning selects profitable
-  // regions only, and a rewrite is a region of one kernel.
+  // regions only, and a rewrite is a region of one kernel. The estimate, by output matmul, is also
+  // the benefit of the region the rewritten node becomes.
+  std::map<NodeId, double> benefit_ns_of_chain;
   const AttentionRewrite rewrite = rewrite_attention(graph, stable_weighted_softmax_law(), [&](const AttentionMatch& match) {
     const double benefit_ns = estimate_region(graph, match.nodes, target).benefit_ns;
+    benefit_ns_of_chain[match.output_matmul] = benefit_ns;
     if (benefit_ns > 0) return Decision::allow();
     return Decision::refuse(fmt::format("the target '{}' estimates no saving for it ({:.1f} ns)", target.name, benefit_ns));
   });
@@ -274,7 +277,7 @@ FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& ta
     const auto node = planned.find_node(graph.node(match.output_matmul).name);
     for (FusionRegion& region : plan.regions) {
       if (node && region.nodes == std::vector<NodeId>{*node}) {
-        region.benefit_ns = estimate_region(graph, match.nodes, target).benefit_ns;
+        region.benefit_ns = benefit_ns_of_chain.at(match.output_matmul);
       }
     }
   }

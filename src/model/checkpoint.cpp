@@ -123,6 +123,11 @@ class WeightLoader {
       quantized(prefix, rows, columns);
       return;
     }
+    if (const auto* view = files_.find(weight_name); view && view->spec.dtype == DType::u32) {
+      // Packed codes without their scales: name the tensor that is missing, not the weight's dtype.
+      throw InputError(fmt::format("{}: tensor '{}.scales' is missing ('{}' is u32: the packed codes of a quantized layer)",
+                                   files_.where(), prefix, weight_name));
+    }
     HostTensor weight = dense(weight_name, {rows, columns});
     if (options_.quantize && columns % options_.quantize->group_size == 0) {
       QuantizedMatrix matrix = quantize_affine(weight, *options_.quantize, options_.dtype);
@@ -141,12 +146,6 @@ class WeightLoader {
 
   HostTensor dense(const std::string& name, const std::vector<std::int64_t>& shape) const {
     const MappedSafetensors::TensorView& view = files_.require(name);
-    if (view.spec.dtype == DType::u32 && name.ends_with(".weight")) {
-      // Packed codes without their scales: name the tensor that is missing, not the weight's dtype.
-      const std::string scales = name.substr(0, name.size() - 6) + "scales";
-      throw InputError(fmt::format("{}: tensor '{}' is missing ('{}' is u32: the packed codes of a quantized layer)",
-                                   files_.where(), scales, name));
-    }
     if (!is_floating(view.spec.dtype)) fail(name, fmt::format("dtype {} is not a float", dtype_name(view.spec.dtype)));
     if (view.spec.shape != shape) {
       fail(name, fmt::format("shape {} does not match the config (expected {})", shape_text(view.spec.shape),

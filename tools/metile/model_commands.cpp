@@ -138,7 +138,6 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
                       "--backend cuda: region kinds that run native, comma-separated (e.g. swiglu_mlp)");
 }
 
-// The backend is checked (and a GPU opened) before the checkpoint is read: no device is one line at once.
 // Quantizing at load keeps a matrix dense when its columns are not whole groups (as MLX's quantize
 // does); said on stderr, since a user who asked for --quantize would otherwise measure a model that
 // is partly bf16 without knowing.
@@ -158,6 +157,7 @@ void note_matrices_left_dense(const ModelConfig& config, const AffineQuantizatio
   }
 }
 
+// The backend is checked (and a GPU opened) before the checkpoint is read: no device is one line at once.
 DecoderModel load_model(const ModelOptions& options) {
   check_backend(options);
   if (options.backend == "cpu" && !options.decline.empty()) {
