@@ -55,14 +55,16 @@ std::vector<std::int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
-std::optional<AffineQuantization> quantization_option(const ModelOptions& options) {
-  if (options.quantize.empty()) return std::nullopt;
-  if (options.quantize != "4" && options.quantize != "8") {
-    throw InputError(fmt::format("--quantize must be 4 or 8, got '{}'", options.quantize));
-  }
-  AffineQuantization format{std::stoi(options.quantize), options.group_size};
+std::optional<AffineQuantization> quantization_option(const std::string& quantize, int group_size) {
+  if (quantize.empty()) return std::nullopt;
+  if (quantize != "4" && quantize != "8") throw InputError(fmt::format("--quantize must be 4 or 8, got '{}'", quantize));
+  AffineQuantization format{std::stoi(quantize), group_size};
   format.validate();
   return format;
+}
+
+std::optional<AffineQuantization> quantization_option(const ModelOptions& options) {
+  return quantization_option(options.quantize, options.group_size);
 }
 
 void check_backend(const ModelOptions& options) {
@@ -351,12 +353,7 @@ void synth_command(const SynthCommandOptions& options) {
   if (!options.architecture.empty()) synth.architecture = parse_architecture_short_name(options.architecture);
   synth.layers = options.layers;
   synth.seed = parse_seed(options.seed);
-  if (!options.quantize.empty()) {
-    if (options.quantize != "4" && options.quantize != "8") {
-      throw InputError(fmt::format("--quantize must be 4 or 8, got '{}'", options.quantize));
-    }
-    synth.quantize = AffineQuantization{std::stoi(options.quantize), options.group_size};
-  }
+  synth.quantize = quantization_option(options.quantize, options.group_size);
   if (!options.tie.empty()) synth.tie_word_embeddings = options.tie == "true";
   synth.transformers_version = options.config_spelling;
   synth.max_shard_mb = options.max_shard_mb;
