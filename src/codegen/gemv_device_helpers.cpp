@@ -390,12 +390,15 @@ __device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4]
       // Odd elements are activation row 8h + 2t + 1: at M = 1 no lane holds a real one.
       if (kM == 1 && (e & 1)) continue;
       const float scale = e < 2 ? scale_low : scale_high, offset = e < 2 ? offset_low : offset_high;
-      // Two FFMA; with two row halves (M > 8) that form made ptxas spill (4-bit gate/up w4 db, M = 16),
-      // the three-instruction one does not.
+      // Two FFMA either way. With two row halves (M > 8) the bias term goes first: it needs only
+      // xsum, known before the mma products, and in this order ptxas keeps the M = 16 shapes without
+      // spills (the other order spilled 4-bit gate/up w4 db, and the three-instruction form it was
+      // replaced by cost 2 more instructions a weight word: gemv_sass_benchmark --all --rows 16). At
+      // M = 1 the order below keeps gate/up w4 f2 batch at 64 registers (72 the other way).
       if constexpr (kRowHalves == 1) {
         acc[h][e] = fmaf(offset, xsum[h][e], fmaf(scale, part[h][e], acc[h][e]));
       } else {
-        acc[h][e] += fmaf(scale, part[h][e], offset * xsum[h][e]);
+        acc[h][e] = fmaf(scale, part[h][e], fmaf(offset, xsum[h][e], acc[h][e]));
       }
     }
   }
