@@ -112,8 +112,12 @@ extern "C" __global__ void __launch_bounds__(256) metile_benchmark_stream(const 
 }
 )CUDA";
 
+// The floors. Besides the default's grid, the read-only kernel also runs on the whole chip (two 8-warp
+// blocks an SM, 128 KB of loads in flight per SM): what any one kernel reading these bytes takes in this
+// harness, whatever its grid, so the figure the 80 % goal is measured against.
 std::vector<Timed> time_floors(const Model& model, const CudaStream& stream, int copies, const std::vector<DeviceBuffer>& k,
-                               const std::vector<DeviceBuffer>& v, std::int64_t keys, std::int64_t splits, double bytes) {
+                               const std::vector<DeviceBuffer>& v, std::int64_t keys, std::int64_t splits, double bytes,
+                               int multiprocessors) {
   const std::int64_t kv_heads = model.kv_heads, head_dim = model.head_dim;
   static const CompiledKernel empty = compile_cuda(floor_kernels, "metile_benchmark_empty");
   static const CompiledKernel stream_only = compile_cuda(floor_kernels, "metile_benchmark_stream");
@@ -135,11 +139,23 @@ std::vector<Timed> time_floors(const Model& model, const CudaStream& stream, int
     launch(stream_only, grid, block, 0, s, k[static_cast<std::size_t>(i)].address(), v[static_cast<std::size_t>(i)].address(),
            out.address(), vectors_per_head);
   });
+  Timed whole_chip = read_only;
+  const std::int64_t chip_splits = std::max<std::int64_t>(1, (2 * multiprocessors + kv_heads - 1) / kv_heads);
+  const Dim3 chip_grid{static_cast<unsigned>(chip_splits), static_cast<unsigned>(kv_heads), 1};
+  DeviceBuffer chip_out(static_cast<std::size_t>(chip_splits * kv_heads * 256 * 4));
+  whole_chip.what = fmt::format("floor T={}: read K and V, whole chip", keys);
+  whole_chip.kernel = fmt::format("{} x {} blocks", chip_splits, kv_heads);
+  whole_chip.us = time_rotating(stream, copies, [&](const CudaStream& s, int i) {
+    launch(stream_only, chip_grid, block, 0, s, k[static_cast<std::size_t>(i)].address(), v[static_cast<std::size_t>(i)].address(),
+           chip_out.address(), vectors_per_head);
+  });
   launch_only.keys = keys;
-  launch_only.floor = read_only.floor = true;
-  launch_only.model = read_only.model = model.name;
-  for (const Timed& row : {launch_only, read_only}) fmt::print(stderr, "  {:<34} {:<58} {:8.2f} us\n", row.what, row.kernel, row.us);
-  return {launch_only, read_only};
+  launch_only.floor = read_only.floor = whole_chip.floor = true;
+  launch_only.model = read_only.model = whole_chip.model = model.name;
+  for (const Timed& row : {launch_only, read_only, whole_chip}) {
+    fmt::print(stderr, "  {:<34} {:<58} {:8.2f} us\n", row.what, row.kernel, row.us);
+  }
+  return {launch_only, read_only, whole_chip};
 }
 
 std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& stream, const Model& model, std::int64_t keys,
@@ -252,7 +268,7 @@ std::vector<Timed> time_decode(const CudaDevice& device, const CudaStream& strea
                                     ? (keys + decode_keys_per_split(problem, 8, multiprocessors) - 1) /
                                           decode_keys_per_split(problem, 8, multiprocessors)
                                     : default_splits;
-    for (const Timed& row : time_floors(model, stream, copies, k, v, keys, splits, bytes_read)) rows.push_back(row);
+    for (const Timed& row : time_floors(model, stream, copies, k, v, keys, splits, bytes_read, multiprocessors)) rows.push_back(row);
   }
   return rows;
 }
