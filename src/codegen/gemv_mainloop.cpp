@@ -1260,13 +1260,10 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       add_staged(4, 40 * 1024);
       if (affine) add(4, false, false, 1, true);
       if (affine) add(2, true, false, 1, true);
-      // SwiGLU's gate/up at M > 8 (two mma row halves): two tiles a block share each x fragment, so
-      // the x loads a weight word fall by a quarter (global loads 1.00 -> 0.75 a word) and the mainloop
-      // takes 0.85 instructions a word fewer (4-bit g64 gate/up w4 t2 f1 batch 18.03 against 18.88
-      // for one tile, 150 registers, no spill: gemv_sass_benchmark --all --rows 16). Its group-sums
-      // twin raced at 63.7 against 31.0 us (session 24; every group-sums shape loses 2x at M = 16).
-      // Last, where only the decode-MLP benchmark's longer races reach it.
-      if (affine && products == 2 && base.format.bits == 4 && base.rows > 8) add(4, false, false, 1, false, 2);
+      // No two-tile shape at M > 8: sharing each x fragment between two tiles (4-bit g64 gate/up w4 t2
+      // f1 batch: x loads 1.00 -> 0.75 a weight word, 18.03 instructions a word against 18.88, 150
+      // registers) raced at 55.7 us against 31.7 for one tile on the H200, its group-sums twin at
+      // 63.7 against 31.0 (session 24, notes/mlp_decode.md).
     }
   }
   return candidates;
