@@ -20,6 +20,7 @@
 //                                   register shapes (the races' usual winners) and the first of each other kind
 //                                   (staged, split-K, L2-prefetching, streamed), and the read-only stream, for
 //                                   `ncu --clock-control none` (no timing)
+//   --profile-rows M                the same at M activation rows (1 or 16; default 1)
 // The whole-MLP table also gives, per row, the chosen stage kernels and the fastest persistent decode
 // MLP (one launch for both stages, gemv.h) timed the same way, and which one the executor runs.
 // Every mode also measures a read-only stream of 1 GiB (16-byte loads, nothing written): the
@@ -80,8 +81,9 @@ GemvKernelConfig base_swiglu(const GemvWeightFormat& format, std::int64_t rows, 
 }
 
 // --kernels: each tuning candidate of each stage kernel, timed alone over weight replicas.
-// --profile (profile_only): the M=1 stage kernels of 4-bit g64, each launched once.
-void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, double copy_gbps, bool profile_only) {
+// --profile (profile_only): the stage kernels of 4-bit g64 at profile_rows rows, each launched once.
+void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, double copy_gbps, bool profile_only,
+                        std::int64_t profile_rows = 1) {
   const CudaDeviceInfo& info = device.info();
   const std::int64_t hidden = 4096, intermediate = 14336;
   fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8} {:>7} {:>6} {:>5}\n", "format", "M", "stage", "kernel", "us", "GB/s", "%copy",
@@ -112,7 +114,7 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
     x.fill_bytes(0x3C, &stream);
     residual.fill_bytes(0x3C, &stream);
     for (std::int64_t rows : {1, 16}) {
-      if (profile_only && rows != 1) continue;
+      if (profile_only && rows != profile_rows) continue;
       std::vector<GemvKernelConfig> configs;
       for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
         GemvKernelConfig base = base_swiglu(format, rows, hidden, intermediate);
@@ -255,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const 
 
 int main(int argc, char** argv) {
   bool full = false, quick = false, kernels = false, profile = false, verbose = false;
+  std::int64_t profile_rows = 1;
   int tuning_candidates = DecodeMlpOptions{}.tuning_candidates;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--full") == 0) {
@@ -265,12 +268,16 @@ int main(int argc, char** argv) {
       kernels = true;
     } else if (std::strcmp(argv[i], "--profile") == 0) {
       profile = true;
+    } else if (std::strcmp(argv[i], "--profile-rows") == 0 && i + 1 < argc &&
+               (std::strcmp(argv[i + 1], "1") == 0 || std::strcmp(argv[i + 1], "16") == 0)) {
+      profile = true;
+      profile_rows = std::atoi(argv[++i]);
     } else if (std::strcmp(argv[i], "--verbose") == 0) {
       verbose = true;
     } else if (std::strcmp(argv[i], "--candidates") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
       tuning_candidates = std::atoi(argv[++i]);
     } else {
-      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels | --profile] [--candidates N] [--verbose]\n");
+      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels | --profile [--profile-rows 1|16]] [--candidates N] [--verbose]\n");
       return 2;
     }
   }
@@ -281,7 +288,7 @@ int main(int argc, char** argv) {
     CudaStream stream;
     if (profile) {
       measure_read_bandwidth_gbps(*device, stream, true);
-      time_stage_kernels(*device, stream, 0, true);
+      time_stage_kernels(*device, stream, 0, true, profile_rows);
       return 0;
     }
     const double copy_gbps = measure_copy_bandwidth_gbps(stream);
