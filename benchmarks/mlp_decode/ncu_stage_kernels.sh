@@ -20,6 +20,7 @@ done
 python3 - "$out" <<'PY'
 import csv, io, sys
 out = sys.argv[1]
+def num(text): return float((text or "0").replace(",", ""))  # ncu writes 23,008
 for rows in (1, 16):
     text = open(f"{out}/rows{rows}.csv").read()
     lines = [l for l in text.splitlines() if l.startswith('"')]
@@ -28,10 +29,10 @@ for rows in (1, 16):
     data = [r for r in table[1:] if r.get("Kernel Name")]  # the second row holds the units
     print(f"M = {rows}: kernel | us | DRAM % | occupancy % | issue % | regs | stalls per issue (largest four)")
     for r in data:
-        stall = {k.split("stalled_")[1].split("_per_issue")[0]: float(v or 0) for k, v in r.items() if "issue_stalled" in k}
+        stall = {k.split("stalled_")[1].split("_per_issue")[0]: num(v) for k, v in r.items() if "issue_stalled" in k}
         top = sorted(stall.items(), key=lambda kv: -kv[1])[:4]
         name = r["Kernel Name"].replace("metile_gemv_", "")[:80]
-        print(f"  {name:<80} {float(r['gpu__time_duration.sum'])/1e3:7.1f} {float(r['dram__throughput.avg.pct_of_peak_sustained_elapsed']):6.1f}"
-              f" {float(r['sm__warps_active.avg.pct_of_peak_sustained_active']):6.1f} {float(r['smsp__issue_active.avg.pct_of_peak_sustained_active']):6.1f}"
+        print(f"  {name:<80} {num(r['gpu__time_duration.sum'])/1e3:7.1f} {num(r['dram__throughput.avg.pct_of_peak_sustained_elapsed']):6.1f}"
+              f" {num(r['sm__warps_active.avg.pct_of_peak_sustained_active']):6.1f} {num(r['smsp__issue_active.avg.pct_of_peak_sustained_active']):6.1f}"
               f" {r['launch__registers_per_thread']:>4}  " + " ".join(f"{k} {v:.2f}" for k, v in top))
 PY
