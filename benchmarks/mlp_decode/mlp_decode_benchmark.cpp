@@ -21,6 +21,11 @@
 //                                   (staged, split-K, L2-prefetching, streamed), and the read-only stream, for
 //                                   `ncu --clock-control none` (no timing)
 //   --profile-rows M                the same at M activation rows (1 or 16; default 1)
+//   --kernels --residency           the affine formats only, and besides each stage's first three plain
+//                                   register shapes (one tile, no staging, split or prefetch) with one and two
+//                                   times their iterations in flight, compiled with __launch_bounds__ for 2..6
+//                                   blocks an SM (resident_blocks_per_multiprocessor): what occupancy against
+//                                   bytes in flight does per stage, M = 1 and 16
 // The whole-MLP table also gives, per row, the chosen stage kernels and the fastest persistent decode
 // MLP (one launch for both stages, gemv.h) timed the same way, and which one the executor runs.
 // Every mode also measures a read-only stream of 1 GiB (16-byte loads, nothing written): the
@@ -36,6 +41,7 @@
 #include <unistd.h>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -82,15 +88,45 @@ GemvKernelConfig base_swiglu(const GemvWeightFormat& format, std::int64_t rows, 
 
 // --kernels: each tuning candidate of each stage kernel, timed alone over weight replicas.
 // --profile (profile_only): the stage kernels of 4-bit g64 at profile_rows rows, each launched once.
+// --residency: the bounded variants of each plain register shape besides (residency_variants).
+std::vector<GemvKernelConfig> residency_variants(const std::vector<GemvKernelConfig>& configs) {
+  std::vector<GemvKernelConfig> variants;
+  std::set<std::string> seen;
+  for (const GemvKernelConfig& config : configs) seen.insert(config.to_string());
+  std::map<int, int> shapes_per_stage;  // by product count: gate/up 2, down 1
+  for (const GemvKernelConfig& config : configs) {
+    const bool plain = config.mainloop == GemvMainloop::register_batches && config.shared_stages < 2 && config.k_splits == 1 &&
+                       config.l2_prefetch_rounds == 0 && config.resident_blocks_per_multiprocessor == 0 &&
+                       config.tiles_per_block == 1 && !config.shared_group_sums &&
+                       config.schedule == GatedSchedule::register_resident;
+    if (!plain || ++shapes_per_stage[config.epilogue.product_count()] > 3) continue;
+    for (int depth : {1, 2}) {
+      for (int blocks = 2; blocks <= 6; ++blocks) {
+        GemvKernelConfig variant = config;
+        variant.iterations_in_flight = config.iterations_in_flight * depth;
+        variant.resident_blocks_per_multiprocessor = blocks;
+        try {
+          variant.validate();
+        } catch (const InputError&) {
+          continue;
+        }
+        if (seen.insert(variant.to_string()).second) variants.push_back(variant);
+      }
+    }
+  }
+  return variants;
+}
+
 void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, double copy_gbps, bool profile_only,
-                        std::int64_t profile_rows = 1) {
+                        std::int64_t profile_rows = 1, bool residency = false) {
   const CudaDeviceInfo& info = device.info();
   const std::int64_t hidden = 4096, intermediate = 14336;
-  fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8} {:>7} {:>6} {:>5}\n", "format", "M", "stage", "kernel", "us", "GB/s", "%copy",
-             "regs");
+  fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8} {:>7} {:>6} {:>5} {:>7}\n", "format", "M", "stage", "kernel", "us", "GB/s",
+             "%copy", "regs", "blk/SM");
   for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16),
                                          GemvWeightFormat::affine(8, 64, DType::bf16)}) {
     if (profile_only && format.bits != 4) continue;  // bf16 was profiled in call 5 (notes/mlp_decode.md)
+    if (residency && !format.is_affine()) continue;
     const DecodeMlpWeights weights = DecodeMlpWeights::random(format, hidden, intermediate, 7);
     const int replicas =
         static_cast<int>(std::clamp<std::int64_t>(3 * info.l2_cache_bytes / (weights.weight_bytes() / 3) + 1, 1, 8));
@@ -140,6 +176,10 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
         for (const GemvKernelConfig& config : gemv_tuning_candidates(streamed, info.multiprocessor_count)) {
           configs.push_back(config);
         }
+      }
+      if (residency) {
+        const std::vector<GemvKernelConfig> bounded = residency_variants(configs);
+        configs.insert(configs.end(), bounded.begin(), bounded.end());
       }
       if (profile_only) {  // per stage, the first shape of each kind: staged, split-K, prefetching, streamed; the
                          // first three plain register shapes (the ones the races choose)
@@ -201,13 +241,20 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
             config.mainloop == GemvMainloop::streamed
                 ? fmt::format("{} streamed w{} u{} s{} x{} k{}", gate_up ? "swiglu" : "residual", config.warps_per_block,
                               config.stage_iterations, config.stages, config.blocks_per_multiprocessor, kernel.k_slices)
-                : fmt::format("{} w{} t{} f{}{}{}", what, config.warps_per_block, config.tiles_per_block,
+                : fmt::format("{} w{} t{} f{}{}{}{}{}", what, config.warps_per_block, config.tiles_per_block,
                               config.iterations_in_flight,
                               config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
                                                         : std::string(config.double_buffered ? " db" : ""),
-                              config.k_splits > 1 ? fmt::format(" split{}", config.k_splits) : std::string());
-        fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8.1f} {:>7.0f} {:>5.0f}% {:>5}\n", format.to_string(), rows,
-                   gate_up ? "gate_up" : "down", name, ms * 1e3, gbps, 100 * gbps / copy_gbps, gemv.compiled.registers_per_thread());
+                              config.k_splits > 1 ? fmt::format(" split{}", config.k_splits) : std::string(),
+                              config.l2_prefetch_rounds > 0 ? fmt::format(" prefetch{}", config.l2_prefetch_rounds) : std::string(),
+                              config.resident_blocks_per_multiprocessor > 0
+                                  ? fmt::format(" resident{}", config.resident_blocks_per_multiprocessor)
+                                  : std::string());
+        const int resident = gemv.compiled.max_active_blocks_per_multiprocessor(static_cast<int>(kernel.block_threads),
+                                                                                kernel.dynamic_shared_bytes);
+        fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8.1f} {:>7.0f} {:>5.0f}% {:>5} {:>7}\n", format.to_string(), rows,
+                   gate_up ? "gate_up" : "down", name, ms * 1e3, gbps, 100 * gbps / copy_gbps,
+                   gemv.compiled.registers_per_thread(), resident);
         std::fflush(stdout);
       }
     }
@@ -256,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool full = false, quick = false, kernels = false, profile = false, verbose = false;
+  bool full = false, quick = false, kernels = false, profile = false, verbose = false, residency = false;
   std::int64_t profile_rows = 1;
   int tuning_candidates = DecodeMlpOptions{}.tuning_candidates;
   for (int i = 1; i < argc; ++i) {
@@ -272,12 +319,14 @@ int main(int argc, char** argv) {
                (std::strcmp(argv[i + 1], "1") == 0 || std::strcmp(argv[i + 1], "16") == 0)) {
       profile = true;
       profile_rows = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--residency") == 0) {
+      residency = kernels = true;
     } else if (std::strcmp(argv[i], "--verbose") == 0) {
       verbose = true;
     } else if (std::strcmp(argv[i], "--candidates") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
       tuning_candidates = std::atoi(argv[++i]);
     } else {
-      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels | --profile [--profile-rows 1|16]] [--candidates N] [--verbose]\n");
+      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels [--residency] | --profile [--profile-rows 1|16]] [--candidates N] [--verbose]\n");
       return 2;
     }
   }
@@ -298,7 +347,7 @@ int main(int argc, char** argv) {
     fmt::print("read-only stream (1 GiB, 16-byte loads): {:.0f} GB/s = {:.0f}% of copy\n\n", read_gbps,
                100 * read_gbps / copy_gbps);
     if (kernels) {
-      time_stage_kernels(*device, stream, copy_gbps, false);
+      time_stage_kernels(*device, stream, copy_gbps, false, 1, residency);
       return 0;
     }
 
