@@ -67,6 +67,19 @@ class CheckpointFiles {
                                        files_[slot]->path().string(), name, index.filename().string()));
         }
       }
+      // A tensor in two shards is ambiguous: the index names one, while loaders that read every
+      // shard (transformers, mlx-lm) keep the last; refused, as a name twice in one header is.
+      std::map<std::string_view, std::size_t> first_file;
+      for (std::size_t slot = 0; slot < files_.size(); ++slot) {
+        for (const auto& [name, view] : files_[slot]->tensors()) {
+          const auto [seen, added] = first_file.emplace(name, slot);
+          if (!added) {
+            throw InputError(fmt::format("{}: tensor '{}': also in {} (a tensor belongs to one shard)",
+                                         files_[slot]->path().string(), name,
+                                         files_[seen->second]->path().filename().string()));
+          }
+        }
+      }
     } else {
       const std::filesystem::path single = directory / "model.safetensors";
       if (!std::filesystem::exists(single)) {

@@ -168,6 +168,21 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
                              R"({"weight_map": {"model.norm.weight": "model.safetensors", "ghost.weight": "model.safetensors"}})");
        },
        "tensor 'ghost.weight': listed in model.safetensors.index.json but absent from the file"},
+      // The index names one copy and the model used it; transformers and mlx-lm, which read every shard,
+      // keep the last shard's: two loaders, two models, no word.
+      {"tensor_in_two_shards",
+       [](auto d) {
+         TensorMap tensors = read_safetensors(d / "model.safetensors");
+         TensorMap second;
+         second.insert_or_assign("model.norm.weight", HostTensor(TensorSpec({64}, DType::bf16)));
+         write_safetensors(d / "model-00002-of-00002.safetensors", second);
+         std::filesystem::rename(d / "model.safetensors", d / "model-00001-of-00002.safetensors");
+         Json index = {{"weight_map", Json::object()}};
+         for (const auto& [name, tensor] : tensors) index["weight_map"][name] = "model-00001-of-00002.safetensors";
+         index["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors";
+         testing::write_text(d / "model.safetensors.index.json", index.dump());
+       },
+       "model-00002-of-00002.safetensors: tensor 'model.norm.weight': also in model-00001-of-00002.safetensors"},
       {"index_lists_no_tensor", [](auto d) { testing::write_text(d / "model.safetensors.index.json", R"({"weight_map": {}})"); },
        "model.safetensors.index.json: field 'weight_map': lists no tensor"},
       {"index_nested_too_deep",
