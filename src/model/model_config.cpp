@@ -172,6 +172,12 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
       reader.fail("architectures",
                   "'" + name + "' is not supported (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)");
     }
+    // transformers' Auto classes and mlx-lm build the model model_type names: one that names
+    // another architecture would make them and this loader compute different models.
+    if (reader.present("model_type") && reader.string("model_type") != model_type_name(config.architecture)) {
+      reader.fail("model_type", fmt::format("'{}' contradicts architectures '{}' (model_type '{}')",
+                                            reader.string("model_type"), name, model_type_name(config.architecture)));
+    }
   } else {
     const std::string model_type = reader.string("model_type");
     try {

@@ -122,6 +122,11 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "field 'num_attention_heads': must be at most 16777216, got 4611686018427387916"},
+      // A Qwen2 checkpoint (q/k/v biases) labelled LlamaForCausalLM loaded as Llama, biases dropped, while
+      // transformers and mlx-lm, which go by model_type, build Qwen2.
+      {"model_type_contradicts_architectures",
+       [](auto d) { edit_config(d, [](Json& c) { c["model_type"] = "qwen2"; }); },
+       "config.json: field 'model_type': 'qwen2' contradicts architectures 'LlamaForCausalLM' (model_type 'llama')"},
       {"model_type_missing",
        [](auto d) {
          edit_config(d, [](Json& c) {
