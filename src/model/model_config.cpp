@@ -100,8 +100,18 @@ DType parse_torch_dtype(const FieldReader& reader, std::string_view field) {
   reader.fail(field, "'" + name + "' is not one of bfloat16, float16, float32");
 }
 
+// partial_rotary_factor (top level in transformers 4, in rope_parameters in 5): rotating only the first
+// part of each head changes the model, and the step graphs rotate all of it, so anything but 1 is refused.
+void require_full_rotary(const FieldReader& reader) {
+  if (reader.present("partial_rotary_factor") && reader.positive_number("partial_rotary_factor") != 1.0) {
+    reader.fail("partial_rotary_factor", "only 1 is supported (rotary embeddings over the whole head), got " +
+                                             json_excerpt(reader.object.at("partial_rotary_factor")));
+  }
+}
+
 // rope_scaling (4) or rope_parameters (5): {"rope_type": "default" | "llama3", ...}.
 void read_rope_type(const FieldReader& reader, RopeParameters& rope) {
+  require_full_rotary(reader);
   std::string type = "default";
   if (reader.present("rope_type")) {
     type = reader.string("rope_type");
@@ -226,6 +236,7 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     config.dtype = parse_torch_dtype(reader, "dtype");
   }
 
+  require_full_rotary(reader);
   if (reader.present("rope_parameters")) {  // transformers 5
     const Json& parameters = json.at("rope_parameters");
     if (!parameters.is_object()) reader.fail("rope_parameters", "must be an object");

@@ -73,6 +73,16 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          edit_config(d, [](Json& c) { c["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 1e4}}; });
        },
        "field 'rope_parameters.rope_type': 'dynamic' is not supported"},
+      // Ignored, it loaded a model that rotates every dimension of each head where the config asks for half.
+      {"partial_rotary_factor", [](auto d) { edit_config(d, [](Json& c) { c["partial_rotary_factor"] = 0.5; }); },
+       "field 'partial_rotary_factor': only 1 is supported (rotary embeddings over the whole head), got 0.5"},
+      {"partial_rotary_factor_5",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e4}, {"partial_rotary_factor", 0.25}};
+         });
+       },
+       "field 'rope_parameters.partial_rotary_factor': only 1 is supported"},
       {"llama3_without_factor",
        [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"rope_type", "llama3"}}; }); },
        "field 'rope_scaling.factor': missing"},
