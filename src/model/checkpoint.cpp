@@ -53,7 +53,8 @@ class CheckpointFiles {
       if (json["weight_map"].empty()) throw InputError(fmt::format("{}: field 'weight_map': lists no tensor", index.string()));
       std::map<std::string, std::size_t> file_index;
       for (const auto& [name, file] : json["weight_map"].items()) {
-        if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos) {
+        // No '/' (a file of this directory) and no NUL (the system would open the name cut at it).
+        if (!file.is_string() || file.get<std::string>().find_first_of(std::string_view("/\0", 2)) != std::string::npos) {
           throw InputError(fmt::format("{}: field 'weight_map.{}': must be a file name in the directory, got {}",
                                        index.string(), name, json_excerpt(file)));
         }

@@ -198,6 +198,13 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          testing::write_text(d / "model.safetensors.index.json", index.dump());
        },
        "model-00002-of-00002.safetensors: tensor 'model.norm.weight': also in model-00001-of-00002.safetensors"},
+      // "model.safetensors\0x" opened model.safetensors: the file read was not the one named.
+      {"index_names_a_file_with_a_nul",
+       [](auto d) {
+         testing::write_text(d / "model.safetensors.index.json",
+                             R"({"weight_map": {"model.norm.weight": "model.safetensors\u0000x"}})");
+       },
+       "field 'weight_map.model.norm.weight': must be a file name in the directory, got \"model.safetensors\\u0000x\""},
       {"index_lists_no_tensor", [](auto d) { testing::write_text(d / "model.safetensors.index.json", R"({"weight_map": {}})"); },
        "model.safetensors.index.json: field 'weight_map': lists no tensor"},
       {"index_nested_too_deep",
