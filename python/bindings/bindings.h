@@ -51,6 +51,8 @@ struct GraphNodeView {
 // int to Python, is a TypeError (True is not 1 token or 1 bit), as is anything else; ValueError past
 // 64 bits.
 std::int64_t integer_argument(const std::string& what, const py::handle& object);
+// The same for an unsigned 64-bit argument (a seed): ValueError below 0 or past 2^64 - 1.
+std::uint64_t unsigned_argument(const std::string& what, const py::handle& object);
 
 // Python lists of views of these values / nodes, in order.
 py::list value_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<ValueId>& ids);

@@ -61,13 +61,32 @@ std::int64_t index_as_int64(const std::string& what, const py::handle& object) {
 
 }  // namespace
 
-std::int64_t integer_argument(const std::string& what, const py::handle& object) {
+namespace {
+void require_integer(const std::string& what, const py::handle& object) {
   const bool boolean = py::isinstance<py::bool_>(object) ||
                        py::isinstance(object, py::module_::import("numpy").attr("bool_"));
   if (boolean || !PyIndex_Check(object.ptr())) {
     throw py::type_error(what + " must be an integer, got " + python_type_name(object));
   }
+}
+}  // namespace
+
+std::int64_t integer_argument(const std::string& what, const py::handle& object) {
+  require_integer(what, object);
   return index_as_int64(what, object);
+}
+
+std::uint64_t unsigned_argument(const std::string& what, const py::handle& object) {
+  require_integer(what, object);
+  PyObject* index = PyNumber_Index(object.ptr());
+  if (index == nullptr) throw py::error_already_set();
+  const auto value = py::reinterpret_steal<py::object>(index);
+  try {
+    if (value < py::int_(0)) throw py::cast_error();
+    return value.cast<std::uint64_t>();
+  } catch (const py::cast_error&) {
+    throw py::value_error(what + ": " + python_repr(value) + " is not an integer from 0 to 2^64 - 1");
+  }
 }
 
 namespace {

@@ -219,15 +219,22 @@ void bind_model(py::module_& module) {
   module.def(
       "synth_model",
       [](const std::filesystem::path& path, const std::string& preset, std::optional<std::string> arch,
-         const py::handle& layers, std::uint64_t seed, const py::handle& quantize, const py::handle& group_size,
-         std::optional<bool> tie_word_embeddings, int config_spelling) {
+         const py::handle& layers, const py::handle& seed, const py::handle& quantize, const py::handle& group_size,
+         const py::handle& tie_word_embeddings, int config_spelling) {
         SynthOptions options;
         options.preset = preset;
         if (arch) options.architecture = parse_architecture_short_name(*arch);
         if (!layers.is_none()) options.layers = integer_argument("layers", layers);
-        options.seed = seed;
+        options.seed = unsigned_argument("seed", seed);  // True is not seed 1
         options.quantize = quantization_of(quantize, group_size);
-        options.tie_word_embeddings = tie_word_embeddings;
+        if (!tie_word_embeddings.is_none()) {  // 1 or "no" is not a yes or no
+          if (!py::isinstance<py::bool_>(tie_word_embeddings) &&
+              !py::isinstance(tie_word_embeddings, py::module_::import("numpy").attr("bool_"))) {
+            throw py::type_error("tie_word_embeddings must be True, False or None, got " +
+                                 std::string(py::str(py::type::handle_of(tie_word_embeddings).attr("__name__"))));
+          }
+          options.tie_word_embeddings = PyObject_IsTrue(tie_word_embeddings.ptr()) == 1;
+        }
         options.transformers_version = config_spelling;
         synthesize_model(path, options);
       },

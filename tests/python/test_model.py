@@ -115,6 +115,18 @@ def test_errors(tmp_path):
     with pytest.raises(TypeError, match="layers must be an integer, got bool"):
         metile.synth_model(str(tmp_path / "one_layer"), layers=True)
     assert metile.load_model(str(tmp_path / "m"), max_seq=np.int64(64)).capacity == 64
+    # synth_model's seed and tie_word_embeddings the same (True once wrote seed 1, and 1 a tied model).
+    with pytest.raises(TypeError, match="seed must be an integer, got bool"):
+        metile.synth_model(str(tmp_path / "seed_true"), seed=True)
+    with pytest.raises(TypeError, match="tie_word_embeddings must be True, False or None, got int"):
+        metile.synth_model(str(tmp_path / "tie_one"), tie_word_embeddings=1)
+    with pytest.raises(ValueError, match="seed: -1 is not an integer from 0 to 2"):
+        metile.synth_model(str(tmp_path / "seed_negative"), seed=-1)
+    with pytest.raises(ValueError, match="seed: 18446744073709551616 is not an integer"):
+        metile.synth_model(str(tmp_path / "seed_past_64_bits"), seed=2**64)
+    assert not any((tmp_path / name).exists() for name in ("seed_true", "tie_one", "seed_negative", "seed_past_64_bits"))
+    metile.synth_model(str(tmp_path / "seed_largest"), seed=np.uint64(2**64 - 1), tie_word_embeddings=np.bool_(True))
+    assert json.loads((tmp_path / "seed_largest" / "config.json").read_text())["tie_word_embeddings"] is True
     # An endless iterator of ids stops at the cache's capacity instead of filling the memory.
     with pytest.raises(ValueError, match="more than the KV-cache capacity of 256 tokens"):
         model.logits(itertools.repeat(1))
