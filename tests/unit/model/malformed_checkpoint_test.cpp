@@ -83,6 +83,17 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "field 'rope_parameters.partial_rotary_factor': only 1 is supported"},
+      // transformers 5's rope_parameters beside a transformers 4 rope_scaling that says otherwise: the
+      // llama3 scaling was dropped for rope_parameters' default without a word.
+      {"rope_scaling_contradicts_rope_parameters",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e4}};
+           c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                                {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+         });
+       },
+       "config.json: field 'rope_scaling': contradicts rope_parameters (give one of the two)"},
       {"llama3_without_factor",
        [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"rope_type", "llama3"}}; }); },
        "field 'rope_scaling.factor': missing"},
