@@ -1,12 +1,12 @@
 // Python bindings of the model module (include/metile/model.h) and the GPU engine (engine.h):
-//   metile.load_model(path, dtype="bf16", quantize=None, group_size=64, max_seq=0, backend="cpu")
+//   metile.load_model(path, dtype="bf16", quantize=None, group_size=None, max_seq=0, backend="cpu")
 //       -> Model (backend="cpu") or CudaModel (backend="cuda": weights uploaded once, the fused engine)
 //     .logits(ids) -> float32 numpy [len(ids), vocab], a fresh sequence each call
 //     .generate(ids, n) -> int32 numpy [n], greedy
 //   backend="cuda" without a GPU (or in a build without the CUDA toolkit) raises ValueError, as
 //   `metile logits --backend cuda` exits 2.
 //   metile.synth_model(path, preset="tiny", arch=None, layers=None, seed=0, quantize=None,
-//                      group_size=64, tie_word_embeddings=None, config_spelling=4)
+//                      group_size=None, tie_word_embeddings=None, config_spelling=4)
 // Bad checkpoints and arguments raise ValueError with the C++ message.
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -27,8 +27,12 @@ namespace {
 
 // quantize=None, 4 or 8 (True is not a bit count), and its group_size.
 std::optional<AffineQuantization> quantization_of(const py::handle& bits, const py::handle& group_size) {
-  const std::int64_t group = integer_argument("group_size", group_size);
-  if (bits.is_none()) return std::nullopt;
+  if (bits.is_none()) {
+    // Alone it would change nothing (as --group-size without --quantize on the command line).
+    if (!group_size.is_none()) throw InputError("group_size: needs quantize (4 or 8 bits)");
+    return std::nullopt;
+  }
+  const std::int64_t group = group_size.is_none() ? 64 : integer_argument("group_size", group_size);
   const std::int64_t value = integer_argument("quantize", bits);
   if (value < 1 || value > 64) throw InputError("quantize: bits must be 4 or 8, got " + std::to_string(value));
   if (group < 1 || group > (1 << 20)) throw InputError("group_size: must be 32, 64 or 128, got " + std::to_string(group));
@@ -212,7 +216,7 @@ void bind_model(py::module_& module) {
 #endif
         return py::cast(model);
       },
-      py::arg("path"), py::arg("dtype") = "bf16", py::arg("quantize") = py::none(), py::arg("group_size") = 64,
+      py::arg("path"), py::arg("dtype") = "bf16", py::arg("quantize") = py::none(), py::arg("group_size") = py::none(),
       py::arg("max_seq") = 0, py::arg("backend") = "cpu",
       "Loads a Llama/Qwen2/Mistral checkpoint (Hugging Face or MLX layout); backend='cuda' puts it on the GPU");
 
@@ -239,7 +243,7 @@ void bind_model(py::module_& module) {
         synthesize_model(path, options);
       },
       py::arg("path"), py::arg("preset") = "tiny", py::arg("arch") = py::none(), py::arg("layers") = py::none(),
-      py::arg("seed") = 0, py::arg("quantize") = py::none(), py::arg("group_size") = 64,
+      py::arg("seed") = 0, py::arg("quantize") = py::none(), py::arg("group_size") = py::none(),
       py::arg("tie_word_embeddings") = py::none(), py::arg("config_spelling") = 4,
       "Writes a seeded random checkpoint in the Hugging Face layout");
 }

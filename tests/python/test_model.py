@@ -112,6 +112,11 @@ def test_errors(tmp_path):
         metile.load_model(str(tmp_path / "m"), max_seq=True)
     with pytest.raises(TypeError, match="group_size must be an integer, got bool"):
         metile.load_model(str(tmp_path / "m"), quantize=4, group_size=True)
+    # group_size alone would change nothing (64 when quantize is given without it).
+    with pytest.raises(ValueError, match="group_size: needs quantize"):
+        metile.load_model(str(tmp_path / "m"), group_size=32)
+    with pytest.raises(ValueError, match="group_size: needs quantize"):
+        metile.synth_model(str(tmp_path / "group_alone"), group_size=128)
     with pytest.raises(TypeError, match="layers must be an integer, got bool"):
         metile.synth_model(str(tmp_path / "one_layer"), layers=True)
     assert metile.load_model(str(tmp_path / "m"), max_seq=np.int64(64)).capacity == 64

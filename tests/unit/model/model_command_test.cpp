@@ -108,5 +108,21 @@ TEST_F(ModelCommand, QuantizingNamesTheMatricesItLeavesDense) {
   EXPECT_EQ(written.is_quantized("model.layers.0.mlp.down_proj"), config.intermediate_size % 128 == 0);
 }
 
+// --group-size without --quantize would change nothing (the weights stay as the checkpoint has them),
+// so every command that takes it refuses it alone, with exit 2 and nothing on stdout.
+TEST_F(ModelCommand, GroupSizeWithoutQuantizeIsRefused) {
+  const std::filesystem::path directory = synth("model", {});
+  const std::string model = directory.string();
+  for (const std::string& command :
+       {"logits " + model + " --prompt-ids 1", "generate " + model + " --prompt-ids 1", "verify-model " + model,
+        "bench-model " + model, "synth-model " + (root_ / "alone").string()}) {
+    std::string out, err;
+    EXPECT_EQ(run_metile(command + " --group-size 32", out, err), 2) << command;
+    EXPECT_NE(err.find("--group-size requires --quantize"), std::string::npos) << command << ": " << err;
+    EXPECT_EQ(out, "") << command;
+  }
+  EXPECT_FALSE(std::filesystem::exists(root_ / "alone"));
+}
+
 }  // namespace
 }  // namespace metile
