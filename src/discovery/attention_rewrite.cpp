@@ -99,6 +99,8 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
   match.q = scores_matmul.inputs[0];
   match.k = scores_matmul.inputs[1];
   match.v = out_matmul.inputs[1];
+  // matmul(p, p): v would be a value the rewrite removes.
+  if (match.v == probabilities) return refuse("the probabilities are also v (both operands of the output matmul)");
   const int q_rank = graph.value(match.q).spec.rank();
   if (q_rank < 3) return refuse("q has no head axis (rank 2): flash_attention needs q [..., Hkv, R, D]");
   if (graph.value(match.k).spec.rank() != q_rank) return refuse("k is shared by every batch (rank 2), not [..., Hkv, T, D]");

@@ -233,6 +233,50 @@ TEST(AttentionRewrite, EveryRefusalHasItsReason) {
   }
 }
 
+// matmul(p, p) with p = softmax(q kᵀ): the output matmul's v is the probabilities, a value the
+// rewrite would remove. Refused with the reason (it used to fail planning with "input 2 (v) is not a
+// value of this GraphBuilder"); the plan runs and equals a float64 oracle of the chain.
+TEST(AttentionRewrite, ProbabilitiesThatAreAlsoVAreRefused) {
+  const std::uint64_t seed = test_seed();
+  GraphBuilder b;
+  auto q = b.input("q", {{2, 4, 8}, DType::f32});
+  auto k = b.input("k", {{2, 4, 8}, DType::f32});
+  auto p = b.softmax(b.matmul(q, k, true, "scores"), -1, "probabilities");
+  const ComputeGraph graph = b.build({b.matmul(p, p, false, "attention")});
+  const AttentionRewrite rewrite = rewrite_attention(graph);
+  EXPECT_TRUE(rewrite.candidates.empty());
+  ASSERT_EQ(rewrite.refusals.size(), 1u);
+  EXPECT_EQ(rewrite.refusals[0].reason, "the probabilities are also v (both operands of the output matmul)");
+  EXPECT_EQ(rewrite.graph, graph);
+  const FusionPlan plan = plan_with_discovery(graph);
+  const TensorMap inputs = random_inputs(graph, seed);
+  const TensorMap outputs = run_plan_reference(plan, inputs);
+  // float64 oracle: P = softmax(Q Kᵀ) per head, out = P P.
+  const std::vector<double> qv = inputs.at("q").to_values(), kv = inputs.at("k").to_values();
+  const std::vector<double> actual = outputs.at("attention").to_values();
+  for (std::int64_t head = 0; head < 2; ++head) {
+    double probabilities[4][4];
+    for (std::int64_t row = 0; row < 4; ++row) {
+      double scores[4], maximum = -INFINITY, total = 0;
+      for (std::int64_t key = 0; key < 4; ++key) {
+        scores[key] = 0;
+        for (std::int64_t d = 0; d < 8; ++d) scores[key] += qv[(head * 4 + row) * 8 + d] * kv[(head * 4 + key) * 8 + d];
+        maximum = std::max(maximum, scores[key]);
+      }
+      for (std::int64_t key = 0; key < 4; ++key) total += probabilities[row][key] = std::exp(scores[key] - maximum);
+      for (std::int64_t key = 0; key < 4; ++key) probabilities[row][key] /= total;
+    }
+    for (std::int64_t row = 0; row < 4; ++row) {
+      for (std::int64_t column = 0; column < 4; ++column) {
+        double expected = 0;
+        for (std::int64_t key = 0; key < 4; ++key) expected += probabilities[row][key] * probabilities[key][column];
+        EXPECT_NEAR(actual[static_cast<std::size_t>((head * 4 + row) * 4 + column)], expected, 1e-6)
+            << "seed " << seed << ", head " << head << ", row " << row << ", column " << column;
+      }
+    }
+  }
+}
+
 TEST(AttentionRewrite, SoftmaxOutsideAttentionIsNeitherMatchedNorRefused) {
   GraphBuilder b;
   auto x = b.input("x", {{4, 16}, DType::f32});
