@@ -250,8 +250,9 @@ class RowKernelSteps {
 
 struct RowReductionMath {
   // The CPU reference of one row: operands[i] is input i's row (a weight's one broadcast row),
-  // `out` the output row (as long as the input row, or 1). f32 element math, f64 accumulation.
-  using RowFunction = std::function<void(std::span<const std::span<const float>> operands, std::span<float> out)>;
+  // `out` the output row (as long as the input row, or 1). f32 element math, f64 accumulation; the
+  // executor rounds each value of `out` once to the output dtype (a sum's f64 total straight to it).
+  using RowFunction = std::function<void(std::span<const std::span<const float>> operands, std::span<double> out)>;
   std::function<RowFunction(const Attributes& attributes)> bind;
   // The row-kernel hook: the steps of one node, in order.
   std::function<void(RowKernelSteps& steps, const Attributes& attributes)> row_kernel;

@@ -677,7 +677,7 @@ RowReductionMath rms_norm_math() {
   RowReductionMath math;
   math.bind = [](const Attributes& attributes) -> RowFunction {
     const double eps = attributes.get_double("eps");
-    return [eps](RowOperands in, std::span<float> out) {
+    return [eps](RowOperands in, std::span<double> out) {
       const std::span<const float> x = in[0], weight = in[1];
       double sum_of_squares = 0;
       for (float value : x) sum_of_squares += static_cast<double>(value) * value;
@@ -703,7 +703,7 @@ RowReductionMath layer_norm_math() {
   RowReductionMath math;
   math.bind = [](const Attributes& attributes) -> RowFunction {
     const double eps = attributes.get_double("eps");
-    return [eps](RowOperands in, std::span<float> out) {
+    return [eps](RowOperands in, std::span<double> out) {
       const std::span<const float> x = in[0], weight = in[1], bias = in[2];
       const auto length = static_cast<double>(x.size());
       double sum = 0;
@@ -738,7 +738,7 @@ RowReductionMath layer_norm_math() {
 RowReductionMath softmax_math() {
   RowReductionMath math;
   math.bind = [](const Attributes&) -> RowFunction {
-    return [](RowOperands in, std::span<float> out) {
+    return [](RowOperands in, std::span<double> out) {
       const std::span<const float> x = in[0];
       float maximum = -std::numeric_limits<float>::infinity();
       for (float value : x) {
@@ -749,7 +749,7 @@ RowReductionMath softmax_math() {
         out[d] = std::exp(x[d] - maximum);
         sum += out[d];
       }
-      for (float& value : out) value = static_cast<float>(value / sum);
+      for (double& value : out) value = static_cast<float>(value / sum);
     };
   };
   math.row_kernel = [](RowKernelSteps& steps, const Attributes&) {
@@ -762,14 +762,15 @@ RowReductionMath softmax_math() {
   return math;
 }
 
-// sum and mean over the last axis, to [..., 1]: the f64 total rounded to f32 once.
+// sum and mean over the last axis, to [..., 1]: the f64 total (divided by the length for the mean), rounded
+// once, straight to the output dtype (through f32 first, an f16 or bf16 total could round twice).
 RowReductionMath row_total_math(bool mean) {
   RowReductionMath math;
   math.bind = [mean](const Attributes&) -> RowFunction {
-    return [mean](RowOperands in, std::span<float> out) {
+    return [mean](RowOperands in, std::span<double> out) {
       double total = 0;
       for (float value : in[0]) total += value;
-      out[0] = static_cast<float>(mean ? total / static_cast<double>(in[0].size()) : total);
+      out[0] = mean ? total / static_cast<double>(in[0].size()) : total;
     };
   };
   math.row_kernel = [mean](RowKernelSteps& steps, const Attributes&) {

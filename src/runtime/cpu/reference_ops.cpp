@@ -151,7 +151,8 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
 
 // Row reductions: the op table's per-row math over the last axis, or over the node's `axis`
 // (softmax), whose strided slices are gathered into a row and scattered back. Inputs after the
-// first (a norm's weight and bias) are one row every row shares.
+// first (a norm's weight and bias) are one row every row shares. The row's f64 results are rounded
+// once to the output dtype.
 HostTensor evaluate_row_reduction(const OpCall& call, const RowReductionMath& math) {
   const TensorSpec& x_spec = call.input(0).spec();
   const std::size_t last = x_spec.shape.size() - 1;
@@ -167,9 +168,9 @@ HostTensor evaluate_row_reduction(const OpCall& call, const RowReductionMath& ma
   std::vector<std::vector<float>> shared_rows;
   for (std::size_t input = 1; input < call.inputs.size(); ++input) shared_rows.push_back(load_floats(call.input(input)));
   const RowReductionMath::RowFunction row_function = math.bind(call.node.attributes);
-  std::vector<float> out(static_cast<std::size_t>(call.output.element_count()));
+  std::vector<double> out(static_cast<std::size_t>(call.output.element_count()));
   std::vector<float> row(static_cast<std::size_t>(length));
-  std::vector<float> out_row(static_cast<std::size_t>(out_length));
+  std::vector<double> out_row(static_cast<std::size_t>(out_length));
   std::vector<std::span<const float>> operands{row};
   for (const std::vector<float>& shared : shared_rows) operands.emplace_back(shared);
   for (std::int64_t before = 0; before < outer; ++before) {

@@ -310,6 +310,43 @@ TEST(ReferenceRowReduction, MaskedSoftmaxGivesExactZeros) {
   EXPECT_EQ(out.at(0), 1.0);  // row 0 sees only itself
 }
 
+// sum and mean round the exact total once, straight to the dtype. Rows x + ulp(x)/2 + 2^-24 (every term
+// an f16 and a bf16) sit just above a tie of the dtype: through f32 the 2^-24 is lost (half an f32 ulp,
+// rounded to even) and the tie then rounds to even, where the exact total rounds away from x. The oracle
+// is the long double total (exact for these terms), rounded once by HostTensor::store; random rows too.
+TEST(ReferenceRowReduction, SumAndMeanRoundTheExactTotalOnceToTheDtype) {
+  std::mt19937_64 generator(testing::process_seed() + 21);
+  for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+    const int mantissa_bits = dtype == DType::f16 ? 10 : dtype == DType::bf16 ? 7 : 23;
+    const std::int64_t rows = 64, length = 4;
+    std::vector<double> values;
+    for (std::int64_t row = 0; row < rows; ++row) {
+      if (row % 2 == 0) {  // just above a tie: x in [1, 2) on the dtype's grid, its half ulp, 2^-24; mean's total x4
+        const double x = 1 + std::ldexp(static_cast<double>(generator() % (1u << mantissa_bits)), -mantissa_bits);
+        for (double term : {x, std::ldexp(1.0, -mantissa_bits - 1), std::ldexp(1.0, -24), 0.0}) values.push_back(term * 4);
+      } else {
+        for (std::int64_t column = 0; column < length; ++column) {
+          values.push_back(static_cast<double>(generator() >> 11) * 0x1.0p-53 * 8 - 4);
+        }
+      }
+    }
+    const TensorSpec spec({rows, length}, dtype);
+    const HostTensor x = HostTensor::from_values(spec, values);
+    for (bool mean : {false, true}) {
+      GraphBuilder builder;
+      const ValueRef input = builder.input("x", spec);
+      const HostTensor out = run_one(builder, mean ? builder.mean(input) : builder.sum(input), {{"x", x}});
+      for (std::int64_t row = 0; row < rows; ++row) {
+        long double total = 0;
+        for (std::int64_t column = 0; column < length; ++column) total += as_long(x, row * length + column);
+        HostTensor expected(TensorSpec({1}, dtype));
+        expected.store(0, static_cast<double>(mean ? total / length : total));
+        EXPECT_EQ(out.at(row), expected.at(0)) << dtype_name(dtype) << (mean ? " mean" : " sum") << ", row " << row;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- contractions
 
 // The exact dot product, rounded once to dtype (what f64 accumulation of exact
