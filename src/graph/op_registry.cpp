@@ -127,7 +127,12 @@ std::vector<TensorSpec> infer_unary(std::span<const TensorSpec> inputs, Attribut
 std::vector<TensorSpec> infer_scale(std::span<const TensorSpec> inputs, Attributes& attributes) {
   check_known_attributes(attributes, {"factor"});
   require_floating(inputs[0], "x");
-  finite_number(attributes, "factor");
+  const double factor = finite_number(attributes, "factor");
+  // The op multiplies in f32 (scale_math): a factor that rounds to an f32 infinity would turn every
+  // element into inf or NaN (0 · inf) whatever its value.
+  if (std::isinf(static_cast<float>(factor))) {
+    throw InputError("factor " + number_text(factor) + " is beyond f32's range (scale multiplies in f32)");
+  }
   return {inputs[0]};
 }
 

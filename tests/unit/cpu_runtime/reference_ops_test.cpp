@@ -96,6 +96,36 @@ TEST(ReferenceElementwise, ScaleSiluExpMatchClosedForms) {
   }
 }
 
+// scale multiplies in f32, so it takes only factors whose f32 value is finite: random factors of
+// 1e30..1e39 are either refused (beyond FLT_MAX, where x · inf gave inf, or NaN for 0, whatever x was)
+// or give the f64 product x · factor within two f32 ulps (the factor and the product are each rounded to f32).
+TEST(ReferenceElementwise, ScaleTakesOnlyFactorsItCanMultiplyInF32) {
+  std::mt19937_64 generator(testing::process_seed() + 22);
+  const TensorSpec spec({16}, DType::f32);
+  constexpr double largest = std::numeric_limits<float>::max();
+  std::vector<double> factors = {1e39, -1e39, largest, -largest};
+  for (int trial = 0; trial < 64; ++trial) {
+    const double magnitude = std::pow(10.0, 30 + 9 * (static_cast<double>(generator() >> 11) * 0x1.0p-53));
+    factors.push_back(trial % 2 == 0 ? magnitude : -magnitude);
+  }
+  for (std::size_t trial = 0; trial < factors.size(); ++trial) {
+    const double factor = factors[trial];
+    GraphBuilder builder;
+    const ValueRef x = builder.input("x", spec);
+    if (std::fabs(factor) > largest * 1.0000001) {
+      EXPECT_THROW(builder.scale(x, factor), InputError) << "factor " << factor;
+      continue;
+    }
+    if (std::fabs(factor) > largest) continue;  // within a rounding of FLT_MAX
+    const HostTensor input = random_tensor(spec, 23 + trial, -1e-30, 1e-30);
+    const HostTensor out = run_one(builder, builder.scale(x, factor), {{"x", input}});
+    for (std::int64_t index = 0; index < spec.element_count(); ++index) {
+      const long double expected = as_long(input, index) * factor;
+      EXPECT_TRUE(close_in_ulps(out.at(index), expected, DType::f32, 2)) << "factor " << factor << " at " << index;
+    }
+  }
+}
+
 TEST(ReferenceElementwise, GeluMatchesKnownValues) {
   const std::vector<double> points = {1.0, -1.0, 2.0, 0.5, -3.0, -6.0};
   // 0.5 x (1 + erf(x / sqrt 2)) and the tanh form, evaluated independently to 16 digits.
