@@ -946,10 +946,12 @@ std::string cuda_elementwise_helpers() {
 }
 
 std::string cuda_float_literal(double value) {
-  if (std::isnan(value)) return "__int_as_float(0x7fc00000)";
-  if (std::isinf(value)) return value > 0 ? "__int_as_float(0x7f800000)" : "__int_as_float(0xff800000)";
+  // Rounded to f32 first: a finite double past f32's range is inf there (printed, "inf.0f").
+  const float single = static_cast<float>(value);
+  if (std::isnan(single)) return "__int_as_float(0x7fc00000)";
+  if (std::isinf(single)) return single > 0 ? "__int_as_float(0x7f800000)" : "__int_as_float(0xff800000)";
   char text[32];
-  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(static_cast<float>(value)));
+  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(single));
   std::string literal = text;
   if (literal.find_first_of(".e") == std::string::npos) literal += ".0";
   return literal + "f";

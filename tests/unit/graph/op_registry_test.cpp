@@ -3,6 +3,10 @@
 // attributes, and rejects bad shapes/attributes with a precise message.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <limits>
+#include <random>
 #include <set>
 #include <string>
 
@@ -65,6 +69,26 @@ TEST(OpRegistryTest, EveryDesignOpIsRegisteredWithItsKind) {
   EXPECT_EQ(find_op("conv2d"), nullptr);
   EXPECT_EQ(find_op("quantized_matmul")->input_names, (std::vector<std::string_view>{"x", "packed", "scales", "biases"}));
   EXPECT_EQ(op_kind_name(OpKind::row_reduction), "row_reduction");
+}
+
+// The f32 constants written into generated CUDA: a value the kernel reads back as the double
+// rounded to f32 (random doubles over f32's range, the oracle the f32 cast), and the values past
+// f32's range, inf and NaN as bit patterns (a finite 1e39 once printed "inf.0f", not CUDA).
+TEST(OpRegistryTest, CudaFloatLiteralsAreTheValueRoundedToF32) {
+  std::mt19937_64 generator(testing::test_seed("cuda float literals"));
+  std::uniform_real_distribution<double> exponent(-40, 38.5), sign(-1, 1);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const double value = std::copysign(std::pow(10.0, exponent(generator)), sign(generator));
+    const std::string literal = cuda_float_literal(value);
+    ASSERT_EQ(literal.back(), 'f') << literal;
+    ASSERT_EQ(std::strtof(literal.substr(0, literal.size() - 1).c_str(), nullptr), static_cast<float>(value))
+        << value << " -> " << literal;
+  }
+  EXPECT_EQ(cuda_float_literal(1e39), "__int_as_float(0x7f800000)");
+  EXPECT_EQ(cuda_float_literal(-1e300), "__int_as_float(0xff800000)");
+  EXPECT_EQ(cuda_float_literal(std::numeric_limits<double>::infinity()), "__int_as_float(0x7f800000)");
+  EXPECT_EQ(cuda_float_literal(std::nan("")), "__int_as_float(0x7fc00000)");
+  EXPECT_EQ(cuda_float_literal(2.0), "2.0f");
 }
 
 TEST(OpRegistryTest, BinaryOpsBroadcastASuffixOnly) {
