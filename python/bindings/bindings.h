@@ -47,6 +47,11 @@ struct GraphNodeView {
   NodeId id = -1;
 };
 
+// Its type's name, for messages ("got bool").
+std::string python_type_name(const py::handle& object);
+// Python's bool or numpy's bool_: an int to Python, but never a count, a bit or a seed.
+bool is_boolean(const py::handle& object);
+
 // One integer argument (`what` names it): an int or a numpy integer; bool (Python's or numpy's), an
 // int to Python, is a TypeError (True is not 1 token or 1 bit), as is anything else; ValueError past
 // 64 bits.

@@ -46,7 +46,7 @@ class PythonFlowNetwork {
     const bool integer_capacity = py::isinstance<py::int_>(capacity) && !py::isinstance<py::bool_>(capacity);
     if (!integer_capacity && !py::isinstance<py::float_>(capacity)) {
       throw py::type_error("FlowNetwork.add_edge: capacity must be an int or a float, got " +
-                           std::string(py::str(py::type::handle_of(capacity).attr("__name__"))));
+                           python_type_name(capacity));
     }
     std::optional<std::int64_t> integer_value;
     if (integer_capacity) {

@@ -104,7 +104,7 @@ FusionTarget target_from_python(const py::object& target) {
   }
   throw py::type_error(
       "plan_graph_fusion: target must be a FusionTarget, 'h200', 'cpu' or a JSON file path, got " +
-      std::string(py::str(py::type::handle_of(target).attr("__name__"))));
+      python_type_name(target));
 }
 
 // rules=None | RuleSet | FusionRule | iterable of FusionRule (priority order)
@@ -117,7 +117,7 @@ RuleSet rules_from_python(const py::object& rules) {
     for (const py::handle& rule : rules) {
       if (!py::isinstance<FusionRule>(rule)) {
         throw py::type_error("plan_graph_fusion: rules must hold FusionRules, got " +
-                             std::string(py::str(py::type::handle_of(rule).attr("__name__"))));
+                             python_type_name(rule));
       }
       rule_set.rules.push_back(rule.cast<FusionRule>());
     }
@@ -125,7 +125,7 @@ RuleSet rules_from_python(const py::object& rules) {
   }
   throw py::type_error(
       "plan_graph_fusion: rules must be a RuleSet, a FusionRule or a list of FusionRules, got " +
-      std::string(py::str(py::type::handle_of(rules).attr("__name__"))));
+      python_type_name(rules));
 }
 
 void bind_target(py::module_& module) {
@@ -211,7 +211,7 @@ void bind_rules(py::module_& module) {
       .def_readwrite("resources", &FusionRule::resources)
       .def_readwrite("epilogue_add_operand_role", &FusionRule::epilogue_add_operand_role)
       .def("__repr__", [](const py::object& rule) {
-        return std::string(py::str(py::type::handle_of(rule).attr("__name__"))) + "('" +
+        return python_type_name(rule) + "('" +
                rule.cast<const FusionRule&>().name + "')";
       });
 

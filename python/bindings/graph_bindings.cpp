@@ -33,11 +33,15 @@ py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std:
   return views;
 }
 
-namespace {
-
 std::string python_type_name(const py::handle& object) {
   return py::str(py::type::handle_of(object).attr("__name__"));
 }
+
+bool is_boolean(const py::handle& object) {
+  return py::isinstance<py::bool_>(object) || py::isinstance(object, py::module_::import("numpy").attr("bool_"));
+}
+
+namespace {
 
 std::string python_repr(const py::handle& object) { return py::repr(object); }
 
@@ -52,23 +56,24 @@ std::int64_t attribute_integer(const std::string& what, const py::handle& object
   }
 }
 
-// An object with __index__ (an int, a numpy integer) as an int64 (attribute_integer's ValueError).
-std::int64_t index_as_int64(const std::string& what, const py::handle& object) {
+// An object with __index__ (an int, a numpy integer) as a Python int.
+py::object python_index(const py::handle& object) {
   PyObject* index = PyNumber_Index(object.ptr());
   if (index == nullptr) throw py::error_already_set();
-  return attribute_integer(what, py::reinterpret_steal<py::object>(index));
+  return py::reinterpret_steal<py::object>(index);
 }
 
-}  // namespace
+// An object with __index__ as an int64 (attribute_integer's ValueError).
+std::int64_t index_as_int64(const std::string& what, const py::handle& object) {
+  return attribute_integer(what, python_index(object));
+}
 
-namespace {
 void require_integer(const std::string& what, const py::handle& object) {
-  const bool boolean = py::isinstance<py::bool_>(object) ||
-                       py::isinstance(object, py::module_::import("numpy").attr("bool_"));
-  if (boolean || !PyIndex_Check(object.ptr())) {
+  if (is_boolean(object) || !PyIndex_Check(object.ptr())) {
     throw py::type_error(what + " must be an integer, got " + python_type_name(object));
   }
 }
+
 }  // namespace
 
 std::int64_t integer_argument(const std::string& what, const py::handle& object) {
@@ -78,9 +83,7 @@ std::int64_t integer_argument(const std::string& what, const py::handle& object)
 
 std::uint64_t unsigned_argument(const std::string& what, const py::handle& object) {
   require_integer(what, object);
-  PyObject* index = PyNumber_Index(object.ptr());
-  if (index == nullptr) throw py::error_already_set();
-  const auto value = py::reinterpret_steal<py::object>(index);
+  const py::object value = python_index(object);
   try {
     if (value < py::int_(0)) throw py::cast_error();
     return value.cast<std::uint64_t>();

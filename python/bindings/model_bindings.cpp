@@ -232,10 +232,8 @@ void bind_model(py::module_& module) {
         options.seed = unsigned_argument("seed", seed);  // True is not seed 1
         options.quantize = quantization_of(quantize, group_size);
         if (!tie_word_embeddings.is_none()) {  // 1 or "no" is not a yes or no
-          if (!py::isinstance<py::bool_>(tie_word_embeddings) &&
-              !py::isinstance(tie_word_embeddings, py::module_::import("numpy").attr("bool_"))) {
-            throw py::type_error("tie_word_embeddings must be True, False or None, got " +
-                                 std::string(py::str(py::type::handle_of(tie_word_embeddings).attr("__name__"))));
+          if (!is_boolean(tie_word_embeddings)) {
+            throw py::type_error("tie_word_embeddings must be True, False or None, got " + python_type_name(tie_word_embeddings));
           }
           options.tie_word_embeddings = PyObject_IsTrue(tie_word_embeddings.ptr()) == 1;
         }
