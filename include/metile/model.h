@@ -48,6 +48,7 @@ struct RopeParameters {
   double low_freq_factor = 1;
   double high_freq_factor = 4;
   std::int64_t original_max_position_embeddings = 8192;
+  bool operator==(const RopeParameters&) const = default;
 };
 
 // The largest size or count config.json may give (vocab_size, hidden_size, intermediate_size,

@@ -248,16 +248,12 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
       // yarn one, say) ignored without a word; they must say the same.
       const Json& scaling = json.at("rope_scaling");
       if (!scaling.is_object()) reader.fail("rope_scaling", "must be an object or null");
+      // Read over a copy: a default type leaves the copy's llama3 fields as they were, so only the
+      // scaling itself can make the two differ.
       RopeParameters other = config.rope;
       other.llama3_scaling = false;
       read_rope_type(FieldReader{scaling, reader.source, "rope_scaling."}, other);
-      const RopeParameters& rope = config.rope;
-      const bool same = other.llama3_scaling == rope.llama3_scaling &&
-                        (!rope.llama3_scaling ||
-                         (other.factor == rope.factor && other.low_freq_factor == rope.low_freq_factor &&
-                          other.high_freq_factor == rope.high_freq_factor &&
-                          other.original_max_position_embeddings == rope.original_max_position_embeddings));
-      if (!same) reader.fail("rope_scaling", "contradicts rope_parameters (give one of the two)");
+      if (other != config.rope) reader.fail("rope_scaling", "contradicts rope_parameters (give one of the two)");
     }
   } else {  // transformers 4
     config.rope.theta = reader.positive_number_or("rope_theta", 10000);
