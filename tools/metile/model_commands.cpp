@@ -121,6 +121,15 @@ nlohmann::json figures_json(const AgreementFigures& figures) {
 
 namespace {
 
+// --quantize and --group-size, the same on every command that takes them: the group size alone
+// would change nothing, so it needs --quantize.
+void add_quantization_options(CLI::App* command, std::string& quantize, int& group_size, const std::string& quantize_help) {
+  CLI::Option* bits = command->add_option("--quantize", quantize, quantize_help);
+  command->add_option("--group-size", group_size, "quantization group size: 32, 64 or 128")
+      ->capture_default_str()
+      ->needs(bits);
+}
+
 void add_model_options(CLI::App* command, ModelOptions& options, bool with_prompt) {
   command->add_option("MODEL_DIR", options.model_dir, "checkpoint directory (config.json + safetensors)")
       ->required();
@@ -131,10 +140,7 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
       ->check(CLI::IsMember({"bf16", "f32"}))
       ->capture_default_str();
   command->add_option("--backend", options.backend, "cpu or cuda (the GPU decode engine)")->capture_default_str();
-  CLI::Option* quantize = command->add_option("--quantize", options.quantize, "quantize dense weights at load: 4 or 8 bits");
-  command->add_option("--group-size", options.group_size, "quantization group size: 32, 64 or 128")
-      ->capture_default_str()
-      ->needs(quantize);  // alone it would change nothing
+  add_quantization_options(command, options.quantize, options.group_size, "quantize dense weights at load: 4 or 8 bits");
   command->add_option("--max-seq", options.max_seq, "KV-cache capacity (default min(4096, the config's limit))")
       ->check(fits_in_64_bits());
   command->add_option("--decline", options.decline,
@@ -464,11 +470,8 @@ void add_model_commands(CLI::App& app) {
         ->check(fits_in_64_bits());
     command->add_option("--seed", options->seed, "--preset: seed of the weights, and of the prompt tokens")
         ->capture_default_str();
-    CLI::Option* quantize =
-        command->add_option("--quantize", options->quantize, "4 or 8 bits (MLX affine); default: the checkpoint's");
-    command->add_option("--group-size", options->group_size, "quantization group size: 32, 64 or 128")
-        ->capture_default_str()
-        ->needs(quantize);
+    add_quantization_options(command, options->quantize, options->group_size,
+                             "4 or 8 bits (MLX affine); default: the checkpoint's");
     command->add_option("--context", options->context, "cached tokens before the timed decode steps")
         ->check(fits_in_64_bits())
         ->capture_default_str();
@@ -539,8 +542,7 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--layers", options->layers, "number of layers (default: the preset's)")
         ->check(fits_in_64_bits());
     command->add_option("--seed", options->seed, "seed of the weights")->capture_default_str();
-    CLI::Option* quantize = command->add_option("--quantize", options->quantize, "write MLX-quantized weights: 4 or 8 bits");
-    command->add_option("--group-size", options->group_size, "quantization group size")->capture_default_str()->needs(quantize);
+    add_quantization_options(command, options->quantize, options->group_size, "write MLX-quantized weights: 4 or 8 bits");
     command->add_option("--tie-word-embeddings", options->tie, "true or false (default: the preset's)")
         ->check(CLI::IsMember({"true", "false"}));
     command->add_option("--config-spelling", options->config_spelling,
