@@ -135,20 +135,21 @@ std::vector<Timed> time_floors(const Model& model, const CudaStream& stream, int
   read_only.kernel = launch_only.kernel;
   read_only.keys = keys;
   read_only.bytes = bytes;
-  read_only.us = time_rotating(stream, copies, [&](const CudaStream& s, int i) {
-    launch(stream_only, grid, block, 0, s, k[static_cast<std::size_t>(i)].address(), v[static_cast<std::size_t>(i)].address(),
-           out.address(), vectors_per_head);
-  });
+  // The read-only kernel over read_splits x kv_heads blocks, each thread's folded word to a sink of its own.
+  const auto time_read_only = [&](std::int64_t read_splits) {
+    const Dim3 read_grid{static_cast<unsigned>(read_splits), static_cast<unsigned>(kv_heads), 1};
+    DeviceBuffer sink(static_cast<std::size_t>(read_splits * kv_heads * 256 * 4));
+    return time_rotating(stream, copies, [&](const CudaStream& s, int i) {
+      launch(stream_only, read_grid, block, 0, s, k[static_cast<std::size_t>(i)].address(),
+             v[static_cast<std::size_t>(i)].address(), sink.address(), vectors_per_head);
+    });
+  };
+  read_only.us = time_read_only(splits);
   Timed whole_chip = read_only;
   const std::int64_t chip_splits = std::max<std::int64_t>(1, (2 * multiprocessors + kv_heads - 1) / kv_heads);
-  const Dim3 chip_grid{static_cast<unsigned>(chip_splits), static_cast<unsigned>(kv_heads), 1};
-  DeviceBuffer chip_out(static_cast<std::size_t>(chip_splits * kv_heads * 256 * 4));
   whole_chip.what = fmt::format("floor T={}: read K and V, whole chip", keys);
   whole_chip.kernel = fmt::format("{} x {} blocks", chip_splits, kv_heads);
-  whole_chip.us = time_rotating(stream, copies, [&](const CudaStream& s, int i) {
-    launch(stream_only, chip_grid, block, 0, s, k[static_cast<std::size_t>(i)].address(), v[static_cast<std::size_t>(i)].address(),
-           chip_out.address(), vectors_per_head);
-  });
+  whole_chip.us = time_read_only(chip_splits);
   launch_only.keys = keys;
   launch_only.floor = read_only.floor = whole_chip.floor = true;
   launch_only.model = read_only.model = whole_chip.model = model.name;

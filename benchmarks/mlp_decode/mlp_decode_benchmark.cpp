@@ -88,6 +88,12 @@ GemvKernelConfig base_swiglu(const GemvWeightFormat& format, std::int64_t rows, 
 
 // --kernels: each tuning candidate of each stage kernel, timed alone over weight replicas.
 // --profile (profile_only): the stage kernels of 4-bit g64 at profile_rows rows, each launched once.
+// A register-batch shape without staging, split-K or L2 prefetch.
+bool plain_register_shape(const GemvKernelConfig& config) {
+  return config.mainloop == GemvMainloop::register_batches && config.shared_stages < 2 && config.k_splits == 1 &&
+         config.l2_prefetch_rounds == 0;
+}
+
 // --residency: the bounded variants of each plain register shape besides (residency_variants).
 std::vector<GemvKernelConfig> residency_variants(const std::vector<GemvKernelConfig>& configs) {
   std::vector<GemvKernelConfig> variants;
@@ -95,8 +101,7 @@ std::vector<GemvKernelConfig> residency_variants(const std::vector<GemvKernelCon
   for (const GemvKernelConfig& config : configs) seen.insert(config.to_string());
   std::map<int, int> shapes_per_stage;  // by product count: gate/up 2, down 1
   for (const GemvKernelConfig& config : configs) {
-    const bool plain = config.mainloop == GemvMainloop::register_batches && config.shared_stages < 2 && config.k_splits == 1 &&
-                       config.l2_prefetch_rounds == 0 && config.resident_blocks_per_multiprocessor == 0 &&
+    const bool plain = plain_register_shape(config) && config.resident_blocks_per_multiprocessor == 0 &&
                        config.tiles_per_block == 1 && !config.shared_group_sums &&
                        config.schedule == GatedSchedule::register_resident;
     if (!plain || ++shapes_per_stage[config.epilogue.product_count()] > 3) continue;
@@ -187,13 +192,10 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
         auto kind = [](const GemvKernelConfig& c) {
           return std::tuple{c.epilogue.product_count(), c.mainloop, c.shared_stages >= 2, c.k_splits > 1, c.l2_prefetch_rounds > 0};
         };
-        auto plain_register = [](const GemvKernelConfig& c) {
-          return c.mainloop == GemvMainloop::register_batches && c.shared_stages < 2 && c.k_splits == 1 && c.l2_prefetch_rounds == 0;
-        };
         for (const GemvKernelConfig& config : configs) {
           if (config.schedule == GatedSchedule::scratch_spilled && config.mainloop == GemvMainloop::register_batches) continue;
           const auto same_kind = std::count_if(chosen.begin(), chosen.end(), [&](const GemvKernelConfig& c) { return kind(c) == kind(config); });
-          if (same_kind < (plain_register(config) ? 3 : 1)) chosen.push_back(config);
+          if (same_kind < (plain_register_shape(config) ? 3 : 1)) chosen.push_back(config);
         }
         configs = chosen;
       }
