@@ -1260,11 +1260,19 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       add_staged(4, 40 * 1024);
       if (affine) add(4, false, false, 1, true);
       if (affine) add(2, true, false, 1, true);
-      // Measured, not yet a candidate: SwiGLU's affine gate/up at M > 8 with two weight iterations in
-      // flight held to four 4-warp blocks an SM (register_shape(4, false, true) with
-      // resident_blocks_per_multiprocessor = 4) won three of four M = 16 rows on the H200 (4-bit g64
-      // gate/up 31.2 -> 29.6 us), but the GPU test label has not run on it: notes/mlp_decode.md,
-      // session 24, says how to add it back.
+      // SwiGLU's affine gate/up at M > 8: two weight iterations in flight (f2) with the registers held to
+      // four 4-warp blocks an SM (<= 128). The unbounded M > 8 shapes keep one iteration in flight at
+      // 106-164 registers; under ncu (session 24) the winner, w4 f1 batch, ran at 21.8% occupancy and
+      // 37% of DRAM peak with the issue slots 30% busy: too few loads in flight, not too many
+      // instructions. This shape doubles the weight bytes in flight at the same 16 warps an SM (4-bit
+      // parks 8 bytes in local memory for it, 8-bit none). Raced on the H200 (mlp_decode_benchmark
+      // --quick, M = 16): 4-bit g64 gate/up 31.2 -> 29.6 us, 8-bit 40.2 -> 38.1, Llama-3.2-1B 11.5 ->
+      // 10.9; g128 27.6 against 27.4 for w2 f1 db.
+      if (affine && products == 2 && base.rows > 8) {
+        GemvKernelConfig bounded = register_shape(4, false, true);
+        bounded.resident_blocks_per_multiprocessor = 4;
+        add_config(bounded);
+      }
       // No two-tile shape at M > 8: sharing each x fragment between two tiles (4-bit g64 gate/up w4 t2
       // f1 batch: x loads 1.00 -> 0.75 a weight word, 18.03 instructions a word against 18.88, 150
       // registers) raced at 55.7 us against 31.7 for one tile on the H200, its group-sums twin at

@@ -284,6 +284,31 @@ TEST(GemvCompile, LmHeadGetsMultiTileBlocksWithoutSpills) {
   }
 }
 
+// Above 8 rows the affine gate/up also races 4 warps with two iterations in flight held to four blocks an SM
+// (the M > 8 register shapes otherwise keep one iteration in flight: notes/mlp_decode.md, session 24): present
+// once at M = 9 and 16 and never at M <= 8, and compiled for sm_90 within the bound (<= 128 registers) without
+// spilling a batch.
+TEST(GemvCompile, AffineGateUpAboveEightRowsRacesTheBoundedDeeperShape) {
+  for (const GemvWeightFormat& format : {GemvWeightFormat::affine(4, 64, DType::bf16), GemvWeightFormat::affine(8, 64, DType::bf16)}) {
+    for (std::int64_t rows : {1, 8, 9, 16}) {
+      int bounded = 0;
+      for (const GemvKernelConfig& config :
+           gemv_tuning_candidates(gemv_config(format, rows, 14336, 4096, GemvEpilogue::swiglu()), 132)) {
+        if (config.resident_blocks_per_multiprocessor == 0) continue;
+        ++bounded;
+        EXPECT_EQ(config.resident_blocks_per_multiprocessor, 4) << config.to_string();
+        EXPECT_EQ(config.warps_per_block, 4) << config.to_string();
+        EXPECT_EQ(config.iterations_in_flight, 2) << config.to_string();
+        if (rows != 16) continue;
+        const Compiled compiled = compile_for_sm90(generate_gemv_kernel(config));
+        expect_no_spills(compiled.log, config.to_string());
+        EXPECT_LE(registers_used(compiled.log, config.to_string()), 128) << config.to_string();
+      }
+      EXPECT_EQ(bounded, rows > 8 ? 1 : 0) << format.to_string() << " M = " << rows;
+    }
+  }
+}
+
 // The split-K, staged and shared-group-sum shapes the tuner adds: present where they should be (split-K only where
 // some SMs would get no tile, enough splits for about two blocks per SM), their launch shape and
 // workspace, and for the Llama-3-8B gate/up and Qwen2.5-1.5B down stages (4-bit M = 1, bf16
