@@ -25,7 +25,7 @@ struct DecodeMlpOptions {
   std::uint64_t gate_seed = 0x6d6c70;
   bool use_decision_cache = true;   // a stored decision skips the tournament (the gate still runs)
   std::filesystem::path decision_cache_file;  // empty: DecisionCache::default_path()
-  int tuning_candidates = 11;       // launch shapes per fused schedule (gemv_tuning_candidates)
+  int tuning_candidates = 12;       // launch shapes per fused schedule (gemv_tuning_candidates; 12: the Llama-3-8B gate/up at M > 8 has 12)
   // When the chosen down stage is a generated GEMV, its graph with down launched as a programmatic
   // dependent of gate/up (prologue and first weight loads overlapping gate/up's tail) races the
   // plain-order graph of the same kernels; the faster one is the executor's graph (it helps the

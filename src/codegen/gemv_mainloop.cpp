@@ -1181,10 +1181,23 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
   };
   if (narrow) {
-    add(8, true);
+    // Between one and two tiles an SM (Llama-3-8B's down and o-projections: 256 tiles for 132 SMs) the
+    // affine double-buffered shapes are compiled for the two blocks an SM the grid puts there
+    // (__launch_bounds__(threads, 2)). ptxas then keeps more of the batches live (4-bit g64 down, M = 1,
+    // w8 f2 db: 111 -> 127 registers) and, for 16 warps, fits two blocks instead of one (69 -> 64
+    // registers). Measured alone on the H200 (`mlp_decode_benchmark --residency`, session 25): 4-bit
+    // w8 f2 db 13.1 -> 12.3 us, w16 f1 db 15.0 -> 12.6; 8-bit w8 f2 db 21.0 -> 18.6, w16 f1 db 18.2
+    // -> 17.9. At M > 8 the bound only spilled (w16 f1 db 23.7 -> 36.7 us), so it stays unbounded.
+    const bool two_blocks_an_sm = affine && base.rows <= 8 && tiles > multiprocessors;
+    auto add_narrow = [&](int warps) {
+      GemvKernelConfig config = register_shape(warps, true);
+      if (two_blocks_an_sm) config.resident_blocks_per_multiprocessor = 2;
+      add_config(config);
+    };
+    add_narrow(8);
     if (!gemv_batches_whole(register_shape(8, true)) && !gemv_batches_whole(register_shape(16, true))) add_whole_warps(true);
-    add(16, true);
-    add(8, true, true);
+    add_narrow(16);
+    add(8, true, true);  // deeper (f4 at M = 1: 189 registers, one block an SM; bounded to two it spilled)
     add(4, true);
     add(8, false);
     if (extended) {
@@ -1268,10 +1281,15 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       // parks 8 bytes in local memory for it, 8-bit none). Raced on the H200 (mlp_decode_benchmark
       // --quick, M = 16): 4-bit g64 gate/up 31.2 -> 29.6 us, 8-bit 40.2 -> 38.1, Llama-3.2-1B 11.5 ->
       // 10.9; g128 27.6 against 27.4 for w2 f1 db.
+      // Its one-iteration twin under the same bound (`mlp_decode_benchmark --residency`, session 25: 4-bit
+      // g64 w4 f1 batch 32.6 -> 27.5 us alone, 106 -> 128 registers at the same four blocks an SM: the
+      // bound lets ptxas keep the batch's loads ahead of the math).
       if (affine && products == 2 && base.rows > 8) {
-        GemvKernelConfig bounded = register_shape(4, false, true);
-        bounded.resident_blocks_per_multiprocessor = 4;
-        add_config(bounded);
+        for (bool deeper : {true, false}) {
+          GemvKernelConfig bounded = register_shape(4, false, deeper);
+          bounded.resident_blocks_per_multiprocessor = 4;
+          add_config(bounded);
+        }
       }
       // No two-tile shape at M > 8: sharing each x fragment between two tiles (4-bit g64 gate/up w4 t2
       // f1 batch: x loads 1.00 -> 0.75 a weight word, 18.03 instructions a word against 18.88, 150

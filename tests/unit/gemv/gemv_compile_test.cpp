@@ -284,27 +284,66 @@ TEST(GemvCompile, LmHeadGetsMultiTileBlocksWithoutSpills) {
   }
 }
 
-// Above 8 rows the affine gate/up also races 4 warps with two iterations in flight held to four blocks an SM
-// (the M > 8 register shapes otherwise keep one iteration in flight: notes/mlp_decode.md, session 24): present
-// once at M = 9 and 16 and never at M <= 8, and compiled for sm_90 within the bound (<= 128 registers) without
-// spilling a batch.
-TEST(GemvCompile, AffineGateUpAboveEightRowsRacesTheBoundedDeeperShape) {
+// Above 8 rows the affine gate/up also races 4 warps held to four blocks an SM, with one and with two iterations in
+// flight (the M > 8 register shapes otherwise keep one iteration in flight at 106-164 registers: notes/mlp_decode.md,
+// sessions 24-25): both present at M = 9 and 16 and never at M <= 8, and compiled for sm_90 within the bound (<= 128
+// registers) without spilling a batch.
+TEST(GemvCompile, AffineGateUpAboveEightRowsRacesTheBoundedShapes) {
   for (const GemvWeightFormat& format : {GemvWeightFormat::affine(4, 64, DType::bf16), GemvWeightFormat::affine(8, 64, DType::bf16)}) {
     for (std::int64_t rows : {1, 8, 9, 16}) {
-      int bounded = 0;
+      std::vector<int> depths;
       for (const GemvKernelConfig& config :
            gemv_tuning_candidates(gemv_config(format, rows, 14336, 4096, GemvEpilogue::swiglu()), 132)) {
         if (config.resident_blocks_per_multiprocessor == 0) continue;
-        ++bounded;
+        depths.push_back(config.iterations_in_flight);
         EXPECT_EQ(config.resident_blocks_per_multiprocessor, 4) << config.to_string();
         EXPECT_EQ(config.warps_per_block, 4) << config.to_string();
-        EXPECT_EQ(config.iterations_in_flight, 2) << config.to_string();
+        EXPECT_FALSE(config.double_buffered) << config.to_string();
         if (rows != 16) continue;
         const Compiled compiled = compile_for_sm90(generate_gemv_kernel(config));
         expect_no_spills(compiled.log, config.to_string());
         EXPECT_LE(registers_used(compiled.log, config.to_string()), 128) << config.to_string();
       }
-      EXPECT_EQ(bounded, rows > 8 ? 1 : 0) << format.to_string() << " M = " << rows;
+      const std::vector<int> expected = rows > 8 ? std::vector<int>{2, 1} : std::vector<int>{};
+      EXPECT_EQ(depths, expected) << format.to_string() << " M = " << rows;
+    }
+  }
+}
+
+// Between one and two tiles an SM (Llama-3-8B's down projection: 256 tiles for 132 SMs) the first two affine shapes
+// at M <= 8, w8 and w16 double-buffered, are compiled for the two blocks an SM that the grid puts there (session 25,
+// notes/mlp_decode.md): bounded, within 65536 / (2 x threads) registers and without spills. Not at M > 8 (the bound
+// spilled there), not for dense weights (not measured), not where one block an SM is all there is (Qwen2.5-1.5B's
+// down projection: 96 tiles).
+TEST(GemvCompile, AffineStagesOfOneToTwoTilesAnSmAreBoundToTwoBlocks) {
+  struct Case {
+    GemvWeightFormat format;
+    std::int64_t rows, out_features, in_features;
+    int bounded;
+  };
+  const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16), int8 = GemvWeightFormat::affine(8, 64, DType::bf16);
+  for (const Case& c : {Case{int4, 1, 4096, 14336, 2}, Case{int8, 1, 4096, 14336, 2}, Case{int4, 4, 4096, 4096, 2},
+                        Case{int4, 16, 4096, 14336, 0}, Case{GemvWeightFormat::dense(DType::bf16), 1, 4096, 14336, 0},
+                        Case{int4, 1, 1536, 8960, 0}}) {
+    const std::vector<GemvKernelConfig> candidates =
+        gemv_tuning_candidates(gemv_config(c.format, c.rows, c.out_features, c.in_features, GemvEpilogue::residual_add()), 132);
+    int bounded = 0;
+    for (const GemvKernelConfig& config : candidates) {
+      if (config.resident_blocks_per_multiprocessor == 0) continue;
+      ++bounded;
+      EXPECT_EQ(config.resident_blocks_per_multiprocessor, 2) << config.to_string();
+      EXPECT_TRUE(config.double_buffered) << config.to_string();
+      const Compiled compiled = compile_for_sm90(generate_gemv_kernel(config));
+      expect_no_spills(compiled.log, config.to_string());
+      EXPECT_LE(registers_used(compiled.log, config.to_string()), 65536 / (2 * 32 * config.warps_per_block)) << config.to_string();
+    }
+    EXPECT_EQ(bounded, c.bounded) << c.format.to_string() << " M = " << c.rows << " N = " << c.out_features;
+    if (c.bounded > 0) {
+      ASSERT_GE(candidates.size(), 2u);
+      EXPECT_EQ(candidates[0].warps_per_block, 8);
+      EXPECT_EQ(candidates[0].resident_blocks_per_multiprocessor, 2);
+      EXPECT_EQ(candidates[1].warps_per_block, 16);
+      EXPECT_EQ(candidates[1].resident_blocks_per_multiprocessor, 2);
     }
   }
 }
@@ -699,10 +738,11 @@ TEST(GemvCompile, FewTilesAnSmLeadWithMoreWarpsATile) {
 // whose tiles fit two blocks an SM (the o-projection's 256) or that has two matrices does not.
 TEST(GemvCompile, FewTilesOfOneMatrixRaceAOneWaveShape) {
   const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  // The one-wave shape is bound to three blocks an SM or more (two: AffineStagesOfOneToTwoTilesAnSmAreBoundToTwoBlocks).
   auto one_wave = [](const std::vector<GemvKernelConfig>& configs) {
     std::vector<GemvKernelConfig> found;
     for (const GemvKernelConfig& config : configs) {
-      if (config.resident_blocks_per_multiprocessor > 0) found.push_back(config);
+      if (config.resident_blocks_per_multiprocessor >= 3) found.push_back(config);
     }
     return found;
   };
