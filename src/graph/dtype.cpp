@@ -31,7 +31,7 @@ DType parse_dtype(std::string_view name) {
   for (DType dtype : {DType::f16, DType::bf16, DType::f32, DType::i8, DType::u8, DType::i32, DType::u32}) {
     if (dtype_name(dtype) == name) return dtype;
   }
-  throw InputError("unknown dtype '" + std::string(name) + "' (expected f16, bf16, f32, i8, u8, i32 or u32)");
+  throw InputError("unknown dtype '" + printable_bytes(name) + "' (expected f16, bf16, f32, i8, u8, i32 or u32)");
 }
 
 std::size_t dtype_size(DType dtype) {

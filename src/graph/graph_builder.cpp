@@ -143,10 +143,12 @@ ValueRef GraphBuilder::input(std::string name, TensorSpec spec) {
 std::vector<ValueRef> GraphBuilder::add_node(std::string_view op, std::vector<ValueRef> inputs, Attributes attributes,
                                              std::string name) {
   if (name.empty()) name = fresh_name(op.empty() ? std::string_view("node") : op);
-  const std::string owner = node_label(name, op);
+  // The op is quoted as printable bytes: an unknown one is the file's text, and a NUL in it would
+  // end the message (what() is a C string) before it says what is wrong.
+  const std::string owner = node_label(name, printable_bytes(op));
   refuse_control_bytes(name, owner);
   const OpDefinition* definition = find_op(op);
-  if (definition == nullptr) throw InputError(owner + ": unknown op '" + std::string(op) + "'");
+  if (definition == nullptr) throw InputError(owner + ": unknown op '" + printable_bytes(op) + "'");
   const std::size_t required_inputs = definition->input_names.size() - definition->optional_inputs;
   if (inputs.size() < required_inputs || inputs.size() > definition->input_names.size()) {
     std::string expected;

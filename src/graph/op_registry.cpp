@@ -46,7 +46,7 @@ void check_known_attributes(const Attributes& attributes, std::initializer_list<
     if (std::find(known.begin(), known.end(), name) != known.end()) continue;
     std::string allowed;
     for (std::string_view known_name : known) allowed += (allowed.empty() ? "" : ", ") + std::string(known_name);
-    throw InputError("unknown attribute '" + name + "' (" + (allowed.empty() ? "this op takes none" : "allowed: " + allowed) +
+    throw InputError("unknown attribute '" + printable_bytes(name) + "' (" + (allowed.empty() ? "this op takes none" : "allowed: " + allowed) +
                      ")");
   }
 }
@@ -142,7 +142,7 @@ std::vector<TensorSpec> infer_gelu(std::span<const TensorSpec> inputs, Attribute
   if (!attributes.has("approximate")) attributes.set("approximate", std::string("none"));
   const std::string& approximate = attributes.get_string("approximate");
   if (approximate != "none" && approximate != "tanh") {
-    throw InputError("approximate must be 'none' or 'tanh', got '" + approximate + "'");
+    throw InputError("approximate must be 'none' or 'tanh', got '" + printable_bytes(approximate) + "'");
   }
   return {inputs[0]};
 }
@@ -232,7 +232,7 @@ std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs
   if (!attributes.has("mask")) attributes.set("mask", std::string(inputs.size() == 4 ? "positions" : "none"));
   const std::string& mask = attributes.get_string("mask");
   if (mask != "none" && mask != "causal" && mask != "positions") {
-    throw InputError("mask must be 'none', 'causal' or 'positions', got '" + mask + "'");
+    throw InputError("mask must be 'none', 'causal' or 'positions', got '" + printable_bytes(mask) + "'");
   }
   if ((mask == "positions") != (inputs.size() == 4)) {
     throw InputError("mask '" + mask + "' " + (inputs.size() == 4 ? "takes no positions input" : "needs a positions input"));
@@ -332,7 +332,7 @@ void check_rope_scaling(Attributes& attributes) {
     return;
   }
   const std::string& scaling = attributes.get_string("scaling");
-  if (scaling != "llama3") throw InputError("scaling must be 'llama3', got '" + scaling + "'");
+  if (scaling != "llama3") throw InputError("scaling must be 'llama3', got '" + printable_bytes(scaling) + "'");
   const double factor = positive_number(attributes, "factor");
   const double low = positive_number(attributes, "low_freq_factor");
   const double high = positive_number(attributes, "high_freq_factor");

@@ -184,6 +184,37 @@ TEST(GraphJsonTest, ErrorsNameTheSourceAndThePath) {
   EXPECT_EQ(error_of([&] { read_graph(kExamples); }), kExamples.string() + ": is a directory, not a graph file");
 }
 
+// JSON's \u0000 and \u001b are a NUL and an escape byte in the strings read: every error quoting such
+// a string (an op, an attribute key or value, a dtype, a key, a value name, a cycle) spells them \xNN.
+// Before, a NUL ended what() there: "g.json: /nodes/0: node 'n' (ex" and nothing of what was wrong.
+TEST(GraphJsonTest, ControlBytesInQuotedStringsAreSpelledOut) {
+  const std::string input = R"({"inputs": [{"name": "x", "shape": [4], "dtype": "f32"}], )";
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "ex\u0000p", "inputs": ["x"]}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (ex\\x00p): unknown op 'ex\\x00p'");
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "exp", "inputs": ["x"], "attrs": {"a\u0000b": 1}}],
+    "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (exp): unknown attribute 'a\\x00b' (this op takes none)");
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "gelu", "inputs": ["x"],
+    "attrs": {"approximate": "t\u001b[31m"}}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (gelu): approximate must be 'none' or 'tanh', got 't\\x1b[31m'");
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "cast", "inputs": ["x"], "attrs": {"dtype": "f\u000016"}}],
+    "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n' (cast): unknown dtype 'f\\x0016' (expected f16, bf16, f32, i8, u8, i32 or u32)");
+  EXPECT_EQ(parse_error(R"({"inputs": [{"name": "x", "shape": [4], "dtype": "f\u00003"}], "nodes": [], "outputs": []})"),
+            "g.json: /inputs/0/dtype: unknown dtype 'f\\x003' (expected f16, bf16, f32, i8, u8, i32 or u32)");
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "exp", "inputs": ["x\u0000"]}], "outputs": ["n"]})"),
+            "g.json: /nodes/0/inputs/0: unknown value 'x\\x00'");
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "exp", "inputs": ["x"]}], "outputs": ["n\u0000"]})"),
+            "g.json: /outputs/0: unknown value 'n\\x00'");
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "exp", "inputs": ["x"], "k\u0000": 1}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: unknown key 'k\\x00'");
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n\u0000", "op": "exp", "inputs": ["n\u0000"]}], "outputs": ["n"]})"),
+            "g.json: /nodes/0: node 'n\\x00' is on a cycle (each reads the next): n\\x00 <- n\\x00");
+  // UTF-8 is not a control byte: it is quoted as written.
+  EXPECT_EQ(parse_error(input + R"("nodes": [{"name": "n", "op": "exp", "inputs": ["xé"]}], "outputs": ["n"]})"),
+            "g.json: /nodes/0/inputs/0: unknown value 'x\u00e9'");
+}
+
 // A random, valid graph: ops drawn at random with random operands; an attempt
 // the builder rejects records nothing, so only legal ops stay.
 ComputeGraph random_graph(std::uint32_t seed) {
