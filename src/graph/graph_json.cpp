@@ -201,8 +201,18 @@ class GraphFileReader {
       }
       inputs.push_back(value->second);
     }
+    // An unnamed node is named op_N as the builder would name it, but past the names the file gives
+    // to nodes not yet added too: the builder knows only the names recorded so far, so an unnamed exp
+    // sorted before a node the file names exp_0 took exp_0 and the file was refused as naming it twice.
+    std::string name = node.name;
+    if (name.empty() && find_op(node.op) != nullptr) {
+      int& next = next_unnamed_[node.op];
+      do {
+        name = node.op + "_" + std::to_string(next++);
+      } while (paths_by_name_.contains(name) || values_.contains(name));
+    }
     try {
-      for (ValueRef output : builder_.add_node(node.op, inputs, node.attributes, node.name)) {
+      for (ValueRef output : builder_.add_node(node.op, inputs, node.attributes, name)) {
         values_.emplace(builder_.name(output), output);
       }
     } catch (const InputError& error) {
@@ -236,6 +246,7 @@ class GraphFileReader {
   GraphBuilder builder_;
   std::map<std::string, ValueRef, std::less<>> values_;               // every value recorded so far
   std::map<std::string, std::string, std::less<>> paths_by_name_;     // where each name was declared
+  std::map<std::string, int, std::less<>> next_unnamed_;              // per op: the next N of op_N to try
 };
 
 // Names from C++ callers need not be UTF-8; replacing bad bytes keeps the writer total.

@@ -114,6 +114,20 @@ TEST(GraphJsonTest, NodesMayComeInAnyOrder) {
   EXPECT_EQ(graph.node(2).inputs, (std::vector<ValueId>{2, 1}));
 }
 
+// An unnamed node is named op_N past every name the file gives, whichever comes first: the unnamed exp
+// took exp_0 before the node the file names exp_0 was added, and the file was refused
+// ("node 'exp_0' (silu): duplicate name 'exp_0', already used by node 'exp_0' (exp)").
+TEST(GraphJsonTest, UnnamedNodesAvoidNamesTheFileGivesLaterNodes) {
+  const std::string input = R"({"inputs": [{"name": "x", "shape": [4], "dtype": "f32"}], )";
+  for (const std::string nodes : {R"([{"op": "exp", "inputs": ["x"]}, {"name": "exp_0", "op": "silu", "inputs": ["x"]}])",
+                                  R"([{"name": "exp_0", "op": "silu", "inputs": ["x"]}, {"op": "exp", "inputs": ["x"]}])"}) {
+    const ComputeGraph graph = parse_graph_json(input + R"("nodes": )" + nodes + R"(, "outputs": ["exp_0", "exp_1"]})");
+    ASSERT_TRUE(graph.find_node("exp_0") && graph.find_node("exp_1")) << nodes;
+    EXPECT_EQ(graph.node(*graph.find_node("exp_0")).op, "silu") << nodes;
+    EXPECT_EQ(graph.node(*graph.find_node("exp_1")).op, "exp") << nodes;
+  }
+}
+
 TEST(GraphJsonTest, CyclesAreReportedWithANodeOnThem) {
   EXPECT_EQ(parse_error(R"({"inputs": [{"name": "x", "shape": [4], "dtype": "f32"}],
     "nodes": [{"name": "out", "op": "add", "inputs": ["x", "b"]},
