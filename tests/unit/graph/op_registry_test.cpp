@@ -137,6 +137,16 @@ TEST(OpRegistryTest, Normalisations) {
   EXPECT_EQ(infer_error("rms_norm", {spec({8}), spec({8})}, attrs({{"eps", -1e-5}})),
             "eps must be positive, got -1e-05");
   EXPECT_EQ(infer_error("rms_norm", {spec({8}), spec({8})}), "missing attribute 'eps'");
+  // eps must be a normal f32 (the kernels add it in f32): 1e-80 made a row of zeros NaN (the true result is 0).
+  for (std::string_view op : {"rms_norm", "layer_norm"}) {
+    const std::vector<TensorSpec> inputs =
+        op == "rms_norm" ? std::vector<TensorSpec>{spec({8}), spec({8})} : std::vector<TensorSpec>{spec({8}), spec({8}), spec({8})};
+    EXPECT_EQ(infer_error(op, inputs, attrs({{"eps", 1e-80}})),
+              "eps 1e-80 is outside f32's normal range (1.17549e-38 .. 3.40282e+38): the norm adds it in f32");
+    EXPECT_EQ(infer_error(op, inputs, attrs({{"eps", 1e39}})),
+              "eps 1e+39 is outside f32's normal range (1.17549e-38 .. 3.40282e+38): the norm adds it in f32");
+    EXPECT_EQ(infer_one(op, inputs, attrs({{"eps", static_cast<double>(std::numeric_limits<float>::min())}})), spec({8}));
+  }
   EXPECT_EQ(infer_error("rms_norm", {spec({8}), spec({8})}, attrs({{"epsilon", 1e-5}})),
             "unknown attribute 'epsilon' (allowed: eps)");
   EXPECT_EQ(infer_error("layer_norm", {spec({4, 8}), spec({8}), spec({8}, DType::f32)}, attrs({{"eps", 1e-5}})),
