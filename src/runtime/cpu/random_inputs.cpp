@@ -15,11 +15,9 @@
 namespace metile {
 namespace {
 
+// The roles of floating-point inputs; integer inputs take their range from every reader (index_limit).
 enum class InputRole {
   plain,
-  rope_positions,  // also the positions of kv_cache_write: [0, S)
-  token_ids,       // embedding ids: rows of the table
-  key_positions,   // a mask's positions: the last key each token sees, in [0, T)
   contraction_weight,  // matmul's right operand
   attention_keys,      // flash_attention's k, scaled like the right operand of q @ k^T
   packed_weights,
@@ -37,14 +35,6 @@ InputUse use_of(const ComputeGraph& graph, ValueId input) {
     const Node& node = graph.node(consumer);
     for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
       if (node.inputs[slot] != input) continue;
-      if (node.op == "rope" && slot == 1) return {InputRole::rope_positions, &node};
-      if (node.op == "kv_cache_write" && slot == 2) return {InputRole::rope_positions, &node};
-      if ((node.op == "position_mask" && slot == 1) || (node.op == "flash_attention" && slot == 3)) {
-        return {InputRole::key_positions, &node};
-      }
-      if ((node.op == "embedding" || node.op == "quantized_embedding") && slot == 0) {
-        return {InputRole::token_ids, &node};
-      }
       if (node.op == "matmul" && slot == 1) return {InputRole::contraction_weight, &node};
       if (node.op == "flash_attention" && slot == 1) return {InputRole::attention_keys, &node};
       if (node.op == "quantized_matmul" && slot == 1) return {InputRole::packed_weights, &node};
@@ -98,19 +88,34 @@ void draw_floats(SplitMix64& generator, const ComputeGraph& graph, const Value& 
   }
 }
 
-std::int64_t draw_integer(SplitMix64& generator, const ComputeGraph& graph, const Value& value, const InputUse& use) {
-  const InputRole role = use.role;
-  if (role == InputRole::rope_positions) return generator.integer(0, value.spec.shape.front() - 1);
-  if (role == InputRole::token_ids) {
-    return generator.integer(0, graph.value(use.consumer->inputs[1]).spec.shape.front() - 1);
+// How many values an index input may take, [0, limit), as one consumer reads it at `slot`; 0 where it
+// reads no index there.
+std::int64_t index_limit(const ComputeGraph& graph, const Node& node, std::size_t slot, const Value& value) {
+  const auto spec = [&](std::size_t input) -> const TensorSpec& { return graph.value(node.inputs[input]).spec; };
+  // Rope's positions: any step works; [0, S) keeps them near the tokens' own.
+  if (node.op == "rope" && slot == 1) return value.spec.shape.front();
+  // A cache write's positions are rows of the cache [H, T, D] too.
+  if (node.op == "kv_cache_write" && slot == 2) return std::min(value.spec.shape.front(), spec(0).shape[1]);
+  if ((node.op == "embedding" || node.op == "quantized_embedding") && slot == 0) return spec(1).shape.front();
+  // T: the last axis of the masked scores x [..., R, T], or the key axis of flash_attention's k [..., T, D].
+  if (node.op == "position_mask" && slot == 1) return std::max<std::int64_t>(spec(0).shape.back(), 1);
+  if (node.op == "flash_attention" && slot == 3) return std::max<std::int64_t>(spec(1).shape[spec(1).rank() - 2], 1);
+  return 0;
+}
+
+std::int64_t draw_integer(SplitMix64& generator, const ComputeGraph& graph, const Value& value, ValueId id) {
+  // Every consumer's range, not the first one's: positions that feed rope and a cache write of fewer
+  // rows than tokens, or ids that index two tables, must be valid for each reader.
+  std::int64_t limit = 0;
+  for (NodeId consumer : graph.consumers(id)) {
+    const Node& node = graph.node(consumer);
+    for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
+      if (node.inputs[slot] != id) continue;
+      const std::int64_t reader = index_limit(graph, node, slot, value);
+      if (reader > 0) limit = limit == 0 ? reader : std::min(limit, reader);
+    }
   }
-  if (role == InputRole::key_positions) {
-    // T: the last axis of the masked scores x [..., R, T], or the key axis of flash_attention's k [..., T, D].
-    const bool scores = use.consumer->op == "position_mask";
-    const TensorSpec& keyed = graph.value(use.consumer->inputs[scores ? 0 : 1]).spec;
-    const std::int64_t keys = scores ? keyed.shape.back() : keyed.shape[keyed.shape.size() - 2];
-    return generator.integer(0, std::max<std::int64_t>(keys, 1) - 1);
-  }
+  if (limit > 0) return generator.integer(0, limit - 1);
   switch (value.spec.dtype) {
     case DType::i8:
       return generator.integer(-128, 127);
@@ -154,7 +159,7 @@ TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
       }
     } else {
       for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-        tensor.store(index, static_cast<double>(draw_integer(generator, graph, value, use)));
+        tensor.store(index, static_cast<double>(draw_integer(generator, graph, value, id)));
       }
     }
     inputs.insert_or_assign(value.name, std::move(tensor));

@@ -153,6 +153,29 @@ TEST(RandomInputs, FitEachInputsRole) {
   EXPECT_EQ(outputs.at("rotated").spec(), TensorSpec({7, 16}, DType::bf16));
 }
 
+// An index input read by several ops is drawn valid for each of them, not for the first reader only: 9 positions
+// that feed rope (any step) and a cache write of 4 rows, and ids that index a 50-row and a 3-row table. Drawn from
+// the first reader, the positions ran to 8 and the ids to 49, and the reference refused the graph's own inputs.
+TEST(RandomInputs, IndexInputsFitEveryReader) {
+  GraphBuilder builder;
+  const ValueRef x = builder.input("x", TensorSpec({9, 16}, DType::f32));
+  const ValueRef positions = builder.input("positions", TensorSpec({9}, DType::i32));
+  const ValueRef cache = builder.input("cache", TensorSpec({1, 4, 16}, DType::f32));
+  const ValueRef ids = builder.input("ids", TensorSpec({5}, DType::i32));
+  const ValueRef wide = builder.input("wide", TensorSpec({50, 16}, DType::f32));
+  const ValueRef narrow = builder.input("narrow", TensorSpec({3, 16}, DType::f32));
+  const ValueRef rotated = builder.rope(x, positions, 10000.0, 16, "rotated");
+  const ValueRef written = builder.kv_cache_write(cache, builder.reshape(rotated, {1, 9, 16}), positions, "written");
+  const ValueRef looked_up = builder.add(builder.embedding(ids, wide), builder.embedding(ids, narrow), "looked_up");
+  const ComputeGraph graph = builder.build({written, looked_up});
+  for (std::uint64_t seed : {1u, 2u, 3u}) {
+    const TensorMap inputs = random_inputs(graph, seed);
+    for (double position : inputs.at("positions").to_values()) EXPECT_TRUE(position >= 0 && position <= 3) << position;
+    for (double id : inputs.at("ids").to_values()) EXPECT_TRUE(id >= 0 && id <= 2) << id;
+    EXPECT_NO_THROW(run_reference(graph, inputs)) << "seed " << seed;
+  }
+}
+
 TEST(RandomInputs, MatmulWeightsAreScaledByTheContractionDepth) {
   GraphBuilder builder;
   const ValueRef x = builder.input("x", TensorSpec({2, 400}, DType::f32));
