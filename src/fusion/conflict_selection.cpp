@@ -21,7 +21,12 @@ namespace metile::fusion_internal {
 std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates) {
   std::vector<std::vector<int>> holders(node_count);
   for (std::size_t index = 0; index < candidates.size(); ++index) {
-    for (NodeId node : candidates[index]) holders[static_cast<std::size_t>(node)].push_back(static_cast<int>(index));
+    for (NodeId node : candidates[index]) {
+      // A node listed twice in one set must not make the set conflict with itself: a self
+      // conflict makes a bipartite component look odd, sending it to branch and bound or greedy.
+      auto& holding = holders[static_cast<std::size_t>(node)];
+      if (holding.empty() || holding.back() != static_cast<int>(index)) holding.push_back(static_cast<int>(index));
+    }
   }
   std::vector<std::vector<int>> overlaps(candidates.size());
   for (const auto& sharing : holders) {

@@ -270,6 +270,44 @@ TEST(ConflictSelection, MiddleLosesToOuterPairAndOddCycleIsExact) {
   EXPECT_EQ(greedy.selected, (std::vector<bool>{false, true, false, false, true}));
 }
 
+TEST(ConflictSelection, NodeListedTwiceInOneSetIsNoSelfConflict) {
+  // Sets {i, i + 1} conflict along a path (bipartite, so one min cut at any length), here longer
+  // than the exact search's bound. Listing a node twice in a set must not change the problem.
+  std::mt19937_64 random(testing::test_seed("ConflictSelection.NodeListedTwiceInOneSetIsNoSelfConflict"));
+  for (int round = 0; round < 200; ++round) {
+    const int count = std::uniform_int_distribution<int>(25, 40)(random);
+    std::vector<std::vector<NodeId>> sets;
+    std::vector<std::int64_t> weights;
+    std::bernoulli_distribution repeat(0.2);
+    for (int i = 0; i < count; ++i) {
+      sets.push_back({i, i + 1});
+      if (repeat(random)) sets.back().push_back(repeat(random) ? i : i + 1);
+      weights.push_back(std::uniform_int_distribution<std::int64_t>(1, 50)(random));
+    }
+    // Maximum-weight independent set on a path by dynamic programming.
+    std::int64_t with_last = 0;
+    std::int64_t without_last = 0;
+    for (const std::int64_t weight : weights) {
+      const std::int64_t taken = without_last + weight;
+      without_last = std::max(with_last, without_last);
+      with_last = taken;
+    }
+    const std::int64_t best = std::max(with_last, without_last);
+    const NodeSetSelection selection = select_disjoint_node_sets(static_cast<std::size_t>(count) + 1, sets, weights);
+    ASSERT_EQ(selection.components.size(), 1U);
+    EXPECT_TRUE(selection.components[0].bipartite) << "round " << round;
+    std::int64_t total = 0;
+    for (int i = 0; i < count; ++i) {
+      if (!selection.selected[static_cast<std::size_t>(i)]) continue;
+      total += weights[static_cast<std::size_t>(i)];
+      if (i + 1 < count) {
+        ASSERT_FALSE(selection.selected[static_cast<std::size_t>(i) + 1]) << "round " << round;
+      }
+    }
+    EXPECT_EQ(total, best) << "round " << round;
+  }
+}
+
 TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
   std::mt19937_64 random(testing::test_seed("RandomGraphs.PlansAreLegalOptimalPerComponentAndRunBitForBit"));
   int exact_components = 0;
