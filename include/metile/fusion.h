@@ -313,6 +313,7 @@ bool is_certified_node(const Node& node);
 // Conflict selection on its own (docs/architecture.md, "Conflict selection"), for passes that propose node sets
 // of their own (discovery's rewrites): sets sharing a node conflict; per component of the conflict
 // graph the selection of largest total weight (weights positive), exactly where the planner is exact.
+// max_exact_component_size is RuleSet's bound (1 to 40); std::invalid_argument otherwise.
 struct NodeSetSelection {
   std::vector<bool> selected;
   std::vector<int> component_of;  // per set: index into components

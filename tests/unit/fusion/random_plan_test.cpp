@@ -308,6 +308,26 @@ TEST(ConflictSelection, NodeListedTwiceInOneSetIsNoSelfConflict) {
   }
 }
 
+TEST(ConflictSelection, ExactComponentBoundOutsideRuleSetsRangeIsRefused) {
+  // Odd cycles of sets are no bipartite components. Allowed a bound of 100, one of 65 sets went to
+  // the exact search, whose masks shift past their width beyond 64 members, and which runs for
+  // minutes well before that; the bound is refused whatever the sets.
+  auto odd_cycle = [](int count) {
+    std::vector<std::vector<NodeId>> sets;
+    for (int i = 0; i < count; ++i) sets.push_back({i, (i + 1) % count});
+    return sets;
+  };
+  const std::vector<std::vector<NodeId>> small = odd_cycle(5);
+  const std::vector<std::int64_t> small_weights(small.size(), 1);
+  for (const int bound : {-1, 0, 41, 64, 100}) {
+    EXPECT_THROW(select_disjoint_node_sets(small.size(), small, small_weights, bound), std::invalid_argument)
+        << bound;
+  }
+  const std::vector<std::vector<NodeId>> large = odd_cycle(65);
+  const std::vector<std::int64_t> large_weights(large.size(), 1);
+  EXPECT_EQ(select_disjoint_node_sets(large.size(), large, large_weights, 40).components.at(0).method, "greedy");
+}
+
 TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
   std::mt19937_64 random(testing::test_seed("RandomGraphs.PlansAreLegalOptimalPerComponentAndRunBitForBit"));
   int exact_components = 0;
