@@ -315,8 +315,16 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector
                         int max_exact_size, const SelectionOutcome* previous, const std::vector<bool>* changed) {
   const std::size_t count = weights.size();
   if (conflicts.size() != count) throw std::invalid_argument("select_candidates: one conflict list per candidate");
+  std::int64_t total_weight = 0;
   for (std::int64_t weight : weights) {
     if (weight <= 0) throw std::invalid_argument("select_candidates: weights must be positive");
+    // Branch and bound adds weights in int64 and the min cut takes them as capacities: past the
+    // flow library's capacity limit the sums would overflow into a wrong selection.
+    if (weight > kIntegerCapacitySumLimit - total_weight) {
+      throw std::invalid_argument("select_candidates: weights sum to more than " +
+                                  std::to_string(kIntegerCapacitySumLimit));
+    }
+    total_weight += weight;
   }
   SelectionOutcome outcome;
   outcome.selected.assign(count, false);

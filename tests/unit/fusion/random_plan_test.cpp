@@ -11,6 +11,7 @@
 
 #include "fusion_test_support.h"
 #include "metile/cpu_runtime.h"
+#include "metile/flow.h"
 #include "metile/fusion.h"
 #include "planner_internal.h"
 #include "metile_test_support.h"
@@ -326,6 +327,29 @@ TEST(ConflictSelection, ExactComponentBoundOutsideRuleSetsRangeIsRefused) {
   const std::vector<std::vector<NodeId>> large = odd_cycle(65);
   const std::vector<std::int64_t> large_weights(large.size(), 1);
   EXPECT_EQ(select_disjoint_node_sets(large.size(), large, large_weights, 40).components.at(0).method, "greedy");
+}
+
+TEST(ConflictSelection, WeightsSummingPastTheCapacityLimitAreRefused) {
+  // A five-cycle goes to branch and bound, which adds weights in int64: weights this large
+  // overflowed it into a wrong selection (often nothing at all) instead of an error.
+  std::mt19937_64 random(testing::test_seed("ConflictSelection.WeightsSummingPastTheCapacityLimitAreRefused"));
+  const std::vector<std::vector<int>> cycle = {{1, 4}, {0, 2}, {1, 3}, {2, 4}, {3, 0}};
+  for (int round = 0; round < 50; ++round) {
+    std::vector<std::int64_t> huge;
+    for (int i = 0; i < 5; ++i) {
+      huge.push_back(std::uniform_int_distribution<std::int64_t>(std::int64_t{1} << 61, INT64_MAX)(random));
+    }
+    EXPECT_THROW(fusion_internal::select_candidates(huge, cycle, 24), std::invalid_argument) << "round " << round;
+    // Just within the limit: exact, as for small weights.
+    std::vector<std::int64_t> large;
+    for (int i = 0; i < 5; ++i) {
+      large.push_back(std::uniform_int_distribution<std::int64_t>(1, kIntegerCapacitySumLimit / 5)(random));
+    }
+    const auto outcome = fusion_internal::select_candidates(large, cycle, 24);
+    std::int64_t total = 0;
+    for (std::size_t i = 0; i < large.size(); ++i) total += outcome.selected[i] ? large[i] : 0;
+    EXPECT_EQ(total, best_independent_set({large, cycle})) << "round " << round;
+  }
 }
 
 TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
