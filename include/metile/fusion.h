@@ -196,12 +196,16 @@ struct FusionRule {
   std::vector<std::string> composes = {};
 };
 
+// The largest conflict component solved exactly (branch and bound keeps a component in 64-bit masks, and
+// its time grows exponentially: an odd cycle of 63 sets takes minutes).
+inline constexpr int kMaxExactComponentSizeLimit = 40;
+
 // Rules in priority order (an identical region found by two rules keeps the
 // first rule's name) plus the planner's search bounds.
 struct RuleSet {
   std::vector<FusionRule> rules;
   int max_neighborhood_nodes = 64;      // ops one cut model may consider, anchor included
-  int max_exact_component_size = 24;    // non-bipartite conflict components solved exactly up to this size (<= 40)
+  int max_exact_component_size = 24;    // non-bipartite conflict components solved exactly up to this size (<= kMaxExactComponentSizeLimit)
 };
 
 // The default rules, in default_rules() order:
@@ -313,7 +317,7 @@ bool is_certified_node(const Node& node);
 // Conflict selection on its own (docs/architecture.md, "Conflict selection"), for passes that propose node sets
 // of their own (discovery's rewrites): sets sharing a node conflict; per component of the conflict
 // graph the selection of largest total weight (weights positive), exactly where the planner is exact.
-// max_exact_component_size is RuleSet's bound (1 to 40); std::invalid_argument otherwise.
+// max_exact_component_size is RuleSet's bound (1 to kMaxExactComponentSizeLimit); std::invalid_argument otherwise.
 struct NodeSetSelection {
   std::vector<bool> selected;
   std::vector<int> component_of;  // per set: index into components

@@ -416,10 +416,9 @@ bool is_certified_node(const Node& node) { return node.attributes.has("certifica
 NodeSetSelection select_disjoint_node_sets(std::size_t node_count, std::span<const std::vector<NodeId>> node_sets,
                                            std::span<const std::int64_t> weights, int max_exact_component_size) {
   if (node_sets.size() != weights.size()) throw std::invalid_argument("select_disjoint_node_sets: one weight per set");
-  // RuleSet's bound: branch and bound keeps a component in 64-bit masks, and its time grows
-  // exponentially with the size (an odd cycle of 63 sets takes minutes).
-  if (max_exact_component_size < 1 || max_exact_component_size > 40) {
-    throw std::invalid_argument("select_disjoint_node_sets: max_exact_component_size must be between 1 and 40");
+  if (max_exact_component_size < 1 || max_exact_component_size > kMaxExactComponentSizeLimit) {
+    throw std::invalid_argument("select_disjoint_node_sets: max_exact_component_size must be between 1 and " +
+                                std::to_string(kMaxExactComponentSizeLimit));
   }
   for (const auto& set : node_sets) {
     for (NodeId node : set) {

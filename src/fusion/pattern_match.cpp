@@ -205,8 +205,8 @@ void validate_input_prologue(const FusionRule& rule) {
 
 void validate_rule_set(const RuleSet& rules) {
   if (rules.max_neighborhood_nodes < 1) throw InputError("rule set: max_neighborhood_nodes must be at least 1");
-  if (rules.max_exact_component_size < 1 || rules.max_exact_component_size > 40) {
-    throw InputError("rule set: max_exact_component_size must be between 1 and 40");
+  if (rules.max_exact_component_size < 1 || rules.max_exact_component_size > kMaxExactComponentSizeLimit) {
+    throw InputError("rule set: max_exact_component_size must be between 1 and " + std::to_string(kMaxExactComponentSizeLimit));
   }
   std::set<std::string> names;
   for (const FusionRule& rule : rules.rules) {
