@@ -1,10 +1,11 @@
 // The attention rewrite, run before planning: every chain
 //
-//   scores = matmul(q, k, transpose_right) → [scale]* → [causal_mask | position_mask] → softmax(last axis)
+//   scores = matmul(q, k, transpose_right) → [scale] → [causal_mask | position_mask] → softmax(last axis)
 //          → matmul(probabilities, v)
 //
-// whose intermediates are private (one consumer, not a graph output) becomes a
-// candidate worth the bytes of the score and probability tensors it avoids;
+// (at most one scale, before or after the mask) whose intermediates are private
+// (one consumer, not a graph output) becomes a candidate worth the bytes of the
+// score and probability tensors it avoids;
 // overlapping candidates go through the planner's conflict selection
 // (select_disjoint_node_sets); each selected chain becomes one flash_attention
 // node carrying the certificate of the stable weighted-softmax law. Grouped-query
@@ -122,12 +123,21 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
     match.avoided_bytes += 2 * graph.value(node.outputs.front()).spec.bytes();
   }
 
-  // Scales multiply; one mask; a scale after the mask must keep -inf at -inf.
+  // One scale; one mask; a scale after the mask must keep -inf at -inf. A second scale is refused: the
+  // chain rounds the scores to their dtype after each, so an intermediate that overflows (inf) or
+  // underflows (f16 0) is lost there, which one flash_attention scale by the product never sees.
   bool masked = false;
+  bool scaled = false;
   for (auto position = between.rbegin(); position != between.rend(); ++position) {
     const Node& node = graph.node(*position);
     if (node.op == "scale") {
       const double factor = node.attributes.get_double("factor");
+      if (scaled) {
+        return refuse(fmt::format("'{}' is a second scale on the scores (the chain rounds them to {} between the two; "
+                                  "flash_attention scales once)",
+                                  node.name, dtype_name(graph.value(node.outputs.front()).spec.dtype)));
+      }
+      scaled = true;
       if (masked && factor <= 0) return refuse(fmt::format("'{}' scales by {} after the mask (only a positive factor keeps masked scores at -inf)", node.name, factor));
       match.scale *= factor;
       continue;

@@ -83,8 +83,7 @@ HostTensor evaluate_elementwise(const OpCall& call, const ElementwiseMath& math)
 // within reach of real activations; from 65520 on a value rounds to inf), then its scale op multiplies
 // that stored value in f32 and stores the product; a row holding +inf is NaN. Where either stored
 // value is infinite the score here is that infinity; otherwise it stays the unrounded scale * q.k (the
-// numeric gate covers that rounding). A chain of several scale ops is mirrored as one: an overflow
-// between two of them is not seen here.
+// numeric gate covers that rounding). The rewrite takes one scale op: between two, the chain rounds.
 HostTensor evaluate_flash_attention(const OpCall& call) {
   constexpr std::int64_t kKeyBlock = 64;
   constexpr std::string_view law_name = "stable_weighted_softmax";

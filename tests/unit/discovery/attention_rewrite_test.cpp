@@ -606,6 +606,35 @@ TEST(AttentionRewrite, ScoresBeyondTheDtypesRangeGiveWhatTheChainGives) {
   }
 }
 
+// Two scale ops in a row: the chain stores the scores in their dtype after each, so an intermediate
+// that underflows (f16 below 2^-25 is 0: uniform rows) or overflows (inf: NaN rows, -inf: weight 0)
+// is lost there, while one flash_attention scale by the product never sees it. Refused; the plan
+// runs the chain and gives what the chain gives. Found by an adversarial pass.
+TEST(AttentionRewrite, TwoScalesInARowAreRefused) {
+  const std::uint64_t seed = test_seed();
+  for (const auto& [first, second] : {std::pair{0x1p-30, 0x1p30}, std::pair{0x1p20, 0x1p-20}}) {
+    SCOPED_TRACE(fmt::format("scale by {} then by {}, seed {}", first, second, seed));
+    GraphBuilder b;
+    auto q = b.input("q", {{2, 4, 8}, DType::f16});
+    auto k = b.input("k", {{2, 6, 8}, DType::f16});
+    auto v = b.input("v", {{2, 6, 8}, DType::f16});
+    auto scaled = b.scale(b.scale(b.matmul(q, k, true, "scores"), first, "scaled"), second, "rescaled");
+    auto out = b.matmul(b.softmax(scaled, -1, "probabilities"), v, false, "attention");
+    const ComputeGraph graph = b.build({out});
+    const AttentionRewrite rewrite = rewrite_attention(graph);
+    EXPECT_TRUE(rewrite.candidates.empty());
+    ASSERT_EQ(rewrite.refusals.size(), 1u);
+    EXPECT_EQ(rewrite.refusals[0].reason,
+              "'rescaled' is a second scale on the scores (the chain rounds them to f16 between the two; "
+              "flash_attention scales once)");
+    expect_equal_within_gate(graph, rewrite.graph, seed);
+    const TensorMap inputs = random_inputs(graph, seed);
+    const NumericGateResult gate =
+        numeric_gate(run_plan_reference(plan_with_discovery(graph), inputs).at("attention"), run_reference(graph, inputs).at("attention"));
+    EXPECT_TRUE(gate.passed) << gate.detail;
+  }
+}
+
 TEST(AttentionRewrite, ThePlainOpDefinitionMatchesTheNode) {
   const std::uint64_t seed = test_seed();
   for (const char* mask : {"none", "causal", "positions"}) {
