@@ -103,18 +103,24 @@ std::int64_t index_limit(const ComputeGraph& graph, const Node& node, std::size_
   return 0;
 }
 
-std::int64_t draw_integer(SplitMix64& generator, const ComputeGraph& graph, const Value& value, ValueId id) {
-  // Every consumer's range, not the first one's: positions that feed rope and a cache write of fewer
-  // rows than tokens, or ids that index two tables, must be valid for each reader.
+// The range of an index input: every consumer's, not the first one's (positions that feed rope and a
+// cache write of fewer rows than tokens, or ids that index two tables, must be valid for each reader);
+// 0 where no consumer reads it as an index.
+std::int64_t input_index_limit(const ComputeGraph& graph, ValueId id) {
   std::int64_t limit = 0;
   for (NodeId consumer : graph.consumers(id)) {
     const Node& node = graph.node(consumer);
     for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
       if (node.inputs[slot] != id) continue;
-      const std::int64_t reader = index_limit(graph, node, slot, value);
+      const std::int64_t reader = index_limit(graph, node, slot, graph.value(id));
       if (reader > 0) limit = limit == 0 ? reader : std::min(limit, reader);
     }
   }
+  return limit;
+}
+
+// One element of an integer input: in [0, limit) where it is an index (input_index_limit), else over the dtype.
+std::int64_t draw_integer(SplitMix64& generator, const Value& value, std::int64_t limit) {
   if (limit > 0) return generator.integer(0, limit - 1);
   switch (value.spec.dtype) {
     case DType::i8:
@@ -158,8 +164,9 @@ TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
         cpu::write_floats(tensor, first, part);
       }
     } else {
+      const std::int64_t limit = input_index_limit(graph, id);
       for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-        tensor.store(index, static_cast<double>(draw_integer(generator, graph, value, id)));
+        tensor.store(index, static_cast<double>(draw_integer(generator, value, limit)));
       }
     }
     inputs.insert_or_assign(value.name, std::move(tensor));
