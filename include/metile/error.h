@@ -14,22 +14,37 @@ class InputError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// One byte as \xNN.
+inline std::string byte_text(char c) {
+  constexpr char kHex[] = "0123456789abcdef";
+  const auto byte = static_cast<unsigned char>(c);
+  return std::string("\\x") + kHex[byte >> 4] + kHex[byte & 15];
+}
+
+// A C0 control byte or DEL: a NUL would end a message (what() is a C string), an escape sequence
+// would reach the terminal, a newline would forge a line of output.
+inline bool is_control_byte(char c) {
+  const auto byte = static_cast<unsigned char>(c);
+  return byte < 0x20 || byte == 0x7f;
+}
+
 // `text` (bytes a user gave, quoted in a message) with every byte outside printable ASCII as
 // \xNN: a NUL, an escape sequence or half a UTF-8 sequence neither cuts nor colours the one-line
 // message, which stays valid UTF-8 for Python.
 inline std::string printable_bytes(std::string_view text) {
-  constexpr char kHex[] = "0123456789abcdef";
   std::string result;
   for (const char c : text) {
     const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f) {
-      result += c;
-    } else {
-      result += "\\x";
-      result += kHex[byte >> 4];
-      result += kHex[byte & 15];
-    }
+    result += byte >= 0x20 && byte < 0x7f ? std::string(1, c) : byte_text(c);
   }
+  return result;
+}
+
+// `text` with its control bytes as \xNN and every other byte as it is (UTF-8 reads as written): for
+// messages that already quote valid text, a name or a path, which may hold a control byte.
+inline std::string control_bytes_spelled(std::string_view text) {
+  std::string result;
+  for (const char c : text) result += is_control_byte(c) ? byte_text(c) : std::string(1, c);
   return result;
 }
 

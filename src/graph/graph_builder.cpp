@@ -95,26 +95,13 @@ std::string GraphBuilder::fresh_name(std::string_view op) const {
 
 namespace {
 
-bool is_control_byte(char c) {
-  const auto byte = static_cast<unsigned char>(c);
-  return byte < 0x20 || byte == 0x7f;
-}
-
-std::string control_byte_text(char c) {
-  const auto byte = static_cast<unsigned char>(c);
-  const char digits[] = "0123456789abcdef";
-  return std::string("\\x") + digits[byte >> 4] + digits[byte & 15];
-}
-
 // Names are printed a line each (run's summaries, plan's regions): a newline or other control byte in
 // one would forge lines of output. Checked before anything else about the name's owner, so that no
 // message carries the raw bytes (a NUL would end it); the owner's text spells them \xNN.
 void refuse_control_bytes(const std::string& name, const std::string& owner) {
   const auto found = std::find_if(name.begin(), name.end(), is_control_byte);
   if (found == name.end()) return;
-  std::string shown;
-  for (const char c : owner) shown += is_control_byte(c) ? control_byte_text(c) : std::string(1, c);
-  throw InputError(shown + ": a name may not hold a control character (" + control_byte_text(*found) + " at offset " +
+  throw InputError(control_bytes_spelled(owner) + ": a name may not hold a control character (" + byte_text(*found) + " at offset " +
                    std::to_string(found - name.begin()) + ")");
 }
 

@@ -44,12 +44,7 @@ class GraphFileReader {
   // cycle): their control bytes are spelled \xNN, since a NUL would end the message (what() is a C
   // string) and an escape sequence would reach the terminal. Other bytes stay: UTF-8 reads as written.
   [[noreturn]] void fail(const std::string& path, const std::string& message) const {
-    std::string text;
-    for (const char c : (path.empty() ? "/" : path) + ": " + message) {
-      const bool control = static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
-      text += control ? printable_bytes(std::string_view(&c, 1)) : std::string(1, c);
-    }
-    throw InputError(source_ + ": " + text);
+    throw InputError(source_ + ": " + control_bytes_spelled((path.empty() ? "/" : path) + ": " + message));
   }
 
   const Json& required(const Json& object, const std::string& path, const char* key) const {
