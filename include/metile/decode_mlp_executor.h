@@ -37,6 +37,12 @@ struct DecodeMlpOptions {
   // MLP, gated against the float64 MLP; a persistent kernel that wins (with the headroom over
   // native) becomes the executor's graph.
   bool persistent = true;
+  // The gate/up shape its stage race nearly chose (near_tie_candidate: a fused shape within this
+  // fraction of the chosen one's score) is also raced on the whole MLP, paired with the chosen down
+  // stage ("fused stages near tie graph"); when that pair wins, it is the executor's graph and the
+  // gate/up report's choice. The stages race alone, and a win of a few percent there did not hold
+  // with down after it (Qwen2.5-1.5B at M = 16, session 25). 0: not raced.
+  double near_tie_margin = 0.05;
 };
 
 // One candidate of a stage (or of the whole MLP). Native: cuBLASLt / dequantize + cuBLASLt (the library path), or the
@@ -90,8 +96,10 @@ class DecodeMlpExecutor {
 
   const DecodeMlpStageReport& gate_up_report() const;
   const DecodeMlpStageReport& down_report() const;
-  // The whole-MLP race ("whole"): native graph, the chosen stages ("fused stages graph") and the
-  // persistent kernels ("fused persistent w8 b2 f1db f2db graph"); persistent() when one of those won.
+  // The whole-MLP race ("whole"): native graph, the chosen stages ("fused stages graph"), the gate/up
+  // near tie with the chosen down ("fused stages near tie graph", DecodeMlpOptions::near_tie_margin)
+  // and the persistent kernels ("fused persistent w8 b2 f1db f2db graph"); persistent() when one of
+  // those won.
   const DecodeMlpStageReport& whole_report() const;
   bool persistent() const;
   // For comparison: the fastest persistent kernel that passed the gate (has_persistent(): one did),

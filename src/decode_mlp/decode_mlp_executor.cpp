@@ -7,7 +7,8 @@
 //              GEMV, register-resident and scratch-spilled, per shape
 //   down       native, native graph; affine: unfused GEMV (+ graph);   out
 //              fused GEMV with the residual epilogue, per shape
-//   whole      native graph, the chosen stages' graph, the persistent    out (and hidden_state)
+//   whole      native graph, the chosen stages' graph, the gate/up       out (and hidden_state)
+//              race's near tie with the chosen down, the persistent
 //              decode-MLP kernels (both stages in one launch, gemv.h)
 //
 // Per stage: every candidate runs on seeded random inputs and is gated against the float64
@@ -26,6 +27,11 @@
 
 namespace metile {
 namespace {
+
+// The whole MLP's candidates that are the stages' kernels (the chosen pair, and the gate/up near tie
+// with the chosen down) rather than one persistent kernel.
+constexpr const char* kNearTieVariant = "stages near tie";
+bool is_stages_variant(const CandidateId& id) { return id.variant == "stages" || id.variant == kNearTieVariant; }
 
 // A candidate as something to time (run) and something to capture into the final graph (eager:
 // the same work without an inner graph launch).
@@ -118,6 +124,11 @@ struct DecodeMlpExecutor::State {
   CudaGraph persistent_graph;  // the fastest persistent kernel that passed the gate (empty: none)
   bool programmatic_dependent = false;
   std::string programmatic_dependent_reason;
+  // The gate/up near tie (DecodeMlpOptions::near_tie_margin) with the chosen down, in the chosen
+  // pair's launch order; raced on the whole MLP. near_tie_gate_up < 0: none.
+  int near_tie_gate_up = -1;
+  DeviceStep near_tie_eager;
+  CudaGraph near_tie_graph;
 
   explicit State(const CudaDevice& device_) : device(device_) {}
 
@@ -286,6 +297,13 @@ struct DecodeMlpExecutor::State {
       const DeviceStep replay = [this](const CudaStream& s) { executor_graph.replay(s); };
       candidates.push_back({described(CandidateId::fused("stages").as_graph(), what), false, replay,
                             sequence({chosen_gate_up, chosen_down}), what});
+    }
+    if (near_tie_gate_up >= 0) {
+      const std::string what = gate_up.candidates[static_cast<std::size_t>(near_tie_gate_up)].name + " + " +
+                               chosen_down_report.name + (programmatic_dependent ? " (programmatic dependent)" : "");
+      const DeviceStep replay = [this](const CudaStream& s) { near_tie_graph.replay(s); };
+      candidates.push_back({described(CandidateId::fused(kNearTieVariant).as_graph(), what), false, replay,
+                            near_tie_eager, what});
     }
     if (!options.persistent) return candidates;
     std::vector<PersistentMlpConfig> configs;
@@ -499,6 +517,25 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
     }
   }
   if (!s.programmatic_dependent) s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+  // The gate/up near tie, launched before the chosen down in the order the chosen pair measured faster.
+  if (options.near_tie_margin > 0 && s.gate_up.chosen >= 0) {
+    std::vector<std::pair<std::string, double>> timings;
+    for (const DecodeMlpCandidate& candidate : s.gate_up.candidates) timings.emplace_back(candidate.name, candidate.score_ms);
+    const std::optional<std::string> near = near_tie_candidate(
+        timings, s.gate_up.candidates[static_cast<std::size_t>(s.gate_up.chosen)].name, options.near_tie_margin);
+    for (std::size_t i = 0; near && i < gate_up.size(); ++i) {
+      if (gate_up[i].report.name != *near || !gate_up[i].report.gate.passed) continue;
+      try {
+        s.near_tie_eager =
+            sequence({gate_up[i].eager, s.programmatic_dependent ? s.chosen_down_dependent : s.chosen_down});
+        s.near_tie_graph = CudaGraph::capture(s.stream, s.near_tie_eager);
+        s.near_tie_gate_up = static_cast<int>(i);
+      } catch (const CudaError&) {
+        s.near_tie_eager = {};  // not captured: not raced
+      }
+      break;
+    }
+  }
   // The whole MLP: the persistent kernels race the chosen stages and the native graph, gated against
   // the float64 MLP (the hidden state rounded to the activation dtype, as every path stores it). Only
   // a persistent kernel that wins replaces the stages' graph.
@@ -517,7 +554,7 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
   int fastest_persistent = -1;
   for (std::size_t i = 0; i < whole.size(); ++i) {
     const DecodeMlpCandidate& candidate = s.whole.candidates[i];
-    if (candidate.id.kind != CandidateKind::fused || candidate.id.variant == "stages" || !candidate.gate.passed) continue;
+    if (candidate.id.kind != CandidateKind::fused || is_stages_variant(candidate.id) || !candidate.gate.passed) continue;
     const DecodeMlpCandidate* best =
         fastest_persistent < 0 ? nullptr : &s.whole.candidates[static_cast<std::size_t>(fastest_persistent)];
     if (best == nullptr || (candidate.score_ms >= 0 && (best->score_ms < 0 || candidate.score_ms < best->score_ms))) {
@@ -528,7 +565,16 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
     s.persistent_graph = CudaGraph::capture(s.stream, whole[static_cast<std::size_t>(fastest_persistent)].eager);
   }
   const StageCandidate& whole_chosen = whole[static_cast<std::size_t>(s.whole.chosen)];
-  if (whole_chosen.report.id.kind == CandidateKind::fused && whole_chosen.report.id.variant != "stages") {
+  if (whole_chosen.report.id.variant == kNearTieVariant) {
+    // The near tie won with down after it: it is the gate/up stage's choice from here on.
+    const DecodeMlpCandidate& near = s.gate_up.candidates[static_cast<std::size_t>(s.near_tie_gate_up)];
+    s.gate_up.sentence += fmt::format("; the whole MLP then chose its near tie, {}", near.name);
+    s.gate_up.chosen = s.near_tie_gate_up;
+    s.chosen_gate_up = gate_up[static_cast<std::size_t>(s.near_tie_gate_up)].eager;
+    s.executor_graph = s.near_tie_graph;
+    s.stages_graph = s.near_tie_graph;
+    s.serialized_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+  } else if (whole_chosen.report.id.kind == CandidateKind::fused && !is_stages_variant(whole_chosen.report.id)) {
     s.persistent = true;
     s.programmatic_dependent = false;
     s.programmatic_dependent_reason = "not used: one persistent kernel computes both stages";

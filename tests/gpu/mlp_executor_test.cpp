@@ -161,6 +161,59 @@ TEST_F(DecodeMlpExecutorTest, StoredDecisionIsReused) {
   std::filesystem::remove(file);
 }
 
+// The gate/up shape its race nearly chose is raced again on the whole MLP, with the chosen down after it
+// (DecodeMlpOptions::near_tie_margin): with a margin wide enough that every fused shape is near, the whole race
+// has that one candidate, gated; whichever wins, the gate/up report names the pair the executor replays, and the
+// executor, its plain-order graph and its stages' graph compute the MLP. With the margin 0 it is not raced.
+TEST_F(DecodeMlpExecutorTest, TheGateUpNearTieIsRacedOnTheWholeMlp) {
+  std::uint64_t seed = next_seed();
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  const std::int64_t hidden = 1024, intermediate = 2816, rows = 16;
+  const DecodeMlpWeights weights = DecodeMlpWeights::random(format, hidden, intermediate, ++seed);
+  auto near_ties = [](const DecodeMlpExecutor& executor) {
+    std::vector<DecodeMlpCandidate> found;
+    for (const DecodeMlpCandidate& candidate : executor.whole_report().candidates) {
+      if (candidate.id.variant == "stages near tie") found.push_back(candidate);
+    }
+    return found;
+  };
+  DecodeMlpOptions options = quick_options();
+  options.mode = DispatchMode::fused;
+  options.near_tie_margin = 0;
+  EXPECT_TRUE(near_ties(DecodeMlpExecutor::build(weights, rows, device(), options)).empty());
+  options.near_tie_margin = 100;
+  DecodeMlpExecutor executor = DecodeMlpExecutor::build(weights, rows, device(), options);
+  std::cout << "[report]\n" << executor.report();
+  const std::vector<DecodeMlpCandidate> raced = near_ties(executor);
+  ASSERT_EQ(raced.size(), 1u) << executor.report();
+  EXPECT_TRUE(raced[0].gate.passed) << raced[0].gate.detail;
+  EXPECT_GE(raced[0].score_ms, 0.0);
+  const DecodeMlpCandidate& whole = chosen(executor.whole_report());
+  ASSERT_EQ(chosen(executor.gate_up_report()).id.kind, CandidateKind::fused) << executor.report();
+  if (whole.id.variant == "stages near tie" || whole.id.variant == "stages") {
+    // The pair the whole MLP chose starts with the gate/up shape the report now names.
+    EXPECT_EQ(whole.kernel.rfind(chosen(executor.gate_up_report()).name + " + ", 0), 0u)
+        << whole.kernel << " / " << chosen(executor.gate_up_report()).name;
+  }
+  EXPECT_EQ(whole.id.variant == "stages near tie",
+            executor.gate_up_report().sentence.find("near tie") != std::string::npos)
+      << executor.gate_up_report().sentence;
+
+  TensorMap inputs = weights.weight_inputs();
+  inputs["x"] = gemv_testing::random_tensor(TensorSpec({rows, hidden}, format.activation), ++seed);
+  inputs["residual"] = gemv_testing::random_tensor(TensorSpec({rows, hidden}, format.activation), ++seed);
+  const HostTensor reference = run_reference(weights.graph(rows), inputs).at("out");
+  const NumericGateResult replayed = numeric_gate(executor.run(inputs["x"], inputs["residual"]), reference);
+  EXPECT_TRUE(replayed.passed) << replayed.detail;
+  for (int graph = 0; graph < 2; ++graph) {
+    const_cast<DeviceTensor&>(executor.out()).buffer.fill_bytes(0xFF);  // each graph must write every element
+    graph == 0 ? executor.enqueue_serialized(executor.stream()) : executor.enqueue_stages(executor.stream());
+    executor.stream().synchronize();
+    const NumericGateResult result = numeric_gate(executor.out().to_host(), reference);
+    EXPECT_TRUE(result.passed) << (graph == 0 ? "serialized: " : "stages: ") << result.detail;
+  }
+}
+
 TEST(DecodeMlpWeightsTest, RejectsMismatchedMatrices) {
   const DecodeMlpWeights weights = DecodeMlpWeights::random(GemvWeightFormat::dense(DType::bf16), 64, 96, 1);
   try {
