@@ -144,7 +144,12 @@ class WeightLoader {
     }
     HostTensor weight = dense(weight_name, {rows, columns});
     if (options_.quantize && columns % options_.quantize->group_size == 0) {
-      QuantizedMatrix matrix = quantize_affine(weight, *options_.quantize, options_.dtype);
+      QuantizedMatrix matrix;
+      try {
+        matrix = quantize_affine(weight, *options_.quantize, options_.dtype);
+      } catch (const InputError& error) {
+        fail(weight_name, error.what());  // a weight it cannot quantize (inf, NaN): say which matrix holds it
+      }
       weights_.insert_or_assign(weight_name, std::move(matrix.packed));
       weights_.insert_or_assign(prefix + ".scales", std::move(matrix.scales));
       weights_.insert_or_assign(prefix + ".biases", std::move(matrix.biases));

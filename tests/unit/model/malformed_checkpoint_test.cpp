@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 
 #include <functional>
+#include <limits>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -240,6 +241,27 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
     EXPECT_EQ(out, "");
     EXPECT_EQ(err, "metile: error: " + message + "\n");
   }
+}
+
+// A dense weight quantize_affine cannot quantize (inf here) under --quantize: the error said
+// "quantize_affine: weight [3, 5] is inf" and nothing of which of the checkpoint's matrices held it.
+TEST_F(MalformedCheckpoint, QuantizingANonFiniteWeightNamesTheTensor) {
+  const std::filesystem::path directory = synth("model", {});
+  edit_tensors(directory, [](TensorMap& t) {
+    HostTensor& weight = t.at("model.layers.1.mlp.up_proj.weight");
+    weight.store(3 * 64 + 5, std::numeric_limits<double>::infinity());
+  });
+  LoadOptions options;
+  options.quantize = AffineQuantization{4, 32};
+  const std::string message = testing::error_of([&] { DecoderModel::load(directory, options); });
+  EXPECT_NE(message.find("model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight': "), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("weight [3, 5] is inf"), std::string::npos) << message;
+  std::string out, err;
+  EXPECT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 1,2 --quantize 4 --group-size 32", out, err), 2);
+  EXPECT_EQ(out, "");
+  EXPECT_EQ(err, "metile: error: " + message + "\n");
+  DecoderModel::load(directory);  // unquantized, the checkpoint loads (the inf is the model's)
 }
 
 // A capacity whose caches fit this machine's memory but whose CPU step does not (one layer's
