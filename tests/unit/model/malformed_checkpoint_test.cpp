@@ -130,6 +130,12 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "field 'rope_scaling.original_max_position_embeddings': must be a positive whole number, got 0.5"},
+      // An eps the step graphs' rms_norm refuses (0 in f32): the error named graph node
+      // 'layers.0.input_norm' at the first step, after the load had succeeded.
+      {"rms_norm_eps_below_f32", [](auto d) { edit_config(d, [](Json& c) { c["rms_norm_eps"] = 1e-40; }); },
+       "config.json: field 'rms_norm_eps': eps 1e-40 is outside f32's normal range"},
+      {"rms_norm_eps_past_f32", [](auto d) { edit_config(d, [](Json& c) { c["rms_norm_eps"] = 1e39; }); },
+       "config.json: field 'rms_norm_eps': eps 1e+39 is outside f32's normal range"},
       {"missing_field", [](auto d) { edit_config(d, [](Json& c) { c.erase("hidden_size"); }); },
        "field 'hidden_size': missing"},
       {"field_of_wrong_type", [](auto d) { edit_config(d, [](Json& c) { c["num_attention_heads"] = "four"; }); },
