@@ -302,6 +302,17 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     }
     config.quantization = format;
   }
+  // transformers' own quantized checkpoints (GPTQ, AWQ, bitsandbytes, FP8, ...) name their method in
+  // quantization_config.quant_method (mlx-lm copies its 'quantization' there, without one). Their
+  // tensors (qweight, qzeros, scales) were taken for an MLX layer: "the checkpoint is quantized but
+  // config.json has no 'quantization'", which the config then seemed to have.
+  if (reader.present("quantization_config") && json.at("quantization_config").is_object()) {
+    const FieldReader nested{json.at("quantization_config"), reader.source, "quantization_config."};
+    if (nested.present("quant_method")) {
+      nested.fail("quant_method", json_excerpt(nested.object.at("quant_method")) +
+                                      " checkpoints are not supported (dense, or MLX's affine 'quantization')");
+    }
+  }
   return config;
 }
 

@@ -182,6 +182,17 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
        },
        "tensor 'model.layers.1.mlp.up_proj.scales' is missing ('model.layers.1.mlp.up_proj.weight' is u32: the packed "
        "codes of a quantized layer)"},
+      // A GPTQ (or AWQ) checkpoint's q_proj.scales made it look MLX-quantized: "config.json has no
+      // 'quantization'", though it has transformers' quantization_config.
+      {"transformers_quantized",
+       [&](auto d) {
+         edit_config(d, [](Json& c) { c["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 32}}; });
+         edit_tensors(d, [&](TensorMap& t) {
+           t.insert_or_assign(layer + "self_attn.q_proj.scales", HostTensor(TensorSpec({2, 64}, DType::f16)));
+         });
+       },
+       "config.json: field 'quantization_config.quant_method': \"gptq\" checkpoints are not supported (dense, or MLX's "
+       "affine 'quantization')"},
       {"bad_quantization", [](auto d) { edit_config(d, [](Json& c) { c["quantization"] = {{"group_size", 48}, {"bits", 4}}; }); },
        "field 'quantization': "},
       {"no_config", [](auto d) { std::filesystem::remove(d / "config.json"); }, "no config.json"},
