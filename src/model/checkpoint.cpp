@@ -62,6 +62,14 @@ class CheckpointFiles {
         if (added) files_.push_back(std::make_unique<MappedSafetensors>(directory / file.get<std::string>()));
         owner_[name] = slot->second;
       }
+      // A model.safetensors the index does not list: transformers loads it (it looks for it before
+      // the index), this loader the index's shards, mlx-lm every model*.safetensors: two models, no
+      // word. Refused as a tensor in two shards is. (mlx-lm's index of one shard lists model.safetensors.)
+      if (!file_index.contains("model.safetensors") && std::filesystem::exists(directory / "model.safetensors")) {
+        throw InputError(fmt::format("{}: does not list model.safetensors, which is in the directory too (transformers "
+                                     "would load it, this loader the listed shards): remove one of the two",
+                                     index.string()));
+      }
       for (const auto& [name, slot] : owner_) {
         if (!files_[slot]->find(name)) {
           throw InputError(fmt::format("{}: tensor '{}': listed in {} but absent from the file",

@@ -227,6 +227,19 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          testing::write_text(d / "model.safetensors.index.json", index.dump());
        },
        "model-00002-of-00002.safetensors: tensor 'model.norm.weight': also in model-00001-of-00002.safetensors"},
+      // Shards and an index beside a model.safetensors the index does not list: the index's shards were
+      // loaded, while transformers loads model.safetensors.
+      {"index_beside_an_unlisted_model_safetensors",
+       [](auto d) {
+         TensorMap tensors = read_safetensors(d / "model.safetensors");
+         Json index = {{"weight_map", Json::object()}};
+         for (const auto& [name, tensor] : tensors) index["weight_map"][name] = "model-00001-of-00001.safetensors";
+         tensors.at("model.norm.weight").store(0, 2.0);
+         write_safetensors(d / "model-00001-of-00001.safetensors", tensors);
+         testing::write_text(d / "model.safetensors.index.json", index.dump());
+       },
+       "model.safetensors.index.json: does not list model.safetensors, which is in the directory too (transformers "
+       "would load it, this loader the listed shards): remove one of the two"},
       // "model.safetensors\0x" opened model.safetensors: the file read was not the one named.
       {"index_names_a_file_with_a_nul",
        [](auto d) {
