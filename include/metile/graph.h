@@ -281,6 +281,8 @@ struct OpDefinition {
 OpKind op_kind_for(const OpDefinition& definition, std::span<const TensorSpec> inputs,
                    const Attributes& attributes);
 const OpDefinition* find_op(std::string_view name);  // nullptr if unknown
+// rms_norm's and layer_norm's eps: InputError unless it is a normal f32 (the kernels add it in f32).
+void check_norm_eps(double eps);
 std::vector<std::string_view> registered_op_names();
 // Adds an op to the table (its name must be new; InputError otherwise). The name's characters are
 // copied, so a definition built from a temporary string is fine. Not thread-safe with lookups.

@@ -147,27 +147,13 @@ std::vector<TensorSpec> infer_gelu(std::span<const TensorSpec> inputs, Attribute
   return {inputs[0]};
 }
 
-// The norms' eps: the kernels add it as an f32 literal and round the inverse root to f32, the CPU
-// reference adds it in f64. Below f32's smallest normal number (or past its largest) the two part: an
-// eps of 1e-80 is 0 in f32, so a row of zeros divides by zero on the GPU (NaN) while the reference's
-// inverse root, 1e40, overflows f32 (0 · inf, NaN again; the true value is 0). From FLT_MIN on,
-// 1 / sqrt(eps) <= 9.2e18 is a finite f32 and eps is the same number in both.
-void check_norm_eps(Attributes& attributes) {
-  const double eps = positive_number(attributes, "eps");
-  if (eps < std::numeric_limits<float>::min() || std::isinf(static_cast<float>(eps))) {
-    throw InputError("eps " + number_text(eps) + " is outside f32's normal range (" +
-                     number_text(std::numeric_limits<float>::min()) + " .. " + number_text(std::numeric_limits<float>::max()) +
-                     "): the norm adds it in f32");
-  }
-}
-
 std::vector<TensorSpec> infer_rms_norm(std::span<const TensorSpec> inputs, Attributes& attributes) {
   check_known_attributes(attributes, {"eps"});
   const TensorSpec& x = inputs[0];
   require_floating(x, "x");
   require_rank_at_least(x, "x", 1);
   require_row_vector(inputs[1], "weight", x);
-  check_norm_eps(attributes);
+  check_norm_eps(positive_number(attributes, "eps"));
   return {x};
 }
 
@@ -178,7 +164,7 @@ std::vector<TensorSpec> infer_layer_norm(std::span<const TensorSpec> inputs, Att
   require_rank_at_least(x, "x", 1);
   require_row_vector(inputs[1], "weight", x);
   require_row_vector(inputs[2], "bias", x);
-  check_norm_eps(attributes);
+  check_norm_eps(positive_number(attributes, "eps"));
   return {x};
 }
 
@@ -909,6 +895,19 @@ std::deque<std::string>& registered_names() {
 }
 
 }  // namespace
+
+// The kernels add eps as an f32 literal and round the inverse root to f32, the CPU reference adds it in
+// f64. Below f32's smallest normal number (or past its largest) the two part: an eps of 1e-80 is 0 in
+// f32, so a row of zeros divides by zero on the GPU (NaN) while the reference's inverse root, 1e40,
+// overflows f32 (0 · inf, NaN again; the true value is 0). From FLT_MIN on, 1 / sqrt(eps) <= 9.2e18 is
+// a finite f32 and eps is the same number in both.
+void check_norm_eps(double eps) {
+  if (eps < std::numeric_limits<float>::min() || std::isinf(static_cast<float>(eps))) {
+    throw InputError("eps " + number_text(eps) + " is outside f32's normal range (" +
+                     number_text(std::numeric_limits<float>::min()) + " .. " + number_text(std::numeric_limits<float>::max()) +
+                     "): the norm adds it in f32");
+  }
+}
 
 std::string_view op_kind_name(OpKind kind) {
   switch (kind) {

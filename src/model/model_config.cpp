@@ -131,21 +131,6 @@ void read_rope_type(const FieldReader& reader, RopeParameters& rope) {
   }
 }
 
-// rms_norm_eps goes to every rms_norm of the step graphs, whose op refuses an eps outside f32's
-// normal range (op_registry.cpp): asked here, at load, so that such a config is an error naming the
-// field instead of one naming graph node 'layers.0.input_norm' at the first step.
-void require_norm_eps_the_graphs_take(const FieldReader& reader, double eps) {
-  Attributes attributes;
-  attributes.set("eps", eps);
-  const TensorSpec row({1}, DType::f32);
-  const TensorSpec inputs[] = {row, row};
-  try {
-    find_op("rms_norm")->infer(inputs, attributes);
-  } catch (const InputError& error) {
-    reader.fail("rms_norm_eps", error.what());
-  }
-}
-
 }  // namespace
 
 std::string_view architecture_class_name(ModelArchitecture architecture) {
@@ -234,7 +219,13 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   if (config.head_dim % 2 != 0) reader.fail("head_dim", "must be even for rotary embeddings");
   config.max_position_embeddings = reader.positive_int_or("max_position_embeddings", 4096);
   config.rms_norm_eps = reader.positive_number_or("rms_norm_eps", 1e-6);
-  require_norm_eps_the_graphs_take(reader, config.rms_norm_eps);
+  // Every rms_norm of the step graphs takes it: refused here, naming the field, not at the first step
+  // naming graph node 'layers.0.input_norm'.
+  try {
+    check_norm_eps(config.rms_norm_eps);
+  } catch (const InputError& error) {
+    reader.fail("rms_norm_eps", error.what());
+  }
   config.tie_word_embeddings = reader.boolean_or("tie_word_embeddings", false);
   if (reader.present("hidden_act") && reader.string("hidden_act") != "silu") {
     reader.fail("hidden_act", "'" + reader.string("hidden_act") + "' is not supported (silu)");
