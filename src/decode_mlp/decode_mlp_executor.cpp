@@ -291,16 +291,18 @@ struct DecodeMlpExecutor::State {
                           native_eager, native_source});
     const DecodeMlpCandidate& chosen_gate_up_report = gate_up.candidates[static_cast<std::size_t>(gate_up.chosen)];
     const DecodeMlpCandidate& chosen_down_report = down.candidates[static_cast<std::size_t>(down.chosen)];
+    // A gate/up candidate followed by the chosen down, as the executor's graph launches them.
+    const auto pair_name = [&](const DecodeMlpCandidate& gate_up_report) {
+      return gate_up_report.name + " + " + chosen_down_report.name + (programmatic_dependent ? " (programmatic dependent)" : "");
+    };
     if (chosen_gate_up_report.id.kind == CandidateKind::fused || chosen_down_report.id.kind == CandidateKind::fused) {
-      const std::string what = chosen_gate_up_report.name + " + " + chosen_down_report.name +
-                               (programmatic_dependent ? " (programmatic dependent)" : "");
+      const std::string what = pair_name(chosen_gate_up_report);
       const DeviceStep replay = [this](const CudaStream& s) { executor_graph.replay(s); };
       candidates.push_back({described(CandidateId::fused("stages").as_graph(), what), false, replay,
                             sequence({chosen_gate_up, chosen_down}), what});
     }
     if (near_tie_gate_up >= 0) {
-      const std::string what = gate_up.candidates[static_cast<std::size_t>(near_tie_gate_up)].name + " + " +
-                               chosen_down_report.name + (programmatic_dependent ? " (programmatic dependent)" : "");
+      const std::string what = pair_name(gate_up.candidates[static_cast<std::size_t>(near_tie_gate_up)]);
       const DeviceStep replay = [this](const CudaStream& s) { near_tie_graph.replay(s); };
       candidates.push_back({described(CandidateId::fused(kNearTieVariant).as_graph(), what), false, replay,
                             near_tie_eager, what});
