@@ -147,8 +147,13 @@ class MappedSafetensors {
   MappedSafetensors(const MappedSafetensors&) = delete;
   MappedSafetensors& operator=(const MappedSafetensors&) = delete;
   const std::filesystem::path& path() const { return path_; }
+  // The tensors of dtypes metile reads; a tensor of another dtype of the format (I64, BOOL, F64, ...)
+  // is in unreadable() (name -> dtype) and refused only when asked for by name.
   const std::map<std::string, TensorView, std::less<>>& tensors() const { return tensors_; }
-  const TensorView* find(std::string_view name) const;  // nullptr if absent
+  const std::map<std::string, std::string, std::less<>>& unreadable() const { return unreadable_; }
+  const TensorView* find(std::string_view name) const;  // nullptr if absent; InputError for an unreadable dtype
+  bool contains(std::string_view name) const;           // readable or not
+  std::vector<std::string> names() const;               // every tensor's, readable or not, sorted
 
  private:
   void parse_header(std::uint64_t file_bytes);
@@ -156,6 +161,7 @@ class MappedSafetensors {
   const std::byte* mapping_ = nullptr;
   std::size_t mapped_bytes_ = 0;
   std::map<std::string, TensorView, std::less<>> tensors_;
+  std::map<std::string, std::string, std::less<>> unreadable_;
 };
 // Written by write_output_file (metile/io.h): atomic for regular files, in place for FIFOs and devices.
 void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors);

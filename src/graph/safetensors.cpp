@@ -25,6 +25,12 @@ namespace {
 
 using Json = nlohmann::json;
 
+constexpr std::string_view kReadableDtypes = "metile reads F16, BF16, F32, I8, U8, I32 and U32";
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  return TensorSpec(shape, DType::u8).to_string().substr(2);  // "[a, b]"
+}
+
 std::string_view safetensors_dtype_name(DType dtype) {
   switch (dtype) {
     case DType::f16: return "F16";
@@ -45,9 +51,22 @@ std::optional<DType> parse_safetensors_dtype(std::string_view name) {
   return std::nullopt;
 }
 
+// The format's other dtypes, by element size: metile reads none of them, but a file may hold them
+// beside the tensors it reads (an I64 buffer, a BOOL mask, F64 statistics in a checkpoint), so such
+// an entry is checked like any other and refused only when asked for (MappedSafetensors::find).
+std::optional<std::uint64_t> unreadable_dtype_size(std::string_view name) {
+  static constexpr std::pair<std::string_view, std::uint64_t> sizes[] = {
+      {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"I16", 2}, {"U16", 2}, {"F64", 8}, {"I64", 8}, {"U64", 8}};
+  for (const auto& [dtype, size] : sizes) {
+    if (dtype == name) return size;
+  }
+  return std::nullopt;
+}
+
 struct TensorEntry {
   std::string name;
   TensorSpec spec;
+  std::string unreadable_dtype;  // set for a dtype of the format metile does not read
   std::uint64_t begin = 0;
   std::uint64_t end = 0;
 };
@@ -64,11 +83,16 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
   const Json& dtype = description["dtype"];
   if (!dtype.is_string()) throw InputError(where + "dtype is not a string");
   const std::optional<DType> parsed = parse_safetensors_dtype(dtype.get<std::string>());
-  if (!parsed) {
-    throw InputError(where + "unsupported dtype '" + dtype.get<std::string>() +
-                     "' (expected F16, BF16, F32, I8, U8, I32 or U32)");
+  const std::optional<std::uint64_t> unreadable_size = parsed ? std::nullopt : unreadable_dtype_size(dtype.get<std::string>());
+  if (!parsed && !unreadable_size) {
+    throw InputError(where + "unknown dtype '" + dtype.get<std::string>() + "' (" + std::string(kReadableDtypes) + ")");
   }
-  entry.spec.dtype = *parsed;
+  if (parsed) {
+    entry.spec.dtype = *parsed;
+  } else {
+    entry.unreadable_dtype = dtype.get<std::string>();
+    entry.spec.dtype = DType::u8;  // a byte view: only its size is checked below
+  }
   const Json& shape = description["shape"];
   if (!shape.is_array()) throw InputError(where + "shape is not an array");
   std::uint64_t element_count = 1;
@@ -101,9 +125,10 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
     throw InputError(where + "data_offsets end at byte " + std::to_string(entry.end) + " but the file holds only " +
                      std::to_string(data_bytes) + " data bytes");
   }
-  const std::uint64_t expected = element_count * dtype_size(entry.spec.dtype);
+  const std::uint64_t expected = element_count * (unreadable_size ? *unreadable_size : dtype_size(entry.spec.dtype));
   if (entry.end - entry.begin != expected) {
-    throw InputError(where + entry.spec.to_string() + " needs " + std::to_string(expected) + " bytes but data_offsets span " +
+    const std::string spec_text = unreadable_size ? entry.unreadable_dtype + shape_text(entry.spec.shape) : entry.spec.to_string();
+    throw InputError(where + spec_text + " needs " + std::to_string(expected) + " bytes but data_offsets span " +
                      std::to_string(entry.end - entry.begin));
   }
   return entry;
@@ -169,6 +194,10 @@ void MappedSafetensors::parse_header(std::uint64_t file_bytes) {
   }
   const std::byte* data = mapping_ + 8 + header_bytes;
   for (const TensorEntry& entry : entries) {
+    if (!entry.unreadable_dtype.empty()) {
+      unreadable_.emplace(entry.name, entry.unreadable_dtype);
+      continue;
+    }
     tensors_.emplace(entry.name, TensorView{entry.spec, {data + entry.begin, static_cast<std::size_t>(entry.end - entry.begin)}});
   }
 }
@@ -179,7 +208,24 @@ MappedSafetensors::~MappedSafetensors() {
 
 const MappedSafetensors::TensorView* MappedSafetensors::find(std::string_view name) const {
   const auto found = tensors_.find(name);
-  return found == tensors_.end() ? nullptr : &found->second;
+  if (found != tensors_.end()) return &found->second;
+  if (const auto unreadable = unreadable_.find(name); unreadable != unreadable_.end()) {
+    throw InputError(path_.string() + ": tensor '" + std::string(name) + "': dtype '" + unreadable->second +
+                     "' is not one metile reads (" + std::string(kReadableDtypes) + ")");
+  }
+  return nullptr;
+}
+
+bool MappedSafetensors::contains(std::string_view name) const {
+  return tensors_.find(name) != tensors_.end() || unreadable_.find(name) != unreadable_.end();
+}
+
+std::vector<std::string> MappedSafetensors::names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, view] : tensors_) names.push_back(name);
+  for (const auto& [name, dtype] : unreadable_) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 HostTensor MappedSafetensors::TensorView::copy() const {
@@ -190,6 +236,8 @@ HostTensor MappedSafetensors::TensorView::copy() const {
 
 TensorMap read_safetensors(const std::filesystem::path& path) {
   const MappedSafetensors file(path);
+  // Every tensor of the file is read here (run --inputs): one metile cannot read is refused.
+  if (!file.unreadable().empty()) file.find(file.unreadable().begin()->first);
   TensorMap tensors;
   for (const auto& [name, view] : file.tensors()) tensors.emplace(name, view.copy());
   return tensors;

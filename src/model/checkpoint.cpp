@@ -71,16 +71,16 @@ class CheckpointFiles {
                                      index.string()));
       }
       for (const auto& [name, slot] : owner_) {
-        if (!files_[slot]->find(name)) {
+        if (!files_[slot]->contains(name)) {
           throw InputError(fmt::format("{}: tensor '{}': listed in {} but absent from the file",
                                        files_[slot]->path().string(), name, index.filename().string()));
         }
       }
       // A tensor in two shards is ambiguous: the index names one, while loaders that read every
       // shard (transformers, mlx-lm) keep the last; refused, as a name twice in one header is.
-      std::map<std::string_view, std::size_t> first_file;
+      std::map<std::string, std::size_t> first_file;
       for (std::size_t slot = 0; slot < files_.size(); ++slot) {
-        for (const auto& [name, view] : files_[slot]->tensors()) {
+        for (const std::string& name : files_[slot]->names()) {
           const auto [seen, added] = first_file.emplace(name, slot);
           if (!added) {
             throw InputError(fmt::format("{}: tensor '{}': also in {} (a tensor belongs to one shard)",
@@ -96,7 +96,7 @@ class CheckpointFiles {
                                      directory.string()));
       }
       files_.push_back(std::make_unique<MappedSafetensors>(single));
-      for (const auto& [name, view] : files_[0]->tensors()) owner_[name] = 0;
+      for (const std::string& name : files_[0]->names()) owner_[name] = 0;
     }
   }
 

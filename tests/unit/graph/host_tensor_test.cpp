@@ -204,7 +204,15 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
 
   path = raw_file(R"({"a": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8);
   EXPECT_EQ(error_of([&] { read_safetensors(path); }),
-            file + ": tensor 'a': unsupported dtype 'F64' (expected F16, BF16, F32, I8, U8, I32 or U32)");
+            file + ": tensor 'a': dtype 'F64' is not one metile reads (metile reads F16, BF16, F32, I8, U8, I32 and U32)");
+
+  // A dtype of the format metile does not read is still checked: its bytes must match its shape.
+  path = raw_file(R"({"a": {"dtype": "I64", "shape": [2], "data_offsets": [0, 8]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": tensor 'a': I64[2] needs 16 bytes but data_offsets span 8");
+
+  path = raw_file(R"({"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 8]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'a': unknown dtype 'F99' (metile reads F16, BF16, F32, I8, U8, I32 and U32)");
 
   path = raw_file(R"({"a": {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 6]}})", 8);
   EXPECT_EQ(error_of([&] { read_safetensors(path); }),

@@ -38,6 +38,24 @@ void edit_tensors(const std::filesystem::path& directory, const std::function<vo
   write_safetensors(directory / "model.safetensors", tensors);
 }
 
+// Appends a tensor of any dtype string of the format (those metile does not read too) to the
+// directory's model.safetensors: the header gains the entry, the data its bytes.
+void append_raw_tensor(const std::filesystem::path& directory, const std::string& name, const std::string& dtype,
+                       const std::vector<std::int64_t>& shape, std::size_t bytes) {
+  const std::filesystem::path path = directory / "model.safetensors";
+  const std::string file = read_text(path);
+  std::uint64_t header_bytes = 0;
+  for (int index = 7; index >= 0; --index) header_bytes = (header_bytes << 8) | static_cast<unsigned char>(file[index]);
+  Json header = Json::parse(file.substr(8, header_bytes));
+  std::string data = file.substr(8 + header_bytes);
+  header[name] = {{"dtype", dtype}, {"shape", shape}, {"data_offsets", {data.size(), data.size() + bytes}}};
+  data += std::string(bytes, '\x01');
+  const std::string text = header.dump();
+  std::string out(8, '\0');
+  for (int index = 0; index < 8; ++index) out[index] = static_cast<char>((text.size() >> (8 * index)) & 0xFF);
+  testing::write_text(path, out + text + data);
+}
+
 class MalformedCheckpoint : public testing::ModelDirectoryTest {
  protected:
   int run_logits(const std::filesystem::path& directory, std::string& out, std::string& err) {
@@ -193,6 +211,14 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
        },
        "config.json: field 'quantization_config.quant_method': \"gptq\" checkpoints are not supported (dense, or MLX's "
        "affine 'quantization')"},
+      // A tensor of a dtype of the format metile does not read, where the model needs it.
+      {"unreadable_dtype",
+       [](auto d) {
+         edit_tensors(d, [](TensorMap& t) { t.erase("model.norm.weight"); });
+         append_raw_tensor(d, "model.norm.weight", "F64", {64}, 64 * 8);
+       },
+       "model.safetensors: tensor 'model.norm.weight': dtype 'F64' is not one metile reads (metile reads F16, BF16, F32, "
+       "I8, U8, I32 and U32)"},
       {"bad_quantization", [](auto d) { edit_config(d, [](Json& c) { c["quantization"] = {{"group_size", 48}, {"bits", 4}}; }); },
        "field 'quantization': "},
       {"no_config", [](auto d) { std::filesystem::remove(d / "config.json"); }, "no config.json"},
@@ -271,6 +297,26 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
     EXPECT_EQ(out, "");
     EXPECT_EQ(err, "metile: error: " + message + "\n");
   }
+}
+
+// Tensors of dtypes metile does not read (an I64 buffer, a BOOL mask, F64 statistics), which the model
+// does not use: the checkpoint loads, and its logits are those of the same checkpoint without them.
+// Before, any such tensor failed the whole file ("unsupported dtype 'I64'").
+TEST_F(MalformedCheckpoint, UnusedTensorsOfUnreadableDtypesAreLeftAlone) {
+  const std::filesystem::path plain = synth("plain", {});
+  const std::filesystem::path extra = synth("extra", {});
+  append_raw_tensor(extra, "model.position_ids", "I64", {1, 32}, 32 * 8);
+  append_raw_tensor(extra, "model.layers.0.self_attn.causal_mask", "BOOL", {8, 8}, 64);
+  append_raw_tensor(extra, "model.layers.1.statistics", "F64", {3}, 24);
+  const std::vector<std::int32_t> tokens = {1, 5, 9, 2};
+  const DecoderModel with_extra = DecoderModel::load(extra);
+  const DecoderModel without = DecoderModel::load(plain);
+  EXPECT_EQ(DecodeSession(with_extra).feed(tokens), DecodeSession(without).feed(tokens));
+  // `metile run --inputs` reads every tensor of its file: there the unreadable one is refused.
+  const std::string message = testing::error_of([&] { read_safetensors(extra / "model.safetensors"); });
+  EXPECT_NE(message.find("tensor 'model.layers.0.self_attn.causal_mask': dtype 'BOOL' is not one metile reads"),
+            std::string::npos)
+      << message;
 }
 
 // A dense weight quantize_affine cannot quantize (inf here) under --quantize: the error said
