@@ -234,9 +234,27 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     reader.fail("attention_bias", "true is not supported");
   }
   if (reader.boolean_or("mlp_bias", false)) reader.fail("mlp_bias", "true is not supported");
-  const bool sliding = config.architecture == ModelArchitecture::mistral ||
-                       reader.boolean_or("use_sliding_window", false);
-  if (sliding && reader.present("sliding_window")) config.sliding_window = reader.positive_int("sliding_window");
+  // The sliding window, with transformers' defaults where config.json leaves a field out: MistralConfig
+  // and Qwen2Config take a window of 4096 (an explicit null is none), and Qwen2 puts it only on layers
+  // max_window_layers (default 28) and up. Within the window windowed and full attention agree, so a
+  // window bounds the capacity instead (attention over a sliding window is not implemented; load_model).
+  bool sliding = config.architecture == ModelArchitecture::mistral || reader.boolean_or("use_sliding_window", false);
+  if (sliding && config.architecture == ModelArchitecture::qwen2) {
+    std::int64_t max_window_layers = 28;
+    if (reader.present("max_window_layers")) {
+      const Json& value = json.at("max_window_layers");
+      if (!value.is_number_integer() || value.get<std::int64_t>() < 0) {
+        reader.fail("max_window_layers", "must be a non-negative integer, got " + json_excerpt(value));
+      }
+      max_window_layers = value.get<std::int64_t>();
+    }
+    if (max_window_layers >= config.num_hidden_layers) sliding = false;  // no layer slides
+  }
+  if (sliding && !json.contains("sliding_window")) {
+    config.sliding_window = 4096;
+  } else if (sliding && reader.present("sliding_window")) {
+    config.sliding_window = reader.positive_int("sliding_window");
+  }
 
   if (reader.present("torch_dtype")) {
     config.dtype = parse_torch_dtype(reader, "torch_dtype");

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -601,6 +602,52 @@ TEST(DrawUniformBf16, RangesGiveTheSequentialStream) {
   }
   HostTensor f32(TensorSpec({4}, DType::f32));
   EXPECT_THROW(draw_uniform_bf16(f32, seed, 0, 1, 0), InputError);
+}
+
+// The sliding window as transformers reads config.json: MistralConfig and Qwen2Config default it to
+// 4096 when the field is absent (an explicit null is no window), and Qwen2 slides only layers
+// max_window_layers (default 28) and up. Before, an absent field meant no window, so a Mistral
+// config without one ran past 4096 positions with full attention where transformers slides.
+TEST(ModelConfigSlidingWindow, FollowsTransformersDefaults) {
+  const auto parse = [](ModelArchitecture architecture, const std::function<void(nlohmann::json&)>& edit) {
+    SynthOptions options;
+    options.architecture = architecture;
+    nlohmann::json json = nlohmann::json::parse(synth_config(options).to_json());
+    json.erase("sliding_window");
+    edit(json);
+    return ModelConfig::parse_json(json.dump(), "config.json");
+  };
+  using Json = nlohmann::json;
+  EXPECT_EQ(parse(ModelArchitecture::mistral, [](Json&) {}).sliding_window, 4096);
+  EXPECT_EQ(parse(ModelArchitecture::mistral, [](Json& c) { c["sliding_window"] = nullptr; }).sliding_window, std::nullopt);
+  EXPECT_EQ(parse(ModelArchitecture::mistral, [](Json& c) { c["sliding_window"] = 512; }).sliding_window, 512);
+  EXPECT_EQ(parse(ModelArchitecture::llama, [](Json&) {}).sliding_window, std::nullopt);
+  // Qwen2: only with use_sliding_window, and only where some layer is at or past max_window_layers.
+  EXPECT_EQ(parse(ModelArchitecture::qwen2, [](Json& c) { c["use_sliding_window"] = false; }).sliding_window, std::nullopt);
+  EXPECT_EQ(parse(ModelArchitecture::qwen2, [](Json& c) {
+              c["use_sliding_window"] = true;
+              c["max_window_layers"] = 0;
+            }).sliding_window,
+            4096);
+  EXPECT_EQ(parse(ModelArchitecture::qwen2, [](Json& c) {
+              c["use_sliding_window"] = true;
+              c["sliding_window"] = 64;
+              c["max_window_layers"] = c["num_hidden_layers"];
+            }).sliding_window,
+            std::nullopt);
+  EXPECT_EQ(parse(ModelArchitecture::qwen2, [](Json& c) {
+              c["use_sliding_window"] = true;
+              c["sliding_window"] = 64;
+              c.erase("max_window_layers");  // 28 by default: past this model's layers
+            }).sliding_window,
+            std::nullopt);
+  EXPECT_EQ(error_of([&] {
+              parse(ModelArchitecture::qwen2, [](Json& c) {
+                c["use_sliding_window"] = true;
+                c["max_window_layers"] = -1;
+              });
+            }),
+            "config.json: field 'max_window_layers': must be a non-negative integer, got -1");
 }
 
 }  // namespace
