@@ -108,15 +108,21 @@ std::set<std::string> benchmarked_engines(const std::string& text) {
   return engines;
 }
 
+nlohmann::json json_number(double value) {
+  if (std::isnan(value)) return "NaN";
+  if (std::isinf(value)) return value > 0 ? "Infinity" : "-Infinity";
+  return value;
+}
+
 nlohmann::json figures_json(const AgreementFigures& figures) {
   return {{"positions", figures.positions},
-          {"agreement", figures.agreement()},
+          {"agreement", json_number(figures.agreement())},
           {"first_disagreement", figures.first_disagreement},
           {"decided_positions", figures.decided_positions},
           {"decided_agreements", figures.decided_agreements},
-          {"kl_mean", figures.kl_mean},
-          {"kl_max", figures.kl_max},
-          {"max_logit_error", figures.max_logit_error}};
+          {"kl_mean", json_number(figures.kl_mean)},
+          {"kl_max", json_number(figures.kl_max)},
+          {"max_logit_error", json_number(figures.max_logit_error)}};
 }
 
 namespace {
@@ -217,7 +223,9 @@ void logits_command(const ModelOptions& options) {
   if (options.format == "json") {
     nlohmann::json json;
     const std::span<const float> shown = options.all_positions ? std::span<const float>(logits) : last;
-    json["logits"] = std::vector<double>(shown.begin(), shown.end());
+    nlohmann::json values = nlohmann::json::array();
+    for (float value : shown) values.push_back(json_number(value));
+    json["logits"] = std::move(values);
     json["argmax"] = argmaxes;
     fmt::print("{}\n", json.dump());
     return;

@@ -56,6 +56,10 @@ std::optional<AffineQuantization> quantization_option(const ModelOptions& option
 void check_backend(const ModelOptions& options);
 // verify-model's figures of one comparison as JSON (both backends' --format json).
 nlohmann::json figures_json(const AgreementFigures& figures);
+// A number for --format json: JSON has no NaN or infinity (nlohmann wrote them as null, which reads as
+// "absent"), so those are the strings "NaN", "Infinity" and "-Infinity", which Python's float() and
+// numpy read back as the values.
+nlohmann::json json_number(double value);
 // --decline "a,b": the region kinds (plan rule names).
 std::set<std::string> declined_rules(const std::string& text);
 // bench-model --engines "a,b": fused, fused-pdl (its GEMVs and attention as programmatic dependents), native;

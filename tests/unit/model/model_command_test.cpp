@@ -6,6 +6,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+#include <limits>
+
 #include "model_test_support.h"
 
 namespace metile {
@@ -54,6 +57,37 @@ TEST_F(ModelCommand, LogitsJsonGivesTheLastOrEveryPosition) {
   EXPECT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 1 --all-positions", out, err), 2);
   EXPECT_EQ(err, "metile: error: --all-positions needs --format json\n");
   EXPECT_EQ(out, "");
+}
+
+// A logit that is not finite (here a NaN row of the output projection, the model's own) is the string
+// "NaN" in --format json: nlohmann wrote null, which a reader takes for "absent", and JSON has no NaN.
+TEST_F(ModelCommand, NonFiniteLogitsAreNamedInJson) {
+  const std::filesystem::path directory = synth("model", {});
+  TensorMap tensors = read_safetensors(directory / "model.safetensors");
+  const std::string head = tensors.contains("lm_head.weight") ? "lm_head.weight" : "model.embed_tokens.weight";
+  HostTensor& weight = tensors.at(head);
+  const std::int64_t row = 7, width = weight.spec().shape[1];
+  for (std::int64_t column = 0; column < width; ++column) {
+    weight.store(row * width + column, std::numeric_limits<double>::quiet_NaN());
+  }
+  write_safetensors(directory / "model.safetensors", tensors);
+  const DecoderModel model = DecoderModel::load(directory);
+  const std::vector<std::int32_t> prompt = {1, 2};
+  const std::vector<float> expected = DecodeSession(model).feed(prompt);
+  const std::size_t vocab = expected.size() / 2;
+  std::string out, err;
+  ASSERT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 1,2 --format json", out, err), 0) << err;
+  const Json json = Json::parse(out);  // strict JSON
+  ASSERT_EQ(json["logits"].size(), vocab);
+  for (std::size_t column = 0; column < vocab; ++column) {
+    const float value = expected[vocab + column];
+    if (std::isnan(value)) {
+      EXPECT_EQ(json["logits"][column], "NaN") << column;
+    } else {
+      EXPECT_EQ(json["logits"][column].get<double>(), static_cast<double>(value)) << column;
+    }
+  }
+  EXPECT_TRUE(std::isnan(expected[vocab + static_cast<std::size_t>(row)]));
 }
 
 // The first token comes from the prompt's step; the rate counts decode steps, so one token has none
