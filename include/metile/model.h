@@ -199,6 +199,9 @@ struct Generation {
 };
 Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
                            const std::function<void(std::int64_t)>& on_token = {});
+// At least one token (InputError otherwise): generate_greedy's rule, which `metile generate` asks
+// before it loads the model and Python's generate through generate_greedy.
+void check_generation_count(std::int64_t count);
 
 
 // A session fed a token sequence before it decodes: InputError unless every token is in

@@ -160,10 +160,14 @@ void check_generation_fits(const LogitsSession& session, std::span<const std::in
 
 }  // namespace
 
+void check_generation_count(std::int64_t count) {
+  if (count < 1) throw InputError(fmt::format("cannot generate {} tokens (at least 1)", count));
+}
+
 Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
                            const std::function<void(std::int64_t)>& on_token) {
   if (prompt.empty()) throw InputError("the prompt is empty");
-  if (count < 0) throw InputError(fmt::format("cannot generate {} tokens", count));
+  check_generation_count(count);
   check_generation_fits(session, prompt, count);
   Generation generation;
   std::int32_t token = session.feed_greedy(prompt).back();

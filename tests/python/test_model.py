@@ -106,6 +106,10 @@ def test_errors(tmp_path):
     with pytest.raises(TypeError, match="quantize must be an integer, got bool"):
         metile.load_model(str(tmp_path / "m"), quantize=True)
     assert list(model.generate([1, 2], np.int64(2))) == list(model.generate([1, 2], 2))
+    # As `metile generate --tokens 0`: no token is not a generation (it returned an empty array after
+    # running the whole prompt).
+    with pytest.raises(ValueError, match=r"cannot generate 0 tokens \(at least 1\)"):
+        model.generate([1, 2], 0)
     with pytest.raises(TypeError, match="n must be an integer, got bool_"):
         model.generate([1, 2], np.bool_(True))
     with pytest.raises(TypeError, match="max_seq must be an integer, got bool"):

@@ -250,7 +250,7 @@ std::string rate_text(std::optional<double> rate) { return rate ? fmt::format("{
 
 void generate_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
-  if (options.tokens < 1) throw InputError(fmt::format("--tokens {} must be at least 1", options.tokens));
+  check_generation_count(options.tokens);  // before the model loads
   const DecoderModel model = load_model(options);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
