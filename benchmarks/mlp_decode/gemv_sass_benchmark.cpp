@@ -96,7 +96,8 @@ std::string shape_name(const GemvKernelConfig& config) {
                      config.iterations_in_flight,
                      config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
                                                : std::string(config.double_buffered ? " db" : " batch"),
-                     std::string(config.shared_group_sums ? " sums" : "") + (config.x_staged_by_async_copy ? " x-async" : ""),
+                     std::string(config.shared_group_sums ? " sums" : "") + (config.x_staged_by_async_copy ? " x-async" : "") +
+                         (config.x_with_batch ? " x-batch" : ""),
                      config.resident_blocks_per_multiprocessor > 0
                          ? fmt::format(" r{}", config.resident_blocks_per_multiprocessor)
                          : std::string());

@@ -295,6 +295,13 @@ struct GemvKernelConfig {
   // puts the whole grid in one wave, every weight load issued at once, before the wait for the
   // previous kernel; 0: ptxas chooses (the registers then cap the blocks an SM).
   int resident_blocks_per_multiprocessor = 0;
+  // x_with_batch (double-buffered register batches, x as stored: no x_rms_norm_eps, no attention
+  // prologue): each batch's x fragments are loaded with its weights (after the wait) instead of
+  // when its math begins. A narrow stage's block is alone on its SM and each warp reads x columns
+  // no other warp reads, so there every iteration's x was an L2 round trip the math waited on.
+  // Measured on the H200 (notes/mlp_decode.md, session 27): Qwen2.5-1.5B's 4-bit down projection
+  // 8.9 -> 8.3 us, Llama-3.2-1B's 8.8 -> 8.4; at 16 rows it was slower, and wider stages spill.
+  bool x_with_batch = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage

@@ -46,10 +46,15 @@ constexpr std::string_view register_mainloop_body = R"CUDA(
 // The weights (and scales/biases) of kInFlight iterations of one warp: the unit the mainloop
 // keeps in flight. x is not part of it: every warp of the SM reads the same x, so its loads hit L1
 // and are issued just before the math.
+// kXWithBatch (GemvKernelConfig::x_with_batch): a batch also carries its iterations' x fragments, loaded
+// with its weights once the wait has returned (load_batch_x), so that the math never waits on x.
+static_assert(!kXWithBatch || (kDoubleBuffered && kSharedStages < 2 && !kNormedX && !kXStaged && !kXWrittenInKernel),
+              "x travels with double-buffered register batches of x as stored");
 template <int P>
 struct Batch {
   uint4 w[kInFlight][P][kTiles][kLoadsPerIteration][2];
   uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
+  uint4 x[kXWithBatch ? kInFlight : 1][kRowHalves][kChunksPerIteration];
 };
 
 // kBatchesWhole (gemv_batches_whole, emitted with the constants; never for the persistent kernel's
@@ -144,6 +149,21 @@ __device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&w
           if (live) batch.sb[u][p][i][q] = load_scale_bias(address);
         }
       });
+}
+
+// A batch's x fragments (kXWithBatch; after the wait only: x may be the previous kernel's output).
+template <int P>
+__device__ __forceinline__ void load_batch_x(Batch<P>& batch, const u16* __restrict__ x, const u16* __restrict__ norm_weight,
+                                             int first, int end, int lane) {
+  if constexpr (kXWithBatch) {
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int it = first + u * kWarps;
+      load_x_fragments(
+          batch.x[u], lane, [&](int column) { return kBatchesWhole || (it < end && it * kColumnsPerIteration + column < kK); },
+          [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
+    }
+  }
 }
 
 // L2 prefetch (kPrefetchRounds > 0). A round is the block's iterations [first, first + kStride):
@@ -289,9 +309,16 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
   for (int u = 0; u < kInFlight; ++u) {
     const int it = first + u * kWarps;
     uint4 xv[kRowHalves][kChunksPerIteration];
-    load_x_fragments(
-        xv, lane, [&](int column) { return kBatchesWhole || (it < end && it * kColumnsPerIteration + column < kK); },
-        [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
+    if constexpr (kXWithBatch) {
+#pragma unroll
+      for (int h = 0; h < kRowHalves; ++h)
+#pragma unroll
+        for (int c = 0; c < kChunksPerIteration; ++c) xv[h][c] = batch.x[u][h][c];
+    } else {
+      load_x_fragments(
+          xv, lane, [&](int column) { return kBatchesWhole || (it < end && it * kColumnsPerIteration + column < kK); },
+          [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
+    }
     if constexpr (kAffine) {
 #pragma unroll
       for (int q = 0; q < kGroupsPerIteration; ++q) {
@@ -423,20 +450,33 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     x = activations_ready(x);
     after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
+    if (begin + warp < end) load_batch_x(even, x, norm_weight, begin + warp, end, lane);
+    if constexpr (kPrologueWork) {
+      if (begin + warp + kStride < end) load_batch_x(odd, x, norm_weight, begin + warp + kStride, end, lane);
+    }
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
       prefetch_ahead(first);
       if constexpr (!kPrologueWork) {
-        if (second < end) load_batch(odd, weights, scale_bias, second, end, lane, first_tile);
+        if (second < end) {
+          load_batch(odd, weights, scale_bias, second, end, lane, first_tile);
+          load_batch_x(odd, x, norm_weight, second, end, lane);
+        }
       }
       compute_batch(acc, even, x, norm_weight, first, end, lane);
       if (second >= end) break;
       prefetch_ahead(second);
-      if (second + kStride < end) load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
+      if (second + kStride < end) {
+        load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
+        load_batch_x(even, x, norm_weight, second + kStride, end, lane);
+      }
       compute_batch(acc, odd, x, norm_weight, second, end, lane);
       if constexpr (kPrologueWork) {
-        if (second + 2 * kStride < end) load_batch(odd, weights, scale_bias, second + 2 * kStride, end, lane, first_tile);
+        if (second + 2 * kStride < end) {
+          load_batch(odd, weights, scale_bias, second + 2 * kStride, end, lane, first_tile);
+          load_batch_x(odd, x, norm_weight, second + 2 * kStride, end, lane);
+        }
       }
     }
   } else {
@@ -753,12 +793,13 @@ std::string gemv_register_constants(const GemvKernelConfig& config, int splits) 
       "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
       "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
       "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n"
-      "constexpr bool kTileLoop = {};\nconstexpr int kPrefetchRounds = {};\nconstexpr bool kBatchesWhole = {};\n",
+      "constexpr bool kTileLoop = {};\nconstexpr int kPrefetchRounds = {};\nconstexpr bool kBatchesWhole = {};\n"
+      "constexpr bool kXWithBatch = {};\n",
       scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,
       config.double_buffered ? "true" : "false", config.shared_stages >= 2 ? config.shared_stages : 0, splits,
       tile_blocks, config.shared_group_sums ? "true" : "false",
       config.tile_loop_blocks_per_multiprocessor > 0 ? "true" : "false", config.l2_prefetch_rounds,
-      splits == 1 && gemv_batches_whole(config) ? "true" : "false");
+      splits == 1 && gemv_batches_whole(config) ? "true" : "false", config.x_with_batch ? "true" : "false");
 }
 
 }  // namespace gemv_detail
@@ -879,6 +920,12 @@ void GemvKernelConfig::validate() const {
                                    to_string(), blocks, warps_per_block, multiprocessors));
     }
   }
+  if (x_with_batch && (mainloop != GemvMainloop::register_batches || !double_buffered || shared_stages >= 2 ||
+                       x_rms_norm_eps || attention)) {
+    throw InputError(fmt::format("GEMV {}: x_with_batch needs double-buffered register batches (shared_stages 0) and x "
+                                 "as stored (no x_rms_norm_eps, no attention prologue)",
+                                 to_string()));
+  }
   if (x_staged_by_async_copy && (!x_staged_in_shared_memory(*this) || shared_stages >= 2)) {
     throw InputError(fmt::format("GEMV {}: x_staged_by_async_copy needs x normalized and staged in shared memory "
                                  "(x_rms_norm_eps, M x K bf16 values within {} bytes) and batches in registers "
@@ -969,6 +1016,7 @@ std::string GemvKernelConfig::to_string() const {
   }
   if (l2_prefetch_rounds > 0) text += fmt::format(" l2_prefetch_rounds={}", l2_prefetch_rounds);
   if (x_staged_by_async_copy) text += " x_staged_by_async_copy";
+  if (x_with_batch) text += " x_with_batch";
   if (resident_blocks_per_multiprocessor > 0) text += fmt::format(" resident_blocks={}", resident_blocks_per_multiprocessor);
   if (attention) {
     text += fmt::format(" attention(heads={}x{} D={} keys={} scale={:g})", attention->kv_heads, attention->groups,
@@ -995,6 +1043,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.tile_loop_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("l{}", config.tile_loop_blocks_per_multiprocessor);
   if (config.l2_prefetch_rounds > 0) schedule_tag += fmt::format("p{}", config.l2_prefetch_rounds);
   if (config.x_staged_by_async_copy) schedule_tag += "c";
+  if (config.x_with_batch) schedule_tag += "x";
   if (config.resident_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("r{}", config.resident_blocks_per_multiprocessor);
   if (config.attention) {
     // The scale's float bits, as the kernel's constant holds it.
@@ -1108,7 +1157,8 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
           existing.shared_stages == config.shared_stages && existing.shared_group_sums == config.shared_group_sums &&
           existing.tile_loop_blocks_per_multiprocessor == config.tile_loop_blocks_per_multiprocessor &&
           existing.l2_prefetch_rounds == config.l2_prefetch_rounds &&
-          existing.resident_blocks_per_multiprocessor == config.resident_blocks_per_multiprocessor) {
+          existing.resident_blocks_per_multiprocessor == config.resident_blocks_per_multiprocessor &&
+          existing.x_with_batch == config.x_with_batch) {
         return;
       }
     }
@@ -1194,6 +1244,21 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       if (two_blocks_an_sm) config.resident_blocks_per_multiprocessor = 2;
       add_config(config);
     };
+    // At most one tile an SM (the small models' down and o-projections: 96-128 tiles), affine, M <= 8:
+    // first, the one-block shape whose iterations split evenly over the most warps (16, else the
+    // whole-warps count) with x carried by its batches (x_with_batch). Measured on the H200
+    // (mlp_decode_benchmark --quick, session 27): Qwen2.5-1.5B down w14 f1 db 8.9 -> 8.3 us, Llama-3.2-1B
+    // w16 f1 db 8.8 -> 8.4; every shape of the list carrying x, Llama-3-8B's 256-tile down spilled
+    // (w8 f2 db resident2: 68 bytes) and M = 16 was slower, so only these. The shapes without it follow,
+    // so a region's race (its first three) still has the incumbent.
+    if (affine && base.rows <= 8 && tiles <= multiprocessors && !base.x_rms_norm_eps && !base.attention) {
+      int warps = 16;
+      while (warps > 5 && !gemv_batches_whole(register_shape(warps, true))) --warps;
+      if (!gemv_batches_whole(register_shape(warps, true))) warps = 16;
+      GemvKernelConfig carrying = register_shape(warps, true);
+      carrying.x_with_batch = true;
+      add_config(carrying);
+    }
     add_narrow(8);
     if (!gemv_batches_whole(register_shape(8, true)) && !gemv_batches_whole(register_shape(16, true))) add_whole_warps(true);
     add_narrow(16);

@@ -108,6 +108,7 @@ std::string gemv_shape_name(const GemvKernelConfig& config) {
   if (config.resident_blocks_per_multiprocessor > 0) shape += fmt::format(" resident{}", config.resident_blocks_per_multiprocessor);
   if (config.l2_prefetch_rounds > 0) shape += fmt::format(" prefetch{}", config.l2_prefetch_rounds);
   if (config.x_staged_by_async_copy) shape += " x-async";
+  if (config.x_with_batch) shape += " x-batch";
   if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
   return shape;
 }

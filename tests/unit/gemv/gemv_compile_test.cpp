@@ -874,11 +874,16 @@ TEST(GemvCompile, EveryDecodeStageRacesAShapeWithWholeBatches) {
       }
     }
   }
+  // Qwen2.5-1.5B's down projection (70 iterations): first the 14-warp shape carrying x with its batches,
+  // then, after the 8-warp one, the same 14 warps without.
   const std::vector<GemvKernelConfig> qwen_down = gemv_tuning_candidates(gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add()));
-  ASSERT_GE(qwen_down.size(), 2u);
-  EXPECT_EQ(qwen_down[1].warps_per_block, 14) << qwen_down[1].to_string();
-  EXPECT_TRUE(whole(qwen_down[1]));
-  expect_no_spills(compile_for_sm90(generate_gemv_kernel(qwen_down[1])).log, qwen_down[1].to_string());
+  ASSERT_GE(qwen_down.size(), 3u);
+  for (std::size_t index : {0u, 2u}) {
+    EXPECT_EQ(qwen_down[index].warps_per_block, 14) << qwen_down[index].to_string();
+    EXPECT_EQ(qwen_down[index].x_with_batch, index == 0) << qwen_down[index].to_string();
+    EXPECT_TRUE(whole(qwen_down[index]));
+    expect_no_spills(compile_for_sm90(generate_gemv_kernel(qwen_down[index])).log, qwen_down[index].to_string());
+  }
   GemvKernelConfig odd = gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add());
   for (int warps : {1, 3, 7, 16}) {
     odd.warps_per_block = warps;
@@ -1044,6 +1049,59 @@ TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
   config = candidates.front();
   config.down.epilogue = GemvEpilogue::swiglu();  // down multiplies one matrix
   EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError);
+}
+
+// x_with_batch: a double-buffered batch carries its x fragments. Raced first on the stages of at most one
+// tile an SM (the small models' down and o-projections), affine, M <= 8, x as stored; never elsewhere
+// (Llama-3-8B's 256-tile down spilled with it, M = 16 was slower); refused where it cannot apply; named
+// apart; and the shapes raced compile for sm_90 within their registers.
+TEST(GemvCompile, XWithBatchIsRacedOnTheOneTileAnSmStagesOnly) {
+  const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16);
+  auto carrying = [](const std::vector<GemvKernelConfig>& candidates) {
+    return std::count_if(candidates.begin(), candidates.end(), [](const GemvKernelConfig& c) { return c.x_with_batch; });
+  };
+  struct Stage {
+    std::int64_t n, k;
+    int warps;  // of the shape carrying x, 0 for none
+  };
+  for (const Stage& stage : {Stage{1536, 8960, 14}, Stage{2048, 8192, 16}, Stage{1536, 1536, 12}, Stage{2048, 2048, 16},
+                             Stage{4096, 14336, 0}, Stage{14336, 4096, 0}}) {
+    const std::vector<GemvKernelConfig> candidates =
+        gemv_tuning_candidates(gemv_config(int4, 1, stage.n, stage.k, GemvEpilogue::residual_add()));
+    SCOPED_TRACE(fmt::format("N={} K={}", stage.n, stage.k));
+    ASSERT_EQ(carrying(candidates), stage.warps > 0 ? 1 : 0);
+    if (stage.warps == 0) continue;
+    const GemvKernelConfig& first = candidates.front();
+    EXPECT_TRUE(first.x_with_batch);
+    EXPECT_EQ(first.warps_per_block, stage.warps);
+    EXPECT_TRUE(first.double_buffered);
+    EXPECT_NE(first.to_string().find(" x_with_batch"), std::string::npos);
+    GemvKernelConfig plain = first;
+    plain.x_with_batch = false;
+    EXPECT_NE(generate_gemv_kernel(first).kernel_name, generate_gemv_kernel(plain).kernel_name);
+    EXPECT_NE(generate_gemv_kernel(first).source.find("constexpr bool kXWithBatch = true;"), std::string::npos);
+    expect_no_spills(compile_for_sm90(generate_gemv_kernel(first)).log, first.to_string());
+  }
+  // Not at 16 rows, not for dense weights, not where x is normalized.
+  EXPECT_EQ(carrying(gemv_tuning_candidates(gemv_config(int4, 16, 1536, 8960, GemvEpilogue::residual_add()))), 0);
+  EXPECT_EQ(carrying(gemv_tuning_candidates(
+                gemv_config(GemvWeightFormat::dense(DType::bf16), 1, 1536, 8960, GemvEpilogue::residual_add()))),
+            0);
+  GemvKernelConfig normed = gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add());
+  normed.x_rms_norm_eps = 1e-6;
+  EXPECT_EQ(carrying(gemv_tuning_candidates(normed)), 0);
+  // Refused where it cannot apply.
+  GemvKernelConfig config = gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add());
+  config.x_with_batch = true;
+  config.double_buffered = false;
+  EXPECT_THROW(config.validate(), InputError);
+  config.double_buffered = true;
+  EXPECT_NO_THROW(config.validate());
+  config.x_rms_norm_eps = 1e-6;
+  EXPECT_THROW(config.validate(), InputError);
+  config.x_rms_norm_eps.reset();
+  config.shared_stages = 3;
+  EXPECT_THROW(config.validate(), InputError);
 }
 
 }  // namespace
