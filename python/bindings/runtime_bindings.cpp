@@ -174,11 +174,12 @@ void bind_runtime(py::module_& module) {
       "int8/uint8/int32/uint32); returns {output name: numpy array} in the same dtypes (bf16 as float32).");
   module.def(
       "random_inputs",
-      [](const std::shared_ptr<ComputeGraph>& graph, std::uint64_t seed) {
-        return tensors_to_numpy(random_inputs(*graph, seed));
+      [](const std::shared_ptr<ComputeGraph>& graph, const py::handle& seed) {
+        return tensors_to_numpy(random_inputs(*graph, unsigned_argument("random_inputs: seed", seed)));  // True is not seed 1
       },
       py::arg("graph").none(false), py::arg("seed"),
-      "Fresh seeded random inputs for every graph input (never zeros), as numpy arrays in run()'s dtypes.");
+      "Fresh seeded random inputs for every graph input (never zeros), as numpy arrays in run()'s dtypes. "
+      "seed: an integer from 0 to 2^64 - 1 (as metile run --seed).");
 }
 
 }  // namespace metile::python

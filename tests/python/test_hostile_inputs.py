@@ -94,6 +94,26 @@ def test_numpy_capacities_count_like_python_numbers(rng):
         real.add_edge("s", "t", np.uint64(2**64 - 1))
 
 
+# random_inputs' seed as synth_model's and the CLI's --seed: an integer from 0 to 2^64 - 1, True is not
+# seed 1. It was a plain uint64 argument: True drew seed 1's inputs, -1 was pybind11's "incompatible
+# function arguments" TypeError (the CLI says "--seed must be an integer from 0 to 2^64 - 1").
+def test_random_inputs_seed_is_checked_like_synth_models(rng):
+    graph = scaled_graph()
+    seed = int(rng.integers(0, 2**63))  # the rng fixture prints its seed
+    drawn = metile.random_inputs(graph, seed)
+    for same in (np.uint64(seed), np.int64(seed)):
+        assert np.array_equal(metile.random_inputs(graph, same)["x"], drawn["x"])
+    assert np.array_equal(metile.random_inputs(graph, 2**64 - 1)["x"], metile.random_inputs(graph, seed=2**64 - 1)["x"])
+    with pytest.raises(TypeError, match="random_inputs: seed must be an integer, got bool"):
+        metile.random_inputs(graph, True)
+    with pytest.raises(TypeError, match="random_inputs: seed must be an integer, got float"):
+        metile.random_inputs(graph, 1.0)
+    with pytest.raises(ValueError, match=r"random_inputs: seed: -1 is not an integer from 0 to 2\^64 - 1"):
+        metile.random_inputs(graph, -1)
+    with pytest.raises(ValueError, match="random_inputs: seed: 18446744073709551616 is not an integer"):
+        metile.random_inputs(graph, 2**64)
+
+
 def test_graph_json_limits():
     text = scaled_graph().to_json()
     deep = text.replace('"shape": [2, 3]', '"shape": ' + "[" * 100000 + "]" * 100000)
