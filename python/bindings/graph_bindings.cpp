@@ -303,12 +303,23 @@ void bind_table_ops(py::class_<PythonGraphBuilder, BuilderPointer>& builder) {
     builder.def(
         op.c_str(),
         [op](const BuilderPointer& self, py::args inputs, py::kwargs keywords) {
+          // Wrong types are TypeErrors naming the op and the argument, not pybind11's "Unable to cast".
           std::vector<ValueRef> refs;
-          for (const py::handle& input : inputs) refs.push_back(input.cast<BoundValue>().ref);
+          for (std::size_t position = 0; position < inputs.size(); ++position) {
+            const py::handle input = inputs[position];
+            if (!py::isinstance<BoundValue>(input)) {
+              throw py::type_error(op + ": input " + std::to_string(position) + " must be a ValueRef, got " +
+                                   python_type_name(input) + " " + python_repr(input));
+            }
+            refs.push_back(input.cast<BoundValue>().ref);
+          }
           OptionalName name;
           py::dict attributes;
           for (const auto& [key, value] : keywords) {
             if (key.cast<std::string>() == "name") {
+              if (!value.is_none() && !py::isinstance<py::str>(value)) {
+                throw py::type_error(op + ": name must be a str or None, got " + python_type_name(value));
+              }
               if (!value.is_none()) name = value.cast<std::string>();
             } else {
               attributes[key] = value;

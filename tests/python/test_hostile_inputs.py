@@ -28,6 +28,24 @@ def test_none_where_a_graph_belongs_is_a_type_error():
         builder.add(None, None)
 
 
+# The ops the op table adds to GraphBuilder (sum, mean, argmax, embedding, kv_cache_write,
+# flash_attention, ...) take *inputs: a str or None among them, or a name that is not a str, was
+# pybind11's "Unable to cast Python instance to C++ type", naming neither the op nor the argument.
+def test_table_ops_name_a_wrong_argument_type():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 8), "f32"))
+    with pytest.raises(TypeError, match="^sum: input 0 must be a ValueRef, got str 'x'$"):
+        builder.sum("x")
+    with pytest.raises(TypeError, match="^argmax: input 0 must be a ValueRef, got NoneType None$"):
+        builder.argmax(None)
+    with pytest.raises(TypeError, match="^kv_cache_write: input 2 must be a ValueRef, got int 3$"):
+        builder.kv_cache_write(x, x, 3)
+    with pytest.raises(TypeError, match="^mean: name must be a str or None, got int$"):
+        builder.mean(x, name=5)
+    assert builder.mean(x, name="m").name == "m"
+    assert builder.sum(x, name=None).spec == metile.TensorSpec((2, 1), "f32")
+
+
 def test_tensor_specs_are_checked_when_made():
     with pytest.raises(ValueError, match=r"TensorSpec: dimension 0 of f32\[-1, 5\] is not positive"):
         metile.TensorSpec((-1, 5), "f32")
