@@ -52,6 +52,11 @@ std::string python_type_name(const py::handle& object);
 // Python's bool or numpy's bool_: an int to Python, but never a count, a bit or a seed.
 bool is_boolean(const py::handle& object);
 
+// numpy integer and floating scalars as the Python int and float they hold (numpy.float64 is a
+// float already); anything else unchanged, for the caller's checks. numpy is only imported when
+// the value is one of its objects.
+py::object python_number(const py::object& value);
+
 // One integer argument (`what` names it): an int or a numpy integer; bool (Python's or numpy's), an
 // int to Python, is a TypeError (True is not 1 token or 1 bit), as is anything else; ValueError past
 // 64 bits.

@@ -26,18 +26,6 @@
 namespace metile::python {
 namespace {
 
-// numpy integer and floating scalars as the Python int and float they hold (numpy.float64 is a
-// float already); anything else unchanged, for add_edge's checks. numpy is only imported when
-// the value is one of its objects.
-py::object python_number(const py::object& value) {
-  const py::object module = py::type::handle_of(value).attr("__module__");
-  if (!py::isinstance<py::str>(module) || module.cast<std::string>() != "numpy") return value;
-  const py::module_ numpy = py::module_::import("numpy");
-  if (py::isinstance(value, numpy.attr("integer"))) return py::int_(value.attr("__index__")());
-  if (py::isinstance(value, numpy.attr("floating"))) return py::float_(value.attr("__float__")());
-  return value;
-}
-
 class PythonFlowNetwork {
  public:
   // Returns the number of the new edge. Leaves the network unchanged when it raises.

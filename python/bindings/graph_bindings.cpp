@@ -41,6 +41,15 @@ bool is_boolean(const py::handle& object) {
   return py::isinstance<py::bool_>(object) || py::isinstance(object, py::module_::import("numpy").attr("bool_"));
 }
 
+py::object python_number(const py::object& value) {
+  const py::object module = py::type::handle_of(value).attr("__module__");
+  if (!py::isinstance<py::str>(module) || module.cast<std::string>() != "numpy") return value;
+  const py::module_ numpy = py::module_::import("numpy");
+  if (py::isinstance(value, numpy.attr("integer"))) return py::int_(value.attr("__index__")());
+  if (py::isinstance(value, numpy.attr("floating"))) return py::float_(value.attr("__float__")());
+  return value;
+}
+
 namespace {
 
 std::string python_repr(const py::handle& object) { return py::repr(object); }
@@ -114,9 +123,12 @@ std::vector<std::int64_t> integer_list(const std::string& what, const py::handle
 }
 
 // Python values for attributes: bool and int -> integer, float -> double, str -> string,
-// a list or tuple of ints -> integer list. Anything else is a TypeError naming the attribute.
-AttributeValue attribute_from_python(const std::string& name, const py::handle& object) {
-  if (py::isinstance<py::bool_>(object)) return static_cast<std::int64_t>(object.cast<bool>());
+// a list or tuple of ints -> integer list; numpy's bool, integer and floating scalars as the Python
+// bool, int and float they hold (as in a shape, or softmax's axis). Anything else is a TypeError
+// naming the attribute.
+AttributeValue attribute_from_python(const std::string& name, const py::handle& given) {
+  if (is_boolean(given)) return static_cast<std::int64_t>(PyObject_IsTrue(given.ptr()) == 1);
+  const py::object object = python_number(py::reinterpret_borrow<py::object>(given));
   if (py::isinstance<py::int_>(object)) return attribute_integer("attribute '" + name + "'", object);
   if (py::isinstance<py::float_>(object)) return object.cast<double>();
   if (py::isinstance<py::str>(object)) return object.cast<std::string>();

@@ -93,6 +93,33 @@ def test_attributes_beyond_64_bits_are_value_errors():
         builder.add_node("causal_mask", [x], {"offset": -(2**64)})
 
 
+# Attributes (add_node's dict, the op table's keywords) take numpy scalars as the Python numbers they
+# stand for, as shapes, softmax(x, axis) and FlowNetwork capacities do: {"axis": np.int64(0)} and
+# {"factor": np.float32(0.5)} were TypeErrors ("expected int, float, str or a list of ints, got int64")
+# while [np.int64(2)] in a list attribute was an int.
+def test_numpy_attributes_count_like_python_numbers(rng):
+    shape = tuple(int(d) for d in rng.integers(1, 6, size=2))  # the rng fixture prints its seed
+    axis = int(rng.integers(0, 2))
+    factor = float(rng.uniform(0.25, 4.0))
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec(shape, "f32"))
+    for make in (np.int64, np.int32, np.uint8, int):
+        (softmax,) = builder.add_node("softmax", [x], {"axis": make(axis)})
+        assert builder._build([softmax]).nodes[-1].attributes == {"axis": axis}
+    for make in (np.float32, np.float16, np.float64, float):
+        (scaled,) = builder.add_node("scale", [x], {"factor": make(factor)})
+        assert builder._build([scaled]).nodes[-1].attributes == {"factor": float(make(factor))}
+    (product,) = builder.add_node("matmul", [x, x], {"transpose_right": np.bool_(True)})
+    assert builder._build([product]).nodes[-1].attributes == {"transpose_right": 1}
+    assert builder.sum(x, name=None).spec.shape == (shape[0], 1)
+    with pytest.raises(ValueError, match=r"attribute 'offset': integer 18446744073709551615 does not fit in 64 bits"):
+        builder.add_node("causal_mask", [x], {"offset": np.uint64(2**64 - 1)})
+    with pytest.raises(TypeError, match="attribute 'axis': expected int, float, str or a list of ints, got complex128"):
+        builder.add_node("softmax", [x], {"axis": np.complex128(1)})
+    with pytest.raises(ValueError, match="attribute 'factor' must be finite"):
+        builder.add_node("scale", [x], {"factor": np.float32("nan")})
+
+
 def test_numpy_capacities_count_like_python_numbers(rng):
     capacities = rng.integers(1, 1000, size=3)
     network = metile.FlowNetwork()
