@@ -46,6 +46,13 @@ TensorMap run_plan_reference(const FusionPlan& plan, std::span<const TensorMap* 
 TensorMap run_reference(const ComputeGraph& graph, TensorMap owned, std::span<const TensorMap* const> borrowed);
 TensorMap run_plan_reference(const FusionPlan& plan, TensorMap owned, std::span<const TensorMap* const> borrowed);
 
+// An upper bound on the memory the reference executor holds while it evaluates `node`, beyond the
+// graph's tensors: its inputs widened to f32 and its results accumulated in f64 before they are
+// rounded to their dtype (4 bytes per input element, 8 per output element; a matmul's f16 result is
+// 4 times its tensor while it is computed). `metile run` adds the largest node's to the graph's
+// tensors before it allocates anything.
+std::uint64_t reference_working_bytes(const ComputeGraph& graph, const Node& node);
+
 // Fresh, seeded random inputs suited to each graph input (never zeros), its
 // role read from its consumers: floats uniform in [-1, 1), divided by sqrt(K)
 // for a matmul's right operand; rope positions in [0, S); packed quantized

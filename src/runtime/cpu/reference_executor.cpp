@@ -279,6 +279,15 @@ void check_graph_inputs(const ComputeGraph& graph, const TensorMap& inputs) {
   check_graph_inputs(graph, maps);
 }
 
+std::uint64_t reference_working_bytes(const ComputeGraph& graph, const Node& node) {
+  // The evaluators of reference_ops.cpp load every input with load_floats and gather results in a
+  // std::vector<float> (elementwise ops) or <double> (reductions, contractions, attention).
+  std::uint64_t bytes = 0;
+  for (ValueId input : node.inputs) bytes += 4 * static_cast<std::uint64_t>(graph.value(input).spec.element_count());
+  for (ValueId output : node.outputs) bytes += 8 * static_cast<std::uint64_t>(graph.value(output).spec.element_count());
+  return bytes;
+}
+
 TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
   const TensorMap* maps[] = {&inputs};
   return run_reference(graph, {}, maps);

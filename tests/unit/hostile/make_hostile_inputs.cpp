@@ -3,11 +3,14 @@
 // graph, target or safetensors header holds a value, numbers out of range, shapes
 // whose sizes overflow, DIMACS headers that promise more than the file holds.
 // Run once as a ctest fixture: make_hostile_inputs DIRECTORY.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
+
+#include "metile/io.h"
 
 namespace {
 
@@ -85,6 +88,18 @@ int main(int argc, char** argv) {
         "           {\"name\": \"n\", \"op\": \"rms_norm\", \"inputs\": [\"s\", \"w\"], \"attrs\": {\"eps\": 1e-5}},\n"
         "           {\"name\": \"e\", \"op\": \"silu\", \"inputs\": [\"n\"]}],\n"
         " \"outputs\": [\"s\", \"e\"]}\n");
+  // Tensors that fit this machine's memory whose computing does not: a matmul whose f16 result is 45%
+  // of the memory, accumulated in f64 (4 times that) by the CPU reference. Its operands a [M, 1] and
+  // b [1, 65536] are small. Before, `metile run` passed its memory check and asked for the f64 results
+  // (1.8 times the memory): "internal error: out of memory", exit 1.
+  const std::uint64_t memory = metile::physical_memory_bytes();
+  const std::uint64_t result_elements = std::min<std::uint64_t>(memory / 40 * 9, std::uint64_t{1} << 47);
+  const std::uint64_t rows = std::max<std::uint64_t>(result_elements / 65536, 1);
+  write(directory / "beyond_working_memory.json",
+        "{\"inputs\": [{\"name\": \"a\", \"shape\": [" + std::to_string(rows) + ", 1], \"dtype\": \"f16\"},\n"
+        "            {\"name\": \"b\", \"shape\": [1, 65536], \"dtype\": \"f16\"}],\n"
+        " \"nodes\": [{\"name\": \"c\", \"op\": \"matmul\", \"inputs\": [\"a\", \"b\"]}],\n"
+        " \"outputs\": [\"c\"]}\n");
 
   // DIMACS: counts the file cannot hold, numbers at the edges of int64 and double.
   write(directory / "vertex_bomb.max", "p max 536870911 1\nn 1 s\nn 2 t\na 1 2 1\n");
