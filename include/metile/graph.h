@@ -386,6 +386,16 @@ struct ValueRef {
 // An empty name gets a fresh one: the op name with a counter ("add_0").
 class GraphBuilder {
  public:
+  GraphBuilder() = default;
+  // A copy (a graph forked after a shared prefix) takes the values recorded so far and records on its
+  // own from there: a value either one records later is "a value of another GraphBuilder" to the
+  // other, never the other's value of the same id. A move hands the values over and leaves the
+  // moved-from builder a new, empty one.
+  GraphBuilder(const GraphBuilder& other);
+  GraphBuilder& operator=(const GraphBuilder& other);
+  GraphBuilder(GraphBuilder&& other) noexcept;
+  GraphBuilder& operator=(GraphBuilder&& other) noexcept;
+
   ValueRef input(std::string name, TensorSpec spec);
 
   ValueRef add(ValueRef a, ValueRef b, std::string name = {});
@@ -442,6 +452,9 @@ class GraphBuilder {
   ComputeGraph graph_;
   std::map<std::string, int, std::less<>> name_counters_;
   std::map<std::string, std::string, std::less<>> name_owners_;  // name -> "input 'x'" / "node 'y' (add)"
+  // The builders this one was copied from (through copies of copies), each with how many values it
+  // had then: their values below that count are this builder's too.
+  std::vector<std::pair<std::uint64_t, std::size_t>> copied_from_;
   std::uint64_t builder_id_ = next_builder_id();
   static std::uint64_t next_builder_id();
 };

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <bit>
 #include <string>
+#include <utility>
 
 #include "attributes_of.h"
 #include "metile/graph.h"
@@ -73,8 +74,45 @@ std::uint64_t GraphBuilder::next_builder_id() {
   return ++counter;
 }
 
+GraphBuilder::GraphBuilder(const GraphBuilder& other)
+    : graph_(other.graph_),
+      name_counters_(other.name_counters_),
+      name_owners_(other.name_owners_),
+      copied_from_(other.copied_from_),
+      builder_id_(next_builder_id()) {
+  copied_from_.emplace_back(other.builder_id_, other.graph_.values_.size());
+}
+
+GraphBuilder& GraphBuilder::operator=(const GraphBuilder& other) {
+  if (this != &other) *this = GraphBuilder(other);
+  return *this;
+}
+
+GraphBuilder::GraphBuilder(GraphBuilder&& other) noexcept
+    : graph_(std::exchange(other.graph_, {})),
+      name_counters_(std::exchange(other.name_counters_, {})),
+      name_owners_(std::exchange(other.name_owners_, {})),
+      copied_from_(std::exchange(other.copied_from_, {})),
+      builder_id_(std::exchange(other.builder_id_, next_builder_id())) {}
+
+GraphBuilder& GraphBuilder::operator=(GraphBuilder&& other) noexcept {
+  if (this != &other) {
+    graph_ = std::exchange(other.graph_, {});
+    name_counters_ = std::exchange(other.name_counters_, {});
+    name_owners_ = std::exchange(other.name_owners_, {});
+    copied_from_ = std::exchange(other.copied_from_, {});
+    builder_id_ = std::exchange(other.builder_id_, next_builder_id());
+  }
+  return *this;
+}
+
 const Value& GraphBuilder::checked_value(ValueRef value, std::string_view role) const {
-  if (value.builder_id != 0 && value.builder_id != builder_id_) {
+  const auto recorded_before_a_copy = [&] {
+    return std::any_of(copied_from_.begin(), copied_from_.end(), [&](const auto& source) {
+      return source.first == value.builder_id && value.id >= 0 && static_cast<std::size_t>(value.id) < source.second;
+    });
+  };
+  if (value.builder_id != 0 && value.builder_id != builder_id_ && !recorded_before_a_copy()) {
     throw InputError(std::string(role) + " is a value of another GraphBuilder");
   }
   if (value.id < 0 || static_cast<std::size_t>(value.id) >= graph_.values_.size()) {

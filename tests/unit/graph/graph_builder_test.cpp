@@ -110,6 +110,37 @@ TEST(GraphBuilderTest, NodeErrorsNameTheNodeAndTheProblem) {
   EXPECT_EQ(builder.name(builder.rms_norm(x, builder.input("w2", {{2048}, DType::f16}), 1e-5)), "rms_norm_0");
 }
 
+// A copy of a builder (a graph forked after a shared prefix) takes the values recorded before the copy;
+// a value either one records afterwards is "a value of another GraphBuilder" to the other. The copy
+// kept the builder's id, so such a value passed the check and stood for whatever value of the same id
+// the other had recorded: copy.build({in_original}) returned the copy's silu, not the original's exp.
+TEST(GraphBuilderTest, ACopyTakesTheValuesBeforeItAndRefusesTheOriginalsAfterIt) {
+  GraphBuilder original;
+  const ValueRef x = original.input("x", {{4}, DType::f32});
+  GraphBuilder copy = original;
+  const ValueRef in_original = original.exp(x, "e");
+  const ValueRef in_copy = copy.silu(x, "s");  // x was recorded before the copy: it is the copy's too
+  ASSERT_EQ(in_original.id, in_copy.id);
+  EXPECT_EQ(error_of([&] { copy.build({in_original}); }), "build: output 0 is a value of another GraphBuilder");
+  EXPECT_EQ(error_of([&] { original.exp(in_copy, "t"); }), "node 't' (exp): input 0 (x) is a value of another GraphBuilder");
+  EXPECT_EQ(copy.build({in_copy}).node(0).op, "silu");
+  EXPECT_EQ(original.build({in_original}).node(0).op, "exp");
+  // A copy of the copy (copy assignment) takes what both had recorded before it, and nothing later.
+  GraphBuilder grandchild;
+  grandchild = copy;
+  EXPECT_EQ(grandchild.name(x), "x");
+  EXPECT_EQ(grandchild.name(in_copy), "s");
+  EXPECT_EQ(error_of([&] { grandchild.name(in_original); }), "value is a value of another GraphBuilder");
+  const ValueRef later = copy.exp(in_copy, "later");
+  EXPECT_EQ(error_of([&] { grandchild.spec(later); }), "value is a value of another GraphBuilder");
+  // A move hands the values over; the moved-from builder starts again as a new one.
+  GraphBuilder moved = std::move(original);
+  EXPECT_EQ(moved.name(in_original), "e");
+  EXPECT_EQ(error_of([&] { original.name(x); }), "value is a value of another GraphBuilder");  // NOLINT(bugprone-use-after-move)
+  const ValueRef fresh = original.input("y", {{4}, DType::f32});  // NOLINT(bugprone-use-after-move)
+  EXPECT_EQ(error_of([&] { moved.name(fresh); }), "value is a value of another GraphBuilder");
+}
+
 TEST(GraphBuilderTest, DuplicateNamesAreRejected) {
   GraphBuilder builder;
   auto x = builder.input("x", {{4}, DType::f32});
