@@ -57,6 +57,10 @@ struct FusionTarget {
   // "h200", "cpu", or the path of a JSON file.
   static FusionTarget from_name_or_file(std::string_view name_or_path);
   std::string to_json() const;  // every field; from_json(to_json()) gives the same target
+  // from_json's rule for every field (positive; real figures in [1e-6, 1e12], integers within their
+  // type): InputError "fusion target 'NAME': field '...' ..." for the first one outside it. The
+  // planner checks its target with it, so a target set field by field meets a target file's rule.
+  void check() const;
 };
 
 // ---------------------------------------------------------------- rules

@@ -70,6 +70,16 @@ struct TargetField {
   std::function<Json(const FusionTarget&)> write;
 };
 
+// A figure as messages quote it: JSON's text, but a non-finite double (a target set from C++ or
+// Python; JSON has none) spelled as such rather than as null.
+std::string figure_text(const Json& value) {
+  if (value.is_number_float() && !std::isfinite(value.get<double>())) {
+    const double number = value.get<double>();
+    return std::isnan(number) ? "nan" : number > 0 ? "inf" : "-inf";
+  }
+  return json_excerpt(value);
+}
+
 template <typename Number>
 TargetField positive_field(const char* name, Number FusionTarget::*member) {
   return TargetField{
@@ -86,7 +96,7 @@ TargetField positive_field(const char* name, Number FusionTarget::*member) {
         const double maximum = integral ? static_cast<double>(std::numeric_limits<Number>::max()) : kMaximumTargetFigure;
         const double minimum = integral ? 1 : kMinimumTargetFigure;
         if (!std::isfinite(number) || number <= 0) {
-          throw InputError(where + ": field '" + name + "' must be positive, got " + json_excerpt(value));
+          throw InputError(where + ": field '" + name + "' must be positive, got " + figure_text(value));
         }
         const bool above_integer_type =
             integral && value.is_number_unsigned() &&
@@ -94,11 +104,11 @@ TargetField positive_field(const char* name, Number FusionTarget::*member) {
         if (number > maximum || above_integer_type) {
           const std::string limit =
               integral ? std::to_string(std::numeric_limits<Number>::max()) : json_excerpt(Json(maximum));
-          throw InputError(where + ": field '" + name + "' is above its limit of " + limit + ": " + json_excerpt(value));
+          throw InputError(where + ": field '" + name + "' is above its limit of " + limit + ": " + figure_text(value));
         }
         if (number < minimum) {
           throw InputError(where + ": field '" + name + "' is below its limit of " + json_excerpt(Json(minimum)) + ": " +
-                           json_excerpt(value));
+                           figure_text(value));
         }
         target.*member = value.get<Number>();
       },
@@ -163,6 +173,12 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
     field->read(target, value, source);
   }
   return target;
+}
+
+void FusionTarget::check() const {
+  // Each field written as JSON and read back by the file reader's own rule.
+  FusionTarget scratch;
+  for (const TargetField& field : target_fields()) field.read(scratch, field.write(*this), "fusion target '" + name + "'");
 }
 
 FusionTarget FusionTarget::from_json_file(const std::filesystem::path& path) {

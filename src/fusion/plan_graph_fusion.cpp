@@ -38,15 +38,6 @@ void add_distinct(std::vector<std::string>& list, std::string text) {
   if (std::find(list.begin(), list.end(), text) == list.end()) list.push_back(std::move(text));
 }
 
-void validate_target(const FusionTarget& target) {
-  const bool positive = target.launch_overhead_ns > 0 && target.memory_bandwidth_bytes_per_ns > 0 &&
-                        target.on_chip_bandwidth_bytes_per_ns > 0 && target.registers_per_thread > 0 &&
-                        target.registers_per_multiprocessor > 0 && target.threads_per_block > 0 &&
-                        target.shared_memory_per_block_bytes > 0 && target.shared_memory_per_multiprocessor_bytes > 0 &&
-                        target.max_kernel_inputs > 0 && target.max_kernel_outputs > 0;
-  if (!positive) throw InputError("fusion target '" + target.name + "': every cost and limit must be positive");
-}
-
 // Whether a single-op pattern could grow at all: saves building a model per op.
 bool may_grow(const ComputeGraph& graph, const FusionRule& rule, NodeId anchor) {
   const Node& node = graph.node(anchor);
@@ -303,7 +294,7 @@ std::string unfused_reason(const Node& node, const NodeNotes& notes) {
 }  // namespace
 
 FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget& target, const RuleSet& rules) {
-  validate_target(target);
+  target.check();
   validate_rule_set(rules);
   FusionPlan plan;
   plan.graph = std::make_shared<const ComputeGraph>(input_graph);

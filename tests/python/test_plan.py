@@ -2,6 +2,7 @@
 planner's determinism, targets by name and from JSON, and what the plan says about
 nodes it leaves alone."""
 import json
+import math
 
 import pytest
 
@@ -78,6 +79,28 @@ def test_a_tighter_target_changes_what_fits():
     plan = metile.plan_graph_fusion(residual_rms_norm_graph(), target=target)
     assert all(len(region.outputs) <= 1 for region in plan.regions)
     assert plan.kernel_count == 2
+
+
+# A target set field by field from Python meets the rule a target file meets, field by field: the
+# planner checked only that every figure was positive, so memory_bandwidth_bytes_per_ns = 1e300 or inf
+# planned (its to_json() then wrote null, which from_json refused) while a file saying 1e300 was refused,
+# and a NaN or 0 was "every cost and limit must be positive", naming no field.
+@pytest.mark.parametrize("field, value, message", [
+    ("memory_bandwidth_bytes_per_ns", 1e300, r"field 'memory_bandwidth_bytes_per_ns' is above its limit of 1000000000000\.0: 1e\+300"),
+    ("memory_bandwidth_bytes_per_ns", math.inf, r"field 'memory_bandwidth_bytes_per_ns' must be positive, got inf"),
+    ("launch_overhead_ns", math.nan, r"field 'launch_overhead_ns' must be positive, got nan"),
+    ("on_chip_bandwidth_bytes_per_ns", 1e-9, r"field 'on_chip_bandwidth_bytes_per_ns' is below its limit of 1e-06: 1e-09"),
+    ("threads_per_block", 0, r"field 'threads_per_block' must be positive, got 0"),
+    ("shared_memory_per_block_bytes", -1, r"field 'shared_memory_per_block_bytes' must be positive, got -1"),
+])
+def test_a_target_set_from_python_meets_the_target_files_rule(field, value, message):
+    target = metile.FusionTarget.cpu()
+    setattr(target, field, value)
+    with pytest.raises(ValueError, match="^fusion target 'cpu': " + message + "$"):
+        metile.plan_graph_fusion(residual_rms_norm_graph(), target=target)
+    if math.isfinite(value):  # JSON has no inf or NaN: the file reader refuses them as not numbers
+        with pytest.raises(ValueError, match="^t.json: " + message + "$"):
+            metile.FusionTarget.from_json(f'{{"base": "cpu", "{field}": {value!r}}}', "t.json")
 
 
 def test_candidates_and_components_explain_the_selection():
