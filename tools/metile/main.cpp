@@ -15,13 +15,14 @@
 
 namespace {
 
-// One line whatever the message holds (CLI11 messages and nested errors may span lines).
+// One line whatever the message holds (CLI11 messages and nested errors may span lines), and no other
+// control byte reaches the terminal: a file name the message quotes may hold an escape sequence.
 void print_error_line(const char* kind, std::string message) {
   for (char& c : message) {
     if (c == '\n' || c == '\r') c = ' ';
   }
   while (!message.empty() && message.back() == ' ') message.pop_back();
-  std::fprintf(stderr, "metile: %s: %s\n", kind, message.c_str());
+  std::fprintf(stderr, "metile: %s: %s\n", kind, metile::control_bytes_spelled(message).c_str());
 }
 
 // Output already buffered must reach its file; a full disk or closed pipe is a failure.

@@ -64,6 +64,9 @@ int main(int argc, char** argv) {
   write(directory / "brackets_in_name.json", graph("[1]", "2.0", "\"y" + std::string(1000, '[') + "\"",
                                                    "\"y" + std::string(1000, '[') + "\""));
 
+  // A file name holding an escape sequence, quoted by the error about the file's content.
+  write(directory / "escape_\x1b[31mname.json", "{\"inputs\": 3}\n");
+
   // Numbers out of range.
   write(directory / "huge_number.json", graph("[1]", "1e400", "\"y\"", "\"y\""));
   write(directory / "huge_dimension.json", graph("[18446744073709551616]", "2.0", "\"y\"", "\"y\""));
