@@ -422,7 +422,7 @@ void bind_plan(py::module_& module) {
         py::gil_scoped_release release;
         return std::make_shared<FusionPlan>(plan_with_discovery(*graph, fusion_target, rule_set));
       },
-      py::arg("graph"), py::arg("target") = py::none(), py::arg("rules") = py::none(),
+      py::arg("graph").none(false), py::arg("target") = py::none(), py::arg("rules") = py::none(),
       "The certified attention rewrite (matmul -> [scale] -> [mask] -> softmax -> matmul becomes one "
       "flash_attention node carrying its certificate), then plan_graph_fusion of the rewritten graph; "
       "plan.rewrites says what was rewritten or refused and why.");

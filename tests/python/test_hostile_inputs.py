@@ -19,6 +19,8 @@ def scaled_graph():
 def test_none_where_a_graph_belongs_is_a_type_error():
     with pytest.raises(TypeError):
         metile.plan_graph_fusion(None)
+    with pytest.raises(TypeError):  # a null graph dereferenced: a segfault before
+        metile.plan_with_discovery(None)
     with pytest.raises(TypeError):
         metile.random_inputs(None, 0)
     with pytest.raises(TypeError):
