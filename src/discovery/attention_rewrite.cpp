@@ -219,6 +219,12 @@ AttentionRewrite rewrite_attention(const ComputeGraph& graph, const ReductionLaw
       if (!obligation.holds) failing += (failing.empty() ? "" : ", ") + obligation.name;
     }
     law_decision = Decision::refuse(fmt::format("the certificate of law '{}' is not verified (fails: {})", law.name, failing));
+  } else if (!(rewrite.certificate == prove(*find_law(required_law)))) {
+    // The executors' check (require_verified_certificate): flash_attention evaluates the built-in law,
+    // so a law that only shares its name would give nodes every executor refuses.
+    law_decision = Decision::refuse(fmt::format("law '{}' is not the law flash_attention evaluates (its certificate "
+                                                "differs from a fresh proof of the built-in '{}')",
+                                                law.name, required_law));
   }
   for (const Node& node : graph.nodes()) {
     if (node.op != "softmax") continue;

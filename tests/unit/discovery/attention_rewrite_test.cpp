@@ -298,6 +298,29 @@ TEST(AttentionRewrite, AnUnverifiedLawRewritesNothing) {
             "the certificate of law 'stable_weighted_softmax' is not verified (fails: merge_of_lifts)");
 }
 
+// A law named stable_weighted_softmax that is another law, verified on its own terms (a plain mean:
+// merge and pair both without rescaling). flash_attention evaluates the built-in law, and every
+// executor refuses a node whose certificate is not a fresh proof of it; the rewrite used to fire
+// anyway ("law stable_weighted_softmax verified") and leave a graph no executor runs. Refused now,
+// by the executors' own comparison. Found by an adversarial pass.
+TEST(AttentionRewrite, ALawThatOnlySharesTheNameRewritesNothing) {
+  ReductionLaw mean = stable_weighted_softmax_law();
+  mean.merge[1] = Term::add(Term::variable("a.l"), Term::variable("b.l"));
+  mean.merge[2] = Term::add(Term::variable("a.o"), Term::variable("b.o"));
+  mean.pair[1] = Term::constant(2);
+  mean.pair[2] = Term::add(Term::variable("e1.v"), Term::variable("e2.v"));
+  ASSERT_TRUE(prove(mean).verified) << "the impostor is a law of its own";
+  const ComputeGraph graph = attention_graph({});
+  const AttentionRewrite rewrite = rewrite_attention(graph, mean);
+  EXPECT_TRUE(rewrite.candidates.empty());
+  EXPECT_EQ(rewrite.graph, graph);
+  ASSERT_EQ(rewrite.refusals.size(), 1u);
+  EXPECT_EQ(rewrite.refusals[0].reason,
+            "law 'stable_weighted_softmax' is not the law flash_attention evaluates (its certificate differs from a "
+            "fresh proof of the built-in 'stable_weighted_softmax')");
+  EXPECT_NO_THROW(run_reference(rewrite.graph, random_inputs(graph, test_seed())));
+}
+
 // A graph holding one flash_attention node with the given certificate attribute (or none).
 ComputeGraph flash_graph(const std::optional<std::string>& certificate) {
   GraphBuilder b;
