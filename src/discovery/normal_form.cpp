@@ -44,6 +44,28 @@ struct Polynomial {
 
 std::string number_text(double value) { return fmt::format("{}", value); }
 
+// Coefficient arithmetic in double, exact or refused: the theory's coefficients are rationals, and a
+// rounded sum (1e16 + 1 - 1e16 = 0) or product would make unequal sides equal.
+[[noreturn]] void inexact(std::string_view what) {
+  throw InputError(fmt::format("{} is not exact in double (coefficients are rationals)", what));
+}
+double exact_sum(double a, double b) {
+  const double sum = a + b;
+  const double b_part = sum - a;  // Knuth's two-sum: the rounding error of a + b
+  if (!std::isfinite(sum) || (a - (sum - b_part)) + (b - b_part) != 0) inexact(fmt::format("{} + {}", a, b));
+  return sum;
+}
+double exact_product(double a, double b) {
+  const double product = a * b;
+  if (!std::isfinite(product) || std::fma(a, b, -product) != 0) inexact(fmt::format("{} * {}", a, b));
+  return product;
+}
+double exact_inverse(double a) {
+  const double inverse = 1.0 / a;
+  if (!std::isfinite(inverse) || std::fma(a, inverse, -1.0) != 0) inexact(fmt::format("1 / {}", a));
+  return inverse;
+}
+
 std::string Monomial::text() const {
   std::string result;
   for (const auto& [key, factor] : factors) {
@@ -93,7 +115,7 @@ void add_term(Polynomial& into, const Monomial& monomial, double coefficient) {
   const std::string key = monomial.text();
   auto [at, inserted] = into.terms.emplace(key, std::pair{monomial, coefficient});
   if (!inserted) {
-    at->second.second += coefficient;
+    at->second.second = exact_sum(at->second.second, coefficient);
     if (at->second.second == 0) into.terms.erase(at);
   }
 }
@@ -149,7 +171,7 @@ Polynomial multiply(const Polynomial& a, const Polynomial& b) {
   for (const auto& [key_a, entry_a] : a.terms) {
     for (const auto& [key_b, entry_b] : b.terms) {
       if (auto product = multiply(entry_a.first, entry_b.first)) {
-        add_term(result, *product, entry_a.second * entry_b.second);
+        add_term(result, *product, exact_product(entry_a.second, entry_b.second));
       }
     }
   }
@@ -261,7 +283,7 @@ Polynomial divide(const Polynomial& numerator, const Polynomial& denominator) {
     Monomial inverted;
     for (const auto& [key, factor] : monomial.factors) inverted.factors.emplace(key, std::pair{factor.first, -factor.second});
     if (monomial.exponent) inverted.exponent = std::make_shared<const Polynomial>(negate(*monomial.exponent));
-    inverse.terms.emplace(inverted.text(), std::pair{inverted, 1.0 / coefficient});
+    inverse.terms.emplace(inverted.text(), std::pair{inverted, exact_inverse(coefficient)});
   } else {
     // A sum in a denominator stays an opaque atom: (p)^-1.
     auto atom = std::make_shared<Atom>();
