@@ -27,10 +27,6 @@ using Json = nlohmann::json;
 
 constexpr std::string_view kReadableDtypes = "metile reads F16, BF16, F32, I8, U8, I32 and U32";
 
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  return TensorSpec(shape, DType::u8).to_string().substr(2);  // "[a, b]"
-}
-
 std::string_view safetensors_dtype_name(DType dtype) {
   switch (dtype) {
     case DType::f16: return "F16";
@@ -127,7 +123,9 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
   }
   const std::uint64_t expected = element_count * (unreadable_size ? *unreadable_size : dtype_size(entry.spec.dtype));
   if (entry.end - entry.begin != expected) {
-    const std::string spec_text = unreadable_size ? entry.unreadable_dtype + shape_text(entry.spec.shape) : entry.spec.to_string();
+    // An unreadable dtype's entry holds a byte view's spec: "u8[a, b]" spelled with its own dtype.
+    const std::string spec_text =
+        unreadable_size ? entry.unreadable_dtype + entry.spec.to_string().substr(2) : entry.spec.to_string();
     throw InputError(where + spec_text + " needs " + std::to_string(expected) + " bytes but data_offsets span " +
                      std::to_string(entry.end - entry.begin));
   }
