@@ -151,18 +151,21 @@ __device__ __forceinline__ void load_batch(Batch<P>& batch, const u32* const (&w
       });
 }
 
+// The x fragments of iteration `it` (zeros past the matrix where batches are not whole).
+__device__ __forceinline__ void load_iteration_x(uint4 (&xv)[kRowHalves][kChunksPerIteration], const u16* __restrict__ x,
+                                                 const u16* __restrict__ norm_weight, int it, int end, int lane) {
+  load_x_fragments(
+      xv, lane, [&](int column) { return kBatchesWhole || (it < end && it * kColumnsPerIteration + column < kK); },
+      [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
+}
+
 // A batch's x fragments (kXWithBatch; after the wait only: x may be the previous kernel's output).
 template <int P>
 __device__ __forceinline__ void load_batch_x(Batch<P>& batch, const u16* __restrict__ x, const u16* __restrict__ norm_weight,
                                              int first, int end, int lane) {
   if constexpr (kXWithBatch) {
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int it = first + u * kWarps;
-      load_x_fragments(
-          batch.x[u], lane, [&](int column) { return kBatchesWhole || (it < end && it * kColumnsPerIteration + column < kK); },
-          [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
-    }
+    for (int u = 0; u < kInFlight; ++u) load_iteration_x(batch.x[u], x, norm_weight, first + u * kWarps, end, lane);
   }
 }
 
@@ -315,9 +318,7 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 #pragma unroll
         for (int c = 0; c < kChunksPerIteration; ++c) xv[h][c] = batch.x[u][h][c];
     } else {
-      load_x_fragments(
-          xv, lane, [&](int column) { return kBatchesWhole || (it < end && it * kColumnsPerIteration + column < kK); },
-          [&](int m, int column) { return load_x(x, norm_weight, m, it * kColumnsPerIteration + column); });
+      load_iteration_x(xv, x, norm_weight, it, end, lane);
     }
     if constexpr (kAffine) {
 #pragma unroll
