@@ -27,6 +27,13 @@ using Json = nlohmann::json;
 
 constexpr std::string_view kReadableDtypes = "metile reads F16, BF16, F32, I8, U8, I32 and U32";
 
+// A tensor of a dtype of the format that metile does not read, asked for (MappedSafetensors::find) or
+// read with every tensor of its file (read_safetensors).
+[[noreturn]] void refuse_unreadable(const std::filesystem::path& path, std::string_view name, std::string_view dtype) {
+  throw InputError(path.string() + ": tensor '" + std::string(name) + "': dtype '" + std::string(dtype) +
+                   "' is not one metile reads (" + std::string(kReadableDtypes) + ")");
+}
+
 std::string_view safetensors_dtype_name(DType dtype) {
   switch (dtype) {
     case DType::f16: return "F16";
@@ -123,9 +130,10 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
   }
   const std::uint64_t expected = element_count * (unreadable_size ? *unreadable_size : dtype_size(entry.spec.dtype));
   if (entry.end - entry.begin != expected) {
-    // An unreadable dtype's entry holds a byte view's spec: "u8[a, b]" spelled with its own dtype.
+    // An unreadable dtype's entry holds a byte view's spec: its shape, spelled with the file's dtype.
     const std::string spec_text =
-        unreadable_size ? entry.unreadable_dtype + entry.spec.to_string().substr(2) : entry.spec.to_string();
+        unreadable_size ? entry.unreadable_dtype + entry.spec.to_string().substr(dtype_name(entry.spec.dtype).size())
+                        : entry.spec.to_string();
     throw InputError(where + spec_text + " needs " + std::to_string(expected) + " bytes but data_offsets span " +
                      std::to_string(entry.end - entry.begin));
   }
@@ -208,8 +216,7 @@ const MappedSafetensors::TensorView* MappedSafetensors::find(std::string_view na
   const auto found = tensors_.find(name);
   if (found != tensors_.end()) return &found->second;
   if (const auto unreadable = unreadable_.find(name); unreadable != unreadable_.end()) {
-    throw InputError(path_.string() + ": tensor '" + std::string(name) + "': dtype '" + unreadable->second +
-                     "' is not one metile reads (" + std::string(kReadableDtypes) + ")");
+    refuse_unreadable(path_, name, unreadable->second);
   }
   return nullptr;
 }
@@ -235,7 +242,7 @@ HostTensor MappedSafetensors::TensorView::copy() const {
 TensorMap read_safetensors(const std::filesystem::path& path) {
   const MappedSafetensors file(path);
   // Every tensor of the file is read here (run --inputs): one metile cannot read is refused.
-  if (!file.unreadable().empty()) file.find(file.unreadable().begin()->first);
+  if (!file.unreadable().empty()) refuse_unreadable(path, file.unreadable().begin()->first, file.unreadable().begin()->second);
   TensorMap tensors;
   for (const auto& [name, view] : file.tensors()) tensors.emplace(name, view.copy());
   return tensors;
