@@ -1226,10 +1226,14 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   // Whether every batch of a shape lies whole inside the matrix (kBatchesWhole in the kernel: no
   // predicates, no zeroed registers), and for a K whose iterations neither 8 nor 16 warps divide
   // (Qwen2.5-1.5B's down projection: 70), the most warps from 16 down to 5 whose batches are whole.
-  auto add_whole_warps = [&](bool double_buffered) {
+  auto whole_warps = [&](bool double_buffered) {  // 0 where none from 16 down to 5 is whole
     for (int warps = 16; warps >= 5; --warps) {
-      if (gemv_batches_whole(register_shape(warps, double_buffered))) return add(warps, double_buffered);
+      if (gemv_batches_whole(register_shape(warps, double_buffered))) return warps;
     }
+    return 0;
+  };
+  auto add_whole_warps = [&](bool double_buffered) {
+    if (const int warps = whole_warps(double_buffered)) add(warps, double_buffered);
   };
   if (narrow) {
     // Between one and two tiles an SM (Llama-3-8B's down and o-projections: 256 tiles for 132 SMs) the
@@ -1253,10 +1257,8 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     // (w8 f2 db resident2: 68 bytes) and M = 16 was slower, so only these. The shapes without it follow,
     // so a region's race (its first three) still has the incumbent.
     if (affine && base.rows <= 8 && tiles <= multiprocessors && !base.x_rms_norm_eps && !base.attention) {
-      int warps = 16;
-      while (warps > 5 && !gemv_batches_whole(register_shape(warps, true))) --warps;
-      if (!gemv_batches_whole(register_shape(warps, true))) warps = 16;
-      GemvKernelConfig carrying = register_shape(warps, true);
+      const int warps = whole_warps(true);
+      GemvKernelConfig carrying = register_shape(warps > 0 ? warps : 16, true);
       carrying.x_with_batch = true;
       add_config(carrying);
     }
