@@ -240,21 +240,13 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
                               3, 20, 5) /
                           replicas;
         const double gbps = static_cast<double>(gemv_minimum_bytes(config)) / (ms * 1e-3) / 1e9;
-        const std::string what = gate_up ? std::string(gated_schedule_name(config.schedule)) : "residual";
-        std::string name =
+        // The register shapes by the name the races give them (gemv_shape_name: every flag that sets two
+        // candidates apart), the streamed ones with their K slices.
+        const std::string name =
             config.mainloop == GemvMainloop::streamed
                 ? fmt::format("{} streamed w{} u{} s{} x{} k{}", gate_up ? "swiglu" : "residual", config.warps_per_block,
                               config.stage_iterations, config.stages, config.blocks_per_multiprocessor, kernel.k_slices)
-                : fmt::format("{} w{} t{} f{}{}{}{}{}{}", what, config.warps_per_block, config.tiles_per_block,
-                              config.iterations_in_flight,
-                              config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
-                                                        : std::string(config.double_buffered ? " db" : ""),
-                              config.k_splits > 1 ? fmt::format(" split{}", config.k_splits) : std::string(),
-                              config.l2_prefetch_rounds > 0 ? fmt::format(" prefetch{}", config.l2_prefetch_rounds) : std::string(),
-                              config.resident_blocks_per_multiprocessor > 0
-                                  ? fmt::format(" resident{}", config.resident_blocks_per_multiprocessor)
-                                  : std::string(),
-                              config.x_with_batch ? " x-batch" : "");
+                : gemv_shape_name(config);
         const int resident = gemv.compiled.max_active_blocks_per_multiprocessor(static_cast<int>(kernel.block_threads),
                                                                                 kernel.dynamic_shared_bytes);
         fmt::print("{:<17} {:>2} {:<8} {:<54} {:>8.1f} {:>7.0f} {:>5.0f}% {:>5} {:>7}\n", format.to_string(), rows,
