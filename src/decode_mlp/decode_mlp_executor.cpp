@@ -129,6 +129,15 @@ struct DecodeMlpExecutor::State {
   int near_tie_gate_up = -1;
   DeviceStep near_tie_eager;
   CudaGraph near_tie_graph;
+  // Where tune() stored a stage's decision: what a later choice (the near tie that won the whole race)
+  // needs to store it again, so that a cached build replays the pair this one kept.
+  struct StoredDecision {
+    std::string key;
+    std::vector<MeasuredCandidate> measured;
+    MeasuredChoice choice;
+    std::optional<DecisionCache> cache;
+  };
+  std::optional<StoredDecision> stored_gate_up;
 
   explicit State(const CudaDevice& device_) : device(device_) {}
 
@@ -399,7 +408,10 @@ struct DecodeMlpExecutor::State {
     report.best_native = choice.best_native;
     report.from_cache = choice.from_cache;
     report.sentence = fmt::format("{}: {}{}", stage, choice.reason, choice.from_cache ? " (cached)" : "");
-    if (cache && choice.worth_storing && !choice.from_cache) cache->store(decision_of(key, measured, choice));
+    if (cache && choice.worth_storing && !choice.from_cache) {
+      cache->store(decision_of(key, measured, choice));
+      if (stage == "gate_up") stored_gate_up = StoredDecision{key, measured, choice, std::move(cache)};
+    }
 
     for (const StageCandidate& candidate : candidates) report.candidates.push_back(candidate.report);
     chosen_step = candidates[static_cast<std::size_t>(choice.chosen)].eager;
@@ -520,7 +532,9 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
   }
   if (!s.programmatic_dependent) s.executor_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
   // The gate/up near tie, launched before the chosen down in the order the chosen pair measured faster.
-  if (options.near_tie_margin > 0 && s.gate_up.chosen >= 0) {
+  // Not for a gate/up decision read from the cache: the build that stored it raced the near tie
+  // already and stored the winner (below), and racing again could flip a cached choice.
+  if (options.near_tie_margin > 0 && s.gate_up.chosen >= 0 && !s.gate_up.from_cache) {
     std::vector<std::pair<std::string, double>> timings;
     for (const DecodeMlpCandidate& candidate : s.gate_up.candidates) timings.emplace_back(candidate.name, candidate.score_ms);
     const std::optional<std::string> near = near_tie_candidate(
@@ -576,6 +590,13 @@ DecodeMlpExecutor DecodeMlpExecutor::build(const DecodeMlpWeights& weights, std:
     s.executor_graph = s.near_tie_graph;
     s.stages_graph = s.near_tie_graph;
     s.serialized_graph = CudaGraph::capture(s.stream, sequence({s.chosen_gate_up, s.chosen_down}));
+    if (s.stored_gate_up) {
+      // The stage's stored decision becomes the pair's: a cached build then starts from this gate/up.
+      State::StoredDecision& stored = *s.stored_gate_up;
+      stored.choice.chosen = s.near_tie_gate_up;
+      stored.choice.reason += fmt::format("; the whole MLP then chose its near tie, {}", near.name);
+      stored.cache->store(decision_of(stored.key, stored.measured, stored.choice));
+    }
   } else if (whole_chosen.report.id.kind == CandidateKind::fused && !is_stages_variant(whole_chosen.report.id)) {
     s.persistent = true;
     s.programmatic_dependent = false;
