@@ -129,13 +129,22 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 
 class WeightLoader {
  public:
+  // measuring: check every tensor as loading would and add up the bytes the runtime weights will
+  // take (weight_bytes()), allocating nothing; loading: convert them into `weights`.
   WeightLoader(const ModelConfig& config, const LoadOptions& options, const CheckpointFiles& files,
-               TensorMap& weights)
-      : config_(config), options_(options), files_(files), weights_(weights) {}
+               TensorMap& weights, bool measuring)
+      : config_(config), options_(options), files_(files), weights_(weights), measuring_(measuring) {}
+
+  double weight_bytes() const { return weight_bytes_; }
 
   // A norm weight or bias: dense [length].
   void vector(const std::string& name, std::int64_t length) {
-    weights_.insert_or_assign(name, dense(name, {length}));
+    const MappedSafetensors::TensorView& view = dense_view(name, {length});
+    if (measuring_) {
+      weight_bytes_ += dense_bytes(length, 1);
+      return;
+    }
+    weights_.insert_or_assign(name, convert_tensor(view, options_.dtype));
   }
 
   // A linear (or the embedding table) [rows, columns]: dense, MLX-quantized, or quantized now.
@@ -150,8 +159,14 @@ class WeightLoader {
       throw InputError(fmt::format("{}: tensor '{}.scales' is missing ('{}' is u32: the packed codes of a quantized layer)",
                                    files_.where(), prefix, weight_name));
     }
-    HostTensor weight = dense(weight_name, {rows, columns});
-    if (options_.quantize && columns % options_.quantize->group_size == 0) {
+    const MappedSafetensors::TensorView& view = dense_view(weight_name, {rows, columns});
+    const bool quantize = options_.quantize && columns % options_.quantize->group_size == 0;
+    if (measuring_) {
+      weight_bytes_ += quantize ? quantized_bytes(*options_.quantize, rows, columns) : dense_bytes(rows, columns);
+      return;
+    }
+    HostTensor weight = convert_tensor(view, options_.dtype);
+    if (quantize) {
       QuantizedMatrix matrix;
       try {
         matrix = quantize_affine(weight, *options_.quantize, options_.dtype);
@@ -171,14 +186,25 @@ class WeightLoader {
     throw InputError(fmt::format("{}: tensor '{}': {}", files_.file_of(name), name, why));
   }
 
-  HostTensor dense(const std::string& name, const std::vector<std::int64_t>& shape) const {
+  // A float tensor of the checkpoint with the shape the config implies.
+  const MappedSafetensors::TensorView& dense_view(const std::string& name, const std::vector<std::int64_t>& shape) const {
     const MappedSafetensors::TensorView& view = files_.require(name);
     if (!is_floating(view.spec.dtype)) fail(name, fmt::format("dtype {} is not a float", dtype_name(view.spec.dtype)));
     if (view.spec.shape != shape) {
       fail(name, fmt::format("shape {} does not match the config (expected {})", shape_text(view.spec.shape),
                              shape_text(shape)));
     }
-    return convert_tensor(view, options_.dtype);
+    return view;
+  }
+
+  // Bytes in memory: a dense [rows, columns] in the runtime dtype, and a quantized one (packed u32
+  // codes, scales and biases in the runtime dtype).
+  double dense_bytes(std::int64_t rows, std::int64_t columns) const {
+    return static_cast<double>(rows) * static_cast<double>(columns) * static_cast<double>(dtype_size(options_.dtype));
+  }
+  double quantized_bytes(const AffineQuantization& format, std::int64_t rows, std::int64_t columns) const {
+    return static_cast<double>(rows) * static_cast<double>(format.packed_columns(columns)) * 4.0 +
+           2.0 * dense_bytes(rows, format.group_count(columns));
   }
 
   void quantized(const std::string& prefix, std::int64_t rows, std::int64_t columns) {
@@ -196,17 +222,52 @@ class WeightLoader {
       fail(weight_name, fmt::format("is {}, expected u32{} ({} bits)", packed.spec.to_string(),
                                     shape_text(packed_shape), format.bits));
     }
-    weights_.insert_or_assign(weight_name, packed.copy());
-    for (const char* part : {".scales", ".biases"}) {
-      weights_.insert_or_assign(prefix + part, dense(prefix + part, {rows, format.group_count(columns)}));
+    const std::vector<std::int64_t> groups_shape{rows, format.group_count(columns)};
+    const MappedSafetensors::TensorView& scales = dense_view(prefix + ".scales", groups_shape);
+    const MappedSafetensors::TensorView& biases = dense_view(prefix + ".biases", groups_shape);
+    if (measuring_) {
+      weight_bytes_ += quantized_bytes(format, rows, columns);
+      return;
     }
+    weights_.insert_or_assign(weight_name, packed.copy());
+    weights_.insert_or_assign(prefix + ".scales", convert_tensor(scales, options_.dtype));
+    weights_.insert_or_assign(prefix + ".biases", convert_tensor(biases, options_.dtype));
   }
 
   const ModelConfig& config_;
   const LoadOptions& options_;
   const CheckpointFiles& files_;
   TensorMap& weights_;
+  bool measuring_;
+  double weight_bytes_ = 0;
 };
+
+// Every weight the config implies, in load order, through `loader`.
+void visit_weights(const ModelConfig& config, WeightLoader& loader) {
+  const std::int64_t hidden = config.hidden_size;
+  const std::int64_t q_width = config.num_attention_heads * config.head_dim;
+  const std::int64_t kv_width = config.num_key_value_heads * config.head_dim;
+  loader.matrix("model.embed_tokens", config.vocab_size, hidden);
+  for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    const std::string prefix = layer_prefix(layer);
+    loader.vector(prefix + "input_layernorm.weight", hidden);
+    loader.vector(prefix + "post_attention_layernorm.weight", hidden);
+    loader.matrix(prefix + "self_attn.q_proj", q_width, hidden);
+    loader.matrix(prefix + "self_attn.k_proj", kv_width, hidden);
+    loader.matrix(prefix + "self_attn.v_proj", kv_width, hidden);
+    loader.matrix(prefix + "self_attn.o_proj", hidden, q_width);
+    if (config.qkv_bias()) {
+      loader.vector(prefix + "self_attn.q_proj.bias", q_width);
+      loader.vector(prefix + "self_attn.k_proj.bias", kv_width);
+      loader.vector(prefix + "self_attn.v_proj.bias", kv_width);
+    }
+    loader.matrix(prefix + "mlp.gate_proj", config.intermediate_size, hidden);
+    loader.matrix(prefix + "mlp.up_proj", config.intermediate_size, hidden);
+    loader.matrix(prefix + "mlp.down_proj", hidden, config.intermediate_size);
+  }
+  loader.vector("model.norm.weight", hidden);
+  if (!config.tie_word_embeddings) loader.matrix("lm_head", config.vocab_size, hidden);
+}
 
 }  // namespace
 
@@ -288,30 +349,19 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   model.capacity_ = capacity;
 
   const CheckpointFiles files(directory);
-  WeightLoader loader(config, options, files, model.weights_);
-  const std::int64_t hidden = config.hidden_size;
-  const std::int64_t q_width = config.num_attention_heads * config.head_dim;
-  const std::int64_t kv_width = config.num_key_value_heads * config.head_dim;
-  loader.matrix("model.embed_tokens", config.vocab_size, hidden);
-  for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-    const std::string prefix = layer_prefix(layer);
-    loader.vector(prefix + "input_layernorm.weight", hidden);
-    loader.vector(prefix + "post_attention_layernorm.weight", hidden);
-    loader.matrix(prefix + "self_attn.q_proj", q_width, hidden);
-    loader.matrix(prefix + "self_attn.k_proj", kv_width, hidden);
-    loader.matrix(prefix + "self_attn.v_proj", kv_width, hidden);
-    loader.matrix(prefix + "self_attn.o_proj", hidden, q_width);
-    if (config.qkv_bias()) {
-      loader.vector(prefix + "self_attn.q_proj.bias", q_width);
-      loader.vector(prefix + "self_attn.k_proj.bias", kv_width);
-      loader.vector(prefix + "self_attn.v_proj.bias", kv_width);
-    }
-    loader.matrix(prefix + "mlp.gate_proj", config.intermediate_size, hidden);
-    loader.matrix(prefix + "mlp.up_proj", config.intermediate_size, hidden);
-    loader.matrix(prefix + "mlp.down_proj", hidden, config.intermediate_size);
+  // Every tensor checked, and the memory its runtime copy takes added up, before any is converted: a
+  // checkpoint whose weights (in the runtime dtype: bf16 read as f32 doubles) and KV caches pass this
+  // machine's memory is refused here, not by the out-of-memory killer halfway through the load.
+  WeightLoader measure(config, options, files, model.weights_, true);
+  visit_weights(config, measure);
+  if (const auto memory = static_cast<double>(physical_memory_bytes()); measure.weight_bytes() + cache_bytes > memory) {
+    throw InputError(fmt::format("{}: the weights take {:.1f} GB in {} and the KV caches of {} positions (max-seq) {:.1f} "
+                                 "GB, more than this machine's {:.1f} GB of memory",
+                                 directory.string(), measure.weight_bytes() / 1e9, dtype_name(options.dtype), capacity,
+                                 cache_bytes / 1e9, memory / 1e9));
   }
-  loader.vector("model.norm.weight", hidden);
-  if (!config.tie_word_embeddings) loader.matrix("lm_head", config.vocab_size, hidden);
+  WeightLoader loader(config, options, files, model.weights_, false);
+  visit_weights(config, loader);
   const bool any_quantized = std::any_of(model.weights_.begin(), model.weights_.end(), [](const auto& entry) {
     return entry.second.spec().dtype == DType::u32;
   });

@@ -358,6 +358,70 @@ TEST_F(MalformedCheckpoint, ACpuStepPastTheMachinesMemoryIsRefusedUpFront) {
   EXPECT_NE(message.find("more than this machine's"), std::string::npos) << message;
 }
 
+// Weights whose copy in memory passes the machine's memory: refused before any tensor is converted,
+// naming the sizes. Each tensor was converted in turn, until the allocator failed ("metile: internal
+// error: out of memory", exit 1) or, with the first tensors fitting (a bf16 checkpoint of two thirds
+// of the memory read as f32), the out-of-memory killer ended the process. The embedding here, a
+// sparse file, holds twice the machine's memory in bf16.
+TEST_F(MalformedCheckpoint, WeightsPastTheMachinesMemoryAreRefusedBeforeLoading) {
+  const std::uint64_t memory = physical_memory_bytes();
+  const std::int64_t vocab = std::int64_t{1} << 20;
+  const auto hidden = static_cast<std::int64_t>((memory >> 20) + 2) & ~std::int64_t{1};  // bf16: 2 bytes an element
+  ASSERT_LE(hidden, kLargestModelDimension) << "a machine this large takes a wider embedding";
+  const std::filesystem::path directory = root_ / "large";
+  std::filesystem::create_directories(directory);
+  // One layer of one head of dimension 2 and an MLP of width 2: the embedding alone is large.
+  testing::write_text(directory / "config.json",
+                      Json{{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", vocab}, {"hidden_size", hidden},
+                           {"intermediate_size", 2}, {"num_hidden_layers", 1}, {"num_attention_heads", 1},
+                           {"head_dim", 2}, {"tie_word_embeddings", true}, {"max_position_embeddings", 16}}
+                          .dump());
+  const std::string layer = "model.layers.0.";
+  const std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes = {
+      {"model.embed_tokens.weight", {vocab, hidden}},
+      {"model.norm.weight", {hidden}},
+      {layer + "input_layernorm.weight", {hidden}},
+      {layer + "post_attention_layernorm.weight", {hidden}},
+      {layer + "self_attn.q_proj.weight", {2, hidden}},
+      {layer + "self_attn.k_proj.weight", {2, hidden}},
+      {layer + "self_attn.v_proj.weight", {2, hidden}},
+      {layer + "self_attn.o_proj.weight", {hidden, 2}},
+      {layer + "mlp.gate_proj.weight", {2, hidden}},
+      {layer + "mlp.up_proj.weight", {2, hidden}},
+      {layer + "mlp.down_proj.weight", {hidden, 2}}};
+  Json header = Json::object();
+  std::uint64_t offset = 0;
+  for (const auto& [name, shape] : shapes) {
+    const auto bytes = static_cast<std::uint64_t>(TensorSpec(shape, DType::bf16).bytes());
+    header[name] = {{"dtype", "BF16"}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  const std::string text = header.dump();
+  std::string file(8, '\0');
+  for (int index = 0; index < 8; ++index) file[index] = static_cast<char>((text.size() >> (8 * index)) & 0xFF);
+  testing::write_text(directory / "model.safetensors", file + text);
+  std::filesystem::resize_file(directory / "model.safetensors", file.size() + text.size() + offset);  // sparse
+
+  for (const DType dtype : {DType::bf16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    LoadOptions options;
+    options.dtype = dtype;
+    const std::string message = testing::error_of([&] { DecoderModel::load(directory, options); });
+    EXPECT_EQ(message.rfind(directory.string() + ": the weights take ", 0), 0u) << message;
+    EXPECT_NE(message.find(fmt::format(" GB in {} and the KV caches of 16 positions (max-seq) 0.0 GB, more than this "
+                                       "machine's ",
+                                       dtype_name(dtype))),
+              std::string::npos)
+        << message;
+    std::string out, err;
+    EXPECT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 1 --dtype " + std::string(dtype_name(dtype)),
+                         out, err),
+              2);
+    EXPECT_EQ(out, "");
+    EXPECT_EQ(err, "metile: error: " + message + "\n");
+  }
+}
+
 // synth-model interrupted (the CLI's Ctrl-C answers `cancelled`): the staging folder, with the
 // tensors written so far, is removed and the target never appears (it was left as a hidden
 // .NAME.partial-PID folder, up to the whole model's size).
