@@ -113,14 +113,11 @@ void require_full_rotary(const FieldReader& reader) {
 // rope_scaling (4) or rope_parameters (5): {"rope_type": "default" | "llama3", ...}.
 void read_rope_type(const FieldReader& reader, RopeParameters& rope) {
   require_full_rotary(reader);
-  std::string type = "default";
-  if (reader.present("rope_type")) {
-    type = reader.string("rope_type");
-  } else if (reader.present("type")) {
-    type = reader.string("type");
-  }
+  // "type" is the older spelling (transformers reads rope_type first, as here): an error names the one given.
+  const std::string_view field = !reader.present("rope_type") && reader.present("type") ? "type" : "rope_type";
+  const std::string type = reader.present(field) ? reader.string(field) : "default";
   if (type == "default") return;
-  if (type != "llama3") reader.fail("rope_type", "'" + type + "' is not supported (default or llama3)");
+  if (type != "llama3") reader.fail(field, "'" + type + "' is not supported (default or llama3)");
   rope.llama3_scaling = true;
   rope.factor = reader.positive_number("factor");
   rope.low_freq_factor = reader.positive_number("low_freq_factor");

@@ -87,6 +87,14 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
       {"unknown_rope_type",
        [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }); },
        "field 'rope_scaling.rope_type': 'yarn' is not supported"},
+      // The older key "type" (transformers 4.3x, many Llama 2 fine-tunes): the error named 'rope_scaling.rope_type',
+      // a field the file does not have.
+      {"unknown_rope_type_older_key",
+       [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; }); },
+       "field 'rope_scaling.type': 'linear' is not supported (default or llama3)"},
+      {"rope_type_older_key_not_a_string",
+       [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"type", 2}}; }); },
+       "field 'rope_scaling.type': must be a string, got 2"},
       {"unknown_rope_type_5",
        [](auto d) {
          edit_config(d, [](Json& c) { c["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 1e4}}; });
