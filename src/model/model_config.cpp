@@ -265,6 +265,12 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     if (!parameters.is_object()) reader.fail("rope_parameters", "must be an object");
     const FieldReader nested{parameters, reader.source, "rope_parameters."};
     config.rope.theta = nested.positive_number_or("rope_theta", reader.positive_number_or("rope_theta", 10000));
+    // A top-level rope_theta beside it is what transformers 4 reads (it knows no rope_parameters), 5 the
+    // nested one: two models, unless they agree.
+    if (nested.present("rope_theta") && reader.present("rope_theta") &&
+        reader.positive_number("rope_theta") != config.rope.theta) {
+      reader.fail("rope_theta", "contradicts rope_parameters.rope_theta (give one of the two)");
+    }
     read_rope_type(nested, config.rope);
     if (reader.present("rope_scaling")) {
       // Both spellings: the scaling rope_parameters gives was kept and a different rope_scaling (a

@@ -121,6 +121,16 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "config.json: field 'rope_scaling': contradicts rope_parameters (give one of the two)"},
+      // The same for rope_theta: rope_parameters' was used and the top-level one, which transformers 4 reads,
+      // ignored.
+      {"rope_theta_contradicts_rope_parameters",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e5}};
+           c["rope_theta"] = 1e4;
+         });
+       },
+       "config.json: field 'rope_theta': contradicts rope_parameters.rope_theta (give one of the two)"},
       {"llama3_without_factor",
        [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"rope_type", "llama3"}}; }); },
        "field 'rope_scaling.factor': missing"},
