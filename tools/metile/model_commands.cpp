@@ -533,9 +533,10 @@ void add_model_commands(CLI::App& app) {
       quantization_option(*options);  // malformed --quantize: one line before anything else
       declined_rules(options->decline);
       options->backend = "cuda";
-      check_backend(*options);
 #ifdef METILE_HAVE_CUDA_BACKEND
-      bench_model(*options);
+      bench_model(*options);  // opens the device first
+#else
+      throw InputError("bench-model: this metile was built without the CUDA toolkit (it measures the GPU engine)");
 #endif
     });
   }

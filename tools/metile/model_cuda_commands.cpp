@@ -132,12 +132,12 @@ void print_breakdown(const EngineBenchmark& result) {
 
 }  // namespace
 
-void require_cuda_device() {
+void require_cuda_device(std::string_view command, std::string_view without_gpu) {
   if (opened_device()) return;
   std::string reason;
   opened_device() = CudaDevice::try_open(0, &reason);
   // A machine without a GPU is the user's environment, not a metile failure: exit 2, one line.
-  if (!opened_device()) throw InputError("--backend cuda: " + reason + " (--backend cpu runs everywhere)");
+  if (!opened_device()) throw InputError(fmt::format("{}: {} ({})", command, reason, without_gpu));
 }
 
 std::string cuda_device_name() {
@@ -211,7 +211,7 @@ int verify_model_on_cuda(const DecoderModel& model, const ModelOptions& options)
 }
 
 void bench_model(const ModelOptions& options) {
-  require_cuda_device();
+  require_cuda_device("bench-model", "it measures the GPU engine; it has no CPU backend");
   const CudaDevice& device = *opened_device();
   std::optional<TemporaryDirectory> temporary;
   std::string model_dir = options.model_dir;

@@ -68,8 +68,10 @@ std::set<std::string> benchmarked_engines(const std::string& text);
 
 #ifdef METILE_HAVE_CUDA_BACKEND
 // model_cuda_commands.cpp. Every entry opens the device first: InputError
-// "--backend cuda: no CUDA device: ..." where none exists (exit 2, one line).
-void require_cuda_device();
+// "--backend cuda: no CUDA device: ... (--backend cpu runs everywhere)" where none exists (exit 2, one
+// line); a command with no CPU backend (bench-model) names itself and says so instead.
+void require_cuda_device(std::string_view command = "--backend cuda",
+                         std::string_view without_gpu = "--backend cpu runs everywhere");
 std::unique_ptr<LogitsSession> open_cuda_session(const DecoderModel& model, const ModelOptions& options);
 std::string cuda_device_name();
 int verify_model_on_cuda(const DecoderModel& model, const ModelOptions& options);
