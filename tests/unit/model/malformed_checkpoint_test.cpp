@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <limits>
+#include <tuple>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -616,16 +617,22 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
   if (metile("logits " + directory.string() + " --prompt-ids 1,2 --backend cuda") == 0) {
     GTEST_SKIP() << "a CUDA device is present: --backend cuda runs (the gpu suites test it)";
   }
-  const std::string prefix = "metile: error: --backend cuda: ";
-  for (const std::string& arguments :
-       {"logits " + directory.string() + " --prompt-ids 1,2 --backend cuda",
-        "generate " + directory.string() + " --prompt-ids 1,2 --tokens 3 --backend cuda",
-        "verify-model " + directory.string() + " --backend cuda --decline swiglu_mlp",
-        std::string("bench-model --preset tiny --context 16")}) {
+  // A command with --backend cuda points at --backend cpu; bench-model, which has no CPU backend,
+  // names itself and says so instead of pointing at an option it does not take.
+  for (const auto& [arguments, prefix, hint] :
+       {std::tuple{"logits " + directory.string() + " --prompt-ids 1,2 --backend cuda",
+                   "metile: error: --backend cuda: no CUDA device: ", "(--backend cpu runs everywhere)\n"},
+        std::tuple{"generate " + directory.string() + " --prompt-ids 1,2 --tokens 3 --backend cuda",
+                   "metile: error: --backend cuda: no CUDA device: ", "(--backend cpu runs everywhere)\n"},
+        std::tuple{"verify-model " + directory.string() + " --backend cuda --decline swiglu_mlp",
+                   "metile: error: --backend cuda: no CUDA device: ", "(--backend cpu runs everywhere)\n"},
+        std::tuple{std::string("bench-model --preset tiny --context 16"), "metile: error: bench-model: no CUDA device: ",
+                   "(it measures the GPU engine; it has no CPU backend)\n"}}) {
     SCOPED_TRACE(arguments);
     EXPECT_EQ(metile(arguments), 2);
     EXPECT_EQ(out, "");
     EXPECT_EQ(err.rfind(prefix, 0), 0u) << err;
+    EXPECT_TRUE(err.ends_with(hint)) << err;
     EXPECT_EQ(err.find('\n'), err.size() - 1) << err;  // one line
   }
 }

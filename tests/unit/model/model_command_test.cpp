@@ -6,8 +6,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include <dlfcn.h>
-
 #include <cmath>
 #include <limits>
 
@@ -158,25 +156,6 @@ TEST_F(ModelCommand, GroupSizeWithoutQuantizeIsRefused) {
     EXPECT_EQ(out, "") << command;
   }
   EXPECT_FALSE(std::filesystem::exists(root_ / "alone"));
-}
-
-// Without a GPU, a command that takes --backend cuda points at --backend cpu; bench-model, which has no
-// CPU backend, names itself and says so instead of pointing at an option it does not take.
-TEST_F(ModelCommand, NoCudaDeviceIsOneLineNamingTheCommand) {
-  if (void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)) {
-    dlclose(driver);
-    GTEST_SKIP() << "a CUDA driver is installed: the commands would run";
-  }
-  const std::string model = synth("model", {}).string();
-  std::string out, err;
-  EXPECT_EQ(run_metile("bench-model " + model, out, err), 2);
-  EXPECT_EQ(err.rfind("metile: error: bench-model: no CUDA device: ", 0), 0u) << err;
-  EXPECT_NE(err.find("it has no CPU backend"), std::string::npos) << err;
-  EXPECT_EQ(err.find("--backend"), std::string::npos) << err;
-  EXPECT_EQ(out, "");
-  EXPECT_EQ(run_metile("logits " + model + " --prompt-ids 1 --backend cuda", out, err), 2);
-  EXPECT_EQ(err.rfind("metile: error: --backend cuda: no CUDA device: ", 0), 0u) << err;
-  EXPECT_NE(err.find("(--backend cpu runs everywhere)"), std::string::npos) << err;
 }
 
 }  // namespace
