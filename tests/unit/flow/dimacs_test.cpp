@@ -5,7 +5,9 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <span>
 #include <sstream>
+#include <vector>
 
 #include "metile/flow.h"
 #include "network_families.h"
@@ -84,6 +86,30 @@ TEST(Dimacs, RealRoundTripIsBitExact) {
   EXPECT_EQ(reread.network.fingerprint(), original.network.fingerprint());
   EXPECT_EQ(dinic(reread.network, reread.source, reread.sink).value,
             dinic(original.network, original.source, original.sink).value);
+}
+
+// A double beyond 2^53 whose shortest text is all digits (1.2345678901234568e17 prints as
+// 123456789012345680) was written that way, and the real reader refuses an integer-written
+// capacity above 2^53; past 2^63 the file reader took an all-integer file for an int64 one and
+// refused it too. Such capacities are written in scientific notation and read back bit for bit.
+TEST(Dimacs, RealRoundTripKeepsCapacitiesBeyondTwoToThe53) {
+  const std::vector<FlowEdge<double>> edges{
+      {0, 1, 0.5}, {1, 2, 123456789012345678.0}, {0, 2, 12345678901234567890.0}, {1, 2, 9007199254740994.0}};
+  for (const bool with_fraction : {true, false}) {
+    SCOPED_TRACE(with_fraction ? "with a fractional capacity" : "every capacity an integer");
+    const std::span<const FlowEdge<double>> kept(edges.data() + (with_fraction ? 0 : 1), edges.size() - (with_fraction ? 0 : 1));
+    const FlowProblem<double> original{RealFlowNetwork(3, kept), 0, 2};
+    std::ostringstream written;
+    write_dimacs_max_flow(written, original);
+    const FlowProblem<double> reread = read_text<double>(written.str());
+    EXPECT_EQ(reread.network.fingerprint(), original.network.fingerprint()) << written.str();
+    const std::filesystem::path file = std::filesystem::temp_directory_path() / "metile_dimacs_beyond_2_53.max";
+    std::ofstream(file) << written.str();
+    const AnyFlowProblem from_file = read_dimacs_max_flow_file(file);
+    std::filesystem::remove(file);
+    ASSERT_EQ(from_file.index(), 1u) << written.str();
+    EXPECT_EQ(std::get<FlowProblem<double>>(from_file).network.fingerprint(), original.network.fingerprint());
+  }
 }
 
 TEST(Dimacs, FileReaderPicksIntegerOrReal) {
