@@ -155,6 +155,8 @@ std::string FusionPlan::to_json() const {
   };
   auto node_name = [&](NodeId id) { return g.node(id).name; };
   auto value_name = [&](ValueId id) { return g.value(id).name; };
+  // Names from C++ callers need not be UTF-8 (as write_graph_json, replacing bad bytes keeps this total).
+  auto dumped = [](const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); };
   // One region per line keeps the file short and diffable; the bytes depend on
   // the plan alone.
   std::string text = fmt::format("{{\n  \"kernels\": {},\n  \"regions\": [", kernel_count());
@@ -176,11 +178,11 @@ std::string FusionPlan::to_json() const {
       Json certificate = Json::parse(region.certificate, nullptr, false);
       entry["certificate"] = certificate.is_discarded() ? Json(region.certificate) : std::move(certificate);
     }
-    text += (index == 0 ? "\n    " : ",\n    ") + entry.dump();
+    text += (index == 0 ? "\n    " : ",\n    ") + dumped(entry);
   }
   text += regions.empty() ? "],\n" : "\n  ],\n";
-  text += "  \"unfused\": " + names(unfused, node_name).dump();
-  if (!rewrites.empty()) text += ",\n  \"rewrites\": " + Json(rewrites).dump();
+  text += "  \"unfused\": " + dumped(names(unfused, node_name));
+  if (!rewrites.empty()) text += ",\n  \"rewrites\": " + dumped(Json(rewrites));
   text += "\n}\n";
   return text;
 }

@@ -364,6 +364,25 @@ TEST(Planner, IdenticalInputGivesByteIdenticalPlans) {
   }
 }
 
+// GraphBuilder takes names that are not UTF-8 (only control bytes are refused) and write_graph_json
+// replaces their bad bytes; the plan's JSON threw nlohmann's type_error on them instead.
+TEST(Planner, JsonOfNamesThatAreNotUtf8ReplacesTheirBadBytes) {
+  GraphBuilder builder;
+  auto values = builder.input("values\xff", {{1, 64}, DType::f16});
+  auto residual = builder.input("residual", {{1, 64}, DType::f16});
+  auto weight = builder.input("weight", {{64}, DType::f16});
+  auto summed = builder.add(values, residual, "summed\xfe");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  auto alone = builder.reshape(normalized, {64}, "alone\xc3");  // a layout op: unfused
+  const FusionPlan plan = plan_graph_fusion(builder.build({summed, alone}));
+  ASSERT_EQ(plan_problems(plan), "");
+  std::string json;
+  ASSERT_NO_THROW(json = plan.to_json());
+  EXPECT_NE(json.find("\"nodes\":[\"summed\xef\xbf\xbd\",\"normalized\"]"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"values\":\"values\xef\xbf\xbd\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"unfused\": [\"alone\xef\xbf\xbd\"]"), std::string::npos) << json;
+}
+
 TEST(Planner, DotHasAColouredClusterPerRegion) {
   SwigluOptions options;
   const FusionPlan plan = plan_graph_fusion(swiglu_graph(options));
