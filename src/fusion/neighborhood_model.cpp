@@ -77,10 +77,12 @@ class NeighborhoodModel {
             .spec;
     grow_prologue(anchor_output);
     grow_epilogue(anchor, anchor_output);
-    if (nodes_.size() == pattern_nodes.size()) return finish(sorted(nodes_));
 
+    // Before the pattern alone is taken too: a path from one pattern op through an op outside back
+    // into the pattern (a may_escape value feeding another operand) makes the pattern not convex.
     outcome_.decision = add_legality_constraints();
     if (!outcome_.decision) return finish({});
+    if (nodes_.size() == pattern_nodes.size()) return finish(sorted(nodes_));
     // Each choice path keeps either end out, and the cut is solved for every combination; the best
     // region wins, ties to the earliest combination (mask 0: every consumer-side end out). The
     // constraint "not both ends" is not a cut constraint (it is not submodular), so exactness comes

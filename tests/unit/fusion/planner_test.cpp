@@ -50,6 +50,26 @@ TEST(Planner, SeedIsOneKernelWithTwoOutputs) {
             "\"benefit_ns\":2500.727,\"roles\":{\"values\":\"values\",\"residual\":\"residual\",\"norm_weight\":\"weight\"}}\n  ],\n  \"unfused\": []\n}\n");
 }
 
+// The sum may escape (residual_add_rms_norm writes it), and here it escapes into the norm's own
+// weight: summed -> reshape -> rms_norm's weight. With no growth op around, the pattern alone was
+// taken without its convexity check, and plan_graph_fusion threw logic_error ("a candidate region
+// is not convex") when the region closed a cycle with the reshape.
+TEST(Planner, PatternWhoseEscapingValueComesBackIsRefusedAsNotConvex) {
+  GraphBuilder builder;
+  auto values = builder.input("values", {{1, 64}, DType::f16});
+  auto residual = builder.input("residual", {{1, 64}, DType::f16});
+  auto summed = builder.add(values, residual, "summed");
+  auto weight = builder.reshape(summed, {64}, "weight_from_sum");
+  auto normalized = builder.rms_norm(summed, weight, 1e-5, "normalized");
+  FusionPlan plan;
+  ASSERT_NO_THROW(plan = plan_graph_fusion(builder.build({normalized})));
+  ASSERT_EQ(plan_problems(plan), "");
+  EXPECT_EQ(plan.kernel_count(), 3);
+  EXPECT_EQ(reason_of(plan, "normalized"),
+            "residual_add_rms_norm refused: the pattern is not convex: a path from `summed` leaves through "
+            "`weight_from_sum` and comes back at `normalized`");
+}
+
 TEST(Planner, SumThatDoesNotEscapeIsNotWritten) {
   GraphBuilder builder;
   auto values = builder.input("values", {{4, 256}, DType::f32});
