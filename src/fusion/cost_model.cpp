@@ -4,6 +4,7 @@
 // file is its plain statement, used to report benefits and to check limits.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include <fmt/core.h>
 
@@ -89,7 +90,9 @@ RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId
   std::int64_t fused_bytes = 0;
   std::int64_t on_chip_bytes = 0;
   std::vector<ValueId> region_inputs;
-  estimate.registers_per_thread = needs.base_registers;
+  // Rules are data (Python sets their needs too): summed in 64 bits and saturated at int's range,
+  // so a large per-op figure is refused by the limit check instead of wrapping around under it.
+  std::int64_t registers = needs.base_registers;
   for (NodeId id : region) {
     const Node& node = graph.node(id);
     std::vector<ValueId> distinct_inputs = node.inputs;
@@ -113,7 +116,7 @@ RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId
         ++estimate.output_count;
       }
     }
-    estimate.registers_per_thread += registers_of(graph, node, needs);
+    registers += registers_of(graph, node, needs);
     // Staging: an input computed inside the kernel that the op must see whole.
     if (node.inputs.empty()) continue;
     const Value& first_input = graph.value(node.inputs[0]);
@@ -128,6 +131,8 @@ RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId
   region_inputs.erase(std::unique(region_inputs.begin(), region_inputs.end()), region_inputs.end());
   for (ValueId input : region_inputs) fused_bytes += graph.value(input).spec.bytes();
   estimate.input_count = static_cast<int>(region_inputs.size());
+  estimate.registers_per_thread = static_cast<int>(
+      std::clamp<std::int64_t>(registers, std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
 
   const double bandwidth = target.memory_bandwidth_bytes_per_ns;
   estimate.unfused_ns =

@@ -115,6 +115,29 @@ TEST(CostModel, SeedRegionMatchesHandArithmetic) {
   EXPECT_EQ(estimate.registers_per_thread, 32 + 2 + 8);
 }
 
+// Rules are data, and Python sets their needs: three elementwise ops at INT_MAX registers each summed
+// in int, wrapping around to a small figure the limit check let through (a 4-op region on h200).
+TEST(CostModel, RegisterNeedsSaturateInsteadOfWrappingAround) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{1, 16}, DType::f32});
+  auto a = builder.silu(x, "a");
+  auto b = builder.exp(a, "b");
+  auto c = builder.silu(b, "c");
+  auto d = builder.silu(c, "d");
+  const ComputeGraph graph = builder.build({d});
+  ResourceNeeds needs;
+  needs.registers_per_elementwise = std::numeric_limits<int>::max();
+  const std::vector<NodeId> nodes = {0, 1, 2, 3};
+  const FusionTarget target = FusionTarget::h200();
+  const RegionEstimate estimate = estimate_region(graph, nodes, target, needs);
+  EXPECT_EQ(estimate.registers_per_thread, std::numeric_limits<int>::max());
+  EXPECT_FALSE(within_limits(estimate, target).ok);
+  RuleSet rules = default_rules();
+  for (FusionRule& rule : rules.rules) rule.resources = needs;
+  const FusionPlan plan = plan_graph_fusion(graph, target, rules);
+  EXPECT_EQ(plan.kernel_count(), 4);
+}
+
 // "fits", or the reason the target refuses the estimate.
 std::string said(const Decision& decision) { return decision.ok ? "fits" : decision.reason; }
 
