@@ -11,6 +11,7 @@
 //   --model NAME                  another model's MLP: llama3-8b (the default), llama3.2-1b, qwen2.5-1.5b
 //                                 (without --all: the same two shapes, chosen for Llama-3-8B)
 //   --rows M                      M activation rows (1..16; default 1): what M = 16 adds per weight word
+//   --half                        each shape's half-products twin too (GemvKernelConfig::half_products)
 //   --qkv                         the model's q/k/v GEMV instead (the RMSNorm prologue, rope and the cache
 //                                 writes in its epilogue), every register-batch candidate, 4-bit and 8-bit g64
 //
@@ -97,7 +98,7 @@ std::string shape_name(const GemvKernelConfig& config) {
                      config.shared_stages >= 2 ? fmt::format(" staged s{}", config.shared_stages)
                                                : std::string(config.double_buffered ? " db" : " batch"),
                      std::string(config.shared_group_sums ? " sums" : "") + (config.x_staged_by_async_copy ? " x-async" : "") +
-                         (config.x_with_batch ? " x-batch" : ""),
+                         (config.x_with_batch ? " x-batch" : "") + (config.half_products ? " half" : ""),
                      config.resident_blocks_per_multiprocessor > 0
                          ? fmt::format(" r{}", config.resident_blocks_per_multiprocessor)
                          : std::string());
@@ -147,7 +148,7 @@ std::vector<GemvKernelConfig> qkv_configs(const MlpShape& model) {
   return configs;
 }
 
-int run(bool all, bool opcodes, bool norm, bool qkv, std::int64_t rows, const MlpShape& model) {
+int run(bool all, bool opcodes, bool norm, bool qkv, bool half, std::int64_t rows, const MlpShape& model) {
   const std::int64_t hidden = model.hidden, intermediate = model.intermediate;
   std::vector<GemvKernelConfig> configs;
   if (qkv) configs = qkv_configs(model);
@@ -176,6 +177,21 @@ int run(bool all, bool opcodes, bool norm, bool qkv, std::int64_t rows, const Ml
         if (all || chosen) configs.push_back(config);
       }
     }
+  }
+  if (half) {  // each shape, then its half-products twin where it has one
+    std::vector<GemvKernelConfig> with_twins;
+    for (const GemvKernelConfig& config : configs) {
+      with_twins.push_back(config);
+      GemvKernelConfig twin = config;
+      twin.half_products = true;
+      try {
+        twin.validate();
+      } catch (const InputError&) {
+        continue;
+      }
+      with_twins.push_back(twin);
+    }
+    configs = std::move(with_twins);
   }
   fmt::print(stderr, "compiling {} kernels for sm_90 with NVRTC\n", configs.size());
   std::vector<std::future<CompiledProgram>> programs;
@@ -240,10 +256,10 @@ int run(bool all, bool opcodes, bool norm, bool qkv, std::int64_t rows, const Ml
 }  // namespace metile
 
 int main(int argc, char** argv) {
-  bool all = false, opcodes = false, norm = false, qkv = false;
+  bool all = false, opcodes = false, norm = false, qkv = false, half = false;
   std::int64_t rows = 1;
   const metile::MlpShape* model = &metile::mlp_shapes().front();
-  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--qkv] [--rows M] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
+  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--qkv] [--half] [--rows M] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--all") == 0) {
       all = true;
@@ -253,6 +269,8 @@ int main(int argc, char** argv) {
       norm = true;
     } else if (std::strcmp(argv[i], "--qkv") == 0) {
       qkv = true;
+    } else if (std::strcmp(argv[i], "--half") == 0) {
+      half = true;
     } else if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc) {
       char* end = nullptr;
       rows = std::strtoll(argv[++i], &end, 10);
@@ -279,7 +297,7 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "metile: error: --qkv counts the decode step's q/k/v at M = 1 ({})\n", usage);
       return 2;
     }
-    return metile::run(all, opcodes, norm, qkv, rows, *model);
+    return metile::run(all, opcodes, norm, qkv, half, rows, *model);
   } catch (const std::exception& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 1;

@@ -275,7 +275,8 @@ std::vector<LoadedGemv> load_gemvs(std::vector<GemvKernelSource> kernels);
 // The launch shapes one GEMV stage tries, best guesses first: `per_family` register-batch shapes
 // from gemv_tuning_candidates (a two-matrix epilogue: the register-resident schedule), the same
 // shapes with their weights prefetched into L2 (gemv_l2_prefetch_rounds), for a normalized GEMV the
-// same shapes with x staged by cp.async (x_staged_by_async_copy), then, where `streamed`, as
+// same shapes with x staged by cp.async (x_staged_by_async_copy), for affine weights the same shapes
+// multiplying in f16 (half_products) where x fits the block's shared memory, then, where `streamed`, as
 // many of the streamed mainloop (a family the problem does not fit is left out; InputError when none
 // fits). Shared by the decode-MLP executor and the lowerings, so both race the same kernels.
 std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family,

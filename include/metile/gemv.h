@@ -80,9 +80,10 @@ HostTensor stack_rows(std::span<const HostTensor> parts);
 HostTensor gather_rows(const HostTensor& tensor, std::span<const std::int64_t> order);
 
 // How the affine mainloops turn a repacked word into m16n8k16 A-fragment registers: pair j (0..3 at
-// 4 bits, 0..1 at 8 bits) of a word becomes one 32-bit register of two activation-dtype values,
-// (offset + q_low, offset + q_high), exactly; the kernels fold the offset into the bias through
-// sum(x) per group. The generated kernels take their constants from here (gemv_device_helpers.cpp),
+// 4 bits, 0..1 at 8 bits) of a word becomes one 32-bit register of two activation-dtype values (f16
+// for half products), (offset + c_j q_low, offset + c_j q_high), exactly, where the code scale c_j
+// is 1 but for nibble_classes' odd pairs (16); the kernels fold the offset into the bias through
+// sum(x) per group, and divide x by c_j at those columns. The generated kernels take their constants from here (gemv_device_helpers.cpp),
 // and decode_affine_code_pair emulates the same bit operations on the host, so that tests can check
 // every code value against the reference dequantization.
 struct AffineCodeDecode {
@@ -92,16 +93,25 @@ struct AffineCodeDecode {
     byte_permute,  // one prmt per pair: the code bytes under the magic's exponent byte (8-bit f16)
     through_f32,   // 8-bit bf16 (7 mantissa bits cannot hold 128 + q for every q): per code one prmt
                    // into the f32 2^23 + q and one subtract, one cvt per pair
+    nibble_classes,  // 4-bit f16 (half products): pairs 2i and 2i + 1 come from the word shifted by 8i
+                     // (one shift a word, not three), the even pair masked to the low nibble of each
+                     // 16-bit half (offset + q), the odd one to the next nibble (offset + 16 q: f16's 10
+                     // mantissa bits hold both); x is divided by 16 at the odd pairs' columns
   };
   Method method = Method::mask_or;
-  std::uint32_t mask = 0;   // mask_or
-  std::uint32_t magic = 0;  // mask_or, byte_permute: the exponent bits of both halves
-  int shift = 0;            // mask_or: bits from one pair to the next
-  double offset = 0;        // each decoded value is offset + q
+  std::uint32_t mask = 0;      // mask_or, nibble_classes (its even pairs)
+  std::uint32_t odd_mask = 0;  // nibble_classes: its odd pairs
+  std::uint32_t magic = 0;     // mask_or, byte_permute, nibble_classes: the exponent bits of both halves
+  int shift = 0;               // mask_or: bits from one pair to the next
+  double offset = 0;           // each decoded value is offset + code_scale(pair) q
   // byte_permute: the prmt selector of pair j (bytes j and j + 2 of the word under the magic's byte).
   std::uint32_t selector(int pair) const;
+  // c_j: 16 for nibble_classes' odd pairs, else 1.
+  int code_scale(int pair) const;
 };
-AffineCodeDecode affine_code_decode(int bits, DType activation);
+// half_products: the decode of a kernel that multiplies in f16 whatever the activation dtype
+// (GemvKernelConfig::half_products).
+AffineCodeDecode affine_code_decode(int bits, DType activation, bool half_products = false);
 // The fragment register the device computes for pair `pair` of `word` (the bits of two f16/bf16 values).
 std::uint32_t decode_affine_code_pair(const AffineCodeDecode& decode, std::uint32_t word, int pair);
 
@@ -302,6 +312,16 @@ struct GemvKernelConfig {
   // Measured on the H200 (notes/mlp_decode.md, session 27): Qwen2.5-1.5B's 4-bit down projection
   // 8.9 -> 8.3 us, Llama-3.2-1B's 8.8 -> 8.4; at 16 rows it was slower, and wider stages spill.
   bool x_with_batch = false;
+  // half_products (affine weights, register batches in registers, no shared group sums, no attention
+  // prologue): the weights times x in f16 whatever the activation dtype. The block stages x in
+  // shared memory once (normalized first where x_rms_norm_eps), as f16 scaled per row by a power of
+  // two that puts the row's largest magnitude in [2^14, 2^15) (exact for bf16 values: 8 significant
+  // bits; the sums are unscaled before the warps join), divided by the code scale of its column
+  // (AffineCodeDecode::code_scale). In f16 a 4-bit code pair takes one shift a word instead of three
+  // (nibble_classes) and an 8-bit one a prmt a pair instead of two prmt, two subtracts and a cvt:
+  // gemv_sass_benchmark counts 11.4 instructions a 4-bit weight word against 13.8 for Llama-3-8B's
+  // gate/up w4 f2 batch. Needs M x K values within kMaxHalfStagedXBytes (M = 1 up to K = 16384).
+  bool half_products = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage

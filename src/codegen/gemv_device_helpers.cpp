@@ -29,6 +29,14 @@ constexpr int kPaddedM = 8 * kRowHalves;
 constexpr int kTileCount = (kN + 15) / 16;
 constexpr int kThreads = kWarps * 32;
 constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
+// The dtype the weights meet x in: f16 with half products (GemvKernelConfig::half_products), else the
+// activation dtype.
+constexpr bool kProductsHalf = kHalf || kHalfProducts;
+// half_products' sum(x) mma: A's rows 0..7 all ones give sum(x') of the staged x (the offset's term),
+// rows 8..15 ones at the even pairs' columns and the odd pairs' code scale at theirs give sum(x) times
+// the row's power of two (the bias's term). f16 (1, 1) and (16, 16).
+constexpr u32 kHalfOnes = 0x3C003C00u;
+constexpr u32 kHalfOddScales = kOddCodeScale == 16.0f ? 0x4C004C00u : 0x3C003C00u;
 
 // Weights are read once: keep them out of L1, where x lives. Dense weights stay in the graph's row-major
 // layout, so one warp-wide load touches 64 bytes of each of 8 rows: the L2::256B hint has L2 fetch 256
@@ -272,6 +280,85 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
   }
 }
 
+// half_products: after compute_x_row_scales, x_staged holds each row m as f16 x' = v 2^e_m / c,
+// v the value as the GEMV reads it (normalized where kNormedX, else as stored: copied in here), e_m
+// the power of two that puts the row's largest magnitude in [2^14, 2^15) (f16's largest finite value
+// is 65504) and c the code scale of the column's pair (kOddCodeScale at the odd pairs' columns: k & 2,
+// uint4 components y and w). v holds 8 significant bits (bf16) or 11 (f16), so x' is exact down to
+// f16's subnormals, 2^-29 of the row's largest magnitude and below. x_row_unscale[m] = 2^-e_m undoes
+// the scale on the warps' sums (spill). A row whose largest magnitude is 0 or not finite keeps e_m = 0
+// (its infinities and NaNs reach the sums as they are).
+static_assert(!kHalfProducts || (kXStaged && kK % 8 == 0), "half products read x staged in shared memory");
+__shared__ float x_row_largest[kHalfProducts ? kWarps * kPaddedM : 1];
+__shared__ float x_row_unscale[kHalfProducts ? kPaddedM : 1];
+
+__device__ __forceinline__ float largest_magnitude(const uint4& value) {
+  const u32 words[4] = {value.x, value.y, value.z, value.w};
+  float largest = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) largest = fmaxf(largest, fmaxf(fabsf(to_f32(words[i] & 0xFFFFu)), fabsf(to_f32(words[i] >> 16))));
+  return largest;
+}
+
+// 2^e with e = 14 - floor(log2(largest)), held to f32's normal powers.
+__device__ __forceinline__ int row_exponent(float largest) {
+  if (!(largest > 0.0f) || largest > 3.0e38f) return 0;
+  const int exponent = (int)((__float_as_uint(largest) >> 23) & 0xFFu) - 127;
+  return max(-126, min(126, 14 - exponent));
+}
+
+__device__ __forceinline__ u32 half_pair(u32 pair, float up) {
+  const float low = to_f32(pair & 0xFFFFu) * up, high = to_f32(pair >> 16) * up;
+  u32 bits;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(high), "f"(low));
+  return bits;
+}
+
+__device__ __forceinline__ void stage_half_x(const u16* __restrict__ x) {
+  if constexpr (kHalfProducts) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int m = 0; m < kM; ++m) {
+      float largest = 0.0f;
+      for_each_thread_vector<kK / 8, 4>(
+          [&](int v) {
+            if constexpr (kNormedX) {
+              return *reinterpret_cast<const uint4*>(x_staged + (m * kK + 8 * v));
+            } else {
+              return load_activations(x + (m * kK + 8 * v));
+            }
+          },
+          [&](int v, const uint4& value) {
+            if constexpr (!kNormedX) *reinterpret_cast<uint4*>(x_staged + (m * kK + 8 * v)) = value;
+            largest = fmaxf(largest, largest_magnitude(value));
+          });
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
+      if (lane == 0) x_row_largest[warp * kPaddedM + m] = largest;
+    }
+    __syncthreads();
+    // Each thread converts the vectors it staged (the same v as above): no barrier between the passes
+    // but the one for the largest magnitudes.
+    for (int m = 0; m < kM; ++m) {
+      float largest = 0.0f;
+      for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, x_row_largest[w * kPaddedM + m]);
+      const int exponent = row_exponent(largest);
+      const float up = __int_as_float((127 + exponent) << 23), down = __int_as_float((127 - exponent) << 23);
+      if (threadIdx.x == 0) x_row_unscale[m] = down;
+      const float odd_up = up / kOddCodeScale;  // exact: powers of two
+      for (int v = threadIdx.x; v < kK / 8; v += kThreads) {
+        uint4* const vector = reinterpret_cast<uint4*>(x_staged + (m * kK + 8 * v));
+        const uint4 value = *vector;
+        *vector = make_uint4(half_pair(value.x, up), half_pair(value.y, odd_up), half_pair(value.z, up),
+                             half_pair(value.w, odd_up));
+      }
+    }
+    if (threadIdx.x >= kM && threadIdx.x < kPaddedM) x_row_unscale[threadIdx.x] = 1.0f;
+    __syncthreads();
+  } else {
+    (void)x;
+  }
+}
+
 // The eight values of row m at columns k .. k + 7 (k a multiple of 8) as both mainloops read x:
 // normalized when kNormedX (after compute_x_row_scales), else as stored.
 __device__ __forceinline__ uint4 load_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight, int m, int k) {
@@ -327,6 +414,15 @@ __device__ __forceinline__ u32 code_pair(u32 word, int j) {
     u32 pair;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(pair) : "r"(word >> (kCodeShift * j)), "n"(kCodeMask), "r"(kCodeMagic));
     return pair;
+  } else if constexpr (kCodeMethod == kCodeNibbleClasses) {
+    // j is a compile-time constant after unrolling: one of the two lop3 survives.
+    u32 pair;
+    if (j & 1) {
+      asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(pair) : "r"(word >> (8 * (j >> 1))), "n"(kCodeOddMask), "r"(kCodeMagic));
+    } else {
+      asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(pair) : "r"(word >> (8 * (j >> 1))), "n"(kCodeMask), "r"(kCodeMagic));
+    }
+    return pair;
   } else if constexpr (kCodeMethod == kCodeBytePermute) {
     return __byte_perm(word, kCodeMagic, j == 0 ? kCodeSelector0 : kCodeSelector1);
   } else {
@@ -375,8 +471,8 @@ __device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4]
 #pragma unroll
     for (int h = 0; h < kRowHalves; ++h) {
       const uint4 b = xv[h][chunk];
-      mma(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
-      mma(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
+      mma_in<kProductsHalf>(part[h], step0[0], step0[1], step0[2], step0[3], b.x, b.y);
+      mma_in<kProductsHalf>(part[h], step1[0], step1[1], step1[2], step1[3], b.z, b.w);
     }
   }
   const float scale_low = to_f32(scale_bias.x & 0xFFFFu), bias_low = to_f32(scale_bias.x >> 16);
@@ -389,6 +485,14 @@ __device__ __forceinline__ void affine_group_product(float (&acc)[kRowHalves][4]
     for (int e = 0; e < 4; ++e) {
       // Odd elements are activation row 8h + 2t + 1: at M = 1 no lane holds a real one.
       if (kM == 1 && (e & 1)) continue;
+      if constexpr (kHalfProducts) {
+        // xsum[h][e & 1] is sum(x') (the offset's), xsum[h][2 + (e & 1)] sum(x) 2^e_m (the bias's):
+        // acc += scale (part - offset sum(x')) + bias sum(x) 2^e_m, in 2^e_m units (spill undoes them).
+        const float scale = e < 2 ? scale_low : scale_high;
+        const float bias = e < 2 ? bias_low : bias_high;
+        acc[h][e] = fmaf(bias, xsum[h][2 + (e & 1)], fmaf(scale, fmaf(-kCodeOffset, xsum[h][e & 1], part[h][e]), acc[h][e]));
+        continue;
+      }
       const float scale = e < 2 ? scale_low : scale_high, offset = e < 2 ? offset_low : offset_high;
       // Two FFMA either way. With two row halves (M > 8) the bias term goes first: it needs only
       // xsum, known before the mma products, and in this order ptxas keeps the M = 16 shapes without
@@ -641,37 +745,47 @@ std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config) {
 }
 
 bool x_staged_in_shared_memory(const GemvKernelConfig& config) {
-  return config.x_rms_norm_eps && config.mainloop == GemvMainloop::register_batches && config.in_features % 8 == 0 &&
-         config.rows * config.in_features * 2 <= kMaxStagedXBytes;
+  if (config.mainloop != GemvMainloop::register_batches || config.in_features % 8 != 0) return false;
+  const std::int64_t bytes = config.rows * config.in_features * 2;
+  return (config.x_rms_norm_eps && bytes <= kMaxStagedXBytes) || (config.half_products && bytes <= kMaxHalfStagedXBytes);
 }
 
 std::int64_t x_norm_shared_bytes(const GemvKernelConfig& config) {
+  const std::int64_t padded_m = (config.rows + 7) / 8 * 8;
   const std::int64_t staged = x_staged_in_shared_memory(config) ? config.rows * config.in_features * 2 : 16;
-  if (!config.x_rms_norm_eps) return 4 + staged;
-  return (std::int64_t{config.warps_per_block} + 1) * ((config.rows + 7) / 8 * 8) * 4 + staged;
+  // half_products: per warp and row a largest magnitude, per row the unscale (x_row_largest, x_row_unscale).
+  const std::int64_t half = config.half_products ? (std::int64_t{config.warps_per_block} + 1) * padded_m * 4 : 8;
+  if (!config.x_rms_norm_eps) return 4 + staged + half;
+  return (std::int64_t{config.warps_per_block} + 1) * padded_m * 4 + staged + half;
 }
 
 namespace {
 // The kernel's enum CodeMethod numbers the methods as AffineCodeDecode::Method does.
 static_assert(static_cast<int>(AffineCodeDecode::Method::mask_or) == 0 &&
               static_cast<int>(AffineCodeDecode::Method::byte_permute) == 1 &&
-              static_cast<int>(AffineCodeDecode::Method::through_f32) == 2);
+              static_cast<int>(AffineCodeDecode::Method::through_f32) == 2 &&
+              static_cast<int>(AffineCodeDecode::Method::nibble_classes) == 3);
 
 // The affine code decode's constants (affine_code_decode); dense kernels get the 4-bit ones, unused.
-std::string code_decode_constants(const GemvWeightFormat& format) {
-  const AffineCodeDecode decode = affine_code_decode(format.is_affine() ? format.bits : 4, format.activation);
+std::string code_decode_constants(const GemvKernelConfig& config) {
+  const GemvWeightFormat& format = config.format;
+  const AffineCodeDecode decode =
+      affine_code_decode(format.is_affine() ? format.bits : 4, format.activation, config.half_products);
   return fmt::format(
-      "enum CodeMethod {{ kCodeMaskOr, kCodeBytePermute, kCodeThroughF32 }};\n"
-      "constexpr CodeMethod kCodeMethod = CodeMethod({});\nconstexpr unsigned kCodeMask = 0x{:08X}u;\nconstexpr unsigned kCodeMagic = 0x{:08X}u;\n"
+      "enum CodeMethod {{ kCodeMaskOr, kCodeBytePermute, kCodeThroughF32, kCodeNibbleClasses }};\n"
+      "constexpr CodeMethod kCodeMethod = CodeMethod({});\nconstexpr unsigned kCodeMask = 0x{:08X}u;\n"
+      "constexpr unsigned kCodeOddMask = 0x{:08X}u;\nconstexpr unsigned kCodeMagic = 0x{:08X}u;\n"
       "constexpr int kCodeShift = {};\nconstexpr unsigned kCodeSelector0 = 0x{:04X}u, kCodeSelector1 = 0x{:04X}u;\n"
-      "constexpr float kCodeOffset = {:.1f}f;  // the decoded value of code q is kCodeOffset + q\n",
-      static_cast<int>(decode.method), decode.mask, decode.magic, decode.shift, decode.selector(0), decode.selector(1),
-      decode.offset);
+      "constexpr float kCodeOffset = {:.1f}f;  // the decoded value of code q is kCodeOffset + c q\n"
+      "constexpr float kOddCodeScale = {:.1f}f;  // c of the odd pairs (the even ones: 1)\n"
+      "constexpr bool kHalfProducts = {};\n",
+      static_cast<int>(decode.method), decode.mask, decode.odd_mask, decode.magic, decode.shift, decode.selector(0),
+      decode.selector(1), decode.offset, static_cast<double>(decode.code_scale(1)), config.half_products ? "true" : "false");
 }
 }  // namespace
 
 std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_written_in_kernel) {
-  return code_decode_constants(config.format) + fmt::format(
+  return code_decode_constants(config) + fmt::format(
       "constexpr int kM = {};\nconstexpr int kN = {};\nconstexpr int kK = {};\n"
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\nconstexpr int kWarps = {};\n"

@@ -89,8 +89,11 @@ std::string gemv_outputs_binding(const GemvKernelConfig& config);
 
 // The register mainloop stages the normalized x rows in shared memory (kXStaged) when the GEMV
 // normalizes x (x_rms_norm_eps) and M x K bf16 values fit kMaxStagedXBytes: every decode row (M = 1,
-// K <= 8192), not a prefill chunk of 16 rows of 4096.
+// K <= 8192), not a prefill chunk of 16 rows of 4096; and with half_products, within kMaxHalfStagedXBytes.
 constexpr std::int64_t kMaxStagedXBytes = 16 * 1024;
+// half_products stages x whatever the norm (the f16 products read nothing else): up to K = 16384 at
+// M = 1 (Llama-3-8B's down projection, 14336).
+constexpr std::int64_t kMaxHalfStagedXBytes = 32 * 1024;
 bool x_staged_in_shared_memory(const GemvKernelConfig& config);
 // Static shared memory the x normalization takes (GemvKernelConfig::x_rms_norm_eps: per warp and
 // row a partial sum of squares, per row the scale, and the staged x); a few bytes when x is not

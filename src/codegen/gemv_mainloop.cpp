@@ -291,12 +291,14 @@ __device__ __forceinline__ void fill_group_sums(const u16* __restrict__ x, const
 }
 
 // What the block computes from x once, after the wait (x through the pointer it returned): the
-// RMSNorm's row scales (kNormedX), then the shared group sums (of the normalized x). fill_sums is
-// the same for the whole block, so every warp reaches the barriers or none does.
+// RMSNorm's row scales (kNormedX), the f16 staging of half products, then the shared group sums (of
+// the normalized x). fill_sums is the same for the whole block, so every warp reaches the barriers or
+// none does.
 __device__ __forceinline__ void prepare_x(const u16* __restrict__ x, const u16* __restrict__ norm_weight,
                                           const NormWeights& preloaded, int begin, int end, bool fill_sums) {
   if (!fill_sums) return;
   compute_x_row_scales(x, norm_weight, preloaded);
+  stage_half_x(x);
   if constexpr (kSharedGroupSums) {
     fill_group_sums(x, norm_weight, begin, end);
     __syncthreads();
@@ -333,8 +335,14 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 #pragma unroll
             for (int j = 0; j < kChunksPerGroup; ++j) {
               const uint4 b = xv[h][q * kChunksPerGroup + j];
-              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
-              mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
+              if constexpr (kHalfProducts) {
+                // A registers 0, 2: rows 0..7; 1: rows 8..15 at the even pairs' columns; 3: at the odd ones'.
+                mma_in<true>(xsum[h], kHalfOnes, kHalfOnes, kHalfOnes, kHalfOddScales, b.x, b.y);
+                mma_in<true>(xsum[h], kHalfOnes, kHalfOnes, kHalfOnes, kHalfOddScales, b.z, b.w);
+              } else {
+                mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.x, b.y);
+                mma(xsum[h], kOnes, kOnes, kOnes, kOnes, b.z, b.w);
+              }
             }
           }
         }
@@ -441,7 +449,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     // cost Llama-3.2-1B 4-bit 0.396 -> 0.444 ms/token, session 17). Each later batch is requested as
     // soon as its registers are free, so the loop computes one batch while the next one's loads are
     // outstanding.
-    constexpr bool kPrologueWork = kNormedX || kSharedGroupSums;
+    constexpr bool kPrologueWork = kNormedX || kSharedGroupSums || kHalfProducts;
     Batch<P> even, odd;
     if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
     if constexpr (kPrologueWork) {
@@ -503,7 +511,8 @@ __device__ __forceinline__ int partial_index(int warp, int product, int tile, in
   return (((warp * kProducts + product) * kTiles + tile) * 16 + row) * kPaddedM + m;
 }
 
-// Writes a warp's accumulators for `product` (C fragment: rows g and g + 8, columns 2t, 2t + 1).
+// Writes a warp's accumulators for `product` (C fragment: rows g and g + 8, columns 2t, 2t + 1);
+// half products' sums in their rows' 2^e_m units are unscaled here (exact: powers of two).
 __device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4], float* partial, int warp,
                                       int product, int lane) {
   const int g = lane >> 2, t = lane & 3;
@@ -512,10 +521,17 @@ __device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4],
 #pragma unroll
     for (int h = 0; h < kRowHalves; ++h) {
       const int m = 8 * h + 2 * t;
-      partial[partial_index(warp, product, i, g, m)] = acc[i][h][0];
-      partial[partial_index(warp, product, i, g, m + 1)] = acc[i][h][1];
-      partial[partial_index(warp, product, i, g + 8, m)] = acc[i][h][2];
-      partial[partial_index(warp, product, i, g + 8, m + 1)] = acc[i][h][3];
+      float sums[4] = {acc[i][h][0], acc[i][h][1], acc[i][h][2], acc[i][h][3]};
+      if constexpr (kHalfProducts) {
+        sums[0] *= x_row_unscale[m];
+        sums[1] *= x_row_unscale[m + 1];
+        sums[2] *= x_row_unscale[m];
+        sums[3] *= x_row_unscale[m + 1];
+      }
+      partial[partial_index(warp, product, i, g, m)] = sums[0];
+      partial[partial_index(warp, product, i, g, m + 1)] = sums[1];
+      partial[partial_index(warp, product, i, g + 8, m)] = sums[2];
+      partial[partial_index(warp, product, i, g + 8, m + 1)] = sums[3];
     }
   }
 }
@@ -927,7 +943,14 @@ void GemvKernelConfig::validate() const {
                                  "as stored (no x_rms_norm_eps, no attention prologue)",
                                  to_string()));
   }
-  if (x_staged_by_async_copy && (!x_staged_in_shared_memory(*this) || shared_stages >= 2)) {
+  if (half_products && (!format.is_affine() || mainloop != GemvMainloop::register_batches || shared_stages >= 2 ||
+                        shared_group_sums || x_with_batch || attention || !x_staged_in_shared_memory(*this))) {
+    throw InputError(fmt::format("GEMV {}: half_products needs affine weights in register batches (shared_stages 0), "
+                                 "x as the block stages it (no shared_group_sums, x_with_batch or attention prologue) "
+                                 "and M x K values within {} bytes",
+                                 to_string(), kMaxHalfStagedXBytes));
+  }
+  if (x_staged_by_async_copy && (!x_rms_norm_eps || !x_staged_in_shared_memory(*this) || shared_stages >= 2)) {
     throw InputError(fmt::format("GEMV {}: x_staged_by_async_copy needs x normalized and staged in shared memory "
                                  "(x_rms_norm_eps, M x K bf16 values within {} bytes) and batches in registers "
                                  "(the register-batch mainloop, shared_stages 0: the ring's cp.async groups would wait for it)",
@@ -1018,6 +1041,7 @@ std::string GemvKernelConfig::to_string() const {
   if (l2_prefetch_rounds > 0) text += fmt::format(" l2_prefetch_rounds={}", l2_prefetch_rounds);
   if (x_staged_by_async_copy) text += " x_staged_by_async_copy";
   if (x_with_batch) text += " x_with_batch";
+  if (half_products) text += " half_products";
   if (resident_blocks_per_multiprocessor > 0) text += fmt::format(" resident_blocks={}", resident_blocks_per_multiprocessor);
   if (attention) {
     text += fmt::format(" attention(heads={}x{} D={} keys={} scale={:g})", attention->kv_heads, attention->groups,
@@ -1045,6 +1069,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.l2_prefetch_rounds > 0) schedule_tag += fmt::format("p{}", config.l2_prefetch_rounds);
   if (config.x_staged_by_async_copy) schedule_tag += "c";
   if (config.x_with_batch) schedule_tag += "x";
+  if (config.half_products) schedule_tag += "h";
   if (config.resident_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("r{}", config.resident_blocks_per_multiprocessor);
   if (config.attention) {
     // The scale's float bits, as the kernel's constant holds it.
@@ -1159,7 +1184,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
           existing.tile_loop_blocks_per_multiprocessor == config.tile_loop_blocks_per_multiprocessor &&
           existing.l2_prefetch_rounds == config.l2_prefetch_rounds &&
           existing.resident_blocks_per_multiprocessor == config.resident_blocks_per_multiprocessor &&
-          existing.x_with_batch == config.x_with_batch) {
+          existing.x_with_batch == config.x_with_batch && existing.half_products == config.half_products) {
         return;
       }
     }

@@ -254,11 +254,20 @@ HostTensor gather_rows(const HostTensor& tensor, std::span<const std::int64_t> o
   return result;
 }
 
-AffineCodeDecode affine_code_decode(int bits, DType activation) {
+AffineCodeDecode affine_code_decode(int bits, DType activation, bool half_products) {
   GemvWeightFormat::affine(bits, 32, activation).validate();
-  const bool half = activation == DType::f16;
+  const bool half = half_products || activation == DType::f16;
   AffineCodeDecode decode;
-  if (bits == 4) {
+  if (bits == 4 && half_products) {
+    // Pair 2i: the low nibble of each 16-bit half of word >> 8i (1024 + q); pair 2i + 1: the nibble
+    // above it, which f16's 10 mantissa bits hold too (1024 + 16 q). The repacked layout puts pair
+    // j's codes at nibbles j and j + 4, so both masks read the same shifted word.
+    decode.method = AffineCodeDecode::Method::nibble_classes;
+    decode.mask = 0x000F000Fu;
+    decode.odd_mask = 0x00F000F0u;
+    decode.magic = 0x64006400u;
+    decode.offset = 1024.0;
+  } else if (bits == 4) {
     // 0x6400 is f16 1024 (10 mantissa bits), 0x4300 is bf16 128 (7 mantissa bits): 4 bits fit both.
     decode.method = AffineCodeDecode::Method::mask_or;
     decode.mask = 0x000F000Fu;
@@ -275,6 +284,8 @@ AffineCodeDecode affine_code_decode(int bits, DType activation) {
   }
   return decode;
 }
+
+int AffineCodeDecode::code_scale(int pair) const { return method == Method::nibble_classes && pair % 2 == 1 ? 16 : 1; }
 
 std::uint32_t AffineCodeDecode::selector(int pair) const {
   // prmt numbers the bytes of {b, a} 0..7, a's first: byte j and j + 2 of the word, each under byte 4
@@ -299,6 +310,8 @@ std::uint32_t decode_affine_code_pair(const AffineCodeDecode& decode, std::uint3
   switch (decode.method) {
     case AffineCodeDecode::Method::mask_or:
       return ((word >> (decode.shift * pair)) & decode.mask) | decode.magic;  // lop3 0xEA: (a & b) | c
+    case AffineCodeDecode::Method::nibble_classes:
+      return ((word >> (8 * (pair / 2))) & (pair % 2 == 1 ? decode.odd_mask : decode.mask)) | decode.magic;
     case AffineCodeDecode::Method::byte_permute:
       return byte_permute(word, decode.magic, decode.selector(pair));
     case AffineCodeDecode::Method::through_f32: {

@@ -82,6 +82,18 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
     }
     configs.push_back(config);
   }
+  // Affine GEMVs whose x the block can stage: the same shapes multiplying in f16 (half_products: x
+  // staged once as scaled f16, one shift a 4-bit weight word instead of three). A shape the option
+  // does not fit (staged ring, shared group sums, x carried by batches, x too large) is left out.
+  for (GemvKernelConfig config : register_family) {
+    config.half_products = true;
+    try {
+      config.validate();
+    } catch (const InputError&) {
+      continue;
+    }
+    configs.push_back(config);
+  }
   if (streamed) {
     GemvKernelConfig streamed_base = base;
     streamed_base.mainloop = GemvMainloop::streamed;
@@ -109,6 +121,7 @@ std::string gemv_shape_name(const GemvKernelConfig& config) {
   if (config.l2_prefetch_rounds > 0) shape += fmt::format(" prefetch{}", config.l2_prefetch_rounds);
   if (config.x_staged_by_async_copy) shape += " x-async";
   if (config.x_with_batch) shape += " x-batch";
+  if (config.half_products) shape += " half";
   if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
   return shape;
 }

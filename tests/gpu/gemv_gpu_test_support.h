@@ -107,12 +107,10 @@ inline std::vector<double> expected_output(const Problem& problem, const GemvKer
   return expected;
 }
 
-// Runs one kernel on the problem's first `rows` rows and returns the scale-normalized error
-// against the float64 epilogue of the float64 products. A kernel with a workspace (streamed) runs
-// twice on fresh poison: the second launch must find the workspace ready and, the join order
-// being fixed, write the same bits.
-inline gemv_testing::ScaledError run_and_compare(const Problem& problem, const GemvKernelConfig& config,
-                                          const LoadedGemv& gemv) {
+// Runs one kernel on the problem's first `rows` rows and returns what it wrote, [rows, N]. A kernel
+// with a workspace (streamed) runs twice on fresh poison: the second launch must find the workspace
+// ready and, the join order being fixed, write the same bits.
+inline std::vector<double> run_gemv_outputs(const Problem& problem, const GemvKernelConfig& config, const LoadedGemv& gemv) {
   const std::int64_t rows = config.rows, n = problem.n, k = problem.k;
   const DType dtype = problem.format.activation;
   HostTensor x(TensorSpec({rows, k}, dtype));
@@ -151,8 +149,14 @@ inline gemv_testing::ScaledError run_and_compare(const Problem& problem, const G
     }
     EXPECT_EQ(differing, 0u) << config.to_string() << ": a second launch wrote other values";
   }
+  return actual;
+}
 
-  return scaled_error(actual, expected_output(problem, config));
+// The scale-normalized error of one kernel (run_gemv_outputs) against the float64 epilogue of the
+// float64 products.
+inline gemv_testing::ScaledError run_and_compare(const Problem& problem, const GemvKernelConfig& config,
+                                                 const LoadedGemv& gemv) {
+  return scaled_error(run_gemv_outputs(problem, config, gemv), expected_output(problem, config));
 }
 
 

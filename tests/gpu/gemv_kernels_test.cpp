@@ -147,6 +147,107 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
 }
 
 
+// GemvKernelConfig::half_products: every register shape's half twin (x staged as scaled f16, the codes
+// decoded in f16) against the float64 reference, for 4-bit (nibble_classes) and 8-bit codes at each
+// group size and both activation dtypes: Llama-3-8B's gate/up and down at M = 1, ragged N (77 < the SM
+// count, 1000) and K (11 groups) at M = 1, 3, 9 and 16. Then x far outside f16's range and far below
+// it (bf16 rows scaled by 2^40, 2^-60 and a row of 2^-20 with one 2^24 outlier), one row a launch and
+// three rows of different scales in one, each row checked against its own reference: the per-row
+// power of two must put every row in f16's range and take itself out again exactly.
+std::vector<GemvKernelConfig> half_twins(const std::vector<GemvKernelConfig>& configs) {
+  std::vector<GemvKernelConfig> twins;
+  for (GemvKernelConfig config : configs) {
+    config.half_products = true;
+    try {
+      config.validate();
+    } catch (const InputError&) {
+      continue;
+    }
+    twins.push_back(config);
+  }
+  return twins;
+}
+
+TEST_F(GemvKernels, HalfProductsMatchFloat64) {
+  std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
+  int kernels = 0;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    for (const GemvWeightFormat& format : every_gemv_format(dtype)) {
+      if (!format.is_affine()) continue;
+      const bool model_size = format.group_size == 64 || (format.bits == 4 && format.group_size == 128);
+      if (model_size && dtype == DType::bf16) {
+        const Problem gate_up = make_problem(format, 14336, 4096, 2, seed += 100);
+        const std::vector<GemvKernelConfig> gate_up_configs =
+            half_twins(gemv_tuning_candidates(config_for(gate_up, 1, GemvEpilogue::swiglu())));
+        ASSERT_FALSE(gate_up_configs.empty()) << format.to_string();
+        check_cases(gate_up, gate_up_configs, device(), "half Llama-3-8B gate/up " + format.to_string());
+        const Problem down = make_problem(format, 4096, 14336, 1, seed += 100);
+        const std::vector<GemvKernelConfig> down_configs =
+            half_twins(gemv_tuning_candidates(config_for(down, 1, GemvEpilogue::residual_add())));
+        ASSERT_FALSE(down_configs.empty()) << format.to_string();
+        check_cases(down, down_configs, device(), "half Llama-3-8B down " + format.to_string());
+        kernels += static_cast<int>(gate_up_configs.size() + down_configs.size());
+      }
+      const std::int64_t k = format.group_size * 11;
+      for (std::int64_t n : {77, 1000}) {
+        const Problem problem = make_problem(format, n, k, 2, seed += 100);
+        std::vector<GemvKernelConfig> configs;
+        for (std::int64_t rows : {1, 3, 9, 16}) {
+          for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::residual_add()}) {
+            const std::vector<GemvKernelConfig> twins = half_twins(gemv_tuning_candidates(config_for(problem, rows, epilogue)));
+            configs.insert(configs.end(), twins.begin(), twins.size() > 3 ? twins.begin() + 3 : twins.end());
+          }
+        }
+        ASSERT_FALSE(configs.empty());
+        check_cases(problem, configs, device(), fmt::format("half ragged {} N={} K={}", format.to_string(), n, k));
+        kernels += static_cast<int>(configs.size());
+      }
+    }
+  }
+  // x beyond f16's range and below it (bf16).
+  for (int bits : {4, 8}) {
+    const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
+    Problem problem = make_problem(format, 300, 1024, 2, seed += 100);
+    const std::int64_t k = problem.k;
+    std::vector<double> x = problem.x.to_values();
+    const double row_scales[3] = {std::ldexp(1.0, 40), std::ldexp(1.0, -60), std::ldexp(1.0, -20)};
+    for (std::int64_t m = 0; m < 16; ++m) {
+      for (std::int64_t c = 0; c < k; ++c) x[static_cast<std::size_t>(m * k + c)] *= row_scales[m % 3];  // exact in bf16
+      if (m % 3 == 2) x[static_cast<std::size_t>(m * k + 5)] = std::ldexp(1.0, 24);  // one outlier among small values
+    }
+    problem.x = HostTensor::from_values(TensorSpec({16, k}, format.activation), x);
+    for (int p = 0; p < 2; ++p) {
+      problem.products[p] = gemv_testing::reference_gemv(x, problem.matrices[static_cast<std::size_t>(p)].values, 16, problem.n, k);
+    }
+    std::vector<GemvKernelConfig> configs;
+    for (std::int64_t rows : {1, 3}) {
+      for (const GemvEpilogue& epilogue : {GemvEpilogue::swiglu(), GemvEpilogue::store()}) {
+        const std::vector<GemvKernelConfig> twins = half_twins(gemv_tuning_candidates(config_for(problem, rows, epilogue)));
+        configs.insert(configs.end(), twins.begin(), twins.size() > 2 ? twins.begin() + 2 : twins.end());
+      }
+    }
+    std::vector<GemvKernelSource> sources;
+    for (const GemvKernelConfig& config : configs) sources.push_back(generate_gemv_kernel(config));
+    const std::vector<LoadedGemv> loaded = compile_all(sources, device());
+    const double threshold = numeric_gate_threshold(format.activation);
+    for (std::size_t i = 0; i < configs.size(); ++i) {
+      const std::vector<double> actual = run_gemv_outputs(problem, configs[i], loaded[i]);
+      const std::vector<double> expected = expected_output(problem, configs[i]);
+      for (std::int64_t m = 0; m < configs[i].rows; ++m) {
+        const auto row = [&](const std::vector<double>& values) {
+          return std::vector<double>(values.begin() + m * problem.n, values.begin() + (m + 1) * problem.n);
+        };
+        const gemv_testing::ScaledError error = scaled_error(row(actual), row(expected));
+        EXPECT_LE(error.relative_norm, threshold) << configs[i].to_string() << " row " << m << " (x scaled by "
+                                                  << row_scales[m % 3] << ")";
+        EXPECT_LE(error.relative_max, threshold) << configs[i].to_string() << " row " << m;
+      }
+    }
+    kernels += static_cast<int>(configs.size());
+  }
+  std::cout << fmt::format("[figures] half products: {} kernels within the gate\n", kernels);
+}
+
 // GemvKernelConfig::x_staged_by_async_copy: x copied into shared memory by cp.async, its squares summed
 // and its rows normalized there, must write the bits of the register prologue (same sums in the same
 // order) for every format, M = 1, 3 and 16; four warps at K = 4096 (four vectors a thread: the norm's

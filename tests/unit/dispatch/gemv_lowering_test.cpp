@@ -209,11 +209,12 @@ TEST(GemvLowering, AnLmHeadGetsRegisterAndStreamedShapes) {
       const FusionPlan plan = plan_graph_fusion(graph);
       const Lowered lowered = gemv_region_candidates(*plan.graph, contraction_node_region(*plan.graph, plan.unfused.at(0)));
       ASSERT_TRUE(lowered.decision) << lowered.decision.reason;
-      int streamed = 0, prefetching = 0, looped = 0;
+      int streamed = 0, prefetching = 0, looped = 0, half = 0;
       for (const FusedCandidate& candidate : lowered.candidates) {
         streamed += candidate.id.variant.find("streamed") != std::string::npos ? 1 : 0;
         prefetching += candidate.id.variant.find("prefetch") != std::string::npos ? 1 : 0;
         looped += candidate.id.variant.find("loop") != std::string::npos ? 1 : 0;
+        half += candidate.id.variant.find("half") != std::string::npos ? 1 : 0;
       }
       const int per_family = gemv_lowering_shapes_per_family_one_stage;
       EXPECT_EQ(streamed, per_family) << bits << " bits, M " << rows;
@@ -221,7 +222,10 @@ TEST(GemvLowering, AnLmHeadGetsRegisterAndStreamedShapes) {
       if (rows == 1) {
         EXPECT_GE(looped, 2) << bits << " bits, M " << rows;
       }
-      EXPECT_EQ(lowered.candidates.size(), 3u * per_family);
+      // The half-products twins: affine weights whose x the block can stage (M = 1 of K = 4096, not 16 rows).
+      const int expected_half = bits == 4 && rows == 1 ? per_family : 0;
+      EXPECT_EQ(half, expected_half) << bits << " bits, M " << rows;
+      EXPECT_EQ(lowered.candidates.size(), 3u * per_family + static_cast<unsigned>(expected_half));
     }
   }
 }
@@ -466,7 +470,7 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
             // Every register shape without a prefetch or a staged ring has its twin, when the twin is valid.
             for (const GemvKernelConfig& config : configs) {
               if (config.mainloop != GemvMainloop::register_batches || config.x_staged_by_async_copy ||
-                  config.l2_prefetch_rounds > 0 || config.shared_stages >= 2) {
+                  config.l2_prefetch_rounds > 0 || config.shared_stages >= 2 || config.half_products) {
                 continue;
               }
               GemvKernelConfig twin = config;
@@ -477,6 +481,25 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
             }
           } else {
             EXPECT_EQ(copied, 0) << "N " << n << " K " << k << " bits " << bits;
+          }
+          // Affine weights at M = 1 (x of at most 16384 columns fits the block's stage): every plain
+          // register shape without a staged ring or shared group sums has its half-products twin raced;
+          // dense weights have none.
+          int halves = 0;
+          for (const GemvKernelConfig& config : configs) {
+            halves += config.half_products ? 1 : 0;
+            if (config.mainloop != GemvMainloop::register_batches || config.x_staged_by_async_copy ||
+                config.l2_prefetch_rounds > 0 || config.shared_stages >= 2 || config.shared_group_sums ||
+                config.x_with_batch || config.half_products) {
+              continue;
+            }
+            GemvKernelConfig twin = config;
+            twin.half_products = true;
+            EXPECT_EQ(names.contains(gemv_shape_name(twin)), bits != 16)
+                << gemv_shape_name(twin) << ", N " << n << " K " << k << " bits " << bits;
+          }
+          if (bits == 16) {
+            EXPECT_EQ(halves, 0);
           }
         }
       }

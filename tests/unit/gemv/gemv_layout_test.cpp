@@ -121,12 +121,20 @@ std::uint32_t code_from_pair(std::uint32_t word, int bits, DType activation, int
 // the magic-number bit tricks (lop3, prmt, the f32 route) against integer arithmetic. The slot of
 // pair j, element e is the repacked layout's (gemv_weight_layout.cpp): nibble j + 4e at 4 bits, byte
 // j + 2e at 8 bits.
+// With half products (the kernel multiplies in f16 whatever the activation dtype) the values are f16
+// and nibble_classes' odd pairs are offset + 16 q.
 TEST(GemvCodeDecode, EveryCodeDecodesExactlyToOffsetPlusCode) {
   const std::uint64_t seed = testing::test_seed("GemvCodeDecode.EveryCodeDecodesExactlyToOffsetPlusCode");
   std::mt19937_64 generator(seed);
-  for (DType activation : {DType::bf16, DType::f16}) {
+  for (const auto& [dtype, half_products] : {std::pair{DType::bf16, false}, std::pair{DType::f16, false},
+                                             std::pair{DType::bf16, true}, std::pair{DType::f16, true}}) {
+    // The dtype of the decoded values.
+    const DType activation = half_products ? DType::f16 : dtype;
     for (int bits : {4, 8}) {
-      const AffineCodeDecode decode = affine_code_decode(bits, activation);
+      const AffineCodeDecode decode = affine_code_decode(bits, dtype, half_products);
+      if (half_products && bits == 4) {
+        EXPECT_EQ(decode.method, AffineCodeDecode::Method::nibble_classes);
+      }
       const int codes_per_word = 32 / bits, pairs = codes_per_word / 2;
       const std::uint32_t max_code = (1u << bits) - 1;
       int mismatches = 0;
@@ -141,17 +149,20 @@ TEST(GemvCodeDecode, EveryCodeDecodesExactlyToOffsetPlusCode) {
               for (int e = 0; e < 2; ++e) {
                 const std::uint32_t expected = e == element ? q : (word >> (bits * (pair + pairs * e))) & max_code;
                 const double value = half_value(pair_bits, e, activation);
-                if (value != decode.offset + expected && ++mismatches <= 5) {
-                  ADD_FAILURE() << dtype_name(activation) << " " << bits << "-bit pair " << pair << " element " << e
-                                << ": word 0x" << std::hex << word << std::dec << " decodes to " << value << ", not "
-                                << decode.offset << " + " << expected;
+                const int scale = decode.code_scale(pair);
+                if (value != decode.offset + scale * expected && ++mismatches <= 5) {
+                  ADD_FAILURE() << dtype_name(dtype) << (half_products ? " half products " : " ") << bits << "-bit pair "
+                                << pair << " element " << e << ": word 0x" << std::hex << word << std::dec
+                                << " decodes to " << value << ", not " << decode.offset << " + " << scale << " x "
+                                << expected;
                 }
               }
             }
           }
         }
       }
-      EXPECT_EQ(mismatches, 0) << dtype_name(activation) << " " << bits << "-bit (seed " << seed << ")";
+      EXPECT_EQ(mismatches, 0) << dtype_name(dtype) << (half_products ? " half products " : " ") << bits << "-bit (seed "
+                               << seed << ")";
     }
   }
 }
