@@ -286,8 +286,7 @@ __device__ __forceinline__ void compute_x_row_scales(const u16* __restrict__ x, 
 // is 65504) and c the code scale of the column's pair (kOddCodeScale at the odd pairs' columns: k & 2,
 // uint4 components y and w). v holds 8 significant bits (bf16) or 11 (f16), so x' is exact down to
 // f16's subnormals, 2^-29 of the row's largest magnitude and below. x_row_unscale[m] = 2^-e_m undoes
-// the scale on the warps' sums (spill). A row whose largest magnitude is 0 or not finite keeps e_m = 0
-// (its infinities and NaNs reach the sums as they are).
+// the scale on the warps' sums (spill). A row whose largest magnitude is 0 (or NaN) keeps e_m = 0.
 static_assert(!kHalfProducts || (kXStaged && kK % 8 == 0), "half products read x staged in shared memory");
 __shared__ float x_row_largest[kHalfProducts ? kWarps * kPaddedM : 1];
 __shared__ float x_row_unscale[kHalfProducts ? kPaddedM : 1];
@@ -300,9 +299,10 @@ __device__ __forceinline__ float largest_magnitude(const uint4& value) {
   return largest;
 }
 
-// 2^e with e = 14 - floor(log2(largest)), held to f32's normal powers.
+// e = 14 - floor(log2(largest)), held to f32's normal powers (an infinity's exponent field gives
+// -114: the row's sums are infinite or NaN whatever the others become).
 __device__ __forceinline__ int row_exponent(float largest) {
-  if (!(largest > 0.0f) || largest > 3.0e38f) return 0;
+  if (!(largest > 0.0f)) return 0;
   const int exponent = (int)((__float_as_uint(largest) >> 23) & 0xFFu) - 127;
   return max(-126, min(126, 14 - exponent));
 }

@@ -152,8 +152,8 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
 // group size and both activation dtypes: Llama-3-8B's gate/up and down at M = 1, ragged N (77 < the SM
 // count, 1000) and K (11 groups) at M = 1, 3, 9 and 16. Then x far outside f16's range and far below
 // it (bf16 rows scaled by 2^40, 2^-60 and a row of 2^-20 with one 2^24 outlier), one row a launch and
-// three rows of different scales in one, each row checked against its own reference: the per-row
-// power of two must put every row in f16's range and take itself out again exactly.
+// three rows of different scales in one, each row checked against its own reference, and a row holding
+// 3.2e38: the per-row power of two must put every row in f16's range and take itself out again exactly.
 std::vector<GemvKernelConfig> half_twins(const std::vector<GemvKernelConfig>& configs) {
   std::vector<GemvKernelConfig> twins;
   for (GemvKernelConfig config : configs) {
@@ -243,6 +243,20 @@ TEST_F(GemvKernels, HalfProductsMatchFloat64) {
         EXPECT_LE(error.relative_max, threshold) << configs[i].to_string() << " row " << m;
       }
     }
+    kernels += static_cast<int>(configs.size());
+  }
+  // The largest finite magnitudes bf16 holds: one 3.2e38 among values of 1 (f16's 65504 and a fixed
+  // scale would both fail here), the store epilogue (the products stay finite).
+  {
+    const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+    Problem problem = make_problem(format, 200, 512, 1, seed += 100);
+    std::vector<double> x = problem.x.to_values();
+    x[7] = 3.2e38;
+    problem.x = HostTensor::from_values(TensorSpec({16, problem.k}, format.activation), x);
+    problem.products[0] = gemv_testing::reference_gemv(problem.x.to_values(), problem.matrices[0].values, 16, problem.n, problem.k);
+    const std::vector<GemvKernelConfig> configs = half_twins(gemv_tuning_candidates(config_for(problem, 1, GemvEpilogue::store())));
+    ASSERT_FALSE(configs.empty());
+    check_cases(problem, configs, device(), "half products, x of 3.2e38");
     kernels += static_cast<int>(configs.size());
   }
   std::cout << fmt::format("[figures] half products: {} kernels within the gate\n", kernels);
