@@ -182,14 +182,10 @@ int run(bool all, bool opcodes, bool norm, bool qkv, bool half, std::int64_t row
     std::vector<GemvKernelConfig> with_twins;
     for (const GemvKernelConfig& config : configs) {
       with_twins.push_back(config);
-      GemvKernelConfig twin = config;
-      twin.half_products = true;
-      try {
-        twin.validate();
-      } catch (const InputError&) {
-        continue;
+      for (const GemvKernelConfig& twin :
+           gemv_valid_twins({&config, 1}, [](GemvKernelConfig& changed) { changed.half_products = true; })) {
+        with_twins.push_back(twin);
       }
-      with_twins.push_back(twin);
     }
     configs = std::move(with_twins);
   }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -391,6 +392,11 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 // The launch shapes worth trying for one problem (warps, tiles, loads in flight), best guess
 // first; every returned config is valid.
 std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors = 132);
+
+// Each of `configs` with one option changed by `change` (x staged by cp.async, half products), in
+// order, keeping those that still validate: the twins a race adds beside the shapes it has.
+std::vector<GemvKernelConfig> gemv_valid_twins(std::span<const GemvKernelConfig> configs,
+                                               const std::function<void(GemvKernelConfig&)>& change);
 
 // Whether every batch of the register-batch mainloop lies whole inside the matrix: no split-K, K a
 // multiple of the iteration, the tiles a multiple of the block's, and the warps' batches

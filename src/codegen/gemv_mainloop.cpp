@@ -1393,6 +1393,21 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   return candidates;
 }
 
+std::vector<GemvKernelConfig> gemv_valid_twins(std::span<const GemvKernelConfig> configs,
+                                               const std::function<void(GemvKernelConfig&)>& change) {
+  std::vector<GemvKernelConfig> twins;
+  for (GemvKernelConfig config : configs) {
+    change(config);
+    try {
+      config.validate();
+    } catch (const InputError&) {
+      continue;
+    }
+    twins.push_back(std::move(config));
+  }
+  return twins;
+}
+
 bool gemv_batches_whole(const GemvKernelConfig& config) {
   const std::int64_t columns = config.format.columns_per_iteration();
   const std::int64_t iterations = (config.in_features + columns - 1) / columns;

@@ -72,28 +72,13 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
   }
   // Normalized GEMVs (x_rms_norm_eps, x staged): the same shapes with x copied into shared memory by
   // cp.async and summed and normalized there, one L2 round trip after the wait instead of two or
-  // three. A shape the option does not fit (staged ring, x too large) is left out.
-  for (GemvKernelConfig config : register_family) {
-    config.x_staged_by_async_copy = true;
-    try {
-      config.validate();
-    } catch (const InputError&) {
-      continue;
-    }
-    configs.push_back(config);
-  }
-  // Affine GEMVs whose x the block can stage: the same shapes multiplying in f16 (half_products: x
-  // staged once as scaled f16, one shift a 4-bit weight word instead of three). A shape the option
-  // does not fit (staged ring, shared group sums, x carried by batches, x too large) is left out.
-  for (GemvKernelConfig config : register_family) {
-    config.half_products = true;
-    try {
-      config.validate();
-    } catch (const InputError&) {
-      continue;
-    }
-    configs.push_back(config);
-  }
+  // three. Affine GEMVs whose x the block can stage: the same shapes multiplying in f16
+  // (half_products: x staged once as scaled f16, one shift a 4-bit weight word instead of three). A
+  // shape an option does not fit (staged ring, shared group sums, x carried by batches, x too large)
+  // is left out.
+  auto append = [&](const std::vector<GemvKernelConfig>& twins) { configs.insert(configs.end(), twins.begin(), twins.end()); };
+  append(gemv_valid_twins(register_family, [](GemvKernelConfig& config) { config.x_staged_by_async_copy = true; }));
+  append(gemv_valid_twins(register_family, [](GemvKernelConfig& config) { config.half_products = true; }));
   if (streamed) {
     GemvKernelConfig streamed_base = base;
     streamed_base.mainloop = GemvMainloop::streamed;

@@ -155,17 +155,7 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
 // three rows of different scales in one, each row checked against its own reference, and a row holding
 // 3.2e38: the per-row power of two must put every row in f16's range and take itself out again exactly.
 std::vector<GemvKernelConfig> half_twins(const std::vector<GemvKernelConfig>& configs) {
-  std::vector<GemvKernelConfig> twins;
-  for (GemvKernelConfig config : configs) {
-    config.half_products = true;
-    try {
-      config.validate();
-    } catch (const InputError&) {
-      continue;
-    }
-    twins.push_back(config);
-  }
-  return twins;
+  return gemv_valid_twins(configs, [](GemvKernelConfig& config) { config.half_products = true; });
 }
 
 TEST_F(GemvKernels, HalfProductsMatchFloat64) {
