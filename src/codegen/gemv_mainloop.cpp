@@ -776,6 +776,21 @@ std::int64_t group_sum_bytes(const GemvKernelConfig& config) {
   return groups * ((config.rows + 7) / 8 * 8) * 4;
 }
 
+// The joins' static shared memory: split-K's arrival flag (`arrived`), the argmax join's arrival flag
+// and per-warp winner (argmax_arrived, warp_best, warp_best_index). A few bytes, but a kernel at the
+// 48 KiB line does not link with them (a half-products LM head, M = 1, K = 16224, w8 t4: ptxas
+// counted 49188 bytes where the check counted 49124).
+std::int64_t join_shared_bytes(const GemvKernelConfig& config) {
+  std::int64_t bytes = config.k_splits > 1 ? 4 : 0;
+  if (config.argmax_rows) bytes += 4 + std::int64_t{config.warps_per_block} * 8;
+  return bytes;
+}
+
+// Every static shared array of a register-batch kernel but the attention prologue's.
+std::int64_t static_shared_bytes(const GemvKernelConfig& config) {
+  return partial_sum_bytes(config) + group_sum_bytes(config) + x_norm_shared_bytes(config) + join_shared_bytes(config);
+}
+
 // The staged batches' rings in dynamic shared memory: per warp, shared_stages slots of one batch
 // of every matrix (SharedSlot<kProducts> in the kernel: 512 bytes per weight vector of the warp,
 // 256 per scale/bias pair).
@@ -1003,9 +1018,10 @@ void GemvKernelConfig::validate() const {
   if (shared_group_sums && !format.is_affine()) {
     throw InputError("GEMV: shared_group_sums needs affine weights (dense has no groups)");
   }
-  const std::int64_t static_shared = shared + group_sum_bytes(*this) + x_norm_shared_bytes(*this);
+  const std::int64_t static_shared = static_shared_bytes(*this);
   if (static_shared > 48 * 1024) {
-    throw InputError(fmt::format("GEMV {}: {} bytes of static shared memory for partial and group sums (at most 49152)",
+    throw InputError(fmt::format("GEMV {}: {} bytes of static shared memory for partial and group sums, x and the "
+                                 "joins (at most 49152)",
                                  to_string(), static_shared));
   }
   if (static_shared + staged_ring_bytes(*this) > shared_memory_per_block) {
@@ -1132,8 +1148,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
           ? std::min<std::int64_t>(tile_blocks, std::int64_t{config.multiprocessors} * config.tile_loop_blocks_per_multiprocessor)
           : tile_blocks * config.k_splits);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
-  result.static_shared_bytes =
-      static_cast<unsigned>(partial_sum_bytes(config) + group_sum_bytes(config) + x_norm_shared_bytes(config));
+  result.static_shared_bytes = static_cast<unsigned>(static_shared_bytes(config));
   result.dynamic_shared_bytes = static_cast<unsigned>(staged_ring_bytes(config));
   if (config.k_splits > 1) {
     result.workspace_bytes = static_cast<std::uint64_t>(tile_blocks * config.k_splits * products * config.rows *

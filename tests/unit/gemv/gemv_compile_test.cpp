@@ -712,6 +712,49 @@ TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
   }
 }
 
+// validate()'s 48 KiB static-shared check against ptxas's own count, at the line: half products stage
+// up to 32 KiB of x, so a 4-tile block's partial sums, x and the joins' few bytes (split-K's arrival
+// flag, the argmax join's flag and per-warp winners) can meet it. Each pair of K straddles the line
+// once those bytes count (M = 1, w8 t4); every config validate() accepts must compile for sm_90 within
+// 49152 bytes and within the static_shared_bytes the generator reports (which LoadedGemv checks).
+TEST(GemvCompile, StaticSharedMemoryCheckCountsTheJoinsAtTheLimit) {
+  GemvKernelConfig argmax = gemv_config(GemvWeightFormat::affine(4, 32, DType::bf16), 1, 128256, 0, GemvEpilogue::store());
+  argmax.argmax_rows = true;
+  GemvKernelConfig split = gemv_config(GemvWeightFormat::affine(4, 32, DType::f16), 1, 1000, 0, GemvEpilogue::store());
+  split.k_splits = 2;
+  split.x_rms_norm_eps = 1e-5;
+  const std::regex smem(R"((\d+) bytes smem)");
+  for (const auto& [base, ks] : {std::pair{argmax, std::vector<std::int64_t>{16224, 16192}},
+                                 std::pair{split, std::vector<std::int64_t>{16096, 16064}}}) {
+    int accepted = 0;
+    for (const std::int64_t k : ks) {
+      GemvKernelConfig config = base;
+      config.in_features = k;
+      config.warps_per_block = 8;
+      config.tiles_per_block = 4;
+      config.iterations_in_flight = 1;
+      config.half_products = true;
+      try {
+        config.validate();
+      } catch (const InputError&) {
+        continue;
+      }
+      ++accepted;
+      const GemvKernelSource kernel = generate_gemv_kernel(config);
+      EXPECT_LE(kernel.static_shared_bytes, 49152u) << config.to_string();
+      try {
+        const Compiled compiled = compile_for_sm90(kernel);
+        std::smatch match;
+        ASSERT_TRUE(std::regex_search(compiled.log, match, smem)) << config.to_string() << "\n" << compiled.log;
+        EXPECT_LE(std::stoul(match[1].str()), kernel.static_shared_bytes) << config.to_string();
+      } catch (const CudaError& error) {
+        ADD_FAILURE() << config.to_string() << " passed validate() but does not compile\n" << error.what();
+      }
+    }
+    EXPECT_GE(accepted, 1) << base.to_string();
+  }
+}
+
 // A stage with fewer than six 16-row tiles an SM leads with more warps a tile (one product: 8, then
 // 16): Llama-3-8B's q/k/v (6144 rows, 384 tiles) under ncu had 4-warp blocks at 17.5% occupancy with no
 // eligible warp in 89% of the cycles. A wide gate/up (896 tiles) keeps the order measured for it.
