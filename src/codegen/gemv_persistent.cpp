@@ -196,6 +196,12 @@ void PersistentMlpConfig::validate() const {
   if (gate_up.x_rms_norm_eps || down.x_rms_norm_eps) {
     throw InputError("persistent MLP: x normalized as it is loaded (the RMSNorm prologue) is not supported");
   }
+  // Half products read x staged as scaled f16 by the block's x prologue (stage_half_x) and unscale the
+  // sums in spill(); a phase's pieces run neither (accumulate without fill_sums, finish_piece), so
+  // they would multiply whatever x_staged held.
+  if (gate_up.half_products || down.half_products) {
+    throw InputError("persistent MLP: half products (x staged by the block's prologue) are not supported");
+  }
   if (gate_up.format != down.format || gate_up.rows != down.rows || down.in_features != gate_up.out_features) {
     throw InputError(fmt::format("persistent MLP: down ({}) must read gate/up's output ({}): same format and rows, K = N",
                                  down.to_string(), gate_up.to_string()));

@@ -1092,6 +1092,14 @@ TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
   config = candidates.front();
   config.down.epilogue = GemvEpilogue::swiglu();  // down multiplies one matrix
   EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError);
+  // Half products: each phase alone validates (x fits the block's staging), but the pieces never run
+  // the prologue that stages x as scaled f16, nor the spill that unscales their sums.
+  for (GemvKernelConfig PersistentMlpConfig::*phase : {&PersistentMlpConfig::gate_up, &PersistentMlpConfig::down}) {
+    config = candidates.front();
+    (config.*phase).half_products = true;
+    EXPECT_NO_THROW((config.*phase).validate()) << (config.*phase).to_string();
+    EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError) << (config.*phase).to_string();
+  }
 }
 
 // x_with_batch: a double-buffered batch carries its x fragments. Raced first on the stages of at most one
