@@ -202,6 +202,13 @@ void PersistentMlpConfig::validate() const {
   if (gate_up.half_products || down.half_products) {
     throw InputError("persistent MLP: half products (x staged by the block's prologue) are not supported");
   }
+  // The down phase reads the hidden state other blocks write in this launch (kXWrittenInKernel): its
+  // x loads wait for the grid barrier, which x_with_batch's loads with the weights would not
+  // (register_mainloop_body's static_assert).
+  if (down.x_with_batch) {
+    throw InputError("persistent MLP: the down phase's x is written in the kernel; it cannot travel with the batches "
+                     "(x_with_batch)");
+  }
   if (gate_up.format != down.format || gate_up.rows != down.rows || down.in_features != gate_up.out_features) {
     throw InputError(fmt::format("persistent MLP: down ({}) must read gate/up's output ({}): same format and rows, K = N",
                                  down.to_string(), gate_up.to_string()));

@@ -1100,6 +1100,11 @@ TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
     EXPECT_NO_THROW((config.*phase).validate()) << (config.*phase).to_string();
     EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError) << (config.*phase).to_string();
   }
+  // x carried by the down phase's batches: valid alone, but its x is the hidden state this launch writes.
+  config = candidates.front();
+  config.down.x_with_batch = true;
+  EXPECT_NO_THROW(config.down.validate()) << config.down.to_string();
+  EXPECT_THROW(generate_persistent_mlp_kernel(config), InputError) << config.down.to_string();
 }
 
 // x_with_batch: a double-buffered batch carries its x fragments. Raced first on the stages of at most one
