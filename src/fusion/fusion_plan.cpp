@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "json_input.h"
 #include "metile/fusion.h"
 
 namespace metile {
@@ -155,10 +156,8 @@ std::string FusionPlan::to_json() const {
   };
   auto node_name = [&](NodeId id) { return g.node(id).name; };
   auto value_name = [&](ValueId id) { return g.value(id).name; };
-  // Names from C++ callers need not be UTF-8 (as write_graph_json, replacing bad bytes keeps this total).
-  auto dumped = [](const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); };
   // One region per line keeps the file short and diffable; the bytes depend on
-  // the plan alone.
+  // the plan alone. Names from C++ callers need not be UTF-8: dump_json replaces their bad bytes.
   std::string text = fmt::format("{{\n  \"kernels\": {},\n  \"regions\": [", kernel_count());
   for (std::size_t index = 0; index < regions.size(); ++index) {
     const FusionRegion& region = regions[index];
@@ -178,11 +177,11 @@ std::string FusionPlan::to_json() const {
       Json certificate = Json::parse(region.certificate, nullptr, false);
       entry["certificate"] = certificate.is_discarded() ? Json(region.certificate) : std::move(certificate);
     }
-    text += (index == 0 ? "\n    " : ",\n    ") + dumped(entry);
+    text += (index == 0 ? "\n    " : ",\n    ") + dump_json(entry);
   }
   text += regions.empty() ? "],\n" : "\n  ],\n";
-  text += "  \"unfused\": " + dumped(names(unfused, node_name));
-  if (!rewrites.empty()) text += ",\n  \"rewrites\": " + dumped(Json(rewrites));
+  text += "  \"unfused\": " + dump_json(names(unfused, node_name));
+  if (!rewrites.empty()) text += ",\n  \"rewrites\": " + dump_json(Json(rewrites));
   text += "\n}\n";
   return text;
 }

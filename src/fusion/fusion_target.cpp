@@ -199,7 +199,8 @@ std::string FusionTarget::to_json() const {
   Json document = Json::object();
   document["name"] = name;
   for (const TargetField& field : target_fields()) document[field.name] = field.write(*this);
-  return document.dump(2);
+  // A name set from C++ need not be UTF-8: dump_json replaces its bad bytes instead of throwing.
+  return dump_json(document, 2);
 }
 
 }  // namespace metile

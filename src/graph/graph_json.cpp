@@ -244,8 +244,8 @@ class GraphFileReader {
   std::map<std::string, int, std::less<>> next_unnamed_;              // per op: the next N of op_N to try
 };
 
-// Names from C++ callers need not be UTF-8; replacing bad bytes keeps the writer total.
-std::string json_text(const std::string& text) { return Json(text).dump(-1, ' ', false, Json::error_handler_t::replace); }
+// Names from C++ callers need not be UTF-8: dump_json replaces their bad bytes.
+std::string json_text(const std::string& text) { return dump_json(Json(text)); }
 
 std::string integers_text(const std::vector<std::int64_t>& integers) {
   std::string text = "[";

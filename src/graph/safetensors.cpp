@@ -260,7 +260,7 @@ void write_safetensors(const std::filesystem::path& path, const TensorMap& tenso
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
-  std::string header_text = header.dump(-1, ' ', false, Json::error_handler_t::replace);
+  std::string header_text = dump_json(header);
   // Pad with spaces so the data starts 8-byte aligned, as the format recommends.
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
 

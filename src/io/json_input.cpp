@@ -98,7 +98,7 @@ Json parse_json_input(std::string_view text, std::string_view source) {
 
 std::string json_excerpt(const Json& value) {
   constexpr std::size_t kLength = 60;
-  std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
+  std::string text = dump_json(value);
   if (text.size() > kLength) text = text.substr(0, kLength - 3) + "...";
   return text;
 }

@@ -17,7 +17,16 @@ namespace metile {
 // twice in one object) or "SOURCE: JSON nested deeper than ...".
 nlohmann::json parse_json_input(std::string_view text, std::string_view source);
 
-// value.dump(), cut to about 60 characters with "..." when longer.
+// value.dump(indent) (json or ordered_json) with bytes that are not UTF-8 replaced by U+FFFD, where
+// nlohmann's default handler throws type_error 316: names set from C++ need not be UTF-8 (GraphBuilder
+// refuses control bytes only), and every writer of JSON (graphs, plans, targets, safetensors headers,
+// excerpts in messages) must stay total. The one place that says how metile dumps JSON.
+template <typename BasicJson>
+std::string dump_json(const BasicJson& value, int indent = -1) {
+  return value.dump(indent, ' ', false, BasicJson::error_handler_t::replace);
+}
+
+// dump_json(value), cut to about 60 characters with "..." when longer.
 std::string json_excerpt(const nlohmann::json& value);
 
 }  // namespace metile

@@ -90,6 +90,53 @@ TEST(FusionTarget, FileAndPresetNamesResolve) {
   EXPECT_EQ(FusionTarget::from_name_or_file("cpu").name, "cpu");
 }
 
+// Every figure of the two targets, compared field by field (not through to_json, the function tested).
+void expect_same_figures(const FusionTarget& a, const FusionTarget& b) {
+  EXPECT_EQ(a.launch_overhead_ns, b.launch_overhead_ns);
+  EXPECT_EQ(a.memory_bandwidth_bytes_per_ns, b.memory_bandwidth_bytes_per_ns);
+  EXPECT_EQ(a.on_chip_bandwidth_bytes_per_ns, b.on_chip_bandwidth_bytes_per_ns);
+  EXPECT_EQ(a.registers_per_thread, b.registers_per_thread);
+  EXPECT_EQ(a.registers_per_multiprocessor, b.registers_per_multiprocessor);
+  EXPECT_EQ(a.threads_per_block, b.threads_per_block);
+  EXPECT_EQ(a.shared_memory_per_block_bytes, b.shared_memory_per_block_bytes);
+  EXPECT_EQ(a.shared_memory_per_multiprocessor_bytes, b.shared_memory_per_multiprocessor_bytes);
+  EXPECT_EQ(a.max_kernel_inputs, b.max_kernel_inputs);
+  EXPECT_EQ(a.max_kernel_outputs, b.max_kernel_outputs);
+}
+
+// A target's name is any C++ string (a target file's name is its stem, any bytes on Linux); to_json
+// threw nlohmann's type_error 316 on one that is not UTF-8, as FusionPlan::to_json did before.
+TEST(FusionTarget, JsonOfANameThatIsNotUtf8ReplacesItsBadBytes) {
+  FusionTarget target = FusionTarget::cpu();
+  target.name = "tuned\xff";
+  target.launch_overhead_ns = 123.25;
+  target.max_kernel_inputs = 7;
+  std::string json;
+  ASSERT_NO_THROW(json = target.to_json());
+  EXPECT_NE(json.find("\"name\": \"tuned\xef\xbf\xbd\""), std::string::npos) << json;  // U+FFFD
+  const FusionTarget again = FusionTarget::from_json(json);
+  EXPECT_EQ(again.name, "tuned\xef\xbf\xbd");
+  expect_same_figures(again, target);
+
+  // The same name reached through a file: the stem of "tuned\xfe.json".
+  const auto path = std::filesystem::temp_directory_path() / "metile_target_tuned\xfe.json";
+  {
+    std::ofstream file(path);
+    file << R"({"base": "cpu", "max_kernel_outputs": 3})";
+  }
+  const FusionTarget from_file = FusionTarget::from_json_file(path);
+  std::filesystem::remove(path);
+  ASSERT_EQ(from_file.name, "metile_target_tuned\xfe");
+  ASSERT_NO_THROW(json = from_file.to_json());
+  EXPECT_NE(json.find("\"name\": \"metile_target_tuned\xef\xbf\xbd\""), std::string::npos) << json;
+
+  // A UTF-8 name (é, a CJK character, an emoji) comes back byte for byte, with every figure.
+  target.name = "r\xc3\xa9glage-\xe6\xa0\x87-\xf0\x9f\x9a\x80";
+  const FusionTarget utf8 = FusionTarget::from_json(target.to_json());
+  EXPECT_EQ(utf8.name, target.name);
+  expect_same_figures(utf8, target);
+}
+
 using testing::seed_graph;
 
 TEST(CostModel, SeedRegionMatchesHandArithmetic) {
