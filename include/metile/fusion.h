@@ -67,6 +67,7 @@ struct FusionTarget {
 
 // What a rule's kernel needs from the target, per thread or per block. The
 // register model is conservative: every fused op's registers are live at once.
+// Register figures are 0 or more: plan_graph_fusion refuses a negative one, naming it.
 struct ResourceNeeds {
   int base_registers = 32;                     // indexing, pointers, loop state
   int registers_per_elementwise = 2;

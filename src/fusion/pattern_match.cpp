@@ -203,6 +203,26 @@ void validate_input_prologue(const FusionRule& rule) {
   }
 }
 
+// A rule's register needs are added up per region and compared with the target's limits
+// (estimate_region, within_limits): a negative figure (set from C++ or Python) took registers away,
+// so a region that needs more than the target has "fit". Large figures stay legal: the sum saturates
+// and the limit check refuses it.
+void validate_resource_needs(const FusionRule& rule, const std::string& where) {
+  const std::pair<const char*, int ResourceNeeds::*> fields[] = {
+      {"base_registers", &ResourceNeeds::base_registers},
+      {"registers_per_elementwise", &ResourceNeeds::registers_per_elementwise},
+      {"registers_per_row_reduction", &ResourceNeeds::registers_per_row_reduction},
+      {"registers_per_contraction", &ResourceNeeds::registers_per_contraction},
+      {"registers_per_quantized_contraction", &ResourceNeeds::registers_per_quantized_contraction},
+  };
+  for (const auto& [name, member] : fields) {
+    if (rule.resources.*member < 0) {
+      throw InputError(fmt::format("{}: resources field '{}' must be 0 or more, got {}", where, name,
+                                   rule.resources.*member));
+    }
+  }
+}
+
 void validate_rule_set(const RuleSet& rules) {
   if (rules.max_neighborhood_nodes < 1) throw InputError("rule set: max_neighborhood_nodes must be at least 1");
   if (rules.max_exact_component_size < 1 || rules.max_exact_component_size > kMaxExactComponentSizeLimit) {
@@ -213,6 +233,7 @@ void validate_rule_set(const RuleSet& rules) {
     const std::string where = "rule '" + rule.name + "'";
     if (rule.name.empty()) throw InputError("rule set: a rule has no name");
     if (!names.insert(rule.name).second) throw InputError("rule set: two rules are named '" + rule.name + "'");
+    validate_resource_needs(rule, where);  // a composed rule's joined regions are priced with its needs too
     if (!rule.composes.empty()) {
       // A composed rule joins two earlier rules' regions (plan_graph_fusion.cpp); it matches nothing itself.
       if (rule.composes.size() != 2 || rule.composes[0] == rule.composes[1]) {

@@ -103,6 +103,18 @@ def test_a_target_set_from_python_meets_the_target_files_rule(field, value, mess
             metile.FusionTarget.from_json(f'{{"base": "cpu", "{field}": {value!r}}}', "t.json")
 
 
+# A rule's register needs set from Python: a negative one took registers from the region's sum, so an
+# rms_norm needing 300 registers (h200 allows 255 per thread) planned as one kernel with its add.
+def test_negative_register_needs_are_refused_naming_the_field():
+    rule = metile.residual_add_rms_norm_rule()
+    rule.resources.registers_per_row_reduction = 300
+    assert metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule]).kernel_count == 2
+    rule.resources.base_registers = -100
+    with pytest.raises(ValueError, match=r"^rule 'residual_add_rms_norm': resources field 'base_registers' "
+                                         r"must be 0 or more, got -100$"):
+        metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
+
+
 def test_candidates_and_components_explain_the_selection():
     plan = metile.plan_graph_fusion(swiglu_graph("gate_first"))
     assert plan.candidates, "the planner proposed nothing"

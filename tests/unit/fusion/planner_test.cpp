@@ -428,6 +428,40 @@ TEST(Planner, MalformedRulesAreInputErrors) {
   EXPECT_THROW(plan_graph_fusion(swiglu_graph({}), target), InputError);
 }
 
+// A rule's register needs are data (C++ and Python set them). A negative one took registers away from
+// the region's sum: the seed's rms_norm at 300 registers (past h200's 255 per thread) was planned as one
+// kernel with the add once base_registers was -100. Each field is refused, named.
+TEST(Planner, NegativeRegisterNeedsAreRefusedNamingTheField) {
+  RuleSet rules = default_rules();
+  ASSERT_EQ(rules.rules.front().name, "residual_add_rms_norm");
+  rules.rules.front().resources.registers_per_row_reduction = 300;
+  // Unaltered otherwise, the need is refused by the target's limit: the add and the norm stay apart.
+  EXPECT_EQ(plan_graph_fusion(testing::seed_graph(), FusionTarget::h200(), rules).kernel_count(), 2);
+  rules.rules.front().resources.base_registers = -100;
+  EXPECT_EQ(testing::error_of([&] { plan_graph_fusion(testing::seed_graph(), FusionTarget::h200(), rules); }),
+            "rule 'residual_add_rms_norm': resources field 'base_registers' must be 0 or more, got -100");
+
+  const std::pair<const char*, int ResourceNeeds::*> fields[] = {
+      {"base_registers", &ResourceNeeds::base_registers},
+      {"registers_per_elementwise", &ResourceNeeds::registers_per_elementwise},
+      {"registers_per_row_reduction", &ResourceNeeds::registers_per_row_reduction},
+      {"registers_per_contraction", &ResourceNeeds::registers_per_contraction},
+      {"registers_per_quantized_contraction", &ResourceNeeds::registers_per_quantized_contraction},
+  };
+  for (const auto& [name, member] : fields) {
+    rules = default_rules();
+    // The composed rule: it matches nothing itself, but its needs price the regions it joins.
+    const auto composed = std::find_if(rules.rules.begin(), rules.rules.end(),
+                                       [](const FusionRule& rule) { return rule.name == "qkv_rope_kv_cache"; });
+    ASSERT_NE(composed, rules.rules.end());
+    composed->resources.*member = -1;
+    EXPECT_EQ(testing::error_of([&] { plan_graph_fusion(testing::seed_graph(), FusionTarget::h200(), rules); }),
+              std::string("rule 'qkv_rope_kv_cache': resources field '") + name + "' must be 0 or more, got -1");
+    composed->resources.*member = 0;  // zero is a figure (a CPU loop's), not an error
+    EXPECT_NO_THROW(plan_graph_fusion(testing::seed_graph(), FusionTarget::h200(), rules));
+  }
+}
+
 TEST(Planner, ARuleSetWithoutTheParallelEpilogueFusesLess) {
   RuleSet rules = default_rules();
   rules.rules.erase(rules.rules.begin() + 1);
