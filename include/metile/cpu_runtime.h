@@ -49,9 +49,14 @@ TensorMap run_plan_reference(const FusionPlan& plan, TensorMap owned, std::span<
 // An upper bound on the memory the reference executor holds while it evaluates `node`, beyond the
 // graph's tensors: its inputs widened to f32 and its results accumulated in f64 before they are
 // rounded to their dtype (4 bytes per input element, 8 per output element; a matmul's f16 result is
-// 4 times its tensor while it is computed). `metile run` adds the largest node's to the graph's
-// tensors before it allocates anything.
+// 4 times its tensor while it is computed). check_run_memory adds each node's to the graph's tensors.
 std::uint64_t reference_working_bytes(const ComputeGraph& graph, const Node& node);
+
+// Every value of the graph at once bounds what a run holds, with the reference's working copies of
+// one node (reference_working_bytes) on top where the reference runs; more than this machine's
+// physical memory is the graph's fault (README, "Input limits"), an InputError naming the value or
+// node that passes it, said before anything is allocated. `metile run` and Python's run() ask it.
+void check_run_memory(const ComputeGraph& graph, bool runs_reference);
 
 // Fresh, seeded random inputs suited to each graph input (never zeros), its
 // role read from its consumers: floats uniform in [-1, 1), divided by sqrt(K)

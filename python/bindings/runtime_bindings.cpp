@@ -132,10 +132,13 @@ TensorMap tensors_from_numpy(const ComputeGraph& graph, const py::dict& inputs) 
   return tensors;
 }
 
-// Converts the inputs, runs `execute` without the GIL (the arrays are copied by then) and
-// converts the outputs back.
+// Refuses a graph whose tensors and the reference's working copies pass this machine's memory (as
+// `metile run` does, naming the value or node: the reference asked for them and died of bad_alloc,
+// or of the out-of-memory killer), converts the inputs, runs `execute` without the GIL (the arrays
+// are copied by then) and converts the outputs back.
 template <typename Execute>
 py::dict run_on_cpu(const ComputeGraph& graph, const py::dict& inputs, Execute execute) {
+  check_run_memory(graph, true);
   const TensorMap tensors = tensors_from_numpy(graph, inputs);
   TensorMap outputs;
   {

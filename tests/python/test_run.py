@@ -2,6 +2,7 @@
 references, and the dtype contract at the boundary (f16 and f32 natively, bf16 as
 float32 rounded to bf16, integers bit for bit)."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -181,3 +182,49 @@ def test_argmax_from_the_op_table_matches_numpy_with_ties_and_nan(rng):
     np.testing.assert_array_equal(outputs["next"], np.argmax(values, axis=-1))
     with pytest.raises(ValueError, match="must have a floating dtype"):
         builder.argmax(builder.input("ids", metile.TensorSpec((4,), "i32")))
+
+
+def physical_memory_bytes():
+    """This machine's memory as metile's limit reads it (sysconf's pages times the page size)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def outer_product_graph(rows, columns, dtype):
+    """c = a @ b for a [rows, 1] and b [1, columns]: small inputs, a result as large as asked."""
+    builder = metile.GraphBuilder()
+    a = builder.input("a", metile.TensorSpec((rows, 1), dtype))
+    b = builder.input("b", metile.TensorSpec((1, columns), dtype))
+    return builder.build((builder.matmul(a, b, name="c"),))
+
+
+# `metile run` refuses a graph whose tensors, or whose tensors and the CPU reference's working copies
+# for a node, pass this machine's memory, naming the value or node; run() asked for them instead (a
+# 256 TiB result: MemoryError with no name, or the out-of-memory killer). The same C++ check now, as a
+# ValueError with the CLI's message; the byte counts are worked out here from the shapes.
+def test_run_refuses_tensors_beyond_this_machines_memory_naming_the_value():
+    rows = columns = 1 << 23
+    graph = outer_product_graph(rows, columns, "f32")
+    inputs = {"a": np.ones((rows, 1), np.float32), "b": np.ones((1, columns), np.float32)}
+    total = 4 * rows + 4 * columns + 4 * rows * columns  # a, b, then c passes the memory
+    message = (rf"^the graph's tensors need more than this machine's {physical_memory_bytes()} bytes of memory "
+               rf"\(value 'c' brings them to {total} bytes\)$")
+    with pytest.raises(ValueError, match=message):
+        metile.run(graph, inputs)
+    with pytest.raises(ValueError, match=message):
+        metile.run(metile.plan_graph_fusion(graph, target="cpu"), inputs)
+
+
+def test_run_refuses_working_copies_beyond_this_machines_memory_naming_the_node():
+    # An f16 result of 45% of the memory fits; the reference's f64 accumulators for it (4 times) do not.
+    memory = physical_memory_bytes()
+    columns = 65536
+    rows = int(0.45 * memory) // (2 * columns)
+    graph = outer_product_graph(rows, columns, "f16")
+    inputs = {"a": np.ones((rows, 1), np.float16), "b": np.ones((1, columns), np.float16)}
+    tensors = 2 * rows + 2 * columns + 2 * rows * columns
+    working = 4 * (rows + columns) + 8 * rows * columns  # inputs as f32, results as f64
+    with pytest.raises(ValueError, match=(
+            rf"^the graph's tensors \({tensors} bytes\) and the CPU reference's working copies for node 'c' "
+            rf"\({working} bytes: its inputs as f32, its results as f64\) need more than this machine's "
+            rf"{memory} bytes of memory$")):
+        metile.run(graph, inputs)

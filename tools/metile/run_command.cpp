@@ -33,32 +33,6 @@ struct RunOptions {
   bool no_discovery = false;
 };
 
-// Every value of the graph at once bounds what a run holds, with the CPU reference's working copies
-// of one node on top where the reference runs (reference_working_bytes); more than the machine has
-// is the graph's fault (README, "Input limits"), reported before anything is allocated.
-void check_memory(const ComputeGraph& graph, bool runs_reference) {
-  const std::uint64_t available = physical_memory_bytes();
-  std::uint64_t bytes = 0;  // stops at the first excess, so it cannot wrap
-  for (const Value& value : graph.values()) {
-    bytes += static_cast<std::uint64_t>(value.spec.bytes());
-    if (bytes > available) {
-      throw InputError(fmt::format("the graph's tensors need more than this machine's {} bytes of memory (value '{}' "
-                                   "brings them to {} bytes)",
-                                   available, value.name, bytes));
-    }
-  }
-  if (!runs_reference) return;
-  for (const Node& node : graph.nodes()) {
-    const std::uint64_t working = reference_working_bytes(graph, node);  // below 2^54: no wrap
-    if (bytes + working > available) {
-      throw InputError(fmt::format("the graph's tensors ({} bytes) and the CPU reference's working copies for node '{}' "
-                                   "({} bytes: its inputs as f32, its results as f64) need more than this machine's {} "
-                                   "bytes of memory",
-                                   bytes, node.name, working, available));
-    }
-  }
-}
-
 TensorMap load_inputs(const ComputeGraph& graph, const RunOptions& options, std::uint64_t seed) {
   if (options.inputs_path.empty()) return random_inputs(graph, seed);
   TensorMap inputs = read_safetensors(options.inputs_path);
@@ -93,7 +67,7 @@ void run(const RunOptions& options) {
   }
   const std::uint64_t seed = parse_seed(options.seed);
   const ComputeGraph graph = read_graph(options.graph_path);
-  check_memory(graph, options.backend == "cpu" || options.check);
+  check_run_memory(graph, options.backend == "cpu" || options.check);
   const TensorMap inputs = load_inputs(graph, options, seed);
   const TensorMap outputs = run_on_backend(graph, inputs, options);
   print_output_summaries(graph, outputs);

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "metile/cpu_runtime.h"
+#include "metile/io.h"
 #include "reference_ops.h"
 
 namespace metile {
@@ -286,6 +287,29 @@ std::uint64_t reference_working_bytes(const ComputeGraph& graph, const Node& nod
   for (ValueId input : node.inputs) bytes += 4 * static_cast<std::uint64_t>(graph.value(input).spec.element_count());
   for (ValueId output : node.outputs) bytes += 8 * static_cast<std::uint64_t>(graph.value(output).spec.element_count());
   return bytes;
+}
+
+void check_run_memory(const ComputeGraph& graph, bool runs_reference) {
+  const std::uint64_t available = physical_memory_bytes();
+  std::uint64_t bytes = 0;  // stops at the first excess, so it cannot wrap
+  for (const Value& value : graph.values()) {
+    bytes += static_cast<std::uint64_t>(value.spec.bytes());
+    if (bytes > available) {
+      throw InputError(fmt::format("the graph's tensors need more than this machine's {} bytes of memory (value '{}' "
+                                   "brings them to {} bytes)",
+                                   available, value.name, bytes));
+    }
+  }
+  if (!runs_reference) return;
+  for (const Node& node : graph.nodes()) {
+    const std::uint64_t working = reference_working_bytes(graph, node);  // below 2^54: no wrap
+    if (bytes + working > available) {
+      throw InputError(fmt::format("the graph's tensors ({} bytes) and the CPU reference's working copies for node '{}' "
+                                   "({} bytes: its inputs as f32, its results as f64) need more than this machine's {} "
+                                   "bytes of memory",
+                                   bytes, node.name, working, available));
+    }
+  }
 }
 
 TensorMap run_reference(const ComputeGraph& graph, const TensorMap& inputs) {
