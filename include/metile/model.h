@@ -88,10 +88,16 @@ enum class StepOutputs : std::uint8_t {
   logits_and_next_tokens,  // and "next_tokens" i32 [S]: each row's argmax (greedy decoding on the device)
 };
 
+// "metile: warning: LINE" on stderr, its control bytes spelled out (a tensor name may hold any byte).
+void print_warning_line(const std::string& line);
+
 struct LoadOptions {
   DType dtype = DType::bf16;                    // activations and dense weights: bf16 or f32
   std::optional<AffineQuantization> quantize;  // quantize dense linear weights and the embedding at load
   std::int64_t max_sequence = 0;               // KV-cache capacity; 0: min(4096, max_position_embeddings)
+  // Said once a checkpoint has loaded but not wholly (tensors of layers past config.json's
+  // num_hidden_layers, which transformers also leaves out, with a warning); empty: nothing is said.
+  std::function<void(const std::string&)> warn = print_warning_line;
 };
 
 // A loaded model: its config and weights in the runtime dtype, named as in the

@@ -7,17 +7,22 @@
 // Every tensor the config implies is looked up by its Hugging Face name, its
 // shape and dtype checked, and converted once from the mapping into the runtime
 // dtype (bf16 or f32); tensors the model does not use (rotary inv_freq buffers,
-// ...) are ignored. MLX-quantized linears (NAME.weight u32, NAME.scales,
+// ...) are ignored, those of layers past num_hidden_layers with a warning
+// (LoadOptions::warn). MLX-quantized linears (NAME.weight u32, NAME.scales,
 // NAME.biases) stay quantized, their scales and biases in the runtime dtype;
 // with LoadOptions::quantize, dense ones are quantized here (src/quant).
 #include <algorithm>
+#include <charconv>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <set>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "json_input.h"
+#include "metile/error.h"
 #include "metile/io.h"
 #include "metile/model.h"
 #include "model_internal.h"
@@ -100,6 +105,11 @@ class CheckpointFiles {
     }
   }
 
+  std::vector<std::string> names() const {  // every tensor, sorted
+    std::vector<std::string> names;
+    for (const auto& [name, slot] : owner_) names.push_back(name);
+    return names;
+  }
   const MappedSafetensors::TensorView* find(const std::string& name) const {
     const auto found = owner_.find(name);
     return found == owner_.end() ? nullptr : files_[found->second]->find(name);
@@ -269,7 +279,41 @@ void visit_weights(const ModelConfig& config, WeightLoader& loader) {
   if (!config.tie_word_embeddings) loader.matrix("lm_head", config.vocab_size, hidden);
 }
 
+// Tensors of layers at or past num_hidden_layers ("model.layers.40.*" under 32) are never looked up,
+// so the checkpoint loads as the shorter model, as in transformers, which warns of unused weights.
+// Other tensors the model does not use (inv_freq buffers, masks) are left alone without a word; these
+// are weights of a model cut short by config.json, which its user may not know: said in one line
+// naming the first (by layer, then name) and how many, once the load has succeeded (a failure stays
+// one line).
+void warn_of_layers_past_the_config(const ModelConfig& config, const CheckpointFiles& files,
+                                    const LoadOptions& options) {
+  if (!options.warn) return;
+  const std::string_view prefix = "model.layers.";
+  std::int64_t count = 0;
+  std::optional<std::pair<std::int64_t, std::string>> first;
+  for (const std::string& name : files.names()) {
+    if (!name.starts_with(prefix)) continue;
+    const char* digits = name.data() + prefix.size();
+    const char* end = name.data() + name.size();
+    std::int64_t layer = 0;
+    const auto [stop, error] = std::from_chars(digits, end, layer);
+    if (stop == digits || stop == end || *stop != '.') continue;  // not "model.layers.N.": not a layer's
+    if (error == std::errc::result_out_of_range) layer = std::numeric_limits<std::int64_t>::max();
+    if (layer < config.num_hidden_layers) continue;
+    ++count;
+    if (!first || std::pair(layer, name) < *first) first = std::pair(layer, name);
+  }
+  if (count == 0) return;
+  options.warn(fmt::format("{}: {} of layers past config.json's num_hidden_layers ({}) {} not loaded, the first '{}'",
+                           files.file_of(first->second), count == 1 ? "1 tensor" : fmt::format("{} tensors", count),
+                           config.num_hidden_layers, count == 1 ? "is" : "are", first->second));
+}
+
 }  // namespace
+
+void print_warning_line(const std::string& line) {
+  std::fprintf(stderr, "metile: warning: %s\n", control_bytes_spelled(line).c_str());
+}
 
 HostTensor convert_tensor(const MappedSafetensors::TensorView& view, DType dtype) {
   if (view.spec.dtype == dtype) return view.copy();
@@ -366,6 +410,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
     return entry.second.spec().dtype == DType::u32;
   });
   if (any_quantized) model.quantization_ = config.quantization ? *config.quantization : *options.quantize;
+  warn_of_layers_past_the_config(config, files, options);
   return model;
 }
 

@@ -338,6 +338,49 @@ TEST_F(MalformedCheckpoint, UnusedTensorsOfUnreadableDtypesAreLeftAlone) {
       << message;
 }
 
+// A checkpoint with more layers than config.json's num_hidden_layers (4 in the file, 2 in the config)
+// loaded as the 2-layer model without a word. It still loads as that model (transformers does too), and
+// says so in one warning line on stderr naming the first tensor left out and how many there are.
+TEST_F(MalformedCheckpoint, LayersPastNumHiddenLayersAreNamedInOneWarning) {
+  SynthOptions four_layers;
+  four_layers.layers = 4;
+  SynthOptions two_layers;
+  two_layers.layers = 2;
+  const std::filesystem::path cut = synth("cut", four_layers);
+  const std::filesystem::path shorter = synth("shorter", two_layers);  // the same numbers for layers 0 and 1
+  edit_config(cut, [](Json& c) { c["num_hidden_layers"] = 2; });
+  // The oracle: the tensors of the 4-layer file that the 2-layer file has not, in name order.
+  std::vector<std::string> left_out;
+  {
+    const TensorMap all = read_safetensors(cut / "model.safetensors");
+    const TensorMap kept = read_safetensors(shorter / "model.safetensors");
+    for (const auto& [name, tensor] : all) {
+      if (!kept.contains(name)) left_out.push_back(name);
+    }
+  }
+  ASSERT_FALSE(left_out.empty());
+  ASSERT_TRUE(left_out.front().starts_with("model.layers.2.")) << left_out.front();
+  const std::string warning = fmt::format(
+      "metile: warning: {}: {} tensors of layers past config.json's num_hidden_layers (2) are not loaded, the first "
+      "'{}'\n",
+      (cut / "model.safetensors").string(), left_out.size(), left_out.front());
+
+  ::testing::internal::CaptureStderr();
+  const DecoderModel model = DecoderModel::load(cut);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), warning);
+  ::testing::internal::CaptureStderr();
+  const DecoderModel reference = DecoderModel::load(shorter);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(model.config().num_hidden_layers, 2);
+  const std::vector<std::int32_t> tokens = {1, 5, 9, 2};
+  EXPECT_EQ(DecodeSession(model).feed(tokens), DecodeSession(reference).feed(tokens));
+
+  std::string out, err;
+  EXPECT_EQ(run_logits(cut, out, err), 0) << err;
+  EXPECT_EQ(err, warning);
+  EXPECT_NE(out, "");
+}
+
 // A dense weight quantize_affine cannot quantize (inf here) under --quantize: the error said
 // "quantize_affine: weight [3, 5] is inf" and nothing of which of the checkpoint's matrices held it.
 TEST_F(MalformedCheckpoint, QuantizingANonFiniteWeightNamesTheTensor) {
