@@ -394,7 +394,8 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors = 132);
 
 // Each of `configs` with one option changed by `change` (x staged by cp.async, half products), in
-// order, keeping those that still validate: the twins a race adds beside the shapes it has.
+// order, keeping those that still validate and that the change changed: the twins a race adds
+// beside the shapes it has.
 std::vector<GemvKernelConfig> gemv_valid_twins(std::span<const GemvKernelConfig> configs,
                                                const std::function<void(GemvKernelConfig&)>& change);
 

@@ -155,7 +155,8 @@ __device__ __forceinline__ uint4 normalized_x(const u16* __restrict__ x, const u
 // t, t + kThreads, ..., the ones its staging pass below normalizes, so after the wait the staging
 // waits on x alone (in L1 from the sum of squares) instead of one more round trip to L2 for these.
 constexpr int kNormVectors = (kK / 8 + kThreads - 1) / kThreads;
-constexpr bool kNormPreloaded = kXStaged && kK % 8 == 0 && kNormVectors <= 4;
+// Only where x is normalized: half_products stages x without a norm, and its norm_weight is null.
+constexpr bool kNormPreloaded = kNormedX && kXStaged && kK % 8 == 0 && kNormVectors <= 4;
 struct NormWeights {
   uint4 vectors[kNormPreloaded ? kNormVectors : 1];
 };

@@ -969,7 +969,7 @@ void GemvKernelConfig::validate() const {
     throw InputError(fmt::format("GEMV {}: x_staged_by_async_copy needs x normalized and staged in shared memory "
                                  "(x_rms_norm_eps, M x K bf16 values within {} bytes) and batches in registers "
                                  "(the register-batch mainloop, shared_stages 0: the ring's cp.async groups would wait for it)",
-                                 to_string(), kMaxStagedXBytes));
+                                 to_string(), half_products ? kMaxHalfStagedXBytes : kMaxStagedXBytes));
   }
   if (mainloop == GemvMainloop::streamed) {
     if (argmax_rows) throw InputError("GEMV: argmax_rows needs the register-batch mainloop, not the streamed one");
@@ -1412,7 +1412,10 @@ std::vector<GemvKernelConfig> gemv_valid_twins(std::span<const GemvKernelConfig>
                                                const std::function<void(GemvKernelConfig&)>& change) {
   std::vector<GemvKernelConfig> twins;
   for (GemvKernelConfig config : configs) {
+    const std::string before = config.to_string();
     change(config);
+    // A config that already had the option is not its own twin (two candidates, one name).
+    if (config.to_string() == before) continue;
     try {
       config.validate();
     } catch (const InputError&) {

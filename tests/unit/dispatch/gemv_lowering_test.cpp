@@ -502,6 +502,20 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
             EXPECT_EQ(halves, 0);
           }
         }
+        // A base that already multiplies in f16 races each shape once: the half twins of its family
+        // would be the family itself under the same names.
+        if (bits != 16) {
+          GemvKernelConfig half_base = stage_base(n, k, bits, products);
+          half_base.half_products = true;
+          if (k * 2 <= 32 * 1024) {
+            std::set<std::string> names;
+            for (const GemvKernelConfig& config : gemv_stage_configs(half_base, 100)) {
+              EXPECT_TRUE(names.insert(gemv_shape_name(config)).second)
+                  << gemv_shape_name(config) << " twice with a half-products base, N " << n << " K " << k;
+            }
+            EXPECT_GE(names.size(), 3u);
+          }
+        }
       }
     }
   }

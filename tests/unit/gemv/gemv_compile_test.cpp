@@ -1111,6 +1111,45 @@ TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
 // tile an SM (the small models' down and o-projections), affine, M <= 8, x as stored; never elsewhere
 // (Llama-3-8B's 256-tile down spilled with it, M = 16 was slower); refused where it cannot apply; named
 // apart; and the shapes raced compile for sm_90 within their registers.
+// half_products: the twins the lowering races (gemv_valid_twins over the first register shapes of
+// gemv_tuning_candidates, as gemv_stage_configs keeps them) compile for sm_90 at the decode stages
+// of the three models, 4- and 8-bit, with and without the norm prologue, their batches in registers;
+// the kernel names differ from the plain shapes' and the source says it multiplies in f16.
+TEST(GemvCompile, HalfProductsTwinsOfTheDecodeStagesCompileWithoutSpills) {
+  struct Stage {
+    std::int64_t n, k;
+    bool gated, normalized;
+  };
+  int compiled = 0;
+  for (int bits : {4, 8}) {
+    const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
+    for (const Stage& stage : {Stage{14336, 4096, true, true}, Stage{4096, 14336, false, false},
+                               Stage{8960, 1536, true, true}, Stage{1536, 8960, false, false}, Stage{2048, 8192, false, false}}) {
+      GemvKernelConfig base = gemv_config(format, 1, stage.n, stage.k,
+                                          stage.gated ? GemvEpilogue::swiglu() : GemvEpilogue::residual_add());
+      if (stage.normalized) base.x_rms_norm_eps = 1e-5;
+      std::vector<GemvKernelConfig> plain;
+      for (const GemvKernelConfig& config : gemv_tuning_candidates(base)) {
+        if (config.mainloop == GemvMainloop::register_batches && plain.size() < 3) plain.push_back(config);
+      }
+      const std::vector<GemvKernelConfig> twins =
+          gemv_valid_twins(plain, [](GemvKernelConfig& config) { config.half_products = true; });
+      SCOPED_TRACE(fmt::format("{}-bit N={} K={}", bits, stage.n, stage.k));
+      ASSERT_FALSE(twins.empty());
+      for (const GemvKernelConfig& twin : twins) {
+        GemvKernelConfig without = twin;
+        without.half_products = false;
+        const GemvKernelSource source = generate_gemv_kernel(twin);
+        EXPECT_NE(source.kernel_name, generate_gemv_kernel(without).kernel_name);
+        EXPECT_NE(source.source.find("constexpr bool kHalfProducts = true;"), std::string::npos);
+        expect_no_spills(compile_for_sm90(source).log, twin.to_string());
+        ++compiled;
+      }
+    }
+  }
+  EXPECT_GE(compiled, 10);
+}
+
 TEST(GemvCompile, XWithBatchIsRacedOnTheOneTileAnSmStagesOnly) {
   const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16);
   auto carrying = [](const std::vector<GemvKernelConfig>& candidates) {
