@@ -183,7 +183,7 @@ int run(bool all, bool opcodes, bool norm, bool qkv, bool half, std::int64_t row
     for (const GemvKernelConfig& config : configs) {
       with_twins.push_back(config);
       for (const GemvKernelConfig& twin :
-           gemv_valid_twins({&config, 1}, [](GemvKernelConfig& changed) { changed.half_products = true; })) {
+           gemv_half_twins({&config, 1})) {
         with_twins.push_back(twin);
       }
     }

@@ -276,7 +276,8 @@ std::vector<LoadedGemv> load_gemvs(std::vector<GemvKernelSource> kernels);
 // from gemv_tuning_candidates (a two-matrix epilogue: the register-resident schedule), the same
 // shapes with their weights prefetched into L2 (gemv_l2_prefetch_rounds), for a normalized GEMV the
 // same shapes with x staged by cp.async (x_staged_by_async_copy), for affine weights the same shapes
-// multiplying in f16 (half_products) where x fits the block's shared memory, then, where `streamed`, as
+// multiplying in f16 (half_products) where x fits the block's shared memory (and those whose grid is one
+// wave only under a tight register bound, bounded: gemv_one_wave_bound), then, where `streamed`, as
 // many of the streamed mainloop (a family the problem does not fit is left out; InputError when none
 // fits). Shared by the decode-MLP executor and the lowerings, so both race the same kernels.
 std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, int per_family,

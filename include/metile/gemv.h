@@ -399,6 +399,14 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
 std::vector<GemvKernelConfig> gemv_valid_twins(std::span<const GemvKernelConfig> configs,
                                                const std::function<void(GemvKernelConfig&)>& change);
 
+// The half-products candidates a stage races beside `configs`: each of them multiplying in f16
+// (half_products) where that validates, then those of the twins whose grid is one wave only under a
+// tight register bound, so bounded (gemv_one_wave_bound), in that order.
+std::vector<GemvKernelConfig> gemv_half_twins(std::span<const GemvKernelConfig> configs, int multiprocessors = 132);
+// The blocks an SM `config`'s whole grid needs at once (its register bound, resident_blocks_per_multiprocessor)
+// where that bound is tight (22..28 warps an SM) and the shape, unbuffered register batches of x as
+// stored at M <= 8, has none yet; 0 otherwise.
+int gemv_one_wave_bound(const GemvKernelConfig& config, int multiprocessors);
 // Whether every batch of the register-batch mainloop lies whole inside the matrix: no split-K, K a
 // multiple of the iteration, the tiles a multiple of the block's, and the warps' batches
 // (warps_per_block x iterations_in_flight iterations) tiling K's iterations exactly. The kernel's loads

@@ -1426,6 +1426,36 @@ std::vector<GemvKernelConfig> gemv_valid_twins(std::span<const GemvKernelConfig>
   return twins;
 }
 
+std::vector<GemvKernelConfig> gemv_half_twins(std::span<const GemvKernelConfig> configs, int multiprocessors) {
+  std::vector<GemvKernelConfig> twins = gemv_valid_twins(configs, [](GemvKernelConfig& config) { config.half_products = true; });
+  // Half products take more registers than the plain shape (4-bit g64 gate/up w4 f2 batch: 64 -> 80),
+  // which can leave a one-wave grid short of one block an SM: Llama-3-8B's 896 gate/up blocks need 7
+  // an SM, 80 registers fit 6, and the last 104 blocks run as a second wave.
+  const std::vector<GemvKernelConfig> bounded = gemv_valid_twins(twins, [&](GemvKernelConfig& config) {
+    if (const int bound = gemv_one_wave_bound(config, multiprocessors)) config.resident_blocks_per_multiprocessor = bound;
+  });
+  twins.insert(twins.end(), bounded.begin(), bounded.end());
+  return twins;
+}
+
+int gemv_one_wave_bound(const GemvKernelConfig& config, int multiprocessors) {
+  // Double-buffered batches hold two batches' registers, the norm prologue its sums and scales: bounded
+  // this tight they spill (4-bit g64 gate/up at 7 blocks an SM, half products: w4 f1 db 152 bytes, w4 f2
+  // batch with the norm 80, or 40 without its weights preloaded; w4 f2 batch as stored: none).
+  if (config.mainloop != GemvMainloop::register_batches || config.resident_blocks_per_multiprocessor > 0 ||
+      config.tile_loop_blocks_per_multiprocessor > 0 || config.double_buffered || config.x_rms_norm_eps ||
+      config.rows > 8 || multiprocessors < 1) {
+    return 0;
+  }
+  const std::int64_t tiles = (config.out_features + 15) / 16;
+  const std::int64_t blocks = (tiles + config.tiles_per_block - 1) / config.tiles_per_block * config.k_splits;
+  const std::int64_t waves = (blocks + multiprocessors - 1) / multiprocessors;
+  // Tight: 22..28 warps an SM, i.e. 73..93 registers a thread (a looser bound changes nothing that
+  // ptxas does, a tighter one spills the batches).
+  const std::int64_t warps = waves * config.warps_per_block;
+  return warps >= 22 && warps <= 28 ? static_cast<int>(waves) : 0;
+}
+
 bool gemv_batches_whole(const GemvKernelConfig& config) {
   const std::int64_t columns = config.format.columns_per_iteration();
   const std::int64_t iterations = (config.in_features + columns - 1) / columns;

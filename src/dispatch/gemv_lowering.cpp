@@ -78,7 +78,7 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
   // is left out.
   auto append = [&](const std::vector<GemvKernelConfig>& twins) { configs.insert(configs.end(), twins.begin(), twins.end()); };
   append(gemv_valid_twins(register_family, [](GemvKernelConfig& config) { config.x_staged_by_async_copy = true; }));
-  append(gemv_valid_twins(register_family, [](GemvKernelConfig& config) { config.half_products = true; }));
+  append(gemv_half_twins(register_family, multiprocessors));
   if (streamed) {
     GemvKernelConfig streamed_base = base;
     streamed_base.mainloop = GemvMainloop::streamed;

@@ -1113,17 +1113,19 @@ TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
 // apart; and the shapes raced compile for sm_90 within their registers.
 // half_products: the twins the lowering races (gemv_valid_twins over the first register shapes of
 // gemv_tuning_candidates, as gemv_stage_configs keeps them) compile for sm_90 at the decode stages
-// of the three models, 4- and 8-bit, with and without the norm prologue, their batches in registers;
+// of the three models, 4- and 8-bit, with and without the norm prologue, and so do their twins bounded
+// to a one-wave grid's blocks an SM (gemv_one_wave_bound), their batches in registers (at most the
+// 32 bytes expect_no_spills allows parked);
 // the kernel names differ from the plain shapes' and the source says it multiplies in f16.
 TEST(GemvCompile, HalfProductsTwinsOfTheDecodeStagesCompileWithoutSpills) {
   struct Stage {
     std::int64_t n, k;
     bool gated, normalized;
   };
-  int compiled = 0;
+  int compiled = 0, bounded_twins = 0;
   for (int bits : {4, 8}) {
     const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
-    for (const Stage& stage : {Stage{14336, 4096, true, true}, Stage{4096, 14336, false, false},
+    for (const Stage& stage : {Stage{14336, 4096, true, true}, Stage{14336, 4096, true, false}, Stage{4096, 14336, false, false},
                                Stage{8960, 1536, true, true}, Stage{1536, 8960, false, false}, Stage{2048, 8192, false, false}}) {
       GemvKernelConfig base = gemv_config(format, 1, stage.n, stage.k,
                                           stage.gated ? GemvEpilogue::swiglu() : GemvEpilogue::residual_add());
@@ -1132,10 +1134,18 @@ TEST(GemvCompile, HalfProductsTwinsOfTheDecodeStagesCompileWithoutSpills) {
       for (const GemvKernelConfig& config : gemv_tuning_candidates(base)) {
         if (config.mainloop == GemvMainloop::register_batches && plain.size() < 3) plain.push_back(config);
       }
-      const std::vector<GemvKernelConfig> twins =
-          gemv_valid_twins(plain, [](GemvKernelConfig& config) { config.half_products = true; });
+      const std::vector<GemvKernelConfig> twins = gemv_half_twins(plain);
       SCOPED_TRACE(fmt::format("{}-bit N={} K={}", bits, stage.n, stage.k));
       ASSERT_FALSE(twins.empty());
+      for (const GemvKernelConfig& twin : twins) {
+        EXPECT_TRUE(twin.half_products);
+        const auto plain_shape = std::find_if(plain.begin(), plain.end(), [&](const GemvKernelConfig& config) {
+          return config.warps_per_block == twin.warps_per_block && config.double_buffered == twin.double_buffered &&
+                 config.iterations_in_flight == twin.iterations_in_flight;
+        });
+        ASSERT_NE(plain_shape, plain.end()) << twin.to_string();
+        if (twin.resident_blocks_per_multiprocessor != plain_shape->resident_blocks_per_multiprocessor) ++bounded_twins;
+      }
       for (const GemvKernelConfig& twin : twins) {
         GemvKernelConfig without = twin;
         without.half_products = false;
@@ -1148,6 +1158,24 @@ TEST(GemvCompile, HalfProductsTwinsOfTheDecodeStagesCompileWithoutSpills) {
     }
   }
   EXPECT_GE(compiled, 10);
+  // Llama-3-8B's gate/up w4 f2 batch half as stored, 896 blocks: bounded to the 7 blocks an SM of one
+  // wave (4- and 8-bit), within the 32 bytes parked that expect_no_spills allows.
+  EXPECT_EQ(bounded_twins, 2);
+  GemvKernelConfig gate_up = gemv_config(GemvWeightFormat::affine(4, 64, DType::bf16), 1, 14336, 4096, GemvEpilogue::swiglu());
+  gate_up.warps_per_block = 4;
+  gate_up.iterations_in_flight = 2;
+  gate_up.double_buffered = false;
+  gate_up.half_products = true;
+  EXPECT_EQ(gemv_one_wave_bound(gate_up, 132), 7);
+  EXPECT_EQ(gemv_one_wave_bound(gate_up, 264), 0);  // 4 blocks an SM: loose, no twin
+  gate_up.x_rms_norm_eps = 1e-5;
+  EXPECT_EQ(gemv_one_wave_bound(gate_up, 132), 0);  // the norm prologue's registers: it spilled 40-80 bytes
+  gate_up.x_rms_norm_eps.reset();
+  gate_up.double_buffered = true;
+  EXPECT_EQ(gemv_one_wave_bound(gate_up, 132), 0);  // two batches' registers: 152 bytes
+  gate_up.double_buffered = false;
+  gate_up.rows = 16;
+  EXPECT_EQ(gemv_one_wave_bound(gate_up, 132), 0);  // the M > 8 shapes have bounds of their own
 }
 
 TEST(GemvCompile, XWithBatchIsRacedOnTheOneTileAnSmStagesOnly) {
