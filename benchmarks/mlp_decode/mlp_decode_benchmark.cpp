@@ -31,7 +31,9 @@
 // The whole-MLP table also gives, per row, the chosen stage kernels and the fastest persistent decode
 // MLP (one launch for both stages, gemv.h) timed the same way, and which one the executor runs.
 // Every mode also measures a read-only stream of 1 GiB (16-byte loads, nothing written): the
-// ceiling of a GEMV, which only reads, beside the copy's.
+// ceiling of a GEMV, which only reads, beside the copy's. At M = 1 each whole-MLP row also gets the
+// floors of its harness: that stream over the MLP's weight bytes as two kernels (gate/up's, then down's)
+// and as one, round-robin over the same replicas: what any two kernels, or one, reading those bytes take here.
 // Prints "no CUDA device: ..." and exits 0 where there is none.
 #include <fmt/core.h>
 
@@ -75,6 +77,9 @@ struct Row {
   std::string persistent_shape;   // its name; the executor runs it when `persistent`
   bool persistent = false;
   int replicas = 1;
+  // The harness's floors for this MLP's bytes, round-robin over the same replicas, M = 1 rows only (< 0:
+  // not measured): two read-only kernels (gate/up's weights, then down's), and one over both.
+  double floor_us = -1, one_kernel_floor_us = -1;
 };
 
 GemvKernelConfig base_swiglu(const GemvWeightFormat& format, std::int64_t rows, std::int64_t hidden,
@@ -258,9 +263,20 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
   }
 }
 
-// A read-only stream over 1 GiB: 16-byte loads, eight in flight per thread, folded into one word
-// per thread that is written only if it matches a constant (so the loads stay). Bytes read only.
-double measure_read_bandwidth_gbps(const CudaDevice& device, const CudaStream& stream, bool profile_only) {
+// A read-only stream: 16-byte loads, eight in flight per thread, folded into one word per thread that
+// is written only if it matches a constant (so the loads stay). Bytes read only; 4 blocks of 512
+// threads an SM.
+struct ReadOnlyStream {
+  CompiledKernel kernel;
+  Dim3 grid, block{512, 1, 1};
+  DeviceBuffer sink{64};
+  // Reads `bytes` (a multiple of 16) at the device address `data`.
+  void enqueue(const CudaStream& stream, std::uint64_t data, std::size_t bytes) const {
+    launch(kernel, grid, block, 0, stream, data, static_cast<unsigned long long>(bytes / 16), sink);
+  }
+};
+
+ReadOnlyStream read_only_stream(const CudaDevice& device) {
   constexpr std::string_view source = R"CUDA(
 extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const uint4* __restrict__ data,
                                                                         unsigned long long vectors, unsigned* sink) {
@@ -281,13 +297,17 @@ extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const 
   if (folded == 0x9E3779B9u) *sink = folded;
 }
 )CUDA";
-  const CompiledKernel kernel = compile_cuda(source, "metile_read_only_stream");
+  return ReadOnlyStream{compile_cuda(source, "metile_read_only_stream"),
+                        Dim3{static_cast<unsigned>(device.info().multiprocessor_count * 4), 1, 1}};
+}
+
+// The read-only stream over 1 GiB.
+double measure_read_bandwidth_gbps(const CudaDevice& device, const CudaStream& stream, bool profile_only) {
+  const ReadOnlyStream reader = read_only_stream(device);
   const std::size_t bytes = std::size_t{1} << 30;
-  DeviceBuffer data(bytes), sink(64);
+  DeviceBuffer data(bytes);
   data.fill_bytes(0x3C, &stream);
-  const unsigned long long vectors = bytes / 16;
-  const Dim3 grid{static_cast<unsigned>(device.info().multiprocessor_count * 4), 1, 1}, block{512, 1, 1};
-  auto run = [&](const CudaStream& s) { launch(kernel, grid, block, 0, s, data, vectors, sink); };
+  auto run = [&](const CudaStream& s) { reader.enqueue(s, data.address(), bytes); };
   if (profile_only) {
     run(stream);
     stream.synchronize();
@@ -343,6 +363,7 @@ int main(int argc, char** argv) {
     }
     const double copy_gbps = measure_copy_bandwidth_gbps(stream);
     const double read_gbps = measure_read_bandwidth_gbps(*device, stream, false);
+    const ReadOnlyStream reader = read_only_stream(*device);  // the whole-MLP rows' floors
     fmt::print("device: {}\n", benchmarks::describe_device(info));
     fmt::print("device-to-device copy (1 GiB, read + write): {:.0f} GB/s\n", copy_gbps);
     fmt::print("read-only stream (1 GiB, 16-byte loads): {:.0f} GB/s = {:.0f}% of copy\n\n", read_gbps,
@@ -436,6 +457,34 @@ int main(int argc, char** argv) {
           if (model.name == models.front().name && (rows == 1 || rows == 16) && format.bits != 8) {
             candidate_reports += fmt::format("{} {} M={}\n{}", model.name, format.to_string(), rows, executors.front().report());
           }
+          if (rows == 1) {
+            // Buffers of the same bytes as the replicas' weights, read by two plain launches a replica.
+            std::vector<DeviceBuffer> floors;
+            const std::size_t first = static_cast<std::size_t>(stage_weights[0]) / 16 * 16;
+            const std::size_t second = static_cast<std::size_t>(stage_weights[1]) / 16 * 16;
+            for (int r = 0; r < replicas; ++r) {
+              floors.emplace_back(first + second);
+              floors.back().fill_bytes(0x3C, &stream);
+            }
+            auto floor_us = [&](bool two_kernels) {
+              return time_on_stream_ms(
+                         stream,
+                         [&](const CudaStream& s) {
+                           for (const DeviceBuffer& buffer : floors) {
+                             if (two_kernels) {
+                               reader.enqueue(s, buffer.address(), first);
+                               reader.enqueue(s, buffer.address() + first, second);
+                             } else {
+                               reader.enqueue(s, buffer.address(), first + second);
+                             }
+                           }
+                         },
+                         3, 10, 7) /
+                     static_cast<double>(floors.size()) * 1e3;
+            };
+            row.floor_us = floor_us(true);
+            row.one_kernel_floor_us = floor_us(false);
+          }
           row.mlp_us = replay(Graph::executor) * 1e3;
           row.mlp_native_us = replay(Graph::native) * 1e3;
           row.mlp_serialized_us = replay(Graph::serialized) * 1e3;
@@ -482,14 +531,21 @@ int main(int argc, char** argv) {
                  row.stage_choice[1]);
     }
     fmt::print("\nwhole MLP (executor CUDA graph vs native CUDA graph, round-robin over replicas > 3x L2; PDL: down\n"
-               "launched as a programmatic dependent of gate/up, 'no PDL us' the same kernels in plain stream order)\n");
-    fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9} {:>7} {:>6} {:>10} {:>6} {:>4} {:>10}\n", "model", "format", "M", "replicas", "us",
-               "GB/s", "%copy", "native us", "xnat", "PDL", "no PDL us");
+               "launched as a programmatic dependent of gate/up, 'no PDL us' the same kernels in plain stream order;\n"
+               "'floor us' two read-only kernels over the same weight bytes in the same round robin, M = 1, 'one\n"
+               "kernel' one read-only kernel over them, each with the copy percentage it reaches)\n");
+    fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9} {:>7} {:>6} {:>10} {:>6} {:>4} {:>10} {:>9} {:>6} {:>10} {:>6}\n", "model",
+               "format", "M", "replicas", "us", "GB/s", "%copy", "native us", "xnat", "PDL", "no PDL us", "floor us", "%copy",
+               "one kernel", "%copy");
     for (const Row& row : table) {
-      fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9.1f} {:>7.0f} {:>5.0f}% {:>10.1f} {:>6.2f} {:>4} {:>10.1f}\n", row.model, row.format,
-                 row.rows, row.replicas, row.mlp_us, gbps(row.mlp_bytes, row.mlp_us),
+      fmt::print("{:<13} {:<17} {:>2} {:>8} {:>9.1f} {:>7.0f} {:>5.0f}% {:>10.1f} {:>6.2f} {:>4} {:>10.1f} {}\n", row.model,
+                 row.format, row.rows, row.replicas, row.mlp_us, gbps(row.mlp_bytes, row.mlp_us),
                  100 * gbps(row.mlp_bytes, row.mlp_us) / copy_gbps, row.mlp_native_us, row.mlp_native_us / row.mlp_us,
-                 row.programmatic_dependent ? "yes" : "no", row.mlp_serialized_us);
+                 row.programmatic_dependent ? "yes" : "no", row.mlp_serialized_us,
+                 row.floor_us < 0 ? std::string()
+                                  : fmt::format("{:>9.1f} {:>5.0f}% {:>10.1f} {:>5.0f}%", row.floor_us,
+                                                100 * gbps(row.mlp_bytes, row.floor_us) / copy_gbps, row.one_kernel_floor_us,
+                                                100 * gbps(row.mlp_bytes, row.one_kernel_floor_us) / copy_gbps));
     }
 
     fmt::print("\npersistent decode MLP (issue 15: gate/up, a grid-wide barrier and down in one launch; same replicas):\n"
