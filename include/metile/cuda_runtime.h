@@ -400,6 +400,24 @@ class L2Prefetch {
   std::uint64_t bytes_ = 0;
 };
 
+// Byte ranges of device memory read by one kernel and thrown away (nothing is written): what any
+// work that must read the same bytes takes at least, in one launch (bench-model's read floors). The
+// ranges are cut as l2_prefetch_pieces cuts them; a block of 256 threads reads one piece, 16 loads of
+// 16 bytes in flight a thread.
+class DeviceRead {
+ public:
+  explicit DeviceRead(const std::vector<DeviceByteRange>& ranges);
+  void enqueue(const CudaStream& stream) const;
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  std::shared_ptr<const CompiledKernel> kernel_;
+  std::shared_ptr<const DeviceBuffer> pieces_;  // (address, bytes) pairs
+  std::shared_ptr<const DeviceBuffer> sink_;    // written only if the folded words match a constant
+  unsigned piece_count_ = 0;
+  std::uint64_t bytes_ = 0;
+};
+
 // ---------------------------------------------------------------- cuBLASLt
 // Row-major dense matmul through cuBLASLt, f32 accumulate (f32 inputs use plain f32, not TF32):
 //   C[batch, M, N] = A[batch, M, K] · B[batch, K, N]      (transpose_right: B is [batch, N, K])

@@ -496,6 +496,21 @@ class Executable {
   // below) and a real run afterwards writes them again. Kinds absent from `times` are ignored.
   void replay_cost_by_kind(std::vector<StepKindTime>& times, const TournamentOptions& tournament);
   int step_count() const;  // device steps per run
+  // What reading the step's GEMV weights costs with nothing else done (bench-model's read floors),
+  // raced (run_tournament) against the replay as it is: one read-only kernel (DeviceRead) per step
+  // that streams weights, in the steps' order, captured as one graph, and one kernel over all of
+  // them. A region is one step whatever it launches (the SwiGLU MLP's two GEMVs, attention and the
+  // output projection), so the chain has at most as many kernels as the replay: a lower bound. A
+  // timing experiment: the replay's writes are the caller's to make harmless (as for
+  // replay_cost_by_kind). NaN figures without a captured graph or a step that streams weights.
+  struct ReadFloors {
+    double replay_ms = std::numeric_limits<double>::quiet_NaN();
+    double chain_ms = std::numeric_limits<double>::quiet_NaN();       // one read kernel a step that streams weights
+    double one_kernel_ms = std::numeric_limits<double>::quiet_NaN();  // one read kernel over every step's weights
+    int kernels = 0;                                                  // the chain's read kernels
+    std::uint64_t bytes = 0;                                          // the weights they read
+  };
+  ReadFloors read_floors(const TournamentOptions& tournament);
   // Captures the same steps a second time with every generated GEMV launched as a programmatic
   // dependent of the kernel before it, races the two replays (run_tournament: same kernels, same
   // bits) and keeps the faster; returns whether that is the dependent one, and report() says so

@@ -228,6 +228,9 @@ struct EngineBenchmark {
   double prefill_tokens_per_second = 0;  // the prompt fed as generate feeds it (feed_greedy: ids copied back)
   std::vector<StepKindTime> breakdown;  // one decode step run eagerly, events between units
   int launches = 0;                 // device steps per decode step
+  // The decode step's GEMV weights read by read-only kernels alone (Executable::read_floors): one a
+  // step that streams weights, in the step's order, and one over all; raced against the replay.
+  Executable::ReadFloors read_floors;
   // What the decode step's regions run: "rule: candidate" (RegionReport) -> how many regions.
   std::map<std::string, int> chosen;
   // Why: each region kind's first region's reason (RegionReport::reason: the race's figures).

@@ -529,6 +529,42 @@ void Executable::replay_cost_by_kind(std::vector<StepKindTime>& times, const Tou
   for (std::size_t k = 0; k < times.size(); ++k) times[k].replay_ms = race.score_ms[0] - race.score_ms[k + 1];
 }
 
+Executable::ReadFloors Executable::read_floors(const TournamentOptions& tournament) {
+  State& state = *state_;
+  ReadFloors floors;
+  if (!state.replay) return floors;
+  state.device.make_current();
+  std::vector<DeviceRead> chain;
+  std::vector<DeviceByteRange> every;
+  for (const std::vector<DeviceByteRange>& ranges : state.step_weights) {
+    if (ranges.empty()) continue;
+    chain.emplace_back(ranges);
+    every.insert(every.end(), ranges.begin(), ranges.end());
+  }
+  if (chain.empty()) return floors;
+  const DeviceRead one(every);
+  floors.kernels = static_cast<int>(chain.size());
+  floors.bytes = one.bytes();
+  const CudaGraph whole = capture_launching(state.stream, state.programmatic_replay, [&](const CudaStream& stream) {
+    for (const auto& step : state.steps) step(stream);
+  });
+  // Plain launches: a read kernel has no griddepcontrol, so as a programmatic dependent it would not
+  // wait for the one before it at all.
+  const CudaGraph chained = capture_launching(state.stream, false, [&](const CudaStream& stream) {
+    for (const DeviceRead& read : chain) read.enqueue(stream);
+  });
+  const CudaGraph single = capture_launching(state.stream, false, [&](const CudaStream& stream) { one.enqueue(stream); });
+  const TournamentResult race = run_tournament({{"whole step", [whole](const CudaStream& s) { whole.replay(s); }},
+                                                {"read chain", [chained](const CudaStream& s) { chained.replay(s); }},
+                                                {"one read", [single](const CudaStream& s) { single.replay(s); }}},
+                                               state.stream, tournament);
+  state.stream.synchronize();
+  floors.replay_ms = race.score_ms[0];
+  floors.chain_ms = race.score_ms[1];
+  floors.one_kernel_ms = race.score_ms[2];
+  return floors;
+}
+
 namespace {
 
 // Races another capture of the same steps (same kernels, same bits) against the current replay;

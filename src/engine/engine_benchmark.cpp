@@ -4,6 +4,7 @@
 //   decode feed    feed() of one token (input copies, replay, the logits row out),
 //   greedy feed    feed_greedy() of one token, as generate runs it (input copies, replay, one id out),
 //   floor          the bytes one step must read / the copy bandwidth measured by the caller,
+//   read floors    the step's GEMV weights read by read-only kernels alone: one a GEMV step, one in all,
 //   breakdown      the decode step's units run once eagerly, events between them, summed by kind,
 //                  and each kind's cost inside the replay (the step replayed without that kind),
 //   profile        with METILE_PROFILE_DECODE_STEP=1, one replay between cuProfilerStart/Stop (ncu),
@@ -87,6 +88,7 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   ablation.rounds = 5;
   ablation.calls_per_sample = 5;
   decode.replay_cost_by_kind(result.breakdown, ablation);
+  result.read_floors = decode.read_floors(ablation);
   // One more replay between the profiler's start and stop marks, for
   // `ncu --profile-from-start off --graph-profiling node`: every kernel of one decode step.
   if (const char* flag = std::getenv("METILE_PROFILE_DECODE_STEP"); flag != nullptr && std::string_view(flag) == "1") {

@@ -275,6 +275,24 @@ TEST_F(ModelEngineTest, ProfileCountsTheWeightsEachFusedGemvKindStreams) {
         EXPECT_EQ(time.weight_bytes, 0u) << time.kind;
       }
     }
+    // bench-model's read floors read exactly those weights (16-byte aligned whole: every repacked or dense
+    // matrix here is), with one read kernel a step that streams weights.
+    std::uint64_t streamed = 0;
+    int streaming_kinds_steps = 0;
+    for (const StepKindTime& time : times) {
+      streamed += time.weight_bytes;
+      if (time.weight_bytes > 0) streaming_kinds_steps += time.steps;
+    }
+    TournamentOptions quick;
+    quick.warmup_calls = 1;
+    quick.rounds = 2;
+    quick.calls_per_sample = 2;
+    const Executable::ReadFloors floors = fused.executable(1).read_floors(quick);
+    EXPECT_EQ(floors.bytes, streamed) << kinds;
+    EXPECT_EQ(floors.kernels, streaming_kinds_steps) << kinds;
+    EXPECT_GT(floors.chain_ms, 0.0);
+    EXPECT_GT(floors.one_kernel_ms, 0.0);
+    EXPECT_GT(floors.replay_ms, 0.0);
   }
 }
 

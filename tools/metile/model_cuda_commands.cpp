@@ -77,17 +77,17 @@ std::string figures_row(const std::string& label, const AgreementFigures& figure
                      figures.kl_mean, figures.kl_max, figures.max_logit_error, verdict);
 }
 
+nlohmann::json nan_as_null(double value) { return std::isnan(value) ? nlohmann::json(nullptr) : nlohmann::json(value); }
+
 nlohmann::json benchmark_json(const EngineBenchmark& result) {
   nlohmann::json breakdown = nlohmann::json::array();
   for (const StepKindTime& time : result.breakdown) {
-    nlohmann::json replay = std::isnan(time.replay_ms) ? nlohmann::json(nullptr) : nlohmann::json(time.replay_ms);
-    const double percent = weight_stream_percent(time, result.copy_bandwidth_gbps);
     breakdown.push_back({{"kind", time.kind},
                          {"ms", time.ms},
-                         {"replay_ms", replay},
+                         {"replay_ms", nan_as_null(time.replay_ms)},
                          {"steps", time.steps},
                          {"weight_bytes", time.weight_bytes},
-                         {"weight_copy_percent", std::isnan(percent) ? nlohmann::json(nullptr) : nlohmann::json(percent)}});
+                         {"weight_copy_percent", nan_as_null(weight_stream_percent(time, result.copy_bandwidth_gbps))}});
   }
   return {{"decode_ms_per_token", result.decode_replay_ms},
           {"decode_feed_ms_per_token", result.decode_feed_ms},
@@ -98,6 +98,12 @@ nlohmann::json benchmark_json(const EngineBenchmark& result) {
           {"prefill_tokens", result.prefill_tokens},
           {"prefill_tokens_per_second", result.prefill_tokens_per_second},
           {"device_steps_per_decode_step", result.launches},
+          {"read_floors",
+           {{"replay_ms", nan_as_null(result.read_floors.replay_ms)},
+            {"chain_ms", nan_as_null(result.read_floors.chain_ms)},
+            {"one_kernel_ms", nan_as_null(result.read_floors.one_kernel_ms)},
+            {"kernels", result.read_floors.kernels},
+            {"bytes", result.read_floors.bytes}}},
           {"breakdown", breakdown},
           {"chosen", result.chosen},
           {"reasons", result.reasons}};
@@ -331,6 +337,21 @@ void bench_model(const ModelOptions& options) {
   row(fmt::format("prefill tokens/s ({}-token prompt)", options.prefill_tokens),
       [](const EngineBenchmark& r) { return r.prefill_tokens_per_second; }, "{:.0f}");
   row("device steps per decode step", [](const EngineBenchmark& r) { return r.launches; }, "{}");
+  // What reading the same GEMV weights costs with nothing else done, raced against the replay:
+  // one read-only kernel a step that streams weights (a region is one step: the SwiGLU MLP's two
+  // GEMVs one kernel here), in the step's order, and one over all of them.
+  const auto or_dash = [](double ms) { return std::isnan(ms) ? std::string("-") : fmt::format("{:.3f}", ms); };
+  row("read floor: a read kernel a GEMV step, ms", [&](const EngineBenchmark& r) { return or_dash(r.read_floors.chain_ms); },
+      "{}");
+  row("read floor: one read kernel in all, ms",
+      [&](const EngineBenchmark& r) { return or_dash(r.read_floors.one_kernel_ms); }, "{}");
+  row("  (the replay in the same race, ms)", [&](const EngineBenchmark& r) { return or_dash(r.read_floors.replay_ms); },
+      "{}");
+  row("  (read kernels, weights MB)",
+      [](const EngineBenchmark& r) {
+        return fmt::format("{}, {:.0f}", r.read_floors.kernels, static_cast<double>(r.read_floors.bytes) / 1e6);
+      },
+      "{}");
   // The PDL variant runs the same kernels eagerly: its eager breakdown is the fused one's (its costs inside
   // its own replay, which overlaps launches, are in the JSON).
   for (std::size_t i = 0; i < variants.size(); ++i) {
