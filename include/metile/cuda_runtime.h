@@ -387,17 +387,24 @@ struct DeviceByteRange {
 // its last, cut into pieces of at most 64 KiB (CPU only: tested without a device).
 std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRange>& ranges);
 
+// The pieces of `ranges` (l2_prefetch_pieces) on the device as (address, bytes) pairs, for a kernel
+// that takes one piece a thread or a block.
+struct DevicePieces {
+  explicit DevicePieces(const std::vector<DeviceByteRange>& ranges);
+  std::shared_ptr<const DeviceBuffer> pairs;  // none when there is no piece
+  unsigned count = 0;
+  std::uint64_t bytes = 0;
+};
+
 class L2Prefetch {
  public:
   explicit L2Prefetch(const std::vector<DeviceByteRange>& ranges);
   void enqueue(const CudaStream& stream) const;
-  std::uint64_t bytes() const { return bytes_; }
+  std::uint64_t bytes() const { return pieces_.bytes; }
 
  private:
   std::shared_ptr<const CompiledKernel> kernel_;
-  std::shared_ptr<const DeviceBuffer> pieces_;  // (address, bytes) pairs
-  unsigned piece_count_ = 0;
-  std::uint64_t bytes_ = 0;
+  DevicePieces pieces_;
 };
 
 // Byte ranges of device memory read by one kernel and thrown away (nothing is written): what any
@@ -408,14 +415,12 @@ class DeviceRead {
  public:
   explicit DeviceRead(const std::vector<DeviceByteRange>& ranges);
   void enqueue(const CudaStream& stream) const;
-  std::uint64_t bytes() const { return bytes_; }
+  std::uint64_t bytes() const { return pieces_.bytes; }
 
  private:
   std::shared_ptr<const CompiledKernel> kernel_;
-  std::shared_ptr<const DeviceBuffer> pieces_;  // (address, bytes) pairs
-  std::shared_ptr<const DeviceBuffer> sink_;    // written only if the folded words match a constant
-  unsigned piece_count_ = 0;
-  std::uint64_t bytes_ = 0;
+  DevicePieces pieces_;
+  std::shared_ptr<const DeviceBuffer> sink_;  // written only if the folded words match a constant
 };
 
 // ---------------------------------------------------------------- cuBLASLt

@@ -16,6 +16,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <string_view>
 #include <vector>
 
@@ -81,6 +82,9 @@ struct ResourceNeeds {
   // that activation's rows (in its dtype) in shared memory before the mainloop.
   bool stages_contraction_activations = false;
 };
+// ResourceNeeds' register figures by name ("base_registers", ...): what validate_rule_set checks (each
+// 0 or more) and its errors name.
+std::span<const std::pair<const char*, int ResourceNeeds::*>> register_need_fields();
 
 // A value a rule bound, under the name the rule gives it ("gate_weight", "residual", ...).
 struct RegionRole {

@@ -208,14 +208,7 @@ void validate_input_prologue(const FusionRule& rule) {
 // so a region that needs more than the target has "fit". Large figures stay legal: the sum saturates
 // and the limit check refuses it.
 void validate_resource_needs(const FusionRule& rule, const std::string& where) {
-  const std::pair<const char*, int ResourceNeeds::*> fields[] = {
-      {"base_registers", &ResourceNeeds::base_registers},
-      {"registers_per_elementwise", &ResourceNeeds::registers_per_elementwise},
-      {"registers_per_row_reduction", &ResourceNeeds::registers_per_row_reduction},
-      {"registers_per_contraction", &ResourceNeeds::registers_per_contraction},
-      {"registers_per_quantized_contraction", &ResourceNeeds::registers_per_quantized_contraction},
-  };
-  for (const auto& [name, member] : fields) {
+  for (const auto& [name, member] : register_need_fields()) {
     if (rule.resources.*member < 0) {
       throw InputError(fmt::format("{}: resources field '{}' must be 0 or more, got {}", where, name,
                                    rule.resources.*member));
@@ -352,6 +345,18 @@ PrologueMatch match_input_prologue(const ComputeGraph& graph, std::span<const No
   result.decision = Decision::allow();
   result.roles = match.roles;
   return result;
+}
+
+
+std::span<const std::pair<const char*, int ResourceNeeds::*>> register_need_fields() {
+  static constexpr std::pair<const char*, int ResourceNeeds::*> fields[] = {
+      {"base_registers", &ResourceNeeds::base_registers},
+      {"registers_per_elementwise", &ResourceNeeds::registers_per_elementwise},
+      {"registers_per_row_reduction", &ResourceNeeds::registers_per_row_reduction},
+      {"registers_per_contraction", &ResourceNeeds::registers_per_contraction},
+      {"registers_per_quantized_contraction", &ResourceNeeds::registers_per_quantized_contraction},
+  };
+  return fields;
 }
 
 }  // namespace metile

@@ -211,41 +211,35 @@ std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRang
   return pieces;
 }
 
-L2Prefetch::L2Prefetch(const std::vector<DeviceByteRange>& ranges) {
-  std::vector<std::uint64_t> pieces;
+DevicePieces::DevicePieces(const std::vector<DeviceByteRange>& ranges) {
+  std::vector<std::uint64_t> flat;
   for (const DeviceByteRange& piece : l2_prefetch_pieces(ranges)) {
-    pieces.push_back(piece.address);
-    pieces.push_back(piece.bytes);
-    bytes_ += piece.bytes;
+    flat.push_back(piece.address);
+    flat.push_back(piece.bytes);
+    bytes += piece.bytes;
   }
-  piece_count_ = static_cast<unsigned>(pieces.size() / 2);
-  if (piece_count_ == 0) return;
-  kernel_ = l2_prefetch_kernel();
-  pieces_ = std::make_shared<const DeviceBuffer>(DeviceBuffer::from_vector<std::uint64_t>(pieces));
+  count = static_cast<unsigned>(flat.size() / 2);
+  if (count > 0) pairs = std::make_shared<const DeviceBuffer>(DeviceBuffer::from_vector<std::uint64_t>(flat));
+}
+
+L2Prefetch::L2Prefetch(const std::vector<DeviceByteRange>& ranges) : pieces_(ranges) {
+  if (pieces_.count > 0) kernel_ = l2_prefetch_kernel();
 }
 
 void L2Prefetch::enqueue(const CudaStream& stream) const {
-  if (piece_count_ == 0) return;
-  launch(*kernel_, Dim3{(piece_count_ + 31) / 32, 1, 1}, Dim3{32, 1, 1}, 0, stream, *pieces_, piece_count_);
+  if (pieces_.count == 0) return;
+  launch(*kernel_, Dim3{(pieces_.count + 31) / 32, 1, 1}, Dim3{32, 1, 1}, 0, stream, *pieces_.pairs, pieces_.count);
 }
 
-DeviceRead::DeviceRead(const std::vector<DeviceByteRange>& ranges) {
-  std::vector<std::uint64_t> pieces;
-  for (const DeviceByteRange& piece : l2_prefetch_pieces(ranges)) {
-    pieces.push_back(piece.address);
-    pieces.push_back(piece.bytes);
-    bytes_ += piece.bytes;
-  }
-  piece_count_ = static_cast<unsigned>(pieces.size() / 2);
-  if (piece_count_ == 0) return;
+DeviceRead::DeviceRead(const std::vector<DeviceByteRange>& ranges) : pieces_(ranges) {
+  if (pieces_.count == 0) return;
   kernel_ = device_read_kernel();
-  pieces_ = std::make_shared<const DeviceBuffer>(DeviceBuffer::from_vector<std::uint64_t>(pieces));
   sink_ = std::make_shared<const DeviceBuffer>(64);
 }
 
 void DeviceRead::enqueue(const CudaStream& stream) const {
-  if (piece_count_ == 0) return;
-  launch(*kernel_, Dim3{piece_count_, 1, 1}, Dim3{256, 1, 1}, 0, stream, *pieces_, *sink_);
+  if (pieces_.count == 0) return;
+  launch(*kernel_, Dim3{pieces_.count, 1, 1}, Dim3{256, 1, 1}, 0, stream, *pieces_.pairs, *sink_);
 }
 
 void profile_on_stream(const CudaStream& stream, const std::function<void(const CudaStream&)>& work) {
