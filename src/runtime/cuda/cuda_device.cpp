@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <utility>
+#include <map>
 #include <mutex>
+#include <string>
+#include <utility>
 
 #include "cuda_driver.h"
 #include "metile/cuda_runtime.h"
@@ -145,12 +147,18 @@ namespace {
 
 constexpr std::uint64_t kL2PrefetchPiece = 64 * 1024;
 
-std::shared_ptr<const CompiledKernel> l2_prefetch_kernel() {
+// The runtime's own small kernels, compiled once a process (the first caller) and shared.
+std::shared_ptr<const CompiledKernel> compiled_once(std::string_view source, std::string_view name) {
   static std::mutex mutex;
-  static std::shared_ptr<const CompiledKernel> kernel;
+  static std::map<std::string, std::shared_ptr<const CompiledKernel>, std::less<>> kernels;
   std::lock_guard lock(mutex);
-  if (!kernel) {
-    kernel = std::make_shared<const CompiledKernel>(compile_cuda(R"CUDA(
+  std::shared_ptr<const CompiledKernel>& kernel = kernels[std::string(name)];
+  if (!kernel) kernel = std::make_shared<const CompiledKernel>(compile_cuda(source, name));
+  return kernel;
+}
+
+std::shared_ptr<const CompiledKernel> l2_prefetch_kernel() {
+  return compiled_once(R"CUDA(
 extern "C" __global__ void __launch_bounds__(32) metile_l2_prefetch(const unsigned long long* __restrict__ pieces,
                                                                   unsigned count) {
   const unsigned piece = blockIdx.x * 32 + threadIdx.x;
@@ -160,20 +168,13 @@ extern "C" __global__ void __launch_bounds__(32) metile_l2_prefetch(const unsign
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
 }
 )CUDA",
-                                                                 "metile_l2_prefetch"));
-  }
-  return kernel;
+                       "metile_l2_prefetch");
 }
 
+// One 64 KiB piece a block: 256 threads x 16 vectors of 16 bytes, all requested before any is used,
+// folded into one word a thread that is stored only if it matches a constant (so the loads stay).
 std::shared_ptr<const CompiledKernel> device_read_kernel() {
-  static std::mutex mutex;
-  static std::shared_ptr<const CompiledKernel> kernel;
-  std::lock_guard lock(mutex);
-  if (!kernel) {
-    // One 64 KiB piece a block: 256 threads x 16 vectors of 16 bytes, all requested before any is
-    // used, folded into one word a thread that is stored only if it matches a constant (so the
-    // loads stay).
-    kernel = std::make_shared<const CompiledKernel>(compile_cuda(R"CUDA(
+  return compiled_once(R"CUDA(
 extern "C" __global__ void __launch_bounds__(256) metile_device_read(const unsigned long long* __restrict__ pieces,
                                                                    unsigned* sink) {
   const unsigned long long address = pieces[2 * blockIdx.x];
@@ -194,9 +195,7 @@ extern "C" __global__ void __launch_bounds__(256) metile_device_read(const unsig
   if (folded == 0x9E3779B9u) *sink = folded;
 }
 )CUDA",
-                                                                 "metile_device_read"));
-  }
-  return kernel;
+                       "metile_device_read");
 }
 
 }  // namespace
