@@ -253,6 +253,10 @@ struct BenchmarkOptions {
   // The KV-cache capacity the measurements fill: the context, the warm-up steps, the timed feed()
   // and feed_greedy() steps, or the prefill prompt, whichever is more.
   std::int64_t cached_tokens_needed() const;
+  // InputError naming the option (--context, --prefill-tokens, --decode-steps) unless each count is at
+  // least 1 and the positions they fill fit the step graphs' 32-bit positions (2^31). Needs no device:
+  // bench-model calls it before it looks for one, benchmark_engine again.
+  void validate() const;
 };
 
 EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options);

@@ -49,6 +49,26 @@ std::int64_t BenchmarkOptions::cached_tokens_needed() const {
   return std::max(prefill_tokens, context + kWarmupFeeds + 2 * static_cast<std::int64_t>(decode_steps) + 1);
 }
 
+void BenchmarkOptions::validate() const {
+  for (const auto& [option, count] : {std::pair{"--context", context}, std::pair{"--prefill-tokens", prefill_tokens},
+                                      std::pair{"--decode-steps", std::int64_t{decode_steps}}}) {
+    if (count < 1) throw InputError(fmt::format("bench-model: {} {} must be at least 1", option, count));
+  }
+  // Positions are i32 in the step graphs (DecoderModel::load's limit on max-seq). Bounding context and
+  // the prompt first keeps cached_tokens_needed() from overflowing (decode_steps is an int), and names
+  // the option that asked for too many, not the max-seq it became.
+  constexpr std::int64_t kMaximumPositions = std::int64_t{1} << 31;
+  if (context > kMaximumPositions || prefill_tokens > kMaximumPositions ||
+      cached_tokens_needed() > kMaximumPositions) {
+    throw InputError(fmt::format("bench-model: --context {}, --prefill-tokens {} and --decode-steps {} need {} cached "
+                                 "positions, more than 2^31 (positions are 32-bit integers)",
+                                 context, prefill_tokens, decode_steps,
+                                 context > kMaximumPositions || prefill_tokens > kMaximumPositions
+                                     ? std::max(context, prefill_tokens)
+                                     : cached_tokens_needed()));
+  }
+}
+
 double weight_stream_percent(const StepKindTime& time, double copy_bandwidth_gbps) {
   if (time.weight_bytes == 0 || !(time.replay_ms > 0) || !(copy_bandwidth_gbps > 0)) {
     return std::numeric_limits<double>::quiet_NaN();
@@ -59,10 +79,8 @@ double weight_stream_percent(const StepKindTime& time, double copy_bandwidth_gbp
 EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options) {
   const DecoderModel& model = session.model().model();
   const std::int64_t vocab = model.config().vocab_size;
+  options.validate();
   const std::int64_t needed = options.cached_tokens_needed();
-  if (options.context < 1 || options.decode_steps < 1 || options.prefill_tokens < 1) {
-    throw InputError(fmt::format("bench-model: --context {} and the step counts must be at least 1", options.context));
-  }
   if (needed > model.capacity()) {
     throw InputError(fmt::format("bench-model: {} cached tokens needed, past the KV-cache capacity {} (max-seq)",
                                  needed, model.capacity()));

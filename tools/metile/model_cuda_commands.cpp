@@ -217,6 +217,22 @@ int verify_model_on_cuda(const DecoderModel& model, const ModelOptions& options)
 }
 
 void bench_model(const ModelOptions& options) {
+  // Every argument is checked before the device is looked for (an unknown preset, --layers 5000,
+  // --decode-steps 0 are one line naming the option on any machine) and before a preset is written.
+  BenchmarkOptions bench;
+  bench.context = options.context;
+  bench.prefill_tokens = options.prefill_tokens;
+  bench.decode_steps = options.decode_steps;
+  bench.seed = parse_seed(options.seed);
+  bench.validate();
+  SynthOptions synth;
+  if (!options.preset.empty()) {
+    synth.preset = options.preset;
+    synth.layers = options.layers;
+    synth.seed = parse_seed(options.seed);
+    synth.quantize = quantization_option(options);  // an MLX checkpoint: quantized once, when written
+    synth_config(synth);
+  }
   require_cuda_device("bench-model", "it measures the GPU engine; it has no CPU backend");
   const CudaDevice& device = *opened_device();
   std::optional<TemporaryDirectory> temporary;
@@ -225,12 +241,6 @@ void bench_model(const ModelOptions& options) {
   LoadOptions load;
   load.dtype = DType::bf16;
   if (!options.preset.empty()) {
-    SynthOptions synth;
-    synth.preset = options.preset;
-    synth.layers = options.layers;
-    synth.seed = parse_seed(options.seed);
-    synth.quantize = quantization_option(options);  // an MLX checkpoint: quantized once, when written
-    synth_config(synth);  // an unknown preset is one line before anything is written
     temporary.emplace();
     model_dir = temporary->path().string();
     name = options.preset;
@@ -247,13 +257,8 @@ void bench_model(const ModelOptions& options) {
   }
   // The capacity the measurements need (decode after the context, the prefill prompt), rounded
   // up: the native attention reads every cached row, so a larger capacity only slows it.
-  BenchmarkOptions bench;
-  bench.context = options.context;
-  bench.prefill_tokens = options.prefill_tokens;
-  bench.decode_steps = options.decode_steps;
-  bench.seed = parse_seed(options.seed);
   const std::int64_t needed = bench.cached_tokens_needed();
-  load.max_sequence = options.max_seq > 0 ? options.max_seq : (needed + 255) / 256 * 256;
+  load.max_sequence = options.max_seq != 0 ? options.max_seq : (needed + 255) / 256 * 256;  // a negative one is refused
   progress_line(fmt::format("metile bench-model: loading {}", model_dir));
   const DecoderModel model = DecoderModel::load(model_dir, load);
   temporary.reset();  // the weights are in memory now

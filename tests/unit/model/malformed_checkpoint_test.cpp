@@ -648,6 +648,24 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
   EXPECT_EQ(metile("bench-model --preset tiny --tournament-caches lukewarm"), 2);
   EXPECT_NE(err.find("--tournament-caches"), std::string::npos) << err;
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+  // The preset and the counts too: they were checked only once a device was open (and a preset written),
+  // so without a GPU --decode-steps 0 said "no CUDA device", and a --context near 2^63 overflowed the
+  // capacity it asked for into a negative max-seq.
+  for (const auto& [arguments, message] :
+       {std::pair{"--preset huge", "unknown preset 'huge' (tiny, small, llama3.2-1b, qwen2.5-1.5b or llama3-8b)"},
+        std::pair{"--preset tiny --layers 5000", "layers 5000 must be 1..1024"},
+        std::pair{"--preset tiny --decode-steps 0", "bench-model: --decode-steps 0 must be at least 1"},
+        std::pair{"--preset tiny --context -3", "bench-model: --context -3 must be at least 1"},
+        std::pair{"--preset tiny --prefill-tokens 0", "bench-model: --prefill-tokens 0 must be at least 1"},
+        std::pair{"--preset tiny --context 9223372036854775807",
+                  "bench-model: --context 9223372036854775807, --prefill-tokens 512 and --decode-steps 64 need "
+                  "9223372036854775807 cached positions, more than 2^31 (positions are 32-bit integers)"},
+        std::pair{"--preset tiny --context 2147483600",
+                  "bench-model: --context 2147483600, --prefill-tokens 512 and --decode-steps 64 need 2147483732 "
+                  "cached positions, more than 2^31 (positions are 32-bit integers)"}}) {
+    EXPECT_EQ(metile(std::string("bench-model ") + arguments), 2) << arguments;
+    EXPECT_EQ(err, fmt::format("metile: error: {}\n", message)) << arguments;
+  }
   // The near-tie margin: a fraction in (0, 10], and only with the race it sizes (on unless turned off).
   for (const std::string& arguments : {std::string("--race-near-ties --near-tie-margin 0"),
                                        std::string("--near-tie-margin x"),
