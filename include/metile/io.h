@@ -37,6 +37,13 @@ std::string read_input_file(const std::filesystem::path& path, std::uint64_t max
 // directory, a missing file or a special file.
 std::uint64_t regular_file_size(const std::filesystem::path& path, std::string_view what);
 
+// The status of a path a user named, or one inside a directory they named (a checkpoint's files):
+// std::filesystem::status, or symlink_status where follow_symlinks is false. A path the system
+// cannot look at (a loop of symbolic links, a name too long, a directory it may not search) is an
+// InputError "PATH: REASON" (the throwing std::filesystem calls gave a filesystem_error, which reads
+// as an internal failure); a missing one is file_type::not_found.
+std::filesystem::file_status input_path_status(const std::filesystem::path& path, bool follow_symlinks = true);
+
 // Writes a file by calling write(stream) once, as described above; nothing is
 // left half-written in place of a regular file. write() must not throw after it
 // has started writing to a special file (a FIFO cannot be rolled back).

@@ -71,6 +71,15 @@ std::uint64_t regular_file_size(const std::filesystem::path& path, std::string_v
   return size;
 }
 
+std::filesystem::file_status input_path_status(const std::filesystem::path& path, bool follow_symlinks) {
+  std::error_code error;
+  const std::filesystem::file_status status =
+      follow_symlinks ? std::filesystem::status(path, error) : std::filesystem::symlink_status(path, error);
+  // A missing file comes back as not_found with the error set; anything else that set it is type none.
+  if (status.type() == std::filesystem::file_type::none) throw InputError(path.string() + ": " + error.message());
+  return status;
+}
+
 std::uint64_t physical_memory_bytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page_size = ::sysconf(_SC_PAGE_SIZE);

@@ -36,9 +36,8 @@ using Json = nlohmann::json;
 // directory, a FIFO or a device in their place is an error, not a hang: opening a FIFO with no
 // writer blocks); each is parsed with parse_json_input's nesting limit.
 std::string read_checkpoint_json(const std::filesystem::path& path) {
-  std::error_code error;
-  const std::filesystem::file_status status = std::filesystem::status(path, error);
-  if (!error && std::filesystem::exists(status) && !std::filesystem::is_directory(status) &&
+  const std::filesystem::file_status status = input_path_status(path);
+  if (std::filesystem::exists(status) && !std::filesystem::is_directory(status) &&
       !std::filesystem::is_regular_file(status)) {
     throw InputError(path.string() + ": not a regular file (a checkpoint's config.json and shard index are files)");
   }
@@ -50,7 +49,7 @@ class CheckpointFiles {
  public:
   explicit CheckpointFiles(const std::filesystem::path& directory) {
     const std::filesystem::path index = directory / "model.safetensors.index.json";
-    if (std::filesystem::exists(index)) {
+    if (std::filesystem::exists(input_path_status(index))) {
       const Json json = parse_json_input(read_checkpoint_json(index), index.string());
       if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
         throw InputError(fmt::format("{}: field 'weight_map': missing or not an object", index.string()));
@@ -70,7 +69,8 @@ class CheckpointFiles {
       // A model.safetensors the index does not list: transformers loads it (it looks for it before
       // the index), this loader the index's shards, mlx-lm every model*.safetensors: two models, no
       // word. Refused as a tensor in two shards is. (mlx-lm's index of one shard lists model.safetensors.)
-      if (!file_index.contains("model.safetensors") && std::filesystem::exists(directory / "model.safetensors")) {
+      if (!file_index.contains("model.safetensors") &&
+          std::filesystem::exists(input_path_status(directory / "model.safetensors"))) {
         throw InputError(fmt::format("{}: does not list model.safetensors, which is in the directory too (transformers "
                                      "would load it, this loader the listed shards): remove one of the two",
                                      index.string()));
@@ -96,7 +96,7 @@ class CheckpointFiles {
       }
     } else {
       const std::filesystem::path single = directory / "model.safetensors";
-      if (!std::filesystem::exists(single)) {
+      if (!std::filesystem::exists(input_path_status(single))) {
         throw InputError(fmt::format("{}: neither model.safetensors nor model.safetensors.index.json",
                                      directory.string()));
       }
@@ -352,11 +352,11 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
     throw InputError(fmt::format("model dtype must be bf16 or f32, got {}", dtype_name(options.dtype)));
   }
   if (options.quantize) options.quantize->validate();
-  if (!std::filesystem::is_directory(directory)) {
+  if (!std::filesystem::is_directory(input_path_status(directory))) {
     throw InputError(fmt::format("{}: not a model directory", directory.string()));
   }
   const std::filesystem::path config_path = directory / "config.json";
-  if (!std::filesystem::exists(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
+  if (!std::filesystem::exists(input_path_status(config_path))) throw InputError(fmt::format("{}: no config.json", directory.string()));
   DecoderModel model;
   model.config_ = ModelConfig::parse_json(read_checkpoint_json(config_path), config_path.string());
   model.dtype_ = options.dtype;

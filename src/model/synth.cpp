@@ -238,17 +238,20 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     target = target.parent_path();
   }
   target = target.empty() ? std::filesystem::current_path() : std::filesystem::absolute(target);
-  if (std::filesystem::is_symlink(std::filesystem::symlink_status(target))) {
+  const std::filesystem::file_status target_status = input_path_status(target, false);
+  if (std::filesystem::is_symlink(target_status)) {
     throw InputError(fmt::format("{}: is a symbolic link; name the directory itself", directory.string()));
   }
-  if (std::filesystem::exists(target) && !std::filesystem::is_directory(target)) {
+  if (std::filesystem::exists(target_status) && !std::filesystem::is_directory(target_status)) {
     throw InputError(fmt::format("{}: exists and is not a directory", directory.string()));
   }
-  if (std::filesystem::exists(target) && !std::filesystem::is_empty(target)) {
-    throw InputError(fmt::format("{}: exists and is not an empty directory", directory.string()));
+  if (std::filesystem::exists(target_status)) {
+    const bool empty = std::filesystem::is_empty(target, error);
+    if (error) throw InputError(fmt::format("{}: {}", directory.string(), error.message()));
+    if (!empty) throw InputError(fmt::format("{}: exists and is not an empty directory", directory.string()));
   }
   const std::filesystem::path parent = target.parent_path();
-  if (target == parent || !std::filesystem::is_directory(parent)) {
+  if (target == parent || !std::filesystem::is_directory(input_path_status(parent))) {
     throw InputError(fmt::format("{}: parent directory does not exist", parent.string()));
   }
   const std::filesystem::path staging =

@@ -623,6 +623,46 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (max-seq)\n");
 }
 
+// A path the system cannot look at (a loop of symbolic links, a name longer than a file name may be)
+// is bad input naming the path, exit 2: the model commands and synth-model asked std::filesystem's
+// throwing calls, whose filesystem_error reached main as "metile: internal error", exit 1.
+TEST_F(MalformedCheckpoint, PathsTheSystemCannotLookAtAreBadInput) {
+  const std::filesystem::path directory = synth("model", {});
+  std::string out, err;
+  const auto expect_bad_input = [&](const std::string& arguments, const std::filesystem::path& named,
+                                    const std::string& reason) {
+    SCOPED_TRACE(arguments);
+    EXPECT_EQ(run_metile(arguments, out, err), 2);
+    EXPECT_EQ(err, "metile: error: " + named.string() + ": " + reason + "\n");
+    EXPECT_EQ(out, "");
+  };
+  const std::string loop = "Too many levels of symbolic links";
+  std::filesystem::create_symlink("loop", root_ / "loop");  // a link to itself
+  expect_bad_input("logits " + (root_ / "loop").string() + " --prompt-ids 1", root_ / "loop", loop);
+  expect_bad_input("synth-model " + (root_ / "loop" / "x").string(), root_ / "loop" / "x", loop);
+  expect_bad_input("synth-model " + (root_ / "loop" / "x" / "y").string(), root_ / "loop" / "x" / "y", loop);
+  const std::string long_name(300, 'n');  // past NAME_MAX (255)
+  expect_bad_input("synth-model " + (root_ / long_name).string(), root_ / long_name, "File name too long");
+  expect_bad_input("verify-model " + (root_ / long_name).string(), root_ / long_name, "File name too long");
+  // Each file of a checkpoint in turn, a link to itself (the shards through the index).
+  SynthOptions small_shards;
+  small_shards.max_shard_mb = 0.02;
+  const std::filesystem::path sharded = synth("sharded", small_shards);
+  for (const auto& [checkpoint, file] : {std::pair{directory, "config.json"}, std::pair{directory, "model.safetensors"},
+                                         std::pair{sharded, "model.safetensors.index.json"}}) {
+    const std::filesystem::path broken = root_ / ("broken_" + std::string(file));
+    std::filesystem::copy(checkpoint, broken);
+    std::filesystem::remove(broken / file);
+    std::filesystem::create_symlink(file, broken / file);
+    expect_bad_input("logits " + broken.string() + " --prompt-ids 1", broken / file, loop);
+  }
+  // Beside an index, a model.safetensors the system cannot look at is not taken for absent.
+  const std::filesystem::path beside = root_ / "beside_index";
+  std::filesystem::copy(sharded, beside);
+  std::filesystem::create_symlink("model.safetensors", beside / "model.safetensors");
+  expect_bad_input("logits " + beside.string() + " --prompt-ids 1", beside / "model.safetensors", loop);
+}
+
 // Without a GPU (CI) every --backend cuda command and bench-model is one line and exit 2,
 // before the checkpoint is read; bad arguments are one line wherever they are. On a machine
 // with a GPU the commands run instead (the GPU suites cover them), and this test is skipped.
