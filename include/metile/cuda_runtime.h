@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -266,6 +267,12 @@ std::string stable_hash_hex(std::string_view bytes);
 // Where metile keeps what it caches (compiled kernels, dispatch decisions): $METILE_CACHE_DIR if
 // set, else ~/.cache/metile (or /tmp/metile-cache without a home).
 std::string cache_directory();
+// A cache file read whole (kernel entries, dispatch.json): nullopt where none exists, and also, with
+// `unusable` set, where something else is in its place: a directory, a FIFO or device (never opened:
+// opening a FIFO with no writer blocks, /dev/zero has no end), a file over maximum_bytes, or one that
+// cannot be read. Callers take unusable for a corrupt entry: ignored, and replaced by the next write.
+std::optional<std::string> read_cache_file(const std::filesystem::path& path, std::uint64_t maximum_bytes,
+                                           bool& unusable);
 // cache_directory()/kernels.
 std::string kernel_cache_directory();
 // The cache's file for a key (tests corrupt it on purpose).

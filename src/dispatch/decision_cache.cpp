@@ -42,11 +42,14 @@ CandidateId candidate_from_json(const nlohmann::json& entry) {
 
 std::filesystem::path DecisionCache::default_path() { return std::filesystem::path(cache_directory()) / "dispatch.json"; }
 
+// Far above any real decision file (a decision is ~1 KB; a model's regions make a few hundred).
+constexpr std::uint64_t kMaximumDecisionFileBytes = std::uint64_t{64} << 20;
+
 DecisionCache::DecisionCache(std::filesystem::path file) : path_(std::move(file)) {
-  std::ifstream stream(path_, std::ios::binary);
-  if (!stream) return;
+  const std::optional<std::string> text = read_cache_file(path_, kMaximumDecisionFileBytes, found_corrupt_file_);
+  if (!text) return;
   try {
-    const nlohmann::json document = nlohmann::json::parse(stream);
+    const nlohmann::json document = nlohmann::json::parse(*text);
     if (document.at("version").get<int>() != decision_file_version) throw std::runtime_error("another version");
     for (const nlohmann::json& entry : document.at("decisions")) {
       DispatchDecision decision;

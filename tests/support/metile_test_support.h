@@ -13,12 +13,16 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "metile/error.h"
 #include "metile/graph.h"
@@ -34,6 +38,23 @@ inline std::string error_of(const std::function<void()>& action) {
     return error.what();
   }
   return "(no InputError)";
+}
+
+// Runs `action`, which should never open the FIFO at `fifo`, and says whether it returned within
+// `seconds`. Where it did not (blocked opening the FIFO, which waits for a writer), a writer is opened
+// and closed, so the reader sees an empty file and the test fails instead of hanging.
+inline bool returns_without_opening_fifo(const std::filesystem::path& fifo, const std::function<void()>& action,
+                                         int seconds = 10) {
+  std::future<void> done = std::async(std::launch::async, action);
+  if (done.wait_for(std::chrono::seconds(seconds)) == std::future_status::ready) {
+    done.get();
+    return true;
+  }
+  while (done.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
+    const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (writer >= 0) ::close(writer);
+  }
+  return false;
 }
 
 // The whole file as text; empty when it cannot be opened (the comparison then fails).

@@ -47,10 +47,13 @@ std::uint64_t hash64(std::string_view bytes, std::uint64_t seed) {
   return hash;
 }
 
+// The largest cubin the cache holds (the largest generated kernels' are a few MB).
+constexpr std::uint64_t kMaximumCacheEntryBytes = std::uint64_t{256} << 20;
+
 std::optional<std::string> read_cache_entry(const std::filesystem::path& path, bool& was_corrupt) {
-  was_corrupt = false;
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return std::nullopt;
+  const std::optional<std::string> entry = read_cache_file(path, kMaximumCacheEntryBytes, was_corrupt);
+  if (!entry) return std::nullopt;
+  std::istringstream file(*entry);
   std::string header;
   std::getline(file, header);
   std::istringstream fields(header);
@@ -136,6 +139,29 @@ std::string cache_directory() {
     return (std::filesystem::path(home) / ".cache" / "metile").string();
   }
   return "/tmp/metile-cache";
+}
+
+std::optional<std::string> read_cache_file(const std::filesystem::path& path, std::uint64_t maximum_bytes,
+                                           bool& unusable) {
+  unusable = false;
+  std::error_code error;
+  const std::filesystem::file_status status = std::filesystem::status(path, error);
+  if (status.type() == std::filesystem::file_type::not_found) return std::nullopt;
+  // Only a regular file is opened: the cache directory is shared and may hold anything.
+  const std::uintmax_t size = std::filesystem::is_regular_file(status) ? std::filesystem::file_size(path, error) : 0;
+  if (!std::filesystem::is_regular_file(status) || error || size > maximum_bytes) {
+    unusable = true;
+    return std::nullopt;
+  }
+  std::ifstream file(path, std::ios::binary);
+  std::string bytes(static_cast<std::size_t>(size), '\0');
+  // One byte more than the size: a file that grew since is not taken whole.
+  file.read(bytes.data(), static_cast<std::streamsize>(size));
+  if (!file || file.gcount() != static_cast<std::streamsize>(size) || file.peek() != std::char_traits<char>::eof()) {
+    unusable = true;
+    return std::nullopt;
+  }
+  return bytes;
 }
 
 std::string kernel_cache_directory() { return (std::filesystem::path(cache_directory()) / "kernels").string(); }

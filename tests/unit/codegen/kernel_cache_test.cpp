@@ -1,6 +1,7 @@
 // The on-disk NVRTC cache: a second compile is served from the cache, and a damaged entry
 // (flipped byte, truncation, foreign file) is detected by its checksum header and rebuilt.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -8,6 +9,7 @@
 #include <random>
 
 #include "metile/cuda_runtime.h"
+#include "metile_test_support.h"
 
 namespace metile {
 namespace {
@@ -87,6 +89,30 @@ TEST_F(KernelCache, CorruptEntriesAreDetectedAndRebuilt) {
     EXPECT_TRUE(rebuilt.rebuilt_corrupt_cache_entry);
     EXPECT_EQ(rebuilt.cubin, original.cubin);
     EXPECT_EQ(read_file(), intact) << "the damaged entry is replaced by a good one";
+    EXPECT_TRUE(compile().from_cache);
+  }
+}
+
+// A FIFO in an entry's place blocked the compile forever (opened for reading, it waits for a writer),
+// and a link to /dev/zero was read line by line without end (the header line never ends). Neither is
+// opened now: each is a corrupt entry, rebuilt and replaced by a regular file.
+TEST_F(KernelCache, SpecialFilesInAnEntrysPlaceAreRebuiltNotOpened) {
+  const CompiledProgram original = compile();
+  const std::filesystem::path path = kernel_cache_path(original.cache_key);
+  for (const bool fifo : {true, false}) {
+    SCOPED_TRACE(fifo ? "a FIFO" : "a link to /dev/zero");
+    std::filesystem::remove(path);
+    if (fifo) {
+      ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+    } else {
+      std::filesystem::create_symlink("/dev/zero", path);
+    }
+    CompiledProgram rebuilt;
+    EXPECT_TRUE(metile::testing::returns_without_opening_fifo(path, [&] { rebuilt = compile(); }));
+    EXPECT_FALSE(rebuilt.from_cache);
+    EXPECT_TRUE(rebuilt.rebuilt_corrupt_cache_entry);
+    EXPECT_EQ(rebuilt.cubin, original.cubin);
+    EXPECT_TRUE(std::filesystem::is_regular_file(std::filesystem::symlink_status(path)));
     EXPECT_TRUE(compile().from_cache);
   }
 }

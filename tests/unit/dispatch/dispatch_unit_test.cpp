@@ -2,6 +2,7 @@
 // argmax against the candidate's own values), the headroom rule, METILE_DISPATCH parsing, the decision file (round trip, corruption),
 // cutting a region out of its graph, and the lowerings' reasons for every example region.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <filesystem>
@@ -187,6 +188,28 @@ TEST_F(DecisionFile, CorruptFilesAreSetAsideAndRewritten) {
     EXPECT_FALSE(reloaded.found_corrupt_file());
     EXPECT_EQ(reloaded.size(), 1u);
   }
+}
+
+// Something other than a decision file at its path: a FIFO was opened and blocked the process until a
+// writer came (forever), /dev/zero was read without end. Neither is opened now; each is set aside as a
+// corrupt file is, and the next store replaces it with a regular file.
+TEST_F(DecisionFile, SpecialFilesInItsPlaceAreSetAsideNotOpened) {
+  std::filesystem::create_directories(path_.parent_path());
+  ASSERT_EQ(::mkfifo(path_.c_str(), 0600), 0);
+  std::optional<DecisionCache> cache;
+  EXPECT_TRUE(testing::returns_without_opening_fifo(path_, [&] { cache.emplace(path_); }));
+  ASSERT_TRUE(cache.has_value());
+  EXPECT_TRUE(cache->found_corrupt_file());
+  EXPECT_EQ(cache->size(), 0u);
+  cache->store({"k", CandidateId::native(), {}, "region R0: native"});
+  EXPECT_TRUE(std::filesystem::is_regular_file(path_));
+  EXPECT_EQ(DecisionCache(path_).size(), 1u);
+
+  std::filesystem::remove(path_);
+  std::filesystem::create_symlink("/dev/zero", path_);
+  const DecisionCache endless(path_);
+  EXPECT_TRUE(endless.found_corrupt_file());
+  EXPECT_EQ(endless.size(), 0u);
 }
 
 TEST(RegionGraph, CutsTheRegionOutWithItsNamesAndComputesTheSame) {
