@@ -268,7 +268,8 @@ struct SynthOptions {
 ModelConfig synth_config(const SynthOptions& options);
 // Writes config.json and the weights (bf16, seeded per tensor name so that every
 // variant of one seed holds the same numbers) into `directory`, which must not
-// exist or be empty; files are written to a sibling temporary and renamed into
+// exist or be empty; files are written to a temporary folder (beside a new directory, inside
+// an empty one that exists, so that every rename stays on one file system) and renamed into
 // place, so an error leaves nothing. `progress` (if set) gets lines for stderr; `cancelled` (if
 // set) is asked before each tensor, and when it answers true the temporary is removed and
 // InputError "synth-model: interrupted; nothing was written" is thrown (the CLI's Ctrl-C).

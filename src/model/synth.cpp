@@ -230,7 +230,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   }
   std::error_code error;
   if (directory.empty()) throw InputError("synth-model: the output directory is an empty path");
-  // "d/", "d/." and "d" are one directory: the staging folder goes beside it, never inside it. Only
+  // "d/", "d/." and "d" are one directory (the staging folder must not be taken for it). Only
   // trailing "/" and "." are dropped: a ".." after a symbolic link means what the system says it
   // means (lexically_normal would take "link/../d" for "d").
   std::filesystem::path target = directory;
@@ -245,7 +245,8 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   if (std::filesystem::exists(target_status) && !std::filesystem::is_directory(target_status)) {
     throw InputError(fmt::format("{}: exists and is not a directory", directory.string()));
   }
-  if (std::filesystem::exists(target_status)) {
+  const bool target_exists = std::filesystem::exists(target_status);
+  if (target_exists) {
     const bool empty = std::filesystem::is_empty(target, error);
     if (error) throw InputError(fmt::format("{}: {}", directory.string(), error.message()));
     if (!empty) throw InputError(fmt::format("{}: exists and is not an empty directory", directory.string()));
@@ -254,8 +255,14 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   if (target == parent || !std::filesystem::is_directory(input_path_status(parent))) {
     throw InputError(fmt::format("{}: parent directory does not exist", parent.string()));
   }
+  // A new directory is staged beside it and renamed into place. An empty directory that exists (".",
+  // a folder a shell is in, a mounted volume) stays the same directory: the files are staged inside it
+  // and moved up, so every rename stays on its file system (from beside a mount point, into it, each
+  // failed with EXDEV).
   const std::filesystem::path staging =
-      parent / fmt::format(".{}.partial-{}", target.filename().string(), ::getpid());
+      target_exists ? target / fmt::format(".metile-partial-{}", ::getpid())
+                    : parent / fmt::format(".{}.partial-{}", target.filename().string(), ::getpid());
+  std::vector<std::filesystem::path> moved;  // into an existing directory: removed again if a later move fails
   std::filesystem::create_directories(staging, error);
   if (error) throw InputError(fmt::format("{}: cannot create: {}", staging.string(), error.message()));
   try {
@@ -322,17 +329,17 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     write_output_file(staging / "config.json",
                       [&](std::ostream& out) { out << config.to_json(options.transformers_version); });
     stop_if_cancelled();  // the last moment: after the renames below the model is there
-    if (std::filesystem::exists(target)) {
-      // An empty directory that exists (".", a folder a shell is in) stays the same directory: the
-      // files move into it.
+    if (target_exists) {
       for (const auto& entry : std::filesystem::directory_iterator(staging)) {
         std::filesystem::rename(entry.path(), target / entry.path().filename());
+        moved.push_back(target / entry.path().filename());
       }
       std::filesystem::remove(staging);
     } else {
       std::filesystem::rename(staging, target);
     }
   } catch (...) {
+    for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);
     std::filesystem::remove_all(staging, error);
     throw;
   }

@@ -3,9 +3,13 @@
 // line with exit 2 and writes nothing to stdout. Each case starts from a valid
 // tiny checkpoint and breaks one thing.
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -621,6 +625,34 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2"), 0);
   EXPECT_EQ(metile("generate " + windowed.string() + " --prompt-ids 1,2 --tokens 8"), 2);
   EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (max-seq)\n");
+}
+
+// An empty directory that is a mount point (a mounted volume, a container's bind mount) is a
+// directory synth-model may fill: the weights were staged beside it, on the parent's file system, and
+// the first rename into it failed with EXDEV ("metile: internal error: ... Invalid cross-device link").
+TEST_F(MalformedCheckpoint, SynthesisIntoAnEmptyMountPointWritesThere) {
+  const std::filesystem::path volume = root_ / "volume";
+  std::filesystem::create_directories(volume);
+  if (::mount("metile-test", volume.c_str(), "tmpfs", 0, nullptr) != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << "): needs root";
+  }
+  struct Unmount {
+    std::filesystem::path path;
+    ~Unmount() { ::umount(path.c_str()); }
+  } unmount{volume};
+  std::string out, err;
+  EXPECT_EQ(run_metile("synth-model " + volume.string() + " --max-shard-mb 0.02", out, err), 0) << err;
+  EXPECT_EQ(err, "");
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(volume)) files.push_back(entry.path().filename());
+  std::sort(files.begin(), files.end());
+  ASSERT_FALSE(files.empty());
+  EXPECT_EQ(files.front(), "config.json");  // and nothing staged is left (a hidden name sorts first)
+  EXPECT_EQ(files.back(), "model.safetensors.index.json");
+  EXPECT_EQ(run_metile("logits " + volume.string() + " --prompt-ids 1,2", out, err), 0) << err;
+  for (const auto& entry : std::filesystem::directory_iterator(root_)) {
+    EXPECT_EQ(entry.path().filename().string().find(".partial-"), std::string::npos) << entry.path();
+  }
 }
 
 // A path the system cannot look at (a loop of symbolic links, a name longer than a file name may be)
