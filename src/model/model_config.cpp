@@ -214,7 +214,9 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     config.head_dim = config.hidden_size / config.num_attention_heads;
   }
   if (config.head_dim % 2 != 0) reader.fail("head_dim", "must be even for rotary embeddings");
-  config.max_position_embeddings = reader.positive_int_or("max_position_embeddings", 4096);
+  // A count transformers also reads when written as a real (4096.0), as original_max_position_embeddings.
+  config.max_position_embeddings =
+      reader.present("max_position_embeddings") ? reader.positive_whole_number("max_position_embeddings") : 4096;
   config.rms_norm_eps = reader.positive_number_or("rms_norm_eps", 1e-6);
   // Every rms_norm of the step graphs takes it: refused here, naming the field, not at the first step
   // naming graph node 'layers.0.input_norm'.

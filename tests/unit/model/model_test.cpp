@@ -650,5 +650,23 @@ TEST(ModelConfigSlidingWindow, FollowsTransformersDefaults) {
             "config.json: field 'max_window_layers': must be a non-negative integer, got -1");
 }
 
+// max_position_embeddings written as a whole real (4096.0, as some exported configs write it and
+// transformers reads it) is that count; a fraction or a non-number is refused naming the field.
+TEST(ModelConfigPositions, MaxPositionEmbeddingsMayBeAWholeReal) {
+  const auto parse = [](const nlohmann::json& value) {
+    nlohmann::json json = nlohmann::json::parse(synth_config(SynthOptions{}).to_json());
+    json["max_position_embeddings"] = value;
+    return ModelConfig::parse_json(json.dump(), "config.json");
+  };
+  EXPECT_EQ(parse(4096.0).max_position_embeddings, 4096);
+  EXPECT_EQ(parse(131072).max_position_embeddings, 131072);
+  EXPECT_EQ(error_of([&] { parse(4096.5); }),
+            "config.json: field 'max_position_embeddings': must be a positive whole number, got 4096.5");
+  EXPECT_EQ(error_of([&] { parse("4096"); }),
+            "config.json: field 'max_position_embeddings': must be a positive number, got \"4096\"");
+  EXPECT_EQ(error_of([&] { parse(0); }),
+            "config.json: field 'max_position_embeddings': must be a positive number, got 0");
+}
+
 }  // namespace
 }  // namespace metile::testing
