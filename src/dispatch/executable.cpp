@@ -545,9 +545,7 @@ Executable::ReadFloors Executable::read_floors(const TournamentOptions& tourname
   const DeviceRead one(every);
   floors.kernels = static_cast<int>(chain.size());
   floors.bytes = one.bytes();
-  const CudaGraph whole = capture_launching(state.stream, state.programmatic_replay, [&](const CudaStream& stream) {
-    for (const auto& step : state.steps) step(stream);
-  });
+  const CudaGraph whole = state.replay;  // the replay as kept (copies share one instantiated graph)
   // Plain launches: a read kernel has no griddepcontrol, so as a programmatic dependent it would not
   // wait for the one before it at all.
   const CudaGraph chained = capture_launching(state.stream, false, [&](const CudaStream& stream) {
