@@ -20,6 +20,7 @@
 #include "cuda_driver.h"
 #include "cuda_libraries.h"
 #include "metile/cuda_runtime.h"
+#include "metile/io.h"
 
 #ifndef METILE_CUDA_INCLUDE_DIR
 #define METILE_CUDA_INCLUDE_DIR "/usr/local/cuda/include"
@@ -145,23 +146,17 @@ std::optional<std::string> read_cache_file(const std::filesystem::path& path, st
                                            bool& unusable) {
   unusable = false;
   std::error_code error;
-  const std::filesystem::file_status status = std::filesystem::status(path, error);
-  if (status.type() == std::filesystem::file_type::not_found) return std::nullopt;
-  // Only a regular file is opened: the cache directory is shared and may hold anything.
-  const std::uintmax_t size = std::filesystem::is_regular_file(status) ? std::filesystem::file_size(path, error) : 0;
-  if (!std::filesystem::is_regular_file(status) || error || size > maximum_bytes) {
+  if (std::filesystem::status(path, error).type() == std::filesystem::file_type::not_found) return std::nullopt;
+  // The cache directory is shared and may hold anything: io's readers refuse what is not a regular file
+  // before opening it (regular_file_size) and read at most maximum_bytes (read_input_file); whatever
+  // they refuse is a corrupt entry here, not the user's error.
+  try {
+    regular_file_size(path, "cache");
+    return read_input_file(path, maximum_bytes, "cache");
+  } catch (const InputError&) {
     unusable = true;
     return std::nullopt;
   }
-  std::ifstream file(path, std::ios::binary);
-  std::string bytes(static_cast<std::size_t>(size), '\0');
-  // One byte more than the size: a file that grew since is not taken whole.
-  file.read(bytes.data(), static_cast<std::streamsize>(size));
-  if (!file || file.gcount() != static_cast<std::streamsize>(size) || file.peek() != std::char_traits<char>::eof()) {
-    unusable = true;
-    return std::nullopt;
-  }
-  return bytes;
 }
 
 std::string kernel_cache_directory() { return (std::filesystem::path(cache_directory()) / "kernels").string(); }
