@@ -263,51 +263,13 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
   }
 }
 
-// A read-only stream: 16-byte loads, eight in flight per thread, folded into one word per thread that
-// is written only if it matches a constant (so the loads stay). Bytes read only; 4 blocks of 512
-// threads an SM.
-struct ReadOnlyStream {
-  CompiledKernel kernel;
-  Dim3 grid, block{512, 1, 1};
-  DeviceBuffer sink{64};
-  // Reads `bytes` (a multiple of 16) at the device address `data`.
-  void enqueue(const CudaStream& stream, std::uint64_t data, std::size_t bytes) const {
-    launch(kernel, grid, block, 0, stream, data, static_cast<unsigned long long>(bytes / 16), sink);
-  }
-};
-
-ReadOnlyStream read_only_stream(const CudaDevice& device) {
-  constexpr std::string_view source = R"CUDA(
-extern "C" __global__ void __launch_bounds__(512) metile_read_only_stream(const uint4* __restrict__ data,
-                                                                        unsigned long long vectors, unsigned* sink) {
-  unsigned folded = 0;
-  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-  unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-  for (; i + 7 * stride < vectors; i += 8 * stride) {
-    uint4 v[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(data + i + u * stride));
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < vectors; i += stride) folded ^= data[i].x ^ data[i].y ^ data[i].z ^ data[i].w;
-  if (folded == 0x9E3779B9u) *sink = folded;
-}
-)CUDA";
-  return ReadOnlyStream{compile_cuda(source, "metile_read_only_stream"),
-                        Dim3{static_cast<unsigned>(device.info().multiprocessor_count * 4), 1, 1}};
-}
-
-// The read-only stream over 1 GiB.
-double measure_read_bandwidth_gbps(const CudaDevice& device, const CudaStream& stream, bool profile_only) {
-  const ReadOnlyStream reader = read_only_stream(device);
+// The read-only stream over 1 GiB (DeviceRead: the kernel of bench-model's read floors too).
+double measure_read_bandwidth_gbps(const CudaStream& stream, bool profile_only) {
   const std::size_t bytes = std::size_t{1} << 30;
   DeviceBuffer data(bytes);
   data.fill_bytes(0x3C, &stream);
-  auto run = [&](const CudaStream& s) { reader.enqueue(s, data.address(), bytes); };
+  const DeviceRead reader({{data.address(), bytes}});
+  auto run = [&](const CudaStream& s) { reader.enqueue(s); };
   if (profile_only) {
     run(stream);
     stream.synchronize();
@@ -357,13 +319,12 @@ int main(int argc, char** argv) {
     const CudaDeviceInfo& info = device->info();
     CudaStream stream;
     if (profile) {
-      measure_read_bandwidth_gbps(*device, stream, true);
+      measure_read_bandwidth_gbps(stream, true);
       time_stage_kernels(*device, stream, 0, true, profile_rows);
       return 0;
     }
     const double copy_gbps = measure_copy_bandwidth_gbps(stream);
-    const double read_gbps = measure_read_bandwidth_gbps(*device, stream, false);
-    const ReadOnlyStream reader = read_only_stream(*device);  // the whole-MLP rows' floors
+    const double read_gbps = measure_read_bandwidth_gbps(stream, false);
     fmt::print("device: {}\n", benchmarks::describe_device(info));
     fmt::print("device-to-device copy (1 GiB, read + write): {:.0f} GB/s\n", copy_gbps);
     fmt::print("read-only stream (1 GiB, 16-byte loads): {:.0f} GB/s = {:.0f}% of copy\n\n", read_gbps,
@@ -458,32 +419,26 @@ int main(int argc, char** argv) {
             candidate_reports += fmt::format("{} {} M={}\n{}", model.name, format.to_string(), rows, executors.front().report());
           }
           if (rows == 1) {
-            // Buffers of the same bytes as the replicas' weights, read by two plain launches a replica.
-            std::vector<DeviceBuffer> floors;
-            const std::size_t first = static_cast<std::size_t>(stage_weights[0]) / 16 * 16;
-            const std::size_t second = static_cast<std::size_t>(stage_weights[1]) / 16 * 16;
+            // Buffers of the same bytes as the replicas' weights, read (DeviceRead) by two plain launches a
+            // replica (gate/up's bytes, then down's) or by one.
+            const std::uint64_t first = static_cast<std::uint64_t>(stage_weights[0]), second = static_cast<std::uint64_t>(stage_weights[1]);
+            std::vector<DeviceBuffer> buffers;
+            std::vector<DeviceRead> two_reads, one_read;
             for (int r = 0; r < replicas; ++r) {
-              floors.emplace_back(first + second);
-              floors.back().fill_bytes(0x3C, &stream);
+              DeviceBuffer& buffer = buffers.emplace_back(first + second);
+              buffer.fill_bytes(0x3C, &stream);
+              two_reads.emplace_back(std::vector<DeviceByteRange>{{buffer.address(), first}});
+              two_reads.emplace_back(std::vector<DeviceByteRange>{{buffer.address() + first, second}});
+              one_read.emplace_back(std::vector<DeviceByteRange>{{buffer.address(), first + second}});
             }
-            auto floor_us = [&](bool two_kernels) {
+            auto floor_us = [&](const std::vector<DeviceRead>& reads) {
               return time_on_stream_ms(
-                         stream,
-                         [&](const CudaStream& s) {
-                           for (const DeviceBuffer& buffer : floors) {
-                             if (two_kernels) {
-                               reader.enqueue(s, buffer.address(), first);
-                               reader.enqueue(s, buffer.address() + first, second);
-                             } else {
-                               reader.enqueue(s, buffer.address(), first + second);
-                             }
-                           }
-                         },
+                         stream, [&](const CudaStream& s) { for (const DeviceRead& read : reads) read.enqueue(s); },
                          3, 10, 7) /
-                     static_cast<double>(floors.size()) * 1e3;
+                     static_cast<double>(replicas) * 1e3;
             };
-            row.floor_us = floor_us(true);
-            row.one_kernel_floor_us = floor_us(false);
+            row.floor_us = floor_us(two_reads);
+            row.one_kernel_floor_us = floor_us(one_read);
           }
           row.mlp_us = replay(Graph::executor) * 1e3;
           row.mlp_native_us = replay(Graph::native) * 1e3;
