@@ -438,14 +438,25 @@ std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config);
 //             where it first reads the hidden state, after issuing its first down weight loads
 //   phase 2 = down: the same over the down problem, with its epilogue (the residual add)
 //
+// That is the warp_pieces partition. The stage_blocks partition keeps what wins as two kernels
+// instead: each phase is its stage kernel's own block (generate_gemv_kernel's body: its warps
+// split K and join in shared memory, its x prologue: the RMSNorm's scales, the staged x; its
+// split-K join across blocks), as a device function of the block's units (tile block, K split):
+// block b takes units b, b + grid, ... So a phase keeps its config's shape (warps, batches,
+// k_splits, the norm prologue) and the grid is whatever keeps every block resident.
+//
 // Deterministic (fixed shares and a fixed reduction order), and every counter is re-armed inside
 // the kernel, so launches and CUDA-graph replays follow each other on one stream. Arguments:
-// gate_up's in gemv.h's order (weights, scale_bias, x, its epilogue tensors, its out = the hidden
-// state), then down's (weights, scale_bias, its x = the same hidden state, its epilogue tensors,
-// out), then the workspace (LoadedGemv appends it).
+// gate_up's in gemv.h's order (weights, scale_bias, x, with x_rms_norm_eps the norm's weight, its
+// epilogue tensors, its out = the hidden state), then down's (weights, scale_bias, its x = the
+// same hidden state, its epilogue tensors, out), then the workspace (LoadedGemv appends it).
+enum class PersistentPartition { warp_pieces, stage_blocks };
 struct PersistentMlpConfig {
-  GemvKernelConfig gate_up;  // N = intermediate, K = hidden; register fields used: iterations_in_flight, double_buffered
+  // warp_pieces: register fields used: iterations_in_flight, double_buffered. stage_blocks: the
+  // stage's whole register-batch config (its warps_per_block is this config's).
+  GemvKernelConfig gate_up;  // N = intermediate, K = hidden
   GemvKernelConfig down;     // N = hidden, K = intermediate, one matrix
+  PersistentPartition partition = PersistentPartition::warp_pieces;
   int warps_per_block = 8;
   int blocks_per_multiprocessor = 2;
   int multiprocessors = 132;

@@ -65,6 +65,14 @@ std::int64_t gemv_attention_shared_bytes(const GemvKernelConfig& config);
 std::string_view gemv_register_mainloop();
 std::string gemv_register_constants(const GemvKernelConfig& config, int splits);
 
+// The register-batch kernel's body, from its `partial` sums to the end of its loop over units (a
+// unit: a tile block and a K split): accumulate, join the warps, store or join the splits. Needs
+// in scope what the kernel entry binds (weights, scale_bias, x, x_norm_weight, outputs, workspace)
+// and entry_first_unit, entry_unit_stride and kUnitLoop (a __syncthreads between units). The
+// kernel entry (gemv_mainloop.cpp) and each phase of the stage-blocks persistent MLP
+// (gemv_persistent.cpp) wrap it.
+std::string gemv_unit_loop_body();
+
 // The stream-K join both persistent kernels share (gemv_streamed.cpp): share_begin(warp),
 // owner(position), store_tile and finish_piece(acc, item, warp, partials, counters, outputs, lane):
 // a warp's piece of a tile is stored directly when it is the whole tile, else written as fp32

@@ -550,9 +550,12 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
   }
   // A unit is a (tile block, split) pair. Without kTileLoop block b takes unit b and the loop runs
   // once; with it (no split-K) block b takes tile blocks b, b + gridDim.x, ..., and the x prologue
-  // (the norm's row scales, the staged x, the group sums) runs for its first one only.
-  const int first_unit = (int)blockIdx.x;
-  const int unit_stride = kTileLoop ? (int)gridDim.x : kTileBlocks * kSplits;
+  // (the norm's row scales, the staged x, the group sums) runs for its first one only. The caller
+  // names the first unit and the stride (entry_first_unit, entry_unit_stride): the kernel entry
+  // from blockIdx and gridDim, a phase of the persistent decode MLP from its block and grid
+  // (gemv_persistent.cpp), where a block may take several units of a split-K stage too (kUnitLoop).
+  const int first_unit = entry_first_unit;
+  const int unit_stride = entry_unit_stride;
   int joined = 0;  // tile blocks this block stored (the argmax join counts them)
   (void)joined;
   for (int unit = first_unit; unit < kTileBlocks * kSplits; unit += unit_stride) {
@@ -662,7 +665,8 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
     __shared__ u32 arrived;
     if (threadIdx.x == 0) arrived = atomicAdd(counters + tile_block, 1u);
     __syncthreads();
-    if (arrived != kSplits - 1) return;
+    // Not `return`: a persistent phase's block goes on to its next unit (and to the next phase).
+    if (arrived == kSplits - 1) {
     __threadfence();
     for (int o = threadIdx.x; o < kOutputs; o += kThreads) {
       const int m = o / (kTiles * 16);
@@ -678,12 +682,13 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       store_output(outputs, m, n, acc0, acc1);
     }
     if (threadIdx.x == 0) atomicExch(counters + tile_block, 0u);
+    }
   }
 )CUDA";
 
 // Closes the unit loop (the next unit's spill reuses `partial`), then the kernel.
 constexpr std::string_view kernel_entry_loop_end = R"CUDA(
-  if constexpr (kTileLoop) __syncthreads();
+  if constexpr (kUnitLoop) __syncthreads();
   }
 )CUDA";
 
@@ -816,6 +821,8 @@ __device__ __forceinline__ T* activations_ready(T* pointer) { return after_previ
 }
 
 std::string_view gemv_register_mainloop() { return register_mainloop_body; }
+
+std::string gemv_unit_loop_body() { return std::string(kernel_entry_body) + std::string(kernel_entry_loop_end); }
 
 std::string gemv_register_constants(const GemvKernelConfig& config, int splits) {
   const bool scratch = config.epilogue.product_count() == 2 && config.schedule == GatedSchedule::scratch_spilled;
@@ -1136,6 +1143,9 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
               "                           reinterpret_cast<u32*>(workspace)};\n  }\n";
   }
   source += gemv_outputs_binding(config);
+  source += "  constexpr bool kUnitLoop = kTileLoop;\n"
+            "  const int entry_first_unit = (int)blockIdx.x;\n"
+            "  const int entry_unit_stride = kTileLoop ? (int)gridDim.x : kTileBlocks * kSplits;\n";
   source += kernel_entry_body;
   if (config.argmax_rows) source += argmax_rows_block;  // per tile block, inside the unit loop
   source += kernel_entry_loop_end;

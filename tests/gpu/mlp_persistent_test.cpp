@@ -1,5 +1,5 @@
-// The persistent decode MLP (gemv.h; src/codegen/gemv_persistent.cpp) on the GPU, against the float64
-// MLP (decode_mlp_reference_hidden, then decode_mlp_reference_out on the hidden state rounded to the
+// The persistent decode MLP (gemv.h; src/codegen/gemv_persistent.cpp), both partitions (stage blocks,
+// warp pieces), on the GPU, against the float64 MLP (decode_mlp_reference_hidden, then decode_mlp_reference_out on the hidden state rounded to the
 // activation dtype, as the kernel stores it): every weight format (bf16, 4-bit, 8-bit), N smaller
 // than the SM count, sizes that are not multiples of the tile or of an iteration, M = 1 and 16, the
 // narrow models' real sizes; each kernel runs twice eagerly and twice as a CUDA graph replay on
@@ -71,7 +71,19 @@ class PersistentMlpTest : public testing_support::CudaDeviceTest {
         gemv_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()),
         device().info().multiprocessor_count);
     ASSERT_FALSE(configs.empty()) << label;
-    if (configs.size() > shapes) configs.resize(shapes);
+    // The first `shapes` of each partition (stage blocks, warp pieces).
+    std::vector<PersistentMlpConfig> kept;
+    for (PersistentPartition partition : {PersistentPartition::stage_blocks, PersistentPartition::warp_pieces}) {
+      std::size_t taken = 0;
+      for (const PersistentMlpConfig& config : configs) {
+        if (config.partition == partition && taken < shapes) {
+          kept.push_back(config);
+          ++taken;
+        }
+      }
+      EXPECT_GT(taken, 0u) << label << ": no candidate of a partition";
+    }
+    configs = kept;
     std::vector<GemvKernelSource> kernels;
     for (const PersistentMlpConfig& config : configs) kernels.push_back(generate_persistent_mlp_kernel(config));
     const std::vector<LoadedGemv> loaded = load_gemvs(kernels);

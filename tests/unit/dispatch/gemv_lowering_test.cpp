@@ -668,8 +668,16 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
     if (test_case.rule == "swiglu_mlp") {
       persistent = persistent_mlp_candidates(lowered.stages[0].base_config(), lowered.stages[1].base_config(), 132);
       persistent.resize(std::min<std::size_t>(persistent.size(), gemv_lowering_persistent_shapes));
-      // Not with x normalized as it is loaded (the RMSNorm prologue): the persistent kernel reads x plainly.
-      EXPECT_EQ(persistent.empty(), lowered.stages[0].norm_weight >= 0) << test_case.what;
+      // With x normalized as it is loaded (the RMSNorm prologue) only the stage-blocks partition, whose
+      // phases are the stage kernels' blocks, prologue included; it comes first either way.
+      ASSERT_FALSE(persistent.empty()) << test_case.what;
+      EXPECT_EQ(persistent.front().partition, PersistentPartition::stage_blocks) << test_case.what;
+      if (lowered.stages[0].norm_weight >= 0) {
+        for (const PersistentMlpConfig& config : persistent) {
+          EXPECT_EQ(config.partition, PersistentPartition::stage_blocks) << test_case.what;
+          EXPECT_TRUE(config.gate_up.x_rms_norm_eps.has_value()) << test_case.what;
+        }
+      }
     }
     ASSERT_EQ(candidates.candidates.size(), expected + persistent.size()) << test_case.what;
     for (std::size_t p = 0; p < persistent.size(); ++p) {

@@ -1039,14 +1039,22 @@ TEST(GemvCompile, StreamedShapesExistForEveryFormat) {
   }
 }
 
+std::vector<PersistentMlpConfig> warp_pieces(const std::vector<PersistentMlpConfig>& candidates) {
+  std::vector<PersistentMlpConfig> kept;
+  for (const PersistentMlpConfig& config : candidates) {
+    if (config.partition == PersistentPartition::warp_pieces) kept.push_back(config);
+  }
+  return kept;
+}
+
 // The persistent decode MLP (gemv_persistent.cpp): one kernel per format at the narrow models'
 // sizes compiles for sm_90 with its batches in registers under its launch bounds (16 warps per SM:
 // 128 registers), for M = 1 and 16. Three compiles, ~1 s each: the CI budget allows no more.
 PersistentMlpConfig persistent_config(GemvWeightFormat format, std::int64_t rows, std::int64_t hidden,
                                       std::int64_t intermediate, std::size_t shape) {
   const std::vector<PersistentMlpConfig> candidates =
-      persistent_mlp_candidates(gemv_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu()),
-                                gemv_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()));
+      warp_pieces(persistent_mlp_candidates(gemv_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu()),
+                                            gemv_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add())));
   EXPECT_GT(candidates.size(), shape) << format.to_string();
   return candidates.size() <= shape ? PersistentMlpConfig{} : candidates[shape];
 }
@@ -1070,12 +1078,61 @@ TEST(GemvCompile, PersistentMlpCompilesForSm90) {
   }
 }
 
+// The stage-blocks persistent MLP (gemv.h): each phase is its stage kernel's block. At the decode
+// steps' MLPs (4-bit g64; gate/up normalized by the RMSNorm prologue, down with the residual) every
+// shape compiles for sm_90 under its launch bounds (7 or 6 four-warp blocks an SM: 72 or 80
+// registers) within the parked bytes expect_no_spills allows; each phase is split along K into
+// units that fill the grid once; the kernel's parameters are both stage kernels' in order.
+TEST(GemvCompile, PersistentStageBlocksCompileForSm90) {
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  const struct {
+    std::int64_t hidden, intermediate;
+  } models[] = {{4096, 14336}, {1536, 8960}};
+  for (const auto& model : models) {
+    GemvKernelConfig gate_up = gemv_config(format, 1, model.intermediate, model.hidden, GemvEpilogue::swiglu());
+    gate_up.x_rms_norm_eps = 1e-5;
+    const GemvKernelConfig down = gemv_config(format, 1, model.hidden, model.intermediate, GemvEpilogue::residual_add());
+    const std::vector<PersistentMlpConfig> candidates = persistent_mlp_candidates(gate_up, down, 132);
+    int stage_blocks = 0;
+    for (const PersistentMlpConfig& config : candidates) {
+      if (config.partition != PersistentPartition::stage_blocks) continue;
+      ++stage_blocks;
+      const std::int64_t grid = 132 * config.blocks_per_multiprocessor;
+      for (const GemvKernelConfig* phase : {&config.gate_up, &config.down}) {
+        const std::int64_t units = (phase->out_features + 15) / 16 * phase->k_splits;
+        EXPECT_LE(units, grid) << config.to_string();
+        EXPECT_GT(units * 2, grid) << config.to_string();
+      }
+      const GemvKernelSource kernel = generate_persistent_mlp_kernel(config);
+      EXPECT_EQ(kernel.grid_blocks, static_cast<unsigned>(grid));
+      EXPECT_NE(kernel.source.find("gate_up_x_norm_weight"), std::string::npos);
+      for (const GemvKernelConfig* phase : {&config.gate_up, &config.down}) {
+        GemvKernelConfig alone = *phase;
+        alone.resident_blocks_per_multiprocessor = config.blocks_per_multiprocessor;
+        std::printf("ALONE %s\n%s\n", alone.to_string().c_str(), compile_for_sm90(generate_gemv_kernel(alone)).log.c_str());
+      }
+      const Compiled compiled = compile_for_sm90(kernel);
+      std::printf("%s\n%s\n", config.shape_name().c_str(), compiled.log.c_str());
+      expect_no_spills(compiled.log, config.to_string());
+      EXPECT_LE(registers_used(compiled.log, config.to_string()), 65536 / (128 * config.blocks_per_multiprocessor));
+    }
+    EXPECT_GE(stage_blocks, 2);
+  }
+}
+
 // What the persistent kernel refuses, and its candidates: 16 warps per SM, one shape name each.
 TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
   const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
-  const std::vector<PersistentMlpConfig> candidates =
+  const std::vector<PersistentMlpConfig> all =
       persistent_mlp_candidates(gemv_config(format, 1, 8960, 1536, GemvEpilogue::swiglu()),
                                 gemv_config(format, 1, 1536, 8960, GemvEpilogue::residual_add()), 100);
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) EXPECT_NE(all[i].shape_name(), all[j].shape_name());
+  }
+  // The stage-blocks shapes come first (the lowering races the first few).
+  ASSERT_FALSE(all.empty());
+  EXPECT_EQ(all.front().partition, PersistentPartition::stage_blocks);
+  const std::vector<PersistentMlpConfig> candidates = warp_pieces(all);
   ASSERT_GE(candidates.size(), 2u);
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     EXPECT_LE(candidates[i].warps_per_block * candidates[i].blocks_per_multiprocessor, 16);
