@@ -1,22 +1,22 @@
 // The persistent decode MLP (gemv.h, "the persistent decode MLP"): gate/up, a grid-wide barrier and
-// down in ONE launch, for the narrow models (Qwen2.5-1.5B, Llama-3.2-1B) whose two stage kernels
-// move only 10-30 MB and spend most of their time in ramp, tail and the boundary between them
-// (notes/mlp_decode.md).
+// down in ONE launch, so that the boundary between the two stage kernels (a grid's drain, the next
+// one's ramp) becomes a barrier inside one grid (notes/mlp_decode.md). Two partitions of the work:
 //
-//   text    one copy of the tensor-core helpers, then each phase in a namespace of its own
-//           (gate_up, down): its problem constants, the format helpers, the register mainloop
-//           (gemv_mainloop.cpp, accumulate<P> with run-time bounds and kWarps = 1: each warp
-//           works alone), its epilogue (store_output) and the stream-K join (gemv_streamed.cpp)
-//   work    per phase, the (16-row tile, iteration) positions, tile-major, in equal contiguous
-//           shares, one per warp of the grid: warp w owns [w P / W, (w + 1) P / W). A tile
-//           covered by one warp is stored directly; a tile split between warps is joined through
-//           fp32 partials, added in K order by the last piece to arrive (finish_piece), which
-//           applies the epilogue. The gate and up rows of a tile are always in the same piece.
-//   barrier after phase 1 every block fences its writes and bumps `arrivals` once; a warp of
-//           phase 2 issues its first batch of down weights (they need nothing from phase 1), then
-//           waits (activations_ready) until arrivals == kBlocks before it reads the hidden state,
-//           through L2 (kXWrittenInKernel). At the end every block bumps `departures`; the last
-//           one re-arms both, so the next launch (or graph replay) on the stream starts at zero.
+//   stage blocks  each phase is its stage kernel's own block: the register-batch kernel's body
+//           (gemv_unit_loop_body: the warps split K and join in shared memory, the x prologue, the
+//           split-K join across blocks) as a device function of the block's units, block b taking
+//           units b, b + grid, ... of that phase (a unit: a tile block and a K split).
+//   warp pieces  per phase, the (16-row tile, iteration) positions, tile-major, in equal contiguous
+//           shares, one per warp of the grid (the register mainloop with kWarps = 1), a tile split
+//           between warps joined through fp32 partials by the last piece to arrive (the stream-K
+//           join of gemv_streamed.cpp). Every SM gets equal work for any N.
+//
+//   text    one copy of the tensor-core helpers and the barrier, then each phase in a namespace of
+//           its own (gate_up, down): its problem constants, helpers, mainloop and epilogue.
+//   barrier after phase 1 every block makes its writes visible and arrives (grid_barrier below); a
+//           warp of phase 2 issues its first batch of down weights (they need nothing from phase
+//           1), then waits (activations_ready) for its block's release before it reads the hidden
+//           state, through L2 (kXWrittenInKernel).
 //
 // Why it cannot deadlock: a block waits only for the other blocks' arrivals, and every block
 // arrives unconditionally once its own phase 1 is done (phase 1 waits for nothing but memory). So
@@ -25,11 +25,12 @@
 // is compiled with __launch_bounds__(threads, blocks_per_multiprocessor), and LoadedGemv::load
 // refuses it unless the driver reports that occupancy for the compiled kernel
 // (co_resident_blocks_per_multiprocessor) and that many SMs. A kernel sharing the device delays
-// the last blocks but does not wait on this one, so they are scheduled when it ends. The kernel
-// never triggers a programmatic dependent launch early, so no dependent can take the SMs that
-// blocks of this grid are still waiting for; launched itself as a programmatic dependent, its blocks
-// that start early wait (griddepcontrol.wait) for a kernel that waits on nothing of theirs, and the
-// rest are scheduled as that kernel's blocks leave.
+// the last blocks but does not wait on this one, so they are scheduled when it ends. A dependent
+// kernel (programmatic dependent launch) starts only once every block of this grid has let it
+// (griddepcontrol.launch_dependents), that is, once all of them run, so it cannot take the SMs
+// that blocks of this grid are still waiting for; launched itself as a programmatic dependent, its
+// blocks that start early wait (griddepcontrol.wait) for a kernel that waits on nothing of theirs,
+// and the rest are scheduled as that kernel's blocks leave.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -42,12 +43,66 @@ namespace metile {
 using namespace gemv_detail;
 namespace {
 
+// The grid-wide barrier between the phases. Every block bumps one arrival counter once; the last
+// to arrive re-arms it and releases every block through a flag of the block's own (one 128-byte
+// line each, so that the waiting warps poll lines spread over the L2 slices: thousands of warps
+// polling the counter itself queue behind one another on its slice, the arrivals with them, and
+// slow every load that slice serves). A block's flag is cleared when the block leaves, after it
+// has seen it set, so the next launch (or graph replay) on the stream starts from zero.
+// Memory order: each block's writes, __threadfence, its arrival (a chain of atomics on one counter)
+// -> the last arrival, __threadfence, the flags (st.release) -> a waiter's ld.acquire of its flag.
+// Workspace: the counter, then kBlocks flags 32 words apart (grid_barrier_words).
 constexpr std::string_view grid_barrier = R"CUDA(
-// This launch's arrival counter, set by thread 0 before the block's first barrier.
-__shared__ const u32* grid_arrivals;
+// This block's release flag, set by thread 0 before the block's first barrier.
+__shared__ const u32* grid_release;
 
-// Waits until every block of the grid has arrived (each bumps the counter once, after its phase 1).
-__device__ __forceinline__ void wait_for_every_block(const u32* arrivals) { wait_for_arrivals(arrivals, (u32)kBlocks); }
+__device__ __forceinline__ void wait_for_release(const u32* flag) {
+  const u64 start = global_nanoseconds();
+  for (;;) {
+    u32 seen;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+    if (seen != 0) return;
+    if (global_nanoseconds() - start > 4000000000ull) asm volatile("trap;");
+    __nanosleep(32);
+  }
+}
+
+// Waits until every block of the grid has arrived.
+__device__ __forceinline__ void wait_for_every_block() { wait_for_release(grid_release); }
+
+// Binds this block's flag (thread 0, before the block's first __syncthreads).
+__device__ __forceinline__ void join_grid_barrier(u32* words) {
+  if (threadIdx.x == 0) grid_release = words + 32 * (1 + blockIdx.x);
+}
+
+// The whole block, once its phase 1 is done: its writes made visible, then its arrival; the last
+// block to arrive re-arms the counter and sets every block's flag.
+__device__ __forceinline__ void arrive_at_grid_barrier(u32* words) {
+  __shared__ u32 last_to_arrive;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_to_arrive = atomicAdd(words, 1u) == (u32)kBlocks - 1;
+  }
+  __syncthreads();
+  if (!last_to_arrive) return;
+  __threadfence();
+  if (threadIdx.x == 0) atomicExch(words, 0u);
+  for (int b = threadIdx.x; b < kBlocks; b += blockDim.x) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(words + 32 * (1 + b)), "r"(1u) : "memory");
+  }
+}
+
+// The whole block, at its end: once every warp is past its waits, the flag is cleared for the next
+// launch (after it was set: a block that never waited must not clear it before the release).
+__device__ __forceinline__ void leave_grid_barrier() {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    wait_for_every_block();
+    *const_cast<u32*>(grid_release) = 0u;
+  }
+}
 )CUDA";
 
 // The down phase's x is the hidden state: ready once every block has arrived. The pointer comes out
@@ -55,11 +110,14 @@ __device__ __forceinline__ void wait_for_every_block(const u32* arrivals) { wait
 constexpr std::string_view activations_after_grid_barrier = R"CUDA(
 template <class T>
 __device__ __forceinline__ T* activations_ready(T* pointer) {
-  wait_for_every_block(grid_arrivals);
+  wait_for_every_block();
   asm volatile("mov.b64 %0, %0;" : "+l"(pointer) :: "memory");
   return pointer;
 }
 )CUDA";
+
+// The barrier's words in the workspace: the counter, then a 32-word line per block.
+std::int64_t grid_barrier_words(std::int64_t blocks) { return 32 * (1 + blocks); }
 
 // One phase: this warp's share of the positions, piece by piece (a piece never crosses a tile).
 constexpr std::string_view phase_body = R"CUDA(
@@ -257,40 +315,28 @@ GemvKernelSource generate_stage_blocks_mlp_kernel(const PersistentMlpConfig& con
   source += stage_phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out");
   source += "    float* __restrict__ workspace) {\n";
   source += fmt::format(
-      "  // workspace: each phase's split-K partials and counters (as its stage kernel lays them out), arrivals, departures\n"
+      "  // workspace: each phase's split-K partials and counters (as its stage kernel lays them out), the barrier\n"
       "  float* const gate_up_workspace = workspace;\n  float* const down_workspace = workspace + {};\n"
-      "  u32* const arrivals = reinterpret_cast<u32*>(workspace + {});\n  u32* const departures = arrivals + 1;\n",
+      "  u32* const barrier = reinterpret_cast<u32*>(workspace + {});\n",
       gate_up_workspace / 4, (gate_up_workspace + down_workspace) / 4);
   // Each phase's body lets the next kernel of the stream launch (griddepcontrol.launch_dependents) at
   // its start, as the stage kernels do. That cannot take SMs this grid still needs: a dependent
   // launches only once every block of this grid has triggered, that is, once all of them run.
-  source += "  if (threadIdx.x == 0) grid_arrivals = arrivals;  // published by the barrier after phase 1\n";
+  source += "  join_grid_barrier(barrier);\n";
   source += stage_phase_call(config.gate_up, "gate_up", "gate_up_x", "hidden_out", "gate_up_workspace");
   source += R"CUDA(  // A block without a phase-1 unit has not waited for the previous kernel; it writes nothing before it.
   wait_for_previous_kernel();
   // Arrive: this block's hidden-state writes (its stores and the split joins it finished) are
   // visible before its arrival.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(arrivals, 1u);
-  }
+  arrive_at_grid_barrier(barrier);
 )CUDA";
   source += stage_phase_call(config.down, "down", "hidden_in", "out", "down_workspace");
-  source += R"CUDA(  // Depart: every warp of this block is past its waits. The last block re-arms the barrier.
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(departures, 1u) == (u32)kBlocks - 1) {
-    atomicExch(arrivals, 0u);
-    atomicExch(departures, 0u);
-  }
-}
-)CUDA";
+  source += "  leave_grid_barrier();\n}\n";
   result.source = std::move(source);
   result.grid_blocks = static_cast<unsigned>(blocks);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
-  result.static_shared_bytes = gate_up_alone.static_shared_bytes + down_alone.static_shared_bytes + 8;
-  result.workspace_bytes = gate_up_workspace + down_workspace + 8;
+  result.static_shared_bytes = gate_up_alone.static_shared_bytes + down_alone.static_shared_bytes + 16;
+  result.workspace_bytes = gate_up_workspace + down_workspace + 4 * grid_barrier_words(blocks);
   result.co_resident_blocks_per_multiprocessor = config.blocks_per_multiprocessor;
   return result;
 }
@@ -424,15 +470,15 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
   source += phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out");
   source += "    float* __restrict__ workspace) {\n";
   source += fmt::format(
-      "  // workspace: gate_up partials, down partials, the tiles' counters of both phases, arrivals, departures\n"
+      "  // workspace: gate_up partials, down partials, the tiles' counters of both phases, the barrier\n"
       "  float* const gate_up_partials = workspace;\n  float* const down_partials = workspace + {};\n"
       "  u32* const gate_up_counters = reinterpret_cast<u32*>(workspace + {});\n"
       "  u32* const down_counters = gate_up_counters + gate_up::kTileCount;\n"
-      "  u32* const arrivals = down_counters + down::kTileCount;\n  u32* const departures = arrivals + 1;\n",
+      "  u32* const barrier = down_counters + down::kTileCount;\n",
       gate_up_partials, gate_up_partials + down_partials);
   source += R"CUDA(  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long worker = (long long)blockIdx.x * kBlockWarps + warp;
-  if (threadIdx.x == 0) grid_arrivals = arrivals;  // published by the barrier after phase 1
+  join_grid_barrier(barrier);
 )CUDA";
   source += phase_call(config.gate_up, "gate_up", "gate_up_x", "hidden_out", "gate_up_partials", "gate_up_counters");
   source += R"CUDA(  // Launched as a programmatic dependent (Executable graphs launch every generated GEMV so), a warp
@@ -440,29 +486,18 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
   // mainloop; one without waits here, before the block's first write (its arrival).
   wait_for_previous_kernel();
   // Arrive: this block's hidden-state writes (the joins it finished) are visible before its arrival.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(arrivals, 1u);
-  }
+  arrive_at_grid_barrier(barrier);
 )CUDA";
   source += phase_call(config.down, "down", "hidden_in", "out", "down_partials", "down_counters");
-  source += R"CUDA(  // Depart: every warp of this block is past its waits. The last block re-arms the barrier.
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(departures, 1u) == (u32)kBlocks - 1) {
-    atomicExch(arrivals, 0u);
-    atomicExch(departures, 0u);
-  }
-}
-)CUDA";
+  source += "  leave_grid_barrier();\n}\n";
 
   result.source = std::move(source);
   result.grid_blocks = static_cast<unsigned>(blocks);
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
-  result.static_shared_bytes = 16;  // grid_arrivals and the two unused group-sum floats
+  result.static_shared_bytes = 24;  // grid_release, last_to_arrive and the two unused group-sum floats
   result.workspace_bytes = static_cast<std::uint64_t>(
-      (gate_up_partials + down_partials) * 4 + (tiles_of(config.gate_up) + tiles_of(config.down) + 2) * 4);
+      (gate_up_partials + down_partials) * 4 +
+      (tiles_of(config.gate_up) + tiles_of(config.down) + grid_barrier_words(blocks)) * 4);
   result.co_resident_blocks_per_multiprocessor = config.blocks_per_multiprocessor;
   return result;
 }
