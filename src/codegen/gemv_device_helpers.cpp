@@ -55,11 +55,15 @@ __device__ __forceinline__ uint4 load_weights(const void* address) {
   return v;
 }
 // x is read by every warp of every block: let L1 and L2 serve the repeats. x written by this same
-// kernel (kXWrittenInKernel, gemv_internal.h) comes from L2, where the writers' fences left it.
+// kernel (kXWrittenInKernel, gemv_internal.h) is not read-only for the kernel's lifetime, so not
+// through the .nc path: a plain (weak, L1-cached) load, which the memory model orders after the
+// reading thread's ld.acquire of the release it waited for (or a barrier after it), so it sees the
+// writers' data; the acquire leaves no stale line in this SM's L1 (an L2 round trip per x load,
+// ld.global.cg, cost the persistent MLP's down phase one per batch: notes/mlp_decode.md, session 31).
 __device__ __forceinline__ uint4 load_activations(const void* address) {
   uint4 v;
   if constexpr (kXWrittenInKernel) {
-    asm("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+    asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
   } else {
     asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
   }

@@ -374,9 +374,9 @@ void PersistentMlpConfig::validate() const {
       // the attention prologue's own barrier) or another output layout (splits, the rope cache).
       if (phase->mainloop != GemvMainloop::register_batches || phase->shared_stages != 0 || phase->argmax_rows ||
           phase->tile_loop_blocks_per_multiprocessor > 0 || !phase->output_splits.empty() || phase->rope_cache ||
-          phase->attention || phase->l2_prefetch_rounds > 0) {
+          phase->attention) {
         throw InputError(fmt::format("persistent MLP (stage blocks): a phase is a register-batch stage without shared "
-                                     "stages, argmax, tile loop, output splits, rope, attention or L2 prefetch, not {}",
+                                     "stages, argmax, tile loop, output splits, rope or attention, not {}",
                                      phase->to_string()));
       }
       if (phase->warps_per_block != warps_per_block) {
@@ -419,8 +419,10 @@ void PersistentMlpConfig::validate() const {
 std::string PersistentMlpConfig::shape_name() const {
   if (partition == PersistentPartition::stage_blocks) {
     const auto phase = [](const GemvKernelConfig& c) {
-      return fmt::format("f{} {}{}{}", c.iterations_in_flight, c.double_buffered ? "db" : "batch",
-                         c.k_splits > 1 ? fmt::format(" split{}", c.k_splits) : "", c.half_products ? " half" : "");
+      return fmt::format("f{} {}{}{}{}", c.iterations_in_flight, c.double_buffered ? "db" : "batch",
+                         c.k_splits > 1 ? fmt::format(" split{}", c.k_splits) : "",
+                         c.l2_prefetch_rounds > 0 ? fmt::format(" prefetch{}", c.l2_prefetch_rounds) : "",
+                         c.half_products ? " half" : "");
     };
     return fmt::format("persistent blocks w{} b{} {} + {}", warps_per_block, blocks_per_multiprocessor, phase(gate_up),
                        phase(down));
@@ -508,15 +510,19 @@ namespace {
 // as fill the grid once (at least a warp's iteration a split), so that no block takes two.
 std::vector<PersistentMlpConfig> stage_blocks_candidates(const GemvKernelConfig& gate_up, const GemvKernelConfig& down,
                                                          int multiprocessors) {
+  // down_prefetched: the down phase requests its unit's whole weights into L2 (l2_prefetch_rounds) before
+  // the barrier, so that DRAM streams them during gate/up's tail and the barrier instead of after it.
   struct Shape {
     int blocks;
     int gate_up_depth;
     bool gate_up_double_buffered;
     int down_depth;
     bool down_double_buffered;
+    bool down_prefetched;
   };
   constexpr int kWarps = 4;
-  const std::vector<Shape> shapes = {{7, 2, false, 2, false}, {6, 2, false, 2, false}, {7, 2, false, 4, false}};
+  const std::vector<Shape> shapes = {
+      {7, 2, false, 2, false, true}, {7, 2, false, 2, false, false}, {6, 2, false, 2, false, true}};
   std::vector<PersistentMlpConfig> candidates;
   for (const Shape& shape : shapes) {
     PersistentMlpConfig config;
@@ -544,6 +550,10 @@ std::vector<PersistentMlpConfig> stage_blocks_candidates(const GemvKernelConfig&
       const std::int64_t iterations = iterations_of(*phase);
       phase->k_splits = static_cast<int>(std::clamp<std::int64_t>(
           std::min(grid / tiles_of(*phase), iterations / (kWarps * phase->iterations_in_flight)), 1, 16));
+    }
+    // Every round of the unit (the budget holds all of down's weights: Llama-3-8B 4-bit's 33 MB).
+    if (shape.down_prefetched) {
+      config.down.l2_prefetch_rounds = gemv_l2_prefetch_rounds(config.down, multiprocessors, std::int64_t{1} << 40);
     }
     try {
       config.validate();
