@@ -45,12 +45,6 @@ constexpr int kLanesPerKey = 2;
 
 int chunk_keys(const GemvKernelConfig& config) { return config.warps_per_block * 32 / kLanesPerKey; }
 
-// Split by head: the keys of one staged chunk, 16384 / D (128 at D = 128: 66 KiB of K and V), at most
-// the cache's slots.
-std::int64_t stage_keys(const GemvAttentionPrologue& attention) {
-  return std::min<std::int64_t>(16384 / attention.head_dim, attention.keys);
-}
-
 constexpr std::string_view attention_body = R"CUDA(
 // ---- the attention prologue (src/codegen/gemv_attention.cpp)
 constexpr int kAttentionPairsPerWarp = kAttentionDim / 2 / kWarps;  // value-column pairs a warp owns
@@ -247,139 +241,6 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q_all, const u16*
   }
 }
 
-// ---- split by head: one KV head's attention by the whole block, its K and V staged in shared memory
-// (the dynamic shared memory, kSharedStages being 0 here) by asynchronous copies, a chunk of
-// kAttentionStageKeys keys at a time, every copy of a chunk issued at once: one L2 round trip a
-// chunk (Llama-3-8B at 128 keys: one chunk). Then, from shared memory: each thread a key's G scores
-// (its K row against q, which every lane of a warp reads at the same address), the running softmax
-// by warps, and each thread a value-column pair for some of the G rows over the chunk's keys.
-// K rows are padded by 8 values so that 8 lanes reading 16 bytes of 8 consecutive rows meet no
-// bank twice. The products and sums are f32 in a fixed order: the same bits every launch.
-constexpr int kAttentionKStride = kAttentionDim + 8;
-constexpr int kAttentionPairs = kAttentionDim / 2;
-constexpr int kAttentionPairRows = kThreads / kAttentionPairs;  // threads sharing a value pair: rows g, g + this, ...
-constexpr int kAttentionRowsPerThread = (kAttentionGroups + kAttentionPairRows - 1) / kAttentionPairRows;
-static_assert(!kAttentionSplitByHead || (kThreads % kAttentionPairs == 0 && kAttentionPairRows >= 1),
-              "split by head: every value pair has a thread");
-__shared__ float attention_stage_scores[kAttentionSplitByHead ? kAttentionGroups : 1][kAttentionSplitByHead ? kAttentionStageKeys : 1];
-
-__device__ __forceinline__ void attend_staged(const u16* __restrict__ q_all, const u16* __restrict__ k_all,
-                                              const u16* __restrict__ v_all, const int last, const int head, u16* out) {
-  extern __shared__ __align__(16) unsigned char attention_stage_memory[];
-  u16* const k_stage = reinterpret_cast<u16*>(attention_stage_memory);
-  u16* const v_stage = k_stage + kAttentionStageKeys * kAttentionKStride;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long head_rows = (long long)head * kAttentionKeys;
-  constexpr int kVectors = kAttentionDim / 8;  // 16-byte vectors a row
-  auto stage_chunk = [&](int first_key, int keys) {
-    for (int e = threadIdx.x; e < keys * kVectors; e += kThreads) {
-      const int key = e / kVectors, vector = e - key * kVectors;
-      const long long row = (head_rows + first_key + key) * kAttentionDim + 8 * vector;
-      copy_async_16(k_stage + key * kAttentionKStride + 8 * vector, k_all + row, true);
-      copy_async_16(v_stage + key * kAttentionDim + 8 * vector, v_all + row, true);
-    }
-    copy_async_commit();
-  };
-  // The first chunk's copies, then q (f32) while they are in flight.
-  stage_chunk(0, min(kAttentionStageKeys, last + 1));
-  const u16* q = q_all + (long long)head * kAttentionGroups * kAttentionDim;
-  for (int e = threadIdx.x; e < kAttentionGroups * kAttentionDim; e += kThreads) {
-    attention_q[e / kAttentionDim][e % kAttentionDim] = to_f32(attention_load2(q + e));
-  }
-  if (threadIdx.x < kAttentionGroups) {
-    attention_max[threadIdx.x] = -kAttentionInfinity;
-    attention_sum[threadIdx.x] = 0.0f;
-  }
-  const int pair = threadIdx.x % kAttentionPairs, first_row = threadIdx.x / kAttentionPairs;
-  float acc[kAttentionRowsPerThread][2];
-#pragma unroll
-  for (int r = 0; r < kAttentionRowsPerThread; ++r) acc[r][0] = acc[r][1] = 0.0f;
-  for (int chunk = 0; chunk <= last; chunk += kAttentionStageKeys) {
-    const int keys = min(kAttentionStageKeys, last + 1 - chunk);
-    copy_async_wait<0>();
-    __syncthreads();  // the chunk (and q, the row state) visible to every thread
-    // Scores: a key a thread, its G dot products over D.
-    for (int key = threadIdx.x; key < keys; key += kThreads) {
-      float score[kAttentionGroups];
-#pragma unroll
-      for (int i = 0; i < kAttentionGroups; ++i) score[i] = 0.0f;
-#pragma unroll 4
-      for (int vector = 0; vector < kVectors; ++vector) {
-        const uint4 words = *reinterpret_cast<const uint4*>(k_stage + key * kAttentionKStride + 8 * vector);
-        const u32 word[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float k0 = to_f32(word[e] & 0xFFFFu), k1 = to_f32(word[e] >> 16);
-          const int d = 8 * vector + 2 * e;
-#pragma unroll
-          for (int i = 0; i < kAttentionGroups; ++i) score[i] = fmaf(attention_q[i][d + 1], k1, fmaf(attention_q[i][d], k0, score[i]));
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kAttentionGroups; ++i) attention_stage_scores[i][key] = score[i] * kAttentionScaleLog2;
-    }
-    __syncthreads();
-    // The running softmax: warp w updates rows w, w + kWarps, ... over this chunk.
-    for (int i = warp; i < kAttentionGroups; i += kWarps) {
-      float top = -kAttentionInfinity;
-      for (int s = lane; s < keys; s += 32) top = attention_max_of(top, attention_stage_scores[i][s]);
-      top = attention_warp_max(top);
-      const float before = attention_max[i];
-      const float now = attention_max_of(before, top);
-      float total = 0.0f;
-      for (int s = lane; s < keys; s += 32) {
-        const float p = exp2f(attention_stage_scores[i][s] - now);
-        attention_stage_scores[i][s] = p;
-        total += p;
-      }
-      total = attention_warp_sum(total);
-      if (lane == 0) {
-        const float rescale = before == -kAttentionInfinity ? 0.0f : exp2f(before - now);
-        attention_rescale[i] = rescale;
-        attention_sum[i] = attention_sum[i] * rescale + total;
-        attention_max[i] = now;
-      }
-    }
-    __syncthreads();
-    // P V: this thread's value pair for rows first_row, first_row + kAttentionPairRows, ...
-#pragma unroll
-    for (int r = 0; r < kAttentionRowsPerThread; ++r) {
-      const int i = first_row + r * kAttentionPairRows;
-      if (i < kAttentionGroups) {
-        const float rescale = attention_rescale[i];
-        acc[r][0] *= rescale;
-        acc[r][1] *= rescale;
-      }
-    }
-#pragma unroll 4
-    for (int key = 0; key < keys; ++key) {
-      const u32 bits = *reinterpret_cast<const u32*>(v_stage + key * kAttentionDim + 2 * pair);
-      const float v0 = to_f32(bits & 0xFFFFu), v1 = to_f32(bits >> 16);
-#pragma unroll
-      for (int r = 0; r < kAttentionRowsPerThread; ++r) {
-        const int i = first_row + r * kAttentionPairRows;
-        if (i < kAttentionGroups) {
-          const float p = attention_stage_scores[i][key];
-          acc[r][0] = fmaf(p, v0, acc[r][0]);
-          acc[r][1] = fmaf(p, v1, acc[r][1]);
-        }
-      }
-    }
-    __syncthreads();  // every thread is done with this chunk's stage and scores
-    const int next = chunk + kAttentionStageKeys;
-    if (next <= last) stage_chunk(next, min(kAttentionStageKeys, last + 1 - next));
-  }
-#pragma unroll
-  for (int r = 0; r < kAttentionRowsPerThread; ++r) {
-    const int i = first_row + r * kAttentionPairRows;
-    if (i < kAttentionGroups) {
-      const float sum = attention_sum[i];  // 0 for a row that sees no key: 0 / 0, NaN
-      const u32 bits = (u32)from_f32(acc[r][0] / sum) | ((u32)from_f32(acc[r][1] / sum) << 16);
-      *reinterpret_cast<u32*>(out + ((long long)(head * kAttentionGroups + i) * kAttentionDim + 2 * pair)) = bits;
-    }
-  }
-}
-
 // x is this kernel's own attention output: ready once every KV head's block has written its rows.
 // Every thread of the block calls this once (the mainloop's one call a warp), so its barriers hold.
 // kAttentionSplitByHead: this block's split is KV head blockIdx.x / kTileBlocks (split-K by head,
@@ -394,8 +255,8 @@ __device__ __forceinline__ T* activations_ready(T* pointer) {
     attention_prefetch_rows(arguments, head);
     wait_for_previous_kernel();
     const int last = min(*ordered_after_wait(arguments.positions), kAttentionKeys - 1);
-    attend_staged(ordered_after_wait(arguments.q), ordered_after_wait(arguments.k), ordered_after_wait(arguments.v), last,
-                  head, x_staged);
+    attend(ordered_after_wait(arguments.q), ordered_after_wait(arguments.k), ordered_after_wait(arguments.v), last, head,
+           x_staged);
     __syncthreads();  // the head's rows, before any warp's mainloop reads them
     return pointer;
   }
@@ -433,23 +294,16 @@ std::string gemv_attention_prologue(const GemvKernelConfig& config) {
              "constexpr int kAttentionHeads = {};\nconstexpr int kAttentionGroups = {};\nconstexpr int kAttentionDim = {};\n"
              "constexpr int kAttentionKeys = {};\nconstexpr float kAttentionScaleLog2 = {:.9g}f;  // scale {:.17g} x log2(e)\n"
              "constexpr int kAttentionLanesPerKey = {};\nconstexpr int kAttentionChunk = {};\n"
-             "constexpr bool kAttentionSplitByHead = {};\nconstexpr int kAttentionStageKeys = {};\n",
+             "constexpr bool kAttentionSplitByHead = {};\n",
              attention.kv_heads, attention.groups, attention.head_dim, attention.keys, scale_log2, attention.scale,
-             kLanesPerKey, chunk_keys(config), attention.split_by_head ? "true" : "false", stage_keys(attention)) +
+             kLanesPerKey, chunk_keys(config), attention.split_by_head ? "true" : "false") +
          std::string(gemv_arrival_wait()) + std::string(attention_body);
 }
 
 std::int64_t gemv_attention_shared_bytes(const GemvKernelConfig& config) {
   if (!config.attention) return 0;
   const GemvAttentionPrologue& attention = *config.attention;
-  const std::int64_t staged_scores = attention.split_by_head ? attention.groups * stage_keys(attention) : 1;
-  return 4 * attention.groups * (attention.head_dim + chunk_keys(config) + 3) + 4 * staged_scores + 48;
-}
-
-std::int64_t gemv_attention_stage_bytes(const GemvKernelConfig& config) {
-  if (!config.attention || !config.attention->split_by_head) return 0;
-  const GemvAttentionPrologue& attention = *config.attention;
-  return stage_keys(attention) * (2 * attention.head_dim + 8) * 2;
+  return 4 * attention.groups * (attention.head_dim + chunk_keys(config) + 3) + 48;
 }
 
 }  // namespace metile::gemv_detail

@@ -56,8 +56,6 @@ std::string_view gemv_arrival_wait();
 std::string gemv_attention_prologue(const GemvKernelConfig& config);
 // Static shared memory the attention prologue adds (q and one chunk of scores per block).
 std::int64_t gemv_attention_shared_bytes(const GemvKernelConfig& config);
-// Dynamic shared memory split by head stages K and V in (a chunk of keys); 0 otherwise.
-std::int64_t gemv_attention_stage_bytes(const GemvKernelConfig& config);
 
 // The register-batch mainloop (gemv_mainloop.cpp): Batch, the loads, compute_batch,
 // accumulate<P>(acc, weights, scale_bias, x, warp, lane, first_tile, begin, end, ring, fill_sums),

@@ -1187,7 +1187,6 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
     result.co_resident_blocks_per_multiprocessor = 1;
   }
   result.static_shared_bytes += static_cast<unsigned>(gemv_attention_shared_bytes(config));
-  result.dynamic_shared_bytes += static_cast<unsigned>(gemv_attention_stage_bytes(config));
   return result;
 }
 
