@@ -244,18 +244,10 @@ std::vector<std::int64_t> gemv_rope_row_order(const GemvRopeCacheEpilogue& rope)
 // then for all kv_heads arrivals, and reads x through L2. So the grid must be resident at once
 // (GemvKernelSource::co_resident_blocks_per_multiprocessor); the last block to leave re-arms the
 // counters. A row that sees no key is NaN, as flash_attention's. One activation row only (decode).
-//
-// split_by_head: the projection is split along K by KV head instead (k_splits = kv_heads: split s's
-// columns are KV head s's G·D outputs) and every block attends the head of its own split itself,
-// into its shared memory (x staged), then multiplies its weights by it; the split-K join adds the
-// heads' partial sums in head order and applies the epilogue. No block waits for another (no
-// residency requirement, no counters but the join's); a head's attention is computed once per tile
-// block of its split, so the tile blocks are few and wide (tiles_per_block).
 struct GemvAttentionPrologue {
   std::int64_t kv_heads = 0, groups = 0, head_dim = 0;  // Hkv, G (query heads a KV head), D = Dv: 64 or 128
   std::int64_t keys = 0;                                // T, the cache's slots
   double scale = 1.0;
-  bool split_by_head = false;
   bool operator==(const GemvAttentionPrologue&) const = default;
 };
 

@@ -18,12 +18,6 @@
 //              (ld.acquire.gpu), then departs; the last block to depart re-arms both counters for
 //              the next launch or graph replay. x is then read through L2 (kXWrittenInKernel).
 //
-// Split by head (GemvAttentionPrologue::split_by_head): the projection is split-K with one split a KV
-// head, and every block attends its own split's head into x_staged (shared memory) after the wait,
-// then runs its mainloop over that head's columns; the split-K join adds the heads in order. A
-// head's attention is recomputed by every tile block of its split (its K and V rows from L2), and
-// no block waits for another.
-//
 // Why the grid cannot deadlock: a block waits only for the attention blocks' arrivals, and an
 // attention block waits for nothing but the previous kernel and memory. All blocks must be resident
 // at once (LoadedGemv::load refuses the kernel otherwise: co_resident_blocks_per_multiprocessor). The
@@ -243,23 +237,10 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q_all, const u16*
 
 // x is this kernel's own attention output: ready once every KV head's block has written its rows.
 // Every thread of the block calls this once (the mainloop's one call a warp), so its barriers hold.
-// kAttentionSplitByHead: this block's split is KV head blockIdx.x / kTileBlocks (split-K by head,
-// one unit a block); the block attends it into x_staged, the only columns its mainloop reads.
-static_assert(!kAttentionSplitByHead || (kXStaged && kSplits == kAttentionHeads), "split by head: a split a KV head, x staged");
 template <class T>
 __device__ __forceinline__ T* activations_ready(T* pointer) {
   __syncthreads();  // attention_arguments, set by thread 0 at the entry
   const AttentionArguments arguments = attention_arguments;
-  if constexpr (kAttentionSplitByHead) {
-    const int head = (int)blockIdx.x / kTileBlocks;
-    attention_prefetch_rows(arguments, head);
-    wait_for_previous_kernel();
-    const int last = min(*ordered_after_wait(arguments.positions), kAttentionKeys - 1);
-    attend(ordered_after_wait(arguments.q), ordered_after_wait(arguments.k), ordered_after_wait(arguments.v), last, head,
-           x_staged);
-    __syncthreads();  // the head's rows, before any warp's mainloop reads them
-    return pointer;
-  }
   if (blockIdx.x < kAttentionHeads) attention_prefetch_rows(arguments, (int)blockIdx.x);
   wait_for_previous_kernel();
   u32* const counters = ordered_after_wait(arguments.counters);
@@ -293,10 +274,9 @@ std::string gemv_attention_prologue(const GemvKernelConfig& config) {
   return fmt::format(
              "constexpr int kAttentionHeads = {};\nconstexpr int kAttentionGroups = {};\nconstexpr int kAttentionDim = {};\n"
              "constexpr int kAttentionKeys = {};\nconstexpr float kAttentionScaleLog2 = {:.9g}f;  // scale {:.17g} x log2(e)\n"
-             "constexpr int kAttentionLanesPerKey = {};\nconstexpr int kAttentionChunk = {};\n"
-             "constexpr bool kAttentionSplitByHead = {};\n",
+             "constexpr int kAttentionLanesPerKey = {};\nconstexpr int kAttentionChunk = {};\n",
              attention.kv_heads, attention.groups, attention.head_dim, attention.keys, scale_log2, attention.scale,
-             kLanesPerKey, chunk_keys(config), attention.split_by_head ? "true" : "false") +
+             kLanesPerKey, chunk_keys(config)) +
          std::string(gemv_arrival_wait()) + std::string(attention_body);
 }
 

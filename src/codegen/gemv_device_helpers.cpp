@@ -752,9 +752,7 @@ std::uint64_t gemv_epilogue_hash(const GemvKernelConfig& config) {
 bool x_staged_in_shared_memory(const GemvKernelConfig& config) {
   if (config.mainloop != GemvMainloop::register_batches || config.in_features % 8 != 0) return false;
   const std::int64_t bytes = config.rows * config.in_features * 2;
-  const bool attends_by_head = config.attention && config.attention->split_by_head;
-  return ((config.x_rms_norm_eps || attends_by_head) && bytes <= kMaxStagedXBytes) ||
-         (config.half_products && bytes <= kMaxHalfStagedXBytes);
+  return (config.x_rms_norm_eps && bytes <= kMaxStagedXBytes) || (config.half_products && bytes <= kMaxHalfStagedXBytes);
 }
 
 std::int64_t x_norm_shared_bytes(const GemvKernelConfig& config) {

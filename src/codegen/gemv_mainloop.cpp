@@ -938,33 +938,22 @@ void GemvKernelConfig::validate() const {
                                    "evenly (at most 32 a warp): not with {} warps",
                                    pairs, warps_per_block));
     }
-    if (rows != 1 || epilogue.product_count() != 1 || mainloop != GemvMainloop::register_batches ||
-        k_splits != (a.split_by_head ? a.kv_heads : 1) || shared_stages >= 2 || tile_loop_blocks_per_multiprocessor > 0 ||
-        argmax_rows || x_rms_norm_eps || rope_cache || !output_splits.empty() || half_products) {
+    if (rows != 1 || epilogue.product_count() != 1 || mainloop != GemvMainloop::register_batches || k_splits != 1 ||
+        shared_stages >= 2 || tile_loop_blocks_per_multiprocessor > 0 || argmax_rows || x_rms_norm_eps || rope_cache ||
+        !output_splits.empty()) {
       throw InputError(fmt::format("GEMV {}: the attention prologue needs one activation row and one matrix in the "
-                                   "register-batch mainloop, batches in registers, one output, split-K only by head "
-                                   "(split_by_head: k_splits = KV heads), and no tile loop, argmax, norm, rope or half "
-                                   "products",
+                                   "register-batch mainloop, batches in registers, one output, and no split-K, tile "
+                                   "loop, argmax, norm or rope",
                                    to_string()));
     }
-    if (a.split_by_head) {
-      // A split is one head's columns: whole iterations, and x (the block's head) staged in shared memory.
-      if ((a.groups * a.head_dim) % format.columns_per_iteration() != 0 || !x_staged_in_shared_memory(*this)) {
-        throw InputError(fmt::format("GEMV {}: split by head needs each head's {} columns to be whole iterations of {} "
-                                     "and x within {} bytes of shared memory",
-                                     to_string(), a.groups * a.head_dim, format.columns_per_iteration(),
-                                     kMaxStagedXBytes));
-      }
-    }
     const std::int64_t blocks = ((out_features + 15) / 16 + tiles_per_block - 1) / tiles_per_block;
-    if (!a.split_by_head && blocks < a.kv_heads) {
+    if (blocks < a.kv_heads) {
       throw InputError(fmt::format("GEMV {}: fewer blocks than the {} KV heads the attention prologue gives one each",
                                    to_string(), a.kv_heads));
     }
     // Its blocks wait for one another, so all of them must fit the SMs at once (64 warps and 32
     // blocks an SM).
-    if (!a.split_by_head &&
-        (multiprocessors < 1 || blocks > std::int64_t{multiprocessors} * blocks_an_sm_holds(warps_per_block))) {
+    if (multiprocessors < 1 || blocks > std::int64_t{multiprocessors} * blocks_an_sm_holds(warps_per_block)) {
       throw InputError(fmt::format("GEMV {}: the attention prologue needs its {} blocks of {} warps resident at once "
                                    "on {} SMs",
                                    to_string(), blocks, warps_per_block, multiprocessors));
@@ -1078,9 +1067,8 @@ std::string GemvKernelConfig::to_string() const {
   if (half_products) text += " half_products";
   if (resident_blocks_per_multiprocessor > 0) text += fmt::format(" resident_blocks={}", resident_blocks_per_multiprocessor);
   if (attention) {
-    text += fmt::format(" attention(heads={}x{} D={} keys={} scale={:g}{})", attention->kv_heads, attention->groups,
-                        attention->head_dim, attention->keys, attention->scale,
-                        attention->split_by_head ? " split by head" : "");
+    text += fmt::format(" attention(heads={}x{} D={} keys={} scale={:g})", attention->kv_heads, attention->groups,
+                        attention->head_dim, attention->keys, attention->scale);
   }
   return text;
 }
@@ -1108,8 +1096,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.resident_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("r{}", config.resident_blocks_per_multiprocessor);
   if (config.attention) {
     // The scale's float bits, as the kernel's constant holds it.
-    schedule_tag += fmt::format("_att{}{}x{}d{}t{}s{:08x}", config.attention->split_by_head ? "h" : "",
-                                config.attention->kv_heads, config.attention->groups,
+    schedule_tag += fmt::format("_att{}x{}d{}t{}s{:08x}", config.attention->kv_heads, config.attention->groups,
                                 config.attention->head_dim, config.attention->keys,
                                 std::bit_cast<std::uint32_t>(static_cast<float>(config.attention->scale)));
   }
@@ -1121,8 +1108,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   // The attention prologue's blocks wait for one another: hold the registers to what keeps the
   // whole grid resident (LoadedGemv::load checks the device's count).
   GemvKernelConfig bounded = config;
-  const bool blocks_wait = config.attention && !config.attention->split_by_head;
-  if (blocks_wait && config.resident_blocks_per_multiprocessor == 0) {
+  if (config.attention && config.resident_blocks_per_multiprocessor == 0) {
     bounded.resident_blocks_per_multiprocessor =
         static_cast<int>((tile_blocks + config.multiprocessors - 1) / config.multiprocessors);
   }
@@ -1182,11 +1168,11 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.argmax_rows) {  // a value's bits and an index per block and row, then the arrival counter
     result.workspace_bytes = static_cast<std::uint64_t>(2 * tile_blocks * config.rows * 4 + 4);
   }
-  if (blocks_wait) {  // the arrival and departure counters; the blocks wait for one another
+  if (config.attention) {  // the arrival and departure counters; the blocks wait for one another
     result.workspace_bytes = 8;
     result.co_resident_blocks_per_multiprocessor = 1;
+    result.static_shared_bytes += static_cast<unsigned>(gemv_attention_shared_bytes(config));
   }
-  result.static_shared_bytes += static_cast<unsigned>(gemv_attention_shared_bytes(config));
   return result;
 }
 
@@ -1223,8 +1209,7 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
           existing.tile_loop_blocks_per_multiprocessor == config.tile_loop_blocks_per_multiprocessor &&
           existing.l2_prefetch_rounds == config.l2_prefetch_rounds &&
           existing.resident_blocks_per_multiprocessor == config.resident_blocks_per_multiprocessor &&
-          existing.x_with_batch == config.x_with_batch && existing.half_products == config.half_products &&
-          existing.attention == config.attention) {
+          existing.x_with_batch == config.x_with_batch && existing.half_products == config.half_products) {
         return;
       }
     }
@@ -1300,31 +1285,6 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
   auto add_whole_warps = [&](bool double_buffered) {
     if (const int warps = whole_warps(double_buffered)) add(warps, double_buffered);
   };
-  // Attention in the projection, split by head first: every block attends its split's KV head, so
-  // the tile blocks are as wide as keeps a block on every SM, within 4 tiles a block (Llama-3-8B: 256
-  // tiles x 8 heads, 4 tiles a block: 512 blocks, 33.6 MB of K and V re-read from L2 at 128 keys), then
-  // half that;
-  // 4 warps (fewer where a head has fewer iterations) each taking one batch of the head's iterations.
-  if (base.attention && !base.attention->split_by_head) {
-    const std::int64_t heads = base.attention->kv_heads;
-    const std::int64_t head_iterations =
-        base.attention->groups * base.attention->head_dim / base.format.columns_per_iteration();
-    std::int64_t wide = 1;
-    while (wide * 2 <= 4 && (tiles + wide * 2 - 1) / (wide * 2) * heads >= multiprocessors) wide *= 2;
-    for (const std::int64_t tiles_per_block : {wide, std::max<std::int64_t>(1, wide / 2)}) {
-      GemvKernelConfig config = base;
-      config.attention->split_by_head = true;
-      config.k_splits = static_cast<int>(heads);
-      config.warps_per_block = static_cast<int>(std::clamp<std::int64_t>(head_iterations, 2, 4));
-      config.tiles_per_block = static_cast<int>(tiles_per_block);
-      config.double_buffered = false;
-      config.iterations_in_flight = static_cast<int>((head_iterations + config.warps_per_block - 1) / config.warps_per_block);
-      config.shared_stages = 0;
-      config.shared_group_sums = false;
-      config.multiprocessors = multiprocessors;
-      add_config(config);
-    }
-  }
   if (narrow) {
     // Between one and two tiles an SM (Llama-3-8B's down and o-projections: 256 tiles for 132 SMs) the
     // affine double-buffered shapes are compiled for the two blocks an SM the grid puts there

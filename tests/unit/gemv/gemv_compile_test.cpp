@@ -820,14 +820,10 @@ TEST(GemvCompile, AttentionPrologueCompilesAndRefusesWhatItCannotDo) {
     GemvKernelConfig base = gemv_config(format, 1, width, width, GemvEpilogue::residual_add("residual", DType::bf16));
     base.attention = GemvAttentionPrologue{heads.kv_heads, heads.groups, heads.head_dim, 4096,
                                            1.0 / std::sqrt(static_cast<double>(heads.head_dim))};
-    int compiled = 0, split_by_head = 0;
+    int compiled = 0;
     for (const GemvKernelConfig& config : gemv_tuning_candidates(base)) {
       ASSERT_TRUE(config.attention) << config.to_string();
-      if (config.attention->split_by_head) {  // AttentionSplitByHeadCompiles
-        ++split_by_head;
-        continue;
-      }
-      // Split-K (but by head) and staged rings are refused with the prologue: never among its candidates.
+      // Split-K and staged rings are refused with the prologue: never among its candidates.
       EXPECT_EQ(config.k_splits, 1) << config.to_string();
       EXPECT_LT(config.shared_stages, 2) << config.to_string();
       EXPECT_EQ(config.multiprocessors, 132) << config.to_string();
@@ -850,14 +846,9 @@ TEST(GemvCompile, AttentionPrologueCompilesAndRefusesWhatItCannotDo) {
       }
     }
     EXPECT_GE(compiled, 2) << base.to_string();
-    EXPECT_GE(split_by_head, 1) << base.to_string();
     // The grid must be resident at once on the device the candidates are for: on 2 SMs (at most 64
-    // warps and 32 blocks each) only grids of few blocks remain (Llama-3-8B's 256 tiles: none); the
-    // split-by-head shapes, whose blocks wait for none, stay.
-    std::vector<GemvKernelConfig> two_sms;
-    for (const GemvKernelConfig& config : gemv_tuning_candidates(base, 2)) {
-      if (!config.attention->split_by_head) two_sms.push_back(config);
-    }
+    // warps and 32 blocks each) only grids of few blocks remain (Llama-3-8B's 256 tiles: none).
+    const std::vector<GemvKernelConfig> two_sms = gemv_tuning_candidates(base, 2);
     for (const GemvKernelConfig& config : two_sms) {
       const std::int64_t blocks = ((config.out_features + 15) / 16 + config.tiles_per_block - 1) / config.tiles_per_block;
       EXPECT_LE(blocks, 2 * std::min(32, 64 / config.warps_per_block)) << config.to_string();
@@ -869,9 +860,6 @@ TEST(GemvCompile, AttentionPrologueCompilesAndRefusesWhatItCannotDo) {
     EXPECT_LT(two_sms.size(), gemv_tuning_candidates(base).size()) << base.to_string();
     GemvKernelConfig refused = base;
     refused.k_splits = 2;
-    EXPECT_THROW(refused.validate(), InputError);
-    refused.attention->split_by_head = true;  // by head: one split a KV head, no other count
-    refused.k_splits = static_cast<int>(heads.kv_heads) + 1;
     EXPECT_THROW(refused.validate(), InputError);
     refused = base;
     refused.rows = 2;
@@ -896,47 +884,6 @@ TEST(GemvCompile, AttentionPrologueCompilesAndRefusesWhatItCannotDo) {
   GemvKernelConfig few = gemv_config(format, 1, 16 * 7, 8 * 4 * 64, GemvEpilogue::store());
   few.attention = GemvAttentionPrologue{8, 4, 64, 128, 0.125};
   EXPECT_THROW(few.validate(), InputError);
-}
-
-// Attention split by head (GemvAttentionPrologue::split_by_head): for the three decode models' heads the
-// lowering's first shapes are split by head (k_splits = KV heads, a block on every SM at most), stage x
-// in shared memory, need no co-resident grid and no counters but the split-K join's (the workspace of a
-// split-K kernel), and compile for sm_90 within their registers; they are named apart from the waiting
-// prologue's.
-TEST(GemvCompile, AttentionSplitByHeadCompiles) {
-  struct Heads {
-    std::int64_t kv_heads, groups, head_dim;
-  };
-  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
-  for (const Heads heads : {Heads{8, 4, 128}, Heads{2, 6, 128}, Heads{8, 4, 64}}) {
-    const std::int64_t width = heads.kv_heads * heads.groups * heads.head_dim;
-    GemvKernelConfig base = gemv_config(format, 1, width, width, GemvEpilogue::residual_add("residual", DType::bf16));
-    base.attention = GemvAttentionPrologue{heads.kv_heads, heads.groups, heads.head_dim, 4096,
-                                           1.0 / std::sqrt(static_cast<double>(heads.head_dim))};
-    const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(base);
-    ASSERT_FALSE(candidates.empty());
-    ASSERT_TRUE(candidates.front().attention->split_by_head) << candidates.front().to_string();
-    for (const GemvKernelConfig& config : candidates) {
-      if (!config.attention->split_by_head) continue;
-      EXPECT_EQ(config.k_splits, heads.kv_heads) << config.to_string();
-      const std::int64_t tile_blocks = ((width + 15) / 16 + config.tiles_per_block - 1) / config.tiles_per_block;
-      EXPECT_GE(tile_blocks * heads.kv_heads * 2, 132) << config.to_string();  // at most two SMs a block short
-      const GemvKernelSource kernel = generate_gemv_kernel(config);
-      EXPECT_EQ(kernel.co_resident_blocks_per_multiprocessor, 0);
-      EXPECT_EQ(kernel.grid_blocks, static_cast<unsigned>(tile_blocks * heads.kv_heads));
-      EXPECT_EQ(kernel.workspace_bytes, static_cast<std::uint64_t>(tile_blocks * heads.kv_heads * config.tiles_per_block *
-                                                                       16 * 4 + tile_blocks * 4));
-      EXPECT_NE(kernel.source.find("constexpr bool kXStaged = true;"), std::string::npos);
-      EXPECT_NE(kernel.source.find("constexpr bool kAttentionSplitByHead = true;"), std::string::npos);
-      GemvKernelConfig waiting = config;
-      waiting.attention->split_by_head = false;
-      waiting.k_splits = 1;
-      EXPECT_NE(kernel.kernel_name, generate_gemv_kernel(waiting).kernel_name);
-      const Compiled result = compile_for_sm90(kernel);
-      if (std::getenv("METILE_PRINT_PTXAS")) fmt::print("{}\n{}\n", config.to_string(), result.log);
-      expect_no_spills(result.log, config.to_string());
-    }
-  }
 }
 
 // Whole batches (kBatchesWhole in the kernel: no predicated loads, no zeroed registers) need the warps'
