@@ -45,12 +45,17 @@ std::filesystem::path DecisionCache::default_path() { return std::filesystem::pa
 // Far above any real decision file (a decision is ~1 KB; a model's regions make a few hundred).
 constexpr std::uint64_t kMaximumDecisionFileBytes = std::uint64_t{64} << 20;
 
-DecisionCache::DecisionCache(std::filesystem::path file) : path_(std::move(file)) {
-  const std::optional<std::string> text = read_cache_file(path_, kMaximumDecisionFileBytes, found_corrupt_file_);
-  if (!text) return;
+namespace {
+// The decisions the file holds now; nullopt where there is none or it is not a decision file
+// (`corrupt` then says whether something was there).
+std::optional<std::vector<DispatchDecision>> read_decisions(const std::filesystem::path& path, bool& corrupt) {
+  corrupt = false;
+  const std::optional<std::string> text = read_cache_file(path, kMaximumDecisionFileBytes, corrupt);
+  if (!text) return std::nullopt;
   try {
     const nlohmann::json document = nlohmann::json::parse(*text);
     if (document.at("version").get<int>() != decision_file_version) throw std::runtime_error("another version");
+    std::vector<DispatchDecision> decisions;
     for (const nlohmann::json& entry : document.at("decisions")) {
       DispatchDecision decision;
       decision.key = entry.at("key").get<std::string>();
@@ -59,12 +64,18 @@ DecisionCache::DecisionCache(std::filesystem::path file) : path_(std::move(file)
       for (const nlohmann::json& timing : entry.at("timings_ms")) {
         decision.timings_ms.emplace_back(candidate_from_json(timing.at(0)), timing.at(1).get<double>());
       }
-      decisions_.push_back(std::move(decision));
+      decisions.push_back(std::move(decision));
     }
+    return decisions;
   } catch (const std::exception&) {
-    decisions_.clear();
-    found_corrupt_file_ = true;
+    corrupt = true;
+    return std::nullopt;
   }
+}
+}  // namespace
+
+DecisionCache::DecisionCache(std::filesystem::path file) : path_(std::move(file)) {
+  if (auto decisions = read_decisions(path_, found_corrupt_file_)) decisions_ = std::move(*decisions);
 }
 
 std::optional<DispatchDecision> DecisionCache::find(const std::string& key) const {
@@ -75,6 +86,11 @@ std::optional<DispatchDecision> DecisionCache::find(const std::string& key) cons
 }
 
 void DecisionCache::store(const DispatchDecision& decision) {
+  // What the file holds now, not what it held when this cache was read: another DecisionCache on
+  // the same file (the decode MLP keeps its gate/up stage's open while the down stage stores
+  // through its own) may have stored since, and writing this one's older list would drop that.
+  bool corrupt = false;
+  if (auto current = read_decisions(path_, corrupt)) decisions_ = std::move(*current);
   bool replaced = false;
   for (DispatchDecision& existing : decisions_) {
     if (existing.key == decision.key) {

@@ -171,6 +171,23 @@ TEST_F(DecisionFile, RoundTripsAndReplacesByKey) {
   }
 }
 
+// Two caches open on one file (the decode MLP's gate/up stage keeps its own while the down stage
+// stores through another): each store keeps what the other stored since it was read. Before, the
+// second store wrote its stale list and dropped the first's decision, so a cached build raced down
+// again (gpu DecodeMlpExecutorTest.StoredDecisionIsReused, whenever the gate/up near tie won).
+TEST_F(DecisionFile, AStoreKeepsWhatAnotherCacheStoredSinceItWasRead) {
+  DecisionCache first(path_), second(path_);
+  first.store({"gate_up", CandidateId::fused("a"), {}, "gate_up: fused a"});
+  second.store({"down", CandidateId::fused("b"), {}, "down: fused b"});
+  first.store({"gate_up", CandidateId::fused("c"), {}, "gate_up: fused c (its near tie)"});
+  const DecisionCache reloaded(path_);
+  EXPECT_EQ(reloaded.size(), 2u);
+  ASSERT_TRUE(reloaded.find("down").has_value());
+  EXPECT_EQ(reloaded.find("down")->chosen, CandidateId::fused("b"));
+  EXPECT_EQ(reloaded.find("gate_up")->chosen, CandidateId::fused("c"));
+  EXPECT_TRUE(first.find("down").has_value());  // and the storing cache sees it too
+}
+
 TEST_F(DecisionFile, CorruptFilesAreSetAsideAndRewritten) {
   std::filesystem::create_directories(path_.parent_path());
   for (const std::string& damage : {std::string("{\"version\": 1, \"decisions\": [{"), std::string("[1, 2, 3]"),
