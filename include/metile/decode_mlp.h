@@ -46,6 +46,8 @@ struct DecodeMlpWeights {
 
 // The MLP in float64 (threads over output features), from the quant module's dequantized
 // weights: the oracle of the numeric gates. x, residual [rows, hidden]; hidden [rows, intermediate].
+// The hidden state's inputs (gate, up, silu(gate)) are rounded to the activation dtype, as the graph
+// stores them; the products themselves are exact sums in float64.
 std::vector<double> decode_mlp_reference_hidden(const DecodeMlpWeights& weights, const HostTensor& x);
 std::vector<double> decode_mlp_reference_out(const DecodeMlpWeights& weights, const HostTensor& hidden,
                                              const HostTensor& residual);

@@ -37,8 +37,8 @@ TEST(DecodeMlpModel, Float64OracleMatchesTheCpuReferenceOfTheGraph) {
     const HostTensor hidden_tensor =
         HostTensor::from_values(TensorSpec({rows, intermediate}, format.activation), hidden_oracle);
     // A zero residual first, so the MLP's own output is compared (it is small next to a residual
-    // of O(1)); then a random one, for the whole block. The graph rounds gate, up and silu to f16
-    // on the way, the oracle does not: they agree to a few f16 ulps.
+    // of O(1)); then a random one, for the whole block. Both round gate, up and silu to f16 on the
+    // way; the graph's f32 sums against the oracle's float64 ones: a few f16 ulps.
     for (const bool zero_residual : {true, false}) {
       inputs["residual"] = zero_residual ? HostTensor(TensorSpec({rows, hidden}, format.activation))
                                          : gemv_testing::random_tensor(TensorSpec({rows, hidden}, format.activation), ++seed);
