@@ -139,6 +139,7 @@ class CudaDecodeSession : public LogitsSession {
   std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }
   std::int64_t capacity() const override { return model_->model().capacity(); }
+  const std::string& capacity_source() const override { return model_->model().capacity_source(); }
   // Starts a new sequence on the same caches and Executables (rows past the position are masked).
   void reset() { position_ = 0; }
 

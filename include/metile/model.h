@@ -112,6 +112,9 @@ class DecoderModel {
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
   std::int64_t capacity() const { return capacity_; }
+  // Where the capacity came from, as messages about it name it: "max-seq" (LoadOptions::max_sequence),
+  // "max_position_embeddings, at most 4096; --max-seq sets it" or "the checkpoint's sliding_window".
+  const std::string& capacity_source() const { return capacity_source_; }
   bool is_quantized(std::string_view weight_prefix) const;  // "model.layers.0.mlp.up_proj"
   const TensorMap& weights() const { return weights_; }
   // The format of the quantized weights (MLX's from config.json, or LoadOptions::quantize).
@@ -130,6 +133,7 @@ class DecoderModel {
   ModelConfig config_;
   DType dtype_ = DType::bf16;
   std::int64_t capacity_ = 0;
+  std::string capacity_source_ = "max-seq";
   TensorMap weights_;
   std::optional<AffineQuantization> quantization_;
   // The step graphs built so far. Filled under a lock: the Python bindings release the GIL, so
@@ -164,6 +168,7 @@ class LogitsSession {
   virtual std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens);
   virtual std::int64_t position() const = 0;  // tokens fed so far
   virtual std::int64_t capacity() const = 0;  // tokens the KV caches hold
+  virtual const std::string& capacity_source() const = 0;  // DecoderModel::capacity_source
 };
 
 // Greedy decoding state for one sequence. The reference path runs each step
@@ -186,6 +191,7 @@ class DecodeSession : public LogitsSession {
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }
   std::int64_t capacity() const override { return model_.capacity(); }
+  const std::string& capacity_source() const override { return model_.capacity_source(); }
 
  private:
   const DecoderModel& model_;
@@ -211,9 +217,8 @@ void check_generation_count(std::int64_t count);
 
 
 // A session fed a token sequence before it decodes: InputError unless every token is in
-// [0, vocab) and the sequence stays within `capacity` (both backends say it the same way).
-void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, std::int64_t capacity,
-                      std::int64_t vocab);
+// [0, vocab) and the sequence stays within the model's capacity (both backends say it the same way).
+void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model);
 
 // ---------------------------------------------------------------- comparing two paths
 // Two sessions fed the same tokens, compared position by position on their next-token

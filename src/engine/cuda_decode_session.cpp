@@ -203,7 +203,7 @@ void CudaDecodeSession::upload_inputs(std::span<const std::int32_t> tokens, std:
 
 void CudaDecodeSession::stage_step(std::span<const std::int32_t> tokens) {
   const DecoderModel& decoder = model_->model();
-  check_tokens_fit(tokens, position_, decoder.capacity(), decoder.config().vocab_size);
+  check_tokens_fit(tokens, position_, decoder);
   model_->device().make_current();
   executable(static_cast<std::int64_t>(tokens.size()));  // built before its inputs are staged
   upload_inputs(tokens, position_);
@@ -212,7 +212,7 @@ void CudaDecodeSession::stage_step(std::span<const std::int32_t> tokens) {
 
 std::vector<HostTensor> CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens, std::string_view output) {
   const DecoderModel& decoder = model_->model();
-  check_tokens_fit(tokens, position_, decoder.capacity(), decoder.config().vocab_size);
+  check_tokens_fit(tokens, position_, decoder);
   model_->device().make_current();
   std::vector<HostTensor> step_outputs;  // one per step, filled by async copies (never reallocated)
   step_outputs.reserve(tokens.size());

@@ -82,8 +82,8 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   options.validate();
   const std::int64_t needed = options.cached_tokens_needed();
   if (needed > model.capacity()) {
-    throw InputError(fmt::format("bench-model: {} cached tokens needed, past the KV-cache capacity {} (max-seq)",
-                                 needed, model.capacity()));
+    throw InputError(fmt::format("bench-model: {} cached tokens needed, past the KV-cache capacity {} ({})", needed,
+                                 model.capacity(), model.capacity_source()));
   }
   std::mt19937_64 generator(options.seed);
   EngineBenchmark result;

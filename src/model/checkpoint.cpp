@@ -367,6 +367,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   }
   std::int64_t capacity = options.max_sequence > 0 ? options.max_sequence
                                                    : std::min<std::int64_t>(4096, config.max_position_embeddings);
+  model.capacity_source_ = options.max_sequence > 0 ? "max-seq" : "max_position_embeddings, at most 4096; --max-seq sets it";
   if (options.max_sequence < 0) throw InputError(fmt::format("max-seq {} is negative", options.max_sequence));
   // Positions are i32 in the step graphs: the last one, capacity - 1, must fit.
   if (capacity > (std::int64_t{1} << 31)) {
@@ -380,14 +381,15 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
                                    options.max_sequence, *config.sliding_window, *config.sliding_window));
     }
     capacity = *config.sliding_window;
+    model.capacity_source_ = "the checkpoint's sliding_window";
   }
   // A session keeps K and V of every layer for `capacity` positions: refuse a capacity whose caches
   // alone exceed this machine's memory (a typo in --max-seq) before anything allocates them.
   const double cache_bytes = kv_cache_bytes(config, capacity, options.dtype);
   if (const auto memory = static_cast<double>(physical_memory_bytes()); cache_bytes > memory) {
-    throw InputError(fmt::format("the KV caches of {} positions (max-seq) x {} layers x {} KV heads x head dim {} take "
+    throw InputError(fmt::format("the KV caches of {} positions ({}) x {} layers x {} KV heads x head dim {} take "
                                  "{:.1f} GB, more than this machine's {:.1f} GB of memory",
-                                 capacity, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                 capacity, model.capacity_source_, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                                  cache_bytes / 1e9, memory / 1e9));
   }
   model.capacity_ = capacity;
@@ -399,9 +401,10 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   WeightLoader measure(config, options, files, model.weights_, true);
   visit_weights(config, measure);
   if (const auto memory = static_cast<double>(physical_memory_bytes()); measure.weight_bytes() + cache_bytes > memory) {
-    throw InputError(fmt::format("{}: the weights take {:.1f} GB in {} and the KV caches of {} positions (max-seq) {:.1f} "
+    throw InputError(fmt::format("{}: the weights take {:.1f} GB in {} and the KV caches of {} positions ({}) {:.1f} "
                                  "GB, more than this machine's {:.1f} GB of memory",
                                  directory.string(), measure.weight_bytes() / 1e9, dtype_name(options.dtype), capacity,
+                                 model.capacity_source_,
                                  cache_bytes / 1e9, memory / 1e9));
   }
   WeightLoader loader(config, options, files, model.weights_, false);

@@ -54,10 +54,10 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
   const auto weight_bytes = static_cast<double>(model.weight_bytes());
   const double needed = weight_bytes + cache_bytes + step_bytes;
   if (const auto memory = static_cast<double>(physical_memory_bytes()); needed > memory) {
-    throw InputError(fmt::format("a CPU decode step over {} positions (max-seq) needs about {:.1f} GB (the weights {:.1f} "
+    throw InputError(fmt::format("a CPU decode step over {} positions ({}) needs about {:.1f} GB (the weights {:.1f} "
                                  "GB, the KV caches {:.1f} GB and one layer's attention scores for {} tokens {:.1f} GB), "
                                  "more than this machine's {:.1f} GB of memory",
-                                 model.capacity(), needed / 1e9, weight_bytes / 1e9, cache_bytes / 1e9,
+                                 model.capacity(), model.capacity_source(), needed / 1e9, weight_bytes / 1e9, cache_bytes / 1e9,
                                  DecoderModel::kMaxStepTokens, step_bytes / 1e9, memory / 1e9));
   }
   const TensorSpec cache_spec({config.num_key_value_heads, model.capacity(), config.head_dim}, model.dtype());
@@ -66,11 +66,12 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
   }
 }
 
-void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, std::int64_t capacity,
-                      std::int64_t vocab) {
-  if (position + static_cast<std::int64_t>(tokens.size()) > capacity) {
-    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} (max-seq)",
-                                 position + static_cast<std::int64_t>(tokens.size()), capacity));
+void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model) {
+  const std::int64_t vocab = model.config().vocab_size;
+  if (position + static_cast<std::int64_t>(tokens.size()) > model.capacity()) {
+    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
+                                 position + static_cast<std::int64_t>(tokens.size()), model.capacity(),
+                                 model.capacity_source()));
   }
   for (std::int32_t token : tokens) {
     if (token < 0 || token >= vocab) {
@@ -84,7 +85,7 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
     throw InputError("this decode session lost its KV caches to an error in an earlier step: start a new session");
   }
   const std::int64_t vocab = model_.config().vocab_size;
-  check_tokens_fit(tokens, position_, model_.capacity(), vocab);
+  check_tokens_fit(tokens, position_, model_);
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
   for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
@@ -153,8 +154,8 @@ void check_generation_fits(const LogitsSession& session, std::span<const std::in
                                             : session.position() + static_cast<std::int64_t>(prompt.size()) +
                                                   std::max<std::int64_t>(count - 1, 0);
   if (fed > capacity) {
-    throw InputError(fmt::format("{} tokens after a {}-token prompt would go past the KV-cache capacity {} (max-seq)",
-                                 count, prompt.size(), capacity));
+    throw InputError(fmt::format("{} tokens after a {}-token prompt would go past the KV-cache capacity {} ({})", count,
+                                 prompt.size(), capacity, session.capacity_source()));
   }
 }
 

@@ -412,6 +412,7 @@ class LogitsOnly : public LogitsSession {
   std::vector<float> feed(std::span<const std::int32_t> tokens) override { return session_.feed(tokens); }
   std::int64_t position() const override { return session_.position(); }
   std::int64_t capacity() const override { return session_.capacity(); }
+  const std::string& capacity_source() const override { return session_.capacity_source(); }
 
  private:
   CudaDecodeSession& session_;

@@ -474,8 +474,9 @@ TEST_F(MalformedCheckpoint, WeightsPastTheMachinesMemoryAreRefusedBeforeLoading)
     options.dtype = dtype;
     const std::string message = testing::error_of([&] { DecoderModel::load(directory, options); });
     EXPECT_EQ(message.rfind(directory.string() + ": the weights take ", 0), 0u) << message;
-    EXPECT_NE(message.find(fmt::format(" GB in {} and the KV caches of 16 positions (max-seq) 0.0 GB, more than this "
-                                       "machine's ",
+    // No --max-seq: the capacity is config.json's max_position_embeddings, and the message says so.
+    EXPECT_NE(message.find(fmt::format(" GB in {} and the KV caches of 16 positions (max_position_embeddings, at most "
+                                       "4096; --max-seq sets it) 0.0 GB, more than this machine's ",
                                        dtype_name(dtype))),
               std::string::npos)
         << message;
@@ -623,8 +624,16 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(err, "metile: error: max-seq 100: the checkpoint's sliding_window 8 bounds the context (attention over a sliding "
                  "window is not implemented); ask for at most 8 positions\n");
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2"), 0);
+  // The capacity says where it came from: here the window, not --max-seq (which was not given).
   EXPECT_EQ(metile("generate " + windowed.string() + " --prompt-ids 1,2 --tokens 8"), 2);
-  EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (max-seq)\n");
+  EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (the "
+                 "checkpoint's sliding_window)\n");
+  // And from config.json's max_position_embeddings when neither is set.
+  const std::filesystem::path short_context = synth("short-context", {});
+  edit_config(short_context, [](Json& c) { c["max_position_embeddings"] = 6; });
+  EXPECT_EQ(metile("generate " + short_context.string() + " --prompt-ids 1,2 --tokens 6"), 2);
+  EXPECT_EQ(err, "metile: error: 6 tokens after a 2-token prompt would go past the KV-cache capacity 6 "
+                 "(max_position_embeddings, at most 4096; --max-seq sets it)\n");
 }
 
 // An empty directory that is a mount point (a mounted volume, a container's bind mount) is a
