@@ -258,6 +258,10 @@ struct BenchmarkOptions {
   // least 1 and the positions they fill fit the step graphs' 32-bit positions (2^31). Needs no device:
   // bench-model calls it before it looks for one, benchmark_engine again.
   void validate() const;
+  // InputError unless a KV cache of `capacity` positions holds cached_tokens_needed(); `source` says
+  // where the capacity came from (DecoderModel::capacity_source). bench-model calls it once the model
+  // has loaded on the host (and for --max-seq before loading), before the device is used; benchmark_engine again.
+  void check_capacity(std::int64_t capacity, std::string_view source) const;
 };
 
 EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOptions& options);

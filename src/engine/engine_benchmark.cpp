@@ -69,6 +69,14 @@ void BenchmarkOptions::validate() const {
   }
 }
 
+void BenchmarkOptions::check_capacity(std::int64_t capacity, std::string_view source) const {
+  if (cached_tokens_needed() > capacity) {
+    throw InputError(fmt::format("bench-model: --context {}, --prefill-tokens {} and --decode-steps {} need {} cached "
+                                 "tokens, past the KV-cache capacity {} ({})",
+                                 context, prefill_tokens, decode_steps, cached_tokens_needed(), capacity, source));
+  }
+}
+
 double weight_stream_percent(const StepKindTime& time, double copy_bandwidth_gbps) {
   if (time.weight_bytes == 0 || !(time.replay_ms > 0) || !(copy_bandwidth_gbps > 0)) {
     return std::numeric_limits<double>::quiet_NaN();
@@ -80,11 +88,7 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   const DecoderModel& model = session.model().model();
   const std::int64_t vocab = model.config().vocab_size;
   options.validate();
-  const std::int64_t needed = options.cached_tokens_needed();
-  if (needed > model.capacity()) {
-    throw InputError(fmt::format("bench-model: {} cached tokens needed, past the KV-cache capacity {} ({})", needed,
-                                 model.capacity(), model.capacity_source()));
-  }
+  options.check_capacity(model.capacity(), model.capacity_source());
   std::mt19937_64 generator(options.seed);
   EngineBenchmark result;
   result.path = std::string(engine_path_name(session.options().path));

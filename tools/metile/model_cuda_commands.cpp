@@ -225,6 +225,7 @@ void bench_model(const ModelOptions& options) {
   bench.decode_steps = options.decode_steps;
   bench.seed = parse_seed(options.seed);
   bench.validate();
+  if (options.max_seq > 0) bench.check_capacity(options.max_seq, "max-seq");
   SynthOptions synth;
   if (!options.preset.empty()) {
     synth.preset = options.preset;
@@ -263,6 +264,8 @@ void bench_model(const ModelOptions& options) {
   const DecoderModel model = DecoderModel::load(model_dir, load);
   temporary.reset();  // the weights are in memory now
   const ModelConfig& config = model.config();
+  // Before the device is touched: a --max-seq (or a sliding window) too small for the run.
+  bench.check_capacity(model.capacity(), model.capacity_source());
 
   CudaStream stream;
   const double bandwidth = measure_copy_bandwidth_gbps(stream);
