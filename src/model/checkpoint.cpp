@@ -45,11 +45,22 @@ std::string read_checkpoint_json(const std::filesystem::path& path) {
 }
 
 // The checkpoint's tensors by name, over one or several mapped files.
+// Whether a checkpoint file is there. A symbolic link whose target is missing is not "no such file"
+// (the checkpoint would be reported as having neither weight file): it is an error naming both.
+bool checkpoint_file_present(const std::filesystem::path& path) {
+  if (std::filesystem::exists(input_path_status(path))) return true;
+  if (!std::filesystem::is_symlink(input_path_status(path, false))) return false;
+  std::error_code error;
+  const std::filesystem::path target = std::filesystem::read_symlink(path, error);
+  throw InputError(fmt::format("{}: a symbolic link to {}, which does not exist", path.string(),
+                               error ? std::string("a target it cannot read") : target.string()));
+}
+
 class CheckpointFiles {
  public:
   explicit CheckpointFiles(const std::filesystem::path& directory) {
     const std::filesystem::path index = directory / "model.safetensors.index.json";
-    if (std::filesystem::exists(input_path_status(index))) {
+    if (checkpoint_file_present(index)) {
       const Json json = parse_json_input(read_checkpoint_json(index), index.string());
       if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
         throw InputError(fmt::format("{}: field 'weight_map': missing or not an object", index.string()));
@@ -69,8 +80,7 @@ class CheckpointFiles {
       // A model.safetensors the index does not list: transformers loads it (it looks for it before
       // the index), this loader the index's shards, mlx-lm every model*.safetensors: two models, no
       // word. Refused as a tensor in two shards is. (mlx-lm's index of one shard lists model.safetensors.)
-      if (!file_index.contains("model.safetensors") &&
-          std::filesystem::exists(input_path_status(directory / "model.safetensors"))) {
+      if (!file_index.contains("model.safetensors") && checkpoint_file_present(directory / "model.safetensors")) {
         throw InputError(fmt::format("{}: does not list model.safetensors, which is in the directory too (transformers "
                                      "would load it, this loader the listed shards): remove one of the two",
                                      index.string()));
@@ -96,7 +106,7 @@ class CheckpointFiles {
       }
     } else {
       const std::filesystem::path single = directory / "model.safetensors";
-      if (!std::filesystem::exists(input_path_status(single))) {
+      if (!checkpoint_file_present(single)) {
         throw InputError(fmt::format("{}: neither model.safetensors nor model.safetensors.index.json",
                                      directory.string()));
       }

@@ -702,6 +702,17 @@ TEST_F(MalformedCheckpoint, PathsTheSystemCannotLookAtAreBadInput) {
   std::filesystem::copy(sharded, beside);
   std::filesystem::create_symlink("model.safetensors", beside / "model.safetensors");
   expect_bad_input("logits " + beside.string() + " --prompt-ids 1", beside / "model.safetensors", loop);
+  // A link whose target is gone (the index, or the one weight file) is named with its target, not
+  // reported as a checkpoint without weight files ("neither model.safetensors nor ...").
+  for (const auto& [checkpoint, file] : {std::pair{directory, "model.safetensors"},
+                                         std::pair{sharded, "model.safetensors.index.json"}}) {
+    const std::filesystem::path dangling = root_ / ("dangling_" + std::string(file));
+    std::filesystem::copy(checkpoint, dangling);
+    std::filesystem::remove(dangling / file);
+    std::filesystem::create_symlink(root_ / "gone" / file, dangling / file);
+    expect_bad_input("logits " + dangling.string() + " --prompt-ids 1", dangling / file,
+                     "a symbolic link to " + (root_ / "gone" / file).string() + ", which does not exist");
+  }
 }
 
 // Without a GPU (CI) every --backend cuda command and bench-model is one line and exit 2,
