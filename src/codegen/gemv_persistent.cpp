@@ -170,28 +170,37 @@ std::int64_t partial_floats(const GemvKernelConfig& config, std::int64_t warps) 
   return tiles_of(config) * max_pieces(config, warps) * config.epilogue.product_count() * 16 * config.rows;
 }
 
-// One phase's namespace: everything a GEMV needs, with this phase's constants.
-std::string phase_source(std::string_view name, const GemvKernelConfig& config, bool x_written_in_kernel,
-                         std::int64_t warps) {
-  GemvKernelConfig alone = config;  // the mainloop's view: one warp per piece
-  alone.warps_per_block = 1;
+// A phase's namespace, for either partition: the problem's constants as `view` has them (the
+// mainloop's view of the config: one warp a piece for warp pieces, the stage's own for stage
+// blocks) and `splits` (gemv_register_constants), the format helpers, x ready after the previous
+// kernel (phase 1) or the grid barrier (phase 2), the register mainloop and `config`'s epilogue,
+// then the partition's `body`.
+std::string phase_namespace(std::string_view name, const GemvKernelConfig& config, const GemvKernelConfig& view,
+                            int splits, bool x_written_in_kernel, std::string_view body) {
   std::string source = fmt::format("\n// ---------------- {}: {}\nnamespace {} {{\n", name, config.to_string(), name);
-  source += gemv_problem_constants(alone, x_written_in_kernel);
-  source += gemv_register_constants(alone, 0);
+  source += gemv_problem_constants(view, x_written_in_kernel);
+  source += gemv_register_constants(view, splits);
   source += gemv_format_helpers();
   source += x_written_in_kernel ? activations_after_grid_barrier : gemv_activations_after_previous_kernel();
   source += gemv_register_mainloop();
   source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
   source += cuda_elementwise_helpers();
   source += gemv_output_functions(config);
-  source += fmt::format(
+  source += body;
+  return source + fmt::format("}}  // namespace {}\n", name);
+}
+
+// A warp-pieces phase: the mainloop one warp a piece, the stream-K join, run_phase.
+std::string phase_source(std::string_view name, const GemvKernelConfig& config, bool x_written_in_kernel,
+                         std::int64_t warps) {
+  GemvKernelConfig alone = config;  // the mainloop's view: one warp per piece
+  alone.warps_per_block = 1;
+  const std::string body = fmt::format(
       "constexpr int kSlices = 1;\nconstexpr int kSliceIterations = kIterations;\n"
       "constexpr long long kPositions = (long long)kTileCount * kIterations;\n"
       "constexpr long long kTotalWarps = {};\nconstexpr int kMaxPieces = {};\nconstexpr int kPartialFloats = 16 * kM;\n",
-      warps, max_pieces(config, warps));
-  source += gemv_stream_k_join();
-  source += phase_body;
-  return source + fmt::format("}}  // namespace {}\n", name);
+      warps, max_pieces(config, warps)) + std::string(gemv_stream_k_join()) + std::string(phase_body);
+  return phase_namespace(name, config, alone, 0, x_written_in_kernel, body);
 }
 
 // A phase's parameters in gemv.h's order, each prefixed; `x` and `out` are named by the caller
@@ -212,9 +221,10 @@ std::string phase_parameters(const GemvKernelConfig& config, std::string_view pr
   return text + fmt::format("    {},\n", out);
 }
 
-// The call of one phase's run_phase with its arguments bound.
-std::string phase_call(const GemvKernelConfig& config, std::string_view prefix, std::string_view x,
-                       std::string_view out, std::string_view partials, std::string_view counters) {
+// The call of one phase with its arguments bound: `weights`, `scale_bias` and `outputs` from the
+// kernel's parameters (named by `prefix`), then `call`, the phase's entry with its arguments.
+std::string phase_call(const GemvKernelConfig& config, std::string_view prefix, std::string_view out,
+                       std::string_view call) {
   const int products = config.epilogue.product_count();
   const bool affine = config.format.is_affine();
   std::string text = "  {\n";
@@ -231,35 +241,41 @@ std::string phase_call(const GemvKernelConfig& config, std::string_view prefix, 
     text += fmt::format("    outputs.tensor{} = {}_tensor{};\n", i, prefix, i);
   }
   text += fmt::format("    outputs.out = {};\n", out);
-  text += fmt::format("    {}::run_phase(weights, scale_bias, {}, outputs, {}, {}, worker, lane);\n  }}\n", prefix, x,
-                      partials, counters);
-  return text;
+  return text + fmt::format("    {}::{};\n  }}\n", prefix, call);
+}
+
+// What both partitions' kernels begin with: the generator's line, kHalf (the tensor-core helpers
+// read it) and kBlocks (the barrier), `constants` of the partition's own, the helpers and the
+// barrier, the phases' namespaces, then the entry up to its body: `parameters` (both phases') and
+// the workspace last.
+std::string persistent_kernel_head(const PersistentMlpConfig& config, const std::string& kernel_name, std::int64_t blocks,
+                                   std::string_view constants, const std::string& phases, const std::string& parameters) {
+  std::string source = fmt::format("// Generated by metile (src/codegen/gemv_persistent.cpp): {}\n", config.to_string());
+  source += fmt::format("constexpr bool kHalf = {};\nconstexpr int kBlocks = {};\n",
+                        config.gate_up.format.activation == DType::f16 ? "true" : "false", blocks);
+  source += constants;
+  source += codegen_detail::tensor_core_device_helpers();
+  source += gemv_arrival_wait();
+  source += grid_barrier;
+  source += phases;
+  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}, {}) {}(\n", config.warps_per_block * 32,
+                        config.blocks_per_multiprocessor, kernel_name);
+  return source + parameters + "    float* __restrict__ workspace) {\n";
 }
 
 // ---------------------------------------------------------------- stage blocks
 // One phase of the stage_blocks partition: the stage kernel's problem, its helpers and mainloop, and
 // its body (gemv_unit_loop_body) as run_units(block, grid), in a namespace of its own.
 std::string stage_phase_source(std::string_view name, const GemvKernelConfig& config, bool x_written_in_kernel) {
-  std::string source = fmt::format("\n// ---------------- {}: {}\nnamespace {} {{\n", name, config.to_string(), name);
-  source += gemv_problem_constants(config, x_written_in_kernel);
-  source += gemv_register_constants(config, config.k_splits);
-  source += gemv_format_helpers();
-  source += x_written_in_kernel ? activations_after_grid_barrier : gemv_activations_after_previous_kernel();
-  source += gemv_register_mainloop();
-  source += "\n// The op table's device functions (src/graph/op_registry.cpp), which epilogue expressions call.\n";
-  source += cuda_elementwise_helpers();
-  source += gemv_output_functions(config);
-  source += R"CUDA(
+  const std::string body = R"CUDA(
 // The stage kernel's body for the units block, block + grid, ... of this phase (a block of a
 // split-K phase may take several; __syncthreads between them, kUnitLoop).
 constexpr bool kUnitLoop = true;
 __device__ __forceinline__ void run_units(const u32* const (&weights)[kProducts], const u16* const (&scale_bias)[kProducts],
                                           const u16* x, const u16* x_norm_weight, const Outputs& outputs,
                                           float* workspace, int entry_first_unit, int entry_unit_stride) {
-)CUDA";
-  source += gemv_unit_loop_body();
-  source += "}\n";
-  return source + fmt::format("}}  // namespace {}\n", name);
+)CUDA" + gemv_unit_loop_body() + "}\n";
+  return phase_namespace(name, config, config, config.k_splits, x_written_in_kernel, body);
 }
 
 // A stage phase's parameters in gemv_kernel_entry's order, each prefixed; x and out named by the caller.
@@ -276,13 +292,9 @@ std::string stage_phase_parameters(const GemvKernelConfig& config, std::string_v
 // The call of a stage phase's run_units for this block, with its arguments bound.
 std::string stage_phase_call(const GemvKernelConfig& config, std::string_view prefix, std::string_view x,
                              std::string_view out, std::string_view workspace) {
-  std::string text = phase_call(config, prefix, x, out, "", "");
-  const std::string run = fmt::format("    {}::run_phase(", prefix);
-  const std::size_t at = text.find(run);
-  text.erase(at);
-  return text + fmt::format("    {}::run_units(weights, scale_bias, {}, {}, outputs, {}, (int)blockIdx.x, (int)gridDim.x);\n  }}\n",
-                            prefix, x, config.x_rms_norm_eps ? fmt::format("{}_x_norm_weight", prefix) : "nullptr",
-                            workspace);
+  return phase_call(config, prefix, out,
+                    fmt::format("run_units(weights, scale_bias, {}, {}, outputs, {}, (int)blockIdx.x, (int)gridDim.x)", x,
+                                config.x_rms_norm_eps ? fmt::format("{}_x_norm_weight", prefix) : "nullptr", workspace));
 }
 
 GemvKernelSource generate_stage_blocks_mlp_kernel(const PersistentMlpConfig& config) {
@@ -299,21 +311,11 @@ GemvKernelSource generate_stage_blocks_mlp_kernel(const PersistentMlpConfig& con
                                    gemv_format_tag(config.gate_up.format), config.gate_up.rows, config.gate_up.in_features,
                                    config.gate_up.out_features, config.warps_per_block, config.blocks_per_multiprocessor,
                                    blocks, hash);
-  std::string source = fmt::format("// Generated by metile (src/codegen/gemv_persistent.cpp): {}\n", config.to_string());
-  // The tensor-core helpers (shared by both phases) read kHalf: the activation dtype.
-  source += fmt::format("constexpr bool kHalf = {};\nconstexpr int kBlocks = {};\n",
-                        config.gate_up.format.activation == DType::f16 ? "true" : "false", blocks);
-  source += codegen_detail::tensor_core_device_helpers();
-  source += gemv_arrival_wait();
-  source += grid_barrier;
-  source += stage_phase_source("gate_up", config.gate_up, false);
-  source += stage_phase_source("down", config.down, true);
-
-  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}, {}) {}(\n", config.warps_per_block * 32,
-                        config.blocks_per_multiprocessor, result.kernel_name);
-  source += stage_phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out");
-  source += stage_phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out");
-  source += "    float* __restrict__ workspace) {\n";
+  std::string source = persistent_kernel_head(
+      config, result.kernel_name, blocks, "",
+      stage_phase_source("gate_up", config.gate_up, false) + stage_phase_source("down", config.down, true),
+      stage_phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out") +
+          stage_phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out"));
   source += fmt::format(
       "  // workspace: each phase's split-K partials and counters (as its stage kernel lays them out), the barrier\n"
       "  float* const gate_up_workspace = workspace;\n  float* const down_workspace = workspace + {};\n"
@@ -454,23 +456,13 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
                                    blocks, config.gate_up.iterations_in_flight, config.gate_up.double_buffered ? "d" : "",
                                    config.down.iterations_in_flight, config.down.double_buffered ? "d" : "",
                                    hash & 0xFFFFFFFFu);
-  std::string source = fmt::format("// Generated by metile (src/codegen/gemv_persistent.cpp): {}\n", config.to_string());
-  source += fmt::format(
-      "constexpr bool kHalf = {};\nconstexpr int kBlocks = {};\nconstexpr int kBlockWarps = {};\n"
-      "constexpr int kBlocksPerMultiprocessor = {};\n",
-      config.gate_up.format.activation == DType::f16 ? "true" : "false", blocks, config.warps_per_block,
-      config.blocks_per_multiprocessor);
-  source += codegen_detail::tensor_core_device_helpers();
-  source += gemv_arrival_wait();
-  source += grid_barrier;
-  source += phase_source("gate_up", config.gate_up, false, warps);
-  source += phase_source("down", config.down, true, warps);
-
-  source += fmt::format("\nextern \"C\" __global__ void __launch_bounds__({}, {}) {}(\n", config.warps_per_block * 32,
-                        config.blocks_per_multiprocessor, result.kernel_name);
-  source += phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out");
-  source += phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out");
-  source += "    float* __restrict__ workspace) {\n";
+  std::string source = persistent_kernel_head(
+      config, result.kernel_name, blocks,
+      fmt::format("constexpr int kBlockWarps = {};\nconstexpr int kBlocksPerMultiprocessor = {};\n", config.warps_per_block,
+                  config.blocks_per_multiprocessor),
+      phase_source("gate_up", config.gate_up, false, warps) + phase_source("down", config.down, true, warps),
+      phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out") +
+          phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out"));
   source += fmt::format(
       "  // workspace: gate_up partials, down partials, the tiles' counters of both phases, the barrier\n"
       "  float* const gate_up_partials = workspace;\n  float* const down_partials = workspace + {};\n"
@@ -482,7 +474,8 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
   const long long worker = (long long)blockIdx.x * kBlockWarps + warp;
   join_grid_barrier(barrier);
 )CUDA";
-  source += phase_call(config.gate_up, "gate_up", "gate_up_x", "hidden_out", "gate_up_partials", "gate_up_counters");
+  source += phase_call(config.gate_up, "gate_up", "hidden_out",
+                       "run_phase(weights, scale_bias, gate_up_x, outputs, gate_up_partials, gate_up_counters, worker, lane)");
   source += R"CUDA(  // Launched as a programmatic dependent (Executable graphs launch every generated GEMV so), a warp
   // writes nothing before the previous kernel is done: a warp with a phase-1 piece waited in its
   // mainloop; one without waits here, before the block's first write (its arrival).
@@ -490,7 +483,8 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
   // Arrive: this block's hidden-state writes (the joins it finished) are visible before its arrival.
   arrive_at_grid_barrier(barrier);
 )CUDA";
-  source += phase_call(config.down, "down", "hidden_in", "out", "down_partials", "down_counters");
+  source += phase_call(config.down, "down", "out",
+                       "run_phase(weights, scale_bias, hidden_in, outputs, down_partials, down_counters, worker, lane)");
   source += "  leave_grid_barrier();\n}\n";
 
   result.source = std::move(source);
