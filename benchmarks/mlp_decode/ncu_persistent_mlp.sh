@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# ncu on the stage-blocks persistent MLP (Llama-3-8B 4-bit g64 M=1) and the two stage winners.
+# Nsight Compute on the kernels `mlp_decode_benchmark --quick` launches whose names match KERNELS (an
+# ncu -k filter; default: the stage-blocks persistent MLP of Llama-3-8B 4-bit g64, M = 1), the first
+# COUNT launches (default 3: the gate runs of its candidates), each alone: time, DRAM throughput, warps
+# active, issue activity, registers, DRAM bytes, warp instructions and the six leading stall reasons
+# (per issued instruction). Session 31 compared it with the stage winners this way (notes/mlp_decode.md):
+#   KERNELS='regex:metile_gemv_bf16_a4g64_m1_n14336_k4096_p2r_w4t1f2_e' COUNT=2 benchmarks/mlp_decode/ncu_persistent_mlp.sh
+# On a CUDA machine with ncu, from the repository root, after building mlp_decode_benchmark in build/gpu;
+# the CSV and ncu's log go to $OUT (default /tmp/ncu_persistent_mlp).
 set -u
+OUT=${OUT:-/tmp/ncu_persistent_mlp}
+mkdir -p "$OUT"
 stalls="long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle lg_throttle barrier not_selected no_instruction dispatch_stall drain membar sleeping branch_resolving"
 metrics="gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active"
 metrics+=",smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,dram__bytes_read.sum,smsp__inst_executed.sum,sm__cycles_active.avg"
 for s in $stalls; do metrics+=",smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio"; done
 kernels=${KERNELS:-'regex:metile_persistent_mlp_blocks_bf16_a4g64_m1_h4096'}
 timeout 280 ncu --clock-control none --print-units base --metrics "$metrics" --csv --page raw --kill yes --launch-count ${COUNT:-3} \
-  -k "$kernels" build/gpu/benchmarks/mlp_decode/mlp_decode_benchmark --quick > $OUT/ncu.csv 2> $OUT/ncu.log
+  -k "$kernels" build/gpu/benchmarks/mlp_decode/mlp_decode_benchmark --quick >"$OUT/ncu.csv" 2>"$OUT/ncu.log"
 echo ncu rc=$?
-python3 - $OUT/ncu.csv <<'PY'
+python3 - "$OUT/ncu.csv" <<'PY'
 import csv, io, sys
 def num(t): 
     try: return float((t or "0").replace(",", ""))
