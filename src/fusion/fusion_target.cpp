@@ -131,6 +131,28 @@ const std::vector<TargetField>& target_fields() {
   return fields;
 }
 
+// A target's name is printed (a line of `metile plan`, a DOT label) and read by Python: a control
+// byte in it would forge or colour that output, as in a graph's names (GraphBuilder refuses them).
+void refuse_control_bytes(const std::string& name, const std::string& where) {
+  const auto found = std::find_if(name.begin(), name.end(), is_control_byte);
+  if (found == name.end()) return;
+  throw InputError(where + "field 'name': a name may not hold a control character (" + byte_text(*found) +
+                   " at offset " + std::to_string(found - name.begin()) + ")");
+}
+
+// The name a target file gives without a "name" field: its file name's stem. File names are bytes,
+// any but '/': a control byte (an escape sequence reaching the terminal) is spelled \xNN, and a stem
+// that is not UTF-8 (which Python cannot make a str of) has every byte outside printable ASCII spelled.
+std::string name_of_file(const std::string& source) {
+  const std::string stem = std::filesystem::path(source).stem().string();
+  try {
+    (void)Json(stem).dump();  // nlohmann's default (strict) handler throws on bytes that are not UTF-8
+  } catch (const Json::type_error&) {
+    return printable_bytes(stem);
+  }
+  return control_bytes_spelled(stem);
+}
+
 FusionTarget preset(std::string_view name, const std::string& where) {
   if (name == "h200") return FusionTarget::h200();
   if (name == "cpu") return FusionTarget::cpu();
@@ -150,7 +172,7 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
     base = document["base"].get<std::string>();
   }
   FusionTarget target = preset(base, source + ": field 'base': ");
-  target.name = std::filesystem::path(source).stem().string();
+  target.name = name_of_file(source);
   for (const auto& item : document.items()) {
     // Named, not a structured binding: clang 14 (the fuzz build) cannot capture bindings in lambdas.
     const std::string& key = item.key();
@@ -161,6 +183,7 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
         throw InputError(source + ": field 'name' must be a non-empty string");
       }
       target.name = value.get<std::string>();
+      refuse_control_bytes(target.name, source + ": ");
       continue;
     }
     const auto& fields = target_fields();
@@ -176,9 +199,11 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
 }
 
 void FusionTarget::check() const {
-  // Each field written as JSON and read back by the file reader's own rule.
+  // Each field written as JSON and read back by the file reader's own rule; the name by its rule too.
+  const std::string where = "fusion target '" + control_bytes_spelled(name) + "'";
+  refuse_control_bytes(name, where + ": ");
   FusionTarget scratch;
-  for (const TargetField& field : target_fields()) field.read(scratch, field.write(*this), "fusion target '" + name + "'");
+  for (const TargetField& field : target_fields()) field.read(scratch, field.write(*this), where);
 }
 
 FusionTarget FusionTarget::from_json_file(const std::filesystem::path& path) {
