@@ -100,7 +100,9 @@ FusionTarget target_from_python(const py::object& target) {
   if (py::isinstance<FusionTarget>(target)) return target.cast<FusionTarget>();
   const py::object os = py::module_::import("os");
   if (py::isinstance<py::str>(target) || py::isinstance(target, os.attr("PathLike"))) {
-    return FusionTarget::from_name_or_file(py::str(os.attr("fspath")(target)).cast<std::string>());
+    // As the file system spells the path: a file name that is not UTF-8 reaches Python as a str with
+    // surrogate escapes, which no UTF-8 conversion takes (pybind11's "Unable to cast").
+    return FusionTarget::from_name_or_file(os.attr("fsencode")(target).cast<std::string>());
   }
   throw py::type_error(
       "plan_graph_fusion: target must be a FusionTarget, 'h200', 'cpu' or a JSON file path, got " +

@@ -3,6 +3,7 @@ planner's determinism, targets by name and from JSON, and what the plan says abo
 nodes it leaves alone."""
 import json
 import math
+import os
 
 import pytest
 
@@ -69,6 +70,18 @@ def test_target_file_by_path(tmp_path):
     plan = metile.plan_graph_fusion(residual_rms_norm_graph(), target=path)
     assert plan.target_name == "slow_launch"
     assert metile.FusionTarget.from_json_file(path).launch_overhead_ns == 90000
+
+
+def test_target_file_whose_name_is_not_utf8(tmp_path):
+    """A file name that is not UTF-8 (a Latin-1 one, say) reaches Python as a str with surrogate
+    escapes: target= refused it with pybind11's "Unable to cast" where `metile plan --target` reads it."""
+    path = tmp_path / os.fsdecode(b"caf\xe9.json")
+    path.write_text('{"base": "cpu", "launch_overhead_ns": 90000}')
+    for target in (path, str(path)):
+        plan = metile.plan_graph_fusion(residual_rms_norm_graph(), target=target)
+        assert plan.target_name == "caf\\xe9"  # the stem's byte spelled (FusionTarget.NameOfAFileIsText)
+    with pytest.raises(ValueError, match="is neither a preset"):
+        metile.plan_graph_fusion(residual_rms_norm_graph(), target=tmp_path / os.fsdecode(b"missing\xff.json"))
 
 
 def test_a_tighter_target_changes_what_fits():
