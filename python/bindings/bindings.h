@@ -64,6 +64,11 @@ std::int64_t integer_argument(const std::string& what, const py::handle& object)
 // The same for an unsigned 64-bit argument (a seed): ValueError below 0 or past 2^64 - 1.
 std::uint64_t unsigned_argument(const std::string& what, const py::handle& object);
 
+// A text argument (`what` names it) as UTF-8: a TypeError unless it is a str, a ValueError when the
+// str holds a lone surrogate (what Python makes of bytes that are not UTF-8, os.fsdecode's
+// surrogateescape), which has no UTF-8 spelling; pybind11's own cast says only "Unable to cast".
+std::string text_argument(const std::string& what, const py::handle& object);
+
 // Python lists of views of these values / nodes, in order.
 py::list value_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<ValueId>& ids);
 py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<NodeId>& ids);

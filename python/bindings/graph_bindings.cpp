@@ -37,6 +37,20 @@ std::string python_type_name(const py::handle& object) {
   return py::str(py::type::handle_of(object).attr("__name__"));
 }
 
+std::string text_argument(const std::string& what, const py::handle& object) {
+  if (!py::isinstance<py::str>(object)) {
+    throw py::type_error(what + ": expected a str, got " + python_type_name(object));
+  }
+  Py_ssize_t size = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(object.ptr(), &size);
+  if (text == nullptr) {
+    PyErr_Clear();
+    throw py::value_error(what + ": " + std::string(py::str(py::repr(object))) +
+                          " is not UTF-8 text (it holds a lone surrogate, as bytes decoded with surrogateescape do)");
+  }
+  return std::string(text, static_cast<std::size_t>(size));
+}
+
 bool is_boolean(const py::handle& object) {
   return py::isinstance<py::bool_>(object) || py::isinstance(object, py::module_::import("numpy").attr("bool_"));
 }
@@ -131,7 +145,7 @@ AttributeValue attribute_from_python(const std::string& name, const py::handle& 
   const py::object object = python_number(py::reinterpret_borrow<py::object>(given));
   if (py::isinstance<py::int_>(object)) return attribute_integer("attribute '" + name + "'", object);
   if (py::isinstance<py::float_>(object)) return object.cast<double>();
-  if (py::isinstance<py::str>(object)) return object.cast<std::string>();
+  if (py::isinstance<py::str>(object)) return text_argument("attribute '" + name + "'", object);
   if (py::isinstance<py::list>(object) || py::isinstance<py::tuple>(object)) {
     return integer_list("attribute '" + name + "'", object);
   }
@@ -145,7 +159,7 @@ Attributes attributes_from_python(const py::dict& dictionary) {
     if (!py::isinstance<py::str>(key)) {
       throw py::type_error("attribute names are str, got " + python_type_name(key) + " " + python_repr(key));
     }
-    const std::string name = key.cast<std::string>();
+    const std::string name = text_argument("an attribute name", key);
     attributes.set(name, attribute_from_python(name, value));
   }
   return attributes;
@@ -328,11 +342,11 @@ void bind_table_ops(py::class_<PythonGraphBuilder, BuilderPointer>& builder) {
           OptionalName name;
           py::dict attributes;
           for (const auto& [key, value] : keywords) {
-            if (key.cast<std::string>() == "name") {
+            if (text_argument(op + ": a keyword", key) == "name") {
               if (!value.is_none() && !py::isinstance<py::str>(value)) {
                 throw py::type_error(op + ": name must be a str or None, got " + python_type_name(value));
               }
-              if (!value.is_none()) name = value.cast<std::string>();
+              if (!value.is_none()) name = text_argument(op + ": name", value);
             } else {
               attributes[key] = value;
             }

@@ -121,7 +121,7 @@ TensorMap tensors_from_numpy(const ComputeGraph& graph, const py::dict& inputs) 
                            std::string(py::str(py::type::handle_of(key).attr("__name__"))) + " " +
                            std::string(py::repr(key)));
     }
-    const std::string name = key.cast<std::string>();
+    const std::string name = text_argument("run: an input name", key);
     try {
       check_is_graph_input(graph, name);
     } catch (const InputError& error) {

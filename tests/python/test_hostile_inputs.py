@@ -48,6 +48,24 @@ def test_table_ops_name_a_wrong_argument_type():
     assert builder.sum(x, name=None).spec == metile.TensorSpec((2, 1), "f32")
 
 
+# Text with a lone surrogate (bytes that are not UTF-8, decoded with surrogateescape) has no UTF-8
+# spelling: as an input name, an attribute's key or value, or a table op's name it was pybind11's
+# "Unable to cast Python instance to C++ type"; now a ValueError naming the argument.
+def test_text_that_is_not_utf8_is_a_value_error_naming_the_argument():
+    bad = b"\x80".decode("utf-8", "surrogateescape")
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2,), "f16"))
+    graph = builder.build([builder.exp(x)])
+    with pytest.raises(ValueError, match="run: an input name: .* is not UTF-8 text"):
+        metile.run(graph, {bad: np.ones(2, np.float16)})
+    with pytest.raises(ValueError, match="attribute 'approximate': .* is not UTF-8 text"):
+        builder.add_node("gelu", [x], {"approximate": bad})
+    with pytest.raises(ValueError, match="an attribute name: .* is not UTF-8 text"):
+        builder.add_node("gelu", [x], {bad: "tanh"})
+    with pytest.raises(ValueError, match="sum: name: .* is not UTF-8 text"):
+        builder.sum(x, name=bad)
+
+
 def test_tensor_specs_are_checked_when_made():
     with pytest.raises(ValueError, match=r"TensorSpec: dimension 0 of f32\[-1, 5\] is not positive"):
         metile.TensorSpec((-1, 5), "f32")
