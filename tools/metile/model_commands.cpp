@@ -147,7 +147,7 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
       ->capture_default_str();
   command->add_option("--backend", options.backend, "cpu or cuda (the GPU decode engine)")->capture_default_str();
   add_quantization_options(command, options.quantize, options.group_size, "quantize dense weights at load: 4 or 8 bits");
-  command->add_option("--max-seq", options.max_seq, "KV-cache capacity (default min(4096, the config's limit))")
+  command->add_option("--max-seq", options.max_seq, "KV-cache capacity (unset or 0: min(4096, the config's limit); a sliding window caps it)")
       ->check(fits_in_64_bits());
   command->add_option("--decline", options.decline,
                       "--backend cuda: region kinds that run native, comma-separated (e.g. swiglu_mlp)");
@@ -488,7 +488,7 @@ void add_model_commands(CLI::App& app) {
         ->capture_default_str();
     command->add_option("--decode-steps", options->decode_steps, "timed decode steps")->capture_default_str();
     command->add_option("--max-seq", options->max_seq,
-                        "KV-cache capacity (default: what the measurements need, rounded up to 256)")
+                        "KV-cache capacity (unset or 0: what the measurements need, rounded up to 256)")
         ->check(fits_in_64_bits());
     command->add_option("--decline", options->decline, "region kinds the fused engine runs native, comma-separated");
     command->add_option("--engines", options->engines,
