@@ -214,6 +214,10 @@ std::string phase_parameters(const GemvKernelConfig& config, std::string_view pr
     text += "\n";
   }
   text += fmt::format("    {},\n", x);
+  // The norm's weight right after x (gemv.h's order; only the stage-blocks partition takes a normalized phase).
+  if (config.x_rms_norm_eps) {
+    text += fmt::format("    const u16* __restrict__ {}_x_norm_weight,  // [K], the RMSNorm's weight\n", prefix);
+  }
   const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     text += fmt::format("    const u16* __restrict__ {}_tensor{},  // {}\n", prefix, i, tensors[i].name);
@@ -278,17 +282,6 @@ __device__ __forceinline__ void run_units(const u32* const (&weights)[kProducts]
   return phase_namespace(name, config, config, config.k_splits, x_written_in_kernel, body);
 }
 
-// A stage phase's parameters in gemv_kernel_entry's order, each prefixed; x and out named by the caller.
-std::string stage_phase_parameters(const GemvKernelConfig& config, std::string_view prefix, std::string_view x,
-                                   std::string_view out) {
-  std::string text = phase_parameters(config, prefix, x, out);
-  if (!config.x_rms_norm_eps) return text;
-  // The norm's weight comes right after x (gemv.h's argument order).
-  const std::string after_x = fmt::format("    {},\n", x);
-  const std::size_t at = text.find(after_x) + after_x.size();
-  return text.insert(at, fmt::format("    const u16* __restrict__ {}_x_norm_weight,  // [K], the RMSNorm's weight\n", prefix));
-}
-
 // The call of a stage phase's run_units for this block, with its arguments bound.
 std::string stage_phase_call(const GemvKernelConfig& config, std::string_view prefix, std::string_view x,
                              std::string_view out, std::string_view workspace) {
@@ -314,8 +307,8 @@ GemvKernelSource generate_stage_blocks_mlp_kernel(const PersistentMlpConfig& con
   std::string source = persistent_kernel_head(
       config, result.kernel_name, blocks, "",
       stage_phase_source("gate_up", config.gate_up, false) + stage_phase_source("down", config.down, true),
-      stage_phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out") +
-          stage_phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out"));
+      phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out") +
+          phase_parameters(config.down, "down", "const u16* hidden_in", "u16* __restrict__ out"));
   source += fmt::format(
       "  // workspace: each phase's split-K partials and counters (as its stage kernel lays them out), the barrier\n"
       "  float* const gate_up_workspace = workspace;\n  float* const down_workspace = workspace + {};\n"
@@ -499,6 +492,22 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
 }
 
 namespace {
+// A phase as both partitions' candidates start it: `warps` a block, one tile a block, batches in
+// registers, the register-resident gated schedule, and none of the options a phase does not take.
+void plain_register_phase(GemvKernelConfig& phase, int warps) {
+  phase.mainloop = GemvMainloop::register_batches;
+  phase.warps_per_block = warps;
+  phase.tiles_per_block = 1;
+  phase.k_splits = 1;
+  phase.shared_stages = 0;
+  phase.shared_group_sums = false;
+  phase.schedule = GatedSchedule::register_resident;
+  phase.tile_loop_blocks_per_multiprocessor = 0;
+  phase.l2_prefetch_rounds = 0;
+  phase.x_with_batch = false;
+  phase.resident_blocks_per_multiprocessor = 0;
+}
+
 // The stage_blocks shapes: blocks of 4 warps, 7 or 6 to an SM (<= 72 or 80 registers a thread: the
 // 4-bit gate/up winner `w4 f2 batch` takes 64 alone), each phase split along K into as many units
 // as fill the grid once (at least a warp's iteration a split), so that no block takes two.
@@ -529,18 +538,9 @@ std::vector<PersistentMlpConfig> stage_blocks_candidates(const GemvKernelConfig&
     const std::int64_t grid = std::int64_t{multiprocessors} * shape.blocks;
     for (GemvKernelConfig* phase : {&config.gate_up, &config.down}) {
       const bool first = phase == &config.gate_up;
-      phase->mainloop = GemvMainloop::register_batches;
-      phase->warps_per_block = kWarps;
-      phase->tiles_per_block = 1;
+      plain_register_phase(*phase, kWarps);
       phase->iterations_in_flight = first ? shape.gate_up_depth : shape.down_depth;
       phase->double_buffered = first ? shape.gate_up_double_buffered : shape.down_double_buffered;
-      phase->shared_stages = 0;
-      phase->shared_group_sums = false;
-      phase->schedule = GatedSchedule::register_resident;
-      phase->tile_loop_blocks_per_multiprocessor = 0;
-      phase->l2_prefetch_rounds = 0;
-      phase->x_with_batch = false;
-      phase->resident_blocks_per_multiprocessor = 0;
       const std::int64_t iterations = iterations_of(*phase);
       phase->k_splits = static_cast<int>(std::clamp<std::int64_t>(
           std::min(grid / tiles_of(*phase), iterations / (kWarps * phase->iterations_in_flight)), 1, 16));
@@ -587,14 +587,8 @@ std::vector<PersistentMlpConfig> persistent_mlp_candidates(const GemvKernelConfi
     config.gate_up.iterations_in_flight = shape.gate_up_depth;
     config.down.iterations_in_flight = shape.down_depth;
     for (GemvKernelConfig* phase : {&config.gate_up, &config.down}) {
-      phase->mainloop = GemvMainloop::register_batches;
+      plain_register_phase(*phase, shape.warps);
       phase->double_buffered = shape.double_buffered;
-      phase->warps_per_block = shape.warps;
-      phase->tiles_per_block = 1;
-      phase->k_splits = 1;
-      phase->shared_stages = 0;
-      phase->shared_group_sums = false;
-      phase->schedule = GatedSchedule::register_resident;
     }
     try {
       config.validate();

@@ -44,7 +44,6 @@ std::string read_checkpoint_json(const std::filesystem::path& path) {
   return read_input_file(path, kMaximumCheckpointJsonBytes, "checkpoint JSON");
 }
 
-// The checkpoint's tensors by name, over one or several mapped files.
 // Whether a checkpoint file is there. A symbolic link whose target is missing is not "no such file"
 // (the checkpoint would be reported as having neither weight file): it is an error naming both.
 bool checkpoint_file_present(const std::filesystem::path& path) {
@@ -56,6 +55,7 @@ bool checkpoint_file_present(const std::filesystem::path& path) {
                                error ? std::string("a target it cannot read") : target.string()));
 }
 
+// The checkpoint's tensors by name, over one or several mapped files.
 class CheckpointFiles {
  public:
   explicit CheckpointFiles(const std::filesystem::path& directory) {
