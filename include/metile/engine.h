@@ -259,8 +259,9 @@ struct BenchmarkOptions {
   // bench-model calls it before it looks for one, benchmark_engine again.
   void validate() const;
   // InputError unless a KV cache of `capacity` positions holds cached_tokens_needed(); `source` says
-  // where the capacity came from (DecoderModel::capacity_source). bench-model calls it once the model
-  // has loaded on the host (and for --max-seq before loading), before the device is used; benchmark_engine again.
+  // where the capacity came from (DecoderModel::capacity_source). bench-model calls it on --max-seq
+  // before it looks for a device (without one it loads the model with the capacity the run needs);
+  // benchmark_engine again, on the loaded model's.
   void check_capacity(std::int64_t capacity, std::string_view source) const;
 };
 

@@ -264,8 +264,6 @@ void bench_model(const ModelOptions& options) {
   const DecoderModel model = DecoderModel::load(model_dir, load);
   temporary.reset();  // the weights are in memory now
   const ModelConfig& config = model.config();
-  // Before the device is touched: a --max-seq (or a sliding window) too small for the run.
-  bench.check_capacity(model.capacity(), model.capacity_source());
 
   CudaStream stream;
   const double bandwidth = measure_copy_bandwidth_gbps(stream);
