@@ -56,19 +56,9 @@ constexpr std::string_view grid_barrier = R"CUDA(
 // This block's release flag, set by thread 0 before the block's first barrier.
 __shared__ const u32* grid_release;
 
-__device__ __forceinline__ void wait_for_release(const u32* flag) {
-  const u64 start = global_nanoseconds();
-  for (;;) {
-    u32 seen;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
-    if (seen != 0) return;
-    if (global_nanoseconds() - start > 4000000000ull) asm volatile("trap;");
-    __nanosleep(32);
-  }
-}
-
 // Waits until every block of the grid has arrived.
-__device__ __forceinline__ void wait_for_every_block() { wait_for_release(grid_release); }
+// (The flag is 0 or 1: the arrival wait with a target of 1 is the flag wait.)
+__device__ __forceinline__ void wait_for_every_block() { wait_for_arrivals(grid_release, 1u); }
 
 // Binds this block's flag (thread 0, before the block's first __syncthreads).
 __device__ __forceinline__ void join_grid_barrier(u32* words) {
