@@ -308,6 +308,7 @@ TEST_F(RopeKvCache, OneKernelWithTheProjectionsMatchesItsPartsAndTheOracle) {
     std::string name;
     testing::AttentionInputsShape shape;
     std::int64_t rows;
+    std::int64_t hidden = 256;
   };
   testing::AttentionInputsShape llama;
   llama.q_heads = 32, llama.kv_heads = 8, llama.head_dim = 64, llama.llama3_scaling = true, llama.theta = 500000;
@@ -317,10 +318,17 @@ TEST_F(RopeKvCache, OneKernelWithTheProjectionsMatchesItsPartsAndTheOracle) {
   qwen.format = {16, 0, DType::bf16};
   testing::AttentionInputsShape half = llama;
   half.format = {8, 64, DType::f16}, half.bias = true;
-  const std::vector<Case> cases = {{"llama 4-bit M 1", llama, 1}, {"qwen dense M 16", qwen, 16}, {"llama 8-bit f16 M 5", half, 5}};
+  // Llama-3-8B's q/k/v at its own size: 384 tiles, 3 a multiprocessor, so the one-trip shapes (the
+  // whole K slice of a warp requested at once, gemv_tuning_candidates) are among the candidates.
+  testing::AttentionInputsShape eight = llama;
+  eight.head_dim = 128;
+  const std::vector<Case> cases = {{"llama 4-bit M 1", llama, 1},
+                                   {"qwen dense M 16", qwen, 16},
+                                   {"llama 8-bit f16 M 5", half, 5},
+                                   {"llama-3-8b 4-bit M 1", eight, 1, 4096}};
   for (Case test_case : cases) {
     SCOPED_TRACE(test_case.name);
-    test_case.shape.rows = test_case.rows, test_case.shape.capacity = 160, test_case.shape.hidden = 256;
+    test_case.shape.rows = test_case.rows, test_case.shape.capacity = 160, test_case.shape.hidden = test_case.hidden;
     const testing::AttentionInputsShape& shape = test_case.shape;
     const ComputeGraph graph = testing::attention_inputs_test_graph(shape);
     const FusionPlan plan = plan_graph_fusion(graph);
@@ -372,6 +380,9 @@ TEST_F(RopeKvCache, OneKernelWithTheProjectionsMatchesItsPartsAndTheOracle) {
       one_kernel += candidate.launches == 1;
     }
     EXPECT_GE(one_kernel, 2) << "the one-kernel shapes are offered";
+    if (test_case.hidden == 4096) {
+      EXPECT_TRUE(outputs_of.contains("gemv w4 t1 f4 db resident3")) << "the one-trip shape is among the candidates";
+    }
     int compared = 0;
     for (const auto& [variant, outputs] : outputs_of) {
       const auto parts = outputs_of.find(variant + ", then rope kv cache");
