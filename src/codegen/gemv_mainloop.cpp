@@ -1340,36 +1340,19 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     // with more warps a tile (the MLP's stages, at 27-31 warps an SM, run at 87-91% of copy).
     const bool few_tiles = !vocabulary_wide && tiles < 6 * multiprocessors;
     if (few_tiles && products == 1) {
-      const std::int64_t waves_of_blocks = (tiles + multiprocessors - 1) / multiprocessors;
-      // One trip: each warp's whole K slice requested at once (both double-buffered batches, both
-      // before the wait), compiled for the blocks an SM that put the whole grid on the SMs at once.
-      // Llama-3-8B's q/k/v (384 tiles, K = 4096, 4-bit): w4 f4 db at 3 blocks an SM (168 registers,
-      // 24 bytes parked) and w8 f2 db at 3 (80, 40 bytes), against w4 f2 db's two trips.
-      const std::size_t before_one_trip = candidates.size();
-      for (int warps : {4, 8}) {
-        GemvKernelConfig one_trip = register_shape(warps, true);
-        const std::int64_t per_warp = (iterations + warps - 1) / warps;
-        one_trip.iterations_in_flight = static_cast<int>((per_warp + 1) / 2);
-        if (per_warp < 2 || one_trip.iterations_in_flight > 4 || waves_of_blocks < 2 ||
-            waves_of_blocks > blocks_an_sm_holds(warps)) {
-          continue;
-        }
-        one_trip.resident_blocks_per_multiprocessor = static_cast<int>(waves_of_blocks);
-        add_config(one_trip);
-      }
       add(8, true);
-      // With one-trip shapes first, four warps (the two-trip incumbent) stays among the four raced.
-      if (candidates.size() > before_one_trip + 1) add(4, true);
       add(16, true);
       // The same 16 warps a tile held to the registers that fit the whole grid on the SMs at once
       // (Llama-3-8B's q/k/v: 384 tiles, 3 blocks an SM, <= 40 registers, against 2 at ptxas's 64):
       // every weight load of the stage is issued before its wait, none waits for a second wave. Two
       // blocks an SM need no bound (64 registers fit them).
+      const std::int64_t waves_of_blocks = (tiles + multiprocessors - 1) / multiprocessors;
       if (waves_of_blocks >= 3 && waves_of_blocks <= blocks_an_sm_holds(16)) {
         GemvKernelConfig one_wave = register_shape(16, true);
         one_wave.resident_blocks_per_multiprocessor = static_cast<int>(waves_of_blocks);
         add_config(one_wave);
       }
+      add(4, true);
     } else if (few_tiles) {
       add(4, false);
       add(4, true);

@@ -318,8 +318,8 @@ TEST_F(RopeKvCache, OneKernelWithTheProjectionsMatchesItsPartsAndTheOracle) {
   qwen.format = {16, 0, DType::bf16};
   testing::AttentionInputsShape half = llama;
   half.format = {8, 64, DType::f16}, half.bias = true;
-  // Llama-3-8B's q/k/v at its own size: 384 tiles, 3 a multiprocessor, so the one-trip shapes (the
-  // whole K slice of a warp requested at once, gemv_tuning_candidates) are among the candidates.
+  // Llama-3-8B's q/k/v at its own size: 384 tiles, 3 a multiprocessor, the few-tiles family of
+  // gemv_tuning_candidates (more warps a tile, the one-wave bound), K = 4096 a full model's.
   testing::AttentionInputsShape eight = llama;
   eight.head_dim = 128;
   const std::vector<Case> cases = {{"llama 4-bit M 1", llama, 1},
@@ -380,9 +380,6 @@ TEST_F(RopeKvCache, OneKernelWithTheProjectionsMatchesItsPartsAndTheOracle) {
       one_kernel += candidate.launches == 1;
     }
     EXPECT_GE(one_kernel, 2) << "the one-kernel shapes are offered";
-    if (test_case.hidden == 4096) {
-      EXPECT_TRUE(outputs_of.contains("gemv w4 t1 f4 db resident3")) << "the one-trip shape is among the candidates";
-    }
     int compared = 0;
     for (const auto& [variant, outputs] : outputs_of) {
       const auto parts = outputs_of.find(variant + ", then rope kv cache");
