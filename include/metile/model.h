@@ -95,6 +95,9 @@ struct LoadOptions {
   DType dtype = DType::bf16;                    // activations and dense weights: bf16 or f32
   std::optional<AffineQuantization> quantize;  // quantize dense linear weights and the embedding at load
   std::int64_t max_sequence = 0;               // KV-cache capacity; 0: min(4096, max_position_embeddings)
+  // Who asked for max_sequence, as messages and DecoderModel::capacity_source() name it: the
+  // command-line option by default, or what a tool that computed it says (bench-model).
+  std::string max_sequence_source = "max-seq";
   // Said once a checkpoint has loaded but not wholly (tensors of layers past config.json's
   // num_hidden_layers, which transformers also leaves out, with a warning); empty: nothing is said.
   std::function<void(const std::string&)> warn = print_warning_line;

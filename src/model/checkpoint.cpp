@@ -377,18 +377,22 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   }
   std::int64_t capacity = options.max_sequence > 0 ? options.max_sequence
                                                    : std::min<std::int64_t>(4096, config.max_position_embeddings);
-  model.capacity_source_ = options.max_sequence > 0 ? "max-seq" : "max_position_embeddings, at most 4096; --max-seq sets it";
-  if (options.max_sequence < 0) throw InputError(fmt::format("max-seq {} is negative", options.max_sequence));
+  model.capacity_source_ = options.max_sequence > 0 ? options.max_sequence_source
+                                                   : "max_position_embeddings, at most 4096; --max-seq sets it";
+  if (options.max_sequence < 0) {
+    throw InputError(fmt::format("{} {} is negative", options.max_sequence_source, options.max_sequence));
+  }
   // Positions are i32 in the step graphs: the last one, capacity - 1, must fit.
   if (capacity > (std::int64_t{1} << 31)) {
-    throw InputError(fmt::format("max-seq {}: at most 2^31 positions (they are 32-bit integers)", capacity));
+    throw InputError(fmt::format("{} {}: at most 2^31 positions (they are 32-bit integers)", options.max_sequence_source, capacity));
   }
   if (config.sliding_window && capacity > *config.sliding_window) {
     // Attention here sees every cached position, so the window bounds the context instead of sliding.
     if (options.max_sequence > 0) {
-      throw InputError(fmt::format("max-seq {}: the checkpoint's sliding_window {} bounds the context (attention over a "
+      throw InputError(fmt::format("{} {}: the checkpoint's sliding_window {} bounds the context (attention over a "
                                    "sliding window is not implemented); ask for at most {} positions",
-                                   options.max_sequence, *config.sliding_window, *config.sliding_window));
+                                   options.max_sequence_source, options.max_sequence, *config.sliding_window,
+                                   *config.sliding_window));
     }
     capacity = *config.sliding_window;
     model.capacity_source_ = "the checkpoint's sliding_window";

@@ -260,6 +260,12 @@ void bench_model(const ModelOptions& options) {
   // up: the native attention reads every cached row, so a larger capacity only slows it.
   const std::int64_t needed = bench.cached_tokens_needed();
   load.max_sequence = options.max_seq != 0 ? options.max_seq : (needed + 255) / 256 * 256;  // a negative one is refused
+  if (options.max_seq == 0) {
+    load.max_sequence_source = fmt::format(
+        "the capacity this run needs (the context, decode steps and prefill prompt: {} positions, rounded up to 256; "
+        "--max-seq sets it)",
+        needed);
+  }
   progress_line(fmt::format("metile bench-model: loading {}", model_dir));
   const DecoderModel model = DecoderModel::load(model_dir, load);
   temporary.reset();  // the weights are in memory now

@@ -624,6 +624,21 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(err, "metile: error: max-seq 100: the checkpoint's sliding_window 8 bounds the context (attention over a sliding "
                  "window is not implemented); ask for at most 8 positions\n");
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2"), 0);
+  // A capacity a tool computed (bench-model, without --max-seq) is named as that tool names it, not
+  // as a max-seq the user never gave; so is the capacity's source once loaded.
+  LoadOptions computed;
+  computed.max_sequence = 100;
+  computed.max_sequence_source = "the capacity this run needs";
+  try {
+    (void)DecoderModel::load(windowed, computed);
+    ADD_FAILURE() << "a capacity past the sliding window loaded";
+  } catch (const InputError& error) {
+    EXPECT_EQ(std::string(error.what()), "the capacity this run needs 100: the checkpoint's sliding_window 8 bounds the "
+                                         "context (attention over a sliding window is not implemented); ask for at most "
+                                         "8 positions");
+  }
+  computed.max_sequence = 8;
+  EXPECT_EQ(DecoderModel::load(windowed, computed).capacity_source(), "the capacity this run needs");
   // The capacity says where it came from: here the window, not --max-seq (which was not given).
   EXPECT_EQ(metile("generate " + windowed.string() + " --prompt-ids 1,2 --tokens 8"), 2);
   EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (the "
