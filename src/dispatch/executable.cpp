@@ -270,17 +270,21 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   std::optional<DispatchDecision> stored;
   if (cache != nullptr) stored = cache->find(key);
   // A stored decision was gated and raced when it was made, under a key that names every
-  // candidate's source: take it without measuring again, if it names a candidate offered now.
+  // candidate's source. The native path (the library's) is taken as stored. A stored fused choice
+  // runs its numeric gate again, alone, before it is taken (no fused kernel replaces the native path
+  // without passing it in this process); the race is not run again unless that gate fails. A
+  // stored choice that names no candidate offered now is ignored.
+  const FusedCandidate* stored_fused = nullptr;
   if (stored) {
-    bool offered = stored->chosen == CandidateId::native() || stored->chosen == CandidateId::native().as_graph();
-    for (const FusedCandidate& candidate : lowered.candidates) {
-      offered = offered || stored->chosen == candidate.id || stored->chosen == candidate.id.as_graph();
-    }
-    if (offered) {
+    if (stored->chosen == CandidateId::native() || stored->chosen == CandidateId::native().as_graph()) {
       report.from_cache = true;
       for (const auto& [id, ms] : stored->timings_ms) report.timings_ms.emplace_back(id.name(), ms);
       return remember(finish(stored->chosen, stored->report + " (cached)"));
     }
+    for (const FusedCandidate& candidate : lowered.candidates) {
+      if (stored->chosen == candidate.id || stored->chosen == candidate.id.as_graph()) stored_fused = &candidate;
+    }
+    if (stored_fused == nullptr) stored.reset();
   }
 
   // Gate: every candidate on the same fresh random inputs, outputs poisoned before each run.
@@ -302,7 +306,8 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   runs.push_back([native_graph](const CudaStream& s) { native_graph.replay(s); });
   report.gates.emplace_back("native", measured[0].gate);
 
-  for (const FusedCandidate& candidate : lowered.candidates) {
+  // Gates one candidate and enters it, eagerly and as a CUDA graph; says whether it passed.
+  auto gate_and_enter = [&](const FusedCandidate& candidate) {
     DeviceStep step;
     NumericGateResult gate;
     try {
@@ -321,6 +326,18 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     } else {
       runs.push_back(step);  // never admitted: it failed the gate
     }
+    return gate.passed;
+  };
+  std::string stored_failed;
+  if (stored_fused != nullptr && !gate_and_enter(*stored_fused)) {
+    stored_failed = fmt::format("the stored choice {} failed its numeric gate now, so the region was raced again; ",
+                                stored->chosen.name());
+    stored.reset();
+  }
+  if (!stored) {
+    for (const FusedCandidate& candidate : lowered.candidates) {
+      if (&candidate != stored_fused) gate_and_enter(candidate);
+    }
   }
 
   const MeasuredChoice choice = choose_measured(measured, policy, stored, [&](const std::vector<int>& entrants) {
@@ -329,13 +346,18 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
     return run_tournament(race, stream, options.tournament).score_ms;
   });
   if (choice.chosen < 0) return remember(finish(CandidateId::native(), "native: " + choice.reason));
-  for (std::size_t i = 0; i < measured.size(); ++i) {
-    if (choice.score_ms[i] >= 0) report.timings_ms.emplace_back(measured[i].id.name(), choice.score_ms[i]);
+  if (choice.from_cache) {
+    // Every candidate the stored race timed (the in-step near-tie race reads the runner-up here).
+    for (const auto& [id, ms] : stored->timings_ms) report.timings_ms.emplace_back(id.name(), ms);
+  } else {
+    for (std::size_t i = 0; i < measured.size(); ++i) {
+      if (choice.score_ms[i] >= 0) report.timings_ms.emplace_back(measured[i].id.name(), choice.score_ms[i]);
+    }
   }
   report.from_cache = choice.from_cache;
   if (cache != nullptr && choice.worth_storing && !choice.from_cache) cache->store(decision_of(key, measured, choice));
   return remember(finish(measured[static_cast<std::size_t>(choice.chosen)].id,
-                         choice.reason + (choice.from_cache ? " (cached)" : "")));
+                         stored_failed + choice.reason + (choice.from_cache ? " (cached)" : "")));
 }
 
 // Steps of regions and unfused nodes, ordered so every step runs after the producers of what it reads.

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <random>
 
+#include <nlohmann/json.hpp>
+
 #include "gpu_test_support.h"
 #include "metile/fusion.h"
 #include "metile_test_support.h"
@@ -166,7 +168,14 @@ TEST_F(Dispatch, DecisionsSurviveARestartAndACorruptFile) {
     const RegionReport& report = restarted.reports().front();
     EXPECT_TRUE(report.from_cache) << report.sentence;
     EXPECT_NE(report.sentence.find("(cached)"), std::string::npos);
-    EXPECT_TRUE(report.gates.empty()) << "a cached decision is not re-measured";
+    // Not raced again; a fused choice is gated again, alone (with the native path it is checked against).
+    if (report.chosen_id.kind == CandidateKind::fused) {
+      ASSERT_EQ(report.gates.size(), 2u) << report.sentence;
+      EXPECT_EQ(report.gates[1].first, report.chosen_id.name().substr(0, report.gates[1].first.size()));
+      EXPECT_TRUE(report.gates[1].second.passed);
+    } else {
+      EXPECT_TRUE(report.gates.empty()) << report.sentence;
+    }
     chosen = report.chosen;
     expect_runs_correctly(restarted, graph, "from a cached decision");
   }
@@ -184,6 +193,53 @@ TEST_F(Dispatch, DecisionsSurviveARestartAndACorruptFile) {
     EXPECT_FALSE(rewritten.found_corrupt_file());
     EXPECT_EQ(rewritten.size(), 1u);
   }
+}
+
+// A stored decision naming a fused candidate that fails its gate now (here: a decision file edited to
+// name a candidate that writes nothing) is not taken: the candidate is gated before it is, and the
+// region is gated and raced again; the new decision replaces the stored one.
+TEST_F(Dispatch, AStoredFusedChoiceThatFailsItsGateIsRacedAgain) {
+  const ComputeGraph graph = seed_graph(64, 4096, DType::bf16);
+  const FusionPlan plan = plan_graph_fusion(graph);
+  ASSERT_EQ(plan.regions.size(), 1u);
+  RegionLowering silent;
+  silent.name = "silent (test)";
+  silent.lower = [](const ComputeGraph&, const FusionRegion&) -> Lowered {
+    FusedCandidate candidate;
+    candidate.id = CandidateId::fused("silent");
+    candidate.source = "a candidate that writes no output";
+    candidate.summary = "nothing";
+    candidate.bind = [](DeviceValues&) -> DeviceStep { return [](const CudaStream&) {}; };
+    return {Decision::allow(), {std::move(candidate)}};
+  };
+  options_.extra_lowerings.push_back(silent);
+  {
+    Executable first = Executable::build(plan, device(), options_);
+    EXPECT_NE(first.reports().front().chosen_id, CandidateId::fused("silent"));
+    ASSERT_EQ(DecisionCache(cache_file_).size(), 1u);
+  }
+  nlohmann::json document;
+  {
+    std::ifstream file(cache_file_);
+    document = nlohmann::json::parse(file);
+  }
+  document["decisions"][0]["chosen"] = {{"kind", "fused"}, {"variant", "silent"}, {"replay", "eager"}};
+  {
+    std::ofstream file(cache_file_, std::ios::trunc);
+    file << document.dump(1);
+  }
+  ASSERT_EQ(DecisionCache(cache_file_).find(document["decisions"][0]["key"].get<std::string>())->chosen,
+            CandidateId::fused("silent"));
+  Executable second = Executable::build(plan, device(), options_);
+  const RegionReport& report = second.reports().front();
+  EXPECT_FALSE(report.from_cache) << report.sentence;
+  EXPECT_NE(report.chosen_id, CandidateId::fused("silent")) << report.sentence;
+  EXPECT_NE(report.sentence.find("the stored choice fused silent failed its numeric gate now"), std::string::npos)
+      << report.sentence;
+  EXPECT_GT(report.gates.size(), 2u) << "every candidate gated again";
+  expect_runs_correctly(second, graph, "after a stored choice failed its gate");
+  EXPECT_NE(DecisionCache(cache_file_).find(document["decisions"][0]["key"].get<std::string>())->chosen,
+            CandidateId::fused("silent"));
 }
 
 TEST_F(Dispatch, DecoderLayerExampleRunsInEveryMode) {
