@@ -9,17 +9,30 @@
 
 namespace metile {
 
-class InputError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 // One byte as \xNN.
 inline std::string byte_text(char c) {
   constexpr char kHex[] = "0123456789abcdef";
   const auto byte = static_cast<unsigned char>(c);
   return std::string("\\x") + kHex[byte >> 4] + kHex[byte & 15];
 }
+
+class InputError : public std::runtime_error {
+ public:
+  // what() is a C string: a NUL in the message (a tensor name, a dtype or a config string quoted
+  // from a file, where JSON's \u0000 puts one) ended it there, and the reason after it was lost
+  // ("model.safetensors: tensor 'b" and nothing more). The NUL is spelled \x00 instead; the other
+  // control bytes are left to the front ends (the CLI spells them when it prints the line).
+  explicit InputError(const std::string& message) : std::runtime_error(nul_spelled(message)) {}
+  explicit InputError(const char* message) : InputError(std::string(message)) {}
+
+ private:
+  static std::string nul_spelled(const std::string& message) {
+    if (message.find('\0') == std::string::npos) return message;
+    std::string result;
+    for (const char c : message) result += c == '\0' ? byte_text(c) : std::string(1, c);
+    return result;
+  }
+};
 
 // A C0 control byte or DEL: a NUL would end a message (what() is a C string), an escape sequence
 // would reach the terminal, a newline would forge a line of output.

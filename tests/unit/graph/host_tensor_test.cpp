@@ -230,6 +230,12 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
                       "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
   EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": header: invalid JSON: the key \"a\" appears twice in one object");
 
+  // A name holding a NUL (JSON's \u0000): the message ended at it (what() is a C string), so the
+  // reason after it was lost: "tensor 'b" and nothing more. The NUL is spelled \x00.
+  path = raw_file(R"({"b\u0000ias": {"dtype": "F99", "shape": [1], "data_offsets": [0, 8]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'b\\x00ias': unknown dtype 'F99' (metile reads F16, BF16, F32, I8, U8, I32 and U32)");
+
   const std::string missing = (directory_ / "missing.safetensors").string();
   EXPECT_EQ(error_of([&] { read_safetensors(missing); }), missing + ": cannot open the file: No such file or directory");
 }
