@@ -81,6 +81,21 @@ void check_backend(const ModelOptions& options) {
 }
 
 namespace {
+
+constexpr std::string_view kVerifyDefaultPrompt = "1,2,3,4";  // verify-model's --prompt-ids unless given
+
+// The prompt's ids against the loaded model's vocabulary, naming the option (and the prompt, when it
+// is verify-model's default, which a tiny vocabulary may not hold).
+void check_prompt_ids(const std::vector<std::int32_t>& prompt, const DecoderModel& model, const std::string& text,
+                      std::string_view default_text = {}) {
+  const std::int64_t vocab = model.config().vocab_size;
+  for (std::int32_t token : prompt) {
+    if (token >= 0 && token < vocab) continue;
+    throw InputError(fmt::format("--prompt-ids {}{}: token id {} is outside the vocabulary [0, {})", text,
+                                 text == default_text ? " (the default; give --prompt-ids)" : "", token, vocab));
+  }
+}
+
 // "a,b,c" as a set; an empty item is an error naming the option.
 std::set<std::string> comma_separated(const std::string& text, const char* option, const char* item) {
   std::set<std::string> items;
@@ -212,6 +227,7 @@ void logits_command(const ModelOptions& options) {
   if (options.all_positions && options.format != "json") throw InputError("--all-positions needs --format json");
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   const DecoderModel model = load_model(options);
+  check_prompt_ids(prompt, model, options.prompt_ids);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);
   const std::vector<float> logits = session->feed(prompt);
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
@@ -252,6 +268,7 @@ void generate_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   check_generation_count(options.tokens);  // before the model loads
   const DecoderModel model = load_model(options);
+  check_prompt_ids(prompt, model, options.prompt_ids);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
   const Generation generation = generate_greedy(*session, prompt, options.tokens, [&](std::int64_t index) {
@@ -275,6 +292,7 @@ void generate_command(const ModelOptions& options) {
 int verify_command(ModelOptions options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   const DecoderModel model = load_model(options);
+  check_prompt_ids(prompt, model, options.prompt_ids, kVerifyDefaultPrompt);
 #ifdef METILE_HAVE_CUDA_BACKEND
   if (options.backend == "cuda") return verify_model_on_cuda(model, options);
 #endif
@@ -426,7 +444,7 @@ void add_model_commands(CLI::App& app) {
   }
   {
     auto options = std::make_shared<ModelOptions>();
-    options->prompt_ids = "1,2,3,4";
+    options->prompt_ids = std::string(kVerifyDefaultPrompt);
     CLI::App* command = app.add_subcommand(
         "verify-model",
         "Compare next tokens of two paths: cpu reference vs planned, or cuda native vs fused engine");

@@ -424,19 +424,10 @@ TEST_F(MalformedCheckpoint, ACpuStepPastTheMachinesMemoryIsRefusedUpFront) {
   EXPECT_NE(message.find("more than this machine's"), std::string::npos) << message;
 }
 
-// Weights whose copy in memory passes the machine's memory: refused before any tensor is converted,
-// naming the sizes. Each tensor was converted in turn, until the allocator failed ("metile: internal
-// error: out of memory", exit 1) or, with the first tensors fitting (a bf16 checkpoint of two thirds
-// of the memory read as f32), the out-of-memory killer ended the process. The embedding here, a
-// sparse file, holds twice the machine's memory in bf16.
-TEST_F(MalformedCheckpoint, WeightsPastTheMachinesMemoryAreRefusedBeforeLoading) {
-  const std::uint64_t memory = physical_memory_bytes();
-  const std::int64_t vocab = std::int64_t{1} << 20;
-  const auto hidden = static_cast<std::int64_t>((memory >> 20) + 2) & ~std::int64_t{1};  // bf16: 2 bytes an element
-  ASSERT_LE(hidden, kLargestModelDimension) << "a machine this large takes a wider embedding";
-  const std::filesystem::path directory = root_ / "large";
+// A one-layer Llama checkpoint of one head of dimension 2 and an MLP of width 2, its weights zeros
+// (a sparse file): only the embedding's size is the caller's.
+void write_zero_llama(const std::filesystem::path& directory, std::int64_t vocab, std::int64_t hidden) {
   std::filesystem::create_directories(directory);
-  // One layer of one head of dimension 2 and an MLP of width 2: the embedding alone is large.
   testing::write_text(directory / "config.json",
                       Json{{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", vocab}, {"hidden_size", hidden},
                            {"intermediate_size", 2}, {"num_hidden_layers", 1}, {"num_attention_heads", 1},
@@ -467,6 +458,20 @@ TEST_F(MalformedCheckpoint, WeightsPastTheMachinesMemoryAreRefusedBeforeLoading)
   for (int index = 0; index < 8; ++index) file[index] = static_cast<char>((text.size() >> (8 * index)) & 0xFF);
   testing::write_text(directory / "model.safetensors", file + text);
   std::filesystem::resize_file(directory / "model.safetensors", file.size() + text.size() + offset);  // sparse
+}
+
+// Weights whose copy in memory passes the machine's memory: refused before any tensor is converted,
+// naming the sizes. Each tensor was converted in turn, until the allocator failed ("metile: internal
+// error: out of memory", exit 1) or, with the first tensors fitting (a bf16 checkpoint of two thirds
+// of the memory read as f32), the out-of-memory killer ended the process. The embedding here, a
+// sparse file, holds twice the machine's memory in bf16.
+TEST_F(MalformedCheckpoint, WeightsPastTheMachinesMemoryAreRefusedBeforeLoading) {
+  const std::uint64_t memory = physical_memory_bytes();
+  const std::int64_t vocab = std::int64_t{1} << 20;
+  const auto hidden = static_cast<std::int64_t>((memory >> 20) + 2) & ~std::int64_t{1};  // bf16: 2 bytes an element
+  ASSERT_LE(hidden, kLargestModelDimension) << "a machine this large takes a wider embedding";
+  const std::filesystem::path directory = root_ / "large";
+  write_zero_llama(directory, vocab, hidden);
 
   for (const DType dtype : {DType::bf16, DType::f32}) {
     SCOPED_TRACE(dtype_name(dtype));
@@ -516,7 +521,16 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,x"), 2);
   EXPECT_EQ(err, "metile: error: --prompt-ids: 'x' is not a token id (expected e.g. 1,2,3)\n");
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,256"), 2);
-  EXPECT_EQ(err, "metile: error: token id 256 is outside the vocabulary [0, 256)\n");
+  EXPECT_EQ(err, "metile: error: --prompt-ids 1,256: token id 256 is outside the vocabulary [0, 256)\n");
+  EXPECT_EQ(out, "");
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids -1 --tokens 2"), 2);
+  EXPECT_EQ(err, "metile: error: --prompt-ids -1: token id -1 is outside the vocabulary [0, 256)\n");
+  // verify-model's default prompt (1,2,3,4) past a tiny vocabulary is named as the default.
+  const std::filesystem::path tiny = root_ / "tiny-vocabulary";
+  write_zero_llama(tiny, 3, 2);
+  EXPECT_EQ(metile("verify-model " + tiny.string() + " --tokens 2"), 2);
+  EXPECT_EQ(err, "metile: error: --prompt-ids 1,2,3,4 (the default; give --prompt-ids): token id 3 is outside the "
+                 "vocabulary [0, 3)\n");
   EXPECT_EQ(out, "");
   EXPECT_EQ(metile("synth-model " + directory.string()), 2);  // exists and holds a model
   EXPECT_NE(err.find("exists and is not an empty directory"), std::string::npos);
