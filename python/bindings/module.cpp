@@ -5,7 +5,7 @@
 // for an object); anything else that escapes C++ is an internal failure and
 // surfaces as RuntimeError.
 #include <exception>
-#include <string_view>
+#include <string>
 
 #include "bindings.h"
 #include "metile/error.h"
@@ -19,8 +19,10 @@ PYBIND11_MODULE(_metile, module) {
       if (error) std::rethrow_exception(error);
     } catch (const metile::InputError& input_error) {
       // The message may quote the user's bytes (a file's invalid UTF-8): PyErr_SetString would fail to decode
-      // it and raise with no message at all, so undecodable bytes become \xNN escapes.
-      const std::string_view message = input_error.what();
+      // it and raise with no message at all, so undecodable bytes become \xNN escapes. Control bytes are
+      // spelled \xNN as the CLI prints them (an escape sequence quoted from a file would reach the
+      // terminal with the traceback, a newline would forge a line of it).
+      const std::string message = metile::control_bytes_spelled(input_error.what());
       PyObject* text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "backslashreplace");
       if (text) {
         PyErr_SetObject(PyExc_ValueError, text);

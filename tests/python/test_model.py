@@ -90,6 +90,16 @@ def test_errors(tmp_path):
     model = metile.load_model(str(tmp_path / "m"))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.logits([1, 999])
+    # A control byte quoted from a file is spelled \xNN, as the CLI prints it (an escape sequence
+    # reached the terminal with the traceback).
+    metile.synth_model(str(tmp_path / "escape"))
+    config = json.loads((tmp_path / "escape" / "config.json").read_text())
+    config["hidden_act"] = "gelu\x1b[31m\nx"
+    (tmp_path / "escape" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as raised:
+        metile.load_model(str(tmp_path / "escape"))
+    assert "'gelu\\x1b[31m\\x0ax' is not supported (silu)" in str(raised.value)
+    assert "\x1b" not in str(raised.value) and "\n" not in str(raised.value)
     with pytest.raises(TypeError):
         model.logits("12")
     with pytest.raises(TypeError, match="bytes"):
