@@ -219,8 +219,10 @@ Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t>
 void check_generation_count(std::int64_t count);
 
 
-// A session fed a token sequence before it decodes: InputError unless every token is in
-// [0, vocab) and the sequence stays within the model's capacity (both backends say it the same way).
+// InputError unless every token is in [0, vocab): "token id N is outside the vocabulary [0, V)".
+void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& model);
+// A session fed a token sequence before it decodes: InputError unless the sequence stays within
+// the model's capacity and every token is in [0, vocab) (both backends say it the same way).
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model);
 
 // ---------------------------------------------------------------- comparing two paths

@@ -66,18 +66,22 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
   }
 }
 
-void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model) {
+void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& model) {
   const std::int64_t vocab = model.config().vocab_size;
-  if (position + static_cast<std::int64_t>(tokens.size()) > model.capacity()) {
-    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
-                                 position + static_cast<std::int64_t>(tokens.size()), model.capacity(),
-                                 model.capacity_source()));
-  }
   for (std::int32_t token : tokens) {
     if (token < 0 || token >= vocab) {
       throw InputError(fmt::format("token id {} is outside the vocabulary [0, {})", token, vocab));
     }
   }
+}
+
+void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model) {
+  if (position + static_cast<std::int64_t>(tokens.size()) > model.capacity()) {
+    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
+                                 position + static_cast<std::int64_t>(tokens.size()), model.capacity(),
+                                 model.capacity_source()));
+  }
+  check_token_ids(tokens, model);
 }
 
 std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {

@@ -88,11 +88,11 @@ constexpr std::string_view kVerifyDefaultPrompt = "1,2,3,4";  // verify-model's 
 // is verify-model's default, which a tiny vocabulary may not hold).
 void check_prompt_ids(const std::vector<std::int32_t>& prompt, const DecoderModel& model, const std::string& text,
                       std::string_view default_text = {}) {
-  const std::int64_t vocab = model.config().vocab_size;
-  for (std::int32_t token : prompt) {
-    if (token >= 0 && token < vocab) continue;
-    throw InputError(fmt::format("--prompt-ids {}{}: token id {} is outside the vocabulary [0, {})", text,
-                                 text == default_text ? " (the default; give --prompt-ids)" : "", token, vocab));
+  try {
+    check_token_ids(prompt, model);  // the sessions' own check, here with the option named
+  } catch (const InputError& error) {
+    const char* note = text == default_text ? " (the default; give --prompt-ids)" : "";
+    throw InputError(fmt::format("--prompt-ids {}{}: {}", text, note, error.what()));
   }
 }
 
