@@ -386,6 +386,11 @@ struct GemvKernelSource {
   // blocks per SM resident (the occupancy the driver reports for the compiled kernel) and that
   // grid_blocks <= SMs x that, and refuses the kernel otherwise. 0: no such requirement.
   int co_resident_blocks_per_multiprocessor = 0;
+  // A tile loop's grid (its blocks take tile blocks b, b + gridDim.x, ...: any grid size computes the
+  // same): LoadedGemv::load shrinks grid_blocks to the blocks the device keeps resident at once for
+  // the compiled kernel, so that the loop runs as one wave whatever registers ptxas gave it (the
+  // 4-warp LM head at K = 2048 took 136, three blocks an SM where its grid counted four).
+  bool grid_shrinks_to_resident = false;
 };
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 

@@ -637,7 +637,7 @@ __device__ __forceinline__ EpilogueTensors load_epilogue_tensors(const Outputs& 
           "  (void)tensor;\n  const float acc1 = 0.0f;\n  (void)acc1;\n";
   for (std::size_t i = 0; i < tensor_count; ++i) text += fmt::format("  const float tensor_value{0} = tensor[{0}];\n", i);
   text += fmt::format("  return to_f32(from_f32({}));\n}}\n", config.epilogue.cuda_expression());
-  text += R"(__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,
+  text += R"(__device__ __forceinline__ float store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,
                                              const EpilogueTensors& tensors) {
   int part, head, p;
   rope_row(n, part, head, p);
@@ -659,16 +659,17 @@ __device__ __forceinline__ EpilogueTensors load_epilogue_tensors(const Outputs& 
   }
   if (part == 0) {
     outputs.out[0][(static_cast<long long>(head) * kM + m) * kRopeHeadDim + d] = from_f32(result);
-    return;
+    return result;
   }
   // kv_cache_write's rule: a position outside the cache writes nothing, and a position a later row
   // names again is left to that row.
   bool skipped = position < 0 || position >= kCacheRows;
   for (int later = m + 1; later < kM; ++later) skipped = skipped || outputs.positions[later] == position;
   if (!skipped) outputs.out[part][(static_cast<long long>(head) * kCacheRows + position) * kRopeHeadDim + d] = from_f32(result);
+  return result;
 }
-__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {
-  store_output(outputs, m, n, acc0, acc1, load_epilogue_tensors(outputs, m, n));
+__device__ __forceinline__ float store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {
+  return store_output(outputs, m, n, acc0, acc1, load_epilogue_tensors(outputs, m, n));
 }
 )";
   return text;
@@ -677,7 +678,16 @@ __device__ __forceinline__ void store_output(const Outputs& outputs, int m, int 
 
 std::string gemv_output_functions(const GemvKernelConfig& config) {
   const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
-  std::string text = "struct Outputs {\n";
+  // record_stored: the unsplit store hands it each output as stored. With argmax_rows it keeps the
+  // tile's values in shared memory for the block's argmax (argmax_rows_block, gemv_mainloop.cpp),
+  // which so reads no value back from global memory; the block's winner per row lives beside them.
+  std::string text = config.argmax_rows
+                         ? "__shared__ float argmax_stored[kM * kTiles * 16];\n"
+                           "__shared__ float argmax_block_value[kM];\n"
+                           "__shared__ int argmax_block_index[kM];\n"
+                           "__device__ __forceinline__ void record_stored(int o, float value) { argmax_stored[o] = value; }\n"
+                         : "__device__ __forceinline__ void record_stored(int, float) {}\n";
+  text += "struct Outputs {\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) text += fmt::format("  const u16* tensor{};\n", i);
   text += config.output_splits.empty() ? "  u16* out;\n"
                                         : fmt::format("  u16* out[{}];\n", config.output_splits.size());
@@ -703,16 +713,17 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
   }
   text += "  return tensors;\n}\n";
   // The store with the tensors loaded already; the plain one loads them itself.
-  text += "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,\n"
+  text += "__device__ __forceinline__ float store_output(const Outputs& outputs, int m, int n, float acc0, float acc1,\n"
           "                                             const EpilogueTensors& tensors) {\n"
           "  (void)acc1, (void)tensors;\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) text += fmt::format("  const float tensor_value{} = tensors.value[{}];\n", i, i);
   const std::string value = fmt::format("from_f32({})", config.epilogue.cuda_expression());
   const std::string plain_store =
-      "__device__ __forceinline__ void store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
-      "  store_output(outputs, m, n, acc0, acc1, load_epilogue_tensors(outputs, m, n));\n}\n";
+      "__device__ __forceinline__ float store_output(const Outputs& outputs, int m, int n, float acc0, float acc1) {\n"
+      "  return store_output(outputs, m, n, acc0, acc1, load_epilogue_tensors(outputs, m, n));\n}\n";
   if (config.output_splits.empty()) {
-    return text + fmt::format("  outputs.out[m * kN + n] = {};\n}}\n", value) + plain_store;
+    return text + fmt::format("  const u16 result = {};\n  outputs.out[m * kN + n] = result;\n  return to_f32(result);\n}}\n", value) +
+           plain_store;
   }
   // Split outputs: columns [begin, begin + width) of the stacked matrix are output s's [M, width]
   // (compile-time bounds: the branch is uniform but at the borders of a tile).
@@ -726,7 +737,7 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
                         width, begin);
     begin += width;
   }
-  return text + "}\n" + plain_store;
+  return text + "  return to_f32(result);\n}\n" + plain_store;
 }
 
 std::string gemv_outputs_binding(const GemvKernelConfig& config) {

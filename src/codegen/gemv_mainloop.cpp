@@ -57,6 +57,15 @@ struct Batch {
   uint4 x[kXWithBatch ? kInFlight : 1][kRowHalves][kChunksPerIteration];
 };
 
+// The tile loop's double buffer, kept by the kernel entry across its units (accumulate, kMayCarry):
+// a unit requests the next unit's first two batches as its own buffers free up, so that they are in
+// flight during its join and epilogue instead of after them.
+template <int P>
+struct CarriedBatches {
+  Batch<P> batch[2];    // even, odd
+  bool loaded = false;  // both requested (with their x) for the unit that comes next
+};
+
 // kBatchesWhole (gemv_batches_whole, emitted with the constants; never for the persistent kernel's
 // pieces): every batch the mainloop issues lies whole inside the matrix, so no load needs a predicate
 // or its register zeroed first, and no x fragment a bound check: ~2 instructions per 4-bit weight word
@@ -392,12 +401,20 @@ __device__ __forceinline__ void compute_batch(float (&acc)[P][kTiles][kRowHalves
 struct NothingAfterWait {
   __device__ __forceinline__ void operator()() const {}
 };
-template <int P, class AfterWait = NothingAfterWait>
+//
+// kMayCarry (the kernel entry's one-pass accumulators): with the tile loop and a double buffer whose
+// second batch goes out before the wait (kPrologueWork), the buffers are `carried`'s, the unit's
+// first two batches come from the unit before it where it requested them, and the unit requests
+// those of the tile block at next_first_tile (< 0: none) as its own buffers free up: measured on the
+// H200 (Llama-3-8B's LM head, notes/mlp_decode.md, session 33), the tile blocks' joins otherwise left
+// the loop's warps with nothing in flight between two tiles.
+template <int P, bool kMayCarry = false, class AfterWait = NothingAfterWait>
 __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4], const u32* const (&weights)[P],
                                            const u16* const (&scale_bias)[P], const u16* __restrict__ x,
                                            const u16* __restrict__ norm_weight, const int warp, const int lane, const int first_tile, const int split_begin,
                                            const int split_end, unsigned char* ring, const bool fill_sums,
-                                           AfterWait after_wait = AfterWait{}) {
+                                           AfterWait after_wait = AfterWait{}, CarriedBatches<P>* carried = nullptr,
+                                           const int next_first_tile = -1) {
   constexpr int kStride = kWarps * kInFlight;
   // kSplits == 0: the caller's bounds (the persistent decode MLP's stream-K pieces).
   // Without split-K the bounds are the compile-time ones (a run-time bound here costs ptxas ~7
@@ -450,19 +467,38 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     // soon as its registers are free, so the loop computes one batch while the next one's loads are
     // outstanding.
     constexpr bool kPrologueWork = kNormedX || kSharedGroupSums || kHalfProducts;
-    Batch<P> even, odd;
-    if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
-    if constexpr (kPrologueWork) {
-      if (begin + warp + kStride < end) load_batch(odd, weights, scale_bias, begin + warp + kStride, end, lane, first_tile);
+    constexpr bool kCarry = kMayCarry && kTileLoop && kPrologueWork;
+    Batch<P> own[2];
+    Batch<P>* const buffers = kCarry ? carried->batch : own;
+    Batch<P>& even = buffers[0];
+    Batch<P>& odd = buffers[1];
+    // A unit's first two batches (x too), for the tile block at `tile` (this one's, or the next one's).
+    auto load_first = [&](Batch<P>& batch, int u, int tile) {
+      const int it = begin + warp + u * kStride;
+      if (it < end) {
+        load_batch(batch, weights, scale_bias, it, end, lane, tile);
+        load_batch_x(batch, x, norm_weight, it, end, lane);
+      }
+    };
+    const bool requested = kCarry && carried->loaded;  // by the unit before this one
+    if (!requested) {
+      if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
+      if constexpr (kPrologueWork) {
+        if (begin + warp + kStride < end) load_batch(odd, weights, scale_bias, begin + warp + kStride, end, lane, first_tile);
+      }
     }
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
     after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
-    if (begin + warp < end) load_batch_x(even, x, norm_weight, begin + warp, end, lane);
-    if constexpr (kPrologueWork) {
-      if (begin + warp + kStride < end) load_batch_x(odd, x, norm_weight, begin + warp + kStride, end, lane);
+    if (!requested) {
+      if (begin + warp < end) load_batch_x(even, x, norm_weight, begin + warp, end, lane);
+      if constexpr (kPrologueWork) {
+        if (begin + warp + kStride < end) load_batch_x(odd, x, norm_weight, begin + warp + kStride, end, lane);
+      }
     }
+    const bool carry_next = kCarry && next_first_tile >= 0;
+    bool even_next = false, odd_next = false;  // requested for the next unit already
 #pragma unroll 1
     for (int first = begin + warp; first < end; first += 2 * kStride) {
       const int second = first + kStride;
@@ -479,14 +515,25 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
       if (second + kStride < end) {
         load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
         load_batch_x(even, x, norm_weight, second + kStride, end, lane);
+      } else if (carry_next) {  // this unit's last even batch is computed: the next unit's first
+        load_first(even, 0, next_first_tile);
+        even_next = true;
       }
       compute_batch(acc, odd, x, norm_weight, second, end, lane);
       if constexpr (kPrologueWork) {
         if (second + 2 * kStride < end) {
           load_batch(odd, weights, scale_bias, second + 2 * kStride, end, lane, first_tile);
           load_batch_x(odd, x, norm_weight, second + 2 * kStride, end, lane);
+        } else if (carry_next) {
+          load_first(odd, 1, next_first_tile);
+          odd_next = true;
         }
       }
+    }
+    if constexpr (kCarry) {
+      if (carry_next && !even_next) load_first(even, 0, next_first_tile);
+      if (carry_next && !odd_next) load_first(odd, 1, next_first_tile);
+      carried->loaded = carry_next;
     }
   } else {
     // The wait comes before the loop: with it inside the first iteration (after the first weight
@@ -558,6 +605,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
   const int unit_stride = entry_unit_stride;
   int joined = 0;  // tile blocks this block stored (the argmax join counts them)
   (void)joined;
+  CarriedBatches<kProducts> carried;  // the tile loop's batches from one unit to the next (accumulate)
   for (int unit = first_unit; unit < kTileBlocks * kSplits; unit += unit_stride) {
   const bool first_of_block = unit == first_unit;
   // Split-K: unit u is tile block u % kTileBlocks and split u / kTileBlocks, whose iterations
@@ -611,8 +659,11 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
         for (int h = 0; h < kRowHalves; ++h) acc[p][i][h][0] = acc[p][i][h][1] = acc[p][i][h][2] = acc[p][i][h][3] = 0.0f;
-    accumulate<kProducts>(acc, weights, scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
-                          first_of_block, load_epilogue_after_wait);
+    // The tile loop's next unit, whose first batches this one requests as its buffers free up.
+    const int next_unit = unit + unit_stride;
+    const int next_first_tile = kTileLoop && next_unit < kTileBlocks * kSplits ? next_unit * kTiles : -1;
+    accumulate<kProducts, true>(acc, weights, scale_bias, x, x_norm_weight, warp, lane, first_tile, begin, end, ring,
+                                first_of_block, load_epilogue_after_wait, &carried, next_first_tile);
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
@@ -635,11 +686,13 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
         // The rope epilogue rotates row pairs (2j, 2j + 1): acc1 is the partner row's sum.
         if constexpr (kRopeCache) acc1 += partial[partial_index(w, 0, (r ^ 1) >> 4, (r ^ 1) & 15, m)];
       }
+      float stored;
       if constexpr (kPreloadEpilogue) {
-        store_output(outputs, m, n, acc0, acc1, preloaded_tensors);
+        stored = store_output(outputs, m, n, acc0, acc1, preloaded_tensors);
       } else {
-        store_output(outputs, m, n, acc0, acc1);
+        stored = store_output(outputs, m, n, acc0, acc1);
       }
+      record_stored(o, stored);  // argmax_rows: the value as stored, for argmax_rows_block
     }
   } else {
     // Each split writes its block's sums to its own workspace slot; the last split of the tile block
@@ -694,38 +747,49 @@ constexpr std::string_view kernel_entry_loop_end = R"CUDA(
 
 
 // argmax_rows, inside the unit loop after the unsplit store above: for the tile block it just
-// stored, the block finds per activation row the largest output (read back as stored:
-// __syncthreads makes the block's global writes visible to it) and leaves the winner, its value's
-// bits and its index in one 8-byte word, in the workspace (argmax_rows_tail, after the loop,
-// reduces the winners).
+// stored, the block finds per activation row the largest output (as stored: record_stored kept each
+// value in shared memory, so no value is read back from global memory) and folds it into the block's
+// own winner for that row (argmax_block_value / argmax_block_index, gemv_output_functions), kept
+// across the tile blocks of a tile loop. argmax_rows_tail publishes one winner a block.
 constexpr std::string_view argmax_rows_block = R"CUDA(
   __syncthreads();
-  int2* const winners = reinterpret_cast<int2*>(workspace);  // [kTileBlocks][kM]: (value bits, index)
   for (int m = warp; m < kM; m += kWarps) {
     float best = __int_as_float(0xff800000);  // -inf at index kN: any output replaces it
     int best_index = kN;
     for (int r = lane; r < kTiles * 16; r += 32) {
       const int n = first_tile * 16 + r;
       if (n >= kN) break;
-      const float value = to_f32(out[m * kN + n]);
+      const float value = argmax_stored[m * kTiles * 16 + r];
       if (metile_device::argmax_beats(value, n, best, best_index)) {
         best = value;
         best_index = n;
       }
     }
     metile_device::argmax_warp(best, best_index);
-    if (lane == 0) __stcg(winners + tile_block * kM + m, make_int2(__float_as_int(best), best_index));
+    // Row m belongs to this warp alone: its lane 0 reads and writes the block's winner.
+    if (lane == 0 && (joined == 0 || metile_device::argmax_beats(best, best_index, argmax_block_value[m], argmax_block_index[m]))) {
+      argmax_block_value[m] = best;
+      argmax_block_index[m] = best_index;
+    }
   }
   ++joined;
 )CUDA";
 
-// After the unit loop: each block adds the tile blocks it joined to the arrival counter; the one
-// that completes the count reduces every tile block's winners with all its threads (independent
-// loads, so thousands of them cost a few round trips to L2) by argmax_beats (cuda_argmax_helpers),
-// writes next[m] and re-arms the counter.
+// After the unit loop: each block leaves its winner per row, its value's bits and its index in one
+// 8-byte word, in the workspace (slot blockIdx.x: one a tile block without the tile loop, a few
+// hundred with it; the workspace holds kArgmaxWinners, the most the grid may have) and adds the tile blocks it joined to the
+// arrival counter; the one that completes the count reduces every block's winners with all its
+// threads (independent loads, a few round trips to L2) by argmax_beats (cuda_argmax_helpers), a
+// total order, so the grouping into blocks changes no result; it writes next[m] and re-arms the
+// counter.
 constexpr std::string_view argmax_rows_tail = R"CUDA(
-  const int2* const winners = reinterpret_cast<const int2*>(workspace);
-  u32* const arrivals = reinterpret_cast<u32*>(workspace) + 2 * kTileBlocks * kM;
+  int2* const winners = reinterpret_cast<int2*>(workspace);
+  u32* const arrivals = reinterpret_cast<u32*>(workspace) + 2 * kArgmaxWinners * kM;
+  __syncthreads();  // argmax_block_*: written by each row's warp
+  for (int m = threadIdx.x; m < kM; m += kThreads) {
+    __stcg(winners + blockIdx.x * kM + m, joined == 0 ? make_int2((int)0xff800000, kN)
+                                                      : make_int2(__float_as_int(argmax_block_value[m]), argmax_block_index[m]));
+  }
   __threadfence();
   __syncthreads();
   __shared__ u32 argmax_arrived;
@@ -738,9 +802,10 @@ constexpr std::string_view argmax_rows_tail = R"CUDA(
   for (int m = 0; m < kM; ++m) {
     float best = __int_as_float(0xff800000);
     int best_index = kN;
-    // 16 independent loads in flight per thread: a 2-warp LM head has 8016 winners to read, 125 a thread.
+    // 16 independent loads in flight per thread (a 2-warp LM head without the tile loop has 8016
+    // winners to read, 125 a thread).
 #pragma unroll 16
-    for (int b = threadIdx.x; b < kTileBlocks; b += kThreads) {
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += kThreads) {
       const int2 winner = __ldcg(winners + b * kM + m);
       if (metile_device::argmax_beats(__int_as_float(winner.x), winner.y, best, best_index)) {
         best = __int_as_float(winner.x);
@@ -787,7 +852,11 @@ std::int64_t group_sum_bytes(const GemvKernelConfig& config) {
 // counted 49188 bytes where the check counted 49124).
 std::int64_t join_shared_bytes(const GemvKernelConfig& config) {
   std::int64_t bytes = config.k_splits > 1 ? 4 : 0;
-  if (config.argmax_rows) bytes += 4 + std::int64_t{config.warps_per_block} * 8;
+  // argmax_rows: the arrival flag, the per-warp winners, the block's winner per row and the tile's
+  // stored values (argmax_stored, gemv_output_functions).
+  if (config.argmax_rows) {
+    bytes += 4 + std::int64_t{config.warps_per_block} * 8 + config.rows * 8 + config.rows * config.tiles_per_block * 16 * 4;
+  }
   return bytes;
 }
 
@@ -1082,6 +1151,11 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   const std::int64_t tile_count = (config.out_features + 15) / 16;
   const std::int64_t tile_blocks = (tile_count + config.tiles_per_block - 1) / config.tiles_per_block;
 
+  const std::int64_t grid_blocks =
+      config.tile_loop_blocks_per_multiprocessor > 0
+          ? std::min<std::int64_t>(tile_blocks, std::int64_t{config.multiprocessors} * config.tile_loop_blocks_per_multiprocessor)
+          : tile_blocks * config.k_splits;
+
   GemvKernelSource result;
   const std::uint64_t epilogue_hash = gemv_epilogue_hash(config);
   std::string schedule_tag = staged ? fmt::format("s{}", config.shared_stages) : config.double_buffered ? "d" : "";
@@ -1116,7 +1190,11 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   source += gemv_problem_constants(config, config.attention.has_value());
   source += gemv_register_constants(config, config.k_splits);
   source += gemv_device_helpers();
-  if (config.argmax_rows) source += codegen_detail::cuda_argmax_helpers();
+  if (config.argmax_rows) {
+    source += codegen_detail::cuda_argmax_helpers();
+    // The most blocks the grid may have (a tile loop's grid may be launched smaller: gridDim.x).
+    source += fmt::format("constexpr int kArgmaxWinners = {};  // one winner a block (argmax_rows_tail)\n", grid_blocks);
+  }
   if (config.attention) {
     source += gemv_attention_prologue(config);
   } else {
@@ -1153,10 +1231,8 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   else source += "}\n";
 
   result.source = std::move(source);
-  result.grid_blocks = static_cast<unsigned>(
-      config.tile_loop_blocks_per_multiprocessor > 0
-          ? std::min<std::int64_t>(tile_blocks, std::int64_t{config.multiprocessors} * config.tile_loop_blocks_per_multiprocessor)
-          : tile_blocks * config.k_splits);
+  result.grid_blocks = static_cast<unsigned>(grid_blocks);
+  result.grid_shrinks_to_resident = config.tile_loop_blocks_per_multiprocessor > 0;
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
   result.static_shared_bytes = static_cast<unsigned>(static_shared_bytes(config));
   result.dynamic_shared_bytes = static_cast<unsigned>(staged_ring_bytes(config));
@@ -1166,7 +1242,7 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
                                                         tile_blocks * 4);
   }
   if (config.argmax_rows) {  // a value's bits and an index per block and row, then the arrival counter
-    result.workspace_bytes = static_cast<std::uint64_t>(2 * tile_blocks * config.rows * 4 + 4);
+    result.workspace_bytes = static_cast<std::uint64_t>(2 * std::int64_t{result.grid_blocks} * config.rows * 4 + 4);
   }
   if (config.attention) {  // the arrival and departure counters; the blocks wait for one another
     result.workspace_bytes = 8;

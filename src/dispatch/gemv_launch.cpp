@@ -2,9 +2,10 @@
 // executor, the GPU tests, the benchmark) needs beyond a plain launch, written once. A streamed or
 // staged kernel may ask for more than 48 KiB of dynamic shared memory (the limit is raised at load);
 // a streamed or split-K kernel reads a workspace of fp32 partials and per-tile counters, zeroed here
-// once; each launch leaves the counters at zero.
+// once; each launch leaves the counters at zero. A tile loop's grid is cut to what stays resident.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <future>
 
 #include "metile/dispatch.h"
@@ -29,6 +30,13 @@ LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& prog
       throw CudaError(fmt::format("{}: {} blocks must be resident at once, the device keeps {} per SM ({} in all)",
                                   kernel.kernel_name, kernel.grid_blocks, resident, capacity));
     }
+  }
+  if (kernel.grid_shrinks_to_resident) {
+    const int resident = loaded.compiled.max_active_blocks_per_multiprocessor(
+        static_cast<int>(kernel.block_threads), kernel.dynamic_shared_bytes);
+    if (resident < 1) throw CudaError(fmt::format("{}: no block of it fits an SM", kernel.kernel_name));
+    const std::int64_t capacity = std::int64_t{resident} * current_device_multiprocessors();
+    kernel.grid_blocks = static_cast<unsigned>(std::min<std::int64_t>(kernel.grid_blocks, capacity));
   }
   if (kernel.workspace_bytes > 0) {
     loaded.workspace = std::make_shared<DeviceBuffer>(static_cast<std::size_t>(kernel.workspace_bytes));

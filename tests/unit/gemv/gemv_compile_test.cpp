@@ -255,7 +255,13 @@ TEST(GemvCompile, LmHeadGetsMultiTileBlocksWithoutSpills) {
       ++looped;  // blocks that loop over the 8016 tile blocks: as many as fit at once
       EXPECT_EQ(kernel.grid_blocks, static_cast<unsigned>(132 * config.tile_loop_blocks_per_multiprocessor)) << config.to_string();
       EXPECT_NE(kernel.source.find("constexpr bool kTileLoop = true;"), std::string::npos);
+      // ptxas may give the loop more registers than its blocks an SM allow (the 4-warp shape at K =
+      // 2048 took 136 before the batches were carried across tiles, 105 after; the 2-warp one 104,
+      // then 134): the grid is cut to what stays resident when it is loaded, the winners read by it.
+      EXPECT_TRUE(kernel.grid_shrinks_to_resident) << config.to_string();
+      EXPECT_NE(kernel.source.find("b < (int)gridDim.x"), std::string::npos) << config.to_string();
     } else {
+      EXPECT_FALSE(kernel.grid_shrinks_to_resident) << config.to_string();
       EXPECT_EQ(kernel.grid_blocks, static_cast<unsigned>((8016 + config.tiles_per_block - 1) / config.tiles_per_block))
           << config.to_string();
     }
@@ -715,7 +721,8 @@ TEST(GemvCompile, ArgmaxRowsCompileWithoutSpillsAndOnlyUnsplit) {
 // validate()'s 48 KiB static-shared check against ptxas's own count, at the line: half products stage
 // up to 32 KiB of x, so a 4-tile block's partial sums, x and the joins' few bytes (split-K's arrival
 // flag, the argmax join's flag and per-warp winners) can meet it. Each pair of K straddles the line
-// once those bytes count (M = 1, w8 t4); every config validate() accepts must compile for sm_90 within
+// once those bytes count (M = 1, w8 t4; the argmax join also keeps a tile's stored values and the block's
+// winner, 264 bytes more); every config validate() accepts must compile for sm_90 within
 // 49152 bytes and within the static_shared_bytes the generator reports (which LoadedGemv checks).
 TEST(GemvCompile, StaticSharedMemoryCheckCountsTheJoinsAtTheLimit) {
   GemvKernelConfig argmax = gemv_config(GemvWeightFormat::affine(4, 32, DType::bf16), 1, 128256, 0, GemvEpilogue::store());
@@ -724,9 +731,9 @@ TEST(GemvCompile, StaticSharedMemoryCheckCountsTheJoinsAtTheLimit) {
   split.k_splits = 2;
   split.x_rms_norm_eps = 1e-5;
   const std::regex smem(R"((\d+) bytes smem)");
-  for (const auto& [base, ks] : {std::pair{argmax, std::vector<std::int64_t>{16224, 16192}},
+  for (const auto& [base, ks] : {std::pair{argmax, std::vector<std::int64_t>{16096, 16064, 16032}},
                                  std::pair{split, std::vector<std::int64_t>{16096, 16064}}}) {
-    int accepted = 0;
+    int accepted = 0, refused = 0;
     for (const std::int64_t k : ks) {
       GemvKernelConfig config = base;
       config.in_features = k;
@@ -737,6 +744,7 @@ TEST(GemvCompile, StaticSharedMemoryCheckCountsTheJoinsAtTheLimit) {
       try {
         config.validate();
       } catch (const InputError&) {
+        ++refused;
         continue;
       }
       ++accepted;
@@ -752,6 +760,7 @@ TEST(GemvCompile, StaticSharedMemoryCheckCountsTheJoinsAtTheLimit) {
       }
     }
     EXPECT_GE(accepted, 1) << base.to_string();
+    EXPECT_GE(refused, 1) << base.to_string() << ": no K of the pair is past the line";
   }
 }
 
