@@ -4,6 +4,7 @@
 // checkpoint loader (mapped, read in place) and the tests; every malformed file is an
 // InputError naming the file and the tensor.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -178,13 +179,30 @@ void MappedSafetensors::parse_header(std::uint64_t file_bytes) {
                      std::to_string(kMaximumSafetensorsHeaderBytes) + " bytes");
   }
   const std::string_view header(reinterpret_cast<const char*>(mapping_ + 8), static_cast<std::size_t>(header_bytes));
-  const Json parsed = parse_json_input(header, file + ": header");
-  if (!parsed.is_object()) throw InputError(file + ": header is not a JSON object");
+  // The format's rule, which the reference reader (the safetensors package) enforces: the header
+  // begins with '{' (no byte order mark, no leading space) and only spaces pad its end (a NUL is
+  // refused by parse_json_input).
+  if (!header.empty() && header.front() != '{') {
+    char first[8];
+    std::snprintf(first, sizeof first, "0x%02X", static_cast<unsigned char>(header.front()));
+    throw InputError(file + ": header must begin with '{', not byte " + first +
+                     (header.starts_with("\xEF\xBB\xBF") ? " (a UTF-8 byte order mark)" : ""));
+  }
+  const Json parsed = parse_json_input(header, file + ": header");  // an object: it begins with '{'
+  if (const auto metadata = parsed.find("__metadata__"); metadata != parsed.end()) {
+    bool strings = metadata->is_object();
+    if (strings) {
+      for (const auto& [key, value] : metadata->items()) strings = strings && value.is_string();
+    }
+    if (!strings) {
+      throw InputError(file + ": __metadata__ must map names to strings (the format's rule), not " + json_excerpt(*metadata));
+    }
+  }
 
   const std::uint64_t data_bytes = file_bytes - 8 - header_bytes;
   std::vector<TensorEntry> entries;
   for (const auto& [name, description] : parsed.items()) {
-    if (name == "__metadata__") continue;  // free-form string map; nothing of ours lives there
+    if (name == "__metadata__") continue;  // a string map, checked above; nothing of ours lives there
     entries.push_back(parse_entry(file, name, description, data_bytes));
   }
   std::vector<const TensorEntry*> by_offset;

@@ -74,6 +74,13 @@ struct RepeatedKeyFinder {
 }  // namespace
 
 Json parse_json_input(std::string_view text, std::string_view source) {
+  // nlohmann's lexer takes a NUL byte for the end of the input, so "{...}" followed by a NUL and
+  // anything at all parsed as the object alone. JSON holds no raw NUL anywhere (a string spells it
+  // \u0000), so one is an error wherever it is.
+  if (const std::size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    throw InputError(std::string(source) + ": invalid JSON: a NUL byte at byte " + std::to_string(nul) +
+                     " (JSON has none; a string spells it \\u0000)");
+  }
   check_depth(text, source);
   // A name given twice in one object is an error, not "the last one wins" (a safetensors header
   // listing a tensor twice, a node with two "op" fields): a SAX pass that builds nothing finds it

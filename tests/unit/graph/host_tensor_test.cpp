@@ -189,7 +189,7 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
   EXPECT_NE(error_of([&] { read_safetensors(path); }).find(file + ": header: invalid JSON"), std::string::npos);
 
   path = raw_file("[1, 2]", 0);
-  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": header is not a JSON object");
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": header must begin with '{', not byte 0x5B");
 
   path = raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
                       "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
@@ -235,6 +235,31 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
   path = raw_file(R"({"b\u0000ias": {"dtype": "F99", "shape": [1], "data_offsets": [0, 8]}})", 8);
   EXPECT_EQ(error_of([&] { read_safetensors(path); }),
             file + ": tensor 'b\\x00ias': unknown dtype 'F99' (metile reads F16, BF16, F32, I8, U8, I32 and U32)");
+
+  // The format's header rules, as the safetensors package enforces them: it begins with '{' (a byte
+  // order mark or a leading space was accepted: nlohmann skips both), only spaces pad it (NULs
+  // after the object were accepted: nlohmann's lexer ends the input at a NUL, whatever follows),
+  // and __metadata__ maps names to strings.
+  const std::string tensor = R"("w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]})";
+  path = raw_file("\xEF\xBB\xBF{" + tensor + "}", 2);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": header must begin with '{', not byte 0xEF (a UTF-8 byte order mark)");
+  path = raw_file(" {" + tensor + "}", 2);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": header must begin with '{', not byte 0x20");
+  path = raw_file("{" + tensor + std::string("}\0\0\0", 4), 2);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": header: invalid JSON: a NUL byte at byte " + std::to_string(tensor.size() + 2) +
+                " (JSON has none; a string spells it \\u0000)");
+  path = raw_file("{" + tensor + std::string("}\0, \"x\": 1", 11), 2);  // the NUL hid the rest
+  EXPECT_NE(error_of([&] { read_safetensors(path); }).find("a NUL byte"), std::string::npos);
+  path = raw_file(R"({"__metadata__": {"format": 1}, )" + tensor + "}", 2);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": __metadata__ must map names to strings (the format's rule), not {\"format\":1}");
+  path = raw_file(R"({"__metadata__": "pt", )" + tensor + "}", 2);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": __metadata__ must map names to strings (the format's rule), not \"pt\"");
+  // What the format allows reads: spaces after the object, an empty __metadata__.
+  path = raw_file(R"({"__metadata__": {}, )" + tensor + "}   ", 2);
+  EXPECT_EQ(read_safetensors(path).size(), 1u);
 
   const std::string missing = (directory_ / "missing.safetensors").string();
   EXPECT_EQ(error_of([&] { read_safetensors(missing); }), missing + ": cannot open the file: No such file or directory");
