@@ -98,6 +98,10 @@ struct LoadOptions {
   // Who asked for max_sequence, as messages and DecoderModel::capacity_source() name it: the
   // command-line option by default, or what a tool that computed it says (bench-model).
   std::string max_sequence_source = "max-seq";
+  // With max_sequence, the positions the caller needs where it rounded max_sequence up from them
+  // (bench-model); 0: all of max_sequence is needed. A sliding window below max_sequence but at or
+  // above this caps the capacity instead of refusing the load.
+  std::int64_t max_sequence_needed = 0;
   // Said once a checkpoint has loaded but not wholly (tensors of layers past config.json's
   // num_hidden_layers, which transformers also leaves out, with a warning); empty: nothing is said.
   std::function<void(const std::string&)> warn = print_warning_line;

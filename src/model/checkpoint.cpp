@@ -388,7 +388,8 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   }
   if (config.sliding_window && capacity > *config.sliding_window) {
     // Attention here sees every cached position, so the window bounds the context instead of sliding.
-    if (options.max_sequence > 0) {
+    const std::int64_t needed = options.max_sequence_needed > 0 ? options.max_sequence_needed : options.max_sequence;
+    if (options.max_sequence > 0 && needed > *config.sliding_window) {
       throw InputError(fmt::format("{} {}: the checkpoint's sliding_window {} bounds the context (attention over a "
                                    "sliding window is not implemented); ask for at most {} positions",
                                    options.max_sequence_source, options.max_sequence, *config.sliding_window,

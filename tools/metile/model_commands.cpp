@@ -506,7 +506,7 @@ void add_model_commands(CLI::App& app) {
         ->capture_default_str();
     command->add_option("--decode-steps", options->decode_steps, "timed decode steps")->capture_default_str();
     command->add_option("--max-seq", options->max_seq,
-                        "KV-cache capacity (unset or 0: what the measurements need, rounded up to 256)")
+                        "KV-cache capacity (unset or 0: what the measurements need, rounded up to 256, at most a sliding window that holds them)")
         ->check(fits_in_64_bits());
     command->add_option("--decline", options->decline, "region kinds the fused engine runs native, comma-separated");
     command->add_option("--engines", options->engines,

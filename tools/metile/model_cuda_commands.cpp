@@ -261,6 +261,7 @@ void bench_model(const ModelOptions& options) {
   const std::int64_t needed = bench.cached_tokens_needed();
   load.max_sequence = options.max_seq != 0 ? options.max_seq : (needed + 255) / 256 * 256;  // a negative one is refused
   if (options.max_seq == 0) {
+    load.max_sequence_needed = needed;  // a sliding window between the two caps the rounding
     load.max_sequence_source = fmt::format(
         "the capacity this run needs (the context, decode steps and prefill prompt: {} positions, rounded up to 256; "
         "--max-seq sets it)",

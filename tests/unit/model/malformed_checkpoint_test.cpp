@@ -653,6 +653,15 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   }
   computed.max_sequence = 8;
   EXPECT_EQ(DecoderModel::load(windowed, computed).capacity_source(), "the capacity this run needs");
+  // A capacity rounded up from what the run needs (bench-model: 256 from 5) takes the window where
+  // the window holds what it needs; it was refused, the window being under the rounding.
+  computed.max_sequence = 256;
+  computed.max_sequence_needed = 5;
+  const DecoderModel capped = DecoderModel::load(windowed, computed);
+  EXPECT_EQ(capped.capacity(), 8);
+  EXPECT_EQ(capped.capacity_source(), "the checkpoint's sliding_window");
+  computed.max_sequence_needed = 9;
+  EXPECT_THROW((void)DecoderModel::load(windowed, computed), InputError);
   // The capacity says where it came from: here the window, not --max-seq (which was not given).
   EXPECT_EQ(metile("generate " + windowed.string() + " --prompt-ids 1,2 --tokens 8"), 2);
   EXPECT_EQ(err, "metile: error: 8 tokens after a 2-token prompt would go past the KV-cache capacity 8 (the "
