@@ -61,6 +61,7 @@ class CheckpointFiles {
   explicit CheckpointFiles(const std::filesystem::path& directory) {
     const std::filesystem::path index = directory / "model.safetensors.index.json";
     if (checkpoint_file_present(index)) {
+      index_ = index;
       const Json json = parse_json_input(read_checkpoint_json(index), index.string());
       if (!json.is_object() || !json.contains("weight_map") || !json["weight_map"].is_object()) {
         throw InputError(fmt::format("{}: field 'weight_map': missing or not an object", index.string()));
@@ -126,19 +127,30 @@ class CheckpointFiles {
   }
   const MappedSafetensors::TensorView& require(const std::string& name) const {
     const MappedSafetensors::TensorView* view = find(name);
-    if (!view) throw InputError(fmt::format("{}: tensor '{}' is missing", where(), name));
+    if (!view) {
+      // A shard the index lists may hold it all the same (a stale index): say so, rather than that
+      // the checkpoint lacks it. Loaders that read whole shards (transformers) would take it.
+      for (const auto& file : files_) {
+        if (!owner_.contains(name) && file->contains(name)) {
+          throw InputError(fmt::format("{}: tensor '{}' is missing from the weight_map, though {} holds it (is the index "
+                                       "stale?)",
+                                       where(), name, file->path().filename().string()));
+        }
+      }
+      throw InputError(fmt::format("{}: tensor '{}' is missing", where(), name));
+    }
     return *view;
   }
   std::string file_of(const std::string& name) const {
     const auto found = owner_.find(name);
     return found == owner_.end() ? where() : files_[found->second]->path().string();
   }
-  std::string where() const {
-    return files_.size() == 1 ? files_[0]->path().string()
-                              : (files_[0]->path().parent_path() / "model.safetensors.index.json").string();
-  }
+  // Where a tensor that is not there is missing from: the index where there is one (even listing
+  // one shard: the index is what names the tensors), else model.safetensors.
+  std::string where() const { return index_.empty() ? files_[0]->path().string() : index_.string(); }
 
  private:
+  std::filesystem::path index_;  // model.safetensors.index.json; empty: one model.safetensors
   std::vector<std::unique_ptr<MappedSafetensors>> files_;
   std::map<std::string, std::size_t, std::less<>> owner_;
 };

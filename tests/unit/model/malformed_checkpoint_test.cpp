@@ -261,6 +261,19 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
                              R"({"weight_map": {"model.norm.weight": "model.safetensors", "ghost.weight": "model.safetensors"}})");
        },
        "tensor 'ghost.weight': listed in model.safetensors.index.json but absent from the file"},
+      // A stale index that leaves out a tensor its shard holds: named as such, not as a tensor the
+      // checkpoint lacks ("tensor 'model.norm.weight' is missing" sent the user looking for it).
+      {"index_leaves_out_a_tensor_its_shard_holds",
+       [](auto d) {
+         const TensorMap tensors = read_safetensors(d / "model.safetensors");
+         Json index = {{"weight_map", Json::object()}};
+         for (const auto& [name, tensor] : tensors) {
+           if (name != "model.norm.weight") index["weight_map"][name] = "model.safetensors";
+         }
+         testing::write_text(d / "model.safetensors.index.json", index.dump());
+       },
+       "model.safetensors.index.json: tensor 'model.norm.weight' is missing from the weight_map, though model.safetensors "
+       "holds it (is the index stale?)"},
       // The index names one copy and the model used it; transformers and mlx-lm, which read every shard,
       // keep the last shard's: two loaders, two models, no word.
       {"tensor_in_two_shards",
