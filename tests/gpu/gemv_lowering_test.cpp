@@ -419,13 +419,17 @@ TEST_F(NormalizedGemv, SwigluCandidatesMatchTheFloat64Reference) {
 
 // N = 1000 for every format and row count; then the decode case of a vocabulary-wide head (4-bit,
 // M = 1, 40000 rows: 2500 tile blocks, enough for the candidates whose blocks loop over tile blocks
-// with the norm and the staged x computed once per block), at K = 320 and 8192.
+// with the norm and the staged x computed once per block), at K = 320 and 8192, at M = 16 and 8-bit.
 TEST_F(NormalizedGemv, LmHeadArgmaxCandidatesMatchTheFloat64Reference) {
   std::vector<std::pair<NormalizedCase, std::int64_t>> cases;
   for (const NormalizedCase& c : normalized_cases()) cases.emplace_back(c, 1000);
   cases.emplace_back(NormalizedCase{LinearFormat{4, 64, DType::bf16}, 1}, 40000);
   // Two-warp blocks staging a 16 KiB x: 16 vectors a thread for the sum of squares and the staging.
   cases.emplace_back(NormalizedCase{LinearFormat{4, 64, DType::bf16}, 1, 8192}, 40000);
+  // The prefill chunk's 16 rows through the looped blocks (batches carried from tile to tile, one
+  // argmax winner a block per row: rows belong to different warps) and 8-bit's wider batches.
+  cases.emplace_back(NormalizedCase{LinearFormat{4, 64, DType::bf16}, 16}, 40000);
+  cases.emplace_back(NormalizedCase{LinearFormat{8, 64, DType::bf16}, 1}, 40000);
   for (const auto& [c, n] : cases) {
     const ComputeGraph graph = testing::projection_test_graph(c.rows, n, c.k(), c.format, "argmax", true);
     const FusionPlan plan = plan_graph_fusion(graph);
