@@ -777,11 +777,11 @@ constexpr std::string_view argmax_rows_block = R"CUDA(
 
 // After the unit loop: each block leaves its winner per row, its value's bits and its index in one
 // 8-byte word, in the workspace (slot blockIdx.x: one a tile block without the tile loop, a few
-// hundred with it; the workspace holds kArgmaxWinners, the most the grid may have) and adds the tile blocks it joined to the
-// arrival counter; the one that completes the count reduces every block's winners with all its
-// threads (independent loads, a few round trips to L2) by argmax_beats (cuda_argmax_helpers), a
-// total order, so the grouping into blocks changes no result; it writes next[m] and re-arms the
-// counter.
+// hundred with it; the workspace holds kArgmaxWinners, the most the grid may have) and adds the
+// tile blocks it joined to the arrival counter; the one that completes the count reduces every
+// block's winners with all its threads (independent loads, a few round trips to L2) by argmax_beats
+// (cuda_argmax_helpers), a total order, so the grouping into blocks changes no result; it writes
+// next[m] and re-arms the counter.
 constexpr std::string_view argmax_rows_tail = R"CUDA(
   int2* const winners = reinterpret_cast<int2*>(workspace);
   u32* const arrivals = reinterpret_cast<u32*>(workspace) + 2 * kArgmaxWinners * kM;
