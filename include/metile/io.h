@@ -5,7 +5,9 @@
 // read in chunks up to the same limit, never grown without bound.
 // Writing: a regular file (or none) is replaced atomically (temporary file beside
 // it, then rename); a symlink is written through (its target is replaced, the
-// link stays); a FIFO or character device is written in place, never replaced.
+// link stays); a FIFO or character device is written in place, never replaced;
+// /dev/stdout, /dev/stderr, /dev/fd/N and /proc/self/fd/N are written through
+// the descriptor this process holds, at its offset, whatever file it is.
 #pragma once
 
 #include <cstdint>

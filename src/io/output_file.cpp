@@ -1,12 +1,18 @@
 // Writing output files (include/metile/io.h): atomic replacement for regular
 // files, written in place for FIFOs and character devices, through the link for
-// symlinks, so `--output /dev/stdout`, a named pipe or a link into another folder
-// keeps being what it was.
+// symlinks, so a named pipe or a link into another folder keeps being what it was;
+// `/dev/stdout` and the other names of a descriptor this process holds open are
+// written through that descriptor, at its offset, whatever file it is.
+#include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <streambuf>
 #include <string>
 #include <system_error>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "metile/io.h"
@@ -28,11 +34,74 @@ void write_stream(const fs::path& target, const std::string& file,
   if (!stream) throw InputError(file + ": write failed: " + std::strerror(errno));
 }
 
-// Write beside the destination and rename: a reader never sees a half-written file.
+// The descriptor a path names when it is one of this process's own (/dev/stdout, /dev/stderr,
+// /dev/fd/N, /proc/self/fd/N); -1 otherwise. Resolving such a name reaches the file behind the
+// descriptor: a regular file there (stdout redirected with `>>`) would be replaced by a new one,
+// losing what was written before, instead of written at the descriptor's offset.
+int own_descriptor(const fs::path& path) {
+  const std::string text = path.string();
+  if (text == "/dev/stdout") return 1;
+  if (text == "/dev/stderr") return 2;
+  for (const std::string_view prefix : {std::string_view("/dev/fd/"), std::string_view("/proc/self/fd/")}) {
+    if (!text.starts_with(prefix) || text.size() == prefix.size()) continue;
+    int descriptor = -1;
+    const char* const end = text.data() + text.size();
+    const auto [at, error] = std::from_chars(text.data() + prefix.size(), end, descriptor);
+    if (error == std::errc() && at == end && descriptor >= 0) return descriptor;
+  }
+  return -1;
+}
+
+// A stream buffer over a descriptor this process holds: writes go where the descriptor points,
+// in 64 KiB pieces, each retried until whole; the descriptor stays open.
+class DescriptorBuffer : public std::streambuf {
+ public:
+  explicit DescriptorBuffer(int descriptor) : descriptor_(descriptor) { setp(buffer_, buffer_ + sizeof buffer_); }
+  ~DescriptorBuffer() override { sync(); }
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (sync() != 0) return traits_type::eof();
+    if (!traits_type::eq_int_type(c, traits_type::eof())) {
+      *pptr() = traits_type::to_char_type(c);
+      pbump(1);
+    }
+    return traits_type::not_eof(c);
+  }
+  int sync() override {
+    const char* next = pbase();
+    while (next < pptr()) {
+      const ssize_t written = ::write(descriptor_, next, static_cast<std::size_t>(pptr() - next));
+      if (written < 0 && errno == EINTR) continue;
+      if (written <= 0) return -1;
+      next += written;
+    }
+    setp(buffer_, buffer_ + sizeof buffer_);
+    return 0;
+  }
+
+ private:
+  int descriptor_;
+  char buffer_[1 << 16];
+};
+
+void write_descriptor(int descriptor, const std::string& file, const std::function<void(std::ostream&)>& write) {
+  if (::fcntl(descriptor, F_GETFD) < 0) throw InputError(file + ": cannot write: " + std::strerror(errno));
+  auto buffer = std::make_unique<DescriptorBuffer>(descriptor);
+  std::ostream stream(buffer.get());
+  write(stream);
+  stream.flush();
+  if (!stream) throw InputError(file + ": write failed: " + std::strerror(errno));
+}
+
+// Write beside the destination and rename: a reader never sees a half-written file. The temporary
+// name is short (".metile-PID-N.tmp", not the destination's name with a suffix), so that any name
+// the destination may have fits NAME_MAX.
 void replace_atomically(const fs::path& destination, const std::string& file,
                         const std::function<void(std::ostream&)>& write) {
-  fs::path temporary = destination;
-  temporary += ".tmp" + std::to_string(::getpid());
+  static std::atomic<unsigned> count{0};
+  const fs::path temporary =
+      destination.parent_path() / (".metile-" + std::to_string(::getpid()) + "-" + std::to_string(count++) + ".tmp");
   try {
     write_stream(temporary, file, write);
   } catch (...) {
@@ -52,6 +121,7 @@ void replace_atomically(const fs::path& destination, const std::string& file,
 
 void write_output_file(const fs::path& path, const std::function<void(std::ostream&)>& write) {
   const std::string file = path.string();
+  if (const int descriptor = own_descriptor(path); descriptor >= 0) return write_descriptor(descriptor, file, write);
   std::error_code error;
   fs::path destination = path;
   if (fs::is_symlink(fs::symlink_status(path, error))) {

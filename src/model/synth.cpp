@@ -261,7 +261,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   // failed with EXDEV).
   const std::filesystem::path staging =
       target_exists ? target / fmt::format(".metile-partial-{}", ::getpid())
-                    : parent / fmt::format(".{}.partial-{}", target.filename().string(), ::getpid());
+                    : parent / fmt::format(".metile-partial-{}", ::getpid());  // short: any valid name fits NAME_MAX
   std::vector<std::filesystem::path> moved;  // into an existing directory: removed again if a later move fails
   std::filesystem::create_directories(staging, error);
   if (error) throw InputError(fmt::format("{}: cannot create: {}", staging.string(), error.message()));

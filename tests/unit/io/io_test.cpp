@@ -2,6 +2,7 @@
 // written beforehand, what is left on disk (file types, link targets), and
 // hand-counted nesting depths.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -74,6 +75,37 @@ TEST_F(IoTest, RegularFilesAreReplacedAtomically) {
                InputError);
   EXPECT_EQ(read_text(path), "new");
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1);
+}
+
+// A name of 250 bytes is a valid file name: its temporary ("NAME.tmpPID" before) went past NAME_MAX
+// (255), so the write failed with "File name too long".
+TEST_F(IoTest, AnyValidNameCanBeReplaced) {
+  const std::filesystem::path path = file(std::string(250, 'o'), "old");
+  write_output_file(path, [](std::ostream& stream) { stream << "new"; });
+  EXPECT_EQ(read_text(path), "new");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1);
+}
+
+// /dev/fd/N names a descriptor this process holds: written through it, at its offset. Resolved, it
+// named the file behind it, which was replaced: a file opened for appending (stdout redirected with
+// `>>`) lost what it held, and the descriptor was left pointing at the unlinked old file.
+TEST_F(IoTest, OwnDescriptorsAreWrittenAtTheirOffset) {
+  const std::filesystem::path log = file("log", "keep me\n");
+  const int descriptor = ::open(log.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(descriptor, 0);
+  struct stat before {};
+  ASSERT_EQ(::stat(log.c_str(), &before), 0);
+  for (const std::string& name : {"/dev/fd/" + std::to_string(descriptor), "/proc/self/fd/" + std::to_string(descriptor)}) {
+    write_output_file(name, [&](std::ostream& stream) { stream << "via " << name.substr(0, 6) << "\n"; });
+  }
+  ::close(descriptor);
+  struct stat after {};
+  ASSERT_EQ(::stat(log.c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino);  // the same file, not a replacement
+  EXPECT_EQ(read_text(log), "keep me\nvia /dev/f\nvia /proc/\n");
+  // A descriptor that is not open is named, and nothing is created.
+  EXPECT_EQ(error_of([] { write_output_file("/dev/fd/987654", [](std::ostream& stream) { stream << "x"; }); }),
+            "/dev/fd/987654: cannot write: Bad file descriptor");
 }
 
 TEST_F(IoTest, SymlinksAreWrittenThroughAndKept) {

@@ -142,6 +142,18 @@ TEST_F(ModelCommand, QuantizingNamesTheMatricesItLeavesDense) {
   EXPECT_EQ(written.is_quantized("model.layers.0.mlp.down_proj"), config.intermediate_size % 128 == 0);
 }
 
+// A new directory of a valid 250-byte name: its staging directory beside it (".NAME.partial-PID")
+// went past NAME_MAX, and synth-model failed with "File name too long".
+TEST_F(ModelCommand, SynthModelWritesADirectoryOfAnyValidName) {
+  const std::filesystem::path directory = root_ / std::string(250, 'm');
+  std::string out, err;
+  ASSERT_EQ(run_metile("synth-model " + directory.string() + " --preset tiny", out, err), 0) << err;
+  EXPECT_EQ(DecoderModel::load(directory).config().hidden_size, 64);
+  for (const auto& entry : std::filesystem::directory_iterator(root_)) {  // no staging directory is left beside it
+    EXPECT_FALSE(entry.path().filename().string().starts_with(".")) << entry.path();
+  }
+}
+
 // --group-size without --quantize would change nothing (the weights stay as the checkpoint has them),
 // so every command that takes it refuses it alone, with exit 2 and nothing on stdout.
 TEST_F(ModelCommand, GroupSizeWithoutQuantizeIsRefused) {
