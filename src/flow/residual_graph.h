@@ -33,14 +33,23 @@ void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink,
 }
 
 // Inside a solver a residual capacity counts as positive only above rounding noise:
-// exact (0) for integers; for reals a tiny multiple of the largest capacity, so
-// a + b - b leftovers never keep an arc or an excess alive.
+// exact (0) for integers; for reals a tiny multiple of the largest finite capacity, so
+// a + b - b leftovers never keep an arc or an excess alive. Infinite (legality) edges
+// do not count: their capacity is twice the finite sum plus one, so counting it made an
+// edge that cannot change the maximum flow raise the threshold past the flow (unit arcs
+// beside a hundred 1e11 arcs carried 0 once one legality edge was added; their own
+// residual never comes near 0 while a finite cut exists).
 template <typename Capacity>
 FlowTolerance<Capacity> solver_tolerance(const FlowNetwork<Capacity>& network) {
   FlowTolerance<Capacity> tolerance;
   if constexpr (std::is_floating_point_v<Capacity>) {
     Capacity largest = 0;
-    for (const Capacity capacity : network.arc_capacities()) largest = std::max(largest, capacity);
+    const auto& edges = network.edges();
+    for (std::size_t e = 0; e < edges.size(); ++e) {
+      if (!network.edge_is_infinite(static_cast<int>(e)) && edges[e].from != edges[e].to) {
+        largest = std::max(largest, edges[e].capacity);
+      }
+    }
     tolerance.epsilon = 1e-13 * largest;
   }
   return tolerance;

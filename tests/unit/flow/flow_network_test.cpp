@@ -117,6 +117,31 @@ TEST(FlowNetworkBuilder, InfiniteEdgesExceedEveryFiniteCut) {
   EXPECT_THROW(bad.add_vertices(-1), InputError);
 }
 
+// An infinite (legality) edge cannot change a maximum flow, whatever the other capacities: its
+// capacity (twice the finite sum plus one) counted in the solvers' zero threshold, so a unit path
+// beside a hundred unrelated 1e11 arcs carried 0 once one was added (a real network's threshold is
+// 1e-13 x its largest capacity: 2e13 x 1e-13 = 2 >= 1).
+TEST(FlowNetworkBuilder, AnInfiniteEdgeDoesNotRaiseTheRealZeroThreshold) {
+  for (const bool legality : {false, true}) {
+    FlowNetworkBuilder<double> builder(2);  // 0: source, 1: sink
+    const int middle = builder.add_vertex();
+    builder.add_edge(0, middle, 1.0);
+    builder.add_edge(middle, 1, 1.0);
+    for (int j = 0; j < 100; ++j) {
+      const int from = builder.add_vertex();
+      builder.add_edge(from, builder.add_vertex(), 1e11);
+    }
+    if (legality) builder.add_infinite_edge(0, middle);
+    const RealFlowNetwork network = builder.build();
+    for (const auto& [name, result] : {std::pair{"dinic", dinic(network, 0, 1)}, std::pair{"hlpp", hlpp(network, 0, 1)},
+                                       std::pair{"ipm", ipm(network, 0, 1)}}) {
+      EXPECT_EQ(result.value, 1.0) << name << (legality ? " with" : " without") << " the legality edge";
+      EXPECT_EQ(result.source_side_vertices(), legality ? (std::vector<int>{0, middle}) : (std::vector<int>{0}))
+          << name;
+    }
+  }
+}
+
 TEST(FlowNetwork, FingerprintSeparatesTopologyAndCapacities) {
   const IntegerFlowNetwork a(3, {{0, 1, 4}, {1, 2, 3}});
   const IntegerFlowNetwork same(3, {{0, 1, 4}, {1, 2, 3}});
