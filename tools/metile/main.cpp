@@ -50,6 +50,18 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& help) {
     return finish_standard_output(app.exit(help));
   } catch (const CLI::ParseError& error) {
+    // "metile runn x.json" said only "A subcommand is required": name the word that is not one.
+    if (argc > 1 && argv[1][0] != '-' && app.get_subcommands([&](const CLI::App* command) {
+                                           return command->get_name() == argv[1];
+                                         }).empty()) {
+      std::string commands;
+      for (const CLI::App* command : app.get_subcommands([](const CLI::App*) { return true; })) {
+        commands += (commands.empty() ? "" : ", ") + command->get_name();
+      }
+      print_error_line("error", "'" + std::string(argv[1]) + "' is not a metile command (the commands: " + commands +
+                                    "; see metile --help)");
+      return 2;
+    }
     print_error_line("error", std::string(error.what()) + " (see metile --help)");
     return 2;
   } catch (const metile::cli::CommandExit& exit) {
