@@ -179,6 +179,17 @@ def test_random_inputs_seed_is_checked_like_synth_models(rng):
         metile.random_inputs(graph, 2**64)
 
 
+# Inputs past the machine's memory are refused by name before anything is allocated, as run() refuses
+# the graph: random_inputs raised "MemoryError std::bad_alloc".
+def test_random_inputs_past_the_machine_are_a_value_error():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((1 << 24, 1 << 24), "f32"))
+    graph = builder.build([builder.exp(x, name="e")])
+    with pytest.raises(ValueError, match=r"random inputs: the graph's inputs need more than this machine's \d+ bytes "
+                                         r"of memory \(input 'x' brings them to 1125899906842624 bytes\)"):
+        metile.random_inputs(graph, 0)
+
+
 def test_graph_json_limits():
     text = scaled_graph().to_json()
     deep = text.replace('"shape": [2, 3]', '"shape": ' + "[" * 100000 + "]" * 100000)

@@ -9,7 +9,10 @@
 #include <span>
 #include <string_view>
 
+#include <fmt/core.h>
+
 #include "metile/cpu_runtime.h"
+#include "metile/io.h"
 #include "tensor_access.h"
 
 namespace metile {
@@ -137,6 +140,18 @@ std::int64_t draw_integer(SplitMix64& generator, const Value& value, std::int64_
 }  // namespace
 
 TensorMap random_inputs(const ComputeGraph& graph, std::uint64_t seed) {
+  // The inputs must fit the machine before any is allocated (Python reached std::bad_alloc, raised
+  // as "MemoryError std::bad_alloc", for a [2^24, 2^24] input that run() refuses by name).
+  const std::uint64_t available = physical_memory_bytes();
+  std::uint64_t bytes = 0;  // stops at the first excess, so it cannot wrap
+  for (ValueId id : graph.inputs()) {
+    bytes += static_cast<std::uint64_t>(graph.value(id).spec.bytes());
+    if (bytes > available) {
+      throw InputError(fmt::format("random inputs: the graph's inputs need more than this machine's {} bytes of memory "
+                                   "(input '{}' brings them to {} bytes)",
+                                   available, graph.value(id).name, bytes));
+    }
+  }
   TensorMap inputs;
   // Biases are drawn last: they are centred using the scales beside them.
   std::vector<ValueId> order;
