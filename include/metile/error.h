@@ -61,4 +61,17 @@ inline std::string control_bytes_spelled(std::string_view text) {
   return result;
 }
 
+// Names are printed a line each (run's summaries, plan's regions and rules, DOT labels): a newline or
+// other control byte in one would forge or colour that output. Throws InputError(prefix + "a name may
+// not hold a control character (\xNN at offset N)") for the first one; the prefix names the owner
+// with its own control bytes spelled, so that no message carries the raw bytes.
+inline void refuse_control_bytes_in_name(std::string_view name, const std::string& prefix) {
+  for (std::size_t offset = 0; offset < name.size(); ++offset) {
+    if (is_control_byte(name[offset])) {
+      throw InputError(prefix + "a name may not hold a control character (" + byte_text(name[offset]) + " at offset " +
+                       std::to_string(offset) + ")");
+    }
+  }
+}
+
 }  // namespace metile

@@ -132,12 +132,9 @@ const std::vector<TargetField>& target_fields() {
 }
 
 // A target's name is printed (a line of `metile plan`, a DOT label) and read by Python: a control
-// byte in it would forge or colour that output, as in a graph's names (GraphBuilder refuses them).
+// byte in it would forge or colour that output, as in a graph's names (refuse_control_bytes_in_name).
 void refuse_control_bytes(const std::string& name, const std::string& where) {
-  const auto found = std::find_if(name.begin(), name.end(), is_control_byte);
-  if (found == name.end()) return;
-  throw InputError(where + "field 'name': a name may not hold a control character (" + byte_text(*found) +
-                   " at offset " + std::to_string(found - name.begin()) + ")");
+  refuse_control_bytes_in_name(name, where + "field 'name': ");
 }
 
 // The name a target file gives without a "name" field: its file name's stem. File names are bytes,

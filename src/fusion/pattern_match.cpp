@@ -223,6 +223,8 @@ void validate_rule_set(const RuleSet& rules) {
   }
   std::set<std::string> names;
   for (const FusionRule& rule : rules.rules) {
+    // A rule's name is printed in explain() and in DOT labels: no control byte (as a graph's names).
+    refuse_control_bytes_in_name(rule.name, "rule set: rule '" + control_bytes_spelled(rule.name) + "': ");
     const std::string where = "rule '" + rule.name + "'";
     if (rule.name.empty()) throw InputError("rule set: a rule has no name");
     if (!names.insert(rule.name).second) throw InputError("rule set: two rules are named '" + rule.name + "'");

@@ -131,19 +131,6 @@ std::string GraphBuilder::fresh_name(std::string_view op) const {
   return name;
 }
 
-namespace {
-
-// Names are printed a line each (run's summaries, plan's regions): a newline or other control byte in
-// one would forge lines of output. Checked before anything else about the name's owner, so that no
-// message carries the raw bytes (a NUL would end it); the owner's text spells them \xNN.
-void refuse_control_bytes(const std::string& name, const std::string& owner) {
-  const auto found = std::find_if(name.begin(), name.end(), is_control_byte);
-  if (found == name.end()) return;
-  throw InputError(control_bytes_spelled(owner) + ": a name may not hold a control character (" + byte_text(*found) + " at offset " +
-                   std::to_string(found - name.begin()) + ")");
-}
-
-}  // namespace
 
 void GraphBuilder::claim_name(const std::string& name, std::string owner) {
   auto [existing, inserted] = name_owners_.try_emplace(name, owner);
@@ -153,7 +140,7 @@ void GraphBuilder::claim_name(const std::string& name, std::string owner) {
 ValueRef GraphBuilder::input(std::string name, TensorSpec spec) {
   const std::string owner = "input '" + name + "'";
   if (name.empty()) throw InputError("an input needs a name");
-  refuse_control_bytes(name, owner);
+  refuse_control_bytes_in_name(name, control_bytes_spelled(owner) + ": ");
   check_tensor_spec(spec, owner);
   claim_name(name, owner);
   Value value;
@@ -171,7 +158,7 @@ std::vector<ValueRef> GraphBuilder::add_node(std::string_view op, std::vector<Va
   // The op is quoted as printable bytes: an unknown one is the file's text, and a NUL in it would
   // end the message (what() is a C string) before it says what is wrong.
   const std::string owner = node_label(name, printable_bytes(op));
-  refuse_control_bytes(name, owner);
+  refuse_control_bytes_in_name(name, control_bytes_spelled(owner) + ": ");
   const OpDefinition* definition = find_op(op);
   if (definition == nullptr) throw InputError(owner + ": unknown op '" + printable_bytes(op) + "'");
   const std::size_t required_inputs = definition->input_names.size() - definition->optional_inputs;
@@ -334,7 +321,7 @@ void GraphBuilder::rename(ValueRef value, std::string name) {
   const bool renames_node = node != nullptr && node->outputs.size() == 1;
   const std::string new_owner =
       renames_node ? node_label(name, node->op) : (node ? "value '" + name + "'" : "input '" + name + "'");
-  refuse_control_bytes(name, new_owner);  // before the old name is given up
+  refuse_control_bytes_in_name(name, control_bytes_spelled(new_owner) + ": ");  // before the old name is given up
   if (auto existing = name_owners_.find(name); existing != name_owners_.end()) {
     throw InputError(owner + ": duplicate name '" + name + "', already used by " + existing->second);
   }

@@ -168,3 +168,14 @@ def test_residual_add_region_roles_follow_the_operand_order(swapped):
     assert {role: value.name for role, value in region.roles.items()} == expected
     assert json.loads(plan.to_json())["regions"][0]["roles"] == expected
     assert f"roles:   values={first}, residual={second}, norm_weight=weight" in plan.explain()
+
+
+# A rule's name is printed in explain() and in DOT labels, a line each: a control byte in it reached
+# them raw (an escape sequence coloured the terminal, a newline forged a line). Refused as a graph's
+# or a target's name is, with the bytes spelled.
+def test_a_rule_name_with_a_control_byte_is_refused():
+    rule = metile.residual_add_rms_norm_rule()
+    rule.name = "evil\x1b[31mRED\n FAKE LINE"
+    with pytest.raises(ValueError, match=r"^rule set: rule 'evil\\x1b\[31mRED\\x0a FAKE LINE': a name may not hold a "
+                                         r"control character \(\\x1b at offset 4\)$"):
+        metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
