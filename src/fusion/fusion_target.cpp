@@ -198,6 +198,7 @@ FusionTarget FusionTarget::from_json(std::string_view text, std::string_view sou
 void FusionTarget::check() const {
   // Each field written as JSON and read back by the file reader's own rule; the name by its rule too.
   const std::string where = "fusion target '" + control_bytes_spelled(name) + "'";
+  if (name.empty()) throw InputError(where + ": field 'name' must be a non-empty string");  // as the file reader's
   refuse_control_bytes(name, where + ": ");
   FusionTarget scratch;
   for (const TargetField& field : target_fields()) field.read(scratch, field.write(*this), where);

@@ -179,3 +179,13 @@ def test_a_rule_name_with_a_control_byte_is_refused():
     with pytest.raises(ValueError, match=r"^rule set: rule 'evil\\x1b\[31mRED\\x0a FAKE LINE': a name may not hold a "
                                          r"control character \(\\x1b at offset 4\)$"):
         metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
+
+
+# A target's name set from Python is held to the file reader's rule: an empty one planned as "target ?".
+def test_an_empty_target_name_is_refused_as_in_a_file():
+    target = metile.FusionTarget.cpu()
+    target.name = ""
+    with pytest.raises(ValueError, match=r"^fusion target '': field 'name' must be a non-empty string$"):
+        metile.plan_graph_fusion(residual_rms_norm_graph(), target=target)
+    with pytest.raises(ValueError, match=r"^t.json: field 'name' must be a non-empty string$"):
+        metile.FusionTarget.from_json('{"base": "cpu", "name": ""}', "t.json")
