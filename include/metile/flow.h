@@ -155,7 +155,7 @@ struct FlowTolerance {
   bool equal(Capacity a, Capacity b) const { return a - b <= epsilon && b - a <= epsilon; }
   bool less(Capacity a, Capacity b) const { return a + epsilon < b; }
 
-  // Exact for integers; for reals 1e-9 times the largest of 1 and the total capacity.
+  // Exact for integers; for reals 1e-9 times the largest of 1 and the total finite capacity.
   static FlowTolerance for_network(const FlowNetwork<Capacity>& network);
 };
 
