@@ -40,6 +40,15 @@ inline constexpr std::int64_t kLargestExactIntegerInDouble = std::int64_t{1} << 
 std::string integer_capacity_totals_problem(std::int64_t finite_sum, int infinite_edges);
 std::string real_capacity_totals_problem(double finite_sum, int infinite_edges);
 
+// What a network's construction refuses about one edge (a capacity, a vertex, the sum that edge takes
+// past a limit): an InputError that also carries the edge's number, so that a reader that knows where
+// the edge came from names that place (the DIMACS reader: the arc's line, not the file's last).
+class FlowEdgeError : public InputError {
+ public:
+  FlowEdgeError(int edge_index, const std::string& message) : InputError(message), edge(edge_index) {}
+  int edge;
+};
+
 // One input edge. Edges are numbered in the order they were given; results that
 // speak of edges (edge_flows, cut_edges) use these numbers.
 template <typename Capacity>

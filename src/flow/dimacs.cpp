@@ -89,6 +89,7 @@ class DimacsReader {
     int source = -1;
     int sink = -1;
     std::vector<FlowEdge<Capacity>> edges;
+    std::vector<int> edge_lines;  // the line of each arc, for the network's errors about one edge
 
     auto parse_vertex = [&](std::string_view token, const char* what) {
       std::int64_t id = 0;
@@ -149,6 +150,7 @@ class DimacsReader {
         const int tail = parse_vertex(tokens[1], "arc tail");
         const int head = parse_vertex(tokens[2], "arc head");
         edges.push_back({tail, head, parse_capacity<Capacity>(tokens[3], line_number)});
+        edge_lines.push_back(line_number);
       } else {
         fail(line_number, "unknown line type '" + std::string(kind) + "' (expected c, p, n or a)");
       }
@@ -165,8 +167,10 @@ class DimacsReader {
     FlowProblem<Capacity> problem;
     try {
       problem.network = FlowNetwork<Capacity>(static_cast<int>(vertex_count), edges);
+    } catch (const FlowEdgeError& error) {
+      fail(edge_lines.at(static_cast<std::size_t>(error.edge)), error.what());  // the arc whose capacity crosses a limit
     } catch (const InputError& error) {
-      fail(last_line, error.what());  // e.g. capacities whose total would overflow
+      fail(last_line, error.what());  // e.g. legality totals, which no arc of the file holds
     }
     problem.source = source;
     problem.sink = sink;

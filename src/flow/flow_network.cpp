@@ -20,21 +20,21 @@ template <typename Capacity>
 void check_capacity(int edge_index, Capacity capacity) {
   if constexpr (std::is_floating_point_v<Capacity>) {
     if (!std::isfinite(capacity)) {
-      throw InputError("flow network: edge " + std::to_string(edge_index) + " has capacity " +
+      throw FlowEdgeError(edge_index, "flow network: edge " + std::to_string(edge_index) + " has capacity " +
                        capacity_text(capacity) +
                        "; capacities must be finite (use add_infinite_edge "
                        "for legality edges)");
     }
   }
   if (capacity < 0) {
-    throw InputError("flow network: edge " + std::to_string(edge_index) + " has negative capacity " +
+    throw FlowEdgeError(edge_index, "flow network: edge " + std::to_string(edge_index) + " has negative capacity " +
                      capacity_text(capacity));
   }
 }
 
 void check_vertex(int edge_index, const char* end_name, int vertex, int vertex_count) {
   if (vertex < 0 || vertex >= vertex_count) {
-    throw InputError("flow network: edge " + std::to_string(edge_index) + " has " + end_name + " vertex " +
+    throw FlowEdgeError(edge_index, "flow network: edge " + std::to_string(edge_index) + " has " + end_name + " vertex " +
                      std::to_string(vertex) + " outside [0, " + std::to_string(vertex_count) + ")");
   }
 }
@@ -101,7 +101,7 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     check_capacity(e, edge.capacity);
     if constexpr (std::is_integral_v<Capacity>) {
       if (edge.capacity > kIntegerCapacitySumLimit - finite_capacity_sum_) {
-        throw InputError("flow network: the capacities up to edge " + std::to_string(e) +
+        throw FlowEdgeError(e, "flow network: the capacities up to edge " + std::to_string(e) +
                          " sum to more than " + std::to_string(kIntegerCapacitySumLimit) +
                          "; solver arithmetic could overflow");
       }
@@ -110,7 +110,7 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     if constexpr (std::is_floating_point_v<Capacity>) {
       // A vertex's excess never exceeds this sum, so a finite sum keeps solver arithmetic finite.
       if (!std::isfinite(finite_capacity_sum_)) {
-        throw InputError("flow network: the capacities up to edge " + std::to_string(e) +
+        throw FlowEdgeError(e, "flow network: the capacities up to edge " + std::to_string(e) +
                          " sum past the largest double; solver arithmetic could overflow");
       }
     }

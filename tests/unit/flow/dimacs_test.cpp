@@ -194,6 +194,12 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
   EXPECT_EQ(error_of<std::int64_t>("p max 2 1\nn 1 s\nn 2 t\na 1 2 5\0x\n"s),
             "net.max:4: capacity '5\\x00x' is not a number");
   EXPECT_EQ(error_of<std::int64_t>("p max 2 0\n\x1b[31mred\n"s), "net.max:2: unknown line type '\\x1b[31mred' (expected c, p, n or a)");
+  // The network's own refusal of one arc (its capacity takes the sum past 2^61 - 1) names the arc's line,
+  // not the file's last (a comment after the arcs took the blame).
+  EXPECT_EQ(error_of<std::int64_t>("p max 4 4\nn 1 s\nn 4 t\na 1 2 2000000000000000000\na 2 3 2000000000000000000\n"
+                                   "a 3 4 1\na 1 4 1\nc end\n"),
+            "net.max:5: flow network: the capacities up to edge 1 sum to more than 2305843009213693951; solver arithmetic "
+            "could overflow");
 }
 
 }  // namespace
