@@ -229,14 +229,10 @@ template <typename Capacity>
 FlowTolerance<Capacity> FlowTolerance<Capacity>::for_network(const FlowNetwork<Capacity>& network) {
   FlowTolerance tolerance;
   if constexpr (std::is_floating_point_v<Capacity>) {
-    // The finite edges only: a legality edge's capacity (twice their sum plus one) would loosen the
-    // comparison past the flows themselves, so that two engines' values 1 and 0 compared equal.
-    Capacity total = 0;
-    const auto& edges = network.edges();
-    for (std::size_t e = 0; e < edges.size(); ++e) {
-      if (edges[e].from != edges[e].to && !network.edge_is_infinite(static_cast<int>(e))) total += edges[e].capacity;
-    }
-    tolerance.epsilon = 1e-9 * std::max<Capacity>(1, total);
+    // The finite edges only (self loops excluded, summed in edge order at build): a legality edge's
+    // capacity (twice their sum plus one) would loosen the comparison past the flows themselves, so
+    // that two engines' values 1 and 0 compared equal.
+    tolerance.epsilon = 1e-9 * std::max<Capacity>(1, network.finite_capacity_sum());
   }
   return tolerance;
 }

@@ -128,10 +128,11 @@ class CheckpointFiles {
   const MappedSafetensors::TensorView& require(const std::string& name) const {
     const MappedSafetensors::TensorView* view = find(name);
     if (!view) {
-      // A shard the index lists may hold it all the same (a stale index): say so, rather than that
-      // the checkpoint lacks it. Loaders that read whole shards (transformers) would take it.
+      // Not in owner_ (every name there is in its file, checked above). A shard the index lists may
+      // hold it all the same (a stale index): say so, rather than that the checkpoint lacks it.
+      // Loaders that read whole shards (transformers) would take it.
       for (const auto& file : files_) {
-        if (!owner_.contains(name) && file->contains(name)) {
+        if (file->contains(name)) {
           throw InputError(fmt::format("{}: tensor '{}' is missing from the weight_map, though {} holds it (is the index "
                                        "stale?)",
                                        where(), name, file->path().filename().string()));
