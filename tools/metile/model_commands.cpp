@@ -467,14 +467,18 @@ void add_model_commands(CLI::App& app) {
         ">= 0");
     command->add_option("--min-agreement", options->min_agreement,
                         "least fraction of equal next tokens (default 0.95)")
+        ->check(decimal_number())
         ->check(non_negative);
     command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position, nats (default 0.01)")
+        ->check(decimal_number())
         ->check(non_negative);
     command->add_option("--max-kl-mean", options->max_kl_mean,
                         "largest mean KL divergence, nats (default --max-kl on cpu, 1e-3 on cuda)")
+        ->check(decimal_number())
         ->check(non_negative);
     command->add_option("--max-logit-error", options->max_logit_error,
                         "largest |logit error| relative to the reference's max |logit| (default 0.02 on cpu, 0.05 on cuda)")
+        ->check(decimal_number())
         ->check(non_negative);
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
@@ -531,6 +535,7 @@ void add_model_commands(CLI::App& app) {
     CLI::Option* margin = command->add_option("--near-tie-margin", options->near_tie_margin,
                                               "how far behind the race's winner (a fraction of its time) a fused "
                                               "candidate may be and still be raced inside the step")
+                              ->check(decimal_number())
                               ->check(CLI::Range(0.001, 10.0))
                               ->capture_default_str();
     command->add_option("--format", options->format, "text or json")
@@ -576,6 +581,7 @@ void add_model_commands(CLI::App& app) {
                         "config.json in the spelling of transformers 4 or 5")
         ->capture_default_str();
     command->add_option("--max-shard-mb", options->max_shard_mb, "split the weights into shards of this size")
+        ->check(decimal_number())
         ->capture_default_str();
     command->callback([options] { synth_command(*options); });
   }

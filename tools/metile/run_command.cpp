@@ -108,6 +108,20 @@ const CLI::Validator& fits_in_64_bits() {
   return validator;
 }
 
+const CLI::Validator& decimal_number() {
+  static const CLI::Validator validator(
+      [](std::string& text) {
+        const std::size_t from = !text.empty() && (text[0] == '+' || text[0] == '-') ? 1 : 0;  // from_chars takes no '+'
+        double value = 0;
+        const char* end = text.data() + text.size();
+        const auto [stop, error] = std::from_chars(text.data() + from, end, value, std::chars_format::general);
+        const bool whole = text.size() > from && text[from] != '-' && stop == end && error != std::errc::invalid_argument;
+        return whole ? std::string() : fmt::format("{} is not a decimal number", text);
+      },
+      "NUMBER");
+  return validator;
+}
+
 const CLI::Validator& non_empty_path() {
   static const CLI::Validator validator(
       [](std::string& text) { return text.empty() ? std::string("an empty path") : std::string(); }, "PATH");

@@ -616,11 +616,19 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
   // An empty or half-numeric threshold is not 0 (strtod read "" as 0).
   for (const std::string threshold : {"--max-logit-error -0.5", "--min-agreement nan", "--max-kl inf", "--max-kl-mean -1",
-                                      "--max-kl ''", "--max-kl 0.1x"}) {
+                                      "--max-kl ''", "--max-kl 0.1x", "--max-kl-mean 0x10", "--max-kl 0x1p-4",
+                                      "--max-kl +-1", "--max-kl -"}) {
     EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 " + threshold), 2) << threshold;
     EXPECT_NE(err.find(threshold.substr(0, threshold.find(' '))), std::string::npos) << err;
     EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
   }
+  // A C hexadecimal float is not read (strtod and CLI11 read "0x10" as 16); a sign and an exponent are.
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --max-kl-mean 0x10"), 2);
+  EXPECT_NE(err.find("--max-kl-mean: 0x10 is not a decimal number"), std::string::npos) << err;
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --max-kl +1e-2 --min-agreement 0.5"), 0) << err;
+  EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb 0x1p-30"), 2);
+  EXPECT_NE(err.find("--max-shard-mb: 0x1p-30 is not a decimal number"), std::string::npos) << err;
+  EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --min-agreement 1.01"), 1);  // cannot be met
   EXPECT_NE(out.find("FAIL"), std::string::npos);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
@@ -816,7 +824,7 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
   }
   // The near-tie margin: a fraction in (0, 10], and only with the race it sizes (on unless turned off).
   for (const std::string& arguments : {std::string("--race-near-ties --near-tie-margin 0"),
-                                       std::string("--near-tie-margin x"),
+                                       std::string("--near-tie-margin x"), std::string("--near-tie-margin 0x0.1p0"),
                                        std::string("--no-race-near-ties --near-tie-margin 0.3")}) {
     EXPECT_EQ(metile("bench-model --preset tiny " + arguments), 2) << arguments;
     EXPECT_NE(err.find("--near-tie-margin"), std::string::npos) << arguments << ": " << err;
