@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <streambuf>
 #include <string>
 #include <system_error>
@@ -96,14 +97,20 @@ void write_descriptor(int descriptor, const std::string& file, const std::functi
 
 // Write beside the destination and rename: a reader never sees a half-written file. The temporary
 // name is short (".metile-PID-N.tmp", not the destination's name with a suffix), so that any name
-// the destination may have fits NAME_MAX.
-void replace_atomically(const fs::path& destination, const std::string& file,
+// the destination may have fits NAME_MAX. A file that is replaced keeps its permission bits (the
+// temporary was created with the umask's, so a 0600 file became 0644 and a 0755 one lost its x).
+void replace_atomically(const fs::path& destination, const std::string& file, std::optional<fs::perms> permissions,
                         const std::function<void(std::ostream&)>& write) {
   static std::atomic<unsigned> count{0};
   const fs::path temporary =
       destination.parent_path() / (".metile-" + std::to_string(::getpid()) + "-" + std::to_string(count++) + ".tmp");
   try {
     write_stream(temporary, file, write);
+    if (permissions) {
+      std::error_code error;
+      fs::permissions(temporary, *permissions, error);
+      if (error) throw InputError(file + ": cannot set the permissions of " + temporary.string() + ": " + error.message());
+    }
   } catch (...) {
     std::error_code ignored;
     fs::remove(temporary, ignored);
@@ -131,8 +138,8 @@ void write_output_file(const fs::path& path, const std::function<void(std::ostre
   }
   const fs::file_status status = fs::status(destination, error);
   switch (status.type()) {
-    case fs::file_type::not_found:
-    case fs::file_type::regular: return replace_atomically(destination, file, write);
+    case fs::file_type::not_found: return replace_atomically(destination, file, std::nullopt, write);
+    case fs::file_type::regular: return replace_atomically(destination, file, status.permissions(), write);
     case fs::file_type::fifo:
     case fs::file_type::character: return write_stream(destination, file, write);
     case fs::file_type::directory: throw InputError(file + ": is a directory");

@@ -77,6 +77,25 @@ TEST_F(IoTest, RegularFilesAreReplacedAtomically) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1);
 }
 
+// A replaced file keeps its permission bits: the temporary was created with the umask's (0644 here),
+// so a private 0600 file became readable by everyone and a 0750 script lost its x bits.
+TEST_F(IoTest, AReplacedFileKeepsItsPermissions) {
+  for (const auto mode : {std::filesystem::perms(0600), std::filesystem::perms(0750), std::filesystem::perms(0444)}) {
+    const std::filesystem::path path = file("kept", "old");
+    std::filesystem::permissions(path, mode);
+    write_output_file(path, [](std::ostream& stream) { stream << "new"; });
+    EXPECT_EQ(read_text(path), "new");
+    EXPECT_EQ(std::filesystem::status(path).permissions(), mode) << std::oct << static_cast<int>(mode);
+    std::filesystem::remove(path);
+  }
+  // A new file gets the umask's, as any program's would.
+  const mode_t umask_bits = ::umask(022);
+  const std::filesystem::path fresh = directory_ / "fresh";
+  write_output_file(fresh, [](std::ostream& stream) { stream << "new"; });
+  ::umask(umask_bits);
+  EXPECT_EQ(std::filesystem::status(fresh).permissions(), std::filesystem::perms(0644));
+}
+
 // A name of 250 bytes is a valid file name: its temporary ("NAME.tmpPID" before) went past NAME_MAX
 // (255), so the write failed with "File name too long".
 TEST_F(IoTest, AnyValidNameCanBeReplaced) {
