@@ -34,11 +34,16 @@ class InputError : public std::runtime_error {
   }
 };
 
-// A C0 control byte or DEL: a NUL would end a message (what() is a C string), an escape sequence
-// would reach the terminal, a newline would forge a line of output.
-inline bool is_control_byte(char c) {
-  const auto byte = static_cast<unsigned char>(c);
-  return byte < 0x20 || byte == 0x7f;
+// How many bytes of `text` at `offset` make a control character: 1 for a C0 control byte or DEL (a
+// NUL would end a message, what() being a C string; an escape sequence would reach the terminal; a
+// newline would forge a line of output), 2 for a C1 control, U+0080..U+009F, written 0xC2 0x80..0x9F
+// (a terminal in UTF-8 mode may take U+009B as CSI, the start of an escape sequence), 0 otherwise.
+inline std::size_t control_character_length(std::string_view text, std::size_t offset) {
+  const auto byte = static_cast<unsigned char>(text[offset]);
+  if (byte < 0x20 || byte == 0x7f) return 1;
+  if (byte != 0xc2 || offset + 1 == text.size()) return 0;
+  const auto next = static_cast<unsigned char>(text[offset + 1]);
+  return next >= 0x80 && next <= 0x9f ? 2 : 0;
 }
 
 // `text` (bytes a user gave, quoted in a message) with every byte outside printable ASCII as
@@ -54,10 +59,14 @@ inline std::string printable_bytes(std::string_view text) {
 }
 
 // `text` with its control bytes as \xNN and every other byte as it is (UTF-8 reads as written): for
-// messages that already quote valid text, a name or a path, which may hold a control byte.
+// messages that already quote valid text, a name or a path, which may hold a control character.
 inline std::string control_bytes_spelled(std::string_view text) {
   std::string result;
-  for (const char c : text) result += is_control_byte(c) ? byte_text(c) : std::string(1, c);
+  for (std::size_t offset = 0; offset < text.size();) {
+    const std::size_t length = control_character_length(text, offset);
+    if (length == 0) result += text[offset++];
+    for (const std::size_t end = offset + length; offset < end; ++offset) result += byte_text(text[offset]);
+  }
   return result;
 }
 
@@ -67,9 +76,9 @@ inline std::string control_bytes_spelled(std::string_view text) {
 // with its own control bytes spelled, so that no message carries the raw bytes.
 inline void refuse_control_bytes_in_name(std::string_view name, const std::string& prefix) {
   for (std::size_t offset = 0; offset < name.size(); ++offset) {
-    if (is_control_byte(name[offset])) {
-      throw InputError(prefix + "a name may not hold a control character (" + byte_text(name[offset]) + " at offset " +
-                       std::to_string(offset) + ")");
+    if (const std::size_t length = control_character_length(name, offset); length > 0) {
+      throw InputError(prefix + "a name may not hold a control character (" +
+                       control_bytes_spelled(name.substr(offset, length)) + " at offset " + std::to_string(offset) + ")");
     }
   }
 }

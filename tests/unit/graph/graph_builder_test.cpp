@@ -167,6 +167,13 @@ TEST(GraphBuilderTest, NamesHoldNoControlCharacters) {
   EXPECT_EQ(error_of([&] { builder.rename(e, "del\x7f"); }),
             "node 'del\\x7f' (exp): a name may not hold a control character (\\x7f at offset 3)");
   EXPECT_EQ(builder.name(e), "\xc3\xa9t\xc3\xa9");
+  // C1 controls (U+0080..U+009F; U+009B is CSI to a terminal in UTF-8 mode) are control characters too;
+  // U+00A0 is not, nor a 0xC2 that starts no C1 control.
+  EXPECT_EQ(error_of([&] { builder.exp(x, "csi\xc2\x9b" "31m"); }),
+            "node 'csi\\xc2\\x9b31m' (exp): a name may not hold a control character (\\xc2\\x9b at offset 3)");
+  EXPECT_EQ(error_of([&] { builder.exp(x, "\xc2\x80"); }),
+            "node '\\xc2\\x80' (exp): a name may not hold a control character (\\xc2\\x80 at offset 0)");
+  EXPECT_EQ(builder.name(builder.exp(x, "\xc2\xa0\xc2" "A\xc2")), "\xc2\xa0\xc2" "A\xc2");
   // The refused rename kept the old name taken.
   EXPECT_EQ(error_of([&] { builder.exp(x, "\xc3\xa9t\xc3\xa9"); }),
             "node '\xc3\xa9t\xc3\xa9' (exp): duplicate name '\xc3\xa9t\xc3\xa9', already used by node '\xc3\xa9t\xc3\xa9' (exp)");
