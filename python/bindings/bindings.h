@@ -69,6 +69,14 @@ std::uint64_t unsigned_argument(const std::string& what, const py::handle& objec
 // surrogateescape), which has no UTF-8 spelling; pybind11's own cast says only "Unable to cast".
 std::string text_argument(const std::string& what, const py::handle& object);
 
+// A str parameter of a bound function, as UTF-8. pybind11's std::string cast turns a str holding a lone
+// surrogate into "incompatible function arguments", a TypeError listing the signatures, where every
+// other bad value is a ValueError; this one raises text_argument's ValueError. Anything but a str still
+// fails to load (pybind11's TypeError, as before).
+struct Utf8Text {
+  std::string value;
+};
+
 // Python lists of views of these values / nodes, in order.
 py::list value_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<ValueId>& ids);
 py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<NodeId>& ids);
@@ -76,6 +84,19 @@ py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std:
 }  // namespace metile::python
 
 namespace pybind11::detail {
+
+template <>
+struct type_caster<metile::python::Utf8Text> {
+  PYBIND11_TYPE_CASTER(metile::python::Utf8Text, const_name("str"));
+  bool load(handle source, bool) {
+    if (!source || !isinstance<str>(source)) return false;
+    value.value = metile::python::text_argument("a str argument", source);
+    return true;
+  }
+  static handle cast(const metile::python::Utf8Text& text, return_value_policy, handle) {
+    return str(text.value).release();
+  }
+};
 
 // OpKind crosses as its name ("elementwise", "row_reduction", "contraction", "layout"),
 // the same strings Node.kind, graph files and plans use; an unknown name is a ValueError.

@@ -102,9 +102,9 @@ class PythonFlowNetwork {
     });
   }
 
-  py::tuple minimum_cut(const py::object& source, const py::object& sink, const std::string& solver) const {
+  py::tuple minimum_cut(const py::object& source, const py::object& sink, const Utf8Text& solver) const {
     MaxFlowOptions options;
-    options.solver = parse_solver_choice(solver);
+    options.solver = parse_solver_choice(solver.value);
     const std::optional<int> source_vertex = find_vertex(source);
     const std::optional<int> sink_vertex = find_vertex(sink);
     if (source_vertex == sink_vertex && (source_vertex || source.equal(sink))) {

@@ -150,10 +150,17 @@ void bind_target(py::module_& module) {
       .def_readwrite("max_kernel_outputs", &FusionTarget::max_kernel_outputs)
       .def_static("h200", &FusionTarget::h200)
       .def_static("cpu", &FusionTarget::cpu)
-      .def_static("from_json", &FusionTarget::from_json, py::arg("text"), py::arg("source_name") = "<string>",
+      .def_static(
+          "from_json",
+          [](const Utf8Text& text, const Utf8Text& source_name) {
+            return FusionTarget::from_json(text.value, source_name.value);
+          },
+          py::arg("text"), py::arg("source_name") = "<string>",
                   "A JSON object: optional \"base\" (\"h200\" or \"cpu\") whose fields the others override.")
       .def_static("from_json_file", &FusionTarget::from_json_file, py::arg("path"))
-      .def_static("from_name_or_file", &FusionTarget::from_name_or_file, py::arg("name_or_path"))
+      .def_static(
+          "from_name_or_file", [](const py::object& name_or_path) { return target_from_python(name_or_path); },
+          py::arg("name_or_path"), "'h200', 'cpu' or the path of a JSON target file (a str or os.PathLike).")
       .def("to_json", &FusionTarget::to_json)
       .def("__repr__", [](const FusionTarget& target) {
         // The fields that decide most plans; to_json() has them all.

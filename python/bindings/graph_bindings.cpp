@@ -246,16 +246,16 @@ std::string graph_repr(const ComputeGraph& graph) {
 // ---------------------------------------------------------------- builder helpers
 
 using BuilderPointer = std::shared_ptr<PythonGraphBuilder>;
-using OptionalName = std::optional<std::string>;
+using OptionalName = std::optional<Utf8Text>;
 
 // Records what an op returned; values the builder named itself are remembered so
 // that the Python layer may rename them after the caller's variables.
 BoundValue record(const BuilderPointer& self, ValueRef ref, const OptionalName& name) {
-  if (!name || name->empty()) self->auto_named.push_back(ref);
+  if (!name || name->value.empty()) self->auto_named.push_back(ref);
   return BoundValue{ref, self};
 }
 
-std::string name_or_empty(const OptionalName& name) { return name.value_or(std::string()); }
+std::string name_or_empty(const OptionalName& name) { return name ? name->value : std::string(); }
 
 std::vector<ValueRef> refs_of(const std::vector<BoundValue>& values) {
   std::vector<ValueRef> refs;
@@ -274,8 +274,8 @@ void bind_tensor_spec(py::module_& module) {
   py::class_<TensorSpec>(module, "TensorSpec",
                          "A tensor's static shape and dtype: TensorSpec((1, 2048), \"f16\"). dtype is one of "
                          "f16, bf16, f32, i8, u8, i32, u32.")
-      .def(py::init([](const py::object& shape, const std::string& dtype) {
-             TensorSpec spec(integer_list("TensorSpec shape", shape), parse_dtype(dtype));
+      .def(py::init([](const py::object& shape, const Utf8Text& dtype) {
+             TensorSpec spec(integer_list("TensorSpec shape", shape), parse_dtype(dtype.value));
              check_tensor_spec(spec, "TensorSpec");
              return spec;
            }),
@@ -346,7 +346,7 @@ void bind_table_ops(py::class_<PythonGraphBuilder, BuilderPointer>& builder) {
               if (!value.is_none() && !py::isinstance<py::str>(value)) {
                 throw py::type_error(op + ": name must be a str or None, got " + python_type_name(value));
               }
-              if (!value.is_none()) name = text_argument(op + ": name", value);
+              if (!value.is_none()) name = Utf8Text{text_argument(op + ": name", value)};
             } else {
               attributes[key] = value;
             }
@@ -369,8 +369,8 @@ void bind_graph_builder(py::module_& module) {
   builder.def(py::init<>())
       .def(
           "input",
-          [](const BuilderPointer& self, std::string name, const TensorSpec& spec) {
-            return BoundValue{self->builder.input(std::move(name), spec), self};
+          [](const BuilderPointer& self, Utf8Text name, const TensorSpec& spec) {
+            return BoundValue{self->builder.input(std::move(name.value), spec), self};
           },
           py::arg("name"), py::arg("spec"))
       .def(
@@ -405,9 +405,9 @@ void bind_graph_builder(py::module_& module) {
           py::arg("x"), name_argument)
       .def(
           "gelu",
-          [](const BuilderPointer& self, const BoundValue& x, std::string approximate,
+          [](const BuilderPointer& self, const BoundValue& x, Utf8Text approximate,
              const OptionalName& name) {
-            return record(self, self->builder.gelu(x.ref, std::move(approximate), name_or_empty(name)), name);
+            return record(self, self->builder.gelu(x.ref, std::move(approximate.value), name_or_empty(name)), name);
           },
           py::arg("x"), py::arg("approximate") = "none", name_argument)
       .def(
@@ -491,17 +491,17 @@ void bind_graph_builder(py::module_& module) {
           py::arg("x"), py::arg("perm"), name_argument)
       .def(
           "cast",
-          [](const BuilderPointer& self, const BoundValue& x, const std::string& dtype,
+          [](const BuilderPointer& self, const BoundValue& x, const Utf8Text& dtype,
              const OptionalName& name) {
-            return record(self, self->builder.cast(x.ref, parse_dtype(dtype), name_or_empty(name)), name);
+            return record(self, self->builder.cast(x.ref, parse_dtype(dtype.value), name_or_empty(name)), name);
           },
           py::arg("x"), py::arg("dtype"), name_argument)
       .def(
           "add_node",
-          [](const BuilderPointer& self, const std::string& op, const std::vector<BoundValue>& inputs,
+          [](const BuilderPointer& self, const Utf8Text& op, const std::vector<BoundValue>& inputs,
              const std::optional<py::dict>& attributes, const OptionalName& name) {
             const std::vector<ValueRef> outputs = self->builder.add_node(
-                op, refs_of(inputs), attributes ? attributes_from_python(*attributes) : Attributes{},
+                op.value, refs_of(inputs), attributes ? attributes_from_python(*attributes) : Attributes{},
                 name_or_empty(name));
             py::list values;
             for (ValueRef output : outputs) values.append(record(self, output, name));
@@ -512,8 +512,8 @@ void bind_graph_builder(py::module_& module) {
           "values.")
       .def(
           "rename",
-          [](const BuilderPointer& self, const BoundValue& value, std::string name) {
-            self->builder.rename(value.ref, std::move(name));
+          [](const BuilderPointer& self, const BoundValue& value, Utf8Text name) {
+            self->builder.rename(value.ref, std::move(name.value));
             std::erase(self->auto_named, value.ref);
           },
           py::arg("value"), py::arg("name"),
@@ -628,16 +628,16 @@ void bind_compute_graph(py::module_& module) {
           [](const GraphPointer& graph) { return value_views(graph, all_ids(graph->values().size())); })
       .def(
           "find_value",
-          [](const GraphPointer& graph, std::string_view name) -> py::object {
-            const std::optional<ValueId> id = graph->find_value(name);
+          [](const GraphPointer& graph, const Utf8Text& name) -> py::object {
+            const std::optional<ValueId> id = graph->find_value(name.value);
             if (!id) return py::none();
             return py::cast(GraphValueView{graph, *id});
           },
           py::arg("name"), "The value with this name, or None.")
       .def(
           "find_node",
-          [](const GraphPointer& graph, std::string_view name) -> py::object {
-            const std::optional<NodeId> id = graph->find_node(name);
+          [](const GraphPointer& graph, const Utf8Text& name) -> py::object {
+            const std::optional<NodeId> id = graph->find_node(name.value);
             if (!id) return py::none();
             return py::cast(GraphNodeView{graph, *id});
           },
@@ -647,8 +647,8 @@ void bind_compute_graph(py::module_& module) {
           "The graph as a JSON graph file (the format `metile plan` and `metile run` read).")
       .def_static(
           "from_json",
-          [](std::string_view text, std::string_view source_name) {
-            return std::make_shared<ComputeGraph>(parse_graph_json(text, source_name));
+          [](const Utf8Text& text, const Utf8Text& source_name) {
+            return std::make_shared<ComputeGraph>(parse_graph_json(text.value, source_name.value));
           },
           py::arg("text"), py::arg("source_name") = "<string>",
           "Parses a JSON graph; ValueError names the source and the JSON path of a mistake.")

@@ -177,8 +177,10 @@ void bind_model(py::module_& module) {
 
   module.def(
       "load_model",
-      [](const std::filesystem::path& path, const std::string& dtype, const py::handle& quantize,
-         const py::handle& group_size, const py::handle& max_seq, const std::string& backend) -> py::object {
+      [](const std::filesystem::path& path, const Utf8Text& dtype_text, const py::handle& quantize,
+         const py::handle& group_size, const py::handle& max_seq, const Utf8Text& backend_text) -> py::object {
+        const std::string& dtype = dtype_text.value;
+        const std::string& backend = backend_text.value;
         if (backend != "cpu" && backend != "cuda") {
           throw InputError("backend must be 'cpu' or 'cuda', got '" + backend + "'");
         }
@@ -222,12 +224,12 @@ void bind_model(py::module_& module) {
 
   module.def(
       "synth_model",
-      [](const std::filesystem::path& path, const std::string& preset, std::optional<std::string> arch,
+      [](const std::filesystem::path& path, const Utf8Text& preset, const std::optional<Utf8Text>& arch,
          const py::handle& layers, const py::handle& seed, const py::handle& quantize, const py::handle& group_size,
          const py::handle& tie_word_embeddings, int config_spelling) {
         SynthOptions options;
-        options.preset = preset;
-        if (arch) options.architecture = parse_architecture_short_name(*arch);
+        options.preset = preset.value;
+        if (arch) options.architecture = parse_architecture_short_name(arch->value);
         if (!layers.is_none()) options.layers = integer_argument("layers", layers);
         options.seed = unsigned_argument("seed", seed);  // True is not seed 1
         options.quantize = quantization_of(quantize, group_size);

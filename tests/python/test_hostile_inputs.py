@@ -64,6 +64,42 @@ def test_text_that_is_not_utf8_is_a_value_error_naming_the_argument():
         builder.add_node("gelu", [x], {bad: "tanh"})
     with pytest.raises(ValueError, match="sum: name: .* is not UTF-8 text"):
         builder.sum(x, name=bad)
+    # Every other str parameter: pybind11's own cast made these "incompatible function arguments", a
+    # TypeError, where any other bad value is a ValueError.
+    graph_text = graph.to_json()
+    calls = {
+        "input name": lambda: builder.input(bad, metile.TensorSpec((2,), "f16")),
+        "a method's name": lambda: builder.exp(x, name=bad),
+        "gelu approximate": lambda: builder.gelu(x, approximate=bad),
+        "cast dtype": lambda: builder.cast(x, bad),
+        "add_node op": lambda: builder.add_node(bad, [x]),
+        "rename": lambda: builder.rename(x, bad),
+        "TensorSpec dtype": lambda: metile.TensorSpec((2,), bad),
+        "find_value": lambda: graph.find_value(bad),
+        "find_node": lambda: graph.find_node(bad),
+        "ComputeGraph.from_json text": lambda: metile.ComputeGraph.from_json(graph_text + bad),
+        "ComputeGraph.from_json source": lambda: metile.ComputeGraph.from_json(graph_text, bad),
+        "FusionTarget.from_json": lambda: metile.FusionTarget.from_json("{}", bad),
+        "minimum_cut solver": lambda: _one_edge_network().minimum_cut(0, 1, bad),
+        "load_model dtype": lambda: metile.load_model("/nonexistent", dtype=bad),
+        "synth_model preset": lambda: metile.synth_model("/nonexistent/x", preset=bad),
+        "synth_model arch": lambda: metile.synth_model("/nonexistent/x", arch=bad),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match="is not UTF-8 text"):
+            call()  # the traceback's lambda names the case
+    # A type that is not text is still pybind11's TypeError.
+    with pytest.raises(TypeError):
+        graph.find_value(5)
+    # A path is not text: a file name that is not UTF-8 is looked for as the file system spells it.
+    with pytest.raises(ValueError, match="nor an existing file"):
+        metile.FusionTarget.from_name_or_file("/nonexistent/" + bad)
+
+
+def _one_edge_network():
+    network = metile.FlowNetwork()
+    network.add_edge(0, 1, 1)
+    return network
 
 
 def test_tensor_specs_are_checked_when_made():
