@@ -47,6 +47,16 @@ Decision stays_private(const ComputeGraph& graph, ValueId value, std::string_vie
   return Decision::allow();
 }
 
+bool is_scores_op(const std::string& op) { return op == "scale" || op == "causal_mask" || op == "position_mask"; }
+
+// Whether `value` is the scores of a q kᵀ matmul, directly or through scales and masks: an op of
+// another kind that reads it stands between the scores and the softmax.
+bool comes_from_scores(const ComputeGraph& graph, ValueId value) {
+  NodeId source = graph.value(value).producer;
+  while (source >= 0 && is_scores_op(graph.node(source).op)) source = graph.value(graph.node(source).inputs.front()).producer;
+  return source >= 0 && graph.node(source).op == "matmul" && graph.node(source).attributes.get_int("transpose_right") != 0;
+}
+
 ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
   ChainOutcome outcome;
   const ValueId probabilities = softmax.outputs.front();
@@ -63,8 +73,7 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
   ValueId value = softmax.inputs.front();
   NodeId producer = graph.value(value).producer;
   while (producer >= 0) {
-    const std::string& op = graph.node(producer).op;
-    if (op != "scale" && op != "causal_mask" && op != "position_mask") break;
+    if (!is_scores_op(graph.node(producer).op)) break;
     between.push_back(producer);
     value = graph.node(producer).inputs.front();
     producer = graph.value(value).producer;
@@ -72,10 +81,8 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
   if (producer < 0) return outcome;  // the softmax of an input: nothing to fuse
   const Node& scores_matmul = graph.node(producer);
   if (scores_matmul.op != "matmul") {
-    const bool reads_scores = std::any_of(scores_matmul.inputs.begin(), scores_matmul.inputs.end(), [&](ValueId input) {
-      const NodeId source = graph.value(input).producer;
-      return source >= 0 && graph.node(source).op == "matmul" && graph.node(source).attributes.get_int("transpose_right") != 0;
-    });
+    const bool reads_scores = std::any_of(scores_matmul.inputs.begin(), scores_matmul.inputs.end(),
+                                          [&](ValueId input) { return comes_from_scores(graph, input); });
     if (!between.empty() || reads_scores) {
       outcome.decision = Decision::refuse(fmt::format("'{}' ({}) between the scores and the softmax is not part of "
                                                       "the pattern (scale, causal_mask, position_mask)",

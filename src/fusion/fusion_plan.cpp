@@ -68,17 +68,29 @@ std::string dot_quoted(std::string_view text) {
 }
 
 // "certificate: law stable_weighted_softmax, verified (4/4 obligations hold)".
+// The line describes what the certificate says; the run checks it (a node's certificate is proved again
+// before it runs). A field of the wrong type reads as missing: `{"law": 1}` is "law ?", `"verified": "yes"`
+// is not verified (nlohmann's value() threw a type_error for them: plan's text ended as an internal error).
 std::string certificate_line(const std::string& certificate_json) {
   const nlohmann::json certificate = nlohmann::json::parse(certificate_json, nullptr, false);
   if (certificate.is_discarded() || !certificate.is_object()) return "certificate: unreadable";
+  const auto field = [](const nlohmann::json& object, const char* key) {
+    const auto found = object.find(key);
+    return found == object.end() ? nlohmann::json() : *found;
+  };
+  const nlohmann::json law = field(certificate, "law");
+  const nlohmann::json obligations = field(certificate, "obligations");
   std::size_t holding = 0;
   std::size_t total = 0;
-  for (const auto& obligation : certificate.value("obligations", nlohmann::json::array())) {
-    ++total;
-    if (obligation.value("holds", false)) ++holding;
+  if (obligations.is_array()) {
+    for (const nlohmann::json& obligation : obligations) {
+      ++total;
+      if (obligation.is_object() && field(obligation, "holds") == true) ++holding;
+    }
   }
-  return fmt::format("certificate: law {}, {} ({}/{} obligations hold)", certificate.value("law", std::string("?")),
-                     certificate.value("verified", false) ? "verified" : "NOT verified", holding, total);
+  return fmt::format("certificate: law {}, {} ({}/{} obligations hold)",
+                     law.is_string() ? control_bytes_spelled(law.get<std::string>()) : "?",
+                     field(certificate, "verified") == true ? "verified" : "NOT verified", holding, total);
 }
 
 }  // namespace

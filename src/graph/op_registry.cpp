@@ -124,15 +124,20 @@ std::vector<TensorSpec> infer_unary(std::span<const TensorSpec> inputs, Attribut
   return {inputs[0]};
 }
 
+// The scale op multiplies in f32 (scale_math): a factor that rounds to an f32 infinity would turn every
+// element into inf or NaN (0 · inf) whatever its value. `name` is the attribute.
+double f32_factor(Attributes& attributes, std::string_view name) {
+  const double factor = finite_number(attributes, name);
+  if (std::isinf(static_cast<float>(factor))) {
+    throw InputError(std::string(name) + " " + number_text(factor) + " is beyond f32's range (scale multiplies in f32)");
+  }
+  return factor;
+}
+
 std::vector<TensorSpec> infer_scale(std::span<const TensorSpec> inputs, Attributes& attributes) {
   check_known_attributes(attributes, {"factor"});
   require_floating(inputs[0], "x");
-  const double factor = finite_number(attributes, "factor");
-  // The op multiplies in f32 (scale_math): a factor that rounds to an f32 infinity would turn every
-  // element into inf or NaN (0 · inf) whatever its value.
-  if (std::isinf(static_cast<float>(factor))) {
-    throw InputError("factor " + number_text(factor) + " is beyond f32's range (scale multiplies in f32)");
-  }
+  f32_factor(attributes, "factor");
   return {inputs[0]};
 }
 
@@ -228,7 +233,13 @@ std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs
                      described("k", k));
   }
   if (!attributes.has("scale")) attributes.set("scale", 1.0);
-  finite_number(attributes, "scale");
+  // The op is its plain-op chain (scale, mask, softmax, matmul), whose scale multiplies in f32: a scale
+  // past f32's range is refused as the scale op refuses it, and one that is 0 only in f32 as the rewrite
+  // refuses it (a -inf score times it is NaN in the chain, -inf in a double product).
+  const double scale = f32_factor(attributes, "scale");
+  if (scale != 0 && static_cast<float>(scale) == 0) {
+    throw InputError("scale " + number_text(scale) + " is 0 in f32 (the chain's scale op multiplies in f32)");
+  }
   if (!attributes.has("mask")) attributes.set("mask", std::string(inputs.size() == 4 ? "positions" : "none"));
   const std::string& mask = attributes.get_string("mask");
   if (mask != "none" && mask != "causal" && mask != "positions") {

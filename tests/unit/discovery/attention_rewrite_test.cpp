@@ -216,6 +216,16 @@ TEST(AttentionRewrite, EveryRefusalHasItsReason) {
          return b.build({b.matmul(p, v, false, "attention")});
        }),
        "'biased' (add) between the scores and the softmax is not part of the pattern (scale, causal_mask, position_mask)"},
+      // The foreign op right before the softmax, after a scale and a mask: it was found, but its input was not
+      // the scores matmul's own output, so no refusal was given.
+      {"an op after the scale and the mask",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto masked = b.causal_mask(b.scale(b.matmul(q, k, true, "scores"), 0.5, "scaled"), 2, "masked");
+         auto p = b.softmax(b.silu(masked, "squashed"), -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "'squashed' (silu) between the scores and the softmax is not part of the pattern (scale, causal_mask, "
+       "position_mask)"},
   };
   for (const RefusalCase& refusal : cases) {
     const ComputeGraph graph = refusal.graph();
@@ -358,6 +368,34 @@ TEST(AttentionRewrite, TheExecutorRefusesUnverifiedCertificates) {
             "node 'attention' (flash_attention): refused: its certificate is for law 'sum', the op needs "
             "'stable_weighted_softmax'");
   EXPECT_EQ(run(prove(stable_weighted_softmax_law()).to_json()), "(no InputError)");
+}
+
+// plan describes a node's certificate, whatever it holds, and run refuses it: a field of the wrong type
+// ended plan's text in nlohmann's type_error (an internal error, exit 1) where its JSON and DOT printed.
+TEST(AttentionRewrite, APlanDescribesAnyCertificateAndTheRunRefusesIt) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"law": 1})", "certificate: law ?, NOT verified (0/0 obligations hold)"},
+      {R"({"law": [], "verified": true})", "certificate: law ?, verified (0/0 obligations hold)"},
+      {R"({"law": "stable_weighted_softmax", "verified": "yes"})",
+       "certificate: law stable_weighted_softmax, NOT verified (0/0 obligations hold)"},
+      {R"({"law": "a\nb", "obligations": [1, {"holds": "y"}, {"holds": true}], "verified": 1})",
+       "certificate: law a\\x0ab, NOT verified (1/3 obligations hold)"},
+      {R"({"obligations": {"holds": true}})", "certificate: law ?, NOT verified (0/0 obligations hold)"},
+      {"[1]", "certificate: unreadable"},
+      {"{", "certificate: unreadable"},
+  };
+  const std::uint64_t seed = test_seed();
+  for (const auto& [certificate, line] : cases) {
+    const ComputeGraph graph = flash_graph(certificate);
+    const FusionPlan plan = plan_graph_fusion(graph);
+    std::string text;
+    ASSERT_NO_THROW(text = plan.explain()) << certificate;
+    EXPECT_NE(text.find(line), std::string::npos) << certificate << "\n" << text;
+    EXPECT_NO_THROW(plan.to_json()) << certificate;
+    EXPECT_NO_THROW(plan.to_dot()) << certificate;
+    EXPECT_NE(error_of([&] { run_reference(graph, random_inputs(graph, seed)); }).find("refused:"), std::string::npos)
+        << certificate;
+  }
 }
 
 // A chain the target's cost model gives no saving (no launch cost, a memory system this fast) stays plain

@@ -118,6 +118,9 @@ TEST(OpRegistryTest, UnaryOps) {
   EXPECT_EQ(infer_error("scale", {spec({3})}, attrs({{"factor", std::string("two")}})),
             "attribute 'factor' must be a number, got a string");
   EXPECT_EQ(infer_error("scale", {spec({3})}, attrs({{"factor", INFINITY}})), "attribute 'factor' must be finite");
+  EXPECT_EQ(infer_error("scale", {spec({3})}, attrs({{"factor", 1e39}})),
+            "factor 1e+39 is beyond f32's range (scale multiplies in f32)");
+  EXPECT_EQ(infer_one("scale", {spec({3})}, attrs({{"factor", 1e-50}})), spec({3}));  // 0 in f32: a scale by 0
   Attributes gelu;
   infer("gelu", {spec({3})}, gelu);
   EXPECT_EQ(gelu.get_string("approximate"), "none");
@@ -226,6 +229,19 @@ TEST(OpRegistryTest, FlashAttention) {
   EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})},
                         attrs({{"mask", std::string("sliding")}})),
             "mask must be 'none', 'causal' or 'positions', got 'sliding'");
+  // The scale as its plain-op chain takes it: within f32's range (the scale op's rule), and not 0 in f32
+  // unless 0 (the rewrite's rule). 1e39 gave all-NaN outputs; 1e-50 attended uniformly.
+  for (const auto& [scale, message] : {std::pair{1e39, "scale 1e+39 is beyond f32's range (scale multiplies in f32)"},
+                                       std::pair{1e-50, "scale 1e-50 is 0 in f32 (the chain's scale op multiplies in f32)"},
+                                       std::pair{-1e-46, "scale -1e-46 is 0 in f32 (the chain's scale op multiplies in f32)"}}) {
+    EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})}, attrs({{"scale", scale}})),
+              message);
+  }
+  for (const double scale : {0.0, 1e-45, -0.125, 3e38}) {
+    EXPECT_EQ(infer_one("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})}, attrs({{"scale", scale}})),
+              spec({2, 6, 8}))
+        << scale;
+  }
   EXPECT_EQ(testing::error_of([] {
               GraphBuilder builder;
               auto q = builder.input("q", spec({2, 6, 8}));
