@@ -98,6 +98,8 @@ struct LoadOptions {
   // Who asked for max_sequence, as messages and DecoderModel::capacity_source() name it: the
   // command-line option by default, or what a tool that computed it says (bench-model).
   std::string max_sequence_source = "max-seq";
+  // How a user of the front end sets max_sequence, for the message that says where the default came from.
+  std::string max_sequence_option = "--max-seq";
   // With max_sequence, the positions the caller needs where it rounded max_sequence up from them
   // (bench-model); 0: all of max_sequence is needed. A sliding window below max_sequence but at or
   // above this caps the capacity instead of refusing the load.

@@ -201,6 +201,8 @@ void bind_model(py::module_& module) {
         options.dtype = parse_dtype(dtype);
         options.quantize = quantization_of(quantize, group_size);
         options.max_sequence = integer_argument("max_seq", max_seq);
+        options.max_sequence_source = "max_seq";  // messages name the keyword, not the CLI's option
+        options.max_sequence_option = "max_seq=";
         auto model = std::make_shared<DecoderModel>(DecoderModel::load(path, options));
 #ifdef METILE_HAVE_CUDA_BACKEND
         if (device) {

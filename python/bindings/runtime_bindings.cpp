@@ -58,6 +58,12 @@ HostTensor tensor_from_numpy(const std::string& name, const TensorSpec& spec, co
     throw py::type_error(where + " must be a numpy array, got " +
                          std::string(py::str(py::type::handle_of(object).attr("__name__"))));
   }
+  // A masked array's mask says which values are not there; its data holds whatever lay under the mask,
+  // which would be run as if given. The caller chooses: .filled(value) or .data.
+  if (py::isinstance(object, py::module_::import("numpy.ma").attr("MaskedArray"))) {
+    throw py::type_error(where + " is a masked array (numpy.ma): pass .filled(value), or .data for the values under "
+                                 "its mask as they are");
+  }
   const auto given = py::reinterpret_borrow<py::array>(object);
   const py::dtype expected = numpy_dtype(spec.dtype);
   if (!given.dtype().equal(expected)) {

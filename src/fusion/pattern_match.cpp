@@ -254,6 +254,17 @@ void validate_rule_set(const RuleSet& rules) {
         throw InputError(where + ": pattern entry " + std::to_string(index) + " needs a role name not starting with '$'");
       }
       if (!roles.insert(entry.role).second) throw InputError(where + ": role '" + entry.role + "' appears twice");
+      // An op name no node can have, or a binding without a name, makes an entry that never matches: a
+      // rule that silently fuses nothing.
+      for (const std::string& op : entry.ops) {
+        if (find_op(op) == nullptr) {
+          throw InputError(where + ": role '" + entry.role + "' allows op '" + control_bytes_spelled(op) +
+                           "', which is not a registered op");
+        }
+      }
+      for (const std::string& source : entry.inputs) {
+        if (source == "$") throw InputError(where + ": role '" + entry.role + "' has an input slot \"$\" that names no binding");
+      }
     }
     // Producers come before their readers, so one backward pass finds every
     // entry the anchor reaches.

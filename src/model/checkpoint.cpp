@@ -391,7 +391,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   std::int64_t capacity = options.max_sequence > 0 ? options.max_sequence
                                                    : std::min<std::int64_t>(4096, config.max_position_embeddings);
   model.capacity_source_ = options.max_sequence > 0 ? options.max_sequence_source
-                                                   : "max_position_embeddings, at most 4096; --max-seq sets it";
+                                                   : "max_position_embeddings, at most 4096; " + options.max_sequence_option + " sets it";
   if (options.max_sequence < 0) {
     throw InputError(fmt::format("{} {} is negative", options.max_sequence_source, options.max_sequence));
   }

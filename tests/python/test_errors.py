@@ -131,6 +131,13 @@ def test_run_rejects_wrong_arrays_naming_the_input(rng):
         metile.run(graph, {**inputs, "values": inputs["values"].reshape(16)})
     with pytest.raises(TypeError, match="must be a numpy array, got list"):
         metile.run(graph, {**inputs, "values": inputs["values"].tolist()})
+    # A masked array ran the values under its mask as if they were given.
+    masked = np.ma.masked_array(inputs["values"], mask=inputs["values"] > 0)
+    with pytest.raises(TypeError, match=r"input 'values' \(f16\[2, 8\]\) is a masked array \(numpy.ma\)"):
+        metile.run(graph, {**inputs, "values": masked})
+    filled = metile.run(graph, {**inputs, "values": masked.filled(0)})
+    expected = metile.run(graph, {**inputs, "values": np.where(inputs["values"] > 0, 0, inputs["values"])})
+    assert all(np.array_equal(filled[name], expected[name]) for name in expected)
     with pytest.raises(ValueError, match="weight"):
         metile.run(graph, {"values": inputs["values"]})  # missing input
     unknown_name = r"'wieght' is not an input of the graph \(its inputs: values, weight\)"

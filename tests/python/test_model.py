@@ -149,6 +149,12 @@ def test_errors(tmp_path):
     # An endless iterator of ids stops at the cache's capacity instead of filling the memory.
     with pytest.raises(ValueError, match="more than the KV-cache capacity of 256 tokens"):
         model.logits(itertools.repeat(1))
+    # A capacity error names Python's keyword, not the command line's option.
+    with pytest.raises(ValueError, match=r"past the KV-cache capacity 256 \(max_position_embeddings, at most 4096; "
+                                         r"max_seq= sets it\)$"):
+        model.generate([1, 2], 300)
+    with pytest.raises(ValueError, match=r"past the KV-cache capacity 8 \(max_seq\)$"):
+        metile.load_model(str(tmp_path / "m"), max_seq=8).generate([1, 2], 8)
     # Trailing separators name the directory itself (the staging folder once went inside it).
     (tmp_path / "empty").mkdir()
     metile.synth_model(str(tmp_path / "empty") + "/")

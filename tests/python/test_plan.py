@@ -181,6 +181,27 @@ def test_a_rule_name_with_a_control_byte_is_refused():
         metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
 
 
+# A pattern entry that can never match (an op name no node has, a "$" slot binding no name) made a rule
+# that silently fused nothing; refused when the rule set is checked.
+def test_a_pattern_entry_that_cannot_match_is_refused():
+    rule = metile.residual_add_rms_norm_rule()
+    pattern = rule.pattern
+    pattern[0].ops = ["add", "frobnicate"]
+    rule.pattern = pattern
+    with pytest.raises(ValueError, match=r"^rule 'residual_add_rms_norm': role 'sum' allows op 'frobnicate', which is "
+                                         r"not a registered op$"):
+        metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
+    rule = metile.residual_add_rms_norm_rule()
+    pattern = rule.pattern
+    pattern[1].inputs = ["sum", "$"]
+    rule.pattern = pattern
+    with pytest.raises(ValueError, match=r"^rule 'residual_add_rms_norm': role 'norm' has an input slot \"\$\" that "
+                                         r"names no binding$"):
+        metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
+    # The rule as shipped plans the graph into one region.
+    assert len(metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[metile.residual_add_rms_norm_rule()]).regions) == 1
+
+
 # A target's name set from Python is held to the file reader's rule: an empty one planned as "target ?".
 def test_an_empty_target_name_is_refused_as_in_a_file():
     target = metile.FusionTarget.cpu()
