@@ -156,7 +156,7 @@ void bind_target(py::module_& module) {
             return FusionTarget::from_json(text.value, source_name.value);
           },
           py::arg("text"), py::arg("source_name") = "<string>",
-                  "A JSON object: optional \"base\" (\"h200\" or \"cpu\") whose fields the others override.")
+          "A JSON object: optional \"base\" (\"h200\" or \"cpu\") whose fields the others override.")
       .def_static("from_json_file", &FusionTarget::from_json_file, py::arg("path"))
       .def_static(
           "from_name_or_file", [](const py::object& name_or_path) { return target_from_python(name_or_path); },

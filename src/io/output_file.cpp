@@ -2,7 +2,8 @@
 // files, written in place for FIFOs and character devices, through the link for
 // symlinks, so a named pipe or a link into another folder keeps being what it was;
 // `/dev/stdout` and the other names of a descriptor this process holds open are
-// written through that descriptor, at its offset, whatever file it is.
+// written through that descriptor, at its offset, whatever file it is. A fatal signal's handler
+// (remove_temporary_files_on_fatal_signals) unlinks the temporaries being written.
 #include <atomic>
 #include <cerrno>
 #include <charconv>
@@ -14,6 +15,7 @@
 #include <string>
 #include <system_error>
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "metile/io.h"
@@ -95,6 +97,52 @@ void write_descriptor(int descriptor, const std::string& file, const std::functi
   if (!stream) throw InputError(file + ": write failed: " + std::strerror(errno));
 }
 
+// The temporaries being written, for a fatal signal's handler to unlink: fixed slots of path bytes, so
+// that the handler touches no allocation and calls only unlink (async-signal-safe). A slot is claimed
+// (1), filled, published (2) and released (0); the handler unlinks the published ones.
+constexpr int kTemporarySlots = 8;
+constexpr std::size_t kTemporaryPathBytes = 4096;
+struct TemporarySlot {
+  std::atomic<int> state{0};
+  char path[kTemporaryPathBytes] = {};
+};
+TemporarySlot temporary_slots[kTemporarySlots];
+static_assert(std::atomic<int>::is_always_lock_free);
+
+// Holds one temporary's path in a slot while it lives (none when every slot is taken or the path is
+// too long: that file is then only removed by the normal paths, as before).
+class RegisteredTemporary {
+ public:
+  explicit RegisteredTemporary(const fs::path& path) {
+    const std::string& text = path.native();
+    if (text.size() >= kTemporaryPathBytes) return;
+    for (TemporarySlot& candidate : temporary_slots) {
+      int free = 0;
+      if (!candidate.state.compare_exchange_strong(free, 1)) continue;
+      std::memcpy(candidate.path, text.c_str(), text.size() + 1);
+      candidate.state.store(2);
+      slot_ = &candidate;
+      return;
+    }
+  }
+  ~RegisteredTemporary() {
+    if (slot_ != nullptr) slot_->state.store(0);
+  }
+  RegisteredTemporary(const RegisteredTemporary&) = delete;
+  RegisteredTemporary& operator=(const RegisteredTemporary&) = delete;
+
+ private:
+  TemporarySlot* slot_ = nullptr;
+};
+
+void remove_temporaries_and_die(int signal) {
+  for (TemporarySlot& slot : temporary_slots) {
+    if (slot.state.load() == 2) ::unlink(slot.path);
+  }
+  ::signal(signal, SIG_DFL);
+  ::raise(signal);
+}
+
 // Write beside the destination and rename: a reader never sees a half-written file. The temporary
 // name is short (".metile-PID-N.tmp", not the destination's name with a suffix), so that any name
 // the destination may have fits NAME_MAX. A file that is replaced keeps its permission bits (the
@@ -104,6 +152,7 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   static std::atomic<unsigned> count{0};
   const fs::path temporary =
       destination.parent_path() / (".metile-" + std::to_string(::getpid()) + "-" + std::to_string(count++) + ".tmp");
+  const RegisteredTemporary registered(temporary);  // until it is renamed or removed
   try {
     write_stream(temporary, file, write);
     if (permissions) {
@@ -125,6 +174,13 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
 }
 
 }  // namespace
+
+void remove_temporary_files_on_fatal_signals() {
+  struct sigaction action {};
+  action.sa_handler = remove_temporaries_and_die;
+  sigemptyset(&action.sa_mask);
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) sigaction(signal, &action, nullptr);
+}
 
 void write_output_file(const fs::path& path, const std::function<void(std::ostream&)>& write) {
   const std::string file = path.string();

@@ -15,8 +15,11 @@
 // run on every hardware thread and write the bytes of the sequential loops, whatever the
 // thread count (the model and quant unit suites check it).
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -221,6 +224,19 @@ ModelConfig synth_config(const SynthOptions& options) {
   return config;
 }
 
+namespace {
+
+// rename(2) that fails with EEXIST where `to` exists (RENAME_NOREPLACE) instead of replacing a file or
+// an empty directory; 0 on success, else the errno. A file system without the flag (EINVAL) gets a
+// plain rename, which still refuses a directory that is not empty (ENOTEMPTY).
+int rename_without_replacing(const std::filesystem::path& from, const std::filesystem::path& to) {
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return 0;
+  if (errno != EINVAL) return errno;
+  return ::rename(from.c_str(), to.c_str()) == 0 ? 0 : errno;
+}
+
+}  // namespace
+
 void synthesize_model(const std::filesystem::path& directory, const SynthOptions& options,
                       const std::function<void(const std::string&)>& progress, const std::function<bool()>& cancelled) {
   const ModelConfig config = synth_config(options);
@@ -252,9 +268,11 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     if (!empty) throw InputError(fmt::format("{}: exists and is not an empty directory", directory.string()));
   }
   const std::filesystem::path parent = target.parent_path();
-  if (target == parent || !std::filesystem::is_directory(input_path_status(parent))) {
+  const std::filesystem::file_status parent_status = input_path_status(parent);
+  if (target == parent || !std::filesystem::exists(parent_status)) {
     throw InputError(fmt::format("{}: parent directory does not exist", parent.string()));
   }
+  if (!std::filesystem::is_directory(parent_status)) throw InputError(fmt::format("{}: is not a directory", parent.string()));
   // A new directory is staged beside it and renamed into place. An empty directory that exists (".",
   // a folder a shell is in, a mounted volume) stays the same directory: the files are staged inside it
   // and moved up, so every rename stays on its file system (from beside a mount point, into it, each
@@ -265,6 +283,22 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   std::vector<std::filesystem::path> moved;  // into an existing directory: removed again if a later move fails
   std::filesystem::create_directories(staging, error);
   if (error) throw InputError(fmt::format("{}: cannot create: {}", staging.string(), error.message()));
+  // Another writer that passed the emptiness check above at the same time (a second synth-model)
+  // would be written over file by file: each run leaves its staging folder in the directory while it
+  // writes, and a run that finds anything else there stops. Two runs that both look after both made
+  // theirs both stop; none overwrites the other.
+  const auto someone_else_writes = [&] {
+    return InputError(fmt::format("{}: is no longer an empty directory: another process is writing into it",
+                                  directory.string()));
+  };
+  if (target_exists) {
+    for (const auto& entry : std::filesystem::directory_iterator(target, error)) {
+      if (entry.path().filename() != staging.filename()) {
+        std::filesystem::remove_all(staging, error);
+        throw someone_else_writes();
+      }
+    }
+  }
   try {
     const std::vector<TensorRecipe> list = recipes(config);
     const auto shard_limit = static_cast<std::int64_t>(options.max_shard_mb * 1e6);
@@ -329,14 +363,22 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     write_output_file(staging / "config.json",
                       [&](std::ostream& out) { out << config.to_json(options.transformers_version); });
     stop_if_cancelled();  // the last moment: after the renames below the model is there
+    // No rename replaces what is there: a directory or file that appeared meanwhile is another writer's.
     if (target_exists) {
       for (const auto& entry : std::filesystem::directory_iterator(staging)) {
-        std::filesystem::rename(entry.path(), target / entry.path().filename());
-        moved.push_back(target / entry.path().filename());
+        const std::filesystem::path destination = target / entry.path().filename();
+        if (const int failure = rename_without_replacing(entry.path(), destination); failure != 0) {
+          if (failure == EEXIST) throw someone_else_writes();
+          throw InputError(fmt::format("{}: cannot move into place: {}", destination.string(), std::strerror(failure)));
+        }
+        moved.push_back(destination);
       }
       std::filesystem::remove(staging);
-    } else {
-      std::filesystem::rename(staging, target);
+    } else if (const int failure = rename_without_replacing(staging, target); failure != 0) {
+      if (failure == EEXIST || failure == ENOTEMPTY) {
+        throw InputError(fmt::format("{}: exists now: another process made it while this one wrote", directory.string()));
+      }
+      throw InputError(fmt::format("{}: cannot move into place: {}", directory.string(), std::strerror(failure)));
     }
   } catch (...) {
     for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);

@@ -4,6 +4,7 @@
 // failure is exactly one line on stderr: "metile: error: ..." or
 // "metile: internal error: ...".
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -12,6 +13,7 @@
 
 #include "commands.h"
 #include "metile/error.h"
+#include "metile/io.h"
 
 namespace {
 
@@ -37,6 +39,11 @@ int finish_standard_output(int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A closed pipe on standard output is a failed write, checked as any other (exit 1, one line): by
+  // default SIGPIPE ended the process without a word (`metile logits ... | head -c 10`: 141).
+  std::signal(SIGPIPE, SIG_IGN);
+  // Ctrl-C, a kill or a closed terminal during `run --output` leaves no temporary file beside it.
+  metile::remove_temporary_files_on_fatal_signals();
   CLI::App app{"metile: compute-graph fusion compiler and runtime"};
   app.require_subcommand(1);
   metile::cli::add_run_command(app);

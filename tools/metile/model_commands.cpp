@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <charconv>
 #include <chrono>
@@ -346,7 +347,7 @@ struct SynthCommandOptions {
   double max_shard_mb = 2000;
 };
 
-// While it lives, SIGINT and SIGTERM set a flag instead of ending the process (a second one ends it
+// While it lives, SIGINT, SIGTERM and SIGHUP set a flag instead of ending the process (a second one ends it
 // at once); the handlers before it come back when it goes.
 std::atomic<int> interrupt_signal{0};  // lock-free: safe to write from a handler on any thread
 static_assert(std::atomic<int>::is_always_lock_free);
@@ -363,12 +364,10 @@ class InterruptFlag {
       interrupt_signal = signal;
     };
     sigemptyset(&action.sa_mask);
-    sigaction(SIGINT, &action, &previous_interrupt_);
-    sigaction(SIGTERM, &action, &previous_terminate_);
+    for (std::size_t index = 0; index < kSignals.size(); ++index) sigaction(kSignals[index], &action, &previous_[index]);
   }
   ~InterruptFlag() {
-    sigaction(SIGINT, &previous_interrupt_, nullptr);
-    sigaction(SIGTERM, &previous_terminate_, nullptr);
+    for (std::size_t index = 0; index < kSignals.size(); ++index) sigaction(kSignals[index], &previous_[index], nullptr);
   }
   InterruptFlag(const InterruptFlag&) = delete;
   InterruptFlag& operator=(const InterruptFlag&) = delete;
@@ -376,8 +375,10 @@ class InterruptFlag {
   int signal() const { return interrupt_signal; }
 
  private:
-  struct sigaction previous_interrupt_ {};
-  struct sigaction previous_terminate_ {};
+  // SIGHUP too: a terminal closed under a run left the staging folder (in an existing empty
+  // directory, where a second run then found the directory not empty).
+  static constexpr std::array<int, 3> kSignals = {SIGINT, SIGTERM, SIGHUP};
+  std::array<struct sigaction, kSignals.size()> previous_{};
 };
 
 void synth_command(const SynthCommandOptions& options) {

@@ -83,6 +83,31 @@ TEST_F(RunCommand, GivenInputsGiveTheReferenceOutputs) {
   EXPECT_EQ(std::count(stdout_.begin(), stdout_.end(), '\n'), 2);
 }
 
+// Standard output a pipe whose reader has gone (`metile run ... | head -c 10` once head exits): a failed
+// write like a full disk, exit 1 with one line. SIGPIPE ended the process (status 141 to a shell) without
+// a word. The reader's end is closed before metile starts, so its first write meets it.
+TEST_F(RunCommand, AClosedPipeOnStandardOutputIsOneLineAndExit1) {
+  int ends[2];
+  ASSERT_EQ(::pipe(ends), 0);
+  ::close(ends[0]);
+  const std::string errors = path("stderr.txt");
+  const std::string graph = path("graph.json");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::dup2(ends[1], STDOUT_FILENO);
+    if (std::freopen(errors.c_str(), "w", stderr) == nullptr) ::_exit(99);
+    ::execl(METILE_BINARY, METILE_BINARY, "run", graph.c_str(), static_cast<char*>(nullptr));
+    ::_exit(98);
+  }
+  ::close(ends[1]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  EXPECT_EQ(testing::read_text(errors), "metile: error: cannot write to standard output: Broken pipe\n");
+}
+
 TEST_F(RunCommand, SeedChoosesTheRandomInputs) {
   ASSERT_EQ(run("--seed 9 --output " + path("seed9.safetensors")), 0) << stderr_;
   EXPECT_EQ(read_safetensors(path("seed9.safetensors")), run_reference(graph_, random_inputs(graph_, 9)));

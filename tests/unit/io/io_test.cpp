@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <fstream>
 #include <thread>
@@ -94,6 +97,33 @@ TEST_F(IoTest, AReplacedFileKeepsItsPermissions) {
   write_output_file(fresh, [](std::ostream& stream) { stream << "new"; });
   ::umask(umask_bits);
   EXPECT_EQ(std::filesystem::status(fresh).permissions(), std::filesystem::perms(0644));
+}
+
+// A fatal signal while write_output_file writes (Ctrl-C, a kill, a closed terminal during `metile run
+// --output`) left the half-written ".metile-PID-N.tmp" beside the destination. In a child that installs
+// the CLI's handlers, the writer signals itself halfway: the child dies of the signal, as before, and
+// neither the temporary nor a change to the destination is left.
+TEST_F(IoTest, AFatalSignalMidWriteLeavesNoTemporary) {
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+    const std::filesystem::path path = file("out", "old contents");
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      remove_temporary_files_on_fatal_signals();
+      write_output_file(path, [&](std::ostream& stream) {
+        stream << std::string(1 << 20, 'x') << std::flush;  // on disk: the temporary holds a megabyte
+        ::raise(signal);
+        stream << "never";
+      });
+      ::_exit(0);  // not reached
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == signal) << "signal " << signal << ", status " << status;
+    EXPECT_EQ(read_text(path), "old contents");
+    EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1)
+        << "signal " << signal << " left " << std::filesystem::directory_iterator(directory_)->path();
+  }
 }
 
 // A name of 250 bytes is a valid file name: its temporary ("NAME.tmpPID" before) went past NAME_MAX

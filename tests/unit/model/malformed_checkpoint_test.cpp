@@ -9,6 +9,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <thread>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -523,6 +526,95 @@ TEST_F(MalformedCheckpoint, AnInterruptedSynthesisLeavesNothing) {
   EXPECT_TRUE(std::filesystem::is_empty(root_)) << "left behind: " << std::filesystem::directory_iterator(root_)->path();
 }
 
+// `metile synth-model` stopped by a signal once its staging folder holds a shard: Ctrl-C and a kill
+// were cancelled cleanly, but a closed terminal (SIGHUP) ended the process and left the staging folder
+// (inside an existing empty directory, where the next run then found it not empty).
+TEST_F(MalformedCheckpoint, ASignalledSynthesisLeavesNothing) {
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+    const std::filesystem::path target = root_ / "existing";
+    std::filesystem::create_directory(target);
+    const std::string errors = (root_ / "err.txt").string();
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      if (std::freopen(errors.c_str(), "w", stderr) == nullptr || std::freopen("/dev/null", "w", stdout) == nullptr) {
+        ::_exit(99);
+      }
+      ::execl(METILE_BINARY, METILE_BINARY, "synth-model", target.c_str(), "--preset", "small", "--max-shard-mb", "1",
+              static_cast<char*>(nullptr));
+      ::_exit(98);
+    }
+    // Wait for a written shard in the staging folder (the run is then among its tensors, where it checks).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    bool staged = false;
+    while (!staged && std::chrono::steady_clock::now() < deadline) {
+      std::error_code error;
+      for (const auto& entry : std::filesystem::directory_iterator(target, error)) {
+        if (entry.path().filename().string().starts_with(".metile-partial-") &&
+            std::filesystem::exists(entry.path() / "shard-1", error)) {
+          staged = true;
+        }
+      }
+      if (!staged) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ::kill(child, signal);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(staged) << "signal " << signal << ": no shard was staged in time";
+    // The shell's convention for a command a signal stopped: 128 + the signal (130 for Ctrl-C).
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + signal) << "signal " << signal << ", status " << status;
+    EXPECT_EQ(read_text(errors), "metile: synth-model: interrupted; nothing was written\n") << "signal " << signal;
+    EXPECT_TRUE(std::filesystem::is_empty(target)) << "signal " << signal << " left "
+                                                   << std::filesystem::directory_iterator(target)->path();
+    std::filesystem::remove_all(target);
+  }
+}
+
+// Two synth-model runs into one directory, simulated: the other writer acts while this one writes
+// (its progress callback). Each file was renamed over what was there, so both runs said they had
+// written the model and the directory held a mix of the two; a run racing into a new directory ended
+// in filesystem_error ("Directory not empty", an internal error). Now this run stops, removes what it
+// moved and its staging folder, and leaves the other writer's files as they are.
+TEST_F(MalformedCheckpoint, ASynthesisThatFindsAnotherWriterStopsAndOverwritesNothing) {
+  SynthOptions options;
+  options.preset = "tiny";
+  options.max_shard_mb = 0.05;  // shards, an index and a config: several files to move
+  const auto files_in = [](const std::filesystem::path& directory) {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(directory)) names.push_back(entry.path().filename());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  // An existing empty directory: the other writer's config.json appears while this run writes.
+  const std::filesystem::path existing = root_ / "existing";
+  std::filesystem::create_directory(existing);
+  bool planted = false;
+  const auto plant = [&](const std::string&) {
+    if (!planted) testing::write_text(existing / "config.json", "the other writer's");
+    planted = true;
+  };
+  EXPECT_EQ(testing::error_of([&] { synthesize_model(existing, options, plant); }),
+            existing.string() + ": is no longer an empty directory: another process is writing into it");
+  EXPECT_EQ(files_in(existing), std::vector<std::string>{"config.json"});
+  EXPECT_EQ(read_text(existing / "config.json"), "the other writer's");
+  // A new directory that another writer makes, empty or not, while this run writes.
+  for (const bool with_a_file : {false, true}) {
+    const std::filesystem::path fresh = root_ / (with_a_file ? "fresh_full" : "fresh_empty");
+    planted = false;
+    const auto make = [&](const std::string&) {
+      if (planted) return;
+      std::filesystem::create_directory(fresh);
+      if (with_a_file) testing::write_text(fresh / "model.safetensors", "the other writer's");
+      planted = true;
+    };
+    EXPECT_EQ(testing::error_of([&] { synthesize_model(fresh, options, make); }),
+              fresh.string() + ": exists now: another process made it while this one wrote");
+    EXPECT_EQ(files_in(fresh), with_a_file ? std::vector<std::string>{"model.safetensors"} : std::vector<std::string>{});
+  }
+  // Nothing of this run is left beside them either.
+  EXPECT_EQ(files_in(root_), (std::vector<std::string>{"existing", "fresh_empty", "fresh_full"}));
+}
+
 TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   const std::filesystem::path directory = synth("model", {});
   std::string out, err;
@@ -741,6 +833,10 @@ TEST_F(MalformedCheckpoint, PathsTheSystemCannotLookAtAreBadInput) {
   expect_bad_input("logits " + (root_ / "loop").string() + " --prompt-ids 1", root_ / "loop", loop);
   expect_bad_input("synth-model " + (root_ / "loop" / "x").string(), root_ / "loop" / "x", loop);
   expect_bad_input("synth-model " + (root_ / "loop" / "x" / "y").string(), root_ / "loop" / "x" / "y", loop);
+  // A parent that is a file is not a missing directory.
+  testing::write_text(root_ / "a_file", "x");
+  expect_bad_input("synth-model " + (root_ / "a_file" / "sub").string(), root_ / "a_file", "is not a directory");
+  expect_bad_input("synth-model " + (root_ / "none" / "sub").string(), root_ / "none", "parent directory does not exist");
   const std::string long_name(300, 'n');  // past NAME_MAX (255)
   expect_bad_input("synth-model " + (root_ / long_name).string(), root_ / long_name, "File name too long");
   expect_bad_input("verify-model " + (root_ / long_name).string(), root_ / long_name, "File name too long");
