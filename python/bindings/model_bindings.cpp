@@ -44,7 +44,9 @@ std::optional<AffineQuantization> quantization_of(const py::handle& bits, const 
 // The ids of one sequence; reading stops past `capacity` of them (an endless iterator is an error,
 // not a loop until memory runs out).
 std::vector<std::int32_t> token_ids(const py::handle& ids, std::int64_t capacity) {
-  if (py::isinstance<py::str>(ids) || py::isinstance<py::bytes>(ids) || py::isinstance<py::bytearray>(ids)) {
+  // Text is not ids, nor is a set or a dict: their order is not the caller's (a dict gave its keys).
+  if (py::isinstance<py::str>(ids) || py::isinstance<py::bytes>(ids) || py::isinstance<py::bytearray>(ids) ||
+      py::isinstance<py::set>(ids) || py::isinstance<py::frozenset>(ids) || py::isinstance<py::dict>(ids)) {
     throw py::type_error("ids must be a sequence of integers, got " + std::string(py::str(py::type::handle_of(ids).attr("__name__"))));
   }
   const py::object numpy_integer = py::module_::import("numpy").attr("integer");
@@ -184,6 +186,8 @@ void bind_model(py::module_& module) {
         if (backend != "cpu" && backend != "cuda") {
           throw InputError("backend must be 'cpu' or 'cuda', got '" + backend + "'");
         }
+        // A model runs in bf16 or f32 (as --dtype on the command line); parse_dtype's message lists every dtype.
+        if (dtype != "bf16" && dtype != "f32") throw InputError("dtype must be 'bf16' or 'f32', got '" + dtype + "'");
 #ifdef METILE_HAVE_CUDA_BACKEND
         std::optional<CudaDevice> device;
         if (backend == "cuda") {
@@ -203,7 +207,11 @@ void bind_model(py::module_& module) {
         options.max_sequence = integer_argument("max_seq", max_seq);
         options.max_sequence_source = "max_seq";  // messages name the keyword, not the CLI's option
         options.max_sequence_option = "max_seq=";
-        auto model = std::make_shared<DecoderModel>(DecoderModel::load(path, options));
+        std::shared_ptr<DecoderModel> model;
+        {
+          py::gil_scoped_release release;  // reading a checkpoint takes seconds: other threads run meanwhile
+          model = std::make_shared<DecoderModel>(DecoderModel::load(path, options));
+        }
 #ifdef METILE_HAVE_CUDA_BACKEND
         if (device) {
           auto held = std::make_shared<PythonCudaModel>();
@@ -228,7 +236,7 @@ void bind_model(py::module_& module) {
       "synth_model",
       [](const std::filesystem::path& path, const Utf8Text& preset, const std::optional<Utf8Text>& arch,
          const py::handle& layers, const py::handle& seed, const py::handle& quantize, const py::handle& group_size,
-         const py::handle& tie_word_embeddings, int config_spelling) {
+         const py::handle& tie_word_embeddings, int config_spelling, const py::handle& max_shard_mb) {
         SynthOptions options;
         options.preset = preset.value;
         if (arch) options.architecture = parse_architecture_short_name(arch->value);
@@ -242,12 +250,32 @@ void bind_model(py::module_& module) {
           options.tie_word_embeddings = PyObject_IsTrue(tie_word_embeddings.ptr()) == 1;
         }
         options.transformers_version = config_spelling;
-        synthesize_model(path, options);
+        if (is_boolean(max_shard_mb) || !(py::isinstance<py::int_>(max_shard_mb) || py::isinstance<py::float_>(max_shard_mb) ||
+                                          py::isinstance(max_shard_mb, py::module_::import("numpy").attr("number")))) {
+          throw py::type_error("max_shard_mb must be a number, got " + python_type_name(max_shard_mb));
+        }
+        options.max_shard_mb = py::float_(py::reinterpret_borrow<py::object>(max_shard_mb));
+        // Written without the GIL; Ctrl-C is looked for between tensors, as the command line's synth-model
+        // does, and cancels the write (nothing is left) with Python's KeyboardInterrupt. Holding the GIL,
+        // the interrupt was seen only once the whole checkpoint had been written.
+        std::optional<py::error_already_set> interruption;
+        try {
+          py::gil_scoped_release release;
+          synthesize_model(path, options, {}, [&] {
+            py::gil_scoped_acquire acquire;
+            if (PyErr_CheckSignals() == 0) return false;
+            interruption.emplace();  // the handler's exception (KeyboardInterrupt), taken from Python's error state
+            return true;
+          });
+        } catch (const InputError&) {
+          if (interruption) throw *interruption;
+          throw;
+        }
       },
       py::arg("path"), py::arg("preset") = "tiny", py::arg("arch") = py::none(), py::arg("layers") = py::none(),
       py::arg("seed") = 0, py::arg("quantize") = py::none(), py::arg("group_size") = py::none(),
-      py::arg("tie_word_embeddings") = py::none(), py::arg("config_spelling") = 4,
-      "Writes a seeded random checkpoint in the Hugging Face layout");
+      py::arg("tie_word_embeddings") = py::none(), py::arg("config_spelling") = 4, py::arg("max_shard_mb") = 2000,
+      "Writes a seeded random checkpoint in the Hugging Face layout (shards of at most max_shard_mb MB)");
 }
 
 }  // namespace metile::python

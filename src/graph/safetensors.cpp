@@ -55,13 +55,16 @@ std::optional<DType> parse_safetensors_dtype(std::string_view name) {
   return std::nullopt;
 }
 
-// The format's other dtypes, by element size: metile reads none of them, but a file may hold them
-// beside the tensors it reads (an I64 buffer, a BOOL mask, F64 statistics in a checkpoint), so such
-// an entry is checked like any other and refused only when asked for (MappedSafetensors::find).
-std::optional<std::uint64_t> unreadable_dtype_size(std::string_view name) {
-  static constexpr std::pair<std::string_view, std::uint64_t> sizes[] = {
-      {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"I16", 2}, {"U16", 2}, {"F64", 8}, {"I64", 8}, {"U64", 8}};
-  for (const auto& [dtype, size] : sizes) {
+// The format's other dtypes, by element size in bits: metile reads none of them, but a file may hold
+// them beside the tensors it reads (an I64 buffer, a BOOL mask, F64 statistics, FP4 or FP6 weights of
+// another runtime), so such an entry is checked like any other and refused only when asked for
+// (MappedSafetensors::find). The sub-byte ones fill whole bytes (the format refuses a tensor whose
+// bits do not end on a byte).
+std::optional<std::uint64_t> unreadable_dtype_bits(std::string_view name) {
+  static constexpr std::pair<std::string_view, std::uint64_t> bits[] = {
+      {"BOOL", 8},    {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"F8_E4M3", 8}, {"F8_E5M2", 8}, {"F8_E8M0", 8},
+      {"I16", 16},    {"U16", 16},    {"F64", 64},    {"I64", 64},    {"U64", 64},    {"C64", 64}};
+  for (const auto& [dtype, size] : bits) {
     if (dtype == name) return size;
   }
   return std::nullopt;
@@ -87,8 +90,8 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
   const Json& dtype = description["dtype"];
   if (!dtype.is_string()) throw InputError(where + "dtype is not a string");
   const std::optional<DType> parsed = parse_safetensors_dtype(dtype.get<std::string>());
-  const std::optional<std::uint64_t> unreadable_size = parsed ? std::nullopt : unreadable_dtype_size(dtype.get<std::string>());
-  if (!parsed && !unreadable_size) {
+  const std::optional<std::uint64_t> unreadable_bits = parsed ? std::nullopt : unreadable_dtype_bits(dtype.get<std::string>());
+  if (!parsed && !unreadable_bits) {
     throw InputError(where + "unknown dtype '" + dtype.get<std::string>() + "' (" + std::string(kReadableDtypes) + ")");
   }
   if (parsed) {
@@ -129,13 +132,16 @@ TensorEntry parse_entry(const std::string& file, const std::string& name, const 
     throw InputError(where + "data_offsets end at byte " + std::to_string(entry.end) + " but the file holds only " +
                      std::to_string(data_bytes) + " data bytes");
   }
-  const std::uint64_t expected = element_count * (unreadable_size ? *unreadable_size : dtype_size(entry.spec.dtype));
+  // An unreadable dtype's entry holds a byte view's spec: its shape, spelled with the file's dtype.
+  const auto spec_text = [&] {
+    return unreadable_bits ? entry.unreadable_dtype + entry.spec.to_string().substr(dtype_name(entry.spec.dtype).size())
+                           : entry.spec.to_string();
+  };
+  const std::uint64_t bits = element_count * (unreadable_bits ? *unreadable_bits : 8 * dtype_size(entry.spec.dtype));
+  if (bits % 8 != 0) throw InputError(where + spec_text() + " has " + std::to_string(bits) + " bits, not whole bytes");
+  const std::uint64_t expected = bits / 8;
   if (entry.end - entry.begin != expected) {
-    // An unreadable dtype's entry holds a byte view's spec: its shape, spelled with the file's dtype.
-    const std::string spec_text =
-        unreadable_size ? entry.unreadable_dtype + entry.spec.to_string().substr(dtype_name(entry.spec.dtype).size())
-                        : entry.spec.to_string();
-    throw InputError(where + spec_text + " needs " + std::to_string(expected) + " bytes but data_offsets span " +
+    throw InputError(where + spec_text() + " needs " + std::to_string(expected) + " bytes but data_offsets span " +
                      std::to_string(entry.end - entry.begin));
   }
   return entry;

@@ -161,6 +161,55 @@ def test_errors(tmp_path):
     assert metile.load_model(str(tmp_path / "empty")).vocab_size == model.vocab_size
 
 
+def test_unordered_ids_and_model_dtypes_are_refused(tmp_path):
+    metile.synth_model(str(tmp_path / "m"))
+    model = metile.load_model(str(tmp_path / "m"))
+    # A set's or a dict's order is not the caller's (a dict gave its keys as ids).
+    for unordered in ({3, 1, 2}, frozenset({1, 2}), {1: 2}):
+        with pytest.raises(TypeError, match=f"ids must be a sequence of integers, got {type(unordered).__name__}"):
+            model.logits(unordered)
+    # A model runs in bf16 or f32; the message listed every dtype a tensor may have.
+    with pytest.raises(ValueError, match=r"^dtype must be 'bf16' or 'f32', got 'F32'$"):
+        metile.load_model(str(tmp_path / "m"), dtype="F32")
+    with pytest.raises(ValueError, match=r"^dtype must be 'bf16' or 'f32', got 'f16'$"):
+        metile.load_model(str(tmp_path / "m"), dtype="f16")
+
+
+def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
+    metile.synth_model(str(tmp_path / "sharded"), max_shard_mb=0.05)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    one = metile.load_model(str(tmp_path / "sharded")).logits([1, 2, 3])
+    metile.synth_model(str(tmp_path / "whole"))
+    assert np.array_equal(one, metile.load_model(str(tmp_path / "whole")).logits([1, 2, 3]))
+    with pytest.raises(TypeError, match="max_shard_mb must be a number, got bool"):
+        metile.synth_model(str(tmp_path / "bool"), max_shard_mb=True)
+    with pytest.raises(ValueError, match=r"max-shard-mb -1(\.0)? must be in"):
+        metile.synth_model(str(tmp_path / "negative"), max_shard_mb=-1)
+    # Ctrl-C while the weights are written: KeyboardInterrupt, and nothing is left. The GIL was held
+    # for the whole write, so the interrupt came only after the checkpoint was complete.
+    import os
+    import signal
+    import time
+    target = tmp_path / "interrupted"
+
+    def interrupt_once_a_shard_is_staged():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any((folder / "shard-1").exists() for folder in tmp_path.glob(".metile-partial-*")):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=interrupt_once_a_shard_is_staged)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        metile.synth_model(str(target), preset="small", max_shard_mb=1)
+    thread.join()
+    assert not target.exists()
+    assert not list(tmp_path.glob(".metile-partial-*"))
+
+
 def test_cuda_backend(tmp_path, rng):
     """backend="cuda": without a GPU (or a CUDA build) one ValueError before the checkpoint is
     read; with one, the GPU engine's logits and greedy tokens match the CPU path's."""
