@@ -6,8 +6,9 @@
 //
 // Every tensor the config implies is looked up by its Hugging Face name, its
 // shape and dtype checked, and converted once from the mapping into the runtime
-// dtype (bf16 or f32); tensors the model does not use (rotary inv_freq buffers,
-// ...) are ignored, those of layers past num_hidden_layers with a warning
+// dtype (bf16 or f32); tensors the model does not use are ignored: buffers
+// (rotary inv_freq, ...) without a word, weights (those of layers past
+// num_hidden_layers, and others config.json does not call for) with a warning
 // (LoadOptions::warn). MLX-quantized linears (NAME.weight u32, NAME.scales,
 // NAME.biases) stay quantized, their scales and biases in the runtime dtype;
 // with LoadOptions::quantize, dense ones are quantized here (src/quant).
@@ -302,34 +303,66 @@ void visit_weights(const ModelConfig& config, WeightLoader& loader) {
   if (!config.tie_word_embeddings) loader.matrix("lm_head", config.vocab_size, hidden);
 }
 
+// N of a tensor named "model.layers.N.*" (the largest int64 for an N past it); nullopt for others.
+std::optional<std::int64_t> layer_of(std::string_view name) {
+  const std::string_view prefix = "model.layers.";
+  if (!name.starts_with(prefix)) return std::nullopt;
+  const char* digits = name.data() + prefix.size();
+  const char* end = name.data() + name.size();
+  std::int64_t layer = 0;
+  const auto [stop, error] = std::from_chars(digits, end, layer);
+  if (stop == digits || stop == end || *stop != '.') return std::nullopt;  // not "model.layers.N.": not a layer's
+  return error == std::errc::result_out_of_range ? std::numeric_limits<std::int64_t>::max() : layer;
+}
+
 // Tensors of layers at or past num_hidden_layers ("model.layers.40.*" under 32) are never looked up,
 // so the checkpoint loads as the shorter model, as in transformers, which warns of unused weights.
-// Other tensors the model does not use (inv_freq buffers, masks) are left alone without a word; these
-// are weights of a model cut short by config.json, which its user may not know: said in one line
+// Other weights the model does not use are named by warn_of_unused_weights; these are weights of a
+// model cut short by config.json, which its user may not know: said in one line
 // naming the first (by layer, then name) and how many, once the load has succeeded (a failure stays
 // one line).
 void warn_of_layers_past_the_config(const ModelConfig& config, const CheckpointFiles& files,
                                     const LoadOptions& options) {
   if (!options.warn) return;
-  const std::string_view prefix = "model.layers.";
   std::int64_t count = 0;
   std::optional<std::pair<std::int64_t, std::string>> first;
   for (const std::string& name : files.names()) {
-    if (!name.starts_with(prefix)) continue;
-    const char* digits = name.data() + prefix.size();
-    const char* end = name.data() + name.size();
-    std::int64_t layer = 0;
-    const auto [stop, error] = std::from_chars(digits, end, layer);
-    if (stop == digits || stop == end || *stop != '.') continue;  // not "model.layers.N.": not a layer's
-    if (error == std::errc::result_out_of_range) layer = std::numeric_limits<std::int64_t>::max();
-    if (layer < config.num_hidden_layers) continue;
+    const std::optional<std::int64_t> layer = layer_of(name);
+    if (!layer || *layer < config.num_hidden_layers) continue;
     ++count;
-    if (!first || std::pair(layer, name) < *first) first = std::pair(layer, name);
+    if (!first || std::pair(*layer, name) < *first) first = std::pair(*layer, name);
   }
   if (count == 0) return;
   options.warn(fmt::format("{}: {} of layers past config.json's num_hidden_layers ({}) {} not loaded, the first '{}'",
                            files.file_of(first->second), count == 1 ? "1 tensor" : fmt::format("{} tensors", count),
                            config.num_hidden_layers, count == 1 ? "is" : "are", first->second));
+}
+
+// Weights (".weight", ".bias" and MLX's ".scales" / ".biases") of the layers the model has, or of no
+// layer, that config.json does not call for: a q_proj.bias beside "attention_bias": false, say. The
+// model is what the config says (transformers loads it so too, warning of unused weights), which may
+// not be what the checkpoint's maker meant: said in one line naming the first and how many. Buffers
+// (inv_freq, masks) are not weights and are left alone without a word; a tied model's lm_head.weight
+// is the embedding's.
+void warn_of_unused_weights(const ModelConfig& config, const CheckpointFiles& files, const TensorMap& weights,
+                            const LoadOptions& options) {
+  if (!options.warn) return;
+  std::int64_t count = 0;
+  std::string first;
+  for (const std::string& name : files.names()) {
+    const bool weight_like = name.ends_with(".weight") || name.ends_with(".bias") || name.ends_with(".scales") ||
+                             name.ends_with(".biases");
+    if (!weight_like || weights.contains(name)) continue;
+    if (config.tie_word_embeddings && name.starts_with("lm_head.")) continue;
+    if (const std::optional<std::int64_t> layer = layer_of(name); layer && *layer >= config.num_hidden_layers) {
+      continue;  // warn_of_layers_past_the_config says these
+    }
+    ++count;
+    if (first.empty() || name < first) first = name;
+  }
+  if (count == 0) return;
+  options.warn(fmt::format("{}: {} config.json does not call for {} not loaded, the first '{}'", files.file_of(first),
+                           count == 1 ? "1 weight" : fmt::format("{} weights", count), count == 1 ? "is" : "are", first));
 }
 
 }  // namespace
@@ -442,6 +475,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   });
   if (any_quantized) model.quantization_ = config.quantization ? *config.quantization : *options.quantize;
   warn_of_layers_past_the_config(config, files, options);
+  warn_of_unused_weights(config, files, model.weights_, options);
   return model;
 }
 

@@ -407,6 +407,46 @@ TEST_F(MalformedCheckpoint, LayersPastNumHiddenLayersAreNamedInOneWarning) {
   EXPECT_NE(out, "");
 }
 
+// Weights config.json does not call for (q/k/v biases beside "attention_bias": false, an MLP bias, a
+// tied model's lm_head and a rotary buffer aside) loaded as the config's model without a word, where
+// transformers warns of unused weights: the checkpoint's maker may have meant another model. One
+// warning names the first and how many; the model is the one without them (the oracle).
+TEST_F(MalformedCheckpoint, WeightsTheConfigDoesNotCallForAreNamedInOneWarning) {
+  const std::filesystem::path plain = synth("plain", {});
+  const std::filesystem::path extra = synth("extra", {});
+  const ModelConfig config = DecoderModel::load(plain).config();
+  ASSERT_FALSE(config.qkv_bias());  // a Llama: no q/k/v biases
+  const std::int64_t hidden = config.hidden_size;
+  edit_tensors(extra, [&](TensorMap& tensors) {
+    tensors.emplace("model.layers.1.self_attn.q_proj.bias", HostTensor(TensorSpec({hidden}, DType::f32)));
+    tensors.emplace("model.layers.0.mlp.gate_proj.bias", HostTensor(TensorSpec({config.intermediate_size}, DType::f32)));
+    tensors.emplace("model.layers.0.self_attn.rotary_emb.inv_freq", HostTensor(TensorSpec({8}, DType::f32)));  // a buffer
+  });
+  const std::string warning = fmt::format(
+      "metile: warning: {}: 2 weights config.json does not call for are not loaded, the first "
+      "'model.layers.0.mlp.gate_proj.bias'\n",
+      (extra / "model.safetensors").string());
+  ::testing::internal::CaptureStderr();
+  const DecoderModel model = DecoderModel::load(extra);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), warning);
+  const std::vector<std::int32_t> tokens = {1, 5, 9, 2};
+  const DecoderModel reference = DecoderModel::load(plain);
+  EXPECT_EQ(DecodeSession(model).feed(tokens), DecodeSession(reference).feed(tokens));
+  std::string out, err;
+  EXPECT_EQ(run_logits(extra, out, err), 0) << err;
+  EXPECT_EQ(err, warning);
+  // A tied model's lm_head.weight is the embedding's: no warning.
+  SynthOptions tied;
+  tied.tie_word_embeddings = true;
+  const std::filesystem::path tied_model = synth("tied", tied);
+  edit_tensors(tied_model, [&](TensorMap& tensors) {
+    tensors.emplace("lm_head.weight", tensors.at("model.embed_tokens.weight"));
+  });
+  ::testing::internal::CaptureStderr();
+  DecoderModel::load(tied_model);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
 // A dense weight quantize_affine cannot quantize (inf here) under --quantize: the error said
 // "quantize_affine: weight [3, 5] is inf" and nothing of which of the checkpoint's matrices held it.
 TEST_F(MalformedCheckpoint, QuantizingANonFiniteWeightNamesTheTensor) {
