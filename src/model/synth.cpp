@@ -282,7 +282,11 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
                     : parent / fmt::format(".metile-partial-{}", ::getpid());  // short: any valid name fits NAME_MAX
   std::vector<std::filesystem::path> moved;  // into an existing directory: removed again if a later move fails
   std::filesystem::create_directories(staging, error);
-  if (error) throw InputError(fmt::format("{}: cannot create: {}", staging.string(), error.message()));
+  if (error) {
+    // Named after the directory the user gave: the staging folder is this run's own name.
+    throw InputError(fmt::format("{}: cannot write there: {} (creating {})", (target_exists ? target : parent).string(),
+                                 error.message(), staging.filename().string()));
+  }
   // Another writer that passed the emptiness check above at the same time (a second synth-model)
   // would be written over file by file: each run leaves its staging folder in the directory while it
   // writes, and a run that finds anything else there stops. Two runs that both look after both made

@@ -879,6 +879,11 @@ TEST_F(MalformedCheckpoint, PathsTheSystemCannotLookAtAreBadInput) {
   expect_bad_input("logits " + (root_ / "loop").string() + " --prompt-ids 1", root_ / "loop", loop);
   expect_bad_input("synth-model " + (root_ / "loop" / "x").string(), root_ / "loop" / "x", loop);
   expect_bad_input("synth-model " + (root_ / "loop" / "x" / "y").string(), root_ / "loop" / "x" / "y", loop);
+  // A directory no folder can be made in (/sys refuses even root) is named, not this run's staging folder.
+  if (std::filesystem::is_directory("/sys")) {
+    EXPECT_EQ(run_metile("synth-model /sys/new_model", out, err), 2);
+    EXPECT_TRUE(err.starts_with("metile: error: /sys: cannot write there: ")) << err;
+  }
   // A parent that is a file is not a missing directory.
   testing::write_text(root_ / "a_file", "x");
   expect_bad_input("synth-model " + (root_ / "a_file" / "sub").string(), root_ / "a_file", "is not a directory");
