@@ -54,8 +54,8 @@ void write_output_file(const std::filesystem::path& path, const std::function<vo
 // For programs (the CLI calls it first): SIGINT, SIGTERM and SIGHUP remove the temporary file a
 // write_output_file is writing before the process dies of the signal as it would have. Without it a
 // Ctrl-C during `metile run --output` left ".metile-PID-N.tmp", a half-written copy, beside the
-// destination. A handler a command installs later (synth-model's interrupt flag) takes precedence
-// while it lives.
+// destination. A signal the process was started ignoring (`nohup`) stays ignored; a handler a command
+// installs later (synth-model's interrupt flag) takes precedence while it lives.
 void remove_temporary_files_on_fatal_signals();
 
 // The machine's physical memory in bytes (the largest uint64 when it cannot be told),

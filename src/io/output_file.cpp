@@ -16,6 +16,7 @@
 #include <system_error>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "metile/io.h"
@@ -99,7 +100,9 @@ void write_descriptor(int descriptor, const std::string& file, const std::functi
 
 // The temporaries being written, for a fatal signal's handler to unlink: fixed slots of path bytes, so
 // that the handler touches no allocation and calls only unlink (async-signal-safe). A slot is claimed
-// (1), filled, published (2) and released (0); the handler unlinks the published ones.
+// (1), filled, published (2) and released (0); the handler takes a published one (3) before it unlinks
+// it, so that no thread releases and refills it meanwhile (a taken slot stays taken: the process is
+// dying).
 constexpr int kTemporarySlots = 8;
 constexpr std::size_t kTemporaryPathBytes = 4096;
 struct TemporarySlot {
@@ -126,7 +129,8 @@ class RegisteredTemporary {
     }
   }
   ~RegisteredTemporary() {
-    if (slot_ != nullptr) slot_->state.store(0);
+    int published = 2;
+    if (slot_ != nullptr) slot_->state.compare_exchange_strong(published, 0);
   }
   RegisteredTemporary(const RegisteredTemporary&) = delete;
   RegisteredTemporary& operator=(const RegisteredTemporary&) = delete;
@@ -137,10 +141,27 @@ class RegisteredTemporary {
 
 void remove_temporaries_and_die(int signal) {
   for (TemporarySlot& slot : temporary_slots) {
-    if (slot.state.load() == 2) ::unlink(slot.path);
+    int published = 2;
+    if (slot.state.compare_exchange_strong(published, 3)) ::unlink(slot.path);
   }
   ::signal(signal, SIG_DFL);
   ::raise(signal);
+}
+
+// Creates the temporary, which must not exist (O_EXCL: not through a link someone left at its name),
+// with the permission bits the replaced file has, or the umask's for a new one, before a byte is
+// written: a 0600 file's new contents are never readable by others, not even while they are written.
+void create_temporary(const fs::path& temporary, const std::string& file, std::optional<fs::perms> permissions) {
+  const int descriptor = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                                permissions ? 0600 : 0666);
+  if (descriptor < 0) throw InputError(file + ": cannot create " + temporary.string() + ": " + std::strerror(errno));
+  const bool moded = !permissions || ::fchmod(descriptor, static_cast<mode_t>(*permissions) & 07777) == 0;
+  const int mode_error = errno;
+  ::close(descriptor);
+  if (!moded) {
+    ::unlink(temporary.c_str());
+    throw InputError(file + ": cannot set the permissions of " + temporary.string() + ": " + std::strerror(mode_error));
+  }
 }
 
 // Write beside the destination and rename: a reader never sees a half-written file. The temporary
@@ -152,14 +173,10 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   static std::atomic<unsigned> count{0};
   const fs::path temporary =
       destination.parent_path() / (".metile-" + std::to_string(::getpid()) + "-" + std::to_string(count++) + ".tmp");
+  create_temporary(temporary, file, permissions);
   const RegisteredTemporary registered(temporary);  // until it is renamed or removed
   try {
     write_stream(temporary, file, write);
-    if (permissions) {
-      std::error_code error;
-      fs::permissions(temporary, *permissions, error);
-      if (error) throw InputError(file + ": cannot set the permissions of " + temporary.string() + ": " + error.message());
-    }
   } catch (...) {
     std::error_code ignored;
     fs::remove(temporary, ignored);
@@ -179,7 +196,12 @@ void remove_temporary_files_on_fatal_signals() {
   struct sigaction action {};
   action.sa_handler = remove_temporaries_and_die;
   sigemptyset(&action.sa_mask);
-  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) sigaction(signal, &action, nullptr);
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+    // A signal the process was started ignoring stays ignored (`nohup`, a shell's background job).
+    struct sigaction current {};
+    if (sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;
+    sigaction(signal, &action, nullptr);
+  }
 }
 
 void write_output_file(const fs::path& path, const std::function<void(std::ostream&)>& write) {

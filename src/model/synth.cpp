@@ -15,6 +15,7 @@
 // run on every hardware thread and write the bytes of the sequential loops, whatever the
 // thread count (the model and quant unit suites check it).
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -231,8 +232,13 @@ namespace {
 // plain rename, which still refuses a directory that is not empty (ENOTEMPTY).
 int rename_without_replacing(const std::filesystem::path& from, const std::filesystem::path& to) {
   if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return 0;
-  if (errno != EINVAL) return errno;
-  return ::rename(from.c_str(), to.c_str()) == 0 ? 0 : errno;
+  // EINVAL: the file system has no RENAME_NOREPLACE; ENOSYS, EPERM: the kernel or a sandbox refuses
+  // renameat2. A file then moves by a hard link, which fails with EEXIST as the flag would; a directory
+  // by rename, which refuses one that is not empty (ENOTEMPTY).
+  if (errno != EINVAL && errno != ENOSYS && errno != EPERM) return errno;
+  if (std::filesystem::is_directory(from)) return ::rename(from.c_str(), to.c_str()) == 0 ? 0 : errno;
+  if (::link(from.c_str(), to.c_str()) != 0) return errno;
+  return ::unlink(from.c_str()) == 0 ? 0 : errno;
 }
 
 }  // namespace
@@ -277,11 +283,13 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   // a folder a shell is in, a mounted volume) stays the same directory: the files are staged inside it
   // and moved up, so every rename stays on its file system (from beside a mount point, into it, each
   // failed with EXDEV).
-  const std::filesystem::path staging =
-      target_exists ? target / fmt::format(".metile-partial-{}", ::getpid())
-                    : parent / fmt::format(".metile-partial-{}", ::getpid());  // short: any valid name fits NAME_MAX
+  // One name a run: two threads of one process (Python's synth_model releases the GIL) write apart.
+  static std::atomic<unsigned> runs{0};
+  const std::string staging_name = fmt::format(".metile-partial-{}-{}", ::getpid(), runs++);  // short: fits NAME_MAX
+  const std::filesystem::path staging = (target_exists ? target : parent) / staging_name;
   std::vector<std::filesystem::path> moved;  // into an existing directory: removed again if a later move fails
-  std::filesystem::create_directories(staging, error);
+  // create_directory: a folder of that name already there is an error, not shared.
+  if (!std::filesystem::create_directory(staging, error) && !error) error = std::make_error_code(std::errc::file_exists);
   if (error) {
     // Named after the directory the user gave: the staging folder is this run's own name.
     throw InputError(fmt::format("{}: cannot write there: {} (creating {})", (target_exists ? target : parent).string(),
@@ -296,11 +304,13 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
                                   directory.string()));
   };
   if (target_exists) {
-    for (const auto& entry : std::filesystem::directory_iterator(target, error)) {
-      if (entry.path().filename() != staging.filename()) {
-        std::filesystem::remove_all(staging, error);
-        throw someone_else_writes();
-      }
+    bool alone = true;
+    for (const auto& entry : std::filesystem::directory_iterator(target, error)) alone = alone && entry.path() == staging;
+    if (error || !alone) {
+      std::error_code ignored;
+      std::filesystem::remove_all(staging, ignored);
+      if (error) throw InputError(fmt::format("{}: {}", directory.string(), error.message()));
+      throw someone_else_writes();
     }
   }
   try {

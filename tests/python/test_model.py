@@ -186,12 +186,32 @@ def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
         metile.synth_model(str(tmp_path / "bool"), max_shard_mb=True)
     with pytest.raises(ValueError, match=r"max-shard-mb -1(\.0)? must be in"):
         metile.synth_model(str(tmp_path / "negative"), max_shard_mb=-1)
-    # Ctrl-C while the weights are written: KeyboardInterrupt, and nothing is left. The GIL was held
-    # for the whole write, so the interrupt came only after the checkpoint was complete.
+    # Two threads of one process write at once (the GIL is released): their staging folders were one
+    # (".metile-partial-PID"), so each model could take the other's shards.
+    threads = [threading.Thread(target=metile.synth_model, args=(str(tmp_path / f"twin{seed}"),),
+                                kwargs={"seed": seed, "max_shard_mb": 0.05}) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in (1, 2):
+        metile.synth_model(str(tmp_path / f"alone{seed}"), seed=seed, max_shard_mb=0.05)
+        assert np.array_equal(metile.load_model(str(tmp_path / f"twin{seed}")).logits([1, 2, 3]),
+                              metile.load_model(str(tmp_path / f"alone{seed}")).logits([1, 2, 3]))
+    # Ctrl-C while the weights are written: whatever the SIGINT handler raises (KeyboardInterrupt by
+    # default; a test's own exception here, so that a late signal cannot end the pytest session), and
+    # nothing is left. The GIL was held for the whole write, so the interrupt came only after the
+    # checkpoint was complete.
     import os
     import signal
     import time
     target = tmp_path / "interrupted"
+
+    class Interrupted(Exception):
+        pass
+
+    def raise_interrupted(signum, frame):
+        raise Interrupted()
 
     def interrupt_once_a_shard_is_staged():
         deadline = time.monotonic() + 60
@@ -201,11 +221,15 @@ def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
                 return
             time.sleep(0.002)
 
-    thread = threading.Thread(target=interrupt_once_a_shard_is_staged)
-    thread.start()
-    with pytest.raises(KeyboardInterrupt):
-        metile.synth_model(str(target), preset="small", max_shard_mb=1)
-    thread.join()
+    previous = signal.signal(signal.SIGINT, raise_interrupted)
+    try:
+        thread = threading.Thread(target=interrupt_once_a_shard_is_staged)
+        thread.start()
+        with pytest.raises(Interrupted):
+            metile.synth_model(str(target), preset="small", max_shard_mb=1)
+        thread.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not target.exists()
     assert not list(tmp_path.glob(".metile-partial-*"))
 

@@ -364,7 +364,11 @@ class InterruptFlag {
       interrupt_signal = signal;
     };
     sigemptyset(&action.sa_mask);
-    for (std::size_t index = 0; index < kSignals.size(); ++index) sigaction(kSignals[index], &action, &previous_[index]);
+    for (std::size_t index = 0; index < kSignals.size(); ++index) {
+      // A signal the process was started ignoring stays ignored (`nohup metile synth-model ...`).
+      if (sigaction(kSignals[index], nullptr, &previous_[index]) == 0 && previous_[index].sa_handler == SIG_IGN) continue;
+      sigaction(kSignals[index], &action, nullptr);
+    }
   }
   ~InterruptFlag() {
     for (std::size_t index = 0; index < kSignals.size(); ++index) sigaction(kSignals[index], &previous_[index], nullptr);

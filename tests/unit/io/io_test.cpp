@@ -109,12 +109,16 @@ TEST_F(IoTest, AFatalSignalMidWriteLeavesNoTemporary) {
     const pid_t child = ::fork();
     ASSERT_GE(child, 0);
     if (child == 0) {
-      remove_temporary_files_on_fatal_signals();
-      write_output_file(path, [&](std::ostream& stream) {
-        stream << std::string(1 << 20, 'x') << std::flush;  // on disk: the temporary holds a megabyte
-        ::raise(signal);
-        stream << "never";
-      });
+      try {
+        remove_temporary_files_on_fatal_signals();
+        write_output_file(path, [&](std::ostream& stream) {
+          stream << std::string(1 << 20, 'x') << std::flush;  // on disk: the temporary holds a megabyte
+          ::raise(signal);
+          stream << "never";
+        });
+      } catch (...) {
+        ::_exit(97);  // never back into gtest in the child
+      }
       ::_exit(0);  // not reached
     }
     int status = 0;
@@ -124,6 +128,31 @@ TEST_F(IoTest, AFatalSignalMidWriteLeavesNoTemporary) {
     EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1)
         << "signal " << signal << " left " << std::filesystem::directory_iterator(directory_)->path();
   }
+}
+
+// A signal the process was started ignoring (`nohup`, a background job's SIGINT) stays ignored: the
+// handler replaced it, so `nohup metile run --output ...` died when its terminal closed.
+TEST_F(IoTest, AnIgnoredSignalStaysIgnored) {
+  const std::filesystem::path path = file("out", "old contents");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      ::signal(SIGHUP, SIG_IGN);
+      remove_temporary_files_on_fatal_signals();
+      write_output_file(path, [&](std::ostream& stream) {
+        ::raise(SIGHUP);
+        stream << "written";
+      });
+    } catch (...) {
+      ::_exit(97);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_EQ(read_text(path), "written");
 }
 
 // A name of 250 bytes is a valid file name: its temporary ("NAME.tmpPID" before) went past NAME_MAX
