@@ -19,7 +19,8 @@ if [ $# -ne 4 ] || [ ! -d "$1" ]; then
 fi
 variant_files=${1%/} targets=${2//,/ } rounds=$3 command=$4
 variant_files=${variant_files#./}
-case $rounds in '' | *[!0-9]* | 0) echo "gpu_ab.sh: ROUNDS must be a whole number >= 1, not '$rounds'" >&2; exit 2 ;; esac
+# Decimal digits without a leading 0 (the shell's arithmetic reads 010 as octal 8 and 08 as an error; 00 is 0).
+case $rounds in '' | *[!0-9]* | 0*) echo "gpu_ab.sh: ROUNDS must be a whole number >= 1, not '$rounds'" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/metile-ab}/ab
 mkdir -p "$OUT"
 cache=${METILE_CACHE_DIR:-/tmp/metile-cache}  # one kernel and decision cache a side: B's races are its own

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "metile/dispatch.h"
 #include "metile_test_support.h"
 #include "../support/benchmark_device.h"
+#include "../support/benchmark_options.h"
 
 namespace metile {
 namespace {
@@ -188,7 +190,9 @@ const Row* find_best(const std::vector<Row>& rows, const std::string& case_name)
 }
 
 int run(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
+  CLI::App app{"fused row kernels against native, % of copy bandwidth", "kernels_benchmark"};
+  app.add_flag("--quick", quick, "fewer repetitions, for smoke runs");
+  if (const std::optional<int> exit_code = benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
   const std::optional<CudaDevice> device = benchmarks::open_device_or_say_why("kernels_benchmark");
   if (!device) return 0;
   BenchmarkContext context{*device, CudaStream(), 0, {}};

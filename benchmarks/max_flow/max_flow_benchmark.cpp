@@ -34,6 +34,7 @@
 #include <boost/graph/boykov_kolmogorov_max_flow.hpp>
 
 #include "boost_oracle.h"  // the flow tests' Boost graph of our edges
+#include "../support/benchmark_options.h"
 #endif
 #ifdef METILE_HAVE_LEMON
 #include <lemon/preflow.h>
@@ -431,11 +432,12 @@ static std::string lemon_goals_note(int lemon_goals) {
 }
 
 int main(int argc, char** argv) {
-  CLI::App app{"max-flow solver crossover: our engines and dispatch against LEMON and Boost.Graph"};
+  CLI::App app{"max-flow solver crossover: our engines and dispatch against LEMON and Boost.Graph", "max_flow_benchmark"};
   bool quick = false;
   std::string only;
   app.add_flag("--quick", quick, "smaller large instances (a smoke run)");
-  app.add_option("--family", only, "only this family: seed-random, layered, grid, genrmf");
+  app.add_option("--family", only, "only this family: seed-random, layered, grid, genrmf")
+      ->check(CLI::IsMember({"seed-random", "layered", "grid", "genrmf"}));
   bool ipm_scaling = false;
   app.add_flag("--ipm-scaling", ipm_scaling,
                "instead of the crossover table: the interior-point engine's iterations and CG steps as the "
@@ -443,7 +445,7 @@ int main(int argc, char** argv) {
   std::string clock = "wall";
   app.add_option("--clock", clock, "wall (default) or cpu: this thread's CPU time, robust on a busy machine")
       ->check(CLI::IsMember({"wall", "cpu"}));
-  CLI11_PARSE(app, argc, argv);
+  if (const std::optional<int> exit_code = metile::benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
   use_cpu_clock = clock == "cpu";
   if (ipm_scaling) {
     print_ipm_scaling(quick, only);

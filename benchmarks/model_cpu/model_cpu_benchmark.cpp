@@ -14,11 +14,13 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include <fmt/core.h>
 
+#include "../support/benchmark_options.h"
 #include "metile/model.h"
 
 namespace {
@@ -51,20 +53,32 @@ std::string load_average() {
 int main(int argc, char** argv) {
   std::string preset = "small", model_dir;
   std::int64_t tokens = 16, max_seq = 512;
-  for (int index = 1; index + 1 < argc; index += 2) {
-    const std::string flag = argv[index];
-    if (flag == "--preset") preset = argv[index + 1];
-    else if (flag == "--tokens") tokens = std::stoll(argv[index + 1]);
-    else if (flag == "--max-seq") max_seq = std::stoll(argv[index + 1]);
-    else if (flag == "--model") model_dir = argv[index + 1];
-    else {
-      fmt::print(stderr, "model_cpu_benchmark: unknown flag {}\n", flag);
-      return 2;
-    }
+  CLI::App app{"CPU decode speed and memory of a checkpoint in bf16, 8-bit and 4-bit", "model_cpu_benchmark"};
+  app.add_option("--preset", preset, "synthesize this preset (tiny, small, llama3.2-1b, ...) into a temporary folder")
+      ->capture_default_str();
+  app.add_option("--model", model_dir, "a checkpoint directory instead of --preset");
+  app.add_option("--tokens", tokens, "decode tokens after a 4-token prompt")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--max-seq", max_seq, "KV-cache capacity")
+      ->check(CLI::Range(std::int64_t{5}, std::int64_t{1} << 31))
+      ->capture_default_str();
+  if (const std::optional<int> exit_code = metile::benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
+  if (tokens + 4 > max_seq) {
+    fmt::print(stderr, "model_cpu_benchmark: error: {} tokens after a 4-token prompt do not fit --max-seq {}\n", tokens,
+               max_seq);
+    return 2;
   }
+  std::filesystem::path temporary;  // the synthesized checkpoint, removed however the run ends
+  struct RemoveAtExit {
+    const std::filesystem::path& path;
+    ~RemoveAtExit() {
+      std::error_code ignored;
+      if (!path.empty()) std::filesystem::remove_all(path, ignored);
+    }
+  } remove_at_exit{temporary};
   try {
     std::filesystem::path directory = model_dir;
-    std::filesystem::path temporary;
     if (directory.empty()) {
       temporary = std::filesystem::temp_directory_path() / fmt::format("metile_model_cpu_{}", ::getpid());
       fmt::print(stderr, "model_cpu_benchmark: synthesizing '{}' into {}\n", preset, temporary.string());
@@ -109,7 +123,6 @@ int main(int argc, char** argv) {
                  load_seconds, static_cast<double>(tokens) / seconds, cpu / static_cast<double>(tokens));
     }
     fmt::print("load average after the runs: {}\n", load_average());
-    if (!temporary.empty()) std::filesystem::remove_all(temporary);
   } catch (const std::exception& error) {
     fmt::print(stderr, "model_cpu_benchmark: error: {}\n", error.what());
     return 2;

@@ -8,11 +8,13 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <fmt/core.h>
 
+#include "../support/benchmark_options.h"
 #include "fusion_test_support.h"
 #include "metile/fusion.h"
 #include "metile/graph.h"
@@ -113,7 +115,10 @@ std::string bytes_text(double bytes) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  CLI::App app{"plan_graph_fusion's speed on decoders and random DAGs (median wall time, one thread)",
+               "planner_benchmark"};
+  if (const std::optional<int> exit_code = metile::benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
   std::vector<Row> rows;
   rows.push_back(measure("example decoder_layer.json", read_graph(METILE_EXAMPLES_DIR "/decoder_layer.json"), 51));
   rows.push_back(measure("decoder, 1 layer", decoder(1), 51));

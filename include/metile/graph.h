@@ -41,6 +41,13 @@ float round_to_dtype(float value, DType dtype);
 // the dtype (never through f32 first); overflow goes to inf; integer dtypes round and saturate.
 double round_double_to_dtype(double value, DType dtype);
 
+// Why `scale` cannot be a flash_attention node's scale ("is 0 in f32 (...)"), or nullopt. The node is
+// its plain-op chain, whose scale op multiplies in f32: a scale that is 0 only in f32 turns a -inf score
+// into NaN there, -inf in a double product. The fused kernels scale by it times log2(e) in f32: past
+// f32's range there a score of 0 became NaN on the GPU where the chain gives 0. The op's inference
+// and the attention rewrite both ask this.
+std::optional<std::string> flash_attention_scale_problem(double scale);
+
 // ---------------------------------------------------------------- tensors
 struct TensorSpec {
   std::vector<std::int64_t> shape;

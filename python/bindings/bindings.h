@@ -71,8 +71,9 @@ std::string text_argument(const std::string& what, const py::handle& object);
 
 // A str parameter of a bound function, as UTF-8. pybind11's std::string cast turns a str holding a lone
 // surrogate into "incompatible function arguments", a TypeError listing the signatures, where every
-// other bad value is a ValueError; this one raises text_argument's ValueError. Anything but a str still
-// fails to load (pybind11's TypeError, as before).
+// other bad value is a ValueError; this one raises text_argument's ValueError. bytes and bytearray are
+// taken as they are, as pybind11's std::string cast takes them (`ComputeGraph.from_json(path.read_bytes())`);
+// anything else fails to load (pybind11's TypeError).
 struct Utf8Text {
   std::string value;
 };
@@ -89,9 +90,20 @@ template <>
 struct type_caster<metile::python::Utf8Text> {
   PYBIND11_TYPE_CASTER(metile::python::Utf8Text, const_name("str"));
   bool load(handle source, bool) {
-    if (!source || !isinstance<str>(source)) return false;
-    value.value = metile::python::text_argument("a str argument", source);
-    return true;
+    if (!source) return false;
+    if (isinstance<str>(source)) {
+      value.value = metile::python::text_argument("a str argument", source);
+      return true;
+    }
+    if (PyBytes_Check(source.ptr())) {
+      value.value.assign(PyBytes_AS_STRING(source.ptr()), static_cast<std::size_t>(PyBytes_GET_SIZE(source.ptr())));
+      return true;
+    }
+    if (PyByteArray_Check(source.ptr())) {
+      value.value.assign(PyByteArray_AS_STRING(source.ptr()), static_cast<std::size_t>(PyByteArray_GET_SIZE(source.ptr())));
+      return true;
+    }
+    return false;
   }
   static handle cast(const metile::python::Utf8Text& text, return_value_policy, handle) {
     return str(text.value).release();

@@ -8,6 +8,7 @@
 #include <pybind11/stl/filesystem.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -130,25 +131,42 @@ RuleSet rules_from_python(const py::object& rules) {
       python_type_name(rules));
 }
 
+// An integer field of a target, set from Python: an int past the field's C++ type was pybind11's
+// "incompatible function arguments" TypeError, which named no field; now a ValueError naming it, as
+// from_json's (planning then holds the value to the field's rule, FusionTarget::check).
+template <typename Integer>
+void def_integer_field(py::class_<FusionTarget>& target, const char* name, Integer FusionTarget::*field) {
+  target.def_property(
+      name, [field](const FusionTarget& held) { return held.*field; },
+      [field, name](FusionTarget& held, const py::handle& value) {
+        const std::int64_t given = integer_argument(std::string("FusionTarget.") + name, value);
+        if (given > std::numeric_limits<Integer>::max() || given < std::numeric_limits<Integer>::min()) {
+          const std::int64_t limit = given > 0 ? std::numeric_limits<Integer>::max() : std::numeric_limits<Integer>::min();
+          throw InputError("FusionTarget: field '" + std::string(name) + "' is " + std::to_string(given) +
+                           ", past its limit of " + std::to_string(limit));
+        }
+        held.*field = static_cast<Integer>(given);
+      });
+}
+
 void bind_target(py::module_& module) {
-  py::class_<FusionTarget>(
+  py::class_<FusionTarget> target(
       module, "FusionTarget",
       "What a kernel costs and what one kernel may use on a machine (times in ns, bandwidths "
-      "in bytes/ns). FusionTarget() is the H200; see h200(), cpu(), from_json().")
-      .def(py::init<>())
+      "in bytes/ns). FusionTarget() is the H200; see h200(), cpu(), from_json().");
+  target.def(py::init<>())
       .def_readwrite("name", &FusionTarget::name)
       .def_readwrite("launch_overhead_ns", &FusionTarget::launch_overhead_ns)
       .def_readwrite("memory_bandwidth_bytes_per_ns", &FusionTarget::memory_bandwidth_bytes_per_ns)
-      .def_readwrite("on_chip_bandwidth_bytes_per_ns", &FusionTarget::on_chip_bandwidth_bytes_per_ns)
-      .def_readwrite("registers_per_thread", &FusionTarget::registers_per_thread)
-      .def_readwrite("registers_per_multiprocessor", &FusionTarget::registers_per_multiprocessor)
-      .def_readwrite("threads_per_block", &FusionTarget::threads_per_block)
-      .def_readwrite("shared_memory_per_block_bytes", &FusionTarget::shared_memory_per_block_bytes)
-      .def_readwrite("shared_memory_per_multiprocessor_bytes",
-                     &FusionTarget::shared_memory_per_multiprocessor_bytes)
-      .def_readwrite("max_kernel_inputs", &FusionTarget::max_kernel_inputs)
-      .def_readwrite("max_kernel_outputs", &FusionTarget::max_kernel_outputs)
-      .def_static("h200", &FusionTarget::h200)
+      .def_readwrite("on_chip_bandwidth_bytes_per_ns", &FusionTarget::on_chip_bandwidth_bytes_per_ns);
+  def_integer_field(target, "registers_per_thread", &FusionTarget::registers_per_thread);
+  def_integer_field(target, "registers_per_multiprocessor", &FusionTarget::registers_per_multiprocessor);
+  def_integer_field(target, "threads_per_block", &FusionTarget::threads_per_block);
+  def_integer_field(target, "shared_memory_per_block_bytes", &FusionTarget::shared_memory_per_block_bytes);
+  def_integer_field(target, "shared_memory_per_multiprocessor_bytes", &FusionTarget::shared_memory_per_multiprocessor_bytes);
+  def_integer_field(target, "max_kernel_inputs", &FusionTarget::max_kernel_inputs);
+  def_integer_field(target, "max_kernel_outputs", &FusionTarget::max_kernel_outputs);
+  target.def_static("h200", &FusionTarget::h200)
       .def_static("cpu", &FusionTarget::cpu)
       .def_static(
           "from_json",

@@ -6,7 +6,7 @@
 //   backend="cuda" without a GPU (or in a build without the CUDA toolkit) raises ValueError, as
 //   `metile logits --backend cuda` exits 2.
 //   metile.synth_model(path, preset="tiny", arch=None, layers=None, seed=0, quantize=None,
-//                      group_size=None, tie_word_embeddings=None, config_spelling=4)
+//                      group_size=None, tie_word_embeddings=None, config_spelling=4, max_shard_mb=2000)
 // Bad checkpoints and arguments raise ValueError with the C++ message.
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>

@@ -145,10 +145,9 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
                                   node.name, dtype_name(graph.value(node.outputs.front()).spec.dtype)));
       }
       scaled = true;
-      // The op multiplies in f32: a factor below f32's smallest subnormal is 0 there, so a -inf score
-      // (masked, or a q.k the dtype stores as -inf) becomes NaN in the chain, not in flash_attention.
-      if (factor != 0 && static_cast<float>(factor) == 0) {
-        return refuse(fmt::format("'{}' scales by {}, which is 0 in f32 (the scale op multiplies in f32)", node.name, factor));
+      // A factor flash_attention cannot take as its scale (0 only in f32, past f32's range times log2(e)).
+      if (const std::optional<std::string> problem = flash_attention_scale_problem(factor)) {
+        return refuse(fmt::format("'{}' scales by {}, which {}", node.name, factor, *problem));
       }
       if (masked && factor <= 0) return refuse(fmt::format("'{}' scales by {} after the mask (only a positive factor keeps masked scores at -inf)", node.name, factor));
       match.scale *= factor;

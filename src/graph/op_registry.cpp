@@ -13,6 +13,7 @@
 // `layout` so that the planner never treats it as a row-reduction anchor.
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 #include <cstdio>
 #include <deque>
 #include <initializer_list>
@@ -123,6 +124,18 @@ std::vector<TensorSpec> infer_unary(std::span<const TensorSpec> inputs, Attribut
   require_floating(inputs[0], "x");
   return {inputs[0]};
 }
+
+}  // namespace
+
+std::optional<std::string> flash_attention_scale_problem(double scale) {
+  if (scale != 0 && static_cast<float>(scale) == 0) return "is 0 in f32 (the scale op multiplies in f32)";
+  if (std::isinf(static_cast<float>(scale * std::numbers::log2e))) {
+    return "times log2(e) is beyond f32's range (the fused attention kernels scale by it in f32)";
+  }
+  return std::nullopt;
+}
+
+namespace {
 
 // The scale op multiplies in f32 (scale_math): a factor that rounds to an f32 infinity would turn every
 // element into inf or NaN (0 · inf) whatever its value. `name` is the attribute.
@@ -237,8 +250,8 @@ std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs
   // past f32's range is refused as the scale op refuses it, and one that is 0 only in f32 as the rewrite
   // refuses it (a -inf score times it is NaN in the chain, -inf in a double product).
   const double scale = f32_factor(attributes, "scale");
-  if (scale != 0 && static_cast<float>(scale) == 0) {
-    throw InputError("scale " + number_text(scale) + " is 0 in f32 (the chain's scale op multiplies in f32)");
+  if (const std::optional<std::string> problem = flash_attention_scale_problem(scale)) {
+    throw InputError("scale " + number_text(scale) + " " + *problem);
   }
   if (!attributes.has("mask")) attributes.set("mask", std::string(inputs.size() == 4 ? "positions" : "none"));
   const std::string& mask = attributes.get_string("mask");

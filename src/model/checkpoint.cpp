@@ -348,21 +348,21 @@ void warn_of_unused_weights(const ModelConfig& config, const CheckpointFiles& fi
                             const LoadOptions& options) {
   if (!options.warn) return;
   std::int64_t count = 0;
-  std::string first;
+  std::optional<std::pair<std::int64_t, std::string>> first;  // by layer (-1: none), then name, as the other warning
   for (const std::string& name : files.names()) {
     const bool weight_like = name.ends_with(".weight") || name.ends_with(".bias") || name.ends_with(".scales") ||
                              name.ends_with(".biases");
     if (!weight_like || weights.contains(name)) continue;
     if (config.tie_word_embeddings && name.starts_with("lm_head.")) continue;
-    if (const std::optional<std::int64_t> layer = layer_of(name); layer && *layer >= config.num_hidden_layers) {
-      continue;  // warn_of_layers_past_the_config says these
-    }
+    const std::optional<std::int64_t> layer = layer_of(name);
+    if (layer && *layer >= config.num_hidden_layers) continue;  // warn_of_layers_past_the_config says these
     ++count;
-    if (first.empty() || name < first) first = name;
+    if (!first || std::pair(layer.value_or(-1), name) < *first) first = std::pair(layer.value_or(-1), name);
   }
   if (count == 0) return;
-  options.warn(fmt::format("{}: {} config.json does not call for {} not loaded, the first '{}'", files.file_of(first),
-                           count == 1 ? "1 weight" : fmt::format("{} weights", count), count == 1 ? "is" : "are", first));
+  options.warn(fmt::format("{}: {} config.json does not call for {} not loaded, the first '{}'",
+                           files.file_of(first->second), count == 1 ? "1 weight" : fmt::format("{} weights", count),
+                           count == 1 ? "is" : "are", first->second));
 }
 
 }  // namespace

@@ -248,7 +248,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   const ModelConfig config = synth_config(options);
   // At most 10^6 MB (a terabyte): also keeps max_shard_mb * 1e6 inside an int64 below.
   if (!(options.max_shard_mb > 0 && options.max_shard_mb <= 1e6)) {
-    throw InputError(fmt::format("max-shard-mb {} must be in (0, 1000000]", options.max_shard_mb));
+    throw InputError(fmt::format("the shard size {} MB must be in (0, 1000000] (max-shard-mb, or max_shard_mb in Python)", options.max_shard_mb));
   }
   std::error_code error;
   if (directory.empty()) throw InputError("synth-model: the output directory is an empty path");

@@ -88,9 +88,12 @@ def test_text_that_is_not_utf8_is_a_value_error_naming_the_argument():
     for call in calls.values():
         with pytest.raises(ValueError, match="is not UTF-8 text"):
             call()  # the traceback's lambda names the case
-    # A type that is not text is still pybind11's TypeError.
+    # A type that is not text is still pybind11's TypeError; bytes are taken as they are, as before.
     with pytest.raises(TypeError):
         graph.find_value(5)
+    assert metile.ComputeGraph.from_json(graph_text.encode()) == graph
+    assert metile.ComputeGraph.from_json(bytearray(graph_text.encode()), b"source") == graph
+    assert graph.find_value(b"x") is not None
     # A path is not text: a file name that is not UTF-8 is looked for as the file system spells it.
     with pytest.raises(ValueError, match="nor an existing file"):
         metile.FusionTarget.from_name_or_file("/nonexistent/" + bad)

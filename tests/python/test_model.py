@@ -184,7 +184,7 @@ def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
     assert np.array_equal(one, metile.load_model(str(tmp_path / "whole")).logits([1, 2, 3]))
     with pytest.raises(TypeError, match="max_shard_mb must be a number, got bool"):
         metile.synth_model(str(tmp_path / "bool"), max_shard_mb=True)
-    with pytest.raises(ValueError, match=r"max-shard-mb -1(\.0)? must be in"):
+    with pytest.raises(ValueError, match=r"the shard size -1(\.0)? MB must be in"):
         metile.synth_model(str(tmp_path / "negative"), max_shard_mb=-1)
     # Two threads of one process write at once (the GIL is released): their staging folders were one
     # (".metile-partial-PID"), so each model could take the other's shards.

@@ -202,6 +202,20 @@ def test_a_pattern_entry_that_cannot_match_is_refused():
     assert len(metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[metile.residual_add_rms_norm_rule()]).regions) == 1
 
 
+# An integer field set past its C++ type: pybind11's TypeError named no field.
+def test_a_target_integer_field_past_its_type_names_the_field():
+    target = metile.FusionTarget.cpu()
+    with pytest.raises(ValueError, match=r"^FusionTarget: field 'threads_per_block' is 4294967552, past its limit of "
+                                         r"2147483647$"):
+        target.threads_per_block = 4294967552
+    with pytest.raises(TypeError, match="threads_per_block must be an integer, got bool"):
+        target.threads_per_block = True
+    target.shared_memory_per_block_bytes = 2**40  # an int64 field
+    assert target.shared_memory_per_block_bytes == 2**40
+    target.threads_per_block = 128
+    assert target.threads_per_block == 128
+
+
 # A target's name set from Python is held to the file reader's rule: an empty one planned as "target ?".
 def test_an_empty_target_name_is_refused_as_in_a_file():
     target = metile.FusionTarget.cpu()

@@ -49,3 +49,30 @@ def test_a_missing_file_is_one_error_line(tmp_path):
     assert result.stdout == ""
     assert result.stderr.startswith("print_races.py: cannot read ")
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_file_that_is_not_a_decision_cache_is_one_error_line(tmp_path):
+    """Malformed caches ended in tracebacks; /dev/zero was read without a limit."""
+    cases = ["[]", "5", '{"decisions": {}}', '{"decisions": null}', '{"decisions": [5]}',
+             '{"decisions": [{"timings_ms": [[{}, 1, 2]]}]}', '{"decisions": [{"timings_ms": [[{}, "1"]]}]}',
+             '{"decisions": [{"timings_ms": [[{}, NaN]]}]}', '{"decisions": [{"timings_ms": [[{}, true]]}]}',
+             "[" * 100000]
+    for index, text in enumerate(cases):
+        path = tmp_path / f"case{index}.json"
+        path.write_text(text, encoding="utf-8")
+        result = run("--file", str(path))
+        assert result.returncode == 1, (text[:40], result.stdout, result.stderr)
+        assert result.stderr.startswith("print_races.py: cannot read "), (text[:40], result.stderr)
+        assert len(result.stderr.splitlines()) == 1, (text[:40], result.stderr)
+    result = run("--file", "/dev/zero")
+    assert result.returncode == 1 and "larger than the 67108864-byte limit" in result.stderr
+    # A key's escape sequence reaches the terminal spelled; --top counts at least one candidate.
+    path = tmp_path / "escape.json"
+    path.write_text(json.dumps({"decisions": [{"key": "k\x1b[31m", "chosen": None, "timings_ms": [[{"a": 1}, 0.5]]}]}))
+    result = run("--file", str(path))
+    assert result.returncode == 0 and "\x1b" not in result.stdout and "k\\x1b[31m" in result.stdout
+    path.write_text('{"decisions": [{"key": "\\ud800", "timings_ms": []}]}')  # a lone surrogate: spelled, no traceback
+    result = run("--file", str(path))
+    assert result.returncode == 0 and result.stdout.startswith("\\xd800\n"), result
+    result = run("--file", str(path), "--top", "-1")
+    assert result.returncode == 2 and "is not a count of at least 1" in result.stderr

@@ -32,9 +32,10 @@ std::uint64_t parse_seed(const std::string& text);
 // Other text is left to CLI11's conversion and its error.
 const CLI::Validator& fits_in_64_bits();
 
-// A floating-point option's text must be a decimal number (an optional sign, digits, a point, an
-// exponent; "inf" and "nan" are left to the option's range check): CLI11 and strtod also read C's
-// hexadecimal floats, so `--max-kl-mean 0x10` meant 16 where `--seed 0x10` is refused.
+// A floating-point option's text must be a finite decimal number (an optional sign, digits, a point, an
+// exponent; one past a double's range is left to the option's range check): CLI11 and strtod also read
+// C's hexadecimal floats, so `--max-kl-mean 0x10` meant 16 where `--seed 0x10` is refused, and "nan"
+// passed CLI::Range (`--near-tie-margin nan` turned the race off).
 const CLI::Validator& decimal_number();
 
 // A path option given as "" (an unset shell variable, say) is refused: taken as "no file", `--output

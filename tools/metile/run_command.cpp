@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include <cctype>
+#include <cmath>
 #include <cerrno>
 #include <charconv>
 #include <cstdint>
@@ -116,7 +117,9 @@ const CLI::Validator& decimal_number() {
         const char* end = text.data() + text.size();
         const auto [stop, error] = std::from_chars(text.data() + from, end, value, std::chars_format::general);
         const bool whole = text.size() > from && text[from] != '-' && stop == end && error != std::errc::invalid_argument;
-        return whole ? std::string() : fmt::format("{} is not a decimal number", text);
+        // nan and inf are not figures an option takes (CLI::Range lets NaN through: every comparison is false).
+        const bool finite = error == std::errc::result_out_of_range || std::isfinite(value);
+        return whole && finite ? std::string() : fmt::format("{} is not a finite decimal number", text);
       },
       "NUMBER");
   return validator;

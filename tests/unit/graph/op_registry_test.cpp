@@ -230,14 +230,17 @@ TEST(OpRegistryTest, FlashAttention) {
                         attrs({{"mask", std::string("sliding")}})),
             "mask must be 'none', 'causal' or 'positions', got 'sliding'");
   // The scale as its plain-op chain takes it: within f32's range (the scale op's rule), and not 0 in f32
-  // unless 0 (the rewrite's rule). 1e39 gave all-NaN outputs; 1e-50 attended uniformly.
+  // unless 0; and within what the fused kernels' f32 scale·log2(e) holds. 1e39 gave all-NaN outputs;
+  // 1e-50 attended uniformly.
   for (const auto& [scale, message] : {std::pair{1e39, "scale 1e+39 is beyond f32's range (scale multiplies in f32)"},
-                                       std::pair{1e-50, "scale 1e-50 is 0 in f32 (the chain's scale op multiplies in f32)"},
-                                       std::pair{-1e-46, "scale -1e-46 is 0 in f32 (the chain's scale op multiplies in f32)"}}) {
+                                       std::pair{1e-50, "scale 1e-50 is 0 in f32 (the scale op multiplies in f32)"},
+                                       std::pair{-1e-46, "scale -1e-46 is 0 in f32 (the scale op multiplies in f32)"},
+                                       std::pair{3e38, "scale 3e+38 times log2(e) is beyond f32's range (the fused "
+                                                       "attention kernels scale by it in f32)"}}) {
     EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})}, attrs({{"scale", scale}})),
               message);
   }
-  for (const double scale : {0.0, 1e-45, -0.125, 3e38}) {
+  for (const double scale : {0.0, 1e-45, -0.125, 2.3e38}) {
     EXPECT_EQ(infer_one("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})}, attrs({{"scale", scale}})),
               spec({2, 6, 8}))
         << scale;
