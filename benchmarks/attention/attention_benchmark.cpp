@@ -33,6 +33,7 @@
 #include "metile/attention_runtime.h"
 #include "metile/cuda_runtime.h"
 #include "../support/benchmark_device.h"
+#include "../support/benchmark_options.h"
 
 namespace {
 
@@ -336,14 +337,10 @@ std::map<std::string, double> read_torch_figures(const std::string& path) {
 
 int main(int argc, char** argv) {
   std::string torch_path;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--torch") == 0 && i + 1 < argc) {
-      torch_path = argv[++i];
-    } else {
-      fmt::print(stderr, "usage: attention_benchmark [--torch FILE]\n");
-      return 2;
-    }
-  }
+  CLI::App app{"fused attention kernels on the GPU against PyTorch's SDPA", "attention_benchmark"};
+  // A missing file was read as no figures at all, after the device had been opened and measured.
+  app.add_option("--torch", torch_path, "the output of .anchors' attention script, for its columns")->check(CLI::ExistingFile);
+  if (const std::optional<int> exit_code = benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
   const std::optional<CudaDevice> device = benchmarks::open_device_or_say_why("attention_benchmark");
   if (!device) return 0;
   try {
