@@ -184,20 +184,18 @@ def test_a_rule_name_with_a_control_byte_is_refused():
 # A pattern entry that can never match (an op name no node has, a "$" slot binding no name) made a rule
 # that silently fused nothing; refused when the rule set is checked.
 def test_a_pattern_entry_that_cannot_match_is_refused():
-    rule = metile.residual_add_rms_norm_rule()
-    pattern = rule.pattern
-    pattern[0].ops = ["add", "frobnicate"]
-    rule.pattern = pattern
-    with pytest.raises(ValueError, match=r"^rule 'residual_add_rms_norm': role 'sum' allows op 'frobnicate', which is "
-                                         r"not a registered op$"):
-        metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
-    rule = metile.residual_add_rms_norm_rule()
-    pattern = rule.pattern
-    pattern[1].inputs = ["sum", "$"]
-    rule.pattern = pattern
-    with pytest.raises(ValueError, match=r"^rule 'residual_add_rms_norm': role 'norm' has an input slot \"\$\" that "
-                                         r"names no binding$"):
-        metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
+    def refused(entry, field, value, message):
+        rule = metile.residual_add_rms_norm_rule()
+        pattern = rule.pattern
+        setattr(pattern[entry], field, value)
+        rule.pattern = pattern
+        with pytest.raises(ValueError, match=message):
+            metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[rule])
+
+    refused(0, "ops", ["add", "frobnicate"],
+            r"^rule 'residual_add_rms_norm': role 'sum' allows op 'frobnicate', which is not a registered op$")
+    refused(1, "inputs", ["sum", "$"],
+            r"^rule 'residual_add_rms_norm': role 'norm' has an input slot \"\$\" that names no binding$")
     # The rule as shipped plans the graph into one region.
     assert len(metile.plan_graph_fusion(residual_rms_norm_graph(), rules=[metile.residual_add_rms_norm_rule()]).regions) == 1
 
