@@ -34,7 +34,6 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "metile/fusion.h"
 #include "metile/model.h"
 #include "model_options.h"
 
@@ -112,22 +111,7 @@ std::set<std::string> comma_separated(const std::string& text, const char* optio
 }
 }  // namespace
 
-// Region kinds are the default rules' names (and a certified op's own, a region of its own): a typo
-// ("swigl_mlp") declined nothing without a word.
-std::set<std::string> declined_rules(const std::string& text) {
-  std::set<std::string> kinds = comma_separated(text, "--decline", "region kind");
-  std::string rule_names;
-  std::set<std::string, std::less<>> known;
-  for (const FusionRule& rule : default_rules().rules) {
-    known.insert(rule.name);
-    rule_names += (rule_names.empty() ? "" : ", ") + rule.name;
-  }
-  for (const std::string_view op : registered_op_names()) known.insert(std::string(op));
-  for (const std::string& kind : kinds) {
-    if (!known.contains(kind)) throw InputError(fmt::format("--decline: unknown region kind '{}' ({})", kind, rule_names));
-  }
-  return kinds;
-}
+std::set<std::string> declined_rules(const std::string& text) { return comma_separated(text, "--decline", "region kind"); }
 
 std::set<std::string> benchmarked_engines(const std::string& text) {
   std::set<std::string> engines = comma_separated(text, "--engines", "engine");
