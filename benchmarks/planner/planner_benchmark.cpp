@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <random>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 

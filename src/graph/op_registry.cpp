@@ -13,11 +13,11 @@
 // `layout` so that the planner never treats it as a row-reduction anchor.
 #include <algorithm>
 #include <cmath>
-#include <numbers>
 #include <cstdio>
 #include <deque>
 #include <initializer_list>
 #include <limits>
+#include <numbers>
 #include <sstream>
 #include <string>
 

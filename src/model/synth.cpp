@@ -286,14 +286,15 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   // One name a run: two threads of one process (Python's synth_model releases the GIL) write apart.
   static std::atomic<unsigned> runs{0};
   const std::string staging_name = fmt::format(".metile-partial-{}-{}", ::getpid(), runs++);  // short: fits NAME_MAX
-  const std::filesystem::path staging = (target_exists ? target : parent) / staging_name;
+  const std::filesystem::path staging_parent = target_exists ? target : parent;
+  const std::filesystem::path staging = staging_parent / staging_name;
   std::vector<std::filesystem::path> moved;  // into an existing directory: removed again if a later move fails
   // create_directory: a folder of that name already there is an error, not shared.
   if (!std::filesystem::create_directory(staging, error) && !error) error = std::make_error_code(std::errc::file_exists);
   if (error) {
     // Named after the directory the user gave: the staging folder is this run's own name.
-    throw InputError(fmt::format("{}: cannot write there: {} (creating {})", (target_exists ? target : parent).string(),
-                                 error.message(), staging.filename().string()));
+    throw InputError(fmt::format("{}: cannot write there: {} (creating {})", staging_parent.string(), error.message(),
+                                 staging_name));
   }
   // Another writer that passed the emptiness check above at the same time (a second synth-model)
   // would be written over file by file: each run leaves its staging folder in the directory while it

@@ -462,12 +462,10 @@ void add_model_commands(CLI::App& app) {
         ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()));
     // Given thresholds are finite and >= 0 (NaN passes CLI::Range, so it is checked here); an unset one
     // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
+    // Checked after decimal_number(), which refuses "", "0.1x", nan and inf: only the sign is left.
     const CLI::Validator non_negative(
         [](std::string& text) {
-          char* end = nullptr;
-          const double value = std::strtod(text.c_str(), &end);
-          const bool whole = !text.empty() && end == text.c_str() + text.size();  // "" and "0.1x" are not numbers
-          return whole && std::isfinite(value) && value >= 0 ? std::string() : "must be a finite number >= 0";
+          return std::strtod(text.c_str(), nullptr) >= 0 ? std::string() : "must be a finite number >= 0";
         },
         ">= 0");
     command->add_option("--min-agreement", options->min_agreement,

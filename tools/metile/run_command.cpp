@@ -7,9 +7,9 @@
 #include <fmt/core.h>
 
 #include <cctype>
-#include <cmath>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
