@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <utility>
@@ -322,6 +323,19 @@ struct FusionPlan {
 // A node carrying a "certificate" attribute was made by a certified rewrite (discovery): it is a
 // kernel of its own, never matched or grown into by a rule.
 bool is_certified_node(const Node& node);
+
+// ---------------------------------------------------------------- region kinds
+// A region's kind is its `rule`: a rule's name, the op of a certified node (the planner makes a
+// flash_attention node a region of that name), or one of the GPU Executable's own kinds for an
+// unfused matmul (dispatch.h, contraction_node_region).
+inline constexpr std::string_view kContractionRegionKind = "contraction";
+inline constexpr std::string_view kContractionArgmaxRegionKind = "contraction_argmax";
+// Every region kind a plan of `rules` and an Executable built on it can hold, sorted.
+// ExecutableOptions::declined_rules (dispatch.h) takes these names; check_region_kinds refuses any
+// other, since a misspelt kind would decline nothing without a word.
+std::vector<std::string> region_kinds(const RuleSet& rules = default_rules());
+// InputError "OPTION: 'swigl_mlp' is not a region kind (one of: ...)" for the first of `kinds` not in region_kinds(rules).
+void check_region_kinds(const std::set<std::string>& kinds, std::string_view option, const RuleSet& rules = default_rules());
 
 // Conflict selection on its own (docs/architecture.md, "Conflict selection"), for passes that propose node sets
 // of their own (discovery's rewrites): sets sharing a node conflict; per component of the conflict

@@ -134,8 +134,9 @@ FusionRegion contraction_node_region(const ComputeGraph& graph, NodeId node, con
   for (const Node& reader : graph.nodes()) {
     if (reader.op == "argmax" && reader.inputs[0] == contraction.outputs[0]) argmaxes.push_back(reader.id);
   }
-  FusionRegion region = argmaxes.size() == 1 ? region_of_nodes(graph, {node, argmaxes.front()}, "contraction_argmax")
-                                             : region_of_nodes(graph, {node}, "contraction");
+  FusionRegion region = argmaxes.size() == 1
+                            ? region_of_nodes(graph, {node, argmaxes.front()}, std::string(kContractionArgmaxRegionKind))
+                            : region_of_nodes(graph, {node}, std::string(kContractionRegionKind));
   if (is_gemv_contraction_op(contraction) && contraction.inputs.size() >= 2) {
     region.roles = {{"input", contraction.inputs[0]}, {"weight", contraction.inputs[1]}};
     const PrologueMatch norm = match_input_prologue(graph, region.nodes, region.roles, normalized_input_prologue());
@@ -469,7 +470,8 @@ GemvRegionPlan plan_gemv_swiglu(const ComputeGraph& graph, const FusionRegion& r
 }
 
 GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegion& region) {
-  if (region.rule != "contraction_epilogue" && region.rule != "contraction" && region.rule != "contraction_argmax") {
+  if (region.rule != "contraction_epilogue" && region.rule != kContractionRegionKind &&
+      region.rule != kContractionArgmaxRegionKind) {
     return refuse(fmt::format("not a contraction region (rule '{}')", region.rule));
   }
   if (auto missing = missing_role(region, {"input", "weight"})) return refuse(*missing);
@@ -490,7 +492,7 @@ GemvRegionPlan plan_gemv_contraction(const ComputeGraph& graph, const FusionRegi
   NodeId norm = -1;
   if (decision = normalized_input(view, stage, norm); !decision) return {std::move(decision), {}};
   std::vector<ValueId> written = view.region.outputs;
-  if (region.rule == "contraction_argmax") {
+  if (region.rule == kContractionArgmaxRegionKind) {
     // The argmax of the contraction's values: the kernel's argmax_rows join; the values are the store.
     const ValueId values = sub.node(*node).outputs[0];
     for (NodeId id : view.region.nodes) {
@@ -697,7 +699,8 @@ GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& r
   if (region.rule == "qkv_rope_kv_cache") return plan_gemv_qkv_rope_cache(graph, region);
   if (region.rule == "swiglu_mlp") return plan_gemv_swiglu(graph, region);
   if (region.rule == "sibling_contractions") return plan_gemv_siblings(graph, region);
-  if (region.rule == "contraction_epilogue" || region.rule == "contraction" || region.rule == "contraction_argmax") {
+  if (region.rule == "contraction_epilogue" || region.rule == kContractionRegionKind ||
+      region.rule == kContractionArgmaxRegionKind) {
     return plan_gemv_contraction(graph, region);
   }
   return refuse(fmt::format("the GEMV lowers swiglu_mlp, contraction_epilogue, contraction, contraction_argmax, "

@@ -1,6 +1,10 @@
 // The default fusion rules, written as data (include/metile/fusion.h, FusionRule).
 // Everything the planner knows about which ops may share a kernel is here; the
 // neighborhood models and conflict selection never look at an op's name.
+#include <algorithm>
+
+#include <fmt/core.h>
+
 #include "metile/fusion.h"
 
 namespace metile {
@@ -197,6 +201,24 @@ RuleSet default_rules() {
                  sibling_contractions_rule(), rope_kv_cache_rule(), qkv_rope_kv_cache_rule(),
                  attention_output_projection_rule(), row_reduction_rule(), elementwise_chain_rule()};
   return rules;
+}
+
+// The kinds named in fusion.h: the certified op's name is the one attention discovery writes.
+std::vector<std::string> region_kinds(const RuleSet& rules) {
+  std::set<std::string> kinds{"flash_attention", std::string(kContractionRegionKind),
+                              std::string(kContractionArgmaxRegionKind)};
+  for (const FusionRule& rule : rules.rules) kinds.insert(rule.name);
+  return {kinds.begin(), kinds.end()};
+}
+
+void check_region_kinds(const std::set<std::string>& kinds, std::string_view option, const RuleSet& rules) {
+  const std::vector<std::string> known = region_kinds(rules);
+  for (const std::string& kind : kinds) {
+    if (std::binary_search(known.begin(), known.end(), kind)) continue;
+    std::string list;
+    for (const std::string& name : known) list += (list.empty() ? "" : ", ") + name;
+    throw InputError(fmt::format("{}: '{}' is not a region kind (one of: {})", option, control_bytes_spelled(kind), list));
+  }
 }
 
 }  // namespace metile

@@ -34,6 +34,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "metile/fusion.h"
 #include "metile/model.h"
 #include "model_options.h"
 
@@ -111,7 +112,17 @@ std::set<std::string> comma_separated(const std::string& text, const char* optio
 }
 }  // namespace
 
-std::set<std::string> declined_rules(const std::string& text) { return comma_separated(text, "--decline", "region kind"); }
+std::set<std::string> declined_rules(const std::string& text) {
+  std::set<std::string> kinds = comma_separated(text, "--decline", "region kind");
+  check_region_kinds(kinds, "--decline");
+  return kinds;
+}
+
+std::string decline_help(std::string_view what) {
+  std::string kinds;
+  for (const std::string& kind : region_kinds()) kinds += (kinds.empty() ? "" : ", ") + kind;
+  return fmt::format("{}, comma-separated, of: {}", what, kinds);
+}
 
 std::set<std::string> benchmarked_engines(const std::string& text) {
   std::set<std::string> engines = comma_separated(text, "--engines", "engine");
@@ -165,8 +176,7 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
   add_quantization_options(command, options.quantize, options.group_size, "quantize dense weights at load: 4 or 8 bits");
   command->add_option("--max-seq", options.max_seq, "KV-cache capacity (unset or 0: min(4096, the config's limit); a sliding window caps it)")
       ->check(fits_in_64_bits());
-  command->add_option("--decline", options.decline,
-                      "--backend cuda: region kinds that run native, comma-separated (e.g. swiglu_mlp)");
+  command->add_option("--decline", options.decline, decline_help("--backend cuda: region kinds that run native"));
 }
 
 // Quantizing at load keeps a matrix dense when its columns are not whole groups (as MLX's quantize
@@ -190,10 +200,11 @@ void note_matrices_left_dense(const ModelConfig& config, const AffineQuantizatio
 
 // The backend is checked (and a GPU opened) before the checkpoint is read: no device is one line at once.
 DecoderModel load_model(const ModelOptions& options) {
-  check_backend(options);
   if (options.backend == "cpu" && !options.decline.empty()) {
     throw InputError("--decline applies to --backend cuda (the fused GPU engine)");
   }
+  declined_rules(options.decline);  // a misspelt kind: one line before a device is looked for
+  check_backend(options);
   LoadOptions load;
   load.dtype = parse_dtype(options.dtype);
   load.max_sequence = options.max_seq;
@@ -515,7 +526,7 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--max-seq", options->max_seq,
                         "KV-cache capacity (unset or 0: what the measurements need, rounded up to 256, at most a sliding window that holds them)")
         ->check(fits_in_64_bits());
-    command->add_option("--decline", options->decline, "region kinds the fused engine runs native, comma-separated");
+    command->add_option("--decline", options->decline, decline_help("region kinds the fused engine runs native"));
     command->add_option("--engines", options->engines,
                         "engines to measure, comma-separated: fused, fused-pdl (GEMVs and attention as programmatic dependents), "
                         "native")

@@ -60,8 +60,10 @@ nlohmann::json figures_json(const AgreementFigures& figures);
 // "absent"), so those are the strings "NaN", "Infinity" and "-Infinity", which Python's float() and
 // numpy read back as the values.
 nlohmann::json json_number(double value);
-// --decline "a,b": the region kinds (plan rule names).
+// --decline "a,b": the region kinds (fusion.h, region_kinds); InputError naming one that is not.
 std::set<std::string> declined_rules(const std::string& text);
+// --decline's help: `what`, then the region kinds it takes.
+std::string decline_help(std::string_view what);
 // bench-model --engines "a,b": fused, fused-pdl (its GEMVs and attention as programmatic dependents), native;
 // InputError naming an unknown one.
 std::set<std::string> benchmarked_engines(const std::string& text);

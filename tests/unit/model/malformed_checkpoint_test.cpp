@@ -937,6 +937,18 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
   EXPECT_EQ(err, "metile: error: --quantize must be 4 or 8, got '5'\n");
   EXPECT_EQ(metile("bench-model --preset tiny --decline a,,b"), 2);
   EXPECT_EQ(err, "metile: error: --decline: an empty region kind in 'a,,b'\n");
+  // A misspelt kind declined nothing without a word; every kind is named in the message, and the
+  // other commands say it before a device is looked for.
+  const std::string not_a_kind =
+      "metile: error: --decline: 'swigl_mlp' is not a region kind (one of: attention_output_projection, contraction, "
+      "contraction_argmax, contraction_epilogue, elementwise_chain, flash_attention, qkv_rope_kv_cache, "
+      "residual_add_rms_norm, rope_kv_cache, row_reduction, sibling_contractions, swiglu_mlp)\n";
+  for (const std::string& command : {std::string("bench-model --preset tiny"),
+                                     "verify-model " + directory.string() + " --backend cuda",
+                                     "generate " + directory.string() + " --prompt-ids 1,2 --tokens 3 --backend cuda"}) {
+    EXPECT_EQ(metile(command + " --decline swiglu_mlp,swigl_mlp"), 2) << command;
+    EXPECT_EQ(err, not_a_kind) << command;
+  }
   EXPECT_EQ(metile("bench-model --preset tiny --engines fused,cublas"), 2);
   EXPECT_EQ(err, "metile: error: --engines: unknown engine 'cublas' (fused, fused-pdl, native)\n");
   EXPECT_EQ(metile("bench-model --preset tiny --engines ,"), 2);
