@@ -39,7 +39,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <future>
 #include <unistd.h>
@@ -53,6 +52,7 @@
 #include "metile/cuda_runtime.h"
 #include "metile/decode_mlp_executor.h"
 #include "../support/benchmark_device.h"
+#include "../support/benchmark_options.h"
 
 namespace {
 
@@ -286,32 +286,42 @@ int main(int argc, char** argv) {
   bool cold_tournaments = true;
   std::int64_t profile_rows = 1;
   int tuning_candidates = DecodeMlpOptions{}.tuning_candidates;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--full") == 0) {
-      full = true;
-    } else if (std::strcmp(argv[i], "--quick") == 0) {
-      quick = true;
-    } else if (std::strcmp(argv[i], "--kernels") == 0) {
-      kernels = true;
-    } else if (std::strcmp(argv[i], "--profile") == 0) {
-      profile = true;
-    } else if (std::strcmp(argv[i], "--profile-rows") == 0 && i + 1 < argc &&
-               (std::strcmp(argv[i + 1], "1") == 0 || std::strcmp(argv[i + 1], "16") == 0)) {
-      profile = true;
-      profile_rows = std::atoi(argv[++i]);
-    } else if (std::strcmp(argv[i], "--residency") == 0) {
-      residency = kernels = true;
-    } else if (std::strcmp(argv[i], "--tournament-caches") == 0 && i + 1 < argc &&
-               (std::strcmp(argv[i + 1], "cold") == 0 || std::strcmp(argv[i + 1], "warm") == 0)) {
-      cold_tournaments = std::strcmp(argv[++i], "cold") == 0;
-    } else if (std::strcmp(argv[i], "--verbose") == 0) {
-      verbose = true;
-    } else if (std::strcmp(argv[i], "--candidates") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
-      tuning_candidates = std::atoi(argv[++i]);
-    } else {
-      fmt::print(stderr, "usage: mlp_decode_benchmark [--full | --quick | --kernels [--residency] | --profile [--profile-rows 1|16]] [--candidates N] [--tournament-caches cold|warm] [--verbose]\n");
+  CLI::App app{"the decode MLP through DecodeMlpExecutor, % of copy bandwidth", "mlp_decode_benchmark"};
+  CLI::Option* full_flag = app.add_flag("--full", full, "every model at every M");
+  CLI::Option* quick_flag =
+      app.add_flag("--quick", quick, "Llama-3-8B at M = 1, 16; the others 4-bit g64 at M = 1, 16 (the goals)");
+  CLI::Option* kernels_flag =
+      app.add_flag("--kernels", kernels, "every generated stage kernel of Llama-3-8B alone (no executor)");
+  CLI::Option* profile_flag =
+      app.add_flag("--profile", profile, "the 4-bit g64 stage kernels launched once each, for ncu (no timing)");
+  CLI::Option* rows_option = app.add_option("--profile-rows", profile_rows, "--profile at M activation rows")
+                                 ->check(CLI::IsMember({1, 16}))
+                                 ->capture_default_str();
+  app.add_flag("--residency", residency, "--kernels: the bounded variants of each plain register shape besides");
+  std::string caches = "cold";
+  app.add_option("--tournament-caches", caches, "the executors' races: cold (L2 flushed before every call) or warm")
+      ->check(CLI::IsMember({"cold", "warm"}))
+      ->capture_default_str();
+  app.add_flag("--verbose", verbose, "every stage's candidates: gate result and tournament score");
+  app.add_option("--candidates", tuning_candidates, "launch shapes per fused schedule")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  // One mode at a time; --profile-rows is --profile's and --residency --kernels' (each implies its mode).
+  for (CLI::Option* mode : {full_flag, quick_flag, kernels_flag, profile_flag}) {
+    for (CLI::Option* other : {full_flag, quick_flag, kernels_flag, profile_flag}) {
+      if (mode != other) mode->excludes(other);
+    }
+  }
+  rows_option->excludes(full_flag)->excludes(quick_flag)->excludes(kernels_flag);
+  if (const std::optional<int> exit_code = benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
+  cold_tournaments = caches == "cold";
+  if (rows_option->count() > 0) profile = true;
+  if (residency) {
+    if (full || quick || profile) {
+      fmt::print(stderr, "mlp_decode_benchmark: error: --residency goes with --kernels\n");
       return 2;
     }
+    kernels = true;
   }
   const std::optional<CudaDevice> device = benchmarks::open_device_or_say_why("mlp_decode_benchmark");
   if (!device) return 0;

@@ -217,10 +217,10 @@ AttentionRewrite rewrite_attention(const ComputeGraph& graph,
 // unproved law runs.
 ComputeGraph flash_attention_as_plain_ops(const ComputeGraph& graph, NodeId flash_attention_node);
 
-// rewrite_attention, then plan_graph_fusion of the rewritten graph; each
+// without_dead_nodes (graph.h), rewrite_attention, then plan_graph_fusion of the rewritten graph; each
 // flash_attention region's benefit is the planner's estimate for the chain it
 // replaced, a chain whose estimate is no saving on the target stays unrewritten
-// (refused with the figure), and plan.rewrites says what was rewritten or refused and why.
+// (refused with the figure), and plan.rewrites says what was removed, rewritten or refused and why.
 FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& target = FusionTarget::h200(),
                                const RuleSet& rules = default_rules());
 

@@ -306,7 +306,8 @@ struct FusionPlan {
   std::string target_name;
   std::vector<FusionCandidate> candidates;
   std::vector<ConflictComponent> components;
-  // Certified rewrites made before planning (discovery) and the ones refused, one line each.
+  // Rewrites made before planning (plan_with_discovery: nodes no output depends on removed, certified
+  // attention rewrites made or refused), one line each.
   std::vector<std::string> rewrites;
 
   double total_benefit_ns() const;

@@ -41,9 +41,8 @@ float round_to_dtype(float value, DType dtype);
 // the dtype (never through f32 first); overflow goes to inf; integer dtypes round and saturate.
 double round_double_to_dtype(double value, DType dtype);
 
-// Why `scale` cannot be a flash_attention node's scale ("is 0 in f32 (...)"), or nullopt. The node is
-// its plain-op chain, whose scale op multiplies in f32: a scale that is 0 only in f32 turns a -inf score
-// into NaN there, -inf in a double product. The fused kernels scale by it times log2(e) in f32: past
+// Why `scale`, a factor the scale op takes (within f32's range, not 0 in f32 unless 0), cannot be a
+// flash_attention node's scale, or nullopt. The fused kernels scale by it times log2(e) in f32: past
 // f32's range there a score of 0 became NaN on the GPU where the chain gives 0. The op's inference
 // and the attention rewrite both ask this.
 std::optional<std::string> flash_attention_scale_problem(double scale);
@@ -490,6 +489,16 @@ std::vector<std::vector<std::size_t>> kernel_dependencies(const ComputeGraph& gr
 // The kernels in an order where each runs after those it reads from, the one whose first (smallest)
 // node comes first when several are ready; or, when they wait on each other, a cycle of kernels.
 Schedule schedule_kernels(const ComputeGraph& graph, std::span<const std::vector<NodeId>> kernels);
+
+// ---------------------------------------------------------------- dead nodes
+// Per node id: whether a graph output depends on it, directly or through other nodes. A node no
+// output depends on computes nothing the graph returns (a value recorded and never used).
+std::vector<bool> nodes_outputs_depend_on(const ComputeGraph& graph);
+// The graph without the nodes no output depends on (src/graph/dead_nodes.cpp): the same inputs (an
+// input only those nodes read stays one: the inputs are the graph's interface), outputs and names.
+// `removed`, where given, receives those nodes' ids in `graph`, ascending. plan_with_discovery plans
+// this graph, so the GPU runs no kernel for them; run_reference still computes every node.
+ComputeGraph without_dead_nodes(const ComputeGraph& graph, std::vector<NodeId>* removed = nullptr);
 
 // ---------------------------------------------------------------- files
 // JSON graph files (format in docs/architecture.md). Errors name the source and the JSON

@@ -450,9 +450,10 @@ void bind_plan(py::module_& module) {
         return std::make_shared<FusionPlan>(plan_with_discovery(*graph, fusion_target, rule_set));
       },
       py::arg("graph").none(false), py::arg("target") = py::none(), py::arg("rules") = py::none(),
-      "The certified attention rewrite (matmul -> [scale] -> [mask] -> softmax -> matmul becomes one "
-      "flash_attention node carrying its certificate), then plan_graph_fusion of the rewritten graph; "
-      "plan.rewrites says what was rewritten or refused and why.");
+      "Nodes no graph output depends on removed, the certified attention rewrite (matmul -> [scale] -> "
+      "[mask] -> softmax -> matmul becomes one flash_attention node carrying its certificate), then "
+      "plan_graph_fusion of the rewritten graph (plan.graph); plan.rewrites says what was removed, rewritten "
+      "or refused and why.");
 }
 
 }  // namespace

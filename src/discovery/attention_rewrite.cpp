@@ -145,7 +145,7 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
                                   node.name, dtype_name(graph.value(node.outputs.front()).spec.dtype)));
       }
       scaled = true;
-      // A factor flash_attention cannot take as its scale (0 only in f32, past f32's range times log2(e)).
+      // A factor flash_attention cannot take as its scale (past f32's range times log2(e)).
       if (const std::optional<std::string> problem = flash_attention_scale_problem(factor)) {
         return refuse(fmt::format("'{}' scales by {}, which {}", node.name, factor, *problem));
       }
@@ -288,7 +288,11 @@ std::vector<std::string> AttentionRewrite::summary(const ComputeGraph& original)
   return lines;
 }
 
-FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& target, const RuleSet& rules) {
+FusionPlan plan_with_discovery(const ComputeGraph& recorded, const FusionTarget& target, const RuleSet& rules) {
+  // Nodes no output depends on are removed first: no kernel computes them, and their reads do not
+  // make a chain's scores "escape".
+  std::vector<NodeId> dead;
+  const ComputeGraph graph = without_dead_nodes(recorded, &dead);
   // A chain the target's cost model gives no saving stays plain ops: planning selects profitable
   // regions only, and a rewrite is a region of one kernel. The estimate, by output matmul, is also
   // the benefit of the region the rewritten node becomes.
@@ -315,7 +319,12 @@ FusionPlan plan_with_discovery(const ComputeGraph& graph, const FusionTarget& ta
       plan.node_reasons[static_cast<std::size_t>(*node)] += "; flash_attention refused: " + refusal.reason;
     }
   }
-  plan.rewrites = rewrite.summary(graph);
+  for (NodeId node : dead) {
+    plan.rewrites.push_back(fmt::format("removed '{}' ({}): no graph output depends on it", recorded.node(node).name,
+                                        recorded.node(node).op));
+  }
+  const std::vector<std::string> attention = rewrite.summary(graph);
+  plan.rewrites.insert(plan.rewrites.end(), attention.begin(), attention.end());
   return plan;
 }
 

@@ -143,7 +143,7 @@ std::string FusionPlan::explain() const {
   text += fmt::format("conflict selection: {} in {}{}\n", counted(candidates.size(), "candidate"),
                       counted(components.size(), "component"), method_list.empty() ? "" : " (" + method_list + ")");
   if (!rewrites.empty()) {
-    text += "certified rewrites before planning:\n";
+    text += "rewrites before planning:\n";
     for (const std::string& line : rewrites) text += "  " + line + "\n";
   }
   text += "why each op is where it is:\n";

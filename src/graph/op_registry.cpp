@@ -128,7 +128,6 @@ std::vector<TensorSpec> infer_unary(std::span<const TensorSpec> inputs, Attribut
 }  // namespace
 
 std::optional<std::string> flash_attention_scale_problem(double scale) {
-  if (scale != 0 && static_cast<float>(scale) == 0) return "is 0 in f32 (the scale op multiplies in f32)";
   if (std::isinf(static_cast<float>(scale * std::numbers::log2e))) {
     return "times log2(e) is beyond f32's range (the fused attention kernels scale by it in f32)";
   }
@@ -138,11 +137,15 @@ std::optional<std::string> flash_attention_scale_problem(double scale) {
 namespace {
 
 // The scale op multiplies in f32 (scale_math): a factor that rounds to an f32 infinity would turn every
-// element into inf or NaN (0 · inf) whatever its value. `name` is the attribute.
+// element into inf or NaN (0 · inf) whatever its value, and a non-zero one that rounds to 0 every
+// finite element into 0 (1e30 scaled by 1e-50 is 1e-20, an f32 value). `name` is the attribute.
 double f32_factor(Attributes& attributes, std::string_view name) {
   const double factor = finite_number(attributes, name);
   if (std::isinf(static_cast<float>(factor))) {
     throw InputError(std::string(name) + " " + number_text(factor) + " is beyond f32's range (scale multiplies in f32)");
+  }
+  if (factor != 0 && static_cast<float>(factor) == 0) {
+    throw InputError(std::string(name) + " " + number_text(factor) + " is 0 in f32 (scale multiplies in f32)");
   }
   return factor;
 }
@@ -247,8 +250,8 @@ std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs
   }
   if (!attributes.has("scale")) attributes.set("scale", 1.0);
   // The op is its plain-op chain (scale, mask, softmax, matmul), whose scale multiplies in f32: a scale
-  // past f32's range is refused as the scale op refuses it, and one that is 0 only in f32 as the rewrite
-  // refuses it (a -inf score times it is NaN in the chain, -inf in a double product).
+  // past f32's range or 0 only in f32 is refused as the scale op refuses it (a -inf score times a
+  // factor 0 in f32 is NaN in the chain, -inf in a double product).
   const double scale = f32_factor(attributes, "scale");
   if (const std::optional<std::string> problem = flash_attention_scale_problem(scale)) {
     throw InputError("scale " + number_text(scale) + " " + *problem);
@@ -599,12 +602,24 @@ CudaExpression cuda_call(std::string function) {
   };
 }
 
+// x / (1 + e^-t) for a t of x's sign where e^-t may overflow: there x e^t / (1 + e^t), so a result
+// that is tiny but representable is not 0 (silu(-89) is -1.98e-37 in f32, x / inf was -0), and the
+// limit at -inf is -0 (x / inf was NaN).
+template <typename T>
+T over_one_plus_exp(T x, T t) {
+  const T e = std::exp(-t);
+  if (!std::isinf(e) || t > 0) return x / (T(1) + e);
+  if (std::isinf(x)) return T(-0.0);
+  const double small = std::exp(static_cast<double>(t));  // in f64: e^t is below f32's normal range
+  return static_cast<T>(static_cast<double>(x) * small / (1.0 + small));
+}
+
 // silu(x) = x / (1 + e^-x). CUDA's expf (2 ulp over the whole range) rather than __expf, whose
 // error grows with |x|: the CPU reference uses the correctly rounded-ish std::exp, the kernels
 // that apply silu are memory-bound, so the accurate form costs nothing measurable.
 template <typename T>
 T silu(T x) {
-  return x / (T(1) + std::exp(-x));
+  return over_one_plus_exp(x, x);
 }
 
 // Both gelu forms are written so that no step cancels: the textbook 1 + erf(x / sqrt 2) and
@@ -612,6 +627,7 @@ T silu(T x) {
 // 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2)
 template <typename T>
 T gelu_erf(T x) {
+  if (x == -std::numeric_limits<T>::infinity()) return T(-0.0);  // the limit (-inf · erfc(inf) is NaN)
   const T half_x = T(0.5) * x;
   return half_x * std::erfc(-x * T(0.7071067811865476));
 }
@@ -620,7 +636,7 @@ template <typename T>
 T gelu_tanh(T x) {
   const T cube = x * x * x;
   const T inner = T(0.7978845608028654) * (x + T(0.044715) * cube);
-  return x / (T(1) + std::exp(T(-2) * inner));
+  return over_one_plus_exp(x, T(2) * inner);
 }
 
 constexpr std::string_view silu_helper =
@@ -740,11 +756,13 @@ RowReductionMath layer_norm_math() {
       const double mean = sum / length;
       double squared_deviations = 0;
       for (float value : x) squared_deviations += (value - mean) * (value - mean);
-      const auto mean_f32 = static_cast<float>(mean);
-      const auto inverse_std = static_cast<float>(1.0 / std::sqrt(squared_deviations / length + eps));
+      // Centred on the mean the variance was taken around, in f64: centring f32 values on the mean
+      // rounded to f32 moved rows with a large offset and a small spread ([2^24, 2^24 + 2] gave
+      // [0, 2], not [-1, 1]), and x - mean overflowed f32 near its limit. Rounded once to f32 here,
+      // then the weight and bias in f32.
+      const double inverse_std = 1.0 / std::sqrt(squared_deviations / length + eps);
       for (std::size_t d = 0; d < x.size(); ++d) {
-        const float centered = x[d] - mean_f32;
-        const float normalized = centered * inverse_std;
+        const auto normalized = static_cast<float>((x[d] - mean) * inverse_std);
         const float scaled = normalized * weight[d];
         out[d] = scaled + bias[d];
       }
@@ -778,7 +796,7 @@ RowReductionMath softmax_math() {
         out[d] = std::exp(x[d] - maximum);
         sum += out[d];
       }
-      for (double& value : out) value = static_cast<float>(value / sum);
+      for (double& value : out) value /= sum;  // rounded once, to the output's dtype, by its store
     };
   };
   math.row_kernel = [](RowKernelSteps& steps, const Attributes&) {

@@ -1,7 +1,8 @@
 // `metile plan GRAPH.json [--target cpu|h200|FILE] [--format text|json|dot]`: the
 // fusion planner on a graph file, so a person can see which ops would share a
 // kernel and why (docs/architecture.md, "Formats" and "Commands").
-// The certified attention rewrite runs first (plan_with_discovery; --no-discovery skips it).
+// The rewrites run first (plan_with_discovery: nodes no output depends on removed, the certified
+// attention rewrite; --no-discovery skips both and plans every node as written).
 //   text: FusionPlan::explain(), regions then a reason per op
 //   json: {"kernels": N, "regions": [{"rule", "nodes", "inputs", "outputs", "benefit_ns", "roles"}], "unfused": [...]}
 //   dot:  Graphviz, one coloured cluster per region
@@ -36,7 +37,7 @@ void add_plan_command(CLI::App& app) {
       ->check(CLI::IsMember({"text", "json", "dot"}))
       ->capture_default_str();
   command->add_flag("--no-discovery", options->no_discovery,
-                    "plan the graph as written, without the certified attention rewrite");
+                    "plan the graph as written: every node, no certified attention rewrite");
   command->callback([options] {
     // Read everything before printing anything: an error leaves no partial output.
     const FusionTarget target = FusionTarget::from_name_or_file(options->target);

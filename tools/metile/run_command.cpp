@@ -144,7 +144,7 @@ void add_run_command(CLI::App& app) {
       ->check(non_empty_path());
   command->add_flag("--check", options->check, "compare the backend's outputs with the CPU reference");
   command->add_flag("--no-discovery", options->no_discovery,
-                    "cuda: plan without the certified attention rewrite (as `metile plan --no-discovery`)");
+                    "cuda: plan every node as written, without the rewrites (as `metile plan --no-discovery`)");
   command->callback([options] { run(*options); });
 }
 

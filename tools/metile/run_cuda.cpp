@@ -25,8 +25,9 @@ TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool c
   fmt::print("cuda: {} ({}, {} SMs, driver {}, NVRTC {}), dispatch {}\n", info.name, info.architecture(),
              info.multiprocessor_count, info.driver_version, nvrtc_version(),
              dispatch_mode_name(dispatch_mode_from_environment()));
-  // The plan `metile plan` shows for the H200: the certified attention rewrite first (the flash_attention
-  // nodes it makes refuse to run without a verified certificate), unless --no-discovery.
+  // The plan `metile plan` shows for the H200: nodes no output depends on removed and the certified
+  // attention rewrite first (the flash_attention nodes it makes refuse to run without a verified
+  // certificate), unless --no-discovery.
   const FusionTarget target = FusionTarget::h200();
   const FusionPlan plan = no_discovery ? plan_graph_fusion(graph, target) : plan_with_discovery(graph, target);
   Executable executable = Executable::build(plan, *device);

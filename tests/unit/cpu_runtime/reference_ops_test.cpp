@@ -4,11 +4,13 @@
 // the f32 (or f64-accumulated) result.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "metile/cpu_runtime.h"
 #include "metile/quant.h"
@@ -151,6 +153,44 @@ TEST(ReferenceElementwise, GeluMatchesKnownValues) {
   }
 }
 
+// Where e^-x (silu) or e^-2u (gelu's tanh form) overflows f32, x / (1 + inf) was -0 although the result
+// is an f32 value (silu(-89) = -1.98e-37), and at -inf the three forms gave NaN (-inf / inf, -inf · 0)
+// where the limit is -0. The oracle: the closed forms in long double; silu within 8 f32 ulps, the tanh
+// form within 64 (its u, rounded to f32 near 45, moves e^-2u by ~40 ulps), and one subnormal ulp
+// (2^-149) past either.
+TEST(ReferenceElementwise, SiluAndGeluKeepTinyNegativeResultsAndTheirLimits) {
+  const std::vector<double> silu_points = {-88.8, -89.5, -90.5, -91.0, -95.0, -100.0};
+  const std::vector<double> tanh_points = {-10.1, -10.2, -10.4};
+  const long double inf = std::numeric_limits<long double>::infinity();
+  const std::vector<double> limits = {-static_cast<double>(inf), static_cast<double>(inf)};
+  const auto close = [](double actual, long double expected, long double ulps) {
+    const long double error = std::fabs(static_cast<long double>(actual) - expected);
+    return error <= ulps * 0x1.0p-23L * std::fabs(expected) + 0x1.0p-149L && actual != 0;
+  };
+  for (const std::string& op : {std::string("silu"), std::string("gelu_tanh"), std::string("gelu")}) {
+    std::vector<double> points = op == "silu" ? silu_points : op == "gelu_tanh" ? tanh_points : std::vector<double>{};
+    points.insert(points.end(), limits.begin(), limits.end());
+    const TensorSpec spec({static_cast<std::int64_t>(points.size())}, DType::f32);
+    GraphBuilder builder;
+    const ValueRef x = builder.input("x", spec);
+    const ValueRef y = op == "silu" ? builder.silu(x) : builder.gelu(x, op == "gelu_tanh" ? "tanh" : "none");
+    const HostTensor out = run_one(builder, y, {{"x", HostTensor::from_values(spec, points)}});
+    for (std::size_t index = 0; index < points.size(); ++index) {
+      const double actual = out.at(static_cast<std::int64_t>(index));
+      const long double value = static_cast<float>(points[index]);
+      SCOPED_TRACE(op + " at " + std::to_string(points[index]));
+      if (std::isinf(value)) {
+        EXPECT_EQ(actual, static_cast<double>(value > 0 ? inf : 0.0L));
+        EXPECT_EQ(std::signbit(actual), value < 0);  // -0, the limit
+        continue;
+      }
+      const long double u = 0.7978845608028654L * (value + 0.044715L * value * value * value);
+      const long double expected = op == "silu" ? value / (1 + std::exp(-value)) : value / (1 + std::exp(-2 * u));
+      EXPECT_TRUE(close(actual, expected, op == "silu" ? 8 : 64)) << actual << " against " << static_cast<double>(expected);
+    }
+  }
+}
+
 TEST(ReferenceElementwise, GeluMatchesErfFormulaOnRandomInputs) {
   const TensorSpec spec({2, 50}, DType::bf16);
   GraphBuilder builder;
@@ -287,6 +327,78 @@ TEST(ReferenceRowReduction, LayerNormMatchesLongDouble) {
       EXPECT_NEAR(out.at(row * 80 + d), static_cast<double>(expected), 2e-6) << row << "," << d;
     }
   }
+}
+
+// layer_norm centres each element on the mean its variance is taken around, in f64. Centring on the
+// mean rounded to f32 gave [0, 2, 0, 2] for [2^24, 2^24 + 2, 2^24, 2^24 + 2] (the oracle: [-1, 1, -1, 1]
+// over sqrt(1 + eps)) and 5e-4 off on rows of 100 plus noise of 1e-3; x - mean in f32 overflowed for
+// [3.4e38, -3.4e38, ...]. The oracle is long double; weight 1 and bias 0, so the output is the
+// normalized value rounded once to f32: within 1 ulp.
+TEST(ReferenceRowReduction, LayerNormCentresOnTheMeanItsVarianceUses) {
+  constexpr std::int64_t kLength = 256;
+  std::vector<double> rows(4 * kLength);
+  std::mt19937_64 generator(testing::process_seed() + 41);
+  for (std::int64_t d = 0; d < kLength; ++d) {
+    rows[static_cast<std::size_t>(d)] = 0x1.0p24 + 2.0 * static_cast<double>(d % 2);
+    rows[static_cast<std::size_t>(kLength + d)] = d == 0 ? 3.4e38 : -3.4e38;
+    for (std::int64_t row : {2, 3}) {
+      const double noise = (static_cast<double>(generator() >> 11) * 0x1.0p-53 - 0.5) * 2e-3;
+      rows[static_cast<std::size_t>(row * kLength + d)] = 100.0 + noise;
+    }
+  }
+  const TensorSpec spec({4, kLength}, DType::f32);
+  const TensorSpec row_spec({kLength}, DType::f32);
+  GraphBuilder builder;
+  const ValueRef x = builder.input("x", spec);
+  const ValueRef y = builder.layer_norm(x, builder.input("weight", row_spec), builder.input("bias", row_spec), 1e-5);
+  const HostTensor input = HostTensor::from_values(spec, rows);
+  const HostTensor out = run_one(builder, y,
+                                 {{"x", input},
+                                  {"weight", HostTensor::from_values(row_spec, std::vector<double>(kLength, 1.0))},
+                                  {"bias", HostTensor(row_spec)}});
+  for (std::int64_t row = 0; row < 4; ++row) {
+    long double sum = 0;
+    for (std::int64_t d = 0; d < kLength; ++d) sum += as_long(input, row * kLength + d);
+    const long double mean = sum / kLength;
+    long double squares = 0;
+    for (std::int64_t d = 0; d < kLength; ++d) squares += std::pow(as_long(input, row * kLength + d) - mean, 2);
+    const long double inverse_std = 1 / std::sqrt(squares / kLength + 1e-5L);
+    for (std::int64_t d = 0; d < kLength; ++d) {
+      const long double expected = (as_long(input, row * kLength + d) - mean) * inverse_std;
+      EXPECT_TRUE(close_in_ulps(out.at(row * kLength + d), expected, DType::f32, 1)) << "row " << row << " at " << d;
+    }
+  }
+}
+
+// softmax: exp(x - max) in f32, the sum in f64, each quotient rounded once to the output's dtype. Through
+// f32 first, a quotient within half an f32 ulp of an f16 tie rounded to the tie and then to even (7 of
+// 65536 f16 elements in one draw). The oracle replays that definition here and rounds the long double
+// quotient once; it also counts the elements where rounding through f32 would differ, so that the draw
+// is known to reach the case.
+TEST(ReferenceRowReduction, SoftmaxRoundsEachQuotientOnceToTheDtype) {
+  const TensorSpec spec({64, 1024}, DType::f16);
+  GraphBuilder builder;
+  const ValueRef x = builder.input("x", spec);
+  const HostTensor input = random_tensor(spec, 42, -4, 4);
+  const HostTensor out = run_one(builder, builder.softmax(x), {{"x", input}});
+  int through_f32_differs = 0;
+  for (std::int64_t row = 0; row < 64; ++row) {
+    float maximum = -std::numeric_limits<float>::infinity();
+    for (std::int64_t d = 0; d < 1024; ++d) maximum = std::max(maximum, static_cast<float>(input.at(row * 1024 + d)));
+    std::vector<float> exponentials(1024);
+    long double sum = 0;
+    for (std::int64_t d = 0; d < 1024; ++d) {
+      exponentials[static_cast<std::size_t>(d)] = std::exp(static_cast<float>(input.at(row * 1024 + d)) - maximum);
+      sum += exponentials[static_cast<std::size_t>(d)];
+    }
+    for (std::int64_t d = 0; d < 1024; ++d) {
+      const long double quotient = exponentials[static_cast<std::size_t>(d)] / sum;
+      const double expected = round_double_to_dtype(static_cast<double>(quotient), DType::f16);
+      EXPECT_EQ(out.at(row * 1024 + d), expected) << "row " << row << " at " << d;
+      through_f32_differs += round_to_dtype(static_cast<float>(quotient), DType::f16) != expected;
+    }
+  }
+  EXPECT_GT(through_f32_differs, 0) << "no quotient of this draw sits where rounding through f32 differs";
 }
 
 TEST(ReferenceRowReduction, SoftmaxOverEveryAxisMatchesTheExpFormula) {

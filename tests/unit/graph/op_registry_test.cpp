@@ -120,7 +120,10 @@ TEST(OpRegistryTest, UnaryOps) {
   EXPECT_EQ(infer_error("scale", {spec({3})}, attrs({{"factor", INFINITY}})), "attribute 'factor' must be finite");
   EXPECT_EQ(infer_error("scale", {spec({3})}, attrs({{"factor", 1e39}})),
             "factor 1e+39 is beyond f32's range (scale multiplies in f32)");
-  EXPECT_EQ(infer_one("scale", {spec({3})}, attrs({{"factor", 1e-50}})), spec({3}));  // 0 in f32: a scale by 0
+  // A factor that is 0 only in f32 zeroed every finite element (1e30 · 1e-50 is an f32 value); 0 itself
+  // and a subnormal f32 factor are taken.
+  EXPECT_EQ(infer_error("scale", {spec({3})}, attrs({{"factor", 1e-50}})), "factor 1e-50 is 0 in f32 (scale multiplies in f32)");
+  for (const double factor : {0.0, -0.0, 1e-45}) EXPECT_EQ(infer_one("scale", {spec({3})}, attrs({{"factor", factor}})), spec({3}));
   Attributes gelu;
   infer("gelu", {spec({3})}, gelu);
   EXPECT_EQ(gelu.get_string("approximate"), "none");
@@ -233,8 +236,8 @@ TEST(OpRegistryTest, FlashAttention) {
   // unless 0; and within what the fused kernels' f32 scale·log2(e) holds. 1e39 gave all-NaN outputs;
   // 1e-50 attended uniformly.
   for (const auto& [scale, message] : {std::pair{1e39, "scale 1e+39 is beyond f32's range (scale multiplies in f32)"},
-                                       std::pair{1e-50, "scale 1e-50 is 0 in f32 (the scale op multiplies in f32)"},
-                                       std::pair{-1e-46, "scale -1e-46 is 0 in f32 (the scale op multiplies in f32)"},
+                                       std::pair{1e-50, "scale 1e-50 is 0 in f32 (scale multiplies in f32)"},
+                                       std::pair{-1e-46, "scale -1e-46 is 0 in f32 (scale multiplies in f32)"},
                                        std::pair{3e38, "scale 3e+38 times log2(e) is beyond f32's range (the fused "
                                                        "attention kernels scale by it in f32)"}}) {
     EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})}, attrs({{"scale", scale}})),
