@@ -411,7 +411,7 @@ void bind_plan(py::module_& module) {
           },
           "{node name: why it is or is not fused}")
       .def_property_readonly("rewrites", [](const FusionPlan& plan) { return plan.rewrites; },
-                             "Certified rewrites made before planning and the ones refused, one line each.")
+                             "Rewrites made before planning (nodes no output depends on removed, certified attention rewrites made or refused), one line each.")
       .def_property_readonly("kernel_count", &FusionPlan::kernel_count)
       .def_property_readonly("target_name", [](const FusionPlan& plan) { return plan.target_name; })
       .def_property_readonly("total_benefit_ns", &FusionPlan::total_benefit_ns)

@@ -57,3 +57,27 @@ def test_rewritten_graph_matches_the_original_on_the_cpu(rng):
     actual = metile.run(plan, inputs)["attention"]
     # The f32 gate: relative L2 error within 1e-5.
     assert np.linalg.norm(actual - expected) <= 1e-5 * np.linalg.norm(expected)
+
+
+def test_a_node_no_output_depends_on_is_removed_before_the_rewrite(rng):
+    # A dead reader of the scores: removed first (one line in plan.rewrites), so the chain is rewritten
+    # and no kernel is planned for it; plan_graph_fusion alone keeps it (and the chain's scores escape).
+    builder = metile.GraphBuilder()
+    q = builder.input("q", metile.TensorSpec((2, 3, 8), "f32"))
+    k = builder.input("k", metile.TensorSpec((2, 5, 8), "f32"))
+    v = builder.input("v", metile.TensorSpec((2, 5, 8), "f32"))
+    scores = builder.matmul(q, k, transpose_right=True, name="scores")
+    builder.sum(scores, name="dead_sum")
+    attention = builder.matmul(builder.softmax(scores), v, name="attention")
+    graph = builder.build((attention,))
+    plan = metile.plan_with_discovery(graph)
+    assert plan.rewrites[0] == "removed 'dead_sum' (sum): no graph output depends on it"
+    assert plan.rewrites[1].startswith("flash_attention 'attention' replaces")
+    assert "dead_sum" not in plan.node_reasons
+    assert plan.kernel_count == 1
+    assert "dead_sum" in metile.plan_graph_fusion(graph).node_reasons
+    inputs = {name: rng.uniform(-1, 1, shape).astype(np.float32)
+              for name, shape in (("q", (2, 3, 8)), ("k", (2, 5, 8)), ("v", (2, 5, 8)))}
+    expected = metile.run(graph, inputs)["attention"]
+    actual = metile.run(plan, inputs)["attention"]
+    assert np.linalg.norm(actual - expected) <= 1e-5 * np.linalg.norm(expected)
