@@ -19,6 +19,28 @@ namespace {
 
 class SiblingPlanTest : public testing::ModelDirectoryTest {};
 
+// Every node of a decode-step graph feeds an output: the native engine runs every node and the fused one
+// only those plan_with_discovery keeps, so a dead node would be a kernel only one engine launches.
+TEST_F(SiblingPlanTest, StepGraphsHaveNoDeadNodes) {
+  for (const ModelArchitecture architecture :
+       {ModelArchitecture::llama, ModelArchitecture::qwen2, ModelArchitecture::mistral}) {
+    const std::string name(architecture_class_name(architecture));
+    SynthOptions options;
+    options.architecture = architecture;
+    options.layers = 2;
+    const DecoderModel model = DecoderModel::load(synth(name, options), {.quantize = std::nullopt, .max_sequence = 32});
+    for (const std::int64_t steps : {1, 16}) {
+      for (const StepOutputs outputs : {StepOutputs::logits, StepOutputs::logits_and_next_tokens}) {
+        const ComputeGraph& graph = model.step_graph(steps, outputs);
+        const std::vector<bool> live = nodes_outputs_depend_on(graph);
+        for (const Node& node : graph.nodes()) {
+          EXPECT_TRUE(live[static_cast<std::size_t>(node.id)]) << name << " S=" << steps << ": " << node.name;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(SiblingPlanTest, EveryLayersQkvIsOneRegionAndThePlanRunsLikeTheGraph) {
   struct Case {
     ModelArchitecture architecture;
