@@ -299,13 +299,21 @@ int main(int argc, char** argv) {
                                  ->capture_default_str();
   app.add_flag("--residency", residency, "--kernels: the bounded variants of each plain register shape besides");
   std::string caches = "cold";
-  app.add_option("--tournament-caches", caches, "the executors' races: cold (L2 flushed before every call) or warm")
-      ->check(CLI::IsMember({"cold", "warm"}))
-      ->capture_default_str();
-  app.add_flag("--verbose", verbose, "every stage's candidates: gate result and tournament score");
-  app.add_option("--candidates", tuning_candidates, "launch shapes per fused schedule")
-      ->check(CLI::Range(1, 1000))
-      ->capture_default_str();
+  CLI::Option* caches_option =
+      app.add_option("--tournament-caches", caches, "the executors' races: cold (L2 flushed before every call) or warm")
+          ->check(CLI::IsMember({"cold", "warm"}))
+          ->capture_default_str();
+  CLI::Option* verbose_flag = app.add_flag("--verbose", verbose, "every stage's candidates: gate result and tournament score");
+  CLI::Option* candidates_option = app.add_option("--candidates", tuning_candidates, "launch shapes per fused schedule")
+                                       ->check(CLI::Validator(
+                                           [](std::string& text) {
+                                             const bool digits = !text.empty() && text.size() <= 9 &&
+                                                                 std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+                                             return digits ? std::string() : text + " is not a whole number";
+                                           },
+                                           "INT"))
+                                       ->check(CLI::Range(1, 1000))
+                                       ->capture_default_str();
   // One mode at a time; --profile-rows is --profile's and --residency --kernels' (each implies its mode).
   for (CLI::Option* mode : {full_flag, quick_flag, kernels_flag, profile_flag}) {
     for (CLI::Option* other : {full_flag, quick_flag, kernels_flag, profile_flag}) {
@@ -313,12 +321,19 @@ int main(int argc, char** argv) {
     }
   }
   rows_option->excludes(full_flag)->excludes(quick_flag)->excludes(kernels_flag);
+  // The executors' options: --kernels and --profile time kernels alone (no executor, no race).
+  for (CLI::Option* executor_option : {caches_option, verbose_flag, candidates_option}) {
+    executor_option->excludes(kernels_flag)->excludes(profile_flag)->excludes(rows_option);
+  }
+  CLI::Option* residency_flag = app.get_option("--residency");
+  for (CLI::Option* executor_option : {caches_option, verbose_flag, candidates_option}) executor_option->excludes(residency_flag);
   if (const std::optional<int> exit_code = benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
   cold_tournaments = caches == "cold";
   if (rows_option->count() > 0) profile = true;
   if (residency) {
     if (full || quick || profile) {
-      fmt::print(stderr, "mlp_decode_benchmark: error: --residency goes with --kernels\n");
+      fmt::print(stderr, "mlp_decode_benchmark: error: --residency goes with --kernels (not --full, --quick, --profile "
+                         "or --profile-rows)\n");
       return 2;
     }
     kernels = true;

@@ -262,7 +262,8 @@ class RowKernelSteps {
 
 struct RowReductionMath {
   // The CPU reference of one row: operands[i] is input i's row (a weight's one broadcast row),
-  // `out` the output row (as long as the input row, or 1). f32 element math, f64 accumulation; the
+  // `out` the output row (as long as the input row, or 1). f32 element math (layer_norm centres and
+  // normalizes in f64), f64 accumulation; the
   // executor rounds each value of `out` once to the output dtype (a sum's f64 total straight to it).
   using RowFunction = std::function<void(std::span<const std::span<const float>> operands, std::span<double> out)>;
   std::function<RowFunction(const Attributes& attributes)> bind;
@@ -495,8 +496,9 @@ Schedule schedule_kernels(const ComputeGraph& graph, std::span<const std::vector
 // output depends on computes nothing the graph returns (a value recorded and never used).
 std::vector<bool> nodes_outputs_depend_on(const ComputeGraph& graph);
 // The graph without the nodes no output depends on (src/graph/dead_nodes.cpp): the same inputs (an
-// input only those nodes read stays one: the inputs are the graph's interface), outputs and names.
-// `removed`, where given, receives those nodes' ids in `graph`, ascending. plan_with_discovery plans
+// input only those nodes read stays one: the inputs are the graph's interface), outputs and names,
+// recorded again in their order (ids are those of `graph` less the removed ones; `graph` itself when
+// none is). `removed`, where given, receives those nodes' ids in `graph`, ascending. plan_with_discovery plans
 // this graph, so the GPU runs no kernel for them; run_reference still computes every node.
 ComputeGraph without_dead_nodes(const ComputeGraph& graph, std::vector<NodeId>* removed = nullptr);
 

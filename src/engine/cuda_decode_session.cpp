@@ -86,7 +86,14 @@ std::string_view engine_path_name(EnginePath path) { return path == EnginePath::
 
 FusionPlan engine_plan(const ComputeGraph& graph, EnginePath path) {
   // fused: discovery (attention -> flash_attention) and the planner's regions; native: the same
-  // graph, no rewrite and no rule, so every node is its own native step.
+  // graph, no rewrite and no rule, so every node is its own native step. plan_with_discovery drops
+  // nodes no output depends on, which the native plan runs: a step graph must have none, or the two
+  // engines would run different nodes (a dead cache write would update the cache in one only).
+  const std::vector<bool> live = nodes_outputs_depend_on(graph);
+  if (const auto dead = std::find(live.begin(), live.end(), false); dead != live.end()) {
+    throw std::logic_error(fmt::format("engine_plan: node '{}' of the step graph feeds no output",
+                                       graph.node(static_cast<NodeId>(dead - live.begin())).name));
+  }
   return path == EnginePath::fused ? plan_with_discovery(graph, FusionTarget::h200())
                                    : plan_graph_fusion(graph, FusionTarget::h200(), RuleSet{});
 }

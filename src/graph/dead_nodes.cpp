@@ -30,12 +30,17 @@ ComputeGraph without_dead_nodes(const ComputeGraph& graph, std::vector<NodeId>* 
   const std::vector<bool> live = nodes_outputs_depend_on(graph);
   if (removed != nullptr) removed->clear();
   if (std::find(live.begin(), live.end(), false) == live.end()) return graph;
+  // Inputs and nodes are recorded again in the order of the values they make, as the graph recorded
+  // them: value and node ids stay those of `graph`, less the removed ones.
   GraphBuilder builder;
   std::vector<ValueRef> refs(graph.values().size());
-  for (ValueId input : graph.inputs()) {
-    refs[static_cast<std::size_t>(input)] = builder.input(graph.value(input).name, graph.value(input).spec);
-  }
-  for (const Node& node : graph.nodes()) {
+  for (const Value& value : graph.values()) {
+    if (value.producer < 0) {
+      refs[static_cast<std::size_t>(value.id)] = builder.input(value.name, value.spec);
+      continue;
+    }
+    if (value.output_index != 0) continue;  // recorded with its node's first output
+    const Node& node = graph.node(value.producer);
     if (!live[static_cast<std::size_t>(node.id)]) {
       if (removed != nullptr) removed->push_back(node.id);
       continue;

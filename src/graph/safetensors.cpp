@@ -186,7 +186,8 @@ void MappedSafetensors::parse_header(std::uint64_t file_bytes) {
   }
   const std::string_view header(reinterpret_cast<const char*>(mapping_ + 8), static_cast<std::size_t>(header_bytes));
   // The format's rule, which the reference reader (the safetensors package) enforces: the header
-  // begins with '{' (no byte order mark, no leading space) and only spaces pad its end (a NUL is
+  // begins with '{' (no byte order mark, no leading space). Its end may be padded: writers pad with
+  // spaces, and the package's JSON parser, as this one, takes any JSON whitespace there (a NUL is
   // refused by parse_json_input).
   if (!header.empty() && header.front() != '{') {
     char first[8];

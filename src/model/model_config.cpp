@@ -215,8 +215,14 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   }
   if (config.head_dim % 2 != 0) reader.fail("head_dim", "must be even for rotary embeddings");
   // A count transformers also reads when written as a real (4096.0), as original_max_position_embeddings.
-  config.max_position_embeddings =
-      reader.present("max_position_embeddings") ? reader.positive_whole_number("max_position_embeddings") : 4096;
+  // Absent, transformers' default for the architecture: LlamaConfig 2048, Qwen2Config 32768,
+  // MistralConfig 4096 * 32 (a Llama config without it was taken as 4096).
+  const std::int64_t default_positions = config.architecture == ModelArchitecture::llama   ? 2048
+                                         : config.architecture == ModelArchitecture::qwen2 ? 32768
+                                                                                           : 4096 * 32;
+  config.max_position_embeddings = reader.present("max_position_embeddings")
+                                       ? reader.positive_whole_number("max_position_embeddings")
+                                       : default_positions;
   config.rms_norm_eps = reader.positive_number_or("rms_norm_eps", 1e-6);
   // Every rms_norm of the step graphs takes it: refused here, naming the field, not at the first step
   // naming graph node 'layers.0.input_norm'.

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <functional>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "gpu_test_support.h"
 
@@ -92,6 +94,39 @@ TEST_F(NativeKernels, EveryOpMatchesTheReference) {
         stream.synchronize();
         expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs), what);
       }
+    }
+  }
+}
+
+// silu and gelu at their limits give what the CPU reference gives (PyTorch's f32 forms: NaN at -inf, -0
+// where e^-x overflows f32, inf at inf), and within 64 f32 ulps near them: a kernel that took other
+// forms there would fail the numeric gate on a NaN where the reference is finite, or the reverse.
+TEST_F(NativeKernels, SiluAndGeluAtTheirLimitsMatchTheReference) {
+  NativeRuntime native;
+  CudaStream stream;
+  const std::vector<double> points = {-HUGE_VAL, -89.0, -88.0, -10.1, -3.0, 0.0, 2.0, HUGE_VAL};
+  const TensorSpec spec({1, static_cast<std::int64_t>(points.size())}, DType::f32);
+  for (const std::string op : {"silu", "gelu", "gelu_tanh"}) {
+    GraphBuilder builder;
+    const ValueRef x = builder.input("x", spec);
+    const ValueRef y = op == "silu" ? builder.silu(x, "out") : builder.gelu(x, op == "gelu" ? "none" : "tanh", "out");
+    const ComputeGraph graph = builder.build({y});
+    const TensorMap inputs = {{"x", HostTensor::from_values(spec, points)}};
+    DeviceValues values(graph);
+    values.upload_inputs(inputs);
+    values.poison_computed_values();
+    run_steps(native.graph_steps(graph, values), stream);
+    stream.synchronize();
+    const HostTensor actual = values.download_outputs().at("out");
+    const HostTensor expected = run_reference(graph, inputs).at("out");
+    for (std::int64_t i = 0; i < spec.element_count(); ++i) {
+      const double got = actual.at(i), want = expected.at(i);
+      const std::string what = fmt::format("{}({}): GPU {} reference {}", op, points[static_cast<std::size_t>(i)], got, want);
+      if (std::isnan(want) || std::isinf(want) || want == 0) {
+        EXPECT_TRUE(std::isnan(got) ? std::isnan(want) : got == want && std::signbit(got) == std::signbit(want)) << what;
+        continue;
+      }
+      EXPECT_LE(std::fabs(got - want), 64 * 0x1.0p-23 * std::fabs(want) + 4 * 0x1.0p-149) << what;
     }
   }
 }

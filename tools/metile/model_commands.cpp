@@ -473,10 +473,12 @@ void add_model_commands(CLI::App& app) {
         ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()));
     // Given thresholds are finite and >= 0 (NaN passes CLI::Range, so it is checked here); an unset one
     // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
-    // Checked after decimal_number(), which refuses "", "0.1x", nan and inf: only the sign is left.
+    // Checked after decimal_number(), which refuses "", "0.1x", nan and inf but leaves a number past
+    // double's range to the option's check: 1e400 is +inf here (it was taken as an infinite threshold).
     const CLI::Validator non_negative(
         [](std::string& text) {
-          return std::strtod(text.c_str(), nullptr) >= 0 ? std::string() : "must be a finite number >= 0";
+          const double value = std::strtod(text.c_str(), nullptr);
+          return std::isfinite(value) && value >= 0 ? std::string() : "must be a finite number >= 0";
         },
         ">= 0");
     command->add_option("--min-agreement", options->min_agreement,

@@ -1,5 +1,5 @@
-// `metile run GRAPH.json --backend cuda [--check] [--no-discovery]`: plans the graph (with the
-// certified attention rewrite, as `metile plan`), builds an Executable
+// `metile run GRAPH.json --backend cuda [--check] [--no-discovery]`: plans the graph (nodes no output
+// depends on removed and the certified attention rewrite, as `metile plan`; one line each), builds an Executable
 // (compiles, gates and tunes every region, dispatch.h), runs it once on the inputs and returns
 // the outputs; with --check, compares every output with the CPU reference and prints the error.
 // Built only with the CUDA backend (METILE_HAVE_CUDA_BACKEND).
@@ -30,6 +30,7 @@ TensorMap run_on_cuda(const ComputeGraph& graph, const TensorMap& inputs, bool c
   // certificate), unless --no-discovery.
   const FusionTarget target = FusionTarget::h200();
   const FusionPlan plan = no_discovery ? plan_graph_fusion(graph, target) : plan_with_discovery(graph, target);
+  for (const std::string& rewrite : plan.rewrites) fmt::print("rewrite: {}\n", rewrite);
   Executable executable = Executable::build(plan, *device);
   for (const RegionReport& report : executable.reports()) fmt::print("{}\n", report.sentence);
   const TensorMap outputs = executable.run(inputs);

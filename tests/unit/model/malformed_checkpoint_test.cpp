@@ -755,7 +755,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   // An empty or half-numeric threshold is not 0 (strtod read "" as 0).
   for (const std::string threshold : {"--max-logit-error -0.5", "--min-agreement nan", "--max-kl inf", "--max-kl-mean -1",
                                       "--max-kl ''", "--max-kl 0.1x", "--max-kl-mean 0x10", "--max-kl 0x1p-4",
-                                      "--max-kl +-1", "--max-kl -"}) {
+                                      "--max-kl +-1", "--max-kl -", "--max-kl 1e400", "--min-agreement 1e309"}) {
     EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 " + threshold), 2) << threshold;
     EXPECT_NE(err.find(threshold.substr(0, threshold.find(' '))), std::string::npos) << err;
     EXPECT_EQ(err.find('\n'), err.size() - 1) << err;

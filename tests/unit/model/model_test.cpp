@@ -666,6 +666,18 @@ TEST(ModelConfigPositions, MaxPositionEmbeddingsMayBeAWholeReal) {
             "config.json: field 'max_position_embeddings': must be a positive number, got \"4096\"");
   EXPECT_EQ(error_of([&] { parse(0); }),
             "config.json: field 'max_position_embeddings': must be a positive number, got 0");
+  // Absent: transformers' default for the architecture (LlamaConfig 2048, Qwen2Config 32768,
+  // MistralConfig 131072), not one number for all.
+  for (const auto& [architecture, positions] : {std::pair{ModelArchitecture::llama, 2048},
+                                                std::pair{ModelArchitecture::qwen2, 32768},
+                                                std::pair{ModelArchitecture::mistral, 131072}}) {
+    SynthOptions options;
+    options.architecture = architecture;
+    nlohmann::json json = nlohmann::json::parse(synth_config(options).to_json());
+    json.erase("max_position_embeddings");
+    EXPECT_EQ(ModelConfig::parse_json(json.dump(), "config.json").max_position_embeddings, positions)
+        << architecture_class_name(architecture);
+  }
 }
 
 }  // namespace

@@ -24,20 +24,61 @@ class SiblingPlanTest : public testing::ModelDirectoryTest {};
 TEST_F(SiblingPlanTest, StepGraphsHaveNoDeadNodes) {
   for (const ModelArchitecture architecture :
        {ModelArchitecture::llama, ModelArchitecture::qwen2, ModelArchitecture::mistral}) {
-    const std::string name(architecture_class_name(architecture));
-    SynthOptions options;
-    options.architecture = architecture;
-    options.layers = 2;
-    const DecoderModel model = DecoderModel::load(synth(name, options), {.quantize = std::nullopt, .max_sequence = 32});
-    for (const std::int64_t steps : {1, 16}) {
-      for (const StepOutputs outputs : {StepOutputs::logits, StepOutputs::logits_and_next_tokens}) {
-        const ComputeGraph& graph = model.step_graph(steps, outputs);
-        const std::vector<bool> live = nodes_outputs_depend_on(graph);
-        for (const Node& node : graph.nodes()) {
-          EXPECT_TRUE(live[static_cast<std::size_t>(node.id)]) << name << " S=" << steps << ": " << node.name;
+    for (const bool quantized_and_tied : {false, true}) {
+      const std::string name = std::string(architecture_class_name(architecture)) + (quantized_and_tied ? "4tied" : "");
+      SynthOptions options;
+      options.architecture = architecture;
+      options.layers = 2;
+      options.tie_word_embeddings = quantized_and_tied;
+      if (quantized_and_tied) options.quantize = AffineQuantization{4, 32};
+      const DecoderModel model =
+          DecoderModel::load(synth(name, options), {.quantize = std::nullopt, .max_sequence = 32});
+      for (const std::int64_t steps : {1, 16}) {
+        for (const StepOutputs outputs : {StepOutputs::logits, StepOutputs::logits_and_next_tokens}) {
+          const ComputeGraph& graph = model.step_graph(steps, outputs);
+          const std::vector<bool> live = nodes_outputs_depend_on(graph);
+          for (const Node& node : graph.nodes()) {
+            EXPECT_TRUE(live[static_cast<std::size_t>(node.id)]) << name << " S=" << steps << ": " << node.name;
+          }
         }
       }
     }
+  }
+}
+
+// without_dead_nodes rebuilds a graph through a GraphBuilder, so every op's inference runs again on the
+// attributes it filled in once: a quantized step graph (embedding, quantized matmuls, rope, cache
+// writes, position masks, argmax) and its attention-rewritten form (flash_attention with its
+// certificate), each with a dead node appended, come back equal to the graphs without it.
+TEST_F(SiblingPlanTest, RemovingADeadNodeGivesTheStepGraphBack) {
+  SynthOptions options;
+  options.architecture = ModelArchitecture::qwen2;
+  options.layers = 2;
+  options.quantize = AffineQuantization{4, 32};
+  const DecoderModel model = DecoderModel::load(synth("qwen", options), {.quantize = std::nullopt, .max_sequence = 32});
+  const ComputeGraph& step = model.step_graph(3, StepOutputs::logits_and_next_tokens);
+  for (const ComputeGraph& graph : {step, rewrite_attention(step).graph}) {
+    // The graph recorded again as it was (inputs where they were declared, between nodes), and one more node.
+    GraphBuilder builder;
+    std::vector<ValueRef> refs(graph.values().size());
+    for (const Value& value : graph.values()) {
+      if (value.producer < 0) {
+        refs[static_cast<std::size_t>(value.id)] = builder.input(value.name, value.spec);
+        continue;
+      }
+      const Node& node = graph.node(value.producer);
+      std::vector<ValueRef> inputs;
+      for (ValueId input : node.inputs) inputs.push_back(refs[static_cast<std::size_t>(input)]);
+      refs[static_cast<std::size_t>(value.id)] = builder.add_node(node.op, std::move(inputs), node.attributes, node.name).front();
+    }
+    builder.argmax(refs[static_cast<std::size_t>(graph.outputs().front())], "dead_probe");
+    std::vector<ValueRef> outputs;
+    for (ValueId output : graph.outputs()) outputs.push_back(refs[static_cast<std::size_t>(output)]);
+    const ComputeGraph with_dead = builder.build(outputs);
+    ASSERT_EQ(with_dead.nodes().size(), graph.nodes().size() + 1);
+    std::vector<NodeId> removed;
+    EXPECT_EQ(without_dead_nodes(with_dead, &removed), graph);
+    EXPECT_EQ(removed, std::vector<NodeId>{static_cast<NodeId>(graph.nodes().size())});
   }
 }
 
