@@ -73,6 +73,16 @@ std::vector<OpCase> op_cases() {
 
 class NativeKernels : public CudaDeviceTest {};
 
+// The graph's native steps run once on `inputs`, every computed value poisoned first; its outputs.
+TensorMap run_natively(NativeRuntime& native, const CudaStream& stream, const ComputeGraph& graph, const TensorMap& inputs) {
+  DeviceValues values(graph);
+  values.upload_inputs(inputs);
+  values.poison_computed_values();
+  run_steps(native.graph_steps(graph, values), stream);
+  stream.synchronize();
+  return values.download_outputs();
+}
+
 TEST_F(NativeKernels, EveryOpMatchesTheReference) {
   NativeRuntime native;
   CudaStream stream;
@@ -87,12 +97,7 @@ TEST_F(NativeKernels, EveryOpMatchesTheReference) {
         const std::uint64_t seed = next_seed();
         const std::string what = fmt::format("{} {} [{}x{}] seed {}", op.name, dtype_name(dtype), shape[0], shape[1], seed);
         const TensorMap inputs = random_inputs(graph, seed);
-        DeviceValues values(graph);
-        values.upload_inputs(inputs);
-        values.poison_computed_values();
-        run_steps(native.graph_steps(graph, values), stream);
-        stream.synchronize();
-        expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs), what);
+        expect_outputs_match(graph, run_natively(native, stream, graph, inputs), run_reference(graph, inputs), what);
       }
     }
   }
@@ -112,12 +117,7 @@ TEST_F(NativeKernels, SiluAndGeluAtTheirLimitsMatchTheReference) {
     const ValueRef y = op == "silu" ? builder.silu(x, "out") : builder.gelu(x, op == "gelu" ? "none" : "tanh", "out");
     const ComputeGraph graph = builder.build({y});
     const TensorMap inputs = {{"x", HostTensor::from_values(spec, points)}};
-    DeviceValues values(graph);
-    values.upload_inputs(inputs);
-    values.poison_computed_values();
-    run_steps(native.graph_steps(graph, values), stream);
-    stream.synchronize();
-    const HostTensor actual = values.download_outputs().at("out");
+    const HostTensor actual = run_natively(native, stream, graph, inputs).at("out");
     const HostTensor expected = run_reference(graph, inputs).at("out");
     for (std::int64_t i = 0; i < spec.element_count(); ++i) {
       const double got = actual.at(i), want = expected.at(i);
@@ -151,13 +151,8 @@ TEST_F(NativeKernels, ArgmaxEqualsTheReferenceExactly) {
       GraphBuilder builder;
       const ComputeGraph graph = builder.build({builder.argmax(builder.input("x", spec), "next")});
       const TensorMap inputs = {{"x", HostTensor::from_values(spec, values)}};
-      DeviceValues device_values(graph);
-      device_values.upload_inputs(inputs);
-      device_values.poison_computed_values();
-      run_steps(native.graph_steps(graph, device_values), stream);
-      stream.synchronize();
       const HostTensor expected = run_reference(graph, inputs).at("next");
-      const HostTensor actual = device_values.download_outputs().at("next");
+      const HostTensor actual = run_natively(native, stream, graph, inputs).at("next");
       for (std::int64_t row = 0; row < expected.element_count(); ++row) {
         EXPECT_EQ(actual.at(row), expected.at(row))
             << fmt::format("argmax {} row {} seed {}", spec.to_string(), row, seed);
@@ -185,12 +180,7 @@ TEST_F(NativeKernels, MatmulsMatchTheReference) {
       const ComputeGraph graph = builder.build({builder.matmul(a, b, c.transpose_right, "product")});
       const std::uint64_t seed = next_seed();
       const TensorMap inputs = random_inputs(graph, seed);
-      DeviceValues values(graph);
-      values.upload_inputs(inputs);
-      values.poison_computed_values();
-      run_steps(native.graph_steps(graph, values), stream);
-      stream.synchronize();
-      expect_outputs_match(graph, values.download_outputs(), run_reference(graph, inputs),
+      expect_outputs_match(graph, run_natively(native, stream, graph, inputs), run_reference(graph, inputs),
                            fmt::format("matmul {} {} x {} seed {}", dtype_name(dtype), c.a.size(), c.b.size(), seed));
     }
   }
@@ -212,12 +202,7 @@ TEST_F(NativeKernels, QuantizedMatmulsMatchTheReference) {
         const ComputeGraph graph = builder.build({builder.quantized_matmul(x, packed, scales, biases, bits, group, "y")});
         const std::uint64_t seed = next_seed();
         const TensorMap inputs = random_inputs(graph, seed);
-        DeviceValues values(graph);
-        values.upload_inputs(inputs);
-        values.poison_computed_values();
-        run_steps(native.graph_steps(graph, values), stream);
-        stream.synchronize();
-        const TensorMap outputs = values.download_outputs(), expected = run_reference(graph, inputs);
+        const TensorMap outputs = run_natively(native, stream, graph, inputs), expected = run_reference(graph, inputs);
         const std::string what = fmt::format("quantized_matmul {} {}-bit group {} seed {}", dtype_name(dtype), bits, group, seed);
         expect_outputs_match(graph, outputs, expected, what);
         // The weights are not rounded to the activation dtype (hi and lo, generate_dequantize_kernel):
@@ -278,12 +263,7 @@ TEST_F(NativeKernels, OneRuntimeBindsEachGraphsOwnBuffers) {
   CudaStream stream;
   for (const ComputeGraph* graph : {&first, &second}) {
     const TensorMap inputs = random_inputs(*graph, next_seed());
-    DeviceValues values(*graph);
-    values.upload_inputs(inputs);
-    values.poison_computed_values();
-    run_steps(native.graph_steps(*graph, values), stream);
-    stream.synchronize();
-    expect_outputs_match(*graph, values.download_outputs(), run_reference(*graph, inputs),
+    expect_outputs_match(*graph, run_natively(native, stream, *graph, inputs), run_reference(*graph, inputs),
                          graph == &first ? "first graph" : "second graph, same kernel source");
   }
 }
