@@ -354,6 +354,8 @@ class ComputeGraph {
   bool is_output(ValueId id) const;
   std::optional<ValueId> find_value(std::string_view name) const;
   std::optional<NodeId> find_node(std::string_view name) const;
+  // The same inputs, nodes (in order: name, op, kind, attributes, operands and results) and outputs,
+  // each value by its name and spec: value ids aside (a file lists inputs first, a builder need not).
   bool operator==(const ComputeGraph& other) const;
 
  private:

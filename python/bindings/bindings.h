@@ -95,15 +95,25 @@ struct type_caster<metile::python::Utf8Text> {
       value.value = metile::python::text_argument("a str argument", source);
       return true;
     }
+    // bytes as pybind11 takes them for a std::string, but only UTF-8: a name that is not (b"r\xff")
+    // was recorded, then every str of it (value.name, repr, explain) raised UnicodeDecodeError.
     if (PyBytes_Check(source.ptr())) {
-      value.value.assign(PyBytes_AS_STRING(source.ptr()), static_cast<std::size_t>(PyBytes_GET_SIZE(source.ptr())));
-      return true;
+      return load_utf8(source, PyBytes_AS_STRING(source.ptr()), PyBytes_GET_SIZE(source.ptr()));
     }
     if (PyByteArray_Check(source.ptr())) {
-      value.value.assign(PyByteArray_AS_STRING(source.ptr()), static_cast<std::size_t>(PyByteArray_GET_SIZE(source.ptr())));
-      return true;
+      return load_utf8(source, PyByteArray_AS_STRING(source.ptr()), PyByteArray_GET_SIZE(source.ptr()));
     }
     return false;
+  }
+  bool load_utf8(handle source, const char* bytes, Py_ssize_t size) {
+    PyObject* decoded = PyUnicode_DecodeUTF8(bytes, size, "strict");
+    if (decoded == nullptr) {
+      PyErr_Clear();
+      throw value_error("a bytes argument: " + std::string(str(repr(source))) + " is not UTF-8 text");
+    }
+    Py_DECREF(decoded);
+    value.value.assign(bytes, static_cast<std::size_t>(size));
+    return true;
   }
   static handle cast(const metile::python::Utf8Text& text, return_value_policy, handle) {
     return str(text.value).release();

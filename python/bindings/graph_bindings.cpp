@@ -117,6 +117,15 @@ std::uint64_t unsigned_argument(const std::string& what, const py::handle& objec
 
 namespace {
 
+// A flag as the JSON reader and add_node take it: True/False (numpy's too) or the integers 0 and 1.
+// pybind11's bool took anything truthy (2, 0.5) and None as False.
+bool flag_argument(const std::string& what, const py::handle& object) {
+  if (is_boolean(object)) return object.cast<bool>();
+  const std::int64_t value = integer_argument(what, object);
+  if (value != 0 && value != 1) throw py::value_error(what + " must be 0 or 1, got " + std::to_string(value));
+  return value == 1;
+}
+
 // A sequence of ints (a shape, a permutation, a list attribute) for `what` ("attribute 'perm'",
 // "TensorSpec shape"): bool, an int to Python, is refused as the JSON reader refuses true; numpy
 // integers are ints. TypeError for anything else, ValueError past 64 bits.
@@ -451,10 +460,10 @@ void bind_graph_builder(py::module_& module) {
           py::arg("x"), py::arg("positions"), name_argument)
       .def(
           "matmul",
-          [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, bool transpose_right,
+          [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const py::object& transpose_right,
              const OptionalName& name) {
-            return record(self, self->builder.matmul(a.ref, b.ref, transpose_right, name_or_empty(name)),
-                          name);
+            const bool transposed = flag_argument("transpose_right", transpose_right);
+            return record(self, self->builder.matmul(a.ref, b.ref, transposed, name_or_empty(name)), name);
           },
           py::arg("a"), py::arg("b"), py::arg("transpose_right") = false, name_argument)
       .def(

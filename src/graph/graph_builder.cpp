@@ -63,8 +63,32 @@ std::optional<NodeId> ComputeGraph::find_node(std::string_view name) const {
 }
 
 bool ComputeGraph::operator==(const ComputeGraph& other) const {
-  // consumers_ is derived from the rest, so it needs no comparison.
-  return values_ == other.values_ && nodes_ == other.nodes_ && inputs_ == other.inputs_ && outputs_ == other.outputs_;
+  // Values by name and spec, not by id: a graph file lists its inputs before its nodes, where a
+  // builder may record an input between two nodes, and both are one graph (parse_graph_json of
+  // write_graph_json gave an unequal graph for it). Node ids are positions, so order still counts.
+  // consumers_ and each value's producer follow from the rest.
+  const auto same = [&](ValueId mine, ValueId theirs) {
+    return values_[static_cast<std::size_t>(mine)].name == other.values_[static_cast<std::size_t>(theirs)].name &&
+           values_[static_cast<std::size_t>(mine)].spec == other.values_[static_cast<std::size_t>(theirs)].spec;
+  };
+  const auto same_list = [&](const std::vector<ValueId>& mine, const std::vector<ValueId>& theirs) {
+    if (mine.size() != theirs.size()) return false;
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      if (!same(mine[i], theirs[i])) return false;
+    }
+    return true;
+  };
+  if (values_.size() != other.values_.size() || nodes_.size() != other.nodes_.size()) return false;
+  if (!same_list(inputs_, other.inputs_) || !same_list(outputs_, other.outputs_)) return false;
+  for (std::size_t n = 0; n < nodes_.size(); ++n) {
+    const Node& mine = nodes_[n];
+    const Node& theirs = other.nodes_[n];
+    if (mine.name != theirs.name || mine.op != theirs.op || mine.kind != theirs.kind || mine.attributes != theirs.attributes ||
+        !same_list(mine.inputs, theirs.inputs) || !same_list(mine.outputs, theirs.outputs)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // ---------------------------------------------------------------- GraphBuilder

@@ -94,6 +94,14 @@ def test_text_that_is_not_utf8_is_a_value_error_naming_the_argument():
     assert metile.ComputeGraph.from_json(graph_text.encode()) == graph
     assert metile.ComputeGraph.from_json(bytearray(graph_text.encode()), b"source") == graph
     assert graph.find_value(b"x") is not None
+    # ... when they are UTF-8: a name recorded from b"r\xff" made every later str of it a UnicodeDecodeError.
+    builder = metile.GraphBuilder()
+    with pytest.raises(ValueError, match=r"a bytes argument: b'\\xfe\\xff' is not UTF-8 text"):
+        builder.input(b"\xfe\xff", metile.TensorSpec((4,), "f32"))
+    x = builder.input("x", metile.TensorSpec((4,), "f32"))
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        builder.exp(x, name=bytearray(b"r\xff"))
+    assert builder.exp(x, name="r\u00e9".encode()).name == "r\u00e9"
     # A path is not text: a file name that is not UTF-8 is looked for as the file system spells it.
     with pytest.raises(ValueError, match="nor an existing file"):
         metile.FusionTarget.from_name_or_file("/nonexistent/" + bad)
@@ -260,3 +268,17 @@ def test_a_parse_error_quoting_invalid_utf8_keeps_its_message(tmp_path):
     with pytest.raises(ValueError) as error:
         metile.read_graph(str(path))
     assert str(error.value), "the message is empty"
+
+
+def test_transpose_right_is_a_flag_as_in_a_graph_file():
+    # pybind11's bool took anything truthy (2, 0.5) and None as False; add_node and JSON refuse them.
+    builder = metile.GraphBuilder()
+    a = builder.input("a", metile.TensorSpec((2, 3), "f32"))
+    b = builder.input("b", metile.TensorSpec((4, 3), "f32"))
+    with pytest.raises(ValueError, match="transpose_right must be 0 or 1, got 2"):
+        builder.matmul(a, b, transpose_right=2)
+    for bad in (0.5, None, "yes"):
+        with pytest.raises(TypeError):
+            builder.matmul(a, b, transpose_right=bad)
+    assert builder.spec(builder.matmul(a, b, transpose_right=1)).shape == (2, 4)
+    assert builder.spec(builder.matmul(a, b, transpose_right=np.bool_(True))).shape == (2, 4)
