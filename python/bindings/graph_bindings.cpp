@@ -266,6 +266,30 @@ BoundValue record(const BuilderPointer& self, ValueRef ref, const OptionalName& 
 
 std::string name_or_empty(const OptionalName& name) { return name ? name->value : std::string(); }
 
+// A typed method's numeric argument as the attribute add_node records: a whole number (an int or a
+// numpy integer, not a bool) or, where `real`, a float too. TypeError for another type; an int past
+// 64 bits is add_node's one-line ValueError. pybind11's own casters gave a multi-line TypeError with a
+// signature dump for those, and narrowed bits = 2**32 + 4 to 4.
+AttributeValue number_argument(const std::string& what, const py::handle& given, bool real) {
+  if (real) {
+    const py::object number = python_number(py::reinterpret_borrow<py::object>(given));
+    if (py::isinstance<py::float_>(number)) return number.cast<double>();
+    if (is_boolean(given) || !PyIndex_Check(number.ptr())) {
+      throw py::type_error(what + " must be a number, got " + python_type_name(given));
+    }
+  }
+  return integer_argument(what, given);
+}
+
+// Records `op` with these attributes through add_node, as the C++ typed methods do, so that each
+// attribute is checked by the op itself ("bits must be 4 or 8, got 4294967300").
+BoundValue record_op(const BuilderPointer& self, const char* op, std::vector<ValueRef> inputs,
+                     std::initializer_list<std::pair<const char*, AttributeValue>> attributes, const OptionalName& name) {
+  Attributes recorded;
+  for (const auto& [attribute, value] : attributes) recorded.set(attribute, value);
+  return record(self, self->builder.add_node(op, std::move(inputs), std::move(recorded), name_or_empty(name)).front(), name);
+}
+
 std::vector<ValueRef> refs_of(const std::vector<BoundValue>& values) {
   std::vector<ValueRef> refs;
   refs.reserve(values.size());
@@ -402,8 +426,8 @@ void bind_graph_builder(py::module_& module) {
           py::arg("a"), py::arg("b"), name_argument)
       .def(
           "scale",
-          [](const BuilderPointer& self, const BoundValue& x, double factor, const OptionalName& name) {
-            return record(self, self->builder.scale(x.ref, factor, name_or_empty(name)), name);
+          [](const BuilderPointer& self, const BoundValue& x, const py::object& factor, const OptionalName& name) {
+            return record_op(self, "scale", {x.ref}, {{"factor", number_argument("factor", factor, true)}}, name);
           },
           py::arg("x"), py::arg("factor"), name_argument)
       .def(
@@ -427,29 +451,29 @@ void bind_graph_builder(py::module_& module) {
           py::arg("x"), name_argument)
       .def(
           "rms_norm",
-          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& weight, double eps,
+          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& weight, const py::object& eps,
              const OptionalName& name) {
-            return record(self, self->builder.rms_norm(x.ref, weight.ref, eps, name_or_empty(name)), name);
+            return record_op(self, "rms_norm", {x.ref, weight.ref}, {{"eps", number_argument("eps", eps, true)}}, name);
           },
           py::arg("x"), py::arg("weight"), py::arg("eps"), name_argument)
       .def(
           "layer_norm",
           [](const BuilderPointer& self, const BoundValue& x, const BoundValue& weight,
-             const BoundValue& bias, double eps, const OptionalName& name) {
-            return record(
-                self, self->builder.layer_norm(x.ref, weight.ref, bias.ref, eps, name_or_empty(name)), name);
+             const BoundValue& bias, const py::object& eps, const OptionalName& name) {
+            return record_op(self, "layer_norm", {x.ref, weight.ref, bias.ref}, {{"eps", number_argument("eps", eps, true)}},
+                             name);
           },
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), name_argument)
       .def(
           "softmax",
-          [](const BuilderPointer& self, const BoundValue& x, std::int64_t axis, const OptionalName& name) {
-            return record(self, self->builder.softmax(x.ref, axis, name_or_empty(name)), name);
+          [](const BuilderPointer& self, const BoundValue& x, const py::object& axis, const OptionalName& name) {
+            return record_op(self, "softmax", {x.ref}, {{"axis", number_argument("axis", axis, false)}}, name);
           },
           py::arg("x"), py::arg("axis") = -1, name_argument)
       .def(
           "causal_mask",
-          [](const BuilderPointer& self, const BoundValue& x, std::int64_t offset, const OptionalName& name) {
-            return record(self, self->builder.causal_mask(x.ref, offset, name_or_empty(name)), name);
+          [](const BuilderPointer& self, const BoundValue& x, const py::object& offset, const OptionalName& name) {
+            return record_op(self, "causal_mask", {x.ref}, {{"offset", number_argument("offset", offset, false)}}, name);
           },
           py::arg("x"), py::arg("offset") = 0, name_argument)
       .def(
@@ -469,21 +493,22 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "quantized_matmul",
           [](const BuilderPointer& self, const BoundValue& x, const BoundValue& packed,
-             const BoundValue& scales, const BoundValue& biases, int bits, int group_size,
+             const BoundValue& scales, const BoundValue& biases, const py::object& bits, const py::object& group_size,
              const OptionalName& name) {
-            return record(self,
-                          self->builder.quantized_matmul(x.ref, packed.ref, scales.ref, biases.ref, bits,
-                                                         group_size, name_or_empty(name)),
-                          name);
+            return record_op(self, "quantized_matmul", {x.ref, packed.ref, scales.ref, biases.ref},
+                             {{"bits", number_argument("bits", bits, false)},
+                              {"group_size", number_argument("group_size", group_size, false)}},
+                             name);
           },
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("biases"), py::arg("bits"),
           py::arg("group_size"), name_argument)
       .def(
           "rope",
-          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& positions, double theta,
-             std::int64_t dims, const OptionalName& name) {
-            return record(self, self->builder.rope(x.ref, positions.ref, theta, dims, name_or_empty(name)),
-                          name);
+          [](const BuilderPointer& self, const BoundValue& x, const BoundValue& positions, const py::object& theta,
+             const py::object& dims, const OptionalName& name) {
+            return record_op(self, "rope", {x.ref, positions.ref},
+                             {{"theta", number_argument("theta", theta, true)}, {"dims", number_argument("dims", dims, false)}},
+                             name);
           },
           py::arg("x"), py::arg("positions"), py::arg("theta"), py::arg("dims"), name_argument)
       .def(

@@ -282,3 +282,28 @@ def test_transpose_right_is_a_flag_as_in_a_graph_file():
             builder.matmul(a, b, transpose_right=bad)
     assert builder.spec(builder.matmul(a, b, transpose_right=1)).shape == (2, 4)
     assert builder.spec(builder.matmul(a, b, transpose_right=np.bool_(True))).shape == (2, 4)
+
+
+def test_typed_methods_check_numbers_as_add_node_does():
+    # pybind11's own casters gave a multi-line TypeError with a signature dump for an int past 64 bits,
+    # and narrowed quantized_matmul's bits = 2**32 + 4 to 4; now each is add_node's one-line error.
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 64), "f32"))
+    positions = builder.input("positions", metile.TensorSpec((2,), "i32"))
+    for call, message in (
+            (lambda: builder.causal_mask(x, offset=2**70), "offset: integer 1180591620717411303424 does not fit in 64 bits"),
+            (lambda: builder.softmax(x, axis=2**64), "axis: integer 18446744073709551616 does not fit in 64 bits"),
+            (lambda: builder.scale(x, 10**400), "factor: integer 1000"),
+            (lambda: builder.rope(x, positions, 10000.0, 2**63), "dims: integer 9223372036854775808 does not fit")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    packed = builder.input("packed", metile.TensorSpec((8, 8), "u32"))
+    scales = builder.input("scales", metile.TensorSpec((8, 2), "f32"))
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 4294967300"):
+        builder.quantized_matmul(x, packed, scales, scales, 2**32 + 4, 32)
+    for call in (lambda: builder.scale(x, "two"), lambda: builder.scale(x, True), lambda: builder.softmax(x, axis=1.5),
+                 lambda: builder.rms_norm(x, x, None)):
+        with pytest.raises(TypeError):
+            call()
+    assert builder.spec(builder.scale(x, np.float32(0.5))) == metile.TensorSpec((2, 64), "f32")
+    assert builder.spec(builder.causal_mask(x, offset=np.int64(3))) == metile.TensorSpec((2, 64), "f32")
