@@ -63,6 +63,9 @@ py::object python_number(const py::object& value);
 std::int64_t integer_argument(const std::string& what, const py::handle& object);
 // The same for an unsigned 64-bit argument (a seed): ValueError below 0 or past 2^64 - 1.
 std::uint64_t unsigned_argument(const std::string& what, const py::handle& object);
+// One real argument as a double: a float, or an integer as integer_argument takes it (its ValueError
+// past 64 bits); a TypeError for anything else, bool included ("WHAT must be a number, got bool").
+double real_argument(const std::string& what, const py::handle& object);
 
 // A text argument (`what` names it) as UTF-8: a TypeError unless it is a str, a ValueError when the
 // str holds a lone surrogate (what Python makes of bytes that are not UTF-8, os.fsdecode's

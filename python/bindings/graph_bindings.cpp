@@ -104,6 +104,15 @@ std::int64_t integer_argument(const std::string& what, const py::handle& object)
   return index_as_int64(what, object);
 }
 
+double real_argument(const std::string& what, const py::handle& object) {
+  const py::object number = python_number(py::reinterpret_borrow<py::object>(object));
+  if (py::isinstance<py::float_>(number)) return number.cast<double>();
+  if (is_boolean(object) || !PyIndex_Check(number.ptr())) {
+    throw py::type_error(what + " must be a number, got " + python_type_name(object));
+  }
+  return static_cast<double>(integer_argument(what, number));
+}
+
 std::uint64_t unsigned_argument(const std::string& what, const py::handle& object) {
   require_integer(what, object);
   const py::object value = python_index(object);
@@ -266,23 +275,10 @@ BoundValue record(const BuilderPointer& self, ValueRef ref, const OptionalName& 
 
 std::string name_or_empty(const OptionalName& name) { return name ? name->value : std::string(); }
 
-// A typed method's numeric argument as the attribute add_node records: a whole number (an int or a
-// numpy integer, not a bool) or, where `real`, a float too. TypeError for another type; an int past
-// 64 bits is add_node's one-line ValueError. pybind11's own casters gave a multi-line TypeError with a
-// signature dump for those, and narrowed bits = 2**32 + 4 to 4.
-AttributeValue number_argument(const std::string& what, const py::handle& given, bool real) {
-  if (real) {
-    const py::object number = python_number(py::reinterpret_borrow<py::object>(given));
-    if (py::isinstance<py::float_>(number)) return number.cast<double>();
-    if (is_boolean(given) || !PyIndex_Check(number.ptr())) {
-      throw py::type_error(what + " must be a number, got " + python_type_name(given));
-    }
-  }
-  return integer_argument(what, given);
-}
-
 // Records `op` with these attributes through add_node, as the C++ typed methods do, so that each
-// attribute is checked by the op itself ("bits must be 4 or 8, got 4294967300").
+// attribute is checked by the op itself ("bits must be 4 or 8, got 4294967300"). The typed methods
+// read their numbers with real_argument and integer_argument: pybind11's own casters gave a multi-line
+// TypeError with a signature dump for an int past 64 bits, and narrowed bits = 2**32 + 4 to 4.
 BoundValue record_op(const BuilderPointer& self, const char* op, std::vector<ValueRef> inputs,
                      std::initializer_list<std::pair<const char*, AttributeValue>> attributes, const OptionalName& name) {
   Attributes recorded;
@@ -427,7 +423,7 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "scale",
           [](const BuilderPointer& self, const BoundValue& x, const py::object& factor, const OptionalName& name) {
-            return record_op(self, "scale", {x.ref}, {{"factor", number_argument("factor", factor, true)}}, name);
+            return record_op(self, "scale", {x.ref}, {{"factor", real_argument("factor", factor)}}, name);
           },
           py::arg("x"), py::arg("factor"), name_argument)
       .def(
@@ -453,27 +449,27 @@ void bind_graph_builder(py::module_& module) {
           "rms_norm",
           [](const BuilderPointer& self, const BoundValue& x, const BoundValue& weight, const py::object& eps,
              const OptionalName& name) {
-            return record_op(self, "rms_norm", {x.ref, weight.ref}, {{"eps", number_argument("eps", eps, true)}}, name);
+            return record_op(self, "rms_norm", {x.ref, weight.ref}, {{"eps", real_argument("eps", eps)}}, name);
           },
           py::arg("x"), py::arg("weight"), py::arg("eps"), name_argument)
       .def(
           "layer_norm",
           [](const BuilderPointer& self, const BoundValue& x, const BoundValue& weight,
              const BoundValue& bias, const py::object& eps, const OptionalName& name) {
-            return record_op(self, "layer_norm", {x.ref, weight.ref, bias.ref}, {{"eps", number_argument("eps", eps, true)}},
+            return record_op(self, "layer_norm", {x.ref, weight.ref, bias.ref}, {{"eps", real_argument("eps", eps)}},
                              name);
           },
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), name_argument)
       .def(
           "softmax",
           [](const BuilderPointer& self, const BoundValue& x, const py::object& axis, const OptionalName& name) {
-            return record_op(self, "softmax", {x.ref}, {{"axis", number_argument("axis", axis, false)}}, name);
+            return record_op(self, "softmax", {x.ref}, {{"axis", integer_argument("axis", axis)}}, name);
           },
           py::arg("x"), py::arg("axis") = -1, name_argument)
       .def(
           "causal_mask",
           [](const BuilderPointer& self, const BoundValue& x, const py::object& offset, const OptionalName& name) {
-            return record_op(self, "causal_mask", {x.ref}, {{"offset", number_argument("offset", offset, false)}}, name);
+            return record_op(self, "causal_mask", {x.ref}, {{"offset", integer_argument("offset", offset)}}, name);
           },
           py::arg("x"), py::arg("offset") = 0, name_argument)
       .def(
@@ -496,8 +492,8 @@ void bind_graph_builder(py::module_& module) {
              const BoundValue& scales, const BoundValue& biases, const py::object& bits, const py::object& group_size,
              const OptionalName& name) {
             return record_op(self, "quantized_matmul", {x.ref, packed.ref, scales.ref, biases.ref},
-                             {{"bits", number_argument("bits", bits, false)},
-                              {"group_size", number_argument("group_size", group_size, false)}},
+                             {{"bits", integer_argument("bits", bits)},
+                              {"group_size", integer_argument("group_size", group_size)}},
                              name);
           },
           py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("biases"), py::arg("bits"),
@@ -507,7 +503,7 @@ void bind_graph_builder(py::module_& module) {
           [](const BuilderPointer& self, const BoundValue& x, const BoundValue& positions, const py::object& theta,
              const py::object& dims, const OptionalName& name) {
             return record_op(self, "rope", {x.ref, positions.ref},
-                             {{"theta", number_argument("theta", theta, true)}, {"dims", number_argument("dims", dims, false)}},
+                             {{"theta", real_argument("theta", theta)}, {"dims", integer_argument("dims", dims)}},
                              name);
           },
           py::arg("x"), py::arg("positions"), py::arg("theta"), py::arg("dims"), name_argument)

@@ -250,11 +250,7 @@ void bind_model(py::module_& module) {
           options.tie_word_embeddings = PyObject_IsTrue(tie_word_embeddings.ptr()) == 1;
         }
         options.transformers_version = config_spelling;
-        if (is_boolean(max_shard_mb) || !(py::isinstance<py::int_>(max_shard_mb) || py::isinstance<py::float_>(max_shard_mb) ||
-                                          py::isinstance(max_shard_mb, py::module_::import("numpy").attr("number")))) {
-          throw py::type_error("max_shard_mb must be a number, got " + python_type_name(max_shard_mb));
-        }
-        options.max_shard_mb = py::float_(py::reinterpret_borrow<py::object>(max_shard_mb));
+        options.max_shard_mb = real_argument("max_shard_mb", max_shard_mb);
         // Written without the GIL; Ctrl-C is looked for between tensors, as the command line's synth-model
         // does, and cancels the write (nothing is left) with Python's KeyboardInterrupt. Holding the GIL,
         // the interrupt was seen only once the whole checkpoint had been written.
