@@ -297,7 +297,8 @@ int main(int argc, char** argv) {
   CLI::Option* rows_option = app.add_option("--profile-rows", profile_rows, "--profile at M activation rows")
                                  ->check(CLI::IsMember({1, 16}))
                                  ->capture_default_str();
-  app.add_flag("--residency", residency, "--kernels: the bounded variants of each plain register shape besides");
+  CLI::Option* residency_flag =
+      app.add_flag("--residency", residency, "--kernels: the bounded variants of each plain register shape besides");
   std::string caches = "cold";
   CLI::Option* caches_option =
       app.add_option("--tournament-caches", caches, "the executors' races: cold (L2 flushed before every call) or warm")
@@ -323,10 +324,8 @@ int main(int argc, char** argv) {
   rows_option->excludes(full_flag)->excludes(quick_flag)->excludes(kernels_flag);
   // The executors' options: --kernels and --profile time kernels alone (no executor, no race).
   for (CLI::Option* executor_option : {caches_option, verbose_flag, candidates_option}) {
-    executor_option->excludes(kernels_flag)->excludes(profile_flag)->excludes(rows_option);
+    executor_option->excludes(kernels_flag)->excludes(profile_flag)->excludes(rows_option)->excludes(residency_flag);
   }
-  CLI::Option* residency_flag = app.get_option("--residency");
-  for (CLI::Option* executor_option : {caches_option, verbose_flag, candidates_option}) executor_option->excludes(residency_flag);
   if (const std::optional<int> exit_code = benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
   cold_tournaments = caches == "cold";
   if (rows_option->count() > 0) profile = true;
