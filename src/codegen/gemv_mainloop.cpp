@@ -1444,16 +1444,23 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     // warps at ~96 registers: 10 a multiprocessor; four: 5), so the prologue runs once per block.
     // One product only: SwiGLU's two at four tiles spill. They come right after the first shape:
     // a one-stage region races the first few of each family (gemv_stage_configs).
+    // The loop also takes blocks of two tiles (one iteration in flight a tile: the same bytes in
+    // flight a warp), so that one join (the warps' sums, the store, the argmax) serves twice the
+    // bytes: at K = 1536 a one-tile block's warps have 1.5 batches each and the join was as long
+    // as the mainloop. Raced on the H200 (session 36, notes/mlp_decode.md): Qwen2.5-1.5B's 4-bit
+    // head 51.2 -> 44.9 us; Llama-3.2-1B's (K = 2048) kept its one-tile loop.
     if (vocabulary_wide) {
-      auto add_looped = [&](int warps, int blocks_per_multiprocessor) {
-        GemvKernelConfig looped = register_shape(warps, true);
+      auto add_looped = [&](int warps, int blocks_per_multiprocessor, int tiles_per_block = 1) {
+        GemvKernelConfig looped = register_shape(warps, true, false, 1, false, tiles_per_block);
         looped.multiprocessors = multiprocessors;
         looped.tile_loop_blocks_per_multiprocessor = blocks_per_multiprocessor;
         add_config(looped);
       };
       add_looped(2, 8);
-      add(4, true, false, 1, false, 2);
+      add_looped(4, 4, 2);
       add_looped(4, 4);
+      add_looped(2, 8, 2);
+      add(4, true, false, 1, false, 2);
       add(4, true, false, 1, false, 4);
       add(8, true, false, 1, false, 4);
     }
