@@ -26,11 +26,11 @@ struct CommandExit {
 // A --seed value: 0 .. 2^64 - 1 (CLI11 would wrap a negative number); InputError otherwise.
 std::uint64_t parse_seed(const std::string& text);
 
-// Checks a 64-bit integer option's text before CLI11 converts it: CLI11 saturates a number past int64
-// (99999999999999999999 or 0xFFFFFFFFFFFFFFFFFF became 9223372036854775807 and was used), so such text,
-// in any form CLI11 reads (decimal, 0x hexadecimal, leading-0 octal), is refused here, naming the value.
-// Other text is left to CLI11's conversion and its error.
-const CLI::Validator& fits_in_64_bits();
+// An integer option's text (use with ->transform, it rewrites the text): decimal digits after an optional
+// sign, within -2^63 .. 2^63 - 1, handed on to CLI11 without leading zeros. CLI11 alone saturates a number
+// past int64 (99999999999999999999 became 9223372036854775807 and was used) and reads a leading 0 as octal
+// and 0x as hexadecimal (`--tokens 010` made 8 tokens, where `--seed 010` and `--prompt-ids 010` are 10).
+const CLI::Validator& decimal_integer();
 
 // A floating-point option's text must be a finite decimal number (an optional sign, digits, a point, an
 // exponent; one past a double's range is left to the option's range check): CLI11 and strtod also read

@@ -159,6 +159,7 @@ namespace {
 void add_quantization_options(CLI::App* command, std::string& quantize, int& group_size, const std::string& quantize_help) {
   CLI::Option* bits = command->add_option("--quantize", quantize, quantize_help);
   command->add_option("--group-size", group_size, "quantization group size: 32, 64 or 128")
+      ->transform(decimal_integer())
       ->capture_default_str()
       ->needs(bits);
 }
@@ -175,7 +176,7 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
   command->add_option("--backend", options.backend, "cpu or cuda (the GPU decode engine)")->capture_default_str();
   add_quantization_options(command, options.quantize, options.group_size, "quantize dense weights at load: 4 or 8 bits");
   command->add_option("--max-seq", options.max_seq, "KV-cache capacity (unset or 0: min(4096, the config's limit); a sliding window caps it)")
-      ->check(fits_in_64_bits());
+      ->transform(decimal_integer());
   command->add_option("--decline", options.decline, decline_help("--backend cuda: region kinds that run native"));
 }
 
@@ -452,7 +453,7 @@ void add_model_commands(CLI::App& app) {
     auto options = std::make_shared<ModelOptions>();
     CLI::App* command = app.add_subcommand("generate", "Greedy decoding on a checkpoint (CPU reference or GPU engine)");
     add_model_options(command, *options, true);
-    command->add_option("--tokens", options->tokens, "tokens to generate")->required()->check(fits_in_64_bits());
+    command->add_option("--tokens", options->tokens, "tokens to generate")->required()->transform(decimal_integer());
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
@@ -469,7 +470,7 @@ void add_model_commands(CLI::App& app) {
         ->capture_default_str();
     options->tokens = -1;  // unset: the backend's default (a given value is at least 1)
     command->add_option("--tokens", options->tokens, "positions to compare (default 16 on cpu, 64 on cuda)")
-        ->check(fits_in_64_bits())
+        ->transform(decimal_integer())
         ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()));
     // Given thresholds are finite and >= 0 (NaN passes CLI::Range, so it is checked here); an unset one
     // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
@@ -513,21 +514,23 @@ void add_model_commands(CLI::App& app) {
                         "synthesize this preset into a temporary directory instead: tiny, small, llama3.2-1b, "
                         "qwen2.5-1.5b or llama3-8b");
     command->add_option("--layers", options->layers, "--preset: number of layers (default: the preset's)")
-        ->check(fits_in_64_bits());
+        ->transform(decimal_integer());
     command->add_option("--seed", options->seed, "--preset: seed of the weights, and of the prompt tokens")
         ->capture_default_str();
     add_quantization_options(command, options->quantize, options->group_size,
                              "4 or 8 bits (MLX affine); default: the checkpoint's");
     command->add_option("--context", options->context, "cached tokens before the timed decode steps")
-        ->check(fits_in_64_bits())
+        ->transform(decimal_integer())
         ->capture_default_str();
     command->add_option("--prefill-tokens", options->prefill_tokens, "prompt of the prefill measurement")
-        ->check(fits_in_64_bits())
+        ->transform(decimal_integer())
         ->capture_default_str();
-    command->add_option("--decode-steps", options->decode_steps, "timed decode steps")->capture_default_str();
+    command->add_option("--decode-steps", options->decode_steps, "timed decode steps")
+        ->transform(decimal_integer())
+        ->capture_default_str();
     command->add_option("--max-seq", options->max_seq,
                         "KV-cache capacity (unset or 0: what the measurements need, rounded up to 256, at most a sliding window that holds them)")
-        ->check(fits_in_64_bits());
+        ->transform(decimal_integer());
     command->add_option("--decline", options->decline, decline_help("region kinds the fused engine runs native"));
     command->add_option("--engines", options->engines,
                         "engines to measure, comma-separated: fused, fused-pdl (GEMVs and attention as programmatic dependents), "
@@ -588,7 +591,7 @@ void add_model_commands(CLI::App& app) {
         ->capture_default_str();
     command->add_option("--arch", options->architecture, "llama, qwen2 or mistral (default: the preset's)");
     command->add_option("--layers", options->layers, "number of layers (default: the preset's)")
-        ->check(fits_in_64_bits());
+        ->transform(decimal_integer());
     command->add_option("--seed", options->seed, "seed of the weights")->capture_default_str();
     add_quantization_options(command, options->quantize, options->group_size, "write MLX-quantized weights: 4 or 8 bits");
     command->add_option("--tie-word-embeddings", options->tie, "true or false (default: the preset's)")

@@ -6,14 +6,15 @@
 // reached through run_on_cuda (run_cuda.cpp) when metile is built with it.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "commands.h"
 #include "metile/cpu_runtime.h"
@@ -87,25 +88,30 @@ std::uint64_t parse_seed(const std::string& text) {
   return seed;
 }
 
-const CLI::Validator& fits_in_64_bits() {
+const CLI::Validator& decimal_integer() {
   static const CLI::Validator validator(
       [](std::string& text) {
-        // CLI11 reads an integer as strtoll's base 0 does (0x hexadecimal, a leading 0 octal, else
-        // decimal), after an optional sign; the magnitude is read the same way here, unclamped.
+        // CLI11 reads an integer as strtoll's base 0 does (a leading 0 octal, 0x hexadecimal), so
+        // "--tokens 010" made 8 tokens while "--seed 010" is 10. Every integer is decimal here: the
+        // text is handed on as the number it spells (leading zeros dropped), after the range check.
         const bool negative = !text.empty() && text[0] == '-';
         const std::size_t digits_from = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
-        if (text.size() <= digits_from || !std::isdigit(static_cast<unsigned char>(text[digits_from]))) {
-          return std::string();  // CLI11 converts it or says why not
+        const std::string_view digits = std::string_view(text).substr(digits_from);
+        if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+          return fmt::format("'{}' is not a decimal integer", text);
         }
-        errno = 0;
-        char* end = nullptr;
-        const unsigned long long magnitude = std::strtoull(text.c_str() + digits_from, &end, 0);
-        if (end != text.c_str() + text.size()) return std::string();  // not all digits: CLI11's error
-        const unsigned long long largest = 1ULL << 63;                 // -2^63 .. 2^63 - 1
-        const bool fits = errno != ERANGE && (negative ? magnitude <= largest : magnitude < largest);
-        return fits ? std::string() : fmt::format("{} does not fit in a 64-bit signed integer", text);
+        const std::size_t first = std::min(digits.find_first_not_of('0'), digits.size() - 1);
+        const std::string_view significant = digits.substr(first);
+        std::uint64_t magnitude = 0;
+        const auto [end, error] = std::from_chars(significant.data(), significant.data() + significant.size(), magnitude);
+        const std::uint64_t largest = std::uint64_t{1} << 63;  // -2^63 .. 2^63 - 1
+        if (error != std::errc() || (negative ? magnitude > largest : magnitude >= largest)) {
+          return fmt::format("{} does not fit in a 64-bit signed integer", text);
+        }
+        text = (negative && magnitude != 0 ? "-" : "") + std::string(significant);
+        return std::string();
       },
-      "INT64");
+      "INT");
   return validator;
 }
 

@@ -738,17 +738,24 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(err.find("--max-seq: 9223372036854775808 does not fit"), std::string::npos) << err;
   EXPECT_EQ(metile("bench-model --preset tiny --context 18446744073709551616"), 2);
   EXPECT_NE(err.find("--context: 18446744073709551616 does not fit"), std::string::npos) << err;
-  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x10000000000000000"), 2);
-  EXPECT_NE(err.find("--tokens: 0x10000000000000000 does not fit"), std::string::npos) << err;
-  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x8000000000000000"), 2);  // 2^63
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens +1"), 0);  // a sign is still a number
-  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0x2"), 0);  // and a base
-  // A leading 0 is octal to CLI11: 21 sevens are 2^63 - 1 there (accepted, then past the cache's capacity),
-  // and 1 followed by 21 zeros is 2^63.
+  // Integers are decimal: CLI11 alone read a leading 0 as octal and 0x as hexadecimal (`--tokens 010` made 8
+  // tokens, `--layers 010` wrote 8 layers, where `--seed 010` is 10).
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 010"), 0) << err;
+  EXPECT_NE(err.find("10 tokens after a 1-token prompt"), std::string::npos) << err;
+  for (const std::string option : {"--tokens 0x2", "--tokens 0x8000000000000000", "--tokens 1e3", "--tokens ''",
+                                   "--tokens 0b11", "--group-size 0x40"}) {
+    EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --quantize 4 " + option), 2) << option;
+    EXPECT_EQ(err, fmt::format("metile: error: {}: '{}' is not a decimal integer (see metile --help)\n",
+                               option.substr(0, option.find(' ')), option.substr(option.find(' ') + 1) == "''" ? "" : option.substr(option.find(' ') + 1)))
+        << option;
+  }
+  // Leading zeros are dropped before the range check: 21 sevens and 1 followed by 21 zeros are past 2^63.
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 0777777777777777777777"), 2);
-  EXPECT_NE(err.find("9223372036854775807 tokens after a 1-token prompt"), std::string::npos) << err;
-  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 01000000000000000000000"), 2);
-  EXPECT_NE(err.find("--tokens: 01000000000000000000000 does not fit"), std::string::npos) << err;
+  EXPECT_NE(err.find("--tokens: 0777777777777777777777 does not fit"), std::string::npos) << err;
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 000000000000000000000000002"), 0) << err;
+  EXPECT_EQ(metile("synth-model " + (root_ / "octal").string() + " --layers 010"), 0) << err;
+  EXPECT_NE(read_text(root_ / "octal" / "config.json").find("\"num_hidden_layers\": 10"), std::string::npos);
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
   EXPECT_NE(err.find("--max-shard-mb: inf is not a finite decimal number"), std::string::npos) << err;
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
