@@ -30,7 +30,7 @@ class DinicSolver {
       : network_(network),
         source_(source),
         sink_(sink),
-        tolerance_(flow_detail::solver_tolerance(network)),
+        tolerance_(network),
         residual_(std::move(residual)),
         distance_(network.vertex_count()),
         current_arc_(network.vertex_count()),
@@ -53,6 +53,7 @@ class DinicSolver {
   const std::vector<Capacity>& residual() const { return residual_; }
   std::vector<Capacity>& residual() { return residual_; }
   flow_detail::AugmentingCounts counts() const { return {paths_, phases_}; }
+  const flow_detail::SolverTolerance<Capacity>& tolerance() const { return tolerance_; }
 
  private:
   static constexpr int kUnreached = -1;
@@ -73,7 +74,7 @@ class DinicSolver {
       const int next_distance = distance_[vertex] + 1;
       for (int arc = offsets[vertex]; arc < offsets[vertex + 1]; ++arc) {
         const int tail = heads[arc];  // the arc tail -> vertex is reverse[arc]
-        if (distance_[tail] == kUnreached && tolerance_.positive(residual_[reverse[arc]])) {
+        if (distance_[tail] == kUnreached && tolerance_.arc_positive(reverse[arc], residual_[reverse[arc]])) {
           distance_[tail] = next_distance;
           if (tail == source_) return true;
           queue_.push_back(tail);
@@ -104,7 +105,7 @@ class DinicSolver {
           const int arc = path_[i];
           residual[arc] -= bottleneck;
           residual[reverse[arc]] += bottleneck;
-          if (first_saturated == path_.size() && !tolerance_.positive(residual[arc])) first_saturated = i;
+          if (first_saturated == path_.size() && !tolerance_.arc_positive(arc, residual[arc])) first_saturated = i;
         }
         value_ += bottleneck;
         ++paths_;
@@ -116,7 +117,7 @@ class DinicSolver {
       const int wanted = distance[vertex] - 1;
       const int end = offsets[vertex + 1];
       int arc = current_arc[vertex];
-      while (arc < end && !(distance[heads[arc]] == wanted && tolerance_.positive(residual[arc]))) ++arc;
+      while (arc < end && !(distance[heads[arc]] == wanted && tolerance_.arc_positive(arc, residual[arc]))) ++arc;
       current_arc[vertex] = arc;
       if (arc < end) {
         path_.push_back(arc);
@@ -135,7 +136,7 @@ class DinicSolver {
   const FlowNetwork<Capacity>& network_;
   const int source_;
   const int sink_;
-  const FlowTolerance<Capacity> tolerance_;
+  const flow_detail::SolverTolerance<Capacity> tolerance_;
   std::vector<Capacity> residual_;
   std::vector<int> distance_;
   std::vector<int> current_arc_;
@@ -159,7 +160,7 @@ std::optional<MaxFlowResult<Capacity>> dinic_until(const FlowNetwork<Capacity>& 
   if (!solver.run(deadline)) return std::nullopt;
   MaxFlowResult<Capacity> result;
   result.value = solver.value();
-  result.source_side = reachable_in_residual(network, solver.residual(), {source}, solver_tolerance(network));
+  result.source_side = reachable_in_residual(network, solver.residual(), {source}, solver.tolerance());
   if (options.edge_flows) result.edge_flows = edge_flows_from_residual(network, solver.residual());
   result.solver = "dinic";
   return result;

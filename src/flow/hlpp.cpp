@@ -29,7 +29,7 @@ class HighestLabelPreflow {
         vertex_count_(network.vertex_count()),
         source_(source),
         sink_(sink),
-        tolerance_(flow_detail::solver_tolerance(network)),
+        tolerance_(network),
         heads_(network.arc_heads().data()),
         reverse_(network.reverse_arcs().data()),
         offsets_(network.arc_offsets().data()) {}
@@ -49,7 +49,7 @@ class HighestLabelPreflow {
     // Saturate every arc out of the source; the source's own excess is never looked at.
     for (int arc = offsets_[source_]; arc < offsets_[source_ + 1]; ++arc) {
       const Capacity amount = residual_[arc];
-      if (!tolerance_.positive(amount)) continue;
+      if (!tolerance_.arc_positive(arc, amount)) continue;
       residual_[arc] = 0;
       residual_[reverse_[arc]] += amount;
       excess_[heads_[arc]] += amount;
@@ -88,7 +88,7 @@ class HighestLabelPreflow {
       const int vertex = queue_[next];
       for (int arc = offsets_[vertex]; arc < offsets_[vertex + 1]; ++arc) {
         const int tail = heads_[arc];
-        if (label_[tail] == kNone && tail != sink_ && tolerance_.positive(residual_[reverse_[arc]])) {
+        if (label_[tail] == kNone && tail != sink_ && tolerance_.arc_positive(reverse_[arc], residual_[reverse_[arc]])) {
           label_[tail] = label_[vertex] + 1;
           queue_[queue_end++] = tail;
         }
@@ -98,26 +98,26 @@ class HighestLabelPreflow {
     std::vector<int> fifo;
     for (int v = 0; v < n; ++v) {
       current_arc_[v] = offsets_[v];
-      if (v != source_ && v != sink_ && tolerance_.positive(excess_[v])) fifo.push_back(v);
+      if (v != source_ && v != sink_ && tolerance_.excess_positive(v, excess_[v])) fifo.push_back(v);
     }
     for (std::size_t next = 0; next < fifo.size(); ++next) {
       const int vertex = fifo[next];
-      while (tolerance_.positive(excess_[vertex])) {
+      while (tolerance_.excess_positive(vertex, excess_[vertex])) {
         int arc = current_arc_[vertex];
         const int end = offsets_[vertex + 1];
         for (; arc < end; ++arc) {
           const int head = heads_[arc];
-          if (label_[head] == label_[vertex] - 1 && tolerance_.positive(residual_[arc])) {
+          if (label_[head] == label_[vertex] - 1 && tolerance_.arc_positive(arc, residual_[arc])) {
             const Capacity amount = std::min(excess_[vertex], residual_[arc]);
-            if (head != source_ && !tolerance_.positive(excess_[head])) fifo.push_back(head);
+            if (head != source_ && !tolerance_.excess_positive(head, excess_[head])) fifo.push_back(head);
             push(arc, vertex, head, amount);
-            if (!tolerance_.positive(excess_[vertex])) break;
+            if (!tolerance_.excess_positive(vertex, excess_[vertex])) break;
           }
         }
         current_arc_[vertex] = std::min(arc, end);
         // Without a way back (only possible through rounding with real capacities) the
         // excess stays; verify() judges whether it is within tolerance.
-        if (tolerance_.positive(excess_[vertex]) && !relabel_towards_source(vertex)) break;
+        if (tolerance_.excess_positive(vertex, excess_[vertex]) && !relabel_towards_source(vertex)) break;
       }
     }
   }
@@ -132,7 +132,7 @@ class HighestLabelPreflow {
   std::vector<bool> minimum_cut_side() const {
     std::vector<int> roots{source_};
     for (int v = 0; v < vertex_count_; ++v) {
-      if (v != sink_ && v != source_ && tolerance_.positive(excess_[v])) roots.push_back(v);
+      if (v != sink_ && v != source_ && tolerance_.excess_positive(v, excess_[v])) roots.push_back(v);
     }
     return flow_detail::reachable_in_residual(network_, residual_, roots, tolerance_);
   }
@@ -190,14 +190,14 @@ class HighestLabelPreflow {
       const int end = offsets_[vertex + 1];
       for (int arc = current_arc_[vertex]; arc < end; ++arc) {
         const int head = heads_[arc];
-        if (label[head] != wanted || !tolerance_.positive(residual[arc])) continue;
+        if (label[head] != wanted || !tolerance_.arc_positive(arc, residual[arc])) continue;
         const Capacity amount = std::min(excess[vertex], residual[arc]);
-        if (head != sink_ && !tolerance_.positive(excess[head])) activate(head, wanted);
+        if (head != sink_ && !tolerance_.excess_positive(head, excess[head])) activate(head, wanted);
         residual[arc] -= amount;
         residual[reverse_[arc]] += amount;
         excess[head] += amount;
         excess[vertex] -= amount;
-        if (!tolerance_.positive(excess[vertex])) {
+        if (!tolerance_.excess_positive(vertex, excess[vertex])) {
           current_arc_[vertex] = arc;
           return;
         }
@@ -207,7 +207,7 @@ class HighestLabelPreflow {
       int lowest = 2 * n;
       int lowest_arc = end;
       for (int arc = offsets_[vertex]; arc < end; ++arc) {
-        if (tolerance_.positive(residual[arc]) && label[heads_[arc]] < lowest) {
+        if (tolerance_.arc_positive(arc, residual[arc]) && label[heads_[arc]] < lowest) {
           lowest = label[heads_[arc]];
           lowest_arc = arc;
         }
@@ -256,13 +256,13 @@ class HighestLabelPreflow {
       const int level = label_[vertex] + 1;
       for (int arc = offsets_[vertex]; arc < offsets_[vertex + 1]; ++arc) {
         const int tail = heads_[arc];
-        if (label_[tail] != n || tail == source_ || !tolerance_.positive(residual_[reverse_[arc]])) continue;
+        if (label_[tail] != n || tail == source_ || !tolerance_.arc_positive(reverse_[arc], residual_[reverse_[arc]])) continue;
         label_[tail] = level;
         queue_[queue_end++] = tail;
         current_arc_[tail] = offsets_[tail];
         add_to_level(tail, level);
         highest_level_ = level;
-        if (tolerance_.positive(excess_[tail])) activate(tail, level);
+        if (tolerance_.excess_positive(tail, excess_[tail])) activate(tail, level);
       }
     }
     work_since_global_relabel_ = 0;
@@ -273,7 +273,7 @@ class HighestLabelPreflow {
     int lowest_arc = offsets_[vertex];
     for (int arc = offsets_[vertex]; arc < offsets_[vertex + 1]; ++arc) {
       const int head_label = label_[heads_[arc]];
-      if (head_label != kNone && head_label < lowest && tolerance_.positive(residual_[arc])) {
+      if (head_label != kNone && head_label < lowest && tolerance_.arc_positive(arc, residual_[arc])) {
         lowest = head_label;
         lowest_arc = arc;
       }
@@ -289,7 +289,7 @@ class HighestLabelPreflow {
   const int vertex_count_;
   const int source_;
   const int sink_;
-  const FlowTolerance<Capacity> tolerance_;
+  const flow_detail::SolverTolerance<Capacity> tolerance_;
   const int* heads_;
   const int* reverse_;
   const int* offsets_;

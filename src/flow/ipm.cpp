@@ -60,11 +60,19 @@ struct MaxFlowProgram {
 template <typename Capacity>
 std::optional<MaxFlowProgram> build_program(const FlowNetwork<Capacity>& network, int source, int sink) {
   const int n = network.vertex_count();
-  const FlowTolerance<Capacity> tolerance = flow_detail::solver_tolerance(network);
   // A forward arc out of `tail` can lie on a simple s-t path only if it carries capacity,
-  // does not enter s and does not leave t.
+  // does not enter s and does not leave t. For reals the program leaves out arcs of at most 1e-13 of
+  // the largest finite capacity (their barrier terms would swamp the rest): what they can carry is
+  // added by the repair (augment_to_maximum), whose tolerance is each arc's own.
+  Capacity smallest_modelled{};
+  if constexpr (std::is_floating_point_v<Capacity>) {
+    for (int edge = 0; edge < network.edge_count(); ++edge) {
+      const FlowEdge<Capacity>& e = network.edge(edge);
+      if (!network.edge_is_infinite(edge) && e.from != e.to) smallest_modelled = std::max(smallest_modelled, 1e-13 * e.capacity);
+    }
+  }
   auto usable = [&](int tail, int arc) {
-    return tolerance.positive(network.arc_capacity(arc)) && network.arc_head(arc) != source && tail != sink;
+    return network.arc_capacity(arc) > smallest_modelled && network.arc_head(arc) != source && tail != sink;
   };
   std::vector<char> from_source(n, 0);
   std::vector<char> to_sink(n, 0);
@@ -634,7 +642,7 @@ class ConservationRepair {
 template <typename Capacity>
 Capacity push_flow_paths(const FlowNetwork<Capacity>& network, int source, int sink, std::vector<Capacity> flow,
                          std::vector<Capacity>& residual) {
-  const FlowTolerance<Capacity> tolerance = flow_detail::solver_tolerance(network);
+  const flow_detail::SolverTolerance<Capacity> tolerance(network);
   residual.assign(network.arc_capacities().begin(), network.arc_capacities().end());
   // Only forward arcs are walked: what an arc can still pass is the smaller of its flow and residual.
   auto room = [&](int arc) { return std::min(flow[network.arc_edge(arc)], residual[arc]); };
@@ -652,7 +660,7 @@ Capacity push_flow_paths(const FlowNetwork<Capacity>& network, int source, int s
   };
   // The first arc of the path at or after `from` with no room left (path.size() when none).
   auto first_empty = [&](std::size_t from) {
-    while (from < path.size() && tolerance.positive(room(path[from]))) ++from;
+    while (from < path.size() && tolerance.arc_positive(path[from], room(path[from]))) ++from;
     return from;
   };
   Capacity value{};
@@ -671,7 +679,7 @@ Capacity push_flow_paths(const FlowNetwork<Capacity>& network, int source, int s
     }
     int& arc = current_arc[vertex];
     while (arc < network.arc_end(vertex) &&
-           !(network.arc_edge(arc) >= 0 && !dead[network.arc_head(arc)] && tolerance.positive(room(arc)))) {
+           !(network.arc_edge(arc) >= 0 && !dead[network.arc_head(arc)] && tolerance.arc_positive(arc, room(arc)))) {
       ++arc;
     }
     if (arc == network.arc_end(vertex)) {
@@ -732,7 +740,7 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
   MaxFlowResult<Capacity> result;
   result.value = value;
   result.source_side =
-      flow_detail::reachable_in_residual(network, residual, {source}, flow_detail::solver_tolerance(network));
+      flow_detail::reachable_in_residual(network, residual, {source}, flow_detail::SolverTolerance<Capacity>(network));
   if (options.edge_flows) result.edge_flows = flow_detail::edge_flows_from_residual(network, residual);
   result.solver = "ipm";
   result.interior_point = statistics;

@@ -145,6 +145,53 @@ TEST(FlowNetworkBuilder, AnInfiniteEdgeDoesNotRaiseTheRealZeroThreshold) {
   }
 }
 
+// A real network's zero threshold is each arc's own (1e-13 of its capacity), not 1e-13 of the largest
+// capacity: beside an unrelated 1e13 arc that threshold was 1, and a leftover of 0.9 on a 25.9 arc
+// counted as full (Dinic 50 where the maximum is 50.9; Dinic and HLPP 99.1 where it is 100). Oracle:
+// the same network without the unrelated arc, whose own threshold is 1e-11; every engine, on random
+// networks too (seeds printed), and `auto`, whose two engines' values failed their cross-check.
+TEST(FlowNetworkBuilder, AnUnrelatedLargeArcTakesNoFlowFromTheOthers) {
+  const auto with_and_without = [](const std::vector<FlowEdge<double>>& edges, int vertices) {
+    std::vector<FlowEdge<double>> with = edges;
+    with.push_back({vertices, vertices + 1, 1e13});  // two vertices of their own
+    return std::pair{RealFlowNetwork(vertices + 2, with), RealFlowNetwork(vertices + 2, edges)};
+  };
+  const auto engines = [](const RealFlowNetwork& network, int source, int sink) {
+    return std::vector<MaxFlowResult<double>>{dinic(network, source, sink), hlpp(network, source, sink),
+                                             ipm(network, source, sink), solve(network, source, sink, {.use_cache = false})};
+  };
+  // 0: s, 1: a, 2: t; s->a 25 and 100, a->t 25.9 and 25: 50.9.
+  const auto [small, small_alone] = with_and_without({{0, 1, 25}, {0, 1, 100}, {1, 2, 25.9}, {1, 2, 25}}, 3);
+  for (const MaxFlowResult<double>& result : engines(small, 0, 2)) {
+    EXPECT_NEAR(result.value, 50.9, 1e-12) << result.solver;
+    EXPECT_TRUE(verify(small, 0, 2, result)) << result.solver;
+  }
+  // s->a 100, a->t 99.1, a->b 100, b->t 100: 100 (0.9 of it through b).
+  const auto [gadget, gadget_alone] = with_and_without({{0, 1, 100}, {1, 3, 99.1}, {1, 2, 100}, {2, 3, 100}}, 4);
+  for (const MaxFlowResult<double>& result : engines(gadget, 0, 3)) EXPECT_NEAR(result.value, 100, 1e-12) << result.solver;
+
+  const std::uint64_t seed = testing::test_seed("FlowNetworkBuilder.AnUnrelatedLargeArcTakesNoFlowFromTheOthers");
+  std::mt19937_64 random(seed);
+  std::uniform_real_distribution<double> capacity(0.1, 100.0);
+  for (int round = 0; round < 200; ++round) {
+    const int vertices = 2 + static_cast<int>(random() % 30);
+    std::vector<FlowEdge<double>> edges;
+    const int count = static_cast<int>(random() % (4 * vertices)) + 1;
+    double total = 0;
+    for (int index = 0; index < count; ++index) {
+      const double value = capacity(random);
+      edges.push_back({static_cast<int>(random() % vertices), static_cast<int>(random() % vertices), value});
+      total += value;
+    }
+    const auto [network, alone] = with_and_without(edges, vertices);
+    const double expected = dinic(alone, 0, vertices - 1).value;
+    for (const MaxFlowResult<double>& result : engines(network, 0, vertices - 1)) {
+      ASSERT_NEAR(result.value, expected, 1e-12 * total) << result.solver << ", round " << round << ", seed " << seed;
+      ASSERT_TRUE(verify(network, 0, vertices - 1, result)) << result.solver << ", round " << round;
+    }
+  }
+}
+
 TEST(FlowNetwork, FingerprintSeparatesTopologyAndCapacities) {
   const IntegerFlowNetwork a(3, {{0, 1, 4}, {1, 2, 3}});
   const IntegerFlowNetwork same(3, {{0, 1, 4}, {1, 2, 3}});

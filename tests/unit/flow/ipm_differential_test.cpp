@@ -21,7 +21,6 @@
 #include "metile/flow.h"
 #include "metile_test_support.h"
 #include "network_families.h"
-#include "residual_graph.h"
 
 namespace metile {
 namespace {
@@ -194,20 +193,8 @@ TEST(IpmDifferential, InfiniteEdges) {
   }
 }
 
-// The capacity of a cut over the edges an engine can use: those above the solvers' epsilon
-// (1e-13 of the largest capacity). Smaller ones never carry flow in any engine, so weak
-// duality bounds a correct engine's value by this, up to rounding of the sums.
-double usable_cut_capacity(const RealFlowNetwork& network, const std::vector<bool>& side) {
-  const FlowTolerance<double> solver = flow_detail::solver_tolerance(network);
-  double total = 0;
-  for (const FlowEdge<double>& edge : network.edges()) {
-    if (side[edge.from] && !side[edge.to] && solver.positive(edge.capacity)) total += edge.capacity;
-  }
-  return total;
-}
-
 // ipm on a real network: verify() and Dinic's value within FlowTolerance::for_network (the
-// real-valued contract), and, sharper, no value above its own cut's usable capacity. The
+// real-valued contract), and, sharper, no value above its own cut's capacity. The
 // contract's tolerance (1e-9 of the total capacity: 2.9e7 on the file below) hides an
 // excess of 0.06; weak duality does not. Dinic, the oracle, is held to the same bound.
 void check_ipm_value_within_its_cut(const RealFlowNetwork& network, int source, int sink, const std::string& label) {
@@ -219,7 +206,7 @@ void check_ipm_value_within_its_cut(const RealFlowNetwork& network, int source, 
   const FlowTolerance<double> tolerance = FlowTolerance<double>::for_network(network);
   ASSERT_TRUE(tolerance.equal(by_ipm.value, by_dinic.value)) << by_ipm.value << " vs dinic " << by_dinic.value;
   for (const MaxFlowResult<double>* result : {&by_dinic, &by_ipm}) {
-    const double cut = usable_cut_capacity(network, result->source_side);
+    const double cut = cut_capacity(network, result->source_side);  // weak duality, up to rounding of the sums
     ASSERT_LE(result->value, cut * (1 + 1e-12))
         << result->solver << "'s value exceeds its cut's capacity by " << result->value - cut;
   }
