@@ -172,8 +172,9 @@ class LogitsSession {
   // step runs).
   virtual std::vector<float> feed(std::span<const std::int32_t> tokens) = 0;
   // Appends tokens like feed() and returns each one's greedy next token: the argmax of its logits
-  // (argmax_index's rule, graph.h). This default takes it from feed()'s logits on the host; the GPU
-  // engine computes it on the device and copies back only the ids.
+  // (argmax_index's rule, graph.h). This default takes it from feed()'s logits on the host, feeding
+  // kMaxStepTokens tokens at a time (a prompt's logits are never all held); the GPU engine computes
+  // it on the device and copies back only the ids.
   virtual std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens);
   virtual std::int64_t position() const = 0;  // tokens fed so far
   virtual std::int64_t capacity() const = 0;  // tokens the KV caches hold
@@ -185,6 +186,11 @@ class LogitsSession {
 // plan_graph_fusion (cpu target) and runs it with run_plan_reference.
 enum class DecodePath : std::uint8_t { reference, planned };
 
+// Refuses (InputError) `sessions` CPU decode sessions of `model` at once when their caches and one
+// step's attention scores each, with the model's weights, pass this machine's memory. A DecodeSession
+// checks itself alone; verify-model, which holds two, checks both first.
+void check_decode_sessions_fit(const DecoderModel& model, int sessions);
+
 class DecodeSession : public LogitsSession {
  public:
   // The session reads the model's weights in place: the model must outlive it. InputError, before
@@ -194,8 +200,8 @@ class DecodeSession : public LogitsSession {
   DecodeSession(DecoderModel&&, DecodePath = DecodePath::reference) = delete;
   // Appends tokens (chunks of at most 16 per step) and returns their logits,
   // row-major [tokens.size(), vocab] in f32 (widened exactly from the runtime dtype).
-  // InputError when a token is outside the vocabulary or the cache is full (checked before any
-  // step runs). A step hands the caches to the executor, which writes them in place: should it
+  // InputError when a token is outside the vocabulary, the cache is full, or the logits with the
+  // weights and caches would pass this machine's memory (checked before any step runs). A step hands the caches to the executor, which writes them in place: should it
   // fail, the session has no caches left and every later feed is an InputError.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }

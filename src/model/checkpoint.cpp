@@ -412,7 +412,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
     throw InputError(fmt::format("{}: not a model directory", directory.string()));
   }
   const std::filesystem::path config_path = directory / "config.json";
-  if (!std::filesystem::exists(input_path_status(config_path))) throw InputError(fmt::format("{}: no config.json", directory.string()));
+  if (!checkpoint_file_present(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
   DecoderModel model;
   model.config_ = ModelConfig::parse_json(read_checkpoint_json(config_path), config_path.string());
   model.dtype_ = options.dtype;

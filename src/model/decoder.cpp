@@ -36,7 +36,7 @@ std::string cache_name(std::int64_t layer, char which) { return fmt::format("lay
 
 }  // namespace
 
-DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model_(model), path_(path) {
+void check_decode_sessions_fit(const DecoderModel& model, int sessions) {
   const ModelConfig& config = model.config();
   // Besides its caches a step holds one layer's attention over the whole cache: the scores and
   // probabilities of every query head for up to kMaxStepTokens rows (stored in the runtime dtype,
@@ -46,20 +46,26 @@ DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model
   // in the kernel's out-of-memory killer halfway through a prompt.
   const double positions = static_cast<double>(model.capacity());
   const double element = static_cast<double>(dtype_size(model.dtype()));
-  const double cache_bytes = kv_cache_bytes(config, model.capacity(), model.dtype());
-  const double step_bytes = positions * (static_cast<double>(config.num_attention_heads * DecoderModel::kMaxStepTokens) *
-                                             (8 + 4 * element) +
-                                         8.0 * static_cast<double>(config.head_dim));
+  const double cache_bytes = sessions * kv_cache_bytes(config, model.capacity(), model.dtype());
+  const double step_bytes = sessions * positions *
+                            (static_cast<double>(config.num_attention_heads * DecoderModel::kMaxStepTokens) * (8 + 4 * element) +
+                             8.0 * static_cast<double>(config.head_dim));
   // The weights are in memory already (the model is loaded): they count too.
   const auto weight_bytes = static_cast<double>(model.weight_bytes());
   const double needed = weight_bytes + cache_bytes + step_bytes;
   if (const auto memory = static_cast<double>(physical_memory_bytes()); needed > memory) {
-    throw InputError(fmt::format("a CPU decode step over {} positions ({}) needs about {:.1f} GB (the weights {:.1f} "
+    throw InputError(fmt::format("{} over {} positions ({}) needs about {:.1f} GB (the weights {:.1f} "
                                  "GB, the KV caches {:.1f} GB and one layer's attention scores for {} tokens {:.1f} GB), "
                                  "more than this machine's {:.1f} GB of memory",
+                                 sessions == 1 ? std::string("a CPU decode step") : fmt::format("{} CPU decode sessions", sessions),
                                  model.capacity(), model.capacity_source(), needed / 1e9, weight_bytes / 1e9, cache_bytes / 1e9,
                                  DecoderModel::kMaxStepTokens, step_bytes / 1e9, memory / 1e9));
   }
+}
+
+DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model_(model), path_(path) {
+  const ModelConfig& config = model.config();
+  check_decode_sessions_fit(model, 1);
   const TensorSpec cache_spec({config.num_key_value_heads, model.capacity(), config.head_dim}, model.dtype());
   for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
     for (char which : {'k', 'v'}) state_.insert_or_assign(cache_name(layer, which), HostTensor(cache_spec));
@@ -90,6 +96,16 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
   }
   const std::int64_t vocab = model_.config().vocab_size;
   check_tokens_fit(tokens, position_, model_);
+  // Every position's logits are returned: refused up front when they would not fit beside the weights
+  // and caches (std::bad_alloc was "internal error: out of memory").
+  const double logits_bytes = static_cast<double>(tokens.size()) * static_cast<double>(vocab) * 4;
+  const double held = static_cast<double>(model_.weight_bytes()) + kv_cache_bytes(model_.config(), model_.capacity(), model_.dtype());
+  if (const auto memory = static_cast<double>(physical_memory_bytes()); held + logits_bytes > memory) {
+    throw InputError(fmt::format("the logits of {} positions x {} tokens of vocabulary take {:.1f} GB, which with the "
+                                 "weights and KV caches ({:.1f} GB) pass this machine's {:.1f} GB of memory: feed fewer "
+                                 "tokens at a time",
+                                 tokens.size(), vocab, logits_bytes / 1e9, held / 1e9, memory / 1e9));
+  }
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
   for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
@@ -137,12 +153,17 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
 }
 
 std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_t> tokens) {
-  const std::vector<float> logits = feed(tokens);
+  // A step's tokens at a time, as the sessions step through them: a prompt's logits are never all held
+  // (generate keeps only the last position's token; 2048 positions of a 2^24 vocabulary are 137 GB).
   std::vector<std::int32_t> next;
-  if (tokens.empty()) return next;
-  const std::size_t vocab = logits.size() / tokens.size();
-  for (std::size_t row = 0; row < tokens.size(); ++row) {
-    next.push_back(static_cast<std::int32_t>(argmax_index(std::span<const float>(logits).subspan(row * vocab, vocab))));
+  for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
+    const std::span<const std::int32_t> chunk =
+        tokens.subspan(first, std::min<std::size_t>(DecoderModel::kMaxStepTokens, tokens.size() - first));
+    const std::vector<float> logits = feed(chunk);
+    const std::size_t vocab = logits.size() / chunk.size();
+    for (std::size_t row = 0; row < chunk.size(); ++row) {
+      next.push_back(static_cast<std::int32_t>(argmax_index(std::span<const float>(logits).subspan(row * vocab, vocab))));
+    }
   }
   return next;
 }

@@ -113,7 +113,12 @@ void require_full_rotary(const FieldReader& reader) {
 // rope_scaling (4) or rope_parameters (5): {"rope_type": "default" | "llama3", ...}.
 void read_rope_type(const FieldReader& reader, RopeParameters& rope) {
   require_full_rotary(reader);
-  // "type" is the older spelling (transformers reads rope_type first, as here): an error names the one given.
+  // "type" is the older spelling. transformers 4's configs copy "type" over "rope_type" when both are
+  // given, later code reads rope_type first: two that disagree are refused. An error names the one given.
+  if (reader.present("rope_type") && reader.present("type") && reader.string("rope_type") != reader.string("type")) {
+    reader.fail("type", "'" + reader.string("type") + "' disagrees with rope_type '" + reader.string("rope_type") +
+                            "' (give one of them)");
+  }
   const std::string_view field = !reader.present("rope_type") && reader.present("type") ? "type" : "rope_type";
   const std::string type = reader.present(field) ? reader.string(field) : "default";
   if (type == "default") return;
@@ -244,7 +249,23 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   // max_window_layers (default 28) and up. Within the window windowed and full attention agree, so a
   // window bounds the capacity instead (attention over a sliding window is not implemented; load_model).
   bool sliding = config.architecture == ModelArchitecture::mistral || reader.boolean_or("use_sliding_window", false);
-  if (sliding && config.architecture == ModelArchitecture::qwen2) {
+  if (config.architecture == ModelArchitecture::qwen2 && reader.present("layer_types")) {
+    // Qwen2Config (transformers >= 4.53) takes an explicit layer_types as given, max_window_layers aside;
+    // a "sliding_attention" layer slides only when use_sliding_window is true (else its window is None).
+    const Json& types = json.at("layer_types");
+    if (!types.is_array() || static_cast<std::int64_t>(types.size()) != config.num_hidden_layers) {
+      reader.fail("layer_types", fmt::format("must be a list of {} layer types (num_hidden_layers), got {}",
+                                             config.num_hidden_layers, json_excerpt(types)));
+    }
+    bool any_sliding = false;
+    for (const Json& type : types) {
+      if (type != "full_attention" && type != "sliding_attention") {
+        reader.fail("layer_types", "each must be \"full_attention\" or \"sliding_attention\", got " + json_excerpt(type));
+      }
+      any_sliding = any_sliding || type == "sliding_attention";
+    }
+    sliding = sliding && any_sliding;
+  } else if (sliding && config.architecture == ModelArchitecture::qwen2) {
     std::int64_t max_window_layers = 28;
     if (reader.present("max_window_layers")) {
       const Json& value = json.at("max_window_layers");

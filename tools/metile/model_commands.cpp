@@ -35,6 +35,7 @@
 
 #include "commands.h"
 #include "metile/fusion.h"
+#include "metile/io.h"
 #include "metile/model.h"
 #include "model_options.h"
 
@@ -236,27 +237,52 @@ std::string float_list(std::span<const float> values) {
   return text;
 }
 
+// --all-positions prints every position's logits: refused before the model loads when their text (up to
+// ~16 bytes a logit) and the logits (4 bytes) pass this machine's memory.
+void check_all_positions_fit(std::size_t positions, std::size_t vocab) {
+  const double bytes = static_cast<double>(positions) * static_cast<double>(vocab) * (16 + 4);
+  if (const auto memory = static_cast<double>(physical_memory_bytes()); bytes > memory) {
+    throw InputError(fmt::format("--all-positions: {} positions x {} logits take about {:.1f} GB as JSON, more than this "
+                                 "machine's {:.1f} GB of memory",
+                                 positions, vocab, bytes / 1e9, memory / 1e9));
+  }
+}
+
 void logits_command(const ModelOptions& options) {
   if (options.all_positions && options.format != "json") throw InputError("--all-positions needs --format json");
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   const DecoderModel model = load_model(options);
   check_prompt_ids(prompt, model, options.prompt_ids);
-  const std::unique_ptr<LogitsSession> session = open_session(model, options);
-  const std::vector<float> logits = session->feed(prompt);
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
+  if (options.all_positions) check_all_positions_fit(prompt.size(), vocab);
+  const std::unique_ptr<LogitsSession> session = open_session(model, options);
+  // The prompt is fed a step's tokens at a time (as the sessions step through it anyway), keeping each
+  // position's argmax and the logits shown: the last position's, or with --all-positions every one.
+  // Keeping every row to show one took prompt x vocab x 4 bytes (137 GB for 2048 tokens of a 2^24 vocab).
   std::vector<std::int64_t> argmaxes;
-  for (std::size_t row = 0; row < prompt.size(); ++row) {
-    argmaxes.push_back(argmax_index(std::span<const float>(logits.data() + row * vocab, vocab)));
+  std::vector<float> shown;
+  const std::span<const std::int32_t> tokens(prompt);
+  for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
+    const std::span<const std::int32_t> chunk =
+        tokens.subspan(first, std::min<std::size_t>(DecoderModel::kMaxStepTokens, tokens.size() - first));
+    const std::vector<float> logits = session->feed(chunk);
+    for (std::size_t row = 0; row < chunk.size(); ++row) {
+      argmaxes.push_back(argmax_index(std::span<const float>(logits.data() + row * vocab, vocab)));
+    }
+    if (!options.all_positions) shown.clear();
+    shown.insert(shown.end(), options.all_positions ? logits.begin() : logits.end() - static_cast<std::ptrdiff_t>(vocab),
+                 logits.end());
   }
-  const std::span<const float> last(logits.data() + logits.size() - vocab, vocab);
+  const std::span<const float> last(shown.data() + shown.size() - vocab, vocab);
   if (options.format == "json") {
-    nlohmann::json json;
-    const std::span<const float> shown = options.all_positions ? std::span<const float>(logits) : last;
-    nlohmann::json values = nlohmann::json::array();
-    for (float value : shown) values.push_back(json_number(value));
-    json["logits"] = std::move(values);
-    json["argmax"] = argmaxes;
-    fmt::print("{}\n", json.dump());
+    // Written as it goes: a JSON tree of every logit took ~14 times the logits' bytes.
+    std::string text = "{\"argmax\":" + nlohmann::json(argmaxes).dump() + ",\"logits\":[";
+    for (std::size_t index = 0; index < shown.size(); ++index) {
+      if (index > 0) text += ',';
+      text += json_number(shown[index]).dump();
+    }
+    text += "]}";
+    fmt::print("{}\n", text);
     return;
   }
   std::string positions;
@@ -314,6 +340,7 @@ int verify_command(ModelOptions options) {
   const double max_kl = or_default(options.max_kl, 0.01);
   const double max_kl_mean = or_default(options.max_kl_mean, max_kl);
   const double max_logit_error = or_default(options.max_logit_error, 0.02);
+  check_decode_sessions_fit(model, 2);  // each session checks itself alone
   DecodeSession reference(model, DecodePath::reference);
   DecodeSession planned(model, DecodePath::planned);
   const AgreementFigures figures = compare_sessions(reference, planned, prompt, positions);

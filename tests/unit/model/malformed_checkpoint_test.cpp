@@ -100,6 +100,15 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
       {"unknown_rope_type_older_key",
        [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; }); },
        "field 'rope_scaling.type': 'linear' is not supported (default or llama3)"},
+      // Both spellings, disagreeing: transformers 4's configs take "type", later code reads rope_type first.
+      {"rope_type_and_older_key_disagree",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["rope_scaling"] = {{"rope_type", "llama3"}, {"type", "linear"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                                {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+         });
+       },
+       "field 'rope_scaling.type': 'linear' disagrees with rope_type 'llama3' (give one of them)"},
       {"rope_type_older_key_not_a_string",
        [](auto d) { edit_config(d, [](Json& c) { c["rope_scaling"] = {{"type", 2}}; }); },
        "field 'rope_scaling.type': must be a string, got 2"},
@@ -756,6 +765,12 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 000000000000000000000000002"), 0) << err;
   EXPECT_EQ(metile("synth-model " + (root_ / "octal").string() + " --layers 010"), 0) << err;
   EXPECT_NE(read_text(root_ / "octal" / "config.json").find("\"num_hidden_layers\": 10"), std::string::npos);
+  // A shard is held in memory until written: one past this machine's memory is refused before anything is
+  // written (1024 layers of Llama-3-8B are ~450 GB; with shards that large it grew into an out-of-memory end).
+  EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --preset llama3-8b --layers 1024 --max-shard-mb 1000000"), 2);
+  EXPECT_NE(err.find("synth-model: a shard is held in memory until it is written"), std::string::npos) << err;
+  EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+  EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb inf"), 2);
   EXPECT_NE(err.find("--max-shard-mb: inf is not a finite decimal number"), std::string::npos) << err;
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
@@ -840,6 +855,84 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
                  "(max_position_embeddings, at most 4096; --max-seq sets it)\n");
 }
 
+// The logits a prompt returns are checked against this machine's memory, as the caches are: a checkpoint
+// within the limits (a vocabulary of 2^24, here at hidden size 2: 128 MB of weights) and a prompt within its
+// capacity ended in "internal error: out of memory" (std::bad_alloc), exit 1. feed() returns every
+// position's logits and refuses past the memory; `metile logits` keeps only the rows it shows, and refuses
+// --all-positions, whose JSON takes ~20 bytes a logit, before feeding anything.
+TEST_F(MalformedCheckpoint, PromptLogitsPastTheMemoryAreRefusedBeforeTheFirstStep) {
+  constexpr std::int64_t vocab = std::int64_t{1} << 24, hidden = 2;
+  const std::filesystem::path directory = root_ / "wide_vocabulary";
+  std::filesystem::create_directories(directory);
+  testing::write_text(directory / "config.json",
+                      Json{{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", vocab},
+                           {"hidden_size", hidden}, {"intermediate_size", 2}, {"num_hidden_layers", 1},
+                           {"num_attention_heads", 1}, {"num_key_value_heads", 1}, {"head_dim", 2},
+                           {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-5}}
+                          .dump());
+  TensorMap tensors;
+  const auto add = [&](const std::string& name, std::vector<std::int64_t> shape) {
+    tensors.emplace(name, HostTensor(TensorSpec(std::move(shape), DType::bf16)));
+  };
+  add("model.embed_tokens.weight", {vocab, hidden});
+  add("lm_head.weight", {vocab, hidden});
+  add("model.norm.weight", {hidden});
+  add("model.layers.0.input_layernorm.weight", {hidden});
+  add("model.layers.0.post_attention_layernorm.weight", {hidden});
+  for (const char* projection : {"q", "k", "v"}) add(fmt::format("model.layers.0.self_attn.{}_proj.weight", projection), {2, hidden});
+  add("model.layers.0.self_attn.o_proj.weight", {hidden, 2});
+  add("model.layers.0.mlp.gate_proj.weight", {2, hidden});
+  add("model.layers.0.mlp.up_proj.weight", {2, hidden});
+  add("model.layers.0.mlp.down_proj.weight", {hidden, 2});
+  write_safetensors(directory / "model.safetensors", tensors);
+  tensors.clear();
+
+  const auto memory = static_cast<double>(physical_memory_bytes());
+  const auto fed = static_cast<std::int64_t>(memory / (static_cast<double>(vocab) * 4)) + 1;
+  if (fed > 4000) GTEST_SKIP() << "this machine's memory holds the logits of the whole context";
+  const DecoderModel model = DecoderModel::load(directory);
+  DecodeSession session(model);
+  const std::vector<std::int32_t> prompt(static_cast<std::size_t>(fed), 1);
+  const std::string error = testing::error_of([&] { (void)session.feed(prompt); });
+  EXPECT_NE(error.find(fmt::format("the logits of {} positions x 16777216 tokens of vocabulary", fed)), std::string::npos)
+      << error;
+  EXPECT_EQ(session.position(), 0);  // nothing was fed
+
+  const auto shown = static_cast<std::int64_t>(memory / (static_cast<double>(vocab) * 20)) + 1;
+  std::string ids = "1";
+  for (std::int64_t index = 1; index < shown; ++index) ids += ",1";
+  std::string out, err;
+  EXPECT_EQ(run_metile("logits " + directory.string() + " --prompt-ids " + ids + " --format json --all-positions", out, err), 2);
+  EXPECT_NE(err.find(fmt::format("metile: error: --all-positions: {} positions x 16777216 logits take about", shown)),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(out, "");
+}
+
+// verify-model holds two CPU sessions, each with its own caches: each checked itself alone, so a capacity
+// that fit one session but not two passed every check and ended in the out-of-memory killer. Both are
+// checked first now. The capacity: the first power of two at which two sessions do not fit (one session
+// of it needs no more than two of half of it, which fit).
+TEST_F(MalformedCheckpoint, VerifyModelChecksBothOfItsSessionsAgainstTheMemory) {
+  const std::filesystem::path directory = synth("model", {});
+  LoadOptions options;
+  std::int64_t capacity = 1024;
+  for (;; capacity *= 2) {
+    ASSERT_LT(capacity, std::int64_t{1} << 31) << "two sessions fit at every capacity";
+    options.max_sequence = capacity;
+    const DecoderModel model = DecoderModel::load(directory, options);
+    if (testing::error_of([&] { check_decode_sessions_fit(model, 2); }) == "(no InputError)") continue;
+    EXPECT_EQ(testing::error_of([&] { check_decode_sessions_fit(model, 1); }), "(no InputError)");
+    break;
+  }
+  std::string out, err;
+  EXPECT_EQ(run_metile("verify-model " + directory.string() + " --tokens 2 --max-seq " + std::to_string(capacity), out, err), 2);
+  EXPECT_NE(err.find(fmt::format("metile: error: 2 CPU decode sessions over {} positions (max-seq) needs about", capacity)),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+}
+
 // An empty directory that is a mount point (a mounted volume, a container's bind mount) is a
 // directory synth-model may fill: the weights were staged beside it, on the parent's file system, and
 // the first rename into it failed with EXDEV ("metile: internal error: ... Invalid cross-device link").
@@ -915,9 +1008,10 @@ TEST_F(MalformedCheckpoint, PathsTheSystemCannotLookAtAreBadInput) {
   std::filesystem::copy(sharded, beside);
   std::filesystem::create_symlink("model.safetensors", beside / "model.safetensors");
   expect_bad_input("logits " + beside.string() + " --prompt-ids 1", beside / "model.safetensors", loop);
-  // A link whose target is gone (the index, or the one weight file) is named with its target, not
-  // reported as a checkpoint without weight files ("neither model.safetensors nor ...").
-  for (const auto& [checkpoint, file] : {std::pair{directory, "model.safetensors"},
+  // A link whose target is gone (config.json, the index, or the one weight file) is named with its
+  // target, not reported as a checkpoint without weight files ("neither model.safetensors nor ...")
+  // or without a config ("DIR: no config.json").
+  for (const auto& [checkpoint, file] : {std::pair{directory, "config.json"}, std::pair{directory, "model.safetensors"},
                                          std::pair{sharded, "model.safetensors.index.json"}}) {
     const std::filesystem::path dangling = root_ / ("dangling_" + std::string(file));
     std::filesystem::copy(checkpoint, dangling);

@@ -572,6 +572,41 @@ TEST_F(StepGraphAliasing, CachesWriteInPlaceAndSizeOneTransposesAreViews) {
   }
 }
 
+// The default feed_greedy feeds a step's tokens at a time (16: the sessions step through a prompt so
+// anyway) and keeps only each row's argmax: it fed the whole prompt at once, holding every position's
+// logits where generate wanted the last token (137 GB for 2048 tokens of a 2^24 vocabulary).
+TEST(LogitsSession, FeedGreedyFeedsAStepAtATime) {
+  class Recording : public LogitsSession {
+   public:
+    std::vector<float> feed(std::span<const std::int32_t> tokens) override {
+      chunks.push_back(tokens.size());
+      std::vector<float> logits(tokens.size() * 5, 0.0f);
+      for (std::size_t row = 0; row < tokens.size(); ++row) logits[row * 5 + static_cast<std::size_t>(tokens[row]) % 5] = 1;
+      position_ += static_cast<std::int64_t>(tokens.size());
+      return logits;
+    }
+    std::int64_t position() const override { return position_; }
+    std::int64_t capacity() const override { return 1000; }
+    const std::string& capacity_source() const override { return source_; }
+    std::vector<std::size_t> chunks;
+
+   private:
+    std::int64_t position_ = 0;
+    std::string source_ = "test";
+  };
+  Recording session;
+  std::vector<std::int32_t> tokens;
+  std::vector<std::int32_t> expected;
+  for (std::int32_t index = 0; index < 40; ++index) {
+    tokens.push_back(index * 7);
+    expected.push_back(index * 7 % 5);
+  }
+  EXPECT_EQ(session.feed_greedy(tokens), expected);
+  EXPECT_EQ(session.chunks, (std::vector<std::size_t>{16, 16, 8}));
+  EXPECT_EQ(session.position(), 40);
+  EXPECT_TRUE(session.feed_greedy({}).empty());
+}
+
 // The synthetic checkpoints' draw runs ranges of elements at once, each jumping its stream
 // ahead: every split gives the stream of one sequential SplitMix64 (written out here), on
 // element counts that no range count and no 2^20 divides.
@@ -648,6 +683,28 @@ TEST(ModelConfigSlidingWindow, FollowsTransformersDefaults) {
               });
             }),
             "config.json: field 'max_window_layers': must be a non-negative integer, got -1");
+  // An explicit layer_types (Qwen2Config, transformers >= 4.53) is taken as given, max_window_layers aside:
+  // a window read nowhere ran the model unwindowed, its logits those of the model without one.
+  const auto with_layer_types = [&](const std::vector<std::string>& types, bool use_sliding_window) {
+    return parse(ModelArchitecture::qwen2, [&](Json& c) {
+      c["use_sliding_window"] = use_sliding_window;
+      c["sliding_window"] = 4;
+      c["max_window_layers"] = 28;
+      c["layer_types"] = types;
+    });
+  };
+  const std::int64_t layers = parse(ModelArchitecture::qwen2, [](Json&) {}).num_hidden_layers;
+  ASSERT_GE(layers, 2);
+  std::vector<std::string> types(static_cast<std::size_t>(layers), "full_attention");
+  EXPECT_EQ(with_layer_types(types, true).sliding_window, std::nullopt);
+  types.back() = "sliding_attention";
+  EXPECT_EQ(with_layer_types(types, true).sliding_window, 4);
+  EXPECT_EQ(with_layer_types(types, false).sliding_window, std::nullopt);  // transformers: a window of None
+  types.back() = "chunked_attention";
+  EXPECT_EQ(error_of([&] { with_layer_types(types, true); }),
+            "config.json: field 'layer_types': each must be \"full_attention\" or \"sliding_attention\", got \"chunked_attention\"");
+  types.pop_back();
+  EXPECT_NE(error_of([&] { with_layer_types(types, true); }).find("field 'layer_types': must be a list of"), std::string::npos);
 }
 
 // max_position_embeddings written as a whole real (4096.0, as some exported configs write it and
