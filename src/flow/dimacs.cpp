@@ -68,6 +68,14 @@ bool parse_real(std::string_view token, double& value) {
   return error == std::errc() && ptr == end;
 }
 
+// A number from_chars reads whole but that is past a double's range (1e-400, 1e400).
+bool real_out_of_range(std::string_view token) {
+  double value = 0;
+  const char* end = token.data() + token.size();
+  const auto [ptr, error] = std::from_chars(token.data(), end, value);
+  return error == std::errc::result_out_of_range && ptr == end;
+}
+
 class DimacsReader {
  public:
   explicit DimacsReader(std::string_view file_name) : file_name_(file_name) {}
@@ -93,8 +101,12 @@ class DimacsReader {
 
     auto parse_vertex = [&](std::string_view token, const char* what) {
       std::int64_t id = 0;
-      if (!parse_integer(token, id))
+      if (!parse_integer(token, id)) {
+        if (written_as_integer(token)) {  // past 64 bits
+          fail(line_number, std::string(what) + " " + std::string(token) + " is outside 1.." + std::to_string(vertex_count));
+        }
         fail(line_number, std::string(what) + " '" + std::string(token) + "' is not an integer");
+      }
       if (id < 1 || id > vertex_count) {
         fail(line_number,
              std::string(what) + " " + std::to_string(id) + " is outside 1.." + std::to_string(vertex_count));
@@ -220,7 +232,12 @@ class DimacsReader {
       return value;
     } else {
       double value = 0;
-      if (!parse_real(token, value)) fail(line_number, "capacity '" + text + "' is not a number");
+      if (!parse_real(token, value)) {
+        if (real_out_of_range(token)) {
+          fail(line_number, "capacity '" + text + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
+        }
+        fail(line_number, "capacity '" + text + "' is not a number");
+      }
       if (!std::isfinite(value)) fail(line_number, "capacity '" + text + "' is not finite");
       if (value < 0) fail(line_number, "negative capacity " + text);
       std::int64_t exact = 0;  // compared as written: the double has already rounded

@@ -189,6 +189,13 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
   EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 -0.5\n"), "net.max:4: negative capacity -0.5");
   EXPECT_EQ(error_of<double>("p max 2 1\nn 1 s\nn 2 t\na 1 2 1x\n"),
             "net.max:4: capacity '1x' is not a number");
+  // Numbers past a double's range, and vertex ids past 64 bits, were "not a number" / "not an integer".
+  for (const char* capacity : {"1e-400", "1e400"}) {
+    EXPECT_EQ(error_of<double>(std::string("p max 2 1\nn 1 s\nn 2 t\na 1 2 ") + capacity + "\n"),
+              std::string("net.max:4: capacity '") + capacity + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
+  }
+  EXPECT_EQ(error_of<std::int64_t>("p max 2 1\nn 1 s\nn 2 t\na 99999999999999999999 2 5\n"),
+            "net.max:4: arc tail 99999999999999999999 is outside 1..2");
   // Bytes of the file quoted in the message: a NUL or an escape sequence would cut or colour the line.
   using namespace std::string_literals;
   EXPECT_EQ(error_of<std::int64_t>("p max 2 1\nn 1 s\nn 2 t\na 1 2 5\0x\n"s),
