@@ -31,7 +31,13 @@ std::string rope_rotation_device_code(const Attributes& attributes);
 // Letters, digits and '_' only, for kernel symbols and comments that must stay one token.
 std::string sanitize_identifier(std::string_view text);
 
-// "summed = add(values, residual)" for comments in generated code.
+// Text (a value's name) as it may stand in a comment of generated code: on one line, with no
+// line-continuing backslash, no comment delimiter and no trigraph. A name holding "*/" closed a
+// /* */ parameter comment and the rest of it was compiled; one ending in '\' commented out the
+// next line of code (a load, a store). Every name in generated source goes through it.
+std::string comment_text(std::string_view text);
+
+// "summed = add(values, residual)" for comments in generated code (comment_text).
 std::string describe_node(const ComputeGraph& graph, const Node& node);
 
 }  // namespace metile::codegen_detail

@@ -243,11 +243,22 @@ std::string describe_node(const ComputeGraph& graph, const Node& node) {
   text += " = " + node.op + "(";
   for (std::size_t i = 0; i < node.inputs.size(); ++i) text += (i ? ", " : "") + graph.value(node.inputs[i]).name;
   text += ")";
-  // Generated code puts this in // comments: keep it on one line, with no line-continuing backslash.
-  for (char& c : text) {
-    if (c == '\n' || c == '\r' || c == '\\') c = ' ';
+  return comment_text(text);
+}
+
+std::string comment_text(std::string_view text) {
+  std::string safe;
+  for (const char c : text) {
+    if (c == '\\' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      safe += ' ';
+      continue;
+    }
+    // "*/", "/*" and "??" come out with a space between: no delimiter and no trigraph is spelt.
+    const char before = safe.empty() ? ' ' : safe.back();
+    if ((before == '*' && c == '/') || (before == '/' && c == '*') || (before == '?' && c == '?')) safe += ' ';
+    safe += c;
   }
-  return text;
+  return safe;
 }
 
 }  // namespace metile::codegen_detail

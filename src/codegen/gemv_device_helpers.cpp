@@ -565,7 +565,7 @@ std::string gemv_kernel_entry(const GemvKernelConfig& config, const std::string&
   source += "    const u16* __restrict__ x,\n";
   if (config.x_rms_norm_eps) source += "    const u16* __restrict__ x_norm_weight,  // [K], the RMSNorm's weight\n";
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, tensors[i].name,
+    source += fmt::format("    const u16* __restrict__ tensor{},  // {}{}\n", i, codegen_detail::comment_text(tensors[i].name),
                           tensors[i].broadcast_rows ? " [N]" : " [M, N]");
   }
   if (config.output_splits.empty()) {

@@ -1421,9 +1421,11 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       // The same 16 warps a tile held to the registers that fit the whole grid on the SMs at once
       // (Llama-3-8B's q/k/v: 384 tiles, 3 blocks an SM, <= 40 registers, against 2 at ptxas's 64):
       // every weight load of the stage is issued before its wait, none waits for a second wave. Two
-      // blocks an SM need no bound (64 registers fit them).
+      // blocks an SM need no bound (64 registers fit them). One activation row only: each row's
+      // accumulators take registers the bound does not have (Llama-3-8B's q/k/v at M = 8 parked 180
+      // bytes, at M = 16 532; at M = 1 it parks 160 with the rope epilogue and has never won a race).
       const std::int64_t waves_of_blocks = (tiles + multiprocessors - 1) / multiprocessors;
-      if (waves_of_blocks >= 3 && waves_of_blocks <= blocks_an_sm_holds(16)) {
+      if (base.rows == 1 && waves_of_blocks >= 3 && waves_of_blocks <= blocks_an_sm_holds(16)) {
         GemvKernelConfig one_wave = register_shape(16, true);
         one_wave.resident_blocks_per_multiprocessor = static_cast<int>(waves_of_blocks);
         add_config(one_wave);
@@ -1575,7 +1577,10 @@ int gemv_l2_prefetch_rounds(const GemvKernelConfig& config, int multiprocessors,
   const std::int64_t resident =
       std::min(tile_blocks * config.k_splits, std::int64_t{multiprocessors} * std::max(1, 32 / config.warps_per_block));
   const std::int64_t round_bytes = stride * config.tiles_per_block * products * iteration_bytes;
-  return static_cast<int>(std::clamp<std::int64_t>(l2_budget_bytes / (resident * round_bytes), 1, std::max<std::int64_t>(rounds, 1)));
+  // At most 1024 rounds (GemvKernelConfig::validate): a K of 2^20 has 1536 a warp, and the prefetching twin
+  // of such a stage threw where the plain shape lowers.
+  return static_cast<int>(
+      std::clamp<std::int64_t>(l2_budget_bytes / (resident * round_bytes), 1, std::clamp<std::int64_t>(rounds, 1, 1024)));
 }
 
 std::int64_t gemv_minimum_bytes(const GemvKernelConfig& config) {

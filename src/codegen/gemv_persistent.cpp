@@ -210,7 +210,7 @@ std::string phase_parameters(const GemvKernelConfig& config, std::string_view pr
   }
   const std::vector<GemvEpilogue::TensorInput> tensors = config.epilogue.tensor_inputs();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    text += fmt::format("    const u16* __restrict__ {}_tensor{},  // {}\n", prefix, i, tensors[i].name);
+    text += fmt::format("    const u16* __restrict__ {}_tensor{},  // {}\n", prefix, i, codegen_detail::comment_text(tensors[i].name));
   }
   return text + fmt::format("    {},\n", out);
 }
@@ -565,8 +565,11 @@ std::vector<PersistentMlpConfig> persistent_mlp_candidates(const GemvKernelConfi
   const std::vector<Shape> shapes =
       two_halves ? std::vector<Shape>{{8, 2, 1, 1, false}, {4, 4, 1, 1, false}, {8, 1, 1, 2, true}, {16, 1, 1, 1, false}}
                  : std::vector<Shape>{{8, 2, 1, 1, true}, {4, 4, 1, 1, true}, {8, 1, 2, 2, true}, {16, 1, 1, 1, true}};
-  // The stage-blocks shapes first (the lowering races the first gemv_lowering_persistent_shapes).
-  std::vector<PersistentMlpConfig> candidates = stage_blocks_candidates(gate_up, down, multiprocessors);
+  // The stage-blocks shapes first (the lowering races the first gemv_lowering_persistent_shapes), for one
+  // activation row: under their 72-80 register bounds more rows' accumulators spill (Llama-3.2-1B's MLP at
+  // M = 16 parked 680-732 bytes; at M = 1 the decode steps' shapes park at most 160).
+  std::vector<PersistentMlpConfig> candidates;
+  if (gate_up.rows == 1) candidates = stage_blocks_candidates(gate_up, down, multiprocessors);
   for (const Shape& shape : shapes) {
     PersistentMlpConfig config;
     config.gate_up = gate_up;

@@ -15,6 +15,7 @@
 namespace metile {
 namespace {
 
+using codegen_detail::comment_text;
 using codegen_detail::describe_node;
 using codegen_detail::sanitize_identifier;
 
@@ -45,12 +46,12 @@ GeneratedKernel grid_stride_kernel(const ComputeGraph& graph, const Node& node, 
   for (std::size_t k = 0; k < inputs.size(); ++k) {
     const Value& value = graph.value(inputs[k]);
     parameters += fmt::format("const {}* __restrict__ in{} /* {} {} */, ", cuda_storage_type(value.spec.dtype), k,
-                              value.name, value.spec.to_string());
+                              comment_text(value.name), value.spec.to_string());
     kernel.parameters.push_back({KernelParameter::Kind::input, value.id, fmt::format("in{}", k), 0});
   }
   const Value& out = graph.value(output);
-  parameters += fmt::format("{}* __restrict__ out0 /* {} {} */", cuda_storage_type(out.spec.dtype), out.name,
-                            out.spec.to_string());
+  parameters += fmt::format("{}* __restrict__ out0 /* {} {} */", cuda_storage_type(out.spec.dtype),
+                            comment_text(out.name), out.spec.to_string());
   kernel.parameters.push_back({KernelParameter::Kind::output, out.id, "out0", 0});
   kernel.source = header(graph, node, what);
   kernel.source += fmt::format(R"(
@@ -87,7 +88,7 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
   }}
 }}
 )",
-                               elementwise_block, kernel.kernel_name, chunk_type, in.name, out.name, chunks);
+                               elementwise_block, kernel.kernel_name, chunk_type, comment_text(in.name), comment_text(out.name), chunks);
   kernel.launch.block_x = elementwise_block;
   kernel.launch.grid_x = grid_for(chunks, elementwise_block);
   kernel.parameters = {{KernelParameter::Kind::input, in.id, "in0", 0}, {KernelParameter::Kind::output, out.id, "out0", 0}};
@@ -129,7 +130,7 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
   }}
 }}
 )",
-                               elementwise_block, kernel.kernel_name, type, in.name, in.spec.to_string(), out.name,
+                               elementwise_block, kernel.kernel_name, type, comment_text(in.name), in.spec.to_string(), comment_text(out.name),
                                out.spec.to_string(), out.spec.element_count(), index_code);
   kernel.launch.block_x = elementwise_block;
   kernel.launch.grid_x = grid_for(out.spec.element_count(), elementwise_block);
@@ -350,8 +351,8 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const {2}* __restrict__ in
   }}
 }}
 )",
-                               threads, kernel.kernel_name, cuda_storage_type(in.spec.dtype), in.name,
-                               in.spec.to_string(), out.name, out.spec.to_string(), rows, length);
+                               threads, kernel.kernel_name, cuda_storage_type(in.spec.dtype), comment_text(in.name),
+                               in.spec.to_string(), comment_text(out.name), out.spec.to_string(), rows, length);
   kernel.launch.block_x = threads;
   kernel.launch.grid_x = static_cast<std::uint32_t>(std::clamp<std::int64_t>(rows, 1, 65536));
   kernel.parameters = {{KernelParameter::Kind::input, in.id, "in0", 0}, {KernelParameter::Kind::output, out.id, "out0", 0}};
@@ -725,8 +726,8 @@ extern "C" __global__ void __launch_bounds__({0}) {1}(const unsigned int* __rest
   }}
 }}
 )",
-                               elementwise_block, kernel.kernel_name, type, columns, bits, group_size, packed.name,
-                               scales.name, biases.name, rows, x.name, x_rows, split ? 2 : 1, split ? "true" : "false");
+                               elementwise_block, kernel.kernel_name, type, columns, bits, group_size, comment_text(packed.name),
+                               comment_text(scales.name), comment_text(biases.name), rows, comment_text(x.name), x_rows, split ? 2 : 1, split ? "true" : "false");
   kernel.launch.block_x = elementwise_block;
   kernel.launch.grid_x = grid_for(rows * columns, elementwise_block);
   const std::int64_t element = static_cast<std::int64_t>(dtype_size(x.spec.dtype));

@@ -24,6 +24,7 @@
 namespace metile {
 namespace {
 
+using codegen_detail::comment_text;
 using codegen_detail::describe_node;
 using codegen_detail::sanitize_identifier;
 
@@ -190,6 +191,13 @@ Analysed analyse(const ComputeGraph& graph, const FusionRegion& region, bool onl
   if (analysis.length <= 0 || analysis.rows <= 0) return refused(fmt::format("empty tensor {}", first.to_string()));
   if (analysis.length > (std::int64_t{1} << 30)) {
     return refused(fmt::format("row length {} is beyond the row kernel's limit", analysis.length));
+  }
+  // Rows of length 1: a reducing op's one value a row ([R, 1]) has the shape of its row, so a reader in
+  // the region could not be told from an elementwise reader of the row (mean then silu read a value never
+  // stored: std::out_of_range out of this decision). Such a region runs as native kernels.
+  if (analysis.length == 1 && nodes.size() > 1 &&
+      std::any_of(nodes.begin(), nodes.end(), [&](NodeId id) { return graph.node(id).kind == OpKind::row_reduction; })) {
+    return refused("rows of length 1 with a row reduction: its result and its row have one shape");
   }
   std::set<ValueId> produced;
   for (NodeId id : nodes) {
@@ -398,13 +406,13 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
   for (std::size_t i = 0; i < analysis.inputs.size(); ++i) {
     const Value& value = graph.value(analysis.inputs[i].value);
     parameters.push_back(fmt::format("const {}* __restrict__ in{} /* {} {} */", cuda_storage_type(value.spec.dtype),
-                                     i, value.name, value.spec.to_string()));
+                                     i, comment_text(value.name), value.spec.to_string()));
     kernel.parameters.push_back({KernelParameter::Kind::input, value.id, fmt::format("in{}", i), 0});
   }
   for (std::size_t i = 0; i < region.outputs.size(); ++i) {
     const Value& value = graph.value(region.outputs[i]);
     parameters.push_back(fmt::format("{}* __restrict__ out{} /* {} {} */", cuda_storage_type(value.spec.dtype), i,
-                                     value.name, value.spec.to_string()));
+                                     comment_text(value.name), value.spec.to_string()));
     kernel.parameters.push_back({KernelParameter::Kind::output, value.id, fmt::format("out{}", i), 0});
   }
 
@@ -481,11 +489,11 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
       const Value& value = graph.value(input.value);
       const std::string type = cuda_storage_type(value.spec.dtype);
       if (input.mode == OperandMode::scalar) {
-        line(indent + 1, fmt::format("metile_device::load_scalar<{0}, kVec>(in{1}, x{1}[item]);  // {2}", type, i, value.name));
+        line(indent + 1, fmt::format("metile_device::load_scalar<{0}, kVec>(in{1}, x{1}[item]);  // {2}", type, i, comment_text(value.name)));
       } else {
         // Rows are read once: streaming hints. Broadcast rows (weights) are reused by every row: plain.
         line(indent + 1, fmt::format("metile_device::load_vector<{0}, kVec, kRowLength, {3}>(in{1}_row, col, row_valid, x{1}[item]);  // {2}",
-                                     type, i, value.name, input.mode == OperandMode::row ? "kStream" : "false"));
+                                     type, i, comment_text(value.name), input.mode == OperandMode::row ? "kStream" : "false"));
       }
     }
     line(indent, "}");
@@ -528,7 +536,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
       const Value& value = graph.value(step->value);
       line(indent + 1, fmt::format("metile_device::store_vector<{}, kVec, kRowLength, kStream>(out{}_row, col, row_valid, {}[item]);  // {}",
                                    cuda_storage_type(value.spec.dtype), output_index.at(step->value),
-                                   analysis.array_of.at(step->value), value.name));
+                                   analysis.array_of.at(step->value), comment_text(value.name)));
     }
     line(indent, "}");
   };
@@ -593,7 +601,7 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
         const Value& value = graph.value(phase.reduce->row_result);
         line(1, fmt::format("if (row_valid && lane == 0) out{}[safe_row] = metile_device::from_float<{}>({});  // {}",
                             output_index.at(value.id), cuda_storage_type(value.spec.dtype),
-                            phase.reduce->row_result_expression, value.name));
+                            phase.reduce->row_result_expression, comment_text(value.name)));
       }
     }
   }
@@ -638,7 +646,14 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
   if (!options.variant_name.empty()) kernel.kernel_name += "_" + sanitize_identifier(options.variant_name);
   kernel.source = emit_kernel(graph, region, analysis, config, kernel.kernel_name, kernel);
   kernel.launch.block_x = static_cast<std::uint32_t>(config.threads_per_row * config.rows_per_block);
-  kernel.launch.grid_x = static_cast<std::uint32_t>((analysis.rows + config.rows_per_block - 1) / config.rows_per_block);
+  // One block per rows_per_block rows: past 2^31 - 1 blocks (CUDA's grid limit) the cast truncated
+  // silently (2^40 rows launched 0 blocks), so such a region is refused.
+  const std::int64_t blocks = (analysis.rows + config.rows_per_block - 1) / config.rows_per_block;
+  if (blocks > std::int64_t{0x7fffffff}) {
+    throw InputError(fmt::format("{}: {} rows take {} blocks of {} rows, past CUDA's 2^31 - 1", node_label(anchor),
+                                 analysis.rows, blocks, config.rows_per_block));
+  }
+  kernel.launch.grid_x = static_cast<std::uint32_t>(blocks);
   const DType dtype = graph.value(region.outputs.front()).spec.dtype;
   kernel.summary = fmt::format("row kernel {}x{} {}: {}-wide vectors, {} threads/row, {} rows/block, {} vectors/thread{}{}{}{}",
                                analysis.rows, analysis.length, dtype_name(dtype), analysis.vector_width,

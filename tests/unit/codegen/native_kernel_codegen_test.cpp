@@ -251,5 +251,69 @@ TEST(NativeKernelCodegenDecodeStep, RopeKvCacheKernelCompilesForSm90) {
       << too_short.decision.reason;
 }
 
+// Value names stand in comments of the generated source and nowhere else: a name holding "*/" closed a
+// /* */ parameter comment and the rest of it was compiled (the native reshape and dequantize kernels failed
+// to compile), and one ending in '\\' commented out the fused row kernel's next line (a load, a store) with
+// only a warning. With such names every kernel compiles without a warning, and its code, comments and
+// kernel names aside, is the code of the same graph with plain names.
+std::string code_without_comments(const GeneratedKernel& kernel) {
+  std::string code;
+  const std::string& text = kernel.source;
+  for (std::size_t at = 0; at < text.size();) {
+    if (text.compare(at, 2, "//") == 0) {
+      at = text.find('\n', at);
+      if (at == std::string::npos) break;
+    } else if (text.compare(at, 2, "/*") == 0) {
+      at = text.find("*/", at + 2);
+      if (at == std::string::npos) break;
+      at += 2;
+    } else {
+      code += text[at++];
+    }
+  }
+  for (auto found = code.find(kernel.kernel_name); found != std::string::npos; found = code.find(kernel.kernel_name, found)) {
+    code.replace(found, kernel.kernel_name.size(), "KERNEL");
+  }
+  return code;
+}
+
+TEST(NativeKernelCodegenNames, NamesInCommentsNeverReachTheCode) {
+  struct Kernels {
+    std::vector<GeneratedKernel> kernels;
+  };
+  const auto build = [](const std::vector<std::string>& names) {
+    GraphBuilder builder;
+    auto x = builder.input(names[0], {{3, 64}, DType::bf16});
+    auto weight = builder.input(names[1], {{64}, DType::bf16});
+    auto summed = builder.add(x, x, names[2]);
+    auto normed = builder.rms_norm(summed, weight, 1e-6, names[3]);
+    auto flat = builder.reshape(normed, {192}, names[4]);
+    auto packed = builder.input(names[5], {{16, 64 * 4 / 32}, DType::u32});
+    auto scales = builder.input(names[6], {{16, 1}, DType::bf16});
+    auto biases = builder.input(names[7], {{16, 1}, DType::bf16});
+    auto y = builder.quantized_matmul(normed, packed, scales, biases, 4, 64, names[8]);
+    const ComputeGraph graph = builder.build({flat, y});
+    std::vector<GeneratedKernel> kernels;
+    FusionRegion region;
+    region.rule = "residual_add_rms_norm";
+    region.nodes = {graph.value(summed.id).producer, graph.value(normed.id).producer};
+    region.inputs = {x.id, weight.id};
+    region.outputs = {normed.id};
+    kernels.push_back(generate_region_kernel(graph, region));
+    for (const ValueRef value : {summed, normed, flat}) kernels.push_back(generate_node_kernel(graph, graph.value(value.id).producer));
+    kernels.push_back(generate_dequantize_kernel(graph, graph.value(y.id).producer));
+    return kernels;
+  };
+  const std::vector<GeneratedKernel> plain = build({"x", "w", "s", "n", "f", "p", "c", "b", "y"});
+  const std::vector<GeneratedKernel> hostile =
+      build({"x*/ #error", "w\\", "s?\?/", "n/*", "f */ }", "p\\", "c*", "/b", "y*/\\"});
+  ASSERT_EQ(plain.size(), hostile.size());
+  for (std::size_t index = 0; index < plain.size(); ++index) {
+    SCOPED_TRACE(plain[index].summary);
+    EXPECT_EQ(code_without_comments(hostile[index]), code_without_comments(plain[index]));
+    expect_compiles_for_sm90(hostile[index]);
+  }
+}
+
 }  // namespace
 }  // namespace metile

@@ -43,6 +43,34 @@ TEST(RowKernelCodegen, SeedRegionIsOneKernelWithTwoStoresAndOneReduction) {
   expect_compiles_for_sm90(kernel);
 }
 
+// A grid past CUDA's 2^31 - 1 blocks is refused: the block count was cast to 32 bits, and 2^40 rows
+// (within the graph's 2^48 elements) launched 0 blocks; 2^20 rows still lower.
+TEST(RowKernelCodegen, AGridPastCudasLimitIsRefused) {
+  const ComputeGraph huge = seed_graph(std::int64_t{1} << 40, 16, DType::f16);
+  const std::string error = testing::error_of([&] { (void)generate_region_kernel(huge, whole_graph_region(huge, "residual_add_rms_norm")); });
+  EXPECT_NE(error.find("rows take"), std::string::npos) << error;
+  EXPECT_NE(error.find("past CUDA's 2^31 - 1"), std::string::npos) << error;
+  const ComputeGraph fine = seed_graph(std::int64_t{1} << 20, 16, DType::f16);
+  EXPECT_GT(generate_region_kernel(fine, whole_graph_region(fine, "residual_add_rms_norm")).launch.grid_x, 0u);
+}
+
+// Rows of length 1 with a row reduction and a reader of its result: the decision refuses (it threw
+// std::out_of_range, the reader's operand never stored); one such node alone still lowers.
+TEST(RowKernelCodegen, RowsOfLengthOneWithAReductionAreRefused) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{4, 1}, DType::f32});
+  auto mean = builder.mean(x, "m");
+  auto y = builder.silu(mean, "y");
+  const ComputeGraph graph = builder.build({y});
+  Decision decision;
+  ASSERT_NO_THROW(decision = row_region_decision(graph, whole_graph_region(graph)));
+  EXPECT_FALSE(decision);
+  EXPECT_NE(decision.reason.find("rows of length 1"), std::string::npos) << decision.reason;
+  EXPECT_THROW((void)generate_region_kernel(graph, whole_graph_region(graph)), InputError);
+  EXPECT_TRUE(row_region_decision(graph, single_node_region(graph, graph.value(mean.id).producer)));
+  EXPECT_TRUE(row_region_decision(graph, single_node_region(graph, graph.value(y.id).producer)));
+}
+
 TEST(RowKernelCodegen, VectorWidthFollowsRowLengthAndAlignment) {
   struct Case {
     std::int64_t rows, length;

@@ -672,9 +672,15 @@ TEST(GemvLowering, EveryLoweringsKernelsCompileForSm90) {
       persistent = persistent_mlp_candidates(lowered.stages[0].base_config(), lowered.stages[1].base_config(), 132);
       persistent.resize(std::min<std::size_t>(persistent.size(), gemv_lowering_persistent_shapes));
       // With x normalized as it is loaded (the RMSNorm prologue) only the stage-blocks partition, whose
-      // phases are the stage kernels' blocks, prologue included; it comes first either way.
+      // phases are the stage kernels' blocks, prologue included; it comes first either way, at one
+      // activation row (more rows spill under its register bounds: these graphs have 5, the warp pieces).
       ASSERT_FALSE(persistent.empty()) << test_case.what;
-      EXPECT_EQ(persistent.front().partition, PersistentPartition::stage_blocks) << test_case.what;
+      const bool one_row = lowered.stages[0].base_config().rows == 1;
+      for (const PersistentMlpConfig& config : persistent) {
+        const bool stage_blocks = config.partition == PersistentPartition::stage_blocks;
+        EXPECT_TRUE(one_row ? persistent.front().partition == PersistentPartition::stage_blocks : !stage_blocks)
+            << test_case.what << ": " << config.to_string();
+      }
       if (lowered.stages[0].norm_weight >= 0) {
         for (const PersistentMlpConfig& config : persistent) {
           EXPECT_EQ(config.partition, PersistentPartition::stage_blocks) << test_case.what;

@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "metile/cuda_runtime.h"
+#include "metile/dispatch.h"
 #include "metile/gemv.h"
 #include "gemv_test_support.h"
 
@@ -210,6 +211,17 @@ TEST(GemvCompile, L2PrefetchDepthAndKernelsCompile) {
   // A budget of one byte still prefetches one round; a huge one takes every round.
   EXPECT_EQ(gemv_l2_prefetch_rounds(wide, 132, 1), 1);
   EXPECT_EQ(gemv_l2_prefetch_rounds(wide, 132, std::int64_t{1} << 40), 4096 / 128 / 2);
+  // A K past 1024 rounds a warp (2^20 columns of bf16 at 16 rows: 1536 rounds) takes the most a config
+  // allows, whether its weights fit the budget or not (it threw at lowering, "must be 0..1024, not 1536").
+  GemvKernelConfig deep = gemv_config(GemvWeightFormat::dense(DType::bf16), 1, 16, std::int64_t{1} << 20, GemvEpilogue::store());
+  deep.warps_per_block = 4;
+  deep.iterations_in_flight = 1;
+  for (const std::int64_t budget : {std::int64_t{1} << 40, std::int64_t{1} << 20}) {
+    GemvKernelConfig prefetching = deep;
+    prefetching.l2_prefetch_rounds = gemv_l2_prefetch_rounds(deep, 132, budget);
+    EXPECT_LE(prefetching.l2_prefetch_rounds, 1024) << budget;
+    EXPECT_NO_THROW(prefetching.validate()) << budget;
+  }
 
   int checked = 0;
   for (const GemvWeightFormat& format : {GemvWeightFormat::dense(DType::bf16), int4, GemvWeightFormat::affine(8, 128, DType::f16)}) {
@@ -824,6 +836,11 @@ TEST(GemvCompile, FewTilesOfOneMatrixRaceAOneWaveShape) {
   EXPECT_LE(registers_used(log, kernel.kernel_name), 65536 / (3 * 512)) << log;  // three blocks of 512 threads fit
   EXPECT_TRUE(one_wave(gemv_tuning_candidates(gemv_config(format, 1, 4096, 4096, GemvEpilogue::accumulator(0)))).empty());
   EXPECT_TRUE(one_wave(gemv_tuning_candidates(gemv_config(format, 1, 6144, 4096, GemvEpilogue::swiglu()))).empty());
+  // Above one row the bound leaves the accumulators no registers (M = 16 parked 532 bytes): not raced.
+  for (const std::int64_t rows : {2, 8, 16}) {
+    EXPECT_TRUE(one_wave(gemv_tuning_candidates(gemv_config(format, rows, 6144, 4096, GemvEpilogue::accumulator(0)))).empty())
+        << rows << " rows";
+  }
   GemvKernelConfig too_many = qkv[2];
   too_many.resident_blocks_per_multiprocessor = 5;  // 80 warps an SM
   EXPECT_THROW(too_many.validate(), InputError);
@@ -1081,6 +1098,38 @@ PersistentMlpConfig persistent_config(GemvWeightFormat format, std::int64_t rows
                                             gemv_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add())));
   EXPECT_GT(candidates.size(), shape) << format.to_string();
   return candidates.size() <= shape ? PersistentMlpConfig{} : candidates[shape];
+}
+
+// Above one row no stage-blocks shape is offered: bound to 72-80 registers, they parked 680-732 bytes at
+// M = 16 (Llama-3.2-1B's MLP, 4-bit g64). The normalized gate/up of the decode steps then has no
+// persistent candidate (the warp pieces take no norm prologue); a plain one races the warp pieces, whose
+// first gemv_lowering_persistent_shapes (what the lowering races) park at most the stage blocks' 160
+// bytes at M = 16 (40-48 with 4-bit weights; none with 8-bit, PersistentMlpCompilesForSm90).
+TEST(GemvCompile, PersistentMlpAboveOneRowRacesNoStageBlocks) {
+  const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
+  const GemvKernelConfig down = gemv_config(format, 1, 2048, 8192, GemvEpilogue::residual_add());
+  GemvKernelConfig normalized = gemv_config(format, 1, 8192, 2048, GemvEpilogue::swiglu());
+  normalized.x_rms_norm_eps = 1e-5;
+  ASSERT_FALSE(persistent_mlp_candidates(normalized, down, 132).empty());
+  EXPECT_EQ(persistent_mlp_candidates(normalized, down, 132).front().partition, PersistentPartition::stage_blocks);
+  for (const std::int64_t rows : {2, 16}) {
+    GemvKernelConfig gate_up = normalized, down_rows = down;
+    gate_up.rows = down_rows.rows = rows;
+    EXPECT_TRUE(persistent_mlp_candidates(gate_up, down_rows, 132).empty()) << rows;
+    gate_up.x_rms_norm_eps.reset();
+    const std::vector<PersistentMlpConfig> candidates = persistent_mlp_candidates(gate_up, down_rows, 132);
+    ASSERT_GE(candidates.size(), static_cast<std::size_t>(gemv_lowering_persistent_shapes));
+    for (std::size_t index = 0; index < candidates.size(); ++index) {
+      EXPECT_NE(candidates[index].partition, PersistentPartition::stage_blocks) << candidates[index].to_string();
+      if (rows == 16 && index < static_cast<std::size_t>(gemv_lowering_persistent_shapes)) {
+        const Compiled compiled = compile_for_sm90(generate_persistent_mlp_kernel(candidates[index]));
+        static const std::regex spilled(R"((\d+) bytes spill stores)");
+        std::smatch match;
+        ASSERT_TRUE(std::regex_search(compiled.log, match, spilled)) << compiled.log;
+        EXPECT_LE(std::stoi(match[1].str()), 160) << candidates[index].to_string() << "\n" << compiled.log;
+      }
+    }
+  }
 }
 
 TEST(GemvCompile, PersistentMlpCompilesForSm90) {
