@@ -204,6 +204,8 @@ class DecodeSession : public LogitsSession {
   // weights and caches would pass this machine's memory (checked before any step runs). A step hands the caches to the executor, which writes them in place: should it
   // fail, the session has no caches left and every later feed is an InputError.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
+  // LogitsSession's, with every token checked before the first step (it feeds a step at a time).
+  std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
   std::int64_t position() const override { return position_; }
   std::int64_t capacity() const override { return model_.capacity(); }
   const std::string& capacity_source() const override { return model_.capacity_source(); }

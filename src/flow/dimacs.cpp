@@ -226,6 +226,9 @@ class DimacsReader {
         }
         double real = 0;
         if (parse_real(token, real)) fail(line_number, "capacity '" + text + "' is not an integer");
+        if (real_out_of_range(token)) {
+          fail(line_number, "capacity '" + text + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
+        }
         fail(line_number, "capacity '" + text + "' is not a number");
       }
       if (value < 0) fail(line_number, "negative capacity " + text);

@@ -109,8 +109,9 @@ class HighestLabelPreflow {
           const int head = heads_[arc];
           if (label_[head] == label_[vertex] - 1 && tolerance_.arc_positive(arc, residual_[arc])) {
             const Capacity amount = std::min(excess_[vertex], residual_[arc]);
-            if (head != source_ && !tolerance_.excess_positive(head, excess_[head])) fifo.push_back(head);
+            const bool head_was_queued = head == source_ || tolerance_.excess_positive(head, excess_[head]);
             push(arc, vertex, head, amount);
+            if (!head_was_queued && tolerance_.excess_positive(head, excess_[head])) fifo.push_back(head);
             if (!tolerance_.excess_positive(vertex, excess_[vertex])) break;
           }
         }
@@ -192,11 +193,16 @@ class HighestLabelPreflow {
         const int head = heads_[arc];
         if (label[head] != wanted || !tolerance_.arc_positive(arc, residual[arc])) continue;
         const Capacity amount = std::min(excess[vertex], residual[arc]);
-        if (head != sink_ && !tolerance_.excess_positive(head, excess[head])) activate(head, wanted);
+        // A vertex joins the active list when its excess turns positive, once: with real capacities an
+        // amount above this vertex's and the arc's thresholds can stay below the head's, and activating
+        // the head before the push (while its excess was not positive) listed it twice, a cycle in the
+        // list (HLPP looped, or stopped with the sink on the source side).
+        const bool head_was_active = head == sink_ || tolerance_.excess_positive(head, excess[head]);
         residual[arc] -= amount;
         residual[reverse_[arc]] += amount;
         excess[head] += amount;
         excess[vertex] -= amount;
+        if (!head_was_active && tolerance_.excess_positive(head, excess[head])) activate(head, wanted);
         if (!tolerance_.excess_positive(vertex, excess[vertex])) {
           current_arc_[vertex] = arc;
           return;

@@ -34,11 +34,12 @@ void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink,
 
 // Inside a solver a residual or an excess counts as positive only above rounding noise: exact (0) for
 // integers. For reals each arc's threshold is 1e-13 of its own edge's capacity (its residual, and the
-// flow its reverse arc holds, are sums of amounts no larger), and each vertex's 1e-13 of the capacity
-// of the edges at it, so a + b - b leftovers never keep an arc or an excess alive, and an arc never
-// loses flow to the size of another: one threshold of 1e-13 x the largest capacity left 0.9 unused on a
-// 25.9 arc beside an unrelated 1e13 one (Dinic and HLPP 99.1 where the maximum is 100, and `auto`
-// failed its two engines' cross-check). Infinite (legality) edges take 1e-13 of the largest finite
+// flow its reverse arc holds, stay within it), and each vertex's 1e-13 of the capacity of the edges into
+// it, so a + b - b leftovers never keep an arc or an excess alive, and an arc's leftover is judged by its
+// own size: one threshold of 1e-13 x the largest capacity left 0.9 unused on a 25.9 arc beside an
+// unrelated 1e13 one (Dinic and HLPP 99.1 where the maximum is 100, and `auto` failed its two engines'
+// cross-check). Flow below a huge edge's threshold can still be left at the vertex it enters or on its
+// reverse arc: at most 1e-13 of it, within FlowTolerance::for_network. Infinite (legality) edges take 1e-13 of the largest finite
 // capacity: their own (twice the finite sum plus one) would hide the flow they carry, which a finite
 // cut bounds, and raise the thresholds of the vertices at them.
 template <typename Capacity>
@@ -62,12 +63,14 @@ class SolverTolerance {
         const int forward = network.arc_edge(arc) >= 0 ? arc : network.reverse_arc(arc);
         arc_[static_cast<std::size_t>(arc)] = edge_threshold(network.arc_edge(forward));
       }
+      // A vertex's excess is what its edges in brought (flow sent back along an edge out returns at most
+      // what went out, which came in first): its rounding is that of those capacities. An edge out of it,
+      // however large, does not count (a 1e13 edge out of a vertex raised its threshold to 1, and two
+      // half units meeting there never made it active: HLPP returned 0 for a flow of 1).
       vertex_.assign(static_cast<std::size_t>(network.vertex_count()), Capacity{});
       for (std::size_t e = 0; e < edges.size(); ++e) {
         if (edges[e].from == edges[e].to) continue;
-        const Capacity threshold = edge_threshold(static_cast<int>(e));
-        vertex_[static_cast<std::size_t>(edges[e].from)] += threshold;
-        vertex_[static_cast<std::size_t>(edges[e].to)] += threshold;
+        vertex_[static_cast<std::size_t>(edges[e].to)] += edge_threshold(static_cast<int>(e));
       }
     }
   }

@@ -168,6 +168,11 @@ std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_
   return next;
 }
 
+std::vector<std::int32_t> DecodeSession::feed_greedy(std::span<const std::int32_t> tokens) {
+  check_tokens_fit(tokens, position_, model_);  // all of them, as feed() does, before any step runs
+  return LogitsSession::feed_greedy(tokens);
+}
+
 namespace {
 
 // Greedy decoding and the model-level comparison feed the prompt, then each of `count` tokens but

@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -237,10 +238,11 @@ std::string float_list(std::span<const float> values) {
   return text;
 }
 
-// --all-positions prints every position's logits: refused before the model loads when their text (up to
-// ~16 bytes a logit) and the logits (4 bytes) pass this machine's memory.
+// --all-positions prints every position's logits: refused before the first step when their text (up to
+// 24 bytes a logit: a float widened to double and its comma) and the logits (4 bytes) pass this
+// machine's memory.
 void check_all_positions_fit(std::size_t positions, std::size_t vocab) {
-  const double bytes = static_cast<double>(positions) * static_cast<double>(vocab) * (16 + 4);
+  const double bytes = static_cast<double>(positions) * static_cast<double>(vocab) * (24 + 4);
   if (const auto memory = static_cast<double>(physical_memory_bytes()); bytes > memory) {
     throw InputError(fmt::format("--all-positions: {} positions x {} logits take about {:.1f} GB as JSON, more than this "
                                  "machine's {:.1f} GB of memory",
@@ -281,8 +283,8 @@ void logits_command(const ModelOptions& options) {
       if (index > 0) text += ',';
       text += json_number(shown[index]).dump();
     }
-    text += "]}";
-    fmt::print("{}\n", text);
+    text += "]}\n";
+    std::fwrite(text.data(), 1, text.size(), stdout);  // fmt::print would format a second copy
     return;
   }
   std::string positions;

@@ -193,6 +193,9 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
   for (const char* capacity : {"1e-400", "1e400"}) {
     EXPECT_EQ(error_of<double>(std::string("p max 2 1\nn 1 s\nn 2 t\na 1 2 ") + capacity + "\n"),
               std::string("net.max:4: capacity '") + capacity + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
+    // A file whose other capacities are integers is read as an integer file: the same message there.
+    EXPECT_EQ(error_of<std::int64_t>(std::string("p max 2 2\nn 1 s\nn 2 t\na 1 2 5\na 1 2 ") + capacity + "\n"),
+              std::string("net.max:5: capacity '") + capacity + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
   }
   EXPECT_EQ(error_of<std::int64_t>("p max 2 1\nn 1 s\nn 2 t\na 99999999999999999999 2 5\n"),
             "net.max:4: arc tail 99999999999999999999 is outside 1..2");

@@ -119,8 +119,8 @@ TEST(FlowNetworkBuilder, InfiniteEdgesExceedEveryFiniteCut) {
 
 // An infinite (legality) edge cannot change a maximum flow, whatever the other capacities: its
 // capacity (twice the finite sum plus one) counted in the solvers' zero threshold, so a unit path
-// beside a hundred unrelated 1e11 arcs carried 0 once one was added (a real network's threshold is
-// 1e-13 x its largest capacity: 2e13 x 1e-13 = 2 >= 1).
+// beside a hundred unrelated 1e11 arcs carried 0 once one was added (the threshold was then 1e-13 x
+// the largest capacity: 2e13 x 1e-13 = 2 >= 1; it is each arc's own now, residual_graph.h).
 TEST(FlowNetworkBuilder, AnInfiniteEdgeDoesNotRaiseTheRealZeroThreshold) {
   for (const bool legality : {false, true}) {
     FlowNetworkBuilder<double> builder(2);  // 0: source, 1: sink
@@ -165,6 +165,15 @@ TEST(FlowNetworkBuilder, AnUnrelatedLargeArcTakesNoFlowFromTheOthers) {
   for (const MaxFlowResult<double>& result : engines(small, 0, 2)) {
     EXPECT_NEAR(result.value, 50.9, 1e-12) << result.solver;
     EXPECT_TRUE(verify(small, 0, 2, result)) << result.solver;
+  }
+  // Two half units meet at h, with a 1e13 edge out of it. Counted in h's excess threshold (1), the first
+  // push left h's excess at 0.5, not positive, and listed it active; the second listed it again, a cycle
+  // in HLPP's active list (it never ended); listed only once it turned positive, h never did, and HLPP
+  // returned 0. Only edges into a vertex count now. 1 (LEMON, Dinic).
+  RealFlowNetwork meeting(6, {{0, 1, 0.5}, {0, 2, 0.5}, {1, 3, 0.5}, {2, 3, 0.5}, {3, 5, 10}, {3, 4, 1e13}});
+  for (const MaxFlowResult<double>& result : engines(meeting, 0, 5)) {
+    EXPECT_NEAR(result.value, 1, 1e-12) << result.solver;
+    EXPECT_TRUE(verify(meeting, 0, 5, result)) << result.solver;
   }
   // s->a 100, a->t 99.1, a->b 100, b->t 100: 100 (0.9 of it through b).
   const auto [gadget, gadget_alone] = with_and_without({{0, 1, 100}, {1, 3, 99.1}, {1, 2, 100}, {2, 3, 100}}, 4);

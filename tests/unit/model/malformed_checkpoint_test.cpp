@@ -859,7 +859,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
 // within the limits (a vocabulary of 2^24, here at hidden size 2: 128 MB of weights) and a prompt within its
 // capacity ended in "internal error: out of memory" (std::bad_alloc), exit 1. feed() returns every
 // position's logits and refuses past the memory; `metile logits` keeps only the rows it shows, and refuses
-// --all-positions, whose JSON takes ~20 bytes a logit, before feeding anything.
+// --all-positions, whose JSON takes up to 28 bytes a logit with the logits, before feeding anything.
 TEST_F(MalformedCheckpoint, PromptLogitsPastTheMemoryAreRefusedBeforeTheFirstStep) {
   constexpr std::int64_t vocab = std::int64_t{1} << 24, hidden = 2;
   const std::filesystem::path directory = root_ / "wide_vocabulary";
@@ -897,8 +897,14 @@ TEST_F(MalformedCheckpoint, PromptLogitsPastTheMemoryAreRefusedBeforeTheFirstSte
   EXPECT_NE(error.find(fmt::format("the logits of {} positions x 16777216 tokens of vocabulary", fed)), std::string::npos)
       << error;
   EXPECT_EQ(session.position(), 0);  // nothing was fed
+  // feed_greedy feeds a step at a time but checks every token first: a bad id at position 20 fed nothing.
+  std::vector<std::int32_t> with_bad_id(20, 1);
+  with_bad_id.back() = static_cast<std::int32_t>(vocab);
+  EXPECT_EQ(testing::error_of([&] { (void)session.feed_greedy(with_bad_id); }),
+            "token id 16777216 is outside the vocabulary [0, 16777216)");
+  EXPECT_EQ(session.position(), 0);
 
-  const auto shown = static_cast<std::int64_t>(memory / (static_cast<double>(vocab) * 20)) + 1;
+  const auto shown = static_cast<std::int64_t>(memory / (static_cast<double>(vocab) * 28)) + 1;
   std::string ids = "1";
   for (std::int64_t index = 1; index < shown; ++index) ids += ",1";
   std::string out, err;
