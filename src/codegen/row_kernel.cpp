@@ -206,6 +206,11 @@ Analysed analyse(const ComputeGraph& graph, const FusionRegion& region, bool onl
     const bool row_op = node.op == "cast" || (definition != nullptr && definition->elementwise) ||
                         (definition != nullptr && definition->row_reduction && node.kind == OpKind::row_reduction);
     if (!row_op) {
+      if (definition != nullptr && definition->row_reduction) {  // softmax over another axis than the last
+        return refused(fmt::format("{} reduces axis {} of {}, not the last: no GPU kernel reduces another axis",
+                                   node_label(node), node.attributes.get_int("axis"),
+                                   graph.value(node.inputs.front()).spec.to_string()));
+      }
       return refused(fmt::format("{} is a {} op, not a row op", node_label(node), op_kind_name(node.kind)));
     }
     for (ValueId input : node.inputs) {

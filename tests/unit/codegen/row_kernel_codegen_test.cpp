@@ -71,6 +71,18 @@ TEST(RowKernelCodegen, RowsOfLengthOneWithAReductionAreRefused) {
   EXPECT_TRUE(row_region_decision(graph, single_node_region(graph, graph.value(y.id).producer)));
 }
 
+// A softmax over another axis than the last has no GPU kernel: the refusal says so (it said "a layout
+// op, not a row op", the kind the op table gives such a softmax).
+TEST(RowKernelCodegen, SoftmaxOverAnotherAxisIsRefusedByName) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{7, 33}, DType::f16});
+  auto s = builder.softmax(x, 0, "s");
+  const ComputeGraph graph = builder.build({s});
+  const Decision decision = row_region_decision(graph, whole_graph_region(graph));
+  EXPECT_FALSE(decision);
+  EXPECT_EQ(decision.reason, "node 's' (softmax) reduces axis 0 of f16[7, 33], not the last: no GPU kernel reduces another axis");
+}
+
 TEST(RowKernelCodegen, VectorWidthFollowsRowLengthAndAlignment) {
   struct Case {
     std::int64_t rows, length;
