@@ -215,6 +215,15 @@ class DimacsReader {
   // Integer files: every capacity written as an integer and fitting int64 (the network
   // then checks their sum). Real files: integer-written capacities only up to 2^53,
   // where a double still holds them exactly.
+  // A capacity that is neither an integer nor a double: past a double's range (1e-400, 1e400), or no number.
+  [[noreturn]] void fail_unreadable_capacity(std::string_view token, int line_number) const {
+    const std::string text(token);
+    if (real_out_of_range(token)) {
+      fail(line_number, "capacity '" + text + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
+    }
+    fail(line_number, "capacity '" + text + "' is not a number");
+  }
+
   template <typename Capacity>
   Capacity parse_capacity(std::string_view token, int line_number) const {
     const std::string text(token);
@@ -226,21 +235,13 @@ class DimacsReader {
         }
         double real = 0;
         if (parse_real(token, real)) fail(line_number, "capacity '" + text + "' is not an integer");
-        if (real_out_of_range(token)) {
-          fail(line_number, "capacity '" + text + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
-        }
-        fail(line_number, "capacity '" + text + "' is not a number");
+        fail_unreadable_capacity(token, line_number);
       }
       if (value < 0) fail(line_number, "negative capacity " + text);
       return value;
     } else {
       double value = 0;
-      if (!parse_real(token, value)) {
-        if (real_out_of_range(token)) {
-          fail(line_number, "capacity '" + text + "' is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
-        }
-        fail(line_number, "capacity '" + text + "' is not a number");
-      }
+      if (!parse_real(token, value)) fail_unreadable_capacity(token, line_number);
       if (!std::isfinite(value)) fail(line_number, "capacity '" + text + "' is not finite");
       if (value < 0) fail(line_number, "negative capacity " + text);
       std::int64_t exact = 0;  // compared as written: the double has already rounded

@@ -66,10 +66,7 @@ std::optional<MaxFlowProgram> build_program(const FlowNetwork<Capacity>& network
   // added by the repair (augment_to_maximum), whose tolerance is each arc's own.
   Capacity smallest_modelled{};
   if constexpr (std::is_floating_point_v<Capacity>) {
-    for (int edge = 0; edge < network.edge_count(); ++edge) {
-      const FlowEdge<Capacity>& e = network.edge(edge);
-      if (!network.edge_is_infinite(edge) && e.from != e.to) smallest_modelled = std::max(smallest_modelled, 1e-13 * e.capacity);
-    }
+    smallest_modelled = flow_detail::SolverTolerance<Capacity>::kRelative * flow_detail::largest_finite_capacity(network);
   }
   auto usable = [&](int tail, int arc) {
     return network.arc_capacity(arc) > smallest_modelled && network.arc_head(arc) != source && tail != sink;
@@ -641,8 +638,7 @@ class ConservationRepair {
 // and dead ends stay dead (flows and residuals only go down), so O(n m) in all.
 template <typename Capacity>
 Capacity push_flow_paths(const FlowNetwork<Capacity>& network, int source, int sink, std::vector<Capacity> flow,
-                         std::vector<Capacity>& residual) {
-  const flow_detail::SolverTolerance<Capacity> tolerance(network);
+                         const flow_detail::SolverTolerance<Capacity>& tolerance, std::vector<Capacity>& residual) {
   residual.assign(network.arc_capacities().begin(), network.arc_capacities().end());
   // Only forward arcs are walked: what an arc can still pass is the smaller of its flow and residual.
   auto room = [&](int arc) { return std::min(flow[network.arc_edge(arc)], residual[arc]); };
@@ -731,7 +727,8 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
   // Not the source's net outflow of `flow`: for reals that flow conserves only up to
   // rounding (push_flow_paths says why), and its outflow can exceed what reaches the sink.
   std::vector<Capacity> residual;
-  Capacity value = push_flow_paths(network, source, sink, std::move(flow), residual);
+  const flow_detail::SolverTolerance<Capacity> tolerance(network);
+  Capacity value = push_flow_paths(network, source, sink, std::move(flow), tolerance, residual);
   statistics.rounded_value = static_cast<double>(value);
   const flow_detail::AugmentingCounts repair = flow_detail::augment_to_maximum(network, source, sink, residual, value);
   statistics.repair_paths = repair.paths;
@@ -740,7 +737,7 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
   MaxFlowResult<Capacity> result;
   result.value = value;
   result.source_side =
-      flow_detail::reachable_in_residual(network, residual, {source}, flow_detail::SolverTolerance<Capacity>(network));
+      flow_detail::reachable_in_residual(network, residual, {source}, tolerance);
   if (options.edge_flows) result.edge_flows = flow_detail::edge_flows_from_residual(network, residual);
   result.solver = "ipm";
   result.interior_point = statistics;

@@ -42,19 +42,28 @@ void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink,
 // reverse arc: at most 1e-13 of it, within FlowTolerance::for_network. Infinite (legality) edges take 1e-13 of the largest finite
 // capacity: their own (twice the finite sum plus one) would hide the flow they carry, which a finite
 // cut bounds, and raise the thresholds of the vertices at them.
+// The largest capacity of an edge that is neither infinite (legality) nor a self loop.
+template <typename Capacity>
+Capacity largest_finite_capacity(const FlowNetwork<Capacity>& network) {
+  const auto& edges = network.edges();
+  Capacity largest{};
+  for (std::size_t e = 0; e < edges.size(); ++e) {
+    if (!network.edge_is_infinite(static_cast<int>(e)) && edges[e].from != edges[e].to) {
+      largest = std::max(largest, edges[e].capacity);
+    }
+  }
+  return largest;
+}
+
 template <typename Capacity>
 class SolverTolerance {
  public:
+  static constexpr double kRelative = 1e-13;
+
   explicit SolverTolerance(const FlowNetwork<Capacity>& network) {
     if constexpr (std::is_floating_point_v<Capacity>) {
-      constexpr Capacity kRelative = 1e-13;
       const auto& edges = network.edges();
-      Capacity largest = 0;
-      for (std::size_t e = 0; e < edges.size(); ++e) {
-        if (!network.edge_is_infinite(static_cast<int>(e)) && edges[e].from != edges[e].to) {
-          largest = std::max(largest, edges[e].capacity);
-        }
-      }
+      const Capacity largest = largest_finite_capacity(network);
       const auto edge_threshold = [&](int edge) {
         return kRelative * (network.edge_is_infinite(edge) ? largest : edges[static_cast<std::size_t>(edge)].capacity);
       };
