@@ -238,6 +238,10 @@ void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& m
 // A session fed a token sequence before it decodes: InputError unless the sequence stays within
 // the model's capacity and every token is in [0, vocab) (both backends say it the same way).
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model);
+// Calls `step` on consecutive pieces of `tokens`, in order, each of at most DecoderModel::kMaxStepTokens:
+// how a prompt goes through the decode steps, so that no more than one step's logits are ever held.
+void for_each_step_chunk(std::span<const std::int32_t> tokens,
+                         const std::function<void(std::span<const std::int32_t>)>& step);
 
 // ---------------------------------------------------------------- comparing two paths
 // Two sessions fed the same tokens, compared position by position on their next-token

@@ -46,10 +46,10 @@ void check_decode_sessions_fit(const DecoderModel& model, int sessions) {
   // in the kernel's out-of-memory killer halfway through a prompt.
   const double positions = static_cast<double>(model.capacity());
   const double element = static_cast<double>(dtype_size(model.dtype()));
-  const double cache_bytes = sessions * kv_cache_bytes(config, model.capacity(), model.dtype());
   const double step_bytes = sessions * positions *
                             (static_cast<double>(config.num_attention_heads * DecoderModel::kMaxStepTokens) * (8 + 4 * element) +
                              8.0 * static_cast<double>(config.head_dim));
+  const double cache_bytes = sessions * kv_cache_bytes(config, model.capacity(), model.dtype());
   // The weights are in memory already (the model is loaded): they count too.
   const auto weight_bytes = static_cast<double>(model.weight_bytes());
   const double needed = weight_bytes + cache_bytes + step_bytes;
@@ -81,6 +81,13 @@ void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& m
   }
 }
 
+void for_each_step_chunk(std::span<const std::int32_t> tokens,
+                         const std::function<void(std::span<const std::int32_t>)>& step) {
+  for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
+    step(tokens.subspan(first, std::min<std::size_t>(DecoderModel::kMaxStepTokens, tokens.size() - first)));
+  }
+}
+
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model) {
   if (position + static_cast<std::int64_t>(tokens.size()) > model.capacity()) {
     throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
@@ -108,13 +115,12 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
   }
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
-  for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
-    const auto steps =
-        static_cast<std::int64_t>(std::min<std::size_t>(DecoderModel::kMaxStepTokens, tokens.size() - first));
+  for_each_step_chunk(tokens, [&](std::span<const std::int32_t> chunk) {
+    const auto steps = static_cast<std::int64_t>(chunk.size());
     HostTensor ids(TensorSpec({steps}, DType::i32));
     HostTensor positions(TensorSpec({steps}, DType::i32));
     for (std::int64_t step = 0; step < steps; ++step) {
-      const std::int32_t token = tokens[first + static_cast<std::size_t>(step)];
+      const std::int32_t token = chunk[static_cast<std::size_t>(step)];
       const auto position = static_cast<std::int32_t>(position_ + step);
       std::memcpy(ids.bytes().data() + step * 4, &token, 4);
       std::memcpy(positions.bytes().data() + step * 4, &position, 4);
@@ -148,7 +154,7 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
       logits.push_back(static_cast<float>(step_logits.at(index)));
     }
     position_ += steps;
-  }
+  });
   return logits;
 }
 
@@ -156,15 +162,13 @@ std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_
   // A step's tokens at a time, as the sessions step through them: a prompt's logits are never all held
   // (generate keeps only the last position's token; 2048 positions of a 2^24 vocabulary are 137 GB).
   std::vector<std::int32_t> next;
-  for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
-    const std::span<const std::int32_t> chunk =
-        tokens.subspan(first, std::min<std::size_t>(DecoderModel::kMaxStepTokens, tokens.size() - first));
+  for_each_step_chunk(tokens, [&](std::span<const std::int32_t> chunk) {
     const std::vector<float> logits = feed(chunk);
     const std::size_t vocab = logits.size() / chunk.size();
     for (std::size_t row = 0; row < chunk.size(); ++row) {
       next.push_back(static_cast<std::int32_t>(argmax_index(std::span<const float>(logits).subspan(row * vocab, vocab))));
     }
-  }
+  });
   return next;
 }
 

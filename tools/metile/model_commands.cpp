@@ -263,10 +263,7 @@ void logits_command(const ModelOptions& options) {
   // Keeping every row to show one took prompt x vocab x 4 bytes (137 GB for 2048 tokens of a 2^24 vocab).
   std::vector<std::int64_t> argmaxes;
   std::vector<float> shown;
-  const std::span<const std::int32_t> tokens(prompt);
-  for (std::size_t first = 0; first < tokens.size(); first += DecoderModel::kMaxStepTokens) {
-    const std::span<const std::int32_t> chunk =
-        tokens.subspan(first, std::min<std::size_t>(DecoderModel::kMaxStepTokens, tokens.size() - first));
+  for_each_step_chunk(prompt, [&](std::span<const std::int32_t> chunk) {
     const std::vector<float> logits = session->feed(chunk);
     for (std::size_t row = 0; row < chunk.size(); ++row) {
       argmaxes.push_back(argmax_index(std::span<const float>(logits.data() + row * vocab, vocab)));
@@ -274,7 +271,7 @@ void logits_command(const ModelOptions& options) {
     if (!options.all_positions) shown.clear();
     shown.insert(shown.end(), options.all_positions ? logits.begin() : logits.end() - static_cast<std::ptrdiff_t>(vocab),
                  logits.end());
-  }
+  });
   const std::span<const float> last(shown.data() + shown.size() - vocab, vocab);
   if (options.format == "json") {
     // Written as it goes: a JSON tree of every logit took ~14 times the logits' bytes.

@@ -607,6 +607,26 @@ TEST(LogitsSession, FeedGreedyFeedsAStepAtATime) {
   EXPECT_TRUE(session.feed_greedy({}).empty());
 }
 
+// for_each_step_chunk cuts a sequence into steps of 16 in order, the last one shorter, and an empty
+// sequence into none: the pieces put back together are the sequence.
+TEST(StepChunks, ConsecutivePiecesOfAtMostOneStep) {
+  for (std::size_t length : {0, 1, 15, 16, 17, 32, 33, 100}) {
+    std::vector<std::int32_t> tokens(length);
+    for (std::size_t index = 0; index < length; ++index) tokens[index] = static_cast<std::int32_t>(3 * index + 1);
+    std::vector<std::int32_t> joined;
+    std::vector<std::size_t> sizes;
+    for_each_step_chunk(tokens, [&](std::span<const std::int32_t> chunk) {
+      sizes.push_back(chunk.size());
+      joined.insert(joined.end(), chunk.begin(), chunk.end());
+    });
+    EXPECT_EQ(joined, tokens) << length;
+    EXPECT_EQ(sizes.size(), (length + 15) / 16) << length;
+    for (std::size_t piece = 0; piece < sizes.size(); ++piece) {
+      EXPECT_EQ(sizes[piece], piece + 1 < sizes.size() ? 16u : length - 16 * piece) << length;
+    }
+  }
+}
+
 // The synthetic checkpoints' draw runs ranges of elements at once, each jumping its stream
 // ahead: every split gives the stream of one sequential SplitMix64 (written out here), on
 // element counts that no range count and no 2^20 divides.
