@@ -248,7 +248,8 @@ class RowKernelSteps {
  public:
   virtual std::string operand(std::size_t input) = 0;  // input i at the current element
   virtual std::string row_length() = 0;                // the row length as an f32 literal
-  // Reduces `expression` over the row with "sum" or "max"; returns the per-row scalar's name.
+  // Reduces `expression` over the row with "sum", "max" (f32) or "sum_f64" (a double sum); returns the
+  // per-row scalar's name.
   virtual std::string reduce(std::string_view op, std::string expression, std::string_view what) = 0;
   // A per-row scalar computed from earlier ones; returns its name.
   virtual std::string scalar(std::string expression) = 0;

@@ -146,6 +146,14 @@ struct SumOp {
   static __device__ __forceinline__ float shuffle_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
   static __device__ __forceinline__ float shuffle(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 };
+struct SumF64Op {  // layer_norm's statistics, taken in f64 as the CPU reference takes them
+  using State = double;
+  static __device__ __forceinline__ double identity() { return 0.0; }
+  static __device__ __forceinline__ double apply(double a, double b) { return a + b; }
+  static __device__ __forceinline__ double combine(double a, double b) { return a + b; }
+  static __device__ __forceinline__ double shuffle_xor(double v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+  static __device__ __forceinline__ double shuffle(double v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+};
 struct MaxOp {
   using State = float;
   static __device__ __forceinline__ float identity() { return negative_infinity(); }

@@ -119,8 +119,10 @@ class NodeSteps final : public RowKernelSteps {
   }
   std::string row_length() override { return length_literal_; }
   std::string reduce(std::string_view op, std::string expression, std::string_view what) override {
-    if (op != "sum" && op != "max") throw std::logic_error(fmt::format("row kernel: no reduction '{}'", op));
-    return add_reduction(op == "sum" ? "SumOp" : "MaxOp", std::move(expression), what);
+    const std::map<std::string_view, std::string> reductions = {{"sum", "SumOp"}, {"sum_f64", "SumF64Op"}, {"max", "MaxOp"}};
+    const auto found = reductions.find(op);
+    if (found == reductions.end()) throw std::logic_error(fmt::format("row kernel: no reduction '{}'", op));
+    return add_reduction(found->second, std::move(expression), what);
   }
   std::string add_reduction(std::string reduce_op, std::string expression, std::string_view what) {
     Step step;
@@ -135,7 +137,8 @@ class NodeSteps final : public RowKernelSteps {
   }
   std::string scalar(std::string expression) override {
     const std::string name = fmt::format("s{}", scalars_++);
-    last_reduction().after += fmt::format("{}const float {} = {};", last_reduction().after.empty() ? "" : " ", name,
+    // auto: f32 where the expression is (most), f64 where it is (layer_norm's statistics).
+    last_reduction().after += fmt::format("{}const auto {} = {};", last_reduction().after.empty() ? "" : " ", name,
                                           expression);
     return name;
   }
@@ -454,7 +457,8 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
   // Reductions across warps meet in shared memory; within a warp they need none.
   const bool block_reduction = analysis.has_reduction && config.threads_per_row > 32;
   if (block_reduction) {
-    line(1, fmt::format("__shared__ {} reduction_scratch[kThreadsPerRow / 32];", analysis.online_softmax ? "float2" : "float"));
+    // One state a warp: 8 bytes holds the widest (a double sum, the online softmax's two floats).
+    line(1, "__shared__ double reduction_scratch[kThreadsPerRow / 32];");
   }
   line(1, "const int lane = threadIdx.x % kThreadsPerRow;");
   line(1, "const long long row = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;");

@@ -758,14 +758,21 @@ RowReductionMath layer_norm_math() {
       }
     };
   };
+  // The kernel takes the statistics in f64 as the reference does (sums, mean, centring, the inverse
+  // root): centred on an f32 mean, a row whose mean is large against its spread moved ([2^24, 2^24 + 2]
+  // gave [0, 2]) and x - mean could overflow f32. Then, as the reference, the normalized value rounded
+  // to f32 and the weight and bias in f32, each rounded (no fused multiply-add).
   math.row_kernel = [](RowKernelSteps& steps, const Attributes& attributes) {
-    const std::string x = steps.operand(0);
-    const std::string mean = steps.scalar(steps.reduce("sum", x, "sum") + " / " + steps.row_length());
+    const std::string x = "static_cast<double>(" + steps.operand(0) + ")";
+    const std::string length = "static_cast<double>(" + steps.row_length() + ")";
+    const std::string mean = steps.scalar(steps.reduce("sum_f64", x, "sum in f64") + " / " + length);
     const std::string centered = "(" + x + " - " + mean + ")";
-    const std::string variance = steps.reduce("sum", centered + " * " + centered, "centered sum of squares");
-    const std::string inverse = steps.scalar("rsqrtf(" + variance + " / " + steps.row_length() + " + " +
-                                             cuda_float_literal(attributes.get_double("eps")) + ")");
-    steps.element_result(centered + " * " + inverse + " * " + steps.operand(1) + " + " + steps.operand(2));
+    const std::string variance = steps.reduce("sum_f64", centered + " * " + centered, "centered sum of squares in f64");
+    char eps[32];
+    std::snprintf(eps, sizeof eps, "%.17e", attributes.get_double("eps"));  // a double literal: exact
+    const std::string inverse = steps.scalar("1.0 / sqrt(" + variance + " / " + length + " + " + eps + ")");
+    steps.element_result("__fadd_rn(__fmul_rn(static_cast<float>(" + centered + " * " + inverse + "), " +
+                         steps.operand(1) + "), " + steps.operand(2) + ")");
   };
   return math;
 }

@@ -205,10 +205,21 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   config.intermediate_size = reader.dimension("intermediate_size");
   config.num_hidden_layers = reader.dimension("num_hidden_layers");
   config.num_attention_heads = reader.dimension("num_attention_heads");
-  config.num_key_value_heads = reader.dimension_or("num_key_value_heads", config.num_attention_heads);
+  // Absent, transformers' default for the architecture: LlamaConfig num_attention_heads, Qwen2Config 32,
+  // MistralConfig 8 (a Mistral config without it was taken as one KV head a query head); an explicit
+  // null is num_attention_heads in all three.
+  const bool kv_heads_absent = !json.contains("num_key_value_heads");
+  const std::int64_t default_kv_heads = !kv_heads_absent || config.architecture == ModelArchitecture::llama
+                                            ? config.num_attention_heads
+                                        : config.architecture == ModelArchitecture::qwen2 ? 32
+                                                                                          : 8;
+  config.num_key_value_heads = reader.dimension_or("num_key_value_heads", default_kv_heads);
   if (config.num_attention_heads % config.num_key_value_heads != 0) {
-    reader.fail("num_key_value_heads", fmt::format("{} does not divide num_attention_heads {}",
-                                                   config.num_key_value_heads, config.num_attention_heads));
+    reader.fail("num_key_value_heads",
+                fmt::format("{}{} does not divide num_attention_heads {}", config.num_key_value_heads,
+                            kv_heads_absent ? fmt::format(" (absent: transformers' default for {})", model_type_name(config.architecture))
+                                            : std::string(),
+                            config.num_attention_heads));
   }
   if (reader.present("head_dim")) {
     config.head_dim = reader.dimension("head_dim");

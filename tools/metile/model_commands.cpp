@@ -255,6 +255,9 @@ void logits_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   const DecoderModel model = load_model(options);
   check_prompt_ids(prompt, model, options.prompt_ids);
+  // The whole prompt against the capacity before the first step: each step checks only its own tokens,
+  // so a long prompt was refused after computing the steps that fit, naming the end of one step.
+  check_tokens_fit(prompt, 0, model);
   const auto vocab = static_cast<std::size_t>(model.config().vocab_size);
   if (options.all_positions) check_all_positions_fit(prompt.size(), vocab);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);

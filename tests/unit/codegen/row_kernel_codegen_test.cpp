@@ -114,7 +114,7 @@ TEST(RowKernelCodegen, BlockShapeFollowsRowLength) {
   const GeneratedKernel long_rows = generate_region_kernel(long_graph, whole_graph_region(long_graph));
   EXPECT_NE(long_rows.source.find("constexpr int kThreadsPerRow = 128;"), std::string::npos) << long_rows.summary;
   EXPECT_EQ(long_rows.launch.grid_x, 512u);
-  EXPECT_NE(long_rows.source.find("__shared__ float reduction_scratch"), std::string::npos);
+  EXPECT_NE(long_rows.source.find("__shared__ double reduction_scratch"), std::string::npos);
 }
 
 TEST(RowKernelCodegen, VeryLongRowsStreamInTiles) {
@@ -127,6 +127,28 @@ TEST(RowKernelCodegen, VeryLongRowsStreamInTiles) {
   EXPECT_NE(kernel.source.find("for (int tile = 0; tile < kTiles; ++tile)"), std::string::npos);
   EXPECT_EQ(count_occurrences(kernel_body(kernel), "row_reduce<"), 2);
   expect_compiles_for_sm90(kernel);
+}
+
+// layer_norm's statistics are f64 sums and f64 scalars (its centring on an f32 mean moved rows far from
+// zero; the GPU test LayerNormOfRowsFarFromZeroMatchesTheReference runs them), rms_norm's stay f32;
+// both paths (registers, streamed) and a block-wide reduction compile.
+TEST(RowKernelCodegen, LayerNormTakesItsStatisticsInF64) {
+  for (const std::int64_t length : {37, 4096, 300000}) {
+    GraphBuilder builder;
+    const TensorSpec row({length}, DType::bf16);
+    auto x = builder.input("x", {{3, length}, DType::bf16});
+    auto y = builder.layer_norm(x, builder.input("weight", row), builder.input("bias", row), 1e-5, "y");
+    const ComputeGraph graph = builder.build({y});
+    const GeneratedKernel kernel = generate_region_kernel(graph, whole_graph_region(graph));
+    const std::string body = kernel_body(kernel);
+    EXPECT_EQ(count_occurrences(body, "row_reduce<metile_device::SumF64Op"), 2) << kernel.summary;
+    EXPECT_EQ(count_occurrences(body, "row_reduce<metile_device::SumOp"), 0) << kernel.summary;
+    EXPECT_NE(body.find("1.0 / sqrt("), std::string::npos) << body;
+    EXPECT_NE(body.find("__fmul_rn(static_cast<float>("), std::string::npos) << body;
+    expect_compiles_for_sm90(kernel);
+  }
+  const ComputeGraph rms = seed_graph(3, 4096, DType::bf16);
+  EXPECT_EQ(count_occurrences(kernel_body(generate_region_kernel(rms, whole_graph_region(rms))), "SumF64Op"), 0);
 }
 
 TEST(RowKernelCodegen, VariantsAreDistinctAndCompile) {

@@ -808,6 +808,13 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2 --max-seq 16 --tokens 20"), 2);
   EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (max-seq)\n");
   EXPECT_EQ(out, "");
+  // logits checks the whole prompt before its first step: it was refused after the steps that fit,
+  // naming the end of the step that did not (33 tokens at capacity 20: "would reach 32").
+  std::string ids = "1";
+  for (int token = 2; token <= 33; ++token) ids += "," + std::to_string(token % 7);
+  EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids " + ids + " --max-seq 20"), 2);
+  EXPECT_EQ(err, "metile: error: the sequence would reach 33 tokens, past the KV-cache capacity 20 (max-seq)\n");
+  EXPECT_EQ(out, "");
   // A sliding window bounds the context (attention sees every cached position): asking for more is
   // an error naming the window, not a capacity silently cut to it.
   const std::filesystem::path windowed = synth("windowed", {});

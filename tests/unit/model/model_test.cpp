@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -755,6 +756,33 @@ TEST(ModelConfigPositions, MaxPositionEmbeddingsMayBeAWholeReal) {
     EXPECT_EQ(ModelConfig::parse_json(json.dump(), "config.json").max_position_embeddings, positions)
         << architecture_class_name(architecture);
   }
+}
+
+// num_key_value_heads absent: transformers' default for the architecture (LlamaConfig the query head
+// count, Qwen2Config 32, MistralConfig 8: a Mistral checkpoint of 16 heads and 8 KV heads that
+// transformers loads was refused, its k_proj taken for 16 heads); an explicit null is the query head
+// count in all three; a default that does not divide the heads is named as the default.
+TEST(ModelConfigHeads, AbsentKeyValueHeadsTakeTransformersDefaults) {
+  const auto parse = [](ModelArchitecture architecture, std::int64_t heads, std::optional<nlohmann::json> kv_heads) {
+    SynthOptions options;
+    options.architecture = architecture;
+    nlohmann::json json = nlohmann::json::parse(synth_config(options).to_json());
+    json["num_attention_heads"] = heads;
+    json["head_dim"] = 8;
+    json.erase("num_key_value_heads");
+    if (kv_heads) json["num_key_value_heads"] = *kv_heads;
+    return ModelConfig::parse_json(json.dump(), "config.json");
+  };
+  EXPECT_EQ(parse(ModelArchitecture::llama, 16, std::nullopt).num_key_value_heads, 16);
+  EXPECT_EQ(parse(ModelArchitecture::mistral, 16, std::nullopt).num_key_value_heads, 8);
+  EXPECT_EQ(parse(ModelArchitecture::qwen2, 64, std::nullopt).num_key_value_heads, 32);
+  for (ModelArchitecture architecture : {ModelArchitecture::llama, ModelArchitecture::qwen2, ModelArchitecture::mistral}) {
+    EXPECT_EQ(parse(architecture, 12, nlohmann::json(nullptr)).num_key_value_heads, 12) << model_type_name(architecture);
+    EXPECT_EQ(parse(architecture, 12, nlohmann::json(4)).num_key_value_heads, 4) << model_type_name(architecture);
+  }
+  EXPECT_EQ(error_of([&] { parse(ModelArchitecture::mistral, 12, std::nullopt); }),
+            "config.json: field 'num_key_value_heads': 8 (absent: transformers' default for mistral) does not divide "
+            "num_attention_heads 12");
 }
 
 }  // namespace
