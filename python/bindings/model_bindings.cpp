@@ -41,9 +41,10 @@ std::optional<AffineQuantization> quantization_of(const py::handle& bits, const 
   return format;
 }
 
-// The ids of one sequence; reading stops past `capacity` of them (an endless iterator is an error,
-// not a loop until memory runs out).
-std::vector<std::int32_t> token_ids(const py::handle& ids, std::int64_t capacity) {
+// The ids of one sequence; reading stops past the model's capacity (an endless iterator is an error,
+// not a loop until memory runs out), named with where the capacity came from.
+std::vector<std::int32_t> token_ids(const py::handle& ids, const DecoderModel& model) {
+  const std::int64_t capacity = model.capacity();
   // Text is not ids, nor is a set or a dict: their order is not the caller's (a dict gave its keys).
   if (py::isinstance<py::str>(ids) || py::isinstance<py::bytes>(ids) || py::isinstance<py::bytearray>(ids) ||
       py::isinstance<py::set>(ids) || py::isinstance<py::frozenset>(ids) || py::isinstance<py::dict>(ids)) {
@@ -64,7 +65,8 @@ std::vector<std::int32_t> token_ids(const py::handle& ids, std::int64_t capacity
     }
     tokens.push_back(static_cast<std::int32_t>(id));
     if (static_cast<std::int64_t>(tokens.size()) > capacity) {
-      throw InputError("ids: more than the KV-cache capacity of " + std::to_string(capacity) + " tokens (max_seq)");
+      throw InputError("ids: more than the KV-cache capacity of " + std::to_string(capacity) + " tokens (" +
+                       model.capacity_source() + ")");
     }
   }
   if (tokens.empty()) throw InputError("ids is empty");
@@ -114,7 +116,7 @@ void bind_model(py::module_& module) {
       .def(
           "logits",
           [](const DecoderModel& model, const py::handle& ids) {
-            const std::vector<std::int32_t> tokens = token_ids(ids, model.capacity());
+            const std::vector<std::int32_t> tokens = token_ids(ids, model);
             std::vector<float> logits;
             {
               py::gil_scoped_release release;
@@ -127,7 +129,7 @@ void bind_model(py::module_& module) {
       .def(
           "generate",
           [](const DecoderModel& model, const py::handle& ids, const py::handle& n) {
-            const std::vector<std::int32_t> tokens = token_ids(ids, model.capacity());
+            const std::vector<std::int32_t> tokens = token_ids(ids, model);
             const std::int64_t count = integer_argument("n", n);
             Generation generation;
             {
@@ -151,7 +153,7 @@ void bind_model(py::module_& module) {
       .def(
           "logits",
           [](PythonCudaModel& held, const py::handle& ids) {
-            const std::vector<std::int32_t> tokens = token_ids(ids, held.model->capacity());
+            const std::vector<std::int32_t> tokens = token_ids(ids, *held.model);
             std::vector<float> logits;
             {
               py::gil_scoped_release release;
@@ -164,7 +166,7 @@ void bind_model(py::module_& module) {
       .def(
           "generate",
           [](PythonCudaModel& held, const py::handle& ids, const py::handle& n) {
-            const std::vector<std::int32_t> tokens = token_ids(ids, held.model->capacity());
+            const std::vector<std::int32_t> tokens = token_ids(ids, *held.model);
             const std::int64_t count = integer_argument("n", n);
             Generation generation;
             {

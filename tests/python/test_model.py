@@ -147,7 +147,8 @@ def test_errors(tmp_path):
     metile.synth_model(str(tmp_path / "seed_largest"), seed=np.uint64(2**64 - 1), tie_word_embeddings=np.bool_(True))
     assert json.loads((tmp_path / "seed_largest" / "config.json").read_text())["tie_word_embeddings"] is True
     # An endless iterator of ids stops at the cache's capacity instead of filling the memory.
-    with pytest.raises(ValueError, match="more than the KV-cache capacity of 256 tokens"):
+    with pytest.raises(ValueError, match=r"more than the KV-cache capacity of 256 tokens \(max_position_embeddings, "
+                                         r"at most 4096; max_seq= sets it\)$"):
         model.logits(itertools.repeat(1))
     # A capacity error names Python's keyword, not the command line's option.
     with pytest.raises(ValueError, match=r"past the KV-cache capacity 256 \(max_position_embeddings, at most 4096; "
