@@ -7,14 +7,16 @@
 //                             compute v1 = round(v0 * s0 * x2)        phase 1: compute, store normalized
 //
 // A reduction ends a phase (every thread of the row needs its result). When the row fits in
-// registers (kItems <= 16 vectors per thread) values computed in one phase stay live for the next;
-// otherwise each phase streams the row in tiles and recomputes from the inputs (no extra writes).
+// registers (kItems <= 16 vectors per thread, and every input and computed array within the thread's
+// register budget) values computed in one phase stay live for the next; otherwise each phase streams
+// the row in tiles of as many vectors as fit and recomputes from the inputs (no extra writes).
 // Rows are handled by a power-of-two group of threads: a sub-warp or warp (shuffles only,
 // several rows per block) or a whole block (shuffles + shared memory, one row per block).
 #include <fmt/core.h>
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "codegen_internal.h"
@@ -29,7 +31,8 @@ using codegen_detail::describe_node;
 using codegen_detail::sanitize_identifier;
 
 constexpr int register_item_limit = 16;  // vectors per thread kept in registers
-constexpr int streaming_items = 4;       // vectors per thread per tile when streaming
+constexpr int streaming_items = 4;       // vectors per thread per tile when streaming, at most
+constexpr int register_overhead = 40;    // registers a thread keeps for what is not row data
 
 // How a region input is read for one row.
 enum class OperandMode { row, broadcast_rows, scalar };
@@ -362,42 +365,71 @@ int next_power_of_two(std::int64_t value) {
   return result;
 }
 
-RowConfig choose_config(const RowAnalysis& analysis, const RowKernelOptions& options) {
+// The f32 row values a thread of a block of `block_threads` may keep in registers: under
+// __launch_bounds__ ptxas holds a thread to 65536 / block_threads registers (at most 255), less what
+// is not row data (row pointers, indices, partial sums).
+int register_values(int block_threads) { return std::min(255, 65536 / block_threads) - register_overhead; }
+
+// The launch shape of a region, or nullopt where a requested thread count leaves no room in registers
+// for one vector of each of the region's arrays. Every input and every computed value is an array of
+// `items` vectors a thread; the row stays in registers only where all of them fit the register budget
+// (a row that did not spilled 0.1-8 KB a thread: 16 vectors of 8 for two arrays at 64 registers),
+// else it streams in tiles of as many vectors as fit, at most four.
+std::optional<RowConfig> choose_config(const RowAnalysis& analysis, const RowKernelOptions& options) {
   const std::int64_t vectors = (analysis.length + analysis.vector_width - 1) / analysis.vector_width;
+  const int requested = options.threads_per_row;
+  if (requested != 0 && (requested < 1 || requested > 1024 || (requested & (requested - 1)) != 0)) {
+    throw InputError(fmt::format("row kernel: threads_per_row {} is not a power of two in 1..1024", requested));
+  }
+  // Rows a block: a whole block for a row past a warp, else several rows, at least a whole warp of
+  // threads (the shuffles name all 32 lanes; rows past the end take part as invalid rows).
+  auto rows_per_block = [&](int threads) {
+    if (threads > 32) return 1;
+    int rows = options.rows_per_block != 0 ? options.rows_per_block : 128 / threads;
+    if (rows < 1 || rows * threads > 1024) {
+      throw InputError(fmt::format("row kernel: {} rows per block of {} threads exceed 1024 threads", rows, threads));
+    }
+    const int warp_rows = std::max(1, 32 / threads);
+    rows = static_cast<int>(std::min<std::int64_t>(rows, analysis.rows));
+    return (rows + warp_rows - 1) / warp_rows * warp_rows;
+  };
+  std::int64_t computed = 0;
+  for (const Step& step : analysis.steps) computed += step.kind == Step::Kind::compute;
+  const std::int64_t values_per_item = (static_cast<std::int64_t>(analysis.inputs.size()) + computed) * analysis.vector_width;
+  auto items_that_fit = [&](int threads) { return register_values(threads * rows_per_block(threads)) / values_per_item; };
+
+  auto items_of = [&](int threads) { return (vectors + threads - 1) / threads; };
+  auto held_in_registers = [&](int threads) {
+    return items_of(threads) <= register_item_limit && items_of(threads) <= items_that_fit(threads);
+  };
+
   RowConfig config;
   config.streaming_cache_hints = options.streaming_cache_hints;
-  // Default: about four vectors per thread (loads in flight, few threads per reduction).
-  config.threads_per_row = std::clamp(next_power_of_two((vectors + 3) / 4), 1, 1024);
-  if (options.threads_per_row != 0) {
-    const int requested = options.threads_per_row;
-    if (requested < 1 || requested > 1024 || (requested & (requested - 1)) != 0) {
-      throw InputError(fmt::format("row kernel: threads_per_row {} is not a power of two in 1..1024", requested));
+  // Default: about four vectors per thread (loads in flight, few threads per reduction); where the row
+  // does not fit the registers so, more threads a row (fewer vectors each) while that helps.
+  config.threads_per_row = requested != 0 ? requested : std::clamp(next_power_of_two((vectors + 3) / 4), 1, 1024);
+  if (requested == 0) {
+    for (int threads = config.threads_per_row; !held_in_registers(threads) && threads < 1024 && threads < vectors;) {
+      threads *= 2;
+      if (held_in_registers(threads)) config.threads_per_row = threads;
     }
-    config.threads_per_row = requested;
   }
-  const std::int64_t items = (vectors + config.threads_per_row - 1) / config.threads_per_row;
-  if (items <= register_item_limit) {
-    config.items = static_cast<int>(items);
+  if (held_in_registers(config.threads_per_row)) {
+    config.items = static_cast<int>(items_of(config.threads_per_row));
   } else {
+    // Streamed. A block of 1024 threads leaves 24 values a thread: where that holds fewer than two
+    // vectors of every array, fewer threads a row with more registers each (unless the count was asked).
+    while (requested == 0 && config.threads_per_row > 32 && items_that_fit(config.threads_per_row) < 2) {
+      config.threads_per_row /= 2;
+    }
+    const std::int64_t tile_items = std::min<std::int64_t>(streaming_items, items_that_fit(config.threads_per_row));
+    if (tile_items < 1) return std::nullopt;
     config.streaming = true;
-    config.items = streaming_items;
-    const std::int64_t per_tile = std::int64_t{config.threads_per_row} * streaming_items;
+    config.items = static_cast<int>(tile_items);
+    const std::int64_t per_tile = std::int64_t{config.threads_per_row} * tile_items;
     config.tiles = static_cast<int>((vectors + per_tile - 1) / per_tile);
   }
-  if (config.threads_per_row <= 32) {
-    config.rows_per_block = options.rows_per_block != 0 ? options.rows_per_block : 128 / config.threads_per_row;
-    if (config.rows_per_block < 1 || config.rows_per_block * config.threads_per_row > 1024) {
-      throw InputError(fmt::format("row kernel: {} rows per block of {} threads exceed 1024 threads",
-                                   config.rows_per_block, config.threads_per_row));
-    }
-    // No more rows per block than there are rows, but at least a whole warp: the shuffles name all
-    // 32 lanes (rows past the end take part as invalid rows).
-    const int warp_rows = std::max(1, 32 / config.threads_per_row);
-    const auto rows = static_cast<int>(std::min<std::int64_t>(config.rows_per_block, analysis.rows));
-    config.rows_per_block = (rows + warp_rows - 1) / warp_rows * warp_rows;
-  } else {
-    config.rows_per_block = 1;
-  }
+  config.rows_per_block = rows_per_block(config.threads_per_row);
   return config;
 }
 
@@ -635,7 +667,12 @@ std::string cuda_storage_type(DType dtype) {
 }
 
 Decision row_region_decision(const ComputeGraph& graph, const FusionRegion& region) {
-  return analyse(graph, region).decision;
+  const Analysed analysed = analyse(graph, region);
+  if (analysed.decision && !choose_config(analysed.analysis, {})) {
+    return Decision::refuse(fmt::format("{} row arrays of {}-element vectors do not fit a thread's registers",
+                                        analysed.analysis.array_of.size(), analysed.analysis.vector_width));
+  }
+  return analysed.decision;
 }
 
 FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
@@ -648,9 +685,15 @@ FusionRegion single_node_region(const ComputeGraph& graph, NodeId node_id) {
 GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRegion& region,
                                        const RowKernelOptions& options) {
   const RowAnalysis analysis = analysis_of_row_region(graph, region, options.online_softmax);
-  const RowConfig config = choose_config(analysis, options);
-  GeneratedKernel kernel;
   const Node& anchor = graph.node(*std::max_element(region.nodes.begin(), region.nodes.end()));
+  const std::optional<RowConfig> chosen = choose_config(analysis, options);
+  if (!chosen) {
+    throw InputError(fmt::format("{}: {} threads a row leave no room in registers for a vector of each of the "
+                                 "region's {} arrays", node_label(anchor), options.threads_per_row,
+                                 analysis.array_of.size()));
+  }
+  const RowConfig& config = *chosen;
+  GeneratedKernel kernel;
   kernel.kernel_name = "metile_row_" + sanitize_identifier(anchor.name);
   if (!options.variant_name.empty()) kernel.kernel_name += "_" + sanitize_identifier(options.variant_name);
   kernel.source = emit_kernel(graph, region, analysis, config, kernel.kernel_name, kernel);
@@ -676,17 +719,21 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
 
 std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, const FusionRegion& region) {
   const RowAnalysis analysis = analysis_of_row_region(graph, region);
-  const RowConfig default_config = choose_config(analysis, {});
+  const RowConfig default_config = *choose_config(analysis, {});  // the decision checked that it exists
   std::vector<RowKernelOptions> variants = {RowKernelOptions{}};
   // Wider: fewer vectors per thread, lower latency for short row counts (decode).
-  // Narrower: more vectors per thread, fewer reduction steps for many rows.
+  // Narrower: more vectors per thread, fewer reduction steps for many rows. Each only where the row
+  // stays in registers under it (a narrow share past the register budget spilled 72 B-3 KB a thread).
+  auto held_in_registers = [&](int threads) {
+    RowKernelOptions options;
+    options.threads_per_row = threads;
+    const std::optional<RowConfig> config = choose_config(analysis, options);
+    return config && !config->streaming;
+  };
   const int wide = std::min(default_config.threads_per_row * 4, 1024);
   const int narrow = std::max(default_config.threads_per_row / 4, 1);
-  if (wide != default_config.threads_per_row) variants.push_back({wide, 0, "wide"});
-  if (narrow != default_config.threads_per_row &&
-      (analysis.length + analysis.vector_width * narrow - 1) / (analysis.vector_width * narrow) <= register_item_limit) {
-    variants.push_back({narrow, 0, "narrow"});
-  }
+  if (wide != default_config.threads_per_row && held_in_registers(wide)) variants.push_back({wide, 0, "wide"});
+  if (narrow != default_config.threads_per_row && held_in_registers(narrow)) variants.push_back({narrow, 0, "narrow"});
   // Streaming hints pay only when the rows are far larger than L2; below that they may evict reuse.
   std::int64_t region_bytes = 0;
   for (const RegionInput& input : analysis.inputs) region_bytes += graph.value(input.value).spec.bytes();

@@ -10,12 +10,12 @@
 #include <future>
 #include <optional>
 #include <iostream>
-#include <regex>
 #include <vector>
 
 #include "metile/attention.h"
 #include "metile/attention_runtime.h"
 #include "metile/cuda_runtime.h"
+#include "ptxas_report.h"
 
 namespace metile {
 namespace {
@@ -46,17 +46,13 @@ DecodeAttentionConfig decode_config_of(const Case& c) {
   return config;
 }
 
-// ptxas -v: "N bytes stack frame, N bytes spill stores, N bytes spill loads" (a few parked bytes allowed).
+// ptxas -v's report within testing::expect_no_spills' bounds (tests/support/ptxas_report.h).
 // The kernels compile in parallel (NVRTC needs no device), then each log is checked.
 void expect_compile_without_spills(const std::vector<AttentionKernelSource>& kernels) {
   std::vector<std::future<CompiledProgram>> programs;
   for (const AttentionKernelSource& kernel : kernels) {
     programs.push_back(std::async(std::launch::async, [&kernel] {
-      CompileOptions options;
-      options.architecture = "sm_90";
-      options.extra = {"--ptxas-options=-v"};
-      options.use_cache = false;  // the ptxas report only comes with a real compile
-      return compile_cuda_program(kernel.source, kernel.kernel_name, options);
+      return testing::compile_for_sm90_with_ptxas_report(kernel.source, kernel.kernel_name);
     }));
   }
   for (std::size_t i = 0; i < kernels.size(); ++i) {
@@ -70,14 +66,7 @@ void expect_compile_without_spills(const std::vector<AttentionKernelSource>& ker
     }
     EXPECT_GT(program.cubin.size(), 0u);
     EXPECT_EQ(program.log.find("warning"), std::string::npos) << name << ":\n" << program.log;
-    const std::regex report(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
-    std::smatch match;
-    if (!std::regex_search(program.log, match, report)) {
-      ADD_FAILURE() << name << ": no ptxas report\n" << program.log;
-      continue;
-    }
-    EXPECT_LE(std::stoi(match[2].str()), 32) << name << "\n" << program.log;
-    EXPECT_LE(std::stoi(match[3].str()), 32) << name << "\n" << program.log;
+    testing::expect_no_spills(program.log, name);
     const auto used = program.log.rfind("Used");
     std::cout << "[ptxas] " << name << ": " << program.log.substr(used == std::string::npos ? 0 : used) << "\n";
   }

@@ -17,6 +17,7 @@
 #include "metile/dispatch.h"
 #include "metile/gemv.h"
 #include "gemv_test_support.h"
+#include "ptxas_report.h"
 
 namespace metile {
 namespace {
@@ -29,39 +30,17 @@ struct Compiled {
 };
 
 Compiled compile_for_sm90(const GemvKernelSource& kernel) {
-  CompileOptions options;
-  options.architecture = "sm_90";
-  options.extra = {"--ptxas-options=-v"};
-  options.use_cache = false;  // the ptxas report only comes with a real compile
   Compiled compiled;
-  compiled.program = compile_cuda_program(kernel.source, kernel.kernel_name, options);
+  compiled.program = testing::compile_for_sm90_with_ptxas_report(kernel.source, kernel.kernel_name);
   compiled.log = compiled.program.log;
   return compiled;
 }
 
-// ptxas -v: "... 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads". ptxas sometimes
-// parks a register or two (<= 32 bytes) to land on an occupancy step; the weights and
-// accumulators of a batch (hundreds of bytes per thread) must never go to local memory. The stack
-// frame holds those parked bytes beside the L2 prefetch's tables of matrix pointers (32 bytes: it
-// picks a matrix per lane, so they are indexed at run time): f16 affine8 g128 gate/up, N = 2000,
-// K = 1024, 4 warps double-buffered with two prefetch rounds parks 4 bytes to stay at 128 registers
-// (four blocks an SM) in a 48-byte frame.
-void expect_no_spills(const std::string& log, const std::string& where) {
-  const std::regex report(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
-  std::smatch match;
-  ASSERT_TRUE(std::regex_search(log, match, report)) << where << ": no ptxas report in\n" << log;
-  EXPECT_LE(std::stoi(match[1].str()), 48) << where << "\n" << log;
-  EXPECT_LE(std::stoi(match[2].str()), 32) << where << "\n" << log;
-  EXPECT_LE(std::stoi(match[3].str()), 32) << where << "\n" << log;
-}
-
-// ptxas -v's "Used N registers"; a failed expectation (and 0) where the log has no such line.
-int registers_used(const std::string& log, const std::string& where) {
-  static const std::regex used(R"(Used (\d+) registers)");
-  std::smatch match;
-  EXPECT_TRUE(std::regex_search(log, match, used)) << where << ": no register count in\n" << log;
-  return match.empty() ? 0 : std::stoi(match[1].str());
-}
+// The ptxas bounds (tests/support/ptxas_report.h). An example of the 48-byte frame: f16 affine8 g128
+// gate/up, N = 2000, K = 1024, 4 warps double-buffered with two prefetch rounds parks 4 bytes to stay at
+// 128 registers (four blocks an SM) beside the L2 prefetch's 32-byte table of matrix pointers.
+using testing::expect_no_spills;
+using testing::registers_used;
 
 std::vector<GemvWeightFormat> all_formats() {
   std::vector<GemvWeightFormat> formats;
