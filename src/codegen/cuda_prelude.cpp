@@ -138,22 +138,17 @@ __device__ __forceinline__ void store_vector(T* __restrict__ row_start, int col,
 
 // A reduction: State, identity(), apply(state, element) folds one element in, combine(a, b) merges two
 // partial states, shuffle_xor / shuffle move a state between lanes.
-struct SumOp {
-  using State = float;
-  static __device__ __forceinline__ float identity() { return 0.0f; }
-  static __device__ __forceinline__ float apply(float a, float b) { return a + b; }
-  static __device__ __forceinline__ float combine(float a, float b) { return a + b; }
-  static __device__ __forceinline__ float shuffle_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
-  static __device__ __forceinline__ float shuffle(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+template <typename T>
+struct SumIn {
+  using State = T;
+  static __device__ __forceinline__ T identity() { return T(0); }
+  static __device__ __forceinline__ T apply(T a, T b) { return a + b; }
+  static __device__ __forceinline__ T combine(T a, T b) { return a + b; }
+  static __device__ __forceinline__ T shuffle_xor(T v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+  static __device__ __forceinline__ T shuffle(T v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 };
-struct SumF64Op {  // layer_norm's statistics, taken in f64 as the CPU reference takes them
-  using State = double;
-  static __device__ __forceinline__ double identity() { return 0.0; }
-  static __device__ __forceinline__ double apply(double a, double b) { return a + b; }
-  static __device__ __forceinline__ double combine(double a, double b) { return a + b; }
-  static __device__ __forceinline__ double shuffle_xor(double v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
-  static __device__ __forceinline__ double shuffle(double v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
-};
+using SumOp = SumIn<float>;
+using SumF64Op = SumIn<double>;  // layer_norm's statistics, taken in f64 as the CPU reference takes them
 struct MaxOp {
   using State = float;
   static __device__ __forceinline__ float identity() { return negative_infinity(); }
