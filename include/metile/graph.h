@@ -247,7 +247,7 @@ struct ElementwiseMath {
 class RowKernelSteps {
  public:
   virtual std::string operand(std::size_t input) = 0;  // input i at the current element
-  virtual std::string row_length() = 0;                // the row length as an f32 literal
+  virtual std::string row_length() = 0;                // the row length as an exact integer literal
   // Reduces `expression` over the row with "sum", "max" (f32) or "sum_f64" (a double sum); returns the
   // per-row scalar's name.
   virtual std::string reduce(std::string_view op, std::string expression, std::string_view what) = 0;

@@ -88,7 +88,7 @@ class NodeSteps final : public RowKernelSteps {
   NodeSteps(const ComputeGraph& graph, RowAnalysis& analysis, bool online_softmax)
       : graph_(graph),
         analysis_(analysis),
-        length_literal_(cuda_float_literal(static_cast<double>(analysis.length))),
+        length_literal_(std::to_string(analysis.length)),  // exact: an f32 operand divides by its f32 rounding
         online_softmax_(online_softmax) {}
 
   void add(const Node& node) {
@@ -414,12 +414,11 @@ std::optional<RowConfig> choose_config(const RowAnalysis& analysis, const RowKer
   }
   // Rows a block: a whole block for a row past a warp, else several rows, at least a whole warp of
   // threads (the shuffles name all 32 lanes; rows past the end take part as invalid rows).
+  // A requested count past 1024 threads is refused for the shape chosen, not for one only tried.
   auto rows_per_block = [&](int threads) {
     if (threads > 32) return 1;
     int rows = options.rows_per_block != 0 ? options.rows_per_block : 128 / threads;
-    if (rows < 1 || rows * threads > 1024) {
-      throw InputError(fmt::format("row kernel: {} rows per block of {} threads exceed 1024 threads", rows, threads));
-    }
+    rows = std::clamp(rows, 1, 1024 / threads);
     const int warp_rows = std::max(1, 32 / threads);
     rows = static_cast<int>(std::min<std::int64_t>(rows, analysis.rows));
     return (rows + warp_rows - 1) / warp_rows * warp_rows;
@@ -446,9 +445,11 @@ std::optional<RowConfig> choose_config(const RowAnalysis& analysis, const RowKer
   if (held_in_registers(config.threads_per_row)) {
     config.items = static_cast<int>(items_of(config.threads_per_row));
   } else {
-    // Streamed. A block of 1024 threads leaves 24 values a thread: where that holds fewer than two
-    // vectors of every array, fewer threads a row with more registers each (unless the count was asked).
-    while (requested == 0 && config.threads_per_row > 32 && items_that_fit(config.threads_per_row) < 2) {
+    // Streamed. A block of 1024 threads leaves 32 values a thread: where that holds fewer than two
+    // vectors of every resident array, fewer threads a row with more registers each (unless the count was
+    // asked), while halving gains registers (from 256 threads down a thread has 255 already).
+    while (requested == 0 && items_that_fit(config.threads_per_row) < 2 &&
+           register_values(config.threads_per_row / 2) > register_values(config.threads_per_row)) {
       config.threads_per_row /= 2;
     }
     const std::int64_t tile_items = std::min<std::int64_t>(streaming_items, items_that_fit(config.threads_per_row));
@@ -457,6 +458,11 @@ std::optional<RowConfig> choose_config(const RowAnalysis& analysis, const RowKer
     config.items = static_cast<int>(tile_items);
     const std::int64_t per_tile = std::int64_t{config.threads_per_row} * tile_items;
     config.tiles = static_cast<int>((vectors + per_tile - 1) / per_tile);
+  }
+  if (config.threads_per_row <= 32 && options.rows_per_block != 0 &&
+      (options.rows_per_block < 1 || options.rows_per_block * config.threads_per_row > 1024)) {
+    throw InputError(fmt::format("row kernel: {} rows per block of {} threads exceed 1024 threads",
+                                 options.rows_per_block, config.threads_per_row));
   }
   config.rows_per_block = rows_per_block(config.threads_per_row);
   return config;
@@ -698,8 +704,8 @@ std::string cuda_storage_type(DType dtype) {
 Decision row_region_decision(const ComputeGraph& graph, const FusionRegion& region) {
   const Analysed analysed = analyse(graph, region);
   if (analysed.decision && !choose_config(analysed.analysis, {})) {
-    return Decision::refuse(fmt::format("{} row arrays of {}-element vectors do not fit a thread's registers",
-                                        analysed.analysis.array_of.size(), analysed.analysis.vector_width));
+    return Decision::refuse(fmt::format("{} resident row arrays of {}-element vectors do not fit a thread's registers",
+                                        resident_arrays(analysed.analysis), analysed.analysis.vector_width));
   }
   return analysed.decision;
 }
@@ -718,8 +724,8 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
   const std::optional<RowConfig> chosen = choose_config(analysis, options);
   if (!chosen) {
     throw InputError(fmt::format("{}: {} threads a row leave no room in registers for a vector of each of the "
-                                 "region's {} arrays", node_label(anchor), options.threads_per_row,
-                                 analysis.array_of.size()));
+                                 "region's {} resident arrays", node_label(anchor), options.threads_per_row,
+                                 resident_arrays(analysis)));
   }
   const RowConfig& config = *chosen;
   GeneratedKernel kernel;
@@ -748,7 +754,9 @@ GeneratedKernel generate_region_kernel(const ComputeGraph& graph, const FusionRe
 
 std::vector<RowKernelOptions> row_kernel_variants(const ComputeGraph& graph, const FusionRegion& region) {
   const RowAnalysis analysis = analysis_of_row_region(graph, region);
-  const RowConfig default_config = *choose_config(analysis, {});  // the decision checked that it exists
+  const std::optional<RowConfig> chosen = choose_config(analysis, {});
+  if (!chosen) throw InputError(row_region_decision(graph, region).reason);
+  const RowConfig& default_config = *chosen;
   std::vector<RowKernelOptions> variants = {RowKernelOptions{}};
   // Wider: fewer vectors per thread, lower latency for short row counts (decode).
   // Narrower: more vectors per thread, fewer reduction steps for many rows. Each only where the row

@@ -764,7 +764,7 @@ RowReductionMath layer_norm_math() {
   // to f32 and the weight and bias in f32, each rounded (no fused multiply-add).
   math.row_kernel = [](RowKernelSteps& steps, const Attributes& attributes) {
     const std::string x = "static_cast<double>(" + steps.operand(0) + ")";
-    const std::string length = "static_cast<double>(" + steps.row_length() + ")";
+    const std::string length = "static_cast<double>(" + steps.row_length() + ")";  // exact, as the reference divides
     const std::string mean = steps.scalar(steps.reduce("sum_f64", x, "sum in f64") + " / " + length);
     const std::string centered = "(" + x + " - " + mean + ")";
     const std::string variance = steps.reduce("sum_f64", centered + " * " + centered, "centered sum of squares in f64");

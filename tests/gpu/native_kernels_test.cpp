@@ -134,48 +134,53 @@ TEST_F(NativeKernels, SiluAndGeluAtTheirLimitsMatchTheReference) {
 // layer_norm takes its statistics in f64 as the reference does: rows whose mean is large against their
 // spread (2^24 + a few ulps: centred on the f32 mean, [2^24, 2^24 + 2] gave [0, 2] for [-1, 1]; 3e37 +
 // a few ulps), rows of +-3e38 (x - mean, and its square, overflowed f32), on the register path and the
-// streamed one (200000 f32 a row), one warp and a block a row. Each output within 2^-20 (1 + |want|) of
-// the reference: the same arithmetic, the f64 sums in another order.
+// streamed one (200000 elements a row), one warp and a block a row, in f32 and bf16. Each output within
+// 2^-20 (1 + |want|) of the reference in f32, 2^-7 in bf16 (one rounding of the output apart at most):
+// the same arithmetic, the f64 sums in another order.
 TEST_F(NativeKernels, LayerNormOfRowsFarFromZeroMatchesTheReference) {
   NativeRuntime native;
   CudaStream stream;
   const std::vector<std::vector<std::int64_t>> shapes = {{5, 2}, {4, 37}, {3, 4096}, {1, 200000}};
-  for (const std::vector<std::int64_t>& shape : shapes) {
-    for (const double base : {16777216.0, -1073741824.0, 3e37, 3e38}) {
-      const std::uint64_t seed = next_seed();
-      std::mt19937_64 random(seed);
-      const TensorSpec spec(shape, DType::f32);
-      const TensorSpec row_spec({shape[1]}, DType::f32);
-      std::vector<double> x, weight, bias;
-      for (std::int64_t index = 0; index < spec.element_count(); ++index) {
-        if (base == 3e38) {  // +-3e38: a mean near 0, deviations past f32's range when squared
-          x.push_back(random() % 2 ? base : -base);
-          continue;
+  for (const DType dtype : {DType::f32, DType::bf16}) {  // bf16: 8-wide vectors, the output rounded to 8 bits
+    const double tolerance = dtype == DType::f32 ? 0x1.0p-20 : 0x1.0p-7;
+    for (const std::vector<std::int64_t>& shape : shapes) {
+      for (const double base : {16777216.0, -1073741824.0, 3e37, 3e38}) {
+        const std::uint64_t seed = next_seed();
+        std::mt19937_64 random(seed);
+        const TensorSpec spec(shape, dtype);
+        const TensorSpec row_spec({shape[1]}, dtype);
+        std::vector<double> x, weight, bias;
+        for (std::int64_t index = 0; index < spec.element_count(); ++index) {
+          if (base == 3e38) {  // +-3e38: a mean near 0, deviations past f32's range when squared
+            x.push_back(random() % 2 ? base : -base);
+            continue;
+          }
+          auto value = static_cast<float>(base);
+          for (std::uint64_t step = random() % 17; step > 0; --step) value = std::nextafter(value, HUGE_VALF);
+          x.push_back(value);
         }
-        auto value = static_cast<float>(base);
-        for (std::uint64_t step = random() % 17; step > 0; --step) value = std::nextafter(value, HUGE_VALF);
-        x.push_back(value);
-      }
-      std::uniform_real_distribution<double> scale(0.5, 2.0), offset(-1.0, 1.0);
-      for (std::int64_t d = 0; d < shape[1]; ++d) {
-        weight.push_back(static_cast<float>(scale(random)));
-        bias.push_back(static_cast<float>(offset(random)));
-      }
-      GraphBuilder builder;
-      const ValueRef out = builder.layer_norm(builder.input("x", spec), builder.input("weight", row_spec),
-                                              builder.input("bias", row_spec), 1e-5, "out");
-      const ComputeGraph graph = builder.build({out});
-      const TensorMap inputs = {{"x", HostTensor::from_values(spec, x)},
-                                {"weight", HostTensor::from_values(row_spec, weight)},
-                                {"bias", HostTensor::from_values(row_spec, bias)}};
-      const HostTensor actual = run_natively(native, stream, graph, inputs).at("out");
-      const HostTensor expected = run_reference(graph, inputs).at("out");
-      int reported = 0;
-      for (std::int64_t i = 0; i < spec.element_count(); ++i) {
-        const double got = actual.at(i), want = expected.at(i);
-        if (!(std::fabs(got - want) <= 0x1.0p-20 * (1 + std::fabs(want))) && reported++ < 4) {
-          ADD_FAILURE() << fmt::format("layer_norm [{}x{}] base {} seed {}: element {} (x = {}) GPU {} reference {}",
-                                       shape[0], shape[1], base, seed, i, x[static_cast<std::size_t>(i)], got, want);
+        std::uniform_real_distribution<double> scale(0.5, 2.0), offset(-1.0, 1.0);
+        for (std::int64_t d = 0; d < shape[1]; ++d) {
+          weight.push_back(static_cast<float>(scale(random)));
+          bias.push_back(static_cast<float>(offset(random)));
+        }
+        GraphBuilder builder;
+        const ValueRef out = builder.layer_norm(builder.input("x", spec), builder.input("weight", row_spec),
+                                                builder.input("bias", row_spec), 1e-5, "out");
+        const ComputeGraph graph = builder.build({out});
+        const TensorMap inputs = {{"x", HostTensor::from_values(spec, x)},
+                                  {"weight", HostTensor::from_values(row_spec, weight)},
+                                  {"bias", HostTensor::from_values(row_spec, bias)}};
+        const HostTensor actual = run_natively(native, stream, graph, inputs).at("out");
+        const HostTensor expected = run_reference(graph, inputs).at("out");
+        int reported = 0;
+        for (std::int64_t i = 0; i < spec.element_count(); ++i) {
+          const double got = actual.at(i), want = expected.at(i);
+          if (!(std::fabs(got - want) <= tolerance * (1 + std::fabs(want))) && reported++ < 4) {
+            ADD_FAILURE() << fmt::format("layer_norm {} [{}x{}] base {} seed {}: element {} (x = {}) GPU {} reference {}",
+                                         dtype_name(dtype), shape[0], shape[1], base, seed, i, x[static_cast<std::size_t>(i)],
+                                         got, want);
+          }
         }
       }
     }
