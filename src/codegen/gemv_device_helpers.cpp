@@ -22,21 +22,21 @@ constexpr int kChunksPerIteration = kColumnsPerIteration / 32;
 constexpr int kIterations = (kK + kColumnsPerIteration - 1) / kColumnsPerIteration;
 constexpr int kLoadBlocks = kIterations * kLoadsPerIteration;           // per tile, repacked layout
 constexpr int kGroupsPerIteration = kAffine ? kColumnsPerIteration / kGroup : 1;
-constexpr int kChunksPerGroup = kChunksPerIteration / kGroupsPerIteration;
+[[maybe_unused]] constexpr int kChunksPerGroup = kChunksPerIteration / kGroupsPerIteration;
 constexpr int kGroupCount = kIterations * kGroupsPerIteration;          // per tile, padded
 constexpr int kRowHalves = (kM + 7) / 8;                                // mma B halves
 constexpr int kPaddedM = 8 * kRowHalves;
 constexpr int kTileCount = (kN + 15) / 16;
 constexpr int kThreads = kWarps * 32;
-constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
+[[maybe_unused]] constexpr u32 kOnes = kHalf ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in the activation dtype
 // The dtype the weights meet x in: f16 with half products (GemvKernelConfig::half_products), else the
 // activation dtype.
-constexpr bool kProductsHalf = kHalf || kHalfProducts;
+[[maybe_unused]] constexpr bool kProductsHalf = kHalf || kHalfProducts;
 // half_products' sum(x) mma: A's rows 0..7 all ones give sum(x') of the staged x (the offset's term),
 // rows 8..15 ones at the even pairs' columns and the odd pairs' code scale at theirs give sum(x) times
 // the row's power of two (the bias's term). f16 (1, 1) and (16, 16).
-constexpr u32 kHalfOnes = 0x3C003C00u;
-constexpr u32 kHalfOddScales = kOddCodeScale == 16.0f ? 0x4C004C00u : 0x3C003C00u;
+[[maybe_unused]] constexpr u32 kHalfOnes = 0x3C003C00u;
+[[maybe_unused]] constexpr u32 kHalfOddScales = kOddCodeScale == 16.0f ? 0x4C004C00u : 0x3C003C00u;
 
 // Weights are read once: keep them out of L1, where x lives. Dense weights stay in the graph's row-major
 // layout, so one warp-wide load touches 64 bytes of each of 8 rows: the L2::256B hint has L2 fetch 256
@@ -701,7 +701,7 @@ std::string gemv_output_functions(const GemvKernelConfig& config) {
                                    config.rows * config.tiles_per_block * 16 <= config.warps_per_block * 32;
   const bool preload = one_output_a_thread && (config.rope_cache || !tensors.empty());
   const bool before_wait = preload && config.rope_cache && config.rope_cache->inputs_before_wait;
-  text += fmt::format("constexpr bool kPreloadEpilogue = {};\nconstexpr bool kEpilogueBeforeWait = {};\n",
+  text += fmt::format("[[maybe_unused]] constexpr bool kPreloadEpilogue = {};\n[[maybe_unused]] constexpr bool kEpilogueBeforeWait = {};\n",
                       preload ? "true" : "false", before_wait ? "true" : "false");
   if (config.rope_cache) return text + rope_cache_output_functions(config);
   text += fmt::format("struct EpilogueTensors {{\n  float value[{}];\n}};\n", std::max<std::size_t>(tensors.size(), 1));
@@ -792,7 +792,7 @@ std::string code_decode_constants(const GemvKernelConfig& config) {
       "constexpr CodeMethod kCodeMethod = CodeMethod({});\nconstexpr unsigned kCodeMask = 0x{:08X}u;\n"
       "constexpr unsigned kCodeOddMask = 0x{:08X}u;\nconstexpr unsigned kCodeMagic = 0x{:08X}u;\n"
       "constexpr int kCodeShift = {};\nconstexpr unsigned kCodeSelector0 = 0x{:04X}u, kCodeSelector1 = 0x{:04X}u;\n"
-      "constexpr float kCodeOffset = {:.1f}f;  // the decoded value of code q is kCodeOffset + c q\n"
+      "[[maybe_unused]] constexpr float kCodeOffset = {:.1f}f;  // the decoded value of code q is kCodeOffset + c q\n"
       "constexpr float kOddCodeScale = {:.1f}f;  // c of the odd pairs (the even ones: 1)\n"
       "constexpr bool kHalfProducts = {};\n",
       static_cast<int>(decode.method), decode.mask, decode.odd_mask, decode.magic, decode.shift, decode.selector(0),
@@ -806,7 +806,7 @@ std::string gemv_problem_constants(const GemvKernelConfig& config, bool x_writte
       "constexpr int kBits = {};\nconstexpr int kGroup = {};\nconstexpr bool kHalf = {};\n"
       "constexpr int kColumnsPerIteration = {};\nconstexpr int kProducts = {};\nconstexpr int kWarps = {};\n"
       "constexpr bool kNormedX = {};\nconstexpr double kNormEps = {:.17g};\nconstexpr bool kXWrittenInKernel = {};\n"
-      "constexpr bool kXStaged = {};\nconstexpr bool kXStagedByCopy = {};\nconstexpr bool kRopeCache = {};\n",
+      "constexpr bool kXStaged = {};\nconstexpr bool kXStagedByCopy = {};\n[[maybe_unused]] constexpr bool kRopeCache = {};\n",
       config.rows, config.out_features, config.in_features, config.format.bits, config.format.group_size,
       config.format.activation == DType::f16 ? "true" : "false", config.format.columns_per_iteration(),
       config.epilogue.product_count(), config.warps_per_block, config.x_rms_norm_eps ? "true" : "false",

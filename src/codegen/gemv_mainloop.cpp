@@ -223,7 +223,8 @@ __device__ __forceinline__ void prefetch_round(const u32* const (&weights)[P], c
 template <int P>
 __device__ __forceinline__ void prefetch_rounds(const u32* const (&weights)[P], const u16* const (&scale_bias)[P], int first,
                                                 int end, int rounds, int warp, int lane, int first_tile) {
-  if (kPrefetchRounds == 0 || warp != 0) return;
+  if constexpr (kPrefetchRounds == 0) return;  // no loop to compile (NVRTC: "loop is not reachable")
+  if (warp != 0) return;
   for (int r = 0; r < rounds; ++r) prefetch_round<P>(weights, scale_bias, first + r * kWarps * kInFlight, end, lane, first_tile);
 }
 
@@ -603,8 +604,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
   // (gemv_persistent.cpp), where a block may take several units of a split-K stage too (kUnitLoop).
   const int first_unit = entry_first_unit;
   const int unit_stride = entry_unit_stride;
-  int joined = 0;  // tile blocks this block stored (the argmax join counts them)
-  (void)joined;
+  [[maybe_unused]] int joined = 0;  // tile blocks this block stored (the argmax join counts them)
   CarriedBatches<kProducts> carried;  // the tile loop's batches from one unit to the next (accumulate)
   for (int unit = first_unit; unit < kTileBlocks * kSplits; unit += unit_stride) {
   const bool first_of_block = unit == first_unit;
@@ -898,9 +898,9 @@ std::string gemv_register_constants(const GemvKernelConfig& config, int splits) 
   const std::int64_t tile_count = (config.out_features + 15) / 16;
   const std::int64_t tile_blocks = (tile_count + config.tiles_per_block - 1) / config.tiles_per_block;
   return fmt::format(
-      "constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
+      "[[maybe_unused]] constexpr bool kScratchSpilled = {};\nconstexpr int kTiles = {};\n"
       "constexpr int kInFlight = {};\nconstexpr bool kDoubleBuffered = {};\nconstexpr int kSharedStages = {};\n"
-      "constexpr int kSplits = {};\nconstexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n"
+      "constexpr int kSplits = {};\n[[maybe_unused]] constexpr int kTileBlocks = {};\nconstexpr bool kSharedGroupSums = {};\n"
       "constexpr bool kTileLoop = {};\nconstexpr int kPrefetchRounds = {};\nconstexpr bool kBatchesWhole = {};\n"
       "constexpr bool kXWithBatch = {};\n",
       scratch ? "true" : "false", config.tiles_per_block, config.iterations_in_flight,

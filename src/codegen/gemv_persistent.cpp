@@ -441,7 +441,7 @@ GemvKernelSource generate_persistent_mlp_kernel(const PersistentMlpConfig& confi
                                    hash & 0xFFFFFFFFu);
   std::string source = persistent_kernel_head(
       config, result.kernel_name, blocks,
-      fmt::format("constexpr int kBlockWarps = {};\nconstexpr int kBlocksPerMultiprocessor = {};\n", config.warps_per_block,
+      fmt::format("constexpr int kBlockWarps = {};\n[[maybe_unused]] constexpr int kBlocksPerMultiprocessor = {};\n", config.warps_per_block,
                   config.blocks_per_multiprocessor),
       phase_source("gate_up", config.gate_up, false, warps) + phase_source("down", config.down, true, warps),
       phase_parameters(config.gate_up, "gate_up", "const u16* __restrict__ gate_up_x", "u16* hidden_out") +
