@@ -122,7 +122,7 @@ class NodeSteps final : public RowKernelSteps {
   }
   std::string row_length() override { return length_literal_; }
   std::string reduce(std::string_view op, std::string expression, std::string_view what) override {
-    const std::map<std::string_view, std::string> reductions = {{"sum", "SumOp"}, {"sum_f64", "SumF64Op"}, {"max", "MaxOp"}};
+    static const std::map<std::string_view, std::string> reductions = {{"sum", "SumOp"}, {"sum_f64", "SumF64Op"}, {"max", "MaxOp"}};
     const auto found = reductions.find(op);
     if (found == reductions.end()) throw std::logic_error(fmt::format("row kernel: no reduction '{}'", op));
     return add_reduction(found->second, std::move(expression), what);
@@ -381,22 +381,24 @@ std::int64_t resident_arrays(const RowAnalysis& analysis) {
   for (std::size_t index = 1; index < analysis.steps.size(); ++index) {
     phase_of[index] = phase_of[index - 1] + (analysis.steps[index - 1].kind == Step::Kind::reduce);
   }
-  std::map<std::string, int> produced_in;  // array -> the phase that fills it
-  for (const auto& [value, array] : analysis.array_of) produced_in[array] = 0;  // inputs: loaded first
-  for (std::size_t index = 0; index < analysis.steps.size(); ++index) {
-    if (analysis.steps[index].kind == Step::Kind::compute) produced_in[analysis.array_of.at(analysis.steps[index].value)] = phase_of[index];
-  }
-  std::int64_t arrays = 0;
-  for (const auto& [array, phase] : produced_in) {
-    bool read_later = false, widened_later = false;
+  // Whether a step of a phase after `phase` reads `array` (as `prefix` + "x0[item]").
+  auto read_after = [&](int phase, const std::string& array, const std::string& prefix) {
     for (std::size_t index = 0; index < analysis.steps.size(); ++index) {
-      if (phase_of[index] <= phase) continue;
-      read_later = read_later || analysis.steps[index].expression.find(array + "[item]") != std::string::npos;
-      widened_later = widened_later ||
-                      analysis.steps[index].expression.find("static_cast<double>(" + array + "[item]") != std::string::npos;
+      if (phase_of[index] > phase && analysis.steps[index].expression.find(prefix + array + "[item]") != std::string::npos) {
+        return true;
+      }
     }
-    const bool input = array.front() == 'x';
-    arrays += (input || read_later ? 1 : 0) + (widened_later ? 1 : 0);
+    return false;
+  };
+  const std::string widened = "static_cast<double>(";
+  std::int64_t arrays = 0;
+  for (const RegionInput& input : analysis.inputs) {  // loaded before phase 0
+    arrays += 1 + read_after(0, analysis.array_of.at(input.value), widened);
+  }
+  for (std::size_t index = 0; index < analysis.steps.size(); ++index) {
+    if (analysis.steps[index].kind != Step::Kind::compute) continue;
+    const std::string& array = analysis.array_of.at(analysis.steps[index].value);
+    arrays += read_after(phase_of[index], array, "") + read_after(phase_of[index], array, widened);
   }
   return arrays;
 }

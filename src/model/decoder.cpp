@@ -46,10 +46,10 @@ void check_decode_sessions_fit(const DecoderModel& model, int sessions) {
   // in the kernel's out-of-memory killer halfway through a prompt.
   const double positions = static_cast<double>(model.capacity());
   const double element = static_cast<double>(dtype_size(model.dtype()));
+  const double cache_bytes = sessions * kv_cache_bytes(config, model.capacity(), model.dtype());
   const double step_bytes = sessions * positions *
                             (static_cast<double>(config.num_attention_heads * DecoderModel::kMaxStepTokens) * (8 + 4 * element) +
                              8.0 * static_cast<double>(config.head_dim));
-  const double cache_bytes = sessions * kv_cache_bytes(config, model.capacity(), model.dtype());
   // The weights are in memory already (the model is loaded): they count too.
   const auto weight_bytes = static_cast<double>(model.weight_bytes());
   const double needed = weight_bytes + cache_bytes + step_bytes;

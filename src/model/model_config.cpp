@@ -209,10 +209,9 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   // MistralConfig 8 (a Mistral config without it was taken as one KV head a query head); an explicit
   // null is num_attention_heads in all three.
   const bool kv_heads_absent = !json.contains("num_key_value_heads");
-  const std::int64_t default_kv_heads = !kv_heads_absent || config.architecture == ModelArchitecture::llama
-                                            ? config.num_attention_heads
-                                        : config.architecture == ModelArchitecture::qwen2 ? 32
-                                                                                          : 8;
+  std::int64_t default_kv_heads = config.num_attention_heads;
+  if (kv_heads_absent && config.architecture == ModelArchitecture::qwen2) default_kv_heads = 32;
+  if (kv_heads_absent && config.architecture == ModelArchitecture::mistral) default_kv_heads = 8;
   config.num_key_value_heads = reader.dimension_or("num_key_value_heads", default_kv_heads);
   if (config.num_attention_heads % config.num_key_value_heads != 0) {
     reader.fail("num_key_value_heads",
