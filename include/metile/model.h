@@ -97,7 +97,7 @@ struct LoadOptions {
   std::int64_t max_sequence = 0;               // KV-cache capacity; 0: min(4096, max_position_embeddings)
   // Who asked for max_sequence, as messages and DecoderModel::capacity_source() name it: the
   // command-line option by default, or what a tool that computed it says (bench-model).
-  std::string max_sequence_source = "max-seq";
+  std::string max_sequence_source = "--max-seq";
   // How a user of the front end sets max_sequence, for the message that says where the default came from.
   std::string max_sequence_option = "--max-seq";
   // With max_sequence, the positions the caller needs where it rounded max_sequence up from them
@@ -121,7 +121,7 @@ class DecoderModel {
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
   std::int64_t capacity() const { return capacity_; }
-  // Where the capacity came from, as messages about it name it: "max-seq" (LoadOptions::max_sequence),
+  // Where the capacity came from, as messages about it name it: "--max-seq" (LoadOptions::max_sequence),
   // "max_position_embeddings, at most 4096; --max-seq sets it" or "the checkpoint's sliding_window".
   const std::string& capacity_source() const { return capacity_source_; }
   bool is_quantized(std::string_view weight_prefix) const;  // "model.layers.0.mlp.up_proj"
@@ -142,7 +142,7 @@ class DecoderModel {
   ModelConfig config_;
   DType dtype_ = DType::bf16;
   std::int64_t capacity_ = 0;
-  std::string capacity_source_ = "max-seq";
+  std::string capacity_source_ = "--max-seq";
   TensorMap weights_;
   std::optional<AffineQuantization> quantization_;
   // The step graphs built so far. Filled under a lock: the Python bindings release the GIL, so

@@ -84,7 +84,11 @@ def parse_config(raw):
         theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)), rope=rope, rope_type=rope_type,
         tie=raw.get("tie_word_embeddings", False), window=window, quantization=raw.get("quantization"),
         # Not used by the forward pass (no dynamic RoPE here); a cache's capacity may come from it.
-        max_positions=raw.get("max_position_embeddings", ABSENT_MAX_POSITIONS[arch]))
+        max_positions=raw.get("max_position_embeddings", ABSENT_MAX_POSITIONS[arch]),
+        # transformers 5 (standardize_rope_params): a top-level original_max_position_embeddings over the
+        # scaling's, and max_position_embeddings where neither is given.
+        pretraining=raw.get("original_max_position_embeddings", rope.get(
+            "original_max_position_embeddings", raw.get("max_position_embeddings", ABSENT_MAX_POSITIONS[arch]))))
 
 
 def rope_frequencies(config):
@@ -93,8 +97,7 @@ def rope_frequencies(config):
     if config.rope_type == "default":
         return inverse
     r = config.rope
-    factor, low, high, context = r["factor"], r["low_freq_factor"], r["high_freq_factor"], \
-        r["original_max_position_embeddings"]
+    factor, low, high, context = r["factor"], r["low_freq_factor"], r["high_freq_factor"], config.pretraining
     wavelength = 2 * math.pi / inverse
     # Waves longer than context / low are slowed by factor, shorter than context / high kept, and the
     # band between blended linearly in context / wavelength.

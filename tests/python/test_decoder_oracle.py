@@ -86,6 +86,16 @@ HAND_WRITTEN = [
                  id="llama3_rope_transformers5_spelling"),
     pytest.param(config(rope_scaling={**{k: v for k, v in LLAMA3.items() if k != "rope_type"}, "type": "llama3"},
                         head_dim=32), None, id="llama3_rope_old_type_key"),
+    # transformers 5 fills an absent original_max_position_embeddings from the top level, else from
+    # max_position_embeddings (256 here, against LLAMA3's 64: a different band of slowed frequencies).
+    pytest.param(config(head_dim=32, rope_parameters={k: v for k, v in LLAMA3.items()
+                                                      if k != "original_max_position_embeddings"}), None,
+                 id="llama3_rope_pretraining_from_max_positions"),
+    pytest.param(config(head_dim=32, original_max_position_embeddings=32,
+                        rope_parameters={k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}),
+                 None, id="llama3_rope_pretraining_at_the_top_level"),
+    pytest.param(config(head_dim=32, original_max_position_embeddings=64, rope_scaling=LLAMA3), None,
+                 id="llama3_rope_pretraining_in_both_places_agreeing"),
     pytest.param(config("qwen2"), None, id="qwen2_biases"),
     pytest.param(config("qwen2", tie_word_embeddings=True, head_dim=24, num_hidden_layers=3), None,
                  id="qwen2_biases_tied_head_dim_24"),
@@ -146,7 +156,8 @@ def test_sliding_window(tmp_path, rng, raw):
     assert_agrees(tmp_path, prompt, steps=WINDOW - len(prompt) + 1)
 
 
-MISTAKES = ["rope type default for llama3", "rope_theta 2% off", "dense weights for MLX 8-bit"]
+MISTAKES = ["rope type default for llama3", "rope_theta 2% off", "llama3 pretraining positions from max_positions",
+            "dense weights for MLX 8-bit"]
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)
@@ -167,4 +178,6 @@ def test_a_wrong_oracle_disagrees(tmp_path, rng, mistake):
         wrong.config.rope_type = "default"
     elif mistake == "rope_theta 2% off":
         wrong.config.theta *= 1.02
+    elif mistake == "llama3 pretraining positions from max_positions":
+        wrong.config.pretraining = wrong.config.max_positions
     assert relative_errors(got, wrong.logits(prompt)).max() > 10 * TOLERANCE

@@ -225,7 +225,7 @@ void bench_model(const ModelOptions& options) {
   bench.decode_steps = options.decode_steps;
   bench.seed = parse_seed(options.seed);
   bench.validate();
-  if (options.max_seq > 0) bench.check_capacity(options.max_seq, "max-seq");
+  if (options.max_seq > 0) bench.check_capacity(options.max_seq, "--max-seq");
   SynthOptions synth;
   if (!options.preset.empty()) {
     synth.preset = options.preset;

@@ -138,6 +138,18 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "config.json: field 'rope_scaling': contradicts rope_parameters (give one of the two)"},
+      // A top-level original_max_position_embeddings (transformers 5 takes it over the scaling's, 4 the
+      // scaling's): the top-level one was ignored without a word.
+      {"top_level_original_positions_contradict_the_scaling",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["original_max_position_embeddings"] = 4096;
+           c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 1e4}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                                   {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+         });
+       },
+       "config.json: field 'original_max_position_embeddings': contradicts the scaling's "
+       "original_max_position_embeddings 8192 (give one of the two)"},
       // The same for rope_theta: rope_parameters' was used and the top-level one, which transformers 4 reads,
       // ignored.
       {"rope_theta_contradicts_rope_parameters",
@@ -490,7 +502,7 @@ TEST_F(MalformedCheckpoint, ACpuStepPastTheMachinesMemoryIsRefusedUpFront) {
   options.max_sequence = capacity;
   const DecoderModel model = DecoderModel::load(directory, options);  // the caches alone fit
   const std::string message = testing::error_of([&] { DecodeSession session(model); });
-  EXPECT_EQ(message.rfind(fmt::format("a CPU decode step over {} positions (max-seq) needs about", capacity), 0), 0u)
+  EXPECT_EQ(message.rfind(fmt::format("a CPU decode step over {} positions (--max-seq) needs about", capacity), 0), 0u)
       << message;
   EXPECT_NE(message.find("more than this machine's"), std::string::npos) << message;
 }
@@ -731,10 +743,10 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_FALSE(std::filesystem::exists(root_ / "fresh"));
   // Sizes and thresholds out of range (a typo must not fill the memory or the disk, nor pass as a default).
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 2000000000"), 2);
-  EXPECT_NE(err.find("the KV caches of 2000000000 positions (max-seq) x 2 layers"), std::string::npos) << err;
+  EXPECT_NE(err.find("the KV caches of 2000000000 positions (--max-seq) x 2 layers"), std::string::npos) << err;
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids 1,2 --max-seq 1000000000000"), 2);
-  EXPECT_EQ(err, "metile: error: max-seq 1000000000000: at most 2^31 positions (they are 32-bit integers)\n");
+  EXPECT_EQ(err, "metile: error: --max-seq 1000000000000: at most 2^31 positions (they are 32-bit integers)\n");
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --layers 100000000000"), 2);
   EXPECT_EQ(err, "metile: error: layers 100000000000 must be 1..1024\n");
   // Past int64, CLI11 alone saturated the number (99999999999999999999 ran as 9223372036854775807);
@@ -806,14 +818,14 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_NE(err.find("--tokens: Value 0 not in range 1"), std::string::npos) << err;
   // A comparison too long for the caches fails before its first step, as generate does.
   EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2 --max-seq 16 --tokens 20"), 2);
-  EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (max-seq)\n");
+  EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (--max-seq)\n");
   EXPECT_EQ(out, "");
   // logits checks the whole prompt before its first step: it was refused after the steps that fit,
   // naming the end of the step that did not (33 tokens at capacity 20: "would reach 32").
   std::string ids = "1";
   for (int token = 2; token <= 33; ++token) ids += "," + std::to_string(token % 7);
   EXPECT_EQ(metile("logits " + directory.string() + " --prompt-ids " + ids + " --max-seq 20"), 2);
-  EXPECT_EQ(err, "metile: error: the sequence would reach 33 tokens, past the KV-cache capacity 20 (max-seq)\n");
+  EXPECT_EQ(err, "metile: error: the sequence would reach 33 tokens, past the KV-cache capacity 20 (--max-seq)\n");
   EXPECT_EQ(out, "");
   // A sliding window bounds the context (attention sees every cached position): asking for more is
   // an error naming the window, not a capacity silently cut to it.
@@ -823,7 +835,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
     c["sliding_window"] = 8;
   });
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2 --max-seq 100"), 2);
-  EXPECT_EQ(err, "metile: error: max-seq 100: the checkpoint's sliding_window 8 bounds the context (attention over a sliding "
+  EXPECT_EQ(err, "metile: error: --max-seq 100: the checkpoint's sliding_window 8 bounds the context (attention over a sliding "
                  "window is not implemented); ask for at most 8 positions\n");
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2"), 0);
   // A capacity a tool computed (bench-model, without --max-seq) is named as that tool names it, not
@@ -940,7 +952,7 @@ TEST_F(MalformedCheckpoint, VerifyModelChecksBothOfItsSessionsAgainstTheMemory) 
   }
   std::string out, err;
   EXPECT_EQ(run_metile("verify-model " + directory.string() + " --tokens 2 --max-seq " + std::to_string(capacity), out, err), 2);
-  EXPECT_NE(err.find(fmt::format("metile: error: 2 CPU decode sessions over {} positions (max-seq) needs about", capacity)),
+  EXPECT_NE(err.find(fmt::format("metile: error: 2 CPU decode sessions over {} positions (--max-seq) needs about", capacity)),
             std::string::npos)
       << err;
   EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
@@ -1091,7 +1103,7 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
         // after the model was on the GPU).
         std::pair{"--preset tiny --context 128 --decode-steps 8 --prefill-tokens 64 --max-seq 100",
                   "bench-model: --context 128, --prefill-tokens 64 and --decode-steps 8 need 148 cached tokens, past "
-                  "the KV-cache capacity 100 (max-seq)"}}) {
+                  "the KV-cache capacity 100 (--max-seq)"}}) {
     EXPECT_EQ(metile(std::string("bench-model ") + arguments), 2) << arguments;
     EXPECT_EQ(err, fmt::format("metile: error: {}\n", message)) << arguments;
   }
