@@ -1,4 +1,4 @@
-// The solver crossover table (the analogue of meTile's benchmarks/max_flow.py): for the
+// The solver crossover table (the seed project's max-flow benchmark, grown): for the
 // seed's random family and for large structured families, how long each of our engines
 // takes, what the dispatch tournament costs and picks, what warm (cached) dispatch costs,
 // and how LEMON's Preflow and Boost.Graph's push_relabel / boykov_kolmogorov do on the

@@ -361,9 +361,11 @@ GemvRegionPlan plan_gemv_region(const ComputeGraph& graph, const FusionRegion& r
 // gate/up shape with every down shape for swiglu_mlp). Binding repacks affine weights once
 // (DeviceValues::keep_derived: again only when the weights are uploaded again).
 // A two-stage region (swiglu_mlp) races every combination of its stages' shapes: per stage the first
-// three register shapes and their prefetching twins, without the streamed family, which never won a
-// stage race on the H200 (notes/mlp_decode.md; the decode-MLP executor still races it): 36
-// combinations. A one-stage region's candidates do not multiply: four of each family, streamed too.
+// three register shapes, their prefetching twins and, where they fit, their x-async (normalized x) and
+// half-products (affine) twins (gemv_stage_configs), without the streamed family, which never won a
+// stage race on the H200 (notes/mlp_decode.md; the decode-MLP executor still races it): 6 to 12 shapes
+// a stage, 36 to 144 combinations. A one-stage region's candidates do not multiply: four of each
+// family, streamed too.
 inline constexpr int gemv_lowering_shapes_per_family = 3;
 inline constexpr bool gemv_lowering_two_stage_streamed = false;
 inline constexpr int gemv_lowering_shapes_per_family_one_stage = 4;

@@ -32,7 +32,7 @@ inline std::int64_t draw(Random& random, std::int64_t low, std::int64_t high) {
   return std::uniform_int_distribution<std::int64_t>(low, high)(random);
 }
 
-// The seed's family (meTile's benchmarks/max_flow.py): a path 0 -> 1 -> ... -> n-1 with
+// The seed project's random family: a path 0 -> 1 -> ... -> n-1 with
 // capacities 1..100 keeps the sink reachable, plus degree-1 extra edges from every
 // vertex to random vertices. Source 0, sink n-1.
 inline GeneratedNetwork seed_random_network(int vertex_count, int degree, Random& random) {

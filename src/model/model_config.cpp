@@ -264,7 +264,9 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   // and Qwen2Config take a window of 4096 (an explicit null is none), and Qwen2 puts it only on layers
   // max_window_layers (default 28) and up. Within the window windowed and full attention agree, so a
   // window bounds the capacity instead (attention over a sliding window is not implemented; load_model).
-  bool sliding = config.architecture == ModelArchitecture::mistral || reader.boolean_or("use_sliding_window", false);
+  // use_sliding_window is Qwen2Config's (LlamaConfig has no window: one there is not read).
+  bool sliding = config.architecture == ModelArchitecture::mistral ||
+                 (config.architecture == ModelArchitecture::qwen2 && reader.boolean_or("use_sliding_window", false));
   if (config.architecture == ModelArchitecture::qwen2 && reader.present("layer_types")) {
     // Qwen2Config (transformers >= 4.53) takes an explicit layer_types as given, max_window_layers aside;
     // a "sliding_attention" layer slides only when use_sliding_window is true (else its window is None).
@@ -393,7 +395,10 @@ std::string ModelConfig::to_json(int transformers_version) const {
   json["num_hidden_layers"] = num_hidden_layers;
   json["num_attention_heads"] = num_attention_heads;
   json["num_key_value_heads"] = num_key_value_heads;
-  if (architecture != ModelArchitecture::qwen2) json["head_dim"] = head_dim;
+  // Qwen2's head_dim only where it is not hidden_size / num_attention_heads (older Qwen2Config has none).
+  if (architecture != ModelArchitecture::qwen2 || head_dim * num_attention_heads != hidden_size) {
+    json["head_dim"] = head_dim;
+  }
   json["max_position_embeddings"] = max_position_embeddings;
   json["rms_norm_eps"] = rms_norm_eps;
   json["tie_word_embeddings"] = tie_word_embeddings;
@@ -408,11 +413,14 @@ std::string ModelConfig::to_json(int transformers_version) const {
     json["mlp_bias"] = false;
     json["pretraining_tp"] = 1;
   }
-  if (architecture == ModelArchitecture::mistral) json["sliding_window"] = nullptr;
+  // The window as parse_json reads it back: Qwen2's on every layer (max_window_layers 0), since only
+  // whether some layer slides is kept (it bounds the capacity).
+  const Json window = sliding_window ? Json(*sliding_window) : Json(nullptr);
+  if (architecture == ModelArchitecture::mistral) json["sliding_window"] = window;
   if (architecture == ModelArchitecture::qwen2) {
-    json["use_sliding_window"] = false;
-    json["sliding_window"] = nullptr;
-    json["max_window_layers"] = num_hidden_layers;
+    json["use_sliding_window"] = sliding_window.has_value();
+    json["sliding_window"] = window;
+    json["max_window_layers"] = sliding_window ? 0 : num_hidden_layers;
   }
   Json rope_type = {{"rope_type", rope.llama3_scaling ? "llama3" : "default"}};
   if (rope.llama3_scaling) {

@@ -830,8 +830,9 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   // A sliding window bounds the context (attention sees every cached position): asking for more is
   // an error naming the window, not a capacity silently cut to it.
   const std::filesystem::path windowed = synth("windowed", {});
-  edit_config(windowed, [](Json& c) {
-    c["use_sliding_window"] = true;
+  edit_config(windowed, [](Json& c) {  // a Mistral (Llama's tensors; a window LlamaConfig does not have)
+    c["architectures"] = {"MistralForCausalLM"};
+    c["model_type"] = "mistral";
     c["sliding_window"] = 8;
   });
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2 --max-seq 100"), 2);

@@ -678,6 +678,12 @@ TEST(ModelConfigSlidingWindow, FollowsTransformersDefaults) {
   EXPECT_EQ(parse(ModelArchitecture::mistral, [](Json& c) { c["sliding_window"] = nullptr; }).sliding_window, std::nullopt);
   EXPECT_EQ(parse(ModelArchitecture::mistral, [](Json& c) { c["sliding_window"] = 512; }).sliding_window, 512);
   EXPECT_EQ(parse(ModelArchitecture::llama, [](Json&) {}).sliding_window, std::nullopt);
+  // use_sliding_window is Qwen2Config's: LlamaConfig has no window (one capped a Llama's capacity).
+  EXPECT_EQ(parse(ModelArchitecture::llama, [](Json& c) {
+              c["use_sliding_window"] = true;
+              c["sliding_window"] = 64;
+            }).sliding_window,
+            std::nullopt);
   // Qwen2: only with use_sliding_window, and only where some layer is at or past max_window_layers.
   EXPECT_EQ(parse(ModelArchitecture::qwen2, [](Json& c) { c["use_sliding_window"] = false; }).sliding_window, std::nullopt);
   EXPECT_EQ(parse(ModelArchitecture::qwen2, [](Json& c) {
@@ -783,6 +789,36 @@ TEST(ModelConfigHeads, AbsentKeyValueHeadsTakeTransformersDefaults) {
   EXPECT_EQ(error_of([&] { parse(ModelArchitecture::mistral, 12, std::nullopt); }),
             "config.json: field 'num_key_value_heads': 8 (absent: transformers' default for mistral) does not divide "
             "num_attention_heads 12");
+}
+
+// to_json writes what parse_json reads back, in both spellings: windows (Mistral's, Qwen2's), a Qwen2
+// head_dim apart from hidden / heads, llama3 RoPE, MLX quantization, f32. (synth-model writes
+// config.json with it; the window and the Qwen2 head_dim were dropped.) fuzz/fuzz_model_config.cpp
+// holds every config it parses to the same.
+TEST(ModelConfigJson, ToJsonReadsBackAsTheSameConfig) {
+  std::vector<ModelConfig> configs;
+  for (ModelArchitecture architecture : {ModelArchitecture::llama, ModelArchitecture::qwen2, ModelArchitecture::mistral}) {
+    SynthOptions options;
+    options.architecture = architecture;
+    ModelConfig config = synth_config(options);
+    configs.push_back(config);
+    if (architecture != ModelArchitecture::llama) {
+      config.sliding_window = 48;
+      configs.push_back(config);
+    }
+    config.head_dim = 2 * config.hidden_size / config.num_attention_heads;
+    config.rope = RopeParameters{500000, true, 32, 1, 4, 4096};
+    config.quantization = AffineQuantization{8, 32};
+    config.dtype = DType::f32;
+    config.rms_norm_eps = 1.0 / 3;
+    configs.push_back(config);
+  }
+  for (const ModelConfig& config : configs) {
+    for (int version : {4, 5}) {
+      const std::string text = config.to_json(version);
+      EXPECT_TRUE(ModelConfig::parse_json(text, "written") == config) << text;
+    }
+  }
 }
 
 }  // namespace
