@@ -13,6 +13,7 @@
 PYBIND11_MODULE(_metile, module) {
   namespace py = pybind11;
   module.doc() = "metile: compute-graph fusion compiler and runtime (C++ extension; import `metile`)";
+  module.attr("__version__") = METILE_VERSION;  // the project() version in CMakeLists.txt
 
   py::register_exception_translator([](std::exception_ptr error) {
     try {

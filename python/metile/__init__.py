@@ -50,6 +50,8 @@ from ._metile import (
     synth_model,
 )
 
+__version__ = _metile.__version__  # the project() version in CMakeLists.txt, as `metile --version` prints it
+
 __all__ = [
     "DTYPES",
     "ComputeGraph",

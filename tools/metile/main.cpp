@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   metile::remove_temporary_files_on_fatal_signals();
   CLI::App app{"metile: compute-graph fusion compiler and runtime"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", "metile " METILE_VERSION);  // the project() version in CMakeLists.txt
   metile::cli::add_run_command(app);
   metile::cli::add_plan_command(app);
   metile::cli::add_maxflow_command(app);
@@ -56,6 +57,8 @@ int main(int argc, char** argv) {
     return finish_standard_output(app.exit(help));
   } catch (const CLI::CallForAllHelp& help) {
     return finish_standard_output(app.exit(help));
+  } catch (const CLI::CallForVersion& version) {
+    return finish_standard_output(app.exit(version));
   } catch (const CLI::ParseError& error) {
     // "metile runn x.json" said only "A subcommand is required": name the word that is not one.
     if (argc > 1 && argv[1][0] != '-' && app.get_subcommands([&](const CLI::App* command) {
