@@ -23,8 +23,10 @@ for entry in graph_json:8000 planner:2000 dimacs:8000 target:3000 safetensors:40
   runs=$((${entry##*:} * multiplier))
   mkdir -p "$scratch/$harness"
   start=$(date +%s)
+  dictionary=()  # fuzz/<harness>.dict where one exists: the format's keywords
+  [ -f "fuzz/$harness.dict" ] && dictionary=(-dict="fuzz/$harness.dict")
   ASAN_OPTIONS=detect_leaks=1 build/fuzz/fuzz/fuzz_$harness -runs="$runs" -max_len=8192 -timeout=10 \
-    -rss_limit_mb=2048 -print_final_stats=1 "$scratch/$harness" "fuzz/corpus/$harness" \
+    -rss_limit_mb=2048 -print_final_stats=1 "${dictionary[@]}" "$scratch/$harness" "fuzz/corpus/$harness" \
     >"$scratch/$harness.log" 2>&1 || { cat "$scratch/$harness.log"; echo "fuzz_$harness: FINDING"; exit 1; }
   echo "fuzz_$harness: $runs executions clean in $(($(date +%s) - start)) s" \
        "($(grep -o 'cov: [0-9]*' "$scratch/$harness.log" | tail -1))"

@@ -80,7 +80,8 @@ struct ModelConfig {
   // transformers_version 4: rope_theta/rope_scaling/torch_dtype at the top level;
   // 5: rope_parameters {rope_type, rope_theta, ...} and dtype.
   std::string to_json(int transformers_version = 4) const;
-  bool operator==(const ModelConfig&) const = default;  // parse_json(to_json(v)) == *this for v = 4, 5
+  // For every config parse_json returns, parse_json(to_json(v)) == it for v = 4, 5 (fuzz_model_config).
+  bool operator==(const ModelConfig&) const = default;
 };
 
 // What a step graph returns besides the written caches.

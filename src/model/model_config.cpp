@@ -111,10 +111,10 @@ void require_full_rotary(const FieldReader& reader) {
 }
 
 // rope_scaling (4) or rope_parameters (5): {"rope_type": "default" | "llama3", ...}. An absent
-// original_max_position_embeddings is what transformers 5 puts there (standardize_rope_params): the top
-// level's (`top`), else max_position_embeddings (transformers 4 requires it in the scaling).
-void read_rope_type(const FieldReader& reader, RopeParameters& rope, const FieldReader& top,
-                    std::int64_t max_position_embeddings) {
+// original_max_position_embeddings is what transformers 5 puts there (standardize_rope_params):
+// max_position_embeddings (transformers 4 requires it). A top-level one is read by neither for these
+// architectures (5 takes it only where the config class has the field, as Phi-3's does).
+void read_rope_type(const FieldReader& reader, RopeParameters& rope, std::int64_t max_position_embeddings) {
   require_full_rotary(reader);
   // "type" is the older spelling. transformers 4's configs copy "type" over "rope_type" when both are
   // given, later code reads rope_type first: two that disagree are refused. An error names the one given.
@@ -130,10 +130,9 @@ void read_rope_type(const FieldReader& reader, RopeParameters& rope, const Field
   rope.factor = reader.positive_number("factor");
   rope.low_freq_factor = reader.positive_number("low_freq_factor");
   rope.high_freq_factor = reader.positive_number("high_freq_factor");
-  constexpr std::string_view kPretraining = "original_max_position_embeddings";
-  rope.original_max_position_embeddings = reader.present(kPretraining) ? reader.positive_whole_number(kPretraining)
-                                          : top.present(kPretraining)  ? top.positive_whole_number(kPretraining)
-                                                                       : max_position_embeddings;
+  rope.original_max_position_embeddings = reader.present("original_max_position_embeddings")
+                                              ? reader.positive_whole_number("original_max_position_embeddings")
+                                              : max_position_embeddings;
   if (!(rope.high_freq_factor > rope.low_freq_factor)) {
     reader.fail("high_freq_factor", "must exceed low_freq_factor");
   }
@@ -318,7 +317,7 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
         reader.positive_number("rope_theta") != config.rope.theta) {
       reader.fail("rope_theta", "contradicts rope_parameters.rope_theta (give one of the two)");
     }
-    read_rope_type(nested, config.rope, reader, config.max_position_embeddings);
+    read_rope_type(nested, config.rope, config.max_position_embeddings);
     if (reader.present("rope_scaling")) {
       // Both spellings: the scaling rope_parameters gives was kept and a different rope_scaling (a
       // yarn one, say) ignored without a word; they must say the same.
@@ -328,8 +327,7 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
       // scaling itself can make the two differ.
       RopeParameters other = config.rope;
       other.llama3_scaling = false;
-      read_rope_type(FieldReader{scaling, reader.source, "rope_scaling."}, other, reader,
-                     config.max_position_embeddings);
+      read_rope_type(FieldReader{scaling, reader.source, "rope_scaling."}, other, config.max_position_embeddings);
       if (other != config.rope) reader.fail("rope_scaling", "contradicts rope_parameters (give one of the two)");
     }
   } else {  // transformers 4
@@ -337,17 +335,8 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     if (reader.present("rope_scaling")) {
       const Json& scaling = json.at("rope_scaling");
       if (!scaling.is_object()) reader.fail("rope_scaling", "must be an object or null");
-      read_rope_type(FieldReader{scaling, reader.source, "rope_scaling."}, config.rope, reader,
-                     config.max_position_embeddings);
+      read_rope_type(FieldReader{scaling, reader.source, "rope_scaling."}, config.rope, config.max_position_embeddings);
     }
-  }
-  // A top-level original_max_position_embeddings (Phi-3 writes one) is what transformers 5 takes for a llama3
-  // scaling over the nested one, transformers 4 the nested one: two models, unless they agree.
-  if (config.rope.llama3_scaling && reader.present("original_max_position_embeddings") &&
-      reader.positive_whole_number("original_max_position_embeddings") != config.rope.original_max_position_embeddings) {
-    reader.fail("original_max_position_embeddings",
-                fmt::format("contradicts the scaling's original_max_position_embeddings {} (give one of the two)",
-                            config.rope.original_max_position_embeddings));
   }
 
   if (reader.present("quantization")) {

@@ -85,10 +85,10 @@ def parse_config(raw):
         tie=raw.get("tie_word_embeddings", False), window=window, quantization=raw.get("quantization"),
         # Not used by the forward pass (no dynamic RoPE here); a cache's capacity may come from it.
         max_positions=raw.get("max_position_embeddings", ABSENT_MAX_POSITIONS[arch]),
-        # transformers 5 (standardize_rope_params): a top-level original_max_position_embeddings over the
-        # scaling's, and max_position_embeddings where neither is given.
-        pretraining=raw.get("original_max_position_embeddings", rope.get(
-            "original_max_position_embeddings", raw.get("max_position_embeddings", ABSENT_MAX_POSITIONS[arch]))))
+        # transformers 5 (standardize_rope_params): max_position_embeddings where the scaling has none; a
+        # top-level one is set on LlamaConfig / Qwen2Config / MistralConfig only after that, so never read.
+        pretraining=rope.get("original_max_position_embeddings",
+                             raw.get("max_position_embeddings", ABSENT_MAX_POSITIONS[arch])))
 
 
 def rope_frequencies(config):

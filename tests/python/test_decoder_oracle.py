@@ -86,16 +86,16 @@ HAND_WRITTEN = [
                  id="llama3_rope_transformers5_spelling"),
     pytest.param(config(rope_scaling={**{k: v for k, v in LLAMA3.items() if k != "rope_type"}, "type": "llama3"},
                         head_dim=32), None, id="llama3_rope_old_type_key"),
-    # transformers 5 fills an absent original_max_position_embeddings from the top level, else from
-    # max_position_embeddings (256 here, against LLAMA3's 64: a different band of slowed frequencies).
+    # transformers 5 fills an absent original_max_position_embeddings from max_position_embeddings (256
+    # here, against LLAMA3's 64: a different band of slowed frequencies); a top-level one is not read.
     pytest.param(config(head_dim=32, rope_parameters={k: v for k, v in LLAMA3.items()
                                                       if k != "original_max_position_embeddings"}), None,
                  id="llama3_rope_pretraining_from_max_positions"),
     pytest.param(config(head_dim=32, original_max_position_embeddings=32,
                         rope_parameters={k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}),
-                 None, id="llama3_rope_pretraining_at_the_top_level"),
-    pytest.param(config(head_dim=32, original_max_position_embeddings=64, rope_scaling=LLAMA3), None,
-                 id="llama3_rope_pretraining_in_both_places_agreeing"),
+                 None, id="llama3_rope_top_level_pretraining_not_read"),
+    pytest.param(config(head_dim=32, original_max_position_embeddings=32, rope_scaling=LLAMA3), None,
+                 id="llama3_rope_top_level_pretraining_beside_the_scaling_not_read"),
     pytest.param(config("qwen2"), None, id="qwen2_biases"),
     pytest.param(config("qwen2", tie_word_embeddings=True, head_dim=24, num_hidden_layers=3), None,
                  id="qwen2_biases_tied_head_dim_24"),

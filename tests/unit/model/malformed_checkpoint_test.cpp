@@ -138,18 +138,6 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "config.json: field 'rope_scaling': contradicts rope_parameters (give one of the two)"},
-      // A top-level original_max_position_embeddings (transformers 5 takes it over the scaling's, 4 the
-      // scaling's): the top-level one was ignored without a word.
-      {"top_level_original_positions_contradict_the_scaling",
-       [](auto d) {
-         edit_config(d, [](Json& c) {
-           c["original_max_position_embeddings"] = 4096;
-           c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 1e4}, {"factor", 8.0}, {"low_freq_factor", 1.0},
-                                   {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
-         });
-       },
-       "config.json: field 'original_max_position_embeddings': contradicts the scaling's "
-       "original_max_position_embeddings 8192 (give one of the two)"},
       // The same for rope_theta: rope_parameters' was used and the top-level one, which transformers 4 reads,
       // ignored.
       {"rope_theta_contradicts_rope_parameters",
