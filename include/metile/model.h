@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <utility>
@@ -221,15 +222,37 @@ class DecodeSession : public LogitsSession {
   bool caches_lost_ = false;  // an error inside a step took the caches with it (feed refuses from then on)
 };
 
-// Greedy continuation: feeds the prompt, then `count` argmax tokens (through feed_greedy);
+// How generate picks each next token. temperature 0: greedy (the argmax, through feed_greedy, which the
+// GPU engine computes on the device). Above 0: a draw from softmax(logits / temperature) in float64,
+// kept to the top_k most likely tokens (0: all) and then to the smallest most-likely-first prefix holding
+// top_p of their probability (1: all), as transformers' sampling filters do; ties are ranked by token
+// id. Draws come from std::mt19937_64 seeded with `seed` (its sequence is fixed by the C++ standard), so
+// a seed gives the same tokens on every machine for the same logits.
+struct SamplingOptions {
+  double temperature = 0;
+  std::int64_t top_k = 0;
+  double top_p = 1;
+  std::uint64_t seed = 0;
+  bool greedy() const { return temperature == 0; }
+  void validate() const;  // InputError naming the field: temperature finite and >= 0, top_k >= 0, top_p in (0, 1]
+};
+// One draw of the next token from one position's logits (SamplingOptions above; not greedy). InputError
+// when a logit is NaN or every logit is -inf (nothing to draw from).
+std::int32_t sample_token(std::span<const float> logits, const SamplingOptions& options, std::mt19937_64& random);
+
+// Continuation: feeds the prompt, then `count` tokens picked by `sampling` (greedy by default);
 // `on_token` (if set) is called after each new token with its index.
 struct Generation {
   std::vector<std::int32_t> tokens;
   std::int64_t decode_steps = 0;  // one-token steps after the prompt (count - 1)
   double seconds = 0;             // their time
 };
-Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
-                           const std::function<void(std::int64_t)>& on_token = {});
+Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+                    const SamplingOptions& sampling = {}, const std::function<void(std::int64_t)>& on_token = {});
+inline Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+                                  const std::function<void(std::int64_t)>& on_token = {}) {
+  return generate(session, prompt, count, {}, on_token);
+}
 // At least one token (InputError otherwise): generate_greedy's rule, which `metile generate` asks
 // before it loads the model and Python's generate through generate_greedy.
 void check_generation_count(std::int64_t count);

@@ -2,7 +2,8 @@
 //   metile.load_model(path, dtype="bf16", quantize=None, group_size=None, max_seq=0, backend="cpu")
 //       -> Model (backend="cpu") or CudaModel (backend="cuda": weights uploaded once, the fused engine)
 //     .logits(ids) -> float32 numpy [len(ids), vocab], a fresh sequence each call
-//     .generate(ids, n) -> int32 numpy [n], greedy
+//     .generate(ids, n, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> int32 numpy [n], greedy at
+//         temperature 0, else sampled (SamplingOptions)
 //   backend="cuda" without a GPU (or in a build without the CUDA toolkit) raises ValueError, as
 //   `metile logits --backend cuda` exits 2.
 //   metile.synth_model(path, preset="tiny", arch=None, layers=None, seed=0, quantize=None,
@@ -85,6 +86,24 @@ py::array_t<std::int32_t> tokens_array(const Generation& generation) {
   return array;
 }
 
+constexpr const char* kGenerateDoc =
+    "n tokens after ids (int32): greedy at temperature 0, else drawn from softmax(logits / temperature) "
+    "kept to the top_k most likely (0: all) and to those holding top_p of the probability (1: all), "
+    "seeded by seed (the same tokens on every machine)";
+
+// generate's sampling keywords (SamplingOptions, include/metile/model.h); its ValueError names the keyword.
+SamplingOptions sampling_arguments(const py::handle& temperature, const py::handle& top_k, const py::handle& top_p,
+                                   const py::handle& seed) {
+  SamplingOptions sampling{real_argument("temperature", temperature), integer_argument("top_k", top_k),
+                           real_argument("top_p", top_p), unsigned_argument("seed", seed)};
+  sampling.validate();
+  if (sampling.greedy() && (sampling.top_k != 0 || sampling.top_p != 1 || sampling.seed != 0)) {
+    throw InputError("top_k, top_p and seed pick among sampled tokens: give temperature above 0 too (temperature 0 "
+                     "is greedy)");
+  }
+  return sampling;
+}
+
 #ifdef METILE_HAVE_CUDA_BACKEND
 // A model on the GPU as Python holds it: the host model (the step graphs), its weights on the
 // device, and one session whose Executables every call reuses (a fresh sequence each call).
@@ -128,18 +147,21 @@ void bind_model(py::module_& module) {
           py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32)")
       .def(
           "generate",
-          [](const DecoderModel& model, const py::handle& ids, const py::handle& n) {
+          [](const DecoderModel& model, const py::handle& ids, const py::handle& n, const py::handle& temperature,
+             const py::handle& top_k, const py::handle& top_p, const py::handle& seed) {
             const std::vector<std::int32_t> tokens = token_ids(ids, model);
             const std::int64_t count = integer_argument("n", n);
+            const SamplingOptions sampling = sampling_arguments(temperature, top_k, top_p, seed);
             Generation generation;
             {
               py::gil_scoped_release release;
               DecodeSession session(model);
-              generation = generate_greedy(session, tokens, count);
+              generation = generate(session, tokens, count, sampling);
             }
             return tokens_array(generation);
           },
-          py::arg("ids"), py::arg("n"), "n greedy tokens after ids (int32)");
+          py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
+          py::arg("seed") = 0, kGenerateDoc);
 
 #ifdef METILE_HAVE_CUDA_BACKEND
   py::class_<PythonCudaModel, std::shared_ptr<PythonCudaModel>>(
@@ -165,18 +187,21 @@ void bind_model(py::module_& module) {
           py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32), computed on the GPU")
       .def(
           "generate",
-          [](PythonCudaModel& held, const py::handle& ids, const py::handle& n) {
+          [](PythonCudaModel& held, const py::handle& ids, const py::handle& n, const py::handle& temperature,
+             const py::handle& top_k, const py::handle& top_p, const py::handle& seed) {
             const std::vector<std::int32_t> tokens = token_ids(ids, *held.model);
             const std::int64_t count = integer_argument("n", n);
+            const SamplingOptions sampling = sampling_arguments(temperature, top_k, top_p, seed);
             Generation generation;
             {
               py::gil_scoped_release release;
               held.session->reset();
-              generation = generate_greedy(*held.session, tokens, count);
+              generation = generate(*held.session, tokens, count, sampling);
             }
             return tokens_array(generation);
           },
-          py::arg("ids"), py::arg("n"), "n greedy tokens after ids (int32), decoded on the GPU");
+          py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
+          py::arg("seed") = 0, kGenerateDoc);
 #endif
 
   module.def(

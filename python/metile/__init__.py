@@ -3,7 +3,7 @@
 The Python face of the C++ library, name for name (include/metile/*.h): record a
 graph with GraphBuilder, plan it with plan_graph_fusion, run it on the CPU
 reference backend with run(), solve cuts with FlowNetwork, load decoder
-checkpoints with load_model() (logits, greedy generate) or write one with synth_model(). The classes live in
+checkpoints with load_model() (logits, greedy or sampled generate) or write one with synth_model(). The classes live in
 the C++ extension `_metile`; this file re-exports them and adds the one piece of
 sugar that needs Python itself: GraphBuilder.build() names values after the
 caller's variables.

@@ -199,19 +199,28 @@ void check_generation_count(std::int64_t count) {
   if (count < 1) throw InputError(fmt::format("cannot generate {} tokens (at least 1)", count));
 }
 
-Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
-                           const std::function<void(std::int64_t)>& on_token) {
+Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
+                    const SamplingOptions& sampling, const std::function<void(std::int64_t)>& on_token) {
+  sampling.validate();
   if (prompt.empty()) throw InputError("the prompt is empty");
   check_generation_count(count);
   check_generation_fits(session, prompt, count);
+  std::mt19937_64 random(sampling.seed);
+  // The next token after `tokens`: greedy through feed_greedy (the GPU engine's argmax on the device),
+  // else drawn from the last position's logits (feed's; only that position's are asked for).
+  const auto next_after = [&](std::span<const std::int32_t> tokens) -> std::int32_t {
+    if (sampling.greedy()) return session.feed_greedy(tokens).back();
+    if (tokens.size() > 1) session.feed_greedy(tokens.first(tokens.size() - 1));
+    return sample_token(session.feed(tokens.last(1)), sampling, random);
+  };
   Generation generation;
-  std::int32_t token = session.feed_greedy(prompt).back();
+  std::int32_t token = next_after(prompt);
   const auto start = std::chrono::steady_clock::now();
   for (std::int64_t index = 0; index < count; ++index) {
     generation.tokens.push_back(token);
     if (on_token) on_token(index);
     if (index + 1 == count) break;
-    token = session.feed_greedy(std::span<const std::int32_t>(&token, 1)).front();
+    token = next_after(std::span<const std::int32_t>(&token, 1));
     ++generation.decode_steps;
   }
   generation.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -422,7 +422,8 @@ class GreedyOnTheDevice : public ModelEngineTest, public ::testing::WithParamInt
 
 // The engine's greedy path (next_tokens, the argmax taken on the device, 4 bytes per token copied
 // back) picks exactly the tokens the host picks from the same session's logits: every row of a
-// prompt (chunks of 16 and single steps), and 24 generated tokens, on both engines.
+// prompt (chunks of 16 and single steps), and 24 generated tokens, on both engines; sampled
+// generation draws from those logits (sample_token) as the CPU sessions do.
 TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
   const EngineCase engine_case = GetParam();
   const std::uint64_t seed = test_seed("GreedyOnTheDevice");
@@ -450,6 +451,21 @@ TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
     const Generation on_host = generate_greedy(by_logits, prompt, 24);
     EXPECT_EQ(on_device.tokens, on_host.tokens);
     EXPECT_EQ(on_device.decode_steps, 23);
+    // Sampled: each token is sample_token's draw from the logits the session gives for the sequence so
+    // far (fed as generate feeds it), from one generator seeded as asked; top-k 1 is the greedy run.
+    const SamplingOptions sampling{0.9, 40, 0.95, seed};
+    session.reset();
+    const Generation sampled = generate(session, prompt, 12, sampling);
+    session.reset();
+    std::mt19937_64 replay(sampling.seed);
+    session.feed(std::span<const std::int32_t>(prompt).first(prompt.size() - 1));
+    std::vector<float> last = session.feed(std::span<const std::int32_t>(prompt).last(1));
+    for (std::int32_t token : sampled.tokens) {
+      EXPECT_EQ(token, sample_token(last, sampling, replay));
+      last = session.feed(std::span<const std::int32_t>(&token, 1));
+    }
+    session.reset();
+    EXPECT_EQ(generate(session, prompt, 24, SamplingOptions{0.9, 1, 1, seed}).tokens, on_device.tokens);
   }
 }
 

@@ -81,6 +81,38 @@ def test_generate_is_greedy_and_bf16_is_close(tmp_path):
     assert np.max(np.abs(quantized - f32)) <= 0.05 * np.max(np.abs(f32))
 
 
+def test_generate_samples_within_top_k_and_top_p(tmp_path, rng):
+    """Sampled tokens lie in the top-k and nucleus sets numpy computes from the same sequence's logits;
+    the seed fixes them; top_k=1 is greedy; the keywords are checked."""
+    path = tmp_path / "llama"
+    metile.synth_model(str(path), preset="tiny", arch="llama", seed=int(rng.integers(1, 2**32)))
+    model = metile.load_model(str(path), dtype="f32")
+    prompt = [5, 9, 2]
+    seed = int(rng.integers(0, 2**63))
+    tokens = model.generate(prompt, 6, temperature=1.5, top_k=12, top_p=0.8, seed=seed)
+    assert list(tokens) == list(model.generate(prompt, 6, temperature=1.5, top_k=12, top_p=0.8, seed=seed))
+    sequence = list(prompt)
+    for token in tokens:
+        scaled = model.logits(sequence)[-1].astype(np.float64) / 1.5
+        order = sorted(range(len(scaled)), key=lambda i: (-scaled[i], i))
+        rank = order.index(int(token))
+        assert rank < 12
+        weights = np.exp(scaled[order[:12]] - scaled[order[0]])
+        assert weights[:rank].sum() < 0.8 * weights.sum() + 1e-9  # the mass ranked before it is short of top_p
+        sequence.append(int(token))
+    assert list(model.generate(prompt, 6, temperature=0.7, top_k=1, seed=seed)) == list(model.generate(prompt, 6))
+    with pytest.raises(ValueError, match=r"^temperature -1(\.0)? must be a finite number >= 0 \(0: greedy\)$"):
+        model.generate(prompt, 2, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"^top_p 0(\.0)? must be in \(0, 1\]"):
+        model.generate(prompt, 2, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"give temperature above 0 too"):
+        model.generate(prompt, 2, top_k=5)
+    with pytest.raises(TypeError, match="top_k"):
+        model.generate(prompt, 2, temperature=1.0, top_k=True)
+    with pytest.raises(ValueError, match="seed"):
+        model.generate(prompt, 2, temperature=1.0, seed=-1)
+
+
 def test_errors(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         metile.load_model(str(tmp_path))

@@ -2,7 +2,8 @@
 //   metile logits MODEL_DIR --prompt-ids 1,2,3 [--dtype f32|bf16] [--backend cpu|cuda] [--format text|json]
 //       [--all-positions]: JSON {"logits": [last position's logits, or with --all-positions every
 //       position's, row after row], "argmax": [each position's argmax]}
-//   metile generate MODEL_DIR --prompt-ids ... --tokens N [...] : greedy decoding, a progress line on stderr;
+//   metile generate MODEL_DIR --prompt-ids ... --tokens N [--temperature T [--top-k K] [--top-p P] [--seed S]]
+//       [...]: greedy (or sampled, SamplingOptions) decoding, a progress line on stderr;
 //       JSON {"tokens": [...], "tokens_per_second": x} (null for one token: no decode step ran; "n/a" in text)
 //   metile verify-model MODEL_DIR [--tokens N] [--quantize 4|8] [--backend cpu|cuda] [thresholds]:
 //       cpu: the reference path against the planned (fused) path; cuda: the native engine against the
@@ -308,16 +309,38 @@ std::string rate_text(std::optional<double> rate) { return rate ? fmt::format("{
 void generate_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   check_generation_count(options.tokens);  // before the model loads
+  const SamplingOptions sampling{options.temperature, options.top_k, options.top_p, parse_seed(options.seed)};
+  try {
+    sampling.validate();
+  } catch (const InputError& error) {
+    // The message opens with the field's name (Python's keyword); here it names the option.
+    std::string message = error.what();
+    for (const auto& [field, option] : {std::pair<std::string_view, std::string_view>{"temperature", "--temperature"},
+                                        {"top_k", "--top-k"},
+                                        {"top_p", "--top-p"}}) {
+      if (message.starts_with(field)) message = std::string(option) + message.substr(field.size());
+    }
+    throw InputError(message);
+  }
+  if (sampling.greedy() && (sampling.top_k != 0 || sampling.top_p != 1 || sampling.seed != 0)) {
+    throw InputError("--top-k, --top-p and --seed pick among sampled tokens: give --temperature above 0 too "
+                     "(temperature 0 is greedy)");
+  }
   const DecoderModel model = load_model(options);
   check_prompt_ids(prompt, model, options.prompt_ids);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
-  const Generation generation = generate_greedy(*session, prompt, options.tokens, [&](std::int64_t index) {
+  const Generation generation = generate(*session, prompt, options.tokens, sampling, [&](std::int64_t index) {
     if (terminal) fmt::print(stderr, "\rmetile generate: {}/{} tokens", index + 1, options.tokens);
   });
   const std::optional<double> rate = decode_rate(generation.decode_steps, generation.seconds);
-  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {} tokens/s ({} {})\n", terminal ? "\r" : "",
-             generation.tokens.size(), prompt.size(), rate_text(rate), options.dtype, backend_description(options));
+  const std::string picked = sampling.greedy() ? "greedy"
+                                               : fmt::format("sampled at temperature {}, top-k {}, top-p {}, seed {}",
+                                                             sampling.temperature, sampling.top_k, sampling.top_p,
+                                                             sampling.seed);
+  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {} tokens/s ({} {}, {})\n",
+             terminal ? "\r" : "", generation.tokens.size(), prompt.size(), rate_text(rate), options.dtype,
+             backend_description(options), picked);
   if (options.format == "json") {
     nlohmann::json json;
     json["tokens"] = generation.tokens;
@@ -480,11 +503,25 @@ void add_model_commands(CLI::App& app) {
   }
   {
     auto options = std::make_shared<ModelOptions>();
-    CLI::App* command = app.add_subcommand("generate", "Greedy decoding on a checkpoint (CPU reference or GPU engine)");
+    CLI::App* command = app.add_subcommand(
+        "generate", "Greedy or sampled decoding on a checkpoint (CPU reference or GPU engine)");
     add_model_options(command, *options, true);
     command->add_option("--tokens", options->tokens, "tokens to generate")->required()->transform(decimal_integer());
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
+        ->capture_default_str();
+    command->add_option("--temperature", options->temperature,
+                        "sample from softmax(logits / T) (0: greedy, the argmax)")
+        ->transform(decimal_number())
+        ->capture_default_str();
+    command->add_option("--top-k", options->top_k, "with --temperature: only the K most likely tokens (0: all)")
+        ->transform(decimal_integer())
+        ->capture_default_str();
+    command->add_option("--top-p", options->top_p,
+                        "with --temperature: only the most likely tokens holding P of the probability (1: all)")
+        ->transform(decimal_number())
+        ->capture_default_str();
+    command->add_option("--seed", options->seed, "with --temperature: seed of the draws (std::mt19937_64)")
         ->capture_default_str();
     command->callback([options] { generate_command(*options); });
   }

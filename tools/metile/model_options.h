@@ -27,6 +27,10 @@ struct ModelOptions {
   int group_size = 64;
   std::int64_t max_seq = 0;
   std::int64_t tokens = 16;  // verify-model: -1 (unset) = the backend's default (16 on cpu, 64 on cuda)
+  // generate: SamplingOptions (0: greedy); with --seed (below), which only a temperature above 0 uses
+  double temperature = 0;
+  std::int64_t top_k = 0;
+  double top_p = 1;
   std::string decline;       // --backend cuda: comma-separated region kinds to run native
   std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
   std::string tournament_caches = "cold";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)
@@ -44,7 +48,7 @@ struct ModelOptions {
   std::int64_t context = 128;
   std::int64_t prefill_tokens = 512;
   int decode_steps = 64;
-  std::string seed = "0";
+  std::string seed = "0";  // synth-model, bench-model --preset: the weights'; generate: the draws'
 };
 
 std::vector<std::int32_t> parse_ids(const std::string& text);

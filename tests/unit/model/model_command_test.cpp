@@ -112,6 +112,41 @@ TEST_F(ModelCommand, GenerateGivesNoRateForOneToken) {
   EXPECT_TRUE(verified["tokens_per_second"]["planned"].is_null()) << out;
 }
 
+// generate --temperature: the tokens generate() draws in this process with the same options and seed
+// (the command is one front end of it), the choice named on stderr; the sampling options refused one
+// line each, and without a temperature (0 is greedy, where they would mean nothing).
+TEST_F(ModelCommand, GenerateSamplesAsTheLibraryDoes) {
+  const std::filesystem::path directory = synth("model", {});
+  const DecoderModel model = DecoderModel::load(directory);
+  const std::vector<std::int32_t> prompt = {3, 1, 4};
+  const SamplingOptions sampling{0.8, 20, 0.9, testing::model_test_seed()};
+  DecodeSession session(model);
+  const Generation expected = generate(session, prompt, 6, sampling);
+  std::string out, err;
+  const std::string command = "generate " + directory.string() + " --prompt-ids 3,1,4 --tokens 6 --format json";
+  ASSERT_EQ(run_metile(command + " --temperature 0.8 --top-k 20 --top-p 0.9 --seed " + std::to_string(sampling.seed),
+                       out, err),
+            0)
+      << err;
+  EXPECT_EQ(Json::parse(out)["tokens"].get<std::vector<std::int32_t>>(), expected.tokens);
+  EXPECT_NE(err.find("sampled at temperature 0.8, top-k 20, top-p 0.9, seed " + std::to_string(sampling.seed)),
+            std::string::npos)
+      << err;
+  ASSERT_EQ(run_metile(command, out, err), 0) << err;
+  EXPECT_NE(err.find("(bf16 on cpu, greedy)"), std::string::npos) << err;
+  for (const auto& [options, message] : std::vector<std::pair<std::string, std::string>>{
+           {" --temperature -1", "--temperature -1 must be a finite number >= 0 (0: greedy)"},
+           {" --temperature 1 --top-k -3", "--top-k -3 must be >= 0 (0: every token)"},
+           {" --temperature 1 --top-p 0", "--top-p 0 must be in (0, 1] (1: every token)"},
+           {" --top-k 5", "--top-k, --top-p and --seed pick among sampled tokens: give --temperature above 0 too "
+                          "(temperature 0 is greedy)"},
+           {" --temperature 1 --seed -1", "--seed must be an integer from 0 to 2^64 - 1, got '-1'"}}) {
+    EXPECT_EQ(run_metile(command + options, out, err), 2) << options;
+    EXPECT_EQ(err.rfind("metile: error: " + message, 0), 0u) << options << ": " << err;
+    EXPECT_EQ(out, "") << options;
+  }
+}
+
 // --quantize keeps a matrix dense when its columns are not whole groups (as MLX does), and says so:
 // the tiny preset's hidden size is 64, its intermediate size a multiple of 128 or not.
 TEST_F(ModelCommand, QuantizingNamesTheMatricesItLeavesDense) {

@@ -660,6 +660,40 @@ TEST(DrawUniformBf16, RangesGiveTheSequentialStream) {
   EXPECT_THROW(draw_uniform_bf16(f32, seed, 0, 1, 0), InputError);
 }
 
+// Sampled generation: each token is sample_token's draw from the logits of the sequence so far, in
+// order, from one generator seeded as given (replayed here over a second session's logits); top-k 1 is
+// the greedy continuation at any temperature; the same seed gives the same tokens.
+TEST_F(DecoderModelTest, SampledGenerationDrawsFromEachPositionsLogits) {
+  std::mt19937_64 generator(testing::model_test_seed() + 11);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}));
+  const std::vector<std::int32_t> prompt = random_tokens(generator, 5, 256);
+  SamplingOptions sampling;
+  sampling.temperature = 1.3;
+  sampling.top_k = 50;
+  sampling.top_p = 0.9;
+  sampling.seed = generator();
+  DecodeSession sampled(model), again(model), checking(model);
+  const Generation generation = generate(sampled, prompt, 8, sampling);
+  ASSERT_EQ(generation.tokens.size(), 8u);
+  EXPECT_EQ(generate(again, prompt, 8, sampling).tokens, generation.tokens);
+  std::mt19937_64 replay(sampling.seed);
+  // Fed as generate feeds it: the prompt but its last token, then that token's step alone.
+  checking.feed(std::span<const std::int32_t>(prompt).first(prompt.size() - 1));
+  std::vector<float> logits = checking.feed(std::span<const std::int32_t>(prompt).last(1));
+  for (std::int32_t token : generation.tokens) {
+    EXPECT_EQ(token, sample_token(std::span<const float>(logits).last(256), sampling, replay));
+    logits = checking.feed(std::span<const std::int32_t>(&token, 1));
+  }
+  DecodeSession top_one(model), greedy(model);
+  sampling.top_k = 1;
+  EXPECT_EQ(generate(top_one, prompt, 8, sampling).tokens, generate_greedy(greedy, prompt, 8).tokens);
+  DecodeSession refused(model);
+  sampling.temperature = -0.5;
+  EXPECT_EQ(testing::error_of([&] { generate(refused, prompt, 8, sampling); }),
+            "temperature -0.5 must be a finite number >= 0 (0: greedy)");
+  EXPECT_EQ(refused.position(), 0);
+}
+
 // The sliding window as transformers reads config.json: MistralConfig and Qwen2Config default it to
 // 4096 when the field is absent (an explicit null is no window), and Qwen2 slides only layers
 // max_window_layers (default 28) and up. Before, an absent field meant no window, so a Mistral

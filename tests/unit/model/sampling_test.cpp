@@ -1,0 +1,115 @@
+// sample_token (SamplingOptions, include/metile/model.h) against a brute-force oracle written here: each
+// token's probability from the definitions (its rank among the scaled logits for top-k, the mass ranked
+// before it for top-p, softmax in long double), compared with the frequencies of many draws; the edge
+// cases (+-inf, NaN, ties by id) and the argument checks. generate's sampled path is in model_test.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "metile/model.h"
+#include "metile_test_support.h"
+
+namespace metile::testing {
+namespace {
+
+// The probability of each token under `options`, from the definitions, O(V^2).
+std::vector<long double> oracle_probabilities(const std::vector<float>& logits, const SamplingOptions& options) {
+  const std::size_t count = logits.size();
+  std::vector<long double> scaled(count);
+  for (std::size_t i = 0; i < count; ++i) scaled[i] = static_cast<long double>(logits[i]) / options.temperature;
+  std::vector<std::size_t> rank(count, 0);
+  for (std::size_t i = 0; i < count; ++i) {
+    for (std::size_t j = 0; j < count; ++j) rank[i] += scaled[j] > scaled[i] || (scaled[j] == scaled[i] && j < i);
+  }
+  long double largest = scaled[0];
+  for (long double value : scaled) largest = std::max(largest, value);
+  std::vector<long double> weight(count, 0);
+  for (std::size_t i = 0; i < count; ++i) {
+    const bool in_top_k = options.top_k == 0 || rank[i] < static_cast<std::size_t>(options.top_k);
+    if (in_top_k) weight[i] = std::exp(scaled[i] - largest);
+  }
+  long double total = 0;
+  for (long double value : weight) total += value;
+  // top-p: a token stays when the mass ranked before it is short of top_p of the whole.
+  std::vector<long double> kept(count, 0);
+  for (std::size_t i = 0; i < count; ++i) {
+    long double before = 0;
+    for (std::size_t j = 0; j < count; ++j) before += rank[j] < rank[i] ? weight[j] : 0;
+    if (weight[i] > 0 && before < options.top_p * total) kept[i] = weight[i];
+  }
+  long double kept_total = 0;
+  for (long double value : kept) kept_total += value;
+  for (long double& value : kept) value /= kept_total;
+  return kept;
+}
+
+TEST(SampleToken, DrawsFollowTheTemperatureTopKAndTopPDistribution) {
+  std::mt19937_64 random(test_seed("sampling"));
+  constexpr int kDraws = 40000;
+  for (int trial = 0; trial < 12; ++trial) {
+    // 40 logits, a third of them small integers (ties), the rest spread reals.
+    std::vector<float> logits(40);
+    for (float& value : logits) {
+      value = random() % 3 == 0 ? static_cast<float>(static_cast<int>(random() % 5) - 2)
+                                : std::uniform_real_distribution<float>(-4, 4)(random);
+    }
+    SamplingOptions options;
+    options.temperature = std::uniform_real_distribution<double>(0.3, 2.5)(random);
+    options.top_k = trial % 3 == 0 ? 0 : static_cast<std::int64_t>(1 + random() % 20);
+    options.top_p = trial % 2 == 0 ? 1.0 : std::uniform_real_distribution<double>(0.2, 0.95)(random);
+    const std::vector<long double> expected = oracle_probabilities(logits, options);
+    std::vector<int> counts(logits.size(), 0);
+    for (int draw = 0; draw < kDraws; ++draw) ++counts[static_cast<std::size_t>(sample_token(logits, options, random))];
+    for (std::size_t token = 0; token < logits.size(); ++token) {
+      const double want = static_cast<double>(expected[token]);
+      const double got = static_cast<double>(counts[token]) / kDraws;
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << " token " << token << " T " << options.temperature
+                                        << " top_k " << options.top_k << " top_p " << options.top_p);
+      if (want == 0) {
+        EXPECT_EQ(counts[token], 0);  // outside top-k or top-p: never drawn
+      } else {
+        EXPECT_NEAR(got, want, 6 * std::sqrt(want * (1 - want) / kDraws) + 1e-9);
+      }
+    }
+  }
+}
+
+TEST(SampleToken, EdgeCasesAndArguments) {
+  std::mt19937_64 random(test_seed("sampling edges"));
+  SamplingOptions options;
+  options.temperature = 1;
+  // Tokens at +inf share the draw; -inf is never drawn; ties at top-k 1 go to the lowest id.
+  const std::vector<float> infinite = {1.0f, INFINITY, -INFINITY, INFINITY, 5.0f};
+  std::vector<int> counts(5, 0);
+  for (int draw = 0; draw < 2000; ++draw) ++counts[static_cast<std::size_t>(sample_token(infinite, options, random))];
+  EXPECT_EQ(counts[0] + counts[2] + counts[4], 0);
+  EXPECT_GT(counts[1], 800);
+  EXPECT_GT(counts[3], 800);
+  options.top_k = 1;
+  EXPECT_EQ(sample_token(std::vector<float>{2.0f, 7.0f, 7.0f, -1.0f}, options, random), 1);
+  options.top_k = 0;
+  options.top_p = 1e-9;  // only the most likely token holds that much
+  EXPECT_EQ(sample_token(std::vector<float>{2.0f, 7.5f, 7.0f}, options, random), 1);
+  options.top_p = 1;
+  EXPECT_EQ(error_of([&] { sample_token(std::vector<float>{-INFINITY, -INFINITY}, options, random); }),
+            "cannot sample the next token: every logit is -inf");
+  EXPECT_EQ(error_of([&] { sample_token(std::vector<float>{1.0f, NAN}, options, random); }),
+            "cannot sample the next token: its logits hold a NaN");
+  // The same seed draws the same tokens.
+  std::mt19937_64 first(42), second(42);
+  const std::vector<float> logits = {0.1f, 0.3f, 0.2f, 0.4f, 0.0f};
+  for (int draw = 0; draw < 50; ++draw) EXPECT_EQ(sample_token(logits, options, first), sample_token(logits, options, second));
+  // Arguments: each refusal names its field.
+  const auto refusal = [](SamplingOptions bad) { return error_of([&] { bad.validate(); }); };
+  EXPECT_EQ(refusal({-1, 0, 1, 0}), "temperature -1 must be a finite number >= 0 (0: greedy)");
+  EXPECT_EQ(refusal({INFINITY, 0, 1, 0}), "temperature inf must be a finite number >= 0 (0: greedy)");
+  EXPECT_EQ(refusal({1, -2, 1, 0}), "top_k -2 must be >= 0 (0: every token)");
+  EXPECT_EQ(refusal({1, 0, 0, 0}), "top_p 0 must be in (0, 1] (1: every token)");
+  EXPECT_EQ(refusal({1, 0, 1.5, 0}), "top_p 1.5 must be in (0, 1] (1: every token)");
+  EXPECT_EQ(refusal({1, 0, NAN, 0}), "top_p nan must be in (0, 1] (1: every token)");
+}
+
+}  // namespace
+}  // namespace metile::testing
