@@ -26,10 +26,11 @@ std::int32_t sample_token(std::span<const float> logits, const SamplingOptions& 
   if (std::any_of(logits.begin(), logits.end(), [](float value) { return std::isnan(value); })) {
     throw InputError("cannot sample the next token: its logits hold a NaN");
   }
-  std::vector<double> scaled(logits.size());
-  for (std::size_t i = 0; i < logits.size(); ++i) scaled[i] = static_cast<double>(logits[i]) / options.temperature;
-  // Most likely first, ties by token id: the order top-k and top-p cut.
-  const auto before = [&](std::int32_t a, std::int32_t b) { return scaled[a] > scaled[b] || (scaled[a] == scaled[b] && a < b); };
+  const float largest = *std::max_element(logits.begin(), logits.end());
+  if (largest == -INFINITY) throw InputError("cannot sample the next token: every logit is -inf");
+  // Most likely first, ties by token id: the order top-k and top-p cut (dividing by a temperature
+  // above 0 keeps it).
+  const auto before = [&](std::int32_t a, std::int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
   std::vector<std::int32_t> kept(logits.size());
   std::iota(kept.begin(), kept.end(), 0);
   const bool cut_top_k = options.top_k > 0 && options.top_k < static_cast<std::int64_t>(kept.size());
@@ -39,13 +40,14 @@ std::int32_t sample_token(std::span<const float> logits, const SamplingOptions& 
   } else if (options.top_p < 1) {
     std::sort(kept.begin(), kept.end(), before);
   }
-  const double largest = *std::max_element(scaled.begin(), scaled.end());
-  if (largest == -INFINITY) throw InputError("cannot sample the next token: every logit is -inf");
-  // Relative weights exp(s - largest); tokens at +inf share the draw (every other weighs 0).
+  // Relative weights exp((logit - largest) / T): the difference first, so that a tiny temperature
+  // sends every other token to 0 (logit / T overflowed to +inf for each positive logit, which then
+  // shared the draw). Tokens at +inf share it (every other weighs 0).
   std::vector<double> weights(kept.size());
   for (std::size_t i = 0; i < kept.size(); ++i) {
-    const double value = scaled[kept[i]];
-    weights[i] = largest == INFINITY ? (value == INFINITY ? 1.0 : 0.0) : std::exp(value - largest);
+    const float value = logits[kept[i]];
+    weights[i] = largest == INFINITY ? (value == INFINITY ? 1.0 : 0.0)
+                                     : std::exp((static_cast<double>(value) - largest) / options.temperature);
   }
   double total = std::accumulate(weights.begin(), weights.end(), 0.0);
   if (options.top_p < 1) {

@@ -93,6 +93,10 @@ TEST(SampleToken, EdgeCasesAndArguments) {
   options.top_p = 1e-9;  // only the most likely token holds that much
   EXPECT_EQ(sample_token(std::vector<float>{2.0f, 7.5f, 7.0f}, options, random), 1);
   options.top_p = 1;
+  // A temperature so small that logit / T overflows: still the most likely token, not every positive one.
+  SamplingOptions cold = options;
+  cold.temperature = 1e-310;
+  for (int draw = 0; draw < 20; ++draw) EXPECT_EQ(sample_token(std::vector<float>{1.0f, 3.0f, 2.5f}, cold, random), 1);
   EXPECT_EQ(error_of([&] { sample_token(std::vector<float>{-INFINITY, -INFINITY}, options, random); }),
             "cannot sample the next token: every logit is -inf");
   EXPECT_EQ(error_of([&] { sample_token(std::vector<float>{1.0f, NAN}, options, random); }),
