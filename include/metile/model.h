@@ -224,10 +224,12 @@ class DecodeSession : public LogitsSession {
 
 // How generate picks each next token. temperature 0: greedy (the argmax, through feed_greedy, which the
 // GPU engine computes on the device). Above 0: a draw from softmax(logits / temperature) in float64,
-// kept to the top_k most likely tokens (0: all) and then to the smallest most-likely-first prefix holding
-// top_p of their probability (1: all), as transformers' sampling filters do; ties are ranked by token
-// id. Draws come from std::mt19937_64 seeded with `seed` (its sequence is fixed by the C++ standard), so
-// a seed gives the same tokens on every machine for the same logits.
+// kept to the tokens whose logit reaches the top_k-th largest (0: all; every token tied with the k-th
+// stays, as transformers' TopKLogitsWarper keeps them) and then to the shortest most-likely-first prefix
+// (ties ranked by token id) holding top_p of their probability (1: all). Draws come from
+// std::mt19937_64 seeded with `seed` (its sequence is fixed by the C++ standard), so a seed gives the
+// same tokens on every machine for the same logits. top_p of a tiny value keeps the one most likely
+// token: the greedy choice (argmax_index's rule), which top_k 1 is not where the maximum is tied.
 struct SamplingOptions {
   double temperature = 0;
   std::int64_t top_k = 0;

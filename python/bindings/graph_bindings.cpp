@@ -91,8 +91,16 @@ std::int64_t index_as_int64(const std::string& what, const py::handle& object) {
   return attribute_integer(what, python_index(object));
 }
 
+// A numpy array, even of one element: its __index__ exists (and raises "only integer scalar arrays can
+// be converted to a scalar index" for a float array), so PyIndex_Check alone let it through.
+bool is_numpy_array(const py::handle& object) {
+  const py::handle type = py::type::handle_of(object);
+  return py::str(type.attr("__module__")).cast<std::string>() == "numpy" &&
+         py::str(type.attr("__name__")).cast<std::string>() == "ndarray";
+}
+
 void require_integer(const std::string& what, const py::handle& object) {
-  if (is_boolean(object) || !PyIndex_Check(object.ptr())) {
+  if (is_boolean(object) || is_numpy_array(object) || !PyIndex_Check(object.ptr())) {
     throw py::type_error(what + " must be an integer, got " + python_type_name(object));
   }
 }
@@ -107,7 +115,7 @@ std::int64_t integer_argument(const std::string& what, const py::handle& object)
 double real_argument(const std::string& what, const py::handle& object) {
   const py::object number = python_number(py::reinterpret_borrow<py::object>(object));
   if (py::isinstance<py::float_>(number)) return number.cast<double>();
-  if (is_boolean(object) || !PyIndex_Check(number.ptr())) {
+  if (is_boolean(object) || is_numpy_array(object) || !PyIndex_Check(number.ptr())) {
     throw py::type_error(what + " must be a number, got " + python_type_name(object));
   }
   return static_cast<double>(integer_argument(what, number));

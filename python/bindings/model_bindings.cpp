@@ -98,8 +98,8 @@ SamplingOptions sampling_arguments(const py::handle& temperature, const py::hand
                            real_argument("top_p", top_p), unsigned_argument("seed", seed)};
   sampling.validate();
   if (sampling.greedy() && (sampling.top_k != 0 || sampling.top_p != 1 || sampling.seed != 0)) {
-    throw InputError("top_k, top_p and seed pick among sampled tokens: give temperature above 0 too (temperature 0 "
-                     "is greedy)");
+    throw InputError("top_k, top_p and seed pick among sampled tokens: give temperature above 0 too (0, or one a "
+                     "double rounds to 0, is greedy)");
   }
   return sampling;
 }

@@ -83,7 +83,7 @@ def test_generate_is_greedy_and_bf16_is_close(tmp_path):
 
 def test_generate_samples_within_top_k_and_top_p(tmp_path, rng):
     """Sampled tokens lie in the top-k and nucleus sets numpy computes from the same sequence's logits;
-    the seed fixes them; top_k=1 is greedy; the keywords are checked."""
+    the seed fixes them; a nucleus of one token is greedy; the keywords are checked."""
     path = tmp_path / "llama"
     metile.synth_model(str(path), preset="tiny", arch="llama", seed=int(rng.integers(1, 2**32)))
     model = metile.load_model(str(path), dtype="f32")
@@ -94,13 +94,17 @@ def test_generate_samples_within_top_k_and_top_p(tmp_path, rng):
     sequence = list(prompt)
     for token in tokens:
         scaled = model.logits(sequence)[-1].astype(np.float64) / 1.5
-        order = sorted(range(len(scaled)), key=lambda i: (-scaled[i], i))
+        assert np.sum(scaled > scaled[token]) < 12  # top-k: fewer than k tokens above it (ties at the k-th stay)
+        kept = np.flatnonzero(scaled >= np.sort(scaled)[-12])
+        order = sorted(kept, key=lambda i: (-scaled[i], i))
+        weights = np.exp(scaled[order] - scaled[order[0]])
         rank = order.index(int(token))
-        assert rank < 12
-        weights = np.exp(scaled[order[:12]] - scaled[order[0]])
         assert weights[:rank].sum() < 0.8 * weights.sum() + 1e-9  # the mass ranked before it is short of top_p
         sequence.append(int(token))
-    assert list(model.generate(prompt, 6, temperature=0.7, top_k=1, seed=seed)) == list(model.generate(prompt, 6))
+    # A nucleus of one token is the greedy choice (top_k=1 is not where the maximum is tied).
+    assert list(model.generate(prompt, 6, temperature=0.7, top_p=1e-300, seed=seed)) == list(model.generate(prompt, 6))
+    with pytest.raises(TypeError, match="temperature must be a number, got ndarray"):
+        model.generate(prompt, 2, temperature=np.array(0.5))
     with pytest.raises(ValueError, match=r"^temperature -1(\.0)? must be a finite number >= 0 \(0: greedy\)$"):
         model.generate(prompt, 2, temperature=-1.0)
     with pytest.raises(ValueError, match=r"^top_p 0(\.0)? must be in \(0, 1\]"):

@@ -324,7 +324,7 @@ void generate_command(const ModelOptions& options) {
   }
   if (sampling.greedy() && (sampling.top_k != 0 || sampling.top_p != 1 || sampling.seed != 0)) {
     throw InputError("--top-k, --top-p and --seed pick among sampled tokens: give --temperature above 0 too "
-                     "(temperature 0 is greedy)");
+                     "(0, or one a double rounds to 0, is greedy)");
   }
   const DecoderModel model = load_model(options);
   check_prompt_ids(prompt, model, options.prompt_ids);

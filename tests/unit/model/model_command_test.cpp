@@ -139,7 +139,9 @@ TEST_F(ModelCommand, GenerateSamplesAsTheLibraryDoes) {
            {" --temperature 1 --top-k -3", "--top-k -3 must be >= 0 (0: every token)"},
            {" --temperature 1 --top-p 0", "--top-p 0 must be in (0, 1] (1: every token)"},
            {" --top-k 5", "--top-k, --top-p and --seed pick among sampled tokens: give --temperature above 0 too "
-                          "(temperature 0 is greedy)"},
+                          "(0, or one a double rounds to 0, is greedy)"},
+           {" --temperature 1e-999 --top-k 5", "--top-k, --top-p and --seed pick among sampled tokens: give "
+                                               "--temperature above 0 too (0, or one a double rounds to 0, is greedy)"},
            {" --temperature 1 --seed -1", "--seed must be an integer from 0 to 2^64 - 1, got '-1'"}}) {
     EXPECT_EQ(run_metile(command + options, out, err), 2) << options;
     EXPECT_EQ(err.rfind("metile: error: " + message, 0), 0u) << options << ": " << err;

@@ -661,8 +661,9 @@ TEST(DrawUniformBf16, RangesGiveTheSequentialStream) {
 }
 
 // Sampled generation: each token is sample_token's draw from the logits of the sequence so far, in
-// order, from one generator seeded as given (replayed here over a second session's logits); top-k 1 is
-// the greedy continuation at any temperature; the same seed gives the same tokens.
+// order, from one generator seeded as given (replayed here over a second session's logits); a nucleus
+// of one token (top-p 1e-300) is the greedy continuation at any temperature; the same seed gives the
+// same tokens.
 TEST_F(DecoderModelTest, SampledGenerationDrawsFromEachPositionsLogits) {
   std::mt19937_64 generator(testing::model_test_seed() + 11);
   const DecoderModel model = DecoderModel::load(synth("llama", {}));
@@ -685,7 +686,7 @@ TEST_F(DecoderModelTest, SampledGenerationDrawsFromEachPositionsLogits) {
     logits = checking.feed(std::span<const std::int32_t>(&token, 1));
   }
   DecodeSession top_one(model), greedy(model);
-  sampling.top_k = 1;
+  sampling.top_p = 1e-300;
   EXPECT_EQ(generate(top_one, prompt, 8, sampling).tokens, generate_greedy(greedy, prompt, 8).tokens);
   DecodeSession refused(model);
   sampling.temperature = -0.5;

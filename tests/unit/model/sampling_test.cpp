@@ -20,14 +20,18 @@ std::vector<long double> oracle_probabilities(const std::vector<float>& logits, 
   std::vector<long double> scaled(count);
   for (std::size_t i = 0; i < count; ++i) scaled[i] = static_cast<long double>(logits[i]) / options.temperature;
   std::vector<std::size_t> rank(count, 0);
+  std::vector<std::size_t> above(count, 0);  // tokens strictly more likely: top-k keeps a token below k
   for (std::size_t i = 0; i < count; ++i) {
-    for (std::size_t j = 0; j < count; ++j) rank[i] += scaled[j] > scaled[i] || (scaled[j] == scaled[i] && j < i);
+    for (std::size_t j = 0; j < count; ++j) {
+      rank[i] += scaled[j] > scaled[i] || (scaled[j] == scaled[i] && j < i);
+      above[i] += scaled[j] > scaled[i];
+    }
   }
   long double largest = scaled[0];
   for (long double value : scaled) largest = std::max(largest, value);
   std::vector<long double> weight(count, 0);
   for (std::size_t i = 0; i < count; ++i) {
-    const bool in_top_k = options.top_k == 0 || rank[i] < static_cast<std::size_t>(options.top_k);
+    const bool in_top_k = options.top_k == 0 || above[i] < static_cast<std::size_t>(options.top_k);
     if (in_top_k) weight[i] = std::exp(scaled[i] - largest);
   }
   long double total = 0;
@@ -80,18 +84,25 @@ TEST(SampleToken, EdgeCasesAndArguments) {
   std::mt19937_64 random(test_seed("sampling edges"));
   SamplingOptions options;
   options.temperature = 1;
-  // Tokens at +inf share the draw; -inf is never drawn; ties at top-k 1 go to the lowest id.
+  // Tokens at +inf share the draw; -inf is never drawn.
   const std::vector<float> infinite = {1.0f, INFINITY, -INFINITY, INFINITY, 5.0f};
   std::vector<int> counts(5, 0);
   for (int draw = 0; draw < 2000; ++draw) ++counts[static_cast<std::size_t>(sample_token(infinite, options, random))];
   EXPECT_EQ(counts[0] + counts[2] + counts[4], 0);
   EXPECT_GT(counts[1], 800);
   EXPECT_GT(counts[3], 800);
+  // top-k keeps every token tied with the k-th (transformers' rule), top-p of a tiny value the single
+  // most likely, ties by id (the greedy choice).
   options.top_k = 1;
-  EXPECT_EQ(sample_token(std::vector<float>{2.0f, 7.0f, 7.0f, -1.0f}, options, random), 1);
+  std::vector<int> tied(4, 0);
+  const std::vector<float> two_maxima = {2.0f, 7.0f, 7.0f, -1.0f};
+  for (int draw = 0; draw < 400; ++draw) ++tied[static_cast<std::size_t>(sample_token(two_maxima, options, random))];
+  EXPECT_EQ(tied[0] + tied[3], 0);
+  EXPECT_GT(tied[1], 100);
+  EXPECT_GT(tied[2], 100);
   options.top_k = 0;
-  options.top_p = 1e-9;  // only the most likely token holds that much
-  EXPECT_EQ(sample_token(std::vector<float>{2.0f, 7.5f, 7.0f}, options, random), 1);
+  options.top_p = 1e-9;
+  for (int draw = 0; draw < 20; ++draw) EXPECT_EQ(sample_token(two_maxima, options, random), 1);
   options.top_p = 1;
   // A temperature so small that logit / T overflows: still the most likely token, not every positive one.
   SamplingOptions cold = options;
