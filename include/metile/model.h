@@ -236,7 +236,9 @@ struct SamplingOptions {
   double top_p = 1;
   std::uint64_t seed = 0;
   bool greedy() const { return temperature == 0; }
-  void validate() const;  // InputError naming the field: temperature finite and >= 0, top_k >= 0, top_p in (0, 1]
+  // InputError naming the field: temperature finite and >= 0, top_k >= 0, top_p in (0, 1], and at
+  // temperature 0 (greedy) top_k, top_p and seed at their defaults (they would mean nothing).
+  void validate() const;
 };
 // One draw of the next token from one position's logits (SamplingOptions above; not greedy). InputError
 // when a logit is NaN or every logit is -inf (nothing to draw from).

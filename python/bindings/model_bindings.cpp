@@ -88,19 +88,15 @@ py::array_t<std::int32_t> tokens_array(const Generation& generation) {
 
 constexpr const char* kGenerateDoc =
     "n tokens after ids (int32): greedy at temperature 0, else drawn from softmax(logits / temperature) "
-    "kept to the top_k most likely (0: all) and to those holding top_p of the probability (1: all), "
-    "seeded by seed (the same tokens on every machine)";
+    "kept to the tokens reaching the top_k-th largest logit (0: all) and to the most likely ones holding "
+    "top_p of the probability (1: all), seeded by seed (the same tokens on every machine)";
 
 // generate's sampling keywords (SamplingOptions, include/metile/model.h); its ValueError names the keyword.
 SamplingOptions sampling_arguments(const py::handle& temperature, const py::handle& top_k, const py::handle& top_p,
                                    const py::handle& seed) {
-  SamplingOptions sampling{real_argument("temperature", temperature), integer_argument("top_k", top_k),
-                           real_argument("top_p", top_p), unsigned_argument("seed", seed)};
+  const SamplingOptions sampling{real_argument("temperature", temperature), integer_argument("top_k", top_k),
+                                 real_argument("top_p", top_p), unsigned_argument("seed", seed)};
   sampling.validate();
-  if (sampling.greedy() && (sampling.top_k != 0 || sampling.top_p != 1 || sampling.seed != 0)) {
-    throw InputError("top_k, top_p and seed pick among sampled tokens: give temperature above 0 too (0, or one a "
-                     "double rounds to 0, is greedy)");
-  }
   return sampling;
 }
 

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -306,6 +307,26 @@ std::optional<double> decode_rate(std::int64_t steps, double seconds) {
 nlohmann::json rate_json(std::optional<double> rate) { return rate ? nlohmann::json(*rate) : nlohmann::json(nullptr); }
 std::string rate_text(std::optional<double> rate) { return rate ? fmt::format("{:.2f}", *rate) : std::string("n/a"); }
 
+// SamplingOptions' messages name its fields as Python's keywords do (temperature, top_k, top_p, seed);
+// here each whole word becomes its option (--temperature, --top-k, --top-p, --seed).
+std::string with_option_names(std::string message) {
+  const auto word_character = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_'; };
+  for (const auto& [field, option] : {std::pair<std::string_view, std::string_view>{"temperature", "--temperature"},
+                                      {"top_k", "--top-k"},
+                                      {"top_p", "--top-p"},
+                                      {"seed", "--seed"}}) {
+    std::size_t at = message.find(field);
+    while (at != std::string::npos) {
+      const std::size_t end = at + field.size();
+      const bool whole_word = (at == 0 || !word_character(message[at - 1])) &&
+                              (end == message.size() || !word_character(message[end]));
+      if (whole_word) message.replace(at, field.size(), option);
+      at = message.find(field, whole_word ? at + option.size() : end);
+    }
+  }
+  return message;
+}
+
 void generate_command(const ModelOptions& options) {
   const std::vector<std::int32_t> prompt = parse_ids(options.prompt_ids);
   check_generation_count(options.tokens);  // before the model loads
@@ -313,18 +334,7 @@ void generate_command(const ModelOptions& options) {
   try {
     sampling.validate();
   } catch (const InputError& error) {
-    // The message opens with the field's name (Python's keyword); here it names the option.
-    std::string message = error.what();
-    for (const auto& [field, option] : {std::pair<std::string_view, std::string_view>{"temperature", "--temperature"},
-                                        {"top_k", "--top-k"},
-                                        {"top_p", "--top-p"}}) {
-      if (message.starts_with(field)) message = std::string(option) + message.substr(field.size());
-    }
-    throw InputError(message);
-  }
-  if (sampling.greedy() && (sampling.top_k != 0 || sampling.top_p != 1 || sampling.seed != 0)) {
-    throw InputError("--top-k, --top-p and --seed pick among sampled tokens: give --temperature above 0 too "
-                     "(0, or one a double rounds to 0, is greedy)");
+    throw InputError(with_option_names(error.what()));
   }
   const DecoderModel model = load_model(options);
   check_prompt_ids(prompt, model, options.prompt_ids);

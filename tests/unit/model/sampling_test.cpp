@@ -124,6 +124,11 @@ TEST(SampleToken, EdgeCasesAndArguments) {
   EXPECT_EQ(refusal({1, 0, 0, 0}), "top_p 0 must be in (0, 1] (1: every token)");
   EXPECT_EQ(refusal({1, 0, 1.5, 0}), "top_p 1.5 must be in (0, 1] (1: every token)");
   EXPECT_EQ(refusal({1, 0, NAN, 0}), "top_p nan must be in (0, 1] (1: every token)");
+  for (const SamplingOptions& greedy_with_filters : {SamplingOptions{0, 5, 1, 0}, SamplingOptions{0, 0, 0.5, 0},
+                                                     SamplingOptions{0, 0, 1, 7}}) {
+    EXPECT_EQ(refusal(greedy_with_filters), "top_k, top_p and seed pick among sampled tokens: give temperature above 0 "
+                                            "too (0, or one a double rounds to 0, is greedy)");
+  }
 }
 
 }  // namespace
