@@ -18,7 +18,7 @@ cmake --build --preset fuzz -j "$jobs"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 # harness:executions (CI); max_len bounds one input so every run costs about the same.
-for entry in graph_json:8000 planner:2000 dimacs:8000 target:3000 safetensors:4000 model_config:4000; do
+for entry in graph_json:8000 planner:2000 dimacs:8000 target:3000 safetensors:4000 model_config:4000 shard_index:3000; do
   harness=${entry%%:*}
   runs=$((${entry##*:} * multiplier))
   mkdir -p "$scratch/$harness"
