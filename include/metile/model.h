@@ -72,12 +72,20 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   DType dtype = DType::bf16;  // torch_dtype (4) or dtype (5)
   std::optional<AffineQuantization> quantization;  // MLX "quantization": {"group_size", "bits"}
+  // The tokens that end a sequence: generation stops after producing one (generate's stop_tokens, as
+  // transformers' generate stops). config.json's eos_token_id, one id or a list; absent or null: none
+  // (transformers 5; 4 took Llama's and Mistral's absent one as 2). A generation_config.json, where
+  // the checkpoint has one, takes its place (read_generation_config), as from_pretrained's does.
+  std::vector<std::int64_t> eos_token_ids;
 
   bool qkv_bias() const { return architecture == ModelArchitecture::qwen2; }
   std::int64_t group_size() const { return num_attention_heads / num_key_value_heads; }  // GQA factor G
 
   // Reads config.json text; InputError "SOURCE: field 'F': ..." on anything malformed.
   static ModelConfig parse_json(std::string_view text, std::string_view source);
+  // Takes generation_config.json's eos_token_id (none where it has no such key: transformers then reads
+  // the file alone, not config.json). DecoderModel::load calls it where the checkpoint has that file.
+  void read_generation_config(std::string_view text, std::string_view source);
   // transformers_version 4: rope_theta/rope_scaling/torch_dtype at the top level;
   // 5: rope_parameters {rope_type, rope_theta, ...} and dtype.
   std::string to_json(int transformers_version = 4) const;
@@ -244,18 +252,22 @@ struct SamplingOptions {
 // when a logit is NaN or every logit is -inf (nothing to draw from).
 std::int32_t sample_token(std::span<const float> logits, const SamplingOptions& options, std::mt19937_64& random);
 
-// Continuation: feeds the prompt, then `count` tokens picked by `sampling` (greedy by default);
-// `on_token` (if set) is called after each new token with its index.
+// Continuation: feeds the prompt, then `count` tokens picked by `sampling` (greedy by default), ending
+// early after a token of `stop_tokens` (kept as the last token, as transformers' generate keeps its
+// EOS; a model's are ModelConfig::eos_token_ids). `on_token` (if set) is called after each new token
+// with its index. The whole `count` must fit the cache (checked before the prompt is fed).
 struct Generation {
   std::vector<std::int32_t> tokens;
-  std::int64_t decode_steps = 0;  // one-token steps after the prompt (count - 1)
+  bool stopped = false;           // the last token is a stop token (generation ended there)
+  std::int64_t decode_steps = 0;  // one-token steps after the prompt (tokens - 1)
   double seconds = 0;             // their time
 };
 Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
-                    const SamplingOptions& sampling = {}, const std::function<void(std::int64_t)>& on_token = {});
+                    const SamplingOptions& sampling = {}, std::span<const std::int64_t> stop_tokens = {},
+                    const std::function<void(std::int64_t)>& on_token = {});
 inline Generation generate_greedy(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
                                   const std::function<void(std::int64_t)>& on_token = {}) {
-  return generate(session, prompt, count, {}, on_token);
+  return generate(session, prompt, count, {}, {}, on_token);
 }
 // At least one token (InputError otherwise): generate_greedy's rule, which `metile generate` asks
 // before it loads the model and Python's generate through generate_greedy.

@@ -2,8 +2,9 @@
 //   metile.load_model(path, dtype="bf16", quantize=None, group_size=None, max_seq=0, backend="cpu")
 //       -> Model (backend="cpu") or CudaModel (backend="cuda": weights uploaded once, the fused engine)
 //     .logits(ids) -> float32 numpy [len(ids), vocab], a fresh sequence each call
-//     .generate(ids, n, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> int32 numpy [n], greedy at
-//         temperature 0, else sampled (SamplingOptions)
+//     .generate(ids, n, temperature=0.0, top_k=0, top_p=1.0, seed=0, ignore_eos=False) -> int32 numpy
+//         [at most n], greedy at temperature 0, else sampled (SamplingOptions), ending after an
+//         end-of-sequence token (.eos_token_ids) unless ignore_eos
 //   backend="cuda" without a GPU (or in a build without the CUDA toolkit) raises ValueError, as
 //   `metile logits --backend cuda` exits 2.
 //   metile.synth_model(path, preset="tiny", arch=None, layers=None, seed=0, quantize=None,
@@ -87,17 +88,31 @@ py::array_t<std::int32_t> tokens_array(const Generation& generation) {
 }
 
 constexpr const char* kGenerateDoc =
-    "n tokens after ids (int32): greedy at temperature 0, else drawn from softmax(logits / temperature) "
+    "Up to n tokens after ids (int32): greedy at temperature 0, else drawn from softmax(logits / temperature) "
     "kept to the tokens reaching the top_k-th largest logit (0: all) and to the most likely ones holding "
-    "top_p of the probability (1: all), seeded by seed (the same tokens on every machine)";
+    "top_p of the probability (1: all), seeded by seed (the same tokens on every machine). Ends after the "
+    "checkpoint's end-of-sequence token (eos_token_ids, kept as the last token) unless ignore_eos";
 
-// generate's sampling keywords (SamplingOptions, include/metile/model.h); its ValueError names the keyword.
-SamplingOptions sampling_arguments(const py::handle& temperature, const py::handle& top_k, const py::handle& top_p,
-                                   const py::handle& seed) {
-  const SamplingOptions sampling{real_argument("temperature", temperature), integer_argument("top_k", top_k),
-                                 real_argument("top_p", top_p), unsigned_argument("seed", seed)};
-  sampling.validate();
-  return sampling;
+// A yes or no argument: True or False (Python's or numpy's); 1 or "no" is a TypeError.
+bool boolean_argument(const std::string& what, const py::handle& object) {
+  if (!is_boolean(object)) throw py::type_error(what + " must be True or False, got " + python_type_name(object));
+  return PyObject_IsTrue(object.ptr()) == 1;
+}
+
+// generate's keywords after ids and n: the sampling (SamplingOptions, include/metile/model.h; its
+// ValueError names the keyword) and the tokens that end the generation.
+struct GenerateArguments {
+  SamplingOptions sampling;
+  std::vector<std::int64_t> stop_tokens;
+};
+GenerateArguments generate_arguments(const DecoderModel& model, const py::handle& temperature, const py::handle& top_k,
+                                     const py::handle& top_p, const py::handle& seed, const py::handle& ignore_eos) {
+  GenerateArguments arguments{{real_argument("temperature", temperature), integer_argument("top_k", top_k),
+                               real_argument("top_p", top_p), unsigned_argument("seed", seed)},
+                              {}};
+  arguments.sampling.validate();
+  if (!boolean_argument("ignore_eos", ignore_eos)) arguments.stop_tokens = model.config().eos_token_ids;
+  return arguments;
 }
 
 #ifdef METILE_HAVE_CUDA_BACKEND
@@ -128,6 +143,9 @@ void bind_model(py::module_& module) {
       .def_property_readonly("num_layers", [](const DecoderModel& model) { return model.config().num_hidden_layers; })
       .def_property_readonly("dtype", [](const DecoderModel& model) { return std::string(dtype_name(model.dtype())); })
       .def_property_readonly("capacity", &DecoderModel::capacity)
+      .def_property_readonly(
+          "eos_token_ids", [](const DecoderModel& model) { return model.config().eos_token_ids; },
+          "The end-of-sequence tokens generate stops after (generation_config.json's or config.json's eos_token_id)")
       .def(
           "logits",
           [](const DecoderModel& model, const py::handle& ids) {
@@ -144,20 +162,20 @@ void bind_model(py::module_& module) {
       .def(
           "generate",
           [](const DecoderModel& model, const py::handle& ids, const py::handle& n, const py::handle& temperature,
-             const py::handle& top_k, const py::handle& top_p, const py::handle& seed) {
+             const py::handle& top_k, const py::handle& top_p, const py::handle& seed, const py::handle& ignore_eos) {
             const std::vector<std::int32_t> tokens = token_ids(ids, model);
             const std::int64_t count = integer_argument("n", n);
-            const SamplingOptions sampling = sampling_arguments(temperature, top_k, top_p, seed);
+            const GenerateArguments arguments = generate_arguments(model, temperature, top_k, top_p, seed, ignore_eos);
             Generation generation;
             {
               py::gil_scoped_release release;
               DecodeSession session(model);
-              generation = generate(session, tokens, count, sampling);
+              generation = generate(session, tokens, count, arguments.sampling, arguments.stop_tokens);
             }
             return tokens_array(generation);
           },
           py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
-          py::arg("seed") = 0, kGenerateDoc);
+          py::arg("seed") = 0, py::arg("ignore_eos") = false, kGenerateDoc);
 
 #ifdef METILE_HAVE_CUDA_BACKEND
   py::class_<PythonCudaModel, std::shared_ptr<PythonCudaModel>>(
@@ -168,6 +186,9 @@ void bind_model(py::module_& module) {
       .def_property_readonly("dtype",
                              [](const PythonCudaModel& held) { return std::string(dtype_name(held.model->dtype())); })
       .def_property_readonly("capacity", [](const PythonCudaModel& held) { return held.model->capacity(); })
+      .def_property_readonly(
+          "eos_token_ids", [](const PythonCudaModel& held) { return held.model->config().eos_token_ids; },
+          "The end-of-sequence tokens generate stops after (generation_config.json's or config.json's eos_token_id)")
       .def(
           "logits",
           [](PythonCudaModel& held, const py::handle& ids) {
@@ -184,20 +205,21 @@ void bind_model(py::module_& module) {
       .def(
           "generate",
           [](PythonCudaModel& held, const py::handle& ids, const py::handle& n, const py::handle& temperature,
-             const py::handle& top_k, const py::handle& top_p, const py::handle& seed) {
+             const py::handle& top_k, const py::handle& top_p, const py::handle& seed, const py::handle& ignore_eos) {
             const std::vector<std::int32_t> tokens = token_ids(ids, *held.model);
             const std::int64_t count = integer_argument("n", n);
-            const SamplingOptions sampling = sampling_arguments(temperature, top_k, top_p, seed);
+            const GenerateArguments arguments =
+                generate_arguments(*held.model, temperature, top_k, top_p, seed, ignore_eos);
             Generation generation;
             {
               py::gil_scoped_release release;
               held.session->reset();
-              generation = generate(*held.session, tokens, count, sampling);
+              generation = generate(*held.session, tokens, count, arguments.sampling, arguments.stop_tokens);
             }
             return tokens_array(generation);
           },
           py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
-          py::arg("seed") = 0, kGenerateDoc);
+          py::arg("seed") = 0, py::arg("ignore_eos") = false, kGenerateDoc);
 #endif
 
   module.def(

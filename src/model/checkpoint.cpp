@@ -1,6 +1,7 @@
 // DecoderModel::load: a Hugging Face checkpoint directory into runtime weights.
 //
 //   config.json                      -> ModelConfig (model_config.cpp)
+//   generation_config.json           -> its eos_token_id, where there is one (the tokens generation stops at)
 //   model.safetensors                -> one mapped file, or
 //   model.safetensors.index.json     -> {"weight_map": {tensor: shard file}}, each shard mapped once
 //
@@ -33,14 +34,14 @@ namespace {
 
 using Json = nlohmann::json;
 
-// config.json and the shard index: regular files read within kMaximumCheckpointJsonBytes (a
+// config.json, generation_config.json and the shard index: regular files read within kMaximumCheckpointJsonBytes (a
 // directory, a FIFO or a device in their place is an error, not a hang: opening a FIFO with no
 // writer blocks); each is parsed with parse_json_input's nesting limit.
 std::string read_checkpoint_json(const std::filesystem::path& path) {
   const std::filesystem::file_status status = input_path_status(path);
   if (std::filesystem::exists(status) && !std::filesystem::is_directory(status) &&
       !std::filesystem::is_regular_file(status)) {
-    throw InputError(path.string() + ": not a regular file (a checkpoint's config.json and shard index are files)");
+    throw InputError(path.string() + ": not a regular file (a checkpoint's config.json, generation_config.json and shard index are files)");
   }
   return read_input_file(path, kMaximumCheckpointJsonBytes, "checkpoint JSON");
 }
@@ -415,6 +416,11 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   if (!checkpoint_file_present(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
   DecoderModel model;
   model.config_ = ModelConfig::parse_json(read_checkpoint_json(config_path), config_path.string());
+  // transformers' generate stops at generation_config.json's eos_token_id where the checkpoint has that file.
+  if (const std::filesystem::path generation_path = directory / "generation_config.json";
+      checkpoint_file_present(generation_path)) {
+    model.config_.read_generation_config(read_checkpoint_json(generation_path), generation_path.string());
+  }
   model.dtype_ = options.dtype;
   const ModelConfig& config = model.config_;
   if (config.quantization && options.quantize) {

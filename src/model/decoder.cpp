@@ -200,7 +200,8 @@ void check_generation_count(std::int64_t count) {
 }
 
 Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
-                    const SamplingOptions& sampling, const std::function<void(std::int64_t)>& on_token) {
+                    const SamplingOptions& sampling, std::span<const std::int64_t> stop_tokens,
+                    const std::function<void(std::int64_t)>& on_token) {
   sampling.validate();
   if (prompt.empty()) throw InputError("the prompt is empty");
   check_generation_count(count);
@@ -219,7 +220,8 @@ Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt
   for (std::int64_t index = 0; index < count; ++index) {
     generation.tokens.push_back(token);
     if (on_token) on_token(index);
-    if (index + 1 == count) break;
+    generation.stopped = std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
+    if (generation.stopped || index + 1 == count) break;
     token = next_after(std::span<const std::int32_t>(&token, 1));
     ++generation.decode_steps;
   }

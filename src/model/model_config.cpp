@@ -5,6 +5,7 @@
 // MLX-community checkpoints add "quantization": {"group_size", "bits"}.
 // Every malformed or unsupported field is an InputError "SOURCE: field 'F': why".
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include <fmt/format.h>
@@ -138,6 +139,26 @@ void read_rope_type(const FieldReader& reader, RopeParameters& rope, std::int64_
   }
 }
 
+// eos_token_id (config.json or generation_config.json): one token id, or a list of them (Llama 3.1's
+// instruct checkpoints list three); null or an empty list: none. Ids are token ids of metile's 32-bit
+// step graphs: non-negative and below 2^31 (one at or past the vocabulary is never generated, as in
+// transformers, which checks neither).
+std::vector<std::int64_t> read_eos_token_ids(const FieldReader& reader) {
+  const std::string_view field = "eos_token_id";
+  if (!reader.present(field)) return {};
+  const Json& value = reader.object.at(field);
+  const auto token_id = [&](const Json& id) {
+    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > std::numeric_limits<std::int32_t>::max()) {
+      reader.fail(field, "must be a token id (0 to 2^31 - 1) or a list of them, got " + json_excerpt(value));
+    }
+    return id.get<std::int64_t>();
+  };
+  if (!value.is_array()) return {token_id(value)};
+  std::vector<std::int64_t> ids;
+  for (const Json& id : value) ids.push_back(token_id(id));
+  return ids;
+}
+
 }  // namespace
 
 std::string_view architecture_class_name(ModelArchitecture architecture) {
@@ -252,6 +273,9 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     reader.fail("rms_norm_eps", error.what());
   }
   config.tie_word_embeddings = reader.boolean_or("tie_word_embeddings", false);
+  // Absent: none, as transformers 5's generate reads config.json where no generation_config.json is
+  // (4's took the config class's default: 2 for Llama and Mistral, none for Qwen2).
+  config.eos_token_ids = read_eos_token_ids(reader);
   if (reader.present("hidden_act") && reader.string("hidden_act") != "silu") {
     reader.fail("hidden_act", "'" + reader.string("hidden_act") + "' is not supported (silu)");
   }
@@ -374,6 +398,12 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   return config;
 }
 
+void ModelConfig::read_generation_config(std::string_view text, std::string_view source) {
+  const Json json = parse_json_input(text, source);
+  if (!json.is_object()) throw InputError(fmt::format("{}: not a JSON object", source));
+  eos_token_ids = read_eos_token_ids(FieldReader{json, std::string(source), ""});
+}
+
 std::string ModelConfig::to_json(int transformers_version) const {
   Json json = Json::object();
   json["architectures"] = {std::string(architecture_class_name(architecture))};
@@ -396,7 +426,10 @@ std::string ModelConfig::to_json(int transformers_version) const {
   json["initializer_range"] = 0.02;
   json["use_cache"] = true;
   json["bos_token_id"] = 1;
-  json["eos_token_id"] = 2;
+  // As read_eos_token_ids reads it back: null for none (transformers 4 took an absent one as 2 for Llama).
+  json["eos_token_id"] = eos_token_ids.empty()       ? Json(nullptr)
+                         : eos_token_ids.size() == 1 ? Json(eos_token_ids[0])
+                                                     : Json(eos_token_ids);
   if (architecture == ModelArchitecture::llama) {
     json["attention_bias"] = false;
     json["mlp_bias"] = false;

@@ -202,6 +202,8 @@ void draw_uniform_bf16(HostTensor& tensor, std::uint64_t stream_seed, float low,
 
 ModelConfig synth_config(const SynthOptions& options) {
   ModelConfig config = preset_config(options.preset);
+  // eos_token_ids stays empty (written as null): random weights give no text to end, and generation runs
+  // the tokens asked for.
   if (options.architecture) config.architecture = *options.architecture;
   if (options.layers) {
     // The deepest public decoders have ~130 layers; the bound keeps a typo from filling the disk and memory.

@@ -467,6 +467,15 @@ TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
     }
     session.reset();
     EXPECT_EQ(generate(session, prompt, 24, SamplingOptions{0.9, 0, 1e-300, seed}).tokens, on_device.tokens);
+    // A stop token (one the greedy run produces, at a drawn index) ends the device's generation after
+    // its first occurrence, as the host's cut of the whole run.
+    const std::int32_t stop = on_device.tokens[seed % on_device.tokens.size()];
+    const auto first = std::find(on_device.tokens.begin(), on_device.tokens.end(), stop);
+    const std::vector<std::int64_t> stop_tokens = {stop};
+    session.reset();
+    const Generation stopped = generate(session, prompt, 24, {}, stop_tokens);
+    EXPECT_EQ(stopped.tokens, std::vector<std::int32_t>(on_device.tokens.begin(), first + 1));
+    EXPECT_TRUE(stopped.stopped);
   }
 }
 

@@ -10,8 +10,10 @@ torch_dtype; 5: rope_parameters / dtype) and Llama 3 RoPE scaling, this script
   3. compares the float32 logits of a 20-token prompt (prefilled by metile in chunks
      of 16 + 4) with `metile logits --dtype f32`: max |error| <= 1e-4 of max |logit|,
      and the same argmax at every position,
-  4. compares 32 greedy tokens with `metile generate --dtype f32` (transformers
-     recomputes the whole prefix each step, no cache; metile decodes with its KV cache).
+  4. compares 32 greedy tokens with `metile generate --dtype f32 --ignore-eos` (transformers
+     recomputes the whole prefix each step, no cache; metile decodes with its KV cache), and
+     then with an end-of-sequence token (one of those tokens, in generation_config.json) metile's
+     generation with transformers' generate(eos_token_id=...): both end after its first occurrence.
 
 It needs python3 with torch and transformers (the device has them); without them it
 prints why and exits 77, which ctest reports as skipped. No GPU is needed: torch runs
@@ -197,10 +199,18 @@ def main():
                 for _ in range(args.steps):
                     tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
             expected_tokens = tokens[4:]
-            generated = json.loads(run([args.metile, "generate", model_dir, "--prompt-ids",
-                                        ",".join(str(t) for t in prompt[:4]), "--tokens", str(args.steps),
-                                        "--dtype", "f32", "--format", "json"]))["tokens"]
-            same_tokens = generated == expected_tokens
+            generate = [args.metile, "generate", model_dir, "--prompt-ids", ",".join(str(t) for t in prompt[:4]),
+                        "--tokens", str(args.steps), "--dtype", "f32", "--format", "json"]
+            generated = json.loads(run(generate + ["--ignore-eos"]))["tokens"]
+            # The end-of-sequence stop against transformers' generate: an eos_token_id that the greedy run
+            # produces (at a drawn step), in generation_config.json for metile and to generate() alike.
+            eos = expected_tokens[generator.randrange(len(expected_tokens))]
+            with open(os.path.join(model_dir, "generation_config.json"), "w") as file:
+                json.dump({"eos_token_id": [eos]}, file)
+            with torch.no_grad():
+                stopped = model.generate(torch.tensor([prompt[:4]]), max_new_tokens=args.steps, do_sample=False,
+                                         eos_token_id=[eos], pad_token_id=eos)[0, 4:].tolist()
+            same_tokens = generated == expected_tokens and json.loads(run(generate))["tokens"] == stopped
             ok = error <= args.max_relative_error and same_argmax and same_tokens
             failures += 0 if ok else 1
             first_difference = next((i for i, (a, b) in enumerate(zip(generated, expected_tokens)) if a != b), None)

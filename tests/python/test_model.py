@@ -117,6 +117,33 @@ def test_generate_samples_within_top_k_and_top_p(tmp_path, rng):
         model.generate(prompt, 2, temperature=1.0, seed=-1)
 
 
+def test_generate_ends_after_the_end_of_sequence_token(tmp_path, rng):
+    """generate stops after the checkpoint's eos_token_id (config.json's, then generation_config.json's in
+    its place), keeping it, as transformers does; ignore_eos gives all n; the oracle is the unstopped
+    generation cut after the first stop token, drawn from it."""
+    path = tmp_path / "mistral"
+    metile.synth_model(str(path), arch="mistral", seed=int(rng.integers(1, 2**32)))
+    model = metile.load_model(str(path))
+    assert model.eos_token_ids == []  # synthetic checkpoints have none
+    prompt = [4, 8, 15]
+    unstopped = [int(token) for token in model.generate(prompt, 9)]
+    stop = unstopped[int(rng.integers(0, len(unstopped)))]
+    want = unstopped[:unstopped.index(stop) + 1]
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = stop
+    (path / "config.json").write_text(json.dumps(config))
+    model = metile.load_model(str(path))
+    assert model.eos_token_ids == [stop]
+    assert [int(token) for token in model.generate(prompt, 9)] == want
+    assert [int(token) for token in model.generate(prompt, 9, ignore_eos=True)] == unstopped
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop + 1000, stop]}))
+    model = metile.load_model(str(path))
+    assert model.eos_token_ids == [stop + 1000, stop]
+    assert [int(token) for token in model.generate(prompt, 9, ignore_eos=np.bool_(False))] == want
+    with pytest.raises(TypeError, match="ignore_eos must be True or False, got int"):
+        model.generate(prompt, 2, ignore_eos=1)
+
+
 def test_errors(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         metile.load_model(str(tmp_path))

@@ -3,8 +3,10 @@
 //       [--all-positions]: JSON {"logits": [last position's logits, or with --all-positions every
 //       position's, row after row], "argmax": [each position's argmax]}
 //   metile generate MODEL_DIR --prompt-ids ... --tokens N [--temperature T [--top-k K] [--top-p P] [--seed S]]
-//       [...]: greedy (or sampled, SamplingOptions) decoding, a progress line on stderr;
-//       JSON {"tokens": [...], "tokens_per_second": x} (null for one token: no decode step ran; "n/a" in text)
+//       [--ignore-eos] [...]: greedy (or sampled, SamplingOptions) decoding up to N tokens, ending after the
+//       checkpoint's end-of-sequence token (ModelConfig::eos_token_ids) unless --ignore-eos; a progress line
+//       on stderr; JSON {"tokens": [...], "stopped_at_eos": b, "tokens_per_second": x} (null for one token:
+//       no decode step ran; "n/a" in text)
 //   metile verify-model MODEL_DIR [--tokens N] [--quantize 4|8] [--backend cpu|cuda] [thresholds]:
 //       cpu: the reference path against the planned (fused) path; cuda: the native engine against the
 //       fused engine, declining the region kinds that break it (model_cuda_commands.cpp); both fed the
@@ -340,20 +342,26 @@ void generate_command(const ModelOptions& options) {
   check_prompt_ids(prompt, model, options.prompt_ids);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
-  const Generation generation = generate(*session, prompt, options.tokens, sampling, [&](std::int64_t index) {
-    if (terminal) fmt::print(stderr, "\rmetile generate: {}/{} tokens", index + 1, options.tokens);
-  });
+  const std::vector<std::int64_t> no_stop;
+  const std::vector<std::int64_t>& stop_tokens = options.ignore_eos ? no_stop : model.config().eos_token_ids;
+  const Generation generation =
+      generate(*session, prompt, options.tokens, sampling, stop_tokens, [&](std::int64_t index) {
+        if (terminal) fmt::print(stderr, "\rmetile generate: {}/{} tokens", index + 1, options.tokens);
+      });
   const std::optional<double> rate = decode_rate(generation.decode_steps, generation.seconds);
   const std::string picked = sampling.greedy() ? "greedy"
                                                : fmt::format("sampled at temperature {}, top-k {}, top-p {}, seed {}",
                                                              sampling.temperature, sampling.top_k, sampling.top_p,
                                                              sampling.seed);
-  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt, {} tokens/s ({} {}, {})\n",
-             terminal ? "\r" : "", generation.tokens.size(), prompt.size(), rate_text(rate), options.dtype,
+  const std::string stopped =
+      generation.stopped ? fmt::format(", ended by end-of-sequence token {}", generation.tokens.back()) : "";
+  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt{}, {} tokens/s ({} {}, {})\n",
+             terminal ? "\r" : "", generation.tokens.size(), prompt.size(), stopped, rate_text(rate), options.dtype,
              backend_description(options), picked);
   if (options.format == "json") {
     nlohmann::json json;
     json["tokens"] = generation.tokens;
+    json["stopped_at_eos"] = generation.stopped;
     json["tokens_per_second"] = rate_json(rate);
     fmt::print("{}\n", json.dump());
     return;
@@ -533,6 +541,9 @@ void add_model_commands(CLI::App& app) {
         ->capture_default_str();
     command->add_option("--seed", options->seed, "with --temperature: seed of the draws (std::mt19937_64)")
         ->capture_default_str();
+    command->add_flag("--ignore-eos", options->ignore_eos,
+                      "generate all --tokens (default: stop after the checkpoint's end-of-sequence token, "
+                      "eos_token_id of generation_config.json or config.json)");
     command->callback([options] { generate_command(*options); });
   }
   {

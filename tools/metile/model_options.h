@@ -31,6 +31,7 @@ struct ModelOptions {
   double temperature = 0;
   std::int64_t top_k = 0;
   double top_p = 1;
+  bool ignore_eos = false;  // generate: all --tokens, past the model's end-of-sequence tokens
   std::string decline;       // --backend cuda: comma-separated region kinds to run native
   std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
   std::string tournament_caches = "cold";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)

@@ -1,13 +1,16 @@
 // The model commands' output (tools/metile/model_commands.cpp) on a tiny synthetic checkpoint:
 // `metile logits --format json`, with and without --all-positions, against the same prompt fed
 // in this process (DecodeSession, the CPU path the command runs); `metile generate`'s rate, which
-// one token does not have.
+// one token does not have, its sampling and its end-of-sequence stop.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 
 #include "model_test_support.h"
 
@@ -147,6 +150,34 @@ TEST_F(ModelCommand, GenerateSamplesAsTheLibraryDoes) {
     EXPECT_EQ(err.rfind("metile: error: " + message, 0), 0u) << options << ": " << err;
     EXPECT_EQ(out, "") << options;
   }
+}
+
+// generate ends after the checkpoint's end-of-sequence token (generation_config.json's eos_token_id here),
+// keeping it, and says so; --ignore-eos gives every --tokens. The oracle is the library's generation
+// without stop tokens, cut after the first token the stop set holds (one drawn from that generation).
+TEST_F(ModelCommand, GenerateEndsAtTheEndOfSequenceTokenUnlessIgnored) {
+  const std::filesystem::path directory = synth("model", {});
+  const std::vector<std::int32_t> prompt = {2, 7, 1};
+  const DecoderModel model = DecoderModel::load(directory);
+  DecodeSession session(model);
+  const std::vector<std::int32_t> unstopped = generate_greedy(session, prompt, 10).tokens;
+  std::mt19937_64 generator(testing::model_test_seed() + 3);
+  const std::int32_t eos = unstopped[generator() % unstopped.size()];
+  const std::size_t end = std::find(unstopped.begin(), unstopped.end(), eos) - unstopped.begin();
+  testing::write_text(directory / "generation_config.json", fmt::format(R"({{"eos_token_id": [100000, {}]}})", eos));
+  std::string out, err;
+  const std::string command = "generate " + directory.string() + " --prompt-ids 2,7,1 --tokens 10 --format json";
+  ASSERT_EQ(run_metile(command, out, err), 0) << err;
+  EXPECT_EQ(Json::parse(out)["tokens"].get<std::vector<std::int32_t>>(),
+            std::vector<std::int32_t>(unstopped.begin(), unstopped.begin() + static_cast<std::ptrdiff_t>(end) + 1));
+  EXPECT_TRUE(Json::parse(out)["stopped_at_eos"].get<bool>());
+  EXPECT_NE(err.find(fmt::format("{} tokens after a 3-token prompt, ended by end-of-sequence token {},", end + 1, eos)),
+            std::string::npos)
+      << err;
+  ASSERT_EQ(run_metile(command + " --ignore-eos", out, err), 0) << err;
+  EXPECT_EQ(Json::parse(out)["tokens"].get<std::vector<std::int32_t>>(), unstopped);
+  EXPECT_FALSE(Json::parse(out)["stopped_at_eos"].get<bool>());
+  EXPECT_EQ(err.find("end-of-sequence"), std::string::npos) << err;
 }
 
 // --quantize keeps a matrix dense when its columns are not whole groups (as MLX does), and says so:

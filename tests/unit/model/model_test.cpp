@@ -695,6 +695,101 @@ TEST_F(DecoderModelTest, SampledGenerationDrawsFromEachPositionsLogits) {
   EXPECT_EQ(refused.position(), 0);
 }
 
+// Generation ends after a stop token: the tokens are those of the same generation without stop tokens,
+// up to and including the first that is one (transformers keeps its EOS), for greedy and sampled
+// decoding; a stop token never produced changes nothing. The stop sets are drawn from the unstopped
+// continuation, so each one ends it somewhere (or nowhere) the oracle finds by a plain scan.
+TEST_F(DecoderModelTest, GenerationEndsAfterTheFirstStopToken) {
+  std::mt19937_64 generator(testing::model_test_seed() + 12);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}));
+  const std::vector<std::int32_t> prompt = random_tokens(generator, 4, 256);
+  for (const double temperature : {0.0, 0.8}) {
+    SamplingOptions sampling;
+    sampling.temperature = temperature;
+    if (temperature > 0) sampling.seed = generator();
+    DecodeSession full(model);
+    const std::vector<std::int32_t> unstopped = generate(full, prompt, 12, sampling).tokens;
+    ASSERT_EQ(unstopped.size(), 12u);
+    for (int trial = 0; trial < 6; ++trial) {
+      std::vector<std::int64_t> stop_tokens = {unstopped[generator() % unstopped.size()], 256 + trial};
+      if (trial == 0) stop_tokens = {300};  // outside the vocabulary: never produced
+      std::shuffle(stop_tokens.begin(), stop_tokens.end(), generator);
+      std::size_t end = 0;
+      while (end < unstopped.size() &&
+             std::find(stop_tokens.begin(), stop_tokens.end(), unstopped[end]) == stop_tokens.end()) {
+        ++end;
+      }
+      const bool stops = end < unstopped.size();
+      const std::vector<std::int32_t> want(unstopped.begin(), unstopped.begin() + (stops ? end + 1 : end));
+      DecodeSession session(model);
+      std::int64_t calls = 0;
+      const Generation generation =
+          generate(session, prompt, 12, sampling, stop_tokens, [&](std::int64_t) { ++calls; });
+      EXPECT_EQ(generation.tokens, want) << "temperature " << temperature << ", trial " << trial;
+      EXPECT_EQ(generation.stopped, stops);
+      EXPECT_EQ(calls, static_cast<std::int64_t>(want.size()));
+      EXPECT_EQ(generation.decode_steps, static_cast<std::int64_t>(want.size()) - 1);
+      // The session holds the prompt and every token but the last (which ended it or was the count's).
+      EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size() + want.size() - 1));
+    }
+  }
+}
+
+// eos_token_id as transformers 5's generate reads it: absent or null none (4 took Llama's and Mistral's
+// absent one as 2); one id or a list; anything else refused naming the field. A generation_config.json
+// takes config.json's place at load wholly (from_pretrained's generation config: without the key, no
+// end-of-sequence token); synthetic checkpoints have none.
+TEST_F(DecoderModelTest, EndOfSequenceTokensFollowTransformers) {
+  using Json = nlohmann::json;
+  const auto parse = [](ModelArchitecture architecture, const std::function<void(Json&)>& edit) {
+    SynthOptions options;
+    options.architecture = architecture;
+    Json json = Json::parse(synth_config(options).to_json());
+    json.erase("eos_token_id");
+    edit(json);
+    return ModelConfig::parse_json(json.dump(), "config.json").eos_token_ids;
+  };
+  using Ids = std::vector<std::int64_t>;
+  for (ModelArchitecture architecture : {ModelArchitecture::llama, ModelArchitecture::qwen2, ModelArchitecture::mistral}) {
+    EXPECT_EQ(parse(architecture, [](Json&) {}), Ids{});
+    EXPECT_EQ(parse(architecture, [](Json& c) { c["eos_token_id"] = nullptr; }), Ids{});
+    EXPECT_EQ(parse(architecture, [](Json& c) { c["eos_token_id"] = 151645; }), Ids{151645});
+    EXPECT_EQ(parse(architecture, [](Json& c) { c["eos_token_id"] = {128001, 128008, 128009}; }),
+              (Ids{128001, 128008, 128009}));
+    EXPECT_EQ(parse(architecture, [](Json& c) { c["eos_token_id"] = Json::array(); }), Ids{});
+  }
+  for (const Json& bad : {Json(-1), Json(2.5), Json("2"), Json(true), Json{1, "x"}, Json(std::int64_t{1} << 31),
+                          Json{Json::array()}}) {
+    EXPECT_EQ(error_of([&] { parse(ModelArchitecture::llama, [&](Json& c) { c["eos_token_id"] = bad; }); }),
+              "config.json: field 'eos_token_id': must be a token id (0 to 2^31 - 1) or a list of them, got " +
+                  bad.dump())
+        << bad.dump();
+  }
+  EXPECT_EQ(synth_config({}).eos_token_ids, Ids{});
+
+  const std::filesystem::path directory = synth("eos", {});
+  EXPECT_EQ(DecoderModel::load(directory).config().eos_token_ids, Ids{});
+  Json config = Json::parse(read_text(directory / "config.json"));
+  config["eos_token_id"] = 5;
+  write_text(directory / "config.json", config.dump());
+  EXPECT_EQ(DecoderModel::load(directory).config().eos_token_ids, Ids{5});
+  write_text(directory / "generation_config.json", R"({"do_sample": true, "temperature": 0.6})");
+  EXPECT_EQ(DecoderModel::load(directory).config().eos_token_ids, Ids{});
+  write_text(directory / "generation_config.json", R"({"bos_token_id": 1, "eos_token_id": [7, 9]})");
+  EXPECT_EQ(DecoderModel::load(directory).config().eos_token_ids, (Ids{7, 9}));
+  write_text(directory / "generation_config.json", R"({"eos_token_id": null})");
+  EXPECT_EQ(DecoderModel::load(directory).config().eos_token_ids, Ids{});
+  const std::string path = (directory / "generation_config.json").string();
+  write_text(directory / "generation_config.json", R"({"eos_token_id": "</s>"})");
+  EXPECT_EQ(error_of([&] { DecoderModel::load(directory); }),
+            path + ": field 'eos_token_id': must be a token id (0 to 2^31 - 1) or a list of them, got \"</s>\"");
+  write_text(directory / "generation_config.json", "[1]");
+  EXPECT_EQ(error_of([&] { DecoderModel::load(directory); }), path + ": not a JSON object");
+  std::filesystem::remove(directory / "generation_config.json");
+  std::filesystem::create_directory(directory / "generation_config.json");
+  EXPECT_NE(error_of([&] { DecoderModel::load(directory); }).find(path + ": "), std::string::npos);
+}
+
 // The sliding window as transformers reads config.json: MistralConfig and Qwen2Config default it to
 // 4096 when the field is absent (an explicit null is no window), and Qwen2 slides only layers
 // max_window_layers (default 28) and up. Before, an absent field meant no window, so a Mistral
@@ -827,7 +922,7 @@ TEST(ModelConfigHeads, AbsentKeyValueHeadsTakeTransformersDefaults) {
 }
 
 // to_json writes what parse_json reads back, in both spellings: windows (Mistral's, Qwen2's), a Qwen2
-// head_dim apart from hidden / heads, llama3 RoPE, MLX quantization, f32. (synth-model writes
+// head_dim apart from hidden / heads, llama3 RoPE, MLX quantization, f32, end-of-sequence tokens. (synth-model writes
 // config.json with it; the window and the Qwen2 head_dim were dropped.) fuzz/fuzz_model_config.cpp
 // holds every config it parses to the same.
 TEST(ModelConfigJson, ToJsonReadsBackAsTheSameConfig) {
@@ -846,6 +941,9 @@ TEST(ModelConfigJson, ToJsonReadsBackAsTheSameConfig) {
     config.quantization = AffineQuantization{8, 32};
     config.dtype = DType::f32;
     config.rms_norm_eps = 1.0 / 3;
+    config.eos_token_ids = {2};
+    configs.push_back(config);
+    config.eos_token_ids = {128001, 128008, 128009};
     configs.push_back(config);
   }
   for (const ModelConfig& config : configs) {
