@@ -34,14 +34,15 @@ namespace {
 
 using Json = nlohmann::json;
 
-// config.json, generation_config.json and the shard index: regular files read within kMaximumCheckpointJsonBytes (a
-// directory, a FIFO or a device in their place is an error, not a hang: opening a FIFO with no
-// writer blocks); each is parsed with parse_json_input's nesting limit.
+// config.json, generation_config.json and the shard index: regular files read within
+// kMaximumCheckpointJsonBytes (a directory, a FIFO or a device in their place is an error, not a hang:
+// opening a FIFO with no writer blocks); each is parsed with parse_json_input's nesting limit.
 std::string read_checkpoint_json(const std::filesystem::path& path) {
   const std::filesystem::file_status status = input_path_status(path);
   if (std::filesystem::exists(status) && !std::filesystem::is_directory(status) &&
       !std::filesystem::is_regular_file(status)) {
-    throw InputError(path.string() + ": not a regular file (a checkpoint's config.json, generation_config.json and shard index are files)");
+    throw InputError(path.string() +
+                     ": not a regular file (a checkpoint's config.json, generation_config.json and shard index are files)");
   }
   return read_input_file(path, kMaximumCheckpointJsonBytes, "checkpoint JSON");
 }

@@ -148,7 +148,8 @@ std::vector<std::int64_t> read_eos_token_ids(const FieldReader& reader) {
   if (!reader.present(field)) return {};
   const Json& value = reader.object.at(field);
   const auto token_id = [&](const Json& id) {
-    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > std::numeric_limits<std::int32_t>::max()) {
+    constexpr std::int64_t kLargestId = std::numeric_limits<std::int32_t>::max();
+    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > kLargestId) {
       reader.fail(field, "must be a token id (0 to 2^31 - 1) or a list of them, got " + json_excerpt(value));
     }
     return id.get<std::int64_t>();
