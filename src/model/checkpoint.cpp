@@ -417,10 +417,16 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   if (!checkpoint_file_present(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
   DecoderModel model;
   model.config_ = ModelConfig::parse_json(read_checkpoint_json(config_path), config_path.string());
-  // transformers' generate stops at generation_config.json's eos_token_id where the checkpoint has that file.
-  if (const std::filesystem::path generation_path = directory / "generation_config.json";
-      checkpoint_file_present(generation_path)) {
-    model.config_.read_generation_config(read_checkpoint_json(generation_path), generation_path.string());
+  // transformers' generate stops at generation_config.json's eos_token_id where the checkpoint has that
+  // file. One that cannot be read as such is passed over, as from_pretrained passes over any error
+  // loading it (keeping config.json's tokens), but said: it changes where generation ends, and every
+  // command but generate (logits, verify-model) is indifferent to it.
+  try {
+    if (const std::filesystem::path path = directory / "generation_config.json"; checkpoint_file_present(path)) {
+      model.config_.read_generation_config(read_checkpoint_json(path), path.string());
+    }
+  } catch (const InputError& error) {
+    options.warn(fmt::format("{}; generation ends at config.json's eos_token_id instead", error.what()));
   }
   model.dtype_ = options.dtype;
   const ModelConfig& config = model.config_;

@@ -147,16 +147,22 @@ std::vector<std::int64_t> read_eos_token_ids(const FieldReader& reader) {
   const std::string_view field = "eos_token_id";
   if (!reader.present(field)) return {};
   const Json& value = reader.object.at(field);
-  const auto token_id = [&](const Json& id) {
-    constexpr std::int64_t kLargestId = std::numeric_limits<std::int32_t>::max();
-    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() > kLargestId) {
-      reader.fail(field, "must be a token id (0 to 2^31 - 1) or a list of them, got " + json_excerpt(value));
-    }
-    return id.get<std::int64_t>();
+  constexpr std::string_view kRule = "must be a token id (0 to 2^31 - 1) or a list of them";
+  const auto is_token_id = [](const Json& id) {
+    return id.is_number_integer() && id.get<std::int64_t>() >= 0 &&
+           id.get<std::int64_t>() <= std::numeric_limits<std::int32_t>::max();
   };
-  if (!value.is_array()) return {token_id(value)};
+  if (!value.is_array()) {
+    if (!is_token_id(value)) reader.fail(field, fmt::format("{}, got {}", kRule, json_excerpt(value)));
+    return {value.get<std::int64_t>()};
+  }
   std::vector<std::int64_t> ids;
-  for (const Json& id : value) ids.push_back(token_id(id));
+  for (const Json& id : value) {
+    if (!is_token_id(id)) {  // named by its place: a long list's excerpt may not reach it
+      reader.fail(field, fmt::format("{}, got {} at index {}", kRule, json_excerpt(id), ids.size()));
+    }
+    ids.push_back(id.get<std::int64_t>());
+  }
   return ids;
 }
 

@@ -355,9 +355,9 @@ void generate_command(const ModelOptions& options) {
                                                              sampling.seed);
   const std::string stopped =
       generation.stopped ? fmt::format(", ended by end-of-sequence token {}", generation.tokens.back()) : "";
-  fmt::print(stderr, "{}metile generate: {} tokens after a {}-token prompt{}, {} tokens/s ({} {}, {})\n",
-             terminal ? "\r" : "", generation.tokens.size(), prompt.size(), stopped, rate_text(rate), options.dtype,
-             backend_description(options), picked);
+  fmt::print(stderr, "{}metile generate: {} token{} after a {}-token prompt{}, {} tokens/s ({} {}, {})\n",
+             terminal ? "\r" : "", generation.tokens.size(), generation.tokens.size() == 1 ? "" : "s", prompt.size(),
+             stopped, rate_text(rate), options.dtype, backend_description(options), picked);
   if (options.format == "json") {
     nlohmann::json json;
     json["tokens"] = generation.tokens;

@@ -102,7 +102,7 @@ TEST_F(ModelCommand, GenerateGivesNoRateForOneToken) {
   const Json one = Json::parse(out);
   EXPECT_EQ(one["tokens"].size(), 1u);
   EXPECT_TRUE(one["tokens_per_second"].is_null()) << out;
-  EXPECT_NE(err.find("1 tokens after a 2-token prompt, n/a tokens/s"), std::string::npos) << err;
+  EXPECT_NE(err.find("1 token after a 2-token prompt, n/a tokens/s"), std::string::npos) << err;
   ASSERT_EQ(run_metile("generate " + directory.string() + " --prompt-ids 1,2 --tokens 3 --format json", out, err), 0) << err;
   const Json three = Json::parse(out);
   EXPECT_EQ(three["tokens"].size(), 3u);
@@ -178,6 +178,11 @@ TEST_F(ModelCommand, GenerateEndsAtTheEndOfSequenceTokenUnlessIgnored) {
   EXPECT_EQ(Json::parse(out)["tokens"].get<std::vector<std::int32_t>>(), unstopped);
   EXPECT_FALSE(Json::parse(out)["stopped_at_eos"].get<bool>());
   EXPECT_EQ(err.find("end-of-sequence"), std::string::npos) << err;
+  // A generation_config.json that is not one is a warning, not a failure: logits needs no end of sequence.
+  testing::write_text(directory / "generation_config.json", "{\"eos_token_id\": [1,");
+  ASSERT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 2,7,1", out, err), 0) << err;
+  EXPECT_EQ(err.rfind("metile: warning: " + (directory / "generation_config.json").string() + ": ", 0), 0u) << err;
+  EXPECT_NE(err.find("; generation ends at config.json's eos_token_id instead\n"), std::string::npos) << err;
 }
 
 // --quantize keeps a matrix dense when its columns are not whole groups (as MLX does), and says so:
