@@ -116,7 +116,8 @@ struct LoadOptions {
   // above this caps the capacity instead of refusing the load.
   std::int64_t max_sequence_needed = 0;
   // Said once a checkpoint has loaded but not wholly (tensors of layers past config.json's
-  // num_hidden_layers, which transformers also leaves out, with a warning); empty: nothing is said.
+  // num_hidden_layers, which transformers also leaves out, with a warning; weights config.json does not
+  // call for), and of a generation_config.json passed over; empty: nothing is said.
   std::function<void(const std::string&)> warn = print_warning_line;
 };
 
@@ -269,8 +270,8 @@ inline Generation generate_greedy(LogitsSession& session, std::span<const std::i
                                   const std::function<void(std::int64_t)>& on_token = {}) {
   return generate(session, prompt, count, {}, {}, on_token);
 }
-// At least one token (InputError otherwise): generate_greedy's rule, which `metile generate` asks
-// before it loads the model and Python's generate through generate_greedy.
+// At least one token (InputError otherwise): generate's rule, which `metile generate` asks before it
+// loads the model.
 void check_generation_count(std::int64_t count);
 
 

@@ -21,6 +21,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "json_input.h"
@@ -418,15 +419,19 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
   DecoderModel model;
   model.config_ = ModelConfig::parse_json(read_checkpoint_json(config_path), config_path.string());
   // transformers' generate stops at generation_config.json's eos_token_id where the checkpoint has that
-  // file. One that cannot be read as such is passed over, as from_pretrained passes over any error
-  // loading it (keeping config.json's tokens), but said: it changes where generation ends, and every
-  // command but generate (logits, verify-model) is indifferent to it.
+  // file. One that cannot be read as such is passed over with a warning, keeping config.json's tokens:
+  // every command but generate (logits, verify-model) is indifferent to it. (transformers passes over a
+  // missing or unparsable one, its OSError, and fails at generate on a malformed eos_token_id.)
   try {
     if (const std::filesystem::path path = directory / "generation_config.json"; checkpoint_file_present(path)) {
       model.config_.read_generation_config(read_checkpoint_json(path), path.string());
     }
   } catch (const InputError& error) {
-    options.warn(fmt::format("{}; generation ends at config.json's eos_token_id instead", error.what()));
+    if (options.warn) {
+      const std::vector<std::int64_t>& ids = model.config_.eos_token_ids;
+      options.warn(fmt::format("{}; generation ends at config.json's eos_token_id instead ({})", error.what(),
+                               ids.empty() ? "none" : fmt::format("{}", fmt::join(ids, ", "))));
+    }
   }
   model.dtype_ = options.dtype;
   const ModelConfig& config = model.config_;

@@ -210,10 +210,12 @@ def main():
             with torch.no_grad():
                 stopped = model.generate(torch.tensor([prompt[:4]]), max_new_tokens=args.steps, do_sample=False,
                                          eos_token_id=[eos], pad_token_id=eos)[0, 4:].tolist()
-            same_tokens = generated == expected_tokens and json.loads(run(generate))["tokens"] == stopped
+            same_stop = json.loads(run(generate))["tokens"] == stopped
+            same_tokens = generated == expected_tokens and same_stop
             ok = error <= args.max_relative_error and same_argmax and same_tokens
             failures += 0 if ok else 1
-            first_difference = next((i for i, (a, b) in enumerate(zip(generated, expected_tokens)) if a != b), None)
+            first_difference = next((f"@{i}" for i, (a, b) in enumerate(zip(generated, expected_tokens)) if a != b),
+                                    "" if same_stop else f" at eos {eos}")
             rows.append((name, error, same_argmax, same_tokens, first_difference, ok))
     finally:
         if args.work is None:
@@ -230,7 +232,7 @@ def main():
         return 1 if failures else 0
     print(f"{'checkpoint':32} {'max |err| / max |logit|':>24} {'argmax':>7} {'32 greedy':>10}  result")
     for name, error, same_argmax, same_tokens, first_difference, ok in rows:
-        greedy = "same" if same_tokens else f"differ@{first_difference}"
+        greedy = "same" if same_tokens else f"differ{first_difference}"
         print(f"{name:32} {error:24.3e} {'same' if same_argmax else 'DIFFER':>7} {greedy:>10}  "
               f"{'ok' if ok else 'FAIL'}")
     print(f"transformers_oracle: {len(rows) - failures}/{len(rows)} checkpoints agree "

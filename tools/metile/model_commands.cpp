@@ -5,7 +5,7 @@
 //   metile generate MODEL_DIR --prompt-ids ... --tokens N [--temperature T [--top-k K] [--top-p P] [--seed S]]
 //       [--ignore-eos] [...]: greedy (or sampled, SamplingOptions) decoding up to N tokens, ending after the
 //       checkpoint's end-of-sequence token (ModelConfig::eos_token_ids) unless --ignore-eos; a progress line
-//       on stderr; JSON {"tokens": [...], "stopped_at_eos": b, "tokens_per_second": x} (null for one token:
+//       on stderr; JSON {"stopped_at_eos": b, "tokens": [...], "tokens_per_second": x} (null for one token:
 //       no decode step ran; "n/a" in text)
 //   metile verify-model MODEL_DIR [--tokens N] [--quantize 4|8] [--backend cpu|cuda] [thresholds]:
 //       cpu: the reference path against the planned (fused) path; cuda: the native engine against the
@@ -293,7 +293,8 @@ void logits_command(const ModelOptions& options) {
   }
   std::string positions;
   for (std::int64_t token : argmaxes) positions += (positions.empty() ? "" : " ") + std::to_string(token);
-  fmt::print("{} tokens, vocab {}, {} {}\n", prompt.size(), vocab, options.dtype, backend_description(options));
+  fmt::print("{} token{}, vocab {}, {} {}\n", prompt.size(), prompt.size() == 1 ? "" : "s", vocab, options.dtype,
+             backend_description(options));
   fmt::print("argmax per position: {}\n", positions);
   fmt::print("last position: max logit {} at token {}\n", last[static_cast<std::size_t>(argmaxes.back())],
              argmaxes.back());

@@ -182,7 +182,7 @@ TEST_F(ModelCommand, GenerateEndsAtTheEndOfSequenceTokenUnlessIgnored) {
   testing::write_text(directory / "generation_config.json", "{\"eos_token_id\": [1,");
   ASSERT_EQ(run_metile("logits " + directory.string() + " --prompt-ids 2,7,1", out, err), 0) << err;
   EXPECT_EQ(err.rfind("metile: warning: " + (directory / "generation_config.json").string() + ": ", 0), 0u) << err;
-  EXPECT_NE(err.find("; generation ends at config.json's eos_token_id instead\n"), std::string::npos) << err;
+  EXPECT_NE(err.find("; generation ends at config.json's eos_token_id instead (none)\n"), std::string::npos) << err;
 }
 
 // --quantize keeps a matrix dense when its columns are not whole groups (as MLX does), and says so:

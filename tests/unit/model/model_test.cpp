@@ -733,6 +733,21 @@ TEST_F(DecoderModelTest, GenerationEndsAfterTheFirstStopToken) {
       // The session holds the prompt and every token but the last (which ended it or was the count's).
       EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size() + want.size() - 1));
     }
+    // The ends, fixed: the first token a stop token (one token, no decode step), and the last one
+    // (all of count, and stopped, since it is a stop token) where it appears nowhere before.
+    DecodeSession first(model);
+    const std::vector<std::int64_t> first_stop = {unstopped.front()};
+    const Generation at_first = generate(first, prompt, 12, sampling, first_stop);
+    EXPECT_EQ(at_first.tokens, std::vector<std::int32_t>{unstopped.front()});
+    EXPECT_TRUE(at_first.stopped);
+    EXPECT_EQ(at_first.decode_steps, 0);
+    if (std::count(unstopped.begin(), unstopped.end(), unstopped.back()) == 1) {
+      DecodeSession last(model);
+      const std::vector<std::int64_t> last_stop = {unstopped.back()};
+      const Generation at_last = generate(last, prompt, 12, sampling, last_stop);
+      EXPECT_EQ(at_last.tokens, unstopped);
+      EXPECT_TRUE(at_last.stopped);
+    }
   }
 }
 
@@ -799,7 +814,7 @@ TEST_F(DecoderModelTest, EndOfSequenceTokensFollowTransformers) {
     ids = DecoderModel::load(directory, options).config().eos_token_ids;
     return warnings.size() == 1 ? warnings[0] : fmt::format("{} warnings", warnings.size());
   };
-  const std::string instead = "; generation ends at config.json's eos_token_id instead";
+  const std::string instead = "; generation ends at config.json's eos_token_id instead (5)";
   Ids ids;
   write_text(directory / "generation_config.json", R"({"eos_token_id": "</s>"})");
   EXPECT_EQ(load_warning(ids),
@@ -818,6 +833,15 @@ TEST_F(DecoderModelTest, EndOfSequenceTokensFollowTransformers) {
   EXPECT_EQ(ids, Ids{5});
   std::filesystem::remove(directory / "generation_config.json");
   EXPECT_EQ(load_warning(ids), "0 warnings");
+  // Without a warn, passed over without a word (LoadOptions::warn empty: nothing is said).
+  write_text(directory / "generation_config.json", "{");
+  LoadOptions silent;
+  silent.warn = {};
+  EXPECT_EQ(DecoderModel::load(directory, silent).config().eos_token_ids, Ids{5});
+  config["eos_token_id"] = nullptr;
+  write_text(directory / "config.json", config.dump());
+  EXPECT_EQ(load_warning(ids), path + ": " + error_of([] { ModelConfig().read_generation_config("{", "x"); }).substr(3) +
+                                   "; generation ends at config.json's eos_token_id instead (none)");
 }
 
 // The sliding window as transformers reads config.json: MistralConfig and Qwen2Config default it to
