@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <string_view>
 
 #include "bindings.h"
 #include "metile/model.h"
@@ -93,9 +94,12 @@ constexpr const char* kGenerateDoc =
     "top_p of the probability (1: all), seeded by seed (the same tokens on every machine). Ends after the "
     "checkpoint's end-of-sequence token (eos_token_ids, kept as the last token) unless ignore_eos";
 
-// A yes or no argument: True or False (Python's or numpy's); 1 or "no" is a TypeError.
-bool boolean_argument(const std::string& what, const py::handle& object) {
-  if (!is_boolean(object)) throw py::type_error(what + " must be True or False, got " + python_type_name(object));
+// A yes or no argument: True or False (Python's or numpy's); 1 or "no" is a TypeError saying what it
+// must be (`choices`: where None is taken too, the caller's, before it asks).
+bool boolean_argument(const std::string& what, const py::handle& object, std::string_view choices = "True or False") {
+  if (!is_boolean(object)) {
+    throw py::type_error(what + " must be " + std::string(choices) + ", got " + python_type_name(object));
+  }
   return PyObject_IsTrue(object.ptr()) == 1;
 }
 
@@ -289,10 +293,8 @@ void bind_model(py::module_& module) {
         options.seed = unsigned_argument("seed", seed);  // True is not seed 1
         options.quantize = quantization_of(quantize, group_size);
         if (!tie_word_embeddings.is_none()) {  // 1 or "no" is not a yes or no
-          if (!is_boolean(tie_word_embeddings)) {
-            throw py::type_error("tie_word_embeddings must be True, False or None, got " + python_type_name(tie_word_embeddings));
-          }
-          options.tie_word_embeddings = PyObject_IsTrue(tie_word_embeddings.ptr()) == 1;
+          options.tie_word_embeddings =
+              boolean_argument("tie_word_embeddings", tie_word_embeddings, "True, False or None");
         }
         options.transformers_version = config_spelling;
         options.max_shard_mb = real_argument("max_shard_mb", max_shard_mb);

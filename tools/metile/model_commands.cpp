@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 
 #include <fmt/core.h>
@@ -343,8 +344,8 @@ void generate_command(const ModelOptions& options) {
   check_prompt_ids(prompt, model, options.prompt_ids);
   const std::unique_ptr<LogitsSession> session = open_session(model, options);
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
-  const std::vector<std::int64_t> no_stop;
-  const std::vector<std::int64_t>& stop_tokens = options.ignore_eos ? no_stop : model.config().eos_token_ids;
+  const std::span<const std::int64_t> stop_tokens =
+      options.ignore_eos ? std::span<const std::int64_t>() : std::span<const std::int64_t>(model.config().eos_token_ids);
   const Generation generation =
       generate(*session, prompt, options.tokens, sampling, stop_tokens, [&](std::int64_t index) {
         if (terminal) fmt::print(stderr, "\rmetile generate: {}/{} tokens", index + 1, options.tokens);
