@@ -66,7 +66,8 @@ for name, f in breakdowns:
     total = sum(k["ms"] for k in kinds)
     print(f"\n{name}: fused step by kind, {total:.3f} ms eager, {f['decode_ms_per_token']:.3f} ms replayed, "
           f"{f['decode_feed_ms_per_token']:.3f} ms a feed (uploads, replay, logits back), "
-          f"{f['decode_greedy_ms_per_token']:.3f} ms a greedy step (uploads, replay, next-token id back)")
+          f"{f['decode_greedy_stepped_ms_per_token']:.3f} ms a greedy step with a host round trip, "
+          f"{f['decode_greedy_ms_per_token']:.3f} ms a greedy step queued (generate: replay and link on the device)")
     for k in kinds[:8]:
         print(f"  {k['kind']:<44} {k['ms']:8.4f} ms {100 * k['ms'] / total:5.1f}% {k['steps']:5d} steps")
 PY

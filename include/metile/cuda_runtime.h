@@ -430,6 +430,29 @@ class DeviceRead {
   std::shared_ptr<const DeviceBuffer> sink_;  // written only if the folded words match a constant
 };
 
+// The link between two greedy decode steps on the device (CudaDecodeSession::continue_greedy): one
+// thread copies the token a step chose (its graph's "next_tokens") into the next step's token id,
+// moves the position one on, and writes the token into a slot of page-locked host memory mapped into
+// the device (cuMemHostAlloc, DEVICEMAP), which the host reads once an event recorded after the link
+// has completed. So consecutive steps queue on the stream with no host round trip between them.
+class GreedyStepLink {
+ public:
+  explicit GreedyStepLink(std::size_t slots);  // needs a current context
+  // After the step that wrote its chosen token at `next_token` (an int32 on the device): that token
+  // into token_ids[0] and slot `slot` (modulo slots()), positions[0] + 1 into positions[0].
+  void enqueue(const CudaStream& stream, std::uint64_t next_token, std::uint64_t token_ids, std::uint64_t positions,
+               std::size_t slot) const;
+  // The token a completed link wrote into `slot` (modulo slots()).
+  std::int32_t chosen(std::size_t slot) const;
+  std::size_t slots() const { return slots_; }
+
+ private:
+  std::shared_ptr<const CompiledKernel> kernel_;
+  std::shared_ptr<std::int32_t> host_;  // the slots, freed with cuMemFreeHost
+  std::uint64_t device_address_ = 0;    // the same slots as the device addresses them
+  std::size_t slots_ = 0;
+};
+
 // ---------------------------------------------------------------- cuBLASLt
 // Row-major dense matmul through cuBLASLt, f32 accumulate (f32 inputs use plain f32, not TF32):
 //   C[batch, M, N] = A[batch, M, K] · B[batch, K, N]      (transpose_right: B is [batch, N, K])

@@ -137,6 +137,15 @@ class CudaDecodeSession : public LogitsSession {
   // The same steps, copying back only each token's next-token id (the step graph's "next_tokens",
   // the argmax of its logits taken on the device): 4 bytes per token instead of a row of logits.
   std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
+  // LogitsSession's, on the device: the single-token step replayed `count` times, a GreedyStepLink
+  // after each (the chosen token into the next step's input, the position one on, the token into host
+  // memory), up to kStepsAhead steps queued before the host reads the oldest one's token. Steps queued
+  // past a stop token still run; their cache rows lie past the position, where no step reads before
+  // writing. So generation costs the replays and one link a token, not a host round trip each.
+  std::vector<std::int32_t> continue_greedy(std::int32_t token, std::int64_t count,
+                                            std::span<const std::int64_t> stop_tokens = {},
+                                            const std::function<void(std::int32_t)>& on_token = {}) override;
+  static constexpr std::int64_t kStepsAhead = 4;
   std::int64_t position() const override { return position_; }
   std::int64_t capacity() const override { return model_->model().capacity(); }
   const std::string& capacity_source() const override { return model_->model().capacity_source(); }
@@ -167,6 +176,7 @@ class CudaDecodeSession : public LogitsSession {
   DeviceBuffer token_ids_, positions_;          // [16] i32 each: the current step's
   std::vector<std::int32_t> staged_;            // host copies of both (ids, then positions)
   std::map<std::int64_t, std::unique_ptr<Executable>> executables_;
+  std::unique_ptr<GreedyStepLink> greedy_link_;  // continue_greedy's, made on first use
   std::int64_t position_ = 0;
 };
 
@@ -220,7 +230,8 @@ struct EngineBenchmark {
   std::int64_t context = 0;         // cached tokens before the timed decode steps
   double decode_replay_ms = 0;      // one decode step's CUDA graph replay (device time, events)
   double decode_feed_ms = 0;        // one feed() of one token: uploads, replay, logits download
-  double decode_greedy_ms = 0;      // one feed_greedy() of one token (generate's step): one id downloaded
+  double decode_greedy_stepped_ms = 0;  // one feed_greedy() of one token: uploads, replay, one id back
+  double decode_greedy_ms = 0;      // one token of continue_greedy (generate's steps, queued on the device)
   double tokens_per_second = 0;     // 1000 / decode_greedy_ms
   double floor_ms = 0;              // decode_step_bytes(context) / copy bandwidth
   double floor_percent = 0;         // floor_ms / decode_replay_ms

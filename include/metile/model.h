@@ -188,6 +188,15 @@ class LogitsSession {
   // kMaxStepTokens tokens at a time (a prompt's logits are never all held); the GPU engine computes
   // it on the device and copies back only the ids.
   virtual std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens);
+  // Greedy continuation: feeds `token`, then each token the step before chose, and returns the chosen
+  // tokens, `count` of them or fewer when one of `stop_tokens` comes first (kept as the last). Only the
+  // tokens whose choices are returned count as fed: position() moves by the returned count. `on_token`
+  // (if set) gets each token as it is known. This default feeds one feed_greedy step at a time; the GPU
+  // engine queues the steps on the device, each step's token handed to the next there, and reads the
+  // tokens back behind them (steps it ran past a stop token leave cache rows no later step reads).
+  virtual std::vector<std::int32_t> continue_greedy(std::int32_t token, std::int64_t count,
+                                                    std::span<const std::int64_t> stop_tokens = {},
+                                                    const std::function<void(std::int32_t)>& on_token = {});
   virtual std::int64_t position() const = 0;  // tokens fed so far
   virtual std::int64_t capacity() const = 0;  // tokens the KV caches hold
   virtual const std::string& capacity_source() const = 0;  // DecoderModel::capacity_source

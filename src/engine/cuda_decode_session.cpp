@@ -12,7 +12,8 @@
 // copy out of the logits (feed) or of the S next-token ids, 4 bytes each (feed_greedy: the step
 // graph's "next_tokens", the argmax taken on the device), all on the session's stream; either
 // synchronises once, after its last step. A prompt runs as chunks of 16 and a remainder of single steps, never padded (a padding
-// token would write its K/V row at a real position).
+// token would write its K/V row at a real position). Greedy generation (continue_greedy) queues single
+// steps on the device, each followed by a one-thread link that hands its chosen token to the next step.
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -249,6 +250,54 @@ std::vector<std::int32_t> CudaDecodeSession::feed_greedy(std::span<const std::in
     std::memcpy(next.data() + first, bytes.data(), bytes.size());
   }
   return next;
+}
+
+std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token, std::int64_t count,
+                                                             std::span<const std::int64_t> stop_tokens,
+                                                             const std::function<void(std::int32_t)>& on_token) {
+  if (count < 0) throw InputError(fmt::format("cannot continue for {} tokens", count));
+  if (count == 0) return {};
+  const DecoderModel& decoder = model_->model();
+  // `token` and the count - 1 chosen ones after it are fed: all of them must fit the cache.
+  check_tokens_fit(std::span<const std::int32_t>(&token, 1), position_ + count - 1, decoder);
+  model_->device().make_current();
+  Executable& step = executable(1);  // built (and raced) before its inputs are staged
+  if (!greedy_link_) greedy_link_ = std::make_unique<GreedyStepLink>(static_cast<std::size_t>(kStepsAhead));
+  const std::uint64_t next_token = value_address(step, "next_tokens");
+  upload_inputs(std::span<const std::int32_t>(&token, 1), position_);
+  std::vector<CudaEvent> linked(static_cast<std::size_t>(kStepsAhead));  // recorded after each slot's link
+  std::vector<std::int32_t> chosen;
+  std::int64_t queued = 0;
+  // Whatever ends the loop (a stop token, the count, an error or a callback's exception), the queued
+  // steps finish before the position moves by the tokens chosen: those are the ones fed.
+  const auto finish = [&] {
+    stream_.synchronize();
+    position_ += static_cast<std::int64_t>(chosen.size());
+  };
+  try {
+    while (static_cast<std::int64_t>(chosen.size()) < count) {
+      for (; queued < count && queued - static_cast<std::int64_t>(chosen.size()) < kStepsAhead; ++queued) {
+        step.enqueue(stream_);
+        greedy_link_->enqueue(stream_, next_token, token_ids_.address(), positions_.address(), static_cast<std::size_t>(queued));
+        linked[static_cast<std::size_t>(queued % kStepsAhead)].record(stream_);
+      }
+      const std::size_t slot = chosen.size() % static_cast<std::size_t>(kStepsAhead);
+      linked[slot].synchronize();
+      const std::int32_t next = greedy_link_->chosen(slot);
+      chosen.push_back(next);
+      if (on_token) on_token(next);
+      if (std::find(stop_tokens.begin(), stop_tokens.end(), next) != stop_tokens.end()) break;
+    }
+  } catch (...) {
+    try {
+      finish();
+    } catch (const CudaError&) {
+      // the first error is the one to report
+    }
+    throw;
+  }
+  finish();
+  return chosen;
 }
 
 std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens) {

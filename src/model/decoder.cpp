@@ -172,6 +172,19 @@ std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_
   return next;
 }
 
+std::vector<std::int32_t> LogitsSession::continue_greedy(std::int32_t token, std::int64_t count,
+                                                         std::span<const std::int64_t> stop_tokens,
+                                                         const std::function<void(std::int32_t)>& on_token) {
+  std::vector<std::int32_t> chosen;
+  for (std::int64_t index = 0; index < count; ++index) {
+    token = feed_greedy(std::span<const std::int32_t>(&token, 1)).front();
+    chosen.push_back(token);
+    if (on_token) on_token(token);
+    if (std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end()) break;
+  }
+  return chosen;
+}
+
 std::vector<std::int32_t> DecodeSession::feed_greedy(std::span<const std::int32_t> tokens) {
   check_tokens_fit(tokens, position_, model_);  // all of them, as feed() does, before any step runs
   return LogitsSession::feed_greedy(tokens);
@@ -214,16 +227,32 @@ Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt
     if (tokens.size() > 1) session.feed_greedy(tokens.first(tokens.size() - 1));
     return sample_token(session.feed(tokens.last(1)), sampling, random);
   };
+  const auto is_stop = [&](std::int32_t token) {
+    return std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
+  };
   Generation generation;
+  const auto add = [&](std::int32_t token) {
+    generation.tokens.push_back(token);
+    if (on_token) on_token(static_cast<std::int64_t>(generation.tokens.size()) - 1);
+    generation.stopped = is_stop(token);
+  };
   std::int32_t token = next_after(prompt);
   const auto start = std::chrono::steady_clock::now();
-  for (std::int64_t index = 0; index < count; ++index) {
-    generation.tokens.push_back(token);
-    if (on_token) on_token(index);
-    generation.stopped = std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
-    if (generation.stopped || index + 1 == count) break;
-    token = next_after(std::span<const std::int32_t>(&token, 1));
-    ++generation.decode_steps;
+  add(token);
+  if (sampling.greedy()) {
+    // The rest as one continuation, which the GPU engine runs without a host round trip a step.
+    if (!generation.stopped && count > 1) {
+      session.continue_greedy(token, count - 1, stop_tokens, [&](std::int32_t next) {
+        ++generation.decode_steps;
+        add(next);
+      });
+    }
+  } else {
+    while (!generation.stopped && static_cast<std::int64_t>(generation.tokens.size()) < count) {
+      token = next_after(std::span<const std::int32_t>(&token, 1));
+      ++generation.decode_steps;
+      add(token);
+    }
   }
   generation.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return generation;

@@ -476,6 +476,36 @@ TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
     const Generation stopped = generate(session, prompt, 24, {}, stop_tokens);
     EXPECT_EQ(stopped.tokens, std::vector<std::int32_t>(on_device.tokens.begin(), first + 1));
     EXPECT_TRUE(stopped.stopped);
+    // continue_greedy queued up to kStepsAhead steps past the stop token, and they ran: the position
+    // counts only the tokens fed up to it, and no later step reads the rows they wrote. So the next
+    // step's logits are, bit for bit, those of the same sequence fed a token at a time after another
+    // sequence left other rows past its end.
+    EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size() + stopped.tokens.size()) - 1);
+    const std::vector<float> after_stop = session.feed(std::span<const std::int32_t>(&stopped.tokens.back(), 1));
+    session.reset();
+    session.feed_greedy(random_prompt(seed + 1, 64, vocab));
+    session.reset();
+    session.feed_greedy(prompt);
+    for (std::size_t index = 0; index + 1 < stopped.tokens.size(); ++index) {
+      session.feed_greedy(std::span<const std::int32_t>(&stopped.tokens[index], 1));
+    }
+    const std::vector<float> fed_singly = session.feed(std::span<const std::int32_t>(&stopped.tokens.back(), 1));
+    ASSERT_EQ(after_stop.size(), fed_singly.size());
+    EXPECT_EQ(std::memcmp(after_stop.data(), fed_singly.data(), after_stop.size() * sizeof(float)), 0);
+    // The continuation alone: as many tokens as asked when none stops it, each the host's argmax of the
+    // logits the same steps give, and the position moved by all of them.
+    session.reset();
+    const std::int32_t first_token = session.feed_greedy(prompt).back();
+    std::vector<std::int32_t> streamed;
+    const std::vector<std::int32_t> continued =
+        session.continue_greedy(first_token, 9, {}, [&](std::int32_t token) { streamed.push_back(token); });
+    EXPECT_EQ(continued, std::vector<std::int32_t>(on_device.tokens.begin() + 1, on_device.tokens.begin() + 10));
+    EXPECT_EQ(streamed, continued);
+    EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 9);
+    EXPECT_TRUE(session.continue_greedy(first_token, 0).empty());
+    EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 9);
+    EXPECT_THROW(session.continue_greedy(first_token, session.capacity()), InputError);
+    EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 9);
   }
 }
 

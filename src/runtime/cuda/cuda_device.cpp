@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <map>
 #include <mutex>
 #include <string>
@@ -198,7 +199,45 @@ extern "C" __global__ void __launch_bounds__(256) metile_device_read(const unsig
                        "metile_device_read");
 }
 
+// One thread: CudaDecodeSession::continue_greedy's link between two steps (GreedyStepLink).
+std::shared_ptr<const CompiledKernel> greedy_step_link_kernel() {
+  return compiled_once(R"CUDA(
+extern "C" __global__ void __launch_bounds__(32) metile_greedy_step_link(const int* __restrict__ next_token,
+                                                                       int* token_ids, int* positions,
+                                                                       volatile int* chosen_slot) {
+  if (threadIdx.x != 0) return;
+  const int token = *next_token;
+  token_ids[0] = token;
+  positions[0] = positions[0] + 1;
+  *chosen_slot = token;
+}
+)CUDA",
+                       "metile_greedy_step_link");
+}
+
 }  // namespace
+
+GreedyStepLink::GreedyStepLink(std::size_t slots) : kernel_(greedy_step_link_kernel()), slots_(slots) {
+  if (slots == 0) throw std::invalid_argument("GreedyStepLink: no slot");
+  void* host = nullptr;
+  check(driver().cuMemHostAlloc(&host, slots * sizeof(std::int32_t), CU_MEMHOSTALLOC_DEVICEMAP),
+        fmt::format("cuMemHostAlloc({} bytes)", slots * sizeof(std::int32_t)));
+  host_ = std::shared_ptr<std::int32_t>(static_cast<std::int32_t*>(host), [](std::int32_t* pointer) { driver().cuMemFreeHost(pointer); });
+  CUdeviceptr device = 0;
+  check(driver().cuMemHostGetDevicePointer(&device, host, 0), "cuMemHostGetDevicePointer");
+  device_address_ = device;
+}
+
+void GreedyStepLink::enqueue(const CudaStream& stream, std::uint64_t next_token, std::uint64_t token_ids,
+                             std::uint64_t positions, std::size_t slot) const {
+  const std::uint64_t chosen_slot = device_address_ + (slot % slots_) * sizeof(std::int32_t);
+  launch(*kernel_, Dim3{1}, Dim3{32}, 0, stream, next_token, token_ids, positions, chosen_slot);
+}
+
+std::int32_t GreedyStepLink::chosen(std::size_t slot) const {
+  // Written by the device: read through a volatile pointer, not from a value the compiler kept.
+  return static_cast<const volatile std::int32_t*>(host_.get())[slot % slots_];
+}
 
 std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRange>& ranges) {
   std::vector<DeviceByteRange> pieces;

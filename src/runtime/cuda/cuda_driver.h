@@ -30,7 +30,8 @@ namespace metile::cuda_driver {
   X(cuStreamEndCapture, 10000) X(cuGraphInstantiateWithFlags, 11040) X(cuGraphLaunch, 10000)           \
   X(cuGraphExecDestroy, 10000) X(cuGraphDestroy, 10000) X(cuGetErrorName, 6000) X(cuGetErrorString, 6000) \
   X(cuOccupancyMaxActiveClusters, 11070) X(cuOccupancyMaxActiveBlocksPerMultiprocessor, 6050)          \
-  X(cuProfilerStart, 4000) X(cuProfilerStop, 4000) X(cuStreamWaitEvent, 3020)
+  X(cuProfilerStart, 4000) X(cuProfilerStop, 4000) X(cuStreamWaitEvent, 3020)                       \
+  X(cuMemHostAlloc, 2020) X(cuMemFreeHost, 2000) X(cuMemHostGetDevicePointer, 3020)
 
 // Member names go through cuda.h's macros (cuMemAlloc -> cuMemAlloc_v2) at the declaration and
 // at every use alike; the types and versions come from the unexpanded names.

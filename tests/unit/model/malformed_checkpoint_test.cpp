@@ -1086,12 +1086,12 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
                   "bench-model: --context 9223372036854775807, --prefill-tokens 512 and --decode-steps 64 need "
                   "9223372036854775807 cached positions, more than 2^31 (positions are 32-bit integers)"},
         std::pair{"--preset tiny --context 2147483600",
-                  "bench-model: --context 2147483600, --prefill-tokens 512 and --decode-steps 64 need 2147483732 "
+                  "bench-model: --context 2147483600, --prefill-tokens 512 and --decode-steps 64 need 2147483668 "
                   "cached positions, more than 2^31 (positions are 32-bit integers)"},
         // A --max-seq too small for the run: said before any device is looked for (it was found only
         // after the model was on the GPU).
         std::pair{"--preset tiny --context 128 --decode-steps 8 --prefill-tokens 64 --max-seq 100",
-                  "bench-model: --context 128, --prefill-tokens 64 and --decode-steps 8 need 148 cached tokens, past "
+                  "bench-model: --context 128, --prefill-tokens 64 and --decode-steps 8 need 140 cached tokens, past "
                   "the KV-cache capacity 100 (--max-seq)"}}) {
     EXPECT_EQ(metile(std::string("bench-model ") + arguments), 2) << arguments;
     EXPECT_EQ(err, fmt::format("metile: error: {}\n", message)) << arguments;

@@ -751,6 +751,39 @@ TEST_F(DecoderModelTest, GenerationEndsAfterTheFirstStopToken) {
   }
 }
 
+// continue_greedy (LogitsSession's default; the GPU engine's own is checked against it on the device):
+// each token the argmax after the one before, fed a step at a time; the position moves by the tokens
+// returned; a stop token ends it and is kept; on_token sees each token as it comes.
+TEST_F(DecoderModelTest, GreedyContinuationFeedsEachChosenToken) {
+  std::mt19937_64 generator(testing::model_test_seed() + 13);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}));
+  const std::vector<std::int32_t> prompt = random_tokens(generator, 5, 256);
+  DecodeSession stepped(model);
+  std::int32_t token = stepped.feed_greedy(prompt).back();
+  const std::int32_t first = token;
+  std::vector<std::int32_t> want;
+  for (int step = 0; step < 10; ++step) {
+    token = static_cast<std::int32_t>(argmax_index(stepped.feed(std::span<const std::int32_t>(&token, 1))));
+    want.push_back(token);
+  }
+  DecodeSession session(model);
+  session.feed_greedy(prompt);
+  std::vector<std::int32_t> streamed;
+  EXPECT_EQ(session.continue_greedy(first, 10, {}, [&](std::int32_t next) { streamed.push_back(next); }), want);
+  EXPECT_EQ(streamed, want);
+  EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
+  EXPECT_TRUE(session.continue_greedy(first, 0).empty());
+  EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
+  const std::size_t stop_at = generator() % want.size();
+  const std::size_t first_stop = static_cast<std::size_t>(std::find(want.begin(), want.end(), want[stop_at]) - want.begin());
+  DecodeSession stopped(model);
+  stopped.feed_greedy(prompt);
+  const std::vector<std::int64_t> stop_tokens = {want[stop_at]};
+  EXPECT_EQ(stopped.continue_greedy(first, 10, stop_tokens),
+            std::vector<std::int32_t>(want.begin(), want.begin() + static_cast<std::ptrdiff_t>(first_stop) + 1));
+  EXPECT_EQ(stopped.position(), static_cast<std::int64_t>(prompt.size() + first_stop) + 1);
+}
+
 // eos_token_id as transformers 5's generate reads it (transformers 5.17 on the device, session 39, for
 // absent, null, a list, and a generation_config.json with and without the key): absent or null none (4
 // took Llama's and Mistral's absent one as 2); one id or a list; anything else refused naming the field.
