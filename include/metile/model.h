@@ -190,7 +190,8 @@ class LogitsSession {
   virtual std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens);
   // Greedy continuation: feeds `token`, then each token the step before chose, and returns the chosen
   // tokens, `count` of them or fewer when one of `stop_tokens` comes first (kept as the last). Only the
-  // tokens whose choices are returned count as fed: position() moves by the returned count. `on_token`
+  // tokens whose choices are returned count as fed: position() moves by the returned count. InputError,
+  // before any step, when `count` tokens from position() would pass the capacity. `on_token`
   // (if set) gets each token as it is known. This default feeds one feed_greedy step at a time; the GPU
   // engine queues the steps on the device, each step's token handed to the next there, and reads the
   // tokens back behind them (steps it ran past a stop token leave cache rows no later step reads).

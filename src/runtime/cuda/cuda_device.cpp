@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 

@@ -774,6 +774,10 @@ TEST_F(DecoderModelTest, GreedyContinuationFeedsEachChosenToken) {
   EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
   EXPECT_TRUE(session.continue_greedy(first, 0).empty());
   EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
+  // One token past the cache: refused before any step, the position where it was.
+  const std::int64_t room = session.capacity() - session.position();
+  EXPECT_THROW(session.continue_greedy(first, room + 1), InputError);
+  EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
   const std::size_t stop_at = generator() % want.size();
   const std::size_t first_stop = static_cast<std::size_t>(std::find(want.begin(), want.end(), want[stop_at]) - want.begin());
   DecodeSession stopped(model);
