@@ -290,6 +290,9 @@ void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& m
 // A session fed a token sequence before it decodes: InputError unless the sequence stays within
 // the model's capacity and every token is in [0, vocab) (both backends say it the same way).
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model);
+// continue_greedy's check, on either backend, before any step: InputError when `count` is negative or
+// `count` more tokens from the session's position would pass its capacity.
+void check_continuation_fits(const LogitsSession& session, std::int64_t count);
 // Calls `step` on consecutive pieces of `tokens`, in order, each of at most DecoderModel::kMaxStepTokens:
 // how a prompt goes through the decode steps, so that no more than one step's logits are ever held.
 void for_each_step_chunk(std::span<const std::int32_t> tokens,

@@ -255,11 +255,9 @@ std::vector<std::int32_t> CudaDecodeSession::feed_greedy(std::span<const std::in
 std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token, std::int64_t count,
                                                              std::span<const std::int64_t> stop_tokens,
                                                              const std::function<void(std::int32_t)>& on_token) {
-  if (count < 0) throw InputError(fmt::format("cannot continue for {} tokens", count));
+  check_continuation_fits(*this, count);  // `token` and the count - 1 chosen after it are fed
   if (count == 0) return {};
-  const DecoderModel& decoder = model_->model();
-  // `token` and the count - 1 chosen ones after it are fed: all of them must fit the cache.
-  check_tokens_fit(std::span<const std::int32_t>(&token, 1), position_ + count - 1, decoder);
+  check_token_ids(std::span<const std::int32_t>(&token, 1), model_->model());
   model_->device().make_current();
   Executable& step = executable(1);  // built (and raced) before its inputs are staged
   if (!greedy_link_) greedy_link_ = std::make_unique<GreedyStepLink>(static_cast<std::size_t>(kStepsAhead));

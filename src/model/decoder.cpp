@@ -88,20 +88,22 @@ void for_each_step_chunk(std::span<const std::int32_t> tokens,
   }
 }
 
-namespace {
-
-InputError past_capacity(std::int64_t reached, std::int64_t capacity, const std::string& source) {
-  return InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})", reached,
-                                capacity, source));
-}
-
-}  // namespace
-
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model) {
   if (position + static_cast<std::int64_t>(tokens.size()) > model.capacity()) {
-    throw past_capacity(position + static_cast<std::int64_t>(tokens.size()), model.capacity(), model.capacity_source());
+    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
+                                 position + static_cast<std::int64_t>(tokens.size()), model.capacity(),
+                                 model.capacity_source()));
   }
   check_token_ids(tokens, model);
+}
+
+void check_continuation_fits(const LogitsSession& session, std::int64_t count) {
+  if (count < 0) throw InputError(fmt::format("cannot continue for {} tokens", count));
+  // Compared without the sum, which a count near 2^63 would overflow.
+  if (count > session.capacity() - session.position()) {
+    throw InputError(fmt::format("{} more tokens after {} would pass the KV-cache capacity {} ({})", count,
+                                 session.position(), session.capacity(), session.capacity_source()));
+  }
 }
 
 std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
@@ -182,8 +184,7 @@ std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_
 std::vector<std::int32_t> LogitsSession::continue_greedy(std::int32_t token, std::int64_t count,
                                                          std::span<const std::int64_t> stop_tokens,
                                                          const std::function<void(std::int32_t)>& on_token) {
-  // The whole count first, as the GPU session checks it: nothing is fed when it cannot all fit.
-  if (count > capacity() - position()) throw past_capacity(position() + count, capacity(), capacity_source());
+  check_continuation_fits(*this, count);  // the whole count first, as the GPU session checks it
   std::vector<std::int32_t> chosen;
   for (std::int64_t index = 0; index < count; ++index) {
     token = feed_greedy(std::span<const std::int32_t>(&token, 1)).front();

@@ -774,10 +774,18 @@ TEST_F(DecoderModelTest, GreedyContinuationFeedsEachChosenToken) {
   EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
   EXPECT_TRUE(session.continue_greedy(first, 0).empty());
   EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
-  // One token past the cache: refused before any step, the position where it was.
+  // One token past the cache, a count whose sum with the position overflows, a negative count: refused
+  // before any step, the position where it was. The whole room is not.
   const std::int64_t room = session.capacity() - session.position();
-  EXPECT_THROW(session.continue_greedy(first, room + 1), InputError);
-  EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
+  for (const std::int64_t count : {room + 1, std::numeric_limits<std::int64_t>::max(), std::int64_t{-1}}) {
+    EXPECT_THROW(session.continue_greedy(first, count), InputError) << count;
+    EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 10);
+  }
+  DecodeSession full(model);
+  full.feed_greedy(prompt);
+  EXPECT_EQ(full.continue_greedy(first, full.capacity() - full.position()).size(),
+            static_cast<std::size_t>(full.capacity()) - prompt.size());
+  EXPECT_EQ(full.position(), full.capacity());
   const std::size_t stop_at = generator() % want.size();
   const std::size_t first_stop = static_cast<std::size_t>(std::find(want.begin(), want.end(), want[stop_at]) - want.begin());
   DecodeSession stopped(model);
