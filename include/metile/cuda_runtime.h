@@ -439,12 +439,11 @@ class GreedyStepLink {
  public:
   explicit GreedyStepLink(std::size_t slots);  // needs a current context
   // After the step that wrote its chosen token at `next_token` (an int32 on the device): that token
-  // into token_ids[0] and slot `slot` (modulo slots()), positions[0] + 1 into positions[0].
+  // into token_ids[0] and slot `slot` (modulo the slots), positions[0] + 1 into positions[0].
   void enqueue(const CudaStream& stream, std::uint64_t next_token, std::uint64_t token_ids, std::uint64_t positions,
                std::size_t slot) const;
-  // The token a completed link wrote into `slot` (modulo slots()).
+  // The token a completed link wrote into `slot` (modulo the slots).
   std::int32_t chosen(std::size_t slot) const;
-  std::size_t slots() const { return slots_; }
 
  private:
   std::shared_ptr<const CompiledKernel> kernel_;

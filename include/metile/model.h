@@ -290,6 +290,8 @@ void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& m
 // A session fed a token sequence before it decodes: InputError unless the sequence stays within
 // the model's capacity and every token is in [0, vocab) (both backends say it the same way).
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model);
+// Whether `token` is one of `stop_tokens` (generate and both sessions' continue_greedy end after one).
+bool is_stop_token(std::span<const std::int64_t> stop_tokens, std::int32_t token);
 // continue_greedy's check, on either backend, before any step: InputError when `count` is negative or
 // `count` more tokens from the session's position would pass its capacity.
 void check_continuation_fits(const LogitsSession& session, std::int64_t count);

@@ -284,7 +284,7 @@ std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token,
       const std::int32_t next = greedy_link_->chosen(slot);
       chosen.push_back(next);
       if (on_token) on_token(next);
-      if (std::find(stop_tokens.begin(), stop_tokens.end(), next) != stop_tokens.end()) break;
+      if (is_stop_token(stop_tokens, next)) break;
     }
   } catch (...) {
     try {

@@ -97,6 +97,10 @@ void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t positio
   check_token_ids(tokens, model);
 }
 
+bool is_stop_token(std::span<const std::int64_t> stop_tokens, std::int32_t token) {
+  return std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
+}
+
 void check_continuation_fits(const LogitsSession& session, std::int64_t count) {
   if (count < 0) throw InputError(fmt::format("cannot continue for {} tokens", count));
   // Compared without the sum, which a count near 2^63 would overflow.
@@ -190,7 +194,7 @@ std::vector<std::int32_t> LogitsSession::continue_greedy(std::int32_t token, std
     token = feed_greedy(std::span<const std::int32_t>(&token, 1)).front();
     chosen.push_back(token);
     if (on_token) on_token(token);
-    if (std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end()) break;
+    if (is_stop_token(stop_tokens, token)) break;
   }
   return chosen;
 }
@@ -237,14 +241,11 @@ Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt
     if (tokens.size() > 1) session.feed_greedy(tokens.first(tokens.size() - 1));
     return sample_token(session.feed(tokens.last(1)), sampling, random);
   };
-  const auto is_stop = [&](std::int32_t token) {
-    return std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
-  };
   Generation generation;
   const auto add = [&](std::int32_t token) {
     generation.tokens.push_back(token);
     if (on_token) on_token(static_cast<std::int64_t>(generation.tokens.size()) - 1);
-    generation.stopped = is_stop(token);
+    generation.stopped = is_stop_token(stop_tokens, token);
   };
   std::int32_t token = next_after(prompt);
   const auto start = std::chrono::steady_clock::now();
@@ -252,19 +253,16 @@ Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt
   if (sampling.greedy()) {
     // The rest as one continuation, which the GPU engine runs without a host round trip a step.
     if (!generation.stopped && count > 1) {
-      session.continue_greedy(token, count - 1, stop_tokens, [&](std::int32_t next) {
-        ++generation.decode_steps;
-        add(next);
-      });
+      session.continue_greedy(token, count - 1, stop_tokens, add);
     }
   } else {
     while (!generation.stopped && static_cast<std::int64_t>(generation.tokens.size()) < count) {
       token = next_after(std::span<const std::int32_t>(&token, 1));
-      ++generation.decode_steps;
       add(token);
     }
   }
   generation.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  generation.decode_steps = static_cast<std::int64_t>(generation.tokens.size()) - 1;  // the steps after the prompt's
   return generation;
 }
 
