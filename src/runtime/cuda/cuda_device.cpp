@@ -204,12 +204,15 @@ std::shared_ptr<const CompiledKernel> greedy_step_link_kernel() {
   return compiled_once(R"CUDA(
 extern "C" __global__ void __launch_bounds__(32) metile_greedy_step_link(const int* __restrict__ next_token,
                                                                        int* token_ids, int* positions,
-                                                                       volatile int* chosen_slot) {
+                                                                       unsigned* next_slot, volatile int* slots,
+                                                                       unsigned slot_count) {
   if (threadIdx.x != 0) return;
   const int token = *next_token;
   token_ids[0] = token;
   positions[0] = positions[0] + 1;
-  *chosen_slot = token;
+  const unsigned link = *next_slot;
+  slots[link % slot_count] = token;
+  *next_slot = link + 1;
 }
 )CUDA",
                        "metile_greedy_step_link");
@@ -217,7 +220,8 @@ extern "C" __global__ void __launch_bounds__(32) metile_greedy_step_link(const i
 
 }  // namespace
 
-GreedyStepLink::GreedyStepLink(std::size_t slots) : kernel_(greedy_step_link_kernel()), slots_(slots) {
+GreedyStepLink::GreedyStepLink(std::size_t slots)
+    : kernel_(greedy_step_link_kernel()), slots_(slots), next_slot_(sizeof(std::uint32_t)) {
   if (slots == 0) throw std::invalid_argument("GreedyStepLink: no slot");
   void* host = nullptr;
   check(driver().cuMemHostAlloc(&host, slots * sizeof(std::int32_t), CU_MEMHOSTALLOC_DEVICEMAP),
@@ -226,17 +230,20 @@ GreedyStepLink::GreedyStepLink(std::size_t slots) : kernel_(greedy_step_link_ker
   CUdeviceptr device = 0;
   check(driver().cuMemHostGetDevicePointer(&device, host, 0), "cuMemHostGetDevicePointer");
   device_address_ = device;
+  next_slot_.fill_bytes(0);
 }
+
+void GreedyStepLink::restart(const CudaStream& stream) { next_slot_.fill_bytes(0, &stream); }
 
 void GreedyStepLink::enqueue(const CudaStream& stream, std::uint64_t next_token, std::uint64_t token_ids,
-                             std::uint64_t positions, std::size_t slot) const {
-  const std::uint64_t chosen_slot = device_address_ + (slot % slots_) * sizeof(std::int32_t);
-  launch(*kernel_, Dim3{1}, Dim3{32}, 0, stream, next_token, token_ids, positions, chosen_slot);
+                             std::uint64_t positions) const {
+  launch(*kernel_, Dim3{1}, Dim3{32}, 0, stream, next_token, token_ids, positions, next_slot_.address(), device_address_,
+         static_cast<unsigned>(slots_));
 }
 
-std::int32_t GreedyStepLink::chosen(std::size_t slot) const {
+std::int32_t GreedyStepLink::chosen(std::size_t n) const {
   // Written by the device: read through a volatile pointer, not from a value the compiler kept.
-  return static_cast<const volatile std::int32_t*>(host_.get())[slot % slots_];
+  return static_cast<const volatile std::int32_t*>(host_.get())[n % slots_];
 }
 
 std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRange>& ranges) {
