@@ -456,6 +456,38 @@ class GreedyStepLink {
   DeviceBuffer next_slot_;              // u32: the links since restart()
 };
 
+// Sampling's top-k on the device (CudaDecodeSession::feed_top_k): of one row of logits (f32, bf16 or
+// f16) in device memory, every token whose logit reaches the top_k-th largest, ties with it kept, -0
+// and +0 equal: top_logits' rule (model.h), selected by one block (a radix select over the logits'
+// order-preserving keys, 8 bits a pass, then a pass that gathers), so that a sampled token costs a
+// few kilobytes copied back instead of the whole row and the host's selection over it.
+class DeviceTopLogits {
+ public:
+  explicit DeviceTopLogits(std::size_t capacity);  // tokens it returns at most; needs a current context
+  // On `stream`: the selection over `row` (`vocab` logits of `dtype`) and the copy of its result to the
+  // host. 1 <= top_k <= vocab. Read it with result() once the stream has passed both.
+  void enqueue(const CudaStream& stream, std::uint64_t row, DType dtype, std::int64_t vocab, std::int64_t top_k);
+  struct Result {
+    std::int64_t count = 0;        // tokens that reach the k-th largest logit (all of them, even past capacity)
+    bool nan = false;              // the row holds a NaN (no selection is meaningful then)
+    std::vector<std::int32_t> tokens;  // in token order; empty when count passes the capacity
+    std::vector<float> logits;         // tokens' logits, widened exactly to f32
+  };
+  Result result();
+  std::size_t capacity() const { return capacity_; }
+
+ private:
+  std::shared_ptr<const CompiledKernel> kernel_;
+  std::size_t capacity_ = 0;
+  DeviceBuffer output_;              // u32 count, u32 NaN flag, capacity (u32 token, f32 logit) pairs
+  std::vector<std::uint32_t> host_;  // its copy
+  std::size_t copied_pairs_ = 0;     // pairs the last enqueue copied back (top_k and some ties)
+};
+
+// The runtime's own kernels (L2 prefetch, read floors, the greedy link, the top-k selection) as
+// (kernel name, CUDA source): what CI compiles for sm_90 without a device.
+std::vector<std::pair<std::string_view, std::string_view>> runtime_kernel_sources();
+
 // ---------------------------------------------------------------- cuBLASLt
 // Row-major dense matmul through cuBLASLt, f32 accumulate (f32 inputs use plain f32, not TF32):
 //   C[batch, M, N] = A[batch, M, K] · B[batch, K, N]      (transpose_right: B is [batch, N, K])

@@ -147,6 +147,12 @@ class CudaDecodeSession : public LogitsSession {
                                             std::span<const std::int64_t> stop_tokens = {},
                                             const std::function<void(std::int32_t)>& on_token = {}) override;
   static constexpr std::int64_t kStepsAhead = 4;
+  // LogitsSession's, with the top-k selection on the device (DeviceTopLogits) over the last step's
+  // logits row: only the kept tokens and their logits come back. top_k 0 or above kMaxDeviceTopK, or
+  // more tokens tied at the k-th than the selection holds: the row is copied back and selected on the
+  // host (top_logits), the same tokens either way.
+  std::vector<TokenLogit> feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) override;
+  static constexpr std::int64_t kMaxDeviceTopK = 4096;
   std::int64_t position() const override { return position_; }
   std::int64_t capacity() const override { return model_->model().capacity(); }
   const std::string& capacity_source() const override { return model_->model().capacity_source(); }
@@ -165,8 +171,11 @@ class CudaDecodeSession : public LogitsSession {
   void stage_step(std::span<const std::int32_t> tokens);
 
  private:
-  // Runs tokens as steps (chunks of 16, then single ones), copies the graph output `output` of each
-  // step back, synchronises once and moves the position.
+  // Runs tokens as steps (chunks of 16, then single ones), calls `after_step` with each step's
+  // Executable once it is enqueued (for copies of its outputs on stream_), synchronises once and moves
+  // the position. The tokens are checked before any step.
+  void run_steps(std::span<const std::int32_t> tokens, const std::function<void(Executable&)>& after_step);
+  // run_steps, copying the graph output `output` of each step back.
   std::vector<HostTensor> run_steps(std::span<const std::int32_t> tokens, std::string_view output);
   // The two async copies of a step's inputs (token ids, positions from `position`) on stream_.
   void upload_inputs(std::span<const std::int32_t> tokens, std::int64_t position);
@@ -179,6 +188,7 @@ class CudaDecodeSession : public LogitsSession {
   std::map<std::int64_t, std::unique_ptr<Executable>> executables_;
   std::unique_ptr<GreedyStepLink> greedy_link_;  // continue_greedy's, made on first use
   CudaGraph greedy_chain_;                        // the single-token step and its link, one graph
+  std::unique_ptr<DeviceTopLogits> top_logits_;  // feed_top_k's, made on first use (kMaxDeviceTopK + ties)
   std::int64_t position_ = 0;
 };
 
@@ -227,6 +237,7 @@ EngineVerification verify_fused_engine(const std::shared_ptr<const CudaModel>& m
                                        const EngineProgress& progress = {});
 
 // ---------------------------------------------------------------- benchmark
+constexpr std::int64_t kBenchmarkTopK = 50;  // the sampled rows' top-k (transformers' default)
 struct EngineBenchmark {
   std::string path;                 // "fused" / "native"
   std::int64_t context = 0;         // cached tokens before the timed decode steps
@@ -235,6 +246,10 @@ struct EngineBenchmark {
   double decode_greedy_stepped_ms = 0;  // one feed_greedy() of one token: uploads, replay, one id back
   double decode_greedy_ms = 0;      // one token of continue_greedy (generate's steps, queued on the device)
   double tokens_per_second = 0;     // 1000 / decode_greedy_ms
+  // One sampled token (temperature 1, top-k kBenchmarkTopK): the row copied back and selected on the
+  // host (sample_token over feed()), and as generate samples (feed_top_k, the selection on the device).
+  double decode_sampled_host_ms = 0;
+  double decode_sampled_ms = 0;
   double floor_ms = 0;              // decode_step_bytes(context) / copy bandwidth
   double floor_percent = 0;         // floor_ms / decode_replay_ms
   double copy_bandwidth_gbps = 0;   // BenchmarkOptions::copy_bandwidth_gbps (0: not measured)

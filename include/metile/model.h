@@ -176,6 +176,13 @@ class DecoderModel {
 // One sequence being decoded, on any backend: feed tokens, get their logits. The CPU
 // DecodeSession below and the GPU engine's CudaDecodeSession (include/metile/engine.h)
 // implement it, so generate_greedy and the model-level comparisons work on both.
+// A token and its logit (top_logits, LogitsSession::feed_top_k).
+struct TokenLogit {
+  std::int32_t token = 0;
+  float logit = 0;
+  bool operator==(const TokenLogit&) const = default;
+};
+
 class LogitsSession {
  public:
   virtual ~LogitsSession() = default;
@@ -188,6 +195,12 @@ class LogitsSession {
   // kMaxStepTokens tokens at a time (a prompt's logits are never all held); the GPU engine computes
   // it on the device and copies back only the ids.
   virtual std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens);
+  // Appends tokens like feed() and returns what top_logits(last row, top_k) keeps of the last token's
+  // logits: every token whose logit reaches the top_k-th largest (0: every token), in token order, the
+  // candidates a sampled draw picks among (sample_among). InputError when that row holds a NaN. This
+  // default feeds all but the last token through feed_greedy and takes the row from feed(); the GPU
+  // engine selects the tokens on the device and copies back only them.
+  virtual std::vector<TokenLogit> feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k);
   // Greedy continuation: feeds `token`, then each token the step before chose, and returns the chosen
   // tokens, `count` of them or fewer when one of `stop_tokens` comes first (kept as the last). Only the
   // tokens whose choices are returned count as fed: position() moves by the returned count. InputError,
@@ -226,8 +239,9 @@ class DecodeSession : public LogitsSession {
   // weights and caches would pass this machine's memory (checked before any step runs). A step hands the caches to the executor, which writes them in place: should it
   // fail, the session has no caches left and every later feed is an InputError.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
-  // LogitsSession's, with every token checked before the first step (it feeds a step at a time).
+  // LogitsSession's, with every token checked before the first step (they feed a step at a time).
   std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
+  std::vector<TokenLogit> feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) override;
   std::int64_t position() const override { return position_; }
   std::int64_t capacity() const override { return model_.capacity(); }
   const std::string& capacity_source() const override { return model_.capacity_source(); }
@@ -260,8 +274,17 @@ struct SamplingOptions {
   void validate() const;
 };
 // One draw of the next token from one position's logits (SamplingOptions above; not greedy). InputError
-// when a logit is NaN or every logit is -inf (nothing to draw from).
+// when a logit is NaN or every logit is -inf (nothing to draw from). It is sample_among(top_logits(logits,
+// options.top_k)): the draw reads only the tokens top-k keeps, which the GPU engine selects on the device.
 std::int32_t sample_token(std::span<const float> logits, const SamplingOptions& options, std::mt19937_64& random);
+// SamplingOptions' top-k rule, its one place on the host: every token whose logit reaches the top_k-th
+// largest (0, or top_k at or above the row's length: every token), ties with it kept, in token order;
+// -0 and +0 are equal. InputError when a logit is NaN. (Its device twin: DeviceTopLogits, cuda_runtime.h.)
+std::vector<TokenLogit> top_logits(std::span<const float> logits, std::int64_t top_k);
+// The draw of sample_token among the tokens top-k kept (`kept` as top_logits returns them: in token
+// order, not empty): the temperature, top-p and the draw from `random` (options.top_k is not applied
+// again). InputError when a kept logit is NaN or every one is -inf.
+std::int32_t sample_among(std::span<const TokenLogit> kept, const SamplingOptions& options, std::mt19937_64& random);
 
 // Continuation: feeds the prompt, then `count` tokens picked by `sampling` (greedy by default), ending
 // early after a token of `stop_tokens` (kept as the last token, as transformers' generate keeps its

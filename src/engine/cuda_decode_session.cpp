@@ -42,6 +42,22 @@ std::uint64_t value_address(Executable& executable, std::string_view name) {
   return executable.values()[*id].address();
 }
 
+// A step's logits as feed() returns them: widened exactly to f32.
+void append_widened(const HostTensor& tensor, std::vector<float>& logits) {
+  const std::span<const std::byte> bytes = tensor.bytes();
+  if (tensor.spec().dtype == DType::bf16) {
+    for (std::size_t index = 0; index < bytes.size(); index += 2) {
+      std::uint16_t bits = 0;
+      std::memcpy(&bits, bytes.data() + index, 2);
+      logits.push_back(bf16_bits_to_f32(bits));
+    }
+  } else {
+    for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
+      logits.push_back(static_cast<float>(tensor.at(index)));  // exact widening of f32 / f16
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- CudaModel
@@ -218,12 +234,11 @@ void CudaDecodeSession::stage_step(std::span<const std::int32_t> tokens) {
   stream_.synchronize();
 }
 
-std::vector<HostTensor> CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens, std::string_view output) {
+void CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens,
+                                  const std::function<void(Executable&)>& after_step) {
   const DecoderModel& decoder = model_->model();
   check_tokens_fit(tokens, position_, decoder);
   model_->device().make_current();
-  std::vector<HostTensor> step_outputs;  // one per step, filled by async copies (never reallocated)
-  step_outputs.reserve(tokens.size());
   std::size_t first = 0;
   while (first < tokens.size()) {
     const std::size_t steps =
@@ -231,14 +246,58 @@ std::vector<HostTensor> CudaDecodeSession::run_steps(std::span<const std::int32_
     Executable& step = executable(static_cast<std::int64_t>(steps));
     upload_inputs(tokens.subspan(first, steps), position_ + static_cast<std::int64_t>(first));
     step.enqueue(stream_);
-    const DeviceTensor& device_output = step.values()[*step.values().graph().find_value(output)];
-    step_outputs.emplace_back(device_output.spec);
-    device_output.buffer.copy_to_host_async(step_outputs.back().bytes(), stream_);
+    after_step(step);
     first += steps;
   }
   stream_.synchronize();
   position_ += static_cast<std::int64_t>(tokens.size());
+}
+
+std::vector<HostTensor> CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens, std::string_view output) {
+  std::vector<HostTensor> step_outputs;  // one per step, filled by async copies (never reallocated)
+  step_outputs.reserve(tokens.size());
+  run_steps(tokens, [&](Executable& step) {
+    const DeviceTensor& device_output = step.values()[*step.values().graph().find_value(output)];
+    step_outputs.emplace_back(device_output.spec);
+    device_output.buffer.copy_to_host_async(step_outputs.back().bytes(), stream_);
+  });
   return step_outputs;
+}
+
+std::vector<TokenLogit> CudaDecodeSession::feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) {
+  if (tokens.empty()) throw InputError("no token to feed");
+  if (top_k < 0) throw InputError(fmt::format("top_k {} must be >= 0 (0: every token)", top_k));
+  const std::int64_t vocab = model_->model().config().vocab_size;
+  if (top_k == 0 || top_k >= vocab || top_k > kMaxDeviceTopK) return LogitsSession::feed_top_k(tokens, top_k);
+  model_->device().make_current();
+  // Room for k and as many tokens tied with the k-th again; past that the row comes back whole.
+  if (!top_logits_) top_logits_ = std::make_unique<DeviceTopLogits>(static_cast<std::size_t>(2 * kMaxDeviceTopK));
+  const std::size_t steps = tokens.size() / static_cast<std::size_t>(kPrefillChunk) +
+                            tokens.size() % static_cast<std::size_t>(kPrefillChunk);
+  std::size_t enqueued = 0;
+  std::uint64_t row = 0;
+  DType dtype = DType::f32;
+  run_steps(tokens, [&](Executable& step) {
+    if (++enqueued < steps) return;  // only the last token's row is selected from
+    const DeviceTensor& logits = step.values()[*step.values().graph().find_value("logits")];
+    const std::int64_t rows = logits.spec.element_count() / vocab;
+    dtype = logits.spec.dtype;
+    row = logits.buffer.address() + static_cast<std::uint64_t>((rows - 1) * vocab) * dtype_size(dtype);
+    top_logits_->enqueue(stream_, row, dtype, vocab, top_k);
+  });
+  const DeviceTopLogits::Result selected = top_logits_->result();
+  if (selected.nan || static_cast<std::size_t>(selected.count) > top_logits_->capacity()) {
+    // The row as feed() returns it, selected on the host (which also says what a NaN means).
+    HostTensor row_logits(TensorSpec({vocab}, dtype));
+    DeviceBuffer::borrow(row, row_logits.bytes().size()).copy_to_host(row_logits.bytes());
+    std::vector<float> widened;
+    append_widened(row_logits, widened);
+    return top_logits(widened, top_k);
+  }
+  std::vector<TokenLogit> kept;
+  kept.reserve(selected.tokens.size());
+  for (std::size_t index = 0; index < selected.tokens.size(); ++index) kept.push_back({selected.tokens[index], selected.logits[index]});
+  return kept;
 }
 
 std::vector<std::int32_t> CudaDecodeSession::feed_greedy(std::span<const std::int32_t> tokens) {
@@ -313,20 +372,7 @@ std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens)
   const std::vector<HostTensor> step_logits = run_steps(tokens, "logits");
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
-  for (const HostTensor& tensor : step_logits) {
-    const std::span<const std::byte> bytes = tensor.bytes();
-    if (tensor.spec().dtype == DType::bf16) {
-      for (std::size_t index = 0; index < bytes.size(); index += 2) {
-        std::uint16_t bits = 0;
-        std::memcpy(&bits, bytes.data() + index, 2);
-        logits.push_back(bf16_bits_to_f32(bits));
-      }
-    } else {
-      for (std::int64_t index = 0; index < tensor.element_count(); ++index) {
-        logits.push_back(static_cast<float>(tensor.at(index)));  // exact widening of f32 / f16
-      }
-    }
-  }
+  for (const HostTensor& tensor : step_logits) append_widened(tensor, logits);
   return logits;
 }
 

@@ -162,6 +162,26 @@ EngineBenchmark benchmark_engine(CudaDecodeSession& session, const BenchmarkOpti
   result.decode_greedy_stepped_ms = time_greedy(false);
   result.decode_greedy_ms = time_greedy(true);
   result.tokens_per_second = 1e3 / result.decode_greedy_ms;
+  // Sampled steps (temperature 1, top-k 50), from the same context: each step's logits row copied back
+  // and the top-k taken on the host (sample_token over feed()), and as generate samples (feed_top_k: the
+  // top-k selected on the device, only the kept tokens copied back). The same draws either way.
+  const auto time_sampled = [&](bool on_device) {
+    session.reset();
+    session.feed_greedy(context_prompt);
+    const SamplingOptions sampling{1.0, kBenchmarkTopK, 1.0, 0};
+    std::mt19937_64 random(sampling.seed);
+    const auto next_after = [&](std::int32_t token) {
+      const std::span<const std::int32_t> fed(&token, 1);
+      return on_device ? sample_among(session.feed_top_k(fed, sampling.top_k), sampling, random)
+                       : sample_token(session.feed(fed), sampling, random);
+    };
+    std::int32_t token = next_after(context_prompt.back());  // the selection kernel loaded outside the timing
+    const auto start = std::chrono::steady_clock::now();
+    for (int step = 0; step < options.decode_steps; ++step) token = next_after(token);
+    return seconds_since(start) * 1e3 / static_cast<double>(options.decode_steps);
+  };
+  result.decode_sampled_host_ms = time_sampled(false);
+  result.decode_sampled_ms = time_sampled(true);
 
   result.copy_bandwidth_gbps = options.copy_bandwidth_gbps;
   if (options.copy_bandwidth_gbps > 0) {

@@ -185,6 +185,15 @@ std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_
   return next;
 }
 
+std::vector<TokenLogit> LogitsSession::feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) {
+  if (tokens.empty()) throw InputError("no token to feed");
+  if (top_k < 0) throw InputError(fmt::format("top_k {} must be >= 0 (0: every token)", top_k));
+  check_continuation_fits(*this, static_cast<std::int64_t>(tokens.size()));  // before any step
+  // Only the last position's logits are held (a prompt's rows at a 2^24 vocabulary would not fit).
+  if (tokens.size() > 1) feed_greedy(tokens.first(tokens.size() - 1));
+  return top_logits(feed(tokens.last(1)), top_k);
+}
+
 std::vector<std::int32_t> LogitsSession::continue_greedy(std::int32_t token, std::int64_t count,
                                                          std::span<const std::int64_t> stop_tokens,
                                                          const std::function<void(std::int32_t)>& on_token) {
@@ -202,6 +211,11 @@ std::vector<std::int32_t> LogitsSession::continue_greedy(std::int32_t token, std
 std::vector<std::int32_t> DecodeSession::feed_greedy(std::span<const std::int32_t> tokens) {
   check_tokens_fit(tokens, position_, model_);  // all of them, as feed() does, before any step runs
   return LogitsSession::feed_greedy(tokens);
+}
+
+std::vector<TokenLogit> DecodeSession::feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) {
+  check_tokens_fit(tokens, position_, model_);  // the last token's id too, before the others are fed
+  return LogitsSession::feed_top_k(tokens, top_k);
 }
 
 namespace {
@@ -235,11 +249,11 @@ Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt
   check_generation_fits(session, prompt, count);
   std::mt19937_64 random(sampling.seed);
   // The next token after `tokens`: greedy through feed_greedy (the GPU engine's argmax on the device),
-  // else drawn from the last position's logits (feed's; only that position's are asked for).
+  // else drawn among the tokens top-k keeps of the last position's logits (feed_top_k: the GPU engine
+  // selects them on the device): sample_token's draw, token for token.
   const auto next_after = [&](std::span<const std::int32_t> tokens) -> std::int32_t {
     if (sampling.greedy()) return session.feed_greedy(tokens).back();
-    if (tokens.size() > 1) session.feed_greedy(tokens.first(tokens.size() - 1));
-    return sample_token(session.feed(tokens.last(1)), sampling, random);
+    return sample_among(session.feed_top_k(tokens, sampling.top_k), sampling, random);
   };
   Generation generation;
   const auto add = [&](std::int32_t token) {

@@ -15,6 +15,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -507,6 +509,95 @@ TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
     EXPECT_THROW(session.continue_greedy(first_token, session.capacity()), InputError);
     EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()) + 9);
   }
+}
+
+// Sampling's top-k on the device keeps what top_logits keeps of the same logits, token for token and bit
+// for bit: after a 16-token chunk and single steps, for top-k from 1 to the vocabulary (0 and the whole
+// vocabulary take the host's path), on both engines; the position moves as feed's.
+TEST_P(GreedyOnTheDevice, TopKOnTheDeviceKeepsWhatTheHostKeeps) {
+  const EngineCase engine_case = GetParam();
+  const std::uint64_t seed = test_seed("TopKOnTheDevice");
+  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  const std::int64_t vocab = model.config().vocab_size;
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 19, vocab);  // 16 + 3
+  std::mt19937_64 random(seed);
+  const std::vector<std::int64_t> top_ks = {0, 1, 2, 7, 50, static_cast<std::int64_t>(1 + random() % vocab), vocab - 1, vocab};
+  for (EnginePath path : {EnginePath::native, EnginePath::fused}) {
+    SCOPED_TRACE(std::string(engine_path_name(path)));
+    CudaDecodeSession session(cuda_model, EngineOptions{path, executable_, {}});
+    const std::vector<float> logits = session.feed(prompt);
+    const std::span<const float> last = std::span<const float>(logits).last(static_cast<std::size_t>(vocab));
+    for (std::int64_t top_k : top_ks) {
+      SCOPED_TRACE(::testing::Message() << "top_k " << top_k << " of " << vocab);
+      session.reset();
+      const std::vector<TokenLogit> kept = session.feed_top_k(prompt, top_k);
+      EXPECT_EQ(session.position(), static_cast<std::int64_t>(prompt.size()));
+      const std::vector<TokenLogit> expected = top_logits(last, top_k);
+      ASSERT_EQ(kept.size(), expected.size());
+      for (std::size_t i = 0; i < kept.size(); ++i) {
+        EXPECT_EQ(kept[i].token, expected[i].token);
+        EXPECT_EQ(std::memcmp(&kept[i].logit, &expected[i].logit, sizeof(float)), 0) << "token " << kept[i].token;
+      }
+    }
+  }
+}
+
+// DeviceTopLogits against top_logits on rows built to break it: many ties (small integers), -0 beside
+// +0, +-inf, f32, bf16 and f16 rows (the bf16 selection stops after two passes), k from 1 to the row's
+// length; a row of one value past the capacity says so; a NaN anywhere is reported.
+TEST_F(ModelEngineTest, DeviceTopLogitsSelectsWhatTopLogitsKeeps) {
+  const std::uint64_t seed = test_seed("DeviceTopLogits");
+  std::mt19937_64 random(seed);
+  const CudaStream stream;
+  DeviceTopLogits selector(512);
+  for (int trial = 0; trial < 60; ++trial) {
+    const DType dtype = std::array{DType::f32, DType::bf16, DType::f16}[trial % 3];
+    const std::int64_t vocab = trial < 45 ? static_cast<std::int64_t>(1 + random() % 3000) : 150000;
+    HostTensor row(TensorSpec({vocab}, dtype));
+    for (std::int64_t i = 0; i < vocab; ++i) {
+      const auto kind = random() % 8;
+      const double value = kind == 0 ? std::array<double, 4>{0.0, -0.0, INFINITY, -INFINITY}[random() % 4]
+                           : kind < 4 ? static_cast<double>(static_cast<int>(random() % 9) - 4)
+                                      : std::uniform_real_distribution<double>(-30, 30)(random);
+      row.store(i, value);
+    }
+    std::vector<float> widened(static_cast<std::size_t>(vocab));
+    for (std::int64_t i = 0; i < vocab; ++i) widened[static_cast<std::size_t>(i)] = static_cast<float>(row.at(i));
+    const std::int64_t top_k = std::min<std::int64_t>(vocab, trial % 4 == 0 ? 1 + random() % vocab : 1 + random() % 200);
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " " << dtype_name(dtype) << " vocab " << vocab << " top_k " << top_k);
+    const DeviceBuffer device_row = DeviceBuffer::from_tensor(row);
+    selector.enqueue(stream, device_row.address(), dtype, vocab, top_k);
+    stream.synchronize();
+    const DeviceTopLogits::Result result = selector.result();
+    const std::vector<TokenLogit> expected = top_logits(widened, top_k);
+    EXPECT_FALSE(result.nan);
+    ASSERT_EQ(result.count, static_cast<std::int64_t>(expected.size()));
+    if (expected.size() > selector.capacity()) {
+      EXPECT_TRUE(result.tokens.empty());
+      continue;
+    }
+    ASSERT_EQ(result.tokens.size(), expected.size());
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_EQ(result.tokens[i], expected[i].token);
+      EXPECT_EQ(std::memcmp(&result.logits[i], &expected[i].logit, sizeof(float)), 0) << "token " << expected[i].token;
+    }
+  }
+  HostTensor flat(TensorSpec({2000}, DType::bf16));
+  for (std::int64_t i = 0; i < 2000; ++i) flat.store(i, 1.25);
+  const DeviceBuffer flat_row = DeviceBuffer::from_tensor(flat);
+  selector.enqueue(stream, flat_row.address(), DType::bf16, 2000, 3);
+  stream.synchronize();
+  DeviceTopLogits::Result all_tied = selector.result();
+  EXPECT_EQ(all_tied.count, 2000);  // every token ties with the 3rd: more than the 512 it holds
+  EXPECT_TRUE(all_tied.tokens.empty());
+  flat.store(1234, NAN);
+  const DeviceBuffer nan_row = DeviceBuffer::from_tensor(flat);
+  selector.enqueue(stream, nan_row.address(), DType::bf16, 2000, 3);
+  stream.synchronize();
+  EXPECT_TRUE(selector.result().nan);
+  EXPECT_THROW(selector.enqueue(stream, nan_row.address(), DType::bf16, 2000, 2001), std::invalid_argument);
+  EXPECT_THROW(selector.enqueue(stream, nan_row.address(), DType::i32, 2000, 3), std::invalid_argument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, GreedyOnTheDevice,

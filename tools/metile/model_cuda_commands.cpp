@@ -92,6 +92,8 @@ nlohmann::json benchmark_json(const EngineBenchmark& result) {
   return {{"decode_ms_per_token", result.decode_replay_ms},
           {"decode_feed_ms_per_token", result.decode_feed_ms},
           {"decode_greedy_stepped_ms_per_token", result.decode_greedy_stepped_ms},
+          {"decode_sampled_host_ms_per_token", result.decode_sampled_host_ms},
+          {"decode_sampled_ms_per_token", result.decode_sampled_ms},
           {"decode_greedy_ms_per_token", result.decode_greedy_ms},
           {"tokens_per_second", result.tokens_per_second},
           {"floor_ms", result.floor_ms},
@@ -348,6 +350,10 @@ void bench_model(const ModelOptions& options) {
   row("decode ms/token (greedy, a sync a step)", [](const EngineBenchmark& r) { return r.decode_greedy_stepped_ms; },
       "{:.3f}");
   row("decode ms/token (greedy, queued)", [](const EngineBenchmark& r) { return r.decode_greedy_ms; }, "{:.3f}");
+  row(fmt::format("decode ms/token (sampled top-k {}, row copied)", kBenchmarkTopK),
+      [](const EngineBenchmark& r) { return r.decode_sampled_host_ms; }, "{:.3f}");
+  row(fmt::format("decode ms/token (sampled top-k {}, on device)", kBenchmarkTopK),
+      [](const EngineBenchmark& r) { return r.decode_sampled_ms; }, "{:.3f}");
   row("decode tokens/s (greedy)", [](const EngineBenchmark& r) { return r.tokens_per_second; }, "{:.1f}");
   row(fmt::format("prefill tokens/s ({}-token prompt)", options.prefill_tokens),
       [](const EngineBenchmark& r) { return r.prefill_tokens_per_second; }, "{:.0f}");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -148,18 +149,7 @@ namespace {
 
 constexpr std::uint64_t kL2PrefetchPiece = 64 * 1024;
 
-// The runtime's own small kernels, compiled once a process (the first caller) and shared.
-std::shared_ptr<const CompiledKernel> compiled_once(std::string_view source, std::string_view name) {
-  static std::mutex mutex;
-  static std::map<std::string, std::shared_ptr<const CompiledKernel>, std::less<>> kernels;
-  std::lock_guard lock(mutex);
-  std::shared_ptr<const CompiledKernel>& kernel = kernels[std::string(name)];
-  if (!kernel) kernel = std::make_shared<const CompiledKernel>(compile_cuda(source, name));
-  return kernel;
-}
-
-std::shared_ptr<const CompiledKernel> l2_prefetch_kernel() {
-  return compiled_once(R"CUDA(
+constexpr std::string_view kL2PrefetchSource = R"CUDA(
 extern "C" __global__ void __launch_bounds__(32) metile_l2_prefetch(const unsigned long long* __restrict__ pieces,
                                                                   unsigned count) {
   const unsigned piece = blockIdx.x * 32 + threadIdx.x;
@@ -168,14 +158,11 @@ extern "C" __global__ void __launch_bounds__(32) metile_l2_prefetch(const unsign
   const unsigned bytes = (unsigned)pieces[2 * piece + 1];
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
 }
-)CUDA",
-                       "metile_l2_prefetch");
-}
+)CUDA";
 
 // One 64 KiB piece a block: 256 threads x 16 vectors of 16 bytes, all requested before any is used,
 // folded into one word a thread that is stored only if it matches a constant (so the loads stay).
-std::shared_ptr<const CompiledKernel> device_read_kernel() {
-  return compiled_once(R"CUDA(
+constexpr std::string_view kDeviceReadSource = R"CUDA(
 extern "C" __global__ void __launch_bounds__(256) metile_device_read(const unsigned long long* __restrict__ pieces,
                                                                    unsigned* sink) {
   const unsigned long long address = pieces[2 * blockIdx.x];
@@ -195,13 +182,10 @@ extern "C" __global__ void __launch_bounds__(256) metile_device_read(const unsig
   for (int u = 0; u < 16; ++u) folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   if (folded == 0x9E3779B9u) *sink = folded;
 }
-)CUDA",
-                       "metile_device_read");
-}
+)CUDA";
 
 // One thread: CudaDecodeSession::continue_greedy's link between two steps (GreedyStepLink).
-std::shared_ptr<const CompiledKernel> greedy_step_link_kernel() {
-  return compiled_once(R"CUDA(
+constexpr std::string_view kGreedyStepLinkSource = R"CUDA(
 extern "C" __global__ void __launch_bounds__(32) metile_greedy_step_link(const int* __restrict__ next_token,
                                                                        int* token_ids, int* positions,
                                                                        unsigned* next_slot, volatile int* slots,
@@ -214,8 +198,144 @@ extern "C" __global__ void __launch_bounds__(32) metile_greedy_step_link(const i
   slots[link % slot_count] = token;
   *next_slot = link + 1;
 }
-)CUDA",
-                       "metile_greedy_step_link");
+)CUDA";
+
+// DeviceTopLogits: one block of 1024 threads. A logit's key orders as the logit does (sign flipped for
+// the positives, every bit for the negatives; -0 first made +0, so the two are one key). Each pass
+// counts, among the keys whose higher bits match the prefix found so far, the next 8 bits' values;
+// warp 0 then finds the value in which the top_k-th largest key lies (counting from the top) and
+// extends the prefix. bf16 logits need two passes (their keys' low 16 bits are all 0 or all 1: a
+// 16-bit prefix already holds exactly the keys equal to the k-th), f32 and f16 four. The last pass
+// gathers every key at or above the prefix, in no particular order (the host sorts the few it gets).
+// A thread reads 16 consecutive logits a round, all loads before any use (a round trip per round, not
+// per logit), and the lanes of a warp that count the same value add once (__match_any_sync): the first
+// pass's values are the keys' top bits, a few values for a whole row.
+constexpr std::string_view kTopLogitsSource = R"CUDA(
+__device__ __forceinline__ float metile_logit_at(const void* row, int dtype, int index) {
+  if (dtype == 1) return __uint_as_float((unsigned)((const unsigned short*)row)[index] << 16);
+  if (dtype == 2) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(((const unsigned short*)row)[index]));
+    return value;
+  }
+  return ((const float*)row)[index];
+}
+__device__ __forceinline__ unsigned metile_logit_key(float value) {
+  const unsigned bits = __float_as_uint(value + 0.0f);  // -0 + 0 is +0
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+constexpr int kLogitsARound = 16;
+// dtype: 0 f32, 1 bf16, 2 f16. out: [0] count, [1] NaN seen, then capacity (token, f32 logit) pairs.
+extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void* __restrict__ row, int dtype, int vocab,
+                                                                   unsigned top_k, unsigned capacity,
+                                                                   unsigned* __restrict__ out) {
+  __shared__ unsigned histogram[256];
+  __shared__ unsigned prefix_found, rank_left, gathered;
+  __shared__ int nan_seen;
+  if (threadIdx.x == 0) {
+    prefix_found = 0;
+    rank_left = top_k;
+    gathered = 0;
+    nan_seen = 0;
+  }
+  const unsigned lane = threadIdx.x & 31u;
+  // Rounds are uniform across a warp (the loop runs while the warp's first logit is in the row), so
+  // every lane takes part in the warp's __match_any_sync; lanes past the row count nothing.
+  const int warp_first = (int)(threadIdx.x - lane) * kLogitsARound;
+  const int stride = (int)blockDim.x * kLogitsARound;
+  const int passes = dtype == 1 ? 2 : 4;
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 24 - 8 * pass;
+    const unsigned higher = pass == 0 ? 0u : 0xFFFFFFFFu << (shift + 8);
+    for (int digit = threadIdx.x; digit < 256; digit += blockDim.x) histogram[digit] = 0;
+    __syncthreads();
+    const unsigned prefix = prefix_found;
+    for (int start = warp_first; start < vocab; start += stride) {
+      const int first = start + (int)lane * kLogitsARound;
+      float values[kLogitsARound];
+#pragma unroll
+      for (int u = 0; u < kLogitsARound; ++u) values[u] = first + u < vocab ? metile_logit_at(row, dtype, first + u) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < kLogitsARound; ++u) {
+        const bool inside = first + u < vocab;
+        if (inside && values[u] != values[u]) nan_seen = 1;
+        const unsigned key = metile_logit_key(values[u]);
+        const bool counted = inside && values[u] == values[u] && (key & higher) == prefix;
+        const unsigned digit = counted ? (key >> shift) & 255u : 256u;
+        const unsigned peers = __match_any_sync(0xFFFFFFFFu, digit);
+        if (counted && (unsigned)(__ffs(peers) - 1) == lane) atomicAdd(&histogram[digit], (unsigned)__popc(peers));
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane l counts the digits 255 - 8 l down to 248 - 8 l; a scan over the lanes counts from the top.
+      const unsigned rank = rank_left;  // read before the scan's shuffles, written after them
+      unsigned mine = 0;
+      for (unsigned j = 0; j < 8; ++j) mine += histogram[255u - 8u * lane - j];
+      unsigned through = mine;
+      for (unsigned offset = 1; offset < 32; offset <<= 1) {
+        const unsigned other = __shfl_up_sync(0xFFFFFFFFu, through, offset);
+        if (lane >= offset) through += other;
+      }
+      unsigned above = through - mine;
+      if (above < rank && rank <= through) {
+        for (unsigned j = 0; j < 8; ++j) {
+          const unsigned digit = 255u - 8u * lane - j;
+          if (above + histogram[digit] >= rank) {
+            prefix_found = prefix | (digit << shift);
+            rank_left = rank - above;
+            break;
+          }
+          above += histogram[digit];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const unsigned threshold = prefix_found;
+  for (int start = warp_first; start < vocab; start += stride) {
+    const int first = start + (int)lane * kLogitsARound;
+    float values[kLogitsARound];
+#pragma unroll
+    for (int u = 0; u < kLogitsARound; ++u) values[u] = first + u < vocab ? metile_logit_at(row, dtype, first + u) : 0.0f;
+#pragma unroll
+    for (int u = 0; u < kLogitsARound; ++u) {
+      if (first + u >= vocab || values[u] != values[u] || metile_logit_key(values[u]) < threshold) continue;
+      const unsigned slot = atomicAdd(&gathered, 1u);
+      if (slot < capacity) {
+        out[2 + 2 * slot] = (unsigned)(first + u);
+        out[3 + 2 * slot] = __float_as_uint(values[u]);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    out[0] = gathered;
+    out[1] = nan_seen ? 1u : 0u;
+  }
+}
+)CUDA";
+
+// The runtime's own small kernels, compiled once a process (the first caller) and shared.
+std::shared_ptr<const CompiledKernel> compiled_once(std::string_view source, std::string_view name) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<const CompiledKernel>, std::less<>> kernels;
+  std::lock_guard lock(mutex);
+  std::shared_ptr<const CompiledKernel>& kernel = kernels[std::string(name)];
+  if (!kernel) kernel = std::make_shared<const CompiledKernel>(compile_cuda(source, name));
+  return kernel;
+}
+
+std::shared_ptr<const CompiledKernel> l2_prefetch_kernel() {
+  return compiled_once(kL2PrefetchSource, "metile_l2_prefetch");
+}
+
+std::shared_ptr<const CompiledKernel> device_read_kernel() {
+  return compiled_once(kDeviceReadSource, "metile_device_read");
+}
+
+std::shared_ptr<const CompiledKernel> greedy_step_link_kernel() {
+  return compiled_once(kGreedyStepLinkSource, "metile_greedy_step_link");
 }
 
 }  // namespace
@@ -244,6 +364,62 @@ void GreedyStepLink::enqueue(const CudaStream& stream, std::uint64_t next_token,
 std::int32_t GreedyStepLink::chosen(std::size_t n) const {
   // Written by the device: read through a volatile pointer, not from a value the compiler kept.
   return static_cast<const volatile std::int32_t*>(host_.get())[n % slots_];
+}
+
+DeviceTopLogits::DeviceTopLogits(std::size_t capacity)
+    : kernel_(compiled_once(kTopLogitsSource, "metile_top_logits")),
+      capacity_(capacity),
+      output_((2 + 2 * capacity) * sizeof(std::uint32_t)),
+      host_(2 + 2 * capacity) {
+  if (capacity == 0 || capacity > (std::size_t{1} << 24)) {
+    throw std::invalid_argument(fmt::format("DeviceTopLogits: capacity {} must be 1..2^24", capacity));
+  }
+}
+
+void DeviceTopLogits::enqueue(const CudaStream& stream, std::uint64_t row, DType dtype, std::int64_t vocab,
+                              std::int64_t top_k) {
+  if (vocab < 1 || vocab > (std::int64_t{1} << 30) || top_k < 1 || top_k > vocab) {
+    throw std::invalid_argument(fmt::format("DeviceTopLogits: top_k {} of a row of {}", top_k, vocab));
+  }
+  const int code = dtype == DType::f32 ? 0 : dtype == DType::bf16 ? 1 : dtype == DType::f16 ? 2 : -1;
+  if (code < 0) throw std::invalid_argument(fmt::format("DeviceTopLogits: logits of {}", dtype_name(dtype)));
+  launch(*kernel_, Dim3{1}, Dim3{1024}, 0, stream, row, code, static_cast<int>(vocab), static_cast<unsigned>(top_k),
+         static_cast<unsigned>(capacity_), output_.address());
+  // The count and the pairs a selection without many ties fills; result() fetches the rest if needed.
+  copied_pairs_ = std::min<std::size_t>(capacity_, static_cast<std::size_t>(top_k) + 256);
+  output_.copy_to_host_async(std::as_writable_bytes(std::span<std::uint32_t>(host_).first(2 + 2 * copied_pairs_)), stream);
+}
+
+DeviceTopLogits::Result DeviceTopLogits::result() {
+  Result result;
+  result.count = host_[0];
+  result.nan = host_[1] != 0;
+  const auto count = static_cast<std::size_t>(result.count);
+  if (result.nan || count > capacity_) return result;
+  if (count > copied_pairs_) {  // more ties at the k-th than the copy held
+    const std::size_t offset = (2 + 2 * copied_pairs_) * sizeof(std::uint32_t);
+    output_.copy_to_host(std::as_writable_bytes(std::span<std::uint32_t>(host_).subspan(2 + 2 * copied_pairs_,
+                                                                                         2 * (count - copied_pairs_))),
+                         offset);
+  }
+  // Gathered in no order: sorted by token, each logit with its token.
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> kept;
+  for (std::size_t slot = 0; slot < count; ++slot) kept.emplace_back(host_[2 + 2 * slot], host_[3 + 2 * slot]);
+  std::sort(kept.begin(), kept.end());
+  for (const auto& [token, bits] : kept) {
+    float logit = 0;
+    std::memcpy(&logit, &bits, sizeof logit);
+    result.tokens.push_back(static_cast<std::int32_t>(token));
+    result.logits.push_back(logit);
+  }
+  return result;
+}
+
+std::vector<std::pair<std::string_view, std::string_view>> runtime_kernel_sources() {
+  return {{"metile_l2_prefetch", kL2PrefetchSource},
+          {"metile_device_read", kDeviceReadSource},
+          {"metile_greedy_step_link", kGreedyStepLinkSource},
+          {"metile_top_logits", kTopLogitsSource}};
 }
 
 std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRange>& ranges) {

@@ -696,6 +696,34 @@ TEST_F(DecoderModelTest, SampledGenerationDrawsFromEachPositionsLogits) {
   EXPECT_EQ(refused.position(), 0);
 }
 
+// feed_top_k (what sampled generation feeds through) keeps what top_logits keeps of the last row of the
+// same tokens' logits, for top-k from 0 (every token) past the vocabulary, and moves the position as feed
+// does; it refuses a bad last token, a sequence past the cache and a negative top-k before any step.
+TEST_F(DecoderModelTest, FeedTopKKeepsWhatTopLogitsKeepsOfTheLastRow) {
+  std::mt19937_64 generator(testing::model_test_seed() + 13);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}));
+  const std::int64_t vocab = model.config().vocab_size;
+  const std::vector<std::int32_t> prompt = random_tokens(generator, 5, vocab);
+  for (std::int64_t top_k : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, vocab - 1, vocab, vocab + 40}) {
+    SCOPED_TRACE(::testing::Message() << "top_k " << top_k);
+    DecodeSession selecting(model), feeding(model);
+    const std::vector<TokenLogit> kept = selecting.feed_top_k(prompt, top_k);
+    const std::vector<float> logits = feeding.feed(prompt);
+    EXPECT_EQ(kept, top_logits(std::span<const float>(logits).last(static_cast<std::size_t>(vocab)), top_k));
+    EXPECT_EQ(selecting.position(), 5);
+  }
+  DecodeSession refused(model);
+  std::vector<std::int32_t> bad_last = prompt;
+  bad_last.back() = static_cast<std::int32_t>(vocab);
+  EXPECT_EQ(testing::error_of([&] { refused.feed_top_k(bad_last, 5); }),
+            fmt::format("token id {} is outside the vocabulary [0, {})", vocab, vocab));
+  EXPECT_EQ(testing::error_of([&] { refused.feed_top_k(prompt, -1); }), "top_k -1 must be >= 0 (0: every token)");
+  EXPECT_EQ(testing::error_of([&] { refused.feed_top_k({}, 5); }), "no token to feed");
+  const std::vector<std::int32_t> too_long(static_cast<std::size_t>(refused.capacity() + 1), 1);
+  EXPECT_THROW(refused.feed_top_k(too_long, 5), InputError);
+  EXPECT_EQ(refused.position(), 0);
+}
+
 // Generation ends after a stop token: the tokens are those of the same generation without stop tokens,
 // up to and including the first that is one (transformers keeps its EOS), for greedy and sampled
 // decoding; a stop token never produced changes nothing. The stop sets are drawn from the unstopped

@@ -4,6 +4,7 @@
 // cases (+-inf, NaN, ties by id) and the argument checks. generate's sampled path is in model_test.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -129,6 +130,50 @@ TEST(SampleToken, EdgeCasesAndArguments) {
     EXPECT_EQ(refusal(greedy_with_filters), "top_k, top_p and seed pick among sampled tokens: give temperature above 0 "
                                             "too (0, or one a double rounds to 0, is greedy)");
   }
+}
+
+// top_logits (the top-k rule the GPU engine's selection reproduces) against its definition: a token is
+// kept when fewer than k logits are strictly larger (-0 and +0 equal, +-inf ordered), in token order;
+// sample_token is sample_among over it, draw for draw.
+TEST(TopLogits, KeepsEveryTokenWithFewerThanKLargerLogits) {
+  std::mt19937_64 random(test_seed("top_logits"));
+  const std::vector<float> specials = {0.0f, -0.0f, INFINITY, -INFINITY, 1.5f, -1.5f};
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> logits(1 + random() % 60);
+    for (float& value : logits) {
+      const auto kind = random() % 4;
+      value = kind == 0 ? specials[random() % specials.size()]
+              : kind == 1 ? static_cast<float>(static_cast<int>(random() % 5) - 2)
+                          : std::uniform_real_distribution<float>(-8, 8)(random);
+    }
+    const auto top_k = static_cast<std::int64_t>(random() % (logits.size() + 3));
+    std::vector<TokenLogit> expected;
+    for (std::size_t i = 0; i < logits.size(); ++i) {
+      std::int64_t larger = 0;
+      for (float other : logits) larger += other > logits[i];
+      if (top_k == 0 || larger < top_k) expected.push_back({static_cast<std::int32_t>(i), logits[i]});
+    }
+    const std::vector<TokenLogit> kept = top_logits(logits, top_k);
+    ASSERT_EQ(kept.size(), expected.size()) << "trial " << trial << " top_k " << top_k;
+    for (std::size_t i = 0; i < kept.size(); ++i) {
+      EXPECT_EQ(kept[i].token, expected[i].token) << "trial " << trial;
+      EXPECT_EQ(kept[i].logit, expected[i].logit) << "trial " << trial;
+      EXPECT_EQ(std::signbit(kept[i].logit), std::signbit(expected[i].logit)) << "the logit as given, -0 too";
+    }
+    if (std::any_of(logits.begin(), logits.end(), [](float value) { return value != -INFINITY; }) && !kept.empty()) {
+      SamplingOptions options{std::uniform_real_distribution<double>(0.3, 2)(random), top_k,
+                              trial % 2 == 0 ? 1.0 : 0.7, random()};
+      std::mt19937_64 first(options.seed), second(options.seed);
+      for (int draw = 0; draw < 20; ++draw) {
+        EXPECT_EQ(sample_token(logits, options, first), sample_among(kept, options, second)) << "trial " << trial;
+      }
+    }
+  }
+  EXPECT_EQ(error_of([] { top_logits(std::vector<float>{1.0f, NAN}, 1); }), "cannot sample the next token: its logits hold a NaN");
+  EXPECT_EQ(error_of([] { top_logits(std::vector<float>{1.0f}, -1); }), "top_k -1 must be >= 0 (0: every token)");
+  std::mt19937_64 unused(1);
+  EXPECT_EQ(error_of([&] { sample_among(std::vector<TokenLogit>{{3, -INFINITY}}, SamplingOptions{1, 0, 1, 0}, unused); }),
+            "cannot sample the next token: every logit is -inf");
 }
 
 }  // namespace
