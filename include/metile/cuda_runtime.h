@@ -432,28 +432,24 @@ class DeviceRead {
 
 // The link between two greedy decode steps on the device (CudaDecodeSession::continue_greedy): one
 // thread copies the token a step chose (its graph's "next_tokens") into the next step's token id,
-// moves the position one on, and writes the token into the next slot, in turn, of page-locked host
-// memory mapped into the device (cuMemHostAlloc, DEVICEMAP), which the host reads once an event
-// recorded after the link has completed. Its arguments are fixed (a device counter says which slot is
-// next), so it can be captured into a graph after the step it follows: consecutive steps then queue on
-// the stream as one graph each, with no host round trip between them.
+// moves the position one on, and writes the token into a slot of page-locked host memory mapped into
+// the device (cuMemHostAlloc, DEVICEMAP), which the host reads once an event recorded after the link
+// has completed. So consecutive steps queue on the stream with no host round trip between them.
 class GreedyStepLink {
  public:
   explicit GreedyStepLink(std::size_t slots);  // needs a current context
-  // The next link writes slot 0 (on `stream`, before the links it orders).
-  void restart(const CudaStream& stream);
   // After the step that wrote its chosen token at `next_token` (an int32 on the device): that token
-  // into token_ids[0] and the next slot, positions[0] + 1 into positions[0].
-  void enqueue(const CudaStream& stream, std::uint64_t next_token, std::uint64_t token_ids, std::uint64_t positions) const;
-  // The token the n-th completed link since restart() wrote (its slot: n modulo the slots).
-  std::int32_t chosen(std::size_t n) const;
+  // into token_ids[0] and slot `slot` (modulo the slots), positions[0] + 1 into positions[0].
+  void enqueue(const CudaStream& stream, std::uint64_t next_token, std::uint64_t token_ids, std::uint64_t positions,
+               std::size_t slot) const;
+  // The token a completed link wrote into `slot` (modulo the slots).
+  std::int32_t chosen(std::size_t slot) const;
 
  private:
   std::shared_ptr<const CompiledKernel> kernel_;
   std::shared_ptr<std::int32_t> host_;  // the slots, freed with cuMemFreeHost
   std::uint64_t device_address_ = 0;    // the same slots as the device addresses them
   std::size_t slots_ = 0;
-  DeviceBuffer next_slot_;              // u32: the links since restart()
 };
 
 // Sampling's top-k on the device (CudaDecodeSession::feed_top_k): of one row of logits (f32, bf16 or

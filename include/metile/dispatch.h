@@ -498,11 +498,6 @@ class Executable {
   // below) and a real run afterwards writes them again. Kinds absent from `times` are ignored.
   void replay_cost_by_kind(std::vector<StepKindTime>& times, const TournamentOptions& tournament);
   int step_count() const;  // device steps per run
-  // A graph of the replay's steps, launched as the replay launches them, followed by `after` on the
-  // same stream: work that belongs to every run of one use (the greedy chain's link,
-  // CudaDecodeSession::continue_greedy). Empty (no graph) without a captured replay, or after a kept
-  // weight prefetch, whose side stream this does not reproduce.
-  CudaGraph capture_replay_then(const std::function<void(const CudaStream&)>& after);
   // What reading the step's GEMV weights costs with nothing else done (bench-model's read floors),
   // raced (run_tournament) against the replay as it is: one read-only kernel (DeviceRead) per step
   // that streams weights, in the steps' order, captured as one graph, and one kernel over all of

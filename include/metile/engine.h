@@ -137,12 +137,11 @@ class CudaDecodeSession : public LogitsSession {
   // The same steps, copying back only each token's next-token id (the step graph's "next_tokens",
   // the argmax of its logits taken on the device): 4 bytes per token instead of a row of logits.
   std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
-  // LogitsSession's, on the device: the single-token step and a GreedyStepLink after it (the chosen
-  // token into the next step's input, the position one on, the token into host memory), captured as
-  // one graph (Executable::capture_replay_then) and replayed `count` times, up to kStepsAhead queued
-  // before the host reads the oldest one's token. Steps queued past a stop token still run; their
-  // cache rows lie past the position, where no step reads before writing. So a generated token costs
-  // one graph replay, not a host round trip.
+  // LogitsSession's, on the device: the single-token step replayed `count` times, a GreedyStepLink
+  // after each (the chosen token into the next step's input, the position one on, the token into host
+  // memory), up to kStepsAhead steps queued before the host reads the oldest one's token. Steps queued
+  // past a stop token still run; their cache rows lie past the position, where no step reads before
+  // writing. So generation costs the replays and one link a token, not a host round trip each.
   std::vector<std::int32_t> continue_greedy(std::int32_t token, std::int64_t count,
                                             std::span<const std::int64_t> stop_tokens = {},
                                             const std::function<void(std::int32_t)>& on_token = {}) override;
@@ -187,7 +186,6 @@ class CudaDecodeSession : public LogitsSession {
   std::vector<std::int32_t> staged_;            // host copies of both (ids, then positions)
   std::map<std::int64_t, std::unique_ptr<Executable>> executables_;
   std::unique_ptr<GreedyStepLink> greedy_link_;  // continue_greedy's, made on first use
-  CudaGraph greedy_chain_;                        // the single-token step and its link, one graph
   std::unique_ptr<DeviceTopLogits> top_logits_;  // feed_top_k's, made on first use (kMaxDeviceTopK + ties)
   std::int64_t position_ = 0;
 };

@@ -601,15 +601,6 @@ std::pair<double, double> race_against_replay(const CudaGraph& current, const Cu
 
 }  // namespace
 
-CudaGraph Executable::capture_replay_then(const std::function<void(const CudaStream&)>& after) {
-  if (!state_->replay || state_->weight_prefetch) return {};
-  state_->device.make_current();
-  return capture_launching(state_->stream, state_->programmatic_replay, [&](const CudaStream& stream) {
-    run_steps(state_->steps, stream);
-    after(stream);
-  });
-}
-
 bool Executable::race_programmatic_replay(const TournamentOptions& tournament) {
   // After a kept weight prefetch the replay has its side stream: race launches first (the engine does).
   if (!state_->replay || state_->programmatic_replay || state_->weight_prefetch) return state_->programmatic_replay;

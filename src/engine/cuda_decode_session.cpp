@@ -319,16 +319,9 @@ std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token,
   check_token_ids(std::span<const std::int32_t>(&token, 1), model_->model());
   model_->device().make_current();
   Executable& step = executable(1);  // built (and raced) before its inputs are staged
+  if (!greedy_link_) greedy_link_ = std::make_unique<GreedyStepLink>(static_cast<std::size_t>(kStepsAhead));
   const std::uint64_t next_token = value_address(step, "next_tokens");
-  const auto link = [&](const CudaStream& stream) {
-    greedy_link_->enqueue(stream, next_token, token_ids_.address(), positions_.address());
-  };
-  if (!greedy_link_) {
-    greedy_link_ = std::make_unique<GreedyStepLink>(static_cast<std::size_t>(kStepsAhead));
-    greedy_chain_ = step.capture_replay_then(link);  // none after a kept weight prefetch: launched apart then
-  }
   upload_inputs(std::span<const std::int32_t>(&token, 1), position_);
-  greedy_link_->restart(stream_);
   std::vector<CudaEvent> linked(static_cast<std::size_t>(kStepsAhead));  // recorded after each slot's link
   std::vector<std::int32_t> chosen;
   std::int64_t queued = 0;
@@ -341,16 +334,13 @@ std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token,
   try {
     while (static_cast<std::int64_t>(chosen.size()) < count) {
       for (; queued < count && queued - static_cast<std::int64_t>(chosen.size()) < kStepsAhead; ++queued) {
-        if (greedy_chain_) {
-          greedy_chain_.replay(stream_);
-        } else {
-          step.enqueue(stream_);
-          link(stream_);
-        }
+        step.enqueue(stream_);
+        greedy_link_->enqueue(stream_, next_token, token_ids_.address(), positions_.address(), static_cast<std::size_t>(queued));
         linked[static_cast<std::size_t>(queued % kStepsAhead)].record(stream_);
       }
-      linked[chosen.size() % static_cast<std::size_t>(kStepsAhead)].synchronize();
-      const std::int32_t next = greedy_link_->chosen(chosen.size());
+      const std::size_t slot = chosen.size() % static_cast<std::size_t>(kStepsAhead);
+      linked[slot].synchronize();
+      const std::int32_t next = greedy_link_->chosen(slot);
       chosen.push_back(next);
       if (on_token) on_token(next);
       if (is_stop_token(stop_tokens, next)) break;
