@@ -600,6 +600,26 @@ TEST_F(ModelEngineTest, DeviceTopLogitsSelectsWhatTopLogitsKeeps) {
   EXPECT_THROW(selector.enqueue(stream, nan_row.address(), DType::i32, 2000, 3), std::invalid_argument);
 }
 
+// The runtime's own kernels (here DeviceTopLogits') are loaded once a context: a device opened, closed
+// (its primary context released with the last handle, so the next open makes a new context) and opened
+// again runs them again. Cached once a process, the second launch failed with CUDA_ERROR_INVALID_HANDLE
+// (session 41, on the H100, a GPU test after another). Run alone, as here, nothing else holds the context.
+TEST(RuntimeKernelsAcrossContexts, ADeviceOpenedAgainRunsTheRuntimeKernels) {
+  if (!cuda_unavailable_reason().empty()) GTEST_SKIP() << cuda_unavailable_reason();
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    const CudaDevice device = CudaDevice::open();
+    const CudaStream stream;
+    DeviceTopLogits selector(4);
+    HostTensor row(TensorSpec({3}, DType::f32));
+    for (std::int64_t i = 0; i < 3; ++i) row.store(i, std::array<double, 3>{0.5, 2.0 + round, -1.0}[static_cast<std::size_t>(i)]);
+    const DeviceBuffer device_row = DeviceBuffer::from_tensor(row);
+    selector.enqueue(stream, device_row.address(), DType::f32, 3, 1);
+    stream.synchronize();
+    EXPECT_EQ(selector.result().tokens, std::vector<std::int32_t>{1});
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Architectures, GreedyOnTheDevice,
                          ::testing::Values(EngineCase{ModelArchitecture::llama, 0},
                                            EngineCase{ModelArchitecture::qwen2, 4}),

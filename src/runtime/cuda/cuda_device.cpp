@@ -323,12 +323,21 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
 }
 )CUDA";
 
-// The runtime's own small kernels, compiled once a process (the first caller) and shared.
+// The runtime's own small kernels, compiled and loaded once a context (the first caller's) and shared.
+// Keyed by the current context's ID, which the driver never gives twice in a process: a module belongs
+// to the context it was loaded in, and the device's primary context, released by its last CudaDevice,
+// is a new one when the next opens it (a kernel cached by name alone then failed every launch with
+// CUDA_ERROR_INVALID_HANDLE: a test that opened the device after another had closed it).
 std::shared_ptr<const CompiledKernel> compiled_once(std::string_view source, std::string_view name) {
   static std::mutex mutex;
-  static std::map<std::string, std::shared_ptr<const CompiledKernel>, std::less<>> kernels;
+  static std::map<std::pair<unsigned long long, std::string>, std::shared_ptr<const CompiledKernel>, std::less<>> kernels;
+  CUcontext context = nullptr;
+  check(driver().cuCtxGetCurrent(&context), "cuCtxGetCurrent");
+  if (context == nullptr) throw std::logic_error(fmt::format("{}: no current CUDA context", name));
+  unsigned long long context_id = 0;
+  check(driver().cuCtxGetId(context, &context_id), "cuCtxGetId");
   std::lock_guard lock(mutex);
-  std::shared_ptr<const CompiledKernel>& kernel = kernels[std::string(name)];
+  std::shared_ptr<const CompiledKernel>& kernel = kernels[{context_id, std::string(name)}];
   if (!kernel) kernel = std::make_shared<const CompiledKernel>(compile_cuda(source, name));
   return kernel;
 }
