@@ -420,19 +420,35 @@ class LogitsOnly : public LogitsSession {
   CudaDecodeSession& session_;
 };
 
-class GreedyOnTheDevice : public ModelEngineTest, public ::testing::WithParamInterface<EngineCase> {};
+class GreedyOnTheDevice : public ModelEngineTest, public ::testing::WithParamInterface<EngineCase> {
+ protected:
+  // The case's synthetic checkpoint (drawn from `seed`) on the device, and a 19-token prompt: a
+  // 16-token chunk and three single steps. Held by pointer: the CudaModel refers to the DecoderModel.
+  struct LoadedCase {
+    DecoderModel model;
+    std::shared_ptr<const CudaModel> cuda_model;
+    std::int64_t vocab = 0;
+    std::vector<std::int32_t> prompt;
+  };
+  std::unique_ptr<LoadedCase> load_case(std::uint64_t seed) {
+    const EngineCase engine_case = GetParam();
+    auto loaded = std::unique_ptr<LoadedCase>(
+        new LoadedCase{synth_and_load("model", engine_case.architecture, engine_case.bits, seed), nullptr, 0, {}});
+    loaded->cuda_model = CudaModel::load(loaded->model, device());
+    loaded->vocab = loaded->model.config().vocab_size;
+    loaded->prompt = random_prompt(seed, 19, loaded->vocab);
+    return loaded;
+  }
+};
 
 // The engine's greedy path (next_tokens, the argmax taken on the device, 4 bytes per token copied
 // back) picks exactly the tokens the host picks from the same session's logits: every row of a
 // prompt (chunks of 16 and single steps), and 24 generated tokens, on both engines; sampled
 // generation draws from those logits (sample_token) as the CPU sessions do.
 TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
-  const EngineCase engine_case = GetParam();
   const std::uint64_t seed = test_seed("GreedyOnTheDevice");
-  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
-  const auto cuda_model = CudaModel::load(model, device());
-  const std::int64_t vocab = model.config().vocab_size;
-  const std::vector<std::int32_t> prompt = random_prompt(seed, 19, vocab);  // 16 + 3
+  const auto loaded = load_case(seed);
+  const auto& [model, cuda_model, vocab, prompt] = *loaded;
   for (EnginePath path : {EnginePath::native, EnginePath::fused}) {
     SCOPED_TRACE(std::string(engine_path_name(path)));
     CudaDecodeSession session(cuda_model, EngineOptions{path, executable_, {}});
@@ -515,12 +531,9 @@ TEST_P(GreedyOnTheDevice, NextTokensEqualTheArgmaxOfTheLogits) {
 // for bit: after a 16-token chunk and single steps, for top-k from 1 to the vocabulary (0 and the whole
 // vocabulary take the host's path), on both engines; the position moves as feed's.
 TEST_P(GreedyOnTheDevice, TopKOnTheDeviceKeepsWhatTheHostKeeps) {
-  const EngineCase engine_case = GetParam();
   const std::uint64_t seed = test_seed("TopKOnTheDevice");
-  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
-  const auto cuda_model = CudaModel::load(model, device());
-  const std::int64_t vocab = model.config().vocab_size;
-  const std::vector<std::int32_t> prompt = random_prompt(seed, 19, vocab);  // 16 + 3
+  const auto loaded = load_case(seed);
+  const auto& [model, cuda_model, vocab, prompt] = *loaded;
   std::mt19937_64 random(seed);
   const std::vector<std::int64_t> top_ks = {0, 1, 2, 7, 50, static_cast<std::int64_t>(1 + random() % vocab), vocab - 1, vocab};
   for (EnginePath path : {EnginePath::native, EnginePath::fused}) {

@@ -223,6 +223,21 @@ __device__ __forceinline__ unsigned metile_logit_key(float value) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 constexpr int kLogitsARound = 16;
+// Calls visit(first, values) with each round of this thread's logits: the 16 from `first` (0 past the row),
+// every load issued before any is used. Rounds are uniform across a warp (the loop runs while the warp's
+// first logit is in the row), so every lane takes part in a warp-wide call inside `visit`.
+template <class Visit>
+__device__ __forceinline__ void metile_for_each_round(const void* row, int dtype, int vocab, Visit visit) {
+  const int lane = (int)(threadIdx.x & 31u);
+  const int stride = (int)blockDim.x * kLogitsARound;
+  for (int start = ((int)threadIdx.x - lane) * kLogitsARound; start < vocab; start += stride) {
+    const int first = start + lane * kLogitsARound;
+    float values[kLogitsARound];
+#pragma unroll
+    for (int u = 0; u < kLogitsARound; ++u) values[u] = first + u < vocab ? metile_logit_at(row, dtype, first + u) : 0.0f;
+    visit(first, values);
+  }
+}
 // dtype: 0 f32, 1 bf16, 2 f16. out: [0] count, [1] NaN seen, then capacity (token, f32 logit) pairs.
 extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void* __restrict__ row, int dtype, int vocab,
                                                                    unsigned top_k, unsigned capacity,
@@ -238,10 +253,6 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
     nan_seen = 0;
   }
   const unsigned lane = threadIdx.x & 31u;
-  // Rounds are uniform across a warp (the loop runs while the warp's first logit is in the row), so
-  // every lane takes part in the warp's __match_any_sync; lanes past the row count nothing.
-  const int warp_first = (int)(threadIdx.x - lane) * kLogitsARound;
-  const int stride = (int)blockDim.x * kLogitsARound;
   const int passes = dtype == 1 ? 2 : 4;
   for (int pass = 0; pass < passes; ++pass) {
     const int shift = 24 - 8 * pass;
@@ -249,11 +260,7 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
     for (int slot = threadIdx.x; slot < 32 * 256; slot += blockDim.x) (&warp_histograms[0][0])[slot] = 0;
     __syncthreads();
     const unsigned prefix = prefix_found;
-    for (int start = warp_first; start < vocab; start += stride) {
-      const int first = start + (int)lane * kLogitsARound;
-      float values[kLogitsARound];
-#pragma unroll
-      for (int u = 0; u < kLogitsARound; ++u) values[u] = first + u < vocab ? metile_logit_at(row, dtype, first + u) : 0.0f;
+    metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
 #pragma unroll
       for (int u = 0; u < kLogitsARound; ++u) {
         const bool inside = first + u < vocab;
@@ -266,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
           atomicAdd(&warp_histograms[threadIdx.x >> 5][digit], (unsigned)__popc(peers));
         }
       }
-    }
+    });
     __syncthreads();
     for (int digit = threadIdx.x; digit < 256; digit += blockDim.x) {
       unsigned total = 0;
@@ -300,11 +307,7 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
     __syncthreads();
   }
   const unsigned threshold = prefix_found;
-  for (int start = warp_first; start < vocab; start += stride) {
-    const int first = start + (int)lane * kLogitsARound;
-    float values[kLogitsARound];
-#pragma unroll
-    for (int u = 0; u < kLogitsARound; ++u) values[u] = first + u < vocab ? metile_logit_at(row, dtype, first + u) : 0.0f;
+  metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
 #pragma unroll
     for (int u = 0; u < kLogitsARound; ++u) {
       if (first + u >= vocab || values[u] != values[u] || metile_logit_key(values[u]) < threshold) continue;
@@ -314,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
         out[3 + 2 * slot] = __float_as_uint(values[u]);
       }
     }
-  }
+  });
   __syncthreads();
   if (threadIdx.x == 0) {
     out[0] = gathered;
