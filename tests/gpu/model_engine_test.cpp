@@ -557,8 +557,10 @@ TEST_P(GreedyOnTheDevice, TopKOnTheDeviceKeepsWhatTheHostKeeps) {
 }
 
 // DeviceTopLogits against top_logits on rows built to break it: many ties (small integers), -0 beside
-// +0, +-inf, f32, bf16 and f16 rows (the bf16 selection stops after two passes), k from 1 to the row's
-// length; a row of one value past the capacity says so; a NaN anywhere is reported.
+// +0, +-inf (a largest of +inf), f32, bf16 and f16 rows (the bf16 selection stops after two passes), k
+// from 1 to the row's length (a small k selects among the logits gathered near the largest, a large one
+// over the row); a row of one value past the capacity says so; a row of -inf keeps all; a NaN anywhere
+// is reported.
 TEST_F(ModelEngineTest, DeviceTopLogitsSelectsWhatTopLogitsKeeps) {
   const std::uint64_t seed = test_seed("DeviceTopLogits");
   std::mt19937_64 random(seed);
@@ -604,6 +606,12 @@ TEST_F(ModelEngineTest, DeviceTopLogitsSelectsWhatTopLogitsKeeps) {
   DeviceTopLogits::Result all_tied = selector.result();
   EXPECT_EQ(all_tied.count, 2000);  // every token ties with the 3rd: more than the 512 it holds
   EXPECT_TRUE(all_tied.tokens.empty());
+  HostTensor minus_infinity(TensorSpec({100}, DType::f32));
+  for (std::int64_t i = 0; i < 100; ++i) minus_infinity.store(i, -INFINITY);
+  const DeviceBuffer minus_infinity_row = DeviceBuffer::from_tensor(minus_infinity);
+  selector.enqueue(stream, minus_infinity_row.address(), DType::f32, 100, 5);
+  stream.synchronize();
+  EXPECT_EQ(selector.result().count, 100);  // every -inf ties with the 5th
   flat.store(1234, NAN);
   const DeviceBuffer nan_row = DeviceBuffer::from_tensor(flat);
   selector.enqueue(stream, nan_row.address(), DType::bf16, 2000, 3);
