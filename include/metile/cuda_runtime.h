@@ -455,9 +455,8 @@ class GreedyStepLink {
 // Sampling's top-k on the device (CudaDecodeSession::feed_top_k): of one row of logits (f32, bf16 or
 // f16) in device memory, every token whose logit reaches the top_k-th largest, ties with it kept, -0
 // and +0 equal: top_logits' rule (model.h), selected by one block (a radix select over the logits'
-// order-preserving keys, 8 bits a pass, over the few logits near the largest that hold the k-th when
-// there are few, else over the row), so that a sampled token costs a few kilobytes copied back instead
-// of the whole row and the host's selection over it.
+// order-preserving keys, 8 bits a pass, then a pass that gathers), so that a sampled token costs a
+// few kilobytes copied back instead of the whole row and the host's selection over it.
 class DeviceTopLogits {
  public:
   explicit DeviceTopLogits(std::size_t capacity);  // tokens it returns at most; needs a current context

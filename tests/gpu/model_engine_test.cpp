@@ -557,10 +557,8 @@ TEST_P(GreedyOnTheDevice, TopKOnTheDeviceKeepsWhatTheHostKeeps) {
 }
 
 // DeviceTopLogits against top_logits on rows built to break it: many ties (small integers), -0 beside
-// +0, +-inf (a largest of +inf), f32, bf16 and f16 rows (the bf16 selection stops after two passes), k
-// from 1 to the row's length (a small k selects among the logits gathered near the largest, a large one
-// over the row); a row of one value past the capacity says so; a row of -inf keeps all; a NaN anywhere
-// is reported.
+// +0, +-inf, f32, bf16 and f16 rows (the bf16 selection stops after two passes), k from 1 to the row's
+// length; a row of one value past the capacity says so; a row of -inf keeps all; a NaN anywhere is reported.
 TEST_F(ModelEngineTest, DeviceTopLogitsSelectsWhatTopLogitsKeeps) {
   const std::uint64_t seed = test_seed("DeviceTopLogits");
   std::mt19937_64 random(seed);

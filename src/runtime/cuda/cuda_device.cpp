@@ -198,19 +198,16 @@ extern "C" __global__ void __launch_bounds__(32) metile_greedy_step_link(const i
 )CUDA";
 
 // DeviceTopLogits: one block of 1024 threads. A logit's key orders as the logit does (sign flipped for
-// the positives, every bit for the negatives; -0 first made +0, so the two are one key). The k-th
-// largest key is found by a radix select: each pass counts, among the keys whose higher bits match the
-// prefix found so far, the next 8 bits' values, and warp 0 finds the value in which the k-th largest
-// lies (counting from the top) and extends the prefix; bf16 needs two passes (a bf16 key's low 16 bits
-// are all 0 or all 1: a 16-bit prefix holds exactly the keys equal to the k-th), f32 and f16 four. Every
-// key at or above the prefix is kept, gathered in no particular order (the host sorts the few it gets).
-// The passes read few keys: two light passes over the row first take its largest logit and count the
-// logits by their distance below it, in bands (1/4, 1/2, 1, ... 16, beyond); the fewest bands that hold
-// k logits, if they hold at most kCandidates, are gathered into shared memory (a distance rounded as
-// the logits are ordered, so the gathered ones are every logit above some value: the k-th largest and all
-// its ties among them), and the select runs there. Otherwise (a flat row, a large k) it runs over the row.
-// A thread reads 16 consecutive logits a round, all loads before any use; the lanes of a warp that count
-// the same value add once (__match_any_sync). A NaN anywhere ends the kernel at once: the host decides.
+// the positives, every bit for the negatives; -0 first made +0, so the two are one key). Each pass
+// counts, among the keys whose higher bits match the prefix found so far, the next 8 bits' values;
+// warp 0 then finds the value in which the top_k-th largest key lies (counting from the top) and
+// extends the prefix. bf16 logits need two passes (their keys' low 16 bits are all 0 or all 1: a
+// 16-bit prefix already holds exactly the keys equal to the k-th), f32 and f16 four. The last pass
+// gathers every key at or above the prefix, in no particular order (the host sorts the few it gets).
+// A thread reads 16 consecutive logits a round, all loads before any use (a round trip per round, not
+// per logit). Each warp counts into its own histogram, and the lanes of a warp that count the same value
+// add once (__match_any_sync): the first pass's values are the keys' top bits, a few values for a whole
+// row, and one shared histogram serialized every warp's adds on them (~90 us a 128K row, H100).
 constexpr std::string_view kTopLogitsSource = R"CUDA(
 __device__ __forceinline__ float metile_logit_at(const void* row, int dtype, int index) {
   if (dtype == 1) return __uint_as_float((unsigned)((const unsigned short*)row)[index] << 16);
@@ -225,15 +222,7 @@ __device__ __forceinline__ unsigned metile_logit_key(float value) {
   const unsigned bits = __float_as_uint(value + 0.0f);  // -0 + 0 is +0
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
-// The band of a logit's distance d below the largest: 0 for d <= 1/4, j for 2^(j-3) < d <= 2^(j-2), 7 past
-// 16 (and for -inf). The largest itself is at distance 0 (+inf - +inf would be NaN).
-__device__ __forceinline__ int metile_band(float value, float largest) {
-  const float below = value == largest ? 0.0f : largest - value;
-  const int rounded_up = (int)((__float_as_uint(below) + 0x7FFFFFu) >> 23);  // 127 + ceil(log2(d)), d > 0 normal
-  return min(7, max(0, rounded_up - 125));
-}
 constexpr int kLogitsARound = 16;
-constexpr int kCandidates = 4096;
 // Calls visit(first, values) with each round of this thread's logits: the 16 from `first` (0 past the row),
 // every load issued before any is used. Rounds are uniform across a warp (the loop runs while the warp's
 // first logit is in the row), so every lane takes part in a warp-wide call inside `visit`.
@@ -249,201 +238,90 @@ __device__ __forceinline__ void metile_for_each_round(const void* row, int dtype
     visit(first, values);
   }
 }
-// One key's 8-bit digit at `shift` into the histogram, where `counted` and its higher bits match `prefix`.
-// Every lane of the warp calls it; the lanes adding the same digit add once.
-__device__ __forceinline__ void metile_count_digit(unsigned* histogram, bool counted, unsigned key, unsigned higher,
-                                                   unsigned prefix, int shift) {
-  counted = counted && (key & higher) == prefix;
-  const unsigned digit = counted ? (key >> shift) & 255u : 256u;
-  const unsigned peers = __match_any_sync(0xFFFFFFFFu, digit);
-  if (counted && (unsigned)(__ffs(peers) - 1) == (threadIdx.x & 31u)) atomicAdd(&histogram[digit], (unsigned)__popc(peers));
-}
-// Warp 0, after a pass's counts: lane l sums the digits 255 - 8 l down to 248 - 8 l, a scan over the lanes
-// counts from the top, and the lane whose digits hold the rank_left-th largest key extends the prefix.
-__device__ __forceinline__ void metile_take_digit(const unsigned* histogram, int shift, unsigned prefix,
-                                                  unsigned* prefix_found, unsigned* rank_left) {
-  const unsigned lane = threadIdx.x & 31u;
-  const unsigned rank = *rank_left;  // read before the scan's shuffles, written after them
-  unsigned mine = 0;
-  for (unsigned j = 0; j < 8; ++j) mine += histogram[255u - 8u * lane - j];
-  unsigned through = mine;
-  for (unsigned offset = 1; offset < 32; offset <<= 1) {
-    const unsigned other = __shfl_up_sync(0xFFFFFFFFu, through, offset);
-    if (lane >= offset) through += other;
-  }
-  unsigned above = through - mine;
-  if (above < rank && rank <= through) {
-    for (unsigned j = 0; j < 8; ++j) {
-      const unsigned digit = 255u - 8u * lane - j;
-      if (above + histogram[digit] >= rank) {
-        *prefix_found = prefix | (digit << shift);
-        *rank_left = rank - above;
-        break;
-      }
-      above += histogram[digit];
-    }
-  }
-}
 // dtype: 0 f32, 1 bf16, 2 f16. out: [0] count, [1] NaN seen, then capacity (token, f32 logit) pairs.
 extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void* __restrict__ row, int dtype, int vocab,
                                                                    unsigned top_k, unsigned capacity,
                                                                    unsigned* __restrict__ out) {
+  __shared__ unsigned warp_histograms[32][256];
   __shared__ unsigned histogram[256];
-  __shared__ unsigned candidate_keys[kCandidates];
-  __shared__ int candidate_tokens[kCandidates];
-  __shared__ float warp_largest[32];
-  __shared__ unsigned warp_bands[32][8];
-  __shared__ unsigned prefix_found, rank_left, gathered, candidates;
-  __shared__ int nan_seen, kept_band_shared;
-  __shared__ float largest_shared;
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __shared__ unsigned prefix_found, rank_left, gathered;
+  __shared__ int nan_seen;
   if (threadIdx.x == 0) {
     prefix_found = 0;
     rank_left = top_k;
     gathered = 0;
-    candidates = 0;
     nan_seen = 0;
   }
-  __syncthreads();
-  // 1. The largest logit, and whether any is NaN.
-  float largest = __int_as_float(0xFF800000);  // -inf
-  metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
-#pragma unroll
-    for (int u = 0; u < kLogitsARound; ++u) {
-      if (first + u >= vocab) continue;
-      if (values[u] != values[u]) nan_seen = 1;
-      else largest = fmaxf(largest, values[u]);
-    }
-  });
-  for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
-  if (lane == 0) warp_largest[warp] = largest;
-  __syncthreads();
-  if (nan_seen) {
-    if (threadIdx.x == 0) {
-      out[0] = 0;
-      out[1] = 1;
-    }
-    return;
-  }
-  if (threadIdx.x == 0) {
-    float block_largest = warp_largest[0];
-    for (unsigned w = 1; w < warps; ++w) block_largest = fmaxf(block_largest, warp_largest[w]);
-    largest_shared = block_largest;
-  }
-  __syncthreads();
-  largest = largest_shared;
-  // 2. How many logits lie in each band below it (eight byte-wide counters a thread a round).
-  unsigned bands[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
-    unsigned long long packed = 0;
-#pragma unroll
-    for (int u = 0; u < kLogitsARound; ++u) {
-      if (first + u < vocab) packed += 1ull << (8 * metile_band(values[u], largest));
-    }
-#pragma unroll
-    for (int b = 0; b < 8; ++b) bands[b] += (unsigned)(packed >> (8 * b)) & 255u;
-  });
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    for (int offset = 16; offset > 0; offset >>= 1) bands[b] += __shfl_xor_sync(0xFFFFFFFFu, bands[b], offset);
-    if (lane == 0) warp_bands[warp][b] = bands[b];
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned through = 0;
-    int kept = -1;
-    for (int b = 0; b < 8; ++b) {
-      for (unsigned w = 0; w < warps; ++w) through += warp_bands[w][b];
-      if (through >= top_k) {
-        kept = through <= (unsigned)kCandidates ? b : -1;
-        break;
-      }
-    }
-    kept_band_shared = kept;
-  }
-  __syncthreads();
-  const int kept_band = kept_band_shared;
+  const unsigned lane = threadIdx.x & 31u;
   const int passes = dtype == 1 ? 2 : 4;
-  if (kept_band >= 0) {
-    // 3. The logits of the kept bands into shared memory, each warp's in one reserved run.
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 24 - 8 * pass;
+    const unsigned higher = pass == 0 ? 0u : 0xFFFFFFFFu << (shift + 8);
+    for (int slot = threadIdx.x; slot < 32 * 256; slot += blockDim.x) (&warp_histograms[0][0])[slot] = 0;
+    __syncthreads();
+    const unsigned prefix = prefix_found;
     metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
 #pragma unroll
       for (int u = 0; u < kLogitsARound; ++u) {
-        const bool keep = first + u < vocab && metile_band(values[u], largest) <= kept_band;
-        const unsigned keeping = __ballot_sync(0xFFFFFFFFu, keep);
-        if (keeping == 0) continue;  // the same for the whole warp
-        unsigned base = 0;
-        if (lane == 0) base = atomicAdd(&candidates, (unsigned)__popc(keeping));
-        base = __shfl_sync(0xFFFFFFFFu, base, 0);
-        if (keep) {
-          const unsigned slot = base + (unsigned)__popc(keeping & ((1u << lane) - 1u));
-          candidate_keys[slot] = metile_logit_key(values[u]);
-          candidate_tokens[slot] = first + u;
+        const bool inside = first + u < vocab;
+        if (inside && values[u] != values[u]) nan_seen = 1;
+        const unsigned key = metile_logit_key(values[u]);
+        const bool counted = inside && values[u] == values[u] && (key & higher) == prefix;
+        const unsigned digit = counted ? (key >> shift) & 255u : 256u;
+        const unsigned peers = __match_any_sync(0xFFFFFFFFu, digit);
+        if (counted && (unsigned)(__ffs(peers) - 1) == lane) {
+          atomicAdd(&warp_histograms[threadIdx.x >> 5][digit], (unsigned)__popc(peers));
         }
       }
     });
     __syncthreads();
-    const int count = (int)candidates;
-    // 4. The radix select among them (loops uniform across a warp, as metile_count_digit needs).
-    for (int pass = 0; pass < passes; ++pass) {
-      const int shift = 24 - 8 * pass;
-      const unsigned higher = pass == 0 ? 0u : 0xFFFFFFFFu << (shift + 8);
-      for (int digit = threadIdx.x; digit < 256; digit += blockDim.x) histogram[digit] = 0;
-      __syncthreads();
-      const unsigned prefix = prefix_found;
-      for (int start = (int)(threadIdx.x - lane); start < count; start += blockDim.x) {
-        const int index = start + (int)lane;
-        metile_count_digit(histogram, index < count, index < count ? candidate_keys[index] : 0u, higher, prefix, shift);
-      }
-      __syncthreads();
-      if (warp == 0) metile_take_digit(histogram, shift, prefix, &prefix_found, &rank_left);
-      __syncthreads();
+    for (int digit = threadIdx.x; digit < 256; digit += blockDim.x) {
+      unsigned total = 0;
+      for (int warp = 0; warp < (int)(blockDim.x >> 5); ++warp) total += warp_histograms[warp][digit];
+      histogram[digit] = total;
     }
-    const unsigned threshold = prefix_found;
-    for (int index = threadIdx.x; index < count; index += blockDim.x) {
-      if (candidate_keys[index] < threshold) continue;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Lane l counts the digits 255 - 8 l down to 248 - 8 l; a scan over the lanes counts from the top.
+      const unsigned rank = rank_left;  // read before the scan's shuffles, written after them
+      unsigned mine = 0;
+      for (unsigned j = 0; j < 8; ++j) mine += histogram[255u - 8u * lane - j];
+      unsigned through = mine;
+      for (unsigned offset = 1; offset < 32; offset <<= 1) {
+        const unsigned other = __shfl_up_sync(0xFFFFFFFFu, through, offset);
+        if (lane >= offset) through += other;
+      }
+      unsigned above = through - mine;
+      if (above < rank && rank <= through) {
+        for (unsigned j = 0; j < 8; ++j) {
+          const unsigned digit = 255u - 8u * lane - j;
+          if (above + histogram[digit] >= rank) {
+            prefix_found = prefix | (digit << shift);
+            rank_left = rank - above;
+            break;
+          }
+          above += histogram[digit];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const unsigned threshold = prefix_found;
+  metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
+#pragma unroll
+    for (int u = 0; u < kLogitsARound; ++u) {
+      if (first + u >= vocab || values[u] != values[u] || metile_logit_key(values[u]) < threshold) continue;
       const unsigned slot = atomicAdd(&gathered, 1u);
       if (slot < capacity) {
-        const int token = candidate_tokens[index];
-        out[2 + 2 * slot] = (unsigned)token;
-        out[3 + 2 * slot] = __float_as_uint(metile_logit_at(row, dtype, token));  // as stored, -0 too
+        out[2 + 2 * slot] = (unsigned)(first + u);
+        out[3 + 2 * slot] = __float_as_uint(values[u]);
       }
     }
-  } else {
-    // 3'. The radix select over the row itself.
-    for (int pass = 0; pass < passes; ++pass) {
-      const int shift = 24 - 8 * pass;
-      const unsigned higher = pass == 0 ? 0u : 0xFFFFFFFFu << (shift + 8);
-      for (int digit = threadIdx.x; digit < 256; digit += blockDim.x) histogram[digit] = 0;
-      __syncthreads();
-      const unsigned prefix = prefix_found;
-      metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
-#pragma unroll
-        for (int u = 0; u < kLogitsARound; ++u) {
-          metile_count_digit(histogram, first + u < vocab, metile_logit_key(values[u]), higher, prefix, shift);
-        }
-      });
-      __syncthreads();
-      if (warp == 0) metile_take_digit(histogram, shift, prefix, &prefix_found, &rank_left);
-      __syncthreads();
-    }
-    const unsigned threshold = prefix_found;
-    metile_for_each_round(row, dtype, vocab, [&](int first, const float (&values)[kLogitsARound]) {
-#pragma unroll
-      for (int u = 0; u < kLogitsARound; ++u) {
-        if (first + u >= vocab || metile_logit_key(values[u]) < threshold) continue;
-        const unsigned slot = atomicAdd(&gathered, 1u);
-        if (slot < capacity) {
-          out[2 + 2 * slot] = (unsigned)(first + u);
-          out[3 + 2 * slot] = __float_as_uint(values[u]);
-        }
-      }
-    });
-  }
+  });
   __syncthreads();
   if (threadIdx.x == 0) {
     out[0] = gathered;
-    out[1] = 0;
+    out[1] = nan_seen ? 1u : 0u;
   }
 }
 )CUDA";
