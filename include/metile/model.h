@@ -173,9 +173,6 @@ class DecoderModel {
   StepGraphCache graphs_;
 };
 
-// One sequence being decoded, on any backend: feed tokens, get their logits. The CPU
-// DecodeSession below and the GPU engine's CudaDecodeSession (include/metile/engine.h)
-// implement it, so generate_greedy and the model-level comparisons work on both.
 // A token and its logit (top_logits, LogitsSession::feed_top_k).
 struct TokenLogit {
   std::int32_t token = 0;
@@ -183,6 +180,9 @@ struct TokenLogit {
   bool operator==(const TokenLogit&) const = default;
 };
 
+// One sequence being decoded, on any backend: feed tokens, get their logits. The CPU
+// DecodeSession below and the GPU engine's CudaDecodeSession (include/metile/engine.h)
+// implement it, so generate_greedy and the model-level comparisons work on both.
 class LogitsSession {
  public:
   virtual ~LogitsSession() = default;
@@ -281,6 +281,9 @@ std::int32_t sample_token(std::span<const float> logits, const SamplingOptions& 
 // largest (0, or top_k at or above the row's length: every token), ties with it kept, in token order;
 // -0 and +0 are equal. InputError when a logit is NaN. (Its device twin: DeviceTopLogits, cuda_runtime.h.)
 std::vector<TokenLogit> top_logits(std::span<const float> logits, std::int64_t top_k);
+// InputError "top_k K must be >= 0 (0: every token)" for a negative top_k (SamplingOptions::validate,
+// top_logits and feed_top_k say it alike).
+void check_top_k(std::int64_t top_k);
 // The draw of sample_token among the tokens top-k kept (`kept` as top_logits returns them: in token
 // order, not empty): the temperature, top-p and the draw from `random` (options.top_k is not applied
 // again). InputError when a kept logit is NaN or every one is -inf.

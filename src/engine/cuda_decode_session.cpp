@@ -265,10 +265,10 @@ std::vector<HostTensor> CudaDecodeSession::run_steps(std::span<const std::int32_
 }
 
 std::vector<TokenLogit> CudaDecodeSession::feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) {
-  if (tokens.empty()) throw InputError("no token to feed");
-  if (top_k < 0) throw InputError(fmt::format("top_k {} must be >= 0 (0: every token)", top_k));
+  check_tokens_fit(tokens, position_, model_->model());  // every id, the last too, before any step
   const std::int64_t vocab = model_->model().config().vocab_size;
-  if (top_k == 0 || top_k >= vocab || top_k > kMaxDeviceTopK) return LogitsSession::feed_top_k(tokens, top_k);
+  // No token, a negative top-k (both refused there), every token kept or a large k: the host's selection.
+  if (tokens.empty() || top_k <= 0 || top_k >= vocab || top_k > kMaxDeviceTopK) return LogitsSession::feed_top_k(tokens, top_k);
   model_->device().make_current();
   // Room for k and as many tokens tied with the k-th again; past that the row comes back whole.
   if (!top_logits_) top_logits_ = std::make_unique<DeviceTopLogits>(static_cast<std::size_t>(2 * kMaxDeviceTopK));

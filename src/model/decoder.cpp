@@ -187,7 +187,7 @@ std::vector<std::int32_t> LogitsSession::feed_greedy(std::span<const std::int32_
 
 std::vector<TokenLogit> LogitsSession::feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) {
   if (tokens.empty()) throw InputError("no token to feed");
-  if (top_k < 0) throw InputError(fmt::format("top_k {} must be >= 0 (0: every token)", top_k));
+  check_top_k(top_k);
   check_continuation_fits(*this, static_cast<std::int64_t>(tokens.size()));  // before any step
   // Only the last position's logits are held (a prompt's rows at a 2^24 vocabulary would not fit).
   if (tokens.size() > 1) feed_greedy(tokens.first(tokens.size() - 1));

@@ -12,11 +12,15 @@
 
 namespace metile {
 
+void check_top_k(std::int64_t top_k) {
+  if (top_k < 0) throw InputError(fmt::format("top_k {} must be >= 0 (0: every token)", top_k));
+}
+
 void SamplingOptions::validate() const {
   if (!std::isfinite(temperature) || temperature < 0) {
     throw InputError(fmt::format("temperature {} must be a finite number >= 0 (0: greedy)", temperature));
   }
-  if (top_k < 0) throw InputError(fmt::format("top_k {} must be >= 0 (0: every token)", top_k));
+  check_top_k(top_k);
   if (!(top_p > 0 && top_p <= 1)) throw InputError(fmt::format("top_p {} must be in (0, 1] (1: every token)", top_p));
   if (greedy() && (top_k != 0 || top_p != 1 || seed != 0)) {
     throw InputError("top_k, top_p and seed pick among sampled tokens: give temperature above 0 too (0, or one a "
@@ -38,7 +42,7 @@ void refuse_nan() { throw InputError("cannot sample the next token: its logits h
 }  // namespace
 
 std::vector<TokenLogit> top_logits(std::span<const float> logits, std::int64_t top_k) {
-  if (top_k < 0) throw InputError(fmt::format("top_k {} must be >= 0 (0: every token)", top_k));
+  check_top_k(top_k);
   if (std::any_of(logits.begin(), logits.end(), [](float value) { return std::isnan(value); })) refuse_nan();
   // As transformers' TopKLogitsWarper: every token whose logit reaches the k-th largest (ties at the
   // k-th all stay, so more than k may).
