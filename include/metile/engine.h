@@ -171,9 +171,9 @@ class CudaDecodeSession : public LogitsSession {
 
  private:
   // Runs tokens as steps (chunks of 16, then single ones), calls `after_step` with each step's
-  // Executable once it is enqueued (for copies of its outputs on stream_), synchronises once and moves
-  // the position. The tokens are checked before any step.
-  void run_steps(std::span<const std::int32_t> tokens, const std::function<void(Executable&)>& after_step);
+  // Executable once it is enqueued (for copies of its outputs on stream_) and whether it is the last
+  // step, synchronises once and moves the position. The tokens are checked before any step.
+  void run_steps(std::span<const std::int32_t> tokens, const std::function<void(Executable&, bool last)>& after_step);
   // run_steps, copying the graph output `output` of each step back.
   std::vector<HostTensor> run_steps(std::span<const std::int32_t> tokens, std::string_view output);
   // The two async copies of a step's inputs (token ids, positions from `position`) on stream_.

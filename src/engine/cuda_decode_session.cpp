@@ -235,7 +235,7 @@ void CudaDecodeSession::stage_step(std::span<const std::int32_t> tokens) {
 }
 
 void CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens,
-                                  const std::function<void(Executable&)>& after_step) {
+                                  const std::function<void(Executable&, bool last)>& after_step) {
   const DecoderModel& decoder = model_->model();
   check_tokens_fit(tokens, position_, decoder);
   model_->device().make_current();
@@ -246,8 +246,8 @@ void CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens,
     Executable& step = executable(static_cast<std::int64_t>(steps));
     upload_inputs(tokens.subspan(first, steps), position_ + static_cast<std::int64_t>(first));
     step.enqueue(stream_);
-    after_step(step);
     first += steps;
+    after_step(step, first == tokens.size());
   }
   stream_.synchronize();
   position_ += static_cast<std::int64_t>(tokens.size());
@@ -256,7 +256,7 @@ void CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens,
 std::vector<HostTensor> CudaDecodeSession::run_steps(std::span<const std::int32_t> tokens, std::string_view output) {
   std::vector<HostTensor> step_outputs;  // one per step, filled by async copies (never reallocated)
   step_outputs.reserve(tokens.size());
-  run_steps(tokens, [&](Executable& step) {
+  run_steps(tokens, [&](Executable& step, bool) {
     const DeviceTensor& device_output = step.values()[*step.values().graph().find_value(output)];
     step_outputs.emplace_back(device_output.spec);
     device_output.buffer.copy_to_host_async(step_outputs.back().bytes(), stream_);
@@ -272,13 +272,10 @@ std::vector<TokenLogit> CudaDecodeSession::feed_top_k(std::span<const std::int32
   model_->device().make_current();
   // Room for k and as many tokens tied with the k-th again; past that the row comes back whole.
   if (!top_logits_) top_logits_ = std::make_unique<DeviceTopLogits>(static_cast<std::size_t>(2 * kMaxDeviceTopK));
-  const std::size_t steps = tokens.size() / static_cast<std::size_t>(kPrefillChunk) +
-                            tokens.size() % static_cast<std::size_t>(kPrefillChunk);
-  std::size_t enqueued = 0;
   std::uint64_t row = 0;
   DType dtype = DType::f32;
-  run_steps(tokens, [&](Executable& step) {
-    if (++enqueued < steps) return;  // only the last token's row is selected from
+  run_steps(tokens, [&](Executable& step, bool last) {
+    if (!last) return;  // only the last token's row is selected from
     const DeviceTensor& logits = step.values()[*step.values().graph().find_value("logits")];
     const std::int64_t rows = logits.spec.element_count() / vocab;
     dtype = logits.spec.dtype;
