@@ -389,10 +389,26 @@ class CudaGraph {
 struct DeviceByteRange {
   std::uint64_t address = 0;
   std::uint64_t bytes = 0;
+  // > 0: the range is a run of pieces of this many bytes, each read front to back by one block
+  // while the others read theirs (a GEMV's 16-row tiles, K in order: gemv_weight_layout.cpp), so
+  // the bytes met first are the same leading share of every piece (leading_share). 0: none known.
+  std::uint64_t period = 0;
+  // Which launch of the work that streams it reads it: 0 the first (a two-stage GEMV's gate/up),
+  // 1 the next (its down projection), ...
+  unsigned launch = 0;
 };
 // The pieces an L2Prefetch requests for `ranges`: each range from its first 16-byte boundary to
 // its last, cut into pieces of at most 64 KiB (CPU only: tested without a device).
 std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRange>& ranges);
+
+// About `bytes` of `ranges`, those the work reading them meets first: the ranges of its launches in
+// order while `bytes` covers them whole; of the first launch it does not cover, the same leading
+// share of each of that launch's ranges (what is left / their total), taken from the front of each
+// of a range's periods when it has one, else from the range's front, each share rounded up to 16
+// bytes and at most its piece; nothing of later launches. What an L2 prefetch of part of a GEMV's
+// weights requests, so that every block finds its first iterations in the L2 (CPU only: tested
+// without a device).
+std::vector<DeviceByteRange> leading_share(const std::vector<DeviceByteRange>& ranges, std::uint64_t bytes);
 
 // The pieces of `ranges` (l2_prefetch_pieces) on the device as (address, bytes) pairs, for a kernel
 // that takes one piece a thread or a block.

@@ -458,6 +458,23 @@ std::optional<std::string> prefetch_twin_candidate(const std::vector<std::pair<s
 std::optional<std::string> step_race_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                                const std::string& chosen, double margin);
 
+// Where Executable::race_weight_prefetch requests weights into the L2, from the weight bytes each
+// step of a replay streams (0: not a GEMV). A GEMV that streams more than `budget` bytes (a heavy
+// one) gets its first `budget` bytes requested while the steps right before it run: the longest run
+// of steps before it whose GEMVs stream at most `budget` bytes together (so the L2 holds at most
+// twice the budget of weights, the run's and the prefetch's). Those steps (q/k/v, attention and the
+// o-projection before a decode layer's gate/up) are bound by their latency chains and leave the DRAM
+// mostly idle. A heavy GEMV right after another gets none; light GEMVs get none either: measured,
+// the o-projection with all its weights requested during attention was no faster (session 22,
+// notes/mlp_decode.md), and GEMVs each prefetched one GEMV ahead lost every race (session 7).
+struct WeightPrefetchFork {
+  std::size_t gemv = 0;     // the step whose weights are requested
+  std::size_t fork = 0;     // the first step of the run: the prefetch is enqueued before it
+  std::uint64_t bytes = 0;  // how many: the budget (the GEMV streams more)
+};
+std::vector<WeightPrefetchFork> plan_weight_prefetch(const std::vector<std::uint64_t>& step_weight_bytes,
+                                                     std::uint64_t budget);
+
 struct RegionReport {
   int region = -1;  // index in plan.regions; -1: an unfused matmul offered as a region of its own ("contraction")
   std::string rule;
@@ -520,14 +537,13 @@ class Executable {
   // caller stages inputs whose writes are harmless (the decode engine: the last cache rows).
   // Without a captured graph, or when the options already asked for dependent launches: nothing.
   bool race_programmatic_replay(const TournamentOptions& tournament);
-  // Captures the replay again (with or without dependent launches, as it is) with the weights of
-  // each GEMV step (FusedCandidate::weights) requested into the L2 by an L2Prefetch on a second
-  // stream, forked before the GEMV step before it, so that the bytes stream in while that GEMV and
-  // the latency-bound kernels between the two run (GEMVs whose weights exceed `l2_budget_bytes`
-  // are left out); races the two replays as race_programmatic_replay does (same kernels, same
-  // bits: a prefetch writes nothing) and keeps the faster; returns whether that is the prefetching
-  // one (`keep_without_race`: keeps it untimed). Run it after race_programmatic_replay. Without a
-  // captured graph or a GEMV step whose weights fit: nothing.
+  // Captures the replay again (with or without dependent launches, as it is) with part of the
+  // weights of its heavy GEMV steps requested into the L2 by an L2Prefetch on a second stream while
+  // the latency-bound steps before each run (plan_weight_prefetch, `l2_budget_bytes`; the bytes its
+  // blocks meet first: leading_share); races the two replays as race_programmatic_replay does (same
+  // kernels, same bits: a prefetch writes nothing) and keeps the faster; returns whether that is
+  // the prefetching one (`keep_without_race`: keeps it untimed). Run it after
+  // race_programmatic_replay. Without a captured graph or a GEMV the rule prefetches: nothing.
   bool race_weight_prefetch(const TournamentOptions& tournament, std::uint64_t l2_budget_bytes = std::uint64_t{24} << 20,
                             bool keep_without_race = false);
   // The regions race alone and cold; near ties among their fused candidates can go either way inside

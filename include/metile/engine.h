@@ -101,11 +101,13 @@ struct EngineOptions {
   // (0.559 vs 0.534 ms/token) and won on Qwen2.5-1.5B (0.914 vs 0.983; session 6, call 4). The race
   // replays the step on token 0 at the cache's last rows, which no step reads before writing them.
   bool race_programmatic_launch = true;
-  // Then the step's replay with its GEMVs' weights prefetched into the L2 from a second stream,
-  // one GEMV ahead (Executable::race_weight_prefetch): raced against the replay without and the
-  // faster kept, always kept, or not tried. Off by default: measured, it lost every race (session 7,
-  // call 5: Llama-3.2-1B 0.577 vs 0.568 ms, Qwen2.5-1.5B 0.959 vs 0.916, Llama-3-8B 4-bit 2.168 vs
-  // 2.133; notes/mlp_decode.md), so the default skips the extra capture and race.
+  // Then the step's replay with part of its heavy GEMVs' weights prefetched into the L2 from a second
+  // stream while the latency-bound steps before them run (Executable::race_weight_prefetch, at most
+  // weight_prefetch_bytes a GEMV: plan_weight_prefetch): raced against the replay without and the
+  // faster kept, always kept, or not tried. Off by default: the rule before it (every GEMV that fit
+  // the budget, one GEMV ahead) lost every race (session 7, call 5: Llama-3.2-1B 0.577 vs 0.568 ms,
+  // Qwen2.5-1.5B 0.959 vs 0.916, Llama-3-8B 4-bit 2.168 vs 2.133; notes/mlp_decode.md), and this one
+  // has not run on a device yet (session 42).
   WeightPrefetch weight_prefetch = WeightPrefetch::off;
   // After the launch race, for each region kind, the step with its regions running the fused candidate their race nearly
   // chose (within 5% of the winner's score: ExecutableOptions::near_tie_margin) raced against the step
@@ -114,6 +116,9 @@ struct EngineOptions {
   // 4-bit's gate/up pairs took 19.6 and 19.7 us in their race and 18.6 and 13.9 us a layer inside the
   // replay; the cold race picked either between calls (0.861 or 0.729 ms/token; notes/mlp_decode.md).
   bool race_near_ties = true;
+  // The L2 weight prefetch's budget (plan_weight_prefetch): a GEMV streaming more is heavy and gets
+  // this many of its bytes requested during the steps before it that stream at most this many.
+  std::uint64_t weight_prefetch_bytes = std::uint64_t{24} << 20;
 };
 
 // The plan a session's Executable of `graph` (a step graph) runs: fused, plan_with_discovery

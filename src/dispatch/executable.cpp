@@ -664,26 +664,36 @@ int Executable::race_near_ties(const TournamentOptions& tournament) {
   return changed;
 }
 
+std::vector<WeightPrefetchFork> plan_weight_prefetch(const std::vector<std::uint64_t>& step_weight_bytes,
+                                                     std::uint64_t budget) {
+  std::vector<WeightPrefetchFork> forks;
+  for (std::size_t gemv = 0; gemv < step_weight_bytes.size(); ++gemv) {
+    if (step_weight_bytes[gemv] <= budget) continue;
+    std::size_t fork = gemv;  // the run is [fork, gemv)
+    std::uint64_t streamed = 0;
+    while (fork > 0 && streamed + step_weight_bytes[fork - 1] <= budget) streamed += step_weight_bytes[--fork];
+    if (fork < gemv) forks.push_back({gemv, fork, budget});
+  }
+  return forks;
+}
+
 bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::uint64_t l2_budget_bytes,
                                       bool keep_without_race) {
   State& state = *state_;
   if (!state.replay || state.weight_prefetch) return state.weight_prefetch;
   state.device.make_current();
-  // The GEMV steps (steps with weights) and, for each, its prefetch when it fits the budget: the
-  // prefetch of GEMV j forks before the GEMV before it (before the first step for the first), so
-  // j's bytes stream in while that GEMV and the latency-bound kernels between the two run.
-  std::vector<std::size_t> gemvs;
+  std::vector<std::uint64_t> step_bytes(state.steps.size(), 0);
   for (std::size_t i = 0; i < state.steps.size(); ++i) {
-    if (!state.step_weights[i].empty()) gemvs.push_back(i);
+    for (const DeviceByteRange& range : state.step_weights[i]) step_bytes[i] += range.bytes;
   }
   std::map<std::size_t, std::vector<const L2Prefetch*>> forks;  // step index -> prefetches forked before it
   std::vector<std::shared_ptr<const L2Prefetch>> prefetches;
   std::uint64_t prefetched = 0;
-  for (std::size_t k = 0; k < gemvs.size(); ++k) {
-    auto prefetch = std::make_shared<const L2Prefetch>(state.step_weights[gemvs[k]]);
-    if (prefetch->bytes() == 0 || prefetch->bytes() > l2_budget_bytes) continue;
+  for (const WeightPrefetchFork& fork : plan_weight_prefetch(step_bytes, l2_budget_bytes)) {
+    auto prefetch = std::make_shared<const L2Prefetch>(leading_share(state.step_weights[fork.gemv], fork.bytes));
+    if (prefetch->bytes() == 0) continue;
     prefetched += prefetch->bytes();
-    forks[k == 0 ? 0 : gemvs[k - 1]].push_back(prefetch.get());
+    forks[fork.fork].push_back(prefetch.get());
     prefetches.push_back(std::move(prefetch));
   }
   if (prefetches.empty()) return false;
@@ -712,8 +722,8 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
     state.prefetches = std::move(prefetches);
   }
   state.weight_prefetch = faster;
-  const std::string what = fmt::format("L2 weight prefetch ({} GEMVs, {:.1f} MB a step)", prefetch_count,
-                                       static_cast<double>(prefetched) / 1e6);
+  const std::string what = fmt::format("L2 weight prefetch ({} GEMVs over {:.1f} MB, {:.1f} MB a step)", prefetch_count,
+                                       static_cast<double>(l2_budget_bytes) / 1e6, static_cast<double>(prefetched) / 1e6);
   state.prefetch_race = keep_without_race ? what + ": kept without a race\n"
                                           : fmt::format("{} raced: {:.4f} ms with, {:.4f} ms without: {}\n", what,
                                                         scores.first, scores.second, faster ? "kept" : "not kept");

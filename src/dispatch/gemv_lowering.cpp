@@ -901,26 +901,35 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
 
 // The weight bytes a bound plan streams: the buffers add_stage_arguments passes (the pool's
 // repacked and stacked copies are made once per DeviceValues, so these are the bound step's own).
+// A repacked (affine) buffer is one run of 16-row tiles, each K in order (gemv_weight_layout.cpp):
+// its period is a tile's bytes. Dense weights are rows; no period.
 std::vector<DeviceByteRange> stage_weights(GemvKernelPool& pool, DeviceValues& values, const std::vector<GemvStage>& stages) {
   std::vector<DeviceByteRange> ranges;
-  auto add = [&](const DeviceBuffer& buffer) {
-    if (!buffer.empty()) ranges.push_back({buffer.address(), buffer.size_bytes()});
+  unsigned launch = 0;  // one launch a stage
+  auto add = [&](const DeviceBuffer& buffer, std::int64_t rows) {
+    if (buffer.empty()) return;
+    const auto tiles = static_cast<std::uint64_t>((rows + 15) / 16);
+    const std::uint64_t bytes = buffer.size_bytes();
+    ranges.push_back({buffer.address(), bytes, tiles > 0 && bytes % tiles == 0 ? bytes / tiles : 0, launch});
   };
   for (std::size_t index = 0; index < stages.size(); ++index) {
+    launch = static_cast<unsigned>(index);
     const GemvStage& stage = stages[index];
     if (!stage.row_parts.empty()) {
       const std::shared_ptr<StackedOnDevice> stacked = pool.stacked_matrix(values, stage, index);
-      add(stacked->words);
-      add(stacked->scale_bias);
+      const bool repacked = stage.matrices.front().format.is_affine();
+      add(stacked->words, repacked ? stage.matrices.front().out_features : 0);
+      add(stacked->scale_bias, stage.matrices.front().out_features);
       continue;
     }
     for (const GemvMatrix& matrix : stage.matrices) {
       if (matrix.format.is_affine()) {
         const std::shared_ptr<RepackedOnDevice> repacked = pool.repacked_matrix(values, matrix);
-        add(repacked->words);
-        add(repacked->scale_bias);
+        add(repacked->words, matrix.out_features);
+        add(repacked->scale_bias, matrix.out_features);
       } else {
-        ranges.push_back({values[matrix.weight].address(), static_cast<std::uint64_t>(values[matrix.weight].spec.bytes())});
+        ranges.push_back({values[matrix.weight].address(), static_cast<std::uint64_t>(values[matrix.weight].spec.bytes()), 0,
+                          launch});
       }
     }
   }

@@ -67,12 +67,14 @@ void add_part_candidates(const ComputeGraph& graph, const std::vector<FusionRegi
       });
     };
     if (candidate.weights || then.weights) {
-      both.weights = [weights_first = candidate.weights, weights_then = then.weights](DeviceValues& values) {
-        std::vector<DeviceByteRange> ranges;
-        for (const auto& weights : {weights_first, weights_then}) {
-          if (!weights) continue;
-          const std::vector<DeviceByteRange> more = weights(values);
-          ranges.insert(ranges.end(), more.begin(), more.end());
+      both.weights = [weights_first = candidate.weights, weights_then = then.weights,
+                      first_launches = static_cast<unsigned>(candidate.launches)](DeviceValues& values) {
+        std::vector<DeviceByteRange> ranges = weights_first ? weights_first(values) : std::vector<DeviceByteRange>{};
+        if (weights_then) {
+          for (DeviceByteRange range : weights_then(values)) {
+            range.launch += first_launches;  // the second candidate's launches follow the first's
+            ranges.push_back(range);
+          }
         }
         return ranges;
       };

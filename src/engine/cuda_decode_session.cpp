@@ -202,12 +202,12 @@ Executable& CudaDecodeSession::executable(std::int64_t steps) {
                                           "changed kernels", what, changed, changed == 1 ? "" : "s"));
   }
   if (options_.path == EnginePath::fused && options_.weight_prefetch != WeightPrefetch::off) {
-    built->race_weight_prefetch(options.tournament, std::uint64_t{24} << 20,
+    built->race_weight_prefetch(options.tournament, options_.weight_prefetch_bytes,
                                 options_.weight_prefetch == WeightPrefetch::always);
     const std::string text = built->report();
     const std::size_t line = text.find("L2 weight prefetch");
     report(options_.progress, fmt::format("metile: the {}: {}", what,
-                                          line == std::string::npos ? "no GEMV's weights fit the L2 prefetch"
+                                          line == std::string::npos ? "the L2 prefetch's rule chose no GEMV"
                                                                     : text.substr(line, text.find('\n', line) - line)));
   }
   report(options_.progress, fmt::format("metile: {} ready, {} device steps per replay", what, built->step_count()));

@@ -660,13 +660,21 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
   programmatic.programmatic_dependent_launch = true;
   // `raced` keeps whichever replay its race found faster, after replaying each step's graph on
   // token 0 at the cache's last rows: that must change no bit of any later step either.
-  // `actual` also always prefetches its GEMVs' weights into the L2 from a second stream (one GEMV
-  // ahead): a prefetch writes nothing, and the forks and the join must not reorder the steps.
+  // `actual` also always prefetches weights into the L2 from a second stream, with a budget of one
+  // MLP matrix's bytes, so that each layer's MLP is heavy and its first bytes are requested during
+  // the steps before it (plan_weight_prefetch): a prefetch writes nothing, and the forks and the
+  // join must not reorder the steps.
   // No near-tie race (on by default): it may keep another kernel in one session than in the other, and the
   // bits of two kernels differ by their sums' order; what these three compare is launching, not choosing.
+  const std::uint64_t mlp_matrix_bytes = static_cast<std::uint64_t>(
+      model.config().hidden_size * model.config().intermediate_size * (engine_case.bits == 0 ? 16 : engine_case.bits) / 8);
+  EngineOptions prefetching{EnginePath::fused, programmatic, {}, false, true, WeightPrefetch::always, false};
+  prefetching.weight_prefetch_bytes = mlp_matrix_bytes;
+  EngineOptions prefetch_raced{EnginePath::fused, plain, {}, false, true, WeightPrefetch::raced, false};
+  prefetch_raced.weight_prefetch_bytes = mlp_matrix_bytes;
   CudaDecodeSession expected(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, false, WeightPrefetch::off, false});
-  CudaDecodeSession actual(cuda_model, EngineOptions{EnginePath::fused, programmatic, {}, false, true, WeightPrefetch::always, false});
-  CudaDecodeSession raced(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, true, WeightPrefetch::raced, false});
+  CudaDecodeSession actual(cuda_model, prefetching);
+  CudaDecodeSession raced(cuda_model, prefetch_raced);
   const std::vector<std::int32_t> prompt = random_prompt(seed, 19, model.config().vocab_size);  // 16 + 3
   std::vector<std::int32_t> tokens(prompt.begin(), prompt.begin() + 16);
   for (int step = 0; step < 12; ++step) {

@@ -631,10 +631,17 @@ void add_model_commands(CLI::App& app) {
         ->check(CLI::IsMember({"cold", "warm"}))
         ->capture_default_str();
     command->add_option("--weight-prefetch", options->weight_prefetch,
-                        "the fused engines' L2 prefetch of each GEMV's weights, one GEMV ahead: off, raced (kept "
-                        "when the step replays faster) or always (measured slower on every model so far)")
+                        "the fused engines' L2 prefetch of the heavy GEMVs' first weights while the latency-bound "
+                        "steps before them run: off, raced (kept when the step replays faster) or always")
         ->check(CLI::IsMember({"off", "raced", "always"}))
         ->capture_default_str();
+    CLI::Option* prefetch_budget =
+        command->add_option("--weight-prefetch-mb", options->weight_prefetch_mb,
+                            "the L2 prefetch's budget in MiB: a GEMV streaming more gets this many of its bytes "
+                            "requested during the steps before it that stream at most this many")
+            ->check(decimal_number())
+            ->check(CLI::Range(1.0, 1024.0))
+            ->capture_default_str();
     command->add_flag("--race-near-ties,!--no-race-near-ties", options->race_near_ties,
                       "the fused engines race, inside the step, each kind's regions with their chosen shape's L2-prefetch "
                       "twin, else the fused candidate their race nearly chose (within --near-tie-margin), and keep it when "
@@ -649,13 +656,16 @@ void add_model_commands(CLI::App& app) {
     command->add_option("--format", options->format, "text or json")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
-    command->callback([options, margin] {
+    command->callback([options, margin, prefetch_budget] {
       if (options->model_dir.empty() == options->preset.empty()) {
         throw InputError("bench-model: give either MODEL_DIR or --preset NAME");
       }
       benchmarked_engines(options->engines);
       if (margin->count() > 0 && !options->race_near_ties) {
         throw InputError("--near-tie-margin sizes the near-tie race, which --no-race-near-ties turns off");
+      }
+      if (prefetch_budget->count() > 0 && options->weight_prefetch == "off") {
+        throw InputError("--weight-prefetch-mb sizes the L2 weight prefetch, which is off (--weight-prefetch raced or always)");
       }
       if (options->layers && options->preset.empty()) throw InputError("--layers sizes a --preset model");
       if (options->layers && *options->layers < 1) {

@@ -305,6 +305,7 @@ void bench_model(const ModelOptions& options) {
                                                                           : WeightPrefetch::raced;
     EngineOptions engine{variant.path, executable, progress_line, options.tournament_caches == "cold", true, prefetch};
     engine.race_near_ties = options.race_near_ties;
+    engine.weight_prefetch_bytes = static_cast<std::uint64_t>(options.weight_prefetch_mb * 1024 * 1024);
     if (options.race_near_ties) engine.executable.near_tie_margin = options.near_tie_margin;
     CudaDecodeSession session(cuda_model, engine);
     results.push_back(benchmark_engine(session, bench));

@@ -36,6 +36,7 @@ struct ModelOptions {
   std::string engines = "fused,fused-pdl,native";  // bench-model: which engines to measure
   std::string tournament_caches = "cold";           // bench-model: cold or warm (TournamentOptions::cold_cache_bytes)
   std::string weight_prefetch = "off";              // bench-model: off, raced or always (EngineOptions::weight_prefetch)
+  double weight_prefetch_mb = 24;                   // bench-model: EngineOptions::weight_prefetch_bytes in MiB
   bool race_near_ties = true;                       // bench-model: EngineOptions::race_near_ties
   double near_tie_margin = 0.05;                    // bench-model: ExecutableOptions::near_tie_margin with it
   // verify-model thresholds; < 0: the backend's default

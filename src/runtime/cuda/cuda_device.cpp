@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -447,6 +448,32 @@ std::vector<DeviceByteRange> l2_prefetch_pieces(const std::vector<DeviceByteRang
     for (std::uint64_t at = begin; at < end; at += kL2PrefetchPiece) pieces.push_back({at, std::min(kL2PrefetchPiece, end - at)});
   }
   return pieces;
+}
+
+std::vector<DeviceByteRange> leading_share(const std::vector<DeviceByteRange>& ranges, std::uint64_t bytes) {
+  std::map<unsigned, std::uint64_t> launch_bytes;
+  for (const DeviceByteRange& range : ranges) launch_bytes[range.launch] += range.bytes;
+  std::vector<DeviceByteRange> kept;
+  std::uint64_t left = bytes;
+  for (const auto& [launch, total] : launch_bytes) {
+    const double share = total <= left ? 1.0 : static_cast<double>(left) / static_cast<double>(total);
+    // The share of `length` bytes, rounded up to 16, at most `length`.
+    auto lead = [share](std::uint64_t length) {
+      const auto wanted = static_cast<std::uint64_t>(std::ceil(share * static_cast<double>(length)));
+      return std::min(length, (wanted + 15) / 16 * 16);
+    };
+    for (const DeviceByteRange& range : ranges) {
+      if (range.launch != launch) continue;
+      const std::uint64_t period = range.period > 0 && range.period < range.bytes ? range.period : range.bytes;
+      for (std::uint64_t at = 0; at < range.bytes; at += period) {
+        const std::uint64_t length = lead(std::min(period, range.bytes - at));
+        if (length > 0) kept.push_back({range.address + at, length, 0, launch});
+      }
+    }
+    if (total > left) break;
+    left -= total;
+  }
+  return kept;
 }
 
 DevicePieces::DevicePieces(const std::vector<DeviceByteRange>& ranges) {

@@ -120,6 +120,60 @@ TEST(Headroom, FusedNeedsTenPercent) {
   EXPECT_FALSE(beats_with_headroom(0.0, 1.0, 0.10)) << "a zero time is a failed measurement, not a win";
 }
 
+// plan_weight_prefetch: a Llama-3-8B-like step by hand (MB: each layer q/k/v 14, attention 0,
+// o-projection 9, the MLP 99; then the LM head 296), then random steps against a brute-force
+// statement of the rule: each GEMV over the budget, forked at the earliest step from which the
+// steps up to it stream at most the budget, unless that is the GEMV itself.
+TEST(WeightPrefetchPlan, HeavyGemvsArePrefetchedDuringTheLightStepsBeforeThem) {
+  constexpr std::uint64_t MB = 1000000;
+  std::vector<std::uint64_t> step;
+  for (int layer = 0; layer < 3; ++layer) {
+    for (std::uint64_t bytes : {14 * MB, 0 * MB, 9 * MB, 99 * MB}) step.push_back(bytes);
+  }
+  step.push_back(296 * MB);
+  const std::vector<WeightPrefetchFork> llama = plan_weight_prefetch(step, 24 * MB);
+  ASSERT_EQ(llama.size(), 3u);  // each MLP, from its layer's q/k/v on; the LM head follows an MLP: none
+  for (std::size_t layer = 0; layer < 3; ++layer) {
+    EXPECT_EQ(llama[layer].gemv, 4 * layer + 3);
+    EXPECT_EQ(llama[layer].fork, 4 * layer);
+    EXPECT_EQ(llama[layer].bytes, 24 * MB);
+  }
+  const std::vector<WeightPrefetchFork> tight = plan_weight_prefetch(step, 12 * MB);  // q/k/v is heavy now
+  ASSERT_EQ(tight.size(), 3u);  // the MLPs from attention on (q/k/v right after an MLP gets none)
+  for (std::size_t layer = 0; layer < 3; ++layer) {
+    EXPECT_EQ(tight[layer].gemv, 4 * layer + 3);
+    EXPECT_EQ(tight[layer].fork, 4 * layer + 1);
+  }
+  EXPECT_TRUE(plan_weight_prefetch({}, 24 * MB).empty());
+  EXPECT_TRUE(plan_weight_prefetch({99 * MB}, 24 * MB).empty());
+
+  std::mt19937_64 generator(testing::test_seed("WeightPrefetchPlan.HeavyGemvsArePrefetchedDuringTheLightStepsBeforeThem"));
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<std::uint64_t> bytes(generator() % 30);
+    for (std::uint64_t& b : bytes) b = generator() % 3 == 0 ? 0 : generator() % 100;
+    const std::uint64_t budget = generator() % 60;
+    std::vector<WeightPrefetchFork> expected;
+    for (std::size_t gemv = 0; gemv < bytes.size(); ++gemv) {
+      if (bytes[gemv] <= budget) continue;
+      for (std::size_t fork = 0; fork < gemv; ++fork) {
+        std::uint64_t streamed = 0;
+        for (std::size_t s = fork; s < gemv; ++s) streamed += bytes[s];
+        if (streamed <= budget) {
+          expected.push_back({gemv, fork, budget});
+          break;
+        }
+      }
+    }
+    const std::vector<WeightPrefetchFork> planned = plan_weight_prefetch(bytes, budget);
+    ASSERT_EQ(planned.size(), expected.size()) << "trial " << trial;
+    for (std::size_t i = 0; i < planned.size(); ++i) {
+      EXPECT_EQ(planned[i].gemv, expected[i].gemv) << "trial " << trial;
+      EXPECT_EQ(planned[i].fork, expected[i].fork) << "trial " << trial;
+      EXPECT_EQ(planned[i].bytes, expected[i].bytes) << "trial " << trial;
+    }
+  }
+}
+
 TEST(DispatchMode, ParsesTheEnvironmentValues) {
   EXPECT_EQ(parse_dispatch_mode("native"), DispatchMode::native);
   EXPECT_EQ(parse_dispatch_mode("fused"), DispatchMode::fused);

@@ -1105,6 +1105,15 @@ TEST_F(MalformedCheckpoint, CudaCommandsWithoutAGpuAreOneLine) {
     EXPECT_NE(err.find("--near-tie-margin"), std::string::npos) << arguments << ": " << err;
     EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
   }
+  // The L2 prefetch's budget: 1..1024 MiB, a decimal number, and only with the prefetch it sizes (off by default).
+  for (const std::string& arguments :
+       {std::string("--weight-prefetch raced --weight-prefetch-mb 0"), std::string("--weight-prefetch raced --weight-prefetch-mb 2000"),
+        std::string("--weight-prefetch always --weight-prefetch-mb nan"), std::string("--weight-prefetch raced --weight-prefetch-mb 0x10"),
+        std::string("--weight-prefetch-mb 16"), std::string("--weight-prefetch off --weight-prefetch-mb 16")}) {
+    EXPECT_EQ(metile("bench-model --preset tiny " + arguments), 2) << arguments;
+    EXPECT_NE(err.find("--weight-prefetch-mb"), std::string::npos) << arguments << ": " << err;
+    EXPECT_EQ(err.find('\n'), err.size() - 1) << err;
+  }
 
   if (metile("logits " + directory.string() + " --prompt-ids 1,2 --backend cuda") == 0) {
     GTEST_SKIP() << "a CUDA device is present: --backend cuda runs (the gpu suites test it)";
