@@ -373,7 +373,7 @@ struct SynthOptions {
   std::optional<bool> tie_word_embeddings;
   std::uint64_t seed = 0;
   std::optional<AffineQuantization> quantize;  // write an MLX-format checkpoint
-  int transformers_version = 4;               // config spelling
+  std::int64_t transformers_version = 4;      // config spelling (4 or 5; wide, so a caller's value is said as given)
   double max_shard_mb = 2000;                 // split into model-0000N-of-0000M.safetensors beyond this
 };
 ModelConfig synth_config(const SynthOptions& options);

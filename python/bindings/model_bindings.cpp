@@ -285,7 +285,7 @@ void bind_model(py::module_& module) {
       "synth_model",
       [](const std::filesystem::path& path, const Utf8Text& preset, const std::optional<Utf8Text>& arch,
          const py::handle& layers, const py::handle& seed, const py::handle& quantize, const py::handle& group_size,
-         const py::handle& tie_word_embeddings, int config_spelling, const py::handle& max_shard_mb) {
+         const py::handle& tie_word_embeddings, const py::handle& config_spelling, const py::handle& max_shard_mb) {
         SynthOptions options;
         options.preset = preset.value;
         if (arch) options.architecture = parse_architecture_short_name(arch->value);
@@ -296,7 +296,7 @@ void bind_model(py::module_& module) {
           options.tie_word_embeddings =
               boolean_argument("tie_word_embeddings", tie_word_embeddings, "True, False or None");
         }
-        options.transformers_version = config_spelling;
+        options.transformers_version = integer_argument("config_spelling", config_spelling);  // True is not 1
         options.max_shard_mb = real_argument("max_shard_mb", max_shard_mb);
         // Written without the GIL; Ctrl-C is looked for between tensors, as the command line's synth-model
         // does, and cancels the write (nothing is left) with Python's KeyboardInterrupt. Holding the GIL,

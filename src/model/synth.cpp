@@ -411,7 +411,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       write_output_file(staging / "model.safetensors.index.json", [&](std::ostream& out) { out << index.dump(2) << "\n"; });
     }
     write_output_file(staging / "config.json",
-                      [&](std::ostream& out) { out << config.to_json(options.transformers_version); });
+                      [&](std::ostream& out) { out << config.to_json(static_cast<int>(options.transformers_version)); });
     stop_if_cancelled();  // the last moment: after the renames below the model is there
     // No rename replaces what is there: a directory or file that appeared meanwhile is another writer's.
     if (target_exists) {

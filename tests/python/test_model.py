@@ -206,7 +206,16 @@ def test_errors(tmp_path):
         metile.synth_model(str(tmp_path / "seed_negative"), seed=-1)
     with pytest.raises(ValueError, match="seed: 18446744073709551616 is not an integer"):
         metile.synth_model(str(tmp_path / "seed_past_64_bits"), seed=2**64)
-    assert not any((tmp_path / name).exists() for name in ("seed_true", "tie_one", "seed_negative", "seed_past_64_bits"))
+    # config_spelling as every integer argument: True is not 1, and a number past int is said as given
+    # (pybind11's int took True as 1 and refused 2**40 and 5.0 with its generic "incompatible arguments").
+    with pytest.raises(TypeError, match="config_spelling must be an integer, got bool"):
+        metile.synth_model(str(tmp_path / "spelling_true"), config_spelling=True)
+    with pytest.raises(TypeError, match="config_spelling must be an integer, got float"):
+        metile.synth_model(str(tmp_path / "spelling_float"), config_spelling=5.0)
+    with pytest.raises(ValueError, match="config spelling 1099511627781 is not 4 or 5"):
+        metile.synth_model(str(tmp_path / "spelling_wide"), config_spelling=2**40 + 5)
+    assert not any((tmp_path / name).exists() for name in ("seed_true", "tie_one", "seed_negative", "seed_past_64_bits",
+                                                            "spelling_true", "spelling_float", "spelling_wide"))
     metile.synth_model(str(tmp_path / "seed_largest"), seed=np.uint64(2**64 - 1), tie_word_embeddings=np.bool_(True))
     assert json.loads((tmp_path / "seed_largest" / "config.json").read_text())["tie_word_embeddings"] is True
     # An endless iterator of ids stops at the cache's capacity instead of filling the memory.

@@ -697,6 +697,7 @@ void add_model_commands(CLI::App& app) {
         ->check(CLI::IsMember({"true", "false"}));
     command->add_option("--config-spelling", options->config_spelling,
                         "config.json in the spelling of transformers 4 or 5")
+        ->transform(decimal_integer())
         ->capture_default_str();
     command->add_option("--max-shard-mb", options->max_shard_mb, "split the weights into shards of this size")
         ->check(decimal_number())

@@ -106,17 +106,34 @@ std::int64_t index_limit(const ComputeGraph& graph, const Node& node, std::size_
   return 0;
 }
 
-// The range of an index input: every consumer's, not the first one's (positions that feed rope and a
-// cache write of fewer rows than tokens, or ids that index two tables, must be valid for each reader);
-// 0 where no consumer reads it as an index.
-std::int64_t input_index_limit(const ComputeGraph& graph, ValueId id) {
+// Layout ops that move an integer tensor's values without changing them: an index reaches its reader
+// through them (ids reshaped before an embedding are still token ids).
+bool passes_values_on(const Node& node) { return node.op == "reshape" || node.op == "transpose" || node.op == "cast"; }
+
+// The range of an index input: every reader's, not the first one's (positions that feed rope and a
+// cache write of fewer rows than tokens, or ids that index two tables, must be valid for each reader),
+// also where it reaches the reader through reshapes, transposes and casts (drawn over the dtype there,
+// ids reshaped before an embedding were refused by it); 0 where nothing reads it as an index.
+std::int64_t input_index_limit(const ComputeGraph& graph, ValueId input) {
   std::int64_t limit = 0;
-  for (NodeId consumer : graph.consumers(id)) {
-    const Node& node = graph.node(consumer);
-    for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
-      if (node.inputs[slot] != id) continue;
-      const std::int64_t reader = index_limit(graph, node, slot, graph.value(id));
-      if (reader > 0) limit = limit == 0 ? reader : std::min(limit, reader);
+  std::vector<ValueId> pending = {input};  // a worklist, not recursion: a chain of reshapes may be long
+  std::vector<bool> seen(graph.values().size(), false);
+  while (!pending.empty()) {
+    const ValueId id = pending.back();
+    pending.pop_back();
+    if (seen[static_cast<std::size_t>(id)]) continue;
+    seen[static_cast<std::size_t>(id)] = true;
+    for (NodeId consumer : graph.consumers(id)) {
+      const Node& node = graph.node(consumer);
+      if (passes_values_on(node)) {
+        pending.insert(pending.end(), node.outputs.begin(), node.outputs.end());
+        continue;
+      }
+      for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
+        if (node.inputs[slot] != id) continue;
+        const std::int64_t reader = index_limit(graph, node, slot, graph.value(id));
+        if (reader > 0) limit = limit == 0 ? reader : std::min(limit, reader);
+      }
     }
   }
   return limit;

@@ -176,6 +176,31 @@ TEST(RandomInputs, IndexInputsFitEveryReader) {
   }
 }
 
+// An index that reaches its reader through layout ops is still an index: ids [2, 3] transposed and
+// reshaped to [6] before an embedding of 5 rows, u8 ids cast to i32 before one of 3 rows, and positions
+// [2, 2] reshaped for a cache write of 3 rows. They were drawn over the dtype ([-1000, 1000] for i32),
+// and `metile run` refused a valid graph ("node 'rows' (embedding): token id -586 at index 0 is outside [0, 5)").
+TEST(RandomInputs, IndexInputsFitReadersBehindLayoutOps) {
+  GraphBuilder builder;
+  const ValueRef ids = builder.input("ids", TensorSpec({2, 3}, DType::i32));
+  const ValueRef small_ids = builder.input("small_ids", TensorSpec({4}, DType::u8));
+  const ValueRef table = builder.input("table", TensorSpec({5, 8}, DType::f32));
+  const ValueRef narrow = builder.input("narrow", TensorSpec({3, 8}, DType::f32));
+  const ValueRef positions = builder.input("positions", TensorSpec({2, 2}, DType::i32));
+  const ValueRef cache = builder.input("cache", TensorSpec({1, 3, 8}, DType::f32));
+  const ValueRef update = builder.input("update", TensorSpec({1, 4, 8}, DType::f32));
+  const ValueRef rows = builder.embedding(builder.reshape(builder.transpose(ids, {1, 0}), {6}), table, "rows");
+  const ValueRef small_rows = builder.embedding(builder.cast(small_ids, DType::i32), narrow, "small_rows");
+  const ValueRef written = builder.kv_cache_write(cache, update, builder.reshape(positions, {4}), "written");
+  const ComputeGraph graph = builder.build({rows, small_rows, written});
+  const std::uint64_t seed = testing::test_seed("RandomInputs.IndexInputsFitReadersBehindLayoutOps");
+  const TensorMap inputs = random_inputs(graph, seed);
+  for (double id : inputs.at("ids").to_values()) EXPECT_TRUE(id >= 0 && id <= 4) << id;
+  for (double id : inputs.at("small_ids").to_values()) EXPECT_TRUE(id >= 0 && id <= 2) << id;
+  for (double position : inputs.at("positions").to_values()) EXPECT_TRUE(position >= 0 && position <= 2) << position;
+  EXPECT_NO_THROW(run_reference(graph, inputs));
+}
+
 TEST(RandomInputs, MatmulWeightsAreScaledByTheContractionDepth) {
   GraphBuilder builder;
   const ValueRef x = builder.input("x", TensorSpec({2, 400}, DType::f32));

@@ -229,6 +229,23 @@ TEST_F(ModelCommand, SynthModelWritesADirectoryOfAnyValidName) {
   }
 }
 
+// --config-spelling is decimal, as every integer option: CLI11 alone read "010" as octal 8 ("config
+// spelling 8 is not 4 or 5", a number the user never wrote) and wrote a transformers-5 config for "0x5".
+TEST_F(ModelCommand, ConfigSpellingIsDecimal) {
+  std::string out, err;
+  for (const std::string spelling : {"0x5", "0x4", "0b101"}) {
+    EXPECT_EQ(run_metile("synth-model " + (root_ / "hex").string() + " --config-spelling " + spelling, out, err), 2)
+        << spelling;
+    EXPECT_EQ(err, fmt::format("metile: error: --config-spelling: '{}' is not a decimal integer (see metile --help)\n",
+                               spelling));
+    EXPECT_FALSE(std::filesystem::exists(root_ / "hex")) << spelling;
+  }
+  EXPECT_EQ(run_metile("synth-model " + (root_ / "octal").string() + " --config-spelling 010", out, err), 2);
+  EXPECT_EQ(err, "metile: error: config spelling 10 is not 4 or 5\n");
+  ASSERT_EQ(run_metile("synth-model " + (root_ / "five").string() + " --config-spelling 005", out, err), 0) << err;
+  EXPECT_NE(testing::read_text(root_ / "five" / "config.json").find("\"rope_parameters\""), std::string::npos);
+}
+
 // --group-size without --quantize would change nothing (the weights stay as the checkpoint has them),
 // so every command that takes it refuses it alone, with exit 2 and nothing on stdout.
 TEST_F(ModelCommand, GroupSizeWithoutQuantizeIsRefused) {
