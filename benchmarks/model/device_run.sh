@@ -7,7 +7,8 @@
 #     ROW = PRESET:FORMAT[:LAYERS], FORMAT bf16 | 4 | 8 (group 64), LAYERS to shorten a model;
 #     default rows: the goals' (llama3.2-1b:4 qwen2.5-1.5b:4 llama3-8b:bf16 llama3-8b:4)
 # METILE (default build/gpu/tools/metile/metile) is built when missing; ROW_TIMEOUT (s) bounds each row;
-# ENGINES (bench-model --engines, default fused,fused-pdl,native) picks the engines measured.
+# ENGINES (bench-model --engines, default fused,fused-pdl,native) picks the engines measured;
+# FLAGS adds bench-model flags to every row (e.g. FLAGS="--weight-prefetch raced --weight-prefetch-mb 16").
 set -u
 OUT=${OUT:-/tmp/metile-bench-model}
 mkdir -p "$OUT"
@@ -30,6 +31,8 @@ for row in "${rows[@]}"; do
   arguments=(bench-model --preset "$preset" --format json --engines "${ENGINES:-fused,fused-pdl,native}")
   [ "$format" != bf16 ] && arguments+=(--quantize "$format" --group-size 64)
   [ -n "$layers" ] && arguments+=(--layers "$layers")
+  read -r -a extra <<<"${FLAGS:-}"
+  arguments+=("${extra[@]}")
   timeout "${ROW_TIMEOUT:-420}" "$METILE" "${arguments[@]}" >"$OUT/$name.json" 2>"$OUT/$name.log"
   echo "bench-model $row: rc=$? after $(elapsed)"
 done
