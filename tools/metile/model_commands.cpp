@@ -572,7 +572,7 @@ void add_model_commands(CLI::App& app) {
         },
         ">= 0");
     command->add_option("--min-agreement", options->min_agreement,
-                        "least fraction of equal next tokens (default 0.95)")
+                        "least fraction of equal next tokens (default 0.95 on cpu, 0.9 on cuda)")
         ->check(decimal_number())
         ->check(non_negative);
     command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position, nats (default 0.01)")
