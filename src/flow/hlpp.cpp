@@ -117,8 +117,13 @@ class HighestLabelPreflow {
         }
         current_arc_[vertex] = std::min(arc, end);
         // Without a way back (only possible through rounding with real capacities) the
-        // excess stays; verify() judges whether it is within tolerance.
-        if (tolerance_.excess_positive(vertex, excess_[vertex]) && !relabel_towards_source(vertex)) break;
+        // excess stays; verify() judges whether it is within tolerance. The vertex leaves the
+        // labels, as the sink: a push into it later would find it holding excess, take it for
+        // queued, and strand the pushed amount too (1e6 where 9 was stuck).
+        if (tolerance_.excess_positive(vertex, excess_[vertex]) && !relabel_towards_source(vertex)) {
+          label_[vertex] = kUnreachableLabel;
+          break;
+        }
       }
     }
   }

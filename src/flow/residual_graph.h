@@ -41,7 +41,12 @@ void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink,
 // cross-check). Flow below a huge edge's threshold can still be left at the vertex it enters or on its
 // reverse arc: at most 1e-13 of it, within FlowTolerance::for_network. Infinite (legality) edges take 1e-13 of the largest finite
 // capacity: their own (twice the finite sum plus one) would hide the flow they carry, which a finite
-// cut bounds, and raise the thresholds of the vertices at them.
+// cut bounds, and raise the thresholds of the vertices at them. In a vertex's threshold, all of them
+// together take at most 1e-13 of the finite sum (each 1e-13 of the largest finite capacity or of the
+// finite sum over their number, the smaller), so the flow the vertices' thresholds can hold back stays
+// within FlowTolerance::for_network however many there are: 30 000 legality edges beside a 1e6 edge
+// raised every head's threshold to 1e-7, and the 5e-8 each head was to pass on to the sink stayed there
+// (HLPP 1.5e-3 short; `auto` failed its two engines' cross-check).
 // The largest capacity of an edge that is neither infinite (legality) nor a self loop.
 template <typename Capacity>
 Capacity largest_finite_capacity(const FlowNetwork<Capacity>& network) {
@@ -67,6 +72,13 @@ class SolverTolerance {
       const auto edge_threshold = [&](int edge) {
         return kRelative * (network.edge_is_infinite(edge) ? largest : edges[static_cast<std::size_t>(edge)].capacity);
       };
+      std::size_t infinite_edges = 0;
+      for (std::size_t e = 0; e < edges.size(); ++e) {
+        if (network.edge_is_infinite(static_cast<int>(e)) && edges[e].from != edges[e].to) ++infinite_edges;
+      }
+      const Capacity infinite_share =
+          infinite_edges == 0 ? Capacity{}
+                              : std::min(largest, network.finite_capacity_sum() / static_cast<Capacity>(infinite_edges));
       arc_.resize(static_cast<std::size_t>(network.arc_count()));
       for (int arc = 0; arc < network.arc_count(); ++arc) {
         const int forward = network.arc_edge(arc) >= 0 ? arc : network.reverse_arc(arc);
@@ -79,7 +91,8 @@ class SolverTolerance {
       vertex_.assign(static_cast<std::size_t>(network.vertex_count()), Capacity{});
       for (std::size_t e = 0; e < edges.size(); ++e) {
         if (edges[e].from == edges[e].to) continue;
-        vertex_[static_cast<std::size_t>(edges[e].to)] += edge_threshold(static_cast<int>(e));
+        vertex_[static_cast<std::size_t>(edges[e].to)] +=
+            network.edge_is_infinite(static_cast<int>(e)) ? kRelative * infinite_share : edge_threshold(static_cast<int>(e));
       }
     }
   }

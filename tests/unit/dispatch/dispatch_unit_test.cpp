@@ -1,6 +1,7 @@
 // The parts of measured dispatch that need no GPU: the numeric gate's figures and thresholds (an
 // argmax against the candidate's own values), the headroom rule, METILE_DISPATCH parsing, the decision file (round trip, corruption),
 // cutting a region out of its graph, and the lowerings' reasons for every example region.
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -8,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "metile/attention_runtime.h"
 #include "metile/cpu_runtime.h"
@@ -223,6 +225,42 @@ TEST_F(DecisionFile, RoundTripsAndReplacesByKey) {
   for (const auto& entry : std::filesystem::directory_iterator(path_.parent_path())) {
     EXPECT_EQ(entry.path().filename(), "dispatch.json") << "no temporary file is left behind";
   }
+}
+
+// A report that is not UTF-8 (a gate failure naming an output whose name was set from C++) is stored
+// with U+FFFD in place of the bad bytes (dump_json). It threw nlohmann's type_error 316 out of store()
+// and left an empty temporary file beside the cache.
+TEST_F(DecisionFile, AReportThatIsNotUtf8IsStoredAndLeavesNoTemporaryFile) {
+  {
+    DecisionCache cache(path_);
+    EXPECT_NO_THROW(cache.store({"key", CandidateId::native(), {{CandidateId::native(), 0.5}},
+                                 "region R0: output 'x\xff\xfey' failed the gate"}));
+  }
+  const DecisionCache reloaded(path_);
+  ASSERT_TRUE(reloaded.find("key").has_value());
+  EXPECT_EQ(reloaded.find("key")->report, "region R0: output 'x\xef\xbf\xbd\xef\xbf\xbdy' failed the gate");
+  for (const auto& entry : std::filesystem::directory_iterator(path_.parent_path())) {
+    EXPECT_EQ(entry.path().filename(), "dispatch.json") << "no temporary file is left behind";
+  }
+}
+
+// Two writers storing at once, each its own cache on the file (two processes, or two threads as here):
+// every decision of both is kept. Before the directory lock each read the file, added its decision
+// and renamed its copy over the other's (two processes of 200 stores each left 269).
+TEST_F(DecisionFile, WritersStoringAtOnceKeepEveryDecision) {
+  constexpr int kStores = 100;
+  std::vector<std::thread> writers;
+  for (int writer = 0; writer < 2; ++writer) {
+    writers.emplace_back([this, writer] {
+      DecisionCache cache(path_);
+      for (int index = 0; index < kStores; ++index) {
+        cache.store({fmt::format("writer {} key {}", writer, index), CandidateId::native(), {}, "report"});
+      }
+    });
+  }
+  for (std::thread& writer : writers) writer.join();
+  const DecisionCache reloaded(path_);
+  EXPECT_EQ(reloaded.size(), 2u * kStores);
 }
 
 // Two caches open on one file (the decode MLP's gate/up stage keeps its own while the down stage

@@ -47,7 +47,9 @@ TEST(FlowNetwork, RejectsBadEdgesNamingTheEdge) {
 
 TEST(FlowNetwork, CsrPairsEveryArcWithItsReverse) {
   std::mt19937_64 random(testing::test_seed("FlowNetwork.CsrPairsEveryArcWithItsReverse"));
-  const flow_families::GeneratedNetwork generated = flow_families::multigraph_network(40, 300, 50, random);
+  flow_families::GeneratedNetwork generated = flow_families::multigraph_network(40, 300, 50, random);
+  // The family draws loops at random: about 1 seed in 250 drew none (METILE_TEST_SEED=6816765770496981409).
+  generated.edges.push_back({7, 7, 5});
   const IntegerFlowNetwork network = generated.integer_network();
   int self_loops = 0;
   for (const auto& edge : generated.edges) self_loops += edge.from == edge.to;
@@ -199,6 +201,61 @@ TEST(FlowNetworkBuilder, AnUnrelatedLargeArcTakesNoFlowFromTheOthers) {
       ASSERT_TRUE(verify(network, 0, vertices - 1, result)) << result.solver << ", round " << round;
     }
   }
+}
+
+// Legality edges into many vertices must not add up past the tolerance. Each infinite edge into a
+// vertex raised its excess threshold by 1e-13 of the largest finite capacity: with 30 000 of them (from a
+// vertex that never holds flow) and a 1e6 edge elsewhere, every a_i's threshold was 1e-7, so the 5e-8 that
+// s sends to each a_i, on its way to t, stayed there: HLPP 1 where the maximum is 1.0015, 1.5e-3 off
+// against a tolerance of 1e-9 x 1e6 = 1e-3, and `auto` failed its two engines' cross-check
+// (std::runtime_error). Oracle: the closed form, s->t 1 plus 5e-8 through every a_i.
+TEST(FlowNetworkBuilder, ManyLegalityEdgesDoNotHideTheFlowAtTheirHeads) {
+  constexpr int kHeads = 30000;
+  constexpr double kThrough = 5e-8;
+  FlowNetworkBuilder<double> builder(4);  // 0: s, 1: t, 2: h (the large edge's head), 3: d (never holds flow)
+  builder.add_edge(0, 2, 1e6);
+  builder.add_edge(0, 1, 1.0);
+  for (int i = 0; i < kHeads; ++i) {
+    const int head = builder.add_vertex();
+    builder.add_edge(0, head, kThrough);
+    builder.add_edge(head, 1, kThrough);
+    builder.add_infinite_edge(3, head);
+  }
+  const RealFlowNetwork network = builder.build();
+  const double expected = 1.0 + kHeads * kThrough;
+  const double epsilon = FlowTolerance<double>::for_network(network).epsilon;
+  ASSERT_LT(epsilon, kHeads * kThrough);  // the flow through the a_i is more than the engines may lose
+  std::vector<MaxFlowResult<double>> results = {dinic(network, 0, 1), hlpp(network, 0, 1)};
+  EXPECT_NO_THROW(results.push_back(solve(network, 0, 1, {.use_cache = false})));
+  for (const MaxFlowResult<double>& result : results) {
+    EXPECT_NEAR(result.value, expected, 1e-9) << result.solver;  // 30 000 additions of 5e-8 round by ~1e-12
+    EXPECT_TRUE(verify(network, 0, 1, result)) << result.solver;
+  }
+}
+
+// HLPP's second phase (edge flows) returns the excess to the source. Here 10 reaches vertex 7 through
+// the 1e15 edge 4->9 and 9->7: on its way back, 9->4's residual (10) is below that edge's threshold
+// (1e-13 x 1e15), so 9 of it cannot go back (1 goes on to the sink) and 7 kept it. Vertex 1, processed
+// later, pushed 999 999 into 7 (a label below its own); 7 held excess already, so it was taken for
+// queued and never processed again: conservation failed at 7 by 1 000 008 (verify), found by
+// IpmDifferential.RealCapacitiesOverManyOrdersOfMagnitude (1 seed in about 30) and reduced by hand.
+TEST(FlowNetworkBuilder, HlppReturnsExcessPushedIntoAVertexThatCouldNotReturnItsOwn) {
+  const RealFlowNetwork network(12, {{2, 11, 1},
+                                     {10, 1, 1},
+                                     {1, 11, 1},
+                                     {1, 7, 1e6},
+                                     {7, 2, 1},
+                                     {0, 4, 1e9},
+                                     {1, 10, 1e6},
+                                     {0, 7, 1},
+                                     {6, 7, 1},
+                                     {4, 1, 1e6},
+                                     {4, 9, 1e15},
+                                     {9, 7, 10}});
+  const MaxFlowResult<double> result = hlpp(network, 0, 11, {.edge_flows = true});
+  EXPECT_EQ(result.value, dinic(network, 0, 11).value);
+  const FlowCheck check = verify(network, 0, 11, result);
+  EXPECT_TRUE(check) << check.problem;
 }
 
 TEST(FlowNetwork, FingerprintSeparatesTopologyAndCapacities) {
