@@ -179,9 +179,11 @@ class DeviceBuffer {
   // Synchronous copies (ranges checked against the allocation; CudaError when out of range).
   void copy_from_host(std::span<const std::byte> bytes, std::size_t offset = 0);
   void copy_to_host(std::span<std::byte> bytes, std::size_t offset = 0) const;
-  // Asynchronous on `stream` (ordered with the stream's other work, no host synchronisation):
-  // the host bytes must stay valid until the stream has passed the copy. From pageable memory
-  // the driver stages the upload, so the caller may reuse its bytes at once after the call.
+  // Asynchronous on `stream` (ordered with the stream's other work): the host bytes must stay valid
+  // until the stream has passed the copy. From pageable memory the driver stages the upload, so the
+  // caller may reuse its bytes at once after the call. A copy to pageable memory (a std::vector) is
+  // not asynchronous to the host: the driver returns only once it has completed, after the stream's
+  // work before it; only page-locked memory (cuMemHostAlloc, as GreedyStepLink's) returns at once.
   void copy_from_host_async(std::span<const std::byte> bytes, const CudaStream& stream, std::size_t offset = 0);
   void copy_to_host_async(std::span<std::byte> bytes, const CudaStream& stream, std::size_t offset = 0) const;
   void copy_from_device(const DeviceBuffer& source, std::size_t bytes, const CudaStream* stream = nullptr);

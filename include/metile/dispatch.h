@@ -459,7 +459,8 @@ std::optional<std::string> step_race_candidate(const std::vector<std::pair<std::
                                                const std::string& chosen, double margin);
 
 // Where Executable::race_weight_prefetch requests weights into the L2, from the weight bytes each
-// step of a replay streams (0: not a GEMV). A GEMV that streams more than `budget` bytes (a heavy
+// step of a replay streams (0: no contraction; none: a contraction whose weights are not known, such
+// as a native cuBLASLt step, which counts as heavy and gets no prefetch). A GEMV that streams more than `budget` bytes (a heavy
 // one) gets its first `budget` bytes requested while the steps right before it run: the longest run
 // of steps before it whose GEMVs stream at most `budget` bytes together (so the L2 holds at most
 // twice the budget of weights, the run's and the prefetch's). Those steps (q/k/v, attention and the
@@ -472,7 +473,7 @@ struct WeightPrefetchFork {
   std::size_t fork = 0;     // the first step of the run: the prefetch is enqueued before it
   std::uint64_t bytes = 0;  // how many: the budget (the GEMV streams more)
 };
-std::vector<WeightPrefetchFork> plan_weight_prefetch(const std::vector<std::uint64_t>& step_weight_bytes,
+std::vector<WeightPrefetchFork> plan_weight_prefetch(const std::vector<std::optional<std::uint64_t>>& step_weight_bytes,
                                                      std::uint64_t budget);
 
 struct RegionReport {

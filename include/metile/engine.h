@@ -8,7 +8,8 @@
 //        built from the model's step graph and sharing the weights and the caches through
 //        ExecutableOptions::external_values; each step is one CUDA graph replay between tiny
 //        async copies (token ids and positions in; logits, or with feed_greedy only the next-token
-//        ids, out) and one synchronisation at the end. feed(tokens) -> logits is the CPU
+//        ids, out: to pageable host memory, so each copy out returns once its step is done, a host
+//        round trip a chunk; continue_greedy queues its steps without one). feed(tokens) -> logits is the CPU
 //        DecodeSession's contract (LogitsSession, model.h), so generate_greedy and
 //        compare_sessions work on both; the step graphs carry "next_tokens" (argmax of the logits)
 //        so that greedy decoding copies 4 bytes per token, not a row of logits.

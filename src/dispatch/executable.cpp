@@ -158,6 +158,7 @@ struct Executable::State {
   std::vector<DeviceStep> steps;
   std::vector<std::string> step_kinds;  // per step: what profile() sums it under
   std::vector<std::vector<DeviceByteRange>> step_weights;  // per step: the weights it streams (GEMVs)
+  std::vector<bool> step_contracts;  // per step: its unit holds a contraction (weights streamed, known or not)
   CudaGraph replay;
   bool programmatic_replay = false;  // the replay launches GEMVs and attention as programmatic dependents
   std::string programmatic_race;     // race_programmatic_replay's figures, for report()
@@ -373,6 +374,7 @@ struct OrderedSteps {
   std::vector<DeviceStep> steps;
   std::vector<std::string> kinds;
   std::vector<std::vector<DeviceByteRange>> weights;
+  std::vector<bool> contracts;  // the step's unit holds a matmul or quantized_matmul (it streams weights)
   std::vector<NearTie> near_ties;
 };
 
@@ -383,10 +385,13 @@ OrderedSteps order_units(const ComputeGraph& graph, std::vector<Unit> units) {
   if (!order.acyclic()) throw std::runtime_error("Executable: the plan's regions depend on each other in a cycle");
   OrderedSteps ordered;
   for (std::size_t u : order.order) {
+    const bool contracts = std::any_of(units[u].nodes.begin(), units[u].nodes.end(),
+                                       [&](NodeId node) { return is_gemv_contraction_op(graph.node(node)); });
     for (std::size_t i = 0; i < units[u].steps.size(); ++i) {
       ordered.steps.push_back(std::move(units[u].steps[i]));
       ordered.kinds.push_back(units[u].kind);
       ordered.weights.push_back(i == 0 ? units[u].weights : std::vector<DeviceByteRange>{});
+      ordered.contracts.push_back(contracts);
       ordered.near_ties.push_back(i == 0 ? units[u].near_tie : NearTie{});
     }
   }
@@ -473,6 +478,7 @@ Executable Executable::build(const FusionPlan& plan, const CudaDevice& device, c
   state->steps = std::move(ordered.steps);
   state->step_kinds = std::move(ordered.kinds);
   state->step_weights = std::move(ordered.weights);
+  state->step_contracts = std::move(ordered.contracts);
   state->near_ties = std::move(ordered.near_ties);
   if (options.capture_cuda_graph && !state->steps.empty()) {
     state->replay = capture_launching(state->stream, options.programmatic_dependent_launch,
@@ -664,14 +670,17 @@ int Executable::race_near_ties(const TournamentOptions& tournament) {
   return changed;
 }
 
-std::vector<WeightPrefetchFork> plan_weight_prefetch(const std::vector<std::uint64_t>& step_weight_bytes,
+std::vector<WeightPrefetchFork> plan_weight_prefetch(const std::vector<std::optional<std::uint64_t>>& step_weight_bytes,
                                                      std::uint64_t budget) {
   std::vector<WeightPrefetchFork> forks;
   for (std::size_t gemv = 0; gemv < step_weight_bytes.size(); ++gemv) {
-    if (step_weight_bytes[gemv] <= budget) continue;
+    const std::optional<std::uint64_t> bytes = step_weight_bytes[gemv];
+    if (!bytes || *bytes <= budget) continue;  // unknown weights: nothing to request
     std::size_t fork = gemv;  // the run is [fork, gemv)
     std::uint64_t streamed = 0;
-    while (fork > 0 && streamed + step_weight_bytes[fork - 1] <= budget) streamed += step_weight_bytes[--fork];
+    while (fork > 0 && step_weight_bytes[fork - 1] && streamed + *step_weight_bytes[fork - 1] <= budget) {
+      streamed += *step_weight_bytes[--fork];
+    }
     if (fork < gemv) forks.push_back({gemv, fork, budget});
   }
   return forks;
@@ -682,9 +691,12 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
   State& state = *state_;
   if (!state.replay || state.weight_prefetch) return state.weight_prefetch;
   state.device.make_current();
-  std::vector<std::uint64_t> step_bytes(state.steps.size(), 0);
+  // A step whose weights are not known (a native contraction, cuBLASLt or dequantize + cuBLASLt; a
+  // fused candidate that names none) streams weights all the same: none, so no run reaches across it.
+  std::vector<std::optional<std::uint64_t>> step_bytes(state.steps.size(), std::uint64_t{0});
   for (std::size_t i = 0; i < state.steps.size(); ++i) {
-    for (const DeviceByteRange& range : state.step_weights[i]) step_bytes[i] += range.bytes;
+    for (const DeviceByteRange& range : state.step_weights[i]) *step_bytes[i] += range.bytes;
+    if (state.step_weights[i].empty() && state.step_contracts[i]) step_bytes[i] = std::nullopt;
   }
   std::map<std::size_t, std::vector<const L2Prefetch*>> forks;  // step index -> prefetches forked before it
   std::vector<std::shared_ptr<const L2Prefetch>> prefetches;
@@ -700,16 +712,29 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
   const std::size_t prefetch_count = prefetches.size();
   std::deque<CudaEvent> events;
   const CudaGraph prefetching = capture_launching(state.stream, state.programmatic_replay, [&](const CudaStream& stream) {
-    for (std::size_t i = 0; i < state.steps.size(); ++i) {
-      if (auto fork = forks.find(i); fork != forks.end()) {
-        events.emplace_back().record(stream);  // the side stream waits for the steps before i only
-        state.prefetch_stream.wait(events.back());
-        for (const L2Prefetch* prefetch : fork->second) prefetch->enqueue(state.prefetch_stream);
+    // The capture joins the side stream back, also when a step throws: a side stream left forked
+    // would stay in capture mode after the main stream's capture ended.
+    const auto join = [&] {
+      events.emplace_back().record(state.prefetch_stream);
+      stream.wait(events.back());
+    };
+    try {
+      for (std::size_t i = 0; i < state.steps.size(); ++i) {
+        if (auto fork = forks.find(i); fork != forks.end()) {
+          events.emplace_back().record(stream);  // the side stream waits for the steps before i only
+          state.prefetch_stream.wait(events.back());
+          for (const L2Prefetch* prefetch : fork->second) prefetch->enqueue(state.prefetch_stream);
+        }
+        state.steps[i](stream);
       }
-      state.steps[i](stream);
+    } catch (...) {
+      try {
+        join();
+      } catch (...) {  // the step's error is the one to report
+      }
+      throw;
     }
-    events.emplace_back().record(state.prefetch_stream);  // the capture joins the side stream back
-    stream.wait(events.back());
+    join();
   });
   std::pair<double, double> scores{-1, -1};  // with, without
   if (!keep_without_race) {

@@ -10,8 +10,9 @@
 //
 // One step: two async copies of at most 64 bytes (token ids, positions), the replay, and an async
 // copy out of the logits (feed) or of the S next-token ids, 4 bytes each (feed_greedy: the step
-// graph's "next_tokens", the argmax taken on the device), all on the session's stream; either
-// synchronises once, after its last step. A prompt runs as chunks of 16 and a remainder of single steps, never padded (a padding
+// graph's "next_tokens", the argmax taken on the device), all on the session's stream. The copies
+// out go to pageable host memory, where the driver returns only once a copy has completed: each
+// chunk's copy waits for its step (a host round trip a chunk; a 512-token prompt makes 32). A prompt runs as chunks of 16 and a remainder of single steps, never padded (a padding
 // token would write its K/V row at a real position). Greedy generation (continue_greedy) queues single
 // steps on the device, each followed by a one-thread link that hands its chosen token to the next step.
 #include <algorithm>
@@ -322,11 +323,12 @@ std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token,
   std::vector<CudaEvent> linked(static_cast<std::size_t>(kStepsAhead));  // recorded after each slot's link
   std::vector<std::int32_t> chosen;
   std::int64_t queued = 0;
-  // Whatever ends the loop (a stop token, the count, an error or a callback's exception), the queued
-  // steps finish before the position moves by the tokens chosen: those are the ones fed.
+  // Whatever ends the loop (a stop token, the count, an error or a callback's exception), the position
+  // moves by the tokens chosen (those are the ones fed, and the callback has seen them) and the queued
+  // steps finish; the position first, so that it holds also when the synchronisation throws.
   const auto finish = [&] {
-    stream_.synchronize();
     position_ += static_cast<std::int64_t>(chosen.size());
+    stream_.synchronize();
   };
   try {
     while (static_cast<std::int64_t>(chosen.size()) < count) {

@@ -294,6 +294,7 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
         const unsigned other = __shfl_up_sync(0xFFFFFFFFu, through, offset);
         if (lane >= offset) through += other;
       }
+      __syncwarp();  // every lane's read of rank_left before any lane writes it (shuffles order no memory)
       unsigned above = through - mine;
       if (above < rank && rank <= through) {
         for (unsigned j = 0; j < 8; ++j) {
@@ -334,9 +335,13 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
 // to the context it was loaded in, and the device's primary context, released by its last CudaDevice,
 // is a new one when the next opens it (a kernel cached by name alone then failed every launch with
 // CUDA_ERROR_INVALID_HANDLE: a test that opened the device after another had closed it).
+// The map is never destroyed: at exit its modules' contexts may be gone (each device closed, or the
+// driver torn down first), and unloading a module through a dead context's handle is not defined.
+// A closed context's entries stay unused (its ID never comes again): a few kernels a reopening.
 std::shared_ptr<const CompiledKernel> compiled_once(std::string_view source, std::string_view name) {
   static std::mutex mutex;
-  static std::map<std::pair<unsigned long long, std::string>, std::shared_ptr<const CompiledKernel>, std::less<>> kernels;
+  static auto& kernels =
+      *new std::map<std::pair<unsigned long long, std::string>, std::shared_ptr<const CompiledKernel>, std::less<>>;
   CUcontext context = nullptr;
   check(driver().cuCtxGetCurrent(&context), "cuCtxGetCurrent");
   if (context == nullptr) throw std::logic_error(fmt::format("{}: no current CUDA context", name));

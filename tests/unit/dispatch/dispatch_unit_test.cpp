@@ -125,10 +125,11 @@ TEST(Headroom, FusedNeedsTenPercent) {
 // plan_weight_prefetch: a Llama-3-8B-like step by hand (MB: each layer q/k/v 14, attention 0,
 // o-projection 9, the MLP 99; then the LM head 296), then random steps against a brute-force
 // statement of the rule: each GEMV over the budget, forked at the earliest step from which the
-// steps up to it stream at most the budget, unless that is the GEMV itself.
+// steps up to it stream at most the budget (a step of unknown weights streams more), unless that is
+// the GEMV itself; a step of unknown weights gets none.
 TEST(WeightPrefetchPlan, HeavyGemvsArePrefetchedDuringTheLightStepsBeforeThem) {
   constexpr std::uint64_t MB = 1000000;
-  std::vector<std::uint64_t> step;
+  std::vector<std::optional<std::uint64_t>> step;
   for (int layer = 0; layer < 3; ++layer) {
     for (std::uint64_t bytes : {14 * MB, 0 * MB, 9 * MB, 99 * MB}) step.push_back(bytes);
   }
@@ -148,19 +149,35 @@ TEST(WeightPrefetchPlan, HeavyGemvsArePrefetchedDuringTheLightStepsBeforeThem) {
   }
   EXPECT_TRUE(plan_weight_prefetch({}, 24 * MB).empty());
   EXPECT_TRUE(plan_weight_prefetch({99 * MB}, 24 * MB).empty());
+  // A layer whose o-projection ran natively (its weights unknown): the run before the MLP stops at it.
+  std::vector<std::optional<std::uint64_t>> native_o = step;
+  native_o[6] = std::nullopt;  // layer 1's o-projection
+  const std::vector<WeightPrefetchFork> around = plan_weight_prefetch(native_o, 24 * MB);
+  ASSERT_EQ(around.size(), 2u);  // layer 1's MLP has no light step right before it: none
+  EXPECT_EQ(around[0].gemv, 3u);
+  EXPECT_EQ(around[0].fork, 0u);
+  EXPECT_EQ(around[1].gemv, 11u);
+  EXPECT_EQ(around[1].fork, 8u);
 
   std::mt19937_64 generator(testing::test_seed("WeightPrefetchPlan.HeavyGemvsArePrefetchedDuringTheLightStepsBeforeThem"));
   for (int trial = 0; trial < 500; ++trial) {
-    std::vector<std::uint64_t> bytes(generator() % 30);
-    for (std::uint64_t& b : bytes) b = generator() % 3 == 0 ? 0 : generator() % 100;
+    std::vector<std::optional<std::uint64_t>> bytes(generator() % 30);
+    for (std::optional<std::uint64_t>& b : bytes) {
+      const std::uint64_t draw = generator() % 10;
+      b = draw < 3 ? std::optional<std::uint64_t>(0) : draw == 3 ? std::nullopt : std::optional<std::uint64_t>(generator() % 100);
+    }
     const std::uint64_t budget = generator() % 60;
     std::vector<WeightPrefetchFork> expected;
     for (std::size_t gemv = 0; gemv < bytes.size(); ++gemv) {
-      if (bytes[gemv] <= budget) continue;
+      if (!bytes[gemv] || *bytes[gemv] <= budget) continue;
       for (std::size_t fork = 0; fork < gemv; ++fork) {
         std::uint64_t streamed = 0;
-        for (std::size_t s = fork; s < gemv; ++s) streamed += bytes[s];
-        if (streamed <= budget) {
+        bool unknown = false;
+        for (std::size_t s = fork; s < gemv; ++s) {
+          unknown = unknown || !bytes[s];
+          streamed += bytes[s].value_or(0);
+        }
+        if (!unknown && streamed <= budget) {
           expected.push_back({gemv, fork, budget});
           break;
         }
