@@ -701,13 +701,17 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
   std::map<std::size_t, std::vector<const L2Prefetch*>> forks;  // step index -> prefetches forked before it
   std::vector<std::shared_ptr<const L2Prefetch>> prefetches;
   std::uint64_t prefetched = 0;
+  std::map<std::string, int> where;  // "KIND from FIRST KIND OF ITS RUN" -> how many, for the report
   for (const WeightPrefetchFork& fork : plan_weight_prefetch(step_bytes, l2_budget_bytes)) {
     auto prefetch = std::make_shared<const L2Prefetch>(leading_share(state.step_weights[fork.gemv], fork.bytes));
     if (prefetch->bytes() == 0) continue;
     prefetched += prefetch->bytes();
     forks[fork.fork].push_back(prefetch.get());
     prefetches.push_back(std::move(prefetch));
+    ++where[fmt::format("{} from {}", state.step_kinds[fork.gemv], state.step_kinds[fork.fork])];
   }
+  std::string placed;
+  for (const auto& [text, count] : where) placed += fmt::format("{}{} x {}", placed.empty() ? "" : ", ", count, text);
   if (prefetches.empty()) return false;
   const std::size_t prefetch_count = prefetches.size();
   std::deque<CudaEvent> events;
@@ -747,8 +751,9 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
     state.prefetches = std::move(prefetches);
   }
   state.weight_prefetch = faster;
-  const std::string what = fmt::format("L2 weight prefetch ({} GEMVs over {:.1f} MB, {:.1f} MB a step)", prefetch_count,
-                                       static_cast<double>(l2_budget_bytes) / 1e6, static_cast<double>(prefetched) / 1e6);
+  const std::string what = fmt::format("L2 weight prefetch ({} GEMVs over {:.1f} MB, {:.1f} MB a step: {})", prefetch_count,
+                                       static_cast<double>(l2_budget_bytes) / 1e6, static_cast<double>(prefetched) / 1e6,
+                                       placed);
   state.prefetch_race = keep_without_race ? what + ": kept without a race\n"
                                           : fmt::format("{} raced: {:.4f} ms with, {:.4f} ms without: {}\n", what,
                                                         scores.first, scores.second, faster ? "kept" : "not kept");
