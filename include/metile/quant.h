@@ -76,9 +76,11 @@ struct QuantizedMatrix {
 // so that dequantize_affine reproduces exactly what was chosen. Codes are
 // round-half-to-even of (w - bias) / scale, clamped to [0, 2^bits - 1].
 // Throws InputError on a bad format, shape, dtype or a non-finite weight (the first one in
-// row-major order). Rows are quantized in `ranges` contiguous ranges of rows at once: 0 picks
-// one per hardware thread and at most one per 2^20 weights, 1 is the sequential loop; the
-// bytes are the same for every value.
+// row-major order), and on a group whose scale or bias does not fit in scale_dtype or whose
+// weights dequantize_affine would turn into inf (a range beyond the dtype: f32 weights past
+// 65504 with f16 scales, or weights near f32's limit). Rows are quantized in `ranges`
+// contiguous ranges of rows at once: 0 picks one per hardware thread and at most one per 2^20
+// weights, 1 is the sequential loop; the bytes are the same for every value.
 QuantizedMatrix quantize_affine(const HostTensor& weight, AffineQuantization format, DType scale_dtype,
                                 AffineRounding rounding = AffineRounding::min_max, std::int64_t ranges = 0);
 

@@ -142,12 +142,7 @@ void refuse_control_bytes(const std::string& name, const std::string& where) {
 // that is not UTF-8 (which Python cannot make a str of) has every byte outside printable ASCII spelled.
 std::string name_of_file(const std::string& source) {
   const std::string stem = std::filesystem::path(source).stem().string();
-  try {
-    (void)Json(stem).dump();  // nlohmann's default (strict) handler throws on bytes that are not UTF-8
-  } catch (const Json::type_error&) {
-    return printable_bytes(stem);
-  }
-  return control_bytes_spelled(stem);
+  return is_utf8(stem) ? control_bytes_spelled(stem) : printable_bytes(stem);
 }
 
 FusionTarget preset(std::string_view name, const std::string& where) {

@@ -279,6 +279,9 @@ void write_safetensors(const std::filesystem::path& path, const TensorMap& tenso
   std::uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     if (name == "__metadata__") throw InputError(file + ": a tensor cannot be named '__metadata__'");
+    // The header is JSON, whose strings are UTF-8: dump_json would write U+FFFD for a bad byte, so the
+    // tensor would read back under another name, and two such names as one key the reader refuses.
+    if (!is_utf8(name)) throw InputError(file + ": tensor '" + printable_bytes(name) + "': a safetensors name must be UTF-8");
     const std::uint64_t bytes = tensor.bytes().size();
     header[name] = {{"dtype", safetensors_dtype_name(tensor.spec().dtype)},
                     {"shape", tensor.spec().shape},
@@ -288,6 +291,11 @@ void write_safetensors(const std::filesystem::path& path, const TensorMap& tenso
   std::string header_text = dump_json(header);
   // Pad with spaces so the data starts 8-byte aligned, as the format recommends.
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
+  // What the reader refuses is never written (MappedSafetensors::parse_header's limit).
+  if (header_text.size() > kMaximumSafetensorsHeaderBytes) {
+    throw InputError(file + ": header of " + std::to_string(header_text.size()) + " bytes is above the limit of " +
+                     std::to_string(kMaximumSafetensorsHeaderBytes) + " bytes");
+  }
 
   write_output_file(path, [&](std::ostream& stream) {
     unsigned char length_bytes[8];

@@ -110,4 +110,13 @@ std::string json_excerpt(const Json& value) {
   return text;
 }
 
+bool is_utf8(std::string_view text) {
+  try {
+    (void)nlohmann::json(std::string(text)).dump();  // the default (strict) handler throws type_error 316
+  } catch (const nlohmann::json::type_error&) {
+    return false;
+  }
+  return true;
+}
+
 }  // namespace metile

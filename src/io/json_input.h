@@ -26,6 +26,10 @@ std::string dump_json(const BasicJson& value, int indent = -1) {
   return value.dump(indent, ' ', false, BasicJson::error_handler_t::replace);
 }
 
+// Whether `text` is UTF-8, as a JSON string must be: what nlohmann's strict dump accepts. For names
+// that must come back from a JSON file as they went in (dump_json would write U+FFFD for a bad byte).
+bool is_utf8(std::string_view text);
+
 // dump_json(value), cut to about 60 characters with "..." when longer.
 std::string json_excerpt(const nlohmann::json& value);
 

@@ -185,7 +185,8 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   std::error_code error;
   fs::rename(temporary, destination, error);
   if (error) {
-    fs::remove(temporary, error);
+    std::error_code ignored;  // the rename's error is the one to report
+    fs::remove(temporary, ignored);
     throw InputError(file + ": cannot rename " + temporary.string() + " into place: " + error.message());
   }
 }

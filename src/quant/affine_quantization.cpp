@@ -28,6 +28,13 @@ std::uint32_t read_word(const HostTensor& tensor, std::int64_t index) {
   return word;
 }
 
+// What every backend makes of a code: the product rounded to f32, then the bias added (no fused
+// multiply-add). The one statement of it on the host (dequantize_affine_row, quantize_affine's check).
+float dequantize_code(float scale, float bias, std::uint32_t code) {
+  const float product = scale * static_cast<float>(code);
+  return product + bias;
+}
+
 struct GroupParameters {
   double scale = 0;
   double bias = 0;
@@ -205,6 +212,19 @@ QuantizedMatrix quantize_affine(const HostTensor& weight, AffineQuantization for
         // Codes are chosen against the stored (rounded) scale and bias.
         const double scale = matrix.scales.at(group_index);
         const double bias = matrix.biases.at(group_index);
+        // A range beyond the scale dtype (f32 weights past 65504 with f16 scales) rounds the scale or
+        // the bias to infinity: every weight of the group would dequantize to inf or NaN.
+        // Finite ones can still overflow f32 in scale * q + bias (weights near f32's limit). The product
+        // and the sum round monotonically, so the codes 0 and max_code give the extremes of the group.
+        if (!std::isfinite(scale) || !std::isfinite(bias) ||
+            !std::isfinite(dequantize_code(static_cast<float>(scale), static_cast<float>(bias), 0)) ||
+            !std::isfinite(dequantize_code(static_cast<float>(scale), static_cast<float>(bias), max_code))) {
+          throw InputError(fmt::format(
+              "quantize_affine: weights [{}, {}..{}] span [{}, {}]: scale {} and bias {} in {} do not dequantize "
+              "to finite values",
+              row, group * format.group_size, (group + 1) * format.group_size - 1, minimum, maximum, scale, bias,
+              dtype_name(scale_dtype)));
+        }
         // Packed as pack_codes packs (low bits first); the clamp keeps every code in its bits.
         std::uint32_t word = 0;
         for (std::int64_t offset = 0; offset < format.group_size; ++offset) {
@@ -254,10 +274,8 @@ void dequantize_affine_row(AffineQuantization format, const HostTensor& packed, 
       const std::int64_t word_index = (row * columns + group * format.group_size) / per_word + word_in_group;
       const std::uint32_t word = read_word(packed, word_index);
       for (int slot = 0; slot < per_word; ++slot) {
-        const auto code = static_cast<float>((word >> (format.bits * slot)) & max_code);
-        const float product = scale * code;  // kept apart from the add: no fused multiply-add
         out[static_cast<std::size_t>(group * format.group_size + word_in_group * per_word + slot)] =
-            product + bias;
+            dequantize_code(scale, bias, (word >> (format.bits * slot)) & max_code);
       }
     }
   }

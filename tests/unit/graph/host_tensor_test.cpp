@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "metile/graph.h"
+#include "metile/io.h"
 #include "metile_test_support.h"
 
 namespace metile {
@@ -275,6 +276,56 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
 
   const std::string missing = (directory_ / "missing.safetensors").string();
   EXPECT_EQ(error_of([&] { read_safetensors(missing); }), missing + ": cannot open the file: No such file or directory");
+}
+
+// Names in a safetensors header are JSON strings, so UTF-8: any UTF-8 name round-trips (a right-to-left
+// override, an emoji, the empty name, an escaped quote and NUL); a name that is not UTF-8 is refused
+// before anything is written. dump_json wrote it with U+FFFD in place of the bad byte, so the tensor
+// read back under another name, and two such names made one key twice, a file the reader refuses.
+TEST_F(SafetensorsTest, NamesMustBeUtf8AndRoundTripWhenTheyAre) {
+  std::mt19937 random(static_cast<std::uint32_t>(testing::test_seed("SafetensorsTest.NamesMustBeUtf8AndRoundTripWhenTheyAre")));
+  std::uniform_real_distribution<double> values(-100.0, 100.0);
+  const auto tensor = [&](std::int64_t count) {
+    std::vector<double> data(static_cast<std::size_t>(count));
+    for (double& value : data) value = values(random);
+    return HostTensor::from_values(TensorSpec({count}, DType::f32), data);
+  };
+  TensorMap good;
+  for (const std::string& name : {std::string("\xe2\x80\xae\xf0\x9f\x98\x80 \xc3\xa9"), std::string(),
+                                 std::string("nul\0in", 6), std::string("quote\"back\\slash"),
+                                 std::string(70000, 'n')}) {
+    good.emplace(name, tensor(3));
+  }
+  const std::filesystem::path path = directory_ / "names.safetensors";
+  write_safetensors(path, good);
+  EXPECT_EQ(read_safetensors(path), good);
+
+  for (const std::vector<std::string>& names :
+       {std::vector<std::string>{"a\xff"}, std::vector<std::string>{"a\xff", "a\xfe"},
+        std::vector<std::string>{"ok", "\xc3"}, std::vector<std::string>{"\xed\xa0\x80"}}) {
+    TensorMap bad;
+    for (const std::string& name : names) bad.emplace(name, tensor(2));
+    const std::filesystem::path bad_path = directory_ / "bad.safetensors";
+    const std::string message = error_of([&] { write_safetensors(bad_path, bad); });
+    EXPECT_NE(message.find("': a safetensors name must be UTF-8"), std::string::npos) << message;
+    EXPECT_EQ(message.find('\xff'), std::string::npos) << "raw bytes in the message";
+    EXPECT_FALSE(std::filesystem::exists(bad_path)) << message;
+  }
+}
+
+// The writer keeps the reader's limit on the header (100 MiB): a header one byte past it is refused
+// before a byte is written (it was written, a file the reader then refused).
+TEST_F(SafetensorsTest, HeaderPastTheReadersLimitIsNotWritten) {
+  // {"N":{"data_offsets":[0,1],"dtype":"U8","shape":[1]}}: the frame plus the name, padded to 8.
+  const std::string frame = R"({"":{"data_offsets":[0,1],"dtype":"U8","shape":[1]}})";
+  TensorMap tensors;
+  tensors.emplace(std::string(kMaximumSafetensorsHeaderBytes - frame.size() + 1, 'n'),
+                  HostTensor::from_values(TensorSpec({1}, DType::u8), std::vector<double>{7}));
+  const std::filesystem::path path = directory_ / "past.safetensors";
+  EXPECT_EQ(error_of([&] { write_safetensors(path, tensors); }),
+            path.string() + ": header of " + std::to_string(kMaximumSafetensorsHeaderBytes + 8) +
+                " bytes is above the limit of " + std::to_string(kMaximumSafetensorsHeaderBytes) + " bytes");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 0);
 }
 
 TEST_F(SafetensorsTest, FailedWriteLeavesNoFile) {

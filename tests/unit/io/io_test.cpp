@@ -155,6 +155,19 @@ TEST_F(IoTest, AnIgnoredSignalStaysIgnored) {
   EXPECT_EQ(read_text(path), "written");
 }
 
+// A rename that fails (the empty path: the temporary is written in the working directory, then
+// renamed onto "") names the rename's own error; the temporary's removal overwrote it with its
+// own success, so the message ended "into place: Success". Nothing is left behind.
+TEST_F(IoTest, AFailedRenameNamesItsError) {
+  const std::filesystem::path previous = std::filesystem::current_path();
+  std::filesystem::current_path(directory_);
+  const std::string message = error_of([] { write_output_file("", [](std::ostream& stream) { stream << "x"; }); });
+  std::filesystem::current_path(previous);
+  EXPECT_TRUE(message.starts_with(": cannot rename .metile-")) << message;
+  EXPECT_TRUE(message.ends_with(" into place: No such file or directory")) << message;
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 0);
+}
+
 // A name of 250 bytes is a valid file name: its temporary ("NAME.tmpPID" before) went past NAME_MAX
 // (255), so the write failed with "File name too long".
 TEST_F(IoTest, AnyValidNameCanBeReplaced) {

@@ -3,6 +3,8 @@
 // against error bounds recomputed here from each group's own min and max.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -263,6 +265,52 @@ TEST(QuantizeAffine, RejectsBadInput) {
   } catch (const InputError& error) {
     EXPECT_NE(std::string(error.what()).find("[1, 6]"), std::string::npos) << error.what();
   }
+}
+
+// A group whose range the scale dtype cannot hold (f32 weights past 65504 with f16 scales), or whose
+// weights lie so near f32's limit that scale * q + bias overflows f32, is refused: before, the
+// scale or bias was stored as inf and the matrix dequantized to inf and NaN, with no error.
+// Random rows, one of which gets the hostile group at a random place.
+TEST(QuantizeAffine, RefusesGroupsThatDequantizeToInfinity) {
+  std::mt19937_64 generator(testing::test_seed("QuantizeAffine.RefusesGroupsThatDequantizeToInfinity"));
+  struct Case {
+    double low, high;
+    DType weight_dtype, scale_dtype;
+  };
+  for (const Case hostile : {Case{-1e5, 1e5, DType::f32, DType::f16}, Case{-1e6, 1e6, DType::bf16, DType::f16},
+                             Case{-7e4, 0, DType::f32, DType::f16}, Case{-3e38, 3e38, DType::f32, DType::f32},
+                             Case{-3e38, 3e38, DType::bf16, DType::bf16}}) {
+    const std::int64_t rows = 3, columns = 128;
+    HostTensor weight(TensorSpec({rows, columns}, hostile.weight_dtype));
+    const HostTensor source = random_matrix(rows, columns, generator());
+    for (std::int64_t index = 0; index < weight.element_count(); ++index) weight.store(index, source.at(index));
+    const std::int64_t row = static_cast<std::int64_t>(generator() % rows);
+    const std::int64_t group = static_cast<std::int64_t>(generator() % 4);
+    weight.store(row * columns + group * 32 + 3, hostile.low);
+    weight.store(row * columns + group * 32 + 17, hostile.high);
+    for (AffineRounding rounding : {AffineRounding::min_max, AffineRounding::mlx}) {
+      for (int bits : {4, 8}) {
+        const std::string what = fmt::format("[{}, {}] in {} with {} scales, {} bits, {}", hostile.low, hostile.high,
+                                             dtype_name(hostile.weight_dtype), dtype_name(hostile.scale_dtype), bits,
+                                             rounding == AffineRounding::mlx ? "mlx" : "min_max");
+        try {
+          const QuantizedMatrix matrix = quantize_affine(weight, {bits, 32}, hostile.scale_dtype, rounding);
+          const HostTensor restored = dequantize_affine(matrix);
+          std::int64_t non_finite = 0;
+          for (std::int64_t index = 0; index < restored.element_count(); ++index) {
+            non_finite += std::isfinite(restored.at(index)) ? 0 : 1;
+          }
+          ADD_FAILURE() << what << ": accepted, " << non_finite << " weights dequantize to inf or NaN";
+        } catch (const InputError& error) {
+          EXPECT_NE(std::string(error.what()).find(fmt::format("[{}, ", row)), std::string::npos)
+              << what << ": " << error.what();
+        }
+      }
+    }
+  }
+  // The edges of what fits still quantize: f16's largest finite values with f16 scales.
+  const HostTensor edge = HostTensor::from_values(TensorSpec({1, 32}, DType::f16), std::vector<double>(32, 65504));
+  EXPECT_NO_THROW(quantize_affine(edge, {4, 32}, DType::f16));
 }
 
 // quantize_affine runs ranges of rows at once: every split gives the bytes of the sequential
