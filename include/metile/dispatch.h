@@ -460,10 +460,10 @@ std::optional<std::string> step_race_candidate(const std::vector<std::pair<std::
 
 // Where Executable::race_weight_prefetch requests weights into the L2, from the weight bytes each
 // step of a replay streams (0: no contraction; none: a contraction whose weights are not known, such
-// as a native cuBLASLt step, which counts as heavy and gets no prefetch). A GEMV that streams more than `budget` bytes (a heavy
-// one) gets its first `budget` bytes requested while the steps right before it run: the longest run
-// of steps before it whose GEMVs stream at most `budget` bytes together (so the L2 holds at most
-// twice the budget of weights, the run's and the prefetch's). Those steps (q/k/v, attention and the
+// as a native cuBLASLt step, which counts as heavy and gets no prefetch). A GEMV that streams more
+// than `budget` bytes (a heavy one) gets its first `budget` bytes requested while the steps right
+// before it run: the longest run of steps before it whose GEMVs stream at most `budget` bytes
+// together (so the L2 holds at most twice the budget of weights, the run's and the prefetch's). Those steps (q/k/v, attention and the
 // o-projection before a decode layer's gate/up) are bound by their latency chains and leave the DRAM
 // mostly idle. A heavy GEMV right after another gets none; light GEMVs get none either: measured,
 // the o-projection with all its weights requested during attention was no faster (session 22,

@@ -905,15 +905,14 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
 // its period is a tile's bytes. Dense weights are rows; no period.
 std::vector<DeviceByteRange> stage_weights(GemvKernelPool& pool, DeviceValues& values, const std::vector<GemvStage>& stages) {
   std::vector<DeviceByteRange> ranges;
-  unsigned launch = 0;  // one launch a stage
-  auto add = [&](const DeviceBuffer& buffer, std::int64_t rows) {
-    if (buffer.empty()) return;
-    const auto tiles = static_cast<std::uint64_t>((rows + 15) / 16);
-    const std::uint64_t bytes = buffer.size_bytes();
-    ranges.push_back({buffer.address(), bytes, tiles > 0 && bytes % tiles == 0 ? bytes / tiles : 0, launch});
-  };
   for (std::size_t index = 0; index < stages.size(); ++index) {
-    launch = static_cast<unsigned>(index);
+    const auto launch = static_cast<unsigned>(index);  // one launch a stage
+    auto add = [&](const DeviceBuffer& buffer, std::int64_t rows) {
+      if (buffer.empty()) return;
+      const auto tiles = static_cast<std::uint64_t>((rows + 15) / 16);
+      const std::uint64_t bytes = buffer.size_bytes();
+      ranges.push_back({buffer.address(), bytes, tiles > 0 && bytes % tiles == 0 ? bytes / tiles : 0, launch});
+    };
     const GemvStage& stage = stages[index];
     if (!stage.row_parts.empty()) {
       const std::shared_ptr<StackedOnDevice> stacked = pool.stacked_matrix(values, stage, index);

@@ -710,23 +710,8 @@ Capacity push_flow_paths(const FlowNetwork<Capacity>& network, int source, int s
 std::vector<bool> smaller_minimum_cut(const FlowNetwork<double>& network, int source, const std::vector<double>& residual,
                                       const flow_detail::SolverTolerance<double>& tolerance, std::vector<bool> side) {
   constexpr double kSaturated = 1e-11;  // of the arc's capacity
-  const auto open = [&](int arc) {
-    const int edge = network.arc_edge(arc) >= 0 ? network.arc_edge(arc) : network.arc_edge(network.reverse_arc(arc));
-    return tolerance.arc_positive(arc, residual[arc]) && residual[arc] > kSaturated * network.edge(edge).capacity;
-  };
-  std::vector<bool> reached(side.size(), false);
-  std::vector<int> queue{source};
-  reached[static_cast<std::size_t>(source)] = true;
-  for (std::size_t next = 0; next < queue.size(); ++next) {
-    for (int arc = network.arc_begin(queue[next]); arc < network.arc_end(queue[next]); ++arc) {
-      const int head = network.arc_head(arc);
-      if (!reached[static_cast<std::size_t>(head)] && open(arc)) {
-        reached[static_cast<std::size_t>(head)] = true;
-        queue.push_back(head);
-      }
-    }
-  }
-  if (reached != side && cut_capacity(network, reached) <= cut_capacity(network, side)) side = std::move(reached);
+  std::vector<bool> smaller = flow_detail::reachable_in_residual(network, residual, {source}, tolerance, kSaturated);
+  if (smaller != side && cut_capacity(network, smaller) <= cut_capacity(network, side)) side = std::move(smaller);
   return side;
 }
 

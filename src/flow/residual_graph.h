@@ -116,11 +116,18 @@ class SolverTolerance {
   std::vector<Capacity> arc_, vertex_;  // empty for integers
 };
 
-// Marks every vertex reachable from the roots along arcs with positive residual capacity.
+// Marks every vertex reachable from the roots along arcs with positive residual capacity (with
+// `saturated` > 0, also above that fraction of the capacity of the arc's edge: ipm's smaller cut).
 template <typename Capacity>
 std::vector<bool> reachable_in_residual(const FlowNetwork<Capacity>& network,
                                         const std::vector<Capacity>& residual, const std::vector<int>& roots,
-                                        const SolverTolerance<Capacity>& tolerance) {
+                                        const SolverTolerance<Capacity>& tolerance, double saturated = 0) {
+  const auto open = [&](int arc) {
+    if (!tolerance.arc_positive(arc, residual[arc])) return false;
+    if (saturated <= 0) return true;
+    const int forward = network.arc_edge(arc) >= 0 ? arc : network.reverse_arc(arc);
+    return static_cast<double>(residual[arc]) > saturated * static_cast<double>(network.arc_capacity(forward));
+  };
   std::vector<bool> reached(network.vertex_count(), false);
   std::vector<int> queue;
   queue.reserve(network.vertex_count());
@@ -134,7 +141,7 @@ std::vector<bool> reachable_in_residual(const FlowNetwork<Capacity>& network,
     const int vertex = queue[next];
     for (int arc = network.arc_begin(vertex); arc < network.arc_end(vertex); ++arc) {
       const int head = network.arc_head(arc);
-      if (!reached[head] && tolerance.arc_positive(arc, residual[arc])) {
+      if (!reached[head] && open(arc)) {
         reached[head] = true;
         queue.push_back(head);
       }
