@@ -294,7 +294,6 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
         const unsigned other = __shfl_up_sync(0xFFFFFFFFu, through, offset);
         if (lane >= offset) through += other;
       }
-      __syncwarp();  // every lane's read of rank_left before any lane writes it (shuffles order no memory)
       unsigned above = through - mine;
       if (above < rank && rank <= through) {
         for (unsigned j = 0; j < 8; ++j) {
