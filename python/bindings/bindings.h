@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "metile/graph.h"
@@ -51,6 +52,9 @@ struct GraphNodeView {
 std::string python_type_name(const py::handle& object);
 // Python's bool or numpy's bool_: an int to Python, but never a count, a bit or a seed.
 bool is_boolean(const py::handle& object);
+// A yes or no argument: True or False (Python's or numpy's); 1 or "no" is a TypeError saying what it
+// must be (`choices`: where None is taken too, the caller's, before it asks).
+bool boolean_argument(const std::string& what, const py::handle& object, std::string_view choices = "True or False");
 
 // numpy integer and floating scalars as the Python int and float they hold (numpy.float64 is a
 // float already); anything else unchanged, for the caller's checks. numpy is only imported when

@@ -103,7 +103,11 @@ FusionTarget target_from_python(const py::object& target) {
   if (py::isinstance<py::str>(target) || py::isinstance(target, os.attr("PathLike"))) {
     // As the file system spells the path: a file name that is not UTF-8 reaches Python as a str with
     // surrogate escapes, which no UTF-8 conversion takes (pybind11's "Unable to cast").
-    return FusionTarget::from_name_or_file(os.attr("fsencode")(target).cast<std::string>());
+    const std::string name_or_path = os.attr("fsencode")(target).cast<std::string>();
+    // Read without the GIL: a FIFO blocks until its writer writes, and a writer that is a Python thread
+    // of this process could not run while we held it (the read never ended).
+    py::gil_scoped_release release;
+    return FusionTarget::from_name_or_file(name_or_path);
   }
   throw py::type_error(
       "plan_graph_fusion: target must be a FusionTarget, 'h200', 'cpu' or a JSON file path, got " +
@@ -131,21 +135,75 @@ RuleSet rules_from_python(const py::object& rules) {
       python_type_name(rules));
 }
 
-// An integer field of a target, set from Python: an int past the field's C++ type was pybind11's
-// "incompatible function arguments" TypeError, which named no field; now a ValueError naming it, as
-// from_json's (planning then holds the value to the field's rule, FusionTarget::check).
+// The fields of targets and rules, set from Python by the argument rules of every other binding
+// (bindings.h). pybind11's def_readwrite took True as 1 and 2, 0.5 or None as a flag; an int past the
+// field's C++ type or a str holding a lone surrogate was "incompatible function arguments", naming no
+// field; and bytes that are not UTF-8 were stored as a name, after which every read of it (the field,
+// repr, a plan's explain and regions naming the rule) raised UnicodeDecodeError and to_json wrote U+FFFD.
+// A bad value is refused naming `Class.field`, and the object keeps its old value.
+
+// An int within the C++ field's type: a ValueError naming the field past it, as from_json's (planning then
+// holds the value to the field's rule: FusionTarget::check, validate_rule_set).
 template <typename Integer>
-void def_integer_field(py::class_<FusionTarget>& target, const char* name, Integer FusionTarget::*field) {
+Integer integer_field_value(const std::string& class_name, const char* name, const py::handle& value) {
+  const std::int64_t given = integer_argument(class_name + "." + name, value);
+  if (given > std::numeric_limits<Integer>::max() || given < std::numeric_limits<Integer>::min()) {
+    const std::int64_t limit = given > 0 ? std::numeric_limits<Integer>::max() : std::numeric_limits<Integer>::min();
+    throw InputError(class_name + ": field '" + name + "' is " + std::to_string(given) + ", past its limit of " +
+                     std::to_string(limit));
+  }
+  return static_cast<Integer>(given);
+}
+
+template <typename Class, typename Integer>
+void def_integer_field(py::class_<Class>& target, const char* name, Integer Class::*field) {
+  const std::string class_name = py::str(target.attr("__name__"));
   target.def_property(
-      name, [field](const FusionTarget& held) { return held.*field; },
-      [field, name](FusionTarget& held, const py::handle& value) {
-        const std::int64_t given = integer_argument(std::string("FusionTarget.") + name, value);
-        if (given > std::numeric_limits<Integer>::max() || given < std::numeric_limits<Integer>::min()) {
-          const std::int64_t limit = given > 0 ? std::numeric_limits<Integer>::max() : std::numeric_limits<Integer>::min();
-          throw InputError("FusionTarget: field '" + std::string(name) + "' is " + std::to_string(given) +
-                           ", past its limit of " + std::to_string(limit));
+      name, [field](const Class& held) { return held.*field; },
+      [field, name, class_name](Class& held, const py::handle& value) {
+        held.*field = integer_field_value<Integer>(class_name, name, value);
+      });
+}
+
+template <typename Class>
+void def_real_field(py::class_<Class>& target, const char* name, double Class::*field) {
+  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
+  target.def_property(
+      name, [field](const Class& held) { return held.*field; },
+      [field, what](Class& held, const py::handle& value) { held.*field = real_argument(what, value); });
+}
+
+template <typename Class>
+void def_flag_field(py::class_<Class>& target, const char* name, bool Class::*field) {
+  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
+  target.def_property(
+      name, [field](const Class& held) { return held.*field; },
+      [field, what](Class& held, const py::handle& value) { held.*field = boolean_argument(what, value); });
+}
+
+template <typename Class>
+void def_text_field(py::class_<Class>& target, const char* name, std::string Class::*field) {
+  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
+  target.def_property(
+      name, [field](const Class& held) { return held.*field; },
+      [field, what](Class& held, const py::handle& value) { held.*field = text_argument(what, value); });
+}
+
+// A list of strs (OpPattern.ops, .inputs): a list or tuple, each item as def_text_field takes it.
+template <typename Class>
+void def_text_list_field(py::class_<Class>& target, const char* name, std::vector<std::string> Class::*field) {
+  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
+  target.def_property(
+      name, [field](const Class& held) { return held.*field; },
+      [field, what](Class& held, const py::handle& value) {
+        if (!py::isinstance<py::list>(value) && !py::isinstance<py::tuple>(value)) {
+          throw py::type_error(what + ": expected a list of str, got " + python_type_name(value));
         }
-        held.*field = static_cast<Integer>(given);
+        std::vector<std::string> texts;
+        for (const py::handle& item : value) {
+          texts.push_back(text_argument(what + " item " + std::to_string(texts.size()), item));
+        }
+        held.*field = std::move(texts);
       });
 }
 
@@ -154,11 +212,11 @@ void bind_target(py::module_& module) {
       module, "FusionTarget",
       "What a kernel costs and what one kernel may use on a machine (times in ns, bandwidths "
       "in bytes/ns). FusionTarget() is the H200; see h200(), cpu(), from_json().");
-  target.def(py::init<>())
-      .def_readwrite("name", &FusionTarget::name)
-      .def_readwrite("launch_overhead_ns", &FusionTarget::launch_overhead_ns)
-      .def_readwrite("memory_bandwidth_bytes_per_ns", &FusionTarget::memory_bandwidth_bytes_per_ns)
-      .def_readwrite("on_chip_bandwidth_bytes_per_ns", &FusionTarget::on_chip_bandwidth_bytes_per_ns);
+  target.def(py::init<>());
+  def_text_field(target, "name", &FusionTarget::name);
+  def_real_field(target, "launch_overhead_ns", &FusionTarget::launch_overhead_ns);
+  def_real_field(target, "memory_bandwidth_bytes_per_ns", &FusionTarget::memory_bandwidth_bytes_per_ns);
+  def_real_field(target, "on_chip_bandwidth_bytes_per_ns", &FusionTarget::on_chip_bandwidth_bytes_per_ns);
   def_integer_field(target, "registers_per_thread", &FusionTarget::registers_per_thread);
   def_integer_field(target, "registers_per_multiprocessor", &FusionTarget::registers_per_multiprocessor);
   def_integer_field(target, "threads_per_block", &FusionTarget::threads_per_block);
@@ -175,7 +233,8 @@ void bind_target(py::module_& module) {
           },
           py::arg("text"), py::arg("source_name") = "<string>",
           "A JSON object: optional \"base\" (\"h200\" or \"cpu\") whose fields the others override.")
-      .def_static("from_json_file", &FusionTarget::from_json_file, py::arg("path"))
+      .def_static("from_json_file", &FusionTarget::from_json_file, py::arg("path"),
+                  py::call_guard<py::gil_scoped_release>())  // as target_from_python: a FIFO's writer may be a Python thread
       .def_static(
           "from_name_or_file", [](const py::object& name_or_path) { return target_from_python(name_or_path); },
           py::arg("name_or_path"), "'h200', 'cpu' or the path of a JSON target file (a str or os.PathLike).")
@@ -189,71 +248,66 @@ void bind_target(py::module_& module) {
 }
 
 void bind_rules(py::module_& module) {
-  py::class_<ResourceNeeds>(module, "ResourceNeeds", "What a rule's kernel needs from the target.")
-      .def(py::init<>())
-      .def_readwrite("base_registers", &ResourceNeeds::base_registers)
-      .def_readwrite("registers_per_elementwise", &ResourceNeeds::registers_per_elementwise)
-      .def_readwrite("registers_per_row_reduction", &ResourceNeeds::registers_per_row_reduction)
-      .def_readwrite("registers_per_contraction", &ResourceNeeds::registers_per_contraction)
-      .def_readwrite("registers_per_quantized_contraction",
-                     &ResourceNeeds::registers_per_quantized_contraction)
-      .def_readwrite("stages_reduction_rows", &ResourceNeeds::stages_reduction_rows)
-      .def_readwrite("stages_contraction_activations", &ResourceNeeds::stages_contraction_activations);
+  py::class_<ResourceNeeds> resources(module, "ResourceNeeds", "What a rule's kernel needs from the target.");
+  resources.def(py::init<>());
+  for (const auto& [name, field] : register_need_fields()) def_integer_field(resources, name, field);
+  def_flag_field(resources, "stages_reduction_rows", &ResourceNeeds::stages_reduction_rows);
+  def_flag_field(resources, "stages_contraction_activations", &ResourceNeeds::stages_contraction_activations);
 
-  py::class_<OpPattern>(
+  py::class_<OpPattern> pattern_class(
       module, "OpPattern",
       "One op of a rule's required structure. Lists are copied in and out: assign a new list "
-      "rather than appending to the one a property returns.")
-      .def(py::init<>())
-      .def_readwrite("role", &OpPattern::role)
-      .def_readwrite("kind", &OpPattern::kind)
-      .def_readwrite("ops", &OpPattern::ops)
-      .def_readwrite("inputs", &OpPattern::inputs)
-      .def_readwrite("commutative", &OpPattern::commutative)
-      .def_readwrite("may_escape", &OpPattern::may_escape)
-      .def("__repr__", [](const OpPattern& pattern) {
+      "rather than appending to the one a property returns.");
+  pattern_class.def(py::init<>());
+  def_text_field(pattern_class, "role", &OpPattern::role);
+  pattern_class.def_readwrite("kind", &OpPattern::kind);  // OpKind's caster: a name, else ValueError
+  def_text_list_field(pattern_class, "ops", &OpPattern::ops);
+  def_text_list_field(pattern_class, "inputs", &OpPattern::inputs);
+  def_flag_field(pattern_class, "commutative", &OpPattern::commutative);
+  def_flag_field(pattern_class, "may_escape", &OpPattern::may_escape);
+  pattern_class.def("__repr__", [](const OpPattern& pattern) {
         return "OpPattern(role='" + pattern.role + "', kind='" + std::string(op_kind_name(pattern.kind)) +
                "')";
       });
 
-  py::class_<GrowthSpec>(module, "GrowthSpec",
-                         "Neighbours the cut model may pull in around a rule's structure.")
-      .def(py::init<>())
-      .def_readwrite("kinds", &GrowthSpec::kinds)
-      .def_readwrite("max_depth", &GrowthSpec::max_depth);
+  py::class_<GrowthSpec> growth(module, "GrowthSpec", "Neighbours the cut model may pull in around a rule's structure.");
+  growth.def(py::init<>()).def_readwrite("kinds", &GrowthSpec::kinds);
+  def_integer_field(growth, "max_depth", &GrowthSpec::max_depth);
 
-  py::class_<FusionRule>(
+  py::class_<FusionRule> rule_class(
       module, "FusionRule",
       "A declarative fusion rule: a pattern anchored at its last entry, optional prologue and "
-      "epilogue growth, and the resources its kernel takes.")
-      .def(py::init<>())
-      .def(py::init<const FusionRule&>(), py::arg("rule"), "A copy of `rule`.")
-      .def_readwrite("name", &FusionRule::name)
-      .def_readwrite("description", &FusionRule::description)
-      .def_readwrite("pattern", &FusionRule::pattern)
-      .def_readwrite("anchor_must_be_sink", &FusionRule::anchor_must_be_sink)
+      "epilogue growth, and the resources its kernel takes.");
+  rule_class.def(py::init<>()).def(py::init<const FusionRule&>(), py::arg("rule"), "A copy of `rule`.");
+  def_text_field(rule_class, "name", &FusionRule::name);
+  def_text_field(rule_class, "description", &FusionRule::description);
+  def_flag_field(rule_class, "anchor_must_be_sink", &FusionRule::anchor_must_be_sink);
+  def_flag_field(rule_class, "materializes_escaping_values", &FusionRule::materializes_escaping_values);
+  def_text_field(rule_class, "epilogue_add_operand_role", &FusionRule::epilogue_add_operand_role);
+  rule_class.def_readwrite("pattern", &FusionRule::pattern)
       .def_readwrite("prologue", &FusionRule::prologue)
       .def_readwrite("epilogue", &FusionRule::epilogue)
-      .def_readwrite("materializes_escaping_values", &FusionRule::materializes_escaping_values)
       .def_readwrite("resources", &FusionRule::resources)
-      .def_readwrite("epilogue_add_operand_role", &FusionRule::epilogue_add_operand_role)
       .def("__repr__", [](const py::object& rule) {
         return python_type_name(rule) + "('" +
                rule.cast<const FusionRule&>().name + "')";
       });
 
-  py::class_<RuleSet>(module, "RuleSet", "Rules in priority order plus the planner's search bounds.")
-      .def(py::init(
-               [](std::vector<FusionRule> rules, int max_neighborhood_nodes, int max_exact_component_size) {
-                 return RuleSet{std::move(rules), max_neighborhood_nodes, max_exact_component_size};
-               }),
+  py::class_<RuleSet> rule_set_class(module, "RuleSet", "Rules in priority order plus the planner's search bounds.");
+  rule_set_class
+      .def(py::init([](std::vector<FusionRule> rules, const py::handle& max_neighborhood_nodes,
+                       const py::handle& max_exact_component_size) {
+             return RuleSet{std::move(rules),
+                            integer_field_value<int>("RuleSet", "max_neighborhood_nodes", max_neighborhood_nodes),
+                            integer_field_value<int>("RuleSet", "max_exact_component_size", max_exact_component_size)};
+           }),
            py::arg("rules") = std::vector<FusionRule>{},
            py::arg("max_neighborhood_nodes") = RuleSet{}.max_neighborhood_nodes,
            py::arg("max_exact_component_size") = RuleSet{}.max_exact_component_size)
-      .def_readwrite("rules", &RuleSet::rules)
-      .def_readwrite("max_neighborhood_nodes", &RuleSet::max_neighborhood_nodes)
-      .def_readwrite("max_exact_component_size", &RuleSet::max_exact_component_size)
-      .def("__len__", [](const RuleSet& rule_set) { return rule_set.rules.size(); })
+      .def_readwrite("rules", &RuleSet::rules);
+  def_integer_field(rule_set_class, "max_neighborhood_nodes", &RuleSet::max_neighborhood_nodes);
+  def_integer_field(rule_set_class, "max_exact_component_size", &RuleSet::max_exact_component_size);
+  rule_set_class.def("__len__", [](const RuleSet& rule_set) { return rule_set.rules.size(); })
       .def("__repr__", [](const RuleSet& rule_set) {
         std::string names;
         for (const FusionRule& rule : rule_set.rules)

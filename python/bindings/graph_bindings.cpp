@@ -55,6 +55,13 @@ bool is_boolean(const py::handle& object) {
   return py::isinstance<py::bool_>(object) || py::isinstance(object, py::module_::import("numpy").attr("bool_"));
 }
 
+bool boolean_argument(const std::string& what, const py::handle& object, std::string_view choices) {
+  if (!is_boolean(object)) {
+    throw py::type_error(what + " must be " + std::string(choices) + ", got " + python_type_name(object));
+  }
+  return PyObject_IsTrue(object.ptr()) == 1;
+}
+
 py::object python_number(const py::object& value) {
   const py::object module = py::type::handle_of(value).attr("__module__");
   if (!py::isinstance<py::str>(module) || module.cast<std::string>() != "numpy") return value;
@@ -701,7 +708,12 @@ void bind_compute_graph(py::module_& module) {
 
   module.def(
       "read_graph",
-      [](const std::filesystem::path& path) { return std::make_shared<ComputeGraph>(read_graph(path)); },
+      [](const std::filesystem::path& path) {
+        // Read without the GIL: a FIFO blocks until its writer writes, and a writer that is a Python thread
+        // of this process could not run while we held it (the read never ended).
+        py::gil_scoped_release release;
+        return std::make_shared<ComputeGraph>(read_graph(path));
+      },
       py::arg("path"), "Reads a JSON graph file; ValueError names the file and the JSON path of a mistake.");
 }
 

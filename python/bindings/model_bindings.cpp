@@ -94,15 +94,6 @@ constexpr const char* kGenerateDoc =
     "top_p of the probability (1: all), seeded by seed (the same tokens on every machine). Ends after the "
     "checkpoint's end-of-sequence token (eos_token_ids, kept as the last token) unless ignore_eos";
 
-// A yes or no argument: True or False (Python's or numpy's); 1 or "no" is a TypeError saying what it
-// must be (`choices`: where None is taken too, the caller's, before it asks).
-bool boolean_argument(const std::string& what, const py::handle& object, std::string_view choices = "True or False") {
-  if (!is_boolean(object)) {
-    throw py::type_error(what + " must be " + std::string(choices) + ", got " + python_type_name(object));
-  }
-  return PyObject_IsTrue(object.ptr()) == 1;
-}
-
 // generate's keywords after ids and n: the sampling (SamplingOptions, include/metile/model.h; its
 // ValueError names the keyword) and the tokens that end the generation.
 struct GenerateArguments {

@@ -411,8 +411,12 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
     throw InputError(fmt::format("model dtype must be bf16 or f32, got {}", dtype_name(options.dtype)));
   }
   if (options.quantize) options.quantize->validate();
-  if (!std::filesystem::is_directory(input_path_status(directory))) {
-    throw InputError(fmt::format("{}: not a model directory", directory.string()));
+  // Said with why: an empty path read ": not a model directory", and a missing directory read the same as
+  // a file given for one.
+  if (directory.empty()) throw InputError("the model directory is an empty path");
+  if (const std::filesystem::file_status status = input_path_status(directory); !std::filesystem::is_directory(status)) {
+    throw InputError(fmt::format("{}: not a model directory ({})", directory.string(),
+                                 std::filesystem::exists(status) ? "not a directory" : "no such directory"));
   }
   const std::filesystem::path config_path = directory / "config.json";
   if (!checkpoint_file_present(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));

@@ -3,6 +3,10 @@ C++ side would mis-size, integers beyond 64 bits, JSON nested past the depth
 limit or holding numbers beyond double. Each is a ValueError or TypeError with a
 message, never a segfault or pybind11's "Unable to cast"; numpy scalars are
 taken like the Python numbers they stand for."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -307,3 +311,113 @@ def test_typed_methods_check_numbers_as_add_node_does():
             call()
     assert builder.spec(builder.scale(x, np.float32(0.5))) == metile.TensorSpec((2, 64), "f32")
     assert builder.spec(builder.causal_mask(x, offset=np.int64(3))) == metile.TensorSpec((2, 64), "f32")
+
+
+# The text fields of rules and targets took bytes that are not UTF-8 as they were: from then on every read
+# of the field, repr(rule) and a plan naming the rule (explain, region.rule) raised UnicodeDecodeError, and
+# to_json wrote U+FFFD. A str with a lone surrogate was "incompatible function arguments" naming no field.
+TEXT_FIELDS = [(metile.elementwise_chain_rule, "name"), (metile.elementwise_chain_rule, "description"),
+               (metile.elementwise_chain_rule, "epilogue_add_operand_role"), (metile.FusionTarget.cpu, "name"),
+               (metile.OpPattern, "role")]
+
+
+@pytest.mark.parametrize("make, field", TEXT_FIELDS)
+def test_text_fields_of_rules_and_targets_refuse_text_that_cannot_be_read_back(make, field):
+    held = make()
+    before = getattr(held, field)
+    owner = type(held).__name__
+    with pytest.raises(TypeError, match=f"^{owner}.{field}: expected a str, got bytes$"):
+        setattr(held, field, b"\xff")
+    with pytest.raises(ValueError, match=f"^{owner}.{field}: .* is not UTF-8 text"):
+        setattr(held, field, b"\xff".decode("utf-8", "surrogateescape"))
+    assert getattr(held, field) == before and repr(held)  # unchanged, and still readable
+    setattr(held, field, "é")
+    assert getattr(held, field) == "é"
+
+
+def test_text_list_fields_of_patterns_refuse_what_is_not_a_list_of_str():
+    pattern = metile.OpPattern()
+    with pytest.raises(TypeError, match=r"^OpPattern.ops item 1: expected a str, got bytes$"):
+        pattern.ops = ["exp", b"\xfe"]
+    with pytest.raises(TypeError, match=r"^OpPattern.inputs: expected a list of str, got str$"):
+        pattern.inputs = "ab"  # not ['a', 'b']
+    assert pattern.ops == [] and pattern.inputs == []
+    pattern.ops, pattern.inputs = ("exp", "silu"), ["x"]
+    assert pattern.ops == ["exp", "silu"] and pattern.inputs == ["x"]
+    rule = metile.elementwise_chain_rule()
+    rule.name = "chain"
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((4,), "f32"))
+    plan = metile.plan_graph_fusion(builder.build([builder.exp(builder.silu(x))]), "cpu", [rule])
+    assert [region.rule for region in plan.regions] == ["chain"] and "chain" in str(plan)
+
+
+# The numbers and flags of rules and rule sets were pybind11's own: True was 1, 2 or 0.5 a flag, and an int
+# past 32 bits "incompatible function arguments" naming no field (FusionTarget's integers already said it).
+def test_numbers_and_flags_of_rules_are_checked_naming_the_field(rng):
+    inside = int(rng.integers(0, 2**31))
+    past = int(rng.integers(2**31, 2**63))
+    resources, growth, rule_set = metile.ResourceNeeds(), metile.GrowthSpec(), metile.RuleSet()
+    for held, field in ((resources, "base_registers"), (resources, "registers_per_contraction"),
+                        (growth, "max_depth"), (rule_set, "max_neighborhood_nodes"),
+                        (rule_set, "max_exact_component_size")):
+        owner = type(held).__name__
+        before = getattr(held, field)
+        with pytest.raises(TypeError, match=f"^{owner}.{field} must be an integer, got bool$"):
+            setattr(held, field, True)
+        with pytest.raises(ValueError, match=f"^{owner}: field '{field}' is {past}, past its limit of 2147483647$"):
+            setattr(held, field, past)
+        assert getattr(held, field) == before
+        setattr(held, field, np.int64(inside))
+        assert getattr(held, field) == inside
+    with pytest.raises(ValueError, match=f"^RuleSet: field 'max_neighborhood_nodes' is {past}, past its limit"):
+        metile.RuleSet([], past)
+    with pytest.raises(TypeError, match="^RuleSet.max_exact_component_size must be an integer, got bool$"):
+        metile.RuleSet([], 64, True)
+    assert metile.RuleSet([], np.int32(3), 5).max_neighborhood_nodes == 3
+    rule, pattern = metile.elementwise_chain_rule(), metile.OpPattern()
+    for held, field in ((resources, "stages_reduction_rows"), (rule, "anchor_must_be_sink"),
+                        (rule, "materializes_escaping_values"), (pattern, "commutative"), (pattern, "may_escape")):
+        before = getattr(held, field)
+        for bad in (2, 0.5, None, "no"):
+            with pytest.raises(TypeError, match=f"^{type(held).__name__}.{field} must be True or False, got "):
+                setattr(held, field, bad)
+        assert getattr(held, field) == before
+        setattr(held, field, np.bool_(not before))
+        assert getattr(held, field) is (not before)
+    target = metile.FusionTarget.cpu()
+    with pytest.raises(TypeError, match="^FusionTarget.launch_overhead_ns must be a number, got bool$"):
+        target.launch_overhead_ns = True
+    target.memory_bandwidth_bytes_per_ns = inside
+    assert target.memory_bandwidth_bytes_per_ns == float(inside)
+
+
+# A graph or target file may be a FIFO (the readers take special files within their size limit). Its
+# writer a Python thread of the same process, read_graph, FusionTarget.from_json_file and a target path
+# given to plan_graph_fusion read it holding the GIL: the writer never ran and the read never ended (a
+# hang no Ctrl-C ends). Run in a child process so that the hang is a failure, not a stuck suite.
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_files_read_through_a_fifo_written_by_a_python_thread(tmp_path):
+    script = (
+        "import os, threading, metile\n"
+        "builder = metile.GraphBuilder()\n"
+        "x = builder.input('x', metile.TensorSpec((2,), 'f32'))\n"
+        "graph = builder.build([builder.exp(x)])\n"
+        "target = metile.FusionTarget.cpu().to_json()\n"
+        "readers = {'graph': (graph.to_json(), lambda path: metile.read_graph(path) == graph),\n"
+        "           'target': (target, lambda path: metile.FusionTarget.from_json_file(path).name),\n"
+        "           'plan': (target, lambda path: metile.plan_graph_fusion(graph, path).target_name)}\n"
+        "for kind, (text, read) in readers.items():\n"
+        f"    path = os.path.join({str(tmp_path)!r}, kind)\n"
+        "    os.mkfifo(path)\n"
+        "    def write(path=path, text=text):\n"
+        "        with open(path, 'w') as fifo:\n"
+        "            fifo.write(text)\n"
+        "    writer = threading.Thread(target=write)\n"
+        "    writer.start()\n"
+        "    print(kind, read(path), flush=True)\n"
+        "    writer.join()\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n") == ["graph True", "target cpu", "plan cpu", ""]

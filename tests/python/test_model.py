@@ -147,6 +147,15 @@ def test_generate_ends_after_the_end_of_sequence_token(tmp_path, rng):
 def test_errors(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         metile.load_model(str(tmp_path))
+    # Why a path is not a model directory: an empty one read ": not a model directory", a missing one the
+    # same as a file.
+    with pytest.raises(ValueError, match="^the model directory is an empty path$"):
+        metile.load_model("")
+    with pytest.raises(ValueError, match=r"missing: not a model directory \(no such directory\)$"):
+        metile.load_model(str(tmp_path / "missing"))
+    (tmp_path / "file").write_text("{}")
+    with pytest.raises(ValueError, match=r"file: not a model directory \(not a directory\)$"):
+        metile.load_model(str(tmp_path / "file"))
     metile.synth_model(str(tmp_path / "m"))
     with pytest.raises(ValueError, match="unknown preset"):
         metile.synth_model(str(tmp_path / "other"), preset="huge")
