@@ -155,56 +155,51 @@ Integer integer_field_value(const std::string& class_name, const char* name, con
   return static_cast<Integer>(given);
 }
 
+// One checked field: read as stored, set through `convert(what, value)` (what = "Class.field"), which
+// throws before the field changes.
+template <typename Class, typename Value, typename Convert>
+void def_checked_field(py::class_<Class>& target, const char* name, Value Class::*field, Convert convert) {
+  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
+  target.def_property(
+      name, [field](const Class& held) { return held.*field; },
+      [field, what, convert](Class& held, const py::handle& value) { held.*field = convert(what, value); });
+}
+
 template <typename Class, typename Integer>
 void def_integer_field(py::class_<Class>& target, const char* name, Integer Class::*field) {
   const std::string class_name = py::str(target.attr("__name__"));
-  target.def_property(
-      name, [field](const Class& held) { return held.*field; },
-      [field, name, class_name](Class& held, const py::handle& value) {
-        held.*field = integer_field_value<Integer>(class_name, name, value);
-      });
+  def_checked_field(target, name, field, [class_name, name](const std::string&, const py::handle& value) {
+    return integer_field_value<Integer>(class_name, name, value);
+  });
 }
 
 template <typename Class>
 void def_real_field(py::class_<Class>& target, const char* name, double Class::*field) {
-  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
-  target.def_property(
-      name, [field](const Class& held) { return held.*field; },
-      [field, what](Class& held, const py::handle& value) { held.*field = real_argument(what, value); });
+  def_checked_field(target, name, field, [](const std::string& what, const py::handle& value) { return real_argument(what, value); });
 }
 
 template <typename Class>
 void def_flag_field(py::class_<Class>& target, const char* name, bool Class::*field) {
-  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
-  target.def_property(
-      name, [field](const Class& held) { return held.*field; },
-      [field, what](Class& held, const py::handle& value) { held.*field = boolean_argument(what, value); });
+  def_checked_field(target, name, field,
+                    [](const std::string& what, const py::handle& value) { return boolean_argument(what, value); });
 }
 
 template <typename Class>
 void def_text_field(py::class_<Class>& target, const char* name, std::string Class::*field) {
-  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
-  target.def_property(
-      name, [field](const Class& held) { return held.*field; },
-      [field, what](Class& held, const py::handle& value) { held.*field = text_argument(what, value); });
+  def_checked_field(target, name, field, [](const std::string& what, const py::handle& value) { return text_argument(what, value); });
 }
 
 // A list of strs (OpPattern.ops, .inputs): a list or tuple, each item as def_text_field takes it.
 template <typename Class>
 void def_text_list_field(py::class_<Class>& target, const char* name, std::vector<std::string> Class::*field) {
-  const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
-  target.def_property(
-      name, [field](const Class& held) { return held.*field; },
-      [field, what](Class& held, const py::handle& value) {
-        if (!py::isinstance<py::list>(value) && !py::isinstance<py::tuple>(value)) {
-          throw py::type_error(what + ": expected a list of str, got " + python_type_name(value));
-        }
-        std::vector<std::string> texts;
-        for (const py::handle& item : value) {
-          texts.push_back(text_argument(what + " item " + std::to_string(texts.size()), item));
-        }
-        held.*field = std::move(texts);
-      });
+  def_checked_field(target, name, field, [](const std::string& what, const py::handle& value) {
+    if (!py::isinstance<py::list>(value) && !py::isinstance<py::tuple>(value)) {
+      throw py::type_error(what + ": expected a list of str, got " + python_type_name(value));
+    }
+    std::vector<std::string> texts;
+    for (const py::handle& item : value) texts.push_back(text_argument(what + " item " + std::to_string(texts.size()), item));
+    return texts;
+  });
 }
 
 void bind_target(py::module_& module) {
