@@ -37,7 +37,8 @@ std::optional<AffineQuantization> quantization_of(const py::handle& bits, const 
   }
   const std::int64_t group = group_size.is_none() ? 64 : integer_argument("group_size", group_size);
   const std::int64_t value = integer_argument("quantize", bits);
-  if (value < 1 || value > 64) throw InputError("quantize: bits must be 4 or 8, got " + std::to_string(value));
+  // Every bad count in this one wording (3 used to reach AffineQuantization::validate, which words it its own way).
+  if (value != 4 && value != 8) throw InputError("quantize: bits must be 4 or 8, got " + std::to_string(value));
   if (group < 1 || group > (1 << 20)) throw InputError("group_size: must be 32, 64 or 128, got " + std::to_string(group));
   AffineQuantization format{static_cast<int>(value), static_cast<int>(group)};
   format.validate();

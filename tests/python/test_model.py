@@ -180,8 +180,9 @@ def test_errors(tmp_path):
         model.logits([True, 1])
     with pytest.raises(ValueError, match="is not a token id"):
         model.logits([2**40])
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
-        metile.load_model(str(tmp_path / "m"), quantize=3)
+    for bits in (0, 3, 5, 16):  # one wording for every bad count, under quantize's name
+        with pytest.raises(ValueError, match=f"^quantize: bits must be 4 or 8, got {bits}$"):
+            metile.load_model(str(tmp_path / "m"), quantize=bits)
     # True is not 1 token nor 1 bit; numpy integers are integers.
     with pytest.raises(TypeError, match="n must be an integer, got bool"):
         model.generate([1, 2], True)
