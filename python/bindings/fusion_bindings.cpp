@@ -266,7 +266,21 @@ void bind_rules(py::module_& module) {
       });
 
   py::class_<GrowthSpec> growth(module, "GrowthSpec", "Neighbours the cut model may pull in around a rule's structure.");
-  growth.def(py::init<>()).def_readwrite("kinds", &GrowthSpec::kinds);
+  growth.def(py::init<>());
+  // A list of kind names (a str alone was pybind11's "incompatible function arguments", naming no field).
+  def_checked_field(growth, "kinds", &GrowthSpec::kinds, [](const std::string& what, const py::handle& value) {
+    if (!py::isinstance<py::list>(value) && !py::isinstance<py::tuple>(value)) {
+      throw py::type_error(what + ": expected a list of op kind names, got " + python_type_name(value));
+    }
+    std::vector<OpKind> kinds;
+    for (const py::handle& item : value) {
+      if (!py::isinstance<py::str>(item)) {
+        throw py::type_error(what + " item " + std::to_string(kinds.size()) + ": expected a str, got " + python_type_name(item));
+      }
+      kinds.push_back(item.cast<OpKind>());  // an unknown name: OpKind's caster's ValueError, listing the kinds
+    }
+    return kinds;
+  });
   def_integer_field(growth, "max_depth", &GrowthSpec::max_depth);
 
   py::class_<FusionRule> rule_class(

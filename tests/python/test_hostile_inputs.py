@@ -385,6 +385,15 @@ def test_numbers_and_flags_of_rules_are_checked_naming_the_field(rng):
         assert getattr(held, field) == before
         setattr(held, field, np.bool_(not before))
         assert getattr(held, field) is (not before)
+    with pytest.raises(TypeError, match=r"^GrowthSpec.kinds: expected a list of op kind names, got str$"):
+        growth.kinds = "elementwise"
+    with pytest.raises(TypeError, match=r"^GrowthSpec.kinds item 1: expected a str, got int$"):
+        growth.kinds = ["elementwise", 3]
+    with pytest.raises(ValueError, match=r"^unknown op kind 'elementwize' \(expected elementwise, "):
+        growth.kinds = ("elementwize",)
+    assert growth.kinds == []
+    growth.kinds = ("row_reduction", "elementwise")
+    assert growth.kinds == ["row_reduction", "elementwise"]
     target = metile.FusionTarget.cpu()
     with pytest.raises(TypeError, match="^FusionTarget.launch_overhead_ns must be a number, got bool$"):
         target.launch_overhead_ns = True
