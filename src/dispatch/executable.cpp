@@ -722,18 +722,20 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
       events.emplace_back().record(state.prefetch_stream);
       stream.wait(events.back());
     };
+    bool forked = false;  // a side stream never forked is not in the capture: nothing to join
     try {
       for (std::size_t i = 0; i < state.steps.size(); ++i) {
         if (auto fork = forks.find(i); fork != forks.end()) {
           events.emplace_back().record(stream);  // the side stream waits for the steps before i only
           state.prefetch_stream.wait(events.back());
+          forked = true;
           for (const L2Prefetch* prefetch : fork->second) prefetch->enqueue(state.prefetch_stream);
         }
         state.steps[i](stream);
       }
     } catch (...) {
       try {
-        join();
+        if (forked) join();
       } catch (...) {  // the step's error is the one to report
       }
       throw;

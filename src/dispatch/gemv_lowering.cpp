@@ -901,34 +901,38 @@ void add_stage_arguments(GemvKernelPool& pool, DeviceValues& values, const GemvS
 
 // The weight bytes a bound plan streams: the buffers add_stage_arguments passes (the pool's
 // repacked and stacked copies are made once per DeviceValues, so these are the bound step's own).
-// A repacked (affine) buffer is one run of 16-row tiles, each K in order (gemv_weight_layout.cpp):
-// its period is a tile's bytes. Dense weights are rows; no period.
+// A block reads its rows each K in order while the others read theirs, so a range's period is what
+// one block's rows take: a 16-row tile of a repacked (affine) buffer (gemv_weight_layout.cpp) or of
+// its scales and biases; one row of a dense [N, K] matrix (its 16 rows lie apart, each read front to back).
 std::vector<DeviceByteRange> stage_weights(GemvKernelPool& pool, DeviceValues& values, const std::vector<GemvStage>& stages) {
   std::vector<DeviceByteRange> ranges;
   for (std::size_t index = 0; index < stages.size(); ++index) {
     const auto launch = static_cast<unsigned>(index);  // one launch a stage
-    auto add = [&](const DeviceBuffer& buffer, std::int64_t rows) {
-      if (buffer.empty()) return;
-      const auto tiles = static_cast<std::uint64_t>((rows + 15) / 16);
-      const std::uint64_t bytes = buffer.size_bytes();
-      ranges.push_back({buffer.address(), bytes, tiles > 0 && bytes % tiles == 0 ? bytes / tiles : 0, launch});
+    // `rows` rows, `rows_a_piece` of them read together front to back (16: a tile; 1: a dense row).
+    auto add = [&](std::uint64_t address, std::uint64_t bytes, std::int64_t rows, std::int64_t rows_a_piece) {
+      if (bytes == 0) return;
+      const auto pieces = static_cast<std::uint64_t>((rows + rows_a_piece - 1) / rows_a_piece);
+      ranges.push_back({address, bytes, pieces > 0 && bytes % pieces == 0 ? bytes / pieces : 0, launch});
+    };
+    auto add_buffer = [&](const DeviceBuffer& buffer, std::int64_t rows, std::int64_t rows_a_piece) {
+      if (!buffer.empty()) add(buffer.address(), buffer.size_bytes(), rows, rows_a_piece);
     };
     const GemvStage& stage = stages[index];
     if (!stage.row_parts.empty()) {
       const std::shared_ptr<StackedOnDevice> stacked = pool.stacked_matrix(values, stage, index);
       const bool repacked = stage.matrices.front().format.is_affine();
-      add(stacked->words, repacked ? stage.matrices.front().out_features : 0);
-      add(stacked->scale_bias, stage.matrices.front().out_features);
+      add_buffer(stacked->words, stage.matrices.front().out_features, repacked ? 16 : 1);
+      add_buffer(stacked->scale_bias, stage.matrices.front().out_features, 16);
       continue;
     }
     for (const GemvMatrix& matrix : stage.matrices) {
       if (matrix.format.is_affine()) {
         const std::shared_ptr<RepackedOnDevice> repacked = pool.repacked_matrix(values, matrix);
-        add(repacked->words, matrix.out_features);
-        add(repacked->scale_bias, matrix.out_features);
+        add_buffer(repacked->words, matrix.out_features, 16);
+        add_buffer(repacked->scale_bias, matrix.out_features, 16);
       } else {
-        ranges.push_back({values[matrix.weight].address(), static_cast<std::uint64_t>(values[matrix.weight].spec.bytes()), 0,
-                          launch});
+        add(values[matrix.weight].address(), static_cast<std::uint64_t>(values[matrix.weight].spec.bytes()),
+            matrix.out_features, 1);
       }
     }
   }

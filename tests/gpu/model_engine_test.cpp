@@ -690,6 +690,12 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
     const std::int32_t next = static_cast<std::int32_t>(argmax_index(std::span<const float>(want).subspan(row)));
     tokens = step < 3 ? std::vector<std::int32_t>{prompt[static_cast<std::size_t>(16 + step)]} : std::vector<std::int32_t>{next};
   }
+  // The prefetch was planned and kept in both step graphs (else the comparison above shows nothing of it).
+  for (const std::int64_t steps : {std::int64_t{16}, std::int64_t{1}}) {
+    const std::string report = actual.executable(steps).report();
+    EXPECT_NE(report.find("L2 weight prefetch"), std::string::npos) << steps << " tokens:\n" << report;
+    EXPECT_NE(report.find("kept without a race"), std::string::npos) << steps << " tokens:\n" << report;
+  }
 }
 
 // The planted kernel: for regions of one kind, a candidate that does the region's work (its nodes'

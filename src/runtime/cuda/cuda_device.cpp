@@ -286,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
     __syncthreads();
     if (threadIdx.x < 32) {
       // Lane l counts the digits 255 - 8 l down to 248 - 8 l; a scan over the lanes counts from the top.
-      const unsigned rank = rank_left;  // read before the scan's shuffles, written after them
+      const unsigned rank = rank_left;  // read here, written after the __syncwarp below
       unsigned mine = 0;
       for (unsigned j = 0; j < 8; ++j) mine += histogram[255u - 8u * lane - j];
       unsigned through = mine;
@@ -294,6 +294,7 @@ extern "C" __global__ void __launch_bounds__(1024) metile_top_logits(const void*
         const unsigned other = __shfl_up_sync(0xFFFFFFFFu, through, offset);
         if (lane >= offset) through += other;
       }
+      __syncwarp();  // every lane's read of rank_left happens before the one write below (shuffles order no memory)
       unsigned above = through - mine;
       if (above < rank && rank <= through) {
         for (unsigned j = 0; j < 8; ++j) {
