@@ -52,10 +52,15 @@ std::string shape_text(const py::array& array) {
   return text + ")";
 }
 
-HostTensor tensor_from_numpy(const std::string& name, const TensorSpec& spec, const py::handle& object) {
+HostTensor tensor_from_numpy(const std::string& name, const TensorSpec& spec, const py::handle& given_object) {
   const std::string where = "run: input '" + name + "' (" + spec.to_string() + ")";
+  // A numpy scalar (np.float32(2.0)) is a value of its dtype: taken as the 0-d array it is, held to the
+  // same dtype and shape rules (a Python float has no dtype of its own, and stays refused).
+  py::object object = py::reinterpret_borrow<py::object>(given_object);
+  const py::module_ numpy = py::module_::import("numpy");
+  if (py::isinstance(object, numpy.attr("generic"))) object = numpy.attr("asarray")(object);
   if (!py::isinstance<py::array>(object)) {
-    throw py::type_error(where + " must be a numpy array, got " +
+    throw py::type_error(where + " must be a numpy array or numpy scalar, got " +
                          std::string(py::str(py::type::handle_of(object).attr("__name__"))));
   }
   // A masked array's mask says which values are not there; its data holds whatever lay under the mask,

@@ -129,8 +129,10 @@ def test_run_rejects_wrong_arrays_naming_the_input(rng):
         metile.run(graph, {**inputs, "values": inputs["values"].reshape(8, 2)})
     with pytest.raises(ValueError, match=r"has shape \(16,\)"):
         metile.run(graph, {**inputs, "values": inputs["values"].reshape(16)})
-    with pytest.raises(TypeError, match="must be a numpy array, got list"):
+    with pytest.raises(TypeError, match="must be a numpy array or numpy scalar, got list"):
         metile.run(graph, {**inputs, "values": inputs["values"].tolist()})
+    with pytest.raises(ValueError, match=r"input 'values' \(f16\[2, 8\]\) has shape \(\)"):
+        metile.run(graph, {**inputs, "values": np.float16(1)})  # a scalar for a tensor: its shape is ()
     # A masked array ran the values under its mask as if they were given.
     masked = np.ma.masked_array(inputs["values"], mask=inputs["values"] > 0)
     with pytest.raises(TypeError, match=r"input 'values' \(f16\[2, 8\]\) is a masked array \(numpy.ma\)"):
@@ -156,6 +158,24 @@ def test_run_rejects_wrong_arrays_naming_the_input(rng):
         metile.run(graph, {**inputs, "values": inputs["values"].astype(">f2")})
     # After all that, the right inputs still run.
     assert metile.run(graph, inputs)["normalized"].shape == (2, 8)
+
+
+# A rank-0 input takes a numpy scalar of its dtype (np.float32(2.0) was "must be a numpy array, got
+# float32"); a Python float, which has no dtype, and a scalar of another dtype stay refused.
+def test_run_takes_a_numpy_scalar_for_a_rank_0_input(rng):
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((), "f32"))
+    graph = builder.build([builder.exp(x)])
+    value = np.float32(rng.uniform(-3, 3))
+    (got,) = metile.run(graph, {"x": value}).values()
+    assert got.shape == () and got.dtype == np.float32
+    assert abs(float(got) - np.exp(float(value))) <= 1e-6 * np.exp(float(value))
+    (same,) = metile.run(graph, {"x": np.asarray(value)}).values()
+    assert np.array_equal(got, same)
+    with pytest.raises(TypeError, match=r"input 'x' \(f32\[\]\) must be a numpy float32 array, got float64"):
+        metile.run(graph, {"x": np.float64(value)})
+    with pytest.raises(TypeError, match="must be a numpy array or numpy scalar, got float$"):
+        metile.run(graph, {"x": float(value)})
 
 
 def test_flow_network_errors_are_value_and_type_errors():
