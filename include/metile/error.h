@@ -37,13 +37,21 @@ class InputError : public std::runtime_error {
 // How many bytes of `text` at `offset` make a control character: 1 for a C0 control byte or DEL (a
 // NUL would end a message, what() being a C string; an escape sequence would reach the terminal; a
 // newline would forge a line of output), 2 for a C1 control, U+0080..U+009F, written 0xC2 0x80..0x9F
-// (a terminal in UTF-8 mode may take U+009B as CSI, the start of an escape sequence), 0 otherwise.
+// (a terminal in UTF-8 mode may take U+009B as CSI, the start of an escape sequence), 2 or 3 for a
+// bidirectional formatting character (U+061C, U+200E..U+200F, U+202A..U+202E, U+2066..U+2069: they
+// reorder what is printed after them, so a name could show as another name, "Trojan Source"), 0 otherwise.
 inline std::size_t control_character_length(std::string_view text, std::size_t offset) {
   const auto byte = static_cast<unsigned char>(text[offset]);
   if (byte < 0x20 || byte == 0x7f) return 1;
-  if (byte != 0xc2 || offset + 1 == text.size()) return 0;
+  if (offset + 1 == text.size()) return 0;
   const auto next = static_cast<unsigned char>(text[offset + 1]);
-  return next >= 0x80 && next <= 0x9f ? 2 : 0;
+  if (byte == 0xc2) return next >= 0x80 && next <= 0x9f ? 2 : 0;
+  if (byte == 0xd8) return next == 0x9c ? 2 : 0;  // U+061C, the Arabic letter mark
+  if (byte != 0xe2 || offset + 2 == text.size()) return 0;
+  const auto last = static_cast<unsigned char>(text[offset + 2]);
+  const bool marks_and_embeddings = next == 0x80 && ((last >= 0x8e && last <= 0x8f) || (last >= 0xaa && last <= 0xae));
+  const bool isolates = next == 0x81 && last >= 0xa6 && last <= 0xa9;
+  return marks_and_embeddings || isolates ? 3 : 0;
 }
 
 // `text` (bytes a user gave, quoted in a message) with every byte outside printable ASCII as
