@@ -710,9 +710,9 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
     prefetches.push_back(std::move(prefetch));
     ++where[fmt::format("{} from {}", state.step_kinds[fork.gemv], state.step_kinds[fork.fork])];
   }
+  if (prefetches.empty()) return false;
   std::string placed;
   for (const auto& [text, count] : where) placed += fmt::format("{}{} x {}", placed.empty() ? "" : ", ", count, text);
-  if (prefetches.empty()) return false;
   const std::size_t prefetch_count = prefetches.size();
   std::deque<CudaEvent> events;
   const CudaGraph prefetching = capture_launching(state.stream, state.programmatic_replay, [&](const CudaStream& stream) {
