@@ -13,6 +13,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bindings.h"
@@ -156,13 +157,24 @@ Integer integer_field_value(const std::string& class_name, const char* name, con
 }
 
 // One checked field: read as stored, set through `convert(what, value)` (what = "Class.field"), which
-// throws before the field changes.
+// throws before the field changes. A FusionTarget is set on a copy that must then pass check(), the
+// target file reader's own rule for each field: a bandwidth of NaN or -1 was stored, and only
+// planning with the target refused it.
 template <typename Class, typename Value, typename Convert>
 void def_checked_field(py::class_<Class>& target, const char* name, Value Class::*field, Convert convert) {
   const std::string what = std::string(py::str(target.attr("__name__"))) + "." + name;
   target.def_property(
       name, [field](const Class& held) { return held.*field; },
-      [field, what, convert](Class& held, const py::handle& value) { held.*field = convert(what, value); });
+      [field, what, convert](Class& held, const py::handle& value) {
+        if constexpr (std::is_same_v<Class, FusionTarget>) {
+          Class changed = held;
+          changed.*field = convert(what, value);
+          changed.check();
+          held = std::move(changed);
+        } else {
+          held.*field = convert(what, value);
+        }
+      });
 }
 
 template <typename Class, typename Integer>

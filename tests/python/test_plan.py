@@ -94,23 +94,28 @@ def test_a_tighter_target_changes_what_fits():
     assert plan.kernel_count == 2
 
 
-# A target set field by field from Python meets the rule a target file meets, field by field: the
-# planner checked only that every figure was positive, so memory_bandwidth_bytes_per_ns = 1e300 or inf
-# planned (its to_json() then wrote null, which from_json refused) while a file saying 1e300 was refused,
-# and a NaN or 0 was "every cost and limit must be positive", naming no field.
+# A target set field by field from Python meets the rule a target file meets, field by field, when the
+# field is set: the planner checked only that every figure was positive, so memory_bandwidth_bytes_per_ns
+# = 1e300 or inf planned (its to_json() then wrote null, which from_json refused) while a file saying 1e300
+# was refused, and a NaN or 0 was "every cost and limit must be positive", naming no field. Then the
+# setter stored NaN or -1 and only planning with the target refused it; now the setter refuses and the
+# target keeps its value.
 @pytest.mark.parametrize("field, value, message", [
     ("memory_bandwidth_bytes_per_ns", 1e300, r"field 'memory_bandwidth_bytes_per_ns' is above its limit of 1000000000000\.0: 1e\+300"),
     ("memory_bandwidth_bytes_per_ns", math.inf, r"field 'memory_bandwidth_bytes_per_ns' must be positive, got inf"),
     ("launch_overhead_ns", math.nan, r"field 'launch_overhead_ns' must be positive, got nan"),
+    ("launch_overhead_ns", -1.0, r"field 'launch_overhead_ns' must be positive, got -1\.0"),
     ("on_chip_bandwidth_bytes_per_ns", 1e-9, r"field 'on_chip_bandwidth_bytes_per_ns' is below its limit of 1e-06: 1e-09"),
     ("threads_per_block", 0, r"field 'threads_per_block' must be positive, got 0"),
     ("shared_memory_per_block_bytes", -1, r"field 'shared_memory_per_block_bytes' must be positive, got -1"),
 ])
 def test_a_target_set_from_python_meets_the_target_files_rule(field, value, message):
     target = metile.FusionTarget.cpu()
-    setattr(target, field, value)
+    before = getattr(target, field)
     with pytest.raises(ValueError, match="^fusion target 'cpu': " + message + "$"):
-        metile.plan_graph_fusion(residual_rms_norm_graph(), target=target)
+        setattr(target, field, value)
+    assert getattr(target, field) == before
+    assert metile.plan_graph_fusion(residual_rms_norm_graph(), target=target).target_name == "cpu"
     if math.isfinite(value):  # JSON has no inf or NaN: the file reader refuses them as not numbers
         with pytest.raises(ValueError, match="^t.json: " + message + "$"):
             metile.FusionTarget.from_json(f'{{"base": "cpu", "{field}": {value!r}}}', "t.json")
@@ -214,11 +219,14 @@ def test_a_target_integer_field_past_its_type_names_the_field():
     assert target.threads_per_block == 128
 
 
-# A target's name set from Python is held to the file reader's rule: an empty one planned as "target ?".
+# A target's name set from Python is held to the file reader's rule when it is set: an empty one
+# planned as "target ?" (then was refused only by planning).
 def test_an_empty_target_name_is_refused_as_in_a_file():
     target = metile.FusionTarget.cpu()
-    target.name = ""
     with pytest.raises(ValueError, match=r"^fusion target '': field 'name' must be a non-empty string$"):
-        metile.plan_graph_fusion(residual_rms_norm_graph(), target=target)
+        target.name = ""
+    assert target.name == "cpu"
+    target.name = "slow_launch"
+    assert metile.plan_graph_fusion(residual_rms_norm_graph(), target=target).target_name == "slow_launch"
     with pytest.raises(ValueError, match=r"^t.json: field 'name' must be a non-empty string$"):
         metile.FusionTarget.from_json('{"base": "cpu", "name": ""}', "t.json")
