@@ -294,6 +294,8 @@ struct ConflictComponent {
   std::vector<int> candidates;   // ascending candidate indices
   std::string method;            // "single", "min_cut", "branch_and_bound", "greedy"
   bool bipartite = true;
+  int round = 1;                 // the selection round that proposed them: 1, or a later round over
+                                 // the ops the regions chosen before left (plan_graph_fusion)
 };
 
 struct FusionPlan {

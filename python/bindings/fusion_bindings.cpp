@@ -434,6 +434,9 @@ void bind_plan(py::module_& module) {
           "single, min_cut, branch_and_bound or greedy.")
       .def_property_readonly("bipartite",
                              [](const ConflictComponentView& view) { return view.component().bipartite; })
+      .def_property_readonly(
+          "round", [](const ConflictComponentView& view) { return view.component().round; },
+          "1, or a later selection round over the ops the regions chosen before left.")
       .def("__repr__", [](const ConflictComponentView& view) {
         return "ConflictComponent(candidates=" + std::to_string(view.component().candidates.size()) +
                ", method='" + view.component().method + "')";

@@ -140,8 +140,11 @@ std::string FusionPlan::explain() const {
   for (const ConflictComponent& component : components) ++methods[component.method];
   std::string method_list;
   for (const auto& [method, count] : methods) method_list += fmt::format("{}{} {}", method_list.empty() ? "" : ", ", count, method);
-  text += fmt::format("conflict selection: {} in {}{}\n", counted(candidates.size(), "candidate"),
-                      counted(components.size(), "component"), method_list.empty() ? "" : " (" + method_list + ")");
+  int rounds = 1;
+  for (const ConflictComponent& component : components) rounds = std::max(rounds, component.round);
+  text += fmt::format("conflict selection: {} in {}{}{}\n", counted(candidates.size(), "candidate"),
+                      counted(components.size(), "component"), method_list.empty() ? "" : " (" + method_list + ")",
+                      rounds == 1 ? "" : fmt::format(", {} rounds (each later one over the ops left unfused)", rounds));
   if (!rewrites.empty()) {
     text += "rewrites before planning:\n";
     for (const std::string& line : rewrites) text += "  " + line + "\n";

@@ -2,8 +2,11 @@
 // region per anchor (neighborhood_model.cpp), identical proposals merge, conflict
 // selection picks a non-overlapping set (conflict_selection.cpp), and a kernel
 // cycle found among the picks becomes one more conflict before selecting again.
-// Last, every node gets the reason it is or is not fused.
+// While a losing candidate holds ops no pick took, the rules propose again over
+// what is left (a later selection round). Last, every node gets the reason it is
+// or is not fused.
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -164,9 +167,10 @@ std::vector<ProposedRegion> compose_regions(const ComputeGraph& graph, const Fus
   return composed;
 }
 
+// `anchors`: the nodes that may anchor a rule's region, one flag a node; empty, every node.
 std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const FusionTarget& target,
                                             const RuleSet& rules, NeighborhoodScratch& scratch,
-                                            std::vector<NodeNotes>& notes) {
+                                            std::vector<NodeNotes>& notes, const std::vector<char>& anchors) {
   std::vector<ProposedRegion> proposals;
   std::set<std::vector<NodeId>> seen;
   const std::size_t node_count = graph.nodes().size();
@@ -192,7 +196,8 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       const bool continues = rule.anchor_must_be_sink && chain_anchor[static_cast<std::size_t>(node.id)] &&
                              !claimed[static_cast<std::size_t>(node.id)];
       const FusionRule& anchored = continues ? continuation : rule;
-      if (!can_anchor(graph, anchored, node.id)) continue;
+      if (!anchors.empty() && !anchors[static_cast<std::size_t>(node.id)]) continue;
+      if (scratch.taken[static_cast<std::size_t>(node.id)] || !can_anchor(graph, anchored, node.id)) continue;
       if (anchored.pattern.size() == 1 && !anchored.siblings && !may_grow(graph, anchored, node.id)) continue;
       const auto match = match_pattern(graph, anchored, node.id);
       if (!match) continue;
@@ -304,68 +309,172 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
 
   std::vector<NodeNotes> notes(node_count);
   NeighborhoodScratch scratch(graph);
-  const std::vector<ProposedRegion> proposals = propose_regions(graph, target, rules, scratch, notes);
+  // Every round's candidates, in round order, with their conflicts (candidate indices), components
+  // and whether they were selected.
+  std::vector<ProposedRegion> proposals;
   std::vector<std::vector<NodeId>> node_sets;
   std::vector<std::int64_t> weights;
-  for (const ProposedRegion& proposal : proposals) {
-    node_sets.push_back(proposal.nodes);
-    weights.push_back(to_picoseconds(proposal.benefit_ns));
-  }
-
-  std::vector<std::vector<int>> conflicts = find_overlaps(node_count, node_sets);
-  // Select; while the chosen regions close cycles between kernels, the lightest
-  // region on each cycle found and the lightest other one on it conflict from now
-  // on, and the components that changed are solved again. A graph still cyclic
-  // after a bounded number of rounds (only tangled random graphs get there) has
-  // the lightest region of each cycle dropped instead, and says so in the method.
-  constexpr int exact_rounds = 32;
-  constexpr int cycles_per_component = 16;
-  SelectionOutcome selection = select_candidates(weights, conflicts, rules.max_exact_component_size);
-  std::vector<int> dropped_for_cycle(proposals.size(), -1);  // the region it would have closed a cycle with
-  std::vector<int> chosen;
-  for (int round = 1;; ++round) {
-    chosen.clear();
-    std::vector<std::vector<NodeId>> chosen_sets;
-    std::vector<std::int64_t> chosen_weights;
-    for (std::size_t index = 0; index < proposals.size(); ++index) {
-      if (!selection.selected[index]) continue;
-      chosen.push_back(static_cast<int>(index));
-      chosen_sets.push_back(node_sets[index]);
-      chosen_weights.push_back(weights[index]);
-    }
-    const auto cycles = find_kernel_cycles(graph, chosen_sets, chosen_weights, cycles_per_component);
-    if (cycles.empty()) break;
-    std::vector<bool> changed(proposals.size(), false);
-    for (const std::vector<int>& cycle : cycles) {
-      if (cycle.size() < 2) throw std::logic_error("fusion: a candidate region is not convex");
-      const int lightest = chosen[static_cast<std::size_t>(cycle.front())];
-      int partner = -1;
-      for (std::size_t k = 1; k < cycle.size(); ++k) {
-        const int other = chosen[static_cast<std::size_t>(cycle[k])];
-        if (partner < 0 || weights[static_cast<std::size_t>(other)] < weights[static_cast<std::size_t>(partner)]) {
-          partner = other;
-        }
-      }
-      if (round > exact_rounds) {
-        if (!selection.selected[static_cast<std::size_t>(lightest)]) continue;
-        selection.selected[static_cast<std::size_t>(lightest)] = false;
-        dropped_for_cycle[static_cast<std::size_t>(lightest)] = partner;
-        std::string& method =
-            selection.components[static_cast<std::size_t>(selection.component_of[static_cast<std::size_t>(lightest)])].method;
-        if (method.find("+cycle_drops") == std::string::npos) method += "+cycle_drops";
+  std::vector<std::vector<int>> conflicts;
+  SelectionOutcome selection;
+  std::vector<int> dropped_for_cycle;  // the region it would have closed a cycle with
+  std::vector<int> chosen;             // the selected candidates of every round, ascending
+  std::map<std::vector<NodeId>, int> candidate_of_nodes;
+  // Selection rounds: the first over every proposal; each later one proposes again with the nodes
+  // of the regions chosen so far taken (no neighborhood grows into them), so that the ops of
+  // candidates that lost (a producer shared by many readers is in every reader's candidate; one
+  // wins, and each other reader's ops kept no kernel) form the regions that are left. A later
+  // round anchors only at the ops the last round's losers hold and no region took: an anchor whose
+  // region lost nothing proposed what it will propose again, or nothing better, as taking ops only
+  // narrows its neighborhood. It ends when there are none, or after kSelectionRounds rounds.
+  constexpr int kSelectionRounds = 8;
+  std::vector<char> anchors;  // empty: every node (the first round)
+  for (int round = 1; round <= kSelectionRounds; ++round) {
+    std::vector<ProposedRegion> fresh = propose_regions(graph, target, rules, scratch, notes, anchors);
+    // A proposal holding a taken node is dropped, and one an earlier round weighed is not raced again
+    // (a composed proposal's parts may name it: they get its index).
+    const auto offset = static_cast<int>(proposals.size());
+    std::vector<int> index_of(fresh.size(), -1);
+    std::vector<ProposedRegion> kept;
+    for (std::size_t k = 0; k < fresh.size(); ++k) {
+      const auto holds_taken = [&](NodeId id) { return scratch.taken[static_cast<std::size_t>(id)] != 0; };
+      if (std::any_of(fresh[k].nodes.begin(), fresh[k].nodes.end(), holds_taken)) continue;
+      if (const auto earlier = candidate_of_nodes.find(fresh[k].nodes); earlier != candidate_of_nodes.end()) {
+        index_of[k] = earlier->second;
         continue;
       }
-      for (auto [a, b] : {std::pair{lightest, partner}, std::pair{partner, lightest}}) {
-        auto& list = conflicts[static_cast<std::size_t>(a)];
-        const auto at = std::lower_bound(list.begin(), list.end(), b);
-        if (at == list.end() || *at != b) list.insert(at, b);
-        changed[static_cast<std::size_t>(a)] = true;
+      index_of[k] = offset + static_cast<int>(kept.size());
+      kept.push_back(std::move(fresh[k]));
+    }
+    if (kept.empty()) break;
+    std::vector<std::vector<NodeId>> round_sets;
+    std::vector<std::int64_t> round_weights;
+    for (ProposedRegion& proposal : kept) {
+      for (int& part : proposal.parts) part = index_of[static_cast<std::size_t>(part)];
+      candidate_of_nodes.emplace(proposal.nodes, offset + static_cast<int>(round_sets.size()));
+      round_sets.push_back(proposal.nodes);
+      round_weights.push_back(to_picoseconds(proposal.benefit_ns));
+    }
+    std::vector<std::vector<int>> round_conflicts = find_overlaps(node_count, round_sets);
+    // Select; while the chosen regions close cycles between kernels, the lightest of this round's
+    // regions on each cycle found and the lightest other one of them conflict from now on, and
+    // the components that changed are solved again. A region that closes a cycle with earlier
+    // rounds' regions alone is dropped, as is, after a bounded number of rounds (only tangled
+    // random graphs get there), the lightest region of each cycle still found; the method says so.
+    constexpr int exact_rounds = 32;
+    constexpr int cycles_per_component = 16;
+    SelectionOutcome round_selection = select_candidates(round_weights, round_conflicts, rules.max_exact_component_size);
+    std::vector<int> round_dropped(kept.size(), -1);
+    std::vector<int> round_chosen;
+    const auto drop = [&](int lightest, int partner) {
+      if (!round_selection.selected[static_cast<std::size_t>(lightest)]) return;
+      round_selection.selected[static_cast<std::size_t>(lightest)] = false;
+      round_dropped[static_cast<std::size_t>(lightest)] = partner;
+      std::string& method = round_selection.components[static_cast<std::size_t>(
+                                                           round_selection.component_of[static_cast<std::size_t>(lightest)])]
+                                .method;
+      if (method.find("+cycle_drops") == std::string::npos) method += "+cycle_drops";
+    };
+    for (int cycle_round = 1;; ++cycle_round) {
+      // The kernels: every earlier round's regions (never the lightest), then this round's picks.
+      std::vector<std::vector<NodeId>> chosen_sets;
+      std::vector<std::int64_t> chosen_weights;
+      for (int earlier : chosen) {
+        chosen_sets.push_back(node_sets[static_cast<std::size_t>(earlier)]);
+        chosen_weights.push_back(std::numeric_limits<std::int64_t>::max());
+      }
+      round_chosen.clear();
+      for (std::size_t index = 0; index < kept.size(); ++index) {
+        if (!round_selection.selected[index]) continue;
+        round_chosen.push_back(static_cast<int>(index));
+        chosen_sets.push_back(round_sets[index]);
+        chosen_weights.push_back(round_weights[index]);
+      }
+      const auto cycles = find_kernel_cycles(graph, chosen_sets, chosen_weights, cycles_per_component);
+      if (cycles.empty()) break;
+      const auto earlier_count = static_cast<int>(chosen.size());
+      std::vector<bool> changed(kept.size(), false);
+      for (const std::vector<int>& cycle : cycles) {
+        if (cycle.size() < 2) throw std::logic_error("fusion: a candidate region is not convex");
+        // This round's regions on the cycle (earlier rounds' regions are acyclic among themselves,
+        // so there is one at least), the one the search started from first when it is one of them.
+        std::vector<int> members;
+        int earlier_member = -1;
+        for (int position : cycle) {
+          if (position >= earlier_count) {
+            members.push_back(round_chosen[static_cast<std::size_t>(position - earlier_count)]);
+          } else if (earlier_member < 0) {
+            earlier_member = chosen[static_cast<std::size_t>(position)];
+          }
+        }
+        if (members.empty()) throw std::logic_error("fusion: earlier rounds' regions close a cycle");
+        const auto lighter = [&](int a, int b) {
+          return round_weights[static_cast<std::size_t>(a)] < round_weights[static_cast<std::size_t>(b)];
+        };
+        const int lightest =
+            cycle.front() >= earlier_count ? members.front() : *std::min_element(members.begin(), members.end(), lighter);
+        int partner = -1;
+        for (int other : members) {
+          if (other != lightest && (partner < 0 || lighter(other, partner))) partner = other;
+        }
+        if (partner < 0) {
+          drop(lightest, -2 - earlier_member);  // with earlier rounds' regions alone
+          continue;
+        }
+        if (cycle_round > exact_rounds) {
+          drop(lightest, offset + partner);
+          continue;
+        }
+        for (auto [a, b] : {std::pair{lightest, partner}, std::pair{partner, lightest}}) {
+          auto& list = round_conflicts[static_cast<std::size_t>(a)];
+          const auto at = std::lower_bound(list.begin(), list.end(), b);
+          if (at == list.end() || *at != b) list.insert(at, b);
+          changed[static_cast<std::size_t>(a)] = true;
+        }
+      }
+      if (cycle_round <= exact_rounds) {
+        round_selection =
+            reselect_candidates(round_weights, round_conflicts, rules.max_exact_component_size, round_selection, changed);
       }
     }
-    if (round <= exact_rounds) {
-      selection = reselect_candidates(weights, conflicts, rules.max_exact_component_size, selection, changed);
+
+    // This round's candidates join the plan's, their indices shifted past the earlier rounds'.
+    const auto component_offset = static_cast<int>(selection.components.size());
+    bool loser_left = false;
+    for (std::size_t index = 0; index < kept.size(); ++index) {
+      for (int& other : round_conflicts[index]) other += offset;
+      const bool selected = round_selection.selected[index] != 0;
+      selection.selected.push_back(selected);
+      selection.component_of.push_back(round_selection.component_of[index] + component_offset);
+      const int partner = round_dropped[index];
+      dropped_for_cycle.push_back(partner <= -2 ? -2 - partner : partner);
+      if (selected) {
+        chosen.push_back(offset + static_cast<int>(index));
+        for (NodeId node : round_sets[index]) scratch.taken[static_cast<std::size_t>(node)] = 1;
+      }
     }
+    anchors.assign(node_count, 0);
+    for (std::size_t index = 0; index < kept.size(); ++index) {
+      if (round_selection.selected[index]) continue;
+      for (NodeId node : round_sets[index]) {
+        if (scratch.taken[static_cast<std::size_t>(node)]) continue;
+        anchors[static_cast<std::size_t>(node)] = 1;
+        loser_left = true;
+      }
+    }
+    for (ConflictComponent& component : round_selection.components) {
+      for (int& candidate : component.candidates) candidate += offset;
+      component.round = round;
+      selection.components.push_back(std::move(component));
+    }
+    for (ProposedRegion& proposal : kept) proposals.push_back(std::move(proposal));
+    for (std::size_t index = 0; index < round_sets.size(); ++index) {
+      node_sets.push_back(std::move(round_sets[index]));
+      weights.push_back(round_weights[index]);
+      conflicts.push_back(std::move(round_conflicts[index]));
+    }
+    if (!loser_left) break;
   }
+  std::sort(chosen.begin(), chosen.end());
 
   // Regions in the order of their first node: the selected candidates, and each node a certified
   // rewrite made (already one kernel; only a rule entry that says so takes it, OpPattern::certified)

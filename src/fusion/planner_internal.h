@@ -66,8 +66,12 @@ struct NeighborhoodScratch {
   // Skip growing ops the cut would certainly leave out (same regions, smaller
   // models); off only in the test that checks exactly that.
   bool prune_certain_reentry = true;
+  // Nodes in a kernel that an earlier selection round chose (plan_graph_fusion): never grown into a
+  // neighborhood, as a certified node is not; a proposal holding one is dropped.
+  std::vector<char> taken;
   explicit NeighborhoodScratch(const ComputeGraph& graph)
-      : index(graph), local_index(graph.nodes().size(), -1), visit_stamp(graph.nodes().size(), 0) {}
+      : index(graph), local_index(graph.nodes().size(), -1), visit_stamp(graph.nodes().size(), 0),
+        taken(graph.nodes().size(), 0) {}
 };
 
 struct NeighborhoodOutcome {

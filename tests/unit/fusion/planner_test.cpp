@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "fusion_test_support.h"
+#include "metile/cpu_runtime.h"
 #include "metile/fusion.h"
 #include "metile_test_support.h"
 #include "planner_internal.h"
@@ -346,6 +347,49 @@ TEST(Planner, OddConflictCycleStillGivesALegalExactPlan) {
 
 // A chain longer than one neighborhood (64 ops) continues in the next region where the last one
 // stopped, instead of ending in one region and 236 unfused ops (237 kernels for 300 ops).
+// One exp read by n elementwise chains (exp_i of the input, then e + exp_i): every chain's best region
+// holds e, so the n candidates form one conflict clique and one wins. The others' ops kept a kernel
+// each (2n - 1 kernels for 2n + 1 ops) until a second selection round proposed again over the ops
+// the first left: now each other chain is a region of its own that reads e (n kernels), and the
+// plan runs kernel by kernel as the graph does.
+TEST(Planner, ReadersThatLostTheirSharedProducerStillFuseInALaterRound) {
+  for (const int readers : {2, 5, 40}) {
+    GraphBuilder builder;
+    auto x = builder.input("x", {{4, 64}, DType::f32});
+    auto shared = builder.exp(x, "shared");
+    std::vector<ValueRef> outputs;
+    for (int k = 0; k < readers; ++k) {
+      auto own = builder.scale(x, 0.5 + k, "own_" + std::to_string(k));
+      outputs.push_back(builder.add(shared, own, "sum_" + std::to_string(k)));
+    }
+    const FusionPlan plan = plan_graph_fusion(builder.build(outputs));
+    ASSERT_EQ(plan_problems(plan), "") << readers;
+    EXPECT_EQ(plan.kernel_count(), readers) << plan.explain();
+    EXPECT_TRUE(plan.unfused.empty()) << plan.explain();
+    // Each chain's two ops share a region: the winner's with the shared exp, the others alone.
+    for (int k = 0; k < readers; ++k) {
+      const std::string reason = reason_of(plan, "own_" + std::to_string(k));
+      EXPECT_EQ(reason, reason_of(plan, "sum_" + std::to_string(k))) << k;
+      EXPECT_EQ(reason.rfind("in region R", 0), 0u) << reason;
+    }
+    int rounds = 1;
+    for (const ConflictComponent& component : plan.components) rounds = std::max(rounds, component.round);
+    EXPECT_EQ(rounds, 2);
+    EXPECT_NE(plan.explain().find(", 2 rounds (each later one over the ops left unfused)"), std::string::npos);
+    // Later rounds' candidates conflict with no earlier one: the clique of the first round only.
+    for (const FusionCandidate& candidate : plan.candidates) {
+      const bool first_round = plan.components[static_cast<std::size_t>(candidate.component)].round == 1;
+      EXPECT_EQ(candidate.conflicts.size(), first_round ? static_cast<std::size_t>(readers - 1) : 0u);
+    }
+    const TensorMap inputs =
+        random_inputs(*plan.graph, testing::test_seed("Planner.ReadersThatLostTheirSharedProducerStillFuseInALaterRound"));
+    const TensorMap expected = run_reference(*plan.graph, inputs);
+    const TensorMap actual = run_plan_reference(plan, inputs);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (const auto& [name, tensor] : expected) EXPECT_TRUE(actual.at(name) == tensor) << name;
+  }
+}
+
 TEST(Planner, LongElementwiseChainEndsInAHandfulOfKernels) {
   const RuleSet rules = default_rules();
   for (int length : {63, 64, 65, 300}) {

@@ -356,14 +356,22 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
   std::mt19937_64 random(testing::test_seed("RandomGraphs.PlansAreLegalOptimalPerComponentAndRunBitForBit"));
   int exact_components = 0;
   int multi_candidate_components = 0;
+  int plans_of_several_rounds = 0;
   for (int round = 0; round < 2000; ++round) {
     const ComputeGraph graph = fusion_test::random_graph(random, 3 + round % 28);
     const FusionPlan plan = plan_graph_fusion(graph, round % 3 == 0 ? FusionTarget::cpu() : FusionTarget::h200());
     ASSERT_EQ(fusion_test::plan_problems(plan), "") << write_graph_json(graph);
 
-    // Every overlap is a conflict, and conflicts are symmetric.
+    // Every overlap between candidates of one selection round is a conflict, conflicts are symmetric,
+    // and candidates of different rounds never conflict: a later round's hold no op of a region chosen
+    // before it.
+    const auto round_of = [&](const FusionCandidate& candidate) {
+      return plan.components[static_cast<std::size_t>(candidate.component)].round;
+    };
+    int rounds = 1;
     for (std::size_t a = 0; a < plan.candidates.size(); ++a) {
       const FusionCandidate& first = plan.candidates[a];
+      rounds = std::max(rounds, round_of(first));
       for (std::size_t b = 0; b < plan.candidates.size(); ++b) {
         if (a == b) continue;
         const FusionCandidate& second = plan.candidates[b];
@@ -371,11 +379,35 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
         std::set_intersection(first.nodes.begin(), first.nodes.end(), second.nodes.begin(), second.nodes.end(),
                               std::back_inserter(shared));
         const bool listed = std::binary_search(first.conflicts.begin(), first.conflicts.end(), static_cast<int>(b));
-        if (!shared.empty()) {
+        if (round_of(first) != round_of(second)) {
+          ASSERT_FALSE(listed);
+          // The later one holds no op of the earlier one's region.
+          const FusionCandidate& earlier = round_of(first) < round_of(second) ? first : second;
+          ASSERT_TRUE(earlier.region < 0 || shared.empty()) << write_graph_json(graph);
+        } else if (!shared.empty()) {
           ASSERT_TRUE(listed);
         }
         ASSERT_EQ(listed, std::binary_search(second.conflicts.begin(), second.conflicts.end(), static_cast<int>(a)));
       }
+    }
+    // Round r + 1 runs only while a losing candidate of round r holds an op that no region of rounds
+    // 1..r took.
+    if (rounds > 1) ++plans_of_several_rounds;
+    std::vector<int> taken_in_round(graph.nodes().size(), 0);  // 0: in no region a round chose
+    for (const FusionCandidate& candidate : plan.candidates) {
+      if (candidate.region < 0) continue;
+      for (NodeId node : candidate.nodes) taken_in_round[static_cast<std::size_t>(node)] = round_of(candidate);
+    }
+    for (int earlier = 1; earlier < rounds; ++earlier) {
+      bool loser_left = false;
+      for (const FusionCandidate& candidate : plan.candidates) {
+        if (round_of(candidate) != earlier || candidate.region >= 0) continue;
+        for (NodeId node : candidate.nodes) {
+          const int taken = taken_in_round[static_cast<std::size_t>(node)];
+          loser_left = loser_left || taken == 0 || taken > earlier;
+        }
+      }
+      ASSERT_TRUE(loser_left) << "round " << earlier << " of " << rounds << "\n" << write_graph_json(graph);
     }
     // Per exactly solved component: the selection's weight is the brute-force best.
     for (const ConflictComponent& component : plan.components) {
@@ -411,6 +443,7 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
   }
   EXPECT_GT(multi_candidate_components, 500);
   EXPECT_GT(exact_components, 2000);
+  EXPECT_GT(plans_of_several_rounds, 100);  // about 250 of the 2000
 }
 
 }  // namespace
