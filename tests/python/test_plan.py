@@ -144,6 +144,22 @@ def test_candidates_and_components_explain_the_selection():
         assert component.method in {"single", "min_cut", "branch_and_bound", "greedy"}
 
 
+# One exp read by three chains: the first round fuses one chain with it, the second each other chain
+# alone (README, "Fusion planning"); its components say so.
+def test_a_later_selection_round_fuses_the_chains_that_lost_their_shared_producer():
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 32), "f32"))
+    shared = builder.exp(x)
+    graph = builder.build([builder.add(shared, builder.scale(x, 0.5 + k)) for k in range(3)])
+    plan = metile.plan_graph_fusion(graph)
+    assert plan.kernel_count == 3 and not plan.unfused
+    assert sorted({component.round for component in plan.components}) == [1, 2]
+    for candidate in plan.candidates:
+        if plan.components[candidate.component].round == 2:
+            assert candidate.region is not None and not candidate.conflicts
+    assert "2 rounds (each later one over the ops left unfused)" in str(plan)
+
+
 def test_rule_sets_and_rules_are_data():
     rules = metile.default_rules()
     names = [rule.name for rule in rules.rules]
