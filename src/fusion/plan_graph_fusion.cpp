@@ -331,7 +331,8 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
   for (int round = 1; round <= kSelectionRounds; ++round) {
     std::vector<ProposedRegion> fresh = propose_regions(graph, target, rules, scratch, notes, anchors);
     // A proposal holding a taken node is dropped, and one an earlier round weighed is not raced again
-    // (a composed proposal's parts may name it: they get its index).
+    // (a composed proposal's parts may name it: they get its index), unless it lost to a cycle alone
+    // (below, where a round ends).
     const auto offset = static_cast<int>(proposals.size());
     std::vector<int> index_of(fresh.size(), -1);
     std::vector<ProposedRegion> kept;
@@ -450,6 +451,18 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       if (selected) {
         chosen.push_back(offset + static_cast<int>(index));
         for (NodeId node : round_sets[index]) scratch.taken[static_cast<std::size_t>(node)] = 1;
+      }
+    }
+    // A loser none of whose ops a region took lost to a cycle between kernels (a conflict added for
+    // one, a drop, or a rival dropped after it won), not to an overlap: with this round's regions
+    // fixed it may close no cycle, so a later round may race it again. One that closed a cycle with
+    // earlier rounds' regions alone closes it whatever is chosen later: it is not raced again (it
+    // would win again over the rivals it beat, and be dropped again).
+    for (std::size_t index = 0; index < kept.size(); ++index) {
+      if (round_selection.selected[index] || round_dropped[index] <= -2) continue;
+      const auto& nodes = round_sets[index];
+      if (std::none_of(nodes.begin(), nodes.end(), [&](NodeId id) { return scratch.taken[static_cast<std::size_t>(id)] != 0; })) {
+        candidate_of_nodes.erase(nodes);
       }
     }
     anchors.assign(node_count, 0);

@@ -345,13 +345,11 @@ TEST(Planner, OddConflictCycleStillGivesALegalExactPlan) {
   }
 }
 
-// A chain longer than one neighborhood (64 ops) continues in the next region where the last one
-// stopped, instead of ending in one region and 236 unfused ops (237 kernels for 300 ops).
-// One exp read by n elementwise chains (exp_i of the input, then e + exp_i): every chain's best region
-// holds e, so the n candidates form one conflict clique and one wins. The others' ops kept a kernel
-// each (2n - 1 kernels for 2n + 1 ops) until a second selection round proposed again over the ops
-// the first left: now each other chain is a region of its own that reads e (n kernels), and the
-// plan runs kernel by kernel as the graph does.
+// One exp read by n elementwise chains (own_i = the input scaled, then sum_i = shared + own_i): every
+// chain's best region holds the exp, so the n candidates form one conflict clique and one wins. The
+// others' ops kept a kernel each (2n - 1 kernels for 2n + 1 ops) until a second selection round
+// proposed again over the ops the first left: now each other chain is a region of its own that reads
+// the exp (n kernels), and the plan runs kernel by kernel as the graph does.
 TEST(Planner, ReadersThatLostTheirSharedProducerStillFuseInALaterRound) {
   for (const int readers : {2, 5, 40}) {
     GraphBuilder builder;
@@ -390,6 +388,44 @@ TEST(Planner, ReadersThatLostTheirSharedProducerStillFuseInALaterRound) {
   }
 }
 
+// Found by random graphs (neighborhoods of 3 ops). Round 1 fuses quantized_matmul_0, silu_0 and
+// multiply_1, which reads matmul_2. In round 2 matmul_2's region (with silu_1 and multiply_2, which
+// reads silu_0) beats silu_1 + multiply_2, then closes a cycle with round 1's region and is dropped.
+// Its rival lost to a region that is no kernel; it was never raced again (4 kernels) until a loser
+// no region took an op of may race in a later round: 3 kernels.
+TEST(Planner, RivalOfARegionDroppedForACycleWithAnEarlierRoundStillFuses) {
+  const ComputeGraph graph = parse_graph_json(R"({
+    "inputs": [
+      {"name": "x", "shape": [1, 32], "dtype": "f16"}, {"name": "in3", "shape": [64, 4], "dtype": "u32"},
+      {"name": "in4", "shape": [64, 1], "dtype": "f16"}, {"name": "in5", "shape": [64, 1], "dtype": "f16"},
+      {"name": "in6", "shape": [32, 64], "dtype": "f16"}
+    ],
+    "nodes": [
+      {"name": "quantized_matmul_0", "op": "quantized_matmul", "inputs": ["x", "in3", "in4", "in5"], "attrs": {"bits": 4, "group_size": 32}},
+      {"name": "matmul_2", "op": "matmul", "inputs": ["x", "in6"], "attrs": {"transpose_right": 0}},
+      {"name": "silu_0", "op": "silu", "inputs": ["quantized_matmul_0"]},
+      {"name": "multiply_1", "op": "multiply", "inputs": ["matmul_2", "silu_0"]},
+      {"name": "silu_1", "op": "silu", "inputs": ["matmul_2"]},
+      {"name": "multiply_2", "op": "multiply", "inputs": ["silu_1", "silu_0"]}
+    ],
+    "outputs": ["multiply_1", "multiply_2"]
+  })", "random graph, reduced");
+  RuleSet rules = default_rules();
+  rules.max_neighborhood_nodes = 3;
+  const FusionPlan plan = plan_graph_fusion(graph, FusionTarget::h200(), rules);
+  ASSERT_EQ(plan_problems(plan), "") << plan.explain();
+  EXPECT_EQ(plan.kernel_count(), 3) << plan.explain();
+  EXPECT_EQ(reason_of(plan, "silu_1").rfind("in region R", 0), 0u) << plan.explain();
+  EXPECT_EQ(reason_of(plan, "silu_1"), reason_of(plan, "multiply_2"));
+  const TensorMap inputs = random_inputs(graph, testing::test_seed("Planner.RivalOfARegionDroppedForACycleWithAnEarlierRoundStillFuses"));
+  const TensorMap expected = run_reference(graph, inputs);
+  const TensorMap actual = run_plan_reference(plan, inputs);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, tensor] : expected) EXPECT_TRUE(actual.at(name) == tensor) << name;
+}
+
+// A chain longer than one neighborhood (64 ops) continues in the next region where the last one
+// stopped, instead of ending in one region and 236 unfused ops (237 kernels for 300 ops).
 TEST(Planner, LongElementwiseChainEndsInAHandfulOfKernels) {
   const RuleSet rules = default_rules();
   for (int length : {63, 64, 65, 300}) {
