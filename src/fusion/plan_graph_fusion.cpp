@@ -319,6 +319,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
   std::vector<int> dropped_for_cycle;  // the region it would have closed a cycle with
   std::vector<int> chosen;             // the selected candidates of every round, ascending
   std::map<std::vector<NodeId>, int> candidate_of_nodes;
+  std::set<std::vector<NodeId>> raced_again;  // cycle losers a later round raced again
   // Selection rounds: the first over every proposal; each later one proposes again with the nodes
   // of the regions chosen so far taken (no neighborhood grows into them), so that the ops of
   // candidates that lost (a producer shared by many readers is in every reader's candidate; one
@@ -455,13 +456,16 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     }
     // A loser none of whose ops a region took lost to a cycle between kernels (a conflict added for
     // one, a drop, or a rival dropped after it won), not to an overlap: with this round's regions
-    // fixed it may close no cycle, so a later round may race it again. One that closed a cycle with
-    // earlier rounds' regions alone closes it whatever is chosen later: it is not raced again (it
-    // would win again over the rivals it beat, and be dropped again).
+    // fixed it may close no cycle, so the next round may race it again, once (racing such losers
+    // in every round made the tangled 20k-op DAG of planner_benchmark run all 8 rounds over 30k
+    // candidates, 4x slower, for more kernels). One that closed a cycle with earlier rounds'
+    // regions alone closes it whatever is chosen later: it is not raced again (it would win again
+    // over the rivals it beat, and be dropped again).
     for (std::size_t index = 0; index < kept.size(); ++index) {
       if (round_selection.selected[index] || round_dropped[index] <= -2) continue;
       const auto& nodes = round_sets[index];
-      if (std::none_of(nodes.begin(), nodes.end(), [&](NodeId id) { return scratch.taken[static_cast<std::size_t>(id)] != 0; })) {
+      const auto taken = [&](NodeId id) { return scratch.taken[static_cast<std::size_t>(id)] != 0; };
+      if (std::none_of(nodes.begin(), nodes.end(), taken) && raced_again.insert(nodes).second) {
         candidate_of_nodes.erase(nodes);
       }
     }
