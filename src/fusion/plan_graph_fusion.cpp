@@ -284,6 +284,97 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
   return proposals;
 }
 
+// One selection round of plan_graph_fusion over its candidates (`sets`, `weights`): select; while the
+// picks close cycles between kernels (`earlier`, the regions earlier rounds chose, are kernels too,
+// fixed), the lightest of this round's regions on each cycle found and the lightest other one of
+// them conflict from now on, and the components that changed are solved again. A region that closes
+// a cycle with earlier rounds' regions alone is dropped, as is, after a bounded number of rounds
+// (only tangled random graphs get there), the lightest region of each cycle still found; the method
+// says so.
+struct RoundSelection {
+  SelectionOutcome selection;
+  std::vector<std::vector<int>> conflicts;  // overlaps, and the pairs cycles added
+  // Per candidate: -1, or what it would have closed a cycle with: another candidate of the round
+  // (its index), or with earlier regions alone (-2 - the index of one of them in `earlier`).
+  std::vector<int> dropped_for_cycle;
+};
+
+RoundSelection select_round(const ComputeGraph& graph, const std::vector<std::vector<NodeId>>& sets,
+                            const std::vector<std::int64_t>& weights, const std::vector<std::vector<NodeId>>& earlier,
+                            int max_exact_component_size) {
+  constexpr int exact_rounds = 32;
+  constexpr int cycles_per_component = 16;
+  RoundSelection round;
+  round.conflicts = find_overlaps(graph.nodes().size(), sets);
+  round.selection = select_candidates(weights, round.conflicts, max_exact_component_size);
+  round.dropped_for_cycle.assign(sets.size(), -1);
+  const auto drop = [&](int lightest, int partner) {
+    SelectionOutcome& selection = round.selection;
+    if (!selection.selected[static_cast<std::size_t>(lightest)]) return;
+    selection.selected[static_cast<std::size_t>(lightest)] = false;
+    round.dropped_for_cycle[static_cast<std::size_t>(lightest)] = partner;
+    std::string& method =
+        selection.components[static_cast<std::size_t>(selection.component_of[static_cast<std::size_t>(lightest)])].method;
+    if (method.find("+cycle_drops") == std::string::npos) method += "+cycle_drops";
+  };
+  const auto lighter = [&](int a, int b) { return weights[static_cast<std::size_t>(a)] < weights[static_cast<std::size_t>(b)]; };
+  const auto earlier_count = static_cast<int>(earlier.size());
+  for (int cycle_round = 1;; ++cycle_round) {
+    // The kernels: every earlier round's region (never the lightest), then this round's picks.
+    std::vector<std::vector<NodeId>> kernel_sets = earlier;
+    std::vector<std::int64_t> kernel_weights(earlier.size(), std::numeric_limits<std::int64_t>::max());
+    std::vector<int> picks;
+    for (std::size_t index = 0; index < sets.size(); ++index) {
+      if (!round.selection.selected[index]) continue;
+      picks.push_back(static_cast<int>(index));
+      kernel_sets.push_back(sets[index]);
+      kernel_weights.push_back(weights[index]);
+    }
+    const auto cycles = find_kernel_cycles(graph, kernel_sets, kernel_weights, cycles_per_component);
+    if (cycles.empty()) break;
+    std::vector<bool> changed(sets.size(), false);
+    for (const std::vector<int>& cycle : cycles) {
+      if (cycle.size() < 2) throw std::logic_error("fusion: a candidate region is not convex");
+      // This round's regions on the cycle (earlier rounds' regions are acyclic among themselves,
+      // so there is one at least), the one the search started from first when it is one of them.
+      std::vector<int> members;
+      int earlier_member = -1;
+      for (int position : cycle) {
+        if (position >= earlier_count) {
+          members.push_back(picks[static_cast<std::size_t>(position - earlier_count)]);
+        } else if (earlier_member < 0) {
+          earlier_member = position;
+        }
+      }
+      if (members.empty()) throw std::logic_error("fusion: earlier rounds' regions close a cycle");
+      const int lightest =
+          cycle.front() >= earlier_count ? members.front() : *std::min_element(members.begin(), members.end(), lighter);
+      int partner = -1;
+      for (int other : members) {
+        if (other != lightest && (partner < 0 || lighter(other, partner))) partner = other;
+      }
+      if (partner < 0) {
+        drop(lightest, -2 - earlier_member);  // with earlier rounds' regions alone
+        continue;
+      }
+      if (cycle_round > exact_rounds) {
+        drop(lightest, partner);
+        continue;
+      }
+      for (auto [a, b] : {std::pair{lightest, partner}, std::pair{partner, lightest}}) {
+        auto& list = round.conflicts[static_cast<std::size_t>(a)];
+        const auto at = std::lower_bound(list.begin(), list.end(), b);
+        if (at == list.end() || *at != b) list.insert(at, b);
+        changed[static_cast<std::size_t>(a)] = true;
+      }
+    }
+    if (cycle_round <= exact_rounds) {
+      round.selection = reselect_candidates(weights, round.conflicts, max_exact_component_size, round.selection, changed);
+    }
+  }
+  return round;
+}
+
 std::string unfused_reason(const Node& node, const NodeNotes& notes) {
   if (!notes.refusals.empty()) {
     std::string text = notes.refusals.front();
@@ -356,88 +447,11 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       round_sets.push_back(proposal.nodes);
       round_weights.push_back(to_picoseconds(proposal.benefit_ns));
     }
-    std::vector<std::vector<int>> round_conflicts = find_overlaps(node_count, round_sets);
-    // Select; while the chosen regions close cycles between kernels, the lightest of this round's
-    // regions on each cycle found and the lightest other one of them conflict from now on, and
-    // the components that changed are solved again. A region that closes a cycle with earlier
-    // rounds' regions alone is dropped, as is, after a bounded number of rounds (only tangled
-    // random graphs get there), the lightest region of each cycle still found; the method says so.
-    constexpr int exact_rounds = 32;
-    constexpr int cycles_per_component = 16;
-    SelectionOutcome round_selection = select_candidates(round_weights, round_conflicts, rules.max_exact_component_size);
-    std::vector<int> round_dropped(kept.size(), -1);
-    std::vector<int> round_chosen;
-    const auto drop = [&](int lightest, int partner) {
-      if (!round_selection.selected[static_cast<std::size_t>(lightest)]) return;
-      round_selection.selected[static_cast<std::size_t>(lightest)] = false;
-      round_dropped[static_cast<std::size_t>(lightest)] = partner;
-      std::string& method = round_selection.components[static_cast<std::size_t>(
-                                                           round_selection.component_of[static_cast<std::size_t>(lightest)])]
-                                .method;
-      if (method.find("+cycle_drops") == std::string::npos) method += "+cycle_drops";
-    };
-    for (int cycle_round = 1;; ++cycle_round) {
-      // The kernels: every earlier round's regions (never the lightest), then this round's picks.
-      std::vector<std::vector<NodeId>> chosen_sets;
-      std::vector<std::int64_t> chosen_weights;
-      for (int earlier : chosen) {
-        chosen_sets.push_back(node_sets[static_cast<std::size_t>(earlier)]);
-        chosen_weights.push_back(std::numeric_limits<std::int64_t>::max());
-      }
-      round_chosen.clear();
-      for (std::size_t index = 0; index < kept.size(); ++index) {
-        if (!round_selection.selected[index]) continue;
-        round_chosen.push_back(static_cast<int>(index));
-        chosen_sets.push_back(round_sets[index]);
-        chosen_weights.push_back(round_weights[index]);
-      }
-      const auto cycles = find_kernel_cycles(graph, chosen_sets, chosen_weights, cycles_per_component);
-      if (cycles.empty()) break;
-      const auto earlier_count = static_cast<int>(chosen.size());
-      std::vector<bool> changed(kept.size(), false);
-      for (const std::vector<int>& cycle : cycles) {
-        if (cycle.size() < 2) throw std::logic_error("fusion: a candidate region is not convex");
-        // This round's regions on the cycle (earlier rounds' regions are acyclic among themselves,
-        // so there is one at least), the one the search started from first when it is one of them.
-        std::vector<int> members;
-        int earlier_member = -1;
-        for (int position : cycle) {
-          if (position >= earlier_count) {
-            members.push_back(round_chosen[static_cast<std::size_t>(position - earlier_count)]);
-          } else if (earlier_member < 0) {
-            earlier_member = chosen[static_cast<std::size_t>(position)];
-          }
-        }
-        if (members.empty()) throw std::logic_error("fusion: earlier rounds' regions close a cycle");
-        const auto lighter = [&](int a, int b) {
-          return round_weights[static_cast<std::size_t>(a)] < round_weights[static_cast<std::size_t>(b)];
-        };
-        const int lightest =
-            cycle.front() >= earlier_count ? members.front() : *std::min_element(members.begin(), members.end(), lighter);
-        int partner = -1;
-        for (int other : members) {
-          if (other != lightest && (partner < 0 || lighter(other, partner))) partner = other;
-        }
-        if (partner < 0) {
-          drop(lightest, -2 - earlier_member);  // with earlier rounds' regions alone
-          continue;
-        }
-        if (cycle_round > exact_rounds) {
-          drop(lightest, offset + partner);
-          continue;
-        }
-        for (auto [a, b] : {std::pair{lightest, partner}, std::pair{partner, lightest}}) {
-          auto& list = round_conflicts[static_cast<std::size_t>(a)];
-          const auto at = std::lower_bound(list.begin(), list.end(), b);
-          if (at == list.end() || *at != b) list.insert(at, b);
-          changed[static_cast<std::size_t>(a)] = true;
-        }
-      }
-      if (cycle_round <= exact_rounds) {
-        round_selection =
-            reselect_candidates(round_weights, round_conflicts, rules.max_exact_component_size, round_selection, changed);
-      }
-    }
+    std::vector<std::vector<NodeId>> earlier_sets;
+    for (int earlier : chosen) earlier_sets.push_back(node_sets[static_cast<std::size_t>(earlier)]);
+    RoundSelection picked = select_round(graph, round_sets, round_weights, earlier_sets, rules.max_exact_component_size);
+    SelectionOutcome& round_selection = picked.selection;
+    std::vector<std::vector<int>>& round_conflicts = picked.conflicts;
 
     // This round's candidates join the plan's, their indices shifted past the earlier rounds'.
     const auto component_offset = static_cast<int>(selection.components.size());
@@ -447,8 +461,10 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       const bool selected = round_selection.selected[index] != 0;
       selection.selected.push_back(selected);
       selection.component_of.push_back(round_selection.component_of[index] + component_offset);
-      const int partner = round_dropped[index];
-      dropped_for_cycle.push_back(partner <= -2 ? -2 - partner : partner);
+      const int partner = picked.dropped_for_cycle[index];
+      dropped_for_cycle.push_back(partner >= 0    ? offset + partner
+                                  : partner <= -2 ? chosen[static_cast<std::size_t>(-2 - partner)]
+                                                  : -1);
       if (selected) {
         chosen.push_back(offset + static_cast<int>(index));
         for (NodeId node : round_sets[index]) scratch.taken[static_cast<std::size_t>(node)] = 1;
@@ -462,7 +478,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     // regions alone closes it whatever is chosen later: it is not raced again (it would win again
     // over the rivals it beat, and be dropped again).
     for (std::size_t index = 0; index < kept.size(); ++index) {
-      if (round_selection.selected[index] || round_dropped[index] <= -2) continue;
+      if (round_selection.selected[index] || picked.dropped_for_cycle[index] <= -2) continue;
       const auto& nodes = round_sets[index];
       const auto taken = [&](NodeId id) { return scratch.taken[static_cast<std::size_t>(id)] != 0; };
       if (std::none_of(nodes.begin(), nodes.end(), taken) && raced_again.insert(nodes).second) {
