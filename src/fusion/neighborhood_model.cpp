@@ -118,7 +118,6 @@ class NeighborhoodModel {
  private:
   int local(NodeId node) const { return scratch_.local_index[static_cast<std::size_t>(node)]; }
   bool in_neighborhood(NodeId node) const { return local(node) >= 0; }
-  bool taken(NodeId node) const { return scratch_.taken[static_cast<std::size_t>(node)] != 0; }
   bool fixed(int local_node) const {
     return side_[static_cast<std::size_t>(local_node)] == Side::anchor ||
            side_[static_cast<std::size_t>(local_node)] == Side::pattern;
@@ -195,7 +194,7 @@ class NeighborhoodModel {
   bool try_grow(NodeId node, Side node_side, int depth, const GrowthSpec& growth, const TensorSpec& anchor_output) {
     if (in_neighborhood(node) || !allows(growth, graph_.node(node).kind, depth)) return false;
     if (is_certified_node(graph_.node(node))) return false;  // a kernel of its own
-    if (taken(node)) return false;                           // in a kernel an earlier round chose
+    if (scratch_.is_taken(node)) return false;               // in a kernel an earlier round chose
     if (const Decision shares = shares_iteration_space(node, anchor_output); !shares) {
       outcome_.left_out.emplace_back(node, "not fusable with " + quoted(name(nodes_.front())) + ": " + shares.reason);
       return false;
@@ -216,7 +215,7 @@ class NeighborhoodModel {
   }
 
   bool could_join(NodeId node, const TensorSpec& anchor_output) const {
-    if (taken(node)) return false;
+    if (scratch_.is_taken(node)) return false;
     const OpKind kind = graph_.node(node).kind;
     const auto& prologue = rule_.prologue.kinds;
     const auto& epilogue = rule_.epilogue.kinds;

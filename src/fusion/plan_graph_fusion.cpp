@@ -197,7 +197,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
                              !claimed[static_cast<std::size_t>(node.id)];
       const FusionRule& anchored = continues ? continuation : rule;
       if (!anchors.empty() && !anchors[static_cast<std::size_t>(node.id)]) continue;
-      if (scratch.taken[static_cast<std::size_t>(node.id)] || !can_anchor(graph, anchored, node.id)) continue;
+      if (scratch.is_taken(node.id) || !can_anchor(graph, anchored, node.id)) continue;
       if (anchored.pattern.size() == 1 && !anchored.siblings && !may_grow(graph, anchored, node.id)) continue;
       const auto match = match_pattern(graph, anchored, node.id);
       if (!match) continue;
@@ -319,10 +319,12 @@ RoundSelection select_round(const ComputeGraph& graph, const std::vector<std::ve
   };
   const auto lighter = [&](int a, int b) { return weights[static_cast<std::size_t>(a)] < weights[static_cast<std::size_t>(b)]; };
   const auto earlier_count = static_cast<int>(earlier.size());
+  // The kernels: every earlier round's region (never the lightest), then this round's picks.
+  std::vector<std::vector<NodeId>> kernel_sets = earlier;
+  std::vector<std::int64_t> kernel_weights(earlier.size(), std::numeric_limits<std::int64_t>::max());
   for (int cycle_round = 1;; ++cycle_round) {
-    // The kernels: every earlier round's region (never the lightest), then this round's picks.
-    std::vector<std::vector<NodeId>> kernel_sets = earlier;
-    std::vector<std::int64_t> kernel_weights(earlier.size(), std::numeric_limits<std::int64_t>::max());
+    kernel_sets.resize(earlier.size());
+    kernel_weights.resize(earlier.size());
     std::vector<int> picks;
     for (std::size_t index = 0; index < sets.size(); ++index) {
       if (!round.selection.selected[index]) continue;
@@ -409,6 +411,7 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
   SelectionOutcome selection;
   std::vector<int> dropped_for_cycle;  // the region it would have closed a cycle with
   std::vector<int> chosen;             // the selected candidates of every round, ascending
+  std::vector<std::vector<NodeId>> chosen_sets;  // their node sets, in the same order
   std::map<std::vector<NodeId>, int> candidate_of_nodes;
   std::set<std::vector<NodeId>> raced_again;  // cycle losers a later round raced again
   // Selection rounds: the first over every proposal; each later one proposes again with the nodes
@@ -429,8 +432,8 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     std::vector<int> index_of(fresh.size(), -1);
     std::vector<ProposedRegion> kept;
     for (std::size_t k = 0; k < fresh.size(); ++k) {
-      const auto holds_taken = [&](NodeId id) { return scratch.taken[static_cast<std::size_t>(id)] != 0; };
-      if (std::any_of(fresh[k].nodes.begin(), fresh[k].nodes.end(), holds_taken)) continue;
+      const auto taken = [&](NodeId id) { return scratch.is_taken(id); };
+      if (std::any_of(fresh[k].nodes.begin(), fresh[k].nodes.end(), taken)) continue;
       if (const auto earlier = candidate_of_nodes.find(fresh[k].nodes); earlier != candidate_of_nodes.end()) {
         index_of[k] = earlier->second;
         continue;
@@ -447,15 +450,12 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       round_sets.push_back(proposal.nodes);
       round_weights.push_back(to_picoseconds(proposal.benefit_ns));
     }
-    std::vector<std::vector<NodeId>> earlier_sets;
-    for (int earlier : chosen) earlier_sets.push_back(node_sets[static_cast<std::size_t>(earlier)]);
-    RoundSelection picked = select_round(graph, round_sets, round_weights, earlier_sets, rules.max_exact_component_size);
+    RoundSelection picked = select_round(graph, round_sets, round_weights, chosen_sets, rules.max_exact_component_size);
     SelectionOutcome& round_selection = picked.selection;
     std::vector<std::vector<int>>& round_conflicts = picked.conflicts;
 
     // This round's candidates join the plan's, their indices shifted past the earlier rounds'.
     const auto component_offset = static_cast<int>(selection.components.size());
-    bool loser_left = false;
     for (std::size_t index = 0; index < kept.size(); ++index) {
       for (int& other : round_conflicts[index]) other += offset;
       const bool selected = round_selection.selected[index] != 0;
@@ -467,31 +467,32 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
                                                   : -1);
       if (selected) {
         chosen.push_back(offset + static_cast<int>(index));
+        chosen_sets.push_back(round_sets[index]);
         for (NodeId node : round_sets[index]) scratch.taken[static_cast<std::size_t>(node)] = 1;
       }
     }
-    // A loser none of whose ops a region took lost to a cycle between kernels (a conflict added for
-    // one, a drop, or a rival dropped after it won), not to an overlap: with this round's regions
-    // fixed it may close no cycle, so the next round may race it again, once (racing such losers
-    // in every round made the tangled 20k-op DAG of planner_benchmark run all 8 rounds over 30k
-    // candidates, 4x slower, for more kernels). One that closed a cycle with earlier rounds'
-    // regions alone closes it whatever is chosen later: it is not raced again (it would win again
-    // over the rivals it beat, and be dropped again).
-    for (std::size_t index = 0; index < kept.size(); ++index) {
-      if (round_selection.selected[index] || picked.dropped_for_cycle[index] <= -2) continue;
-      const auto& nodes = round_sets[index];
-      const auto taken = [&](NodeId id) { return scratch.taken[static_cast<std::size_t>(id)] != 0; };
-      if (std::none_of(nodes.begin(), nodes.end(), taken) && raced_again.insert(nodes).second) {
-        candidate_of_nodes.erase(nodes);
-      }
-    }
+    // The next round anchors at the ops this round's losers hold and no region took. A loser none of
+    // whose ops a region took lost to a cycle between kernels (a conflict added for one, a drop, or
+    // a rival dropped after it won), not to an overlap: with this round's regions fixed it may close
+    // no cycle, so the next round may race it again, once (racing such losers in every round made
+    // the tangled 20k-op DAG of planner_benchmark run all 8 rounds over 30k candidates, 4x slower,
+    // for more kernels). One that closed a cycle with earlier rounds' regions alone closes it
+    // whatever is chosen later: it is not raced again (it would win again over the rivals it beat,
+    // and be dropped again).
     anchors.assign(node_count, 0);
+    bool loser_left = false;
     for (std::size_t index = 0; index < kept.size(); ++index) {
       if (round_selection.selected[index]) continue;
-      for (NodeId node : round_sets[index]) {
-        if (scratch.taken[static_cast<std::size_t>(node)]) continue;
+      const std::vector<NodeId>& nodes = round_sets[index];
+      std::size_t free = 0;
+      for (NodeId node : nodes) {
+        if (scratch.is_taken(node)) continue;
         anchors[static_cast<std::size_t>(node)] = 1;
-        loser_left = true;
+        ++free;
+      }
+      loser_left = loser_left || free > 0;
+      if (free == nodes.size() && picked.dropped_for_cycle[index] > -2 && raced_again.insert(nodes).second) {
+        candidate_of_nodes.erase(nodes);
       }
     }
     for (ConflictComponent& component : round_selection.components) {
@@ -507,7 +508,6 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     }
     if (!loser_left) break;
   }
-  std::sort(chosen.begin(), chosen.end());
 
   // Regions in the order of their first node: the selected candidates, and each node a certified
   // rewrite made (already one kernel; only a rule entry that says so takes it, OpPattern::certified)

@@ -72,6 +72,7 @@ struct NeighborhoodScratch {
   explicit NeighborhoodScratch(const ComputeGraph& graph)
       : index(graph), local_index(graph.nodes().size(), -1), visit_stamp(graph.nodes().size(), 0),
         taken(graph.nodes().size(), 0) {}
+  bool is_taken(NodeId node) const { return taken[static_cast<std::size_t>(node)] != 0; }
 };
 
 struct NeighborhoodOutcome {
