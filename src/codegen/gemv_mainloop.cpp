@@ -1436,7 +1436,9 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       add(4, true);
       add(8, true);
     }
-    add(2, true);
+    // A vocabulary-wide head races its tile loops first (below): the unlooped two-warp shape took 2.5x
+    // the four-tile loop's time at M = 16 and 1.2-1.4x the winner's at M = 1 (session 45, H100).
+    if (!vocabulary_wide) add(2, true);
     if (!vocabulary_wide) add(4, false);
     // A vocabulary-wide N (the LM head: 128256 rows of 2048, 16 iterations of 4-bit) gives each
     // one-tile block a few iterations per warp behind a prologue of its own (the norm of x, the
@@ -1451,6 +1453,10 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     // bytes: at K = 1536 a one-tile block's warps have 1.5 batches each and the join was as long
     // as the mainloop. Raced on the H200 (session 36, notes/mlp_decode.md): Qwen2.5-1.5B's 4-bit
     // head 51.2 -> 44.9 us; Llama-3.2-1B's (K = 2048) kept its one-tile loop.
+    // Four tiles a block at three blocks an SM (one join for four tiles' bytes) won the heads' M = 16
+    // races on the H100 (session 45, notes/mlp_decode.md): Llama-3-8B 223.0 -> 203.2 us, Qwen2.5-1.5B
+    // 138.6 -> 125.1; at M = 1 the two-tile loop kept both (Qwen 53.2 against 54.3). The four
+    // shapes a one-stage region races are the four loops.
     if (vocabulary_wide) {
       auto add_looped = [&](int warps, int blocks_per_multiprocessor, int tiles_per_block = 1) {
         GemvKernelConfig looped = register_shape(warps, true, false, 1, false, tiles_per_block);
@@ -1461,7 +1467,9 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
       add_looped(2, 8);
       add_looped(4, 4, 2);
       add_looped(4, 4);
+      add_looped(4, 3, 4);
       add_looped(2, 8, 2);
+      add(2, true);
       add(4, true, false, 1, false, 2);
       add(4, true, false, 1, false, 4);
       add(8, true, false, 1, false, 4);

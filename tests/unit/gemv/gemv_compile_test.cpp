@@ -263,21 +263,30 @@ TEST(GemvCompile, LmHeadGetsMultiTileBlocksWithoutSpills) {
     if (config.shared_stages >= 2 || config.shared_group_sums) continue;
     expect_no_spills(compile_for_sm90(kernel).log, config.to_string());
   }
-  EXPECT_EQ(multi_tile, 5);
-  EXPECT_EQ(looped, 4);
-  // Qwen2.5-1.5B's head (K = 1536), whose race the two-tile loop won on the H200 (session 36): it is
-  // among the first four register shapes, the ones a one-stage region races.
+  EXPECT_EQ(multi_tile, 6);
+  EXPECT_EQ(looped, 5);
+  // Qwen2.5-1.5B's head (K = 1536), whose M = 1 race the two-tile loop won on the H200 (session 36), and
+  // the four-tile loop, which won both heads' M = 16 races (session 45): the first four register shapes,
+  // the ones a one-stage region races, are the four loops, not the unlooped two-warp shape.
   GemvKernelConfig qwen_head = head;
   qwen_head.out_features = 151936;
   qwen_head.in_features = 1536;
-  std::vector<std::string> raced;
-  for (const GemvKernelConfig& config : gemv_tuning_candidates(qwen_head, 132)) {
-    if (config.mainloop == GemvMainloop::register_batches && raced.size() < 4) raced.push_back(config.to_string());
+  for (std::int64_t rows : {1, 16}) {
+    qwen_head.rows = rows;
+    std::vector<std::string> raced;
+    for (const GemvKernelConfig& config : gemv_tuning_candidates(qwen_head, 132)) {
+      if (config.mainloop == GemvMainloop::register_batches && raced.size() < gemv_lowering_shapes_per_family_one_stage) {
+        raced.push_back(config.to_string());
+      }
+    }
+    for (const std::string loop : {"tiles=2 in_flight=1 double_buffered argmax_rows tile_loop=132x4",
+                                   "tiles=4 in_flight=1 double_buffered argmax_rows tile_loop=132x3"}) {
+      EXPECT_TRUE(std::any_of(raced.begin(), raced.end(), [&](const std::string& shape) { return shape.ends_with(loop); }))
+          << loop << " at M = " << rows << " among\n" << fmt::format("{}", fmt::join(raced, "\n"));
+    }
+    EXPECT_TRUE(std::all_of(raced.begin(), raced.end(), [](const std::string& shape) { return shape.find("tile_loop") != std::string::npos; }))
+        << fmt::format("{}", fmt::join(raced, "\n"));
   }
-  const std::string two_tile_loop = "warps=4 tiles=2 in_flight=1 double_buffered argmax_rows tile_loop=132x4";
-  EXPECT_TRUE(std::any_of(raced.begin(), raced.end(),
-                          [&](const std::string& shape) { return shape.ends_with(two_tile_loop); }))
-      << fmt::format("{}", fmt::join(raced, "\n"));
   // The loop never takes more blocks than there are tile blocks, and refuses split-K.
   GemvKernelConfig narrow = head;
   narrow.out_features = 1000;  // 63 tiles
