@@ -67,8 +67,9 @@ ComputeGraph decoder(int layers) {
 }
 
 // One exp read by `readers` chains (the input scaled, then added to the exp): each chain's best
-// region holds the exp, so the first selection round's candidates are one conflict clique (its
-// conflict lists grow with readers squared) and a second round fuses the chains that lost.
+// region holds the exp, so the first selection round's candidates are one conflict group (as pairs
+// they grew with readers squared: 10,000 readers took 8.8 s and 984 MB) and a second round fuses the
+// chains that lost.
 ComputeGraph shared_producer(int readers) {
   GraphBuilder b;
   ValueRef x = b.input("x", {{1, 4096}, DType::bf16});
@@ -150,7 +151,7 @@ int main(int argc, char** argv) {
     rows.push_back(measure(fmt::format("tangled random DAG, {} ops", ops), fusion_test::random_graph(random, ops),
                            ops >= 20000 ? 3 : 5));
   }
-  for (int readers : {100, 2000}) {
+  for (int readers : {100, 2000, 10000}) {
     rows.push_back(measure(fmt::format("one exp, {} reading chains", readers), shared_producer(readers),
                            readers >= 2000 ? 3 : 11));
   }

@@ -279,13 +279,40 @@ struct FusionRegion {
 // are graph outputs or read outside the region. The one place a region's boundary is derived.
 FusionRegion region_of_nodes(const ComputeGraph& graph, std::vector<NodeId> nodes, std::string rule = {});
 
+// Which candidates exclude each other, as groups: every two candidates of one group conflict (at most
+// one of a group becomes a region). The candidates holding one op are one group, so n candidates
+// sharing a producer cost n entries, not the n^2 of pairwise lists (one exp read by 10,000 chains is
+// one group of 10,000); a kernel cycle between two regions adds a group of the two.
+class ConflictGroups {
+ public:
+  explicit ConflictGroups(std::size_t candidate_count = 0) : groups_of_(candidate_count) {}
+  std::size_t candidate_count() const { return groups_of_.size(); }
+  // Each ascending, of two candidates or more.
+  const std::vector<std::vector<int>>& groups() const { return groups_; }
+  // The indices of the groups holding `candidate`, ascending.
+  const std::vector<int>& groups_of(int candidate) const;
+  bool conflict(int a, int b) const;  // a and b in one group (false for a == b)
+  // The candidates `candidate` excludes, ascending (its groups' members but itself).
+  std::vector<int> conflicts_of(int candidate) const;
+  // `members` (any order; repeats ignored) as a group, unless they are fewer than two or one group
+  // holds them all already; returns whether it added one. std::out_of_range for a member that is no
+  // candidate.
+  bool add_group(std::vector<int> members);
+  // `other`'s candidates appended after these (candidate k of `other` becomes candidate_count() + k),
+  // with their groups.
+  void append(const ConflictGroups& other);
+
+ private:
+  std::vector<std::vector<int>> groups_;
+  std::vector<std::vector<int>> groups_of_;
+};
+
 // A region some rule proposed, and what conflict selection made of it.
 struct FusionCandidate {
   std::string rule;
   NodeId anchor = -1;
   std::vector<NodeId> nodes;     // ascending
   double benefit_ns = 0;
-  std::vector<int> conflicts;    // candidate indices; shared nodes or a kernel cycle together
   int component = -1;            // index into FusionPlan::components
   int region = -1;               // index into FusionPlan::regions when selected, else -1
 };
@@ -307,6 +334,7 @@ struct FusionPlan {
 
   std::string target_name;
   std::vector<FusionCandidate> candidates;
+  ConflictGroups conflicts;  // among `candidates` (the candidates of different rounds never conflict)
   std::vector<ConflictComponent> components;
   // Rewrites made before planning (plan_with_discovery: nodes no output depends on removed, certified
   // attention rewrites made or refused), one line each.

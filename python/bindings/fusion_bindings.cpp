@@ -403,8 +403,8 @@ void bind_plan(py::module_& module) {
       .def_property_readonly("benefit_ns",
                              [](const FusionCandidateView& view) { return view.candidate().benefit_ns; })
       .def_property_readonly(
-          "conflicts", [](const FusionCandidateView& view) { return view.candidate().conflicts; },
-          "Indices into plan.candidates of the candidates this one excludes.")
+          "conflicts", [](const FusionCandidateView& view) { return view.plan->conflicts.conflicts_of(view.index); },
+          "Indices into plan.candidates of the candidates this one excludes (its conflict groups' other members).")
       .def_property_readonly(
           "component", [](const FusionCandidateView& view) { return view.candidate().component; },
           "Index into plan.components.")
@@ -478,6 +478,10 @@ void bind_plan(py::module_& module) {
                                }
                                return components;
                              })
+      .def_property_readonly(
+          "conflict_groups", [](const PlanHolder& plan) { return plan->conflicts.groups(); },
+          "Lists of indices into candidates: at most one of a group becomes a region (they share an op, or "
+          "two that would close a kernel cycle).")
       .def_property_readonly(
           "node_reasons",
           [](const PlanHolder& plan) {

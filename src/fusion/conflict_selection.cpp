@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <iterator>
 #include <numeric>
 #include <stdexcept>
 
@@ -18,7 +19,7 @@
 
 namespace metile::fusion_internal {
 
-std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates) {
+ConflictGroups find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates) {
   std::vector<std::vector<int>> holders(node_count);
   for (std::size_t index = 0; index < candidates.size(); ++index) {
     for (NodeId node : candidates[index]) {
@@ -28,20 +29,11 @@ std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<co
       if (holding.empty() || holding.back() != static_cast<int>(index)) holding.push_back(static_cast<int>(index));
     }
   }
-  std::vector<std::vector<int>> overlaps(candidates.size());
-  for (const auto& sharing : holders) {
-    for (std::size_t a = 0; a < sharing.size(); ++a) {
-      for (std::size_t b = a + 1; b < sharing.size(); ++b) {
-        overlaps[static_cast<std::size_t>(sharing[a])].push_back(sharing[b]);
-        overlaps[static_cast<std::size_t>(sharing[b])].push_back(sharing[a]);
-      }
-    }
+  ConflictGroups conflicts(candidates.size());
+  for (std::vector<int>& sharing : holders) {
+    if (sharing.size() >= 2) conflicts.add_group(std::move(sharing));
   }
-  for (auto& list : overlaps) {
-    std::sort(list.begin(), list.end());
-    list.erase(std::unique(list.begin(), list.end()), list.end());
-  }
-  return overlaps;
+  return conflicts;
 }
 
 std::vector<std::vector<int>> find_kernel_cycles(const ComputeGraph& graph, std::span<const std::vector<NodeId>> regions,
@@ -178,10 +170,13 @@ std::vector<std::vector<int>> find_kernel_cycles(const ComputeGraph& graph, std:
 
 namespace {
 
-// Local view of one component: members in ascending candidate order.
+// Local view of one component: members in ascending candidate order, and the conflict groups among
+// them. Neighbour lists (local indices) are built only where every group is a pair (the min cut's
+// network); a group of three or more is a triangle, so such a component is not bipartite.
 struct Component {
   std::vector<int> members;
-  std::vector<std::vector<int>> neighbours;  // local indices
+  std::vector<int> groups;  // indices into ConflictGroups::groups(), ascending
+  std::vector<std::vector<int>> neighbours;
 };
 
 std::vector<int> colour_two_ways(const Component& component) {
@@ -236,7 +231,7 @@ std::vector<bool> select_by_min_cut(const Component& component, const std::vecto
 // take-before-skip, pruned by the weight still available.
 class BranchAndBound {
  public:
-  BranchAndBound(const Component& component, std::span<const std::int64_t> weights) {
+  BranchAndBound(const Component& component, const ConflictGroups& conflicts, std::span<const std::int64_t> weights) {
     const std::size_t count = component.members.size();
     order_.resize(count);
     std::iota(order_.begin(), order_.end(), 0);
@@ -247,12 +242,16 @@ class BranchAndBound {
     std::vector<int> position(count);
     for (std::size_t k = 0; k < count; ++k) position[static_cast<std::size_t>(order_[k])] = static_cast<int>(k);
     weight_.resize(count);
-    conflicts_.assign(count, 0);
     for (std::size_t k = 0; k < count; ++k) {
-      const int local = order_[k];
-      weight_[k] = weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(local)])];
-      for (int next : component.neighbours[static_cast<std::size_t>(local)]) {
-        conflicts_[k] |= std::uint64_t{1} << position[static_cast<std::size_t>(next)];
+      weight_[k] = weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(order_[k])])];
+    }
+    // Each group as a mask of positions; a member conflicts with every other position of its groups.
+    conflicts_.assign(count, 0);
+    for (int group : component.groups) {
+      std::uint64_t mask = 0;
+      for (int member : conflicts.groups()[static_cast<std::size_t>(group)]) mask |= std::uint64_t{1} << position_of(component, position, member);
+      for (std::size_t k = 0; k < count; ++k) {
+        if (mask >> k & 1U) conflicts_[k] |= mask & ~(std::uint64_t{1} << k);
       }
     }
   }
@@ -267,6 +266,11 @@ class BranchAndBound {
   }
 
  private:
+  static int position_of(const Component& component, const std::vector<int>& position, int member) {
+    const auto local = std::lower_bound(component.members.begin(), component.members.end(), member) - component.members.begin();
+    return position[static_cast<std::size_t>(local)];
+  }
+
   void search(std::size_t position, std::uint64_t chosen, std::uint64_t blocked, std::int64_t weight) {
     std::int64_t available = weight;
     for (std::size_t k = position; k < weight_.size(); ++k) {
@@ -290,7 +294,10 @@ class BranchAndBound {
   std::uint64_t best_set_ = 0;
 };
 
-std::vector<bool> select_greedily(const Component& component, std::span<const std::int64_t> weights) {
+// By weight, largest first (ties in candidate order), each one taken unless a group of it holds one
+// taken before: linear in the groups' sizes, however large a group.
+std::vector<bool> select_greedily(const Component& component, const ConflictGroups& conflicts,
+                                  std::span<const std::int64_t> weights) {
   std::vector<int> order(component.members.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
@@ -298,11 +305,14 @@ std::vector<bool> select_greedily(const Component& component, std::span<const st
            weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(b)])];
   });
   std::vector<bool> chosen(order.size(), false);
-  std::vector<bool> blocked(order.size(), false);
+  std::vector<char> occupied(conflicts.groups().size(), 0);
   for (int local : order) {
-    if (blocked[static_cast<std::size_t>(local)]) continue;
+    const std::vector<int>& groups = conflicts.groups_of(component.members[static_cast<std::size_t>(local)]);
+    if (std::any_of(groups.begin(), groups.end(), [&](int group) { return occupied[static_cast<std::size_t>(group)] != 0; })) {
+      continue;
+    }
     chosen[static_cast<std::size_t>(local)] = true;
-    for (int next : component.neighbours[static_cast<std::size_t>(local)]) blocked[static_cast<std::size_t>(next)] = true;
+    for (int group : groups) occupied[static_cast<std::size_t>(group)] = 1;
   }
   return chosen;
 }
@@ -311,10 +321,10 @@ std::vector<bool> select_greedily(const Component& component, std::span<const st
 
 namespace {
 
-SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
-                        int max_exact_size, const SelectionOutcome* previous, const std::vector<bool>* changed) {
+SelectionOutcome select(std::span<const std::int64_t> weights, const ConflictGroups& conflicts, int max_exact_size,
+                        const SelectionOutcome* previous, const std::vector<bool>* changed) {
   const std::size_t count = weights.size();
-  if (conflicts.size() != count) throw std::invalid_argument("select_candidates: one conflict list per candidate");
+  if (conflicts.candidate_count() != count) throw std::invalid_argument("select_candidates: one weight per candidate");
   std::int64_t total_weight = 0;
   for (std::int64_t weight : weights) {
     if (weight <= 0) throw std::invalid_argument("select_candidates: weights must be positive");
@@ -326,9 +336,11 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector
     }
     total_weight += weight;
   }
+  const std::vector<std::vector<int>>& groups = conflicts.groups();
   SelectionOutcome outcome;
   outcome.selected.assign(count, false);
   outcome.component_of.assign(count, -1);
+  std::vector<char> group_seen(groups.size(), 0);
   std::vector<int> local_of(count, -1);
   for (std::size_t start = 0; start < count; ++start) {
     if (outcome.component_of[start] >= 0) continue;
@@ -337,22 +349,19 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector
     outcome.component_of[start] = component_index;
     component.members.push_back(static_cast<int>(start));
     for (std::size_t head = 0; head < component.members.size(); ++head) {
-      for (int next : conflicts[static_cast<std::size_t>(component.members[head])]) {
-        if (outcome.component_of[static_cast<std::size_t>(next)] >= 0) continue;
-        outcome.component_of[static_cast<std::size_t>(next)] = component_index;
-        component.members.push_back(next);
+      for (int group : conflicts.groups_of(component.members[head])) {
+        if (group_seen[static_cast<std::size_t>(group)]) continue;
+        group_seen[static_cast<std::size_t>(group)] = 1;
+        component.groups.push_back(group);
+        for (int next : groups[static_cast<std::size_t>(group)]) {
+          if (outcome.component_of[static_cast<std::size_t>(next)] >= 0) continue;
+          outcome.component_of[static_cast<std::size_t>(next)] = component_index;
+          component.members.push_back(next);
+        }
       }
     }
     std::sort(component.members.begin(), component.members.end());
-    for (std::size_t local = 0; local < component.members.size(); ++local) {
-      local_of[static_cast<std::size_t>(component.members[local])] = static_cast<int>(local);
-    }
-    component.neighbours.resize(component.members.size());
-    for (std::size_t local = 0; local < component.members.size(); ++local) {
-      for (int next : conflicts[static_cast<std::size_t>(component.members[local])]) {
-        component.neighbours[local].push_back(local_of[static_cast<std::size_t>(next)]);
-      }
-    }
+    std::sort(component.groups.begin(), component.groups.end());
 
     if (previous != nullptr &&
         std::none_of(component.members.begin(), component.members.end(),
@@ -367,9 +376,24 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector
     }
     ConflictComponent summary;
     summary.candidates = component.members;
-    std::vector<bool> chosen;
-    const std::vector<int> colour = colour_two_ways(component);
+    std::vector<int> colour;
+    const bool pairs_only = std::all_of(component.groups.begin(), component.groups.end(),
+                                        [&](int group) { return groups[static_cast<std::size_t>(group)].size() == 2; });
+    if (pairs_only) {
+      for (std::size_t local = 0; local < component.members.size(); ++local) {
+        local_of[static_cast<std::size_t>(component.members[local])] = static_cast<int>(local);
+      }
+      component.neighbours.resize(component.members.size());
+      for (int group : component.groups) {
+        const int a = local_of[static_cast<std::size_t>(groups[static_cast<std::size_t>(group)][0])];
+        const int b = local_of[static_cast<std::size_t>(groups[static_cast<std::size_t>(group)][1])];
+        component.neighbours[static_cast<std::size_t>(a)].push_back(b);
+        component.neighbours[static_cast<std::size_t>(b)].push_back(a);
+      }
+      colour = colour_two_ways(component);
+    }
     summary.bipartite = !colour.empty();
+    std::vector<bool> chosen;
     if (component.members.size() == 1) {
       summary.method = "single";
       chosen = {true};
@@ -378,10 +402,10 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector
       chosen = select_by_min_cut(component, colour, weights);
     } else if (static_cast<int>(component.members.size()) <= max_exact_size) {
       summary.method = "branch_and_bound";
-      chosen = BranchAndBound(component, weights).run();
+      chosen = BranchAndBound(component, conflicts, weights).run();
     } else {
       summary.method = "greedy";
-      chosen = select_greedily(component, weights);
+      chosen = select_greedily(component, conflicts, weights);
     }
     for (std::size_t local = 0; local < chosen.size(); ++local) {
       outcome.selected[static_cast<std::size_t>(component.members[local])] = chosen[local];
@@ -393,13 +417,13 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const std::vector
 
 }  // namespace
 
-SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
+SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const ConflictGroups& conflicts,
                                    int max_exact_size) {
   return select(weights, conflicts, max_exact_size, nullptr, nullptr);
 }
 
 SelectionOutcome reselect_candidates(std::span<const std::int64_t> weights,
-                                     const std::vector<std::vector<int>>& conflicts, int max_exact_size,
+                                     const ConflictGroups& conflicts, int max_exact_size,
                                      const SelectionOutcome& previous, const std::vector<bool>& changed) {
   if (previous.selected.size() != weights.size() || changed.size() != weights.size()) {
     throw std::invalid_argument("reselect_candidates: previous outcome and changed flags must match the candidates");
@@ -412,6 +436,69 @@ SelectionOutcome reselect_candidates(std::span<const std::int64_t> weights,
 namespace metile {
 
 bool is_certified_node(const Node& node) { return node.attributes.has("certificate"); }
+
+const std::vector<int>& ConflictGroups::groups_of(int candidate) const {
+  return groups_of_.at(static_cast<std::size_t>(candidate));
+}
+
+bool ConflictGroups::conflict(int a, int b) const {
+  // Group indices are ascending in each list: a merge finds a shared one.
+  const std::vector<int>& first = groups_of(a);
+  const std::vector<int>& second = groups_of(b);
+  if (a == b) return false;
+  for (auto x = first.begin(), y = second.begin(); x != first.end() && y != second.end();) {
+    if (*x == *y) return true;
+    *x < *y ? ++x : ++y;
+  }
+  return false;
+}
+
+std::vector<int> ConflictGroups::conflicts_of(int candidate) const {
+  std::vector<int> others;
+  for (int group : groups_of(candidate)) {
+    for (int member : groups_[static_cast<std::size_t>(group)]) {
+      if (member != candidate) others.push_back(member);
+    }
+  }
+  std::sort(others.begin(), others.end());
+  others.erase(std::unique(others.begin(), others.end()), others.end());
+  return others;
+}
+
+bool ConflictGroups::add_group(std::vector<int> members) {
+  std::sort(members.begin(), members.end());
+  members.erase(std::unique(members.begin(), members.end()), members.end());
+  for (int member : members) groups_of(member);  // std::out_of_range for a member that is no candidate
+  if (members.size() < 2) return false;
+  // A group holding them all is in every member's list. The ops of a region are mostly held by the
+  // same candidates, so most ops' holders are a group already.
+  std::vector<int> holding = groups_of(members.front());
+  for (std::size_t k = 1; k < members.size() && !holding.empty(); ++k) {
+    const std::vector<int>& next = groups_of(members[k]);
+    std::vector<int> both;
+    std::set_intersection(holding.begin(), holding.end(), next.begin(), next.end(), std::back_inserter(both));
+    holding = std::move(both);
+  }
+  if (!holding.empty()) return false;
+  const auto group = static_cast<int>(groups_.size());
+  for (int member : members) groups_of_[static_cast<std::size_t>(member)].push_back(group);
+  groups_.push_back(std::move(members));
+  return true;
+}
+
+void ConflictGroups::append(const ConflictGroups& other) {
+  const auto candidate_offset = static_cast<int>(groups_of_.size());
+  const auto group_offset = static_cast<int>(groups_.size());
+  for (const std::vector<int>& groups : other.groups_of_) {
+    std::vector<int>& shifted = groups_of_.emplace_back(groups);
+    for (int& group : shifted) group += group_offset;
+  }
+  for (const std::vector<int>& members : other.groups_) {
+    std::vector<int>& shifted = groups_.emplace_back(members);
+    for (int& member : shifted) member += candidate_offset;
+  }
+}
+
 
 NodeSetSelection select_disjoint_node_sets(std::size_t node_count, std::span<const std::vector<NodeId>> node_sets,
                                            std::span<const std::int64_t> weights, int max_exact_component_size) {

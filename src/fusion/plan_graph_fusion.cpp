@@ -293,7 +293,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
 // says so.
 struct RoundSelection {
   SelectionOutcome selection;
-  std::vector<std::vector<int>> conflicts;  // overlaps, and the pairs cycles added
+  ConflictGroups conflicts;  // overlaps, and the pairs cycles added
   // Per candidate: -1, or what it would have closed a cycle with: another candidate of the round
   // (its index), or with earlier regions alone (-2 - the index of one of them in `earlier`).
   std::vector<int> dropped_for_cycle;
@@ -363,12 +363,9 @@ RoundSelection select_round(const ComputeGraph& graph, const std::vector<std::ve
         drop(lightest, partner);
         continue;
       }
-      for (auto [a, b] : {std::pair{lightest, partner}, std::pair{partner, lightest}}) {
-        auto& list = round.conflicts[static_cast<std::size_t>(a)];
-        const auto at = std::lower_bound(list.begin(), list.end(), b);
-        if (at == list.end() || *at != b) list.insert(at, b);
-        changed[static_cast<std::size_t>(a)] = true;
-      }
+      round.conflicts.add_group({lightest, partner});
+      changed[static_cast<std::size_t>(lightest)] = true;
+      changed[static_cast<std::size_t>(partner)] = true;
     }
     if (cycle_round <= exact_rounds) {
       round.selection = reselect_candidates(weights, round.conflicts, max_exact_component_size, round.selection, changed);
@@ -402,12 +399,12 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
 
   std::vector<NodeNotes> notes(node_count);
   NeighborhoodScratch scratch(graph);
-  // Every round's candidates, in round order, with their conflicts (candidate indices), components
-  // and whether they were selected.
+  // Every round's candidates, in round order, with their conflicts, components and whether they
+  // were selected.
   std::vector<ProposedRegion> proposals;
   std::vector<std::vector<NodeId>> node_sets;
   std::vector<std::int64_t> weights;
-  std::vector<std::vector<int>> conflicts;
+  ConflictGroups conflicts;
   SelectionOutcome selection;
   std::vector<int> dropped_for_cycle;  // the region it would have closed a cycle with
   std::vector<int> chosen;             // the selected candidates of every round, ascending
@@ -452,12 +449,11 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     }
     RoundSelection picked = select_round(graph, round_sets, round_weights, chosen_sets, rules.max_exact_component_size);
     SelectionOutcome& round_selection = picked.selection;
-    std::vector<std::vector<int>>& round_conflicts = picked.conflicts;
+    conflicts.append(picked.conflicts);
 
     // This round's candidates join the plan's, their indices shifted past the earlier rounds'.
     const auto component_offset = static_cast<int>(selection.components.size());
     for (std::size_t index = 0; index < kept.size(); ++index) {
-      for (int& other : round_conflicts[index]) other += offset;
       const bool selected = round_selection.selected[index] != 0;
       selection.selected.push_back(selected);
       selection.component_of.push_back(round_selection.component_of[index] + component_offset);
@@ -504,7 +500,6 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     for (std::size_t index = 0; index < round_sets.size(); ++index) {
       node_sets.push_back(std::move(round_sets[index]));
       weights.push_back(round_weights[index]);
-      conflicts.push_back(std::move(round_conflicts[index]));
     }
     if (!loser_left) break;
   }
@@ -558,12 +553,12 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     candidate.anchor = proposals[index].anchor;
     candidate.nodes = proposals[index].nodes;
     candidate.benefit_ns = proposals[index].benefit_ns;
-    candidate.conflicts = conflicts[index];
     candidate.component = selection.component_of[index];
     if (selection.selected[index]) candidate.region = region_of_node[static_cast<std::size_t>(candidate.nodes.front())];
     plan.candidates.push_back(std::move(candidate));
   }
   plan.components = std::move(selection.components);
+  plan.conflicts = std::move(conflicts);
 
   // The best losing candidate of each node, and the region that beat it.
   std::vector<int> best_loser(node_count, -1);
@@ -573,6 +568,14 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     for (NodeId node : candidate.nodes) {
       int& best = best_loser[static_cast<std::size_t>(node)];
       if (best < 0 || weights[index] > weights[static_cast<std::size_t>(best)]) best = static_cast<int>(index);
+    }
+  }
+  // The selected candidate of each conflict group, if any: reading it per group, not per pair, keeps
+  // the reasons linear when thousands of candidates share one op.
+  std::vector<int> region_in_group(plan.conflicts.groups().size(), -1);
+  for (std::size_t group = 0; group < region_in_group.size(); ++group) {
+    for (int member : plan.conflicts.groups()[group]) {
+      if (plan.candidates[static_cast<std::size_t>(member)].region >= 0) region_in_group[group] = member;
     }
   }
   plan.node_reasons.resize(node_count);
@@ -607,10 +610,11 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       reason = fmt::format("its {} region was dropped: with {} it would close a cycle between kernels", loser.rule,
                            partner_region >= 0 ? fmt::format("region R{}", partner_region + 1) : "other regions");
     } else {
+      // The heaviest region among the loser's groups (each holds one at most).
       int winner = -1;
-      for (int other : loser.conflicts) {
-        const FusionCandidate& rival = plan.candidates[static_cast<std::size_t>(other)];
-        if (rival.region >= 0 && (winner < 0 || weights[static_cast<std::size_t>(other)] > weights[static_cast<std::size_t>(winner)])) {
+      for (int group : plan.conflicts.groups_of(best_loser[id])) {
+        const int other = region_in_group[static_cast<std::size_t>(group)];
+        if (other >= 0 && (winner < 0 || weights[static_cast<std::size_t>(other)] > weights[static_cast<std::size_t>(winner)])) {
           winner = other;
         }
       }

@@ -116,9 +116,9 @@ SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& tar
 
 // ---------------------------------------------------------------- conflicts
 
-// Overlap conflicts: for candidate node sets (each ascending), per candidate the
-// ascending indices of the candidates that share a node with it.
-std::vector<std::vector<int>> find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates);
+// Overlap conflicts of candidate node sets (each ascending): one group per op held by two candidates
+// or more (alike groups once).
+ConflictGroups find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates);
 
 // Cycles of the kernel graph, where each region (an ascending node set; regions
 // pairwise disjoint) is one kernel and every other node its own. Per strongly
@@ -140,12 +140,12 @@ struct SelectionOutcome {
 // minimum-weight vertex cover), other components up to `max_exact_size`
 // candidates exactly by branch and bound, larger ones greedily by weight.
 // Weights must be positive.
-SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const std::vector<std::vector<int>>& conflicts,
+SelectionOutcome select_candidates(std::span<const std::int64_t> weights, const ConflictGroups& conflicts,
                                    int max_exact_size);
 // The same after conflicts were added: only components holding a candidate marked
 // in `changed` are solved again; the others keep their choice from `previous`.
 SelectionOutcome reselect_candidates(std::span<const std::int64_t> weights,
-                                     const std::vector<std::vector<int>>& conflicts, int max_exact_size,
+                                     const ConflictGroups& conflicts, int max_exact_size,
                                      const SelectionOutcome& previous, const std::vector<bool>& changed);
 
 }  // namespace metile::fusion_internal

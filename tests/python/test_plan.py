@@ -157,6 +157,10 @@ def test_a_later_selection_round_fuses_the_chains_that_lost_their_shared_produce
     for candidate in plan.candidates:
         if plan.components[candidate.component].round == 2:
             assert candidate.region is not None and not candidate.conflicts
+    # The first round's three chains hold the exp: one conflict group, each excluding the other two.
+    assert len(plan.conflict_groups) == 1 and len(plan.conflict_groups[0]) == 3
+    for index in plan.conflict_groups[0]:
+        assert sorted(plan.candidates[index].conflicts) == sorted(set(plan.conflict_groups[0]) - {index})
     assert "2 rounds (each later one over the ops left unfused)" in str(plan)
 
 

@@ -374,10 +374,14 @@ TEST(Planner, ReadersThatLostTheirSharedProducerStillFuseInALaterRound) {
     for (const ConflictComponent& component : plan.components) rounds = std::max(rounds, component.round);
     EXPECT_EQ(rounds, 2);
     EXPECT_NE(plan.explain().find(", 2 rounds (each later one over the ops left unfused)"), std::string::npos);
-    // Later rounds' candidates conflict with no earlier one: the clique of the first round only.
-    for (const FusionCandidate& candidate : plan.candidates) {
+    // Later rounds' candidates conflict with no earlier one: the clique of the first round only, one
+    // group (the holders of the shared exp), not readers^2 pairs.
+    ASSERT_EQ(plan.conflicts.groups().size(), 1u);
+    EXPECT_EQ(plan.conflicts.groups().front().size(), static_cast<std::size_t>(readers));
+    for (std::size_t index = 0; index < plan.candidates.size(); ++index) {
+      const FusionCandidate& candidate = plan.candidates[index];
       const bool first_round = plan.components[static_cast<std::size_t>(candidate.component)].round == 1;
-      EXPECT_EQ(candidate.conflicts.size(), first_round ? static_cast<std::size_t>(readers - 1) : 0u);
+      EXPECT_EQ(plan.conflicts.conflicts_of(static_cast<int>(index)).size(), first_round ? static_cast<std::size_t>(readers - 1) : 0u);
     }
     const TensorMap inputs =
         random_inputs(*plan.graph, testing::test_seed("Planner.ReadersThatLostTheirSharedProducerStillFuseInALaterRound"));

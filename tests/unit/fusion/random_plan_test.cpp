@@ -214,6 +214,15 @@ ConflictCase random_conflicts(std::mt19937_64& random, int count, bool bipartite
   return result;
 }
 
+// The pairwise lists as conflict groups of two.
+ConflictGroups groups_of_lists(const std::vector<std::vector<int>>& lists) {
+  ConflictGroups groups(lists.size());
+  for (std::size_t a = 0; a < lists.size(); ++a) {
+    for (int b : lists[a]) groups.add_group({static_cast<int>(a), b});
+  }
+  return groups;
+}
+
 std::int64_t best_independent_set(const ConflictCase& problem) {
   const std::size_t count = problem.weights.size();
   std::int64_t best = 0;
@@ -234,7 +243,7 @@ TEST(ConflictSelection, ExactComponentsMatchBruteForce) {
   std::mt19937_64 random(testing::test_seed("ConflictSelection.ExactComponentsMatchBruteForce"));
   for (int round = 0; round < 600; ++round) {
     const ConflictCase problem = random_conflicts(random, 2 + round % 13, round % 2 == 0);
-    const auto outcome = fusion_internal::select_candidates(problem.weights, problem.conflicts, 24);
+    const auto outcome = fusion_internal::select_candidates(problem.weights, groups_of_lists(problem.conflicts), 24);
     std::int64_t total = 0;
     for (std::size_t a = 0; a < problem.weights.size(); ++a) {
       if (!outcome.selected[a]) continue;
@@ -251,21 +260,112 @@ TEST(ConflictSelection, ExactComponentsMatchBruteForce) {
   }
 }
 
+// Groups of two to five candidates (every two of a group conflict), as the planner makes them when
+// several candidates hold one op: the exact methods against brute force over the pairs the groups
+// imply; greedy (the exact bound cut to one) independent and maximal.
+TEST(ConflictSelection, GroupsOfSeveralCandidatesMatchBruteForce) {
+  const std::uint64_t seed = testing::test_seed("ConflictSelection.GroupsOfSeveralCandidatesMatchBruteForce");
+  std::mt19937_64 random(seed);
+  int several = 0;
+  for (int round = 0; round < 400; ++round) {
+    const int count = 2 + round % 12;
+    ConflictCase problem;
+    std::uniform_int_distribution<std::int64_t> weight(1, 50);
+    for (int k = 0; k < count; ++k) problem.weights.push_back(weight(random));
+    ConflictGroups groups(static_cast<std::size_t>(count));
+    const int group_count = std::uniform_int_distribution<int>(0, count)(random);
+    for (int g = 0; g < group_count; ++g) {
+      std::vector<int> members;
+      const int size = std::uniform_int_distribution<int>(1, std::min(count, 5))(random);
+      for (int m = 0; m < size; ++m) members.push_back(std::uniform_int_distribution<int>(0, count - 1)(random));
+      groups.add_group(members);
+    }
+    problem.conflicts.resize(static_cast<std::size_t>(count));
+    for (const std::vector<int>& group : groups.groups()) {
+      ASSERT_GE(group.size(), 2u);
+      ASSERT_TRUE(std::is_sorted(group.begin(), group.end()));
+      several += group.size() > 2;
+      for (int a : group) {
+        for (int b : group) {
+          if (a != b) problem.conflicts[static_cast<std::size_t>(a)].push_back(b);
+        }
+      }
+    }
+    for (int a = 0; a < count; ++a) {
+      std::vector<int>& list = problem.conflicts[static_cast<std::size_t>(a)];
+      std::sort(list.begin(), list.end());
+      list.erase(std::unique(list.begin(), list.end()), list.end());
+      ASSERT_EQ(groups.conflicts_of(a), list) << "seed " << seed << " round " << round;
+      for (int b = 0; b < count; ++b) {
+        ASSERT_EQ(groups.conflict(a, b), std::binary_search(list.begin(), list.end(), b)) << "seed " << seed;
+      }
+    }
+    for (const int bound : {24, 1}) {
+      const auto outcome = fusion_internal::select_candidates(problem.weights, groups, bound);
+      std::int64_t total = 0;
+      for (int a = 0; a < count; ++a) {
+        const bool taken = outcome.selected[static_cast<std::size_t>(a)];
+        total += taken ? problem.weights[static_cast<std::size_t>(a)] : 0;
+        bool blocked = false;
+        for (int b : problem.conflicts[static_cast<std::size_t>(a)]) {
+          ASSERT_FALSE(taken && outcome.selected[static_cast<std::size_t>(b)]) << "seed " << seed << " round " << round;
+          blocked = blocked || outcome.selected[static_cast<std::size_t>(b)];
+        }
+        ASSERT_TRUE(taken || blocked) << "not maximal: seed " << seed << " round " << round;
+      }
+      if (bound == 24) {
+        EXPECT_EQ(total, best_independent_set(problem)) << "seed " << seed << " round " << round;
+      }
+      for (const ConflictComponent& component : outcome.components) {
+        // A group of three is a triangle: no component holding one is bipartite.
+        bool triangle = false;
+        for (int member : component.candidates) {
+          for (int group : groups.groups_of(member)) triangle = triangle || groups.groups()[static_cast<std::size_t>(group)].size() > 2;
+        }
+        if (triangle) {
+          EXPECT_FALSE(component.bipartite);
+        }
+      }
+    }
+  }
+  EXPECT_GT(several, 100);
+}
+
+TEST(ConflictSelection, ConflictGroupsKeepEachGroupOnceAndAppendShifted) {
+  ConflictGroups groups(4);
+  EXPECT_TRUE(groups.add_group({2, 0, 1, 2}));
+  EXPECT_FALSE(groups.add_group({1, 0}));      // {0, 1, 2} holds them
+  EXPECT_FALSE(groups.add_group({3}));         // fewer than two
+  EXPECT_TRUE(groups.add_group({3, 2}));
+  EXPECT_THROW(groups.add_group({0, 4}), std::out_of_range);
+  EXPECT_EQ(groups.groups(), (std::vector<std::vector<int>>{{0, 1, 2}, {2, 3}}));
+  EXPECT_EQ(groups.groups_of(2), (std::vector<int>{0, 1}));
+  EXPECT_EQ(groups.conflicts_of(2), (std::vector<int>{0, 1, 3}));
+  EXPECT_FALSE(groups.conflict(0, 3));
+  ConflictGroups later(2);
+  later.add_group({0, 1});
+  groups.append(later);
+  EXPECT_EQ(groups.candidate_count(), 6u);
+  EXPECT_EQ(groups.groups().back(), (std::vector<int>{4, 5}));
+  EXPECT_EQ(groups.groups_of(5), (std::vector<int>{2}));
+  EXPECT_FALSE(groups.conflict(3, 4));
+}
+
 TEST(ConflictSelection, MiddleLosesToOuterPairAndOddCycleIsExact) {
   // 0 - 1 - 2: the middle (weight 5) against two outer ones (3 + 3).
   const std::vector<std::int64_t> path_weights = {3, 5, 3};
-  const auto path = fusion_internal::select_candidates(path_weights, {{1}, {0, 2}, {1}}, 24);
+  const auto path = fusion_internal::select_candidates(path_weights, groups_of_lists({{1}, {0, 2}, {1}}), 24);
   EXPECT_EQ(path.selected, (std::vector<bool>{true, false, true}));
   EXPECT_EQ(path.components.at(0).method, "min_cut");
   // A five-cycle is not bipartite; at most two non-adjacent members. The best
   // pair is {0, 3} (6 + 6), which greedy misses by taking the heaviest (4) first.
   const std::vector<std::int64_t> cycle_weights = {6, 1, 1, 6, 7};
-  const auto cycle = fusion_internal::select_candidates(cycle_weights, {{1, 4}, {0, 2}, {1, 3}, {2, 4}, {3, 0}}, 24);
+  const auto cycle = fusion_internal::select_candidates(cycle_weights, groups_of_lists({{1, 4}, {0, 2}, {1, 3}, {2, 4}, {3, 0}}), 24);
   EXPECT_EQ(cycle.components.at(0).method, "branch_and_bound");
   EXPECT_FALSE(cycle.components.at(0).bipartite);
   EXPECT_EQ(cycle.selected, (std::vector<bool>{true, false, false, true, false}));
   // Too large for the exact search: greedy, still independent and maximal.
-  const auto greedy = fusion_internal::select_candidates(cycle_weights, {{1, 4}, {0, 2}, {1, 3}, {2, 4}, {3, 0}}, 4);
+  const auto greedy = fusion_internal::select_candidates(cycle_weights, groups_of_lists({{1, 4}, {0, 2}, {1, 3}, {2, 4}, {3, 0}}), 4);
   EXPECT_EQ(greedy.components.at(0).method, "greedy");
   // Heaviest first (4, blocking 3 and 0), then the heaviest still free (1, before 2 on a tie).
   EXPECT_EQ(greedy.selected, (std::vector<bool>{false, true, false, false, true}));
@@ -339,13 +439,13 @@ TEST(ConflictSelection, WeightsSummingPastTheCapacityLimitAreRefused) {
     for (int i = 0; i < 5; ++i) {
       huge.push_back(std::uniform_int_distribution<std::int64_t>(std::int64_t{1} << 61, INT64_MAX)(random));
     }
-    EXPECT_THROW(fusion_internal::select_candidates(huge, cycle, 24), std::invalid_argument) << "round " << round;
+    EXPECT_THROW(fusion_internal::select_candidates(huge, groups_of_lists(cycle), 24), std::invalid_argument) << "round " << round;
     // Just within the limit: exact, as for small weights.
     std::vector<std::int64_t> large;
     for (int i = 0; i < 5; ++i) {
       large.push_back(std::uniform_int_distribution<std::int64_t>(1, kIntegerCapacitySumLimit / 5)(random));
     }
-    const auto outcome = fusion_internal::select_candidates(large, cycle, 24);
+    const auto outcome = fusion_internal::select_candidates(large, groups_of_lists(cycle), 24);
     std::int64_t total = 0;
     for (std::size_t i = 0; i < large.size(); ++i) total += outcome.selected[i] ? large[i] : 0;
     EXPECT_EQ(total, best_independent_set({large, cycle})) << "round " << round;
@@ -378,7 +478,7 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
         std::vector<NodeId> shared;
         std::set_intersection(first.nodes.begin(), first.nodes.end(), second.nodes.begin(), second.nodes.end(),
                               std::back_inserter(shared));
-        const bool listed = std::binary_search(first.conflicts.begin(), first.conflicts.end(), static_cast<int>(b));
+        const bool listed = plan.conflicts.conflict(static_cast<int>(a), static_cast<int>(b));
         if (round_of(first) != round_of(second)) {
           ASSERT_FALSE(listed);
           // The later one holds no op of the earlier one's region.
@@ -387,7 +487,9 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
         } else if (!shared.empty()) {
           ASSERT_TRUE(listed);
         }
-        ASSERT_EQ(listed, std::binary_search(second.conflicts.begin(), second.conflicts.end(), static_cast<int>(a)));
+        ASSERT_EQ(listed, plan.conflicts.conflict(static_cast<int>(b), static_cast<int>(a)));
+        const std::vector<int> others = plan.conflicts.conflicts_of(static_cast<int>(a));
+        ASSERT_EQ(listed, std::binary_search(others.begin(), others.end(), static_cast<int>(b)));
       }
     }
     // Round r + 1 runs only while a losing candidate of round r holds an op that no region of rounds
@@ -418,7 +520,7 @@ TEST(RandomGraphs, PlansAreLegalOptimalPerComponentAndRunBitForBit) {
       for (int member : component.candidates) {
         problem.weights.push_back(to_picoseconds(plan.candidates[static_cast<std::size_t>(member)].benefit_ns));
         std::vector<int> local;
-        for (int other : plan.candidates[static_cast<std::size_t>(member)].conflicts) {
+        for (int other : plan.conflicts.conflicts_of(member)) {
           local.push_back(static_cast<int>(std::lower_bound(component.candidates.begin(), component.candidates.end(), other) -
                                            component.candidates.begin()));
         }
