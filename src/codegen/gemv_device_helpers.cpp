@@ -38,6 +38,12 @@ constexpr int kThreads = kWarps * 32;
 [[maybe_unused]] constexpr u32 kHalfOnes = 0x3C003C00u;
 [[maybe_unused]] constexpr u32 kHalfOddScales = kOddCodeScale == 16.0f ? 0x4C004C00u : 0x3C003C00u;
 
+// Every global load below is `asm volatile`: a load guarded by a bound (`if (live) v = load(...)`, the
+// last partial iteration, a tile's rows past N, x's vectors past K) must stay under its guard. Plain
+// `asm` is a pure function to the compiler, which hoisted such loads out of their guards and read past
+// the buffers: compute-sanitizer's memcheck found the normalized LM head (K = 200, a 4-warp block)
+// reading 48 bytes past x and past the norm's weight (session 45, notes/gpu_check.md). Where the loads
+// run relative to the math is the source's order (the batches, the double buffer), as it was.
 // Weights are read once: keep them out of L1, where x lives. Dense weights stay in the graph's row-major
 // layout, so one warp-wide load touches 64 bytes of each of 8 rows: the L2::256B hint has L2 fetch 256
 // bytes of each row from DRAM, which the next iterations' loads then find in L2 (Llama-3-8B bf16 gate/up
@@ -46,10 +52,10 @@ constexpr int kThreads = kWarps * 32;
 __device__ __forceinline__ uint4 load_weights(const void* address) {
   uint4 v;
   if constexpr (kBits == 16) {
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
   } else {
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
   }
   return v;
@@ -63,15 +69,15 @@ __device__ __forceinline__ uint4 load_weights(const void* address) {
 __device__ __forceinline__ uint4 load_activations(const void* address) {
   uint4 v;
   if constexpr (kXWrittenInKernel) {
-    asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
   } else {
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(address));
   }
   return v;
 }
 __device__ __forceinline__ uint2 load_scale_bias(const void* address) {
   uint2 v;
-  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(address));
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(address));
   return v;
 }
 

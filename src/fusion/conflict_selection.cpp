@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <iterator>
 #include <numeric>
 #include <stdexcept>
 
@@ -297,15 +296,16 @@ class BranchAndBound {
 // By weight, largest first (ties in candidate order), each one taken unless a group of it holds one
 // taken before: linear in the groups' sizes, however large a group.
 std::vector<bool> select_greedily(const Component& component, const ConflictGroups& conflicts,
-                                  std::span<const std::int64_t> weights) {
+                                  std::span<const std::int64_t> weights, std::vector<char>& occupied) {
   std::vector<int> order(component.members.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
     return weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(a)])] >
            weights[static_cast<std::size_t>(component.members[static_cast<std::size_t>(b)])];
   });
+  // `occupied`: one flag per group of the whole problem, all clear on entry and again on return (only
+  // this component's are set), so that many small greedy components cost their own groups alone.
   std::vector<bool> chosen(order.size(), false);
-  std::vector<char> occupied(conflicts.groups().size(), 0);
   for (int local : order) {
     const std::vector<int>& groups = conflicts.groups_of(component.members[static_cast<std::size_t>(local)]);
     if (std::any_of(groups.begin(), groups.end(), [&](int group) { return occupied[static_cast<std::size_t>(group)] != 0; })) {
@@ -314,6 +314,7 @@ std::vector<bool> select_greedily(const Component& component, const ConflictGrou
     chosen[static_cast<std::size_t>(local)] = true;
     for (int group : groups) occupied[static_cast<std::size_t>(group)] = 1;
   }
+  for (int group : component.groups) occupied[static_cast<std::size_t>(group)] = 0;
   return chosen;
 }
 
@@ -341,6 +342,7 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const ConflictGro
   outcome.selected.assign(count, false);
   outcome.component_of.assign(count, -1);
   std::vector<char> group_seen(groups.size(), 0);
+  std::vector<char> occupied(groups.size(), 0);  // select_greedily's scratch
   std::vector<int> local_of(count, -1);
   for (std::size_t start = 0; start < count; ++start) {
     if (outcome.component_of[start] >= 0) continue;
@@ -405,7 +407,7 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const ConflictGro
       chosen = BranchAndBound(component, conflicts, weights).run();
     } else {
       summary.method = "greedy";
-      chosen = select_greedily(component, conflicts, weights);
+      chosen = select_greedily(component, conflicts, weights, occupied);
     }
     for (std::size_t local = 0; local < chosen.size(); ++local) {
       outcome.selected[static_cast<std::size_t>(component.members[local])] = chosen[local];
@@ -470,16 +472,16 @@ bool ConflictGroups::add_group(std::vector<int> members) {
   members.erase(std::unique(members.begin(), members.end()), members.end());
   for (int member : members) groups_of(member);  // std::out_of_range for a member that is no candidate
   if (members.size() < 2) return false;
-  // A group holding them all is in every member's list. The ops of a region are mostly held by the
-  // same candidates, so most ops' holders are a group already.
-  std::vector<int> holding = groups_of(members.front());
-  for (std::size_t k = 1; k < members.size() && !holding.empty(); ++k) {
-    const std::vector<int>& next = groups_of(members[k]);
-    std::vector<int> both;
-    std::set_intersection(holding.begin(), holding.end(), next.begin(), next.end(), std::back_inserter(both));
-    holding = std::move(both);
+  // A group holding them all is one of the groups of the member in fewest (the ops of a region are
+  // mostly held by the same candidates, so most ops' holders are a group already). Searching that
+  // member's list, not copying the longest, keeps a candidate that overlaps many others linear.
+  const int fewest = *std::min_element(members.begin(), members.end(), [&](int a, int b) {
+    return groups_of(a).size() < groups_of(b).size();
+  });
+  for (int group : groups_of(fewest)) {
+    const std::vector<int>& held = groups_[static_cast<std::size_t>(group)];
+    if (held.size() >= members.size() && std::includes(held.begin(), held.end(), members.begin(), members.end())) return false;
   }
-  if (!holding.empty()) return false;
   const auto group = static_cast<int>(groups_.size());
   for (int member : members) groups_of_[static_cast<std::size_t>(member)].push_back(group);
   groups_.push_back(std::move(members));
@@ -487,6 +489,7 @@ bool ConflictGroups::add_group(std::vector<int> members) {
 }
 
 void ConflictGroups::append(const ConflictGroups& other) {
+  if (&other == this) return append(ConflictGroups(other));  // appending to itself: from a copy
   const auto candidate_offset = static_cast<int>(groups_of_.size());
   const auto group_offset = static_cast<int>(groups_.size());
   for (const std::vector<int>& groups : other.groups_of_) {

@@ -614,7 +614,9 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
       int winner = -1;
       for (int group : plan.conflicts.groups_of(best_loser[id])) {
         const int other = region_in_group[static_cast<std::size_t>(group)];
-        if (other >= 0 && (winner < 0 || weights[static_cast<std::size_t>(other)] > weights[static_cast<std::size_t>(winner)])) {
+        // Ties go to the lower candidate index (the groups come in op order, not candidate order).
+        if (other >= 0 && (winner < 0 || weights[static_cast<std::size_t>(other)] > weights[static_cast<std::size_t>(winner)] ||
+                           (weights[static_cast<std::size_t>(other)] == weights[static_cast<std::size_t>(winner)] && other < winner))) {
           winner = other;
         }
       }

@@ -5,6 +5,7 @@
 // determinism of the JSON.
 #include <algorithm>
 
+#include <fmt/core.h>
 #include <gtest/gtest.h>
 
 #include "fusion_test_support.h"
@@ -350,6 +351,52 @@ TEST(Planner, OddConflictCycleStillGivesALegalExactPlan) {
 // others' ops kept a kernel each (2n - 1 kernels for 2n + 1 ops) until a second selection round
 // proposed again over the ops the first left: now each other chain is a region of its own that reads
 // the exp (n kernels), and the plan runs kernel by kernel as the graph does.
+// A loser that lost to two regions of equal benefit names the one of the lower candidate index (the
+// first it conflicts with), as the pairwise conflict lists did; its conflict groups come in op order
+// (the review of session 45's groups found R2 named here).
+TEST(Planner, ALoserBetweenTwoEqualWinnersNamesTheFirstCandidate) {
+  const ComputeGraph graph = parse_graph_json(R"({
+    "inputs": [{"name": "x", "shape": [2, 32], "dtype": "f32"}, {"name": "x2", "shape": [2, 32], "dtype": "f32"},
+               {"name": "in0", "shape": [32, 32], "dtype": "f32"}, {"name": "in1", "shape": [32], "dtype": "f32"}],
+    "nodes": [
+      {"name": "subtract_0", "op": "subtract", "inputs": ["x2", "x"]},
+      {"name": "subtract_1", "op": "subtract", "inputs": ["x", "subtract_0"]},
+      {"name": "matmul_0", "op": "matmul", "inputs": ["subtract_0", "in0"], "attrs": {"transpose_right": 0}},
+      {"name": "rms_norm_0", "op": "rms_norm", "inputs": ["subtract_0", "in1"], "attrs": {"eps": 1e-05}},
+      {"name": "add_0", "op": "add", "inputs": ["rms_norm_0", "subtract_1"]},
+      {"name": "subtract_2", "op": "subtract", "inputs": ["add_0", "matmul_0"]}],
+    "outputs": ["subtract_2", "add_0"]})");
+  const FusionPlan plan = plan_graph_fusion(graph, FusionTarget::h200());
+  ASSERT_EQ(plan_problems(plan), "");
+  const std::string reason = reason_of(plan, "subtract_1");
+  ASSERT_NE(reason.find("lost to region R"), std::string::npos) << plan.explain();
+  // The winners it conflicts with: the heaviest, the lowest candidate index among equals.
+  int winner = -1;
+  // The reason's loser: the heaviest losing candidate holding the op (the first among equals).
+  int loser = -1;
+  for (std::size_t index = 0; index < plan.candidates.size(); ++index) {
+    const FusionCandidate& candidate = plan.candidates[index];
+    const NodeId op = *graph.find_node("subtract_1");
+    if (candidate.region >= 0 || std::find(candidate.nodes.begin(), candidate.nodes.end(), op) == candidate.nodes.end()) continue;
+    if (loser < 0 || candidate.benefit_ns > plan.candidates[static_cast<std::size_t>(loser)].benefit_ns) loser = static_cast<int>(index);
+  }
+  ASSERT_GE(loser, 0);
+  int equal_winners = 0;
+  for (int other : plan.conflicts.conflicts_of(loser)) {
+    const FusionCandidate& rival = plan.candidates[static_cast<std::size_t>(other)];
+    if (rival.region < 0) continue;
+    // Selection weighs whole picoseconds (these two regions' benefits differ in the last bits of a double).
+    const auto weight = [&](int candidate) { return fusion_internal::to_picoseconds(plan.candidates[static_cast<std::size_t>(candidate)].benefit_ns); };
+    if (winner >= 0 && weight(other) == weight(winner)) ++equal_winners;
+    if (winner < 0 || weight(other) > weight(winner)) winner = other;
+  }
+  EXPECT_EQ(equal_winners, 1) << plan.explain();  // the case this test is for: a tie
+  ASSERT_GE(winner, 0);
+  EXPECT_NE(reason.find(fmt::format("lost to region R{} ", plan.candidates[static_cast<std::size_t>(winner)].region + 1)),
+            std::string::npos)
+      << reason;
+}
+
 TEST(Planner, ReadersThatLostTheirSharedProducerStillFuseInALaterRound) {
   for (const int readers : {2, 5, 40}) {
     GraphBuilder builder;

@@ -349,6 +349,10 @@ TEST(ConflictSelection, ConflictGroupsKeepEachGroupOnceAndAppendShifted) {
   EXPECT_EQ(groups.groups().back(), (std::vector<int>{4, 5}));
   EXPECT_EQ(groups.groups_of(5), (std::vector<int>{2}));
   EXPECT_FALSE(groups.conflict(3, 4));
+  groups.append(groups);  // itself: from a copy
+  EXPECT_EQ(groups.candidate_count(), 12u);
+  EXPECT_EQ(groups.groups().back(), (std::vector<int>{10, 11}));
+  EXPECT_EQ(groups.conflicts_of(8), (std::vector<int>{6, 7, 9}));
 }
 
 TEST(ConflictSelection, MiddleLosesToOuterPairAndOddCycleIsExact) {
