@@ -19,6 +19,7 @@
 #include <string>
 #include <utility>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "metile/decision.h"
@@ -294,9 +295,10 @@ class ConflictGroups {
   bool conflict(int a, int b) const;  // a and b in one group (false for a == b)
   // The candidates `candidate` excludes, ascending (its groups' members but itself).
   std::vector<int> conflicts_of(int candidate) const;
-  // `members` (any order; repeats ignored) as a group, unless they are fewer than two or one group
-  // holds them all already; returns whether it added one. std::out_of_range for a member that is no
-  // candidate.
+  // `members` (any order; repeats ignored) as a group, unless they are fewer than two or the same group
+  // is there already; returns whether it added one. std::out_of_range for a member that is no candidate.
+  // (A group inside a larger one is kept: it changes no selection, and looking for one cost a
+  // candidate's groups per group added.)
   bool add_group(std::vector<int> members);
   // `other`'s candidates appended after these (candidate k of `other` becomes candidate_count() + k),
   // with their groups.
@@ -305,6 +307,7 @@ class ConflictGroups {
  private:
   std::vector<std::vector<int>> groups_;
   std::vector<std::vector<int>> groups_of_;
+  std::unordered_multimap<std::uint64_t, int> groups_by_hash_;  // the same group once
 };
 
 // A region some rule proposed, and what conflict selection made of it.
@@ -319,7 +322,10 @@ struct FusionCandidate {
 
 struct ConflictComponent {
   std::vector<int> candidates;   // ascending candidate indices
-  std::string method;            // "single", "min_cut", "branch_and_bound", "greedy"
+  // "single", "min_cut", "branch_and_bound" or "greedy", with "+cycle_drops" where regions it chose were
+  // dropped to break kernel cycles. A bipartite component whose weights the min cut's network cannot
+  // carry (integer_capacity_totals_problem, flow.h) is solved as a non-bipartite one.
+  std::string method;
   bool bipartite = true;
   int round = 1;                 // the selection round that proposed them: 1, or a later round over
                                  // the ops the regions chosen before left (plan_graph_fusion)

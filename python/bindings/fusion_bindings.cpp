@@ -431,7 +431,8 @@ void bind_plan(py::module_& module) {
                              [](const ConflictComponentView& view) { return view.component().candidates; })
       .def_property_readonly(
           "method", [](const ConflictComponentView& view) { return view.component().method; },
-          "single, min_cut, branch_and_bound or greedy.")
+          "single, min_cut, branch_and_bound or greedy; '+cycle_drops' appended where chosen regions were dropped "
+          "to break kernel cycles.")
       .def_property_readonly("bipartite",
                              [](const ConflictComponentView& view) { return view.component().bipartite; })
       .def_property_readonly(

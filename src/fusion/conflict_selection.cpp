@@ -19,7 +19,13 @@
 namespace metile::fusion_internal {
 
 ConflictGroups find_overlaps(std::size_t node_count, std::span<const std::vector<NodeId>> candidates) {
-  std::vector<std::vector<int>> holders(node_count);
+  // One holder list per node up to the largest one used: what costs is the sets, not node_count (a
+  // select_disjoint_node_sets caller may name a large id space and use little of it).
+  NodeId largest = -1;
+  for (const std::vector<NodeId>& set : candidates) {
+    for (NodeId node : set) largest = std::max(largest, node);
+  }
+  std::vector<std::vector<int>> holders(std::min(node_count, static_cast<std::size_t>(largest + 1)));
   for (std::size_t index = 0; index < candidates.size(); ++index) {
     for (NodeId node : candidates[index]) {
       // A node listed twice in one set must not make the set conflict with itself: a self
@@ -395,11 +401,20 @@ SelectionOutcome select(std::span<const std::int64_t> weights, const ConflictGro
       colour = colour_two_ways(component);
     }
     summary.bipartite = !colour.empty();
+    // The min cut's network: the members' weights as finite capacities, one infinite edge a conflict
+    // (its capacity, their sum + 1, times the edges must stay within the flow library's arithmetic;
+    // weights near kIntegerCapacitySumLimit / edges are solved as a non-bipartite component is).
+    bool cut_fits = summary.bipartite;
+    if (cut_fits) {
+      std::int64_t sum = 0;
+      for (int member : component.members) sum += weights[static_cast<std::size_t>(member)];
+      cut_fits = integer_capacity_totals_problem(sum, static_cast<int>(component.groups.size())).empty();
+    }
     std::vector<bool> chosen;
     if (component.members.size() == 1) {
       summary.method = "single";
       chosen = {true};
-    } else if (summary.bipartite) {
+    } else if (cut_fits) {
       summary.method = "min_cut";
       chosen = select_by_min_cut(component, colour, weights);
     } else if (static_cast<int>(component.members.size()) <= max_exact_size) {
@@ -439,6 +454,15 @@ namespace metile {
 
 bool is_certified_node(const Node& node) { return node.attributes.has("certificate"); }
 
+namespace {
+// FNV-1a over a group's members (ascending): ConflictGroups finds an alike group by it.
+std::uint64_t group_hash(const std::vector<int>& members) {
+  std::uint64_t hash = 0xcbf29ce484222325ULL;
+  for (int member : members) hash = (hash ^ static_cast<std::uint32_t>(member)) * 0x100000001b3ULL;
+  return hash;
+}
+}  // namespace
+
 const std::vector<int>& ConflictGroups::groups_of(int candidate) const {
   return groups_of_.at(static_cast<std::size_t>(candidate));
 }
@@ -472,17 +496,15 @@ bool ConflictGroups::add_group(std::vector<int> members) {
   members.erase(std::unique(members.begin(), members.end()), members.end());
   for (int member : members) groups_of(member);  // std::out_of_range for a member that is no candidate
   if (members.size() < 2) return false;
-  // A group holding them all is one of the groups of the member in fewest (the ops of a region are
-  // mostly held by the same candidates, so most ops' holders are a group already). Searching that
-  // member's list, not copying the longest, keeps a candidate that overlaps many others linear.
-  const int fewest = *std::min_element(members.begin(), members.end(), [&](int a, int b) {
-    return groups_of(a).size() < groups_of(b).size();
-  });
-  for (int group : groups_of(fewest)) {
-    const std::vector<int>& held = groups_[static_cast<std::size_t>(group)];
-    if (held.size() >= members.size() && std::includes(held.begin(), held.end(), members.begin(), members.end())) return false;
+  // The ops of a region are mostly held by the same candidates: the same group comes again and again,
+  // found by its hash in constant time.
+  const std::uint64_t hash = group_hash(members);
+  const auto [first, last] = groups_by_hash_.equal_range(hash);
+  for (auto at = first; at != last; ++at) {
+    if (groups_[static_cast<std::size_t>(at->second)] == members) return false;
   }
   const auto group = static_cast<int>(groups_.size());
+  groups_by_hash_.emplace(hash, group);
   for (int member : members) groups_of_[static_cast<std::size_t>(member)].push_back(group);
   groups_.push_back(std::move(members));
   return true;
@@ -499,6 +521,7 @@ void ConflictGroups::append(const ConflictGroups& other) {
   for (const std::vector<int>& members : other.groups_) {
     std::vector<int>& shifted = groups_.emplace_back(members);
     for (int& member : shifted) member += candidate_offset;
+    groups_by_hash_.emplace(group_hash(shifted), static_cast<int>(groups_.size()) - 1);
   }
 }
 

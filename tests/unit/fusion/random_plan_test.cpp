@@ -334,7 +334,7 @@ TEST(ConflictSelection, GroupsOfSeveralCandidatesMatchBruteForce) {
 TEST(ConflictSelection, ConflictGroupsKeepEachGroupOnceAndAppendShifted) {
   ConflictGroups groups(4);
   EXPECT_TRUE(groups.add_group({2, 0, 1, 2}));
-  EXPECT_FALSE(groups.add_group({1, 0}));      // {0, 1, 2} holds them
+  EXPECT_FALSE(groups.add_group({1, 2, 0}));   // the same group
   EXPECT_FALSE(groups.add_group({3}));         // fewer than two
   EXPECT_TRUE(groups.add_group({3, 2}));
   EXPECT_THROW(groups.add_group({0, 4}), std::out_of_range);
@@ -349,10 +349,38 @@ TEST(ConflictSelection, ConflictGroupsKeepEachGroupOnceAndAppendShifted) {
   EXPECT_EQ(groups.groups().back(), (std::vector<int>{4, 5}));
   EXPECT_EQ(groups.groups_of(5), (std::vector<int>{2}));
   EXPECT_FALSE(groups.conflict(3, 4));
+  EXPECT_FALSE(groups.add_group({5, 4}));  // an appended group is found again
   groups.append(groups);  // itself: from a copy
   EXPECT_EQ(groups.candidate_count(), 12u);
   EXPECT_EQ(groups.groups().back(), (std::vector<int>{10, 11}));
   EXPECT_EQ(groups.conflicts_of(8), (std::vector<int>{6, 7, 9}));
+  EXPECT_FALSE(groups.add_group({11, 10}));
+  EXPECT_TRUE(groups.add_group({0, 1}));  // inside {0, 1, 2}, yet a group of its own (changes no selection)
+}
+
+// Weights within kIntegerCapacitySumLimit whose min-cut network the flow library cannot carry (each
+// infinite edge's capacity is their sum + 1): the component is solved as a non-bipartite one, exactly
+// when small, instead of the flow library's error (found by an adversarial test, session 45).
+TEST(ConflictSelection, BipartiteWeightsTooLargeForTheCutAreSolvedWithoutIt) {
+  // A path of sets {i, i + 1}: bipartite. Three sets of 2^59: exact, the two outer ones.
+  const std::vector<std::vector<NodeId>> three = {{0, 1}, {1, 2}, {2, 3}};
+  const std::vector<std::int64_t> heavy(3, std::int64_t{1} << 59);
+  const NodeSetSelection small = select_disjoint_node_sets(4, three, heavy);
+  ASSERT_EQ(small.components.size(), 1u);
+  EXPECT_TRUE(small.components[0].bipartite);
+  EXPECT_EQ(small.components[0].method, "branch_and_bound");
+  EXPECT_EQ(small.selected, (std::vector<bool>{true, false, true}));
+  // 3,000 sets of 2^40 (sum 3.3e15, far within the limit): beyond the exact bound, greedy, disjoint.
+  std::vector<std::vector<NodeId>> path;
+  for (int i = 0; i < 3000; ++i) path.push_back({i, i + 1});
+  const NodeSetSelection large = select_disjoint_node_sets(3001, path, std::vector<std::int64_t>(3000, std::int64_t{1} << 40));
+  ASSERT_EQ(large.components.size(), 1u);
+  EXPECT_EQ(large.components[0].method, "greedy");
+  for (int i = 0; i + 1 < 3000; ++i) {
+    ASSERT_FALSE(large.selected[static_cast<std::size_t>(i)] && large.selected[static_cast<std::size_t>(i) + 1]) << i;
+  }
+  // The same path at weight 1 stays a min cut.
+  EXPECT_EQ(select_disjoint_node_sets(3001, path, std::vector<std::int64_t>(3000, 1)).components[0].method, "min_cut");
 }
 
 TEST(ConflictSelection, MiddleLosesToOuterPairAndOddCycleIsExact) {
