@@ -1438,8 +1438,10 @@ std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& bas
     }
     // A vocabulary-wide head races its tile loops first (below): the unlooped two-warp shape took 2.5x
     // the four-tile loop's time at M = 16 and 1.2-1.4x the winner's at M = 1 (session 45, H100).
-    if (!vocabulary_wide) add(2, true);
-    if (!vocabulary_wide) add(4, false);
+    if (!vocabulary_wide) {
+      add(2, true);
+      add(4, false);
+    }
     // A vocabulary-wide N (the LM head: 128256 rows of 2048, 16 iterations of 4-bit) gives each
     // one-tile block a few iterations per warp behind a prologue of its own (the norm of x, the
     // argmax join): 8016 blocks of 2 warps took 117.6 us, 30% of copy, under ncu (Llama-3.2-1B).

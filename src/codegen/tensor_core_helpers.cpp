@@ -74,9 +74,10 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 // The wait, returning `pointer` out of the same asm statement: loads through the result depend on
-// it. x is read with non-volatile `ld.global.nc` asm, which the "memory" clobber does not order:
-// on the H200 (device call 8) ptxas hoisted those loads above a plain wait, and a dependent GEMV
-// read its x before the previous kernel had written it.
+// it. x is read with `ld.global.nc` (read-only data to ptxas), which no "memory" clobber orders: on
+// the H200 (device call 8) ptxas hoisted those loads above a plain wait, and a dependent GEMV read its
+// x before the previous kernel had written it. (The asm is volatile since session 45, which keeps the
+// compiler from moving a load out of its guard; it does not order the load after the wait for ptxas.)
 template <class T>
 __device__ __forceinline__ T* after_previous_kernel(T* pointer) {
 #if __CUDA_ARCH__ >= 900

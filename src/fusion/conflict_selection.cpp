@@ -5,12 +5,14 @@
 //
 //   bipartite (sides X, Y)   s ──w(x)──► x ──∞──► y ──w(y)──► t   one min cut: the cut is a
 //                            minimum-weight vertex cover, its complement the best independent set
+//                            (where the flow library's arithmetic carries the weights)
 //   otherwise, ≤ N members   branch and bound, exact
 //   otherwise                by weight, largest first, skipping conflicts (deterministic)
 #include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <numeric>
+#include <span>
 #include <stdexcept>
 
 #include "metile/flow.h"
@@ -28,8 +30,7 @@ ConflictGroups find_overlaps(std::size_t node_count, std::span<const std::vector
   std::vector<std::vector<int>> holders(std::min(node_count, static_cast<std::size_t>(largest + 1)));
   for (std::size_t index = 0; index < candidates.size(); ++index) {
     for (NodeId node : candidates[index]) {
-      // A node listed twice in one set must not make the set conflict with itself: a self
-      // conflict makes a bipartite component look odd, sending it to branch and bound or greedy.
+      // A node listed twice in one set is held once (add_group would drop the repeat as well).
       auto& holding = holders[static_cast<std::size_t>(node)];
       if (holding.empty() || holding.back() != static_cast<int>(index)) holding.push_back(static_cast<int>(index));
     }
@@ -455,12 +456,8 @@ namespace metile {
 bool is_certified_node(const Node& node) { return node.attributes.has("certificate"); }
 
 namespace {
-// FNV-1a over a group's members (ascending): ConflictGroups finds an alike group by it.
-std::uint64_t group_hash(const std::vector<int>& members) {
-  std::uint64_t hash = 0xcbf29ce484222325ULL;
-  for (int member : members) hash = (hash ^ static_cast<std::uint32_t>(member)) * 0x100000001b3ULL;
-  return hash;
-}
+// A group's members (ascending) hashed: ConflictGroups finds an alike group by it.
+std::uint64_t group_hash(const std::vector<int>& members) { return fnv1a_64(std::as_bytes(std::span(members))); }
 }  // namespace
 
 const std::vector<int>& ConflictGroups::groups_of(int candidate) const {
