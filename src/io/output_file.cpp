@@ -164,7 +164,22 @@ void create_temporary(const fs::path& temporary, const std::string& file, std::o
   }
 }
 
-// Write beside the destination and rename: a reader never sees a half-written file. The temporary
+// Forces the temporary's bytes to the disk before it is renamed over the destination: otherwise a
+// crash soon after the rename can leave the destination's name on an empty or partial file (the
+// rename reaches the journal before the data), losing the old contents and the new.
+void flush_to_disk(const fs::path& temporary, const std::string& file) {
+  const int descriptor = ::open(temporary.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (descriptor < 0) throw InputError(file + ": cannot reopen " + temporary.string() + ": " + std::strerror(errno));
+  int result;
+  do result = ::fsync(descriptor);
+  while (result != 0 && errno == EINTR);
+  const int sync_error = errno;
+  ::close(descriptor);
+  if (result != 0) throw InputError(file + ": write failed: " + std::strerror(sync_error));
+}
+
+// Write beside the destination, flush it to the disk and rename: a reader never sees a half-written
+// file, and a crash leaves the old file or the new one. The temporary
 // name is short (".metile-PID-N.tmp", not the destination's name with a suffix), so that any name
 // the destination may have fits NAME_MAX. A file that is replaced keeps its permission bits (the
 // temporary was created with the umask's, so a 0600 file became 0644 and a 0755 one lost its x).
@@ -177,6 +192,7 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   const RegisteredTemporary registered(temporary);  // until it is renamed or removed
   try {
     write_stream(temporary, file, write);
+    flush_to_disk(temporary, file);
   } catch (...) {
     std::error_code ignored;
     fs::remove(temporary, ignored);
