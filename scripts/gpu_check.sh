@@ -2,7 +2,7 @@
 # One call on a CUDA machine: build the GPU-facing targets (Release, no Python), start the
 # transformers oracle of the model module in the background (CPU only: torch + metile on the
 # CPU), run every GPU test (ctest label `gpu`), compute-sanitizer memcheck over the GEMV and step
-# kernels' suites, `metile run --backend cuda --check` on the
+# kernels' suites (scripts/gpu_sanitize.sh quick), `metile run --backend cuda --check` on the
 # examples, the transformers oracle against the GPU decode engine (--backend cuda), one short
 # row of the model benchmark (benchmarks/model/device_run.sh, Llama-3.2-1B's shapes cut to 4 layers;
 # BENCH_MODEL_ROWS="..." for others, "" for none), the kernel benchmark (row kernels, one-pass
@@ -49,19 +49,10 @@ oracle=$!
 step gpu_tests ${GPU_TESTS_TIMEOUT:-420} ctest --test-dir build/gpu -L gpu -E transformers_oracle -j3 \
   --output-on-failure --timeout 250
 grep -E "tests passed|FAILED|Failed|\*\*\*|Passed|sec$" "$OUT/gpu_tests.log" | tail -24
-# compute-sanitizer's memcheck over the suites of the generated kernels' guarded loads: a load hoisted out
-# of its guard reads past a buffer and changes no result, so only the sanitizer sees it (session 45: the
-# normalized LM head read 48 bytes past x and the norm's weight until the loads became asm volatile).
-# The attention suite's cache-before-the-wait case is left out: the sanitizer serializes kernels, so its
-# writer spins alone and the case reports that it proved nothing.
-sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-if [ -x "$sanitizer" ]; then
-  step memcheck_gemv 150 "$sanitizer" --tool memcheck --error-exitcode 1 build/gpu/tests/gpu/gpu_gemv_lowering_test \
-    --gtest_filter='NormalizedGemv.LmHead*:GemvLowering.LmHead*:GemvLowering.ProjectionCandidates*'
-  step memcheck_step 90 "$sanitizer" --tool memcheck --error-exitcode 1 build/gpu/tests/gpu/gpu_decode_step_test \
-    --gtest_filter='DecodeStepKernels.EveryNewKernel*:DecodeStepKernels.AnOutOfRange*'
-  grep -h -E "ERROR SUMMARY|tests? ran" "$OUT/memcheck_gemv.log" "$OUT/memcheck_step.log" | tail -4
-fi
+# compute-sanitizer's memcheck over the LM-head, projection and step kernels' suites (the quick list of
+# scripts/gpu_sanitize.sh; `scripts/gpu_sanitize.sh all` runs every kernel family, a call of its own).
+step sanitize 250 env OUT="$OUT/sanitize" TIME_LIMIT="$(left)" scripts/gpu_sanitize.sh quick
+cat "$OUT/sanitize.log"
 for example in add_rms_norm decoder_layer; do
   step "run_$example" 60 build/gpu/tools/metile/metile run examples/$example.json --backend cuda --check
   grep -E "^region|^check|error" "$OUT/run_$example.log" | head -12
