@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <optional>
 #include <random>
 #include <string>
@@ -18,6 +19,7 @@
 #include "fusion_test_support.h"
 #include "metile/fusion.h"
 #include "metile/graph.h"
+#include "planner_internal.h"
 
 namespace {
 
@@ -93,6 +95,33 @@ struct Row {
   double saving_us = 0;
 };
 
+// Everything a plan decided, as text: its explanation (regions, every op's reason), JSON, and each
+// candidate, conflict group and component, so two builds' plans can be compared with diff.
+std::string plan_record(const FusionPlan& plan) {
+  std::string text = plan.explain() + plan.to_json() + "\ncandidates:\n";
+  for (const FusionCandidate& candidate : plan.candidates) {
+    text += fmt::format("  {} at {}: benefit {:.17g}, component {}, region {}, nodes", candidate.rule, candidate.anchor,
+                        candidate.benefit_ns, candidate.component, candidate.region);
+    for (NodeId node : candidate.nodes) text += fmt::format(" {}", node);
+    text += "\n";
+  }
+  text += "conflict groups:\n";
+  for (const std::vector<int>& group : plan.conflicts.groups()) {
+    for (int member : group) text += fmt::format(" {}", member);
+    text += "\n";
+  }
+  text += "components:\n";
+  for (const ConflictComponent& component : plan.components) {
+    text += fmt::format("  {} bipartite {} round {}:", component.method, component.bipartite, component.round);
+    for (int member : component.candidates) text += fmt::format(" {}", member);
+    text += "\n";
+  }
+  return text;
+}
+
+// With --plans, each row's plan_record is appended to this file.
+std::ofstream plans_file;
+
 Row measure(const std::string& name, const ComputeGraph& graph, int repetitions) {
   std::vector<double> times;
   FusionPlan plan;
@@ -115,10 +144,15 @@ Row measure(const std::string& name, const ComputeGraph& graph, int repetitions)
     row.rounds = std::max(row.rounds, component.round);
   }
   row.median_ms = times[times.size() / 2];
+  // The graph-output flags once (the public estimate_region finds them per call: O(regions x outputs)).
+  const fusion_internal::GraphIndex index(graph);
   for (const FusionRegion& region : plan.regions) {
-    row.bytes_avoided += static_cast<double>(estimate_region(graph, region.nodes, FusionTarget::h200()).memory_bytes_avoided);
+    row.bytes_avoided += static_cast<double>(
+        fusion_internal::estimate_region(graph, region.nodes, FusionTarget::h200(), {}, index.value_is_output)
+            .memory_bytes_avoided);
   }
   row.saving_us = plan.total_benefit_ns() / 1000;
+  if (plans_file.is_open()) plans_file << "==== " << name << "\n" << plan_record(plan);
   return row;
 }
 
@@ -133,27 +167,42 @@ std::string bytes_text(double bytes) {
 int main(int argc, char** argv) {
   CLI::App app{"plan_graph_fusion's speed on decoders and random DAGs (median wall time, one thread)",
                "planner_benchmark"};
+  std::string plans_path;
+  app.add_option("--plans", plans_path,
+                 "write every row's whole plan (regions, reasons, candidates, conflicts) to this file");
+  std::string only;
+  app.add_option("--only", only, "measure only the rows whose name contains this text");
   if (const std::optional<int> exit_code = metile::benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
+  if (!plans_path.empty()) {
+    plans_file.open(plans_path);
+    if (!plans_file) {
+      fmt::print(stderr, "planner_benchmark: error: cannot write {}\n", plans_path);
+      return 2;
+    }
+  }
   std::vector<Row> rows;
-  rows.push_back(measure("example decoder_layer.json", read_graph(METILE_EXAMPLES_DIR "/decoder_layer.json"), 51));
-  rows.push_back(measure("decoder, 1 layer", decoder(1), 51));
-  rows.push_back(measure("decoder, 32 layers", decoder(32), 21));
-  rows.push_back(measure("decoder, 80 layers", decoder(80), 11));
-  rows.push_back(measure("elementwise chain, 300 ops", fusion_test::elementwise_chain(300), 51));
+  // The graphs are built for every row (the random ones draw from one generator in order).
+  const auto measure_row = [&](const std::string& name, const ComputeGraph& graph, int repetitions) {
+    if (name.find(only) != std::string::npos) rows.push_back(measure(name, graph, repetitions));
+  };
+  measure_row("example decoder_layer.json", read_graph(METILE_EXAMPLES_DIR "/decoder_layer.json"), 51);
+  measure_row("decoder, 1 layer", decoder(1), 51);
+  measure_row("decoder, 32 layers", decoder(32), 21);
+  measure_row("decoder, 80 layers", decoder(80), 11);
+  measure_row("elementwise chain, 300 ops", fusion_test::elementwise_chain(300), 51);
   // Random DAGs whose far inputs come from the last 64 values (the locality of
   // real models), and tangled ones whose far inputs come from anywhere.
   std::mt19937_64 random(2024);
   for (int ops : {1000, 5000, 20000}) {
-    rows.push_back(measure(fmt::format("random DAG, {} ops", ops), fusion_test::random_graph(random, ops, 64),
-                           ops >= 20000 ? 3 : 5));
+    measure_row(fmt::format("random DAG, {} ops", ops), fusion_test::random_graph(random, ops, 64),
+                ops >= 20000 ? 3 : 5);
   }
   for (int ops : {5000, 20000}) {
-    rows.push_back(measure(fmt::format("tangled random DAG, {} ops", ops), fusion_test::random_graph(random, ops),
-                           ops >= 20000 ? 3 : 5));
+    measure_row(fmt::format("tangled random DAG, {} ops", ops), fusion_test::random_graph(random, ops),
+                ops >= 20000 ? 3 : 5);
   }
-  for (int readers : {100, 2000, 10000}) {
-    rows.push_back(measure(fmt::format("one exp, {} reading chains", readers), shared_producer(readers),
-                           readers >= 2000 ? 3 : 11));
+  for (int readers : {100, 2000, 10000, 20000, 50000}) {
+    measure_row(fmt::format("one exp, {} reading chains", readers), shared_producer(readers), readers >= 2000 ? 3 : 11);
   }
   fmt::print("plan_graph_fusion on target h200 (median wall time of repeated runs, one thread)\n\n");
   fmt::print("{:<30} {:>6} {:>8} {:>7} {:>8} {:>11} {:>6} {:>10} {:>14} {:>12}\n", "graph", "ops", "kernels",
@@ -163,8 +212,10 @@ int main(int argc, char** argv) {
                row.kernels, row.regions, row.candidates, fmt::format("{}/{}", row.exact_components, row.other_components),
                row.rounds, row.median_ms, bytes_text(row.bytes_avoided), row.saving_us);
   }
-  const Row& goal = rows[2];
-  fmt::print("\ngoal: a 32-layer decoder plans in under 10 ms: {} ({:.3f} ms)\n", goal.median_ms < 10 ? "met" : "NOT met",
-             goal.median_ms);
+  for (const Row& goal : rows) {
+    if (goal.name != "decoder, 32 layers") continue;
+    fmt::print("\ngoal: a 32-layer decoder plans in under 10 ms: {} ({:.3f} ms)\n", goal.median_ms < 10 ? "met" : "NOT met",
+               goal.median_ms);
+  }
   return 0;
 }

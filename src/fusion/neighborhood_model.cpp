@@ -142,6 +142,7 @@ class NeighborhoodModel {
     side_.push_back(node_side);
     depth_.push_back(depth);
     forbidden_.push_back(false);
+    input_edges_ += graph_.node(node).inputs.size();
   }
 
   void forbid(int local_node, std::string reason) {
@@ -224,6 +225,98 @@ class NeighborhoodModel {
     return kind_grows && shares_iteration_space(node, anchor_output).ok;
   }
 
+  // The ops after `above` and outside the neighborhood from which a path through ops outside it
+  // reaches a neighborhood op up to `last`: walked backward from those ops through producers (node
+  // ids are topological, so every op on such a path lies in (above, last]). A path that leaves the
+  // neighborhood through a reader of an op at or before `above` and comes back starts at one of
+  // them, so a forward search from any other reader finds nothing. The walk costs the
+  // neighborhood's ancestors in that range; the forward searches cost at least `forward_cost` (their
+  // readers up to `last`), so nullopt once the walk has looked at more edges than that (at once when
+  // the neighborhood's own inputs are more) with ReentrySearch::cheaper, or always with
+  // ReentrySearch::forward.
+  std::optional<std::vector<NodeId>> reentering_ops(NodeId above, NodeId last, std::size_t forward_cost) {
+    if (scratch_.reentry_search == ReentrySearch::forward) return std::nullopt;
+    const bool unbounded = scratch_.reentry_search == ReentrySearch::backward;
+    if (!unbounded && forward_cost < input_edges_) return std::nullopt;
+    const std::size_t budget = unbounded ? std::numeric_limits<std::size_t>::max() : forward_cost;
+    const int stamp = ++scratch_.stamp;
+    std::vector<NodeId> stack;
+    for (NodeId node : nodes_) {
+      if (node <= last) stack.push_back(node);
+    }
+    std::vector<NodeId> found;
+    std::size_t edges = 0;
+    while (!stack.empty()) {
+      const NodeId current = stack.back();
+      stack.pop_back();
+      for (ValueId input : graph_.node(current).inputs) {
+        if (++edges > budget) return std::nullopt;
+        const NodeId producer = graph_.value(input).producer;  // -1 for a graph input
+        if (producer <= above || in_neighborhood(producer)) continue;
+        if (scratch_.visit_stamp[static_cast<std::size_t>(producer)] == stamp) continue;
+        scratch_.visit_stamp[static_cast<std::size_t>(producer)] = stamp;
+        found.push_back(producer);
+        stack.push_back(producer);
+      }
+    }
+    return found;
+  }
+
+  // The ops of `ops` (distinct) that read `node`, ascending, as consumers_of lists them.
+  std::vector<NodeId> readers_among(NodeId node, std::span<const NodeId> ops) const {
+    std::vector<NodeId> readers;
+    for (NodeId op : ops) {
+      const auto& inputs = graph_.node(op).inputs;
+      const auto reads_node = [&](ValueId input) { return graph_.value(input).producer == node; };
+      if (std::any_of(inputs.begin(), inputs.end(), reads_node)) readers.push_back(op);
+    }
+    std::sort(readers.begin(), readers.end());
+    return readers;
+  }
+
+  // `node`'s readers in the neighborhood, ascending: by its readers or by the neighborhood's ops,
+  // whichever are fewer (a value read by n chains is in n neighborhoods). ReentrySearch::forward
+  // scans the readers, ReentrySearch::backward the neighborhood, whatever their sizes.
+  std::vector<NodeId> readers_in_neighborhood(NodeId node) const {
+    const std::vector<NodeId>& readers = consumers_of(node);
+    const ReentrySearch search = scratch_.reentry_search;
+    if (search == ReentrySearch::backward || (search == ReentrySearch::cheaper && readers.size() > nodes_.size())) {
+      return readers_among(node, nodes_);
+    }
+    std::vector<NodeId> inside;
+    for (NodeId reader : readers) {
+      if (in_neighborhood(reader)) inside.push_back(reader);
+    }
+    return inside;
+  }
+
+  // no_certain_reentry's forward search for a producer-side `node`, from each of `exits` (readers of
+  // `node`, ascending) that is outside the neighborhood, up to the anchor, and no growth can take.
+  Decision no_reentry_from(NodeId node, std::span<const NodeId> exits, const TensorSpec& anchor_output) {
+    const NodeId anchor = nodes_.front();
+    const int stamp = ++scratch_.stamp;
+    std::vector<NodeId> stack;
+    for (NodeId exit : exits) {
+      if (in_neighborhood(exit) || exit > anchor || could_join(exit, anchor_output)) continue;
+      stack.assign(1, exit);
+      while (!stack.empty()) {
+        const NodeId current = stack.back();
+        stack.pop_back();
+        for (NodeId next : consumers_of(current)) {
+          if (next > anchor) continue;
+          if (in_neighborhood(next)) {
+            return Decision::refuse("a path from " + quoted(name(node)) + " leaves through " + quoted(name(exit)) +
+                                    " and comes back at " + quoted(name(next)));
+          }
+          if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
+          scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
+          stack.push_back(next);
+        }
+      }
+    }
+    return Decision::allow();
+  }
+
   // Whether a growth op would see its value come back into the neighborhood
   // through an op no growth can ever take: the cut would have to leave it out,
   // so it is not grown at all (this keeps a residual stream from pulling whole
@@ -231,29 +324,21 @@ class NeighborhoodModel {
   // consumers backward down to the neighborhood's first op. Refused with the path that re-enters.
   Decision no_certain_reentry(NodeId node, Side node_side, const TensorSpec& anchor_output) {
     const NodeId anchor = nodes_.front();
+    if (node_side == Side::prologue) {
+      // Prologue growth runs before epilogue growth: every neighborhood op is the anchor or before it.
+      // Searching forward from each reader of `node` costs its fan-out per anchor, and a value read by
+      // n chains is grown by each chain's anchor: O(n^2). Only readers the backward walk finds can
+      // lead back, so when the walk is cheaper only they are searched (the same answer and path).
+      const std::vector<NodeId>& readers = consumers_of(node);
+      const std::span<const NodeId> up_to_anchor(readers.begin(),
+                                                 std::upper_bound(readers.begin(), readers.end(), anchor));
+      if (const auto reentering = reentering_ops(node, anchor, up_to_anchor.size())) {
+        return no_reentry_from(node, readers_among(node, *reentering), anchor_output);
+      }
+      return no_reentry_from(node, up_to_anchor, anchor_output);
+    }
     const int stamp = ++scratch_.stamp;
     std::vector<NodeId> stack;
-    if (node_side == Side::prologue) {
-      for (NodeId exit : consumers_of(node)) {
-        if (in_neighborhood(exit) || exit > anchor || could_join(exit, anchor_output)) continue;
-        stack.assign(1, exit);
-        while (!stack.empty()) {
-          const NodeId current = stack.back();
-          stack.pop_back();
-          for (NodeId next : consumers_of(current)) {
-            if (next > anchor) continue;
-            if (in_neighborhood(next)) {
-              return Decision::refuse("a path from " + quoted(name(node)) + " leaves through " + quoted(name(exit)) +
-                                      " and comes back at " + quoted(name(next)));
-            }
-            if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
-            scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
-            stack.push_back(next);
-          }
-        }
-      }
-      return Decision::allow();
-    }
     const NodeId first = *std::min_element(nodes_.begin(), nodes_.end());
     for (ValueId input : graph_.node(node).inputs) {
       const NodeId entry = graph_.value(input).producer;
@@ -344,8 +429,8 @@ class NeighborhoodModel {
     for (int index = 0; index < count; ++index) {
       const NodeId node = nodes_[static_cast<std::size_t>(index)];
       if (side(index) == Side::prologue) {
-        for (NodeId consumer : consumers_of(node)) {
-          if (in_neighborhood(consumer) && side(local(consumer)) != Side::epilogue) must_follow(index, local(consumer));
+        for (NodeId consumer : readers_in_neighborhood(node)) {
+          if (side(local(consumer)) != Side::epilogue) must_follow(index, local(consumer));
         }
       } else if (side(index) == Side::epilogue) {
         for (ValueId input : graph_.node(node).inputs) {
@@ -401,13 +486,42 @@ class NeighborhoodModel {
   // choice pair only while both its ends can still join.
   Decision add_reentry_constraints() {
     std::vector<Reentry> reentries;
+    const NodeId first = *std::min_element(nodes_.begin(), nodes_.end());
     const NodeId last = *std::max_element(nodes_.begin(), nodes_.end());
     const int count = static_cast<int>(nodes_.size());
+    // A search from every reader up to `last` of every op costs a shared producer's fan-out in each
+    // of its readers' neighborhoods (O(n^2) for n readers). Only the readers the backward walk finds
+    // can lead back, so when it is cheaper each op's exits are those alone: the same paths, in the
+    // same order (each exit's search is its own).
+    std::size_t forward_cost = 0;
+    for (NodeId start : nodes_) {
+      const std::vector<NodeId>& readers = consumers_of(start);
+      forward_cost += static_cast<std::size_t>(std::upper_bound(readers.begin(), readers.end(), last) -
+                                               readers.begin());
+    }
+    std::vector<std::vector<NodeId>> reentering_exits;  // per op, ascending; empty when the walk was not cheaper
+    if (const auto reentering = reentering_ops(first, last, forward_cost)) {
+      reentering_exits.resize(nodes_.size());
+      for (NodeId op : *reentering) {
+        for (ValueId input : graph_.node(op).inputs) {
+          const NodeId producer = graph_.value(input).producer;
+          if (producer < 0 || !in_neighborhood(producer)) continue;
+          reentering_exits[static_cast<std::size_t>(local(producer))].push_back(op);
+        }
+      }
+      for (std::vector<NodeId>& exits : reentering_exits) {
+        std::sort(exits.begin(), exits.end());
+        exits.erase(std::unique(exits.begin(), exits.end()), exits.end());
+      }
+    }
     std::vector<NodeId> stack;
     for (int index = 0; index < count; ++index) {
       const NodeId start = nodes_[static_cast<std::size_t>(index)];
-      for (NodeId exit : consumers_of(start)) {
-        if (exit > last || in_neighborhood(exit)) continue;
+      const std::vector<NodeId>& exits =
+          reentering_exits.empty() ? consumers_of(start) : reentering_exits[static_cast<std::size_t>(index)];
+      for (NodeId exit : exits) {
+        if (exit > last) break;  // exits ascend
+        if (in_neighborhood(exit)) continue;
         const int stamp = ++scratch_.stamp;
         scratch_.visit_stamp[static_cast<std::size_t>(exit)] = stamp;
         stack.assign(1, exit);
@@ -628,6 +742,7 @@ class NeighborhoodModel {
   std::vector<Side> side_;
   std::vector<int> depth_;
   std::vector<bool> forbidden_;
+  std::size_t input_edges_ = 0;  // the inputs of the neighborhood's ops, summed (reentering_ops)
   std::vector<std::pair<int, int>> follows_;  // (a, b): a joins only if b joins
   std::vector<Reentry> choices_;              // re-entry paths whose kept-out end is a choice (run() makes it)
   NeighborhoodOutcome outcome_;

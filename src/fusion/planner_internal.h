@@ -57,6 +57,13 @@ struct GraphIndex {
 RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
                                const ResourceNeeds& needs, const std::vector<bool>& value_is_output);
 
+// How the neighborhood model finds the paths that leave a neighborhood and come back, and a
+// producer's readers inside it (neighborhood_model.cpp, reentering_ops). `cheaper`: a backward walk
+// from the neighborhood when it costs no more than scanning the producers' readers, else a forward
+// search from each reader. `forward` (every reader scanned, the model's first way) and `backward`
+// force one way, so tests can check that both give the same model.
+enum class ReentrySearch : std::uint8_t { cheaper, forward, backward };
+
 // Reused between anchors so one model costs time in its own size, not the graph's.
 struct NeighborhoodScratch {
   GraphIndex index;
@@ -66,6 +73,7 @@ struct NeighborhoodScratch {
   // Skip growing ops the cut would certainly leave out (same regions, smaller
   // models); off only in the test that checks exactly that.
   bool prune_certain_reentry = true;
+  ReentrySearch reentry_search = ReentrySearch::cheaper;
   // Nodes in a kernel that an earlier selection round chose (plan_graph_fusion): never grown into a
   // neighborhood, as a certified node is not; a proposal holding one is dropped.
   std::vector<char> taken;

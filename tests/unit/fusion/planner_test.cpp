@@ -4,6 +4,8 @@
 // two outer regions over a heavier middle one, an odd conflict cycle, and the
 // determinism of the JSON.
 #include <algorithm>
+#include <random>
+#include <set>
 
 #include <fmt/core.h>
 #include <gtest/gtest.h>
@@ -595,6 +597,106 @@ TEST(Planner, ARuleSetWithoutTheParallelEpilogueFusesLess) {
   ASSERT_EQ(plan_problems(plan), "");
   EXPECT_FALSE(has_rule(plan, "swiglu_mlp"));
   EXPECT_GT(plan.kernel_count(), 1);
+}
+
+// A random graph of [4, 32] f32 values in which a few early values ("hubs") are read by many ops,
+// as one exp read by thousands of chains is: elementwise ops (which growth takes), and between them
+// row sums, reshapes and matmuls (which it never takes, or not at the kernel's shape), so paths
+// leave a neighborhood through a hub's reader and come back.
+ComputeGraph fan_out_graph(std::mt19937_64& random, int node_count) {
+  const auto pick = [&](int count) { return static_cast<int>(std::uniform_int_distribution<int>(0, count - 1)(random)); };
+  GraphBuilder builder;
+  std::vector<ValueRef> wide = {builder.input("x", {{4, 32}, DType::f32})};
+  const ValueRef weight = builder.input("w", {{32, 32}, DType::f32});
+  const ValueRef row_weight = builder.input("v", {{1, 32}, DType::f32});
+  const int hubs = 1 + pick(3);
+  std::set<ValueId> read;
+  const auto operand = [&]() {
+    const int size = static_cast<int>(wide.size());
+    const int choice = pick(8);
+    ValueRef value = choice < 3   ? wide[static_cast<std::size_t>(std::min(size - 1, 1 + pick(hubs)))]
+                     : choice < 6 ? wide[static_cast<std::size_t>(size - 1 - std::min(size - 1, pick(3)))]
+                                  : wide[static_cast<std::size_t>(pick(size))];
+    read.insert(value.id);
+    return value;
+  };
+  for (int made = 0; made < node_count; ++made) {
+    ValueRef a = operand();
+    switch (made < hubs ? 0 : pick(9)) {
+      case 0: wide.push_back(builder.exp(a)); break;
+      case 1: wide.push_back(builder.silu(a)); break;
+      case 2: wide.push_back(builder.scale(a, 0.5)); break;
+      case 3: wide.push_back(builder.add(a, operand())); break;
+      case 4: wide.push_back(builder.multiply(a, operand())); break;
+      case 5: wide.push_back(builder.matmul(builder.sum(a), row_weight)); ++made; break;  // through [4, 1]
+      case 6: wide.push_back(builder.reshape(builder.reshape(a, {32, 4}), {4, 32})); ++made; break;
+      case 7: wide.push_back(builder.matmul(a, weight)); break;
+      default: wide.push_back(builder.softmax(a)); break;
+    }
+  }
+  std::vector<ValueRef> outputs;
+  for (std::size_t k = 1; k < wide.size(); ++k) {
+    if (!read.count(wide[k].id) || pick(8) == 0) outputs.push_back(wide[k]);
+  }
+  return builder.build(outputs);
+}
+
+// The neighborhood model finds the paths that leave a neighborhood and come back by a forward search
+// from every reader of its ops (its first way, O(fan-out) per anchor: one exp read by n chains cost
+// O(n^2)) or by a backward walk from the neighborhood to the readers that can lead back
+// (ReentrySearch). Either must give the same model: the same ops considered, region, benefit,
+// decision and reasons, in the same order. Random graphs with shared producers, some ops taken by an
+// earlier round, neighborhood limits from 3 ops to 64.
+TEST(Planner, ReentrySearchesForwardAndBackwardGiveTheSameNeighborhoods) {
+  using fusion_internal::ReentrySearch;
+  std::mt19937_64 random(testing::test_seed("Planner.ReentrySearchesForwardAndBackwardGiveTheSameNeighborhoods"));
+  const FusionTarget target = FusionTarget::h200();
+  const RuleSet rules = default_rules();
+  int neighborhoods = 0, kept_convex = 0;
+  for (int round = 0; round < 300; ++round) {
+    const int size = 6 + static_cast<int>(random() % 60);
+    const ComputeGraph graph = round % 3 == 0 ? fusion_test::random_graph(random, size) : fan_out_graph(random, size);
+    for (const Node& node : graph.nodes()) {
+      for (ValueId input : node.inputs) ASSERT_LT(graph.value(input).producer, node.id);  // ids are topological
+    }
+    const int limit = round % 2 == 0 ? 64 : 3 + static_cast<int>(random() % 8);
+    std::vector<char> taken(graph.nodes().size(), 0);
+    if (round % 4 == 1) {
+      for (char& flag : taken) flag = random() % 5 == 0 ? 1 : 0;
+    }
+    fusion_internal::NeighborhoodScratch forward(graph), backward(graph), cheaper(graph);
+    forward.reentry_search = ReentrySearch::forward;
+    backward.reentry_search = ReentrySearch::backward;
+    for (auto* scratch : {&forward, &backward, &cheaper}) scratch->taken = taken;
+    for (const FusionRule& rule : rules.rules) {
+      for (const Node& node : graph.nodes()) {
+        const auto match = fusion_internal::match_pattern(graph, rule, node.id);
+        if (!match || taken[static_cast<std::size_t>(node.id)]) continue;
+        const auto expected = fusion_internal::solve_neighborhood(graph, target, rule, match.nodes, limit, forward);
+        for (auto* scratch : {&backward, &cheaper}) {
+          const auto outcome = fusion_internal::solve_neighborhood(graph, target, rule, match.nodes, limit, *scratch);
+          const std::string where = fmt::format("round {}: {} at {} ({} search), limit {}\n{}", round, rule.name,
+                                                node.name, scratch == &backward ? "backward" : "cheaper", limit,
+                                                write_graph_json(graph));
+          ASSERT_EQ(outcome.considered, expected.considered) << where;
+          ASSERT_EQ(outcome.region, expected.region) << where;
+          ASSERT_EQ(outcome.benefit_ns, expected.benefit_ns) << where;
+          ASSERT_EQ(outcome.decision.ok, expected.decision.ok) << where;
+          ASSERT_EQ(outcome.decision.reason, expected.decision.reason) << where;
+          ASSERT_EQ(outcome.left_out, expected.left_out) << where;
+          ASSERT_EQ(outcome.exact, expected.exact) << where;
+        }
+        ++neighborhoods;
+        for (const auto& [left_out, reason] : expected.left_out) {
+          if (reason.find("stays convex: a path from") != std::string::npos) ++kept_convex;
+        }
+      }
+    }
+  }
+  std::printf("%d neighborhoods, %d ops kept out for a path that comes back\n", neighborhoods, kept_convex);
+  // The graphs make both kinds of answer often: the comparison is not of empty re-entry lists.
+  EXPECT_GT(neighborhoods, 5000);
+  EXPECT_GT(kept_convex, 300);
 }
 
 }  // namespace
