@@ -191,6 +191,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
     std::vector<char> claimed(node_count, 0);
     std::vector<char> chain_anchor(node_count, 0);
     std::vector<ProposedRegion> rule_proposals;
+    SiblingClasses sibling_classes;  // this rule's, found as its anchors need them
     for (std::size_t position = 0; position < node_count; ++position) {
       const Node& node = graph.node(static_cast<NodeId>(rule.anchor_must_be_sink ? node_count - 1 - position : position));
       const bool continues = rule.anchor_must_be_sink && chain_anchor[static_cast<std::size_t>(node.id)] &&
@@ -216,7 +217,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
         continue;
       }
       if (rule.siblings) {
-        SiblingOutcome group = solve_siblings(graph, target, rule, match, scratch.index);
+        SiblingOutcome group = solve_siblings(graph, target, rule, match, scratch.index, &sibling_classes);
         if (group.follower) continue;
         if (!group.alone) notes[static_cast<std::size_t>(node.id)].considered = true;
         // A lone contraction is no refusal worth a line in every reason; a reader that differs is.

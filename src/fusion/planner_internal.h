@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -119,8 +120,23 @@ struct SiblingOutcome {
 // chain, found exactly once beside it; `alone` and `follower` stay false.
 SiblingOutcome solve_companions(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
                                 const PatternMatch& match, const GraphIndex& index);
+// One sibling rule's readers of its shared values in classes of alike ones (sibling_regions.cpp),
+// found on a value's first anchor: an anchor's group, or the earlier reader that leads it, is then
+// its class. Scanning every reader of the value at each anchor cost O(readers^2) for one input read
+// by thousands of contractions.
+struct SiblingClasses {
+  struct OfValue {
+    std::vector<NodeId> readers;               // ascending: the pattern's readers in the shared slot
+    std::vector<int> class_of;                 // per reader: its class
+    std::vector<std::vector<NodeId>> classes;  // alike readers, each ascending
+  };
+  std::unordered_map<ValueId, OfValue> of_value;
+};
+// `classes` null: every reader of the shared value scanned at each anchor (the first way, which
+// still answers where the anchor has no alike reader: its refusal names every reader that differs).
+// Either way the same outcome; tests compare them.
 SiblingOutcome solve_siblings(const ComputeGraph& graph, const FusionTarget& target, const FusionRule& rule,
-                              const PatternMatch& match, const GraphIndex& index);
+                              const PatternMatch& match, const GraphIndex& index, SiblingClasses* classes = nullptr);
 
 // ---------------------------------------------------------------- conflicts
 
