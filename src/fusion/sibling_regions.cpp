@@ -5,7 +5,8 @@
 // them), so the region is every alike reader, checked for convexity, escapes and limits. The alike
 // readers of a value are found once, as classes (SiblingClasses), not by every reader scanning all
 // the others: one input read by n contractions cost O(n^2) that way (planner_benchmark, "one
-// rms_norm, 50,000 projections": 19 to 29 s, now 0.3 s, the same plans).
+// rms_norm, 50,000 projections": 19 to 29 s, now 0.3 s, the same plans). An anchor that no reader is
+// alike names the first readers that differ and counts the rest (refuse_without_alike_readers).
 // Companion chains (FusionRule::companions) group the same way one step later: the chains that
 // carry sibling contractions' outputs to attention (rope on q and k, k and v written into their
 // caches) join as one kernel.
@@ -228,6 +229,22 @@ CompanionMatch match_companion(const ComputeGraph& graph, const FusionRule& rule
   return {Decision::allow(), std::move(found.front())};
 }
 
+// The refusal of an anchor that no other reader of the shared value is alike: the first
+// kListedDifferences readers that differ and by what, then how many more. Naming every one cost
+// O(readers) of text an anchor, O(readers^2) in all for one input read by many unlike ops (one 3.5 MB
+// reason at 50,000). `alone`: no other reader of the pattern's kind at all.
+constexpr std::size_t kListedDifferences = 4;
+void refuse_without_alike_readers(const ComputeGraph& graph, const Node& anchor, ValueId shared, int shared_slot,
+                                  const std::vector<std::string>& listed, std::size_t differing,
+                                  SiblingOutcome& outcome) {
+  std::string why = fmt::format("no other {} op reads `{}` as its operand {}", op_kind_name(anchor.kind),
+                                graph.value(shared).name, shared_slot);
+  for (const std::string& difference : listed) why += "; " + difference;
+  if (differing > listed.size()) why += fmt::format("; and {} more readers differ", differing - listed.size());
+  outcome.decision = Decision::refuse(std::move(why));
+  outcome.alone = differing == 0;
+}
+
 // The alike readers of the shared value in the same slot, in topological order, the anchor one of
 // them: `members` (two at least), or a refusal in `outcome`. The relation is an equality of
 // signatures, so every member would find the same group: the first proposes it. Every reader of the
@@ -236,7 +253,8 @@ void scanned_members(const ComputeGraph& graph, const FusionRule& rule, const No
                      SiblingOutcome& outcome, std::vector<NodeId>& members) {
   const SiblingSpec& spec = *rule.siblings;
   const ValueId shared = anchor.inputs[static_cast<std::size_t>(shared_slot)];
-  std::vector<std::string> differences;
+  std::vector<std::string> differences;  // the first kListedDifferences
+  std::size_t differing = 0;
   std::vector<NodeId> readers = graph.consumers(shared);
   std::sort(readers.begin(), readers.end());
   readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
@@ -249,7 +267,7 @@ void scanned_members(const ComputeGraph& graph, const FusionRule& rule, const No
     if (reader != anchor.id) {
       if (!match_pattern(graph, rule, reader)) continue;  // not an op of the pattern's kind
       if (const Decision same = alike(graph, anchor, other, shared_slot); !same) {
-        differences.push_back(same.reason);
+        if (differing++ < kListedDifferences) differences.push_back(same.reason);
         continue;
       }
       if (reader < anchor.id) {
@@ -270,13 +288,7 @@ void scanned_members(const ComputeGraph& graph, const FusionRule& rule, const No
     outcome.decision = Decision::refuse(fmt::format("{} is beyond the group's {} members", quoted(anchor), spec.max_members));
     return;
   }
-  if (members.size() < 2) {
-    std::string why = fmt::format("no other {} op reads `{}` as its operand {}", op_kind_name(anchor.kind),
-                                  graph.value(shared).name, shared_slot);
-    for (const std::string& difference : differences) why += "; " + difference;
-    outcome.decision = Decision::refuse(std::move(why));
-    outcome.alone = differences.empty();
-  }
+  if (members.size() < 2) refuse_without_alike_readers(graph, anchor, shared, shared_slot, differences, differing, outcome);
 }
 
 // The shared value's readers in `classes`, found on its first anchor: each reader that the scan
@@ -334,9 +346,10 @@ const SiblingClasses::OfValue& classes_of(const ComputeGraph& graph, const Fusio
 // scanned_members' answer from the anchor's class (its alike readers, ascending), in the class's
 // size: its first member leads (the anchor follows, named as the scan names the first alike reader
 // it meets), or the anchor is the first and the class, up to the limit, is the group (the rest left
-// out, in the scan's order). false, for the scan to answer, where the group would be fewer than two
-// ops: that refusal names every reader that differs, so its text costs what the scan does, and a
-// reader that is not the pattern's never happens from propose_regions.
+// out, in the scan's order). An anchor alone in its class is refused with the first readers of the
+// others (every other reader differs from it), as the scan words it. false, for the scan to answer,
+// where a class of several makes a group of fewer than two ops (a limit under two members) and for
+// a reader that is not the pattern's (never, from propose_regions).
 bool indexed_members(const ComputeGraph& graph, const FusionRule& rule, const Node& anchor, int shared_slot,
                      SiblingClasses& classes, SiblingOutcome& outcome, std::vector<NodeId>& members) {
   const SiblingSpec& spec = *rule.siblings;
@@ -348,6 +361,15 @@ bool indexed_members(const ComputeGraph& graph, const FusionRule& rule, const No
   if (same.front() < anchor.id) {
     outcome.decision = Decision::refuse(fmt::format("{} leads the group", quoted(graph.node(same.front()))));
     outcome.follower = true;
+    return true;
+  }
+  if (same.size() == 1 && spec.max_members >= 1) {
+    std::vector<std::string> listed;
+    for (NodeId reader : of.readers) {
+      if (listed.size() == kListedDifferences) break;
+      if (reader != anchor.id) listed.push_back(alike(graph, anchor, graph.node(reader), shared_slot).reason);
+    }
+    refuse_without_alike_readers(graph, anchor, shared, shared_slot, listed, of.readers.size() - 1, outcome);
     return true;
   }
   std::vector<std::pair<NodeId, std::string>> left_out;

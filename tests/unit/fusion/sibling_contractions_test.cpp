@@ -105,6 +105,37 @@ TEST(SiblingContractions, RefusesWithReasons) {
     EXPECT_NE(plan.node_reasons[static_cast<std::size_t>(*graph.find_node("p0"))].find("sibling_contractions refused"),
               std::string::npos);
   }
+  {  // Many readers that differ: the first four are named, the rest counted, by the scan and by the classes.
+    GraphBuilder builder;
+    const ValueRef a = builder.input("a", TensorSpec({1, 128}, DType::bf16));
+    std::vector<ValueRef> outputs = {testing::test_linear(builder, a, "p0", 32, 128, {})};
+    const std::vector<LinearFormat> formats = {{4, 64, DType::bf16}, {8, 64, DType::bf16}, {4, 32, DType::bf16},
+                                               {8, 32, DType::bf16}, {4, 128, DType::bf16}, {8, 128, DType::bf16}};
+    for (std::size_t k = 0; k < formats.size(); ++k) {
+      outputs.push_back(testing::test_linear(builder, a, fmt::format("p{}", k + 1), 32, 128, formats[k]));
+    }
+    const ComputeGraph graph = builder.build(outputs);
+    const auto scanned = siblings_at(graph, "p0");
+    EXPECT_FALSE(scanned.decision);
+    EXPECT_FALSE(scanned.alone);
+    for (const std::string named : {"`p1`", "`p2`", "`p3`", "`p4`"}) {
+      EXPECT_NE(scanned.decision.reason.find(named + " differs from `p0`"), std::string::npos) << scanned.decision.reason;
+    }
+    EXPECT_EQ(scanned.decision.reason.find("`p5`"), std::string::npos) << scanned.decision.reason;
+    EXPECT_NE(scanned.decision.reason.find("; and 2 more readers differ"), std::string::npos) << scanned.decision.reason;
+    const FusionRule rule = sibling_contractions_rule();
+    const fusion_internal::GraphIndex index(graph);
+    fusion_internal::SiblingClasses classes;
+    for (const std::string node : {"p0", "p5"}) {
+      const auto match = fusion_internal::match_pattern(graph, rule, *graph.find_node(node));
+      const auto by_classes = fusion_internal::solve_siblings(graph, FusionTarget::h200(), rule, match, index, &classes);
+      EXPECT_EQ(by_classes.decision.reason, siblings_at(graph, node).decision.reason);
+      EXPECT_EQ(by_classes.alone, siblings_at(graph, node).alone);
+    }
+    const FusionPlan plan = plan_graph_fusion(graph);
+    EXPECT_NE(plan.node_reasons[static_cast<std::size_t>(*graph.find_node("p0"))].find("and 2 more readers differ"),
+              std::string::npos) << plan.explain();
+  }
   {  // Weights that do not stack by rows: a batched [2, 32, 128] and a [32, 128] matrix.
     GraphBuilder builder;
     const ValueRef a = builder.input("a", TensorSpec({2, 64, 128}, DType::bf16));
