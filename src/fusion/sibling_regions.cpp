@@ -229,6 +229,20 @@ CompanionMatch match_companion(const ComputeGraph& graph, const FusionRule& rule
   return {Decision::allow(), std::move(found.front())};
 }
 
+// The readers of `shared` in `shared_slot`, ascending, each once: those the sibling rule compares.
+std::vector<NodeId> readers_in_slot(const ComputeGraph& graph, ValueId shared, int shared_slot) {
+  std::vector<NodeId> readers;
+  for (NodeId reader : graph.consumers(shared)) {
+    const std::vector<ValueId>& inputs = graph.node(reader).inputs;
+    if (inputs.size() > static_cast<std::size_t>(shared_slot) && inputs[static_cast<std::size_t>(shared_slot)] == shared) {
+      readers.push_back(reader);
+    }
+  }
+  std::sort(readers.begin(), readers.end());
+  readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+  return readers;
+}
+
 // The refusal of an anchor that no other reader of the shared value is alike: the first
 // kListedDifferences readers that differ and by what, then how many more. Naming every one cost
 // O(readers) of text an anchor, O(readers^2) in all for one input read by many unlike ops (one 3.5 MB
@@ -255,15 +269,8 @@ void scanned_members(const ComputeGraph& graph, const FusionRule& rule, const No
   const ValueId shared = anchor.inputs[static_cast<std::size_t>(shared_slot)];
   std::vector<std::string> differences;  // the first kListedDifferences
   std::size_t differing = 0;
-  std::vector<NodeId> readers = graph.consumers(shared);
-  std::sort(readers.begin(), readers.end());
-  readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
-  for (NodeId reader : readers) {
+  for (NodeId reader : readers_in_slot(graph, shared, shared_slot)) {
     const Node& other = graph.node(reader);
-    if (other.inputs.size() <= static_cast<std::size_t>(shared_slot) ||
-        other.inputs[static_cast<std::size_t>(shared_slot)] != shared) {
-      continue;
-    }
     if (reader != anchor.id) {
       if (!match_pattern(graph, rule, reader)) continue;  // not an op of the pattern's kind
       if (const Decision same = alike(graph, anchor, other, shared_slot); !same) {
@@ -303,16 +310,10 @@ const SiblingClasses::OfValue& classes_of(const ComputeGraph& graph, const Fusio
   auto [found, fresh] = classes.of_value.try_emplace(shared);
   SiblingClasses::OfValue& of = found->second;
   if (!fresh) return of;
-  std::vector<NodeId> readers = graph.consumers(shared);
-  std::sort(readers.begin(), readers.end());
-  readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
   std::unordered_map<std::string, std::vector<int>> by_signature;
-  for (NodeId reader : readers) {
+  for (NodeId reader : readers_in_slot(graph, shared, shared_slot)) {
     const Node& node = graph.node(reader);
-    if (node.inputs.size() <= static_cast<std::size_t>(shared_slot) ||
-        node.inputs[static_cast<std::size_t>(shared_slot)] != shared || !match_pattern(graph, rule, reader)) {
-      continue;
-    }
+    if (!match_pattern(graph, rule, reader)) continue;
     std::string signature = fmt::format("{} {} {}", node.op, node.inputs.size(), node.outputs.size());
     bool scalar = false;
     for (std::size_t slot = 0; slot < node.inputs.size(); ++slot) {
