@@ -12,6 +12,11 @@
 //                                 (without --all: the same two shapes, chosen for Llama-3-8B)
 //   --rows M                      M activation rows (1..16; default 1): what M = 16 adds per weight word
 //   --half                        each shape's half-products twin too (GemvKernelConfig::half_products)
+//   --sequence                    also each mainloop as one character an instruction: L a global load
+//                                 (LDG), m an HMMA, s a shared-memory load, '.' anything else: where ptxas
+//                                 put the batch's loads relative to its math
+//   --timeline                    compiled with the block timeline (METILE_TIMELINE_BASE, gemv_timeline_benchmark):
+//                                 what its stamps cost in registers and in the loop
 //   --qkv                         the model's q/k/v GEMV instead (the RMSNorm prologue, rope and the cache
 //                                 writes in its epilogue), every register-batch candidate, 4-bit and 8-bit g64
 //
@@ -148,7 +153,8 @@ std::vector<GemvKernelConfig> qkv_configs(const MlpShape& model) {
   return configs;
 }
 
-int run(bool all, bool opcodes, bool norm, bool qkv, bool half, std::int64_t rows, const MlpShape& model) {
+int run(bool all, bool opcodes, bool sequence, bool norm, bool qkv, bool half, bool timeline, std::int64_t rows,
+        const MlpShape& model) {
   const std::int64_t hidden = model.hidden, intermediate = model.intermediate;
   std::vector<GemvKernelConfig> configs;
   if (qkv) configs = qkv_configs(model);
@@ -192,12 +198,20 @@ int run(bool all, bool opcodes, bool norm, bool qkv, bool half, std::int64_t row
   fmt::print(stderr, "compiling {} kernels for sm_90 with NVRTC\n", configs.size());
   std::vector<std::future<CompiledProgram>> programs;
   for (const GemvKernelConfig& config : configs) {
-    programs.push_back(std::async(std::launch::async, [kernel = generate_gemv_kernel(config)] {
+    programs.push_back(std::async(std::launch::async, [kernel = generate_gemv_kernel(config), timeline] {
       CompileOptions options;
       options.architecture = "sm_90";
       options.extra = {"--ptxas-options=-v"};  // the register count
       options.use_cache = false;                // ptxas reports only on a real compile
-      return compile_cuda_program(kernel.source, kernel.kernel_name, options);
+      CompiledProgram plain = compile_cuda_program(kernel.source, kernel.kernel_name, options);
+      if (!timeline) return plain;
+      // Bound to the blocks an SM the plain kernel's registers give (65536 a multiprocessor, 8 a step).
+      std::smatch used;
+      if (!std::regex_search(plain.log, used, std::regex(R"(Used (\d+) registers)"))) return plain;
+      const int registers = (std::stoi(used[1].str()) + 7) / 8 * 8;
+      const int blocks = std::min<int>({65536 / (registers * static_cast<int>(kernel.block_threads)),
+                                        2048 / static_cast<int>(kernel.block_threads), 32});
+      return compile_cuda_program(gemv_timeline_source(kernel, 0x7f0000000000ull, blocks), kernel.kernel_name, options);
     }));
   }
   const std::vector<std::string> columns = {"HMMA", "LOP3", "SHF", "PRMT", "F2FP", "FFMA", "FADD", "FMUL", "LDG", "LDS"};
@@ -238,6 +252,14 @@ int run(bool all, bool opcodes, bool norm, bool qkv, bool half, std::int64_t row
       for (const auto& [count, name] : rest) fmt::print(" {} {:.2f}", name, static_cast<double>(count) / work.words);
       fmt::print("\n");
     }
+    if (sequence) {
+      std::string characters;
+      for (std::size_t k = first; k <= last; ++k) {
+        const std::string name = opcode_name(text[k].base());
+        characters += name == "LDG" ? 'L' : name == "HMMA" ? 'm' : name == "LDS" ? 's' : '.';
+      }
+      fmt::print("  loop: {}\n", characters);
+    }
     if (counts["HMMA"] != work.mma) {
       ++mismatched;
       fmt::print("  ^ the loop holds {} HMMA, the configuration issues {}: the opcode table or the loop is wrong here\n",
@@ -252,21 +274,25 @@ int run(bool all, bool opcodes, bool norm, bool qkv, bool half, std::int64_t row
 }  // namespace metile
 
 int main(int argc, char** argv) {
-  bool all = false, opcodes = false, norm = false, qkv = false, half = false;
+  bool all = false, opcodes = false, sequence = false, norm = false, qkv = false, half = false, timeline = false;
   std::int64_t rows = 1;
   const metile::MlpShape* model = &metile::mlp_shapes().front();
-  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--norm] [--qkv] [--half] [--rows M] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
+  const char* usage = "usage: gemv_sass_benchmark [--all] [--opcodes] [--sequence] [--norm] [--qkv] [--half] [--timeline] [--rows M] [--model llama3-8b|llama3.2-1b|qwen2.5-1.5b]";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--all") == 0) {
       all = true;
     } else if (std::strcmp(argv[i], "--opcodes") == 0) {
       opcodes = true;
+    } else if (std::strcmp(argv[i], "--sequence") == 0) {
+      sequence = true;
     } else if (std::strcmp(argv[i], "--norm") == 0) {
       norm = true;
     } else if (std::strcmp(argv[i], "--qkv") == 0) {
       qkv = true;
     } else if (std::strcmp(argv[i], "--half") == 0) {
       half = true;
+    } else if (std::strcmp(argv[i], "--timeline") == 0) {
+      timeline = true;
     } else if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc) {
       char* end = nullptr;
       rows = std::strtoll(argv[++i], &end, 10);
@@ -293,7 +319,7 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "metile: error: --qkv counts the decode step's q/k/v at M = 1 ({})\n", usage);
       return 2;
     }
-    return metile::run(all, opcodes, norm, qkv, half, rows, *model);
+    return metile::run(all, opcodes, sequence, norm, qkv, half, timeline, rows, *model);
   } catch (const std::exception& error) {
     fmt::print(stderr, "metile: error: {}\n", error.what());
     return 1;

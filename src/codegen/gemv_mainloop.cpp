@@ -43,6 +43,45 @@ using namespace gemv_detail;
 namespace {
 
 constexpr std::string_view register_mainloop_body = R"CUDA(
+// The block timeline: a diagnostic that costs nothing unless the source is compiled with
+// METILE_TIMELINE_BASE defined (gemv_timeline_source). Each warp keeps %globaltimer stamps in its 32
+// u64 slots of shared memory (a store to global memory inside the loop kept ptxas from sinking the
+// batch's loads into its math: 280 bytes spilled at 64 registers) and copies them, at the block's end,
+// to record (block * kWarps + warp) * 32 of the buffer at METILE_TIMELINE_BASE: 0 the block's start,
+// 1 the wait for the previous kernel returned, 2 the warp's accumulate done, 3 the block's store done,
+// then per register batch b < 8: 4 + 3b its loads issued, 5 + 3b its last load landed, 6 + 3b its math
+// done (later batches share slots 25-27); slot 31 the SM's id. "Landed" waits on the batch's last
+// register, so with the timeline the math starts only once the whole batch is in.
+#ifdef METILE_TIMELINE_BASE
+__shared__ u64 timeline_slots[kWarps * 32];
+__device__ __forceinline__ void timeline_stamp(int slot) {
+  u64 now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  timeline_slots[(threadIdx.x >> 5) * 32 + slot] = now;  // every lane the same value: no branch
+}
+__device__ __forceinline__ void timeline_stamp_landed(int slot, u32 last_loaded) {
+  u64 now;
+  asm volatile("mov.u64 %0, %%globaltimer; // %1" : "=l"(now) : "r"(last_loaded));
+  timeline_slots[(threadIdx.x >> 5) * 32 + slot] = now;
+}
+__device__ __forceinline__ void timeline_start() {
+  const int lane = threadIdx.x & 31;
+  u32 sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  timeline_slots[threadIdx.x] = lane == 31 ? sm : 0;  // kThreads == kWarps * 32 slots
+  __syncwarp();
+  timeline_stamp(0);
+}
+__device__ __forceinline__ void timeline_flush() {
+  __syncwarp();
+  reinterpret_cast<u64*>(METILE_TIMELINE_BASE)[(u64)blockIdx.x * kThreads + threadIdx.x] = timeline_slots[threadIdx.x];
+}
+#else
+__device__ __forceinline__ void timeline_stamp(int) {}
+__device__ __forceinline__ void timeline_stamp_landed(int, u32) {}
+__device__ __forceinline__ void timeline_start() {}
+__device__ __forceinline__ void timeline_flush() {}
+#endif
 // The weights (and scales/biases) of kInFlight iterations of one warp: the unit the mainloop
 // keeps in flight. x is not part of it: every warp of the SM reads the same x, so its loads hit L1
 // and are issued just before the math.
@@ -56,6 +95,26 @@ struct Batch {
   uint2 sb[kInFlight][P][kTiles][kGroupsPerIteration];
   uint4 x[kXWithBatch ? kInFlight : 1][kRowHalves][kChunksPerIteration];
 };
+
+// The timeline's three stamps of the warp's b-th batch: only with METILE_TIMELINE_BATCHES as well,
+// since they change the code they measure (ptxas no longer sinks a batch's later loads into its
+// math: 4-bit g64 gate/up w4 f2 batch spills 240 bytes at its 64 registers with them, none without).
+template <int P>
+__device__ __forceinline__ void timeline_batch_landed(int b, const Batch<P>& batch) {
+#ifdef METILE_TIMELINE_BATCHES
+  timeline_stamp_landed(min(5 + 3 * b, 26), batch.w[kInFlight - 1][P - 1][kTiles - 1][kLoadsPerIteration - 1][1].w);
+#endif
+}
+__device__ __forceinline__ void timeline_batch_issued(int b) {
+#ifdef METILE_TIMELINE_BATCHES
+  timeline_stamp(min(4 + 3 * b, 25));
+#endif
+}
+__device__ __forceinline__ void timeline_batch_done(int b) {
+#ifdef METILE_TIMELINE_BATCHES
+  timeline_stamp(min(6 + 3 * b, 27));
+#endif
+}
 
 // The tile loop's double buffer, kept by the kernel entry across its units (accumulate, kMayCarry):
 // a unit requests the next unit's first two batches as its own buffers free up, so that they are in
@@ -438,6 +497,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     }
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
+    timeline_stamp(1);
     after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
     int slot = 0;
@@ -483,13 +543,16 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     };
     const bool requested = kCarry && carried->loaded;  // by the unit before this one
     if (!requested) {
+      timeline_batch_issued(0);
       if (begin + warp < end) load_batch(even, weights, scale_bias, begin + warp, end, lane, first_tile);
       if constexpr (kPrologueWork) {
+        timeline_batch_issued(1);
         if (begin + warp + kStride < end) load_batch(odd, weights, scale_bias, begin + warp + kStride, end, lane, first_tile);
       }
     }
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
+    timeline_stamp(1);
     after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);
     if (!requested) {
@@ -500,29 +563,37 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     }
     const bool carry_next = kCarry && next_first_tile >= 0;
     bool even_next = false, odd_next = false;  // requested for the next unit already
+    int batch_number = 0;                      // the timeline's count (even's batch)
 #pragma unroll 1
-    for (int first = begin + warp; first < end; first += 2 * kStride) {
+    for (int first = begin + warp; first < end; first += 2 * kStride, batch_number += 2) {
       const int second = first + kStride;
       prefetch_ahead(first);
       if constexpr (!kPrologueWork) {
         if (second < end) {
+          timeline_batch_issued(batch_number + 1);
           load_batch(odd, weights, scale_bias, second, end, lane, first_tile);
           load_batch_x(odd, x, norm_weight, second, end, lane);
         }
       }
+      timeline_batch_landed(batch_number, even);
       compute_batch(acc, even, x, norm_weight, first, end, lane);
+      timeline_batch_done(batch_number);
       if (second >= end) break;
       prefetch_ahead(second);
       if (second + kStride < end) {
+        timeline_batch_issued(batch_number + 2);
         load_batch(even, weights, scale_bias, second + kStride, end, lane, first_tile);
         load_batch_x(even, x, norm_weight, second + kStride, end, lane);
       } else if (carry_next) {  // this unit's last even batch is computed: the next unit's first
         load_first(even, 0, next_first_tile);
         even_next = true;
       }
+      timeline_batch_landed(batch_number + 1, odd);
       compute_batch(acc, odd, x, norm_weight, second, end, lane);
+      timeline_batch_done(batch_number + 1);
       if constexpr (kPrologueWork) {
         if (second + 2 * kStride < end) {
+          timeline_batch_issued(batch_number + 3);
           load_batch(odd, weights, scale_bias, second + 2 * kStride, end, lane, first_tile);
           load_batch_x(odd, x, norm_weight, second + 2 * kStride, end, lane);
         } else if (carry_next) {
@@ -544,13 +615,18 @@ __device__ __forceinline__ void accumulate(float (&acc)[P][kTiles][kRowHalves][4
     Batch<P> batch;
     const NormWeights preloaded = preload_norm_weights(norm_weight, fill_sums);  // weights: before the wait
     x = activations_ready(x);
+    timeline_stamp(1);
     after_wait();
     prepare_x(x, norm_weight, preloaded, begin, end, fill_sums);  // every warp must reach its barriers
+    int batch_number = 0;  // the timeline's count
 #pragma unroll 1
-    for (int first = begin + warp; first < end; first += kStride) {
+    for (int first = begin + warp; first < end; first += kStride, ++batch_number) {
       prefetch_ahead(first);
+      timeline_batch_issued(batch_number);
       load_batch(batch, weights, scale_bias, first, end, lane, first_tile);
+      timeline_batch_landed(batch_number, batch);
       compute_batch(acc, batch, x, norm_weight, first, end, lane);
+      timeline_batch_done(batch_number);
     }
   }
 }
@@ -590,6 +666,7 @@ __device__ __forceinline__ void spill(const float (&acc)[kTiles][kRowHalves][4],
 constexpr std::string_view kernel_entry_body = R"CUDA(
   __shared__ float partial[kWarps * kProducts * kTiles * 16 * kPaddedM];
   allow_dependent_launch();
+  timeline_start();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   unsigned char* ring = nullptr;
   if constexpr (kSharedStages >= 2) {
@@ -667,6 +744,7 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
 #pragma unroll
     for (int p = 0; p < kProducts; ++p) spill(acc[p], partial, warp, p, lane);
   }
+  timeline_stamp(2);
   // A warp with no iterations has not waited yet; nothing below may run before the previous kernel.
   wait_for_previous_kernel();
   __syncthreads();
@@ -741,6 +819,8 @@ constexpr std::string_view kernel_entry_body = R"CUDA(
 
 // Closes the unit loop (the next unit's spill reuses `partial`), then the kernel.
 constexpr std::string_view kernel_entry_loop_end = R"CUDA(
+  timeline_stamp(3);
+  timeline_flush();
   if constexpr (kUnitLoop) __syncthreads();
   }
 )CUDA";
@@ -1250,6 +1330,20 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
     result.static_shared_bytes += static_cast<unsigned>(gemv_attention_shared_bytes(config));
   }
   return result;
+}
+
+std::string gemv_timeline_source(const GemvKernelSource& kernel, std::uint64_t address, int blocks_an_sm) {
+  const std::string entry = "__launch_bounds__(";
+  const std::size_t name = kernel.source.find(") " + kernel.kernel_name + "(");
+  const std::size_t bounds = name == std::string::npos ? std::string::npos : kernel.source.rfind(entry, name);
+  if (bounds == std::string::npos || blocks_an_sm < 1) {
+    throw InputError(fmt::format("gemv_timeline_source: no bounded entry named {} (or {} blocks an SM)", kernel.kernel_name,
+                                 blocks_an_sm));
+  }
+  std::string source = fmt::format("#define METILE_TIMELINE_BASE 0x{:x}ull\n", address) + kernel.source;
+  const std::size_t shift = source.size() - kernel.source.size();
+  source.replace(bounds + shift, name - bounds + 1, fmt::format("{}{}, {})", entry, kernel.block_threads, blocks_an_sm));
+  return source;
 }
 
 std::vector<GemvKernelConfig> gemv_tuning_candidates(const GemvKernelConfig& base, int multiprocessors) {

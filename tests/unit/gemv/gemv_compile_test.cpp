@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <regex>
+#include <set>
 #include <tuple>
 
 #include "metile/cuda_runtime.h"
@@ -1348,5 +1349,51 @@ TEST(GemvCompile, XWithBatchIsRacedOnTheOneTileAnSmStagesOnly) {
   EXPECT_THROW(config.validate(), InputError);
 }
 
+// The block timeline (gemv_timeline_source, gemv_timeline_benchmark): the stamps compile in every
+// schedule a decode stage tunes (batches, double buffers, staged rings, split-K, the persistent MLP's
+// phases, which include the same body), with and without the per-batch stamps, and they reach the
+// code (the cubin differs from the plain one, in which they are empty functions); the entry takes the
+// bound it is given, and a source without that kernel's entry is refused.
+TEST(GemvCompile, TheBlockTimelineCompilesInEverySchedule) {
+  const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16);
+  std::vector<GemvKernelSource> kernels;
+  for (const GemvKernelConfig& base : {gemv_config(int4, 1, 14336, 4096, GemvEpilogue::swiglu()),
+                                       gemv_config(int4, 1, 4096, 14336, GemvEpilogue::residual_add())}) {
+    std::set<std::string> kinds;
+    for (const GemvKernelConfig& config : gemv_tuning_candidates(base, 132)) {
+      const std::string kind = fmt::format("{}{}{}", config.double_buffered, config.shared_stages >= 2, config.k_splits > 1);
+      if (kinds.insert(kind).second) kernels.push_back(generate_gemv_kernel(config));
+    }
+  }
+  GemvKernelConfig gate_up = gemv_config(int4, 1, 8960, 1536, GemvEpilogue::swiglu());
+  gate_up.x_rms_norm_eps = 1e-5;
+  const GemvKernelConfig down = gemv_config(int4, 1, 1536, 8960, GemvEpilogue::residual_add());
+  for (const PersistentMlpConfig& config : persistent_mlp_candidates(gate_up, down, 132)) {
+    if (config.partition == PersistentPartition::stage_blocks) {
+      kernels.push_back(generate_persistent_mlp_kernel(config));
+      break;
+    }
+  }
+  ASSERT_GE(kernels.size(), 5u);
+  for (const GemvKernelSource& kernel : kernels) {
+    CompileOptions options;
+    options.architecture = "sm_90";
+    options.use_cache = false;
+    const CompiledProgram plain = compile_cuda_program(kernel.source, kernel.kernel_name, options);
+    const std::string source = gemv_timeline_source(kernel, 0x7f0000000000ull, 3);
+    EXPECT_NE(source.find(fmt::format("__launch_bounds__({}, 3) {}(", kernel.block_threads, kernel.kernel_name)), std::string::npos)
+        << kernel.kernel_name;
+    for (bool batches : {false, true}) {
+      if (batches) options.extra = {"-DMETILE_TIMELINE_BATCHES"};
+      const CompiledProgram stamped = compile_cuda_program(source, kernel.kernel_name, options);
+      EXPECT_EQ(stamped.log.find("warning"), std::string::npos) << kernel.kernel_name << ":\n" << stamped.log;
+      EXPECT_NE(plain.cubin, stamped.cubin) << kernel.kernel_name;
+    }
+  }
+  GemvKernelSource renamed = kernels.front();
+  renamed.kernel_name += "_elsewhere";
+  EXPECT_THROW(gemv_timeline_source(renamed, 0x7f0000000000ull, 3), InputError);
+  EXPECT_THROW(gemv_timeline_source(kernels.front(), 0x7f0000000000ull, 0), InputError);
+}
 }  // namespace
 }  // namespace metile
