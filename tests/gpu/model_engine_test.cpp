@@ -171,7 +171,12 @@ TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
     // logits are identical (KL 0 to 1e-9) or one such flip gives KL 7-8e-5 and at most one near-tie
     // token. Before the rounding, 3.6-5e-4 and up to three tokens.
     EXPECT_GE(against_native.agreements, against_native.positions - 1) << figures;
-    EXPECT_LT(against_native.kl_mean, 2e-4) << figures;
+    // The fused engine itself stays within the bound of the CPU reference. Against native the bound
+    // grows to native's own distance from the reference where a flip on native's side passes it
+    // (seed 15326447951138188585, llama bf16, an H100 in session 47: fused vs native 2.08e-4, native
+    // vs the reference 2.09e-4, fused vs the reference 5.4e-6): the fused engine must not add to it.
+    EXPECT_LT(fused_noise.kl_mean, 2e-4) << figures;
+    EXPECT_LT(against_native.kl_mean, std::max(2e-4, 1.25 * native_noise.kl_mean + fused_noise.kl_mean)) << figures;
   }
   std::printf("%s\n", figures.c_str());
 }
