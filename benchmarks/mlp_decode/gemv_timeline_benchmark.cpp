@@ -18,9 +18,10 @@
 //   --model llama3-8b|qwen2.5-1.5b|llama3.2-1b
 //   --bits 4|8|16 --group-size 64|128 --rows M
 //   --batches                                       the per-batch stamps too (they perturb the loop)
-//   --cap-gate-up N --cap-down N                    at most N blocks of that stage an SM (dynamic shared memory
-//                                                   that the kernel does not use, sized so that no more fit): how
-//                                                   the blocks spread over the SMs, against the plain grid
+//   --cap-gate-up N --cap-down N                    at most N blocks of that stage an SM (the dynamic shared memory
+//                                                   a spread_blocks kernel gets: GemvKernelSource::
+//                                                   blocks_per_multiprocessor_cap): how the blocks spread over the
+//                                                   SMs, against the plain grid
 //   --gate-up NAME --down NAME                      shapes by their race names ("register_resident w4 t1 f2
 //                                                   batch", "w8 t1 f2 db resident2"); a wrong name lists them
 // Prints "no CUDA device: ..." and exits 0 where there is none.
@@ -152,14 +153,11 @@ int main(int argc, char** argv) {
         return plain.back().compiled.max_active_blocks_per_multiprocessor(static_cast<int>(kernel.block_threads),
                                                                           kernel.dynamic_shared_bytes);
       };
-      if (caps[s] > 0 && caps[s] < occupancy(stage.kernel)) {
-        // The least dynamic shared memory (in 256-byte steps, under the 48 KiB that needs no opt-in) that
-        // leaves at most caps[s] blocks an SM.
-        GemvKernelSource capped = stage.kernel;
-        while (occupancy(capped) > caps[s] && capped.dynamic_shared_bytes + 256 <= 48 * 1024) capped.dynamic_shared_bytes += 256;
-        if (occupancy(capped) > caps[s]) throw InputError(fmt::format("{} cannot be capped at {} blocks an SM", stage.label, caps[s]));
-        stage.kernel = capped;
+      if (caps[s] > 0) {  // the padding LoadedGemv::load gives a spread_blocks kernel, to this cap
+        stage.kernel.blocks_per_multiprocessor_cap = caps[s];
         plain.back() = LoadedGemv::load(stage.kernel, program);
+        stage.kernel = plain.back().kernel;
+        if (occupancy(stage.kernel) > caps[s]) throw InputError(fmt::format("{} cannot be capped at {} blocks an SM", stage.label, caps[s]));
         fmt::print("{}: capped by {} bytes of dynamic shared memory\n", stage.label, stage.kernel.dynamic_shared_bytes);
       }
       const int resident = occupancy(stage.kernel);

@@ -264,6 +264,8 @@ std::string nvrtc_version();  // "13.0"
 std::string current_device_architecture();
 // The SMs of the device of the context current on this thread (needs one).
 int current_device_multiprocessors();
+// The most shared memory a block of that device may ask for after opting in (bytes; needs a context).
+int current_device_shared_memory_per_block_optin();
 // A stable 128-bit content hash as 32 hex digits (cache keys, dispatch keys); not cryptographic.
 std::string stable_hash_hex(std::string_view bytes);
 // Where metile keeps what it caches (compiled kernels, dispatch decisions): $METILE_CACHE_DIR if

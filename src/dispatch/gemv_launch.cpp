@@ -31,6 +31,23 @@ LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& prog
                                   kernel.kernel_name, kernel.grid_blocks, resident, capacity));
     }
   }
+  if (kernel.blocks_per_multiprocessor_cap > 0) {
+    // Shared memory the kernel does not use, the least (in 256-byte steps) that leaves at most the cap
+    // of blocks an SM; none where registers or shared memory already hold it there. Past 48 KiB the
+    // kernel opts in (a cap of 1 on Hopper's 228 KiB an SM takes over 114 KiB a block).
+    auto resident = [&] {
+      return loaded.compiled.max_active_blocks_per_multiprocessor(static_cast<int>(kernel.block_threads),
+                                                                  kernel.dynamic_shared_bytes);
+    };
+    const std::int64_t limit = current_device_shared_memory_per_block_optin();
+    while (resident() > kernel.blocks_per_multiprocessor_cap &&
+           std::int64_t{kernel.dynamic_shared_bytes} + kernel.static_shared_bytes + 256 <= limit) {
+      kernel.dynamic_shared_bytes += 256;
+      if (kernel.dynamic_shared_bytes + kernel.static_shared_bytes > 48 * 1024) {
+        loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.dynamic_shared_bytes));
+      }
+    }
+  }
   if (kernel.grid_shrinks_to_resident) {
     const int resident = loaded.compiled.max_active_blocks_per_multiprocessor(
         static_cast<int>(kernel.block_threads), kernel.dynamic_shared_bytes);

@@ -121,6 +121,16 @@ int current_device_multiprocessors() {
   return count;
 }
 
+int current_device_shared_memory_per_block_optin() {
+  const auto& api = cuda_driver::driver();
+  CUdevice device = 0;
+  cuda_driver::check(api.cuCtxGetDevice(&device), "cuCtxGetDevice");
+  int bytes = 0;
+  cuda_driver::check(api.cuDeviceGetAttribute(&bytes, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device),
+                     "cuDeviceGetAttribute(shared memory per block opt-in)");
+  return bytes;
+}
+
 std::string stable_hash_hex(std::string_view bytes) {
   return fmt::format("{:016x}{:016x}", hash64(bytes, 0), hash64(bytes, 0x9e3779b97f4a7c15ULL));
 }
