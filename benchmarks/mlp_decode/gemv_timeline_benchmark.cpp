@@ -19,7 +19,7 @@
 //   --bits 4|8|16 --group-size 64|128 --rows M
 //   --batches                                       the per-batch stamps too (they perturb the loop)
 //   --cap-gate-up N --cap-down N                    at most N blocks of that stage an SM (the dynamic shared memory
-//                                                   a spread_blocks kernel gets: GemvKernelSource::
+//                                                   LoadedGemv::load gives for GemvKernelSource::
 //                                                   blocks_per_multiprocessor_cap): how the blocks spread over the
 //                                                   SMs, against the plain grid
 //   --gate-up NAME --down NAME                      shapes by their race names ("register_resident w4 t1 f2
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
         return plain.back().compiled.max_active_blocks_per_multiprocessor(static_cast<int>(kernel.block_threads),
                                                                           kernel.dynamic_shared_bytes);
       };
-      if (caps[s] > 0) {  // the padding LoadedGemv::load gives a spread_blocks kernel, to this cap
+      if (caps[s] > 0) {  // the padding LoadedGemv::load gives for a cap
         stage.kernel.blocks_per_multiprocessor_cap = caps[s];
         plain.back() = LoadedGemv::load(stage.kernel, program);
         stage.kernel = plain.back().kernel;

@@ -323,15 +323,6 @@ struct GemvKernelConfig {
   // gemv_sass_benchmark counts 11.4 instructions a 4-bit weight word against 13.8 for Llama-3-8B's
   // gate/up w4 f2 batch. Needs M x K values within kMaxHalfStagedXBytes (M = 1 up to K = 16384).
   bool half_products = false;
-  // spread_blocks (register-batch mainloop, no staged ring, tile loop or attention prologue): at most
-  // ceil(grid / multiprocessors) blocks an SM (GemvKernelSource::blocks_per_multiprocessor_cap), so
-  // that a grid smaller than what the device keeps resident spreads evenly instead of filling the SMs
-  // that free up first to their register limit and leaving the last ones few blocks. Measured on an
-  // H100 (gemv_timeline_benchmark, notes/mlp_decode.md, session 47): Llama-3.2-1B's 4-bit gate/up, 512
-  // blocks that 64 registers let sit 8 an SM, ran 8 on 15 SMs and 3 on 104, and those 8 finished 3 us
-  // after the rest; at 4 an SM its MLP went 15.7 -> 14.0 us. Llama-3-8B's (896 blocks, 7 an SM) lost
-  // 0.5 us, its bf16 gate/up (48 registers, 10 an SM) 25%: a raced twin (gemv_spread_twins).
-  bool spread_blocks = false;
   GemvMainloop mainloop = GemvMainloop::register_batches;
   // Streamed mainloop only (warps_per_block applies too; tiles, in_flight and double_buffered do not):
   int stage_iterations = 1;          // mainloop iterations (1 KiB of weights per matrix each) per stage
@@ -400,9 +391,14 @@ struct GemvKernelSource {
   // the compiled kernel, so that the loop runs as one wave whatever registers ptxas gave it (the
   // 4-warp LM head at K = 2048 took 136, three blocks an SM where its grid counted four).
   bool grid_shrinks_to_resident = false;
-  // > 0 (GemvKernelConfig::spread_blocks): LoadedGemv::load gives the kernel dynamic shared memory it
-  // does not use, the least that leaves at most this many blocks an SM, where its registers and
-  // shared memory would let more share one.
+  // > 0: LoadedGemv::load gives the kernel dynamic shared memory it does not use, the least that
+  // leaves at most this many blocks an SM where its registers and shared memory would let more share
+  // one (gemv_timeline_benchmark --cap-gate-up, --cap-down). Not raced: measured on an H100 (notes/
+  // mlp_decode.md, session 47), Llama-3.2-1B's 4-bit gate/up alone at 4 an SM went 15.7 -> 14.0 us an
+  // MLP (512 blocks had sat 8 on 15 SMs and 3 on 104), Llama-3-8B's lost 0.5 us and its bf16 one 25%,
+  // and raced as twins of every shape inside the decode step the capped kernels won regions by noise
+  // and slowed Qwen2.5-1.5B's step 0.657 -> 0.688 ms (a kernel with another shared-memory split cannot
+  // share an SM with the one before it, so programmatic dependent launch overlaps less).
   int blocks_per_multiprocessor_cap = 0;
 };
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
@@ -429,9 +425,6 @@ std::vector<GemvKernelConfig> gemv_valid_twins(std::span<const GemvKernelConfig>
 // (half_products) where that validates, then those of the twins whose grid is one wave only under a
 // tight register bound, so bounded (gemv_one_wave_bound), in that order.
 std::vector<GemvKernelConfig> gemv_half_twins(std::span<const GemvKernelConfig> configs, int multiprocessors = 132);
-// The spread twins a stage races beside `configs` (spread_blocks): each register-batch shape whose grid,
-// spread evenly, takes fewer blocks an SM than its warps would let share one.
-std::vector<GemvKernelConfig> gemv_spread_twins(std::span<const GemvKernelConfig> configs);
 // The blocks an SM `config`'s whole grid needs at once (its register bound, resident_blocks_per_multiprocessor)
 // where that bound is tight (22..28 warps an SM) and the shape, unbuffered register batches of x as
 // stored at M <= 8, has none yet; 0 otherwise.

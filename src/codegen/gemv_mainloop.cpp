@@ -1127,11 +1127,6 @@ void GemvKernelConfig::validate() const {
                                  "(the register-batch mainloop, shared_stages 0: the ring's cp.async groups would wait for it)",
                                  to_string(), half_products ? kMaxHalfStagedXBytes : kMaxStagedXBytes));
   }
-  if (spread_blocks && (mainloop != GemvMainloop::register_batches || shared_stages >= 2 ||
-                        tile_loop_blocks_per_multiprocessor > 0 || attention || multiprocessors < 1)) {
-    throw InputError("GEMV: spread_blocks is for the register-batch mainloop without a staged ring, a tile loop or an "
-                     "attention prologue, on a positive multiprocessor count");
-  }
   if (mainloop == GemvMainloop::streamed) {
     if (argmax_rows) throw InputError("GEMV: argmax_rows needs the register-batch mainloop, not the streamed one");
     validate_streamed(*this);
@@ -1219,7 +1214,6 @@ std::string GemvKernelConfig::to_string() const {
   if (x_staged_by_async_copy) text += " x_staged_by_async_copy";
   if (x_with_batch) text += " x_with_batch";
   if (half_products) text += " half_products";
-  if (spread_blocks) text += " spread_blocks";
   if (resident_blocks_per_multiprocessor > 0) text += fmt::format(" resident_blocks={}", resident_blocks_per_multiprocessor);
   if (attention) {
     text += fmt::format(" attention(heads={}x{} D={} keys={} scale={:g})", attention->kv_heads, attention->groups,
@@ -1253,7 +1247,6 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   if (config.x_staged_by_async_copy) schedule_tag += "c";
   if (config.x_with_batch) schedule_tag += "x";
   if (config.half_products) schedule_tag += "h";
-  if (config.spread_blocks) schedule_tag += "b";
   if (config.resident_blocks_per_multiprocessor > 0) schedule_tag += fmt::format("r{}", config.resident_blocks_per_multiprocessor);
   if (config.attention) {
     // The scale's float bits, as the kernel's constant holds it.
@@ -1320,9 +1313,6 @@ GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config) {
   result.source = std::move(source);
   result.grid_blocks = static_cast<unsigned>(grid_blocks);
   result.grid_shrinks_to_resident = config.tile_loop_blocks_per_multiprocessor > 0;
-  if (config.spread_blocks) {
-    result.blocks_per_multiprocessor_cap = static_cast<int>((grid_blocks + config.multiprocessors - 1) / config.multiprocessors);
-  }
   result.block_threads = static_cast<unsigned>(config.warps_per_block * 32);
   result.static_shared_bytes = static_cast<unsigned>(static_shared_bytes(config));
   result.dynamic_shared_bytes = static_cast<unsigned>(staged_ring_bytes(config));
@@ -1644,15 +1634,6 @@ std::vector<GemvKernelConfig> gemv_half_twins(std::span<const GemvKernelConfig> 
     if (const int bound = gemv_one_wave_bound(config, multiprocessors)) config.resident_blocks_per_multiprocessor = bound;
   });
   twins.insert(twins.end(), bounded.begin(), bounded.end());
-  return twins;
-}
-
-std::vector<GemvKernelConfig> gemv_spread_twins(std::span<const GemvKernelConfig> configs) {
-  std::vector<GemvKernelConfig> twins;
-  for (const GemvKernelConfig& config : gemv_valid_twins(configs, [](GemvKernelConfig& twin) { twin.spread_blocks = true; })) {
-    const int cap = generate_gemv_kernel(config).blocks_per_multiprocessor_cap;
-    if (cap < blocks_an_sm_holds(config.warps_per_block)) twins.push_back(config);
-  }
   return twins;
 }
 

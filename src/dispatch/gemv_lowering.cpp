@@ -79,9 +79,6 @@ std::vector<GemvKernelConfig> gemv_stage_configs(const GemvKernelConfig& base, i
   auto append = [&](const std::vector<GemvKernelConfig>& twins) { configs.insert(configs.end(), twins.begin(), twins.end()); };
   append(gemv_valid_twins(register_family, [](GemvKernelConfig& config) { config.x_staged_by_async_copy = true; }));
   append(gemv_half_twins(register_family, multiprocessors));
-  // Every register shape again with its blocks spread evenly over the SMs (spread_blocks), where the
-  // grid is smaller than the SMs could hold.
-  append(gemv_spread_twins(register_family));
   if (streamed) {
     GemvKernelConfig streamed_base = base;
     streamed_base.mainloop = GemvMainloop::streamed;
@@ -110,7 +107,6 @@ std::string gemv_shape_name(const GemvKernelConfig& config) {
   if (config.x_staged_by_async_copy) shape += " x-async";
   if (config.x_with_batch) shape += " x-batch";
   if (config.half_products) shape += " half";
-  if (config.spread_blocks) shape += " spread";
   if (config.epilogue.product_count() == 2) return fmt::format("{} {}", gated_schedule_name(config.schedule), shape);
   return shape;
 }

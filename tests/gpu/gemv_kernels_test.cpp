@@ -147,12 +147,13 @@ TEST_F(GemvKernels, StreamedMainloopMatchesFloat64) {
 }
 
 
-// GemvKernelConfig::spread_blocks: the spread twins of every tuning candidate of a Llama-3.2-1B-sized 4-bit
-// gate/up (512 tiles: 4 blocks an SM where 64 registers let 8 share one) and down (128 tiles: 1 an SM,
-// past 48 KiB of padding), a ragged N (77, fewer tiles than SMs) at M = 1 and 9, and dense bf16, against
-// the float64 reference; and the load's padding holds what it promises: where the plain kernel kept
-// more blocks an SM than the cap, the device keeps exactly the cap, and elsewhere it is not padded.
-TEST_F(GemvKernels, SpreadTwinsMatchFloat64AndKeepAtMostTheirCapAnSm) {
+// GemvKernelSource::blocks_per_multiprocessor_cap (gemv_timeline_benchmark --cap-gate-up): every tuning
+// candidate of a Llama-3.2-1B-sized 4-bit gate/up (512 tiles; 64 registers let 8 blocks share an SM)
+// and down (128 tiles), a ragged N (77) at M = 1 and 9, and dense bf16, each capped at its grid's even
+// share of the SMs (4, 1, 1), against the float64 reference; and the load's padding holds what it
+// promises: where the plain kernel kept more blocks an SM than the cap, the device keeps exactly the
+// cap (past 48 KiB of padding for a cap of 1), and elsewhere the kernel is not padded.
+TEST_F(GemvKernels, CappedGridsMatchFloat64AndKeepTheirCapAnSm) {
   std::uint64_t seed = next_seed();  // printed: METILE_TEST_SEED replays it
   int capped = 0;
   for (const GemvWeightFormat& format : {GemvWeightFormat::affine(4, 64, DType::bf16), GemvWeightFormat::dense(DType::bf16)}) {
@@ -163,32 +164,36 @@ TEST_F(GemvKernels, SpreadTwinsMatchFloat64AndKeepAtMostTheirCapAnSm) {
     for (const Case& c : {Case{8192, 2048, 1, GemvEpilogue::swiglu()}, Case{2048, 8192, 1, GemvEpilogue::residual_add()},
                           Case{77, format.is_affine() ? 64 * 11 : 1000, 9, GemvEpilogue::swiglu()}}) {
       const Problem problem = make_problem(format, c.n, c.k, c.epilogue.product_count(), seed += 100);
-      const std::vector<GemvKernelConfig> twins = gemv_spread_twins(gemv_tuning_candidates(config_for(problem, c.rows, c.epilogue)));
-      if (twins.empty()) continue;
-      const std::string label = fmt::format("spread {} N={} K={} M={}", format.to_string(), c.n, c.k, c.rows);
-      check_cases(problem, twins, device(), label);
+      std::vector<GemvKernelConfig> configs;
+      for (const GemvKernelConfig& config : gemv_tuning_candidates(config_for(problem, c.rows, c.epilogue))) {
+        if (config.shared_stages < 2 && config.tile_loop_blocks_per_multiprocessor == 0) configs.push_back(config);
+      }
+      const std::string label = fmt::format("capped {} N={} K={} M={}", format.to_string(), c.n, c.k, c.rows);
       std::vector<GemvKernelSource> plain_sources, sources;
-      for (const GemvKernelConfig& twin : twins) {
-        GemvKernelConfig plain = twin;
-        plain.spread_blocks = false;
-        plain_sources.push_back(generate_gemv_kernel(plain));
-        sources.push_back(generate_gemv_kernel(twin));
+      for (const GemvKernelConfig& config : configs) {
+        plain_sources.push_back(generate_gemv_kernel(config));
+        GemvKernelSource kernel = plain_sources.back();
+        kernel.blocks_per_multiprocessor_cap = static_cast<int>((kernel.grid_blocks + 131) / 132);
+        sources.push_back(kernel);
       }
       const std::vector<LoadedGemv> plain_loaded = compile_all(plain_sources, device());
       const std::vector<LoadedGemv> loaded = compile_all(sources, device());
-      for (std::size_t i = 0; i < twins.size(); ++i) {
+      const double threshold = numeric_gate_threshold(format.activation);
+      for (std::size_t i = 0; i < configs.size(); ++i) {
         const GemvKernelSource& kernel = loaded[i].kernel;
         const int cap = kernel.blocks_per_multiprocessor_cap;
         const int threads = static_cast<int>(kernel.block_threads);
         const int before = plain_loaded[i].compiled.max_active_blocks_per_multiprocessor(threads, plain_loaded[i].kernel.dynamic_shared_bytes);
         const int after = loaded[i].compiled.max_active_blocks_per_multiprocessor(threads, kernel.dynamic_shared_bytes);
-        ASSERT_GT(cap, 0) << twins[i].to_string();
         if (before <= cap) {
-          EXPECT_EQ(kernel.dynamic_shared_bytes, plain_loaded[i].kernel.dynamic_shared_bytes) << label << ": " << twins[i].to_string();
+          EXPECT_EQ(kernel.dynamic_shared_bytes, plain_loaded[i].kernel.dynamic_shared_bytes) << label << ": " << configs[i].to_string();
         } else {
-          EXPECT_EQ(after, cap) << label << ": " << twins[i].to_string() << " (" << before << " an SM unpadded)";
+          EXPECT_EQ(after, cap) << label << ": " << configs[i].to_string() << " (" << before << " an SM unpadded)";
           ++capped;
         }
+        const gemv_testing::ScaledError error = run_and_compare(problem, configs[i], loaded[i]);
+        EXPECT_LE(error.relative_norm, threshold) << label << ": " << configs[i].to_string();
+        EXPECT_LE(error.relative_max, threshold) << label << ": " << configs[i].to_string();
       }
     }
   }

@@ -470,12 +470,10 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
           EXPECT_EQ(fits, normalized && k <= 4096) << "N " << n << " K " << k;
           if (fits) {
             EXPECT_GE(copied, 1) << "N " << n << " K " << k << " bits " << bits;
-            // Every register shape without a prefetch or a staged ring has its twin, when the twin is valid
-            // (not the half-products and spread twins: families of their own).
+            // Every register shape without a prefetch or a staged ring has its twin, when the twin is valid.
             for (const GemvKernelConfig& config : configs) {
               if (config.mainloop != GemvMainloop::register_batches || config.x_staged_by_async_copy ||
-                  config.l2_prefetch_rounds > 0 || config.shared_stages >= 2 || config.half_products ||
-                  config.spread_blocks) {
+                  config.l2_prefetch_rounds > 0 || config.shared_stages >= 2 || config.half_products) {
                 continue;
               }
               GemvKernelConfig twin = config;
@@ -495,7 +493,7 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
             halves += config.half_products ? 1 : 0;
             if (config.mainloop != GemvMainloop::register_batches || config.x_staged_by_async_copy ||
                 config.l2_prefetch_rounds > 0 || config.shared_stages >= 2 || config.shared_group_sums ||
-                config.x_with_batch || config.half_products || config.spread_blocks) {
+                config.x_with_batch || config.half_products) {
               continue;
             }
             GemvKernelConfig twin = config;
@@ -505,18 +503,6 @@ TEST(GemvLowering, EveryStageShapeHasItsOwnName) {
           }
           if (bits == 16) {
             EXPECT_EQ(halves, 0);
-          }
-          // Each register shape of the first family (no prefetch, no staged ring) races its spread twin:
-          // at these sizes every grid's even share of the SMs (Llama-3-8B's 896 tiles: 7 an SM; 96 tiles:
-          // 1) is below what the shape's warps let share one.
-          for (const GemvKernelConfig& config : configs) {
-            if (config.mainloop != GemvMainloop::register_batches || config.x_staged_by_async_copy ||
-                config.l2_prefetch_rounds > 0 || config.shared_stages >= 2 || config.half_products || config.spread_blocks) {
-              continue;
-            }
-            GemvKernelConfig twin = config;
-            twin.spread_blocks = true;
-            EXPECT_TRUE(names.contains(gemv_shape_name(twin))) << gemv_shape_name(twin) << ", N " << n << " K " << k;
           }
           // Llama-3-8B's gate/up as stored: the unbuffered 4-warp half twin also races bounded to the 7
           // blocks an SM of its one-wave grid (gemv_one_wave_bound).

@@ -1395,54 +1395,5 @@ TEST(GemvCompile, TheBlockTimelineCompilesInEverySchedule) {
   EXPECT_THROW(gemv_timeline_source(renamed, 0x7f0000000000ull, 3), InputError);
   EXPECT_THROW(gemv_timeline_source(kernels.front(), 0x7f0000000000ull, 0), InputError);
 }
-// spread_blocks (gemv_spread_twins): a register shape's grid spread over the SMs at ceil(blocks / SMs)
-// an SM, where that is below what its warps allow; the twin's kernel is the plain one's code under
-// another name, with the cap for LoadedGemv::load to pad to. Refused where it cannot apply.
-TEST(GemvCompile, SpreadTwinsCapTheirGridAtItsEvenShareOfTheSms) {
-  const GemvWeightFormat int4 = GemvWeightFormat::affine(4, 64, DType::bf16);
-  // Llama-3.2-1B's gate/up: 512 tiles; Llama-3-8B's: 896; a grid past what any SM holds: none.
-  const struct {
-    std::int64_t n, k;
-    GemvEpilogue epilogue;
-  } cases[] = {{8192, 2048, GemvEpilogue::swiglu()}, {14336, 4096, GemvEpilogue::swiglu()}, {4096, 14336, GemvEpilogue::residual_add()}};
-  for (const auto& c : cases) {
-    const std::vector<GemvKernelConfig> plain = gemv_tuning_candidates(gemv_config(int4, 1, c.n, c.k, c.epilogue), 132);
-    const std::vector<GemvKernelConfig> twins = gemv_spread_twins(plain);
-    ASSERT_FALSE(twins.empty()) << c.n;
-    for (const GemvKernelConfig& twin : twins) {
-      EXPECT_TRUE(twin.spread_blocks);
-      const GemvKernelSource kernel = generate_gemv_kernel(twin);
-      const std::int64_t blocks = kernel.grid_blocks;
-      EXPECT_EQ(kernel.blocks_per_multiprocessor_cap, (blocks + 131) / 132) << twin.to_string();
-      EXPECT_LT(kernel.blocks_per_multiprocessor_cap, std::min(32, 64 / twin.warps_per_block)) << twin.to_string();
-      GemvKernelConfig unspread = twin;
-      unspread.spread_blocks = false;
-      const GemvKernelSource plain_kernel = generate_gemv_kernel(unspread);
-      EXPECT_EQ(plain_kernel.blocks_per_multiprocessor_cap, 0);
-      EXPECT_NE(kernel.kernel_name, plain_kernel.kernel_name);
-      EXPECT_EQ(kernel.grid_blocks, plain_kernel.grid_blocks);
-      EXPECT_NE(twin.to_string().find("spread_blocks"), std::string::npos);
-    }
-  }
-  // Every tile of a 270,000-row matrix (16,875 tiles: 128 an SM) is past what 4-warp blocks let share one.
-  EXPECT_TRUE(gemv_spread_twins(gemv_tuning_candidates(gemv_config(int4, 1, 270000, 1024, GemvEpilogue::store()), 132)).empty());
-  // Refused with a staged ring, a tile loop, the streamed mainloop.
-  for (const GemvKernelConfig& config : gemv_tuning_candidates(gemv_config(int4, 1, 14336, 4096, GemvEpilogue::swiglu()), 132)) {
-    if (config.shared_stages < 2) continue;
-    GemvKernelConfig staged = config;
-    staged.spread_blocks = true;
-    EXPECT_THROW(staged.validate(), InputError);
-    break;
-  }
-  GemvKernelConfig streamed = gemv_config(int4, 1, 14336, 4096, GemvEpilogue::swiglu());
-  streamed.mainloop = GemvMainloop::streamed;
-  streamed.spread_blocks = true;
-  EXPECT_THROW(streamed.validate(), InputError);
-  GemvKernelConfig looped = gemv_config(int4, 1, 14336, 4096, GemvEpilogue::store());
-  looped.tile_loop_blocks_per_multiprocessor = 4;
-  looped.spread_blocks = true;
-  EXPECT_THROW(looped.validate(), InputError);
-}
-
 }  // namespace
 }  // namespace metile
