@@ -37,6 +37,7 @@
 
 #include "metile/cuda_runtime.h"
 #include "metile/gemv.h"
+#include "../support/decode_mlp_stages.h"
 
 namespace metile {
 namespace {
@@ -161,16 +162,7 @@ int run(bool all, bool opcodes, bool sequence, bool norm, bool qkv, bool half, b
   for (int bits : {4, 8}) {
     if (qkv) break;
     const GemvWeightFormat format = GemvWeightFormat::affine(bits, 64, DType::bf16);
-    GemvKernelConfig gate_up;
-    gate_up.format = format;
-    gate_up.rows = rows;
-    gate_up.out_features = intermediate;
-    gate_up.in_features = hidden;
-    gate_up.epilogue = GemvEpilogue::swiglu(format.activation);
-    GemvKernelConfig down = gate_up;
-    down.out_features = hidden;
-    down.in_features = intermediate;
-    down.epilogue = GemvEpilogue::residual_add("residual", format.activation);
+    auto [gate_up, down] = benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate);
     if (norm) gate_up.x_rms_norm_eps = 1e-5;  // the gate/up stage only: down's x is the gated product
     for (const GemvKernelConfig& base : {gate_up, down}) {
       const std::vector<GemvKernelConfig> candidates = gemv_tuning_candidates(base, 132);

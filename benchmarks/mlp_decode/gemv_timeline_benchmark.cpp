@@ -37,6 +37,7 @@
 #include "metile/dispatch.h"
 #include "../support/benchmark_device.h"
 #include "../support/benchmark_options.h"
+#include "../support/decode_mlp_stages.h"
 
 namespace {
 
@@ -119,20 +120,9 @@ int main(int argc, char** argv) {
     if (gate_up_name.empty()) gate_up_name = "register_resident w4 t1 f2 batch";
     if (down_name.empty()) down_name = model == "llama3-8b" ? "w8 t1 f2 db resident2" : "w16 t1 f1 db";
 
-    GemvKernelConfig gate_up_base;
-    gate_up_base.format = format;
-    gate_up_base.rows = rows;
-    gate_up_base.out_features = intermediate;
-    gate_up_base.in_features = hidden;
-    gate_up_base.epilogue = GemvEpilogue::swiglu(format.activation);
-    GemvKernelConfig down_base;
-    down_base.format = format;
-    down_base.rows = rows;
-    down_base.out_features = hidden;
-    down_base.in_features = intermediate;
-    down_base.epilogue = GemvEpilogue::residual_add("residual", format.activation);
-    std::vector<Stage> stages = {{"gate/up", find_shape(gate_up_base, gate_up_name, sms), {}, 0},
-                                 {"down", find_shape(down_base, down_name, sms), {}, 0}};
+    const benchmarks::DecodeMlpStageConfigs bases = benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate);
+    std::vector<Stage> stages = {{"gate/up", find_shape(bases.gate_up, gate_up_name, sms), {}, 0},
+                                 {"down", find_shape(bases.down, down_name, sms), {}, 0}};
     std::uint64_t timeline_bytes = 0;
     for (Stage& stage : stages) {
       stage.kernel = generate_gemv_kernel(stage.config);

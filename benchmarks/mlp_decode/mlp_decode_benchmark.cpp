@@ -53,6 +53,7 @@
 #include "metile/decode_mlp_executor.h"
 #include "../support/benchmark_device.h"
 #include "../support/benchmark_options.h"
+#include "../support/decode_mlp_stages.h"
 
 namespace {
 
@@ -82,16 +83,6 @@ struct Row {
   double floor_us = -1, one_kernel_floor_us = -1;
 };
 
-GemvKernelConfig base_swiglu(const GemvWeightFormat& format, std::int64_t rows, std::int64_t hidden,
-                             std::int64_t intermediate) {
-  GemvKernelConfig base;
-  base.format = format;
-  base.rows = rows;
-  base.out_features = intermediate;
-  base.in_features = hidden;
-  base.epilogue = GemvEpilogue::swiglu(format.activation);  // rounded as the planned region rounds
-  return base;
-}
 
 // --kernels: each tuning candidate of each stage kernel, timed alone over weight replicas.
 // --profile (profile_only): the stage kernels of 4-bit g64 at profile_rows rows, each launched once.
@@ -165,16 +156,11 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
       if (profile_only && rows != profile_rows) continue;
       std::vector<GemvKernelConfig> configs;
       for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
-        GemvKernelConfig base = base_swiglu(format, rows, hidden, intermediate);
+        GemvKernelConfig base = benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate).gate_up;
         base.schedule = schedule;
         for (const GemvKernelConfig& config : gemv_tuning_candidates(base, info.multiprocessor_count)) configs.push_back(config);
       }
-      GemvKernelConfig down;
-      down.format = format;
-      down.rows = rows;
-      down.out_features = hidden;
-      down.in_features = intermediate;
-      down.epilogue = GemvEpilogue::residual_add("residual", format.activation);
+      const GemvKernelConfig down = benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate).down;
       for (const GemvKernelConfig& config : gemv_tuning_candidates(down, info.multiprocessor_count)) configs.push_back(config);
       // Each register-resident shape again with its weights prefetched into L2 ahead of the loads.
       for (std::size_t i = 0, plain = configs.size(); i < plain; ++i) {
@@ -183,7 +169,7 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
         prefetching.l2_prefetch_rounds = gemv_l2_prefetch_rounds(prefetching, info.multiprocessor_count);
         configs.push_back(prefetching);
       }
-      for (GemvKernelConfig streamed : {base_swiglu(format, rows, hidden, intermediate), down}) {
+      for (GemvKernelConfig streamed : {benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate).gate_up, down}) {
         streamed.mainloop = GemvMainloop::streamed;
         for (const GemvKernelConfig& config : gemv_tuning_candidates(streamed, info.multiprocessor_count)) {
           configs.push_back(config);

@@ -111,24 +111,24 @@ std::string current_device_architecture() {
   return fmt::format("sm_{}{}", major, minor);
 }
 
-int current_device_multiprocessors() {
+namespace {
+// One attribute of the device of the context current on this thread.
+int current_device_attribute(CUdevice_attribute attribute, const char* what) {
   const auto& api = cuda_driver::driver();
   CUdevice device = 0;
   cuda_driver::check(api.cuCtxGetDevice(&device), "cuCtxGetDevice");
-  int count = 0;
-  cuda_driver::check(api.cuDeviceGetAttribute(&count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
-                     "cuDeviceGetAttribute(multiprocessor count)");
-  return count;
+  int value = 0;
+  cuda_driver::check(api.cuDeviceGetAttribute(&value, attribute, device), fmt::format("cuDeviceGetAttribute({})", what));
+  return value;
+}
+}  // namespace
+
+int current_device_multiprocessors() {
+  return current_device_attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "multiprocessor count");
 }
 
 int current_device_shared_memory_per_block_optin() {
-  const auto& api = cuda_driver::driver();
-  CUdevice device = 0;
-  cuda_driver::check(api.cuCtxGetDevice(&device), "cuCtxGetDevice");
-  int bytes = 0;
-  cuda_driver::check(api.cuDeviceGetAttribute(&bytes, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device),
-                     "cuDeviceGetAttribute(shared memory per block opt-in)");
-  return bytes;
+  return current_device_attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, "shared memory per block opt-in");
 }
 
 std::string stable_hash_hex(std::string_view bytes) {
