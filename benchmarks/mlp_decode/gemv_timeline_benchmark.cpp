@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
     std::uint64_t origin = ~std::uint64_t{0}, smallest_step = ~std::uint64_t{0};
     std::size_t disordered_warps = 0;
     for (std::size_t w = 0; w < stages[0].warps(); ++w) origin = std::min(origin, record(stages[0], w, 0));
-    fmt::print("us from the first gate/up block's start; over warps (lane 0 of each)\n");
+    fmt::print("us from the first gate/up block's start; over warps\n");
     fmt::print("  {:<26} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8}\n", "event", "warps", "min", "p10", "p50", "p90", "max");
     for (const Stage& stage : stages) {
       fmt::print("{}\n", stage.label);

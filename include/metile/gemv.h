@@ -404,11 +404,12 @@ struct GemvKernelSource {
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 
 // The block timeline, a diagnostic (gemv_timeline_benchmark): `kernel`'s source with
-// METILE_TIMELINE_BASE defined as `address`, so that lane 0 of each warp writes %globaltimer stamps
-// (32 u64 a warp: the layout is at the top of gemv_mainloop.cpp's register body) into the buffer
-// there, and its entry bound by __launch_bounds__ to `blocks_an_sm` blocks an SM: the stamps take
-// registers (4-bit g64 gate/up w4 f2 batch: 64 -> 138 unbound), and a kernel with fewer blocks an SM
-// than the one it stands for would time another schedule. InputError if the entry is not found.
+// METILE_TIMELINE_BASE defined as `address`, so that each warp's %globaltimer stamps (32 u64 a warp:
+// the layout is at the top of gemv_mainloop.cpp's register body) are copied into the buffer there at
+// its block's end, and its entry bound by __launch_bounds__ to `blocks_an_sm` blocks an SM: the
+// stamps take registers (4-bit g64 gate/up w4 f2 batch with the per-batch stamps: 64 -> 138 unbound),
+// and a kernel with fewer blocks an SM than the one it stands for would time another schedule.
+// InputError if the entry is not found.
 std::string gemv_timeline_source(const GemvKernelSource& kernel, std::uint64_t address, int blocks_an_sm);
 
 // The launch shapes worth trying for one problem (warps, tiles, loads in flight), best guess

@@ -45,9 +45,9 @@ namespace {
 constexpr std::string_view register_mainloop_body = R"CUDA(
 // The block timeline: a diagnostic that costs nothing unless the source is compiled with
 // METILE_TIMELINE_BASE defined (gemv_timeline_source). Each warp keeps %globaltimer stamps in its 32
-// u64 slots of shared memory (a store to global memory inside the loop kept ptxas from sinking the
-// batch's loads into its math: 280 bytes spilled at 64 registers) and copies them, at the block's end,
-// to record (block * kWarps + warp) * 32 of the buffer at METILE_TIMELINE_BASE: 0 the block's start,
+// u64 slots of shared memory (so that the loop holds no global address and stores nothing to global
+// memory) and copies them, at the block's end, to record (block * kWarps + warp) * 32 of the buffer at
+// METILE_TIMELINE_BASE: 0 the block's start,
 // 1 the wait for the previous kernel returned, 2 the warp's accumulate done, 3 the block's store done,
 // then per register batch b < 8: 4 + 3b its loads issued, 5 + 3b its last load landed, 6 + 3b its math
 // done (later batches share slots 25-27); slot 31 the SM's id. "Landed" waits on the batch's last
