@@ -137,16 +137,15 @@ int main(int argc, char** argv) {
       Stage& stage = stages[s];
       CompileOptions options;
       options.architecture = info.architecture();
-      const CompiledProgram program = compile_cuda_program(stage.kernel.source, stage.kernel.kernel_name, options);
-      plain.push_back(LoadedGemv::load(stage.kernel, program));
+      // A cap: the padding LoadedGemv::load gives the kernel, kept for the stamped build below.
+      stage.kernel.blocks_per_multiprocessor_cap = caps[s];
+      plain.push_back(LoadedGemv::load(stage.kernel, compile_cuda_program(stage.kernel.source, stage.kernel.kernel_name, options)));
+      stage.kernel = plain.back().kernel;
       auto occupancy = [&](const GemvKernelSource& kernel) {
         return plain.back().compiled.max_active_blocks_per_multiprocessor(static_cast<int>(kernel.block_threads),
                                                                           kernel.dynamic_shared_bytes);
       };
-      if (caps[s] > 0) {  // the padding LoadedGemv::load gives for a cap
-        stage.kernel.blocks_per_multiprocessor_cap = caps[s];
-        plain.back() = LoadedGemv::load(stage.kernel, program);
-        stage.kernel = plain.back().kernel;
+      if (caps[s] > 0) {
         if (occupancy(stage.kernel) > caps[s]) throw InputError(fmt::format("{} cannot be capped at {} blocks an SM", stage.label, caps[s]));
         fmt::print("{}: capped by {} bytes of dynamic shared memory\n", stage.label, stage.kernel.dynamic_shared_bytes);
       }

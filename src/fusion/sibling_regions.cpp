@@ -243,6 +243,16 @@ std::vector<NodeId> readers_in_slot(const ComputeGraph& graph, ValueId shared, i
   return readers;
 }
 
+// The two answers the scan and the classes must word alike (tests compare them): the anchor follows
+// an earlier alike reader that leads its group, and a reader past the rule's member limit.
+void follow_leader(const Node& leader, SiblingOutcome& outcome) {
+  outcome.decision = Decision::refuse(fmt::format("{} leads the group", quoted(leader)));
+  outcome.follower = true;
+}
+std::string beyond_member_limit(const ComputeGraph& graph, const FusionRule& rule, ValueId shared) {
+  return fmt::format("beyond rule {}'s {} members reading `{}`", rule.name, rule.siblings->max_members, graph.value(shared).name);
+}
+
 // The refusal of an anchor that no other reader of the shared value is alike: the first
 // kListedDifferences readers that differ and by what, then how many more. Naming every one cost
 // O(readers) of text an anchor, O(readers^2) in all for one input read by many unlike ops (one 3.5 MB
@@ -279,14 +289,12 @@ void scanned_members(const ComputeGraph& graph, const FusionRule& rule, const No
       }
       if (reader < anchor.id) {
         // An earlier member leads the same group (the relation is an equality): it proposes it.
-        outcome.decision = Decision::refuse(fmt::format("{} leads the group", quoted(other)));
-        outcome.follower = true;
+        follow_leader(other, outcome);
         return;
       }
     }
     if (static_cast<int>(members.size()) >= spec.max_members) {
-      outcome.left_out.emplace_back(
-          reader, fmt::format("beyond rule {}'s {} members reading `{}`", rule.name, spec.max_members, graph.value(shared).name));
+      outcome.left_out.emplace_back(reader, beyond_member_limit(graph, rule, shared));
       continue;
     }
     members.push_back(reader);
@@ -360,8 +368,7 @@ bool indexed_members(const ComputeGraph& graph, const FusionRule& rule, const No
   if (position == of.readers.end() || *position != anchor.id) return false;  // not of the pattern's kind
   const std::vector<NodeId>& same = of.classes[static_cast<std::size_t>(of.class_of[position - of.readers.begin()])];
   if (same.front() < anchor.id) {
-    outcome.decision = Decision::refuse(fmt::format("{} leads the group", quoted(graph.node(same.front()))));
-    outcome.follower = true;
+    follow_leader(graph.node(same.front()), outcome);
     return true;
   }
   if (same.size() == 1 && spec.max_members >= 1) {
@@ -376,8 +383,7 @@ bool indexed_members(const ComputeGraph& graph, const FusionRule& rule, const No
   std::vector<std::pair<NodeId, std::string>> left_out;
   for (NodeId reader : same) {
     if (static_cast<int>(members.size()) >= spec.max_members) {
-      left_out.emplace_back(
-          reader, fmt::format("beyond rule {}'s {} members reading `{}`", rule.name, spec.max_members, graph.value(shared).name));
+      left_out.emplace_back(reader, beyond_member_limit(graph, rule, shared));
     } else {
       members.push_back(reader);
     }
