@@ -22,6 +22,10 @@
 //                                                   LoadedGemv::load gives for GemvKernelSource::
 //                                                   blocks_per_multiprocessor_cap): how the blocks spread over the
 //                                                   SMs, against the plain grid
+//   --carveout P                                    every kernel's preferred shared-memory carveout, percent of
+//                                                   the SM's L1/shared storage (GemvKernelSource::
+//                                                   shared_memory_carveout_percent): a capped stage and the
+//                                                   other with one split, so that they may share an SM
 //   --gate-up NAME --down NAME                      shapes by their race names ("register_resident w4 t1 f2
 //                                                   batch", "w8 t1 f2 db resident2"); a wrong name lists them
 // Prints "no CUDA device: ..." and exits 0 where there is none.
@@ -94,6 +98,7 @@ int main(int argc, char** argv) {
   int bits = 4, group_size = 64;
   bool batches = false;
   int caps[2] = {0, 0};
+  int carveout = -1;
   std::int64_t rows = 1;
   CLI::App app{"one decode MLP's two kernels, block by block (%globaltimer stamps)", "gemv_timeline_benchmark"};
   app.add_option("--model", model, "whose MLP")->check(CLI::IsMember({"llama3-8b", "qwen2.5-1.5b", "llama3.2-1b"}))->capture_default_str();
@@ -103,6 +108,7 @@ int main(int argc, char** argv) {
   app.add_flag("--batches", batches, "each register batch's stamps too (they change the loop they measure)");
   app.add_option("--cap-gate-up", caps[0], "at most N gate/up blocks an SM")->check(CLI::Range(1, 32));
   app.add_option("--cap-down", caps[1], "at most N down blocks an SM")->check(CLI::Range(1, 32));
+  app.add_option("--carveout", carveout, "every kernel's preferred shared-memory carveout, percent")->check(CLI::Range(0, 100));
   app.add_option("--gate-up", gate_up_name, "the gate/up shape's race name (default: the race's usual winner)");
   app.add_option("--down", down_name, "the down shape's race name (default: the race's usual winner)");
   if (const std::optional<int> exit_code = benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
@@ -139,6 +145,7 @@ int main(int argc, char** argv) {
       options.architecture = info.architecture();
       // A cap: the padding LoadedGemv::load gives the kernel, kept for the stamped build below.
       stage.kernel.blocks_per_multiprocessor_cap = caps[s];
+      stage.kernel.shared_memory_carveout_percent = carveout;
       plain.push_back(LoadedGemv::load(stage.kernel, compile_cuda_program(stage.kernel.source, stage.kernel.kernel_name, options)));
       stage.kernel = plain.back().kernel;
       auto occupancy = [&](const GemvKernelSource& kernel) {

@@ -296,6 +296,10 @@ class CompiledKernel {
   int max_active_blocks_per_multiprocessor(int block_threads, std::size_t dynamic_shared_bytes) const;
   // Allows dynamic shared memory above 48 KiB.
   void set_max_dynamic_shared_memory(int bytes) const;
+  // The share of the SM's L1/shared storage this kernel prefers as shared memory, in percent (-1:
+  // the driver's choice). An SM changes its split only when drained, so kernels that are to overlap
+  // (programmatic dependent launch) want the same one.
+  void set_preferred_shared_memory_carveout(int percent) const;
   explicit operator bool() const { return function_ != nullptr; }
 
  private:

@@ -400,6 +400,10 @@ struct GemvKernelSource {
   // and slowed Qwen2.5-1.5B's step 0.657 -> 0.688 ms (a kernel with another shared-memory split cannot
   // share an SM with the one before it, so programmatic dependent launch overlaps less).
   int blocks_per_multiprocessor_cap = 0;
+  // >= 0: the shared-memory carveout (percent of the SM's L1/shared storage) LoadedGemv::load asks
+  // for before it counts blocks an SM (gemv_timeline_benchmark --carveout): a capped kernel otherwise
+  // runs with another split than the plain kernels beside it. -1: the driver's choice.
+  int shared_memory_carveout_percent = -1;
 };
 GemvKernelSource generate_gemv_kernel(const GemvKernelConfig& config);
 

@@ -20,6 +20,9 @@ LoadedGemv LoadedGemv::load(GemvKernelSource kernel, const CompiledProgram& prog
   if (kernel.dynamic_shared_bytes + kernel.static_shared_bytes > 48 * 1024) {
     loaded.compiled.set_max_dynamic_shared_memory(static_cast<int>(kernel.dynamic_shared_bytes));
   }
+  if (kernel.shared_memory_carveout_percent >= 0) {
+    loaded.compiled.set_preferred_shared_memory_carveout(kernel.shared_memory_carveout_percent);
+  }
   if (kernel.co_resident_blocks_per_multiprocessor > 0) {
     // A grid whose blocks wait for one another (a grid-wide barrier) deadlocks unless every block is
     // resident at once: refuse it unless the driver keeps that many blocks per SM for this kernel.

@@ -268,6 +268,12 @@ void CompiledKernel::set_max_dynamic_shared_memory(int bytes) const {
                      fmt::format("cuFuncSetAttribute({}, max dynamic shared memory {})", name_, bytes));
 }
 
+void CompiledKernel::set_preferred_shared_memory_carveout(int percent) const {
+  cuda_driver::check(cuda_driver::driver().cuFuncSetAttribute(
+                         function_, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent),
+                     fmt::format("cuFuncSetAttribute({}, preferred shared memory carveout {}%)", name_, percent));
+}
+
 CompiledKernel compile_cuda(std::string_view source, std::string_view kernel_name, CompileOptions options) {
   if (options.architecture.empty()) options.architecture = current_device_architecture();
   return CompiledKernel::load(compile_cuda_program(source, kernel_name, options));
