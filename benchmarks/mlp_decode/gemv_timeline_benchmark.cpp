@@ -26,6 +26,9 @@
 //                                                   the SM's L1/shared storage (GemvKernelSource::
 //                                                   shared_memory_carveout_percent): a capped stage and the
 //                                                   other with one split, so that they may share an SM
+//   --serial-down                                   the down kernel launched after gate/up completes (no
+//                                                   programmatic dependent launch): its blocks then spread
+//                                                   over the SMs instead of filling those gate/up leaves first
 //   --gate-up NAME --down NAME                      shapes by their race names ("register_resident w4 t1 f2
 //                                                   batch", "w8 t1 f2 db resident2"); a wrong name lists them
 // Prints "no CUDA device: ..." and exits 0 where there is none.
@@ -96,7 +99,7 @@ void print_row(const std::string& event, const Distribution& d) {
 int main(int argc, char** argv) {
   std::string model = "llama3-8b", gate_up_name, down_name;
   int bits = 4, group_size = 64;
-  bool batches = false;
+  bool batches = false, serial_down = false;
   int caps[2] = {0, 0};
   int carveout = -1;
   std::int64_t rows = 1;
@@ -108,6 +111,7 @@ int main(int argc, char** argv) {
   app.add_flag("--batches", batches, "each register batch's stamps too (they change the loop they measure)");
   app.add_option("--cap-gate-up", caps[0], "at most N gate/up blocks an SM")->check(CLI::Range(1, 32));
   app.add_option("--cap-down", caps[1], "at most N down blocks an SM")->check(CLI::Range(1, 32));
+  app.add_flag("--serial-down", serial_down, "launch the down kernel without programmatic dependent launch");
   app.add_option("--carveout", carveout, "every kernel's preferred shared-memory carveout, percent")->check(CLI::Range(0, 100));
   app.add_option("--gate-up", gate_up_name, "the gate/up shape's race name (default: the race's usual winner)");
   app.add_option("--down", down_name, "the down shape's race name (default: the race's usual winner)");
@@ -203,7 +207,9 @@ int main(int argc, char** argv) {
       return CudaGraph::capture(stream, [&](const CudaStream& s) {
         for (int round = 0; round < 3; ++round) {
           for (int r = 0; r < replicas; ++r) {
-            for (int stage = 0; stage < 2; ++stage) kernels[static_cast<std::size_t>(stage)].launch(s, arguments(stage, r), true);
+            for (int stage = 0; stage < 2; ++stage) {
+              kernels[static_cast<std::size_t>(stage)].launch(s, arguments(stage, r), stage == 0 || !serial_down);
+            }
           }
         }
       });
