@@ -397,8 +397,9 @@ struct GemvKernelSource {
   // mlp_decode.md, session 47), Llama-3.2-1B's 4-bit gate/up alone at 4 an SM went 15.7 -> 14.0 us an
   // MLP (512 blocks had sat 8 on 15 SMs and 3 on 104), Llama-3-8B's lost 0.5 us and its bf16 one 25%,
   // and raced as twins of every shape inside the decode step the capped kernels won regions by noise
-  // and slowed Qwen2.5-1.5B's step 0.657 -> 0.688 ms (a kernel with another shared-memory split cannot
-  // share an SM with the one before it, so programmatic dependent launch overlaps less).
+  // and slowed Qwen2.5-1.5B's step 0.657 -> 0.688 ms. With every kernel of the step asking for one
+  // carveout (session 48) that loss went (0.661 -> 0.659) but nothing was won, and Llama-3.2-1B's step
+  // went 0.417 -> 0.434 ms.
   int blocks_per_multiprocessor_cap = 0;
   // >= 0: the shared-memory carveout (percent of the SM's L1/shared storage) LoadedGemv::load asks
   // for before it counts blocks an SM (gemv_timeline_benchmark --carveout): a capped kernel otherwise
