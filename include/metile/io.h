@@ -51,6 +51,12 @@ std::filesystem::file_status input_path_status(const std::filesystem::path& path
 // has started writing to a special file (a FIFO cannot be rolled back).
 void write_output_file(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
 
+// Whether write_output_file(path, ...) can start, checked before the work whose result it writes (a
+// graph run that takes minutes): the path is not a directory or another kind of file it refuses, and
+// the folder that takes the temporary exists and may be written. An InputError saying why otherwise.
+// The write itself can still fail (a full disk); this catches the mistakes in the path.
+void check_output_file_writable(const std::filesystem::path& path);
+
 // For programs (the CLI calls it first): SIGINT, SIGTERM and SIGHUP remove the temporary file a
 // write_output_file is writing before the process dies of the signal as it would have. Without it a
 // Ctrl-C during `metile run --output` left ".metile-PID-N.tmp", a half-written copy, beside the

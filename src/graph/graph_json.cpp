@@ -104,8 +104,13 @@ class GraphFileReader {
     }
   }
 
-  AttributeValue attribute_at(const Json& value, const std::string& path) const {
-    if (value.is_boolean()) return std::int64_t{value.get<bool>() ? 1 : 0};
+  // `key`: the attribute's name. A JSON boolean is a flag's value (transpose_right, stored as 0 or 1)
+  // and nothing else: `"axis": true` is a mistake to name, not an axis of 1.
+  AttributeValue attribute_at(const std::string& key, const Json& value, const std::string& path) const {
+    if (value.is_boolean()) {
+      if (key != "transpose_right") fail(path, "'" + key + "' takes a number, not a boolean (only transpose_right is a flag)");
+      return std::int64_t{value.get<bool>() ? 1 : 0};
+    }
     if (value.is_number_integer()) return integer_at(value, path);
     if (value.is_number_float()) return value.get<double>();
     if (value.is_string()) return value.get<std::string>();
@@ -148,7 +153,7 @@ class GraphFileReader {
         const Json& attributes = description["attrs"];
         if (!attributes.is_object()) fail(node.path + "/attrs", "must be an object");
         for (const auto& [key, value] : attributes.items()) {
-          node.attributes.set(key, attribute_at(value, node.path + "/attrs/" + key));
+          node.attributes.set(key, attribute_at(key, value, node.path + "/attrs/" + key));
         }
       }
     }

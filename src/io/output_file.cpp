@@ -221,6 +221,40 @@ void remove_temporary_files_on_fatal_signals() {
   }
 }
 
+void check_output_file_writable(const fs::path& path) {
+  const std::string file = path.string();
+  if (const int descriptor = own_descriptor(path); descriptor >= 0) {
+    if (::fcntl(descriptor, F_GETFD) < 0) throw InputError(file + ": cannot write: " + std::strerror(errno));
+    return;
+  }
+  std::error_code error;
+  fs::path destination = path;
+  if (fs::is_symlink(fs::symlink_status(path, error))) {
+    destination = fs::canonical(path, error);
+    if (error) destination = path;  // a dangling link: written through, its target created
+  }
+  const fs::file_status status = fs::status(destination, error);
+  switch (status.type()) {
+    case fs::file_type::fifo:
+    case fs::file_type::character: return;
+    case fs::file_type::directory: throw InputError(file + ": is a directory");
+    case fs::file_type::not_found:
+    case fs::file_type::regular: break;
+    default:
+      if (error) throw InputError(file + ": cannot write: " + error.message());
+      throw InputError(file + ": not a regular file, FIFO or character device; refusing to replace it");
+  }
+  // A regular file is replaced by a temporary written beside it: its folder must take a new file.
+  fs::path folder = destination.parent_path();
+  if (folder.empty()) folder = ".";
+  const fs::file_status folder_status = fs::status(folder, error);
+  if (folder_status.type() == fs::file_type::not_found) throw InputError(file + ": no folder " + folder.string());
+  if (folder_status.type() != fs::file_type::directory) throw InputError(file + ": " + folder.string() + " is not a folder");
+  if (::access(folder.c_str(), W_OK | X_OK) != 0) {
+    throw InputError(file + ": cannot create a file in " + folder.string() + ": " + std::strerror(errno));
+  }
+}
+
 void write_output_file(const fs::path& path, const std::function<void(std::ostream&)>& write) {
   const std::string file = path.string();
   if (const int descriptor = own_descriptor(path); descriptor >= 0) return write_descriptor(descriptor, file, write);

@@ -182,6 +182,13 @@ TEST(GraphJsonTest, ErrorsNameTheSourceAndThePath) {
     "attrs": {"factor": {"value": 2}}}], "outputs": ["n"]})"),
             "g.json: /nodes/0/attrs/factor: an attribute must be a number, a string or an integer array, got "
             "{\"value\":2}");
+  // A boolean is transpose_right's and no other attribute's: `"axis": true` ran as axis 1 before.
+  for (const auto& [op, key] : std::vector<std::pair<std::string, std::string>>{
+           {"softmax", "axis"}, {"scale", "factor"}, {"causal_mask", "offset"}}) {
+    EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": ")" + op + R"(", "inputs": ["values"],
+      "attrs": {")" + key + R"(": true}}], "outputs": ["n"]})"),
+              "g.json: /nodes/0/attrs/" + key + ": '" + key + "' takes a number, not a boolean (only transpose_right is a flag)");
+  }
   EXPECT_EQ(parse_error("{" + inputs + R"(, "nodes": [{"name": "n", "op": "reshape", "inputs": ["values"],
     "attrs": {"shape": [8, 1.5]}}], "outputs": ["n"]})"),
             "g.json: /nodes/0/attrs/shape/1: expected an integer, got 1.5");

@@ -158,6 +158,32 @@ TEST_F(IoTest, AnIgnoredSignalStaysIgnored) {
 // A rename that fails (the empty path: the temporary is written in the working directory, then
 // renamed onto "") names the rename's own error; the temporary's removal overwrote it with its
 // own success, so the message ended "into place: Success". Nothing is left behind.
+// The check `metile run --output` makes before the run: each path write_output_file would refuse or
+// fail on before its first byte is refused here with the reason, and what it writes is let through;
+// nothing is created by the check.
+TEST_F(IoTest, AnOutputPathIsCheckedBeforeTheWork) {
+  const std::filesystem::path missing_folder = directory_ / "none" / "out.safetensors";
+  EXPECT_EQ(error_of([&] { check_output_file_writable(missing_folder); }),
+            missing_folder.string() + ": no folder " + (directory_ / "none").string());
+  EXPECT_EQ(error_of([&] { check_output_file_writable(directory_); }), directory_.string() + ": is a directory");
+  const std::filesystem::path under_a_file = file("plain", "x") / "out";
+  EXPECT_EQ(error_of([&] { check_output_file_writable(under_a_file); }),
+            under_a_file.string() + ": " + (directory_ / "plain").string() + " is not a folder");
+  if (::geteuid() != 0) {  // root writes a read-only folder anyway
+    const std::filesystem::path locked = directory_ / "locked";
+    std::filesystem::create_directory(locked);
+    std::filesystem::permissions(locked, std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
+    EXPECT_EQ(error_of([&] { check_output_file_writable(locked / "out"); }),
+              (locked / "out").string() + ": cannot create a file in " + locked.string() + ": Permission denied");
+    std::filesystem::permissions(locked, std::filesystem::perms::owner_all);
+  }
+  EXPECT_EQ(error_of([&] { check_output_file_writable(directory_ / "new"); }), "(no InputError)");
+  EXPECT_EQ(error_of([&] { check_output_file_writable(file("existing", "x")); }), "(no InputError)");
+  EXPECT_EQ(error_of([] { check_output_file_writable("/dev/null"); }), "(no InputError)");
+  EXPECT_EQ(error_of([] { check_output_file_writable("/dev/stdout"); }), "(no InputError)");
+  EXPECT_FALSE(std::filesystem::exists(directory_ / "new"));
+}
+
 TEST_F(IoTest, AFailedRenameNamesItsError) {
   const std::filesystem::path previous = std::filesystem::current_path();
   std::filesystem::current_path(directory_);
