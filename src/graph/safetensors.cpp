@@ -217,11 +217,27 @@ void MappedSafetensors::parse_header(std::uint64_t file_bytes) {
   std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* left, const TensorEntry* right) {
     return left->begin != right->begin ? left->begin < right->begin : left->end < right->end;
   });
-  for (std::size_t index = 1; index < by_offset.size(); ++index) {
-    if (by_offset[index]->begin < by_offset[index - 1]->end) {
-      throw InputError(file + ": tensor '" + by_offset[index]->name + "': data overlaps tensor '" +
-                       by_offset[index - 1]->name + "'");
+  // The package's rule (its reader refuses anything else): the tensors' data, in offset order, covers
+  // the data area exactly, each tensor beginning where the one before ended: no overlap, no unused
+  // bytes between two tensors, before the first or after the last (a file with a terabyte of
+  // trailing zeros loaded before).
+  std::uint64_t covered = 0;
+  for (std::size_t index = 0; index < by_offset.size(); ++index) {
+    const TensorEntry& entry = *by_offset[index];
+    if (entry.begin < covered) {
+      throw InputError(file + ": tensor '" + entry.name + "': data overlaps tensor '" + by_offset[index - 1]->name + "'");
     }
+    if (entry.begin > covered) {
+      throw InputError(file + ": tensor '" + entry.name + "': data begins at byte " + std::to_string(entry.begin) +
+                       " of the data area, " + std::to_string(entry.begin - covered) + " unused bytes after " +
+                       (index == 0 ? std::string("its start") : "tensor '" + by_offset[index - 1]->name + "'") +
+                       " (the format has no gaps)");
+    }
+    covered = entry.end;
+  }
+  if (covered != data_bytes) {
+    throw InputError(file + ": " + std::to_string(data_bytes - covered) + " bytes after the last tensor's data (the data area holds " +
+                     std::to_string(data_bytes) + " bytes, its tensors " + std::to_string(covered) + ")");
   }
   const std::byte* data = mapping_ + 8 + header_bytes;
   for (const TensorEntry& entry : entries) {

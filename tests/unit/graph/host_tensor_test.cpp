@@ -196,6 +196,25 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
                       "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", 12);
   EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": tensor 'b': data overlaps tensor 'a'");
 
+  // The data area is covered exactly, as the safetensors package holds it: no unused bytes before the
+  // first tensor, between two or after the last (a 1 TiB sparse tail loaded before).
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                      "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}})", 16);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'b': data begins at byte 12 of the data area, 4 unused bytes after tensor 'a' (the format has no gaps)");
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": tensor 'a': data begins at byte 4 of the data area, 4 unused bytes after its start (the format has no gaps)");
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 9);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
+            file + ": 1 bytes after the last tensor's data (the data area holds 9 bytes, its tensors 8)");
+  path = raw_file("{}", 3);
+  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": 3 bytes after the last tensor's data (the data area holds 3 bytes, its tensors 0)");
+  // Empty tensors take no bytes: one may sit anywhere in the order.
+  path = raw_file(R"({"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},
+                      "b": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})", 4);
+  EXPECT_EQ(read_safetensors(path).at("b").to_values(), (std::vector<double>{1, 8, 15, 22}));
+
   path = raw_file(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 8);
   EXPECT_EQ(error_of([&] { read_safetensors(path); }),
             file + ": tensor 'a': data_offsets end at byte 16 but the file holds only 8 data bytes");
