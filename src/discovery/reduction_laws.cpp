@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "json_input.h"
 #include "metile/discovery.h"
 
 namespace metile {
@@ -180,8 +181,9 @@ std::string Certificate::to_json() const {
 }
 
 Certificate Certificate::from_json(std::string_view text) {
+  constexpr std::string_view kWhat = "not a certificate (a JSON object of law, theory, obligations and verified)";
+  const nlohmann::json json = parse_json_input(text, kWhat);
   try {
-    const nlohmann::json json = nlohmann::json::parse(text);
     Certificate certificate;
     certificate.law = json.at("law").get<std::string>();
     certificate.theory = json.at("theory").get<std::string>();
@@ -193,7 +195,7 @@ Certificate Certificate::from_json(std::string_view text) {
     certificate.verified = json.at("verified").get<bool>();
     return certificate;
   } catch (const nlohmann::json::exception& error) {
-    throw InputError(fmt::format("not a certificate: {}", error.what()));
+    throw InputError(fmt::format("{}: {}", kWhat, json_error_reason(error)));
   }
 }
 

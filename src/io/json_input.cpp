@@ -95,12 +95,16 @@ Json parse_json_input(std::string_view text, std::string_view source) {
   try {
     return Json::parse(text);
   } catch (const Json::exception& error) {
-    // nlohmann's message starts with "[json.exception.parse_error.101] "; the rest is the useful part.
-    std::string message = error.what();
-    const std::size_t bracket = message.find("] ");
-    if (message.starts_with("[json.exception") && bracket != std::string::npos) message.erase(0, bracket + 2);
-    throw InputError(std::string(source) + ": invalid JSON: " + printable_bytes(message));
+    throw InputError(std::string(source) + ": invalid JSON: " + json_error_reason(error));
   }
+}
+
+std::string json_error_reason(const Json::exception& error) {
+  // nlohmann's message starts with "[json.exception.parse_error.101] "; the rest is the useful part.
+  std::string message = error.what();
+  const std::size_t bracket = message.find("] ");
+  if (message.starts_with("[json.exception") && bracket != std::string::npos) message.erase(0, bracket + 2);
+  return printable_bytes(message);
 }
 
 std::string json_excerpt(const Json& value) {

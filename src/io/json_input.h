@@ -17,6 +17,10 @@ namespace metile {
 // twice in one object) or "SOURCE: JSON nested deeper than ...".
 nlohmann::json parse_json_input(std::string_view text, std::string_view source);
 
+// What an nlohmann exception says, without its "[json.exception.type_error.302] " prefix and with
+// control bytes spelled out: for messages about JSON read some other way (a certificate attribute).
+std::string json_error_reason(const nlohmann::json::exception& error);
+
 // value.dump(indent) (json or ordered_json) with bytes that are not UTF-8 replaced by U+FFFD, where
 // nlohmann's default handler throws type_error 316: names set from C++ need not be UTF-8 (GraphBuilder
 // refuses control bytes only), and every writer of JSON (graphs, plans, targets, safetensors headers,

@@ -86,6 +86,12 @@ TEST(ReductionLaws, CertificateRoundTripsThroughJson) {
   const Certificate certificate = prove(stable_weighted_softmax_law());
   EXPECT_EQ(Certificate::from_json(certificate.to_json()), certificate);
   EXPECT_THROW(Certificate::from_json("{\"law\": 3}"), InputError);
+  // The reason is said without nlohmann's "[json.exception...]" prefix (it leaked into `metile run`'s error).
+  EXPECT_EQ(testing::error_of([] { Certificate::from_json("garbage"); }).rfind(
+                "not a certificate (a JSON object of law, theory, obligations and verified): invalid JSON: parse error at line 1, column 1", 0),
+            0u);
+  EXPECT_EQ(testing::error_of([] { Certificate::from_json("{\"law\": \"x\"}"); }),
+            "not a certificate (a JSON object of law, theory, obligations and verified): key 'theory' not found");
   EXPECT_EQ(find_law("stable_weighted_softmax")->name, "stable_weighted_softmax");
   EXPECT_EQ(find_law("nope"), nullptr);
 }
