@@ -218,7 +218,7 @@ std::string FusionPlan::to_dot() const {
   std::string dot = "digraph fusion_plan {\n  rankdir=TB;\n"
                     "  node [shape=box, style=\"rounded,filled\", fillcolor=white, fontname=\"Helvetica\"];\n";
   dot += fmt::format("  label={}; labelloc=t;\n",
-                     dot_quoted(fmt::format("{} kernels for {} ops on {}, saving {}", kernel_count(), g.nodes().size(),
+                     dot_quoted(fmt::format("{} for {} on {}, saving {}", counted(kernel_count(), "kernel"), counted(g.nodes().size(), "op"),
                                             target_name, duration_text(total_benefit_ns()))));
   for (std::size_t index = 0; index < regions.size(); ++index) {
     const FusionRegion& region = regions[index];

@@ -544,6 +544,10 @@ TEST(Planner, DotHasAColouredClusterPerRegion) {
   EXPECT_NE(dot.find("subgraph cluster_R1 {"), std::string::npos);
   EXPECT_NE(dot.find("fillcolor=\"#d6e9f8\""), std::string::npos);
   EXPECT_EQ(dot.find("cluster_R2"), std::string::npos);
+  // The title counts in words that agree with the count: one kernel is "1 kernel" ("1 kernels" before).
+  ASSERT_EQ(plan.kernel_count(), 1);
+  const std::string title = fmt::format("label=\"1 kernel for {} ops on ", plan.graph->nodes().size());
+  EXPECT_NE(dot.find(title), std::string::npos) << title << "\n" << dot;
 }
 
 TEST(Planner, MalformedRulesAreInputErrors) {
