@@ -152,6 +152,7 @@ class DimacsReader {
                                 " (already vertex " + std::to_string(terminal + 1) + ")");
         }
         terminal = vertex;
+        if (source == sink) fail(line_number, "source and sink are the same vertex " + std::to_string(vertex + 1));
       } else if (kind == "a") {
         if (problem_line == 0) fail(line_number, "arc line before the problem line 'p max VERTICES ARCS'");
         if (tokens.size() != 4) fail(line_number, "bad arc line: expected 'a TAIL HEAD CAPACITY'");
@@ -175,7 +176,6 @@ class DimacsReader {
     }
     if (source < 0) fail(last_line, "no source line 'n ID s'");
     if (sink < 0) fail(last_line, "no sink line 'n ID t'");
-    if (source == sink) fail(last_line, "source and sink are the same vertex " + std::to_string(source + 1));
     FlowProblem<Capacity> problem;
     try {
       problem.network = FlowNetwork<Capacity>(static_cast<int>(vertex_count), edges);

@@ -173,6 +173,8 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
       {"duplicate source", "p max 3 0\nn 1 s\nn 2 s\n", "net.max:3: duplicate source (already vertex 1)"},
       {"duplicate sink", "p max 3 0\nn 3 t\nn 2 t\n", "net.max:3: duplicate sink (already vertex 3)"},
       {"source is sink", "p max 3 0\nn 2 s\nn 2 t\n", "net.max:3: source and sink are the same vertex 2"},
+      // On the node line that makes them one, not the file's last line (arcs may follow).
+      {"source is sink before arcs", "p max 3 1\nn 2 t\nn 2 s\na 1 2 5\nc end\n", "net.max:3: source and sink are the same vertex 2"},
       {"bad node kind", "p max 3 0\nn 2 x\n", "net.max:2: bad node line: expected 'n ID s' or 'n ID t'"},
       {"arc with extra token", "p max 3 1\nn 1 s\nn 3 t\na 1 2 5 7\n",
        "net.max:4: bad arc line: expected 'a TAIL HEAD CAPACITY'"},
