@@ -8,6 +8,8 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
+#include <vector>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -198,18 +200,21 @@ TEST_F(SafetensorsTest, RejectsMalformedFiles) {
 
   // The data area is covered exactly, as the safetensors package holds it: no unused bytes before the
   // first tensor, between two or after the last (a 1 TiB sparse tail loaded before).
-  path = raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                      "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}})", 16);
-  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
-            file + ": tensor 'b': data begins at byte 12 of the data area, 4 unused bytes after tensor 'a' (the format has no gaps)");
-  path = raw_file(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8);
-  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
-            file + ": tensor 'a': data begins at byte 4 of the data area, 4 unused bytes after its start (the format has no gaps)");
-  path = raw_file(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 9);
-  EXPECT_EQ(error_of([&] { read_safetensors(path); }),
-            file + ": 1 bytes after the last tensor's data (the data area holds 9 bytes, its tensors 8)");
-  path = raw_file("{}", 3);
-  EXPECT_EQ(error_of([&] { read_safetensors(path); }), file + ": 3 bytes after the last tensor's data (the data area holds 3 bytes, its tensors 0)");
+  auto refused = [&](const std::string& header, std::size_t data_bytes) {
+    const std::filesystem::path written = raw_file(header, data_bytes);
+    return error_of([&] { read_safetensors(written); });
+  };
+  for (const auto& [header, data_bytes, message] : std::vector<std::tuple<std::string, std::size_t, std::string>>{
+           {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}})", 16,
+            "tensor 'b': data begins at byte 12 of the data area, 4 unused bytes after tensor 'a' (the format has no gaps)"},
+           {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8,
+            "tensor 'a': data begins at byte 4 of the data area, 4 unused bytes after its start (the format has no gaps)"},
+           {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 9,
+            "1 bytes after the last tensor's data (the data area holds 9 bytes, its tensors 8)"},
+           {"{}", 3, "3 bytes after the last tensor's data (the data area holds 3 bytes, its tensors 0)"}}) {
+    EXPECT_EQ(refused(header, data_bytes), file + ": " + message);
+  }
   // Empty tensors take no bytes: one may sit anywhere in the order.
   path = raw_file(R"({"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},
                       "b": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})", 4);
