@@ -78,7 +78,9 @@ bool continues_chain(const ComputeGraph& graph, NodeId node, const std::vector<c
 // `proposal` with its rule's input prologue (FusionRule::input_prologue: the RMSNorm before a GEMV
 // region) when that may join; else nothing, and a matching producer that must stay out gets why.
 // The kernel normalizes x while it loads it (no row of it is staged), so joining saves the norm's
-// launch and its value's write and read, and takes no resource the region did not already hold.
+// launch and its value's write and read, and takes no register or shared memory the region did not
+// already hold; it does read the norm's inputs in place of its output (x and the weight for xn), which
+// the target's input limit must still allow (a region with a limit of 3 read 4 before).
 std::optional<ProposedRegion> with_input_prologue(const ComputeGraph& graph, const FusionTarget& target,
                                                   const FusionRule& rule, const ProposedRegion& proposal,
                                                   std::vector<NodeNotes>& notes) {
@@ -93,6 +95,15 @@ std::optional<ProposedRegion> with_input_prologue(const ComputeGraph& graph, con
   }
   ProposedRegion extended = proposal;
   extended.nodes.insert(std::upper_bound(extended.nodes.begin(), extended.nodes.end(), prologue.node), prologue.node);
+  RegionEstimate inputs_and_outputs = estimate_region(graph, extended.nodes, target, rule.resources);
+  inputs_and_outputs.registers_per_thread = 0;  // the region's own, checked when it was proposed
+  inputs_and_outputs.shared_memory_bytes = 0;
+  if (const Decision fits = within_limits(inputs_and_outputs, target); !fits) {
+    add_distinct(notes[static_cast<std::size_t>(prologue.node)].left_out,
+                 fmt::format("{}: not the input prologue of the region at `{}`: with it the kernel {}", rule.name,
+                             graph.node(proposal.anchor).name, fits.reason));
+    return std::nullopt;
+  }
   extended.roles.insert(extended.roles.end(), prologue.roles.begin(), prologue.roles.end());
   std::int64_t value_bytes = 0;
   for (ValueId output : graph.node(prologue.node).outputs) value_bytes += graph.value(output).spec.bytes();

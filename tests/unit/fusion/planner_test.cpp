@@ -176,6 +176,30 @@ TEST(Planner, ResidualAddRmsNormRegionKeepsItsRolesInEitherOperandOrder) {
   }
 }
 
+// The RMSNorm taken in as a region's input prologue reads x and the weight in place of the norm's
+// output: the target's input limit must allow that too (with a limit of 3 the q/k siblings read x, w,
+// Wq and Wk before). Every region of every plan stays within the limit; the norm joins where it fits.
+TEST(Planner, AnInputPrologueKeepsTheTargetsInputLimit) {
+  GraphBuilder builder;
+  auto x = builder.input("x", {{2, 64}, DType::f32});
+  auto weight = builder.input("w", {{64}, DType::f32});
+  auto normalized = builder.rms_norm(x, weight, 1e-5, "xn");
+  auto q = builder.matmul(normalized, builder.input("wq", {{64, 64}, DType::f32}), false, "q");
+  auto k = builder.matmul(normalized, builder.input("wk", {{64, 64}, DType::f32}), false, "k");
+  const ComputeGraph graph = builder.build({q, k});
+  for (int limit : {3, 4}) {
+    FusionTarget target = FusionTarget::h200();
+    target.max_kernel_inputs = limit;
+    const FusionPlan plan = plan_graph_fusion(graph, target);
+    ASSERT_EQ(plan_problems(plan), "");
+    ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+    EXPECT_LE(static_cast<int>(plan.regions[0].inputs.size()), limit) << plan.explain();
+    const bool norm_inside = std::find(plan.regions[0].nodes.begin(), plan.regions[0].nodes.end(),
+                                       *graph.find_node("xn")) != plan.regions[0].nodes.end();
+    EXPECT_EQ(norm_inside, limit == 4) << plan.explain();
+  }
+}
+
 TEST(Planner, SwigluNeedsOneSharedActivation) {
   GraphBuilder builder;
   auto x = builder.input("x", {{1, 64}, DType::f16});
