@@ -295,13 +295,18 @@ FusionPlan plan_with_discovery(const ComputeGraph& recorded, const FusionTarget&
   const ComputeGraph graph = without_dead_nodes(recorded, &dead);
   // A chain the target's cost model gives no saving stays plain ops: planning selects profitable
   // regions only, and a rewrite is a region of one kernel. The estimate, by output matmul, is also
-  // the benefit of the region the rewritten node becomes.
+  // the benefit of the region the rewritten node becomes. That kernel is held to the target's limits
+  // as every region is (a target allowing 2 inputs a kernel got a flash_attention reading 4).
   std::map<NodeId, double> benefit_ns_of_chain;
   const AttentionRewrite rewrite = rewrite_attention(graph, stable_weighted_softmax_law(), [&](const AttentionMatch& match) {
-    const double benefit_ns = estimate_region(graph, match.nodes, target).benefit_ns;
-    benefit_ns_of_chain[match.output_matmul] = benefit_ns;
-    if (benefit_ns > 0) return Decision::allow();
-    return Decision::refuse(fmt::format("the target '{}' estimates no saving for it ({:.1f} ns)", target.name, benefit_ns));
+    const RegionEstimate estimate = estimate_region(graph, match.nodes, target);
+    benefit_ns_of_chain[match.output_matmul] = estimate.benefit_ns;
+    if (const Decision fits = within_limits(estimate, target); !fits) {
+      return Decision::refuse(fmt::format("on the target '{}' the kernel {}", target.name, fits.reason));
+    }
+    if (estimate.benefit_ns > 0) return Decision::allow();
+    return Decision::refuse(
+        fmt::format("the target '{}' estimates no saving for it ({:.1f} ns)", target.name, estimate.benefit_ns));
   });
   FusionPlan plan = plan_graph_fusion(rewrite.graph, target, rules);
   const ComputeGraph& planned = *plan.graph;

@@ -427,6 +427,19 @@ TEST(AttentionRewrite, AChainWithoutASavingOnTheTargetStaysPlainOps) {
   ASSERT_EQ(on_h200.regions.size(), 1u);
   EXPECT_EQ(on_h200.regions[0].rule, "flash_attention");
   EXPECT_GT(on_h200.regions[0].benefit_ns, 0);
+  // The rewritten kernel is held to the target's limits as any region: with two inputs a kernel the
+  // chain (q, k, v and the positions) stays plain ops, refused with the limit; every plan's regions
+  // keep it.
+  FusionTarget two_inputs = FusionTarget::h200();
+  two_inputs.name = "two_inputs";
+  two_inputs.max_kernel_inputs = 2;
+  const FusionPlan narrow = plan_with_discovery(graph, two_inputs);
+  EXPECT_EQ(*narrow.graph, graph) << narrow.explain();
+  for (const FusionRegion& region : narrow.regions) EXPECT_LE(region.inputs.size(), 2u) << narrow.explain();
+  EXPECT_NE(narrow.node_reasons[static_cast<std::size_t>(*narrow.graph->find_node("probabilities"))].find(
+                "flash_attention refused: on the target 'two_inputs' the kernel reads 4 inputs, target allows 2 per kernel"),
+            std::string::npos)
+      << narrow.explain();
 }
 
 TEST(AttentionRewrite, PlanCarriesTheCertificate) {
