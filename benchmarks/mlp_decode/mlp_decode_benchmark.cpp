@@ -83,7 +83,6 @@ struct Row {
   double floor_us = -1, one_kernel_floor_us = -1;
 };
 
-
 // --kernels: each tuning candidate of each stage kernel, timed alone over weight replicas.
 // --profile (profile_only): the stage kernels of 4-bit g64 at profile_rows rows, each launched once.
 // A register-batch shape without staging, split-K or L2 prefetch.
@@ -155,13 +154,13 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
     for (std::int64_t rows : {1, 16}) {
       if (profile_only && rows != profile_rows) continue;
       std::vector<GemvKernelConfig> configs;
+      const benchmarks::DecodeMlpStageConfigs stages = benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate);
       for (GatedSchedule schedule : {GatedSchedule::register_resident, GatedSchedule::scratch_spilled}) {
-        GemvKernelConfig base = benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate).gate_up;
+        GemvKernelConfig base = stages.gate_up;
         base.schedule = schedule;
         for (const GemvKernelConfig& config : gemv_tuning_candidates(base, info.multiprocessor_count)) configs.push_back(config);
       }
-      const GemvKernelConfig down = benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate).down;
-      for (const GemvKernelConfig& config : gemv_tuning_candidates(down, info.multiprocessor_count)) configs.push_back(config);
+      for (const GemvKernelConfig& config : gemv_tuning_candidates(stages.down, info.multiprocessor_count)) configs.push_back(config);
       // Each register-resident shape again with its weights prefetched into L2 ahead of the loads.
       for (std::size_t i = 0, plain = configs.size(); i < plain; ++i) {
         if (configs[i].schedule == GatedSchedule::scratch_spilled && configs[i].epilogue.product_count() == 2) continue;
@@ -169,7 +168,7 @@ void time_stage_kernels(const CudaDevice& device, const CudaStream& stream, doub
         prefetching.l2_prefetch_rounds = gemv_l2_prefetch_rounds(prefetching, info.multiprocessor_count);
         configs.push_back(prefetching);
       }
-      for (GemvKernelConfig streamed : {benchmarks::decode_mlp_stage_configs(format, rows, hidden, intermediate).gate_up, down}) {
+      for (GemvKernelConfig streamed : {stages.gate_up, stages.down}) {
         streamed.mainloop = GemvMainloop::streamed;
         for (const GemvKernelConfig& config : gemv_tuning_candidates(streamed, info.multiprocessor_count)) {
           configs.push_back(config);

@@ -207,6 +207,40 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   }
 }
 
+// How write_output_file writes `path`, decided once for it and for check_output_file_writable: through
+// a descriptor this process holds; in place (a FIFO, a character device, or the target a dangling link
+// creates: opening the link is writing through it); or by replacing the file at `destination` (the
+// link's target for a link), keeping a replaced file's permission bits. A directory or another kind of
+// file is an InputError.
+struct OutputTarget {
+  enum class Way { descriptor, in_place, replaced } way = Way::replaced;
+  int descriptor = -1;
+  fs::path destination;
+  std::optional<fs::perms> permissions;
+};
+
+OutputTarget output_target(const fs::path& path) {
+  const std::string file = path.string();
+  if (const int descriptor = own_descriptor(path); descriptor >= 0) return {OutputTarget::Way::descriptor, descriptor, path, {}};
+  std::error_code error;
+  fs::path destination = path;
+  if (fs::is_symlink(fs::symlink_status(path, error))) {
+    destination = fs::canonical(path, error);
+    if (error) return {OutputTarget::Way::in_place, -1, path, {}};
+  }
+  const fs::file_status status = fs::status(destination, error);
+  switch (status.type()) {
+    case fs::file_type::not_found: return {OutputTarget::Way::replaced, -1, destination, std::nullopt};
+    case fs::file_type::regular: return {OutputTarget::Way::replaced, -1, destination, status.permissions()};
+    case fs::file_type::fifo:
+    case fs::file_type::character: return {OutputTarget::Way::in_place, -1, destination, {}};
+    case fs::file_type::directory: throw InputError(file + ": is a directory");
+    default:
+      if (error) throw InputError(file + ": cannot write: " + error.message());
+      throw InputError(file + ": not a regular file, FIFO or character device; refusing to replace it");
+  }
+}
+
 }  // namespace
 
 void remove_temporary_files_on_fatal_signals() {
@@ -223,29 +257,17 @@ void remove_temporary_files_on_fatal_signals() {
 
 void check_output_file_writable(const fs::path& path) {
   const std::string file = path.string();
-  if (const int descriptor = own_descriptor(path); descriptor >= 0) {
-    if (::fcntl(descriptor, F_GETFD) < 0) throw InputError(file + ": cannot write: " + std::strerror(errno));
-    return;
-  }
-  std::error_code error;
-  fs::path destination = path;
-  if (fs::is_symlink(fs::symlink_status(path, error))) {
-    destination = fs::canonical(path, error);
-    if (error) destination = path;  // a dangling link: written through, its target created
-  }
-  const fs::file_status status = fs::status(destination, error);
-  switch (status.type()) {
-    case fs::file_type::fifo:
-    case fs::file_type::character: return;
-    case fs::file_type::directory: throw InputError(file + ": is a directory");
-    case fs::file_type::not_found:
-    case fs::file_type::regular: break;
-    default:
-      if (error) throw InputError(file + ": cannot write: " + error.message());
-      throw InputError(file + ": not a regular file, FIFO or character device; refusing to replace it");
+  const OutputTarget target = output_target(path);
+  switch (target.way) {
+    case OutputTarget::Way::descriptor:
+      if (::fcntl(target.descriptor, F_GETFD) < 0) throw InputError(file + ": cannot write: " + std::strerror(errno));
+      return;
+    case OutputTarget::Way::in_place: return;
+    case OutputTarget::Way::replaced: break;
   }
   // A regular file is replaced by a temporary written beside it: its folder must take a new file.
-  fs::path folder = destination.parent_path();
+  std::error_code error;
+  fs::path folder = target.destination.parent_path();
   if (folder.empty()) folder = ".";
   const fs::file_status folder_status = fs::status(folder, error);
   if (folder_status.type() == fs::file_type::not_found) throw InputError(file + ": no folder " + folder.string());
@@ -257,24 +279,11 @@ void check_output_file_writable(const fs::path& path) {
 
 void write_output_file(const fs::path& path, const std::function<void(std::ostream&)>& write) {
   const std::string file = path.string();
-  if (const int descriptor = own_descriptor(path); descriptor >= 0) return write_descriptor(descriptor, file, write);
-  std::error_code error;
-  fs::path destination = path;
-  if (fs::is_symlink(fs::symlink_status(path, error))) {
-    destination = fs::canonical(path, error);
-    // A dangling link: opening it creates its target, which is writing through it.
-    if (error) return write_stream(path, file, write);
-  }
-  const fs::file_status status = fs::status(destination, error);
-  switch (status.type()) {
-    case fs::file_type::not_found: return replace_atomically(destination, file, std::nullopt, write);
-    case fs::file_type::regular: return replace_atomically(destination, file, status.permissions(), write);
-    case fs::file_type::fifo:
-    case fs::file_type::character: return write_stream(destination, file, write);
-    case fs::file_type::directory: throw InputError(file + ": is a directory");
-    default:
-      if (error) throw InputError(file + ": cannot write: " + error.message());
-      throw InputError(file + ": not a regular file, FIFO or character device; refusing to replace it");
+  const OutputTarget target = output_target(path);
+  switch (target.way) {
+    case OutputTarget::Way::descriptor: return write_descriptor(target.descriptor, file, write);
+    case OutputTarget::Way::in_place: return write_stream(target.destination, file, write);
+    case OutputTarget::Way::replaced: return replace_atomically(target.destination, file, target.permissions, write);
   }
 }
 
