@@ -1,0 +1,229 @@
+// handoff_benchmark: what one kernel boundary of a decode step costs inside a CUDA graph, and
+// whether an arrival counter hands data on sooner than programmatic dependent launch's wait.
+//
+// A decode step is a chain of ~160 (Llama-3-8B) kernels, each reading what the one before wrote
+// (notes/mlp_decode.md: a boundary costs ~2.6 us of the read chain). This times a chain of `links`
+// small kernels, each reading the previous kernel's 8 KiB vector (a GEMV's x) through the L2, summing
+// it, and writing its own, three ways:
+//   stream    plain launches: each kernel starts when the one before has completed
+//   pdl-wait  programmatic dependent launch, griddepcontrol.wait before reading (what metile does)
+//   counter   programmatic dependent launch without the wait: each block adds 1 to its kernel's
+//             arrival counter after its stores (fence, atomic), and the next kernel's blocks spin on
+//             that counter (ld.acquire.gpu) until every block of the one before has arrived; the
+//             counters are zeroed by a memset node at the head of the graph
+// Optionally each block also streams a slice of weights (--weights-mib a kernel; its first loads
+// before the wait, as a GEMV's first batches), so that the counter is polled while DRAM is busy.
+// Every chain's last vector is checked against the same chain computed on the host (a wrong answer
+// exits 1: the counter's memory ordering is what that checks), then the table prints us a link.
+//
+//   handoff_benchmark [--links N] [--weights-mib A,B] [--blocks-per-sm A,B] [--seed S]
+// Prints "no CUDA device: ..." and exits 0 where there is none.
+#include <fmt/core.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "metile/cuda_runtime.h"
+#include "metile/error.h"
+#include "../support/benchmark_device.h"
+#include "../support/benchmark_options.h"
+
+namespace {
+
+using namespace metile;
+
+constexpr int kWords = 2048;          // the vector handed on: 8 KiB, a Llama-3-8B x in bf16
+constexpr int kThreads = 128;
+constexpr int kCounterStride = 32;    // u32: one counter a 128-byte line
+constexpr int kEarlyVectors = 4;      // 16-byte weight loads a thread issues before the wait
+
+constexpr const char* kSource = R"CUDA(
+typedef unsigned int u32;
+__device__ __forceinline__ u32 mix(u32 x) {
+  x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+  return x;
+}
+__device__ __forceinline__ u32 load_relaxed(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 load_weights(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// kMode 0: stream order; 1: griddepcontrol.wait; 2: the arrival counter of link `index - 1`.
+template <int kMode>
+__device__ __forceinline__ void link(const u32* in, u32* out, const uint4* weights, u32* arrivals,
+                                     int weight_vectors, int index) {
+  if (kMode != 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const uint4* slice = weights + (size_t)blockIdx.x * weight_vectors;
+  uint4 early[EARLY];
+#pragma unroll
+  for (int j = 0; j < EARLY; ++j) {
+    const int v = threadIdx.x + j * blockDim.x;
+    early[j] = v < weight_vectors ? load_weights(slice + v) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  if (kMode == 1) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (kMode == 2 && index > 0) {
+    if (threadIdx.x == 0) {
+      const u32* counter = arrivals + (index - 1) * COUNTER_STRIDE;
+      for (;;) {
+        u32 seen;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        if (seen >= gridDim.x) break;
+        __nanosleep(32);
+      }
+      __threadfence();
+    }
+    __syncthreads();
+  }
+  u32 acc = 0;  // the weights are zero: folded in so that their loads are not dead
+#pragma unroll
+  for (int j = 0; j < EARLY; ++j) acc ^= early[j].x ^ early[j].y ^ early[j].z ^ early[j].w;
+  for (int v = threadIdx.x + EARLY * blockDim.x; v < weight_vectors; v += blockDim.x) {
+    const uint4 q = load_weights(slice + v);
+    acc ^= q.x ^ q.y ^ q.z ^ q.w;
+  }
+  for (int i = threadIdx.x; i < WORDS; i += blockDim.x) acc += mix(load_relaxed(in + i) ^ ((u32)i * 0x9E3779B9u));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  __shared__ u32 warp_sums[32];
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  u32 total = 0;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += warp_sums[w];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < WORDS; i += gridDim.x * blockDim.x) out[i] = mix(total + (u32)i);
+  if (kMode == 2) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(arrivals + index * COUNTER_STRIDE, 1u);
+    }
+  }
+}
+extern "C" __global__ void handoff_stream(const u32* in, u32* out, const uint4* w, u32* a, int wv, int index) { link<0>(in, out, w, a, wv, index); }
+extern "C" __global__ void handoff_wait(const u32* in, u32* out, const uint4* w, u32* a, int wv, int index) { link<1>(in, out, w, a, wv, index); }
+extern "C" __global__ void handoff_counter(const u32* in, u32* out, const uint4* w, u32* a, int wv, int index) { link<2>(in, out, w, a, wv, index); }
+)CUDA";
+
+std::uint32_t mix(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// The chain on the host: what every link computes, whatever its grid (the weights are zero).
+std::vector<std::uint32_t> chain_on_host(std::vector<std::uint32_t> vector, int links) {
+  for (int link = 0; link < links; ++link) {
+    std::uint32_t total = 0;
+    for (int i = 0; i < kWords; ++i) total += mix(vector[static_cast<std::size_t>(i)] ^ (static_cast<std::uint32_t>(i) * 0x9E3779B9u));
+    for (int i = 0; i < kWords; ++i) vector[static_cast<std::size_t>(i)] = mix(total + static_cast<std::uint32_t>(i));
+  }
+  return vector;
+}
+
+struct Mode {
+  const char* name;
+  const char* kernel;
+  bool programmatic;
+  bool counters;
+};
+constexpr Mode kModes[] = {{"stream", "handoff_stream", false, false},
+                           {"pdl-wait", "handoff_wait", true, false},
+                           {"counter", "handoff_counter", true, true}};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int links = 64;
+  std::vector<double> weights_mib = {0.0, 2.0};
+  std::vector<int> blocks_per_sm = {1, 2, 4};
+  std::uint64_t seed = std::random_device{}();
+  CLI::App app{"what one kernel boundary costs in a CUDA graph: stream order, PDL's wait, an arrival counter",
+               "handoff_benchmark"};
+  app.add_option("--links", links, "kernels in the chain")->check(CLI::Range(2, 1024))->capture_default_str();
+  app.add_option("--weights-mib", weights_mib, "MiB of weights each kernel streams (0: none)")
+      ->check(CLI::Range(0.0, 64.0))->delimiter(',')->capture_default_str();
+  app.add_option("--blocks-per-sm", blocks_per_sm, "grid sizes, blocks of 128 threads an SM")
+      ->check(CLI::Range(1, 16))->delimiter(',')->capture_default_str();
+  app.add_option("--seed", seed, "the first vector's seed (default: random, printed)");
+  if (const std::optional<int> exit_code = benchmarks::parse_benchmark_options(app, argc, argv)) return *exit_code;
+  const std::optional<CudaDevice> device = benchmarks::open_device_or_say_why("handoff_benchmark");
+  if (!device) return 0;
+  try {
+    const int sms = device->info().multiprocessor_count;
+    fmt::print("handoff_benchmark on {}\n{} links a chain, {} words handed on, seed {}\n",
+               benchmarks::describe_device(device->info()), links, kWords, seed);
+    CompileOptions options;
+    options.extra = {fmt::format("-DWORDS={}", kWords), fmt::format("-DCOUNTER_STRIDE={}", kCounterStride),
+                     fmt::format("-DEARLY={}", kEarlyVectors)};
+    std::vector<CompiledKernel> kernels;
+    for (const Mode& mode : kModes) kernels.push_back(compile_cuda(kSource, mode.kernel, options));
+
+    std::mt19937_64 random(seed);
+    std::vector<std::uint32_t> first(kWords);
+    for (std::uint32_t& word : first) word = static_cast<std::uint32_t>(random());
+    const std::vector<std::uint32_t> expected = chain_on_host(first, links);
+    DeviceBuffer input = DeviceBuffer::from_vector<std::uint32_t>(first);
+    DeviceBuffer vectors[2] = {DeviceBuffer(kWords * 4), DeviceBuffer(kWords * 4)};
+    DeviceBuffer arrivals(static_cast<std::size_t>(links) * kCounterStride * 4);
+    CudaStream stream;
+
+    fmt::print("\n{:>10} {:>12} {:>10} {:>10} {:>10} {:>16}\n", "blocks", "weights MiB", "stream", "pdl-wait",
+               "counter", "wait - counter");
+    fmt::print("{:>10} {:>12} {:>10} {:>10} {:>10} {:>16}\n", "", "a link", "us a link", "us a link", "us a link", "us a link");
+    for (const double mib : weights_mib) {
+      // Whole 16-byte vectors a block, at least one per thread when there are weights.
+      for (const int per_sm : blocks_per_sm) {
+        const int blocks = per_sm * sms;
+        const auto bytes_per_link = static_cast<std::size_t>(mib * 1048576.0);
+        const int weight_vectors = static_cast<int>(bytes_per_link / 16 / static_cast<std::size_t>(blocks));
+        DeviceBuffer weights(std::max<std::size_t>(16, static_cast<std::size_t>(links) * blocks * weight_vectors * 16));
+        weights.fill_bytes(0);
+        double us[3] = {0, 0, 0};
+        for (int m = 0; m < 3; ++m) {
+          const Mode& mode = kModes[m];
+          const CudaGraph graph = CudaGraph::capture(stream, [&](const CudaStream& s) {
+            if (mode.counters) arrivals.fill_bytes(0, &s);
+            for (int link = 0; link < links; ++link) {
+              KernelArguments arguments;
+              arguments.add_pointer(link == 0 ? input : vectors[(link - 1) % 2]);
+              arguments.add_pointer(vectors[link % 2]);
+              arguments.add_pointer(weights.address() + static_cast<std::uint64_t>(link) * blocks * weight_vectors * 16);
+              arguments.add_pointer(arrivals);
+              arguments.add_int32(weight_vectors);
+              arguments.add_int32(link);
+              if (mode.programmatic && link > 0) {
+                launch_programmatic_dependent(kernels[static_cast<std::size_t>(m)], {static_cast<unsigned>(blocks)}, {kThreads}, 0, s, arguments);
+              } else {
+                launch(kernels[static_cast<std::size_t>(m)], {static_cast<unsigned>(blocks)}, {kThreads}, 0, s, arguments);
+              }
+            }
+          });
+          vectors[(links - 1) % 2].fill_bytes(0);
+          us[m] = 1e3 * time_on_stream_ms(stream, [&](const CudaStream& s) { graph.replay(s); }, 3, 20, 7) / links;
+          stream.synchronize();
+          if (vectors[(links - 1) % 2].to_vector<std::uint32_t>() != expected) {
+            fmt::print(stderr, "handoff_benchmark: the {} chain ({} blocks, {} MiB) handed on a wrong vector\n", mode.name,
+                       blocks, mib);
+            return 1;
+          }
+        }
+        fmt::print("{:>10} {:>12.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>16.2f}\n", blocks, mib, us[0], us[1], us[2], us[1] - us[2]);
+      }
+    }
+  } catch (const std::exception& error) {
+    fmt::print(stderr, "handoff_benchmark: {}\n", error.what());
+    return 1;
+  }
+  return 0;
+}
