@@ -121,6 +121,16 @@ struct LoadOptions {
   std::function<void(const std::string&)> warn = print_warning_line;
 };
 
+// Quantizing at load (LoadOptions::quantize, SynthOptions::quantize) keeps a matrix dense when its
+// columns are not whole groups, as MLX's quantize does. The matrices of one width that it leaves
+// dense, for the front ends to say so: a user who asked for 4 bits would otherwise measure a model
+// that is partly bf16 without knowing. Empty when the group size divides every width.
+struct MatricesLeftDense {
+  std::string matrices;  // "q/k/v, gate/up, the embedding, the LM head"
+  std::int64_t columns = 0;
+};
+std::vector<MatricesLeftDense> matrices_left_dense(const ModelConfig& config, const AffineQuantization& format);
+
 // A loaded model: its config and weights in the runtime dtype, named as in the
 // checkpoint (quantized ones as NAME.weight u32 / NAME.scales / NAME.biases).
 class DecoderModel {

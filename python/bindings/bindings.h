@@ -5,8 +5,11 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl/filesystem.h>
 
 #include <cstdint>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -85,6 +88,13 @@ struct Utf8Text {
   std::string value;
 };
 
+// A path parameter: str, bytes or os.PathLike, as pybind11's std::filesystem::path takes them. One
+// holding a NUL byte is a ValueError, as Python's own os functions raise: the path caster's failure was
+// a TypeError listing the signatures.
+struct FilePath {
+  std::filesystem::path value;
+};
+
 // Python lists of views of these values / nodes, in order.
 py::list value_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<ValueId>& ids);
 py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std::vector<NodeId>& ids);
@@ -124,6 +134,29 @@ struct type_caster<metile::python::Utf8Text> {
   }
   static handle cast(const metile::python::Utf8Text& text, return_value_policy, handle) {
     return str(text.value).release();
+  }
+};
+
+template <>
+struct type_caster<metile::python::FilePath> {
+  PYBIND11_TYPE_CASTER(metile::python::FilePath, const_name("os.PathLike"));
+  bool load(handle source, bool convert) {
+    if (!source) return false;
+    PyObject* native = PyOS_FSPath(source.ptr());  // str or bytes; NULL (and a TypeError set) for other types
+    if (native == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    const object path = reinterpret_steal<object>(native);
+    const bool has_nul = PyUnicode_Check(native)
+                             ? PyUnicode_FindChar(native, 0, 0, PyUnicode_GetLength(native), 1) >= 0
+                             : PyBytes_Check(native) &&
+                                   std::memchr(PyBytes_AS_STRING(native), 0, static_cast<std::size_t>(PyBytes_GET_SIZE(native))) != nullptr;
+    if (has_nul) throw value_error("path: embedded null byte in " + std::string(str(repr(source))));
+    type_caster<std::filesystem::path> inner;
+    if (!inner.load(path, convert)) return false;
+    value.value = static_cast<std::filesystem::path&>(inner);
+    return true;
   }
 };
 

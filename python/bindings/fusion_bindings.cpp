@@ -105,6 +105,9 @@ FusionTarget target_from_python(const py::object& target) {
     // As the file system spells the path: a file name that is not UTF-8 reaches Python as a str with
     // surrogate escapes, which no UTF-8 conversion takes (pybind11's "Unable to cast").
     const std::string name_or_path = os.attr("fsencode")(target).cast<std::string>();
+    if (name_or_path.find('\0') != std::string::npos) {  // as Python's own os functions say it
+      throw py::value_error("target: embedded null byte in " + std::string(py::str(py::repr(target))));
+    }
     // Read without the GIL: a FIFO blocks until its writer writes, and a writer that is a Python thread
     // of this process could not run while we held it (the read never ended).
     py::gil_scoped_release release;
@@ -240,8 +243,9 @@ void bind_target(py::module_& module) {
           },
           py::arg("text"), py::arg("source_name") = "<string>",
           "A JSON object: optional \"base\" (\"h200\" or \"cpu\") whose fields the others override.")
-      .def_static("from_json_file", &FusionTarget::from_json_file, py::arg("path"),
-                  py::call_guard<py::gil_scoped_release>())  // as target_from_python: a FIFO's writer may be a Python thread
+      .def_static(
+          "from_json_file", [](const FilePath& path) { return FusionTarget::from_json_file(path.value); }, py::arg("path"),
+          py::call_guard<py::gil_scoped_release>())  // as target_from_python: a FIFO's writer may be a Python thread
       .def_static(
           "from_name_or_file", [](const py::object& name_or_path) { return target_from_python(name_or_path); },
           py::arg("name_or_path"), "'h200', 'cpu' or the path of a JSON target file (a str or os.PathLike).")
@@ -305,7 +309,13 @@ void bind_rules(py::module_& module) {
   def_flag_field(rule_class, "anchor_must_be_sink", &FusionRule::anchor_must_be_sink);
   def_flag_field(rule_class, "materializes_escaping_values", &FusionRule::materializes_escaping_values);
   def_text_field(rule_class, "epilogue_add_operand_role", &FusionRule::epilogue_add_operand_role);
-  rule_class.def_readwrite("pattern", &FusionRule::pattern)
+  // Lists are copied out, as OpPattern's are: def_readwrite handed out items that referred into the
+  // vector, and reassigning the property freed what an item still held read.
+  rule_class
+      .def_property(
+          "pattern", [](const FusionRule& rule) { return rule.pattern; },
+          [](FusionRule& rule, std::vector<OpPattern> pattern) { rule.pattern = std::move(pattern); },
+          "The pattern's entries, anchor last (a copy: assign the whole list to change it).")
       .def_readwrite("prologue", &FusionRule::prologue)
       .def_readwrite("epilogue", &FusionRule::epilogue)
       .def_readwrite("resources", &FusionRule::resources)
@@ -325,7 +335,10 @@ void bind_rules(py::module_& module) {
            py::arg("rules") = std::vector<FusionRule>{},
            py::arg("max_neighborhood_nodes") = RuleSet{}.max_neighborhood_nodes,
            py::arg("max_exact_component_size") = RuleSet{}.max_exact_component_size)
-      .def_readwrite("rules", &RuleSet::rules);
+      .def_property(
+          "rules", [](const RuleSet& rule_set) { return rule_set.rules; },
+          [](RuleSet& rule_set, std::vector<FusionRule> rules) { rule_set.rules = std::move(rules); },
+          "The rules in priority order (a copy: assign the whole list to change it).");
   def_integer_field(rule_set_class, "max_neighborhood_nodes", &RuleSet::max_neighborhood_nodes);
   def_integer_field(rule_set_class, "max_exact_component_size", &RuleSet::max_exact_component_size);
   rule_set_class.def("__len__", [](const RuleSet& rule_set) { return rule_set.rules.size(); })

@@ -708,11 +708,11 @@ void bind_compute_graph(py::module_& module) {
 
   module.def(
       "read_graph",
-      [](const std::filesystem::path& path) {
+      [](const FilePath& path) {
         // Read without the GIL: a FIFO blocks until its writer writes, and a writer that is a Python thread
         // of this process could not run while we held it (the read never ended).
         py::gil_scoped_release release;
-        return std::make_shared<ComputeGraph>(read_graph(path));
+        return std::make_shared<ComputeGraph>(read_graph(path.value));
       },
       py::arg("path"), "Reads a JSON graph file; ValueError names the file and the JSON path of a mistake.");
 }

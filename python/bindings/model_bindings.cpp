@@ -45,6 +45,17 @@ std::optional<AffineQuantization> quantization_of(const py::handle& bits, const 
   return format;
 }
 
+// A UserWarning for each width quantize= leaves dense (matrices_left_dense, model.h), as the command
+// line's note: the model would otherwise be partly bf16 without a word.
+void warn_of_matrices_left_dense(const ModelConfig& config, const AffineQuantization& format) {
+  for (const MatricesLeftDense& left : matrices_left_dense(config, format)) {
+    const std::string message = "quantize=" + std::to_string(format.bits) + " leaves " + left.matrices + " dense: " +
+                                std::to_string(left.columns) + " columns are not a multiple of group_size " +
+                                std::to_string(format.group_size);
+    if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 1) != 0) throw py::error_already_set();  // warnings as errors
+  }
+}
+
 // The ids of one sequence; reading stops past the model's capacity (an endless iterator is an error,
 // not a loop until memory runs out), named with where the capacity came from.
 std::vector<std::int32_t> token_ids(const py::handle& ids, const DecoderModel& model) {
@@ -220,7 +231,7 @@ void bind_model(py::module_& module) {
 
   module.def(
       "load_model",
-      [](const std::filesystem::path& path, const Utf8Text& dtype_text, const py::handle& quantize,
+      [](const FilePath& path, const Utf8Text& dtype_text, const py::handle& quantize,
          const py::handle& group_size, const py::handle& max_seq, const Utf8Text& backend_text) -> py::object {
         const std::string& dtype = dtype_text.value;
         const std::string& backend = backend_text.value;
@@ -251,8 +262,9 @@ void bind_model(py::module_& module) {
         std::shared_ptr<DecoderModel> model;
         {
           py::gil_scoped_release release;  // reading a checkpoint takes seconds: other threads run meanwhile
-          model = std::make_shared<DecoderModel>(DecoderModel::load(path, options));
+          model = std::make_shared<DecoderModel>(DecoderModel::load(path.value, options));
         }
+        if (options.quantize) warn_of_matrices_left_dense(model->config(), *options.quantize);
 #ifdef METILE_HAVE_CUDA_BACKEND
         if (device) {
           auto held = std::make_shared<PythonCudaModel>();
@@ -275,7 +287,7 @@ void bind_model(py::module_& module) {
 
   module.def(
       "synth_model",
-      [](const std::filesystem::path& path, const Utf8Text& preset, const std::optional<Utf8Text>& arch,
+      [](const FilePath& path, const Utf8Text& preset, const std::optional<Utf8Text>& arch,
          const py::handle& layers, const py::handle& seed, const py::handle& quantize, const py::handle& group_size,
          const py::handle& tie_word_embeddings, const py::handle& config_spelling, const py::handle& max_shard_mb) {
         SynthOptions options;
@@ -290,13 +302,14 @@ void bind_model(py::module_& module) {
         }
         options.transformers_version = integer_argument("config_spelling", config_spelling);  // True is not 1
         options.max_shard_mb = real_argument("max_shard_mb", max_shard_mb);
+        if (options.quantize) warn_of_matrices_left_dense(synth_config(options), *options.quantize);
         // Written without the GIL; Ctrl-C is looked for between tensors, as the command line's synth-model
         // does, and cancels the write (nothing is left) with Python's KeyboardInterrupt. Holding the GIL,
         // the interrupt was seen only once the whole checkpoint had been written.
         std::optional<py::error_already_set> interruption;
         try {
           py::gil_scoped_release release;
-          synthesize_model(path, options, {}, [&] {
+          synthesize_model(path.value, options, {}, [&] {
             py::gil_scoped_acquire acquire;
             if (PyErr_CheckSignals() == 0) return false;
             interruption.emplace();  // the handler's exception (KeyboardInterrupt), taken from Python's error state

@@ -367,7 +367,11 @@ void check_rope_scaling(Attributes& attributes) {
   if (!(high > low)) {
     throw InputError("high_freq_factor " + number_text(high) + " must exceed low_freq_factor " + number_text(low));
   }
-  (void)factor;
+  // Low frequencies are divided by the factor: past f32 (a factor of 5e-324) every angle was inf and
+  // every logit NaN.
+  if (!(1.0 / factor <= std::numeric_limits<float>::max())) {
+    throw InputError("factor " + number_text(factor) + " is too small: frequencies divided by it pass f32's range");
+  }
 }
 
 std::vector<TensorSpec> infer_rope(std::span<const TensorSpec> inputs, Attributes& attributes) {

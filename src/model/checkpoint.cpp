@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <set>
 
 #include <fmt/format.h>
@@ -73,8 +74,12 @@ class CheckpointFiles {
       if (json["weight_map"].empty()) throw InputError(fmt::format("{}: field 'weight_map': lists no tensor", index.string()));
       std::map<std::string, std::size_t> file_index;
       for (const auto& [name, file] : json["weight_map"].items()) {
-        // No '/' (a file of this directory) and no NUL (the system would open the name cut at it).
-        if (!file.is_string() || file.get<std::string>().find_first_of(std::string_view("/\0", 2)) != std::string::npos) {
+        // No '/' (a file of this directory), no NUL (the system would open the name cut at it), and not
+        // "", "." or "..", which name a directory ("is a directory", without the field that said it).
+        const auto not_a_file_name = [](const std::string& text) {
+          return text.empty() || text == "." || text == ".." || text.find_first_of(std::string_view("/\0", 2)) != std::string::npos;
+        };
+        if (!file.is_string() || not_a_file_name(file.get<std::string>())) {
           throw InputError(fmt::format("{}: field 'weight_map.{}': must be a file name in the directory, got {}",
                                        index.string(), name, json_excerpt(file)));
         }
@@ -369,6 +374,21 @@ void warn_of_unused_weights(const ModelConfig& config, const CheckpointFiles& fi
 }
 
 }  // namespace
+
+std::vector<MatricesLeftDense> matrices_left_dense(const ModelConfig& config, const AffineQuantization& format) {
+  std::map<std::int64_t, std::string> matrices_of_width;  // columns -> the matrices that have them
+  for (const auto& [columns, matrices] : {std::pair<std::int64_t, const char*>{config.hidden_size, "q/k/v, gate/up, the embedding, the LM head"},
+                                          {config.num_attention_heads * config.head_dim, "the o-projection"},
+                                          {config.intermediate_size, "the down projection"}}) {
+    std::string& names = matrices_of_width[columns];
+    names += (names.empty() ? "" : ", ") + std::string(matrices);
+  }
+  std::vector<MatricesLeftDense> left;
+  for (const auto& [columns, matrices] : matrices_of_width) {
+    if (columns % format.group_size != 0) left.push_back({matrices, columns});
+  }
+  return left;
+}
 
 void print_warning_line(const std::string& line) {
   std::fprintf(stderr, "metile: warning: %s\n", control_bytes_spelled(line).c_str());

@@ -32,26 +32,28 @@ struct FieldReader {
     const auto found = object.find(field);
     return found != object.end() && !found->is_null();
   }
-  std::int64_t positive_int(std::string_view field) const {
+  // A positive integer no larger than `limit`, so that narrowing it cannot wrap (2^32 + 4 bits is not
+  // 4). A JSON integer past int64 (2^63 and up, which nlohmann keeps unsigned) is past every limit:
+  // read as an int64 it wrapped negative, and the message called 2^63 not positive.
+  std::int64_t positive_int_at_most(std::string_view field, std::int64_t limit) const {
     if (!present(field)) fail(field, "missing");
     const Json& value = object.at(field);
-    if (!value.is_number_integer() || value.get<std::int64_t>() <= 0) {
+    const bool past_int64 = value.is_number_unsigned() &&
+                            value.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+    if (!value.is_number_integer() || (!past_int64 && value.get<std::int64_t>() <= 0)) {
       fail(field, "must be a positive integer, got " + json_excerpt(value));
     }
+    if (past_int64 || value.get<std::int64_t>() > limit) fail(field, fmt::format("must be at most {}, got {}", limit, json_excerpt(value)));
     return value.get<std::int64_t>();
   }
-  // A positive integer no larger than `limit`, so that narrowing it cannot wrap (2^32 + 4 bits is not 4).
-  std::int64_t positive_int_at_most(std::string_view field, std::int64_t limit) const {
-    const std::int64_t value = positive_int(field);
-    if (value > limit) fail(field, fmt::format("must be at most {}, got {}", limit, value));
-    return value;
+  std::int64_t positive_int(std::string_view field) const {
+    return positive_int_at_most(field, std::numeric_limits<std::int64_t>::max());
   }
   // A count written as a number, 8192 or 8192.0: positive, whole and below 2^53 (a double holds it exactly).
   std::int64_t positive_whole_number(std::string_view field) const {
     const double value = positive_number(field);
-    if (value != std::floor(value) || value >= 9007199254740992.0) {
-      fail(field, "must be a positive whole number, got " + json_excerpt(object.at(field)));
-    }
+    if (value != std::floor(value)) fail(field, "must be a positive whole number, got " + json_excerpt(object.at(field)));
+    if (value >= 9007199254740992.0) fail(field, "must be below 2^53, got " + json_excerpt(object.at(field)));
     return static_cast<std::int64_t>(value);
   }
   std::int64_t positive_int_or(std::string_view field, std::int64_t fallback) const {
@@ -317,10 +319,14 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     std::int64_t max_window_layers = 28;
     if (reader.present("max_window_layers")) {
       const Json& value = json.at("max_window_layers");
-      if (!value.is_number_integer() || value.get<std::int64_t>() < 0) {
+      if (!value.is_number_integer() || (!value.is_number_unsigned() && value.get<std::int64_t>() < 0)) {
         reader.fail("max_window_layers", "must be a non-negative integer, got " + json_excerpt(value));
       }
-      max_window_layers = value.get<std::int64_t>();
+      // Past int64 (2^63 and up, unsigned to nlohmann) it is past every layer, as in transformers.
+      max_window_layers = value.is_number_unsigned()
+                              ? static_cast<std::int64_t>(std::min<std::uint64_t>(value.get<std::uint64_t>(),
+                                                                                  std::numeric_limits<std::int64_t>::max()))
+                              : value.get<std::int64_t>();
     }
     if (max_window_layers >= config.num_hidden_layers) sliding = false;  // no layer slides
   }

@@ -1,6 +1,7 @@
 """Bad input from Python is one clear exception, never a crash: ValueError (the C++
 InputError, its message intact) for wrong values, TypeError for wrong Python types."""
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -111,6 +112,24 @@ def test_bad_graph_and_target_files(tmp_path):
     with pytest.raises(ValueError):
         metile.plan_graph_fusion(small_graph(), target="a100")
 
+
+
+def test_a_path_with_a_nul_byte_is_a_value_error(tmp_path):
+    # As Python's own os functions say it; pybind11's path caster made it a TypeError listing signatures.
+    for path in (str(tmp_path / "a\0b"), bytes(tmp_path / "a\0b"), pathlib.PurePosixPath("a\0b")):
+        with pytest.raises(ValueError, match="embedded null byte"):
+            metile.read_graph(path)
+        with pytest.raises(ValueError, match="embedded null byte"):
+            metile.load_model(path)
+        with pytest.raises(ValueError, match="embedded null byte"):
+            metile.synth_model(path)
+        with pytest.raises(ValueError, match="embedded null byte"):
+            metile.FusionTarget.from_json_file(path)
+    with pytest.raises(ValueError, match="embedded null byte"):
+        metile.plan_graph_fusion(small_graph(), target=str(tmp_path / "t\0.json"))
+    with pytest.raises(TypeError):  # not a path at all: still pybind11's TypeError
+        metile.read_graph(3)
+    assert not any(tmp_path.iterdir())  # nothing written
 
 def good_inputs(rng):
     return {"values": rng.uniform(-1, 1, size=(2, 8)).astype(np.float16),

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -79,6 +80,21 @@ def test_generate_is_greedy_and_bf16_is_close(tmp_path):
     assert np.max(np.abs(model.logits(prompt) - f32)) <= 0.05 * np.max(np.abs(f32))
     quantized = metile.load_model(str(path), dtype="f32", quantize=8).logits(prompt)
     assert np.max(np.abs(quantized - f32)) <= 0.05 * np.max(np.abs(f32))
+
+
+def test_quantize_warns_of_the_matrices_it_leaves_dense(tmp_path):
+    # The command line said so on stderr; load_model and synth_model said nothing, and a user who
+    # asked for 4 bits measured a model that was partly bf16.
+    path = tmp_path / "tiny"
+    metile.synth_model(str(path), seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert metile.load_model(str(path), quantize=4).num_layers == 2  # 64 divides every width: no warning
+    left_dense = r"quantize=4 leaves q/k/v, gate/up, the embedding, the LM head.* dense: \d+ columns are not a multiple of group_size 128"
+    with pytest.warns(UserWarning, match=left_dense):
+        metile.load_model(str(path), quantize=4, group_size=128)
+    with pytest.warns(UserWarning, match=left_dense):
+        metile.synth_model(str(tmp_path / "q128"), seed=3, quantize=4, group_size=128)
 
 
 def test_generate_samples_within_top_k_and_top_p(tmp_path, rng):

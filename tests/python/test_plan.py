@@ -178,6 +178,24 @@ def test_rule_sets_and_rules_are_data():
     assert plan.regions == []
 
 
+def test_rule_and_pattern_lists_are_copies_that_outlive_a_reassignment():
+    # def_readwrite handed out items that referred into the C++ vector: reassigning the list freed
+    # what they read (an adversarial pass saw bad_alloc and garbage names).
+    rule = metile.residual_add_rms_norm_rule()
+    entries = len(rule.pattern)
+    entry = rule.pattern[0]
+    role = entry.role
+    rule.pattern = rule.pattern + [metile.OpPattern()]
+    assert entry.role == role and len(rule.pattern) == entries + 1
+    rule_set = metile.default_rules()
+    first = rule_set.rules[0]
+    rule_set.rules = []
+    assert first.name == metile.residual_add_rms_norm_rule().name and len(rule_set) == 0
+    first.name = "changed"  # a copy: the rule set it came from is not changed through it
+    assert metile.default_rules().rules[0].name != "changed"
+
+
+
 @pytest.mark.parametrize("swapped", [False, True])
 def test_residual_add_region_roles_follow_the_operand_order(swapped):
     builder = metile.GraphBuilder()

@@ -187,22 +187,11 @@ void add_model_options(CLI::App* command, ModelOptions& options, bool with_promp
   command->add_option("--decline", options.decline, decline_help("--backend cuda: region kinds that run native"));
 }
 
-// Quantizing at load keeps a matrix dense when its columns are not whole groups (as MLX's quantize
-// does); said on stderr, since a user who asked for --quantize would otherwise measure a model that
-// is partly bf16 without knowing.
+// Said on stderr (matrices_left_dense, model.h, says why).
 void note_matrices_left_dense(const ModelConfig& config, const AffineQuantization& format) {
-  std::map<std::int64_t, std::string> matrices_of_width;  // columns -> the matrices that have them
-  for (const auto& [columns, matrices] : {std::pair<std::int64_t, const char*>{config.hidden_size, "q/k/v, gate/up, the embedding, the LM head"},
-                                          {config.num_attention_heads * config.head_dim, "the o-projection"},
-                                          {config.intermediate_size, "the down projection"}}) {
-    std::string& names = matrices_of_width[columns];
-    names += (names.empty() ? "" : ", ") + std::string(matrices);
-  }
-  for (const auto& [columns, matrices] : matrices_of_width) {
-    if (columns % format.group_size != 0) {
-      fmt::print(stderr, "metile: note: --quantize leaves {} dense: {} columns are not a multiple of --group-size {}\n",
-                 matrices, columns, format.group_size);
-    }
+  for (const MatricesLeftDense& left : matrices_left_dense(config, format)) {
+    fmt::print(stderr, "metile: note: --quantize leaves {} dense: {} columns are not a multiple of --group-size {}\n",
+               left.matrices, left.columns, format.group_size);
   }
 }
 

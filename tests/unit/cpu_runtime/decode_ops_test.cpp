@@ -254,6 +254,18 @@ TEST(DecodeOps, RopeLlama3ScalingMatchesTransformersFormula) {
                            wrong, "r");
             }),
             "node 'r' (rope): scaling must be 'llama3', got 'yarn'");
+  // A factor that divides the low frequencies past f32: every angle was inf, every logit NaN.
+  Attributes tiny;
+  for (const auto& [name, value] : std::initializer_list<std::pair<const char*, double>>{
+           {"factor", 5e-324}, {"low_freq_factor", 1000.0}, {"high_freq_factor", 2000.0}, {"original_max_position_embeddings", 64.0}}) {
+    tiny.set(name, value);
+  }
+  tiny.set("scaling", std::string("llama3"));
+  EXPECT_EQ(error_of([&] {
+              bad.add_node("rope", {bad.input("x2", x.spec()), bad.input("positions2", TensorSpec({steps}, DType::i32))},
+                           tiny, "tiny");
+            }),
+            "node 'tiny' (rope): factor 4.94066e-324 is too small: frequencies divided by it pass f32's range");
 }
 
 TEST(DecodeOps, ArgmaxIsTheFirstLargestIndexOfEveryRowWithNaNAboveAll) {

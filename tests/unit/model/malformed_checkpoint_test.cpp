@@ -203,6 +203,16 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
          });
        },
        "field 'num_attention_heads': must be at most 16777216, got 4611686018427387916"},
+      // 2^63 and up, which nlohmann keeps unsigned: read as an int64 they wrapped negative, and the message
+      // called them not positive.
+      {"layers_past_int64", [](auto d) { edit_config(d, [](Json& c) { c["num_hidden_layers"] = 9223372036854775808ULL; }); },
+       "field 'num_hidden_layers': must be at most 16777216, got 9223372036854775808"},
+      {"vocabulary_at_the_largest_uint64",
+       [](auto d) { edit_config(d, [](Json& c) { c["vocab_size"] = 18446744073709551615ULL; }); },
+       "field 'vocab_size': must be at most"},
+      {"positions_past_two_to_the_53",
+       [](auto d) { edit_config(d, [](Json& c) { c["max_position_embeddings"] = 4611686018427387904LL; }); },
+       "field 'max_position_embeddings': must be below 2^53, got 4611686018427387904"},
       // A Qwen2 checkpoint (q/k/v biases) labelled LlamaForCausalLM loaded as Llama, biases dropped, while
       // transformers and mlx-lm, which go by model_type, build Qwen2.
       {"model_type_contradicts_architectures",
@@ -321,6 +331,13 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
                              R"({"weight_map": {"model.norm.weight": "model.safetensors\u0000x"}})");
        },
        "field 'weight_map.model.norm.weight': must be a file name in the directory, got \"model.safetensors\\u0000x\""},
+      // "", "." and ".." name the directory: "is a directory, not a safetensors file", naming no field.
+      {"index_names_the_directory_itself",
+       [](auto d) { testing::write_text(d / "model.safetensors.index.json", R"({"weight_map": {"model.norm.weight": ".."}})"); },
+       "field 'weight_map.model.norm.weight': must be a file name in the directory, got \"..\""},
+      {"index_names_an_empty_file_name",
+       [](auto d) { testing::write_text(d / "model.safetensors.index.json", R"({"weight_map": {"model.norm.weight": ""}})"); },
+       "field 'weight_map.model.norm.weight': must be a file name in the directory, got \"\""},
       {"index_lists_no_tensor", [](auto d) { testing::write_text(d / "model.safetensors.index.json", R"({"weight_map": {}})"); },
        "model.safetensors.index.json: field 'weight_map': lists no tensor"},
       {"index_nested_too_deep",

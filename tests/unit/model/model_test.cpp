@@ -960,6 +960,12 @@ TEST(ModelConfigSlidingWindow, FollowsTransformersDefaults) {
               c.erase("max_window_layers");  // 28 by default: past this model's layers
             }).sliding_window,
             std::nullopt);
+  EXPECT_EQ(parse(ModelArchitecture::qwen2, [](Json& c) {
+              c["use_sliding_window"] = true;
+              c["sliding_window"] = 64;
+              c["max_window_layers"] = 9223372036854775808ULL;  // past int64: past every layer, as in transformers
+            }).sliding_window,
+            std::nullopt);
   EXPECT_EQ(error_of([&] {
               parse(ModelArchitecture::qwen2, [](Json& c) {
                 c["use_sliding_window"] = true;
