@@ -10,6 +10,8 @@ where the oracle's top two logits stand further apart than f32 rounding can clos
 17 to 40 tokens, so that metile's prefill takes more than one 16-token step. Inputs are fresh each
 run; the rng fixture prints the seed and METILE_TEST_SEED=N replays it.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -67,8 +69,13 @@ def assert_agrees(path, prompt, steps=4):
 def test_synth_models(tmp_path, rng, arch, quantization, tie):
     # q4g128 leaves the 64-input matrices dense (not whole groups) and quantizes down_proj (128 inputs).
     bits, group = quantization or (None, None)
-    metile.synth_model(str(tmp_path), arch=arch, layers=int(rng.integers(2, 4)), seed=int(rng.integers(2**32)),
-                       quantize=bits, group_size=group, tie_word_embeddings=tie)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metile.synth_model(str(tmp_path), arch=arch, layers=int(rng.integers(2, 4)), seed=int(rng.integers(2**32)),
+                           quantize=bits, group_size=group, tie_word_embeddings=tie)
+    # Said exactly where a matrix stays dense: at group 128, the 64-column ones.
+    assert [str(w.message).split(" dense:")[1] for w in caught] == (
+        [" 64 columns are not a multiple of group_size 128"] if group == 128 else [])
     oracle = decoder_oracle.Oracle(tmp_path)
     assert oracle.config.tie == tie and ("model.layers.0.mlp.down_proj.scales" in oracle.tensors) == bool(bits)
     assert_agrees(tmp_path, random_prompt(rng, oracle.config.vocab))
