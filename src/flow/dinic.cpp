@@ -30,7 +30,7 @@ class DinicSolver {
       : network_(network),
         source_(source),
         sink_(sink),
-        tolerance_(network),
+        tolerance_(network, source, sink),
         residual_(std::move(residual)),
         distance_(network.vertex_count()),
         current_arc_(network.vertex_count()),

@@ -29,7 +29,7 @@ class HighestLabelPreflow {
         vertex_count_(network.vertex_count()),
         source_(source),
         sink_(sink),
-        tolerance_(network),
+        tolerance_(network, source, sink),
         heads_(network.arc_heads().data()),
         reverse_(network.reverse_arcs().data()),
         offsets_(network.arc_offsets().data()) {}

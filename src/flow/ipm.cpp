@@ -741,7 +741,7 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
   // Not the source's net outflow of `flow`: for reals that flow conserves only up to
   // rounding (push_flow_paths says why), and its outflow can exceed what reaches the sink.
   std::vector<Capacity> residual;
-  const flow_detail::SolverTolerance<Capacity> tolerance(network);
+  const flow_detail::SolverTolerance<Capacity> tolerance(network, source, sink);
   Capacity value = push_flow_paths(network, source, sink, std::move(flow), tolerance, residual);
   statistics.rounded_value = static_cast<double>(value);
   const flow_detail::AugmentingCounts repair = flow_detail::augment_to_maximum(network, source, sink, residual, value);

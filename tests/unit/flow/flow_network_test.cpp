@@ -177,6 +177,19 @@ TEST(FlowNetworkBuilder, AnUnrelatedLargeArcTakesNoFlowFromTheOthers) {
     EXPECT_NEAR(result.value, 1, 1e-12) << result.solver;
     EXPECT_TRUE(verify(meeting, 0, 5, result)) << result.solver;
   }
+  // A 1e13 edge into h from a vertex no flow reaches, and a 7e8 edge out of the sink into the bottleneck's
+  // head: both counted in a vertex's threshold as their capacity, and HLPP returned 0 for flows of 1 and
+  // 5e-11 (an adversarial pass; `auto` picked it). What can reach an edge's tail bounds it now.
+  RealFlowNetwork unreached(4, {{0, 1, 1}, {3, 1, 1e13}, {1, 2, 1}});
+  for (const MaxFlowResult<double>& result : engines(unreached, 0, 2)) {
+    EXPECT_NEAR(result.value, 1, 1e-12) << result.solver;
+    EXPECT_TRUE(verify(unreached, 0, 2, result)) << result.solver;
+  }
+  RealFlowNetwork out_of_the_sink(4, {{0, 1, 5.6e6}, {1, 2, 5e-11}, {2, 3, 1.1e10}, {3, 2, 6.9e8}, {3, 0, 1e10}});
+  for (const MaxFlowResult<double>& result : engines(out_of_the_sink, 0, 3)) {
+    EXPECT_NEAR(result.value, 5e-11, 1e-23) << result.solver;
+    EXPECT_TRUE(verify(out_of_the_sink, 0, 3, result)) << result.solver;
+  }
   // s->a 100, a->t 99.1, a->b 100, b->t 100: 100 (0.9 of it through b).
   const auto [gadget, gadget_alone] = with_and_without({{0, 1, 100}, {1, 3, 99.1}, {1, 2, 100}, {2, 3, 100}}, 4);
   for (const MaxFlowResult<double>& result : engines(gadget, 0, 3)) EXPECT_NEAR(result.value, 100, 1e-12) << result.solver;
