@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -421,19 +422,27 @@ struct SynthCommandOptions {
 };
 
 // While it lives, SIGINT, SIGTERM and SIGHUP set a flag instead of ending the process (a second one ends it
-// at once); the handlers before it come back when it goes.
+// at once); the handlers before it come back when it goes. The same signal again within half a second is
+// the first one sent twice, not a second: `timeout` signals the process and then its process group, and
+// the second copy ended the process before it removed its staging folder.
 std::atomic<int> interrupt_signal{0};  // lock-free: safe to write from a handler on any thread
-static_assert(std::atomic<int>::is_always_lock_free);
+std::atomic<std::int64_t> interrupt_nanoseconds{0};
+static_assert(std::atomic<int>::is_always_lock_free && std::atomic<std::int64_t>::is_always_lock_free);
 class InterruptFlag {
  public:
   InterruptFlag() {
     interrupt_signal = 0;
     struct sigaction action {};
     action.sa_handler = [](int signal) {
+      timespec now{};
+      clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+      const std::int64_t nanoseconds = std::int64_t{now.tv_sec} * 1'000'000'000 + now.tv_nsec;
       if (interrupt_signal != 0) {
+        if (signal == interrupt_signal && nanoseconds - interrupt_nanoseconds < 500'000'000) return;
         std::signal(signal, SIG_DFL);
         std::raise(signal);
       }
+      interrupt_nanoseconds = nanoseconds;
       interrupt_signal = signal;
     };
     sigemptyset(&action.sa_mask);

@@ -8,9 +8,15 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <thread>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "model_test_support.h"
 
@@ -215,6 +221,36 @@ TEST_F(ModelCommand, QuantizingNamesTheMatricesItLeavesDense) {
   const DecoderModel written = DecoderModel::load(root_ / "q128");
   EXPECT_FALSE(written.is_quantized("model.layers.0.mlp.up_proj"));
   EXPECT_EQ(written.is_quantized("model.layers.0.mlp.down_proj"), config.intermediate_size % 128 == 0);
+}
+
+// One interrupt sent twice (`timeout -s INT`: to the process, then to its process group) is one: the
+// second copy, a moment after the first, ended the process before it removed its staging folder, and a
+// rerun into the same directory found it "not empty". The copies here are sent 50 ms apart once the
+// staging folder exists (back to back, the kernel may merge them into one pending signal); the command
+// must leave the directory as it found it, empty.
+TEST_F(ModelCommand, SynthModelInterruptedTwiceQuicklyLeavesNothing) {
+  const std::filesystem::path directory = root_ / "interrupted";
+  std::filesystem::create_directory(directory);
+  const std::string errors = (root_ / "interrupted.err").string();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (std::freopen(errors.c_str(), "w", stderr) == nullptr) ::_exit(99);
+    ::execl(METILE_BINARY, METILE_BINARY, "synth-model", directory.c_str(), "--preset", "small", static_cast<char*>(nullptr));
+    ::_exit(98);
+  }
+  const auto started = std::chrono::steady_clock::now();
+  while (std::filesystem::is_empty(directory) && std::chrono::steady_clock::now() - started < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_FALSE(std::filesystem::is_empty(directory)) << "no staging folder within 60 s";
+  ::kill(child, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ::kill(child, SIGINT);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "it finished before the interrupt: nothing tested";
+  EXPECT_TRUE(std::filesystem::is_empty(directory)) << testing::read_text(errors);
 }
 
 // A new directory of a valid 250-byte name: its staging directory beside it (".NAME.partial-PID")
