@@ -148,34 +148,36 @@ void remove_temporaries_and_die(int signal) {
   ::raise(signal);
 }
 
-// Creates the temporary, which must not exist (O_EXCL: not through a link someone left at its name),
-// with the permission bits the replaced file has, or the umask's for a new one, before a byte is
-// written: a 0600 file's new contents are never readable by others, not even while they are written.
+// Creates the temporary, which must not exist (O_EXCL: not through a link someone left at its name):
+// 0600 while it is written where it replaces a file (a 0600 file's new contents are never readable by
+// others, not even while they are written), the umask's for a new one.
 void create_temporary(const fs::path& temporary, const std::string& file, std::optional<fs::perms> permissions) {
   const int descriptor = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                                 permissions ? 0600 : 0666);
   if (descriptor < 0) throw InputError(file + ": cannot create " + temporary.string() + ": " + std::strerror(errno));
-  const bool moded = !permissions || ::fchmod(descriptor, static_cast<mode_t>(*permissions) & 07777) == 0;
-  const int mode_error = errno;
   ::close(descriptor);
-  if (!moded) {
-    ::unlink(temporary.c_str());
-    throw InputError(file + ": cannot set the permissions of " + temporary.string() + ": " + std::strerror(mode_error));
-  }
 }
 
 // Forces the temporary's bytes to the disk before it is renamed over the destination: otherwise a
 // crash soon after the rename can leave the destination's name on an empty or partial file (the
-// rename reaches the journal before the data), losing the old contents and the new.
-void flush_to_disk(const fs::path& temporary, const std::string& file) {
+// rename reaches the journal before the data), losing the old contents and the new. Then gives it the
+// replaced file's permission bits: given before the write, a read-only (0444) file's bits made the
+// temporary unwritable to its owner, and the run failed after its work with "cannot create" the
+// temporary it had just created.
+void flush_to_disk(const fs::path& temporary, const std::string& file, std::optional<fs::perms> permissions) {
   const int descriptor = ::open(temporary.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (descriptor < 0) throw InputError(file + ": cannot reopen " + temporary.string() + ": " + std::strerror(errno));
   int result;
   do result = ::fsync(descriptor);
   while (result != 0 && errno == EINTR);
   const int sync_error = errno;
+  const bool moded = result != 0 || !permissions || ::fchmod(descriptor, static_cast<mode_t>(*permissions) & 07777) == 0;
+  const int mode_error = errno;
   ::close(descriptor);
   if (result != 0) throw InputError(file + ": write failed: " + std::strerror(sync_error));
+  if (!moded) {
+    throw InputError(file + ": cannot set the permissions of " + temporary.string() + ": " + std::strerror(mode_error));
+  }
 }
 
 // Write beside the destination, flush it to the disk and rename: a reader never sees a half-written
@@ -192,7 +194,7 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   const RegisteredTemporary registered(temporary);  // until it is renamed or removed
   try {
     write_stream(temporary, file, write);
-    flush_to_disk(temporary, file);
+    flush_to_disk(temporary, file, permissions);
   } catch (...) {
     std::error_code ignored;
     fs::remove(temporary, ignored);

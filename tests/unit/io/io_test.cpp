@@ -91,6 +91,30 @@ TEST_F(IoTest, AReplacedFileKeepsItsPermissions) {
     EXPECT_EQ(std::filesystem::status(path).permissions(), mode) << std::oct << static_cast<int>(mode);
     std::filesystem::remove(path);
   }
+  // A read-only file replaced by its owner, who is not root (as root, in a child that becomes nobody in a
+  // folder everyone may write): the temporary took the 0444 bits before its bytes were written, and the
+  // write failed with "cannot create" the temporary it had just created.
+  const std::filesystem::path read_only = file("read-only", "old");
+  std::filesystem::permissions(directory_, std::filesystem::perms::all);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::geteuid() == 0 && (::chown(read_only.c_str(), 65534, 65534) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0)) {
+      ::_exit(96);
+    }
+    if (::chmod(read_only.c_str(), 0444) != 0) ::_exit(95);
+    try {
+      write_output_file(read_only, [](std::ostream& stream) { stream << "new"; });
+    } catch (...) {
+      ::_exit(97);  // never back into gtest in the child
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_EQ(read_text(read_only), "new");
+  EXPECT_EQ(std::filesystem::status(read_only).permissions(), std::filesystem::perms(0444));
   // A new file gets the umask's, as any program's would.
   const mode_t umask_bits = ::umask(022);
   const std::filesystem::path fresh = directory_ / "fresh";
