@@ -2,8 +2,10 @@
 is enumerated, so the value must be the smallest cut capacity and the returned source
 side must be the smallest minimum cut (the intersection of all of them: the vertices
 reachable from the source in any maximum flow's residual graph)."""
+import collections
 import itertools
 import math
+from fractions import Fraction
 
 import pytest
 
@@ -80,6 +82,70 @@ def test_real_minimum_cut_matches_brute_force(rng, trial):
         assert value == pytest.approx(best, rel=1e-9, abs=1e-9), solver
         assert source in side and sink not in side
         assert cut_capacity(edges, side) == pytest.approx(best, rel=1e-9, abs=1e-9), solver
+
+
+def exact_maximum_flow(vertex_count, edges, source, sink):
+    """Shortest augmenting paths in exact rationals (capacities as Fractions): the value of a maximum flow."""
+    heads, residual, arcs = [], [], [[] for _ in range(vertex_count)]
+    for tail, head, capacity in edges:
+        if tail != head:
+            for start, end, amount in ((tail, head, Fraction(capacity)), (head, tail, Fraction(0))):
+                arcs[start].append(len(heads))
+                heads.append(end)
+                residual.append(amount)
+    value = Fraction(0)
+    while True:
+        reached_by = {source: None}
+        queue = collections.deque([source])
+        while queue and sink not in reached_by:
+            vertex = queue.popleft()
+            for arc in arcs[vertex]:
+                if residual[arc] > 0 and heads[arc] not in reached_by:
+                    reached_by[heads[arc]] = arc
+                    queue.append(heads[arc])
+        if sink not in reached_by:
+            return value
+        path, vertex = [], sink
+        while reached_by[vertex] is not None:
+            path.append(reached_by[vertex])
+            vertex = heads[reached_by[vertex] ^ 1]
+        amount = min(residual[arc] for arc in path)
+        for arc in path:
+            residual[arc] -= amount
+            residual[arc ^ 1] += amount
+        value += amount
+
+
+def test_capacities_spanning_twenty_orders_of_magnitude_keep_the_documented_tolerance(rng):
+    # An adversarial pass found HLPP (and auto, which picked it) returning 0 for flows of 1 and 5e-11: a
+    # vertex's rounding threshold counted a 1e13 edge from a vertex no flow reaches, or out of the sink, at
+    # its capacity. Every engine must stay within FlowTolerance::for_network (1e-9 x the capacity sum) of an
+    # exact-rational maximum flow, with a cut of its value; how many end more than 1e-9 of the flow short is
+    # printed (`pytest -s -k twenty_orders`), not asserted: the README says HLPP still can, within the tolerance.
+    short = dict.fromkeys(SOLVERS, 0)
+    networks = 150
+    for _ in range(networks):
+        vertex_count = int(rng.choice([4, 6, 10, 20, 34]))
+        low = int(rng.integers(-14, 0))
+        edges = [(int(rng.integers(vertex_count)), int(rng.integers(vertex_count)),
+                  float(10.0 ** rng.uniform(low, low + 24))) for _ in range(int(rng.integers(vertex_count, 5 * vertex_count)))]
+        best = exact_maximum_flow(vertex_count, edges, 0, vertex_count - 1)
+        total = sum(Fraction(capacity) for tail, head, capacity in edges if tail != head)
+        network = metile.FlowNetwork()
+        for vertex in range(vertex_count):
+            network.add_edge(vertex, (vertex + 1) % vertex_count, 0.0)  # every vertex named
+        for tail, head, capacity in edges:
+            network.add_edge(tail, head, capacity)
+        for solver in SOLVERS:
+            value, side = network.minimum_cut(0, vertex_count - 1, solver)
+            error = abs(Fraction(value) - best)
+            assert error <= Fraction(1e-9) * total, (solver, value, float(best), edges)
+            assert 0 in side and vertex_count - 1 not in side
+            cut = sum(Fraction(c) for tail, head, c in edges if tail in side and head not in side)
+            assert abs(cut - best) <= Fraction(1e-9) * total, (solver, float(cut), float(best), edges)
+            short[solver] += best > 0 and error > Fraction(1e-9) * best
+    print(f"\n{networks} networks, results more than 1e-9 of the flow short: " +
+          ", ".join(f"{solver} {count}" for solver, count in short.items()))
 
 
 @pytest.mark.parametrize("trial", range(20))
