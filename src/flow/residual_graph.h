@@ -35,8 +35,8 @@ void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink,
 // Inside a solver a residual or an excess counts as positive only above rounding noise: exact (0) for
 // integers. For reals each arc's threshold is 1e-13 of its own edge's capacity (its residual, and the
 // flow its reverse arc holds, stay within it), and each vertex's 1e-13 of the capacity of the edges into
-// it, each capacity taken at most as large as the flow its tail can receive (inflow_bound), so a + b - b leftovers never keep an arc or an excess alive, and an arc's leftover is judged by its
-// own size: one threshold of 1e-13 x the largest capacity left 0.9 unused on a 25.9 arc beside an
+// it, each capacity taken at most as large as the flow its tail can receive (inflow_bound), so a + b - b
+// leftovers never keep an arc or an excess alive, and an arc's leftover is judged by its own size: one threshold of 1e-13 x the largest capacity left 0.9 unused on a 25.9 arc beside an
 // unrelated 1e13 one (Dinic and HLPP 99.1 where the maximum is 100, and `auto` failed its two engines'
 // cross-check). Flow below a huge edge's threshold can still be left at the vertex it enters or on its
 // reverse arc: at most 1e-13 of it, within FlowTolerance::for_network. Infinite (legality) edges take 1e-13 of the largest finite
@@ -107,10 +107,11 @@ class SolverTolerance {
       const Capacity largest = largest_finite_capacity(network);
       // The flow an edge carries, and so its rounding, is at most its capacity and what its tail can
       // receive; and what a preflow leaves anywhere (an excess, or what a push moves on) is at most what
-      // the source sent: on networks spanning 30 orders of magnitude, thresholds of the capacities alone
-      // hid up to 1% of a flow of 0.02 (bound[source] is the source's capacity out).
-      // No flow leaves the sink (a preflow stops there, an augmenting path ends there): an edge out of it
-      // is a threshold of nothing (a 7e8 edge out of the sink hid the 5e-11 that was the whole flow).
+      // the source sent (bound[source], its capacity out). No flow leaves the sink (a preflow stops there,
+      // an augmenting path ends there): an edge out of it is a threshold of nothing (a 7e8 edge out of the
+      // sink hid the 5e-11 that was the whole flow). A cycle of huge edges keeps its capacity in the bound
+      // (inflow_bound); bounding strongly connected components by what enters them was tried and left more
+      // flow short, not less: thresholds below what the flow circulating there rounds to.
       std::vector<Capacity> bound = inflow_bound(network, source);
       const Capacity sent = bound[static_cast<std::size_t>(source)];
       for (Capacity& b : bound) b = std::min(b, sent);
