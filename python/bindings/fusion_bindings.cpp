@@ -102,12 +102,10 @@ FusionTarget target_from_python(const py::object& target) {
   if (py::isinstance<FusionTarget>(target)) return target.cast<FusionTarget>();
   const py::object os = py::module_::import("os");
   if (py::isinstance<py::str>(target) || py::isinstance(target, os.attr("PathLike"))) {
-    // As the file system spells the path: a file name that is not UTF-8 reaches Python as a str with
-    // surrogate escapes, which no UTF-8 conversion takes (pybind11's "Unable to cast").
-    const std::string name_or_path = os.attr("fsencode")(target).cast<std::string>();
-    if (name_or_path.find('\0') != std::string::npos) {  // as Python's own os functions say it
-      throw py::value_error("target: embedded null byte in " + std::string(py::str(py::repr(target))));
-    }
+    // As the file system spells the path (a file name that is not UTF-8 reaches Python as a str with
+    // surrogate escapes, which no UTF-8 conversion takes), through FilePath's caster, which also
+    // refuses a NUL byte as the other path parameters do.
+    const std::string name_or_path = target.cast<FilePath>().value.string();
     // Read without the GIL: a FIFO blocks until its writer writes, and a writer that is a Python thread
     // of this process could not run while we held it (the read never ended).
     py::gil_scoped_release release;
