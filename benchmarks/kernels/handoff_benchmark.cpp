@@ -47,6 +47,7 @@ constexpr int kThreads = 128;
 constexpr int kCounterStride = 32;    // u32: one counter a 128-byte line
 constexpr int kEarlyVectors = 4;      // 16-byte weight loads a thread issues before the wait
 constexpr int kCheckedReplays = 50;
+static_assert(kWords % (4 * kThreads) == 0, "every thread reads whole 16-byte pieces of the vector");
 
 constexpr const char* kSource = R"CUDA(
 typedef unsigned int u32;
@@ -54,14 +55,19 @@ __device__ __forceinline__ u32 mix(u32 x) {
   x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
   return x;
 }
-__device__ __forceinline__ u32 load_relaxed(const u32* p) {
-  u32 v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+// The vector's 16-byte pieces: all of a thread's issued before the first is used, so that a link reads
+// the vector in one L2 round trip, as a GEMV's prologue reads x (one at a time, each load's value
+// summed before the next load issued, they made every link ~16 round trips long).
+__device__ __forceinline__ uint4 load_relaxed(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ u32 load_read_only(const u32* p) {
-  u32 v;
-  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ uint4 load_read_only(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ uint4 load_weights(const uint4* p) {
@@ -106,7 +112,18 @@ __device__ __forceinline__ void link(const u32* in, u32* out, const uint4* weigh
     const uint4 q = load_weights(slice + v);
     acc ^= q.x ^ q.y ^ q.z ^ q.w;
   }
-  for (int i = threadIdx.x; i < WORDS; i += blockDim.x) acc += mix((kMode == 3 ? load_read_only(in + i) : load_relaxed(in + i)) ^ ((u32)i * 0x9E3779B9u));
+  uint4 pieces[PIECES];  // PIECES = WORDS / 4 / the block's threads
+#pragma unroll
+  for (int j = 0; j < PIECES; ++j) {
+    const uint4* piece = reinterpret_cast<const uint4*>(in) + threadIdx.x + j * blockDim.x;
+    pieces[j] = kMode == 3 ? load_read_only(piece) : load_relaxed(piece);
+  }
+#pragma unroll
+  for (int j = 0; j < PIECES; ++j) {
+    const u32 i = 4u * (threadIdx.x + j * blockDim.x);
+    acc += mix(pieces[j].x ^ (i * 0x9E3779B9u)) + mix(pieces[j].y ^ ((i + 1u) * 0x9E3779B9u)) +
+           mix(pieces[j].z ^ ((i + 2u) * 0x9E3779B9u)) + mix(pieces[j].w ^ ((i + 3u) * 0x9E3779B9u));
+  }
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
   __shared__ u32 warp_sums[32];
@@ -196,7 +213,8 @@ int main(int argc, char** argv) {
                benchmarks::describe_device(device->info()), links, kWords, seed);
     CompileOptions options;
     options.extra = {fmt::format("-DWORDS={}", kWords), fmt::format("-DCOUNTER_STRIDE={}", kCounterStride),
-                     fmt::format("-DEARLY={}", kEarlyVectors)};
+                     fmt::format("-DEARLY={}", kEarlyVectors),
+                     fmt::format("-DPIECES={}", kWords / 4 / kThreads)};
     std::vector<CompiledKernel> kernels;
     for (const Mode& mode : kModes) kernels.push_back(compile_cuda(kSource, mode.kernel, options));
 
