@@ -1,9 +1,12 @@
 // The attention rewrite, run before planning: every chain
 //
-//   scores = matmul(q, k, transpose_right) → [scale] → [causal_mask | position_mask] → softmax(last axis)
-//          → matmul(probabilities, v)
+//   scores = matmul(q, k, transpose_right) → [scale] → [causal_mask | position_mask] → [cast to f32]
+//          → softmax(last axis) → [cast] → matmul(probabilities, v)
 //
-// (at most one scale, before or after the mask) whose intermediates are private
+// (at most one scale, before or after the mask; the casts are the mixed-precision softmax models write,
+// transformers' softmax(scores, dtype=float32).to(q.dtype): widening the scores is exact and the
+// probabilities are rounded to v's dtype, so the chain is still attention in exact arithmetic) whose
+// intermediates are private
 // (one consumer, not a graph output) becomes a candidate worth the bytes of the
 // score and probability tensors it avoids;
 // overlapping candidates go through the planner's conflict selection
@@ -60,18 +63,36 @@ bool comes_from_scores(const ComputeGraph& graph, ValueId value) {
 ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
   ChainOutcome outcome;
   const ValueId probabilities = softmax.outputs.front();
-  // Forward: the probabilities must be the left operand of a matmul (with v). A softmax that feeds
-  // no matmul is not attention at all: no candidate, no refusal.
-  NodeId output_matmul = -1;
+  // Forward: the probabilities, or their cast, must be the left operand of a matmul (with v). A
+  // softmax that feeds no matmul is not attention at all: no candidate, no refusal.
+  const auto matmul_reading = [&](ValueId value) {
+    NodeId found = -1;
+    for (NodeId consumer : graph.consumers(value)) {
+      const Node& node = graph.node(consumer);
+      if (node.op == "matmul" && node.inputs[0] == value) found = consumer;
+    }
+    return found;
+  };
+  NodeId output_matmul = matmul_reading(probabilities);
+  NodeId output_cast = -1;
   for (NodeId consumer : graph.consumers(probabilities)) {
-    const Node& node = graph.node(consumer);
-    if (node.op == "matmul" && node.inputs[0] == probabilities) output_matmul = consumer;
+    if (output_matmul >= 0 || graph.node(consumer).op != "cast") continue;
+    if (const NodeId reader = matmul_reading(graph.node(consumer).outputs.front()); reader >= 0) {
+      output_cast = consumer;
+      output_matmul = reader;
+    }
   }
   if (output_matmul < 0) return outcome;
-  // Backward: scales and at most one mask, then the scores matmul.
+  // Backward: a widening cast, then scales and at most one mask, then the scores matmul.
   std::vector<NodeId> between;  // from the softmax backwards
   ValueId value = softmax.inputs.front();
   NodeId producer = graph.value(value).producer;
+  NodeId input_cast = -1;
+  if (producer >= 0 && graph.node(producer).op == "cast") {
+    input_cast = producer;
+    value = graph.node(producer).inputs.front();
+    producer = graph.value(value).producer;
+  }
   while (producer >= 0) {
     if (!is_scores_op(graph.node(producer).op)) break;
     between.push_back(producer);
@@ -85,7 +106,8 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
                                           [&](ValueId input) { return comes_from_scores(graph, input); });
     if (!between.empty() || reads_scores) {
       outcome.decision = Decision::refuse(fmt::format("'{}' ({}) between the scores and the softmax is not part of "
-                                                      "the pattern (scale, causal_mask, position_mask)",
+                                                      "the pattern (scale, causal_mask, position_mask, a cast to f32 "
+                                                      "at the softmax)",
                                                       scores_matmul.name, scores_matmul.op));
     }
     return outcome;
@@ -94,6 +116,17 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
     outcome.decision = Decision::refuse(std::move(reason));
     return outcome;
   };
+  if (input_cast >= 0) {
+    // Only a cast that keeps every score: f16 and bf16 widen exactly to f32. A narrowing cast rounds the
+    // scores a second time, which flash_attention (scores in f32) would not.
+    const DType from = graph.value(graph.node(input_cast).inputs.front()).spec.dtype;
+    const DType to = graph.value(graph.node(input_cast).outputs.front()).spec.dtype;
+    if (from != to && !(to == DType::f32 && (from == DType::f16 || from == DType::bf16))) {
+      return refuse(fmt::format("'{}' casts the scores from {} to {} before the softmax (only a widening cast to f32 "
+                                "keeps them)",
+                                graph.node(input_cast).name, dtype_name(from), dtype_name(to)));
+    }
+  }
   const int rank = graph.value(softmax.inputs.front()).spec.rank();
   if (softmax.attributes.get_int("axis") != rank - 1) return refuse("softmax axis is not the key axis");
   if (scores_matmul.attributes.get_int("transpose_right") == 0) {
@@ -108,22 +141,34 @@ ChainOutcome match_chain(const ComputeGraph& graph, const Node& softmax) {
   match.k = scores_matmul.inputs[1];
   match.v = out_matmul.inputs[1];
   // matmul(p, p): v would be a value the rewrite removes.
-  if (match.v == probabilities) return refuse("the probabilities are also v (both operands of the output matmul)");
+  if (match.v == probabilities || (output_cast >= 0 && match.v == graph.node(output_cast).outputs.front())) {
+    return refuse("the probabilities are also v (both operands of the output matmul)");
+  }
   const int q_rank = graph.value(match.q).spec.rank();
   if (q_rank < 3) return refuse("q has no head axis (rank 2): flash_attention needs q [..., Hkv, R, D]");
   if (graph.value(match.k).spec.rank() != q_rank) return refuse("k is shared by every batch (rank 2), not [..., Hkv, T, D]");
   if (graph.value(match.v).spec.rank() != q_rank) return refuse("v is shared by every batch (rank 2), not [..., Hkv, T, Dv]");
+  // A cast can carry the probabilities to another dtype than q's; flash_attention reads one dtype.
+  if (const DType v_dtype = graph.value(match.v).spec.dtype, q_dtype = graph.value(match.q).spec.dtype; v_dtype != q_dtype) {
+    return refuse(fmt::format("v is {} and q {} (flash_attention reads q, k and v in one dtype)", dtype_name(v_dtype),
+                              dtype_name(q_dtype)));
+  }
 
   // Private intermediates: every value between the two matmuls is read once, by the next op.
   std::vector<NodeId> chain = {scores_matmul.id};
   chain.insert(chain.end(), between.rbegin(), between.rend());
+  if (input_cast >= 0) chain.push_back(input_cast);
   chain.push_back(softmax.id);
+  if (output_cast >= 0) chain.push_back(output_cast);
   for (std::size_t position = 0; position < chain.size(); ++position) {
     const Node& node = graph.node(chain[position]);
     const NodeId next = position + 1 < chain.size() ? chain[position + 1] : output_matmul;
-    const std::string role = position == 0 ? "scores"
-                             : node.op == "softmax" ? "probabilities"
-                                                    : fmt::format("{} scores", node.op == "scale" ? "scaled" : "masked");
+    const std::string cast_to = node.op == "cast" ? std::string(dtype_name(graph.value(node.outputs.front()).spec.dtype)) : "";
+    const std::string role = position == 0                     ? "scores"
+                             : node.op == "softmax"            ? "probabilities"
+                             : chain[position] == input_cast   ? fmt::format("scores cast to {}", cast_to)
+                             : chain[position] == output_cast  ? fmt::format("probabilities cast to {}", cast_to)
+                                                               : fmt::format("{} scores", node.op == "scale" ? "scaled" : "masked");
     if (Decision private_value = stays_private(graph, node.outputs.front(), role, next); !private_value) {
       return refuse(std::move(private_value.reason));
     }

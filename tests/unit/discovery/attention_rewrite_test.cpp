@@ -215,7 +215,8 @@ TEST(AttentionRewrite, EveryRefusalHasItsReason) {
          auto p = b.softmax(b.add(b.matmul(q, k, true, "scores"), bias, "biased"), -1, "probabilities");
          return b.build({b.matmul(p, v, false, "attention")});
        }),
-       "'biased' (add) between the scores and the softmax is not part of the pattern (scale, causal_mask, position_mask)"},
+       "'biased' (add) between the scores and the softmax is not part of the pattern (scale, causal_mask, position_mask, "
+       "a cast to f32 at the softmax)"},
       // The foreign op right before the softmax, after a scale and a mask: it was found, but its input was not
       // the scores matmul's own output, so no refusal was given.
       {"an op after the scale and the mask",
@@ -225,7 +226,35 @@ TEST(AttentionRewrite, EveryRefusalHasItsReason) {
          return b.build({b.matmul(p, v, false, "attention")});
        }),
        "'squashed' (silu) between the scores and the softmax is not part of the pattern (scale, causal_mask, "
-       "position_mask)"},
+       "position_mask, a cast to f32 at the softmax)"},
+      {"a narrowing cast before the softmax",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef) {
+         auto p = b.softmax(b.cast(b.matmul(q, k, true, "scores"), DType::f16, "narrowed"), -1, "probabilities");
+         auto v16 = b.input("v16", {{2, 5, 8}, DType::f16});
+         return b.build({b.matmul(p, v16, false, "attention")});
+       }),
+       "'narrowed' casts the scores from f32 to f16 before the softmax (only a widening cast to f32 keeps them)"},
+      {"a cast between the mask and the scale",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto masked = b.causal_mask(b.matmul(q, k, true, "scores"), 2, "masked");
+         auto p = b.softmax(b.scale(b.cast(masked, DType::f32, "recast"), 0.5, "scaled"), -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "'recast' (cast) between the scores and the softmax is not part of the pattern (scale, causal_mask, "
+       "position_mask, a cast to f32 at the softmax)"},
+      {"probabilities cast to another dtype than q's",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef) {
+         auto p = b.softmax(b.matmul(q, k, true, "scores"), -1, "probabilities");
+         auto v16 = b.input("v16", {{2, 5, 8}, DType::f16});
+         return b.build({b.matmul(b.cast(p, DType::f16, "rounded"), v16, false, "attention")});
+       }),
+       "v is f16 and q f32 (flash_attention reads q, k and v in one dtype)"},
+      {"cast probabilities read twice",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto p = b.cast(b.softmax(b.matmul(q, k, true, "scores"), -1, "probabilities"), DType::f32, "rounded");
+         return b.build({b.matmul(p, v, false, "attention"), b.exp(p, "side")});
+       }),
+       "probabilities cast to f32 are also read by 'side' (exp)"},
   };
   for (const RefusalCase& refusal : cases) {
     const ComputeGraph graph = refusal.graph();
@@ -490,6 +519,50 @@ TEST(AttentionRewrite, DeadNodesAreRemovedBeforeTheRewrite) {
   const FusionPlan recorded = plan_graph_fusion(rewrite_attention(graph).graph);
   EXPECT_TRUE(recorded.graph->find_node("dead_sum").has_value());
   EXPECT_GT(recorded.kernel_count(), plan.kernel_count());
+}
+
+// The mixed-precision softmax models write (transformers: softmax(scores, dtype=float32).to(q.dtype)):
+// the f16/bf16 scores widened to f32 at the softmax, the probabilities cast back before P V. Both casts
+// are inside the chain: one flash_attention node, equal to the chain within the gate, the casts' bytes
+// counted as avoided. Without the casts it was silently not attention (no candidate, no reason).
+TEST(AttentionRewrite, TheMixedPrecisionSoftmaxIsAttention) {
+  const std::uint64_t seed = test_seed();
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    for (const bool cast_back : {true, false}) {
+      GraphBuilder b;
+      auto q = b.input("q", {{2, 4, 3, 16}, dtype});
+      auto k = b.input("k", {{2, 2, 70, 16}, dtype});
+      auto v = b.input("v", {{2, 2, 70, 8}, cast_back ? dtype : DType::f32});
+      auto grouped = b.reshape(q, {2, 2, 6, 16}, "q_grouped");
+      auto masked = b.causal_mask(b.scale(b.matmul(grouped, k, true, "scores"), 0.25, "scaled"), 67, "masked");
+      auto p = b.softmax(b.cast(masked, DType::f32, "widened"), -1, "probabilities");
+      if (cast_back) p = b.cast(p, dtype, "rounded");
+      const ComputeGraph graph = b.build({b.matmul(p, v, false, "attention")});
+      const AttentionRewrite rewrite = rewrite_attention(graph);
+      SCOPED_TRACE(fmt::format("{}, cast back {}, seed {}", dtype_name(dtype), cast_back, seed));
+      if (!cast_back) {  // f32 probabilities against f32 values: q is f16, so not one dtype
+        EXPECT_TRUE(rewrite.candidates.empty());
+        ASSERT_EQ(rewrite.refusals.size(), 1u);
+        EXPECT_EQ(rewrite.refusals[0].reason,
+                  fmt::format("v is f32 and q {} (flash_attention reads q, k and v in one dtype)", dtype_name(dtype)));
+        continue;
+      }
+      ASSERT_EQ(rewrite.candidates.size(), 1u);
+      EXPECT_TRUE(rewrite.refusals.empty());
+      EXPECT_EQ(rewrite.candidates[0].nodes.size(), 7u) << "scores, scaled, masked, widened, softmax, rounded, attention";
+      const std::int64_t scores = 2 * 2 * 6 * 70;
+      const std::int64_t narrow = scores * 2, wide = scores * 4;  // bytes of an f16/bf16 and an f32 score tensor
+      EXPECT_EQ(rewrite.candidates[0].avoided_bytes, 2 * (3 * narrow + 2 * wide + narrow));
+      const Node& flash = only_node(rewrite.graph, "flash_attention");
+      EXPECT_EQ(rewrite.graph.value(flash.outputs[0]).spec.dtype, dtype);
+      EXPECT_EQ(flash.attributes.get_int("offset"), 67);
+      EXPECT_DOUBLE_EQ(flash.attributes.get_double("scale"), 0.25);
+      EXPECT_EQ(only_node(rewrite.graph, "reshape").name, "q_grouped");
+      expect_equal_within_gate(graph, rewrite.graph, seed);
+      const FusionPlan plan = plan_with_discovery(graph);
+      EXPECT_EQ(plan.graph->find_node("widened"), std::nullopt) << plan.explain();
+    }
+  }
 }
 
 TEST(AttentionRewrite, RandomGraphsWithTheChainMatchTheOriginal) {
