@@ -514,15 +514,22 @@ class NeighborhoodModel {
         exits.erase(std::unique(exits.begin(), exits.end()), exits.end());
       }
     }
+    // One search an op, its exits in ascending order sharing the visited set: what an op visited by an
+    // earlier exit reaches was recorded with that exit, so each (from, to) pair is found once, with its
+    // first exit (a search a reader, each walking the whole way back, was O(n^2) an op for an op read
+    // along a chain of n: O(n^3) planning). A pair found twice constrained the cut no further and
+    // counted twice towards kExactChoicePairs.
     std::vector<NodeId> stack;
+    std::vector<int> reached;  // the neighborhood ops one op's search has recorded
     for (int index = 0; index < count; ++index) {
       const NodeId start = nodes_[static_cast<std::size_t>(index)];
       const std::vector<NodeId>& exits =
           reentering_exits.empty() ? consumers_of(start) : reentering_exits[static_cast<std::size_t>(index)];
+      const int stamp = ++scratch_.stamp;
+      reached.clear();
       for (NodeId exit : exits) {
         if (exit > last) break;  // exits ascend
-        if (in_neighborhood(exit)) continue;
-        const int stamp = ++scratch_.stamp;
+        if (in_neighborhood(exit) || scratch_.visit_stamp[static_cast<std::size_t>(exit)] == stamp) continue;
         scratch_.visit_stamp[static_cast<std::size_t>(exit)] = stamp;
         stack.assign(1, exit);
         while (!stack.empty()) {
@@ -531,7 +538,10 @@ class NeighborhoodModel {
           for (NodeId next : consumers_of(current)) {
             if (next > last) continue;
             if (in_neighborhood(next)) {
-              reentries.push_back({index, local(next), exit});
+              if (std::find(reached.begin(), reached.end(), local(next)) == reached.end()) {
+                reached.push_back(local(next));
+                reentries.push_back({index, local(next), exit});
+              }
               continue;
             }
             if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
