@@ -1,6 +1,6 @@
 // planner_benchmark: how long plan_graph_fusion takes and what it buys, on the
 // example decoder layer, Llama-style decoders of 32 and 80 layers built with
-// GraphBuilder, random DAGs up to 20,000 ops, one value read by many chains and one normalized input
+// GraphBuilder, random DAGs up to 20,000 ops, one value read by many chains or along one chain, one normalized input
 // read by many projections. Prints one table:
 // kernels before (one per op) and after, regions, the median planning time, the
 // global-memory traffic the regions avoid and the estimated time they save.
