@@ -59,6 +59,25 @@ std::int64_t to_picoseconds(double nanoseconds) {
   return std::llround(std::clamp(picoseconds, -limit, limit));
 }
 
+std::vector<std::int64_t> selection_weights(std::span<const double> benefits_ns) {
+  double largest = 0;
+  for (const double benefit : benefits_ns) {
+    if (std::isfinite(benefit)) largest = std::max(largest, benefit * 1000.0);
+  }
+  const double limit = static_cast<double>(kMaximumCostPicoseconds);
+  std::vector<std::int64_t> weights;
+  weights.reserve(benefits_ns.size());
+  for (const double benefit : benefits_ns) {
+    if (largest <= limit || !std::isfinite(benefit)) {
+      weights.push_back(to_picoseconds(benefit));
+      continue;
+    }
+    const double scaled = benefit * 1000.0 * (limit / largest);
+    weights.push_back(benefit > 0 ? std::max<std::int64_t>(1, std::llround(scaled)) : to_picoseconds(scaled / 1000.0));
+  }
+  return weights;
+}
+
 GraphIndex::GraphIndex(const ComputeGraph& graph)
     : consumer_nodes(graph.nodes().size()), value_is_output(graph.values().size(), false) {
   for (ValueId output : graph.outputs()) value_is_output[static_cast<std::size_t>(output)] = true;

@@ -452,13 +452,14 @@ FusionPlan plan_graph_fusion(const ComputeGraph& input_graph, const FusionTarget
     }
     if (kept.empty()) break;
     std::vector<std::vector<NodeId>> round_sets;
-    std::vector<std::int64_t> round_weights;
+    std::vector<double> round_benefits;
     for (ProposedRegion& proposal : kept) {
       for (int& part : proposal.parts) part = index_of[static_cast<std::size_t>(part)];
       candidate_of_nodes.emplace(proposal.nodes, offset + static_cast<int>(round_sets.size()));
       round_sets.push_back(proposal.nodes);
-      round_weights.push_back(to_picoseconds(proposal.benefit_ns));
+      round_benefits.push_back(proposal.benefit_ns);
     }
+    const std::vector<std::int64_t> round_weights = selection_weights(round_benefits);
     RoundSelection picked = select_round(graph, round_sets, round_weights, chosen_sets, rules.max_exact_component_size);
     SelectionOutcome& round_selection = picked.selection;
     conflicts.append(picked.conflicts);

@@ -71,6 +71,31 @@ TEST(SiblingContractions, GroupsQkvWithTheirBiasesByRole) {
   }
 }
 
+// Target figures past the planner's cost cap (2^38 ps a term, ~275 ms): a launch of 1e9 or 1e11 ns.
+// The round's weights are scaled together, so the group of both projections with their biases (three
+// launches saved) still outweighs the two contraction_epilogue regions (one each); clamped one by
+// one, all three weighed the same and the two won: one kernel more (found by an adversarial pass).
+TEST(SiblingContractions, TargetFiguresPastTheCostCapKeepTheBenefitsRatios) {
+  const ComputeGraph graph = testing::sibling_test_graph(2, {96, 96}, 96, {16, 64, DType::f32}, {true, true});
+  for (const double launch_ns : {1e3, 1e8, 1e9, 1e11}) {
+    FusionTarget target = FusionTarget::cpu();
+    target.launch_overhead_ns = launch_ns;
+    const FusionPlan plan = plan_graph_fusion(graph, target);
+    ASSERT_NE(region_of_rule(plan, "sibling_contractions"), nullptr) << launch_ns << "\n" << plan.explain();
+    EXPECT_EQ(plan.kernel_count(), 1) << launch_ns << "\n" << plan.explain();
+  }
+  // The weights: ratios kept where the largest is past the cap, a positive benefit never 0, and
+  // today's picoseconds where nothing is past it.
+  using fusion_internal::kMaximumCostPicoseconds;
+  const std::vector<double> past = {3e9, 1e9, 1e9, 1e-9};
+  const std::vector<std::int64_t> scaled = fusion_internal::selection_weights(past);
+  EXPECT_EQ(scaled[0], kMaximumCostPicoseconds);
+  EXPECT_NEAR(static_cast<double>(scaled[1]), static_cast<double>(kMaximumCostPicoseconds) / 3, 1);
+  EXPECT_EQ(scaled[3], 1);
+  const std::vector<double> within = {250.5, 1e6, -3.0};
+  EXPECT_EQ(fusion_internal::selection_weights(within), (std::vector<std::int64_t>{250500, 1000000000, -3000}));
+}
+
 TEST(SiblingContractions, RefusesWithReasons) {
   {  // Different inputs: each contraction alone.
     GraphBuilder builder;
