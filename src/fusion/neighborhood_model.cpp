@@ -579,18 +579,76 @@ class NeighborhoodModel {
     (void)separate(path.from, path.to, path.exit, keep_producer_out);
   }
 
-  // The cut, then again after each resource-limit exclusion (the farthest growth op first: a
-  // deterministic order, not an exact one) until the region fits the target.
+  // The cut, then again after each resource-limit exclusion until the region fits the target
+  // (deterministic, not exact: the limits are not additive, so they are not cut constraints). Two
+  // ways of choosing the op to keep out run, the farthest growth op first and the best single drop
+  // (growth_node_to_drop), and the region of the larger benefit is kept, ties to the first.
   std::vector<NodeId> solve_within_limits() {
+    std::vector<NodeId> region = solve_once();
+    if (within_limits(estimate(region), target_)) return region;
+    outcome_.exact = false;
+    const std::vector<bool> forbidden = forbidden_;
+    const std::size_t left_out = outcome_.left_out.size();
+    std::vector<NodeId> farthest = shrink_to_limits(region, false);
+    std::vector<std::pair<NodeId, std::string>> farthest_left_out(outcome_.left_out.begin() + static_cast<std::ptrdiff_t>(left_out),
+                                                                  outcome_.left_out.end());
+    forbidden_ = forbidden;
+    outcome_.left_out.resize(left_out);
+    std::vector<NodeId> best_drop = shrink_to_limits(std::move(region), true);
+    const auto benefit = [&](const std::vector<NodeId>& nodes) { return nodes.size() > 1 ? estimate(nodes).benefit_ns : 0.0; };
+    if (benefit(best_drop) > benefit(farthest)) return best_drop;
+    forbidden_ = forbidden;
+    outcome_.left_out.resize(left_out);
+    outcome_.left_out.insert(outcome_.left_out.end(), farthest_left_out.begin(), farthest_left_out.end());
+    return farthest;
+  }
+
+  std::vector<NodeId> shrink_to_limits(std::vector<NodeId> region, bool try_each) {
     for (;;) {
-      std::vector<NodeId> region = solve_once();
       const Decision fits = within_limits(estimate(region), target_);
       if (fits) return region;
-      const int dropped = farthest_growth_node(region);
+      const int dropped = growth_node_to_drop(region, try_each);
       if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
       forbid(dropped, "left out of the region: with it the kernel " + fits.reason);
-      outcome_.exact = false;
+      region = solve_once();
     }
+  }
+
+  // Which growth op an oversized region keeps out: the farthest from the anchor (ties to the later
+  // op); or, `try_each`, up to kDropTrials of its growth ops, the farthest first, each tried (the cut
+  // solved again without it), and the one whose region then fits with the largest benefit is taken,
+  // else the one leaving the largest benefit; ties to the farthest. The farthest alone lost a region
+  // over a limit through an op near the anchor, its ops one by one down to the pattern, blaming the
+  // op it left out first for a limit that op did not break (found by an adversarial pass).
+  int growth_node_to_drop(const std::vector<NodeId>& region, bool try_each) {
+    constexpr std::size_t kDropTrials = 16;
+    std::vector<int> growth;
+    for (NodeId node : region) {
+      if (!fixed(local(node))) growth.push_back(local(node));
+    }
+    std::stable_sort(growth.begin(), growth.end(), [&](int a, int b) {
+      const int depth_a = depth_[static_cast<std::size_t>(a)], depth_b = depth_[static_cast<std::size_t>(b)];
+      return depth_a != depth_b ? depth_a > depth_b : nodes_[static_cast<std::size_t>(a)] > nodes_[static_cast<std::size_t>(b)];
+    });
+    if (!try_each || growth.empty()) return growth.empty() ? -1 : growth.front();
+    if (growth.size() > kDropTrials) growth.resize(kDropTrials);
+    int chosen = -1;
+    bool chosen_fits = false;
+    double chosen_benefit = 0;
+    for (const int candidate : growth) {
+      forbidden_[static_cast<std::size_t>(candidate)] = true;
+      const std::vector<NodeId> rest = solve_once();
+      forbidden_[static_cast<std::size_t>(candidate)] = false;
+      const RegionEstimate rest_estimate = estimate(rest);
+      const bool fits = within_limits(rest_estimate, target_).ok;
+      const double benefit = rest.size() > 1 ? rest_estimate.benefit_ns : 0;
+      if (chosen < 0 || (fits && !chosen_fits) || (fits == chosen_fits && benefit > chosen_benefit)) {
+        chosen = candidate;
+        chosen_fits = fits;
+        chosen_benefit = benefit;
+      }
+    }
+    return chosen;
   }
 
   // The ops the cut can never take: the forbidden ones and those that may join
@@ -625,18 +683,6 @@ class NeighborhoodModel {
       return Decision::refuse("the pattern is not convex: " + path);
     }
     return Decision::allow();
-  }
-
-  int farthest_growth_node(const std::vector<NodeId>& region) const {
-    int chosen = -1;
-    for (NodeId node : region) {
-      const int index = local(node);
-      if (fixed(index)) continue;
-      if (chosen < 0 || depth_[static_cast<std::size_t>(index)] >= depth_[static_cast<std::size_t>(chosen)]) {
-        chosen = index;
-      }
-    }
-    return chosen;
   }
 
   std::int64_t transfer_picoseconds(const Value& value) const {

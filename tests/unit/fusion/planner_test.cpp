@@ -200,6 +200,35 @@ TEST(Planner, AnInputPrologueKeepsTheTargetsInputLimit) {
   }
 }
 
+// A region over a limit keeps out the op that breaks it: mm's epilogue with both readers reads x, w
+// and b (3 inputs, the limit 2); without add (which brings b) {mm, sc} reads 2. Dropping the op
+// farthest from the anchor (ties to the later one) took sc first, then add, and lost the only legal
+// region when sc came after add in the file, blaming sc for b's input (found by an adversarial pass).
+TEST(Planner, ARegionOverALimitKeepsOutTheOpThatBreaksIt) {
+  for (const bool scale_first : {false, true}) {
+    GraphBuilder builder;
+    auto x = builder.input("x", {{4, 2}, DType::f32});
+    auto w = builder.input("w", {{2, 2}, DType::f32});
+    auto product = builder.matmul(x, w, false, "mm");
+    ValueRef scaled, summed;
+    if (scale_first) scaled = builder.scale(product, 2.0, "sc");
+    summed = builder.add(product, builder.input("b", {{2}, DType::f32}), "add");
+    if (!scale_first) scaled = builder.scale(product, 2.0, "sc");
+    const ComputeGraph graph = builder.build({summed, scaled});
+    FusionTarget target = FusionTarget::cpu();
+    target.max_kernel_inputs = 2;
+    const FusionPlan plan = plan_graph_fusion(graph, target);
+    SCOPED_TRACE(scale_first ? "sc before add" : "add before sc");
+    ASSERT_EQ(plan_problems(plan), "");
+    ASSERT_EQ(plan.regions.size(), 1u) << plan.explain();
+    std::vector<std::string> names;
+    for (NodeId node : plan.regions[0].nodes) names.push_back(graph.node(node).name);
+    std::sort(names.begin(), names.end());
+    EXPECT_EQ(names, (std::vector<std::string>{"mm", "sc"})) << plan.explain();
+    EXPECT_NE(reason_of(plan, "add").find("with it the kernel reads 3 inputs"), std::string::npos) << plan.explain();
+  }
+}
+
 TEST(Planner, SwigluNeedsOneSharedActivation) {
   GraphBuilder builder;
   auto x = builder.input("x", {{1, 64}, DType::f16});
