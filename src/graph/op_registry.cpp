@@ -619,6 +619,12 @@ T silu(T x) {
 
 // Both gelu forms are written so that no step cancels: the textbook 1 + erf(x / sqrt 2) and
 // 1 + tanh(u) lose every significant digit for negative x, where the result is tiny but not zero.
+// What f32 element math still leaves in the negative tail (measured by an adversarial pass against
+// float64, session 50): the erf form is off by ~2z^2 ulps, z = -x / sqrt 2 (the f32 rounding of z
+// times erfc's conditioning: 4-21 ulps for x in [-5, -3), up to ~190 near -14); the tanh form the
+// same, and -0 below about -10.06, where exp(-2u) overflows (as silu below -88.7); -inf gives NaN in
+// both (-inf x 0, -inf / inf), as in silu and PyTorch. The kernels use the same f32 steps, so they
+// agree with this reference; against the numeric gate (error over the largest |ref|) the tail is noise.
 // 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2)
 template <typename T>
 T gelu_erf(T x) {

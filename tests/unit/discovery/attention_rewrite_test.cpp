@@ -641,6 +641,39 @@ TEST(AttentionRewrite, CausalOffsetsAtTheEndsOfInt64MatchTheChain) {
   }
 }
 
+// A scale f32 cannot hold: the scale op multiplies by its f32 value, so the rewrite does too. With
+// q.k = [0, -85], v = [0, 1] and a factor 1 + 0.99 * 2^-24 (1 in f32) the chain gives
+// e^-85 / (1 + e^-85) rounded to f32; the rewrite scaled by the double and was 54 f32 ulps away
+// (found by an adversarial pass). 1/sqrt(96), a real head dim's scale, the same on random inputs.
+TEST(AttentionRewrite, AScaleF32CannotHoldScalesByItsF32Value) {
+  for (const double factor : {1.0 + 0.99 * std::ldexp(1.0, -24), 1.0 / std::sqrt(96.0)}) {
+    GraphBuilder builder;
+    auto q = builder.input("q", {{1, 1, 1}, DType::f32});
+    auto k = builder.input("k", {{1, 2, 1}, DType::f32});
+    auto v = builder.input("v", {{1, 2, 1}, DType::f32});
+    auto scaled = builder.scale(builder.matmul(q, k, true, "scores"), factor, "scaled");
+    auto out = builder.matmul(builder.softmax(scaled, -1, "probabilities"), v, false, "attention");
+    const ComputeGraph graph = builder.build({out});
+    const AttentionRewrite rewrite = rewrite_attention(graph);
+    ASSERT_EQ(rewrite.candidates.size(), 1u);
+    const TensorMap inputs = {{"q", HostTensor::from_values({{1, 1, 1}, DType::f32}, std::vector<double>{1.0})},
+                              {"k", HostTensor::from_values({{1, 2, 1}, DType::f32}, std::vector<double>{0.0, -85.0})},
+                              {"v", HostTensor::from_values({{1, 2, 1}, DType::f32}, std::vector<double>{0.0, 1.0})}};
+    const double chain = run_reference(graph, inputs).at("attention").to_values()[0];
+    const double rewritten = run_reference(rewrite.graph, inputs).at("attention").to_values()[0];
+    // Exact arithmetic with the f32 factor, rounded once. The chain also rounds the scaled score to
+    // f32 (-85 x 1/sqrt(96) is not an f32), which the rewrite does not: equal only where that is exact.
+    const double weight = std::exp(-85.0 * static_cast<double>(static_cast<float>(factor)));
+    const auto expected = static_cast<float>(weight / (1 + weight));
+    const double ulp = std::nextafter(expected, 1.0f) - expected;
+    EXPECT_LE(std::abs(rewritten - expected), ulp) << "factor " << factor << ": " << rewritten << " vs " << expected;
+    if (static_cast<float>(factor) == 1.0f) {
+      EXPECT_EQ(chain, static_cast<double>(expected));
+      EXPECT_EQ(rewritten, chain);
+    }
+  }
+}
+
 // Scores that are not finite: the rewritten node gives what the chain gives, by a float64 softmax
 // written here (IEEE: a row holding +inf, or all -inf, is NaN; a -inf score among finite ones
 // weighs 0). 130 keys: two +inf scores fall in different 64-key blocks of the law's evaluation.
