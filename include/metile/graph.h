@@ -46,6 +46,9 @@ double round_double_to_dtype(double value, DType dtype);
 // f32's range there a score of 0 became NaN on the GPU where the chain gives 0. The op's inference
 // and the attention rewrite both ask this.
 std::optional<std::string> flash_attention_scale_problem(double scale);
+// What the fused attention kernels multiply scores by before exp2: the scale op's f32 factor times
+// log2(e), rounded to f32 (the CPU reference scales by the same f32 factor).
+float flash_attention_scale_log2(double scale);
 
 // ---------------------------------------------------------------- tensors
 struct TensorSpec {

@@ -27,7 +27,6 @@
 #include <fmt/core.h>
 
 #include <cmath>
-#include <numbers>
 
 #include "gemv_internal.h"
 
@@ -270,7 +269,7 @@ __device__ __forceinline__ T* activations_ready(T* pointer) {
 
 std::string gemv_attention_prologue(const GemvKernelConfig& config) {
   const GemvAttentionPrologue& attention = config.attention.value();
-  const double scale_log2 = attention.scale * std::numbers::log2e;
+  const double scale_log2 = flash_attention_scale_log2(attention.scale);  // an f32: 9 digits give it back exactly
   return fmt::format(
              "constexpr int kAttentionHeads = {};\nconstexpr int kAttentionGroups = {};\nconstexpr int kAttentionDim = {};\n"
              "constexpr int kAttentionKeys = {};\nconstexpr float kAttentionScaleLog2 = {:.9g}f;  // scale {:.17g} x log2(e)\n"

@@ -127,8 +127,12 @@ std::vector<TensorSpec> infer_unary(std::span<const TensorSpec> inputs, Attribut
 
 }  // namespace
 
+float flash_attention_scale_log2(double scale) {
+  return static_cast<float>(static_cast<double>(static_cast<float>(scale)) * std::numbers::log2e);
+}
+
 std::optional<std::string> flash_attention_scale_problem(double scale) {
-  if (std::isinf(static_cast<float>(scale * std::numbers::log2e))) {
+  if (std::isinf(flash_attention_scale_log2(scale))) {
     return "times log2(e) is beyond f32's range (the fused attention kernels scale by it in f32)";
   }
   return std::nullopt;

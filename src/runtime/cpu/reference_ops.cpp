@@ -97,8 +97,9 @@ HostTensor evaluate_flash_attention(const OpCall& call) {
   const std::int64_t value_width = call.input(2).spec().shape[rank - 1];
   const std::int64_t batches = rows == 0 ? 0 : q_spec.element_count() / (rows * depth);
   // The scale op's factor, which multiplies in f32: the chain's function is x * f32(factor), so a scale
-  // f32 cannot hold (1/sqrt(96), 1 + 2^-25) scales by its f32 value here too, as the kernels do (with
-  // the double the rewrite differed from the chain it replaced by up to tens of f32 ulps).
+  // f32 cannot hold (1/sqrt(96), 1 + 2^-25) scales by its f32 value here too (with the double the rewrite
+  // differed from the chain it replaced by up to tens of f32 ulps); the kernels start from the same f32
+  // factor and fold it with log2(e) into one f32 (flash_attention_scale_log2).
   const double scale = static_cast<float>(call.node.attributes.get_double("scale"));
   const DType score_dtype = q_spec.dtype;
   const auto score_as_the_chain_overflows = [score_dtype, scale](double dot) {

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numbers>
 
 #include "cuda_driver.h"
 #include "metile/attention_runtime.h"
@@ -131,7 +130,7 @@ FlashAttention FlashAttention::build(const AttentionProblem& problem, const Flas
     }
     state->kernel.summary += query == CUDA_SUCCESS ? fmt::format(" ({} at once)", clusters) : " (occupancy unknown)";
   }
-  state->scale_log2 = static_cast<float>(problem.scale * std::numbers::log2e);
+  state->scale_log2 = flash_attention_scale_log2(problem.scale);
   if (state->decode && !state->kernel.cluster && state->kernel.splits > 1) {
     const auto states = static_cast<std::size_t>(problem.heads * state->kernel.splits * problem.rows);
     state->partial_values = DeviceBuffer(states * static_cast<std::size_t>(problem.value_dim) * sizeof(float));
