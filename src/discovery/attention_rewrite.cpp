@@ -52,11 +52,13 @@ Decision stays_private(const ComputeGraph& graph, ValueId value, std::string_vie
 
 bool is_scores_op(const std::string& op) { return op == "scale" || op == "causal_mask" || op == "position_mask"; }
 
-// Whether `value` is the scores of a q kᵀ matmul, directly or through scales and masks: an op of
-// another kind that reads it stands between the scores and the softmax.
+// Whether `value` is the scores of a q kᵀ matmul, directly or through scales, masks and casts: an op
+// of another kind that reads it stands between the scores and the softmax.
 bool comes_from_scores(const ComputeGraph& graph, ValueId value) {
   NodeId source = graph.value(value).producer;
-  while (source >= 0 && is_scores_op(graph.node(source).op)) source = graph.value(graph.node(source).inputs.front()).producer;
+  while (source >= 0 && (is_scores_op(graph.node(source).op) || graph.node(source).op == "cast")) {
+    source = graph.value(graph.node(source).inputs.front()).producer;
+  }
   return source >= 0 && graph.node(source).op == "matmul" && graph.node(source).attributes.get_int("transpose_right") != 0;
 }
 

@@ -227,6 +227,15 @@ TEST(AttentionRewrite, EveryRefusalHasItsReason) {
        }),
        "'squashed' (silu) between the scores and the softmax is not part of the pattern (scale, causal_mask, "
        "position_mask, a cast to f32 at the softmax)"},
+      {"an additive bias after a cast",
+       chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef v) {
+         auto bias = b.input("bias", {{2, 3, 5}, DType::f32});
+         auto widened = b.cast(b.matmul(q, k, true, "scores"), DType::f32, "widened");
+         auto p = b.softmax(b.add(widened, bias, "biased"), -1, "probabilities");
+         return b.build({b.matmul(p, v, false, "attention")});
+       }),
+       "'biased' (add) between the scores and the softmax is not part of the pattern (scale, causal_mask, position_mask, "
+       "a cast to f32 at the softmax)"},
       {"a narrowing cast before the softmax",
        chain([](GraphBuilder& b, ValueRef q, ValueRef k, ValueRef) {
          auto p = b.softmax(b.cast(b.matmul(q, k, true, "scores"), DType::f16, "narrowed"), -1, "probabilities");
