@@ -17,8 +17,8 @@
 // ends joining together (not submodular), so up to kExactChoicePairs such paths
 // the cut is solved for each way of keeping their ends apart and the best region
 // kept; and resource limits are not additive, so a region that exceeds one loses
-// its farthest growth op and is solved again (NeighborhoodOutcome::exact says
-// whether either fallback ran).
+// growth ops until it fits, two ways (the farthest first; the best single drop),
+// the larger region kept (NeighborhoodOutcome::exact says whether either fallback ran).
 #include <algorithm>
 #include <limits>
 #include <stdexcept>
@@ -492,7 +492,7 @@ class NeighborhoodModel {
     // A search from every reader up to `last` of every op costs a shared producer's fan-out in each
     // of its readers' neighborhoods (O(n^2) for n readers). Only the readers the backward walk finds
     // can lead back, so when it is cheaper each op's exits are those alone: the same paths, in the
-    // same order (each exit's search is its own).
+    // same order.
     std::size_t forward_cost = 0;
     for (NodeId start : nodes_) {
       const std::vector<NodeId>& readers = consumers_of(start);
@@ -582,44 +582,53 @@ class NeighborhoodModel {
   // The cut, then again after each resource-limit exclusion until the region fits the target
   // (deterministic, not exact: the limits are not additive, so they are not cut constraints). Two
   // ways of choosing the op to keep out run, the farthest growth op first and the best single drop
-  // (growth_node_to_drop), and the region of the larger benefit is kept, ties to the first.
+  // (growth_node_to_drop), and the region of the larger benefit is kept, ties to the farthest-first one.
   std::vector<NodeId> solve_within_limits() {
     std::vector<NodeId> region = solve_once();
     if (within_limits(estimate(region), target_)) return region;
     outcome_.exact = false;
     const std::vector<bool> forbidden = forbidden_;
     const std::size_t left_out = outcome_.left_out.size();
-    std::vector<NodeId> farthest = shrink_to_limits(region, false);
-    std::vector<std::pair<NodeId, std::string>> farthest_left_out(outcome_.left_out.begin() + static_cast<std::ptrdiff_t>(left_out),
-                                                                  outcome_.left_out.end());
+    // The best drops first: where each was also the farthest op, the farthest-first pass would drop
+    // the same ops in the same order, and is not run.
+    bool deviated = false;
+    std::vector<NodeId> best_drop = shrink_to_limits(region, true, deviated);
+    if (!deviated) return best_drop;
+    std::vector<std::pair<NodeId, std::string>> best_drop_left_out(
+        outcome_.left_out.begin() + static_cast<std::ptrdiff_t>(left_out), outcome_.left_out.end());
     forbidden_ = forbidden;
     outcome_.left_out.resize(left_out);
-    std::vector<NodeId> best_drop = shrink_to_limits(std::move(region), true);
+    std::vector<NodeId> farthest = shrink_to_limits(std::move(region), false, deviated);
     const auto benefit = [&](const std::vector<NodeId>& nodes) { return nodes.size() > 1 ? estimate(nodes).benefit_ns : 0.0; };
-    if (benefit(best_drop) > benefit(farthest)) return best_drop;
+    if (benefit(farthest) > 0 || benefit(farthest) >= benefit(best_drop)) return farthest;
     forbidden_ = forbidden;
     outcome_.left_out.resize(left_out);
-    outcome_.left_out.insert(outcome_.left_out.end(), farthest_left_out.begin(), farthest_left_out.end());
-    return farthest;
+    outcome_.left_out.insert(outcome_.left_out.end(), best_drop_left_out.begin(), best_drop_left_out.end());
+    return best_drop;
   }
 
-  std::vector<NodeId> shrink_to_limits(std::vector<NodeId> region, bool try_each) {
+  // Drops growth ops (growth_node_to_drop) and cuts again until the region fits; `deviated` is set
+  // when a drop was not the farthest op.
+  std::vector<NodeId> shrink_to_limits(std::vector<NodeId> region, bool try_each, bool& deviated) {
     for (;;) {
       const Decision fits = within_limits(estimate(region), target_);
       if (fits) return region;
       const int dropped = growth_node_to_drop(region, try_each);
       if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
+      if (try_each && dropped != growth_node_to_drop(region, false)) deviated = true;
       forbid(dropped, "left out of the region: with it the kernel " + fits.reason);
       region = solve_once();
     }
   }
 
   // Which growth op an oversized region keeps out: the farthest from the anchor (ties to the later
-  // op); or, `try_each`, up to kDropTrials of its growth ops, the farthest first, each tried (the cut
-  // solved again without it), and the one whose region then fits with the largest benefit is taken,
-  // else the one leaving the largest benefit; ties to the farthest. The farthest alone lost a region
-  // over a limit through an op near the anchor, its ops one by one down to the pattern, blaming the
-  // op it left out first for a limit that op did not break (found by an adversarial pass).
+  // op); or, `try_each`, the one among up to kDropTrials of its growth ops (the farthest first) whose
+  // removal leaves ops that fit with the largest estimated benefit, else the largest benefit; ties to
+  // the farthest. The rest is estimated as it stands, not cut again (a cut a trial made planning where
+  // a limit binds ~18x slower); the next cut, with the op forbidden, is what the region becomes. The
+  // farthest alone lost a region over a limit through an op near the anchor, its ops one by one down
+  // to the pattern, blaming the op it left out first for a limit that op did not break (found by an
+  // adversarial pass).
   int growth_node_to_drop(const std::vector<NodeId>& region, bool try_each) {
     constexpr std::size_t kDropTrials = 16;
     std::vector<int> growth;
@@ -635,10 +644,12 @@ class NeighborhoodModel {
     int chosen = -1;
     bool chosen_fits = false;
     double chosen_benefit = 0;
+    std::vector<NodeId> rest;
     for (const int candidate : growth) {
-      forbidden_[static_cast<std::size_t>(candidate)] = true;
-      const std::vector<NodeId> rest = solve_once();
-      forbidden_[static_cast<std::size_t>(candidate)] = false;
+      rest.clear();
+      for (NodeId node : region) {
+        if (node != nodes_[static_cast<std::size_t>(candidate)]) rest.push_back(node);
+      }
       const RegionEstimate rest_estimate = estimate(rest);
       const bool fits = within_limits(rest_estimate, target_).ok;
       const double benefit = rest.size() > 1 ? rest_estimate.benefit_ns : 0;

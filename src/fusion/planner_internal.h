@@ -24,7 +24,7 @@ std::int64_t to_picoseconds(double nanoseconds);
 // The conflict selection's weights of one round's candidates: their benefits in picoseconds, all
 // scaled by one factor when the largest is past kMaximumCostPicoseconds, so that the ratios the
 // selection compares survive (clamped one by one, every candidate of a target with a launch of
-// 1e9 ns weighed the same, and two small regions beat a larger one). A positive benefit stays >= 1.
+// 1e9 ns weighed the same, and two small regions beat a larger one). A positive benefit scaled stays >= 1.
 std::vector<std::int64_t> selection_weights(std::span<const double> benefits_ns);
 
 // ---------------------------------------------------------------- patterns
