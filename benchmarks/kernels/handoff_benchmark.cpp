@@ -95,10 +95,13 @@ __device__ __forceinline__ void link(const u32* in, u32* out, const uint4* weigh
   if (kMode >= 2 && index > 0) {
     if (threadIdx.x == 0) {
       const u32* counter = arrivals + (index - 1) * COUNTER_STRIDE;
-      for (;;) {
+      // Bounded: a block the GPU never schedules beside the others (a persistent grid on a shared
+      // device) traps after ~2 s instead of hanging the run.
+      for (long long polls = 0;; ++polls) {
         u32 seen;
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
         if (seen >= gridDim.x) break;
+        if (polls > (1LL << 26)) __trap();
         __nanosleep(32);
       }
       __threadfence();
@@ -196,7 +199,8 @@ int main(int argc, char** argv) {
   std::vector<double> weights_mib = {0.0, 2.0};
   std::vector<int> blocks_per_sm = {1, 2, 4};
   std::uint64_t seed = std::random_device{}();
-  CLI::App app{"what one kernel boundary costs in a CUDA graph: stream order, PDL's wait, an arrival counter",
+  CLI::App app{"what one kernel boundary costs in a CUDA graph: stream order, PDL's wait, an arrival counter, and "
+               "the counter between the links of one persistent kernel",
                "handoff_benchmark"};
   app.add_option("--links", links, "kernels in the chain")->check(CLI::Range(2, 1024))->capture_default_str();
   app.add_option("--weights-mib", weights_mib, "MiB of weights each kernel streams (0: none)")
