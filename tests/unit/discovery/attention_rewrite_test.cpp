@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <random>
 
 #include <fmt/format.h>
@@ -631,18 +632,33 @@ namespace {
 // (key - row > offset) without computing row + offset, which overflowed at 2^63 - 1 and hid every key
 // of rows past the first (NaN rows) where the chain sees them all. At -2^63 every key is hidden: NaN
 // rows in both.
+// The f32 chain over q [B, R, D], k [B, T, D], v [B, T, Dv]: matmul(q, k, transpose_right), then
+// `edit_scores` (a scale, a mask), softmax, matmul with v; and its rewrite.
+struct ChainAndRewrite {
+  ComputeGraph graph;
+  AttentionRewrite rewrite;
+};
+ChainAndRewrite f32_chain(const std::vector<std::int64_t>& q_shape, const std::vector<std::int64_t>& k_shape,
+                          const std::vector<std::int64_t>& v_shape,
+                          const std::function<ValueRef(GraphBuilder&, ValueRef)>& edit_scores) {
+  GraphBuilder builder;
+  auto q = builder.input("q", {q_shape, DType::f32});
+  auto k = builder.input("k", {k_shape, DType::f32});
+  auto v = builder.input("v", {v_shape, DType::f32});
+  auto scores = edit_scores(builder, builder.matmul(q, k, true, "scores"));
+  auto out = builder.matmul(builder.softmax(scores, -1, "probabilities"), v, false, "attention");
+  ComputeGraph graph = builder.build({out});
+  AttentionRewrite rewrite = rewrite_attention(graph);
+  return {std::move(graph), std::move(rewrite)};
+}
+
 TEST(AttentionRewrite, CausalOffsetsAtTheEndsOfInt64MatchTheChain) {
   const std::uint64_t seed = test_seed();
   for (const std::int64_t offset : {std::numeric_limits<std::int64_t>::max(), std::numeric_limits<std::int64_t>::min(),
                                     std::int64_t{-3}, std::int64_t{1} << 40}) {
-    GraphBuilder builder;
-    auto q = builder.input("q", {{2, 4, 8}, DType::f32});
-    auto k = builder.input("k", {{2, 6, 8}, DType::f32});
-    auto v = builder.input("v", {{2, 6, 8}, DType::f32});
-    auto scores = builder.causal_mask(builder.matmul(q, k, true, "scores"), offset, "masked");
-    auto out = builder.matmul(builder.softmax(scores, -1, "probabilities"), v, false, "attention");
-    const ComputeGraph graph = builder.build({out});
-    const AttentionRewrite rewrite = rewrite_attention(graph);
+    const auto [graph, rewrite] = f32_chain({2, 4, 8}, {2, 6, 8}, {2, 6, 8}, [&](GraphBuilder& builder, ValueRef scores) {
+      return builder.causal_mask(scores, offset, "masked");
+    });
     ASSERT_EQ(rewrite.candidates.size(), 1u) << offset;
     EXPECT_EQ(only_node(rewrite.graph, "flash_attention").attributes.get_int("offset"), offset);
     SCOPED_TRACE(offset);
@@ -653,17 +669,13 @@ TEST(AttentionRewrite, CausalOffsetsAtTheEndsOfInt64MatchTheChain) {
 // A scale f32 cannot hold: the scale op multiplies by its f32 value, so the rewrite does too. With
 // q.k = [0, -85], v = [0, 1] and a factor 1 + 0.99 * 2^-24 (1 in f32) the chain gives
 // e^-85 / (1 + e^-85) rounded to f32; the rewrite scaled by the double and was 54 f32 ulps away
-// (found by an adversarial pass). 1/sqrt(96), a real head dim's scale, the same on random inputs.
+// (found by an adversarial pass). 1/sqrt(96), a real head dim's scale: within an f32 ulp of exact
+// arithmetic with its f32 value.
 TEST(AttentionRewrite, AScaleF32CannotHoldScalesByItsF32Value) {
   for (const double factor : {1.0 + 0.99 * std::ldexp(1.0, -24), 1.0 / std::sqrt(96.0)}) {
-    GraphBuilder builder;
-    auto q = builder.input("q", {{1, 1, 1}, DType::f32});
-    auto k = builder.input("k", {{1, 2, 1}, DType::f32});
-    auto v = builder.input("v", {{1, 2, 1}, DType::f32});
-    auto scaled = builder.scale(builder.matmul(q, k, true, "scores"), factor, "scaled");
-    auto out = builder.matmul(builder.softmax(scaled, -1, "probabilities"), v, false, "attention");
-    const ComputeGraph graph = builder.build({out});
-    const AttentionRewrite rewrite = rewrite_attention(graph);
+    const auto [graph, rewrite] = f32_chain({1, 1, 1}, {1, 2, 1}, {1, 2, 1}, [&](GraphBuilder& builder, ValueRef scores) {
+      return builder.scale(scores, factor, "scaled");
+    });
     ASSERT_EQ(rewrite.candidates.size(), 1u);
     const TensorMap inputs = {{"q", HostTensor::from_values({{1, 1, 1}, DType::f32}, std::vector<double>{1.0})},
                               {"k", HostTensor::from_values({{1, 2, 1}, DType::f32}, std::vector<double>{0.0, -85.0})},
