@@ -605,17 +605,9 @@ TEST_F(MalformedCheckpoint, ASignalledSynthesisLeavesNothing) {
   for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
     const std::filesystem::path target = root_ / "existing";
     std::filesystem::create_directory(target);
-    const std::string errors = (root_ / "err.txt").string();
-    const pid_t child = ::fork();
+    const std::filesystem::path errors = root_ / "err.txt";
+    const pid_t child = start_metile({"synth-model", target.string(), "--preset", "small", "--max-shard-mb", "1"}, errors);
     ASSERT_GE(child, 0);
-    if (child == 0) {
-      if (std::freopen(errors.c_str(), "w", stderr) == nullptr || std::freopen("/dev/null", "w", stdout) == nullptr) {
-        ::_exit(99);
-      }
-      ::execl(METILE_BINARY, METILE_BINARY, "synth-model", target.c_str(), "--preset", "small", "--max-shard-mb", "1",
-              static_cast<char*>(nullptr));
-      ::_exit(98);
-    }
     // Wait for a written shard in the staging folder (the run is then among its tensors, where it checks).
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     bool staged = false;

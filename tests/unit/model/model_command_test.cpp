@@ -231,14 +231,9 @@ TEST_F(ModelCommand, QuantizingNamesTheMatricesItLeavesDense) {
 TEST_F(ModelCommand, SynthModelInterruptedTwiceQuicklyLeavesNothing) {
   const std::filesystem::path directory = root_ / "interrupted";
   std::filesystem::create_directory(directory);
-  const std::string errors = (root_ / "interrupted.err").string();
-  const pid_t child = ::fork();
+  const std::filesystem::path errors = root_ / "interrupted.err";
+  const pid_t child = start_metile({"synth-model", directory.string(), "--preset", "small"}, errors);
   ASSERT_GE(child, 0);
-  if (child == 0) {
-    if (std::freopen(errors.c_str(), "w", stderr) == nullptr) ::_exit(99);
-    ::execl(METILE_BINARY, METILE_BINARY, "synth-model", directory.c_str(), "--preset", "small", static_cast<char*>(nullptr));
-    ::_exit(98);
-  }
   const auto started = std::chrono::steady_clock::now();
   while (std::filesystem::is_empty(directory) && std::chrono::steady_clock::now() - started < std::chrono::seconds(60)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -7,11 +7,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "metile/model.h"
 #include "metile_test_support.h"
@@ -53,6 +55,21 @@ class ModelDirectoryTest : public ::testing::Test {
     out = read_text(root_ / "out.txt");
     err = read_text(root_ / "err.txt");
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  // `metile ARGUMENTS` started in a child process and not waited for (the caller signals it and reaps it
+  // with waitpid): its standard error to `errors`, its output to /dev/null. -1 where fork failed.
+  static pid_t start_metile(const std::vector<std::string>& arguments, const std::filesystem::path& errors) {
+    const pid_t child = ::fork();
+    if (child != 0) return child;
+    if (std::freopen(errors.c_str(), "w", stderr) == nullptr || std::freopen("/dev/null", "w", stdout) == nullptr) {
+      ::_exit(99);
+    }
+    std::vector<char*> argv = {const_cast<char*>(METILE_BINARY)};
+    for (const std::string& argument : arguments) argv.push_back(const_cast<char*>(argument.c_str()));
+    argv.push_back(nullptr);
+    ::execv(METILE_BINARY, argv.data());
+    ::_exit(98);
   }
 #endif
 
