@@ -32,21 +32,20 @@ void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink,
   }
 }
 
-// Inside a solver a residual or an excess counts as positive only above rounding noise: exact (0) for
-// integers. For reals each arc's threshold is 1e-13 of its own edge's capacity (its residual, and the
-// flow its reverse arc holds, stay within it), and each vertex's 1e-13 of the capacity of the edges into
-// it, each capacity taken at most as large as the flow its tail can receive (inflow_bound), so a + b - b
-// leftovers never keep an arc or an excess alive, and an arc's leftover is judged by its own size: one threshold of 1e-13 x the largest capacity left 0.9 unused on a 25.9 arc beside an
-// unrelated 1e13 one (Dinic and HLPP 99.1 where the maximum is 100, and `auto` failed its two engines'
-// cross-check). Flow below a huge edge's threshold can still be left at the vertex it enters or on its
-// reverse arc: at most 1e-13 of it, within FlowTolerance::for_network. Infinite (legality) edges take 1e-13 of the largest finite
-// capacity: their own (twice the finite sum plus one) would hide the flow they carry, which a finite
-// cut bounds, and raise the thresholds of the vertices at them. In a vertex's threshold, all of them
-// together take at most 1e-13 of the finite sum (each 1e-13 of the largest finite capacity or of the
-// finite sum over their number, the smaller), so the flow the vertices' thresholds can hold back stays
-// within FlowTolerance::for_network however many there are: 30 000 legality edges beside a 1e6 edge
-// raised every head's threshold to 1e-7, and the 5e-8 each head was to pass on to the sink stayed there
-// (HLPP 1.5e-3 short; `auto` failed its two engines' cross-check).
+// Inside a solver a residual or an excess counts as positive only above rounding noise: exact (0) for integers. For
+// reals each arc's threshold is 1e-13 of its own edge's capacity (its residual, and the flow its reverse arc holds,
+// stay within it), and each vertex's 1e-13 of the capacity of the edges into it, each capacity taken at most as large
+// as the flow its tail can receive (inflow_bound), so a + b - b leftovers never keep an arc or an excess alive, and an
+// arc's leftover is judged by its own size: one threshold of 1e-13 x the largest capacity left 0.9 unused on a 25.9 arc
+// beside an unrelated 1e13 one (Dinic and HLPP 99.1 where the maximum is 100, and `auto` failed its two engines'
+// cross-check). Flow below a huge edge's threshold can still be left at the vertex it enters or on its reverse arc: at
+// most 1e-13 of it, within FlowTolerance::for_network. Infinite (legality) edges take 1e-13 of the largest finite
+// capacity: their own (twice the finite sum plus one) would hide the flow they carry, which a finite cut bounds, and
+// raise the thresholds of the vertices at them. In a vertex's threshold, all of them together take at most 1e-13 of the
+// finite sum (each 1e-13 of the largest finite capacity or of the finite sum over their number, the smaller), so the
+// flow the vertices' thresholds can hold back stays within FlowTolerance::for_network however many there are: 30 000
+// legality edges beside a 1e6 edge raised every head's threshold to 1e-7, and the 5e-8 each head was to pass on to the
+// sink stayed there (HLPP 1.5e-3 short; `auto` failed its two engines' cross-check).
 // The largest capacity of an edge that is neither infinite (legality) nor a self loop.
 template <typename Capacity>
 Capacity largest_finite_capacity(const FlowNetwork<Capacity>& network) {

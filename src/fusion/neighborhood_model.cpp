@@ -613,10 +613,10 @@ class NeighborhoodModel {
     for (;;) {
       const Decision fits = within_limits(estimate(region), target_);
       if (fits) return region;
-      const int dropped = growth_node_to_drop(region, try_each);
-      if (dropped < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
-      if (try_each && dropped != growth_node_to_drop(region, false)) deviated = true;
-      forbid(dropped, "left out of the region: with it the kernel " + fits.reason);
+      const Drop dropped = growth_node_to_drop(region, try_each);
+      if (dropped.op < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
+      if (!dropped.farthest) deviated = true;
+      forbid(dropped.op, "left out of the region: with it the kernel " + fits.reason);
       region = solve_once();
     }
   }
@@ -629,7 +629,11 @@ class NeighborhoodModel {
   // farthest alone lost a region over a limit through an op near the anchor, its ops one by one down
   // to the pattern, blaming the op it left out first for a limit that op did not break (found by an
   // adversarial pass).
-  int growth_node_to_drop(const std::vector<NodeId>& region, bool try_each) {
+  struct Drop {
+    int op;         // the local op to keep out; -1 where the region has no growth op
+    bool farthest;  // whether it is the farthest growth op, the one the farthest-first pass drops
+  };
+  Drop growth_node_to_drop(const std::vector<NodeId>& region, bool try_each) {
     constexpr std::size_t kDropTrials = 16;
     std::vector<int> growth;
     for (NodeId node : region) {
@@ -639,7 +643,8 @@ class NeighborhoodModel {
       const int depth_a = depth_[static_cast<std::size_t>(a)], depth_b = depth_[static_cast<std::size_t>(b)];
       return depth_a != depth_b ? depth_a > depth_b : nodes_[static_cast<std::size_t>(a)] > nodes_[static_cast<std::size_t>(b)];
     });
-    if (!try_each || growth.empty()) return growth.empty() ? -1 : growth.front();
+    if (growth.empty()) return {-1, true};
+    if (!try_each) return {growth.front(), true};
     if (growth.size() > kDropTrials) growth.resize(kDropTrials);
     int chosen = -1;
     bool chosen_fits = false;
@@ -659,7 +664,7 @@ class NeighborhoodModel {
         chosen_benefit = benefit;
       }
     }
-    return chosen;
+    return {chosen, chosen == growth.front()};
   }
 
   // The ops the cut can never take: the forbidden ones and those that may join
