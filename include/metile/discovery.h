@@ -143,6 +143,12 @@ Certificate prove(const ReductionLaw& law);
 // and equal to a fresh proof of that law. Throws InputError, one line naming the node.
 void require_verified_certificate(const Node& node, std::string_view required_law);
 
+// require_verified_certificate for every flash_attention node of `graph` (law
+// stable_weighted_softmax): what the executors will refuse is refused when a graph is planned
+// (plan_with_discovery, `metile plan`), so that a plan never shows a forged or unproved
+// certificate as a kernel to run.
+void require_verified_certificates(const ComputeGraph& graph);
+
 // ---------------------------------------------------------------- evaluating a law
 
 // Evaluates a law's terms on doubles. A state is a flat vector: each component

@@ -173,7 +173,12 @@ class MappedSafetensors {
   std::map<std::string, std::string, std::less<>> unreadable_;
 };
 // Written by write_output_file (metile/io.h): atomic for regular files, in place for FIFOs and devices.
+// Each name is checked by check_safetensors_tensor_name first.
 void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors);
+// A name write_safetensors can give a tensor in `path`: not "__metadata__" (the header's key for the
+// string map), UTF-8 (the header is JSON); an InputError naming the file otherwise. For a check made
+// before the work whose tensors the file will hold (`metile run --output`).
+void check_safetensors_tensor_name(const std::filesystem::path& path, const std::string& name);
 
 // ---------------------------------------------------------------- attributes
 using AttributeValue = std::variant<std::int64_t, double, std::string, std::vector<std::int64_t>>;

@@ -61,7 +61,9 @@ void check_output_file_writable(const std::filesystem::path& path);
 // write_output_file is writing before the process dies of the signal as it would have. Without it a
 // Ctrl-C during `metile run --output` left ".metile-PID-N.tmp", a half-written copy, beside the
 // destination. A signal the process was started ignoring (`nohup`) stays ignored; a handler a command
-// installs later (synth-model's interrupt flag) takes precedence while it lives.
+// installs later (synth-model's interrupt flag) takes precedence while it lives. SIGXFSZ (a write past
+// `ulimit -f`) is ignored, so that the write fails with EFBIG and its error path removes the temporary
+// and says why; by default the signal killed the process and left the temporary.
 void remove_temporary_files_on_fatal_signals();
 
 // The machine's physical memory in bytes (the largest uint64 when it cannot be told),

@@ -364,6 +364,9 @@ struct AgreementFigures {
   std::int64_t first_decided_disagreement = -1;
   double kl_mean = 0, kl_max = 0;
   double max_logit_error = 0;  // max over positions of max |error| / max |reference logit|
+  // Positions whose reference logits hold a NaN or an infinity: the reference path itself fails there
+  // (the weights or the prompt, not the path compared), so no figure above can pass or blame the candidate.
+  std::int64_t nonfinite_reference_positions = 0;
   double reference_seconds = 0, candidate_seconds = 0;  // time in feed() of the decode steps
 
   double agreement() const { return positions > 0 ? static_cast<double>(agreements) / static_cast<double>(positions) : 0; }

@@ -288,7 +288,30 @@ BoundValue record(const BuilderPointer& self, ValueRef ref, const OptionalName& 
   return BoundValue{ref, self};
 }
 
-std::string name_or_empty(const OptionalName& name) { return name ? name->value : std::string(); }
+// The name an op or input is recorded under: an explicit name takes precedence over one the builder
+// invented, which is a placeholder until build() names it after the caller's variable. The
+// placeholder moves aside (to the name with "_N" appended), so that `b.exp(x)` then `b.silu(x,
+// name="exp_0")` records both: it was refused as a duplicate of a name the caller never wrote, nor
+// would find in the built graph.
+std::string claimed_name(const BuilderPointer& self, const std::string& name) {
+  if (name.empty()) return name;
+  for (ValueRef ref : self->auto_named) {
+    if (self->builder.name(ref) != name) continue;
+    for (int suffix = 0;; ++suffix) {
+      try {
+        self->builder.rename(ref, name + "_" + std::to_string(suffix));
+        return name;
+      } catch (const InputError&) {
+        // that name is taken too
+      }
+    }
+  }
+  return name;
+}
+
+std::string name_or_empty(const BuilderPointer& self, const OptionalName& name) {
+  return name ? claimed_name(self, name->value) : std::string();
+}
 
 // Records `op` with these attributes through add_node, as the C++ typed methods do, so that each
 // attribute is checked by the op itself ("bits must be 4 or 8, got 4294967300"). The typed methods
@@ -298,7 +321,7 @@ BoundValue record_op(const BuilderPointer& self, const char* op, std::vector<Val
                      std::initializer_list<std::pair<const char*, AttributeValue>> attributes, const OptionalName& name) {
   Attributes recorded;
   for (const auto& [attribute, value] : attributes) recorded.set(attribute, value);
-  return record(self, self->builder.add_node(op, std::move(inputs), std::move(recorded), name_or_empty(name)).front(), name);
+  return record(self, self->builder.add_node(op, std::move(inputs), std::move(recorded), name_or_empty(self, name)).front(), name);
 }
 
 std::vector<ValueRef> refs_of(const std::vector<BoundValue>& values) {
@@ -396,7 +419,7 @@ void bind_table_ops(py::class_<PythonGraphBuilder, BuilderPointer>& builder) {
             }
           }
           const std::vector<ValueRef> outputs =
-              self->builder.add_node(op, std::move(refs), attributes_from_python(attributes), name_or_empty(name));
+              self->builder.add_node(op, std::move(refs), attributes_from_python(attributes), name_or_empty(self, name));
           return record(self, outputs.front(), name);
         },
         ("Records a '" + op + "' node (the op table): inputs positionally, attributes as keywords.").c_str());
@@ -414,25 +437,25 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "input",
           [](const BuilderPointer& self, Utf8Text name, const TensorSpec& spec) {
-            return BoundValue{self->builder.input(std::move(name.value), spec), self};
+            return BoundValue{self->builder.input(claimed_name(self, name.value), spec), self};
           },
           py::arg("name"), py::arg("spec"))
       .def(
           "add",
           [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const OptionalName& name) {
-            return record(self, self->builder.add(a.ref, b.ref, name_or_empty(name)), name);
+            return record(self, self->builder.add(a.ref, b.ref, name_or_empty(self, name)), name);
           },
           py::arg("a"), py::arg("b"), name_argument)
       .def(
           "subtract",
           [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const OptionalName& name) {
-            return record(self, self->builder.subtract(a.ref, b.ref, name_or_empty(name)), name);
+            return record(self, self->builder.subtract(a.ref, b.ref, name_or_empty(self, name)), name);
           },
           py::arg("a"), py::arg("b"), name_argument)
       .def(
           "multiply",
           [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const OptionalName& name) {
-            return record(self, self->builder.multiply(a.ref, b.ref, name_or_empty(name)), name);
+            return record(self, self->builder.multiply(a.ref, b.ref, name_or_empty(self, name)), name);
           },
           py::arg("a"), py::arg("b"), name_argument)
       .def(
@@ -444,20 +467,20 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "silu",
           [](const BuilderPointer& self, const BoundValue& x, const OptionalName& name) {
-            return record(self, self->builder.silu(x.ref, name_or_empty(name)), name);
+            return record(self, self->builder.silu(x.ref, name_or_empty(self, name)), name);
           },
           py::arg("x"), name_argument)
       .def(
           "gelu",
           [](const BuilderPointer& self, const BoundValue& x, Utf8Text approximate,
              const OptionalName& name) {
-            return record(self, self->builder.gelu(x.ref, std::move(approximate.value), name_or_empty(name)), name);
+            return record(self, self->builder.gelu(x.ref, std::move(approximate.value), name_or_empty(self, name)), name);
           },
           py::arg("x"), py::arg("approximate") = "none", name_argument)
       .def(
           "exp",
           [](const BuilderPointer& self, const BoundValue& x, const OptionalName& name) {
-            return record(self, self->builder.exp(x.ref, name_or_empty(name)), name);
+            return record(self, self->builder.exp(x.ref, name_or_empty(self, name)), name);
           },
           py::arg("x"), name_argument)
       .def(
@@ -490,7 +513,7 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "position_mask",
           [](const BuilderPointer& self, const BoundValue& x, const BoundValue& positions, const OptionalName& name) {
-            return record(self, self->builder.position_mask(x.ref, positions.ref, name_or_empty(name)), name);
+            return record(self, self->builder.position_mask(x.ref, positions.ref, name_or_empty(self, name)), name);
           },
           py::arg("x"), py::arg("positions"), name_argument)
       .def(
@@ -498,7 +521,7 @@ void bind_graph_builder(py::module_& module) {
           [](const BuilderPointer& self, const BoundValue& a, const BoundValue& b, const py::object& transpose_right,
              const OptionalName& name) {
             const bool transposed = flag_argument("transpose_right", transpose_right);
-            return record(self, self->builder.matmul(a.ref, b.ref, transposed, name_or_empty(name)), name);
+            return record(self, self->builder.matmul(a.ref, b.ref, transposed, name_or_empty(self, name)), name);
           },
           py::arg("a"), py::arg("b"), py::arg("transpose_right") = false, name_argument)
       .def(
@@ -525,20 +548,20 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "reshape",
           [](const BuilderPointer& self, const BoundValue& x, const py::object& shape, const OptionalName& name) {
-            return record(self, self->builder.reshape(x.ref, integer_list("reshape shape", shape), name_or_empty(name)), name);
+            return record(self, self->builder.reshape(x.ref, integer_list("reshape shape", shape), name_or_empty(self, name)), name);
           },
           py::arg("x"), py::arg("shape"), name_argument)
       .def(
           "transpose",
           [](const BuilderPointer& self, const BoundValue& x, const py::object& perm, const OptionalName& name) {
-            return record(self, self->builder.transpose(x.ref, integer_list("transpose perm", perm), name_or_empty(name)), name);
+            return record(self, self->builder.transpose(x.ref, integer_list("transpose perm", perm), name_or_empty(self, name)), name);
           },
           py::arg("x"), py::arg("perm"), name_argument)
       .def(
           "cast",
           [](const BuilderPointer& self, const BoundValue& x, const Utf8Text& dtype,
              const OptionalName& name) {
-            return record(self, self->builder.cast(x.ref, parse_dtype(dtype.value), name_or_empty(name)), name);
+            return record(self, self->builder.cast(x.ref, parse_dtype(dtype.value), name_or_empty(self, name)), name);
           },
           py::arg("x"), py::arg("dtype"), name_argument)
       .def(
@@ -547,7 +570,7 @@ void bind_graph_builder(py::module_& module) {
              const std::optional<py::dict>& attributes, const OptionalName& name) {
             const std::vector<ValueRef> outputs = self->builder.add_node(
                 op.value, refs_of(inputs), attributes ? attributes_from_python(*attributes) : Attributes{},
-                name_or_empty(name));
+                name_or_empty(self, name));
             py::list values;
             for (ValueRef output : outputs) values.append(record(self, output, name));
             return values;

@@ -336,6 +336,9 @@ std::vector<std::string> AttentionRewrite::summary(const ComputeGraph& original)
 }
 
 FusionPlan plan_with_discovery(const ComputeGraph& recorded, const FusionTarget& target, const RuleSet& rules) {
+  // A flash_attention node the graph came with (a saved rewrite) is checked as the executors check
+  // it: its certificate's own "verified" is a claim, and a plan printed it as a fact.
+  require_verified_certificates(recorded);
   // Nodes no output depends on are removed first: no kernel computes them, and their reads do not
   // make a chain's scores "escape".
   std::vector<NodeId> dead;

@@ -228,4 +228,10 @@ void require_verified_certificate(const Node& node, std::string_view required_la
   }
 }
 
+void require_verified_certificates(const ComputeGraph& graph) {
+  for (const Node& node : graph.nodes()) {
+    if (node.op == "flash_attention") require_verified_certificate(node, stable_weighted_softmax_law().name);
+  }
+}
+
 }  // namespace metile

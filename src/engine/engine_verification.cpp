@@ -22,6 +22,11 @@ namespace metile {
 
 // Written as "not within" so that a NaN figure (a kernel that wrote NaN logits) is a miss.
 std::string first_miss(const AgreementFigures& figures, const EngineThresholds& thresholds) {
+  if (figures.nonfinite_reference_positions > 0) {
+    return fmt::format("the reference's own logits are not finite at {} of {} positions (the weights or the prompt, "
+                       "not the plan)",
+                       figures.nonfinite_reference_positions, figures.positions);
+  }
   if (figures.decided_agreements != figures.decided_positions) {
     return fmt::format("{} of {} decided next tokens differ (the first at position {})",
                        figures.decided_positions - figures.decided_agreements, figures.decided_positions,
@@ -85,9 +90,10 @@ EngineVerification verify_fused_engine(const std::shared_ptr<const CudaModel>& m
   const std::map<std::string, int> kinds = fused_region_kinds(*full_session);
   for (const auto& [rule, count] : kinds) verification.fused_rules.push_back(rule);
   verification.report = full_session->executable(1).report();
-  if (meets(full, thresholds)) {
+  // A reference that fails by itself cannot tell which region kind is wrong: no kind is declined for it.
+  if (meets(full, thresholds) || full.nonfinite_reference_positions > 0) {
     verification.kept = full;
-    verification.passed = true;
+    verification.passed = meets(full, thresholds);
     return verification;
   }
   full_session.reset();  // its buffers go before the trials allocate theirs

@@ -289,15 +289,20 @@ TensorMap read_safetensors(const std::filesystem::path& path) {
   return tensors;
 }
 
+void check_safetensors_tensor_name(const std::filesystem::path& path, const std::string& name) {
+  const std::string file = path.string();
+  if (name == "__metadata__") throw InputError(file + ": a tensor cannot be named '__metadata__'");
+  // The header is JSON, whose strings are UTF-8: dump_json would write U+FFFD for a bad byte, so the
+  // tensor would read back under another name, and two such names as one key the reader refuses.
+  if (!is_utf8(name)) throw InputError(file + ": tensor '" + printable_bytes(name) + "': a safetensors name must be UTF-8");
+}
+
 void write_safetensors(const std::filesystem::path& path, const TensorMap& tensors) {
   const std::string file = path.string();
   Json header = Json::object();
   std::uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    if (name == "__metadata__") throw InputError(file + ": a tensor cannot be named '__metadata__'");
-    // The header is JSON, whose strings are UTF-8: dump_json would write U+FFFD for a bad byte, so the
-    // tensor would read back under another name, and two such names as one key the reader refuses.
-    if (!is_utf8(name)) throw InputError(file + ": tensor '" + printable_bytes(name) + "': a safetensors name must be UTF-8");
+    check_safetensors_tensor_name(path, name);
     const std::uint64_t bytes = tensor.bytes().size();
     header[name] = {{"dtype", safetensors_dtype_name(tensor.spec().dtype)},
                     {"shape", tensor.spec().shape},

@@ -41,16 +41,33 @@ void check_depth(std::string_view text, std::string_view source) {
   }
 }
 
-// The SAX events of one document, keeping only the keys of each open object.
-struct RepeatedKeyFinder {
+// Whether a JSON number's text has a non-zero digit before its exponent ("1e-400" does, "0.0e5" not).
+bool has_nonzero_mantissa(std::string_view text) {
+  for (const char c : text) {
+    if (c == 'e' || c == 'E') return false;
+    if (c >= '1' && c <= '9') return true;
+  }
+  return false;
+}
+
+// The SAX events of one document, keeping only the keys of each open object, and the first number
+// whose text is not 0 but whose double is (1e-400: the parse below reads it as 0, so a scale factor
+// written 1e-400 multiplied by 0 where 1e-46 is refused as "0 in f32"; the DIMACS reader refuses it
+// too). Overflow (1e400) is the parser's error already.
+struct DocumentChecks {
   std::vector<std::unordered_set<std::string>> open_objects;
   std::optional<std::string> repeated;
+  std::optional<std::string> underflowed;
 
   bool null() { return true; }
   bool boolean(bool) { return true; }
   bool number_integer(Json::number_integer_t) { return true; }
   bool number_unsigned(Json::number_unsigned_t) { return true; }
-  bool number_float(Json::number_float_t, const Json::string_t&) { return true; }
+  bool number_float(Json::number_float_t value, const Json::string_t& text) {
+    if (value != 0 || !has_nonzero_mantissa(text)) return true;
+    underflowed = text;
+    return false;  // stops the pass
+  }
   bool string(Json::string_t&) { return true; }
   bool binary(Json::binary_t&) { return true; }
   bool start_object(std::size_t) {
@@ -86,11 +103,15 @@ Json parse_json_input(std::string_view text, std::string_view source) {
   // listing a tensor twice, a node with two "op" fields): a SAX pass that builds nothing finds it
   // (nlohmann's DOM keeps the last, and its callback parser costs minutes on a 100k-node graph
   // under AddressSanitizer). A syntax error stops this pass; the parse below reports it.
-  RepeatedKeyFinder finder;
-  Json::sax_parse(text, &finder, Json::input_format_t::json, false);
-  if (finder.repeated) {
-    throw InputError(std::string(source) + ": invalid JSON: the key \"" + printable_bytes(*finder.repeated) +
+  DocumentChecks checks;
+  Json::sax_parse(text, &checks, Json::input_format_t::json, false);
+  if (checks.repeated) {
+    throw InputError(std::string(source) + ": invalid JSON: the key \"" + printable_bytes(*checks.repeated) +
                      "\" appears twice in one object");
+  }
+  if (checks.underflowed) {
+    throw InputError(std::string(source) + ": invalid JSON: the number " + printable_bytes(*checks.underflowed) +
+                     " is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
   }
   try {
     return Json::parse(text);

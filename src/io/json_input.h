@@ -13,8 +13,9 @@
 
 namespace metile {
 
-// Throws InputError "SOURCE: invalid JSON: ..." (a syntax error, a number out of range, a key given
-// twice in one object) or "SOURCE: JSON nested deeper than ...".
+// Throws InputError "SOURCE: invalid JSON: ..." (a syntax error, a number out of range: past a double's
+// largest, or not 0 and below its smallest subnormal; a key given twice in one object) or "SOURCE: JSON
+// nested deeper than ...".
 nlohmann::json parse_json_input(std::string_view text, std::string_view source);
 
 // What an nlohmann exception says, without its "[json.exception.type_error.302] " prefix and with

@@ -1,6 +1,6 @@
 // Writing output files (include/metile/io.h): atomic replacement for regular
-// files, written in place for FIFOs and character devices, through the link for
-// symlinks, so a named pipe or a link into another folder keeps being what it was;
+// files, written in place for FIFOs and character devices, at the link's target for
+// symlinks (a dangling link's too), so a named pipe or a link into another folder keeps being what it was;
 // `/dev/stdout` and the other names of a descriptor this process holds open are
 // written through that descriptor, at its offset, whatever file it is. A fatal signal's handler
 // (remove_temporary_files_on_fatal_signals) unlinks the temporaries being written.
@@ -209,11 +209,29 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   }
 }
 
+// Where a dangling link leads, followed link by link (each relative target read from its link's
+// folder) to the first path that is not a link: the file the link names, which does not exist yet, so
+// that it is created as any new file is, by a temporary renamed onto it (opened through the link and
+// written in place, a failed write left a truncated file there). Nothing where the chain reaches a
+// descriptor of this process (a link to /dev/stdout of a pipe) or a link under /proc (its "pipe:[N]"
+// names no file): those are written through the link, as before. A loop is an InputError.
+std::optional<fs::path> dangling_link_target(const fs::path& link, const std::string& file) {
+  fs::path at = link;
+  for (int hops = 0; hops < 40; ++hops) {
+    std::error_code error;
+    if (!fs::is_symlink(fs::symlink_status(at, error))) return at;
+    if (own_descriptor(at) >= 0 || at.string().starts_with("/proc/")) return std::nullopt;
+    const fs::path target = fs::read_symlink(at, error);
+    if (error) return std::nullopt;
+    at = target.is_absolute() ? target : at.parent_path() / target;
+  }
+  throw InputError(file + ": too many levels of symbolic links");
+}
+
 // How write_output_file writes `path`, decided once for it and for check_output_file_writable: through
-// a descriptor this process holds; in place (a FIFO, a character device, or the target a dangling link
-// creates: opening the link is writing through it); or by replacing the file at `destination` (the
-// link's target for a link), keeping a replaced file's permission bits. A directory or another kind of
-// file is an InputError.
+// a descriptor this process holds; in place (a FIFO, a character device); or by replacing the file at
+// `destination` (the link's target for a link, a dangling link's included), keeping a replaced file's
+// permission bits. A directory or another kind of file is an InputError.
 struct OutputTarget {
   enum class Way { descriptor, in_place, replaced } way = Way::replaced;
   int descriptor = -1;
@@ -228,7 +246,11 @@ OutputTarget output_target(const fs::path& path) {
   fs::path destination = path;
   if (fs::is_symlink(fs::symlink_status(path, error))) {
     destination = fs::canonical(path, error);
-    if (error) return {OutputTarget::Way::in_place, -1, path, {}};
+    if (error) {
+      const std::optional<fs::path> target = dangling_link_target(path, file);
+      if (!target) return {OutputTarget::Way::in_place, -1, path, {}};
+      destination = *target;
+    }
   }
   const fs::file_status status = fs::status(destination, error);
   switch (status.type()) {
@@ -255,6 +277,7 @@ void remove_temporary_files_on_fatal_signals() {
     if (sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;
     sigaction(signal, &action, nullptr);
   }
+  ::signal(SIGXFSZ, SIG_IGN);
 }
 
 void check_output_file_writable(const fs::path& path) {

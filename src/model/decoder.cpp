@@ -348,6 +348,9 @@ AgreementFigures compare_sessions(LogitsSession& reference, LogitsSession& candi
   for (std::int64_t position = 0; position < positions; ++position) {
     const LogitsComparison comparison = compare_logits(expected, actual);
     ++figures.positions;
+    if (!std::all_of(expected.begin(), expected.end(), [](float value) { return std::isfinite(value); })) {
+      ++figures.nonfinite_reference_positions;
+    }
     figures.agreements += comparison.same_argmax ? 1 : 0;
     if (!comparison.same_argmax && figures.first_disagreement < 0) figures.first_disagreement = position;
     if (comparison.reference_margin >= AgreementFigures::kDecidedMargin) {

@@ -74,6 +74,24 @@ def test_explicit_names_win_and_taken_names_are_skipped():
     assert [value.name for value in graph.outputs] == ["multiply_0"]
 
 
+def test_an_explicit_name_moves_an_invented_one_aside():
+    # `exp_0` is a placeholder the caller never wrote: naming another value so was refused as a
+    # duplicate of it. The placeholder moves aside and is still renamed after its variable at build().
+    builder = metile.GraphBuilder()
+    x = builder.input("x", spec((2, 4), "f32"))
+    e = builder.exp(x)
+    silu = builder.silu(x, name="exp_0")
+    held = [builder.exp(x)]  # invented exp_1; a list holds it, so build() does not rename it
+    explicit = builder.input("exp_1", spec((2, 4), "f32"))  # an input's name moves it aside too
+    added = builder.add(explicit, x, name="added")
+    graph = builder.build([e, silu, held[0], added])
+    assert [node.name for node in graph.nodes] == ["e", "exp_0", "exp_1_0", "added"]
+    assert [value.name for value in graph.inputs] == ["x", "exp_1"]
+    # Two names the caller gave remain a duplicate.
+    with pytest.raises(ValueError, match="duplicate name 'exp_0'"):
+        builder.silu(x, name="exp_0")
+
+
 def test_a_value_held_by_two_variables_takes_the_first_defined_name():
     builder = metile.GraphBuilder()
     x = builder.input("x", spec((2, 16)))

@@ -42,6 +42,7 @@ void add_plan_command(CLI::App& app) {
     // Read everything before printing anything: an error leaves no partial output.
     const FusionTarget target = FusionTarget::from_name_or_file(options->target);
     const ComputeGraph graph = read_graph(options->graph_file);
+    if (options->no_discovery) require_verified_certificates(graph);  // as plan_with_discovery does
     const FusionPlan plan = options->no_discovery ? plan_graph_fusion(graph, target) : plan_with_discovery(graph, target);
     std::string text;
     if (options->format == "json") {

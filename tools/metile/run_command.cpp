@@ -70,7 +70,10 @@ void run(const RunOptions& options) {
   const std::uint64_t seed = parse_seed(options.seed);
   const ComputeGraph graph = read_graph(options.graph_path);
   // A path that cannot be written is said before the run, not after its summary (which read as success).
-  if (!options.output_path.empty()) check_output_file_writable(options.output_path);
+  if (!options.output_path.empty()) {
+    check_output_file_writable(options.output_path);
+    for (ValueId output : graph.outputs()) check_safetensors_tensor_name(options.output_path, graph.value(output).name);
+  }
   check_run_memory(graph, options.backend == "cpu" || options.check);
   const TensorMap inputs = load_inputs(graph, options, seed);
   const TensorMap outputs = run_on_backend(graph, inputs, options);

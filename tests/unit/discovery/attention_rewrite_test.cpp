@@ -381,6 +381,9 @@ ComputeGraph flash_graph(const std::optional<std::string>& certificate) {
   return b.build(b.add_node("flash_attention", {q, k, v}, attributes, "attention"));
 }
 
+// The executor refuses a flash_attention node whose certificate is missing, unverified, for another law
+// or not the law's proof; planning with discovery (`metile plan`) refuses it with the same line, where it
+// printed the certificate's own claim ("verified (4/4 obligations hold)") for a node the run refused.
 TEST(AttentionRewrite, TheExecutorRefusesUnverifiedCertificates) {
   ReductionLaw wrong = stable_weighted_softmax_law();
   wrong.merge[1] = Term::add(Term::variable("a.l"), Term::variable("b.l"));
@@ -389,10 +392,12 @@ TEST(AttentionRewrite, TheExecutorRefusesUnverifiedCertificates) {
   Certificate other_law = prove(sum_law());
   const std::uint64_t seed = test_seed();
   auto run = [&](const std::optional<std::string>& certificate) {
-    return error_of([&] {
+    const std::string ran = error_of([&] {
       const ComputeGraph graph = flash_graph(certificate);
       run_reference(graph, random_inputs(graph, seed));
     });
+    EXPECT_EQ(error_of([&] { plan_with_discovery(flash_graph(certificate)); }), ran);
+    return ran;
   };
   EXPECT_EQ(run(prove(wrong).to_json()),
             "node 'attention' (flash_attention): refused: the certificate of law 'stable_weighted_softmax' is not "

@@ -4,6 +4,8 @@
 //     node and plans regions, each node in at most one region;
 //   * compare_logits: KL divergence and logit error against a long-double sum written here, on
 //     fresh random logits; a NaN logit shows as a NaN figure and misses every threshold;
+//   * compare_sessions on scripted sessions: non-finite reference logits are counted and named as the
+//     reference's miss;
 //   * weight_stream_percent: a kind's weight bytes at the copy rate over its replay cost, against
 //     the same ratio in long double; NaN where a figure is missing.
 #include <gtest/gtest.h>
@@ -14,6 +16,9 @@
 #include <limits>
 #include <random>
 #include <set>
+#include <span>
+#include <string>
+#include <vector>
 
 #include <unistd.h>
 
@@ -116,6 +121,53 @@ TEST(EngineVerificationFigures, ANanLogitMissesEveryThreshold) {
   figures.first_decided_disagreement = 1;
   EXPECT_NE(first_miss(figures, thresholds).find("1 of 3 decided next tokens differ (the first at position 1)"),
             std::string::npos);
+}
+
+// A session whose logits are given: position p's row is rows[p] (the token fed does not matter).
+class ScriptedSession : public LogitsSession {
+ public:
+  explicit ScriptedSession(std::vector<std::vector<float>> rows) : rows_(std::move(rows)) {}
+  std::vector<float> feed(std::span<const std::int32_t> tokens) override {
+    std::vector<float> logits;
+    for (std::size_t index = 0; index < tokens.size(); ++index) {
+      const std::vector<float>& row = rows_.at(static_cast<std::size_t>(position_++));
+      logits.insert(logits.end(), row.begin(), row.end());
+    }
+    return logits;
+  }
+  std::int64_t position() const override { return position_; }
+  std::int64_t capacity() const override { return static_cast<std::int64_t>(rows_.size()); }
+  const std::string& capacity_source() const override { return source_; }
+
+ private:
+  std::vector<std::vector<float>> rows_;
+  std::int64_t position_ = 0;
+  std::string source_ = "scripted";
+};
+
+// Logits the reference path itself makes NaN or inf (a NaN weight row: both paths agree bit for bit)
+// read as "KL nan" and blamed the candidate (the GPU engine declined region kinds for it); they are
+// counted, and the miss names the reference.
+TEST(EngineVerificationFigures, NonFiniteReferenceLogitsAreTheReferencesMiss) {
+  std::mt19937_64 generator(testing::test_seed("EngineVerificationFigures.NonFiniteReferenceLogitsAreTheReferencesMiss"));
+  std::uniform_real_distribution<float> uniform(-4.0f, 4.0f);
+  std::vector<std::vector<float>> rows(5, std::vector<float>(32));
+  for (auto& row : rows) {
+    for (float& value : row) value = uniform(generator);
+  }
+  ScriptedSession clean_reference(rows), clean_candidate(rows);
+  const std::vector<std::int32_t> prompt = {1, 2};
+  const AgreementFigures clean = compare_sessions(clean_reference, clean_candidate, prompt, 4);
+  EXPECT_EQ(clean.nonfinite_reference_positions, 0);
+  EXPECT_TRUE(meets(clean, EngineThresholds{}));
+  rows[2][7] = std::numeric_limits<float>::quiet_NaN();
+  rows[4][0] = std::numeric_limits<float>::infinity();
+  ScriptedSession reference(rows), candidate(rows);
+  const AgreementFigures figures = compare_sessions(reference, candidate, prompt, 4);
+  EXPECT_EQ(figures.positions, 4);
+  EXPECT_EQ(figures.nonfinite_reference_positions, 2);  // the rows of positions 1 and 3 (the prompt fed two)
+  EXPECT_EQ(first_miss(figures, EngineThresholds{}),
+            "the reference's own logits are not finite at 2 of 4 positions (the weights or the prompt, not the plan)");
 }
 
 // The reference margin: the two largest reference logits' difference over max |logit|, whatever

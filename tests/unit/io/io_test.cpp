@@ -3,6 +3,7 @@
 // hand-counted nesting depths.
 #include <gtest/gtest.h>
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <csignal>
 
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include "json_input.h"
@@ -263,6 +265,66 @@ TEST_F(IoTest, SymlinksAreWrittenThroughAndKept) {
   write_output_file(dangling, [](std::ostream& stream) { stream << "made"; });
   EXPECT_TRUE(std::filesystem::is_symlink(dangling));
   EXPECT_EQ(read_text(directory_ / "created"), "made");
+  // A dangling link whose write fails leaves its target absent: it was opened through the link and
+  // written in place, and a failed write left a truncated file there. Links to links are followed.
+  const std::filesystem::path chain = directory_ / "chain";
+  std::filesystem::create_symlink("elsewhere/next", chain);
+  std::filesystem::create_symlink("../never", directory_ / "elsewhere" / "next");
+  EXPECT_EQ(error_of([&] {
+              write_output_file(chain, [](std::ostream& stream) {
+                stream << std::string(1 << 16, 'x') << std::flush;
+                throw InputError("the writer failed");
+              });
+            }),
+            "the writer failed");
+  EXPECT_FALSE(std::filesystem::exists(directory_ / "never"));
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_ / "elsewhere"), std::filesystem::directory_iterator()), 2);
+  write_output_file(chain, [](std::ostream& stream) { stream << "at the end"; });
+  EXPECT_EQ(read_text(directory_ / "never"), "at the end");
+  EXPECT_TRUE(std::filesystem::is_symlink(chain));
+  // A link to a descriptor's name whose file is no path (a pipe's /dev/fd/N) is still written through.
+  int pipe_ends[2];
+  ASSERT_EQ(::pipe(pipe_ends), 0);
+  const std::filesystem::path to_pipe = directory_ / "to_pipe";
+  std::filesystem::create_symlink("/dev/fd/" + std::to_string(pipe_ends[1]), to_pipe);
+  write_output_file(to_pipe, [](std::ostream& stream) { stream << "piped"; });
+  ::close(pipe_ends[1]);
+  char received[16] = {};
+  EXPECT_EQ(::read(pipe_ends[0], received, sizeof received), 5);
+  ::close(pipe_ends[0]);
+  EXPECT_EQ(std::string(received), "piped");
+  // A loop of links is refused by name.
+  std::filesystem::create_symlink("loop_b", directory_ / "loop_a");
+  std::filesystem::create_symlink("loop_a", directory_ / "loop_b");
+  EXPECT_EQ(error_of([&] { write_output_file(directory_ / "loop_a", [](std::ostream& stream) { stream << "x"; }); }),
+            (directory_ / "loop_a").string() + ": too many levels of symbolic links");
+}
+
+// A write past `ulimit -f` (SIGXFSZ, whose default action kills the process) left the half-written
+// temporary beside the destination. With the CLI's handlers the signal is ignored: the write fails
+// with EFBIG, the error names it, the temporary is removed and the destination keeps its contents.
+TEST_F(IoTest, AWritePastTheFileSizeLimitFailsCleanly) {
+  const std::filesystem::path path = file("out", "old contents");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    remove_temporary_files_on_fatal_signals();
+    const struct rlimit limit{8192, 8192};
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) ::_exit(96);
+    try {
+      write_output_file(path, [](std::ostream& stream) { stream << std::string(1 << 20, 'x'); });
+    } catch (const InputError& error) {
+      ::_exit(std::string(error.what()).ends_with("File too large") ? 0 : 98);
+    } catch (...) {
+      ::_exit(97);  // never back into gtest in the child
+    }
+    ::_exit(99);  // written whole past the limit: not possible
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_EQ(read_text(path), "old contents");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1);
 }
 
 TEST_F(IoTest, FifosAndCharacterDevicesAreWrittenInPlace) {
@@ -296,6 +358,16 @@ TEST(JsonInputTest, DepthLimitCountsOnlyBracketsOutsideStrings) {
 
 TEST(JsonInputTest, NumbersOutOfRangeAndSyntaxErrorsAreInputErrors) {
   EXPECT_EQ(error_of([] { parse_json_input("[1e400]", "j"); }), "j: invalid JSON: number overflow parsing '1e400'");
+  // A number that is not 0 but whose double is (it was read as 0: a scale factor of 1e-400 multiplied by
+  // 0 where 1e-46 is refused as "0 in f32"); 0 spelled any way, and the smallest subnormal, are numbers.
+  for (const std::string number : {"1e-400", "-1E-400", "0.00001e-320", "2.4e-324"}) {
+    EXPECT_EQ(error_of([&] { parse_json_input("{\"a\": [" + number + "]}", "j"); }),
+              "j: invalid JSON: the number " + number + " is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
+  }
+  for (const std::string number : {"0", "-0.0", "0e-999", "0.000e5", "4.9e-324", "1e-310"}) {
+    EXPECT_EQ(error_of([&] { parse_json_input("[" + number + "]", "j"); }), "(no InputError)") << number;
+  }
+  EXPECT_EQ(parse_json_input("[4.9e-324]", "j")[0].get<double>(), std::numeric_limits<double>::denorm_min());
   EXPECT_EQ(error_of([] { parse_json_input("{", "j"); }).substr(0, 17), "j: invalid JSON: ");
   EXPECT_EQ(json_excerpt(nlohmann::json(std::string(100, 'a'))), "\"" + std::string(56, 'a') + "...");
 }
