@@ -144,9 +144,9 @@ Certificate prove(const ReductionLaw& law);
 void require_verified_certificate(const Node& node, std::string_view required_law);
 
 // require_verified_certificate for every flash_attention node of `graph` (law
-// stable_weighted_softmax): what the executors will refuse is refused when a graph is planned
-// (plan_with_discovery, `metile plan`), so that a plan never shows a forged or unproved
-// certificate as a kernel to run.
+// stable_weighted_softmax): what the executors will refuse is refused when plan_with_discovery or
+// `metile plan` plans the graph, so that neither shows a forged or unproved certificate as a kernel
+// to run (plan_graph_fusion, in the fusion module, plans what it is given and only describes it).
 void require_verified_certificates(const ComputeGraph& graph);
 
 // ---------------------------------------------------------------- evaluating a law
@@ -223,7 +223,8 @@ AttentionRewrite rewrite_attention(const ComputeGraph& graph,
 // unproved law runs.
 ComputeGraph flash_attention_as_plain_ops(const ComputeGraph& graph, NodeId flash_attention_node);
 
-// without_dead_nodes (graph.h), rewrite_attention, then plan_graph_fusion of the rewritten graph; each
+// require_verified_certificates on the graph given (InputError for a flash_attention node it could
+// not run), without_dead_nodes (graph.h), rewrite_attention, then plan_graph_fusion of the rewritten graph; each
 // flash_attention region's benefit is the planner's estimate for the chain it
 // replaced, a chain whose estimate is no saving on the target stays unrewritten
 // (refused with the figure), and plan.rewrites says what was removed, rewritten or refused and why.

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "metile/graph.h"
@@ -28,10 +29,12 @@ void bind_runtime(py::module_& module);
 void bind_model(py::module_& module);
 
 // A GraphBuilder as Python holds it: the C++ builder plus the values whose names it
-// invented (the Python layer renames those after the caller's variables at build()).
+// invented (the Python layer renames those after the caller's variables at build()), oldest
+// first, and the same by their current name (a name the caller gives moves one aside).
 struct PythonGraphBuilder {
   GraphBuilder builder;
   std::vector<ValueRef> auto_named;
+  std::unordered_map<std::string, ValueRef> auto_named_by_name;
 };
 
 // What a GraphBuilder method returns to Python: the C++ handle plus the builder it

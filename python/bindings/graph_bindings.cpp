@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <exception>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -284,33 +285,67 @@ using OptionalName = std::optional<Utf8Text>;
 // Records what an op returned; values the builder named itself are remembered so
 // that the Python layer may rename them after the caller's variables.
 BoundValue record(const BuilderPointer& self, ValueRef ref, const OptionalName& name) {
-  if (!name || name->value.empty()) self->auto_named.push_back(ref);
+  if (!name || name->value.empty()) {
+    self->auto_named.push_back(ref);
+    self->auto_named_by_name[self->builder.name(ref)] = ref;
+  }
   return BoundValue{ref, self};
 }
 
-// The name an op or input is recorded under: an explicit name takes precedence over one the builder
-// invented, which is a placeholder until build() names it after the caller's variable. The
-// placeholder moves aside (to the name with "_N" appended), so that `b.exp(x)` then `b.silu(x,
-// name="exp_0")` records both: it was refused as a duplicate of a name the caller never wrote, nor
-// would find in the built graph.
-std::string claimed_name(const BuilderPointer& self, const std::string& name) {
-  if (name.empty()) return name;
-  for (ValueRef ref : self->auto_named) {
-    if (self->builder.name(ref) != name) continue;
+// Renames a value of the builder, keeping auto_named_by_name in step (an invented name renamed this
+// way stays invented: auto_named still holds the value).
+void rename_value(const BuilderPointer& self, ValueRef value, const std::string& name) {
+  const std::string old_name = self->builder.name(value);
+  self->builder.rename(value, name);
+  const auto invented = self->auto_named_by_name.find(old_name);
+  if (invented == self->auto_named_by_name.end() || invented->second.id != value.id) return;
+  self->auto_named_by_name.erase(invented);
+  self->auto_named_by_name[name] = value;
+}
+
+// A name the caller gives an op, an input or a rename. It takes precedence over a name the builder
+// invented, a placeholder until build() names it after the caller's variable: the placeholder moves
+// aside (to the name with "_N" appended), so that `b.exp(x)` then `b.silu(x, name="exp_0")` records
+// both (it was refused as a duplicate of a name the caller never wrote, nor would find in the built
+// graph). Should the call fail, the placeholder gets its name back when this temporary goes: it lives
+// to the end of the call's full expression, and std::uncaught_exceptions tells the two apart.
+class ClaimedName {
+ public:
+  ClaimedName(const BuilderPointer& self, std::string name) : self_(self), name_(std::move(name)) {
+    const auto invented = name_.empty() ? self_->auto_named_by_name.end() : self_->auto_named_by_name.find(name_);
+    if (invented == self_->auto_named_by_name.end()) return;
+    const ValueRef placeholder = invented->second;
     for (int suffix = 0;; ++suffix) {
       try {
-        self->builder.rename(ref, name + "_" + std::to_string(suffix));
-        return name;
+        rename_value(self_, placeholder, name_ + "_" + std::to_string(suffix));
+        moved_ = placeholder;
+        return;
       } catch (const InputError&) {
         // that name is taken too
       }
     }
   }
-  return name;
-}
+  ~ClaimedName() {
+    if (!moved_ || std::uncaught_exceptions() <= exceptions_) return;
+    try {
+      rename_value(self_, *moved_, name_);
+    } catch (...) {
+      // the failed call kept the name: the placeholder keeps its new one
+    }
+  }
+  ClaimedName(const ClaimedName&) = delete;
+  ClaimedName& operator=(const ClaimedName&) = delete;
+  operator std::string() const { return name_; }  // where the builder takes the name
 
-std::string name_or_empty(const BuilderPointer& self, const OptionalName& name) {
-  return name ? claimed_name(self, name->value) : std::string();
+ private:
+  BuilderPointer self_;
+  std::string name_;
+  std::optional<ValueRef> moved_;
+  int exceptions_ = std::uncaught_exceptions();
+};
+
+ClaimedName name_or_empty(const BuilderPointer& self, const OptionalName& name) {
+  return ClaimedName(self, name ? name->value : std::string());
 }
 
 // Records `op` with these attributes through add_node, as the C++ typed methods do, so that each
@@ -437,7 +472,7 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "input",
           [](const BuilderPointer& self, Utf8Text name, const TensorSpec& spec) {
-            return BoundValue{self->builder.input(claimed_name(self, name.value), spec), self};
+            return BoundValue{self->builder.input(ClaimedName(self, std::move(name.value)), spec), self};
           },
           py::arg("name"), py::arg("spec"))
       .def(
@@ -581,7 +616,8 @@ void bind_graph_builder(py::module_& module) {
       .def(
           "rename",
           [](const BuilderPointer& self, const BoundValue& value, Utf8Text name) {
-            self->builder.rename(value.ref, std::move(name.value));
+            rename_value(self, value.ref, ClaimedName(self, std::move(name.value)));
+            self->auto_named_by_name.erase(self->builder.name(value.ref));
             std::erase(self->auto_named, value.ref);
           },
           py::arg("value"), py::arg("name"),

@@ -154,6 +154,7 @@ void DecisionCache::store(const DispatchDecision& decision) {
   {
     std::ofstream stream(temporary, std::ios::binary | std::ios::trunc);
     stream << text;
+    stream.close();  // the buffered tail's write fails here, not in the destructor (a file past `ulimit -f`)
     if (!stream) {
       std::filesystem::remove(temporary, error);
       return;  // an unwritable cache only costs a re-measurement next time

@@ -23,8 +23,8 @@ namespace metile {
 // Written as "not within" so that a NaN figure (a kernel that wrote NaN logits) is a miss.
 std::string first_miss(const AgreementFigures& figures, const EngineThresholds& thresholds) {
   if (figures.nonfinite_reference_positions > 0) {
-    return fmt::format("the reference's own logits are not finite at {} of {} positions (the weights or the prompt, "
-                       "not the plan)",
+    return fmt::format("the reference path's own logits are not finite at {} of {} positions (the weights, the "
+                       "prompt or the reference path itself, not the plan compared)",
                        figures.nonfinite_reference_positions, figures.positions);
   }
   if (figures.decided_agreements != figures.decided_positions) {

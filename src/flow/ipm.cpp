@@ -734,7 +734,9 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
     PathFollowing path_following(*program, targets);
     flow = rounded_flows(network, *program, path_following.run(statistics));
   } else {
-    statistics.stop_reason = "no s-t path";
+    // For reals an s-t path of arcs at most 1e-13 of the largest capacity is not modelled (build_program)
+    // and the repair below finds its flow: "no s-t path" was said of a network whose flow is 50.
+    statistics.stop_reason = std::is_floating_point_v<Capacity> ? "no modelled s-t path" : "no s-t path";
   }
   statistics.conservation_fixes = ConservationRepair<Capacity>(network, source, sink, flow).run();
 

@@ -68,8 +68,9 @@ std::string dot_quoted(std::string_view text) {
 }
 
 // "certificate: law stable_weighted_softmax, verified (4/4 obligations hold)".
-// The line describes what the certificate says; the run checks it (a node's certificate is proved again
-// before it runs). A field of the wrong type reads as missing: `{"law": 1}` is "law ?", `"verified": "yes"`
+// The line describes what the certificate says, "verified" only where that claim agrees with its own
+// obligations (every one holds, and there is one); the run checks it (a node's certificate is proved
+// again before it runs, and plan_with_discovery refuses one that is not a fresh proof). A field of the wrong type reads as missing: `{"law": 1}` is "law ?", `"verified": "yes"`
 // is not verified (nlohmann's value() threw a type_error for them: plan's text ended as an internal error).
 std::string certificate_line(const std::string& certificate_json) {
   const nlohmann::json certificate = nlohmann::json::parse(certificate_json, nullptr, false);
@@ -90,7 +91,8 @@ std::string certificate_line(const std::string& certificate_json) {
   }
   return fmt::format("certificate: law {}, {} ({}/{} obligations hold)",
                      law.is_string() ? control_bytes_spelled(law.get<std::string>()) : "?",
-                     field(certificate, "verified") == true ? "verified" : "NOT verified", holding, total);
+                     field(certificate, "verified") == true && total > 0 && holding == total ? "verified" : "NOT verified",
+                     holding, total);
 }
 
 }  // namespace

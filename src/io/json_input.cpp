@@ -110,7 +110,9 @@ Json parse_json_input(std::string_view text, std::string_view source) {
                      "\" appears twice in one object");
   }
   if (checks.underflowed) {
-    throw InputError(std::string(source) + ": invalid JSON: the number " + printable_bytes(*checks.underflowed) +
+    const std::string& number = *checks.underflowed;
+    const std::string shown = number.size() <= 40 ? number : number.substr(0, 37) + "...";
+    throw InputError(std::string(source) + ": invalid JSON: the number " + printable_bytes(shown) +
                      " is outside a double's range (0 or 4.9e-324 .. 1.8e308)");
   }
   try {

@@ -209,29 +209,27 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   }
 }
 
-// Where a dangling link leads, followed link by link (each relative target read from its link's
-// folder) to the first path that is not a link: the file the link names, which does not exist yet, so
-// that it is created as any new file is, by a temporary renamed onto it (opened through the link and
-// written in place, a failed write left a truncated file there). Nothing where the chain reaches a
-// descriptor of this process (a link to /dev/stdout of a pipe) or a link under /proc (its "pipe:[N]"
-// names no file): those are written through the link, as before. A loop is an InputError.
-std::optional<fs::path> dangling_link_target(const fs::path& link, const std::string& file) {
+// Where a dangling link leads (its target not found), followed link by link (each relative target read
+// from its link's folder) to the first path that is not a link: the file the link names, which does not
+// exist yet, so that it is created as any new file is, by a temporary renamed onto it (opened through the
+// link and written in place, a failed write left a truncated file there). A loop is an InputError.
+fs::path dangling_link_target(const fs::path& link, const std::string& file) {
   fs::path at = link;
-  for (int hops = 0; hops < 40; ++hops) {
+  for (int follows = 0; follows <= 40; ++follows) {  // the kernel follows 40 (ELOOP past them)
     std::error_code error;
     if (!fs::is_symlink(fs::symlink_status(at, error))) return at;
-    if (own_descriptor(at) >= 0 || at.string().starts_with("/proc/")) return std::nullopt;
     const fs::path target = fs::read_symlink(at, error);
-    if (error) return std::nullopt;
+    if (error) throw InputError(file + ": cannot read the link " + at.string() + ": " + error.message());
     at = target.is_absolute() ? target : at.parent_path() / target;
   }
   throw InputError(file + ": too many levels of symbolic links");
 }
 
 // How write_output_file writes `path`, decided once for it and for check_output_file_writable: through
-// a descriptor this process holds; in place (a FIFO, a character device); or by replacing the file at
-// `destination` (the link's target for a link, a dangling link's included), keeping a replaced file's
-// permission bits. A directory or another kind of file is an InputError.
+// a descriptor this process holds; in place (a FIFO, a character device, a link whose target has no
+// path); or by replacing the file at `destination` (the link's target for a link, a dangling link's
+// included), keeping a replaced file's permission bits. A directory or another kind of file is an
+// InputError.
 struct OutputTarget {
   enum class Way { descriptor, in_place, replaced } way = Way::replaced;
   int descriptor = -1;
@@ -247,9 +245,14 @@ OutputTarget output_target(const fs::path& path) {
   if (fs::is_symlink(fs::symlink_status(path, error))) {
     destination = fs::canonical(path, error);
     if (error) {
-      const std::optional<fs::path> target = dangling_link_target(path, file);
-      if (!target) return {OutputTarget::Way::in_place, -1, path, {}};
-      destination = *target;
+      // A target that exists but has no path (a pipe behind /dev/stdout or /proc/PID/fd/N, a deleted
+      // file) is written through the link; a loop is named; only a target not found is created.
+      const fs::file_status followed = fs::status(path, error);
+      if (followed.type() != fs::file_type::not_found) {
+        if (error && error.value() == ELOOP) throw InputError(file + ": too many levels of symbolic links");
+        return {OutputTarget::Way::in_place, -1, path, {}};
+      }
+      destination = dangling_link_target(path, file);
     }
   }
   const fs::file_status status = fs::status(destination, error);

@@ -185,6 +185,33 @@ def test_solvers_agree_on_a_network_past_the_dinic_threshold(rng):
         assert cut_capacity(edges, side) == value
 
 
+@pytest.mark.parametrize("layers", [0, 24])
+def test_a_unit_of_flow_beside_a_huge_cycle_reaches_the_sink(rng, layers):
+    """A 1e13 cycle through a vertex raised its excess threshold to about 1 in HLPP: the unit of flow
+    entering it stayed there (0 for a flow of 1; `auto` picked HLPP and gave 2209 for 2210 with a
+    layered network beside it). Integer capacities given as floats: every value is exact, and equal to
+    the same network's integer maximum (ipm's, which rounds an interior point, within 1e-12 of it)."""
+    gadget = [("s", "dead", 1e13), ("s", "a", 1.0), ("a", "b", 1.0), ("b", "c", 1e13), ("c", "b", 1e13),
+              ("b", "t", 1.0)]
+    width = 32
+    layered = [("s", (0, w), float(rng.integers(50, 101))) for w in range(width)] if layers else []
+    for layer in range(layers - 1):
+        for w in range(width):
+            for head in rng.integers(0, width, size=4):
+                layered.append(((layer, w), (layer + 1, int(head)), float(rng.integers(1, 101))))
+    if layers:
+        layered += [((layers - 1, w), "t", float(rng.integers(50, 101))) for w in range(width)]
+    edges = gadget + layered
+    exact, _ = build([(tail, head, int(capacity)) for tail, head, capacity in edges]).minimum_cut("s", "t", "dinic")
+    network = build(edges)
+    assert not network.exact
+    for solver in SOLVERS:
+        value, side = network.minimum_cut("s", "t", solver)
+        tolerance = 1e-12 * exact if solver == "ipm" else 0
+        assert abs(value - exact) <= tolerance, solver
+        assert abs(cut_capacity(edges, side) - exact) <= tolerance, solver
+
+
 def test_a_mixed_network_turns_real_and_keeps_integer_edges():
     network = metile.FlowNetwork()
     network.add_edge("s", "a", 3)

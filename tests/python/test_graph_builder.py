@@ -90,6 +90,14 @@ def test_an_explicit_name_moves_an_invented_one_aside():
     # Two names the caller gave remain a duplicate.
     with pytest.raises(ValueError, match="duplicate name 'exp_0'"):
         builder.silu(x, name="exp_0")
+    # A call that fails leaves the placeholder its name; rename() moves one aside too.
+    kept = [builder.exp(x)]  # exp_2
+    narrow = builder.input("narrow", spec((2, 3), "f32"))
+    with pytest.raises(ValueError):
+        builder.add(x, narrow, name="exp_2")
+    assert builder.name(kept[0]) == "exp_2"
+    builder.rename(added, "exp_2")
+    assert (builder.name(added), builder.name(kept[0])) == ("exp_2", "exp_2_0")
 
 
 def test_a_value_held_by_two_variables_takes_the_first_defined_name():

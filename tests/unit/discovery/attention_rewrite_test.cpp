@@ -414,12 +414,17 @@ TEST(AttentionRewrite, TheExecutorRefusesUnverifiedCertificates) {
   EXPECT_EQ(run(prove(stable_weighted_softmax_law()).to_json()), "(no InputError)");
 }
 
-// plan describes a node's certificate, whatever it holds, and run refuses it: a field of the wrong type
+// plan_graph_fusion describes a node's certificate, whatever it holds ("verified" only where the claim
+// agrees with its obligations), and run refuses it: a field of the wrong type
 // ended plan's text in nlohmann's type_error (an internal error, exit 1) where its JSON and DOT printed.
 TEST(AttentionRewrite, APlanDescribesAnyCertificateAndTheRunRefusesIt) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {R"({"law": 1})", "certificate: law ?, NOT verified (0/0 obligations hold)"},
-      {R"({"law": [], "verified": true})", "certificate: law ?, verified (0/0 obligations hold)"},
+      {R"({"law": [], "verified": true})", "certificate: law ?, NOT verified (0/0 obligations hold)"},
+      {R"({"law": "sum", "obligations": [{"holds": true}, {"holds": false}], "verified": true})",
+       "certificate: law sum, NOT verified (1/2 obligations hold)"},
+      {R"({"law": "sum", "obligations": [{"holds": true}], "verified": true})",
+       "certificate: law sum, verified (1/1 obligations hold)"},
       {R"({"law": "stable_weighted_softmax", "verified": "yes"})",
        "certificate: law stable_weighted_softmax, NOT verified (0/0 obligations hold)"},
       {R"({"law": "a\nb", "obligations": [1, {"holds": "y"}, {"holds": true}], "verified": 1})",

@@ -167,7 +167,8 @@ TEST(EngineVerificationFigures, NonFiniteReferenceLogitsAreTheReferencesMiss) {
   EXPECT_EQ(figures.positions, 4);
   EXPECT_EQ(figures.nonfinite_reference_positions, 2);  // the rows of positions 1 and 3 (the prompt fed two)
   EXPECT_EQ(first_miss(figures, EngineThresholds{}),
-            "the reference's own logits are not finite at 2 of 4 positions (the weights or the prompt, not the plan)");
+            "the reference path's own logits are not finite at 2 of 4 positions (the weights, the prompt or the "
+            "reference path itself, not the plan compared)");
 }
 
 // The reference margin: the two largest reference logits' difference over max |logit|, whatever
