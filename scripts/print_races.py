@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 
 MAXIMUM_BYTES = 64 << 20  # as the C++ reader's limit for this file
@@ -30,31 +31,57 @@ def candidate_text(candidate):
     return printable(json.dumps(candidate, ensure_ascii=False))[:150]
 
 
+DECISION_FILE_VERSION = 2  # decision_file_version in src/dispatch/decision_cache.cpp
+
+
+def finite_number(value):
+    """A JSON number as a finite float (an integer past a double's range, 1 and 400 zeros, is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def races(document):
-    """(key, chosen, [(milliseconds, candidate)]) for each decision; ValueError says what is malformed."""
-    if not isinstance(document, dict) or not isinstance(document.get("decisions", []), list):
+    """(key, chosen, [(milliseconds, candidate)]) for each decision; ValueError says what is malformed.
+    What the C++ reader refuses is refused: another version, a decision without key or chosen."""
+    if not isinstance(document, dict) or not isinstance(document.get("decisions"), list):
         raise ValueError("not an object with a list of decisions")
-    for index, decision in enumerate(document.get("decisions", [])):
-        timings = decision.get("timings_ms", []) if isinstance(decision, dict) else None
+    if document.get("version") != DECISION_FILE_VERSION or isinstance(document.get("version"), bool):
+        raise ValueError(f"version {printable(repr(document.get('version')))}, not {DECISION_FILE_VERSION}")
+    for index, decision in enumerate(document["decisions"]):
+        if not isinstance(decision, dict) or not isinstance(decision.get("key"), str) or "chosen" not in decision:
+            raise ValueError(f"decision {index} is not an object with a key and a chosen candidate")
+        timings = decision.get("timings_ms", [])
         if not isinstance(timings, list):
-            raise ValueError(f"decision {index} is not an object with a list timings_ms")
+            raise ValueError(f"decision {index} has no list timings_ms")
         pairs = []
         for pair in timings:
-            if (not isinstance(pair, list) or len(pair) != 2 or isinstance(pair[1], bool)
-                    or not isinstance(pair[1], (int, float)) or not math.isfinite(pair[1])):
+            milliseconds = finite_number(pair[1]) if isinstance(pair, list) and len(pair) == 2 else None
+            if milliseconds is None:
                 raise ValueError(f"decision {index}: a timing is not a [candidate, finite milliseconds] pair")
-            pairs.append((pair[1], pair[0]))
-        yield str(decision.get("key", "")), decision.get("chosen"), pairs
+            pairs.append((milliseconds, pair[0]))
+        yield decision["key"], decision["chosen"], pairs
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("words", nargs="*", help="print only races with a candidate whose name holds one of these")
-    cache = os.environ.get("METILE_CACHE_DIR") or os.path.expanduser("~/.cache/metile")  # "" is unset, as in C++
+    # As cache_directory() in C++ (src/runtime/cuda/nvrtc_compile.cpp): "" is unset, and without a HOME
+    # (unset or empty) the cache is /tmp/metile-cache.
+    home = os.environ.get("HOME")
+    cache = os.environ.get("METILE_CACHE_DIR") or (os.path.join(home, ".cache", "metile") if home else "/tmp/metile-cache")
     parser.add_argument("--file", default=os.path.join(cache, "dispatch.json"))
     parser.add_argument("--top", type=positive, default=8, help="how many of the fastest candidates to print (default 8)")
     arguments = parser.parse_args()
     try:
+        # Only a regular file is opened: a FIFO in its place waited forever for a writer (as the C++
+        # reader did before it checked the same).
+        if not stat.S_ISREG(os.stat(arguments.file).st_mode):
+            raise ValueError("not a regular file")
         with open(arguments.file, "rb") as stream:
             data = stream.read(MAXIMUM_BYTES + 1)
         if len(data) > MAXIMUM_BYTES:

@@ -139,6 +139,10 @@ class DecoderModel {
 
   // Throws InputError naming the file and tensor/field of a malformed checkpoint.
   static DecoderModel load(const std::filesystem::path& directory, const LoadOptions& options = {});
+  // What load checks before it reads anything (the dtype, the quantization, the directory, an explicit
+  // max_sequence's range): for a front end to check before it opens a GPU, so that a mistake in an
+  // argument is said as itself, not as "no CUDA device". InputError naming what is wrong.
+  static void check_load_arguments(const std::filesystem::path& directory, const LoadOptions& options);
 
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }

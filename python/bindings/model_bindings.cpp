@@ -240,6 +240,14 @@ void bind_model(py::module_& module) {
         }
         // A model runs in bf16 or f32 (as --dtype on the command line); parse_dtype's message lists every dtype.
         if (dtype != "bf16" && dtype != "f32") throw InputError("dtype must be 'bf16' or 'f32', got '" + dtype + "'");
+        LoadOptions options;
+        options.dtype = parse_dtype(dtype);
+        options.quantize = quantization_of(quantize, group_size);
+        options.max_sequence = integer_argument("max_seq", max_seq);
+        options.max_sequence_source = "max_seq";  // messages name the keyword, not the CLI's option
+        options.max_sequence_option = "max_seq=";
+        // Every argument is checked before a GPU is looked for: quantize=3 read "no CUDA device" without one.
+        DecoderModel::check_load_arguments(path.value, options);
 #ifdef METILE_HAVE_CUDA_BACKEND
         std::optional<CudaDevice> device;
         if (backend == "cuda") {
@@ -253,12 +261,6 @@ void bind_model(py::module_& module) {
           throw InputError("backend='cuda': this metile was built without the CUDA toolkit; use backend='cpu'");
         }
 #endif
-        LoadOptions options;
-        options.dtype = parse_dtype(dtype);
-        options.quantize = quantization_of(quantize, group_size);
-        options.max_sequence = integer_argument("max_seq", max_seq);
-        options.max_sequence_source = "max_seq";  // messages name the keyword, not the CLI's option
-        options.max_sequence_option = "max_seq=";
         std::shared_ptr<DecoderModel> model;
         {
           py::gil_scoped_release release;  // reading a checkpoint takes seconds: other threads run meanwhile

@@ -426,7 +426,7 @@ double kv_cache_bytes(const ModelConfig& config, std::int64_t capacity, DType dt
          static_cast<double>(config.head_dim) * static_cast<double>(capacity) * static_cast<double>(dtype_size(dtype));
 }
 
-DecoderModel DecoderModel::load(const std::filesystem::path& directory, const LoadOptions& options) {
+void DecoderModel::check_load_arguments(const std::filesystem::path& directory, const LoadOptions& options) {
   if (options.dtype != DType::bf16 && options.dtype != DType::f32) {
     throw InputError(fmt::format("model dtype must be bf16 or f32, got {}", dtype_name(options.dtype)));
   }
@@ -438,6 +438,18 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
     throw InputError(fmt::format("{}: not a model directory ({})", directory.string(),
                                  std::filesystem::exists(status) ? "not a directory" : "no such directory"));
   }
+  if (options.max_sequence < 0) {
+    throw InputError(fmt::format("{} {} is negative", options.max_sequence_source, options.max_sequence));
+  }
+  // Positions are i32 in the step graphs: the last one, capacity - 1, must fit.
+  if (options.max_sequence > (std::int64_t{1} << 31)) {
+    throw InputError(
+        fmt::format("{} {}: at most 2^31 positions (they are 32-bit integers)", options.max_sequence_source, options.max_sequence));
+  }
+}
+
+DecoderModel DecoderModel::load(const std::filesystem::path& directory, const LoadOptions& options) {
+  check_load_arguments(directory, options);
   const std::filesystem::path config_path = directory / "config.json";
   if (!checkpoint_file_present(config_path)) throw InputError(fmt::format("{}: no config.json", directory.string()));
   DecoderModel model;
@@ -467,13 +479,7 @@ DecoderModel DecoderModel::load(const std::filesystem::path& directory, const Lo
                                                    : std::min<std::int64_t>(4096, config.max_position_embeddings);
   model.capacity_source_ = options.max_sequence > 0 ? options.max_sequence_source
                                                    : "max_position_embeddings, at most 4096; " + options.max_sequence_option + " sets it";
-  if (options.max_sequence < 0) {
-    throw InputError(fmt::format("{} {} is negative", options.max_sequence_source, options.max_sequence));
-  }
-  // Positions are i32 in the step graphs: the last one, capacity - 1, must fit.
-  if (capacity > (std::int64_t{1} << 31)) {
-    throw InputError(fmt::format("{} {}: at most 2^31 positions (they are 32-bit integers)", options.max_sequence_source, capacity));
-  }
+  // (An explicit max_sequence's range is check_load_arguments'; the default is at most 4096.)
   if (config.sliding_window && capacity > *config.sliding_window) {
     // Attention here sees every cached position, so the window bounds the context instead of sliding.
     const std::int64_t needed = options.max_sequence_needed > 0 ? options.max_sequence_needed : options.max_sequence;

@@ -335,7 +335,7 @@ def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
 
 def test_cuda_backend(tmp_path, rng):
     """backend="cuda": without a GPU (or a CUDA build) one ValueError before the checkpoint is
-    read; with one, the GPU engine's logits and greedy tokens match the CPU path's."""
+    read, after the arguments are checked; with one, the GPU engine's logits and greedy tokens match the CPU path's."""
     seed = int(rng.integers(1, 2**32))  # the rng fixture prints its seed; METILE_TEST_SEED replays it
     with pytest.raises(ValueError, match="backend must be 'cpu' or 'cuda', got 'tpu'"):
         metile.load_model(str(tmp_path / "absent"), backend="tpu")
@@ -345,9 +345,15 @@ def test_cuda_backend(tmp_path, rng):
         model = metile.load_model(str(path), backend="cuda")
     except ValueError as error:
         assert str(error).startswith("backend='cuda': ") and "\n" not in str(error)
-        # The device is looked for first: an absent checkpoint gives the same error.
-        with pytest.raises(ValueError, match="backend='cuda': "):
-            metile.load_model(str(tmp_path / "absent"), backend="cuda")
+        # Every argument is checked before the device is looked for: a mistake in one read as the
+        # missing GPU (quantize=3, max_seq=-1, an absent directory).
+        for arguments, expected in (({"path": str(tmp_path / "absent")}, "not a model directory"),
+                                    ({"quantize": 3}, "4 or 8"), ({"max_seq": -1}, "max_seq -1 is negative"),
+                                    ({"max_seq": 2**40}, "at most 2^31 positions")):
+            arguments = {"path": str(path), **arguments}
+            with pytest.raises(ValueError) as refused:
+                metile.load_model(backend="cuda", **arguments)
+            assert expected in str(refused.value) and "no cuda device" not in str(refused.value).lower(), arguments
         return
     cpu = metile.load_model(str(path))
     prompt = [5, 9, 2, 7]

@@ -23,7 +23,7 @@ def test_races_print_fastest_first_and_filter_by_name(tmp_path):
     two = candidate("fused", "gemv w8 t1 f2 db resident3", "graph")
     native = candidate("native", "", "graph")
     document = {
-        "version": 1,
+        "version": 2,
         "decisions": [
             {"key": "qkv race", "chosen": one, "report": "r", "timings_ms": [[two, 0.013], [native, 0.1344], [one, 0.01176]]},
             {"key": "mlp race", "chosen": native, "report": "r", "timings_ms": [[native, 0.5]]},
@@ -53,10 +53,20 @@ def test_a_missing_file_is_one_error_line(tmp_path):
 
 def test_a_file_that_is_not_a_decision_cache_is_one_error_line(tmp_path):
     """Malformed caches ended in tracebacks; /dev/zero was read without a limit."""
-    cases = ["[]", "5", '{"decisions": {}}', '{"decisions": null}', '{"decisions": [5]}',
-             '{"decisions": [{"timings_ms": [[{}, 1, 2]]}]}', '{"decisions": [{"timings_ms": [[{}, "1"]]}]}',
-             '{"decisions": [{"timings_ms": [[{}, NaN]]}]}', '{"decisions": [{"timings_ms": [[{}, true]]}]}',
-             "[" * 100000]
+    def decision(timings):
+        return '{"version": 2, "decisions": [{"key": "k", "chosen": null, "timings_ms": [' + timings + ']}]}'
+
+    cases = ["[]", "5", '{"version": 2, "decisions": {}}', '{"version": 2, "decisions": null}',
+             '{"version": 2, "decisions": [5]}', decision('[{}, 1, 2]'), decision('[{}, "1"]'),
+             decision('[{}, NaN]'), decision('[{}, true]'), "[" * 100000,
+             # A timing past a double's range ended in OverflowError's traceback.
+             decision("[{}, 1" + "0" * 400 + "]"),
+             # What the C++ reader refuses (another version, a decision without key or chosen, no
+             # decisions at all) printed as races, or as nothing with status 0.
+             '{"version": 99, "decisions": [{"key": "x", "chosen": "bogus", "timings_ms": []}]}', "{}",
+             '{"decisions": []}', '{"version": true, "decisions": []}',
+             '{"version": 2, "decisions": [{"chosen": 1, "timings_ms": []}]}',
+             '{"version": 2, "decisions": [{"key": "x", "timings_ms": []}]}']
     for index, text in enumerate(cases):
         path = tmp_path / f"case{index}.json"
         path.write_text(text, encoding="utf-8")
@@ -64,15 +74,45 @@ def test_a_file_that_is_not_a_decision_cache_is_one_error_line(tmp_path):
         assert result.returncode == 1, (text[:40], result.stdout, result.stderr)
         assert result.stderr.startswith("print_races.py: cannot read "), (text[:40], result.stderr)
         assert len(result.stderr.splitlines()) == 1, (text[:40], result.stderr)
+    # Only a regular file is opened: /dev/zero was read up to the limit, and a FIFO waited forever.
     result = run("--file", "/dev/zero")
+    assert result.returncode == 1 and "not a regular file" in result.stderr
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--file", str(fifo)], capture_output=True, text=True,
+                            check=False, timeout=30)
+    assert result.returncode == 1 and "not a regular file" in result.stderr
+    large = tmp_path / "large.json"
+    with open(large, "wb") as stream:
+        stream.truncate((64 << 20) + 1)  # sparse: no disk
+    result = run("--file", str(large))
     assert result.returncode == 1 and "larger than the 67108864-byte limit" in result.stderr
     # A key's escape sequence reaches the terminal spelled; --top counts at least one candidate.
     path = tmp_path / "escape.json"
-    path.write_text(json.dumps({"decisions": [{"key": "k\x1b[31m", "chosen": None, "timings_ms": [[{"a": 1}, 0.5]]}]}))
+    path.write_text(json.dumps({"version": 2, "decisions": [{"key": "k\x1b[31m", "chosen": None,
+                                                          "timings_ms": [[{"a": 1}, 0.5]]}]}))
     result = run("--file", str(path))
     assert result.returncode == 0 and "\x1b" not in result.stdout and "k\\x1b[31m" in result.stdout
-    path.write_text('{"decisions": [{"key": "\\ud800", "timings_ms": []}]}')  # a lone surrogate: spelled, no traceback
+    path.write_text('{"version": 2, "decisions": [{"key": "\\ud800", "chosen": null, "timings_ms": []}]}')  # a lone surrogate
     result = run("--file", str(path))
     assert result.returncode == 0 and result.stdout.startswith("\\xd800\n"), result
     result = run("--file", str(path), "--top", "-1")
     assert result.returncode == 2 and "is not a count of at least 1" in result.stderr
+
+
+def test_without_a_home_the_cache_is_where_cpp_looks(tmp_path):
+    """cache_directory() in C++: $METILE_CACHE_DIR, else $HOME/.cache/metile, else (HOME unset or empty)
+    /tmp/metile-cache; the script read ~ expanded by Python (/root/... or /.cache/...) instead."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("METILE_CACHE_DIR", "HOME")}
+    for home in (None, ""):
+        if home is not None:
+            environment["HOME"] = home
+        result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, check=False,
+                                env=environment)
+        if result.returncode == 0:  # a cache this machine holds there was read
+            assert os.path.isfile("/tmp/metile-cache/dispatch.json"), (home, result.stdout)
+            continue
+        assert "cannot read /tmp/metile-cache/dispatch.json" in result.stderr, (home, result.stderr)
+    environment["HOME"] = str(tmp_path)
+    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, check=False, env=environment)
+    assert f"cannot read {tmp_path}/.cache/metile/dispatch.json" in result.stderr

@@ -197,17 +197,21 @@ void note_matrices_left_dense(const ModelConfig& config, const AffineQuantizatio
   }
 }
 
-// The backend is checked (and a GPU opened) before the checkpoint is read: no device is one line at once.
+// The arguments, then the backend (a GPU opened), are checked before the checkpoint is read: no device is
+// one line at once.
 DecoderModel load_model(const ModelOptions& options) {
   if (options.backend == "cpu" && !options.decline.empty()) {
     throw InputError("--decline applies to --backend cuda (the fused GPU engine)");
   }
   declined_rules(options.decline);  // a misspelt kind: one line before a device is looked for
-  check_backend(options);
   LoadOptions load;
   load.dtype = parse_dtype(options.dtype);
   load.max_sequence = options.max_seq;
   load.quantize = quantization_option(options);
+  // Every mistake in an argument is said as itself before a device is looked for ("--quantize 3" read
+  // "no CUDA device" on a machine without one).
+  DecoderModel::check_load_arguments(options.model_dir, load);
+  check_backend(options);
   DecoderModel model = DecoderModel::load(options.model_dir, load);
   if (load.quantize) note_matrices_left_dense(model.config(), *load.quantize);
   return model;

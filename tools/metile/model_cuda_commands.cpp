@@ -237,6 +237,12 @@ void bench_model(const ModelOptions& options) {
     synth.quantize = quantization_option(options);  // an MLX checkpoint: quantized once, when written
     synth_config(synth);
   }
+  LoadOptions arguments;  // what loading will check, checked before the device (the directory, --max-seq)
+  arguments.max_sequence = options.max_seq;
+  arguments.quantize = options.preset.empty() ? quantization_option(options) : std::nullopt;
+  DecoderModel::check_load_arguments(options.preset.empty() ? std::filesystem::path(options.model_dir)
+                                                            : std::filesystem::temp_directory_path(),
+                                     arguments);
   require_cuda_device("bench-model", "it measures the GPU engine; it has no CPU backend");
   const CudaDevice& device = *opened_device();
   std::optional<TemporaryDirectory> temporary;

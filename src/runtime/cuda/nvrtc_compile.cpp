@@ -1,9 +1,10 @@
 // NVRTC compilation of CUDA C++ to a cubin, with an on-disk cache.
 //
 // A cache entry is one file named by the hash of (source, kernel name, architecture, options,
-// NVRTC version). Its first line is a header holding the payload size and the payload's
-// checksum; a file whose header, size or checksum does not match (torn write, disk damage, a
-// stranger's file) is treated as absent: recompiled and replaced. Writes go to a temporary
+// NVRTC version). Its first line is a header holding that name, the payload size and the payload's
+// checksum; a file whose header, name, size or checksum does not match (torn write, disk damage, a
+// stranger's file, another entry's file copied or renamed into its place) is treated as absent:
+// recompiled and replaced. Writes go to a temporary
 // file renamed into place, so a reader never sees half an entry.
 #include <unistd.h>
 
@@ -29,7 +30,9 @@
 namespace metile {
 namespace {
 
-constexpr std::string_view cache_magic = "METILE-KERNEL-CACHE 1";
+// Version 2 names its entry: a version-1 file (size and checksum only) copied over another entry
+// passed its checks and served the other kernel.
+constexpr std::string_view cache_magic = "METILE-KERNEL-CACHE 2";
 
 const cuda_libraries::NvrtcApi& nvrtc_api() { return cuda_libraries::nvrtc(); }
 
@@ -58,12 +61,12 @@ std::optional<std::string> read_cache_entry(const std::filesystem::path& path, b
   std::string header;
   std::getline(file, header);
   std::istringstream fields(header);
-  std::string magic_first, magic_second, checksum;
+  std::string magic_first, magic_second, name, checksum;
   std::size_t size = 0;
-  fields >> magic_first >> magic_second >> size >> checksum;
+  fields >> magic_first >> magic_second >> name >> size >> checksum;
   std::string payload((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  if (magic_first + " " + magic_second != cache_magic || !fields || payload.size() != size ||
-      stable_hash_hex(payload) != checksum) {
+  if (magic_first + " " + magic_second != cache_magic || !fields || name != path.filename().string() ||
+      payload.size() != size || stable_hash_hex(payload) != checksum) {
     was_corrupt = true;
     return std::nullopt;
   }
@@ -80,7 +83,8 @@ void write_cache_entry(const std::filesystem::path& path, std::string_view paylo
   {
     std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
     if (!file) return;
-    file << cache_magic << ' ' << payload.size() << ' ' << stable_hash_hex(payload) << '\n';
+    file << cache_magic << ' ' << path.filename().string() << ' ' << payload.size() << ' ' << stable_hash_hex(payload)
+         << '\n';
     file.write(payload.data(), static_cast<std::streamsize>(payload.size()));
     if (!file) {
       file.close();

@@ -93,6 +93,25 @@ TEST_F(KernelCache, CorruptEntriesAreDetectedAndRebuilt) {
   }
 }
 
+// An intact entry of another program, copied or renamed into this entry's place, passed the size and
+// checksum checks and was served: the other kernel ran under this one's key (a NVRTC program whose
+// kernel name is not in the cubin fails to load; one that shares the name loads the wrong code). The
+// header names its entry now.
+TEST_F(KernelCache, AnotherEntrysFileInThisPlaceIsRebuiltNotServed) {
+  const CompiledProgram original = compile();
+  options_.architecture = "sm_80";
+  const CompiledProgram other = compile();
+  options_.architecture = "sm_90";
+  ASSERT_NE(other.cubin, original.cubin);
+  const std::filesystem::path path = kernel_cache_path(original.cache_key);
+  std::filesystem::copy_file(kernel_cache_path(other.cache_key), path, std::filesystem::copy_options::overwrite_existing);
+  const CompiledProgram rebuilt = compile();
+  EXPECT_FALSE(rebuilt.from_cache);
+  EXPECT_TRUE(rebuilt.rebuilt_corrupt_cache_entry);
+  EXPECT_EQ(rebuilt.cubin, original.cubin);
+  EXPECT_TRUE(compile().from_cache);
+}
+
 // A FIFO in an entry's place blocked the compile forever (opened for reading, it waits for a writer),
 // and a link to /dev/zero was read line by line without end (the header line never ends). Neither is
 // opened now: each is a corrupt entry, rebuilt and replaced by a regular file.

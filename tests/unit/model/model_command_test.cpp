@@ -293,5 +293,30 @@ TEST_F(ModelCommand, GroupSizeWithoutQuantizeIsRefused) {
   EXPECT_FALSE(std::filesystem::exists(root_ / "alone"));
 }
 
+// With --backend cuda a mistake in an argument read "no CUDA device" on a machine without one (the GPU was
+// looked for first): every argument is checked before the device, so each command says what is wrong,
+// on any machine, with exit 2 and nothing on stdout.
+TEST_F(ModelCommand, ArgumentsAreCheckedBeforeTheDevice) {
+  const std::filesystem::path directory = synth("model", {});
+  const std::string model = directory.string();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"logits " + model + " --prompt-ids 1 --backend cuda --quantize 3", "--quantize must be 4 or 8, got '3'"},
+      {"logits " + model + " --prompt-ids 1 --backend cuda --max-seq -5", "--max-seq -5 is negative"},
+      {"generate " + model + " --prompt-ids 1 --tokens 2 --backend cuda --quantize 4 --group-size 33", "group"},
+      {"verify-model " + model + " --backend cuda --quantize 9", "--quantize must be 4 or 8, got '9'"},
+      {"logits /nonexistent --prompt-ids 1 --backend cuda", "/nonexistent: not a model directory (no such directory)"},
+      {"bench-model " + model + " --max-seq -4", "--max-seq -4 is negative"},
+      {"bench-model " + model + " --max-seq 99999999999", "at most 2^31 positions"},
+      {"bench-model /etc/passwd", "/etc/passwd: not a model directory (not a directory)"},
+  };
+  for (const auto& [command, expected] : cases) {
+    std::string out, err;
+    EXPECT_EQ(run_metile(command, out, err), 2) << command;
+    EXPECT_NE(err.find(expected), std::string::npos) << command << ": " << err;
+    EXPECT_EQ(err.find("no CUDA device"), std::string::npos) << command << ": " << err;
+    EXPECT_EQ(out, "") << command;
+  }
+}
+
 }  // namespace
 }  // namespace metile
