@@ -47,10 +47,11 @@ def finite_number(value):
 
 def races(document):
     """(key, chosen, [(milliseconds, candidate)]) for each decision; ValueError says what is malformed.
-    What the C++ reader refuses is refused: another version, a decision without key or chosen."""
+    The version and each decision's key and chosen candidate are checked as the C++ reader checks them
+    (the candidates' own fields are printed as they are, not checked)."""
     if not isinstance(document, dict) or not isinstance(document.get("decisions"), list):
         raise ValueError("not an object with a list of decisions")
-    if document.get("version") != DECISION_FILE_VERSION or isinstance(document.get("version"), bool):
+    if document.get("version") != DECISION_FILE_VERSION:
         raise ValueError(f"version {printable(repr(document.get('version')))}, not {DECISION_FILE_VERSION}")
     for index, decision in enumerate(document["decisions"]):
         if not isinstance(decision, dict) or not isinstance(decision.get("key"), str) or "chosen" not in decision:

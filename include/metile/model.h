@@ -143,6 +143,8 @@ class DecoderModel {
   // max_sequence's range): for a front end to check before it opens a GPU, so that a mistake in an
   // argument is said as itself, not as "no CUDA device". InputError naming what is wrong.
   static void check_load_arguments(const std::filesystem::path& directory, const LoadOptions& options);
+  // The same without the directory (the options alone: a synthetic model's is made later).
+  static void check_load_options(const LoadOptions& options);
 
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }

@@ -621,8 +621,8 @@ void bind_graph_builder(py::module_& module) {
             std::erase(self->auto_named, value.ref);
           },
           py::arg("value"), py::arg("name"),
-          "Renames a value (and its node, for single-output nodes) before build(); ValueError on a taken "
-          "name.")
+          "Renames a value (and its node, for single-output nodes) before build(); ValueError on a name "
+          "taken by a value the caller named (one the builder invented moves aside).")
       .def(
           "spec",
           [](const BuilderPointer& self, const BoundValue& value) { return self->builder.spec(value.ref); },

@@ -113,7 +113,9 @@ class GraphBuilder(_metile.GraphBuilder):
     yields a graph whose output is called ``summed``, as in a graph file. Only
     values whose names were invented are renamed; variables whose names start with
     an underscore are ignored, as are names already taken in the graph (the value
-    keeps its invented name); where several variables hold one value the first
+    keeps its invented name; a name only another invented value holds is not taken:
+    that value moves aside to the name with ``_0`` appended, as it does for a
+    ``name=`` given to an op); where several variables hold one value the first
     defined wins. Only the frame that calls build() is looked at: values held by
     the variables of a helper function that returned earlier keep invented names
     unless given ``name=``.

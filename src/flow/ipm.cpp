@@ -734,9 +734,7 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
     PathFollowing path_following(*program, targets);
     flow = rounded_flows(network, *program, path_following.run(statistics));
   } else {
-    // For reals an s-t path of arcs at most 1e-13 of the largest capacity is not modelled (build_program)
-    // and the repair below finds its flow: "no s-t path" was said of a network whose flow is 50.
-    statistics.stop_reason = std::is_floating_point_v<Capacity> ? "no modelled s-t path" : "no s-t path";
+    statistics.stop_reason = "no s-t path";  // or none the LP models: said after the repair, below
   }
   statistics.conservation_fixes = ConservationRepair<Capacity>(network, source, sink, flow).run();
 
@@ -749,6 +747,9 @@ MaxFlowResult<Capacity> ipm(const FlowNetwork<Capacity>& network, int source, in
   const flow_detail::AugmentingCounts repair = flow_detail::augment_to_maximum(network, source, sink, residual, value);
   statistics.repair_paths = repair.paths;
   statistics.repair_phases = repair.phases;
+  // For reals an s-t path of arcs at most 1e-13 of the largest capacity is not modelled (build_program)
+  // and the repair finds its flow: "no s-t path" was said of a network whose flow is 50.
+  if (statistics.stop_reason == "no s-t path" && value > Capacity{}) statistics.stop_reason = "no modelled s-t path";
 
   MaxFlowResult<Capacity> result;
   result.value = value;

@@ -246,13 +246,22 @@ OutputTarget output_target(const fs::path& path) {
     destination = fs::canonical(path, error);
     if (error) {
       // A target that exists but has no path (a pipe behind /dev/stdout or /proc/PID/fd/N, a deleted
-      // file) is written through the link; a loop is named; only a target not found is created.
+      // file) is written through the link; only a target not found is created; any other failure to
+      // follow the link (a loop, a name too long, a folder not searchable) is refused here, before the
+      // work, as a path that cannot be written.
       const fs::file_status followed = fs::status(path, error);
-      if (followed.type() != fs::file_type::not_found) {
-        if (error && error.value() == ELOOP) throw InputError(file + ": too many levels of symbolic links");
+      if (followed.type() == fs::file_type::not_found) {
+        destination = dangling_link_target(path, file);
+        // A closed descriptor's name (/dev/fd/N) or a /proc entry is no file to create.
+        if (own_descriptor(destination) >= 0 || destination.string().starts_with("/proc/")) {
+          throw InputError(file + ": cannot write: its link leads to " + destination.string() + ", which is not open");
+        }
+      } else if (error) {
+        if (error.value() == ELOOP) throw InputError(file + ": too many levels of symbolic links");
+        throw InputError(file + ": cannot write: " + error.message());
+      } else {
         return {OutputTarget::Way::in_place, -1, path, {}};
       }
-      destination = dangling_link_target(path, file);
     }
   }
   const fs::file_status status = fs::status(destination, error);

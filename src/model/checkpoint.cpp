@@ -427,10 +427,7 @@ double kv_cache_bytes(const ModelConfig& config, std::int64_t capacity, DType dt
 }
 
 void DecoderModel::check_load_arguments(const std::filesystem::path& directory, const LoadOptions& options) {
-  if (options.dtype != DType::bf16 && options.dtype != DType::f32) {
-    throw InputError(fmt::format("model dtype must be bf16 or f32, got {}", dtype_name(options.dtype)));
-  }
-  if (options.quantize) options.quantize->validate();
+  check_load_options(options);
   // Said with why: an empty path read ": not a model directory", and a missing directory read the same as
   // a file given for one.
   if (directory.empty()) throw InputError("the model directory is an empty path");
@@ -438,6 +435,13 @@ void DecoderModel::check_load_arguments(const std::filesystem::path& directory, 
     throw InputError(fmt::format("{}: not a model directory ({})", directory.string(),
                                  std::filesystem::exists(status) ? "not a directory" : "no such directory"));
   }
+}
+
+void DecoderModel::check_load_options(const LoadOptions& options) {
+  if (options.dtype != DType::bf16 && options.dtype != DType::f32) {
+    throw InputError(fmt::format("model dtype must be bf16 or f32, got {}", dtype_name(options.dtype)));
+  }
+  if (options.quantize) options.quantize->validate();
   if (options.max_sequence < 0) {
     throw InputError(fmt::format("{} {} is negative", options.max_sequence_source, options.max_sequence));
   }

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <optional>
 #include <set>
@@ -56,8 +57,7 @@ ExecutableOptions executable_options(const ModelOptions& options) {
 // A temporary directory removed when it goes out of scope (also on errors).
 class TemporaryDirectory {
  public:
-  TemporaryDirectory()
-      : path_(std::filesystem::temp_directory_path() / fmt::format("metile-bench-model-{}", ::getpid())) {
+  TemporaryDirectory() : path_(temporary_folder() / fmt::format("metile-bench-model-{}", ::getpid())) {
     std::filesystem::remove_all(path_);
   }
   ~TemporaryDirectory() {
@@ -67,6 +67,19 @@ class TemporaryDirectory {
   TemporaryDirectory(const TemporaryDirectory&) = delete;
   TemporaryDirectory& operator=(const TemporaryDirectory&) = delete;
   const std::filesystem::path& path() const { return path_; }
+
+ private:
+  // TMPDIR's folder (else /tmp): one line naming it where it is no folder (filesystem_error was an internal error).
+  static std::filesystem::path temporary_folder() {
+    std::error_code error;
+    std::filesystem::path folder = std::filesystem::temp_directory_path(error);
+    if (error) {
+      const char* tmpdir = std::getenv("TMPDIR");
+      throw InputError(fmt::format("bench-model: no folder for the synthetic checkpoint (TMPDIR={}): {}",
+                                   tmpdir ? tmpdir : "", error.message()));
+    }
+    return folder;
+  }
 
  private:
   std::filesystem::path path_;
@@ -240,9 +253,11 @@ void bench_model(const ModelOptions& options) {
   LoadOptions arguments;  // what loading will check, checked before the device (the directory, --max-seq)
   arguments.max_sequence = options.max_seq;
   arguments.quantize = options.preset.empty() ? quantization_option(options) : std::nullopt;
-  DecoderModel::check_load_arguments(options.preset.empty() ? std::filesystem::path(options.model_dir)
-                                                            : std::filesystem::temp_directory_path(),
-                                     arguments);
+  if (options.preset.empty()) {
+    DecoderModel::check_load_arguments(options.model_dir, arguments);
+  } else {
+    DecoderModel::check_load_options(arguments);  // the preset's directory is made after the device is found
+  }
   require_cuda_device("bench-model", "it measures the GPU engine; it has no CPU backend");
   const CudaDevice& device = *opened_device();
   std::optional<TemporaryDirectory> temporary;

@@ -295,6 +295,15 @@ TEST_F(IoTest, SymlinksAreWrittenThroughAndKept) {
   EXPECT_EQ(::read(pipe_ends[0], received, sizeof received), 5);
   ::close(pipe_ends[0]);
   EXPECT_EQ(std::string(received), "piped");
+  // A link whose target cannot be looked at (a name past NAME_MAX) or that leads to a closed descriptor is
+  // refused by the check made before the work: written in place, it failed only after the run.
+  const std::filesystem::path too_long = directory_ / "too_long";
+  std::filesystem::create_symlink(std::string(300, 'n'), too_long);
+  EXPECT_EQ(error_of([&] { check_output_file_writable(too_long); }), too_long.string() + ": cannot write: File name too long");
+  const std::filesystem::path to_closed = directory_ / "to_closed";
+  std::filesystem::create_symlink("/dev/fd/987654", to_closed);
+  EXPECT_EQ(error_of([&] { check_output_file_writable(to_closed); }),
+            to_closed.string() + ": cannot write: its link leads to /dev/fd/987654, which is not open");
   // A loop of links is refused by name.
   std::filesystem::create_symlink("loop_b", directory_ / "loop_a");
   std::filesystem::create_symlink("loop_a", directory_ / "loop_b");
