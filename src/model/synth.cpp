@@ -430,6 +430,18 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       }
       throw InputError(fmt::format("{}: cannot move into place: {}", directory.string(), std::strerror(failure)));
     }
+  } catch (const InputError& failure) {
+    for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);
+    std::filesystem::remove_all(staging, error);
+    // A write that failed inside the staging folder (a full disk, `ulimit -f`) is told in the user's terms:
+    // the folder named above is gone, and nothing reached the directory asked for.
+    const std::string message = failure.what();
+    const std::string staged_prefix = (staging / "").string();
+    if (const std::size_t colon = message.find(": ", staged_prefix.size()); message.starts_with(staged_prefix) && colon != std::string::npos) {
+      throw InputError(fmt::format("{}: {} (writing {}); nothing was written", directory.string(), message.substr(colon + 2),
+                                   message.substr(staged_prefix.size(), colon - staged_prefix.size())));
+    }
+    throw;
   } catch (...) {
     for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);
     std::filesystem::remove_all(staging, error);

@@ -210,7 +210,7 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
   // not the file's last (a comment after the arcs took the blame).
   EXPECT_EQ(error_of<std::int64_t>("p max 4 4\nn 1 s\nn 4 t\na 1 2 2000000000000000000\na 2 3 2000000000000000000\n"
                                    "a 3 4 1\na 1 4 1\nc end\n"),
-            "net.max:5: flow network: the capacities up to edge 1 sum to more than 2305843009213693951; solver arithmetic "
+            "net.max:5: flow network: the capacities of edges 0 to 1 sum to more than 2305843009213693951; solver arithmetic "
             "could overflow");
 }
 

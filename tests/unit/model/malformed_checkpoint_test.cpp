@@ -598,6 +598,25 @@ TEST_F(MalformedCheckpoint, AnInterruptedSynthesisLeavesNothing) {
   EXPECT_TRUE(std::filesystem::is_empty(root_)) << "left behind: " << std::filesystem::directory_iterator(root_)->path();
 }
 
+#ifdef METILE_BINARY
+// `metile synth-model` past `ulimit -f`: the write fails (the CLI ignores SIGXFSZ) and its error named
+// the staging folder's file (/tmp/.metile-partial-PID-0/shard-0), which the cleanup had just removed.
+// The error now names the directory asked for, and that directory is not made.
+TEST_F(MalformedCheckpoint, ASynthesisPastTheFileSizeLimitNamesItsDirectory) {
+  const std::filesystem::path target = root_ / "model";
+  const std::string command = "ulimit -f 64; exec '" + std::string(METILE_BINARY) + "' synth-model '" + target.string() +
+                              "' --preset tiny >/dev/null 2>'" + (root_ / "err.txt").string() + "'";
+  const int status = std::system(command.c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << "status " << status;
+  EXPECT_EQ(read_text(root_ / "err.txt"),
+            "metile: error: " + target.string() + ": write failed: File too large (writing shard-0); nothing was written\n");
+  EXPECT_FALSE(std::filesystem::exists(target));
+  for (const auto& entry : std::filesystem::directory_iterator(root_)) {
+    EXPECT_EQ(entry.path().filename(), "err.txt") << "left behind: " << entry.path();
+  }
+}
+#endif
+
 // `metile synth-model` stopped by a signal once its staging folder holds a shard: Ctrl-C and a kill
 // were cancelled cleanly, but a closed terminal (SIGHUP) ended the process and left the staging folder
 // (inside an existing empty directory, where the next run then found it not empty).
