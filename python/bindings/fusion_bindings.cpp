@@ -528,13 +528,17 @@ void bind_plan(py::module_& module) {
         const FusionTarget fusion_target = target_from_python(target);
         const RuleSet rule_set = rules_from_python(rules);
         py::gil_scoped_release release;
+        // As `metile plan --no-discovery`: a flash_attention node whose certificate a fresh proof does not
+        // give (forged, another law's, unreadable) is refused here, not shown as a verified region.
+        require_verified_certificates(*graph);
         return std::make_shared<FusionPlan>(plan_graph_fusion(*graph, fusion_target, rule_set));
       },
       py::arg("graph").none(false), py::arg("target") = py::none(), py::arg("rules") = py::none(),
       "Selects legal, profitable, multi-output fusion regions. target: a FusionTarget, 'h200' (the default), "
       "'cpu' "
       "or a JSON target file; rules: a RuleSet, a list of FusionRules in priority order, or None for "
-      "default_rules().");
+      "default_rules(). A flash_attention node whose certificate does not verify is refused (ValueError), "
+      "as metile.run and plan_with_discovery refuse it.");
   module.def(
       "plan_with_discovery",
       [](const std::shared_ptr<ComputeGraph>& graph, const py::object& target, const py::object& rules) {

@@ -118,3 +118,51 @@ def test_in_bf16_the_rewrite_is_nearer_float64_than_the_chain(rng):
     print(f"relative L2 from float64: chain {chain:.2e}, rewrite {rewrite:.2e}")
     assert rewrite < 4e-3
     assert chain > 3 * rewrite
+
+
+def test_plan_graph_fusion_refuses_a_forged_certificate(source_dir, tmp_path):
+    """A saved rewrite whose certificate was altered (an obligation that does not hold, another law's
+    name): plan_graph_fusion described it as "verified (4/4 obligations hold)" where metile.run and
+    `metile plan --no-discovery` refused the node; it refuses it now, with their message."""
+    import json
+
+    import pytest
+
+    forged = metile.read_graph(source_dir / "tests/data/plan/forged_certificate.json")
+    with pytest.raises(ValueError, match=r"node 'attention' \(flash_attention\): refused: its certificate does not"):
+        metile.plan_graph_fusion(forged)
+    # Another law's name on an otherwise true certificate, made from a fresh rewrite.
+    graph_json = json.loads(metile.plan_with_discovery(attention_graph()).graph.to_json())
+    (node,) = [node for node in graph_json["nodes"] if node["op"] == "flash_attention"]
+    certificate = json.loads(node["attrs"]["certificate"])
+    assert metile.plan_graph_fusion(metile.read_graph(_write(tmp_path / "true.json", graph_json))).regions
+    certificate["law"] = "sum"
+    node["attrs"]["certificate"] = json.dumps(certificate)
+    with pytest.raises(ValueError, match=r"refused: its certificate is for law 'sum'"):
+        metile.plan_graph_fusion(metile.read_graph(_write(tmp_path / "renamed.json", graph_json)))
+
+
+def _write(path, document):
+    import json
+
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_saved_rewrite_is_estimated_as_the_chain_it_stands_for(tmp_path):
+    """plan_with_discovery of a graph that already holds a flash_attention node (a rewrite saved with
+    plan.graph.to_json()) estimated it as one op saving nothing, where the same node straight after
+    discovery saved the chain's estimate; and a target allowing fewer inputs a kernel was not said."""
+    fresh = metile.plan_with_discovery(attention_graph())
+    saved = tmp_path / "saved.json"
+    saved.write_text(fresh.graph.to_json())
+    replanned = metile.plan_with_discovery(metile.read_graph(saved))
+    (fresh_region,) = fresh.regions
+    (replanned_region,) = replanned.regions
+    assert fresh_region.benefit_ns > 0
+    assert replanned_region.benefit_ns == fresh_region.benefit_ns
+    narrow = metile.FusionTarget.from_json('{"base": "h200", "name": "narrow", "max_kernel_inputs": 2}')
+    # Discovery leaves the chain as plain ops on that target; the saved node is one op, planned as given, and said.
+    assert all(region.rule != "flash_attention" for region in metile.plan_with_discovery(attention_graph(), narrow).regions)
+    reason = metile.plan_with_discovery(metile.read_graph(saved), narrow).node_reasons["attention"]
+    assert "on the target 'narrow' this saved flash_attention kernel reads 3 inputs, target allows 2 per kernel" in reason
