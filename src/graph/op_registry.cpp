@@ -364,17 +364,12 @@ void check_rope_scaling(Attributes& attributes) {
   }
   const std::string& scaling = attributes.get_string("scaling");
   if (scaling != "llama3") throw InputError("scaling must be 'llama3', got '" + printable_bytes(scaling) + "'");
-  const double factor = positive_number(attributes, "factor");
+  positive_number(attributes, "factor");
   const double low = positive_number(attributes, "low_freq_factor");
   const double high = positive_number(attributes, "high_freq_factor");
   positive_number(attributes, "original_max_position_embeddings");
   if (!(high > low)) {
     throw InputError("high_freq_factor " + number_text(high) + " must exceed low_freq_factor " + number_text(low));
-  }
-  // Low frequencies are divided by the factor: past f32 (a factor of 5e-324) every angle was inf and
-  // every logit NaN.
-  if (!(1.0 / factor <= std::numeric_limits<float>::max())) {
-    throw InputError("factor " + number_text(factor) + " is too small: frequencies divided by it pass f32's range");
   }
 }
 
@@ -398,6 +393,8 @@ std::vector<TensorSpec> infer_rope(std::span<const TensorSpec> inputs, Attribute
     throw InputError("dims " + std::to_string(dims) + " must be even, positive and at most the last axis of " +
                      described("x", x));
   }
+  check_rope_frequencies(attributes.get_double("theta"), dims,
+                         attributes.has("scaling") ? attributes.get_double("factor") : 1.0);
   return {x};
 }
 
@@ -959,6 +956,24 @@ void check_norm_eps(double eps) {
     throw InputError("eps " + number_text(eps) + " is outside f32's normal range (" +
                      number_text(std::numeric_limits<float>::min()) + " .. " + number_text(std::numeric_limits<float>::max()) +
                      "): the norm adds it in f32");
+  }
+}
+
+// The angle of pair i at position p is p * theta^(-2i/dims), in f32; llama3 scaling divides the low
+// frequencies by its factor. A frequency past FLT_MAX / 2^31 makes some i32 position's angle inf and its
+// sine NaN: every logit NaN (a factor of 5e-324, a theta of 5e-324 at 64 dims). The largest frequency is
+// 1 at theta >= 1 and theta^(-(dims-2)/dims) below it; dividing by a factor under 1 is bounded by dividing
+// every frequency by it.
+void check_rope_frequencies(double theta, std::int64_t dims, double factor) {
+  constexpr double kLargestFrequency = static_cast<double>(std::numeric_limits<float>::max()) / 2147483648.0;
+  const double exponent = -static_cast<double>(dims - 2) / static_cast<double>(dims);
+  const double largest = std::max(1.0, std::pow(theta, exponent));
+  if (!(largest <= kLargestFrequency)) {
+    throw InputError("theta " + number_text(theta) + " is too small: its frequencies theta^(-2i/" + std::to_string(dims) +
+                     ") pass f32's range");
+  }
+  if (!(largest / std::min(1.0, factor) <= kLargestFrequency)) {
+    throw InputError("factor " + number_text(factor) + " is too small: frequencies divided by it pass f32's range");
   }
 }
 

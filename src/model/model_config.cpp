@@ -376,6 +376,26 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
     }
   }
 
+  // Every rope node of the step graphs checks its frequencies: refused here, naming the field, not at the
+  // first step naming graph node 'layers.0.q.rope' (and a model loaded from Python failed only at logits()).
+  {
+    const bool nested = reader.present("rope_parameters");
+    const std::string theta_field =
+        nested && FieldReader{json.at("rope_parameters"), reader.source, "rope_parameters."}.present("rope_theta")
+            ? "rope_parameters.rope_theta"
+            : "rope_theta";
+    try {
+      check_rope_frequencies(config.rope.theta, config.head_dim, 1.0);
+    } catch (const InputError& error) {
+      reader.fail(theta_field, error.what());
+    }
+    try {
+      if (config.rope.llama3_scaling) check_rope_frequencies(config.rope.theta, config.head_dim, config.rope.factor);
+    } catch (const InputError& error) {
+      reader.fail(nested ? "rope_parameters.factor" : "rope_scaling.factor", error.what());
+    }
+  }
+
   if (reader.present("quantization")) {
     const Json& quantization = json.at("quantization");
     if (!quantization.is_object()) reader.fail("quantization", "must be an object");

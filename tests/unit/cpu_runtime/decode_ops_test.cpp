@@ -266,6 +266,18 @@ TEST(DecodeOps, RopeLlama3ScalingMatchesTransformersFormula) {
                            tiny, "tiny");
             }),
             "node 'tiny' (rope): factor 4.94066e-324 is too small: frequencies divided by it pass f32's range");
+  // A theta below 1 makes the high pairs' frequencies theta^(-2i/dims) large: a subnormal one put them past f32.
+  Attributes small_theta;
+  small_theta.set("theta", 5e-324);
+  EXPECT_EQ(error_of([&] {
+              bad.add_node("rope", {bad.input("x3", x.spec()), bad.input("positions3", TensorSpec({steps}, DType::i32))},
+                           small_theta, "theta");
+            }),
+            "node 'theta' (rope): theta 4.94066e-324 is too small: its frequencies theta^(-2i/" +
+                std::to_string(x.spec().row_length()) + ") pass f32's range");
+  small_theta.set("theta", 0.5);  // below 1 and well inside the range: accepted
+  EXPECT_NO_THROW(bad.add_node("rope", {bad.input("x4", x.spec()), bad.input("positions4", TensorSpec({steps}, DType::i32))},
+                               small_theta, "half"));
 }
 
 TEST(DecodeOps, ArgmaxIsTheFirstLargestIndexOfEveryRowWithNaNAboveAll) {

@@ -189,6 +189,19 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
        "config.json: field 'rms_norm_eps': eps 1e-40 is outside f32's normal range"},
       {"rms_norm_eps_past_f32", [](auto d) { edit_config(d, [](Json& c) { c["rms_norm_eps"] = 1e39; }); },
        "config.json: field 'rms_norm_eps': eps 1e+39 is outside f32's normal range"},
+      // Frequencies the step graphs' rope refuses (an angle past f32: every logit NaN): a subnormal theta
+      // loaded and gave NaN logits with exit 0; a tiny llama3 factor was refused at the first step, naming
+      // graph node 'layers.0.q.rope', after load_model had succeeded.
+      {"rope_theta_subnormal", [](auto d) { edit_config(d, [](Json& c) { c["rope_theta"] = 5e-324; }); },
+       "config.json: field 'rope_theta': theta 4.94066e-324 is too small: its frequencies theta^(-2i/"},
+      {"rope_factor_tiny",
+       [](auto d) {
+         edit_config(d, [](Json& c) {
+           c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 1e-300}, {"low_freq_factor", 1.0},
+                                {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 64}};
+         });
+       },
+       "config.json: field 'rope_scaling.factor': factor 1e-300 is too small: frequencies divided by it pass f32's range"},
       {"missing_field", [](auto d) { edit_config(d, [](Json& c) { c.erase("hidden_size"); }); },
        "field 'hidden_size': missing"},
       {"field_of_wrong_type", [](auto d) { edit_config(d, [](Json& c) { c["num_attention_heads"] = "four"; }); },
