@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string_view>
 
 #include "bindings.h"
@@ -261,10 +262,26 @@ void bind_model(py::module_& module) {
           throw InputError("backend='cuda': this metile was built without the CUDA toolkit; use backend='cpu'");
         }
 #endif
+        // The checkpoint's warnings (layers past num_hidden_layers, unused weights, an unreadable
+        // generation_config.json) are UserWarnings, as quantize='s notes: printed on stderr they could be
+        // neither caught nor filtered nor made errors.
+        std::vector<std::string> load_warnings;
+        std::mutex load_warnings_mutex;
+        options.warn = [&](const std::string& line) {
+          const std::lock_guard lock(load_warnings_mutex);
+          load_warnings.push_back(line);
+        };
         std::shared_ptr<DecoderModel> model;
         {
           py::gil_scoped_release release;  // reading a checkpoint takes seconds: other threads run meanwhile
           model = std::make_shared<DecoderModel>(DecoderModel::load(path.value, options));
+        }
+        for (const std::string& line : load_warnings) {
+          // A path need not be UTF-8: its bytes are escaped rather than failing the load.
+          const std::string spelled = control_bytes_spelled(line);
+          const py::str message =
+              py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(spelled.data(), static_cast<Py_ssize_t>(spelled.size()), "backslashreplace"));
+          py::module_::import("warnings").attr("warn")(message, py::handle(PyExc_UserWarning), 1);  // warnings as errors raise
         }
         if (options.quantize) warn_of_matrices_left_dense(model->config(), *options.quantize);
 #ifdef METILE_HAVE_CUDA_BACKEND

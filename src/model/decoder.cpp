@@ -229,8 +229,14 @@ void check_generation_fits(const LogitsSession& session, std::span<const std::in
                                             : session.position() + static_cast<std::int64_t>(prompt.size()) +
                                                   std::max<std::int64_t>(count - 1, 0);
   if (fed > capacity) {
-    throw InputError(fmt::format("{} tokens after a {}-token prompt would go past the KV-cache capacity {} ({})", count,
-                                 prompt.size(), capacity, session.capacity_source()));
+    const std::int64_t prompt_end = session.position() + static_cast<std::int64_t>(prompt.size());
+    if (prompt_end > capacity) {  // the prompt alone: "1 tokens after a 9-token prompt" blamed the count
+      throw InputError(fmt::format("a {}-token prompt{} goes past the KV-cache capacity {} ({})", prompt.size(),
+                                   session.position() > 0 ? fmt::format(" at position {}", session.position()) : "",
+                                   capacity, session.capacity_source()));
+    }
+    throw InputError(fmt::format("{} token{} after a {}-token prompt would go past the KV-cache capacity {} ({})", count,
+                                 count == 1 ? "" : "s", prompt.size(), capacity, session.capacity_source()));
   }
 }
 

@@ -333,7 +333,7 @@ ModelConfig ModelConfig::parse_json(std::string_view text, std::string_view sour
   if (sliding && !json.contains("sliding_window")) {
     config.sliding_window = 4096;
   } else if (sliding && reader.present("sliding_window")) {
-    config.sliding_window = reader.positive_int("sliding_window");
+    config.sliding_window = reader.positive_whole_number("sliding_window");  // 4096.0 too, as the other counts
   }
 
   if (reader.present("torch_dtype")) {

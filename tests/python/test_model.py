@@ -160,6 +160,26 @@ def test_generate_ends_after_the_end_of_sequence_token(tmp_path, rng):
         model.generate(prompt, 2, ignore_eos=1)
 
 
+def test_checkpoint_warnings_are_user_warnings(tmp_path):
+    """What a checkpoint load warns of (here a generation_config.json that is not JSON, passed over) is a
+    UserWarning: printed on stderr it could not be caught, filtered or made an error."""
+    import warnings
+
+    path = tmp_path / "m"
+    metile.synth_model(str(path))
+    (path / "generation_config.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="generation ends at config.json's eos_token_id instead"):
+        metile.load_model(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="generation_config.json"):
+            metile.load_model(str(path))
+    (path / "generation_config.json").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean checkpoint warns of nothing
+        metile.load_model(str(path))
+
+
 def test_errors(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         metile.load_model(str(tmp_path))

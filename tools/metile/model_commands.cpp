@@ -571,7 +571,8 @@ void add_model_commands(CLI::App& app) {
         ->transform(decimal_integer())
         ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()));
     // Given thresholds are finite and >= 0 (NaN passes CLI::Range, so it is checked here); an unset one
-    // stays -1, the backend's default. A --min-agreement above 1 is allowed: it cannot be met.
+    // stays -1, the backend's default. --min-agreement is a fraction: above 1 no run could pass (a
+    // perfect one printed FAIL).
     // Checked after decimal_number(), which refuses "", "0.1x", nan and inf but leaves a number past
     // double's range to the option's check: 1e400 is +inf here (it was taken as an infinite threshold).
     const CLI::Validator non_negative(
@@ -580,10 +581,16 @@ void add_model_commands(CLI::App& app) {
           return std::isfinite(value) && value >= 0 ? std::string() : "must be a finite number >= 0";
         },
         ">= 0");
+    const CLI::Validator fraction(
+        [](std::string& text) {
+          const double value = std::strtod(text.c_str(), nullptr);
+          return value >= 0 && value <= 1 ? std::string() : "must be a fraction from 0 to 1";
+        },
+        "0..1");
     command->add_option("--min-agreement", options->min_agreement,
                         "least fraction of equal next tokens (default 0.95 on cpu, 0.9 on cuda)")
         ->check(decimal_number())
-        ->check(non_negative);
+        ->check(fraction);
     command->add_option("--max-kl", options->max_kl, "largest KL divergence of one position, nats (default 0.01)")
         ->check(decimal_number())
         ->check(non_negative);

@@ -830,8 +830,10 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb 0x1p-30"), 2);
   EXPECT_NE(err.find("--max-shard-mb: 0x1p-30 is not a finite decimal number"), std::string::npos) << err;
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
-  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --min-agreement 1.01"), 1);  // cannot be met
-  EXPECT_NE(out.find("FAIL"), std::string::npos);
+  // A fraction: above 1 no run could pass (a perfect one printed FAIL), so it is a usage error.
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --min-agreement 1.01"), 2);
+  EXPECT_NE(err.find("--min-agreement: must be a fraction from 0 to 1"), std::string::npos) << err;
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --min-agreement 1"), 0) << err;
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4"), 0);
   EXPECT_NE(out.find("next-token agreement   1.0000"), std::string::npos);
   // --format json on the CPU too (it was ignored there: text where a script expected JSON).
@@ -841,14 +843,17 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(verdict.at("positions"), 4);
   EXPECT_EQ(verdict.at("figures").at("agreement"), 1.0);
   EXPECT_EQ(verdict.at("passed"), true);
-  EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --format json --min-agreement 1.01"), 1);
-  EXPECT_EQ(nlohmann::json::parse(out).at("passed"), false);
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 0"), 2);  // unset means the default; 0 is no count
   EXPECT_NE(err.find("--tokens: Value 0 not in range 1"), std::string::npos) << err;
   // A comparison too long for the caches fails before its first step, as generate does.
   EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2 --max-seq 16 --tokens 20"), 2);
   EXPECT_EQ(err, "metile: error: 20 tokens after a 2-token prompt would go past the KV-cache capacity 16 (--max-seq)\n");
   EXPECT_EQ(out, "");
+  // The prompt alone past the capacity is said so ("1 tokens after a 9-token prompt" blamed the count).
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2,3,4,5,6,7,8,9 --max-seq 8 --tokens 1"), 2);
+  EXPECT_EQ(err, "metile: error: a 9-token prompt goes past the KV-cache capacity 8 (--max-seq)\n");
+  EXPECT_EQ(metile("verify-model " + directory.string() + " --prompt-ids 1,2,3,4,5,6,7,8 --max-seq 8 --tokens 2"), 2);
+  EXPECT_EQ(err, "metile: error: 2 tokens after a 8-token prompt would go past the KV-cache capacity 8 (--max-seq)\n");
   // logits checks the whole prompt before its first step: it was refused after the steps that fit,
   // naming the end of the step that did not (33 tokens at capacity 20: "would reach 32").
   std::string ids = "1";
@@ -862,7 +867,7 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   edit_config(windowed, [](Json& c) {  // a Mistral (Llama's tensors; a window LlamaConfig does not have)
     c["architectures"] = {"MistralForCausalLM"};
     c["model_type"] = "mistral";
-    c["sliding_window"] = 8;
+    c["sliding_window"] = 8.0;  // a whole number written as a real, as transformers reads it (it was refused)
   });
   EXPECT_EQ(metile("logits " + windowed.string() + " --prompt-ids 1,2 --max-seq 100"), 2);
   EXPECT_EQ(err, "metile: error: --max-seq 100: the checkpoint's sliding_window 8 bounds the context (attention over a sliding "

@@ -97,6 +97,11 @@ TEST_F(ModelCommand, NonFiniteLogitsAreNamedInJson) {
     }
   }
   EXPECT_TRUE(std::isnan(expected[vocab + static_cast<std::size_t>(row)]));
+  // verify-model fails on such a model, naming the reference's own NaN (no plan is to blame), in JSON too.
+  ASSERT_EQ(run_metile("verify-model " + directory.string() + " --tokens 3 --format json", out, err), 1) << err;
+  const Json verdict = Json::parse(out);
+  EXPECT_EQ(verdict["passed"], false);
+  EXPECT_EQ(verdict["figures"]["nonfinite_reference_positions"], 3) << out;
 }
 
 // The first token comes from the prompt's step; the rate counts decode steps, so one token has none
