@@ -269,7 +269,8 @@ int current_device_shared_memory_per_block_optin();
 // A stable 128-bit content hash as 32 hex digits (cache keys, dispatch keys); not cryptographic.
 std::string stable_hash_hex(std::string_view bytes);
 // Where metile keeps what it caches (compiled kernels, dispatch decisions): $METILE_CACHE_DIR if
-// set, else ~/.cache/metile (or /tmp/metile-cache without a home).
+// set, else $HOME/.cache/metile; without HOME, the account's home from the password database, else
+// /tmp/metile-cache-UID where that folder is this user's alone (else a fresh private folder).
 std::string cache_directory();
 // A cache file read whole (kernel entries, dispatch.json): nullopt where none exists, and also, with
 // `unusable` set, where something else is in its place: a directory, a FIFO or device (never opened:

@@ -306,7 +306,8 @@ const OpDefinition* find_op(std::string_view name);  // nullptr if unknown
 // rms_norm's and layer_norm's eps: InputError unless it is a normal f32 (the kernels add it in f32).
 void check_norm_eps(double eps);
 // rope's theta, rotated dims and llama3 factor (1 when unscaled): InputError where a frequency, divided by
-// the factor, would make the angle of some i32 position leave f32's range (every angle inf, every logit NaN).
+// the factor, would make the angle of some i32 position leave f32's range (transformers computes it in f32;
+// far enough past, metile's f64 angles are inf too and every logit NaN).
 void check_rope_frequencies(double theta, std::int64_t dims, double factor);
 std::vector<std::string_view> registered_op_names();
 // Adds an op to the table (its name must be new; InputError otherwise). The name's characters are

@@ -54,6 +54,13 @@ struct GraphNodeView {
   NodeId id = -1;
 };
 
+// A message as Python text (a new reference, nullptr only where Python is out of memory): control bytes
+// spelled \xNN as the CLI prints them (an escape sequence quoted from a file would reach the terminal, a
+// newline would forge a line), bytes that are not UTF-8 (a path, a file's bytes) as \xNN escapes.
+PyObject* message_text(std::string_view message);
+// A UserWarning (where warnings are errors it raises: py::error_already_set), attributed to the caller's line.
+void warn_user(std::string_view message);
+
 // Its type's name, for messages ("got bool").
 std::string python_type_name(const py::handle& object);
 // Python's bool or numpy's bool_: an int to Python, but never a count, a bit or a seed.

@@ -34,6 +34,17 @@ py::list node_views(const std::shared_ptr<const ComputeGraph>& graph, const std:
   return views;
 }
 
+PyObject* message_text(std::string_view message) {
+  const std::string spelled = control_bytes_spelled(message);
+  return PyUnicode_DecodeUTF8(spelled.data(), static_cast<Py_ssize_t>(spelled.size()), "backslashreplace");
+}
+
+void warn_user(std::string_view message) {
+  PyObject* text = message_text(message);
+  if (text == nullptr) throw py::error_already_set();
+  py::module_::import("warnings").attr("warn")(py::reinterpret_steal<py::str>(text), py::handle(PyExc_UserWarning), 1);
+}
+
 std::string python_type_name(const py::handle& object) {
   return py::str(py::type::handle_of(object).attr("__name__"));
 }

@@ -53,7 +53,7 @@ void warn_of_matrices_left_dense(const ModelConfig& config, const AffineQuantiza
     const std::string message = "quantize=" + std::to_string(format.bits) + " leaves " + left.matrices + " dense: " +
                                 std::to_string(left.columns) + " columns are not a multiple of group_size " +
                                 std::to_string(format.group_size);
-    if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 1) != 0) throw py::error_already_set();  // warnings as errors
+    warn_user(message);
   }
 }
 
@@ -272,17 +272,17 @@ void bind_model(py::module_& module) {
           load_warnings.push_back(line);
         };
         std::shared_ptr<DecoderModel> model;
+        std::exception_ptr failure;  // warned of first, as the CLI prints its warnings before the error
         {
           py::gil_scoped_release release;  // reading a checkpoint takes seconds: other threads run meanwhile
-          model = std::make_shared<DecoderModel>(DecoderModel::load(path.value, options));
+          try {
+            model = std::make_shared<DecoderModel>(DecoderModel::load(path.value, options));
+          } catch (...) {
+            failure = std::current_exception();
+          }
         }
-        for (const std::string& line : load_warnings) {
-          // A path need not be UTF-8: its bytes are escaped rather than failing the load.
-          const std::string spelled = control_bytes_spelled(line);
-          const py::str message =
-              py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(spelled.data(), static_cast<Py_ssize_t>(spelled.size()), "backslashreplace"));
-          py::module_::import("warnings").attr("warn")(message, py::handle(PyExc_UserWarning), 1);  // warnings as errors raise
-        }
+        for (const std::string& line : load_warnings) warn_user(line);
+        if (failure) std::rethrow_exception(failure);
         if (options.quantize) warn_of_matrices_left_dense(model->config(), *options.quantize);
 #ifdef METILE_HAVE_CUDA_BACKEND
         if (device) {

@@ -20,11 +20,8 @@ PYBIND11_MODULE(_metile, module) {
       if (error) std::rethrow_exception(error);
     } catch (const metile::InputError& input_error) {
       // The message may quote the user's bytes (a file's invalid UTF-8): PyErr_SetString would fail to decode
-      // it and raise with no message at all, so undecodable bytes become \xNN escapes. Control bytes are
-      // spelled \xNN as the CLI prints them (an escape sequence quoted from a file would reach the
-      // terminal with the traceback, a newline would forge a line of it).
-      const std::string message = metile::control_bytes_spelled(input_error.what());
-      PyObject* text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "backslashreplace");
+      // it and raise with no message at all (message_text escapes them).
+      PyObject* text = metile::python::message_text(input_error.what());
       if (text) {
         PyErr_SetObject(PyExc_ValueError, text);
         Py_DECREF(text);

@@ -549,7 +549,9 @@ std::string emit_kernel(const ComputeGraph& graph, const FusionRegion& region, c
   }
   for (std::size_t i = 0; i < region.outputs.size(); ++i) {
     if (analysis.row_results.contains(region.outputs[i])) continue;  // one value per row, stored by lane 0
-    line(1, fmt::format("{0}* __restrict__ out{1}_row = out{1} + safe_row * kRowLength;",
+    // maybe_unused: a reduction over rows of one element (sum of [3, 1] as one node) stores its result
+    // per row too, through out{1} itself, and NVRTC warned of the unused pointer (#177-D).
+    line(1, fmt::format("[[maybe_unused]] {0}* __restrict__ out{1}_row = out{1} + safe_row * kRowLength;",
                         cuda_storage_type(graph.value(region.outputs[i]).spec.dtype), i));
   }
   std::map<ValueId, int> output_index;

@@ -372,10 +372,11 @@ FusionPlan plan_with_discovery(const ComputeGraph& recorded, const FusionTarget&
       }
     }
   }
-  // A flash_attention node the graph came with (a saved rewrite) is estimated as the chain it stands for,
-  // as one rewritten here is: its saving was 0 once saved, 5 us straight after discovery. A kernel past
-  // the target's limits is said (discovery would have left that chain as plain ops; the node is one op
-  // and is planned as given).
+  // A flash_attention node the graph came with (a saved rewrite) is estimated as its plain-op expansion,
+  // as near as the node tells of the chain it replaced (a chain's casts are not recorded): its saving was 0
+  // once saved, the chain's straight after discovery. Where discovery would have left that chain as plain
+  // ops (past the target's limits, no saving) it is said, and no saving is counted; the node is one op and
+  // is planned as given.
   for (FusionRegion& region : plan.regions) {
     if (region.nodes.size() != 1 || planned.node(region.nodes.front()).op != "flash_attention" ||
         rewritten_here.contains(region.nodes.front())) {
@@ -385,11 +386,17 @@ FusionPlan plan_with_discovery(const ComputeGraph& recorded, const FusionTarget&
     std::vector<NodeId> chain_nodes(chain.nodes().size());
     std::iota(chain_nodes.begin(), chain_nodes.end(), NodeId{0});
     const RegionEstimate estimate = estimate_region(chain, chain_nodes, target);
-    region.benefit_ns = estimate.benefit_ns;
+    std::string& reason = plan.node_reasons[static_cast<std::size_t>(region.nodes.front())];
     if (const Decision fits = within_limits(estimate, target); !fits) {
-      plan.node_reasons[static_cast<std::size_t>(region.nodes.front())] +=
-          fmt::format("; on the target '{}' this saved flash_attention kernel {} (planned as given: one op)",
-                      target.name, fits.reason);
+      reason += fmt::format("; on the target '{}' this saved flash_attention kernel {} (planned as given: one op; "
+                            "no saving counted)",
+                            target.name, fits.reason);
+    } else if (estimate.benefit_ns <= 0) {
+      reason += fmt::format("; the target '{}' estimates no saving for the chain this saved node stands for "
+                            "(planned as given: one op)",
+                            target.name);
+    } else {
+      region.benefit_ns = estimate.benefit_ns;
     }
   }
   for (const AttentionRefusal& refusal : rewrite.refusals) {
@@ -416,7 +423,9 @@ ComputeGraph flash_attention_as_plain_ops(const ComputeGraph& graph, NodeId node
   const ValueRef q = builder.input("q", graph.value(node.inputs[0]).spec);
   const ValueRef k = builder.input("k", graph.value(node.inputs[1]).spec);
   const ValueRef v = builder.input("v", graph.value(node.inputs[2]).spec);
-  ValueRef scores = builder.scale(builder.matmul(q, k, true, "scores"), node.attributes.get_double("scale"), "scaled");
+  ValueRef scores = builder.matmul(q, k, true, "scores");
+  // A chain recorded without a scale is rewritten with scale 1: no node for it (x * 1 is x exactly).
+  if (const double scale = node.attributes.get_double("scale"); scale != 1.0) scores = builder.scale(scores, scale, "scaled");
   const std::string& mask = node.attributes.get_string("mask");
   if (mask == "causal") scores = builder.causal_mask(scores, node.attributes.get_int("offset"), "masked");
   if (mask == "positions") {

@@ -102,7 +102,10 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     if constexpr (std::is_integral_v<Capacity>) {
       if (edge.capacity > kIntegerCapacitySumLimit - finite_capacity_sum_) {
         // Edges are numbered from 0, as the library numbers them; the DIMACS reader adds the arc's line.
-        const std::string edges = e == 0 ? "the capacity of edge 0 is" : "the capacities of edges 0 to " + std::to_string(e) + " sum to";
+        // Self-loops and infinite edges add nothing: one edge alone is named alone wherever it is.
+        const std::string edges = finite_capacity_sum_ == 0
+                                      ? "the capacity of edge " + std::to_string(e) + " is"
+                                      : "the finite capacities of edges 0 to " + std::to_string(e) + " sum to";
         throw FlowEdgeError(e, "flow network: " + edges + " more than " + std::to_string(kIntegerCapacitySumLimit) +
                                    "; solver arithmetic could overflow");
       }
@@ -111,7 +114,7 @@ void FlowNetwork<Capacity>::build_storage(std::vector<std::uint8_t> edge_is_infi
     if constexpr (std::is_floating_point_v<Capacity>) {
       // A vertex's excess never exceeds this sum, so a finite sum keeps solver arithmetic finite.
       if (!std::isfinite(finite_capacity_sum_)) {
-        throw FlowEdgeError(e, "flow network: the capacities of edges 0 to " + std::to_string(e) +
+        throw FlowEdgeError(e, "flow network: the finite capacities of edges 0 to " + std::to_string(e) +
                          " sum past the largest double; solver arithmetic could overflow");
       }
     }

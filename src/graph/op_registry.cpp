@@ -959,21 +959,24 @@ void check_norm_eps(double eps) {
   }
 }
 
-// The angle of pair i at position p is p * theta^(-2i/dims), in f32; llama3 scaling divides the low
-// frequencies by its factor. A frequency past FLT_MAX / 2^31 makes some i32 position's angle inf and its
-// sine NaN: every logit NaN (a factor of 5e-324, a theta of 5e-324 at 64 dims). The largest frequency is
-// 1 at theta >= 1 and theta^(-(dims-2)/dims) below it; dividing by a factor under 1 is bounded by dividing
-// every frequency by it.
+// The angle of pair i at position p is p * theta^(-2i/dims); llama3 scaling divides the low frequencies by
+// its factor. metile computes it in f64, transformers (the reference users compare with) in f32, so every
+// frequency is held to FLT_MAX / 2^31: then p * frequency is a finite f32 for every i32 position. Past it
+// the angles overflow (a theta or factor of 5e-324: inf in f64 too, every logit NaN). The largest
+// frequency is 1 at theta >= 1 and theta^(-(dims-2)/dims) below it; dividing by a factor under 1 is
+// bounded by dividing every frequency by it. No released model comes near (theta 1e4..1e6, factor >= 1).
 void check_rope_frequencies(double theta, std::int64_t dims, double factor) {
   constexpr double kLargestFrequency = static_cast<double>(std::numeric_limits<float>::max()) / 2147483648.0;
   const double exponent = -static_cast<double>(dims - 2) / static_cast<double>(dims);
   const double largest = std::max(1.0, std::pow(theta, exponent));
+  const std::string limit = "past " + number_text(kLargestFrequency) + ", where an i32 position's angle would leave f32";
   if (!(largest <= kLargestFrequency)) {
-    throw InputError("theta " + number_text(theta) + " is too small: its frequencies theta^(-2i/" + std::to_string(dims) +
-                     ") pass f32's range");
+    throw InputError("theta " + number_text(theta) + " is too small: its largest frequency theta^(-" +
+                     std::to_string(dims - 2) + "/" + std::to_string(dims) + ") is " + number_text(largest) + ", " + limit);
   }
   if (!(largest / std::min(1.0, factor) <= kLargestFrequency)) {
-    throw InputError("factor " + number_text(factor) + " is too small: frequencies divided by it pass f32's range");
+    throw InputError("factor " + number_text(factor) + " is too small: frequencies divided by it reach " +
+                     number_text(largest / std::min(1.0, factor)) + ", " + limit);
   }
 }
 

@@ -230,13 +230,13 @@ void check_generation_fits(const LogitsSession& session, std::span<const std::in
                                                   std::max<std::int64_t>(count - 1, 0);
   if (fed > capacity) {
     const std::int64_t prompt_end = session.position() + static_cast<std::int64_t>(prompt.size());
+    const std::string at = session.position() > 0 ? fmt::format(" at position {}", session.position()) : "";
     if (prompt_end > capacity) {  // the prompt alone: "1 tokens after a 9-token prompt" blamed the count
-      throw InputError(fmt::format("a {}-token prompt{} goes past the KV-cache capacity {} ({})", prompt.size(),
-                                   session.position() > 0 ? fmt::format(" at position {}", session.position()) : "",
+      throw InputError(fmt::format("a {}-token prompt{} goes past the KV-cache capacity {} ({})", prompt.size(), at,
                                    capacity, session.capacity_source()));
     }
-    throw InputError(fmt::format("{} token{} after a {}-token prompt would go past the KV-cache capacity {} ({})", count,
-                                 count == 1 ? "" : "s", prompt.size(), capacity, session.capacity_source()));
+    throw InputError(fmt::format("{} token{} after a {}-token prompt{} would go past the KV-cache capacity {} ({})", count,
+                                 count == 1 ? "" : "s", prompt.size(), at, capacity, session.capacity_source()));
   }
 }
 

@@ -437,11 +437,15 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     // the folder named above is gone, and nothing reached the directory asked for.
     const std::string message = failure.what();
     const std::string staged_prefix = (staging / "").string();
-    if (const std::size_t colon = message.find(": ", staged_prefix.size()); message.starts_with(staged_prefix) && colon != std::string::npos) {
-      throw InputError(fmt::format("{}: {} (writing {}); nothing was written", directory.string(), message.substr(colon + 2),
-                                   message.substr(staged_prefix.size(), colon - staged_prefix.size())));
+    const std::size_t colon = message.find(": ", staged_prefix.size());
+    if (!message.starts_with(staged_prefix) || colon == std::string::npos) throw;
+    std::string file = message.substr(staged_prefix.size(), colon - staged_prefix.size());
+    if (file.starts_with("shard-")) file = fmt::format("shard {}", std::stoull(file.substr(6)) + 1);  // not yet named
+    std::string reason = message.substr(colon + 2);
+    for (std::size_t at; (at = reason.find(staged_prefix)) != std::string::npos;) {  // a temporary's path in it
+      reason.replace(at, staged_prefix.size(), (target / "").string());
     }
-    throw;
+    throw InputError(fmt::format("{}: {} (writing {}); nothing was written", directory.string(), reason, file));
   } catch (...) {
     for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);
     std::filesystem::remove_all(staging, error);

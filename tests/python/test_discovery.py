@@ -6,15 +6,14 @@ import numpy as np
 import metile
 
 
-def attention_graph(escape=False):
+def attention_graph(escape=False, scaled=True):
     builder = metile.GraphBuilder()
     q = builder.input("q", metile.TensorSpec((4, 3, 16), "f32"))
     k = builder.input("k", metile.TensorSpec((2, 9, 16), "f32"))
     v = builder.input("v", metile.TensorSpec((2, 9, 8), "f32"))
     q_grouped = builder.reshape(q, (2, 6, 16))
     scores = builder.matmul(q_grouped, k, transpose_right=True)
-    scaled = builder.scale(scores, 0.25)
-    masked = builder.causal_mask(scaled, 6)
+    masked = builder.causal_mask(builder.scale(scores, 0.25) if scaled else scores, 6)
     probabilities = builder.softmax(masked)
     attention = builder.matmul(probabilities, v)
     return builder.build((attention, probabilities) if escape else (attention,))
@@ -153,16 +152,19 @@ def test_a_saved_rewrite_is_estimated_as_the_chain_it_stands_for(tmp_path):
     """plan_with_discovery of a graph that already holds a flash_attention node (a rewrite saved with
     plan.graph.to_json()) estimated it as one op saving nothing, where the same node straight after
     discovery saved the chain's estimate; and a target allowing fewer inputs a kernel was not said."""
-    fresh = metile.plan_with_discovery(attention_graph())
-    saved = tmp_path / "saved.json"
-    saved.write_text(fresh.graph.to_json())
-    replanned = metile.plan_with_discovery(metile.read_graph(saved))
-    (fresh_region,) = fresh.regions
-    (replanned_region,) = replanned.regions
-    assert fresh_region.benefit_ns > 0
-    assert replanned_region.benefit_ns == fresh_region.benefit_ns
+    for scaled in (True, False):  # a chain without a scale is one without a scale node once saved
+        fresh = metile.plan_with_discovery(attention_graph(scaled=scaled))
+        saved = tmp_path / "saved.json"
+        saved.write_text(fresh.graph.to_json())
+        replanned = metile.plan_with_discovery(metile.read_graph(saved))
+        (fresh_region,) = fresh.regions
+        (replanned_region,) = replanned.regions
+        assert fresh_region.benefit_ns > 0
+        assert replanned_region.benefit_ns == fresh_region.benefit_ns, scaled
     narrow = metile.FusionTarget.from_json('{"base": "h200", "name": "narrow", "max_kernel_inputs": 2}')
     # Discovery leaves the chain as plain ops on that target; the saved node is one op, planned as given, and said.
     assert all(region.rule != "flash_attention" for region in metile.plan_with_discovery(attention_graph(), narrow).regions)
-    reason = metile.plan_with_discovery(metile.read_graph(saved), narrow).node_reasons["attention"]
-    assert "on the target 'narrow' this saved flash_attention kernel reads 3 inputs, target allows 2 per kernel" in reason
+    narrow_plan = metile.plan_with_discovery(metile.read_graph(saved), narrow)
+    assert "on the target 'narrow' this saved flash_attention kernel reads 3 inputs, target allows 2 per kernel" in (
+        narrow_plan.node_reasons["attention"])
+    assert narrow_plan.regions[0].benefit_ns == 0  # no saving counted for a kernel discovery would not make

@@ -6,6 +6,8 @@
 // stranger's file, another entry's file copied or renamed into its place) is treated as absent:
 // recompiled and replaced. Writes go to a temporary
 // file renamed into place, so a reader never sees half an entry.
+#include <pwd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/core.h>
@@ -146,6 +148,32 @@ std::string nvrtc_version() {
   return fmt::format("{}.{}", major, minor);
 }
 
+namespace {
+// Without HOME (cron, a service): the account's home from the password database, else a folder of this
+// user's own in /tmp. A shared /tmp/metile-cache served whatever kernels another user had put there (an
+// entry's header proves it is whole, not who wrote it), so the /tmp folder is used only where it is this
+// user's and no one else may write into it; otherwise a fresh private folder for this process.
+std::string homeless_cache_directory() {
+  if (const passwd* account = ::getpwuid(::getuid()); account != nullptr && account->pw_dir != nullptr &&
+                                                      account->pw_dir[0] == '/' && std::strcmp(account->pw_dir, "/") != 0) {
+    return (std::filesystem::path(account->pw_dir) / ".cache" / "metile").string();
+  }
+  const std::string shared = fmt::format("/tmp/metile-cache-{}", static_cast<unsigned long>(::getuid()));
+  ::mkdir(shared.c_str(), 0700);  // fails harmlessly where it exists; checked below either way
+  struct stat status {};
+  if (::lstat(shared.c_str(), &status) == 0 && S_ISDIR(status.st_mode) && status.st_uid == ::getuid() &&
+      (status.st_mode & (S_IWGRP | S_IWOTH)) == 0) {
+    return shared;
+  }
+  static const std::string private_folder = [] {
+    std::string pattern = "/tmp/metile-cache-XXXXXX";
+    return ::mkdtemp(pattern.data()) != nullptr ? pattern : std::string();
+  }();
+  if (private_folder.empty()) throw InputError("no cache folder: HOME is unset and /tmp has no private folder for it");
+  return private_folder;
+}
+}  // namespace
+
 std::string cache_directory() {
   if (const char* directory = std::getenv("METILE_CACHE_DIR"); directory != nullptr && *directory != '\0') {
     return directory;
@@ -153,7 +181,7 @@ std::string cache_directory() {
   if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
     return (std::filesystem::path(home) / ".cache" / "metile").string();
   }
-  return "/tmp/metile-cache";
+  return homeless_cache_directory();
 }
 
 std::optional<std::string> read_cache_file(const std::filesystem::path& path, std::uint64_t maximum_bytes,

@@ -75,9 +75,11 @@ class NativeKernelCodegen : public ::testing::TestWithParam<DType> {};
 
 TEST_P(NativeKernelCodegen, EveryOpCompilesForSm90) {
   const DType dtype = GetParam();
-  // 3 rows: a multiple of every vector width, one of none, and a short row.
-  for (std::int64_t length : {64, 37}) {
+  // 3 rows: a multiple of every vector width, one of none, and rows of one element (a sum over them left
+  // an unused row pointer, an NVRTC warning).
+  for (std::int64_t length : {64, 37, 1}) {
     for (const OpCase& op : op_cases()) {
+      if (op.name == "rope" && length < 2) continue;  // rotates pairs
       GraphBuilder builder;
       auto x = builder.input("x", {{3, length}, dtype});
       auto out = op.build(builder, x, dtype, length);

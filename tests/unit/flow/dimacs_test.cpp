@@ -210,8 +210,11 @@ TEST(Dimacs, EveryMalformedCaseNamesItsLine) {
   // not the file's last (a comment after the arcs took the blame).
   EXPECT_EQ(error_of<std::int64_t>("p max 4 4\nn 1 s\nn 4 t\na 1 2 2000000000000000000\na 2 3 2000000000000000000\n"
                                    "a 3 4 1\na 1 4 1\nc end\n"),
-            "net.max:5: flow network: the capacities of edges 0 to 1 sum to more than 2305843009213693951; solver arithmetic "
+            "net.max:5: flow network: the finite capacities of edges 0 to 1 sum to more than 2305843009213693951; solver arithmetic "
             "could overflow");
+  // An edge past the limit alone is named alone, after a self-loop that adds nothing ("edges 0 to 1" blamed both).
+  EXPECT_EQ(error_of<std::int64_t>("p max 3 2\nn 1 s\nn 3 t\na 2 2 5\na 1 3 2305843009213693952\n"),
+            "net.max:5: flow network: the capacity of edge 1 is more than 2305843009213693951; solver arithmetic could overflow");
 }
 
 }  // namespace

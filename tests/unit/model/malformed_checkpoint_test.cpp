@@ -193,7 +193,7 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
       // loaded and gave NaN logits with exit 0; a tiny llama3 factor was refused at the first step, naming
       // graph node 'layers.0.q.rope', after load_model had succeeded.
       {"rope_theta_subnormal", [](auto d) { edit_config(d, [](Json& c) { c["rope_theta"] = 5e-324; }); },
-       "config.json: field 'rope_theta': theta 4.94066e-324 is too small: its frequencies theta^(-2i/"},
+       "config.json: field 'rope_theta': theta 4.94066e-324 is too small: its largest frequency theta^(-"},
       {"rope_factor_tiny",
        [](auto d) {
          edit_config(d, [](Json& c) {
@@ -201,7 +201,8 @@ TEST_F(MalformedCheckpoint, EachCaseIsOneLineNamingTheTensorOrFieldAndExit2) {
                                 {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 64}};
          });
        },
-       "config.json: field 'rope_scaling.factor': factor 1e-300 is too small: frequencies divided by it pass f32's range"},
+       "config.json: field 'rope_scaling.factor': factor 1e-300 is too small: frequencies divided by it reach 1e+300, past "
+       "1.58456e+29, where an i32 position's angle would leave f32"},
       {"missing_field", [](auto d) { edit_config(d, [](Json& c) { c.erase("hidden_size"); }); },
        "field 'hidden_size': missing"},
       {"field_of_wrong_type", [](auto d) { edit_config(d, [](Json& c) { c["num_attention_heads"] = "four"; }); },
@@ -622,7 +623,7 @@ TEST_F(MalformedCheckpoint, ASynthesisPastTheFileSizeLimitNamesItsDirectory) {
   const int status = std::system(command.c_str());
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << "status " << status;
   EXPECT_EQ(read_text(root_ / "err.txt"),
-            "metile: error: " + target.string() + ": write failed: File too large (writing shard-0); nothing was written\n");
+            "metile: error: " + target.string() + ": write failed: File too large (writing shard 1); nothing was written\n");
   EXPECT_FALSE(std::filesystem::exists(target));
   for (const auto& entry : std::filesystem::directory_iterator(root_)) {
     EXPECT_EQ(entry.path().filename(), "err.txt") << "left behind: " << entry.path();

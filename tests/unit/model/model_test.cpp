@@ -478,6 +478,14 @@ TEST_F(DecoderModelTest, PlannedPathEqualsReferenceAndGenerationIsGreedy) {
   DecodeSession one_more(short_model);
   EXPECT_THROW(generate_greedy(one_more, prompt, 16 - 4 + 2), InputError);
   EXPECT_EQ(one_more.position(), 0);
+  // A session already fed names its position: the count alone did not explain the refusal.
+  DecodeSession continued(short_model);
+  continued.feed(prompt);
+  EXPECT_EQ(testing::error_of([&] { generate_greedy(continued, prompt, 10); }),
+            "10 tokens after a 4-token prompt at position 4 would go past the KV-cache capacity 16 (--max-seq)");
+  EXPECT_EQ(testing::error_of([&] { generate_greedy(continued, random_tokens(generator, 13, 256), 1); }),
+            "a 13-token prompt at position 4 goes past the KV-cache capacity 16 (--max-seq)");
+  EXPECT_EQ(continued.position(), 4);
 }
 
 // The greedy step graph: "next_tokens" is each row of its logits' argmax (brute force on the
