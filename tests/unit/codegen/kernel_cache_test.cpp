@@ -1,11 +1,14 @@
 // The on-disk NVRTC cache: a second compile is served from the cache, and a damaged entry
 // (flipped byte, truncation, foreign file) is detected by its checksum header and rebuilt.
 #include <gtest/gtest.h>
+#include <pwd.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 
 #include "metile/cuda_runtime.h"
@@ -159,3 +162,32 @@ TEST(StableHash, IsDeterministicAndSensitive) {
 
 }  // namespace
 }  // namespace metile
+
+// Without HOME (cron, a service) the cache was a shared /tmp/metile-cache whose kernels another user could
+// have put there; it is now the account's home from the password database (and only where there is none a
+// /tmp folder of the user's own). METILE_CACHE_DIR and HOME still come first.
+TEST(CacheDirectory, WithoutHomeItIsTheAccountsHome) {
+  const auto saved = [](const char* name) -> std::optional<std::string> {
+    const char* value = std::getenv(name);
+    return value != nullptr ? std::optional<std::string>(value) : std::nullopt;
+  };
+  const std::optional<std::string> home = saved("HOME"), cache = saved("METILE_CACHE_DIR");
+  ::unsetenv("METILE_CACHE_DIR");
+  ::setenv("HOME", "/somewhere", 1);
+  EXPECT_EQ(metile::cache_directory(), "/somewhere/.cache/metile");
+  ::setenv("METILE_CACHE_DIR", "/elsewhere", 1);
+  EXPECT_EQ(metile::cache_directory(), "/elsewhere");
+  ::unsetenv("METILE_CACHE_DIR");
+  ::unsetenv("HOME");
+  const passwd* account = ::getpwuid(::getuid());
+  ASSERT_NE(account, nullptr);
+  const std::string account_home = account->pw_dir;
+  const std::string expected = account_home.starts_with("/") && account_home != "/"
+                                   ? account_home + "/.cache/metile"
+                                   : "/tmp/metile-cache-" + std::to_string(::getuid());
+  EXPECT_EQ(metile::cache_directory(), expected);
+  ::setenv("HOME", "", 1);  // empty is unset
+  EXPECT_EQ(metile::cache_directory(), expected);
+  if (home) ::setenv("HOME", home->c_str(), 1); else ::unsetenv("HOME");
+  if (cache) ::setenv("METILE_CACHE_DIR", cache->c_str(), 1);
+}

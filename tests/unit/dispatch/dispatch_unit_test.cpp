@@ -300,7 +300,12 @@ TEST_F(DecisionFile, AStoreKeepsWhatAnotherCacheStoredSinceItWasRead) {
 TEST_F(DecisionFile, CorruptFilesAreSetAsideAndRewritten) {
   std::filesystem::create_directories(path_.parent_path());
   for (const std::string& damage : {std::string("{\"version\": 1, \"decisions\": [{"), std::string("[1, 2, 3]"),
-                                    std::string("{\"version\": 99, \"decisions\": []}"), std::string("\xff\xfe")}) {
+                                    std::string("{\"version\": 99, \"decisions\": []}"), std::string("\xff\xfe"),
+                                    // 2 only when truncated or wrapped to an int (read as version 2 before)
+                                    std::string("{\"version\": 2.7, \"decisions\": []}"),
+                                    std::string("{\"version\": 4294967298, \"decisions\": []}"),
+                                    // past the JSON reader's nesting limit (10 million brackets took 764 MB to refuse)
+                                    "{\"version\": 2, \"decisions\": " + std::string(100000, '[') + std::string(100000, ']') + "}"}) {
     {
       std::ofstream file(path_, std::ios::binary | std::ios::trunc);
       file << damage;
@@ -314,6 +319,35 @@ TEST_F(DecisionFile, CorruptFilesAreSetAsideAndRewritten) {
     EXPECT_FALSE(reloaded.found_corrupt_file());
     EXPECT_EQ(reloaded.size(), 1u);
   }
+}
+
+// A timing that is not finite was written as null, which no reader takes: the next load found the whole
+// file corrupt and the store after it dropped every decision. Such a decision is not stored.
+TEST_F(DecisionFile, ANonFiniteTimingIsNotStoredAndKeepsTheOthers) {
+  DecisionCache cache(path_);
+  cache.store({"finite", CandidateId::native(), {{CandidateId::native(), 2.0}}, "region R0: native"});
+  for (const double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    cache.store({"bad", CandidateId::fused(), {{CandidateId::fused(), bad}}, "region R1: fused"});
+  }
+  const DecisionCache reloaded(path_);
+  EXPECT_FALSE(reloaded.found_corrupt_file());
+  EXPECT_EQ(reloaded.size(), 1u);
+  EXPECT_TRUE(reloaded.find("finite").has_value());
+  EXPECT_FALSE(reloaded.find("bad").has_value());
+}
+
+// A report is printed as its region's sentence: control bytes in a stored one (a hand-edited or planted file)
+// come back spelled out, not as an escape sequence for the terminal or a newline forging a line.
+TEST_F(DecisionFile, AStoredReportsControlBytesAreSpelled) {
+  std::filesystem::create_directories(path_.parent_path());
+  {
+    std::ofstream file(path_, std::ios::binary | std::ios::trunc);
+    file << R"({"version": 2, "decisions": [{"key": "k", "chosen": {"kind": "native", "variant": "", "replay": "eager"},
+      "report": "region R0: native\u001b[31m\nregion R9: forged", "timings_ms": []}]})";
+  }
+  const DecisionCache cache(path_);
+  ASSERT_TRUE(cache.find("k").has_value());
+  EXPECT_EQ(cache.find("k")->report, "region R0: native\\x1b[31m\\x0aregion R9: forged");
 }
 
 // Something other than a decision file at its path: a FIFO was opened and blocked the process until a
