@@ -150,6 +150,20 @@ class PythonFlowNetwork {
   // a rollback and leaves the network as the user sees it unchanged.
   template <typename AddEdge>
   int add_edge_with(const py::object& from, const py::object& to, AddEdge add) {
+    // Looking a vertex up runs its __hash__ and __eq__, Python code that may call back into this
+    // network: an edge added from there was attached to a vertex number the outer call then gave
+    // away again (the cut lost it without a word). Such a call is refused.
+    if (adding_edge_) {
+      throw py::value_error("FlowNetwork.add_edge: called while another add_edge of this network looks its "
+                            "vertices up (from a vertex's __hash__ or __eq__)");
+    }
+    struct Adding {
+      bool& flag;
+      explicit Adding(bool& adding) : flag(adding) { flag = true; }
+      ~Adding() { flag = false; }
+      Adding(const Adding&) = delete;
+      Adding& operator=(const Adding&) = delete;
+    } adding(adding_edge_);
     // Hash both endpoints before touching anything: an unhashable vertex is a TypeError
     // from Python itself, and the network must stay as it was.
     const std::optional<int> from_number = find_vertex(from);
@@ -191,6 +205,7 @@ class PythonFlowNetwork {
   }
 
   py::dict vertex_numbers_;                 // vertex object -> number
+  bool adding_edge_ = false;                // add_edge_with is looking vertices up (Python code may run)
   std::vector<py::object> vertex_objects_;  // number -> vertex object (null for a rejected edge's endpoint)
   FlowNetworkBuilder<std::int64_t> integer_builder_;
   FlowNetworkBuilder<double> real_builder_;

@@ -173,7 +173,9 @@ std::vector<std::int64_t> integer_list(const std::string& what, const py::handle
   }
   std::vector<std::int64_t> integers;
   for (const py::handle& item : object) {
-    if (py::isinstance<py::bool_>(item) || !PyIndex_Check(item.ptr())) {
+    // An array inside the list (a 2-D array's rows, np.array(2.0)) is refused as the scalar arguments refuse
+    // one: numpy's own TypeError named neither the argument nor the item.
+    if (is_boolean(item) || is_numpy_array(item) || !PyIndex_Check(item.ptr())) {
       throw py::type_error(what + ": a list of ints, got " + python_type_name(item) + " " + python_repr(item));
     }
     integers.push_back(index_as_int64(what, item));

@@ -148,7 +148,9 @@ class GraphBuilder(_metile.GraphBuilder):
         if not invented:
             return
         for variable, value in list(variables.items()):
-            if variable.startswith("_") or not isinstance(value, ValueRef) or value not in invented:
+            # exec() may pass a locals mapping whose keys are not all str.
+            if (not isinstance(variable, str) or variable.startswith("_") or not isinstance(value, ValueRef) or
+                    value not in invented):
                 continue
             try:
                 self.rename(value, variable)

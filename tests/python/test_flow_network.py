@@ -366,3 +366,36 @@ def test_numpy_scalars_are_capacities():
         network.add_edge("s", "t", np.float32("nan"))
     with pytest.raises(TypeError, match="capacity must be an int or a float"):
         network.add_edge("s", "t", np.bool_(True))
+
+
+def test_an_edge_added_from_a_vertex_hash_is_refused():
+    """A vertex whose __hash__ adds an edge to the same network while add_edge looks it up: the inner edge
+    was attached to a vertex number the outer call gave away again, and minimum_cut lost it (0 for 100)."""
+    import pytest
+
+    network = metile.FlowNetwork()
+
+    class Vertex:
+        armed = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def __hash__(self):
+            if Vertex.armed and self.name == "b":
+                Vertex.armed = False
+                network.add_edge(a, "t", 100)
+            return hash(self.name)
+
+        def __eq__(self, other):
+            return isinstance(other, Vertex) and other.name == self.name
+
+    a, b = Vertex("a"), Vertex("b")
+    Vertex.armed = True
+    with pytest.raises(ValueError, match="called while another add_edge of this network looks its vertices up"):
+        network.add_edge(a, b, 3)
+    assert network.vertex_count == 0  # the outer edge was not added either
+    network.add_edge(a, "t", 100)
+    network.add_edge(a, b, 3)
+    value, side = network.minimum_cut(a, "t")
+    assert value == 100 and side == frozenset({a, b})

@@ -227,3 +227,34 @@ def test_repr_is_readable():
                            "outputs=[summed, normalized])")
     assert repr(graph.nodes[1]) == "Node(normalized = rms_norm(summed, weight), eps=1e-05)"
     assert repr(graph.outputs[0]) == "Value('summed', f16[1, 64])"
+
+
+def test_arrays_inside_a_shape_or_permutation_are_refused_by_name():
+    """A numpy array as an item of a shape, a permutation or a reshape got numpy's own TypeError ("only
+    integer scalar arrays can be converted to a scalar index"), naming neither the argument nor the item;
+    a 0-d integer array was taken as a dimension where the scalar arguments refuse arrays."""
+    import numpy as np
+    import pytest
+
+    with pytest.raises(TypeError, match=r"^TensorSpec shape: a list of ints, got ndarray"):
+        metile.TensorSpec(np.array([[2, 3]]), "f32")
+    with pytest.raises(TypeError, match=r"^TensorSpec shape: a list of ints, got ndarray"):
+        metile.TensorSpec((np.array(2),), "f32")
+    assert metile.TensorSpec(np.array([2, 3]), "f32").shape == (2, 3)  # a 1-D array's items are numpy ints
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 3), "f32"))
+    with pytest.raises(TypeError, match=r"^transpose perm: a list of ints, got ndarray"):
+        builder.transpose(x, [np.array(1.0), 0])
+    with pytest.raises(TypeError, match=r"^reshape shape: a list of ints, got ndarray"):
+        builder.reshape(x, np.array([[3, 2]]))
+
+
+def test_build_under_exec_with_a_non_str_local_name():
+    """build() names invented values after the caller's variables; under exec() with a locals mapping holding a
+    non-str key it ended in AttributeError ('int' object has no attribute 'startswith')."""
+    scope = {1: "not a name", "metile": metile}
+    exec("builder = metile.GraphBuilder()\n"
+         "x = builder.input('x', metile.TensorSpec((2,), 'f32'))\n"
+         "doubled = builder.scale(x, 2.0)\n"
+         "graph = builder.build((doubled,))\n", {}, scope)
+    assert [value.name for value in scope["graph"].outputs] == ["doubled"]

@@ -228,3 +228,19 @@ def test_run_refuses_working_copies_beyond_this_machines_memory_naming_the_node(
             rf"\({working} bytes: its inputs as f32, its results as f64\) need more than this machine's "
             rf"{memory} bytes of memory$")):
         metile.run(graph, inputs)
+
+
+def test_inputs_may_be_any_mapping_and_anything_else_is_named(rng):
+    """run() took only a dict: a MappingProxyType or a Mapping class got pybind11's dump of the overloads, as did
+    a list of pairs or None, where a one-line TypeError naming the argument is what the other arguments give."""
+    import types
+
+    builder = metile.GraphBuilder()
+    x = builder.input("x", metile.TensorSpec((2, 3), "f32"))
+    doubled = builder.scale(x, 2.0)
+    graph = builder.build((doubled,))
+    value = rng.uniform(-1, 1, size=(2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(metile.run(graph, types.MappingProxyType({"x": value}))["doubled"], value * 2)
+    for wrong in ([("x", value)], None, 3):
+        with pytest.raises(TypeError, match=r"^run: inputs must be a dict of input name -> numpy array, got "):
+            metile.run(graph, wrong)
