@@ -19,6 +19,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #include "cuda_driver.h"
 #include "cuda_libraries.h"
@@ -154,8 +155,12 @@ namespace {
 // entry's header proves it is whole, not who wrote it), so the /tmp folder is used only where it is this
 // user's and no one else may write into it; otherwise a fresh private folder for this process.
 std::string homeless_cache_directory() {
-  if (const passwd* account = ::getpwuid(::getuid()); account != nullptr && account->pw_dir != nullptr &&
-                                                      account->pw_dir[0] == '/' && std::strcmp(account->pw_dir, "/") != 0) {
+  // getpwuid_r: cache_directory() may be called from several threads (Python releases the GIL).
+  passwd entry{};
+  passwd* account = nullptr;
+  std::vector<char> buffer(16384);
+  if (::getpwuid_r(::getuid(), &entry, buffer.data(), buffer.size(), &account) == 0 && account != nullptr &&
+      account->pw_dir != nullptr && account->pw_dir[0] == '/' && std::strcmp(account->pw_dir, "/") != 0) {
     return (std::filesystem::path(account->pw_dir) / ".cache" / "metile").string();
   }
   const std::string shared = fmt::format("/tmp/metile-cache-{}", static_cast<unsigned long>(::getuid()));
