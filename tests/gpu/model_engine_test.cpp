@@ -42,6 +42,11 @@ std::string describe(const AgreementFigures& figures) {
                      figures.decided_positions, figures.kl_mean, figures.kl_max, figures.max_logit_error);
 }
 
+// The fewest decided positions a comparison must have, so that "every decided next token agrees" cannot pass
+// empty: a quarter. Half failed one run in ~90 with every figure exact (qwen2 bf16, seed 11749740969955472187, an
+// H100 in session 52: 31 of 64 decided, KL 0, logit error 0); the tiny synthetic models decide 31-64 of 64.
+std::int64_t least_decided(const AgreementFigures& figures) { return figures.positions / 4; }
+
 std::vector<std::int32_t> random_prompt(std::uint64_t seed, std::size_t count, std::int64_t vocab) {
   std::mt19937_64 generator(seed);
   std::vector<std::int32_t> tokens;
@@ -110,7 +115,7 @@ class FusedAgainstNative : public ModelEngineTest, public ::testing::WithParamIn
 // perturbations KL ~ |d|^2 / 2, so KL(native, fused) <= 2 (KL(ref, native) + KL(ref, fused))
 // unless fused moves the logits beyond its own rounding. Next tokens may differ only at a near tie:
 // every decided position (the native path's two best tokens apart by at least 5% of its largest
-// logit, AgreementFigures::kDecidedMargin) must agree, and at least half of the 64 must be decided
+// logit, AgreementFigures::kDecidedMargin) must agree, and at least a quarter of the 64 must be decided
 // (so that the check cannot pass empty); of all positions 90% (measured: 59-64 of 64).
 TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
   const EngineCase engine_case = GetParam();
@@ -159,7 +164,7 @@ TEST_P(FusedAgainstNative, EveryNextTokenAgreesOver64Positions) {
     EXPECT_EQ(rope_regions, model.config().num_hidden_layers) << "S " << steps << "\n" << fused.executable(steps).report();
   }
   EXPECT_EQ(against_native.decided_agreements, against_native.decided_positions) << figures << "\nfused decode plan:\n" << plan;
-  EXPECT_GE(against_native.decided_positions, against_native.positions / 2) << figures;
+  EXPECT_GE(against_native.decided_positions, least_decided(against_native)) << figures;
   EXPECT_GE(against_native.agreement(), 0.9) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_LE(against_native.kl_mean, 2 * (native_noise.kl_mean + fused_noise.kl_mean)) << figures << "\nfused decode plan:\n" << plan;
   EXPECT_TRUE(meets(against_native, EngineThresholds{})) << first_miss(against_native, EngineThresholds{}) << "\n" << figures;
@@ -226,7 +231,7 @@ TEST_F(ModelEngineTest, NearTieRacesKeepTheFusedEngineAgreeingWithNative) {
   EXPECT_GE(verdicts, 1u) << report;
   EXPECT_EQ(raced_kinds.size(), verdicts) << report;  // a kind is "<rule> fused": one verdict for each raced rule
   EXPECT_EQ(figures.decided_agreements, figures.decided_positions) << describe(figures) << "\n" << report;
-  EXPECT_GE(figures.decided_positions, figures.positions / 2) << describe(figures);
+  EXPECT_GE(figures.decided_positions, least_decided(figures)) << describe(figures);
   EXPECT_GE(figures.agreement(), 0.9) << describe(figures) << "\n" << report;
   EXPECT_TRUE(meets(figures, EngineThresholds{})) << first_miss(figures, EngineThresholds{}) << "\n" << report;
   std::printf("near-tie races: %d regions raced, %zu verdicts\nfused (near ties raced) vs native: %s\n", raced_regions,
