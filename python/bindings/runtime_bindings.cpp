@@ -167,13 +167,15 @@ void bind_runtime(py::module_& module) {
       [](const py::object& graph_or_plan, const py::object& given_inputs) {
         // A dict, or any mapping (MappingProxyType, a Mapping class) as one; anything else one line naming
         // the argument, not pybind11's dump of the overloads.
-        const py::object mapping_type = py::module_::import("collections.abc").attr("Mapping");
-        if (!py::isinstance<py::dict>(given_inputs) && !py::isinstance(given_inputs, mapping_type)) {
+        py::dict inputs;
+        if (py::isinstance<py::dict>(given_inputs)) {
+          inputs = py::reinterpret_borrow<py::dict>(given_inputs);
+        } else if (py::isinstance(given_inputs, py::module_::import("collections.abc").attr("Mapping"))) {
+          inputs = py::dict(given_inputs);
+        } else {
           throw py::type_error("run: inputs must be a dict of input name -> numpy array, got " +
                                python_type_name(given_inputs));
         }
-        const py::dict inputs = py::isinstance<py::dict>(given_inputs) ? py::reinterpret_borrow<py::dict>(given_inputs)
-                                                                       : py::dict(given_inputs);
         if (py::isinstance<FusionPlan>(graph_or_plan)) {
           const auto plan = graph_or_plan.cast<std::shared_ptr<FusionPlan>>();
           // Kernel by kernel as the plan groups the nodes, which also checks that the regions

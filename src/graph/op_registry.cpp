@@ -969,14 +969,18 @@ void check_rope_frequencies(double theta, std::int64_t dims, double factor) {
   constexpr double kLargestFrequency = static_cast<double>(std::numeric_limits<float>::max()) / 2147483648.0;
   const double exponent = -static_cast<double>(dims - 2) / static_cast<double>(dims);
   const double largest = std::max(1.0, std::pow(theta, exponent));
-  const std::string limit = "past " + number_text(kLargestFrequency) + ", where an i32 position's angle would leave f32";
+  const double largest_scaled = largest / std::min(1.0, factor);
+  const auto limit = [&] {
+    return "past " + number_text(kLargestFrequency) + ", where an i32 position's angle would leave f32";
+  };
   if (!(largest <= kLargestFrequency)) {
     throw InputError("theta " + number_text(theta) + " is too small: its largest frequency theta^(-" +
-                     std::to_string(dims - 2) + "/" + std::to_string(dims) + ") is " + number_text(largest) + ", " + limit);
+                     std::to_string(dims - 2) + "/" + std::to_string(dims) + ") is " + number_text(largest) + ", " +
+                     limit());
   }
-  if (!(largest / std::min(1.0, factor) <= kLargestFrequency)) {
+  if (!(largest_scaled <= kLargestFrequency)) {
     throw InputError("factor " + number_text(factor) + " is too small: frequencies divided by it reach " +
-                     number_text(largest / std::min(1.0, factor)) + ", " + limit);
+                     number_text(largest_scaled) + ", " + limit());
   }
 }
 

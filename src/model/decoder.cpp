@@ -225,11 +225,9 @@ namespace {
 // instead of after doing most of its work (count is compared first, so that the sum cannot overflow).
 void check_generation_fits(const LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count) {
   const std::int64_t capacity = session.capacity();
-  const std::int64_t fed = count > capacity ? count
-                                            : session.position() + static_cast<std::int64_t>(prompt.size()) +
-                                                  std::max<std::int64_t>(count - 1, 0);
+  const std::int64_t prompt_end = session.position() + static_cast<std::int64_t>(prompt.size());
+  const std::int64_t fed = count > capacity ? count : prompt_end + std::max<std::int64_t>(count - 1, 0);
   if (fed > capacity) {
-    const std::int64_t prompt_end = session.position() + static_cast<std::int64_t>(prompt.size());
     const std::string at = session.position() > 0 ? fmt::format(" at position {}", session.position()) : "";
     if (prompt_end > capacity) {  // the prompt alone: "1 tokens after a 9-token prompt" blamed the count
       throw InputError(fmt::format("a {}-token prompt{} goes past the KV-cache capacity {} ({})", prompt.size(), at,

@@ -324,6 +324,10 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   const std::filesystem::path staging_parent = target_exists ? target : parent;
   const std::filesystem::path staging = staging_parent / staging_name;
   std::vector<std::filesystem::path> moved;  // into an existing directory: removed again if a later move fails
+  const auto remove_what_was_written = [&] {
+    for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);
+    std::filesystem::remove_all(staging, error);
+  };
   // create_directory: a folder of that name already there is an error, not shared.
   if (!std::filesystem::create_directory(staging, error) && !error) error = std::make_error_code(std::errc::file_exists);
   if (error) {
@@ -431,8 +435,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       throw InputError(fmt::format("{}: cannot move into place: {}", directory.string(), std::strerror(failure)));
     }
   } catch (const InputError& failure) {
-    for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);
-    std::filesystem::remove_all(staging, error);
+    remove_what_was_written();
     // A write that failed inside the staging folder (a full disk, `ulimit -f`) is told in the user's terms:
     // the folder named above is gone, and nothing reached the directory asked for.
     const std::string message = failure.what();
@@ -447,8 +450,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     }
     throw InputError(fmt::format("{}: {} (writing {}); nothing was written", directory.string(), reason, file));
   } catch (...) {
-    for (const std::filesystem::path& file : moved) std::filesystem::remove(file, error);
-    std::filesystem::remove_all(staging, error);
+    remove_what_was_written();
     throw;
   }
 }
