@@ -27,6 +27,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -163,8 +164,12 @@ class DecoderModel {
   // i32 [S], "positions" i32 [S], "layers.N.k_cache"/"layers.N.v_cache"
   // [Hkv, T, D], and the weights; outputs: "logits" [S, V], with
   // StepOutputs::logits_and_next_tokens "next_tokens" i32 [S] (argmax of each row of the
-  // logits), and the caches written ("layers.N.k_cache_out", ...). Cached per S and outputs.
-  const ComputeGraph& step_graph(std::int64_t steps, StepOutputs outputs = StepOutputs::logits) const;
+  // logits), and the caches written ("layers.N.k_cache_out", ...). T is `cache_rows` (1 to the
+  // capacity; 0: the capacity): attention reads the caches' T rows, so a session whose positions
+  // stay below T gets the logits it would get over the whole capacity (the rows past a position are
+  // masked) for a step whose attention costs T, not the capacity. Cached per S, outputs and T.
+  const ComputeGraph& step_graph(std::int64_t steps, StepOutputs outputs = StepOutputs::logits,
+                                 std::int64_t cache_rows = 0) const;
 
  private:
   ModelConfig config_;
@@ -180,11 +185,12 @@ class DecoderModel {
     StepGraphCache() = default;
     StepGraphCache(const StepGraphCache& other);
     StepGraphCache& operator=(const StepGraphCache& other);
-    const ComputeGraph& get(std::int64_t steps, StepOutputs outputs, const std::function<ComputeGraph()>& build) const;
+    const ComputeGraph& get(std::int64_t steps, StepOutputs outputs, std::int64_t cache_rows,
+                            const std::function<ComputeGraph()>& build) const;
 
    private:
     mutable std::mutex mutex_;
-    mutable std::map<std::pair<std::int64_t, StepOutputs>, std::shared_ptr<const ComputeGraph>> graphs_;
+    mutable std::map<std::tuple<std::int64_t, StepOutputs, std::int64_t>, std::shared_ptr<const ComputeGraph>> graphs_;
   };
   StepGraphCache graphs_;
 };
@@ -263,11 +269,15 @@ class DecodeSession : public LogitsSession {
   const std::string& capacity_source() const override { return model_.capacity_source(); }
 
  private:
+  // Grows the caches to hold at least `rows` rows (decoder.cpp says why they grow).
+  void reserve_cache_rows(std::int64_t rows);
+
   const DecoderModel& model_;
   DecodePath path_;
   std::int64_t position_ = 0;
+  std::int64_t cache_rows_ = 0;  // the rows the caches hold now: a power of two past the position, at most the capacity
   TensorMap state_;  // token ids, positions and caches by graph input name (the weights are the model's)
-  std::map<std::int64_t, std::shared_ptr<const FusionPlan>> plans_;
+  std::map<std::pair<std::int64_t, std::int64_t>, std::shared_ptr<const FusionPlan>> plans_;  // by steps and cache rows
   bool caches_lost_ = false;  // an error inside a step took the caches with it (feed refuses from then on)
 };
 

@@ -15,9 +15,11 @@
 #include <pybind11/stl/filesystem.h>
 
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string_view>
 
 #include "bindings.h"
@@ -123,6 +125,27 @@ GenerateArguments generate_arguments(const DecoderModel& model, const py::handle
   return arguments;
 }
 
+// Runs a generation without the GIL, looking for Python's Ctrl-C after each token (the GIL taken for
+// the look alone): a signal ends the generation there with the handler's exception (KeyboardInterrupt).
+// Unlooked-for, the interrupt was seen only after the last token. `run` is handed the on_token to pass
+// to generate.
+Generation generate_until_interrupted(const std::function<Generation(const std::function<void(std::int64_t)>&)>& run) {
+  struct Interrupted {};
+  std::optional<py::error_already_set> interruption;
+  const std::function<void(std::int64_t)> look_for_signals = [&](std::int64_t) {
+    const py::gil_scoped_acquire acquire;
+    if (PyErr_CheckSignals() == 0) return;
+    interruption.emplace();  // the handler's exception, taken from Python's error state
+    throw Interrupted{};
+  };
+  try {
+    const py::gil_scoped_release release;
+    return run(look_for_signals);
+  } catch (const Interrupted&) {
+    throw *interruption;
+  }
+}
+
 #ifdef METILE_HAVE_CUDA_BACKEND
 // A model on the GPU as Python holds it: the host model (the step graphs), its weights on the
 // device, and one session whose Executables every call reuses (a fresh sequence each call).
@@ -174,13 +197,10 @@ void bind_model(py::module_& module) {
             const std::vector<std::int32_t> tokens = token_ids(ids, model);
             const std::int64_t count = integer_argument("n", n);
             const GenerateArguments arguments = generate_arguments(model, temperature, top_k, top_p, seed, ignore_eos);
-            Generation generation;
-            {
-              py::gil_scoped_release release;
+            return tokens_array(generate_until_interrupted([&](const std::function<void(std::int64_t)>& on_token) {
               DecodeSession session(model);
-              generation = generate(session, tokens, count, arguments.sampling, arguments.stop_tokens);
-            }
-            return tokens_array(generation);
+              return generate(session, tokens, count, arguments.sampling, arguments.stop_tokens, on_token);
+            }));
           },
           py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
           py::arg("seed") = 0, py::arg("ignore_eos") = false, kGenerateDoc);
@@ -218,13 +238,10 @@ void bind_model(py::module_& module) {
             const std::int64_t count = integer_argument("n", n);
             const GenerateArguments arguments =
                 generate_arguments(*held.model, temperature, top_k, top_p, seed, ignore_eos);
-            Generation generation;
-            {
-              py::gil_scoped_release release;
+            return tokens_array(generate_until_interrupted([&](const std::function<void(std::int64_t)>& on_token) {
               held.session->reset();
-              generation = generate(*held.session, tokens, count, arguments.sampling, arguments.stop_tokens);
-            }
-            return tokens_array(generation);
+              return generate(*held.session, tokens, count, arguments.sampling, arguments.stop_tokens, on_token);
+            }));
           },
           py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
           py::arg("seed") = 0, py::arg("ignore_eos") = false, kGenerateDoc);

@@ -14,6 +14,15 @@
 // and feed() moves the outputs back into state_. One buffer per cache exists at any
 // time and no step copies one. The results are the same as with a copy because no
 // other node reads the input cache.
+//
+// The caches grow. A step graph attends over every row its caches hold, and a row past a query's
+// position is masked (-inf before the softmax: a probability of exactly 0, whose products the
+// index-order f64 sums of the softmax and the matmul add as +0), so the logits over the rows a
+// sequence has reached are the logits over the whole capacity, to the bit. The session's caches
+// hold the rows its positions have reached, rounded up to a power of two (kFirstCacheRows at
+// least, the capacity at most), and double, copying their rows once, when a chunk needs more: a
+// step's attention costs the sequence's length, not the capacity (over the default 4096 positions
+// it cost every step as much as a 4096-token sequence's).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -63,13 +72,43 @@ void check_decode_sessions_fit(const DecoderModel& model, int sessions) {
   }
 }
 
+namespace {
+constexpr std::int64_t kFirstCacheRows = 128;  // a cache's rows at the start (fewer where the capacity is smaller)
+}  // namespace
+
 DecodeSession::DecodeSession(const DecoderModel& model, DecodePath path) : model_(model), path_(path) {
-  const ModelConfig& config = model.config();
-  check_decode_sessions_fit(model, 1);
-  const TensorSpec cache_spec({config.num_key_value_heads, model.capacity(), config.head_dim}, model.dtype());
+  check_decode_sessions_fit(model, 1);  // the whole capacity's caches: the rows the session may grow to
+  reserve_cache_rows(1);
+}
+
+void DecodeSession::reserve_cache_rows(std::int64_t rows) {
+  if (rows <= cache_rows_) return;
+  std::int64_t grown = std::max(cache_rows_, kFirstCacheRows);
+  while (grown < rows) grown *= 2;
+  grown = std::min(grown, model_.capacity());
+  const ModelConfig& config = model_.config();
+  const TensorSpec cache_spec({config.num_key_value_heads, grown, config.head_dim}, model_.dtype());
+  // Each head's rows [0, cache_rows_) move to the start of its rows in the larger cache; the rest stay
+  // zero, as a fresh cache's rows are.
+  const auto row_bytes = static_cast<std::size_t>(config.head_dim * dtype_size(model_.dtype()));
+  caches_lost_ = true;  // until every cache has grown (an allocation that fails leaves them of two sizes)
   for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-    for (char which : {'k', 'v'}) state_.insert_or_assign(cache_name(layer, which), HostTensor(cache_spec));
+    for (char which : {'k', 'v'}) {
+      const std::string name = cache_name(layer, which);
+      HostTensor larger(cache_spec);
+      if (cache_rows_ > 0) {
+        const HostTensor& cache = state_.at(name);
+        for (std::int64_t head = 0; head < config.num_key_value_heads; ++head) {
+          std::memcpy(larger.bytes().data() + static_cast<std::size_t>(head * grown) * row_bytes,
+                      cache.bytes().data() + static_cast<std::size_t>(head * cache_rows_) * row_bytes,
+                      static_cast<std::size_t>(cache_rows_) * row_bytes);
+        }
+      }
+      state_.insert_or_assign(name, std::move(larger));
+    }
   }
+  cache_rows_ = grown;
+  caches_lost_ = false;
 }
 
 void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& model) {
@@ -138,14 +177,15 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
       std::memcpy(ids.bytes().data() + step * 4, &token, 4);
       std::memcpy(positions.bytes().data() + step * 4, &position, 4);
     }
+    reserve_cache_rows(position_ + steps);
     state_.insert_or_assign("token_ids", std::move(ids));
     state_.insert_or_assign("positions", std::move(positions));
 
-    const ComputeGraph& graph = model_.step_graph(steps);
+    const ComputeGraph& graph = model_.step_graph(steps, StepOutputs::logits, cache_rows_);
     const TensorMap* weights[] = {&model_.weights()};
     const FusionPlan* plan = nullptr;
     if (path_ == DecodePath::planned) {
-      auto& cached = plans_[steps];
+      auto& cached = plans_[{steps, cache_rows_}];
       if (!cached) cached = std::make_shared<const FusionPlan>(plan_graph_fusion(graph, FusionTarget::cpu()));
       plan = cached.get();
     }

@@ -31,8 +31,8 @@ namespace {
 
 class StepGraphRecorder {
  public:
-  StepGraphRecorder(const DecoderModel& model, std::int64_t steps, StepOutputs step_outputs)
-      : model_(model), steps_(steps), step_outputs_(step_outputs) {}
+  StepGraphRecorder(const DecoderModel& model, std::int64_t steps, StepOutputs step_outputs, std::int64_t cache_rows)
+      : model_(model), steps_(steps), step_outputs_(step_outputs), cache_rows_(cache_rows) {}
 
   ComputeGraph record() {
     const ModelConfig& config = model_.config();
@@ -122,7 +122,7 @@ class StepGraphRecorder {
     const std::int64_t kv_heads = config.num_key_value_heads;
     const std::int64_t head_dim = config.head_dim;
     const std::int64_t group = config.group_size();
-    const TensorSpec cache_spec({kv_heads, model_.capacity(), head_dim}, model_.dtype());
+    const TensorSpec cache_spec({kv_heads, cache_rows_, head_dim}, model_.dtype());
 
     const ValueRef normed = builder_.rms_norm(x, weight(hf + "input_layernorm.weight"), config.rms_norm_eps,
                                               at + "input_norm");
@@ -165,6 +165,7 @@ class StepGraphRecorder {
   const DecoderModel& model_;
   std::int64_t steps_;
   StepOutputs step_outputs_;
+  std::int64_t cache_rows_;
   GraphBuilder builder_;
   ValueRef token_ids_, positions_;
   std::map<std::string, ValueRef> inputs_;
@@ -172,11 +173,16 @@ class StepGraphRecorder {
 
 }  // namespace
 
-const ComputeGraph& DecoderModel::step_graph(std::int64_t steps, StepOutputs outputs) const {
+const ComputeGraph& DecoderModel::step_graph(std::int64_t steps, StepOutputs outputs, std::int64_t cache_rows) const {
   if (steps < 1 || steps > kMaxStepTokens) {
     throw InputError(fmt::format("a decode step takes 1 to {} tokens, not {}", kMaxStepTokens, steps));
   }
-  return graphs_.get(steps, outputs, [&] { return StepGraphRecorder(*this, steps, outputs).record(); });
+  if (cache_rows < 0 || cache_rows > capacity_) {
+    throw InputError(fmt::format("a decode step's caches hold 1 to {} rows (the capacity), not {}", capacity_, cache_rows));
+  }
+  if (cache_rows == 0) cache_rows = capacity_;
+  return graphs_.get(steps, outputs, cache_rows,
+                     [&] { return StepGraphRecorder(*this, steps, outputs, cache_rows).record(); });
 }
 
 DecoderModel::StepGraphCache::StepGraphCache(const StepGraphCache& other) {
@@ -192,10 +198,10 @@ DecoderModel::StepGraphCache& DecoderModel::StepGraphCache::operator=(const Step
 }
 
 // A graph once built is never replaced, so the reference stays valid after the lock is released.
-const ComputeGraph& DecoderModel::StepGraphCache::get(std::int64_t steps, StepOutputs outputs,
+const ComputeGraph& DecoderModel::StepGraphCache::get(std::int64_t steps, StepOutputs outputs, std::int64_t cache_rows,
                                                       const std::function<ComputeGraph()>& build) const {
   const std::lock_guard lock(mutex_);
-  auto& cached = graphs_[{steps, outputs}];
+  auto& cached = graphs_[{steps, outputs, cache_rows}];
   if (!cached) cached = std::make_shared<const ComputeGraph>(build());
   return *cached;
 }

@@ -353,6 +353,47 @@ def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
     assert not list(tmp_path.glob(".metile-partial-*"))
 
 
+def test_generate_is_interrupted_by_ctrl_c(tmp_path):
+    # Ctrl-C during a long generation ends it at the next token with whatever the SIGINT handler raises
+    # (a test's own exception here, as above); the generation ran without the GIL and looked for no
+    # signal, so the handler ran only after the last token (here minutes after the signal: 60000
+    # tokens). The model is unharmed: a fresh generation after it is the same as before.
+    import os
+    import signal
+    import time
+    metile.synth_model(str(tmp_path / "model"))
+    model = metile.load_model(str(tmp_path / "model"), max_seq=60003)
+    before = model.generate([1, 2, 3], 5, ignore_eos=True)
+
+    class Interrupted(Exception):
+        pass
+
+    handled = []
+
+    def raise_interrupted(signum, frame):
+        handled.append(time.monotonic())
+        raise Interrupted()
+
+    sent = []
+
+    def interrupt_soon():
+        time.sleep(0.3)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, raise_interrupted)
+    try:
+        thread = threading.Thread(target=interrupt_soon)
+        thread.start()
+        with pytest.raises(Interrupted):
+            model.generate([1, 2, 3], 60000, ignore_eos=True)
+        thread.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert handled[0] - sent[0] < 10, f"the handler ran {handled[0] - sent[0]:.1f} s after the signal"
+    assert np.array_equal(model.generate([1, 2, 3], 5, ignore_eos=True), before)
+
+
 def test_cuda_backend(tmp_path, rng):
     """backend="cuda": without a GPU (or a CUDA build) one ValueError before the checkpoint is
     read, after the arguments are checked; with one, the GPU engine's logits and greedy tokens match the CPU path's."""

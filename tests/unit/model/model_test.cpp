@@ -303,6 +303,68 @@ TEST_F(DecoderModelTest, ChunkedPrefillEqualsTokenByToken) {
   EXPECT_NE(testing::error_of([&] { ragged.feed(tokens); }).find("past the KV-cache capacity 40"), std::string::npos);
 }
 
+// A session's caches grow with its positions (src/model/decoder.cpp): its logits are, to the bit, the
+// whole-capacity step graph's, run here chunk by chunk with caches of every row, across each growth
+// (128 -> 256 -> 512 -> the capacity 600) and with chunks that straddle one. A step graph of fewer rows
+// names the rows its caches take.
+TEST_F(DecoderModelTest, GrowingCachesGiveTheWholeCapacitysLogits) {
+  std::mt19937_64 generator(testing::model_test_seed() + 9);
+  SynthOptions options;
+  options.architecture = ModelArchitecture::qwen2;  // biases, grouped heads
+  const DecoderModel model = DecoderModel::load(synth("growing", options), {DType::bf16, {}, 600});
+  const std::vector<std::int32_t> tokens = random_tokens(generator, 600, 256);
+  const ComputeGraph& short_graph = model.step_graph(1, StepOutputs::logits, 128);
+  EXPECT_EQ(short_graph.inputs().size(), model.step_graph(1).inputs().size());
+  EXPECT_EQ(short_graph.value(*short_graph.find_value("layers.0.k_cache")).spec.shape[1], 128);
+  EXPECT_EQ(model.step_graph(1).value(*model.step_graph(1).find_value("layers.0.k_cache")).spec.shape[1], 600);
+  EXPECT_NE(testing::error_of([&] { (void)model.step_graph(1, StepOutputs::logits, 601); }).find("1 to 600 rows"), std::string::npos);
+
+  DecodeSession growing(model);
+  TensorMap whole;  // the oracle's state: caches of the capacity's rows
+  const ModelConfig& config = model.config();
+  for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    for (char which : {'k', 'v'}) {
+      whole.insert_or_assign(fmt::format("layers.{}.{}_cache", layer, which),
+                             HostTensor(TensorSpec({config.num_key_value_heads, 600, config.head_dim}, DType::bf16)));
+    }
+  }
+  const TensorMap* weights[] = {&model.weights()};
+  std::size_t first = 0;
+  for (std::size_t count : {100, 20, 16, 9, 16, 140, 1, 1, 200, 97}) {  // 127, 129, 255, 256, 257, 511, 512, 513, 600
+    const std::span<const std::int32_t> chunk(tokens.data() + first, count);
+    const std::vector<float> logits = growing.feed(chunk);
+    std::vector<float> expected;
+    for_each_step_chunk(chunk, [&](std::span<const std::int32_t> piece) {
+      const auto steps = static_cast<std::int64_t>(piece.size());
+      const std::int64_t at = static_cast<std::int64_t>(first) + (piece.data() - chunk.data());
+      HostTensor ids(TensorSpec({steps}, DType::i32)), positions(TensorSpec({steps}, DType::i32));
+      for (std::int64_t step = 0; step < steps; ++step) {
+        const std::int32_t token = piece[static_cast<std::size_t>(step)];
+        const auto position = static_cast<std::int32_t>(at + step);
+        std::memcpy(ids.bytes().data() + step * 4, &token, 4);
+        std::memcpy(positions.bytes().data() + step * 4, &position, 4);
+      }
+      whole.insert_or_assign("token_ids", std::move(ids));
+      whole.insert_or_assign("positions", std::move(positions));
+      TensorMap outputs = run_reference(model.step_graph(steps), std::exchange(whole, {}), weights);
+      for (std::int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+        for (char which : {'k', 'v'}) {
+          const std::string name = fmt::format("layers.{}.{}_cache", layer, which);
+          whole.insert_or_assign(name, std::move(outputs.at(name + "_out")));
+        }
+      }
+      const HostTensor& step_logits = outputs.at("logits");
+      for (std::int64_t index = 0; index < step_logits.element_count(); ++index) {
+        expected.push_back(static_cast<float>(step_logits.at(index)));
+      }
+    });
+    first += count;
+    ASSERT_EQ(logits.size(), expected.size());
+    EXPECT_EQ(std::memcmp(logits.data(), expected.data(), logits.size() * sizeof(float)), 0) << "after " << first << " tokens";
+  }
+  EXPECT_EQ(first, tokens.size());
+}
+
 TEST_F(DecoderModelTest, SynthRoundTripsThroughBothSpellingsAndShards) {
   std::mt19937_64 generator(testing::model_test_seed() + 3);
   SynthOptions options;
