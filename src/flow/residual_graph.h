@@ -115,11 +115,11 @@ class SolverTolerance {
       const Capacity sent = bound[static_cast<std::size_t>(source)];
       for (Capacity& b : bound) b = std::min(b, sent);
       bound[static_cast<std::size_t>(sink)] = Capacity{};
-      const auto edge_threshold = [&](int edge) {
-        const FlowEdge<Capacity>& e = edges[static_cast<std::size_t>(edge)];
-        return kRelative * std::min(network.edge_is_infinite(edge) ? largest : e.capacity,
-                                    bound[static_cast<std::size_t>(e.from)]);
-      };
+      // An infinite edge counts as the largest finite capacity, or as the finite capacity sum over the
+      // number of infinite edges where that is smaller: however many there are, their thresholds add up
+      // to at most 1e-13 of that sum, at their arcs as at their heads. (Each at the largest capacity, 30 000
+      // of them beside a 1e15 edge hid 100 each on their reverse arcs: flow sent along one could not be
+      // sent back, and every engine ended at half the maximum.)
       std::size_t infinite_edges = 0;
       for (std::size_t e = 0; e < edges.size(); ++e) {
         if (network.edge_is_infinite(static_cast<int>(e)) && edges[e].from != edges[e].to) ++infinite_edges;
@@ -127,6 +127,11 @@ class SolverTolerance {
       const Capacity infinite_share =
           infinite_edges == 0 ? Capacity{}
                               : std::min(largest, network.finite_capacity_sum() / static_cast<Capacity>(infinite_edges));
+      const auto edge_threshold = [&](int edge) {
+        const FlowEdge<Capacity>& e = edges[static_cast<std::size_t>(edge)];
+        return kRelative * std::min(network.edge_is_infinite(edge) ? infinite_share : e.capacity,
+                                    bound[static_cast<std::size_t>(e.from)]);
+      };
       arc_.resize(static_cast<std::size_t>(network.arc_count()));
       for (int arc = 0; arc < network.arc_count(); ++arc) {
         const int forward = network.arc_edge(arc) >= 0 ? arc : network.reverse_arc(arc);
@@ -140,10 +145,7 @@ class SolverTolerance {
       vertex_.assign(static_cast<std::size_t>(network.vertex_count()), Capacity{});
       for (std::size_t e = 0; e < edges.size(); ++e) {
         if (edges[e].from == edges[e].to) continue;
-        vertex_[static_cast<std::size_t>(edges[e].to)] +=
-            network.edge_is_infinite(static_cast<int>(e))
-                ? std::min(kRelative * infinite_share, kRelative * bound[static_cast<std::size_t>(edges[e].from)])
-                : edge_threshold(static_cast<int>(e));
+        vertex_[static_cast<std::size_t>(edges[e].to)] += edge_threshold(static_cast<int>(e));
       }
     }
   }

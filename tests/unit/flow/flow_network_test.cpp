@@ -246,6 +246,51 @@ TEST(FlowNetworkBuilder, ManyLegalityEdgesDoNotHideTheFlowAtTheirHeads) {
   }
 }
 
+// Many legality edges' reverse arcs, each of which must give back what was sent along its edge. Each
+// gadget's maximum is 100: 50 through s->p->a, which the first search sends on a->b->t, and 50 through
+// s->c1->c2->c3->b, which needs b->t, so the first 50 must come back over b->a (the reverse arc of the
+// infinite edge a->b) and leave by a->d->e->f->t. The infinite cycle a<->a2 makes a's inflow bound the
+// whole source's. With every infinite arc's threshold at 1e-13 x the largest capacity (1e15 here: 100),
+// the 50 on b->a counted as nothing and every engine ended at half the maximum, 1.5e6 short, past the
+// tolerance (1e6); the arcs now share 1e-13 x the finite sum like the vertices.
+TEST(FlowNetworkBuilder, ManyLegalityEdgesGiveBackWhatWasSentAlongThem) {
+  constexpr int kGadgets = 30000;
+  constexpr double kEdge = 50;
+  FlowNetworkBuilder<double> builder(3);  // 0: s, 1: t, 2: the huge edge's dead end
+  builder.add_edge(0, 2, 1e15);
+  for (int i = 0; i < kGadgets; ++i) {
+    const int p = builder.add_vertex(), a = builder.add_vertex(), a2 = builder.add_vertex(), b = builder.add_vertex();
+    builder.add_edge(0, p, kEdge);
+    builder.add_edge(p, a, kEdge);
+    builder.add_infinite_edge(a, a2);
+    builder.add_infinite_edge(a2, a);
+    builder.add_infinite_edge(a, b);
+    builder.add_edge(b, 1, kEdge);
+    int tail = 0;
+    for (int step = 0; step < 3; ++step) {
+      const int next = builder.add_vertex();
+      builder.add_edge(tail, next, kEdge);
+      tail = next;
+    }
+    builder.add_edge(tail, b, kEdge);
+    tail = a;
+    for (int step = 0; step < 3; ++step) {
+      const int next = builder.add_vertex();
+      builder.add_edge(tail, next, kEdge);
+      tail = next;
+    }
+    builder.add_edge(tail, 1, kEdge);
+  }
+  const RealFlowNetwork network = builder.build();
+  const double expected = 2 * kEdge * kGadgets;
+  const std::vector<MaxFlowResult<double>> results = {dinic(network, 0, 1), hlpp(network, 0, 1), ipm(network, 0, 1),
+                                                      solve(network, 0, 1, {.use_cache = false})};
+  for (const MaxFlowResult<double>& result : results) {
+    EXPECT_NEAR(result.value, expected, 1e-6 * expected) << result.solver;
+    EXPECT_TRUE(verify(network, 0, 1, result)) << result.solver;
+  }
+}
+
 // HLPP's second phase (edge flows) returns the excess to the source. Here 10 reaches vertex 7 through
 // the 1e15 edge 4->9 and 9->7: on its way back, 9->4's residual (10) is below that edge's threshold
 // (1e-13 x 1e15), so 9 of it cannot go back (1 goes on to the sink) and 7 kept it. Vertex 1, processed
