@@ -289,6 +289,20 @@ FlowProblem<Capacity> read_dimacs_max_flow(std::istream& input, std::string_view
   return DimacsReader(file_name).read<Capacity>(text);
 }
 
+namespace {
+
+// A capacity as the file holds it. A real network's is always written as a real (5 as "5.0"): written as
+// digits alone, a network of whole capacities read back as an integer one, whose limits are not a real
+// one's (300 capacities of 2^53 were refused: an int64 sum must stay below 2^61).
+std::string dimacs_capacity(std::int64_t capacity) { return capacity_text(capacity); }
+std::string dimacs_capacity(double capacity) {
+  std::string text = capacity_text(capacity);
+  if (text.find_first_not_of("-0123456789") == std::string::npos) text += ".0";
+  return text;
+}
+
+}  // namespace
+
 template <typename Capacity>
 void write_dimacs_max_flow(std::ostream& output, const FlowProblem<Capacity>& problem) {
   const FlowNetwork<Capacity>& network = problem.network;
@@ -300,7 +314,7 @@ void write_dimacs_max_flow(std::ostream& output, const FlowProblem<Capacity>& pr
   text += "n " + std::to_string(problem.sink + 1) + " t\n";
   for (const FlowEdge<Capacity>& edge : network.edges()) {
     text += "a " + std::to_string(edge.from + 1) + " " + std::to_string(edge.to + 1) + " " +
-            capacity_text(edge.capacity) + "\n";
+            dimacs_capacity(edge.capacity) + "\n";
   }
   output << text;
 }

@@ -112,6 +112,26 @@ TEST(Dimacs, RealRoundTripKeepsCapacitiesBeyondTwoToThe53) {
   }
 }
 
+// A real network of whole capacities is written with its capacities as reals ("5.0"), so the file reads
+// back as a real problem: written as digits it read back as an integer one, and 300 capacities of 2^53
+// (a finite double sum) passed the integer reader's 2^61 limit and were refused.
+TEST(Dimacs, RealNetworkOfWholeCapacitiesReadsBackAsReal) {
+  std::vector<FlowEdge<double>> edges(300, {0, 1, 9007199254740992.0});
+  edges.push_back({1, 2, 5});
+  const FlowProblem<double> original{RealFlowNetwork(3, edges), 0, 2};
+  std::ostringstream written;
+  write_dimacs_max_flow(written, original);
+  EXPECT_NE(written.str().find("a 2 3 5.0\n"), std::string::npos) << written.str().substr(0, 200);
+  const std::filesystem::path file = std::filesystem::temp_directory_path() / "metile_dimacs_whole_reals.max";
+  std::ofstream(file) << written.str();
+  const AnyFlowProblem from_file = read_dimacs_max_flow_file(file);
+  std::filesystem::remove(file);
+  ASSERT_EQ(from_file.index(), 1u);
+  const FlowProblem<double>& reread = std::get<FlowProblem<double>>(from_file);
+  EXPECT_EQ(reread.network.fingerprint(), original.network.fingerprint());
+  EXPECT_EQ(dinic(reread.network, 0, 2).value, 5);
+}
+
 TEST(Dimacs, FileReaderPicksIntegerOrReal) {
   const std::filesystem::path directory = std::filesystem::temp_directory_path() / "metile_dimacs_test";
   std::filesystem::create_directories(directory);
