@@ -172,10 +172,24 @@ class PythonFlowNetwork {
     const bool new_self_loop = !from_number && !to_number && from.equal(to);
     const int from_vertex = from_number ? *from_number : reserve_vertex();
     const int to_vertex = to_number ? *to_number : (new_self_loop ? from_vertex : reserve_vertex());
-    const int edge_number = add(from_vertex, to_vertex);
-    if (!from_number) publish_vertex(from, from_vertex);
-    if (!to_number && !new_self_loop) publish_vertex(to, to_vertex);
-    return edge_number;
+    // The new endpoints are named before the edge is added: naming one runs its __hash__ again, and one
+    // that raised there left the edge added to a vertex no object named. An edge the builders refuse
+    // takes the names back.
+    std::vector<std::pair<py::object, int>> named;
+    try {
+      if (!from_number) named.emplace_back(from, from_vertex);
+      if (!to_number && !new_self_loop) named.emplace_back(to, to_vertex);
+      for (const auto& [vertex, number] : named) publish_vertex(vertex, number);
+      return add(from_vertex, to_vertex);
+    } catch (...) {
+      for (const auto& [vertex, number] : named) {
+        if (vertex_objects_[static_cast<std::size_t>(number)]) {
+          vertex_objects_[static_cast<std::size_t>(number)] = py::object();
+          vertex_numbers_.attr("pop")(vertex, py::none());
+        }
+      }
+      throw;
+    }
   }
 
   std::optional<int> find_vertex(const py::object& vertex) const {

@@ -399,3 +399,32 @@ def test_an_edge_added_from_a_vertex_hash_is_refused():
     network.add_edge(a, b, 3)
     value, side = network.minimum_cut(a, "t")
     assert value == 100 and side == frozenset({a, b})
+
+
+def test_a_vertex_whose_second_hash_raises_leaves_the_network_unchanged():
+    """The new endpoints were named after the edge was added, which hashes them again: a __hash__ that
+    raised there left the edge in the network, to a vertex no object named (edge_count 2 for 1)."""
+    import pytest
+
+    class Flaky:
+        calls = 0
+
+        def __hash__(self):
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise RuntimeError("second hash")
+            return 7
+
+    network = metile.FlowNetwork()
+    network.add_edge("s", "t", 1)
+    flaky = Flaky()
+    with pytest.raises(RuntimeError, match="second hash"):
+        network.add_edge("s", flaky, 5)
+    assert (network.edge_count, network.vertex_count) == (1, 2)
+    assert network.add_edge("s", "t", 2) == 1  # the next edge's number
+    assert network.minimum_cut("s", "t") == (3, frozenset({"s"}))
+    with pytest.raises(ValueError):  # refused by the builders: the new vertex's name is taken back
+        network.add_edge("s", "u", -1)
+    assert (network.edge_count, network.vertex_count) == (2, 2)
+    assert network.add_edge("s", flaky, 4) == 2  # hashes 3 and 4: named now
+    assert network.vertex_count == 3
