@@ -79,13 +79,16 @@ inline std::string control_bytes_spelled(std::string_view text) {
 }
 
 // Names are printed a line each (run's summaries, plan's regions and rules, DOT labels): a newline or
-// other control byte in one would forge or colour that output. Throws InputError(prefix + "a name may
-// not hold a control character (\xNN at offset N)") for the first one; the prefix names the owner
+// other control byte in one would forge or colour that output, a bidirectional formatting character
+// reorder it. Throws InputError(prefix + "a name may not hold a control character (\xNN at offset N)")
+// for the first one ("a bidirectional formatting character" for those); the prefix names the owner
 // with its own control bytes spelled, so that no message carries the raw bytes.
 inline void refuse_control_bytes_in_name(std::string_view name, const std::string& prefix) {
   for (std::size_t offset = 0; offset < name.size(); ++offset) {
     if (const std::size_t length = control_character_length(name, offset); length > 0) {
-      throw InputError(prefix + "a name may not hold a control character (" +
+      const bool bidirectional = length == 3 || static_cast<unsigned char>(name[offset]) == 0xd8;
+      throw InputError(prefix + "a name may not hold a " +
+                       (bidirectional ? "bidirectional formatting character (" : "control character (") +
                        control_bytes_spelled(name.substr(offset, length)) + " at offset " + std::to_string(offset) + ")");
     }
   }

@@ -10,6 +10,8 @@
 // the descriptor this process holds, at its offset, whatever file it is.
 #pragma once
 
+#include <array>
+#include <csignal>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -57,7 +59,14 @@ void write_output_file(const std::filesystem::path& path, const std::function<vo
 // The write itself can still fail (a full disk); this catches the mistakes in the path.
 void check_output_file_writable(const std::filesystem::path& path);
 
-// For programs (the CLI calls it first): SIGINT, SIGTERM and SIGHUP remove the temporary file a
+// The signals that end a process by default and that a person or a job controller sends to stop a
+// command: Ctrl-C and Ctrl-\, kill, a closed terminal, `timeout -s ALRM`, USR1/USR2, a CPU-time limit.
+// What the CLI writes is cleaned up after each (remove_temporary_files_on_fatal_signals below,
+// synth-model's interrupt flag); with the first three alone, Ctrl-\ left a half-written file behind.
+inline constexpr std::array<int, 9> kStoppingSignals = {SIGINT, SIGTERM, SIGHUP,    SIGQUIT, SIGALRM,
+                                                        SIGUSR1, SIGUSR2, SIGVTALRM, SIGXCPU};
+
+// For programs (the CLI calls it first): kStoppingSignals remove the temporary file a
 // write_output_file is writing before the process dies of the signal as it would have. Without it a
 // Ctrl-C during `metile run --output` left ".metile-PID-N.tmp", a half-written copy, beside the
 // destination. A signal the process was started ignoring (`nohup`) stays ignored; a handler a command

@@ -283,7 +283,7 @@ void remove_temporary_files_on_fatal_signals() {
   struct sigaction action {};
   action.sa_handler = remove_temporaries_and_die;
   sigemptyset(&action.sa_mask);
-  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+  for (const int signal : kStoppingSignals) {
     // A signal the process was started ignoring stays ignored (`nohup`, a shell's background job).
     struct sigaction current {};
     if (sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;

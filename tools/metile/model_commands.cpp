@@ -432,7 +432,7 @@ struct SynthCommandOptions {
   double max_shard_mb = 2000;
 };
 
-// While it lives, SIGINT, SIGTERM and SIGHUP set a flag instead of ending the process (a second one ends it
+// While it lives, kStoppingSignals (include/metile/io.h) set a flag instead of ending the process (a second one ends it
 // at once); the handlers before it come back when it goes. The same signal again within half a second is
 // the first one sent twice, not a second: `timeout` signals the process and then its process group, and
 // the second copy ended the process before it removed its staging folder.
@@ -473,8 +473,8 @@ class InterruptFlag {
 
  private:
   // SIGHUP too: a terminal closed under a run left the staging folder (in an existing empty
-  // directory, where a second run then found the directory not empty).
-  static constexpr std::array<int, 3> kSignals = {SIGINT, SIGTERM, SIGHUP};
+  // directory, where a second run then found the directory not empty); SIGQUIT (Ctrl-\) and the rest likewise.
+  static constexpr const std::array<int, kStoppingSignals.size()>& kSignals = kStoppingSignals;
   std::array<struct sigaction, kSignals.size()> previous_{};
 };
 

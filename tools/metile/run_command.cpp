@@ -54,6 +54,11 @@ TensorMap run_on_backend(const ComputeGraph& graph, const TensorMap& inputs, con
                  "metile run: --check compares a backend with the CPU reference; the CPU backend is the "
                  "reference, so there is nothing to compare\n");
     }
+    if (options.no_discovery) {  // said, as --check is, rather than taken without a word
+      fmt::print(stderr,
+                 "metile run: --no-discovery changes what the cuda backend plans; the CPU backend runs every "
+                 "node as written already\n");
+    }
     return run_reference(graph, inputs);
   }
 #ifdef METILE_HAVE_CUDA_BACKEND

@@ -116,6 +116,18 @@ TEST_F(RunCommand, SeedChoosesTheRandomInputs) {
   EXPECT_NE(read_safetensors(path("seed0.safetensors")), read_safetensors(path("seed9.safetensors")));
 }
 
+// The cuda options on the CPU backend are said to change nothing there (--no-discovery was taken without
+// a word), and the outputs are the reference's.
+TEST_F(RunCommand, CudaOptionsOnTheCpuAreSaidToChangeNothing) {
+  ASSERT_EQ(run("--check --no-discovery --output " + path("out.safetensors")), 0) << stderr_;
+  EXPECT_NE(stderr_.find("there is nothing to compare\n"), std::string::npos) << stderr_;
+  EXPECT_NE(stderr_.find("--no-discovery changes what the cuda backend plans; the CPU backend runs every node as "
+                         "written already\n"),
+            std::string::npos)
+      << stderr_;
+  EXPECT_EQ(read_safetensors(path("out.safetensors")), run_reference(graph_, random_inputs(graph_, 0)));
+}
+
 TEST_F(RunCommand, MissingInputIsOneLineAndWritesNothing) {
   TensorMap inputs = random_inputs(graph_, 5);
   inputs.erase("weight");

@@ -175,14 +175,14 @@ TEST(GraphBuilderTest, NamesHoldNoControlCharacters) {
             "node '\\xc2\\x80' (exp): a name may not hold a control character (\\xc2\\x80 at offset 0)");
   EXPECT_EQ(builder.name(builder.exp(x, "\xc2\xa0\xc2" "A\xc2")), "\xc2\xa0\xc2" "A\xc2");
   // Bidirectional formatting characters reorder what is printed after them (a name could show as
-  // another); each is refused, spelled as bytes; their neighbours (U+2029, U+202F, U+2065, U+206A,
+  // another); each is refused, spelled as bytes and said to be one; their neighbours (U+2029, U+202F, U+2065, U+206A,
   // U+061B) and a name ending inside one's bytes are kept.
   const std::pair<const char*, const char*> bidi[] = {{"\xe2\x80\xae", "\\xe2\\x80\\xae"}, {"\xe2\x80\xaa", "\\xe2\\x80\\xaa"},
                                                       {"\xe2\x80\x8f", "\\xe2\\x80\\x8f"}, {"\xe2\x81\xa6", "\\xe2\\x81\\xa6"},
                                                       {"\xe2\x81\xa9", "\\xe2\\x81\\xa9"}, {"\xd8\x9c", "\\xd8\\x9c"}};
   for (const auto& [character, spelled] : bidi) {
     EXPECT_EQ(error_of([&] { builder.exp(x, std::string("ab") + character + "c"); }),
-              std::string("node 'ab") + spelled + "c' (exp): a name may not hold a control character (" + spelled +
+              std::string("node 'ab") + spelled + "c' (exp): a name may not hold a bidirectional formatting character (" + spelled +
                   " at offset 2)");
   }
   for (const char* kept : {"\xe2\x80\xa9", "\xe2\x80\xaf", "\xe2\x81\xa5", "\xe2\x81\xaa", "\xd8\x9b", "x\xe2\x80", "y\xe2"}) {

@@ -130,7 +130,7 @@ TEST_F(IoTest, AReplacedFileKeepsItsPermissions) {
 // the CLI's handlers, the writer signals itself halfway: the child dies of the signal, as before, and
 // neither the temporary nor a change to the destination is left.
 TEST_F(IoTest, AFatalSignalMidWriteLeavesNoTemporary) {
-  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+  for (const int signal : kStoppingSignals) {  // Ctrl-\ (SIGQUIT) and `timeout -s ALRM` left it too
     const std::filesystem::path path = file("out", "old contents");
     const pid_t child = ::fork();
     ASSERT_GE(child, 0);

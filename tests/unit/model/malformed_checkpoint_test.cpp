@@ -633,9 +633,10 @@ TEST_F(MalformedCheckpoint, ASynthesisPastTheFileSizeLimitNamesItsDirectory) {
 
 // `metile synth-model` stopped by a signal once its staging folder holds a shard: Ctrl-C and a kill
 // were cancelled cleanly, but a closed terminal (SIGHUP) ended the process and left the staging folder
-// (inside an existing empty directory, where the next run then found it not empty).
+// (inside an existing empty directory, where the next run then found it not empty); so did Ctrl-\ and
+// the other signals of kStoppingSignals (include/metile/io.h).
 TEST_F(MalformedCheckpoint, ASignalledSynthesisLeavesNothing) {
-  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+  for (const int signal : kStoppingSignals) {
     const std::filesystem::path target = root_ / "existing";
     std::filesystem::create_directory(target);
     const std::filesystem::path errors = root_ / "err.txt";
