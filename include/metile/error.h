@@ -86,7 +86,10 @@ inline std::string control_bytes_spelled(std::string_view text) {
 inline void refuse_control_bytes_in_name(std::string_view name, const std::string& prefix) {
   for (std::size_t offset = 0; offset < name.size(); ++offset) {
     if (const std::size_t length = control_character_length(name, offset); length > 0) {
-      const bool bidirectional = length == 3 || static_cast<unsigned char>(name[offset]) == 0xd8;
+      // control_character_length's C0, DEL and C1 controls start below 0x20, at 0x7f or at 0xc2; the rest are
+      // bidirectional formatting characters (0xd8 0x9c, 0xe2 ...).
+      const auto first = static_cast<unsigned char>(name[offset]);
+      const bool bidirectional = first == 0xd8 || first == 0xe2;
       throw InputError(prefix + "a name may not hold a " +
                        (bidirectional ? "bidirectional formatting character (" : "control character (") +
                        control_bytes_spelled(name.substr(offset, length)) + " at offset " + std::to_string(offset) + ")");

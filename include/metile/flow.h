@@ -138,6 +138,9 @@ class FlowNetworkBuilder {
   // Both return the edge number. Validation happens here, with the edge number in the message.
   int add_edge(int from, int to, Capacity capacity);
   int add_infinite_edge(int from, int to);
+  // What add_edge would refuse, refused the same way (FlowEdgeError naming the next edge number),
+  // without adding anything: for a caller that must know before it changes state of its own.
+  void check_edge(int from, int to, Capacity capacity) const;
   int edge_count() const { return static_cast<int>(edges_.size()); }
 
   FlowNetwork<Capacity> build() const;

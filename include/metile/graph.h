@@ -84,6 +84,9 @@ class HostTensor {
   HostTensor() = default;
   explicit HostTensor(TensorSpec spec);  // zero-filled
   static HostTensor from_values(TensorSpec spec, std::span<const double> values);
+  // The tensor whose bytes are `bytes` (exactly spec.bytes() of them, else InputError), copied once:
+  // not zero-filled first (a checkpoint's weights are read through this).
+  static HostTensor from_bytes(TensorSpec spec, std::span<const std::byte> bytes);
 
   const TensorSpec& spec() const { return spec_; }
   std::int64_t element_count() const { return spec_.element_count(); }

@@ -275,7 +275,7 @@ class DecodeSession : public LogitsSession {
   const DecoderModel& model_;
   DecodePath path_;
   std::int64_t position_ = 0;
-  std::int64_t cache_rows_ = 0;  // the rows the caches hold now: a power of two past the position, at most the capacity
+  std::int64_t cache_rows_ = 0;  // the rows the caches hold now (reserve_cache_rows: 128 doubled, at most the capacity)
   TensorMap state_;  // token ids, positions and caches by graph input name (the weights are the model's)
   std::map<std::pair<std::int64_t, std::int64_t>, std::shared_ptr<const FusionPlan>> plans_;  // by steps and cache rows
   bool caches_lost_ = false;  // an error inside a step took the caches with it (feed refuses from then on)

@@ -28,7 +28,8 @@ namespace {
 
 class PythonFlowNetwork {
  public:
-  // Returns the number of the new edge. Leaves the network unchanged when it raises.
+  // Returns the number of the new edge. Leaves the network unchanged when it raises (but for a new
+  // vertex whose __hash__ raised the second time it was called: it may stay named, with no edge).
   int add_edge(const py::object& from, const py::object& to, const py::object& given_capacity) {
     const py::object capacity = python_number(given_capacity);
     const bool integer_capacity = py::isinstance<py::int_>(capacity) && !py::isinstance<py::bool_>(capacity);
@@ -55,20 +56,23 @@ class PythonFlowNetwork {
       throw py::value_error(what + ": a float makes the network real-valued, and its integer capacity " +
                             std::to_string(largest_integer_) + " (above 2^53) would be rounded");
     }
-    return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
-      // A self loop is dropped when built and counts for nothing. The totals the network's
-      // construction checks, before either builder changes (a negative, NaN or infinite capacity
-      // is the builder's to refuse).
-      const bool counted = from_vertex != to_vertex && std::isfinite(real_value) && real_value >= 0;
-      if (counted && !real_network) {
+    const auto check = [&](int from_vertex, int to_vertex) {
+      // What the builders refuse (a negative, NaN or infinite capacity), then the totals the network's
+      // construction checks. A self loop is dropped when built and counts for nothing.
+      if (!real_network) integer_builder_.check_edge(from_vertex, to_vertex, *integer_value);
+      real_builder_.check_edge(from_vertex, to_vertex, real_value);
+      if (from_vertex == to_vertex) return;
+      if (!real_network) {
         if (*integer_value > kIntegerCapacitySumLimit - integer_sum_) {
           throw py::value_error(what + ": the integer capacities would sum to more than " +
                                 std::to_string(kIntegerCapacitySumLimit) + " (solver arithmetic could overflow)");
         }
         refuse_totals(what, integer_capacity_totals_problem(integer_sum_ + *integer_value, infinite_edges_));
-      } else if (counted) {
+      } else {
         refuse_totals(what, real_capacity_totals_problem(real_sum_ + real_value, infinite_edges_));
       }
+    };
+    return add_edge_with(from, to, check, [&](int from_vertex, int to_vertex) {
       int edge_number = 0;
       if (!real_network) {
         edge_number = integer_builder_.add_edge(from_vertex, to_vertex, *integer_value);
@@ -89,12 +93,13 @@ class PythonFlowNetwork {
   }
 
   int add_infinite_edge(const py::object& from, const py::object& to) {
-    return add_edge_with(from, to, [&](int from_vertex, int to_vertex) {
-      if (from_vertex != to_vertex) {  // a self loop is dropped when built
-        refuse_totals("FlowNetwork.add_infinite_edge",
-                      integer_edges_ ? integer_capacity_totals_problem(integer_sum_, infinite_edges_ + 1)
-                                     : real_capacity_totals_problem(real_sum_, infinite_edges_ + 1));
-      }
+    const auto check = [&](int from_vertex, int to_vertex) {
+      if (from_vertex == to_vertex) return;  // a self loop is dropped when built
+      refuse_totals("FlowNetwork.add_infinite_edge",
+                    integer_edges_ ? integer_capacity_totals_problem(integer_sum_, infinite_edges_ + 1)
+                                   : real_capacity_totals_problem(real_sum_, infinite_edges_ + 1));
+    };
+    return add_edge_with(from, to, check, [&](int from_vertex, int to_vertex) {
       if (integer_edges_) integer_builder_.add_infinite_edge(from_vertex, to_vertex);
       const int edge_number = real_builder_.add_infinite_edge(from_vertex, to_vertex);
       if (from_vertex != to_vertex) ++infinite_edges_;
@@ -143,13 +148,14 @@ class PythonFlowNetwork {
   bool exact() const { return integer_edges_; }
 
  private:
-  // Numbers the endpoints (new ones get fresh numbers) and calls add(from, to), which
-  // adds the edge to the builders and may throw. New endpoints get numbers in both
-  // builders first; if the edge is then rejected they stay behind as isolated vertices
-  // that no Python object maps to, which keeps the builders' numbering in step without
-  // a rollback and leaves the network as the user sees it unchanged.
-  template <typename AddEdge>
-  int add_edge_with(const py::object& from, const py::object& to, AddEdge add) {
+  // Numbers the endpoints (new ones get fresh numbers), calls check(from, to), which throws where the
+  // edge is refused, names the new endpoints and calls add(from, to), which adds the edge to the
+  // builders and refuses nothing. New endpoints get numbers in both builders first; if the edge is
+  // refused they stay behind as isolated vertices that no Python object maps to, which keeps the
+  // builders' numbering in step without a rollback and leaves the network as the user sees it
+  // unchanged.
+  template <typename CheckEdge, typename AddEdge>
+  int add_edge_with(const py::object& from, const py::object& to, CheckEdge check, AddEdge add) {
     // Looking a vertex up runs its __hash__ and __eq__, Python code that may call back into this
     // network: an edge added from there was attached to a vertex number the outer call then gave
     // away again (the cut lost it without a word). Such a call is refused.
@@ -172,24 +178,15 @@ class PythonFlowNetwork {
     const bool new_self_loop = !from_number && !to_number && from.equal(to);
     const int from_vertex = from_number ? *from_number : reserve_vertex();
     const int to_vertex = to_number ? *to_number : (new_self_loop ? from_vertex : reserve_vertex());
-    // The new endpoints are named before the edge is added: naming one runs its __hash__ again, and one
-    // that raised there left the edge added to a vertex no object named. An edge the builders refuse
-    // takes the names back.
-    std::vector<std::pair<py::object, int>> named;
-    try {
-      if (!from_number) named.emplace_back(from, from_vertex);
-      if (!to_number && !new_self_loop) named.emplace_back(to, to_vertex);
-      for (const auto& [vertex, number] : named) publish_vertex(vertex, number);
-      return add(from_vertex, to_vertex);
-    } catch (...) {
-      for (const auto& [vertex, number] : named) {
-        if (vertex_objects_[static_cast<std::size_t>(number)]) {
-          vertex_objects_[static_cast<std::size_t>(number)] = py::object();
-          vertex_numbers_.attr("pop")(vertex, py::none());
-        }
-      }
-      throw;
-    }
+    // Everything that can refuse the edge is asked before a new endpoint is named, and the edge is
+    // added after: naming runs the vertex's __hash__ (and __eq__) again, and one that raised there left
+    // the edge added to a vertex no object named; taking a name back would run them once more. Where
+    // naming the second endpoint raises, the first stays named with no edge: an isolated vertex, which
+    // no cut counts.
+    check(from_vertex, to_vertex);
+    if (!from_number) publish_vertex(from, from_vertex);
+    if (!to_number && !new_self_loop) publish_vertex(to, to_vertex);
+    return add(from_vertex, to_vertex);
   }
 
   std::optional<int> find_vertex(const py::object& vertex) const {

@@ -200,11 +200,17 @@ int FlowNetworkBuilder<Capacity>::add_vertices(int count) {
 }
 
 template <typename Capacity>
-int FlowNetworkBuilder<Capacity>::add_edge(int from, int to, Capacity capacity) {
+void FlowNetworkBuilder<Capacity>::check_edge(int from, int to, Capacity capacity) const {
   const int index = edge_count();
   check_vertex(index, "tail", from, vertex_count_);
   check_vertex(index, "head", to, vertex_count_);
   check_capacity(index, capacity);
+}
+
+template <typename Capacity>
+int FlowNetworkBuilder<Capacity>::add_edge(int from, int to, Capacity capacity) {
+  check_edge(from, to, capacity);
+  const int index = edge_count();
   edges_.push_back({from, to, capacity});
   edge_is_infinite_.push_back(0);
   return index;

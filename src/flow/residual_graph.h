@@ -39,13 +39,14 @@ void check_terminals(const FlowNetwork<Capacity>& network, int source, int sink,
 // arc's leftover is judged by its own size: one threshold of 1e-13 x the largest capacity left 0.9 unused on a 25.9 arc
 // beside an unrelated 1e13 one (Dinic and HLPP 99.1 where the maximum is 100, and `auto` failed its two engines'
 // cross-check). Flow below a huge edge's threshold can still be left at the vertex it enters or on its reverse arc: at
-// most 1e-13 of it, within FlowTolerance::for_network. Infinite (legality) edges take 1e-13 of the largest finite
-// capacity: their own (twice the finite sum plus one) would hide the flow they carry, which a finite cut bounds, and
-// raise the thresholds of the vertices at them. In a vertex's threshold, all of them together take at most 1e-13 of the
-// finite sum (each 1e-13 of the largest finite capacity or of the finite sum over their number, the smaller), so the
-// flow the vertices' thresholds can hold back stays within FlowTolerance::for_network however many there are: 30 000
-// legality edges beside a 1e6 edge raised every head's threshold to 1e-7, and the 5e-8 each head was to pass on to the
-// sink stayed there (HLPP 1.5e-3 short; `auto` failed its two engines' cross-check).
+// most 1e-13 of it, within FlowTolerance::for_network. An infinite (legality) edge counts as the largest finite
+// capacity or as the finite sum over the number of infinite edges, the smaller: its own capacity (twice the finite sum
+// plus one) would hide the flow it carries, which a finite cut bounds. All of them together take at most 1e-13 of the
+// finite sum, at their arcs as in their heads' thresholds, so the flow their thresholds can hold back stays within
+// FlowTolerance::for_network however many there are: 30 000 legality edges beside a 1e6 edge raised every head's
+// threshold to 1e-7, and the 5e-8 each head was to pass on to the sink stayed there (HLPP 1.5e-3 short; `auto` failed
+// its two engines' cross-check); 30 000 beside a 1e15 edge, each arc's threshold 100, held 50 each on their reverse
+// arcs (every engine half the maximum).
 // The largest capacity of an edge that is neither infinite (legality) nor a self loop.
 template <typename Capacity>
 Capacity largest_finite_capacity(const FlowNetwork<Capacity>& network) {

@@ -95,6 +95,20 @@ HostTensor::HostTensor(TensorSpec spec) : spec_(std::move(spec)) {
   data_.assign(static_cast<std::size_t>(spec_.bytes()), std::byte{0});
 }
 
+HostTensor HostTensor::from_bytes(TensorSpec spec, std::span<const std::byte> bytes) {
+  HostTensor tensor;
+  tensor.spec_ = std::move(spec);
+  for (std::int64_t dim : tensor.spec_.shape) {
+    if (dim < 0) throw InputError("tensor " + tensor.spec_.to_string() + " has a negative dimension");
+  }
+  if (static_cast<std::int64_t>(bytes.size()) != tensor.spec_.bytes()) {
+    throw InputError("tensor " + tensor.spec_.to_string() + " takes " + std::to_string(tensor.spec_.bytes()) +
+                     " bytes, not " + std::to_string(bytes.size()));
+  }
+  tensor.data_.assign(bytes.begin(), bytes.end());
+  return tensor;
+}
+
 HostTensor HostTensor::from_values(TensorSpec spec, std::span<const double> values) {
   HostTensor tensor(std::move(spec));
   if (static_cast<std::int64_t>(values.size()) != tensor.element_count()) {

@@ -274,11 +274,7 @@ std::vector<std::string> MappedSafetensors::names() const {
   return names;
 }
 
-HostTensor MappedSafetensors::TensorView::copy() const {
-  HostTensor tensor(spec);
-  std::copy(bytes.begin(), bytes.end(), tensor.bytes().begin());
-  return tensor;
-}
+HostTensor MappedSafetensors::TensorView::copy() const { return HostTensor::from_bytes(spec, bytes); }
 
 TensorMap read_safetensors(const std::filesystem::path& path) {
   const MappedSafetensors file(path);

@@ -47,7 +47,8 @@ std::string cache_name(std::int64_t layer, char which) { return fmt::format("lay
 
 void check_decode_sessions_fit(const DecoderModel& model, int sessions) {
   const ModelConfig& config = model.config();
-  // Besides its caches a step holds one layer's attention over the whole cache: the scores and
+  // Checked for the caches' largest size, the capacity (a session's caches grow to it as its sequence
+  // does). Besides its caches a step holds one layer's attention over the whole cache: the scores and
   // probabilities of every query head for up to kMaxStepTokens rows (stored in the runtime dtype,
   // widened to f32 where an op reads them: measured ~11 bytes an element in bf16, ~15 in f32, with
   // `generate` at 10^6 positions), and V widened to f32. Refused up front when that passes this
@@ -109,6 +110,7 @@ void DecodeSession::reserve_cache_rows(std::int64_t rows) {
   }
   cache_rows_ = grown;
   caches_lost_ = false;
+  std::erase_if(plans_, [&](const auto& entry) { return entry.first.second < grown; });  // never run again
 }
 
 void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& model) {

@@ -178,7 +178,8 @@ const ComputeGraph& DecoderModel::step_graph(std::int64_t steps, StepOutputs out
     throw InputError(fmt::format("a decode step takes 1 to {} tokens, not {}", kMaxStepTokens, steps));
   }
   if (cache_rows < 0 || cache_rows > capacity_) {
-    throw InputError(fmt::format("a decode step's caches hold 1 to {} rows (the capacity), not {}", capacity_, cache_rows));
+    throw InputError(
+        fmt::format("a decode step's caches hold 1 to {} rows (0: the capacity, {}), not {}", capacity_, capacity_, cache_rows));
   }
   if (cache_rows == 0) cache_rows = capacity_;
   return graphs_.get(steps, outputs, cache_rows,

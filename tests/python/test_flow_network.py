@@ -428,3 +428,27 @@ def test_a_vertex_whose_second_hash_raises_leaves_the_network_unchanged():
     assert (network.edge_count, network.vertex_count) == (2, 2)
     assert network.add_edge("s", flaky, 4) == 2  # hashes 3 and 4: named now
     assert network.vertex_count == 3
+
+    # Refused edges name nothing, so nothing is taken back: undoing a name ran __hash__ once more, where
+    # a raise replaced the ValueError and left a named vertex without its object (the source missing from
+    # its own side), and an __eq__ that changed its answer took another vertex's name.
+    class Hostile:
+        def __init__(self, name):
+            self.name, self.calls = name, 0
+
+        def __hash__(self):
+            self.calls += 1
+            if self.calls >= 3:
+                raise RuntimeError("third hash")
+            return 1
+
+        def __eq__(self, other):
+            return self.calls >= 3
+
+    network = metile.FlowNetwork()
+    network.add_edge("x", "t", 5)
+    hostile = Hostile("h")
+    with pytest.raises(ValueError, match="negative capacity"):
+        network.add_edge(hostile, "b", -1.0)
+    assert (network.edge_count, network.vertex_count, hostile.calls) == (1, 2, 1)
+    assert network.minimum_cut("x", "t") == (5, frozenset({"x"}))

@@ -1,6 +1,7 @@
 // HostTensor element access and safetensors files: values survive storage
 // exactly in every dtype, stores round once (never double-rounding through
 // f32), and every malformed file gives an error naming the file and tensor.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -115,6 +116,19 @@ TEST(HostTensorTest, FromValuesChecksTheCount) {
   EXPECT_EQ(error_of([&] { HostTensor::from_values(TensorSpec({2, 2}, DType::f32), values); }),
             "tensor f32[2, 2] needs 4 values, got 3");
   EXPECT_THROW(HostTensor(TensorSpec({2}, DType::f32)).at(2), std::out_of_range);
+}
+
+TEST(HostTensorTest, FromBytesTakesExactlyTheSpecsBytes) {
+  std::mt19937_64 random(testing::test_seed("HostTensorTest.FromBytesTakesExactlyTheSpecsBytes"));
+  std::vector<std::byte> bytes(24);
+  for (std::byte& byte : bytes) byte = static_cast<std::byte>(random());
+  const HostTensor tensor = HostTensor::from_bytes(TensorSpec({3, 4}, DType::bf16), bytes);
+  EXPECT_EQ(tensor.spec(), TensorSpec({3, 4}, DType::bf16));
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), tensor.bytes().begin(), tensor.bytes().end()));
+  EXPECT_EQ(error_of([&] { HostTensor::from_bytes(TensorSpec({5}, DType::f32), bytes); }),
+            "tensor f32[5] takes 20 bytes, not 24");
+  EXPECT_EQ(error_of([&] { HostTensor::from_bytes(TensorSpec({-1}, DType::f32), {}); }),
+            "tensor f32[-1] has a negative dimension");
 }
 
 class SafetensorsTest : public ::testing::Test {
