@@ -1185,6 +1185,26 @@ TEST(GemvCompile, PersistentStageBlocksCompileForSm90) {
   }
 }
 
+// The persistent MLP's GPU test (tests/gpu/mlp_persistent_test.cpp) runs its candidates with the graph's
+// SwiGLU, gate, up and silu(gate) stored in the activation dtype (swiglu(dtype)), on its small ragged
+// MLPs of every format: those kernels compile for sm_90 here, where no GPU is needed.
+TEST(GemvCompile, PersistentMlpWithTheGraphsSwigluCompiles) {
+  for (const GemvWeightFormat& format :
+       {GemvWeightFormat::dense(DType::bf16), GemvWeightFormat::affine(4, 64, DType::bf16),
+        GemvWeightFormat::affine(8, 64, DType::bf16), GemvWeightFormat::affine(4, 32, DType::f16)}) {
+    const bool dense = !format.is_affine();
+    const std::int64_t hidden = dense ? 200 : 192, intermediate = dense ? 328 : 320;
+    for (std::int64_t rows : {1, 16}) {
+      const std::vector<PersistentMlpConfig> candidates = persistent_mlp_candidates(
+          gemv_config(format, rows, intermediate, hidden, GemvEpilogue::swiglu(format.activation)),
+          gemv_config(format, rows, hidden, intermediate, GemvEpilogue::residual_add()), 132);
+      ASSERT_FALSE(candidates.empty()) << format.to_string() << " M=" << rows;
+      const GemvKernelSource kernel = generate_persistent_mlp_kernel(candidates.front());
+      EXPECT_FALSE(compile_for_sm90(kernel).program.cubin.empty()) << candidates.front().to_string();
+    }
+  }
+}
+
 // What the persistent kernel refuses, and its candidates: 16 warps per SM, one shape name each.
 TEST(GemvCompile, PersistentMlpCandidatesAndRefusals) {
   const GemvWeightFormat format = GemvWeightFormat::affine(4, 64, DType::bf16);
