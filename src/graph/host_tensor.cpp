@@ -86,21 +86,24 @@ void save(std::byte* address, T value) {
   std::memcpy(address, &value, sizeof(T));
 }
 
+// Every tensor's shape, before its bytes are allocated: InputError for a negative dimension.
+void check_dimensions(const TensorSpec& spec) {
+  for (std::int64_t dim : spec.shape) {
+    if (dim < 0) throw InputError("tensor " + spec.to_string() + " has a negative dimension");
+  }
+}
+
 }  // namespace
 
 HostTensor::HostTensor(TensorSpec spec) : spec_(std::move(spec)) {
-  for (std::int64_t dim : spec_.shape) {
-    if (dim < 0) throw InputError("tensor " + spec_.to_string() + " has a negative dimension");
-  }
+  check_dimensions(spec_);
   data_.assign(static_cast<std::size_t>(spec_.bytes()), std::byte{0});
 }
 
 HostTensor HostTensor::from_bytes(TensorSpec spec, std::span<const std::byte> bytes) {
   HostTensor tensor;
   tensor.spec_ = std::move(spec);
-  for (std::int64_t dim : tensor.spec_.shape) {
-    if (dim < 0) throw InputError("tensor " + tensor.spec_.to_string() + " has a negative dimension");
-  }
+  check_dimensions(tensor.spec_);
   if (static_cast<std::int64_t>(bytes.size()) != tensor.spec_.bytes()) {
     throw InputError("tensor " + tensor.spec_.to_string() + " takes " + std::to_string(tensor.spec_.bytes()) +
                      " bytes, not " + std::to_string(bytes.size()));
