@@ -1,6 +1,9 @@
 // metile errors: the split every front end relies on. An InputError is the
 // user's mistake (bad graph, bad file, bad argument): the CLI exits 2 and Python
-// raises ValueError. Any other exception is an internal failure: exit 1.
+// raises ValueError. A WriteError is a file metile writes that the system would not
+// take (a full disk, `ulimit -f`, an I/O error): the CLI exits 1, as for a failed write
+// to standard output, and Python raises OSError. Any other exception is an internal
+// failure: exit 1.
 #pragma once
 
 #include <stdexcept>
@@ -34,24 +37,44 @@ class InputError : public std::runtime_error {
   }
 };
 
-// How many bytes of `text` at `offset` make a control character: 1 for a C0 control byte or DEL (a
-// NUL would end a message, what() being a C string; an escape sequence would reach the terminal; a
-// newline would forge a line of output), 2 for a C1 control, U+0080..U+009F, written 0xC2 0x80..0x9F
-// (a terminal in UTF-8 mode may take U+009B as CSI, the start of an escape sequence), 2 or 3 for a
-// bidirectional formatting character (U+061C, U+200E..U+200F, U+202A..U+202E, U+2066..U+2069: they
-// reorder what is printed after them, so a name could show as another name, "Trojan Source"), 0 otherwise.
-inline std::size_t control_character_length(std::string_view text, std::size_t offset) {
+// A write the system refused after the file was opened: nothing the user gave was wrong.
+class WriteError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// How many bytes of `text` at `offset` make a control byte: 1 for a C0 control byte or DEL (a NUL
+// would end a message, what() being a C string; an escape sequence would reach the terminal; a newline
+// would forge a line of output), 2 for a C1 control, U+0080..U+009F, written 0xC2 0x80..0x9F (a
+// terminal in UTF-8 mode may take U+009B as CSI, the start of an escape sequence), 0 otherwise.
+inline std::size_t control_byte_length(std::string_view text, std::size_t offset) {
   const auto byte = static_cast<unsigned char>(text[offset]);
   if (byte < 0x20 || byte == 0x7f) return 1;
-  if (offset + 1 == text.size()) return 0;
+  if (byte != 0xc2 || offset + 1 == text.size()) return 0;
   const auto next = static_cast<unsigned char>(text[offset + 1]);
-  if (byte == 0xc2) return next >= 0x80 && next <= 0x9f ? 2 : 0;
+  return next >= 0x80 && next <= 0x9f ? 2 : 0;
+}
+
+// How many bytes of `text` at `offset` make a bidirectional formatting character (U+061C,
+// U+200E..U+200F, U+202A..U+202E, U+2066..U+2069: they reorder what is printed after them, so a name
+// could show as another name, "Trojan Source"): 2 or 3, 0 otherwise.
+inline std::size_t bidirectional_character_length(std::string_view text, std::size_t offset) {
+  if (offset + 1 >= text.size()) return 0;
+  const auto byte = static_cast<unsigned char>(text[offset]);
+  const auto next = static_cast<unsigned char>(text[offset + 1]);
   if (byte == 0xd8) return next == 0x9c ? 2 : 0;  // U+061C, the Arabic letter mark
   if (byte != 0xe2 || offset + 2 == text.size()) return 0;
   const auto last = static_cast<unsigned char>(text[offset + 2]);
   const bool marks_and_embeddings = next == 0x80 && ((last >= 0x8e && last <= 0x8f) || (last >= 0xaa && last <= 0xae));
   const bool isolates = next == 0x81 && last >= 0xa6 && last <= 0xa9;
   return marks_and_embeddings || isolates ? 3 : 0;
+}
+
+// How many bytes of `text` at `offset` make a control character: a control byte or a bidirectional
+// formatting character (above); 0 otherwise.
+inline std::size_t control_character_length(std::string_view text, std::size_t offset) {
+  const std::size_t control = control_byte_length(text, offset);
+  return control > 0 ? control : bidirectional_character_length(text, offset);
 }
 
 // `text` (bytes a user gave, quoted in a message) with every byte outside printable ASCII as
@@ -85,13 +108,11 @@ inline std::string control_bytes_spelled(std::string_view text) {
 // with its own control bytes spelled, so that no message carries the raw bytes.
 inline void refuse_control_bytes_in_name(std::string_view name, const std::string& prefix) {
   for (std::size_t offset = 0; offset < name.size(); ++offset) {
-    if (const std::size_t length = control_character_length(name, offset); length > 0) {
-      // control_character_length's C0, DEL and C1 controls start below 0x20, at 0x7f or at 0xc2; the rest are
-      // bidirectional formatting characters (0xd8 0x9c, 0xe2 ...).
-      const auto first = static_cast<unsigned char>(name[offset]);
-      const bool bidirectional = first == 0xd8 || first == 0xe2;
+    const std::size_t control = control_byte_length(name, offset);
+    const std::size_t length = control > 0 ? control : bidirectional_character_length(name, offset);
+    if (length > 0) {
       throw InputError(prefix + "a name may not hold a " +
-                       (bidirectional ? "bidirectional formatting character (" : "control character (") +
+                       (control > 0 ? "control character (" : "bidirectional formatting character (") +
                        control_bytes_spelled(name.substr(offset, length)) + " at offset " + std::to_string(offset) + ")");
     }
   }

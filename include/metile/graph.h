@@ -186,6 +186,14 @@ void check_safetensors_tensor_name(const std::filesystem::path& path, const std:
 // ---------------------------------------------------------------- attributes
 using AttributeValue = std::variant<std::int64_t, double, std::string, std::vector<std::int64_t>>;
 
+// The one attribute that is a flag: transpose_right, stored as 0 or 1, the only one a front end takes
+// a boolean for (a JSON true, a Python True); any other refuses one: `"axis": true` is a mistake to
+// name, not an axis of 1. The message a front end gives for that mistake is flag_refusal's.
+inline bool is_flag_attribute(std::string_view name) { return name == "transpose_right"; }
+inline std::string flag_refusal(std::string_view name) {
+  return "'" + std::string(name) + "' takes a number, not a boolean (only transpose_right is a flag)";
+}
+
 class Attributes {
  public:
   bool has(std::string_view name) const;

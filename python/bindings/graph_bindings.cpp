@@ -183,12 +183,16 @@ std::vector<std::int64_t> integer_list(const std::string& what, const py::handle
   return integers;
 }
 
-// Python values for attributes: bool and int -> integer, float -> double, str -> string,
+// Python values for attributes: int, and bool for the flag (is_flag_attribute; a bool elsewhere is a
+// TypeError, as `"axis": true` is an error in a graph file) -> integer, float -> double, str -> string,
 // a list or tuple of ints -> integer list; numpy's bool, integer and floating scalars as the Python
 // bool, int and float they hold (as in a shape, or softmax's axis). Anything else is a TypeError
 // naming the attribute.
 AttributeValue attribute_from_python(const std::string& name, const py::handle& given) {
-  if (is_boolean(given)) return static_cast<std::int64_t>(PyObject_IsTrue(given.ptr()) == 1);
+  if (is_boolean(given)) {
+    if (!is_flag_attribute(name)) throw py::type_error("attribute " + flag_refusal(name));
+    return static_cast<std::int64_t>(PyObject_IsTrue(given.ptr()) == 1);
+  }
   const py::object object = python_number(py::reinterpret_borrow<py::object>(given));
   if (py::isinstance<py::int_>(object)) return attribute_integer("attribute '" + name + "'", object);
   if (py::isinstance<py::float_>(object)) return object.cast<double>();

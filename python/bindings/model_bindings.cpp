@@ -14,6 +14,7 @@
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -22,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <string_view>
+#include <thread>
 
 #include "bindings.h"
 #include "metile/model.h"
@@ -160,9 +162,31 @@ Generation generate_until_interrupted(const std::function<Generation(const std::
 #ifdef METILE_HAVE_CUDA_BACKEND
 // A model on the GPU as Python holds it: the host model (the step graphs), its weights on the
 // device, and one session whose Executables every call reuses (a fresh sequence each call).
+// Calls take turns on that session: two threads (a call runs without the GIL) each reset and fed it
+// under the other, and so did a signal handler calling the model from inside its own generate.
+// A thread waits its turn without the GIL; a call from inside a call on the same thread is refused.
 struct PythonCudaModel {
   std::shared_ptr<DecoderModel> model;
   std::unique_ptr<CudaDecodeSession> session;
+  std::mutex turn;
+  std::atomic<std::thread::id> holder{};
+
+  // Runs `work` on the session in this thread's turn; called without the GIL.
+  template <class Work>
+  auto in_turn(const char* call, Work&& work) {
+    if (holder.load() == std::this_thread::get_id()) {
+      throw InputError(std::string("CudaModel.") + call +
+                       ": called from inside another call of the same model on this thread (a signal handler?); "
+                       "the model runs one call at a time");
+    }
+    const std::lock_guard lock(turn);
+    holder = std::this_thread::get_id();
+    const struct Release {
+      std::atomic<std::thread::id>& holder;
+      ~Release() { holder = std::thread::id(); }
+    } release{holder};
+    return work();
+  }
 };
 #endif
 
@@ -235,8 +259,10 @@ void bind_model(py::module_& module) {
             std::vector<float> logits;
             {
               py::gil_scoped_release release;
-              held.session->reset();
-              logits = held.session->feed(tokens);
+              logits = held.in_turn("logits", [&] {
+                held.session->reset();
+                return held.session->feed(tokens);
+              });
             }
             return logits_array(logits, tokens.size(), held.model->config().vocab_size);
           },
@@ -250,8 +276,10 @@ void bind_model(py::module_& module) {
             const GenerateArguments arguments =
                 generate_arguments(*held.model, temperature, top_k, top_p, seed, ignore_eos);
             return tokens_array(generate_until_interrupted([&](const std::function<void(std::int64_t)>& on_token) {
-              held.session->reset();
-              return generate(*held.session, tokens, count, arguments.sampling, arguments.stop_tokens, on_token);
+              return held.in_turn("generate", [&] {
+                held.session->reset();
+                return generate(*held.session, tokens, count, arguments.sampling, arguments.stop_tokens, on_token);
+              });
             }));
           },
           py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,

@@ -104,11 +104,10 @@ class GraphFileReader {
     }
   }
 
-  // `key`: the attribute's name. A JSON boolean is a flag's value (transpose_right, stored as 0 or 1)
-  // and nothing else: `"axis": true` is a mistake to name, not an axis of 1.
+  // `key`: the attribute's name. A JSON boolean is a flag's value and nothing else (is_flag_attribute).
   AttributeValue attribute_at(const std::string& key, const Json& value, const std::string& path) const {
     if (value.is_boolean()) {
-      if (key != "transpose_right") fail(path, "'" + key + "' takes a number, not a boolean (only transpose_right is a flag)");
+      if (!is_flag_attribute(key)) fail(path, flag_refusal(key));
       return std::int64_t{value.get<bool>() ? 1 : 0};
     }
     if (value.is_number_integer()) return integer_at(value, path);

@@ -26,16 +26,17 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Opens `target` (created or truncated), runs write, flushes; an InputError naming `file` on failure.
+// Opens `target` (created or truncated), runs write, flushes; an InputError naming `file` when it cannot be
+// created, a WriteError when a write fails.
 void write_stream(const fs::path& target, const std::string& file,
                   const std::function<void(std::ostream&)>& write) {
   std::ofstream stream(target, std::ios::binary | std::ios::trunc);
   if (!stream) throw InputError(file + ": cannot create " + target.string() + ": " + std::strerror(errno));
   write(stream);
   stream.flush();
-  if (!stream) throw InputError(file + ": write failed: " + std::strerror(errno));
+  if (!stream) throw WriteError(file + ": write failed: " + std::strerror(errno));
   stream.close();
-  if (!stream) throw InputError(file + ": write failed: " + std::strerror(errno));
+  if (!stream) throw WriteError(file + ": write failed: " + std::strerror(errno));
 }
 
 // The descriptor a path names when it is one of this process's own (/dev/stdout, /dev/stderr,
@@ -95,7 +96,7 @@ void write_descriptor(int descriptor, const std::string& file, const std::functi
   std::ostream stream(buffer.get());
   write(stream);
   stream.flush();
-  if (!stream) throw InputError(file + ": write failed: " + std::strerror(errno));
+  if (!stream) throw WriteError(file + ": write failed: " + std::strerror(errno));
 }
 
 // The temporaries being written, for a fatal signal's handler to unlink: fixed slots of path bytes, so
@@ -174,7 +175,7 @@ void flush_to_disk(const fs::path& temporary, const std::string& file, std::opti
   const bool moded = result != 0 || !permissions || ::fchmod(descriptor, static_cast<mode_t>(*permissions) & 07777) == 0;
   const int mode_error = errno;
   ::close(descriptor);
-  if (result != 0) throw InputError(file + ": write failed: " + std::strerror(sync_error));
+  if (result != 0) throw WriteError(file + ": write failed: " + std::strerror(sync_error));
   if (!moded) {
     throw InputError(file + ": cannot set the permissions of " + temporary.string() + ": " + std::strerror(mode_error));
   }

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -353,6 +354,20 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       throw someone_else_writes();
     }
   }
+  // A write that failed inside the staging folder (a full disk, `ulimit -f`) is told in the user's terms:
+  // the folder named above is gone, and nothing reached the directory asked for. Other messages stay.
+  const auto in_the_users_terms = [&](const std::string& message) -> std::optional<std::string> {
+    const std::string staged_prefix = (staging / "").string();
+    const std::size_t colon = message.find(": ", staged_prefix.size());
+    if (!message.starts_with(staged_prefix) || colon == std::string::npos) return std::nullopt;
+    std::string file = message.substr(staged_prefix.size(), colon - staged_prefix.size());
+    if (file.starts_with("shard-")) file = fmt::format("shard {}", std::stoull(file.substr(6)) + 1);  // not yet named
+    std::string reason = message.substr(colon + 2);
+    for (std::size_t at; (at = reason.find(staged_prefix)) != std::string::npos;) {  // a temporary's path in it
+      reason.replace(at, staged_prefix.size(), (target / "").string());
+    }
+    return fmt::format("{}: {} (writing {}); nothing was written", directory.string(), reason, file);
+  };
   try {
     const std::vector<TensorRecipe> list = recipes(config);
     const auto shard_limit = static_cast<std::int64_t>(options.max_shard_mb * 1e6);
@@ -436,19 +451,12 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
     }
   } catch (const InputError& failure) {
     remove_what_was_written();
-    // A write that failed inside the staging folder (a full disk, `ulimit -f`) is told in the user's terms:
-    // the folder named above is gone, and nothing reached the directory asked for.
-    const std::string message = failure.what();
-    const std::string staged_prefix = (staging / "").string();
-    const std::size_t colon = message.find(": ", staged_prefix.size());
-    if (!message.starts_with(staged_prefix) || colon == std::string::npos) throw;
-    std::string file = message.substr(staged_prefix.size(), colon - staged_prefix.size());
-    if (file.starts_with("shard-")) file = fmt::format("shard {}", std::stoull(file.substr(6)) + 1);  // not yet named
-    std::string reason = message.substr(colon + 2);
-    for (std::size_t at; (at = reason.find(staged_prefix)) != std::string::npos;) {  // a temporary's path in it
-      reason.replace(at, staged_prefix.size(), (target / "").string());
-    }
-    throw InputError(fmt::format("{}: {} (writing {}); nothing was written", directory.string(), reason, file));
+    if (auto message = in_the_users_terms(failure.what())) throw InputError(*message);
+    throw;
+  } catch (const WriteError& failure) {
+    remove_what_was_written();
+    if (auto message = in_the_users_terms(failure.what())) throw WriteError(*message);
+    throw;
   } catch (...) {
     remove_what_was_written();
     throw;

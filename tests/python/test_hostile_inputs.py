@@ -189,6 +189,12 @@ def test_numpy_attributes_count_like_python_numbers(rng):
         builder.add_node("softmax", [x], {"axis": np.complex128(1)})
     with pytest.raises(ValueError, match="attribute 'factor' must be finite"):
         builder.add_node("scale", [x], {"factor": np.float32("nan")})
+    # A bool is the flag's value only, as in a graph file ("axis": true is an error there): add_node took
+    # True as axis 1 and as a factor of 1.
+    for name, kind in (("axis", "softmax"), ("factor", "scale")):
+        for flag in (True, np.bool_(False)):
+            with pytest.raises(TypeError, match=rf"^attribute '{name}' takes a number, not a boolean \(only transpose_right is a flag\)$"):
+                builder.add_node(kind, [x], {name: flag})
 
 
 def test_numpy_capacities_count_like_python_numbers(rng):

@@ -294,6 +294,24 @@ def test_unordered_ids_and_model_dtypes_are_refused(tmp_path):
         metile.load_model(str(tmp_path / "m"), dtype="f16")
 
 
+def test_a_write_the_system_refuses_is_an_os_error(tmp_path):
+    # Past `ulimit -f` the write fails with EFBIG (Python ignores SIGXFSZ): not the caller's mistake, so
+    # not a ValueError; an OSError naming the directory, and nothing is left behind.
+    script = (
+        "import resource, sys, metile\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+        "try:\n"
+        "    metile.synth_model(sys.argv[1])\n"
+        "except OSError as error:\n"
+        "    print(type(error).__name__, error)\n"
+    )
+    target = tmp_path / "model"
+    run = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"OSError {target}: write failed: File too large (writing shard 1); nothing was written\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
     metile.synth_model(str(tmp_path / "sharded"), max_shard_mb=0.05)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
@@ -403,7 +421,8 @@ def test_cuda_backend(tmp_path, rng):
     path = tmp_path / "m"
     metile.synth_model(str(path), seed=seed)
     try:
-        model = metile.load_model(str(path), backend="cuda")
+        # 32768 positions: a generation to the capacity outlasts the first look for signals (0.25 s) below.
+        model = metile.load_model(str(path), backend="cuda", max_seq=32768)
     except ValueError as error:
         assert str(error).startswith("backend='cuda': ") and "\n" not in str(error)
         # Every argument is checked before the device is looked for: a mistake in one read as the
@@ -428,6 +447,42 @@ def test_cuda_backend(tmp_path, rng):
         agreements += int(token) == int(np.argmax(cpu.logits(sequence)[-1]))
         sequence.append(int(token))
     assert agreements >= 5, (tokens, agreements)
+    # Calls take turns on the model's one session: four threads at once get what one thread gets (each
+    # reset and fed the session under the others), and a signal handler that calls the model from inside
+    # its generate is refused (it reset the session under the generation), the generation unharmed.
+    expected = model.logits(prompt)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(model.logits(prompt))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and all(np.array_equal(result, expected) for result in results)
+    import signal
+
+    class Stop(Exception):
+        pass
+
+    refused = []
+
+    def handler(signum, frame):
+        try:
+            model.logits(prompt)
+        except ValueError as error:
+            refused.append(str(error))
+        raise Stop
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        with pytest.raises(Stop):  # ends at the first look for signals, 0.25 s in
+            model.generate(prompt, model.capacity - len(prompt), ignore_eos=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert refused == ["CudaModel.logits: called from inside another call of the same model on this thread "
+                       "(a signal handler?); the model runs one call at a time"]
+    assert np.array_equal(model.generate(prompt, 6), tokens)
 
 
 def test_threads_share_a_model(tmp_path):

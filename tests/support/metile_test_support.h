@@ -29,15 +29,26 @@
 
 namespace metile::testing {
 
+// What the `Error` thrown by `action` says, or `none` when it throws none.
+template <class Error>
+std::string message_thrown(const std::function<void()>& action, const char* none) {
+  try {
+    action();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return none;
+}
+
 // What the InputError thrown by `action` says, or "(no InputError)" when it
 // throws none, so a test compares the whole message in one EXPECT_EQ.
 inline std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const InputError& error) {
-    return error.what();
-  }
-  return "(no InputError)";
+  return message_thrown<InputError>(action, "(no InputError)");
+}
+
+// What the WriteError thrown by `action` says (a write the system refused), or "(no WriteError)".
+inline std::string write_error_of(const std::function<void()>& action) {
+  return message_thrown<WriteError>(action, "(no WriteError)");
 }
 
 // Runs `action`, which should never open the FIFO at `fifo`, and says whether it returned within

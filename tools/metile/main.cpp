@@ -79,6 +79,9 @@ int main(int argc, char** argv) {
   } catch (const metile::InputError& error) {
     print_error_line("error", error.what());
     return 2;
+  } catch (const metile::WriteError& error) {
+    print_error_line("error", error.what());
+    return 1;  // as for standard output: the system would not take the bytes, nothing given was wrong
   } catch (const std::bad_alloc&) {
     print_error_line("internal error", "out of memory");
     return 1;

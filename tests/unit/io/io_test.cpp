@@ -22,6 +22,7 @@ namespace metile {
 namespace {
 
 using testing::error_of;
+using testing::write_error_of;
 using testing::read_text;
 
 class IoTest : public ::testing::Test {
@@ -324,7 +325,7 @@ TEST_F(IoTest, AWritePastTheFileSizeLimitFailsCleanly) {
     if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) ::_exit(96);
     try {
       write_output_file(path, [](std::ostream& stream) { stream << std::string(1 << 20, 'x'); });
-    } catch (const InputError& error) {
+    } catch (const WriteError& error) {
       ::_exit(std::string(error.what()).ends_with("File too large") ? 0 : 98);
     } catch (...) {
       ::_exit(97);  // never back into gtest in the child
@@ -350,7 +351,7 @@ TEST_F(IoTest, FifosAndCharacterDevicesAreWrittenInPlace) {
 
   write_output_file("/dev/null", [](std::ostream& stream) { stream << "gone"; });
   EXPECT_TRUE(std::filesystem::is_character_file("/dev/null"));
-  EXPECT_EQ(error_of([] { write_output_file("/dev/full", [](std::ostream& stream) { stream << std::string(1 << 16, 'x'); }); }),
+  EXPECT_EQ(write_error_of([] { write_output_file("/dev/full", [](std::ostream& stream) { stream << std::string(1 << 16, 'x'); }); }),
             "/dev/full: write failed: No space left on device");
   EXPECT_EQ(error_of([&] { write_output_file(directory_, [](std::ostream&) {}); }), directory_.string() + ": is a directory");
 }
