@@ -342,6 +342,11 @@ void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& m
 // A session fed a token sequence before it decodes: InputError unless the sequence stays within
 // the model's capacity and every token is in [0, vocab) (both backends say it the same way).
 void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model);
+// A feed that returns every position's logits, on either backend: InputError when `positions` rows of
+// the vocabulary's logits, `bytes_per_logit` bytes each (4 for f32, more where a copy is held beside
+// them), would not fit beside `held_bytes` (the weights, the caches a backend keeps in host memory) in
+// this machine's memory (std::bad_alloc was "internal error: out of memory", after all the work).
+void check_logits_fit(std::int64_t positions, const DecoderModel& model, double bytes_per_logit, double held_bytes);
 // Whether `token` is one of `stop_tokens` (generate and both sessions' continue_greedy end after one).
 bool is_stop_token(std::span<const std::int64_t> stop_tokens, std::int32_t token);
 // continue_greedy's check, on either backend, before any step: InputError when `count` is negative or

@@ -348,8 +348,31 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
   });
   if (choice.chosen < 0) return remember(finish(CandidateId::native(), "native: " + choice.reason));
   if (choice.from_cache) {
-    // Every candidate the stored race timed (the in-step near-tie race reads the runner-up here).
-    for (const auto& [id, ms] : stored->timings_ms) report.timings_ms.emplace_back(id.name(), ms);
+    // Every candidate the stored race timed. The in-step race binds its step-race candidate (a near tie,
+    // a prefetch twin: step_race_candidate) from these timings, and a stored race's runner-up has passed
+    // no gate in this process: it runs its gate now, as the stored choice did, and one that fails is left
+    // out (the next runner-up is asked the same), so that no fused kernel the step may run skips its gate.
+    std::vector<std::pair<CandidateId, double>> timings = stored->timings_ms;
+    const auto named = [&] {
+      std::vector<std::pair<std::string, double>> names;
+      for (const auto& [id, ms] : timings) names.emplace_back(id.name(), ms);
+      return names;
+    };
+    const std::string chosen_name = measured[static_cast<std::size_t>(choice.chosen)].id.name();
+    while (options.near_tie_margin > 0) {
+      const std::optional<std::string> runner_up = step_race_candidate(named(), chosen_name, options.near_tie_margin);
+      if (!runner_up) break;
+      bool passed = false;
+      for (const FusedCandidate& candidate : lowered.candidates) {
+        if (candidate.id.name() != *runner_up) continue;
+        const auto gated = std::find_if(measured.begin(), measured.end(),
+                                        [&](const MeasuredCandidate& entry) { return entry.id == candidate.id; });
+        passed = gated != measured.end() ? gated->gate.passed : gate_and_enter(candidate);
+      }
+      if (passed) break;
+      std::erase_if(timings, [&](const std::pair<CandidateId, double>& timing) { return timing.first.eager().name() == *runner_up; });
+    }
+    report.timings_ms = named();
   } else {
     for (std::size_t i = 0; i < measured.size(); ++i) {
       if (choice.score_ms[i] >= 0) report.timings_ms.emplace_back(measured[i].id.name(), choice.score_ms[i]);

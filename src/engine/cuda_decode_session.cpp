@@ -84,7 +84,19 @@ std::shared_ptr<const CudaModel> CudaModel::load(const DecoderModel& model, cons
   return result;
 }
 
-CudaModel::~CudaModel() { device_.make_current(); }
+namespace {
+// The members a destructor frees (device memory, graphs, streams) are freed in the device's context,
+// made current first. Where it cannot be (the driver torn down before a static's destructor ran at
+// exit), make_current's CudaError must not leave a destructor: that ended the process in std::terminate.
+void make_current_for_teardown(const CudaDevice& device) noexcept {
+  try {
+    device.make_current();
+  } catch (const std::exception&) {
+  }
+}
+}  // namespace
+
+CudaModel::~CudaModel() { make_current_for_teardown(device_); }
 
 std::int64_t CudaModel::decode_step_bytes(std::int64_t context) const {
   const ModelConfig& config = model_.config();
@@ -137,9 +149,12 @@ CudaDecodeSession::CudaDecodeSession(std::shared_ptr<const CudaModel> model, Eng
   positions_ = DeviceBuffer(kPrefillChunk * sizeof(std::int32_t));
 }
 
-CudaDecodeSession::~CudaDecodeSession() { model_->device().make_current(); }
+CudaDecodeSession::~CudaDecodeSession() { make_current_for_teardown(model_->device()); }
 
 Executable& CudaDecodeSession::executable(std::int64_t steps) {
+  if (steps < 1 || steps > capacity()) {  // its races run it at the cache's last `steps` rows
+    throw std::logic_error(fmt::format("a step of {} tokens in a session of capacity {}", steps, capacity()));
+  }
   auto& slot = executables_[steps];
   if (slot) return *slot;
   const DecoderModel& decoder = model_->model();
@@ -357,7 +372,11 @@ std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token,
 }
 
 std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens) {
-  const std::int64_t vocab = model_->model().config().vocab_size;
+  const DecoderModel& model = model_->model();
+  const std::int64_t vocab = model.config().vocab_size;
+  // Each step's logits in the model's dtype, then all of them widened to f32, beside the host's weights.
+  check_logits_fit(static_cast<std::int64_t>(tokens.size()), model, 4.0 + static_cast<double>(dtype_size(model.dtype())),
+                   static_cast<double>(model.weight_bytes()));
   const std::vector<HostTensor> step_logits = run_steps(tokens, "logits");
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));

@@ -52,10 +52,17 @@ bool meets(const AgreementFigures& figures, const EngineThresholds& thresholds) 
 
 namespace {
 
+// The step sizes a session runs: single steps, and prefill chunks where its capacity holds one (a
+// chunk's step was built and raced at capacity - 16 rows, negative below 16: a step that never runs).
+std::vector<std::int64_t> step_sizes(const CudaDecodeSession& session) {
+  if (session.capacity() < CudaDecodeSession::kPrefillChunk) return {1};
+  return {1, CudaDecodeSession::kPrefillChunk};
+}
+
 // Rule -> number of regions whose chosen candidate is fused, over the session's Executables.
 std::map<std::string, int> fused_region_kinds(CudaDecodeSession& session) {
   std::map<std::string, int> kinds;
-  for (std::int64_t steps : {std::int64_t{1}, CudaDecodeSession::kPrefillChunk}) {
+  for (std::int64_t steps : step_sizes(session)) {
     std::map<std::string, int> of_size;
     for (const RegionReport& report : session.executable(steps).reports()) {
       if (report.chosen_id.kind == CandidateKind::fused) ++of_size[report.rule.empty() ? "region" : report.rule];
@@ -78,8 +85,7 @@ EngineVerification verify_fused_engine(const std::shared_ptr<const CudaModel>& m
     options.executable.declined_rules.insert(declined.begin(), declined.end());
     auto fused = std::make_unique<CudaDecodeSession>(model, options);
     // Both step sizes are built up front, so a kind fused only in prefill chunks is seen too.
-    fused->executable(1);
-    fused->executable(CudaDecodeSession::kPrefillChunk);
+    for (std::int64_t steps : step_sizes(*fused)) fused->executable(steps);
     native.reset();
     const AgreementFigures figures = compare_sessions(native, *fused, prompt, positions);
     return std::make_pair(figures, std::move(fused));

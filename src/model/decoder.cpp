@@ -138,6 +138,17 @@ void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t positio
   check_token_ids(tokens, model);
 }
 
+void check_logits_fit(std::int64_t positions, const DecoderModel& model, double bytes_per_logit, double held_bytes) {
+  const std::int64_t vocab = model.config().vocab_size;
+  const double logits_bytes = static_cast<double>(positions) * static_cast<double>(vocab) * bytes_per_logit;
+  if (const auto memory = static_cast<double>(physical_memory_bytes()); held_bytes + logits_bytes > memory) {
+    throw InputError(fmt::format("the logits of {} positions x {} tokens of vocabulary take {:.1f} GB, which with the "
+                                 "weights and caches held ({:.1f} GB) pass this machine's {:.1f} GB of memory: feed "
+                                 "fewer tokens at a time",
+                                 positions, vocab, logits_bytes / 1e9, held_bytes / 1e9, memory / 1e9));
+  }
+}
+
 bool is_stop_token(std::span<const std::int64_t> stop_tokens, std::int32_t token) {
   return std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
 }
@@ -157,16 +168,8 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
   }
   const std::int64_t vocab = model_.config().vocab_size;
   check_tokens_fit(tokens, position_, model_);
-  // Every position's logits are returned: refused up front when they would not fit beside the weights
-  // and caches (std::bad_alloc was "internal error: out of memory").
-  const double logits_bytes = static_cast<double>(tokens.size()) * static_cast<double>(vocab) * 4;
-  const double held = static_cast<double>(model_.weight_bytes()) + kv_cache_bytes(model_.config(), model_.capacity(), model_.dtype());
-  if (const auto memory = static_cast<double>(physical_memory_bytes()); held + logits_bytes > memory) {
-    throw InputError(fmt::format("the logits of {} positions x {} tokens of vocabulary take {:.1f} GB, which with the "
-                                 "weights and KV caches ({:.1f} GB) pass this machine's {:.1f} GB of memory: feed fewer "
-                                 "tokens at a time",
-                                 tokens.size(), vocab, logits_bytes / 1e9, held / 1e9, memory / 1e9));
-  }
+  check_logits_fit(static_cast<std::int64_t>(tokens.size()), model_, 4,
+                   static_cast<double>(model_.weight_bytes()) + kv_cache_bytes(model_.config(), model_.capacity(), model_.dtype()));
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
   for_each_step_chunk(tokens, [&](std::span<const std::int32_t> chunk) {

@@ -242,6 +242,62 @@ TEST_F(Dispatch, AStoredFusedChoiceThatFailsItsGateIsRacedAgain) {
             CandidateId::fused("silent"));
 }
 
+// A stored decision's runner-up had passed no gate in this process: the in-step race (near_tie_margin)
+// bound whichever candidate the stored timings put within the margin of the choice, gated or not. Here
+// a decision file edited to time a candidate that writes nothing as fast as the stored choice: that
+// candidate is gated now, fails, and is left out of the timings the step race reads.
+TEST_F(Dispatch, AStoredNearTieThatFailsItsGateIsLeftOut) {
+  const ComputeGraph graph = seed_graph(64, 4096, DType::bf16);
+  const FusionPlan plan = plan_graph_fusion(graph);
+  ASSERT_EQ(plan.regions.size(), 1u);
+  RegionLowering silent;
+  silent.name = "silent (test)";
+  silent.lower = [](const ComputeGraph&, const FusionRegion&) -> Lowered {
+    FusedCandidate candidate;
+    candidate.id = CandidateId::fused("silent");
+    candidate.source = "a candidate that writes no output";
+    candidate.summary = "nothing";
+    candidate.bind = [](DeviceValues&) -> DeviceStep { return [](const CudaStream&) {}; };
+    return {Decision::allow(), {std::move(candidate)}};
+  };
+  options_.extra_lowerings.push_back(silent);
+  options_.near_tie_margin = 0.05;
+  std::string chosen;
+  {
+    Executable first = Executable::build(plan, device(), options_);
+    chosen = first.reports().front().chosen;
+    if (first.reports().front().chosen_id.kind != CandidateKind::fused) GTEST_SKIP() << "native won: " << chosen;
+  }
+  nlohmann::json document;
+  {
+    std::ifstream file(cache_file_);
+    document = nlohmann::json::parse(file);
+  }
+  nlohmann::json& timings = document["decisions"][0]["timings_ms"];
+  double chosen_ms = -1;
+  const auto stored = DecisionCache(cache_file_).find(document["decisions"][0]["key"].get<std::string>());
+  ASSERT_TRUE(stored.has_value());
+  for (const auto& [id, ms] : stored->timings_ms) {
+    if (id.name() == chosen) chosen_ms = ms;
+  }
+  ASSERT_GT(chosen_ms, 0) << document.dump(1);
+  timings.push_back({{{"kind", "fused"}, {"variant", "silent"}, {"replay", "eager"}}, chosen_ms});
+  {
+    std::ofstream file(cache_file_, std::ios::trunc);
+    file << document.dump(1);
+  }
+  Executable second = Executable::build(plan, device(), options_);
+  const RegionReport& report = second.reports().front();
+  EXPECT_TRUE(report.from_cache) << report.sentence;
+  EXPECT_EQ(report.chosen, chosen);
+  bool gated = false;
+  for (const auto& [name, gate] : report.gates) gated = gated || (name == "fused silent" && !gate.passed);
+  EXPECT_TRUE(gated) << "the stored runner-up was not gated";
+  for (const auto& [name, ms] : report.timings_ms) EXPECT_EQ(name.find("silent"), std::string::npos) << name;
+  EXPECT_NE(step_race_candidate(report.timings_ms, report.chosen, options_.near_tie_margin), "fused silent");
+  expect_runs_correctly(second, graph, "with a stored near tie that fails its gate");
+}
+
 TEST_F(Dispatch, DecoderLayerExampleRunsInEveryMode) {
   // examples/decoder_layer.json: 4-bit quantized projections, rope, head transposes, batched
   // attention matmuls, three planned regions (two of them natively run next to fused ones).

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "metile/cpu_runtime.h"
+#include "metile/io.h"
 #include "metile/quant.h"
 #include "model_test_support.h"
 
@@ -642,6 +643,25 @@ TEST_F(StepGraphAliasing, CachesWriteInPlaceAndSizeOneTransposesAreViews) {
     }
     EXPECT_EQ(cache_writes, 2 * model.config().num_hidden_layers);
   }
+}
+
+// A feed that returns every position's logits is refused before any step when they cannot fit this
+// machine's memory beside what is held, on either backend (check_logits_fit: the GPU engine's feed held
+// each step's bf16 logits and their f32 copy, and ended in std::bad_alloc after all its steps).
+TEST_F(DecoderModelTest, LogitsThatCannotFitAreRefusedUpFront) {
+  const DecoderModel model = DecoderModel::load(synth("llama", {}));
+  const auto memory = static_cast<double>(physical_memory_bytes());
+  const std::int64_t vocab = model.config().vocab_size;
+  const auto half = static_cast<std::int64_t>(memory / 4 / static_cast<double>(vocab) / 2);
+  EXPECT_NO_THROW(check_logits_fit(half, model, 4, 0));
+  EXPECT_NO_THROW(check_logits_fit(half, model, 4, memory / 4));
+  const auto too_many = static_cast<std::int64_t>(memory / 4 / static_cast<double>(vocab)) + 1;
+  const std::string refused = testing::error_of([&] { check_logits_fit(too_many, model, 4, 0); });
+  EXPECT_TRUE(refused.starts_with(fmt::format("the logits of {} positions x {} tokens of vocabulary take ", too_many, vocab)))
+      << refused;
+  EXPECT_TRUE(refused.ends_with(": feed fewer tokens at a time")) << refused;
+  EXPECT_NE(testing::error_of([&] { check_logits_fit(half, model, 4, memory * 0.6); }), "(no InputError)");
+  EXPECT_NE(testing::error_of([&] { check_logits_fit(half, model, 10, 0); }), "(no InputError)");  // 4 + a copy
 }
 
 // The default feed_greedy feeds a step's tokens at a time (16: the sessions step through a prompt so
