@@ -437,6 +437,9 @@ RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& regi
                              std::span<const RegionLowering> extra_lowerings = {});
 RegionLowerings lower_region(const ComputeGraph& graph, const FusionRegion& region, const ExecutableOptions& options);
 
+// A candidate name's eager form: its CUDA-graph form ("... graph") runs the same kernels, named without
+// the suffix (the names near_tie_candidate and its kin return).
+std::string eager_candidate_name(const std::string& name);
 // The fused candidate a region's race nearly chose: of `timings_ms` (candidate name, score in ms,
 // as RegionReport holds them; a name ending in " graph" is the CUDA-graph form of the same kernels),
 // the fastest fused one whose kernels are not `chosen`'s, when its score is within `margin` (a

@@ -53,6 +53,12 @@ std::filesystem::file_status input_path_status(const std::filesystem::path& path
 // has started writing to a special file (a FIFO cannot be rolled back).
 void write_output_file(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
 
+// A failure to create, reopen or rename a file metile writes: a WriteError (error.h) when the system
+// refused the bytes (errno ENOSPC, EDQUOT, EFBIG, EIO: a full disk, inodes or quota, the file size
+// limit, a failing device), as a failed write is; an InputError otherwise (the path the user gave: no
+// permission, a read-only file system, a name too long). `message` ends with the errno's text.
+[[noreturn]] void throw_write_failure(const std::string& message, int error_number);
+
 // Whether write_output_file(path, ...) can start, checked before the work whose result it writes (a
 // graph run that takes minutes): the path is not a directory or another kind of file it refuses, and
 // the folder that takes the temporary exists and may be written. An InputError saying why otherwise.

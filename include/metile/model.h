@@ -335,7 +335,13 @@ inline Generation generate_greedy(LogitsSession& session, std::span<const std::i
 // At least one token (InputError otherwise): generate's rule, which `metile generate` asks before it
 // loads the model.
 void check_generation_count(std::int64_t count);
-
+// For a caller that wants to act between the prompt's steps (Python looks for Ctrl-C there): asks what
+// generate asks of `prompt` and `count` (InputError before any step), feeds all of the prompt but its
+// last step (kMaxStepTokens tokens at a time through feed_greedy, the steps a feed of the whole takes, so
+// the caches end the same to the bit), calling `between` after each, and returns the rest: generate
+// with it continues as generate with the whole prompt would have.
+std::span<const std::int32_t> feed_all_but_the_last_step(LogitsSession& session, std::span<const std::int32_t> prompt,
+                                                         std::int64_t count, const std::function<void()>& between);
 
 // InputError unless every token is in [0, vocab): "token id N is outside the vocabulary [0, V)".
 void check_token_ids(std::span<const std::int32_t> tokens, const DecoderModel& model);

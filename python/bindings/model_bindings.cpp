@@ -128,12 +128,14 @@ GenerateArguments generate_arguments(const DecoderModel& model, const py::handle
   return arguments;
 }
 
-// Runs a generation without the GIL, looking for Python's Ctrl-C after a generated token (the GIL taken
-// for the look alone): a signal ends the generation there with the handler's exception
-// (KeyboardInterrupt). Unlooked-for, the interrupt was seen only after the last token. Only the main
-// thread runs signal handlers, so only there is anything looked for, and at most every 0.25 s: taking the
-// GIL after every token waited for it up to a switch interval (5 ms) whenever another thread was busy,
-// 14x slower. `run` is handed the on_token to pass to generate.
+// Runs a generation without the GIL, looking for Python's Ctrl-C after each of the prompt's steps and
+// each generated token (the GIL taken for the look alone): a signal ends the generation there with the
+// handler's exception (KeyboardInterrupt). Unlooked-for, the interrupt was seen only after the last
+// token; looked for after generated tokens only, a long prompt's minutes of steps went by first. Only
+// the main thread runs signal handlers, so only there is anything looked for, and at most every 0.25 s:
+// taking the GIL after every token waited for it up to a switch interval (5 ms) whenever another thread
+// was busy, 14x slower. `run` is handed the on_token to pass to generate and to call between the
+// prompt's steps (feed_all_but_the_last_step).
 Generation generate_until_interrupted(const std::function<Generation(const std::function<void(std::int64_t)>&)>& run) {
   struct Interrupted {};
   std::optional<py::error_already_set> interruption;
@@ -234,7 +236,8 @@ void bind_model(py::module_& module) {
             const GenerateArguments arguments = generate_arguments(model, temperature, top_k, top_p, seed, ignore_eos);
             return tokens_array(generate_until_interrupted([&](const std::function<void(std::int64_t)>& on_token) {
               DecodeSession session(model);
-              return generate(session, tokens, count, arguments.sampling, arguments.stop_tokens, on_token);
+              const auto rest = feed_all_but_the_last_step(session, tokens, count, [&] { on_token(-1); });
+              return generate(session, rest, count, arguments.sampling, arguments.stop_tokens, on_token);
             }));
           },
           py::arg("ids"), py::arg("n"), py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
@@ -278,7 +281,8 @@ void bind_model(py::module_& module) {
             return tokens_array(generate_until_interrupted([&](const std::function<void(std::int64_t)>& on_token) {
               return held.in_turn("generate", [&] {
                 held.session->reset();
-                return generate(*held.session, tokens, count, arguments.sampling, arguments.stop_tokens, on_token);
+                const auto rest = feed_all_but_the_last_step(*held.session, tokens, count, [&] { on_token(-1); });
+                return generate(*held.session, rest, count, arguments.sampling, arguments.stop_tokens, on_token);
               });
             }));
           },

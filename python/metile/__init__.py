@@ -10,7 +10,8 @@ caller's variables.
 
 Errors: a mistake in the graph or the arguments' values (metile::InputError in
 C++) is a ValueError carrying the C++ message; an argument of the wrong Python
-type is a TypeError.
+type is a TypeError; a write the system refuses (a full disk, a file size limit:
+metile::WriteError) is an OSError.
 """
 
 import sys as _sys

@@ -370,7 +370,10 @@ RegionReport choose_for_region(const ComputeGraph& graph, const FusionRegion& re
         passed = gated != measured.end() ? gated->gate.passed : gate_and_enter(candidate);
       }
       if (passed) break;
-      std::erase_if(timings, [&](const std::pair<CandidateId, double>& timing) { return timing.first.eager().name() == *runner_up; });
+      // Every entry the runner-up was named from (at least one: the loop ends), by the same name rule.
+      std::erase_if(timings, [&](const std::pair<CandidateId, double>& timing) {
+        return eager_candidate_name(timing.first.name()) == *runner_up;
+      });
     }
     report.timings_ms = named();
   } else {

@@ -141,19 +141,19 @@ DispatchDecision decision_of(const std::string& key, const std::vector<MeasuredC
   return decision;
 }
 
-namespace {
-constexpr std::string_view kGraphSuffix = " graph";
-// A candidate name's kernels: its CUDA-graph form ("... graph") runs the same ones as its eager form.
-std::string eager_name(const std::string& name) {
+std::string eager_candidate_name(const std::string& name) {
+  constexpr std::string_view kGraphSuffix = " graph";
   return name.ends_with(kGraphSuffix) ? name.substr(0, name.size() - kGraphSuffix.size()) : name;
 }
+
+namespace {
 // "fused" alone is the default fused variant (CandidateId::fused()); "fused wide", "fused gemv ..." others.
 bool is_fused_name(const std::string& kernels) { return kernels == "fused" || kernels.starts_with("fused "); }
 }  // namespace
 
 std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                               const std::string& chosen, double margin) {
-  const std::string chosen_eager = eager_name(chosen);
+  const std::string chosen_eager = eager_candidate_name(chosen);
   double chosen_ms = -1;
   for (const auto& [name, ms] : timings_ms) {
     if (name == chosen) chosen_ms = ms;
@@ -162,7 +162,7 @@ std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::s
   std::optional<std::string> best;
   double best_ms = chosen_ms * (1 + margin);
   for (const auto& [name, ms] : timings_ms) {
-    const std::string kernels = eager_name(name);
+    const std::string kernels = eager_candidate_name(name);
     if (!is_fused_name(kernels) || kernels == chosen_eager || ms <= 0 || ms > best_ms) continue;
     if (best && ms == best_ms && kernels > *best) continue;  // ties: the first name in order, whatever the list's order
     best = kernels;
@@ -173,13 +173,13 @@ std::optional<std::string> near_tie_candidate(const std::vector<std::pair<std::s
 
 std::optional<std::string> prefetch_twin_candidate(const std::vector<std::pair<std::string, double>>& timings_ms,
                                                    const std::string& chosen) {
-  const std::string chosen_eager = eager_name(chosen);
+  const std::string chosen_eager = eager_candidate_name(chosen);
   // A region of several stages ("gemv A + B") has no one twin: " prefetchN" appended to its name
   // would be the last stage's alone.
   if (!is_fused_name(chosen_eager) || chosen_eager.find(" + ") != std::string::npos) return std::nullopt;
   const std::string prefix = chosen_eager + " prefetch";
   for (const auto& [name, ms] : timings_ms) {
-    const std::string kernels = eager_name(name);
+    const std::string kernels = eager_candidate_name(name);
     if (ms <= 0 || kernels.size() <= prefix.size() || !kernels.starts_with(prefix)) continue;
     const std::string_view rounds = std::string_view(kernels).substr(prefix.size());
     if (std::all_of(rounds.begin(), rounds.end(), [](char c) { return c >= '0' && c <= '9'; })) return kernels;

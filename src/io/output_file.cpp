@@ -31,7 +31,7 @@ namespace fs = std::filesystem;
 void write_stream(const fs::path& target, const std::string& file,
                   const std::function<void(std::ostream&)>& write) {
   std::ofstream stream(target, std::ios::binary | std::ios::trunc);
-  if (!stream) throw InputError(file + ": cannot create " + target.string() + ": " + std::strerror(errno));
+  if (!stream) throw_write_failure(file + ": cannot create " + target.string() + ": " + std::strerror(errno), errno);
   write(stream);
   stream.flush();
   if (!stream) throw WriteError(file + ": write failed: " + std::strerror(errno));
@@ -155,7 +155,7 @@ void remove_temporaries_and_die(int signal) {
 void create_temporary(const fs::path& temporary, const std::string& file, std::optional<fs::perms> permissions) {
   const int descriptor = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                                 permissions ? 0600 : 0666);
-  if (descriptor < 0) throw InputError(file + ": cannot create " + temporary.string() + ": " + std::strerror(errno));
+  if (descriptor < 0) throw_write_failure(file + ": cannot create " + temporary.string() + ": " + std::strerror(errno), errno);
   ::close(descriptor);
 }
 
@@ -167,7 +167,7 @@ void create_temporary(const fs::path& temporary, const std::string& file, std::o
 // temporary it had just created.
 void flush_to_disk(const fs::path& temporary, const std::string& file, std::optional<fs::perms> permissions) {
   const int descriptor = ::open(temporary.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (descriptor < 0) throw InputError(file + ": cannot reopen " + temporary.string() + ": " + std::strerror(errno));
+  if (descriptor < 0) throw_write_failure(file + ": cannot reopen " + temporary.string() + ": " + std::strerror(errno), errno);
   int result;
   do result = ::fsync(descriptor);
   while (result != 0 && errno == EINTR);
@@ -206,7 +206,7 @@ void replace_atomically(const fs::path& destination, const std::string& file, st
   if (error) {
     std::error_code ignored;  // the rename's error is the one to report
     fs::remove(temporary, ignored);
-    throw InputError(file + ": cannot rename " + temporary.string() + " into place: " + error.message());
+    throw_write_failure(file + ": cannot rename " + temporary.string() + " into place: " + error.message(), error.value());
   }
 }
 
@@ -312,6 +312,18 @@ void check_output_file_writable(const fs::path& path) {
   if (folder_status.type() != fs::file_type::directory) throw InputError(file + ": " + folder.string() + " is not a folder");
   if (::access(folder.c_str(), W_OK | X_OK) != 0) {
     throw InputError(file + ": cannot create a file in " + folder.string() + ": " + std::strerror(errno));
+  }
+}
+
+void throw_write_failure(const std::string& message, int error_number) {
+  switch (error_number) {
+    case ENOSPC:
+    case EDQUOT:
+    case EFBIG:
+    case EIO:
+      throw WriteError(message);
+    default:
+      throw InputError(message);
   }
 }
 

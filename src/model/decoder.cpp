@@ -289,6 +289,20 @@ void check_generation_count(std::int64_t count) {
   if (count < 1) throw InputError(fmt::format("cannot generate {} tokens (at least 1)", count));
 }
 
+std::span<const std::int32_t> feed_all_but_the_last_step(LogitsSession& session, std::span<const std::int32_t> prompt,
+                                                         std::int64_t count, const std::function<void()>& between) {
+  if (prompt.empty()) throw InputError("the prompt is empty");
+  check_generation_count(count);
+  check_generation_fits(session, prompt, count);
+  constexpr auto kStep = static_cast<std::size_t>(DecoderModel::kMaxStepTokens);
+  const std::size_t before_the_last = (prompt.size() - 1) / kStep * kStep;  // whole steps; the last keeps 1 to 16
+  for (std::size_t at = 0; at < before_the_last; at += kStep) {
+    session.feed_greedy(prompt.subspan(at, kStep));
+    if (between) between();
+  }
+  return prompt.subspan(before_the_last);
+}
+
 Generation generate(LogitsSession& session, std::span<const std::int32_t> prompt, std::int64_t count,
                     const SamplingOptions& sampling, std::span<const std::int64_t> stop_tokens,
                     const std::function<void(std::int64_t)>& on_token) {

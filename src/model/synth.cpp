@@ -333,8 +333,9 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
   if (!std::filesystem::create_directory(staging, error) && !error) error = std::make_error_code(std::errc::file_exists);
   if (error) {
     // Named after the directory the user gave: the staging folder is this run's own name.
-    throw InputError(fmt::format("{}: cannot write there: {} (creating {})", staging_parent.string(), error.message(),
-                                 staging_name));
+    throw_write_failure(fmt::format("{}: cannot write there: {} (creating {})", staging_parent.string(), error.message(),
+                                    staging_name),
+                        error.value());
   }
   // Another writer that passed the emptiness check above at the same time (a second synth-model)
   // would be written over file by file: each run leaves its staging folder in the directory while it
@@ -438,7 +439,8 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
         const std::filesystem::path destination = target / entry.path().filename();
         if (const int failure = rename_without_replacing(entry.path(), destination); failure != 0) {
           if (failure == EEXIST) throw someone_else_writes();
-          throw InputError(fmt::format("{}: cannot move into place: {}", destination.string(), std::strerror(failure)));
+          throw_write_failure(fmt::format("{}: cannot move into place: {}", destination.string(), std::strerror(failure)),
+                              failure);
         }
         moved.push_back(destination);
       }
@@ -447,7 +449,7 @@ void synthesize_model(const std::filesystem::path& directory, const SynthOptions
       if (failure == EEXIST || failure == ENOTEMPTY) {
         throw InputError(fmt::format("{}: exists now: another process made it while this one wrote", directory.string()));
       }
-      throw InputError(fmt::format("{}: cannot move into place: {}", directory.string(), std::strerror(failure)));
+      throw_write_failure(fmt::format("{}: cannot move into place: {}", directory.string(), std::strerror(failure)), failure);
     }
   } catch (const InputError& failure) {
     remove_what_was_written();

@@ -372,7 +372,7 @@ def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
 
 
 def test_generate_is_interrupted_by_ctrl_c(tmp_path):
-    # Ctrl-C during a long generation ends it at the next token with whatever the SIGINT handler raises
+    # Ctrl-C during a long generation ends it at the next token or prompt step with whatever the SIGINT handler raises
     # (a test's own exception here, as above); the generation ran without the GIL and looked for no
     # signal, so the handler ran only after the last token (here minutes after the signal: 60000
     # tokens). The model is unharmed: a fresh generation after it is the same as before.
@@ -399,16 +399,21 @@ def test_generate_is_interrupted_by_ctrl_c(tmp_path):
         sent.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
 
-    previous = signal.signal(signal.SIGINT, raise_interrupted)
-    try:
-        thread = threading.Thread(target=interrupt_soon)
-        thread.start()
-        with pytest.raises(Interrupted):
-            model.generate([1, 2, 3], 60000, ignore_eos=True)
-        thread.join()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert handled[0] - sent[0] < 10, f"the handler ran {handled[0] - sent[0]:.1f} s after the signal"
+    # The same during a long prompt's steps: looked for between generated tokens only, the signal waited
+    # for the whole prompt (minutes: 60000 tokens, each step attending over all before it).
+    for prompt, count in (([1, 2, 3], 60000), ([1 + k % 200 for k in range(60000)], 1)):
+        handled.clear()
+        sent.clear()
+        previous = signal.signal(signal.SIGINT, raise_interrupted)
+        try:
+            thread = threading.Thread(target=interrupt_soon)
+            thread.start()
+            with pytest.raises(Interrupted):
+                model.generate(prompt, count, ignore_eos=True)
+            thread.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        assert handled[0] - sent[0] < 10, f"the handler ran {handled[0] - sent[0]:.1f} s after the signal ({len(prompt)})"
     assert np.array_equal(model.generate([1, 2, 3], 5, ignore_eos=True), before)
 
 
@@ -474,7 +479,7 @@ def test_cuda_backend(tmp_path, rng):
 
     previous = signal.signal(signal.SIGALRM, handler)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # once: the handler runs at the first look, 0.25 s in
         with pytest.raises(Stop):  # ends at the first look for signals, 0.25 s in
             model.generate(prompt, model.capacity - len(prompt), ignore_eos=True)
     finally:

@@ -8,7 +8,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 
 #include <fstream>
 #include <limits>
@@ -337,6 +339,20 @@ TEST_F(IoTest, AWritePastTheFileSizeLimitFailsCleanly) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
   EXPECT_EQ(read_text(path), "old contents");
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory_), std::filesystem::directory_iterator()), 1);
+}
+
+// A full disk can strike while a file is created or renamed as well as while it is written (no inodes
+// left, a quota): those failures were InputErrors (exit 2, ValueError) whatever the errno. The system's
+// refusals are WriteErrors wherever they come; a mistake in the path stays an InputError.
+TEST(WriteFailures, TheSystemsRefusalsAreWriteErrorsWhereverTheyCome) {
+  for (const int refused : {ENOSPC, EDQUOT, EFBIG, EIO}) {
+    const std::string message = std::string("out: cannot create out.tmp: ") + std::strerror(refused);
+    EXPECT_EQ(write_error_of([&] { throw_write_failure(message, refused); }), message);
+  }
+  for (const int mistaken : {EACCES, EROFS, ENAMETOOLONG, ENOENT, EEXIST}) {
+    const std::string message = std::string("out: cannot create out.tmp: ") + std::strerror(mistaken);
+    EXPECT_EQ(error_of([&] { throw_write_failure(message, mistaken); }), message);
+  }
 }
 
 TEST_F(IoTest, FifosAndCharacterDevicesAreWrittenInPlace) {

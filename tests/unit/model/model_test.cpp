@@ -551,6 +551,48 @@ TEST_F(DecoderModelTest, PlannedPathEqualsReferenceAndGenerationIsGreedy) {
   EXPECT_EQ(continued.position(), 4);
 }
 
+// Python looks for Ctrl-C between a prompt's steps: feed_all_but_the_last_step feeds all but the last
+// step and hands back the rest, and generate with that rest gives the whole prompt's generation, its
+// caches the same to the bit (the next token's logits compared with memcmp), greedy and sampled, for
+// prompts around the 16-token step. A refusal comes before any step.
+TEST_F(DecoderModelTest, APromptFedAStepAtATimeGeneratesAsTheWholePrompt) {
+  std::mt19937_64 generator(testing::model_test_seed() + 11);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}), {DType::bf16, {}, 80});
+  const std::int64_t vocab = model.config().vocab_size;
+  SamplingOptions sampled;
+  sampled.temperature = 0.9;
+  sampled.seed = generator();
+  for (const std::int64_t length : {1, 15, 16, 17, 32, 33, 50}) {
+    const std::vector<std::int32_t> prompt = random_tokens(generator, length, vocab);
+    for (const SamplingOptions& sampling : {SamplingOptions{}, sampled}) {
+      DecodeSession whole(model);
+      const Generation expected = generate(whole, prompt, 6, sampling);
+      DecodeSession stepped(model);
+      int between = 0;
+      const std::span<const std::int32_t> rest = feed_all_but_the_last_step(stepped, prompt, 6, [&] { ++between; });
+      EXPECT_EQ(between, (length - 1) / 16) << length;
+      EXPECT_EQ(static_cast<std::int64_t>(rest.size()), length - 16 * between) << length;
+      EXPECT_EQ(rest.data(), prompt.data() + 16 * between);
+      EXPECT_EQ(generate(stepped, rest, 6, sampling).tokens, expected.tokens) << length;
+      const std::vector<std::int32_t> next = random_tokens(generator, 1, vocab);
+      const std::vector<float> after_whole = whole.feed(next);
+      const std::vector<float> after_stepped = stepped.feed(next);
+      ASSERT_EQ(after_whole.size(), after_stepped.size());
+      EXPECT_EQ(std::memcmp(after_whole.data(), after_stepped.data(), after_whole.size() * sizeof(float)), 0) << length;
+    }
+  }
+  const std::vector<std::int32_t> prompt = random_tokens(generator, 40, vocab);
+  DecodeSession refused(model);
+  int between = 0;
+  EXPECT_EQ(testing::error_of([&] { feed_all_but_the_last_step(refused, prompt, 42, [&] { ++between; }); }),
+            "42 tokens after a 40-token prompt would go past the KV-cache capacity 80 (--max-seq)");
+  EXPECT_EQ(testing::error_of([&] { feed_all_but_the_last_step(refused, prompt, 0, [&] { ++between; }); }),
+            "cannot generate 0 tokens (at least 1)");
+  EXPECT_EQ(testing::error_of([&] { feed_all_but_the_last_step(refused, {}, 1, [&] { ++between; }); }), "the prompt is empty");
+  EXPECT_EQ(refused.position(), 0);
+  EXPECT_EQ(between, 0);
+}
+
 // The greedy step graph: "next_tokens" is each row of its logits' argmax (brute force on the
 // logits it also returns), its logits are the plain step graph's bit for bit, the CPU plan gives
 // the same, and a session's feed_greedy picks the argmax of feed's logits.
