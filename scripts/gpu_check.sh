@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One call on a CUDA machine: build the GPU-facing targets (Release, no Python), start the
+# One call on a CUDA machine: build the GPU-facing targets (Release; the Python module where pybind11 is), start the
 # transformers oracle of the model module in the background (CPU only: torch + metile on the
 # CPU), run every GPU test (ctest label `gpu`), compute-sanitizer memcheck over the GEMV and step
-# kernels' suites (scripts/gpu_sanitize.sh quick), `metile run --backend cuda --check` on the
+# kernels' suites (scripts/gpu_sanitize.sh quick), Python's CudaModel tests, `metile run --backend cuda --check` on the
 # examples, the transformers oracle against the GPU decode engine (--backend cuda), one short
 # row of the model benchmark (benchmarks/model/device_run.sh, Llama-3.2-1B's shapes cut to 4 layers;
 # BENCH_MODEL_ROWS="..." for others, "" for none), the kernel benchmark (row kernels, one-pass
@@ -35,9 +35,16 @@ step() {  # step NAME TIMEOUT COMMAND...: runs for at most TIMEOUT and what is l
   summary+=("$(printf '%-22s rc=%-3s at %s' "$name" "$rc" "$(elapsed)")")
   return $rc
 }
-cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMETILE_BUILD_PYTHON=OFF >"$OUT/configure.log" 2>&1 ||
+# The Python module too where the machine's python3 has pybind11 (the device image's venv does): the
+# Python CUDA path (load_model(backend="cuda")) runs nowhere else.
+python_flags=(-DMETILE_BUILD_PYTHON=OFF)
+if pybind11_dir=$(python3 -m pybind11 --cmakedir 2>/dev/null); then
+  python_flags=(-DMETILE_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$(command -v python3)" -Dpybind11_DIR="$pybind11_dir")
+fi
+cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${python_flags[@]}" >"$OUT/configure.log" 2>&1 ||
   { tail -20 "$OUT/configure.log"; exit 1; }
 gpu_targets=$(for source in tests/gpu/*_test.cpp; do echo "gpu_$(basename "$source" .cpp)"; done)
+grep -q "_metile" build/gpu/build.ninja && gpu_targets="$gpu_targets _metile"
 step build 240 cmake --build build/gpu --target metile kernels_benchmark mlp_decode_benchmark $gpu_targets -j"$(nproc)" ||
   { grep -E "error" -A3 "$OUT/build.log" | head -40; printf '%s\n' "${summary[@]}"; exit 1; }
 # The oracle needs no GPU; it runs beside the GPU suites on the machine's CPU cores.
@@ -53,6 +60,14 @@ grep -E "tests passed|FAILED|Failed|\*\*\*|Passed|sec$" "$OUT/gpu_tests.log" | t
 # scripts/gpu_sanitize.sh; `scripts/gpu_sanitize.sh all` runs every kernel family, a call of its own).
 step sanitize 250 env OUT="$OUT/sanitize" TIME_LIMIT="$(left)" scripts/gpu_sanitize.sh quick
 cat "$OUT/sanitize.log"
+# Python's CudaModel against the CPU model (tests/python/test_model.py's GPU branches). Session 54: on the
+# device image this crashes (SIGSEGV at the first kernel-cache write) in a process that imported numpy before
+# metile, as pytest's conftest does; LD_PRELOAD of the system libstdc++ avoids it (notes/gpu_check.md).
+if [ -d build/gpu/python/metile ]; then
+  step python_cuda 90 env PYTHONPATH=build/gpu/python PYTHONDONTWRITEBYTECODE=1 METILE_SOURCE_DIR="$PWD" \
+    python3 -m pytest -q -p no:cacheprovider tests/python/test_model.py -k "cuda_backend or threads_share"
+  tail -6 "$OUT/python_cuda.log"
+fi
 for example in add_rms_norm decoder_layer; do
   step "run_$example" 60 build/gpu/tools/metile/metile run examples/$example.json --backend cuda --check
   grep -E "^region|^check|error" "$OUT/run_$example.log" | head -12
