@@ -140,6 +140,7 @@ class CudaDecodeSession : public LogitsSession {
   // Chunks of 16 while at least 16 tokens remain, then single steps (never padding: a padded
   // token would write a cache row). Same contract as DecodeSession::feed.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
+  void check_feed(std::span<const std::int32_t> tokens) const override;
   // The same steps, copying back only each token's next-token id (the step graph's "next_tokens",
   // the argmax of its logits taken on the device): 4 bytes per token instead of a row of logits.
   std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;

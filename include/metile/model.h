@@ -212,6 +212,10 @@ class LogitsSession {
   // InputError when a token is outside the vocabulary or the cache is full (checked before any
   // step runs).
   virtual std::vector<float> feed(std::span<const std::int32_t> tokens) = 0;
+  // What feed(tokens) asks before any step: InputError when it would refuse them. This default asks
+  // what every session can tell, the capacity; the CPU and GPU sessions ask everything their feed does
+  // (the ids, the memory the logits take).
+  virtual void check_feed(std::span<const std::int32_t> tokens) const;
   // Appends tokens like feed() and returns each one's greedy next token: the argmax of its logits
   // (argmax_index's rule, graph.h). This default takes it from feed()'s logits on the host, feeding
   // kMaxStepTokens tokens at a time (a prompt's logits are never all held); the GPU engine computes
@@ -261,6 +265,7 @@ class DecodeSession : public LogitsSession {
   // weights and caches would pass this machine's memory (checked before any step runs). A step hands the caches to the executor, which writes them in place: should it
   // fail, the session has no caches left and every later feed is an InputError.
   std::vector<float> feed(std::span<const std::int32_t> tokens) override;
+  void check_feed(std::span<const std::int32_t> tokens) const override;
   // LogitsSession's, with every token checked before the first step (they feed a step at a time).
   std::vector<std::int32_t> feed_greedy(std::span<const std::int32_t> tokens) override;
   std::vector<TokenLogit> feed_top_k(std::span<const std::int32_t> tokens, std::int64_t top_k) override;
@@ -335,6 +340,11 @@ inline Generation generate_greedy(LogitsSession& session, std::span<const std::i
 // At least one token (InputError otherwise): generate's rule, which `metile generate` asks before it
 // loads the model.
 void check_generation_count(std::int64_t count);
+// feed(tokens) a step at a time (kMaxStepTokens tokens: the steps feed takes, so the logits are
+// feed's to the bit), calling `between` after each: for a caller that acts between steps (Python looks
+// for Ctrl-C there). What feed asks (check_feed) is asked first, before any step.
+std::vector<float> feed_a_step_at_a_time(LogitsSession& session, std::span<const std::int32_t> tokens,
+                                         const std::function<void()>& between);
 // For a caller that wants to act between the prompt's steps (Python looks for Ctrl-C there): asks what
 // generate asks of `prompt` and `count` (InputError before any step), feeds all of the prompt but its
 // last step (kMaxStepTokens tokens at a time through feed_greedy, the steps a feed of the whole takes, so

@@ -128,15 +128,15 @@ GenerateArguments generate_arguments(const DecoderModel& model, const py::handle
   return arguments;
 }
 
-// Runs a generation without the GIL, looking for Python's Ctrl-C after each of the prompt's steps and
-// each generated token (the GIL taken for the look alone): a signal ends the generation there with the
-// handler's exception (KeyboardInterrupt). Unlooked-for, the interrupt was seen only after the last
-// token; looked for after generated tokens only, a long prompt's minutes of steps went by first. Only
-// the main thread runs signal handlers, so only there is anything looked for, and at most every 0.25 s:
-// taking the GIL after every token waited for it up to a switch interval (5 ms) whenever another thread
-// was busy, 14x slower. `run` is handed the on_token to pass to generate and to call between the
-// prompt's steps (feed_all_but_the_last_step).
-Generation generate_until_interrupted(const std::function<Generation(const std::function<void(std::int64_t)>&)>& run) {
+// Runs `run` (a generation, a logits call) without the GIL, handing it `look`, which looks for Python's
+// Ctrl-C (the GIL taken for the look alone) and is called after each of the prompt's steps and each
+// generated token: a signal ends the call there with the handler's exception (KeyboardInterrupt).
+// Unlooked-for, the interrupt was seen only after the last token, and looked for after generated tokens
+// only, after minutes of a long prompt's steps. Only the main thread runs signal handlers, so only there
+// is anything looked for, and at most every 0.25 s: taking the GIL after every token waited for it up to
+// a switch interval (5 ms) whenever another thread was busy, 14x slower.
+template <class Result>
+Result run_until_interrupted(const std::function<Result(const std::function<void(std::int64_t)>&)>& run) {
   struct Interrupted {};
   std::optional<py::error_already_set> interruption;
   const py::module_ threading = py::module_::import("threading");
@@ -218,12 +218,11 @@ void bind_model(py::module_& module) {
           "logits",
           [](const DecoderModel& model, const py::handle& ids) {
             const std::vector<std::int32_t> tokens = token_ids(ids, model);
-            std::vector<float> logits;
-            {
-              py::gil_scoped_release release;
-              DecodeSession session(model);
-              logits = session.feed(tokens);
-            }
+            const std::vector<float> logits =
+                run_until_interrupted<std::vector<float>>([&](const std::function<void(std::int64_t)>& look) {
+                  DecodeSession session(model);
+                  return feed_a_step_at_a_time(session, tokens, [&] { look(-1); });
+                });
             return logits_array(logits, tokens.size(), model.config().vocab_size);
           },
           py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32)")
@@ -234,7 +233,7 @@ void bind_model(py::module_& module) {
             const std::vector<std::int32_t> tokens = token_ids(ids, model);
             const std::int64_t count = integer_argument("n", n);
             const GenerateArguments arguments = generate_arguments(model, temperature, top_k, top_p, seed, ignore_eos);
-            return tokens_array(generate_until_interrupted([&](const std::function<void(std::int64_t)>& on_token) {
+            return tokens_array(run_until_interrupted<Generation>([&](const std::function<void(std::int64_t)>& on_token) {
               DecodeSession session(model);
               const auto rest = feed_all_but_the_last_step(session, tokens, count, [&] { on_token(-1); });
               return generate(session, rest, count, arguments.sampling, arguments.stop_tokens, on_token);
@@ -259,14 +258,13 @@ void bind_model(py::module_& module) {
           "logits",
           [](PythonCudaModel& held, const py::handle& ids) {
             const std::vector<std::int32_t> tokens = token_ids(ids, *held.model);
-            std::vector<float> logits;
-            {
-              py::gil_scoped_release release;
-              logits = held.in_turn("logits", [&] {
-                held.session->reset();
-                return held.session->feed(tokens);
-              });
-            }
+            const std::vector<float> logits =
+                run_until_interrupted<std::vector<float>>([&](const std::function<void(std::int64_t)>& look) {
+                  return held.in_turn("logits", [&] {
+                    held.session->reset();
+                    return feed_a_step_at_a_time(*held.session, tokens, [&] { look(-1); });
+                  });
+                });
             return logits_array(logits, tokens.size(), held.model->config().vocab_size);
           },
           py::arg("ids"), "Logits [len(ids), vocab] of a fresh sequence (float32), computed on the GPU")
@@ -278,7 +276,7 @@ void bind_model(py::module_& module) {
             const std::int64_t count = integer_argument("n", n);
             const GenerateArguments arguments =
                 generate_arguments(*held.model, temperature, top_k, top_p, seed, ignore_eos);
-            return tokens_array(generate_until_interrupted([&](const std::function<void(std::int64_t)>& on_token) {
+            return tokens_array(run_until_interrupted<Generation>([&](const std::function<void(std::int64_t)>& on_token) {
               return held.in_turn("generate", [&] {
                 held.session->reset();
                 const auto rest = feed_all_but_the_last_step(*held.session, tokens, count, [&] { on_token(-1); });

@@ -371,13 +371,18 @@ std::vector<std::int32_t> CudaDecodeSession::continue_greedy(std::int32_t token,
   return chosen;
 }
 
-std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens) {
+void CudaDecodeSession::check_feed(std::span<const std::int32_t> tokens) const {
   const DecoderModel& model = model_->model();
-  const std::int64_t vocab = model.config().vocab_size;
   check_tokens_fit(tokens, position_, model);  // as the CPU feed: the capacity and the ids before the memory
   // Each step's logits in the model's dtype, then all of them widened to f32, beside the host's weights.
   check_logits_fit(static_cast<std::int64_t>(tokens.size()), model, 4.0 + static_cast<double>(dtype_size(model.dtype())),
                    static_cast<double>(model.weight_bytes()));
+}
+
+std::vector<float> CudaDecodeSession::feed(std::span<const std::int32_t> tokens) {
+  check_feed(tokens);
+  const DecoderModel& model = model_->model();
+  const std::int64_t vocab = model.config().vocab_size;
   const std::vector<HostTensor> step_logits = run_steps(tokens, "logits");
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));

@@ -162,14 +162,18 @@ void check_continuation_fits(const LogitsSession& session, std::int64_t count) {
   }
 }
 
-std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
+void DecodeSession::check_feed(std::span<const std::int32_t> tokens) const {
   if (caches_lost_) {
     throw InputError("this decode session lost its KV caches to an error in an earlier step: start a new session");
   }
-  const std::int64_t vocab = model_.config().vocab_size;
   check_tokens_fit(tokens, position_, model_);
   check_logits_fit(static_cast<std::int64_t>(tokens.size()), model_, 4,
                    static_cast<double>(model_.weight_bytes()) + kv_cache_bytes(model_.config(), model_.capacity(), model_.dtype()));
+}
+
+std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
+  check_feed(tokens);
+  const std::int64_t vocab = model_.config().vocab_size;
   std::vector<float> logits;
   logits.reserve(tokens.size() * static_cast<std::size_t>(vocab));
   for_each_step_chunk(tokens, [&](std::span<const std::int32_t> chunk) {
@@ -212,6 +216,26 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
       logits.push_back(static_cast<float>(step_logits.at(index)));
     }
     position_ += steps;
+  });
+  return logits;
+}
+
+void LogitsSession::check_feed(std::span<const std::int32_t> tokens) const {
+  if (position() + static_cast<std::int64_t>(tokens.size()) > capacity()) {
+    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
+                                 position() + static_cast<std::int64_t>(tokens.size()), capacity(), capacity_source()));
+  }
+}
+
+std::vector<float> feed_a_step_at_a_time(LogitsSession& session, std::span<const std::int32_t> tokens,
+                                         const std::function<void()>& between) {
+  session.check_feed(tokens);
+  std::vector<float> logits;
+  for_each_step_chunk(tokens, [&](std::span<const std::int32_t> chunk) {
+    const std::vector<float> rows = session.feed(chunk);
+    if (logits.empty()) logits.reserve(rows.size() / chunk.size() * tokens.size());  // the vocabulary's rows for all
+    logits.insert(logits.end(), rows.begin(), rows.end());
+    if (between) between();
   });
   return logits;
 }

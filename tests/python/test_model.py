@@ -399,9 +399,11 @@ def test_generate_is_interrupted_by_ctrl_c(tmp_path):
         sent.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
 
-    # The same during a long prompt's steps: looked for between generated tokens only, the signal waited
-    # for the whole prompt (minutes: 60000 tokens, each step attending over all before it).
-    for prompt, count in (([1, 2, 3], 60000), ([1 + k % 200 for k in range(60000)], 1)):
+    # The same during a long prompt's steps, in generate and in logits: looked for between generated tokens
+    # only, the signal waited for the whole prompt (minutes: 60000 tokens, each step attending over all before it).
+    long_prompt = [1 + k % 200 for k in range(60000)]
+    for call in (lambda: model.generate([1, 2, 3], 60000, ignore_eos=True),
+                 lambda: model.generate(long_prompt, 1, ignore_eos=True), lambda: model.logits(long_prompt)):
         handled.clear()
         sent.clear()
         previous = signal.signal(signal.SIGINT, raise_interrupted)
@@ -409,11 +411,11 @@ def test_generate_is_interrupted_by_ctrl_c(tmp_path):
             thread = threading.Thread(target=interrupt_soon)
             thread.start()
             with pytest.raises(Interrupted):
-                model.generate(prompt, count, ignore_eos=True)
+                call()
             thread.join()
         finally:
             signal.signal(signal.SIGINT, previous)
-        assert handled[0] - sent[0] < 10, f"the handler ran {handled[0] - sent[0]:.1f} s after the signal ({len(prompt)})"
+        assert handled[0] - sent[0] < 10, f"the handler ran {handled[0] - sent[0]:.1f} s after the signal"
     assert np.array_equal(model.generate([1, 2, 3], 5, ignore_eos=True), before)
 
 

@@ -593,6 +593,36 @@ TEST_F(DecoderModelTest, APromptFedAStepAtATimeGeneratesAsTheWholePrompt) {
   EXPECT_EQ(between, 0);
 }
 
+// Python's logits look for Ctrl-C between steps: feed_a_step_at_a_time gives feed's logits to the bit
+// (memcmp) and calls `between` once a step, and what feed would refuse it refuses before any step.
+TEST_F(DecoderModelTest, LogitsFedAStepAtATimeAreFeedsLogits) {
+  std::mt19937_64 generator(testing::model_test_seed() + 13);
+  const DecoderModel model = DecoderModel::load(synth("llama", {}), {DType::bf16, {}, 80});
+  const std::int64_t vocab = model.config().vocab_size;
+  for (const std::int64_t length : {1, 15, 16, 17, 33, 47}) {
+    const std::vector<std::int32_t> tokens = random_tokens(generator, length, vocab);
+    DecodeSession whole(model);
+    const std::vector<float> expected = whole.feed(tokens);
+    DecodeSession stepped(model);
+    int between = 0;
+    const std::vector<float> logits = feed_a_step_at_a_time(stepped, tokens, [&] { ++between; });
+    EXPECT_EQ(between, (length + 15) / 16) << length;  // for_each_step_chunk's pieces of at most 16
+    ASSERT_EQ(logits.size(), expected.size()) << length;
+    EXPECT_EQ(std::memcmp(logits.data(), expected.data(), logits.size() * sizeof(float)), 0) << length;
+    EXPECT_EQ(stepped.position(), length);
+  }
+  DecodeSession refused(model);
+  int between = 0;
+  const std::vector<std::int32_t> too_long = random_tokens(generator, 81, vocab);
+  EXPECT_EQ(testing::error_of([&] { feed_a_step_at_a_time(refused, too_long, [&] { ++between; }); }),
+            "the sequence would reach 81 tokens, past the KV-cache capacity 80 (--max-seq)");
+  std::vector<std::int32_t> bad_last = random_tokens(generator, 40, vocab);
+  bad_last.back() = static_cast<std::int32_t>(vocab);
+  EXPECT_NE(testing::error_of([&] { feed_a_step_at_a_time(refused, bad_last, [&] { ++between; }); }), "(no InputError)");
+  EXPECT_EQ(refused.position(), 0);
+  EXPECT_EQ(between, 0);
+}
+
 // The greedy step graph: "next_tokens" is each row of its logits' argmax (brute force on the
 // logits it also returns), its logits are the plain step graph's bit for bit, the CPU plan gives
 // the same, and a session's feed_greedy picks the argmax of feed's logits.
