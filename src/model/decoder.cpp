@@ -129,12 +129,19 @@ void for_each_step_chunk(std::span<const std::int32_t> tokens,
   }
 }
 
-void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model) {
-  if (position + static_cast<std::int64_t>(tokens.size()) > model.capacity()) {
+namespace {
+// What every feed asks first: InputError when `tokens` from `position` pass the capacity.
+void check_sequence_fits(std::span<const std::int32_t> tokens, std::int64_t position, std::int64_t capacity,
+                         const std::string& capacity_source) {
+  if (position + static_cast<std::int64_t>(tokens.size()) > capacity) {
     throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
-                                 position + static_cast<std::int64_t>(tokens.size()), model.capacity(),
-                                 model.capacity_source()));
+                                 position + static_cast<std::int64_t>(tokens.size()), capacity, capacity_source));
   }
+}
+}  // namespace
+
+void check_tokens_fit(std::span<const std::int32_t> tokens, std::int64_t position, const DecoderModel& model) {
+  check_sequence_fits(tokens, position, model.capacity(), model.capacity_source());
   check_token_ids(tokens, model);
 }
 
@@ -221,10 +228,7 @@ std::vector<float> DecodeSession::feed(std::span<const std::int32_t> tokens) {
 }
 
 void LogitsSession::check_feed(std::span<const std::int32_t> tokens) const {
-  if (position() + static_cast<std::int64_t>(tokens.size()) > capacity()) {
-    throw InputError(fmt::format("the sequence would reach {} tokens, past the KV-cache capacity {} ({})",
-                                 position() + static_cast<std::int64_t>(tokens.size()), capacity(), capacity_source()));
-  }
+  check_sequence_fits(tokens, position(), capacity(), capacity_source());
 }
 
 std::vector<float> feed_a_step_at_a_time(LogitsSession& session, std::span<const std::int32_t> tokens,
