@@ -324,10 +324,10 @@ std::span<const std::int32_t> feed_all_but_the_last_step(LogitsSession& session,
   check_generation_fits(session, prompt, count);
   constexpr auto kStep = static_cast<std::size_t>(DecoderModel::kMaxStepTokens);
   const std::size_t before_the_last = (prompt.size() - 1) / kStep * kStep;  // whole steps; the last keeps 1 to 16
-  for (std::size_t at = 0; at < before_the_last; at += kStep) {
-    session.feed_greedy(prompt.subspan(at, kStep));
+  for_each_step_chunk(prompt.first(before_the_last), [&](std::span<const std::int32_t> step) {
+    session.feed_greedy(step);
     if (between) between();
-  }
+  });
   return prompt.subspan(before_the_last);
 }
 
