@@ -60,13 +60,13 @@ grep -E "tests passed|FAILED|Failed|\*\*\*|Passed|sec$" "$OUT/gpu_tests.log" | t
 # scripts/gpu_sanitize.sh; `scripts/gpu_sanitize.sh all` runs every kernel family, a call of its own).
 step sanitize 250 env OUT="$OUT/sanitize" TIME_LIMIT="$(left)" scripts/gpu_sanitize.sh quick
 cat "$OUT/sanitize.log"
-# Python's CudaModel against the CPU model (tests/python/test_model.py's GPU branches). Session 54: on the
-# device image this crashes (SIGSEGV at the first kernel-cache write) in a process that imported numpy before
-# metile, as pytest's conftest does; LD_PRELOAD of the system libstdc++ avoids it (notes/gpu_check.md).
+# The whole Python suite, CudaModel against the CPU model among it (tests/python/test_model.py's GPU branches),
+# with the machine's compiler and numpy: the device image's g++ links libstdc++ statically, which crashed the module
+# in a process that imported numpy first until the module exported its entry point only (session 55).
 if [ -d build/gpu/python/metile ]; then
-  step python_cuda 90 env PYTHONPATH=build/gpu/python PYTHONDONTWRITEBYTECODE=1 METILE_SOURCE_DIR="$PWD" \
-    python3 -m pytest -q -p no:cacheprovider tests/python/test_model.py -k "cuda_backend or threads_share"
-  tail -6 "$OUT/python_cuda.log"
+  step python_suite 150 env PYTHONPATH=build/gpu/python PYTHONDONTWRITEBYTECODE=1 METILE_SOURCE_DIR="$PWD" \
+    python3 -m pytest -q -p no:cacheprovider tests/python
+  tail -6 "$OUT/python_suite.log"
 fi
 for example in add_rms_norm decoder_layer; do
   step "run_$example" 60 build/gpu/tools/metile/metile run examples/$example.json --backend cuda --check
