@@ -91,6 +91,9 @@ class CudaEvent;
 class CudaStream {
  public:
   CudaStream();  // a new stream in the current context, ordered with DeviceBuffer's synchronous copies
+  // A non-blocking stream for work that is only ever captured (CudaGraph::capture's own; a side stream a capture
+  // forks onto): a blocking stream that joins a capture makes another thread's synchronous copies fail.
+  static CudaStream capture_only();
   ~CudaStream();
   CudaStream(CudaStream&& other) noexcept;
   CudaStream& operator=(CudaStream&& other) noexcept;
@@ -112,6 +115,7 @@ class CudaStream {
   bool programmatic_dependent_launch() const { return programmatic_dependent_launch_; }
 
  private:
+  explicit CudaStream(std::nullptr_t) {}
   CUstream_st* stream_ = nullptr;
   bool programmatic_dependent_launch_ = false;
 };
@@ -378,8 +382,9 @@ void launch(const CompiledKernel& kernel, Dim3 grid, Dim3 block, unsigned shared
 }
 
 // ---------------------------------------------------------------- CUDA graphs
-// Captures the work a callable enqueues on a stream, instantiates it once, replays it many times.
-// Work inside must not allocate or synchronize (the usual capture rules).
+// Captures the work a callable enqueues on the stream it is given, instantiates it once, replays it many times.
+// Work inside must not allocate or synchronize (the usual capture rules), and must enqueue on the stream it is
+// given: capture() hands it a capture_only stream of its own with `stream`'s launch settings.
 class CudaGraph {
  public:
   CudaGraph() = default;

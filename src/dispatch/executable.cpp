@@ -164,7 +164,7 @@ struct Executable::State {
   std::string programmatic_race;     // race_programmatic_replay's figures, for report()
   // race_weight_prefetch: the side stream its replay forks onto, the events of the forks and the
   // join, the prefetches' piece tables (the graph's kernels read them), its figures for report().
-  CudaStream prefetch_stream;
+  CudaStream prefetch_stream = CudaStream::capture_only();
   std::deque<CudaEvent> prefetch_events;
   std::vector<std::shared_ptr<const L2Prefetch>> prefetches;
   bool weight_prefetch = false;

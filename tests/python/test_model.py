@@ -493,6 +493,43 @@ def test_cuda_backend(tmp_path, rng):
     assert np.array_equal(model.generate(prompt, 6), tokens)
 
 
+def test_two_cuda_models_in_two_threads(tmp_path, rng):
+    """Two GPU models loaded and used in two threads at once, as two users of one process do: one thread's weight
+    uploads ran on the legacy stream while the other captured its step graphs, which failed the upload
+    (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) or invalidated the capture. Each thread's results must be its model's."""
+    paths = []
+    for k in range(2):
+        paths.append(str(tmp_path / f"m{k}"))
+        metile.synth_model(paths[k], seed=int(rng.integers(1, 2**32)))
+    try:
+        metile.load_model(paths[0], backend="cuda", max_seq=64)
+    except ValueError as error:
+        pytest.skip(str(error))  # no GPU: test_cuda_backend checks what is refused
+    prompt = [5, 9, 2, 7]
+    models, results, failures = [None, None], [None, None], []
+
+    def work(k):
+        try:
+            models[k] = metile.load_model(paths[k], backend="cuda", max_seq=64)
+            results[k] = [(models[k].logits(prompt), models[k].generate(prompt, 8, ignore_eos=True)) for _ in range(4)]
+        except Exception as error:  # reported below, on the test's thread
+            failures.append(f"model {k}: {error}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    for k in range(2):
+        logits, tokens = models[k].logits(prompt), models[k].generate(prompt, 8, ignore_eos=True)
+        for got_logits, got_tokens in results[k]:
+            np.testing.assert_array_equal(got_logits, logits, err_msg=f"model {k}")
+            np.testing.assert_array_equal(got_tokens, tokens, err_msg=f"model {k}")
+        on_cpu = metile.load_model(paths[k]).logits(prompt)
+        assert np.linalg.norm(logits - on_cpu) <= 1e-2 * np.linalg.norm(on_cpu), f"model {k}"
+
+
 def test_threads_share_a_model(tmp_path):
     """The bindings release the GIL: eight threads asking one fresh model for logits at once (each
     prompt length a step graph of its own, built on first use) get what one thread gets."""

@@ -93,8 +93,15 @@ void CudaDevice::synchronize() const {
 // ---------------------------------------------------------------- streams and events
 // A blocking stream (not CU_STREAM_NON_BLOCKING): the synchronous copies and memsets of DeviceBuffer
 // run on the legacy stream, and only a blocking stream is ordered after them. (A non-blocking one let
-// kernels race a still-running poison memset on large buffers.)
+// kernels race a still-running poison memset on large buffers.) Streams that only ever capture are
+// non-blocking (capture_only).
 CudaStream::CudaStream() { check(driver().cuStreamCreate(&stream_, CU_STREAM_DEFAULT), "cuStreamCreate"); }
+
+CudaStream CudaStream::capture_only() {
+  CudaStream stream(nullptr);
+  check(driver().cuStreamCreate(&stream.stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  return stream;
+}
 
 CudaStream::~CudaStream() {
   if (stream_ != nullptr) driver().cuStreamDestroy(stream_);
@@ -729,19 +736,25 @@ void launch_waiting_kernel(const CompiledKernel& kernel, Dim3 grid, Dim3 block, 
 }
 
 // ---------------------------------------------------------------- CUDA graphs
+// The capture runs on a non-blocking stream of its own, not on `stream`: the legacy stream waits on every blocking
+// stream, and a legacy-stream operation of another thread (a DeviceBuffer upload) that would wait on a capturing one
+// fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and invalidates the capture. Nothing in the graph depends on when it
+// was captured, so `stream` lends only its launch settings.
 CudaGraph CudaGraph::capture(const CudaStream& stream, const std::function<void(const CudaStream&)>& work) {
   const auto& api = driver();
-  check(api.cuStreamBeginCapture(stream.handle(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
+  CudaStream capturing = CudaStream::capture_only();
+  capturing.set_programmatic_dependent_launch(stream.programmatic_dependent_launch());
+  check(api.cuStreamBeginCapture(capturing.handle(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
   CUgraph graph = nullptr;
   try {
-    work(stream);
+    work(capturing);
   } catch (...) {
-    // End the capture so the stream is usable again, then report the original failure.
-    api.cuStreamEndCapture(stream.handle(), &graph);
+    // End the capture so that the stream can go, then report the original failure.
+    api.cuStreamEndCapture(capturing.handle(), &graph);
     if (graph != nullptr) api.cuGraphDestroy(graph);
     throw;
   }
-  check(api.cuStreamEndCapture(stream.handle(), &graph), "cuStreamEndCapture");
+  check(api.cuStreamEndCapture(capturing.handle(), &graph), "cuStreamEndCapture");
   CUgraphExec exec = nullptr;
   const CUresult instantiated = api.cuGraphInstantiateWithFlags(&exec, graph, 0);
   api.cuGraphDestroy(graph);
