@@ -280,13 +280,18 @@ TEST_F(NativeKernels, QuantizedMatmulsMatchTheReference) {
   }
 }
 
-TEST_F(NativeKernels, CudaGraphReplayGivesTheSameOutputs) {
+// gelu -> matmul (cuBLASLt) -> rms_norm: the graph the capture tests replay.
+ComputeGraph gelu_matmul_rms_norm() {
   GraphBuilder builder;
   auto x = builder.input("x", {{8, 1000}, DType::bf16});
   auto w = builder.input("w", {{1000, 64}, DType::bf16});
   auto weight = builder.input("weight", {{64}, DType::bf16});
   auto projected = builder.matmul(builder.gelu(x, "tanh", "activated"), w, false, "projected");
-  const ComputeGraph graph = builder.build({builder.rms_norm(projected, weight, 1e-5, "normalized")});
+  return builder.build({builder.rms_norm(projected, weight, 1e-5, "normalized")});
+}
+
+TEST_F(NativeKernels, CudaGraphReplayGivesTheSameOutputs) {
+  const ComputeGraph graph = gelu_matmul_rms_norm();
   NativeRuntime native;
   CudaStream stream;
   DeviceValues values(graph);
@@ -306,17 +311,12 @@ TEST_F(NativeKernels, CudaGraphReplayGivesTheSameOutputs) {
 }
 
 // Two users of one context, as two CudaModels in two Python threads are: one thread captures and replays graphs
-// while another uploads, downloads, fills and copies buffers. DeviceBuffer's synchronous operations ran on the
-// legacy stream, which waits on every blocking stream, a capturing one too: the upload failed
-// (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and the capture was invalidated. Every replay must equal the direct launches'
-// outputs and every copy its bytes.
+// while another uploads, downloads, fills and copies buffers. Captures ran on the caller's blocking stream, and the
+// legacy stream, where DeviceBuffer's synchronous operations run, waits on every blocking stream, a capturing one
+// too: the copy failed (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and the capture was invalidated (an H100, session 55).
+// Every replay must equal the direct launches' outputs and every copy its bytes.
 TEST_F(NativeKernels, CapturesInOneThreadSurviveAnotherThreadsCopies) {
-  GraphBuilder builder;
-  auto x = builder.input("x", {{8, 1000}, DType::bf16});
-  auto w = builder.input("w", {{1000, 64}, DType::bf16});
-  auto weight = builder.input("weight", {{64}, DType::bf16});
-  auto projected = builder.matmul(builder.gelu(x, "tanh", "activated"), w, false, "projected");
-  const ComputeGraph graph = builder.build({builder.rms_norm(projected, weight, 1e-5, "normalized")});
+  const ComputeGraph graph = gelu_matmul_rms_norm();
   const TensorMap inputs = random_inputs(graph, next_seed());
   const std::uint64_t copy_seed = next_seed();
   std::atomic<bool> capturing_done{false};
