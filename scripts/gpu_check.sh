@@ -2,7 +2,7 @@
 # One call on a CUDA machine: build the GPU-facing targets (Release; the Python module where pybind11 is), start the
 # transformers oracle of the model module in the background (CPU only: torch + metile on the
 # CPU), run every GPU test (ctest label `gpu`), compute-sanitizer memcheck over the GEMV and step
-# kernels' suites (scripts/gpu_sanitize.sh quick), Python's CudaModel tests, `metile run --backend cuda --check` on the
+# kernels' suites (scripts/gpu_sanitize.sh quick), the Python suite (CudaModel's tests among it), `metile run --backend cuda --check` on the
 # examples, the transformers oracle against the GPU decode engine (--backend cuda), one short
 # row of the model benchmark (benchmarks/model/device_run.sh, Llama-3.2-1B's shapes cut to 4 layers;
 # BENCH_MODEL_ROWS="..." for others, "" for none), the kernel benchmark (row kernels, one-pass

@@ -77,7 +77,7 @@ class CudaDevice {
 
   const CudaDeviceInfo& info() const;
   void make_current() const;
-  void synchronize() const;  // cuCtxSynchronize
+  void synchronize() const;  // cuCtxSynchronize: refused, and fatal to the capture, while another thread captures a graph
 
  private:
   struct State;

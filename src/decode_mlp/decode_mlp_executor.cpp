@@ -82,8 +82,8 @@ DeviceStep sequence(std::vector<DeviceStep> steps) {
   };
 }
 
-// A graph replay as a step; the graph is captured from `eager` on `stream` once, after one eager
-// run: libraries initialise lazily on their first call (cuBLASLt loads its kernels), which must
+// A graph replay as a step; the graph is captured from `eager` once (with `stream`'s launch settings), after one
+// eager run on `stream`: libraries initialise lazily on their first call (cuBLASLt loads its kernels), which must
 // not happen inside a capture.
 DeviceStep as_graph(const DeviceStep& eager, const CudaStream& stream) {
   eager(stream);

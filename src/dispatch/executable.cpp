@@ -184,9 +184,9 @@ Executable& Executable::operator=(Executable&&) noexcept = default;
 
 namespace {
 
-// Captures `work` on `stream` with its GEMVs and attention launched as programmatic dependents or
-// not (CudaStream::set_programmatic_dependent_launch); the stream launches plainly again afterwards,
-// as eager runs (profile(), no graph) do, also when the capture throws.
+// Captures `work` (CudaGraph::capture: on a stream of its own with `stream`'s launch settings) with its GEMVs and
+// attention launched as programmatic dependents or not (CudaStream::set_programmatic_dependent_launch); `stream`
+// launches plainly again afterwards, as eager runs (profile(), no graph) do, also when the capture throws.
 CudaGraph capture_launching(CudaStream& stream, bool programmatic, const std::function<void(const CudaStream&)>& work) {
   stream.set_programmatic_dependent_launch(programmatic);
   try {

@@ -645,7 +645,9 @@ void DeviceBuffer::copy_from_device(const DeviceBuffer& source, std::size_t byte
   if (bytes == 0) return;
   check(driver().cuMemcpyDtoDAsync(address_, source.address_, bytes, stream ? stream->handle() : nullptr),
         fmt::format("cuMemcpyDtoDAsync({} bytes)", bytes));
-  if (stream == nullptr) check(driver().cuCtxSynchronize(), "cuCtxSynchronize");
+  // The legacy stream's own synchronization, not the context's: another thread may be capturing a graph, and a
+  // cuCtxSynchronize beside a capture is refused (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates it.
+  if (stream == nullptr) check(driver().cuStreamSynchronize(nullptr), "cuStreamSynchronize (the legacy stream)");
 }
 
 void DeviceBuffer::fill_bytes(std::uint8_t value, const CudaStream* stream) {
