@@ -133,8 +133,11 @@ const CLI::Validator& decimal_number() {
         const char* end = text.data() + text.size();
         const auto [stop, error] = std::from_chars(text.data() + from, end, value, std::chars_format::general);
         const bool whole = text.size() > from && text[from] != '-' && stop == end && error != std::errc::invalid_argument;
-        // nan and inf are not figures an option takes (CLI::Range lets NaN through: every comparison is false).
-        const bool finite = error == std::errc::result_out_of_range || std::isfinite(value);
+        // nan and inf are not figures an option takes (CLI::Range lets NaN through: every comparison is false), nor
+        // is a figure past the largest double (1e400: it reads as inf, and the option's own check named it "inf").
+        // from_chars reports overflow and underflow alike; strtod tells them apart (an underflow reads as 0).
+        const bool finite = error == std::errc::result_out_of_range ? std::isfinite(std::strtod(text.c_str(), nullptr))
+                                                                    : std::isfinite(value);
         return whole && finite ? std::string() : fmt::format("{} is not a finite decimal number", text);
       },
       "NUMBER");

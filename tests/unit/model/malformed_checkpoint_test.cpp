@@ -829,6 +829,11 @@ TEST_F(MalformedCheckpoint, BadCommandLinesAreOneLineAndWriteNothing) {
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --max-kl-mean 0x10"), 2);
   EXPECT_NE(err.find("--max-kl-mean: 0x10 is not a finite decimal number"), std::string::npos) << err;
   EXPECT_EQ(metile("verify-model " + directory.string() + " --tokens 4 --max-kl +1e-2 --min-agreement 0.5"), 0) << err;
+  // A figure past the largest double is named as written (it read as inf, and the message said "inf"); one below
+  // the smallest is a figure (0).
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 1 --temperature 1e400"), 2);
+  EXPECT_NE(err.find("--temperature: 1e400 is not a finite decimal number"), std::string::npos) << err;
+  EXPECT_EQ(metile("generate " + directory.string() + " --prompt-ids 1 --tokens 1 --temperature 1e-400"), 0) << err;
   EXPECT_EQ(metile("synth-model " + (root_ / "deep").string() + " --max-shard-mb 0x1p-30"), 2);
   EXPECT_NE(err.find("--max-shard-mb: 0x1p-30 is not a finite decimal number"), std::string::npos) << err;
   EXPECT_FALSE(std::filesystem::exists(root_ / "deep"));
