@@ -18,6 +18,25 @@ import pytest
 import metile
 
 
+def run_in_threads(work, arguments):
+    """work(argument) in a thread of its own for each of `arguments`, all started before any is joined; returns
+    what the threads raised (each thread's failure caught there and reported on the caller's thread)."""
+    failures = []
+
+    def guarded(argument):
+        try:
+            work(argument)
+        except Exception as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(argument,)) for argument in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return failures
+
+
 def read_tensors(path):
     with open(path, "rb") as file:
         length = struct.unpack("<Q", file.read(8))[0]
@@ -327,12 +346,10 @@ def test_synth_model_shards_and_is_cancelled_by_ctrl_c(tmp_path):
         metile.synth_model(str(tmp_path / "negative"), max_shard_mb=-1)
     # Two threads of one process write at once (the GIL is released): their staging folders were one
     # (".metile-partial-PID"), so each model could take the other's shards.
-    threads = [threading.Thread(target=metile.synth_model, args=(str(tmp_path / f"twin{seed}"),),
-                                kwargs={"seed": seed, "max_shard_mb": 0.05}) for seed in (1, 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    def write_twin(seed):
+        metile.synth_model(str(tmp_path / f"twin{seed}"), seed=seed, max_shard_mb=0.05)
+
+    assert not run_in_threads(write_twin, (1, 2))
     for seed in (1, 2):
         metile.synth_model(str(tmp_path / f"alone{seed}"), seed=seed, max_shard_mb=0.05)
         assert np.array_equal(metile.load_model(str(tmp_path / f"twin{seed}")).logits([1, 2, 3]),
@@ -461,11 +478,7 @@ def test_cuda_backend(tmp_path, rng):
     # its generate is refused (it reset the session under the generation), the generation unharmed.
     expected = model.logits(prompt)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(model.logits(prompt))) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    assert not run_in_threads(lambda _: results.append(model.logits(prompt)), range(4))
     assert len(results) == 4 and all(np.array_equal(result, expected) for result in results)
     import signal
 
@@ -507,21 +520,13 @@ def test_two_cuda_models_in_two_threads(tmp_path, rng):
             paths.append(str(tmp_path / f"m{k}"))
             metile.synth_model(paths[k], seed=int(rng.integers(1, 2**32)))
         prompt = [5, 9, 2, 7]
-        models, results, failures = [None, None], [None, None], []
+        models, results = [None, None], [None, None]
 
         def work(k):
-            try:
-                models[k] = metile.load_model(paths[k], backend="cuda", max_seq=64)
-                results[k] = [(models[k].logits(prompt), models[k].generate(prompt, 8, ignore_eos=True))
-                              for _ in range(4)]
-            except Exception as error:  # reported below, on the test's thread
-                failures.append(error)
+            models[k] = metile.load_model(paths[k], backend="cuda", max_seq=64)
+            results[k] = [(models[k].logits(prompt), models[k].generate(prompt, 8, ignore_eos=True)) for _ in range(4)]
 
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        failures = run_in_threads(work, range(2))
     finally:
         if before is None:
             del os.environ["METILE_CACHE_DIR"]
@@ -550,22 +555,14 @@ def test_threads_share_a_model(tmp_path):
     expected = [reference.logits(prompt) for prompt in prompts]
     for _ in range(6):
         model = metile.load_model(str(tmp_path / "m"))
-        results, failures = [], []
+        results = []
 
         def work(first):  # every prompt, each thread from another one: same lengths at once
-            try:
-                for j in range(len(prompts)):
-                    k = (first + j) % len(prompts)
-                    results.append((k, model.logits(prompts[k])))
-            except Exception as error:  # reported below, on the test's thread
-                failures.append(error)
+            for j in range(len(prompts)):
+                k = (first + j) % len(prompts)
+                results.append((k, model.logits(prompts[k])))
 
-        threads = [threading.Thread(target=work, args=(first,)) for first in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not failures
+        assert not run_in_threads(work, range(8))
         assert len(results) == 8 * len(prompts)
         for k, logits in results:
             np.testing.assert_array_equal(logits, expected[k], err_msg=f"prompt {prompts[k]}")
