@@ -7,9 +7,16 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <vector>
 
 #include "metile/cpu_runtime.h"
 #include "metile/cuda_runtime.h"
@@ -100,6 +107,51 @@ void run_eager_and_in_a_graph(const CudaStream& stream, Work&& work, int rounds,
     stream.synchronize();
     check(round % 2 ? "graph" : "eager");
   }
+}
+
+// The other user of a shared context, as a second CudaModel in another Python thread is: while `work` runs on a
+// thread of its own, the calling thread uploads, downloads, copies and fills buffers (DeviceBuffer's synchronous
+// operations, on the legacy stream) and checks every byte. Captures on a blocking stream made these copies fail
+// (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and invalidated the capture (an H100, session 55). Returns "" or what failed
+// (work's exception, or a copy's, with how far each got); `rounds` counts the rounds of copies made meanwhile.
+inline std::string run_beside_copies(const CudaDevice& device, std::uint64_t copy_seed, const std::function<void()>& work,
+                                     int& rounds) {
+  std::atomic<bool> work_done{false};
+  std::string work_failure, copy_failure;
+  std::thread worker([&] {
+    try {
+      device.make_current();
+      work();
+    } catch (const std::exception& error) {
+      work_failure = error.what();
+    }
+    work_done = true;
+  });
+  rounds = 0;
+  try {
+    device.make_current();
+    std::mt19937_64 random(copy_seed);
+    std::vector<std::uint32_t> words(1 << 16);
+    while (!work_done) {
+      for (auto& word : words) word = static_cast<std::uint32_t>(random());
+      DeviceBuffer buffer = DeviceBuffer::from_vector<std::uint32_t>(words);
+      if (buffer.to_vector<std::uint32_t>() != words) throw std::runtime_error("a download differs from its upload");
+      DeviceBuffer copy(buffer.size_bytes());
+      copy.copy_from_device(buffer, buffer.size_bytes());
+      buffer.fill_bytes(0x5A);
+      if (copy.to_vector<std::uint32_t>() != words) throw std::runtime_error("a device copy differs from its source");
+      const auto filled = buffer.to_vector<std::uint32_t>();
+      if (std::any_of(filled.begin(), filled.end(), [](std::uint32_t word) { return word != 0x5A5A5A5Au; })) {
+        throw std::runtime_error("a filled buffer holds other bytes");
+      }
+      ++rounds;
+    }
+  } catch (const std::exception& error) {
+    copy_failure = fmt::format("after {} rounds of copies: {}", rounds, error.what());
+  }
+  worker.join();
+  if (!work_failure.empty()) return "the work beside the copies: " + work_failure + (copy_failure.empty() ? "" : "; " + copy_failure);
+  return copy_failure;
 }
 
 }  // namespace metile::testing_support

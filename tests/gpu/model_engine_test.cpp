@@ -708,6 +708,51 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
   }
 }
 
+// A second user of the context (run_beside_copies: another thread's synchronous copies, as a second CudaModel in
+// another Python thread makes) while a session builds its steps with the L2 weight prefetch: each capture forks the
+// executable's prefetch stream into it, and a blocking side stream would be waited on by the other thread's legacy-
+// stream copies (the capture invalidated, the copy refused). The steps built beside the copies give the bits of a
+// session without the prefetch built before them (ProgrammaticLaunchesChangeNoBit: the prefetch changes no bit).
+TEST_P(GreedyOnTheDevice, PrefetchingStepsBuiltBesideAnotherThreadsCopies) {
+  const EngineCase engine_case = GetParam();
+  const std::uint64_t seed = test_seed("PrefetchingStepsBuiltBesideAnotherThreadsCopies");
+  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
+  const auto cuda_model = CudaModel::load(model, device());
+  ExecutableOptions plain = executable_;
+  plain.mode = DispatchMode::fused;
+  const std::vector<std::int32_t> prompt = random_prompt(seed, 20, model.config().vocab_size);  // 16 + 4
+  const auto feed_prompt = [&](CudaDecodeSession& session) {
+    std::vector<float> logits = session.feed(std::span(prompt).first(16));
+    for (std::size_t step = 16; step < prompt.size(); ++step) {
+      const std::vector<float> row = session.feed(std::span(prompt).subspan(step, 1));
+      logits.insert(logits.end(), row.begin(), row.end());
+    }
+    return logits;
+  };
+  CudaDecodeSession expected_session(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, false, WeightPrefetch::off, false});
+  const std::vector<float> expected = feed_prompt(expected_session);
+  EngineOptions prefetching{EnginePath::fused, plain, {}, false, false, WeightPrefetch::always, false};
+  prefetching.weight_prefetch_bytes = static_cast<std::uint64_t>(
+      model.config().hidden_size * model.config().intermediate_size * (engine_case.bits == 0 ? 16 : engine_case.bits) / 8);
+  std::vector<float> got;
+  std::string report;
+  int copies = 0;
+  const std::string failure = testing_support::run_beside_copies(device(), seed + 1, [&] {
+    CudaDecodeSession session(cuda_model, prefetching);
+    got = feed_prompt(session);
+    report = session.executable(16).report() + session.executable(1).report();
+  }, copies);
+  ASSERT_EQ(failure, "");
+  EXPECT_GT(copies, 0) << "the copies must have run while the steps were built";
+  ASSERT_EQ(got.size(), expected.size());
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0);
+  // Both step graphs were captured with the prefetch forked in (else the copies ran beside nothing of it).
+  int kept = 0;
+  for (std::size_t at = report.find("kept without a race"); at != std::string::npos; at = report.find("kept without a race", at + 1)) ++kept;
+  EXPECT_EQ(kept, 2) << report;
+  std::printf("steps built beside %d rounds of copies\n", copies);
+}
+
 // The planted kernel: for regions of one kind, a candidate that does the region's work (its nodes'
 // native steps) only the first time it runs on the region's own graph, which is when the gate
 // checks it, and nothing after (so it also wins every race); inside the model's step graph it

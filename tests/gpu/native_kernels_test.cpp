@@ -5,13 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "gpu_test_support.h"
@@ -311,64 +309,30 @@ TEST_F(NativeKernels, CudaGraphReplayGivesTheSameOutputs) {
 }
 
 // Two users of one context, as two CudaModels in two Python threads are: one thread captures and replays graphs
-// while another uploads, downloads, fills and copies buffers. Captures ran on the caller's blocking stream, and the
-// legacy stream, where DeviceBuffer's synchronous operations run, waits on every blocking stream, a capturing one
-// too: the copy failed (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and the capture was invalidated (an H100, session 55).
-// Every replay must equal the direct launches' outputs and every copy its bytes.
+// while another uploads, downloads, fills and copies buffers (run_beside_copies). Every replay must equal the direct
+// launches' outputs and every copy its bytes.
 TEST_F(NativeKernels, CapturesInOneThreadSurviveAnotherThreadsCopies) {
   const ComputeGraph graph = gelu_matmul_rms_norm();
   const TensorMap inputs = random_inputs(graph, next_seed());
-  const std::uint64_t copy_seed = next_seed();
-  std::atomic<bool> capturing_done{false};
-  std::string capture_failure, copy_failure;
   int captures = 0, copies_during_captures = 0;
-  std::thread capturer([&] {
-    try {
-      device().make_current();
-      NativeRuntime native;
-      CudaStream stream;
-      DeviceValues values(graph);
-      values.upload_inputs(inputs);
-      const std::vector<DeviceStep> steps = native.graph_steps(graph, values);
-      run_steps(steps, stream);
+  const std::string failure = testing_support::run_beside_copies(device(), next_seed(), [&] {
+    NativeRuntime native;
+    CudaStream stream;
+    DeviceValues values(graph);
+    values.upload_inputs(inputs);
+    const std::vector<DeviceStep> steps = native.graph_steps(graph, values);
+    run_steps(steps, stream);
+    stream.synchronize();
+    const TensorMap direct = values.download_outputs();
+    for (; captures < 200; ++captures) {
+      const CudaGraph replay = CudaGraph::capture(stream, [&](const CudaStream& s) { run_steps(steps, s); });
+      values.poison_computed_values();
+      replay.replay(stream);
       stream.synchronize();
-      const TensorMap direct = values.download_outputs();
-      for (; captures < 200; ++captures) {
-        const CudaGraph replay = CudaGraph::capture(stream, [&](const CudaStream& s) { run_steps(steps, s); });
-        values.poison_computed_values();
-        replay.replay(stream);
-        stream.synchronize();
-        if (values.download_outputs() != direct) throw std::runtime_error("a replay's outputs differ from the direct launches'");
-      }
-    } catch (const std::exception& error) {
-      capture_failure = fmt::format("after {} captures: {}", captures, error.what());
+      if (values.download_outputs() != direct) throw std::runtime_error("a replay's outputs differ from the direct launches'");
     }
-    capturing_done = true;
-  });
-  try {
-    device().make_current();
-    std::mt19937_64 random(copy_seed);
-    std::vector<std::uint32_t> words(1 << 16);
-    while (!capturing_done) {
-      for (auto& word : words) word = static_cast<std::uint32_t>(random());
-      DeviceBuffer buffer = DeviceBuffer::from_vector<std::uint32_t>(words);
-      if (buffer.to_vector<std::uint32_t>() != words) throw std::runtime_error("a download differs from its upload");
-      DeviceBuffer copy(buffer.size_bytes());
-      copy.copy_from_device(buffer, buffer.size_bytes());
-      buffer.fill_bytes(0x5A);
-      if (copy.to_vector<std::uint32_t>() != words) throw std::runtime_error("a device copy differs from its source");
-      const auto filled = buffer.to_vector<std::uint32_t>();
-      if (std::any_of(filled.begin(), filled.end(), [](std::uint32_t word) { return word != 0x5A5A5A5Au; })) {
-        throw std::runtime_error("a filled buffer holds other bytes");
-      }
-      ++copies_during_captures;
-    }
-  } catch (const std::exception& error) {
-    copy_failure = fmt::format("after {} rounds of copies: {}", copies_during_captures, error.what());
-  }
-  capturer.join();
-  EXPECT_EQ(capture_failure, "");
-  EXPECT_EQ(copy_failure, "");
+  }, copies_during_captures);
+  EXPECT_EQ(failure, "") << "after " << captures << " captures";
   EXPECT_EQ(captures, 200);
   EXPECT_GT(copies_during_captures, 0) << "the copies must have run while the captures did";
   std::printf("%d captures beside %d rounds of copies\n", captures, copies_during_captures);
