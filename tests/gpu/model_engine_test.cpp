@@ -449,6 +449,19 @@ class GreedyOnTheDevice : public ModelEngineTest, public ::testing::WithParamInt
     loaded->prompt = random_prompt(seed, 19, loaded->vocab);
     return loaded;
   }
+  // The tests that compare launching, not choosing: every region on its generated kernel, no near-tie race (it may keep
+  // another kernel in one session than in the other, and two kernels' bits differ by their sums' order), and the L2
+  // weight prefetch `prefetch` with a budget of one MLP matrix's bytes, so that each layer's MLP is heavy and its first
+  // bytes are requested during the steps before it (plan_weight_prefetch).
+  EngineOptions launching(const DecoderModel& model, bool programmatic, bool race_launches, WeightPrefetch prefetch) const {
+    EngineOptions options{EnginePath::fused, executable_, {}, false, race_launches, prefetch, false};
+    options.executable.mode = DispatchMode::fused;
+    options.executable.programmatic_dependent_launch = programmatic;
+    const int bits = GetParam().bits;
+    options.weight_prefetch_bytes = static_cast<std::uint64_t>(model.config().hidden_size * model.config().intermediate_size *
+                                                               (bits == 0 ? 16 : bits) / 8);
+    return options;
+  }
 };
 
 // The engine's greedy path (next_tokens, the argmax taken on the device, 4 bytes per token copied
@@ -660,32 +673,15 @@ INSTANTIATE_TEST_SUITE_P(Architectures, GreedyOnTheDevice,
 // gives the same bits as the plain replay, over a 16-token chunk, single
 // steps and greedy steps. A GEMV reading x before its predecessor wrote it would differ here.
 TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
-  const EngineCase engine_case = GetParam();
-  const std::uint64_t seed = test_seed("ProgrammaticLaunchesChangeNoBit");
-  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
-  const auto cuda_model = CudaModel::load(model, device());
-  ExecutableOptions plain = executable_;
-  plain.mode = DispatchMode::fused;
-  ExecutableOptions programmatic = plain;
-  programmatic.programmatic_dependent_launch = true;
+  const auto loaded = load_case(test_seed("ProgrammaticLaunchesChangeNoBit"));
+  const auto& [model, cuda_model, vocab, prompt] = *loaded;
   // `raced` keeps whichever replay its race found faster, after replaying each step's graph on
   // token 0 at the cache's last rows: that must change no bit of any later step either.
-  // `actual` also always prefetches weights into the L2 from a second stream, with a budget of one
-  // MLP matrix's bytes, so that each layer's MLP is heavy and its first bytes are requested during
-  // the steps before it (plan_weight_prefetch): a prefetch writes nothing, and the forks and the
-  // join must not reorder the steps.
-  // No near-tie race (on by default): it may keep another kernel in one session than in the other, and the
-  // bits of two kernels differ by their sums' order; what these three compare is launching, not choosing.
-  const std::uint64_t mlp_matrix_bytes = static_cast<std::uint64_t>(
-      model.config().hidden_size * model.config().intermediate_size * (engine_case.bits == 0 ? 16 : engine_case.bits) / 8);
-  EngineOptions prefetching{EnginePath::fused, programmatic, {}, false, true, WeightPrefetch::always, false};
-  prefetching.weight_prefetch_bytes = mlp_matrix_bytes;
-  EngineOptions prefetch_raced{EnginePath::fused, plain, {}, false, true, WeightPrefetch::raced, false};
-  prefetch_raced.weight_prefetch_bytes = mlp_matrix_bytes;
-  CudaDecodeSession expected(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, false, WeightPrefetch::off, false});
-  CudaDecodeSession actual(cuda_model, prefetching);
-  CudaDecodeSession raced(cuda_model, prefetch_raced);
-  const std::vector<std::int32_t> prompt = random_prompt(seed, 19, model.config().vocab_size);  // 16 + 3
+  // `actual` also always prefetches weights into the L2 from a second stream: a prefetch writes nothing, and the
+  // forks and the join must not reorder the steps.
+  CudaDecodeSession expected(cuda_model, launching(model, false, false, WeightPrefetch::off));
+  CudaDecodeSession actual(cuda_model, launching(model, true, true, WeightPrefetch::always));
+  CudaDecodeSession raced(cuda_model, launching(model, false, true, WeightPrefetch::raced));
   std::vector<std::int32_t> tokens(prompt.begin(), prompt.begin() + 16);
   for (int step = 0; step < 12; ++step) {
     SCOPED_TRACE(fmt::format("step {} ({} tokens)", step, tokens.size()));
@@ -696,7 +692,7 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
     const std::vector<float> got_raced = raced.feed(tokens);
     ASSERT_EQ(got_raced.size(), want.size());
     EXPECT_EQ(std::memcmp(got_raced.data(), want.data(), got_raced.size() * sizeof(float)), 0) << "raced";
-    const std::size_t row = want.size() - static_cast<std::size_t>(model.config().vocab_size);
+    const std::size_t row = want.size() - static_cast<std::size_t>(vocab);
     const std::int32_t next = static_cast<std::int32_t>(argmax_index(std::span<const float>(want).subspan(row)));
     tokens = step < 3 ? std::vector<std::int32_t>{prompt[static_cast<std::size_t>(16 + step)]} : std::vector<std::int32_t>{next};
   }
@@ -714,13 +710,12 @@ TEST_P(GreedyOnTheDevice, ProgrammaticLaunchesChangeNoBit) {
 // stream copies (the capture invalidated, the copy refused). The steps built beside the copies give the bits of a
 // session without the prefetch built before them (ProgrammaticLaunchesChangeNoBit: the prefetch changes no bit).
 TEST_P(GreedyOnTheDevice, PrefetchingStepsBuiltBesideAnotherThreadsCopies) {
-  const EngineCase engine_case = GetParam();
   const std::uint64_t seed = test_seed("PrefetchingStepsBuiltBesideAnotherThreadsCopies");
-  const DecoderModel model = synth_and_load("model", engine_case.architecture, engine_case.bits, seed);
-  const auto cuda_model = CudaModel::load(model, device());
-  ExecutableOptions plain = executable_;
-  plain.mode = DispatchMode::fused;
-  const std::vector<std::int32_t> prompt = random_prompt(seed, 20, model.config().vocab_size);  // 16 + 4
+  const auto loaded = load_case(seed);
+  // Named references, not a structured binding: the lambdas below capture them (clang 14 cannot capture a binding).
+  const DecoderModel& model = loaded->model;
+  const std::shared_ptr<const CudaModel>& cuda_model = loaded->cuda_model;
+  const std::vector<std::int32_t>& prompt = loaded->prompt;
   const auto feed_prompt = [&](CudaDecodeSession& session) {
     std::vector<float> logits = session.feed(std::span(prompt).first(16));
     for (std::size_t step = 16; step < prompt.size(); ++step) {
@@ -729,16 +724,13 @@ TEST_P(GreedyOnTheDevice, PrefetchingStepsBuiltBesideAnotherThreadsCopies) {
     }
     return logits;
   };
-  CudaDecodeSession expected_session(cuda_model, EngineOptions{EnginePath::fused, plain, {}, false, false, WeightPrefetch::off, false});
+  CudaDecodeSession expected_session(cuda_model, launching(model, false, false, WeightPrefetch::off));
   const std::vector<float> expected = feed_prompt(expected_session);
-  EngineOptions prefetching{EnginePath::fused, plain, {}, false, false, WeightPrefetch::always, false};
-  prefetching.weight_prefetch_bytes = static_cast<std::uint64_t>(
-      model.config().hidden_size * model.config().intermediate_size * (engine_case.bits == 0 ? 16 : engine_case.bits) / 8);
   std::vector<float> got;
   std::string report;
   int copies = 0;
   const std::string failure = testing_support::run_beside_copies(device(), seed + 1, [&] {
-    CudaDecodeSession session(cuda_model, prefetching);
+    CudaDecodeSession session(cuda_model, launching(model, false, false, WeightPrefetch::always));
     got = feed_prompt(session);
     report = session.executable(16).report() + session.executable(1).report();
   }, copies);
