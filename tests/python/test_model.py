@@ -507,31 +507,25 @@ def test_cuda_backend(tmp_path, rng):
     assert np.array_equal(model.generate(prompt, 6), tokens)
 
 
-def test_two_cuda_models_in_two_threads(tmp_path, rng):
+def test_two_cuda_models_in_two_threads(tmp_path, rng, monkeypatch):
     """Two GPU models loaded and used in two threads at once, as two users of one process do: one thread's weight
     uploads ran on the legacy stream while the other captured its step graphs, which failed the upload
     (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) or invalidated the capture. Each thread's results must be its model's.
     Both loads start cold (no model loaded before in this test, a decision cache of their own), so that their
     compiles, races and captures overlap as long as they can."""
-    os.environ["METILE_CACHE_DIR"], before = str(tmp_path / "cache"), os.environ.get("METILE_CACHE_DIR")
-    try:
-        paths = []
-        for k in range(2):
-            paths.append(str(tmp_path / f"m{k}"))
-            metile.synth_model(paths[k], seed=int(rng.integers(1, 2**32)))
-        prompt = [5, 9, 2, 7]
-        models, results = [None, None], [None, None]
+    monkeypatch.setenv("METILE_CACHE_DIR", str(tmp_path / "cache"))
+    paths = []
+    for k in range(2):
+        paths.append(str(tmp_path / f"m{k}"))
+        metile.synth_model(paths[k], seed=int(rng.integers(1, 2**32)))
+    prompt = [5, 9, 2, 7]
+    models, results = [None, None], [None, None]
 
-        def work(k):
-            models[k] = metile.load_model(paths[k], backend="cuda", max_seq=64)
-            results[k] = [(models[k].logits(prompt), models[k].generate(prompt, 8, ignore_eos=True)) for _ in range(4)]
+    def work(k):
+        models[k] = metile.load_model(paths[k], backend="cuda", max_seq=64)
+        results[k] = [(models[k].logits(prompt), models[k].generate(prompt, 8, ignore_eos=True)) for _ in range(4)]
 
-        failures = run_in_threads(work, range(2))
-    finally:
-        if before is None:
-            del os.environ["METILE_CACHE_DIR"]
-        else:
-            os.environ["METILE_CACHE_DIR"] = before
+    failures = run_in_threads(work, range(2))
     without_gpu = ("backend='cuda': no CUDA device", "backend='cuda': this metile was built without the CUDA toolkit")
     if len(failures) == 2 and all(isinstance(error, ValueError) and str(error).startswith(without_gpu)
                                   for error in failures):
