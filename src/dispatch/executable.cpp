@@ -766,7 +766,7 @@ bool Executable::race_weight_prefetch(const TournamentOptions& tournament, std::
       }
       throw;
     }
-    join();
+    if (forked) join();
   });
   std::pair<double, double> scores{-1, -1};  // with, without
   if (!keep_without_race) {

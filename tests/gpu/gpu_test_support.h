@@ -112,22 +112,33 @@ void run_eager_and_in_a_graph(const CudaStream& stream, Work&& work, int rounds,
 // The other user of a shared context, as a second CudaModel in another Python thread is: while `work` runs on a
 // thread of its own, the calling thread uploads, downloads, copies and fills buffers (DeviceBuffer's synchronous
 // operations, on the legacy stream) and checks every byte. Captures on a blocking stream made these copies fail
-// (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and invalidated the capture (an H100, session 55). Returns "" or what failed
-// (work's exception, or a copy's, with how far each got); `rounds` counts the rounds of copies made meanwhile.
-inline std::string run_beside_copies(const CudaDevice& device, std::uint64_t copy_seed, const std::function<void()>& work,
-                                     int& rounds) {
-  std::atomic<bool> work_done{false};
+// (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and invalidated the capture (an H100, session 55). `work` gets a
+// `wait_for_copies` to call inside a capture: it returns once a whole round of copies begun after the call has ended
+// (at once when the copies stopped on a failure), so the copies certainly ran while the capture was open, not only
+// while the work ran. Returns "" or what failed (work's exception, or a copy's, with how far each got); `rounds`
+// counts the rounds of copies made meanwhile.
+using WaitForCopies = std::function<void()>;
+inline std::string run_beside_copies(const CudaDevice& device, std::uint64_t copy_seed,
+                                     const std::function<void(const WaitForCopies& wait_for_copies)>& work, int& rounds) {
+  std::atomic<bool> work_done{false}, copies_stopped{false};
+  std::atomic<int> rounds_done{0};
+  const WaitForCopies wait_for_copies = [&] {
+    // The round under way may have begun before the call: wait for the one after it.
+    const int wanted = rounds_done.load() + 2;
+    while (rounds_done.load() < wanted && !copies_stopped.load()) std::this_thread::yield();
+  };
   std::string work_failure, copy_failure;
   std::thread worker([&] {
     try {
       device.make_current();
-      work();
+      work(wait_for_copies);
     } catch (const std::exception& error) {
       work_failure = error.what();
+    } catch (...) {
+      work_failure = "an exception of a type not derived from std::exception";
     }
     work_done = true;
   });
-  rounds = 0;
   try {
     device.make_current();
     std::mt19937_64 random(copy_seed);
@@ -144,12 +155,14 @@ inline std::string run_beside_copies(const CudaDevice& device, std::uint64_t cop
       if (std::any_of(filled.begin(), filled.end(), [](std::uint32_t word) { return word != 0x5A5A5A5Au; })) {
         throw std::runtime_error("a filled buffer holds other bytes");
       }
-      ++rounds;
+      ++rounds_done;
     }
   } catch (const std::exception& error) {
-    copy_failure = fmt::format("after {} rounds of copies: {}", rounds, error.what());
+    copy_failure = fmt::format("after {} rounds of copies: {}", rounds_done.load(), error.what());
   }
+  copies_stopped = true;
   worker.join();
+  rounds = rounds_done.load();
   if (!work_failure.empty()) return "the work beside the copies: " + work_failure + (copy_failure.empty() ? "" : "; " + copy_failure);
   return copy_failure;
 }

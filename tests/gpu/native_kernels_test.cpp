@@ -309,15 +309,19 @@ TEST_F(NativeKernels, CudaGraphReplayGivesTheSameOutputs) {
 }
 
 // Two users of one context, as two CudaModels in two Python threads are: one thread captures and replays graphs
-// while another uploads, downloads, fills and copies buffers (run_beside_copies). Every replay must equal the direct
-// launches' outputs and every copy its bytes.
+// while another uploads, downloads, fills and copies buffers (run_beside_copies). Each capture forks onto a side
+// stream (as the L2 weight prefetch does), runs the steps there and waits, capture open, for a round of copies: with
+// a blocking capture or side stream those copies fail. Every replay must equal the direct launches' outputs and every
+// copy its bytes.
 TEST_F(NativeKernels, CapturesInOneThreadSurviveAnotherThreadsCopies) {
   const ComputeGraph graph = gelu_matmul_rms_norm();
   const TensorMap inputs = random_inputs(graph, next_seed());
   int captures = 0, copies_during_captures = 0;
-  const std::string failure = testing_support::run_beside_copies(device(), next_seed(), [&] {
+  const std::string failure = testing_support::run_beside_copies(device(), next_seed(), [&](const auto& wait_for_copies) {
     NativeRuntime native;
     CudaStream stream;
+    const CudaStream side = CudaStream::capture_only();
+    CudaEvent fork, join;
     DeviceValues values(graph);
     values.upload_inputs(inputs);
     const std::vector<DeviceStep> steps = native.graph_steps(graph, values);
@@ -325,7 +329,14 @@ TEST_F(NativeKernels, CapturesInOneThreadSurviveAnotherThreadsCopies) {
     stream.synchronize();
     const TensorMap direct = values.download_outputs();
     for (; captures < 200; ++captures) {
-      const CudaGraph replay = CudaGraph::capture(stream, [&](const CudaStream& s) { run_steps(steps, s); });
+      const CudaGraph replay = CudaGraph::capture(stream, [&](const CudaStream& s) {
+        fork.record(s);
+        side.wait(fork);
+        wait_for_copies();
+        run_steps(steps, side);
+        join.record(side);
+        s.wait(join);
+      });
       values.poison_computed_values();
       replay.replay(stream);
       stream.synchronize();
@@ -334,7 +345,7 @@ TEST_F(NativeKernels, CapturesInOneThreadSurviveAnotherThreadsCopies) {
   }, copies_during_captures);
   EXPECT_EQ(failure, "") << "after " << captures << " captures";
   EXPECT_EQ(captures, 200);
-  EXPECT_GT(copies_during_captures, 0) << "the copies must have run while the captures did";
+  EXPECT_GE(copies_during_captures, 2 * 200) << "each capture waits for a round of copies";
   std::printf("%d captures beside %d rounds of copies\n", captures, copies_during_captures);
 }
 

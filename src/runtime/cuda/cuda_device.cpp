@@ -756,7 +756,11 @@ CudaGraph CudaGraph::capture(const CudaStream& stream, const std::function<void(
     if (graph != nullptr) api.cuGraphDestroy(graph);
     throw;
   }
-  check(api.cuStreamEndCapture(capturing.handle(), &graph), "cuStreamEndCapture");
+  // A failed end may still hand back a graph (the documentation promises none only for an invalidated capture).
+  if (const CUresult ended = api.cuStreamEndCapture(capturing.handle(), &graph); ended != CUDA_SUCCESS) {
+    if (graph != nullptr) api.cuGraphDestroy(graph);
+    check(ended, "cuStreamEndCapture");
+  }
   CUgraphExec exec = nullptr;
   const CUresult instantiated = api.cuGraphInstantiateWithFlags(&exec, graph, 0);
   api.cuGraphDestroy(graph);
