@@ -77,7 +77,8 @@ class CudaDevice {
 
   const CudaDeviceInfo& info() const;
   void make_current() const;
-  void synchronize() const;  // cuCtxSynchronize: refused, and fatal to the capture, while another thread captures a graph
+  // No context-wide synchronize: cuCtxSynchronize is refused, and fatal to the capture, while another thread
+  // captures a graph. Synchronize a stream or an event.
 
  private:
   struct State;

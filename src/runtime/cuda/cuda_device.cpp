@@ -85,11 +85,6 @@ const CudaDeviceInfo& CudaDevice::info() const { return state_->info; }
 
 void CudaDevice::make_current() const { check(driver().cuCtxSetCurrent(state_->context), "cuCtxSetCurrent"); }
 
-void CudaDevice::synchronize() const {
-  make_current();
-  check(driver().cuCtxSynchronize(), "cuCtxSynchronize");
-}
-
 // ---------------------------------------------------------------- streams and events
 // A blocking stream (not CU_STREAM_NON_BLOCKING): the synchronous copies and memsets of DeviceBuffer
 // run on the legacy stream, and only a blocking stream is ordered after them. (A non-blocking one let

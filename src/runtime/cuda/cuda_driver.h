@@ -18,7 +18,7 @@ namespace metile::cuda_driver {
   X(cuInit, 2000) X(cuDriverGetVersion, 2020) X(cuDeviceGet, 2000) X(cuDeviceGetCount, 2000)           \
   X(cuDeviceGetName, 2000) X(cuDeviceGetAttribute, 2000) X(cuDeviceTotalMem, 3020)                     \
   X(cuDevicePrimaryCtxRetain, 7000) X(cuDevicePrimaryCtxRelease, 11000) X(cuCtxSetCurrent, 4000)       \
-  X(cuCtxGetCurrent, 4000) X(cuCtxGetId, 12000) X(cuCtxGetDevice, 2000) X(cuCtxSynchronize, 2000) X(cuMemAlloc, 3020)       \
+  X(cuCtxGetCurrent, 4000) X(cuCtxGetId, 12000) X(cuCtxGetDevice, 2000) X(cuMemAlloc, 3020)       \
   X(cuMemFree, 3020) X(cuMemcpyHtoD, 3020) X(cuMemcpyDtoH, 3020) X(cuMemcpyDtoDAsync, 3020)            \
   X(cuMemcpyHtoDAsync, 3020) X(cuMemcpyDtoHAsync, 3020)                                                \
   X(cuMemsetD8, 3020) X(cuMemsetD8Async, 3020) X(cuStreamCreate, 2000) X(cuStreamDestroy, 4000)        \
