@@ -261,7 +261,7 @@ std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs
     throw InputError("scale " + number_text(scale) + " " + *problem);
   }
   if (!attributes.has("mask")) attributes.set("mask", std::string(inputs.size() == 4 ? "positions" : "none"));
-  const std::string& mask = attributes.get_string("mask");
+  const std::string mask = attributes.get_string("mask");  // a copy: setting the offset below may move the attributes
   if (mask != "none" && mask != "causal" && mask != "positions") {
     throw InputError("mask must be 'none', 'causal' or 'positions', got '" + printable_bytes(mask) + "'");
   }
@@ -269,7 +269,10 @@ std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs
     throw InputError("mask '" + mask + "' " + (inputs.size() == 4 ? "takes no positions input" : "needs a positions input"));
   }
   if (inputs.size() == 4) require_row_positions(inputs[3], q.shape[rank - 2], "q");
-  integer_or_default(attributes, "offset", 0);
+  // The offset shifts the causal mask only: under another mask it would do nothing, likely a mistyped mask.
+  if (const std::int64_t offset = integer_or_default(attributes, "offset", 0); offset != 0 && mask != "causal") {
+    throw InputError("offset " + std::to_string(offset) + " is the causal mask's; mask '" + mask + "' takes none");
+  }
   if (attributes.has("certificate")) attributes.get_string("certificate");  // a string; the executor checks it
   Shape output = q.shape;
   output.back() = v.shape.back();

@@ -232,6 +232,16 @@ TEST(OpRegistryTest, FlashAttention) {
   EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})},
                         attrs({{"mask", std::string("sliding")}})),
             "mask must be 'none', 'causal' or 'positions', got 'sliding'");
+  // The offset shifts the causal mask; under another mask it did nothing (a mistyped mask ran unmasked).
+  EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})},
+                        attrs({{"mask", std::string("none")}, {"offset", std::int64_t{3}}})),
+            "offset 3 is the causal mask's; mask 'none' takes none");
+  EXPECT_EQ(infer_error("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8}), spec({3}, DType::i32)},
+                        attrs({{"offset", std::int64_t{-100}}})),
+            "offset -100 is the causal mask's; mask 'positions' takes none");
+  EXPECT_EQ(infer_one("flash_attention", {spec({2, 6, 8}), spec({2, 9, 8}), spec({2, 9, 8})},
+                      attrs({{"mask", std::string("causal")}, {"offset", std::int64_t{3}}})),
+            spec({2, 6, 8}));
   // The scale as its plain-op chain takes it: within f32's range (the scale op's rule), and not 0 in f32
   // unless 0; and within what the fused kernels' f32 scale·log2(e) holds. 1e39 gave all-NaN outputs;
   // 1e-50 attended uniformly.
