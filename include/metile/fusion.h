@@ -40,6 +40,7 @@ struct FusionTarget {
   int registers_per_thread = 255;
   int registers_per_multiprocessor = 65536;
   int threads_per_block = 256;                    // the block size register needs are checked at
+  // A region's shared memory must fit the smaller of the two (within_limits): a block's is its multiprocessor's.
   std::int64_t shared_memory_per_block_bytes = 232448;          // 227 KiB, opt-in maximum
   std::int64_t shared_memory_per_multiprocessor_bytes = 233472;  // 228 KiB
   int max_kernel_inputs = 64;

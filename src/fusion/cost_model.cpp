@@ -36,6 +36,7 @@ int registers_of(const ComputeGraph& graph, const Node& node, const ResourceNeed
 }
 
 std::string kibibytes(std::int64_t bytes) {
+  if (bytes < 1024) return fmt::format("{} bytes", bytes);  // not "0.0 KB" for a limit of a few bytes
   if (bytes % 1024 == 0) return fmt::format("{} KB", bytes / 1024);
   return fmt::format("{:.1f} KB", static_cast<double>(bytes) / 1024.0);
 }

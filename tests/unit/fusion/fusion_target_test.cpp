@@ -236,6 +236,9 @@ TEST(CostModel, LimitsAreNamedWithTheirNumbers) {
   estimate.registers_per_thread = 40;
   target.shared_memory_per_block_bytes = 32 * 1024;
   EXPECT_EQ(said(within_limits(estimate, target)), "needs 48 KB shared memory, target allows 32 KB");
+  target.shared_memory_per_multiprocessor_bytes = 100;  // the smaller of the two limits binds, printed in bytes
+  EXPECT_EQ(said(within_limits(estimate, target)), "needs 48 KB shared memory, target allows 100 bytes");
+  target.shared_memory_per_multiprocessor_bytes = FusionTarget::h200().shared_memory_per_multiprocessor_bytes;
   target.shared_memory_per_block_bytes = 64 * 1024;
   EXPECT_EQ(said(within_limits(estimate, target)), "fits");
   target.registers_per_thread = 32;
