@@ -82,6 +82,21 @@ ComputeGraph shared_producer(int readers) {
   return b.build(outputs);
 }
 
+// Adds each reading two values drawn from every value before it, every one a graph output (an adversarial pass,
+// session 57): each region of a neighborhood writes and reads more values than a kernel may, and is shrunk one op at a
+// time (NeighborhoodModel::shrink_to_limits), each drop cut again. Planning grew faster than the ops: 2,000 / 4,000 /
+// 8,000 / 16,000 ops took 2.7 / 13.8 / 40 / 114 s with `metile plan` on this 2-core machine.
+ComputeGraph far_reading_outputs(std::mt19937_64& random, int ops) {
+  GraphBuilder b;
+  std::vector<ValueRef> values{b.exp(b.input("x", {{2, 64}, DType::f32}))};
+  for (int k = 1; k < ops; ++k) {
+    std::uniform_int_distribution<std::size_t> earlier(0, values.size() - 1);
+    const ValueRef left = values[earlier(random)];
+    values.push_back(b.add(left, values[earlier(random)]));
+  }
+  return b.build(values);
+}
+
 // One exp read by every op of one long chain (c0 = silu(e), c_i = c_(i-1) + e): every anchor's
 // neighborhood holds the exp, whose readers before the neighborhood lead back into it. Searched from
 // each such reader apart, planning took O(n^3): 4,000 ops 0.66 s, 8,000 5.3, 12,000 18.3 (an
@@ -257,6 +272,9 @@ int main(int argc, char** argv) {
   for (int ops : {5000, 20000}) {
     measure_row(fmt::format("tangled random DAG, {} ops", ops), fusion_test::random_graph(random, ops),
                 ops >= 20000 ? 3 : 5);
+  }
+  for (int ops : {1000, 2000}) {
+    measure_row(fmt::format("far reads, outputs, {} ops", ops), far_reading_outputs(random, ops), 3);
   }
   for (int readers : {100, 2000, 10000, 20000, 50000}) {
     measure_row(fmt::format("one exp, {} reading chains", readers), shared_producer(readers), readers >= 2000 ? 3 : 11);
