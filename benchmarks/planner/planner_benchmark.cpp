@@ -84,8 +84,9 @@ ComputeGraph shared_producer(int readers) {
 
 // Adds each reading two values drawn from every value before it, every one a graph output (an adversarial pass,
 // session 57): each region of a neighborhood writes and reads more values than a kernel may, and is shrunk one op at a
-// time (NeighborhoodModel::shrink_to_limits), each drop cut again. Planning grew faster than the ops: 2,000 / 4,000 /
-// 8,000 / 16,000 ops took 2.7 / 13.8 / 40 / 114 s with `metile plan` on this 2-core machine.
+// time (NeighborhoodModel::shrink_to_limits), each drop cut again, and a neighborhood's ops span the whole order, so
+// its re-entry search may too. Planning grows about as the ops squared: 1,000 / 2,000 ops 1.1 / 4.8 s (these rows,
+// this 2-core machine, session 57); the adversarial pass's 16,000 took 114 s. Not yet mended.
 ComputeGraph far_reading_outputs(std::mt19937_64& random, int ops) {
   GraphBuilder b;
   std::vector<ValueRef> values{b.exp(b.input("x", {{2, 64}, DType::f32}))};
