@@ -86,7 +86,10 @@ ComputeGraph shared_producer(int readers) {
 // session 57): each region of a neighborhood writes and reads more values than a kernel may, and is shrunk one op at a
 // time (NeighborhoodModel::shrink_to_limits), each drop cut again, and a neighborhood's ops span the whole order, so
 // its re-entry search may too. Planning grows about as the ops squared: 1,000 / 2,000 ops 1.1 / 4.8 s (these rows,
-// this 2-core machine, session 57); the adversarial pass's 16,000 took 114 s. Not yet mended.
+// this 2-core machine, session 57); the adversarial pass's 16,000 took 114 s. Not yet mended. Counted (session 57, a
+// counter in NeighborhoodModel::solve_once, not kept): the neighborhoods grow with the ops (1.5 a op a run), their size
+// stays ~50, but the cuts a neighborhood grow from 5-10 at 1,000 ops to 22-43 at 2,000: more re-entry paths whose
+// either end may go (choices_, each combination solved) times the drops of shrink_to_limits, each cut again.
 ComputeGraph far_reading_outputs(std::mt19937_64& random, int ops) {
   GraphBuilder b;
   std::vector<ValueRef> values{b.exp(b.input("x", {{2, 64}, DType::f32}))};
