@@ -121,7 +121,7 @@ ComputeGraph attention_graph(std::int64_t heads, std::int64_t rows, std::int64_t
   Attributes attributes;
   attributes.set("scale", 1.0 / std::sqrt(static_cast<double>(dim)));
   attributes.set("mask", mask);
-  attributes.set("offset", std::int64_t{keys - rows});
+  if (mask == "causal") attributes.set("offset", std::int64_t{keys - rows});  // the causal mask's alone
   if (mask == "positions") inputs.push_back(b.input("positions", {{rows / 2}, DType::i32}));
   attributes.set("certificate", certificate.to_json());
   return b.build(b.add_node("flash_attention", inputs, attributes, "attention"));
