@@ -261,7 +261,7 @@ std::vector<TensorSpec> infer_flash_attention(std::span<const TensorSpec> inputs
     throw InputError("scale " + number_text(scale) + " " + *problem);
   }
   if (!attributes.has("mask")) attributes.set("mask", std::string(inputs.size() == 4 ? "positions" : "none"));
-  const std::string mask = attributes.get_string("mask");  // a copy: setting the offset below may move the attributes
+  const std::string& mask = attributes.get_string("mask");
   if (mask != "none" && mask != "causal" && mask != "positions") {
     throw InputError("mask must be 'none', 'causal' or 'positions', got '" + printable_bytes(mask) + "'");
   }
