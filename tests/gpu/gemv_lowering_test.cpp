@@ -41,6 +41,7 @@ class GemvLowering : public CudaDeviceTest {
                                              const std::string& what, std::uint64_t input_seed) {
     const Lowered lowered = gemv_region_candidates(graph, region);
     EXPECT_TRUE(lowered.decision) << what << ": " << lowered.decision.reason;
+    EXPECT_FALSE(lowered.candidates.empty()) << what << ": no candidate to check";
     DeviceValues values(graph);
     TensorMap inputs = random_inputs(graph, input_seed);
     values.upload_inputs(inputs);
@@ -139,6 +140,7 @@ TEST_F(GemvLowering, LmHeadArgmaxCandidatesWriteTheArgmaxOfTheirLogits) {
                                          c.rows, c.n);
     const Lowered lowered = gemv_region_candidates(*plan.graph, region);
     ASSERT_TRUE(lowered.decision) << what << ": " << lowered.decision.reason;
+    ASSERT_FALSE(lowered.candidates.empty()) << what << ": no candidate to check";
     DeviceValues values(*plan.graph);
     const TensorMap inputs = random_inputs(*plan.graph, seed() + 200 + c.rows);
     values.upload_inputs(inputs);

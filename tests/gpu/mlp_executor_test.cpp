@@ -126,7 +126,9 @@ TEST_F(DecodeMlpExecutorTest, OutputEqualsTheUnfusedGraphWithinTheGate) {
 }
 
 TEST_F(DecodeMlpExecutorTest, DispatchModesForceNativeOrFused) {
-  const DecodeMlpWeights weights = DecodeMlpWeights::random(GemvWeightFormat::affine(4, 64, DType::bf16), 1024, 2816, 31);
+  std::uint64_t seed = next_seed();
+  const DecodeMlpWeights weights =
+      DecodeMlpWeights::random(GemvWeightFormat::affine(4, 64, DType::bf16), 1024, 2816, ++seed);
   EXPECT_THROW(DecodeMlpExecutor::build(weights, 17, device()), InputError);  // decode is 1..16 rows
   DecodeMlpOptions options = quick_options();
   options.mode = DispatchMode::native;
@@ -137,8 +139,8 @@ TEST_F(DecodeMlpExecutorTest, DispatchModesForceNativeOrFused) {
   DecodeMlpExecutor fused = DecodeMlpExecutor::build(weights, 1, device(), options);
   EXPECT_EQ(chosen(fused.gate_up_report()).id.kind, CandidateKind::fused) << fused.report();
   EXPECT_EQ(chosen(fused.down_report()).id.kind, CandidateKind::fused) << fused.report();
-  const HostTensor x = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), 5);
-  const HostTensor residual = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), 6);
+  const HostTensor x = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), ++seed);
+  const HostTensor residual = gemv_testing::random_tensor(TensorSpec({1, 1024}, DType::bf16), ++seed);
   const NumericGateResult same = numeric_gate(fused.run(x, residual), native.run(x, residual));
   EXPECT_LE(same.relative_l2, 2e-2) << same.detail;
 }

@@ -1,12 +1,15 @@
 // solve(): the dispatch rules (Dinic below 32 vertices, tournament above, the 10%
 // headroom rule applied to the reported median times, cached winners reused), the
-// bounded cache, and concurrent callers sharing it.
+// bounded cache, and concurrent callers sharing it. Values against Boost's push-relabel, on fresh
+// random networks (seeds printed).
 #include <gtest/gtest.h>
 
 #include <random>
 #include <thread>
 
+#include "boost_oracle.h"
 #include "metile/flow.h"
+#include "metile_test_support.h"
 #include "network_families.h"
 
 namespace metile {
@@ -17,22 +20,29 @@ IntegerFlowNetwork seed_network(int vertices, int degree, std::uint64_t seed) {
   return flow_families::seed_random_network(vertices, degree, random).integer_network();
 }
 
+template <typename Capacity>
+Capacity boost_value(const FlowNetwork<Capacity>& network, int source, int sink) {
+  const std::vector<FlowEdge<Capacity>> edges(network.edges().begin(), network.edges().end());
+  return testing::boost_max_flow(network.vertex_count(), edges, source, sink);
+}
+
 TEST(Dispatch, SmallNetworksGoStraightToDinic) {
   clear_dispatch_cache();
-  const IntegerFlowNetwork network = seed_network(31, 6, 1);
+  const IntegerFlowNetwork network = seed_network(31, 6, testing::test_seed("Dispatch.SmallNetworksGoStraightToDinic"));
   const MaxFlowResult<std::int64_t> result = solve(network, 0, 30);
   EXPECT_EQ(result.solver, "dinic");
   EXPECT_FALSE(result.tournament.has_value());
   EXPECT_FALSE(result.from_cache);
   EXPECT_EQ(dispatch_cache_size(), 0u);
-  EXPECT_EQ(result.value, dinic(network, 0, 30).value);
+  EXPECT_EQ(result.value, boost_value(network, 0, 30));
 }
 
 TEST(Dispatch, TournamentWinnerFollowsHeadroomRuleAndIsCached) {
   clear_dispatch_cache();
+  const std::uint64_t seed = testing::test_seed("Dispatch.TournamentWinnerFollowsHeadroomRuleAndIsCached");
   for (int vertices : {32, 128, 700}) {
-    const IntegerFlowNetwork network = seed_network(vertices, 12, vertices);
-    const std::int64_t expected = dinic(network, 0, vertices - 1).value;
+    const IntegerFlowNetwork network = seed_network(vertices, 12, seed + static_cast<std::uint64_t>(vertices));
+    const std::int64_t expected = boost_value(network, 0, vertices - 1);
     const MaxFlowResult<std::int64_t> first = solve(network, 0, vertices - 1, {.edge_flows = true});
     ASSERT_TRUE(first.tournament.has_value());
     EXPECT_FALSE(first.from_cache);
@@ -61,7 +71,7 @@ TEST(Dispatch, TournamentWinnerFollowsHeadroomRuleAndIsCached) {
 
 TEST(Dispatch, ExplicitChoiceAndDisabledCache) {
   clear_dispatch_cache();
-  const IntegerFlowNetwork network = seed_network(64, 6, 5);
+  const IntegerFlowNetwork network = seed_network(64, 6, testing::test_seed("Dispatch.ExplicitChoiceAndDisabledCache"));
   EXPECT_EQ(solve(network, 0, 63, {.solver = SolverChoice::hlpp}).solver, "hlpp");
   EXPECT_EQ(solve(network, 0, 63, {.solver = SolverChoice::dinic}).solver, "dinic");
   EXPECT_EQ(dispatch_cache_size(), 0u);
@@ -73,13 +83,13 @@ TEST(Dispatch, ExplicitChoiceAndDisabledCache) {
 
 TEST(Dispatch, RealCapacitiesAgreeWithinTolerance) {
   clear_dispatch_cache();
-  flow_families::Random random(11);
+  flow_families::Random random(testing::test_seed("Dispatch.RealCapacitiesAgreeWithinTolerance"));
   const flow_families::GeneratedNetwork generated = flow_families::grid_network(12, 12, 100, random);
   const RealFlowNetwork network(generated.vertex_count, flow_families::real_edges(generated, true, random));
   const MaxFlowResult<double> result = solve(network, generated.source, generated.sink, {.edge_flows = true});
   EXPECT_TRUE(result.tournament.has_value());
   EXPECT_TRUE(verify(network, generated.source, generated.sink, result));
-  EXPECT_NEAR(result.value, dinic(network, generated.source, generated.sink).value, 1e-9 * result.value);
+  EXPECT_NEAR(result.value, boost_value(network, generated.source, generated.sink), 1e-9 * result.value);
 }
 
 TEST(Dispatch, CacheIsBounded) {
@@ -99,9 +109,10 @@ TEST(Dispatch, ConcurrentCallersShareTheCache) {
   clear_dispatch_cache();
   std::vector<IntegerFlowNetwork> networks;
   std::vector<std::int64_t> expected;
+  const std::uint64_t seed = testing::test_seed("Dispatch.ConcurrentCallersShareTheCache");
   for (int i = 0; i < 8; ++i) {
-    networks.push_back(seed_network(40 + 10 * i, 6, 100 + i));
-    expected.push_back(dinic(networks.back(), 0, networks.back().vertex_count() - 1).value);
+    networks.push_back(seed_network(40 + 10 * i, 6, seed + static_cast<std::uint64_t>(i)));
+    expected.push_back(boost_value(networks.back(), 0, networks.back().vertex_count() - 1));
   }
   std::vector<int> mismatches(4, 0);
   std::vector<std::thread> workers;

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -80,38 +82,95 @@ TEST(OpTable, EverySampleGraphRunsThroughEveryConsumer) {
   }
 }
 
-// The f32 math of every elementwise op against its f64 oracle, on the sample's random inputs.
-TEST(OpTable, ElementwiseF32ReferenceFollowsItsF64Oracle) {
-  const std::uint64_t seed = testing::test_seed("OpTable.ElementwiseF32ReferenceFollowsItsF64Oracle");
+// Each built-in elementwise op's value written here in long double, from its textbook formula, not
+// from the op table's math (which writes the f32 reference and the f64 oracle as one template, so a
+// wrong formula there would pass a comparison of the two).
+using ClosedForm = std::function<long double(const std::vector<long double>& operands, ElementSite site, const Node& node)>;
+
+const std::map<std::string, ClosedForm, std::less<>>& closed_forms() {
+  static const std::map<std::string, ClosedForm, std::less<>> forms = {
+      {"add", [](const auto& x, ElementSite, const Node&) { return x[0] + x[1]; }},
+      {"subtract", [](const auto& x, ElementSite, const Node&) { return x[0] - x[1]; }},
+      {"multiply", [](const auto& x, ElementSite, const Node&) { return x[0] * x[1]; }},
+      {"scale", [](const auto& x, ElementSite, const Node& node) { return x[0] * node.attributes.get_double("factor"); }},
+      {"silu", [](const auto& x, ElementSite, const Node&) { return x[0] / (1 + std::exp(-x[0])); }},
+      {"exp", [](const auto& x, ElementSite, const Node&) { return std::exp(x[0]); }},
+      {"gelu",
+       [](const auto& x, ElementSite, const Node& node) {
+         const long double v = x[0];
+         if (node.attributes.get_string("approximate") == "tanh") {
+           const long double pi = 3.141592653589793238462643383279502884L;
+           return 0.5L * v * (1 + std::tanh(std::sqrt(2 / pi) * (v + 0.044715L * v * v * v)));
+         }
+         return 0.5L * v * (1 + std::erf(v / std::sqrt(2.0L)));
+       }},
+      // Keys j > i + offset of query row i are -inf (checked in the test's loop); the others pass x.
+      {"causal_mask", [](const auto& x, ElementSite, const Node&) { return x[0]; }},
+      {"softsign", [](const auto& x, ElementSite, const Node&) { return x[0] / (1 + std::fabs(x[0])); }},
+  };
+  return forms;
+}
+
+TEST(OpTable, ElementwiseMathFollowsClosedFormsWrittenHere) {
+  const std::uint64_t seed = testing::test_seed("OpTable.ElementwiseMathFollowsClosedFormsWrittenHere");
+  int checked_ops = 0;
   for (std::string_view op : registered_op_names()) {
     const OpDefinition& definition = *find_op(op);
     if (!definition.elementwise) continue;
     SCOPED_TRACE(std::string(op));
-    const ComputeGraph graph = definition.sample_graph();
-    const Node& node = graph.nodes().front();
-    const TensorMap inputs = random_inputs(graph, seed);
-    std::vector<TensorSpec> specs;
-    std::vector<std::vector<double>> values;
-    for (ValueId input : node.inputs) {
-      specs.push_back(graph.value(input).spec);
-      values.push_back(inputs.at(graph.value(input).name).to_values());
+    const auto form = closed_forms().find(op);
+    ASSERT_NE(form, closed_forms().end()) << "write " << op << "'s closed form in closed_forms()";
+    std::vector<ComputeGraph> graphs{definition.sample_graph()};
+    if (op == "gelu") {  // the sample takes the tanh form; the erf form too
+      const ComputeGraph& sample = graphs.front();
+      GraphBuilder builder;
+      const ValueRef x = builder.input("x", sample.value(sample.nodes().front().inputs.front()).spec);
+      Attributes erf_form;
+      erf_form.set("approximate", std::string("none"));
+      graphs.push_back(builder.build(builder.add_node("gelu", {x}, erf_form, "out")));
     }
-    const ElementFunctions math = definition.elementwise->bind(node.attributes, specs);
-    const TensorSpec& out_spec = graph.value(node.outputs.front()).spec;
-    const std::vector<double> out = run_reference(graph, inputs).at(graph.value(node.outputs.front()).name).to_values();
-    std::vector<double> operands(values.size());
-    for (std::size_t index = 0; index < out.size(); ++index) {
-      for (std::size_t k = 0; k < values.size(); ++k) operands[k] = values[k][index % values[k].size()];
-      const auto flat = static_cast<std::int64_t>(index);
-      const ElementSite site{flat / out_spec.row_length(), flat % out_spec.row_length()};
-      const double expected = math.f64(operands, site);
-      if (std::isinf(expected)) {
-        EXPECT_EQ(out[index], expected) << index;
-      } else {
+    for (const ComputeGraph& graph : graphs) {
+      const Node& node = graph.nodes().front();
+      const TensorMap inputs = random_inputs(graph, seed);
+      std::vector<TensorSpec> specs;
+      std::vector<std::vector<double>> values;
+      for (ValueId input : node.inputs) {
+        specs.push_back(graph.value(input).spec);
+        values.push_back(inputs.at(graph.value(input).name).to_values());
+      }
+      const ElementFunctions math = definition.elementwise->bind(node.attributes, specs);
+      const TensorSpec& out_spec = graph.value(node.outputs.front()).spec;
+      const std::vector<double> out = run_reference(graph, inputs).at(graph.value(node.outputs.front()).name).to_values();
+      const std::int64_t queries = out_spec.rank() >= 2 ? out_spec.shape[out_spec.shape.size() - 2] : 1;
+      std::vector<double> operands(values.size());
+      std::vector<long double> exact_operands(values.size());
+      int masked = 0;
+      for (std::size_t index = 0; index < out.size(); ++index) {
+        for (std::size_t k = 0; k < values.size(); ++k) {
+          operands[k] = values[k][index % values[k].size()];
+          exact_operands[k] = operands[k];
+        }
+        const auto flat = static_cast<std::int64_t>(index);
+        const ElementSite site{flat / out_spec.row_length(), flat % out_spec.row_length()};
+        const double oracle = math.f64(operands, site);
+        if (op == "causal_mask" && site.column - site.row % queries > node.attributes.get_int("offset")) {
+          EXPECT_EQ(out[index], -INFINITY) << index;
+          EXPECT_EQ(oracle, -INFINITY) << index;
+          ++masked;
+          continue;
+        }
+        const double expected = static_cast<double>(form->second(exact_operands, site, node));
+        // The f64 oracle to a few of its ulps, the f32 reference to a few of f32's.
+        EXPECT_NEAR(oracle, expected, 1e-14 * (1 + std::fabs(expected))) << index;
         EXPECT_NEAR(out[index], expected, 1e-6 * (1 + std::fabs(expected))) << index;
       }
+      if (op == "causal_mask") {
+        EXPECT_GT(masked, 0);
+      }
     }
+    ++checked_ops;
   }
+  EXPECT_GE(checked_ops, 8);  // add, subtract, multiply, scale, silu, gelu, exp, causal_mask
 }
 
 // ---------------------------------------------------------------- sum and mean
@@ -161,7 +220,7 @@ TEST(OpTable, SumFusesItsPrologueAndStoresOneValuePerRow) {
   EXPECT_EQ(region.nodes.size(), 3u) << "silu, multiply and sum in one kernel";
   EXPECT_NE(plan.node_reasons[static_cast<std::size_t>(*graph.find_node("halved"))].find("shape"), std::string::npos)
       << plan.node_reasons[static_cast<std::size_t>(*graph.find_node("halved"))];
-  const TensorMap inputs = random_inputs(graph, 3);
+  const TensorMap inputs = random_inputs(graph, testing::test_seed("OpTable.SumFusesItsPrologueAndStoresOneValuePerRow"));
   EXPECT_EQ(run_plan_reference(plan, inputs), run_reference(graph, inputs));
 
   const Decision rows = row_region_decision(graph, region);
