@@ -153,6 +153,36 @@ TEST(ReferenceElementwise, GeluMatchesKnownValues) {
   }
 }
 
+// gelu's negative tail carries the f32 rounding of its argument through erfc (or exp, in the tanh form), which
+// magnifies it by about 2z^2, z = -x / sqrt 2 (~36 at -6): every f32 in [-6, 6] a 1/1024 apart against long double
+// forms, within 64 ulps (the README quotes the largest errors this prints).
+TEST(ReferenceElementwise, GeluStaysWithinItsTailBoundFromMinusSixToSix) {
+  std::vector<double> points;
+  for (int k = -6 * 1024; k <= 6 * 1024; ++k) points.push_back(k / 1024.0);
+  const TensorSpec spec({static_cast<std::int64_t>(points.size())}, DType::f32);
+  GraphBuilder builder;
+  const ValueRef x = builder.input("x", spec);
+  const ComputeGraph graph = builder.build({builder.gelu(x, "none", "with_erf"), builder.gelu(x, "tanh", "with_tanh")});
+  const TensorMap outputs = run_reference(graph, {{"x", HostTensor::from_values(spec, points)}});
+  const long double pi = 3.141592653589793238462643383279502884L;
+  double worst_erf = 0, worst_tanh = 0;
+  for (std::size_t index = 0; index < points.size(); ++index) {
+    const long double v = points[index];
+    const long double erf_form = 0.5L * v * std::erfc(-v / std::sqrt(2.0L));
+    const long double tanh_form = v / (1 + std::exp(-2 * std::sqrt(2 / pi) * (v + 0.044715L * v * v * v)));
+    const auto at = static_cast<std::int64_t>(index);
+    const auto ulps = [](double actual, long double expected) {
+      return static_cast<double>(std::fabs(actual - expected) / testing::ulp_of(expected, DType::f32));
+    };
+    worst_erf = std::max(worst_erf, ulps(outputs.at("with_erf").at(at), erf_form));
+    worst_tanh = std::max(worst_tanh, ulps(outputs.at("with_tanh").at(at), tanh_form));
+  }
+  std::printf("gelu over [-6, 6]: worst %.1f f32 ulps (erf form), %.1f (tanh form)\n", worst_erf, worst_tanh);
+  EXPECT_LE(worst_erf, 64);
+  EXPECT_LE(worst_tanh, 64);
+  EXPECT_GT(worst_erf, 4);  // the magnification is there: a sweep that missed the tail would see ~1 ulp
+}
+
 // silu and gelu at their limits, as PyTorch computes them in f32 (transformers is the models' oracle):
 // NaN at -inf (-inf / inf, -inf · 0), -0 where e^-x overflows f32 (silu below about -88.7), inf at inf.
 TEST(ReferenceElementwise, SiluAndGeluAtTheirLimitsAreWhatPyTorchGives) {
