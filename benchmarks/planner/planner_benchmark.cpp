@@ -90,6 +90,10 @@ ComputeGraph shared_producer(int readers) {
 // counter in NeighborhoodModel::solve_once, not kept): the neighborhoods grow with the ops (1.5 a op a run), their size
 // stays ~50, but the cuts a neighborhood grow from 5-10 at 1,000 ops to 22-43 at 2,000: more re-entry paths whose
 // either end may go (choices_, each combination solved) times the drops of shrink_to_limits, each cut again.
+// Profiled in session 58 (perf, 1,000 ops): about half of planning is shrink_to_limits' trial estimates
+// (growth_node_to_drop, up to 16 estimate_region calls a drop), half its re-cuts. Re-cutting on the previous region's
+// ops alone (exact: forbidding an op only shrinks the smallest minimum cut's source side) gave the same plans 2% faster
+// (705 -> 697, 4491 -> 4397 ms): not kept. What would pay is fewer re-cuts or incremental estimates.
 ComputeGraph far_reading_outputs(std::mt19937_64& random, int ops) {
   GraphBuilder b;
   std::vector<ValueRef> values{b.exp(b.input("x", {{2, 64}, DType::f32}))};
