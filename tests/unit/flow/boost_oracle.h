@@ -54,4 +54,11 @@ Capacity boost_max_flow(int vertex_count, const std::vector<FlowEdge<Capacity>>&
   return boost::push_relabel_max_flow(graph, boost::vertex(source, graph), boost::vertex(sink, graph));
 }
 
+// The same, on a network's own edges.
+template <typename Capacity>
+Capacity boost_max_flow(const FlowNetwork<Capacity>& network, int source, int sink) {
+  const std::vector<FlowEdge<Capacity>> edges(network.edges().begin(), network.edges().end());
+  return boost_max_flow(network.vertex_count(), edges, source, sink);
+}
+
 }  // namespace metile::testing

@@ -20,12 +20,6 @@ IntegerFlowNetwork seed_network(int vertices, int degree, std::uint64_t seed) {
   return flow_families::seed_random_network(vertices, degree, random).integer_network();
 }
 
-template <typename Capacity>
-Capacity boost_value(const FlowNetwork<Capacity>& network, int source, int sink) {
-  const std::vector<FlowEdge<Capacity>> edges(network.edges().begin(), network.edges().end());
-  return testing::boost_max_flow(network.vertex_count(), edges, source, sink);
-}
-
 TEST(Dispatch, SmallNetworksGoStraightToDinic) {
   clear_dispatch_cache();
   const IntegerFlowNetwork network = seed_network(31, 6, testing::test_seed("Dispatch.SmallNetworksGoStraightToDinic"));
@@ -34,7 +28,7 @@ TEST(Dispatch, SmallNetworksGoStraightToDinic) {
   EXPECT_FALSE(result.tournament.has_value());
   EXPECT_FALSE(result.from_cache);
   EXPECT_EQ(dispatch_cache_size(), 0u);
-  EXPECT_EQ(result.value, boost_value(network, 0, 30));
+  EXPECT_EQ(result.value, testing::boost_max_flow(network, 0, 30));
 }
 
 TEST(Dispatch, TournamentWinnerFollowsHeadroomRuleAndIsCached) {
@@ -42,7 +36,7 @@ TEST(Dispatch, TournamentWinnerFollowsHeadroomRuleAndIsCached) {
   const std::uint64_t seed = testing::test_seed("Dispatch.TournamentWinnerFollowsHeadroomRuleAndIsCached");
   for (int vertices : {32, 128, 700}) {
     const IntegerFlowNetwork network = seed_network(vertices, 12, seed + static_cast<std::uint64_t>(vertices));
-    const std::int64_t expected = boost_value(network, 0, vertices - 1);
+    const std::int64_t expected = testing::boost_max_flow(network, 0, vertices - 1);
     const MaxFlowResult<std::int64_t> first = solve(network, 0, vertices - 1, {.edge_flows = true});
     ASSERT_TRUE(first.tournament.has_value());
     EXPECT_FALSE(first.from_cache);
@@ -89,7 +83,7 @@ TEST(Dispatch, RealCapacitiesAgreeWithinTolerance) {
   const MaxFlowResult<double> result = solve(network, generated.source, generated.sink, {.edge_flows = true});
   EXPECT_TRUE(result.tournament.has_value());
   EXPECT_TRUE(verify(network, generated.source, generated.sink, result));
-  EXPECT_NEAR(result.value, boost_value(network, generated.source, generated.sink), 1e-9 * result.value);
+  EXPECT_NEAR(result.value, testing::boost_max_flow(network, generated.source, generated.sink), 1e-9 * result.value);
 }
 
 TEST(Dispatch, CacheIsBounded) {
@@ -112,7 +106,7 @@ TEST(Dispatch, ConcurrentCallersShareTheCache) {
   const std::uint64_t seed = testing::test_seed("Dispatch.ConcurrentCallersShareTheCache");
   for (int i = 0; i < 8; ++i) {
     networks.push_back(seed_network(40 + 10 * i, 6, seed + static_cast<std::uint64_t>(i)));
-    expected.push_back(boost_value(networks.back(), 0, networks.back().vertex_count() - 1));
+    expected.push_back(testing::boost_max_flow(networks.back(), 0, networks.back().vertex_count() - 1));
   }
   std::vector<int> mismatches(4, 0);
   std::vector<std::thread> workers;

@@ -85,18 +85,18 @@ TEST(OpTable, EverySampleGraphRunsThroughEveryConsumer) {
 // Each built-in elementwise op's value written here in long double, from its textbook formula, not
 // from the op table's math (which writes the f32 reference and the f64 oracle as one template, so a
 // wrong formula there would pass a comparison of the two).
-using ClosedForm = std::function<long double(const std::vector<long double>& operands, ElementSite site, const Node& node)>;
+using ClosedForm = std::function<long double(const std::vector<long double>& operands, const Node& node)>;
 
 const std::map<std::string, ClosedForm, std::less<>>& closed_forms() {
   static const std::map<std::string, ClosedForm, std::less<>> forms = {
-      {"add", [](const auto& x, ElementSite, const Node&) { return x[0] + x[1]; }},
-      {"subtract", [](const auto& x, ElementSite, const Node&) { return x[0] - x[1]; }},
-      {"multiply", [](const auto& x, ElementSite, const Node&) { return x[0] * x[1]; }},
-      {"scale", [](const auto& x, ElementSite, const Node& node) { return x[0] * node.attributes.get_double("factor"); }},
-      {"silu", [](const auto& x, ElementSite, const Node&) { return x[0] / (1 + std::exp(-x[0])); }},
-      {"exp", [](const auto& x, ElementSite, const Node&) { return std::exp(x[0]); }},
+      {"add", [](const auto& x, const Node&) { return x[0] + x[1]; }},
+      {"subtract", [](const auto& x, const Node&) { return x[0] - x[1]; }},
+      {"multiply", [](const auto& x, const Node&) { return x[0] * x[1]; }},
+      {"scale", [](const auto& x, const Node& node) { return x[0] * node.attributes.get_double("factor"); }},
+      {"silu", [](const auto& x, const Node&) { return x[0] / (1 + std::exp(-x[0])); }},
+      {"exp", [](const auto& x, const Node&) { return std::exp(x[0]); }},
       {"gelu",
-       [](const auto& x, ElementSite, const Node& node) {
+       [](const auto& x, const Node& node) {
          const long double v = x[0];
          if (node.attributes.get_string("approximate") == "tanh") {
            const long double pi = 3.141592653589793238462643383279502884L;
@@ -105,8 +105,8 @@ const std::map<std::string, ClosedForm, std::less<>>& closed_forms() {
          return 0.5L * v * (1 + std::erf(v / std::sqrt(2.0L)));
        }},
       // Keys j > i + offset of query row i are -inf (checked in the test's loop); the others pass x.
-      {"causal_mask", [](const auto& x, ElementSite, const Node&) { return x[0]; }},
-      {"softsign", [](const auto& x, ElementSite, const Node&) { return x[0] / (1 + std::fabs(x[0])); }},
+      {"causal_mask", [](const auto& x, const Node&) { return x[0]; }},
+      {"softsign", [](const auto& x, const Node&) { return x[0] / (1 + std::fabs(x[0])); }},
   };
   return forms;
 }
@@ -169,7 +169,7 @@ TEST(OpTable, ElementwiseMathFollowsClosedFormsWrittenHere) {
           ++masked;
           continue;
         }
-        const double expected = static_cast<double>(form->second(exact_operands, site, node));
+        const double expected = static_cast<double>(form->second(exact_operands, node));
         // The f64 oracle to a few of its ulps, the f32 reference to a few of f32's (the inputs lie in
         // [-1, 1): gelu's 0.044715 written 0.04472 is ~9e-7 off, past this bound).
         EXPECT_NEAR(oracle, expected, 1e-14 * (1 + std::fabs(expected))) << index;
