@@ -195,7 +195,7 @@ struct TournamentTimes {
 // What the interior-point engine did on one run (docs/ipm.md explains each phase).
 struct InteriorPointStatistics {
   int iterations = 0;               // interior-point (Newton) iterations
-  long long cg_steps = 0;           // conjugate-gradient steps over all Laplacian solves
+  long long cg_steps = 0;           // conjugate-gradient steps over all Laplacian solves (both racers of a raced one)
   int laplacian_solves = 0;         // two per iteration (predictor and corrector)
   int unconverged_solves = 0;       // solves stopped at the step cap before their tolerance
   std::string stop_reason;          // "duality gap", "stalled", "iteration limit" or "no s-t path"
@@ -236,7 +236,7 @@ MaxFlowResult<Capacity> hlpp(const FlowNetwork<Capacity>& network, int source, i
                              const MaxFlowOptions& options = {});
 // Experimental interior-point engine (docs/ipm.md): a primal-dual path-following method
 // on the max-flow LP whose Newton steps are electrical flows (weighted Laplacian solves
-// by Jacobi-preconditioned conjugate gradient), stopped on the duality gap; the
+// by conjugate gradient, preconditioned on a spanning tree), stopped on the duality gap; the
 // fractional flow is rounded (integers) or snapped (reals), made to conserve by path and
 // cycle reductions, and repaired by shortest augmenting paths to the exact maximum, so
 // value and cut equal Dinic's. Never chosen by automatic dispatch.

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <random>
@@ -293,6 +294,46 @@ TEST(IpmEngine, IsReachedByNameOnly) {
       ASSERT_FALSE(automatic.interior_point.has_value());
       ASSERT_EQ(automatic.value, named.value);
     }
+  }
+}
+
+// The Laplacian solves' preconditioners (src/flow/ipm.cpp, GroundedLaplacian), through the CG steps a
+// solve takes. On a chain the spanning tree is the whole LP graph but for one arc, so `tree` solves
+// it in two steps, where the Jacobi scaling took steps growing with the length (a 10^4-vertex chain:
+// 9.6 s, session 34). On expander-like seed-random networks `tree_and_diagonal` wins the race with
+// ~25 steps (`tree` alone: ~250 at n = 1024); on GENRMF `tree` wins with ~140 (`tree_and_diagonal`
+// alone: ~400 at b = 16). Each bound fails if the preconditioner that should win were broken, the
+// race then being won by the other at its own count. Exactness is the differential tests' business.
+TEST(IpmEngine, TreePreconditionersKeepEachFamilysSolvesShort) {
+  Random random(test_seed());
+  struct Case {
+    std::string label;
+    GeneratedNetwork network;
+    double most_steps_a_solve;
+  };
+  std::vector<Case> cases;
+  for (int k = 0; k < networks(3); ++k) {
+    const int length = draw_int(random, 2000, 5000);
+    GeneratedNetwork chain;
+    chain.family = "chain";
+    chain.vertex_count = length;
+    chain.source = 0;
+    chain.sink = length - 1;
+    for (int v = 0; v + 1 < length; ++v) chain.edges.push_back({v, v + 1, flow_families::draw(random, 1, 1000)});
+    cases.push_back({"chain of " + std::to_string(length), chain, 6});
+    cases.push_back({"seed-random n=1024 d=6", flow_families::seed_random_network(1024, 6, random), 80});
+    cases.push_back({"genrmf a=8 b=16", flow_families::genrmf_network(8, 16, 1, 10000, random), 250});
+  }
+  for (const Case& c : cases) {
+    const IntegerFlowNetwork network = c.network.integer_network();
+    const MaxFlowResult<std::int64_t> by_ipm = ipm(network, c.network.source, c.network.sink);
+    const InteriorPointStatistics& statistics = *by_ipm.interior_point;
+    const double per_solve = static_cast<double>(statistics.cg_steps) / std::max(1, statistics.laplacian_solves);
+    std::printf("  %-24s %d solves, %lld CG steps (%.1f a solve), stop: %s\n", c.label.c_str(),
+                statistics.laplacian_solves, statistics.cg_steps, per_solve, statistics.stop_reason.c_str());
+    EXPECT_EQ(by_ipm.value, dinic(network, c.network.source, c.network.sink).value) << c.label;
+    EXPECT_EQ(statistics.unconverged_solves, 0) << c.label;
+    EXPECT_LE(per_solve, c.most_steps_a_solve) << c.label;
   }
 }
 
