@@ -9,7 +9,7 @@
 //                  Laplacian L = A diag(theta) A^T (theta = 1/(z/x + w/(u-x)), the arcs'
 //                  conductances): the potentials solve L dy = rhs, and the flow step
 //                  dx = theta (A^T dy - rho) is an electrical flow. L is solved by conjugate
-//                  gradient preconditioned on a heavy spanning tree (GroundedLaplacian). Stops on
+//                  gradient preconditioned on a heavy spanning tree (grounded_laplacian.h). Stops on
 //                  the duality gap.
 //   3. rounding    integers: each arc's flow to the nearest integer in [0, u]; reals: flows
 //                  within a hair of a bound snapped onto it. The rounded flow does not
@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "grounded_laplacian.h"
 #include "residual_graph.h"
 
 namespace metile {
@@ -135,340 +136,6 @@ std::optional<MaxFlowProgram> build_program(const FlowNetwork<Capacity>& network
   return program;
 }
 
-// ---------------------------------------------------------------- Laplacian solves
-
-// L = A diag(conductance) A^T over the program's arcs, grounded at one vertex (its row and
-// column removed, its potential 0), which makes L positive definite on a connected graph.
-//
-// Solved by preconditioned conjugate gradient. Two preconditioners are built on a heavy spanning
-// tree T of the conductances (Kruskal over the arcs bucketed by binary exponent: each choice within
-// a factor 2 of the maximum-weight tree's, in O(m); a tree edge carries every arc between its ends):
-//   tree           M = L_T, the tree's own Laplacian. Exact on paths and trees; it follows the long
-//                  chains of similar conductances along which a diagonal scaling does nothing
-//                  (GENRMF's frames, grids).
-//   tree+diagonal  M = L_T + diag(L - L_T): L's own diagonal with the tree's off-diagonal entries.
-//                  The Jacobi (diagonal) scaling where the tree is light, fewer steps than it on
-//                  expander-like and layered networks, but ten times more than `tree` on GENRMF.
-// Both are solved exactly by elimination on the tree, leaves first (no fill): O(n) a step. Neither
-// wins on every family and the better one changes along the central path, so the predictor's solve
-// races the two (one CG step each in turn; the first to converge gives the answer, and one far
-// behind stops early) and the corrector's, on the same matrix, takes that winner alone
-// (docs/ipm.md measures all three). Where
-// the arcs of positive finite conductance do not span the vertices, Jacobi alone.
-class GroundedLaplacian {
- public:
-  enum class Preconditioner { tree, tree_and_diagonal, jacobi };
-
-  GroundedLaplacian(const MaxFlowProgram& program, int ground)
-      : program_(program),
-        ground_(ground),
-        inverse_diagonal_(static_cast<std::size_t>(program.vertex_count)),
-        tree_parent_(static_cast<std::size_t>(program.vertex_count)),
-        tree_conductance_(static_cast<std::size_t>(program.vertex_count)),
-        off_tree_excess_(static_cast<std::size_t>(program.vertex_count)),
-        eliminated_(static_cast<std::size_t>(program.vertex_count)) {
-    for (Run& run : runs_) {
-      for (std::vector<double>* values :
-           {&run.potential, &run.residual, &run.preconditioned, &run.direction, &run.product}) {
-        values->resize(static_cast<std::size_t>(program.vertex_count));
-      }
-    }
-  }
-
-  void set_conductances(const std::vector<double>& conductance) {
-    conductance_ = &conductance;
-    std::fill(inverse_diagonal_.begin(), inverse_diagonal_.end(), 0.0);
-    for (std::size_t arc = 0; arc < conductance.size(); ++arc) {
-      inverse_diagonal_[program_.tail[arc]] += conductance[arc];
-      inverse_diagonal_[program_.head[arc]] += conductance[arc];
-    }
-    for (double& entry : inverse_diagonal_) entry = entry > 0 ? 1 / entry : 0;
-    inverse_diagonal_[ground_] = 0;
-    has_tree_ = build_tree(conductance);
-    if (!has_tree_) last_winner_ = Preconditioner::jacobi;
-    else if (last_winner_ == Preconditioner::jacobi) last_winner_ = Preconditioner::tree_and_diagonal;
-  }
-
-  struct Outcome {
-    int steps = 0;  // CG steps, every racer's counted
-    bool converged = false;
-  };
-
-  // Preconditioned CG on L p = rhs; `potential` is the start and the answer. Stops when the
-  // residual's 2-norm is at most relative_tolerance times the right-hand side's, or after
-  // max_steps steps of each racer (the answer then the racer's of the smaller residual).
-  // `race`: both tree preconditioners race (where there is a tree); else the last race's winner.
-  Outcome solve(const std::vector<double>& rhs, std::vector<double>& potential, double relative_tolerance,
-                int max_steps, bool race) {
-    const int n = program_.vertex_count;
-    potential[ground_] = 0;
-    double rhs_norm = 0;
-    for (int v = 0; v < n; ++v) {
-      if (v != ground_) rhs_norm += rhs[v] * rhs[v];
-    }
-    const double stop = relative_tolerance * std::sqrt(rhs_norm);
-    int racers = 1;
-    runs_[0].preconditioner = last_winner_;
-    if (race && has_tree_) {
-      racers = 2;
-      runs_[0].preconditioner = Preconditioner::tree;
-      runs_[1].preconditioner = Preconditioner::tree_and_diagonal;
-    }
-    for (int r = 0; r < racers; ++r) start(runs_[r], rhs, potential);
-    Outcome outcome;
-    // A racer whose residual is kLead times the other's after kLeadRounds rounds stops there: the
-    // race's cost on the networks where one preconditioner is far ahead (all of docs/ipm.md's
-    // families: 20-30% fewer CG steps than racing to the end).
-    constexpr int kLeadRounds = 4;
-    constexpr double kLead = 100;
-    for (int round = 0;; ++round) {
-      for (int r = 0; r < racers; ++r) {
-        if (runs_[r].residual_norm <= stop) {
-          potential = runs_[r].potential;
-          last_winner_ = runs_[r].preconditioner;
-          outcome.converged = true;
-          return outcome;
-        }
-      }
-      bool stepped = false;
-      if (round < max_steps) {
-        for (int r = 0; r < racers; ++r) {
-          if (runs_[r].stopped) continue;
-          runs_[r].stopped = !step(runs_[r]);
-          ++outcome.steps;
-          stepped = true;
-        }
-      }
-      if (racers == 2 && round + 1 >= kLeadRounds && !runs_[0].stopped && !runs_[1].stopped) {
-        if (runs_[0].residual_norm > kLead * runs_[1].residual_norm) runs_[0].stopped = true;
-        else if (runs_[1].residual_norm > kLead * runs_[0].residual_norm) runs_[1].stopped = true;
-      }
-      if (!stepped) {
-        const Run& best = racers == 2 && runs_[1].residual_norm < runs_[0].residual_norm ? runs_[1] : runs_[0];
-        potential = best.potential;
-        return outcome;
-      }
-    }
-  }
-
- private:
-  // One conjugate-gradient iteration's vectors, a racer's own.
-  struct Run {
-    Preconditioner preconditioner = Preconditioner::jacobi;
-    std::vector<double> potential, residual, preconditioned, direction, product;
-    double residual_dot = 0;   // residual . preconditioned
-    double residual_norm = 0;  // the residual's 2-norm
-    bool stopped = false;      // a step found no positive curvature, or the other racer is far ahead
-  };
-
-  void start(Run& run, const std::vector<double>& rhs, const std::vector<double>& potential) {
-    const int n = program_.vertex_count;
-    run.potential = potential;
-    run.stopped = false;
-    multiply(run.potential, run.product);
-    for (int v = 0; v < n; ++v) run.residual[v] = v == ground_ ? 0 : rhs[v] - run.product[v];
-    precondition(run);
-    run.residual_dot = 0;
-    run.residual_norm = 0;
-    for (int v = 0; v < n; ++v) {
-      run.direction[v] = run.preconditioned[v];
-      run.residual_dot += run.residual[v] * run.preconditioned[v];
-      run.residual_norm += run.residual[v] * run.residual[v];
-    }
-    run.residual_norm = std::sqrt(run.residual_norm);
-    if (!(run.residual_dot > 0)) run.stopped = true;
-  }
-
-  // False where the direction has no positive curvature (the run can go no further).
-  bool step(Run& run) {
-    const int n = program_.vertex_count;
-    multiply(run.direction, run.product);
-    double curvature = 0;
-    for (int v = 0; v < n; ++v) curvature += run.direction[v] * run.product[v];
-    if (!(curvature > 0)) return false;
-    const double step = run.residual_dot / curvature;
-    double residual_norm = 0;
-    for (int v = 0; v < n; ++v) {
-      run.potential[v] += step * run.direction[v];
-      run.residual[v] -= step * run.product[v];
-      residual_norm += run.residual[v] * run.residual[v];
-    }
-    run.residual_norm = std::sqrt(residual_norm);
-    precondition(run);
-    double next_dot = 0;
-    for (int v = 0; v < n; ++v) next_dot += run.residual[v] * run.preconditioned[v];
-    const double beta = next_dot / run.residual_dot;
-    run.residual_dot = next_dot;
-    for (int v = 0; v < n; ++v) run.direction[v] = run.preconditioned[v] + beta * run.direction[v];
-    return next_dot > 0;
-  }
-
-  // run.preconditioned = M^-1 run.residual.
-  void precondition(Run& run) {
-    const int n = program_.vertex_count;
-    const std::vector<double>& r = run.residual;
-    std::vector<double>& z = run.preconditioned;
-    if (run.preconditioner == Preconditioner::jacobi) {
-      for (int v = 0; v < n; ++v) z[v] = inverse_diagonal_[v] * r[v];
-      return;
-    }
-    // Elimination on the tree, leaves first: eliminated_[k] is the right side of the k-th vertex
-    // (breadth first from the ground) with its subtree folded in; then back substitution from the
-    // ground outwards. Positions, not vertex numbers, so that every array but r and z streams.
-    const TreeFactor& factor = run.preconditioner == Preconditioner::tree ? tree_factor_ : diagonal_factor_;
-    for (int k = 0; k < n; ++k) eliminated_[k] = r[tree_order_[k]];
-    for (int k = n - 1; k > 0; --k) eliminated_[tree_parent_position_[k]] += factor.fold[k] * eliminated_[k];
-    eliminated_[0] = 0;  // the ground's potential, kept from here on
-    for (int k = 1; k < n; ++k) {
-      eliminated_[k] = (eliminated_[k] + tree_position_conductance_[k] * eliminated_[tree_parent_position_[k]]) *
-                       factor.inverse_pivot[k];
-    }
-    for (int k = 0; k < n; ++k) z[tree_order_[k]] = eliminated_[k];
-  }
-
-  // The heavy spanning tree, rooted at the ground (tree_order_: breadth first from it), each
-  // vertex's edge to its parent with the conductance of every arc between the two, and
-  // off_tree_excess_ for `tree_and_diagonal`. False where the usable arcs do not span.
-  bool build_tree(const std::vector<double>& conductance) {
-    const int n = program_.vertex_count;
-    const int arcs = static_cast<int>(conductance.size());
-    auto usable = [&](int arc) { return conductance[arc] > 0 && std::isfinite(conductance[arc]); };
-    // Arcs by binary exponent, largest first, each bucket in arc order (a counting sort: O(m)).
-    constexpr int kLowestExponent = -1100;  // below every subnormal's
-    constexpr int kBuckets = 1024 - kLowestExponent + 1;
-    bucket_begin_.assign(kBuckets + 1, 0);
-    auto bucket = [&](int arc) { return 1023 - std::ilogb(conductance[arc]); };  // 0 for the largest
-    for (int arc = 0; arc < arcs; ++arc) {
-      if (usable(arc)) ++bucket_begin_[bucket(arc) + 1];
-    }
-    for (int b = 0; b < kBuckets; ++b) bucket_begin_[b + 1] += bucket_begin_[b];
-    arc_order_.resize(static_cast<std::size_t>(bucket_begin_[kBuckets]));
-    for (int arc = 0; arc < arcs; ++arc) {
-      if (usable(arc)) arc_order_[bucket_begin_[bucket(arc)]++] = arc;
-    }
-    // Kruskal with path-halving union-find.
-    union_find_.resize(static_cast<std::size_t>(n));
-    std::iota(union_find_.begin(), union_find_.end(), 0);
-    auto find = [&](int v) {
-      while (union_find_[v] != v) v = union_find_[v] = union_find_[union_find_[v]];
-      return v;
-    };
-    adjacency_begin_.assign(static_cast<std::size_t>(n) + 1, 0);
-    tree_arcs_.clear();
-    for (const int arc : arc_order_) {
-      const int a = find(program_.tail[arc]), b = find(program_.head[arc]);
-      if (a == b) continue;
-      union_find_[a] = b;
-      tree_arcs_.push_back(arc);
-      ++adjacency_begin_[program_.tail[arc] + 1];
-      ++adjacency_begin_[program_.head[arc] + 1];
-      if (static_cast<int>(tree_arcs_.size()) == n - 1) break;
-    }
-    if (static_cast<int>(tree_arcs_.size()) != n - 1) return false;
-    for (int v = 0; v < n; ++v) adjacency_begin_[v + 1] += adjacency_begin_[v];
-    adjacency_.resize(2 * tree_arcs_.size());
-    std::vector<int>& next_slot = union_find_;  // done with: each vertex's next adjacency slot
-    std::copy(adjacency_begin_.begin(), adjacency_begin_.end() - 1, next_slot.begin());
-    for (const int arc : tree_arcs_) {
-      adjacency_[next_slot[program_.tail[arc]]++] = program_.head[arc];
-      adjacency_[next_slot[program_.head[arc]]++] = program_.tail[arc];
-    }
-    std::fill(tree_parent_.begin(), tree_parent_.end(), -1);
-    tree_parent_[ground_] = ground_;
-    tree_order_.assign(1, ground_);
-    for (std::size_t next = 0; next < tree_order_.size(); ++next) {
-      const int v = tree_order_[next];
-      for (int k = adjacency_begin_[v]; k < adjacency_begin_[v + 1]; ++k) {
-        const int u = adjacency_[k];
-        if (tree_parent_[u] >= 0) continue;
-        tree_parent_[u] = v;
-        tree_order_.push_back(u);
-      }
-    }
-    // Tree edges take every arc between their ends; the other arcs (self loops aside) are L - L_T,
-    // whose diagonal `tree_and_diagonal` adds.
-    std::fill(tree_conductance_.begin(), tree_conductance_.end(), 0.0);
-    std::vector<double>& off_tree = off_tree_excess_;
-    std::fill(off_tree.begin(), off_tree.end(), 0.0);
-    for (int arc = 0; arc < arcs; ++arc) {
-      const int a = program_.tail[arc], b = program_.head[arc];
-      if (a == b) continue;
-      if (a != ground_ && tree_parent_[a] == b) {
-        tree_conductance_[a] += conductance[arc];
-      } else if (b != ground_ && tree_parent_[b] == a) {
-        tree_conductance_[b] += conductance[arc];
-      } else {
-        off_tree[a] += conductance[arc];
-        off_tree[b] += conductance[arc];
-      }
-    }
-    // A pivot is its vertex's diagonal less what eliminating its children took,
-    //   pivot_v = c_v + off_v + sum_children (c_ch - c_ch^2 / pivot_ch),
-    // kept as the excess over c_v so that no term cancels: excess_v = off_v + sum_ch c_ch excess_ch /
-    // (c_ch + excess_ch). In place, leaves first; `tree`'s excess is 0 (pivot c_v: each subtree's
-    // current passes on whole).
-    for (int k = n - 1; k > 0; --k) {
-      const int v = tree_order_[k];
-      const double c = tree_conductance_[v];
-      off_tree[tree_parent_[v]] += c * off_tree[v] / (c + off_tree[v]);
-    }
-    for (TreeFactor* factor : {&tree_factor_, &diagonal_factor_}) {
-      factor->fold.resize(static_cast<std::size_t>(n));
-      factor->inverse_pivot.resize(static_cast<std::size_t>(n));
-    }
-    position_of_.resize(static_cast<std::size_t>(n));
-    for (int k = 0; k < n; ++k) position_of_[tree_order_[k]] = k;
-    tree_parent_position_.resize(static_cast<std::size_t>(n));
-    tree_position_conductance_.resize(static_cast<std::size_t>(n));
-    for (int k = 1; k < n; ++k) {
-      const int v = tree_order_[k];
-      const double c = tree_conductance_[v];
-      const double pivot = c + off_tree[v];
-      tree_parent_position_[k] = position_of_[tree_parent_[v]];
-      tree_position_conductance_[k] = c;
-      tree_factor_.fold[k] = 1;
-      tree_factor_.inverse_pivot[k] = 1 / c;
-      diagonal_factor_.fold[k] = c / pivot;
-      diagonal_factor_.inverse_pivot[k] = 1 / pivot;
-    }
-    return true;
-  }
-
-  void multiply(const std::vector<double>& potential, std::vector<double>& out) const {
-    std::fill(out.begin(), out.end(), 0.0);
-    const std::vector<double>& conductance = *conductance_;
-    const int* tail = program_.tail.data();
-    const int* head = program_.head.data();
-    for (std::size_t arc = 0; arc < conductance.size(); ++arc) {
-      const double current = conductance[arc] * (potential[tail[arc]] - potential[head[arc]]);
-      out[tail[arc]] += current;
-      out[head[arc]] -= current;
-    }
-    out[ground_] = 0;
-  }
-
-  const MaxFlowProgram& program_;
-  const int ground_;
-  const std::vector<double>* conductance_ = nullptr;
-  std::vector<double> inverse_diagonal_;  // the Jacobi preconditioner (0 at the ground)
-  bool has_tree_ = false;
-  Preconditioner last_winner_ = Preconditioner::tree_and_diagonal;
-  std::vector<int> bucket_begin_, arc_order_, union_find_, tree_arcs_, adjacency_begin_, adjacency_, tree_order_;
-  std::vector<int> tree_parent_;            // the ground its own parent
-  std::vector<double> tree_conductance_;    // of each vertex's edge to its parent
-  std::vector<double> off_tree_excess_;     // `tree_and_diagonal`'s pivot less the tree edge's conductance
-  std::vector<double> eliminated_;          // precondition()'s scratch
-  // By breadth-first position (0: the ground): the parent's position and the edge's conductance.
-  std::vector<int> position_of_, tree_parent_position_;
-  std::vector<double> tree_position_conductance_;
-  struct TreeFactor {
-    std::vector<double> fold;           // c / pivot: how much of a right side passes to the parent
-    std::vector<double> inverse_pivot;
-  };
-  TreeFactor tree_factor_, diagonal_factor_;
-  Run runs_[2];
-};
-
 // ---------------------------------------------------------------- phase 2: path following
 
 // Primal-dual path following for  min c'x  s.t.  A x = 0, 0 <= x <= u  (c = -1 on the
@@ -486,7 +153,7 @@ class PathFollowing {
       : program_(program),
         targets_(targets),
         arcs_(static_cast<int>(program.tail.size())),
-        laplacian_(program, program.source) {}
+        laplacian_(program.vertex_count, program.tail, program.head, program.source) {}
 
   // Returns the flow x (program units) at the stop.
   std::vector<double> run(InteriorPointStatistics& statistics) {
@@ -623,7 +290,7 @@ class PathFollowing {
     // The corrector starts from the predictor's potentials: same matrix, nearby right side.
     constexpr double kRelativeTolerance = 1e-10;
     const int max_steps = std::max(200, 2 * program_.vertex_count);
-    const GroundedLaplacian::Outcome outcome = laplacian_.solve(rhs_, dy_, kRelativeTolerance, max_steps, race);
+    const flow_detail::GroundedLaplacian::Outcome outcome = laplacian_.solve(rhs_, dy_, kRelativeTolerance, max_steps, race);
     statistics.cg_steps += outcome.steps;
     ++statistics.laplacian_solves;
     if (!outcome.converged) ++statistics.unconverged_solves;
@@ -657,7 +324,7 @@ class PathFollowing {
   const MaxFlowProgram& program_;
   const Targets targets_;
   const int arcs_;
-  GroundedLaplacian laplacian_;
+  flow_detail::GroundedLaplacian laplacian_;
   std::vector<double> x_, slack_, z_, w_, y_;
   std::vector<double> primal_residual_, dual_residual_, conductance_, rhs_;
   std::vector<double> dy_, dx_, dz_, dw_, rxz_, rsw_, rho_;

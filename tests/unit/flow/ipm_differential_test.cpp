@@ -297,13 +297,15 @@ TEST(IpmEngine, IsReachedByNameOnly) {
   }
 }
 
-// The Laplacian solves' preconditioners (src/flow/ipm.cpp, GroundedLaplacian), through the CG steps a
-// solve takes. On a chain the spanning tree is the whole LP graph but for one arc, so `tree` solves
-// it in two steps, where the Jacobi scaling took steps growing with the length (a 10^4-vertex chain:
-// 9.6 s, session 34). On expander-like seed-random networks `tree_and_diagonal` wins the race with
-// ~25 steps (`tree` alone: ~250 at n = 1024); on GENRMF `tree` wins with ~140 (`tree_and_diagonal`
-// alone: ~400 at b = 16). Each bound fails if the preconditioner that should win were broken, the
-// race then being won by the other at its own count. Exactness is the differential tests' business.
+// The race of the Laplacian solves' preconditioners (src/flow/grounded_laplacian.h; its own test
+// checks each against float64), through the CG steps a solve takes inside ipm. On a chain the LP
+// graph is a cycle (the return arc closes it), which either tree form solves in a few steps where the
+// Jacobi scaling took steps growing with the length (a 10^4-vertex chain: 9.6 s, session 34). On
+// expander-like seed-random networks `tree_and_diagonal` wins the race with ~29 steps a solve (`tree`
+// alone: ~250 at n = 1024); on GENRMF `tree` wins with ~110 (`tree_and_diagonal` alone: ~400 at
+// b = 16). A race won by the wrong form, or one that no longer stops the racer far behind, fails the
+// bounds (breaking `tree_and_diagonal` gave 421 steps a solve on seed-random, `tree` 585 on GENRMF);
+// a form made twice as slow would pass. Exactness is the differential tests' business.
 TEST(IpmEngine, TreePreconditionersKeepEachFamilysSolvesShort) {
   Random random(test_seed());
   struct Case {
