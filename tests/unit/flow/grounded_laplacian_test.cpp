@@ -24,11 +24,6 @@ namespace {
 using flow_detail::GroundedLaplacian;
 using Preconditioner = GroundedLaplacian::Preconditioner;
 
-std::uint64_t test_seed() {
-  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
-  return testing::test_seed(std::string(test->test_suite_name()) + "." + test->name());
-}
-
 struct Graph {
   int vertices = 0;
   int ground = 0;
@@ -160,7 +155,7 @@ double relative_error(const std::vector<double>& x, const std::vector<double>& y
 }
 
 TEST(GroundedLaplacian, OnATreeBothTreePreconditionersAreLItself) {
-  std::mt19937_64 random(test_seed());
+  std::mt19937_64 random(testing::test_seed("GroundedLaplacian.OnATreeBothTreePreconditionersAreLItself"));
   for (int trial = 0; trial < 300; ++trial) {
     const Graph g = random_tree(random, std::uniform_int_distribution<int>(2, 30)(random), 1e-6, 1e6);
     GroundedLaplacian laplacian(g.vertices, g.tail, g.head, g.ground);
@@ -178,7 +173,7 @@ TEST(GroundedLaplacian, OnATreeBothTreePreconditionersAreLItself) {
 }
 
 TEST(GroundedLaplacian, PreconditionersAreSymmetricPositiveDefiniteAndSolvesReachTheirTolerance) {
-  std::mt19937_64 random(test_seed());
+  std::mt19937_64 random(testing::test_seed("GroundedLaplacian.PreconditionersAreSymmetricPositiveDefiniteAndSolvesReachTheirTolerance"));
   for (int trial = 0; trial < 300; ++trial) {
     Graph g = random_tree(random, std::uniform_int_distribution<int>(2, 40)(random), 1e-3, 1e3);
     const int extra = std::uniform_int_distribution<int>(0, 3 * g.vertices)(random);
