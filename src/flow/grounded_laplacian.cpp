@@ -35,9 +35,7 @@ GroundedLaplacian::GroundedLaplacian(int vertex_count, const std::vector<int>& t
   }
   edge_conductance_.resize(edge_low_.size());
   inverse_diagonal_.resize(n);
-  tree_parent_.resize(n);
-  tree_conductance_.resize(n);
-  off_tree_excess_.resize(n);
+  position_.resize(n);
   eliminated_.resize(n);
   for (Run& run : runs_) {
     for (std::vector<double>* values : {&run.potential, &run.residual, &run.preconditioned, &run.direction, &run.product}) {
@@ -178,7 +176,7 @@ void GroundedLaplacian::apply_preconditioner(Preconditioner preconditioner, cons
   for (int k = n - 1; k > 0; --k) eliminated_[tree_parent_position_[k]] += factor.fold[k] * eliminated_[k];
   eliminated_[0] = 0;  // the ground's potential, kept from here on
   for (int k = 1; k < n; ++k) {
-    eliminated_[k] = (eliminated_[k] + tree_position_conductance_[k] * eliminated_[tree_parent_position_[k]]) *
+    eliminated_[k] = (eliminated_[k] + tree_conductance_[k] * eliminated_[tree_parent_position_[k]]) *
                      factor.inverse_pivot[k];
   }
   for (int k = 0; k < n; ++k) z[tree_order_[k]] = eliminated_[k];
@@ -225,7 +223,7 @@ bool GroundedLaplacian::build_tree() {
     if (static_cast<int>(tree_edges_.size()) == n - 1) break;
   }
   if (static_cast<int>(tree_edges_.size()) != n - 1) return false;
-  // Adjacency lists (edge numbers), then breadth first from the ground.
+  // Adjacency lists (edge numbers).
   for (int v = 0; v < n; ++v) adjacency_begin_[v + 1] += adjacency_begin_[v];
   adjacency_.resize(2 * tree_edges_.size());
   std::vector<int>& next_slot = union_find_;  // done with: each vertex's next adjacency slot
@@ -234,19 +232,23 @@ bool GroundedLaplacian::build_tree() {
     adjacency_[next_slot[edge_low_[edge]]++] = edge;
     adjacency_[next_slot[edge_high_[edge]]++] = edge;
   }
-  std::fill(tree_parent_.begin(), tree_parent_.end(), -1);
-  tree_parent_[ground_] = ground_;
-  tree_conductance_[ground_] = 0;
+  // Breadth first from the ground: each vertex's position, and by position its vertex, its parent's
+  // position and the conductance of the edge to its parent (the ground at 0, its own parent).
+  std::fill(position_.begin(), position_.end(), -1);
+  position_[ground_] = 0;
   tree_order_.assign(1, ground_);
+  tree_parent_position_.assign(1, 0);
+  tree_conductance_.assign(1, 0.0);
   for (std::size_t next = 0; next < tree_order_.size(); ++next) {
     const int v = tree_order_[next];
     for (int k = adjacency_begin_[v]; k < adjacency_begin_[v + 1]; ++k) {
       const int edge = adjacency_[k];
       const int u = edge_low_[edge] == v ? edge_high_[edge] : edge_low_[edge];
-      if (tree_parent_[u] >= 0) continue;
-      tree_parent_[u] = v;
-      tree_conductance_[u] = edge_conductance_[edge];
+      if (position_[u] >= 0) continue;
+      position_[u] = static_cast<int>(tree_order_.size());
       tree_order_.push_back(u);
+      tree_parent_position_.push_back(static_cast<int>(next));
+      tree_conductance_.push_back(edge_conductance_[edge]);
     }
   }
   // The off-tree edges are L - L_T; their diagonal is what `tree_and_diagonal` adds. A pivot is
@@ -255,33 +257,25 @@ bool GroundedLaplacian::build_tree() {
   // kept as the excess over c_v so that no term cancels: excess_v = off_v + sum_ch c_ch excess_ch /
   // (c_ch + excess_ch), in place, leaves first. `tree`'s excess is 0: pivot c_v, each subtree's
   // current passing on whole.
-  std::vector<double>& excess = off_tree_excess_;
-  std::fill(excess.begin(), excess.end(), 0.0);
+  std::vector<double>& excess = excess_;
+  excess.assign(static_cast<std::size_t>(n), 0.0);
   for (int edge = 0; edge < edges; ++edge) {
-    const int a = edge_low_[edge], b = edge_high_[edge];
-    if (tree_parent_[a] == b || tree_parent_[b] == a) continue;
+    const int a = position_[edge_low_[edge]], b = position_[edge_high_[edge]];
+    if (tree_parent_position_[a] == b || tree_parent_position_[b] == a) continue;  // a tree edge
     excess[a] += edge_conductance_[edge];
     excess[b] += edge_conductance_[edge];
   }
   for (int k = n - 1; k > 0; --k) {
-    const int v = tree_order_[k];
-    const double c = tree_conductance_[v];
-    excess[tree_parent_[v]] += c * excess[v] / (c + excess[v]);
+    const double c = tree_conductance_[k];
+    excess[tree_parent_position_[k]] += c * excess[k] / (c + excess[k]);
   }
-  std::vector<int>& position = union_find_;  // done with again: each vertex's breadth-first position
-  for (int k = 0; k < n; ++k) position[tree_order_[k]] = k;
   for (TreeFactor* factor : {&tree_factor_, &diagonal_factor_}) {
     factor->fold.resize(static_cast<std::size_t>(n));
     factor->inverse_pivot.resize(static_cast<std::size_t>(n));
   }
-  tree_parent_position_.resize(static_cast<std::size_t>(n));
-  tree_position_conductance_.resize(static_cast<std::size_t>(n));
   for (int k = 1; k < n; ++k) {
-    const int v = tree_order_[k];
-    const double c = tree_conductance_[v];
-    const double pivot = c + excess[v];
-    tree_parent_position_[k] = position[tree_parent_[v]];
-    tree_position_conductance_[k] = c;
+    const double c = tree_conductance_[k];
+    const double pivot = c + excess[k];
     tree_factor_.fold[k] = 1;
     tree_factor_.inverse_pivot[k] = 1 / c;
     diagonal_factor_.fold[k] = c / pivot;

@@ -86,12 +86,11 @@ class GroundedLaplacian {
   bool has_tree_ = false;
   Preconditioner last_winner_ = Preconditioner::tree_and_diagonal;
   std::vector<int> bucket_begin_, edge_order_, union_find_, tree_edges_, adjacency_begin_, adjacency_;
-  std::vector<int> tree_order_;             // breadth first from the ground
-  std::vector<int> tree_parent_;            // by vertex; the ground its own parent
-  std::vector<double> tree_conductance_;    // by vertex: of its edge to its parent
-  std::vector<double> off_tree_excess_;     // by vertex: `tree_and_diagonal`'s pivot less that conductance
-  std::vector<int> tree_parent_position_;   // by position
-  std::vector<double> tree_position_conductance_;
+  // The tree, breadth first from the ground: each vertex's position, and by position (the ground at
+  // 0) its vertex, its parent's position and the conductance of the edge to its parent.
+  std::vector<int> position_, tree_order_, tree_parent_position_;
+  std::vector<double> tree_conductance_;
+  std::vector<double> excess_;              // by position: `tree_and_diagonal`'s pivot less that conductance
   TreeFactor tree_factor_, diagonal_factor_;
   std::vector<double> eliminated_;          // apply_preconditioner's scratch
   Run runs_[2];
