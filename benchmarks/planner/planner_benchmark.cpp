@@ -83,17 +83,16 @@ ComputeGraph shared_producer(int readers) {
 }
 
 // Adds each reading two values drawn from every value before it, every one a graph output (an adversarial pass,
-// session 57): each region of a neighborhood writes and reads more values than a kernel may, and is shrunk one op at a
-// time (NeighborhoodModel::shrink_to_limits), each drop cut again, and a neighborhood's ops span the whole order, so
-// its re-entry search may too. Planning grows about as the ops squared: 1,000 / 2,000 ops 1.1 / 4.8 s (these rows,
-// this 2-core machine, session 57); the adversarial pass's 16,000 took 114 s. Not yet mended. Counted (session 57, a
-// counter in NeighborhoodModel::solve_once, not kept): the neighborhoods grow with the ops (1.5 a op a run), their size
-// stays ~50, but the cuts a neighborhood grow from 5-10 at 1,000 ops to 22-43 at 2,000: more re-entry paths whose
-// either end may go (choices_, each combination solved) times the drops of shrink_to_limits, each cut again.
-// Profiled in session 58 (perf, 1,000 ops): about half of planning is shrink_to_limits' trial estimates
-// (growth_node_to_drop, up to 16 estimate_region calls a drop), half its re-cuts. Re-cutting on the previous region's
-// ops alone (exact: forbidding an op only shrinks the smallest minimum cut's source side) gave the same plans 2% faster
-// (705 -> 697, 4491 -> 4397 ms): not kept. What would pay is fewer re-cuts or incremental estimates.
+// session 57): each region of a neighborhood writes more values than a kernel may, and is shrunk one op at a time
+// (NeighborhoodModel::shrink_to_limits), and a neighborhood's ops span the whole order, so its re-entry search may
+// too. Counted in session 60 (1,000 / 2,000 ops): the neighborhoods hold 21 / 36 ops on average (64 at most), are
+// cut 10 / 27 times each and estimate 86 / 240 regions each; none has a choice path. Session 60 made the drops
+// incremental (an IncrementalMinCut kept across them, RegionEstimator's removals in place of fresh estimates), kept
+// one left-out reason an op, and raced the re-entry search's two ways (NeighborhoodModel::find_reentries): at
+// 8,000 ops half of planning was each neighborhood op's forward search entering almost every later op. The same
+// plans, byte for byte; this 2-core machine, loaded (the first figure 7c3ebc7 with these rows, the second 60's):
+// 1,000 ops 0.73 -> 0.25-0.29 s, 2,000 4.9 -> 1.3-1.5, 4,000 13.8 -> 3.2, 8,000 42.7 -> 6.8, 16,000 128 -> 17.3.
+// Still superlinear (16,000 / 8,000: 2.5x): the forward searches, where the walk is the costlier way, are.
 ComputeGraph far_reading_outputs(std::mt19937_64& random, int ops) {
   GraphBuilder b;
   std::vector<ValueRef> values{b.exp(b.input("x", {{2, 64}, DType::f32}))};
@@ -281,8 +280,8 @@ int main(int argc, char** argv) {
     measure_row(fmt::format("tangled random DAG, {} ops", ops), fusion_test::random_graph(random, ops),
                 ops >= 20000 ? 3 : 5);
   }
-  for (int ops : {1000, 2000}) {
-    measure_row(fmt::format("far reads, outputs, {} ops", ops), far_reading_outputs(random, ops), 3);
+  for (int ops : {1000, 2000, 4000, 8000, 16000}) {
+    measure_row(fmt::format("far reads, outputs, {} ops", ops), far_reading_outputs(random, ops), ops >= 8000 ? 1 : 3);
   }
   for (int readers : {100, 2000, 10000, 20000, 50000}) {
     measure_row(fmt::format("one exp, {} reading chains", readers), shared_producer(readers), readers >= 2000 ? 3 : 11);

@@ -257,6 +257,47 @@ inline constexpr std::size_t dispatch_cache_capacity = 4096;
 void clear_dispatch_cache();
 std::size_t dispatch_cache_size();
 
+// ---------------------------------------------------------------- a cut kept current
+
+// A minimum s-t cut of an integer network kept current while vertices are forced to the sink side
+// one at a time (the planner's resource-limit drops: an op kept out is an infinite edge into the
+// sink). Forcing only raises capacity into the sink, so the flow found so far stays feasible and
+// the next cut augments from it (Dinic's phases from the current residual graph) instead of from
+// zero. Each source_side() equals dinic()'s on the network with an infinite edge from every vertex
+// forced so far to the sink: the smallest minimum cut's source side is the same for every maximum
+// flow. Forcing a vertex that the source reaches by infinite edges leaves no finite cut (value()
+// >= the network's infinite capacity), as dinic() would say.
+class IncrementalMinCut {
+ public:
+  // Throws InputError as dinic() does for the terminals, and as FlowNetworkBuilder::build for the
+  // network (each vertex gets one more infinite edge to the sink, counted in the capacity totals).
+  IncrementalMinCut(FlowNetworkBuilder<std::int64_t> network, int source, int sink);
+
+  // Throws InputError for a vertex out of range or the source; the sink, or a vertex forced
+  // already, changes nothing.
+  void force_to_sink(int vertex);
+  // After augmenting to a maximum flow, if a force came since the last one.
+  const std::vector<bool>& source_side();
+  std::int64_t value();
+  // Augmenting paths and Dinic phases over the cut's life (the first maximum flow included).
+  long long augmenting_paths() const { return paths_; }
+  int phases() const { return phases_; }
+
+ private:
+  void augment();
+
+  FlowNetwork<std::int64_t> network_;
+  int source_ = 0;
+  int sink_ = 0;
+  std::vector<int> sink_arc_;           // per vertex: its closed arc to the sink; -1 for the terminals and once forced
+  std::vector<std::int64_t> residual_;  // per arc; a sink arc not forced is closed (0 both ways)
+  std::int64_t value_ = 0;
+  bool current_ = false;
+  std::vector<bool> source_side_;
+  long long paths_ = 0;
+  int phases_ = 0;
+};
+
 // ---------------------------------------------------------------- checking
 
 struct FlowCheck {

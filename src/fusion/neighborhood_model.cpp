@@ -21,6 +21,7 @@
 // the larger region kept (NeighborhoodOutcome::exact says whether either fallback ran).
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "metile/flow.h"
@@ -229,16 +230,15 @@ class NeighborhoodModel {
   // reaches a neighborhood op up to `last`: walked backward from those ops through producers (node
   // ids are topological, so every op on such a path lies in (above, last]). A path that leaves the
   // neighborhood through a reader of an op at or before `above` and comes back starts at one of
-  // them, so a forward search from any other reader finds nothing. The walk costs the
-  // neighborhood's ancestors in that range; the forward searches cost at least `forward_cost` (their
-  // readers up to `last`), so nullopt once the walk has looked at more edges than that (at once when
-  // the neighborhood's own inputs are more) with ReentrySearch::cheaper, or always with
-  // ReentrySearch::forward.
-  std::optional<std::vector<NodeId>> reentering_ops(NodeId above, NodeId last, std::size_t forward_cost) {
-    if (scratch_.reentry_search == ReentrySearch::forward) return std::nullopt;
-    const bool unbounded = scratch_.reentry_search == ReentrySearch::backward;
-    if (!unbounded && forward_cost < input_edges_) return std::nullopt;
-    const std::size_t budget = unbounded ? std::numeric_limits<std::size_t>::max() : forward_cost;
+  // them, and goes on through them alone, so forward searches need look at nothing else. The walk
+  // costs the neighborhood's ancestors in that range: nullopt once it has looked at more than
+  // `budget` edges. What it found is marked in scratch_.reentering (the stamp it returns).
+  struct Reentering {
+    std::vector<NodeId> ops;
+    int stamp;
+  };
+  std::optional<Reentering> reentering_ops(NodeId above, NodeId last, std::size_t budget) {
+    if (budget < input_edges_) return std::nullopt;  // its first step costs more
     const int stamp = ++scratch_.stamp;
     std::vector<NodeId> stack;
     for (NodeId node : nodes_) {
@@ -253,13 +253,25 @@ class NeighborhoodModel {
         if (++edges > budget) return std::nullopt;
         const NodeId producer = graph_.value(input).producer;  // -1 for a graph input
         if (producer <= above || in_neighborhood(producer)) continue;
-        if (scratch_.visit_stamp[static_cast<std::size_t>(producer)] == stamp) continue;
-        scratch_.visit_stamp[static_cast<std::size_t>(producer)] = stamp;
+        if (scratch_.reentering[static_cast<std::size_t>(producer)] == stamp) continue;
+        scratch_.reentering[static_cast<std::size_t>(producer)] = stamp;
         found.push_back(producer);
         stack.push_back(producer);
       }
     }
-    return found;
+    return Reentering{std::move(found), stamp};
+  }
+
+  // The walk's budget where the forward searches it may spare cost at least `forward_cost` (their
+  // readers up to the last op): that with ReentrySearch::cheaper, none with ::forward (no walk), no
+  // bound with ::backward.
+  std::optional<std::size_t> walk_budget(std::size_t forward_cost) const {
+    switch (scratch_.reentry_search) {
+      case ReentrySearch::forward: return std::nullopt;
+      case ReentrySearch::backward: return std::numeric_limits<std::size_t>::max();
+      case ReentrySearch::cheaper: break;
+    }
+    return forward_cost;
   }
 
   // The ops of `ops` (distinct) that read `node`, ascending, as consumers_of lists them.
@@ -332,8 +344,9 @@ class NeighborhoodModel {
       const std::vector<NodeId>& readers = consumers_of(node);
       const std::span<const NodeId> up_to_anchor(readers.begin(),
                                                  std::upper_bound(readers.begin(), readers.end(), anchor));
-      if (const auto reentering = reentering_ops(node, anchor, up_to_anchor.size())) {
-        return no_reentry_from(node, readers_among(node, *reentering), anchor_output);
+      const std::optional<std::size_t> budget = walk_budget(up_to_anchor.size());
+      if (const auto reentering = budget ? reentering_ops(node, anchor, *budget) : std::nullopt) {
+        return no_reentry_from(node, readers_among(node, reentering->ops), anchor_output);
       }
       return no_reentry_from(node, up_to_anchor, anchor_output);
     }
@@ -477,32 +490,57 @@ class NeighborhoodModel {
     }
   }
 
-  // Paths that leave the neighborhood and come back: the two ends cannot both
-  // join, or the kernel would wait on itself. Searches stay below the
-  // neighborhood's last node (node ids are topological). A path whose end is
-  // already kept out constrains nothing: forbidding its other end as well would
-  // over-constrain the cut (a growth op that must stay out would push a legal
-  // epilogue out with it), so the certain pairs are applied first, and each
-  // choice pair only while both its ends can still join.
-  Decision add_reentry_constraints() {
-    std::vector<Reentry> reentries;
+  // The paths that leave the neighborhood and come back, each (from, to) pair once with its first exit.
+  // Two ways give the same paths in the same order: the forward searches from every reader alone, or
+  // a backward walk first (reentering_ops), whose ops are then the searches' only exits and the only
+  // ops they enter. Either can be the costly one: for a value read by n chains the readers are n in
+  // every reader's neighborhood; along a chain that reads one value the walk is the whole chain; where
+  // ops read values from anywhere before them (the planner benchmark's far reads) a search from each
+  // op enters almost every later op, and 64 of them a neighborhood made planning quadratic
+  // (ReentrySearch::cheaper: both are tried with a budget of edges, four times larger each round,
+  // until one finishes, so the cost is within a small factor of the cheaper one's).
+  std::vector<Reentry> find_reentries() {
     const NodeId first = *std::min_element(nodes_.begin(), nodes_.end());
     const NodeId last = *std::max_element(nodes_.begin(), nodes_.end());
-    const int count = static_cast<int>(nodes_.size());
-    // A search from every reader up to `last` of every op costs a shared producer's fan-out in each
-    // of its readers' neighborhoods (O(n^2) for n readers). Only the readers the backward walk finds
-    // can lead back, so when it is cheaper each op's exits are those alone: the same paths, in the
-    // same order.
-    std::size_t forward_cost = 0;
+    std::size_t forward_cost = 0;  // the readers up to `last`: what the searches cost at least
     for (NodeId start : nodes_) {
       const std::vector<NodeId>& readers = consumers_of(start);
       forward_cost += static_cast<std::size_t>(std::upper_bound(readers.begin(), readers.end(), last) -
                                                readers.begin());
     }
-    std::vector<std::vector<NodeId>> reentering_exits;  // per op, ascending; empty when the walk was not cheaper
-    if (const auto reentering = reentering_ops(first, last, forward_cost)) {
+    constexpr std::size_t kUnbounded = std::numeric_limits<std::size_t>::max();
+    if (scratch_.reentry_search != ReentrySearch::cheaper) {
+      const std::optional<std::size_t> budget = walk_budget(forward_cost);
+      const auto reentering = budget ? reentering_ops(first, last, *budget) : std::nullopt;
+      return *forward_searches(last, reentering ? &*reentering : nullptr, kUnbounded);
+    }
+    // The searches get kSearchShare times the walk's budget: their edges are cheaper, and each op of a
+    // neighborhood's searches its own readers' descendants (on the decoders and local random graphs of
+    // the planner benchmark an equal share cost 3% of planning in lost rounds).
+    constexpr std::size_t kSearchShare = 8;
+    for (std::size_t budget = std::max<std::size_t>(forward_cost, 1);; budget = budget > kUnbounded / 4 ? kUnbounded : budget * 4) {
+      if (const auto reentering = reentering_ops(first, last, budget)) {
+        return *forward_searches(last, &*reentering, kUnbounded);
+      }
+      const std::size_t search_budget = budget > kUnbounded / kSearchShare ? kUnbounded : budget * kSearchShare;
+      if (auto found = forward_searches(last, nullptr, search_budget)) return std::move(*found);
+    }
+  }
+
+  // One search an op, its exits in ascending order sharing the visited set: what an op visited by an
+  // earlier exit reaches was recorded with that exit, so each (from, to) pair is found once, with its
+  // first exit (a search a reader, each walking the whole way back, was O(n^2) an op for an op read
+  // along a chain of n: O(n^3) planning). A pair found twice constrained the cut no further and
+  // counted twice towards kExactChoicePairs. With the walk's ops (`reentering`), the exits are those
+  // of them that read the op and the searches enter no other op: an op the walk did not find reaches
+  // no neighborhood op through ops outside, nor does any op it leads to, so what is skipped would
+  // have recorded nothing, and the order of what is recorded stays. nullopt past `budget` edges.
+  std::optional<std::vector<Reentry>> forward_searches(NodeId last, const Reentering* reentering, std::size_t budget) {
+    const int count = static_cast<int>(nodes_.size());
+    std::vector<std::vector<NodeId>> reentering_exits;  // per op, ascending
+    if (reentering != nullptr) {
       reentering_exits.resize(nodes_.size());
-      for (NodeId op : *reentering) {
+      for (NodeId op : reentering->ops) {
         for (ValueId input : graph_.node(op).inputs) {
           const NodeId producer = graph_.value(input).producer;
           if (producer < 0 || !in_neighborhood(producer)) continue;
@@ -514,17 +552,17 @@ class NeighborhoodModel {
         exits.erase(std::unique(exits.begin(), exits.end()), exits.end());
       }
     }
-    // One search an op, its exits in ascending order sharing the visited set: what an op visited by an
-    // earlier exit reaches was recorded with that exit, so each (from, to) pair is found once, with its
-    // first exit (a search a reader, each walking the whole way back, was O(n^2) an op for an op read
-    // along a chain of n: O(n^3) planning). A pair found twice constrained the cut no further and
-    // counted twice towards kExactChoicePairs.
+    const auto may_enter = [&](NodeId op) {
+      return reentering == nullptr || scratch_.reentering[static_cast<std::size_t>(op)] == reentering->stamp;
+    };
+    std::vector<Reentry> reentries;
+    std::size_t edges = 0;
     std::vector<NodeId> stack;
     std::vector<int> reached;  // the neighborhood ops one op's search has recorded
     for (int index = 0; index < count; ++index) {
       const NodeId start = nodes_[static_cast<std::size_t>(index)];
       const std::vector<NodeId>& exits =
-          reentering_exits.empty() ? consumers_of(start) : reentering_exits[static_cast<std::size_t>(index)];
+          reentering == nullptr ? consumers_of(start) : reentering_exits[static_cast<std::size_t>(index)];
       const int stamp = ++scratch_.stamp;
       reached.clear();
       for (NodeId exit : exits) {
@@ -536,6 +574,7 @@ class NeighborhoodModel {
           const NodeId current = stack.back();
           stack.pop_back();
           for (NodeId next : consumers_of(current)) {
+            if (++edges > budget) return std::nullopt;
             if (next > last) continue;
             if (in_neighborhood(next)) {
               if (std::find(reached.begin(), reached.end(), local(next)) == reached.end()) {
@@ -544,13 +583,25 @@ class NeighborhoodModel {
               }
               continue;
             }
-            if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
+            if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp || !may_enter(next)) continue;
             scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
             stack.push_back(next);
           }
         }
       }
     }
+    return reentries;
+  }
+
+  // Paths that leave the neighborhood and come back: the two ends cannot both
+  // join, or the kernel would wait on itself. Searches stay below the
+  // neighborhood's last node (node ids are topological). A path whose end is
+  // already kept out constrains nothing: forbidding its other end as well would
+  // over-constrain the cut (a growth op that must stay out would push a legal
+  // epilogue out with it), so the certain pairs are applied first, and each
+  // choice pair only while both its ends can still join.
+  Decision add_reentry_constraints() {
+    const std::vector<Reentry> reentries = find_reentries();
     // Certain first: a path from an op the anchor reaches, or into one that
     // reaches the anchor, re-enters whatever else joins; only a path from a
     // producer-side op to a consumer-side op leaves the choice of its ends.
@@ -610,22 +661,41 @@ class NeighborhoodModel {
   // Drops growth ops (growth_node_to_drop) and cuts again until the region fits; `deviated` is set
   // when a drop was not the farthest op.
   std::vector<NodeId> shrink_to_limits(std::vector<NodeId> region, bool try_each, bool& deviated) {
+    // One cut kept current across the drops: a drop only forces its op to the sink side, and the
+    // next cut augments from the last flow (the same source side as a cut from scratch).
+    // The estimate likewise: the ops the cut leaves out are taken out of it one by one.
+    std::optional<IncrementalMinCut> cut;
+    RegionEstimator estimator(graph_, region, target_, rule_.resources, scratch_.index.value_is_output);
     for (;;) {
-      const Decision fits = within_limits(estimate(region), target_);
+      const Decision fits = within_limits(estimator.estimate(), target_);
       if (fits) return region;
-      const Drop dropped = growth_node_to_drop(region, try_each);
+      const Drop dropped = growth_node_to_drop(region, estimator, try_each);
       if (dropped.op < 0) throw std::logic_error("fusion: a region of pattern ops alone exceeds a limit it was checked against");
       if (!dropped.farthest) deviated = true;
       forbid(dropped.op, "left out of the region: with it the kernel " + fits.reason);
-      region = solve_once();
+      if (cut) {
+        cut->force_to_sink(vertex(dropped.op));
+      } else {
+        cut.emplace(cut_network(), kSource, kSink);
+      }
+      std::vector<NodeId> smaller = region_of(cut->source_side());
+      // Forcing an op out only shrinks the smallest minimum cut's source side.
+      if (!std::includes(region.begin(), region.end(), smaller.begin(), smaller.end())) {
+        throw std::logic_error("fusion: a region grew when one of its ops was kept out");
+      }
+      for (NodeId node : region) {
+        if (!std::binary_search(smaller.begin(), smaller.end(), node)) estimator.remove(node);
+      }
+      region = std::move(smaller);
     }
   }
 
   // Which growth op an oversized region keeps out: the farthest from the anchor (ties to the later
   // op); or, `try_each`, the one among up to kDropTrials of its growth ops (the farthest first) whose
   // removal leaves ops that fit with the largest estimated benefit, else the largest benefit; ties to
-  // the farthest. The rest is estimated as it stands, not cut again (a cut a trial made planning where
-  // a limit binds ~18x slower); the next cut, with the op forbidden, is what the region becomes. The
+  // the farthest. The rest is estimated as it stands (RegionEstimator::without, in the op's edges),
+  // not cut again (a cut a trial made planning where a limit binds ~18x slower); the next cut, with
+  // the op forbidden, is what the region becomes. The
   // farthest alone lost a region over a limit through an op near the anchor, its ops one by one down
   // to the pattern, blaming the op it left out first for a limit that op did not break (found by an
   // adversarial pass).
@@ -633,7 +703,7 @@ class NeighborhoodModel {
     int op;         // the local op to keep out; -1 where the region has no growth op
     bool farthest;  // whether it is the farthest growth op, the one the farthest-first pass drops
   };
-  Drop growth_node_to_drop(const std::vector<NodeId>& region, bool try_each) {
+  Drop growth_node_to_drop(const std::vector<NodeId>& region, const RegionEstimator& estimator, bool try_each) {
     constexpr std::size_t kDropTrials = 16;
     std::vector<int> growth;
     for (NodeId node : region) {
@@ -649,15 +719,10 @@ class NeighborhoodModel {
     int chosen = -1;
     bool chosen_fits = false;
     double chosen_benefit = 0;
-    std::vector<NodeId> rest;
     for (const int candidate : growth) {
-      rest.clear();
-      for (NodeId node : region) {
-        if (node != nodes_[static_cast<std::size_t>(candidate)]) rest.push_back(node);
-      }
-      const RegionEstimate rest_estimate = estimate(rest);
+      const RegionEstimate rest_estimate = estimator.without(nodes_[static_cast<std::size_t>(candidate)]);
       const bool fits = within_limits(rest_estimate, target_).ok;
-      const double benefit = rest.size() > 1 ? rest_estimate.benefit_ns : 0;
+      const double benefit = region.size() > 2 ? rest_estimate.benefit_ns : 0;
       if (chosen < 0 || (fits && !chosen_fits) || (fits == chosen_fits && benefit > chosen_benefit)) {
         chosen = candidate;
         chosen_fits = fits;
@@ -705,11 +770,27 @@ class NeighborhoodModel {
     return to_picoseconds(static_cast<double>(value.spec.bytes()) / target_.memory_bandwidth_bytes_per_ns);
   }
 
-  std::vector<NodeId> solve_once() {
+  // The cut network's terminals and the vertex of each neighborhood op.
+  static constexpr int kSource = 0;
+  static constexpr int kSink = 1;
+  static int vertex(int local_node) { return local_node + 2; }
+
+  std::vector<NodeId> solve_once() const { return region_of(dinic(cut_network().build(), kSource, kSink).source_side); }
+
+  // The ops on the source side of a cut, ascending.
+  std::vector<NodeId> region_of(const std::vector<bool>& source_side) const {
+    std::vector<NodeId> region;
+    for (std::size_t index = 0; index < nodes_.size(); ++index) {
+      if (source_side[static_cast<std::size_t>(vertex(static_cast<int>(index)))]) region.push_back(nodes_[index]);
+    }
+    std::sort(region.begin(), region.end());
+    return region;
+  }
+
+  FlowNetworkBuilder<std::int64_t> cut_network() const {
     const int count = static_cast<int>(nodes_.size());
-    constexpr int source = 0;
-    constexpr int sink = 1;
-    auto vertex = [](int local_node) { return local_node + 2; };
+    constexpr int source = kSource;
+    constexpr int sink = kSink;
     FlowNetworkBuilder<std::int64_t> network(count + 2);
     auto add_finite = [&](int from, int to, std::int64_t capacity) {
       if (capacity > 0) network.add_edge(from, to, capacity);
@@ -796,13 +877,7 @@ class NeighborhoodModel {
       }
     }
 
-    const MaxFlowResult<std::int64_t> cut = dinic(network.build(), source, sink);
-    std::vector<NodeId> region;
-    for (int index = 0; index < count; ++index) {
-      if (cut.source_side[static_cast<std::size_t>(vertex(index))]) region.push_back(nodes_[static_cast<std::size_t>(index)]);
-    }
-    std::sort(region.begin(), region.end());
-    return region;
+    return network;
   }
 
   const ComputeGraph& graph_;

@@ -33,8 +33,14 @@ struct ProposedRegion {
 // What the neighborhood models said about each node, for its reason.
 struct NodeNotes {
   std::vector<std::string> refusals;  // "<rule> refused: <why>" for pattern nodes
-  std::vector<std::string> left_out;  // why a model kept it out of a region
+  // Why the first model that kept it out of a region did so: the reason an unfused op is given. Only
+  // the first is kept (a list of every distinct one, each searched before the next was added, took a
+  // tenth of planning where thousands of neighborhoods leave the same ops out).
+  std::string left_out;
   bool considered = false;
+  void note_left_out(std::string text) {
+    if (left_out.empty()) left_out = std::move(text);
+  }
 };
 
 void add_distinct(std::vector<std::string>& list, std::string text) {
@@ -87,9 +93,9 @@ std::optional<ProposedRegion> with_input_prologue(const ComputeGraph& graph, con
   const PrologueMatch prologue = match_input_prologue(graph, proposal.nodes, proposal.roles, *rule.input_prologue);
   if (!prologue.decision) {
     if (prologue.node >= 0) {
-      add_distinct(notes[static_cast<std::size_t>(prologue.node)].left_out,
-                   fmt::format("{}: not the input prologue of the region at `{}`: {}", rule.name,
-                               graph.node(proposal.anchor).name, prologue.decision.reason));
+      notes[static_cast<std::size_t>(prologue.node)].note_left_out(
+          fmt::format("{}: not the input prologue of the region at `{}`: {}", rule.name,
+                      graph.node(proposal.anchor).name, prologue.decision.reason));
     }
     return std::nullopt;
   }
@@ -99,9 +105,9 @@ std::optional<ProposedRegion> with_input_prologue(const ComputeGraph& graph, con
   inputs_and_outputs.registers_per_thread = 0;  // the region's own, checked when it was proposed
   inputs_and_outputs.shared_memory_bytes = 0;
   if (const Decision fits = within_limits(inputs_and_outputs, target); !fits) {
-    add_distinct(notes[static_cast<std::size_t>(prologue.node)].left_out,
-                 fmt::format("{}: not the input prologue of the region at `{}`: with it the kernel {}", rule.name,
-                             graph.node(proposal.anchor).name, fits.reason));
+    notes[static_cast<std::size_t>(prologue.node)].note_left_out(
+        fmt::format("{}: not the input prologue of the region at `{}`: with it the kernel {}", rule.name,
+                    graph.node(proposal.anchor).name, fits.reason));
     return std::nullopt;
   }
   extended.roles.insert(extended.roles.end(), prologue.roles.begin(), prologue.roles.end());
@@ -236,7 +242,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
           add_distinct(notes[static_cast<std::size_t>(node.id)].refusals, rule.name + " refused: " + group.decision.reason);
         }
         for (auto& [left_out, reason] : group.left_out) {
-          add_distinct(notes[static_cast<std::size_t>(left_out)].left_out, rule.name + ": " + reason);
+          notes[static_cast<std::size_t>(left_out)].note_left_out(rule.name + ": " + reason);
         }
         if (group.region.size() < 2 || to_picoseconds(group.benefit_ns) <= 0) continue;
         if (!seen.insert(group.region).second) continue;
@@ -256,8 +262,8 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       if (outcome.decision && outcome.region.size() < 2 && !outcome.left_out.empty()) {
         // The anchor stayed alone: say which neighbour could not join and why.
         const auto& [neighbour, why] = outcome.left_out.front();
-        add_distinct(notes[static_cast<std::size_t>(node.id)].left_out,
-                     fmt::format("{} around it: `{}` cannot join: {}", rule.name, graph.node(neighbour).name, why));
+        notes[static_cast<std::size_t>(node.id)].note_left_out(
+            fmt::format("{} around it: `{}` cannot join: {}", rule.name, graph.node(neighbour).name, why));
       }
       std::vector<NodeId> outside;
       for (NodeId considered : outcome.considered) {
@@ -265,7 +271,7 @@ std::vector<ProposedRegion> propose_regions(const ComputeGraph& graph, const Fus
       }
       for (auto& [left_out, reason] : outcome.left_out) {
         outside.push_back(left_out);
-        add_distinct(notes[static_cast<std::size_t>(left_out)].left_out, std::move(reason));
+        notes[static_cast<std::size_t>(left_out)].note_left_out(std::move(reason));
       }
       if (outcome.region.size() < 2 || to_picoseconds(outcome.benefit_ns) <= 0) continue;
       if (!seen.insert(outcome.region).second) continue;
@@ -392,7 +398,7 @@ std::string unfused_reason(const Node& node, const NodeNotes& notes) {
     for (std::size_t k = 1; k < notes.refusals.size(); ++k) text += "; " + notes.refusals[k];
     return text;
   }
-  if (!notes.left_out.empty()) return notes.left_out.front();
+  if (!notes.left_out.empty()) return notes.left_out;
   if (notes.considered) return "no rule found a region around it that saves time";
   if (node.kind == OpKind::layout) return fmt::format("no rule matches: no rule fuses layout ops ({})", node.op);
   return fmt::format("no rule matches: no fusable {} neighbour", op_kind_name(node.kind));

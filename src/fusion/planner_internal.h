@@ -63,11 +63,66 @@ struct GraphIndex {
 RegionEstimate estimate_region(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
                                const ResourceNeeds& needs, const std::vector<bool>& value_is_output);
 
+// One region's estimate, and the estimate of the region less any one of its ops (cost_model.cpp).
+// estimate_region is this class's estimate(); without(op) applies the op's removal to the same
+// integer sums, so it equals estimate_region of the smaller region to the last bit, in time of the
+// op's inputs and readers rather than of the region; remove(op) makes that the region. The
+// neighborhood model's drops ask without() of up to 16 ops and remove() what the next cut leaves
+// out: estimated afresh, they were half of planning where a limit binds.
+class RegionEstimator {
+ public:
+  RegionEstimator(const ComputeGraph& graph, std::span<const NodeId> nodes, const FusionTarget& target,
+                  const ResourceNeeds& needs, const std::vector<bool>& value_is_output);
+  const RegionEstimate& estimate() const { return estimate_; }
+  const std::vector<NodeId>& region() const { return region_; }  // ascending
+  // `op` must be in the region.
+  RegionEstimate without(NodeId op) const;
+  void remove(NodeId op);
+
+  // The integer sums an estimate is made of.
+  struct Sums {
+    std::int64_t ops = 0;
+    std::int64_t unfused_bytes = 0;  // every op's distinct inputs and outputs
+    std::int64_t fused_bytes = 0;    // the region's inputs and the outputs that leave it
+    std::int64_t on_chip_bytes = 0;  // every op's outputs
+    std::int64_t registers = 0;      // the rule's base and every op's
+    std::int64_t shared_memory_bytes = 0;
+    std::int64_t input_count = 0;
+    std::int64_t output_count = 0;
+  };
+
+ private:
+  bool contains(NodeId node) const;
+  bool output_leaves(ValueId output) const;     // read outside the region, or a graph output: computed
+  void prepare_removals() const;                // readers_ and leaving_
+  bool leaves(ValueId output) const;            // output_leaves, as leaving_ keeps it
+  std::int64_t readers_inside(ValueId value) const;  // distinct region ops reading it
+  // What `op` stages in shared memory when its first input is computed inside: a row reduction's
+  // row, a contraction's activations, as the rule's needs say.
+  std::int64_t staging_bytes(NodeId op) const;
+  Sums sums_without(NodeId op) const;
+  RegionEstimate finish(const Sums& sums) const;
+
+  const ComputeGraph& graph_;
+  const FusionTarget& target_;
+  const ResourceNeeds& needs_;
+  const std::vector<bool>& value_is_output_;
+  std::vector<NodeId> region_;  // ascending, distinct
+  // For removals, built on the first (prepare_removals):
+  mutable bool removals_prepared_ = false;
+  mutable std::vector<std::pair<ValueId, std::int64_t>> readers_;  // (value, region ops reading it), by value
+  mutable std::vector<ValueId> leaving_;                           // the region ops' outputs that leave, ascending
+  Sums sums_;
+  RegionEstimate estimate_;
+};
+
 // How the neighborhood model finds the paths that leave a neighborhood and come back, and a
-// producer's readers inside it (neighborhood_model.cpp, reentering_ops). `cheaper`: a backward walk
-// from the neighborhood when it costs no more than scanning the producers' readers, else a forward
-// search from each reader. `forward` (every reader scanned, the model's first way) and `backward`
-// force one way, so tests can check that both give the same model.
+// producer's readers inside it (neighborhood_model.cpp, find_reentries and reentering_ops).
+// `cheaper`: the backward walk from the neighborhood and the forward searches from each reader raced
+// with growing budgets, and the walk where it costs no more than scanning a producer's readers.
+// `forward` (every reader scanned and searched from, the model's first way) and `backward` (the walk
+// always, the searches restricted to what it found) force one way, so tests can check that both give
+// the same model.
 enum class ReentrySearch : std::uint8_t { cheaper, forward, backward };
 
 // Reused between anchors so one model costs time in its own size, not the graph's.
@@ -75,6 +130,7 @@ struct NeighborhoodScratch {
   GraphIndex index;
   std::vector<int> local_index;  // graph node -> position in the current neighborhood, or -1
   std::vector<int> visit_stamp;  // graph node -> search that last visited it
+  std::vector<int> reentering;   // graph node -> the last backward walk that found it (reentering_ops)
   int stamp = 0;
   // Skip growing ops the cut would certainly leave out (same regions, smaller
   // models); off only in the test that checks exactly that.
@@ -85,7 +141,7 @@ struct NeighborhoodScratch {
   std::vector<char> taken;
   explicit NeighborhoodScratch(const ComputeGraph& graph)
       : index(graph), local_index(graph.nodes().size(), -1), visit_stamp(graph.nodes().size(), 0),
-        taken(graph.nodes().size(), 0) {}
+        reentering(graph.nodes().size(), 0), taken(graph.nodes().size(), 0) {}
   bool is_taken(NodeId node) const { return taken[static_cast<std::size_t>(node)] != 0; }
 };
 

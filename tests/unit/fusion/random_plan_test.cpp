@@ -129,6 +129,64 @@ void expect_pinned_region(const ComputeGraph& graph, const std::vector<std::stri
 // re-entry path from a growth op that must stay out (subtract_0 -> layer_norm_0 -> multiply_0 ->
 // add_1) once forbade its other end too, pushing the legal epilogue add_1, scale_2, multiply_1 out
 // of the region. The graph is pinned as that seed generated it, so the generator may change.
+// RegionEstimator's one-op removals (the neighborhood model's drop trials and the ops each next cut
+// leaves out) against a fresh estimate of the smaller region: every figure equal, bit for bit, so
+// that the drops choose what fresh estimates chose. Regions are random subsets (not convex, graph
+// outputs inside, contractions and row reductions staging or not), the removals in random order.
+TEST(RandomGraphs, RegionEstimatorRemovalsEqualFreshEstimates) {
+  std::mt19937_64 random(testing::test_seed("RandomGraphs.RegionEstimatorRemovalsEqualFreshEstimates"));
+  const FusionTarget target = FusionTarget::h200();
+  const auto expect_same = [](const RegionEstimate& got, const RegionEstimate& fresh, const std::string& where) {
+    EXPECT_EQ(got.unfused_ns, fresh.unfused_ns) << where;
+    EXPECT_EQ(got.fused_ns, fresh.fused_ns) << where;
+    EXPECT_EQ(got.benefit_ns, fresh.benefit_ns) << where;
+    EXPECT_EQ(got.memory_bytes_avoided, fresh.memory_bytes_avoided) << where;
+    EXPECT_EQ(got.registers_per_thread, fresh.registers_per_thread) << where;
+    EXPECT_EQ(got.shared_memory_bytes, fresh.shared_memory_bytes) << where;
+    EXPECT_EQ(got.input_count, fresh.input_count) << where;
+    EXPECT_EQ(got.output_count, fresh.output_count) << where;
+  };
+  int staged_removals = 0;
+  for (int trial = 0; trial < 150; ++trial) {
+    const ComputeGraph graph = fusion_test::random_graph(random, std::uniform_int_distribution<int>(4, 40)(random));
+    const fusion_internal::GraphIndex index(graph);
+    ResourceNeeds needs;
+    needs.stages_reduction_rows = random() % 2 == 0;
+    needs.stages_contraction_activations = random() % 2 == 0;
+    std::vector<NodeId> region;
+    for (const Node& node : graph.nodes()) {
+      if (random() % 3 != 0) region.push_back(node.id);
+    }
+    if (region.empty()) continue;
+    fusion_internal::RegionEstimator estimator(graph, region, target, needs, index.value_is_output);
+    expect_same(estimator.estimate(), estimate_region(graph, region, target, needs), "whole region");
+    std::shuffle(region.begin(), region.end(), random);
+    while (!region.empty()) {
+      for (NodeId op : region) {
+        std::vector<NodeId> rest;
+        for (NodeId other : region) {
+          if (other != op) rest.push_back(other);
+        }
+        const std::string where = "trial " + std::to_string(trial) + ", without " + graph.node(op).name;
+        expect_same(estimator.without(op), estimate_region(graph, rest, target, needs), where);
+      }
+      const RegionEstimate before = estimator.estimate();
+      estimator.remove(region.back());
+      region.pop_back();
+      staged_removals += static_cast<int>(estimator.estimate().shared_memory_bytes != before.shared_memory_bytes);
+      expect_same(estimator.estimate(), estimate_region(graph, region, target, needs),
+                  "trial " + std::to_string(trial) + ", after a removal");
+      EXPECT_EQ(estimator.region(), [&] {
+        std::vector<NodeId> sorted = region;
+        std::sort(sorted.begin(), sorted.end());
+        return sorted;
+      }());
+    }
+    if (::testing::Test::HasFailure()) break;  // one trial's messages, not 150
+  }
+  EXPECT_GT(staged_removals, 10);  // the staging terms were exercised
+}
+
 TEST(RandomGraphs, PinnedSeedResidualNormTakesItsWholeEpilogue) {
   const ComputeGraph graph = parse_graph_json(R"({
     "inputs": [
