@@ -270,11 +270,12 @@ std::size_t dispatch_cache_size();
 class IncrementalMinCut {
  public:
   // Throws InputError as dinic() does for the terminals, and as FlowNetworkBuilder::build for the
-  // network (each vertex gets one more infinite edge to the sink, counted in the capacity totals).
+  // network. Each other vertex gets an edge to the sink, closed until it is forced.
   IncrementalMinCut(FlowNetworkBuilder<std::int64_t> network, int source, int sink);
 
-  // Throws InputError for a vertex out of range or the source; the sink, or a vertex forced
-  // already, changes nothing.
+  // Throws InputError for a vertex out of range or the source, and where the network with one more
+  // infinite edge would be refused (its capacity totals, as FlowNetworkBuilder::build checks them:
+  // a closed edge counts only once forced); the sink, or a vertex forced already, changes nothing.
   void force_to_sink(int vertex);
   // After augmenting to a maximum flow, if a force came since the last one.
   const std::vector<bool>& source_side();
@@ -290,6 +291,7 @@ class IncrementalMinCut {
   int source_ = 0;
   int sink_ = 0;
   std::vector<int> sink_arc_;           // per vertex: its closed arc to the sink; -1 for the terminals and once forced
+  int infinite_edges_ = 0;              // the network's, and the forced ones
   std::vector<std::int64_t> residual_;  // per arc; a sink arc not forced is closed (0 both ways)
   std::int64_t value_ = 0;
   bool current_ = false;

@@ -12,13 +12,20 @@ IncrementalMinCut::IncrementalMinCut(FlowNetworkBuilder<std::int64_t> network, i
   const int vertex_count = network.vertex_count();
   flow_detail::check_terminals(FlowNetwork<std::int64_t>(vertex_count, std::span<const FlowEdge<std::int64_t>>{}), source,
                               sink, "incremental min cut");
-  // One infinite edge from every other vertex to the sink, closed (no residual either way) until
-  // its vertex is forced: built in now, so that forcing changes a residual and not the network.
+  // One edge from every other vertex to the sink, closed (no residual either way) until its vertex
+  // is forced: built in now, so that forcing changes a residual and not the network. Built with
+  // capacity 0, so the capacity totals count it only once it is forced (force_to_sink): a fresh
+  // network would have its infinite edge then, not before (one of a neighborhood's thousands of
+  // ops over huge tensors tipped a planner network past the totals' limit).
   std::vector<int> sink_edge(static_cast<std::size_t>(vertex_count), -1);
   for (int vertex = 0; vertex < vertex_count; ++vertex) {
-    if (vertex != source && vertex != sink) sink_edge[static_cast<std::size_t>(vertex)] = network.add_infinite_edge(vertex, sink);
+    if (vertex != source && vertex != sink) sink_edge[static_cast<std::size_t>(vertex)] = network.add_edge(vertex, sink, 0);
   }
   network_ = network.build();
+  for (int edge = 0; edge < network_.edge_count(); ++edge) {
+    const FlowEdge<std::int64_t>& kept = network_.edge(edge);
+    if (network_.edge_is_infinite(edge) && kept.from != kept.to) ++infinite_edges_;
+  }
   sink_arc_.assign(static_cast<std::size_t>(vertex_count), -1);
   for (int vertex = 0; vertex < vertex_count; ++vertex) {
     const int edge = sink_edge[static_cast<std::size_t>(vertex)];
@@ -42,8 +49,14 @@ void IncrementalMinCut::force_to_sink(int vertex) {
   if (vertex == source_) throw InputError("incremental min cut: the source cannot be forced to the sink side");
   const int arc = sink_arc_[static_cast<std::size_t>(vertex)];
   if (arc < 0) return;  // the sink
+  if (const std::string problem = integer_capacity_totals_problem(network_.finite_capacity_sum(), infinite_edges_ + 1);
+      !problem.empty()) {
+    throw InputError(problem);
+  }
+  ++infinite_edges_;
   sink_arc_[static_cast<std::size_t>(vertex)] = -1;  // forced once: later calls change nothing
-  // The edge opens with no flow on it: its forward residual is its whole capacity, the reverse stays 0.
+  // The edge opens as an infinite one with no flow on it: its forward residual is the network's
+  // infinite capacity, the reverse stays 0.
   residual_[static_cast<std::size_t>(arc)] = network_.infinite_capacity();
   current_ = false;
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 #include <fmt/core.h>
 
@@ -233,6 +234,7 @@ RegionEstimator::Sums RegionEstimator::sums_without(NodeId op) const {
 }
 
 void RegionEstimator::remove(NodeId op) {
+  if (!contains(op)) throw std::logic_error("fusion: an op removed from a region estimate is not in the region");
   sums_ = sums_without(op);
   // What the sums just counted, made the region's: the values the op read from ops inside now
   // leave, it reads nothing, and its outputs are no longer the region's.

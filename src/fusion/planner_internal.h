@@ -75,7 +75,7 @@ class RegionEstimator {
                   const ResourceNeeds& needs, const std::vector<bool>& value_is_output);
   const RegionEstimate& estimate() const { return estimate_; }
   const std::vector<NodeId>& region() const { return region_; }  // ascending
-  // `op` must be in the region.
+  // `op` must be in the region (remove throws std::logic_error otherwise).
   RegionEstimate without(NodeId op) const;
   void remove(NodeId op);
 

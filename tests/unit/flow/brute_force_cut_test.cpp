@@ -180,5 +180,28 @@ TEST(BruteForceMinCut, IncrementalCutRefusesTheSourceAndVerticesOutOfRange) {
   EXPECT_EQ(cut.source_side(), (std::vector<bool>{true, false, false}));
 }
 
+// A force is refused exactly where a fresh network with the forced vertices' infinite edges is: the
+// capacity totals count an edge to the sink once it is forced, not the closed ones every vertex has.
+TEST(BruteForceMinCut, IncrementalCutRefusesAForceWhereAFreshNetworkWould) {
+  // Finite capacities summing to a quarter of the limit leave room for two infinite edges.
+  const std::int64_t quarter = kIntegerCapacitySumLimit / 4;
+  const std::vector<FlowEdge<std::int64_t>> edges = {{0, 1, quarter - 7}, {1, 4, 3}, {0, 2, 2}, {2, 3, 1}, {3, 4, 1}};
+  const std::vector<std::uint8_t> infinite = {0, 0, 0, 0, 0, 1};
+  std::vector<FlowEdge<std::int64_t>> with_legality = edges;
+  with_legality.push_back({1, 2, 0});  // infinite
+  FlowNetworkBuilder<std::int64_t> builder(5);
+  for (const FlowEdge<std::int64_t>& edge : edges) builder.add_edge(edge.from, edge.to, edge.capacity);
+  builder.add_infinite_edge(1, 2);
+  IncrementalMinCut cut(builder, 0, 4);  // five closed edges to the sink: no refusal
+  EXPECT_NO_THROW(with_forced(5, with_legality, infinite, {3}, 4));
+  cut.force_to_sink(3);
+  EXPECT_EQ(cut.value(), dinic(with_forced(5, with_legality, infinite, {3}, 4), 0, 4).value);
+  EXPECT_THROW(with_forced(5, with_legality, infinite, {3, 2}, 4), InputError);
+  EXPECT_THROW(cut.force_to_sink(2), InputError);
+  // The refused force changed nothing.
+  EXPECT_EQ(cut.value(), dinic(with_forced(5, with_legality, infinite, {3}, 4), 0, 4).value);
+  EXPECT_EQ(cut.source_side(), dinic(with_forced(5, with_legality, infinite, {3}, 4), 0, 4).source_side);
+}
+
 }  // namespace
 }  // namespace metile

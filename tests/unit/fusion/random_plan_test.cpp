@@ -5,6 +5,7 @@
 //  - every plan is legal (disjoint, convex, acyclic between kernels) and runs on
 //    the CPU reference to the unfused graph's outputs bit for bit.
 #include <algorithm>
+#include <limits>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -129,64 +130,6 @@ void expect_pinned_region(const ComputeGraph& graph, const std::vector<std::stri
 // re-entry path from a growth op that must stay out (subtract_0 -> layer_norm_0 -> multiply_0 ->
 // add_1) once forbade its other end too, pushing the legal epilogue add_1, scale_2, multiply_1 out
 // of the region. The graph is pinned as that seed generated it, so the generator may change.
-// RegionEstimator's one-op removals (the neighborhood model's drop trials and the ops each next cut
-// leaves out) against a fresh estimate of the smaller region: every figure equal, bit for bit, so
-// that the drops choose what fresh estimates chose. Regions are random subsets (not convex, graph
-// outputs inside, contractions and row reductions staging or not), the removals in random order.
-TEST(RandomGraphs, RegionEstimatorRemovalsEqualFreshEstimates) {
-  std::mt19937_64 random(testing::test_seed("RandomGraphs.RegionEstimatorRemovalsEqualFreshEstimates"));
-  const FusionTarget target = FusionTarget::h200();
-  const auto expect_same = [](const RegionEstimate& got, const RegionEstimate& fresh, const std::string& where) {
-    EXPECT_EQ(got.unfused_ns, fresh.unfused_ns) << where;
-    EXPECT_EQ(got.fused_ns, fresh.fused_ns) << where;
-    EXPECT_EQ(got.benefit_ns, fresh.benefit_ns) << where;
-    EXPECT_EQ(got.memory_bytes_avoided, fresh.memory_bytes_avoided) << where;
-    EXPECT_EQ(got.registers_per_thread, fresh.registers_per_thread) << where;
-    EXPECT_EQ(got.shared_memory_bytes, fresh.shared_memory_bytes) << where;
-    EXPECT_EQ(got.input_count, fresh.input_count) << where;
-    EXPECT_EQ(got.output_count, fresh.output_count) << where;
-  };
-  int staged_removals = 0;
-  for (int trial = 0; trial < 150; ++trial) {
-    const ComputeGraph graph = fusion_test::random_graph(random, std::uniform_int_distribution<int>(4, 40)(random));
-    const fusion_internal::GraphIndex index(graph);
-    ResourceNeeds needs;
-    needs.stages_reduction_rows = random() % 2 == 0;
-    needs.stages_contraction_activations = random() % 2 == 0;
-    std::vector<NodeId> region;
-    for (const Node& node : graph.nodes()) {
-      if (random() % 3 != 0) region.push_back(node.id);
-    }
-    if (region.empty()) continue;
-    fusion_internal::RegionEstimator estimator(graph, region, target, needs, index.value_is_output);
-    expect_same(estimator.estimate(), estimate_region(graph, region, target, needs), "whole region");
-    std::shuffle(region.begin(), region.end(), random);
-    while (!region.empty()) {
-      for (NodeId op : region) {
-        std::vector<NodeId> rest;
-        for (NodeId other : region) {
-          if (other != op) rest.push_back(other);
-        }
-        const std::string where = "trial " + std::to_string(trial) + ", without " + graph.node(op).name;
-        expect_same(estimator.without(op), estimate_region(graph, rest, target, needs), where);
-      }
-      const RegionEstimate before = estimator.estimate();
-      estimator.remove(region.back());
-      region.pop_back();
-      staged_removals += static_cast<int>(estimator.estimate().shared_memory_bytes != before.shared_memory_bytes);
-      expect_same(estimator.estimate(), estimate_region(graph, region, target, needs),
-                  "trial " + std::to_string(trial) + ", after a removal");
-      EXPECT_EQ(estimator.region(), [&] {
-        std::vector<NodeId> sorted = region;
-        std::sort(sorted.begin(), sorted.end());
-        return sorted;
-      }());
-    }
-    if (::testing::Test::HasFailure()) break;  // one trial's messages, not 150
-  }
-  EXPECT_GT(staged_removals, 10);  // the staging terms were exercised
-}
-
 TEST(RandomGraphs, PinnedSeedResidualNormTakesItsWholeEpilogue) {
   const ComputeGraph graph = parse_graph_json(R"({
     "inputs": [
@@ -295,6 +238,123 @@ std::int64_t best_independent_set(const ConflictCase& problem) {
     if (independent) best = std::max(best, total);
   }
   return best;
+}
+
+// The cost model's estimate by its definition, written apart from RegionEstimator: sets of nodes
+// and values, recounted from nothing (the oracle of the removals below).
+RegionEstimate estimate_by_definition(const ComputeGraph& graph, const std::vector<NodeId>& nodes,
+                                      const FusionTarget& target, const ResourceNeeds& needs) {
+  const std::set<NodeId> region(nodes.begin(), nodes.end());
+  const auto inside = [&](NodeId node) { return region.count(node) != 0; };
+  std::int64_t unfused = 0, fused = 0, on_chip = 0, registers = needs.base_registers, shared = 0;
+  std::set<ValueId> inputs, outputs;
+  for (NodeId id : region) {
+    const Node& node = graph.node(id);
+    for (ValueId input : std::set<ValueId>(node.inputs.begin(), node.inputs.end())) {
+      unfused += graph.value(input).spec.bytes();
+      if (!inside(graph.value(input).producer)) inputs.insert(input);
+    }
+    for (ValueId output : node.outputs) {
+      unfused += graph.value(output).spec.bytes();
+      on_chip += graph.value(output).spec.bytes();
+      bool leaves = graph.is_output(output);
+      for (NodeId reader : graph.consumers(output)) leaves = leaves || !inside(reader);
+      if (leaves) outputs.insert(output);
+    }
+    const bool quantized = std::any_of(node.inputs.begin(), node.inputs.end(),
+                                       [&](ValueId input) { return !is_floating(graph.value(input).spec.dtype); });
+    switch (node.kind) {
+      case OpKind::elementwise:
+      case OpKind::layout: registers += needs.registers_per_elementwise; break;
+      case OpKind::row_reduction: registers += needs.registers_per_row_reduction; break;
+      case OpKind::contraction:
+        registers += quantized ? needs.registers_per_quantized_contraction : needs.registers_per_contraction;
+        break;
+    }
+    if (node.inputs.empty() || !inside(graph.value(node.inputs[0]).producer)) continue;
+    const TensorSpec& staged = graph.value(node.inputs[0]).spec;
+    if (node.kind == OpKind::row_reduction && needs.stages_reduction_rows) shared += staged.row_length() * 4;
+    if (node.kind == OpKind::contraction && needs.stages_contraction_activations) shared += staged.bytes();
+  }
+  for (ValueId value : inputs) fused += graph.value(value).spec.bytes();
+  for (ValueId value : outputs) fused += graph.value(value).spec.bytes();
+  RegionEstimate estimate;
+  estimate.input_count = static_cast<int>(inputs.size());
+  estimate.output_count = static_cast<int>(outputs.size());
+  estimate.shared_memory_bytes = shared;
+  estimate.registers_per_thread = static_cast<int>(std::min<std::int64_t>(registers, std::numeric_limits<int>::max()));
+  const double bandwidth = target.memory_bandwidth_bytes_per_ns;
+  estimate.unfused_ns = static_cast<double>(region.size()) * target.launch_overhead_ns + static_cast<double>(unfused) / bandwidth;
+  estimate.fused_ns = target.launch_overhead_ns + static_cast<double>(fused) / bandwidth +
+                      static_cast<double>(on_chip) / target.on_chip_bandwidth_bytes_per_ns;
+  estimate.benefit_ns = estimate.unfused_ns - estimate.fused_ns;
+  estimate.memory_bytes_avoided = unfused - fused;
+  return estimate;
+}
+
+// RegionEstimator's one-op removals (the neighborhood model's drop trials and the ops each next cut
+// leaves out) against the estimate by definition of the smaller region: every figure equal, bit for
+// bit, so that the drops choose what fresh estimates chose. Regions are random subsets (not convex,
+// graph outputs inside, contractions and row reductions staging or not, register needs that pass
+// int's range now and then), the removals in random order. (The random graphs have no op of several
+// outputs; a review of session 60 fuzzed those against the estimate before RegionEstimator.)
+TEST(RandomGraphs, RegionEstimatorRemovalsEqualFreshEstimates) {
+  std::mt19937_64 random(testing::test_seed("RandomGraphs.RegionEstimatorRemovalsEqualFreshEstimates"));
+  const FusionTarget target = FusionTarget::h200();
+  const auto expect_same = [](const RegionEstimate& got, const RegionEstimate& fresh, const std::string& where) {
+    EXPECT_EQ(got.unfused_ns, fresh.unfused_ns) << where;
+    EXPECT_EQ(got.fused_ns, fresh.fused_ns) << where;
+    EXPECT_EQ(got.benefit_ns, fresh.benefit_ns) << where;
+    EXPECT_EQ(got.memory_bytes_avoided, fresh.memory_bytes_avoided) << where;
+    EXPECT_EQ(got.registers_per_thread, fresh.registers_per_thread) << where;
+    EXPECT_EQ(got.shared_memory_bytes, fresh.shared_memory_bytes) << where;
+    EXPECT_EQ(got.input_count, fresh.input_count) << where;
+    EXPECT_EQ(got.output_count, fresh.output_count) << where;
+  };
+  int staged_removals = 0;
+  int clamped = 0;
+  for (int trial = 0; trial < 150; ++trial) {
+    const ComputeGraph graph = fusion_test::random_graph(random, std::uniform_int_distribution<int>(4, 40)(random));
+    const fusion_internal::GraphIndex index(graph);
+    ResourceNeeds needs;
+    needs.stages_reduction_rows = random() % 2 == 0;
+    needs.stages_contraction_activations = random() % 2 == 0;
+    if (trial % 5 == 0) needs.registers_per_elementwise = std::numeric_limits<int>::max() / 4;
+    std::vector<NodeId> region;
+    for (const Node& node : graph.nodes()) {
+      if (random() % 3 != 0) region.push_back(node.id);
+    }
+    if (region.empty()) continue;
+    fusion_internal::RegionEstimator estimator(graph, region, target, needs, index.value_is_output);
+    expect_same(estimator.estimate(), estimate_by_definition(graph, region, target, needs), "whole region");
+    std::shuffle(region.begin(), region.end(), random);
+    while (!region.empty()) {
+      for (NodeId op : region) {
+        std::vector<NodeId> rest;
+        for (NodeId other : region) {
+          if (other != op) rest.push_back(other);
+        }
+        const std::string where = "trial " + std::to_string(trial) + ", without " + graph.node(op).name;
+        expect_same(estimator.without(op), estimate_by_definition(graph, rest, target, needs), where);
+      }
+      const RegionEstimate before = estimator.estimate();
+      estimator.remove(region.back());
+      region.pop_back();
+      staged_removals += static_cast<int>(estimator.estimate().shared_memory_bytes != before.shared_memory_bytes);
+      clamped += static_cast<int>(before.registers_per_thread == std::numeric_limits<int>::max());
+      expect_same(estimator.estimate(), estimate_by_definition(graph, region, target, needs),
+                  "trial " + std::to_string(trial) + ", after a removal");
+      EXPECT_EQ(estimator.region(), [&] {
+        std::vector<NodeId> sorted = region;
+        std::sort(sorted.begin(), sorted.end());
+        return sorted;
+      }());
+    }
+    if (::testing::Test::HasFailure()) break;  // one trial's messages, not 150
+  }
+  // The staging terms and the saturated register sum were exercised.
+  EXPECT_GT(staged_removals, 10);
+  EXPECT_GT(clamped, 10);
 }
 
 TEST(ConflictSelection, ExactComponentsMatchBruteForce) {
