@@ -303,10 +303,14 @@ class NeighborhoodModel {
   }
 
   // no_certain_reentry's forward search for a producer-side `node`, from each of `exits` (readers of
-  // `node`, ascending) that is outside the neighborhood, up to the anchor, and no growth can take.
-  Decision no_reentry_from(NodeId node, std::span<const NodeId> exits, const TensorSpec& anchor_output) {
+  // `node`, ascending) that is outside the neighborhood, up to the anchor, and no growth can take;
+  // entering, where a backward walk ran, only what it found (forward_searches says why that is the
+  // same answer). nullopt past `budget` edges.
+  std::optional<Decision> no_reentry_from(NodeId node, std::span<const NodeId> exits, const Reentering* reentering,
+                                          const TensorSpec& anchor_output, std::size_t budget) {
     const NodeId anchor = nodes_.front();
     const int stamp = ++scratch_.stamp;
+    std::size_t edges = 0;
     std::vector<NodeId> stack;
     for (NodeId exit : exits) {
       if (in_neighborhood(exit) || exit > anchor || could_join(exit, anchor_output)) continue;
@@ -315,18 +319,49 @@ class NeighborhoodModel {
         const NodeId current = stack.back();
         stack.pop_back();
         for (NodeId next : consumers_of(current)) {
+          if (++edges > budget) return std::nullopt;
           if (next > anchor) continue;
           if (in_neighborhood(next)) {
             return Decision::refuse("a path from " + quoted(name(node)) + " leaves through " + quoted(name(exit)) +
                                     " and comes back at " + quoted(name(next)));
           }
-          if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp) continue;
+          if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp || !found_by(reentering, next)) continue;
           scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
           stack.push_back(next);
         }
       }
     }
     return Decision::allow();
+  }
+
+  // Whether a forward search may enter `op`: anything without a walk, else what the walk found.
+  bool found_by(const Reentering* reentering, NodeId op) const {
+    return reentering == nullptr || scratch_.reentering[static_cast<std::size_t>(op)] == reentering->stamp;
+  }
+
+  // A forward search `search(reentering, budget)` (nullopt past `budget` edges; `reentering` the
+  // backward walk's ops or null) run the way scratch_.reentry_search says: ::forward without a
+  // walk, ::backward after an unbounded one, ::cheaper racing the two with budgets of edges that grow
+  // fourfold a round, until the walk or an unrestricted search finishes, so that the cost is within a
+  // small factor of the cheaper way's. The searches get kSearchShare times the walk's budget: their
+  // edges are cheaper, and every op of a neighborhood searches its own readers' descendants (on the
+  // decoders and local random graphs of the planner benchmark an equal share cost 3% of planning in
+  // lost rounds).
+  template <typename Search>
+  auto search_with_walk(NodeId above, NodeId last, std::size_t forward_cost, const Search& search) {
+    constexpr std::size_t kUnbounded = std::numeric_limits<std::size_t>::max();
+    if (scratch_.reentry_search != ReentrySearch::cheaper) {
+      const std::optional<std::size_t> budget = walk_budget(forward_cost);
+      const auto reentering = budget ? reentering_ops(above, last, *budget) : std::nullopt;
+      return *search(reentering ? &*reentering : nullptr, kUnbounded);
+    }
+    constexpr std::size_t kSearchShare = 8;
+    for (std::size_t budget = std::max<std::size_t>(forward_cost, 1);;
+         budget = budget > kUnbounded / 4 ? kUnbounded : budget * 4) {
+      if (const auto reentering = reentering_ops(above, last, budget)) return *search(&*reentering, kUnbounded);
+      const std::size_t search_budget = budget > kUnbounded / kSearchShare ? kUnbounded : budget * kSearchShare;
+      if (auto found = search(nullptr, search_budget)) return std::move(*found);
+    }
   }
 
   // Whether a growth op would see its value come back into the neighborhood
@@ -344,11 +379,10 @@ class NeighborhoodModel {
       const std::vector<NodeId>& readers = consumers_of(node);
       const std::span<const NodeId> up_to_anchor(readers.begin(),
                                                  std::upper_bound(readers.begin(), readers.end(), anchor));
-      const std::optional<std::size_t> budget = walk_budget(up_to_anchor.size());
-      if (const auto reentering = budget ? reentering_ops(node, anchor, *budget) : std::nullopt) {
-        return no_reentry_from(node, readers_among(node, reentering->ops), anchor_output);
-      }
-      return no_reentry_from(node, up_to_anchor, anchor_output);
+      return search_with_walk(node, anchor, up_to_anchor.size(), [&](const Reentering* reentering, std::size_t budget) {
+        if (reentering == nullptr) return no_reentry_from(node, up_to_anchor, nullptr, anchor_output, budget);
+        return no_reentry_from(node, readers_among(node, reentering->ops), reentering, anchor_output, budget);
+      });
     }
     const int stamp = ++scratch_.stamp;
     std::vector<NodeId> stack;
@@ -496,9 +530,8 @@ class NeighborhoodModel {
   // ops they enter. Either can be the costly one: for a value read by n chains the readers are n in
   // every reader's neighborhood; along a chain that reads one value the walk is the whole chain; where
   // ops read values from anywhere before them (the planner benchmark's far reads) a search from each
-  // op enters almost every later op, and 64 of them a neighborhood made planning quadratic
-  // (ReentrySearch::cheaper: both are tried with a budget of edges, four times larger each round,
-  // until one finishes, so the cost is within a small factor of the cheaper one's).
+  // op enters almost every later op, and 64 of them a neighborhood made planning quadratic; so the
+  // two are raced (search_with_walk).
   std::vector<Reentry> find_reentries() {
     const NodeId first = *std::min_element(nodes_.begin(), nodes_.end());
     const NodeId last = *std::max_element(nodes_.begin(), nodes_.end());
@@ -508,23 +541,9 @@ class NeighborhoodModel {
       forward_cost += static_cast<std::size_t>(std::upper_bound(readers.begin(), readers.end(), last) -
                                                readers.begin());
     }
-    constexpr std::size_t kUnbounded = std::numeric_limits<std::size_t>::max();
-    if (scratch_.reentry_search != ReentrySearch::cheaper) {
-      const std::optional<std::size_t> budget = walk_budget(forward_cost);
-      const auto reentering = budget ? reentering_ops(first, last, *budget) : std::nullopt;
-      return *forward_searches(last, reentering ? &*reentering : nullptr, kUnbounded);
-    }
-    // The searches get kSearchShare times the walk's budget: their edges are cheaper, and each op of a
-    // neighborhood's searches its own readers' descendants (on the decoders and local random graphs of
-    // the planner benchmark an equal share cost 3% of planning in lost rounds).
-    constexpr std::size_t kSearchShare = 8;
-    for (std::size_t budget = std::max<std::size_t>(forward_cost, 1);; budget = budget > kUnbounded / 4 ? kUnbounded : budget * 4) {
-      if (const auto reentering = reentering_ops(first, last, budget)) {
-        return *forward_searches(last, &*reentering, kUnbounded);
-      }
-      const std::size_t search_budget = budget > kUnbounded / kSearchShare ? kUnbounded : budget * kSearchShare;
-      if (auto found = forward_searches(last, nullptr, search_budget)) return std::move(*found);
-    }
+    return search_with_walk(first, last, forward_cost, [&](const Reentering* reentering, std::size_t budget) {
+      return forward_searches(last, reentering, budget);
+    });
   }
 
   // One search an op, its exits in ascending order sharing the visited set: what an op visited by an
@@ -552,9 +571,6 @@ class NeighborhoodModel {
         exits.erase(std::unique(exits.begin(), exits.end()), exits.end());
       }
     }
-    const auto may_enter = [&](NodeId op) {
-      return reentering == nullptr || scratch_.reentering[static_cast<std::size_t>(op)] == reentering->stamp;
-    };
     std::vector<Reentry> reentries;
     std::size_t edges = 0;
     std::vector<NodeId> stack;
@@ -583,7 +599,7 @@ class NeighborhoodModel {
               }
               continue;
             }
-            if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp || !may_enter(next)) continue;
+            if (scratch_.visit_stamp[static_cast<std::size_t>(next)] == stamp || !found_by(reentering, next)) continue;
             scratch_.visit_stamp[static_cast<std::size_t>(next)] = stamp;
             stack.push_back(next);
           }
