@@ -711,10 +711,9 @@ class NeighborhoodModel {
   // removal leaves ops that fit with the largest estimated benefit, else the largest benefit; ties to
   // the farthest. The rest is estimated as it stands (RegionEstimator::without, in the op's edges),
   // not cut again (a cut a trial made planning where a limit binds ~18x slower); the next cut, with
-  // the op forbidden, is what the region becomes. The
-  // farthest alone lost a region over a limit through an op near the anchor, its ops one by one down
-  // to the pattern, blaming the op it left out first for a limit that op did not break (found by an
-  // adversarial pass).
+  // the op forbidden, is what the region becomes. The farthest alone lost a region over a limit
+  // through an op near the anchor, its ops one by one down to the pattern, blaming the op it left out
+  // first for a limit that op did not break (found by an adversarial pass).
   struct Drop {
     int op;         // the local op to keep out; -1 where the region has no growth op
     bool farthest;  // whether it is the farthest growth op, the one the farthest-first pass drops
