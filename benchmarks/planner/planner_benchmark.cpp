@@ -91,7 +91,7 @@ ComputeGraph shared_producer(int readers) {
 // one left-out reason an op, and raced the re-entry search's two ways (NeighborhoodModel::find_reentries): at
 // 8,000 ops half of planning was each neighborhood op's forward search entering almost every later op. The same
 // plans, byte for byte; this 2-core machine, loaded (the first figure 7c3ebc7 with these rows, the second 60's):
-// 1,000 ops 0.73 -> 0.25-0.29 s, 2,000 4.9 -> 1.3-1.5, 4,000 13.8 -> 3.2, 8,000 42.7 -> 6.8, 16,000 128 -> 17.3.
+// 1,000 ops 0.73 -> 0.25-0.29 s, 2,000 4.9 -> 1.3-1.5, 4,000 13.8 -> 3.1-3.4, 8,000 42.7 -> 6.8-7.2, 16,000 128 -> 16.6-17.3.
 // Still superlinear (16,000 / 8,000: 2.5x): the forward searches, where the walk is the costlier way, are.
 ComputeGraph far_reading_outputs(std::mt19937_64& random, int ops) {
   GraphBuilder b;
