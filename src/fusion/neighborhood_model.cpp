@@ -262,18 +262,6 @@ class NeighborhoodModel {
     return Reentering{std::move(found), stamp};
   }
 
-  // The walk's budget where the forward searches it may spare cost at least `forward_cost` (their
-  // readers up to the last op): that with ReentrySearch::cheaper, none with ::forward (no walk), no
-  // bound with ::backward.
-  std::optional<std::size_t> walk_budget(std::size_t forward_cost) const {
-    switch (scratch_.reentry_search) {
-      case ReentrySearch::forward: return std::nullopt;
-      case ReentrySearch::backward: return std::numeric_limits<std::size_t>::max();
-      case ReentrySearch::cheaper: break;
-    }
-    return forward_cost;
-  }
-
   // The ops of `ops` (distinct) that read `node`, ascending, as consumers_of lists them.
   std::vector<NodeId> readers_among(NodeId node, std::span<const NodeId> ops) const {
     std::vector<NodeId> readers;
@@ -343,17 +331,18 @@ class NeighborhoodModel {
   // backward walk's ops or null) run the way scratch_.reentry_search says: ::forward without a
   // walk, ::backward after an unbounded one, ::cheaper racing the two with budgets of edges that grow
   // fourfold a round, until the walk or an unrestricted search finishes, so that the cost is within a
-  // small factor of the cheaper way's. The searches get kSearchShare times the walk's budget: their
+  // small factor of the cheaper way's; the first round's budget is `forward_cost`, what the searches
+  // cost at least (their readers up to `last`). The searches get kSearchShare times the walk's budget: their
   // edges are cheaper, and every op of a neighborhood searches its own readers' descendants (on the
   // decoders and local random graphs of the planner benchmark an equal share cost 3% of planning in
   // lost rounds).
   template <typename Search>
   auto search_with_walk(NodeId above, NodeId last, std::size_t forward_cost, const Search& search) {
     constexpr std::size_t kUnbounded = std::numeric_limits<std::size_t>::max();
-    if (scratch_.reentry_search != ReentrySearch::cheaper) {
-      const std::optional<std::size_t> budget = walk_budget(forward_cost);
-      const auto reentering = budget ? reentering_ops(above, last, *budget) : std::nullopt;
-      return *search(reentering ? &*reentering : nullptr, kUnbounded);
+    if (scratch_.reentry_search == ReentrySearch::forward) return *search(nullptr, kUnbounded);
+    if (scratch_.reentry_search == ReentrySearch::backward) {
+      const auto reentering = reentering_ops(above, last, kUnbounded);  // an unbounded walk always finishes
+      return *search(&*reentering, kUnbounded);
     }
     constexpr std::size_t kSearchShare = 8;
     for (std::size_t budget = std::max<std::size_t>(forward_cost, 1);;

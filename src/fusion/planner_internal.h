@@ -79,6 +79,7 @@ class RegionEstimator {
   RegionEstimate without(NodeId op) const;
   void remove(NodeId op);
 
+ private:
   // The integer sums an estimate is made of.
   struct Sums {
     std::int64_t ops = 0;
@@ -91,7 +92,6 @@ class RegionEstimator {
     std::int64_t output_count = 0;
   };
 
- private:
   bool contains(NodeId node) const;
   bool output_leaves(ValueId output) const;     // read outside the region, or a graph output: computed
   void prepare_removals() const;                // readers_ and leaving_
